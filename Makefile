@@ -1,0 +1,37 @@
+# bcd: the two commands a newcomer needs are `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv test lint typecheck demo proto clean bench
+
+$(STAMP): shared/pyproject.toml helper/pyproject.toml agent/pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -c constraints.txt -e ./shared -e ./helper -e './agent[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check shared helper agent tests
+	$(BIN)/ruff format --check shared helper agent tests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy shared/bcd_shared helper/bcd_helper agent/bcd_agent
+
+test: $(STAMP) lint typecheck
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider
+
+proto: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m bcd_agent.tools.genproto
+
+demo: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/bcd sim --spec examples/gpu-node.json --root .demo/root
+
+bench: $(STAMP)
+	$(BIN)/bcd bench journal --json
+
+clean:
+	rm -rf $(VENV) .demo .mypy_cache .ruff_cache .pytest_cache .hypothesis

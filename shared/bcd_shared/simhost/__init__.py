@@ -1,0 +1,46 @@
+"""The simulated host: a directory that stands for `/`, and fake programs that act on it.
+
+`seed(root)` lays out a realistic GPU host (see seed.py); `sim_system(root)` returns a
+`LocalSystem` rooted there whose programs are the fakes named in TOOLS. Each fake is a function
+`(system, argv, stdin) -> CommandResult` in its own module; the table below names them so that a
+fake is imported only when used. State that a real tool keeps in the kernel or a daemon (GPU
+resets, loaded modules, running services) is kept under `<root>/var/lib/bcd-sim/` so that a person
+can open the directory and see it.
+
+Used by `bcd sim`, the benches and most tests; never by production code paths on a real host.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Sequence
+from pathlib import Path
+
+from bcd_shared.system import CommandResult, FakeTool, LocalSystem
+
+# program name -> "module:function" (modules under bcd_shared.simhost). One literal table.
+TOOLS: dict[str, str] = {}
+
+SIM_STATE_DIR = "/var/lib/bcd-sim"
+
+
+def _load(spec: str) -> FakeTool:
+    module, _, func = spec.partition(":")
+    tool: FakeTool = getattr(importlib.import_module(f"bcd_shared.simhost.{module}"), func)
+    return tool
+
+
+class _LazyTool:
+    def __init__(self, spec: str) -> None:
+        self._spec = spec
+        self._fn: FakeTool | None = None
+
+    def __call__(self, system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
+        if self._fn is None:
+            self._fn = _load(self._spec)
+        return self._fn(system, argv, stdin)
+
+
+def sim_system(root: Path) -> LocalSystem:
+    """A `System` over the simulated host at `root` (seed it first with `seed`)."""
+    return LocalSystem(root=Path(root), tools={name: _LazyTool(spec) for name, spec in TOOLS.items()})
