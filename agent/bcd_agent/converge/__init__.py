@@ -1,0 +1,1 @@
+"""The converge runner and the types every section reports with."""

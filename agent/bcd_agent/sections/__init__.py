@@ -1,0 +1,1 @@
+"""One package per NodeSpec section, each with a pure plan and an applier."""
