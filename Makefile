@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck demo proto clean bench
+.PHONY: venv test lint typecheck demo proto clean bench compliance
 
 $(STAMP): shared/pyproject.toml helper/pyproject.toml agent/pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -35,3 +35,6 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .demo .mypy_cache .ruff_cache .pytest_cache .hypothesis
+
+compliance: $(STAMP)
+	$(BIN)/python -m bcd_agent.tools.compliance

@@ -1,0 +1,1 @@
+"""Developer tools: code generation and reports (not used at run time)."""
