@@ -19,7 +19,9 @@ from pathlib import Path
 from bcd_shared.system import CommandResult, FakeTool, LocalSystem
 
 # program name -> "module:function" (modules under bcd_shared.simhost). One literal table.
-TOOLS: dict[str, str] = {}
+TOOLS: dict[str, str] = {
+    "systemctl": "systemctl:systemctl",
+}
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"
 

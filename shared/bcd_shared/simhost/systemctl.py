@@ -1,0 +1,232 @@
+"""A fake `systemctl` for the simulated host: units, slices and their cgroups kept in files.
+
+The machines bcd is developed on have no systemd as PID 1, so `systemctl` is simulated here, after
+systemctl(1) of systemd 252 (Debian 12): verbs, exit statuses (0 ok, 3 `is-active` not active,
+5 unit not found, 1 other failures) and output shapes (`is-active` prints one state word,
+`show -p K --value` prints the value, `list-units --plain --no-legend` prints
+`UNIT LOAD ACTIVE SUB DESCRIPTION` lines).
+
+State lives where a person can look at it:
+- `/var/lib/bcd-sim/systemd/units.json`: per unit `active`, `enabled` and runtime `properties`;
+- `/var/lib/bcd-sim/systemd/log`: one line per state-changing call (argv joined by spaces);
+- a started slice `bcd-alloc-X.slice` gets its cgroup directory
+  `/sys/fs/cgroup/bcd.slice/bcd-alloc.slice/bcd-alloc-X.slice/` with `cgroup.events`
+  (`populated 0` / `frozen 0`) and `cgroup.procs`; a test marks a workload by writing
+  `populated 1`. Stopping a slice removes the directory (systemd kills what was inside; bcd itself
+  only stops empty slices);
+- `systemctl reboot` writes `/var/lib/bcd-sim/reboot-requested`.
+
+A service unit must have a unit file under /etc/systemd/system or /lib/systemd/system (else exit 5,
+"Unit X not found."); slices and scopes are accepted without one, as systemd synthesises them.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from bcd_shared.system import CommandResult, LocalSystem
+
+STATE = "/var/lib/bcd-sim/systemd/units.json"
+LOG = "/var/lib/bcd-sim/systemd/log"
+REBOOT_MARK = "/var/lib/bcd-sim/reboot-requested"
+CGROUP_ROOT = "/sys/fs/cgroup"
+UNIT_DIRS = ("/etc/systemd/system", "/lib/systemd/system", "/usr/lib/systemd/system", "/run/systemd/system")
+
+_UNIT_RE = re.compile(r"^[A-Za-z0-9:_.\\@-]{1,255}\.(service|slice|scope|socket|timer|mount|target|path)$")
+
+
+_CHANGE_VERBS = (
+    "start",
+    "stop",
+    "restart",
+    "reload",
+    "enable",
+    "disable",
+    "try-restart",
+    "reload-or-restart",
+)
+
+
+def _new() -> dict[str, Any]:
+    return {"active": False, "enabled": False, "properties": {}}
+
+
+def _load(system: LocalSystem) -> dict[str, dict[str, Any]]:
+    text = system.read_text(STATE)
+    if not text:
+        return {}
+    data: dict[str, dict[str, Any]] = json.loads(text)
+    return data
+
+
+def _save(system: LocalSystem, units: dict[str, dict[str, Any]]) -> None:
+    system.write_atomic(STATE, (json.dumps(units, sort_keys=True, indent=1) + "\n").encode())
+
+
+def _log(system: LocalSystem, argv: Sequence[str]) -> None:
+    old = system.read_bytes(LOG) or b""
+    system.write_atomic(LOG, old + (" ".join(argv[1:]) + "\n").encode())
+
+
+def slice_cgroup_path(name: str) -> str:
+    """The cgroup directory systemd gives slice `name` (`a-b-c.slice` nests under `a.slice/a-b.slice`)."""
+    stem = name[: -len(".slice")]
+    parts = stem.split("-")
+    dirs = ["-".join(parts[: i + 1]) + ".slice" for i in range(len(parts))]
+    return CGROUP_ROOT + "/" + "/".join(dirs)
+
+
+def _has_file(system: LocalSystem, unit: str) -> bool:
+    return any(system.exists(f"{d}/{unit}") for d in UNIT_DIRS)
+
+
+def _ok(argv: Sequence[str], out: str = "") -> CommandResult:
+    return CommandResult(tuple(argv), 0, out.encode(), b"")
+
+
+def _fail(argv: Sequence[str], code: int, err: str) -> CommandResult:
+    return CommandResult(tuple(argv), code, b"", (err + "\n").encode())
+
+
+def _start(system: LocalSystem, units: dict[str, dict[str, Any]], unit: str) -> None:
+    rec = units.setdefault(unit, _new())
+    rec["active"] = True
+    if unit.endswith(".slice"):
+        cg = slice_cgroup_path(unit)
+        if not system.exists(f"{cg}/cgroup.events"):
+            system.write_atomic(f"{cg}/cgroup.events", b"populated 0\nfrozen 0\n")
+            system.write_atomic(f"{cg}/cgroup.procs", b"")
+
+
+def _stop(system: LocalSystem, units: dict[str, dict[str, Any]], unit: str) -> None:
+    rec = units.get(unit)
+    if rec is not None:
+        rec["active"] = False
+        rec["properties"] = {}
+    if unit.endswith(".slice"):
+        cg = slice_cgroup_path(unit)
+        for name in system.listdir(cg):
+            system.remove(f"{cg}/{name}")
+        real = system.host_path(cg)
+        if real.is_dir():
+            real.rmdir()
+
+
+def systemctl(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
+    args = [
+        a for a in argv[1:] if a not in ("--no-block", "--quiet", "-q", "--no-pager", "--no-ask-password")
+    ]
+    runtime = "--runtime" in args
+    args = [a for a in args if a != "--runtime"]
+    if not args:
+        return _fail(argv, 1, "systemctl: no verb given (simulated host)")
+    verb, rest = args[0], args[1:]
+    units = _load(system)
+
+    if verb in ("daemon-reload", "reboot"):
+        if verb == "reboot":
+            system.write_atomic(REBOOT_MARK, b"reboot requested\n")
+        _log(system, argv)
+        return _ok(argv)
+
+    if verb == "list-units":
+        pattern = next((a for a in rest if not a.startswith("-")), "*")
+        rx = re.compile("^" + re.escape(pattern).replace(r"\*", ".*") + "$")
+        lines = [
+            f"{u} loaded {'active' if r['active'] else 'inactive'} {'active' if r['active'] else 'dead'} {u}"
+            for u, r in sorted(units.items())
+            if rx.match(u) and (r["active"] or "--all" in rest)
+        ]
+        return _ok(argv, "".join(line + "\n" for line in lines))
+
+    if verb == "show":
+        names = [a for a in rest if not a.startswith("-") and a not in ("-p",)]
+        props: list[str] = []
+        if "-p" in rest:
+            i = rest.index("-p")
+            props = rest[i + 1].split(",") if i + 1 < len(rest) else []
+            names = [n for n in names if n != rest[i + 1]]
+        if not names:
+            return _fail(argv, 1, "systemctl show: no unit named (simulated host)")
+        shown = units.get(names[0], _new())
+        values = dict(shown["properties"])
+        values["ActiveState"] = "active" if shown["active"] else "inactive"
+        values["UnitFileState"] = "enabled" if shown["enabled"] else "disabled"
+        keys = props or sorted(values)
+        if "--value" in rest:
+            return _ok(argv, "".join(f"{values.get(k, '')}\n" for k in keys))
+        return _ok(argv, "".join(f"{k}={values.get(k, '')}\n" for k in keys))
+
+    targets = [a for a in rest if not a.startswith("-")]
+    if verb in ("is-active", "is-enabled"):
+        if not targets:
+            return _fail(argv, 1, f"systemctl {verb}: no unit named")
+        found = units.get(targets[0])
+        if verb == "is-active":
+            state = "active" if found and found["active"] else "inactive"
+            return CommandResult(tuple(argv), 0 if state == "active" else 3, f"{state}\n".encode(), b"")
+        state = "enabled" if found and found["enabled"] else "disabled"
+        return CommandResult(tuple(argv), 0 if state == "enabled" else 1, f"{state}\n".encode(), b"")
+
+    if verb == "set-property":
+        if len(targets) < 2:
+            return _fail(argv, 1, "systemctl set-property: needs a unit and at least one property")
+        unit, assignments = targets[0], targets[1:]
+        target = units.get(unit)
+        if target is None or not target["active"]:
+            return _fail(argv, 5, f"Failed to set unit properties on {unit}: Unit {unit} is not loaded.")
+        for a in assignments:
+            key, sep, value = a.partition("=")
+            if not sep or not key:
+                return _fail(argv, 1, f"Failed to parse property assignment: {a}")
+            target["properties"][key] = value
+        target["runtime"] = runtime or target.get("runtime", False)
+        _save(system, units)
+        _log(system, argv)
+        return _ok(argv)
+
+    if verb in (
+        "start",
+        "stop",
+        "restart",
+        "reload",
+        "enable",
+        "disable",
+        "try-restart",
+        "reload-or-restart",
+    ):
+        now = "--now" in rest
+        for unit in targets:
+            if not _UNIT_RE.match(unit):
+                return _fail(argv, 1, f"Invalid unit name {unit!r}")
+            needs_file = unit.endswith((".service", ".socket", ".timer", ".mount", ".target", ".path"))
+            if needs_file and verb not in ("stop", "disable") and not _has_file(system, unit):
+                return _fail(argv, 5, f"Failed to {verb} {unit}: Unit {unit} not found.")
+            if verb in ("start", "restart", "try-restart", "reload-or-restart"):
+                if verb == "try-restart" and not units.get(unit, {}).get("active"):
+                    continue
+                _start(system, units, unit)
+            elif verb == "reload":
+                if not units.get(unit, {}).get("active"):
+                    return _fail(argv, 1, f"Failed to reload {unit}: Unit {unit} is not active.")
+            elif verb == "stop":
+                _stop(system, units, unit)
+            elif verb == "enable":
+                units.setdefault(unit, {"active": False, "enabled": False, "properties": {}})["enabled"] = (
+                    True
+                )
+                if now:
+                    _start(system, units, unit)
+            elif verb == "disable":
+                if unit in units:
+                    units[unit]["enabled"] = False
+                if now:
+                    _stop(system, units, unit)
+        _save(system, units)
+        _log(system, argv)
+        return _ok(argv)
+
+    return _fail(argv, 1, f"Unknown command verb {verb} (simulated host)")
