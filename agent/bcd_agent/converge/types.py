@@ -10,6 +10,8 @@ advances observed_generation only when every section is CONVERGED, FAILED or UNS
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 
 from attrs import field, frozen
 
@@ -57,3 +59,123 @@ class SectionOutcome:
     # True when the section changed anything on the host in this pass (used to trigger passes
     # of other sections and to decide on an inventory refresh).
     changed: bool = False
+
+
+# NodeSpec's protobuf field number of each section: SectionUnsupported's reason (a bare decimal
+# string, docs/converge.md, Q-DLV-CONV-01). tests/converge checks these against proto/bcd/v1.
+SECTION_FIELD_NUMBERS: dict[str, int] = {
+    "host": 1,
+    "devices": 2,
+    "instances": 3,
+    "access": 4,
+    "telemetry": 5,
+    "daemon": 6,
+    "site": 7,
+}
+
+# Reasons the runner itself sets.
+REASON_HOST_MANAGED_EXTERNALLY = "HostManagedExternally"
+CONDITION_SECTION_UNSUPPORTED = "SectionUnsupported"
+
+
+def _freeze_sections(value: Mapping[str, object | None]) -> Mapping[str, object | None]:
+    return MappingProxyType(dict(value))
+
+
+def _int_tuple(value: Iterable[int]) -> tuple[int, ...]:
+    return tuple(value)
+
+
+@frozen(eq=True, hash=False)
+class DesiredSpec:
+    """The spec the runner converges: a domain object, independent of the wire.
+
+    The session converts a verified NodeSpec once: `sections` maps a section name of SECTION_ORDER
+    to its payload, an opaque object that only that section's converger reads (None, or a missing
+    key, for a section that is unset or empty). `unknown_fields` lists NodeSpec field numbers the
+    agent does not know (protobuf unknown fields); each is reported UNSUPPORTED. `spec_hash` is
+    echoed, never recomputed.
+    """
+
+    generation: int
+    spec_hash: str
+    sections: Mapping[str, object | None] = field(factory=dict, converter=_freeze_sections)
+    unknown_fields: tuple[int, ...] = field(default=(), converter=_int_tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if self.generation < 1:
+            raise ValueError(f"DesiredSpec.generation must be at least 1, got {self.generation}")
+        unknown = sorted(set(self.sections) - set(SECTION_ORDER))
+        if unknown:
+            raise ValueError(
+                f"DesiredSpec.sections: unknown section names {unknown} (known: {SECTION_ORDER})"
+            )
+        known_numbers = set(SECTION_FIELD_NUMBERS.values())
+        for number in self.unknown_fields:
+            if number < 1 or number in known_numbers:
+                raise ValueError(
+                    f"DesiredSpec.unknown_fields: {number} is not an unknown NodeSpec field number"
+                )
+
+    def payload(self, section: str) -> object | None:
+        return self.sections.get(section)
+
+
+@frozen
+class SectionStatus:
+    """One section's reported state (StatusReport.SectionStatus): DLV-CONV-18."""
+
+    section: str
+    state: SectionState
+    generation: int
+    reason: str = ""
+    message: str = ""
+
+
+@frozen
+class ConditionReport:
+    """A condition as reported: its age on the monotonic clock, never a timestamp (DLV-CONV-19)."""
+
+    type: str
+    reason: str
+    message: str
+    section: str
+    age_ms: int
+
+
+@frozen(eq=True, hash=False)
+class NodeStatus:
+    """What the runner publishes after each pass; coalesced latest-wins by the status cell.
+
+    `applied_generation` is the generation of the spec the runner holds (0 before any);
+    `observed_generation` the newest generation at which every section settled (DLV-GEN-03).
+    `version` increases by one with every publication.
+    """
+
+    version: int
+    applied_generation: int
+    observed_generation: int
+    spec_hash: str
+    sections: tuple[SectionStatus, ...]
+    conditions: tuple[Condition, ...]
+    passes: int
+    last_pass_monotonic: float
+
+    def report_conditions(self, now_monotonic: float) -> tuple[ConditionReport, ...]:
+        """The conditions with `age_ms` computed at `now_monotonic` (the time a report is built)."""
+        return tuple(
+            ConditionReport(
+                type=c.type,
+                reason=c.reason,
+                message=c.message,
+                section=c.section,
+                age_ms=max(0, int((now_monotonic - c.since_monotonic) * 1000)),
+            )
+            for c in self.conditions
+        )
+
+    def section(self, name: str) -> SectionStatus:
+        for s in self.sections:
+            if s.section == name:
+                return s
+        raise KeyError(name)
