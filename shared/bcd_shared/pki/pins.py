@@ -1,0 +1,108 @@
+"""Pins: the out-of-band trust anchors written at install.
+
+- A root pin is the lowercase hex SHA-256 of a command-signing root certificate's DER (`root_pin`).
+  `command_root_sha256` in root's config.toml is a comma-separated list of them (`parse_root_pins`): at most
+  16, each exactly 64 lowercase hex digits, no duplicates; spaces around a comma are allowed.
+- The JoinService key pin (`join_signing_key_pin`, Q-HST-SIGN-02) is `sha256/` followed by the standard,
+  padded base64 of SHA-256 over the key's DER SubjectPublicKeyInfo (the HPKP / OkHttp pin form, 44
+  characters), e.g. `sha256/47DEQpj8HBSa+/TImW+5JCeuQeRkm5NMpJWZG3hSuFU=`.
+A malformed value raises BadPin naming the rule; callers stop bcd from starting on it (HST-SIGN-13).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import re
+from typing import Final
+
+import attrs
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ed25519
+
+from bcd_shared.pki.errors import BadPin
+from bcd_shared.pki.signing import check_public_key
+
+MAX_ROOT_PINS: Final = 16
+JOIN_PIN_PREFIX: Final = "sha256/"
+_HEX64: Final = re.compile(r"[0-9a-f]{64}")
+
+
+def root_pin(der: bytes) -> str:
+    """The pin of a root certificate: lowercase hex SHA-256 of its exact DER bytes."""
+    return hashlib.sha256(der).hexdigest()
+
+
+def check_root_pin(value: str, where: str = "pin") -> str:
+    if not _HEX64.fullmatch(value):
+        if re.fullmatch(r"[0-9a-fA-F]{64}", value):
+            raise BadPin(f"{where}: {value!r} must be lowercase hex")
+        raise BadPin(f"{where}: {value!r} is not 64 hex digits (a SHA-256 of the root's DER)")
+    return value
+
+
+def parse_root_pins(text: str, field: str = "command_root_sha256") -> tuple[str, ...]:
+    """Parse `command_root_sha256`: comma-separated root pins, 1 to 16, in the order given."""
+    if not isinstance(text, str):
+        raise BadPin(f"{field}: must be a string, got {type(text).__name__}")
+    if text.strip(" ") == "":
+        raise BadPin(f"{field}: is empty; leave the key out to pin no roots")
+    entries = [entry.strip(" ") for entry in text.split(",")]
+    if len(entries) > MAX_ROOT_PINS:
+        raise BadPin(f"{field}: {len(entries)} entries, at most {MAX_ROOT_PINS}")
+    seen: set[str] = set()
+    for index, entry in enumerate(entries, start=1):
+        if entry == "":
+            raise BadPin(f"{field}: entry {index} is empty")
+        check_root_pin(entry, f"{field} entry {index}")
+        if entry in seen:
+            raise BadPin(f"{field}: entry {index} repeats {entry}")
+        seen.add(entry)
+    return tuple(entries)
+
+
+def spki_der(public_key: bytes) -> bytes:
+    """The DER SubjectPublicKeyInfo of a raw Ed25519 public key."""
+    check_public_key(public_key)
+    key = ed25519.Ed25519PublicKey.from_public_bytes(public_key)
+    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+
+
+@attrs.frozen
+class JoinKeyPin:
+    """The JoinService signing key's pin: SHA-256 of its SPKI DER."""
+
+    digest: bytes = attrs.field(repr=False)
+
+    @digest.validator
+    def _check(self, _attr: attrs.Attribute[bytes], value: bytes) -> None:
+        if len(value) != 32:
+            raise BadPin("join_signing_key_pin: digest must be 32 bytes")
+
+    @classmethod
+    def of_key(cls, public_key: bytes) -> JoinKeyPin:
+        return cls(hashlib.sha256(spki_der(public_key)).digest())
+
+    @classmethod
+    def parse(cls, text: str, field: str = "join_signing_key_pin") -> JoinKeyPin:
+        if not isinstance(text, str):
+            raise BadPin(f"{field}: must be a string, got {type(text).__name__}")
+        if not text.startswith(JOIN_PIN_PREFIX):
+            raise BadPin(f"{field}: must start with {JOIN_PIN_PREFIX!r}")
+        encoded = text[len(JOIN_PIN_PREFIX) :]
+        if len(encoded) != 44 or not re.fullmatch(r"[A-Za-z0-9+/]{43}=", encoded):
+            raise BadPin(f"{field}: after 'sha256/' expected 44 characters of padded base64 of a SHA-256")
+        try:
+            digest = base64.b64decode(encoded, validate=True)
+        except binascii.Error:
+            raise BadPin(f"{field}: not valid base64") from None
+        if base64.b64encode(digest).decode("ascii") != encoded:
+            raise BadPin(f"{field}: non-canonical base64")
+        return cls(digest)
+
+    def matches(self, public_key: bytes) -> bool:
+        return hashlib.sha256(spki_der(public_key)).digest() == self.digest
+
+    def __str__(self) -> str:
+        return JOIN_PIN_PREFIX + base64.b64encode(self.digest).decode("ascii")
