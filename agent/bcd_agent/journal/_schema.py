@@ -1,0 +1,64 @@
+"""The journal's SQLite schema (version 1). One file, `journal.db`, WAL mode, synchronous=FULL."""
+
+from __future__ import annotations
+
+SCHEMA_VERSION = 1
+DB_NAME = "journal.db"
+LOCK_NAME = "journal.lock"
+
+DDL = """
+CREATE TABLE schema_version (version INTEGER NOT NULL);
+CREATE TABLE meta (key TEXT PRIMARY KEY, value) WITHOUT ROWID;
+CREATE TABLE commands (
+    id TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    retry_safe INTEGER NOT NULL,
+    self_terminating INTEGER NOT NULL,
+    attested INTEGER NOT NULL,
+    state TEXT NOT NULL,
+    incarnation TEXT NOT NULL,
+    boot_id TEXT NOT NULL,
+    accepted_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    body BLOB NOT NULL,
+    signature BLOB NOT NULL,
+    outcome TEXT,
+    code TEXT,
+    result BLOB,
+    result_boot_id TEXT,
+    node_sig BLOB,
+    previous_boot_id TEXT,
+    finished_at REAL,
+    acked INTEGER NOT NULL DEFAULT 0
+) WITHOUT ROWID;
+CREATE TABLE events (
+    seq INTEGER PRIMARY KEY,
+    class INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    size INTEGER NOT NULL,
+    created_at REAL NOT NULL
+);
+CREATE INDEX events_metric ON events (seq) WHERE class = 0;
+CREATE TABLE spec (
+    one INTEGER PRIMARY KEY CHECK (one = 1),
+    generation INTEGER NOT NULL,
+    body BLOB NOT NULL,
+    spec_hash TEXT NOT NULL,
+    signature BLOB NOT NULL
+);
+CREATE TABLE exec_tickets (jti TEXT PRIMARY KEY, expires_at REAL NOT NULL) WITHOUT ROWID;
+"""
+
+# The tables a journal of this version must have (checked on open, with the version row).
+TABLES = frozenset({"schema_version", "meta", "commands", "events", "spec", "exec_tickets"})
+
+# meta keys
+K_JOURNAL_ID = "journal_id"
+K_NODE_ID = "node_id"
+K_NEXT_SEQ = "next_event_seq"
+K_ACKED_SEQ = "acked_event_seq"
+K_LAST_EPOCH = "last_epoch"
+K_APPLIED_GEN = "applied_generation"
+K_SERVER_MARK = "server_time_mark"
+K_CREATED_AT = "created_at"

@@ -1,0 +1,846 @@
+"""The journal store: one SQLite file (`journal.db`) under data_dir, WAL with synchronous=FULL.
+
+Synchronous by design: every public method runs one transaction and returns only once it is durable.
+Callers on trio run it with `trio.to_thread.run_sync` (the store serialises calls with a lock), or call
+it directly where a few milliseconds of blocking are acceptable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sqlite3
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
+from types import TracebackType
+
+from bcd_agent.journal import _files
+from bcd_agent.journal._resolve import resolve_entry, settlement
+from bcd_agent.journal._schema import (
+    DB_NAME,
+    DDL,
+    K_ACKED_SEQ,
+    K_APPLIED_GEN,
+    K_CREATED_AT,
+    K_JOURNAL_ID,
+    K_LAST_EPOCH,
+    K_NEXT_SEQ,
+    K_NODE_ID,
+    K_SERVER_MARK,
+    LOCK_NAME,
+    SCHEMA_VERSION,
+    TABLES,
+)
+from bcd_agent.journal._types import (
+    MAX_EVENT_BYTES,
+    MAX_EXEC_TICKETS,
+    MAX_UNACKED_EVENTS,
+    RETENTION_S,
+    WELCOME_SLACK_S,
+    Action,
+    BoundError,
+    CommandEntry,
+    CommandFlags,
+    CommandResult,
+    CommandState,
+    Event,
+    EventClass,
+    EventsAppended,
+    EventStats,
+    JournalError,
+    JournalFull,
+    NewCommand,
+    NewEvent,
+    OpenReport,
+    Outcome,
+    Resolution,
+    StateError,
+    StoredSpec,
+    TicketRefused,
+    WelcomeRefused,
+)
+
+_COLS = (
+    "id, kind, retry_safe, self_terminating, attested, state, incarnation, boot_id, accepted_at, updated_at,"
+    " body, signature, outcome, code, result, result_boot_id, node_sig, previous_boot_id, finished_at, acked"
+)
+_SQL_GET = f"SELECT {_COLS} FROM commands WHERE id = ?"  # noqa: S608 - constant column list
+_SQL_INSERT_ACCEPTED = (
+    "INSERT INTO commands (id, kind, retry_safe, self_terminating, attested, state, incarnation, boot_id,"
+    " accepted_at, updated_at, body, signature) VALUES (?, ?, ?, ?, ?, 'accepted', ?, ?, ?, ?, ?, ?)"
+)
+_SQL_TAKE_OVER = (
+    "UPDATE commands SET state = 'accepted', incarnation = ?, boot_id = ?, accepted_at = ?, updated_at = ?,"
+    " body = ?, signature = ? WHERE id = ?"
+)
+_SQL_RUNNING = (
+    "UPDATE commands SET state = 'running', boot_id = ?, updated_at = ?"
+    " WHERE id = ? AND state = 'accepted' AND incarnation = ?"
+)
+_SQL_FINISH = (
+    "UPDATE commands SET state = ?, updated_at = ?, outcome = ?, code = ?, result = ?, result_boot_id = ?,"
+    " node_sig = ?, previous_boot_id = ?, finished_at = ?, acked = 0 WHERE id = ?"
+)
+_SQL_INSERT_FINISHED = (
+    "INSERT INTO commands (id, kind, retry_safe, self_terminating, attested, state, incarnation, boot_id,"
+    " accepted_at, updated_at, body, signature, outcome, code, result, result_boot_id, node_sig,"
+    " previous_boot_id, finished_at, acked)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)"
+)
+_SQL_UNSETTLED = f"SELECT {_COLS} FROM commands WHERE state IN ('accepted', 'running') AND incarnation != ?"  # noqa: S608
+_SQL_UNACKED_RESULTS = (
+    f"SELECT {_COLS} FROM commands WHERE acked = 0"  # noqa: S608
+    " AND state IN ('done', 'cancelled', 'rejected') ORDER BY finished_at, id"
+)
+_SQL_ACK_RESULT = (
+    "UPDATE commands SET acked = 1 WHERE id = ? AND acked = 0 AND state IN ('done', 'cancelled', 'rejected')"
+)
+_SQL_SWEEP_DONE = (
+    "DELETE FROM commands WHERE state IN ('done', 'cancelled', 'rejected') AND acked = 1 AND finished_at < ?"
+)
+_SQL_SWEEP_LEFT = (
+    "DELETE FROM commands WHERE state IN ('accepted', 'running') AND incarnation != ? AND updated_at < ?"
+)
+_SQL_INSERT_EVENT = (
+    "INSERT INTO events (seq, class, type, payload, size, created_at) VALUES (?, ?, ?, ?, ?, ?)"
+)
+_SQL_METRICS_OLDEST = "SELECT seq, size FROM events WHERE class = 0 ORDER BY seq"
+_SQL_DROP_METRICS = "DELETE FROM events WHERE class = 0 AND seq <= ?"
+_SQL_EVENTS_AFTER = (
+    "SELECT seq, class, type, payload, created_at FROM events WHERE seq > ? ORDER BY seq LIMIT ?"
+)
+_SQL_ACKED_STATS = (
+    "SELECT count(*), coalesce(sum(size), 0), coalesce(sum(class = 0), 0),"
+    " coalesce(sum(CASE WHEN class = 0 THEN size ELSE 0 END), 0) FROM events WHERE seq <= ?"
+)
+_SQL_DELETE_EVENTS = "DELETE FROM events WHERE seq <= ?"
+_SQL_SET_META = "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)"
+_SQL_TICKET_GET = "SELECT expires_at FROM exec_tickets WHERE jti = ?"
+_SQL_TICKET_PUT = "INSERT OR REPLACE INTO exec_tickets (jti, expires_at) VALUES (?, ?)"
+_SQL_TICKET_PURGE = "DELETE FROM exec_tickets WHERE expires_at <= ?"
+
+_Row = tuple[
+    str, str, int, int, int, str, str, str, float, float, bytes, bytes,
+    str | None, str | None, bytes | None, str | None, bytes | None, str | None, float | None, int,
+]  # fmt: skip
+
+
+class _Corrupt(Exception):
+    """The journal on disk failed its integrity or schema check (moved aside on open)."""
+
+
+def _entry(row: _Row) -> CommandEntry:
+    (cid, kind, rs, st, att, state, inc, boot, acc_at, upd_at, body, sig, outcome, code, res, rboot, nsig,
+     prev, fin, acked) = row  # fmt: skip
+    result = None
+    if outcome is not None:
+        result = CommandResult(
+            outcome=Outcome(outcome),
+            code=code or "",
+            body=res or b"",
+            boot_id=rboot or "",
+            finished_at=fin if fin is not None else upd_at,
+            node_sig=nsig or b"",
+            previous_boot_id=prev or "",
+        )
+    return CommandEntry(
+        id=cid,
+        kind=kind,
+        flags=CommandFlags(retry_safe=bool(rs), self_terminating=bool(st), attested=bool(att)),
+        state=CommandState(state),
+        incarnation=inc,
+        boot_id=boot,
+        accepted_at=acc_at,
+        updated_at=upd_at,
+        body=body,
+        signature=sig,
+        result=result,
+        acked=bool(acked),
+    )
+
+
+def _check_bound(name: str, value: int, limit: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BoundError(f"{name}: must be an integer, got {value!r}")
+    if value < 1:
+        raise BoundError(f"{name}: must be at least 1, got {value}")
+    if value > limit:
+        raise BoundError(f"{name}: {value} is above the contract's limit {limit}; config may only lower it")
+    return value
+
+
+def new_incarnation() -> str:
+    return uuid.uuid4().hex
+
+
+class Journal:
+    """bcd's durable memory. Open with `Journal.open(data_dir, boot_id=...)`; see the package docstring."""
+
+    def __init__(  # private: use Journal.open
+        self,
+        *,
+        conn: sqlite3.Connection,
+        lock_fd: int,
+        path: Path,
+        incarnation: str,
+        boot_id: str,
+        clock: Callable[[], float],
+        max_events: int,
+        max_bytes: int,
+        max_tickets: int,
+        report: OpenReport,
+    ) -> None:
+        self._conn = conn
+        self._lock_fd = lock_fd
+        self._path = path
+        self._incarnation = incarnation
+        self._boot_id = boot_id
+        self._clock = clock
+        self._max_events = max_events
+        self._max_bytes = max_bytes
+        self._max_tickets = max_tickets
+        self._report = report
+        self._mutex = threading.RLock()
+        self._closed = False
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+        self._journal_id = str(meta[K_JOURNAL_ID])
+        self._node_id = str(meta.get(K_NODE_ID, ""))
+        self._next_seq = int(meta[K_NEXT_SEQ])
+        self._acked_seq = int(meta.get(K_ACKED_SEQ, 0))
+        self._last_epoch = int(meta.get(K_LAST_EPOCH, 0))
+        self._applied_gen = int(meta.get(K_APPLIED_GEN, 0))
+        self._server_mark = float(meta.get(K_SERVER_MARK, 0.0))
+        count, size, m_count, m_size = conn.execute(_SQL_ACKED_STATS, (2**62,)).fetchone()
+        self._ev_count, self._ev_bytes = int(count), int(size)
+        self._m_count, self._m_bytes = int(m_count), int(m_size)
+        self._tickets = int(conn.execute("SELECT count(*) FROM exec_tickets").fetchone()[0])
+
+    # ------------------------------------------------------------------ open / close
+
+    @classmethod
+    def open(
+        cls,
+        data_dir: str | os.PathLike[str],
+        *,
+        boot_id: str,
+        incarnation: str | None = None,
+        max_events: int = MAX_UNACKED_EVENTS,
+        max_bytes: int = MAX_EVENT_BYTES,
+        max_tickets: int = MAX_EXEC_TICKETS,
+        clock: Callable[[], float] = time.time,
+    ) -> Journal:
+        """Open (or create) `data_dir/journal.db`.
+
+        The bounds may be lowered, never raised (BoundError). A journal that fails `PRAGMA quick_check`
+        or the schema check is moved aside (never deleted) and a new one, with a new journal_id, starts;
+        `journal.report` says so. `incarnation` defaults to a fresh random id (one per process start).
+        """
+        max_events = _check_bound("max_events", max_events, MAX_UNACKED_EVENTS)
+        max_bytes = _check_bound("max_bytes", max_bytes, MAX_EVENT_BYTES)
+        max_tickets = _check_bound("max_tickets", max_tickets, MAX_EXEC_TICKETS)
+        if not boot_id:
+            raise JournalError("boot_id: must be set (the kernel's boot id)")
+        data = Path(data_dir)
+        _files.prepare_data_dir(data)
+        lock_fd = _files.lock_data_dir(data / LOCK_NAME)
+        try:
+            conn, report = _open_db(data / DB_NAME, clock())
+            _files.fix_file_modes(data / DB_NAME)
+            return cls(
+                conn=conn,
+                lock_fd=lock_fd,
+                path=data / DB_NAME,
+                incarnation=incarnation or new_incarnation(),
+                boot_id=boot_id,
+                clock=clock,
+                max_events=max_events,
+                max_bytes=max_bytes,
+                max_tickets=max_tickets,
+                report=report,
+            )
+        except BaseException:
+            _files.unlock(lock_fd)
+            raise
+
+    def close(self) -> None:
+        """Close cleanly (SQLite checkpoints the WAL) and release the data_dir lock."""
+        with self._mutex:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                self._conn.close()
+            finally:
+                _files.unlock(self._lock_fd)
+
+    def __enter__(self) -> Journal:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    @contextlib.contextmanager
+    def _tx(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; durable (WAL fsynced) when the block exits without an exception."""
+        conn = self._conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    # ------------------------------------------------------------------ meta
+
+    @property
+    def path(self) -> Path:
+        return self._path
+
+    @property
+    def report(self) -> OpenReport:
+        return self._report
+
+    @property
+    def journal_id(self) -> str:
+        return self._journal_id
+
+    @property
+    def incarnation(self) -> str:
+        return self._incarnation
+
+    @property
+    def boot_id(self) -> str:
+        return self._boot_id
+
+    @property
+    def node_id(self) -> str:
+        return self._node_id
+
+    @property
+    def last_epoch(self) -> int:
+        return self._last_epoch
+
+    @property
+    def applied_generation(self) -> int:
+        return self._applied_gen
+
+    @property
+    def server_time_mark(self) -> float:
+        return self._server_mark
+
+    @property
+    def next_event_seq(self) -> int:
+        return self._next_seq
+
+    @property
+    def acked_event_seq(self) -> int:
+        return self._acked_seq
+
+    @property
+    def bounds(self) -> tuple[int, int, int]:
+        """(max_events, max_bytes, max_tickets) in force."""
+        return (self._max_events, self._max_bytes, self._max_tickets)
+
+    def set_node_id(self, node_id: str) -> None:
+        with self._mutex, self._tx() as c:
+            c.execute(_SQL_SET_META, (K_NODE_ID, node_id))
+        self._node_id = node_id
+
+    def set_last_epoch(self, epoch: int) -> None:
+        with self._mutex, self._tx() as c:
+            c.execute(_SQL_SET_META, (K_LAST_EPOCH, epoch))
+        self._last_epoch = epoch
+
+    def observe_server_time(self, server_time: float) -> float:
+        """Move the server time mark forward to `server_time` (never back); returns the mark."""
+        with self._mutex:
+            if server_time > self._server_mark:
+                with self._tx() as c:
+                    c.execute(_SQL_SET_META, (K_SERVER_MARK, float(server_time)))
+                self._server_mark = float(server_time)
+            return self._server_mark
+
+    def check_welcome(self, server_time: float) -> float:
+        """Refuse a Welcome whose server_time is more than 5 minutes before the mark (WelcomeRefused);
+        otherwise observe it and return the mark."""
+        with self._mutex:
+            if server_time < self._server_mark - WELCOME_SLACK_S:
+                raise WelcomeRefused(
+                    f"Welcome.server_time {server_time:.3f} is {self._server_mark - server_time:.0f} s"
+                    f" before the server time mark {self._server_mark:.3f}"
+                    f" (at most {WELCOME_SLACK_S:.0f} s allowed)"
+                )
+            return self.observe_server_time(server_time)
+
+    # ------------------------------------------------------------------ spec
+
+    def store_spec(self, spec: StoredSpec) -> None:
+        """Store the last full spec's exact bytes, hash and signature; it becomes the applied generation.
+        A generation not above the stored one is refused (StateError)."""
+        with self._mutex:
+            if spec.generation <= self._applied_gen:
+                raise StateError(
+                    f"spec generation {spec.generation} is not above the applied generation"
+                    f" {self._applied_gen}"
+                )
+            with self._tx() as c:
+                c.execute(
+                    "INSERT OR REPLACE INTO spec (one, generation, body, spec_hash, signature)"
+                    " VALUES (1, ?, ?, ?, ?)",
+                    (spec.generation, spec.body, spec.spec_hash, spec.signature),
+                )
+                c.execute(_SQL_SET_META, (K_APPLIED_GEN, spec.generation))
+            self._applied_gen = spec.generation
+
+    def load_spec(self) -> StoredSpec | None:
+        with self._mutex:
+            row = self._conn.execute("SELECT generation, body, spec_hash, signature FROM spec").fetchone()
+        if row is None:
+            return None
+        return StoredSpec(generation=row[0], body=row[1], spec_hash=row[2], signature=row[3])
+
+    def discard_spec(self) -> None:
+        """Forget the stored spec (it failed its signature check): applied generation back to 0."""
+        with self._mutex:
+            with self._tx() as c:
+                c.execute("DELETE FROM spec")
+                c.execute(_SQL_SET_META, (K_APPLIED_GEN, 0))
+            self._applied_gen = 0
+
+    @property
+    def needs_spec(self) -> bool:
+        """No usable spec is held: the session sends SpecRequest NO_SPEC (DLV-RCV-08)."""
+        return self._applied_gen == 0
+
+    # ------------------------------------------------------------------ commands
+
+    def get_command(self, command_id: str) -> CommandEntry | None:
+        with self._mutex:
+            row = self._conn.execute(_SQL_GET, (command_id,)).fetchone()
+        return None if row is None else _entry(row)
+
+    def resolve(self, command_id: str) -> Resolution:
+        """The Resolve table's row for a delivered command (pure read; see `_resolve`)."""
+        entry = self.get_command(command_id)
+        return Resolution(resolve_entry(entry, self._incarnation, self._boot_id), entry)
+
+    def accept_command(self, command: NewCommand) -> CommandEntry:
+        """Journal `accepted` durably, before any side effect. A retry-safe entry left by an earlier
+        process (Resolve REEXECUTE) is taken over by this process. Raises JournalFull when the event
+        bounds are exhausted (answer BUSY) and StateError when the id is already journaled otherwise."""
+        with self._mutex:
+            if self._full():
+                raise JournalFull(self._full_message())
+            now = self._clock()
+            flags = command.flags
+            try:
+                # A single statement in autocommit mode is one durable transaction.
+                self._conn.execute(
+                    _SQL_INSERT_ACCEPTED,
+                    (
+                        command.id, command.kind, flags.retry_safe, flags.self_terminating, flags.attested,
+                        self._incarnation, self._boot_id, now, now, command.body, command.signature,
+                    ),
+                )  # fmt: skip
+            except sqlite3.IntegrityError:
+                with self._tx() as c:
+                    row = c.execute(_SQL_GET, (command.id,)).fetchone()
+                    old = _entry(row)
+                    if resolve_entry(old, self._incarnation, self._boot_id) is not Action.REEXECUTE:
+                        raise StateError(
+                            f"command {command.id}: already journaled ({old.state.value}); resolve it first"
+                        ) from None
+                    c.execute(
+                        _SQL_TAKE_OVER,
+                        (
+                            self._incarnation,
+                            self._boot_id,
+                            now,
+                            now,
+                            command.body,
+                            command.signature,
+                            command.id,
+                        ),
+                    )
+            return CommandEntry(
+                id=command.id,
+                kind=command.kind,
+                flags=flags,
+                state=CommandState.ACCEPTED,
+                incarnation=self._incarnation,
+                boot_id=self._boot_id,
+                accepted_at=now,
+                updated_at=now,
+                body=command.body,
+                signature=command.signature,
+                result=None,
+                acked=False,
+            )
+
+    def mark_running(self, command_id: str) -> CommandEntry:
+        """Journal `running{boot_id}` (self-terminating kinds: immediately before the side effect)."""
+        with self._mutex:
+            now = self._clock()
+            with self._tx() as c:
+                cur = c.execute(_SQL_RUNNING, (self._boot_id, now, command_id, self._incarnation))
+                if cur.rowcount != 1:
+                    raise StateError(self._why_not(command_id, "mark running"))
+                row = c.execute(_SQL_GET, (command_id,)).fetchone()
+            return _entry(row)
+
+    def complete(
+        self,
+        command_id: str,
+        outcome: Outcome,
+        *,
+        code: str = "",
+        body: bytes = b"",
+        node_sig: bytes = b"",
+    ) -> CommandEntry:
+        """Journal the real outcome (SUCCEEDED or FAILED) of this process's accepted/running command.
+        An entry already terminal is returned unchanged (the first terminal outcome wins)."""
+        if outcome not in (Outcome.SUCCEEDED, Outcome.FAILED):
+            raise ValueError(f"outcome: complete() takes SUCCEEDED or FAILED, got {outcome.value}")
+        with self._mutex, self._tx() as c:
+            row = c.execute(_SQL_GET, (command_id,)).fetchone()
+            if row is None:
+                raise StateError(f"command {command_id}: not journaled")
+            entry = _entry(row)
+            if entry.state.terminal:
+                return entry
+            if entry.incarnation != self._incarnation:
+                raise StateError(f"command {command_id}: left by an earlier process; resolve it first")
+            return self._finish(
+                c, entry, CommandResult(outcome, code, body, self._boot_id, self._clock(), node_sig)
+            )
+
+    def reject(self, command: NewCommand, reason: str) -> CommandEntry:
+        """Journal a terminal rejection (UNSUPPORTED, EXPIRED, ...; never BUSY). A new id gets a `rejected`
+        row; an accepted entry (deferred, or a retry-safe one re-checked) becomes `rejected`. A terminal
+        entry is returned unchanged; this process's running entry cannot be rejected (StateError)."""
+        if not reason:
+            raise ValueError("reason: a rejection needs its reason")
+        with self._mutex, self._tx() as c:
+            now = self._clock()
+            result = CommandResult(Outcome.REJECTED, reason, b"", self._boot_id, now)
+            row = c.execute(_SQL_GET, (command.id,)).fetchone()
+            if row is None:
+                f = command.flags
+                c.execute(
+                    _SQL_INSERT_FINISHED,
+                    (
+                        command.id, command.kind, f.retry_safe, f.self_terminating, f.attested,
+                        CommandState.REJECTED.value, self._incarnation, self._boot_id, now, now, command.body,
+                        command.signature, Outcome.REJECTED.value, reason, b"", self._boot_id, b"", "", now,
+                    ),
+                )  # fmt: skip
+                return CommandEntry(
+                    id=command.id, kind=command.kind, flags=f, state=CommandState.REJECTED,
+                    incarnation=self._incarnation, boot_id=self._boot_id, accepted_at=now, updated_at=now,
+                    body=command.body, signature=command.signature, result=result, acked=False,
+                )  # fmt: skip
+            entry = _entry(row)
+            if entry.state.terminal:
+                return entry
+            if entry.state is CommandState.RUNNING and entry.incarnation == self._incarnation:
+                raise StateError(
+                    f"command {command.id}: running; its side effect started, report its outcome"
+                )
+            return self._finish(c, entry, result)
+
+    def cancel(self, command_id: str, reason: str = "") -> CommandEntry | None:
+        """Journal CANCELLED for a command still `accepted` (queued or deferred). A running or terminal
+        entry is returned unchanged (a started side effect reports its real outcome); unknown: None."""
+        with self._mutex, self._tx() as c:
+            row = c.execute(_SQL_GET, (command_id,)).fetchone()
+            if row is None:
+                return None
+            entry = _entry(row)
+            if entry.state is not CommandState.ACCEPTED:
+                return entry
+            result = CommandResult(Outcome.CANCELLED, reason, b"", self._boot_id, self._clock())
+            return self._finish(c, entry, result)
+
+    def settle(self, command_id: str) -> CommandEntry:
+        """Journal the outcome of a REBOOTED (SUCCEEDED `rebooted`) or INTERRUPTED (FAILED `interrupted`)
+        entry; any other entry is returned unchanged. Recover does this for all of them at start."""
+        with self._mutex, self._tx() as c:
+            row = c.execute(_SQL_GET, (command_id,)).fetchone()
+            if row is None:
+                raise StateError(f"command {command_id}: not journaled")
+            entry = _entry(row)
+            result = settlement(
+                entry, resolve_entry(entry, self._incarnation, self._boot_id), self._boot_id, self._clock()
+            )
+            return entry if result is None else self._finish(c, entry, result)
+
+    def recover(self) -> tuple[CommandEntry, ...]:
+        """At start: settle every entry an earlier process left whose outcome needs no server input
+        (REBOOTED, INTERRUPTED), in one transaction, and return them (for Hello.unacked_results with the
+        rest of `unacked_results()`). Retry-safe entries stay for the server to redeliver (REEXECUTE)."""
+        settled: list[CommandEntry] = []
+        with self._mutex, self._tx() as c:
+            now = self._clock()
+            for row in c.execute(_SQL_UNSETTLED, (self._incarnation,)).fetchall():
+                entry = _entry(row)
+                result = settlement(
+                    entry, resolve_entry(entry, self._incarnation, self._boot_id), self._boot_id, now
+                )
+                if result is not None:
+                    settled.append(self._finish(c, entry, result))
+        return tuple(settled)
+
+    def _finish(self, c: sqlite3.Connection, entry: CommandEntry, result: CommandResult) -> CommandEntry:
+        state = result.outcome.state
+        c.execute(
+            _SQL_FINISH,
+            (
+                state.value, result.finished_at, result.outcome.value, result.code, result.body,
+                result.boot_id, result.node_sig, result.previous_boot_id, result.finished_at, entry.id,
+            ),
+        )  # fmt: skip
+        return CommandEntry(
+            id=entry.id, kind=entry.kind, flags=entry.flags, state=state, incarnation=entry.incarnation,
+            boot_id=entry.boot_id, accepted_at=entry.accepted_at, updated_at=result.finished_at,
+            body=entry.body, signature=entry.signature, result=result, acked=False,
+        )  # fmt: skip
+
+    def _why_not(self, command_id: str, what: str) -> str:
+        row = self._conn.execute(_SQL_GET, (command_id,)).fetchone()
+        if row is None:
+            return f"command {command_id}: cannot {what}: not journaled"
+        entry = _entry(row)
+        owner = "this process" if entry.incarnation == self._incarnation else "an earlier process"
+        return f"command {command_id}: cannot {what}: it is {entry.state.value} (written by {owner})"
+
+    def unacked_results(self) -> tuple[CommandEntry, ...]:
+        """Terminal entries not yet in an `Ack.command_ids`: replayed at Hello and after reconnect."""
+        with self._mutex:
+            rows = self._conn.execute(_SQL_UNACKED_RESULTS).fetchall()
+        return tuple(_entry(r) for r in rows)
+
+    def ack_results(self, command_ids: Iterable[str]) -> int:
+        """Stop replaying these results (ids unknown or not terminal are ignored). Returns how many."""
+        ids = [(i,) for i in command_ids]
+        if not ids:
+            return 0
+        with self._mutex, self._tx() as c:
+            cur = c.executemany(_SQL_ACK_RESULT, ids)
+            return max(cur.rowcount, 0)
+
+    def sweep(self, now: float | None = None) -> int:
+        """Delete acked terminal entries finished more than 7 days ago and accepted/running entries of
+        earlier processes not written for 7 days; never this process's entries. Unacked results are kept
+        until acked (DLV-RES-08 wins over the 7 days). Also purges expired exec tickets. Returns the
+        number of command entries deleted."""
+        with self._mutex:
+            now = self._clock() if now is None else now
+            cutoff = now - RETENTION_S
+            with self._tx() as c:
+                n = c.execute(_SQL_SWEEP_DONE, (cutoff,)).rowcount
+                n += c.execute(_SQL_SWEEP_LEFT, (self._incarnation, cutoff)).rowcount
+                purged = c.execute(_SQL_TICKET_PURGE, (now,)).rowcount
+            self._tickets -= purged
+            return n
+
+    # ------------------------------------------------------------------ events
+
+    def event_stats(self) -> EventStats:
+        return EventStats(self._ev_count, self._ev_bytes, self._m_count, self._m_bytes)
+
+    def _full(self) -> bool:
+        return (self._ev_count - self._m_count) >= self._max_events or (
+            self._ev_bytes - self._m_bytes
+        ) >= self._max_bytes
+
+    def _full_message(self) -> str:
+        return (
+            f"journal full: {self._ev_count - self._m_count} unacked transition/result events "
+            f"({self._ev_bytes - self._m_bytes} bytes) against bounds of {self._max_events} events and "
+            f"{self._max_bytes} bytes; acks must drain it"
+        )
+
+    def is_full(self) -> bool:
+        """Dropping every metric event would not make room: new commands are answered BUSY."""
+        with self._mutex:
+            return self._full()
+
+    def append_event(self, cls: EventClass, type: str, payload: bytes) -> int:
+        """Append one event; returns its seq."""
+        return self.append_events((NewEvent(cls, type, payload),)).first_seq
+
+    def append_events(self, batch: Sequence[NewEvent]) -> EventsAppended:
+        """Append a batch in one transaction, seqs increasing from 1 per journal_id, never reused.
+
+        Over the bounds, the oldest metric events (this batch's included) are dropped. Transition and
+        result events are never dropped: if the batch's non-metric events do not fit even with every
+        metric gone, nothing is written and JournalFull is raised (answer BUSY; keep the events)."""
+        n = len(batch)
+        if n == 0:
+            return EventsAppended(self._next_seq, 0, 0)
+        sizes = [len(e.payload) + len(e.type) for e in batch]
+        m_count = 0
+        m_bytes = 0
+        for e, s in zip(batch, sizes, strict=True):
+            if e.cls is EventClass.METRIC:
+                m_count += 1
+                m_bytes += s
+        total = sum(sizes)
+        with self._mutex:
+            nm_count = self._ev_count - self._m_count + (n - m_count)
+            nm_bytes = self._ev_bytes - self._m_bytes + (total - m_bytes)
+            if nm_count > self._max_events or nm_bytes > self._max_bytes:
+                raise JournalFull(self._full_message())
+            first = self._next_seq
+            now = self._clock()
+            count = self._ev_count + n
+            size = self._ev_bytes + total
+            mc = self._m_count + m_count
+            mb = self._m_bytes + m_bytes
+            dropped = 0
+            with self._tx() as c:
+                c.executemany(
+                    _SQL_INSERT_EVENT,
+                    [
+                        (first + i, int(e.cls), e.type, e.payload, s, now)
+                        for i, (e, s) in enumerate(zip(batch, sizes, strict=True))
+                    ],
+                )
+                c.execute(_SQL_SET_META, (K_NEXT_SEQ, first + n))
+                if count > self._max_events or size > self._max_bytes:
+                    last = 0
+                    for seq, s in c.execute(_SQL_METRICS_OLDEST):
+                        if count <= self._max_events and size <= self._max_bytes:
+                            break
+                        last = seq
+                        count -= 1
+                        size -= s
+                        mc -= 1
+                        mb -= s
+                        dropped += 1
+                    c.execute(_SQL_DROP_METRICS, (last,))
+            self._next_seq = first + n
+            self._ev_count, self._ev_bytes, self._m_count, self._m_bytes = count, size, mc, mb
+            return EventsAppended(first, n, dropped)
+
+    def unacked_events(self, after_seq: int = 0, limit: int = 1000) -> list[Event]:
+        """Unacked events with seq above `after_seq`, oldest first, at most `limit`."""
+        with self._mutex:
+            rows = self._conn.execute(_SQL_EVENTS_AFTER, (after_seq, limit)).fetchall()
+        return [Event(seq, EventClass(cls), t, p, at) for seq, cls, t, p, at in rows]
+
+    def ack_events(self, journal_id: str, seq: int) -> int:
+        """A cumulative Ack{journal_id, event_seq}: drop every event up to `seq`. An ack for another
+        journal_id (or one not above the last) is ignored. Returns how many events were dropped."""
+        with self._mutex:
+            if journal_id != self._journal_id:
+                return 0
+            seq = min(seq, self._next_seq - 1)
+            if seq <= self._acked_seq:
+                return 0
+            with self._tx() as c:
+                count, size, m_count, m_size = c.execute(_SQL_ACKED_STATS, (seq,)).fetchone()
+                c.execute(_SQL_DELETE_EVENTS, (seq,))
+                c.execute(_SQL_SET_META, (K_ACKED_SEQ, seq))
+            self._acked_seq = seq
+            self._ev_count -= count
+            self._ev_bytes -= size
+            self._m_count -= m_count
+            self._m_bytes -= m_size
+            return int(count)
+
+    # ------------------------------------------------------------------ exec tickets
+
+    def use_exec_ticket(self, jti: str, expires_at: float, now: float | None = None) -> None:
+        """Record an exec ticket's jti as used until it expires. Refused (TicketRefused) when the jti was
+        already used (`replayed`), the ticket has expired (`expired`), or the set is full (`full`)."""
+        with self._mutex:
+            now = self._clock() if now is None else now
+            if expires_at <= now:
+                raise TicketRefused(jti, "expired")
+            with self._tx() as c:
+                row = c.execute(_SQL_TICKET_GET, (jti,)).fetchone()
+                if row is not None and row[0] > now:
+                    raise TicketRefused(jti, "replayed")
+                purged = 0
+                if row is None and self._tickets >= self._max_tickets:
+                    purged = c.execute(_SQL_TICKET_PURGE, (now,)).rowcount
+                    if self._tickets - purged >= self._max_tickets:
+                        raise TicketRefused(jti, "full")
+                c.execute(_SQL_TICKET_PUT, (jti, expires_at))
+            self._tickets += (1 if row is None else 0) - purged
+
+    def exec_ticket_count(self) -> int:
+        return self._tickets
+
+
+def _open_db(path: Path, now: float) -> tuple[sqlite3.Connection, OpenReport]:
+    moved: tuple[Path, ...] = ()
+    reason = ""
+    if path.exists():
+        conn = None
+        try:
+            conn = _connect(path)
+            _check(conn)
+            return conn, OpenReport(created=False, moved_aside=(), reason="")
+        except (sqlite3.DatabaseError, _Corrupt) as e:
+            if conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
+            reason = f"{type(e).__name__}: {e}"
+            moved = _files.move_aside(path, now)
+    elif any(Path(str(path) + s).exists() for s in _files.SIDE_SUFFIXES):
+        # A WAL without its database must not be replayed into a new one.
+        reason = "side files without a journal.db"
+        moved = _files.move_aside(path, now)
+    _files.create_db_file(path)
+    conn = _connect(path)
+    conn.execute("BEGIN IMMEDIATE")
+    for stmt in DDL.split(";"):
+        if stmt.strip():
+            conn.execute(stmt)
+    conn.execute("INSERT INTO schema_version (version) VALUES (?)", (SCHEMA_VERSION,))
+    conn.executemany(
+        _SQL_SET_META,
+        [(K_JOURNAL_ID, uuid.uuid4().hex), (K_NEXT_SEQ, 1), (K_ACKED_SEQ, 0), (K_CREATED_AT, now)],
+    )
+    conn.execute("COMMIT")
+    # The WAL file now exists; make its name durable too.
+    _files.fsync_dir(path.parent)
+    return conn, OpenReport(created=True, moved_aside=moved, reason=reason)
+
+
+def _connect(path: Path) -> sqlite3.Connection:
+    conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False, cached_statements=64)
+    mode = conn.execute("PRAGMA journal_mode=WAL").fetchone()[0]
+    if str(mode).lower() != "wal":
+        conn.close()
+        raise _Corrupt(f"journal_mode is {mode}, not wal")
+    conn.execute("PRAGMA synchronous=FULL")
+    conn.execute("PRAGMA trusted_schema=OFF")
+    return conn
+
+
+def _check(conn: sqlite3.Connection) -> None:
+    rows = conn.execute("PRAGMA quick_check").fetchall()
+    if rows != [("ok",)]:
+        raise _Corrupt("quick_check: " + "; ".join(str(r[0]) for r in rows[:5]))
+    tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    if not tables >= TABLES:
+        raise _Corrupt(f"schema: missing tables {sorted(TABLES - tables)}")
+    versions = conn.execute("SELECT version FROM schema_version").fetchall()
+    if versions != [(SCHEMA_VERSION,)]:
+        raise _Corrupt(f"schema_version is {versions}, this bcd reads version {SCHEMA_VERSION}")
+    meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    if not meta.get(K_JOURNAL_ID) or not isinstance(meta.get(K_NEXT_SEQ), int):
+        raise _Corrupt("meta: journal_id or the event sequence is missing")
+    # The event sequence must be above every stored event (never reuse a seq).
+    top = conn.execute("SELECT max(seq) FROM events").fetchone()[0]
+    if top is not None and top >= meta[K_NEXT_SEQ]:
+        raise _Corrupt(f"meta: next_event_seq {meta[K_NEXT_SEQ]} is not above the stored event {top}")
