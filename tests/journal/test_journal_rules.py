@@ -1,0 +1,251 @@
+"""Integrity check and move-aside, bounds, the server time mark, sweep and exec tickets."""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+from pathlib import Path
+
+import pytest
+from bcd_agent.journal import (
+    MAX_EVENT_BYTES,
+    MAX_EXEC_TICKETS,
+    MAX_UNACKED_EVENTS,
+    RETENTION_S,
+    Action,
+    BoundError,
+    EventClass,
+    Journal,
+    JournalFull,
+    NewEvent,
+    Outcome,
+    TicketRefused,
+    WelcomeRefused,
+)
+from jhelpers import NOT_RETRY_SAFE, RETRY_SAFE, Clock, cmd, crash_copy
+
+M, T, R = EventClass.METRIC, EventClass.TRANSITION, EventClass.RESULT
+
+
+def _filled(path: Path) -> str:
+    with Journal.open(path, boot_id="b") as j:
+        for i in range(50):
+            j.accept_command(cmd(f"c{i}"))
+        j.append_events([NewEvent(T, "t", b"p" * 500)] * 200)
+        return j.journal_id
+
+
+# ---------------------------------------------------------------- integrity and move-aside
+
+
+def test_corrupt_page_is_moved_aside(tmp_path: Path) -> None:
+    """A journal failing quick_check is renamed (never deleted) and a new journal_id starts (DLV-RCV-08)."""
+    data = tmp_path / "d"
+    old_id = _filled(data)
+    db = data / "journal.db"
+    size = db.stat().st_size
+    assert size > 8 * 4096
+    original = db.read_bytes()
+    with open(db, "r+b") as f:  # scribble over b-tree pages past the header page
+        for off in range(4096, size, 4096 * 2):
+            f.seek(off)
+            f.write(os.urandom(600))
+    clock = Clock(1_700_000_000.0)
+    with Journal.open(data, boot_id="b", clock=clock) as j:
+        assert j.report.created
+        assert j.report.reason
+        assert j.journal_id != old_id
+        assert j.needs_spec and j.next_event_seq == 1
+        assert j.resolve("c1").action is Action.NONE
+        moved = j.report.moved_aside
+    assert moved and moved[0].name.startswith("journal.db.failed-20231114T")
+    assert moved[0].exists() and moved[0].stat().st_size == size
+    assert moved[0].read_bytes() != original  # it is the scribbled file, kept for inspection
+
+
+def test_garbage_header_is_moved_aside(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    old_id = _filled(data)
+    with open(data / "journal.db", "r+b") as f:
+        f.write(b"not a database at all" * 5)
+    with Journal.open(data, boot_id="b") as j:
+        assert j.journal_id != old_id and j.report.moved_aside
+        assert "DatabaseError" in j.report.reason
+    # opening again finds the new journal healthy
+    with Journal.open(data, boot_id="b") as j2:
+        assert not j2.report.created and j2.report.moved_aside == ()
+
+
+def test_schema_version_mismatch_is_moved_aside(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    old_id = _filled(data)
+    conn = sqlite3.connect(data / "journal.db")
+    conn.execute("UPDATE schema_version SET version = 99")
+    conn.commit()
+    conn.close()
+    with Journal.open(data, boot_id="b") as j:
+        assert j.journal_id != old_id
+        assert "schema_version" in j.report.reason
+    assert len(list(data.glob("journal.db.failed-*"))) >= 1
+
+
+def test_orphan_wal_is_never_replayed_into_a_new_journal(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    j = Journal.open(data, boot_id="b")
+    j.accept_command(cmd("x"))
+    crash = crash_copy(j, tmp_path / "crash")
+    os.remove(crash / "journal.db")
+    with Journal.open(crash, boot_id="b") as j2:
+        assert j2.report.created and any(p.name.endswith("-wal") for p in j2.report.moved_aside)
+        assert j2.resolve("x").action is Action.NONE
+
+
+# ---------------------------------------------------------------- bounds
+
+
+def test_DLV_JRN_18_bounds_lowered_never_raised(tmp_path: Path) -> None:
+    with pytest.raises(BoundError, match="max_events: 10001 is above"):
+        Journal.open(tmp_path / "d", boot_id="b", max_events=MAX_UNACKED_EVENTS + 1)
+    with pytest.raises(BoundError, match="max_bytes"):
+        Journal.open(tmp_path / "d", boot_id="b", max_bytes=MAX_EVENT_BYTES + 1)
+    with pytest.raises(BoundError, match="max_tickets"):
+        Journal.open(tmp_path / "d", boot_id="b", max_tickets=MAX_EXEC_TICKETS + 1)
+    with pytest.raises(BoundError, match="at least 1"):
+        Journal.open(tmp_path / "d", boot_id="b", max_events=0)
+    with Journal.open(tmp_path / "d", boot_id="b", max_events=10, max_bytes=1000, max_tickets=3) as j:
+        assert j.bounds == (10, 1000, 3)
+
+
+def test_DLV_JRN_20_oldest_metrics_dropped_first(tmp_path: Path) -> None:
+    with Journal.open(tmp_path / "d", boot_id="b", max_events=5) as j:
+        j.append_events([NewEvent(M, "m", b"1"), NewEvent(T, "t", b"2"), NewEvent(M, "m", b"3")])
+        j.append_events([NewEvent(R, "r", b"4"), NewEvent(M, "m", b"5")])
+        out = j.append_events([NewEvent(T, "t", b"6"), NewEvent(M, "m", b"7")])
+        assert out.seqs == range(6, 8) and out.dropped_metrics == 2
+        assert [e.seq for e in j.unacked_events()] == [2, 4, 5, 6, 7]  # metrics 1 and 3 went first
+        st = j.event_stats()
+        assert (st.count, st.metric_count) == (5, 2)
+
+
+def test_DLV_JRN_20_byte_bound_drops_metrics(tmp_path: Path) -> None:
+    with Journal.open(tmp_path / "d", boot_id="b", max_bytes=100) as j:
+        j.append_events([NewEvent(M, "m", b"x" * 39)] * 2)  # 40 bytes each (payload + type)
+        j.append_event(R, "r", b"y" * 39)  # 120 > 100: the oldest metric goes
+        assert [(e.seq, e.cls) for e in j.unacked_events()] == [(2, M), (3, R)]
+        assert j.event_stats().bytes == 80
+
+
+def test_DLV_JRN_21_full_of_results_refuses_and_reports_busy(tmp_path: Path) -> None:
+    """Results and transitions are never dropped; when they alone fill the journal, appends of them
+    raise JournalFull, is_full() holds and accepts raise JournalFull (BUSY) until acks drain it."""
+    with Journal.open(tmp_path / "d", boot_id="b", max_events=4) as j:
+        j.append_events([NewEvent(R, "r", b"1"), NewEvent(T, "t", b"2"), NewEvent(M, "m", b"3")])
+        assert not j.is_full()
+        j.append_event(R, "r", b"4")
+        out = j.append_events([NewEvent(T, "t", b"5")])  # the metric makes room
+        assert out.dropped_metrics == 1
+        assert j.is_full()
+        with pytest.raises(JournalFull, match="acks must drain it"):
+            j.append_event(R, "r", b"6")
+        with pytest.raises(JournalFull):
+            j.accept_command(cmd("c"))
+        # a metric into a journal full of results is dropped at once, not an error
+        m = j.append_event(M, "m", b"7")
+        assert [e.seq for e in j.unacked_events()] == [1, 2, 4, 5]
+        assert m == 6  # its seq is spent, never reused (the refused append took none)
+        # rejections and results of commands already accepted are still journaled
+        assert j.reject(cmd("late"), "EXPIRED").result is not None
+        assert j.ack_events(j.journal_id, 2) == 2
+        assert not j.is_full()
+        assert j.append_event(R, "r", b"8") == 7
+        j.accept_command(cmd("c"))
+
+
+def test_DLV_EVT_02_seq_never_reused(tmp_path: Path) -> None:
+    """Covers DLV-EVT-02/03/04: seq from 1 per journal_id, cumulative acks, other journal ids ignored."""
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+        assert j.append_events([NewEvent(T, "t", b"")] * 3).seqs == range(1, 4)
+        assert j.ack_events("another-journal", 3) == 0
+        assert j.ack_events(j.journal_id, 3) == 3
+        assert j.ack_events(j.journal_id, 2) == 0  # not above the last ack
+        assert j.unacked_events() == []
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+        assert j.append_event(T, "t", b"") == 4
+        assert j.acked_event_seq == 3
+        assert j.ack_events(j.journal_id, 999) == 1  # clamped to the last seq handed out
+        assert j.acked_event_seq == 4
+        assert j.append_event(T, "t", b"") == 5
+        j.append_events([NewEvent(T, "t", bytes([i])) for i in range(10)])
+        assert [e.seq for e in j.unacked_events(after_seq=8, limit=3)] == [9, 10, 11]
+
+
+# ---------------------------------------------------------------- server time mark
+
+
+def test_DLV_JRN_11_to_13_server_time_mark(tmp_path: Path) -> None:
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+        assert j.observe_server_time(1000.0) == 1000.0
+        assert j.observe_server_time(900.0) == 1000.0  # only forward
+        assert j.check_welcome(1000.0 - 300.0) == 1000.0  # exactly 5 minutes before: allowed
+        with pytest.raises(WelcomeRefused, match="before the server time mark"):
+            j.check_welcome(1000.0 - 300.5)
+        assert j.check_welcome(1200.0) == 1200.0  # a good Welcome moves the mark
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+        assert j.server_time_mark == 1200.0
+
+
+# ---------------------------------------------------------------- sweep
+
+
+def test_DLV_REC_13_to_15_sweep(tmp_path: Path) -> None:
+    clock = Clock(1_000_000.0)
+    j = Journal.open(tmp_path / "a", boot_id="b", clock=clock)
+    j.accept_command(cmd("old-done"))
+    j.complete("old-done", Outcome.SUCCEEDED)
+    j.ack_results(["old-done"])
+    j.accept_command(cmd("old-unacked"))
+    j.complete("old-unacked", Outcome.FAILED, code="internal")
+    j.accept_command(cmd("left-safe", RETRY_SAFE))
+    j.accept_command(cmd("left-unsafe", NOT_RETRY_SAFE))
+    data = crash_copy(j, tmp_path / "b")
+    with Journal.open(data, boot_id="b", clock=clock) as j2:
+        j2.accept_command(cmd("mine"))  # this process's entry: never swept
+        clock.t += 10
+        j2.accept_command(cmd("recent-left"))
+        assert j2.sweep(clock.t + RETENTION_S - 20) == 0  # nothing is 7 days old yet
+        clock.t += RETENTION_S + 1
+        assert j2.sweep() == 3  # old-done, left-safe, left-unsafe
+        ids = {c for c in ("old-done", "old-unacked", "left-safe", "left-unsafe", "mine")}
+        assert {c for c in ids if j2.get_command(c) is not None} == {"old-unacked", "mine"}
+        # an unacked result is kept until acked, then swept
+        j2.ack_results(["old-unacked"])
+        assert j2.sweep() == 1
+        assert j2.get_command("mine") is not None
+
+
+# ---------------------------------------------------------------- exec tickets
+
+
+def test_DLV_JRN_08_to_10_exec_tickets(tmp_path: Path) -> None:
+    clock = Clock(1000.0)
+    with Journal.open(tmp_path / "d", boot_id="b", max_tickets=3, clock=clock) as j:
+        j.use_exec_ticket("a", 1100.0)
+        with pytest.raises(TicketRefused, match="replayed"):
+            j.use_exec_ticket("a", 1100.0)
+        with pytest.raises(TicketRefused, match="expired"):
+            j.use_exec_ticket("z", 1000.0)
+        j.use_exec_ticket("b", 1050.0)
+        j.use_exec_ticket("c", 1200.0)
+        with pytest.raises(TicketRefused) as exc:
+            j.use_exec_ticket("d", 1200.0)
+        assert exc.value.reason == "full"
+        clock.t = 1060.0  # b expired: purged to make room
+        j.use_exec_ticket("d", 1200.0)
+        assert j.exec_ticket_count() == 3
+    clock.t = 1101.0
+    with Journal.open(tmp_path / "d", boot_id="b", max_tickets=3, clock=clock) as j:
+        with pytest.raises(TicketRefused, match="replayed"):
+            j.use_exec_ticket("c", 1200.0)  # survives a restart
+        j.use_exec_ticket("a", 1300.0)  # a's first use has expired: it no longer blocks
+        j.sweep()
+        assert j.exec_ticket_count() == 3
