@@ -1,0 +1,207 @@
+"""config.toml: every key parsed strictly; every rule refused with a message naming key and rule."""
+
+from __future__ import annotations
+
+import base64
+import ipaddress
+from pathlib import Path
+
+import pytest
+from bcd_agent.config import (
+    DEFAULT_DATA_DIR,
+    JOURNAL_MAX_BYTES,
+    JOURNAL_MAX_EVENTS,
+    AllowedCluster,
+    Config,
+    ConfigError,
+    load_config,
+    parse_config,
+)
+
+HEX_A = "a" * 64
+HEX_B = "0123456789abcdef" * 4
+PIN = "sha256/" + base64.b64encode(bytes(range(32))).decode()
+
+FULL = f"""
+data_dir = "/srv/bcd"
+join_signing_key_pin = "{PIN}"
+command_root_sha256 = "{HEX_A},{HEX_B}"
+
+[control_plane]
+address = "gw.example.com:7443"
+unix_socket = "/run/bcd/devplane.sock"
+ca_file = "/etc/bcd/ca.pem"
+server_name = "gateway.example.com"
+
+[helper]
+socket = "/run/bcd-helper/helper.sock"
+instance_bridges = "br0, br-vps"
+
+[host]
+units = false
+
+[journal]
+max_bytes = 33554432
+max_events = 5000
+
+[kubernetes]
+allowed_clusters = "https://10.0.0.1:6443#sha256:{HEX_A},https://k8s.example.com#sha256:{HEX_B}"
+pod_resources_socket = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+[instances]
+balloon_floor_percent = 30
+
+[site]
+bmc_networks = "10.20.0.0/16,fd00:bc::/64"
+
+[log]
+level = "debug"
+"""
+
+
+def test_every_key_parses_into_frozen_values() -> None:
+    c = parse_config(FULL, "/etc/bcd/config.toml")
+    assert c.data_dir == "/srv/bcd"
+    assert c.journal_path == Path("/srv/bcd/journal.db")
+    assert c.identity_path == Path("/srv/bcd/identity.json")
+    assert c.join_signing_key_pin == PIN
+    assert c.command_root_sha256 == (HEX_A, HEX_B)
+    assert c.control_plane.address == "gw.example.com:7443"
+    assert c.control_plane.unix_socket == "/run/bcd/devplane.sock"
+    assert c.control_plane.ca_file == "/etc/bcd/ca.pem"
+    assert c.control_plane.server_name == "gateway.example.com"
+    assert c.helper.socket == "/run/bcd-helper/helper.sock" and c.under_helper
+    assert c.helper.instance_bridges == ("br0", "br-vps")
+    assert c.host.units is False
+    assert (c.journal.max_bytes, c.journal.max_events) == (32 * 1024 * 1024, 5000)
+    assert c.kubernetes.allowed_clusters == (
+        AllowedCluster("https://10.0.0.1:6443", HEX_A),
+        AllowedCluster("https://k8s.example.com", HEX_B),
+    )
+    assert str(c.kubernetes.allowed_clusters[0]) == f"https://10.0.0.1:6443#sha256:{HEX_A}"
+    assert c.instances.balloon_floor_percent == 30
+    assert c.site.bmc_networks == (ipaddress.ip_network("10.20.0.0/16"), ipaddress.ip_network("fd00:bc::/64"))
+    assert c.log.level == "debug"
+    with pytest.raises(AttributeError):
+        c.data_dir = "/tmp"  # type: ignore[misc]
+
+
+def test_an_empty_file_gives_the_documented_defaults() -> None:
+    c = parse_config("")
+    assert c == Config(source="config.toml")
+    assert c.data_dir == DEFAULT_DATA_DIR
+    assert c.host.units is True
+    assert (c.journal.max_bytes, c.journal.max_events) == (JOURNAL_MAX_BYTES, JOURNAL_MAX_EVENTS)
+    assert c.helper.socket is None and not c.under_helper
+    assert c.instances.balloon_floor_percent == 50
+    assert c.kubernetes.allowed_clusters == ()
+    assert c.log.level == "info"
+
+
+# (toml text, key named in the message, a fragment of the rule)
+REFUSED = [
+    ("datadir = '/x'", "datadir", "unknown key at the top level"),
+    ("[hots]\nunits = true", "[hots]", "unknown table"),
+    (
+        "[helper]\nsockets = '/x'",
+        "[helper] sockets",
+        "unknown key in [helper] (known: instance_bridges, socket)",
+    ),
+    ("host = true", "[host]", "must be a table"),
+    ("data_dir = 'var/lib/bcd'", "data_dir", "absolute path"),
+    ("data_dir = '/var/../etc'", "data_dir", "absolute path without '..'"),
+    ("data_dir = '/'", "data_dir", "not /"),
+    ("data_dir = 7", "data_dir", "must be a string"),
+    ("join_signing_key_pin = 'abc'", "join_signing_key_pin", "sha256/ followed by the base64"),
+    ("join_signing_key_pin = 'sha256/!!!!'", "join_signing_key_pin", "base64"),
+    ("join_signing_key_pin = 'sha256/AAAA'", "join_signing_key_pin", "got 3 bytes"),
+    ("command_root_sha256 = 'ABC'", "command_root_sha256", "64 lowercase hex digits"),
+    (f"command_root_sha256 = '{HEX_A.upper()}'", "command_root_sha256", "64 lowercase hex digits"),
+    (f"command_root_sha256 = '{HEX_A},,{HEX_B}'", "command_root_sha256", "without empty entries"),
+    (f"command_root_sha256 = '{HEX_A},{HEX_A}'", "command_root_sha256", "lists an entry twice"),
+    (
+        "command_root_sha256 = '" + ",".join(f"{i:064x}" for i in range(17)) + "'",
+        "command_root_sha256",
+        "at most 16 entries",
+    ),
+    ("[control_plane]\naddress = 'gw.example.com'", "[control_plane] address", "must name a port"),
+    ("[control_plane]\naddress = 'gw.example.com:70000'", "[control_plane] address", "outside 1-65535"),
+    ("[control_plane]\naddress = 'bad host!:443'", "[control_plane] address", "bad host name"),
+    ("[control_plane]\naddress = '[::zz]:443'", "[control_plane] address", "bad IPv6 address"),
+    ("[control_plane]\nunix_socket = 'rel.sock'", "[control_plane] unix_socket", "absolute path"),
+    ("[control_plane]\nserver_name = '-x-'", "[control_plane] server_name", "DNS name or IP address"),
+    ("[helper]\nsocket = 'helper.sock'", "[helper] socket", "absolute path"),
+    ("[helper]\ninstance_bridges = 'br0,br/1'", "[helper] instance_bridges", "network interface name"),
+    ("[helper]\ninstance_bridges = 'a-very-long-bridge-name'", "[helper] instance_bridges", "1 to 15"),
+    ("[host]\nunits = 'false'", "[host] units", "must be a boolean"),
+    ("[host]\nunits = 0", "[host] units", "must be a boolean"),
+    ("[journal]\nmax_bytes = 67108865", "[journal] max_bytes", "never raise it"),
+    ("[journal]\nmax_bytes = 1000", "[journal] max_bytes", "from 1048576 to 67108864"),
+    ("[journal]\nmax_bytes = '64MiB'", "[journal] max_bytes", "must be an integer"),
+    ("[journal]\nmax_events = 10001", "[journal] max_events", "10,000 at most"),
+    ("[journal]\nmax_events = true", "[journal] max_events", "must be an integer"),
+    (
+        "[kubernetes]\nallowed_clusters = 'http://k8s#sha256:" + HEX_A + "'",
+        "[kubernetes] allowed_clusters",
+        "https://",
+    ),
+    ("[kubernetes]\nallowed_clusters = 'https://k8s:6443'", "[kubernetes] allowed_clusters", "#sha256:"),
+    (
+        "[kubernetes]\nallowed_clusters = 'https://k8s#sha256:abc'",
+        "[kubernetes] allowed_clusters",
+        "64 lowercase",
+    ),
+    (
+        "[kubernetes]\nallowed_clusters = 'https://k8s:0#sha256:" + HEX_A + "'",
+        "[kubernetes] allowed_clusters",
+        "port",
+    ),
+    ("[kubernetes]\npod_resources_socket = 'kubelet.sock'", "[kubernetes] pod_resources_socket", "absolute"),
+    ("[instances]\nballoon_floor_percent = 9", "[instances] balloon_floor_percent", "from 10 to 100"),
+    ("[instances]\nballoon_floor_percent = 101", "[instances] balloon_floor_percent", "from 10 to 100"),
+    ("[site]\nbmc_networks = '10.0.0.1/16'", "[site] bmc_networks", "CIDR"),
+    ("[site]\nbmc_networks = 'bmc'", "[site] bmc_networks", "CIDR"),
+    ("[log]\nlevel = 'verbose'", "[log] level", "one of debug, info, warning, error"),
+    ("[log]\nlevel = 'info'\nformat = 'json'", "[log] format", "unknown key in [log]"),
+    ("data_dir = ", "", "not valid TOML"),
+]
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "rule"), REFUSED, ids=[f"{i:02d}-{r[1] or 'toml'}" for i, r in enumerate(REFUSED)]
+)
+def test_every_rule_is_refused_naming_the_key_and_the_rule(text: str, key: str, rule: str) -> None:
+    """Covers HST-SIGN-13 (a malformed pin stops bcd), HST-K8S-54/55 (allowed_clusters form; a
+    malformed entry stops bcd), DLV-JRN-18 (the journal bounds may be lowered, never raised)."""
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, "/etc/bcd/config.toml")
+    err = info.value
+    assert err.key == key
+    assert rule in err.rule
+    assert str(err).startswith(f"/etc/bcd/config.toml: {key}: " if key else "/etc/bcd/config.toml: ")
+
+
+def test_load_config_reads_the_file_and_refuses_a_missing_one(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text("[host]\nunits = false\n")
+    assert load_config(path).host.units is False
+    assert load_config(path).source == str(path)
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.toml")
+    assert load_config(tmp_path / "nope.toml", missing_ok=True).host.units is True
+    (tmp_path / "latin1.toml").write_bytes(b"data_dir = '/caf\xe9'\n")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config(tmp_path / "latin1.toml")
+
+
+def test_the_documented_key_table_matches_the_schema() -> None:
+    """docs/config.md documents every key the parser accepts, and nothing else."""
+    import re
+
+    from bcd_agent.config import SCHEMA
+    from conftest import REPO
+
+    doc = (REPO / "docs" / "config.md").read_text()
+    documented = set(re.findall(r"^\| `((?:\[\w+\] )?\w+)` \|", doc, re.M))
+    accepted = {f"[{t}] {k}" if t else k for t, keys in SCHEMA.items() for k in keys}
+    assert documented == accepted
