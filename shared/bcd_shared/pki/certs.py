@@ -50,7 +50,7 @@ ROLE_FOR_PURPOSE: Final[dict[Purpose, Role]] = {
     Purpose.COMMAND_RESULT: Role.NODE,
     Purpose.ATTESTED_REPORT: Role.NODE,
     Purpose.TRUST_BUNDLE: Role.JOIN,
-    Purpose.JOIN: Role.JOIN,
+    Purpose.JOIN_RESPONSE: Role.JOIN,
     Purpose.BATCH_APPROVAL: Role.APPROVER,
 }
 

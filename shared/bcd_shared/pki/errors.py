@@ -187,3 +187,36 @@ class ScopeMismatch(PkiError):
     """The proven leaf is for another (subject, kind) or payload than this command."""
 
     rule = "scope-mismatch"
+
+
+class ScopeExpired(PkiError):
+    """The approved batch scope's not_after has passed."""
+
+    rule = "scope-expired"
+
+
+# --- join records and attested results --------------------------------------------------------------
+
+
+class MalformedJoinResponse(PkiError):
+    """The JoinResponse or its body does not decode strictly, or a value breaks a rule."""
+
+    rule = "malformed-join-response"
+
+
+class UntrustedJoinSigner(PkiError):
+    """The JoinResponse's signer key is not the pinned JoinService key."""
+
+    rule = "untrusted-join-signer"
+
+
+class MalformedAttestation(PkiError):
+    """An attestation or attested report body does not decode strictly."""
+
+    rule = "malformed-attestation"
+
+
+class AttestationMismatch(PkiError):
+    """The signed attestation or report names another command, state, result, node or boot."""
+
+    rule = "attestation-mismatch"

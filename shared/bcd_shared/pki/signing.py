@@ -28,11 +28,11 @@ class Purpose(enum.Enum):
 
     COMMAND = "command"  # Command.signature over the CommandBody bytes (worker key)
     DESIRED_STATE = "desired-state"  # DesiredState signature over the DesiredStateBody bytes (worker key)
-    COMMAND_RESULT = "command-result"  # CommandUpdate.node_sig over command_result_bytes() (node key)
+    COMMAND_RESULT = "command-result"  # CommandUpdate.node_sig over the CommandAttestation bytes (node key)
     ATTESTED_REPORT = "attested-report"  # AttestedReport over its body bytes (node key)
     TRUST_BUNDLE = "trust-bundle"  # SignedTrustBundle over the TrustBundle bytes (JoinService key)
-    JOIN = "join"  # the JoinResponse bytes (JoinService key)
-    BATCH_APPROVAL = "batch-approval"  # an approver over batch_scope_bytes() (approver key)
+    JOIN_RESPONSE = "join-response"  # JoinResponse.body, the JoinResponseBody bytes (JoinService key)
+    BATCH_APPROVAL = "batch-approval"  # BatchApproval: an approver over the BatchScope bytes (approver key)
     DAEMON_RELEASE = "daemon-release"  # a self-update release over its manifest bytes (release key)
 
 
