@@ -1,0 +1,265 @@
+"""Strict decoding of bcd.v1 messages at a trust boundary.
+
+Protobuf parsers skip unknown fields and let a later occurrence of a singular field overwrite an earlier
+one; betterproto2's ``Message.parse`` does both (it keeps unknown fields as raw bytes and writes them back
+when the message is encoded again). bcd is strict at every boundary instead, so :func:`decode` first walks the
+wire format against the message's schema and refuses, naming the field path and the rule:
+
+- bytes that are not well-formed protobuf: a truncated tag, varint or length, a length past the end, a
+  varint longer than 10 bytes, a field number 0 or above 2^29-1, the deprecated group wire types;
+- a field number the schema does not know, anywhere in the tree ("unknown field"), except directly inside a
+  message at a path listed in ``tolerate_unknown_in`` (then it is reported, not refused);
+- a known field with the wrong wire type;
+- a singular field that appears twice, or two members of one oneof;
+- a string that is not UTF-8, a bool other than 0 or 1, an int32/uint32/enum varint out of its range, a
+  packed run whose length is not a whole number of elements.
+
+Only then is the data handed to ``Message.parse``. Trailing data cannot exist in protobuf as such: anything
+after the last complete field is either another (checked) field or a truncation, which is refused.
+
+Unknown *enum values* are not refused here: proto3 enums are open, betterproto2 keeps the number
+(``Binding(9)`` reads ``UNKNOWN(9)``), and the domain layer must refuse it with its own rule (for example
+``AllocationFailed{reason: unsupported-binding}`` for a binding bcd does not know).
+
+Decoding never re-encodes: signed bytes are verified and stored as received (docs/protocol.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import Any, TypeVar
+
+import attrs
+import betterproto2
+
+from bcd_shared.wire._gen.google.protobuf import Any as ProtoAny
+
+M = TypeVar("M", bound=betterproto2.Message)
+
+_WIRE_VARINT, _WIRE_FIXED64, _WIRE_LEN, _WIRE_FIXED32 = 0, 1, 2, 5
+_MAX_FIELD_NUMBER = (1 << 29) - 1
+
+_VARINT_TYPES = frozenset(
+    {
+        betterproto2.TYPE_INT32,
+        betterproto2.TYPE_INT64,
+        betterproto2.TYPE_UINT32,
+        betterproto2.TYPE_UINT64,
+        betterproto2.TYPE_SINT32,
+        betterproto2.TYPE_SINT64,
+        betterproto2.TYPE_BOOL,
+        betterproto2.TYPE_ENUM,
+    }
+)
+_FIXED64_TYPES = frozenset({betterproto2.TYPE_FIXED64, betterproto2.TYPE_SFIXED64, betterproto2.TYPE_DOUBLE})
+_FIXED32_TYPES = frozenset({betterproto2.TYPE_FIXED32, betterproto2.TYPE_SFIXED32, betterproto2.TYPE_FLOAT})
+_INT32_LIKE = frozenset({betterproto2.TYPE_INT32, betterproto2.TYPE_ENUM})
+
+
+class WireError(ValueError):
+    """Bytes refused at the boundary. ``path`` names the field (``full.devices.assignments[0].limits``)."""
+
+    def __init__(self, path: str, rule: str) -> None:
+        self.path = path or "<message>"
+        self.rule = rule
+        super().__init__(f"{self.path}: {rule}")
+
+
+@attrs.frozen
+class UnknownField:
+    """A field number the schema does not know, found inside the message at ``path`` (tolerated there)."""
+
+    path: str
+    number: int
+    wire_type: int
+
+
+def decode(cls: type[M], data: bytes, *, tolerate_unknown_in: Collection[str] = ()) -> M:
+    """Decode ``data`` as ``cls`` strictly (see the module docstring); raise WireError on any violation."""
+    message, _ = decode_with_unknown(cls, data, tolerate_unknown_in=tolerate_unknown_in)
+    return message
+
+
+def decode_with_unknown(
+    cls: type[M], data: bytes, *, tolerate_unknown_in: Collection[str] = ()
+) -> tuple[M, list[UnknownField]]:
+    """Like :func:`decode`, also returning the tolerated unknown fields.
+
+    A DesiredStateBody is decoded with ``tolerate_unknown_in={"full", "patch"}``: a NodeSpec section number
+    this build does not know is then listed here (and the section reported UNSUPPORTED, DLV-CONV-06) while
+    an unknown field anywhere else still refuses the whole body.
+    """
+    if not isinstance(data, bytes | bytearray | memoryview):
+        raise WireError("", f"expected bytes, got {type(data).__name__}")
+    raw = bytes(data)
+    unknown: list[UnknownField] = []
+    _check(cls, raw, "", frozenset(tolerate_unknown_in), unknown)
+    try:
+        return cls.parse(raw), unknown
+    except Exception as exc:  # the walk above admits only what parse handles; keep the boundary typed anyway
+        raise WireError("", f"undecodable: {exc}") from exc
+
+
+def type_url(cls: type[betterproto2.Message]) -> str:
+    """The Any type URL of a bcd.v1 message class (``type.googleapis.com/bcd.v1.GpuResetRequest``)."""
+    from bcd_shared.wire._gen.message_pool import default_message_pool
+
+    try:
+        return str(default_message_pool.type_to_url[cls])
+    except KeyError:
+        raise WireError("", f"{cls.__name__} is not a registered message") from None
+
+
+def unpack_any(value: ProtoAny | None, cls: type[M], *, path: str = "payload") -> M:
+    """Strictly decode an Any's value as ``cls``, refusing another type URL or a missing Any."""
+    if value is None:
+        raise WireError(path, f"missing, expected {type_url(cls)}")
+    expected = type_url(cls)
+    if value.type_url != expected:
+        raise WireError(path, f"type_url {value.type_url!r} is not {expected!r}")
+    return decode(cls, value.value)
+
+
+# ---- the wire walk ----------------------------------------------------------------------------------
+
+
+def _varint(data: bytes, pos: int, path: str) -> tuple[int, int]:
+    result = 0
+    shift = 0
+    start = pos
+    while True:
+        if pos >= len(data):
+            raise WireError(path, "truncated varint")
+        if pos - start >= 10:
+            raise WireError(path, "varint longer than 10 bytes")
+        byte = data[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            if result >= 1 << 64:
+                raise WireError(path, "varint exceeds 64 bits")
+            return result, pos
+        shift += 7
+
+
+def _sub(path: str, name: str) -> str:
+    return f"{path}.{name}" if path else name
+
+
+def _check_varint_value(proto_type: str, value: int, path: str) -> None:
+    if proto_type == betterproto2.TYPE_BOOL and value > 1:
+        raise WireError(path, f"bool encoded as {value}, expected 0 or 1")
+    if proto_type == betterproto2.TYPE_UINT32 and value >= 1 << 32:
+        raise WireError(path, "uint32 out of range")
+    if proto_type in _INT32_LIKE and (1 << 31) <= value < (1 << 64) - (1 << 31):
+        raise WireError(path, f"{proto_type} out of range")
+    if proto_type == betterproto2.TYPE_SINT32 and value >= 1 << 32:
+        raise WireError(path, "sint32 out of range")
+
+
+def _check_packed(proto_type: str, payload: bytes, path: str) -> None:
+    if proto_type in _FIXED64_TYPES or proto_type in _FIXED32_TYPES:
+        size = 8 if proto_type in _FIXED64_TYPES else 4
+        if len(payload) % size:
+            raise WireError(path, f"packed run of {len(payload)} bytes is not a multiple of {size}")
+        return
+    pos = 0
+    while pos < len(payload):
+        value, pos = _varint(payload, pos, path)
+        _check_varint_value(proto_type, value, path)
+
+
+def _proto_meta(cls: type[betterproto2.Message]) -> betterproto2.ProtoClassMetadata:
+    # betterproto2 types this class property for concrete subclasses only.
+    meta: betterproto2.ProtoClassMetadata = cls._betterproto  # type: ignore[arg-type]
+    return meta
+
+
+def _field_class(cls: type[betterproto2.Message], name: str, meta: Any) -> type[betterproto2.Message]:
+    if meta.unwrap is not None:
+        unwrapped: type[betterproto2.Message] = meta.unwrap()
+        return unwrapped
+    field_cls: type[betterproto2.Message] = _proto_meta(cls).cls_by_field[name]
+    return field_cls
+
+
+def _check(
+    cls: type[betterproto2.Message],
+    data: bytes,
+    path: str,
+    tolerate: frozenset[str],
+    unknown: list[UnknownField],
+) -> None:
+    proto_meta = _proto_meta(cls)
+    seen: set[int] = set()
+    groups: dict[str, str] = {}
+    counts: dict[str, int] = {}
+    pos = 0
+    while pos < len(data):
+        tag, pos = _varint(data, pos, _sub(path, "<tag>"))
+        number, wire_type = tag >> 3, tag & 7
+        if number < 1 or number > _MAX_FIELD_NUMBER:
+            raise WireError(path, f"invalid field number {number}")
+        name = proto_meta.field_name_by_number.get(number)
+        where = _sub(path, name) if name else _sub(path, f"#{number}")
+        if wire_type == _WIRE_VARINT:
+            value, pos = _varint(data, pos, where)
+            payload = b""
+        elif wire_type in (_WIRE_FIXED64, _WIRE_FIXED32):
+            size = 8 if wire_type == _WIRE_FIXED64 else 4
+            if pos + size > len(data):
+                raise WireError(where, "truncated fixed-width value")
+            value, payload, pos = 0, data[pos : pos + size], pos + size
+        elif wire_type == _WIRE_LEN:
+            length, pos = _varint(data, pos, where)
+            if pos + length > len(data):
+                raise WireError(where, f"length {length} runs past the end of the message")
+            value, payload, pos = 0, data[pos : pos + length], pos + length
+        else:
+            raise WireError(where, f"wire type {wire_type} is not allowed (groups are not used)")
+
+        if name is None:
+            if path in tolerate:
+                unknown.append(UnknownField(path=path, number=number, wire_type=wire_type))
+                continue
+            raise WireError(where, f"unknown field number {number}")
+
+        meta = proto_meta.meta_by_field_name[name]
+        proto_type = meta.proto_type
+        repeated = bool(meta.repeated) or proto_type == betterproto2.TYPE_MAP
+        if repeated:
+            index = counts.get(name, 0)
+            counts[name] = index + 1
+            where = f"{where}[{index}]"
+        else:
+            if number in seen:
+                raise WireError(where, "singular field appears more than once")
+            seen.add(number)
+            if meta.group:
+                other = groups.get(meta.group)
+                if other is not None:
+                    raise WireError(where, f"oneof {meta.group} already set by {other}")
+                groups[meta.group] = name
+
+        if proto_type in _VARINT_TYPES:
+            if wire_type == _WIRE_VARINT:
+                _check_varint_value(proto_type, value, where)
+            elif wire_type == _WIRE_LEN and meta.repeated:
+                _check_packed(proto_type, payload, where)
+            else:
+                raise WireError(where, f"wire type {wire_type} does not carry a {proto_type}")
+        elif proto_type in _FIXED64_TYPES or proto_type in _FIXED32_TYPES:
+            expected = _WIRE_FIXED64 if proto_type in _FIXED64_TYPES else _WIRE_FIXED32
+            if wire_type == _WIRE_LEN and meta.repeated:
+                _check_packed(proto_type, payload, where)
+            elif wire_type != expected:
+                raise WireError(where, f"wire type {wire_type} does not carry a {proto_type}")
+        elif wire_type != _WIRE_LEN:
+            raise WireError(where, f"wire type {wire_type} does not carry a {proto_type}")
+        elif proto_type == betterproto2.TYPE_STRING:
+            try:
+                payload.decode("utf-8")
+            except UnicodeDecodeError:
+                raise WireError(where, "string is not valid UTF-8") from None
+        elif proto_type in (betterproto2.TYPE_MESSAGE, betterproto2.TYPE_MAP):
+            _check(_field_class(cls, name, meta), payload, where, tolerate, unknown)
