@@ -14,8 +14,6 @@ parses it with its own reader (it never imports the agent) and honours only root
 from __future__ import annotations
 
 import argparse
-import base64
-import binascii
 import ipaddress
 import os
 import re
@@ -25,6 +23,8 @@ from pathlib import Path, PurePosixPath
 from typing import Any, TypeVar
 
 from attrs import field, frozen
+from bcd_shared.pki.errors import BadPin
+from bcd_shared.pki.pins import JoinKeyPin, parse_root_pins
 
 DEFAULT_CONFIG_PATH = "/etc/bcd/config.toml"
 CONFIG_ENV = "BCD_CONFIG"
@@ -76,6 +76,16 @@ class ControlPlaneConfig:
 class HelperConfig:
     socket: str | None = None  # set: privileged steps go through `bcd helper` on this socket
     instance_bridges: tuple[str, ...] = ()
+    # Read by the helper only (root's copy); checked here so that the node refuses what root would.
+    node_user: str | None = None
+    node_uid: int | None = None
+    node_gid: int | None = None
+    audit_dir: str | None = None
+
+
+@frozen
+class DevicesConfig:
+    pod_resources_socket: str = DEFAULT_POD_RESOURCES_SOCKET
 
 
 @frozen
@@ -92,7 +102,6 @@ class JournalConfig:
 @frozen
 class KubernetesConfig:
     allowed_clusters: tuple[AllowedCluster, ...] = ()
-    pod_resources_socket: str = DEFAULT_POD_RESOURCES_SOCKET
 
 
 @frozen
@@ -120,11 +129,12 @@ class Config:
 
     source: str = "<defaults>"
     data_dir: str = DEFAULT_DATA_DIR
-    join_signing_key_pin: str | None = None
+    join_signing_key_pin: JoinKeyPin | None = None
     command_root_sha256: tuple[str, ...] = ()
     control_plane: ControlPlaneConfig = field(factory=ControlPlaneConfig)
     helper: HelperConfig = field(factory=HelperConfig)
     host: HostConfig = field(factory=HostConfig)
+    devices: DevicesConfig = field(factory=DevicesConfig)
     journal: JournalConfig = field(factory=JournalConfig)
     kubernetes: KubernetesConfig = field(factory=KubernetesConfig)
     instances: InstancesConfig = field(factory=InstancesConfig)
@@ -224,23 +234,20 @@ def _sha256_hex(text: str) -> str:
     return text
 
 
-def _command_roots(value: object) -> tuple[str, ...]:
-    return _comma_list(value, _sha256_hex, max_items=MAX_COMMAND_ROOTS)
+def _pin_rule(parse: Callable[[str], T], field_name: str) -> Callable[[object], T]:
+    # The pins are parsed by bcd_shared.pki.pins, the same code the root helper uses.
+    def rule(value: object) -> T:
+        text = _string(value)
+        try:
+            return parse(text)
+        except BadPin as e:
+            raise _Bad(str(e).removeprefix(f"{field_name}: ")) from None
+
+    return rule
 
 
-def _key_pin(value: object) -> str:
-    text = _string(value)
-    rule = "must be sha256/ followed by the base64 of a 32-byte SHA-256 (the install's pin)"
-    if not text.startswith("sha256/"):
-        raise _Bad(f"{rule}, got {_describe(value)}")
-    b64 = text[len("sha256/") :]
-    try:
-        raw = base64.b64decode(b64 + "=" * (-len(b64) % 4), validate=True)
-    except (binascii.Error, ValueError):
-        raise _Bad(f"{rule}, got {_describe(value)}") from None
-    if len(raw) != 32:
-        raise _Bad(f"{rule}, got {len(raw)} bytes")
-    return text
+_command_roots = _pin_rule(parse_root_pins, "command_root_sha256")
+_key_pin = _pin_rule(JoinKeyPin.parse, "join_signing_key_pin")
 
 
 _DNS_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
@@ -337,6 +344,19 @@ def _networks(value: object) -> tuple[Network, ...]:
     return _comma_list(value, _network)
 
 
+_ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
+
+
+def _account(value: object) -> str:
+    text = _string(value)
+    if not _ACCOUNT.fullmatch(text):
+        raise _Bad(
+            f"must be an account name (a lowercase letter or '_', then up to 31 of a-z0-9_-), "
+            f"got {_describe(value)}"
+        )
+    return text
+
+
 def _log_level(value: object) -> str:
     text = _string(value)
     if text not in LOG_LEVELS:
@@ -357,8 +377,16 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "ca_file": _abs_path,
         "server_name": _server_name,
     },
-    "helper": {"socket": _abs_path, "instance_bridges": _bridges},
+    "helper": {
+        "socket": _abs_path,
+        "instance_bridges": _bridges,
+        "node_user": _account,
+        "node_uid": _int_range(1, 2**31 - 2),
+        "node_gid": _int_range(1, 2**31 - 2),
+        "audit_dir": _abs_path,
+    },
     "host": {"units": _boolean},
+    "devices": {"pod_resources_socket": _abs_path},
     "journal": {
         "max_bytes": _int_range(
             JOURNAL_MIN_BYTES,
@@ -371,7 +399,7 @@ SCHEMA: dict[str, dict[str, Rule]] = {
             " (10,000 at most: config may lower the bound, never raise it)",
         ),
     },
-    "kubernetes": {"allowed_clusters": _clusters, "pod_resources_socket": _abs_path},
+    "kubernetes": {"allowed_clusters": _clusters},
     "instances": {"balloon_floor_percent": _int_range(10, 100)},
     "site": {"bmc_networks": _networks},
     "log": {"level": _log_level},
@@ -381,6 +409,7 @@ _TABLE_TYPES: dict[str, type] = {
     "control_plane": ControlPlaneConfig,
     "helper": HelperConfig,
     "host": HostConfig,
+    "devices": DevicesConfig,
     "journal": JournalConfig,
     "kubernetes": KubernetesConfig,
     "instances": InstancesConfig,
@@ -433,6 +462,9 @@ def parse_config(text: str, source: str = "config.toml") -> Config:
                 f"unknown key at the top level (known: {', '.join(sorted(SCHEMA['']))}; "
                 f"tables: {known_tables})",
             )
+    helper = data.get("helper", {})
+    if "node_user" in helper and "node_uid" in helper:
+        raise ConfigError(source, "[helper] node_uid", "give node_user or node_uid, not both")
     top = _parse_table(source, "", data)
     tables: dict[str, Any] = {
         name: _TABLE_TYPES[name](**_parse_table(source, name, data[name]))

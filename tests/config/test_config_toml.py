@@ -34,8 +34,10 @@ ca_file = "/etc/bcd/ca.pem"
 server_name = "gateway.example.com"
 
 [helper]
-socket = "/run/bcd-helper/helper.sock"
+socket = "/run/bcd/helper.sock"
 instance_bridges = "br0, br-vps"
+node_user = "bcd"
+audit_dir = "/var/log/bcd-helper"
 
 [host]
 units = false
@@ -46,7 +48,9 @@ max_events = 5000
 
 [kubernetes]
 allowed_clusters = "https://10.0.0.1:6443#sha256:{HEX_A},https://k8s.example.com#sha256:{HEX_B}"
-pod_resources_socket = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+[devices]
+pod_resources_socket = "/run/kubelet/pod-resources.sock"
 
 [instances]
 balloon_floor_percent = 30
@@ -64,13 +68,15 @@ def test_every_key_parses_into_frozen_values() -> None:
     assert c.data_dir == "/srv/bcd"
     assert c.journal_path == Path("/srv/bcd/journal.db")
     assert c.identity_path == Path("/srv/bcd/identity.json")
-    assert c.join_signing_key_pin == PIN
+    assert str(c.join_signing_key_pin) == PIN
     assert c.command_root_sha256 == (HEX_A, HEX_B)
     assert c.control_plane.address == "gw.example.com:7443"
     assert c.control_plane.unix_socket == "/run/bcd/devplane.sock"
     assert c.control_plane.ca_file == "/etc/bcd/ca.pem"
     assert c.control_plane.server_name == "gateway.example.com"
-    assert c.helper.socket == "/run/bcd-helper/helper.sock" and c.under_helper
+    assert c.helper.socket == "/run/bcd/helper.sock" and c.under_helper
+    assert (c.helper.node_user, c.helper.audit_dir) == ("bcd", "/var/log/bcd-helper")
+    assert c.devices.pod_resources_socket == "/run/kubelet/pod-resources.sock"
     assert c.helper.instance_bridges == ("br0", "br-vps")
     assert c.host.units is False
     assert (c.journal.max_bytes, c.journal.max_events) == (32 * 1024 * 1024, 5000)
@@ -105,24 +111,26 @@ REFUSED = [
     (
         "[helper]\nsockets = '/x'",
         "[helper] sockets",
-        "unknown key in [helper] (known: instance_bridges, socket)",
+        "unknown key in [helper] (known: audit_dir, instance_bridges, node_gid",
     ),
     ("host = true", "[host]", "must be a table"),
     ("data_dir = 'var/lib/bcd'", "data_dir", "absolute path"),
     ("data_dir = '/var/../etc'", "data_dir", "absolute path without '..'"),
     ("data_dir = '/'", "data_dir", "not /"),
     ("data_dir = 7", "data_dir", "must be a string"),
-    ("join_signing_key_pin = 'abc'", "join_signing_key_pin", "sha256/ followed by the base64"),
-    ("join_signing_key_pin = 'sha256/!!!!'", "join_signing_key_pin", "base64"),
-    ("join_signing_key_pin = 'sha256/AAAA'", "join_signing_key_pin", "got 3 bytes"),
-    ("command_root_sha256 = 'ABC'", "command_root_sha256", "64 lowercase hex digits"),
-    (f"command_root_sha256 = '{HEX_A.upper()}'", "command_root_sha256", "64 lowercase hex digits"),
-    (f"command_root_sha256 = '{HEX_A},,{HEX_B}'", "command_root_sha256", "without empty entries"),
-    (f"command_root_sha256 = '{HEX_A},{HEX_A}'", "command_root_sha256", "lists an entry twice"),
+    ("join_signing_key_pin = 'abc'", "join_signing_key_pin", "must start with 'sha256/'"),
+    ("join_signing_key_pin = 'sha256/" + "!" * 44 + "'", "join_signing_key_pin", "base64"),
+    ("join_signing_key_pin = 'sha256/AAAA'", "join_signing_key_pin", "44 characters"),
+    ("join_signing_key_pin = 7", "join_signing_key_pin", "must be a string"),
+    ("command_root_sha256 = 'ABC'", "command_root_sha256", "64 hex digits"),
+    (f"command_root_sha256 = '{HEX_A.upper()}'", "command_root_sha256", "lowercase hex"),
+    (f"command_root_sha256 = '{HEX_A},,{HEX_B}'", "command_root_sha256", "is empty"),
+    (f"command_root_sha256 = '{HEX_A},{HEX_A}'", "command_root_sha256", "repeats"),
+    ("command_root_sha256 = ''", "command_root_sha256", "leave the key out"),
     (
         "command_root_sha256 = '" + ",".join(f"{i:064x}" for i in range(17)) + "'",
         "command_root_sha256",
-        "at most 16 entries",
+        "at most 16",
     ),
     ("[control_plane]\naddress = 'gw.example.com'", "[control_plane] address", "must name a port"),
     ("[control_plane]\naddress = 'gw.example.com:70000'", "[control_plane] address", "outside 1-65535"),
@@ -133,6 +141,10 @@ REFUSED = [
     ("[helper]\nsocket = 'helper.sock'", "[helper] socket", "absolute path"),
     ("[helper]\ninstance_bridges = 'br0,br/1'", "[helper] instance_bridges", "network interface name"),
     ("[helper]\ninstance_bridges = 'a-very-long-bridge-name'", "[helper] instance_bridges", "1 to 15"),
+    ("[helper]\nnode_user = 'Root'", "[helper] node_user", "account name"),
+    ("[helper]\nnode_uid = 0", "[helper] node_uid", "from 1 to"),
+    ("[helper]\nnode_user = 'bcd'\nnode_uid = 999", "[helper] node_uid", "not both"),
+    ("[helper]\naudit_dir = 'log'", "[helper] audit_dir", "absolute path"),
     ("[host]\nunits = 'false'", "[host] units", "must be a boolean"),
     ("[host]\nunits = 0", "[host] units", "must be a boolean"),
     ("[journal]\nmax_bytes = 67108865", "[journal] max_bytes", "never raise it"),
@@ -156,7 +168,8 @@ REFUSED = [
         "[kubernetes] allowed_clusters",
         "port",
     ),
-    ("[kubernetes]\npod_resources_socket = 'kubelet.sock'", "[kubernetes] pod_resources_socket", "absolute"),
+    ("[devices]\npod_resources_socket = 'kubelet.sock'", "[devices] pod_resources_socket", "absolute"),
+    ("[kubernetes]\npod_resources_socket = '/x'", "[kubernetes] pod_resources_socket", "unknown key"),
     ("[instances]\nballoon_floor_percent = 9", "[instances] balloon_floor_percent", "from 10 to 100"),
     ("[instances]\nballoon_floor_percent = 101", "[instances] balloon_floor_percent", "from 10 to 100"),
     ("[site]\nbmc_networks = '10.0.0.1/16'", "[site] bmc_networks", "CIDR"),
@@ -205,3 +218,20 @@ def test_the_documented_key_table_matches_the_schema() -> None:
     documented = set(re.findall(r"^\| `((?:\[\w+\] )?\w+)` \|", doc, re.M))
     accepted = {f"[{t}] {k}" if t else k for t, keys in SCHEMA.items() for k in keys}
     assert documented == accepted
+
+
+def test_the_root_helper_reads_the_same_file() -> None:
+    """One file, two strict readers: whatever the node accepts, the helper's reader accepts too
+    (tables the helper does not own are the node's), and they agree on root's keys (HST-HLP-31)."""
+    helper_config = pytest.importorskip("bcd_helper.config")
+    text = FULL.replace('node_user = "bcd"', "node_uid = 990")
+    node = parse_config(text)
+    root = helper_config.parse_config(text.encode(), "/etc/bcd/config.toml")
+    assert root.host_units is node.host.units is False
+    assert root.command_root_sha256 == node.command_root_sha256
+    assert str(root.join_signing_key_pin) == str(node.join_signing_key_pin)
+    assert root.instance_bridges == node.helper.instance_bridges
+    assert root.socket == node.helper.socket
+    assert [c.ca_sha256 for c in root.allowed_clusters] == [
+        c.ca_sha256 for c in node.kubernetes.allowed_clusters
+    ]
