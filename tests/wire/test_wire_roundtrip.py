@@ -32,7 +32,7 @@ def test_empty_messages_round_trip() -> None:
 
 
 def test_DLV_RCV_09_desired_state_envelope_keeps_body_bytes() -> None:
-    """Covers DLV-RCV-09 and DLV-RCV-17: the body travels as exact bytes inside the envelope."""
+    """Covers DLV-RCV-09 (the body's fields); the body travels as exact bytes inside the envelope."""
     body = wire.DesiredStateBody(
         node_id="node-1",
         generation=42,
@@ -67,7 +67,7 @@ def test_DLV_RCV_09_desired_state_envelope_keeps_body_bytes() -> None:
     decoded = strict.decode(wire.DesiredStateBody, body_bytes)
     assert decoded.full is not None and decoded.patch is None
     limits = decoded.full.devices.assignments[0].limits
-    # proto3 optional: an explicit 0 is a value, an unset field is None (Q-DEV-ASG-01).
+    # proto3 optional: an explicit 0 is a value, an unset field is None (limits with presence).
     assert limits.memory_bytes == 0 and limits.hugepages_1gi is None
     assert betterproto2.which_one_of(decoded, "spec")[0] == "full"
 

@@ -13,7 +13,7 @@ def _fields(cls: type[betterproto2.Message]) -> dict[str, int]:
 
 
 def test_DLV_SPEC_01_nodespec_sections_and_their_numbers() -> None:
-    """Covers DLV-SPEC-01, DLV-CONV-05: seven sections numbered in converge order; the patch mirrors them."""
+    """Covers DLV-SPEC-01: seven sections numbered in converge order; the patch mirrors them."""
     expected = {"host": 1, "devices": 2, "instances": 3, "access": 4, "telemetry": 5, "daemon": 6, "site": 7}
     assert _fields(wire.NodeSpec) == expected
     assert _fields(wire.NodeSpecPatch) == expected
@@ -21,7 +21,7 @@ def test_DLV_SPEC_01_nodespec_sections_and_their_numbers() -> None:
 
 
 def test_DLV_CMD_01_command_body_has_every_seed_field() -> None:
-    """Covers DLV-CMD-01..16 and DLV-SIG-12 (target_node_id): the body's field set."""
+    """Covers DLV-CMD-01: the envelope and every field of the seed's CommandBody table."""
     assert set(_fields(wire.CommandBody)) == {
         "id",
         "node_id",
@@ -49,7 +49,9 @@ def test_DLV_CMD_01_command_body_has_every_seed_field() -> None:
         "batch_approval",
         "batch_proof",
     }
-    assert wire.CommandBody().not_after == 0  # int64 ms since the epoch; 0 = absent = EXPIRED (DLV-ACK-11)
+    assert (
+        wire.CommandBody().not_after == 0
+    )  # int64 ms since the epoch; 0 = absent, which dispatch treats as expired
 
 
 def test_signed_payloads_travel_as_bytes() -> None:

@@ -55,8 +55,8 @@ def test_unknown_nested_field_is_refused_with_its_path() -> None:
     assert error.path == "full.devices.assignments[0].limits.#15"
 
 
-def test_DLV_CONV_06_unknown_section_number_is_reported_not_refused_when_tolerated() -> None:
-    """Covers DLV-CONV-06: a NodeSpec section number this build does not know reaches the runner."""
+def test_unknown_section_number_is_reported_not_refused_when_tolerated() -> None:
+    """A NodeSpec section number this build does not know reaches the runner (to report UNSUPPORTED)."""
     spec = bytes(wire.NodeSpec(host=wire.HostSection())) + _len(8, b"")
     body = bytes(wire.DesiredStateBody(node_id="n", generation=5)) + _len(4, spec)
     message, unknown = strict.decode_with_unknown(
@@ -125,7 +125,7 @@ def test_scalar_ranges_are_checked() -> None:
 
 
 def test_unknown_enum_values_are_kept_for_the_domain_layer() -> None:
-    """Open enums: an unknown binding reaches the devices converger (unsupported-binding, DEV-BND-07)."""
+    """Open enums: an unknown binding reaches the devices converger (unsupported-binding)."""
     data = bytes(wire.DeviceAssignment(allocation_id="a")) + _tag(3, 0) + _varint(9)
     assignment = strict.decode(wire.DeviceAssignment, data)
     assert int(assignment.binding) == 9 and assignment.binding.name == ""
