@@ -1,0 +1,462 @@
+"""The Dispatcher: delivered commands through the journal, the acceptance checks, lanes and handlers.
+
+    session ─deliver(cmd)─▶ resolve (journal) ─▶ precheck (pure) ─▶ credit / journal room ─▶ accepted
+          ◀──── updates ───  ACKED, RUNNING, one terminal outcome (journaled before the credit returns)
+
+A trio service: `await nursery.start(dispatcher.run)` starts the fixed lane workers and the deferral
+timer and reports ready; `deliver`, `cancel`, `spec_applied` and `set_upgrade_only` are then called by
+the session (synchronously: each call finishes its journal writes before it returns, so two deliveries
+of one command never race). No module-level state: everything lives on the instance.
+
+Per delivered command (delivery.md "Duplicates and crash recovery", DLV-REC-03..09):
+- resolve: DONE resends the stored result; REATTACH does nothing (the run in flight reports);
+  REBOOTED / INTERRUPTED are settled by the journal and reported; NONE and REEXECUTE go on to
+- the acceptance checks (dispatch.acceptance): a terminal rejection is journaled and reported; DEFER
+  keeps the command in memory (not journaled, no credit) and asks for the spec once per applied
+  generation; the command is re-checked on every newer spec and at its `not_after` (STALE_GENERATION);
+- BUSY when the lane has no credit or the journal is full (reported, never journaled);
+- `accepted` is journaled (durable), the quorum claim recorded, ACKED reported, and the command queued
+  on its lane. A worker takes the command's resource locks, re-checks `not_after` (a command that waited
+  past it never starts: REJECTED EXPIRED, Q-DLV-CMD-03), runs the handler, journals the outcome, then
+  gives the credit back and reports.
+
+Cancel (DLV-CAN-03..07): deferred or queued (or waiting for a resource lock) -> CANCELLED at once, journaled;
+in the handler before `begin_effect` -> the handler's `begin_effect` raises and the command is CANCELLED;
+after it -> the real outcome. A cancel for a settled command resends its result; for a command never
+seen it journals CANCELLED, so a late delivery is answered CANCELLED and never runs (Q-DLV-CAN-01).
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import math
+from collections.abc import Mapping
+
+import trio
+from bcd_agent.dispatch.acceptance import (
+    Accept,
+    AcceptanceContext,
+    Defer,
+    LeafClaim,
+    Reject,
+    UnbatchedClaim,
+    precheck,
+)
+from bcd_agent.dispatch.command import (
+    ERR_INTERNAL,
+    CommandEnvelope,
+    CommandUpdate,
+    RejectReason,
+    UpdateState,
+)
+from bcd_agent.dispatch.handlers import CommandCancelled, CommandFailed, Handler
+from bcd_agent.dispatch.kinds import KINDS, KindSpec, Lane, Role
+from bcd_agent.dispatch.lanes import LANES, Credits, LaneConfig, ResourceLocks
+from bcd_agent.dispatch.ports import (
+    BatchVerifier,
+    Clock,
+    CommandJournal,
+    ResultSigner,
+    SpecRequester,
+    TrustView,
+    UpdateSink,
+)
+from bcd_agent.dispatch.quorum import QuorumLedger
+from bcd_agent.dispatch.results import update_from_entry
+from bcd_agent.journal import Action, CommandEntry, CommandFlags, JournalFull, NewCommand, Outcome
+from bcd_shared.errors import StepError
+
+log = logging.getLogger(__name__)
+
+# Deferred commands are held in memory; beyond this many, new ones are answered BUSY.
+MAX_DEFERRED = 1000
+
+
+class _Phase(enum.Enum):
+    QUEUED = "queued"  # accepted, waiting for a worker or a resource lock
+    STARTING = "starting"  # in the handler, before its side effect
+    EFFECT = "effect"  # the side effect has begun: only the real outcome is reported
+    SETTLED = "settled"  # terminal outcome journaled, credit given back
+
+
+class _Execution:
+    """One accepted command on its way through a lane (mutable; owned by the dispatcher)."""
+
+    def __init__(self, cmd: CommandEnvelope, accept: Accept, new: NewCommand) -> None:
+        self.cmd = cmd
+        self.accept = accept
+        self.new = new
+        self.phase = _Phase.QUEUED
+        self.cancel_reason: str | None = None
+
+
+class _RunContext:
+    """What a handler sees of the dispatcher (handlers.RunContext)."""
+
+    def __init__(self, dispatcher: Dispatcher, exe: _Execution) -> None:
+        self._d = dispatcher
+        self._exe = exe
+
+    @property
+    def boot_id(self) -> str:
+        return self._d.boot_id
+
+    @property
+    def cancel_requested(self) -> bool:
+        return self._exe.cancel_reason is not None
+
+    async def begin_effect(self) -> None:
+        exe = self._exe
+        if exe.phase is _Phase.EFFECT:
+            return
+        if exe.cancel_reason is not None:
+            raise CommandCancelled(exe.cancel_reason)
+        # Durable before effect: running{boot_id} is on disk when this returns (DLV-JRN-16/17).
+        self._d._journal.mark_running(exe.cmd.id)
+        exe.phase = _Phase.EFFECT
+        self._d._send(UpdateState.RUNNING, exe.cmd.id)
+        await trio.lowlevel.checkpoint()
+
+
+def _new_command(cmd: CommandEnvelope, spec: KindSpec | None) -> NewCommand:
+    """The journal's record of a command: table flags when the kind is known, else the body's."""
+    if spec is not None:
+        flags = CommandFlags(
+            retry_safe=spec.retry_safe and cmd.retry_safe,
+            self_terminating=spec.self_terminating,
+            attested=spec.attested or cmd.attested,
+        )
+    else:
+        flags = CommandFlags(retry_safe=False, self_terminating=cmd.self_terminating, attested=cmd.attested)
+    return NewCommand(id=cmd.id, kind=cmd.kind, flags=flags, body=cmd.body_bytes, signature=cmd.signature)
+
+
+class Dispatcher:
+    """Runs delivered commands at most once (see the module docstring)."""
+
+    def __init__(
+        self,
+        *,
+        node_id: str,
+        role: Role,
+        journal: CommandJournal,
+        sink: UpdateSink,
+        spec_requester: SpecRequester,
+        trust: TrustView,
+        batches: BatchVerifier,
+        ledger: QuorumLedger,
+        clock: Clock,
+        handlers: Mapping[str, Handler],
+        signer: ResultSigner | None = None,
+        kinds: Mapping[str, KindSpec] = KINDS,
+        lanes: Mapping[Lane, LaneConfig] = LANES,
+        applied_generation: int = 0,
+        upgrade_only: bool = False,
+        max_deferred: int = MAX_DEFERRED,
+    ) -> None:
+        unknown = sorted(set(handlers) - set(kinds))
+        if unknown:
+            raise ValueError(f"handlers for kinds missing from the kind table: {unknown}")
+        self._node_id = node_id
+        self._role = role
+        self._journal = journal
+        self._sink = sink
+        self._spec_requester = spec_requester
+        self._trust = trust
+        self._batches = batches
+        self._ledger = ledger
+        self._clock = clock
+        self._handlers = dict(handlers)
+        self._signer = signer
+        self._kinds = kinds
+        self._lanes = dict(lanes)
+        self._applied_generation = applied_generation
+        self._upgrade_only = upgrade_only
+        self._max_deferred = max_deferred
+        self.boot_id = journal.boot_id
+        self._credits = {lane: Credits(cfg.credits) for lane, cfg in self._lanes.items()}
+        self._locks = ResourceLocks()
+        self._inflight: dict[str, _Execution] = {}
+        self._deferred: dict[str, CommandEnvelope] = {}
+        self._deferred_changed = trio.Event()
+        self._spec_requested_at: int | None = None
+        self._queues: dict[Lane, trio.MemorySendChannel[_Execution]] = {}
+        self._running = False
+
+    # --- the service -------------------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[Dispatcher] = trio.TASK_STATUS_IGNORED) -> None:
+        """Start the lane workers and the deferral timer; report ready; run until cancelled."""
+        if self._running:
+            raise RuntimeError("dispatcher already running")
+        try:
+            async with trio.open_nursery() as nursery:
+                for lane, cfg in self._lanes.items():
+                    # Credits bound what is queued; the buffer is unbounded so a cancelled command still
+                    # in the channel never blocks a new admission.
+                    send, receive = trio.open_memory_channel[_Execution](math.inf)
+                    self._queues[lane] = send
+                    for _ in range(cfg.workers):
+                        nursery.start_soon(self._worker, receive)
+                nursery.start_soon(self._deferral_timer)
+                self._running = True
+                task_status.started(self)
+        finally:
+            self._running = False
+
+    # --- what the session calls -------------------------------------------------------------------------
+
+    @property
+    def applied_generation(self) -> int:
+        return self._applied_generation
+
+    def credits_in_use(self, lane: Lane) -> int:
+        return self._credits[lane].in_use
+
+    def deferred_ids(self) -> tuple[str, ...]:
+        return tuple(self._deferred)
+
+    def in_flight_ids(self) -> tuple[str, ...]:
+        return tuple(self._inflight)
+
+    def set_upgrade_only(self, upgrade_only: bool) -> None:
+        self._upgrade_only = upgrade_only
+
+    def deliver(self, cmd: CommandEnvelope) -> None:
+        """A command arrived (or was redelivered) from the session."""
+        self._require_running()
+        if cmd.id in self._deferred or cmd.id in self._inflight:
+            return  # still waiting, or the run in flight reports (REATTACH)
+        res = self._journal.resolve(cmd.id)
+        if res.action is Action.DONE:
+            assert res.entry is not None
+            self._send_entry(res.entry)
+        elif res.action in (Action.REBOOTED, Action.INTERRUPTED):
+            self._send_entry(self._journal.settle(cmd.id))
+        elif res.action is Action.REATTACH:
+            log.warning(
+                "command %s is journaled by this process but not in flight; nothing to resend", cmd.id
+            )
+        else:
+            self._admit(cmd, reexecute=res.action is Action.REEXECUTE)
+
+    def spec_applied(self, generation: int) -> None:
+        """A newer spec was applied: re-run the checks of every deferred command, in `seq` order."""
+        self._require_running()
+        if generation <= self._applied_generation:
+            return
+        self._applied_generation = generation
+        self._spec_requested_at = None
+        waiting = sorted(self._deferred.values(), key=lambda c: c.seq)
+        self._deferred.clear()
+        for cmd in waiting:
+            self.deliver(cmd)
+        self._deferred_changed.set()
+
+    def cancel(self, command_id: str, reason: str = "") -> None:
+        """`Cancel{command_id, reason}` from the gateway (see the module docstring)."""
+        self._require_running()
+        deferred = self._deferred.pop(command_id, None)
+        if deferred is not None:
+            self._deferred_changed.set()
+            self._cancel_unstarted(_new_command(deferred, self._kinds.get(deferred.kind)), reason)
+            return
+        exe = self._inflight.get(command_id)
+        if exe is not None:
+            if exe.phase is _Phase.QUEUED:
+                entry = self._journal.cancel(command_id, reason)
+                assert entry is not None
+                self._settled(exe)
+                self._send_entry(entry)
+            elif exe.phase is _Phase.STARTING:
+                exe.cancel_reason = reason
+            else:
+                log.info("cancel of %s ignored: its side effect has started", command_id)
+            return
+        res = self._journal.resolve(command_id)
+        if res.action is Action.DONE:
+            assert res.entry is not None
+            self._send_entry(res.entry)
+        elif res.action in (Action.REBOOTED, Action.INTERRUPTED):
+            self._send_entry(self._journal.settle(command_id))
+        elif res.action is Action.NONE:
+            self._cancel_unstarted(NewCommand(id=command_id, kind="", flags=CommandFlags()), reason)
+        elif res.action is Action.REEXECUTE:
+            entry = self._journal.cancel(command_id, reason)
+            if entry is not None and entry.state.terminal:
+                self._send_entry(entry)
+
+    # --- admission ------------------------------------------------------------------------------------
+
+    def _require_running(self) -> None:
+        if not self._running:
+            raise RuntimeError("dispatcher not running: start it with nursery.start(dispatcher.run)")
+
+    def _context(self) -> AcceptanceContext:
+        return AcceptanceContext(
+            node_id=self._node_id,
+            role=self._role,
+            upgrade_only=self._upgrade_only,
+            applied_generation=self._applied_generation,
+            server_now=self._clock.server_now(),
+            host_now=self._clock.host_time(),
+            kinds=self._kinds,
+            supported=frozenset(self._handlers),
+            trust=self._trust,
+            batches=self._batches,
+            ledger=self._ledger,
+        )
+
+    def _admit(self, cmd: CommandEnvelope, *, reexecute: bool) -> None:
+        ctx = self._context()
+        verdict = precheck(cmd, ctx, reexecute=reexecute)
+        if isinstance(verdict, Reject):
+            entry = self._journal.reject(_new_command(cmd, self._kinds.get(cmd.kind)), verdict.reason.value)
+            self._send_entry(entry, verdict.message)
+            return
+        if isinstance(verdict, Defer):
+            if len(self._deferred) >= self._max_deferred:
+                self._busy(cmd, f"{len(self._deferred)} commands already wait for a newer spec")
+                return
+            self._deferred[cmd.id] = cmd
+            self._deferred_changed.set()
+            if self._spec_requested_at != self._applied_generation:
+                self._spec_requested_at = self._applied_generation
+                self._spec_requester.request_spec_for_min_generation(self._applied_generation)
+            return
+        lane = verdict.flags.lane
+        credits = self._credits[lane]
+        if not credits.try_take():
+            self._busy(cmd, f"lane {lane.value} has no free credit ({credits.total} in use)")
+            return
+        new = _new_command(cmd, verdict.spec)
+        try:
+            self._journal.accept_command(new)
+        except JournalFull as exc:
+            credits.give_back()
+            self._busy(cmd, str(exc))
+            return
+        except BaseException:
+            credits.give_back()
+            raise
+        exe = _Execution(cmd, verdict, new)
+        self._inflight[cmd.id] = exe
+        try:
+            self._record_claim(cmd, verdict, ctx.host_now)
+        except Exception as exc:
+            log.exception("command %s: recording its quorum claim failed", cmd.id)
+            self._complete(exe, Outcome.FAILED, code=ERR_INTERNAL, message=f"quorum ledger: {exc}")
+            return
+        self._send(UpdateState.ACKED, cmd.id)
+        self._queues[lane].send_nowait(exe)
+
+    def _record_claim(self, cmd: CommandEnvelope, verdict: Accept, host_now: float) -> None:
+        claim = verdict.claim
+        if isinstance(claim, UnbatchedClaim):
+            self._ledger.record_unbatched(cmd.id, host_now)
+        elif isinstance(claim, LeafClaim):
+            server_now = self._clock.server_now().timestamp()
+            self._ledger.record_leaf(
+                claim.admission.leaf, cmd.id, host_now, server_now, claim.admission.expires_at
+            )
+
+    def _busy(self, cmd: CommandEnvelope, message: str) -> None:
+        """Not terminal and never journaled (DLV-ACK-14/15): the gateway redelivers later."""
+        self._sink.send(
+            CommandUpdate(
+                cmd.id, UpdateState.BUSY, self.boot_id, reason=UpdateState.BUSY.value, message=message
+            )
+        )
+
+    def _cancel_unstarted(self, new: NewCommand, reason: str) -> None:
+        """Journal CANCELLED for a command that never got an `accepted` entry (deferred or unseen)."""
+        entry = self._journal.cancel(new.id, reason)
+        if entry is None:
+            # The journal cancels only `accepted` entries: record the command, then cancel it.
+            self._journal.accept_command(new)
+            entry = self._journal.cancel(new.id, reason)
+        if entry is not None and entry.state.terminal:
+            self._send_entry(entry)
+
+    # --- deferral ---------------------------------------------------------------------------------------
+
+    async def _deferral_timer(self) -> None:
+        """At a deferred command's `not_after`, re-check it: still behind is STALE_GENERATION."""
+        while True:
+            self._deferred_changed = trio.Event()
+            now = self._clock.server_now()
+            due = sorted(
+                (c for c in self._deferred.values() if c.not_after is None or c.not_after <= now),
+                key=lambda c: c.seq,
+            )
+            for cmd in due:
+                del self._deferred[cmd.id]
+                self.deliver(cmd)
+            waits = [(c.not_after - now).total_seconds() for c in self._deferred.values() if c.not_after]
+            with trio.move_on_after(max(min(waits), 0.0) if waits else math.inf):
+                await self._deferred_changed.wait()
+
+    # --- the lanes ----------------------------------------------------------------------------------------
+
+    async def _worker(self, receive: trio.MemoryReceiveChannel[_Execution]) -> None:
+        async for exe in receive:
+            if exe.phase is _Phase.SETTLED:
+                continue  # cancelled while queued
+            await self._execute(exe)
+
+    async def _execute(self, exe: _Execution) -> None:
+        cmd = exe.cmd
+        handler = self._handlers[cmd.kind]
+        try:
+            resources = handler.resources(cmd)
+        except CommandFailed as exc:
+            self._complete(exe, Outcome.FAILED, code=exc.code, message=exc.message)
+            return
+        async with self._locks.hold(resources):
+            if exe.phase is _Phase.SETTLED:
+                return  # cancelled while waiting for a lock
+            now = self._clock.server_now()
+            if cmd.not_after is None or now >= cmd.not_after:
+                entry = self._journal.reject(exe.new, RejectReason.EXPIRED.value)
+                self._settled(exe)
+                self._send_entry(entry, "not_after passed while the command waited for a worker")
+                return
+            exe.phase = _Phase.STARTING
+            try:
+                body = await handler.run(cmd, _RunContext(self, exe))
+            except CommandCancelled as exc:
+                cancelled = self._journal.cancel(cmd.id, exc.reason)
+                assert cancelled is not None
+                self._settled(exe)
+                self._send_entry(cancelled)
+            except CommandFailed as exc:
+                self._complete(exe, Outcome.FAILED, code=exc.code, message=exc.message)
+            except StepError as exc:
+                self._complete(exe, Outcome.FAILED, code=exc.reason, message=exc.message)
+            except Exception as exc:
+                log.exception("command %s (%s) failed inside its handler", cmd.id, cmd.kind)
+                self._complete(exe, Outcome.FAILED, code=ERR_INTERNAL, message=f"{type(exc).__name__}: {exc}")
+            else:
+                self._complete(exe, Outcome.SUCCEEDED, body=body)
+
+    # --- outcomes -----------------------------------------------------------------------------------------
+
+    def _complete(
+        self, exe: _Execution, outcome: Outcome, *, code: str = "", body: bytes = b"", message: str = ""
+    ) -> None:
+        """Journal the real outcome, then give the credit back (DLV-LANE-09), then report it."""
+        entry = self._journal.complete(exe.cmd.id, outcome, code=code, body=body)
+        self._settled(exe)
+        self._send_entry(entry, message)
+
+    def _settled(self, exe: _Execution) -> None:
+        exe.phase = _Phase.SETTLED
+        self._inflight.pop(exe.cmd.id, None)
+        self._credits[exe.accept.flags.lane].give_back()
+
+    def _send(self, state: UpdateState, command_id: str) -> None:
+        self._sink.send(CommandUpdate(command_id, state, self.boot_id))
+
+    def _send_entry(self, entry: CommandEntry, message: str = "") -> None:
+        self._sink.send(update_from_entry(entry, self._signer, message))
