@@ -70,6 +70,14 @@ def test_unknown_section_number_is_reported_not_refused_when_tolerated() -> None
         strict.decode_with_unknown(wire.DesiredStateBody, bad, tolerate_unknown_in={"full", "patch"})
 
 
+def test_decode_spec_body_lists_unknown_section_numbers() -> None:
+    spec = _len(9, b"") + bytes(wire.NodeSpec(site=wire.SiteSection())) + _len(8, b"") + _len(8, b"")
+    body = bytes(wire.DesiredStateBody(node_id="n", generation=6)) + _len(5, spec)  # as a patch
+    decoded, unknown_sections = strict.decode_spec_body(body)
+    assert decoded.patch is not None and decoded.patch.site is not None
+    assert unknown_sections == (8, 9)
+
+
 def test_duplicate_singular_field_is_refused() -> None:
     data = bytes(wire.SpecRequest(have_generation=1)) + bytes(wire.SpecRequest(have_generation=2))
     assert _refused(wire.SpecRequest, data).path == "have_generation"

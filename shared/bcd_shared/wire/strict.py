@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import attrs
 import betterproto2
 
+from bcd_shared.wire._gen.bcd.v1 import DesiredStateBody
 from bcd_shared.wire._gen.google.protobuf import Any as ProtoAny
 
 M = TypeVar("M", bound=betterproto2.Message)
@@ -98,6 +99,17 @@ def decode_with_unknown(
         return cls.parse(raw), unknown
     except Exception as exc:  # the walk above admits only what parse handles; keep the boundary typed anyway
         raise WireError("", f"undecodable: {exc}") from exc
+
+
+# Where a DesiredStateBody holds its NodeSpec (oneof spec): unknown section numbers are tolerated there only.
+SPEC_PATHS: frozenset[str] = frozenset({"full", "patch"})
+
+
+def decode_spec_body(data: bytes) -> tuple[DesiredStateBody, tuple[int, ...]]:
+    """A DesiredStateBody, strictly, and the NodeSpec section numbers in it this build does not know (sorted,
+    each once): the converge runner reports those UNSUPPORTED with the number as reason (DLV-CONV-05/06)."""
+    body, unknown = decode_with_unknown(DesiredStateBody, data, tolerate_unknown_in=SPEC_PATHS)
+    return body, tuple(sorted({u.number for u in unknown}))
 
 
 def type_url(cls: type[betterproto2.Message]) -> str:
