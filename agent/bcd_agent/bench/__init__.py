@@ -13,7 +13,9 @@ import json
 import sys
 
 # bench name -> module under bcd_agent.bench. One literal table.
-BENCHES: dict[str, str] = {}
+BENCHES: dict[str, str] = {
+    "pki": "pki",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
