@@ -163,7 +163,8 @@ def test_malformed_bundles_are_refused_even_when_signed(hierarchy: Hierarchy) ->
     good = bytes(WireTrustBundle(version=1, command_roots=[hierarchy.root]))
     cases = [
         (good + b"\x78\x01", "unknown field"),  # field 15, varint
-        (good + b"\x12", "does not decode"),
+        (good + b"\x12", "command_roots: truncated"),
+        (good + b"\x08\x02", "version: singular field appears more than once"),
         (bytes(WireTrustBundle(version=0)), "version: must be at least 1"),
         (bytes(WireTrustBundle(version=1, command_roots=[b"junk"])), r"command_roots\[0\]"),
         (bytes(WireTrustBundle(version=1, command_roots=[hierarchy.root, hierarchy.root])), "duplicate root"),
