@@ -1,0 +1,311 @@
+"""Applying a devices plan: the executors that write holds, and the applier that runs the actions.
+
+Two executors do root's part (the hold files under /etc/cdi and /run, and the slices):
+- `DirectExecutor(system)`: bcd node as root (or the simulated host): atomic 0644 writes through
+  the System, `systemctl start` + `systemctl set-property --runtime`, `+hugetlb` into the ancestors'
+  `cgroup.subtree_control` then `hugetlb.<size>.max`, `systemctl stop` only when `cgroup.events`
+  says `populated 0` (read again just before the stop);
+- `HelperExecutor(client)`: an unprivileged node beside `bcd helper`: `file.write`/`file.remove` of
+  kind `cdi` / `allocation-env` with the allocation id (the helper builds the path), `slice.apply` /
+  `slice.remove` with the name and limits. A refusal is HelperRefused (retryable).
+The agent's own records (releasing.json 0600, the marker, the event ledger) are in data_dir, which the
+agent owns: the applier writes them through the System directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Protocol
+
+from attrs import frozen
+from bcd_shared import cdi
+from bcd_shared.errors import RetryableError, StepError
+from bcd_shared.system import System
+
+from bcd_agent.sections.devices import observe
+from bcd_agent.sections.devices.events import (
+    EventSink,
+    FailedEvent,
+    ReportSigner,
+    failed_event,
+    sign_report,
+)
+from bcd_agent.sections.devices.plan import (
+    Action,
+    ApplySlice,
+    Emit,
+    Plan,
+    RemoveEnv,
+    RemoveMarker,
+    RemoveSpec,
+    SetAsideReleases,
+    Step,
+    StopSlice,
+    WriteEnv,
+    WriteLedger,
+    WriteReleases,
+    WriteSpec,
+)
+from bcd_agent.sections.devices.slices import CGROUP_ROOT, HUGETLB_FILES, PARENT_CGROUP, SliceSpec, slice_cgroup
+
+
+class HoldExecutor(Protocol):
+    """Root's part of a hold. Every method raises a StepError (RetryableError / HelperRefused) on failure."""
+
+    def write_cdi(self, allocation_id: str, data: bytes) -> None: ...
+
+    def remove_cdi(self, allocation_id: str) -> None: ...
+
+    def write_env(self, allocation_id: str, data: bytes) -> None: ...
+
+    def remove_env(self, allocation_id: str) -> None: ...
+
+    def apply_slice(self, spec: SliceSpec) -> None: ...
+
+    def stop_slice(self, name: str) -> None: ...
+
+
+class DirectExecutor:
+    """Writes holds directly (bcd node as root, or the simulated host)."""
+
+    def __init__(self, system: System, *, slice_records: bool = False) -> None:
+        self.system = system
+        # A fakehw host keeps slices as JSON records under /run/bcd/slices (DEV-SLICE-25).
+        self.slice_records = slice_records
+
+    def _write(self, path: str, data: bytes) -> None:
+        try:
+            self.system.write_atomic(path, data, 0o644)
+        except OSError as exc:
+            raise RetryableError("WriteFailed", f"writing {path}: {exc}") from None
+
+    def _remove(self, path: str) -> None:
+        try:
+            self.system.remove(path)
+        except OSError as exc:
+            raise RetryableError("RemoveFailed", f"removing {path}: {exc}") from None
+
+    def write_cdi(self, allocation_id: str, data: bytes) -> None:
+        cdi.parse_hold_spec(data, allocation_id)  # never write what bcd itself could not read back
+        self._write(cdi.cdi_spec_path(allocation_id), data)
+
+    def remove_cdi(self, allocation_id: str) -> None:
+        self._remove(cdi.cdi_spec_path(allocation_id))
+
+    def write_env(self, allocation_id: str, data: bytes) -> None:
+        self._write(cdi.env_file_path(allocation_id), data)
+
+    def remove_env(self, allocation_id: str) -> None:
+        self._remove(cdi.env_file_path(allocation_id))
+
+    def _systemctl(self, *args: str) -> None:
+        result = self.system.run(["systemctl", *args], timeout=120)
+        if not result.ok:
+            raise RetryableError("SliceFailed", f"systemctl {args[0]} {args[1]}: {result.describe()}")
+
+    def _cgwrite(self, path: str, text: str) -> None:
+        # cgroupfs files are written in place (no temporary file, no rename).
+        try:
+            with open(self.system.host_path(path), "w") as f:
+                f.write(text)
+        except OSError as exc:
+            raise RetryableError("SliceFailed", f"writing {text.strip()!r} to {path}: {exc}") from None
+
+    def _record(self, name: str) -> str:
+        return f"{observe.SLICE_RECORDS_DIR}/{name}.json"
+
+    def apply_slice(self, spec: SliceSpec) -> None:
+        if self.slice_records:
+            old = self.system.read_bytes(self._record(spec.name))
+            rec = json.loads(old) if old else {"populated": False, "hugetlb_current": {}}
+            rec["properties"] = dict(spec.properties)
+            rec["hugetlb_max"] = {str(k): v for k, v in spec.hugetlb_max}
+            self._write(self._record(spec.name), (json.dumps(rec, sort_keys=True) + "\n").encode())
+            return
+        self._systemctl("start", spec.name)
+        if spec.properties:
+            self._systemctl("set-property", "--runtime", spec.name, *(f"{k}={v}" for k, v in spec.properties))
+        if spec.hugetlb_max:
+            for parent in (CGROUP_ROOT, f"{CGROUP_ROOT}/bcd.slice", PARENT_CGROUP):
+                self._cgwrite(f"{parent}/cgroup.subtree_control", "+hugetlb\n")
+            for size, limit in spec.hugetlb_max:
+                self._cgwrite(f"{spec.cgroup}/{HUGETLB_FILES[size]}.max", f"{limit}\n")
+
+    def stop_slice(self, name: str) -> None:
+        if self.slice_records:
+            state = observe.read_slice_records(self.system).get(name)
+            if state is not None and not state.populated:
+                self._remove(self._record(name))
+            return
+        events = self.system.read_text(f"{slice_cgroup(name)}/cgroup.events") or ""
+        if any(line.split() == ["populated", "1"] for line in events.splitlines()):
+            return  # a workload still runs there: a release never kills it; a later pass retries
+        self._systemctl("stop", name)
+
+
+class HelperClientLike(Protocol):
+    def file_write(self, kind: str, ident: str, content: bytes | str) -> object: ...
+
+    def file_remove(self, kind: str, ident: str) -> bool: ...
+
+    def slice_apply(
+        self,
+        name: str,
+        *,
+        cpus: str | None = ...,
+        mems: str | None = ...,
+        cpu_millis: int | None = ...,
+        memory_bytes: int | None = ...,
+        hugepages_2mi: int | None = ...,
+        hugepages_1gi: int | None = ...,
+    ) -> object: ...
+
+    def slice_remove(self, name: str) -> object: ...
+
+
+class HelperExecutor:
+    """Asks the root helper for each write (bcd_agent.helperclient.HelperClient)."""
+
+    def __init__(self, client: HelperClientLike) -> None:
+        self.client = client
+
+    def write_cdi(self, allocation_id: str, data: bytes) -> None:
+        self.client.file_write("cdi", allocation_id, data)
+
+    def remove_cdi(self, allocation_id: str) -> None:
+        self.client.file_remove("cdi", allocation_id)
+
+    def write_env(self, allocation_id: str, data: bytes) -> None:
+        self.client.file_write("allocation-env", allocation_id, data)
+
+    def remove_env(self, allocation_id: str) -> None:
+        self.client.file_remove("allocation-env", allocation_id)
+
+    def apply_slice(self, spec: SliceSpec) -> None:
+        lim = spec.limits
+        self.client.slice_apply(
+            spec.name,
+            cpus=lim.cpus or None,
+            mems=lim.mems or None,
+            cpu_millis=lim.cpu_millis,
+            memory_bytes=lim.memory_bytes,
+            hugepages_2mi=lim.hugepages_2mi,
+            hugepages_1gi=lim.hugepages_1gi,
+        )
+
+    def stop_slice(self, name: str) -> None:
+        self.client.slice_remove(name)
+
+
+@frozen
+class ApplyResult:
+    errors: tuple[tuple[str, str], ...]  # (action key, message)
+    changed: bool
+    done: frozenset[str]
+
+
+class Applier:
+    """Runs a plan's actions in order. Emits go to the sink (journaled before they are sent)."""
+
+    def __init__(
+        self,
+        executor: HoldExecutor,
+        system: System,
+        data_dir: str,
+        sink: EventSink,
+        signer: ReportSigner,
+        log: Callable[[str], None] | None = None,
+    ) -> None:
+        self.executor = executor
+        self.system = system
+        self.data_dir = data_dir
+        self.sink = sink
+        self.signer = signer
+        self.log = log or (lambda _msg: None)
+
+    def run(self, plan: Plan) -> ApplyResult:
+        errors: list[tuple[str, str]] = []
+        failed: set[str] = set()
+        done: set[str] = set()
+        changed = False
+        for action in plan.actions:
+            if action.after & failed:
+                errors.append((action.key, "waits for a release that failed in this pass"))
+                failed.add(action.key)
+                continue
+            if action.kind == "ledger" and failed:
+                # Only record events that were actually sent.
+                action = self._ledger_without(action, failed)
+            try:
+                for step in action.steps:
+                    changed |= self._step(step)
+            except StepError as exc:
+                errors.append((action.key, exc.message))
+                failed.add(action.key)
+                self.log(f"devices: {action.key}: {exc.message}")
+                continue
+            done.add(action.key)
+        return ApplyResult(tuple(errors), changed, frozenset(done))
+
+    def _ledger_without(self, action: Action, failed: set[str]) -> Action:
+        step = action.steps[0]
+        assert isinstance(step, WriteLedger)
+        allocs = {k.split(":", 1)[1] for k in failed if ":" in k}
+        bound = {k: v for k, v in step.ledger.bound.items() if k not in allocs}
+        fail = dict(step.ledger.failed)
+        if "failures" in failed:
+            fail = {}
+        from bcd_agent.sections.devices.plan import Ledger
+
+        return Action(action.key, action.kind, (WriteLedger(Ledger(bound=bound, failed=fail)),))
+
+    def _data(self, name: str) -> str:
+        return f"{self.data_dir}/{name}"
+
+    def _step(self, step: Step) -> bool:
+        ex = self.executor
+        if isinstance(step, WriteSpec):
+            ex.write_cdi(step.allocation_id, cdi.encode_spec(step.doc))
+        elif isinstance(step, RemoveSpec):
+            ex.remove_cdi(step.allocation_id)
+        elif isinstance(step, WriteEnv):
+            ex.write_env(step.allocation_id, cdi.encode_env_file(step.lines))
+        elif isinstance(step, RemoveEnv):
+            ex.remove_env(step.allocation_id)
+        elif isinstance(step, ApplySlice):
+            ex.apply_slice(step.slice)
+        elif isinstance(step, StopSlice):
+            ex.stop_slice(step.name)
+        elif isinstance(step, WriteReleases):
+            self._own_write(observe.RELEASES_FILE, observe.encode_releases(step.releases), 0o600)
+        elif isinstance(step, SetAsideReleases):
+            src = self.system.host_path(self._data(observe.RELEASES_FILE))
+            dst = self.system.host_path(self._data(f"{observe.RELEASES_FILE}.unreadable-{step.suffix}"))
+            self._own_write(observe.MARKER_FILE, b"releasing.json could not be read; see releasing.json.unreadable-*\n", 0o600)
+            try:
+                os.replace(src, dst)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                raise RetryableError("ReleasesFile", f"setting {src} aside: {exc}") from None
+        elif isinstance(step, RemoveMarker):
+            self.system.remove(self._data(observe.MARKER_FILE))
+        elif isinstance(step, Emit):
+            event = step.event
+            if isinstance(event, FailedEvent):
+                self.sink.emit(failed_event(event))
+            else:
+                self.sink.emit(sign_report(self.signer, event))
+            return False
+        elif isinstance(step, WriteLedger):
+            self._own_write(observe.LEDGER_FILE, observe.encode_ledger(step.ledger), 0o600)
+            return False
+        return True
+
+    def _own_write(self, name: str, data: bytes, mode: int) -> None:
+        try:
+            self.system.write_atomic(self._data(name), data, mode)
+        except OSError as exc:
+            raise RetryableError("DataDirWrite", f"writing {self._data(name)}: {exc}") from None

@@ -1,0 +1,171 @@
+"""Reading what the devices section needs from the host, through a `System` (read-only).
+
+Holds come from the files alone (DEV-PASS-03/04): `/etc/cdi/bcd-*.json` read back with
+`bcd_shared.cdi.parse_hold_spec`, env files from `/run/bcd/allocations/<id>.env`, slices from the
+cgroup tree `/sys/fs/cgroup/bcd.slice/bcd-alloc.slice/` (`cgroup.events`, `hugetlb.*.current`), the
+pending Kubernetes releases from `<data_dir>/releasing.json`, the marker
+`<data_dir>/releasing.unreadable`, and the event ledger `<data_dir>/devices-events.json`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from bcd_shared import cdi
+from bcd_shared.system import System
+
+from bcd_agent.sections.devices.plan import Ledger, LiveHold, PendingRelease, SliceState
+from bcd_agent.sections.devices.slices import HUGETLB_FILES, PARENT_CGROUP, SLICE_NAME_RE
+
+RELEASES_FILE = "releasing.json"
+MARKER_FILE = "releasing.unreadable"
+LEDGER_FILE = "devices-events.json"
+
+
+class ReleasesUnreadable(ValueError):
+    pass
+
+
+def read_holds(system: System) -> tuple[dict[str, LiveHold], tuple[str, ...]]:
+    """Every bcd hold on the host, and the allocation ids whose spec did not parse."""
+    holds: dict[str, LiveHold] = {}
+    bad: list[str] = []
+    for name in system.listdir(cdi.CDI_DIR):
+        alloc = cdi.allocation_of_spec_file(name)
+        if alloc is None:
+            continue
+        data = system.read_bytes(f"{cdi.CDI_DIR}/{name}")
+        if data is None:
+            continue
+        try:
+            record = cdi.parse_hold_spec(data, alloc)
+            doc: Mapping[str, Any] = json.loads(data)
+        except cdi.CdiError:
+            bad.append(alloc)
+            continue
+        env_data = system.read_bytes(cdi.env_file_path(alloc))
+        env_lines: tuple[str, ...] | None = None
+        if env_data is not None:
+            try:
+                env_lines = cdi.parse_env_file(env_data, alloc)
+            except cdi.CdiError:
+                env_lines = None
+        holds[alloc] = LiveHold(record, doc, env_lines)
+    return holds, tuple(bad)
+
+
+def read_slices(system: System) -> dict[str, SliceState]:
+    out: dict[str, SliceState] = {}
+    for name in system.listdir(PARENT_CGROUP):
+        if not SLICE_NAME_RE.fullmatch(name):
+            continue
+        base = f"{PARENT_CGROUP}/{name}"
+        events = system.read_text(f"{base}/cgroup.events")
+        if events is None:
+            continue
+        populated = any(line.split() == ["populated", "1"] for line in events.splitlines())
+        current: dict[int, int] = {}
+        for size, stem in HUGETLB_FILES.items():
+            text = system.read_text(f"{base}/{stem}.current")
+            if text is not None and text.strip().isdigit():
+                current[size] = int(text.strip())
+        out[name] = SliceState(name, populated, current)
+    return out
+
+
+SLICE_RECORDS_DIR = "/run/bcd/slices"
+
+
+def read_slice_records(system: System) -> dict[str, SliceState]:
+    """A fakehw host's slices: one JSON record per slice under /run/bcd/slices (DEV-SLICE-25)."""
+    out: dict[str, SliceState] = {}
+    for fname in system.listdir(SLICE_RECORDS_DIR):
+        name = fname[: -len(".json")] if fname.endswith(".json") else ""
+        if not SLICE_NAME_RE.fullmatch(name):
+            continue
+        try:
+            rec = json.loads(system.read_bytes(f"{SLICE_RECORDS_DIR}/{fname}") or b"")
+            current = {int(k): int(v) for k, v in rec.get("hugetlb_current", {}).items()}
+            out[name] = SliceState(name, bool(rec.get("populated", False)), current)
+        except (ValueError, AttributeError, TypeError):
+            out[name] = SliceState(name, True)  # unreadable: never stopped on a guess
+    return out
+
+
+def parse_releases(data: bytes) -> tuple[PendingRelease, ...]:
+    try:
+        doc = json.loads(data)
+        if not isinstance(doc, dict) or doc.get("version") != 1 or not isinstance(doc.get("releases"), list):
+            raise ReleasesUnreadable("releasing.json: not version 1 with a releases list")
+        out: dict[str, PendingRelease] = {}
+        for r in doc["releases"]:
+            rel = PendingRelease(
+                allocation_id=str(r["allocation_id"]),
+                reservation_id=str(r.get("reservation_id", "")),
+                generation=int(r["generation"]),
+                device_ids=tuple(str(d) for d in r["device_ids"]),
+                since=float(r["since"]),
+            )
+            out[rel.allocation_id] = rel
+        return tuple(out.values())
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ReleasesUnreadable(f"releasing.json: {exc}") from None
+
+
+def encode_releases(releases: tuple[PendingRelease, ...]) -> bytes:
+    doc = {
+        "version": 1,
+        "releases": [
+            {
+                "allocation_id": r.allocation_id,
+                "reservation_id": r.reservation_id,
+                "generation": r.generation,
+                "device_ids": list(r.device_ids),
+                "since": r.since,
+            }
+            for r in releases
+        ],
+    }
+    return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def read_releases(system: System, data_dir: str) -> tuple[tuple[PendingRelease, ...], bool]:
+    """(releases, unreadable): a missing file is no releases; one that does not parse is unreadable."""
+    data = system.read_bytes(f"{data_dir}/{RELEASES_FILE}")
+    if data is None:
+        return (), False
+    try:
+        return parse_releases(data), False
+    except ReleasesUnreadable:
+        return (), True
+
+
+def read_ledger(system: System, data_dir: str) -> Ledger:
+    data = system.read_bytes(f"{data_dir}/{LEDGER_FILE}")
+    if data is None:
+        return Ledger()
+    try:
+        doc = json.loads(data)
+        return Ledger(
+            bound={str(k): int(v) for k, v in doc.get("bound", {}).items()},
+            failed={str(k): int(v) for k, v in doc.get("failed", {}).items()},
+        )
+    except (ValueError, AttributeError, TypeError):
+        # A broken ledger only means events may be sent once more (at least once, never lost).
+        return Ledger()
+
+
+def encode_ledger(ledger: Ledger) -> bytes:
+    return (json.dumps({"bound": dict(ledger.bound), "failed": dict(ledger.failed)}, sort_keys=True) + "\n").encode()
+
+
+def read_vendor_spec(system: System) -> cdi.VendorSpec | None:
+    data = system.read_bytes(cdi.VENDOR_SPEC_PATH)
+    if data is None:
+        return None
+    try:
+        return cdi.parse_vendor_spec(data)
+    except cdi.CdiError:
+        return None

@@ -1,0 +1,739 @@
+"""The devices planner: `plan(spec, observed) -> Plan`. Pure: no I/O, no clock (time is an input).
+
+One pass, in the seeds' order (devices-and-holds.md, "One pass"):
+0. An unreadable releases file is renamed aside and the marker written (every GPU then claimed).
+1. Pending Kubernetes releases: dropped unreported when the spec wants the allocation again,
+   reported (AllocationReleased) once no pod holds their devices, kept otherwise
+   (KubernetesReleaseStuck after 5 minutes).
+2. Holds no longer wanted: a plain hold's spec and env file are removed, then AllocationReleased; a
+   Kubernetes hold is recorded in releasing.json first, then withdrawn. A released slice is stopped
+   only when empty.
+3. Leftover slices whose hold is neither wanted nor released in this pass: stopped once empty.
+4. Holds still wanted are kept: a missing slice is created again, a missing or stale env file and a
+   stale spec are rewritten (the generation annotation stays the bind generation), an owed
+   AllocationBound is sent.
+5. New holds in spec order: invalid-assignment, binding, privilege, atoms (unsupported-device, then
+   device-missing), conflicts, host admission; the first failure decides. Each that passes is bound
+   (slice, spec, env file, AllocationBound) and its atoms count against the holds after it.
+6. One AllocationFailed per failed allocation and generation (once: the ledger remembers).
+
+A kept hold whose atoms or binding changed is released (2) and bound again as new (5) in the same
+pass (Q-DEV-PASS-01). The plan is a tuple of Actions; the applier runs each action's steps in order and
+stops an action at its first failed step (no event is sent for a bind whose files are not all in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from attrs import evolve, field, frozen
+from bcd_shared import cdi
+from bcd_shared.cdi import HoldDevice, HoldRecord, VendorSpec
+
+from bcd_agent.inventory.gpus import GpuInventory
+from bcd_agent.inventory.host import HostMemory
+from bcd_agent.sections.devices.atoms import (
+    Atom,
+    Refusal,
+    atom_from_id,
+    missing,
+    parse_atom,
+    vendor_names,
+    visible_devices,
+)
+from bcd_agent.sections.devices.events import BoundEvent, FailedEvent, ReleasedEvent
+from bcd_agent.sections.devices.model import (
+    BINDING_HOLD,
+    BINDING_KUBERNETES,
+    DEVICE_CLASS_SLOT,
+    REASON_BINDING,
+    REASON_DEVICE,
+    REASON_EXHAUSTED,
+    REASON_INVALID,
+    REASON_MISSING,
+    REASON_OVERLAP,
+    REASON_UNPRIVILEGED,
+    DeviceAssignment,
+    DevicesSpec,
+)
+from bcd_agent.sections.devices.slices import (
+    PAGE_BYTES,
+    SliceSpec,
+    check_cpulist,
+    check_slice_name,
+    slice_name,
+    slice_spec,
+)
+
+MIB = 1024 * 1024
+STUCK_AFTER_S = 300.0
+UNREADABLE_OWNER = "(pending Kubernetes releases that could not be read)"
+MPS_PIPE_DIRECTORY = "/run/nvidia-mps"
+UNPRIVILEGED_MESSAGE = (
+    "bcd node runs without root and without [helper]: it cannot write /etc/cdi or create hold slices "
+    "(run bcd node as root, or under bcd helper)"
+)
+ADMISSION_UNREADABLE_WARNING = "host memory unreadable; binding without host-side admission"
+CONDITION_STUCK = "KubernetesReleaseStuck"
+REASON_STUCK = "PodsHoldDevices"
+CONDITION_UNREADABLE = "KubernetesReleasesUnreadable"
+REASON_UNREADABLE = "ReleasesFileUnreadable"
+RESERVED_ENV_KEYS = frozenset(
+    {"BCD_ALLOCATION_ID", "BCD_CGROUP_PARENT", "BCD_RESERVATION_ID", "CUDA_MPS_PIPE_DIRECTORY", "NVIDIA_VISIBLE_DEVICES"}
+)
+
+
+# --- observations ---------------------------------------------------------------------------------
+
+
+@frozen
+class LiveHold:
+    """A hold on disk: its spec read back (the only source of truth for what it holds)."""
+
+    record: HoldRecord
+    doc: Mapping[str, Any]
+    env_lines: tuple[str, ...] | None  # None: the env file is missing or unreadable
+
+
+@frozen
+class SliceState:
+    name: str
+    populated: bool
+    hugetlb_current: Mapping[int, int] = field(factory=dict)  # page size kB -> bytes faulted in
+
+
+@frozen
+class PendingRelease:
+    allocation_id: str
+    reservation_id: str
+    generation: int
+    device_ids: tuple[str, ...]
+    since: float  # unix time the release was recorded
+
+
+@frozen
+class Ledger:
+    """Which events were already sent (data_dir/devices-events.json): bound and failed generations."""
+
+    bound: Mapping[str, int] = field(factory=dict)
+    failed: Mapping[str, int] = field(factory=dict)
+
+
+class NotRead:
+    """Host memory was not read this pass (no new hold needed admission)."""
+
+
+NOT_READ = NotRead()
+
+
+@frozen
+class Observed:
+    inventory: GpuInventory
+    holds: Mapping[str, LiveHold] = field(factory=dict)
+    unparseable_specs: tuple[str, ...] = ()  # allocation ids whose bcd-<id>.json does not parse
+    slices: Mapping[str, SliceState] = field(factory=dict)
+    releases: tuple[PendingRelease, ...] = ()
+    releases_unreadable: bool = False  # releasing.json exists and did not parse in this read
+    marker: bool = False  # data_dir/releasing.unreadable exists
+    pods_holding: Mapping[str, bool] = field(factory=dict)  # pending release -> a pod holds a device
+    kube_unknown_clear: bool = False  # no pod holds a bcd GPU of an allocation the node does not know
+    vfio: Mapping[str, str] = field(factory=dict)  # GPU uuid -> instance id that has or will have it
+    vendor: VendorSpec | None = None
+    mps_dir: bool = False
+    privileged: bool = True
+    admission: bool = True  # False on a fakehw host (never admitted)
+    host_memory: HostMemory | None | NotRead = NOT_READ
+    domains_committed_bytes: int = 0
+    ledger: Ledger = field(factory=Ledger)
+    now: float = 0.0
+
+
+# --- steps ----------------------------------------------------------------------------------------
+
+
+@frozen
+class WriteSpec:
+    allocation_id: str
+    doc: Mapping[str, Any]
+
+
+@frozen
+class RemoveSpec:
+    allocation_id: str
+
+
+@frozen
+class WriteEnv:
+    allocation_id: str
+    lines: tuple[str, ...]
+
+
+@frozen
+class RemoveEnv:
+    allocation_id: str
+
+
+@frozen
+class ApplySlice:
+    slice: SliceSpec
+
+
+@frozen
+class StopSlice:
+    name: str
+
+
+@frozen
+class WriteReleases:
+    releases: tuple[PendingRelease, ...]
+
+
+@frozen
+class SetAsideReleases:
+    """Rename the unreadable releases file to releasing.json.unreadable-<suffix> and write the marker."""
+
+    suffix: str
+
+
+@frozen
+class RemoveMarker:
+    pass
+
+
+@frozen
+class Emit:
+    event: BoundEvent | ReleasedEvent | FailedEvent
+
+
+@frozen
+class WriteLedger:
+    ledger: Ledger
+
+
+Step = (
+    WriteSpec
+    | RemoveSpec
+    | WriteEnv
+    | RemoveEnv
+    | ApplySlice
+    | StopSlice
+    | WriteReleases
+    | SetAsideReleases
+    | RemoveMarker
+    | Emit
+    | WriteLedger
+)
+
+
+@frozen
+class Action:
+    """Steps for one purpose, run in order; the action stops at its first failed step.
+
+    `after`: actions (by key) whose failure makes this one skip (a bind waits for the release of
+    the hold whose atoms it takes)."""
+
+    key: str
+    kind: str  # "release", "kube-release", "slice", "keep", "bind", "report", "ledger", "releases"
+    steps: tuple[Step, ...]
+    after: frozenset[str] = frozenset()
+
+
+@frozen
+class Failure:
+    allocation_id: str
+    reason: str
+    message: str
+
+
+@frozen
+class PlanCondition:
+    type: str
+    reason: str
+    message: str
+
+
+@frozen
+class Plan:
+    actions: tuple[Action, ...]
+    failures: tuple[Failure, ...] = ()
+    conditions: tuple[PlanCondition, ...] = ()
+    warnings: tuple[str, ...] = ()
+    # The holds that stand after this plan is applied, by allocation id, with their atoms.
+    holders: Mapping[str, tuple[str, ...]] = field(factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not self.actions
+
+
+# --- building a hold's files -----------------------------------------------------------------------
+
+
+def _atoms_of(assignment: DeviceAssignment) -> tuple[Atom, ...]:
+    out = []
+    for ref in assignment.devices:
+        a = parse_atom(ref)
+        assert isinstance(a, Atom)
+        out.append(a)
+    return tuple(out)
+
+
+def hold_files(
+    assignment: DeviceAssignment,
+    atoms: tuple[Atom, ...],
+    generation: int,
+    obs: Observed,
+) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """The CDI document and env-file lines of a hold (atoms resolve against obs.inventory)."""
+    alloc = assignment.allocation_id
+    parent = slice_name(alloc) if assignment.sliced else None
+    kube = assignment.kubernetes
+    has_slot = any(a.device_class == DEVICE_CLASS_SLOT for a in atoms)
+    visible = visible_devices(atoms, obs.inventory)
+    env = [f"BCD_ALLOCATION_ID={alloc}"]
+    if parent:
+        env.append(f"BCD_CGROUP_PARENT={parent}")
+    if has_slot and obs.mps_dir:
+        env.append(f"CUDA_MPS_PIPE_DIRECTORY={MPS_PIPE_DIRECTORY}")
+    spec_env = list(env)
+    if not kube:
+        spec_env.append(f"NVIDIA_VISIBLE_DEVICES={visible}")
+    devices = []
+    for a in atoms:
+        gpu = obs.inventory.gpu(a.gpu)
+        edits = None
+        if obs.vendor is not None and gpu is not None and not kube:
+            edits = obs.vendor.edits_for(vendor_names(a, gpu))
+        devices.append(HoldDevice(a.id, edits))
+    doc = cdi.build_hold_spec(
+        allocation_id=alloc,
+        reservation_id=assignment.reservation_id,
+        generation=generation,
+        kubernetes=kube,
+        cgroup_parent=parent,
+        devices=devices,
+        env=spec_env,
+        vendor=None if kube else obs.vendor,
+    )
+    lines = (*env, f"BCD_RESERVATION_ID={assignment.reservation_id}", f"NVIDIA_VISIBLE_DEVICES={visible}")
+    return doc, lines + assignment.env
+
+
+def bound_event(assignment: DeviceAssignment, atoms: tuple[Atom, ...], generation: int) -> BoundEvent:
+    alloc = assignment.allocation_id
+    return BoundEvent(
+        allocation_id=alloc,
+        reservation_id=assignment.reservation_id,
+        generation=generation,
+        device_ids=tuple(a.id for a in atoms),
+        cdi_devices=tuple(cdi.qualified_name(cdi.device_name(a.id)) for a in atoms),
+        cdi_spec_path=cdi.cdi_spec_path(alloc),
+        env_file=cdi.env_file_path(alloc),
+        cgroup_parent=slice_name(alloc) if assignment.sliced else "",
+        kubernetes=assignment.kubernetes,
+    )
+
+
+# --- claims and conflicts --------------------------------------------------------------------------
+
+
+class Claims:
+    """Who holds what, while the pass is planned: whole GPUs, parts, VFIO, the all-GPUs claim."""
+
+    def __init__(self, vfio: Mapping[str, str], all_owner: str | None) -> None:
+        self.whole: dict[str, str] = {}
+        self.parts: dict[str, str] = {}
+        self.parts_of: dict[str, list[tuple[str, str]]] = {}
+        self.vfio = dict(vfio)
+        self.all_owner = all_owner
+
+    def add(self, owner: str, atoms: tuple[Atom, ...]) -> None:
+        for a in atoms:
+            if a.whole:
+                self.whole.setdefault(a.gpu, owner)
+            else:
+                self.parts.setdefault(a.id, owner)
+                self.parts_of.setdefault(a.gpu, []).append((a.id, owner))
+
+    def conflict(self, owner: str, a: Atom) -> str | None:
+        """The first conflict of atom `a` for allocation `owner`, in the seeds' table order."""
+        if a.gpu in self.vfio:
+            return f"{a.gpu} is passed through to instance {self.vfio[a.gpu]}"
+        if self.all_owner is not None:
+            return f"{a.gpu} is assigned to {self.all_owner}"
+        held = self.whole.get(a.gpu) if a.whole else self.parts.get(a.id)
+        if held is not None and held != owner:
+            return f"{a.id} is assigned to {held}"
+        if a.whole:
+            for part, part_owner in self.parts_of.get(a.gpu, ()):
+                if part_owner != owner:
+                    return f"{a.gpu} has {part} assigned to {part_owner}"
+        else:
+            gpu_owner = self.whole.get(a.gpu)
+            if gpu_owner is not None and gpu_owner != owner:
+                return f"{a.gpu} is assigned to {gpu_owner}"
+        return None
+
+
+# --- admission ------------------------------------------------------------------------------------
+
+
+@frozen
+class Taker:
+    """A bound hold's commitments: memory, and huge pages still to take per size, on its nodes."""
+
+    memory_bytes: int
+    hugepages: Mapping[int, int]  # page size kB -> pages it may still take
+    nodes: tuple[int, ...]  # its mems nodes; () for none
+
+
+def _mems(text: str) -> tuple[int, ...]:
+    from bcd_agent.inventory.host import parse_cpulist
+
+    try:
+        return parse_cpulist(text)
+    except ValueError:
+        return ()
+
+
+def taker(assignment: DeviceAssignment, slice_state: SliceState | None) -> Taker:
+    lim = assignment.limits
+    if lim is None:
+        return Taker(0, {}, ())
+    pages: dict[int, int] = {}
+    for size, count in ((2048, lim.hugepages_2mi), (1048576, lim.hugepages_1gi)):
+        if count:
+            faulted = (slice_state.hugetlb_current.get(size, 0) if slice_state else 0) // PAGE_BYTES[size]
+            pages[size] = max(0, count - faulted)
+    return Taker(lim.memory_bytes or 0, pages, _mems(lim.mems))
+
+
+def admit(assignment: DeviceAssignment, host: HostMemory, committed_bytes: int, takers: list[Taker]) -> str | None:
+    """The ResourcesExhausted message when `assignment` does not fit, else None. Memory first."""
+    lim = assignment.limits
+    assert lim is not None
+    if lim.memory_bytes:
+        left = host.normal_available_bytes - committed_bytes - sum(t.memory_bytes for t in takers)
+        if lim.memory_bytes > left:
+            need_mib = -(-lim.memory_bytes // MIB)
+            return f"ResourcesExhausted: {need_mib} MiB of memory needed, {max(0, left) // MIB} MiB left on this host"
+    nodes = _mems(lim.mems)
+    for size, need in ((2048, lim.hugepages_2mi), (1048576, lim.hugepages_1gi)):
+        if not need:
+            continue
+        pool = host.pools.get(size)
+        free_host = pool.free if pool else 0
+        free_host -= sum(t.hugepages.get(size, 0) for t in takers)
+        free = free_host
+        if nodes and pool is not None:
+            on_nodes = sum(pool.per_node_free.get(n, 0) for n in nodes)
+            on_nodes -= sum(t.hugepages.get(size, 0) for t in takers if set(t.nodes) & set(nodes))
+            free = min(free_host, on_nodes)
+        if need > free:
+            return f"ResourcesExhausted: {need} hugepages of {size} KiB needed, {max(0, free)} free"
+    return None
+
+
+def needs_host_memory(spec: DevicesSpec, holds: Mapping[str, LiveHold]) -> bool:
+    """Whether any assignment that is not yet a hold needs admission (the observer then reads meminfo)."""
+    return any(
+        a.limits is not None and a.limits.needs_admission and a.allocation_id not in holds for a in spec.assignments
+    )
+
+
+# --- checks ---------------------------------------------------------------------------------------
+
+
+def _invalid(a: DeviceAssignment, seen_allocs: set[str]) -> str | None:
+    if not cdi.ALLOCATION_ID_RE.fullmatch(a.allocation_id):
+        return f"allocation id {a.allocation_id!r} must match {cdi.ALLOCATION_ID_RE.pattern}"
+    if a.allocation_id in seen_allocs:
+        return f"allocation {a.allocation_id} is listed twice"
+    for line in a.env:
+        try:
+            cdi.check_env_line(line)
+        except cdi.CdiError as exc:
+            return str(exc)
+        if line.partition("=")[0] in RESERVED_ENV_KEYS:
+            return f"env line for {line.partition('=')[0]}: bcd sets that key itself"
+    if a.limits is not None and a.sliced:
+        err = check_slice_name(slice_name(a.allocation_id))
+        if err:
+            return err
+    if a.limits is not None:
+        for name in ("cpus", "mems"):
+            err = check_cpulist(name, getattr(a.limits, name))
+            if err:
+                return err
+    return None
+
+
+def _resolve(a: DeviceAssignment, inventory: GpuInventory) -> tuple[tuple[Atom, ...], Refusal | None]:
+    atoms: list[Atom] = []
+    unsupported: list[str] = []
+    for ref in a.devices:
+        parsed = parse_atom(ref)
+        if isinstance(parsed, Refusal):
+            if parsed.message not in unsupported:
+                unsupported.append(parsed.message)
+        else:
+            atoms.append(parsed)
+    if unsupported:
+        return (), Refusal(REASON_DEVICE, "; ".join(unsupported))
+    missing_msgs: list[str] = []
+    for atom in atoms:
+        msg = missing(atom, inventory)
+        if msg is not None and msg not in missing_msgs:
+            missing_msgs.append(msg)
+    if missing_msgs:
+        return (), Refusal(REASON_MISSING, "; ".join(missing_msgs))
+    return tuple(atoms), None
+
+
+def _overlap(alloc: str, atoms: tuple[Atom, ...], claims: Claims) -> str | None:
+    ids = [a.id for a in atoms]
+    wholes = {a.gpu for a in atoms if a.whole}
+    if len(set(ids)) != len(ids) or any(not a.whole and a.gpu in wholes for a in atoms):
+        return "a device is listed twice"
+    msgs: list[str] = []
+    for a in atoms:
+        msg = claims.conflict(alloc, a)
+        if msg is not None and msg not in msgs:
+            msgs.append(msg)
+    return "; ".join(msgs) if msgs else None
+
+
+# --- the planner ----------------------------------------------------------------------------------
+
+
+def plan(spec: DevicesSpec, obs: Observed) -> Plan:  # noqa: C901 - the seeds' six steps, in order
+    wanted: dict[str, DeviceAssignment] = {}
+    for a in spec.assignments:
+        wanted.setdefault(a.allocation_id, a)
+    actions: list[Action] = []
+    conditions: list[PlanCondition] = []
+    warnings: list[str] = []
+    bound = dict(obs.ledger.bound)
+    failed = dict(obs.ledger.failed)
+    releases = list(obs.releases)
+    releases_changed = False
+    marker = obs.marker
+
+    # 0. an unreadable releases file: set it aside, write the marker.
+    if obs.releases_unreadable:
+        actions.append(Action("releases-unreadable", "releases", (SetAsideReleases(f"{int(obs.now)}"),)))
+        releases = []
+        marker = True
+
+    # 1. pending Kubernetes releases.
+    report_steps: list[Step] = []
+    kept_releases: list[PendingRelease] = []
+    for r in releases:
+        if r.allocation_id in wanted:
+            releases_changed = True  # taken back, unreported
+            continue
+        if not obs.pods_holding.get(r.allocation_id, True):
+            report_steps.append(
+                Emit(ReleasedEvent(r.allocation_id, r.reservation_id, r.generation, r.device_ids, kubernetes=True))
+            )
+            bound.pop(r.allocation_id, None)
+            releases_changed = True
+            continue
+        kept_releases.append(r)
+        if obs.now - r.since > STUCK_AFTER_S:
+            conditions.append(
+                PlanCondition(
+                    CONDITION_STUCK,
+                    REASON_STUCK,
+                    f"{r.allocation_id}: a pod still holds its devices after {int(obs.now - r.since)} s",
+                )
+            )
+    if releases_changed:
+        actions.append(Action("kube-reported", "releases", (*report_steps, WriteReleases(tuple(kept_releases)))))
+    releases = kept_releases
+    if marker and obs.kube_unknown_clear and not obs.releases_unreadable:
+        actions.append(Action("marker", "releases", (RemoveMarker(),)))
+        marker = False
+    if marker:
+        conditions.append(
+            PlanCondition(
+                CONDITION_UNREADABLE,
+                REASON_UNREADABLE,
+                "releasing.json could not be read; every GPU counts as claimed until the marker goes",
+            )
+        )
+
+    # 2. holds no longer wanted (and kept holds whose atoms or binding changed).
+    released_slices: set[str] = set()
+    released_atoms: dict[str, tuple[Atom, ...]] = {}
+    kept: dict[str, LiveHold] = {}
+    for alloc in sorted(obs.holds):
+        hold = obs.holds[alloc]
+        rec = hold.record
+        want = wanted.get(alloc)
+        if want is not None:
+            same_binding = want.kubernetes == rec.kubernetes and want.binding in (BINDING_HOLD, BINDING_KUBERNETES)
+            same_atoms = tuple(d.id for d in want.devices) == rec.device_ids and all(
+                isinstance(parse_atom(d), Atom) for d in want.devices
+            )
+            if same_binding and same_atoms:
+                kept[alloc] = hold
+                continue
+        atoms = tuple(atom_from_id(i) for i in rec.device_ids)
+        released_atoms[alloc] = atoms
+        steps: list[Step] = []
+        event = ReleasedEvent(alloc, rec.reservation_id, spec.generation, rec.device_ids, rec.kubernetes)
+        if rec.kubernetes and want is None:
+            pending = PendingRelease(alloc, rec.reservation_id, spec.generation, rec.device_ids, obs.now)
+            releases = [*releases, pending]
+            steps += [WriteReleases(tuple(releases)), RemoveSpec(alloc), RemoveEnv(alloc)]
+        else:
+            steps += [RemoveSpec(alloc), RemoveEnv(alloc), Emit(event)]
+            bound.pop(alloc, None)
+        if rec.cgroup_parent:
+            released_slices.add(rec.cgroup_parent)
+            st = obs.slices.get(rec.cgroup_parent)
+            if st is not None and not st.populated:
+                steps.append(StopSlice(rec.cgroup_parent))
+        actions.append(Action(f"release:{alloc}", "kube-release" if rec.kubernetes else "release", tuple(steps)))
+    for alloc in obs.unparseable_specs:
+        if alloc not in wanted:
+            actions.append(Action(f"release:{alloc}", "release", (RemoveSpec(alloc), RemoveEnv(alloc))))
+            warnings.append(f"{cdi.cdi_spec_path(alloc)} did not parse; removed (its allocation is not wanted)")
+
+    # 3. leftover slices.
+    wanted_slices = {slice_name(a) for a, w in wanted.items() if w.sliced}
+    for name in sorted(obs.slices):
+        st = obs.slices[name]
+        if name in wanted_slices or name in released_slices or st.populated:
+            continue
+        actions.append(Action(f"slice:{name}", "slice", (StopSlice(name),)))
+
+    # 4. holds still wanted.
+    pending_devices = Claims(obs.vfio, UNREADABLE_OWNER if marker else None)
+    takers: list[Taker] = []
+    holders: dict[str, tuple[str, ...]] = {}
+    for alloc, hold in kept.items():
+        want = wanted[alloc]
+        rec = hold.record
+        atoms = _atoms_of(want)
+        pending_devices.add(alloc, atoms)
+        holders[alloc] = rec.device_ids
+        takers.append(taker(want, obs.slices.get(slice_name(alloc))))
+        steps = []
+        if want.sliced and slice_name(alloc) not in obs.slices:
+            assert want.limits is not None
+            steps.append(ApplySlice(slice_spec(alloc, want.limits)))
+        resolvable = all(missing(a, obs.inventory) is None for a in atoms)
+        if resolvable:
+            doc, lines = hold_files(want, atoms, rec.generation, obs)
+            if doc != hold.doc:
+                steps.append(WriteSpec(alloc, doc))
+            if hold.env_lines != lines:
+                steps.append(WriteEnv(alloc, lines))
+        elif hold.env_lines is None:
+            warnings.append(f"{alloc}: its devices are not in the inventory; env file not rewritten")
+        if bound.get(alloc) is None:
+            steps.append(Emit(bound_event(want, atoms, rec.generation)))
+            bound[alloc] = rec.generation
+        if steps:
+            actions.append(Action(f"keep:{alloc}", "keep", tuple(steps)))
+    for r in releases:
+        pending_devices.add(r.allocation_id, tuple(atom_from_id(i) for i in r.device_ids))
+    claims = pending_devices
+
+    # 5. new holds, in spec order.
+    failures: list[Failure] = []
+    seen: set[str] = set()
+    committed = obs.domains_committed_bytes
+    for a in spec.assignments:
+        if a.allocation_id in kept and a.allocation_id not in seen:
+            seen.add(a.allocation_id)
+            continue
+        refusal = _check(a, obs, claims, seen, committed, takers, warnings)
+        seen.add(a.allocation_id)
+        if isinstance(refusal, Refusal):
+            failures.append(Failure(a.allocation_id, refusal.reason, refusal.message))
+            continue
+        atoms = refusal
+        alloc = a.allocation_id
+        claims.add(alloc, atoms)
+        holders[alloc] = tuple(x.id for x in atoms)
+        if a.limits is not None:
+            takers.append(taker(a, None))
+        doc, lines = hold_files(a, atoms, spec.generation, obs)
+        steps = []
+        if a.sliced:
+            assert a.limits is not None
+            steps.append(ApplySlice(slice_spec(alloc, a.limits)))
+        steps += [WriteSpec(alloc, doc), WriteEnv(alloc, lines), Emit(bound_event(a, atoms, spec.generation))]
+        bound[alloc] = spec.generation
+        failed.pop(alloc, None)
+        after = frozenset(
+            f"release:{other}"
+            for other, old in released_atoms.items()
+            if {x.gpu for x in old} & {x.gpu for x in atoms}
+        )
+        actions.append(Action(f"bind:{alloc}", "bind", tuple(steps), after))
+
+    # 6. failures, once per allocation and generation.
+    report: list[Step] = []
+    by_alloc = {a.allocation_id: a for a in spec.assignments}
+    for f in failures:
+        if failed.get(f.allocation_id) == spec.generation:
+            continue
+        a = by_alloc[f.allocation_id]
+        report.append(
+            Emit(FailedEvent(f.allocation_id, a.reservation_id, spec.generation, f.reason, f.message,
+                             tuple(d.id for d in a.devices)))
+        )
+        failed[f.allocation_id] = spec.generation
+    if report:
+        actions.append(Action("failures", "report", tuple(report)))
+
+    failed = {k: v for k, v in failed.items() if k in wanted and k not in holders}
+    bound = {k: v for k, v in bound.items() if k in holders or any(r.allocation_id == k for r in releases)}
+    ledger = Ledger(bound=bound, failed=failed)
+    if ledger != obs.ledger:
+        actions.append(Action("ledger", "ledger", (WriteLedger(ledger),)))
+    return Plan(tuple(actions), tuple(failures), tuple(conditions), tuple(warnings), holders)
+
+
+def _check(
+    a: DeviceAssignment,
+    obs: Observed,
+    claims: Claims,
+    seen: set[str],
+    committed: int,
+    takers: list[Taker],
+    warnings: list[str],
+) -> tuple[Atom, ...] | Refusal:
+    """The checks in their order (DEV-FAIL-07); the atoms when every check passes."""
+    invalid = _invalid(a, seen)
+    if invalid:
+        return Refusal(REASON_INVALID, invalid)
+    if a.binding not in (BINDING_HOLD, BINDING_KUBERNETES):
+        return Refusal(REASON_BINDING, f"binding {a.binding} is not supported")
+    if not obs.privileged:
+        return Refusal(REASON_UNPRIVILEGED, UNPRIVILEGED_MESSAGE)
+    atoms, refusal = _resolve(a, obs.inventory)
+    if refusal is not None:
+        return refusal
+    overlap = _overlap(a.allocation_id, atoms, claims)
+    if overlap:
+        return Refusal(REASON_OVERLAP, overlap)
+    if obs.admission and a.limits is not None and a.limits.needs_admission:
+        host = obs.host_memory
+        if host is None:
+            if ADMISSION_UNREADABLE_WARNING not in warnings:
+                warnings.append(ADMISSION_UNREADABLE_WARNING)
+        elif isinstance(host, HostMemory):
+            msg = admit(a, host, committed, takers)
+            if msg:
+                return Refusal(REASON_EXHAUSTED, msg)
+    return atoms
+
+
+def with_host_memory(obs: Observed, host: HostMemory | None) -> Observed:
+    return evolve(obs, host_memory=host)
