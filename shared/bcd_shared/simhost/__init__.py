@@ -21,6 +21,7 @@ from bcd_shared.system import CommandResult, FakeTool, LocalSystem
 # program name -> "module:function" (modules under bcd_shared.simhost). One literal table.
 TOOLS: dict[str, str] = {
     "systemctl": "systemctl:systemctl",
+    "nvidia-smi": "nvidia_smi:main",
 }
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"

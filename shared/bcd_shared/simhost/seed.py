@@ -16,7 +16,9 @@ from pathlib import Path
 from bcd_shared.system import atomic_write
 
 # Extra seeders by area: "module:function" under bcd_shared.simhost, each `f(root: Path) -> None`.
-SEEDERS: list[str] = []
+SEEDERS: list[str] = [
+    "gpus:seed_gpus",
+]
 
 NUMA_NODES = 2
 NODE_MEM_KB = 256 * 1024 * 1024  # 256 GiB per NUMA node
