@@ -8,7 +8,10 @@ import sys
 from collections.abc import Sequence
 
 # name -> (module, help). Each module provides add_arguments(parser) and run(args) -> int.
-SUBCOMMANDS: dict[str, tuple[str, str]] = {}
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("bcd_helper.serve", "serve the node on the helper's Unix socket (as root)"),
+    "audit": ("bcd_helper.audit", "show or verify the hash-chained audit log"),
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

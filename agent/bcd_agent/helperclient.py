@@ -1,0 +1,220 @@
+"""The agent's side of the root helper: a client for the helper's Unix-socket operations.
+
+The protocol is docs/helper-rpc.md: 4-byte big-endian length + one JSON document per frame;
+request `{"op", "args"}`, answer `{"ok": true, "result"}` or `{"ok": false, "error", "reason",
+"message"}`. A refusal or failure, and any transport error, is raised as
+`bcd_shared.errors.HelperRefused` ("helper: ..."), which is retryable: the section that asked stays
+PROGRESSING and the next pass tries again (DLV-PRIV-05/06, DEV-BIND-07).
+
+`HelperClient` is synchronous (one connection, reopened after an error; a lock serialises calls on
+it). `TrioHelperClient` runs the same calls in a worker thread with `trio.to_thread.run_sync`, so
+a 30-minute host.unit never blocks the agent's event loop. The wait for an answer is the op's
+timeout plus a minute on the connection (HST-HLP-08).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import socket
+import struct
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import trio
+from bcd_shared.errors import HelperRefused
+
+MAX_FRAME = 4 * 1024 * 1024
+CONNECTION_SLACK_S = 60.0
+# Each op's own timeout in the helper's OPS table; the client waits that plus CONNECTION_SLACK_S.
+OP_TIMEOUT_S: Mapping[str, float] = {
+    "helper.ping": 5,
+    "file.write": 60,
+    "file.remove": 60,
+    "slice.apply": 120,
+    "slice.remove": 120,
+    "host.unit": 30 * 60,
+    "gpu.reset": 10 * 60,
+    "node.reboot": 120,
+}
+_LEN = struct.Struct(">I")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    parts: list[bytes] = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ConnectionError("the helper closed the connection")
+        parts.append(chunk)
+        n -= len(chunk)
+    return b"".join(parts)
+
+
+class HelperClient:
+    """A synchronous client over one connection to the helper's socket."""
+
+    def __init__(self, socket_path: str, *, connect_timeout: float = 5.0) -> None:
+        self.socket_path = socket_path
+        self.connect_timeout = connect_timeout
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _connect(self) -> socket.socket:
+        if self._sock is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sock.settimeout(self.connect_timeout)
+            try:
+                sock.connect(self.socket_path)
+            except OSError:
+                sock.close()
+                raise
+            self._sock = sock
+        return self._sock
+
+    def call(self, op: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Send one request; the result on success, else HelperRefused."""
+        body = json.dumps({"op": op, "args": dict(args or {})}, separators=(",", ":")).encode()
+        if len(body) > MAX_FRAME:
+            raise HelperRefused("too-large", f"helper: {op}: request of {len(body)} bytes is too large")
+        wait = OP_TIMEOUT_S.get(op, 60.0) + CONNECTION_SLACK_S
+        with self._lock:
+            try:
+                sock = self._connect()
+                sock.settimeout(wait)
+                sock.sendall(_LEN.pack(len(body)) + body)
+                (n,) = _LEN.unpack(_recv_exact(sock, 4))
+                if n > MAX_FRAME:
+                    raise ConnectionError(f"answer of {n} bytes is too large")
+                reply = json.loads(_recv_exact(sock, n))
+            except (OSError, ValueError) as exc:
+                self._drop()
+                raise HelperRefused("unreachable", f"helper: {op}: {type(exc).__name__}: {exc}") from None
+        if not isinstance(reply, dict) or "ok" not in reply:
+            self.close()
+            raise HelperRefused("protocol", f"helper: {op}: malformed answer")
+        if reply["ok"] is not True:
+            reason = str(reply.get("reason", "refused"))
+            message = str(reply.get("message", ""))
+            if reason in ("peer", "protocol"):
+                self.close()
+            raise HelperRefused(reason, f"helper: {message or reason}")
+        result = reply.get("result", {})
+        return result if isinstance(result, dict) else {}
+
+    # --- the operations -----------------------------------------------------------------------
+
+    def ping(self) -> dict[str, Any]:
+        return self.call("helper.ping")
+
+    def file_write(self, kind: str, ident: str, content: bytes | str) -> dict[str, Any]:
+        if isinstance(content, bytes):
+            if kind == "sshd-krl":
+                text, encoding = base64.b64encode(content).decode(), "base64"
+            else:
+                text, encoding = content.decode("utf-8"), "utf-8"
+        else:
+            text, encoding = content, "utf-8"
+        return self.call("file.write", {"kind": kind, "id": ident, "content": text, "encoding": encoding})
+
+    def file_remove(self, kind: str, ident: str) -> bool:
+        return bool(self.call("file.remove", {"kind": kind, "id": ident}).get("removed"))
+
+    def slice_apply(
+        self,
+        name: str,
+        *,
+        cpus: str | None = None,
+        mems: str | None = None,
+        cpu_millis: int | None = None,
+        memory_bytes: int | None = None,
+        hugepages_2mi: int | None = None,
+        hugepages_1gi: int | None = None,
+    ) -> dict[str, Any]:
+        args: dict[str, Any] = {"name": name}
+        for key, value in (
+            ("cpus", cpus),
+            ("mems", mems),
+            ("cpu_millis", cpu_millis),
+            ("memory_bytes", memory_bytes),
+            ("hugepages_2mi", hugepages_2mi),
+            ("hugepages_1gi", hugepages_1gi),
+        ):
+            if value is not None:
+                args[key] = value
+        return self.call("slice.apply", args)
+
+    def slice_remove(self, name: str) -> dict[str, Any]:
+        return self.call("slice.remove", {"name": name})
+
+    def host_unit(
+        self,
+        unit: str,
+        settings: str | None,
+        busy_gpus: Sequence[str] = (),
+        intent: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        args: dict[str, Any] = {"unit": unit, "settings": settings, "busy_gpus": list(busy_gpus)}
+        if intent is not None:
+            args["intent"] = dict(intent)
+        return self.call("host.unit", args)
+
+    def gpu_reset(self, gpu_uuids: Sequence[str]) -> list[dict[str, Any]]:
+        gpus = self.call("gpu.reset", {"gpu_uuids": list(gpu_uuids)}).get("gpus", [])
+        return list(gpus) if isinstance(gpus, list) else []
+
+    def node_reboot(self) -> dict[str, Any]:
+        return self.call("node.reboot")
+
+
+class TrioHelperClient:
+    """The same operations for trio code: each call runs the sync client in a worker thread."""
+
+    def __init__(self, socket_path: str) -> None:
+        self.sync = HelperClient(socket_path)
+
+    async def call(self, op: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(self.sync.call, op, args)
+
+    async def ping(self) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(self.sync.ping)
+
+    async def file_write(self, kind: str, ident: str, content: bytes | str) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(self.sync.file_write, kind, ident, content)
+
+    async def file_remove(self, kind: str, ident: str) -> bool:
+        return await trio.to_thread.run_sync(self.sync.file_remove, kind, ident)
+
+    async def slice_apply(self, name: str, **limits: Any) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(lambda: self.sync.slice_apply(name, **limits))
+
+    async def slice_remove(self, name: str) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(self.sync.slice_remove, name)
+
+    async def host_unit(
+        self,
+        unit: str,
+        settings: str | None,
+        busy_gpus: Sequence[str] = (),
+        intent: Mapping[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(lambda: self.sync.host_unit(unit, settings, busy_gpus, intent))
+
+    async def gpu_reset(self, gpu_uuids: Sequence[str]) -> list[dict[str, Any]]:
+        return await trio.to_thread.run_sync(self.sync.gpu_reset, gpu_uuids)
+
+    async def node_reboot(self) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(self.sync.node_reboot)
+
+    def close(self) -> None:
+        self.sync.close()

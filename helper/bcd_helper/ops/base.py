@@ -1,0 +1,154 @@
+"""What every operation shares: refusals, the per-call context, deadlines and the bounded System.
+
+A handler is `handler(call, request) -> dict` (the answer's `result`). It raises `Refused` when the
+request is outside the rules (nothing was done) and `Failed` when a tool or the host failed. Every
+fact a handler decides on it reads itself, as root: nothing the node says about the host is trusted.
+
+Timeouts are cooperative (threads cannot be killed): each call has a `Deadline`; the `BoundedSystem`
+it gets caps every program at min(20 minutes, what is left of the deadline) and refuses to start a
+program once the deadline has passed, so an operation ends within its timeout plus one program's
+cleanup. Writes through the BoundedSystem go through the root-only rule (bcd_shared.rootpath).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from attrs import frozen
+from bcd_shared.rootpath import RootPathRefused, read_root_only, remove_root_only, write_root_only
+from bcd_shared.system import DEFAULT_TOOL_TIMEOUT_S, CommandResult, LocalSystem
+
+if TYPE_CHECKING:
+    from bcd_helper.audit import AuditLog
+    from bcd_helper.config import HelperConfig
+
+
+class Refused(Exception):
+    """The request is outside the rules; nothing was done."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+class Failed(Exception):
+    """The request was allowed but the host or a tool failed."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.message = message
+
+
+def refused_path(exc: RootPathRefused) -> Refused:
+    return Refused("root-only", str(exc))
+
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._end = time.monotonic() + seconds
+
+    def remaining(self) -> float:
+        return self._end - time.monotonic()
+
+    def expired(self) -> bool:
+        return self.remaining() <= 0
+
+
+class BoundedSystem:
+    """A System for one call: programs bounded by the deadline, writes under the root-only rule."""
+
+    def __init__(
+        self, inner: LocalSystem, deadline: Deadline, tool_cap: float = DEFAULT_TOOL_TIMEOUT_S
+    ) -> None:
+        self._inner = inner
+        self._deadline = deadline
+        self._cap = tool_cap
+
+    @property
+    def root(self) -> Path:
+        return self._inner.root
+
+    def host_path(self, path: str) -> Path:
+        return self._inner.host_path(path)
+
+    def read_bytes(self, path: str) -> bytes | None:
+        return self._inner.read_bytes(path)
+
+    def read_text(self, path: str) -> str | None:
+        return self._inner.read_text(path)
+
+    def exists(self, path: str) -> bool:
+        return self._inner.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return self._inner.listdir(path)
+
+    def read_root_only(self, path: str) -> bytes | None:
+        return read_root_only(self._inner.root, path)
+
+    def write_atomic(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        write_root_only(self._inner.root, path, data, mode)
+
+    def remove(self, path: str) -> bool:
+        return remove_root_only(self._inner.root, path)
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_TOOL_TIMEOUT_S,
+        input: bytes | None = None,
+    ) -> CommandResult:
+        left = self._deadline.remaining()
+        if left <= 0:
+            raise Failed("timeout", f"the operation's {self._deadline.seconds:.0f}s ran out before {argv[0]}")
+        return self._inner.run(argv, timeout=min(timeout, self._cap, left), input=input)
+
+    def boot_id(self) -> str:
+        return self._inner.boot_id()
+
+
+@frozen
+class Peer:
+    pid: int
+    uid: int
+    gid: int
+
+
+class HelperContext:
+    """Process-wide state of one helper: root's config, the host, the audit log, the op locks."""
+
+    def __init__(
+        self,
+        *,
+        root: Path,
+        config: HelperConfig,
+        system: LocalSystem,
+        audit: AuditLog,
+        lock_names: Sequence[str],
+    ) -> None:
+        self.root = root
+        self.config = config
+        self.system = system
+        self.audit = audit
+        self.locks: dict[str, threading.Lock] = {name: threading.Lock() for name in lock_names}
+
+
+@frozen
+class Call:
+    """One request being served."""
+
+    ctx: HelperContext
+    peer: Peer
+    deadline: Deadline
+    system: BoundedSystem
+
+
+Handler = Callable[[Call, Any], dict[str, Any]]

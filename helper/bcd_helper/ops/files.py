@@ -1,0 +1,250 @@
+"""file.write and file.remove: files root writes for the node, by kind. The helper builds the path.
+
+The node names a kind and an id; the path comes from FILE_KINDS below, never from the node, and the
+content is checked against the kind's rule before anything is written. Writes and removals go through
+the root-only rule (HST-ROOT-08) and are atomic and durable.
+
+- cdi: /etc/cdi/bcd-<id>.json 0644, id an allocation id; one bcd hold (kind bcd.dev/gpu) for
+  exactly that allocation (bcd_shared.cdi.parse_hold_spec, CDI's naming rules);
+- allocation-env: /run/bcd/allocations/<id>.env 0644; KEY=VALUE lines, the first
+  BCD_ALLOCATION_ID=<id>;
+- k8s-token: /var/lib/bcd-hostconfig/k8s/bootstrap-token 0600, id ""; one kubeadm bootstrap token;
+- sshd-config: /etc/ssh/sshd_config.d/90-bcd.conf 0644, id ""; only bcd's three directives,
+  each pointing at bcd's own files;
+- sshd-ca: /etc/ssh/bcd/user_ca.pub 0644, id ""; OpenSSH public keys, one per line;
+- sshd-principals: /etc/ssh/bcd/principals/<id> 0644, id an account name; one principal a line;
+- sshd-krl: /etc/ssh/bcd/revoked.krl 0644, id ""; an OpenSSH KRL (binary, sent base64).
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from attrs import frozen
+from bcd_shared import cdi
+from bcd_shared.rootpath import RootPathRefused, remove_root_only, write_root_only
+
+from bcd_helper.ops.base import Call, Refused, refused_path
+
+MAX_CONTENT = 1024 * 1024
+ALLOCATION_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,80}$")
+ACCOUNT_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
+_EMPTY_RE = re.compile(r"^$")
+_TOKEN_RE = re.compile(r"^[a-z0-9]{6}\.[a-z0-9]{16}\n?$")
+_KEY_TYPES = frozenset(
+    {
+        "ssh-ed25519",
+        "ssh-rsa",
+        "ecdsa-sha2-nistp256",
+        "ecdsa-sha2-nistp384",
+        "ecdsa-sha2-nistp521",
+        "sk-ssh-ed25519@openssh.com",
+        "sk-ecdsa-sha2-nistp256@openssh.com",
+    }
+)
+SSHD_DIR = "/etc/ssh/bcd"
+SSHD_CA = f"{SSHD_DIR}/user_ca.pub"
+SSHD_PRINCIPALS = f"{SSHD_DIR}/principals"
+SSHD_KRL = f"{SSHD_DIR}/revoked.krl"
+SSHD_DROPIN = "/etc/ssh/sshd_config.d/90-bcd.conf"
+SSHD_DIRECTIVES = {
+    "TrustedUserCAKeys": SSHD_CA,
+    "AuthorizedPrincipalsFile": f"{SSHD_PRINCIPALS}/%u",
+    "RevokedKeys": SSHD_KRL,
+}
+_DIRECTIVES_TEXT = ", ".join(f"{k} {v}" for k, v in SSHD_DIRECTIVES.items())
+KRL_MAGIC = b"SSHKRL\n\x00"
+
+
+@frozen
+class FileWrite:
+    kind: str
+    id: str
+    content: str
+    encoding: str = "utf-8"
+
+
+@frozen
+class FileRemove:
+    kind: str
+    id: str
+
+
+def _no_controls(text: str, where: str) -> None:
+    if any((ord(c) < 0x20 and c != "\n") or ord(c) == 0x7F for c in text):
+        raise Refused("bad-content", f"{where}: carries a control character")
+
+
+def _check_cdi(ident: str, data: bytes) -> None:
+    try:
+        cdi.parse_hold_spec(data, ident)
+    except cdi.CdiError as exc:
+        raise Refused("bad-content", f"cdi: {exc}") from None
+
+
+def _check_env(ident: str, data: bytes) -> None:
+    try:
+        cdi.parse_env_file(data, ident)
+    except cdi.CdiError as exc:
+        raise Refused("bad-content", f"allocation-env: {exc}") from None
+
+
+def _text(data: bytes, kind: str) -> str:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise Refused("bad-content", f"{kind}: not UTF-8") from None
+    _no_controls(text, kind)
+    if text and not text.endswith("\n"):
+        raise Refused("bad-content", f"{kind}: must end with a newline")
+    return text
+
+
+def _check_token(_ident: str, data: bytes) -> None:
+    if not _TOKEN_RE.fullmatch(data.decode("utf-8", errors="replace")):
+        raise Refused("bad-content", "k8s-token: not a kubeadm bootstrap token ([a-z0-9]{6}.[a-z0-9]{16})")
+
+
+def _check_sshd_config(_ident: str, data: bytes) -> None:
+    seen: set[str] = set()
+    for n, line in enumerate(_text(data, "sshd-config").splitlines(), start=1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2 or SSHD_DIRECTIVES.get(parts[0]) != parts[1] or parts[0] in seen:
+            raise Refused(
+                "bad-content",
+                f"sshd-config line {n}: only {_DIRECTIVES_TEXT}, once each",
+            )
+        seen.add(parts[0])
+
+
+def _check_public_key(line: str, n: int) -> None:
+    parts = line.split(" ", 2)
+    if len(parts) < 2 or parts[0] not in _KEY_TYPES:
+        raise Refused("bad-content", f"sshd-ca line {n}: not one OpenSSH public key")
+    try:
+        blob = base64.b64decode(parts[1], validate=True)
+        (length,) = struct.unpack(">I", blob[:4])
+        inner = blob[4 : 4 + length].decode("ascii")
+    except (binascii.Error, struct.error, UnicodeDecodeError):
+        raise Refused("bad-content", f"sshd-ca line {n}: the key is not valid base64 key data") from None
+    if inner != parts[0]:
+        raise Refused("bad-content", f"sshd-ca line {n}: the key data is a {inner!r} key, not {parts[0]!r}")
+
+
+def _check_sshd_ca(_ident: str, data: bytes) -> None:
+    lines = [line for line in _text(data, "sshd-ca").splitlines()]
+    for n, line in enumerate(lines, start=1):
+        if line.strip() and not line.startswith("#"):
+            _check_public_key(line, n)
+
+
+def _check_principals(_ident: str, data: bytes) -> None:
+    lines = _text(data, "sshd-principals").splitlines()
+    if len(lines) > 1024:
+        raise Refused("bad-content", "sshd-principals: at most 1024 principals")
+    for n, line in enumerate(lines, start=1):
+        if not line or any(c.isspace() for c in line) or len(line) > 256:
+            raise Refused(
+                "bad-content", f"sshd-principals line {n}: one principal without whitespace, 1-256 chars"
+            )
+
+
+def _check_krl(_ident: str, data: bytes) -> None:
+    if not data.startswith(KRL_MAGIC):
+        raise Refused("bad-content", "sshd-krl: not an OpenSSH KRL (magic SSHKRL)")
+
+
+@frozen
+class FileKind:
+    path: Callable[[str], str]
+    id_rule: re.Pattern[str]
+    id_text: str
+    mode: int
+    check: Callable[[str, bytes], None]
+    encoding: str = "utf-8"
+
+
+# kind -> how the helper builds the path and checks the content. One literal table.
+FILE_KINDS: dict[str, FileKind] = {
+    "cdi": FileKind(
+        lambda i: f"/etc/cdi/bcd-{i}.json",
+        ALLOCATION_ID_RE,
+        "an allocation id ([A-Za-z0-9_]{1,80})",
+        0o644,
+        _check_cdi,
+    ),
+    "allocation-env": FileKind(
+        lambda i: f"/run/bcd/allocations/{i}.env",
+        ALLOCATION_ID_RE,
+        "an allocation id ([A-Za-z0-9_]{1,80})",
+        0o644,
+        _check_env,
+    ),
+    "k8s-token": FileKind(
+        lambda _i: "/var/lib/bcd-hostconfig/k8s/bootstrap-token", _EMPTY_RE, "empty", 0o600, _check_token
+    ),
+    "sshd-config": FileKind(lambda _i: SSHD_DROPIN, _EMPTY_RE, "empty", 0o644, _check_sshd_config),
+    "sshd-ca": FileKind(lambda _i: SSHD_CA, _EMPTY_RE, "empty", 0o644, _check_sshd_ca),
+    "sshd-principals": FileKind(
+        lambda i: f"{SSHD_PRINCIPALS}/{i}", ACCOUNT_RE, "an account name", 0o644, _check_principals
+    ),
+    "sshd-krl": FileKind(lambda _i: SSHD_KRL, _EMPTY_RE, "empty", 0o644, _check_krl, encoding="base64"),
+}
+
+
+def _kind(kind: str, ident: str) -> tuple[FileKind, str]:
+    spec = FILE_KINDS.get(kind)
+    if spec is None:
+        raise Refused(
+            "bad-kind", f"file kind {kind!r} is not one the helper writes ({', '.join(FILE_KINDS)})"
+        )
+    if not spec.id_rule.fullmatch(ident):
+        raise Refused("bad-id", f"{kind}: id {ident!r} must be {spec.id_text}")
+    return spec, spec.path(ident)
+
+
+def _content(spec: FileKind, req: FileWrite) -> bytes:
+    if req.encoding != spec.encoding:
+        raise Refused("bad-content", f"{req.kind}: content must be sent as {spec.encoding}")
+    if len(req.content) > 2 * MAX_CONTENT:
+        raise Refused("too-large", f"{req.kind}: content larger than {MAX_CONTENT} bytes")
+    if spec.encoding == "base64":
+        try:
+            data = base64.b64decode(req.content, validate=True)
+        except binascii.Error:
+            raise Refused("bad-content", f"{req.kind}: content is not base64") from None
+    else:
+        try:
+            data = req.content.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Refused("bad-content", f"{req.kind}: content is not UTF-8") from None
+    if len(data) > MAX_CONTENT:
+        raise Refused("too-large", f"{req.kind}: content larger than {MAX_CONTENT} bytes")
+    return data
+
+
+def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
+    spec, path = _kind(req.kind, req.id)
+    data = _content(spec, req)
+    spec.check(req.id, data)
+    try:
+        write_root_only(call.ctx.root, path, data, spec.mode)
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    return {"path": path, "bytes": len(data)}
+
+
+def file_remove(call: Call, req: FileRemove) -> dict[str, Any]:
+    _spec, path = _kind(req.kind, req.id)
+    try:
+        removed = remove_root_only(call.ctx.root, path)
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    return {"path": path, "removed": removed}

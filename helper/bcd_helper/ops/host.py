@@ -1,0 +1,82 @@
+"""gpu.reset, node.reboot and helper.ping: whole-host actions with root's own checks.
+
+gpu.reset (delivery.md "gpu.reset and live holds"; DLV-PRIV-09): 1 to 64 distinct GPU UUIDs. Root
+reads the busy GPUs itself (bcd_helper.busy): a GPU a live hold names, or one with compute
+processes, refuses the whole request (`gpu-busy`, naming the hold or process), so a reset never
+pulls a GPU from under a workload. A GPU nvidia-smi does not list comes back `reset: false,
+message: unknown GPU`. Each other GPU is reset with `nvidia-smi --gpu-reset -i <uuid>`; a failure
+is that GPU's message.
+
+node.reboot: root's own busy check is the helper's locks: a reboot never starts while a host.unit
+(a driver install, a MIG change) or a daemon.swap is running (`busy`); then `systemctl reboot`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from attrs import frozen
+
+from bcd_helper.busy import BusyUnknown, busy_gpus, known_gpus
+from bcd_helper.ops.base import Call, Failed, Refused
+
+GPU_UUID_RE = re.compile(r"^GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
+MAX_RESET = 64
+
+
+@frozen
+class GpuReset:
+    gpu_uuids: tuple[str, ...]
+
+
+@frozen
+class NodeReboot:
+    pass
+
+
+@frozen
+class Ping:
+    pass
+
+
+def gpu_reset(call: Call, req: GpuReset) -> dict[str, Any]:
+    if not req.gpu_uuids:
+        raise Refused("invalid-payload", "gpu.reset: no GPU named")
+    if len(req.gpu_uuids) > MAX_RESET:
+        raise Refused("invalid-payload", f"gpu.reset: at most {MAX_RESET} GPUs")
+    if len(set(req.gpu_uuids)) != len(req.gpu_uuids):
+        raise Refused("invalid-payload", "gpu.reset: a GPU is listed twice")
+    for i, uuid in enumerate(req.gpu_uuids):
+        if not GPU_UUID_RE.fullmatch(uuid):
+            raise Refused("invalid-payload", f"gpu_uuids[{i}]: {uuid!r} is not a GPU UUID")
+    try:
+        busy = busy_gpus(call.system)
+        known = known_gpus(call.system)
+    except BusyUnknown as exc:
+        raise Failed("busy-unknown", f"gpu.reset: {exc}") from None
+    reasons = [r for r in (busy.reason(u) for u in req.gpu_uuids) if r]
+    if reasons:
+        raise Refused("gpu-busy", "gpu.reset: " + "; ".join(reasons))
+    out = []
+    for uuid in req.gpu_uuids:
+        if known is not None and uuid not in known:
+            out.append({"uuid": uuid, "reset": False, "message": "unknown GPU"})
+            continue
+        result = call.system.run(["nvidia-smi", "--gpu-reset", "-i", uuid], timeout=300)
+        text = (result.stdout + result.stderr).decode(errors="replace").strip()
+        out.append(
+            {"uuid": uuid, "reset": result.ok, "message": "" if result.ok else (text or result.describe())}
+        )
+    return {"gpus": out}
+
+
+def node_reboot(call: Call, _req: NodeReboot) -> dict[str, Any]:
+    result = call.system.run(["systemctl", "reboot"], timeout=60)
+    if not result.ok:
+        raise Failed("systemctl", result.describe())
+    return {"rebooting": True}
+
+
+def ping(call: Call, _req: Ping) -> dict[str, Any]:
+    return {"peer_uid": call.peer.uid, "host_units": call.ctx.config.host_units}

@@ -1,0 +1,125 @@
+"""host.unit: one config unit re-planned and applied as root from its name and settings alone.
+
+Rules (host-config.md "Under bcd helper"; HST-HLP-03..12, 20..23, 33..36):
+- the unit name must match `^[a-z0-9-]{1,64}$`, else `not a config unit name`;
+- at most 1024 busy GPUs, each a device id of at most 128 characters;
+- `[host] units = false` in root's config refuses every host.unit, applies and cleans alike, with
+  `host.unit: this host's configuration is managed outside bcd ([host] units = false in root's
+  config.toml)`, writing nothing;
+- a helper without host units (bcd_shared.units missing or offering no registry) answers
+  `not configured`; an unknown unit is `not supported`;
+- the unit decodes and validates the settings itself (`settings` is the canonical JSON text; None
+  cleans a unit that left the spec), with root's `[kubernetes] allowed_clusters`;
+- for `mig-layout` the helper ignores the node's busy GPUs and uses root's own view
+  (bcd_helper.busy); for every other unit the node's list is passed through;
+- writes go through the root-only rule (BoundedSystem), programs are bounded to 20 minutes each,
+  the operation to 30 minutes;
+- signed intent (host-config.md "Signed specs"): the request may carry `intent`; where root's
+  config pins command-signing roots (`command_root_sha256`) the helper requires and verifies it.
+  Until the verifier is wired in (bcd_helper.intent), a helper whose config pins roots refuses every
+  host.unit (fail closed), and one without pins applies unsigned units (HST-SIGN-33).
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from attrs import frozen
+
+from bcd_helper.busy import ALL, BusyUnknown, busy_gpus, known_gpus
+from bcd_helper.ops.base import Call, Failed, Refused
+
+UNIT_NAME_RE = re.compile(r"^[a-z0-9-]{1,64}$")
+MAX_BUSY = 1024
+MAX_SETTINGS = 256 * 1024
+EXTERNAL_MESSAGE = (
+    "host.unit: this host's configuration is managed outside bcd ([host] units = false in root's config.toml)"
+)
+
+
+@frozen
+class SignedIntent:
+    """The signed DesiredState body that last set the host section, as the node keeps it (base64)."""
+
+    body: str
+    signature: str
+    chain: tuple[str, ...] = ()
+    trust_bundle: str | None = None
+
+
+@frozen
+class HostUnit:
+    unit: str
+    settings: str | None = None
+    busy_gpus: tuple[str, ...] = ()
+    intent: SignedIntent | None = None
+
+
+def check_request(call: Call, req: HostUnit) -> None:
+    """The argument rules, in order; raises Refused."""
+    if not UNIT_NAME_RE.fullmatch(req.unit):
+        raise Refused("bad-unit-name", f"host.unit: {req.unit!r} is not a config unit name")
+    if len(req.busy_gpus) > MAX_BUSY:
+        raise Refused("too-many-busy-gpus", f"host.unit: {len(req.busy_gpus)} busy GPUs, at most {MAX_BUSY}")
+    for i, dev in enumerate(req.busy_gpus):
+        if not dev or len(dev) > 128 or any(c.isspace() or ord(c) < 0x20 for c in dev):
+            raise Refused("bad-busy-gpu", f"host.unit: busy_gpus[{i}] is not a device id")
+    if req.settings is not None and len(req.settings.encode()) > MAX_SETTINGS:
+        raise Refused("too-large", f"host.unit: settings larger than {MAX_SETTINGS} bytes")
+    if not call.ctx.config.host_units:
+        raise Refused("host-managed-externally", EXTERNAL_MESSAGE)
+    if call.ctx.config.command_root_sha256:
+        raise Refused(
+            "intent-unverifiable",
+            "host.unit: root's config pins command-signing roots, "
+            "and this helper cannot verify signed intent yet",
+        )
+
+
+def unit_registry() -> Mapping[str, Any] | None:
+    """The host units bcd_shared provides (name -> unit), or None for a helper built without them."""
+    try:
+        module = importlib.import_module("bcd_shared.units")
+    except ImportError:
+        return None
+    registry = getattr(module, "UNITS", None)
+    return registry if isinstance(registry, Mapping) else None
+
+
+def host_unit(call: Call, req: HostUnit) -> dict[str, Any]:
+    check_request(call, req)
+    registry = unit_registry()
+    if registry is None:
+        raise Refused("not-configured", "host.unit: not configured (this helper has no host units)")
+    unit = registry.get(req.unit)
+    if unit is None:
+        raise Refused("not-supported", f"host.unit: {req.unit}: not supported")
+    units = importlib.import_module("bcd_shared.units")
+    from bcd_shared.errors import StepError
+
+    if req.unit == "mig-layout":
+        try:
+            busy = busy_gpus(call.system).gpus()
+            if ALL in busy:  # a MIG process or an unreadable hold: every GPU is busy
+                busy = (busy - {ALL}) | frozenset(known_gpus(call.system) or ())
+        except BusyUnknown as exc:
+            raise Failed("busy-unknown", f"host.unit: {exc}") from None
+    else:
+        busy = frozenset(req.busy_gpus)
+    pins = tuple(units.ClusterPin(c.server, c.ca_sha256) for c in call.ctx.config.allowed_clusters)
+    uctx = units.UnitContext(busy_gpus=busy, allowed_clusters=pins)
+    try:
+        settings = None if req.settings is None else unit.decode_settings(req.settings)
+    except StepError as exc:
+        raise Refused("invalid-settings", f"host.unit: {req.unit}: {exc.message}") from None
+    result = units.converge_unit(unit, settings, call.system, uctx, units.ApplyContext())
+    return {
+        "unit": req.unit,
+        "changed": result.changed,
+        "steps": list(result.steps_done),
+        "issues": [{"kind": i.kind, "message": i.message} for i in result.issues],
+        "conditions": [{"type": c.type, "reason": c.reason, "message": c.message} for c in result.conditions],
+    }

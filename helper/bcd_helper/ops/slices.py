@@ -1,0 +1,164 @@
+"""slice.apply and slice.remove: a hold's cgroup-v2 slice, with exactly the seeds' properties.
+
+Rules (devices-and-holds.md "Hold slices"; DEV-SLICE-07..24, DLV-PRIV-04):
+- the name must match `^bcd-alloc-[A-Za-z0-9_]{1,80}\\.slice$`; `cpus` and `mems` must be cpulists
+  (`N` or `N-M` with N <= M, comma-separated, each number below 65536) of at most 1024 characters;
+- apply: `systemctl start NAME`, then one `systemctl set-property --runtime NAME` with AllowedCPUs
+  (cpus), AllowedMemoryNodes (mems), CPUQuota (ceil(cpu_millis / 10)%), MemoryMax (memory_bytes) and
+  MemoryHigh (memory_bytes * 9 // 10), each only when given; with huge pages, `+hugetlb` into
+  cgroup.subtree_control of /sys/fs/cgroup, bcd.slice and bcd-alloc.slice, then hugetlb.2MB.max
+  and hugetlb.1GB.max in bytes (both written when either is booked, the other as 0: a hold gets the
+  huge pages it booked and no others; Q-DEV-SLICE-02);
+- remove: root reads the slice's `cgroup.events` itself and runs `systemctl stop` only when it says
+  `populated 0`; a populated slice is kept (answer `stopped: false, populated: true`), so a release
+  never kills a workload (Q-DEV-SLICE-03, decided: yes, root checks itself). A slice whose cgroup does
+  not exist is already gone.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from attrs import frozen
+from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
+
+from bcd_helper.ops.base import Call, Failed, Refused, refused_path
+
+SLICE_RE = re.compile(r"^bcd-alloc-[A-Za-z0-9_]{1,80}\.slice$")
+MAX_CPULIST = 1024
+CGROUP = "/sys/fs/cgroup"
+PARENTS = (CGROUP, f"{CGROUP}/bcd.slice", f"{CGROUP}/bcd.slice/bcd-alloc.slice")
+MAX_MEMORY = 1 << 52
+MAX_PAGES = 1 << 24
+MAX_MILLIS = 1 << 24
+
+
+@frozen
+class SliceApply:
+    name: str
+    cpus: str | None = None
+    mems: str | None = None
+    cpu_millis: int | None = None
+    memory_bytes: int | None = None
+    hugepages_2mi: int | None = None
+    hugepages_1gi: int | None = None
+
+
+@frozen
+class SliceRemove:
+    name: str
+
+
+def check_cpulist(value: str, field: str) -> str:
+    """DEV-SLICE-17: a cpulist of at most 1024 characters."""
+    if len(value) > MAX_CPULIST:
+        raise Refused("bad-cpulist", f"{field}: longer than {MAX_CPULIST} characters")
+    if not value:
+        raise Refused("bad-cpulist", f"{field}: empty")
+    for part in value.split(","):
+        m = re.fullmatch(r"([0-9]{1,5})(?:-([0-9]{1,5}))?", part)
+        if m is None:
+            raise Refused("bad-cpulist", f"{field}: {part!r} is not N or N-M")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
+        if lo > hi or hi >= 65536:
+            raise Refused("bad-cpulist", f"{field}: {part!r} is not an increasing range below 65536")
+    return value
+
+
+def check_slice_name(name: str) -> str:
+    if not SLICE_RE.fullmatch(name):
+        raise Refused(
+            "bad-slice-name", f"{name!r} is not a hold slice name (bcd-alloc-<allocation-id>.slice)"
+        )
+    return name
+
+
+def slice_cgroup(name: str) -> str:
+    return f"{CGROUP}/bcd.slice/bcd-alloc.slice/{name}"
+
+
+def _bounded(value: int | None, field: str, hi: int) -> int | None:
+    if value is not None and not 0 <= value <= hi:
+        raise Refused("bad-limit", f"{field}: must be from 0 to {hi}")
+    return value
+
+
+def properties(req: SliceApply) -> list[str]:
+    """The set-property assignments for the request (pure)."""
+    props: list[str] = []
+    if req.cpus is not None:
+        props.append(f"AllowedCPUs={check_cpulist(req.cpus, 'cpus')}")
+    if req.mems is not None:
+        props.append(f"AllowedMemoryNodes={check_cpulist(req.mems, 'mems')}")
+    if _bounded(req.cpu_millis, "cpu_millis", MAX_MILLIS) is not None:
+        assert req.cpu_millis is not None
+        props.append(f"CPUQuota={-(-req.cpu_millis // 10)}%")
+    if _bounded(req.memory_bytes, "memory_bytes", MAX_MEMORY) is not None:
+        assert req.memory_bytes is not None
+        props.append(f"MemoryMax={req.memory_bytes}")
+        props.append(f"MemoryHigh={req.memory_bytes * 9 // 10}")
+    return props
+
+
+def write_kernel_file(call: Call, path: str, data: bytes) -> None:
+    """Write an existing cgroupfs file in place (no rename on kernel files), under the root-only rule."""
+    parts = split_host_path(path)
+    try:
+        with verified_dir(call.ctx.root, parts[:-1], create=False) as dfd:
+            fd = os.open(parts[-1], os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                os.write(fd, data)
+            finally:
+                os.close(fd)
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    except OSError as exc:
+        raise Failed("cgroup", f"writing {path}: {exc.strerror}") from None
+
+
+def _systemctl(call: Call, *args: str) -> None:
+    result = call.system.run(["systemctl", *args])
+    if not result.ok:
+        raise Failed("systemctl", result.describe())
+
+
+def slice_apply(call: Call, req: SliceApply) -> dict[str, Any]:
+    name = check_slice_name(req.name)
+    props = properties(req)
+    p2 = _bounded(req.hugepages_2mi, "hugepages_2mi", MAX_PAGES)
+    p1 = _bounded(req.hugepages_1gi, "hugepages_1gi", MAX_PAGES)
+    _systemctl(call, "start", name)
+    if props:
+        _systemctl(call, "set-property", "--runtime", name, *props)
+    if p2 is not None or p1 is not None:
+        for parent in PARENTS:
+            write_kernel_file(call, f"{parent}/cgroup.subtree_control", b"+hugetlb")
+        cg = slice_cgroup(name)
+        write_kernel_file(call, f"{cg}/hugetlb.2MB.max", str((p2 or 0) * 2 * 1024 * 1024).encode())
+        write_kernel_file(call, f"{cg}/hugetlb.1GB.max", str((p1 or 0) * 1024 * 1024 * 1024).encode())
+    return {"name": name, "cgroup": slice_cgroup(name), "properties": props}
+
+
+def populated(call: Call, name: str) -> bool | None:
+    """What cgroup.events says: True/False, or None when the slice's cgroup does not exist."""
+    text = call.system.read_text(f"{slice_cgroup(name)}/cgroup.events")
+    if text is None:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "populated":
+            return value.strip() != "0"
+    raise Failed("cgroup", f"{slice_cgroup(name)}/cgroup.events has no populated line")
+
+
+def slice_remove(call: Call, req: SliceRemove) -> dict[str, Any]:
+    name = check_slice_name(req.name)
+    state = populated(call, name)
+    if state is None:
+        return {"name": name, "stopped": False, "populated": False, "absent": True}
+    if state:
+        return {"name": name, "stopped": False, "populated": True, "absent": False}
+    _systemctl(call, "stop", name)
+    return {"name": name, "stopped": True, "populated": False, "absent": False}

@@ -1,0 +1,115 @@
+"""The one OPS table: every operation the helper serves. Deny by default: an op not here is refused.
+
+Each row: request type (decoded strictly), handler, timeout in seconds, the locks held while it runs
+(taken in LOCK_ORDER), flags, the arguments shown in the audit log (the rest is pinned by a digest)
+and a one-line summary. docs/helper-rpc.md documents every row (a test checks it). The libvirt.*,
+ch.* and nft.* operations of the instances section slot in as rows of the same shape.
+
+Locks: `units` (host.unit: one unit at a time), `gpus` (what changes the GPUs' holders: cdi files,
+gpu.reset, and host.unit for mig-layout via `units`), `system` (node.reboot). Flag `nowait`: a held
+lock refuses the request as `busy` instead of waiting (a reboot never waits behind a driver install).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from attrs import frozen
+
+from bcd_helper.ops import files, host, hostunit, slices
+from bcd_helper.ops.base import Handler
+
+LOCK_ORDER = ("units", "gpus", "slices", "system")
+MINUTE = 60.0
+
+
+@frozen
+class OpSpec:
+    request: type[Any]
+    handler: Handler
+    timeout_s: float
+    locks: tuple[str, ...]
+    flags: frozenset[str]
+    shown: tuple[str, ...]
+    summary: str
+
+
+def _op(
+    request: type[Any],
+    handler: Any,
+    timeout_s: float,
+    locks: tuple[str, ...] = (),
+    flags: tuple[str, ...] = (),
+    shown: tuple[str, ...] = (),
+    summary: str = "",
+) -> OpSpec:
+    return OpSpec(request, handler, timeout_s, locks, frozenset(flags), shown, summary)
+
+
+OPS: dict[str, OpSpec] = {
+    "helper.ping": _op(host.Ping, host.ping, 5, summary="answers the peer's uid; for health checks"),
+    "file.write": _op(
+        files.FileWrite,
+        files.file_write,
+        MINUTE,
+        locks=("gpus",),
+        shown=("kind", "id", "encoding"),
+        summary="write a file of a known kind; the helper builds the path and checks the content",
+    ),
+    "file.remove": _op(
+        files.FileRemove,
+        files.file_remove,
+        MINUTE,
+        locks=("gpus",),
+        shown=("kind", "id"),
+        summary="remove a file of a known kind",
+    ),
+    "slice.apply": _op(
+        slices.SliceApply,
+        slices.slice_apply,
+        2 * MINUTE,
+        locks=("slices",),
+        shown=("name", "cpus", "mems", "cpu_millis", "memory_bytes", "hugepages_2mi", "hugepages_1gi"),
+        summary="start a hold slice and set its limits",
+    ),
+    "slice.remove": _op(
+        slices.SliceRemove,
+        slices.slice_remove,
+        2 * MINUTE,
+        locks=("slices",),
+        shown=("name",),
+        summary="stop a hold slice once root sees it empty",
+    ),
+    "host.unit": _op(
+        hostunit.HostUnit,
+        hostunit.host_unit,
+        30 * MINUTE,
+        locks=("units",),
+        shown=("unit", "busy_gpus"),
+        summary="re-plan and apply one config unit as root from its name and settings",
+    ),
+    "gpu.reset": _op(
+        host.GpuReset,
+        host.gpu_reset,
+        10 * MINUTE,
+        locks=("gpus",),
+        flags=("destructive",),
+        shown=("gpu_uuids",),
+        summary="reset GPUs no hold and no process uses",
+    ),
+    "node.reboot": _op(
+        host.NodeReboot,
+        host.node_reboot,
+        2 * MINUTE,
+        locks=("units", "system"),
+        flags=("destructive", "nowait"),
+        summary="reboot the machine, unless a unit or swap is running",
+    ),
+}
+
+# The wait for an answer a client should allow: the op's timeout plus a minute on the connection.
+CONNECTION_SLACK_S = MINUTE
+
+
+def lock_names() -> tuple[str, ...]:
+    return LOCK_ORDER

@@ -1,0 +1,148 @@
+"""The helper's wire protocol: length-prefixed JSON frames over a Unix stream socket.
+
+A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one document,
+no trailing data). Frames larger than MAX_FRAME (4 MiB) are refused and the connection closed.
+
+Request:  {"op": "<name>", "args": {...}}            (exactly these two keys)
+Answer:   {"ok": true, "result": {...}}
+      or  {"ok": false, "error": "refused"|"failed", "reason": "<code>", "message": "<text>"}
+
+`args` is decoded strictly into the op's frozen attrs request type: an unknown field, a missing
+required one or a value of the wrong JSON type is refused, the message naming the field path
+(`$.args.content: expected str`). Ints are never taken from strings, bools never from ints.
+The agent's client (bcd_agent.helperclient) speaks the same framing with its own few lines, since
+the agent does not depend on bcd-helper.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any, TypeVar
+
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+MAX_FRAME = 4 * 1024 * 1024
+_LEN = struct.Struct(">I")
+
+T = TypeVar("T")
+
+
+class ProtocolError(Exception):
+    """The peer broke the framing or sent something that is not a request; the connection closes."""
+
+
+class DecodeError(Exception):
+    """The request's arguments do not fit the op's type; the message names the field path."""
+
+
+def encode_frame(doc: Any) -> bytes:
+    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    if len(body) > MAX_FRAME:
+        raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
+    return _LEN.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> Any:
+    try:
+        return json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ProtocolError(f"frame is not one JSON document: {exc}") from None
+
+
+def recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Read exactly n bytes (client side; the server reads through recvmsg to see ancillary data)."""
+    chunks: list[bytes] = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise ProtocolError("connection closed mid-frame" if chunks else "connection closed")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def read_frame(sock: socket.socket) -> Any:
+    (n,) = _LEN.unpack(recv_exact(sock, 4))
+    if n > MAX_FRAME:
+        raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
+    return decode_body(recv_exact(sock, n))
+
+
+def _strict(conv: cattrs.Converter) -> cattrs.Converter:
+    def exact(kind: type, name: str) -> Any:
+        def hook(value: Any, _t: Any) -> Any:
+            if type(value) is not kind:
+                raise TypeError(f"expected {name}, got {type(value).__name__}")
+            return value
+
+        return hook
+
+    conv.register_structure_hook(str, exact(str, "string"))
+    conv.register_structure_hook(bool, exact(bool, "boolean"))
+    conv.register_structure_hook(int, exact(int, "integer"))
+
+    def tuple_hook(value: Any, t: Any) -> Any:
+        if not isinstance(value, list):
+            raise TypeError(f"expected array, got {type(value).__name__}")
+        (inner,) = [a for a in getattr(t, "__args__", (Any,)) if a is not Ellipsis] or [Any]
+        out = []
+        for i, v in enumerate(value):
+            try:
+                out.append(conv.structure(v, inner))
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"item {i}: {exc}") from None
+        return tuple(out)
+
+    conv.register_structure_hook_func(
+        lambda t: getattr(t, "__origin__", None) is tuple,
+        tuple_hook,
+    )
+    return conv
+
+
+CONVERTER = _strict(cattrs.Converter(forbid_extra_keys=True, detailed_validation=True))
+
+
+def _messages(exc: BaseException, path: str) -> list[str]:
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return [f"{path}: unknown field {k!r}" for k in sorted(exc.extra_fields)]
+    if isinstance(exc, ClassValidationError | IterableValidationError):
+        out: list[str] = []
+        for sub in exc.exceptions:
+            note = next((n for n in getattr(sub, "__notes__", ()) if isinstance(n, str)), "")
+            field = ""
+            notes = getattr(sub, "__notes__", [])
+            for n in notes:
+                name = getattr(n, "name", None)
+                idx = getattr(n, "index", None)
+                if name is not None:
+                    field = f".{name}"
+                elif idx is not None:
+                    field = f"[{idx}]"
+            if not field and note.startswith("Structuring class") is False and "@ attribute" in note:
+                field = "." + note.rsplit(" ", 1)[-1]
+            if isinstance(sub, KeyError):
+                out.append(f"{path}{field}: required field missing")
+            else:
+                out.extend(_messages(sub, path + field))
+        return out
+    return [f"{path}: {exc}"]
+
+
+def structure(args: Any, cls: type[T], path: str = "$.args") -> T:
+    """Decode `args` into `cls` strictly; DecodeError names the field path and the rule."""
+    if not isinstance(args, dict):
+        raise DecodeError(f"{path}: expected an object")
+    try:
+        return CONVERTER.structure(args, cls)
+    except (ClassValidationError, IterableValidationError, ForbiddenExtraKeysError) as exc:
+        raise DecodeError("; ".join(_messages(exc, path))) from None
+    except (TypeError, ValueError, KeyError) as exc:
+        raise DecodeError(f"{path}: {exc}") from None
+
+
+def unstructure(value: Any) -> Any:
+    return CONVERTER.unstructure(value)

@@ -1,0 +1,72 @@
+"""`bcd helper serve`: run the root helper on its Unix socket until SIGTERM or SIGINT.
+
+`--root DIR` serves a simulated host (a directory standing for `/`, with the simulated host's fake
+programs); the config path is a host path under it. Everything else (the root-only rule on the
+config and on every write, ownership, modes) is the real thing, checked on the real files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from pathlib import Path
+from types import FrameType
+
+from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
+from bcd_shared.system import LocalSystem
+
+from bcd_helper.audit import AuditLog
+from bcd_helper.config import DEFAULT_CONFIG, ConfigError, load_config
+from bcd_helper.ops.base import HelperContext
+from bcd_helper.ops.table import lock_names
+from bcd_helper.server import HelperServer
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--root", default="/", help="the directory standing for / (a simulated host)")
+    parser.add_argument("--config", default=DEFAULT_CONFIG, help="root's config.toml (host path)")
+
+
+def _system(root: Path) -> LocalSystem:
+    if root == Path("/"):
+        return LocalSystem(root)
+    from bcd_shared.simhost import sim_system
+
+    return sim_system(root)
+
+
+def build(root: Path, config_path: str) -> HelperServer:
+    """Check root's config, open the audit log and bind the socket. Raises ConfigError."""
+    config = load_config(root, config_path)
+    try:
+        audit = AuditLog(root, config.audit_dir)
+        sock_parts = split_host_path(config.socket)
+        with verified_dir(root, sock_parts[:-1], create=True):
+            pass
+    except RootPathRefused as exc:
+        raise ConfigError(str(exc)) from None
+    ctx = HelperContext(root=root, config=config, system=_system(root), audit=audit, lock_names=lock_names())
+    real_socket = str(root.joinpath(*sock_parts))
+    return HelperServer(ctx, real_socket)
+
+
+def _stop(_signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(0)
+
+
+def run(args: argparse.Namespace) -> int:
+    root = Path(args.root).resolve()
+    try:
+        server = build(root, args.config)
+    except ConfigError as exc:
+        print(f"bcd helper: {exc}", file=sys.stderr)
+        return 1
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    except (SystemExit, KeyboardInterrupt):
+        pass
+    finally:
+        server.server_close()
+    return 0

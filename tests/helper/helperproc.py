@@ -1,0 +1,143 @@
+"""Run a real `bcd helper serve` process over a simulated host, and talk to it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import socket
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from bcd_agent.helperclient import HelperClient
+from bcd_shared.simhost.seed import seed
+
+REPO = Path(__file__).resolve().parents[2]
+AUDIT_DIR = "/var/log/bcd-helper"
+SOCKET = "/run/bcd/helper.sock"
+
+
+def write_config(root: Path, text: str, mode: int = 0o640) -> Path:
+    path = root / "etc/bcd/config.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(path.parent, 0o750)
+    path.write_text(text)
+    os.chmod(path, mode)
+    return path
+
+
+def base_config(node_uid: int = 4242, node_gid: int = 4242, extra: str = "") -> str:
+    return f'[helper]\nsocket = "{SOCKET}"\nnode_uid = {node_uid}\nnode_gid = {node_gid}\n' + extra
+
+
+def make_root(parent: Path) -> Path:
+    root = parent / "host"
+    seed(root)
+    for p in [parent, root]:
+        os.chmod(p, 0o755)
+    return root
+
+
+class HelperProcess:
+    def __init__(self, root: Path, config: str | None = None) -> None:
+        self.root = root
+        if config is not None:
+            write_config(root, config)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        self.socket_path = str(root / SOCKET.lstrip("/"))
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                _out, err = self.proc.communicate()
+                raise RuntimeError(f"helper exited {self.proc.returncode}: {err.decode()}")
+            if os.path.exists(self.socket_path):
+                try:
+                    HelperClient(self.socket_path).ping()
+                    break
+                except Exception:
+                    pass
+            time.sleep(0.02)
+        else:
+            self.stop()
+            raise RuntimeError("helper did not start")
+        self.client = HelperClient(self.socket_path)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def raw(self, doc: Any) -> dict[str, Any]:
+        """Send a raw request document on a fresh connection; the answer."""
+        import json
+        import struct
+
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(self.socket_path)
+            body = json.dumps(doc).encode()
+            s.sendall(struct.pack(">I", len(body)) + body)
+            n = struct.unpack(">I", _recv(s, 4))[0]
+            return dict(json.loads(_recv(s, n)))
+
+    def audit_lines(self) -> list[dict[str, Any]]:
+        import json
+
+        path = self.root / AUDIT_DIR.lstrip("/") / "audit.log"
+        return [json.loads(line) for line in path.read_text().splitlines()]
+
+    def last_audit(self) -> dict[str, Any]:
+        import json
+
+        path = self.root / AUDIT_DIR.lstrip("/") / "audit.log"
+        data = path.read_bytes().rstrip(b"\n")
+        return dict(json.loads(data.rsplit(b"\n", 1)[-1]))
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("closed")
+        buf += chunk
+    return buf
+
+
+def tree(root: Path, skip: tuple[str, ...] = (AUDIT_DIR, SOCKET)) -> dict[str, tuple[int, int, int, str]]:
+    """Every entry under root: (mode, uid, gid, content digest or link target), minus `skip`."""
+    skipped = {str(root / s.lstrip("/")) for s in skip}
+    out: dict[str, tuple[int, int, int, str]] = {}
+
+    def walk(d: str) -> Iterator[os.DirEntry[str]]:
+        with os.scandir(d) as it:
+            for e in it:
+                if e.path in skipped:
+                    continue
+                yield e
+                if e.is_dir(follow_symlinks=False):
+                    yield from walk(e.path)
+
+    for e in walk(str(root)):
+        st = e.stat(follow_symlinks=False)
+        if stat.S_ISREG(st.st_mode):
+            with open(e.path, "rb") as f:
+                what = hashlib.sha256(f.read()).hexdigest()
+        elif stat.S_ISLNK(st.st_mode):
+            what = os.readlink(e.path)
+        else:
+            what = ""
+        out[os.path.relpath(e.path, root)] = (st.st_mode, st.st_uid, st.st_gid, what)
+    return out
