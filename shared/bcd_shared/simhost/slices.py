@@ -18,18 +18,34 @@ State a person can look at:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any
 
 from bcd_shared.system import CommandResult, LocalSystem
 
-from ._state import fail, load, ok, save
-
 CGROUP_ROOT = "/sys/fs/cgroup"
 REBOOT_MARK = "/var/lib/bcd-sim/reboot-requested"
-STATE = "slices.json"
+STATE = "/var/lib/bcd-sim/slices.json"
 _SLICE_RE = re.compile(r"^[A-Za-z0-9:_.\\-]{1,255}\.slice$")
+
+
+def load(system: LocalSystem, path: str, default: dict[str, Any]) -> dict[str, Any]:
+    data = system.read_bytes(path)
+    return default if data is None else dict(json.loads(data))
+
+
+def save(system: LocalSystem, path: str, value: dict[str, Any]) -> None:
+    system.write_atomic(path, (json.dumps(value, indent=2, sort_keys=True) + "\n").encode())
+
+
+def ok(argv: Sequence[str], out: str = "", rc: int = 0) -> CommandResult:
+    return CommandResult(tuple(argv), rc, out.encode(), b"")
+
+
+def fail(argv: Sequence[str], err: str, rc: int = 1) -> CommandResult:
+    return CommandResult(tuple(argv), rc, b"", err.encode())
 
 
 def slice_cgroup_path(name: str) -> str:
