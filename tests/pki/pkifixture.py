@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import functools
 
 import attrs
 from bcd_shared.pki import KeyPair, Role, Roots, issue_intermediate, issue_leaf, issue_root
@@ -48,3 +49,20 @@ class Hierarchy:
         key = KeyPair.generate()
         der = issue_leaf(self.intermediate, self.ca_key, key.public_key, role, name, not_before, not_after)
         return Signer(key, (der, self.intermediate))
+
+
+# One hierarchy per test session. (No conftest.py here: a second module named `conftest` shadows
+# tests/conftest.py for the suite's `from conftest import REPO`.) Test modules wrap these in fixtures.
+@functools.cache
+def shared_hierarchy() -> Hierarchy:
+    return Hierarchy.build()
+
+
+@functools.cache
+def shared_worker() -> Signer:
+    return shared_hierarchy().leaf(Role.WORKER, "worker-1")
+
+
+@functools.cache
+def shared_node() -> Signer:
+    return shared_hierarchy().leaf(Role.NODE, "node-1")

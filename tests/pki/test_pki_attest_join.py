@@ -38,7 +38,18 @@ from bcd_shared.wire import (
     CommandState,
     JoinResponseBody,
 )
-from pkifixture import NOW, Hierarchy, Signer
+from pkifixture import NOW, Hierarchy, Signer, shared_hierarchy, shared_node
+
+
+@pytest.fixture(name="hierarchy")
+def _hierarchy_fixture() -> Hierarchy:
+    return shared_hierarchy()
+
+
+@pytest.fixture(name="node_signer")
+def _node_signer_fixture() -> Signer:
+    return shared_node()
+
 
 RESULT = b"\x0a\x28GPU-0f4c1e2a\x10\x01"
 CMD = "01JCMD0000000000000000000A"

@@ -48,7 +48,23 @@ from bcd_shared.pki import (
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
-from pkifixture import DAY, HOUR, NOW, Hierarchy, Signer
+from pkifixture import DAY, HOUR, NOW, Hierarchy, Signer, shared_hierarchy, shared_node, shared_worker
+
+
+@pytest.fixture(name="hierarchy")
+def _hierarchy_fixture() -> Hierarchy:
+    return shared_hierarchy()
+
+
+@pytest.fixture(name="worker")
+def _worker_fixture() -> Signer:
+    return shared_worker()
+
+
+@pytest.fixture(name="node_signer")
+def _node_signer_fixture() -> Signer:
+    return shared_node()
+
 
 BODY = b"command body bytes \x00\x01\x02"
 

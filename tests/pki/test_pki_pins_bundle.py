@@ -34,7 +34,13 @@ from bcd_shared.pki import (
 )
 from bcd_shared.wire import SignedTrustBundle as WireSignedTrustBundle
 from bcd_shared.wire import TrustBundle as WireTrustBundle
-from pkifixture import Hierarchy
+from pkifixture import Hierarchy, shared_hierarchy
+
+
+@pytest.fixture(name="hierarchy")
+def _hierarchy_fixture() -> Hierarchy:
+    return shared_hierarchy()
+
 
 A = "a" * 64
 B = "0123456789abcdef" * 4
