@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from testsupport import REPO
 
 
 def _imports(package_dir: Path) -> set[tuple[Path, str]]:

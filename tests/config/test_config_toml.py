@@ -212,7 +212,7 @@ def test_the_documented_key_table_matches_the_schema() -> None:
     import re
 
     from bcd_agent.config import SCHEMA
-    from conftest import REPO
+    from testsupport import REPO
 
     doc = (REPO / "docs" / "config.md").read_text()
     documented = set(re.findall(r"^\| `((?:\[\w+\] )?\w+)` \|", doc, re.M))

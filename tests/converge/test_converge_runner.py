@@ -27,7 +27,7 @@ from bcd_agent.converge.types import (
     SectionState,
 )
 from bcd_shared.errors import HelperRefused, RetryableError, TerminalError
-from conftest import REPO
+from testsupport import REPO
 
 Behaviour = Callable[[object | None, Observation, PassContext], SectionOutcome]
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 from bcd_agent.config import parse_config
-from conftest import REPO, require_tool
+from testsupport import REPO, require_tool
 
 DEPLOY = REPO / "deploy"
 UNITS = ("bcd-node.service", "bcd-helper.service")

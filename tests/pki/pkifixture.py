@@ -52,7 +52,7 @@ class Hierarchy:
 
 
 # One hierarchy per test session. (No conftest.py here: a second module named `conftest` shadows
-# tests/conftest.py for the suite's `from conftest import REPO`.) Test modules wrap these in fixtures.
+# tests/conftest.py for the suite's `from testsupport import REPO`.) Test modules wrap these in fixtures.
 @functools.cache
 def shared_hierarchy() -> Hierarchy:
     return Hierarchy.build()

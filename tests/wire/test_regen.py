@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from bcd_agent.tools import genproto
-from conftest import REPO
+from testsupport import REPO
 
 
 def _tree(root: Path) -> dict[str, bytes]:

@@ -1,0 +1,29 @@
+"""Constants and helpers for the whole suite.
+
+Import as `from testsupport import REPO, REFERENCE, require_tool` (tests/ is on pytest's pythonpath).
+Never `from conftest import ...`: a conftest.py in a subfolder would shadow the top-level one.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+# ../shared/ beside the checkout: read-only reference data (seeds, CDI schema, nvidia-smi output).
+SHARED = REPO.parent / "shared"
+REFERENCE = SHARED / "reference"
+IN_CI = os.environ.get("CI") == "true"
+
+
+def require_tool(name: str) -> str:
+    """The path of a real tool; skipped locally when missing, a failure under CI=true."""
+    path = shutil.which(name)
+    if path is None:
+        if IN_CI:
+            pytest.fail(f"{name} is missing under CI: .ci/run must install it")
+        pytest.skip(f"{name} not installed")
+    return path
