@@ -18,6 +18,7 @@ from collections.abc import Sequence
 # name -> (module, one-line help). One literal table.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bcd_agent.bench", "measure speed and memory targets; prints one JSON object"),
+    "doctor": ("bcd_agent.doctor", "check this host's bcd setup: each check ok / warn / fail with its fix"),
 }
 
 
