@@ -1,0 +1,440 @@
+"""The Dispatcher over the real journal and quorum ledger: results, duplicates, BUSY, deferral, restarts.
+
+Covers DLV-RES-01..07, DLV-ACK-01/08/09/14..18, DLV-REC-03..10, DLV-JRN-16/17, DLV-SIG-17, DLV-QRM-03..05."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+from bcd_agent.dispatch.command import CommandEnvelope, UpdateState
+from bcd_agent.dispatch.dispatcher import Dispatcher
+from bcd_agent.dispatch.handlers import CommandFailed, RunContext
+from bcd_agent.dispatch.kinds import UPGRADE_KIND
+from bcd_agent.journal import CommandState, EventClass
+from bcd_agent.kinds.testing import EffectHandler, effect_handlers, effect_payload
+from bcd_shared import wire
+from bcd_shared.pki import verify_command_result
+from dhelpers import NODE, T0, Harness, Pki, approved_batch, effect_ids, leaf_for, make_command, ulid
+
+
+@pytest.fixture(scope="module")
+def pki() -> Pki:
+    return Pki.build()
+
+
+class Gate:
+    """A hook that blocks until released, counting how many run at once."""
+
+    def __init__(self) -> None:
+        self.release = trio.Event()
+        self.active = 0
+        self.max_active = 0
+        self.entered: list[str] = []
+
+    async def __call__(self, cmd: CommandEnvelope) -> None:
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        self.entered.append(cmd.id)
+        try:
+            await self.release.wait()
+        finally:
+            self.active -= 1
+
+
+async def start(nursery: trio.Nursery, d: Dispatcher) -> Dispatcher:
+    started: Dispatcher = await nursery.start(d.run)
+    return started
+
+
+# --- results --------------------------------------------------------------------------------------
+
+
+async def test_DLV_RES_01_02_03_06_acked_running_one_outcome_with_boot_id(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki, bundle=pki.bundle())
+    log = tmp_path / "effects"
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        cmd = make_command(pki, kind="test.effect", payload=effect_payload("hello"))
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert h.sink.states(cmd.id) == [UpdateState.ACKED, UpdateState.RUNNING, UpdateState.SUCCEEDED]
+    assert all(u.boot_id == "boot-1" for u in h.sink.of(cmd.id))
+    assert json.loads(done.result) == {"token": "hello"}
+    entry = h.journal.get_command(cmd.id)
+    assert entry is not None and entry.state is CommandState.DONE and entry.body == cmd.body_bytes
+    assert list(effect_ids(log)) == [cmd.id]
+
+
+async def test_DLV_REC_05_DLV_REC_06_duplicates_resend_or_reattach(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki)
+    log = tmp_path / "effects"
+    gate = Gate()
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log, during_effect=gate))))
+        cmd = make_command(pki)
+        d.deliver(cmd)
+        await h.sink.wait_state(cmd.id, UpdateState.RUNNING)
+        before = len(h.sink.of(cmd.id))
+        d.deliver(cmd)  # in flight: the run reports, nothing is resent
+        assert len(h.sink.of(cmd.id)) == before
+        gate.release.set()
+        first = await h.sink.wait_terminal(cmd.id)
+        d.deliver(cmd)  # done: the stored result again
+        d.deliver(cmd)
+        n.cancel_scope.cancel()
+    terminals = [u for u in h.sink.of(cmd.id) if u.terminal]
+    assert terminals == [first, first, first]
+    assert list(effect_ids(log)) == [cmd.id]
+
+
+async def test_DLV_ACK_16_17_terminal_rejection_journaled_and_repeated(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki, bundle=pki.bundle())
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e"))))
+        cmd = make_command(pki, sign="other")
+        d.deliver(cmd)
+        d.deliver(cmd)
+        n.cancel_scope.cancel()
+    ups = h.sink.of(cmd.id)
+    assert [(u.state, u.reason) for u in ups] == [(UpdateState.REJECTED, "BAD_SIGNATURE")] * 2
+    entry = h.journal.get_command(cmd.id)
+    assert entry is not None and entry.state is CommandState.REJECTED
+    assert entry.result is not None and entry.result.code == "BAD_SIGNATURE"
+
+
+async def test_DLV_SIG_17_attested_result_is_node_signed(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki)
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e"))))
+        cmd = make_command(pki, kind="test.attested")
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        d.deliver(cmd)  # the replayed update carries the same attestation and signature
+        n.cancel_scope.cancel()
+    assert done.node_sig and done.attestation
+    signed = verify_command_result(
+        done.attestation,
+        done.node_sig,
+        pki.node_key.public_key,
+        command_id=cmd.id,
+        state=wire.CommandState.SUCCEEDED,
+        result=done.result,
+        node_id=NODE,
+    )
+    assert signed.boot_id == "boot-1"
+    assert h.sink.of(cmd.id)[-1] == done
+    plain = make_command(pki, kind="test.effect")
+    assert not plain.attested
+
+
+class Failing:
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+    def resources(self, command: CommandEnvelope) -> frozenset[str]:
+        return frozenset()
+
+    async def run(self, command: CommandEnvelope, ctx: RunContext) -> bytes:
+        await ctx.begin_effect()
+        raise self.exc
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [(CommandFailed("gpu-busy", "GPU-1 is held by alloc-7"), "gpu-busy"), (RuntimeError("boom"), "internal")],
+)
+async def test_DLV_RES_04_failed_carries_its_code(
+    tmp_path: Path, pki: Pki, exc: Exception, code: str
+) -> None:
+    h = Harness(tmp_path / "data", pki)
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher({"test.effect": Failing(exc)}))
+        cmd = make_command(pki)
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert (done.state, done.error_code) == (UpdateState.FAILED, code)
+    assert d.credits_in_use(cmd.lane) == 0  # type: ignore[arg-type]
+
+
+async def test_DLV_RES_04_invalid_payload(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki)
+    log = tmp_path / "e"
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        cmd = make_command(pki, payload=("type.googleapis.com/bcd.v1.GpuResetRequest", b""))
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert (done.state, done.error_code) == (UpdateState.FAILED, "invalid-payload")
+    assert UpdateState.RUNNING not in h.sink.states(cmd.id)
+    assert not log.exists()
+
+
+# --- BUSY -----------------------------------------------------------------------------------------
+
+
+async def test_DLV_ACK_14_15_18_busy_not_journaled_and_bad_signature_first(tmp_path: Path, pki: Pki) -> None:
+    """A full lane answers BUSY (never journaled, accepted on redelivery later); a bad signature on that
+    full lane is still BAD_SIGNATURE."""
+    h = Harness(tmp_path / "data", pki, bundle=pki.bundle())
+    gate = Gate()
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e", during_effect=gate))))
+        cmds = [make_command(pki, kind="test.bulk") for _ in range(3)]
+        for c in cmds:
+            d.deliver(c)
+        assert h.sink.states(cmds[2].id) == [UpdateState.BUSY]
+        assert h.journal.get_command(cmds[2].id) is None
+        forged = make_command(pki, kind="test.bulk", sign="none")
+        d.deliver(forged)
+        assert [(u.state, u.reason) for u in h.sink.of(forged.id)] == [
+            (UpdateState.REJECTED, "BAD_SIGNATURE")
+        ]
+        gate.release.set()
+        for c in cmds[:2]:
+            await h.sink.wait_terminal(c.id)
+        d.deliver(cmds[2])
+        assert (await h.sink.wait_terminal(cmds[2].id)).state is UpdateState.SUCCEEDED
+        n.cancel_scope.cancel()
+
+
+async def test_DLV_JRN_21_full_journal_answers_busy(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki, journal_options={"max_events": 3})
+    for i in range(3):
+        h.journal.append_event(EventClass.TRANSITION, "allocation.bound", f"{i}".encode())
+    assert h.journal.is_full()
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e"))))
+        cmd = make_command(pki)
+        d.deliver(cmd)
+        n.cancel_scope.cancel()
+    assert [(u.state, u.reason) for u in h.sink.of(cmd.id)] == [(UpdateState.BUSY, "BUSY")]
+    assert "journal full" in h.sink.of(cmd.id)[0].message
+    assert h.journal.get_command(cmd.id) is None
+    assert d.credits_in_use(cmd.lane) == 0  # type: ignore[arg-type]
+
+
+# --- deferral -------------------------------------------------------------------------------------
+
+
+async def test_DLV_ACK_07_08_RCV_07_deferral_and_recheck_on_newer_spec(
+    tmp_path: Path, pki: Pki, autojump_clock: trio.testing.MockClock
+) -> None:
+    h = Harness(tmp_path / "data", pki, bundle=pki.bundle())
+    log = tmp_path / "e"
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log)), applied_generation=5))
+        a = make_command(pki, seq=1, min_generation=6)
+        b = make_command(pki, seq=2, min_generation=7)
+        d.deliver(a)
+        d.deliver(b)
+        assert h.specs.sent == [5]  # one SpecRequest MIN_GENERATION per applied generation
+        assert set(d.deferred_ids()) == {a.id, b.id}
+        assert h.sink.of(a.id) == [] and h.journal.get_command(a.id) is None  # deferred: not journaled
+        await trio.sleep(60)
+        d.spec_applied(6)
+        assert (await h.sink.wait_terminal(a.id)).state is UpdateState.SUCCEEDED
+        assert d.deferred_ids() == (b.id,)
+        assert h.specs.sent == [5, 6]
+        d.spec_applied(7)
+        assert (await h.sink.wait_terminal(b.id)).state is UpdateState.SUCCEEDED
+        n.cancel_scope.cancel()
+    assert sorted(effect_ids(log)) == sorted([a.id, b.id])
+
+
+async def test_DLV_ACK_09_still_behind_at_not_after_is_stale(
+    tmp_path: Path, pki: Pki, autojump_clock: trio.testing.MockClock
+) -> None:
+    h = Harness(tmp_path / "data", pki)
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e")), applied_generation=1))
+        cmd = make_command(pki, min_generation=2, not_after=T0 + dt.timedelta(minutes=3))
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        elapsed = trio.current_time()
+        n.cancel_scope.cancel()
+    assert (done.state, done.reason) == (UpdateState.REJECTED, "STALE_GENERATION")
+    assert h.clock.server_now() >= T0 + dt.timedelta(minutes=3)
+    assert elapsed > 0
+    entry = h.journal.get_command(cmd.id)
+    assert entry is not None and entry.state is CommandState.REJECTED
+
+
+async def test_Q_DLV_CMD_03_waited_past_not_after_never_starts(
+    tmp_path: Path, pki: Pki, autojump_clock: trio.testing.MockClock
+) -> None:
+    h = Harness(tmp_path / "data", pki)
+    log = tmp_path / "e"
+    gate = Gate()
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log, during_effect=gate))))
+        first = make_command(pki, kind="test.bulk", payload=effect_payload("first"))
+        late = make_command(pki, kind="test.bulk", not_after=T0 + dt.timedelta(seconds=30))
+        d.deliver(first)
+        d.deliver(late)
+        assert h.sink.states(late.id) == [UpdateState.ACKED]
+        await trio.sleep(60)
+        gate.release.set()
+        done = await h.sink.wait_terminal(late.id)
+        n.cancel_scope.cancel()
+    assert (done.state, done.reason) == (UpdateState.REJECTED, "EXPIRED")
+    assert list(effect_ids(log)) == [first.id]
+
+
+async def test_DLV_ACK_06_upgrade_only_switch(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki)
+    handler = EffectHandler(tmp_path / "e")
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher({**effect_handlers(handler), UPGRADE_KIND: handler}))
+        d.set_upgrade_only(True)
+        other = make_command(pki, kind="test.echo")
+        upgrade = make_command(pki, kind=UPGRADE_KIND)
+        d.deliver(other)
+        d.deliver(upgrade)
+        assert (await h.sink.wait_terminal(upgrade.id)).state is UpdateState.SUCCEEDED
+        n.cancel_scope.cancel()
+    assert [(u.state, u.reason) for u in h.sink.of(other.id)] == [(UpdateState.REJECTED, "UNSUPPORTED")]
+
+
+# --- restarts -------------------------------------------------------------------------------------
+
+
+async def _crash_while_running(
+    h: Harness, tmp_path: Path, cmd: CommandEnvelope, *, after_effect: bool
+) -> None:
+    """Run `cmd` until it blocks (before or after begin_effect), then stop the process without settling."""
+    gate = Gate()
+    handler = EffectHandler(
+        tmp_path / "e",
+        before_effect=None if after_effect else gate,
+        during_effect=gate if after_effect else None,
+    )
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(handler)))
+        d.deliver(cmd)
+        await trio.testing.wait_all_tasks_blocked()
+        assert gate.entered == [cmd.id]
+        n.cancel_scope.cancel()  # the process dies: nothing settles
+
+
+async def test_DLV_REC_08_retry_safe_reexecutes_after_checks(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki)
+    cmd = make_command(pki, kind="test.retry")
+    await _crash_while_running(h, tmp_path, cmd, after_effect=True)
+    h.reopen()
+    assert h.journal.recover() == ()  # retry-safe entries wait for redelivery (DLV-REC-11)
+    log = tmp_path / "e2"
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert done.state is UpdateState.SUCCEEDED and list(effect_ids(log)) == [cmd.id]
+
+
+async def test_DLV_REC_11_reexecution_passes_not_after_again(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki)
+    cmd = make_command(pki, kind="test.retry", not_after=T0 + dt.timedelta(minutes=2))
+    await _crash_while_running(h, tmp_path, cmd, after_effect=False)
+    h.reopen()
+    h.clock.offset_s = 300  # the restart took five minutes
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e2"))))
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert (done.state, done.reason) == (UpdateState.REJECTED, "EXPIRED")
+
+
+@pytest.mark.parametrize("recover_first", [True, False])
+async def test_DLV_REC_09_10_not_retry_safe_is_interrupted(
+    tmp_path: Path, pki: Pki, recover_first: bool
+) -> None:
+    h = Harness(tmp_path / "data", pki)
+    cmd = make_command(pki, kind="test.effect")
+    await _crash_while_running(h, tmp_path, cmd, after_effect=True)
+    h.reopen()
+    if recover_first:
+        settled = h.journal.recover()
+        assert [e.id for e in settled] == [cmd.id]
+    log = tmp_path / "e2"
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert (done.state, done.error_code) == (UpdateState.FAILED, "interrupted")
+    assert not log.exists()
+
+
+async def test_DLV_REC_07_17_self_terminating_completed_by_reboot(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki)
+    cmd = make_command(pki, kind="test.reboot")
+    await _crash_while_running(h, tmp_path, cmd, after_effect=True)
+    entry = h.journal.get_command(cmd.id)
+    assert entry is not None and entry.state is CommandState.RUNNING and entry.boot_id == "boot-1"
+    h.reopen(boot_id="boot-2")
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e2"))))
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert (done.state, done.reason, done.boot_id) == (UpdateState.SUCCEEDED, "rebooted", "boot-2")
+    assert wire.NodeRebootResult.parse(done.result).previous_boot_id == "boot-1"
+
+
+# --- the quorum across restarts -------------------------------------------------------------------
+
+
+async def test_DLV_QRM_03_04_unbatched_allowance_survives_restart(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki, bundle=pki.bundle(approvers=3, allowance=1))
+    handlers = effect_handlers(EffectHandler(tmp_path / "e"))
+    first, second, third = (make_command(pki, kind="test.destructive") for _ in range(3))
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(handlers))
+        d.deliver(first)
+        assert (await h.sink.wait_terminal(first.id)).state is UpdateState.SUCCEEDED
+        n.cancel_scope.cancel()
+    h.reopen()
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(handlers))
+        d.deliver(second)
+        h.clock.host_jump_s = 3601  # the host's own clock: an hour later
+        d.deliver(third)
+        await h.sink.wait_terminal(third.id)
+        n.cancel_scope.cancel()
+    assert h.sink.terminal(second.id).reason == "UNBATCHED_LIMIT"  # type: ignore[union-attr]
+    assert h.sink.terminal(third.id).state is UpdateState.SUCCEEDED  # type: ignore[union-attr]
+
+
+async def test_DLV_QRM_05_leaf_runs_once_even_after_journal_loss(tmp_path: Path, pki: Pki) -> None:
+    data = tmp_path / "data"
+    h = Harness(data, pki, bundle=pki.bundle(approvers=3, required=2))
+    log = tmp_path / "e"
+    handlers = effect_handlers(EffectHandler(log))
+    cid = ulid()
+    batch = approved_batch(pki, "b1", [leaf_for(cid, "test.destructive")], 0)
+    cmd = make_command(pki, id=cid, kind="test.destructive", batch_id="b1", batch=batch)
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(handlers))
+        d.deliver(cmd)
+        assert (await h.sink.wait_terminal(cid)).state is UpdateState.SUCCEEDED
+        n.cancel_scope.cancel()
+    h.journal.close()
+    for f in data.glob("journal.db*"):
+        f.unlink()  # the journal is lost; the ledger is not
+    h.reopen()
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(handlers))
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cid)
+        n.cancel_scope.cancel()
+    assert (done.state, done.reason) == (UpdateState.REJECTED, "BATCH_UNAPPROVED")
+    assert list(effect_ids(log)) == [cid]
