@@ -22,6 +22,26 @@ from bcd_shared.system import CommandResult, FakeTool, LocalSystem
 TOOLS: dict[str, str] = {
     "systemctl": "systemctl:systemctl",
     "nvidia-smi": "nvidia_smi:main",
+    "modprobe": "kmodtools:modprobe",  # host-config units
+    "modinfo": "kmodtools:modinfo",  # host-config units
+    "sysctl": "hosttools:sysctl",  # host-config units
+    "tee": "hosttools:tee",  # host-config units
+    "env": "hosttools:env",  # host-config units
+    "update-grub": "hosttools:update_grub",  # host-config units
+    "grubby": "hosttools:grubby",  # host-config units
+    "mount": "hosttools:mount",  # host-config units
+    "swapoff": "hosttools:swapoff",  # host-config units
+    "curl": "hosttools:curl",  # host-config units
+    "gpg": "hosttools:gpg",  # host-config units
+    "mkdir": "hosttools:mkdir",  # host-config units
+    "containerd": "hosttools:containerd",  # host-config units
+    "nvidia-ctk": "hosttools:nvidia_ctk",  # host-config units
+    "apt-get": "pkg:apt_get",  # host-config units
+    "apt-mark": "pkg:apt_mark",  # host-config units
+    "dnf": "pkg:dnf",  # host-config units
+    "zypper": "pkg:zypper",  # host-config units
+    "kubeadm": "kube:kubeadm",  # host-config units
+    "kubectl": "kube:kubectl",  # host-config units
 }
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"

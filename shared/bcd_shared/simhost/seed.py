@@ -18,6 +18,7 @@ from bcd_shared.system import atomic_write
 # Extra seeders by area: "module:function" under bcd_shared.simhost, each `f(root: Path) -> None`.
 SEEDERS: list[str] = [
     "gpus:seed_gpus",
+    "hostseed:seed_host",
 ]
 
 NUMA_NODES = 2
