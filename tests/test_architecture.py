@@ -54,3 +54,13 @@ def test_helper_process_loads_no_grpclib() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def test_tests_import_constants_from_testsupport() -> None:
+    """`from conftest import` breaks as soon as any subfolder has a conftest.py: use testsupport."""
+    offenders = [
+        str(p.relative_to(REPO))
+        for p in (REPO / "tests").rglob("*.py")
+        if "from conftest import" in p.read_text() and p.name != "testsupport.py"
+    ]
+    assert offenders == []
