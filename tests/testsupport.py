@@ -1,7 +1,7 @@
 """Constants and helpers for the whole suite.
 
 Import as `from testsupport import REPO, REFERENCE, require_tool` (tests/ is on pytest's pythonpath).
-Never `from testsupport import ...`: a conftest.py in a subfolder would shadow the top-level one.
+Never import these from the conftest module: a conftest.py in a subfolder would shadow the top-level one.
 """
 
 from __future__ import annotations
