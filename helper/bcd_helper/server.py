@@ -40,8 +40,7 @@ _LEN = struct.Struct(">I")
 _FD_SPACE = socket.CMSG_SPACE(16 * 4)
 
 
-class PeerRefused(Exception):
-    pass
+EOF = object()  # read_request's answer at a clean end of stream (a JSON null is a request)
 
 
 def peer_credentials(sock: socket.socket) -> Peer:
@@ -89,10 +88,10 @@ class Connection:
             self.buffer += chunk
         return True
 
-    def read_request(self) -> Any | None:
-        """The next decoded JSON document, or None at a clean end of stream."""
+    def read_request(self) -> Any:
+        """The next decoded JSON document, or EOF at a clean end of stream."""
         if not self._fill(4):
-            return None
+            return EOF
         (n,) = _LEN.unpack(self.buffer[:4])
         if n > MAX_FRAME:
             raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
@@ -204,7 +203,7 @@ class Connection:
                             {"ok": False, "error": "refused", "reason": "protocol", "message": str(exc)}
                         )
                 return
-            if doc is None:
+            if doc is EOF:
                 return
             self.requests += 1
             reply = self.answer(doc)

@@ -180,14 +180,15 @@ def verified_dir(root: Path, dir_parts: tuple[str, ...], *, create: bool) -> Ite
             shown = _host_join(dir_parts[: i + 1])
             flags = os.O_RDONLY | _DIR_FLAGS
             try:
-                nfd = _open_component(fd, name, flags)
-            except FileNotFoundError:
-                if not create:
-                    raise
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(name, 0o755, dir_fd=fd)
-                    os.fsync(fd)
-                nfd = _open_component(fd, name, flags)
+                try:
+                    nfd = _open_component(fd, name, flags)
+                except FileNotFoundError:
+                    if not create:
+                        raise
+                    with contextlib.suppress(FileExistsError):
+                        os.mkdir(name, 0o755, dir_fd=fd)
+                        os.fsync(fd)
+                    nfd = _open_component(fd, name, flags)
             except OSError as exc:
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR, errno.EXDEV):
                     raise RootPathRefused(shown, refusal_message(shown)) from exc

@@ -15,8 +15,27 @@ from typing import Any
 
 from bcd_agent.helperclient import HelperClient
 from bcd_shared.simhost.seed import seed
+from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parents[2]
+IN_CI = os.environ.get("CI") == "true"
+
+# Hypothesis profiles: helper-dev (default, small) and helper-ci (1000 examples per property), chosen
+# by CI=true or BCD_HYPOTHESIS_PROFILE.
+settings.register_profile(
+    "helper-ci",
+    max_examples=1000,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+settings.register_profile(
+    "helper-dev",
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+PROFILE = os.environ.get("BCD_HYPOTHESIS_PROFILE") or ("helper-ci" if IN_CI else "helper-dev")
+HELPER_SETTINGS = settings.get_profile(PROFILE)
 AUDIT_DIR = "/var/log/bcd-helper"
 SOCKET = "/run/bcd/helper.sock"
 
@@ -96,7 +115,7 @@ class HelperProcess:
         import json
 
         path = self.root / AUDIT_DIR.lstrip("/") / "audit.log"
-        return [json.loads(line) for line in path.read_text().splitlines()]
+        return [json.loads(line) for line in path.read_bytes().split(b"\n") if line]
 
     def last_audit(self) -> dict[str, Any]:
         import json

@@ -12,8 +12,7 @@ import re
 from typing import Any
 
 from bcd_shared import cdi
-from testsupport import HELPER_SETTINGS
-from helperproc import HelperProcess, tree
+from helperproc import HELPER_SETTINGS, HelperProcess, tree
 from hypothesis import given
 from hypothesis import strategies as st
 

@@ -29,6 +29,8 @@ from typing import Any
 
 from bcd_shared.system import CommandResult, LocalSystem
 
+from .slices import slice_call
+
 STATE = "/var/lib/bcd-sim/systemd/units.json"
 LOG = "/var/lib/bcd-sim/systemd/log"
 REBOOT_MARK = "/var/lib/bcd-sim/reboot-requested"
@@ -116,6 +118,9 @@ def _stop(system: LocalSystem, units: dict[str, dict[str, Any]], unit: str) -> N
 
 
 def systemctl(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
+    handled = slice_call(system, argv)  # hold slices and reboot: slices.py
+    if handled is not None:
+        return handled
     args = [
         a for a in argv[1:] if a not in ("--no-block", "--quiet", "-q", "--no-pager", "--no-ask-password")
     ]
