@@ -1,4 +1,4 @@
-"""The kind table against the seed's own "Kinds by lane" table and "Timeouts" paragraph (DLV-KIND, DLV-TMO)."""
+"""The kind table against the seed's "Kinds by lane" table and "Timeouts" paragraph (DLV-KIND, DLV-TMO)."""
 
 from __future__ import annotations
 
@@ -90,10 +90,11 @@ MIN = 60.0
 @pytest.mark.parametrize(
     ("kind", "minutes"),
     [
-        ("diag.nvml", 2), ("inventory.refresh", 2), ("gpu.reset", 5), ("logs.collect", 15), ("node.reboot", 15),
-        ("site.httpProxy", 1), ("bmc.query", 2), ("bmc.boot", 2), ("boot.prepareRamdisk", 2), ("boot.cleanUp", 2),
-        ("bmc.power", 5), ("bmc.rotate", 5), ("boot.kexec", 15), ("bmc.firmware", 60), ("bmc.storage", 60),
-        ("diag.dcgm", 60), ("deploy.image", 60), ("disk.wipe", 360),
+        ("diag.nvml", 2), ("inventory.refresh", 2), ("gpu.reset", 5), ("logs.collect", 15),
+        ("node.reboot", 15), ("site.httpProxy", 1), ("bmc.query", 2), ("bmc.boot", 2),
+        ("boot.prepareRamdisk", 2), ("boot.cleanUp", 2), ("bmc.power", 5), ("bmc.rotate", 5),
+        ("boot.kexec", 15), ("bmc.firmware", 60), ("bmc.storage", 60), ("diag.dcgm", 60),
+        ("deploy.image", 60), ("disk.wipe", 360),
     ],
 )  # fmt: skip
 def test_DLV_TMO_05_07_08_built_in_timeouts(kind: str, minutes: float) -> None:
