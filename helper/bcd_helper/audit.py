@@ -10,8 +10,8 @@ Rules (issue 4, item 6):
   that the root-only rule accepts;
 - rotated when `audit.log` passes `max_bytes`: it becomes `audit.log.1` (older ones shift up to
   `keep`), and the first line of the new file chains to the last line of the old one;
-- `audit.head` (0600) holds the seq and hash of the newest line, rewritten atomically after each
-  append, so that an edited or removed *last* line is found too;
+- `audit.head` (0600) holds the seq and hash of the newest line, rewritten after each append (not
+  fsynced: it may lag after a crash), so that an edited or removed *last* line is found too;
 - each line also goes to the system log (best effort: `/dev/log` of the real host, when present).
 
 `verify_chain(dir)` reads the files oldest first and names the first line that does not chain
@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from attrs import frozen
-from bcd_shared.rootpath import split_host_path, verified_dir, write_root_only
+from bcd_shared.rootpath import split_host_path, verified_dir
 
 LOG_NAME = "audit.log"
 HEAD_NAME = "audit.head"
@@ -159,8 +159,18 @@ class AuditLog:
                 os.fsync(dfd)
             digest = line_hash(line)
             self._prev, self._seq = digest, self._seq + 1
+            # The head is rewritten in place without an fsync of its own: it guards the newest lines
+            # against an edit or a removal; after a crash it may lag, which verify accepts as long as
+            # the line it names is still there, unchanged.
             head = canonical({"seq": self._seq, "sha256": digest}) + b"\n"
-            write_root_only(self._root, f"{self._dir}/{HEAD_NAME}", head, 0o600)
+            hfd = os.open(
+                HEAD_NAME, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd
+            )
+            try:
+                os.ftruncate(hfd, 0)
+                os.write(hfd, head)
+            finally:
+                os.close(hfd)
         if self._syslog:
             _syslog(line)
         return digest
@@ -219,6 +229,7 @@ def verify_chain(directory: Path) -> VerifyResult:
     prev: str | None = None
     seq: int | None = None
     count = 0
+    hashes: dict[int, str] = {}
     for path, n, line in iter_lines(directory):
         where = f"{path.name} line {n}"
         try:
@@ -241,6 +252,7 @@ def verify_chain(directory: Path) -> VerifyResult:
                 False, count, f"{where}: seq {this_seq} follows seq {seq} (lines removed or reordered)"
             )
         prev, seq = line_hash(line), this_seq
+        hashes[this_seq] = prev
         count += 1
     head_path = directory / HEAD_NAME
     if head_path.exists():
@@ -249,11 +261,11 @@ def verify_chain(directory: Path) -> VerifyResult:
             head_seq, head_sha = int(head["seq"]), head["sha256"]
         except (ValueError, KeyError, TypeError):
             return VerifyResult(False, count, f"{HEAD_NAME}: unreadable")
-        if (head_seq, head_sha) != (seq, prev):
+        if hashes.get(head_seq) != head_sha:
             return VerifyResult(
                 False,
                 count,
-                f"the newest line (seq {seq}) is not the one {HEAD_NAME} records (seq {head_seq}): "
+                f"the line {HEAD_NAME} records (seq {head_seq}) is missing or changed (newest: seq {seq}): "
                 "the last line was edited or removed",
             )
     return VerifyResult(True, count, "")

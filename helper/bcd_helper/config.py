@@ -10,8 +10,11 @@ HST-SIGN-05/11/13, HST-K8S-54/55):
   value stops the helper with a message naming the key and the rule.
 
 The same file is the node's config (the node reads it through its group). The helper owns:
-  join_signing_key_pin   "sha256/<base64 of SHA-256 of the JoinService key's SPKI>" (bcd_shared.pki)
-  command_root_sha256    "<64 lowercase hex>,..." at most 16 (bcd_shared.pki.parse_root_pins)
+  join_signing_key_pin   "sha256/<padded base64 of SHA-256 of the JoinService key's SPKI DER>"
+  command_root_sha256    "<64 lowercase hex>,..." 1 to 16, no repeats
+(The pins are parsed here with the same rules as bcd_shared.pki.pins, which a test checks; importing
+bcd_shared.pki would pull the wire types and cryptography into the helper's start-up, ~100 ms. The
+signed-intent checks import it when a host.unit first needs it.)
   [host] units           bool, default true
   [helper] socket        the socket path, default /run/bcd/helper.sock
   [helper] node_user     the node's account, default "bcd" (resolved with the passwd database)
@@ -27,6 +30,8 @@ pin at the top level must never pass silently.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import os
 import pwd
 import re
@@ -36,8 +41,6 @@ from pathlib import Path
 from typing import Any
 
 from attrs import frozen
-from bcd_shared.pki.errors import BadPin
-from bcd_shared.pki.pins import JoinKeyPin, parse_root_pins
 from bcd_shared.rootpath import RootPathRefused, open_regular_nofollow
 
 DEFAULT_CONFIG = "/etc/bcd/config.toml"
@@ -45,6 +48,8 @@ DEFAULT_SOCKET = "/run/bcd/helper.sock"
 DEFAULT_AUDIT_DIR = "/var/log/bcd-helper"
 DEFAULT_NODE_USER = "bcd"
 MAX_CONFIG_BYTES = 1024 * 1024
+MAX_ROOT_PINS = 16
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 # Top-level scalar keys the node's config owns; the helper ignores them.
 NODE_SCALARS = frozenset({"data_dir", "log_level", "mode", "node_id"})
@@ -74,10 +79,43 @@ class AllowedCluster:
         return f"{self.server}#sha256:{self.ca_sha256}"
 
 
+def parse_root_pins(text: str, key: str = "command_root_sha256") -> tuple[str, ...]:
+    """At most 16 lowercase-hex SHA-256 pins, comma-separated (spaces around commas allowed)."""
+    if text.strip(" ") == "":
+        raise ConfigError(f"{key}: is empty; leave the key out to pin no roots")
+    entries = [e.strip(" ") for e in text.split(",")]
+    if len(entries) > MAX_ROOT_PINS:
+        raise ConfigError(f"{key}: {len(entries)} entries, at most {MAX_ROOT_PINS}")
+    for i, entry in enumerate(entries, start=1):
+        if not _HEX64.fullmatch(entry):
+            raise ConfigError(
+                f"{key} entry {i}: {entry!r} is not 64 lowercase hex digits (a SHA-256 of the root's DER)"
+            )
+        if entry in entries[: i - 1]:
+            raise ConfigError(f"{key}: entry {i} repeats {entry}")
+    return tuple(entries)
+
+
+def parse_join_pin(text: str, key: str = "join_signing_key_pin") -> bytes:
+    """`sha256/` + 44 characters of canonical padded base64 of a SHA-256: the digest."""
+    if not text.startswith("sha256/"):
+        raise ConfigError(f"{key}: must start with 'sha256/'")
+    encoded = text[len("sha256/") :]
+    if not re.fullmatch(r"[A-Za-z0-9+/]{43}=", encoded):
+        raise ConfigError(f"{key}: after 'sha256/' expected 44 characters of padded base64 of a SHA-256")
+    try:
+        digest = base64.b64decode(encoded, validate=True)
+    except binascii.Error:
+        raise ConfigError(f"{key}: not valid base64") from None
+    if len(digest) != 32 or base64.b64encode(digest).decode() != encoded:
+        raise ConfigError(f"{key}: non-canonical base64")
+    return digest
+
+
 @frozen
 class HelperConfig:
     path: str
-    join_signing_key_pin: JoinKeyPin | None
+    join_signing_key_pin: bytes | None
     command_root_sha256: tuple[str, ...]
     host_units: bool
     socket: str
@@ -166,19 +204,16 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
             continue
         if not isinstance(value, dict) and key not in NODE_SCALARS:
             raise ConfigError(f"{key}: unknown key")
-    try:
-        pin = (
-            JoinKeyPin.parse(_str(doc["join_signing_key_pin"], "join_signing_key_pin"))
-            if "join_signing_key_pin" in doc
-            else None
-        )
-        roots = (
-            parse_root_pins(_str(doc["command_root_sha256"], "command_root_sha256"))
-            if "command_root_sha256" in doc
-            else ()
-        )
-    except BadPin as exc:
-        raise ConfigError(str(exc)) from None
+    pin = (
+        parse_join_pin(_str(doc["join_signing_key_pin"], "join_signing_key_pin"))
+        if "join_signing_key_pin" in doc
+        else None
+    )
+    roots = (
+        parse_root_pins(_str(doc["command_root_sha256"], "command_root_sha256"))
+        if "command_root_sha256" in doc
+        else ()
+    )
     host = _table(doc, "host", _HOST_KEYS)
     units = host.get("units", True)
     if not isinstance(units, bool):

@@ -34,7 +34,6 @@ import contextlib
 import ctypes
 import errno
 import os
-import secrets
 import stat
 from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
@@ -237,7 +236,7 @@ def write_root_only(
     with verified_dir(root, parts[:-1], create=True) as dfd:
         name = parts[-1]
         _check_target(dfd, name, path)
-        tmp = f".{name}.{secrets.token_hex(6)}.tmp"
+        tmp = f".{name}.{os.urandom(6).hex()}.tmp"
         fd = _open_component(dfd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             try:

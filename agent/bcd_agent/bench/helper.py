@@ -1,0 +1,122 @@
+"""`bcd bench helper`: the root helper's throughput, start time and idle memory.
+
+- file_write_per_s: `file.write` of kind `cdi` (a 1-GPU hold, content checked, root-only rule,
+  atomic write with fsyncs, audit line fsynced) through a real helper process on its socket;
+- inprocess_write_per_s: the same atomic root-only write done in this process (no socket, no
+  content check, no audit);
+- ratio: file_write_per_s / inprocess_write_per_s (target >= 0.5);
+- start_ms: from starting `bcd helper serve` to its first answered ping (target <= 200);
+- idle_rss_mb: the helper's resident memory after the writes, idle (target <= 35).
+Runs as root over a temporary simulated host (the config must be root's).
+The signed-intent check is not included yet (file.write carries none; see docs/helper.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bcd_shared import cdi
+from bcd_shared.rootpath import write_root_only
+from bcd_shared.simhost.seed import seed
+
+from bcd_agent.helperclient import HelperClient
+
+DURATION_S = 1.5
+TARGETS = {"ratio": 0.5, "start_ms": 200.0, "idle_rss_mb": 35.0}
+
+
+def _content() -> bytes:
+    doc = cdi.build_hold_spec(
+        allocation_id="bench_1",
+        reservation_id="rsv_bench",
+        generation=1,
+        kubernetes=False,
+        cgroup_parent=None,
+        devices=[cdi.HoldDevice("GPU-5f1c2a90-0000-4000-8000-000000000001")],
+        env=["BCD_ALLOCATION_ID=bench_1"],
+        vendor=None,
+    )
+    return cdi.encode_spec(doc)
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def _rate(fn: object) -> float:
+    assert callable(fn)
+    n, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < DURATION_S:
+        fn()
+        n += 1
+    return n / elapsed
+
+
+def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
+    base = Path(tempfile.mkdtemp(prefix="bcd-bench-helper-", dir=args.data_dir))
+    try:
+        os.chmod(base, 0o755)  # noqa: S103 (the simulated root must be traversable, as / is)
+        root = base / "host"
+        seed(root)
+        cfg = root / "etc/bcd/config.toml"
+        cfg.parent.mkdir(parents=True, exist_ok=True)
+        os.chmod(cfg.parent, 0o750)  # noqa: S103 (the install's /etc/bcd mode)
+        cfg.write_text('[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 65534\nnode_gid = 65534\n')
+        os.chmod(cfg, 0o640)
+        sock = str(root / "run/bcd/helper.sock")
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)],
+            stderr=subprocess.PIPE,
+        )
+        client = HelperClient(sock)
+        while True:
+            if proc.poll() is not None:
+                err = proc.stderr.read().decode() if proc.stderr else ""
+                return {"error": f"helper exited {proc.returncode}: {err.strip()}"}
+            if os.path.exists(sock):
+                try:
+                    client.ping()
+                    break
+                except Exception:  # not listening yet
+                    time.sleep(0.002)
+            else:
+                time.sleep(0.002)
+        start_ms = (time.perf_counter() - t0) * 1000
+        try:
+            data = _content()
+            text = data.decode()
+            through = _rate(lambda: client.file_write("cdi", "bench_1", text))
+            inproc = _rate(lambda: write_root_only(root, "/etc/cdi/bcd-bench_2.json", data, 0o644))
+            client.close()
+            time.sleep(0.2)
+            rss = _rss_mb(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(5)
+        result: dict[str, float | int | str] = {
+            "file_write_per_s": round(through, 1),
+            "inprocess_write_per_s": round(inproc, 1),
+            "ratio": round(through / inproc, 3),
+            "start_ms": round(start_ms, 1),
+            "idle_rss_mb": round(rss, 1),
+        }
+        result["targets_met"] = int(
+            result["ratio"] >= TARGETS["ratio"]  # type: ignore[operator]
+            and result["start_ms"] <= TARGETS["start_ms"]  # type: ignore[operator]
+            and result["idle_rss_mb"] <= TARGETS["idle_rss_mb"]  # type: ignore[operator]
+        )
+        return result
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
