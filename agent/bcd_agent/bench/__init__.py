@@ -15,6 +15,7 @@ import sys
 # bench name -> module under bcd_agent.bench. One literal table.
 BENCHES: dict[str, str] = {
     "pki": "pki",
+    "helper": "helper",
 }
 
 
