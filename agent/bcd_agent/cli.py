@@ -19,6 +19,9 @@ from collections.abc import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bcd_agent.bench", "measure speed and memory targets; prints one JSON object"),
     "doctor": ("bcd_agent.doctor", "check this host's bcd setup: each check ok / warn / fail with its fix"),
+    "plan": ("bcd_agent.plan", "dry run: the steps each section would take for a spec, applying nothing"),
+    "status": ("bcd_agent.status", "generations, section states, conditions and the holder of each GPU"),
+    "journal": ("bcd_agent.journalcli", "inspect the journal: meta, spec, commands, unacked results, events"),
 }
 
 

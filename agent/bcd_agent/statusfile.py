@@ -1,0 +1,288 @@
+"""The node's status published locally: `data_dir/status.json`, for `bcd status` and `bcd sim`.
+
+The converge runner publishes a NodeStatus to its StatusCell after every pass; `serve(cell, data_dir)`
+(a trio service: `await nursery.start(statusfile.serve, runner.status, data_dir)`) writes each new
+one to `status.json`, coalesced latest-wins like the session's reports: a status published while a
+write is under way is written next, the ones in between are skipped.
+
+The file is written atomically (temporary file, fsync, rename, fsync of the directory), mode 0640
+(the node's account and its group, which operators are in; nothing in it is secret: generations,
+section states, conditions). It carries what a StatusReport carries plus when it was written:
+conditions carry `age_ms` at `written_at`, and the reader adds the wall time since (`read_status`),
+so an age keeps growing while the node is quiet. The format is versioned (`format`); a reader refuses
+a file of another format or one that does not parse, with a message naming the file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, NoReturn
+
+import trio
+from attrs import field, frozen
+from bcd_shared.system import atomic_write
+
+from bcd_agent.converge.status import StatusCell
+from bcd_agent.converge.types import NodeStatus
+
+STATUS_FILE = "status.json"
+FORMAT = 1
+MODE = 0o640
+
+STATE_NAMES = ("CONVERGED", "PROGRESSING", "FAILED", "UNSUPPORTED")
+
+
+class StatusFileError(ValueError):
+    pass
+
+
+def status_path(data_dir: str | os.PathLike[str]) -> Path:
+    return Path(data_dir) / STATUS_FILE
+
+
+def encode(
+    status: NodeStatus,
+    *,
+    now_monotonic: float,
+    now_wall: float,
+    pid: int,
+    extra: Mapping[str, object] | None = None,
+) -> bytes:
+    """The file's bytes for `status` (sorted keys: equal statuses give equal files)."""
+    doc: dict[str, object] = {
+        "format": FORMAT,
+        "written_at": round(now_wall, 3),
+        "pid": pid,
+        "status_version": status.version,
+        "applied_generation": status.applied_generation,
+        "observed_generation": status.observed_generation,
+        "spec_hash": status.spec_hash,
+        "passes": status.passes,
+        "sections": [
+            {
+                "section": s.section,
+                "state": s.state.value,
+                "generation": s.generation,
+                "reason": s.reason,
+                "message": s.message,
+            }
+            for s in status.sections
+        ],
+        "conditions": [
+            {
+                "type": c.type,
+                "reason": c.reason,
+                "message": c.message,
+                "section": c.section,
+                "age_ms": c.age_ms,
+            }
+            for c in status.report_conditions(now_monotonic)
+        ],
+    }
+    if extra:
+        doc.update({k: v for k, v in extra.items() if k not in doc})
+    return (json.dumps(doc, sort_keys=True, indent=1) + "\n").encode()
+
+
+def write_status(
+    data_dir: str | os.PathLike[str],
+    status: NodeStatus,
+    *,
+    now_monotonic: float,
+    now_wall: float | None = None,
+    extra: Mapping[str, object] | None = None,
+) -> Path:
+    """Write `status` to data_dir/status.json atomically (0640)."""
+    path = status_path(data_dir)
+    data = encode(
+        status,
+        now_monotonic=now_monotonic,
+        now_wall=time.time() if now_wall is None else now_wall,
+        pid=os.getpid(),
+        extra=extra,
+    )
+    atomic_write(path, data, MODE)
+    return path
+
+
+@frozen
+class SectionView:
+    section: str
+    state: str
+    generation: int
+    reason: str
+    message: str
+
+
+@frozen
+class ConditionView:
+    type: str
+    reason: str
+    message: str
+    section: str
+    age_ms: int
+
+
+@frozen
+class StatusView:
+    """status.json as read back (ages brought up to the reader's wall clock)."""
+
+    written_at: float
+    pid: int
+    status_version: int
+    applied_generation: int
+    observed_generation: int
+    spec_hash: str
+    passes: int
+    sections: tuple[SectionView, ...]
+    conditions: tuple[ConditionView, ...]
+    extra: Mapping[str, object] = field(factory=dict)
+
+    @property
+    def settled(self) -> bool:
+        """No section PROGRESSING and observed has reached applied (a spec is held)."""
+        return (
+            self.applied_generation > 0
+            and self.observed_generation >= self.applied_generation
+            and all(s.state != "PROGRESSING" for s in self.sections)
+        )
+
+    @property
+    def converged(self) -> bool:
+        """Settled with every section CONVERGED (none FAILED or UNSUPPORTED)."""
+        return self.settled and all(s.state == "CONVERGED" for s in self.sections)
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "written_at": self.written_at,
+            "pid": self.pid,
+            "status_version": self.status_version,
+            "applied_generation": self.applied_generation,
+            "observed_generation": self.observed_generation,
+            "spec_hash": self.spec_hash,
+            "passes": self.passes,
+            "sections": [
+                {"section": s.section, "state": s.state, "generation": s.generation, "reason": s.reason,
+                 "message": s.message}
+                for s in self.sections
+            ],
+            "conditions": [
+                {"type": c.type, "reason": c.reason, "message": c.message, "section": c.section,
+                 "age_ms": c.age_ms}
+                for c in self.conditions
+            ],
+        }  # fmt: skip
+
+
+def _get(doc: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    value = doc.get(key)
+    if not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool):
+        raise StatusFileError(f"{where}: {key}: missing or not {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def decode(data: bytes, *, source: str = STATUS_FILE, now_wall: float | None = None) -> StatusView:
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise StatusFileError(f"{source}: not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise StatusFileError(f"{source}: not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise StatusFileError(
+            f"{source}: format {doc.get('format')!r} is not {FORMAT} (a bcd of another version?)"
+        )
+    written = float(_get(doc, "written_at", (int, float), source))
+    now = time.time() if now_wall is None else now_wall
+    grown_ms = max(0, int((now - written) * 1000))
+    sections = []
+    for i, s in enumerate(_get(doc, "sections", list, source)):
+        w = f"{source}: sections[{i}]"
+        if not isinstance(s, dict):
+            raise StatusFileError(f"{w}: not an object")
+        state = _get(s, "state", str, w)
+        if state not in STATE_NAMES:
+            raise StatusFileError(f"{w}: state {state!r} is not one of {STATE_NAMES}")
+        sections.append(
+            SectionView(
+                _get(s, "section", str, w), state, _get(s, "generation", int, w), _get(s, "reason", str, w),
+                _get(s, "message", str, w),
+            )
+        )  # fmt: skip
+    conditions = []
+    for i, c in enumerate(_get(doc, "conditions", list, source)):
+        w = f"{source}: conditions[{i}]"
+        if not isinstance(c, dict):
+            raise StatusFileError(f"{w}: not an object")
+        conditions.append(
+            ConditionView(
+                _get(c, "type", str, w), _get(c, "reason", str, w), _get(c, "message", str, w),
+                _get(c, "section", str, w), _get(c, "age_ms", int, w) + grown_ms,
+            )
+        )  # fmt: skip
+    known = {
+        "format", "written_at", "pid", "status_version", "applied_generation", "observed_generation",
+        "spec_hash", "passes", "sections", "conditions",
+    }  # fmt: skip
+    return StatusView(
+        written_at=written,
+        pid=_get(doc, "pid", int, source),
+        status_version=_get(doc, "status_version", int, source),
+        applied_generation=_get(doc, "applied_generation", int, source),
+        observed_generation=_get(doc, "observed_generation", int, source),
+        spec_hash=_get(doc, "spec_hash", str, source),
+        passes=_get(doc, "passes", int, source),
+        sections=tuple(sections),
+        conditions=tuple(conditions),
+        extra={k: v for k, v in doc.items() if k not in known},
+    )
+
+
+def read_status(data_dir: str | os.PathLike[str], *, now_wall: float | None = None) -> StatusView | None:
+    """The node's last published status, or None when it has published none yet."""
+    path = status_path(data_dir)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StatusFileError(f"{path}: cannot be read: {e.strerror}") from None
+    return decode(data, source=str(path), now_wall=now_wall)
+
+
+async def serve(
+    cell: StatusCell,
+    data_dir: str | os.PathLike[str],
+    *,
+    clock: Callable[[], float] = trio.current_time,
+    extra: Callable[[], Mapping[str, object]] | None = None,
+    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+) -> NoReturn:
+    """Write every new status the cell publishes to data_dir/status.json (latest wins). A failed write
+    is logged by the caller's logger through the exception only once per error kind; the service keeps
+    running and writes the next status."""
+    import logging
+
+    log = logging.getLogger("bcd.status")
+    task_status.started()
+    version = 0
+    last_error = ""
+    while True:
+        status = await cell.wait_newer(version)
+        version = status.version
+        now = clock()
+        more = extra() if extra is not None else None
+        try:
+            await trio.to_thread.run_sync(
+                functools.partial(write_status, data_dir, status, now_monotonic=now, extra=more)
+            )
+            last_error = ""
+        except OSError as e:
+            if str(e) != last_error:
+                log.warning("status: cannot write %s: %s", status_path(data_dir), e)
+            last_error = str(e)
