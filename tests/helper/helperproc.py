@@ -135,6 +135,9 @@ def _recv(s: socket.socket, n: int) -> bytes:
     return buf
 
 
+_DIGESTS: dict[tuple[str, int, int, int, int], str] = {}
+
+
 def tree(root: Path, skip: tuple[str, ...] = (AUDIT_DIR, SOCKET)) -> dict[str, tuple[int, int, int, str]]:
     """Every entry under root: (mode, uid, gid, content digest or link target), minus `skip`."""
     skipped = {str(root / s.lstrip("/")) for s in skip}
@@ -152,8 +155,13 @@ def tree(root: Path, skip: tuple[str, ...] = (AUDIT_DIR, SOCKET)) -> dict[str, t
     for e in walk(str(root)):
         st = e.stat(follow_symlinks=False)
         if stat.S_ISREG(st.st_mode):
-            with open(e.path, "rb") as f:
-                what = hashlib.sha256(f.read()).hexdigest()
+            # Any change to a file's bytes moves its ctime, so a digest is reused only while
+            # (inode, size, mtime, ctime) stay the same.
+            key = (e.path, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            what = _DIGESTS.get(key, "")
+            if not what:
+                with open(e.path, "rb") as f:
+                    what = _DIGESTS[key] = hashlib.sha256(f.read()).hexdigest()
         elif stat.S_ISLNK(st.st_mode):
             what = os.readlink(e.path)
         else:
