@@ -57,7 +57,7 @@ def test_helper_process_loads_no_grpclib() -> None:
 
 
 def test_tests_import_constants_from_testsupport() -> None:
-    """`from conftest import` breaks as soon as any subfolder has a conftest.py: use testsupport."""
+    """Importing constants from the conftest module breaks once a subfolder has one: use testsupport."""
     offenders = [
         str(p.relative_to(REPO))
         for p in (REPO / "tests").rglob("*.py")
