@@ -235,6 +235,8 @@ class Hugepages(ConfigUnit[HugepagesSettings, HugepagesObserved]):
         previous = observed.boot_record or ""
         if s.pages1g is not None:
             total = s.pages1g * (len(nodes) if s.per_numa else 1)
+            if s.pages1g > 0:  # the mount first: it also serves pages reserved for the next boot
+                steps.extend(self._mount_steps(observed))
             short = tuple(
                 (pool_path("1g", n), s.pages1g) for n in nodes if counts.get(pool_path("1g", n)) != s.pages1g
             )
@@ -246,8 +248,6 @@ class Hugepages(ConfigUnit[HugepagesSettings, HugepagesObserved]):
                 steps.append(
                     SetBootArgs(NAME, GRUB_DROPIN, BOOT_RECORD, previous, args, args, observed.bootloader)
                 )
-            if s.pages1g > 0:
-                steps.extend(self._mount_steps(observed))
         return Plan(tuple(steps))
 
     def _mount_steps(self, o: HugepagesObserved) -> list[Step]:
