@@ -193,7 +193,7 @@ async def _life_main(data: Path, effects: Path, pki: Pki, scenario: list[Command
         spec_requester=NoSpecs(),
         trust=trust,
         batches=trust,
-        ledger=KillingLedger(QuorumLedger.open(data), switch),  # type: ignore[arg-type]
+        ledger=KillingLedger(QuorumLedger.open(data), switch),
         clock=OffsetClock(time.time, clock_offset),
         handlers=effect_handlers(handler),
         signer=NodeResultSigner(pki.node_key, NODE),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+from pathlib import Path
 
 import pytest
 from bcd_agent.dispatch.command import CommandUpdate, InvalidCommand, UpdateState
@@ -81,3 +82,23 @@ def test_update_to_wire_round_trip() -> None:
     u = CommandUpdate("01ABC", UpdateState.BUSY, "boot-1", reason="BUSY", message="lane full")
     w = decode(wire.CommandUpdate, bytes(update_to_wire(u)))
     assert (w.command_id, w.state, w.reason, w.boot_id) == ("01ABC", wire.CommandState.BUSY, "BUSY", "boot-1")
+
+
+async def test_DLV_CMD_invalid_body_refused_once_and_journaled(tmp_path: Path) -> None:
+    """A body that fails the edge's rules is UNSUPPORTED against its id, and a duplicate gets the same."""
+    import trio
+    from dhelpers import Harness, Pki
+
+    h = Harness(tmp_path / "data", Pki.build())
+    good = body(node_id="node-a", kind="test.effect")
+    bad = bytes(good) + b"\xa8\x06\x01"
+    async with trio.open_nursery() as n:
+        d = await n.start(h.dispatcher({}).run)
+        d.deliver_wire(wire.Command(body=bad))
+        d.deliver_wire(wire.Command(body=bad))
+        d.deliver_wire(wire.Command(body=b"\xff\xff"))  # no id to answer: dropped
+        n.cancel_scope.cancel()
+    assert [(u.command_id, u.state, u.reason) for u in h.sink.updates] == [
+        (good.id, UpdateState.REJECTED, "UNSUPPORTED")
+    ] * 2
+    assert "unknown field" in h.sink.updates[0].message

@@ -28,6 +28,7 @@ import datetime as dt
 from collections.abc import Mapping
 
 from attrs import frozen
+
 from bcd_agent.dispatch.command import CommandEnvelope, RejectReason
 from bcd_agent.dispatch.kinds import UPGRADE_KIND, KindSpec, Lane, Role
 from bcd_agent.dispatch.ports import BatchAdmission, BatchVerifier, LedgerView, TrustView

@@ -15,6 +15,7 @@ import datetime as dt
 import enum
 
 from attrs import frozen
+
 from bcd_agent.dispatch.kinds import Lane
 
 

@@ -34,6 +34,9 @@ import math
 from collections.abc import Mapping
 
 import trio
+from bcd_shared import wire
+from bcd_shared.errors import StepError
+
 from bcd_agent.dispatch.acceptance import (
     Accept,
     AcceptanceContext,
@@ -47,6 +50,7 @@ from bcd_agent.dispatch.command import (
     ERR_INTERNAL,
     CommandEnvelope,
     CommandUpdate,
+    InvalidCommand,
     RejectReason,
     UpdateState,
 )
@@ -57,15 +61,15 @@ from bcd_agent.dispatch.ports import (
     BatchVerifier,
     Clock,
     CommandJournal,
+    LedgerStore,
     ResultSigner,
     SpecRequester,
     TrustView,
     UpdateSink,
 )
-from bcd_agent.dispatch.quorum import QuorumLedger
 from bcd_agent.dispatch.results import update_from_entry
+from bcd_agent.dispatch.wire import envelope_from_wire
 from bcd_agent.journal import Action, CommandEntry, CommandFlags, JournalFull, NewCommand, Outcome
-from bcd_shared.errors import StepError
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +149,7 @@ class Dispatcher:
         spec_requester: SpecRequester,
         trust: TrustView,
         batches: BatchVerifier,
-        ledger: QuorumLedger,
+        ledger: LedgerStore,
         clock: Clock,
         handlers: Mapping[str, Handler],
         signer: ResultSigner | None = None,
@@ -240,6 +244,38 @@ class Dispatcher:
             )
         else:
             self._admit(cmd, reexecute=res.action is Action.REEXECUTE)
+
+    def deliver_wire(self, command: wire.Command) -> None:
+        """Convert a delivered wire `Command` once (dispatch.wire) and deliver it; a body that does not
+        convert is refused (`refuse_invalid`)."""
+        try:
+            envelope = envelope_from_wire(command)
+        except InvalidCommand as exc:
+            self.refuse_invalid(exc)
+            return
+        self.deliver(envelope)
+
+    def refuse_invalid(self, exc: InvalidCommand) -> None:
+        """A body that failed the wire edge's rules: UNSUPPORTED (journaled, so a duplicate gets the same
+        answer) when its id could be read; otherwise there is nothing to answer and it is only logged. A
+        command already known under that id is answered as any duplicate is."""
+        self._require_running()
+        if not exc.command_id:
+            log.warning("undecodable command dropped: %s", exc)
+            return
+        cid = exc.command_id
+        if cid in self._deferred or cid in self._inflight:
+            return
+        res = self._journal.resolve(cid)
+        if res.action is Action.NONE:
+            new = NewCommand(id=cid, kind="", flags=CommandFlags())
+            entry = self._journal.reject(new, RejectReason.UNSUPPORTED.value)
+            self._send_entry(entry, f"invalid body: {exc.field}: {exc.rule}")
+        elif res.action is Action.DONE:
+            assert res.entry is not None
+            self._send_entry(res.entry)
+        else:
+            log.warning("invalid redelivery of journaled command %s ignored: %s", cid, exc)
 
     def spec_applied(self, generation: int) -> None:
         """A newer spec was applied: re-run the checks of every deferred command, in `seq` order."""
@@ -374,7 +410,16 @@ class Dispatcher:
         entry = self._journal.cancel(new.id, reason)
         if entry is None:
             # The journal cancels only `accepted` entries: record the command, then cancel it.
-            self._journal.accept_command(new)
+            try:
+                self._journal.accept_command(new)
+            except JournalFull as exc:
+                # No room to remember it: say CANCELLED now; the gateway's next Cancel retries the record.
+                self._sink.send(
+                    CommandUpdate(
+                        new.id, UpdateState.CANCELLED, self.boot_id, reason=reason, message=str(exc)
+                    )
+                )
+                return
             entry = self._journal.cancel(new.id, reason)
         if entry is not None and entry.state.terminal:
             self._send_entry(entry)

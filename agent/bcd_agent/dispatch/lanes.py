@@ -25,6 +25,7 @@ from contextlib import asynccontextmanager
 
 import trio
 from attrs import frozen
+
 from bcd_agent.dispatch.kinds import Lane
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import TypeVar
 
 import betterproto2
+from bcd_shared.wire.strict import WireError, decode, type_url
+
 from bcd_agent.dispatch.command import CommandEnvelope
 from bcd_agent.dispatch.handlers import InvalidPayload
-from bcd_shared.wire.strict import WireError, decode, type_url
 
 M = TypeVar("M", bound=betterproto2.Message)
 

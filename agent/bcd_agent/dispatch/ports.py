@@ -11,6 +11,7 @@ import datetime as dt
 from typing import Protocol
 
 from attrs import frozen
+
 from bcd_agent.dispatch.command import CommandEnvelope, CommandUpdate, UpdateState
 from bcd_agent.journal import CommandEntry, NewCommand, Outcome, Resolution
 
@@ -88,6 +89,16 @@ class LedgerView(Protocol):
     def unbatched_admits(self, command_id: str, host_now: float, allowance: int) -> bool: ...
 
     def leaf_owner(self, leaf: str) -> str | None: ...
+
+
+class LedgerStore(LedgerView, Protocol):
+    """The quorum ledger with its durable writes (dispatch.quorum.QuorumLedger)."""
+
+    def record_unbatched(self, command_id: str, host_now: float) -> None: ...
+
+    def record_leaf(
+        self, leaf: str, command_id: str, host_now: float, server_now: float, expires_at: float | None
+    ) -> None: ...
 
 
 class ResultSigner(Protocol):

@@ -14,10 +14,11 @@ acknowledged (DLV-RES-08), and a duplicate delivery resends it (DLV-REC-05). Bot
 
 from __future__ import annotations
 
+from bcd_shared.wire import NodeRebootResult
+
 from bcd_agent.dispatch.command import REASON_REBOOTED, CommandUpdate, UpdateState
 from bcd_agent.dispatch.ports import ResultSigner
 from bcd_agent.journal import CODE_REBOOTED, CommandEntry, Outcome
-from bcd_shared.wire import NodeRebootResult
 
 _STATE = {
     Outcome.SUCCEEDED: UpdateState.SUCCEEDED,

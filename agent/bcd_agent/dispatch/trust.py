@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import datetime as dt
 
-from bcd_agent.dispatch.command import CommandEnvelope, UpdateState
-from bcd_agent.dispatch.ports import BatchAdmission
-from bcd_agent.dispatch.wire import UPDATE_STATE_TO_WIRE, approval_to_wire, proof_to_wire
 from bcd_shared.pki import TrustBundle, attest_command_result
 from bcd_shared.pki.chain import ChainCache
 from bcd_shared.pki.quorum import admit_batched_command, decode_scope
 from bcd_shared.pki.signing import KeyPair
 from bcd_shared.pki.verify import verify_command
+
+from bcd_agent.dispatch.command import CommandEnvelope, UpdateState
+from bcd_agent.dispatch.ports import BatchAdmission
+from bcd_agent.dispatch.wire import UPDATE_STATE_TO_WIRE, approval_to_wire, proof_to_wire
 
 
 class BundleTrust:

@@ -10,13 +10,16 @@ the envelope; nothing downstream re-encodes them. Field rules at this edge:
 - `payload`: absent becomes an empty Payload (a kind's handler decides whether that is its request).
 
 A body that fails these rules raises `InvalidCommand` carrying the id when one could be read, so the
-session can report the refusal against it (`Dispatcher.refuse_invalid`).
+session can report the refusal against it (`Dispatcher.refuse_invalid`; `Dispatcher.deliver_wire` does both).
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import re
+
+from bcd_shared import wire
+from bcd_shared.wire.strict import WireError, decode
 
 from bcd_agent.dispatch.command import (
     ApproverSignature,
@@ -29,8 +32,6 @@ from bcd_agent.dispatch.command import (
     UpdateState,
 )
 from bcd_agent.dispatch.kinds import Lane
-from bcd_shared import wire
-from bcd_shared.wire.strict import WireError, decode
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
 _ULID = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
