@@ -6,9 +6,15 @@ SHA-256 of the exact stored bytes), every command with its state and outcome, th
 and the unacked events (seq, class, type, size). `--json` prints one JSON object.
 
 The journal is opened READ-ONLY through SQLite (`mode=ro`), without the node's data_dir lock
-(journal.lock), so inspecting a running node is safe: SQLite's WAL gives this reader a consistent
-snapshot and never blocks the node's writes. Payloads and signatures are never printed (sizes and
-digests only). Reading a journal with another schema version is refused with a message.
+(journal.lock). A running node keeps its connection in SQLite's EXCLUSIVE locking mode (journal/_store.py),
+so no other connection can read the file while it runs; then `bcd journal` reads a snapshot instead:
+it copies journal.db and its WAL into a private temporary directory (0700, removed afterwards) and
+opens the copy. WAL recovery on the copy keeps exactly the transactions whose frames were complete
+when copied (SQLite checks each frame's checksum), so the snapshot is a consistent past state; if a
+checkpoint ran during the copy and the copy fails `PRAGMA quick_check`, the copy is taken again (3
+tries). The output says when it is such a snapshot. Nothing is ever written to the node's files.
+Payloads and signatures are never printed (sizes and digests only). A journal with another schema
+version is refused with a message.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import shutil
 import sqlite3
 import sys
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -86,6 +94,7 @@ class JournalView:
     spec: SpecRow | None
     commands: tuple[CommandRow, ...]
     events: tuple[EventRow, ...]
+    snapshot: bool = False  # read from a copy: a running node holds the journal
 
     @property
     def unacked_results(self) -> tuple[CommandRow, ...]:
@@ -98,6 +107,7 @@ class JournalView:
         return {
             "path": self.path,
             "schema_version": self.schema_version,
+            "snapshot": self.snapshot,
             "meta": dict(self.meta),
             "spec": asdict(self.spec) if self.spec else None,
             "commands": [asdict(c) for c in self.commands],
@@ -116,29 +126,65 @@ class JournalView:
         }
 
 
-def _connect_ro(path: Path) -> sqlite3.Connection:
+def _connect(path: Path, *, read_only: bool) -> sqlite3.Connection:
     if not path.exists():
         raise JournalReadError(f"{path}: no journal here (has bcd node run with this data_dir?)")
     try:
-        conn = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=5.0)
-        conn.execute("PRAGMA query_only = ON")
+        # The snapshot copy is opened read-write so that SQLite can recover its WAL; it is ours alone.
+        mode = "?mode=ro" if read_only else ""
+        conn = sqlite3.connect(f"{path.resolve().as_uri()}{mode}", uri=True, timeout=0.5)
+        if read_only:
+            conn.execute("PRAGMA query_only = ON")
         return conn
     except sqlite3.Error as e:
         raise JournalReadError(f"{path}: cannot be opened read-only: {e}") from None
 
 
 def read_journal(data_dir: str | Path, *, command_limit: int = 1000, event_limit: int = 1000) -> JournalView:
-    """A consistent read-only snapshot of data_dir/journal.db."""
+    """A consistent read-only view of data_dir/journal.db (a snapshot copy while a node holds it)."""
     path = Path(data_dir) / DB_NAME
-    conn = _connect_ro(path)
     try:
+        return _read(path, path, command_limit, event_limit, snapshot=False)
+    except _Locked:
+        pass
+    last = ""
+    for _ in range(3):
+        with tempfile.TemporaryDirectory(prefix="bcd-journal-") as tmp:
+            copy = Path(tmp) / DB_NAME
+            try:
+                shutil.copyfile(path, copy)
+                wal = path.with_name(DB_NAME + "-wal")
+                if wal.exists():
+                    shutil.copyfile(wal, copy.with_name(DB_NAME + "-wal"))
+            except OSError as e:
+                raise JournalReadError(f"{path}: the node holds it, and copying it failed: {e}") from None
+            try:
+                return _read(copy, path, command_limit, event_limit, snapshot=True)
+            except (JournalReadError, _Locked) as e:
+                last = str(e)
+    raise JournalReadError(f"{path}: the node holds it, and no consistent snapshot could be taken ({last})")
+
+
+class _Locked(Exception):
+    pass
+
+
+def _read(path: Path, shown: Path, command_limit: int, event_limit: int, *, snapshot: bool) -> JournalView:
+    conn = _connect(path, read_only=not snapshot)
+    try:
+        if snapshot and conn.execute("PRAGMA quick_check").fetchone()[0] != "ok":
+            raise JournalReadError(f"{shown}: the snapshot copy fails quick_check")
         conn.execute("BEGIN")  # one snapshot for every read below
         try:
             (version,) = conn.execute("SELECT version FROM schema_version").fetchone()
+        except sqlite3.OperationalError as e:
+            if "locked" in str(e) and not snapshot:
+                raise _Locked(str(e)) from None
+            raise JournalReadError(f"{shown}: not a bcd journal ({e})") from None
         except (sqlite3.Error, TypeError) as e:
-            raise JournalReadError(f"{path}: not a bcd journal ({e})") from None
+            raise JournalReadError(f"{shown}: not a bcd journal ({e})") from None
         if version != SCHEMA_VERSION:
-            raise JournalReadError(f"{path}: schema version {version}, this bcd reads {SCHEMA_VERSION}")
+            raise JournalReadError(f"{shown}: schema version {version}, this bcd reads {SCHEMA_VERSION}")
         raw = dict(conn.execute("SELECT key, value FROM meta").fetchall())
         meta = {
             "journal_id": str(raw.get(K_JOURNAL_ID, "")),
@@ -185,17 +231,22 @@ def read_journal(data_dir: str | Path, *, command_limit: int = 1000, event_limit
             )
         )
         conn.execute("COMMIT")
+    except sqlite3.OperationalError as e:
+        if "locked" in str(e) and not snapshot:
+            raise _Locked(str(e)) from None
+        raise JournalReadError(f"{shown}: {e}") from None
     except sqlite3.Error as e:
-        raise JournalReadError(f"{path}: {e}") from None
+        raise JournalReadError(f"{shown}: {e}") from None
     finally:
         conn.close()
-    return JournalView(str(path), int(version), meta, spec, commands, events)
+    return JournalView(str(shown), int(version), meta, spec, commands, events, snapshot)
 
 
 def render(view: JournalView) -> str:
     m = view.meta
     lines = [
-        f"journal   {view.path} (schema {view.schema_version})",
+        f"journal   {view.path} (schema {view.schema_version})"
+        + (" - a snapshot: a running node holds it" if view.snapshot else ""),
         f"id        {m['journal_id']}",
         f"node      {m['node_id'] or '(not joined)'}",
         f"events    next seq {m['next_event_seq']}, acked through {m['acked_event_seq']},"

@@ -1,0 +1,175 @@
+"""`bcd status`: the node's published status (status.json) and the holder of each GPU, MIG instance
+and slot read back from /etc/cdi on a simulated host. Covers DLV-CONV-18 (one state per section with
+generation, reason and message), DLV-CONV-19 (conditions with ages, never timestamps) as `bcd status`
+shows them, and devices-and-holds "Seeing the holds"."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+from pathlib import Path
+
+import trio
+from bcd_agent.converge.runner import ConvergeRunner
+from bcd_agent.converge.section import PartsObserver
+from bcd_agent.converge.types import Condition, NodeStatus, SectionState, SectionStatus
+from bcd_agent.plan import desired_from_nodespec, load_spec_file
+from bcd_agent.sections.devices.apply import DirectExecutor
+from bcd_agent.sections.devices.events import MemorySink
+from bcd_agent.sections.devices.section import DevicesSection
+from bcd_agent.status import StatusSnapshot, render, watch
+from bcd_agent.statusfile import StatusFileError, decode, read_status, serve, status_path, write_status
+from bcd_shared.pki import KeyPair, Purpose
+from bcd_shared.simhost import sim_system
+from bcd_shared.simhost.gpus import gpu_uuid
+from clisupport import EXAMPLES, bcd, bcd_json, sim_root
+
+DEVICES_DATA_DIR = "/var/lib/bcd"
+
+
+class Signer:
+    node_id = "node-cli-1"
+    boot_id = "boot-cli-1"
+
+    def __init__(self) -> None:
+        self.key = KeyPair(os.urandom(32))
+
+    def sign(self, purpose: Purpose, data: bytes) -> bytes:
+        return self.key.sign(purpose, data)
+
+
+async def converge_example(root: Path, data_dir: Path, example: str) -> NodeStatus:
+    """Run the real converge runner with the devices section on the simulated host, publishing
+    status.json through statusfile.serve, until the example's generation is observed."""
+    system = sim_system(root)
+    section = DevicesSection(system, DirectExecutor(system), MemorySink(), Signer(), DEVICES_DATA_DIR)
+    desired = desired_from_nodespec(load_spec_file(EXAMPLES / example), 1)
+    runner = ConvergeRunner([section], PartsObserver({}, trio.current_time), initial_spec=desired)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(serve, runner.status, data_dir)
+        await nursery.start(runner.run)
+        with trio.fail_after(30):
+            status = await runner.status.wait_newer(0)
+            while status.observed_generation < 1:
+                status = await runner.status.wait_newer(status.version)
+            while (view := read_status(data_dir)) is None or view.status_version < status.version:  # noqa: ASYNC110
+                await trio.sleep(0.01)  # the file is the other process's view: poll it as bcd status does
+        nursery.cancel_scope.cancel()
+    return status
+
+
+async def test_status_shows_sections_and_holders(tmp_path: Path) -> None:
+    root, data_dir = sim_root(tmp_path), tmp_path / "data"
+    # The example's host units have no converger here: only devices runs (host is UNSUPPORTED).
+    await converge_example(root, data_dir, "gpu-node.json")
+    assert stat.S_IMODE(status_path(data_dir).stat().st_mode) == 0o640
+    rc, doc = await trio.to_thread.run_sync(
+        lambda: bcd_json("status", "--root", str(root), "--data-dir", str(data_dir))
+    )
+    st = doc["status"]
+    assert st["applied_generation"] == 1 and st["observed_generation"] == 1
+    sections = {s["section"]: s for s in st["sections"]}
+    assert sections["devices"] == {"section": "devices", "state": "CONVERGED", "generation": 1, "reason": "",
+                                   "message": ""}  # fmt: skip
+    assert sections["host"]["state"] == "UNSUPPORTED" and sections["host"]["reason"] == "1"
+    assert [c["type"] for c in st["conditions"]] == ["SectionUnsupported"]
+    assert isinstance(st["conditions"][0]["age_ms"], int)
+    assert rc == 0  # settled, nothing FAILED
+    holders = {r["device"]: r["holder"] for r in doc["holders"]}
+    assert holders[gpu_uuid(0)] == "alloc_train_0001"
+    assert holders[gpu_uuid(1)] == "alloc_train_0001"
+    assert holders[gpu_uuid(2)] is None
+    assert holders[f"{gpu_uuid(7)}/gi1/ci0"] == "alloc_infer_0002"
+    assert holders[f"{gpu_uuid(7)}/gi2/ci0"] is None
+    assert len([r for r in doc["holders"] if r["device_class"] == "gpu"]) == 8
+
+    text = await trio.to_thread.run_sync(
+        lambda: bcd("status", "--root", str(root), "--data-dir", str(data_dir))
+    )
+    assert "generation: applied 1, observed 1 (settled)" in text.stdout
+    assert "devices    CONVERGED       1" in text.stdout
+    assert "gi1/ci0" in text.stdout and "alloc_infer_0002" in text.stdout
+
+
+async def test_status_failed_section_exits_1_with_reason(tmp_path: Path) -> None:
+    root, data_dir = sim_root(tmp_path), tmp_path / "data"
+    await converge_example(root, data_dir, "assignment-fails.json")
+    rc, doc = await trio.to_thread.run_sync(
+        lambda: bcd_json("status", "--root", str(root), "--data-dir", str(data_dir))
+    )
+    assert rc == 1
+    devices = next(s for s in doc["status"]["sections"] if s["section"] == "devices")
+    assert devices["state"] == "FAILED" and devices["reason"] == "AllocationFailed"
+    assert "alloc_ghost_0002: " in devices["message"] and "alloc_huge_0003: " in devices["message"]
+    holders = {r["device"]: r["holder"] for r in doc["holders"]}
+    assert holders[gpu_uuid(2)] == "alloc_ok_0001"
+    assert holders[gpu_uuid(4)] is None  # the refused hold took nothing
+
+
+def test_status_without_a_node_says_so(tmp_path: Path) -> None:
+    res = bcd("status", "--no-holds", "--data-dir", str(tmp_path))
+    assert res.returncode == 1
+    assert "no status published yet" in res.stdout
+
+
+def _status(version: int, state: SectionState = SectionState.CONVERGED) -> NodeStatus:
+    reason = "R" if state is not SectionState.CONVERGED else ""
+    reboot = Condition("RebootRequired", "hugepages", "reboot the node", "host", since_monotonic=10.0)
+    return NodeStatus(
+        version=version,
+        applied_generation=3,
+        observed_generation=3 if state.settled else 2,
+        spec_hash="h",
+        sections=(SectionStatus("devices", state, 3, reason, ""),),
+        conditions=(reboot,),
+        passes=version,
+        last_pass_monotonic=0.0,
+    )
+
+
+def test_statusfile_ages_grow_and_format_is_checked(tmp_path: Path) -> None:
+    """DLV-CONV-19: an age on the monotonic clock at write time, grown by the wall time since."""
+    write_status(tmp_path, _status(1), now_monotonic=12.5, now_wall=1000.0)
+    view = read_status(tmp_path, now_wall=1003.0)
+    assert view is not None
+    assert view.conditions[0].age_ms == 2500 + 3000
+    assert view.converged
+    data = status_path(tmp_path).read_bytes()
+    try:
+        decode(data.replace(b'"format": 1', b'"format": 2'))
+    except StatusFileError as e:
+        assert "format 2 is not 1" in str(e)
+    else:
+        raise AssertionError("format 2 accepted")
+    try:
+        decode(b"{not json")
+    except StatusFileError as e:
+        assert "not JSON" in str(e)
+    else:
+        raise AssertionError("garbage accepted")
+
+
+def test_watch_prints_only_changes_when_not_a_tty(tmp_path: Path) -> None:
+    states = iter([SectionState.PROGRESSING, SectionState.PROGRESSING, SectionState.CONVERGED])
+
+    def take() -> StatusSnapshot:
+        write_status(tmp_path, _status(1, next(states)), now_monotonic=11.0)
+        return StatusSnapshot(read_status(tmp_path), None)
+
+    out = io.StringIO()
+    snap = watch(take, out, interval=0, tty=False, count=3, sleep=lambda _: None)
+    assert snap.exit_code == 0
+    blocks = out.getvalue().split("\n\n\n")
+    assert out.getvalue().count("SECTION") == 2  # PROGRESSING once, then CONVERGED
+    assert "PROGRESSING" in blocks[0]
+    assert render(snap).count("devices") == 1
+
+
+def test_status_json_of_holds_alone(tmp_path: Path) -> None:
+    root = sim_root(tmp_path)
+    rc, doc = bcd_json("status", "--root", str(root), "--data-dir", str(tmp_path / "none"))
+    assert rc == 1 and doc["status"] is None
+    assert all(r["holder"] is None for r in doc["holders"])
+    assert json.dumps(doc)
