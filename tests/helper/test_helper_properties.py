@@ -12,6 +12,7 @@ import re
 from typing import Any
 
 from bcd_shared import cdi
+from bcd_shared.units import REGISTRY
 from helperproc import HELPER_SETTINGS, HelperProcess, tree
 from hypothesis import given
 from hypothesis import strategies as st
@@ -150,15 +151,15 @@ def test_slice_apply_outside_the_rules_is_refused(
 @given(
     unit=st.one_of(
         st.from_regex(UNIT_RE, fullmatch=True), any_text, st.sampled_from(["../etc", "Sysctl", "", "a" * 65])
-    ),
+    ).filter(lambda u: u not in REGISTRY),
     busy=st.integers(0, 1100),
     settings=st.none() | any_text,
 )
 def test_HST_HLP_04_05_host_unit_names_and_busy_limits(
     helper: HelperProcess, unit: str, busy: int, settings: str | None
 ) -> None:
-    """Covers HST-HLP-04, HST-HLP-05: every request is refused here (no host units in this helper)
-    and nothing is written; a bad name or more than 1024 busy GPUs is refused for that reason first."""
+    """Covers HST-HLP-04, HST-HLP-05, HST-HLP-10: names outside the pattern, more than 1024 busy GPUs
+    and units this bcd does not know are refused, for that reason, and nothing is written."""
     doc = {
         "op": "host.unit",
         "args": {"unit": unit, "settings": settings, "busy_gpus": [f"GPU-{i}" for i in range(busy)]},
@@ -169,7 +170,7 @@ def test_HST_HLP_04_05_host_unit_names_and_busy_limits(
     elif busy > 1024:
         assert answer["reason"] == "too-many-busy-gpus"
     else:
-        assert answer["reason"] in ("not-configured", "not-supported", "invalid-settings")
+        assert answer["reason"] == "not-supported"
 
 
 @HELPER_SETTINGS

@@ -19,7 +19,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attrs import frozen
-from bcd_shared.rootpath import RootPathRefused, read_root_only, remove_root_only, write_root_only
+from bcd_shared.errors import RetryableError
+from bcd_shared.rootpath import (
+    RootPathRefused,
+    check_root_only,
+    read_root_only,
+    remove_root_only,
+    write_root_only,
+)
 from bcd_shared.system import DEFAULT_TOOL_TIMEOUT_S, CommandResult, LocalSystem
 
 if TYPE_CHECKING:
@@ -93,11 +100,24 @@ class BoundedSystem:
     def read_root_only(self, path: str) -> bytes | None:
         return read_root_only(self._inner.root, path)
 
+    def guard(self, path: str) -> None:
+        """The units' path guard: the root-only rule, as a retryable step error."""
+        try:
+            check_root_only(self._inner.root, path)
+        except RootPathRefused as exc:
+            raise RetryableError("RootOnly", str(exc)) from None
+
     def write_atomic(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        write_root_only(self._inner.root, path, data, mode)
+        try:
+            write_root_only(self._inner.root, path, data, mode)
+        except RootPathRefused as exc:
+            raise RetryableError("RootOnly", str(exc)) from None
 
     def remove(self, path: str) -> bool:
-        return remove_root_only(self._inner.root, path)
+        try:
+            return remove_root_only(self._inner.root, path)
+        except RootPathRefused as exc:
+            raise RetryableError("RootOnly", str(exc)) from None
 
     def run(
         self,

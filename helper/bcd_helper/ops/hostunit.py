@@ -6,14 +6,15 @@ Rules (host-config.md "Under bcd helper"; HST-HLP-03..12, 20..23, 33..36):
 - `[host] units = false` in root's config refuses every host.unit, applies and cleans alike, with
   `host.unit: this host's configuration is managed outside bcd ([host] units = false in root's
   config.toml)`, writing nothing;
-- a helper without host units (bcd_shared.units missing or offering no registry) answers
+- a helper without host units (bcd_shared.units missing or offering no REGISTRY) answers
   `not configured`; an unknown unit is `not supported`;
 - the unit decodes and validates the settings itself (`settings` is the canonical JSON text; None
   cleans a unit that left the spec), with root's `[kubernetes] allowed_clusters`;
 - for `mig-layout` the helper ignores the node's busy GPUs and uses root's own view
   (bcd_helper.busy); for every other unit the node's list is passed through;
-- writes go through the root-only rule (BoundedSystem), programs are bounded to 20 minutes each,
-  the operation to 30 minutes;
+- writes go through the root-only rule (BoundedSystem, and the units' own path guard), programs
+  are bounded to 20 minutes each, the operation to 30 minutes; k8s-join reads the token the node
+  staged with file kind `k8s-token`;
 - signed intent (host-config.md "Signed specs"): the request may carry `intent`; where root's
   config pins command-signing roots (`command_root_sha256`) the helper requires and verifies it.
   Until the verifier is wired in (bcd_helper.intent), a helper whose config pins roots refuses every
@@ -85,7 +86,7 @@ def unit_registry() -> Mapping[str, Any] | None:
         module = importlib.import_module("bcd_shared.units")
     except ImportError:
         return None
-    registry = getattr(module, "UNITS", None)
+    registry = getattr(module, "REGISTRY", None)
     return registry if isinstance(registry, Mapping) else None
 
 
@@ -115,7 +116,8 @@ def host_unit(call: Call, req: HostUnit) -> dict[str, Any]:
         settings = None if req.settings is None else unit.decode_settings(req.settings)
     except StepError as exc:
         raise Refused("invalid-settings", f"host.unit: {req.unit}: {exc.message}") from None
-    result = units.converge_unit(unit, settings, call.system, uctx, units.ApplyContext())
+    actx = units.ApplyContext(guard=call.system.guard, tokens=units.StagedTokenSource(call.system))
+    result = units.converge_unit(unit, settings, call.system, uctx, actx)
     return {
         "unit": req.unit,
         "changed": result.changed,
