@@ -21,7 +21,7 @@ def _json(root: Path, name: str) -> object:
 
 
 def test_HST_MOD_08_09_11_12_files_and_loading(tmp_path: Path) -> None:
-    root, system = make_host(tmp_path)
+    _, system = make_host(tmp_path)
     r = run(
         system,
         "kernel-modules",
@@ -94,7 +94,8 @@ def test_HST_SYS_10_11_missing_key_retried_after_the_others(tmp_path: Path) -> N
     r = run(system, "sysctl", {"net.bridge.bridge-nf-call-iptables": 0, "vm.swappiness": 5})
     assert [i.kind for i in r.issues] == ["retryable"]
     assert r.issues[0].message == (
-        "sysctl: this kernel has no net.bridge.bridge-nf-call-iptables (is the module that provides it loaded?)"
+        "sysctl: this kernel has no net.bridge.bridge-nf-call-iptables "
+        "(is the module that provides it loaded?)"
     )
     assert (system.read_text("/proc/sys/vm/swappiness") or "").strip() == "5"
 
@@ -458,7 +459,7 @@ def test_HST_SHARE_03_mps_needs_the_control_daemon(tmp_path: Path) -> None:
 
 
 def test_HST_CTK_02_to_14_toolkit_and_cdi(tmp_path: Path) -> None:
-    root, system = make_host(tmp_path)
+    _, system = make_host(tmp_path)
     assert system.run(["apt-get", "install", "-y", "containerd"]).ok
     r = run(system, "container-toolkit", {})
     assert r.ok, r.issues

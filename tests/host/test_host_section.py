@@ -1,0 +1,183 @@
+"""The host section: order, status table, conditions, removal, drift.
+
+Covers HST-ORD, HST-STAT, HST-COND, HST-RBT and HST-LVL items named per test.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bcd_agent.converge.types import SectionState
+from bcd_agent.sections.host import (
+    DirectExecutor,
+    HelperAnswer,
+    HelperExecutor,
+    HostConverger,
+    HostSection,
+    converge_host,
+    cut_utf8,
+)
+from bcd_shared.units import ApplyContext, UnitContext
+from hostunits_support import ALLOWED, FakeTokens, make_host
+
+
+def section(**units: object) -> HostSection:
+    return HostSection(tuple((n.replace("_", "-"), json.dumps(s)) for n, s in units.items()))
+
+
+def executor(system: object) -> DirectExecutor:
+    return DirectExecutor(system, UnitContext(allowed_clusters=ALLOWED), ApplyContext(tokens=FakeTokens()))  # type: ignore[arg-type]
+
+
+def test_HST_STAT_reboot_terminal_and_success_reported_per_the_status_table(tmp_path: Path) -> None:
+    """Covers HST-STAT-03/07/08/10/11/12, HST-RBT-02..06, HST-COND-02: one unit waits for a reboot,
+    one fails terminally, one succeeds; PROGRESSING with RebootRequired."""
+    _, system = make_host(tmp_path)
+    spec = section(
+        cpu={"isolate": "8-15"}, gpu_settings={"powerLimitWatts": 9000}, sysctl={"vm.swappiness": 7}
+    )
+    out = converge_host(spec, executor(system))
+    assert out.state is SectionState.PROGRESSING
+    assert out.message == (
+        'cpu: CPUs 8-15 are isolated from the next boot (now: ""): reboot the node; '
+        "gpu-settings: GPU 0 takes 200 to 700 W, not 9000"
+    )
+    reboot = [c for c in out.conditions if c.type == "RebootRequired"]
+    assert len(reboot) == 1 and reboot[0].reason == "cpu" and reboot[0].section == "host"
+    assert "reboot the node" in reboot[0].message
+    assert (system.read_text("/proc/sys/vm/swappiness") or "").strip() == "7"  # the good unit converged
+    assert out.changed
+
+
+def test_HST_STAT_04_06_all_terminal_is_failed(tmp_path: Path) -> None:
+    _, system = make_host(tmp_path)
+    out = converge_host(
+        HostSection(
+            (("sysctl", '{"kernel.core_pattern": "x"}'), ("gpu-magic", "{}"), ("cpu", '{"governor": "x"}'))
+        ),
+        executor(system),
+    )
+    assert out.state is SectionState.FAILED
+    assert out.message.split("; ") == [
+        "sysctl: kernel.core_pattern is refused: it names or controls a program the kernel runs as root",
+        "cpu: governor: 'x' is not one of performance, schedutil, ondemand, powersave",
+        "gpu-magic: not a config unit this bcd knows",
+    ]
+    assert not system.exists("/etc/sysctl.d/90-bcd.conf")  # HST-DEC-05: nothing half applied
+
+
+def test_HST_STAT_13_unit_named_twice_fails_the_section(tmp_path: Path) -> None:
+    _, system = make_host(tmp_path)
+    out = converge_host(HostSection((("sysctl", '{"vm.swappiness": 1}'), ("sysctl", "{}"))), executor(system))
+    assert out.state is SectionState.FAILED and out.reason == "UnitNamedTwice"
+    assert not system.exists("/etc/sysctl.d/90-bcd.conf")
+
+
+def test_HST_ORD_01_02_10_11_fixed_order_replanned_per_unit(tmp_path: Path) -> None:
+    """sysctl listed before kernel-modules still runs after it and finds net.bridge.* in the same pass."""
+    _, system = make_host(tmp_path)
+    spec = HostSection(
+        (
+            ("sysctl", '{"net.bridge.bridge-nf-call-iptables": 0}'),
+            ("kernel-modules", '{"load": ["br_netfilter"]}'),
+        )
+    )
+    out = converge_host(spec, executor(system))
+    assert out.state is SectionState.CONVERGED, out.message
+    assert (system.read_text("/proc/sys/net/bridge/bridge-nf-call-iptables") or "").strip() == "0"
+
+
+def test_HST_COND_01_fabric_manager_and_mps_conditions(tmp_path: Path) -> None:
+    import shutil
+
+    root, system = make_host(tmp_path)
+    shutil.rmtree(root / "sys/module/nvidia")
+    (root / "usr/bin/nvidia-cuda-mps-control").unlink()
+    out = converge_host(section(fabric_manager={}, gpu_sharing={"mode": "mps"}), executor(system))
+    assert out.state is SectionState.PROGRESSING
+    assert sorted((c.type, c.reason) for c in out.conditions) == [
+        ("FabricManagerDown", "NotRunning"),
+        ("MPSDown", "NotRunning"),
+    ]
+
+
+def test_HST_LVL_12_drift_repaired_without_a_new_spec(tmp_path: Path) -> None:
+    """A sysctl changed by hand, a deleted drop-in, a stopped service: the next pass repairs them."""
+    root, system = make_host(tmp_path)
+    spec = section(sysctl={"vm.swappiness": 3}, kernel_modules={"load": ["tun"]}, gpu_sharing={"mode": "mps"})
+    assert converge_host(spec, executor(system)).state is SectionState.CONVERGED
+    noop = converge_host(spec, executor(system))
+    assert noop.state is SectionState.CONVERGED and not noop.changed  # HST-LVL-03
+    (root / "proc/sys/vm/swappiness").write_text("60\n")
+    (root / "etc/modules-load.d/bcd.conf").unlink()
+    system.run(["systemctl", "stop", "bcd-mps.service"])
+    out = converge_host(spec, executor(system))
+    assert out.state is SectionState.CONVERGED and out.changed
+    assert (root / "proc/sys/vm/swappiness").read_text().strip() == "3"
+    assert system.exists("/etc/modules-load.d/bcd.conf")
+    assert system.run(["systemctl", "is-active", "bcd-mps.service"]).ok
+
+
+def test_HST_RMV_01_13_removal_is_level_triggered(tmp_path: Path) -> None:
+    _, system = make_host(tmp_path)
+    converge_host(
+        section(
+            sysctl={"vm.swappiness": 3}, gpu_sharing={"mode": "mps"}, gpu_settings={"powerLimitWatts": 300}
+        ),
+        executor(system),
+    )
+    out = converge_host(HostSection(), executor(system))
+    assert out.state is SectionState.CONVERGED
+    assert not system.exists("/etc/sysctl.d/90-bcd.conf") and not system.exists(
+        "/etc/systemd/system/bcd-mps.service"
+    )
+    rows = system.run(
+        ["nvidia-smi", "--query-gpu=power.limit", "--format=csv,noheader,nounits"]
+    ).stdout.decode()
+    assert set(rows.split()) == {"300.00"}  # HST-RMV-07: power limits stay
+
+
+def test_HST_HLP_15_units_false_is_unsupported(tmp_path: Path) -> None:
+    _, system = make_host(tmp_path)
+    out = converge_host(section(sysctl={"vm.swappiness": 3}), executor(system), host_units=False)
+    assert (
+        out.state is SectionState.UNSUPPORTED
+        and out.reason == "HostManagedExternally"
+        and out.conditions == ()
+    )
+    assert not system.exists("/etc/sysctl.d/90-bcd.conf")
+    assert converge_host(HostSection(), executor(system), host_units=False).state is SectionState.CONVERGED
+
+
+def test_HST_HLP_02_RBT_07_helper_executor_sends_only_what_differs(tmp_path: Path) -> None:
+    _, system = make_host(tmp_path)
+    sent: list[tuple[str, str | None]] = []
+
+    def send(name: str, settings: str | None, busy: frozenset[str]) -> HelperAnswer:
+        sent.append((name, settings))
+        if name == "cpu":
+            return HelperAnswer(
+                False, 'cpu: CPUs 2 are isolated from the next boot (now: ""): reboot the node'
+            )
+        return HelperAnswer(False, "sysctl: kernel.core_pattern is refused", terminal=True)
+
+    ex = HelperExecutor(system, send, UnitContext(allowed_clusters=ALLOWED))
+    out = converge_host(section(cpu={"isolate": "2"}, kernel_modules={"load": []}), ex)
+    assert [n for n, _ in sent] == ["cpu"]  # kernel-modules is converged as the node sees it
+    assert out.state is SectionState.PROGRESSING
+    assert [c.type for c in out.conditions] == ["RebootRequired"]
+
+
+def test_HST_RBT_06_message_cut_on_a_utf8_boundary() -> None:
+    text = "é" * 600
+    cut = cut_utf8(text)
+    assert len(cut.encode()) <= 1024 and cut == "é" * 512
+
+
+def test_HST_converger_for_the_runner(tmp_path: Path) -> None:
+    _, system = make_host(tmp_path)
+    conv = HostConverger(lambda busy: executor(system))
+    assert conv.is_empty(None) and conv.is_empty(HostSection())
+    out = conv.converge(section(sysctl={"vm.swappiness": 9}), object(), object())
+    assert out.section == "host" and out.state is SectionState.CONVERGED and out.changed
