@@ -16,6 +16,7 @@ import sys
 BENCHES: dict[str, str] = {
     "pki": "pki",
     "helper": "helper",
+    "host": "host",
 }
 
 
