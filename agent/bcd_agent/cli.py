@@ -18,10 +18,14 @@ from collections.abc import Sequence
 # name -> (module, one-line help). One literal table.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bcd_agent.bench", "measure speed and memory targets; prints one JSON object"),
+    "node": ("bcd_agent.node", "run the node agent: journal, dispatch, converge, session"),
+    "join": ("bcd_agent.join", "join a control plane: node key, certificate, trust bundle, identity.json"),
+    "devplane": ("bcd_agent.devplane.cli", "the development control plane: serve, token, apply, command, show"),
     "doctor": ("bcd_agent.doctor", "check this host's bcd setup: each check ok / warn / fail with its fix"),
     "plan": ("bcd_agent.plan", "dry run: the steps each section would take for a spec, applying nothing"),
     "status": ("bcd_agent.status", "generations, section states, conditions and the holder of each GPU"),
     "journal": ("bcd_agent.journalcli", "inspect the journal: meta, spec, commands, unacked results, events"),
+    "sim": ("bcd_agent.sim", "devplane + helper + agent on a simulated host: apply a spec, show it converge"),
 }
 
 

@@ -1,0 +1,117 @@
+"""`bcd devplane serve|token|apply|command|cancel|show|secret` (docs/devplane.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+TERMINAL = {"succeeded", "failed", "rejected", "cancelled", "expired"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="devplane_command", metavar="ACTION", required=True)
+    p = sub.add_parser("serve", help="run the development control plane")
+    p.add_argument("--dir", required=True, help="state directory (keys, devplane.db, admin.sock)")
+    p.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT of the TLS listener ('' for none)")
+    p.add_argument("--unix", default=None, help="also serve on this Unix socket (no TLS)")
+    p.add_argument("--no-test-kinds", action="store_true", help="do not accept test.* kinds")
+    p = sub.add_parser("token", help="mint a one-time join token")
+    p.add_argument("--dir", required=True)
+    p = sub.add_parser("apply", help="apply a NodeSpec (protobuf JSON mapping)")
+    p.add_argument("spec", help="SPEC.json")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--node", default=None)
+    p = sub.add_parser("command", help="enqueue a signed command")
+    p.add_argument("kind")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--node", default=None)
+    p.add_argument("--payload", default=None, help="JSON: the kind's request in protobuf JSON mapping")
+    p.add_argument("--not-after", type=float, default=300.0, help="seconds from now")
+    p.add_argument("--wait", action="store_true", help="wait for a terminal state and print the record")
+    p.add_argument("--timeout", type=float, default=300.0)
+    p = sub.add_parser("cancel", help="cancel a command")
+    p.add_argument("id")
+    p.add_argument("--dir", required=True)
+    p = sub.add_parser("show", help="print a node's record")
+    p.add_argument("--dir", required=True)
+    p.add_argument("--node", default=None)
+    p = sub.add_parser("secret", help="store a secret the broker may release")
+    p.add_argument("ref")
+    p.add_argument("value")
+    p.add_argument("--dir", required=True)
+
+
+def _print(value: Any) -> None:
+    print(json.dumps(value, indent=1, sort_keys=True, default=str))
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from bcd_agent.devplane.plane import DevPlane
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    plane = DevPlane(
+        args.dir, listen=args.listen or None, unix_socket=args.unix, test_kinds=not args.no_test_kinds
+    )
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(plane.run)
+            print(json.dumps(json.loads((Path(args.dir) / "endpoint.json").read_text())), flush=True)
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    nursery.cancel_scope.cancel()
+                    break
+
+    trio.run(main)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    from bcd_agent.devplane.admin import AdminClient, AdminError
+
+    action = args.devplane_command
+    if action == "serve":
+        return _serve(args)
+    client = AdminClient(args.dir)
+    try:
+        if action == "token":
+            print(client.call("token"))
+        elif action == "apply":
+            spec = json.loads(Path(args.spec).read_text())
+            print(client.call("apply", spec=spec, node=args.node))
+        elif action == "command":
+            payload = json.loads(args.payload) if args.payload else None
+            cid = client.call(
+                "enqueue", kind=args.kind, payload=payload, node=args.node, not_after_s=args.not_after
+            )
+            if not args.wait:
+                print(cid)
+                return 0
+            deadline = time.monotonic() + args.timeout
+            while True:
+                record = client.call("command", id=cid)
+                if record and record["state"] in TERMINAL:
+                    _print(record)
+                    return 0 if record["state"] == "succeeded" else 1
+                if time.monotonic() > deadline:
+                    _print(record)
+                    return 1
+                time.sleep(0.2)
+        elif action == "cancel":
+            print(client.call("cancel", id=args.id))
+        elif action == "show":
+            _print(client.call("node", node=args.node))
+        elif action == "secret":
+            client.call("secret", ref=args.ref, value=args.value)
+    except (AdminError, OSError) as exc:
+        print(f"bcd devplane {action}: {exc}", file=sys.stderr)
+        return 1
+    return 0

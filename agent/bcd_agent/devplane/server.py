@@ -1,0 +1,146 @@
+"""The development control plane's grpclib servers (TCP with TLS, and a Unix socket), under trio-asyncio.
+
+Each Session stream is handled by trio code (`trio_as_aio`): the first message must be Hello; the node's
+TLS certificate (when the stream came over TCP) must chain to the node CA and name the Hello's node id,
+checked with bcd's own chain checker. Messages are decoded strictly (session.transport.StrictCodec).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpclib.const
+import trio
+import trio_asyncio
+from bcd_shared import wire
+from grpclib import GRPCError
+from grpclib.server import Server
+
+from bcd_agent.session.transport import StrictCodec, open_loop
+from bcd_agent.wire import JOIN_PATH, SESSION_STREAM_PATH
+
+if TYPE_CHECKING:
+    from bcd_agent.devplane.plane import DevPlane
+
+log = logging.getLogger("bcd.devplane")
+
+
+def _peer_der(stream: Any) -> bytes | None:
+    transport = getattr(stream.peer, "_transport", None)
+    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+    if ssl_object is None:
+        return None
+    der = ssl_object.getpeercert(binary_form=True)
+    return bytes(der) if der else b""
+
+
+class _Handlers:
+    def __init__(self, plane: DevPlane) -> None:
+        self.plane = plane
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        return {
+            SESSION_STREAM_PATH: grpclib.const.Handler(
+                self._session, grpclib.const.Cardinality.STREAM_STREAM, wire.NodeMessage, wire.GatewayMessage
+            ),
+            JOIN_PATH: grpclib.const.Handler(
+                self._join, grpclib.const.Cardinality.UNARY_UNARY, wire.JoinRequest, wire.JoinResponse
+            ),
+        }
+
+    async def _join(self, stream: Any) -> None:
+        request = await stream.recv_message()
+        try:
+            response = self.plane.join(request)
+        except PermissionError as exc:
+            raise GRPCError(grpclib.const.Status.PERMISSION_DENIED, str(exc)) from None
+        await stream.send_message(response)
+
+    async def _session(self, stream: Any) -> None:
+        await trio_asyncio.trio_as_aio(self._session_trio)(stream)
+
+    async def _session_trio(self, stream: Any) -> None:
+        plane = self.plane
+        first = await trio_asyncio.aio_as_trio(stream.recv_message)()
+        if first is None or first.hello is None:
+            return
+        hello = first.hello
+        peer = _peer_der(stream)
+        why = "no client certificate" if peer == b"" else plane.node_certificate_ok(hello.node_id, peer)
+        if why:
+            log.warning("devplane: session refused: %s", why)
+            raise GRPCError(grpclib.const.Status.PERMISSION_DENIED, why)
+        send, receive = trio.open_memory_channel[wire.GatewayMessage](math.inf)
+        try:
+            session = plane.open_session(hello, send)
+        except PermissionError as exc:
+            raise GRPCError(grpclib.const.Status.PERMISSION_DENIED, str(exc)) from None
+        log.info("devplane: session of %s, epoch %d", hello.node_id, session.epoch)
+        try:
+            async with trio.open_nursery() as nursery:
+
+                async def sender() -> None:
+                    async for message in receive:
+                        await trio_asyncio.aio_as_trio(stream.send_message)(message)
+
+                nursery.start_soon(sender)
+                while True:
+                    message = await trio_asyncio.aio_as_trio(stream.recv_message)()
+                    if message is None:
+                        break
+                    plane.on_message(session, message)
+                nursery.cancel_scope.cancel()
+        finally:
+            plane.close_session(session)
+
+
+@contextlib.asynccontextmanager
+async def serving(plane: DevPlane) -> AsyncIterator[tuple[str, int] | None]:
+    """Start the TCP (TLS) and Unix servers; yield the bound TCP address."""
+    from bcd_agent.devplane.plane import ssl_server_context
+
+    async with open_loop():
+        servers: list[Server] = []
+        bound: tuple[str, int] | None = None
+
+        async def start() -> None:
+            nonlocal bound
+            if plane.listen:
+                host, _, port = plane.listen.rpartition(":")
+                server = Server([_Handlers(plane)], codec=StrictCodec())
+                await server.start(
+                    host.strip("[]"),
+                    int(port),
+                    ssl=ssl_server_context(plane.keys, plane.directory),
+                    reuse_address=True,
+                )
+                servers.append(server)
+                sock = server._server.sockets[0]  # type: ignore[union-attr]
+                name = sock.getsockname()
+                bound = (str(name[0]), int(name[1]))
+            if plane.unix_socket is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(plane.unix_socket)
+                server = Server([_Handlers(plane)], codec=StrictCodec())
+                await server.start(path=str(plane.unix_socket))
+                os.chmod(plane.unix_socket, 0o600)
+                servers.append(server)
+
+        async def stop() -> None:
+            for server in servers:
+                server.close()
+            for server in servers:
+                with contextlib.suppress(Exception):
+                    await server.wait_closed()
+
+        await trio_asyncio.aio_as_trio(start)()
+        try:
+            yield bound
+        finally:
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                await trio_asyncio.aio_as_trio(stop)()

@@ -1,0 +1,490 @@
+"""The node's half of the session, without the transport (no asyncio, no grpclib; trio only for nothing).
+
+`SessionCore` turns GatewayMessages into journal writes, dispatcher calls and runner inputs, and produces
+NodeMessages through the `send` callable the transport attaches for the life of one connection. Every
+method is synchronous and finishes its durable writes before it returns, so it can be driven message by
+message in tests (tests/session) exactly as the transport drives it.
+
+Per connection (`attach` ... `detach`):
+- `attach(send)` returns the Hello (node id, boot id, journal id, incarnation, applied generation and hash,
+  capabilities, runtimes, every unacked terminal result, last epoch and event seq). Nothing else is sent
+  before the Welcome.
+- Welcome: refused (WelcomeRefused, the connection ends and backs off) when its server_time is more than
+  5 minutes before the journal's server time mark (DLV-JRN-13); otherwise the mark moves forward (and is
+  mirrored into identity.json), the server-time offset is set (DLV-ACK-10), the epoch journaled, a newer
+  trust bundle accepted (forward only: an older version is logged and ignored), then SpecRequest NO_SPEC
+  when the journal holds no usable spec (DLV-RCV-08) and every unacked event is sent.
+- DesiredState: `spec.judge`; an accepted spec is stored in the journal (exact bytes, hash, signature;
+  DLV-RCV-19) *before* the runner gets it, then the dispatcher re-checks deferred commands.
+- Command: strict conversion (dispatch.wire) then `Dispatcher.deliver` (journal Resolve + acceptance).
+- Cancel: handled once per session per command id (DLV-CAN-02 says the gateway repeats it after every
+  reconnect; repeats within a session are dropped), through `Dispatcher.cancel`.
+- Ack: results and events acknowledged in the journal; they stop being replayed (DLV-RES-08, DLV-EVT-04).
+- Replay: `resend_due(now)` resends every unacked terminal result and every unacked event once
+  `resend_interval_s` passed without an ack; a reconnect replays results in Hello and events after Welcome.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+from attrs import define, field
+from bcd_shared import wire
+from bcd_shared.pki import TrustStore, VerifiedBundle
+from bcd_shared.pki.chain import ChainCache
+from bcd_shared.pki.errors import PkiError
+from bcd_shared.system import atomic_write
+from bcd_shared.wire.strict import WireError
+
+from bcd_agent.converge.status import StatusCell
+from bcd_agent.converge.types import DesiredSpec, NodeStatus
+from bcd_agent.dispatch.clock import OffsetClock
+from bcd_agent.dispatch.command import CommandUpdate, InvalidCommand, RejectReason
+from bcd_agent.dispatch.ports import ResultSigner
+from bcd_agent.dispatch.results import update_from_entry
+from bcd_agent.dispatch.trust import BundleTrust
+from bcd_agent.dispatch.wire import envelope_from_wire, update_to_wire
+from bcd_agent.journal import Action, CommandFlags, Journal, NewCommand, WelcomeRefused
+from bcd_agent.session import identity as ident
+from bcd_agent.session import spec as specmod
+from bcd_agent.session.events import wire_event
+from bcd_agent.session.status import status_report
+
+log = logging.getLogger("bcd.session")
+
+RESEND_INTERVAL_S = 10.0
+EVENT_BATCH = 256
+HOST_INTENT_FILE = "host-intent.json"
+# The identity file mirrors the mark at Welcome and when it moved this far since the last mirror.
+MARK_MIRROR_STEP_MS = 60_000
+_EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+
+Send = Callable[[wire.NodeMessage], None]
+
+
+class ProtocolViolation(Exception):
+    """The gateway broke the session's order (e.g. no Welcome first): the connection ends."""
+
+
+class DispatcherLike:  # the subset of dispatch.Dispatcher the session calls (documentation only)
+    pass
+
+
+class RunnerLike:
+    pass
+
+
+@define
+class SessionState:
+    """What the session knows of the current connection (read by tests, `bcd status`, benches)."""
+
+    connected: bool = False
+    welcomed: bool = False
+    epoch: int = 0
+    connections: int = 0
+    welcomes: int = 0
+    last_refusal: str = ""
+    cancels_seen: set[str] = field(factory=set)
+    spec_requests: list[tuple[int, str]] = field(factory=list)  # (have_generation, reason) sent, all time
+    ignored_specs: list[str] = field(factory=list)
+    refused_specs: list[str] = field(factory=list)
+    hello_sent_monotonic: float | None = None
+
+
+class SessionCore:
+    def __init__(
+        self,
+        *,
+        journal: Journal,
+        dispatcher: object,
+        runner: object,
+        trust: BundleTrust,
+        clock: OffsetClock,
+        identity: ident.Identity,
+        data_dir: str | Path,
+        status: StatusCell | None = None,
+        signer: ResultSigner | None = None,
+        role: wire.Role = wire.Role.NODE,
+        version: str = "",
+        capabilities: Sequence[str] = (),
+        runtimes: Sequence[str] = (),
+        inventory_hashes: Callable[[], Mapping[str, str]] = dict,
+        monotonic: Callable[[], float] = time.monotonic,
+        resend_interval_s: float = RESEND_INTERVAL_S,
+        persist_identity: bool = True,
+    ) -> None:
+        self.journal = journal
+        self.dispatcher = dispatcher
+        self.runner = runner
+        self.trust = trust
+        self.clock = clock
+        self.identity = identity
+        self.data_dir = Path(data_dir)
+        self.status = status
+        self.signer = signer
+        self.role = role
+        self.version = version
+        self.capabilities = tuple(capabilities)
+        self.runtimes = tuple(runtimes)
+        self.inventory_hashes = inventory_hashes
+        self.monotonic = monotonic
+        self.resend_interval_s = resend_interval_s
+        self.persist_identity = persist_identity
+        self.state = SessionState()
+        self._send: Send | None = None
+        self._chain_cache = ChainCache()
+        self._trust_store = TrustStore()
+        self._sent_event_seq = 0
+        self._last_resend = 0.0
+        self._sent_status_version = 0
+        self._pending_min_generation: int | None = None
+        self._mirrored_mark_ms = identity.server_time_mark_ms
+        bundle = identity.verified_bundle()
+        if bundle is not None:
+            self._trust_store = self._trust_store.accept(bundle)
+            trust.set_bundle(bundle.bundle)
+        # The mirrored mark survives a lost journal (seeds: "The journal").
+        if identity.server_time_mark_ms / 1000 > journal.server_time_mark:
+            journal.observe_server_time(identity.server_time_mark_ms / 1000)
+
+    # --- start-up ---------------------------------------------------------------------------------
+
+    @property
+    def node_id(self) -> str:
+        return self.identity.node_id
+
+    def load_spec(self) -> DesiredSpec | None:
+        """The journal's stored spec, if usable: it decodes strictly, and once command-signing roots are
+        known it carries a signature (it was verified before it was stored; DLV-RCV-20). An unusable one
+        is discarded, so the session asks for the spec with NO_SPEC (DLV-RCV-08)."""
+        stored = self.journal.load_spec()
+        if stored is None:
+            return None
+        why = ""
+        try:
+            full, unknown = specmod.decode_stored(stored)
+        except (WireError, ValueError) as exc:
+            why = f"it does not decode: {exc}"
+        else:
+            if self.trust.has_command_roots() and not stored.signature:
+                why = "it is unsigned and the trust bundle holds command-signing roots"
+        if why:
+            log.warning("session: the stored spec (generation %d) is not usable: %s", stored.generation, why)
+            self.journal.discard_spec()
+            return None
+        return specmod.desired_spec(stored.generation, stored.spec_hash, full, unknown)
+
+    # --- connection -------------------------------------------------------------------------------
+
+    def attach(self, send: Send) -> wire.NodeMessage:
+        """A new connection: reset the per-session state and return the Hello to send first."""
+        self._send = send
+        st = self.state
+        st.connected = True
+        st.welcomed = False
+        st.cancels_seen = set()
+        st.connections += 1
+        self._sent_event_seq = self.journal.acked_event_seq
+        self._sent_status_version = 0
+        self._last_resend = self.monotonic()
+        stored = self.journal.load_spec()
+        hello = wire.Hello(
+            node_id=self.node_id,
+            boot_id=self.journal.boot_id,
+            journal_id=self.journal.journal_id,
+            incarnation=self.journal.incarnation,
+            applied_generation=self.journal.applied_generation,
+            capabilities=list(self.capabilities),
+            runtimes=list(self.runtimes),
+            unacked_results=[self._result_update(e) for e in self.journal.unacked_results()],
+            version=self.version,
+            role=self.role,
+            applied_spec_hash=stored.spec_hash if stored is not None else "",
+            last_session_epoch=self.journal.last_epoch,
+            last_event_seq=self.journal.next_event_seq - 1,
+        )
+        st.hello_sent_monotonic = self.monotonic()
+        return wire.NodeMessage(hello=hello)
+
+    def detach(self) -> None:
+        self._send = None
+        self.state.connected = False
+        self.state.welcomed = False
+
+    def _out(self, message: wire.NodeMessage) -> None:
+        if self._send is not None:
+            self._send(message)
+
+    # --- inbound ----------------------------------------------------------------------------------
+
+    def handle(self, message: wire.GatewayMessage) -> None:
+        """One GatewayMessage. Raises WelcomeRefused or ProtocolViolation to end the connection."""
+        which, value = _which(message)
+        if not self.state.welcomed and which != "welcome":
+            raise ProtocolViolation(f"the gateway sent {which or 'an empty message'} before Welcome")
+        if which == "welcome":
+            assert isinstance(value, wire.Welcome)
+            self._welcome(value)
+        elif which == "heartbeat":
+            assert isinstance(value, wire.GatewayHeartbeat)
+            self._observe_time(value.server_time)
+        elif which == "desired_state":
+            assert isinstance(value, wire.DesiredState)
+            self.desired_state(value)
+        elif which == "command":
+            assert isinstance(value, wire.Command)
+            self._command(value)
+        elif which == "cancel":
+            assert isinstance(value, wire.Cancel)
+            self._cancel(value)
+        elif which == "ack":
+            assert isinstance(value, wire.Ack)
+            self._ack(value)
+        elif which == "trust_bundle":
+            assert isinstance(value, wire.SignedTrustBundle)
+            self._trust_bundle(value)
+        elif which == "secret_response":
+            log.info("session: secret response %s ignored: no secret request is pending", value)
+        else:
+            raise ProtocolViolation("the gateway sent an empty GatewayMessage")
+
+    def _welcome(self, welcome: wire.Welcome) -> None:
+        if self.state.welcomed:
+            raise ProtocolViolation("a second Welcome on one session")
+        try:
+            self.journal.check_welcome(welcome.server_time / 1000)
+        except WelcomeRefused as exc:
+            self.state.last_refusal = str(exc)
+            raise
+        self.clock.set_offset(welcome.server_time / 1000 - self.clock.host_time())
+        self._mirror_mark(force=True)
+        if welcome.session_epoch != self.journal.last_epoch:
+            self.journal.set_last_epoch(welcome.session_epoch)
+        if welcome.trust_bundle is not None:
+            self._trust_bundle(welcome.trust_bundle)
+        self.dispatcher.set_upgrade_only(welcome.upgrade_only)  # type: ignore[attr-defined]
+        st = self.state
+        st.welcomed = True
+        st.welcomes += 1
+        st.epoch = welcome.session_epoch
+        if self.journal.needs_spec:
+            self._spec_request(wire.SpecRequestReason.NO_SPEC)
+        elif self._pending_min_generation is not None:
+            self._spec_request(wire.SpecRequestReason.MIN_GENERATION)
+        self._pending_min_generation = None
+        self.pump_events()
+
+    def _observe_time(self, server_time_ms: int) -> None:
+        self.journal.observe_server_time(server_time_ms / 1000)
+        self._mirror_mark()
+
+    def _mirror_mark(self, force: bool = False) -> None:
+        mark_ms = int(self.journal.server_time_mark * 1000)
+        if mark_ms <= self._mirrored_mark_ms:
+            return
+        if force or mark_ms - self._mirrored_mark_ms >= MARK_MIRROR_STEP_MS:
+            self._save_identity(ident.with_mark(self.identity, mark_ms))
+            self._mirrored_mark_ms = mark_ms
+
+    def _save_identity(self, identity: ident.Identity) -> None:
+        self.identity = identity
+        if self.persist_identity:
+            ident.save(self.data_dir, identity)
+
+    def _trust_bundle(self, signed: wire.SignedTrustBundle) -> None:
+        try:
+            bundle = ident.SignedBundle(
+                bytes(signed.bundle), bytes(signed.signature), bytes(signed.signer_spki)
+            ).verify(self.identity.pin)
+            store = self._trust_store.accept(bundle)
+        except PkiError as exc:
+            log.warning("session: trust bundle refused: %s", exc)
+            return
+        if store == self._trust_store:
+            return
+        self._accept_bundle(store, bundle)
+
+    def _accept_bundle(self, store: TrustStore, bundle: VerifiedBundle) -> None:
+        self._save_identity(ident.with_bundle(self.identity, bundle))
+        self._trust_store = store
+        self.trust.set_bundle(bundle.bundle)
+        log.info("session: trust bundle version %d accepted", bundle.version)
+
+    def desired_state(self, envelope: wire.DesiredState) -> specmod.Verdict:
+        verdict = specmod.judge(
+            envelope,
+            node_id=self.node_id,
+            applied=self.journal.load_spec(),
+            trust=self.trust.bundle,
+            now=self.clock.server_now(),
+            cache=self._chain_cache,
+        )
+        if isinstance(verdict, specmod.Ignored):
+            log.debug("session: spec ignored: %s", verdict.reason)
+            self.state.ignored_specs.append(verdict.reason)
+        elif isinstance(verdict, specmod.Refused):
+            log.error("session: spec refused, not applied: %s", verdict.reason)
+            self.state.refused_specs.append(verdict.reason)
+        elif isinstance(verdict, specmod.BaseMismatch):
+            log.info(
+                "session: patch base %d is not the applied generation %d: asking for the full spec",
+                verdict.base_generation,
+                verdict.applied_generation,
+            )
+            self._spec_request(wire.SpecRequestReason.PATCH_BASE_MISMATCH)
+        else:
+            # Durable before effect: the journal holds the spec before the runner acts on it.
+            self.journal.store_spec(verdict.stored)
+            if verdict.sets_host:
+                self._write_host_intent(verdict)
+            self.runner.set_spec(verdict.spec)  # type: ignore[attr-defined]
+            self.dispatcher.spec_applied(verdict.stored.generation)  # type: ignore[attr-defined]
+            log.info("session: spec generation %d applied", verdict.stored.generation)
+        return verdict
+
+    def _write_host_intent(self, verdict: specmod.Accepted) -> None:
+        """data_dir/host-intent.json (0600): the signed body that last set the host section, as received."""
+
+        def b64(b: bytes) -> str:
+            import base64
+
+            return base64.b64encode(b).decode()
+
+        doc = {
+            "generation": verdict.stored.generation,
+            "body": b64(verdict.body),
+            "signature": b64(verdict.signature),
+            "signer_chain": [b64(c) for c in verdict.signer_chain],
+        }
+        atomic_write(self.data_dir / HOST_INTENT_FILE, json.dumps(doc, sort_keys=True).encode(), mode=0o600)
+
+    def _command(self, command: wire.Command) -> None:
+        try:
+            envelope = envelope_from_wire(command)
+        except InvalidCommand as exc:
+            self._refuse_invalid(exc, bytes(command.body), bytes(command.signature))
+            return
+        self.dispatcher.deliver(envelope)  # type: ignore[attr-defined]
+
+    def _refuse_invalid(self, exc: InvalidCommand, body: bytes, signature: bytes) -> None:
+        log.warning("session: command refused: %s", exc)
+        if not exc.command_id:
+            return  # nothing to report against; the gateway's sweeper times it out
+        res = self.journal.resolve(exc.command_id)
+        if res.action is Action.NONE:
+            entry = self.journal.reject(
+                NewCommand(id=exc.command_id, kind="", flags=CommandFlags(), body=body, signature=signature),
+                RejectReason.UNSUPPORTED.value,
+            )
+        elif res.action is Action.DONE and res.entry is not None:
+            entry = res.entry
+        else:
+            return
+        self.send_update(update_from_entry(entry, self.signer, f"{exc.field}: {exc.rule}"))
+
+    def _cancel(self, cancel: wire.Cancel) -> None:
+        if cancel.command_id in self.state.cancels_seen:
+            return  # once per session (DLV-CAN-02)
+        self.state.cancels_seen.add(cancel.command_id)
+        self.dispatcher.cancel(cancel.command_id, cancel.reason)  # type: ignore[attr-defined]
+
+    def _ack(self, ack: wire.Ack) -> None:
+        if ack.command_ids:
+            self.journal.ack_results(ack.command_ids)
+        if ack.journal_id:
+            self.journal.ack_events(ack.journal_id, ack.event_seq)
+            self._sent_event_seq = max(self._sent_event_seq, self.journal.acked_event_seq)
+
+    # --- outbound ---------------------------------------------------------------------------------
+
+    def _spec_request(self, reason: wire.SpecRequestReason) -> None:
+        have = self.journal.applied_generation
+        self.state.spec_requests.append((have, reason.name))
+        self._out(wire.NodeMessage(spec_request=wire.SpecRequest(have_generation=have, reason=reason)))
+
+    def request_spec_for_min_generation(self, have_generation: int) -> None:
+        """dispatch's SpecRequester: a command's min_generation is above the applied one (DLV-RCV-07)."""
+        if self.state.welcomed:
+            self._spec_request(wire.SpecRequestReason.MIN_GENERATION)
+        else:
+            self._pending_min_generation = have_generation
+
+    def send(self, update: CommandUpdate) -> None:
+        """dispatch's UpdateSink."""
+        self.send_update(update)
+
+    def send_update(self, update: CommandUpdate) -> None:
+        # Offline, progress is dropped and terminal results wait in the journal for the next Hello.
+        if self.state.welcomed:
+            self._out(wire.NodeMessage(command_update=update_to_wire(update)))
+
+    def _result_update(self, entry: object) -> wire.CommandUpdate:
+        return update_to_wire(update_from_entry(entry, self.signer))  # type: ignore[arg-type]
+
+    def pump_events(self) -> int:
+        """Send the journaled events not yet sent on this session, in batches. Returns how many."""
+        if not self.state.welcomed:
+            return 0
+        sent = 0
+        while True:
+            events = self.journal.unacked_events(after_seq=self._sent_event_seq, limit=EVENT_BATCH)
+            if not events:
+                return sent
+            batch = wire.EventBatch(
+                journal_id=self.journal.journal_id, events=[wire_event(e) for e in events]
+            )
+            self._out(wire.NodeMessage(event_batch=batch))
+            self._sent_event_seq = events[-1].seq
+            sent += len(events)
+
+    def resend_due(self) -> bool:
+        """Replay every unacked terminal result and event when `resend_interval_s` passed (DLV-RES-08)."""
+        if not self.state.welcomed:
+            return False
+        now = self.monotonic()
+        if now - self._last_resend < self.resend_interval_s:
+            return False
+        self._last_resend = now
+        for entry in self.journal.unacked_results():
+            self._out(wire.NodeMessage(command_update=self._result_update(entry)))
+        self._sent_event_seq = self.journal.acked_event_seq
+        self.pump_events()
+        return True
+
+    def heartbeat(self) -> wire.NodeMessage:
+        return wire.NodeMessage(
+            heartbeat=wire.NodeHeartbeat(
+                server_time_mark=int(self.journal.server_time_mark * 1000),
+                applied_generation=self.journal.applied_generation,
+                inventory_hashes=dict(self.inventory_hashes()),
+            )
+        )
+
+    def status_message(self, status: NodeStatus) -> wire.NodeMessage | None:
+        """The StatusReport of `status` unless it was already sent on this session (coalesced)."""
+        if status.version <= self._sent_status_version:
+            return None
+        self._sent_status_version = status.version
+        return wire.NodeMessage(status=status_report(status, self.monotonic()))
+
+
+def _which(message: wire.GatewayMessage) -> tuple[str, object]:
+    for name in (
+        "welcome",
+        "heartbeat",
+        "desired_state",
+        "command",
+        "cancel",
+        "ack",
+        "secret_response",
+        "trust_bundle",
+    ):
+        value = getattr(message, name, None)
+        if value is not None:
+            return name, value
+    return "", None

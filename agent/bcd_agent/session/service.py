@@ -1,0 +1,161 @@
+"""`Session`: the trio service that keeps one node's session up (`await nursery.start(session.run)`).
+
+Each connection: open the stream, send Hello, then run together until one of them ends:
+- the receiver: each GatewayMessage into `SessionCore.handle` (a WelcomeRefused or ProtocolViolation
+  ends the connection);
+- the sender: the outbox (a memory channel the core's `send` feeds) onto the stream, in order;
+- the ticker: heartbeats every `heartbeat_s` (or the Welcome's interval), the status report when the
+  runner published a newer one (coalesced latest-wins, at most one per `status_interval_s`), new events,
+  and the replay of unacked results and events (`SessionCore.resend_due`).
+
+Between connections: capped exponential backoff with jitter (`Backoff`), reset once a Welcome arrived.
+The runner and the dispatcher keep running while offline, so the last spec stays enforced (DLV-RCV-20).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import random
+from collections.abc import Callable
+
+import trio
+from bcd_shared import wire
+
+from bcd_agent.journal import WelcomeRefused as WelcomeRefusedError
+from bcd_agent.session.backoff import Backoff
+from bcd_agent.session.core import ProtocolViolation, SessionCore
+from bcd_agent.session.transport import Endpoint, open_loop, open_stream
+
+log = logging.getLogger("bcd.session")
+
+HEARTBEAT_S = 30.0
+STATUS_INTERVAL_S = 1.0
+TICK_S = 0.25
+
+
+class Session:
+    def __init__(
+        self,
+        core: SessionCore,
+        endpoint: Endpoint,
+        *,
+        backoff: Backoff | None = None,
+        draw: Callable[[], float] = random.random,
+        heartbeat_s: float = HEARTBEAT_S,
+        status_interval_s: float = STATUS_INTERVAL_S,
+    ) -> None:
+        self.core = core
+        self.endpoint = endpoint
+        self.backoff = backoff or Backoff()
+        self._draw = draw
+        self.heartbeat_s = heartbeat_s
+        self.status_interval_s = status_interval_s
+        self._wake = trio.Event()
+        self._token: trio.lowlevel.TrioToken | None = None
+        self.delays: list[float] = []  # backoff delays taken (tests, `bcd status`)
+        self.hello_sent = trio.Event()
+
+    @property
+    def state(self):  # type: ignore[no-untyped-def]
+        return self.core.state
+
+    def events_changed(self) -> None:
+        """Wake the ticker (new events journaled). Safe from any thread once `run` started."""
+        if trio.lowlevel.in_trio_run() or self._token is None:
+            self._wake.set()
+        else:
+            trio.from_thread.run_sync(self._wake.set, trio_token=self._token)
+
+    async def run(self, *, task_status: trio.TaskStatus[Session] = trio.TASK_STATUS_IGNORED) -> None:
+        self._token = trio.lowlevel.current_trio_token()
+        async with open_loop():
+            task_status.started(self)
+            attempt = 0
+            while True:
+                welcomed_before = self.core.state.welcomes
+                try:
+                    await self._connect_once()
+                    log.info("session: the gateway ended the stream")
+                except (WelcomeRefusedError, ProtocolViolation) as exc:
+                    log.error("session: %s", exc)
+                except trio.Cancelled:
+                    raise
+                except Exception as exc:
+                    log.warning(
+                        "session: connection to %s failed: %s: %s",
+                        self.endpoint.describe(),
+                        type(exc).__name__,
+                        exc,
+                    )
+                finally:
+                    self.core.detach()
+                if self.core.state.welcomes > welcomed_before:
+                    attempt = 0
+                delay = self.backoff.delay(attempt, self._draw())
+                attempt += 1
+                self.delays.append(delay)
+                await trio.sleep(delay)
+
+    async def _connect_once(self) -> None:
+        send, receive = trio.open_memory_channel[wire.NodeMessage](math.inf)
+        async with open_stream(self.endpoint) as stream:
+            hello = self.core.attach(send.send_nowait)
+            await stream.send(hello)
+            self.hello_sent.set()
+            async with trio.open_nursery() as nursery:
+
+                async def receiver() -> None:
+                    while True:
+                        message = await stream.recv()
+                        if message is None:
+                            break
+                        self.core.handle(message)
+                        self._wake.set()
+                    nursery.cancel_scope.cancel()
+
+                async def sender() -> None:
+                    async for message in receive:
+                        await stream.send(message)
+
+                nursery.start_soon(receiver)
+                nursery.start_soon(sender)
+                nursery.start_soon(self._ticker)
+
+    async def _ticker(self) -> None:
+        core = self.core
+        last_heartbeat = -math.inf
+        last_status = -math.inf
+        while True:
+            now = trio.current_time()
+            if core.state.welcomed:
+                if now - last_heartbeat >= self.heartbeat_s:
+                    core._out(core.heartbeat())
+                    last_heartbeat = now
+                status = core.status.latest() if core.status is not None else None
+                if status is not None and now - last_status >= self.status_interval_s:
+                    message = core.status_message(status)
+                    if message is not None:
+                        core._out(message)
+                        last_status = now
+                core.pump_events()
+                core.resend_due()
+            self._wake = trio.Event()
+            with trio.move_on_after(TICK_S if core.status is None else self.status_interval_s / 2):
+                if core.status is not None:
+                    async with trio.open_nursery() as n:
+
+                        async def status_waiter() -> None:
+                            assert core.status is not None
+                            latest = core.status.latest()
+                            await core.status.wait_newer(latest.version if latest is not None else 0)
+                            n.cancel_scope.cancel()
+
+                        async def wake_waiter() -> None:
+                            await self._wake.wait()
+                            n.cancel_scope.cancel()
+
+                        n.start_soon(status_waiter)
+                        n.start_soon(wake_waiter)
+                else:
+                    await self._wake.wait()

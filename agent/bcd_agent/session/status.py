@@ -1,0 +1,50 @@
+"""The runner's latest-wins NodeStatus as the wire's StatusReport (ages, never timestamps)."""
+
+from __future__ import annotations
+
+from bcd_shared import wire
+
+from bcd_agent.converge.types import SECTION_FIELD_NUMBERS, NodeStatus, SectionState
+
+_STATES = {
+    SectionState.CONVERGED: wire.SectionState.CONVERGED,
+    SectionState.PROGRESSING: wire.SectionState.PROGRESSING,
+    SectionState.FAILED: wire.SectionState.FAILED,
+    SectionState.UNSUPPORTED: wire.SectionState.UNSUPPORTED,
+}
+
+
+def section_number(name: str) -> int:
+    """A section name's NodeSpec field number; unknown fields are reported under their number."""
+    number = SECTION_FIELD_NUMBERS.get(name)
+    if number is not None:
+        return number
+    return int(name) if name.isdigit() else 0
+
+
+def status_report(status: NodeStatus, now_monotonic: float) -> wire.StatusReport:
+    return wire.StatusReport(
+        observed_generation=status.observed_generation,
+        applied_generation=status.applied_generation,
+        applied_spec_hash=status.spec_hash,
+        sections=[
+            wire.SectionStatus(
+                section=wire.Section(section_number(s.section)),
+                state=_STATES[s.state],
+                generation=s.generation,
+                reason=s.reason,
+                message=s.message,
+            )
+            for s in status.sections
+        ],
+        conditions=[
+            wire.Condition(
+                type=c.type,
+                status=wire.ConditionStatus.TRUE,
+                reason=c.reason,
+                message=f"{c.section}: {c.message}" if c.section else c.message,
+                age_ms=c.age_ms,
+            )
+            for c in status.report_conditions(now_monotonic)
+        ],
+    )
