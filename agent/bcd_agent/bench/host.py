@@ -75,7 +75,8 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
     (root / "sys/class/iommu/dmar0").mkdir(parents=True, exist_ok=True)
     settle = 0
     out = first
-    for settle in range(1, 6):
+    while settle < 5:
+        settle += 1
         out = converge_host(section, executor)
         if not out.changed and out.state.value == "CONVERGED":
             break
