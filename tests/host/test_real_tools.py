@@ -23,7 +23,7 @@ from bcd_shared.units.k8s import containerd_config, containerd_dropin, join_conf
 from bcd_shared.units.kmod import options_file
 from bcd_shared.units.sharing import service_text
 from bcd_shared.units.sysctl import dropin
-from conftest import require_tool
+from testsupport import require_tool
 
 pytestmark = pytest.mark.realhost
 
