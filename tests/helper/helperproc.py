@@ -118,10 +118,14 @@ class HelperProcess:
         return [json.loads(line) for line in path.read_bytes().split(b"\n") if line]
 
     def last_audit(self) -> dict[str, Any]:
+        """The newest audit entry, read from the end of the log (the log grows over a session)."""
         import json
 
         path = self.root / AUDIT_DIR.lstrip("/") / "audit.log"
-        data = path.read_bytes().rstrip(b"\n")
+        with path.open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 65536))
+            data = f.read().rstrip(b"\n")
         return dict(json.loads(data.rsplit(b"\n", 1)[-1]))
 
 

@@ -46,13 +46,11 @@ def _hold(alloc: str, other: str | None = None) -> str:
 
 def _refused_unchanged(helper: HelperProcess, doc: dict[str, Any]) -> dict[str, Any]:
     before = tree(helper.root)
-    n = len(helper.audit_lines())
+    seq = helper.last_audit()["seq"]
     answer = helper.raw(doc)
     assert answer["ok"] is False and answer["error"] == "refused", (doc, answer)
-    lines = helper.audit_lines()
-    assert (
-        len(lines) == n + 1 and lines[-1]["decision"] == "refused" and lines[-1]["reason"] == answer["reason"]
-    )
+    last = helper.last_audit()
+    assert last["seq"] == seq + 1 and last["decision"] == "refused" and last["reason"] == answer["reason"]
     assert tree(helper.root) == before
     return answer
 
