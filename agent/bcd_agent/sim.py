@@ -1,0 +1,586 @@
+"""`bcd sim`: the development control plane, the agent (and, as root, the helper) on a simulated host.
+
+    bcd sim [--spec FILE] [--root DIR] [--once] [--json] [--timeout S]
+
+One command: it seeds DIR as a simulated GPU host (bcd_shared.simhost.seed: 8 H200s, MIG on GPU 7, 2
+NUMA nodes, meminfo, huge page pools; fake nvidia-smi, systemctl, modprobe, ... through sim_system),
+starts the development control plane, joins a node to it, starts `bcd node` on the simulated host,
+applies FILE (a NodeSpec in protobuf's JSON mapping) and shows the node converge: a compact live view
+on a terminal, plain lines otherwise. Without `--once` it keeps running (apply another spec with
+`bcd devplane apply SPEC.json --dir DIR/var/lib/bcd-sim/devplane`) until Ctrl-C; with `--once` it ends
+when the control plane sees the spec's generation observed (or at `--timeout`), prints the final
+status, and exits 0 when converged, 1 otherwise. `--json` prints ONE JSON object instead:
+
+    {"generation", "applied_generation", "observed_generation",
+     "sections": [{"section", "state", "generation", "reason", "message"}, ...],
+     "conditions": [{"type", "reason", "message", "age_ms"}, ...],
+     "events": [{"seq", "type"}, ...],          # the node's journaled events, in order
+     "converged": bool, "timed_out": bool, "root": DIR, "node_id": str}
+
+"Converged": the control plane's observed_generation reached the spec's generation and every section
+is CONVERGED. A FAILED section (an assignment that must fail) or an UNSUPPORTED one settles the
+generation (observed advances, DLV-CONV-03/05) but is not "converged": exit 1, and the section's
+reason and message say why.
+
+Processes (docs/sim.md): the control plane is a trio service in this process (its state, keys and
+admin socket in DIR/var/lib/bcd-sim/devplane, so `bcd devplane ...` works beside it); the node is a
+child process, `python -m bcd_agent.cli node --config DIR/etc/bcd/node.toml --root DIR`, joined first
+with `bcd join`; the helper, when this runs as root and `--helper` is not `no`, is a child process
+`bcd helper serve --root DIR` with root's config in DIR/etc/bcd/config.toml. Every child is started
+with PR_SET_PDEATHSIG (SIGKILL) and in a trio nursery: on exit, on an error and on Ctrl-C each gets
+SIGTERM, then SIGKILL after 5 s, and is waited for. Their output goes to DIR/var/log/bcd-sim/*.log.
+
+The simulated host stays in DIR afterwards: the CDI specs, env files, slices and records bcd wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import trio
+from attrs import field, frozen
+from bcd_shared import wire
+
+DEFAULT_TIMEOUT_S = 30.0
+SECTION_NAMES = {1: "host", 2: "devices", 3: "instances", 4: "access", 5: "telemetry", 6: "daemon", 7: "site"}
+STATE_NAMES = {1: "CONVERGED", 2: "PROGRESSING", 3: "FAILED", 4: "UNSUPPORTED"}
+NODE_UID = 65534  # the node's account when the sim runs as root beside the helper (nobody)
+
+
+class SimError(Exception):
+    """The simulation could not run (a child died, a join failed): the message says which and why."""
+
+
+# --- layout -----------------------------------------------------------------------------------------------
+
+
+@frozen
+class Layout:
+    """Where everything lives under the simulated host DIR (all real paths)."""
+
+    root: Path
+
+    @property
+    def state_dir(self) -> Path:  # the simulated host's own state (simhost keeps its fakes' state here)
+        return self.root / "var/lib/bcd-sim"
+
+    @property
+    def plane_dir(self) -> Path:
+        return self.state_dir / "devplane"
+
+    @property
+    def gateway_socket(self) -> Path:
+        return self.root / "run/bcd-sim/gateway.sock"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "var/lib/bcd"
+
+    @property
+    def node_config(self) -> Path:
+        return self.root / "etc/bcd/node.toml"
+
+    @property
+    def root_config(self) -> Path:  # root's config.toml for the helper (host paths)
+        return self.root / "etc/bcd/config.toml"
+
+    @property
+    def helper_socket_host_path(self) -> str:
+        return "/run/bcd/helper.sock"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.root / "var/log/bcd-sim"
+
+
+def prepare(layout: Layout, *, helper: bool, node_uid: int | None) -> None:
+    """Seed the simulated host and write the node's (and root's) config. Idempotent."""
+    from bcd_shared.simhost.seed import seed
+
+    seed(layout.root)
+    for d in (layout.gateway_socket.parent, layout.log_dir, layout.node_config.parent):
+        d.mkdir(parents=True, exist_ok=True)
+    lines = [
+        "# bcd sim: the node's config (real paths; the node runs with --root for the host's files)",
+        f'data_dir = "{layout.data_dir}"',
+        "",
+        "[control_plane]",
+        f'unix_socket = "{layout.gateway_socket}"',
+    ]
+    if helper:
+        lines += ["", "[helper]", f'socket = "{layout.helper_socket_host_path}"']
+    layout.node_config.write_text("\n".join(lines) + "\n")
+    os.chmod(layout.node_config, 0o644)
+    if helper and node_uid is not None:
+        root_lines = [
+            "# bcd sim: root's config.toml for bcd helper (host paths under the simulated host)",
+            "[helper]",
+            f'socket = "{layout.helper_socket_host_path}"',
+            f"node_uid = {node_uid}",
+            f"node_gid = {node_uid}",
+        ]
+        layout.root_config.write_text("\n".join(root_lines) + "\n")
+        os.chmod(layout.root_config, 0o640)
+        for d in (layout.root / "etc/bcd", layout.root / "etc", layout.root):
+            os.chmod(d, 0o755)  # noqa: S103 - the helper's root-only rule: root writes, others read
+        layout.data_dir.mkdir(parents=True, exist_ok=True)
+        os.chown(layout.data_dir, node_uid, node_uid)
+        os.chmod(layout.data_dir, 0o700)
+        os.chown(layout.gateway_socket.parent, node_uid, node_uid)
+
+
+# --- children ---------------------------------------------------------------------------------------------
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def bcd_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "bcd_agent.cli", *args]
+
+
+@frozen
+class Child:
+    name: str
+    argv: tuple[str, ...]
+    log: Path
+    user: int | None = None
+    env: Mapping[str, str] = field(factory=dict)
+
+
+async def supervise(
+    child: Child, *, task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED
+) -> None:
+    """Run `child` until cancelled (SIGTERM, then SIGKILL after 5 s); it exiting on its own is an error."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
+    with child.log.open("ab") as log:
+        proc = await trio.lowlevel.open_process(
+            list(child.argv),
+            stdin=None,
+            stdout=log,
+            stderr=log,
+            env=env,
+            preexec_fn=_die_with_parent,
+            user=child.user,
+            group=child.user,
+            extra_groups=[] if child.user is not None else None,
+        )
+        try:
+            task_status.started(proc)
+            await proc.wait()
+        finally:
+            if proc.returncode is None:
+                with trio.CancelScope(shield=True):
+                    proc.terminate()
+                    with trio.move_on_after(5):
+                        await proc.wait()
+                    if proc.returncode is None:
+                        proc.kill()
+                        await proc.wait()
+    raise SimError(f"{child.name} exited with status {proc.returncode}: {tail(child.log)}")
+
+
+def tail(path: Path, lines: int = 12) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return "(no log)"
+    return "\n".join(text.splitlines()[-lines:]) or "(empty log)"
+
+
+async def run_once(argv: Sequence[str], log: Path, *, user: int | None = None, limit_s: float = 30) -> str:
+    with trio.fail_after(limit_s):
+        res = await trio.run_process(
+            list(argv),
+            capture_stdout=True,
+            capture_stderr=True,
+            check=False,
+            preexec_fn=_die_with_parent,
+            user=user,
+            group=user,
+            extra_groups=[] if user is not None else None,
+        )
+    with log.open("ab") as f:
+        f.write(res.stdout + res.stderr)
+    if res.returncode != 0:
+        raise SimError(
+            f"{' '.join(argv[2:])} failed ({res.returncode}): {res.stderr.decode(errors='replace')}"
+        )
+    return str(res.stdout.decode(errors="replace"))
+
+
+async def wait_for_socket(path: Path, proc: trio.Process, what: str, limit_s: float = 20) -> None:
+    with trio.move_on_after(limit_s):
+        while not await trio.Path(path).exists():  # another process creates it: poll
+            if proc.returncode is not None:
+                raise SimError(f"{what} exited with status {proc.returncode} before listening on {path}")
+            await trio.sleep(0.02)
+        return
+    raise SimError(f"{what} did not listen on {path} within {limit_s:g} s")
+
+
+# --- the view ---------------------------------------------------------------------------------------------
+
+
+@frozen
+class SimView:
+    """What the control plane sees of the node (its last StatusReport, events), at one moment."""
+
+    node_id: str
+    generation: int
+    applied_generation: int
+    observed_generation: int
+    sections: tuple[dict[str, Any], ...]
+    conditions: tuple[dict[str, Any], ...]
+    events: tuple[dict[str, Any], ...]
+    connected: bool
+
+    @property
+    def settled(self) -> bool:
+        return self.generation > 0 and self.observed_generation >= self.generation
+
+    @property
+    def converged(self) -> bool:
+        current = [s for s in self.sections if s["generation"] >= self.generation]
+        return (
+            self.settled
+            and len(current) == len(self.sections) > 0
+            and all(s["state"] == "CONVERGED" for s in self.sections)
+        )
+
+    def to_json(self, **more: object) -> dict[str, object]:
+        return {
+            "node_id": self.node_id,
+            "generation": self.generation,
+            "applied_generation": self.applied_generation,
+            "observed_generation": self.observed_generation,
+            "sections": list(self.sections),
+            "conditions": list(self.conditions),
+            "events": list(self.events),
+            "converged": self.converged,
+            **more,
+        }
+
+
+def view_from_report(
+    node_id: str,
+    generation: int,
+    observed: int,
+    report: wire.StatusReport | None,
+    events: Sequence[Mapping[str, Any]],
+    connected: bool,
+) -> SimView:
+    sections: list[dict[str, Any]] = []
+    conditions: list[dict[str, Any]] = []
+    applied = 0
+    if report is not None:
+        applied = int(report.applied_generation)
+        for s in report.sections:
+            number = int(s.section)
+            sections.append(
+                {
+                    "section": SECTION_NAMES.get(number, str(number)),
+                    "state": STATE_NAMES.get(int(s.state), str(int(s.state))),
+                    "generation": int(s.generation),
+                    "reason": s.reason,
+                    "message": s.message,
+                }
+            )
+        conditions = [
+            {"type": c.type, "reason": c.reason, "message": c.message, "age_ms": int(c.age_ms)}
+            for c in report.conditions
+        ]
+    return SimView(
+        node_id=node_id,
+        generation=generation,
+        applied_generation=applied,
+        observed_generation=observed,
+        sections=tuple(sections),
+        conditions=tuple(conditions),
+        events=tuple({"seq": int(e["seq"]), "type": str(e["type"])} for e in events),
+        connected=connected,
+    )
+
+
+def plane_view(plane: Any, node_id: str) -> SimView:
+    """The control plane's record of the node (devplane's store: generation, observed, last report)."""
+    row = plane.store.one(
+        "SELECT generation, observed_generation, status FROM nodes WHERE node_id = ?", node_id
+    )
+    if row is None:
+        raise SimError(f"node {node_id} is not known to the control plane")
+    report = wire.StatusReport.parse(bytes(row["status"])) if row["status"] is not None else None
+    events = plane.store.all(
+        "SELECT seq, type FROM events WHERE node_id = ? ORDER BY journal_id, seq", node_id
+    )
+    return view_from_report(
+        node_id,
+        int(row["generation"]),
+        int(row["observed_generation"]),
+        report,
+        [{"seq": e["seq"], "type": e["type"]} for e in events],
+        node_id in plane.sessions,
+    )
+
+
+def render(view: SimView, *, elapsed_s: float, spec: str) -> str:
+    verdict = "converged" if view.converged else "settled" if view.settled else "converging"
+    lines = [
+        f"bcd sim  {spec}  node {view.node_id}  {'connected' if view.connected else 'DISCONNECTED'}"
+        f"  {elapsed_s:5.1f}s",
+        f"generation {view.generation}: applied {view.applied_generation},"
+        f" observed {view.observed_generation}  ({verdict})",
+        "",
+    ]
+    for s in view.sections:
+        why = ": ".join(x for x in (s["reason"], s["message"]) if x)
+        lines.append(f"  {s['section']:<10} {s['state']:<12} gen {s['generation']:<3} {why}"[:160])
+    for c in view.conditions:
+        lines.append(f"  condition {c['type']} {c['reason']}: {c['message']}"[:160])
+    if view.events:
+        shown = ", ".join(f"{e['seq']} {e['type']}" for e in view.events[-6:])
+        lines.append(f"  events: {shown}")
+    return "\n".join(lines) + "\n"
+
+
+def change_lines(previous: SimView | None, view: SimView) -> list[str]:
+    """Plain lines for what changed since `previous` (the non-TTY live view)."""
+    out: list[str] = []
+    if previous is None or (previous.applied_generation, previous.observed_generation) != (
+        view.applied_generation,
+        view.observed_generation,
+    ):
+        out.append(
+            f"generation {view.generation}: applied {view.applied_generation},"
+            f" observed {view.observed_generation}"
+        )
+    before = {s["section"]: s for s in previous.sections} if previous else {}
+    for s in view.sections:
+        if before.get(s["section"]) != s:
+            why = ": ".join(x for x in (s["reason"], s["message"]) if x)
+            out.append(
+                f"  {s['section']} {s['state']} (generation {s['generation']}){' ' + why if why else ''}"
+            )
+    seen = {e["seq"] for e in previous.events} if previous else set()
+    out.extend(f"  event {e['seq']} {e['type']}" for e in view.events if e["seq"] not in seen)
+    return out
+
+
+# --- the run ----------------------------------------------------------------------------------------------
+
+
+@frozen
+class SimOptions:
+    spec: Path
+    root: Path
+    once: bool = False
+    json: bool = False
+    timeout_s: float = DEFAULT_TIMEOUT_S
+    helper: str = "auto"  # auto (as root), yes, no
+    fresh: bool = False
+
+
+def use_helper(choice: str) -> bool:
+    """`yes`: bcd helper as root, the node as NODE_UID (the production split). `auto` and `no`: the node
+    acts itself on the simulated host (the devices section's DirectExecutor), no helper."""
+    if choice != "yes":
+        return False
+    if os.geteuid() != 0:
+        raise SimError("--helper yes needs root (the helper runs as root, the node as uid 65534)")
+    return True
+
+
+async def check_node_account(uid: int) -> None:
+    """The node runs as `uid` beside the helper: it must be able to run this Python."""
+    try:
+        await trio.run_process(
+            [sys.executable, "-c", "pass"], user=uid, group=uid, extra_groups=[], check=True
+        )
+    except (OSError, trio.TooSlowError) as e:
+        raise SimError(
+            f"--helper yes: uid {uid} cannot run {sys.executable} ({e}); install bcd where that account can "
+            "read it (a venv outside /root), or run without the helper"
+        ) from None
+    except Exception as e:
+        raise SimError(f"--helper yes: uid {uid} cannot run {sys.executable}: {e}") from None
+
+
+async def simulate(
+    opts: SimOptions,
+    out: TextIO,
+    *,
+    on_started: Callable[[Layout, Any], None] | None = None,
+) -> tuple[int, dict[str, object]]:
+    """Run the simulation; returns (exit code, the final JSON document)."""
+    from bcd_agent.devplane.plane import DevPlane
+    from bcd_agent.plan import load_spec_file
+
+    spec = load_spec_file(opts.spec)  # refused before anything starts, naming the field
+    layout = Layout(opts.root.resolve())
+    if opts.fresh and layout.root.exists():
+        shutil.rmtree(layout.root)
+    helper = use_helper(opts.helper)
+    node_user = NODE_UID if helper else None
+    if node_user is not None:
+        await check_node_account(node_user)
+    prepare(layout, helper=helper, node_uid=node_user)
+    tty = out.isatty() and not opts.json
+    started = time.monotonic()
+
+    async with trio.open_nursery() as nursery:
+        plane = DevPlane(layout.plane_dir, listen=None, unix_socket=layout.gateway_socket)
+        await nursery.start(plane.run)
+        if node_user is not None:
+            os.chown(layout.gateway_socket, node_user, node_user)
+        if helper:
+            helper_child = Child("bcd helper", tuple(bcd_argv("helper", "serve", "--root", str(layout.root))),
+                                 layout.log_dir / "helper.log")  # fmt: skip
+            proc = await nursery.start(supervise, helper_child)
+            await wait_for_socket(
+                layout.root / layout.helper_socket_host_path.lstrip("/"), proc, "bcd helper"
+            )
+        if not (layout.data_dir / "identity.json").exists():
+            token = plane.issue_token()
+            await run_once(
+                bcd_argv("join", "--token", token, "--address", f"unix:{layout.gateway_socket}",
+                         "--config", str(layout.node_config)),
+                layout.log_dir / "join.log",
+                user=node_user,
+            )  # fmt: skip
+        node_child = Child("bcd node", tuple(bcd_argv("node", "--config", str(layout.node_config),
+                                                      "--root", str(layout.root))),
+                           layout.log_dir / "node.log", user=node_user)  # fmt: skip
+        await nursery.start(supervise, node_child)
+        node_id = plane.default_node()
+        generation = plane.apply_spec(node_id, spec)
+        if on_started is not None:
+            on_started(layout, plane)
+        if not opts.json:
+            out.write(
+                f"bcd sim: node {node_id} on {layout.root}; applied {opts.spec} as generation {generation}\n"
+            )
+            out.flush()
+        previous: SimView | None = None
+        deadline = started + opts.timeout_s
+        timed_out = False
+        while True:
+            view = plane_view(plane, node_id)
+            if not opts.json:
+                if tty:
+                    out.write(
+                        "\x1b[H\x1b[2J"
+                        + render(view, elapsed_s=time.monotonic() - started, spec=str(opts.spec))
+                    )
+                else:
+                    for line in change_lines(previous, view):
+                        out.write(line + "\n")
+                out.flush()
+            previous = view
+            if opts.once and view.settled and view.applied_generation >= view.generation:
+                break
+            if opts.once and time.monotonic() >= deadline:
+                timed_out = True
+                break
+            await trio.sleep(0.1 if opts.once else 0.5)
+        # The report that settled can arrive before the session's last event batch: wait until no new
+        # event arrived for half a second (at most 3 s).
+        quiet_since = time.monotonic()
+        with trio.move_on_after(3.0):
+            while time.monotonic() - quiet_since < 0.5:
+                await trio.sleep(0.05)  # the control plane's store is polled
+                latest = plane_view(plane, node_id)
+                if latest.events != view.events:
+                    quiet_since = time.monotonic()
+                view = latest
+        view = plane_view(plane, node_id)
+        nursery.cancel_scope.cancel()
+
+    doc = view.to_json(timed_out=timed_out, root=str(layout.root))
+    if not opts.json:
+        verdict = "converged" if view.converged else "timed out" if timed_out else "settled, not converged"
+        out.write("\n" + render(view, elapsed_s=time.monotonic() - started, spec=str(opts.spec)))
+        out.write(f"bcd sim: {verdict}; the simulated host stays in {layout.root}\n")
+    return (0 if view.converged else 1), doc
+
+
+def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
+    out: list[BaseException] = []
+    for e in group.exceptions:
+        out.extend(_leaves(e) if isinstance(e, BaseExceptionGroup) else [e])
+    return out
+
+
+# --- CLI --------------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--spec", default="examples/gpu-node.json", help="a NodeSpec in protobuf's JSON mapping"
+    )
+    parser.add_argument(
+        "--root", default=".bcd-sim/root", help="the simulated host directory (seeded if new)"
+    )
+    parser.add_argument("--once", action="store_true", help="end when the spec is observed (or at --timeout)")
+    parser.add_argument(
+        "--json", action="store_true", help="print one JSON object at the end (implies --once)"
+    )
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait (--once)")
+    parser.add_argument(
+        "--helper",
+        choices=("auto", "yes", "no"),
+        default="auto",
+        help="yes: bcd helper as root and the node as uid 65534; auto/no: the node acts itself",
+    )
+    parser.add_argument("--fresh", action="store_true", help="remove DIR first and start from a new host")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bcd_agent.plan import SpecFileError
+
+    opts = SimOptions(
+        spec=Path(args.spec),
+        root=Path(args.root),
+        once=args.once or args.json,
+        json=args.json,
+        timeout_s=args.timeout,
+        helper=args.helper,
+        fresh=args.fresh,
+    )
+    try:
+        code, doc = trio.run(simulate, opts, sys.stdout)
+    except SpecFileError as e:
+        print(f"bcd sim: {e}", file=sys.stderr)
+        return 2
+    except SimError as e:
+        print(f"bcd sim: {e}", file=sys.stderr)
+        return 2
+    except BaseExceptionGroup as eg:
+        interrupted, _ = eg.split(KeyboardInterrupt)
+        if interrupted is not None:
+            print("bcd sim: stopped", file=sys.stderr)
+            return 130
+        sim_errors, _ = eg.split(SimError)
+        if sim_errors is None:
+            raise
+        for leaf in _leaves(sim_errors):
+            print(f"bcd sim: {leaf}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("bcd sim: stopped", file=sys.stderr)
+        return 130
+    if args.json:
+        json.dump(doc, sys.stdout, sort_keys=True)
+        sys.stdout.write("\n")
+    return code
