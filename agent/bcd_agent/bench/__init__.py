@@ -14,6 +14,7 @@ import sys
 
 # bench name -> module under bcd_agent.bench. One literal table.
 BENCHES: dict[str, str] = {
+    "journal": "journal",
     "pki": "pki",
     "helper": "helper",
     "host": "host",

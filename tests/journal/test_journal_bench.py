@@ -1,0 +1,22 @@
+"""`bcd bench journal` runs and reports its numbers (the targets are judged from its output, not here)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+from bcd_agent.bench import BENCHES
+from bcd_agent.bench import journal as bench
+
+
+def test_bench_journal_reports_all_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert BENCHES["journal"] == "journal"
+    monkeypatch.setattr(bench, "ROUNDS", 1)
+    monkeypatch.setattr(bench, "ROUND_S", 0.02)
+    monkeypatch.setattr(bench, "EVENTS_S", 0.05)
+    out = bench.measure(argparse.Namespace(data_dir=str(tmp_path)))
+    for key in ("raw_fsync_per_s", "accepts_per_s", "events_per_s", "accept_ratio"):
+        assert isinstance(out[key], float) and out[key] > 0
+    assert out["data_dir"] == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []  # its work directory is removed
