@@ -155,8 +155,13 @@ def test_e2e_spec_command_and_devplane_killed_mid_session(world: dict[str, Any])
     # A spec with a GPU hold: applied, observed, and the node-signed AllocationBound event stored.
     out = sim_system(root).run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"]).stdout
     gpu = (out.decode() if isinstance(out, bytes) else out).split()[0]
-    spec = {"devices": {"assignments": [{"allocationId": "alloc_1", "reservationId": "res_1",
-                                         "binding": "BINDING_HOLD", "devices": [{"id": gpu, "deviceClass": "gpu"}]}]}}  # fmt: skip
+    hold = {
+        "allocationId": "alloc_1",
+        "reservationId": "res_1",
+        "binding": "BINDING_HOLD",
+        "devices": [{"id": gpu, "deviceClass": "gpu"}],
+    }
+    spec = {"devices": {"assignments": [hold]}}
     assert admin.call("apply", spec=spec, node=node_id) == 1
     record = _wait(
         "observed generation 1",
