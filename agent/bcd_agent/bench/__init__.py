@@ -18,6 +18,7 @@ BENCHES: dict[str, str] = {
     "pki": "pki",
     "helper": "helper",
     "host": "host",
+    "converge": "converge",
 }
 
 
