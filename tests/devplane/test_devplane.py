@@ -64,7 +64,7 @@ def test_DLV_RCV_01_welcome_then_full_spec_before_commands(tmp_path: Path) -> No
         plane.apply_spec(node, {"telemetry": {"otlpEndpoint": "https://o"}}) == 1
     )  # same JSON: no new generation
     plane.enqueue(node, "inventory.refresh")
-    _session_, got = _session(plane, node)
+    _, got = _session(plane, node)
     kinds = [
         (m.welcome is not None and "welcome") or (m.desired_state is not None and "spec") or "command"
         for m in got
@@ -147,9 +147,9 @@ async def test_devplane_and_node_in_one_process_over_a_unix_socket(tmp_path: Pat
         node = Node(config, NodeOptions(root=str(root), status_interval_s=0.05))
         await nursery.start(node.run)
         with trio.fail_after(20):
-            while not node.core.state.welcomed:
+            while not node.core.state.welcomed:  # noqa: ASYNC110 (polling another service's state)
                 await trio.sleep(0.02)
             generation = plane.apply_spec(identity.node_id, {"telemetry": {"otlpEndpoint": "https://o"}})
-            while (plane.node(identity.node_id) or {}).get("observed_generation") != generation:
+            while (plane.node(identity.node_id) or {}).get("observed_generation") != generation:  # noqa: ASYNC110
                 await trio.sleep(0.02)
         nursery.cancel_scope.cancel()
