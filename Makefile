@@ -28,7 +28,7 @@ proto: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m bcd_agent.tools.genproto
 
 demo: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/bcd sim --spec examples/gpu-node.json --root .demo/root
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/bcd sim --spec examples/gpu-node.json --root .demo/root --fresh --once
 
 bench: $(STAMP)
 	$(BIN)/bcd bench journal --json

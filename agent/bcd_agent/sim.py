@@ -6,8 +6,9 @@ One command: it seeds DIR as a simulated GPU host (bcd_shared.simhost.seed: 8 H2
 NUMA nodes, meminfo, huge page pools; fake nvidia-smi, systemctl, modprobe, ... through sim_system),
 starts the development control plane, joins a node to it, starts `bcd node` on the simulated host,
 applies FILE (a NodeSpec in protobuf's JSON mapping) and shows the node converge: a compact live view
-on a terminal, plain lines otherwise. Without `--once` it keeps running (apply another spec with
-`bcd devplane apply SPEC.json --dir DIR/var/lib/bcd-sim/devplane`) until Ctrl-C; with `--once` it ends
+on a terminal, plain lines otherwise (DIR defaults to .demo/root). Without `--once` it keeps running
+(apply another spec with `bcd devplane apply SPEC.json --dir DIR/var/lib/bcd-sim/devplane`) until
+Ctrl-C; with `--once` it ends
 when the control plane sees the spec's generation observed (or at `--timeout`), prints the final
 status, and exits 0 when converged, 1 otherwise. `--json` prints ONE JSON object instead:
 
@@ -378,6 +379,17 @@ def change_lines(previous: SimView | None, view: SimView) -> list[str]:
     return out
 
 
+def holders_text(root: Path) -> str:
+    """The holder of each GPU, MIG instance and slot, as `bcd status --root DIR` shows it."""
+    from bcd_shared.simhost import sim_system
+
+    from bcd_agent.status import StatusSnapshot, read_holders
+    from bcd_agent.status import render as render_status
+
+    text = render_status(StatusSnapshot(None, read_holders(sim_system(root))))
+    return "\n".join(text.splitlines()[2:]) + "\n"  # without the "no status" line
+
+
 # --- the run ----------------------------------------------------------------------------------------------
 
 
@@ -511,6 +523,7 @@ async def simulate(
     if not opts.json:
         verdict = "converged" if view.converged else "timed out" if timed_out else "settled, not converged"
         out.write("\n" + render(view, elapsed_s=time.monotonic() - started, spec=str(opts.spec)))
+        out.write(holders_text(layout.root))
         out.write(f"bcd sim: {verdict}; the simulated host stays in {layout.root}\n")
     return (0 if view.converged else 1), doc
 
