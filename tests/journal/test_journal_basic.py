@@ -238,3 +238,37 @@ def test_DLV_JRN_02_meta_persists(tmp_path: Path) -> None:
         jid = j.journal_id
     with Journal.open(tmp_path / "d", boot_id="b") as j:
         assert (j.node_id, j.last_epoch, j.journal_id) == ("node-7", 12, jid)
+
+
+def test_threads_share_one_journal(tmp_path: Path) -> None:
+    """Callers run the store from worker threads (trio.to_thread): calls are serialised, seqs unique."""
+    import threading
+
+    from bcd_agent.journal import EventClass
+
+    seqs: list[int] = []
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+
+        def work(k: int) -> None:
+            for i in range(30):
+                j.accept_command(cmd(f"t{k}-{i}"))
+                seqs.append(j.append_event(EventClass.TRANSITION, "t", b"x"))
+                j.complete(f"t{k}-{i}", Outcome.SUCCEEDED)
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(seqs) == list(range(1, 121))
+        assert len(j.unacked_results()) == 120
+
+
+def test_failed_write_leaves_nothing_behind(tmp_path: Path) -> None:
+    """A write that raises did not happen: the transaction is rolled back and the store stays usable."""
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+        j.accept_command(cmd("a"))
+        with pytest.raises(StateError):
+            j.complete("ghost", Outcome.SUCCEEDED)
+        assert not j._conn.in_transaction
+        assert j.complete("a", Outcome.SUCCEEDED).state is CommandState.DONE

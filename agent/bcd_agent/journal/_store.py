@@ -291,10 +291,12 @@ class Journal:
         conn.execute("BEGIN IMMEDIATE")
         try:
             yield conn
+            conn.execute("COMMIT")
         except BaseException:
-            conn.execute("ROLLBACK")
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
             raise
-        conn.execute("COMMIT")
 
     # ------------------------------------------------------------------ meta
 
