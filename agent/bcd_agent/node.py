@@ -269,6 +269,10 @@ class Node:
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.dispatcher.run)
                 await nursery.start(self.runner.run)
+                # bcd status: each new status to data_dir/status.json (bcd_agent.statusfile; docs/sim.md).
+                from bcd_agent import statusfile
+
+                await nursery.start(statusfile.serve, self.status, cfg.data_dir)
                 await nursery.start(self.session.run)
                 notifier.ready(f"node {identity.node_id}")
                 if notifier.watchdog_interval_s is not None:
