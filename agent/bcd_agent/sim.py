@@ -20,7 +20,7 @@ status, and exits 0 when converged, 1 otherwise. `--json` prints ONE JSON object
 
 "Converged": the control plane's observed_generation reached the spec's generation and every section
 is CONVERGED. A FAILED section (an assignment that must fail) or an UNSUPPORTED one settles the
-generation (observed advances, DLV-CONV-03/05) but is not "converged": exit 1, and the section's
+generation (observed advances, DLV-CONV-01/04) but is not "converged": exit 1, and the section's
 reason and message say why.
 
 Processes (docs/sim.md): the control plane is a trio service in this process (its state, keys and

@@ -1,5 +1,5 @@
-"""`bcd plan --spec FILE --root DIR`: the dry run, and strict spec files. Covers DLV-CONV-01 (every
-section planned, in the seeds' order) for the operator's dry run."""
+"""`bcd plan --spec FILE --root DIR`: the dry run (every section in the seeds' order, nothing applied),
+and strict spec files (house rule 4: unknown keys, duplicates, wrong types and ranges name the field)."""
 
 from __future__ import annotations
 

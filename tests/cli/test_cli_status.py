@@ -1,7 +1,8 @@
 """`bcd status`: the node's published status (status.json) and the holder of each GPU, MIG instance
 and slot read back from /etc/cdi on a simulated host. Covers DLV-CONV-18 (one state per section with
-generation, reason and message), DLV-CONV-19 (conditions with ages, never timestamps) as `bcd status`
-shows them, and devices-and-holds "Seeing the holds"."""
+generation, reason and message), DLV-CONV-19 (conditions with ages, never timestamps), DLV-CONV-04/05
+(a host section without a converger: UNSUPPORTED, reason "1", SectionUnsupported) as `bcd status` shows
+them, and devices-and-holds "Seeing the holds"."""
 
 from __future__ import annotations
 

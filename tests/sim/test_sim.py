@@ -1,7 +1,8 @@
 """`bcd sim --once --json` on the examples, as a subprocess: the development control plane, `bcd join`
-and `bcd node` (child processes) on a simulated host. Covers DLV-CONV-03 (observed_generation advances
-when every section settled, FAILED included), DLV-CONV-18 (a state, generation, reason and message per
-section) end to end, and that no child outlives `bcd sim` (on exit and on Ctrl-C)."""
+and `bcd node` (child processes) on a simulated host. Covers DLV-CONV-01 (observed_generation advances
+when every section settled, a FAILED one included), DLV-CONV-17/18 (the report's generations and a state,
+generation, reason and message per section, as the control plane stored them) end to end, and that no
+child outlives `bcd sim` (on exit and on Ctrl-C)."""
 
 from __future__ import annotations
 
