@@ -263,9 +263,8 @@ async def serve(
     extra: Callable[[], Mapping[str, object]] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
-    """Write every new status the cell publishes to data_dir/status.json (latest wins). A failed write
-    is logged by the caller's logger through the exception only once per error kind; the service keeps
-    running and writes the next status."""
+    """Write every new status the cell publishes to data_dir/status.json (latest wins). A failed write is
+    logged once per distinct error; the service keeps running and writes the next status."""
     import logging
 
     log = logging.getLogger("bcd.status")

@@ -98,6 +98,17 @@ def test_assignment_fails_exits_1_with_the_reason(tmp_path: Path) -> None:
     assert sorted(types) == ["AllocationBound", "AllocationFailed", "AllocationFailed"]
     assert (root / "etc/cdi/bcd-alloc_ok_0001.json").exists()
     assert not (root / "etc/cdi/bcd-alloc_ghost_0002.json").exists()
+    # The node published its status for `bcd status` (data_dir/status.json), and the holds are visible.
+    res = subprocess.run(
+        [sys.executable, "-m", "bcd_agent.cli", "status", "--root", str(root), "--data-dir",
+         str(root / "var/lib/bcd"), "--json"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    st = json.loads(res.stdout)
+    assert res.returncode == 1  # a FAILED section
+    assert st["status"]["observed_generation"] == 1
+    assert {s["section"]: s["state"] for s in st["status"]["sections"]}["devices"] == "FAILED"
+    assert {r["device"]: r["holder"] for r in st["holders"]}[gpu_uuid(2)] == "alloc_ok_0001"
 
 
 def test_bad_spec_is_refused_before_anything_starts(tmp_path: Path) -> None:
