@@ -586,8 +586,13 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:  # noqa: C901 - the seeds' s
         event = ReleasedEvent(alloc, rec.reservation_id, spec.generation, rec.device_ids, rec.kubernetes)
         if rec.kubernetes and want is None:
             pending = PendingRelease(alloc, rec.reservation_id, spec.generation, rec.device_ids, obs.now)
-            releases = [*releases, pending]
-            steps += [WriteReleases(tuple(releases)), RemoveSpec(alloc), RemoveEnv(alloc)]
+            steps += [WriteReleases(tuple([*releases, pending])), RemoveSpec(alloc), RemoveEnv(alloc)]
+            if obs.pods_holding.get(alloc, True):
+                releases = [*releases, pending]
+            else:
+                # Recorded first; no pod holds the devices already: reported in this same pass.
+                steps += [Emit(event), WriteReleases(tuple(releases))]
+                bound.pop(alloc, None)
         else:
             steps += [RemoveSpec(alloc), RemoveEnv(alloc), Emit(event)]
             bound.pop(alloc, None)
@@ -681,7 +686,9 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:  # noqa: C901 - the seeds' s
     report: list[Step] = []
     by_alloc = {a.allocation_id: a for a in spec.assignments}
     for f in failures:
-        if failed.get(f.allocation_id) == spec.generation:
+        if failed.get(f.allocation_id) == spec.generation or f.allocation_id in holders:
+            # Once per allocation and generation; a later duplicate entry of an allocation its first
+            # entry holds fails the section (its message names it) but sends no AllocationFailed.
             continue
         a = by_alloc[f.allocation_id]
         report.append(

@@ -128,7 +128,7 @@ class DevicesSection:
             ledger=observe.read_ledger(self.system, self.data_dir),
             now=self.clock(),
         )
-        if releases or marker or unreadable:
+        if releases or marker or unreadable or any(h.record.kubernetes for h in holds.values()):
             obs = evolve(obs, **self._kube_side(obs))
         if self.admission and needs_host_memory(spec, holds):
             obs = evolve(obs, host_memory=read_host_memory(self.system))
@@ -144,13 +144,15 @@ class DevicesSection:
                 log.warning("devices: %s", exc)
         gpus_busy = gpus_with_pod_processes(self.system)
         holding: dict[str, bool] = {}
-        for r in obs.releases:
+        candidates = [(r.allocation_id, r.device_ids) for r in obs.releases]
+        candidates += [(a, h.record.device_ids) for a, h in obs.holds.items() if h.record.kubernetes]
+        for alloc, ids in candidates:
             if held is None or gpus_busy is None:
-                holding[r.allocation_id] = True
+                holding[alloc] = True
                 continue
-            names = {*r.device_ids, *(cdi.device_name(d) for d in r.device_ids)}
-            whole = {atom_from_id(d).gpu for d in r.device_ids if atom_from_id(d).whole}
-            holding[r.allocation_id] = bool(names & held) or bool(whole & gpus_busy)
+            names = {*ids, *(cdi.device_name(d) for d in ids)}
+            whole = {atom_from_id(d).gpu for d in ids if atom_from_id(d).whole}
+            holding[alloc] = bool(names & held) or bool(whole & gpus_busy)
         known: set[str] = set()
         for h in obs.holds.values():
             known |= {*h.record.device_ids, *(cdi.device_name(d) for d in h.record.device_ids)}
