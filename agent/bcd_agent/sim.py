@@ -122,18 +122,22 @@ def prepare(layout: Layout, *, helper: bool, node_uid: int | None) -> None:
         lines += ["", "[helper]", f'socket = "{layout.helper_socket_host_path}"']
     layout.node_config.write_text("\n".join(lines) + "\n")
     os.chmod(layout.node_config, 0o644)
-    if helper and node_uid is not None:
+    if helper:
+        # Root's config names the node's account; root itself may always call the helper, so a node
+        # run as root (`--helper auto`) and one run as that account (`--helper yes`) both pass SO_PEERCRED.
+        account = NODE_UID if node_uid is None else node_uid
         root_lines = [
             "# bcd sim: root's config.toml for bcd helper (host paths under the simulated host)",
             "[helper]",
             f'socket = "{layout.helper_socket_host_path}"',
-            f"node_uid = {node_uid}",
-            f"node_gid = {node_uid}",
+            f"node_uid = {account}",
+            f"node_gid = {account}",
         ]
         layout.root_config.write_text("\n".join(root_lines) + "\n")
         os.chmod(layout.root_config, 0o640)
         for d in (layout.root / "etc/bcd", layout.root / "etc", layout.root):
             os.chmod(d, 0o755)  # noqa: S103 - the helper's root-only rule: root writes, others read
+    if helper and node_uid is not None:
         layout.data_dir.mkdir(parents=True, exist_ok=True)
         os.chown(layout.data_dir, node_uid, node_uid)
         os.chmod(layout.data_dir, 0o700)
@@ -404,14 +408,20 @@ class SimOptions:
     fresh: bool = False
 
 
-def use_helper(choice: str) -> bool:
-    """`yes`: bcd helper as root, the node as NODE_UID (the production split). `auto` and `no`: the node
-    acts itself on the simulated host (the devices section's DirectExecutor), no helper."""
-    if choice != "yes":
-        return False
+def use_helper(choice: str) -> tuple[bool, int | None]:
+    """Whether to run the helper, and the uid the node runs as (None: this process's own).
+
+    `auto` (the default): as root, `bcd helper` runs beside the node and every privileged step goes
+    through it; the node runs as root too, which the helper admits (root may always call). `yes`: the
+    production split, the node as NODE_UID. `no`: no helper; the node acts itself on the simulated host.
+    """
+    if choice == "no":
+        return False, None
     if os.geteuid() != 0:
-        raise SimError("--helper yes needs root (the helper runs as root, the node as uid 65534)")
-    return True
+        if choice == "yes":
+            raise SimError("--helper yes needs root (the helper runs as root, the node as uid 65534)")
+        return False, None
+    return True, (NODE_UID if choice == "yes" else None)
 
 
 async def check_node_account(uid: int) -> None:
@@ -443,8 +453,7 @@ async def simulate(
     layout = Layout(opts.root.resolve())
     if opts.fresh and layout.root.exists():
         shutil.rmtree(layout.root)
-    helper = use_helper(opts.helper)
-    node_user = NODE_UID if helper else None
+    helper, node_user = use_helper(opts.helper)
     if node_user is not None:
         await check_node_account(node_user)
     prepare(layout, helper=helper, node_uid=node_user)
@@ -554,7 +563,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--helper",
         choices=("auto", "yes", "no"),
         default="auto",
-        help="yes: bcd helper as root and the node as uid 65534; auto/no: the node acts itself",
+        help=(
+            "auto (default): as root, run bcd helper beside the node; "
+            "yes: also run the node as uid 65534; no: the node acts itself"
+        ),
     )
     parser.add_argument("--fresh", action="store_true", help="remove DIR first and start from a new host")
 
