@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from devices.cdicheck import assert_host_cdi_valid
-from devices.conftest import DATA_DIR, Host
+from devices.devhost import DATA_DIR, Host
 
 G0, G1, G7 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(7)
 ATOMS = [

@@ -21,7 +21,7 @@ from bcd_shared.pki import Purpose, verify_signature
 from bcd_shared.simhost.gpus import gpu_uuid, mig_uuid, update_state
 
 from devices.cdicheck import assert_host_cdi_valid
-from devices.conftest import DATA_DIR, Host
+from devices.devhost import DATA_DIR, Host
 
 G0, G1, G7 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(7)
 
