@@ -20,6 +20,7 @@ Rules (devices-and-holds.md, "The CDI spec"; notes/real-host-testing.md for the 
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -63,6 +64,7 @@ class CdiError(ValueError):
     """A CDI document is malformed or breaks a rule; the message names the field and the rule."""
 
 
+@functools.lru_cache(maxsize=64)
 def version_key(version: str) -> tuple[int, int, int]:
     m = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)", version)
     if m is None:

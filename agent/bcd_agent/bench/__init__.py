@@ -19,6 +19,7 @@ BENCHES: dict[str, str] = {
     "helper": "helper",
     "host": "host",
     "converge": "converge",
+    "devices": "devices",
 }
 
 

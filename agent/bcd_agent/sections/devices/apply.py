@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from typing import Protocol
 
@@ -217,7 +218,9 @@ class Applier:
         sink: EventSink,
         signer: ReportSigner,
         log: Callable[[str], None] | None = None,
+        workers: int = 16,
     ) -> None:
+        self.workers = workers
         self.executor = executor
         self.system = system
         self.data_dir = data_dir
@@ -226,28 +229,61 @@ class Applier:
         self.log = log or (lambda _msg: None)
 
     def run(self, plan: Plan) -> ApplyResult:
+        """Run the actions in plan order. A run of consecutive bind/keep actions (distinct allocations,
+        distinct files) has its file steps run on a small thread pool, since each durable write waits
+        on fsync; each action's steps still run in their order, and its events are emitted in plan
+        order once its own files are in place."""
         errors: list[tuple[str, str]] = []
         failed: set[str] = set()
         done: set[str] = set()
         changed = False
-        for action in plan.actions:
-            if action.after & failed:
-                errors.append((action.key, "waits for a release that failed in this pass"))
-                failed.add(action.key)
-                continue
-            if action.kind == "ledger" and failed:
-                # Only record events that were actually sent.
-                action = self._ledger_without(action, failed)
-            try:
-                for step in action.steps:
-                    changed |= self._step(step)
-            except StepError as exc:
-                errors.append((action.key, exc.message))
-                failed.add(action.key)
-                self.log(f"devices: {action.key}: {exc.message}")
-                continue
-            done.add(action.key)
+        actions = list(plan.actions)
+        i = 0
+        while i < len(actions):
+            j = i
+            while j < len(actions) and actions[j].kind in ("bind", "keep") and self.workers > 1:
+                j += 1
+            batch = actions[i:j] if j > i + 1 else [actions[i]]
+            i += len(batch)
+            if len(batch) > 1:
+                with ThreadPoolExecutor(max_workers=self.workers) as pool:
+                    outcomes = list(pool.map(lambda a: self._files(a, failed), batch))
+            else:
+                outcomes = [self._files(batch[0], failed)]
+            for action, (ok, action_changed, message) in zip(batch, outcomes, strict=True):
+                changed |= action_changed
+                if ok and action.kind in ("bind", "keep"):
+                    try:
+                        for step in action.steps:
+                            if isinstance(step, Emit):
+                                self._step(step)
+                    except StepError as exc:
+                        ok, message = False, exc.message
+                if not ok:
+                    errors.append((action.key, message))
+                    failed.add(action.key)
+                    self.log(f"devices: {action.key}: {message}")
+                else:
+                    done.add(action.key)
         return ApplyResult(tuple(errors), changed, frozenset(done))
+
+    def _files(self, action: Action, failed: set[str]) -> tuple[bool, bool, str]:
+        """Run an action's steps other than its events: (ok, changed, message)."""
+        if action.after & failed:
+            return False, False, "waits for a release that failed in this pass"
+        if action.kind == "ledger" and failed:
+            action = self._ledger_without(action, failed)  # only record events that were sent
+        changed = False
+        try:
+            for step in action.steps:
+                if isinstance(step, Emit):
+                    if action.kind not in ("bind", "keep"):
+                        self._step(step)  # releases: the event goes out between its steps, in order
+                    continue
+                changed |= self._step(step)
+        except StepError as exc:
+            return False, changed, exc.message
+        return True, changed, ""
 
     def _ledger_without(self, action: Action, failed: set[str]) -> Action:
         step = action.steps[0]
