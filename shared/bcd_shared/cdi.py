@@ -141,7 +141,9 @@ def required_version(doc: Mapping[str, Any]) -> str:
     need = "0.3.0"
     if doc.get("annotations") or any(d.get("annotations") for d in doc.get("devices", ())):
         need = later_version(need, "0.6.0")
-    for edits in [doc.get("containerEdits", {})] + [d.get("containerEdits", {}) for d in doc.get("devices", ())]:
+    for edits in [doc.get("containerEdits", {})] + [
+        d.get("containerEdits", {}) for d in doc.get("devices", ())
+    ]:
         need = later_version(need, _edit_needs(edits))
     return need
 
@@ -313,7 +315,11 @@ def build_hold_spec(
     for d in devices:
         edits = {} if kubernetes or d.edits is None else _strip_device_edits(d.edits)
         devs.append(
-            {"name": device_name(d.atom_id), "annotations": {ANN_DEVICE_ID: d.atom_id}, "containerEdits": edits}
+            {
+                "name": device_name(d.atom_id),
+                "annotations": {ANN_DEVICE_ID: d.atom_id},
+                "containerEdits": edits,
+            }
         )
     common: dict[str, Any] = {}
     if env:
@@ -326,7 +332,12 @@ def build_hold_spec(
                 common["env"] = list(env) + [e for e in value if e not in env]
             else:
                 common[key] = value
-    doc: dict[str, Any] = {"cdiVersion": BASE_VERSION, "kind": KIND, "annotations": annotations, "devices": devs}
+    doc: dict[str, Any] = {
+        "cdiVersion": BASE_VERSION,
+        "kind": KIND,
+        "annotations": annotations,
+        "devices": devs,
+    }
     if common:
         doc["containerEdits"] = common
     version = later_version(BASE_VERSION, required_version(doc))
@@ -369,7 +380,9 @@ def parse_hold_spec(data: bytes, allocation_id: str | None = None) -> HoldRecord
     if not isinstance(alloc, str) or not ALLOCATION_ID_RE.fullmatch(alloc):
         raise CdiError(f"annotations.{ANN_ALLOCATION}: missing or not an allocation id")
     if allocation_id is not None and alloc != allocation_id:
-        raise CdiError(f"annotations.{ANN_ALLOCATION}: {alloc!r} is not the file's allocation {allocation_id!r}")
+        raise CdiError(
+            f"annotations.{ANN_ALLOCATION}: {alloc!r} is not the file's allocation {allocation_id!r}"
+        )
     gen_text = ann.get(ANN_GENERATION, "")
     if not (isinstance(gen_text, str) and gen_text.isdigit()):
         raise CdiError(f"annotations.{ANN_GENERATION}: must be a decimal generation")
@@ -382,7 +395,9 @@ def parse_hold_spec(data: bytes, allocation_id: str | None = None) -> HoldRecord
         if not isinstance(dev_id, str) or not dev_id:
             raise CdiError(f"devices[{i}].annotations.{ANN_DEVICE_ID}: missing")
         if device_name(dev_id) != dev["name"]:
-            raise CdiError(f"devices[{i}].name {dev['name']!r}: is not the device id {dev_id!r} with '/' as '_'")
+            raise CdiError(
+                f"devices[{i}].name {dev['name']!r}: is not the device id {dev_id!r} with '/' as '_'"
+            )
         ids.append(dev_id)
     parent = ann.get(ANN_CGROUP_PARENT)
     env = (doc.get("containerEdits") or {}).get("env") or []

@@ -44,7 +44,9 @@ def schema_errors(doc: Any) -> list[str]:
     validator = _validator()
     if validator is None:
         return []
-    return [f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(doc)]
+    return [
+        f"{'/'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(doc)
+    ]
 
 
 def assert_cdi_valid(spec: bytes | str | dict[str, Any]) -> dict[str, Any]:

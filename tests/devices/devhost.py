@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from bcd_agent.converge.section import Observation, PassContext
@@ -87,7 +87,9 @@ class Host:
         self.section = self._build()
 
     def _build(self) -> DevicesSection:
-        return DevicesSection(self.system, DirectExecutor(self.system), self.sink, self.signer, DATA_DIR, **self.kw)  # type: ignore[arg-type]
+        return DevicesSection(
+            self.system, DirectExecutor(self.system), self.sink, self.signer, DATA_DIR, **self.kw
+        )  # type: ignore[arg-type]
 
     def restart(self, **kw: object) -> None:
         self.kw.update(kw)
@@ -103,5 +105,3 @@ class Host:
 
     def path(self, host_path: str) -> Path:
         return self.root / host_path.lstrip("/")
-
-

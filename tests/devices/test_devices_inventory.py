@@ -28,7 +28,9 @@ def ref(rel: str) -> str:
     return path.read_text()
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (NV / "list").glob("*.txt")) if (NV / "list").exists() else [])
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in (NV / "list").glob("*.txt")) if (NV / "list").exists() else []
+)
 def test_parse_list_every_reference_capture(name: str) -> None:
     """Covers DEV-ATOM-05 input: every real `-L` capture parses, MIG UUIDs included."""
     gpus = nvsmi.parse_list(ref(f"list/{name}"))
@@ -38,10 +40,23 @@ def test_parse_list_every_reference_capture(name: str) -> None:
 
 def test_parse_list_h200_sub_profiles() -> None:
     [g] = nvsmi.parse_list(ref("list/h200_mig_590.48.01_L.txt"))
-    assert [(m.index, m.profile) for m in g.migs] == [(0, "1c.3g.71gb"), (1, "2c.3g.71gb"), (2, "2g.35gb"), (3, "1g.18gb"), (4, "1g.18gb")]
+    assert [(m.index, m.profile) for m in g.migs] == [
+        (0, "1c.3g.71gb"),
+        (1, "2c.3g.71gb"),
+        (2, "2g.35gb"),
+        (3, "1g.18gb"),
+        (4, "1g.18gb"),
+    ]
 
 
-@pytest.mark.parametrize("name", ["h100-80gb-hbm3_mig_590.48.01_query-gpu_idle.csv", "h100-80gb-hbm3_590.48.01_query-gpu_idle.csv", "h200_mig_590.48.01_query-gpu_idle.csv"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "h100-80gb-hbm3_mig_590.48.01_query-gpu_idle.csv",
+        "h100-80gb-hbm3_590.48.01_query-gpu_idle.csv",
+        "h200_mig_590.48.01_query-gpu_idle.csv",
+    ],
+)
 def test_query_gpu_reference_with_header(name: str) -> None:
     [q] = nvsmi.queried_gpus(nvsmi.parse_csv(ref(f"csv/{name}")))
     assert q.uuid == "GPU-00000000-0000-0000-0000-000000000000" and q.driver_version == "590.48.01"
@@ -53,12 +68,21 @@ def test_query_gpu_reference_with_header(name: str) -> None:
 
 
 def test_compute_apps_reference() -> None:
-    apps = nvsmi.compute_apps(nvsmi.parse_csv(ref("csv/h100-80gb-hbm3_590.48.01_query-compute-apps_load.csv")))
+    apps = nvsmi.compute_apps(
+        nvsmi.parse_csv(ref("csv/h100-80gb-hbm3_590.48.01_query-compute-apps_load.csv"))
+    )
     assert [a.pid for a in apps] == [11327, 11328, 11345]
-    assert nvsmi.compute_apps(nvsmi.parse_csv(ref("csv/h100-80gb-hbm3_mig_590.48.01_query-compute-apps_idle.csv"))) == ()
+    assert (
+        nvsmi.compute_apps(
+            nvsmi.parse_csv(ref("csv/h100-80gb-hbm3_mig_590.48.01_query-compute-apps_idle.csv"))
+        )
+        == ()
+    )
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in (NV / "xml").glob("*.xml")) if (NV / "xml").exists() else [])
+@pytest.mark.parametrize(
+    "name", sorted(p.name for p in (NV / "xml").glob("*.xml")) if (NV / "xml").exists() else []
+)
 def test_parse_qx_every_reference_capture(name: str) -> None:
     """Covers DEV-BUSY-11: ECC and row remapping from `-q -x` across DTD v11..v13."""
     log = nvsmi.parse_qx(ref(f"xml/{name}"))
@@ -68,9 +92,16 @@ def test_parse_qx_every_reference_capture(name: str) -> None:
         if g.mig_enabled:
             assert g.migs and g.remap_pending is None
     if name.startswith("8x-h100"):
-        assert len(log.gpus) == 8 and all(g.remap_pending is False and g.ecc_uncorrected_volatile == 0 for g in log.gpus)
+        assert len(log.gpus) == 8 and all(
+            g.remap_pending is False and g.ecc_uncorrected_volatile == 0 for g in log.gpus
+        )
     if name.startswith("a100-sxm4-80gb_mig"):
-        assert [(m.index, m.gpu_instance, m.compute_instance) for m in log.gpus[0].migs] == [(0, 3, 0), (1, 4, 0), (2, 5, 0), (3, 6, 0)]
+        assert [(m.index, m.gpu_instance, m.compute_instance) for m in log.gpus[0].migs] == [
+            (0, 3, 0),
+            (1, 4, 0),
+            (2, 5, 0),
+            (3, 6, 0),
+        ]
 
 
 def test_reference_mig_a100_joins_list_and_qx() -> None:
@@ -86,7 +117,11 @@ def test_reference_mig_a100_joins_list_and_qx() -> None:
 def test_lgi_lci_reference_tables() -> None:
     text = ref("mig/a100-sxm4-40gb_580.126.09_mig-session_ssup2-blog.txt")
     lgi = nvsmi.parse_lgi(text.split("$ nvidia-smi mig -i 0 -lgi\n")[1].split("$")[0])
-    assert [(r.profile, r.profile_id, r.instance, r.placement) for r in lgi] == [("1g.5gb", 19, 9, "6:1"), ("2g.10gb", 14, 3, "4:2"), ("4g.20gb", 5, 2, "0:4")]
+    assert [(r.profile, r.profile_id, r.instance, r.placement) for r in lgi] == [
+        ("1g.5gb", 19, 9, "6:1"),
+        ("2g.10gb", 14, 3, "4:2"),
+        ("4g.20gb", 5, 2, "0:4"),
+    ]
     lci = nvsmi.parse_lci(text.split("$ nvidia-smi mig -i 0 -lci\n")[1].split("$")[0])
     assert [(r.gpu_instance, r.instance) for r in lci] == [(9, 0), (3, 0), (3, 1), (2, 0)]
 
@@ -94,7 +129,9 @@ def test_lgi_lci_reference_tables() -> None:
 def test_own_fixtures_build_the_inventory() -> None:
     """The project's own fixtures, with a hand-edited unhealthy GPU (DEV-BUSY-10)."""
     listed = nvsmi.parse_list((OWN / f"{PREFIX}_L.txt").read_text())
-    queried = nvsmi.queried_gpus(nvsmi.parse_csv((OWN / f"{PREFIX}_query-gpu_noheader.csv").read_text(), nvsmi.QUERY_GPU_FIELDS))
+    queried = nvsmi.queried_gpus(
+        nvsmi.parse_csv((OWN / f"{PREFIX}_query-gpu_noheader.csv").read_text(), nvsmi.QUERY_GPU_FIELDS)
+    )
     qx = nvsmi.parse_qx((OWN / f"{PREFIX}_q-x.xml").read_text())
     inv = build_inventory(listed, queried, qx, {q.bus_id: (0 if q.index < 4 else 1) for q in queried})
     assert len(inv.gpus) == 8 and [g.numa_node for g in inv.gpus] == [0, 0, 0, 0, 1, 1, 1, 1]
@@ -110,7 +147,9 @@ def test_fake_nvidia_smi_prints_the_reference_formats(sim_root: Path) -> None:
     system = sim_system(sim_root)
     out = system.run(["nvidia-smi", "-L"]).stdout.decode().splitlines()
     real_mig = ref("list/h100-80gb-hbm3_mig_590.48.01_L.txt").splitlines()[1]
-    assert out[8][: real_mig.index("Device")] == "  MIG 3g.71gb     " and real_mig.startswith("  MIG 3g.40gb     Device  0:")
+    assert out[8][: real_mig.index("Device")] == "  MIG 3g.71gb     " and real_mig.startswith(
+        "  MIG 3g.40gb     Device  0:"
+    )
     lgi = system.run(["nvidia-smi", "mig", "-lgi"]).stdout.decode().splitlines()
     ssup2 = ref("mig/a100-sxm4-40gb_580.126.09_mig-session_ssup2-blog.txt").splitlines()
     assert lgi[:5] == ssup2[ssup2.index("$ nvidia-smi mig -i 0 -lgi") + 1 :][:5]
@@ -146,7 +185,10 @@ def test_host_memory_readers(sim_root: Path) -> None:
     assert host.normal_available_bytes == (512 * 1024**3) - (8192 * 2 * 1024**2 + 32 * 1024**3) - 1024**3
     (sim_root / "proc" / "meminfo").unlink()
     assert read_host_memory(system) is None
-    assert parse_meminfo("MemTotal:       1024 kB\nHugePages_Total:     4\n") == {"MemTotal": 1024, "HugePages_Total": 4}
+    assert parse_meminfo("MemTotal:       1024 kB\nHugePages_Total:     4\n") == {
+        "MemTotal": 1024,
+        "HugePages_Total": 4,
+    }
 
 
 def test_no_nvidia_smi_means_no_gpus(tmp_path: Path) -> None:

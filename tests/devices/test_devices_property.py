@@ -15,29 +15,42 @@ import tempfile
 from pathlib import Path
 
 from bcd_agent.sections.devices import observe
-from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec, Limits
 from bcd_agent.sections.devices.kube import PodDevices
+from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec, Limits
 from bcd_shared.simhost.gpus import gpu_uuid
 from bcd_shared.simhost.seed import seed
+from devices.cdicheck import assert_host_cdi_valid
+from devices.devhost import DATA_DIR, Host
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from devices.cdicheck import assert_host_cdi_valid
-from devices.devhost import DATA_DIR, Host
-
 G0, G1, G7 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(7)
 ATOMS = [
-    (G0, "gpu"), (G1, "gpu"), (G7, "gpu"), ("GPU-99999999-0000-4000-8000-000000000000", "gpu"),
-    (f"{G7}/gi1/ci0", "gpu.mig"), (f"{G7}/gi2/ci0", "gpu.mig"), (f"{G7}/gi6/ci0", "gpu.mig"),
-    (f"{G0}/s0", "gpu.slot"), (f"{G0}/s1", "gpu.slot"), (f"{G1}/s0", "gpu.slot"), (f"{G7}/s0", "gpu.slot"),
-    ("GPU-x/y", "gpu.slot"), ("eth0vf1", "nic.vf"),
+    (G0, "gpu"),
+    (G1, "gpu"),
+    (G7, "gpu"),
+    ("GPU-99999999-0000-4000-8000-000000000000", "gpu"),
+    (f"{G7}/gi1/ci0", "gpu.mig"),
+    (f"{G7}/gi2/ci0", "gpu.mig"),
+    (f"{G7}/gi6/ci0", "gpu.mig"),
+    (f"{G0}/s0", "gpu.slot"),
+    (f"{G0}/s1", "gpu.slot"),
+    (f"{G1}/s0", "gpu.slot"),
+    (f"{G7}/s0", "gpu.slot"),
+    ("GPU-x/y", "gpu.slot"),
+    ("eth0vf1", "nic.vf"),
 ]
 MISSING = {"GPU-99999999-0000-4000-8000-000000000000", f"{G7}/gi6/ci0"}
 
 assignment = st.builds(
     lambda alloc, binding, atoms, limited, env: DeviceAssignment(
-        alloc, f"rsv_{alloc}", binding, tuple(DeviceRef(i, c) for i, c in atoms),
-        Limits(cpus="0-3", cpu_millis=2000) if limited else None, env),
+        alloc,
+        f"rsv_{alloc}",
+        binding,
+        tuple(DeviceRef(i, c) for i, c in atoms),
+        Limits(cpus="0-3", cpu_millis=2000) if limited else None,
+        env,
+    ),
     st.sampled_from([f"a{i}" for i in range(6)]),
     st.sampled_from(["BINDING_HOLD"] * 4 + ["BINDING_KUBERNETES"] * 2 + ["BINDING_INSTANCE"]),
     st.lists(st.sampled_from(ATOMS), min_size=1, max_size=3),
@@ -69,7 +82,9 @@ def gpu_of(i: str) -> str:
     return i.split("/")[0]
 
 
-def expected_reason(a: DeviceAssignment, claims: dict[str, str], vfio: dict[str, str], seen: set[str]) -> str | None:
+def expected_reason(
+    a: DeviceAssignment, claims: dict[str, str], vfio: dict[str, str], seen: set[str]
+) -> str | None:
     """An independent model of the checks, in their order (DEV-FAIL-07)."""
     if a.allocation_id in seen:
         return "invalid-assignment"
@@ -81,7 +96,9 @@ def expected_reason(a: DeviceAssignment, claims: dict[str, str], vfio: dict[str,
         return "device-missing"
     ids = [d.id for d in a.devices]
     wholes = {d.id for d in a.devices if d.device_class == "gpu"}
-    if len(set(ids)) != len(ids) or any(d.device_class != "gpu" and gpu_of(d.id) in wholes for d in a.devices):
+    if len(set(ids)) != len(ids) or any(
+        d.device_class != "gpu" and gpu_of(d.id) in wholes for d in a.devices
+    ):
         return "overlap"
     for d in a.devices:
         g = gpu_of(d.id)
@@ -90,14 +107,22 @@ def expected_reason(a: DeviceAssignment, claims: dict[str, str], vfio: dict[str,
         if d.device_class == "gpu":
             if any(gpu_of(k) == g and o != a.allocation_id for k, o in claims.items()):
                 return "overlap"
-        elif claims.get(d.id, a.allocation_id) != a.allocation_id or claims.get(g, a.allocation_id) != a.allocation_id:
+        elif (
+            claims.get(d.id, a.allocation_id) != a.allocation_id
+            or claims.get(g, a.allocation_id) != a.allocation_id
+        ):
             return "overlap"
     return None
 
 
-def check_invariants(host: Host, spec: DevicesSpec, vfio: dict[str, str], pods_free: bool,
-                     before_holds: dict[str, tuple[str, tuple[str, ...]]],
-                     before_releases: dict[str, tuple[str, ...]]) -> None:
+def check_invariants(
+    host: Host,
+    spec: DevicesSpec,
+    vfio: dict[str, str],
+    pods_free: bool,
+    before_holds: dict[str, tuple[str, tuple[str, ...]]],
+    before_releases: dict[str, tuple[str, ...]],
+) -> None:
     holds, bad = observe.read_holds(host.system)
     assert bad == ()
     releases, unreadable = observe.read_releases(host.system, DATA_DIR)
@@ -158,11 +183,18 @@ def check_invariants(host: Host, spec: DevicesSpec, vfio: dict[str, str], pods_f
     assert_host_cdi_valid(host.root)
 
 
-@settings(max_examples=int(os.environ.get("BCD_HYPOTHESIS_EXAMPLES", "30")), deadline=None, print_blob=True,
-          suppress_health_check=[HealthCheck.too_slow])
+@settings(
+    max_examples=int(os.environ.get("BCD_HYPOTHESIS_EXAMPLES", "30")),
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 @given(passes)
-def test_DEV_property_random_spec_sequences(seq: list[tuple[list[DeviceAssignment], dict[str, str], bool]]) -> None:
-    """Covers DEV-CONF-07, DEV-PASS-05, DEV-PASS-19, DEV-FAIL-07, DEV-EVT-10, DEV-K8S-08, DEV-K8S-11, DLV-DEV-19."""
+def test_DEV_property_random_spec_sequences(
+    seq: list[tuple[list[DeviceAssignment], dict[str, str], bool]],
+) -> None:
+    """Covers DEV-CONF-07, DEV-PASS-05, DEV-PASS-19, DEV-FAIL-07, DEV-EVT-10, DEV-K8S-08, DEV-K8S-11,
+    DLV-DEV-19."""
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "host"
         seed(root)
@@ -174,8 +206,10 @@ def test_DEV_property_random_spec_sequences(seq: list[tuple[list[DeviceAssignmen
             vfio_now.update(vfio)
             pods.free = free
             holds, _ = observe.read_holds(host.system)
-            before = {a: ("BINDING_KUBERNETES" if h.record.kubernetes else "BINDING_HOLD", h.record.device_ids)
-                      for a, h in holds.items()}
+            before = {
+                a: ("BINDING_KUBERNETES" if h.record.kubernetes else "BINDING_HOLD", h.record.device_ids)
+                for a, h in holds.items()
+            }
             rel = {r.allocation_id: r.device_ids for r in observe.read_releases(host.system, DATA_DIR)[0]}
             spec = DevicesSpec(gen, tuple(assignments))
             host.run(spec)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import stat
 
+from bcd_agent.converge.types import SectionState
+from bcd_agent.sections.devices.events import sign_report
 from bcd_agent.sections.devices.model import (
     BINDING_HOLD,
     BINDING_KUBERNETES,
@@ -14,22 +16,26 @@ from bcd_agent.sections.devices.model import (
     Limits,
 )
 from bcd_agent.sections.devices.plan import UNPRIVILEGED_MESSAGE
-from bcd_agent.sections.devices.events import sign_report
-from bcd_agent.converge.types import SectionState
 from bcd_shared import wire
 from bcd_shared.pki import Purpose, verify_signature
 from bcd_shared.simhost.gpus import gpu_uuid, mig_uuid, update_state
-
 from devices.cdicheck import assert_host_cdi_valid
 from devices.devhost import DATA_DIR, Host
 
 G0, G1, G7 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(7)
 
 
-def hold(alloc: str, *devices: tuple[str, str], binding: str = BINDING_HOLD, limits: Limits | None = None,
-         env: tuple[str, ...] = (), rsv: str = "") -> DeviceAssignment:
-    return DeviceAssignment(alloc, rsv or f"rsv_{alloc}", binding, tuple(DeviceRef(i, c) for i, c in devices),
-                            limits, env)
+def hold(
+    alloc: str,
+    *devices: tuple[str, str],
+    binding: str = BINDING_HOLD,
+    limits: Limits | None = None,
+    env: tuple[str, ...] = (),
+    rsv: str = "",
+) -> DeviceAssignment:
+    return DeviceAssignment(
+        alloc, rsv or f"rsv_{alloc}", binding, tuple(DeviceRef(i, c) for i, c in devices), limits, env
+    )
 
 
 def gpu(u: str) -> tuple[str, str]:
@@ -37,10 +43,15 @@ def gpu(u: str) -> tuple[str, str]:
 
 
 def test_DEV_CDI_22_DEV_ENV_08_worked_example_whole_gpu_with_limits(host: Host) -> None:
-    """Covers DEV-CDI-01..07, DEV-CDI-10..12, DEV-CDI-15, DEV-CDI-17..19, DEV-CDI-22, DEV-ENV-01..04, DEV-ENV-08,
+    """Covers DEV-CDI-01..07, DEV-CDI-10..12, DEV-CDI-15, DEV-CDI-17..19, DEV-CDI-22, DEV-ENV-01..04,
+    DEV-ENV-08,
     DEV-BIND-01, DEV-SLICE-09..14, DEV-SLICE-22, DEV-EVT-04/05, DLV-DEV-01/02/04/22/37."""
-    a = hold("alloc_01jz8k2v", gpu(G0), rsv="rsv_01jz8k1q", limits=Limits(cpus="0-7", mems="0", cpu_millis=1500,
-                                                                           memory_bytes=8 << 30))
+    a = hold(
+        "alloc_01jz8k2v",
+        gpu(G0),
+        rsv="rsv_01jz8k1q",
+        limits=Limits(cpus="0-7", mems="0", cpu_millis=1500, memory_bytes=8 << 30),
+    )
     out = host.run(DevicesSpec(42, (a,)))
     assert out.state is SectionState.CONVERGED
     spec_path = host.path("/etc/cdi/bcd-alloc_01jz8k2v.json")
@@ -57,8 +68,11 @@ def test_DEV_CDI_22_DEV_ENV_08_worked_example_whole_gpu_with_limits(host: Host) 
     assert dev["name"] == G0 and dev["annotations"] == {"bcd.dev/device-id": G0}
     assert dev["containerEdits"] == {"deviceNodes": [{"path": "/dev/nvidia0"}, {"path": "/dev/dri/card1"}]}
     edits = doc["containerEdits"]
-    assert edits["env"][:3] == ["BCD_ALLOCATION_ID=alloc_01jz8k2v", "BCD_CGROUP_PARENT=bcd-alloc-alloc_01jz8k2v.slice",
-                                f"NVIDIA_VISIBLE_DEVICES={G0}"]
+    assert edits["env"][:3] == [
+        "BCD_ALLOCATION_ID=alloc_01jz8k2v",
+        "BCD_CGROUP_PARENT=bcd-alloc-alloc_01jz8k2v.slice",
+        f"NVIDIA_VISIBLE_DEVICES={G0}",
+    ]
     assert "NVIDIA_VISIBLE_DEVICES=void" not in edits["env"]
     assert {"path": "/dev/nvidiactl"} in edits["deviceNodes"] and edits["additionalGids"] == [44]
     assert edits["hooks"][0]["path"] == "/usr/bin/nvidia-cdi-hook"
@@ -73,7 +87,8 @@ def test_DEV_CDI_22_DEV_ENV_08_worked_example_whole_gpu_with_limits(host: Host) 
     calls = host.path("/var/lib/bcd-sim/slice-calls").read_text().splitlines()
     assert calls == [
         "start bcd-alloc-alloc_01jz8k2v.slice",
-        "set-property --runtime bcd-alloc-alloc_01jz8k2v.slice AllowedCPUs=0-7 AllowedMemoryNodes=0 CPUQuota=150% "
+        "set-property --runtime bcd-alloc-alloc_01jz8k2v.slice AllowedCPUs=0-7 AllowedMemoryNodes=0 "
+        "CPUQuota=150% "
         f"MemoryMax={8 << 30} MemoryHigh={(8 << 30) * 9 // 10}",
     ]
     [bound] = host.events("BoundEvent")
@@ -102,8 +117,13 @@ def test_DEV_EVT_01_bound_and_released_are_reports_signed_with_the_node_key(host
 
 def test_DEV_PASS_03_a_restarted_converger_reads_its_holds_back_from_the_files_alone(host: Host) -> None:
     """Covers DEV-PASS-03, DEV-PASS-04, DEV-PASS-11, DEV-PASS-13, DEV-ENV-07, DLV-DEV-10."""
-    spec = DevicesSpec(3, (hold("a1", (f"{G1}/s3", "gpu.slot"), (f"{G1}/s4", "gpu.slot")),
-                           hold("a2", (f"{G7}/gi1/ci0", "gpu.mig"))))
+    spec = DevicesSpec(
+        3,
+        (
+            hold("a1", (f"{G1}/s3", "gpu.slot"), (f"{G1}/s4", "gpu.slot")),
+            hold("a2", (f"{G7}/gi1/ci0", "gpu.mig")),
+        ),
+    )
     host.run(spec)
     assert len(host.events("BoundEvent")) == 2
     host.restart()  # a new process: nothing in memory
@@ -114,7 +134,10 @@ def test_DEV_PASS_03_a_restarted_converger_reads_its_holds_back_from_the_files_a
     p = host.section.plan(spec, 3)
     assert [a.key for a in p.actions] == ["keep:a1"]
     host.run(spec)
-    assert host.path("/run/bcd/allocations/a1.env").read_text().splitlines()[-1] == f"NVIDIA_VISIBLE_DEVICES={G1}"
+    assert (
+        host.path("/run/bcd/allocations/a1.env").read_text().splitlines()[-1]
+        == f"NVIDIA_VISIBLE_DEVICES={G1}"
+    )
     assert len(host.events("BoundEvent")) == 2  # nothing re-sent
     doc = json.loads(host.path("/etc/cdi/bcd-a1.json").read_text())
     assert [d["name"] for d in doc["devices"]] == [f"{G1}_s3", f"{G1}_s4"]
@@ -123,8 +146,11 @@ def test_DEV_PASS_03_a_restarted_converger_reads_its_holds_back_from_the_files_a
     assert mig["devices"][0]["name"] == f"{G7}_gi1_ci0"
 
 
-def test_DEV_PASS_12_a_missing_slice_is_created_again_and_DEV_SLICE_19_only_empty_slices_stop(host: Host) -> None:
-    """Covers DEV-PASS-09, DEV-PASS-10, DEV-PASS-12, DEV-SLICE-19, DEV-SLICE-20, DLV-DEV-36, DLV-DEV-39, DLV-DEV-40."""
+def test_DEV_PASS_12_a_missing_slice_is_created_again_and_DEV_SLICE_19_only_empty_slices_stop(
+    host: Host,
+) -> None:
+    """Covers DEV-PASS-09, DEV-PASS-10, DEV-PASS-12, DEV-SLICE-19, DEV-SLICE-20, DLV-DEV-36, DLV-DEV-39,
+    DLV-DEV-40."""
     spec = DevicesSpec(1, (hold("a1", gpu(G0), limits=Limits(cpu_millis=1000)),))
     host.run(spec)
     cg = host.path("/sys/fs/cgroup/bcd.slice/bcd-alloc.slice/bcd-alloc-a1.slice")
@@ -147,7 +173,9 @@ def test_DEV_PASS_12_a_missing_slice_is_created_again_and_DEV_SLICE_19_only_empt
 
 def test_DEV_SLICE_15_hugepage_limits_in_cgroupfs(host: Host) -> None:
     """Covers DEV-SLICE-15, DEV-SLICE-16, DLV-DEV-34."""
-    host.run(DevicesSpec(1, (hold("a1", gpu(G0), limits=Limits(mems="0", hugepages_2mi=4, hugepages_1gi=2)),)))
+    host.run(
+        DevicesSpec(1, (hold("a1", gpu(G0), limits=Limits(mems="0", hugepages_2mi=4, hugepages_1gi=2)),))
+    )
     for parent in ("sys/fs/cgroup", "sys/fs/cgroup/bcd.slice", "sys/fs/cgroup/bcd.slice/bcd-alloc.slice"):
         assert (host.root / parent / "cgroup.subtree_control").read_text() == "+hugetlb\n"
     cg = host.path("/sys/fs/cgroup/bcd.slice/bcd-alloc.slice/bcd-alloc-a1.slice")
@@ -156,8 +184,13 @@ def test_DEV_SLICE_15_hugepage_limits_in_cgroupfs(host: Host) -> None:
 
 
 def test_DEV_SLICE_03_kubernetes_hold_has_no_slice_no_parent_no_visible_devices_in_spec(host: Host) -> None:
-    """Covers DEV-BND-03..05, DEV-SLICE-03, DEV-SLICE-04, DEV-CDI-08, DEV-CDI-14, DEV-ENV-05, DLV-DEV-27, DLV-DEV-42."""
-    host.run(DevicesSpec(1, (hold("k1", gpu(G0), binding=BINDING_KUBERNETES, limits=Limits(memory_bytes=1 << 30)),)))
+    """Covers DEV-BND-03..05, DEV-SLICE-03, DEV-SLICE-04, DEV-CDI-08, DEV-CDI-14, DEV-ENV-05,
+    DLV-DEV-27, DLV-DEV-42."""
+    host.run(
+        DevicesSpec(
+            1, (hold("k1", gpu(G0), binding=BINDING_KUBERNETES, limits=Limits(memory_bytes=1 << 30)),)
+        )
+    )
     doc = json.loads(host.path("/etc/cdi/bcd-k1.json").read_text())
     assert doc["annotations"]["bcd.dev/binding"] == "kubernetes"
     assert "bcd.dev/cgroup-parent" not in doc["annotations"]
@@ -175,18 +208,31 @@ def test_DEV_CDI_16_mps_directory_for_slot_holds(host: Host) -> None:
     host.path("/run/nvidia-mps").mkdir(parents=True)
     host.run(DevicesSpec(1, (hold("s1", (f"{G0}/s0", "gpu.slot"), (f"{G0}/s1", "gpu.slot"), gpu(G1)),)))
     env = json.loads(host.path("/etc/cdi/bcd-s1.json").read_text())["containerEdits"]["env"]
-    assert env[:3] == ["BCD_ALLOCATION_ID=s1", "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps", f"NVIDIA_VISIBLE_DEVICES={G0},{G1}"]
+    assert env[:3] == [
+        "BCD_ALLOCATION_ID=s1",
+        "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps",
+        f"NVIDIA_VISIBLE_DEVICES={G0},{G1}",
+    ]
 
 
 def test_DEV_UNPRIV_03_unprivileged_node_refuses_and_writes_nothing(make_host) -> None:  # type: ignore[no-untyped-def]
     """Covers DEV-UNPRIV-03, DEV-UNPRIV-04, DEV-FAIL-02, DEV-FAIL-12."""
     host = make_host(privileged=False)
-    out = host.run(DevicesSpec(1, (hold("a1", gpu(G0), limits=Limits(cpus="0")), hold("a2", gpu(G1), binding="BINDING_NODE"))))
+    out = host.run(
+        DevicesSpec(
+            1, (hold("a1", gpu(G0), limits=Limits(cpus="0")), hold("a2", gpu(G1), binding="BINDING_NODE"))
+        )
+    )
     assert out.state is SectionState.FAILED
     fails = host.events("FailedEvent")
-    assert [(f.allocation_id, f.reason) for f in fails] == [("a1", "node-unprivileged"), ("a2", "unsupported-binding")]
+    assert [(f.allocation_id, f.reason) for f in fails] == [
+        ("a1", "node-unprivileged"),
+        ("a2", "unsupported-binding"),
+    ]
     assert fails[0].message == UNPRIVILEGED_MESSAGE
-    assert not list(host.path("/etc/cdi").glob("bcd-*")) and not list(host.path("/run/bcd/allocations").iterdir())
+    assert not list(host.path("/etc/cdi").glob("bcd-*")) and not list(
+        host.path("/run/bcd/allocations").iterdir()
+    )
     assert not host.path("/var/lib/bcd-sim/slice-calls").exists()
 
 

@@ -20,7 +20,13 @@ from bcd_agent.converge.section import Observation, PassContext
 from bcd_agent.converge.types import DesiredSpec, SectionState
 from bcd_agent.sections.devices.apply import DirectExecutor
 from bcd_agent.sections.devices.events import MemorySink
-from bcd_agent.sections.devices.model import BINDING_HOLD, DEVICE_CLASS_SLOT, DeviceAssignment, DeviceRef, DevicesSpec
+from bcd_agent.sections.devices.model import (
+    BINDING_HOLD,
+    DEVICE_CLASS_SLOT,
+    DeviceAssignment,
+    DeviceRef,
+    DevicesSpec,
+)
 from bcd_agent.sections.devices.section import DevicesSection
 
 GPUS = 8
@@ -45,14 +51,23 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         system = sim_system(root)
         sink = MemorySink()
         section = DevicesSection(
-            system, DirectExecutor(system, slice_records=True), sink, _Signer(), "/var/lib/bcd", slice_records=True
+            system,
+            DirectExecutor(system, slice_records=True),
+            sink,
+            _Signer(),
+            "/var/lib/bcd",
+            slice_records=True,
         )
         gpus = section.inventory(None).gpus[:GPUS]
         spec = DevicesSpec(
             1,
             tuple(
-                DeviceAssignment(f"alloc_{g.index}_{s}", f"rsv_{g.index}_{s}", BINDING_HOLD,
-                                 (DeviceRef(f"{g.uuid}/s{s}", DEVICE_CLASS_SLOT),))
+                DeviceAssignment(
+                    f"alloc_{g.index}_{s}",
+                    f"rsv_{g.index}_{s}",
+                    BINDING_HOLD,
+                    (DeviceRef(f"{g.uuid}/s{s}", DEVICE_CLASS_SLOT),),
+                )
                 for g in gpus
                 for s in range(SLOTS)
             ),

@@ -53,7 +53,9 @@ class GpuHealth:
     def healthy(self) -> bool:
         """No uncorrectable volatile ECC errors and no pending or failed row remap (DEV-BUSY-10)."""
         return not (
-            (self.ecc_uncorrected_volatile or 0) > 0 or self.remap_pending is True or self.remap_failure is True
+            (self.ecc_uncorrected_volatile or 0) > 0
+            or self.remap_pending is True
+            or self.remap_failure is True
         )
 
 
@@ -163,7 +165,9 @@ def build_inventory(
                 health=health,
             )
         )
-    driver = (qx.driver_version if qx else None) or next((q.driver_version for q in queried if q.driver_version), None)
+    driver = (qx.driver_version if qx else None) or next(
+        (q.driver_version for q in queried if q.driver_version), None
+    )
     return GpuInventory(gpus=tuple(gpus), driver_version=driver, nvml=True, errors=errors)
 
 

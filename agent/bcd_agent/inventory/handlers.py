@@ -43,7 +43,10 @@ def gpus_to_wire(inv: GpuInventory) -> list[wire.GpuInfo]:
             mig_enabled=g.mig_enabled,
             mig_devices=[
                 wire.MigDeviceInfo(
-                    uuid=m.uuid or "", gpu_instance=m.gpu_instance, compute_instance=m.compute_instance, profile=m.profile
+                    uuid=m.uuid or "",
+                    gpu_instance=m.gpu_instance,
+                    compute_instance=m.compute_instance,
+                    profile=m.profile,
                 )
                 for m in g.migs
             ],
@@ -64,7 +67,11 @@ def collect_inventory(system: System, gpus: GpuInventory | None = None) -> wire.
     for n in nodes:
         base = f"/sys/devices/system/node/node{n}"
         node_mem = parse_meminfo(
-            "\n".join(line.split(" ", 2)[2] for line in (system.read_text(f"{base}/meminfo") or "").splitlines() if line)
+            "\n".join(
+                line.split(" ", 2)[2]
+                for line in (system.read_text(f"{base}/meminfo") or "").splitlines()
+                if line
+            )
         )
         numa.append(
             wire.NumaNode(
@@ -122,7 +129,9 @@ def refresh_result(system: System) -> wire.InventoryRefreshResult:
 class SystemInventoryCollector:
     """`InventoryCollector` over a System; `publish` gets each fresh result (status, heartbeat hash)."""
 
-    def __init__(self, system: System, publish: Callable[[wire.InventoryRefreshResult], None] = lambda _r: None):
+    def __init__(
+        self, system: System, publish: Callable[[wire.InventoryRefreshResult], None] = lambda _r: None
+    ):
         self.system = system
         self.publish = publish
 

@@ -114,7 +114,9 @@ def read_host_memory(system: System) -> HostMemory | None:
         resv = _int_file(system, f"{base}/resv_hugepages") or 0
         per_node = {}
         for node in nodes:
-            n = _int_file(system, f"/sys/devices/system/node/node{node}/hugepages/hugepages-{size}kB/free_hugepages")
+            n = _int_file(
+                system, f"/sys/devices/system/node/node{node}/hugepages/hugepages-{size}kB/free_hugepages"
+            )
             if n is not None:
                 per_node[node] = n
         pools[size] = HugePool(size, max(0, free - resv), per_node)

@@ -27,8 +27,16 @@ class NvsmiParseError(ValueError):
     """nvidia-smi printed something this parser does not understand."""
 
 
-UNAVAILABLE = frozenset({"N/A", "[N/A]", "Requested functionality has been deprecated",
-                         "[Requested functionality has been deprecated]", "[Not Supported]", "Not Supported"})
+UNAVAILABLE = frozenset(
+    {
+        "N/A",
+        "[N/A]",
+        "Requested functionality has been deprecated",
+        "[Requested functionality has been deprecated]",
+        "[Not Supported]",
+        "Not Supported",
+    }
+)
 
 # What bcd asks `--query-gpu` for, in this order (`--format=csv,noheader`).
 QUERY_GPU_FIELDS: tuple[str, ...] = (

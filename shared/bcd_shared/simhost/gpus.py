@@ -165,7 +165,10 @@ def vendor_spec(state: State) -> dict[str, Any]:
             devices.append({"name": f"{g['index']}:{n}", "containerEdits": medits})
             devices.append({"name": m["uuid"], "containerEdits": medits})
     devices.append(
-        {"name": "all", "containerEdits": {"deviceNodes": [{"path": f"/dev/nvidia{g['minor']}"} for g in state["gpus"]]}}
+        {
+            "name": "all",
+            "containerEdits": {"deviceNodes": [{"path": f"/dev/nvidia{g['minor']}"} for g in state["gpus"]]},
+        }
     )
     libs = ("libcuda.so", "libnvidia-ml.so", "libnvidia-ptxjitcompiler.so")
     return {
@@ -174,7 +177,11 @@ def vendor_spec(state: State) -> dict[str, Any]:
         "devices": devices,
         "containerEdits": {
             "env": ["NVIDIA_CTK_DEBUG=false", "NVIDIA_VISIBLE_DEVICES=void"],
-            "deviceNodes": [{"path": "/dev/nvidiactl"}, {"path": "/dev/nvidia-uvm"}, {"path": "/dev/nvidia-uvm-tools"}],
+            "deviceNodes": [
+                {"path": "/dev/nvidiactl"},
+                {"path": "/dev/nvidia-uvm"},
+                {"path": "/dev/nvidia-uvm-tools"},
+            ],
             "hooks": [
                 {
                     "hookName": "createContainer",
@@ -200,12 +207,15 @@ def write_host_files(root: Path, state: State) -> None:
     """What the kernel and the toolkit show for these GPUs: sysfs NUMA nodes, /dev nodes, nvidia.json."""
     for g in state["gpus"]:
         atomic_write(
-            _host(root, f"/sys/bus/pci/devices/{sysfs_address(g['bus_id'])}/numa_node"), f"{g['numa_node']}\n".encode()
+            _host(root, f"/sys/bus/pci/devices/{sysfs_address(g['bus_id'])}/numa_node"),
+            f"{g['numa_node']}\n".encode(),
         )
         dev = _host(root, f"/dev/nvidia{g['minor']}")
         if not dev.exists():
             atomic_write(dev, b"")
-    atomic_write(_host(root, "/etc/cdi/nvidia.json"), (json.dumps(vendor_spec(state), indent=2) + "\n").encode())
+    atomic_write(
+        _host(root, "/etc/cdi/nvidia.json"), (json.dumps(vendor_spec(state), indent=2) + "\n").encode()
+    )
 
 
 def seed_gpus(root: Path) -> None:

@@ -65,7 +65,9 @@ def _select(state: dict[str, Any], ident: str | None) -> list[dict[str, Any]] | 
     chosen = []
     for part in ident.split(","):
         match = [
-            g for g in gpus if part in (str(g["index"]), g["uuid"]) or part.upper() in (g["bus_id"], g["bus_id"][4:])
+            g
+            for g in gpus
+            if part in (str(g["index"]), g["uuid"]) or part.upper() in (g["bus_id"], g["bus_id"][4:])
         ]
         if not match:
             return None
@@ -142,7 +144,11 @@ def _csv(argv: Sequence[str], cols: list[tuple[str, str]], rows: list[list[str]]
     if "noheader" not in opts:
         out.append(", ".join(f"{f} [{u}]" if u and units else f for f, u in cols))
     for row in rows:
-        out.append(", ".join(f"{v} {u}" if u and units and v != NA else v for (_, u), v in zip(cols, row, strict=True)))
+        out.append(
+            ", ".join(
+                f"{v} {u}" if u and units and v != NA else v for (_, u), v in zip(cols, row, strict=True)
+            )
+        )
     return _res(argv, 0, "".join(line + "\n" for line in out))
 
 
@@ -281,7 +287,7 @@ def _qx(state: dict[str, Any], gpus: list[dict[str, Any]]) -> str:
             o += [
                 "\t\t<remapped_rows>",
                 "\t\t\t<remapped_row_corr>0</remapped_row_corr>",
-                f"\t\t\t<remapped_row_unc>{1 if g['remap_pending'] or g['remap_failure'] else 0}</remapped_row_unc>",
+                f"\t\t\t<remapped_row_unc>{int(g['remap_pending'] or g['remap_failure'])}</remapped_row_unc>",
                 f"\t\t\t<remapped_row_pending>{'Yes' if g['remap_pending'] else 'No'}</remapped_row_pending>",
                 f"\t\t\t<remapped_row_failure>{'Yes' if g['remap_failure'] else 'No'}</remapped_row_failure>",
                 "\t\t</remapped_rows>",
@@ -306,7 +312,9 @@ def _qx(state: dict[str, Any], gpus: list[dict[str, Any]]) -> str:
 # --- reset ---------------------------------------------------------------------------------------
 
 
-def _reset(system: LocalSystem, argv: Sequence[str], state: dict[str, Any], gpus: list[dict[str, Any]]) -> CommandResult:
+def _reset(
+    system: LocalSystem, argv: Sequence[str], state: dict[str, Any], gpus: list[dict[str, Any]]
+) -> CommandResult:
     for g in gpus:
         if not g["reset_supported"]:
             return _res(argv, 3, f"Resetting GPU {g['bus_id']} is not supported.\n")
@@ -365,7 +373,10 @@ def _lgi(argv: Sequence[str], gpus: list[dict[str, Any]]) -> CommandResult:
                 continue
             seen.add((g["index"], m["gpu_instance"]))
             name = f"MIG {m['profile']}"
-            rows.append(f"|{g['index']:>4}  {name:<20}{m['gi_profile_id']:>4}{m['gpu_instance']:>9}{m['placement']:>13}     |")
+            rows.append(
+                f"|{g['index']:>4}  {name:<20}{m['gi_profile_id']:>4}{m['gpu_instance']:>9}"
+                f"{m['placement']:>13}     |"
+            )
     if not rows:
         return _res(argv, 6, "No GPU instances found: Not Found\n")
     out = list(_LGI_HEAD)
@@ -411,8 +422,12 @@ def _extension(key: str) -> Handler | None:
 def main(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
     state = simgpus.load_state(system)
     if state is None:
-        return _res(argv, 9, "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-                    "Make sure that the latest NVIDIA driver is installed and running.\n")
+        return _res(
+            argv,
+            9,
+            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+            "Make sure that the latest NVIDIA driver is installed and running.\n",
+        )
     args = list(argv[1:])
     is_mig = bool(args) and args[0] == "mig"
     for a in args:

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import json
 import os
-from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 from attrs import frozen
@@ -49,7 +49,13 @@ from bcd_agent.sections.devices.plan import (
     WriteReleases,
     WriteSpec,
 )
-from bcd_agent.sections.devices.slices import CGROUP_ROOT, HUGETLB_FILES, PARENT_CGROUP, SliceSpec, slice_cgroup
+from bcd_agent.sections.devices.slices import (
+    CGROUP_ROOT,
+    HUGETLB_FILES,
+    PARENT_CGROUP,
+    SliceSpec,
+    slice_cgroup,
+)
 
 
 class HoldExecutor(Protocol):
@@ -319,7 +325,11 @@ class Applier:
         elif isinstance(step, SetAsideReleases):
             src = self.system.host_path(self._data(observe.RELEASES_FILE))
             dst = self.system.host_path(self._data(f"{observe.RELEASES_FILE}.unreadable-{step.suffix}"))
-            self._own_write(observe.MARKER_FILE, b"releasing.json could not be read; see releasing.json.unreadable-*\n", 0o600)
+            self._own_write(
+                observe.MARKER_FILE,
+                b"releasing.json could not be read; see releasing.json.unreadable-*\n",
+                0o600,
+            )
             try:
                 os.replace(src, dst)
             except FileNotFoundError:

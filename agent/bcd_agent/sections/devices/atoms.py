@@ -23,7 +23,6 @@ from bcd_agent.sections.devices.model import (
     DEVICE_CLASS_MIG,
     DEVICE_CLASS_SLOT,
     REASON_DEVICE,
-    REASON_MISSING,
     DeviceRef,
 )
 

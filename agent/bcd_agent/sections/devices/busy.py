@@ -41,7 +41,9 @@ class BusyState:
     vfio: Mapping[str, str]
 
     def why(self, gpu: str) -> list[str]:
-        reasons = [f"{gpu} is held by allocation {a}" for a, gpus in sorted(self.holds.items()) if gpu in gpus]
+        reasons = [
+            f"{gpu} is held by allocation {a}" for a, gpus in sorted(self.holds.items()) if gpu in gpus
+        ]
         if gpu in self.vfio:
             reasons.append(f"{gpu} is passed through to instance {self.vfio[gpu]}")
         reasons += [
@@ -114,14 +116,18 @@ def gpu_reset(
     outcomes: dict[str, wire.GpuResetOutcome] = {}
     for uuid in gpu_uuids:
         if uuid not in known:
-            outcomes[uuid] = wire.GpuResetOutcome(gpu_uuid=uuid, reset=False, healthy=False, message="unknown GPU")
+            outcomes[uuid] = wire.GpuResetOutcome(
+                gpu_uuid=uuid, reset=False, healthy=False, message="unknown GPU"
+            )
             continue
         result = run(uuid)
         if result.ok:
             outcomes[uuid] = wire.GpuResetOutcome(gpu_uuid=uuid, reset=True)
         else:
             text = (result.stdout + result.stderr).decode(errors="replace").strip()
-            outcomes[uuid] = wire.GpuResetOutcome(gpu_uuid=uuid, reset=False, message=text or result.describe())
+            outcomes[uuid] = wire.GpuResetOutcome(
+                gpu_uuid=uuid, reset=False, message=text or result.describe()
+            )
     after = collect_gpus(system)
     for uuid, out in outcomes.items():
         if out.reset:

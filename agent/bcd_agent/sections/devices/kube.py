@@ -166,7 +166,10 @@ class PodResourcesClient:
                 if isinstance(ev, h2.events.DataReceived) and ev.stream_id == sid:
                     body += ev.data or b""
                     conn.acknowledge_received_data(ev.flow_controlled_length, sid)
-                elif isinstance(ev, h2.events.ResponseReceived | h2.events.TrailersReceived) and ev.stream_id == sid:
+                elif (
+                    isinstance(ev, h2.events.ResponseReceived | h2.events.TrailersReceived)
+                    and ev.stream_id == sid
+                ):
                     for k, v in ev.headers or ():
                         key = k.decode() if isinstance(k, bytes) else k
                         val = v.decode() if isinstance(v, bytes) else v
@@ -198,7 +201,9 @@ def bcd_devices(pods: Sequence[PodDevices]) -> set[str]:
 
 def gpus_with_pod_processes(system: System) -> set[str] | None:
     """GPU UUIDs running a compute process inside a Kubernetes pod's cgroup; None when unknown."""
-    result = system.run(["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"], timeout=30)
+    result = system.run(
+        ["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"], timeout=30
+    )
     if result.returncode == 127:
         return set()
     if not result.ok:

@@ -51,12 +51,16 @@ class Binding(enum.Enum):
     KUBERNETES = BINDING_KUBERNETES
 
 
+def _class_or_gpu(device_class: str) -> str:
+    return device_class or DEVICE_CLASS_GPU
+
+
 @frozen
 class DeviceRef:
     """One atom of an assignment as the spec names it."""
 
     id: str
-    device_class: str = field(default=DEVICE_CLASS_GPU, converter=lambda c: c or DEVICE_CLASS_GPU)
+    device_class: str = field(default=DEVICE_CLASS_GPU, converter=_class_or_gpu)
 
 
 @frozen
@@ -70,14 +74,23 @@ class Limits:
 
     @property
     def empty(self) -> bool:
-        return not self.cpus and not self.mems and all(
-            v is None for v in (self.cpu_millis, self.memory_bytes, self.hugepages_2mi, self.hugepages_1gi)
+        return (
+            not self.cpus
+            and not self.mems
+            and all(
+                v is None
+                for v in (self.cpu_millis, self.memory_bytes, self.hugepages_2mi, self.hugepages_1gi)
+            )
         )
 
     @property
     def needs_admission(self) -> bool:
         """A memory limit or huge pages: admitted against the host (DEV-ADM-01/02)."""
         return bool(self.memory_bytes) or bool(self.hugepages_2mi) or bool(self.hugepages_1gi)
+
+
+def _limits_or_none(limits: Limits | None) -> Limits | None:
+    return None if limits is None or limits.empty else limits
 
 
 @frozen
@@ -87,7 +100,7 @@ class DeviceAssignment:
     # "BINDING_HOLD", "BINDING_KUBERNETES", another enum name, or the number of an unnamed value.
     binding: str = BINDING_HOLD
     devices: tuple[DeviceRef, ...] = ()
-    limits: Limits | None = field(default=None, converter=lambda lim: None if lim is None or lim.empty else lim)
+    limits: Limits | None = field(default=None, converter=_limits_or_none)
     env: tuple[str, ...] = ()
 
     @property
@@ -129,7 +142,7 @@ def limits_from_wire(msg: wire.DeviceLimits | None) -> Limits | None:
 
 
 def assignment_from_wire(msg: wire.DeviceAssignment) -> DeviceAssignment:
-    """Convert one wire assignment (already strictly decoded) to the domain type. `instance_id` is not read."""
+    """One wire assignment (already strictly decoded) as the domain type; `instance_id` is not read."""
     from bcd_shared.wire import Binding as WireBinding
 
     names = {int(b): f"BINDING_{b.name}" for b in WireBinding}
@@ -146,7 +159,9 @@ def assignment_from_wire(msg: wire.DeviceAssignment) -> DeviceAssignment:
 def spec_from_wire(generation: int, section: wire.DevicesSection | None) -> DevicesSpec:
     if section is None:
         return DevicesSpec(generation=generation)
-    return DevicesSpec(generation=generation, assignments=tuple(assignment_from_wire(a) for a in section.assignments))
+    return DevicesSpec(
+        generation=generation, assignments=tuple(assignment_from_wire(a) for a in section.assignments)
+    )
 
 
 def spec_of(generation: int, assignments: Sequence[DeviceAssignment]) -> DevicesSpec:

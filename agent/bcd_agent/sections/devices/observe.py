@@ -158,7 +158,9 @@ def read_ledger(system: System, data_dir: str) -> Ledger:
 
 
 def encode_ledger(ledger: Ledger) -> bytes:
-    return (json.dumps({"bound": dict(ledger.bound), "failed": dict(ledger.failed)}, sort_keys=True) + "\n").encode()
+    return (
+        json.dumps({"bound": dict(ledger.bound), "failed": dict(ledger.failed)}, sort_keys=True) + "\n"
+    ).encode()
 
 
 def read_vendor_spec(system: System) -> cdi.VendorSpec | None:

@@ -80,7 +80,13 @@ REASON_STUCK = "PodsHoldDevices"
 CONDITION_UNREADABLE = "KubernetesReleasesUnreadable"
 REASON_UNREADABLE = "ReleasesFileUnreadable"
 RESERVED_ENV_KEYS = frozenset(
-    {"BCD_ALLOCATION_ID", "BCD_CGROUP_PARENT", "BCD_RESERVATION_ID", "CUDA_MPS_PIPE_DIRECTORY", "NVIDIA_VISIBLE_DEVICES"}
+    {
+        "BCD_ALLOCATION_ID",
+        "BCD_CGROUP_PARENT",
+        "BCD_RESERVATION_ID",
+        "CUDA_MPS_PIPE_DIRECTORY",
+        "NVIDIA_VISIBLE_DEVICES",
+    }
 )
 
 
@@ -143,7 +149,7 @@ class Observed:
     mps_dir: bool = False
     privileged: bool = True
     admission: bool = True  # False on a fakehw host (never admitted)
-    host_memory: HostMemory | None | NotRead = NOT_READ
+    host_memory: HostMemory | NotRead | None = NOT_READ
     domains_committed_bytes: int = 0
     ledger: Ledger = field(factory=Ledger)
     now: float = 0.0
@@ -409,7 +415,9 @@ def taker(assignment: DeviceAssignment, slice_state: SliceState | None) -> Taker
     return Taker(lim.memory_bytes or 0, pages, _mems(lim.mems))
 
 
-def admit(assignment: DeviceAssignment, host: HostMemory, committed_bytes: int, takers: list[Taker]) -> str | None:
+def admit(
+    assignment: DeviceAssignment, host: HostMemory, committed_bytes: int, takers: list[Taker]
+) -> str | None:
     """The ResourcesExhausted message when `assignment` does not fit, else None. Memory first."""
     lim = assignment.limits
     assert lim is not None
@@ -417,7 +425,8 @@ def admit(assignment: DeviceAssignment, host: HostMemory, committed_bytes: int, 
         left = host.normal_available_bytes - committed_bytes - sum(t.memory_bytes for t in takers)
         if lim.memory_bytes > left:
             need_mib = -(-lim.memory_bytes // MIB)
-            return f"ResourcesExhausted: {need_mib} MiB of memory needed, {max(0, left) // MIB} MiB left on this host"
+            left_mib = max(0, left) // MIB
+            return f"ResourcesExhausted: {need_mib} MiB of memory needed, {left_mib} MiB left on this host"
     nodes = _mems(lim.mems)
     for size, need in ((2048, lim.hugepages_2mi), (1048576, lim.hugepages_1gi)):
         if not need:
@@ -438,7 +447,8 @@ def admit(assignment: DeviceAssignment, host: HostMemory, committed_bytes: int, 
 def needs_host_memory(spec: DevicesSpec, holds: Mapping[str, LiveHold]) -> bool:
     """Whether any assignment that is not yet a hold needs admission (the observer then reads meminfo)."""
     return any(
-        a.limits is not None and a.limits.needs_admission and a.allocation_id not in holds for a in spec.assignments
+        a.limits is not None and a.limits.needs_admission and a.allocation_id not in holds
+        for a in spec.assignments
     )
 
 
@@ -507,7 +517,7 @@ def _overlap(alloc: str, atoms: tuple[Atom, ...], claims: Claims) -> str | None:
 # --- the planner ----------------------------------------------------------------------------------
 
 
-def plan(spec: DevicesSpec, obs: Observed) -> Plan:  # noqa: C901 - the seeds' six steps, in order
+def plan(spec: DevicesSpec, obs: Observed) -> Plan:
     wanted: dict[str, DeviceAssignment] = {}
     for a in spec.assignments:
         wanted.setdefault(a.allocation_id, a)
@@ -535,7 +545,11 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:  # noqa: C901 - the seeds' s
             continue
         if not obs.pods_holding.get(r.allocation_id, True):
             report_steps.append(
-                Emit(ReleasedEvent(r.allocation_id, r.reservation_id, r.generation, r.device_ids, kubernetes=True))
+                Emit(
+                    ReleasedEvent(
+                        r.allocation_id, r.reservation_id, r.generation, r.device_ids, kubernetes=True
+                    )
+                )
             )
             bound.pop(r.allocation_id, None)
             releases_changed = True
@@ -550,7 +564,9 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:  # noqa: C901 - the seeds' s
                 )
             )
     if releases_changed:
-        actions.append(Action("kube-reported", "releases", (*report_steps, WriteReleases(tuple(kept_releases)))))
+        actions.append(
+            Action("kube-reported", "releases", (*report_steps, WriteReleases(tuple(kept_releases))))
+        )
     releases = kept_releases
     if marker and obs.kube_unknown_clear and not obs.releases_unreadable:
         actions.append(Action("marker", "releases", (RemoveMarker(),)))
@@ -573,7 +589,10 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:  # noqa: C901 - the seeds' s
         rec = hold.record
         want = wanted.get(alloc)
         if want is not None:
-            same_binding = want.kubernetes == rec.kubernetes and want.binding in (BINDING_HOLD, BINDING_KUBERNETES)
+            same_binding = want.kubernetes == rec.kubernetes and want.binding in (
+                BINDING_HOLD,
+                BINDING_KUBERNETES,
+            )
             same_atoms = tuple(d.id for d in want.devices) == rec.device_ids and all(
                 isinstance(parse_atom(d), Atom) for d in want.devices
             )
@@ -601,11 +620,15 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:  # noqa: C901 - the seeds' s
             st = obs.slices.get(rec.cgroup_parent)
             if st is not None and not st.populated:
                 steps.append(StopSlice(rec.cgroup_parent))
-        actions.append(Action(f"release:{alloc}", "kube-release" if rec.kubernetes else "release", tuple(steps)))
+        actions.append(
+            Action(f"release:{alloc}", "kube-release" if rec.kubernetes else "release", tuple(steps))
+        )
     for alloc in obs.unparseable_specs:
         if alloc not in wanted:
             actions.append(Action(f"release:{alloc}", "release", (RemoveSpec(alloc), RemoveEnv(alloc))))
-            warnings.append(f"{cdi.cdi_spec_path(alloc)} did not parse; removed (its allocation is not wanted)")
+            warnings.append(
+                f"{cdi.cdi_spec_path(alloc)} did not parse; removed (its allocation is not wanted)"
+            )
 
     # 3. leftover slices.
     wanted_slices = {slice_name(a) for a, w in wanted.items() if w.sliced}
@@ -692,8 +715,16 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:  # noqa: C901 - the seeds' s
             continue
         a = by_alloc[f.allocation_id]
         report.append(
-            Emit(FailedEvent(f.allocation_id, a.reservation_id, spec.generation, f.reason, f.message,
-                             tuple(d.id for d in a.devices)))
+            Emit(
+                FailedEvent(
+                    f.allocation_id,
+                    a.reservation_id,
+                    spec.generation,
+                    f.reason,
+                    f.message,
+                    tuple(d.id for d in a.devices),
+                )
+            )
         )
         failed[f.allocation_id] = spec.generation
     if report:

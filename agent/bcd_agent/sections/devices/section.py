@@ -32,7 +32,12 @@ from bcd_agent.sections.devices import observe
 from bcd_agent.sections.devices.apply import Applier, HoldExecutor
 from bcd_agent.sections.devices.atoms import atom_from_id
 from bcd_agent.sections.devices.events import EventSink, ReportSigner
-from bcd_agent.sections.devices.kube import PodResourcesClient, PodResourcesError, bcd_devices, gpus_with_pod_processes
+from bcd_agent.sections.devices.kube import (
+    PodResourcesClient,
+    PodResourcesError,
+    bcd_devices,
+    gpus_with_pod_processes,
+)
 from bcd_agent.sections.devices.model import DevicesSpec, spec_from_wire
 from bcd_agent.sections.devices.plan import Observed, Plan, needs_host_memory, plan
 
@@ -115,7 +120,9 @@ class DevicesSection:
             inventory=inventory,
             holds=holds,
             unparseable_specs=bad,
-            slices=observe.read_slice_records(self.system) if self.slice_records else observe.read_slices(self.system),
+            slices=observe.read_slice_records(self.system)
+            if self.slice_records
+            else observe.read_slices(self.system),
             releases=releases,
             releases_unreadable=unreadable,
             marker=marker,
@@ -129,12 +136,13 @@ class DevicesSection:
             now=self.clock(),
         )
         if releases or marker or unreadable or any(h.record.kubernetes for h in holds.values()):
-            obs = evolve(obs, **self._kube_side(obs))
+            holding, clear = self._kube_side(obs)
+            obs = evolve(obs, pods_holding=holding, kube_unknown_clear=clear)
         if self.admission and needs_host_memory(spec, holds):
             obs = evolve(obs, host_memory=read_host_memory(self.system))
         return obs
 
-    def _kube_side(self, obs: Observed) -> dict[str, object]:
+    def _kube_side(self, obs: Observed) -> tuple[dict[str, bool], bool]:
         """Ask the kube side once: which pending releases pods still hold; whether the marker may go."""
         held: set[str] | None = None
         if self.pod_resources is not None:
@@ -159,7 +167,7 @@ class DevicesSection:
         for r in obs.releases:
             known |= {*r.device_ids, *(cdi.device_name(d) for d in r.device_ids)}
         clear = held is not None and not (held - known)
-        return {"pods_holding": holding, "kube_unknown_clear": clear}
+        return holding, clear
 
     # --- converge -------------------------------------------------------------------------------
 
@@ -176,7 +184,8 @@ class DevicesSection:
             the_plan
         )
         conditions = tuple(
-            Condition(type=c.type, reason=c.reason, message=c.message, section=SECTION) for c in the_plan.conditions
+            Condition(type=c.type, reason=c.reason, message=c.message, section=SECTION)
+            for c in the_plan.conditions
         )
         changed = result.changed
         if the_plan.failures:
@@ -186,7 +195,9 @@ class DevicesSection:
         if result.errors:
             message = "; ".join(f"{k}: {m}" for k, m in result.errors)
             log.warning("devices: %s", message)
-            return SectionOutcome(SECTION, SectionState.PROGRESSING, REASON_WRITE, message, conditions, changed)
+            return SectionOutcome(
+                SECTION, SectionState.PROGRESSING, REASON_WRITE, message, conditions, changed
+            )
         pending = self._pending_after(the_plan)
         if pending:
             msg = "waiting for pods to free the devices of " + ", ".join(pending)

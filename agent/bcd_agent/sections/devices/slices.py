@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import re
 
-from attrs import frozen
+from attrs import field, frozen
 
 from bcd_agent.sections.devices.model import Limits
 
@@ -39,7 +39,9 @@ def slice_cgroup(name: str) -> str:
 
 
 def check_slice_name(name: str) -> str | None:
-    return None if SLICE_NAME_RE.fullmatch(name) else f"slice name {name!r} must match {SLICE_NAME_RE.pattern}"
+    return (
+        None if SLICE_NAME_RE.fullmatch(name) else f"slice name {name!r} must match {SLICE_NAME_RE.pattern}"
+    )
 
 
 def check_cpulist(field: str, text: str) -> str | None:
@@ -57,7 +59,7 @@ class SliceSpec:
     name: str
     properties: tuple[tuple[str, str], ...]
     hugetlb_max: tuple[tuple[int, int], ...]  # (page size kB, bytes)
-    limits: Limits = Limits()
+    limits: Limits = field(factory=Limits)
 
     @property
     def cgroup(self) -> str:
