@@ -1,0 +1,220 @@
+"""Kubernetes releases against a fake kubelet pod-resources server on a real Unix socket, and the
+busy checks / gpu.reset core on the simulated host."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import h2.config
+import h2.connection
+import h2.events
+import pytest
+from bcd_agent.converge.types import SectionState
+from bcd_agent.sections.devices.busy import GpuBusy, dcgm_busy_check, gpu_reset, read_busy
+from bcd_agent.sections.devices.kube import PodResourcesClient, PodResourcesError
+from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+from bcd_agent.inventory.gpus import collect_gpus
+from bcd_shared.simhost.gpus import gpu_uuid, update_state
+
+from devices.devhost import DATA_DIR, Host
+
+G0, G1, G7 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(7)
+
+
+def _ld(num: int, data: bytes) -> bytes:
+    key, n, out = (num << 3) | 2, len(data), b""
+    for v in (key, n):
+        while v >= 0x80:
+            out += bytes([(v & 0x7F) | 0x80])
+            v >>= 7
+        out += bytes([v])
+    return out + data
+
+
+def list_response(pods: list[tuple[str, str, list[str]]]) -> bytes:
+    """ListPodResourcesResponse: pods of (name, resource, device ids), hand-encoded protobuf."""
+    body = b""
+    for name, resource, ids in pods:
+        dev = (
+            _ld(1, resource.encode()) + b"".join(_ld(2, i.encode()) for i in ids) + b"\x18\x07"
+        )  # + an int field
+        container = _ld(1, b"main") + _ld(2, dev)
+        body += _ld(1, _ld(1, name.encode()) + _ld(2, b"default") + _ld(3, container))
+    return body
+
+
+def _text(v: bytes | str) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+class FakeKubelet:
+    """A pod-resources `List` server (HTTP/2 gRPC) on a Unix socket; `pods` is what it answers."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pods: list[tuple[str, str, list[str]]] = []
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        self.calls = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    self._one(conn)
+                except OSError:
+                    pass  # the client went away
+
+    def _one(self, conn: socket.socket) -> None:
+        h2c = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=False))
+        h2c.initiate_connection()
+        conn.sendall(h2c.data_to_send())
+        path = ""
+        while True:
+            data = conn.recv(65536)
+            if not data:
+                return
+            for ev in h2c.receive_data(data):
+                if isinstance(ev, h2.events.RequestReceived):
+                    hdrs = {_text(k): _text(v) for k, v in ev.headers or ()}
+                    path = hdrs.get(":path", "")
+                elif isinstance(ev, h2.events.StreamEnded):
+                    self.calls += 1
+                    sid = ev.stream_id
+                    h2c.send_headers(sid, [(":status", "200"), ("content-type", "application/grpc")])
+                    if path == "/v1.PodResourcesLister/List":
+                        msg = list_response(self.pods)
+                        h2c.send_data(sid, b"\x00" + len(msg).to_bytes(4, "big") + msg)
+                        h2c.send_headers(sid, [("grpc-status", "0")], end_stream=True)
+                    else:
+                        h2c.send_headers(
+                            sid, [("grpc-status", "12"), ("grpc-message", "unimplemented")], end_stream=True
+                        )
+            conn.sendall(h2c.data_to_send())
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.fixture
+def kubelet(tmp_path: Path) -> Iterator[FakeKubelet]:
+    k = FakeKubelet(tmp_path / "kubelet.sock")
+    yield k
+    k.close()
+
+
+def kube_hold(alloc: str, *ids: str) -> DeviceAssignment:
+    return DeviceAssignment(
+        alloc,
+        f"rsv_{alloc}",
+        "BINDING_KUBERNETES",
+        tuple(DeviceRef(i, "gpu.slot" if "/s" in i else "gpu") for i in ids),
+    )
+
+
+def test_pod_resources_client_on_a_real_socket(kubelet: FakeKubelet, tmp_path: Path) -> None:
+    kubelet.pods = [("trainer", "bcd.dev/gpu", [f"{G0}_s1"]), ("other", "nvidia.com/gpu", ["x"])]
+    pods = PodResourcesClient(str(kubelet.path)).list()
+    assert [(p.pod, p.namespace, p.container, p.resource_name, p.device_ids) for p in pods] == [
+        ("trainer", "default", "main", "bcd.dev/gpu", (f"{G0}_s1",)),
+        ("other", "default", "main", "nvidia.com/gpu", ("x",)),
+    ]
+    with pytest.raises(PodResourcesError):
+        PodResourcesClient(str(tmp_path / "missing.sock")).list()
+
+
+def test_DEV_K8S_02_release_waits_for_pods_then_reports(make_host, kubelet: FakeKubelet) -> None:  # type: ignore[no-untyped-def]
+    """Covers DEV-K8S-01..03, DEV-K8S-06, DEV-K8S-08, DEV-K8S-09, DEV-K8S-11, DEV-EVT-08, DEV-BND-06."""
+    host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
+    kubelet.pods = [("trainer", "bcd.dev/gpu", [f"{G0}_s1"])]
+    host.run(DevicesSpec(1, (kube_hold("k1", f"{G0}/s1"),)))
+    out = host.run(DevicesSpec(2, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G0),)),)))
+    assert out.state is SectionState.FAILED and out.message == f"h1: {G0} has {G0}/s1 assigned to k1"
+    assert not host.path("/etc/cdi/bcd-k1.json").exists()  # withdrawn at once
+    record = json.loads(host.path(f"{DATA_DIR}/releasing.json").read_text())
+    assert record["releases"][0]["allocation_id"] == "k1" and record["releases"][0]["generation"] == 2
+    assert (host.path(f"{DATA_DIR}/releasing.json").stat().st_mode & 0o777) == 0o600
+    assert host.events("ReleasedEvent") == []
+    kubelet.pods = []
+    host.run(DevicesSpec(3, ()))
+    [rel] = host.events("ReleasedEvent")
+    assert rel.allocation_id == "k1" and rel.generation == 2  # type: ignore[attr-defined]
+    assert json.loads(host.path(f"{DATA_DIR}/releasing.json").read_text())["releases"] == []
+
+
+def test_DEV_K8S_07_unreachable_kubelet_counts_as_held(make_host, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Covers DEV-K8S-07 and the 30-second recheck (PROGRESSING while pending, DEV-K8S-10)."""
+    host: Host = make_host(pod_resources=PodResourcesClient(str(tmp_path / "nothing.sock")))
+    host.run(DevicesSpec(1, (kube_hold("k1", G1),)))
+    out = host.run(DevicesSpec(2, ()))
+    assert out.state is SectionState.PROGRESSING and host.events("ReleasedEvent") == []
+
+
+def test_DEV_K8S_16_unreadable_file_procedure_and_marker_removal(make_host, kubelet: FakeKubelet) -> None:  # type: ignore[no-untyped-def]
+    """Covers DEV-K8S-14..19, DEV-CONF-09, DEV-BUSY-06."""
+    host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
+    host.path(DATA_DIR).mkdir(parents=True, exist_ok=True)
+    host.path(f"{DATA_DIR}/releasing.json").write_text("{not json")
+    kubelet.pods = [("ghost", "bcd.dev/gpu", ["GPU-unknown-to-this-node"])]
+    out = host.run(DevicesSpec(1, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G1),)),)))
+    assert out.message.startswith(
+        f"h1: {G1} is assigned to (pending Kubernetes releases that could not be read)"
+    )
+    assert [c.type for c in out.conditions] == ["KubernetesReleasesUnreadable"]
+    aside = list(host.path(DATA_DIR).glob("releasing.json.unreadable-*"))
+    assert len(aside) == 1 and aside[0].read_text() == "{not json"
+    assert host.path(f"{DATA_DIR}/releasing.unreadable").exists()
+    with pytest.raises(GpuBusy, match="pending Kubernetes releases could not be read"):
+        gpu_reset(host.system, [G0], read_busy(host.system, DATA_DIR, {}))
+    kubelet.pods = []  # the kube side: no pod holds a bcd GPU of an unknown allocation
+    out = host.run(DevicesSpec(2, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G1),)),)))
+    assert out.state is SectionState.CONVERGED and out.conditions == ()
+    assert not host.path(f"{DATA_DIR}/releasing.unreadable").exists() and aside[0].exists()
+
+
+def test_DEV_BUSY_gpu_reset_checks_then_resets_and_reads_health(host: Host) -> None:
+    """Covers DEV-BUSY-02..05, DEV-BUSY-08..10, DEV-CONF-14, DLV-DEV-21 (the busy side)."""
+    host.run(
+        DevicesSpec(
+            1, (DeviceAssignment("a1", "r", "BINDING_HOLD", (DeviceRef(f"{G7}/gi2/ci0", "gpu.mig"),)),)
+        )
+    )
+    state = read_busy(host.system, DATA_DIR, {G1: "vm-9"})
+    with pytest.raises(ValueError):
+        gpu_reset(host.system, [], state)
+    with pytest.raises(GpuBusy) as busy:
+        gpu_reset(host.system, [G0, G7, G1], state)
+    assert busy.value.message == f"{G7} is held by allocation a1; {G1} is passed through to instance vm-9"
+    assert json.loads(host.path("/var/lib/bcd-sim/gpus.json").read_text())["gpus"][0]["reset_count"] == 0
+    with pytest.raises(GpuBusy):
+        dcgm_busy_check(2, [], collect_gpus(host.system), state)
+    dcgm_busy_check(1, [G7], collect_gpus(host.system), state)
+
+    def change(s: dict) -> None:  # type: ignore[type-arg]
+        s["gpus"][2]["remap_pending"] = True
+        s["gpus"][3]["remap_failure"] = True
+        s["gpus"][4]["processes"] = [{"pid": 4242, "name": "python", "used_mib": 100}]
+
+    update_state(host.root, change)
+    result = gpu_reset(host.system, [G0, gpu_uuid(2), gpu_uuid(3), gpu_uuid(4), "GPU-nope"], state)
+    got = [
+        (o.gpu_uuid, o.reset, o.healthy, o.message.splitlines()[0] if o.message else "") for o in result.gpus
+    ]
+    assert got == [
+        (G0, True, True, ""),
+        (gpu_uuid(2), True, True, ""),  # a reset applies the pending remap
+        (gpu_uuid(3), True, False, ""),  # a failed remap stays
+        (gpu_uuid(4), False, False, "The following GPUs could not be reset:"),
+        ("GPU-nope", False, False, "unknown GPU"),
+    ]
