@@ -37,6 +37,8 @@ OP_TIMEOUT_S: Mapping[str, float] = {
     "host.unit": 30 * 60,
     "gpu.reset": 10 * 60,
     "node.reboot": 120,
+    "daemon.swap": 10 * 60,
+    "daemon.confirm": 120,
 }
 _LEN = struct.Struct(">I")
 
@@ -176,6 +178,37 @@ class HelperClient:
     def node_reboot(self) -> dict[str, Any]:
         return self.call("node.reboot")
 
+    def daemon_swap(
+        self,
+        *,
+        version: str,
+        url: str,
+        sha256: str,
+        signature: bytes,
+        chain: Sequence[bytes],
+        artifact: str,
+        trust_bundle: bytes | None = None,
+        confirm_timeout_s: int = 600,
+    ) -> dict[str, Any]:
+        """Ask root to verify the downloaded release (`artifact`, a file the node owns) and swap it in."""
+        return self.call(
+            "daemon.swap",
+            {
+                "version": version,
+                "url": url,
+                "sha256": sha256,
+                "signature": base64.b64encode(signature).decode(),
+                "chain": [base64.b64encode(c).decode() for c in chain],
+                "artifact": artifact,
+                "trust_bundle": None if trust_bundle is None else base64.b64encode(trust_bundle).decode(),
+                "confirm_timeout_s": confirm_timeout_s,
+            },
+        )
+
+    def daemon_confirm(self, version: str, *, healthy: bool = True) -> dict[str, Any]:
+        """The running release confirms itself (or, unhealthy, asks root to roll back)."""
+        return self.call("daemon.confirm", {"version": version, "healthy": healthy})
+
 
 class TrioHelperClient:
     """The same operations for trio code: each call runs the sync client in a worker thread."""
@@ -215,6 +248,12 @@ class TrioHelperClient:
 
     async def node_reboot(self) -> dict[str, Any]:
         return await trio.to_thread.run_sync(self.sync.node_reboot)
+
+    async def daemon_swap(self, **kwargs: Any) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(lambda: self.sync.daemon_swap(**kwargs))
+
+    async def daemon_confirm(self, version: str, *, healthy: bool = True) -> dict[str, Any]:
+        return await trio.to_thread.run_sync(lambda: self.sync.daemon_confirm(version, healthy=healthy))
 
     def close(self) -> None:
         self.sync.close()

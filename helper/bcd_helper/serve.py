@@ -8,6 +8,7 @@ config and on every write, ownership, modes) is the real thing, checked on the r
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from bcd_shared.system import LocalSystem
 
 from bcd_helper.audit import AuditLog
 from bcd_helper.config import DEFAULT_CONFIG, ConfigError, load_config
-from bcd_helper.ops.base import HelperContext
+from bcd_helper.ops.base import Failed, HelperContext
+from bcd_helper.ops.daemon import RELEASE_STATE
 from bcd_helper.ops.table import lock_names
 from bcd_helper.server import HelperServer
 
@@ -47,6 +49,13 @@ def build(root: Path, config_path: str) -> HelperServer:
     except RootPathRefused as exc:
         raise ConfigError(str(exc)) from None
     ctx = HelperContext(root=root, config=config, system=_system(root), audit=audit, lock_names=lock_names())
+    if os.path.lexists(root.joinpath(*split_host_path(RELEASE_STATE))):
+        from bcd_helper.ops.daemon import resume
+
+        try:
+            resume(ctx)  # a self-update still waiting for its confirmation gets its timer back
+        except Failed as exc:  # daemon.swap and daemon.confirm fail the same way until it is fixed
+            print(f"bcd helper: {exc.message}", file=sys.stderr)
     real_socket = str(root.joinpath(*sock_parts))
     return HelperServer(ctx, real_socket)
 

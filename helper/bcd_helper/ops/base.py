@@ -32,6 +32,7 @@ from bcd_shared.system import DEFAULT_TOOL_TIMEOUT_S, CommandResult, LocalSystem
 if TYPE_CHECKING:
     from bcd_helper.audit import AuditLog
     from bcd_helper.config import HelperConfig
+    from bcd_helper.intent import IntentVerifier
 
 
 class Refused(Exception):
@@ -159,6 +160,20 @@ class HelperContext:
         self.system = system
         self.audit = audit
         self.locks: dict[str, threading.Lock] = {name: threading.Lock() for name in lock_names}
+        self._intent: IntentVerifier | None = None
+        # daemon.swap's confirmation timer (bcd_helper.ops.daemon), one per helper.
+        self.daemon_timer: threading.Timer | None = None
+        self.timer_lock = threading.Lock()
+        self._intent_lock = threading.Lock()
+
+    def intent_verifier(self) -> IntentVerifier:
+        """The signed-intent checks, created (and bcd_shared.pki imported) on the first signed op."""
+        with self._intent_lock:
+            if self._intent is None:
+                from bcd_helper.intent import IntentVerifier
+
+                self._intent = IntentVerifier(self.root, self.config)
+            return self._intent
 
 
 @frozen

@@ -15,10 +15,11 @@ Rules (host-config.md "Under bcd helper"; HST-HLP-03..12, 20..23, 33..36):
 - writes go through the root-only rule (BoundedSystem, and the units' own path guard), programs
   are bounded to 20 minutes each, the operation to 30 minutes; k8s-join reads the token the node
   staged with file kind `k8s-token`;
-- signed intent (host-config.md "Signed specs"): the request may carry `intent`; where root's
-  config pins command-signing roots (`command_root_sha256`) the helper requires and verifies it.
-  Until the verifier is wired in (bcd_helper.intent), a helper whose config pins roots refuses every
-  host.unit (fail closed), and one without pins applies unsigned units (HST-SIGN-33).
+- signed intent (host-config.md "Signed specs"; bcd_helper.intent): after the argument rules and
+  `[host] units`, the request's `intent` is checked against the command-signing roots of root's pins,
+  root's join record or a trust bundle the node presents; the next intent state is written to
+  helper-intent.json only once the unit and its settings also passed, before the unit is applied
+  (a refused request writes nothing).
 """
 
 from __future__ import annotations
@@ -72,12 +73,6 @@ def check_request(call: Call, req: HostUnit) -> None:
         raise Refused("too-large", f"host.unit: settings larger than {MAX_SETTINGS} bytes")
     if not call.ctx.config.host_units:
         raise Refused("host-managed-externally", EXTERNAL_MESSAGE)
-    if call.ctx.config.command_root_sha256:
-        raise Refused(
-            "intent-unverifiable",
-            "host.unit: root's config pins command-signing roots, "
-            "and this helper cannot verify signed intent yet",
-        )
 
 
 def unit_registry() -> Mapping[str, Any] | None:
@@ -92,6 +87,8 @@ def unit_registry() -> Mapping[str, Any] | None:
 
 def host_unit(call: Call, req: HostUnit) -> dict[str, Any]:
     check_request(call, req)
+    verifier = call.ctx.intent_verifier()
+    next_state = verifier.check_host_unit(req.unit, req.settings, req.intent)
     registry = unit_registry()
     if registry is None:
         raise Refused("not-configured", "host.unit: not configured (this helper has no host units)")
@@ -116,6 +113,8 @@ def host_unit(call: Call, req: HostUnit) -> dict[str, Any]:
         settings = None if req.settings is None else unit.decode_settings(req.settings)
     except StepError as exc:
         raise Refused("invalid-settings", f"host.unit: {req.unit}: {exc.message}") from None
+    if next_state is not None:  # durable before effect: root's intent state, then the unit
+        verifier.save_state(next_state)
     actx = units.ApplyContext(guard=call.system.guard, tokens=units.StagedTokenSource(call.system))
     result = units.converge_unit(unit, settings, call.system, uctx, actx)
     return {

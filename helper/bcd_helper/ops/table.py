@@ -6,7 +6,8 @@ and a one-line summary. docs/helper-rpc.md documents every row (a test checks it
 ch.* and nft.* operations of the instances section slot in as rows of the same shape.
 
 Locks: `units` (host.unit: one unit at a time), `gpus` (what changes the GPUs' holders: cdi files,
-gpu.reset, and host.unit for mig-layout via `units`), `system` (node.reboot). Flag `nowait`: a held
+gpu.reset, and host.unit for mig-layout via `units`), `system` (node.reboot, daemon.swap and
+daemon.confirm: a reboot never lands in the middle of a swap). Flag `nowait`: a held
 lock refuses the request as `busy` instead of waiting (a reboot never waits behind a driver install).
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_helper.ops import files, host, hostunit, slices
+from bcd_helper.ops import daemon, files, host, hostunit, slices
 from bcd_helper.ops.base import Handler
 
 LOCK_ORDER = ("units", "gpus", "slices", "system")
@@ -96,6 +97,22 @@ OPS: dict[str, OpSpec] = {
         flags=("destructive",),
         shown=("gpu_uuids",),
         summary="reset GPUs no hold and no process uses",
+    ),
+    "daemon.swap": _op(
+        daemon.DaemonSwap,
+        daemon.daemon_swap,
+        10 * MINUTE,
+        locks=("system",),
+        shown=("version", "url", "sha256", "artifact", "confirm_timeout_s"),
+        summary="verify a signed release and swap it in, keeping the previous one for rollback",
+    ),
+    "daemon.confirm": _op(
+        daemon.DaemonConfirm,
+        daemon.daemon_confirm,
+        2 * MINUTE,
+        locks=("system",),
+        shown=("version", "healthy"),
+        summary="confirm the swapped release, or roll it back when it is unhealthy",
     ),
     "node.reboot": _op(
         host.NodeReboot,
