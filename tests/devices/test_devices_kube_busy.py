@@ -3,6 +3,7 @@ busy checks / gpu.reset core on the simulated host."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import threading
@@ -14,12 +15,11 @@ import h2.connection
 import h2.events
 import pytest
 from bcd_agent.converge.types import SectionState
+from bcd_agent.inventory.gpus import collect_gpus
 from bcd_agent.sections.devices.busy import GpuBusy, dcgm_busy_check, gpu_reset, read_busy
 from bcd_agent.sections.devices.kube import PodResourcesClient, PodResourcesError
 from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
-from bcd_agent.inventory.gpus import collect_gpus
 from bcd_shared.simhost.gpus import gpu_uuid, update_state
-
 from devices.devhost import DATA_DIR, Host
 
 G0, G1, G7 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(7)
@@ -70,11 +70,8 @@ class FakeKubelet:
                 conn, _ = self.sock.accept()
             except OSError:
                 return
-            with conn:
-                try:
-                    self._one(conn)
-                except OSError:
-                    pass  # the client went away
+            with conn, contextlib.suppress(OSError):  # the client went away
+                self._one(conn)
 
     def _one(self, conn: socket.socket) -> None:
         h2c = h2.connection.H2Connection(config=h2.config.H2Configuration(client_side=False))
