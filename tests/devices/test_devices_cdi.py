@@ -1,0 +1,136 @@
+"""bcd_shared.cdi: the checker against the official test documents, naming rules, read-back."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from bcd_shared import cdi
+from devices.cdicheck import assert_cdi_valid, schema_errors
+from devices.devhost import REFERENCE
+
+SCHEMA = REFERENCE / "cdi-schema"
+
+
+@pytest.mark.parametrize("name", ["testdata-good-minimal.json", "testdata-good-spec-example.json"])
+def test_official_good_documents_pass(name: str) -> None:
+    if not (SCHEMA / name).exists():
+        pytest.skip("reference data not present")
+    assert_cdi_valid((SCHEMA / name).read_bytes())
+
+
+@pytest.mark.parametrize("name", ["testdata-bad-empty.json", "testdata-bad-explicit-empty.json"])
+def test_official_bad_documents_fail(name: str) -> None:
+    if not (SCHEMA / name).exists():
+        pytest.skip("reference data not present")
+    text = (SCHEMA / name).read_text()
+    if not text.strip():
+        return  # an empty file is no JSON document at all
+    doc = json.loads(text)
+    assert schema_errors(doc) or cdi.naming_errors(doc)
+
+
+@pytest.mark.parametrize(
+    ("doc", "error"),
+    [
+        (
+            {
+                "cdiVersion": "0.6.0",
+                "kind": "bcd.dev/gpu",
+                "devices": [{"name": "a/b", "containerEdits": {}}],
+            },
+            "breaks CDI's device name rules",
+        ),
+        ({"cdiVersion": "0.6.0", "kind": "bcd/", "devices": []}, "kind"),
+        (
+            {"cdiVersion": "0.5.0", "kind": "bcd.dev/gpu", "annotations": {"a": "b"}, "devices": []},
+            "needs at least 0.6.0",
+        ),
+        (
+            {
+                "cdiVersion": "0.6.0",
+                "kind": "bcd.dev/gpu",
+                "devices": [],
+                "containerEdits": {"additionalGids": [44]},
+            },
+            "needs at least 0.7.0",
+        ),
+        ({"cdiVersion": "0.6.0", "kind": "bcd.dev/gpu", "devices": [], "extra": 1}, "unknown field"),
+        (
+            {"cdiVersion": "0.6.0", "kind": "bcd.dev/gpu", "devices": [], "annotations": {"-bad": "x"}},
+            "annotation key",
+        ),
+    ],
+)
+def test_naming_rules_refuse(doc: dict[str, object], error: str) -> None:
+    """The rules of notes/real-host-testing.md that the schema does not carry."""
+    assert any(error in e for e in cdi.naming_errors(doc)), cdi.naming_errors(doc)
+
+
+def test_DEV_CDI_04_version_and_DEV_CDI_19_void_dropped_and_read_back() -> None:
+    """Covers DEV-CDI-04, DEV-CDI-09..11, DEV-CDI-13, DEV-CDI-19, DEV-CDI-20, DEV-PASS-04, DLV-DEV-22."""
+    vendor = cdi.parse_vendor_spec(
+        json.dumps(
+            {
+                "cdiVersion": "0.8.0",
+                "kind": "nvidia.com/gpu",
+                "devices": [
+                    {
+                        "name": "GPU-1",
+                        "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}], "env": ["X=1"]},
+                    }
+                ],
+                "containerEdits": {
+                    "env": ["NVIDIA_VISIBLE_DEVICES=void"],
+                    "deviceNodes": [{"path": "/dev/nvidiactl"}],
+                },
+            }
+        ).encode()
+    )
+    doc = cdi.build_hold_spec(
+        allocation_id="a_1",
+        reservation_id="r",
+        generation=3,
+        kubernetes=False,
+        cgroup_parent=None,
+        devices=[cdi.HoldDevice("GPU-1/s2", vendor.edits_for(["GPU-1"]))],
+        env=["BCD_ALLOCATION_ID=a_1", "NVIDIA_VISIBLE_DEVICES=GPU-1"],
+        vendor=vendor,
+    )
+    assert doc["cdiVersion"] == "0.8.0" and doc["devices"][0]["containerEdits"] == {
+        "deviceNodes": [{"path": "/dev/nvidia0"}]
+    }
+    assert doc["containerEdits"]["env"] == ["BCD_ALLOCATION_ID=a_1", "NVIDIA_VISIBLE_DEVICES=GPU-1"]
+    assert_cdi_valid(doc)
+    rec = cdi.parse_hold_spec(cdi.encode_spec(doc), "a_1")
+    assert rec.device_ids == ("GPU-1/s2",) and rec.generation == 3 and not rec.kubernetes
+    bare = cdi.build_hold_spec(
+        allocation_id="a_1",
+        reservation_id="r",
+        generation=3,
+        kubernetes=False,
+        cgroup_parent=None,
+        devices=[cdi.HoldDevice("GPU-1")],
+        env=["BCD_ALLOCATION_ID=a_1"],
+        vendor=None,
+    )
+    assert bare["cdiVersion"] == "0.6.0" and bare["containerEdits"] == {"env": ["BCD_ALLOCATION_ID=a_1"]}
+    with pytest.raises(cdi.CdiError, match="device-id"):
+        cdi.parse_hold_spec(
+            json.dumps(
+                {
+                    "cdiVersion": "0.6.0",
+                    "kind": "bcd.dev/gpu",
+                    "annotations": {"bcd.dev/allocation-id": "a_1", "bcd.dev/generation": "1"},
+                    "devices": [{"name": "x", "containerEdits": {}}],
+                }
+            ).encode()
+        )
+    with pytest.raises(cdi.CdiError):
+        cdi.cdi_spec_path("../etc/passwd")
+    assert cdi.parse_env_file(b"BCD_ALLOCATION_ID=a_1\nFOO=bar\n", "a_1") == (
+        "BCD_ALLOCATION_ID=a_1",
+        "FOO=bar",
+    )
+    with pytest.raises(cdi.CdiError):
+        cdi.encode_env_file(["FOO=bar\nEVIL=1"])
