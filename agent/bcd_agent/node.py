@@ -5,8 +5,18 @@
 
 `Node(config, NodeOptions(...))` is a trio service: `await nursery.start(node.run)` returns once every part
 runs; cancelling it stops them and closes the journal. `bcd node` runs it until SIGTERM/SIGINT.
-Sections are plugged in through the converge runner's Section interface when their packages exist; the
-helper client is used for the devices section's writes when `[helper] socket` is set.
+
+What is wired (docs/session.md "bcd node"):
+- sections: `host` (bcd_agent.nodeparts.host.NodeHostSection over sections.host; not built with
+  `[host] units = false`, so the runner reports a listed host section UNSUPPORTED HostManagedExternally)
+  and `devices`. Both act through the helper when `[helper] socket` is set, directly as root or on the
+  simulated host otherwise; an unprivileged node without a helper builds neither host nor hold writes.
+- the observation's `inventory` part and the heartbeat's inventory hash (nodeparts.inventory);
+- kinds: inventory.refresh, diag.nvml, gpu.reset, node.reboot (nodeparts.kinds; gpu.reset and
+  node.reboot only where the node can act: root, the helper, or the simulated host), the test kinds
+  with `--test-kinds`;
+- SecretRequest/SecretResponse (session.secrets) for the k8s-join token;
+- after a host unit changed the host: the inventory read again and a devices pass triggered.
 """
 
 from __future__ import annotations
@@ -43,6 +53,8 @@ class NodeOptions:
     backoff_max_s: float = 30.0
     sections: bool = True  # plug in the section convergers this build has
     extra_handlers: Mapping[str, Any] = field(factory=dict)
+    secret_timeout_s: float = 30.0  # how long a SecretRequest waits for its SecretResponse
+    reboot_wait_s: float = 600.0  # node.reboot: how long the host may stay up after the request
 
 
 class _ReportSigner:
@@ -73,6 +85,10 @@ class Node:
         self.dispatcher: Any = None
         self.core: Any = None
         self.status: Any = None
+        self.inventory: Any = None  # nodeparts.inventory.InventoryState
+        self.host_section: Any = None  # nodeparts.host.NodeHostSection, when built
+        self.secrets: Any = None  # session.secrets.SecretRequests
+        self.handlers: dict[str, Any] = {}
         self.started_monotonic: float | None = None
 
     # --- composition ----------------------------------------------------------------------------------
@@ -92,10 +108,24 @@ class Node:
             return sock
         return str(Path(self.options.root) / sock.lstrip("/"))
 
-    def _sections(self, system: Any, sink: Any, signer: Any) -> list[Any]:
+    def _acts_on_host(self) -> bool:
+        """The node can change the host: through the helper, as root, or on the simulated host."""
+        return self._helper_socket() is not None or os.geteuid() == 0 or self.options.root != "/"
+
+    def _helper_client(self) -> Any:
+        from bcd_agent.helperclient import HelperClient
+
+        sock = self._helper_socket()
+        assert sock is not None
+        return HelperClient(sock)
+
+    def _sections(self, system: Any, sink: Any, signer: Any, identity: Any, trio_token: Any) -> list[Any]:
         sections: list[Any] = []
         if not self.options.sections:
             return sections
+        host = self._host_section(system, identity, trio_token)
+        if host is not None:
+            sections.append(host)
         try:
             from bcd_agent.sections.devices.apply import DirectExecutor, HelperExecutor
             from bcd_agent.sections.devices.section import DevicesSection
@@ -103,11 +133,9 @@ class Node:
             log.info("node: no devices section: %s", exc)
         else:
             helper = self._helper_socket()
-            privileged = helper is not None or os.geteuid() == 0 or self.options.root != "/"
+            privileged = self._acts_on_host()
             if helper is not None:
-                from bcd_agent.helperclient import HelperClient
-
-                executor: Any = HelperExecutor(HelperClient(helper))
+                executor: Any = HelperExecutor(self._helper_client())
             else:
                 executor = DirectExecutor(system)
             sections.append(
@@ -115,16 +143,88 @@ class Node:
             )
         return sections
 
+    def _host_section(self, system: Any, identity: Any, trio_token: Any) -> Any:
+        """The host section, or None: `[host] units = false` (the runner reports HostManagedExternally),
+        or a node that cannot change the host (unprivileged without a helper: SectionUnsupported)."""
+        cfg = self.config
+        if not cfg.host.units:
+            log.info("node: [host] units = false: no host converger; host units are managed outside bcd")
+            return None
+        if not self._acts_on_host():
+            log.warning("node: unprivileged without [helper] socket: the host section cannot be converged")
+            return None
+        try:
+            from bcd_shared.units import ApplyContext, UnitContext
+
+            from bcd_agent.nodeparts import host as nh
+            from bcd_agent.sections.host import DirectExecutor, HelperExecutor
+            from bcd_agent.session.secrets import SessionTokenSource
+        except ImportError as exc:  # a build without the host units
+            log.info("node: no host section: %s", exc)
+            return None
+        tokens = SessionTokenSource(self.secrets, trio_token)
+        clusters = nh.allowed_clusters(cfg.kubernetes.allowed_clusters)
+        data_dir = cfg.data_dir
+        node_id = identity.node_id
+
+        def context_for(observation: Any) -> Any:
+            gpus = nh.observed_gpus(observation)
+            return UnitContext(
+                busy_gpus=nh.busy_devices(system, data_dir, gpus),
+                allowed_clusters=clusters,
+                identity_labels=nh.identity_labels(node_id, gpus),
+            )
+
+        if self._helper_socket() is not None:
+            send = nh.HelperHostSend(
+                self._helper_client(), system, tokens, intent=lambda: nh.load_host_intent(data_dir)
+            )
+
+            def executor_for(ctx: Any) -> Any:
+                return HelperExecutor(system, send, ctx)
+
+        else:
+            actx = ApplyContext(guard=self._root_guard(), tokens=tokens)
+
+            def executor_for(ctx: Any) -> Any:
+                return DirectExecutor(system, ctx, actx)
+
+        self.host_section = nh.NodeHostSection(executor_for, context_for, on_changed=self._host_changed)
+        return self.host_section
+
+    def _root_guard(self) -> Any:
+        """As root, the units' writes go through the root-only rule (HST-ROOT-*); None otherwise."""
+        if os.geteuid() != 0:
+            return None
+        from bcd_shared.errors import RetryableError
+        from bcd_shared.rootpath import RootPathRefused, check_root_only
+
+        root = Path(self.options.root)
+
+        def guard(path: str) -> None:
+            try:
+                check_root_only(root, path)
+            except RootPathRefused as exc:
+                raise RetryableError("RootOnly", str(exc)) from None
+
+        return guard
+
+    def _host_changed(self) -> None:
+        """A host unit changed the host (runner worker thread): read the inventory again (hash, heartbeat)
+        and ask for a pass, in which the devices section sees the new GPUs / MIG layout (HST-LVL-13)."""
+        from bcd_agent.converge.runner import TRIGGER_CHANGED
+
+        if self.inventory is not None:
+            self.inventory.refresh()
+        if self.runner is not None:
+            self.runner.trigger(TRIGGER_CHANGED)
+
     def _observer(self, system: Any) -> Any:
         from bcd_agent.converge.section import PartsObserver
 
         readers: dict[str, Callable[[], object]] = {}
-        try:
-            from bcd_agent.inventory.gpus import collect_gpus
-        except ImportError:
-            pass
-        else:
-            readers["inventory"] = lambda: collect_gpus(system)
+        if self.inventory is not None:
+            readers["inventory"] = self.inventory.read_gpus
         return PartsObserver(readers, clock=trio.current_time)
 
     def _handlers(self, system: Any) -> dict[str, Any]:
@@ -133,10 +233,20 @@ class Node:
             from bcd_agent.inventory.handlers import SystemInventoryCollector
             from bcd_agent.kinds.inventory import KIND as INVENTORY
             from bcd_agent.kinds.inventory import InventoryRefreshHandler
+            from bcd_agent.nodeparts import kinds as nk
         except ImportError:
             pass
         else:
-            handlers[INVENTORY] = InventoryRefreshHandler(SystemInventoryCollector(system))
+            publish = self.inventory.publish if self.inventory is not None else (lambda _r: None)
+            handlers[INVENTORY] = InventoryRefreshHandler(SystemInventoryCollector(system, publish))
+            handlers[nk.DIAG_NVML] = nk.DiagNvmlHandler(system)
+            if self._acts_on_host():
+                helper = self._helper_client() if self._helper_socket() is not None else None
+                handlers[nk.GPU_RESET] = nk.GpuResetHandler(system, self.config.data_dir, helper)
+                reboot_helper = self._helper_client() if helper is not None else None
+                handlers[nk.NODE_REBOOT] = nk.NodeRebootHandler(
+                    system, reboot_helper, wait_s=self.options.reboot_wait_s
+                )
         if self.options.test_kinds:
             from bcd_agent.kinds.testing import EffectHandler, effect_handlers
 
@@ -182,11 +292,13 @@ class Node:
         from bcd_agent.dispatch.trust import BundleTrust, NodeResultSigner
         from bcd_agent.journal import Journal
         from bcd_agent.kinds.testing import TEST_KINDS
+        from bcd_agent.nodeparts.inventory import InventoryState
         from bcd_agent.sdnotify import Notifier
         from bcd_agent.session import identity as ident
         from bcd_agent.session.backoff import Backoff
         from bcd_agent.session.core import SessionCore
         from bcd_agent.session.events import JournalEventSink
+        from bcd_agent.session.secrets import SecretRequests
         from bcd_agent.session.service import Session
 
         self.started_monotonic = trio.current_time()
@@ -212,6 +324,8 @@ class Node:
             trust = BundleTrust()
             result_signer = NodeResultSigner(identity.node_key, identity.node_id)
             self.status = StatusCell()
+            self.secrets = SecretRequests(timeout_s=self.options.secret_timeout_s)
+            self.inventory = inventory = InventoryState(system, on_change=self._inventory_changed)
             core = SessionCore(
                 journal=journal,
                 dispatcher=None,
@@ -224,11 +338,17 @@ class Node:
                 signer=result_signer,
                 version=VERSION,
                 monotonic=trio.current_time,
+                inventory_hashes=inventory.hashes,
+                secrets=self.secrets,
             )
             self.core = core
             sink = JournalEventSink(journal, boot_id)
             sections = self._sections(
-                system, sink, _ReportSigner(identity.node_key, identity.node_id, boot_id)
+                system,
+                sink,
+                _ReportSigner(identity.node_key, identity.node_id, boot_id),
+                identity,
+                trio.lowlevel.current_trio_token(),
             )
             if any(s.name == "devices" for s in sections):
                 core.capabilities = ("cdi", "devices.limits", "binding.kubernetes")
@@ -240,6 +360,7 @@ class Node:
                 status=self.status,
             )
             kinds = {**KINDS, **TEST_KINDS} if self.options.test_kinds else KINDS
+            self.handlers = self._handlers(system)
             self.dispatcher = Dispatcher(
                 node_id=identity.node_id,
                 role=Role.NODE,
@@ -250,7 +371,7 @@ class Node:
                 batches=trust,
                 ledger=QuorumLedger.open(Path(cfg.data_dir)),
                 clock=clock,
-                handlers=self._handlers(system),
+                handlers=self.handlers,
                 signer=result_signer,
                 kinds=kinds,
                 applied_generation=journal.applied_generation,
@@ -274,12 +395,26 @@ class Node:
 
                 await nursery.start(statusfile.serve, self.status, cfg.data_dir)
                 await nursery.start(self.session.run)
+                # The first inventory read (the heartbeat's hash) off the path to Hello.
+                nursery.start_soon(self._first_inventory)
                 notifier.ready(f"node {identity.node_id}")
                 if notifier.watchdog_interval_s is not None:
                     nursery.start_soon(_watchdog, notifier, notifier.watchdog_interval_s)
                 task_status.started(self)
         finally:
             journal.close()
+
+    async def _first_inventory(self) -> None:
+        await self.session.hello_sent.wait()
+        if self.inventory is not None and not self.inventory.hash:
+            try:
+                await trio.to_thread.run_sync(self.inventory.refresh)
+            except Exception:  # the next converge pass reads it again
+                log.warning("node: the first inventory read failed", exc_info=True)
+
+    def _inventory_changed(self) -> None:
+        if self.session is not None:
+            self.session.heartbeat_soon()
 
 
 async def _watchdog(notifier: Any, interval_s: float) -> None:

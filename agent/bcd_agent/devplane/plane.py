@@ -96,6 +96,10 @@ def spec_from_json(doc: Mapping[str, Any]) -> wire.NodeSpec:
     return spec
 
 
+K8S_JOIN_WORKFLOW = "host:k8s-join"
+K8S_JOIN_STEP = "tokenRef"
+
+
 def _strings(value: object) -> set[str]:
     if isinstance(value, str):
         return {value}
@@ -104,6 +108,37 @@ def _strings(value: object) -> set[str]:
     if isinstance(value, list):
         return set().union(*(_strings(v) for v in value)) if value else set()
     return set()
+
+
+def _host_settings(spec: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(unit name, decoded settings) of the spec's host units (settings travel as JSON text)."""
+    host = spec.get("host") if isinstance(spec, dict) else None
+    units = host.get("units", []) if isinstance(host, dict) else []
+    out: list[tuple[str, Any]] = []
+    for unit in units if isinstance(units, list) else []:
+        if not isinstance(unit, dict):
+            continue
+        try:
+            settings = json.loads(unit.get("settings") or "null")
+        except ValueError:
+            settings = None
+        out.append((str(unit.get("name", "")), settings))
+    return out
+
+
+def _names_secret(spec: dict[str, Any], request: wire.SecretRequest) -> bool:
+    """The broker's binding rule: the node's current spec names `request.ref`. A request for the k8s-join
+    token (workflow `host:k8s-join`, step `tokenRef`) must find it in that unit's `tokenRef` (HST-K8S-51);
+    any other request in any string of the spec, host unit settings included."""
+    if request.workflow_id == K8S_JOIN_WORKFLOW:
+        return request.step_id == K8S_JOIN_STEP and any(
+            name == "k8s-join" and isinstance(s, dict) and s.get("tokenRef") == request.ref
+            for name, s in _host_settings(spec)
+        )
+    named = _strings(spec)
+    for _name, settings in _host_settings(spec):
+        named |= _strings(settings)
+    return request.ref in named
 
 
 @define
@@ -699,9 +734,9 @@ class DevPlane:
             c.execute("INSERT OR REPLACE INTO secrets (ref, value) VALUES (?, ?)", (ref, value))
 
     def secret(self, node_id: str, request: wire.SecretRequest) -> wire.SecretResponse:
-        """Released only while the node's current spec names the reference."""
+        """Released only while the node's current spec names the reference (`_names_secret`)."""
         row = self.store.one("SELECT spec_json FROM nodes WHERE node_id = ?", node_id)
-        named = row is not None and row[0] and request.ref in _strings(json.loads(row[0]))
+        named = row is not None and bool(row[0]) and _names_secret(json.loads(row[0]), request)
         if not named:
             return wire.SecretResponse(
                 request_id=request.request_id,

@@ -53,6 +53,7 @@ from bcd_agent.journal import Action, CommandFlags, Journal, NewCommand, Welcome
 from bcd_agent.session import identity as ident
 from bcd_agent.session import spec as specmod
 from bcd_agent.session.events import wire_event
+from bcd_agent.session.secrets import SecretRequests
 from bcd_agent.session.status import status_report
 
 log = logging.getLogger("bcd.session")
@@ -117,6 +118,7 @@ class SessionCore:
         monotonic: Callable[[], float] = time.monotonic,
         resend_interval_s: float = RESEND_INTERVAL_S,
         persist_identity: bool = True,
+        secrets: SecretRequests | None = None,
     ) -> None:
         self.journal = journal
         self.dispatcher = dispatcher
@@ -135,6 +137,7 @@ class SessionCore:
         self.monotonic = monotonic
         self.resend_interval_s = resend_interval_s
         self.persist_identity = persist_identity
+        self.secrets = secrets if secrets is not None else SecretRequests()
         self.state = SessionState()
         self._send: Send | None = None
         self._chain_cache = ChainCache()
@@ -213,6 +216,7 @@ class SessionCore:
 
     def detach(self) -> None:
         self._send = None
+        self.secrets.detached()
         self.state.connected = False
         self.state.welcomed = False
 
@@ -249,7 +253,8 @@ class SessionCore:
             assert isinstance(value, wire.SignedTrustBundle)
             self._trust_bundle(value)
         elif which == "secret_response":
-            log.info("session: secret response %s ignored: no secret request is pending", value)
+            assert isinstance(value, wire.SecretResponse)
+            self.secrets.deliver(value)
         else:
             raise ProtocolViolation("the gateway sent an empty GatewayMessage")
 
@@ -278,6 +283,7 @@ class SessionCore:
             self._spec_request(wire.SpecRequestReason.MIN_GENERATION)
         self._pending_min_generation = None
         self.pump_events()
+        self.secrets.welcomed(self._out)
 
     def _observe_time(self, server_time_ms: int) -> None:
         self.journal.observe_server_time(server_time_ms / 1000)

@@ -4,7 +4,8 @@ Each connection: open the stream, send Hello, then run together until one of the
 - the receiver: each GatewayMessage into `SessionCore.handle` (a WelcomeRefused or ProtocolViolation
   ends the connection);
 - the sender: the outbox (a memory channel the core's `send` feeds) onto the stream, in order;
-- the ticker: heartbeats every `heartbeat_s` (or the Welcome's interval), the status report when the
+- the ticker: heartbeats every `heartbeat_s` (and soon after `heartbeat_soon`: the inventory hash
+  changed), the status report when the
   runner published a newer one (coalesced latest-wins, at most one per `status_interval_s`), new events,
   and the replay of unacked results and events (`SessionCore.resend_due`).
 
@@ -55,6 +56,7 @@ class Session:
         self._token: trio.lowlevel.TrioToken | None = None
         self.delays: list[float] = []  # backoff delays taken (tests, `bcd status`)
         self.hello_sent = trio.Event()
+        self._heartbeat_due = False
 
     @property
     def state(self):  # type: ignore[no-untyped-def]
@@ -66,6 +68,11 @@ class Session:
             self._wake.set()
         else:
             trio.from_thread.run_sync(self._wake.set, trio_token=self._token)
+
+    def heartbeat_soon(self) -> None:
+        """Send a heartbeat at the next tick (the inventory hash changed). Safe from any thread."""
+        self._heartbeat_due = True
+        self.events_changed()
 
     async def run(self, *, task_status: trio.TaskStatus[Session] = trio.TASK_STATUS_IGNORED) -> None:
         self._token = trio.lowlevel.current_trio_token()
@@ -129,7 +136,8 @@ class Session:
         while True:
             now = trio.current_time()
             if core.state.welcomed:
-                if now - last_heartbeat >= self.heartbeat_s:
+                if self._heartbeat_due or now - last_heartbeat >= self.heartbeat_s:
+                    self._heartbeat_due = False
                     core._out(core.heartbeat())
                     last_heartbeat = now
                 status = core.status.latest() if core.status is not None else None
