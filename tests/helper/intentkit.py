@@ -82,8 +82,11 @@ class Hierarchy:
         return Signer(key, (der, self.ca))
 
 
-def host_body(node_id: str, generation: int, units: dict[str, str] | None, *, patch: bool = False) -> bytes:
+def host_body(
+    node_id: str, generation: int, units: dict[str, str] | None, *, patch: bool = False, spec_hash: str = ""
+) -> bytes:
     """A serialized DesiredStateBody; `units` None: the spec sets no host section."""
+    spec_hash = spec_hash or f"h{generation}"
     host = None
     if units is not None:
         host = wire.HostSection(units=[wire.HostUnit(name=n, settings=s) for n, s in sorted(units.items())])
@@ -92,14 +95,14 @@ def host_body(node_id: str, generation: int, units: dict[str, str] | None, *, pa
             wire.DesiredStateBody(
                 node_id=node_id,
                 generation=generation,
-                spec_hash=f"h{generation}",
+                spec_hash=spec_hash,
                 patch=wire.NodeSpecPatch(host=host),
                 base_generation=max(generation - 1, 0),
             )
         )
     return bytes(
         wire.DesiredStateBody(
-            node_id=node_id, generation=generation, spec_hash=f"h{generation}", full=wire.NodeSpec(host=host)
+            node_id=node_id, generation=generation, spec_hash=spec_hash, full=wire.NodeSpec(host=host)
         )
     )
 
