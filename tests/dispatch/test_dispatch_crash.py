@@ -3,10 +3,10 @@ DLV-QRM-04/05, DLV-RES-03/08): zero duplicate side effects of non-retry-safe com
 
 Each life is a forked child process that opens the journal and the quorum ledger in one data_dir, runs
 `journal.recover()`, starts the Dispatcher and delivers the whole scenario in order (the gateway redelivers
-every unsettled command after a reconnect), waiting for each outcome. Kill points surround every journal
-write, every quorum-ledger write, every update sent and the side effect itself; at the chosen point the
-child ends with os._exit (no cleanup, no finally blocks: what SIGKILL leaves). `test.reboot`'s side effect
-ends the child too, as a reboot: the next life gets a new boot id.
+every unsettled command after a reconnect, and resends a Cancel until the command is settled), waiting for
+each outcome. Kill points surround every journal write, every quorum-ledger write, every update sent and
+the side effect itself; at the chosen point the child SIGKILLs itself (no cleanup, no finally blocks).
+`test.reboot`'s side effect ends the child too, as a reboot: the next life gets a new boot id.
 
 For every first-life kill point k (all of them, found by bisection), the chain is: life 1 killed at k; life 2
 killed at a point chosen from k, for a third of the chains life 3 too; then lives without kills until one
@@ -14,7 +14,8 @@ completes. At least KILLS_WANTED kills must hit (the journal's own crash test ad
 Checked afterwards: every command is settled in the journal and was reported settled by the last life
 (no lost result); the effects file shows each non-retry-safe command's side effect at most once, once
 exactly when it SUCCEEDED and never when it was REJECTED or CANCELLED; the unbatched destructive allowance
-(1 per hour) was never exceeded across lives; the batch leaf ran at most once.
+(1 per hour) was never exceeded across lives; the batch leaf ran at most once; the command cancelled
+before its delivery is CANCELLED whatever the kill (never FAILED `interrupted`: one journal write).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
+import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -40,10 +42,11 @@ from bcd_agent.kinds.testing import TEST_KINDS, EffectHandler, effect_handlers, 
 from dhelpers import ALL_KINDS, NODE, T0, Pki, approved_batch, leaf_for, make_command, ulid
 
 KILLS_WANTED = 200
-EXIT_KILLED = 137
+EXIT_KILLED = -signal.SIGKILL  # os.waitstatus_to_exitcode of a SIGKILLed child
 EXIT_REBOOTED = 99
 EXIT_DONE = 0
 NOT_AFTER = T0 + dt.timedelta(days=1)
+CANCEL_FIRST: set[str] = set()  # ids the gateway cancels before delivering them (filled by build_scenario)
 
 
 class Killed(BaseException):
@@ -63,11 +66,11 @@ class Switch:
         self.n += 1
         self.names.append(name)
         if self.n == self.at:
-            os._exit(EXIT_KILLED)
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 class KillingJournal:
-    WRITES = ("accept_command", "mark_running", "complete", "reject", "cancel", "settle")
+    WRITES = ("accept_command", "mark_running", "complete", "reject", "cancel", "cancel_new", "settle")
 
     def __init__(self, journal: Journal, switch: Switch) -> None:
         self._j = journal
@@ -144,8 +147,11 @@ def build_scenario(pki: Pki) -> list[CommandEnvelope]:
     batched_id = ulid()
     batch = approved_batch(pki, "crash-batch", [leaf_for(batched_id, "test.destructive")], 0)
 
-    def cmd(kind: str, **kw: Any) -> CommandEnvelope:
-        return make_command(pki, kind=kind, not_after=NOT_AFTER, payload=effect_payload(kind), **kw)
+    def cmd(kind: str, attempt_cancel: bool = False, **kw: Any) -> CommandEnvelope:
+        c = make_command(pki, kind=kind, not_after=NOT_AFTER, payload=effect_payload(kind), **kw)
+        if attempt_cancel:
+            CANCEL_FIRST.add(c.id)
+        return c
 
     return [
         cmd("test.effect"),
@@ -156,6 +162,7 @@ def build_scenario(pki: Pki) -> list[CommandEnvelope]:
         cmd("test.destructive"),  # unbatched: UNBATCHED_LIMIT
         cmd("test.destructive", id=batched_id, batch_id="crash-batch", batch=batch),
         cmd("test.provision"),
+        cmd("test.effect", attempt_cancel=True),  # cancelled before its delivery
         cmd("test.bulk"),
         cmd("test.reboot"),  # last: its side effect ends the life
     ]
@@ -202,6 +209,8 @@ async def _life_main(data: Path, effects: Path, pki: Pki, scenario: list[Command
     async with trio.open_nursery() as n:
         await n.start(d.run)
         for cmd in scenario:
+            if cmd.id in CANCEL_FIRST:
+                d.cancel(cmd.id, "operator")
             d.deliver(cmd)
             await sink.wait_terminal(cmd.id)
         n.cancel_scope.cancel()
@@ -260,6 +269,8 @@ def _check(root: Path, scenario: list[CommandEnvelope], report: dict[str, Any]) 
     unbatched = [c.id for c in scenario if c.kind == "test.destructive" and not c.batch_id]
     assert sum(effects[i] for i in unbatched) <= 1, "the unbatched allowance was exceeded across restarts"
     assert report["final"][scenario[3].id]["reason"] == "BAD_SIGNATURE"
+    for cid in CANCEL_FIRST & {c.id for c in scenario}:
+        assert report["final"][cid] == {"state": "CANCELLED", "reason": "operator", "error_code": ""}
 
 
 def test_DLV_REC_dispatch_survives_a_kill_at_every_durable_step(tmp_path: Path, pki: Pki) -> None:

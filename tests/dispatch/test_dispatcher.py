@@ -14,7 +14,7 @@ import trio.testing
 from bcd_agent.dispatch.command import CommandEnvelope, UpdateState
 from bcd_agent.dispatch.dispatcher import Dispatcher
 from bcd_agent.dispatch.handlers import CommandFailed, RunContext
-from bcd_agent.dispatch.kinds import UPGRADE_KIND
+from bcd_agent.dispatch.kinds import UPGRADE_KIND, Lane
 from bcd_agent.journal import CommandState, EventClass
 from bcd_agent.kinds.testing import EffectHandler, effect_handlers, effect_payload
 from bcd_shared import wire
@@ -133,6 +133,42 @@ async def test_DLV_SIG_17_attested_result_is_node_signed(tmp_path: Path, pki: Pk
     assert not plain.attested
 
 
+async def test_DLV_SIG_17_attestation_is_stored_with_the_result_and_replayed_exactly(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """The attestation and node signature are made once, journaled with the result, and every later send
+    (a duplicate delivery, the session's replay after a restart) carries those stored bytes, even if the
+    node key has changed since."""
+    from bcd_agent.dispatch.results import update_from_entry
+    from bcd_agent.dispatch.trust import NodeResultSigner
+    from bcd_shared.pki import KeyPair
+
+    h = Harness(tmp_path / "data", pki)
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e"))))
+        cmd = make_command(pki, kind="test.attested")
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    entry = h.journal.get_command(cmd.id)
+    assert entry is not None and entry.result is not None
+    assert (entry.result.attestation, entry.result.node_sig) == (done.attestation, done.node_sig)
+    h.reopen()
+    (stored,) = [e for e in h.journal.unacked_results() if e.id == cmd.id]
+    rotated = NodeResultSigner(KeyPair.generate(), NODE)
+    replay = update_from_entry(stored, rotated)
+    assert replay == done
+    verify_command_result(
+        replay.attestation,
+        replay.node_sig,
+        pki.node_key.public_key,
+        command_id=cmd.id,
+        state=wire.CommandState.SUCCEEDED,
+        result=replay.result,
+        node_id=NODE,
+    )
+
+
 class Failing:
     def __init__(self, exc: Exception) -> None:
         self.exc = exc
@@ -203,6 +239,83 @@ async def test_DLV_ACK_14_15_18_busy_not_journaled_and_bad_signature_first(tmp_p
         d.deliver(cmds[2])
         assert (await h.sink.wait_terminal(cmds[2].id)).state is UpdateState.SUCCEEDED
         n.cancel_scope.cancel()
+
+
+def _refused_on_a_full_lane(pki: Pki, fault: str, kind: str) -> CommandEnvelope:
+    if fault == "wrong node":
+        return make_command(pki, kind=kind, node_id="node-z")
+    if fault == "unknown kind":
+        return make_command(pki, kind="no.such.kind", lane=Lane.CONTROL)
+    if fault == "outside role":
+        return make_command(pki, kind="bmc.query")  # site only; this agent is a node
+    if fault == "stale generation":
+        return make_command(pki, kind=kind, min_generation=9, not_after=T0 - dt.timedelta(seconds=1))
+    if fault == "expired":
+        return make_command(pki, kind=kind, not_after=T0 - dt.timedelta(seconds=1))
+    if fault == "no signature":
+        return make_command(pki, kind=kind, sign="none")
+    if fault == "unknown key":
+        return make_command(pki, kind=kind, sign="other")
+    if fault == "one byte changed":
+        return make_command(pki, kind=kind, sign="tamper")
+    if fault == "unbatched destructive":
+        return make_command(pki, kind="test.destructive")
+    assert fault == "one approver of two"
+    cid = ulid()
+    batch = approved_batch(pki, "b-1", [leaf_for(cid, "test.destructive")], 0, signers=(0,))
+    return make_command(pki, id=cid, kind="test.destructive", batch_id="b-1", batch=batch)
+
+
+FULL_LANE_FAULTS = {
+    "wrong node": "UNSUPPORTED",
+    "unknown kind": "UNSUPPORTED",
+    "outside role": "UNSUPPORTED",
+    "stale generation": "STALE_GENERATION",
+    "expired": "EXPIRED",
+    "no signature": "BAD_SIGNATURE",
+    "unknown key": "BAD_SIGNATURE",
+    "one byte changed": "BAD_SIGNATURE",
+    "unbatched destructive": "UNBATCHED_LIMIT",
+    "one approver of two": "BATCH_UNAPPROVED",
+}
+
+
+@pytest.mark.parametrize("fault", list(FULL_LANE_FAULTS))
+async def test_DLV_ACK_16_18_terminal_reasons_decide_before_busy(
+    tmp_path: Path, pki: Pki, fault: str
+) -> None:
+    """The acceptance order's table with every lane out of credit and the journal full: each terminal
+    reason is still answered (REJECTED, journaled), never BUSY; a good command then is BUSY (DLV-ACK-14)."""
+    from bcd_agent.dispatch.lanes import LANES
+
+    h = Harness(
+        tmp_path / "data",
+        pki,
+        bundle=pki.bundle(approvers=3, required=2, allowance=0),
+        journal_options={"max_events": 1},
+    )
+    gate = Gate()
+    fill = {Lane.CONTROL: "test.effect", Lane.PROVISION: "test.provision", Lane.BULK: "test.bulk"}
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e", during_effect=gate))))
+        for lane, kind in fill.items():
+            for _ in range(LANES[lane].credits):
+                d.deliver(make_command(pki, kind=kind))
+            assert d.credits_in_use(lane) == LANES[lane].credits
+        h.journal.append_event(EventClass.RESULT, "allocation.bound", b"x")
+        assert h.journal.is_full()
+        cmd = _refused_on_a_full_lane(pki, fault, "test.effect")
+        d.deliver(cmd)
+        good = make_command(pki, kind="test.effect")
+        d.deliver(good)
+        n.cancel_scope.cancel()
+    assert [(u.state, u.reason) for u in h.sink.of(cmd.id)] == [
+        (UpdateState.REJECTED, FULL_LANE_FAULTS[fault])
+    ]
+    entry = h.journal.get_command(cmd.id)
+    assert entry is not None and entry.state is CommandState.REJECTED
+    assert [u.state for u in h.sink.of(good.id)] == [UpdateState.BUSY]
+    assert h.journal.get_command(good.id) is None
 
 
 async def test_DLV_JRN_21_full_journal_answers_busy(tmp_path: Path, pki: Pki) -> None:

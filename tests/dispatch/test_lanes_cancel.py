@@ -234,3 +234,60 @@ async def test_Q_DLV_CAN_01_cancel_of_unseen_command_settles_it(tmp_path: Path, 
         n.cancel_scope.cancel()
     assert [u.state for u in h.sink.of(cmd.id)] == [UpdateState.CANCELLED] * 2
     assert not log.exists()
+
+
+class CountingJournal:
+    """The real journal, counting its writes (every write is one durable transaction)."""
+
+    WRITES = ("accept_command", "mark_running", "complete", "reject", "cancel", "cancel_new", "settle")
+
+    def __init__(self, journal: Any) -> None:
+        self._j = journal
+        self.writes: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._j, name)
+        if name not in self.WRITES:
+            return attr
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.writes.append(name)
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.parametrize("how", ["unseen", "deferred"])
+async def test_DLV_CAN_04_07_never_accepted_command_is_cancelled_in_one_journal_write(
+    tmp_path: Path, pki: Pki, how: str
+) -> None:
+    """No accept-then-cancel: a crash can never leave the command `accepted` (which recovery would report
+    FAILED `interrupted` though nothing ran). The record is written even when the journal is full."""
+    from bcd_agent.journal import EventClass
+
+    h = Harness(tmp_path / "data", pki, journal_options={"max_events": 1})
+    h.journal.append_event(EventClass.RESULT, "allocation.bound", b"x")
+    assert h.journal.is_full()
+    counting = CountingJournal(h.journal)
+    h.journal = counting  # type: ignore[assignment]
+    log = tmp_path / "e"
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log)), applied_generation=1))
+        cmd = make_command(pki, kind="test.attested", min_generation=2 if how == "deferred" else 0)
+        if how == "deferred":
+            d.deliver(cmd)
+            assert d.deferred_ids() == (cmd.id,)
+        d.cancel(cmd.id, "operator")
+        n.cancel_scope.cancel()
+    assert counting.writes == ["cancel_new"]
+    (update,) = h.sink.of(cmd.id)
+    assert (update.state, update.reason) == (UpdateState.CANCELLED, "operator")
+    # A deferred command's kind is known: an attested kind's CANCELLED is signed as it is journaled. An
+    # unseen command's kind is not, so its record is unattested.
+    assert bool(update.node_sig and update.attestation) is (how == "deferred")
+    h.reopen()
+    assert h.journal.recover() == ()
+    entry = h.journal.get_command(cmd.id)
+    assert entry is not None and entry.state is CommandState.CANCELLED
+    assert entry.result is not None and entry.result.attestation == update.attestation
+    assert not log.exists()

@@ -234,6 +234,18 @@ class JournalMachine(RuleBasedStateMachine):
             self._finish(m, Outcome.CANCELLED, "operator")
         self._check_entry(cid)
 
+    @rule(cid=st.sampled_from(IDS), fi=st.integers(0, len(FLAGS) - 1))
+    def cancel_new(self, cid: str, fi: int) -> None:
+        """A cancel before acceptance (deferred or unseen): one write, a `cancelled` row for a new id."""
+        m = self.cmds.get(cid)
+        self.j.cancel_new(cmd(cid, m.flags if m else FLAGS[fi]), "operator")
+        if m is None:
+            m = self.cmds[cid] = MCmd(FLAGS[fi], "cancelled", self.inc, self.boot, self.clock.t)
+            self._finish(m, Outcome.CANCELLED, "operator")
+        elif m.state == "accepted":
+            self._finish(m, Outcome.CANCELLED, "operator")
+        self._check_entry(cid)
+
     @rule(cid=st.sampled_from(IDS))
     def resolve(self, cid: str) -> None:
         got = self.j.resolve(cid)

@@ -23,7 +23,8 @@ Per delivered command (delivery.md "Duplicates and crash recovery", DLV-REC-03..
 Cancel (DLV-CAN-03..07): deferred or queued (or waiting for a resource lock) -> CANCELLED at once, journaled;
 in the handler before `begin_effect` -> the handler's `begin_effect` raises and the command is CANCELLED;
 after it -> the real outcome. A cancel for a settled command resends its result; for a command never
-seen it journals CANCELLED, so a late delivery is answered CANCELLED and never runs (Q-DLV-CAN-01).
+seen it journals CANCELLED in one write, so a late delivery is answered CANCELLED and never runs
+(Q-DLV-CAN-01).
 """
 
 from __future__ import annotations
@@ -67,7 +68,7 @@ from bcd_agent.dispatch.ports import (
     TrustView,
     UpdateSink,
 )
-from bcd_agent.dispatch.results import update_from_entry
+from bcd_agent.dispatch.results import result_attester, update_from_entry
 from bcd_agent.dispatch.wire import envelope_from_wire
 from bcd_agent.journal import Action, CommandEntry, CommandFlags, JournalFull, NewCommand, Outcome
 
@@ -187,6 +188,9 @@ class Dispatcher:
         self._spec_requested_at: int | None = None
         self._queues: dict[Lane, trio.MemorySendChannel[_Execution]] = {}
         self._running = False
+        if signer is not None:
+            # Attested results are signed once, as they are journaled, and replayed as stored.
+            journal.set_attester(result_attester(signer))
 
     # --- the service -------------------------------------------------------------------------------------
 
@@ -406,22 +410,11 @@ class Dispatcher:
         )
 
     def _cancel_unstarted(self, new: NewCommand, reason: str) -> None:
-        """Journal CANCELLED for a command that never got an `accepted` entry (deferred or unseen)."""
-        entry = self._journal.cancel(new.id, reason)
-        if entry is None:
-            # The journal cancels only `accepted` entries: record the command, then cancel it.
-            try:
-                self._journal.accept_command(new)
-            except JournalFull as exc:
-                # No room to remember it: say CANCELLED now; the gateway's next Cancel retries the record.
-                self._sink.send(
-                    CommandUpdate(
-                        new.id, UpdateState.CANCELLED, self.boot_id, reason=reason, message=str(exc)
-                    )
-                )
-                return
-            entry = self._journal.cancel(new.id, reason)
-        if entry is not None and entry.state.terminal:
+        """Journal CANCELLED for a command that never got an `accepted` entry (deferred or unseen): one
+        journal write (`cancel_new`), so no crash can leave it `accepted` for recovery to call
+        `interrupted`. A command journaled meanwhile keeps its entry (a running one its real outcome)."""
+        entry = self._journal.cancel_new(new, reason)
+        if entry.state.terminal:
             self._send_entry(entry)
 
     # --- deferral ---------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Protocol
 from attrs import frozen
 
 from bcd_agent.dispatch.command import CommandEnvelope, CommandUpdate, UpdateState
-from bcd_agent.journal import CommandEntry, NewCommand, Outcome, Resolution
+from bcd_agent.journal import Attester, CommandEntry, NewCommand, Outcome, Resolution
 
 
 @frozen
@@ -45,6 +45,10 @@ class CommandJournal(Protocol):
     def reject(self, command: NewCommand, reason: str) -> CommandEntry: ...
 
     def cancel(self, command_id: str, reason: str = "") -> CommandEntry | None: ...
+
+    def cancel_new(self, command: NewCommand, reason: str = "") -> CommandEntry: ...
+
+    def set_attester(self, attester: Attester | None) -> None: ...
 
     def settle(self, command_id: str) -> CommandEntry: ...
 

@@ -1,8 +1,12 @@
-"""The journal's SQLite schema (version 1). One file, `journal.db`, WAL mode, synchronous=FULL."""
+"""The journal's SQLite schema (version 2). One file, `journal.db`, WAL mode, synchronous=FULL.
+
+Version 2 added `commands.attestation` (the exact CommandAttestation bytes of an attested result, stored
+with its node signature). An older version is migrated in place on open (`MIGRATIONS`), in one transaction;
+a newer one is treated like corruption (moved aside)."""
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 DB_NAME = "journal.db"
 LOCK_NAME = "journal.lock"
 
@@ -28,6 +32,7 @@ CREATE TABLE commands (
     result_boot_id TEXT,
     node_sig BLOB,
     previous_boot_id TEXT,
+    attestation BLOB,
     finished_at REAL,
     acked INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
@@ -49,6 +54,11 @@ CREATE TABLE spec (
 );
 CREATE TABLE exec_tickets (jti TEXT PRIMARY KEY, expires_at REAL NOT NULL) WITHOUT ROWID;
 """
+
+# Statements that take a journal of version N to N + 1 (run in one transaction with the version bump).
+MIGRATIONS: dict[int, tuple[str, ...]] = {
+    1: ("ALTER TABLE commands ADD COLUMN attestation BLOB",),
+}
 
 # The tables a journal of this version must have (checked on open, with the version row).
 TABLES = frozenset({"schema_version", "meta", "commands", "events", "spec", "exec_tickets"})

@@ -8,6 +8,7 @@ it directly where a few milliseconds of blocking are acceptable.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sqlite3
 import threading
@@ -16,6 +17,8 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
+
+import attrs
 
 from bcd_agent.journal import _files
 from bcd_agent.journal._resolve import resolve_entry, settlement
@@ -31,6 +34,7 @@ from bcd_agent.journal._schema import (
     K_NODE_ID,
     K_SERVER_MARK,
     LOCK_NAME,
+    MIGRATIONS,
     SCHEMA_VERSION,
     TABLES,
 )
@@ -41,6 +45,7 @@ from bcd_agent.journal._types import (
     RETENTION_S,
     WELCOME_SLACK_S,
     Action,
+    Attester,
     BoundError,
     CommandEntry,
     CommandFlags,
@@ -63,9 +68,12 @@ from bcd_agent.journal._types import (
     WelcomeRefused,
 )
 
+log = logging.getLogger(__name__)
+
 _COLS = (
     "id, kind, retry_safe, self_terminating, attested, state, incarnation, boot_id, accepted_at, updated_at,"
-    " body, signature, outcome, code, result, result_boot_id, node_sig, previous_boot_id, finished_at, acked"
+    " body, signature, outcome, code, result, result_boot_id, node_sig, previous_boot_id, finished_at, acked,"
+    " attestation"
 )
 _SQL_GET = f"SELECT {_COLS} FROM commands WHERE id = ?"  # noqa: S608 - constant column list
 _SQL_INSERT_ACCEPTED = (
@@ -82,13 +90,13 @@ _SQL_RUNNING = (
 )
 _SQL_FINISH = (
     "UPDATE commands SET state = ?, updated_at = ?, outcome = ?, code = ?, result = ?, result_boot_id = ?,"
-    " node_sig = ?, previous_boot_id = ?, finished_at = ?, acked = 0 WHERE id = ?"
+    " node_sig = ?, previous_boot_id = ?, finished_at = ?, acked = 0, attestation = ? WHERE id = ?"
 )
 _SQL_INSERT_FINISHED = (
     "INSERT INTO commands (id, kind, retry_safe, self_terminating, attested, state, incarnation, boot_id,"
     " accepted_at, updated_at, body, signature, outcome, code, result, result_boot_id, node_sig,"
-    " previous_boot_id, finished_at, acked)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0)"
+    " previous_boot_id, finished_at, acked, attestation)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)"
 )
 _SQL_UNSETTLED = f"SELECT {_COLS} FROM commands WHERE state IN ('accepted', 'running') AND incarnation != ?"  # noqa: S608
 _SQL_UNACKED_RESULTS = (
@@ -125,6 +133,7 @@ _SQL_TICKET_PURGE = "DELETE FROM exec_tickets WHERE expires_at <= ?"
 _Row = tuple[
     str, str, int, int, int, str, str, str, float, float, bytes, bytes,
     str | None, str | None, bytes | None, str | None, bytes | None, str | None, float | None, int,
+    bytes | None,
 ]  # fmt: skip
 
 
@@ -134,7 +143,7 @@ class _Corrupt(Exception):
 
 def _entry(row: _Row) -> CommandEntry:
     (cid, kind, rs, st, att, state, inc, boot, acc_at, upd_at, body, sig, outcome, code, res, rboot, nsig,
-     prev, fin, acked) = row  # fmt: skip
+     prev, fin, acked, attestation) = row  # fmt: skip
     result = None
     if outcome is not None:
         result = CommandResult(
@@ -145,6 +154,7 @@ def _entry(row: _Row) -> CommandEntry:
             finished_at=fin if fin is not None else upd_at,
             node_sig=nsig or b"",
             previous_boot_id=prev or "",
+            attestation=attestation or b"",
         )
     return CommandEntry(
         id=cid,
@@ -203,6 +213,7 @@ class Journal:
         self._max_bytes = max_bytes
         self._max_tickets = max_tickets
         self._report = report
+        self._attester: Attester | None = None
         self._mutex = threading.RLock()
         self._closed = False
         meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
@@ -348,6 +359,15 @@ class Journal:
     def bounds(self) -> tuple[int, int, int]:
         """(max_events, max_bytes, max_tickets) in force."""
         return (self._max_events, self._max_bytes, self._max_tickets)
+
+    def set_attester(self, attester: Attester | None) -> None:
+        """Sign attested results as they are journaled: every terminal write of an attested command stores
+        `attester(entry)`'s (attestation, node_sig) with the result, in the same transaction, and replays
+        return exactly those bytes. Set it (dispatch.results.result_attester) before `recover()` so the
+        results recover settles are signed too. An attester that raises is logged and the result is stored
+        unsigned (the replay then signs it; a result is never lost for a signature)."""
+        with self._mutex:
+            self._attester = attester
 
     def set_node_id(self, node_id: str) -> None:
         with self._mutex, self._tx() as c:
@@ -504,9 +524,11 @@ class Journal:
         code: str = "",
         body: bytes = b"",
         node_sig: bytes = b"",
+        attestation: bytes = b"",
     ) -> CommandEntry:
         """Journal the real outcome (SUCCEEDED or FAILED) of this process's accepted/running command.
-        An entry already terminal is returned unchanged (the first terminal outcome wins)."""
+        An entry already terminal is returned unchanged (the first terminal outcome wins). For an attested
+        command without a given `node_sig`, the attester signs it (`set_attester`)."""
         if outcome not in (Outcome.SUCCEEDED, Outcome.FAILED):
             raise ValueError(f"outcome: complete() takes SUCCEEDED or FAILED, got {outcome.value}")
         with self._mutex, self._tx() as c:
@@ -519,7 +541,11 @@ class Journal:
             if entry.incarnation != self._incarnation:
                 raise StateError(f"command {command_id}: left by an earlier process; resolve it first")
             return self._finish(
-                c, entry, CommandResult(outcome, code, body, self._boot_id, self._clock(), node_sig)
+                c,
+                entry,
+                CommandResult(
+                    outcome, code, body, self._boot_id, self._clock(), node_sig, attestation=attestation
+                ),
             )
 
     def reject(self, command: NewCommand, reason: str) -> CommandEntry:
@@ -533,20 +559,7 @@ class Journal:
             result = CommandResult(Outcome.REJECTED, reason, b"", self._boot_id, now)
             row = c.execute(_SQL_GET, (command.id,)).fetchone()
             if row is None:
-                f = command.flags
-                c.execute(
-                    _SQL_INSERT_FINISHED,
-                    (
-                        command.id, command.kind, f.retry_safe, f.self_terminating, f.attested,
-                        CommandState.REJECTED.value, self._incarnation, self._boot_id, now, now, command.body,
-                        command.signature, Outcome.REJECTED.value, reason, b"", self._boot_id, b"", "", now,
-                    ),
-                )  # fmt: skip
-                return CommandEntry(
-                    id=command.id, kind=command.kind, flags=f, state=CommandState.REJECTED,
-                    incarnation=self._incarnation, boot_id=self._boot_id, accepted_at=now, updated_at=now,
-                    body=command.body, signature=command.signature, result=result, acked=False,
-                )  # fmt: skip
+                return self._insert_finished(c, command, result)
             entry = _entry(row)
             if entry.state.terminal:
                 return entry
@@ -554,6 +567,23 @@ class Journal:
                 raise StateError(
                     f"command {command.id}: running; its side effect started, report its outcome"
                 )
+            return self._finish(c, entry, result)
+
+    def cancel_new(self, command: NewCommand, reason: str = "") -> CommandEntry:
+        """Journal CANCELLED for a command that never started, in one transaction: a new id (deferred, or
+        never seen) gets a `cancelled` row at once, so a late delivery is answered CANCELLED and never runs,
+        and no crash can leave it `accepted` (which recovery would report FAILED `interrupted`). An
+        `accepted` entry becomes cancelled as with `cancel`; a running or terminal one is returned
+        unchanged. Like `reject`, it is not refused when the event bounds are full (commands are not
+        events)."""
+        with self._mutex, self._tx() as c:
+            result = CommandResult(Outcome.CANCELLED, reason, b"", self._boot_id, self._clock())
+            row = c.execute(_SQL_GET, (command.id,)).fetchone()
+            if row is None:
+                return self._insert_finished(c, command, result)
+            entry = _entry(row)
+            if entry.state is not CommandState.ACCEPTED:
+                return entry
             return self._finish(c, entry, result)
 
     def cancel(self, command_id: str, reason: str = "") -> CommandEntry | None:
@@ -600,18 +630,60 @@ class Journal:
 
     def _finish(self, c: sqlite3.Connection, entry: CommandEntry, result: CommandResult) -> CommandEntry:
         state = result.outcome.state
+        done = self._attest(
+            CommandEntry(
+                id=entry.id, kind=entry.kind, flags=entry.flags, state=state, incarnation=entry.incarnation,
+                boot_id=entry.boot_id, accepted_at=entry.accepted_at, updated_at=result.finished_at,
+                body=entry.body, signature=entry.signature, result=result, acked=False,
+            )
+        )  # fmt: skip
+        r = done.result
+        assert r is not None
         c.execute(
             _SQL_FINISH,
             (
-                state.value, result.finished_at, result.outcome.value, result.code, result.body,
-                result.boot_id, result.node_sig, result.previous_boot_id, result.finished_at, entry.id,
+                state.value, r.finished_at, r.outcome.value, r.code, r.body, r.boot_id, r.node_sig,
+                r.previous_boot_id, r.finished_at, r.attestation, entry.id,
             ),
         )  # fmt: skip
-        return CommandEntry(
-            id=entry.id, kind=entry.kind, flags=entry.flags, state=state, incarnation=entry.incarnation,
-            boot_id=entry.boot_id, accepted_at=entry.accepted_at, updated_at=result.finished_at,
-            body=entry.body, signature=entry.signature, result=result, acked=False,
+        return done
+
+    def _insert_finished(
+        self, c: sqlite3.Connection, command: NewCommand, result: CommandResult
+    ) -> CommandEntry:
+        """A terminal row for an id never journaled (a rejection, or a cancel before acceptance)."""
+        now = result.finished_at
+        f = command.flags
+        done = self._attest(
+            CommandEntry(
+                id=command.id, kind=command.kind, flags=f, state=result.outcome.state,
+                incarnation=self._incarnation, boot_id=self._boot_id, accepted_at=now, updated_at=now,
+                body=command.body, signature=command.signature, result=result, acked=False,
+            )
         )  # fmt: skip
+        r = done.result
+        assert r is not None
+        c.execute(
+            _SQL_INSERT_FINISHED,
+            (
+                command.id, command.kind, f.retry_safe, f.self_terminating, f.attested, done.state.value,
+                self._incarnation, self._boot_id, now, now, command.body, command.signature, r.outcome.value,
+                r.code, r.body, r.boot_id, r.node_sig, r.previous_boot_id, now, r.attestation,
+            ),
+        )  # fmt: skip
+        return done
+
+    def _attest(self, done: CommandEntry) -> CommandEntry:
+        """The entry with its result signed by the attester, for attested commands (see set_attester)."""
+        r = done.result
+        if self._attester is None or not done.flags.attested or r is None or r.node_sig:
+            return done
+        try:
+            attestation, node_sig = self._attester(done)
+        except Exception:
+            log.exception("command %s: signing its attested result failed; stored unsigned", done.id)
+            return done
+        return attrs.evolve(done, result=attrs.evolve(r, attestation=attestation, node_sig=node_sig))
 
     def _why_not(self, command_id: str, what: str) -> str:
         row = self._conn.execute(_SQL_GET, (command_id,)).fetchone()
@@ -789,8 +861,8 @@ def _open_db(path: Path, now: float) -> tuple[sqlite3.Connection, OpenReport]:
         conn = None
         try:
             conn = _connect(path)
-            _check(conn)
-            return conn, OpenReport(created=False, moved_aside=(), reason="")
+            migrated_from = _check(conn)
+            return conn, OpenReport(created=False, moved_aside=(), reason="", migrated_from=migrated_from)
         except (sqlite3.DatabaseError, _Corrupt) as e:
             if conn is not None:
                 with contextlib.suppress(sqlite3.Error):
@@ -832,7 +904,9 @@ def _connect(path: Path) -> sqlite3.Connection:
     return conn
 
 
-def _check(conn: sqlite3.Connection) -> None:
+def _check(conn: sqlite3.Connection) -> int:
+    """Check an existing journal (raise _Corrupt); migrate an older schema version in place. Returns the
+    version it was migrated from (0: none)."""
     rows = conn.execute("PRAGMA quick_check").fetchall()
     if rows != [("ok",)]:
         raise _Corrupt("quick_check: " + "; ".join(str(r[0]) for r in rows[:5]))
@@ -840,7 +914,16 @@ def _check(conn: sqlite3.Connection) -> None:
     if not tables >= TABLES:
         raise _Corrupt(f"schema: missing tables {sorted(TABLES - tables)}")
     versions = conn.execute("SELECT version FROM schema_version").fetchall()
-    if versions != [(SCHEMA_VERSION,)]:
+    migrated_from = 0
+    if (
+        len(versions) == 1
+        and isinstance(versions[0][0], int)
+        and all(v in MIGRATIONS for v in range(versions[0][0], SCHEMA_VERSION))
+        and versions[0][0] < SCHEMA_VERSION
+    ):
+        migrated_from = versions[0][0]
+        _migrate(conn, migrated_from)
+    elif versions != [(SCHEMA_VERSION,)]:
         raise _Corrupt(f"schema_version is {versions}, this bcd reads version {SCHEMA_VERSION}")
     meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
     if not meta.get(K_JOURNAL_ID) or not isinstance(meta.get(K_NEXT_SEQ), int):
@@ -849,3 +932,20 @@ def _check(conn: sqlite3.Connection) -> None:
     top = conn.execute("SELECT max(seq) FROM events").fetchone()[0]
     if top is not None and top >= meta[K_NEXT_SEQ]:
         raise _Corrupt(f"meta: next_event_seq {meta[K_NEXT_SEQ]} is not above the stored event {top}")
+    return migrated_from
+
+
+def _migrate(conn: sqlite3.Connection, version: int) -> None:
+    """Take the journal from `version` to SCHEMA_VERSION in one durable transaction (all or nothing)."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for v in range(version, SCHEMA_VERSION):
+            for stmt in MIGRATIONS[v]:
+                conn.execute(stmt)
+        conn.execute("UPDATE schema_version SET version = ?", (SCHEMA_VERSION,))
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+        raise

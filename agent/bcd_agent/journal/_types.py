@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from pathlib import Path
 
 from attrs import frozen
@@ -100,8 +101,10 @@ class CommandResult:
 
     `code` is the error code of a FAILED result (`interrupted`, `invalid-payload`, ...), the reason of a
     REJECTED or CANCELLED one, `rebooted` for a reboot-completed command, else empty. `body` is the
-    kind's encoded result message, `node_sig` the node's signature for attested kinds (both exact bytes).
-    `boot_id` is the boot the result was produced in; `previous_boot_id` is set on a `rebooted` result.
+    kind's encoded result message. For attested kinds `attestation` is the serialized CommandAttestation
+    and `node_sig` the node's signature over it, made once when the result was journaled (the journal's
+    attester) and replayed exactly as stored (all exact bytes). `boot_id` is the boot the result was
+    produced in; `previous_boot_id` is set on a `rebooted` result.
     """
 
     outcome: Outcome
@@ -111,6 +114,7 @@ class CommandResult:
     finished_at: float
     node_sig: bytes = b""
     previous_boot_id: str = ""
+    attestation: bytes = b""
 
 
 @frozen
@@ -129,6 +133,11 @@ class CommandEntry:
     signature: bytes
     result: CommandResult | None
     acked: bool
+
+
+# Signs the terminal result of an attested command as it is journaled: given the entry with its result,
+# returns (attestation bytes, node signature). Set with `Journal.set_attester` (dispatch.results makes one).
+Attester = Callable[[CommandEntry], tuple[bytes, bytes]]
 
 
 @frozen
@@ -182,11 +191,13 @@ class StoredSpec:
 class OpenReport:
     """How `Journal.open` found the journal. `moved_aside` lists the files of a journal that failed its
     integrity or schema check (renamed, never deleted); then `reason` says why and a new journal_id
-    started, so the session must send SpecRequest NO_SPEC (DLV-RCV-08)."""
+    started, so the session must send SpecRequest NO_SPEC (DLV-RCV-08). `migrated_from` is the older schema
+    version the journal was migrated from in place (0: none)."""
 
     created: bool
     moved_aside: tuple[Path, ...]
     reason: str
+    migrated_from: int = 0
 
 
 @frozen
