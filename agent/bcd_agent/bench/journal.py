@@ -1,7 +1,9 @@
 """`bcd bench journal`: durable accepts and event appends against the disk's raw fsync rate.
 
-Measured in one run on the data_dir's disk (`--data-dir`, default a temporary directory; a fresh
-subdirectory is used and removed afterwards):
+Measured in one run on the data_dir's disk: `--data-dir`, else the `data_dir` of config.toml (`$BCD_CONFIG`
+or /etc/bcd/config.toml) when that directory exists and is writable, else a temporary directory; the
+output's `data_dir` and `data_dir_from` (`argument`, `config`, `temporary`) say which. A fresh
+subdirectory is used and removed afterwards.
 - `raw_fsync_per_s`: append 100 bytes to a file and fsync it (the disk's limit for durable writes);
 - `accepts_per_s`: `Journal.accept_command`, each one durable on return (one WAL commit + fsync);
 - `accept_ratio`: accepts_per_s / raw_fsync_per_s (target >= 0.9). Raw and accept rounds alternate
@@ -69,8 +71,22 @@ def _events(j: Journal, seconds: float) -> tuple[int, float]:
     return n, time.perf_counter() - start
 
 
+def _base_dir(args: argparse.Namespace) -> tuple[Path, str]:
+    if getattr(args, "data_dir", None):
+        return Path(args.data_dir), "argument"
+    from bcd_agent.config import ConfigError, default_config_path, load_config
+
+    try:
+        configured = Path(load_config(default_config_path(), missing_ok=True).data_dir)
+    except ConfigError:
+        configured = None
+    if configured is not None and configured.is_dir() and os.access(configured, os.W_OK | os.X_OK):
+        return configured, "config"
+    return Path(tempfile.gettempdir()), "temporary"
+
+
 def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
-    base = Path(args.data_dir) if getattr(args, "data_dir", None) else Path(tempfile.gettempdir())
+    base, source = _base_dir(args)
     base.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="bcd-bench-journal-", dir=base))
     try:
@@ -92,6 +108,7 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             "event_batch": EVENT_BATCH,
             "sqlite_version": sqlite3.sqlite_version,
             "data_dir": str(base),
+            "data_dir_from": source,
         }
     finally:
         shutil.rmtree(work, ignore_errors=True)
