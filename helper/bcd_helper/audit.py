@@ -87,6 +87,28 @@ class AuditLog:
         with verified_dir(root, self._parts, create=True) as dfd:
             os.fchmod(dfd, 0o700)
             self._prev, self._seq = self._tail(dfd)
+            # The directory was checked from / down once; its fd is kept (only root could move it),
+            # and so are the log's and the head's fds, reopened after a rotation: a record is then a
+            # write, an fsync and a rewrite of the head, without walking the path again.
+            self._dfd = os.dup(dfd)
+        self._fd = -1
+        self._hfd = -1
+
+    def _open(self, name: str, flags: int) -> int:
+        return os.open(name, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dfd)
+
+    def _log_fd(self) -> int:
+        if self._fd < 0:
+            self._fd = self._open(LOG_NAME, os.O_WRONLY | os.O_APPEND)
+            os.fchmod(self._fd, 0o600)
+        return self._fd
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in (self._fd, self._hfd, self._dfd):
+                if fd >= 0:
+                    os.close(fd)
+            self._fd = self._hfd = self._dfd = -1
 
     def _tail(self, dfd: int) -> tuple[str, int]:
         """The hash and seq of the newest line (in audit.log, else audit.log.1)."""
@@ -121,13 +143,14 @@ class AuditLog:
         duration_ms: float,
     ) -> str:
         """Append one line, fsynced; returns its hash."""
-        with self._lock, verified_dir(self._root, self._parts, create=True) as dfd:
-            try:
-                size = os.stat(LOG_NAME, dir_fd=dfd, follow_symlinks=False).st_size
-            except FileNotFoundError:
-                size = 0
+        with self._lock:
+            dfd = self._dfd
+            size = os.fstat(self._log_fd()).st_size
             if size >= self._max:
                 self._rotate(dfd)
+                os.close(self._fd)
+                self._fd = -1
+                size = 0
             entry = {
                 "seq": self._seq + 1,
                 "time": _now(),
@@ -143,18 +166,9 @@ class AuditLog:
                 "prev": self._prev,
             }
             line = canonical(entry)
-            fd = os.open(
-                LOG_NAME,
-                os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
-                0o600,
-                dir_fd=dfd,
-            )
-            try:
-                os.fchmod(fd, 0o600)
-                os.write(fd, line + b"\n")
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fd = self._log_fd()
+            os.write(fd, line + b"\n")
+            os.fsync(fd)
             if size == 0:
                 os.fsync(dfd)
             digest = line_hash(line)
@@ -163,14 +177,10 @@ class AuditLog:
             # against an edit or a removal; after a crash it may lag, which verify accepts as long as
             # the line it names is still there, unchanged.
             head = canonical({"seq": self._seq, "sha256": digest}) + b"\n"
-            hfd = os.open(
-                HEAD_NAME, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd
-            )
-            try:
-                os.ftruncate(hfd, 0)
-                os.write(hfd, head)
-            finally:
-                os.close(hfd)
+            if self._hfd < 0:
+                self._hfd = self._open(HEAD_NAME, os.O_WRONLY)
+            os.ftruncate(self._hfd, 0)
+            os.pwrite(self._hfd, head, 0)
         if self._syslog:
             _syslog(line)
         return digest

@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 from attrs import frozen
-from bcd_shared import cdi
 from bcd_shared.system import System
 
 ALL = "*"
@@ -44,6 +43,8 @@ def gpu_of(device_id: str) -> str:
 
 
 def hold_gpus(system: System) -> list[tuple[str, str]]:
+    from bcd_shared import cdi  # on the first busy check, not at the helper's start
+
     out: list[tuple[str, str]] = []
     for name in system.listdir(cdi.CDI_DIR):
         alloc = cdi.allocation_of_spec_file(name)

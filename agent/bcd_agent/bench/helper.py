@@ -6,9 +6,16 @@
   content check, no audit);
 - ratio: file_write_per_s / inprocess_write_per_s (target >= 0.5);
 - start_ms: from starting `bcd helper serve` to its first answered ping (target <= 200);
-- idle_rss_mb: the helper's resident memory after the writes, idle (target <= 35).
+- idle_rss_mb: the helper's resident memory after the writes, idle (target <= 35);
+- signed_host_unit_per_s: `host.unit` of a converged `sysctl` unit carrying its signed spec (roots from
+  root's join record: join record re-read and matched by digest, helper-intent.json read, the chain
+  from the cache, one Ed25519 verify, strict body decode, the unit planned as root, audit fsynced);
+  informational, no target;
+- signed_rss_mb: the helper's resident memory after the signed requests (pki, wire types and
+  cryptography loaded), idle; informational (docs/helper.md: ~41 MiB, above idle_rss_mb's 35).
+Which operations carry signed intent (docs/helper.md "Which operations need signed intent"): host.unit
+(and daemon.swap's release signature), not file.write, so file_write_per_s has no signature check.
 Runs as root over a temporary simulated host (the config must be root's).
-The signed-intent check is not included yet (file.write carries none; see docs/helper.md).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from bcd_shared import cdi
 from bcd_shared.rootpath import write_root_only
@@ -30,6 +38,66 @@ from bcd_agent.helperclient import HelperClient
 
 DURATION_S = 1.5
 TARGETS = {"ratio": 0.5, "start_ms": 200.0, "idle_rss_mb": 35.0}
+NODE_ID = "bench-node"
+SYSCTL = '{"vm.swappiness":60}'
+
+
+def _signed_world(root: Path) -> tuple[str, dict[str, Any]]:
+    """Root's join record (a bundle with one command-signing root) and a signed host.unit intent."""
+    import base64
+    import datetime as dt
+
+    from bcd_shared import wire
+    from bcd_shared.joinrecord import write_join_record
+    from bcd_shared.pki import (
+        JoinKeyPin,
+        KeyPair,
+        Purpose,
+        Role,
+        TrustBundle,
+        issue_leaf,
+        issue_root,
+        sign_join_response,
+        sign_trust_bundle,
+    )
+
+    now = dt.datetime.now(dt.UTC)
+    join_key, root_key, worker_key = KeyPair.generate(), KeyPair.generate(), KeyPair.generate()
+    root_der = issue_root(
+        root_key, "bench command root", now - dt.timedelta(days=1), now + dt.timedelta(days=1)
+    )
+    leaf = issue_leaf(
+        root_der,
+        root_key,
+        worker_key.public_key,
+        Role.WORKER,
+        "worker",
+        now - dt.timedelta(hours=1),
+        now + dt.timedelta(hours=1),
+    )
+    bundle = sign_trust_bundle(join_key, TrustBundle(version=1, command_roots=(root_der,)))
+    record = sign_join_response(join_key, wire.JoinResponseBody(node_id=NODE_ID, trust_bundle=bundle))
+    pin = JoinKeyPin.of_key(join_key.public_key)
+    write_join_record(root, record, pin)
+    body = bytes(
+        wire.DesiredStateBody(
+            node_id=NODE_ID,
+            generation=1,
+            spec_hash="bench",
+            full=wire.NodeSpec(host=wire.HostSection(units=[wire.HostUnit(name="sysctl", settings=SYSCTL)])),
+        )
+    )
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode()
+
+    intent = {
+        "body": b64(body),
+        "signature": b64(worker_key.sign(Purpose.DESIRED_STATE, body)),
+        "chain": [b64(leaf)],
+        "trust_bundle": None,
+    }
+    return f'join_signing_key_pin = "{pin}"\n', intent
 
 
 def _content() -> bytes:
@@ -72,7 +140,10 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         cfg = root / "etc/bcd/config.toml"
         cfg.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(cfg.parent, 0o750)  # noqa: S103 (the install's /etc/bcd mode)
-        cfg.write_text('[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 65534\nnode_gid = 65534\n')
+        pin_line, intent = _signed_world(root)
+        cfg.write_text(
+            pin_line + '[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 65534\nnode_gid = 65534\n'
+        )
         os.chmod(cfg, 0o640)
         sock = str(root / "run/bcd/helper.sock")
         t0 = time.perf_counter()
@@ -102,6 +173,11 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             client.close()
             time.sleep(0.2)
             rss = _rss_mb(proc.pid)
+            client.host_unit("sysctl", SYSCTL, (), intent)  # applies once; then converged
+            signed = _rate(lambda: client.host_unit("sysctl", SYSCTL, (), intent))
+            client.close()
+            time.sleep(0.2)
+            signed_rss = _rss_mb(proc.pid)
         finally:
             proc.terminate()
             proc.wait(5)
@@ -111,6 +187,8 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             "ratio": round(through / inproc, 3),
             "start_ms": round(start_ms, 1),
             "idle_rss_mb": round(rss, 1),
+            "signed_host_unit_per_s": round(signed, 1),
+            "signed_rss_mb": round(signed_rss, 1),
         }
         result["targets_met"] = int(
             result["ratio"] >= TARGETS["ratio"]  # type: ignore[operator]

@@ -26,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
-from bcd_shared import cdi
 from bcd_shared.rootpath import RootPathRefused, remove_root_only, write_root_only
 
 from bcd_helper.ops.base import Call, Refused, refused_path
@@ -81,6 +80,8 @@ def _no_controls(text: str, where: str) -> None:
 
 
 def _check_cdi(ident: str, data: bytes) -> None:
+    from bcd_shared import cdi  # on the first hold, not at the helper's start
+
     try:
         cdi.parse_hold_spec(data, ident)
     except cdi.CdiError as exc:
@@ -88,6 +89,8 @@ def _check_cdi(ident: str, data: bytes) -> None:
 
 
 def _check_env(ident: str, data: bytes) -> None:
+    from bcd_shared import cdi
+
     try:
         cdi.parse_env_file(data, ident)
     except cdi.CdiError as exc:
