@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +132,22 @@ def _rate(fn: object) -> float:
     return n / elapsed
 
 
+def _paired_rates(
+    first: Callable[[], object], second: Callable[[], object], rounds: int = 6
+) -> tuple[float, float]:
+    """Both rates, measured in alternating rounds, so that a change of the disk's fsync cost during the
+    bench (write-back, other processes) weighs on both alike."""
+    counts, times = [0, 0], [0.0, 0.0]
+    for _ in range(rounds):
+        for i, fn in enumerate((first, second)):
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < DURATION_S / rounds:
+                fn()
+                counts[i] += 1
+            times[i] += time.perf_counter() - t0
+    return counts[0] / times[0], counts[1] / times[1]
+
+
 def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
     base = Path(tempfile.mkdtemp(prefix="bcd-bench-helper-", dir=args.data_dir))
     try:
@@ -168,8 +185,10 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         try:
             data = _content()
             text = data.decode()
-            through = _rate(lambda: client.file_write("cdi", "bench_1", text))
-            inproc = _rate(lambda: write_root_only(root, "/etc/cdi/bcd-bench_2.json", data, 0o644))
+            through, inproc = _paired_rates(
+                lambda: client.file_write("cdi", "bench_1", text),
+                lambda: write_root_only(root, "/etc/cdi/bcd-bench_2.json", data, 0o644),
+            )
             client.close()
             time.sleep(0.2)
             rss = _rss_mb(proc.pid)
