@@ -279,7 +279,8 @@ def _faulty(pki: Pki, faults: set[str]) -> CommandEnvelope:
     ids=lambda f: "+".join(sorted(f)) or "none",
 )
 def test_DLV_ACK_02_checks_run_in_the_seeds_order(pki: Pki, ledger: QuorumLedger, faults: set[str]) -> None:
-    """Every combination of faults: the first in the seeds' order decides (Q-DLV-ACK-01: kept as written).
+    """Every combination of faults: the first in the seeds' order decides (Q-DLV-ACK-01: kept as written;
+    DLV-QRM-06: the quorum after the signature).
     `behind` together with `expired` is STALE_GENERATION (the deferral's deadline has passed)."""
     allowance = 0 if "unbatched" in faults else 1
     v = precheck(_faulty(pki, faults), ctx(ledger, pki.bundle(approvers=3, allowance=allowance)))

@@ -105,7 +105,7 @@ def test_DLV_TMO_06_unregistered_kind_gets_15_minutes() -> None:
     assert timeout_for("vendor.unknown") == DEFAULT_TIMEOUT_S == 15 * MIN
 
 
-def test_DLV_LANE_01_03_lanes_of_kinds() -> None:
+def test_DLV_LANE_01_to_03_lanes_of_kinds() -> None:
     assert KINDS["gpu.reset"].lane is Lane.CONTROL and KINDS["disk.wipe"].lane is Lane.PROVISION
     assert KINDS["logs.collect"].lane is Lane.BULK
     assert Role.NODE in KINDS[UPGRADE_KIND].roles

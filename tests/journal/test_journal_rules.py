@@ -117,6 +117,7 @@ def test_DLV_JRN_18_bounds_lowered_never_raised(tmp_path: Path) -> None:
 
 
 def test_DLV_JRN_20_oldest_metrics_dropped_first(tmp_path: Path) -> None:
+    """Covers DLV-JRN-19 (each event is classed metric, transition or result) and DLV-JRN-05."""
     with Journal.open(tmp_path / "d", boot_id="b", max_events=5) as j:
         j.append_events([NewEvent(M, "m", b"1"), NewEvent(T, "t", b"2"), NewEvent(M, "m", b"3")])
         j.append_events([NewEvent(R, "r", b"4"), NewEvent(M, "m", b"5")])
@@ -198,6 +199,7 @@ def test_DLV_JRN_11_to_13_server_time_mark(tmp_path: Path) -> None:
 
 
 def test_DLV_REC_13_to_15_sweep(tmp_path: Path) -> None:
+    """Covers DLV-JRN-04 (done entries kept 7 days, and until acked)."""
     clock = Clock(1_000_000.0)
     j = Journal.open(tmp_path / "a", boot_id="b", clock=clock)
     j.accept_command(cmd("old-done"))

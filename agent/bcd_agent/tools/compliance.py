@@ -19,7 +19,12 @@ from collections import defaultdict
 from pathlib import Path
 
 ID_LINE = re.compile(r"^- \*\*((?:Q-)?(?:DLV|DEV|HST)-[A-Z]+-\d+)\*\*\s*(.*)$")
-ID_IN_TEXT = re.compile(r"\b((?:DLV|DEV|HST)[-_][A-Z]+[-_]\d+)\b")
+# An id in text (`DLV-JRN-03`) or in a test name (`test_DLV_JRN_03_...`: `_` is a word character, so no
+# \b). A run of numbers names each (`DLV_RES_01_02_03`, `DLV-JRN-15/16/17`), a range every id in it
+# (`DLV-REC-01..11`, `DLV_KIND_01_to_21`). A question's id (`Q-DLV-...`) does not name its requirement.
+ID_IN_TEXT = re.compile(
+    r"(?<![A-Za-z0-9])(?<!Q[-_])(DLV|DEV|HST)[-_]([A-Z]+)[-_](\d+)((?:\.\.|_to_)\d+|(?:[_/]\d+)*)(?![0-9])"
+)
 CATALOGUES = ("delivery.md", "devices.md", "host.md")
 
 
@@ -41,8 +46,20 @@ def scan_tests(tests_dir: Path) -> dict[str, set[str]]:
     found: dict[str, set[str]] = defaultdict(set)
     for path in sorted(tests_dir.rglob("*.py")):
         for m in ID_IN_TEXT.finditer(path.read_text(errors="replace")):
-            found[m.group(1).replace("_", "-")].add(str(path.relative_to(tests_dir.parent)))
+            for ident in _ids(*m.groups()):
+                found[ident].add(str(path.relative_to(tests_dir.parent)))
     return found
+
+
+def _ids(area: str, part: str, first: str, tail: str) -> list[str]:
+    """The ids one ID_IN_TEXT match names."""
+    width = len(first)
+    if tail.startswith(("..", "_to_")):
+        last = int(tail.removeprefix("..").removeprefix("_to_"))
+        numbers = list(range(int(first), max(int(first), last) + 1))
+    else:
+        numbers = [int(first)] + [int(n) for n in re.split(r"[_/]", tail)[1:]]
+    return [f"{area}-{part}-{n:0{width}d}" for n in numbers]
 
 
 def _lookup(table: dict[str, str], ident: str) -> str:
