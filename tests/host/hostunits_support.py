@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bcd_shared.simhost.hostsim import host_sim_system
+from bcd_shared.simhost import sim_system
 from bcd_shared.simhost.seed import seed
 from bcd_shared.system import LocalSystem
 from bcd_shared.units import (
@@ -43,7 +43,7 @@ class FakeTokens:
 def make_host(tmp: Path) -> tuple[Path, LocalSystem]:
     root = tmp / "host"
     seed(root)
-    return root, host_sim_system(root)
+    return root, sim_system(root)
 
 
 def run(

@@ -17,13 +17,13 @@ _BASE: list[Path] = []
 
 def fresh_host() -> tuple[Path, LocalSystem]:
     """A copy of one seeded host (seeding once keeps the property fast)."""
-    from bcd_shared.simhost.hostsim import host_sim_system
+    from bcd_shared.simhost import sim_system
 
     if not _BASE:
         _BASE.append(make_host(Path(tempfile.mkdtemp(prefix="bcd-host-base-")))[0])
     dst = Path(tempfile.mkdtemp(prefix="bcd-host-")) / "host"
     shutil.copytree(_BASE[0], dst, symlinks=True)
-    return dst, host_sim_system(dst)
+    return dst, sim_system(dst)
 
 
 SYSCTL_KEYS = [
@@ -98,11 +98,11 @@ unit_settings = st.one_of(
                 "layout": st.sampled_from(
                     [
                         "all-disabled",
-                        "all-1g.10gb",
-                        "all-3g.40gb",
-                        "mixed:3g.40gb+2x2g.20gb",
-                        "mixed:4g.40gb+3x1g.10gb",
-                        "all-7g.80gb",
+                        "all-1g.18gb",
+                        "all-3g.71gb",
+                        "mixed:3g.71gb+2x2g.35gb",
+                        "mixed:4g.71gb+3x1g.18gb",
+                        "all-7g.141gb",
                     ]
                 )
             }

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
-from bcd_shared.simhost import gpus as simgpus  # noqa: F401  (the devices seeder runs in seed())
+from bcd_shared.simhost.gpus import update_state
 from bcd_shared.units import HEADER_TEXT, UnitContext
 from hostunits_support import ALLOWED, PIN, SERVER, FakeTokens, make_host, plan, run
 
@@ -297,12 +298,12 @@ def test_HST_IOMMU_04_to_10_vendor_arguments(tmp_path: Path) -> None:
 
 def test_HST_DRV_04_05_converged_driver_keeps_persistenced(tmp_path: Path) -> None:
     root, system = make_host(tmp_path)
-    r = run(system, "nvidia-driver", {"branch": "580", "open": True})
+    r = run(system, "nvidia-driver", {"branch": "590", "open": True})
     assert (
         r.ok
         and "enable --now nvidia-persistenced.service" in (root / "var/lib/bcd-sim/systemd/log").read_text()
     )
-    assert plan(system, "nvidia-driver", {"branch": "580"}).converged
+    assert plan(system, "nvidia-driver", {"branch": "590"}).converged
 
 
 def test_HST_DRV_06_10_18_19_21_install_and_swap_on_ubuntu(tmp_path: Path) -> None:
@@ -332,7 +333,7 @@ def test_HST_DRV_20_driver_in_use_waits_for_reboot(tmp_path: Path) -> None:
     r = run(system, "nvidia-driver", {"branch": "570", "open": True})
     assert r.issues[0].kind == "reboot"
     assert (
-        r.issues[0].message == "nvidia-driver: driver 580.95.05 is in use; reboot the node to load branch 570"
+        r.issues[0].message == "nvidia-driver: driver 590.48.01 is in use; reboot the node to load branch 570"
     )
 
 
@@ -347,12 +348,18 @@ def test_HST_FM_02_03_04_05_06(tmp_path: Path) -> None:
     (root / "sys/module/nvidia").mkdir()
     r = run(system, "fabric-manager", {})
     assert r.ok and r.conditions == ()
-    assert "nvidia-fabricmanager-580" in _json(root, "packages.json")  # type: ignore[operator]
+    assert "nvidia-fabricmanager-590" in _json(root, "packages.json")  # type: ignore[operator]
     shutil.rmtree(root / "proc/driver/nvidia-nvswitch")
     assert plan(system, "fabric-manager", {}).converged
 
 
 # -- gpu-settings and mig-layout
+
+
+def _gpus(root: Path) -> list[dict[str, Any]]:
+    """The one GPU state of the simulated host (gpus.json), which the devices section reads too."""
+    gpus: list[dict[str, Any]] = json.loads((root / "var/lib/bcd-sim/gpus.json").read_text())["gpus"]
+    return gpus
 
 
 def test_HST_GPUS_05_06_07_power_limit(tmp_path: Path) -> None:
@@ -363,7 +370,7 @@ def test_HST_GPUS_05_06_07_power_limit(tmp_path: Path) -> None:
         and r.issues[0].message == "gpu-settings: GPU 0 takes 200 to 700 W, not 800"
     )
     assert run(system, "gpu-settings", {"powerLimitWatts": 450}).ok
-    assert all(g["power"]["limit"] == 450 for g in _json(root, "gpu-host.json"))  # type: ignore[attr-defined]
+    assert all(g["power_limit"] == 450 for g in _gpus(root))
     assert plan(system, "gpu-settings", {"powerLimitWatts": 450}).converged
 
 
@@ -377,49 +384,70 @@ def test_HST_GPUS_04_12_13_ecc_and_no_driver(tmp_path: Path) -> None:
         "gpu-settings: the ECC mode of GPU(s) 0,1,2,3,4,5,6,7 changes at their next reset"
     )
     assert plan(system, "gpu-settings", {"ecc": False}).steps == ()
+    assert [g["ecc_pending"] for g in _gpus(root)] == [False] * 8
+    # The GPU's next reset makes the pending mode current: the unit converges.
+    assert system.run(["nvidia-smi", "--gpu-reset", "-i", "0,1,2,3,4,5,6,7"]).ok
+    assert run(system, "gpu-settings", {"ecc": False}).ok
     shutil.rmtree(root / "sys/module/nvidia")
     assert run(system, "gpu-settings", {"ecc": False}).issues[0].kind == "retryable"
 
 
 def test_HST_MIG_04_18_23_all_profile_on_idle_gpus(tmp_path: Path) -> None:
     root, system = make_host(tmp_path)
-    r = run(system, "mig-layout", {"from": "pool", "layout": "all-1g.10gb"})
+    r = run(system, "mig-layout", {"from": "pool", "layout": "all-1g.18gb"})
     assert r.ok, r.issues
-    gpus = _json(root, "gpu-host.json")
-    assert all(g["mig"]["current"] == "Enabled" and len(g["gis"]) == 7 for g in gpus)  # type: ignore[attr-defined]
-    assert plan(system, "mig-layout", {"layout": "all-1g.10gb"}).converged
+    gpus = _gpus(root)
+    assert all(g["mig_enabled"] and len(g["migs"]) == 7 for g in gpus)
+    assert plan(system, "mig-layout", {"layout": "all-1g.18gb"}).converged
 
 
 def test_HST_MIG_11_14_15_19_21_profile_busy_and_reset(tmp_path: Path) -> None:
     root, system = make_host(tmp_path)
-    run(system, "mig-layout", {"layout": "mixed:3g.40gb+2x2g.20gb"})
-    assert plan(system, "mig-layout", {"layout": "mixed:3g.40gb+2x2g.20gb"}).converged
-    r = run(system, "mig-layout", {"layout": "all-2g.35gb"})
-    assert r.issues[0].kind == "terminal" and "has no MIG profile 2g.35gb" in r.issues[0].message
-    gpus = _json(root, "gpu-host.json")
-    busy = frozenset({f"{gpus[1]['uuid']}/gi1/ci0", f"{gpus[2]['uuid']}/s3"})  # type: ignore[index]
+    run(system, "mig-layout", {"layout": "mixed:3g.71gb+2x2g.35gb"})
+    assert plan(system, "mig-layout", {"layout": "mixed:3g.71gb+2x2g.35gb"}).converged
+    r = run(system, "mig-layout", {"layout": "all-2g.20gb"})
+    assert r.issues[0].kind == "terminal" and "has no MIG profile 2g.20gb" in r.issues[0].message
+    gpus = _gpus(root)
+    busy = frozenset({f"{gpus[1]['uuid']}/gi1/ci0", f"{gpus[2]['uuid']}/s3"})
     r = run(
         system,
         "mig-layout",
-        {"layout": "all-3g.40gb"},
+        {"layout": "all-3g.71gb"},
         ctx=UnitContext(busy_gpus=busy, allowed_clusters=ALLOWED),
     )
     assert (
         r.issues[0].kind == "retryable"
         and "hold allocations; they are repartitioned once those end" in r.issues[0].message
     )
-    after = _json(root, "gpu-host.json")
-    assert [gi["profile"] for gi in after[0]["gis"]] == ["3g.40gb", "3g.40gb"]  # type: ignore[index]
-    assert sorted(gi["profile"] for gi in after[1]["gis"]) == ["2g.20gb", "2g.20gb", "3g.40gb"]  # type: ignore[index]
-    # A mode change that waits for a reset which fails: RebootRequired.
-    for g in after:  # type: ignore[attr-defined]
-        g["mig_needs_reset"] = g["reset_fails"] = True
-    (root / "var/lib/bcd-sim/gpu-host.json").write_text(json.dumps(after))
+    after = _gpus(root)
+    assert [m["profile"] for m in after[0]["migs"]] == ["3g.71gb", "3g.71gb"]
+    assert sorted(m["profile"] for m in after[1]["migs"]) == ["2g.35gb", "2g.35gb", "3g.71gb"]
+
+    # A mode change that waits for a reset which fails (processes hold the GPUs): RebootRequired.
+    def busy_gpus(state: dict[str, Any]) -> None:
+        for g in state["gpus"]:
+            g["mig_needs_reset"] = True
+            g["processes"] = [{"pid": 4242, "name": "python3", "used_mib": 1024}]
+
+    update_state(root, busy_gpus)
     r = run(system, "mig-layout", {"layout": "all-disabled"})
     assert (
         r.issues[0].kind == "reboot"
         and "waits for a GPU reset, which failed (reboot the node)" in r.issues[0].message
     )
+    first = _gpus(root)[0]  # the step stops at the first GPU whose reset failed
+    assert first["mig_pending"] is False and first["mig_enabled"] and first["migs"] == []
+
+
+def test_HST_MIG_reset_applies_a_pending_mode(tmp_path: Path) -> None:
+    """HST-MIG mode step: a change that waits for a GPU reset (Ampere) is made effective by
+    `nvidia-smi --gpu-reset` when nothing runs on the GPU."""
+    root, system = make_host(tmp_path)
+    update_state(root, lambda s: [g.update(mig_needs_reset=True) for g in s["gpus"]])
+    r = run(system, "mig-layout", {"layout": "all-4g.71gb"})
+    assert r.ok, r.issues
+    assert all(g["mig_enabled"] and [m["profile"] for m in g["migs"]] == ["4g.71gb"] for g in _gpus(root))
+    assert all(g["reset_count"] >= 1 for g in _gpus(root)[:7])
 
 
 # -- gpu-sharing and container-toolkit
@@ -472,7 +500,7 @@ def test_HST_CTK_02_to_14_toolkit_and_cdi(tmp_path: Path) -> None:
     stamp = system.read_text("/var/lib/bcd-hostconfig/cdi-nvidia.stamp") or ""
     assert plan(system, "container-toolkit", {}).converged
     # A new MIG layout changes nvidia-smi -L: the spec is generated again in the same pass (HST-CTK-14).
-    run(system, "mig-layout", {"layout": "all-7g.80gb"})
+    run(system, "mig-layout", {"layout": "all-7g.141gb"})
     assert not plan(system, "container-toolkit", {}).converged
     run(system, "container-toolkit", {})
     assert (system.read_text("/var/lib/bcd-hostconfig/cdi-nvidia.stamp") or "") != stamp

@@ -1,7 +1,8 @@
 # ruff: noqa: E501  (tool output and fixture lines are kept whole)
 """Seed what the host-config units read on the simulated host (a SEEDERS row).
 
-A Debian 12 GPU host: eight H100 80GB on NVSwitches with the open driver 580 installed and loaded,
+A Debian 12 GPU host: the GPUs of gpus.py (eight H200) on NVSwitches with the open driver 590.48.01
+installed and loaded (the version nvidia-smi reports comes from the loaded driver),
 an Intel CPU without the IOMMU on, acpi-cpufreq governors on every CPU, transparent huge pages
 `madvise`, a swap partition, systemd as PID 1 (/run/systemd/system), update-grub, a host name,
 and a few /proc/sys keys with the kernel's defaults. Idempotent: existing files are kept.
@@ -15,7 +16,6 @@ from pathlib import Path
 from bcd_shared.system import atomic_write
 
 from .kmodtools import proc_version
-from .nvidia_host import default_gpus
 from .seed import CPUS_PER_NODE, NUMA_NODES
 
 SYSCTL_DEFAULTS = {
@@ -32,7 +32,7 @@ SYSCTL_DEFAULTS = {
     "dev/tty/ldisc_autoload": "1",
     "kernel/hostname": "gpu-node-01",
 }
-DRIVER = {"branch": "580", "version": "580.95.05", "open": True}
+DRIVER = {"branch": "590", "version": "590.48.01", "open": True}  # the GPUs' driver (gpus.py)
 
 
 def _put(root: Path, path: str, text: str, mode: int = 0o644) -> None:
@@ -111,7 +111,6 @@ def seed_host(root: Path) -> None:
         )
         + "\n",
     )
-    _put(root, f"{sim}/gpu-host.json", json.dumps(default_gpus(), indent=2) + "\n")
     _put(root, "/sys/module/nvidia/refcnt", "0\n")
     _put(root, "/sys/module/nvidia/version", str(driver["version"]) + "\n")
     _put(root, "/proc/driver/nvidia/version", proc_version(driver))

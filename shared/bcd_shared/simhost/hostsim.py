@@ -1,32 +1,14 @@
-"""A `System` over the simulated host with the host-config fakes, for the host tests and bench.
+"""`host_sim_system`: an alias of `sim_system`, kept for callers written before the GPU state was merged.
 
-`sim_system(root)` gives the shared TOOLS; when no `nvidia-smi` fake is registered there (the
-devices fake is separate), the host-settings one from nvidia_host stands in, and when one is, the
-host subcommands are still answered by nvidia_host first.
+The simulated host has one nvidia-smi (nvidia_smi.py, with the host subcommands of nvidia_host.py
+in its EXTENSIONS table) over one GPU state (gpus.json), so the host units and the devices section
+see the same GPUs through the plain `sim_system`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from pathlib import Path
+from . import sim_system
 
-from bcd_shared.system import CommandResult, FakeTool, LocalSystem
+host_sim_system = sim_system
 
-from . import TOOLS, _LazyTool
-from .nvidia_host import handle
-
-
-def host_sim_system(root: Path) -> LocalSystem:
-    tools: dict[str, FakeTool] = {name: _LazyTool(spec) for name, spec in TOOLS.items()}
-    other = tools.get("nvidia-smi")
-
-    def nvidia_smi(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
-        res = handle(system, argv, stdin)
-        if res is not None:
-            return res
-        if other is not None:
-            return other(system, argv, stdin)
-        return CommandResult(tuple(argv), 2, b"", b"nvidia-smi: not simulated here\n")
-
-    tools["nvidia-smi"] = nvidia_smi
-    return LocalSystem(root=Path(root), tools=tools)
+__all__ = ["host_sim_system"]

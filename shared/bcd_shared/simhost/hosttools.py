@@ -209,18 +209,17 @@ def nvidia_ctk(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) ->
         put(system, path, text)
         return ok(argv)
     if args[:2] == ["cdi", "generate"]:
+        # The spec of the GPUs and MIG devices nvidia-smi lists now (gpus.vendor_spec: the toolkit's
+        # JSON shape), with the loaded driver's library versions.
+        from . import gpus as simgpus
+        from .nvidia_smi import loaded_driver
+
         out = next((a.split("=", 1)[1] for a in args if a.startswith("--output=")), None)
-        res = system.run(["nvidia-smi", "-L"])
-        if not res.ok:
+        state = simgpus.load_state(system)
+        driver = None if state is None else loaded_driver(system, state)
+        if state is None or driver is None:
             return fail(argv, 'level=error msg="failed to initialize NVML: Driver Not Loaded"\n')
-        devices = []
-        for line in res.stdout.decode().splitlines():
-            m = re.search(r"\(UUID: ((?:GPU|MIG)-[0-9a-f-]+)\)", line)
-            if m:
-                devices.append(
-                    {"name": m.group(1), "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}}
-                )
-        spec = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": devices, "containerEdits": {}}
+        spec = simgpus.vendor_spec(dict(state, driver_version=driver["version"]))
         if out:
             put(system, out, json.dumps(spec, indent=2) + "\n")
         return ok(argv)

@@ -116,7 +116,7 @@ def modinfo(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Co
         f"version:        {driver['version']}\n"
         "supported:      external\n"
         f"license:        {lic}\n"
-        "firmware:       nvidia/580.95.05/gsp_ga10x.bin\n"
+        f"firmware:       nvidia/{driver['version']}/gsp_ga10x.bin\n"
         "depends:        \n"
         "name:           nvidia\n"
         f"vermagic:       {KVER} SMP preempt mod_unload modversions \n"

@@ -1,352 +1,442 @@
-# ruff: noqa: E501  (tool output and fixture lines are kept whole)
-"""The host-settings half of the simulated `nvidia-smi`: power limits, ECC, MIG mode and instances.
+# ruff: noqa: E501  (tool output lines are kept whole)
+"""The host-settings subcommands of the simulated `nvidia-smi`, on the one GPU state (gpus.json).
 
-The devices engineer owns the `nvidia-smi` fake (inventory output); its dispatcher should call
-`handle(system, argv, stdin)` first and fall through when it returns None. `nvidia_smi` here is a
-complete fallback used where no other fake is registered (the host tests and bench).
+Wired into nvidia_smi.py through its EXTENSIONS table; each handler is `(system, argv, state) ->
+CommandResult` and saves with `gpus.save_state`. There is no GPU state of its own: the devices
+inventory, the busy checks and these commands all see the same GPUs, MIG instances and processes.
 
-State: <root>/var/lib/bcd-sim/gpu-host.json, one entry per GPU (index, uuid, name, bus id, power
-limit and range, ECC current/pending, MIG mode current/pending, GPU instances, compute mode, and two
-knobs: `mig_needs_reset` (mode changes wait for a reset, as on Ampere) and `reset_fails`). The
-nvidia driver must be loaded (/sys/module/nvidia) or nvidia-smi fails as the real one does.
-
-Output formats follow ../shared/reference/nvidia-smi: CSV rows separated by ", ", `mig -lgip` and
-`mig -lgi` tables, `-L` lines with MIG devices indented, "Successfully created GPU instance ID  N
-on GPU  0 using profile MIG 1g.10gb (ID 19)", "No GPU instances found: Not Found".
+Subcommands and where their output comes from (../shared/reference/nvidia-smi):
+- `-i ID -pl W`: `Power limit for GPU <bus> was set to 450.00 W from 700.00 W.` then `All done.`;
+  outside the GPU's range `Provided power limit ... should be between 200.00 W and 700.00 W for GPU
+  <bus>` and `Terminating early due to previous errors.` (exit 2). Power values as in the CSV captures.
+- `-i ID -e 0|1`: `Disabled ECC support for GPU <bus>.`, `All done.`, `Reboot required.` (the pending
+  mode; it becomes current at the next reset).
+- `-i ID -c MODE`: `Set compute mode to EXCLUSIVE_PROCESS for GPU <bus>.` (DEFAULT / 0,
+  PROHIBITED / 2, EXCLUSIVE_PROCESS / 3); the CSV shows `Default`, `Prohibited`, `Exclusive_Process`.
+- `-i ID -pm 0|1`: `Enabled persistence mode for GPU <bus>.` / `Persistence mode is already Enabled
+  for GPU <bus>.`
+- `-i ID -lgc MIN,MAX` / `-rgc`: `GPU clocks set to "(gpuClkMin MIN, gpuClkMax MAX)" for GPU <bus>` /
+  `All done.`; `clocks.gpu_locked.min/max` show them. (No capture of these two in the reference set;
+  the lines follow the driver's wording as reported in public issue threads.)
+- `-i ID -mig 0|1`: `Enabled MIG Mode for GPU <bus>` (transcript a30 ... enable-pending-reboot, last
+  lines); while processes run (`In use by another client`) or when the GPU needs a reset for a mode
+  change (`mig_needs_reset`, as on Ampere: `Not Supported` with the `--gpu-reset` hint, from
+  messages/mig-enable_pending-not-supported_seansiddens-mps-test.txt) the mode stays pending.
+  Turning MIG off while GPU instances exist is refused (`In use by another client`); the simulator's
+  own wording, the unit destroys the instances first.
+- `mig -lgip`: the boxed table of the 580 driver (mig/a100-sxm4-40gb_580.126.09_... `-lgip`), H200
+  profiles, `Free/Total` from the current placements; `No MIG-enabled devices found.` (exit 6).
+- `mig -cgi P[,P...] [-C]`: `Successfully created GPU instance ID  N on GPU  0 using profile MIG
+  <name> (ID  P)` and, with `-C`, `Successfully created compute instance ID  0 on GPU  0 GPU
+  instance ID  N using profile MIG <name> (ID  C)` (IDs padded to 2, reference transcripts). Placement:
+  the lowest allowed start whose memory slices are free (as the A30 and A100 transcripts show),
+  except that a 3g instance takes the upper half first, so that the combinations NVIDIA supports
+  (3g + 2g + 2g, 3g + 2g + 1g + 1g, created largest first) fit as they do on the GPU;
+  GPU instance ids: the lowest free id from 1 (0 for a full-GPU instance). No room: `Unable to create
+  a GPU instance on GPU  0 using profile P: Insufficient Resources` (exit 6).
+- `mig -cci [PROFILE] -gi N`: a compute instance in GPU instance N (the full one by default, or
+  `<n>c.<profile>`), as `-cci` in the ssup2 transcript.
+- `mig -dci` / `mig -dgi` [-gi N]: `Successfully destroyed compute instance ID  0 from GPU  0 GPU
+  instance ID  N` / `Successfully destroyed GPU instance ID  N from GPU  0`; nothing there: `No
+  compute instances found: Not Found` / `No GPU instances found: Not Found` (exit 6); a compute
+  instance with processes or a GPU instance with compute instances: `In use by another client`.
 """
 
 from __future__ import annotations
 
-import hashlib
+import re
 from collections.abc import Sequence
 from typing import Any
 
 from bcd_shared.system import CommandResult, LocalSystem
 
-from ._state import fail, load, ok, save
+from . import gpus as simgpus
+from .nvidia_smi import opt, select
 
-STATE = "gpu-host.json"
-NO_DRIVER = (
-    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-    "Make sure that the latest NVIDIA driver is installed and running.\n"
-)
-
-# H100 80GB: (name, profile id, compute slices, memory slices, allowed starts, memory GiB)
-H100_PROFILES: tuple[tuple[str, int, int, int, tuple[int, ...], float], ...] = (
-    ("1g.10gb", 19, 1, 1, (0, 1, 2, 3, 4, 5, 6), 9.75),
-    ("1g.10gb+me", 20, 1, 1, (0, 1, 2, 3, 4, 5, 6), 9.75),
-    ("1g.20gb", 15, 1, 2, (0, 2, 4, 6), 19.62),
-    ("2g.20gb", 14, 2, 2, (0, 2, 4), 19.62),
-    ("3g.40gb", 9, 3, 4, (0, 4), 39.50),
-    ("4g.40gb", 5, 4, 4, (0,), 39.50),
-    ("7g.80gb", 0, 7, 8, (0,), 79.25),
-)
+COMPUTE_MODES = {
+    "0": "Default",
+    "DEFAULT": "Default",
+    "2": "Prohibited",
+    "PROHIBITED": "Prohibited",
+    "3": "Exclusive_Process",
+    "EXCLUSIVE_PROCESS": "Exclusive_Process",
+}
+_SET_FLAGS = ("-pl", "-e", "-c", "-pm", "-mig", "-lgc", "-rgc")
 
 
-def default_gpus(count: int = 8) -> list[dict[str, Any]]:
-    gpus = []
-    for i in range(count):
-        h = hashlib.sha256(f"bcd-sim-gpu-{i}".encode()).hexdigest()
-        gpus.append(
-            {
-                "index": i,
-                "uuid": f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}",
-                "name": "NVIDIA H100 80GB HBM3",
-                "bus_id": f"00000000:{0x18 + 0x10 * i:02X}:00.0",
-                "power": {"limit": 700.0, "min": 200.0, "max": 700.0},
-                "ecc": {"current": "Enabled", "pending": "Enabled"},
-                "mig": {"current": "Disabled", "pending": "Disabled"},
-                "gis": [],
-                "compute_mode": "Default",
-                "mig_needs_reset": False,
-                "reset_fails": False,
-            }
+def _res(argv: Sequence[str], rc: int, out: str = "", err: str = "") -> CommandResult:
+    return CommandResult(tuple(argv), rc, out.encode(), err.encode())
+
+
+def _lines(lines: list[str]) -> str:
+    return "".join(line + "\n" for line in lines)
+
+
+def _chosen(argv: Sequence[str], state: dict[str, Any]) -> list[dict[str, Any]] | CommandResult:
+    ident = opt(list(argv[1:]), "-i") or opt(list(argv[1:]), "--id")
+    gpus = select(state, ident)
+    if gpus is None:
+        return _res(
+            argv, 6, f"No devices were found matching {ident}\n" if ident else "No devices were found\n"
         )
     return gpus
 
 
-def _gpus(system: LocalSystem) -> list[dict[str, Any]]:
-    gpus: list[dict[str, Any]] = load(system, STATE, [])
-    return gpus
+# --- settings ------------------------------------------------------------------------------------
 
 
-def _select(gpus: list[dict[str, Any]], args: list[str]) -> list[dict[str, Any]]:
-    if "-i" in args:
-        want = args[args.index("-i") + 1]
-        return [g for g in gpus if str(g["index"]) == want or g["uuid"] == want or g["bus_id"] == want]
-    return gpus
+def settings(system: LocalSystem, argv: Sequence[str], state: dict[str, Any]) -> CommandResult:
+    """`-pl`, `-e`, `-c`, `-pm`, `-mig`, `-lgc`, `-rgc` on the GPUs `-i` names (all without it)."""
+    args = list(argv[1:])
+    gpus = _chosen(argv, state)
+    if isinstance(gpus, CommandResult):
+        return gpus
+    out: list[str] = []
+    for flag in [a for a in args if a in _SET_FLAGS]:
+        value = opt(args, flag) if flag != "-rgc" else ""
+        if value is None:
+            return _res(argv, 2, err=f"Option {flag} requires a value.\n")
+        for g in gpus:
+            err = _set(g, flag, value, out)
+            if err is not None:
+                simgpus.save_state(system, state)
+                return _res(argv, 2 if flag in ("-pl", "-c", "-lgc") else 6, _lines(out), err)
+    simgpus.save_state(system, state)
+    reboot = "-e" in args and any(g["ecc_pending"] != g["ecc_enabled"] for g in gpus)
+    return _res(argv, 0, _lines([*out, "All done.", *(["Reboot required."] if reboot else [])]))
 
 
-def _profile(name_or_id: str) -> tuple[str, int, int, int, tuple[int, ...], float] | None:
-    for p in H100_PROFILES:
-        if name_or_id in (p[0], str(p[1])):
-            return p
+def _set(g: dict[str, Any], flag: str, value: str, out: list[str]) -> str | None:
+    """Apply one setting to one GPU, appending its line; an error text stops the command."""
+    bus = g["bus_id"]
+    if flag == "-pl":
+        try:
+            watts = float(value)
+        except ValueError:
+            return f'Invalid power limit "{value}".\n'
+        if not g["power_min"] <= watts <= g["power_max"]:
+            return (
+                f"Provided power limit {watts:.2f} W is not a valid power limit which should be between "
+                f"{g['power_min']:.2f} W and {g['power_max']:.2f} W for GPU {bus}\n"
+                "Terminating early due to previous errors.\n"
+            )
+        out.append(f"Power limit for GPU {bus} was set to {watts:.2f} W from {g['power_limit']:.2f} W.")
+        g["power_limit"] = watts
+    elif flag == "-e":
+        if value not in ("0", "1"):
+            return f'Invalid ECC mode "{value}".\n'
+        on = value == "1"
+        g["ecc_pending"] = on
+        out.append(f"{'Enabled' if on else 'Disabled'} ECC support for GPU {bus}.")
+    elif flag == "-c":
+        mode = COMPUTE_MODES.get(value.upper())
+        if mode is None:
+            return f'Invalid compute mode "{value}".\n'
+        g["compute_mode"] = mode
+        out.append(f"Set compute mode to {mode.upper()} for GPU {bus}.")
+    elif flag == "-pm":
+        if value not in ("0", "1"):
+            return f'Invalid persistence mode "{value}".\n'
+        on = value == "1"
+        word = "Enabled" if on else "Disabled"
+        if g["persistence_mode"] == on:
+            out.append(f"Persistence mode is already {word} for GPU {bus}.")
+        else:
+            g["persistence_mode"] = on
+            out.append(f"{word} persistence mode for GPU {bus}.")
+    elif flag == "-lgc":
+        m = re.fullmatch(r"([0-9]+),([0-9]+)", value)
+        if m is None or int(m.group(1)) > int(m.group(2)):
+            return f'Invalid clock values "{value}".\n'
+        g["locked_clocks"] = [int(m.group(1)), int(m.group(2))]
+        out.append(f'GPU clocks set to "(gpuClkMin {m.group(1)}, gpuClkMax {m.group(2)})" for GPU {bus}')
+    elif flag == "-rgc":
+        g["locked_clocks"] = None
+    elif flag == "-mig":
+        return _set_mig(g, value, out)
     return None
 
 
-def _place(gpu: dict[str, Any], prof: tuple[str, int, int, int, tuple[int, ...], float]) -> int | None:
-    used: set[int] = set()
+def _set_mig(g: dict[str, Any], value: str, out: list[str]) -> str | None:
+    if value not in ("0", "1"):
+        return f'Invalid MIG mode "{value}".\n'
+    on = value == "1"
+    bus = g["bus_id"]
+    verb = "enable" if on else "disable"
+    if not on and g["migs"]:
+        return f"Unable to disable MIG Mode for GPU {bus}: In use by another client\n"
+    g["mig_pending"] = on
+    if g["mig_enabled"] == on:
+        out.append(f"{'Enabled' if on else 'Disabled'} MIG Mode for GPU {bus}")
+    elif g["processes"]:
+        out.append(f"Warning: MIG mode is in pending {verb} state for GPU {bus}:In use by another client")
+        out.append(
+            f"{bus} is currently being used by one or more other processes (e.g. CUDA application or a "
+            "monitoring application such as another instance of nvidia-smi). Please first kill all "
+            "processes using the device and retry the command or reboot the system to make MIG mode effective."
+        )
+    elif g.get("mig_needs_reset"):
+        out.append(f"Warning: MIG mode is in pending {verb} state for GPU {bus}:Not Supported")
+        out.append(f"Reboot the system or try nvidia-smi --gpu-reset to make MIG mode effective on GPU {bus}")
+    else:
+        g["mig_enabled"] = on
+        g["migs"] = []
+        out.append(f"{'Enabled' if on else 'Disabled'} MIG Mode for GPU {bus}")
+    return None
+
+
+# --- mig -----------------------------------------------------------------------------------------
+
+
+def _mig_gpus(argv: Sequence[str], state: dict[str, Any]) -> list[dict[str, Any]] | CommandResult:
+    gpus = _chosen(argv, state)
+    if isinstance(gpus, CommandResult):
+        return gpus
+    on = [g for g in gpus if g["mig_enabled"]]
+    if not on:
+        return _res(argv, 6, "No MIG-enabled devices found.\n")
+    return on
+
+
+def _used(g: dict[str, Any]) -> tuple[set[int], int]:
+    """Memory slices taken, compute slices taken."""
+    mem: set[int] = set()
     compute = 0
-    for gi in gpu["gis"]:
-        used.update(range(gi["start"], gi["start"] + gi["size"]))
-        compute += gi["slices"]
-    if compute + prof[2] > 7:
+    for m in simgpus.gpu_instances(g):
+        start, size = (int(x) for x in m["placement"].split(":"))
+        mem.update(range(start, start + size))
+        compute += simgpus.PROFILES_BY_NAME[m["profile"]].compute
+    return mem, compute
+
+
+def _place(g: dict[str, Any], prof: simgpus.GiProfile) -> int | None:
+    mem, compute = _used(g)
+    if compute + prof.compute > simgpus.COMPUTE_SLICES:
         return None
-    for start in reversed(prof[4]):  # the driver fills placements from the top
-        span = set(range(start, start + prof[3]))
-        if not span & used and max(span) < 8:
+    if prof.single and any(m["profile"] == prof.name for m in g["migs"]):
+        return None
+    for start in prof.starts:
+        span = set(range(start, start + prof.memory))
+        if not span & mem and max(span) < simgpus.MEMORY_SLICES:
             return start
     return None
 
 
-def _fits_empty(prof: tuple[str, int, int, int, tuple[int, ...], float]) -> int:
-    g: dict[str, Any] = {"gis": []}
+def _fits(g: dict[str, Any], prof: simgpus.GiProfile) -> int:
+    """How many more instances of `prof` fit on the GPU as it is."""
+    trial = {"migs": [dict(m) for m in simgpus.gpu_instances(g)]}
     n = 0
-    while (start := _place(g, prof)) is not None:
-        g["gis"].append({"start": start, "size": prof[3], "slices": prof[2]})
+    while (start := _place(trial, prof)) is not None:
+        trial["migs"].append(simgpus.make_mig(0, prof.name, 100 + n, None, start))
         n += 1
-        if prof[0].endswith("+me"):
-            break
     return n
 
 
-def _query(gpus: list[dict[str, Any]], fields: list[str], nounits: bool, noheader: bool) -> str:
-    def val(g: dict[str, Any], f: str) -> str:
-        w = "" if nounits else " W"
-        table = {
-            "index": str(g["index"]),
-            "uuid": g["uuid"],
-            "name": g["name"],
-            "pci.bus_id": g["bus_id"],
-            "power.limit": f"{g['power']['limit']:.2f}{w}" if g["power"] else "[N/A]",
-            "power.min_limit": f"{g['power']['min']:.2f}{w}" if g["power"] else "[N/A]",
-            "power.max_limit": f"{g['power']['max']:.2f}{w}" if g["power"] else "[N/A]",
-            "ecc.mode.current": g["ecc"]["current"] if g["ecc"] else "[N/A]",
-            "ecc.mode.pending": g["ecc"]["pending"] if g["ecc"] else "[N/A]",
-            "mig.mode.current": g["mig"]["current"] if g["mig"] else "[N/A]",
-            "mig.mode.pending": g["mig"]["pending"] if g["mig"] else "[N/A]",
-            "compute_mode": g["compute_mode"],
-        }
-        return str(table.get(f, "[N/A]"))
-
-    lines = [] if noheader else [", ".join(fields)]
-    lines += [", ".join(val(g, f) for f in fields) for g in gpus]
-    return "\n".join(lines) + "\n"
+def _profile(name_or_id: str) -> simgpus.GiProfile | None:
+    for p in simgpus.H200_PROFILES:
+        if name_or_id in (p.name, str(p.id)):
+            return p
+    return None
 
 
-def _lgip(gpus: list[dict[str, Any]]) -> str:
-    bar = "+" + "-" * 77 + "+"
+def mig_lgip(system: LocalSystem, argv: Sequence[str], state: dict[str, Any]) -> CommandResult:
+    gpus = _mig_gpus(argv, state)
+    if isinstance(gpus, CommandResult):
+        return gpus
+    rule = "+" + "-" * 79 + "+"
     out = [
-        bar,
-        "| GPU instance profiles:" + " " * 54 + "|",
-        "| GPU   Name             ID    Instances   Memory     P2P    SM    DEC   ENC  |",
-        "|                              Free/Total   GiB              CE    JPEG  OFA  |",
-        "|" + "=" * 77 + "|",
+        rule,
+        "| GPU instance profiles:" + " " * 56 + "|",
+        "| GPU   Name               ID    Instances   Memory     P2P    SM    DEC   ENC  |",
+        "|                                Free/Total   GiB              CE    JPEG  OFA  |",
+        "|" + "=" * 79 + "|",
     ]
     for g in gpus:
-        for p in H100_PROFILES:
-            total = _fits_empty(p)
-            free = sum(1 for _ in range(total)) if not g["gis"] else 0
-            row = f"|  {g['index']:>2}  MIG {p[0]:<13}{p[1]:>3}     {free}/{total}        {p[5]:<10} No     {16 * p[2]:<5}{p[2]:<6}0   |"
-            out += [row, "|" + " " * 61 + f"{p[2]:<6}{p[2]:<6}0   |", bar]
-    return "\n".join(out) + "\n"
+        empty: dict[str, Any] = {"migs": []}
+        for p in simgpus.H200_PROFILES:
+            total, free = _fits(empty, p), _fits(g, p)
+            sm = 16 * p.compute if p.compute < 7 else 132
+            dec = p.compute if p.compute < 7 else 7
+            media = 1 if (p.single or p.compute == 7) else 0
+            gib = f"{p.memory_mib / 1024:.2f}"
+            row = f"|{g['index']:>4}  MIG {p.name:<16}{p.id:>2}     {f'{free}/{total}':<11}{gib:<11}No     {sm:<7}{dec:<6}0   |"
+            sub = f"|{'':<63}{p.compute:<6}{media:<6}{media}   |"
+            out += [row, sub, rule]
+    return _res(argv, 0, _lines(out))
 
 
-def _lgi(gpus: list[dict[str, Any]]) -> str:
-    rows = [(g, gi) for g in gpus for gi in g["gis"]]
-    if not rows:
-        return ""
-    bar = "+" + "-" * 55 + "+"
-    out = [
-        bar,
-        "| GPU instances:" + " " * 40 + "|",
-        "| GPU   Name             Profile  Instance   Placement  |",
-        "|                          ID       ID       Start:Size |",
-        "|" + "=" * 55 + "|",
-    ]
-    for g, gi in rows:
-        out += [
-            f"|  {g['index']:>2}  MIG {gi['profile']:<13}{gi['profile_id']:>4}     {gi['id']:>4}          {gi['start']}:{gi['size']}     |",
-            bar,
-        ]
-    return "\n".join(out) + "\n"
+def _next_gi(g: dict[str, Any], prof: simgpus.GiProfile) -> int:
+    taken = {m["gpu_instance"] for m in g["migs"]}
+    if prof.memory == simgpus.MEMORY_SLICES and 0 not in taken:
+        return 0
+    return next(i for i in range(1, 64) if i not in taken)
 
 
-def _list(gpus: list[dict[str, Any]]) -> str:
-    out = []
-    for g in gpus:
-        out.append(f"GPU {g['index']}: {g['name']} (UUID: {g['uuid']})")
-        for n, gi in enumerate(g["gis"]):
-            h = hashlib.sha256(f"{g['uuid']}/{gi['id']}".encode()).hexdigest()
-            mig = f"MIG-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-            out.append(f"  MIG {gi['profile']:<12}Device {n:>2}: (UUID: {mig})")
-    return "\n".join(out) + "\n"
+def _serial(state: dict[str, Any]) -> int:
+    state["mig_serial"] = int(state.get("mig_serial", 0)) + 1
+    return int(state["mig_serial"])
 
 
-def handle(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult | None:
-    """Answer the host-settings subcommands; None for anything else (inventory output)."""
+def mig_cgi(system: LocalSystem, argv: Sequence[str], state: dict[str, Any]) -> CommandResult:
     args = list(argv[1:])
-    mine = (
-        any(a.startswith("--query-gpu=") for a in args)
-        or args[:1] == ["mig"]
-        or any(a in ("-pl", "-e", "-mig", "--gpu-reset", "-L", "-c") for a in args)
-    )
-    if not mine:
-        return None
-    if not system.exists("/sys/module/nvidia"):
-        return fail(argv, NO_DRIVER, 9)
-    gpus = _gpus(system)
-    sel = _select(gpus, args)
-    if "-i" in args and not sel:
-        return fail(argv, f"No devices were found matching {args[args.index('-i') + 1]}\n", 6)
-    q = next((a for a in args if a.startswith("--query-gpu=")), None)
-    if q is not None:
-        fmt = next((a.split("=", 1)[1] for a in args if a.startswith("--format=")), "csv")
-        return ok(argv, _query(sel, q.split("=", 1)[1].split(","), "nounits" in fmt, "noheader" in fmt))
-    if "-L" in args:
-        return ok(argv, _list(sel))
-    if args[:1] == ["mig"]:
-        return _mig(system, argv, gpus, sel, args[1:])
-    out = []
-    for g in sel:
-        if "-pl" in args:
-            w = float(args[args.index("-pl") + 1])
-            p = g["power"]
-            if not p["min"] <= w <= p["max"]:
-                return fail(
+    gpus = _mig_gpus(argv, state)
+    if isinstance(gpus, CommandResult):
+        return gpus
+    wanted = opt(args, "-cgi") or ""
+    out: list[str] = []
+    for g in gpus:
+        for want in wanted.split(","):
+            prof = _profile(want)
+            if prof is None:
+                simgpus.save_state(system, state)
+                return _res(
                     argv,
-                    f"Provided power limit {w:.2f} W is not a valid power limit which should be between "
-                    f"{p['min']:.2f} W and {p['max']:.2f} W for GPU {g['bus_id']}\nTerminating early due to previous errors.\n",
-                    2,
-                )
-            out.append(f"Power limit for GPU {g['bus_id']} was set to {w:.2f} W from {p['limit']:.2f} W.")
-            p["limit"] = w
-        if "-e" in args:
-            on = args[args.index("-e") + 1] == "1"
-            g["ecc"]["pending"] = "Enabled" if on else "Disabled"
-            out.append(f"{'Enabled' if on else 'Disabled'} ECC support for GPU {g['bus_id']}.")
-        if "-c" in args:
-            g["compute_mode"] = {"0": "Default", "DEFAULT": "Default", "3": "Exclusive_Process"}.get(
-                args[args.index("-c") + 1], "Exclusive_Process"
-            )
-            out.append(f"Set compute mode to {args[args.index('-c') + 1]} for GPU {g['bus_id']}.")
-        if "-mig" in args:
-            want = "Enabled" if args[args.index("-mig") + 1] == "1" else "Disabled"
-            g["mig"]["pending"] = want
-            if g.get("mig_needs_reset") and g["mig"]["current"] != want:
-                verb = "enable" if want == "Enabled" else "disable"
-                out.append(
-                    f"Warning: MIG mode is in pending {verb} state for GPU {g['bus_id']}:In use by another client"
-                )
-            else:
-                g["mig"]["current"] = want
-                out.append(f"{want} MIG Mode for GPU {g['bus_id']}")
-        if "--gpu-reset" in args:
-            if g.get("reset_fails"):
-                save(system, STATE, gpus)
-                return fail(
-                    argv,
-                    f"The following GPUs could not be reset:\n  GPU {g['bus_id']}: In use by another client\n\n"
-                    "1 device is currently being used by one or more other processes (e.g., Fabric Manager, CUDA "
-                    "application, graphics application such as an X server, or a monitoring application such as "
-                    "another instance of nvidia-smi). Please first kill all processes using this device and all "
-                    "compute applications running in the system.\n",
-                    255,
-                )
-            g["mig"]["current"] = g["mig"]["pending"]
-            g["ecc"]["current"] = g["ecc"]["pending"]
-            out.append(f"GPU {g['bus_id']} was successfully reset.")
-    save(system, STATE, gpus)
-    return ok(argv, "\n".join([*out, "All done."]) + "\n")
-
-
-def _mig(
-    system: LocalSystem,
-    argv: Sequence[str],
-    gpus: list[dict[str, Any]],
-    sel: list[dict[str, Any]],
-    args: list[str],
-) -> CommandResult:
-    if "-lgip" in args:
-        on = [g for g in sel if g["mig"]["current"] == "Enabled"]
-        return ok(argv, _lgip(on)) if on else fail(argv, "No MIG-enabled devices found.\n", 6)
-    if "-lgi" in args:
-        text = _lgi(sel)
-        return ok(argv, text) if text else fail(argv, "No GPU instances found: Not Found\n", 6)
-    out = []
-    for g in sel:
-        if g["mig"]["current"] != "Enabled":
-            return fail(
-                argv, f"Unable to manage GPU instances on GPU {g['index']:>2}: MIG mode is not enabled\n", 6
-            )
-        if "-dci" in args:
-            cis = [gi for gi in g["gis"] if gi.get("ci")]
-            if not cis:
-                return fail(argv, "No compute instances found: Not Found\n", 6)
-            for gi in cis:
-                gi["ci"] = False
-                out.append(
-                    f"Successfully destroyed compute instance ID  0 from GPU {g['index']:>2} GPU instance ID {gi['id']:>2}"
-                )
-        elif "-dgi" in args:
-            if not g["gis"]:
-                return fail(argv, "No GPU instances found: Not Found\n", 6)
-            if any(gi.get("ci") for gi in g["gis"]):
-                return fail(
-                    argv,
-                    f"Unable to destroy GPU instance on GPU {g['index']:>2}: In use by another client\n",
                     6,
+                    _lines(out),
+                    f"Unable to create a GPU instance on GPU {g['index']:>2} using profile {want}: Not Found\n",
                 )
-            for gi in g["gis"]:
-                out.append(f"Successfully destroyed GPU instance ID {gi['id']:>2} from GPU {g['index']:>2}")
-            g["gis"] = []
-        elif "-cgi" in args:
-            for want in args[args.index("-cgi") + 1].split(","):
-                prof = _profile(want)
-                if prof is None:
-                    save(system, STATE, gpus)
-                    return fail(
-                        argv,
-                        f"Unable to create a GPU instance on GPU {g['index']:>2} using profile {want}: Not Found\n",
-                        6,
-                    )
-                start = _place(g, prof)
-                if start is None:
-                    save(system, STATE, gpus)
-                    return fail(
-                        argv,
-                        f"Unable to create a GPU instance on GPU {g['index']:>2} using profile {prof[1]}: Insufficient Resources\n",
-                        6,
-                    )
-                gid = 1 + max([gi["id"] for gi in g["gis"]], default=0)
-                g["gis"].append(
-                    {
-                        "id": gid,
-                        "profile": prof[0],
-                        "profile_id": prof[1],
-                        "start": start,
-                        "size": prof[3],
-                        "slices": prof[2],
-                        "ci": "-C" in args,
-                    }
+            start = _place(g, prof)
+            if start is None:
+                simgpus.save_state(system, state)
+                return _res(
+                    argv,
+                    6,
+                    _lines(out),
+                    f"Unable to create a GPU instance on GPU {g['index']:>2} using profile {prof.id}: Insufficient Resources\n",
                 )
+            gi = _next_gi(g, prof)
+            ci = 0 if "-C" in args else None
+            g["migs"].append(simgpus.make_mig(g["index"], prof.name, gi, ci, start, _serial(state)))
+            out.append(
+                f"Successfully created GPU instance ID {gi:>2} on GPU {g['index']:>2} using profile MIG {prof.name} (ID {prof.id:>2})"
+            )
+            if ci is not None:
                 out.append(
-                    f"Successfully created GPU instance ID {gid:>2} on GPU {g['index']:>2} using profile MIG {prof[0]} (ID {prof[1]:>2})"
+                    f"Successfully created compute instance ID  0 on GPU {g['index']:>2} GPU instance ID {gi:>2} "
+                    f"using profile MIG {prof.name} (ID {prof.ci_profile_id:>2})"
                 )
-                if "-C" in args:
-                    out.append(
-                        f"Successfully created compute instance ID  0 on GPU {g['index']:>2} GPU instance ID {gid:>2} "
-                        f"using profile MIG {prof[0]} (ID  0)"
-                    )
-        else:
-            return fail(argv, f"nvidia-smi mig: unsupported on the simulated host: {' '.join(args)}\n")
-    save(system, STATE, gpus)
-    return ok(argv, "\n".join(out) + "\n")
+    simgpus.save_state(system, state)
+    return _res(argv, 0, _lines(out))
 
 
-def nvidia_smi(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
-    """A complete fake where no inventory fake is registered: the host subcommands only."""
-    res = handle(system, argv, stdin)
-    if res is None:
-        return fail(argv, "nvidia-smi: only host-settings subcommands are simulated here\n", 2)
-    return res
+def mig_cci(system: LocalSystem, argv: Sequence[str], state: dict[str, Any]) -> CommandResult:
+    args = list(argv[1:])
+    gpus = _mig_gpus(argv, state)
+    if isinstance(gpus, CommandResult):
+        return gpus
+    want = opt(args, "-cci")
+    if want is not None and want.startswith("-"):
+        want = None
+    gi_ids = opt(args, "-gi")
+    out: list[str] = []
+    for g in gpus:
+        for gi in simgpus.gpu_instances(g):
+            if gi_ids is not None and str(gi["gpu_instance"]) not in gi_ids.split(","):
+                continue
+            prof = simgpus.PROFILES_BY_NAME[gi["profile"]]
+            compute, name, ci_pid = prof.compute, prof.name, prof.ci_profile_id
+            m = re.fullmatch(r"([0-9])c\.(.+)", want or "")
+            if m and m.group(2) == prof.name:
+                compute, name = int(m.group(1)), want or ""
+                ci_pid = {1: 0, 2: 1, 3: 2, 4: 3, 7: 4}.get(compute, 0)
+            elif want not in (None, prof.name, str(prof.ci_profile_id)):
+                return _res(
+                    argv,
+                    6,
+                    _lines(out),
+                    f"Unable to create a compute instance on GPU {g['index']:>2} GPU instance ID {gi['gpu_instance']:>2} using profile {want}: Not Found\n",
+                )
+            siblings = [x for x in g["migs"] if x["gpu_instance"] == gi["gpu_instance"]]
+            used = sum(
+                simgpus.PROFILES_BY_NAME[x["profile"]].compute
+                if x["ci_profile"] == x["profile"]
+                else int(x["ci_profile"][0])
+                for x in siblings
+                if x["compute_instance"] is not None
+            )
+            if used + compute > prof.compute:
+                return _res(
+                    argv,
+                    6,
+                    _lines(out),
+                    f"Unable to create a compute instance on GPU {g['index']:>2} GPU instance ID {gi['gpu_instance']:>2} using profile {ci_pid}: Insufficient Resources\n",
+                )
+            ci = next(i for i in range(8) if i not in {x["compute_instance"] for x in siblings})
+            start = gi["placement"].split(":")[0]
+            entry = simgpus.make_mig(
+                g["index"], prof.name, gi["gpu_instance"], ci, int(start), _serial(state)
+            )
+            entry.update(ci_profile=name, ci_profile_id=ci_pid)
+            g["migs"] = [x for x in g["migs"] if x is not gi or x["compute_instance"] is not None] + [entry]
+            out.append(
+                f"Successfully created compute instance ID {ci:>2} on GPU {g['index']:>2} GPU instance ID {gi['gpu_instance']:>2} using profile MIG {name} (ID {ci_pid:>2})"
+            )
+    simgpus.save_state(system, state)
+    return _res(argv, 0, _lines(out))
+
+
+def mig_dci(system: LocalSystem, argv: Sequence[str], state: dict[str, Any]) -> CommandResult:
+    args = list(argv[1:])
+    gpus = _mig_gpus(argv, state)
+    if isinstance(gpus, CommandResult):
+        return gpus
+    gi_ids = opt(args, "-gi")
+    out: list[str] = []
+    errors: list[str] = []
+    for g in gpus:
+        kept: list[dict[str, Any]] = []
+        for gi in simgpus.gpu_instances(g):
+            n = gi["gpu_instance"]
+            entries = [m for m in g["migs"] if m["gpu_instance"] == n]
+            cis = sorted(
+                (m for m in entries if m["compute_instance"] is not None), key=lambda m: m["compute_instance"]
+            )
+            if not cis or (gi_ids is not None and str(n) not in gi_ids.split(",")):
+                kept += entries
+                continue
+            if any(p.get("gpu_instance") == n for p in g["processes"]):
+                errors.append(
+                    f"Unable to destroy compute instance(s) of GPU {g['index']:>2} GPU instance ID {n:>2}: In use by another client"
+                )
+                kept += entries
+                continue
+            for m in cis:
+                out.append(
+                    f"Successfully destroyed compute instance ID {m['compute_instance']:>2} from GPU {g['index']:>2} GPU instance ID {n:>2}"
+                )
+            kept.append(dict(cis[0], compute_instance=None, ci_profile_id=None, ci_profile=None, uuid=None))
+        g["migs"] = kept
+    simgpus.save_state(system, state)
+    if errors:
+        return _res(argv, 6, _lines(out), _lines(errors))
+    if not out:
+        return _res(argv, 6, "", "No compute instances found: Not Found\n")
+    return _res(argv, 0, _lines(out))
+
+
+def mig_dgi(system: LocalSystem, argv: Sequence[str], state: dict[str, Any]) -> CommandResult:
+    args = list(argv[1:])
+    gpus = _mig_gpus(argv, state)
+    if isinstance(gpus, CommandResult):
+        return gpus
+    gi_ids = opt(args, "-gi")
+    out: list[str] = []
+    errors: list[str] = []
+    for g in gpus:
+        for gi in simgpus.gpu_instances(g):
+            n = gi["gpu_instance"]
+            if gi_ids is not None and str(n) not in gi_ids.split(","):
+                continue
+            if any(m["gpu_instance"] == n and m["compute_instance"] is not None for m in g["migs"]):
+                errors.append(
+                    f"Unable to destroy GPU instance ID {n:>2} from GPU {g['index']:>2}: In use by another client"
+                )
+                continue
+            g["migs"] = [m for m in g["migs"] if m["gpu_instance"] != n]
+            out.append(f"Successfully destroyed GPU instance ID {n:>2} from GPU {g['index']:>2}")
+    simgpus.save_state(system, state)
+    if errors:
+        return _res(argv, 6, _lines(out), _lines(errors))
+    if not out:
+        return _res(argv, 6, "", "No GPU instances found: Not Found\n")
+    return _res(argv, 0, _lines(out))

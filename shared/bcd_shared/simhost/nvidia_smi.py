@@ -11,10 +11,16 @@ Formats follow the real captures in ../shared/reference/nvidia-smi (driver 580/5
   a real log is printed;
 - `--gpu-reset -i ID` / `-r -i ID`: `GPU <bus> was successfully reset.`, or the "could not be reset /
   In use by another client" block with exit 255 while processes run, or `Resetting GPU <bus> is not
-  supported.` (exit 3); a reset clears volatile ECC counters and applies a pending row remap;
+  supported.` (exit 3); a reset clears volatile ECC counters, applies a pending row remap and makes
+  the pending ECC and MIG modes current (MIG off drops the instances), and unlocks the clocks;
 - `mig -lgi` / `mig -lci` [-i ID] [-gi N]: the boxed tables of driver 580, or
   `No GPU instances found: Not Found` / `No compute instances found: Not Found` (exit 6).
-`-i` takes an index, a UUID or a bus id.
+`-i` takes an index, a UUID or a bus id. Without the driver (`/sys/module/nvidia` absent, or
+driver.json of the simulated host saying none is loaded) every command fails as the real one does
+(exit 9); the driver and CUDA versions shown are those of the loaded driver.
+
+The host subcommands (`-pl`, `-e`, `-c`, `-pm`, `-mig`, `-lgc`, `-rgc`, `mig -lgip/-cgi/-cci/-dci/
+-dgi`) are in nvidia_host.py, wired in through EXTENSIONS below; they change the same gpus.json.
 
 Extending: other areas add subcommands without editing this module's logic by adding a row to
 EXTENSIONS: a key (`"-mig"` for `nvidia-smi -i 0 -mig 1`, `"mig -cgi"` for `nvidia-smi mig -cgi …`)
@@ -26,6 +32,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import importlib
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,7 +40,26 @@ from bcd_shared.simhost import gpus as simgpus
 from bcd_shared.system import CommandResult, LocalSystem
 
 # key -> "module:function" under bcd_shared.simhost, see the module docstring. One literal table.
-EXTENSIONS: dict[str, str] = {}
+EXTENSIONS: dict[str, str] = {
+    "-pl": "nvidia_host:settings",
+    "-e": "nvidia_host:settings",
+    "-c": "nvidia_host:settings",
+    "-pm": "nvidia_host:settings",
+    "-mig": "nvidia_host:settings",
+    "-lgc": "nvidia_host:settings",
+    "-rgc": "nvidia_host:settings",
+    "mig -lgip": "nvidia_host:mig_lgip",
+    "mig -cgi": "nvidia_host:mig_cgi",
+    "mig -cci": "nvidia_host:mig_cci",
+    "mig -dci": "nvidia_host:mig_dci",
+    "mig -dgi": "nvidia_host:mig_dgi",
+}
+
+NO_DRIVER = (
+    "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
+    "Make sure that the latest NVIDIA driver is installed and running.\n"
+)
+DRIVER_STATE = "/var/lib/bcd-sim/driver.json"
 
 Handler = Callable[[LocalSystem, Sequence[str], dict[str, Any]], CommandResult]
 
@@ -56,6 +82,29 @@ def _opt(argv: Sequence[str], name: str) -> str | None:
         if a.startswith(name + "="):
             return a.split("=", 1)[1]
     return None
+
+
+def loaded_driver(system: LocalSystem, state: dict[str, Any]) -> dict[str, Any] | None:
+    """The loaded driver's version and CUDA version; None when no driver is loaded."""
+    if not system.exists("/sys/module/nvidia"):
+        return None
+    raw = system.read_bytes(DRIVER_STATE)
+    if raw is None:
+        return {"version": state["driver_version"], "cuda": state["cuda_version"]}
+    loaded = json.loads(raw).get("loaded")
+    if not loaded:
+        return None
+    version = str(loaded["version"])
+    return {"version": version, "cuda": simgpus.CUDA_BY_BRANCH.get(version[:3], state["cuda_version"])}
+
+
+def select(state: dict[str, Any], ident: str | None) -> list[dict[str, Any]] | None:
+    """The GPUs `-i` names (index, UUID or bus id, comma-separated); None when one matches nothing."""
+    return _select(state, ident)
+
+
+def opt(argv: Sequence[str], name: str) -> str | None:
+    return _opt(argv, name)
 
 
 def _select(state: dict[str, Any], ident: str | None) -> list[dict[str, Any]] | None:
@@ -86,9 +135,8 @@ def _list(state: dict[str, Any], gpus: list[dict[str, Any]]) -> str:
     lines = []
     for g in gpus:
         lines.append(f"GPU {g['index']}: {g['name']} (UUID: {g['uuid']})")
-        if g["mig_enabled"]:
-            for n, m in enumerate(g["migs"]):
-                lines.append(f"  MIG {m['profile']:<12}Device {n:>2}: (UUID: {m['uuid']})")
+        for n, m in enumerate(simgpus.mig_devices(g)):
+            lines.append(f"  MIG {m['ci_profile'] or m['profile']:<12}Device {n:>2}: (UUID: {m['uuid']})")
     return "".join(line + "\n" for line in lines)
 
 
@@ -103,6 +151,19 @@ def _remap(g: dict[str, Any], key: str) -> str:
     return "Yes" if g[key] else "No"
 
 
+def _mode(on: bool) -> str:
+    return "Enabled" if on else "Disabled"
+
+
+def _watts(value: float | None) -> str:
+    return NA if value is None else f"{value:.2f}"
+
+
+def _clock(g: dict[str, Any], i: int) -> str:
+    locked = g.get("locked_clocks")
+    return NA if not locked else str(locked[i])
+
+
 # field -> (unit or "", value function)
 GPU_FIELDS: dict[str, tuple[str, Callable[[dict[str, Any], dict[str, Any]], str]]] = {
     "timestamp": ("", lambda s, g: _stamp()),
@@ -114,9 +175,22 @@ GPU_FIELDS: dict[str, tuple[str, Callable[[dict[str, Any], dict[str, Any]], str]
     "uuid": ("", lambda s, g: g["uuid"]),
     "pci.bus_id": ("", lambda s, g: g["bus_id"]),
     "memory.total": ("MiB", lambda s, g: str(g["memory_mib"])),
-    "mig.mode.current": ("", lambda s, g: "Enabled" if g["mig_enabled"] else "Disabled"),
-    "mig.mode.pending": ("", lambda s, g: "Enabled" if g["mig_pending"] else "Disabled"),
-    "ecc.mode.current": ("", lambda s, g: "Enabled" if g["ecc_enabled"] else "Disabled"),
+    "mig.mode.current": ("", lambda s, g: _mode(g["mig_enabled"])),
+    "mig.mode.pending": ("", lambda s, g: _mode(g["mig_pending"])),
+    "ecc.mode.current": ("", lambda s, g: _mode(g["ecc_enabled"])),
+    "ecc.mode.pending": ("", lambda s, g: _mode(g["ecc_pending"])),
+    "persistence_mode": ("", lambda s, g: _mode(g["persistence_mode"])),
+    "compute_mode": ("", lambda s, g: g["compute_mode"]),
+    "power.management": ("", lambda s, g: "[Requested functionality has been deprecated]"),
+    "power.limit": ("W", lambda s, g: _watts(g["power_limit"])),
+    "enforced.power.limit": ("W", lambda s, g: _watts(g["power_limit"])),
+    "power.default_limit": ("W", lambda s, g: _watts(g["power_default"])),
+    "power.min_limit": ("W", lambda s, g: _watts(g["power_min"])),
+    "power.max_limit": ("W", lambda s, g: _watts(g["power_max"])),
+    "clocks.max.sm": ("MHz", lambda s, g: "1980"),
+    "clocks.max.memory": ("MHz", lambda s, g: "3201"),
+    "clocks.gpu_locked.min": ("MHz", lambda s, g: _clock(g, 0)),
+    "clocks.gpu_locked.max": ("MHz", lambda s, g: _clock(g, 1)),
     "ecc.errors.uncorrected.volatile.total": ("", lambda s, g: str(g["ecc_uncorrected_volatile"])),
     "ecc.errors.uncorrected.aggregate.total": ("", lambda s, g: str(g["ecc_uncorrected_aggregate"])),
     "remapped_rows.pending": ("", lambda s, g: _remap(g, "remap_pending")),
@@ -211,15 +285,15 @@ def _qx(state: dict[str, Any], gpus: list[dict[str, Any]]) -> str:
             f"\t\t<product_name>{g['name']}</product_name>",
             "\t\t<product_brand>NVIDIA</product_brand>",
             "\t\t<product_architecture>Hopper</product_architecture>",
-            "\t\t<persistence_mode>Enabled</persistence_mode>",
+            f"\t\t<persistence_mode>{_mode(g['persistence_mode'])}</persistence_mode>",
             "\t\t<mig_mode>",
             f"\t\t\t<current_mig>{mig}</current_mig>",
             f"\t\t\t<pending_mig>{pend}</pending_mig>",
             "\t\t</mig_mode>",
         ]
-        if g["mig_enabled"] and g["migs"]:
+        if simgpus.mig_devices(g):
             o.append("\t\t<mig_devices>")
-            for n, m in enumerate(g["migs"]):
+            for n, m in enumerate(simgpus.mig_devices(g)):
                 o += [
                     "\t\t\t<mig_device>",
                     f"\t\t\t\t<index>{n}</index>",
@@ -261,7 +335,7 @@ def _qx(state: dict[str, Any], gpus: list[dict[str, Any]]) -> str:
             "\t\t</fb_memory_usage>",
             "\t\t<ecc_mode>",
             f"\t\t\t<current_ecc>{'Enabled' if g['ecc_enabled'] else 'Disabled'}</current_ecc>",
-            f"\t\t\t<pending_ecc>{'Enabled' if g['ecc_enabled'] else 'Disabled'}</pending_ecc>",
+            f"\t\t\t<pending_ecc>{_mode(g['ecc_pending'])}</pending_ecc>",
             "\t\t</ecc_mode>",
             "\t\t<ecc_errors>",
             "\t\t\t<volatile>",
@@ -332,9 +406,11 @@ def _reset(
         g["ecc_uncorrected_volatile"] = 0
         if g["remap_pending"]:
             g["remap_pending"] = False
+        g["ecc_enabled"] = g["ecc_pending"]
+        if g["mig_enabled"] != g["mig_pending"]:
+            g["migs"] = []  # a mode change starts without instances
         g["mig_enabled"] = g["mig_pending"]
-        if not g["mig_enabled"]:
-            g["migs"] = []
+        g["locked_clocks"] = None
         g["reset_count"] += 1
         out.append(f"GPU {g['bus_id']} was successfully reset.")
     simgpus.save_state(system, state)
@@ -368,7 +444,7 @@ def _lgi(argv: Sequence[str], gpus: list[dict[str, Any]]) -> CommandResult:
     for g in gpus:
         if not g["mig_enabled"]:
             continue
-        for m in g["migs"]:
+        for m in simgpus.gpu_instances(g):
             if (g["index"], m["gpu_instance"]) in seen:
                 continue
             seen.add((g["index"], m["gpu_instance"]))
@@ -390,10 +466,12 @@ def _lci(argv: Sequence[str], gpus: list[dict[str, Any]], gi: str | None) -> Com
     for g in gpus:
         if not g["mig_enabled"]:
             continue
-        for m in g["migs"]:
-            if gi is not None and str(m["gpu_instance"]) != gi:
+        for m in sorted(g["migs"], key=lambda m: (m["gpu_instance"], m["compute_instance"] or 0)):
+            if m["compute_instance"] is None or (
+                gi is not None and str(m["gpu_instance"]) not in gi.split(",")
+            ):
                 continue
-            name = f"MIG {m['profile']}"
+            name = f"MIG {m['ci_profile'] or m['profile']}"
             size = m["placement"].split(":")[1]
             rows.append(
                 f"|{g['index']:>4}{m['gpu_instance']:>7}       {name:<20}{m['ci_profile_id']:>2}"
@@ -421,13 +499,10 @@ def _extension(key: str) -> Handler | None:
 
 def main(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
     state = simgpus.load_state(system)
-    if state is None:
-        return _res(
-            argv,
-            9,
-            "NVIDIA-SMI has failed because it couldn't communicate with the NVIDIA driver. "
-            "Make sure that the latest NVIDIA driver is installed and running.\n",
-        )
+    driver = None if state is None else loaded_driver(system, state)
+    if state is None or driver is None:
+        return _res(argv, 9, NO_DRIVER)
+    view = dict(state, driver_version=driver["version"], cuda_version=driver["cuda"])  # what is shown
     args = list(argv[1:])
     is_mig = bool(args) and args[0] == "mig"
     for a in args:
@@ -445,14 +520,14 @@ def main(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comma
             return _lci(argv, gpus, _opt(args, "-gi"))
         return _res(argv, 2, f"Invalid combination of input arguments: {' '.join(args)}\n")
     if args == ["-L"] or args[:1] == ["-L"]:
-        return _res(argv, 0, _list(state, gpus))
+        return _res(argv, 0, _list(view, gpus))
     fmt = _opt(args, "--format")
     if (q := _opt(args, "--query-gpu")) is not None:
-        return _query_gpu(argv, state, gpus, q, fmt or "")
+        return _query_gpu(argv, view, gpus, q, fmt or "")
     if (q := _opt(args, "--query-compute-apps")) is not None:
-        return _query_apps(argv, state, gpus, q, fmt or "")
+        return _query_apps(argv, view, gpus, q, fmt or "")
     if "-q" in args and "-x" in args:
-        return _res(argv, 0, _qx(state, gpus))
+        return _res(argv, 0, _qx(view, gpus))
     if "--gpu-reset" in args or "-r" in args:
         if _opt(args, "-i") is None:
             return _res(argv, 2, "A GPU must be selected with -i to be reset.\n")

@@ -16,7 +16,13 @@ from bcd_shared.system import CommandResult, LocalSystem
 
 from ._state import fail, load, ok, put, save
 
-DRIVER_VERSIONS = {"535": "535.216.01", "550": "550.127.05", "570": "570.148.08", "580": "580.95.05"}
+DRIVER_VERSIONS = {
+    "535": "535.216.01",
+    "550": "550.127.05",
+    "570": "570.148.08",
+    "580": "580.95.05",
+    "590": "590.48.01",
+}
 K8S_PATCH = "1"
 
 
