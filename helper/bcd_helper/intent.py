@@ -19,7 +19,8 @@ names roots, nothing is checked (HST-SIGN-33).
 
 With roots, the signed spec must: verify as a `desired-state` signature of a worker certificate chained to
 the roots (HST-SIGN-18) at the current time, or, for a body whose digest the helper already verified at
-the newest generation, at the time it was first verified (HST-SIGN-30/31); decode strictly; name the node
+the newest generation, at the time it was first verified (HST-SIGN-30/31); decode strictly (a full spec
+decides the host section, unset meaning no units; a patch must set it); name the node
 of root's join record, or without a record the node fixed by the first signed spec accepted (trust on
 first use, HST-SIGN-19/20/23); have a generation not older than the newest accepted (HST-SIGN-24); set
 the host section; name the unit with byte-identical settings (HST-SIGN-25, Q-HST-SIGN-03: canonical JSON
@@ -384,14 +385,18 @@ class IntentVerifier:
                 f"{op}: the signed spec's generation {decoded.generation} is older than generation "
                 f"{state.generation} already accepted",
             )
-        host = decoded.full.host if decoded.full is not None else None
-        if decoded.full is None and decoded.patch is not None:
-            host = decoded.patch.host
-        if host is None:
+        # A full spec decides the host section (unset: no units, so every unit may be cleaned); a patch
+        # speaks for it only when it sets it.
+        units: list[Any] | None = None
+        if decoded.full is not None:
+            units = list(decoded.full.host.units) if decoded.full.host is not None else []
+        elif decoded.patch is not None and decoded.patch.host is not None:
+            units = list(decoded.patch.host.units)
+        if units is None:
             raise Refused(
                 "bad-intent", f"{op}: the signed spec (generation {decoded.generation}) sets no host section"
             )
-        named = [u.settings for u in host.units if u.name == unit]
+        named = [u.settings for u in units if u.name == unit]
         if settings is not None:
             if named != [settings]:
                 what = (

@@ -134,7 +134,15 @@ def test_HST_SIGN_07_08_20_26_28_roots_and_node_from_roots_join_record(
         # A patch that sets host is a signed body too; one that sets no host section is refused.
         patch = host_body("node-a", 5, {"sysctl": S10}, patch=True)
         assert _ok(h, host_unit_doc("sysctl", S10, intent(worker, patch)))["changed"] is True
-        _refused(h, host_unit_doc("sysctl", S10, intent(worker, host_body("node-a", 6, None))), "bad-intent")
+        _refused(
+            h,
+            host_unit_doc("sysctl", S10, intent(worker, host_body("node-a", 6, None, patch=True))),
+            "bad-intent",
+        )
+        # A full spec without a host section decides it too: no units, so a clean is allowed.
+        no_host = host_body("node-a", 6, None)
+        _refused(h, host_unit_doc("sysctl", S10, intent(worker, no_host)), "settings-mismatch")
+        assert _ok(h, host_unit_doc("sysctl", None, intent(worker, no_host)))["changed"] is True
         # Signed under another purpose: refused.
         answer = _refused(
             h, host_unit_doc("sysctl", S10, intent(worker, patch, purpose=Purpose.COMMAND)), "bad-intent"
