@@ -196,7 +196,13 @@ async def test_DLV_RES_04_failed_carries_its_code(
         done = await h.sink.wait_terminal(cmd.id)
         n.cancel_scope.cancel()
     assert (done.state, done.error_code) == (UpdateState.FAILED, code)
+    assert done.message  # the handler's text ...
     assert d.credits_in_use(cmd.lane) == 0  # type: ignore[arg-type]
+    from bcd_agent.dispatch.results import update_from_entry
+
+    h.reopen()
+    (entry,) = h.journal.unacked_results()
+    assert update_from_entry(entry, None) == done  # ... is journaled, so the replay carries it too
 
 
 async def test_DLV_RES_04_invalid_payload(tmp_path: Path, pki: Pki) -> None:

@@ -22,6 +22,7 @@ from bcd_agent.journal import (
     Outcome,
 )
 from bcd_agent.journal._schema import SCHEMA_VERSION
+from bcd_agent.journal._types import MAX_MESSAGE_CHARS
 from jhelpers import KEXEC, NOT_RETRY_SAFE, RETRY_SAFE, Clock, cmd, crash_copy
 
 ATTESTED = CommandFlags(attested=True)
@@ -157,6 +158,27 @@ def test_a_failing_attester_never_loses_the_result(tmp_path: Path, caplog: pytes
         assert "stored unsigned" in caplog.text
 
 
+def test_DLV_RES_04_05_result_messages_are_journaled(tmp_path: Path) -> None:
+    """A failure's or rejection's message is stored with the result, so a replay (which may be the first
+    send, when the session was offline) carries it too; it is capped, the code is what counts."""
+    with Journal.open(tmp_path / "a", boot_id="b1") as j:
+        j.accept_command(cmd("f"))
+        f = j.complete("f", Outcome.FAILED, code="gpu-busy", message="GPU-1 is held by alloc-7")
+        r = j.reject(cmd("r"), "BAD_SIGNATURE", "unknown-root: no trusted root issued 'worker-1'")
+        j.accept_command(cmd("long"))
+        long = j.complete("long", Outcome.FAILED, code="internal", message="x" * 5000)
+    with Journal.open(tmp_path / "a", boot_id="b1") as j:
+        assert (
+            j.get_command("f") == f
+            and f.result is not None
+            and f.result.message == "GPU-1 is held by alloc-7"
+        )
+        assert (
+            j.get_command("r") == r and r.result is not None and r.result.message.startswith("unknown-root")
+        )
+        assert long.result is not None and long.result.message == "x" * MAX_MESSAGE_CHARS
+
+
 # ---------------------------------------------------------------- schema migration
 
 
@@ -171,6 +193,7 @@ def test_schema_1_journal_is_migrated_in_place(tmp_path: Path) -> None:
         seq = j.append_event(EventClass.RESULT, "allocation.bound", b"p")
     conn = sqlite3.connect(data / "journal.db")
     conn.execute("ALTER TABLE commands DROP COLUMN attestation")
+    conn.execute("ALTER TABLE commands DROP COLUMN message")
     conn.execute("UPDATE schema_version SET version = 1")
     conn.commit()
     conn.close()
@@ -180,7 +203,7 @@ def test_schema_1_journal_is_migrated_in_place(tmp_path: Path) -> None:
         assert [e.seq for e in j.unacked_events()] == [seq]
         done = j.get_command("done")
         assert done is not None and done.result is not None and done.result.body == b"r"
-        assert done.result.attestation == b""
+        assert (done.result.attestation, done.result.message) == (b"", "")
         (settled,) = j.recover()
         assert settled.id == "a" and settled.result is not None and settled.result.code == "interrupted"
     conn = sqlite3.connect(data / "journal.db")

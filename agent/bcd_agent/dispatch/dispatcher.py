@@ -273,8 +273,10 @@ class Dispatcher:
         res = self._journal.resolve(cid)
         if res.action is Action.NONE:
             new = NewCommand(id=cid, kind="", flags=CommandFlags())
-            entry = self._journal.reject(new, RejectReason.UNSUPPORTED.value)
-            self._send_entry(entry, f"invalid body: {exc.field}: {exc.rule}")
+            entry = self._journal.reject(
+                new, RejectReason.UNSUPPORTED.value, f"invalid body: {exc.field}: {exc.rule}"
+            )
+            self._send_entry(entry)
         elif res.action is Action.DONE:
             assert res.entry is not None
             self._send_entry(res.entry)
@@ -352,8 +354,8 @@ class Dispatcher:
         ctx = self._context()
         verdict = precheck(cmd, ctx, reexecute=reexecute)
         if isinstance(verdict, Reject):
-            entry = self._journal.reject(_new_command(cmd, self._kinds.get(cmd.kind)), verdict.reason.value)
-            self._send_entry(entry, verdict.message)
+            new = _new_command(cmd, self._kinds.get(cmd.kind))
+            self._send_entry(self._journal.reject(new, verdict.reason.value, verdict.message))
             return
         if isinstance(verdict, Defer):
             if len(self._deferred) >= self._max_deferred:
@@ -456,9 +458,13 @@ class Dispatcher:
                 return  # cancelled while waiting for a lock
             now = self._clock.server_now()
             if cmd.not_after is None or now >= cmd.not_after:
-                entry = self._journal.reject(exe.new, RejectReason.EXPIRED.value)
+                entry = self._journal.reject(
+                    exe.new,
+                    RejectReason.EXPIRED.value,
+                    "not_after passed while the command waited for a worker",
+                )
                 self._settled(exe)
-                self._send_entry(entry, "not_after passed while the command waited for a worker")
+                self._send_entry(entry)
                 return
             exe.phase = _Phase.STARTING
             try:
@@ -484,9 +490,9 @@ class Dispatcher:
         self, exe: _Execution, outcome: Outcome, *, code: str = "", body: bytes = b"", message: str = ""
     ) -> None:
         """Journal the real outcome, then give the credit back (DLV-LANE-09), then report it."""
-        entry = self._journal.complete(exe.cmd.id, outcome, code=code, body=body)
+        entry = self._journal.complete(exe.cmd.id, outcome, code=code, body=body, message=message)
         self._settled(exe)
-        self._send_entry(entry, message)
+        self._send_entry(entry)
 
     def _settled(self, exe: _Execution) -> None:
         exe.phase = _Phase.SETTLED

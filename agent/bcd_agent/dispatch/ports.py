@@ -39,10 +39,18 @@ class CommandJournal(Protocol):
     def mark_running(self, command_id: str) -> CommandEntry: ...
 
     def complete(
-        self, command_id: str, outcome: Outcome, *, code: str = "", body: bytes = b"", node_sig: bytes = b""
+        self,
+        command_id: str,
+        outcome: Outcome,
+        *,
+        code: str = "",
+        body: bytes = b"",
+        node_sig: bytes = b"",
+        attestation: bytes = b"",
+        message: str = "",
     ) -> CommandEntry: ...
 
-    def reject(self, command: NewCommand, reason: str) -> CommandEntry: ...
+    def reject(self, command: NewCommand, reason: str, message: str = "") -> CommandEntry: ...
 
     def cancel(self, command_id: str, reason: str = "") -> CommandEntry | None: ...
 

@@ -85,7 +85,7 @@ def update_from_entry(entry: CommandEntry, signer: ResultSigner | None, message:
         boot_id=result.boot_id,
         error_code=error_code,
         reason=reason,
-        message=message,
+        message=message or result.message,
         result=body,
         attestation=attestation,
         node_sig=node_sig,

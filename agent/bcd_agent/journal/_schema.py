@@ -1,8 +1,9 @@
 """The journal's SQLite schema (version 2). One file, `journal.db`, WAL mode, synchronous=FULL.
 
 Version 2 added `commands.attestation` (the exact CommandAttestation bytes of an attested result, stored
-with its node signature). An older version is migrated in place on open (`MIGRATIONS`), in one transaction;
-a newer one is treated like corruption (moved aside)."""
+with its node signature) and `commands.message` (the result's human-readable message). An older version is
+migrated in place on open (`MIGRATIONS`), in one transaction; a newer one is treated like corruption
+(moved aside)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ CREATE TABLE commands (
     node_sig BLOB,
     previous_boot_id TEXT,
     attestation BLOB,
+    message TEXT,
     finished_at REAL,
     acked INTEGER NOT NULL DEFAULT 0
 ) WITHOUT ROWID;
@@ -57,7 +59,7 @@ CREATE TABLE exec_tickets (jti TEXT PRIMARY KEY, expires_at REAL NOT NULL) WITHO
 
 # Statements that take a journal of version N to N + 1 (run in one transaction with the version bump).
 MIGRATIONS: dict[int, tuple[str, ...]] = {
-    1: ("ALTER TABLE commands ADD COLUMN attestation BLOB",),
+    1: ("ALTER TABLE commands ADD COLUMN attestation BLOB", "ALTER TABLE commands ADD COLUMN message TEXT"),
 }
 
 # The tables a journal of this version must have (checked on open, with the version row).

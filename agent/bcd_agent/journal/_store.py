@@ -41,6 +41,7 @@ from bcd_agent.journal._schema import (
 from bcd_agent.journal._types import (
     MAX_EVENT_BYTES,
     MAX_EXEC_TICKETS,
+    MAX_MESSAGE_CHARS,
     MAX_UNACKED_EVENTS,
     RETENTION_S,
     WELCOME_SLACK_S,
@@ -73,7 +74,7 @@ log = logging.getLogger(__name__)
 _COLS = (
     "id, kind, retry_safe, self_terminating, attested, state, incarnation, boot_id, accepted_at, updated_at,"
     " body, signature, outcome, code, result, result_boot_id, node_sig, previous_boot_id, finished_at, acked,"
-    " attestation"
+    " attestation, message"
 )
 _SQL_GET = f"SELECT {_COLS} FROM commands WHERE id = ?"  # noqa: S608 - constant column list
 _SQL_INSERT_ACCEPTED = (
@@ -90,13 +91,14 @@ _SQL_RUNNING = (
 )
 _SQL_FINISH = (
     "UPDATE commands SET state = ?, updated_at = ?, outcome = ?, code = ?, result = ?, result_boot_id = ?,"
-    " node_sig = ?, previous_boot_id = ?, finished_at = ?, acked = 0, attestation = ? WHERE id = ?"
+    " node_sig = ?, previous_boot_id = ?, finished_at = ?, acked = 0, attestation = ?, message = ?"
+    " WHERE id = ?"
 )
 _SQL_INSERT_FINISHED = (
     "INSERT INTO commands (id, kind, retry_safe, self_terminating, attested, state, incarnation, boot_id,"
     " accepted_at, updated_at, body, signature, outcome, code, result, result_boot_id, node_sig,"
-    " previous_boot_id, finished_at, acked, attestation)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?)"
+    " previous_boot_id, finished_at, acked, attestation, message)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)"
 )
 _SQL_UNSETTLED = f"SELECT {_COLS} FROM commands WHERE state IN ('accepted', 'running') AND incarnation != ?"  # noqa: S608
 _SQL_UNACKED_RESULTS = (
@@ -133,7 +135,7 @@ _SQL_TICKET_PURGE = "DELETE FROM exec_tickets WHERE expires_at <= ?"
 _Row = tuple[
     str, str, int, int, int, str, str, str, float, float, bytes, bytes,
     str | None, str | None, bytes | None, str | None, bytes | None, str | None, float | None, int,
-    bytes | None,
+    bytes | None, str | None,
 ]  # fmt: skip
 
 
@@ -143,7 +145,7 @@ class _Corrupt(Exception):
 
 def _entry(row: _Row) -> CommandEntry:
     (cid, kind, rs, st, att, state, inc, boot, acc_at, upd_at, body, sig, outcome, code, res, rboot, nsig,
-     prev, fin, acked, attestation) = row  # fmt: skip
+     prev, fin, acked, attestation, message) = row  # fmt: skip
     result = None
     if outcome is not None:
         result = CommandResult(
@@ -155,6 +157,7 @@ def _entry(row: _Row) -> CommandEntry:
             node_sig=nsig or b"",
             previous_boot_id=prev or "",
             attestation=attestation or b"",
+            message=message or "",
         )
     return CommandEntry(
         id=cid,
@@ -525,6 +528,7 @@ class Journal:
         body: bytes = b"",
         node_sig: bytes = b"",
         attestation: bytes = b"",
+        message: str = "",
     ) -> CommandEntry:
         """Journal the real outcome (SUCCEEDED or FAILED) of this process's accepted/running command.
         An entry already terminal is returned unchanged (the first terminal outcome wins). For an attested
@@ -544,11 +548,18 @@ class Journal:
                 c,
                 entry,
                 CommandResult(
-                    outcome, code, body, self._boot_id, self._clock(), node_sig, attestation=attestation
+                    outcome,
+                    code,
+                    body,
+                    self._boot_id,
+                    self._clock(),
+                    node_sig,
+                    attestation=attestation,
+                    message=message[:MAX_MESSAGE_CHARS],
                 ),
             )
 
-    def reject(self, command: NewCommand, reason: str) -> CommandEntry:
+    def reject(self, command: NewCommand, reason: str, message: str = "") -> CommandEntry:
         """Journal a terminal rejection (UNSUPPORTED, EXPIRED, ...; never BUSY). A new id gets a `rejected`
         row; an accepted entry (deferred, or a retry-safe one re-checked) becomes `rejected`. A terminal
         entry is returned unchanged; this process's running entry cannot be rejected (StateError)."""
@@ -556,7 +567,9 @@ class Journal:
             raise ValueError("reason: a rejection needs its reason")
         with self._mutex, self._tx() as c:
             now = self._clock()
-            result = CommandResult(Outcome.REJECTED, reason, b"", self._boot_id, now)
+            result = CommandResult(
+                Outcome.REJECTED, reason, b"", self._boot_id, now, message=message[:MAX_MESSAGE_CHARS]
+            )
             row = c.execute(_SQL_GET, (command.id,)).fetchone()
             if row is None:
                 return self._insert_finished(c, command, result)
@@ -643,7 +656,7 @@ class Journal:
             _SQL_FINISH,
             (
                 state.value, r.finished_at, r.outcome.value, r.code, r.body, r.boot_id, r.node_sig,
-                r.previous_boot_id, r.finished_at, r.attestation, entry.id,
+                r.previous_boot_id, r.finished_at, r.attestation, r.message, entry.id,
             ),
         )  # fmt: skip
         return done
@@ -668,7 +681,7 @@ class Journal:
             (
                 command.id, command.kind, f.retry_safe, f.self_terminating, f.attested, done.state.value,
                 self._incarnation, self._boot_id, now, now, command.body, command.signature, r.outcome.value,
-                r.code, r.body, r.boot_id, r.node_sig, r.previous_boot_id, now, r.attestation,
+                r.code, r.body, r.boot_id, r.node_sig, r.previous_boot_id, now, r.attestation, r.message,
             ),
         )  # fmt: skip
         return done

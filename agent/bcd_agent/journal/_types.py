@@ -16,6 +16,8 @@ MAX_EXEC_TICKETS = 10_000
 RETENTION_S = 7 * 24 * 3600.0
 # A Welcome more than this far before the server time mark is refused (DLV-JRN-13).
 WELCOME_SLACK_S = 300.0
+# A result's message is kept up to this many characters (it is informational; the code is what counts).
+MAX_MESSAGE_CHARS = 1024
 
 
 class CommandState(enum.Enum):
@@ -104,7 +106,9 @@ class CommandResult:
     kind's encoded result message. For attested kinds `attestation` is the serialized CommandAttestation
     and `node_sig` the node's signature over it, made once when the result was journaled (the journal's
     attester) and replayed exactly as stored (all exact bytes). `boot_id` is the boot the result was
-    produced in; `previous_boot_id` is set on a `rebooted` result.
+    produced in; `previous_boot_id` is set on a `rebooted` result. `message` is the human-readable detail
+    sent with it (a handler's failure text, the rule a rejection broke), kept so that a replay, perhaps the
+    first send, carries it too (at most MAX_MESSAGE_CHARS).
     """
 
     outcome: Outcome
@@ -115,6 +119,7 @@ class CommandResult:
     node_sig: bytes = b""
     previous_boot_id: str = ""
     attestation: bytes = b""
+    message: str = ""
 
 
 @frozen
