@@ -176,9 +176,11 @@ class Node:
             )
 
         if self._helper_socket() is not None:
-            send = nh.HelperHostSend(
-                self._helper_client(), system, tokens, intent=lambda: nh.load_host_intent(data_dir)
-            )
+            from bcd_agent.sections.host.intent import HelperHostSend
+
+            client = self._helper_client()
+            inner = HelperHostSend(client, Path(data_dir), trust_bundle=self._signed_bundle)
+            send = nh.TokenStagingSend(inner, client, system, tokens)
 
             def executor_for(ctx: Any) -> Any:
                 return HelperExecutor(system, send, ctx)
@@ -191,6 +193,16 @@ class Node:
 
         self.host_section = nh.NodeHostSection(executor_for, context_for, on_changed=self._host_changed)
         return self.host_section
+
+    def _signed_bundle(self) -> bytes | None:
+        """The serialized SignedTrustBundle the node holds now (host.unit presents it to the helper)."""
+        identity = self.core.identity if self.core is not None else None
+        held = identity.trust_bundle if identity is not None else None
+        if held is None:
+            return None
+        from bcd_agent.sections.host.intent import signed_bundle_bytes
+
+        return signed_bundle_bytes(held.bundle, held.signature, held.signer_spki)
 
     def _root_guard(self) -> Any:
         """As root, the units' writes go through the root-only rule (HST-ROOT-*); None otherwise."""

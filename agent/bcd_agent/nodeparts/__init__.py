@@ -3,7 +3,7 @@
 - `inventory.py`: `InventoryState`, the observation's GPU inventory reader and the heartbeat's
   inventory hash;
 - `host.py`: `NodeHostSection` (the runner's `host` Section over wire specs), the unit context (busy
-  devices, identity labels, allowed clusters), `HelperHostSend` (host.unit through the helper, the
+  devices, identity labels, allowed clusters), `TokenStagingSend` (host.unit through the helper, the
   k8s token staged first);
 - `kinds.py`: the handlers of `gpu.reset`, `diag.nvml` and `node.reboot`.
 

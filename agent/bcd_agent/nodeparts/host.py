@@ -15,33 +15,27 @@
 4. when the outcome says a unit changed the host, runs `on_changed` (the node refreshes the inventory
    and triggers the devices section's pass; HST-LVL-13).
 
-`HelperHostSend` is the `HelperSend` of `HelperExecutor`: one `host.unit` per unit not converged, with
-the busy devices and the signed intent the session kept (data_dir/host-intent.json). For `k8s-join`
-while `/etc/kubernetes/kubelet.conf` does not exist it first fetches the token (SecretRequest) and stages
-it with the helper's file kind `k8s-token` (HST-K8S-52); the helper's join removes it on success, and the
-node removes a staged token the unit did not use. The helper's answer becomes a `HelperAnswer`: no
-issues -> ok; otherwise the issues' messages joined with "; ", terminal only when every issue is; a
-refusal of the helper itself is terminal for the reasons only a new spec or root's config can change
-(`TERMINAL_REFUSALS`), else retryable.
+Under the helper the executor's send is `TokenStagingSend` around `sections.host.intent.HelperHostSend`
+(one `host.unit` per unit not converged, with the busy devices, the signed spec the session kept in
+data_dir/host-intent.json and the node's trust bundle; the helper's answer as a `HelperAnswer`). For
+`k8s-join` while `/etc/kubernetes/kubelet.conf` does not exist it first fetches the token
+(SecretRequest) and stages it with the helper's file kind `k8s-token` (HST-K8S-52); the helper's join
+removes it on success, and the node removes a staged token the unit did not use.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import collections
 import json
 import logging
-import os
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from attrs import evolve
 from bcd_shared import wire
 from bcd_shared.errors import HelperRefused, RetryableError, StepError
 from bcd_shared.system import System
-from bcd_shared.units import ClusterPin, TokenSource, UnitCondition, UnitContext
+from bcd_shared.units import ClusterPin, TokenSource, UnitContext
 
 from bcd_agent.converge.section import Observation, PassContext
 from bcd_agent.converge.types import SectionOutcome
@@ -56,11 +50,6 @@ SECTION = "host"
 K8S_JOIN = "k8s-join"
 KUBELET_CONF = "/etc/kubernetes/kubelet.conf"
 TOKEN_KIND = "k8s-token"  # noqa: S105 (the helper file kind, not a secret)
-HOST_INTENT_FILE = "host-intent.json"
-# Helper refusals that only a new spec (or root's own config) changes: the unit FAILS instead of retrying.
-TERMINAL_REFUSALS = frozenset(
-    {"bad-unit-name", "not-supported", "not-configured", "invalid-settings", "host-managed-externally"}
-)
 
 LABEL_NODE_ID = "bcd.dev/node-id"
 LABEL_SITE = "bcd.dev/site"
@@ -171,42 +160,23 @@ class NodeHostSection:
 # --- under the helper ---------------------------------------------------------------------------------
 
 
-def load_host_intent(data_dir: str | os.PathLike[str]) -> Mapping[str, Any] | None:
-    """host.unit's `intent` from data_dir/host-intent.json (the signed DesiredState body that last set the
-    host section, its signature and signer chain, base64, as the session stored them); None without one.
-    The trust bundle is not presented here (null)."""
-    path = Path(data_dir) / HOST_INTENT_FILE
-    try:
-        doc = json.loads(path.read_text())
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        log.warning("host: %s is unreadable: %s", path, exc)
-        return None
-    try:
-        body, signature, chain = doc["body"], doc["signature"], doc["signer_chain"]
-        for value in (body, signature, *chain):
-            base64.b64decode(value, validate=True)
-    except (KeyError, TypeError, binascii.Error, ValueError) as exc:
-        log.warning("host: %s is malformed: %s", path, exc)
-        return None
-    return {"body": body, "signature": signature, "chain": list(chain), "trust_bundle": None}
-
-
-class HelperHostSend:
-    """`HelperSend` over a HelperClient (see the module docstring). Never raises."""
+class TokenStagingSend:
+    """`HelperSend` for `HelperExecutor`: `inner` (sections.host.intent.HelperHostSend: host.unit with the
+    kept signed spec) preceded, for k8s-join while kubelet.conf does not exist, by the token's SecretRequest
+    and its staging through the helper (file kind `k8s-token`, HST-K8S-52). A token the unit did not use is
+    removed again. Never raises: a failed fetch or staging is the unit's failure."""
 
     def __init__(
         self,
+        inner: Callable[[str, str | None, frozenset[str]], HelperAnswer],
         client: Any,
         system: System,
         tokens: TokenSource | None,
-        intent: Callable[[], Mapping[str, Any] | None] = lambda: None,
     ) -> None:
+        self.inner = inner
         self.client = client
         self.system = system
         self.tokens = tokens
-        self.intent = intent
         self.staged = 0
 
     def __call__(self, name: str, settings_json: str | None, busy: frozenset[str]) -> HelperAnswer:
@@ -214,15 +184,12 @@ class HelperHostSend:
         try:
             if name == K8S_JOIN and settings_json is not None and not self.system.exists(KUBELET_CONF):
                 staged = self._stage_token(settings_json)
-            result = self.client.host_unit(name, settings_json, sorted(busy), self.intent())
-        except HelperRefused as exc:
-            return HelperAnswer(False, exc.message, terminal=exc.reason in TERMINAL_REFUSALS)
-        except StepError as exc:
+            return self.inner(name, settings_json, busy)
+        except StepError as exc:  # HelperRefused included
             return HelperAnswer(False, exc.message, terminal=exc.terminal)
         finally:
             if staged and not self.system.exists(KUBELET_CONF):
                 self._unstage()
-        return answer_of(result)
 
     def _stage_token(self, settings_json: str) -> bool:
         if self.tokens is None:
@@ -243,23 +210,3 @@ class HelperHostSend:
             self.client.file_remove(TOKEN_KIND, "")
         except HelperRefused as exc:
             log.warning("host: the staged k8s token could not be removed: %s", exc.message)
-
-
-def answer_of(result: Mapping[str, Any]) -> HelperAnswer:
-    """The helper's host.unit answer `{unit, changed, steps, issues, conditions}` as a HelperAnswer."""
-    issues = [i for i in result.get("issues", []) if isinstance(i, Mapping)]
-    conditions = tuple(
-        UnitCondition(str(c.get("type", "")), str(c.get("reason", "")), str(c.get("message", "")))
-        for c in result.get("conditions", [])
-        if isinstance(c, Mapping)
-    )
-    changed = bool(result.get("changed", False))
-    if not issues:
-        return HelperAnswer(True, changed=changed, conditions=conditions)
-    return HelperAnswer(
-        False,
-        "; ".join(str(i.get("message", "")) for i in issues),
-        terminal=all(i.get("kind") == "terminal" for i in issues),
-        changed=changed,
-        conditions=conditions,
-    )

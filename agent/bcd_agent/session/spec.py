@@ -56,8 +56,9 @@ class BaseMismatch:
 class Accepted:
     stored: StoredSpec
     spec: DesiredSpec
-    # The body set the host section (a full spec, or a patch setting `host`): the helper's host.unit
-    # needs these exact bytes with their signature (seeds/host-config.md "Signed specs").
+    # The body set the host section (every full spec, `host` unset meaning empty, or a patch setting
+    # `host`): the helper's host.unit needs these exact bytes with their signature (seeds/host-config.md
+    # "Signed specs"); a clean is allowed only under a body that no longer names the unit.
     sets_host: bool
     # The DesiredState as received (exact bytes), for the host intent record.
     body: bytes = b""
@@ -152,7 +153,7 @@ def judge(
         return Accepted(
             stored,
             spec,
-            sets_host=body.full.host is not None,
+            sets_host=True,  # a full spec decides the host section, unset meaning empty (cleans)
             body=raw,
             signature=signature,
             signer_chain=chain,
