@@ -229,7 +229,8 @@ def test_the_root_helper_reads_the_same_file() -> None:
     root = helper_config.parse_config(text.encode(), "/etc/bcd/config.toml")
     assert root.host_units is node.host.units is False
     assert root.command_root_sha256 == node.command_root_sha256
-    assert str(root.join_signing_key_pin) == str(node.join_signing_key_pin)
+    assert node.join_signing_key_pin is not None
+    assert root.join_signing_key_pin == node.join_signing_key_pin.digest
     assert root.instance_bridges == node.helper.instance_bridges
     assert root.socket == node.helper.socket
     assert [c.ca_sha256 for c in root.allowed_clusters] == [
