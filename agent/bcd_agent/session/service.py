@@ -5,8 +5,8 @@ Each connection: open the stream, send Hello, then run together until one of the
   ends the connection);
 - the sender: the outbox (a memory channel the core's `send` feeds) onto the stream, in order;
 - the ticker: heartbeats every `heartbeat_s` (and soon after `heartbeat_soon`: the inventory hash
-  changed), the status report when the
-  runner published a newer one (coalesced latest-wins, at most one per `status_interval_s`), new events,
+  changed), the status report when the runner published a newer one (coalesced latest-wins, at most one
+  per `status_interval_s`, but at once when it moves the applied or observed generation), new events,
   and the replay of unacked results and events (`SessionCore.resend_due`).
 
 Between connections: capped exponential backoff with jitter (`Backoff`), reset once a Welcome arrived.
@@ -133,6 +133,7 @@ class Session:
         core = self.core
         last_heartbeat = -math.inf
         last_status = -math.inf
+        sent_generations: tuple[int, int] = (-1, -1)
         while True:
             now = trio.current_time()
             if core.state.welcomed:
@@ -141,11 +142,18 @@ class Session:
                     core._out(core.heartbeat())
                     last_heartbeat = now
                 status = core.status.latest() if core.status is not None else None
-                if status is not None and now - last_status >= self.status_interval_s:
+                # Coalesced (at most one per status_interval_s), except that a report moving the applied
+                # or observed generation goes at once: the gateway coalesces too (DLV-CONV-22), and
+                # spec-to-observed latency is what a caller waits on.
+                if status is not None and (
+                    now - last_status >= self.status_interval_s
+                    or (status.applied_generation, status.observed_generation) != sent_generations
+                ):
                     message = core.status_message(status)
                     if message is not None:
                         core._out(message)
                         last_status = now
+                        sent_generations = (status.applied_generation, status.observed_generation)
                 core.pump_events()
                 core.resend_due()
             self._wake = trio.Event()
