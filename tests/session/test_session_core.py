@@ -372,3 +372,30 @@ def test_backoff_is_capped_and_jittered(attempt: int) -> None:
     assert b.delay(attempt, 0.0) == pytest.approx(top)
     assert b.delay(attempt, 1.0) == pytest.approx(top / 2)
     assert 0 < b.delay(attempt, 0.37) <= 30.0
+
+
+def test_HST_SIGN_02_03_04_every_full_spec_is_kept_for_the_helper_a_patch_only_when_it_sets_host(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """A full spec decides the host section (unset meaning empty, so the helper may clean the units it no
+    longer names); a patch that does not set `host` keeps the earlier body."""
+    from bcd_agent.sections.host.intent import read_host_intent
+
+    core, out, _, _ = make(tmp_path, pki)
+    connect(core, out)
+    units = wire.HostSection(units=[wire.HostUnit(name="sysctl", settings='{"vm.swappiness":10}')])
+    first = pki.spec(1, full=wire.NodeSpec(host=units))
+    core.handle(wire.GatewayMessage(desired_state=first))
+    kept = read_host_intent(tmp_path / "data")
+    assert kept is not None and kept.generation == 1 and kept.body == bytes(first.body)
+    assert (tmp_path / "data" / "host-intent.json").stat().st_mode & 0o777 == 0o600
+    second = pki.spec(2, full=wire.NodeSpec(devices=wire.DevicesSection()))  # host unset: empty
+    core.handle(wire.GatewayMessage(desired_state=second))
+    kept = read_host_intent(tmp_path / "data")
+    assert kept is not None and kept.generation == 2 and kept.body == bytes(second.body)
+    assert kept.signature == bytes(second.signature) and kept.signer_chain == (pki.worker_der,)
+    third = pki.spec(3, patch=wire.NodeSpecPatch(devices=wire.DevicesSection()), base=2)
+    core.handle(wire.GatewayMessage(desired_state=third))
+    assert core.journal.applied_generation == 3
+    kept = read_host_intent(tmp_path / "data")
+    assert kept is not None and kept.generation == 2  # HST-SIGN-03

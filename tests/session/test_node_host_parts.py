@@ -1,0 +1,118 @@
+"""The node's host-section parts (bcd_agent.nodeparts.host) on the simulated host: the unit context and
+the k8s token staging in front of the helper's host.unit. The real helper path is in tests/e2e.
+
+Covers HST-K8S-44 (identity labels), HST-K8S-52/53 (the token staged for the helper, removed when the
+join did not use it), HST-HLP-02 (busy devices sent).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bcd_agent.inventory.gpus import collect_gpus
+from bcd_agent.nodeparts.host import TokenStagingSend, busy_devices, identity_labels
+from bcd_agent.sections.host import HelperAnswer, HostSection
+from bcd_agent.sections.host.wire import from_wire
+from bcd_shared import wire
+from bcd_shared.errors import TerminalError
+from bcd_shared.simhost import sim_system
+from bcd_shared.system import atomic_write
+
+K8S = json.dumps({"caCertSha256": "ab" * 32, "server": "https://10.0.0.1:6443", "tokenRef": "secret://t"})
+TOKEN = "abcdef.0123456789abcdef"
+
+
+class Client:
+    """Records the helper calls TokenStagingSend makes (file kinds only; host.unit is `inner`)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, ...]] = []
+
+    def file_write(self, kind: str, ident: str, content: str) -> dict[str, Any]:
+        self.calls.append(("write", kind, ident, content))
+        return {}
+
+    def file_remove(self, kind: str, ident: str) -> bool:
+        self.calls.append(("remove", kind, ident))
+        return True
+
+
+class Tokens:
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.fetched: list[str] = []
+
+    def fetch(self, token_ref: str) -> str:
+        self.fetched.append(token_ref)
+        if self.error is not None:
+            raise self.error
+        return TOKEN
+
+    def consumed(self) -> None:
+        pass
+
+
+def test_HST_K8S_52_53_token_staged_before_host_unit_and_removed_when_unused(sim_root: Path) -> None:
+    system = sim_system(sim_root)
+    client, tokens = Client(), Tokens()
+    sent: list[tuple[str, list[tuple[str, ...]]]] = []
+
+    def inner(name: str, settings: str | None, busy: frozenset[str]) -> HelperAnswer:
+        sent.append((name, list(client.calls)))
+        return HelperAnswer(False, "k8s-join: kubeadm join failed")
+
+    send = TokenStagingSend(inner, client, system, tokens)
+    answer = send("k8s-join", K8S, frozenset())
+    assert not answer.ok and tokens.fetched == ["secret://t"]
+    # Staged before host.unit went out, removed after since the join did not happen.
+    assert sent == [("k8s-join", [("write", "k8s-token", "", TOKEN + "\n")])]
+    assert client.calls[-1] == ("remove", "k8s-token", "")
+
+    # Joined already (kubelet.conf exists): no token is fetched or staged.
+    atomic_write(sim_root / "etc/kubernetes/kubelet.conf", b"apiVersion: v1\n")
+    client.calls.clear()
+    send("k8s-join", K8S, frozenset())
+    assert client.calls == [] and tokens.fetched == ["secret://t"]
+    # Other units and cleans never stage.
+    send("sysctl", '{"vm.swappiness":10}', frozenset())
+    send("k8s-join", None, frozenset())
+    assert client.calls == []
+
+
+def test_a_refused_token_fails_the_unit_terminally_without_host_unit(sim_root: Path) -> None:
+    sent: list[str] = []
+    send = TokenStagingSend(
+        lambda name, _s, _b: sent.append(name) or HelperAnswer(True),  # type: ignore[func-returns-value]
+        Client(),
+        sim_system(sim_root),
+        Tokens(TerminalError("SecretRefused", "secret://t: the control plane refused to release it")),
+    )
+    answer = send("k8s-join", K8S, frozenset())
+    assert not answer.ok and answer.terminal and "refused" in answer.message
+    assert sent == []
+
+
+def test_HST_K8S_44_identity_labels_and_busy_devices(sim_root: Path) -> None:
+    system = sim_system(sim_root)
+    gpus = collect_gpus(system)
+    labels = dict(identity_labels("node-1a2b", gpus))
+    assert labels["bcd.dev/node-id"] == "node-1a2b"
+    assert labels["bcd.dev/gpu.count"] == str(len(gpus.gpus)) == "8"
+    assert labels["bcd.dev/gpu.product"] == gpus.gpus[0].name.replace(" ", "-")
+    assert labels["bcd.dev/gpu.driver"] == gpus.driver_version
+    assert "bcd.dev/site" not in labels  # no site is known to the node
+    assert dict(identity_labels("n", None)) == {"bcd.dev/node-id": "n"}
+    # No holds: nothing busy; an unparseable hold spec: every GPU.
+    assert busy_devices(system, str(sim_root / "data"), gpus) == frozenset()
+    atomic_write(sim_root / "etc/cdi/bcd-alloc_x.json", b"{not json")
+    assert busy_devices(system, str(sim_root / "data"), gpus) == frozenset(g.uuid for g in gpus.gpus)
+
+
+def test_from_wire_keeps_names_settings_and_order() -> None:
+    section = wire.HostSection(
+        units=[wire.HostUnit(name="sysctl", settings='{"a":1}'), wire.HostUnit(name="nope", settings="{}")]
+    )
+    assert from_wire(section) == HostSection((("sysctl", '{"a":1}'), ("nope", "{}")))
+    assert from_wire(None) == HostSection()
