@@ -7,7 +7,8 @@
    recorded in identity.json); the certificate names the node id and holds our key; the trust bundle
    verifies against the same pin.
 3. As root with `[helper] socket` set, write root's join record `/var/lib/bcd-hostconfig/join-response.pb`
-   (the JoinResponse bytes exactly as received, 0600) before the identity (seeds/host-config.md).
+   (the JoinResponse bytes exactly as received, 0600) before the identity (seeds/host-config.md); with
+   `--root DIR` (a simulated host) under DIR, never on the real host.
 4. Write `identity.json` (0600) beside the journal, the server time mark mirrored from `issued_at`.
 """
 
@@ -102,8 +103,9 @@ async def join(
         raise JoinError(f"join response refused: {exc}") from None
     if leaf.public_key != key.public_key or leaf.name != verified.node_id:
         raise JoinError("join response refused: the certificate is not for this node's key and id")
-    if root == "/" and os.geteuid() == 0 and config.helper.socket is not None:
-        atomic_write(Path(JOIN_RECORD), data, mode=0o600)
+    if os.geteuid() == 0 and config.helper.socket is not None:
+        # Root's join record, under the directory standing for / (a simulated host's, with --root).
+        atomic_write(Path(root) / JOIN_RECORD.lstrip("/"), data, mode=0o600)
     bundle = verified.trust_bundle
     identity = ident.Identity(
         node_id=verified.node_id,
@@ -132,6 +134,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--ca-file", default=None, help="PEM of the CA the control plane's TLS certificate has"
     )
     parser.add_argument("--node-id", default="", help="keep this node id (a re-join)")
+    parser.add_argument(
+        "--root",
+        default="/",
+        help="the directory standing for / (a simulated host): root's join record goes there",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,7 +152,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         identity = trio.run(
             lambda: join(
-                config, token=args.token, address=args.address, ca_file=args.ca_file, node_id=args.node_id
+                config,
+                token=args.token,
+                address=args.address,
+                ca_file=args.ca_file,
+                node_id=args.node_id,
+                root=args.root,
             )
         )
     except JoinError as exc:
