@@ -268,9 +268,8 @@ def test_e2e_spec_command_and_devplane_killed_mid_session(world: dict[str, Any])
     assert bytes.fromhex(final["result"]) == b'{"token": "two"}'
 
     # Events after the restart: the spec emptied, the release reported (stored once each).
-    # The host section is sent empty rather than unset: the helper's signed-intent check refuses a clean
-    # under a full spec whose host section is unset ("sets no host section"), see docs/session.md.
-    assert admin.call("apply", spec={"host": {}}, node=node_id) == 2
+    # The host section unset: a full spec decides it, so the helper cleans the units (signed intent).
+    assert admin.call("apply", spec={}, node=node_id) == 2
     _wait("observed generation 2", lambda: admin.call("node", node=node_id)["observed_generation"] == 2)
     events = _wait(
         "AllocationReleased",
@@ -280,6 +279,7 @@ def test_e2e_spec_command_and_devplane_killed_mid_session(world: dict[str, Any])
             and ev
         ),
     )
+    assert not (root / "etc/sysctl.d/90-bcd.conf").exists()  # sysctl cleaned through the helper
     seqs = [e["seq"] for e in events]
     assert seqs == sorted(set(seqs)), "each event stored once, in order"
     assert admin.call("node", node=node_id)["hellos"] >= 2
