@@ -122,21 +122,6 @@ def prepare(layout: Layout, *, helper: bool, node_uid: int | None) -> None:
         lines += ["", "[helper]", f'socket = "{layout.helper_socket_host_path}"']
     layout.node_config.write_text("\n".join(lines) + "\n")
     os.chmod(layout.node_config, 0o644)
-    if helper:
-        # Root's config names the node's account; root itself may always call the helper, so a node
-        # run as root (`--helper auto`) and one run as that account (`--helper yes`) both pass SO_PEERCRED.
-        account = NODE_UID if node_uid is None else node_uid
-        root_lines = [
-            "# bcd sim: root's config.toml for bcd helper (host paths under the simulated host)",
-            "[helper]",
-            f'socket = "{layout.helper_socket_host_path}"',
-            f"node_uid = {account}",
-            f"node_gid = {account}",
-        ]
-        layout.root_config.write_text("\n".join(root_lines) + "\n")
-        os.chmod(layout.root_config, 0o640)
-        for d in (layout.root / "etc/bcd", layout.root / "etc", layout.root):
-            os.chmod(d, 0o755)  # noqa: S103 - the helper's root-only rule: root writes, others read
     if helper and node_uid is not None:
         layout.data_dir.mkdir(parents=True, exist_ok=True)
         os.chown(layout.data_dir, node_uid, node_uid)
@@ -397,6 +382,31 @@ def holders_text(root: Path) -> str:
 # --- the run ----------------------------------------------------------------------------------------------
 
 
+def write_root_config(layout: Layout, *, node_uid: int | None, join_pin: str) -> None:
+    """Root's config.toml for `bcd helper` on the simulated host.
+
+    It pins the development control plane's join key, so the helper takes its command-signing roots
+    from root's join record (host-config.md "Signed specs") and applies only signed host units. It names
+    the node's account; root itself may always call the helper, so a node run as root (`--helper auto`)
+    and one run as that account (`--helper yes`) both pass SO_PEERCRED.
+    """
+    account = NODE_UID if node_uid is None else node_uid
+    root_lines = [
+        "# bcd sim: root's config.toml for bcd helper (host paths under the simulated host)",
+        f'join_signing_key_pin = "{join_pin}"',
+        "",
+        "[helper]",
+        f'socket = "{layout.helper_socket_host_path}"',
+        f"node_uid = {account}",
+        f"node_gid = {account}",
+    ]
+    layout.root_config.parent.mkdir(parents=True, exist_ok=True)
+    layout.root_config.write_text("\n".join(root_lines) + "\n")
+    os.chmod(layout.root_config, 0o640)
+    for d in (layout.root / "etc/bcd", layout.root / "etc", layout.root):
+        os.chmod(d, 0o755)  # noqa: S103 - the helper's root-only rule: root writes, others read
+
+
 @frozen
 class SimOptions:
     spec: Path
@@ -466,6 +476,7 @@ async def simulate(
         if node_user is not None:
             os.chown(layout.gateway_socket, node_user, node_user)
         if helper:
+            write_root_config(layout, node_uid=node_user, join_pin=plane.join_pin)
             helper_child = Child("bcd helper", tuple(bcd_argv("helper", "serve", "--root", str(layout.root))),
                                  layout.log_dir / "helper.log")  # fmt: skip
             proc = await nursery.start(supervise, helper_child)
@@ -476,7 +487,7 @@ async def simulate(
             token = plane.issue_token()
             await run_once(
                 bcd_argv("join", "--token", token, "--address", f"unix:{layout.gateway_socket}",
-                         "--config", str(layout.node_config)),
+                         "--config", str(layout.node_config), "--root", str(layout.root)),
                 layout.log_dir / "join.log",
                 user=node_user,
             )  # fmt: skip

@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 from bcd_shared.simhost.gpus import gpu_uuid
 from testsupport import REPO
 
@@ -71,18 +70,26 @@ def test_gpu_node_converges(tmp_path: Path) -> None:
     root = tmp_path / "host"
     rc, doc, err = sim(root, "gpu-node.json")
     _common(doc)
-    host = doc["sections"][0]
-    if host["state"] == "UNSUPPORTED" and "no converger for the host section" in host["message"]:
-        pytest.xfail("bcd node does not plug in the host section yet (agent/bcd_agent/node.py)")
     assert rc == 0, (doc, err)
     assert doc["converged"] is True
     assert all(s["state"] == "CONVERGED" for s in doc["sections"])
     assert [e["type"] for e in doc["events"]].count("AllocationBound") == 2
     # The simulated host stays, with what bcd wrote.
     spec = json.loads((root / "etc/cdi/bcd-alloc_train_0001.json").read_text())
-    assert {d["name"] for d in spec["devices"]} >= {gpu_uuid(0), gpu_uuid(1)} or spec["devices"]
+    assert {d["name"] for d in spec["devices"]} == {gpu_uuid(0), gpu_uuid(1)}
     assert (root / "run/bcd/allocations/alloc_infer_0002.env").exists()
     assert (root / "etc/sysctl.d/90-bcd.conf").exists()
+    if os.geteuid() == 0:
+        # As root, `bcd sim` runs the helper: the host units went through it, signed (root's join record
+        # under the simulated host, never the real one), and every request is in its audit log.
+        assert (root / "var/lib/bcd-hostconfig/join-response.pb").exists()
+        audit = [
+            json.loads(line) for line in (root / "var/log/bcd-helper/audit.log").read_text().splitlines()
+        ]
+        units = {
+            a["args"].get("unit") for a in audit if a["op"] == "host.unit" and a["decision"] == "accepted"
+        }
+        assert {"kernel-modules", "sysctl"} <= units
 
 
 def test_assignment_fails_exits_1_with_the_reason(tmp_path: Path) -> None:
