@@ -18,3 +18,23 @@ def sim_root(tmp_path: Path) -> Path:
     root = tmp_path / "host"
     seed(root)
     return root
+
+
+# Real host paths that bcd writes in production. Tests work on simulated roots and temporary
+# directories only: a test that leaves something here has touched the machine it runs on.
+REAL_HOST_PATHS = ("/var/lib/bcd-hostconfig", "/var/lib/bcd", "/run/bcd", "/etc/bcd", "/usr/lib/bcd")
+
+
+def _real_host_state() -> dict[str, bool]:
+    state = {p: Path(p).exists() for p in REAL_HOST_PATHS}
+    cdi = Path("/etc/cdi")
+    state["/etc/cdi/bcd-*.json"] = cdi.is_dir() and any(cdi.glob("bcd-*.json"))
+    return state
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _never_touch_the_real_host() -> object:
+    before = _real_host_state()
+    yield
+    created = [p for p, exists in _real_host_state().items() if exists and not before[p]]
+    assert not created, f"the test session created real host paths: {created}"
