@@ -62,6 +62,20 @@ def _ids(area: str, part: str, first: str, tail: str) -> list[str]:
     return [f"{area}-{part}-{n:0{width}d}" for n in numbers]
 
 
+Q_IN_DOCS = re.compile(r"\bQ-(?:DLV|DEV|HST)-[A-Z]+-\d+\b")
+
+
+def scan_answers(docs_dir: Path) -> dict[str, set[str]]:
+    """Q id -> the docs (relative) that record a decision on it."""
+    found: dict[str, set[str]] = defaultdict(set)
+    for path in sorted(docs_dir.rglob("*.md")):
+        if path.name == "compliance.md":
+            continue
+        for m in Q_IN_DOCS.finditer(path.read_text(errors="replace")):
+            found[m.group(0)].add(str(path.relative_to(docs_dir.parent)))
+    return found
+
+
 def _lookup(table: dict[str, str], ident: str) -> str:
     best = ""
     for prefix in table:
@@ -76,9 +90,12 @@ def render(repo: Path, spec_dir: Path) -> str:
     where: dict[str, str] = notes.get("where", {})
     status: dict[str, str] = notes.get("notes", {})
     tested = scan_tests(repo / "tests")
+    answered = scan_answers(repo / "docs")
     rows = read_catalogue(spec_dir)
     reqs = [r for r in rows if not r[0].startswith("Q-")]
+    questions = [r for r in rows if r[0].startswith("Q-")]
     n_tested = sum(1 for r in reqs if tested.get(r[0]))
+    n_answered = sum(1 for r in questions if answered.get(r[0]))
     out = [
         "# Compliance with the requirement catalogue",
         "",
@@ -87,7 +104,7 @@ def render(repo: Path, spec_dir: Path) -> str:
         "Do not edit by hand: edit the notes file or the tests and regenerate.",
         "",
         f"{n_tested} of {len(reqs)} requirements are named by at least one test.",
-        "Questions (Q- items) are answered in the docs named in their row.",
+        f"{n_answered} of {len(questions)} questions (Q- items) are answered in the docs named in their row.",
         "",
         "| Id | Requirement | Implemented in | Tested by | Status |",
         "| --- | --- | --- | --- | --- |",
@@ -97,7 +114,10 @@ def render(repo: Path, spec_dir: Path) -> str:
         summary = summary.replace("|", "\\|")
         tests = ", ".join(f"`{t}`" for t in sorted(tested.get(ident, ())))
         note = _lookup(status, ident)
-        if not note:
+        if ident.startswith("Q-"):
+            docs = ", ".join(f"`{d}`" for d in sorted(answered.get(ident, ())))
+            note = f"answered in {docs}" if docs else (note or "open")
+        elif not note:
             note = "tested" if tests else "not yet"
         out.append(f"| {ident} | {summary} | {_lookup(where, ident)} | {tests} | {note} |")
     return "\n".join(out) + "\n"
