@@ -36,7 +36,7 @@ from bcd_shared.pki import Purpose
 from bcd_shared.system import LocalSystem, System
 
 from bcd_agent.converge.types import SECTION_ORDER, DesiredSpec
-from bcd_agent.sections.devices.slices import SliceSpec
+from bcd_agent.sections.devices.slices import HUGETLB_FILES, SliceSpec
 
 M = TypeVar("M", bound=betterproto2.Message)
 
@@ -316,6 +316,9 @@ class SectionPlan:
     failures: tuple[str, ...] = ()
     conditions: tuple[str, ...] = ()
     notes: tuple[str, ...] = ()
+    # devices: the holds this plan would bind and release, `<allocation>: <atom>, ...`.
+    binds: tuple[str, ...] = ()
+    releases: tuple[str, ...] = ()
 
     @property
     def converged(self) -> bool:
@@ -340,7 +343,7 @@ class _NoEffects:
     def remove_env(self, allocation_id: str) -> None:
         self._refuse()
 
-    def apply_slice(self, spec: SliceSpec) -> None:
+    def apply_slice(self, spec: SliceSpec, reset: tuple[str, ...] = ()) -> None:
         self._refuse()
 
     def stop_slice(self, name: str) -> None:
@@ -407,7 +410,42 @@ def plan_devices(payload: object | None, generation: int, system: System, data_d
     failures = tuple(f"{f.allocation_id}: {f.reason}: {f.message}" for f in the_plan.failures)
     conditions = tuple(f"{c.type}: {c.reason}: {c.message}" for c in the_plan.conditions)
     holders = tuple(f"{alloc} holds {', '.join(atoms)}" for alloc, atoms in sorted(the_plan.holders.items()))
-    return SectionPlan("devices", "devices", steps, failures, conditions, tuple(the_plan.warnings) + holders)
+    binds, releases = device_changes(the_plan)
+    return SectionPlan(
+        "devices", "devices", steps, failures, conditions, tuple(the_plan.warnings) + holders, binds, releases
+    )
+
+
+def device_changes(the_plan: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The binds and releases a devices plan would make, in plan order (`<allocation>: <atoms>`)."""
+    from bcd_agent.sections.devices import plan as dp
+
+    assert isinstance(the_plan, dp.Plan)
+    binds: list[str] = []
+    releases: list[str] = []
+    for action in the_plan.actions:
+        events = [s.event for s in action.steps if isinstance(s, dp.Emit)]
+        if action.kind == "bind":
+            alloc = action.key.split(":", 1)[1]
+            slices = [s.slice.name for s in action.steps if isinstance(s, dp.ApplySlice)]
+            where = f" in {slices[0]}" if slices else ""
+            binds.append(f"{alloc}: {', '.join(the_plan.holders.get(alloc, ()))}{where}")
+        for ev in events:
+            if isinstance(ev, dp.ReleasedEvent):
+                kind = " (Kubernetes)" if ev.kubernetes else ""
+                releases.append(f"{ev.allocation_id}: {', '.join(ev.device_ids)}{kind}")
+        if action.kind == "kube-release" and not any(isinstance(e, dp.ReleasedEvent) for e in events):
+            alloc = action.key.split(":", 1)[1]
+            pending = [
+                r
+                for s in action.steps
+                if isinstance(s, dp.WriteReleases)
+                for r in s.releases
+                if r.allocation_id == alloc
+            ]
+            ids = ", ".join(pending[0].device_ids) if pending else ""
+            releases.append(f"{alloc}: {ids} (Kubernetes: reported once no pod holds them)")
+    return tuple(binds), tuple(releases)
 
 
 def describe_device_step(step: object) -> str:
@@ -423,7 +461,11 @@ def describe_device_step(step: object) -> str:
     if isinstance(step, dp.RemoveEnv):
         return f"remove /run/bcd/allocations/{step.allocation_id}.env"
     if isinstance(step, dp.ApplySlice):
-        return f"create or update slice {step.slice.name}"
+        limits = ", ".join(f"{k}={v}" for k, v in step.slice.properties)
+        huge = ", ".join(f"{HUGETLB_FILES[s]}.max={b}" for s, b in step.slice.hugetlb_max)
+        what = "; ".join(x for x in (limits, huge) if x)
+        reset = f"; reset {', '.join(step.reset)}" if step.reset else ""
+        return f"create or update slice {step.slice.name}" + (f" ({what}{reset})" if what or reset else "")
     if isinstance(step, dp.StopSlice):
         return f"stop slice {step.name} once empty"
     if isinstance(step, dp.WriteReleases):
@@ -482,6 +524,8 @@ def render(plans: Sequence[SectionPlan]) -> str:
         if p.failures:
             state += f", {len(p.failures)} failure(s)"
         lines.append(f"{p.section:<10} {state}")
+        lines.extend(f"  bind {b}" for b in p.binds)
+        lines.extend(f"  release {r}" for r in p.releases)
         lines.extend(f"  - {s}" for s in p.steps)
         lines.extend(f"  ! {f}" for f in p.failures)
         lines.extend(f"  condition {c}" for c in p.conditions)
@@ -499,6 +543,8 @@ def to_json(plans: Sequence[SectionPlan]) -> list[dict[str, object]]:
             "failures": list(p.failures),
             "conditions": list(p.conditions),
             "notes": list(p.notes),
+            "binds": list(p.binds),
+            "releases": list(p.releases),
         }
         for p in plans
     ]

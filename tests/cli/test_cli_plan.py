@@ -36,9 +36,17 @@ def test_plan_gpu_node_lists_steps_and_applies_nothing(tmp_path: Path) -> None:
     assert devices["failures"] == []
     assert "bind bind:alloc_train_0001: write /etc/cdi/bcd-alloc_train_0001.json" in devices["steps"]
     assert (
-        "bind bind:alloc_train_0001: create or update slice bcd-alloc-alloc_train_0001.slice"
+        "bind bind:alloc_train_0001: create or update slice bcd-alloc-alloc_train_0001.slice "
+        "(AllowedCPUs=0-15, AllowedMemoryNodes=0, CPUQuota=1600%, MemoryMax=68719476736, "
+        f"MemoryHigh={68719476736 * 9 // 10}; hugetlb.2MB.max={1024 * 2 * 1024 * 1024}, hugetlb.1GB.max=0)"
         in devices["steps"]
     )
+    assert devices["binds"] == [
+        "alloc_train_0001: GPU-5f1c2a90-0000-4000-8000-000000000001, GPU-5f1c2a90-0000-4000-8000-000000000002"
+        " in bcd-alloc-alloc_train_0001.slice",
+        "alloc_infer_0002: GPU-5f1c2a90-0000-4000-8000-000000000008/gi1/ci0",
+    ]
+    assert devices["releases"] == []
     assert "bind bind:alloc_infer_0002: send Bound for alloc_infer_0002" in devices["steps"]
     host = by["host"]
     assert "kernel-modules: run modprobe -- vfio_pci" in host["steps"]

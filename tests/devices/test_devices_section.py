@@ -20,7 +20,7 @@ from bcd_shared import wire
 from bcd_shared.pki import Purpose, verify_signature
 from bcd_shared.simhost.gpus import gpu_uuid, mig_uuid, update_state
 from devices.cdicheck import assert_host_cdi_valid
-from devices.devhost import DATA_DIR, Host
+from devices.devhost import DATA_DIR, Host, systemctl_calls
 
 G0, G1, G7 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(7)
 
@@ -84,7 +84,7 @@ def test_DEV_CDI_22_DEV_ENV_08_worked_example_whole_gpu_with_limits(host: Host) 
         f"NVIDIA_VISIBLE_DEVICES={G0}",
     ]
     assert stat.S_IMODE(env.stat().st_mode) == 0o644
-    calls = host.path("/var/lib/bcd-sim/slice-calls").read_text().splitlines()
+    calls = systemctl_calls(host.root)
     assert calls == [
         "start bcd-alloc-alloc_01jz8k2v.slice",
         "set-property --runtime bcd-alloc-alloc_01jz8k2v.slice AllowedCPUs=0-7 AllowedMemoryNodes=0 "
@@ -233,7 +233,7 @@ def test_DEV_UNPRIV_03_unprivileged_node_refuses_and_writes_nothing(make_host) -
     assert not list(host.path("/etc/cdi").glob("bcd-*")) and not list(
         host.path("/run/bcd/allocations").iterdir()
     )
-    assert not host.path("/var/lib/bcd-sim/slice-calls").exists()
+    assert systemctl_calls(host.root) == []
 
 
 def test_DEV_EVT_10_allocation_failed_once_per_generation_and_again_later(host: Host) -> None:

@@ -22,6 +22,7 @@ A service unit must have a unit file under /etc/systemd/system or /lib/systemd/s
 
 from __future__ import annotations
 
+import fcntl
 import json
 import re
 from collections.abc import Sequence
@@ -117,7 +118,35 @@ def _stop(system: LocalSystem, units: dict[str, dict[str, Any]], unit: str) -> N
             real.rmdir()
 
 
+LOCK = "/var/lib/bcd-sim/systemd.lock"
+
+
 def systemctl(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
+    """One systemctl call. Calls that change state are serialised with an flock on
+    /var/lib/bcd-sim/systemd.lock, as systemd serialises the jobs it is asked for: the devices
+    section applies slices from a thread pool, and under `bcd sim` the node and the helper are two
+    processes. Queries take no lock (state files are replaced atomically) and write nothing."""
+    verbs = [a for a in argv[1:] if not a.startswith("-")]
+    if not verbs or verbs[0] not in (*_CHANGE_VERBS, "set-property", "daemon-reload", "reboot"):
+        return _systemctl(system, argv)
+    lock = system.host_path(LOCK)
+    try:
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        f = open(lock, "a")  # noqa: SIM115 (closed below)
+    except PermissionError:
+        try:  # an unprivileged reader of a root-owned simulated host: flock works on a read-only fd
+            f = open(lock)  # noqa: SIM115
+        except OSError:
+            return _systemctl(system, argv)
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            return _systemctl(system, argv)
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _systemctl(system: LocalSystem, argv: Sequence[str]) -> CommandResult:
     handled = slice_call(system, argv)  # hold slices and reboot: slices.py
     if handled is not None:
         return handled

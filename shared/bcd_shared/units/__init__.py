@@ -46,6 +46,7 @@ from .kmod import UNIT as KERNEL_MODULES
 from .mig import UNIT as MIG_LAYOUT
 from .nvidia import UNIT_DRIVER as NVIDIA_DRIVER
 from .nvidia import UNIT_FM as FABRIC_MANAGER
+from .rootonly import RootOnlySystem, acting_as_root, for_root, root_guard
 from .sharing import UNIT as GPU_SHARING
 from .sysctl import UNIT as SYSCTL
 from .toolkit import UNIT as CONTAINER_TOOLKIT
@@ -110,15 +111,19 @@ __all__ = [
     "Issue",
     "Plan",
     "RebootRequired",
+    "RootOnlySystem",
     "StagedTokenSource",
     "Step",
     "TokenSource",
     "UnitCondition",
     "UnitContext",
     "UnitResult",
+    "acting_as_root",
     "clean",
     "converge_unit",
+    "for_root",
     "header",
     "parse_allowed_clusters",
+    "root_guard",
     "valid_unit_name",
 ]

@@ -4,7 +4,11 @@ Two executors do root's part (the hold files under /etc/cdi and /run, and the sl
 - `DirectExecutor(system)`: bcd node as root (or the simulated host): atomic 0644 writes through
   the System, `systemctl start` + `systemctl set-property --runtime`, `+hugetlb` into the ancestors'
   `cgroup.subtree_control` then `hugetlb.<size>.max`, `systemctl stop` only when `cgroup.events`
-  says `populated 0` (read again just before the stop);
+  says `populated 0` (read again just before the stop). A running slice whose limits changed gets
+  the new ones, and the properties no longer set are reset (`AllowedCPUs=`, `MemoryMax=infinity`,
+  ..., huge page limits back to `max`). Acting as root (effective uid 0; `root_only` overrides),
+  every write and removal follows the root-only rule: the System is a `units.RootOnlySystem`, and
+  cgroup files are written through a verified directory fd without following symlinks;
 - `HelperExecutor(client)`: an unprivileged node beside `bcd helper`: `file.write`/`file.remove` of
   kind `cdi` / `allocation-env` with the allocation id (the helper builds the path), `slice.apply` /
   `slice.remove` with the name and limits. A refusal is HelperRefused (retryable).
@@ -18,12 +22,15 @@ import json
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Protocol
 
 from attrs import frozen
 from bcd_shared import cdi
 from bcd_shared.errors import RetryableError, StepError
+from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
 from bcd_shared.system import System
+from bcd_shared.units.rootonly import RootOnlySystem, acting_as_root
 
 from bcd_agent.sections.devices import observe
 from bcd_agent.sections.devices.events import (
@@ -53,9 +60,24 @@ from bcd_agent.sections.devices.slices import (
     CGROUP_ROOT,
     HUGETLB_FILES,
     PARENT_CGROUP,
+    RESET_VALUES,
     SliceSpec,
     slice_cgroup,
 )
+
+
+def _write_kernel_file(root: Path, path: str, data: bytes) -> None:
+    """Write an existing kernel (cgroupfs) file in place, through directories checked root-only from
+    `/` down and without following a symlink at any component (as the helper does)."""
+    parts = split_host_path(path)
+    with verified_dir(root, parts[:-1], create=False) as dfd:
+        fd = os.open(
+            parts[-1], os.O_WRONLY | os.O_TRUNC | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=dfd
+        )
+        try:
+            os.write(fd, data)
+        finally:
+            os.close(fd)
 
 
 class HoldExecutor(Protocol):
@@ -69,7 +91,7 @@ class HoldExecutor(Protocol):
 
     def remove_env(self, allocation_id: str) -> None: ...
 
-    def apply_slice(self, spec: SliceSpec) -> None: ...
+    def apply_slice(self, spec: SliceSpec, reset: tuple[str, ...] = ()) -> None: ...
 
     def stop_slice(self, name: str) -> None: ...
 
@@ -77,8 +99,9 @@ class HoldExecutor(Protocol):
 class DirectExecutor:
     """Writes holds directly (bcd node as root, or the simulated host)."""
 
-    def __init__(self, system: System, *, slice_records: bool = False) -> None:
-        self.system = system
+    def __init__(self, system: System, *, slice_records: bool = False, root_only: bool | None = None) -> None:
+        self.root_only = acting_as_root() if root_only is None else root_only
+        self.system: System = RootOnlySystem(system) if self.root_only else system
         # A fakehw host keeps slices as JSON records under /run/bcd/slices (DEV-SLICE-25).
         self.slice_records = slice_records
 
@@ -115,30 +138,40 @@ class DirectExecutor:
     def _cgwrite(self, path: str, text: str) -> None:
         # cgroupfs files are written in place (no temporary file, no rename).
         try:
-            with open(self.system.host_path(path), "w") as f:
-                f.write(text)
+            if self.root_only:
+                _write_kernel_file(self.system.root, path, text.encode())
+            else:
+                with open(self.system.host_path(path), "w") as f:
+                    f.write(text)
+        except RootPathRefused as exc:
+            raise RetryableError("RootOnly", str(exc)) from None
         except OSError as exc:
             raise RetryableError("SliceFailed", f"writing {text.strip()!r} to {path}: {exc}") from None
 
     def _record(self, name: str) -> str:
         return f"{observe.SLICE_RECORDS_DIR}/{name}.json"
 
-    def apply_slice(self, spec: SliceSpec) -> None:
+    def apply_slice(self, spec: SliceSpec, reset: tuple[str, ...] = ()) -> None:
         if self.slice_records:
             old = self.system.read_bytes(self._record(spec.name))
             rec = json.loads(old) if old else {"populated": False, "hugetlb_current": {}}
-            rec["properties"] = dict(spec.properties)
+            rec["properties"] = dict(spec.properties)  # the record is rewritten whole: resets included
             rec["hugetlb_max"] = {str(k): v for k, v in spec.hugetlb_max}
             self._write(self._record(spec.name), (json.dumps(rec, sort_keys=True) + "\n").encode())
             return
         self._systemctl("start", spec.name)
-        if spec.properties:
-            self._systemctl("set-property", "--runtime", spec.name, *(f"{k}={v}" for k, v in spec.properties))
+        assignments = [f"{k}={RESET_VALUES[k]}" for k in reset if k in RESET_VALUES]
+        assignments += [f"{k}={v}" for k, v in spec.properties]
+        if assignments:
+            self._systemctl("set-property", "--runtime", spec.name, *assignments)
         if spec.hugetlb_max:
             for parent in (CGROUP_ROOT, f"{CGROUP_ROOT}/bcd.slice", PARENT_CGROUP):
                 self._cgwrite(f"{parent}/cgroup.subtree_control", "+hugetlb\n")
             for size, limit in spec.hugetlb_max:
                 self._cgwrite(f"{spec.cgroup}/{HUGETLB_FILES[size]}.max", f"{limit}\n")
+        for stem in HUGETLB_FILES.values():
+            if stem in reset:
+                self._cgwrite(f"{spec.cgroup}/{stem}.max", "max\n")
 
     def stop_slice(self, name: str) -> None:
         if self.slice_records:
@@ -190,7 +223,14 @@ class HelperExecutor:
     def remove_env(self, allocation_id: str) -> None:
         self.client.file_remove("allocation-env", allocation_id)
 
-    def apply_slice(self, spec: SliceSpec) -> None:
+    def apply_slice(self, spec: SliceSpec, reset: tuple[str, ...] = ()) -> None:
+        if reset:
+            # slice.apply sets the limits it is given and resets none (helper/ops/slices.py).
+            raise RetryableError(
+                "SliceReset",
+                f"{spec.name}: the helper's slice.apply cannot reset {', '.join(reset)}; "
+                "the limit stays until the slice is stopped (release and bind the hold again)",
+            )
         lim = spec.limits
         self.client.slice_apply(
             spec.name,
@@ -317,7 +357,10 @@ class Applier:
         elif isinstance(step, RemoveEnv):
             ex.remove_env(step.allocation_id)
         elif isinstance(step, ApplySlice):
-            ex.apply_slice(step.slice)
+            if step.reset:
+                ex.apply_slice(step.slice, step.reset)
+            else:
+                ex.apply_slice(step.slice)
         elif isinstance(step, StopSlice):
             ex.stop_slice(step.name)
         elif isinstance(step, WriteReleases):

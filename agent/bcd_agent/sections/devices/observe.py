@@ -17,7 +17,15 @@ from bcd_shared import cdi
 from bcd_shared.system import System
 
 from bcd_agent.sections.devices.plan import Ledger, LiveHold, PendingRelease, SliceState
-from bcd_agent.sections.devices.slices import HUGETLB_FILES, PARENT_CGROUP, SLICE_NAME_RE
+from bcd_agent.sections.devices.slices import (
+    HUGETLB_FILES,
+    LIMIT_FILES,
+    PARENT_CGROUP,
+    SLICE_NAME_RE,
+    SliceSpec,
+    applied_limits,
+    wanted_limits,
+)
 
 RELEASES_FILE = "releasing.json"
 MARKER_FILE = "releasing.unreadable"
@@ -71,7 +79,8 @@ def read_slices(system: System) -> dict[str, SliceState]:
             text = system.read_text(f"{base}/{stem}.current")
             if text is not None and text.strip().isdigit():
                 current[size] = int(text.strip())
-        out[name] = SliceState(name, populated, current)
+        files = {f: t for f in LIMIT_FILES if (t := system.read_text(f"{base}/{f}")) is not None}
+        out[name] = SliceState(name, populated, current, applied_limits(files))
     return out
 
 
@@ -88,7 +97,10 @@ def read_slice_records(system: System) -> dict[str, SliceState]:
         try:
             rec = json.loads(system.read_bytes(f"{SLICE_RECORDS_DIR}/{fname}") or b"")
             current = {int(k): int(v) for k, v in rec.get("hugetlb_current", {}).items()}
-            out[name] = SliceState(name, bool(rec.get("populated", False)), current)
+            props = tuple((str(k), str(v)) for k, v in rec.get("properties", {}).items())
+            huge = tuple((int(k), int(v)) for k, v in rec.get("hugetlb_max", {}).items())
+            limits = wanted_limits(SliceSpec(name, props, huge))
+            out[name] = SliceState(name, bool(rec.get("populated", False)), current, limits)
         except (ValueError, AttributeError, TypeError):
             out[name] = SliceState(name, True)  # unreadable: never stopped on a guess
     return out

@@ -10,7 +10,8 @@ One pass, in the seeds' order (devices-and-holds.md, "One pass"):
    only when empty.
 3. Leftover slices whose hold is neither wanted nor released in this pass: stopped once empty.
 4. Holds still wanted are kept: a missing slice is created again, a missing or stale env file and a
-   stale spec are rewritten (the generation annotation stays the bind generation), an owed
+   stale spec are rewritten (the generation annotation stays the bind generation), a running slice
+   whose limits are not the spec's is applied again (properties no longer set are reset), an owed
    AllocationBound is sent.
 5. New holds in spec order: invalid-assignment, binding, privilege, atoms (unsupported-device, then
    device-missing), conflicts, host admission; the first failure decides. Each that passes is bound
@@ -62,8 +63,10 @@ from bcd_agent.sections.devices.slices import (
     SliceSpec,
     check_cpulist,
     check_slice_name,
+    reset_assignments,
     slice_name,
     slice_spec,
+    wanted_limits,
 )
 
 MIB = 1024 * 1024
@@ -107,6 +110,8 @@ class SliceState:
     name: str
     populated: bool
     hugetlb_current: Mapping[int, int] = field(factory=dict)  # page size kB -> bytes faulted in
+    # The limits the kernel enforces now (slices.applied_limits); None when they were not read.
+    limits: Mapping[str, str] | None = None
 
 
 @frozen
@@ -182,7 +187,11 @@ class RemoveEnv:
 
 @frozen
 class ApplySlice:
+    """Start the slice (a no-op when it runs) and set its limits; `reset` names the properties (and
+    `hugetlb.*` stems) the running slice has that the spec no longer sets."""
+
     slice: SliceSpec
+    reset: tuple[str, ...] = ()
 
 
 @frozen
@@ -650,9 +659,15 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         holders[alloc] = rec.device_ids
         takers.append(taker(want, obs.slices.get(slice_name(alloc))))
         steps = []
-        if want.sliced and slice_name(alloc) not in obs.slices:
+        if want.sliced:
             assert want.limits is not None
-            steps.append(ApplySlice(slice_spec(alloc, want.limits)))
+            wanted_slice = slice_spec(alloc, want.limits)
+            running = obs.slices.get(wanted_slice.name)
+            if running is None:
+                steps.append(ApplySlice(wanted_slice))
+            elif running.limits is not None and wanted_limits(wanted_slice) != running.limits:
+                # Changed limits of a kept hold reach its running slice (Q-DEV-PASS-01).
+                steps.append(ApplySlice(wanted_slice, reset_assignments(wanted_slice, running.limits)))
         resolvable = all(missing(a, obs.inventory) is None for a in atoms)
         if resolvable:
             doc, lines = hold_files(want, atoms, rec.generation, obs)

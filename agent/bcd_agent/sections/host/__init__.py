@@ -32,7 +32,7 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 from bcd_shared.errors import StepError
 from bcd_shared.system import System
 from bcd_shared.units import (
@@ -44,7 +44,10 @@ from bcd_shared.units import (
     UnitCondition,
     UnitContext,
     UnitResult,
+    acting_as_root,
     converge_unit,
+    for_root,
+    root_guard,
 )
 from bcd_shared.units._base import IssueKind
 
@@ -73,7 +76,14 @@ class UnitExecutor(Protocol):
 
 @frozen
 class DirectExecutor:
-    """In-process: `bcd node` as root, or the simulated host."""
+    """In-process: `bcd node` as root, or the simulated host.
+
+    Acting as root (effective uid 0, with no helper between), every write and removal of the units
+    follows the root-only rule (HST-ROOT-*): the System is wrapped in `units.RootOnlySystem`, and
+    the units' `ApplyContext.guard` is the rootpath check under the System's root when none was
+    given. On the simulated host that root is the simulated directory, so its directories must be
+    root's and writable by no one else, as `bcd sim` lays them out. Not as root (the simulated host
+    under an ordinary user, tests), nothing changes."""
 
     system: System
     ctx: UnitContext = field(factory=UnitContext)
@@ -85,7 +95,12 @@ class DirectExecutor:
             settings = None if settings_json is None else unit.decode_settings(settings_json)
         except StepError as exc:
             return UnitResult(name, False, (Issue("terminal", _prefixed(name, exc.message)),))
-        return converge_unit(unit, settings, self.system, self.ctx, self.actx)
+        system, actx = self.system, self.actx
+        if acting_as_root():
+            system = for_root(system)
+            if actx.guard is None:
+                actx = evolve(actx, guard=root_guard(system.root))
+        return converge_unit(unit, settings, system, self.ctx, actx)
 
 
 @frozen
