@@ -419,6 +419,7 @@ def plan_devices(payload: object | None, generation: int, system: System, data_d
 def device_changes(the_plan: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """The binds and releases a devices plan would make, in plan order (`<allocation>: <atoms>`)."""
     from bcd_agent.sections.devices import plan as dp
+    from bcd_agent.sections.devices.events import ReleasedEvent
 
     assert isinstance(the_plan, dp.Plan)
     binds: list[str] = []
@@ -431,10 +432,10 @@ def device_changes(the_plan: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
             where = f" in {slices[0]}" if slices else ""
             binds.append(f"{alloc}: {', '.join(the_plan.holders.get(alloc, ()))}{where}")
         for ev in events:
-            if isinstance(ev, dp.ReleasedEvent):
+            if isinstance(ev, ReleasedEvent):
                 kind = " (Kubernetes)" if ev.kubernetes else ""
                 releases.append(f"{ev.allocation_id}: {', '.join(ev.device_ids)}{kind}")
-        if action.kind == "kube-release" and not any(isinstance(e, dp.ReleasedEvent) for e in events):
+        if action.kind == "kube-release" and not any(isinstance(e, ReleasedEvent) for e in events):
             alloc = action.key.split(":", 1)[1]
             pending = [
                 r
