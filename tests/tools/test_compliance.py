@@ -1,0 +1,61 @@
+"""The compliance report: ids found in test names and text, ranges, notes and answered questions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bcd_agent.tools.compliance import render, scan_answers, scan_tests
+
+
+def _tree(tmp_path: Path) -> Path:
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "docs").mkdir()
+    (repo / "tests" / "test_a.py").write_text(
+        "def test_DLV_JRN_03_something():\n"
+        '    """Covers DLV-REC-01..03 and DEV-CDI-04/05."""\n'
+        "# Q-DLV-JRN-01 is a question, not DLV-JRN-01\n"
+    )
+    (repo / "docs" / "journal.md").write_text("Q-DLV-JRN-01: decided, because ...\n")
+    (repo / "docs" / "compliance-notes.toml").write_text(
+        '[where]\n"DLV-JRN" = "agent/bcd_agent/journal/"\n[notes]\n"DLV-OOS" = "out of scope"\n'
+    )
+    return repo
+
+
+def test_ids_in_names_docstrings_ranges_and_lists(tmp_path: Path) -> None:
+    found = scan_tests(_tree(tmp_path) / "tests")
+    assert set(found) == {
+        "DLV-JRN-03",
+        "DLV-JRN-01",
+        "DLV-REC-01",
+        "DLV-REC-02",
+        "DLV-REC-03",
+        "DEV-CDI-04",
+        "DEV-CDI-05",
+    }
+
+
+def test_questions_answered_in_docs(tmp_path: Path) -> None:
+    assert scan_answers(_tree(tmp_path) / "docs") == {"Q-DLV-JRN-01": {"docs/journal.md"}}
+
+
+def test_render_rows(tmp_path: Path) -> None:
+    repo = _tree(tmp_path)
+    spec = tmp_path / "spec"
+    spec.mkdir()
+    (spec / "delivery.md").write_text(
+        "- **DLV-JRN-03** The journal fsyncs.\n"
+        "- **DLV-JRN-04** Untested rule.\n"
+        "- **DLV-OOS-01** Control plane thing. [control-plane]\n"
+        "- **Q-DLV-JRN-01** A question?\n"
+        "- **Q-DLV-JRN-02** Another question?\n"
+    )
+    (spec / "devices.md").write_text("")
+    (spec / "host.md").write_text("")
+    rows = {line.split(" | ")[0]: line for line in render(repo, spec).splitlines() if line.startswith("| ")}
+    assert rows["| DLV-JRN-03"].endswith("| agent/bcd_agent/journal/ | `tests/test_a.py` | tested |")
+    assert rows["| DLV-JRN-04"].endswith("| not yet |")
+    assert rows["| DLV-OOS-01"].endswith("| out of scope |")
+    assert rows["| Q-DLV-JRN-01"].endswith("| answered in `docs/journal.md` |")
+    assert rows["| Q-DLV-JRN-02"].endswith("| open |")
