@@ -91,12 +91,24 @@ def _memory(value: str) -> str | None:
     return str(int(m.group(1)) * units.get(m.group(2), 1) // PAGE * PAGE)
 
 
+def _kernel_cpulist(value: str) -> str:
+    """A cpulist as the kernel prints it back: sorted, merged ranges (`3,0-2` -> `0-3`)."""
+    spans = sorted((int(lo), int(hi or lo)) for lo, hi in re.findall(r"([0-9]+)(?:-([0-9]+))?", value))
+    merged: list[list[int]] = []
+    for lo, hi in spans:
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return ",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in merged)
+
+
 def _attribute(key: str, value: str) -> tuple[str, str] | str | None:
     """(cgroup file, content) a property becomes; None when it has no file here; an error text."""
     if key in ("AllowedCPUs", "AllowedMemoryNodes"):
         if value and not re.fullmatch(r"[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*", value):
             return f"Failed to parse {key}= value: {value}"
-        return ("cpuset.cpus" if key == "AllowedCPUs" else "cpuset.mems", value)
+        return ("cpuset.cpus" if key == "AllowedCPUs" else "cpuset.mems", _kernel_cpulist(value))
     if key == "CPUQuota":
         if not value:
             return ("cpu.max", "max 100000")

@@ -4,7 +4,8 @@ Grammar: `all-disabled`; `all-<profile>` (as many as fit on an empty GPU, from `
 `mixed:[<n>x]<profile>+...` (a count 1..8, 1..8 instances in all). A profile is `<n>g.<m>gb`, so
 profiles with their own `+` (1g.10gb+me) cannot be expressed. A layout that does not parse, or a
 profile the GPU does not have, is terminal. A GPU a live hold uses is left alone; the others are
-repartitioned and the unit then fails retryably.
+repartitioned and the unit then fails retryably. A busy GPU that is already at the layout needs
+nothing, so it does not fail the unit (holds on MIG instances the layout made keep it converged).
 
 Decisions: Q-HST-MIG-01 instances are destroyed with `nvidia-smi mig -i <i> -dci` then `-dgi`
 ("Not Found" counts as done); "largest first" orders by compute slices, then memory; the reset
@@ -156,6 +157,28 @@ class Repartition:
             ).apply(system, actx)
 
 
+def _gpu_steps(layout: Layout, g: MigGpu) -> list[Step] | Issue:
+    """What one GPU needs to reach the layout: steps (none when it is there), or a terminal issue."""
+    if layout.kind == "disabled":
+        out: list[Step] = []
+        if g.instances:
+            out.append(Repartition(g.index, ()))
+        if g.current != "Disabled":
+            out.append(SetMigMode(g.index, False))
+        return out
+    if g.current != "Enabled":
+        return [SetMigMode(g.index, True)]
+    known = {p.name: p for p in g.profiles}
+    wanted: list[str] = []
+    for prof, count in layout.profiles:
+        if prof not in known:
+            return Issue("terminal", f"mig-layout: GPU {g.index} has no MIG profile {prof}")
+        wanted.extend([prof] * (known[prof].total if layout.kind == "all" else count))
+    if tuple(sorted(wanted)) != g.instances:
+        return [Repartition(g.index, largest_first(wanted))]
+    return []
+
+
 class MigLayout(ConfigUnit[MigSettings, MigObserved]):
     name = NAME
 
@@ -199,28 +222,14 @@ class MigLayout(ConfigUnit[MigSettings, MigObserved]):
         steps: list[Step] = []
         busy: list[str] = []
         for g in observed.gpus:
+            wanted = _gpu_steps(layout, g)
             if g.uuid in observed.busy:
-                busy.append(g.uuid)
+                if wanted != []:  # a busy GPU already at the layout is simply converged
+                    busy.append(g.uuid)
                 continue
-            if layout.kind == "disabled":
-                if g.instances:
-                    steps.append(Repartition(g.index, ()))
-                if g.current != "Disabled":
-                    steps.append(SetMigMode(g.index, False))
-                continue
-            if g.current != "Enabled":
-                steps.append(SetMigMode(g.index, True))
-                continue
-            known = {p.name: p for p in g.profiles}
-            wanted: list[str] = []
-            for prof, count in layout.profiles:
-                if prof not in known:
-                    return Plan(
-                        (), (Issue("terminal", f"mig-layout: GPU {g.index} has no MIG profile {prof}"),)
-                    )
-                wanted.extend([prof] * (known[prof].total if layout.kind == "all" else count))
-            if tuple(sorted(wanted)) != g.instances:
-                steps.append(Repartition(g.index, largest_first(wanted)))
+            if isinstance(wanted, Issue):
+                return Plan((), (wanted,))
+            steps.extend(wanted)
         issues = []
         if busy:
             issues.append(
