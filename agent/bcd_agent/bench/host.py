@@ -29,7 +29,7 @@ SPEC = {
     "nvidia-driver": {"branch": "580", "open": True},
     "fabric-manager": {},
     "gpu-settings": {"powerLimitWatts": 600, "ecc": True},
-    "mig-layout": {"from": "pool", "layout": "all-1g.10gb"},
+    "mig-layout": {"from": "pool", "layout": "all-1g.18gb"},
     "gpu-sharing": {"mode": "timeslice", "replicas": 4},
     "container-toolkit": {"cdi": True},
     "k8s-join": {

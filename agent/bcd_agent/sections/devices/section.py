@@ -29,7 +29,7 @@ from bcd_agent.converge.types import Condition, SectionOutcome, SectionState
 from bcd_agent.inventory.gpus import GpuInventory, collect_gpus
 from bcd_agent.inventory.host import read_host_memory
 from bcd_agent.sections.devices import observe
-from bcd_agent.sections.devices.apply import Applier, DirectExecutor, HoldExecutor
+from bcd_agent.sections.devices.apply import Applier, HoldExecutor
 from bcd_agent.sections.devices.atoms import atom_from_id
 from bcd_agent.sections.devices.events import EventSink, ReportSigner
 from bcd_agent.sections.devices.kube import (
@@ -180,9 +180,9 @@ class DevicesSection:
         the_plan = plan(spec, self.observe(spec, observation))
         for w in the_plan.warnings:
             log.warning("devices: %s", w)
-        # Acting as root without a helper, the agent's own records follow the root-only rule too.
-        writer = self.executor.system if isinstance(self.executor, DirectExecutor) else self.system
-        result = Applier(self.executor, writer, self.data_dir, self.sink, self.signer, log.warning).run(
+        # The agent's own records (data_dir) are written as the node writes its journal; the host's
+        # files go through the executor (the root-only rule when acting as root, or the helper).
+        result = Applier(self.executor, self.system, self.data_dir, self.sink, self.signer, log.warning).run(
             the_plan
         )
         conditions = tuple(
