@@ -1,7 +1,8 @@
 """`bcd node`: the agent's composition root, one nursery tree (docs/session.md).
 
-    journal (open, recover, sweep) -> dispatcher (kinds, lanes) -> converge runner (the sections this
-    build has) -> session (reconnecting) -> sd_notify READY, then WATCHDOG every half interval
+    journal (open, the result attester, recover, sweep) -> dispatcher (kinds, lanes) -> converge runner
+    (the sections this build has) -> session (reconnecting) -> the daily journal sweep -> sd_notify READY,
+    then WATCHDOG every half interval
 
 `Node(config, NodeOptions(...))` is a trio service: `await nursery.start(node.run)` returns once every part
 runs; cancelling it stops them and closes the journal. `bcd node` runs it until SIGTERM/SIGINT.
@@ -38,6 +39,8 @@ from bcd_agent.config import Config
 log = logging.getLogger("bcd.node")
 
 VERSION = "0.1.0"
+# Q-DLV-REC-01 (docs/journal.md): the journal is swept at start, right after recover, and then daily.
+SWEEP_INTERVAL_S = 24 * 3600.0
 
 
 @frozen
@@ -55,6 +58,7 @@ class NodeOptions:
     extra_handlers: Mapping[str, Any] = field(factory=dict)
     secret_timeout_s: float = 30.0  # how long a SecretRequest waits for its SecretResponse
     reboot_wait_s: float = 600.0  # node.reboot: how long the host may stay up after the request
+    sweep_interval_s: float = SWEEP_INTERVAL_S  # journal.sweep() again this long after the last one
 
 
 class _ReportSigner:
@@ -90,6 +94,7 @@ class Node:
         self.secrets: Any = None  # session.secrets.SecretRequests
         self.handlers: dict[str, Any] = {}
         self.started_monotonic: float | None = None
+        self.sweeps = 0  # journal sweeps run by this process (the one at start included)
 
     # --- composition ----------------------------------------------------------------------------------
 
@@ -301,6 +306,7 @@ class Node:
         from bcd_agent.dispatch.dispatcher import Dispatcher
         from bcd_agent.dispatch.kinds import KINDS, Role
         from bcd_agent.dispatch.quorum import QuorumLedger
+        from bcd_agent.dispatch.results import result_attester
         from bcd_agent.dispatch.trust import BundleTrust, NodeResultSigner
         from bcd_agent.journal import Journal
         from bcd_agent.kinds.testing import TEST_KINDS
@@ -327,14 +333,18 @@ class Node:
                 log.error("node: the journal failed its check and was moved aside: %s", journal.report.reason)
             if journal.node_id != identity.node_id:
                 journal.set_node_id(identity.node_id)
+            # The attester before recover: the results recover settles for attested kinds (interrupted,
+            # rebooted) are stored signed, in the same transaction, like every later one (DLV-SIG-17).
+            result_signer = NodeResultSigner(identity.node_key, identity.node_id)
+            journal.set_attester(result_attester(result_signer))
             settled = journal.recover()
             swept = journal.sweep()
+            self.sweeps += 1
             log.info(
                 "node: journal %s: %d settled at start, %d swept", journal.journal_id, len(settled), swept
             )
             clock = OffsetClock()
             trust = BundleTrust()
-            result_signer = NodeResultSigner(identity.node_key, identity.node_id)
             self.status = StatusCell()
             self.secrets = SecretRequests(timeout_s=self.options.secret_timeout_s)
             self.inventory = inventory = InventoryState(system, on_change=self._inventory_changed)
@@ -407,6 +417,7 @@ class Node:
 
                 await nursery.start(statusfile.serve, self.status, cfg.data_dir)
                 await nursery.start(self.session.run)
+                nursery.start_soon(sweep_periodically, journal, self.options.sweep_interval_s, self._swept)
                 # The first inventory read (the heartbeat's hash) off the path to Hello.
                 nursery.start_soon(self._first_inventory)
                 notifier.ready(f"node {identity.node_id}")
@@ -427,6 +438,27 @@ class Node:
     def _inventory_changed(self) -> None:
         if self.session is not None:
             self.session.heartbeat_soon()
+
+    def _swept(self, deleted: int) -> None:
+        self.sweeps += 1
+        log.info("node: journal swept: %d command entries deleted", deleted)
+
+
+async def sweep_periodically(journal: Any, interval_s: float, swept: Callable[[int], None]) -> None:
+    """`journal.sweep()` every `interval_s` (daily in `bcd node`) for as long as the process runs.
+
+    Q-DLV-REC-01 (docs/journal.md): once at start, right after recover, then daily. Sweep is one short
+    transaction (a scan of at most ~7 days of commands); it runs in a worker thread so a slow disk never
+    stalls the session. A failed sweep is logged and tried again at the next interval: nothing depends on
+    it but the journal's size."""
+    while True:
+        await trio.sleep(interval_s)
+        try:
+            deleted = await trio.to_thread.run_sync(journal.sweep)
+        except Exception:
+            log.warning("node: journal sweep failed; trying again in %.0f s", interval_s, exc_info=True)
+            continue
+        swept(deleted)
 
 
 async def _watchdog(notifier: Any, interval_s: float) -> None:
