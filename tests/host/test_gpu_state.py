@@ -136,3 +136,22 @@ def test_bcd_sim_runs_gpu_settings_and_mig_layout_on_the_devices_gpus(tmp_path: 
     assert (root / "etc/cdi/bcd-alloc_mig_0003.json").exists()
     rows = {r.device: r.holder for r in read_holders(system).rows}
     assert rows[f"{G0}/gi2/ci0"] == "alloc_mig_0003" and rows[f"{G7}/gi1/ci0"] == "alloc_infer_0002"
+
+
+def test_HST_SHARE_mps_service_sets_compute_mode_and_pipe_directory(tmp_path: Path) -> None:
+    """gpu-sharing's bcd-mps.service on the simulated host: its ExecStartPre/ExecStopPost
+    `nvidia-smi -c` change the GPUs' compute mode in the one GPU state, and the MPS pipe directory the
+    devices section looks for exists while the service runs (slot holds then get
+    CUDA_MPS_PIPE_DIRECTORY, DEV-CDI-16)."""
+    root, system = make_host(tmp_path)
+    assert run(system, "gpu-sharing", {"mode": "mps", "replicas": 4}).ok
+    modes = system.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"]).stdout.decode()
+    assert modes.split() == ["Exclusive_Process"] * 8
+    assert (root / "run/nvidia-mps").is_dir()
+    host = Host(root)
+    slot = DeviceAssignment("s1", "rsv_s1", "BINDING_HOLD", (DeviceRef(f"{G0}/s0", "gpu.slot"),))
+    host.run(DevicesSpec(1, (slot,)))
+    assert "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps" in host.path("/run/bcd/allocations/s1.env").read_text()
+    assert run(system, "gpu-sharing", {"mode": "timeslice"}).ok
+    modes = system.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"]).stdout.decode()
+    assert modes.split() == ["Default"] * 8 and not (root / "run/nvidia-mps").exists()

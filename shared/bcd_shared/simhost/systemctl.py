@@ -14,7 +14,12 @@ State lives where a person can look at it:
   (`populated 0` / `frozen 0`) and `cgroup.procs`; a test marks a workload by writing
   `populated 1`. Stopping a slice removes the directory (systemd kills what was inside; bcd itself
   only stops empty slices);
-- `systemctl reboot` writes `/var/lib/bcd-sim/reboot-requested`.
+- `systemctl reboot` writes `/var/lib/bcd-sim/reboot-requested`;
+- starting a service runs its `ExecStartPre=` lines that call `nvidia-smi` (the simulated one) and
+  stopping it its `ExecStopPost=` ones, so `bcd-mps.service` sets the GPUs' compute mode to
+  EXCLUSIVE_PROCESS and back to DEFAULT; a service whose `ExecStart` is `nvidia-cuda-mps-control`
+  makes its `CUDA_MPS_PIPE_DIRECTORY` while it runs (the devices section gives slot holds
+  `CUDA_MPS_PIPE_DIRECTORY` when that directory exists). Other commands are not run.
 
 A service unit must have a unit file under /etc/systemd/system or /lib/systemd/system (else exit 5,
 "Unit X not found."); slices and scopes are accepted without one, as systemd synthesises them.
@@ -94,8 +99,43 @@ def _fail(argv: Sequence[str], code: int, err: str) -> CommandResult:
     return CommandResult(tuple(argv), code, b"", (err + "\n").encode())
 
 
+def _unit_lines(system: LocalSystem, unit: str, key: str) -> list[str]:
+    """The values of `key=` lines of the unit's file (the first unit directory that has it)."""
+    for d in UNIT_DIRS:
+        text = system.read_text(f"{d}/{unit}")
+        if text is not None:
+            return [line.split("=", 1)[1] for line in text.splitlines() if line.startswith(key + "=")]
+    return []
+
+
+def _exec_simulated(system: LocalSystem, unit: str, key: str) -> None:
+    """Run the unit's `key` commands that are simulated programs (nvidia-smi: the GPUs' compute mode
+    for MPS); shell lines and daemons are not run. A failing `ExecStartPre` would fail the start on a
+    real host; the fakes it reaches (nvidia-smi -c) do not fail on a seeded host."""
+    for line in _unit_lines(system, unit, key):
+        argv = line.lstrip("-@+!").split()
+        if argv and argv[0].rsplit("/", 1)[-1] == "nvidia-smi":
+            system.run(["nvidia-smi", *argv[1:]])
+
+
+def _mps_pipe_dir(system: LocalSystem, unit: str) -> str | None:
+    """The pipe directory of an MPS control daemon unit (`CUDA_MPS_PIPE_DIRECTORY`), else None."""
+    if not any("nvidia-cuda-mps-control" in line for line in _unit_lines(system, unit, "ExecStart")):
+        return None
+    for env in _unit_lines(system, unit, "Environment"):
+        name, _, value = env.partition("=")
+        if name == "CUDA_MPS_PIPE_DIRECTORY" and value.startswith("/"):
+            return value
+    return "/tmp/nvidia-mps"  # noqa: S108 (the daemon's default, simulated)
+
+
 def _start(system: LocalSystem, units: dict[str, dict[str, Any]], unit: str) -> None:
     rec = units.setdefault(unit, _new())
+    if unit.endswith(".service") and not rec["active"]:
+        _exec_simulated(system, unit, "ExecStartPre")
+        pipe = _mps_pipe_dir(system, unit)
+        if pipe is not None:  # the MPS control daemon makes its pipe directory
+            system.host_path(pipe).mkdir(parents=True, exist_ok=True)
     rec["active"] = True
     if unit.endswith(".slice"):
         cg = slice_cgroup_path(unit)
@@ -106,6 +146,15 @@ def _start(system: LocalSystem, units: dict[str, dict[str, Any]], unit: str) -> 
 
 def _stop(system: LocalSystem, units: dict[str, dict[str, Any]], unit: str) -> None:
     rec = units.get(unit)
+    if unit.endswith(".service") and rec is not None and rec["active"]:
+        pipe = _mps_pipe_dir(system, unit)
+        if pipe is not None:
+            real = system.host_path(pipe)
+            for child in real.iterdir() if real.is_dir() else ():
+                child.unlink()
+            if real.is_dir():
+                real.rmdir()
+        _exec_simulated(system, unit, "ExecStopPost")
     if rec is not None:
         rec["active"] = False
         rec["properties"] = {}
@@ -242,6 +291,8 @@ def _systemctl(system: LocalSystem, argv: Sequence[str]) -> CommandResult:
             if verb in ("start", "restart", "try-restart", "reload-or-restart"):
                 if verb == "try-restart" and not units.get(unit, {}).get("active"):
                     continue
+                if verb != "start" and units.get(unit, {}).get("active") and unit.endswith(".service"):
+                    _stop(system, units, unit)  # a restart stops, then starts
                 _start(system, units, unit)
             elif verb == "reload":
                 if not units.get(unit, {}).get("active"):
