@@ -19,6 +19,17 @@ The checks that apply so far (docs/deploy.md, docs/config.md; the seeds' doctor 
 - iommu: an active IOMMU without the vfio-pci driver (warn; HST-IOMMU-12).
 - clock: the wall clock is before 2024, an unset RTC: certificates and signed intent cannot verify
   (fail).
+- join-binding (as root on a node with [helper]; host-config.md "Signed specs", HST-SIGN-38..41): ok
+  "host units bind to <node-id> (root's signed join record)" when root's join record names this
+  machine's identity and the pinned JoinService key signed it; warn when the node joined before the
+  record existed (the helper binds on trust on first use), fixed by `bcd join --reset --yes`; fail when
+  the record names another node, when the pinned key did not sign it (or root's config has no
+  join_signing_key_pin to check it with), when it cannot be read under the root-only rule, or when the
+  helper was bound to a record that is gone or, on trust on first use, to another node.
+- signed-intent (same condition, HST-SIGN-42): a second fail when neither command_root_sha256 nor root's
+  join record names command-signing roots: "bcd helper applies host units unsigned unless the node
+  itself presents a trust bundle". Not reported when the record cannot be verified: the helper then
+  refuses every host unit, which join-binding says.
 
 Host paths (/proc, /sys, /dev, /etc) are read under `--root` (a simulated host); data_dir and the
 config are real paths. Exit status: 1 when any check fails, else 0.
@@ -81,6 +92,8 @@ def check_all(config_path: str, host: HostView) -> list[Finding]:
     findings.extend(_check_kubernetes(config, host))
     findings.extend(_check_iommu(host))
     findings.append(_check_clock(host))
+    if host.euid == 0 and config.under_helper:
+        findings.extend(_check_join_binding(config, host))
     return findings
 
 
@@ -295,6 +308,175 @@ def _check_clock(host: HostView) -> Finding:
     return Finding(
         "clock", "ok", time.strftime("the wall clock reads %Y-%m-%d %H:%M:%S UTC", time.gmtime(now))
     )
+
+
+# --- root's join record and signed intent (HST-SIGN-38..42) --------------------------------------
+
+# The helper's state file (helper/bcd_helper/intent.py STATE_PATH; the agent does not import the helper).
+HELPER_INTENT = "/var/lib/bcd-hostconfig/helper-intent.json"
+REJOIN = "bcd join --reset --yes --token TOKEN --address ADDRESS"
+UNSIGNED = "bcd helper applies host units unsigned unless the node itself presents a trust bundle"
+
+
+def _check_join_binding(config: Config, host: HostView) -> list[Finding]:
+    """Which node root's helper binds host units to, and whether it checks signatures at all."""
+    from bcd_shared.joinrecord import JOIN_RECORD, read_join_record
+    from bcd_shared.pki.errors import PkiError
+    from bcd_shared.rootpath import RootPathRefused
+
+    from bcd_agent.session import identity as ident
+
+    record_path = host.path(JOIN_RECORD)
+    node_id: str | None = None
+    if config.identity_path.exists():
+        try:
+            node_id = ident.load(config.data_dir).node_id
+        except ident.IdentityError as exc:
+            return [Finding("join-binding", "fail", str(exc), f"restore identity.json, or as root: {REJOIN}")]
+    pin = config.join_signing_key_pin
+    try:
+        found = read_join_record(host.root, pin) if pin is not None else None
+        exists = found is not None or (pin is None and record_path.exists())
+    except RootPathRefused as exc:
+        return [
+            Finding(
+                "join-binding",
+                "fail",
+                f"root's join record {record_path} cannot be read under the root-only rule ({exc}): "
+                "the helper refuses every host unit",
+                "make /var/lib/bcd-hostconfig root's alone (root:root 0700), then as root: " + REJOIN,
+            )
+        ]
+    except PkiError as exc:
+        return [
+            Finding(
+                "join-binding",
+                "fail",
+                f"root's join record {record_path} was not signed by the pinned JoinService key ({exc}): "
+                "the helper refuses every host unit",
+                f"check join_signing_key_pin in {config.source}; then re-join as root: {REJOIN}",
+            )
+        ]
+    if exists and found is None:  # a record, but no pin to check it with
+        return [
+            Finding(
+                "join-binding",
+                "fail",
+                f"root's config.toml ({config.source}) has no join_signing_key_pin: the helper cannot verify "
+                f"root's join record {record_path} and refuses every host unit",
+                'set join_signing_key_pin = "sha256/..." (the install\'s out-of-band pin; '
+                "deploy/install.sh --join-signing-key-pin)",
+            )
+        ]
+    findings: list[Finding] = []
+    if found is not None:
+        verified = found[1]
+        if node_id is None:
+            findings.append(
+                Finding(
+                    "join-binding",
+                    "fail",
+                    f"root's join record names node {verified.node_id}, but {config.identity_path} does not "
+                    "exist: the helper refuses host units for any other node",
+                    f"as root: {REJOIN}",
+                )
+            )
+        elif verified.node_id != node_id:
+            findings.append(
+                Finding(
+                    "join-binding",
+                    "fail",
+                    f"root's join record names node {verified.node_id}, this machine's identity is "
+                    f"{node_id}: the helper refuses this node's host units",
+                    f"re-join as root so that root's record names this node: {REJOIN}",
+                )
+            )
+        else:
+            findings.append(
+                Finding("join-binding", "ok", f"host units bind to {node_id} (root's signed join record)")
+            )
+    elif node_id is not None:
+        findings.append(_tofu_binding(node_id, record_path, host))
+    findings.extend(_check_signed_intent(config, found[1] if found is not None else None, record_path))
+    return findings
+
+
+def _tofu_binding(node_id: str, record_path: Path, host: HostView) -> Finding:
+    """No join record: the helper binds to the first signed spec it accepts (HST-SIGN-23), or it was bound
+    to a record that is gone (it then refuses every host unit)."""
+    from bcd_shared.rootpath import RootPathRefused, read_root_only
+
+    bound, source = "", ""
+    try:
+        data = read_root_only(host.root, HELPER_INTENT, 64 * 1024)
+        doc = json.loads(data) if data is not None else {}
+        if isinstance(doc, dict):
+            bound, source = str(doc.get("node_id", "")), str(doc.get("node_source", ""))
+    except (RootPathRefused, ValueError):
+        pass  # the helper reports its own state file (intent-state); the binding is what matters here
+    fix = f"pin it: re-join as root, {REJOIN} (re-running the install script is not enough)"
+    if source == "record":
+        return Finding(
+            "join-binding",
+            "fail",
+            f"root's join record {record_path} is gone, but the helper was bound to it: it refuses every "
+            "host unit",
+            fix,
+        )
+    if bound and bound != node_id:
+        return Finding(
+            "join-binding",
+            "fail",
+            f"no root's join record, and the helper bound itself on trust on first use to node {bound}, "
+            f"not this machine's identity {node_id}: it refuses this node's host units",
+            fix,
+        )
+    now = f"bound to {bound}" if bound else "not bound yet"
+    return Finding(
+        "join-binding",
+        "warn",
+        f"node {node_id} joined before root's join record existed ({record_path} is missing): the helper "
+        f"binds host units on trust on first use, to the first signed spec it accepts ({now})",
+        fix,
+    )
+
+
+def _check_signed_intent(config: Config, record: object, record_path: Path) -> list[Finding]:
+    """HST-SIGN-42: where the helper takes command-signing roots from, if anywhere."""
+    from bcd_shared.pki.join import VerifiedJoin
+
+    pins = config.command_root_sha256
+    if pins:
+        return [
+            Finding(
+                "signed-intent",
+                "ok",
+                f"host units need a signed spec: command_root_sha256 pins {len(pins)} "
+                "command-signing root(s)",
+            )
+        ]
+    bundle = record.trust_bundle if isinstance(record, VerifiedJoin) else None
+    if bundle is not None and bundle.bundle.has_command_roots:
+        return [
+            Finding(
+                "signed-intent",
+                "ok",
+                f"host units need a signed spec: root's join record names {len(bundle.bundle.command_roots)} "
+                f"command-signing root(s) (trust bundle version {bundle.version})",
+            )
+        ]
+    where = "has no trust bundle with command-signing roots" if record is not None else "is missing"
+    return [
+        Finding(
+            "signed-intent",
+            "fail",
+            f"neither command_root_sha256 nor root's join record names command-signing roots "
+            f"({record_path} {where}): {UNSIGNED}",
+            f"pin the roots in {config.source}: command_root_sha256 = \"<SHA-256 of each root certificate's "
+            'DER>" (deploy/install.sh --command-root-sha256), or re-join as root against a control plane '
+            f"that signs intent: {REJOIN}",
+        )
+    ]
 
 
 # --- the command --------------------------------------------------------------------------------
