@@ -399,3 +399,88 @@ def test_HST_SIGN_02_03_04_every_full_spec_is_kept_for_the_helper_a_patch_only_w
     assert core.journal.applied_generation == 3
     kept = read_host_intent(tmp_path / "data")
     assert kept is not None and kept.generation == 2  # HST-SIGN-03
+
+
+# --- identity.json: the trust bundle and the server time mark (DLV-JRN-07, DLV-JRN-14) ------------------
+
+
+def _persisting(data: Path, pki: Pki, identity: ident.Identity | None = None) -> SessionCore:
+    """A core that writes identity.json (as `bcd node` does), on its own journal in `data`."""
+    if identity is None:
+        identity = pki.identity()
+        ident.save(data, identity)
+    rec = Recorder()
+    return SessionCore(
+        journal=Journal.open(data, boot_id="boot-1"),
+        dispatcher=rec,
+        runner=rec,
+        trust=BundleTrust(),
+        clock=OffsetClock(),
+        identity=identity,
+        data_dir=data,
+        monotonic=Clock(),
+    )
+
+
+def test_DLV_JRN_07_identity_json_keeps_the_chain_and_the_newest_trust_bundle(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """The certificate chain and the command-signing trust bundle live in identity.json beside the journal:
+    a bundle accepted at Welcome (and a newer one later) is written there, and a node started again from
+    that file enforces signatures from the first message, before any Welcome brings a bundle."""
+    data = tmp_path / "data"
+    core = _persisting(data, pki)
+    first, newer = pki.bundle(version=2, roots=True), pki.bundle(version=5, roots=True)
+    connect(core, [], bundle=first)
+    stored = ident.load(data)
+    assert stored.certificate_chain == (pki.node_cert,) and stored.node_key.seed == pki.node_key.seed
+    assert stored.trust_bundle is not None and stored.trust_bundle.bundle == bytes(first.bundle)
+    core.handle(wire.GatewayMessage(trust_bundle=newer))
+    core.handle(wire.GatewayMessage(trust_bundle=first))  # older: ignored, the file keeps version 5
+    stored = ident.load(data)
+    assert stored.trust_bundle is not None
+    assert (stored.trust_bundle.bundle, stored.trust_bundle.signature) == (
+        bytes(newer.bundle),
+        bytes(newer.signature),
+    )
+    core.journal.close()
+    # Started again: the roots come from identity.json alone.
+    again = _persisting(data, pki, identity=ident.load(data))
+    assert (
+        again.trust.bundle is not None and again.trust.bundle.version == 5 and again.trust.has_command_roots()
+    )
+    again.journal.close()
+
+
+def test_DLV_JRN_14_the_mark_is_mirrored_and_a_lost_journal_does_not_reset_it(
+    tmp_path: Path, pki: Pki
+) -> None:
+    data = tmp_path / "data"
+    core = _persisting(data, pki)
+    mark_ms = int(time.time() * 1000)
+    connect(core, [], server_ms=mark_ms)
+    assert ident.load(data).server_time_mark_ms == mark_ms  # mirrored at every Welcome
+    # Heartbeats move the journal's mark at once and the mirror once it moved a minute.
+    core.handle(wire.GatewayMessage(heartbeat=wire.GatewayHeartbeat(server_time=mark_ms + 30_000)))
+    assert core.journal.server_time_mark == (mark_ms + 30_000) / 1000
+    assert ident.load(data).server_time_mark_ms == mark_ms
+    later_ms = mark_ms + 90_000
+    core.handle(wire.GatewayMessage(heartbeat=wire.GatewayHeartbeat(server_time=later_ms)))
+    assert ident.load(data).server_time_mark_ms == later_ms
+    core.journal.close()
+    # The journal is lost (moved away, as a corrupt one is moved aside); identity.json stays.
+    for f in data.glob("journal.db*"):
+        f.rename(tmp_path / f.name)
+    fresh = _persisting(data, pki, identity=ident.load(data))
+    assert fresh.journal.report.created
+    assert fresh.journal.server_time_mark == later_ms / 1000  # fed back from identity.json
+    fresh.attach([].append)
+    with pytest.raises(WelcomeRefused):  # a gateway more than 5 minutes behind the old mark
+        fresh.handle(welcome(later_ms - 301_000))
+    fresh.detach()
+    fresh.attach([].append)
+    fresh.handle(welcome(later_ms - 299_000))
+    assert fresh.state.welcomed
+    # The mark never moves back: the older Welcome did not lower the mirrored one.
+    assert ident.load(data).server_time_mark_ms == later_ms
+    fresh.journal.close()
