@@ -142,7 +142,10 @@ class HelperClient:
         memory_bytes: int | None = None,
         hugepages_2mi: int | None = None,
         hugepages_1gi: int | None = None,
+        reset: Sequence[str] = (),
     ) -> dict[str, Any]:
+        """Start the slice, set the limits given and reset the limits named in `reset` (by the same
+        field names) to the kernel's default; `reset` is sent only when not empty."""
         args: dict[str, Any] = {"name": name}
         for key, value in (
             ("cpus", cpus),
@@ -154,6 +157,8 @@ class HelperClient:
         ):
             if value is not None:
                 args[key] = value
+        if reset:
+            args["reset"] = list(reset)
         return self.call("slice.apply", args)
 
     def slice_remove(self, name: str) -> dict[str, Any]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from bcd_agent.converge.types import SectionState
+from bcd_agent.helperclient import HelperClient
 from bcd_agent.sections.devices.apply import DirectExecutor, HelperExecutor
 from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec, Limits
 from bcd_agent.sections.devices.plan import ApplySlice
@@ -20,9 +22,9 @@ from bcd_agent.sections.devices.slices import (
     slice_spec,
     wanted_limits,
 )
-from bcd_shared.errors import RetryableError
 from bcd_shared.simhost.gpus import gpu_uuid
 from devices.devhost import Host, systemctl_calls
+from helper.helperproc import HelperProcess, base_config
 
 G0 = gpu_uuid(0)
 CG = "/sys/fs/cgroup/bcd.slice/bcd-alloc.slice/bcd-alloc-a1.slice"
@@ -139,30 +141,82 @@ class FakeClient:
         return None
 
 
-def test_DEV_SLICE_23_helper_executor_sends_the_limits_and_refuses_resets() -> None:
-    """Covers DEV-SLICE-23: slice.apply with the limits; a reset the helper cannot do is a retryable
-    error naming it (the section stays PROGRESSING, nothing is half-applied)."""
+def test_DEV_SLICE_23_helper_executor_sends_the_limits_and_the_resets() -> None:
+    """Covers DEV-SLICE-23: slice.apply with the limits; the properties a kept hold's spec dropped are
+    named in `reset` by their limit (MemoryMax and MemoryHigh are both `memory_bytes`), and a 0 CPU
+    quota or memory limit is no limit, as on the direct path."""
     client = FakeClient()
     ex = HelperExecutor(client)
-    spec = slice_spec("a1", Limits(cpus="0-3", hugepages_1gi=2))
+    spec = slice_spec("a1", Limits(cpus="0-3", cpu_millis=0, memory_bytes=0, hugepages_1gi=2))
     ex.apply_slice(spec)
+    ex.apply_slice(spec, ("AllowedMemoryNodes", "MemoryMax", "MemoryHigh", "CPUQuota"))
+    ex.apply_slice(slice_spec("a1", Limits(cpus="0")), ("hugetlb.2MB", "hugetlb.1GB"))
+    sent = {
+        "name": "bcd-alloc-a1.slice",
+        "cpus": "0-3",
+        "mems": None,
+        "cpu_millis": None,
+        "memory_bytes": None,
+        "hugepages_2mi": None,
+        "hugepages_1gi": 2,
+    }
     assert client.calls == [
+        ("slice_apply", {**sent, "reset": ()}),
+        ("slice_apply", {**sent, "reset": ("mems", "memory_bytes", "cpu_millis")}),
         (
             "slice_apply",
-            {
-                "name": "bcd-alloc-a1.slice",
-                "cpus": "0-3",
-                "mems": None,
-                "cpu_millis": None,
-                "memory_bytes": None,
-                "hugepages_2mi": None,
-                "hugepages_1gi": 2,
-            },
-        )
+            {**sent, "cpus": "0", "hugepages_1gi": None, "reset": ("hugepages_2mi", "hugepages_1gi")},
+        ),
     ]
-    with pytest.raises(RetryableError, match="cannot reset MemoryMax"):
-        ex.apply_slice(spec, ("MemoryMax",))
-    assert len(client.calls) == 1
+
+
+@pytest.fixture
+def helper_host(sim_root: Path) -> Iterator[tuple[Host, HelperProcess]]:
+    """The devices section of an unprivileged node beside a real `bcd helper serve` process on the same
+    simulated host: every hold file and slice change goes through the helper's socket."""
+    for p in (sim_root.parent, sim_root):
+        os.chmod(p, 0o755)
+    proc = HelperProcess(sim_root, base_config())
+    try:
+        host = Host(sim_root)
+        host.section.executor = HelperExecutor(HelperClient(proc.socket_path))
+        yield host, proc
+    finally:
+        proc.stop()
+
+
+def test_Q_DEV_PASS_01_changed_limits_reach_the_slice_through_the_helper(
+    helper_host: tuple[Host, HelperProcess],
+) -> None:
+    """Covers Q-DEV-PASS-01 and DEV-SLICE-23 through the real helper: the kept hold's new limits are
+    applied and the dropped ones reset by `slice.apply`'s `reset`, in one call; the section converges
+    (no SliceReset), the workload is never killed, and the next pass plans nothing."""
+    host, helper = helper_host
+    first = Limits(cpus="0-7", mems="0", cpu_millis=1500, memory_bytes=8 << 30, hugepages_2mi=4)
+    assert host.run(DevicesSpec(1, (hold(first),))).state is SectionState.CONVERGED
+    files = cgroup(host)
+    assert files["memory.max"] == str(8 << 30) and files["hugetlb.2MB.max"] == str(4 << 21)
+    host.path(f"{CG}/cgroup.events").write_text("populated 1\nfrozen 0\n")  # a workload runs there
+
+    second = DevicesSpec(2, (hold(Limits(cpus="0,1,2,3", cpu_millis=500)),))
+    out = host.run(second)
+    assert out.state is SectionState.CONVERGED, out.message
+    files = cgroup(host)
+    assert files["cpuset.cpus"] == "0-3" and files["cpuset.mems"] == ""
+    assert files["cpu.max"] == "50000 100000"
+    assert files["memory.max"] == "max" and files["memory.high"] == "max"
+    assert files["hugetlb.2MB.max"] == "max" and files["hugetlb.1GB.max"] == "max"
+    assert systemctl_calls(host.root)[-1] == (
+        "set-property --runtime bcd-alloc-a1.slice AllowedMemoryNodes= MemoryMax=infinity "
+        "MemoryHigh=infinity AllowedCPUs=0,1,2,3 CPUQuota=50%"
+    )
+    applies = [a for a in helper.audit_lines() if a["op"] == "slice.apply"]
+    assert applies[-1]["decision"] == "accepted"
+    assert applies[-1]["args"]["reset"] == ["mems", "memory_bytes", "hugepages_2mi", "hugepages_1gi"]
+    assert not any(c.startswith("stop") for c in systemctl_calls(host.root))
+    assert not host.path("/var/lib/bcd-sim/killed-workloads").exists()
+    assert len(host.events("BoundEvent")) == 1
+    assert host.section.plan(second, 2).empty
 
 
 @as_root

@@ -9,6 +9,13 @@ Rules (devices-and-holds.md "Hold slices"; DEV-SLICE-07..24, DLV-PRIV-04):
   cgroup.subtree_control of /sys/fs/cgroup, bcd.slice and bcd-alloc.slice, then hugetlb.2MB.max
   and hugetlb.1GB.max in bytes (both written when either is booked, the other as 0: a hold gets the
   huge pages it booked and no others; Q-DEV-SLICE-02);
+- reset (a kept hold whose spec dropped a limit): `reset` names limits, by the same field names, to
+  put back to the kernel's default in the same call. Only the LIMITS table's names; none twice, none
+  also given, and no huge page size while the other size is given (that size is then 0 by the rule
+  above). A reset property is assigned its default in the same `set-property` call, before the set
+  ones (`AllowedCPUs=`, `AllowedMemoryNodes=`, `CPUQuota=`, `MemoryMax=infinity` and
+  `MemoryHigh=infinity`); a reset huge page size gets `max` in its `hugetlb.<size>.max` (a slice
+  without that file has no such limit to reset);
 - remove: root reads the slice's `cgroup.events` itself and runs `systemctl stop` only when it says
   `populated 0`; a populated slice is kept (answer `stopped: false, populated: true`), so a release
   never kills a workload (Q-DEV-SLICE-03, decided: yes, root checks itself). A slice whose cgroup does
@@ -33,6 +40,20 @@ PARENTS = (CGROUP, f"{CGROUP}/bcd.slice", f"{CGROUP}/bcd.slice/bcd-alloc.slice")
 MAX_MEMORY = 1 << 52
 MAX_PAGES = 1 << 24
 MAX_MILLIS = 1 << 24
+# The seeds' limits ("Hold slices"), by request field: the systemd properties each becomes, with the
+# value that resets each to systemd's default; huge pages are cgroup files (systemd has no property).
+LIMITS: dict[str, tuple[tuple[str, str], ...]] = {
+    "cpus": (("AllowedCPUs", ""),),
+    "mems": (("AllowedMemoryNodes", ""),),
+    "cpu_millis": (("CPUQuota", ""),),
+    "memory_bytes": (("MemoryMax", "infinity"), ("MemoryHigh", "infinity")),
+    "hugepages_2mi": (),
+    "hugepages_1gi": (),
+}
+HUGETLB = {
+    "hugepages_2mi": ("hugetlb.2MB.max", 2 * 1024 * 1024),
+    "hugepages_1gi": ("hugetlb.1GB.max", 1 << 30),
+}
 
 
 @frozen
@@ -44,6 +65,7 @@ class SliceApply:
     memory_bytes: int | None = None
     hugepages_2mi: int | None = None
     hugepages_1gi: int | None = None
+    reset: tuple[str, ...] = ()
 
 
 @frozen
@@ -85,9 +107,31 @@ def _bounded(value: int | None, field: str, hi: int) -> int | None:
     return value
 
 
+def check_reset(req: SliceApply) -> tuple[str, ...]:
+    """The limits `req` resets, checked against the LIMITS table (pure)."""
+    seen: list[str] = []
+    for name in req.reset:
+        if name not in LIMITS:
+            raise Refused("bad-reset", f"reset: {name[:40]!r} is not a limit (one of {', '.join(LIMITS)})")
+        if name in seen:
+            raise Refused("bad-reset", f"reset: {name} is listed twice")
+        if getattr(req, name) is not None:
+            raise Refused("bad-reset", f"reset: {name} is also given")
+        seen.append(name)
+    for name in seen:
+        other = "hugepages_1gi" if name == "hugepages_2mi" else "hugepages_2mi"
+        if name in HUGETLB and getattr(req, other) is not None:
+            raise Refused(
+                "bad-reset",
+                f"reset: {name} while {other} is given (a hold gets the huge pages it booked and no "
+                "others: that size is then 0)",
+            )
+    return tuple(seen)
+
+
 def properties(req: SliceApply) -> list[str]:
-    """The set-property assignments for the request (pure)."""
-    props: list[str] = []
+    """The set-property assignments for the request (pure): resets first, then the limits given."""
+    props = [f"{prop}={default}" for name in check_reset(req) for prop, default in LIMITS[name]]
     if req.cpus is not None:
         props.append(f"AllowedCPUs={check_cpulist(req.cpus, 'cpus')}")
     if req.mems is not None:
@@ -102,12 +146,18 @@ def properties(req: SliceApply) -> list[str]:
     return props
 
 
-def write_kernel_file(call: Call, path: str, data: bytes) -> None:
-    """Write an existing cgroupfs file in place (no rename on kernel files), under the root-only rule."""
+def write_kernel_file(call: Call, path: str, data: bytes, *, missing_ok: bool = False) -> bool:
+    """Write an existing cgroupfs file in place (no rename on kernel files), under the root-only rule.
+    With `missing_ok`, a file that does not exist is left so (False); else written (True)."""
     parts = split_host_path(path)
     try:
         with verified_dir(call.ctx.root, parts[:-1], create=False) as dfd:
-            fd = os.open(parts[-1], os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            try:
+                fd = os.open(parts[-1], os.O_WRONLY | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            except FileNotFoundError:
+                if missing_ok:
+                    return False
+                raise
             try:
                 os.write(fd, data)
             finally:
@@ -116,6 +166,7 @@ def write_kernel_file(call: Call, path: str, data: bytes) -> None:
         raise refused_path(exc) from None
     except OSError as exc:
         raise Failed("cgroup", f"writing {path}: {exc.strerror}") from None
+    return True
 
 
 def _systemctl(call: Call, *args: str) -> None:
@@ -127,18 +178,23 @@ def _systemctl(call: Call, *args: str) -> None:
 def slice_apply(call: Call, req: SliceApply) -> dict[str, Any]:
     name = check_slice_name(req.name)
     props = properties(req)
+    reset = check_reset(req)
     p2 = _bounded(req.hugepages_2mi, "hugepages_2mi", MAX_PAGES)
     p1 = _bounded(req.hugepages_1gi, "hugepages_1gi", MAX_PAGES)
     _systemctl(call, "start", name)
     if props:
         _systemctl(call, "set-property", "--runtime", name, *props)
+    cg = slice_cgroup(name)
     if p2 is not None or p1 is not None:
         for parent in PARENTS:
             write_kernel_file(call, f"{parent}/cgroup.subtree_control", b"+hugetlb")
-        cg = slice_cgroup(name)
-        write_kernel_file(call, f"{cg}/hugetlb.2MB.max", str((p2 or 0) * 2 * 1024 * 1024).encode())
-        write_kernel_file(call, f"{cg}/hugetlb.1GB.max", str((p1 or 0) * 1024 * 1024 * 1024).encode())
-    return {"name": name, "cgroup": slice_cgroup(name), "properties": props}
+        for field, pages in (("hugepages_2mi", p2), ("hugepages_1gi", p1)):
+            file, size = HUGETLB[field]
+            write_kernel_file(call, f"{cg}/{file}", str((pages or 0) * size).encode())
+    for field in reset:
+        if field in HUGETLB:
+            write_kernel_file(call, f"{cg}/{HUGETLB[field][0]}", b"max", missing_ok=True)
+    return {"name": name, "cgroup": cg, "properties": props, "reset": list(reset)}
 
 
 def populated(call: Call, name: str) -> bool | None:

@@ -11,7 +11,8 @@ Two executors do root's part (the hold files under /etc/cdi and /run, and the sl
   cgroup files are written through a verified directory fd without following symlinks;
 - `HelperExecutor(client)`: an unprivileged node beside `bcd helper`: `file.write`/`file.remove` of
   kind `cdi` / `allocation-env` with the allocation id (the helper builds the path), `slice.apply` /
-  `slice.remove` with the name and limits. A refusal is HelperRefused (retryable).
+  `slice.remove` with the name and limits, and the limits to reset named in `reset` (the helper
+  assigns their defaults as the direct executor does). A refusal is HelperRefused (retryable).
 The agent's own records (releasing.json 0600, the marker, the event ledger) are in data_dir, which the
 agent owns: the applier writes them through the System directly.
 """
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -62,6 +63,7 @@ from bcd_agent.sections.devices.slices import (
     PARENT_CGROUP,
     RESET_VALUES,
     SliceSpec,
+    reset_fields,
     slice_cgroup,
 )
 
@@ -200,6 +202,7 @@ class HelperClientLike(Protocol):
         memory_bytes: int | None = ...,
         hugepages_2mi: int | None = ...,
         hugepages_1gi: int | None = ...,
+        reset: Sequence[str] = ...,
     ) -> object: ...
 
     def slice_remove(self, name: str) -> object: ...
@@ -224,22 +227,19 @@ class HelperExecutor:
         self.client.file_remove("allocation-env", allocation_id)
 
     def apply_slice(self, spec: SliceSpec, reset: tuple[str, ...] = ()) -> None:
-        if reset:
-            # slice.apply sets the limits it is given and resets none (helper/ops/slices.py).
-            raise RetryableError(
-                "SliceReset",
-                f"{spec.name}: the helper's slice.apply cannot reset {', '.join(reset)}; "
-                "the limit stays until the slice is stopped (release and bind the hold again)",
-            )
+        # The same properties as the direct executor: a 0 CPU quota or memory limit is no limit
+        # (slices.slice_spec), and the properties the spec dropped are reset in the same call,
+        # named by their limit (slice.apply's `reset`).
         lim = spec.limits
         self.client.slice_apply(
             spec.name,
             cpus=lim.cpus or None,
             mems=lim.mems or None,
-            cpu_millis=lim.cpu_millis,
-            memory_bytes=lim.memory_bytes,
+            cpu_millis=lim.cpu_millis or None,
+            memory_bytes=lim.memory_bytes or None,
             hugepages_2mi=lim.hugepages_2mi,
             hugepages_1gi=lim.hugepages_1gi,
+            reset=reset_fields(reset),
         )
 
     def stop_slice(self, name: str) -> None:

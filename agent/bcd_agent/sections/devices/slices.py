@@ -59,6 +59,23 @@ RESET_VALUES = {
     "MemoryHigh": "infinity",
 }
 
+# The limit (the helper's `slice.apply` field, DeviceLimits' name) each resettable property or huge
+# page file belongs to: the helper resets limits by these names (docs/helper-rpc.md).
+RESET_FIELDS = {
+    "AllowedCPUs": "cpus",
+    "AllowedMemoryNodes": "mems",
+    "CPUQuota": "cpu_millis",
+    "MemoryMax": "memory_bytes",
+    "MemoryHigh": "memory_bytes",
+    "hugetlb.2MB": "hugepages_2mi",
+    "hugetlb.1GB": "hugepages_1gi",
+}
+
+
+def reset_fields(reset: tuple[str, ...]) -> tuple[str, ...]:
+    """The limits (field names, in order, each once) that `reset`'s properties belong to."""
+    return tuple(dict.fromkeys(RESET_FIELDS[k] for k in reset))
+
 
 def slice_name(allocation_id: str) -> str:
     return f"bcd-alloc-{allocation_id}.slice"
