@@ -12,7 +12,10 @@ One pass, in the seeds' order (devices-and-holds.md, "One pass"):
 4. Holds still wanted are kept: a missing slice is created again, a missing or stale env file and a
    stale spec are rewritten (the generation annotation stays the bind generation), a running slice
    whose limits are not the spec's is applied again (properties no longer set are reset), an owed
-   AllocationBound is sent.
+   AllocationBound is sent. New limits that need more memory or huge pages than the running slice
+   holds are admitted first, the hold's old booking counted as freed (`_kept_bookings`); refused,
+   the hold keeps its slice and files as they are and fails with resources-exhausted (its
+   AllocationFailed once per generation).
 5. New holds in spec order: invalid-assignment, binding, privilege, atoms (unsupported-device, then
    device-missing), conflicts, host admission; the first failure decides. Each that passes is bound
    (slice, spec, env file, AllocationBound) and its atoms count against the holds after it.
@@ -57,8 +60,11 @@ from bcd_agent.sections.devices.model import (
     REASON_UNPRIVILEGED,
     DeviceAssignment,
     DevicesSpec,
+    Limits,
 )
 from bcd_agent.sections.devices.slices import (
+    HUGETLB_FILES,
+    MEMORY_PAGE,
     PAGE_BYTES,
     SliceSpec,
     check_cpulist,
@@ -425,9 +431,17 @@ def taker(assignment: DeviceAssignment, slice_state: SliceState | None) -> Taker
 
 
 def admit(
-    assignment: DeviceAssignment, host: HostMemory, committed_bytes: int, takers: list[Taker]
+    assignment: DeviceAssignment,
+    host: HostMemory,
+    committed_bytes: int,
+    takers: list[Taker],
+    own: Taker | None = None,
 ) -> str | None:
-    """The ResourcesExhausted message when `assignment` does not fit, else None. Memory first."""
+    """The ResourcesExhausted message when `assignment` does not fit, else None. Memory first.
+
+    `own`: for a kept hold whose limits change, the huge pages its slice has faulted in (per size, on
+    its old memory nodes): the kernel's free counts no longer have them, but they are the hold's own,
+    so they count as free again (host-wide, and on the new nodes when the old ones are among them)."""
     lim = assignment.limits
     assert lim is not None
     if lim.memory_bytes:
@@ -441,11 +455,14 @@ def admit(
         if not need:
             continue
         pool = host.pools.get(size)
-        free_host = pool.free if pool else 0
+        credit = own.hugepages.get(size, 0) if own is not None else 0
+        free_host = (pool.free if pool else 0) + credit
         free_host -= sum(t.hugepages.get(size, 0) for t in takers)
         free = free_host
         if nodes and pool is not None:
             on_nodes = sum(pool.per_node_free.get(n, 0) for n in nodes)
+            if own is not None and own.nodes and set(own.nodes) <= set(nodes):
+                on_nodes += credit
             on_nodes -= sum(t.hugepages.get(size, 0) for t in takers if set(t.nodes) & set(nodes))
             free = min(free_host, on_nodes)
         if need > free:
@@ -453,11 +470,89 @@ def admit(
     return None
 
 
-def needs_host_memory(spec: DevicesSpec, holds: Mapping[str, LiveHold]) -> bool:
-    """Whether any assignment that is not yet a hold needs admission (the observer then reads meminfo)."""
-    return any(
-        a.limits is not None and a.limits.needs_admission and a.allocation_id not in holds
-        for a in spec.assignments
+def needs_host_memory(
+    spec: DevicesSpec, holds: Mapping[str, LiveHold], slices: Mapping[str, SliceState] | None = None
+) -> bool:
+    """Whether an assignment needs admission in this pass (the observer then reads meminfo): one that is
+    not yet a hold, or a hold bound again (its atoms or binding changed), or a kept hold whose running
+    slice is to get other limits (`slices`: the observed slices)."""
+    for a in spec.assignments:
+        if a.limits is None or not a.limits.needs_admission:
+            continue
+        hold = holds.get(a.allocation_id)
+        if hold is None or not _same_hold(a, hold.record):
+            return True
+        if slices is not None and _changing_slice(a, slices) is not None:
+            return True
+    return False
+
+
+def _same_hold(want: DeviceAssignment, rec: HoldRecord) -> bool:
+    """Whether the hold on disk is kept for `want` (step 2): same binding and the same atoms."""
+    same_binding = want.kubernetes == rec.kubernetes and want.binding in (BINDING_HOLD, BINDING_KUBERNETES)
+    same_atoms = tuple(d.id for d in want.devices) == rec.device_ids and all(
+        isinstance(parse_atom(d), Atom) for d in want.devices
+    )
+    return same_binding and same_atoms
+
+
+def _changing_slice(want: DeviceAssignment, slices: Mapping[str, SliceState]) -> SliceSpec | None:
+    """The slice spec of a kept hold whose running slice enforces other limits than `want`'s."""
+    if not want.sliced:
+        return None
+    assert want.limits is not None
+    spec = slice_spec(want.allocation_id, want.limits)
+    running = slices.get(spec.name)
+    if running is None or running.limits is None or wanted_limits(spec) == running.limits:
+        return None
+    return spec
+
+
+def applied_taker(slice_state: SliceState) -> Taker:
+    """What a running slice holds now, from the limits its cgroup files enforce (its booking before a
+    change): MemoryMax, and the huge page limits less what it has faulted in, on its memory nodes."""
+    applied = slice_state.limits or {}
+    memory = applied.get("MemoryMax", "")
+    pages: dict[int, int] = {}
+    for size, stem in HUGETLB_FILES.items():
+        text = applied.get(stem, "")
+        if text.isdigit() and int(text):
+            faulted = slice_state.hugetlb_current.get(size, 0)
+            pages[size] = max(0, (int(text) - faulted) // PAGE_BYTES[size])
+    return Taker(int(memory) if memory.isdigit() else 0, pages, _mems(applied.get("AllowedMemoryNodes", "")))
+
+
+def faulted_taker(slice_state: SliceState) -> Taker:
+    """The huge pages a running slice has faulted in (`hugetlb.<size>.current`), on its memory nodes."""
+    pages = {
+        size: b // PAGE_BYTES[size] for size, b in slice_state.hugetlb_current.items() if size in PAGE_BYTES
+    }
+    return Taker(0, pages, _mems((slice_state.limits or {}).get("AllowedMemoryNodes", "")))
+
+
+def grown_limits(limits: Limits, slice_state: SliceState) -> Limits | None:
+    """The quantities of `limits` that need more of the host than the running slice holds: memory
+    above its MemoryMax; a huge page size above its limit, or any booked size when the memory nodes
+    change (the pages must then fit on the new nodes). None when nothing grows (a hold that shrinks
+    or keeps its booking is never refused)."""
+    applied = slice_state.limits or {}
+    old_memory = applied.get("MemoryMax", "")
+    memory = limits.memory_bytes or 0
+    grows_memory = memory // MEMORY_PAGE * MEMORY_PAGE > (int(old_memory) if old_memory.isdigit() else 0)
+    old_nodes = _mems(applied.get("AllowedMemoryNodes", ""))
+    moved = _mems(limits.mems) != old_nodes
+    pages: dict[int, int | None] = {}
+    for size, count in ((2048, limits.hugepages_2mi), (1048576, limits.hugepages_1gi)):
+        text = applied.get(HUGETLB_FILES[size], "")
+        old = int(text) // PAGE_BYTES[size] if text.isdigit() else 0
+        pages[size] = count if count and (count > old or moved) else None
+    if not grows_memory and pages[2048] is None and pages[1048576] is None:
+        return None
+    return Limits(
+        mems=limits.mems,
+        memory_bytes=limits.memory_bytes if grows_memory else None,
+        hugepages_2mi=pages[2048],
+        hugepages_1gi=pages[1048576],
     )
 
 
@@ -597,17 +692,9 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         hold = obs.holds[alloc]
         rec = hold.record
         want = wanted.get(alloc)
-        if want is not None:
-            same_binding = want.kubernetes == rec.kubernetes and want.binding in (
-                BINDING_HOLD,
-                BINDING_KUBERNETES,
-            )
-            same_atoms = tuple(d.id for d in want.devices) == rec.device_ids and all(
-                isinstance(parse_atom(d), Atom) for d in want.devices
-            )
-            if same_binding and same_atoms:
-                kept[alloc] = hold
-                continue
+        if want is not None and _same_hold(want, rec):
+            kept[alloc] = hold
+            continue
         atoms = tuple(atom_from_id(i) for i in rec.device_ids)
         released_atoms[alloc] = atoms
         steps: list[Step] = []
@@ -647,9 +734,14 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
             continue
         actions.append(Action(f"slice:{name}", "slice", (StopSlice(name),)))
 
-    # 4. holds still wanted.
+    # 4. holds still wanted. A running slice whose limits change is admitted again first (the hold's
+    # old booking counts as freed; only what grows is checked); refused, the hold and its slice stay
+    # as they are and the allocation fails with resources-exhausted.
+    failures: list[Failure] = []
+    committed = obs.domains_committed_bytes
+    bookings, refused = _kept_bookings(kept, wanted, obs, committed, warnings)
+    takers: list[Taker] = list(bookings.values())
     pending_devices = Claims(obs.vfio, UNREADABLE_OWNER if marker else None)
-    takers: list[Taker] = []
     holders: dict[str, tuple[str, ...]] = {}
     for alloc, hold in kept.items():
         want = wanted[alloc]
@@ -657,9 +749,10 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         atoms = _atoms_of(want)
         pending_devices.add(alloc, atoms)
         holders[alloc] = rec.device_ids
-        takers.append(taker(want, obs.slices.get(slice_name(alloc))))
         steps = []
-        if want.sliced:
+        if alloc in refused:
+            failures.append(Failure(alloc, REASON_EXHAUSTED, refused[alloc]))
+        elif want.sliced:
             assert want.limits is not None
             wanted_slice = slice_spec(alloc, want.limits)
             running = obs.slices.get(wanted_slice.name)
@@ -671,9 +764,9 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         resolvable = all(missing(a, obs.inventory) is None for a in atoms)
         if resolvable:
             doc, lines = hold_files(want, atoms, rec.generation, obs)
-            if doc != hold.doc:
+            if doc != hold.doc and alloc not in refused:
                 steps.append(WriteSpec(alloc, doc))
-            if hold.env_lines != lines:
+            if hold.env_lines != lines and (alloc not in refused or hold.env_lines is None):
                 steps.append(WriteEnv(alloc, lines))
         elif hold.env_lines is None:
             warnings.append(f"{alloc}: its devices are not in the inventory; env file not rewritten")
@@ -687,9 +780,7 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
     claims = pending_devices
 
     # 5. new holds, in spec order.
-    failures: list[Failure] = []
     seen: set[str] = set()
-    committed = obs.domains_committed_bytes
     for a in spec.assignments:
         if a.allocation_id in kept and a.allocation_id not in seen:
             seen.add(a.allocation_id)
@@ -724,9 +815,13 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
     report: list[Step] = []
     by_alloc = {a.allocation_id: a for a in spec.assignments}
     for f in failures:
-        if failed.get(f.allocation_id) == spec.generation or f.allocation_id in holders:
+        if failed.get(f.allocation_id) == spec.generation or (
+            f.allocation_id in holders and f.allocation_id not in refused
+        ):
             # Once per allocation and generation; a later duplicate entry of an allocation its first
             # entry holds fails the section (its message names it) but sends no AllocationFailed.
+            # A kept hold whose new limits were refused is reported (its assignment at this
+            # generation cannot be honoured) though it stays bound with its old limits.
             continue
         a = by_alloc[f.allocation_id]
         report.append(
@@ -745,12 +840,58 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
     if report:
         actions.append(Action("failures", "report", tuple(report)))
 
-    failed = {k: v for k, v in failed.items() if k in wanted and k not in holders}
+    failed = {k: v for k, v in failed.items() if k in wanted and (k not in holders or k in refused)}
     bound = {k: v for k, v in bound.items() if k in holders or any(r.allocation_id == k for r in releases)}
     ledger = Ledger(bound=bound, failed=failed)
     if ledger != obs.ledger:
         actions.append(Action("ledger", "ledger", (WriteLedger(ledger),)))
     return Plan(tuple(actions), tuple(failures), tuple(conditions), tuple(warnings), holders)
+
+
+def _kept_bookings(
+    kept: Mapping[str, LiveHold],
+    wanted: Mapping[str, DeviceAssignment],
+    obs: Observed,
+    committed: int,
+    warnings: list[str],
+) -> tuple[dict[str, Taker], dict[str, str]]:
+    """What each kept hold holds after this pass (its Taker), and the refused limit changes
+    (allocation -> the ResourcesExhausted message).
+
+    A kept hold whose running slice is to get other limits holds, until admitted, what its slice
+    enforces now (`applied_taker`). Each such change is admitted in allocation order against every
+    other kept hold's booking (an admitted change counts with its new limits against the next ones)
+    and the domains' committed memory; only the quantities that grow are checked (`grown_limits`).
+    Admission is skipped on a fakehw host; an unreadable host binds without it (with the warning)."""
+    bookings: dict[str, Taker] = {}
+    changing: list[str] = []
+    for alloc in kept:
+        want = wanted[alloc]
+        running = obs.slices.get(slice_name(alloc))
+        if running is not None and _changing_slice(want, obs.slices) is not None:
+            bookings[alloc] = applied_taker(running)
+            changing.append(alloc)
+        else:
+            bookings[alloc] = taker(want, running)
+    refused: dict[str, str] = {}
+    for alloc in changing:
+        want = wanted[alloc]
+        running = obs.slices[slice_name(alloc)]
+        assert want.limits is not None
+        grown = grown_limits(want.limits, running)
+        if grown is not None and obs.admission:
+            host = obs.host_memory
+            if host is None:
+                if ADMISSION_UNREADABLE_WARNING not in warnings:
+                    warnings.append(ADMISSION_UNREADABLE_WARNING)
+            elif isinstance(host, HostMemory):
+                others = [t for other, t in bookings.items() if other != alloc]
+                msg = admit(evolve(want, limits=grown), host, committed, others, faulted_taker(running))
+                if msg:
+                    refused[alloc] = msg
+                    continue
+        bookings[alloc] = taker(want, running)
+    return bookings, refused
 
 
 def _check(

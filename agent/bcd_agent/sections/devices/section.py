@@ -138,7 +138,7 @@ class DevicesSection:
         if releases or marker or unreadable or any(h.record.kubernetes for h in holds.values()):
             holding, clear = self._kube_side(obs)
             obs = evolve(obs, pods_holding=holding, kube_unknown_clear=clear)
-        if self.admission and needs_host_memory(spec, holds):
+        if self.admission and needs_host_memory(spec, holds, obs.slices):
             obs = evolve(obs, host_memory=read_host_memory(self.system))
         return obs
 
