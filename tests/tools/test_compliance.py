@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bcd_agent.tools.compliance import render, scan_answers, scan_tests
+from bcd_agent.tools.compliance import render, scan_answers, scan_deferred, scan_tests
 
 
 def _tree(tmp_path: Path) -> Path:
@@ -17,6 +17,11 @@ def _tree(tmp_path: Path) -> Path:
         "# Q-DLV-JRN-01 is a question, not DLV-JRN-01\n"
     )
     (repo / "docs" / "journal.md").write_text("Q-DLV-JRN-01: decided, because ...\n")
+    (repo / "docs" / "open-questions.md").write_text(
+        "# Deferred questions (not decided)\n\n- **Q-DLV-INST-01** deferred: no issue yet.\n"
+        "- **Q-DLV-INST-02** deferred: no issue yet.\n"
+    )
+    (repo / "docs" / "instances.md").write_text("Q-DLV-INST-02 is still open, see open-questions.md\n")
     (repo / "docs" / "compliance-notes.toml").write_text(
         '[where]\n"DLV-JRN" = "agent/bcd_agent/journal/"\n[notes]\n"DLV-OOS" = "out of scope"\n'
     )
@@ -37,7 +42,19 @@ def test_ids_in_names_docstrings_ranges_and_lists(tmp_path: Path) -> None:
 
 
 def test_questions_answered_in_docs(tmp_path: Path) -> None:
-    assert scan_answers(_tree(tmp_path) / "docs") == {"Q-DLV-JRN-01": {"docs/journal.md"}}
+    """docs/open-questions.md answers nothing: the ids it names are deferred."""
+    docs = _tree(tmp_path) / "docs"
+    assert scan_answers(docs) == {
+        "Q-DLV-JRN-01": {"docs/journal.md"},
+        "Q-DLV-INST-02": {"docs/instances.md"},
+    }
+    assert scan_deferred(docs) == {"Q-DLV-INST-01", "Q-DLV-INST-02"}
+
+
+def test_no_deferred_list(tmp_path: Path) -> None:
+    docs = _tree(tmp_path) / "docs"
+    (docs / "open-questions.md").unlink()
+    assert scan_deferred(docs) == set()
 
 
 def test_render_rows(tmp_path: Path) -> None:
@@ -50,12 +67,21 @@ def test_render_rows(tmp_path: Path) -> None:
         "- **DLV-OOS-01** Control plane thing. [control-plane]\n"
         "- **Q-DLV-JRN-01** A question?\n"
         "- **Q-DLV-JRN-02** Another question?\n"
+        "- **Q-DLV-INST-01** Deferred?\n"
+        "- **Q-DLV-INST-02** Deferred, named elsewhere too?\n"
     )
     (spec / "devices.md").write_text("")
     (spec / "host.md").write_text("")
-    rows = {line.split(" | ")[0]: line for line in render(repo, spec).splitlines() if line.startswith("| ")}
+    text = render(repo, spec)
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
     assert rows["| DLV-JRN-03"].endswith("| agent/bcd_agent/journal/ | `tests/test_a.py` | tested |")
     assert rows["| DLV-JRN-04"].endswith("| not yet |")
     assert rows["| DLV-OOS-01"].endswith("| out of scope |")
     assert rows["| Q-DLV-JRN-01"].endswith("| answered in `docs/journal.md` |")
     assert rows["| Q-DLV-JRN-02"].endswith("| open |")
+    assert rows["| Q-DLV-INST-01"].endswith("| deferred (docs/open-questions.md) |")
+    assert rows["| Q-DLV-INST-02"].endswith(
+        "| deferred (docs/open-questions.md); also named in `docs/instances.md` |"
+    )
+    assert "1 of 4 questions (Q- items) are answered" in text
+    assert "deferred (listed, not decided, in docs/open-questions.md): 2; open: 1." in text

@@ -6,6 +6,10 @@ Sources:
 - docs/compliance-notes.toml: `[where]` maps an id prefix (area or single id) to where it is
   implemented, `[notes]` maps an id prefix to a status note (why not yet, a departure, ...).
   The longest matching prefix wins.
+- the docs: a question (`Q-...`) named in any docs/*.md is answered there, except in
+  docs/open-questions.md, which lists questions deliberately left undecided: those are reported
+  "deferred" (even when another doc names them too; the row then lists those docs, so a stale entry
+  shows).
 
 Run: `python -m bcd_agent.tools.compliance` (also `make compliance`).
 """
@@ -65,17 +69,27 @@ def _ids(area: str, part: str, first: str, tail: str) -> list[str]:
 
 
 Q_IN_DOCS = re.compile(r"\bQ-(?:DLV|DEV|HST)-[A-Z]+-\d+\b")
+# The questions deliberately left undecided (docs/open-questions.md, "Deferred questions (not decided)").
+DEFERRED_DOC = "open-questions.md"
 
 
 def scan_answers(docs_dir: Path) -> dict[str, set[str]]:
-    """Q id -> the docs (relative) that record a decision on it."""
+    """Q id -> the docs (relative) that record a decision on it (not the report, not the deferred list)."""
     found: dict[str, set[str]] = defaultdict(set)
     for path in sorted(docs_dir.rglob("*.md")):
-        if path.name == "compliance.md":
+        if path.name == "compliance.md" or path.relative_to(docs_dir).as_posix() == DEFERRED_DOC:
             continue
         for m in Q_IN_DOCS.finditer(path.read_text(errors="replace")):
             found[m.group(0)].add(str(path.relative_to(docs_dir.parent)))
     return found
+
+
+def scan_deferred(docs_dir: Path) -> set[str]:
+    """Q ids named in docs/open-questions.md: deferred, not decided."""
+    path = docs_dir / DEFERRED_DOC
+    if not path.exists():
+        return set()
+    return {m.group(0) for m in Q_IN_DOCS.finditer(path.read_text(errors="replace"))}
 
 
 def _lookup(table: dict[str, str], ident: str) -> str:
@@ -93,11 +107,13 @@ def render(repo: Path, spec_dir: Path) -> str:
     status: dict[str, str] = notes.get("notes", {})
     tested = scan_tests(repo / "tests")
     answered = scan_answers(repo / "docs")
+    deferred = scan_deferred(repo / "docs")
     rows = read_catalogue(spec_dir)
     reqs = [r for r in rows if not r[0].startswith("Q-")]
     questions = [r for r in rows if r[0].startswith("Q-")]
     n_tested = sum(1 for r in reqs if tested.get(r[0]))
-    n_answered = sum(1 for r in questions if answered.get(r[0]))
+    n_deferred = sum(1 for r in questions if r[0] in deferred)
+    n_answered = sum(1 for r in questions if r[0] not in deferred and answered.get(r[0]))
     out = [
         "# Compliance with the requirement catalogue",
         "",
@@ -106,7 +122,9 @@ def render(repo: Path, spec_dir: Path) -> str:
         "Do not edit by hand: edit the notes file or the tests and regenerate.",
         "",
         f"{n_tested} of {len(reqs)} requirements are named by at least one test.",
-        f"{n_answered} of {len(questions)} questions (Q- items) are answered in the docs named in their row.",
+        f"{n_answered} of {len(questions)} questions (Q- items) are answered in the docs named in their row;",
+        f"deferred (listed, not decided, in docs/{DEFERRED_DOC}): {n_deferred};"
+        f" open: {len(questions) - n_answered - n_deferred}.",
         "",
         "| Id | Requirement | Implemented in | Tested by | Status |",
         "| --- | --- | --- | --- | --- |",
@@ -118,7 +136,10 @@ def render(repo: Path, spec_dir: Path) -> str:
         note = _lookup(status, ident)
         if ident.startswith("Q-"):
             docs = ", ".join(f"`{d}`" for d in sorted(answered.get(ident, ())))
-            note = f"answered in {docs}" if docs else (note or "open")
+            if ident in deferred:
+                note = f"deferred (docs/{DEFERRED_DOC})" + (f"; also named in {docs}" if docs else "")
+            else:
+                note = f"answered in {docs}" if docs else (note or "open")
         elif not note:
             note = "tested" if tests else "not yet"
         out.append(f"| {ident} | {summary} | {_lookup(where, ident)} | {tests} | {note} |")

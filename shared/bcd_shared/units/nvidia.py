@@ -3,12 +3,15 @@
 Q-HST-DRV-01 answered: the installed module is read from `modinfo nvidia` (`version:` gives the
 branch, `license: Dual MIT/GPL` is the open flavor, `NVIDIA` the proprietary one); the loaded driver
 from /proc/driver/nvidia/version (`Open Kernel Module` names the open flavor). Q-HST-DRV-02: the
-family comes from /etc/os-release (distro.py); the SUSE names carry no branch, so the branch is
-checked only after loading. Q-HST-DRV-03: the in-use message is `driver <loaded> is in use; reboot
-the node to load branch <branch>`; `--force-confold` travels as `-o Dpkg::Options::=--force-confold`;
-`branch` is required. Q-HST-FM-01: the Debian package is named after the loaded driver's branch,
-and a Fabric Manager that stays down after `enable --now` fails the unit retryably while
-FabricManagerDown is raised.
+family comes from /etc/os-release (distro.py); the SUSE names carry no branch, so the branch cannot
+be checked before installing: it is checked on the module the packages left on disk (`modinfo
+nvidia`) before anything is unloaded, and a module of another branch or flavor fails the unit
+terminally (a reboot would only load that module again), naming the branch it holds; the loaded
+driver is checked again after loading. Q-HST-DRV-03: the in-use message is `driver <loaded> is in
+use; reboot the node to load branch <branch>`; `--force-confold` travels as
+`-o Dpkg::Options::=--force-confold`; `branch` is required. Q-HST-FM-01: the Debian package is named
+after the loaded driver's branch, and a Fabric Manager that stays down after `enable --now` fails the
+unit retryably while FabricManagerDown is raised.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_shared.errors import RetryableError
+from bcd_shared.errors import RetryableError, TerminalError
 from bcd_shared.system import System
 
 from ._base import (
@@ -118,11 +121,18 @@ class LoadDriver:
     branch: str
     open: bool | None
     loaded: str | None  # the other driver's version, when one is loaded
+    family: str = ""  # the distribution family, for the message of a package without the branch
 
     def describe(self) -> str:
         return f"load NVIDIA driver branch {self.branch}"
 
     def apply(self, system: System, actx: ApplyContext) -> None:
+        # The module the packages left on disk must be the branch (Q-HST-DRV-02): SUSE's package
+        # names carry no branch, and loading another one would only ask for a useless reboot.
+        res = system.run(["modinfo", "nvidia"])
+        on_disk = parse_modinfo(res.stdout.decode(errors="replace")) if res.ok else None
+        if on_disk is not None and not _matches(on_disk, DriverSettings(self.branch, self.open)):
+            raise TerminalError("DriverBranch", self._wrong_module(on_disk))
         if self.loaded is not None:
             for svc in ("nvidia-fabricmanager.service", "nvidia-persistenced.service", "nvidia-dcgm.service"):
                 system.run(["systemctl", "stop", svc])  # a service that is not installed is fine
@@ -140,6 +150,19 @@ class LoadDriver:
         if not _matches(now, DriverSettings(self.branch, self.open)):
             have = now.version if now else "none"
             raise RebootRequired(f"the loaded driver is {have}, not branch {self.branch}: reboot the node")
+
+    def _wrong_module(self, on_disk: DriverVersion) -> str:
+        flavor = "open" if on_disk.open else "proprietary"
+        want = f"branch {self.branch}" + (
+            "" if self.open is None else (" (open)" if self.open else " (proprietary)")
+        )
+        msg = f"the driver packages installed {on_disk.version} ({flavor}), not {want}"
+        if self.family == "suse":
+            msg += (
+                "; the SUSE packages carry no branch: pin the driver version in the repository, "
+                f"or ask for branch {on_disk.branch}"
+            )
+        return msg
 
 
 class NvidiaDriver(ConfigUnit[DriverSettings, DriverObserved]):
@@ -191,7 +214,7 @@ class NvidiaDriver(ConfigUnit[DriverSettings, DriverObserved]):
             for argv in install_commands(observed.distro, pkgs):
                 steps.append(Run(argv, message=f"installing {' '.join(pkgs)}"))
         other = observed.loaded.version if observed.loaded is not None else None
-        steps.append(LoadDriver(settings.branch, settings.open, other))
+        steps.append(LoadDriver(settings.branch, settings.open, other, observed.distro.family))
         return Plan(tuple(steps))
 
 
