@@ -8,9 +8,15 @@ starts the development control plane, joins a node to it, starts `bcd node` on t
 applies FILE (a NodeSpec in protobuf's JSON mapping) and shows the node converge: a compact live view
 on a terminal, plain lines otherwise (DIR defaults to .demo/root). Without `--once` it keeps running
 (apply another spec with `bcd devplane apply SPEC.json --dir DIR/var/lib/bcd-sim/devplane`) until
-Ctrl-C; with `--once` it ends
-when the control plane sees the spec's generation observed (or at `--timeout`), prints the final
-status, and exits 0 when converged, 1 otherwise. `--json` prints ONE JSON object instead:
+Ctrl-C; with `--once` it ends once the node's status has settled (or at `--timeout`), prints the final
+status, and exits 0 when converged, 1 otherwise. "Settled" (`Settler`): the control plane sees the
+spec's generation applied and observed, AND for SETTLE_S seconds nothing changed: neither the report
+the control plane stored (sections, generations, conditions without their ages), nor the events it
+stored, nor the node's own status version (data_dir/status.json, written after every pass). A pass
+that changed the host is followed at once by another (the runner's follow-up), whose report may say
+something else (a hold on a MIG instance a host unit just made fails in the first pass and binds in
+the follow-up): the final status is the one after those passes, never the first report that reached
+the generation. `--json` prints ONE JSON object instead:
 
     {"generation", "applied_generation", "observed_generation",
      "sections": [{"section", "state", "generation", "reason", "message"}, ...],
@@ -53,6 +59,10 @@ from attrs import field, frozen
 from bcd_shared import wire
 
 DEFAULT_TIMEOUT_S = 30.0
+# How long the node's status must stay the same, once the generation is observed, before `--once`
+# reports it: twice the node's status interval (a report that moves no generation waits up to 1 s,
+# NodeOptions.status_interval_s), so a follow-up pass's report has arrived.
+SETTLE_S = 2.0
 SECTION_NAMES = {1: "host", 2: "devices", 3: "instances", 4: "access", 5: "telemetry", 6: "daemon", 7: "site"}
 STATE_NAMES = {1: "CONVERGED", 2: "PROGRESSING", 3: "FAILED", 4: "UNSUPPORTED"}
 NODE_UID = 65534  # the node's account when the sim runs as root beside the helper (nobody)
@@ -250,6 +260,16 @@ class SimView:
             and all(s["state"] == "CONVERGED" for s in self.sections)
         )
 
+    def signature(self) -> tuple[object, ...]:
+        """What `--once` waits to stay the same: everything but the conditions' ages."""
+        return (
+            self.applied_generation,
+            self.observed_generation,
+            tuple(tuple(sorted(s.items())) for s in self.sections),
+            tuple((c["type"], c["reason"], c["message"]) for c in self.conditions),
+            tuple((e["seq"], e["type"]) for e in self.events),
+        )
+
     def to_json(self, **more: object) -> dict[str, object]:
         return {
             "node_id": self.node_id,
@@ -323,6 +343,38 @@ def plane_view(plane: Any, node_id: str) -> SimView:
         [{"seq": e["seq"], "type": e["type"]} for e in events],
         node_id in plane.sessions,
     )
+
+
+def node_status_version(data_dir: Path) -> tuple[int, int] | None:
+    """(pid, status version) of the node's data_dir/status.json, which the node writes after every
+    pass; None while there is none (or it cannot be read)."""
+    from bcd_agent.statusfile import StatusFileError, read_status
+
+    try:
+        status = read_status(data_dir)
+    except (OSError, StatusFileError):
+        return None
+    return None if status is None else (status.pid, status.status_version)
+
+
+class Settler:
+    """When `--once` may stop (pure: the caller gives the time). `update` takes each new look at the
+    node and says whether its status has settled: the generation applied and observed, and nothing
+    of it changed for `settle_s` (the module docstring says why)."""
+
+    def __init__(self, settle_s: float = SETTLE_S) -> None:
+        self.settle_s = settle_s
+        self._last: tuple[object, ...] | None = None
+        self._since: float | None = None
+
+    def update(self, view: SimView, node_version: object, now: float) -> bool:
+        if not (view.settled and view.applied_generation >= view.generation):
+            self._last, self._since = None, None
+            return False
+        key = (view.signature(), node_version)
+        if key != self._last or self._since is None:
+            self._last, self._since = key, now
+        return now - self._since >= self.settle_s
 
 
 def render(view: SimView, *, elapsed_s: float, spec: str) -> str:
@@ -416,6 +468,7 @@ class SimOptions:
     timeout_s: float = DEFAULT_TIMEOUT_S
     helper: str = "auto"  # auto (as root), yes, no
     fresh: bool = False
+    settle_s: float = SETTLE_S
 
 
 def use_helper(choice: str) -> tuple[bool, int | None]:
@@ -485,8 +538,10 @@ async def simulate(
             )
         if not (layout.data_dir / "identity.json").exists():
             token = plane.issue_token()
+            # `--token=T`: a token is URL-safe base64 and may begin with `-`, which argparse would
+            # take for an option.
             await run_once(
-                bcd_argv("join", "--token", token, "--address", f"unix:{layout.gateway_socket}",
+                bcd_argv("join", f"--token={token}", "--address", f"unix:{layout.gateway_socket}",
                          "--config", str(layout.node_config), "--root", str(layout.root)),
                 layout.log_dir / "join.log",
                 user=node_user,
@@ -507,8 +562,10 @@ async def simulate(
         previous: SimView | None = None
         deadline = started + opts.timeout_s
         timed_out = False
+        settler = Settler(opts.settle_s)
         while True:
             view = plane_view(plane, node_id)
+            settled = settler.update(view, node_status_version(layout.data_dir), time.monotonic())
             if not opts.json:
                 if tty:
                     out.write(
@@ -520,23 +577,13 @@ async def simulate(
                         out.write(line + "\n")
                 out.flush()
             previous = view
-            if opts.once and view.settled and view.applied_generation >= view.generation:
+            if opts.once and settled:
                 break
             if opts.once and time.monotonic() >= deadline:
-                timed_out = True
+                # Observed but still changing at the deadline: the latest status, not a time-out.
+                timed_out = not view.settled
                 break
             await trio.sleep(0.1 if opts.once else 0.5)
-        # The report that settled can arrive before the session's last event batch: wait until no new
-        # event arrived for half a second (at most 3 s).
-        quiet_since = time.monotonic()
-        with trio.move_on_after(3.0):
-            while time.monotonic() - quiet_since < 0.5:
-                await trio.sleep(0.05)  # the control plane's store is polled
-                latest = plane_view(plane, node_id)
-                if latest.events != view.events:
-                    quiet_since = time.monotonic()
-                view = latest
-        view = plane_view(plane, node_id)
         nursery.cancel_scope.cancel()
 
     doc = view.to_json(timed_out=timed_out, root=str(layout.root))

@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from attrs import evolve
+from bcd_agent.sim import Settler, SimView
 from bcd_shared.simhost.gpus import gpu_uuid
 from testsupport import REPO
 
@@ -37,9 +39,10 @@ def _processes_under(root: Path) -> list[str]:
     return found
 
 
-def sim(root: Path, example: str, *extra: str) -> tuple[int, dict[str, Any], str]:
+def sim(root: Path, example: str | Path, *extra: str) -> tuple[int, dict[str, Any], str]:
+    spec = example if isinstance(example, Path) else EXAMPLES / example
     res = subprocess.run(
-        [sys.executable, "-m", "bcd_agent.cli", "sim", "--spec", str(EXAMPLES / example), "--root", str(root),
+        [sys.executable, "-m", "bcd_agent.cli", "sim", "--spec", str(spec), "--root", str(root),
          "--once", "--json", "--timeout", "30", *extra],
         capture_output=True, text=True, timeout=90, check=False,
     )  # fmt: skip
@@ -156,3 +159,63 @@ def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
     while _processes_under(root) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _processes_under(root)
+
+
+def test_once_reports_the_status_after_the_follow_up_pass(tmp_path: Path) -> None:
+    """A hold on a MIG instance that the spec's own mig-layout unit creates (the spec shape of
+    tests/host/test_gpu_state.py): the devices section fails in the pass that runs the unit and binds
+    in the follow-up pass the runner triggers at once. `bcd sim --once --json` reports the settled
+    status, not the first report that reached the generation: exit 0, devices CONVERGED."""
+    spec = json.loads((EXAMPLES / "gpu-node.json").read_text())
+    spec["host"]["units"] += [
+        {"name": "mig-layout", "settings": json.dumps({"layout": "mixed:3g.71gb+2g.35gb+2x1g.18gb"})}
+    ]
+    g0 = gpu_uuid(0)
+    spec["devices"]["assignments"] = [
+        spec["devices"]["assignments"][1],
+        {
+            "allocationId": "alloc_mig_0003",
+            "reservationId": "resv-mig-0003",
+            "binding": "BINDING_HOLD",
+            "devices": [{"id": f"{g0}/gi2/ci0", "deviceClass": "gpu.mig"}],
+        },
+    ]
+    spec_file = tmp_path / "gpu-mig.json"
+    spec_file.write_text(json.dumps(spec))
+    root = tmp_path / "host"
+    rc, doc, err = sim(root, spec_file)
+    _common(doc)
+    devices = doc["sections"][1]
+    assert rc == 0 and doc["converged"] is True and doc["timed_out"] is False, (doc, err)
+    assert devices["state"] == "CONVERGED", devices
+    assert all(s["state"] == "CONVERGED" for s in doc["sections"])
+    # The first pass's refusal is in the record (device-missing), then the follow-up's bind.
+    types = [e["type"] for e in doc["events"]]
+    assert types[-1] == "AllocationBound" and types.count("AllocationBound") == 2
+    assert (root / "etc/cdi/bcd-alloc_mig_0003.json").exists()
+
+
+def _view(observed: int, devices: str, events: int = 0) -> SimView:
+    section = {"section": "devices", "state": devices, "generation": 1, "reason": "", "message": ""}
+    return SimView(
+        "n", 1, 1, observed, (section,), (), tuple({"seq": i + 1, "type": "T"} for i in range(events)), True
+    )
+
+
+def test_settler_waits_for_the_status_to_stay_the_same() -> None:
+    """The settle rule of `--once` (docs/sim.md): nothing before the generation is observed; after it,
+    any change of the stored report, the events or the node's status version starts the window again;
+    a condition's age alone is no change."""
+    s = Settler(2.0)
+    assert not s.update(_view(0, "PROGRESSING"), (1, 1), 0.0)
+    assert not s.update(_view(1, "FAILED"), (1, 2), 1.0)
+    assert not s.update(_view(1, "FAILED"), (1, 3), 2.5)  # the node ran another pass
+    assert not s.update(_view(1, "CONVERGED", events=1), (1, 3), 3.0)  # its report arrived
+    assert not s.update(_view(1, "CONVERGED", events=1), (1, 3), 4.9)
+    condition = {"type": "C", "reason": "R", "message": "m", "age_ms": 5}
+    aged = evolve(_view(1, "CONVERGED", events=1), conditions=(condition,))
+    assert not s.update(aged, (1, 3), 5.0)  # a new condition is a change
+    older = evolve(aged, conditions=({**condition, "age_ms": 900},))
+    assert not s.update(older, (1, 3), 6.9)
+    assert s.update(older, (1, 3), 7.0)  # 2 s without a change (its age grew: no change)
+    assert not s.update(_view(0, "PROGRESSING"), (1, 4), 8.0)  # a new generation starts over
