@@ -38,3 +38,20 @@ def _never_touch_the_real_host() -> object:
     yield
     created = [p for p, exists in _real_host_state().items() if exists and not before[p]]
     assert not created, f"the test session created real host paths: {created}"
+
+
+@pytest.fixture(autouse=True)
+def _every_cdi_spec_bcd_writes_is_valid(request: pytest.FixtureRequest) -> object:
+    """After each test, every hold spec under its tmp_path (`…/etc/cdi/bcd-*.json`) must pass the official
+    CDI schema and CDI's naming rules (DEV-CDI-01): whatever path wrote it, the agent, the helper or the
+    simulator. Tests that plant a broken spec on purpose say so with `@pytest.mark.planted_cdi`."""
+    if "tmp_path" not in request.fixturenames or request.node.get_closest_marker("planted_cdi"):
+        yield
+        return
+    tmp_path: Path = request.getfixturevalue("tmp_path")  # taken now: torn down after this fixture
+    yield
+    from devices.cdicheck import assert_cdi_valid
+
+    for spec in tmp_path.rglob("bcd-*.json"):
+        if spec.parent.name == "cdi" and spec.parent.parent.name == "etc" and spec.is_file():
+            assert_cdi_valid(spec.read_bytes())
