@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 from bcd_agent.inventory.gpus import collect_gpus
 from bcd_agent.nodeparts.host import TokenStagingSend, busy_devices, identity_labels
 from bcd_agent.sections.host import HelperAnswer, HostSection
