@@ -157,7 +157,7 @@ def _join(world: dict[str, Any], admin: AdminClient, data: Path) -> str:
     join_config = world["tmp"] / "join.toml"
     join_config.write_text(f'data_dir = "{data}"\n')
     joined = _bcd(
-        "join", "--config", str(join_config), "--token", admin.call("token"),
+        "join", "--config", str(join_config), f"--token={admin.call('token')}",
         "--address", f"127.0.0.1:{world['port']}", "--ca-file", str(world["dir"] / "ca.pem"),
     )  # fmt: skip
     assert joined.returncode == 0, joined.stderr

@@ -107,7 +107,7 @@ async def node_numbers(root: Path) -> dict[str, float]:
         await nursery.start(plane.run)
         token = plane.issue_token()
         await run_once(
-            bcd_argv("join", "--token", token, "--address", f"unix:{layout.gateway_socket}",
+            bcd_argv("join", f"--token={token}", "--address", f"unix:{layout.gateway_socket}",
                      "--config", str(layout.node_config)),
             layout.log_dir / "join.log",
         )  # fmt: skip
