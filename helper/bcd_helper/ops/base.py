@@ -7,7 +7,8 @@ fact a handler decides on it reads itself, as root: nothing the node says about 
 Timeouts are cooperative (threads cannot be killed): each call has a `Deadline`; the `BoundedSystem`
 it gets caps every program at min(20 minutes, what is left of the deadline) and refuses to start a
 program once the deadline has passed, so an operation ends within its timeout plus one program's
-cleanup. Writes through the BoundedSystem go through the root-only rule (bcd_shared.rootpath).
+cleanup. Writes through the BoundedSystem go through the root-only rule: it is bcd_shared.rootsystem's
+RootOnlySystem with the deadline added.
 """
 
 from __future__ import annotations
@@ -19,14 +20,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from attrs import frozen
-from bcd_shared.errors import RetryableError
-from bcd_shared.rootpath import (
-    RootPathRefused,
-    check_root_only,
-    read_root_only,
-    remove_root_only,
-    write_root_only,
-)
+from bcd_shared.rootpath import RootPathRefused, read_root_only
+from bcd_shared.rootsystem import RootOnlySystem
 from bcd_shared.system import DEFAULT_TOOL_TIMEOUT_S, CommandResult, LocalSystem
 
 if TYPE_CHECKING:
@@ -69,56 +64,20 @@ class Deadline:
         return self.remaining() <= 0
 
 
-class BoundedSystem:
+class BoundedSystem(RootOnlySystem):
     """A System for one call: programs bounded by the deadline, writes under the root-only rule."""
+
+    inner: LocalSystem
 
     def __init__(
         self, inner: LocalSystem, deadline: Deadline, tool_cap: float = DEFAULT_TOOL_TIMEOUT_S
     ) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._deadline = deadline
         self._cap = tool_cap
 
-    @property
-    def root(self) -> Path:
-        return self._inner.root
-
-    def host_path(self, path: str) -> Path:
-        return self._inner.host_path(path)
-
-    def read_bytes(self, path: str) -> bytes | None:
-        return self._inner.read_bytes(path)
-
-    def read_text(self, path: str) -> str | None:
-        return self._inner.read_text(path)
-
-    def exists(self, path: str) -> bool:
-        return self._inner.exists(path)
-
-    def listdir(self, path: str) -> list[str]:
-        return self._inner.listdir(path)
-
     def read_root_only(self, path: str) -> bytes | None:
-        return read_root_only(self._inner.root, path)
-
-    def guard(self, path: str) -> None:
-        """The units' path guard: the root-only rule, as a retryable step error."""
-        try:
-            check_root_only(self._inner.root, path)
-        except RootPathRefused as exc:
-            raise RetryableError("RootOnly", str(exc)) from None
-
-    def write_atomic(self, path: str, data: bytes, mode: int = 0o644) -> None:
-        try:
-            write_root_only(self._inner.root, path, data, mode)
-        except RootPathRefused as exc:
-            raise RetryableError("RootOnly", str(exc)) from None
-
-    def remove(self, path: str) -> bool:
-        try:
-            return remove_root_only(self._inner.root, path)
-        except RootPathRefused as exc:
-            raise RetryableError("RootOnly", str(exc)) from None
+        return read_root_only(self.inner.root, path)
 
     def run(
         self,
@@ -130,10 +89,7 @@ class BoundedSystem:
         left = self._deadline.remaining()
         if left <= 0:
             raise Failed("timeout", f"the operation's {self._deadline.seconds:.0f}s ran out before {argv[0]}")
-        return self._inner.run(argv, timeout=min(timeout, self._cap, left), input=input)
-
-    def boot_id(self) -> str:
-        return self._inner.boot_id()
+        return self.inner.run(argv, timeout=min(timeout, self._cap, left), input=input)
 
 
 @frozen
