@@ -46,17 +46,11 @@ def hold_gpus(system: System) -> list[tuple[str, str]]:
     from bcd_shared import cdi  # on the first busy check, not at the helper's start
 
     out: list[tuple[str, str]] = []
-    for name in system.listdir(cdi.CDI_DIR):
-        alloc = cdi.allocation_of_spec_file(name)
-        if alloc is None:
-            continue
-        data = system.read_bytes(f"{cdi.CDI_DIR}/{name}")
-        if data is None:
-            continue
+    for alloc, path, data in cdi.hold_spec_files(system):
         try:
             hold = cdi.parse_hold_spec(data, alloc)
         except cdi.CdiError:
-            out.append((ALL, f"the hold {cdi.CDI_DIR}/{name} cannot be read"))
+            out.append((ALL, f"the hold {path} cannot be read"))
             continue
         for dev in hold.device_ids:
             out.append((gpu_of(dev), f"{gpu_of(dev)} is held by {hold.allocation_id}"))

@@ -2,7 +2,8 @@
 
 Shared by the agent (which builds and reads holds) and the root helper (which checks the content
 of a `file.write` of kind `cdi` or `allocation-env` before it writes, and builds the path itself).
-Everything here is pure: bytes in, values or errors out.
+Everything here is pure (bytes in, values or errors out) but `hold_spec_files`, the one walk of the
+hold files through a System that both the agent's and root's views of the holds use.
 
 Rules (devices-and-holds.md, "The CDI spec"; notes/real-host-testing.md for the parser's rules):
 - path `/etc/cdi/bcd-<allocation-id>.json`, kind `bcd.dev/gpu`;
@@ -23,10 +24,13 @@ from __future__ import annotations
 import functools
 import json
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from attrs import field, frozen
+
+if TYPE_CHECKING:
+    from bcd_shared.system import System
 
 KIND = "bcd.dev/gpu"
 CDI_DIR = "/etc/cdi"
@@ -97,6 +101,21 @@ def allocation_of_spec_file(filename: str) -> str | None:
         return None
     alloc = filename[len(SPEC_PREFIX) : -len(".json")]
     return alloc if ALLOCATION_ID_RE.fullmatch(alloc) else None
+
+
+def hold_spec_files(system: System) -> Iterator[tuple[str, str, bytes]]:
+    """(allocation id, path, bytes) of every `bcd-<id>.json` in CDI_DIR, read now through `system`.
+
+    Other names are skipped, and so is a file that vanished between the listing and the read.
+    """
+    for name in system.listdir(CDI_DIR):
+        alloc = allocation_of_spec_file(name)
+        if alloc is None:
+            continue
+        path = f"{CDI_DIR}/{name}"
+        data = system.read_bytes(path)
+        if data is not None:
+            yield alloc, path, data
 
 
 def device_name(atom_id: str) -> str:

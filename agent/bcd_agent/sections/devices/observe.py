@@ -40,13 +40,7 @@ def read_holds(system: System) -> tuple[dict[str, LiveHold], tuple[str, ...]]:
     """Every bcd hold on the host, and the allocation ids whose spec did not parse."""
     holds: dict[str, LiveHold] = {}
     bad: list[str] = []
-    for name in system.listdir(cdi.CDI_DIR):
-        alloc = cdi.allocation_of_spec_file(name)
-        if alloc is None:
-            continue
-        data = system.read_bytes(f"{cdi.CDI_DIR}/{name}")
-        if data is None:
-            continue
+    for alloc, _path, data in cdi.hold_spec_files(system):
         try:
             record = cdi.parse_hold_spec(data, alloc)
             doc: Mapping[str, Any] = json.loads(data)
