@@ -2,18 +2,16 @@
 
 One table of subcommands; each row names the module that implements it, imported only when the
 subcommand runs, so that `bcd helper` and `bcd status` start fast and the helper never pulls in the
-agent's dependencies. A subcommand module provides:
-
-    def add_arguments(parser: argparse.ArgumentParser) -> None
-    def run(args: argparse.Namespace) -> int
+agent's dependencies. A subcommand module provides `add_arguments(parser)` and `run(args) -> int`
+(the dispatcher, shared with `bcd helper`, is bcd_shared.subcommands).
 """
 
 from __future__ import annotations
 
-import argparse
-import importlib
 import sys
 from collections.abc import Sequence
+
+from bcd_shared.subcommands import dispatch
 
 # name -> (module, one-line help). One literal table.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -43,20 +41,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "helper":
         return _helper_main(args_list[1:])
-    parser = argparse.ArgumentParser(prog="bcd", description="bcd: node daemon for GPU and VM hosts")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("helper", help="the root helper (bcd helper --help)")
-    wanted = args_list[0] if args_list and not args_list[0].startswith("-") else None
-    for name, (module, help_text) in SUBCOMMANDS.items():
-        p = sub.add_parser(name, help=help_text)
-        if name == wanted:
-            importlib.import_module(module).add_arguments(p)
-    args = parser.parse_args(args_list)
-    if args.command is None:
-        parser.print_help()
-        return 2
-    rc: int = importlib.import_module(SUBCOMMANDS[args.command][0]).run(args)
-    return rc
+    return dispatch(
+        args_list,
+        SUBCOMMANDS,
+        prog="bcd",
+        description="bcd: node daemon for GPU and VM hosts",
+        listed={"helper": "the root helper (bcd helper --help)"},
+    )
 
 
 if __name__ == "__main__":
