@@ -27,9 +27,9 @@ from typing import Final
 
 from attrs import frozen
 
-from bcd_shared.pki.chain import ChainCache, Roots, VerifiedSigner, verify_chain
+from bcd_shared.pki.chain import ChainCache, Roots, VerifiedSigner, verify_signed
 from bcd_shared.pki.errors import PkiError
-from bcd_shared.pki.signing import KeyPair, Purpose, check_signature_shape, verify_signature
+from bcd_shared.pki.signing import KeyPair, Purpose
 
 VERSION_RE: Final = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+_~-]{0,63}$")
 SHA256_RE: Final = re.compile(r"^[0-9a-f]{64}$")
@@ -89,14 +89,16 @@ def verify_release(
     cache: ChainCache | None = None,
 ) -> VerifiedSigner:
     """Raise a PkiError unless `signature` is a worker's, chained to `roots`, over the manifest's bytes."""
-    check_signature_shape(signature)
-    signer = (
-        cache.verify(signer_chain, roots, _WORKER_CHAIN_PURPOSE, now)
-        if cache is not None
-        else verify_chain(signer_chain, roots, _WORKER_CHAIN_PURPOSE, now)
+    return verify_signed(
+        Purpose.DAEMON_RELEASE,
+        manifest.encode(),
+        signature,
+        signer_chain,
+        roots,
+        now,
+        cache,
+        chain_purpose=_WORKER_CHAIN_PURPOSE,
     )
-    verify_signature(signer.public_key, Purpose.DAEMON_RELEASE, manifest.encode(), signature)
-    return signer
 
 
 def check_artifact(manifest: ReleaseManifest, artifact_sha256: str) -> None:

@@ -282,13 +282,19 @@ def verify_signed(
     roots: Roots,
     now: datetime.datetime,
     cache: ChainCache | None = None,
+    *,
+    chain_purpose: Purpose | None = None,
 ) -> VerifiedSigner:
-    """Verify `signature` over `purpose_tag || data` by the leaf of a chain to `roots`; return the signer."""
+    """Verify `signature` over `purpose_tag || data` by the leaf of a chain to `roots`; return the signer.
+
+    The chain is checked for `chain_purpose` (the signer's role), `purpose` itself when not given.
+    """
     check_signature_shape(signature)
+    for_chain = purpose if chain_purpose is None else chain_purpose
     signer = (
-        cache.verify(signer_chain, roots, purpose, now)
+        cache.verify(signer_chain, roots, for_chain, now)
         if cache is not None
-        else verify_chain(signer_chain, roots, purpose, now)
+        else verify_chain(signer_chain, roots, for_chain, now)
     )
     verify_signature(signer.public_key, purpose, data, signature)
     return signer
