@@ -271,16 +271,7 @@ def _systemctl(system: LocalSystem, argv: Sequence[str]) -> CommandResult:
         _log(system, argv)
         return _ok(argv)
 
-    if verb in (
-        "start",
-        "stop",
-        "restart",
-        "reload",
-        "enable",
-        "disable",
-        "try-restart",
-        "reload-or-restart",
-    ):
+    if verb in _CHANGE_VERBS:
         now = "--now" in rest
         for unit in targets:
             if not _UNIT_RE.match(unit):
