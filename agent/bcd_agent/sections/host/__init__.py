@@ -40,6 +40,7 @@ from bcd_shared.units import (
     REBOOT_PHRASE,
     REGISTRY,
     ApplyContext,
+    ConfigUnit,
     Issue,
     UnitCondition,
     UnitContext,
@@ -90,11 +91,10 @@ class DirectExecutor:
     actx: ApplyContext = field(factory=ApplyContext)
 
     def converge(self, name: str, settings_json: str | None) -> UnitResult:
-        unit = REGISTRY[name]
-        try:
-            settings = None if settings_json is None else unit.decode_settings(settings_json)
-        except StepError as exc:
-            return UnitResult(name, False, (Issue("terminal", _prefixed(name, exc.message)),))
+        decoded = _decode(name, settings_json)
+        if isinstance(decoded, UnitResult):
+            return decoded
+        unit, settings = decoded
         system, actx = self.system, self.actx
         if acting_as_root():
             system = for_root(system)
@@ -129,11 +129,10 @@ class HelperExecutor:
     ctx: UnitContext = field(factory=UnitContext)
 
     def converge(self, name: str, settings_json: str | None) -> UnitResult:
-        unit = REGISTRY[name]
-        try:
-            settings = None if settings_json is None else unit.decode_settings(settings_json)
-        except StepError as exc:
-            return UnitResult(name, False, (Issue("terminal", _prefixed(name, exc.message)),))
+        decoded = _decode(name, settings_json)
+        if isinstance(decoded, UnitResult):
+            return decoded
+        unit, settings = decoded
         try:
             plan = unit.plan(settings, unit.observe(self.system, settings, self.ctx))
         except StepError:
@@ -148,6 +147,16 @@ class HelperExecutor:
             kind = "reboot"
         conditions = answer.conditions or (plan.conditions if plan is not None else ())
         return UnitResult(name, answer.changed, (Issue(kind, _prefixed(name, answer.message)),), conditions)
+
+
+def _decode(name: str, settings_json: str | None) -> tuple[ConfigUnit[Any, Any], Any] | UnitResult:
+    """The unit and its decoded settings (None: the unit is cleaned), or the terminal result when the
+    settings do not decode."""
+    unit = REGISTRY[name]
+    try:
+        return unit, (None if settings_json is None else unit.decode_settings(settings_json))
+    except StepError as exc:
+        return UnitResult(name, False, (Issue("terminal", _prefixed(name, exc.message)),))
 
 
 def _prefixed(name: str, message: str) -> str:
