@@ -89,6 +89,14 @@ class _Result:
     keep_previous_conditions: bool = False
 
 
+def _raised(name: str, state: SectionState, reason: str, message: str) -> _Result:
+    """The outcome of a section that raised (or answered nonsense): its previous conditions are kept."""
+    return _Result(
+        SectionOutcome(section=name, state=state, reason=reason, message=message),
+        keep_previous_conditions=True,
+    )
+
+
 class ConvergeRunner:
     """Converges a DesiredSpec with the given sections; publishes NodeStatus to `status`."""
 
@@ -265,48 +273,26 @@ class ConvergeRunner:
         try:
             outcome = await self._call(section, payload, observation, ctx)
         except TerminalError as e:
-            return _Result(
-                SectionOutcome(section=name, state=SectionState.FAILED, reason=e.reason, message=e.message),
-                keep_previous_conditions=True,
-            )
+            return _raised(name, SectionState.FAILED, e.reason, e.message)
         except RetryableError as e:
-            return _Result(
-                SectionOutcome(
-                    section=name, state=SectionState.PROGRESSING, reason=e.reason, message=e.message
-                ),
-                keep_previous_conditions=True,
-            )
+            return _raised(name, SectionState.PROGRESSING, e.reason, e.message)
         except _SectionTimeout:
-            return _Result(
-                SectionOutcome(
-                    section=name,
-                    state=SectionState.PROGRESSING,
-                    reason=REASON_TIMEOUT,
-                    message=f"the {name} section did not finish within {self._section_timeout_s:g} s",
-                ),
-                keep_previous_conditions=True,
+            return _raised(
+                name,
+                SectionState.PROGRESSING,
+                REASON_TIMEOUT,
+                f"the {name} section did not finish within {self._section_timeout_s:g} s",
             )
         except Exception as e:
             log.warning("converge: section %s raised unexpectedly; retrying", name, exc_info=True)
-            return _Result(
-                SectionOutcome(
-                    section=name,
-                    state=SectionState.PROGRESSING,
-                    reason=REASON_INTERNAL_ERROR,
-                    message=f"{type(e).__name__}: {e}",
-                ),
-                keep_previous_conditions=True,
-            )
+            return _raised(name, SectionState.PROGRESSING, REASON_INTERNAL_ERROR, f"{type(e).__name__}: {e}")
         if not isinstance(outcome, SectionOutcome) or outcome.section != name:
             log.warning("converge: section %s returned %r, not its SectionOutcome", name, outcome)
-            return _Result(
-                SectionOutcome(
-                    section=name,
-                    state=SectionState.PROGRESSING,
-                    reason=REASON_INTERNAL_ERROR,
-                    message=f"the {name} converger returned {type(outcome).__name__}, not its SectionOutcome",
-                ),
-                keep_previous_conditions=True,
+            return _raised(
+                name,
+                SectionState.PROGRESSING,
+                REASON_INTERNAL_ERROR,
+                f"the {name} converger returned {type(outcome).__name__}, not its SectionOutcome",
             )
         return _Result(outcome)
 
