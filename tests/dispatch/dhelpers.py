@@ -296,6 +296,30 @@ class Harness:
         )
 
 
+class Gate:
+    """A hook that blocks until released, counting how many run at once."""
+
+    def __init__(self) -> None:
+        self.release = trio.Event()
+        self.active = 0
+        self.max_active = 0
+        self.entered: list[str] = []
+
+    async def __call__(self, cmd: CommandEnvelope) -> None:
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        self.entered.append(cmd.id)
+        try:
+            await self.release.wait()
+        finally:
+            self.active -= 1
+
+
+async def start(nursery: trio.Nursery, d: Dispatcher) -> Dispatcher:
+    started: Dispatcher = await nursery.start(d.run)
+    return started
+
+
 def effect_lines(log: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 

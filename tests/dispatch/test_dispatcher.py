@@ -12,43 +12,30 @@ import pytest
 import trio
 import trio.testing
 from bcd_agent.dispatch.command import CommandEnvelope, UpdateState
-from bcd_agent.dispatch.dispatcher import Dispatcher
 from bcd_agent.dispatch.handlers import CommandFailed, RunContext
 from bcd_agent.dispatch.kinds import UPGRADE_KIND, Lane
 from bcd_agent.journal import CommandState, EventClass
 from bcd_agent.kinds.testing import EffectHandler, effect_handlers, effect_payload
 from bcd_shared import wire
 from bcd_shared.pki import verify_command_result
-from dhelpers import NODE, T0, Harness, Pki, approved_batch, effect_ids, leaf_for, make_command, ulid
+from dhelpers import (
+    NODE,
+    T0,
+    Gate,
+    Harness,
+    Pki,
+    approved_batch,
+    effect_ids,
+    leaf_for,
+    make_command,
+    start,
+    ulid,
+)
 
 
 @pytest.fixture(scope="module")
 def pki() -> Pki:
     return Pki.build()
-
-
-class Gate:
-    """A hook that blocks until released, counting how many run at once."""
-
-    def __init__(self) -> None:
-        self.release = trio.Event()
-        self.active = 0
-        self.max_active = 0
-        self.entered: list[str] = []
-
-    async def __call__(self, cmd: CommandEnvelope) -> None:
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-        self.entered.append(cmd.id)
-        try:
-            await self.release.wait()
-        finally:
-            self.active -= 1
-
-
-async def start(nursery: trio.Nursery, d: Dispatcher) -> Dispatcher:
-    started: Dispatcher = await nursery.start(d.run)
-    return started
 
 
 # --- results --------------------------------------------------------------------------------------

@@ -8,40 +8,18 @@ from typing import Any
 import pytest
 import trio
 import trio.testing
-from bcd_agent.dispatch.command import CommandEnvelope, CommandUpdate, UpdateState
+from bcd_agent.dispatch.command import CommandUpdate, UpdateState
 from bcd_agent.dispatch.dispatcher import Dispatcher
 from bcd_agent.dispatch.kinds import Lane
 from bcd_agent.dispatch.lanes import LANES, ResourceLocks
 from bcd_agent.journal import CommandState
 from bcd_agent.kinds.testing import EffectHandler, effect_handlers, effect_payload
-from dhelpers import Harness, Pki, effect_ids, make_command, ulid
+from dhelpers import Gate, Harness, Pki, effect_ids, make_command, start, ulid
 
 
 @pytest.fixture(scope="module")
 def pki() -> Pki:
     return Pki.build()
-
-
-class Gate:
-    def __init__(self) -> None:
-        self.release = trio.Event()
-        self.active = 0
-        self.max_active = 0
-        self.entered: list[str] = []
-
-    async def __call__(self, cmd: CommandEnvelope) -> None:
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-        self.entered.append(cmd.id)
-        try:
-            await self.release.wait()
-        finally:
-            self.active -= 1
-
-
-async def start(nursery: trio.Nursery, d: Dispatcher) -> Dispatcher:
-    started: Dispatcher = await nursery.start(d.run)
-    return started
 
 
 LANE_KINDS = {Lane.CONTROL: "test.effect", Lane.PROVISION: "test.provision", Lane.BULK: "test.bulk"}
