@@ -129,6 +129,21 @@ class HelperProcess:
         return dict(json.loads(data.rsplit(b"\n", 1)[-1]))
 
 
+def assert_refused(h: HelperProcess, doc: dict[str, Any], reason: str | None = None) -> dict[str, Any]:
+    """Send `doc`: it must be refused (for `reason` when given), audited as the next line (refused, with
+    the answer's reason), and leave the tree under the simulated root unchanged. The answer."""
+    before = tree(h.root)
+    seq = h.last_audit()["seq"]
+    answer = h.raw(doc)
+    assert answer["ok"] is False and answer["error"] == "refused", (doc, answer)
+    if reason is not None:
+        assert answer["reason"] == reason, answer
+    last = h.last_audit()
+    assert (last["seq"], last["decision"], last["reason"]) == (seq + 1, "refused", answer["reason"])
+    assert tree(h.root) == before
+    return answer
+
+
 def _recv(s: socket.socket, n: int) -> bytes:
     buf = b""
     while len(buf) < n:

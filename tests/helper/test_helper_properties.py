@@ -13,7 +13,7 @@ from typing import Any
 
 from bcd_shared import cdi
 from bcd_shared.units import REGISTRY
-from helperproc import HELPER_SETTINGS, HelperProcess, tree
+from helperproc import HELPER_SETTINGS, HelperProcess, assert_refused, tree
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -42,17 +42,6 @@ def _hold(alloc: str, other: str | None = None) -> str:
         vendor=None,
     )
     return cdi.encode_spec(doc).decode()
-
-
-def _refused_unchanged(helper: HelperProcess, doc: dict[str, Any]) -> dict[str, Any]:
-    before = tree(helper.root)
-    seq = helper.last_audit()["seq"]
-    answer = helper.raw(doc)
-    assert answer["ok"] is False and answer["error"] == "refused", (doc, answer)
-    last = helper.last_audit()
-    assert last["seq"] == seq + 1 and last["decision"] == "refused" and last["reason"] == answer["reason"]
-    assert tree(helper.root) == before
-    return answer
 
 
 @HELPER_SETTINGS
@@ -87,7 +76,7 @@ def test_file_write_outside_the_rules_is_refused_and_writes_nothing(
         assert helper.last_audit()["decision"] == "accepted"
         helper.raw({"op": "file.remove", "args": {"kind": kind, "id": ident}})
     else:
-        _refused_unchanged(helper, doc)
+        assert_refused(helper, doc)
 
 
 @HELPER_SETTINGS
@@ -96,9 +85,9 @@ def test_unknown_kinds_and_bad_ids_are_refused(helper: HelperProcess, kind: str,
     known = {"cdi", "allocation-env", "k8s-token", "sshd-config", "sshd-ca", "sshd-principals", "sshd-krl"}
     if kind in known:
         kind = kind + "x"
-    _refused_unchanged(helper, {"op": "file.remove", "args": {"kind": kind, "id": ident}})
+    assert_refused(helper, {"op": "file.remove", "args": {"kind": kind, "id": ident}})
     if not ALLOC_RE.fullmatch(ident):
-        _refused_unchanged(helper, {"op": "file.remove", "args": {"kind": "cdi", "id": ident}})
+        assert_refused(helper, {"op": "file.remove", "args": {"kind": "cdi", "id": ident}})
 
 
 cpulists = st.one_of(
@@ -142,7 +131,7 @@ def test_slice_apply_outside_the_rules_is_refused(
         assert answer["ok"] is True, answer
         assert helper.raw({"op": "slice.remove", "args": {"name": name}})["ok"] is True
     else:
-        _refused_unchanged(helper, doc)
+        assert_refused(helper, doc)
 
 
 @HELPER_SETTINGS
@@ -162,7 +151,7 @@ def test_HST_HLP_04_05_host_unit_names_and_busy_limits(
         "op": "host.unit",
         "args": {"unit": unit, "settings": settings, "busy_gpus": [f"GPU-{i}" for i in range(busy)]},
     }
-    answer = _refused_unchanged(helper, doc)
+    answer = assert_refused(helper, doc)
     if not UNIT_RE.fullmatch(unit):
         assert answer["reason"] == "bad-unit-name" and "not a config unit name" in answer["message"]
     elif busy > 1024:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from bcd_shared.pki import Purpose, Role
-from helperproc import HelperProcess, base_config, tree
+from helperproc import HelperProcess, assert_refused, base_config
 from intentkit import ControlPlane, host_body, host_unit_doc, intent, intent_state, now, settings
 
 DROPIN = "etc/sysctl.d/90-bcd.conf"
@@ -32,18 +32,6 @@ def _start(root: Path, cp: ControlPlane, *, pin_roots: bool = False, pin: bool =
     return HelperProcess(root, (cp.config_lines(pin_roots=pin_roots) if pin else "") + base_config())
 
 
-def _refused(h: HelperProcess, doc: dict[str, Any], reason: str) -> dict[str, Any]:
-    before = tree(h.root)
-    seq = h.last_audit()["seq"]
-    answer = h.raw(doc)
-    assert answer["ok"] is False and answer["error"] == "refused", answer
-    assert answer["reason"] == reason, answer
-    last = h.last_audit()
-    assert (last["seq"], last["decision"], last["reason"]) == (seq + 1, "refused", reason)
-    assert tree(h.root) == before
-    return answer
-
-
 def _ok(h: HelperProcess, doc: dict[str, Any]) -> dict[str, Any]:
     answer = h.raw(doc)
     assert answer["ok"] is True, answer
@@ -57,14 +45,14 @@ def test_HST_SIGN_06_18_19_24_25_pinned_roots(fresh_root: Path, cp: ControlPlane
     h = _start(fresh_root, cp, pin_roots=True)
     try:
         body = host_body("node-a", 5, {"sysctl": S10})
-        _refused(h, host_unit_doc("sysctl", S10, None), "intent-required")
-        _refused(h, host_unit_doc("sysctl", S10, intent(worker, body)), "intent-unverifiable")
+        assert_refused(h, host_unit_doc("sysctl", S10, None), "intent-required")
+        assert_refused(h, host_unit_doc("sysctl", S10, intent(worker, body)), "intent-unverifiable")
         stranger = cp.other.leaf()
-        _refused(
+        assert_refused(
             h, host_unit_doc("sysctl", S10, intent(stranger, body, with_root=cp.other.root)), "bad-intent"
         )
         node_cert = cp.command.leaf(Role.NODE, "node-a")
-        answer = _refused(
+        answer = assert_refused(
             h, host_unit_doc("sysctl", S10, intent(node_cert, body, with_root=cp.command.root)), "bad-intent"
         )
         assert "wrong-role" in answer["message"]
@@ -77,19 +65,19 @@ def test_HST_SIGN_06_18_19_24_25_pinned_roots(fresh_root: Path, cp: ControlPlane
             5,
         )
         other_node = host_body("node-b", 6, {"sysctl": S10})
-        _refused(
+        assert_refused(
             h,
             host_unit_doc("sysctl", S10, intent(worker, other_node, with_root=cp.command.root)),
             "wrong-node",
         )
         older = host_body("node-a", 4, {"sysctl": S10})
-        _refused(
+        assert_refused(
             h,
             host_unit_doc("sysctl", S10, intent(worker, older, with_root=cp.command.root)),
             "stale-generation",
         )
         s11 = settings(**{"vm.swappiness": 11})
-        _refused(
+        assert_refused(
             h,
             host_unit_doc("sysctl", s11, intent(worker, body, with_root=cp.command.root)),
             "settings-mismatch",
@@ -112,8 +100,8 @@ def test_HST_SIGN_07_08_20_26_28_roots_and_node_from_roots_join_record(
     try:
         body = host_body("node-a", 3, {"sysctl": S10})
         # Mandatory from the first request, whatever the node sends (HST-SIGN-08).
-        _refused(h, host_unit_doc("sysctl", S10, None), "intent-required")
-        _refused(
+        assert_refused(h, host_unit_doc("sysctl", S10, None), "intent-required")
+        assert_refused(
             h,
             host_unit_doc("sysctl", S10, intent(worker, host_body("node-b", 3, {"sysctl": S10}))),
             "wrong-node",
@@ -127,24 +115,24 @@ def test_HST_SIGN_07_08_20_26_28_roots_and_node_from_roots_join_record(
             True,
         )
         # A clean only for a unit the body no longer names (HST-SIGN-26).
-        _refused(h, host_unit_doc("sysctl", None, intent(worker, body)), "clean-refused")
+        assert_refused(h, host_unit_doc("sysctl", None, intent(worker, body)), "clean-refused")
         cleaned = host_body("node-a", 4, {})
         assert _ok(h, host_unit_doc("sysctl", None, intent(worker, cleaned)))["changed"] is True
         assert not (fresh_root / DROPIN).exists()
         # A patch that sets host is a signed body too; one that sets no host section is refused.
         patch = host_body("node-a", 5, {"sysctl": S10}, patch=True)
         assert _ok(h, host_unit_doc("sysctl", S10, intent(worker, patch)))["changed"] is True
-        _refused(
+        assert_refused(
             h,
             host_unit_doc("sysctl", S10, intent(worker, host_body("node-a", 6, None, patch=True))),
             "bad-intent",
         )
         # A full spec without a host section decides it too: no units, so a clean is allowed.
         no_host = host_body("node-a", 6, None)
-        _refused(h, host_unit_doc("sysctl", S10, intent(worker, no_host)), "settings-mismatch")
+        assert_refused(h, host_unit_doc("sysctl", S10, intent(worker, no_host)), "settings-mismatch")
         assert _ok(h, host_unit_doc("sysctl", None, intent(worker, no_host)))["changed"] is True
         # Signed under another purpose: refused.
-        answer = _refused(
+        answer = assert_refused(
             h, host_unit_doc("sysctl", S10, intent(worker, patch, purpose=Purpose.COMMAND)), "bad-intent"
         )
         assert "wrong-purpose" in answer["message"]
@@ -163,17 +151,21 @@ def test_HST_SIGN_09_10_15_16_17_29_bundles_rotate_forward_only(fresh_root: Path
     h = _start(fresh_root, cp)
     try:
         body = host_body("node-a", 3, {"sysctl": S10})
-        _refused(h, host_unit_doc("sysctl", S10, intent(stranger, body)), "bad-intent")  # unknown root
+        assert_refused(h, host_unit_doc("sysctl", S10, intent(stranger, body)), "bad-intent")  # unknown root
         assert _ok(h, host_unit_doc("sysctl", S10, intent(stranger, body, bundle=v3)))["changed"] is True
         assert intent_state(fresh_root)["bundle_version"] == 3
-        _refused(h, host_unit_doc("sysctl", S10, intent(worker, body, bundle=cp.bundle(2))), "stale-bundle")
-        _refused(h, host_unit_doc("sysctl", S10, intent(worker, body)), "bundle-required")
-        _refused(h, host_unit_doc("sysctl", S10, intent(stranger, body)), "bundle-required")
+        assert_refused(
+            h, host_unit_doc("sysctl", S10, intent(worker, body, bundle=cp.bundle(2))), "stale-bundle"
+        )
+        assert_refused(h, host_unit_doc("sysctl", S10, intent(worker, body)), "bundle-required")
+        assert_refused(h, host_unit_doc("sysctl", S10, intent(stranger, body)), "bundle-required")
         from bcd_shared.pki import KeyPair
 
         forged = cp.bundle(9, roots=(cp.other.root,), key=KeyPair.generate())
-        _refused(h, host_unit_doc("sysctl", S10, intent(stranger, body, bundle=forged)), "untrusted-bundle")
-        _refused(
+        assert_refused(
+            h, host_unit_doc("sysctl", S10, intent(stranger, body, bundle=forged)), "untrusted-bundle"
+        )
+        assert_refused(
             h,
             host_unit_doc("sysctl", S10, intent(stranger, body, bundle=cp.bundle(4, roots=()))),
             "rootless-bundle",
@@ -199,7 +191,7 @@ def test_HST_SIGN_21_record_not_signed_by_the_pinned_key_refuses_everything(
         worker = cp.command.leaf()
         body = host_body("node-a", 1, {"sysctl": S10})
         for doc in (host_unit_doc("sysctl", S10, intent(worker, body)), host_unit_doc("sysctl", None, None)):
-            answer = _refused(h, doc, "join-record")
+            answer = assert_refused(h, doc, "join-record")
             assert "untrusted-join-signer" in answer["message"]
     finally:
         h.stop()
@@ -212,7 +204,7 @@ def test_HST_SIGN_22_rejoin_as_another_node_moves_the_binding(fresh_root: Path, 
     try:
         assert _ok(h, host_unit_doc("sysctl", S10, intent(worker, host_body("node-a", 50, {"sysctl": S10}))))
         cp.write_record(fresh_root, "node-z", cp.bundle(2))
-        _refused(
+        assert_refused(
             h,
             host_unit_doc("sysctl", S10, intent(worker, host_body("node-a", 51, {"sysctl": S10}))),
             "wrong-node",
@@ -241,9 +233,11 @@ def test_HST_SIGN_23_28_33_no_roots_then_trust_on_first_use(fresh_root: Path, cp
             "first-signed-spec",
             True,
         )
-        _refused(h, host_unit_doc("sysctl", S10, None), "bundle-required")
+        assert_refused(h, host_unit_doc("sysctl", S10, None), "bundle-required")
         other = host_body("node-u", 8, {"sysctl": S10})
-        _refused(h, host_unit_doc("sysctl", S10, intent(worker, other, bundle=cp.bundle(1))), "wrong-node")
+        assert_refused(
+            h, host_unit_doc("sysctl", S10, intent(worker, other, bundle=cp.bundle(1))), "wrong-node"
+        )
     finally:
         h.stop()
 
@@ -266,12 +260,12 @@ def test_HST_SIGN_30_31_verified_body_outlives_its_worker_certificate(
         assert _ok(h, host_unit_doc("sysctl", S10, intent(short, body)))["changed"] is False
         # ...but a new body needs a currently valid signature (HST-SIGN-31).
         new = host_body("node-a", 4, {"sysctl": S10})
-        answer = _refused(h, host_unit_doc("sysctl", S10, intent(short, new)), "bad-intent")
+        answer = assert_refused(h, host_unit_doc("sysctl", S10, intent(short, new)), "bad-intent")
         assert "expired" in answer["message"]
         assert _ok(h, host_unit_doc("sysctl", S10, intent(cp.command.leaf(), new)))
         # The old body is now older than the newest generation, and no longer remembered as verified.
-        _refused(h, host_unit_doc("sysctl", S10, intent(cp.command.leaf(), body)), "stale-generation")
-        _refused(h, host_unit_doc("sysctl", S10, intent(short, body)), "bad-intent")
+        assert_refused(h, host_unit_doc("sysctl", S10, intent(cp.command.leaf(), body)), "stale-generation")
+        assert_refused(h, host_unit_doc("sysctl", S10, intent(short, body)), "bad-intent")
     finally:
         h.stop()
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from bcd_shared.pki import KeyPair, Purpose, Role
-from helperproc import HELPER_SETTINGS, HelperProcess, base_config, make_root, tree
+from helperproc import HELPER_SETTINGS, HelperProcess, assert_refused, base_config, make_root
 from hypothesis import given
 from hypothesis import strategies as st
 from intentkit import ControlPlane, Signer, host_body, host_unit_doc, intent, intent_state, now, settings
@@ -170,14 +170,7 @@ def _check(world: World, doc: dict[str, Any], reason: str | None) -> None:
         assert answer["ok"] is True, (doc["args"].get("settings"), answer)
         assert h.last_audit()["decision"] == "accepted"
         return
-    before = tree(h.root)
-    seq = h.last_audit()["seq"]
-    answer = h.raw(doc)
-    assert answer["ok"] is False and answer["error"] == "refused", answer
-    assert answer["reason"] == reason, answer
-    last = h.last_audit()
-    assert (last["seq"], last["decision"], last["reason"]) == (seq + 1, "refused", reason)
-    assert tree(h.root) == before
+    assert_refused(h, doc, reason)
 
 
 draws = st.fixed_dictionaries(
