@@ -42,6 +42,20 @@ def cgroup(host: Host) -> dict[str, str]:
     return {p.name: p.read_text().strip() for p in base.iterdir() if p.is_file()}
 
 
+def assert_second_limits(host: Host) -> None:
+    """The slice after the second spec (cpus 0-3, half a CPU, no memory or hugepage limits), as the
+    kernel shows it, and the one set-property that made it (the dropped limits reset)."""
+    files = cgroup(host)
+    assert files["cpuset.cpus"] == "0-3" and files["cpuset.mems"] == ""  # as the kernel shows it
+    assert files["cpu.max"] == "50000 100000"
+    assert files["memory.max"] == "max" and files["memory.high"] == "max"
+    assert files["hugetlb.2MB.max"] == "max" and files["hugetlb.1GB.max"] == "max"
+    assert systemctl_calls(host.root)[-1] == (
+        "set-property --runtime bcd-alloc-a1.slice AllowedMemoryNodes= MemoryMax=infinity "
+        "MemoryHigh=infinity AllowedCPUs=0,1,2,3 CPUQuota=50%"
+    )
+
+
 def test_Q_DEV_PASS_01_changed_limits_reach_the_running_slice(host: Host) -> None:
     """Covers Q-DEV-PASS-01 (decided: limits of a kept hold are applied again to its slice, properties
     no longer set reset), DEV-SLICE-09..16, DEV-SLICE-20 (the slice is never stopped for it)."""
@@ -58,15 +72,7 @@ def test_Q_DEV_PASS_01_changed_limits_reach_the_running_slice(host: Host) -> Non
 
     out = host.run(DevicesSpec(2, (hold(Limits(cpus="0,1,2,3", cpu_millis=500)),)))
     assert out.state is SectionState.CONVERGED
-    files = cgroup(host)
-    assert files["cpuset.cpus"] == "0-3" and files["cpuset.mems"] == ""  # as the kernel shows it
-    assert files["cpu.max"] == "50000 100000"
-    assert files["memory.max"] == "max" and files["memory.high"] == "max"
-    assert files["hugetlb.2MB.max"] == "max" and files["hugetlb.1GB.max"] == "max"
-    assert systemctl_calls(host.root)[-1] == (
-        "set-property --runtime bcd-alloc-a1.slice AllowedMemoryNodes= MemoryMax=infinity "
-        "MemoryHigh=infinity AllowedCPUs=0,1,2,3 CPUQuota=50%"
-    )
+    assert_second_limits(host)
     assert not any(c.startswith("stop") for c in systemctl_calls(host.root))
     assert not host.path("/var/lib/bcd-sim/killed-workloads").exists()
     assert len(host.events("BoundEvent")) == 1  # the same hold: no second AllocationBound
@@ -201,15 +207,7 @@ def test_Q_DEV_PASS_01_changed_limits_reach_the_slice_through_the_helper(
     second = DevicesSpec(2, (hold(Limits(cpus="0,1,2,3", cpu_millis=500)),))
     out = host.run(second)
     assert out.state is SectionState.CONVERGED, out.message
-    files = cgroup(host)
-    assert files["cpuset.cpus"] == "0-3" and files["cpuset.mems"] == ""
-    assert files["cpu.max"] == "50000 100000"
-    assert files["memory.max"] == "max" and files["memory.high"] == "max"
-    assert files["hugetlb.2MB.max"] == "max" and files["hugetlb.1GB.max"] == "max"
-    assert systemctl_calls(host.root)[-1] == (
-        "set-property --runtime bcd-alloc-a1.slice AllowedMemoryNodes= MemoryMax=infinity "
-        "MemoryHigh=infinity AllowedCPUs=0,1,2,3 CPUQuota=50%"
-    )
+    assert_second_limits(host)
     applies = [a for a in helper.audit_lines() if a["op"] == "slice.apply"]
     assert applies[-1]["decision"] == "accepted"
     assert applies[-1]["args"]["reset"] == ["mems", "memory_bytes", "hugepages_2mi", "hugepages_1gi"]
