@@ -591,8 +591,30 @@ async def simulate(
         verdict = "converged" if view.converged else "timed out" if timed_out else "settled, not converged"
         out.write("\n" + render(view, elapsed_s=time.monotonic() - started, spec=str(opts.spec)))
         out.write(holders_text(layout.root))
+        if helper:
+            out.write(audit_summary(layout.root))
         out.write(f"bcd sim: {verdict}; the simulated host stays in {layout.root}\n")
     return (0 if view.converged else 1), doc
+
+
+def audit_summary(root: Path) -> str:
+    """One line per (op, decision) from the helper's audit log: what root did for the node."""
+    log = root / "var/log/bcd-helper/audit.log"
+    counts: dict[tuple[str, str], int] = {}
+    try:
+        lines = log.read_text().splitlines()
+    except OSError:
+        return ""
+    for line in lines:
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        key = (str(entry.get("op", "?")), str(entry.get("decision", "?")))
+        counts[key] = counts.get(key, 0) + 1
+    body = ", ".join(f"{n} {op} {decision}" for (op, decision), n in sorted(counts.items()))
+    check = f"bcd helper audit --root {root} verify"
+    return f"bcd helper (root): {body or 'no requests'}; check its audit log: {check}\n"
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
