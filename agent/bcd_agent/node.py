@@ -61,17 +61,6 @@ class NodeOptions:
     sweep_interval_s: float = SWEEP_INTERVAL_S  # journal.sweep() again this long after the last one
 
 
-class _ReportSigner:
-    def __init__(self, key: Any, node_id: str, boot_id: str) -> None:
-        self._key = key
-        self.node_id = node_id
-        self.boot_id = boot_id
-
-    def sign(self, purpose: Any, data: bytes) -> bytes:
-        signature: bytes = self._key.sign(purpose, data)
-        return signature
-
-
 def _boot_id(system: Any) -> str:
     text = system.read_text("/proc/sys/kernel/random/boot_id")
     if not text:
@@ -312,6 +301,7 @@ class Node:
         from bcd_agent.kinds.testing import TEST_KINDS
         from bcd_agent.nodeparts.inventory import InventoryState
         from bcd_agent.sdnotify import Notifier
+        from bcd_agent.sections.devices.events import KeyReportSigner
         from bcd_agent.session import identity as ident
         from bcd_agent.session.backoff import Backoff
         from bcd_agent.session.core import SessionCore
@@ -368,7 +358,7 @@ class Node:
             sections = self._sections(
                 system,
                 sink,
-                _ReportSigner(identity.node_key, identity.node_id, boot_id),
+                KeyReportSigner(identity.node_key, identity.node_id, boot_id),
                 identity,
                 trio.lowlevel.current_trio_token(),
             )

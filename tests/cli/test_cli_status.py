@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import stat
 from pathlib import Path
 
@@ -18,11 +17,10 @@ from bcd_agent.converge.section import PartsObserver
 from bcd_agent.converge.types import Condition, NodeStatus, SectionState, SectionStatus
 from bcd_agent.plan import desired_from_nodespec, load_spec_file
 from bcd_agent.sections.devices.apply import DirectExecutor
-from bcd_agent.sections.devices.events import MemorySink
+from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
 from bcd_agent.sections.devices.section import DevicesSection
 from bcd_agent.status import StatusSnapshot, render, watch
 from bcd_agent.statusfile import StatusFileError, decode, read_status, serve, status_path, write_status
-from bcd_shared.pki import KeyPair, Purpose
 from bcd_shared.simhost import sim_system
 from bcd_shared.simhost.gpus import gpu_uuid
 from clisupport import EXAMPLES, bcd, bcd_json, sim_root
@@ -30,22 +28,17 @@ from clisupport import EXAMPLES, bcd, bcd_json, sim_root
 DEVICES_DATA_DIR = "/var/lib/bcd"
 
 
-class Signer:
-    node_id = "node-cli-1"
-    boot_id = "boot-cli-1"
-
-    def __init__(self) -> None:
-        self.key = KeyPair(os.urandom(32))
-
-    def sign(self, purpose: Purpose, data: bytes) -> bytes:
-        return self.key.sign(purpose, data)
-
-
 async def converge_example(root: Path, data_dir: Path, example: str) -> NodeStatus:
     """Run the real converge runner with the devices section on the simulated host, publishing
     status.json through statusfile.serve, until the example's generation is observed."""
     system = sim_system(root)
-    section = DevicesSection(system, DirectExecutor(system), MemorySink(), Signer(), DEVICES_DATA_DIR)
+    section = DevicesSection(
+        system,
+        DirectExecutor(system),
+        MemorySink(),
+        KeyReportSigner.fresh("node-cli-1", "boot-cli-1"),
+        DEVICES_DATA_DIR,
+    )
     desired = desired_from_nodespec(load_spec_file(EXAMPLES / example), 1)
     runner = ConvergeRunner([section], PartsObserver({}, trio.current_time), initial_spec=desired)
     async with trio.open_nursery() as nursery:

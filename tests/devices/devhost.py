@@ -8,10 +8,9 @@ from pathlib import Path
 from bcd_agent.converge.section import Observation, PassContext
 from bcd_agent.converge.types import DesiredSpec, SectionOutcome
 from bcd_agent.sections.devices.apply import DirectExecutor
-from bcd_agent.sections.devices.events import MemorySink
+from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
 from bcd_agent.sections.devices.model import DevicesSpec
 from bcd_agent.sections.devices.section import DevicesSection
-from bcd_shared.pki import KeyPair, Purpose
 from bcd_shared.simhost import sim_system
 from bcd_shared.system import LocalSystem
 
@@ -19,17 +18,6 @@ DATA_DIR = "/var/lib/bcd"
 REPO = Path(__file__).resolve().parents[2]
 REFERENCE = REPO.parent / "shared" / "reference"
 IN_CI = os.environ.get("CI") == "true"
-
-
-class Signer:
-    node_id = "node-test-1"
-    boot_id = "boot-test-1"
-
-    def __init__(self) -> None:
-        self.key = KeyPair(os.urandom(32))
-
-    def sign(self, purpose: Purpose, data: bytes) -> bytes:
-        return self.key.sign(purpose, data)
 
 
 def gpu_system(root: Path) -> LocalSystem:
@@ -51,7 +39,7 @@ class Host:
         self.root = root
         self.system = gpu_system(root)
         self.sink = MemorySink()
-        self.signer = Signer()
+        self.signer = KeyReportSigner.fresh("node-test-1", "boot-test-1")
         self.kw = kw
         self.section = self._build()
 

@@ -6,20 +6,18 @@ bound (`noop_pass_ms`, the median of 5, target <= 50). Every pass is the product
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
-from bcd_shared.pki import KeyPair, Purpose
 from bcd_shared.simhost import sim_system
 from bcd_shared.simhost.seed import seed
 
 from bcd_agent.converge.section import Observation, PassContext
 from bcd_agent.converge.types import DesiredSpec, SectionState
 from bcd_agent.sections.devices.apply import DirectExecutor
-from bcd_agent.sections.devices.events import MemorySink
+from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
 from bcd_agent.sections.devices.model import (
     BINDING_HOLD,
     DEVICE_CLASS_SLOT,
@@ -33,17 +31,6 @@ GPUS = 8
 SLOTS = 48
 
 
-class _Signer:
-    node_id = "bench-node"
-    boot_id = "bench-boot"
-
-    def __init__(self) -> None:
-        self._key = KeyPair(os.urandom(32))
-
-    def sign(self, purpose: Purpose, data: bytes) -> bytes:
-        return self._key.sign(purpose, data)
-
-
 def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
     with tempfile.TemporaryDirectory(dir=getattr(args, "data_dir", None)) as tmp:
         root = Path(tmp) / "host"
@@ -54,7 +41,7 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             system,
             DirectExecutor(system, slice_records=True),
             sink,
-            _Signer(),
+            KeyReportSigner.fresh("bench-node", "bench-boot"),
             "/var/lib/bcd",
             slice_records=True,
         )

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from attrs import frozen
 from bcd_shared import wire
-from bcd_shared.pki import Purpose
+from bcd_shared.pki import KeyPair, Purpose
 
 
 @frozen
@@ -81,6 +81,22 @@ class ReportSigner(Protocol):
     def boot_id(self) -> str: ...
 
     def sign(self, purpose: Purpose, data: bytes) -> bytes: ...
+
+
+@frozen
+class KeyReportSigner:
+    """A ReportSigner over a KeyPair: bcd node's key, or a fresh one (`fresh`) in benches and tests."""
+
+    key: KeyPair
+    node_id: str
+    boot_id: str
+
+    @classmethod
+    def fresh(cls, node_id: str, boot_id: str) -> KeyReportSigner:
+        return cls(KeyPair.generate(), node_id, boot_id)
+
+    def sign(self, purpose: Purpose, data: bytes) -> bytes:
+        return self.key.sign(purpose, data)
 
 
 class EventSink(Protocol):
