@@ -27,3 +27,12 @@ def require_tool(name: str) -> str:
             pytest.fail(f"{name} is missing under CI: .ci/run must install it")
         pytest.skip(f"{name} not installed")
     return path
+
+
+def require_shared(path: Path) -> Path:
+    """A file of ../shared/ (seeds, reference data); skipped locally when missing, a failure under CI."""
+    if not path.exists():
+        if IN_CI:
+            pytest.fail(f"{path} is missing under CI (CI lays ../shared/ beside the checkout)")
+        pytest.skip(f"{path} not present beside this checkout")
+    return path

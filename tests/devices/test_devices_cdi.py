@@ -8,21 +8,20 @@ import pytest
 from bcd_shared import cdi
 from devices.cdicheck import assert_cdi_valid, schema_errors
 from devices.devhost import REFERENCE
+from testsupport import require_shared
 
 SCHEMA = REFERENCE / "cdi-schema"
 
 
 @pytest.mark.parametrize("name", ["testdata-good-minimal.json", "testdata-good-spec-example.json"])
 def test_official_good_documents_pass(name: str) -> None:
-    if not (SCHEMA / name).exists():
-        pytest.skip("reference data not present")
+    require_shared(SCHEMA / name)
     assert_cdi_valid((SCHEMA / name).read_bytes())
 
 
 @pytest.mark.parametrize("name", ["testdata-bad-empty.json", "testdata-bad-explicit-empty.json"])
 def test_official_bad_documents_fail(name: str) -> None:
-    if not (SCHEMA / name).exists():
-        pytest.skip("reference data not present")
+    require_shared(SCHEMA / name)
     text = (SCHEMA / name).read_text()
     if not text.strip():
         with pytest.raises(ValueError):  # an empty file is no JSON document at all: refused

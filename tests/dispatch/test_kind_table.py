@@ -6,7 +6,7 @@ import re
 
 import pytest
 from bcd_agent.dispatch.kinds import DEFAULT_TIMEOUT_S, KINDS, UPGRADE_KIND, Lane, Role, timeout_for
-from testsupport import SHARED
+from testsupport import SHARED, require_shared
 
 SEED = SHARED / "seeds" / "delivery.md"
 
@@ -29,8 +29,8 @@ def _seed_rows() -> dict[str, tuple[str, set[str], set[str]]]:
     return rows
 
 
-@pytest.mark.skipif(not SEED.exists(), reason="the seeds are not beside this checkout")
 def test_DLV_KIND_01_to_21_table_matches_the_seed() -> None:
+    require_shared(SEED)
     seed = _seed_rows()
     assert len(seed) == 20
     for kind, (lane, roles, flags) in seed.items():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from typing import Any, Generic, TypeVar
 
 from attrs import field, frozen
@@ -37,7 +38,7 @@ class UnitContext:
     identity_labels: tuple[tuple[str, str], ...] = ()
 
 
-class ConfigUnit(Generic[S, Obs]):
+class ConfigUnit(abc.ABC, Generic[S, Obs]):
     """One config unit. Subclasses implement decode/observe/plan; the rest is shared."""
 
     name: str = ""
@@ -50,18 +51,20 @@ class ConfigUnit(Generic[S, Obs]):
         """Strictly decode and validate canonical JSON settings (TerminalError on any fault)."""
         return self.decode(load_object(raw))
 
+    @abc.abstractmethod
     def decode(self, obj: dict[str, Any]) -> S:
-        raise NotImplementedError
+        """Settings from the decoded JSON object (unknown fields refused)."""
 
     def validate(self, settings: S, ctx: UnitContext) -> None:
         """Checks that need the node's context (root's allowlist); decoding did the rest."""
 
+    @abc.abstractmethod
     def observe(self, system: System, settings: S | None, ctx: UnitContext) -> Obs:
-        raise NotImplementedError
+        """What the host shows now, read through `system`."""
 
+    @abc.abstractmethod
     def plan(self, settings: S | None, observed: Obs) -> Plan:
         """Pure. `settings` None plans the clean-up of a unit that left the spec."""
-        raise NotImplementedError
 
     def apply(self, system: System, plan: Plan, actx: ApplyContext) -> None:
         for step in plan.steps:
