@@ -45,9 +45,6 @@ def _example() -> Path:
 
 
 async def noop_pass_ms(root: Path) -> float:
-    import os
-
-    from bcd_shared.pki import KeyPair, Purpose
     from bcd_shared.simhost import sim_system
     from bcd_shared.simhost.seed import seed
     from bcd_shared.units import ApplyContext, UnitContext
@@ -58,19 +55,9 @@ async def noop_pass_ms(root: Path) -> float:
     from bcd_agent.nodeparts.host import NodeHostSection
     from bcd_agent.plan import desired_from_nodespec, load_spec_file
     from bcd_agent.sections.devices.apply import DirectExecutor
-    from bcd_agent.sections.devices.events import MemorySink
+    from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
     from bcd_agent.sections.devices.section import DevicesSection
     from bcd_agent.sections.host import DirectExecutor as HostExecutor
-
-    class Signer:
-        node_id = "bench"
-        boot_id = "bench"
-
-        def __init__(self) -> None:
-            self.key = KeyPair(os.urandom(32))
-
-        def sign(self, purpose: Purpose, data: bytes) -> bytes:
-            return self.key.sign(purpose, data)
 
     seed(root)
     system = sim_system(root)
@@ -78,7 +65,9 @@ async def noop_pass_ms(root: Path) -> float:
     host = NodeHostSection(
         lambda uctx: HostExecutor(system, uctx, ApplyContext()), lambda _observation: UnitContext()
     )
-    devices = DevicesSection(system, DirectExecutor(system), MemorySink(), Signer(), "/var/lib/bcd")
+    devices = DevicesSection(
+        system, DirectExecutor(system), MemorySink(), KeyReportSigner.fresh("bench", "bench"), "/var/lib/bcd"
+    )
     observer = PartsObserver({"inventory": lambda: collect_gpus(system)}, clock=trio.current_time)
     spec = desired_from_nodespec(load_spec_file(_example()), 1)
     runner = ConvergeRunner([host, devices], observer, initial_spec=spec)
