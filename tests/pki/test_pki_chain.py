@@ -226,52 +226,41 @@ def _path_length_intermediate(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roo
     return [leaf, i2, h.intermediate], h.roots, Purpose.COMMAND
 
 
-def _intermediate_not_ca(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
+def _under_odd_intermediate(
+    h: Hierarchy,
+    common_name: str,
+    *,
+    ca: bool | None,
+    key_cert_sign: bool = False,
+    digital_signature: bool = False,
+) -> tuple[list[bytes], Roots, Purpose]:
+    """A worker leaf under an intermediate that h's root issued with these CA flags."""
     k1 = KeyPair.generate()
     inter = issue_certificate(
         subject_public_key=k1.public_key,
-        common_name="not a ca",
+        common_name=common_name,
         issuer_key=h.root_key,
         issuer_der=h.root,
         not_before=NOW - DAY,
         not_after=NOW + DAY,
-        ca=False,
-        key_cert_sign=True,
+        ca=ca,
+        key_cert_sign=key_cert_sign,
+        digital_signature=digital_signature,
     )
     leaf = issue_leaf(inter, k1, KeyPair.generate().public_key, Role.WORKER, "w", NOW - DAY, NOW + DAY)
     return [leaf, inter], h.roots, Purpose.COMMAND
+
+
+def _intermediate_not_ca(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
+    return _under_odd_intermediate(h, "not a ca", ca=False, key_cert_sign=True)
 
 
 def _intermediate_without_constraints(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
-    k1 = KeyPair.generate()
-    inter = issue_certificate(
-        subject_public_key=k1.public_key,
-        common_name="no constraints",
-        issuer_key=h.root_key,
-        issuer_der=h.root,
-        not_before=NOW - DAY,
-        not_after=NOW + DAY,
-        ca=None,
-        key_cert_sign=True,
-    )
-    leaf = issue_leaf(inter, k1, KeyPair.generate().public_key, Role.WORKER, "w", NOW - DAY, NOW + DAY)
-    return [leaf, inter], h.roots, Purpose.COMMAND
+    return _under_odd_intermediate(h, "no constraints", ca=None, key_cert_sign=True)
 
 
 def _intermediate_without_cert_sign(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
-    k1 = KeyPair.generate()
-    inter = issue_certificate(
-        subject_public_key=k1.public_key,
-        common_name="no certsign",
-        issuer_key=h.root_key,
-        issuer_der=h.root,
-        not_before=NOW - DAY,
-        not_after=NOW + DAY,
-        ca=True,
-        digital_signature=True,
-    )
-    leaf = issue_leaf(inter, k1, KeyPair.generate().public_key, Role.WORKER, "w", NOW - DAY, NOW + DAY)
-    return [leaf, inter], h.roots, Purpose.COMMAND
+    return _under_odd_intermediate(h, "no certsign", ca=True, digital_signature=True)
 
 
 def _leaf_is_ca(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
