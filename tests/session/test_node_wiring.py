@@ -142,8 +142,9 @@ async def test_HST_LVL_13_host_units_and_holds_converge_directly_with_the_invent
         assert (world.root / "proc/sys/vm/swappiness").read_text().strip() == "10"
         assert "vfio_pci" in (world.root / "etc/modules-load.d/bcd.conf").read_text()
         assert (world.root / "etc/cdi/bcd-alloc_1.json").exists()
-        # The units changed the host: the inventory was read again (the follow-up pass and the hook).
-        assert node.host_section.passes >= 2
+        # The units changed the host: the inventory was read again (the follow-up pass and the hook). The
+        # follow-up pass starts right after the first pass's status, so it is waited for, not assumed.
+        await world.until("the follow-up pass", lambda: node.host_section.passes >= 2)
         # Heartbeats carry the inventory hash of inventory.refresh (the inventory package's digest).
         expected = inventory_hash(collect_inventory(world.system))
         heartbeat = node.core.heartbeat().heartbeat
