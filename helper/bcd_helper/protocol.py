@@ -1,7 +1,9 @@
 """The helper's wire protocol: length-prefixed JSON frames over a Unix stream socket.
 
 A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one document,
-no trailing data). Frames larger than MAX_FRAME (4 MiB) are refused and the connection closed.
+no trailing data). Frames larger than MAX_FRAME (4 MiB) are refused and the connection closed. The JSON
+is strict (strict_loads): a duplicate key, NaN or Infinity, a lone surrogate escape, or nesting deeper
+than MAX_DEPTH refuses the frame.
 
 Request:  {"op": "<name>", "args": {...}}            (exactly these two keys)
 Answer:   {"ok": true, "result": {...}}
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     import cattrs
 
 MAX_FRAME = 4 * 1024 * 1024
+MAX_DEPTH = 32  # a request nests four levels (host.unit's intent.chain); 10,000 would overflow recursion
 _LEN = struct.Struct(">I")
 
 T = TypeVar("T")
@@ -48,10 +51,54 @@ def encode_frame(doc: Any) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key[:100]!r} appears twice")
+        out[key] = value
+    return out
+
+
+def _constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_tree(doc: Any, max_depth: int) -> None:
+    """Nesting at most `max_depth` (the top value is depth 1) and no lone surrogate in any string."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > max_depth:
+                raise ValueError(f"nested deeper than {max_depth} levels")
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            for key, item in items:
+                if isinstance(key, str):
+                    stack.append((key, depth))
+                stack.append((item, depth + 1))
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone surrogate (\\ud800-\\udfff)") from None
+
+
+def strict_loads(data: bytes, max_depth: int = MAX_DEPTH) -> Any:
+    """One JSON document in UTF-8, strictly: no duplicate keys (never last-wins), no NaN or Infinity, no
+    lone surrogates, at most `max_depth` levels of nesting. Raises ValueError naming the rule."""
+    try:
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_constant)
+    except RecursionError:
+        raise ValueError(f"nested deeper than {max_depth} levels") from None
+    _check_tree(doc, max_depth)
+    return doc
+
+
 def decode_body(body: bytes) -> Any:
     try:
-        return json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
+        return strict_loads(body)
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise ProtocolError(f"frame is not one JSON document: {exc}") from None
 
 

@@ -6,7 +6,16 @@
 - Reads go through recvmsg with room for ancillary data: any SCM_RIGHTS descriptor that arrives is
   closed at once, the request refused and the connection closed (the helper hands descriptors
   out, never takes them in). Truncated ancillary data is treated the same way.
-- Frames: 4-byte big-endian length, at most MAX_FRAME; a larger one closes the connection.
+- Frames: 4-byte big-endian length, at most MAX_FRAME; a larger one closes the connection. Once a
+  frame's first byte has arrived, the whole frame must arrive within FRAME_TIMEOUT_S (however slowly
+  it trickles), and an answer must be taken within FRAME_TIMEOUT_S; else the connection is closed
+  (a slow-loris client holds one thread for seconds, not for the 15-minute idle timeout).
+- At most MAX_CONNECTIONS connections of non-root peers at once (each is a thread): one more is
+  answered `busy`, audited and closed at once. Root's own connections are never counted, so a
+  flood from the node's uid cannot lock root out.
+- Audit lines are bounded: a shown argument whose JSON is longer than MAX_SHOWN bytes is recorded as
+  its size and SHA-256 (args_sha256 pins the whole request anyway), and messages are cut to MAX_TEXT
+  characters, in the audit log and in the answer alike.
 - Each request is decoded into its op's frozen type (protocol.structure), run under the op's
   locks and deadline, answered, and recorded in the audit log, accepted or refused, before the
   answer is sent.
@@ -36,6 +45,10 @@ from bcd_helper.ops.table import LOCK_ORDER, OPS, OpSpec
 from bcd_helper.protocol import MAX_FRAME, DecodeError, ProtocolError, decode_body, encode_frame, structure
 
 IDLE_TIMEOUT_S = 15 * 60.0
+FRAME_TIMEOUT_S = 10.0
+MAX_CONNECTIONS = 64
+MAX_SHOWN = 1024
+MAX_TEXT = 2000
 _LEN = struct.Struct(">I")
 _FD_SPACE = socket.CMSG_SPACE(16 * 4)
 
@@ -58,6 +71,7 @@ class Connection:
         self.peer = peer_credentials(sock)
         self.buffer = bytearray()
         self.requests = 0
+        self.frame_deadline: float | None = None  # set while a frame is partly read
 
     # --- framing with ancillary-data refusal --------------------------------------------------
 
@@ -80,7 +94,21 @@ class Connection:
 
     def _fill(self, n: int) -> bool:
         while len(self.buffer) < n:
-            chunk = self._recv()
+            if self.buffer and self.frame_deadline is None:
+                self.frame_deadline = time.monotonic() + FRAME_TIMEOUT_S
+            if self.frame_deadline is None:
+                self.sock.settimeout(IDLE_TIMEOUT_S)
+            else:
+                left = self.frame_deadline - time.monotonic()
+                if left <= 0:
+                    raise ProtocolError(f"frame not complete within {FRAME_TIMEOUT_S:.0f} s")
+                self.sock.settimeout(left)
+            try:
+                chunk = self._recv()
+            except TimeoutError:
+                if self.frame_deadline is None:
+                    raise
+                raise ProtocolError(f"frame not complete within {FRAME_TIMEOUT_S:.0f} s") from None
             if not chunk:
                 if self.buffer:
                     raise ProtocolError("connection closed mid-frame")
@@ -99,9 +127,11 @@ class Connection:
             raise ProtocolError("connection closed mid-frame")
         body = bytes(self.buffer[4 : 4 + n])
         del self.buffer[: 4 + n]
+        self.frame_deadline = None
         return decode_body(body)
 
     def send(self, doc: Any) -> None:
+        self.sock.settimeout(FRAME_TIMEOUT_S)
         self.sock.sendall(encode_frame(doc))
 
     # --- serving ----------------------------------------------------------------------------------
@@ -111,7 +141,7 @@ class Connection:
     ) -> None:
         shown: dict[str, Any] = {}
         if isinstance(args, dict) and spec is not None:
-            shown = {k: args[k] for k in spec.shown if k in args}
+            shown = {k: _bounded(args[k]) for k in spec.shown if k in args}
         digest = hashlib.sha256(canonical({"op": op, "args": args})).hexdigest()
         self.ctx.audit.record(
             peer_pid=self.peer.pid,
@@ -121,7 +151,7 @@ class Connection:
             args_sha256=digest,
             decision=decision,
             reason=reason,
-            message=message[:2000],
+            message=message[:MAX_TEXT],
             duration_ms=(time.monotonic() - t0) * 1000,
         )
 
@@ -150,12 +180,12 @@ class Connection:
                 result = spec.handler(call, req)
         except Refused as exc:
             self.audit(op, args, spec, "refused", exc.reason, exc.message, t0)
-            return {"ok": False, "error": "refused", "reason": exc.reason, "message": exc.message}
+            return {"ok": False, "error": "refused", "reason": exc.reason, "message": exc.message[:MAX_TEXT]}
         except Failed as exc:
             self.audit(op, args, spec, "failed", exc.reason, exc.message, t0)
-            return {"ok": False, "error": "failed", "reason": exc.reason, "message": exc.message}
+            return {"ok": False, "error": "failed", "reason": exc.reason, "message": exc.message[:MAX_TEXT]}
         except Exception as exc:  # a bug or an unexpected host error: failed, never silent
-            message = f"{op}: {type(exc).__name__}: {exc}"
+            message = f"{op[:100]}: {type(exc).__name__}: {exc}"[:MAX_TEXT]
             self.audit(op, args, spec, "failed", "internal", message, t0)
             return {"ok": False, "error": "failed", "reason": "internal", "message": message}
         self.audit(op, args, spec, "accepted", "", "", t0)
@@ -190,7 +220,6 @@ class Connection:
             with contextlib.suppress(OSError):
                 self.send({"ok": False, "error": "refused", "reason": "peer", "message": message})
             return
-        self.sock.settimeout(IDLE_TIMEOUT_S)
         while True:
             t0 = time.monotonic()
             try:
@@ -213,6 +242,14 @@ class Connection:
                 return
 
 
+def _bounded(value: Any) -> Any:
+    """A shown argument as sent, or its size and digest when its JSON is longer than MAX_SHOWN bytes."""
+    data = canonical(value)
+    if len(data) <= MAX_SHOWN:
+        return value
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
 class _Handler(socketserver.BaseRequestHandler):
     server: HelperServer
 
@@ -229,6 +266,7 @@ class HelperServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
 
     def __init__(self, ctx: HelperContext, real_socket_path: str) -> None:
         self.ctx = ctx
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(real_socket_path)
         old = os.umask(0o177)
@@ -238,6 +276,56 @@ class HelperServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             os.umask(old)
         os.chown(real_socket_path, 0, ctx.config.node_gid)
         os.chmod(real_socket_path, 0o660)
+
+    # A connection of a non-root peer holds one of MAX_CONNECTIONS slots while its thread runs.
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        try:
+            peer = peer_credentials(request)
+        except OSError:
+            self.shutdown_request(request)
+            return
+        counted = peer.uid != 0
+        if counted and not self._slots.acquire(blocking=False):
+            self._refuse_busy(request, peer)
+            self.shutdown_request(request)
+            return
+        thread = threading.Thread(
+            target=self._run, args=(request, client_address, counted), daemon=self.daemon_threads
+        )
+        try:
+            thread.start()
+        except BaseException:
+            if counted:
+                self._slots.release()
+            self.shutdown_request(request)
+            raise
+
+    def _run(self, request: Any, client_address: Any, counted: bool) -> None:
+        try:
+            self.process_request_thread(request, client_address)
+        finally:
+            if counted:
+                self._slots.release()
+
+    def _refuse_busy(self, request: socket.socket, peer: Peer) -> None:
+        message = f"more than {MAX_CONNECTIONS} connections at once: try again later"
+        self.ctx.audit.record(
+            peer_pid=peer.pid,
+            peer_uid=peer.uid,
+            op="(connect)",
+            args={},
+            args_sha256=hashlib.sha256(canonical({"op": "(connect)", "args": None})).hexdigest(),
+            decision="refused",
+            reason="busy",
+            message=message,
+            duration_ms=0.0,
+        )
+        with contextlib.suppress(OSError):
+            request.settimeout(0)
+            request.send(
+                encode_frame({"ok": False, "error": "refused", "reason": "busy", "message": message})
+            )
 
 
 def node_group_name(gid: int) -> str:

@@ -1,0 +1,148 @@
+"""What the hostile tests (test_hostile_*.py) share: raw frames, clients of another uid, and the check that
+a hostile request changed nothing but one refused audit line, and left the helper serving.
+
+A client of the node's uid is made by forking: the child changes into the socket's directory as root,
+drops to the uid and group, connects by the relative name (pytest's tmp directories are 0700 root, so
+no absolute path would reach the socket) and hands the connected socket back over a socketpair.
+SO_PEERCRED keeps the credentials of the process that connected, so the helper sees that uid.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import struct
+from typing import Any
+
+from bcd_helper.audit import verify_chain
+from helperproc import AUDIT_DIR, HelperProcess, tree
+
+NODE_UID = 4242  # helperproc.base_config's node uid and gid
+NODE_GID = 4242
+INJECTED = '\n{"decision":"accepted","op":"file.write","prev":"' + "0" * 64 + '","seq":1}\n'
+
+
+def frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def connect(h: HelperProcess, timeout: float = 10.0) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(h.socket_path)
+    return s
+
+
+def read_answer(s: socket.socket) -> dict[str, Any] | None:
+    """The next answer on `s`, or None when the helper closed the connection first."""
+    head = _exact(s, 4)
+    if head is None:
+        return None
+    body = _exact(s, struct.unpack(">I", head)[0])
+    return None if body is None else dict(json.loads(body))
+
+
+def _exact(s: socket.socket, n: int) -> bytes | None:
+    buf = b""
+    while len(buf) < n:
+        try:
+            chunk = s.recv(n - len(buf))
+        except ConnectionResetError:
+            return None
+        if not chunk:
+            return None
+        buf += chunk
+    return buf
+
+
+def send_raw(h: HelperProcess, body: bytes) -> dict[str, Any] | None:
+    """One framed body on a fresh connection; the answer (None: closed without one)."""
+    with connect(h) as s:
+        s.sendall(frame(body))
+        return read_answer(s)
+
+
+def audit_size(h: HelperProcess) -> int:
+    return (h.root / AUDIT_DIR.lstrip("/") / "audit.log").stat().st_size
+
+
+def assert_still_serving(h: HelperProcess) -> None:
+    with connect(h) as s:
+        s.sendall(frame(b'{"op":"helper.ping","args":{}}'))
+        answer = read_answer(s)
+    assert answer is not None and answer["ok"] is True, answer
+
+
+def assert_refused_raw(
+    h: HelperProcess, body: bytes, reason: str, text: str = "", op: str | None = None
+) -> dict[str, Any]:
+    """`body` (raw bytes, framed here) is refused for `reason`, audited as exactly one refused line with
+    that reason, the tree under the root is byte-for-byte unchanged, the audit chain verifies, and the
+    helper still serves another connection. With `op`, the audit line names that op. The answer."""
+    before = tree(h.root)
+    seq = h.last_audit()["seq"]
+    answer = send_raw(h, body)
+    assert answer is not None, "the helper closed the connection without an answer"
+    assert (answer["ok"], answer["error"], answer["reason"]) == (False, "refused", reason), answer
+    assert text in answer["message"], answer
+    last = h.last_audit()
+    assert (last["seq"], last["decision"], last["reason"]) == (seq + 1, "refused", reason), last
+    assert op is None or last["op"] == op, last
+    assert tree(h.root) == before
+    assert_still_serving(h)
+    assert verify_audit(h)
+    return answer
+
+
+def verify_audit(h: HelperProcess) -> bool:
+    result = verify_chain(h.root / AUDIT_DIR.lstrip("/"))
+    assert result.ok, result.problem
+    return True
+
+
+def connect_as(
+    h: HelperProcess, uid: int, gid: int, creds: tuple[int, int, int] | None = None, payload: bytes = b""
+) -> tuple[socket.socket, int]:
+    """A socket connected to the helper by a process of `uid`/`gid` (see the module). With `creds`, the
+    child sends `payload` with an SCM_CREDENTIALS message claiming (pid, uid, gid) (pid 0: its own) before
+    handing the socket over. Returns the socket and the kernel's answer to that sendmsg (0, or its errno)."""
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    directory, name = os.path.split(h.socket_path)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            parent.close()
+            os.chdir(directory)
+            os.setgroups([])
+            os.setgid(gid)
+            os.setuid(uid)
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.connect(name)
+            status = 0
+            if creds is not None:
+                claimed = (creds[0] or os.getpid(), *creds[1:])  # pid 0: the child's own
+                try:
+                    s.sendmsg(
+                        [payload],
+                        [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, struct.pack("3i", *claimed))],
+                    )
+                except OSError as exc:
+                    status = exc.errno or errno.EIO
+            socket.send_fds(child, [bytes([status])], [s.fileno()])
+            code = 0
+        finally:
+            os._exit(code)
+    child.close()
+    try:
+        parent.settimeout(10)
+        msg, fds, _flags, _addr = socket.recv_fds(parent, 1, 1)
+    finally:
+        parent.close()
+        _pid, status = os.waitpid(pid, 0)
+    assert status == 0 and len(fds) == 1, "the child could not connect"
+    sock = socket.socket(fileno=fds[0])
+    sock.settimeout(10)
+    return sock, msg[0]
