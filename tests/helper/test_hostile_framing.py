@@ -258,17 +258,18 @@ def test_client_that_never_reads_is_dropped(own_helper: HelperProcess) -> None:
             break
     # While its thread waits to write, everyone else is served.
     assert_still_serving(h)
-    deadline = time.monotonic() + FRAME_TIMEOUT_S * 3
+    # Past the answer deadline the helper has given up on it: what it wrote can still be read, then the end.
+    time.sleep(FRAME_TIMEOUT_S * 1.5)
+    s.settimeout(5)
     closed = False
-    s.settimeout(FRAME_TIMEOUT_S * 3)
-    while time.monotonic() < deadline:
-        try:
-            if not s.recv(1 << 20):
-                closed = True
-                break
-        except (ConnectionResetError, TimeoutError):
-            closed = True
-            break
+    try:
+        while s.recv(1 << 20):
+            pass
+        closed = True
+    except ConnectionResetError:  # closed with our unread requests still queued: a reset
+        closed = True
+    except TimeoutError:  # still being served: the helper waits on this client for good
+        closed = False
     s.close()
     assert closed and sent > 10
     answered = [e for e in h.audit_lines() if e["seq"] > seq and e["op"] == "file.remove"]

@@ -5,9 +5,13 @@ content is checked against the kind's rule before anything is written. Writes an
 the root-only rule (HST-ROOT-08) and are atomic and durable.
 
 - cdi: /etc/cdi/bcd-<id>.json 0644, id an allocation id; one bcd hold (kind bcd.dev/gpu) for
-  exactly that allocation (bcd_shared.cdi.parse_hold_spec, CDI's naming rules);
+  exactly that allocation (bcd_shared.cdi.parse_hold_spec, CDI's naming rules), strict JSON (no
+  duplicate key, NaN or deep nesting), its env setting no key twice and BCD_ALLOCATION_ID only to
+  <id>, no env on a device, and every other container edit (hooks, mounts, device nodes, ...) one
+  that root's own vendor spec /etc/cdi/nvidia.json carries: the container runtime applies a hold
+  as root, so a hook there would be root's code execution;
 - allocation-env: /run/bcd/allocations/<id>.env 0644; KEY=VALUE lines, the first
-  BCD_ALLOCATION_ID=<id>;
+  BCD_ALLOCATION_ID=<id>, no key twice;
 - k8s-token: /var/lib/bcd-hostconfig/k8s/bootstrap-token 0600, id ""; one kubeadm bootstrap token;
 - sshd-config: /etc/ssh/sshd_config.d/90-bcd.conf 0644, id ""; only bcd's three directives,
   each pointing at bcd's own files;
@@ -26,9 +30,11 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
-from bcd_shared.rootpath import RootPathRefused, remove_root_only, write_root_only
+from bcd_shared.rootpath import RootPathRefused, read_root_only, remove_root_only, write_root_only
 
+from bcd_helper.audit import canonical
 from bcd_helper.ops.base import Call, Refused, refused_path
+from bcd_helper.protocol import strict_loads
 
 MAX_CONTENT = 1024 * 1024
 ALLOCATION_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,80}$")
@@ -74,27 +80,104 @@ class FileRemove:
     id: str
 
 
+# Besides C0 controls and DEL: C1 controls (NEL among them) and the Unicode line and paragraph
+# separators, which str.splitlines() takes as line ends while the files' readers do not.
+_LINE_BREAKERS = frozenset(chr(c) for c in range(0x80, 0xA0)) | {"\u2028", "\u2029"}
+
+
 def _no_controls(text: str, where: str) -> None:
-    if any((ord(c) < 0x20 and c != "\n") or ord(c) == 0x7F for c in text):
+    if any((ord(c) < 0x20 and c != "\n") or ord(c) == 0x7F or c in _LINE_BREAKERS for c in text):
         raise Refused("bad-content", f"{where}: carries a control character")
+
+
+def _unique_keys(lines: Any, where: str) -> None:
+    seen: set[str] = set()
+    for line in lines:
+        key = str(line).partition("=")[0]
+        if key in seen:
+            raise Refused("bad-content", f"{where}: {key[:100]!r} is set twice")
+        seen.add(key)
 
 
 def _check_cdi(ident: str, data: bytes) -> None:
     from bcd_shared import cdi  # on the first hold, not at the helper's start
 
     try:
-        cdi.parse_hold_spec(data, ident)
+        doc = strict_loads(data)
+    except ValueError as exc:
+        raise Refused("bad-content", f"cdi: not strict JSON: {exc}") from None
+    try:
+        hold = cdi.parse_hold_spec(data, ident)
     except cdi.CdiError as exc:
         raise Refused("bad-content", f"cdi: {exc}") from None
+    _unique_keys(hold.env, "cdi: containerEdits.env")
+    own = f"BCD_ALLOCATION_ID={ident}"
+    if any(e.startswith("BCD_ALLOCATION_ID=") and e != own for e in hold.env):
+        raise Refused("bad-content", f"cdi: containerEdits.env: BCD_ALLOCATION_ID must be {ident}")
+    for i, dev in enumerate(doc["devices"]):
+        if (dev.get("containerEdits") or {}).get("env"):
+            raise Refused(
+                "bad-content", f"cdi: devices[{i}].containerEdits.env: a hold's devices carry no env"
+            )
+
+
+def _vendor_edits(call: Call) -> frozenset[tuple[str, bytes]]:
+    """Every container edit root's vendor spec carries, as (field, canonical JSON of one item): its common
+    edits and every device's, env aside. Empty without a vendor spec."""
+    from bcd_shared import cdi
+
+    try:
+        data = read_root_only(call.ctx.root, cdi.VENDOR_SPEC_PATH, 16 * MAX_CONTENT)
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    if data is None:
+        return frozenset()
+    try:
+        vendor = cdi.parse_vendor_spec(data)
+    except cdi.CdiError as exc:
+        raise Refused("bad-content", f"cdi: root's {cdi.VENDOR_SPEC_PATH}: {exc}") from None
+    out: set[tuple[str, bytes]] = set()
+    for edits in (vendor.common_edits, *vendor.devices.values()):
+        for key, value in edits.items():
+            if key != "env":
+                out.update((key, canonical(v)) for v in (value if isinstance(value, list) else [value]))
+    return frozenset(out)
+
+
+def _check_cdi_edits(call: Call, _ident: str, data: bytes) -> None:
+    """A hold carries only container edits root's vendor spec carries (env aside)."""
+    from bcd_shared import cdi
+
+    doc = strict_loads(data)  # _check_cdi passed
+    allowed: frozenset[tuple[str, bytes]] | None = None
+    places = [("containerEdits", doc.get("containerEdits") or {})]
+    places += [
+        (f"devices[{i}].containerEdits", d.get("containerEdits") or {}) for i, d in enumerate(doc["devices"])
+    ]
+    for where, edits in places:
+        for key, value in edits.items():
+            if key == "env":
+                continue
+            if allowed is None:
+                allowed = _vendor_edits(call)
+            for item in value if isinstance(value, list) else [value]:
+                if (key, canonical(item)) not in allowed:
+                    raise Refused(
+                        "bad-content",
+                        f"cdi: {where}.{key}: {canonical(item)[:200].decode()} is not in root's vendor spec "
+                        f"{cdi.VENDOR_SPEC_PATH}: a hold carries only the vendor's edits",
+                    )
 
 
 def _check_env(ident: str, data: bytes) -> None:
     from bcd_shared import cdi
 
+    _text(data, "allocation-env")
     try:
-        cdi.parse_env_file(data, ident)
+        lines = cdi.parse_env_file(data, ident)
     except cdi.CdiError as exc:
         raise Refused("bad-content", f"allocation-env: {exc}") from None
+    _unique_keys(lines, "allocation-env")
 
 
 def _text(data: bytes, kind: str) -> str:
@@ -172,6 +255,7 @@ class FileKind:
     mode: int
     check: Callable[[str, bytes], None]
     encoding: str = "utf-8"
+    host_check: Callable[[Call, str, bytes], None] | None = None  # checks that read root's own files
 
 
 # kind -> how the helper builds the path and checks the content. One literal table.
@@ -182,6 +266,7 @@ FILE_KINDS: dict[str, FileKind] = {
         "an allocation id ([A-Za-z0-9_]{1,80})",
         0o644,
         _check_cdi,
+        host_check=_check_cdi_edits,
     ),
     "allocation-env": FileKind(
         lambda i: f"/run/bcd/allocations/{i}.env",
@@ -237,6 +322,8 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
     spec, path = _kind(req.kind, req.id)
     data = _content(spec, req)
     spec.check(req.id, data)
+    if spec.host_check is not None:
+        spec.host_check(call, req.id, data)
     try:
         write_root_only(call.ctx.root, path, data, spec.mode)
     except RootPathRefused as exc:

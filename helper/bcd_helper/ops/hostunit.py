@@ -113,6 +113,8 @@ def host_unit(call: Call, req: HostUnit) -> dict[str, Any]:
         settings = None if req.settings is None else unit.decode_settings(req.settings)
     except StepError as exc:
         raise Refused("invalid-settings", f"host.unit: {req.unit}: {exc.message}") from None
+    except RecursionError:  # nested past the decoder's recursion: not settings any unit takes
+        raise Refused("invalid-settings", f"host.unit: {req.unit}: settings nested too deeply") from None
     if next_state is not None:  # durable before effect: root's intent state, then the unit
         verifier.save_state(next_state)
     actx = units.ApplyContext(guard=call.system.guard, tokens=units.StagedTokenSource(call.system))
