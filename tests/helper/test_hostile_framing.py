@@ -216,11 +216,43 @@ def own_helper(fresh_root: Path) -> Any:
     h.stop()
 
 
-def test_slow_loris_frame_times_out_without_blocking_others(own_helper: HelperProcess) -> None:
-    """A frame cut short and then held open: other clients are served meanwhile, and the helper gives up on it
-    after FRAME_TIMEOUT_S (a per-connection read deadline for the whole frame, however slowly it trickles),
-    audited as a protocol refusal. A client that never reads its answers is dropped on the same deadline."""
+def _fill_without_reading(h: HelperProcess) -> tuple[socket.socket, int]:
+    """A client that sends requests and never reads an answer, until the helper's answers fill the socket
+    buffers and the helper's thread waits to write. The socket and how many requests went out."""
+    s = connect(h, timeout=1)
+    bad = json.dumps({"op": "file.remove", "args": {"kind": "k" * 1500, "id": ""}}).encode()
+    sent, started = 0, time.monotonic()
+    while time.monotonic() - started < FRAME_TIMEOUT_S:
+        try:
+            s.sendall(frame(bad))
+            sent += 1
+        except TimeoutError:
+            break
+    return s, sent
+
+
+def _closed_by_helper(s: socket.socket) -> bool:
+    """True when what the helper wrote can be read to its end (or a reset): the helper closed `s`."""
+    s.settimeout(5)
+    try:
+        while s.recv(1 << 20):
+            pass
+        return True
+    except ConnectionResetError:  # closed with our unread requests still queued: a reset
+        return True
+    except TimeoutError:  # still being served: the helper waits on this client for good
+        return False
+
+
+def test_slow_clients_time_out_without_blocking_others(own_helper: HelperProcess) -> None:
+    """A frame cut short and then held open (slow-loris), and a client that never reads its answers: other
+    clients are served meanwhile, and the helper gives up on both after FRAME_TIMEOUT_S (a per-connection
+    deadline for the whole frame however slowly it trickles, and for each answer), the cut frame audited
+    as a protocol refusal."""
     h = own_helper
+    seq = h.last_audit()["seq"]
+    reader, sent = _fill_without_reading(h)
+    assert sent > 10
     loris = connect(h, timeout=FRAME_TIMEOUT_S * 4)
     loris.sendall(frame(PING)[:7])  # the prefix and three bytes of the body
     started = time.monotonic()
@@ -237,41 +269,11 @@ def test_slow_loris_frame_times_out_without_blocking_others(own_helper: HelperPr
     assert FRAME_TIMEOUT_S * 0.9 <= waited <= FRAME_TIMEOUT_S * 3
     assert loris.recv(1) == b""
     loris.close()
-    last = h.last_audit()
-    assert (last["op"], last["decision"], last["reason"]) == ("(frame)", "refused", "protocol")
-    assert_still_serving(h)
-    verify_audit(h)
-
-
-def test_client_that_never_reads_is_dropped(own_helper: HelperProcess) -> None:
-    h = own_helper
-    seq = h.last_audit()["seq"]
-    s = connect(h, timeout=1)
-    bad = json.dumps({"op": "file.remove", "args": {"kind": "k" * 1500, "id": ""}}).encode()
-    sent, started = 0, time.monotonic()
-    # Requests without reading a single answer, until the helper's answers fill the socket buffers.
-    while time.monotonic() - started < FRAME_TIMEOUT_S:
-        try:
-            s.sendall(frame(bad))
-            sent += 1
-        except TimeoutError:
-            break
-    # While its thread waits to write, everyone else is served.
-    assert_still_serving(h)
-    # Past the answer deadline the helper has given up on it: what it wrote can still be read, then the end.
-    time.sleep(FRAME_TIMEOUT_S * 1.5)
-    s.settimeout(5)
-    closed = False
-    try:
-        while s.recv(1 << 20):
-            pass
-        closed = True
-    except ConnectionResetError:  # closed with our unread requests still queued: a reset
-        closed = True
-    except TimeoutError:  # still being served: the helper waits on this client for good
-        closed = False
-    s.close()
-    assert closed and sent > 10
+    frames = [e for e in h.audit_lines() if e["seq"] > seq and e["op"] == "(frame)"]
+    assert [(e["decision"], e["reason"]) for e in frames] == [("refused", "protocol")]
+    time.sleep(1)  # the reader's answer deadline started before the loris's frame
+    assert _closed_by_helper(reader)
+    reader.close()
     answered = [e for e in h.audit_lines() if e["seq"] > seq and e["op"] == "file.remove"]
     assert answered and all(e["decision"] == "refused" for e in answered)
     assert_still_serving(h)
