@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import socket
 import struct
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -64,24 +65,33 @@ def _constant(name: str) -> Any:
     raise ValueError(f"{name} is not a JSON number")
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _check_string(value: str) -> None:
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a string holds a lone surrogate (\\ud800-\\udfff)") from None
+
+
 def _check_tree(doc: Any, max_depth: int) -> None:
     """Nesting at most `max_depth` (the top value is depth 1) and no lone surrogate in any string."""
     stack: list[tuple[Any, int]] = [(doc, 1)]
     while stack:
         value, depth = stack.pop()
-        if isinstance(value, dict | list):
-            if depth > max_depth:
-                raise ValueError(f"nested deeper than {max_depth} levels")
-            items = value.items() if isinstance(value, dict) else enumerate(value)
-            for key, item in items:
-                if isinstance(key, str):
-                    stack.append((key, depth))
+        if depth > max_depth:
+            raise ValueError(f"nested deeper than {max_depth} levels")
+        items = value.items() if type(value) is dict else enumerate(value)
+        for key, item in items:
+            if type(key) is str:
+                _check_string(key)
+            kind = type(item)
+            if kind is dict or kind is list:
                 stack.append((item, depth + 1))
-        elif isinstance(value, str) and not value.isascii():
-            try:
-                value.encode("utf-8")
-            except UnicodeEncodeError:
-                raise ValueError("a string holds a lone surrogate (\\ud800-\\udfff)") from None
+            elif kind is str:
+                _check_string(item)
 
 
 def strict_loads(data: bytes, max_depth: int = MAX_DEPTH) -> Any:
@@ -91,7 +101,13 @@ def strict_loads(data: bytes, max_depth: int = MAX_DEPTH) -> Any:
         doc = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_constant)
     except RecursionError:
         raise ValueError(f"nested deeper than {max_depth} levels") from None
-    _check_tree(doc, max_depth)
+    # UTF-8 text cannot hold a surrogate, so only a \\uD8xx..\\uDFxx escape makes one; fewer brackets
+    # than max_depth cannot nest deeper. Only then is the tree walked (a frame is up to 4 MiB).
+    deep = data.count(b"[") + data.count(b"{") > max_depth
+    if type(doc) in (dict, list) and (deep or _SURROGATE_ESCAPE.search(data)):
+        _check_tree(doc, max_depth)
+    elif type(doc) is str:
+        _check_string(doc)
     return doc
 
 

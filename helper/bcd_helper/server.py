@@ -244,6 +244,8 @@ class Connection:
 
 def _bounded(value: Any) -> Any:
     """A shown argument as sent, or its size and digest when its JSON is longer than MAX_SHOWN bytes."""
+    if isinstance(value, str | int | None) and (not isinstance(value, str) or len(value) <= MAX_SHOWN // 12):
+        return value  # short enough whatever its escapes (at most 12 bytes a character)
     data = canonical(value)
     if len(data) <= MAX_SHOWN:
         return value
