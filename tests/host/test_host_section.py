@@ -51,6 +51,7 @@ def test_HST_STAT_reboot_terminal_and_success_reported_per_the_status_table(tmp_
 
 
 def test_HST_STAT_04_06_all_terminal_is_failed(tmp_path: Path) -> None:
+    """Covers HST-DEC-06: an unknown unit name is that unit's terminal failure, reported by the section."""
     _, system = make_host(tmp_path)
     out = converge_host(
         HostSection(
@@ -75,7 +76,9 @@ def test_HST_STAT_13_unit_named_twice_fails_the_section(tmp_path: Path) -> None:
 
 
 def test_HST_ORD_01_02_10_11_fixed_order_replanned_per_unit(tmp_path: Path) -> None:
-    """sysctl listed before kernel-modules still runs after it and finds net.bridge.* in the same pass."""
+    """sysctl listed before kernel-modules still runs after it and finds net.bridge.* in the same pass.
+
+    Covers HST-ORD-03 and HST-STAT-02 (every unit converged: CONVERGED)."""
     _, system = make_host(tmp_path)
     spec = HostSection(
         (
@@ -103,7 +106,9 @@ def test_HST_COND_01_fabric_manager_and_mps_conditions(tmp_path: Path) -> None:
 
 
 def test_HST_LVL_12_drift_repaired_without_a_new_spec(tmp_path: Path) -> None:
-    """A sysctl changed by hand, a deleted drop-in, a stopped service: the next pass repairs them."""
+    """A sysctl changed by hand, a deleted drop-in, a stopped service: the next pass repairs them.
+
+    Covers HST-LVL-05 (a hand-changed sysctl set back) and HST-LVL-06 (a deleted drop-in written again)."""
     root, system = make_host(tmp_path)
     spec = section(sysctl={"vm.swappiness": 3}, kernel_modules={"load": ["tun"]}, gpu_sharing={"mode": "mps"})
     assert converge_host(spec, executor(system)).state is SectionState.CONVERGED
@@ -139,6 +144,7 @@ def test_HST_RMV_01_13_removal_is_level_triggered(tmp_path: Path) -> None:
 
 
 def test_HST_HLP_15_units_false_is_unsupported(tmp_path: Path) -> None:
+    """Covers HST-HLP-17: the UNSUPPORTED state carries no condition (no SectionUnsupported)."""
     _, system = make_host(tmp_path)
     out = converge_host(section(sysctl={"vm.swappiness": 3}), executor(system), host_units=False)
     assert (
@@ -151,6 +157,7 @@ def test_HST_HLP_15_units_false_is_unsupported(tmp_path: Path) -> None:
 
 
 def test_HST_HLP_02_RBT_07_helper_executor_sends_only_what_differs(tmp_path: Path) -> None:
+    """Covers HST-RBT-07: the helper's text answer with `reboot the node` becomes RebootRequired."""
     _, system = make_host(tmp_path)
     sent: list[tuple[str, str | None]] = []
 
@@ -176,6 +183,7 @@ def test_HST_RBT_06_message_cut_on_a_utf8_boundary() -> None:
 
 
 def test_HST_converger_for_the_runner(tmp_path: Path) -> None:
+    """Covers HST-STAT-01: the converger reports the one section `host`."""
     _, system = make_host(tmp_path)
     conv = HostConverger(lambda busy: executor(system))
     assert conv.is_empty(None) and conv.is_empty(HostSection())

@@ -83,7 +83,8 @@ def test_HST_SYS_10_missing_key_still_in_the_drop_in(tmp_path: Path) -> None:
 
 def test_HST_SYS_05_39_numbers_and_hardened_values(tmp_path: Path) -> None:
     """Q-HST-SYS-03: a whole float is written as an integer, another float as Python's repr; hardened
-    values compare as integers whatever JSON type carried them; a non-integer hardened value is refused."""
+    values compare as integers whatever JSON type carried them; a non-integer hardened value is refused.
+    Covers HST-SYS-37: a lowering value is refused with the catalogue's message, a keeping one accepted."""
     s = REGISTRY["sysctl"].decode_settings('{"vm.a": 0.5, "vm.b": 2.0, "vm.c": 1e3}')
     assert s.values == (("vm.a", "0.5"), ("vm.b", "2"), ("vm.c", "1000"))
     for value in ("0", " 0 ", 0, 0.0, False):
@@ -240,7 +241,8 @@ def test_HST_MIG_03_16_19_all_disabled_destroys_first_busy_keeps_mode(tmp_path: 
 def test_HST_HLP_02_RBT_07_terminal_only_when_every_issue_is(tmp_path: Path) -> None:
     """Q-HST-HLP-03: the helper's answer carries each issue's kind; the node calls the unit terminal
     only when every issue is, a reboot wait by the phrase `reboot the node`, anything else (a helper
-    refusal included) retryable."""
+    refusal included) retryable.
+    Covers HST-RBT-07."""
     _, system = make_host(tmp_path)
     answers = {
         "cpu": {"issues": [{"kind": "terminal", "message": "cpu: governor x is not offered by cpu0"}]},

@@ -197,6 +197,7 @@ def test_HST_DEC_settings_rules(rid: str, unit: str, text: str, fragment: str | 
 
 
 def test_HST_SRC_03_ORD_01_registry_holds_twelve_units_in_order() -> None:
+    """Covers HST-ORD-03/04/05/06/07/08: the fixed order puts each unit where the catalogue says."""
     from bcd_shared.units import ORDER
 
     assert ORDER == (

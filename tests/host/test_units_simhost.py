@@ -77,6 +77,7 @@ def test_HST_RMV_10_kernel_modules_removal(tmp_path: Path) -> None:
 
 
 def test_HST_SYS_07_08_drop_in_and_live(tmp_path: Path) -> None:
+    """Covers HST-SYS-01: the settings are an object of sysctl name to scalar value."""
     root, system = make_host(tmp_path)
     r = run(system, "sysctl", {"vm.swappiness": 10, "net.ipv4.tcp_rmem": "4096 131072  6291456"})
     assert r.ok
@@ -113,6 +114,7 @@ def test_HST_SYS_12_refused_key_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_HST_SYS_09_RMV_09_empty_object_and_removal(tmp_path: Path) -> None:
+    """Covers HST-RMV-09: removing sysctl removes the drop-in; the live value stays."""
     _, system = make_host(tmp_path)
     run(system, "sysctl", {"vm.swappiness": 10})
     run(system, "sysctl", {})
@@ -124,6 +126,7 @@ def test_HST_SYS_09_RMV_09_empty_object_and_removal(tmp_path: Path) -> None:
 
 
 def test_HST_ORD_11_modules_before_the_sysctls_they_provide(tmp_path: Path) -> None:
+    """Covers HST-ORD-03: modules load before the sysctls they provide."""
     _, system = make_host(tmp_path)
     run(system, "kernel-modules", {"load": ["br_netfilter"]})
     r = run(system, "sysctl", {"net.bridge.bridge-nf-call-iptables": 0})
@@ -165,6 +168,7 @@ def test_HST_HP_05_06_07_22_23_25_pages_and_mount(tmp_path: Path) -> None:
 
 
 def test_HST_HP_10_11_14_15_16_boot_reservation_and_reboot(tmp_path: Path) -> None:
+    """Covers HST-REC-04: hugepages-1g-boot holds the reserved count."""
     root, system = make_host(tmp_path)
     (root / "var/lib/bcd-sim/hugepages-1g-limit").write_text("2\n")  # fragmented memory
     r = run(system, "hugepages", {"pages1g": 20, "perNuma": True})
@@ -216,6 +220,8 @@ def test_HST_HP_19_20_21_terminal_kernel_lacks(tmp_path: Path) -> None:
 
 
 def test_HST_CPU_07_11_12_15_17_governor_and_isolation(tmp_path: Path) -> None:
+    """Covers HST-CPU-10 (the governor is set live while isolation waits for a reboot) and
+    HST-REC-03 (bootargs/cpu)."""
     root, system = make_host(tmp_path)
     r = run(system, "cpu", {"governor": "performance", "isolate": "4-31,36-63"})
     assert [i.kind for i in r.issues] == ["reboot"]
@@ -255,6 +261,7 @@ def test_HST_CPU_08_09_governor_not_offered_and_no_cpufreq(tmp_path: Path) -> No
 
 
 def test_HST_CPU_13_grubby_and_RMV_11_removal(tmp_path: Path) -> None:
+    """Covers HST-RMV-11: removing cpu takes its arguments out of the boot loader (grubby) and its record."""
     root, system = make_host(tmp_path)
     (root / "usr/sbin/update-grub").unlink()
     (root / "usr/sbin/grubby").write_text("#!/bin/sh\n")
@@ -272,6 +279,8 @@ def test_HST_CPU_13_grubby_and_RMV_11_removal(tmp_path: Path) -> None:
 
 
 def test_HST_IOMMU_04_to_10_vendor_arguments(tmp_path: Path) -> None:
+    """Covers HST-IOMMU-02 (passthrough adds iommu=pt), HST-IOMMU-03 (the vendor comes from
+    /proc/cpuinfo), HST-REC-03 (bootargs/iommu)."""
     root, system = make_host(tmp_path)
     r = run(system, "iommu", {})
     assert r.issues[0].message == (
@@ -318,6 +327,7 @@ def test_HST_DRV_06_10_18_19_21_install_and_swap_on_ubuntu(tmp_path: Path) -> No
 
 
 def test_HST_DRV_12_14_rhel_stream_and_unknown_distribution(tmp_path: Path) -> None:
+    """Covers HST-DRV-16: the RHEL family installs with `dnf -y install`."""
     root, system = make_host(tmp_path)
     (root / "etc/os-release").write_text('ID="rocky"\nID_LIKE="rhel centos fedora"\nVERSION_ID="9.4"\n')
     p = plan(system, "nvidia-driver", {"branch": "550", "open": True})
@@ -454,6 +464,8 @@ def test_HST_MIG_reset_applies_a_pending_mode(tmp_path: Path) -> None:
 
 
 def test_HST_SHARE_04_05_07_to_13_16_mps_and_timeslice(tmp_path: Path) -> None:
+    """Covers HST-SHARE-06/08/09/10/11/12/13/16: the unit file's lines, a stopped service started
+    again (MPSDown while down), timeslice removing the service."""
     root, system = make_host(tmp_path)
     r = run(system, "gpu-sharing", {"mode": "mps", "replicas": 7})
     assert r.ok and r.conditions == ()
@@ -487,6 +499,7 @@ def test_HST_SHARE_03_mps_needs_the_control_daemon(tmp_path: Path) -> None:
 
 
 def test_HST_CTK_02_to_14_toolkit_and_cdi(tmp_path: Path) -> None:
+    """Covers HST-REC-05: cdi-nvidia.stamp follows what the CDI spec describes."""
     _, system = make_host(tmp_path)
     assert system.run(["apt-get", "install", "-y", "containerd"]).ok
     r = run(system, "container-toolkit", {})
