@@ -181,7 +181,8 @@ def test_DEV_K8S_16_unreadable_file_procedure_and_marker_removal(make_host, kube
 
 
 def test_DEV_BUSY_gpu_reset_checks_then_resets_and_reads_health(host: Host) -> None:
-    """Covers DEV-BUSY-02..05, DEV-BUSY-08..10, DEV-CONF-14, DLV-DEV-21 (the busy side)."""
+    """Covers DEV-BUSY-02..05, DEV-BUSY-07..10, DEV-CONF-14, DLV-DEV-21 (the busy side), and their
+    delivery.md twins DLV-RST-02..07, DLV-RST-09, DLV-RST-11 (a failed remap stays unhealthy)."""
     host.run(
         DevicesSpec(
             1, (DeviceAssignment("a1", "r", "BINDING_HOLD", (DeviceRef(f"{G7}/gi2/ci0", "gpu.mig"),)),)
