@@ -325,16 +325,30 @@ class DevPlane:
 
     def desired_state(self, node_id: str) -> tuple[int, wire.DesiredState] | None:
         row = self.store.one(
-            "SELECT generation, spec_body, spec_signature FROM nodes WHERE node_id = ?", node_id
+            "SELECT generation, spec_json, spec_hash, spec_body, spec_signature FROM nodes WHERE node_id = ?",
+            node_id,
         )
         if row is None or not row["generation"]:
             return None
+        generation = int(row["generation"])
+        if row["spec_body"] is None:
+            # No encoded body stored: render the stored spec unsigned with apply_spec's own encoder,
+            # byte for byte (DLV-RCV-18).
+            body = bytes(
+                wire.DesiredStateBody(
+                    node_id=node_id,
+                    generation=generation,
+                    spec_hash=str(row["spec_hash"]),
+                    full=spec_from_json(json.loads(row["spec_json"] or "{}")),
+                )
+            )
+            return generation, wire.DesiredState(body=body)
         envelope = wire.DesiredState(
             body=bytes(row["spec_body"]),
-            signature=bytes(row["spec_signature"]),
-            signer_chain=[self.keys.worker_der],
+            signature=bytes(row["spec_signature"] or b""),
+            signer_chain=[self.keys.worker_der] if row["spec_signature"] else [],
         )
-        return int(row["generation"]), envelope
+        return generation, envelope
 
     def send_spec(self, session: GatewaySession) -> bool:
         current = self.desired_state(session.node_id)
@@ -479,6 +493,8 @@ class DevPlane:
 
     def dispatch(self, session: GatewaySession, *, redeliver: bool = False) -> int:
         """Send pending commands within lane credits (and, on a new session, those in flight again)."""
+        if session.closed or self.sessions.get(session.node_id) is not session:
+            return 0  # only the session of the node's current epoch is sent commands (DLV-DSP-03)
         now = time.time()
         sent = 0
         with self.store.tx() as c:
@@ -498,6 +514,13 @@ class DevPlane:
                     if row["not_before"] > now or row["not_after_ms"] <= now * 1000:
                         continue
                     if used[lane] >= LANE_CREDITS[lane]:
+                        continue
+                    if not _body_ok(bytes(row["body"]), session.node_id):
+                        c.execute(
+                            "UPDATE commands SET state = 'cancelled', reason = 'invalid-body', updated_at = ?"
+                            " WHERE id = ?",
+                            (now, row["id"]),
+                        )  # never sent (DLV-CMD-17)
                         continue
                     used[lane] += 1
                     c.execute(
@@ -780,6 +803,15 @@ class DevPlane:
 
     def nodes(self) -> list[str]:
         return [str(r[0]) for r in self.store.all("SELECT node_id FROM nodes ORDER BY joined_at")]
+
+
+def _body_ok(body: bytes, node_id: str) -> bool:
+    """A stored command body the gateway may send: it decodes, has `not_after` and names this node."""
+    try:
+        decoded = wire.CommandBody.parse(body)
+    except Exception:  # noqa: BLE001 (any decode failure is an invalid body)
+        return False
+    return decoded.not_after > 0 and decoded.node_id == node_id
 
 
 def _timeout(spec: KindSpec | None) -> float:
