@@ -154,7 +154,9 @@ HOST = HostMemory(
 def test_failure_table(
     ident: str, assignments: list[DeviceAssignment], expected: list[tuple[str, str, str]]
 ) -> None:
-    """Covers DEV-FAIL-01, DEV-FAIL-03..05, DEV-FAIL-07, DEV-CONF-01..07 and the ids in the table."""
+    """Covers DEV-FAIL-01, DEV-FAIL-03..05, DEV-FAIL-07, DEV-CONF-01..07 and the ids in the table, and
+    DEV-ASG-05, DEV-ASG-13, DEV-PASS-14 (b after a), DEV-PASS-15 (binding before atoms), DLV-DEV-06,
+    DLV-DEV-17 (CONF-05 row), DLV-DEV-18 (CONF-06 row), DLV-DEV-28, DLV-DEV-29 (the nic.vf row)."""
     assert failures(assignments) == expected, ident
 
 

@@ -45,7 +45,10 @@ def gpu(u: str) -> tuple[str, str]:
 def test_DEV_CDI_22_DEV_ENV_08_worked_example_whole_gpu_with_limits(host: Host) -> None:
     """Covers DEV-CDI-01..07, DEV-CDI-10..12, DEV-CDI-15, DEV-CDI-17..19, DEV-CDI-22, DEV-ENV-01..04,
     DEV-ENV-08,
-    DEV-BIND-01, DEV-SLICE-09..14, DEV-SLICE-22, DEV-EVT-04/05, DLV-DEV-01/02/04/22/37."""
+    DEV-BIND-01, DEV-SLICE-09..14, DEV-SLICE-22, DEV-EVT-04/05, DLV-DEV-01/02/04/22/37,
+    DEV-ASG-01..04, DEV-ASG-06, DEV-ASG-08, DEV-ATOM-01..03, DEV-SLICE-01, DEV-SLICE-06, DEV-SEE-03,
+    DEV-SEE-04, DEV-ENV-06, DEV-CDI-21, DEV-PASS-16, DLV-DEV-09, DLV-DEV-13, DLV-DEV-23..25,
+    DLV-DEV-30..33, DLV-DEV-35."""
     a = hold(
         "alloc_01jz8k2v",
         gpu(G0),
@@ -100,7 +103,8 @@ def test_DEV_CDI_22_DEV_ENV_08_worked_example_whole_gpu_with_limits(host: Host) 
 
 
 def test_DEV_EVT_01_bound_and_released_are_reports_signed_with_the_node_key(host: Host) -> None:
-    """Covers DEV-EVT-01, DEV-EVT-07, DEV-PASS-07, DLV-DEV-05, DLV-DEV-11."""
+    """Covers DEV-EVT-01, DEV-EVT-07, DEV-PASS-07, DLV-DEV-05, DLV-DEV-11, DEV-BIND-08 (the files are gone
+    once AllocationReleased is out)."""
     host.run(DevicesSpec(1, (hold("a1", gpu(G0)),)))
     host.run(DevicesSpec(2, ()))
     reports = host.sink.events
@@ -116,7 +120,8 @@ def test_DEV_EVT_01_bound_and_released_are_reports_signed_with_the_node_key(host
 
 
 def test_DEV_PASS_03_a_restarted_converger_reads_its_holds_back_from_the_files_alone(host: Host) -> None:
-    """Covers DEV-PASS-03, DEV-PASS-04, DEV-PASS-11, DEV-PASS-13, DEV-ENV-07, DLV-DEV-10."""
+    """Covers DEV-PASS-03, DEV-PASS-04, DEV-PASS-11, DEV-PASS-13, DEV-ENV-07, DLV-DEV-10, DEV-ATOM-06,
+    DEV-ATOM-07, DLV-DEV-14, DLV-DEV-16 (a slot names its GPU, a MIG instance its MIG- UUID)."""
     spec = DevicesSpec(
         3,
         (
@@ -237,7 +242,8 @@ def test_DEV_UNPRIV_03_unprivileged_node_refuses_and_writes_nothing(make_host) -
 
 
 def test_DEV_EVT_10_allocation_failed_once_per_generation_and_again_later(host: Host) -> None:
-    """Covers DEV-EVT-10, DEV-FAIL-08, DEV-FAIL-09, DEV-FAIL-11, DEV-FAIL-13, DLV-DEV-07."""
+    """Covers DEV-EVT-10, DEV-FAIL-08, DEV-FAIL-09, DEV-FAIL-11, DEV-FAIL-13, DLV-DEV-07, DEV-PASS-17,
+    DEV-ASG-13."""
     spec = DevicesSpec(5, (hold("a1", gpu(G0)), hold("a2", gpu(G0))))
     out = host.run(spec)
     assert out.state is SectionState.FAILED and out.message == f"a2: {G0} is assigned to a1"
