@@ -14,13 +14,19 @@ def _roundtrip(spec: wire.NodeSpec) -> wire.NodeSpec:
 
 def test_DLV_SPEC_03_host_holds_units_with_canonical_json_settings() -> None:
     settings = '{"modules":["vfio_pci"]}'
-    spec = _roundtrip(wire.NodeSpec(host=wire.HostSection(units=[wire.HostUnit(name="kmod", settings=settings)])))
+    spec = _roundtrip(
+        wire.NodeSpec(host=wire.HostSection(units=[wire.HostUnit(name="kmod", settings=settings)]))
+    )
     assert spec.host is not None and [(u.name, u.settings) for u in spec.host.units] == [("kmod", settings)]
 
 
 def test_DLV_SPEC_04_devices_hold_assignments() -> None:
     assignment = wire.DeviceAssignment(
-        allocation_id="a1", reservation_id="r1", binding=wire.Binding.HOLD, devices=[wire.DeviceAtom(id="GPU-1", device_class="gpu")], env=["K=V"]
+        allocation_id="a1",
+        reservation_id="r1",
+        binding=wire.Binding.HOLD,
+        devices=[wire.DeviceAtom(id="GPU-1", device_class="gpu")],
+        env=["K=V"],
     )
     spec = _roundtrip(wire.NodeSpec(devices=wire.DevicesSection(assignments=[assignment])))
     assert spec.devices is not None
@@ -35,7 +41,9 @@ def test_DLV_SPEC_05_instances_hold_runtime_size_image_nics_gpus() -> None:
     assert {"runtime", "size", "image", "nics", "gpu_uuids"} <= names
     assert "volumes" in wire.InstancesSection.__dataclass_fields__
     spec = _roundtrip(
-        wire.NodeSpec(instances=wire.InstancesSection(instances=[wire.InstanceSpec(id="i1", gpu_uuids=["GPU-1"])]))
+        wire.NodeSpec(
+            instances=wire.InstancesSection(instances=[wire.InstanceSpec(id="i1", gpu_uuids=["GPU-1"])])
+        )
     )
     assert spec.instances is not None and spec.instances.instances[0].gpu_uuids == ["GPU-1"]
 

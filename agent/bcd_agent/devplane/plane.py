@@ -809,7 +809,7 @@ def _body_ok(body: bytes, node_id: str) -> bool:
     """A stored command body the gateway may send: it decodes, has `not_after` and names this node."""
     try:
         decoded = wire.CommandBody.parse(body)
-    except Exception:  # noqa: BLE001 (any decode failure is an invalid body)
+    except Exception:  # any decode failure is an invalid body
         return False
     return decoded.not_after > 0 and decoded.node_id == node_id
 
