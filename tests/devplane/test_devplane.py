@@ -112,6 +112,7 @@ def test_DLV_EVT_05_08_events_above_the_ack_and_other_journals_ignored(tmp_path:
 
 
 def test_DLV_CAN_01_cancel_before_dispatch_wins(tmp_path: Path) -> None:
+    """Covers DLV-DSP-05: a pending command whose cancel was requested is cancelled, never sent."""
     plane = DevPlane(tmp_path / "dp", listen=None)
     node = _joined(plane)
     cid = plane.enqueue(node, "inventory.refresh")

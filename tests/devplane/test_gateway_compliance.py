@@ -59,6 +59,7 @@ def _plane(tmp_path: Path) -> tuple[DevPlane, str]:
 
 
 def test_DLV_GEN_01_SPEC_12_generation_is_the_planes_and_moves_only_on_a_changed_spec(tmp_path: Path) -> None:
+    """Covers DLV-GEN-01, DLV-SPEC-12."""
     plane, node = _plane(tmp_path)
     assert (
         plane.apply_spec(node, {"telemetry": {"otlpEndpoint": "https://o", "headersSecretRef": "secret://h"}})
@@ -123,6 +124,7 @@ def test_DLV_RCV_03_backstop_sends_only_to_sessions_behind_held_and_sent(tmp_pat
 def test_DLV_RCV_05_16_17_SIG_14_spec_request_answered_with_the_stored_signed_full_body(
     tmp_path: Path,
 ) -> None:
+    """Covers DLV-RCV-05, DLV-RCV-16, DLV-RCV-17, DLV-SIG-14."""
     plane, node = _plane(tmp_path)
     plane.apply_spec(node, {"telemetry": {"otlpEndpoint": "https://o"}})
     session, receive, got = _session(plane, node, applied=1)
@@ -198,6 +200,7 @@ def test_DLV_DSP_03_dispatched_with_the_current_epoch_only(tmp_path: Path) -> No
 
 
 def test_DLV_DSP_04_LANE_04_credits_and_order_within_a_lane(tmp_path: Path) -> None:
+    """Covers DLV-DSP-04, DLV-LANE-04."""
     assert LANE_CREDITS == {Lane.CONTROL: 8, Lane.PROVISION: 4, Lane.BULK: 2}
     plane, node = _plane(tmp_path)
     kinds = {Lane.CONTROL: "inventory.refresh", Lane.PROVISION: "diag.dcgm", Lane.BULK: "logs.collect"}
@@ -237,6 +240,7 @@ def test_DLV_CMD_17_invalid_stored_body_cancelled_not_sent(tmp_path: Path) -> No
 
 
 def test_DLV_SIG_02_QRM_07_commands_signed_bundle_in_welcome_batches_carry_approval(tmp_path: Path) -> None:
+    """Covers DLV-SIG-02, DLV-QRM-07."""
     plane, node = _plane(tmp_path)
     plane.enqueue(node, "inventory.refresh")
     plane.enqueue(node, "gpu.reset")  # destructive: batched
@@ -256,6 +260,7 @@ def test_DLV_SIG_02_QRM_07_commands_signed_bundle_in_welcome_batches_carry_appro
 
 
 def test_DLV_RES_09_10_SIG_19_updates_scoped_to_the_node_and_stored_exactly(tmp_path: Path) -> None:
+    """Covers DLV-RES-09, DLV-RES-10, DLV-SIG-19."""
     plane, node = _plane(tmp_path)
     intruder = _joined(plane)
     cid = plane.enqueue(node, "inventory.refresh")

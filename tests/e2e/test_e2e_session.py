@@ -196,6 +196,8 @@ def _section(record: dict[str, Any], name: str) -> dict[str, Any]:
 
 
 def test_e2e_spec_command_and_devplane_killed_mid_session(world: dict[str, Any]) -> None:
+    """Covers DLV-DS-01 (a spec and commands over one session) and DLV-DS-02 (a redelivered command
+    has its effect once)."""
     tmp: Path = world["tmp"]
     root: Path = world["root"]
     admin = AdminClient(world["dir"])
@@ -292,6 +294,7 @@ def test_e2e_spec_command_and_devplane_killed_mid_session(world: dict[str, Any])
 
 
 def test_e2e_node_acts_directly_and_node_reboot_completes_at_the_next_boot(world: dict[str, Any]) -> None:
+    """Covers DLV-REC-18: node.reboot completes SUCCEEDED from the next boot, end to end."""
     tmp: Path = world["tmp"]
     root: Path = world["root"]
     admin = AdminClient(world["dir"])

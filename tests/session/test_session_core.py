@@ -168,6 +168,7 @@ def connect(core: SessionCore, out: list[wire.NodeMessage], **kw: Any) -> wire.H
 
 
 def test_DLV_RCV_08_no_spec_on_a_new_journal_asks_with_NO_SPEC(tmp_path: Path, pki: Pki) -> None:
+    """Covers DLV-RCV-04: bcd sends SpecRequest{have_generation, reason}."""
     core, out, _rec, _ = make(tmp_path, pki)
     hello = connect(core, out)
     assert hello.applied_generation == 0 and hello.node_id == NODE and hello.boot_id == "boot-1"
