@@ -22,6 +22,7 @@ DROPIN = "etc/sysctl.d/90-bcd.conf"
 
 
 def test_HST_HLP_03_09_10_12_sysctl_replanned_applied_refused_and_cleaned(helper: HelperProcess) -> None:
+    """Covers HST-SYS-13 (helper side): root refuses a denylisted sysctl whoever sends it."""
     result = helper.client.host_unit("sysctl", '{"vm.swappiness":10}')
     assert result["changed"] is True and result["issues"] == []
     assert "vm.swappiness = 10" in (helper.root / DROPIN).read_text()

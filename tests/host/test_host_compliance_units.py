@@ -264,6 +264,7 @@ def test_HST_LVL_04_changed_setting_applied_next_pass(tmp_path: Path) -> None:
 
 
 def test_HST_LVL_16_programs_bounded_to_20_minutes(tmp_path: Path) -> None:
+    """Covers HST-LVL-16: LocalSystem.run's default bound, and a bound that ends a program."""
     assert DEFAULT_TOOL_TIMEOUT_S == 20 * 60
     assert inspect.signature(LocalSystem.run).parameters["timeout"].default == DEFAULT_TOOL_TIMEOUT_S
     res = LocalSystem().run(["sleep", "5"], timeout=0.2)
@@ -271,6 +272,7 @@ def test_HST_LVL_16_programs_bounded_to_20_minutes(tmp_path: Path) -> None:
 
 
 def test_HST_SRC_02_ORD_09_only_listed_units_one_action_each(tmp_path: Path) -> None:
+    """Covers HST-SRC-02 and HST-ORD-09."""
     _, system = make_host(tmp_path)
     sent: list[str] = []
 
@@ -335,6 +337,7 @@ def test_HST_RBT_01_no_unit_reboots_the_machine(tmp_path: Path) -> None:
 
 
 def test_HST_DEC_07_SYS_13_helper_decodes_with_the_same_registry() -> None:
+    """Covers HST-DEC-07 and HST-SYS-13 (node side; the helper side: tests/helper)."""
     from bcd_helper.ops.hostunit import unit_registry
 
     assert unit_registry() is REGISTRY  # one decode and validation code for node and helper
