@@ -85,3 +85,11 @@ def test_render_rows(tmp_path: Path) -> None:
     )
     assert "1 of 4 questions (Q- items) are answered" in text
     assert "deferred (listed, not decided, in docs/open-questions.md): 2; open: 1." in text
+
+
+def test_test_names_with_several_areas_lists_and_ranges() -> None:
+    from bcd_agent.tools.compliance import _name_ids
+
+    assert _name_ids("HST_SYS_09_RMV_09_11") == ["HST-SYS-09", "HST-RMV-09", "HST-RMV-11"]
+    assert _name_ids("HST_K8S_07_to_09_16") == ["HST-K8S-07", "HST-K8S-08", "HST-K8S-09", "HST-K8S-16"]
+    assert _name_ids("DEV_CDI_04_DLV_DEV_12") == ["DEV-CDI-04", "DLV-DEV-12"]

@@ -29,6 +29,10 @@ ID_LINE = re.compile(r"^- \*\*((?:Q-)?(?:DLV|DEV|HST)-[A-Z]+-\d+)\*\*\s*(.*)$")
 ID_IN_TEXT = re.compile(
     r"(?<![A-Za-z0-9])(?<!Q[-_])(DLV|DEV|HST)[-_]([A-Z]+)[-_](\d+)((?:\.\.|_to_)\d+|(?:[_/]\d+)*)(?![0-9])"
 )
+# A test function's name may name several areas and mix lists and ranges after the first id
+# (`test_HST_SYS_09_RMV_09_...`, `test_HST_K8S_07_to_13_16_...`): its upper-case prefix is read token by
+# token, an area token switching the area for the numbers after it.
+TEST_NAME = re.compile(r"\bdef test_((?:DLV|DEV|HST)_[A-Z0-9_]+?)(?=_[a-z]|\(|$)", re.M)
 CATALOGUES = ("delivery.md", "devices.md", "host.md")
 
 
@@ -51,10 +55,38 @@ def scan_tests(tests_dir: Path) -> dict[str, set[str]]:
     for path in sorted(tests_dir.rglob("*.py")):
         if path.parent.name == "tools" and path.parent.parent == tests_dir:
             continue  # the report's own tests name ids as sample data
-        for m in ID_IN_TEXT.finditer(path.read_text(errors="replace")):
-            for ident in _ids(*m.groups()):
-                found[ident].add(str(path.relative_to(tests_dir.parent)))
+        text = path.read_text(errors="replace")
+        idents = [ident for m in ID_IN_TEXT.finditer(text) for ident in _ids(*m.groups())]
+        idents += [ident for m in TEST_NAME.finditer(text) for ident in _name_ids(m.group(1))]
+        for ident in idents:
+            found[ident].add(str(path.relative_to(tests_dir.parent)))
     return found
+
+
+def _name_ids(prefix: str) -> list[str]:
+    """The ids a test name's upper-case prefix names (`HST_SYS_09_RMV_09_11` -> SYS-09, RMV-09, RMV-11)."""
+    tokens = prefix.split("_")
+    catalogue, area, out = tokens[0], "", []
+    last: str | None = None
+    i = 1
+    while i < len(tokens):
+        tok = tokens[i]
+        following = tokens[i + 1] if i + 1 < len(tokens) else ""
+        if tok in ("DLV", "DEV", "HST") and following[:1].isalpha():  # `DLV_DEV_12`: DEV is an area
+            catalogue, area, last = tok, "", None
+        elif tok.isdigit() and area:
+            out.append(f"{catalogue}-{area}-{tok}")
+            last = tok
+        elif tok == "to" and last is not None and i + 1 < len(tokens) and tokens[i + 1].isdigit():
+            end = tokens[i + 1]
+            out += [f"{catalogue}-{area}-{n:0{len(last)}d}" for n in range(int(last) + 1, int(end) + 1)]
+            last, i = end, i + 1
+        elif tok.isalnum() and tok[:1].isalpha() and tok.isupper():
+            area, last = tok, None
+        else:
+            break
+        i += 1
+    return out
 
 
 def _ids(area: str, part: str, first: str, tail: str) -> list[str]:
