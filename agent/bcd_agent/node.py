@@ -68,6 +68,19 @@ def _boot_id(system: Any) -> str:
     return str(text).strip()
 
 
+def acts_on_host(helper_socket: str | None, euid: int, root: str) -> bool:
+    """The node can change the host: through the helper, as root, or on a simulated host."""
+    return helper_socket is not None or euid == 0 or root != "/"
+
+
+def device_capabilities(devices_section: bool, acts_on_host: bool) -> tuple[str, ...]:
+    """What Hello advertises for holds. An unprivileged node without a helper takes no holds and says
+    so: no cdi, devices.limits or binding.kubernetes capability (DEV-CAP-01, DEV-UNPRIV-02)."""
+    if devices_section and acts_on_host:
+        return ("cdi", "devices.limits", "binding.kubernetes")
+    return ()
+
+
 class Node:
     def __init__(self, config: Config, options: NodeOptions | None = None) -> None:
         self.config = config
@@ -103,8 +116,7 @@ class Node:
         return str(Path(self.options.root) / sock.lstrip("/"))
 
     def _acts_on_host(self) -> bool:
-        """The node can change the host: through the helper, as root, or on the simulated host."""
-        return self._helper_socket() is not None or os.geteuid() == 0 or self.options.root != "/"
+        return acts_on_host(self._helper_socket(), os.geteuid(), self.options.root)
 
     def _helper_client(self) -> Any:
         from bcd_agent.helperclient import HelperClient
@@ -362,8 +374,9 @@ class Node:
                 identity,
                 trio.lowlevel.current_trio_token(),
             )
-            if any(s.name == "devices" for s in sections):
-                core.capabilities = ("cdi", "devices.limits", "binding.kubernetes")
+            core.capabilities = device_capabilities(
+                any(s.name == "devices" for s in sections), self._acts_on_host()
+            )
             self.runner = ConvergeRunner(
                 sections,
                 self._observer(system),
