@@ -55,6 +55,7 @@ async def converge_example(root: Path, data_dir: Path, example: str) -> NodeStat
 
 
 async def test_status_shows_sections_and_holders(tmp_path: Path) -> None:
+    """Covers DEV-SEE-01: per GPU, the allocation that holds it or one of its MIG instances."""
     root, data_dir = sim_root(tmp_path), tmp_path / "data"
     # The example's host units have no converger here: only devices runs (host is UNSUPPORTED).
     await converge_example(root, data_dir, "gpu-node.json")

@@ -45,8 +45,13 @@ class Host:
 
     def _build(self) -> DevicesSection:
         return DevicesSection(
-            self.system, DirectExecutor(self.system), self.sink, self.signer, DATA_DIR, **self.kw
-        )  # type: ignore[arg-type]
+            self.system,
+            DirectExecutor(self.system),
+            self.sink,
+            self.signer,
+            DATA_DIR,
+            **self.kw,  # type: ignore[arg-type]
+        )
 
     def restart(self, **kw: object) -> None:
         self.kw.update(kw)

@@ -132,7 +132,8 @@ def test_pod_resources_client_on_a_real_socket(kubelet: FakeKubelet, tmp_path: P
 
 
 def test_DEV_K8S_02_release_waits_for_pods_then_reports(make_host, kubelet: FakeKubelet) -> None:  # type: ignore[no-untyped-def]
-    """Covers DEV-K8S-01..03, DEV-K8S-06, DEV-K8S-08, DEV-K8S-09, DEV-K8S-11, DEV-EVT-08, DEV-BND-06."""
+    """Covers DEV-K8S-01..03, DEV-K8S-06, DEV-K8S-08, DEV-K8S-09, DEV-K8S-11, DEV-EVT-08, DEV-BND-06,
+    DEV-PASS-06 (a pending release reported once no pod holds it), DEV-PASS-08."""
     host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
     kubelet.pods = [("trainer", "bcd.dev/gpu", [f"{G0}_s1"])]
     host.run(DevicesSpec(1, (kube_hold("k1", f"{G0}/s1"),)))

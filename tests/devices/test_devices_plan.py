@@ -186,7 +186,7 @@ def test_DEV_K8S_14_unreadable_file_is_set_aside_and_DEV_K8S_17_condition() -> N
 
 
 def test_DEV_K8S_13_stuck_after_five_minutes_and_DEV_K8S_12_taken_back() -> None:
-    """Covers DEV-K8S-08, DEV-K8S-09, DEV-K8S-12, DEV-K8S-13."""
+    """Covers DEV-K8S-08, DEV-K8S-09, DEV-K8S-12, DEV-K8S-13, DEV-PASS-06 (dropped when wanted again)."""
     rel = PendingRelease("k", "r", 3, (A,), 1000.0)
     held = Observed(inventory=inv(), releases=(rel,), pods_holding={"k": True}, now=1000.0 + 301)
     p = plan(DevicesSpec(4, ()), held)

@@ -12,7 +12,7 @@ def test_DEV_UNPRIV_01_02_an_unprivileged_node_without_a_helper_advertises_no_ho
 
 
 def test_DEV_CAP_01_a_node_that_can_bind_advertises_cdi_limits_and_kubernetes() -> None:
-    """Covers DEV-CAP-01: through the helper, as root, or on a simulated host."""
+    """Covers DEV-CAP-01, DLV-DEV-47: through the helper, as root, or on a simulated host."""
     for helper, euid, root in (("/run/bcd/helper.sock", 990, "/"), (None, 0, "/"), (None, 990, "/tmp/sim")):
         assert acts_on_host(helper, euid, root) is True
         assert device_capabilities(True, True) == ("cdi", "devices.limits", "binding.kubernetes")
