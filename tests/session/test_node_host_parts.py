@@ -118,3 +118,20 @@ def test_from_wire_keeps_names_settings_and_order() -> None:
     )
     assert from_wire(section) == HostSection((("sysctl", '{"a":1}'), ("nope", "{}")))
     assert from_wire(None) == HostSection()
+
+
+def test_DEV_CONF_13_units_leave_alone_what_holds_and_releases_name(sim_root: Path) -> None:
+    """Covers DEV-CONF-13: the GPUs the host units (mig-layout) must not repartition are exactly what a
+    live hold names, and every GPU while the pending-releases file cannot be read."""
+    from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+    from bcd_agent.sections.devices.observe import RELEASES_FILE
+    from bcd_shared.simhost.gpus import gpu_uuid
+    from devices.devhost import DATA_DIR, Host
+
+    host = Host(sim_root)
+    gpus = collect_gpus(host.system)
+    held = DeviceAssignment("a1", "rsv_a1", "BINDING_HOLD", (DeviceRef(gpu_uuid(1), "gpu"),), None)
+    assert host.run(DevicesSpec(1, (held,))).state.value == "CONVERGED"
+    assert busy_devices(host.system, DATA_DIR, gpus) == frozenset({gpu_uuid(1)})
+    host.system.write_atomic(f"{DATA_DIR}/{RELEASES_FILE}", b"{torn")
+    assert busy_devices(host.system, DATA_DIR, gpus) == frozenset(g.uuid for g in gpus.gpus)
