@@ -40,7 +40,8 @@ def _ok(h: HelperProcess, doc: dict[str, Any]) -> dict[str, Any]:
 
 def test_HST_SIGN_06_18_19_24_25_pinned_roots(fresh_root: Path, cp: ControlPlane) -> None:
     """command_root_sha256 decides alone: the request names its root (the chain's last certificate), which
-    must be pinned; worker role; this node; generation; exact settings."""
+    must be pinned; worker role; this node; generation; exact settings. Covers HST-SIGN-14 (a root that is
+    not pinned is refused; the record and bundle sources are the next tests)."""
     worker = cp.command.leaf()
     h = _start(fresh_root, cp, pin_roots=True)
     try:
@@ -94,6 +95,7 @@ def test_HST_SIGN_06_18_19_24_25_pinned_roots(fresh_root: Path, cp: ControlPlane
 def test_HST_SIGN_07_08_20_26_28_roots_and_node_from_roots_join_record(
     fresh_root: Path, cp: ControlPlane
 ) -> None:
+    """Covers HST-SIGN-27: helper-intent.json records the newest bundle version and that specs are signed."""
     cp.write_record(fresh_root, "node-a", cp.bundle(2))
     worker = cp.command.leaf()
     h = _start(fresh_root, cp)
@@ -271,6 +273,7 @@ def test_HST_SIGN_30_31_verified_body_outlives_its_worker_certificate(
 
 
 def test_HST_REC_10_state_file_is_root_only_json(fresh_root: Path, cp: ControlPlane) -> None:
+    """Covers HST-REC-11: root's join record join-response.pb is mode 0600."""
     cp.write_record(fresh_root, "node-a", cp.bundle(2))
     h = _start(fresh_root, cp)
     try:

@@ -2,7 +2,8 @@
 """Small fakes the host-config units run on the simulated host.
 
 `tee` writes kernel files and answers as the kernel would for the files bcd sets: a 1 GiB pool
-holds at most what <root>/var/lib/bcd-sim/hugepages-1g-limit allows (a fragmented host), a
+holds at most what <root>/var/lib/bcd-sim/hugepages-1g-limit allows (a fragmented host), a 2 MiB
+pool at most what hugepages-2m-limit allows (memory short), a
 governor not listed in scaling_available_governors is EINVAL. `env` strips VAR=value words and runs
 the rest. `sysctl -w` writes /proc/sys (an unknown key is sysctl's "cannot stat" with status 255).
 `update-grub`, `grubby`, `mount`, `swapoff`, `curl`, `gpg`, `mkdir`, `containerd --version` and
@@ -44,6 +45,11 @@ def tee(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comman
                 return fail(argv, f"tee: {real}: Invalid argument\n")
         if re.search(r"hugepages-1048576kB/nr_hugepages$", host):
             limit = system.read_text("/var/lib/bcd-sim/hugepages-1g-limit")
+            if limit is not None and value.isdigit():
+                value = str(min(int(value), int(limit.strip())))
+            data = f"{value}\n".encode()
+        if re.search(r"hugepages-2048kB/nr_hugepages$", host):
+            limit = system.read_text("/var/lib/bcd-sim/hugepages-2m-limit")
             if limit is not None and value.isdigit():
                 value = str(min(int(value), int(limit.strip())))
             data = f"{value}\n".encode()

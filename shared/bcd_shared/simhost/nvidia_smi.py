@@ -155,6 +155,11 @@ def _mode(on: bool) -> str:
     return "Enabled" if on else "Disabled"
 
 
+def _mig_mode(g: dict[str, Any], key: str) -> str:
+    """A GPU without MIG (`"mig_capable": false` in gpus.json) shows `[N/A]`, as nvidia-smi does."""
+    return _mode(g[key]) if g.get("mig_capable", True) else NA
+
+
 def _watts(value: float | None) -> str:
     return NA if value is None else f"{value:.2f}"
 
@@ -175,8 +180,8 @@ GPU_FIELDS: dict[str, tuple[str, Callable[[dict[str, Any], dict[str, Any]], str]
     "uuid": ("", lambda s, g: g["uuid"]),
     "pci.bus_id": ("", lambda s, g: g["bus_id"]),
     "memory.total": ("MiB", lambda s, g: str(g["memory_mib"])),
-    "mig.mode.current": ("", lambda s, g: _mode(g["mig_enabled"])),
-    "mig.mode.pending": ("", lambda s, g: _mode(g["mig_pending"])),
+    "mig.mode.current": ("", lambda s, g: _mig_mode(g, "mig_enabled")),
+    "mig.mode.pending": ("", lambda s, g: _mig_mode(g, "mig_pending")),
     "ecc.mode.current": ("", lambda s, g: _mode(g["ecc_enabled"])),
     "ecc.mode.pending": ("", lambda s, g: _mode(g["ecc_pending"])),
     "persistence_mode": ("", lambda s, g: _mode(g["persistence_mode"])),
