@@ -6,20 +6,20 @@ STAMP := $(VENV)/.installed
 
 .PHONY: venv test lint typecheck demo proto clean bench compliance
 
-$(STAMP): shared/pyproject.toml helper/pyproject.toml agent/pyproject.toml constraints.txt
+$(STAMP): shared/pyproject.toml helper/pyproject.toml agent/pyproject.toml devhost/pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -c constraints.txt -e ./shared -e ./helper -e './agent[dev]'
+	$(BIN)/pip install -q -c constraints.txt -e ./shared -e ./helper -e './agent[dev]' -e ./devhost
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 lint: $(STAMP)
-	$(BIN)/ruff check shared helper agent tests
-	$(BIN)/ruff format --check shared helper agent tests
+	$(BIN)/ruff check shared helper agent devhost tests
+	$(BIN)/ruff format --check shared helper agent devhost tests
 
 typecheck: $(STAMP)
-	$(BIN)/mypy shared/bcd_shared helper/bcd_helper agent/bcd_agent
+	$(BIN)/mypy shared/bcd_shared helper/bcd_helper agent/bcd_agent devhost/bcd_simhost
 
 test: $(STAMP) lint typecheck
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/python -m pytest -q -p no:cacheprovider

@@ -13,7 +13,7 @@ __all__ = ["IN_CI", "REFERENCE", "REPO", "SHARED", "require_tool", "sim_root"]
 @pytest.fixture
 def sim_root(tmp_path: Path) -> Path:
     """A freshly seeded simulated host directory."""
-    from bcd_shared.simhost.seed import seed
+    from bcd_simhost.seed import seed
 
     root = tmp_path / "host"
     seed(root)

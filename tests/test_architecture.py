@@ -64,3 +64,50 @@ def test_tests_import_constants_from_testsupport() -> None:
         if ("from " + "conftest import") in p.read_text()
     ]
     assert offenders == []
+
+
+def test_simulated_host_is_its_own_distribution() -> None:
+    """The simulated host (fake nvidia-smi, systemctl, modprobe, ...) is bcd-simhost (devhost/), which
+    neither Debian package installs: no module of shared/, helper/ or agent/ imports it statically, and
+    the distributions the packages carry hold none of it (issue 15)."""
+    assert not (REPO / "shared" / "bcd_shared" / "simhost").exists()
+    assert (REPO / "devhost" / "bcd_simhost" / "__init__.py").is_file()
+    for pkg in (REPO / "shared" / "bcd_shared", REPO / "helper" / "bcd_helper"):
+        bad = [(str(p.relative_to(REPO)), m) for p, m in _imports(pkg) if m.split(".")[0] == "bcd_simhost"]
+        assert bad == []
+    text = (REPO / "devhost" / "pyproject.toml").read_text()
+    assert 'name = "bcd-simhost"' in text and 'include = ["bcd_simhost*"]' in text
+
+
+def _without_simhost(*argv: str) -> subprocess.CompletedProcess[str]:
+    # None in sys.modules makes `import bcd_simhost` raise ModuleNotFoundError, as where it is not installed.
+    code = (
+        "import sys\n"
+        "sys.modules['bcd_simhost'] = None\n"
+        "from bcd_agent.cli import main\n"
+        f"sys.exit(main({list(argv)!r}))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+
+
+def test_a_simulated_root_needs_bcd_simhost(tmp_path: Path) -> None:
+    """`--root DIR` (DIR not /) where bcd-simhost is absent: one line naming the distribution, exit 2, for
+    the helper, the node, plan, status and sim alike; nothing is created under DIR."""
+    root = tmp_path / "host"
+    spec = str(REPO / "examples" / "gpu-node.json")
+    cases = [
+        ("helper", "serve", "--root", str(root)),
+        ("node", "--root", str(root), "--config", str(tmp_path / "node.toml")),
+        ("plan", "--spec", spec, "--root", str(root)),
+        ("status", "--root", str(root), "--data-dir", str(tmp_path / "data")),
+        ("sim", "--spec", spec, "--root", str(root), "--once"),
+    ]
+    for argv in cases:
+        res = _without_simhost(*argv)
+        assert res.returncode == 2, (argv, res.stderr)
+        assert "Traceback" not in res.stderr, argv
+        lines = res.stderr.strip().splitlines()
+        assert len(lines) == 1 and "bcd-simhost" in lines[0] and f"--root {root}" in lines[0], (argv, lines)
+        assert not root.exists(), argv

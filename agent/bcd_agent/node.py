@@ -105,7 +105,7 @@ class Node:
 
         if self.options.root == "/":
             return LocalSystem(Path("/"))
-        from bcd_shared.simhost import sim_system
+        from bcd_shared.simroot import sim_system
 
         return sim_system(Path(self.options.root))
 
@@ -483,12 +483,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bcd_shared.simroot import SimHostMissing, simhost_module
+
     from bcd_agent.config import ConfigError, load_config
     from bcd_agent.session.identity import IdentityError
 
     try:
+        if args.root != "/":
+            simhost_module(args.root)  # a simulated root needs bcd-simhost
         config = load_config(args.config)
-    except ConfigError as exc:
+    except (ConfigError, SimHostMissing) as exc:
         print(f"bcd node: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(

@@ -555,7 +555,7 @@ def host_system(root: str) -> System:
     """The host a command reads: `/` itself, or a simulated host directory with its fake tools."""
     if Path(root).resolve() == Path("/"):
         return LocalSystem(Path("/"))
-    from bcd_shared.simhost import sim_system
+    from bcd_shared.simroot import sim_system
 
     return sim_system(Path(root).resolve())
 
@@ -572,6 +572,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bcd_shared.simroot import SimHostMissing
+
     from bcd_agent.config import ConfigError, default_config_path, load_config
 
     try:
@@ -586,7 +588,12 @@ def run(args: argparse.Namespace) -> int:
         return 2
     data_dir = args.data_dir or config.data_dir
     desired = desired_from_nodespec(spec, max(1, args.generation))
-    plans = plan_all(desired, host_system(args.root), data_dir, host_units=config.host.units)
+    try:
+        system = host_system(args.root)
+    except SimHostMissing as e:
+        print(f"bcd plan: {e}", file=sys.stderr)
+        return 2
+    plans = plan_all(desired, system, data_dir, host_units=config.host.units)
     if args.json:
         doc = {"generation": desired.generation, "sections": to_json(plans)}
         json.dump(doc, sys.stdout, sort_keys=True)

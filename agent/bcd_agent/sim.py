@@ -2,7 +2,7 @@
 
     bcd sim [--spec FILE] [--root DIR] [--once] [--json] [--timeout S]
 
-One command: it seeds DIR as a simulated GPU host (bcd_shared.simhost.seed: 8 H200s, MIG on GPU 7, 2
+One command: it seeds DIR as a simulated GPU host (bcd_simhost.seed: 8 H200s, MIG on GPU 7, 2
 NUMA nodes, meminfo, huge page pools; fake nvidia-smi, systemctl, modprobe, ... through sim_system),
 starts the development control plane, joins a node to it, starts `bcd node` on the simulated host,
 applies FILE (a NodeSpec in protobuf's JSON mapping) and shows the node converge: a compact live view
@@ -116,7 +116,7 @@ class Layout:
 
 def prepare(layout: Layout, *, helper: bool, node_uid: int | None) -> None:
     """Seed the simulated host and write the node's (and root's) config. Idempotent."""
-    from bcd_shared.simhost.seed import seed
+    from bcd_simhost.seed import seed
 
     seed(layout.root)
     for d in (layout.gateway_socket.parent, layout.log_dir, layout.node_config.parent):
@@ -422,7 +422,7 @@ def change_lines(previous: SimView | None, view: SimView) -> list[str]:
 
 def holders_text(root: Path) -> str:
     """The holder of each GPU, MIG instance and slot, as `bcd status --root DIR` shows it."""
-    from bcd_shared.simhost import sim_system
+    from bcd_simhost import sim_system
 
     from bcd_agent.status import StatusSnapshot, read_holders
     from bcd_agent.status import render as render_status
@@ -652,7 +652,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bcd_shared.simroot import SimHostMissing, simhost_module
+
     from bcd_agent.plan import SpecFileError
+
+    try:
+        simhost_module(args.root)  # `bcd sim` is the simulated host: it needs bcd-simhost
+    except SimHostMissing as e:
+        print(f"bcd sim: {e}", file=sys.stderr)
+        return 2
 
     opts = SimOptions(
         spec=Path(args.spec),

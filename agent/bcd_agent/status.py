@@ -234,6 +234,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from bcd_shared.simroot import SimHostMissing
+
     from bcd_agent.config import ConfigError, default_config_path, load_config
     from bcd_agent.plan import host_system
 
@@ -244,7 +246,11 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
         print(f"bcd status: {e}", file=sys.stderr)
         return 2
     data_dir = args.data_dir or config.data_dir
-    system = None if args.no_holds else host_system(args.root)
+    try:
+        system = None if args.no_holds else host_system(args.root)
+    except SimHostMissing as e:
+        print(f"bcd status: {e}", file=sys.stderr)
+        return 2
 
     def take() -> StatusSnapshot:
         return snapshot(data_dir, system)

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import FrameType
 
 from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
+from bcd_shared.simroot import SimHostMissing, sim_system, simhost_module
 from bcd_shared.system import LocalSystem
 
 from bcd_helper.audit import AuditLog
@@ -33,9 +34,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _system(root: Path) -> LocalSystem:
     if root == Path("/"):
         return LocalSystem(root)
-    from bcd_shared.simhost import sim_system
-
-    return sim_system(root)
+    # A simulated root needs the development distribution bcd-simhost; the packages never carry it.
+    try:
+        return sim_system(root)
+    except SimHostMissing as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def build(root: Path, config_path: str) -> HelperServer:
@@ -67,7 +70,12 @@ def _stop(_signum: int, _frame: FrameType | None) -> None:
 def run(args: argparse.Namespace) -> int:
     root = Path(args.root).resolve()
     try:
+        if root != Path("/"):
+            simhost_module(root)  # before anything else: a simulated root needs bcd-simhost
         server = build(root, args.config)
+    except SimHostMissing as exc:
+        print(f"bcd helper: {exc}", file=sys.stderr)
+        return 2
     except ConfigError as exc:
         print(f"bcd helper: {exc}", file=sys.stderr)
         return 1

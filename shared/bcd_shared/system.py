@@ -7,7 +7,7 @@ its root. Two implementations:
 - `LocalSystem(Path("/"))`: the real host (as root directly, or read-only as the agent).
 - `LocalSystem(root=DIR, tools=SIM_TOOLS)`: the simulated host, a directory standing for `/`,
   whose programs (nvidia-smi, systemctl, modprobe, nft, virsh, ...) are Python fakes that read and
-  change that directory (see bcd_shared.simhost). Every code path above this interface is the
+  change that directory (see bcd_simhost). Every code path above this interface is the
   production path.
 
 Writes are atomic and durable: temporary file, fsync, rename, fsync of the directory.

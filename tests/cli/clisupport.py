@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bcd_shared.simhost.seed import seed
+from bcd_simhost.seed import seed
 from testsupport import REPO
 
 EXAMPLES = REPO / "examples"

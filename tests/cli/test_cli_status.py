@@ -21,8 +21,8 @@ from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
 from bcd_agent.sections.devices.section import DevicesSection
 from bcd_agent.status import StatusSnapshot, render, watch
 from bcd_agent.statusfile import StatusFileError, decode, read_status, serve, status_path, write_status
-from bcd_shared.simhost import sim_system
-from bcd_shared.simhost.gpus import gpu_uuid
+from bcd_simhost import sim_system
+from bcd_simhost.gpus import gpu_uuid
 from clisupport import EXAMPLES, bcd, bcd_json, sim_root
 
 DEVICES_DATA_DIR = "/var/lib/bcd"

@@ -11,8 +11,8 @@ from bcd_agent.sections.devices.apply import DirectExecutor
 from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
 from bcd_agent.sections.devices.model import DevicesSpec
 from bcd_agent.sections.devices.section import DevicesSection
-from bcd_shared.simhost import sim_system
 from bcd_shared.system import LocalSystem
+from bcd_simhost import sim_system
 
 DATA_DIR = "/var/lib/bcd"
 REPO = Path(__file__).resolve().parents[2]

@@ -20,7 +20,7 @@ from bcd_agent.sections.devices.plan import (
     grown_limits,
     needs_host_memory,
 )
-from bcd_shared.simhost.gpus import gpu_uuid
+from bcd_simhost.gpus import gpu_uuid
 from devices.devhost import Host, systemctl_calls
 
 GIB = 1 << 30

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.devices.model import BINDING_HOLD, DeviceAssignment, DeviceRef, DevicesSpec
-from bcd_shared.simhost.gpus import gpu_uuid
+from bcd_simhost.gpus import gpu_uuid
 from devices.devhost import Host, systemctl_calls
 
 G0, G2 = gpu_uuid(0), gpu_uuid(2)

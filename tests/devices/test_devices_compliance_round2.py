@@ -33,8 +33,8 @@ from bcd_agent.sections.devices.slices import SLICE_NAME_RE, check_slice_name, s
 from bcd_agent.session.events import JournalEventSink, wire_event
 from bcd_shared import wire
 from bcd_shared.errors import RetryableError
-from bcd_shared.simhost.gpus import gpu_uuid
 from bcd_shared.wire.strict import decode
+from bcd_simhost.gpus import gpu_uuid
 from devices.devhost import Host, systemctl_calls
 from helper.helperproc import SOCKET, HelperProcess, base_config
 

@@ -19,7 +19,7 @@ from bcd_agent.inventory.gpus import collect_gpus
 from bcd_agent.sections.devices.busy import GpuBusy, dcgm_busy_check, gpu_reset, read_busy
 from bcd_agent.sections.devices.kube import PodResourcesClient, PodResourcesError
 from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
-from bcd_shared.simhost.gpus import gpu_uuid, update_state
+from bcd_simhost.gpus import gpu_uuid, update_state
 from devices.devhost import DATA_DIR, Host
 
 G0, G1, G7 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(7)

@@ -14,7 +14,7 @@ from pathlib import Path
 from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.devices.model import BINDING_HOLD, DeviceAssignment, DeviceRef, DevicesSpec
 from bcd_shared.cdi import parse_hold_spec
-from bcd_shared.simhost.gpus import gpu_uuid
+from bcd_simhost.gpus import gpu_uuid
 from devices.devhost import DATA_DIR, Host
 
 G0, G1 = gpu_uuid(0), gpu_uuid(1)

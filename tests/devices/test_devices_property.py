@@ -17,8 +17,8 @@ from pathlib import Path
 from bcd_agent.sections.devices import observe
 from bcd_agent.sections.devices.kube import PodDevices
 from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec, Limits
-from bcd_shared.simhost.gpus import gpu_uuid
-from bcd_shared.simhost.seed import seed
+from bcd_simhost.gpus import gpu_uuid
+from bcd_simhost.seed import seed
 from devices.cdicheck import assert_host_cdi_valid
 from devices.devhost import DATA_DIR, Host
 from hypothesis import HealthCheck, given, settings

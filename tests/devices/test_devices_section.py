@@ -18,7 +18,7 @@ from bcd_agent.sections.devices.model import (
 from bcd_agent.sections.devices.plan import UNPRIVILEGED_MESSAGE
 from bcd_shared import wire
 from bcd_shared.pki import Purpose, verify_signature
-from bcd_shared.simhost.gpus import gpu_uuid, mig_uuid, update_state
+from bcd_simhost.gpus import gpu_uuid, mig_uuid, update_state
 from devices.cdicheck import assert_host_cdi_valid
 from devices.devhost import DATA_DIR, Host, systemctl_calls
 
@@ -285,7 +285,7 @@ def test_DEV_ATOM_10_mig_instance_created_later_binds_on_a_later_pass(host: Host
     assert out.message == f"m1: {G7} has no MIG instance gi5/ci0"
 
     def add(state: dict) -> None:  # type: ignore[type-arg]
-        from bcd_shared.simhost.gpus import make_mig
+        from bcd_simhost.gpus import make_mig
 
         state["gpus"][7]["migs"].append(make_mig(7, "1g.18gb", 5, 0, 5))
 

@@ -22,7 +22,7 @@ from bcd_agent.sections.devices.slices import (
     slice_spec,
     wanted_limits,
 )
-from bcd_shared.simhost.gpus import gpu_uuid
+from bcd_simhost.gpus import gpu_uuid
 from devices.devhost import Host, systemctl_calls
 from helper.helperproc import HelperProcess, base_config
 

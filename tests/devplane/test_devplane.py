@@ -14,7 +14,7 @@ from bcd_agent.join import join
 from bcd_agent.node import Node, NodeOptions
 from bcd_shared import wire
 from bcd_shared.pki import KeyPair
-from bcd_shared.simhost.seed import seed
+from bcd_simhost.seed import seed
 
 
 def _joined(plane: DevPlane) -> str:

@@ -1,6 +1,6 @@
 """End to end: the development control plane, `bcd node` and the root helper as real processes.
 
-A simulated host (bcd_shared.simhost) stands for `/`; the helper serves it as root (`bcd helper serve
+A simulated host (bcd_simhost) stands for `/`; the helper serves it as root (`bcd helper serve
 --root`), the node joins over TLS with `bcd join`, runs `bcd node --root` with `[helper] socket`, and the
 devplane is driven through its admin socket. A spec with host units (sysctl, kernel-modules, k8s-join
 with its token from the secret broker) and a GPU hold converges through the helper (host.unit, the
@@ -36,8 +36,8 @@ from typing import Any
 import pytest
 from bcd_agent.devplane.admin import AdminClient
 from bcd_shared import wire
-from bcd_shared.simhost import sim_system
-from bcd_shared.simhost.seed import seed
+from bcd_simhost import sim_system
+from bcd_simhost.seed import seed
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from bcd_agent.helperclient import HelperClient
-from bcd_shared.simhost.seed import seed
+from bcd_simhost.seed import seed
 from hypothesis import HealthCheck, settings
 
 REPO = Path(__file__).resolve().parents[2]

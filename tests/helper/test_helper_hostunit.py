@@ -14,8 +14,8 @@ from bcd_agent.helperclient import HelperClient
 from bcd_helper.busy import busy_gpus
 from bcd_shared import cdi
 from bcd_shared.errors import HelperRefused
-from bcd_shared.simhost.gpus import gpu_uuid, mig_uuid, update_state
 from bcd_shared.system import CommandResult, LocalSystem
+from bcd_simhost.gpus import gpu_uuid, mig_uuid, update_state
 from helperproc import HelperProcess, base_config, tree
 
 DROPIN = "etc/sysctl.d/90-bcd.conf"

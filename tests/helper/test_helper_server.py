@@ -11,7 +11,7 @@ import struct
 from pathlib import Path
 
 from bcd_helper.ops.table import OPS
-from bcd_shared.simhost import sim_system
+from bcd_simhost import sim_system
 from helperproc import REPO, HelperProcess, tree
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bcd_shared.simhost import sim_system
+from bcd_simhost import sim_system
 from helperproc import HelperProcess, tree
 
 CG = "sys/fs/cgroup/bcd.slice/bcd-alloc.slice"

@@ -17,8 +17,8 @@ from bcd_agent.sections.host.intent import (
     read_host_intent,
     write_host_intent,
 )
-from bcd_shared.simhost import sim_system
 from bcd_shared.units import UnitContext
+from bcd_simhost import sim_system
 from helperproc import HelperProcess, base_config
 from intentkit import ControlPlane, host_body, settings
 

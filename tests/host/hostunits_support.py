@@ -6,8 +6,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bcd_shared.simhost import sim_system
-from bcd_shared.simhost.seed import seed
 from bcd_shared.system import LocalSystem
 from bcd_shared.units import (
     REGISTRY,
@@ -17,6 +15,8 @@ from bcd_shared.units import (
     converge_unit,
     parse_allowed_clusters,
 )
+from bcd_simhost import sim_system
+from bcd_simhost.seed import seed
 
 PIN = "ab" * 32
 SERVER = "https://10.0.0.1:6443"

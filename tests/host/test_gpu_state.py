@@ -17,8 +17,8 @@ from pathlib import Path
 from bcd_agent.inventory.gpus import collect_gpus
 from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
 from bcd_agent.status import read_holders
-from bcd_shared.simhost.gpus import gpu_uuid
 from bcd_shared.units import UnitContext
+from bcd_simhost.gpus import gpu_uuid
 from devices.devhost import Host
 from hostunits_support import ALLOWED, make_host, plan, run
 from testsupport import REFERENCE, REPO
@@ -124,7 +124,7 @@ def test_bcd_sim_runs_gpu_settings_and_mig_layout_on_the_devices_gpus(tmp_path: 
     doc = json.loads(res.stdout)
     host = next(s for s in doc["sections"] if s["section"] == "host")
     assert host["state"] == "CONVERGED", host
-    from bcd_shared.simhost import sim_system
+    from bcd_simhost import sim_system
 
     system = sim_system(root)
     state = json.loads((root / "var/lib/bcd-sim/gpus.json").read_text())

@@ -1,7 +1,7 @@
 """Host-config catalogue items that had no test naming them (docs/compliance.md), second round.
 
 Everything runs on the simulated host (hostunits_support.make_host), whose tools answer in the formats
-their modules document (bcd_shared.simhost). `Recording` wraps the simulated host's System to see the
+their modules document (bcd_simhost). `Recording` wraps the simulated host's System to see the
 programs a unit runs, in order, and to make one of them answer as a misbehaving host would.
 """
 

@@ -17,7 +17,7 @@ _BASE: list[Path] = []
 
 def fresh_host() -> tuple[Path, LocalSystem]:
     """A copy of one seeded host (seeding once keeps the property fast)."""
-    from bcd_shared.simhost import sim_system
+    from bcd_simhost import sim_system
 
     if not _BASE:
         _BASE.append(make_host(Path(tempfile.mkdtemp(prefix="bcd-host-base-")))[0])

@@ -14,9 +14,9 @@ from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.host import HelperExecutor, HostSection, converge_host
 from bcd_agent.sections.host.intent import HelperHostSend, answer_of
 from bcd_shared.errors import HelperRefused, StepError
-from bcd_shared.simhost.gpus import gpu_uuid, update_state
 from bcd_shared.units import REGISTRY, UnitContext
 from bcd_shared.units.distro import Distro, family_of, install_commands
+from bcd_simhost.gpus import gpu_uuid, update_state
 from hostunits_support import ALLOWED, make_host, plan, run
 
 

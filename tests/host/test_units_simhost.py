@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bcd_shared.simhost.gpus import update_state
 from bcd_shared.units import HEADER_TEXT, UnitContext
+from bcd_simhost.gpus import update_state
 from hostunits_support import ALLOWED, PIN, SERVER, FakeTokens, make_host, plan, run
 
 

@@ -18,8 +18,8 @@ from bcd_agent.sections.host import HelperAnswer, HostSection
 from bcd_agent.sections.host.wire import from_wire
 from bcd_shared import wire
 from bcd_shared.errors import TerminalError
-from bcd_shared.simhost import sim_system
 from bcd_shared.system import atomic_write
+from bcd_simhost import sim_system
 
 K8S = json.dumps({"caCertSha256": "ab" * 32, "server": "https://10.0.0.1:6443", "tokenRef": "secret://t"})
 TOKEN = "abcdef.0123456789abcdef"
@@ -125,7 +125,7 @@ def test_DEV_CONF_13_units_leave_alone_what_holds_and_releases_name(sim_root: Pa
     live hold names, and every GPU while the pending-releases file cannot be read."""
     from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
     from bcd_agent.sections.devices.observe import RELEASES_FILE
-    from bcd_shared.simhost.gpus import gpu_uuid
+    from bcd_simhost.gpus import gpu_uuid
     from devices.devhost import DATA_DIR, Host
 
     host = Host(sim_root)

@@ -21,7 +21,7 @@ from bcd_shared import wire
 from bcd_shared.pki import KeyPair, issue_node_certificate, issue_root
 from bcd_shared.pki.attest import verify_command_result
 from bcd_shared.pki.pins import JoinKeyPin
-from bcd_shared.simhost.seed import seed
+from bcd_simhost.seed import seed
 
 NODE = "node-journal-1"
 DAY = 24 * 3600.0

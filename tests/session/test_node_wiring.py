@@ -1,6 +1,6 @@
 """`bcd node` with every finished part wired, beside the development control plane in one trio process.
 
-The node acts directly on a simulated host (bcd_shared.simhost; no helper): the host section converges
+The node acts directly on a simulated host (bcd_simhost; no helper): the host section converges
 config units from the wire spec, the devices section takes holds, the k8s-join token comes through a
 SecretRequest, commands of the kinds this build runs (inventory.refresh, diag.nvml, gpu.reset,
 node.reboot) go through the dispatcher, and heartbeats carry the inventory hash.
@@ -25,8 +25,8 @@ from bcd_agent.inventory.handlers import collect_inventory, inventory_hash
 from bcd_agent.join import join
 from bcd_agent.node import Node, NodeOptions
 from bcd_shared import wire
-from bcd_shared.simhost import sim_system
-from bcd_shared.simhost.seed import seed
+from bcd_simhost import sim_system
+from bcd_simhost.seed import seed
 
 PIN = "ab" * 32
 SERVER = "https://10.0.0.1:6443"

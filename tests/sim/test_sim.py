@@ -17,7 +17,7 @@ from typing import Any
 
 from attrs import evolve
 from bcd_agent.sim import Settler, SimView
-from bcd_shared.simhost.gpus import gpu_uuid
+from bcd_simhost.gpus import gpu_uuid
 from testsupport import REPO
 
 EXAMPLES = REPO / "examples"

@@ -45,9 +45,9 @@ def _example() -> Path:
 
 
 async def noop_pass_ms(root: Path) -> float:
-    from bcd_shared.simhost import sim_system
-    from bcd_shared.simhost.seed import seed
     from bcd_shared.units import ApplyContext, UnitContext
+    from bcd_simhost import sim_system
+    from bcd_simhost.seed import seed
 
     from bcd_agent.converge.runner import ConvergeRunner
     from bcd_agent.converge.section import PartsObserver

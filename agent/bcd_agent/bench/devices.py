@@ -11,8 +11,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from bcd_shared.simhost import sim_system
-from bcd_shared.simhost.seed import seed
+from bcd_simhost import sim_system
+from bcd_simhost.seed import seed
 
 from bcd_agent.converge.section import Observation, PassContext
 from bcd_agent.converge.types import DesiredSpec, SectionState

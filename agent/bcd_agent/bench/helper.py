@@ -33,7 +33,7 @@ from typing import Any
 
 from bcd_shared import cdi
 from bcd_shared.rootpath import write_root_only
-from bcd_shared.simhost.seed import seed
+from bcd_simhost.seed import seed
 
 from bcd_agent.helperclient import HelperClient
 

@@ -52,8 +52,8 @@ class _Token:
 
 
 def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
-    from bcd_shared.simhost.hostsim import host_sim_system
-    from bcd_shared.simhost.seed import seed
+    from bcd_simhost.hostsim import host_sim_system
+    from bcd_simhost.seed import seed
 
     base = Path(args.data_dir) if args.data_dir else Path(tempfile.mkdtemp(prefix="bcd-bench-host-"))
     root = base / "host"

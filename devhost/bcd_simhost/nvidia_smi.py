@@ -24,7 +24,7 @@ The host subcommands (`-pl`, `-e`, `-c`, `-pm`, `-mig`, `-lgc`, `-rgc`, `mig -lg
 
 Extending: other areas add subcommands without editing this module's logic by adding a row to
 EXTENSIONS: a key (`"-mig"` for `nvidia-smi -i 0 -mig 1`, `"mig -cgi"` for `nvidia-smi mig -cgi …`)
-mapped to "module:function" under bcd_shared.simhost, called as `f(system, argv, state) -> CommandResult`
+mapped to "module:function" under bcd_simhost, called as `f(system, argv, state) -> CommandResult`
 (use gpus.save_state to persist changes). The key is the first recognised option of the command line.
 """
 
@@ -36,10 +36,11 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bcd_shared.simhost import gpus as simgpus
 from bcd_shared.system import CommandResult, LocalSystem
 
-# key -> "module:function" under bcd_shared.simhost, see the module docstring. One literal table.
+from bcd_simhost import gpus as simgpus
+
+# key -> "module:function" under bcd_simhost, see the module docstring. One literal table.
 EXTENSIONS: dict[str, str] = {
     "-pl": "nvidia_host:settings",
     "-e": "nvidia_host:settings",
@@ -498,7 +499,7 @@ def _extension(key: str) -> Handler | None:
     if spec is None:
         return None
     module, _, func = spec.partition(":")
-    fn: Handler = getattr(importlib.import_module(f"bcd_shared.simhost.{module}"), func)
+    fn: Handler = getattr(importlib.import_module(f"bcd_simhost.{module}"), func)
     return fn
 
 

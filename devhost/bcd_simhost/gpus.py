@@ -39,7 +39,6 @@ from pathlib import Path
 from typing import Any
 
 from attrs import frozen
-
 from bcd_shared.system import LocalSystem, atomic_write
 
 STATE_PATH = "/var/lib/bcd-sim/gpus.json"

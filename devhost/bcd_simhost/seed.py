@@ -15,7 +15,7 @@ from pathlib import Path
 
 from bcd_shared.system import atomic_write
 
-# Extra seeders by area: "module:function" under bcd_shared.simhost, each `f(root: Path) -> None`.
+# Extra seeders by area: "module:function" under bcd_simhost, each `f(root: Path) -> None`.
 SEEDERS: list[str] = [
     "gpus:seed_gpus",
     "hostseed:seed_host",
@@ -108,5 +108,5 @@ def seed(root: Path) -> None:
     seed_base(Path(root))
     for spec in SEEDERS:
         module, _, func = spec.partition(":")
-        fn: Callable[[Path], None] = getattr(importlib.import_module(f"bcd_shared.simhost.{module}"), func)
+        fn: Callable[[Path], None] = getattr(importlib.import_module(f"bcd_simhost.{module}"), func)
         fn(Path(root))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bcd_shared.system import CommandResult, FakeTool, LocalSystem
 
-# program name -> "module:function" (modules under bcd_shared.simhost). One literal table.
+# program name -> "module:function" (modules under bcd_simhost). One literal table.
 TOOLS: dict[str, str] = {
     "systemctl": "systemctl:systemctl",
     "nvidia-smi": "nvidia_smi:main",
@@ -49,7 +49,7 @@ SIM_STATE_DIR = "/var/lib/bcd-sim"
 
 def _load(spec: str) -> FakeTool:
     module, _, func = spec.partition(":")
-    tool: FakeTool = getattr(importlib.import_module(f"bcd_shared.simhost.{module}"), func)
+    tool: FakeTool = getattr(importlib.import_module(f"bcd_simhost.{module}"), func)
     return tool
 
 
