@@ -109,6 +109,22 @@ class Node:
 
         return sim_system(Path(self.options.root))
 
+    def _records_dir(self) -> str:
+        """data_dir as the System names it, for the records the devices section (and the host section's
+        busy GPUs, gpu.reset) keep there: releasing.json, the marker, the event ledger. The System takes
+        host paths, so under a simulated root a data_dir inside ROOT is named by its host path
+        (ROOT/var/lib/bcd -> /var/lib/bcd); taken as is it landed at ROOT/ROOT/var/lib/bcd, where the
+        node running as its own account (`bcd sim --helper yes`) cannot write. A data_dir outside ROOT
+        has no host path: it is taken as is (its records then live under ROOT)."""
+        data_dir = self.config.data_dir
+        if self.options.root == "/":
+            return data_dir
+        try:
+            rel = Path(data_dir).resolve().relative_to(Path(self.options.root).resolve())
+        except ValueError:
+            return data_dir
+        return "/" + rel.as_posix() if rel.parts else "/"
+
     def _helper_socket(self) -> str | None:
         sock = self.config.helper.socket
         if sock is None or self.options.root == "/":
@@ -145,7 +161,7 @@ class Node:
             else:
                 executor = DirectExecutor(system)
             sections.append(
-                DevicesSection(system, executor, sink, signer, self.config.data_dir, privileged=privileged)
+                DevicesSection(system, executor, sink, signer, self._records_dir(), privileged=privileged)
             )
         return sections
 
@@ -170,7 +186,7 @@ class Node:
             return None
         tokens = SessionTokenSource(self.secrets, trio_token)
         clusters = nh.allowed_clusters(cfg.kubernetes.allowed_clusters)
-        data_dir = cfg.data_dir
+        data_dir = self._records_dir()
         node_id = identity.node_id
 
         def context_for(observation: Any) -> Any:
@@ -185,7 +201,7 @@ class Node:
             from bcd_agent.sections.host.intent import HelperHostSend
 
             client = self._helper_client()
-            inner = HelperHostSend(client, Path(data_dir), trust_bundle=self._signed_bundle)
+            inner = HelperHostSend(client, Path(cfg.data_dir), trust_bundle=self._signed_bundle)
             send = nh.TokenStagingSend(inner, client, system, tokens)
 
             def executor_for(ctx: Any) -> Any:
@@ -260,7 +276,7 @@ class Node:
             handlers[nk.DIAG_NVML] = nk.DiagNvmlHandler(system)
             if self._acts_on_host():
                 helper = self._helper_client() if self._helper_socket() is not None else None
-                handlers[nk.GPU_RESET] = nk.GpuResetHandler(system, self.config.data_dir, helper)
+                handlers[nk.GPU_RESET] = nk.GpuResetHandler(system, self._records_dir(), helper)
                 reboot_helper = self._helper_client() if helper is not None else None
                 handlers[nk.NODE_REBOOT] = nk.NodeRebootHandler(
                     system, reboot_helper, wait_s=self.options.reboot_wait_s

@@ -34,8 +34,9 @@ admin socket in DIR/var/lib/bcd-sim/devplane, so `bcd devplane ...` works beside
 child process, `python -m bcd_agent.cli node --config DIR/etc/bcd/node.toml --root DIR`, joined first
 with `bcd join`; the helper, when this runs as root and `--helper` is not `no`, is a child process
 `bcd helper serve --root DIR` with root's config in DIR/etc/bcd/config.toml. Every child is started
-with PR_SET_PDEATHSIG (SIGKILL) and in a trio nursery: on exit, on an error and on Ctrl-C each gets
-SIGTERM, then SIGKILL after 5 s, and is waited for. Their output goes to DIR/var/log/bcd-sim/*.log.
+with PR_SET_PDEATHSIG (SIGKILL), forked by the trio thread itself (ChildProcess), and in a trio
+nursery: on exit, on an error and on Ctrl-C each gets SIGTERM, then SIGKILL after 5 s, and is waited for.
+Their output goes to DIR/var/log/bcd-sim/*.log.
 
 The simulated host stays in DIR afterwards: the CDI specs, env files, slices and records bcd wrote.
 """
@@ -48,7 +49,9 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -59,6 +62,7 @@ from attrs import field, frozen
 from bcd_shared import wire
 
 DEFAULT_TIMEOUT_S = 30.0
+DEFAULT_ROOT = ".demo/root"  # `make demo`'s, and in .gitignore
 # How long the node's status must stay the same, once the generation is observed, before `--once`
 # reports it: twice the node's status interval (a report that moves no generation waits up to 1 s,
 # NodeOptions.status_interval_s), so a follow-up pass's report has arrived.
@@ -142,9 +146,64 @@ def prepare(layout: Layout, *, helper: bool, node_uid: int | None) -> None:
 # --- children ---------------------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """The preexec_fn of every child: PR_SET_PDEATHSIG (SIGKILL), then exit at once if `parent` is
+    already gone (the signal is only armed for a death that happens after the prctl)."""
+
+    def arm() -> None:  # runs in the child between fork and exec
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os._exit(1)
+
+    return arm
+
+
+class ChildProcess:
+    """A child forked by the thread that runs trio, never by a worker thread.
+
+    PR_SET_PDEATHSIG fires when the THREAD that forked the child exits, not the process:
+    trio.lowlevel.open_process forks in a trio worker thread, which exits after ~10 s idle
+    (trio's thread cache), and every child then died with SIGKILL. The trio thread lives as long as
+    `bcd sim`, so the children die with it and only with it. The fork itself blocks for a moment;
+    the wait is on a pidfd, so the loop never blocks on it.
+    """
+
+    def __init__(self, argv: Sequence[str], *, user: int | None, **popen: Any) -> None:
+        self._popen = subprocess.Popen(
+            list(argv),
+            preexec_fn=_die_with_parent(os.getpid()),
+            user=user,
+            group=user,
+            extra_groups=[] if user is not None else None,
+            **popen,
+        )
+        self._pidfd: int | None = os.pidfd_open(self._popen.pid)
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self._popen.poll()
+
+    async def wait(self) -> int:
+        # The pidfd is closed only once the child is reaped: a cancelled wait leaves it for the next
+        # wait (supervise's SIGTERM-then-wait), which must never block the loop in Popen.wait.
+        if self._popen.poll() is None and self._pidfd is not None:
+            await trio.lowlevel.wait_readable(self._pidfd)
+        code = self._popen.wait()  # it has exited: this only reaps it
+        if self._pidfd is not None:
+            fd, self._pidfd = self._pidfd, None
+            os.close(fd)
+        return code
+
+    def terminate(self) -> None:
+        self._popen.terminate()
+
+    def kill(self) -> None:
+        self._popen.kill()
 
 
 def bcd_argv(*args: str) -> list[str]:
@@ -161,21 +220,13 @@ class Child:
 
 
 async def supervise(
-    child: Child, *, task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED
+    child: Child, *, task_status: trio.TaskStatus[ChildProcess] = trio.TASK_STATUS_IGNORED
 ) -> None:
     """Run `child` until cancelled (SIGTERM, then SIGKILL after 5 s); it exiting on its own is an error."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **child.env}
     with child.log.open("ab") as log:
-        proc = await trio.lowlevel.open_process(
-            list(child.argv),
-            stdin=None,
-            stdout=log,
-            stderr=log,
-            env=env,
-            preexec_fn=_die_with_parent,
-            user=child.user,
-            group=child.user,
-            extra_groups=[] if child.user is not None else None,
+        proc = ChildProcess(
+            child.argv, user=child.user, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
         )
         try:
             task_status.started(proc)
@@ -201,27 +252,27 @@ def tail(path: Path, lines: int = 12) -> str:
 
 
 async def run_once(argv: Sequence[str], log: Path, *, user: int | None = None, limit_s: float = 30) -> str:
-    with trio.fail_after(limit_s):
-        res = await trio.run_process(
-            list(argv),
-            capture_stdout=True,
-            capture_stderr=True,
-            check=False,
-            preexec_fn=_die_with_parent,
-            user=user,
-            group=user,
-            extra_groups=[] if user is not None else None,
-        )
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = ChildProcess(argv, user=user, stdin=subprocess.DEVNULL, stdout=out, stderr=err)
+        try:
+            with trio.fail_after(limit_s):
+                code = await proc.wait()
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                with trio.CancelScope(shield=True):
+                    await proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
     with log.open("ab") as f:
-        f.write(res.stdout + res.stderr)
-    if res.returncode != 0:
-        raise SimError(
-            f"{' '.join(argv[2:])} failed ({res.returncode}): {res.stderr.decode(errors='replace')}"
-        )
-    return str(res.stdout.decode(errors="replace"))
+        f.write(stdout + stderr)
+    if code != 0:
+        raise SimError(f"{' '.join(argv[2:])} failed ({code}): {stderr.decode(errors='replace')}")
+    return str(stdout.decode(errors="replace"))
 
 
-async def wait_for_socket(path: Path, proc: trio.Process, what: str, limit_s: float = 20) -> None:
+async def wait_for_socket(path: Path, proc: ChildProcess, what: str, limit_s: float = 20) -> None:
     with trio.move_on_after(limit_s):
         while not await trio.Path(path).exists():  # another process creates it: poll
             if proc.returncode is not None:
@@ -345,6 +396,13 @@ def plane_view(plane: Any, node_id: str) -> SimView:
     )
 
 
+def forget_status(plane: Any, node_id: str) -> None:
+    """Drop the report the control plane stored for `node_id` (an earlier run's); observed_generation
+    stays, the next report this run's node sends replaces it."""
+    with plane.store.tx() as c:
+        c.execute("UPDATE nodes SET status = NULL WHERE node_id = ?", (node_id,))
+
+
 def node_status_version(data_dir: Path) -> tuple[int, int] | None:
     """(pid, status version) of the node's data_dir/status.json, which the node writes after every
     pass; None while there is none (or it cannot be read)."""
@@ -367,8 +425,9 @@ class Settler:
         self._last: tuple[object, ...] | None = None
         self._since: float | None = None
 
-    def update(self, view: SimView, node_version: object, now: float) -> bool:
-        if not (view.settled and view.applied_generation >= view.generation):
+    def update(self, view: SimView, node_version: object, now: float, *, current: bool = True) -> bool:
+        """`current`: the node's status file is this run's node's (never settle on an earlier run's)."""
+        if not (current and view.settled and view.applied_generation >= view.generation):
             self._last, self._since = None, None
             return False
         key = (view.signature(), node_version)
@@ -546,11 +605,14 @@ async def simulate(
                 layout.log_dir / "join.log",
                 user=node_user,
             )  # fmt: skip
+        node_id = plane.default_node()
+        # A re-run keeps the control plane's record: the same spec keeps its generation, and the report
+        # stored is the previous run's. Forget it, so that only this run's node can settle the view.
+        forget_status(plane, node_id)
         node_child = Child("bcd node", tuple(bcd_argv("node", "--config", str(layout.node_config),
                                                       "--root", str(layout.root))),
                            layout.log_dir / "node.log", user=node_user)  # fmt: skip
-        await nursery.start(supervise, node_child)
-        node_id = plane.default_node()
+        node_proc = await nursery.start(supervise, node_child)
         generation = plane.apply_spec(node_id, spec)
         if on_started is not None:
             on_started(layout, plane)
@@ -565,7 +627,10 @@ async def simulate(
         settler = Settler(opts.settle_s)
         while True:
             view = plane_view(plane, node_id)
-            settled = settler.update(view, node_status_version(layout.data_dir), time.monotonic())
+            version = node_status_version(layout.data_dir)
+            # data_dir/status.json of an earlier run's node (another pid) says nothing about this run.
+            current = version is not None and version[0] == node_proc.pid
+            settled = settler.update(view, version, time.monotonic(), current=current)
             if not opts.json:
                 if tty:
                     out.write(
@@ -632,7 +697,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--spec", default="examples/gpu-node.json", help="a NodeSpec in protobuf's JSON mapping"
     )
     parser.add_argument(
-        "--root", default=".bcd-sim/root", help="the simulated host directory (seeded if new)"
+        "--root", default=DEFAULT_ROOT, help=f"the simulated host (seeded if new; default {DEFAULT_ROOT})"
     )
     parser.add_argument("--once", action="store_true", help="end when the spec is observed (or at --timeout)")
     parser.add_argument(

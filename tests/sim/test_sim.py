@@ -6,6 +6,8 @@ child outlives `bcd sim` (on exit and on Ctrl-C)."""
 
 from __future__ import annotations
 
+import argparse
+import io
 import json
 import os
 import signal
@@ -15,10 +17,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+import trio
 from attrs import evolve
-from bcd_agent.sim import Settler, SimView
+from bcd_agent.sim import (
+    DEFAULT_ROOT,
+    Child,
+    Settler,
+    SimOptions,
+    SimView,
+    add_arguments,
+    simulate,
+    supervise,
+)
 from bcd_simhost.gpus import gpu_uuid
 from testsupport import REPO
+from trio._core import _thread_cache as trio_thread_cache
 
 EXAMPLES = REPO / "examples"
 SECTIONS = ["host", "devices", "instances", "access", "telemetry", "daemon", "site"]
@@ -82,6 +96,7 @@ def test_gpu_node_converges(tmp_path: Path) -> None:
     assert {d["name"] for d in spec["devices"]} == {gpu_uuid(0), gpu_uuid(1)}
     assert (root / "run/bcd/allocations/alloc_infer_0002.env").exists()
     assert (root / "etc/sysctl.d/90-bcd.conf").exists()
+    _records_in_data_dir(root)
     if os.geteuid() == 0:
         # As root, `bcd sim` runs the helper: the host units went through it, signed (root's join record
         # under the simulated host, never the real one), and every request is in its audit log.
@@ -219,3 +234,67 @@ def test_settler_waits_for_the_status_to_stay_the_same() -> None:
     assert not s.update(older, (1, 3), 6.9)
     assert s.update(older, (1, 3), 7.0)  # 2 s without a change (its age grew: no change)
     assert not s.update(_view(0, "PROGRESSING"), (1, 4), 8.0)  # a new generation starts over
+
+
+def test_settler_never_settles_on_an_earlier_runs_status() -> None:
+    """A re-run keeps data_dir/status.json of the previous run's node: a status file of another pid
+    (`current=False`) never settles the view, however long it stays the same (issue 15)."""
+    s = Settler(0.5)
+    view = _view(1, "CONVERGED")
+    assert not s.update(view, (1, 3), 0.0, current=False)
+    assert not s.update(view, (1, 3), 10.0, current=False)
+    assert not s.update(view, (2, 1), 10.1)
+    assert s.update(view, (2, 1), 10.6)
+
+
+async def test_children_outlive_the_worker_thread_that_started_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """PR_SET_PDEATHSIG fires when the forking THREAD exits: a child forked by a trio worker thread
+    was SIGKILLed once that thread idled out (~10 s; 0.05 s here). `bcd sim` forks in the trio thread,
+    so the child lives until it is stopped, then gets SIGTERM (issue 15)."""
+    monkeypatch.setattr(trio_thread_cache, "IDLE_TIMEOUT", 0.05)
+    child = Child("sleeper", (sys.executable, "-c", "import time; time.sleep(60)"), tmp_path / "sleeper.log")
+    async with trio.open_nursery() as nursery:
+        proc = await nursery.start(supervise, child)
+        await trio.to_thread.run_sync(lambda: None)  # a worker thread that then idles out
+        await trio.sleep(1.0)
+        assert proc.returncode is None, f"the child died with status {proc.returncode}"
+        nursery.cancel_scope.cancel()
+    assert proc.returncode == -signal.SIGTERM
+
+
+def test_default_root_is_the_documented_one_and_ignored() -> None:
+    """`bcd sim`'s default root is the one docs/sim.md, README and `make demo` name, and git ignores it."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    default = parser.parse_args([]).root
+    assert default == DEFAULT_ROOT == ".demo/root"
+    assert f"DIR (default `{default}`)" in (REPO / "docs" / "sim.md").read_text()
+    assert f"--root {default}" in (REPO / "Makefile").read_text()
+    top = default.split("/")[0]
+    assert f"/{top}/" in (REPO / ".gitignore").read_text().splitlines()
+
+
+async def test_a_rerun_reports_its_own_result(tmp_path: Path) -> None:
+    """A second run with the same spec keeps the generation, and the control plane still holds the first
+    run's report: the second run reports only what its own node did (issue 15). Between the runs a hold
+    file is removed; the re-run's node writes it again before the re-run reports, even with a short
+    settle window."""
+    root = tmp_path / "host"
+    opts = SimOptions(spec=EXAMPLES / "gpu-node.json", root=root, once=True, json=True, helper="no")
+    code, doc = await simulate(opts, io.StringIO())
+    assert code == 0 and doc["converged"] is True, doc
+    hold = root / "etc/cdi/bcd-alloc_train_0001.json"
+    hold.unlink()
+    code, doc = await simulate(evolve(opts, settle_s=0.2), io.StringIO())
+    assert code == 0 and doc["generation"] == 1, doc
+    assert hold.exists(), "the re-run reported before its own node ran a pass"
+
+
+def _records_in_data_dir(root: Path) -> None:
+    # The devices section's own records are in data_dir (ROOT/var/lib/bcd), never at ROOT/ROOT/...: there
+    # the node as its own account (`--helper yes`) cannot write, so it never converged and re-sent
+    # AllocationBound every pass (issue 15).
+    assert (root / "var/lib/bcd/devices-events.json").exists()
+    assert not (root / str(root).lstrip("/")).exists()
