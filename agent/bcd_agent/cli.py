@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from bcd_shared.subcommands import dispatch
+from bcd_shared.version import VERSION
 
 # name -> (module, one-line help). One literal table.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -47,6 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="bcd",
         description="bcd: node daemon for GPU and VM hosts",
         listed={"helper": "the root helper (bcd helper --help)"},
+        version=f"bcd {VERSION}",
     )
 
 

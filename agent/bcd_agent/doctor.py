@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Literal
 
 from attrs import asdict, frozen
+from bcd_shared.version import VERSION
 
 from bcd_agent.config import Config, ConfigError, add_config_argument, default_config_path, load_config
 
@@ -502,8 +503,9 @@ def run(args: argparse.Namespace) -> int:
     findings = check_all(args.config or default_config_path(), host)
     failed = any(f.level == "fail" for f in findings)
     if args.json:
-        json.dump({"ok": not failed, "findings": [asdict(f) for f in findings]}, sys.stdout, indent=None)
+        doc = {"version": VERSION, "ok": not failed, "findings": [asdict(f) for f in findings]}
+        json.dump(doc, sys.stdout, indent=None)
         sys.stdout.write("\n")
     else:
-        sys.stdout.write(render(findings))
+        sys.stdout.write(f"bcd doctor {VERSION}\n" + render(findings))
     return 1 if failed else 0

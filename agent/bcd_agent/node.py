@@ -33,12 +33,13 @@ from typing import Any
 
 import trio
 from attrs import field, frozen
+from bcd_shared import logsetup
+from bcd_shared.version import VERSION
 
 from bcd_agent.config import Config
 
 log = logging.getLogger("bcd.node")
 
-VERSION = "0.1.0"
 # Q-DLV-REC-01 (docs/journal.md): the journal is swept at start, right after recover, and then daily.
 SWEEP_INTERVAL_S = 24 * 3600.0
 
@@ -317,6 +318,8 @@ class Node:
     # --- the service ----------------------------------------------------------------------------------
 
     async def run(self, *, task_status: trio.TaskStatus[Node] = trio.TASK_STATUS_IGNORED) -> None:
+        from bcd_shared.sdnotify import Notifier
+
         from bcd_agent.converge.runner import ConvergeRunner
         from bcd_agent.converge.status import StatusCell
         from bcd_agent.dispatch.clock import OffsetClock
@@ -328,7 +331,6 @@ class Node:
         from bcd_agent.journal import Journal
         from bcd_agent.kinds.testing import TEST_KINDS
         from bcd_agent.nodeparts.inventory import InventoryState
-        from bcd_agent.sdnotify import Notifier
         from bcd_agent.sections.devices.events import KeyReportSigner
         from bcd_agent.session import identity as ident
         from bcd_agent.session.backoff import Backoff
@@ -494,6 +496,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_config_argument(parser)
     parser.add_argument("--root", default="/", help="a simulated host directory standing for /")
+    logsetup.add_argument(parser)
     parser.add_argument("--test-kinds", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--test-effect-delay", type=float, default=0.0, help=argparse.SUPPRESS)
 
@@ -511,21 +514,21 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, SimHostMissing) as exc:
         print(f"bcd node: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log.level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
-    )
+    logsetup.configure(config.log.level, args.log_format)
     node = Node(
         config,
         NodeOptions(root=args.root, test_kinds=args.test_kinds, test_effect_delay_s=args.test_effect_delay),
     )
+    log.info("%s", start_line(args.config, config, args.root, os.geteuid()))
 
     async def main() -> None:
-        from bcd_agent.sdnotify import Notifier
+        from bcd_shared.sdnotify import Notifier
 
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
-                async for _ in signals:
+                async for signum in signals:
+                    log.info("bcd node: %s received, stopping", signal.Signals(signum).name)
                     Notifier().stopping()
                     nursery.cancel_scope.cancel()
                     break
@@ -533,6 +536,26 @@ def run(args: argparse.Namespace) -> int:
     try:
         trio.run(main)
     except IdentityError as exc:
+        log.error("bcd node %s stopped: %s", VERSION, exc)
         print(f"bcd node: {exc}", file=sys.stderr)
         return 2
+    log.info("bcd node %s stopped", VERSION)
     return 0
+
+
+def helper_mode(config: Config, root: str, euid: int) -> str:
+    """How this node changes the host, for the start line and `bcd doctor`."""
+    if config.helper.socket:
+        return f"through bcd helper at {config.helper.socket}"
+    if euid == 0 or root != "/":
+        return "itself (no [helper] socket; acting as root)" if euid == 0 else "itself on the simulated host"
+    return "none (unprivileged without [helper] socket: host changes unsupported)"
+
+
+def start_line(config_path: object, config: Config, root: str, euid: int) -> str:
+    """The node's start-up log line: version, config path, data_dir, root, helper mode."""
+    where = f", root {root}" if root != "/" else ""
+    return (
+        f"bcd node {VERSION} starting: config {config_path}, data_dir {config.data_dir}{where},"
+        f" host changes {helper_mode(config, root, euid)}"
+    )

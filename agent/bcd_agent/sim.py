@@ -486,8 +486,9 @@ def holders_text(root: Path) -> str:
     from bcd_agent.status import StatusSnapshot, read_holders
     from bcd_agent.status import render as render_status
 
-    text = render_status(StatusSnapshot(None, read_holders(sim_system(root))))
-    return "\n".join(text.splitlines()[2:]) + "\n"  # without the "no status" line
+    lines = render_status(StatusSnapshot(None, read_holders(sim_system(root)))).splitlines()
+    table = next((i for i, line in enumerate(lines) if line.startswith("GPU")), len(lines))
+    return "\n".join(lines[table:]) + "\n"  # the table only: not the version and "no status" lines
 
 
 # --- the run ----------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from typing import TextIO
 
 from attrs import frozen
 from bcd_shared.system import System
+from bcd_shared.version import VERSION
 
 from bcd_agent.statusfile import StatusFileError, StatusView, read_status
 
@@ -125,7 +126,7 @@ def _age(ms: int) -> str:
 
 def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
     """The human view: generations, sections, conditions, holders."""
-    lines: list[str] = []
+    lines: list[str] = [f"bcd {VERSION}; node {node_version(snap) or 'version unknown'}"]
     st = snap.status
     if st is None:
         lines.append("node: no status published yet (is bcd node running with this data_dir?)")
@@ -171,8 +172,16 @@ def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def node_version(snap: StatusSnapshot) -> str | None:
+    """The version of the bcd node that wrote the status (None: no status, or a node too old to say)."""
+    value = snap.status.extra.get("version") if snap.status is not None else None
+    return value if isinstance(value, str) else None
+
+
 def to_json(snap: StatusSnapshot) -> dict[str, object]:
     doc: dict[str, object] = {
+        "version": VERSION,
+        "node_version": node_version(snap),
         "status": snap.status.to_json() if snap.status else None,
         "errors": list(snap.errors),
     }

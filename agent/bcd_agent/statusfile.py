@@ -26,6 +26,7 @@ from typing import Any, NoReturn
 import trio
 from attrs import field, frozen
 from bcd_shared.system import atomic_write
+from bcd_shared.version import VERSION
 
 from bcd_agent.converge.status import StatusCell
 from bcd_agent.converge.types import NodeStatus
@@ -58,6 +59,7 @@ def encode(
         "format": FORMAT,
         "written_at": round(now_wall, 3),
         "pid": pid,
+        "version": VERSION,  # the node's bcd version (read back through `extra`)
         "status_version": status.version,
         "applied_generation": status.applied_generation,
         "observed_generation": status.observed_generation,

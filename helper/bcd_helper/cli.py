@@ -6,6 +6,7 @@ import sys
 from collections.abc import Sequence
 
 from bcd_shared.subcommands import dispatch
+from bcd_shared.version import VERSION
 
 # name -> (module, help). Each module provides add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -16,7 +17,13 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    return dispatch(args_list, SUBCOMMANDS, prog="bcd helper", description="bcd's root helper")
+    return dispatch(
+        args_list,
+        SUBCOMMANDS,
+        prog="bcd helper",
+        description="bcd's root helper",
+        version=f"bcd-helper {VERSION}",
+    )
 
 
 if __name__ == "__main__":

@@ -8,15 +8,19 @@ config and on every write, ownership, modes) is the real thing, checked on the r
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import signal
 import sys
 from pathlib import Path
 from types import FrameType
 
+from bcd_shared import logsetup
 from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
+from bcd_shared.sdnotify import Notifier
 from bcd_shared.simroot import SimHostMissing, sim_system, simhost_module
 from bcd_shared.system import LocalSystem
+from bcd_shared.version import VERSION
 
 from bcd_helper.audit import AuditLog
 from bcd_helper.config import DEFAULT_CONFIG, ConfigError, load_config
@@ -25,10 +29,13 @@ from bcd_helper.ops.daemon import RELEASE_STATE
 from bcd_helper.ops.table import lock_names
 from bcd_helper.server import HelperServer
 
+log = logging.getLogger("bcd.helper")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--root", default="/", help="the directory standing for / (a simulated host)")
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="root's config.toml (host path)")
+    logsetup.add_argument(parser)
 
 
 def _system(root: Path) -> LocalSystem:
@@ -63,11 +70,12 @@ def build(root: Path, config_path: str) -> HelperServer:
     return HelperServer(ctx, real_socket)
 
 
-def _stop(_signum: int, _frame: FrameType | None) -> None:
-    raise SystemExit(0)
+def _stop(signum: int, _frame: FrameType | None) -> None:
+    raise SystemExit(signal.Signals(signum).name)
 
 
 def run(args: argparse.Namespace) -> int:
+    logsetup.configure(logging.INFO, args.log_format)
     root = Path(args.root).resolve()
     try:
         if root != Path("/"):
@@ -79,11 +87,23 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"bcd helper: {exc}", file=sys.stderr)
         return 1
-    signal.signal(signal.SIGTERM, _stop)
-    try:
+    notifier = Notifier()
+    # The socket is bound (HelperServer binds in its constructor): systemd may start bcd-node now.
+    log.info(
+        "bcd-helper %s serving on %s (root %s, config %s, node uid %d)",
+        VERSION, server.server_address, root, args.config, server.ctx.config.node_uid,
+    )  # fmt: skip
+    why = "stopped"
+    try:  # once _stop is installed, a SIGTERM (SystemExit) always reaches the stop line
+        signal.signal(signal.SIGTERM, _stop)
+        notifier.ready(f"serving on {server.server_address}")
         server.serve_forever(poll_interval=0.2)
-    except (SystemExit, KeyboardInterrupt):
-        pass
+    except SystemExit as exc:
+        why = f"{exc.code} received"
+    except KeyboardInterrupt:
+        why = "SIGINT received"
     finally:
+        notifier.stopping()
         server.server_close()
+    log.info("bcd-helper %s stopped (%s)", VERSION, why)
     return 0

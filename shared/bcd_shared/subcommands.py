@@ -24,13 +24,16 @@ def dispatch(
     prog: str,
     description: str,
     listed: Mapping[str, str] | None = None,
+    version: str | None = None,
 ) -> int:
     """Parse `args_list` against `table` and run the chosen subcommand; 2 (with help) when none is named.
 
     `listed` (name -> help) are subcommands the caller handles before this is reached: they show in
-    the help, first, and take no arguments here.
+    the help, first, and take no arguments here. `version`: what `--version` prints.
     """
     parser = argparse.ArgumentParser(prog=prog, description=description)
+    if version is not None:
+        parser.add_argument("--version", action="version", version=version)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in (listed or {}).items():
         sub.add_parser(name, help=help_text)

@@ -108,6 +108,17 @@ def test_node_unit_is_unprivileged_notify_with_a_watchdog() -> None:
     assert s["StateDirectory"] == ["bcd"] and s["StateDirectoryMode"] == ["0700"]
 
 
+def test_units_order_notify_and_stop_restarting_on_config_errors() -> None:
+    """Issue 15: the helper is Type=notify (READY=1 once its socket is bound) and the node wants it and
+    starts after it; a node that exits 78 (EX_CONFIG: not joined, bad config) is not restarted."""
+    helper = unit_settings("bcd-helper.service")
+    assert helper["Type"] == ["notify"] and helper["NotifyAccess"] == ["main"]
+    node = unit_settings("bcd-node.service")
+    assert "bcd-helper.service" in node["Wants"][0].split()
+    assert "bcd-helper.service" in node["After"][0].split()
+    assert node["RestartPreventExitStatus"] == ["78"]
+
+
 def test_helper_unit_runs_the_helper_as_root_and_keeps_the_holds_env_files() -> None:
     s = unit_settings("bcd-helper.service")
     assert "User" not in s

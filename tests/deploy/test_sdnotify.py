@@ -7,7 +7,7 @@ import socket
 from pathlib import Path
 
 import pytest
-from bcd_agent.sdnotify import Notifier
+from bcd_shared.sdnotify import Notifier
 
 
 def _listen(address: str) -> socket.socket:

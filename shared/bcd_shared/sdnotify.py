@@ -1,4 +1,5 @@
-"""A tiny sd_notify client (stdlib only): READY=1, WATCHDOG=1, STATUS=..., STOPPING=1.
+"""A tiny sd_notify client (stdlib only; the node and the root helper both use it): READY=1, WATCHDOG=1,
+STATUS=..., STOPPING=1.
 
 bcd-node.service is `Type=notify` with `WatchdogSec=`: systemd waits for READY=1 and restarts the
 node when WATCHDOG=1 stops arriving. Outside systemd ($NOTIFY_SOCKET unset) every call is a no-op
