@@ -26,7 +26,6 @@ import argparse
 import logging
 import os
 import signal
-import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -291,9 +290,9 @@ class Node:
             return Endpoint(unix_path=cp.unix_socket)
         address = cp.address or identity.address
         if not address:
-            raise SystemExit(
-                "bcd node: no control plane: set [control_plane] address or unix_socket, or join"
-            )
+            from bcd_shared.subcommands import EX_CONFIG, CliError
+
+            raise CliError("no control plane: set [control_plane] address or unix_socket, or join", EX_CONFIG)
         ca = Path(cp.ca_file).read_text() if cp.ca_file else identity.gateway_ca_pem
         client = str(write_tls_client_pem(self.config.data_dir, identity))
         return Endpoint.parse(address, ca_pem=ca, client_pem_path=client, server_name=cp.server_name)
@@ -474,23 +473,69 @@ async def _watchdog(notifier: Any, interval_s: float) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import non_negative_float
+
     from bcd_agent.config import add_config_argument
 
     add_config_argument(parser)
     parser.add_argument("--root", default="/", help="a simulated host directory standing for /")
     parser.add_argument("--test-kinds", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--test-effect-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--test-effect-delay", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
+
+
+def _preflight(config: Config) -> None:
+    """What stops `bcd node` before anything starts, as CliError EX_CONFIG (78): the unit's
+    RestartPreventExitStatus=78 then stops systemd's restart loop instead of retrying every 5 s."""
+    from bcd_shared.subcommands import EX_CONFIG, CliError
+
+    from bcd_agent.session.identity import IdentityError, identity_path, load
+
+    data_dir = Path(config.data_dir)
+    where = f"data_dir {data_dir} (from {config.source})"
+    if not data_dir.exists():
+        raise CliError(f"{where} does not exist: run deploy/install.sh, then `bcd join`", EX_CONFIG)
+    if not data_dir.is_dir():
+        raise CliError(f"{where} is not a directory: correct data_dir in {config.source}", EX_CONFIG)
+    if not identity_path(data_dir).exists():
+        raise CliError(
+            f"not joined: {identity_path(data_dir)} does not exist: run `bcd join --token TOKEN` first",
+            EX_CONFIG,
+        )
+    try:
+        load(data_dir)
+    except IdentityError as exc:
+        raise CliError(f"{exc} (restore it, or `bcd join --reset --yes`)", EX_CONFIG) from None
+
+
+def _start_error(exc: BaseException) -> BaseException:
+    """A failure of the node's start (one exception inside trio's groups) as a CliError, where it is one
+    an operator fixes outside bcd; anything else unchanged (a bug keeps its traceback)."""
+    from bcd_shared.subcommands import EX_CONFIG, EX_TEMPFAIL, CliError
+
+    from bcd_agent.journal import JournalLocked, UnsafeDataDir
+    from bcd_agent.journal._types import BoundError
+    from bcd_agent.session.identity import IdentityError
+
+    leaf = exc
+    while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+        leaf = leaf.exceptions[0]
+    if isinstance(leaf, JournalLocked):
+        return CliError(f"{leaf} (is another bcd node running with this data_dir?)", EX_TEMPFAIL)
+    if isinstance(leaf, (IdentityError, UnsafeDataDir, BoundError)):
+        return CliError(str(leaf), EX_CONFIG)
+    return leaf
 
 
 def run(args: argparse.Namespace) -> int:
-    from bcd_agent.config import ConfigError, load_config
-    from bcd_agent.session.identity import IdentityError
+    from bcd_shared.subcommands import EX_CONFIG, CliError
+
+    from bcd_agent.config import ConfigError, default_config_path, load_config
 
     try:
-        config = load_config(args.config)
+        config = load_config(args.config or default_config_path())
     except ConfigError as exc:
-        print(f"bcd node: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc), EX_CONFIG) from None
+    _preflight(config)
     logging.basicConfig(
         level=config.log.level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
     )
@@ -512,7 +557,6 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         trio.run(main)
-    except IdentityError as exc:
-        print(f"bcd node: {exc}", file=sys.stderr)
-        return 2
+    except BaseException as exc:
+        raise _start_error(exc) from None
     return 0

@@ -222,6 +222,8 @@ def _stable(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import positive_float
+
     from bcd_agent.config import add_config_argument
 
     add_config_argument(parser)
@@ -230,10 +232,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-holds", action="store_true", help="skip reading the holds and GPUs")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval seconds")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between redraws (--watch)")
+    parser.add_argument(
+        "--interval", type=positive_float, default=1.0, help="seconds between redraws (--watch)"
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from bcd_shared.subcommands import EX_CONFIG, CliError
+
     from bcd_agent.config import ConfigError, default_config_path, load_config
     from bcd_agent.plan import host_system
 
@@ -241,8 +247,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         config = load_config(args.config or default_config_path(), missing_ok=True)
     except ConfigError as e:
-        print(f"bcd status: {e}", file=sys.stderr)
-        return 2
+        raise CliError(str(e), EX_CONFIG) from None
     data_dir = args.data_dir or config.data_dir
     system = None if args.no_holds else host_system(args.root)
 

@@ -65,12 +65,17 @@ def _stop(_signum: int, _frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bcd_shared.subcommands import EX_CONFIG, EX_NOPERM, CliError
+
     root = Path(args.root).resolve()
+    if root == Path("/") and os.geteuid() != 0:
+        raise CliError(
+            "must run as root (it is the node's root helper; systemctl start bcd-helper)", EX_NOPERM
+        )
     try:
         server = build(root, args.config)
     except ConfigError as exc:
-        print(f"bcd helper: {exc}", file=sys.stderr)
-        return 1
+        raise CliError(str(exc), EX_CONFIG) from None
     signal.signal(signal.SIGTERM, _stop)
     try:
         server.serve_forever(poll_interval=0.2)
