@@ -23,9 +23,13 @@ What is wired (docs/session.md "bcd node"):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import logging
+import math
 import os
 import signal
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -96,6 +100,7 @@ class Node:
         self.handlers: dict[str, Any] = {}
         self.started_monotonic: float | None = None
         self.sweeps = 0  # journal sweeps run by this process (the one at start included)
+        self._status_pokes: trio.MemorySendChannel[None] | None = None
 
     # --- composition ----------------------------------------------------------------------------------
 
@@ -408,8 +413,11 @@ class Node:
                 backoff=Backoff(initial_s=self.options.backoff_initial_s, max_s=self.options.backoff_max_s),
                 heartbeat_s=self.options.heartbeat_s,
                 status_interval_s=self.options.status_interval_s,
+                on_link_change=self._poke_status_file,
             )
             sink.wake = self.session.events_changed
+            # The session's link changed: status.json is rewritten at once (bcd status --check).
+            self._status_pokes, pokes = trio.open_memory_channel[None](1)
             notifier = Notifier()
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.dispatcher.run)
@@ -417,7 +425,11 @@ class Node:
                 # bcd status: each new status to data_dir/status.json (bcd_agent.statusfile; docs/sim.md).
                 from bcd_agent import statusfile
 
-                await nursery.start(statusfile.serve, self.status, cfg.data_dir)
+                await nursery.start(
+                    functools.partial(
+                        statusfile.serve, self.status, cfg.data_dir, extra=self.liveness, pokes=pokes
+                    )
+                )
                 await nursery.start(self.session.run)
                 nursery.start_soon(sweep_periodically, journal, self.options.sweep_interval_s, self._swept)
                 # The first inventory read (the heartbeat's hash) off the path to Hello.
@@ -428,6 +440,46 @@ class Node:
                 task_status.started(self)
         finally:
             journal.close()
+
+    def _poke_status_file(self) -> None:
+        if self._status_pokes is not None:
+            with contextlib.suppress(trio.WouldBlock):  # one pending poke is enough
+                self._status_pokes.send_nowait(None)
+
+    def liveness(self) -> dict[str, object]:
+        """What status.json carries beyond the converge status (bcd_agent.statusfile): the session's link
+        and the converge passes, as wall times, for `bcd status` and `bcd status --check`."""
+        wall, mono = time.time(), trio.current_time()
+
+        def to_wall(t: float | None) -> float | None:
+            return None if t is None or t in (math.inf, -math.inf) else round(wall - (mono - t), 3)
+
+        doc: dict[str, object] = {"version": VERSION, "root": self.options.root}
+        if self.started_monotonic is not None:
+            doc["started_at"] = to_wall(self.started_monotonic)
+        session = self.session
+        if session is not None:
+            doc["session"] = {
+                "state": session.link,
+                "since": round(session.link_since, 3),
+                "last_error": session.link_error,
+                "retry_at": None if session.retry_at is None else round(session.retry_at, 3),
+                "attempts": session.attempts,
+                "last_heartbeat_at": None
+                if session.last_heartbeat_at is None
+                else round(session.last_heartbeat_at, 3),
+                "endpoint": session.endpoint.describe(),
+            }
+        runner = self.runner
+        if runner is not None:
+            latest = runner.status.latest()
+            next_at, next_reason = runner.next_pass()
+            doc["converge"] = {
+                "last_pass_at": to_wall(latest.last_pass_monotonic) if latest is not None else None,
+                "next_pass_at": to_wall(next_at),
+                "next_pass_reason": next_reason if next_at != math.inf else "",
+            }
+        return {"node": doc}
 
     async def _first_inventory(self) -> None:
         await self.session.hello_sent.wait()

@@ -95,6 +95,8 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
     ("status zero interval", lambda t: ["status", "--interval", "0"], EX_USAGE, "positive", False),
     ("status config refused", lambda t: ["status", "--config", _config(t, "[nope]\n")], EX_CONFIG,
      "unknown table", False),
+    ("status --check bad bound", lambda t: ["status", "--check", "--max-stale", "-2"], EX_USAGE, "negative",
+     False),
     ("journal negative limit", lambda t: ["journal", "--limit", "-1"], EX_USAGE, "negative", False),
     ("journal not a number", lambda t: ["journal", "--limit", "ten"], EX_USAGE, "integer", False),
     ("journal no journal", lambda t: ["journal", "--data-dir", str(t)], EX_NOINPUT, "no journal here", False),
