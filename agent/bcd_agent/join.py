@@ -334,19 +334,18 @@ RESET_NEEDS_YES = (
 
 
 def run(args: argparse.Namespace) -> int:
+    from bcd_shared.subcommands import EX_CONFIG, EX_USAGE, CliError
+
     from bcd_agent.config import ConfigError, default_config_path, load_config
 
     try:
         config = load_config(args.config or default_config_path())
     except ConfigError as exc:
-        print(f"bcd join: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc), EX_CONFIG) from None
     if args.yes and not args.reset:
-        print("bcd join: --yes confirms --reset; without --reset it means nothing", file=sys.stderr)
-        return 2
+        raise CliError("--yes confirms --reset; without --reset it means nothing", EX_USAGE)
     if args.reset and not args.yes:
-        print(f"bcd join: {RESET_NEEDS_YES.format(identity=config.identity_path)}", file=sys.stderr)
-        return 2
+        raise CliError(RESET_NEEDS_YES.format(identity=config.identity_path), EX_USAGE)
     try:
         identity = trio.run(
             lambda: join(

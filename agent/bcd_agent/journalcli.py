@@ -49,7 +49,9 @@ EVENT_CLASSES = {0: "metric", 1: "transition", 2: "result"}
 
 
 class JournalReadError(Exception):
-    pass
+    def __init__(self, message: str, code: int = 65) -> None:  # EX_DATAERR: it is there, but refused
+        super().__init__(message)
+        self.code = code
 
 
 @frozen
@@ -128,7 +130,7 @@ class JournalView:
 
 def _connect(path: Path, *, read_only: bool) -> sqlite3.Connection:
     if not path.exists():
-        raise JournalReadError(f"{path}: no journal here (has bcd node run with this data_dir?)")
+        raise JournalReadError(f"{path}: no journal here (has bcd node run with this data_dir?)", 66)
     try:
         # The snapshot copy is opened read-write so that SQLite can recover its WAL; it is ours alone.
         mode = "?mode=ro" if read_only else ""
@@ -277,26 +279,34 @@ def render(view: JournalView) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import non_negative_int
+
     from bcd_agent.config import add_config_argument
 
     add_config_argument(parser)
     parser.add_argument("--data-dir", default=None, help="the node's data_dir (default: config's)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
-    parser.add_argument("--limit", type=int, default=1000, help="at most this many commands and events")
+    parser.add_argument(
+        "--limit", type=non_negative_int, default=1000, help="at most this many commands and events"
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    from bcd_shared.subcommands import EX_CONFIG, CliError
+
     from bcd_agent.config import ConfigError, default_config_path, load_config
 
     stream = out or sys.stdout
     try:
         config = load_config(args.config or default_config_path(), missing_ok=True)
+    except ConfigError as e:
+        raise CliError(str(e), EX_CONFIG) from None
+    try:
         view = read_journal(
             args.data_dir or config.data_dir, command_limit=args.limit, event_limit=args.limit
         )
-    except (ConfigError, JournalReadError) as e:
-        print(f"bcd journal: {e}", file=sys.stderr)
-        return 2
+    except JournalReadError as e:
+        raise CliError(str(e), e.code) from None
     if args.json:
         json.dump(view.to_json(), stream, sort_keys=True)
         stream.write("\n")

@@ -23,10 +23,13 @@ What is wired (docs/session.md "bcd node"):
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import logging
+import math
 import os
 import signal
-import sys
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -98,6 +101,7 @@ class Node:
         self.handlers: dict[str, Any] = {}
         self.started_monotonic: float | None = None
         self.sweeps = 0  # journal sweeps run by this process (the one at start included)
+        self._status_pokes: trio.MemorySendChannel[None] | None = None
 
     # --- composition ----------------------------------------------------------------------------------
 
@@ -308,9 +312,9 @@ class Node:
             return Endpoint(unix_path=cp.unix_socket)
         address = cp.address or identity.address
         if not address:
-            raise SystemExit(
-                "bcd node: no control plane: set [control_plane] address or unix_socket, or join"
-            )
+            from bcd_shared.subcommands import EX_CONFIG, CliError
+
+            raise CliError("no control plane: set [control_plane] address or unix_socket, or join", EX_CONFIG)
         ca = Path(cp.ca_file).read_text() if cp.ca_file else identity.gateway_ca_pem
         client = str(write_tls_client_pem(self.config.data_dir, identity))
         return Endpoint.parse(address, ca_pem=ca, client_pem_path=client, server_name=cp.server_name)
@@ -427,8 +431,11 @@ class Node:
                 backoff=Backoff(initial_s=self.options.backoff_initial_s, max_s=self.options.backoff_max_s),
                 heartbeat_s=self.options.heartbeat_s,
                 status_interval_s=self.options.status_interval_s,
+                on_link_change=self._poke_status_file,
             )
             sink.wake = self.session.events_changed
+            # The session's link changed: status.json is rewritten at once (bcd status --check).
+            self._status_pokes, pokes = trio.open_memory_channel[None](1)
             notifier = Notifier()
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.dispatcher.run)
@@ -436,7 +443,11 @@ class Node:
                 # bcd status: each new status to data_dir/status.json (bcd_agent.statusfile; docs/sim.md).
                 from bcd_agent import statusfile
 
-                await nursery.start(statusfile.serve, self.status, cfg.data_dir)
+                await nursery.start(
+                    functools.partial(
+                        statusfile.serve, self.status, cfg.data_dir, extra=self.liveness, pokes=pokes
+                    )
+                )
                 await nursery.start(self.session.run)
                 nursery.start_soon(sweep_periodically, journal, self.options.sweep_interval_s, self._swept)
                 # The first inventory read (the heartbeat's hash) off the path to Hello.
@@ -447,6 +458,46 @@ class Node:
                 task_status.started(self)
         finally:
             journal.close()
+
+    def _poke_status_file(self) -> None:
+        if self._status_pokes is not None:
+            with contextlib.suppress(trio.WouldBlock):  # one pending poke is enough
+                self._status_pokes.send_nowait(None)
+
+    def liveness(self) -> dict[str, object]:
+        """What status.json carries beyond the converge status (bcd_agent.statusfile): the session's link
+        and the converge passes, as wall times, for `bcd status` and `bcd status --check`."""
+        wall, mono = time.time(), trio.current_time()
+
+        def to_wall(t: float | None) -> float | None:
+            return None if t is None or t in (math.inf, -math.inf) else round(wall - (mono - t), 3)
+
+        doc: dict[str, object] = {"version": VERSION, "root": self.options.root}
+        if self.started_monotonic is not None:
+            doc["started_at"] = to_wall(self.started_monotonic)
+        session = self.session
+        if session is not None:
+            doc["session"] = {
+                "state": session.link,
+                "since": round(session.link_since, 3),
+                "last_error": session.link_error,
+                "retry_at": None if session.retry_at is None else round(session.retry_at, 3),
+                "attempts": session.attempts,
+                "last_heartbeat_at": None
+                if session.last_heartbeat_at is None
+                else round(session.last_heartbeat_at, 3),
+                "endpoint": session.endpoint.describe(),
+            }
+        runner = self.runner
+        if runner is not None:
+            latest = runner.status.latest()
+            next_at, next_reason = runner.next_pass()
+            doc["converge"] = {
+                "last_pass_at": to_wall(latest.last_pass_monotonic) if latest is not None else None,
+                "next_pass_at": to_wall(next_at),
+                "next_pass_reason": next_reason if next_at != math.inf else "",
+            }
+        return {"node": doc}
 
     async def _first_inventory(self) -> None:
         await self.session.hello_sent.wait()
@@ -492,28 +543,73 @@ async def _watchdog(notifier: Any, interval_s: float) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import non_negative_float
+
     from bcd_agent.config import add_config_argument
 
     add_config_argument(parser)
     parser.add_argument("--root", default="/", help="a simulated host directory standing for /")
     logsetup.add_argument(parser)
     parser.add_argument("--test-kinds", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--test-effect-delay", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--test-effect-delay", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
+
+
+def _preflight(config: Config) -> None:
+    """What stops `bcd node` before anything starts, as CliError EX_CONFIG (78): the unit's
+    RestartPreventExitStatus=78 then stops systemd's restart loop instead of retrying every 5 s."""
+    from bcd_shared.subcommands import EX_CONFIG, CliError
+
+    from bcd_agent.session.identity import IdentityError, identity_path, load
+
+    data_dir = Path(config.data_dir)
+    where = f"data_dir {data_dir} (from {config.source})"
+    if not data_dir.exists():
+        raise CliError(f"{where} does not exist: run deploy/install.sh, then `bcd join`", EX_CONFIG)
+    if not data_dir.is_dir():
+        raise CliError(f"{where} is not a directory: correct data_dir in {config.source}", EX_CONFIG)
+    if not identity_path(data_dir).exists():
+        raise CliError(
+            f"not joined: {identity_path(data_dir)} does not exist: run `bcd join --token TOKEN` first",
+            EX_CONFIG,
+        )
+    try:
+        load(data_dir)
+    except IdentityError as exc:
+        raise CliError(f"{exc} (restore it, or `bcd join --reset --yes`)", EX_CONFIG) from None
+
+
+def _start_error(exc: BaseException) -> BaseException:
+    """A failure of the node's start (one exception inside trio's groups) as a CliError, where it is one
+    an operator fixes outside bcd; anything else unchanged (a bug keeps its traceback)."""
+    from bcd_shared.subcommands import EX_CONFIG, EX_TEMPFAIL, CliError
+
+    from bcd_agent.journal import JournalLocked, UnsafeDataDir
+    from bcd_agent.journal._types import BoundError
+    from bcd_agent.session.identity import IdentityError
+
+    leaf = exc
+    while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+        leaf = leaf.exceptions[0]
+    if isinstance(leaf, JournalLocked):
+        return CliError(f"{leaf} (is another bcd node running with this data_dir?)", EX_TEMPFAIL)
+    if isinstance(leaf, (IdentityError, UnsafeDataDir, BoundError)):
+        return CliError(str(leaf), EX_CONFIG)
+    return leaf
 
 
 def run(args: argparse.Namespace) -> int:
     from bcd_shared.simroot import SimHostMissing, simhost_module
+    from bcd_shared.subcommands import EX_CONFIG, CliError
 
-    from bcd_agent.config import ConfigError, load_config
-    from bcd_agent.session.identity import IdentityError
+    from bcd_agent.config import ConfigError, default_config_path, load_config
 
     try:
         if args.root != "/":
             simhost_module(args.root)  # a simulated root needs bcd-simhost
-        config = load_config(args.config)
+        config = load_config(args.config or default_config_path())
     except (ConfigError, SimHostMissing) as exc:
-        print(f"bcd node: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc), EX_CONFIG) from None
+    _preflight(config)
     logsetup.configure(config.log.level, args.log_format)
     node = Node(
         config,
@@ -535,10 +631,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         trio.run(main)
-    except IdentityError as exc:
-        log.error("bcd node %s stopped: %s", VERSION, exc)
-        print(f"bcd node: {exc}", file=sys.stderr)
-        return 2
+    except BaseException as exc:
+        error = _start_error(exc)
+        log.error("bcd node %s stopped: %s", VERSION, error)
+        raise error from None
     log.info("bcd node %s stopped", VERSION)
     return 0
 

@@ -561,38 +561,42 @@ def host_system(root: str) -> System:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import positive_int
+
     from bcd_agent.config import add_config_argument
 
     parser.add_argument("--spec", required=True, help="a NodeSpec in protobuf's JSON mapping")
     parser.add_argument("--root", default="/", help="the directory standing for / (a simulated host)")
     parser.add_argument("--data-dir", default=None, help="the node's data_dir (default: config's)")
-    parser.add_argument("--generation", type=int, default=1, help="the generation to plan at (default 1)")
+    parser.add_argument(
+        "--generation", type=positive_int, default=1, help="the generation to plan at (default 1)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     add_config_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit 0 when every section is converged (nothing to do), 2 when it plans steps or failures
+    (terraform plan -detailed-exitcode), 65 for a spec file it refuses, 78 for a refused config."""
     from bcd_shared.simroot import SimHostMissing
+    from bcd_shared.subcommands import EX_CHANGES, EX_CONFIG, EX_DATAERR, CliError
 
     from bcd_agent.config import ConfigError, default_config_path, load_config
 
     try:
         spec = load_spec_file(args.spec)
     except SpecFileError as e:
-        print(f"bcd plan: {e}", file=sys.stderr)
-        return 2
+        raise CliError(str(e), EX_DATAERR) from None
     try:
         config = load_config(args.config or default_config_path(), missing_ok=True)
     except ConfigError as e:
-        print(f"bcd plan: {e}", file=sys.stderr)
-        return 2
+        raise CliError(str(e), EX_CONFIG) from None
     data_dir = args.data_dir or config.data_dir
     desired = desired_from_nodespec(spec, max(1, args.generation))
     try:
         system = host_system(args.root)
     except SimHostMissing as e:
-        print(f"bcd plan: {e}", file=sys.stderr)
-        return 2
+        raise CliError(str(e), EX_CONFIG) from None
     plans = plan_all(desired, system, data_dir, host_units=config.host.units)
     if args.json:
         doc = {"generation": desired.generation, "sections": to_json(plans)}
@@ -600,4 +604,4 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         sys.stdout.write(render(plans))
-    return 0
+    return 0 if all(p.converged for p in plans) else EX_CHANGES

@@ -704,7 +704,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json", action="store_true", help="print one JSON object at the end (implies --once)"
     )
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds to wait (--once)")
+    from bcd_shared.subcommands import positive_float
+
+    parser.add_argument(
+        "--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, help="seconds to wait (--once)"
+    )
     parser.add_argument(
         "--helper",
         choices=("auto", "yes", "no"),

@@ -11,10 +11,23 @@ Two sources, both local, neither the node's memory:
   their MIG instances from nvidia-smi, so that each GPU, MIG instance and slot is shown with the
   allocation holding it (devices-and-holds.md, "Seeing the holds").
 
+Liveness (issue 15, item 5): the first lines say whether the node process is alive (the pid in
+status.json, checked against /proc with its start time, so a recycled pid is not mistaken for the node),
+how old status.json is (the node rewrites it every 10 s: an old file is a stale node), the session's
+link state and since when, with the last heartbeat, and the last and next converge pass; each
+PROGRESSING section shows when the next retry runs and why it is retrying. A stopped node's last
+status is shown as "last known", never as the node's present state.
+
 `--root DIR` reads a simulated host; `--watch` redraws the view every `--interval` seconds (a live
 view on a terminal; a new block of plain lines whenever something changed otherwise); `--json`
-prints one JSON object. Exit status: 0 when the node has published a status and it is settled, 1 when
-it has not or a section is PROGRESSING or FAILED, 2 on a usage or read error.
+prints one JSON object. Exit status: 0 when the node is up and has published a status that is
+settled, 1 when it is down, has not published one, or a section is PROGRESSING or FAILED; the
+usage and read errors of docs/operations.md "Exit codes".
+
+`--check [--max-disconnected N] [--max-stale N]` is the probe (the DaemonSet's liveness and readiness):
+one line on stdout, exit 0 when the node is up, status.json is at most N s old (default 60) and the
+session has not been disconnected for more than N s (default 300); else exit 1, the line naming each
+problem. It reads no holds.
 """
 
 from __future__ import annotations
@@ -23,14 +36,18 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import TextIO
 
 from attrs import frozen
 from bcd_shared.system import System
 from bcd_shared.version import VERSION
 
-from bcd_agent.statusfile import StatusFileError, StatusView, read_status
+from bcd_agent.statusfile import StatusFileError, StatusView, process_start, read_status
+
+DEFAULT_MAX_STALE_S = 60
+DEFAULT_MAX_DISCONNECTED_S = 300
 
 
 @frozen
@@ -85,25 +102,133 @@ def read_holders(system: System) -> Holds:
     return Holds(tuple(rows), bad, inventory.errors)
 
 
+def pid_state(pid: int, pid_start: int | None, proc: Path = Path("/proc")) -> str:
+    """ "running", "gone" (no such process), or "recycled" (another process has the pid now)."""
+    start = process_start(pid, proc)
+    if start is None:
+        return "gone"
+    if pid_start is not None and start != pid_start:
+        return "recycled"
+    return "running"
+
+
+def _number(doc: Mapping[str, object], key: str) -> float | None:
+    value = doc.get(key)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _text(doc: Mapping[str, object], key: str) -> str:
+    value = doc.get(key)
+    return value if isinstance(value, str) else ""
+
+
+@frozen
+class Liveness:
+    """Is the node alive, connected and current: from status.json and the process table."""
+
+    process: str  # "running", "gone", "recycled"
+    pid: int
+    written_age_s: float  # how old status.json is
+    version: str = ""
+    link: str = ""  # "connected", "disconnected", "" (not written by this node: an older bcd, a test)
+    link_for_s: float | None = None
+    link_error: str = ""
+    retry_in_s: float | None = None
+    attempts: int = 0
+    endpoint: str = ""
+    heartbeat_age_s: float | None = None
+    last_pass_age_s: float | None = None
+    next_pass_in_s: float | None = None
+    next_pass_reason: str = ""
+
+    @property
+    def alive(self) -> bool:
+        return self.process == "running"
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "alive": self.alive,
+            "process": self.process,
+            "pid": self.pid,
+            "version": self.version,
+            "status_age_s": round(self.written_age_s, 3),
+            "session": {
+                "state": self.link or None,
+                "for_s": _round(self.link_for_s),
+                "last_error": self.link_error,
+                "retry_in_s": _round(self.retry_in_s),
+                "attempts": self.attempts,
+                "endpoint": self.endpoint,
+                "last_heartbeat_age_s": _round(self.heartbeat_age_s),
+            },
+            "converge": {
+                "last_pass_age_s": _round(self.last_pass_age_s),
+                "next_pass_in_s": _round(self.next_pass_in_s),
+                "next_pass_reason": self.next_pass_reason,
+            },
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def liveness(status: StatusView, now_wall: float, proc: Path = Path("/proc")) -> Liveness:
+    node = status.extra.get("node")
+    node = node if isinstance(node, Mapping) else {}
+    session = node.get("session")
+    session = session if isinstance(session, Mapping) else {}
+    converge = node.get("converge")
+    converge = converge if isinstance(converge, Mapping) else {}
+
+    def age(t: float | None) -> float | None:
+        return None if t is None else max(0.0, now_wall - t)
+
+    def until(t: float | None) -> float | None:
+        return None if t is None else max(0.0, t - now_wall)
+
+    attempts = session.get("attempts")
+    return Liveness(
+        process=pid_state(status.pid, status.pid_start, proc),
+        pid=status.pid,
+        written_age_s=max(0.0, now_wall - status.written_at),
+        version=_text(node, "version"),
+        link=_text(session, "state"),
+        link_for_s=age(_number(session, "since")),
+        link_error=_text(session, "last_error"),
+        retry_in_s=until(_number(session, "retry_at")),
+        attempts=attempts if isinstance(attempts, int) and not isinstance(attempts, bool) else 0,
+        endpoint=_text(session, "endpoint"),
+        heartbeat_age_s=age(_number(session, "last_heartbeat_at")),
+        last_pass_age_s=age(_number(converge, "last_pass_at")),
+        next_pass_in_s=until(_number(converge, "next_pass_at")),
+        next_pass_reason=_text(converge, "next_pass_reason"),
+    )
+
+
 @frozen
 class StatusSnapshot:
     status: StatusView | None
     holds: Holds | None
     errors: tuple[str, ...] = ()
+    live: Liveness | None = None
 
     @property
     def exit_code(self) -> int:
-        if self.status is None:
+        if self.status is None or (self.live is not None and not self.live.alive):
             return 1
         ok = self.status.settled and all(s.state != "FAILED" for s in self.status.sections)
         return 0 if ok else 1
 
 
-def snapshot(data_dir: str, system: System | None) -> StatusSnapshot:
+def snapshot(
+    data_dir: str, system: System | None, *, now_wall: float | None = None, proc: Path = Path("/proc")
+) -> StatusSnapshot:
     errors: list[str] = []
     status: StatusView | None = None
+    now = time.time() if now_wall is None else now_wall
     try:
-        status = read_status(data_dir)
+        status = read_status(data_dir, now_wall=now)
     except StatusFileError as e:
         errors.append(str(e))
     holds: Holds | None = None
@@ -112,7 +237,32 @@ def snapshot(data_dir: str, system: System | None) -> StatusSnapshot:
             holds = read_holders(system)
         except OSError as e:
             errors.append(f"reading the holds failed: {e}")
-    return StatusSnapshot(status, holds, tuple(errors))
+    live = liveness(status, now, proc) if status is not None else None
+    return StatusSnapshot(status, holds, tuple(errors), live)
+
+
+def check(snap: StatusSnapshot, *, max_disconnected_s: float, max_stale_s: float) -> list[str]:
+    """`bcd status --check`: what makes the node unhealthy, or [] when it is up, current and connected."""
+    live = snap.live
+    if snap.status is None or live is None:
+        return ["down: no status.json (bcd node has not run with this data_dir)", *snap.errors]
+    problems = []
+    if live.process == "gone":
+        problems.append(f"down: pid {live.pid} is not running")
+    elif live.process == "recycled":
+        problems.append(f"down: pid {live.pid} is another process now")
+    if live.written_age_s > max_stale_s:
+        problems.append(
+            f"stale: status.json written {_age_s(live.written_age_s)} ago (over {max_stale_s:g} s)"
+        )
+    if live.link == "disconnected" and live.link_for_s is not None and live.link_for_s > max_disconnected_s:
+        why = f": {live.link_error}" if live.link_error else ""
+        problems.append(f"disconnected for {_age_s(live.link_for_s)} (over {max_disconnected_s:g} s){why}")
+    return problems
+
+
+def _age_s(seconds: float) -> str:
+    return _age(int(seconds * 1000))
 
 
 def _age(ms: int) -> str:
@@ -124,15 +274,54 @@ def _age(ms: int) -> str:
     return f"{s // 3600}h{(s % 3600) // 60:02d}m"
 
 
+def _live_lines(live: Liveness) -> list[str]:
+    version = f", bcd {live.version}" if live.version else ""
+    written = _age_s(live.written_age_s)
+    if live.process == "running":
+        head = f"node: up (pid {live.pid}{version}); status written {written} ago"
+    elif live.process == "recycled":
+        head = f"node: DOWN (pid {live.pid} is another process now); last status {written} ago"
+    else:
+        head = f"node: DOWN (pid {live.pid} is not running); last status {written} ago"
+    lines = [head]
+    # A stopped node's session and passes are history: shown as last known, with no future times.
+    was = "" if live.alive else "last known "
+    if live.link:
+        to = f" {'to' if live.link == 'connected' else 'from'} {live.endpoint}" if live.endpoint else ""
+        since = f" for {_age_s(live.link_for_s)}" if live.link_for_s is not None and live.alive else ""
+        text = f"{was}session: {live.link}{to}{since}"
+        if live.link == "connected":
+            beat = "none yet" if live.heartbeat_age_s is None else f"{_age_s(live.heartbeat_age_s)} ago"
+            text += f"; last heartbeat {beat}"
+        else:
+            if live.link_error:
+                text += f"; last error: {live.link_error}"
+            if live.retry_in_s is not None and live.alive:
+                text += f"; attempt {live.attempts + 1} in {_age_s(live.retry_in_s)}"
+        lines.append(text)
+    if live.link or live.last_pass_age_s is not None:  # `bcd node` wrote its liveness
+        last = "none yet" if live.last_pass_age_s is None else f"{_age_s(live.last_pass_age_s)} ago"
+        text = f"{was}converge: last pass {last}"
+        if live.next_pass_in_s is not None and live.alive:
+            text += f"; next pass in {_age_s(live.next_pass_in_s)} ({live.next_pass_reason})"
+        lines.append(text)
+    return lines
+
+
 def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
-    """The human view: generations, sections, conditions, holders."""
+    """The human view: version, liveness, generations, sections, conditions, holders."""
     lines: list[str] = [f"bcd {VERSION}; node {node_version(snap) or 'version unknown'}"]
     st = snap.status
+    live = snap.live
     if st is None:
         lines.append("node: no status published yet (is bcd node running with this data_dir?)")
     else:
         now = time.time() if now_wall is None else now_wall
+        if live is not None:
+            lines.extend(_live_lines(live))
         verdict = "converged" if st.converged else "settled" if st.settled else "converging"
+        if live is not None and not live.alive:
+            verdict = f"last known: {verdict}"
         lines.append(
             f"generation: applied {st.applied_generation}, observed {st.observed_generation} ({verdict});"
             f" {st.passes} passes; updated {_age(max(0, int((now - st.written_at) * 1000)))} ago"
@@ -144,6 +333,13 @@ def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
         for s in st.sections:
             why = f"{s.reason}: {s.message}" if s.reason and s.message else s.reason or s.message
             lines.append(f"{s.section:<11}{s.state:<13}{s.generation:>4}  {why}")
+            if s.state == "PROGRESSING" and live is not None and live.alive:
+                when = (
+                    f"in {_age_s(live.next_pass_in_s)}"
+                    if live.next_pass_in_s is not None
+                    else "at the next pass"
+                )
+                lines.append(f"{'':<28}next retry {when}, because {s.reason or 'it is not done'}")
         lines.append("")
         if st.conditions:
             lines.append("CONDITIONS")
@@ -184,6 +380,7 @@ def to_json(snap: StatusSnapshot) -> dict[str, object]:
         "node_version": node_version(snap),
         "status": snap.status.to_json() if snap.status else None,
         "errors": list(snap.errors),
+        "liveness": snap.live.to_json() if snap.live else None,
     }
     if snap.holds is not None:
         doc["holders"] = [
@@ -226,11 +423,15 @@ def watch(
 
 
 def _stable(text: str) -> str:
-    # The first line carries "updated N s ago" and ages: compare without them.
-    return "\n".join(line for line in text.splitlines() if "ago" not in line and " for " not in line)
+    # Lines with ages ("updated N s ago", "for 5s", "in 3s") change every round: compare without them.
+    return "\n".join(
+        line for line in text.splitlines() if "ago" not in line and " for " not in line and " in " not in line
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import non_negative_float, positive_float
+
     from bcd_agent.config import add_config_argument
 
     add_config_argument(parser)
@@ -239,11 +440,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-holds", action="store_true", help="skip reading the holds and GPUs")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval seconds")
-    parser.add_argument("--interval", type=float, default=1.0, help="seconds between redraws (--watch)")
+    parser.add_argument(
+        "--interval", type=positive_float, default=1.0, help="seconds between redraws (--watch)"
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="probe: one line, exit 1 when the node is down, stale or disconnected too long",
+    )
+    parser.add_argument(
+        "--max-disconnected",
+        type=non_negative_float,
+        default=float(DEFAULT_MAX_DISCONNECTED_S),
+        metavar="N",
+        help=f"--check: seconds the session may be down (default {DEFAULT_MAX_DISCONNECTED_S})",
+    )
+    parser.add_argument(
+        "--max-stale",
+        type=non_negative_float,
+        default=float(DEFAULT_MAX_STALE_S),
+        metavar="N",
+        help=f"--check: seconds status.json may be old (default {DEFAULT_MAX_STALE_S}; rewritten every 10)",
+    )
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from bcd_shared.simroot import SimHostMissing
+    from bcd_shared.subcommands import EX_CONFIG, CliError
 
     from bcd_agent.config import ConfigError, default_config_path, load_config
     from bcd_agent.plan import host_system
@@ -252,14 +475,22 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         config = load_config(args.config or default_config_path(), missing_ok=True)
     except ConfigError as e:
-        print(f"bcd status: {e}", file=sys.stderr)
-        return 2
+        raise CliError(str(e), EX_CONFIG) from None
     data_dir = args.data_dir or config.data_dir
+    if args.check:
+        snap = snapshot(data_dir, None)
+        problems = check(snap, max_disconnected_s=args.max_disconnected, max_stale_s=args.max_stale)
+        if problems:
+            stream.write("FAIL: " + "; ".join(problems) + "\n")
+            return 1
+        assert snap.live is not None
+        link = f", {snap.live.link}" if snap.live.link else ""
+        stream.write(f"ok: pid {snap.live.pid} up{link}, status {_age_s(snap.live.written_age_s)} old\n")
+        return 0
     try:
         system = None if args.no_holds else host_system(args.root)
     except SimHostMissing as e:
-        print(f"bcd status: {e}", file=sys.stderr)
-        return 2
+        raise CliError(str(e), EX_CONFIG) from None
 
     def take() -> StatusSnapshot:
         return snapshot(data_dir, system)

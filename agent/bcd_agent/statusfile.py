@@ -11,6 +11,13 @@ section states, conditions). It carries what a StatusReport carries plus when it
 conditions carry `age_ms` at `written_at`, and the reader adds the wall time since (`read_status`),
 so an age keeps growing while the node is quiet. The format is versioned (`format`); a reader refuses
 a file of another format or one that does not parse, with a message naming the file.
+
+Liveness (`bcd status`, `bcd status --check`; docs/operations.md): the file is rewritten at least every
+`REFRESH_S` even when nothing changed, so its `written_at` ages only when the node stops writing (stale);
+`pid` with `pid_start` (the process's start time in clock ticks since boot, /proc/PID/stat field 22)
+tells a live node from a stopped one, and from an unrelated process that got the same pid; `node`
+(written by `bcd node`) carries the session's link state and since when, the last heartbeat, and the
+last and next converge pass with the next pass's reason, all as wall times.
 """
 
 from __future__ import annotations
@@ -36,6 +43,21 @@ FORMAT = 1
 MODE = 0o640
 
 STATE_NAMES = ("CONVERGED", "PROGRESSING", "FAILED", "UNSUPPORTED")
+REFRESH_S = 10.0  # status.json is rewritten at least this often while the node runs
+
+
+def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
+    """The start time of process `pid` (clock ticks since boot), or None when there is no such process."""
+    try:
+        text = (proc / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    # Field 2 (comm) is in parentheses and may hold spaces or ')': split after the last ')'.
+    fields = text[text.rfind(")") + 2 :].split()
+    try:
+        return int(fields[19])  # field 22 overall
+    except (IndexError, ValueError):
+        return None
 
 
 class StatusFileError(ValueError):
@@ -60,6 +82,7 @@ def encode(
         "written_at": round(now_wall, 3),
         "pid": pid,
         "version": VERSION,  # the node's bcd version (read back through `extra`)
+        "pid_start": process_start(pid),
         "status_version": status.version,
         "applied_generation": status.applied_generation,
         "observed_generation": status.observed_generation,
@@ -144,6 +167,7 @@ class StatusView:
     sections: tuple[SectionView, ...]
     conditions: tuple[ConditionView, ...]
     extra: Mapping[str, object] = field(factory=dict)
+    pid_start: int | None = None
 
     @property
     def settled(self) -> bool:
@@ -229,8 +253,11 @@ def decode(data: bytes, *, source: str = STATUS_FILE, now_wall: float | None = N
         )  # fmt: skip
     known = {
         "format", "written_at", "pid", "status_version", "applied_generation", "observed_generation",
-        "spec_hash", "passes", "sections", "conditions",
+        "spec_hash", "passes", "sections", "conditions", "pid_start",
     }  # fmt: skip
+    pid_start = doc.get("pid_start")
+    if pid_start is not None and (isinstance(pid_start, bool) or not isinstance(pid_start, int)):
+        raise StatusFileError(f"{source}: pid_start: not an integer")
     return StatusView(
         written_at=written,
         pid=_get(doc, "pid", int, source),
@@ -242,6 +269,7 @@ def decode(data: bytes, *, source: str = STATUS_FILE, now_wall: float | None = N
         sections=tuple(sections),
         conditions=tuple(conditions),
         extra={k: v for k, v in doc.items() if k not in known},
+        pid_start=pid_start,
     )
 
 
@@ -257,16 +285,43 @@ def read_status(data_dir: str | os.PathLike[str], *, now_wall: float | None = No
     return decode(data, source=str(path), now_wall=now_wall)
 
 
+async def _newer_or_poke(
+    cell: StatusCell, version: int, pokes: trio.abc.ReceiveChannel[None] | None, timeout_s: float
+) -> NodeStatus | None:
+    """A status newer than `version`, or None after a poke or `timeout_s`."""
+    newer: list[NodeStatus] = []
+    with trio.move_on_after(timeout_s):
+        async with trio.open_nursery() as race:
+
+            async def wait_status() -> None:
+                newer.append(await cell.wait_newer(version))
+                race.cancel_scope.cancel()
+
+            async def wait_poke() -> None:
+                assert pokes is not None
+                await pokes.receive()
+                race.cancel_scope.cancel()
+
+            race.start_soon(wait_status)
+            if pokes is not None:
+                race.start_soon(wait_poke)
+    return newer[0] if newer else None
+
+
 async def serve(
     cell: StatusCell,
     data_dir: str | os.PathLike[str],
     *,
     clock: Callable[[], float] = trio.current_time,
     extra: Callable[[], Mapping[str, object]] | None = None,
+    refresh_s: float = REFRESH_S,
+    pokes: trio.abc.ReceiveChannel[None] | None = None,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> NoReturn:
-    """Write every new status the cell publishes to data_dir/status.json (latest wins). A failed write is
-    logged once per distinct error; the service keeps running and writes the next status."""
+    """Write every new status the cell publishes to data_dir/status.json (latest wins), and the latest
+    again every `refresh_s` and on each message of `pokes` (liveness: written_at, the session's link
+    changed, the next pass). A failed write is logged once per distinct error; the service keeps
+    running and writes the next status."""
     import logging
 
     log = logging.getLogger("bcd.status")
@@ -274,7 +329,11 @@ async def serve(
     version = 0
     last_error = ""
     while True:
-        status = await cell.wait_newer(version)
+        newer = await _newer_or_poke(cell, version, pokes, refresh_s)
+        status_now = newer if newer is not None else cell.latest()
+        if status_now is None:
+            continue
+        status = status_now
         version = status.version
         now = clock()
         more = extra() if extra is not None else None

@@ -284,18 +284,33 @@ def verify_chain(directory: Path) -> VerifyResult:
 # --- `bcd helper audit show|verify` ------------------------------------------------------------------
 
 
+def _common_arguments(parser: argparse.ArgumentParser, default: Any) -> None:
+    # On `audit` and again on `show`/`verify` (there with SUPPRESS, so that a flag given before the
+    # subcommand is not reset): `bcd helper audit verify --root DIR` and `audit --root DIR verify` agree.
+    def d(value: object) -> object:
+        return value if default is None else default
+
+    parser.add_argument("--root", default=d("/"), help="the directory standing for / (a simulated host)")
+    parser.add_argument("--dir", default=d(None), help="the audit directory (host path; default from config)")
+    parser.add_argument("--config", default=d("/etc/bcd/config.toml"), help="root's config.toml (host path)")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--root", default="/", help="the directory standing for / (a simulated host)")
-    parser.add_argument("--dir", default=None, help="the audit directory (host path; default from config)")
-    parser.add_argument("--config", default="/etc/bcd/config.toml", help="root's config.toml (host path)")
+    _common_arguments(parser, None)
     sub = parser.add_subparsers(dest="audit_command", metavar="show|verify", required=True)
     show = sub.add_parser("show", help="print audit entries, filtered")
     show.add_argument("--op", default=None, help="only this operation")
     show.add_argument("--decision", choices=("accepted", "refused", "failed"), default=None)
-    show.add_argument("--since", default=None, help="only entries at or after this time (RFC 3339)")
-    show.add_argument("--until", default=None, help="only entries before this time (RFC 3339)")
+    show.add_argument(
+        "--since", type=_time_arg, default=None, help="only entries at or after this time (RFC 3339)"
+    )
+    show.add_argument(
+        "--until", type=_time_arg, default=None, help="only entries before this time (RFC 3339)"
+    )
     show.add_argument("--json", action="store_true", help="print the raw JSON lines")
-    sub.add_parser("verify", help="check the hash chain; names the first bad line")
+    _common_arguments(show, argparse.SUPPRESS)
+    verify = sub.add_parser("verify", help="check the hash chain; names the first bad line")
+    _common_arguments(verify, argparse.SUPPRESS)
 
 
 def _parse_time(text: str) -> dt.datetime:
@@ -303,18 +318,38 @@ def _parse_time(text: str) -> dt.datetime:
     return value if value.tzinfo else value.replace(tzinfo=dt.UTC)
 
 
+def _time_arg(text: str) -> dt.datetime:
+    try:
+        return _parse_time(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an RFC 3339 time (like 2026-01-31T12:00:00Z or 2026-01-31)"
+        ) from None
+
+
 def _audit_dir(args: argparse.Namespace) -> Path:
+    from bcd_shared.subcommands import EX_CONFIG, CliError
+
     root = Path(args.root)
     directory: str = args.dir
     if directory is None:
-        from bcd_helper.config import load_config
+        from bcd_helper.config import ConfigError, load_config
 
-        directory = load_config(root, args.config).audit_dir
+        try:
+            directory = load_config(root, args.config).audit_dir
+        except ConfigError as exc:
+            raise CliError(f"{exc} (or name the audit directory with --dir)", EX_CONFIG) from None
     return root.joinpath(*split_host_path(directory + "/x")[:-1])
 
 
 def run(args: argparse.Namespace) -> int:
+    from bcd_shared.subcommands import EX_NOINPUT, EX_NOPERM, CliError
+
+    if Path(args.root) == Path("/") and os.geteuid() != 0:
+        raise CliError("must run as root: the audit log and root's config.toml are root's alone", EX_NOPERM)
     directory = _audit_dir(args)
+    if not directory.is_dir():
+        raise CliError(f"{directory}: no audit log here (is this the helper's audit_dir?)", EX_NOINPUT)
     if args.audit_command == "verify":
         result = verify_chain(directory)
         if result.ok:
@@ -322,8 +357,8 @@ def run(args: argparse.Namespace) -> int:
             return 0
         print(f"audit log broken after {result.lines} good entries: {result.problem}", file=sys.stderr)
         return 1
-    since = _parse_time(args.since) if args.since else None
-    until = _parse_time(args.until) if args.until else None
+    since: dt.datetime | None = args.since
+    until: dt.datetime | None = args.until
     for _path, _n, line in iter_lines(directory):
         try:
             entry = json.loads(line)
@@ -333,7 +368,10 @@ def run(args: argparse.Namespace) -> int:
             continue
         if args.decision and entry.get("decision") != args.decision:
             continue
-        when = _parse_time(str(entry.get("time", "")))
+        try:
+            when = _parse_time(str(entry.get("time", "")))
+        except ValueError:
+            continue  # `verify` names a line that does not parse; `show` filters by time
         if (since and when < since) or (until and when >= until):
             continue
         if args.json:

@@ -75,18 +75,22 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from bcd_shared.subcommands import EX_CONFIG, EX_NOPERM, CliError
+
     logsetup.configure(logging.INFO, args.log_format)
     root = Path(args.root).resolve()
+    if root == Path("/") and os.geteuid() != 0:
+        raise CliError(
+            "must run as root (it is the node's root helper; systemctl start bcd-helper)", EX_NOPERM
+        )
     try:
         if root != Path("/"):
             simhost_module(root)  # before anything else: a simulated root needs bcd-simhost
         server = build(root, args.config)
     except SimHostMissing as exc:
-        print(f"bcd helper: {exc}", file=sys.stderr)
-        return 2
+        raise CliError(str(exc), EX_CONFIG) from None
     except ConfigError as exc:
-        print(f"bcd helper: {exc}", file=sys.stderr)
-        return 1
+        raise CliError(str(exc), EX_CONFIG) from None
     notifier = Notifier()
     # The socket is bound (HelperServer binds in its constructor): systemd may start bcd-node now.
     log.info(

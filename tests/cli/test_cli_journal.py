@@ -70,12 +70,12 @@ def test_journal_json_while_the_node_holds_it(tmp_path: Path) -> None:
 
 def test_journal_missing_is_an_error(tmp_path: Path) -> None:
     res = bcd("journal", "--data-dir", str(tmp_path))
-    assert res.returncode == 2
+    assert res.returncode == 66  # EX_NOINPUT
     assert "no journal here" in res.stderr
 
 
 def test_journal_not_bcd(tmp_path: Path) -> None:
     (tmp_path / "journal.db").write_bytes(b"SQLite format 3\x00" + b"\x00" * 100)
     res = bcd("journal", "--data-dir", str(tmp_path))
-    assert res.returncode == 2
+    assert res.returncode == 65  # EX_DATAERR
     assert "journal.db" in res.stderr

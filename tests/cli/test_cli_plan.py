@@ -29,7 +29,7 @@ def test_plan_gpu_node_lists_steps_and_applies_nothing(tmp_path: Path) -> None:
     before = _tree_digest(root)
     rc, doc = bcd_json("plan", "--spec", str(EXAMPLES / "gpu-node.json"), "--root", str(root),
                        "--data-dir", "/var/lib/bcd")  # fmt: skip
-    assert rc == 0
+    assert rc == 2  # it plans steps (terraform plan -detailed-exitcode)
     assert [s["section"] for s in doc["sections"]] == SECTIONS
     by = {s["section"]: s for s in doc["sections"]}
     devices = by["devices"]
@@ -61,7 +61,7 @@ def test_plan_failing_assignment_names_the_reasons(tmp_path: Path) -> None:
     root = sim_root(tmp_path)
     rc, doc = bcd_json("plan", "--spec", str(EXAMPLES / "assignment-fails.json"), "--root", str(root),
                        "--data-dir", "/var/lib/bcd")  # fmt: skip
-    assert rc == 0
+    assert rc == 2
     devices = next(s for s in doc["sections"] if s["section"] == "devices")
     failures = "\n".join(devices["failures"])
     assert "alloc_ghost_0002: device-missing" in failures
@@ -73,7 +73,7 @@ def test_plan_text_output(tmp_path: Path) -> None:
     root = sim_root(tmp_path)
     res = bcd("plan", "--spec", str(EXAMPLES / "assignment-fails.json"), "--root", str(root),
               "--data-dir", "/var/lib/bcd")  # fmt: skip
-    assert res.returncode == 0, res.stderr
+    assert res.returncode == 2, res.stderr
     assert "devices    6 step(s), 2 failure(s)" in res.stdout
     assert "  ! alloc_ghost_0002: device-missing" in res.stdout
 
@@ -82,7 +82,7 @@ def test_plan_refuses_a_bad_spec_file_naming_the_field(tmp_path: Path) -> None:
     spec = tmp_path / "bad.json"
     spec.write_text('{"devices": {"assignments": [{"allocationId": "a", "limits": {"cpuMilis": 5}}]}}')
     res = bcd("plan", "--spec", str(spec), "--root", str(sim_root(tmp_path)))
-    assert res.returncode == 2
+    assert res.returncode == 65  # EX_DATAERR
     assert f"{spec}: devices.assignments[0].limits.cpuMilis: unknown field of DeviceLimits" in res.stderr
 
 

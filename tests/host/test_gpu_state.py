@@ -21,7 +21,7 @@ from bcd_shared.units import UnitContext
 from bcd_simhost.gpus import gpu_uuid
 from devices.devhost import Host
 from hostunits_support import ALLOWED, make_host, plan, run
-from testsupport import REFERENCE, REPO
+from testsupport import REFERENCE, REPO, require_shared
 
 G0, G7 = gpu_uuid(0), gpu_uuid(7)
 LAYOUT = {"layout": "mixed:3g.71gb+2x2g.35gb"}
@@ -86,7 +86,8 @@ def test_lgip_has_the_580_driver_layout(tmp_path: Path) -> None:
     instances in place."""
     _, system = make_host(tmp_path)
     ours = system.run(["nvidia-smi", "mig", "-i", "7", "-lgip"]).stdout.decode().splitlines()
-    ref = (REFERENCE / "nvidia-smi/mig/a100-sxm4-40gb_580.126.09_mig-session_ssup2-blog.txt").read_text()
+    capture = REFERENCE / "nvidia-smi/mig/a100-sxm4-40gb_580.126.09_mig-session_ssup2-blog.txt"
+    ref = require_shared(capture).read_text()
     real = ref.split("$ nvidia-smi mig -i 0 -lgip\n")[1].splitlines()
     assert ours[:5] == real[:5]
     for mine, theirs in zip(ours[5:8], real[5:8], strict=True):

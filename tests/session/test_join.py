@@ -34,6 +34,7 @@ from bcd_shared import wire
 from bcd_shared.joinrecord import JOIN_RECORD, read_join_record
 from bcd_shared.pki import KeyPair, issue_node_certificate, issue_root
 from bcd_shared.pki.pins import JoinKeyPin
+from bcd_shared.subcommands import EX_USAGE, CliError
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="root's join record is written by root only")
 
@@ -233,10 +234,14 @@ def test_HST_SIGN_37_cli_exits_0_on_a_joined_node(tmp_path: Path, capsys: pytest
 
 def test_HST_SIGN_36_cli_reset_needs_yes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     toml, data, before = _joined_data_dir(tmp_path)
-    assert joinmod.run(_args(toml, reset=True)) == 2
-    err = capsys.readouterr().err
+    with pytest.raises(CliError) as refused:
+        joinmod.run(_args(toml, reset=True))
+    err = refused.value.message
+    assert refused.value.code == EX_USAGE
     assert "--reset --yes" in err and "never deleted" in err and "Stop bcd node first" in err
-    assert joinmod.run(_args(toml, yes=True)) == 2
+    with pytest.raises(CliError) as refused:
+        joinmod.run(_args(toml, yes=True))
+    assert refused.value.code == EX_USAGE
     assert ident.identity_path(data).read_bytes() == before and not list(data.glob("*.reset-*"))
 
 

@@ -209,6 +209,11 @@ class ConvergeRunner:
                 continue
             await self.converge_once(reasons)
 
+    def next_pass(self) -> tuple[float, str]:
+        """When (the runner's clock) and why the next timed pass runs: `retry` while a section is
+        PROGRESSING, else `drift`; infinity before a spec (`bcd status`)."""
+        return self._next_deadline()
+
     def _next_deadline(self) -> tuple[float, str]:
         if self._spec is None or self._last_pass is None:
             return math.inf, TRIGGER_START

@@ -11,6 +11,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bcd_shared.subcommands import positive_float
+
 TERMINAL = {"succeeded", "failed", "rejected", "cancelled", "expired"}
 
 
@@ -32,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", required=True)
     p.add_argument("--node", default=None)
     p.add_argument("--payload", default=None, help="JSON: the kind's request in protobuf JSON mapping")
-    p.add_argument("--not-after", type=float, default=300.0, help="seconds from now")
+    p.add_argument("--not-after", type=positive_float, default=300.0, help="seconds from now")
     p.add_argument("--wait", action="store_true", help="wait for a terminal state and print the record")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=positive_float, default=300.0)
     p = sub.add_parser("cancel", help="cancel a command")
     p.add_argument("id")
     p.add_argument("--dir", required=True)

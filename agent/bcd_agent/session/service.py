@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import time
 from collections.abc import Callable
 
 import trio
@@ -45,6 +46,8 @@ class Session:
         draw: Callable[[], float] = random.random,
         heartbeat_s: float = HEARTBEAT_S,
         status_interval_s: float = STATUS_INTERVAL_S,
+        wall: Callable[[], float] = time.time,
+        on_link_change: Callable[[], None] | None = None,
     ) -> None:
         self.core = core
         self.endpoint = endpoint
@@ -57,6 +60,24 @@ class Session:
         self.delays: list[float] = []  # backoff delays taken (tests, `bcd status`)
         self.hello_sent = trio.Event()
         self._heartbeat_due = False
+        # Liveness for `bcd status` (wall times; docs/operations.md): "connected" from the Welcome until
+        # the connection ends, "disconnected" otherwise, since the last change (the process start at
+        # first). Failed attempts while disconnected do not move `link_since`.
+        self._wall = wall
+        self._on_link_change = on_link_change
+        self.link = "disconnected"
+        self.link_since = wall()
+        self.link_error = ""  # why the last connection ended or failed
+        self.retry_at: float | None = None  # wall time of the next attempt, while waiting for it
+        self.last_heartbeat_at: float | None = None
+        self.attempts = 0  # connection attempts that failed since the link was last up
+
+    def _set_link(self, state: str) -> None:
+        if state != self.link:
+            self.link = state
+            self.link_since = self._wall()
+            if self._on_link_change is not None:
+                self._on_link_change()
 
     @property
     def state(self):  # type: ignore[no-untyped-def]
@@ -81,11 +102,14 @@ class Session:
             attempt = 0
             while True:
                 welcomed_before = self.core.state.welcomes
+                self.retry_at = None
                 try:
                     await self._connect_once()
                     log.info("session: the gateway ended the stream")
+                    self.link_error = "the gateway ended the stream"
                 except (WelcomeRefusedError, ProtocolViolation) as exc:
                     log.error("session: %s", exc)
+                    self.link_error = str(exc)
                 except trio.Cancelled:
                     raise
                 except Exception as exc:
@@ -95,13 +119,24 @@ class Session:
                         type(exc).__name__,
                         exc,
                     )
+                    leaf: BaseException = exc
+                    while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
+                        leaf = leaf.exceptions[0]
+                    self.link_error = f"{type(leaf).__name__}: {leaf}"
                 finally:
                     self.core.detach()
+                    self._set_link("disconnected")
                 if self.core.state.welcomes > welcomed_before:
                     attempt = 0
+                    self.attempts = 0
+                else:
+                    self.attempts += 1
                 delay = self.backoff.delay(attempt, self._draw())
                 attempt += 1
                 self.delays.append(delay)
+                self.retry_at = self._wall() + delay
+                if self._on_link_change is not None:
+                    self._on_link_change()  # the next attempt's time, for `bcd status`
                 await trio.sleep(delay)
 
     async def _connect_once(self) -> None:
@@ -137,10 +172,14 @@ class Session:
         while True:
             now = trio.current_time()
             if core.state.welcomed:
+                if self.link != "connected":
+                    self._set_link("connected")
+                    self.link_error = ""
                 if self._heartbeat_due or now - last_heartbeat >= self.heartbeat_s:
                     self._heartbeat_due = False
                     core._out(core.heartbeat())
                     last_heartbeat = now
+                    self.last_heartbeat_at = self._wall()
                 status = core.status.latest() if core.status is not None else None
                 # Coalesced (at most one per status_interval_s), except that a report moving the applied
                 # or observed generation goes at once: the gateway coalesces too (DLV-CONV-22), and

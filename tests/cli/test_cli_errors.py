@@ -1,0 +1,274 @@
+"""Every subcommand refuses bad input with one line on stderr and a documented exit code, never a traceback.
+
+The table runs `bcd` in this process (bcd_agent.cli.main; `bcd helper ...` goes through the helper's own
+CLI the same way `bcd-helper` does), so an exception that escapes fails the test with its traceback. A
+few cases run as real processes: `bcd node` before `bcd join` (what systemd sees), a stdout its reader
+closed (`bcd doctor --json | head`), and an unreadable data_dir (root without CAP_DAC_OVERRIDE).
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from bcd_agent import cli
+from bcd_agent import config as agent_config
+from bcd_shared.subcommands import (
+    EX_CHANGES,
+    EX_CONFIG,
+    EX_DATAERR,
+    EX_NOINPUT,
+    EX_NOPERM,
+    EX_PIPE,
+    EX_USAGE,
+)
+from clisupport import EXAMPLES, sim_root
+from testsupport import REPO, require_tool
+
+Setup = Callable[[Path], list[str]]
+
+
+def _main(argv: list[str]) -> int:
+    try:
+        return cli.main(argv)
+    except SystemExit as exc:  # argparse's --help / usage errors
+        return int(exc.code or 0)
+
+
+def _config(tmp: Path, text: str) -> str:
+    path = tmp / "config.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def _joinless(tmp: Path) -> str:
+    data = tmp / "data"
+    data.mkdir(mode=0o700)
+    return _config(tmp, f'data_dir = "{data}"\n')
+
+
+def _file_data_dir(tmp: Path) -> str:
+    (tmp / "data").write_text("not a directory")
+    return _config(tmp, f'data_dir = "{tmp / "data"}"\n')
+
+
+def _audit_dir(tmp: Path) -> str:
+    (tmp / "var/log/bcd-helper").mkdir(parents=True)
+    return str(tmp)
+
+
+# (id, argv built from a scratch dir, exit code, a piece of the one line, as non-root)
+CASES: list[tuple[str, Setup, int, str, bool]] = [
+    ("unknown command", lambda t: ["frobnicate"], EX_USAGE, "invalid choice", False),
+    ("bench unknown bench", lambda t: ["bench", "nope"], EX_USAGE, "invalid choice", False),
+    ("node missing config", lambda t: ["node", "--config", str(t / "none.toml")], EX_CONFIG, "no such file",
+     False),
+    ("node before join", lambda t: ["node", "--config", _joinless(t)], EX_CONFIG, "run `bcd join", False),
+    ("node data_dir is a file", lambda t: ["node", "--config", _file_data_dir(t)], EX_CONFIG,
+     "is not a directory", False),
+    ("node config refused", lambda t: ["node", "--config", _config(t, "log_level = 'debug'\n")], EX_CONFIG,
+     "log_level", False),
+    ("node negative delay", lambda t: ["node", "--test-effect-delay", "-1"], EX_USAGE, "negative", False),
+    ("join without address", lambda t: ["join", "--token", "x"], EX_USAGE, "--address", False),
+    ("join missing config", lambda t: ["join", "--config", str(t / "none.toml"), "--token", "x",
+     "--address", "unix:/nope"], EX_CONFIG, "no such file", False),
+    ("join --yes alone", lambda t: ["join", "--config", _joinless(t), "--token", "x", "--address",
+     "unix:/nope", "--yes"], EX_USAGE, "--reset", False),
+    ("devplane negative timeout", lambda t: ["devplane", "command", "k", "--dir", str(t), "--timeout", "-5"],
+     EX_USAGE, "positive", False),
+    ("devplane negative not-after", lambda t: ["devplane", "command", "k", "--dir", str(t), "--not-after",
+     "-1"], EX_USAGE, "positive", False),
+    ("doctor unknown flag", lambda t: ["doctor", "--fix-everything"], EX_USAGE, "--fix-everything", False),
+    ("plan missing spec", lambda t: ["plan", "--spec", str(t / "none.json"), "--root", str(t)], EX_DATAERR,
+     "cannot be read", False),
+    ("plan negative generation", lambda t: ["plan", "--spec", "x", "--generation", "-3"], EX_USAGE,
+     "negative", False),
+    ("plan zero generation", lambda t: ["plan", "--spec", "x", "--generation", "0"], EX_USAGE, "at least 1",
+     False),
+    ("status negative interval", lambda t: ["status", "--interval", "-1"], EX_USAGE, "positive", False),
+    ("status zero interval", lambda t: ["status", "--interval", "0"], EX_USAGE, "positive", False),
+    ("status config refused", lambda t: ["status", "--config", _config(t, "[nope]\n")], EX_CONFIG,
+     "unknown table", False),
+    ("status --check bad bound", lambda t: ["status", "--check", "--max-stale", "-2"], EX_USAGE, "negative",
+     False),
+    ("journal negative limit", lambda t: ["journal", "--limit", "-1"], EX_USAGE, "negative", False),
+    ("journal not a number", lambda t: ["journal", "--limit", "ten"], EX_USAGE, "integer", False),
+    ("journal no journal", lambda t: ["journal", "--data-dir", str(t)], EX_NOINPUT, "no journal here", False),
+    ("journal config refused", lambda t: ["journal", "--config", _config(t, "data_dir = 3\n")], EX_CONFIG,
+     "data_dir", False),
+    ("sim negative timeout", lambda t: ["sim", "--timeout", "-1"], EX_USAGE, "positive", False),
+    ("helper unknown command", lambda t: ["helper", "frobnicate"], EX_USAGE, "invalid choice", False),
+    ("helper serve as non-root", lambda t: ["helper", "serve"], EX_NOPERM, "must run as root", True),
+    ("helper serve missing config", lambda t: ["helper", "serve", "--root", str(t), "--config",
+     "/etc/bcd/none.toml"], EX_CONFIG, "no such file", False),
+    ("audit verify without config", lambda t: ["helper", "audit", "--root", str(t), "verify"], EX_CONFIG,
+     "config.toml", False),
+    ("audit verify as non-root", lambda t: ["helper", "audit", "verify"], EX_NOPERM, "must run as root",
+     True),
+    ("audit show as non-root", lambda t: ["helper", "audit", "show"], EX_NOPERM, "must run as root", True),
+    ("audit show --since yesterday", lambda t: ["helper", "audit", "show", "--since", "yesterday"], EX_USAGE,
+     "RFC 3339", False),
+    ("audit verify --root after the subcommand, no log",
+     lambda t: ["helper", "audit", "verify", "--root", str(t), "--dir", "/var/log/none"], EX_NOINPUT,
+     "no audit log here", False),
+    ("audit without a subcommand", lambda t: ["helper", "audit"], EX_USAGE, "required", False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("setup", "code", "words", "non_root"), [c[1:] for c in CASES], ids=[c[0] for c in CASES]
+)
+def test_bad_input_is_one_line_and_a_documented_code(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    setup: Setup,
+    code: int,
+    words: str,
+    non_root: bool,
+) -> None:
+    monkeypatch.setenv("BCD_CONFIG", str(tmp_path / "absent.toml"))
+    if non_root:
+        monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    argv = setup(tmp_path)
+    rc = _main(argv)
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err + out
+    assert rc == code, (argv, err)
+    assert len(err.strip().splitlines()) == 1, err
+    assert words in err, err
+    assert code in documented_codes()
+
+
+def test_node_without_config_or_env_reads_the_default_path(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --config and no $BCD_CONFIG: the default path, not a TypeError."""
+    monkeypatch.delenv("BCD_CONFIG", raising=False)
+    monkeypatch.setattr(agent_config, "DEFAULT_CONFIG_PATH", str(tmp_path / "etc-bcd-config.toml"))
+    assert _main(["node"]) == EX_CONFIG
+    err = capsys.readouterr().err
+    assert (
+        err == f"bcd node: {tmp_path / 'etc-bcd-config.toml'}: no such file (write one, or pass --config)\n"
+    )
+
+
+def test_audit_verify_root_after_the_subcommand_is_used(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`audit verify --root DIR` and `audit --root DIR verify` read the same (empty) log."""
+    root = _audit_dir(tmp_path)
+    for argv in (
+        ["helper", "audit", "verify", "--root", root, "--dir", "/var/log/bcd-helper"],
+        ["helper", "audit", "--root", root, "--dir", "/var/log/bcd-helper", "verify"],
+        [
+            "helper",
+            "audit",
+            "--root",
+            "/nonexistent",
+            "verify",
+            "--root",
+            root,
+            "--dir",
+            "/var/log/bcd-helper",
+        ],
+    ):
+        assert _main(argv) == 0, capsys.readouterr().err
+        assert capsys.readouterr().out == "audit log intact: 0 entries\n"
+
+
+def test_plan_exit_code_says_whether_it_would_change_anything(tmp_path: Path) -> None:
+    """0: nothing to do; 2: steps or failures planned (terraform plan -detailed-exitcode)."""
+    root = sim_root(tmp_path)
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    base = ["--root", str(root), "--data-dir", str(tmp_path / "data"), "--json"]
+    assert _main(["plan", "--spec", str(empty), *base]) == 0
+    assert _main(["plan", "--spec", str(EXAMPLES / "gpu-node.json"), *base]) == EX_CHANGES
+    assert _main(["plan", "--spec", str(EXAMPLES / "assignment-fails.json"), *base]) == EX_CHANGES
+
+
+def _bcd_process(*args: str, env: dict[str, str] | None = None, prefix: tuple[str, ...] = ()) -> list[str]:
+    return [*prefix, sys.executable, "-m", "bcd_agent.cli", *args]
+
+
+def test_node_before_join_exits_78_with_one_line(tmp_path: Path) -> None:
+    """What systemd sees: EX_CONFIG, which the unit's RestartPreventExitStatus=78 does not restart."""
+    res = subprocess.run(
+        _bcd_process("node", "--config", _joinless(tmp_path)),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert res.returncode == EX_CONFIG
+    assert res.stderr == (
+        f"bcd node: not joined: {tmp_path / 'data/identity.json'} does not exist: "
+        "run `bcd join --token TOKEN` first\n"
+    )
+
+
+@pytest.mark.parametrize("command", ["doctor", "journal"])
+def test_a_closed_stdout_ends_quietly(tmp_path: Path, command: str) -> None:
+    """`bcd doctor --json | head -c0`: the reader is gone before the output is written."""
+    argv = ["doctor", "--config", str(tmp_path / "none.toml"), "--root", str(tmp_path), "--json"]
+    if command == "journal":
+        from bcd_agent.journal import Journal
+
+        Journal.open(tmp_path / "data", boot_id="b").close()
+        argv = ["journal", "--data-dir", str(tmp_path / "data"), "--json"]
+    read, write = os.pipe()
+    os.close(read)  # nobody will ever read: the first write fails with EPIPE
+    try:
+        res = subprocess.run(
+            _bcd_process(*argv), stdout=write, stderr=subprocess.PIPE, text=True, timeout=60, check=False
+        )
+    finally:
+        os.close(write)
+    assert res.stderr == ""
+    assert res.returncode == EX_PIPE
+
+
+def test_journal_on_an_unreadable_data_dir(tmp_path: Path) -> None:
+    """Root without CAP_DAC_OVERRIDE/CAP_DAC_READ_SEARCH stands for an operator outside the node's group."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown the directory away")
+    setpriv = require_tool("setpriv")
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    os.chown(data, 54321, 54321)
+    os.chmod(tmp_path, 0o755)
+    res = subprocess.run(
+        _bcd_process("journal", "--data-dir", str(data),
+                     prefix=(setpriv, "--bounding-set=-dac_override,-dac_read_search")),
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert res.returncode == EX_NOPERM, res.stderr
+    assert res.stderr == f"bcd journal: {data / 'journal.db'}: Permission denied\n"
+
+
+def documented_codes() -> set[int]:
+    """The exit codes docs/operations.md's table lists."""
+    text = (REPO / "docs/operations.md").read_text()
+    section = text.split("## Exit codes", 1)[1].split("\n## ", 1)[0]
+    return {int(m) for m in re.findall(r"^\| (\d+) \|", section, re.MULTILINE)}
+
+
+def test_reference_reads_are_guarded() -> None:
+    """A test reading ../shared/reference passes the path through require_shared (or skips itself), so
+    a clone without ../shared skips with one line instead of failing with FileNotFoundError."""
+    bad = []
+    for path in sorted((REPO / "tests").rglob("test_*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+                continue
+            if node.func.attr not in ("read_text", "read_bytes", "open"):
+                continue
+            names = {n.id for n in ast.walk(node.func.value) if isinstance(n, ast.Name)}
+            if names & {"REFERENCE", "SHARED"}:
+                bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert bad == []
