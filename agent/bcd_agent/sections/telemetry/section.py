@@ -88,7 +88,13 @@ class TelemetrySection:
     async def converge(
         self, desired: object | None, observation: Observation, ctx: PassContext
     ) -> SectionOutcome:
-        spec = from_wire(desired)  # TerminalError InvalidTelemetry -> FAILED
+        try:
+            spec = from_wire(desired)
+        except TerminalError:
+            # InvalidTelemetry -> FAILED. The previous generation's export stops too: bcd sends nothing
+            # the current spec does not ask for.
+            self.exporter.configure(None)
+            raise
         wanted = spec.headers_secret_ref if spec is not None else ""
         for ref in [r for r in self._headers if r != wanted]:
             del self._headers[ref]  # only the named reference's headers are kept
