@@ -166,6 +166,8 @@ def test_DLV_SPEC_07_telemetry_holds_endpoint_interval_resource_attributes_and_h
         ({"otlp_endpoint": "https://o?x=1"}, "otlp_endpoint"),
         ({"otlp_endpoint": "https:///path"}, "otlp_endpoint"),
         ({"otlp_endpoint": "https://o:99999"}, "otlp_endpoint"),
+        ({"otlp_endpoint": "https://bücher.example"}, "otlp_endpoint"),
+        ({"otlp_endpoint": "https://o/päth"}, "otlp_endpoint"),
         ({"otlp_endpoint": "https://o", "export_interval_ms": 999}, "export_interval_ms"),
         ({"otlp_endpoint": "https://o", "export_interval_ms": 3_600_001}, "export_interval_ms"),
         ({"otlp_endpoint": "https://o", "resource_attributes": {"": "x"}}, "resource_attributes"),
@@ -398,3 +400,32 @@ def test_the_broker_releases_telemetry_headers_only_for_the_sections_reference(
         node, wire.SecretRequest(request_id="r", ref="secret://h", workflow_id=workflow, step_id=step)
     )
     assert answer.status == expected
+
+
+async def test_a_bug_in_a_source_or_the_client_never_stops_the_exporter() -> None:
+    metrics = NodeMetrics()
+
+    class Broken:
+        def event_stats(self) -> object:
+            raise RuntimeError("journal closed")
+
+    metrics.journal = Broken()
+    calls: list[int] = []
+
+    async def post(url: str, body: bytes, headers: object, timeout_s: float) -> None:
+        calls.append(len(body))
+        if len(calls) == 1:
+            raise UnicodeEncodeError("ascii", "ä", 0, 1, "not ASCII")
+
+    exporter = Exporter(metrics, post=post)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(exporter.run)
+        exporter.configure(ExportConfig("https://o/v1/metrics", 0.02, ()))
+        with trio.fail_after(10):
+            while exporter.sent < 1:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert metrics.exports.get(("UnicodeEncodeError",)) == 1
+    sent = _decode(encode_request((), "bcd", "", metrics.collect(), start_ns=1, now_ns=2))
+    names = {m.name for m in sent.resource_metrics[0].scope_metrics[0].metrics}
+    assert "bcd.journal.events.pending" not in names and "bcd.dispatcher.commands" in names

@@ -214,7 +214,10 @@ class Exporter:
             if config is None:
                 await self._changed.wait()
                 continue
-            self.enqueue(self.encode())
+            try:
+                self.enqueue(self.encode())
+            except Exception:  # a bug in a metric's source must not stop the node
+                log.warning("telemetry: building an export failed", exc_info=True)
             with trio.move_on_after(config.interval_s):
                 await self._changed.wait()
 
@@ -236,7 +239,10 @@ class Exporter:
                 try:
                     headers = (("User-Agent", f"bcd/{self.scope_version}"), *config.headers)
                     await self._post(config.url, payload, headers, min(self._timeout_s, config.interval_s))
-                except ExportFailed as exc:
+                except Exception as exc:
+                    if not isinstance(exc, ExportFailed):  # a bug, not the endpoint: drop, never crash
+                        log.warning("telemetry: export to %s failed", config.url, exc_info=True)
+                        exc = ExportFailed(type(exc).__name__, False)
                     self.metrics.exports.add((exc.error_type,))
                     failures += 1
                     if exc.retryable:

@@ -5,9 +5,10 @@ in milliseconds, resource attributes and a secret reference for the export heade
 TerminalError `InvalidTelemetry` naming the field: only a new spec helps):
 
 - `otlp_endpoint`: an `https://` URL (the proto says https); `http://` only to a loopback host
-  (127.0.0.0/8, ::1, localhost: a collector on the node itself). No user or password in it (credentials
-  belong in the headers secret), no query or fragment, at most 2048 characters. The OTLP base endpoint:
-  metrics go to `<endpoint>/v1/metrics`, unless its path already ends with `/v1/metrics`. Empty: no export.
+  (127.0.0.0/8, ::1, localhost: a collector on the node itself). ASCII only (an IDNA host, a
+  percent-encoded path), no user or password (credentials belong in the headers secret), no query or
+  fragment, at most 2048 characters. The OTLP base endpoint: metrics go to `<endpoint>/v1/metrics`,
+  unless its path already ends with `/v1/metrics`. Empty: no export.
 - `export_interval_ms`: 0 means OpenTelemetry's default of 60 s; otherwise 1 s to 1 h.
 - `resource_attributes`: at most 64; keys 1-255 characters, values at most 4096, no control characters.
 - `headers_secret_ref`: empty, or a `secret://` reference of at most 512 characters.
@@ -74,6 +75,8 @@ def check_endpoint(endpoint: str) -> None:
         raise _bad("otlp_endpoint", f"longer than {MAX_ENDPOINT} characters")
     if not _printable(endpoint) or " " in endpoint:
         raise _bad("otlp_endpoint", "contains a space or a control character")
+    if not endpoint.isascii():
+        raise _bad("otlp_endpoint", "not ASCII: give the host's IDNA (xn--) form and percent-encode the path")
     try:
         url = urllib.parse.urlsplit(endpoint)
         port = url.port
