@@ -173,3 +173,38 @@ async def test_an_invalid_section_stops_the_previous_export() -> None:
         assert section.exporter.config is None
         assert (await section.converge(None, Observation(), CTX)).state is SectionState.CONVERGED
         nursery.cancel_scope.cancel()
+
+
+async def test_a_401_from_the_endpoint_fetches_the_headers_again() -> None:
+    """Rotated credentials: the endpoint refuses the headers, the section asks for the secret again and
+    the exporter runs with its new value."""
+    from bcd_agent.sections.telemetry.exporter import ExportFailed
+
+    values = [b"authorization=old", b"authorization=new"]
+    asked: list[str] = []
+    triggered: list[str] = []
+    seen: list[tuple[tuple[str, str], ...]] = []
+
+    async def fetch(ref: str) -> bytes:
+        asked.append(ref)
+        return values[min(len(asked), len(values)) - 1]
+
+    async def post(url: str, body: bytes, headers: tuple[tuple[str, str], ...], timeout_s: float) -> None:
+        seen.append(tuple(headers))
+        if ("authorization", "old") in headers:
+            raise ExportFailed("401", False)
+
+    section = TelemetrySection(Exporter(NodeMetrics(), post=post), fetch, triggered.append)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(section.run)
+        await nursery.start(section.exporter.run)
+        with trio.fail_after(10):
+            while section.exporter.sent < 1:
+                if triggered or not asked:
+                    triggered.clear()
+                    await section.converge(SECTION, Observation(), CTX)
+                await trio.sleep(0.01)
+        nursery.cancel_scope.cancel()
+    assert len(asked) == 2
+    assert any(("authorization", "new") in h for h in seen)
+    assert section.exporter.metrics.exports.get(("401",)) >= 1

@@ -10,6 +10,8 @@
 - One sender posts the oldest queued export with a timeout: 2xx sends it; 429/502/503/504, a timeout or a
   connection error keeps it and waits (Retry-After, else 1 s doubling to 60 s); any other status drops it.
   Every attempt counts in `bcd.telemetry.exports` (`error.type` = the status or the transport error).
+  A 401 or 403 calls `on_auth_failure`: the section fetches the headers secret again (rotated
+  credentials), at most once per refused export.
 - The converge pass never waits for any of this: collecting reads in-memory counters only, and sending
   runs in the exporter's own task.
 
@@ -40,6 +42,8 @@ TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 60.0
 MAX_RESPONSE_HEAD = 16 * 1024
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
+# The endpoint refused the credentials: the headers secret may have been rotated (fetched again).
+AUTH_STATUS = frozenset({"401", "403"})
 SCOPE_NAME = "bcd"
 
 
@@ -137,6 +141,8 @@ class Exporter:
         self._send_scope: trio.CancelScope | None = None
         self.start_ns = time.time_ns()
         self.sent = 0
+        # Called on a 401 or 403 answer (the telemetry section fetches the headers again).
+        self.on_auth_failure: Callable[[], None] | None = None
 
     # --- the section's side -----------------------------------------------------------------------
 
@@ -262,6 +268,8 @@ class Exporter:
                             "telemetry: export to %s refused (%s); dropped", config.url, exc.error_type
                         )
                         self._discard(payload)
+                        if exc.error_type in AUTH_STATUS and self.on_auth_failure is not None:
+                            self.on_auth_failure()
                 else:
                     failures = 0
                     self.sent += 1

@@ -63,6 +63,7 @@ class TelemetrySection:
         self.base_resource = base_resource
         self._headers: dict[str, HeadersState] = {}
         self._nursery: trio.Nursery | None = None
+        exporter.on_auth_failure = self._headers_rejected
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """Holds the nursery headers are fetched in; start it before the runner."""
@@ -108,6 +109,15 @@ class TelemetrySection:
                 self._start_fetch(step.ref)
         # The exporter is bcd's own state, not the host's: `changed` stays False (no follow-up pass).
         return SectionOutcome(SECTION, the_plan.state, the_plan.reason, the_plan.message)
+
+    def _headers_rejected(self) -> None:
+        """The endpoint answered 401/403: forget the loaded headers so the next pass fetches them again
+        (the secret may have been rotated). A fetch already under way is left to finish."""
+        for ref, state in list(self._headers.items()):
+            if isinstance(state, HeadersLoaded):
+                log.warning("telemetry: the endpoint refused the headers of %s; fetching them again", ref)
+                del self._headers[ref]
+                self._trigger(TRIGGER_HEADERS)
 
     def _start_fetch(self, ref: str) -> None:
         if self._fetch is None or self._nursery is None:
