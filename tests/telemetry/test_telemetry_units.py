@@ -429,3 +429,25 @@ async def test_a_bug_in_a_source_or_the_client_never_stops_the_exporter() -> Non
     sent = _decode(encode_request((), "bcd", "", metrics.collect(), start_ns=1, now_ns=2))
     names = {m.name for m in sent.resource_metrics[0].scope_metrics[0].metrics}
     assert "bcd.journal.events.pending" not in names and "bcd.dispatcher.commands" in names
+
+
+def test_bcd_plan_shows_the_telemetry_steps_and_refuses_a_bad_section() -> None:
+    from bcd_agent.plan import plan_telemetry
+
+    good = plan_telemetry(
+        wire.TelemetrySection(
+            otlp_endpoint="https://o:4318",
+            export_interval_ms=15_000,
+            resource_attributes={"site": "fra"},
+            headers_secret_ref="secret://h",
+        )
+    )
+    assert good.planner == "telemetry" and not good.failures
+    assert good.steps == (
+        "fetch the export headers secret://h (SecretRequest)",
+        "export bcd's metrics to https://o:4318/v1/metrics every 15 s (resource attributes beside bcd's"
+        " service.*: site)",
+    )
+    assert plan_telemetry(None).converged
+    bad = plan_telemetry(wire.TelemetrySection(otlp_endpoint="http://10.0.0.1"))
+    assert bad.failures and bad.failures[0].startswith("InvalidTelemetry: telemetry.otlp_endpoint")
