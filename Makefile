@@ -31,7 +31,7 @@ demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/bcd sim --spec examples/gpu-node.json --root .demo/root --fresh --once
 
 bench: $(STAMP)
-	$(BIN)/bcd bench journal --json
+	$(BIN)/bcd bench all
 
 clean:
 	rm -rf $(VENV) .demo .mypy_cache .ruff_cache .pytest_cache .hypothesis

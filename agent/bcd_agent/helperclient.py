@@ -25,6 +25,8 @@ from typing import Any
 import trio
 from bcd_shared.errors import HelperRefused
 
+from bcd_agent.counters import CounterSet
+
 MAX_FRAME = 4 * 1024 * 1024
 CONNECTION_SLACK_S = 60.0
 # Each op's own timeout in the helper's OPS table; the client waits that plus CONNECTION_SLACK_S.
@@ -54,12 +56,34 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(parts)
 
 
+class HelperCallStats:
+    """Calls per op and refusals per (op, reason), shared by a node's helper clients (bcd's own metrics,
+    docs/telemetry.md). An op outside the client's table counts as "other"."""
+
+    def __init__(self) -> None:
+        self.calls = CounterSet()
+        self.refusals = CounterSet()
+
+    def called(self, op: str) -> None:
+        self.calls.add((_op_label(op),))
+
+    def refused(self, op: str, reason: str) -> None:
+        self.refusals.add((_op_label(op), reason))
+
+
+def _op_label(op: str) -> str:
+    return op if op in OP_TIMEOUT_S else "other"
+
+
 class HelperClient:
     """A synchronous client over one connection to the helper's socket."""
 
-    def __init__(self, socket_path: str, *, connect_timeout: float = 5.0) -> None:
+    def __init__(
+        self, socket_path: str, *, connect_timeout: float = 5.0, stats: HelperCallStats | None = None
+    ) -> None:
         self.socket_path = socket_path
         self.connect_timeout = connect_timeout
+        self.stats = stats
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
@@ -86,6 +110,16 @@ class HelperClient:
 
     def call(self, op: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Send one request; the result on success, else HelperRefused."""
+        if self.stats is None:
+            return self._call(op, args)
+        self.stats.called(op)
+        try:
+            return self._call(op, args)
+        except HelperRefused as exc:
+            self.stats.refused(op, exc.reason)
+            raise
+
+    def _call(self, op: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
         body = json.dumps({"op": op, "args": dict(args or {})}, separators=(",", ":")).encode()
         if len(body) > MAX_FRAME:
             raise HelperRefused("too-large", f"helper: {op}: request of {len(body)} bytes is too large")

@@ -16,7 +16,10 @@ What is wired (docs/session.md "bcd node"):
 - kinds: inventory.refresh, diag.nvml, gpu.reset, node.reboot (nodeparts.kinds; gpu.reset and
   node.reboot only where the node can act: root, the helper, or the simulated host), the test kinds
   with `--test-kinds`;
-- SecretRequest/SecretResponse (session.secrets) for the k8s-join token;
+- `telemetry` (sections.telemetry): the OTLP export of bcd's own metrics (NodeMetrics reads the journal,
+  the dispatcher, the runner's passes and status, the devices section's holds and the helper clients'
+  calls), its exporter a task of its own; headers from a SecretRequest (docs/telemetry.md);
+- SecretRequest/SecretResponse (session.secrets) for the k8s-join token and the telemetry headers;
 - after a host unit changed the host: the inventory read again and a devices pass triggered.
 """
 
@@ -98,6 +101,10 @@ class Node:
         self.inventory: Any = None  # nodeparts.inventory.InventoryState
         self.host_section: Any = None  # nodeparts.host.NodeHostSection, when built
         self.secrets: Any = None  # session.secrets.SecretRequests
+        self.metrics: Any = None  # sections.telemetry.metrics.NodeMetrics
+        self.exporter: Any = None  # sections.telemetry.exporter.Exporter
+        self.telemetry: Any = None  # sections.telemetry.section.TelemetrySection
+        self.helper_stats: Any = None  # helperclient.HelperCallStats, shared by every helper client
         self.handlers: dict[str, Any] = {}
         self.started_monotonic: float | None = None
         self.sweeps = 0  # journal sweeps run by this process (the one at start included)
@@ -140,11 +147,13 @@ class Node:
         return acts_on_host(self._helper_socket(), os.geteuid(), self.options.root)
 
     def _helper_client(self) -> Any:
-        from bcd_agent.helperclient import HelperClient
+        from bcd_agent.helperclient import HelperCallStats, HelperClient
 
         sock = self._helper_socket()
         assert sock is not None
-        return HelperClient(sock)
+        if self.helper_stats is None:
+            self.helper_stats = HelperCallStats()
+        return HelperClient(sock, stats=self.helper_stats)
 
     def _sections(self, system: Any, sink: Any, signer: Any, identity: Any, trio_token: Any) -> list[Any]:
         sections: list[Any] = []
@@ -165,10 +174,37 @@ class Node:
                 executor: Any = HelperExecutor(self._helper_client())
             else:
                 executor = DirectExecutor(system)
-            sections.append(
-                DevicesSection(system, executor, sink, signer, self._records_dir(), privileged=privileged)
+            devices = DevicesSection(
+                system, executor, sink, signer, self._records_dir(), privileged=privileged
             )
+            sections.append(devices)
+            if self.metrics is not None:
+                from bcd_agent.sections.telemetry.metrics import holds_per_gpu
+
+                self.metrics.holds = lambda: holds_per_gpu(devices.gpu_uuids, devices.held_device_ids)
+        sections.append(self._telemetry_section(identity))
         return sections
+
+    def _telemetry_section(self, identity: Any) -> Any:
+        """The telemetry converger and its exporter (started in `run`, before the runner)."""
+        from functools import partial
+
+        from bcd_agent.sections.telemetry.exporter import Exporter
+        from bcd_agent.sections.telemetry.section import STEP_HEADERS, WORKFLOW_TELEMETRY, TelemetrySection
+
+        self.exporter = Exporter(self.metrics, scope_version=VERSION)
+        fetch = partial(self.secrets.fetch, workflow_id=WORKFLOW_TELEMETRY, step_id=STEP_HEADERS)
+        base = (
+            ("service.instance.id", identity.node_id),
+            ("service.name", "bcd"),
+            ("service.version", VERSION),
+        )
+        self.telemetry = TelemetrySection(self.exporter, fetch, self._trigger, base_resource=base)
+        return self.telemetry
+
+    def _trigger(self, reason: str) -> None:
+        if self.runner is not None:
+            self.runner.trigger(reason)
 
     def _host_section(self, system: Any, identity: Any, trio_token: Any) -> Any:
         """The host section, or None: `[host] units = false` (the runner reports HostManagedExternally),
@@ -332,10 +368,12 @@ class Node:
         from bcd_agent.dispatch.quorum import QuorumLedger
         from bcd_agent.dispatch.results import result_attester
         from bcd_agent.dispatch.trust import BundleTrust, NodeResultSigner
+        from bcd_agent.helperclient import HelperCallStats
         from bcd_agent.journal import Journal
         from bcd_agent.kinds.testing import TEST_KINDS
         from bcd_agent.nodeparts.inventory import InventoryState
         from bcd_agent.sections.devices.events import KeyReportSigner
+        from bcd_agent.sections.telemetry.metrics import NodeMetrics
         from bcd_agent.session import identity as ident
         from bcd_agent.session.backoff import Backoff
         from bcd_agent.session.core import SessionCore
@@ -371,6 +409,10 @@ class Node:
             trust = BundleTrust()
             self.status = StatusCell()
             self.secrets = SecretRequests(timeout_s=self.options.secret_timeout_s)
+            self.metrics = metrics = NodeMetrics()
+            self.helper_stats = HelperCallStats()
+            metrics.journal = journal
+            metrics.status = self.status
             self.inventory = inventory = InventoryState(system, on_change=self._inventory_changed)
             core = SessionCore(
                 journal=journal,
@@ -405,6 +447,7 @@ class Node:
                 host_units=cfg.host.units,
                 initial_spec=core.load_spec(),
                 status=self.status,
+                on_pass=metrics.record_pass,
             )
             kinds = {**KINDS, **TEST_KINDS} if self.options.test_kinds else KINDS
             self.handlers = self._handlers(system)
@@ -424,6 +467,8 @@ class Node:
                 applied_generation=journal.applied_generation,
             )
             core.dispatcher = self.dispatcher
+            metrics.dispatcher = self.dispatcher
+            metrics.helper = self.helper_stats
             core.runner = self.runner
             self.session = Session(
                 core,
@@ -439,6 +484,9 @@ class Node:
             notifier = Notifier()
             async with trio.open_nursery() as nursery:
                 await nursery.start(self.dispatcher.run)
+                if self.exporter is not None:
+                    await nursery.start(self.exporter.run)
+                    await nursery.start(self.telemetry.run)
                 await nursery.start(self.runner.run)
                 # bcd status: each new status to data_dir/status.json (bcd_agent.statusfile; docs/sim.md).
                 from bcd_agent import statusfile

@@ -311,7 +311,7 @@ class SectionPlan:
     """What one section would do: its steps (described), and why it would stop, if it would."""
 
     section: str
-    planner: str  # "host units", "devices", or "none" (no converger in this build)
+    planner: str  # "host units", "devices", "telemetry", or "none" (no converger in this build)
     steps: tuple[str, ...] = ()
     failures: tuple[str, ...] = ()
     conditions: tuple[str, ...] = ()
@@ -483,6 +483,34 @@ def describe_device_step(step: object) -> str:
     return type(step).__name__
 
 
+def plan_telemetry(payload: object | None) -> SectionPlan:
+    """The telemetry section's plan against an exporter that runs nothing yet (a dry run fetches no
+    secret): the headers fetch, then the export it would configure (docs/telemetry.md)."""
+    from bcd_shared.errors import TerminalError
+
+    from bcd_agent.sections.telemetry.model import from_wire
+    from bcd_agent.sections.telemetry.plan import HeadersLoaded, Observed
+    from bcd_agent.sections.telemetry.plan import plan as telemetry_plan
+
+    try:
+        spec = from_wire(payload)
+    except TerminalError as exc:
+        return SectionPlan("telemetry", "telemetry", failures=(f"{exc.reason}: {exc.message}",))
+    steps: list[str] = []
+    if spec is not None and spec.exports and spec.headers_secret_ref:
+        steps.append(f"fetch the export headers {spec.headers_secret_ref} (SecretRequest)")
+    configured = telemetry_plan(spec, Observed(None, HeadersLoaded(())))
+    for step in configured.steps:
+        config = getattr(step, "config", None)
+        if config is not None:
+            keys = ", ".join(k for k, _ in config.resource) or "none"
+            steps.append(
+                f"export bcd's metrics to {config.url} every {config.interval_s:g} s"
+                f" (resource attributes beside bcd's service.*: {keys})"
+            )
+    return SectionPlan("telemetry", "telemetry", steps=tuple(steps))
+
+
 def plan_all(
     desired: DesiredSpec, system: System, data_dir: str, *, host_units: bool = True
 ) -> list[SectionPlan]:
@@ -499,6 +527,8 @@ def plan_all(
             out.append(SectionPlan("host", "none", notes=() if payload_is_empty(payload) else (note,)))
         elif name == "devices":
             out.append(plan_devices(payload, desired.generation, system, data_dir))
+        elif name == "telemetry":
+            out.append(plan_telemetry(payload))
         elif _empty_message(payload):
             out.append(SectionPlan(name, "none"))
         else:

@@ -18,7 +18,7 @@ from bcd_shared.units import ApplyContext, UnitContext, parse_allowed_clusters
 
 from bcd_agent.sections.host import DirectExecutor, HostSection, converge_host
 
-TARGET_MS = 30.0
+TARGETS: dict[str, tuple[str, float]] = {"noop_pass_ms": ("<=", 30.0)}
 PIN = "ab" * 32
 SPEC = {
     "kernel-modules": {"load": ["vhost_net", "tun", "vfio-pci"], "options": {"kvm_intel": "nested=1"}},
@@ -94,6 +94,4 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         "settle_passes": settle,
         "noop_pass_ms": round(noop, 2),
         "noop_pass_p95_ms": round(sorted(times)[int(len(times) * 0.95) - 1], 2),
-        "target_noop_pass_ms": TARGET_MS,
-        "ok": "yes" if noop <= TARGET_MS else "no",
     }

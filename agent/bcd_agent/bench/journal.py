@@ -28,6 +28,7 @@ ROUNDS = 12
 ROUND_S = 0.15
 EVENT_BATCH = 256
 EVENTS_S = 1.0
+TARGETS: dict[str, tuple[str, float]] = {"accept_ratio": (">=", 0.9), "events_per_s": (">=", 50_000.0)}
 
 
 def _raw_fsync(path: Path, seconds: float) -> tuple[int, float]:

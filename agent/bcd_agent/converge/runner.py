@@ -27,6 +27,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
 
@@ -113,6 +114,7 @@ class ConvergeRunner:
         drift_interval_s: float = DRIFT_INTERVAL_S,
         section_timeout_s: float = SECTION_TIMEOUT_S,
         sync_sections_in_thread: bool = True,
+        on_pass: Callable[[float, NodeStatus], None] | None = None,
     ) -> None:
         by_name: dict[str, Section] = {}
         for section in sections:
@@ -131,6 +133,8 @@ class ConvergeRunner:
         self._drift_interval_s = drift_interval_s
         self._section_timeout_s = section_timeout_s
         self._sync_in_thread = sync_sections_in_thread
+        # Told each pass's wall duration in seconds and its status (bcd's own metrics, docs/telemetry.md).
+        self._on_pass = on_pass
 
         self._pending: set[str] = set()
         self._wake = trio.Event()
@@ -233,6 +237,7 @@ class ConvergeRunner:
             if spec is None:
                 raise RuntimeError("converge_once: the runner holds no spec")
             self._passes += 1
+            started = time.perf_counter()
             now = self._clock()
             ctx = PassContext(spec=spec, pass_number=self._passes, reasons=reasons, now_monotonic=now)
             observation = await self._take_observation()
@@ -241,7 +246,13 @@ class ConvergeRunner:
             self._last_pass = self._clock()
             self._record(spec, results, now)
             self._plan_follow_up(reasons, results)
-            return self._publish()
+            status = self._publish()
+            if self._on_pass is not None:
+                try:
+                    self._on_pass(time.perf_counter() - started, status)
+                except Exception:
+                    log.warning("converge: the pass observer failed", exc_info=True)
+            return status
 
     async def _take_observation(self) -> Observation:
         try:

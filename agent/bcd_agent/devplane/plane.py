@@ -98,6 +98,8 @@ def spec_from_json(doc: Mapping[str, Any]) -> wire.NodeSpec:
 
 K8S_JOIN_WORKFLOW = "host:k8s-join"
 K8S_JOIN_STEP = "tokenRef"
+TELEMETRY_WORKFLOW = "telemetry"
+TELEMETRY_STEP = "headers_secret_ref"
 
 
 def _strings(value: object) -> set[str]:
@@ -129,7 +131,15 @@ def _host_settings(spec: dict[str, Any]) -> list[tuple[str, Any]]:
 def _names_secret(spec: dict[str, Any], request: wire.SecretRequest) -> bool:
     """The broker's binding rule: the node's current spec names `request.ref`. A request for the k8s-join
     token (workflow `host:k8s-join`, step `tokenRef`) must find it in that unit's `tokenRef` (HST-K8S-51);
-    any other request in any string of the spec, host unit settings included."""
+    any other request in any string of the spec, host unit settings included. The telemetry headers
+    (workflow `telemetry`, step `headers_secret_ref`) must be the telemetry section's `headersSecretRef`."""
+    if request.workflow_id == TELEMETRY_WORKFLOW:
+        telemetry = spec.get("telemetry")
+        return (
+            request.step_id == TELEMETRY_STEP
+            and isinstance(telemetry, dict)
+            and telemetry.get("headersSecretRef") == request.ref
+        )
     if request.workflow_id == K8S_JOIN_WORKFLOW:
         return request.step_id == K8S_JOIN_STEP and any(
             name == "k8s-join" and isinstance(s, dict) and s.get("tokenRef") == request.ref

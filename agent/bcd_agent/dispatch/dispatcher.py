@@ -38,6 +38,7 @@ import trio
 from bcd_shared import wire
 from bcd_shared.errors import StepError
 
+from bcd_agent.counters import CounterSet
 from bcd_agent.dispatch.acceptance import (
     Accept,
     AcceptanceContext,
@@ -188,6 +189,9 @@ class Dispatcher:
         self._spec_requested_at: int | None = None
         self._queues: dict[Lane, trio.MemorySendChannel[_Execution]] = {}
         self._running = False
+        # Outcomes per (kind, outcome) since start, for bcd's own metrics (docs/telemetry.md): each new
+        # terminal result once (a stored result resent is not counted again), and BUSY answers.
+        self.outcomes = CounterSet()
         if signer is not None:
             # Attested results are signed once, as they are journaled, and replayed as stored.
             journal.set_attester(result_attester(signer))
@@ -222,6 +226,15 @@ class Dispatcher:
     def credits_in_use(self, lane: Lane) -> int:
         return self._credits[lane].in_use
 
+    def queue_length(self, lane: Lane) -> int:
+        """Commands admitted on `lane` and waiting for a worker (cancelled ones still queued included)."""
+        queue = self._queues.get(lane)
+        return 0 if queue is None else queue.statistics().current_buffer_used
+
+    @property
+    def lanes(self) -> tuple[Lane, ...]:
+        return tuple(self._lanes)
+
     def deferred_ids(self) -> tuple[str, ...]:
         return tuple(self._deferred)
 
@@ -241,7 +254,7 @@ class Dispatcher:
             assert res.entry is not None
             self._send_entry(res.entry)
         elif res.action in (Action.REBOOTED, Action.INTERRUPTED):
-            self._send_entry(self._journal.settle(cmd.id))
+            self._send_new(self._journal.settle(cmd.id))
         elif res.action is Action.REATTACH:
             log.warning(
                 "command %s is journaled by this process but not in flight; nothing to resend", cmd.id
@@ -276,7 +289,7 @@ class Dispatcher:
             entry = self._journal.reject(
                 new, RejectReason.UNSUPPORTED.value, f"invalid body: {exc.field}: {exc.rule}"
             )
-            self._send_entry(entry)
+            self._send_new(entry)
         elif res.action is Action.DONE:
             assert res.entry is not None
             self._send_entry(res.entry)
@@ -310,7 +323,7 @@ class Dispatcher:
                 entry = self._journal.cancel(command_id, reason)
                 assert entry is not None
                 self._settled(exe)
-                self._send_entry(entry)
+                self._send_new(entry)
             elif exe.phase is _Phase.STARTING:
                 exe.cancel_reason = reason
             else:
@@ -321,13 +334,13 @@ class Dispatcher:
             assert res.entry is not None
             self._send_entry(res.entry)
         elif res.action in (Action.REBOOTED, Action.INTERRUPTED):
-            self._send_entry(self._journal.settle(command_id))
+            self._send_new(self._journal.settle(command_id))
         elif res.action is Action.NONE:
             self._cancel_unstarted(NewCommand(id=command_id, kind="", flags=CommandFlags()), reason)
         elif res.action is Action.REEXECUTE:
             entry = self._journal.cancel(command_id, reason)
             if entry is not None and entry.state.terminal:
-                self._send_entry(entry)
+                self._send_new(entry)
 
     # --- admission ------------------------------------------------------------------------------------
 
@@ -355,7 +368,7 @@ class Dispatcher:
         verdict = precheck(cmd, ctx, reexecute=reexecute)
         if isinstance(verdict, Reject):
             new = _new_command(cmd, self._kinds.get(cmd.kind))
-            self._send_entry(self._journal.reject(new, verdict.reason.value, verdict.message))
+            self._send_new(self._journal.reject(new, verdict.reason.value, verdict.message))
             return
         if isinstance(verdict, Defer):
             if len(self._deferred) >= self._max_deferred:
@@ -405,6 +418,7 @@ class Dispatcher:
 
     def _busy(self, cmd: CommandEnvelope, message: str) -> None:
         """Not terminal and never journaled (DLV-ACK-14/15): the gateway redelivers later."""
+        self.outcomes.add((self._kind_label(cmd.kind), "busy"))
         self._sink.send(
             CommandUpdate(
                 cmd.id, UpdateState.BUSY, self.boot_id, reason=UpdateState.BUSY.value, message=message
@@ -417,7 +431,7 @@ class Dispatcher:
         `interrupted`. A command journaled meanwhile keeps its entry (a running one its real outcome)."""
         entry = self._journal.cancel_new(new, reason)
         if entry.state.terminal:
-            self._send_entry(entry)
+            self._send_new(entry)
 
     # --- deferral ---------------------------------------------------------------------------------------
 
@@ -464,7 +478,7 @@ class Dispatcher:
                     "not_after passed while the command waited for a worker",
                 )
                 self._settled(exe)
-                self._send_entry(entry)
+                self._send_new(entry)
                 return
             exe.phase = _Phase.STARTING
             try:
@@ -473,7 +487,7 @@ class Dispatcher:
                 cancelled = self._journal.cancel(cmd.id, exc.reason)
                 assert cancelled is not None
                 self._settled(exe)
-                self._send_entry(cancelled)
+                self._send_new(cancelled)
             except CommandFailed as exc:
                 self._complete(exe, Outcome.FAILED, code=exc.code, message=exc.message)
             except StepError as exc:
@@ -492,7 +506,7 @@ class Dispatcher:
         """Journal the real outcome, then give the credit back (DLV-LANE-09), then report it."""
         entry = self._journal.complete(exe.cmd.id, outcome, code=code, body=body, message=message)
         self._settled(exe)
-        self._send_entry(entry)
+        self._send_new(entry)
 
     def _settled(self, exe: _Execution) -> None:
         exe.phase = _Phase.SETTLED
@@ -501,6 +515,16 @@ class Dispatcher:
 
     def _send(self, state: UpdateState, command_id: str) -> None:
         self._sink.send(CommandUpdate(command_id, state, self.boot_id))
+
+    def _kind_label(self, kind: str) -> str:
+        # A kind outside the table (a rejected command's, from the wire) is not a metric attribute.
+        return kind if kind in self._kinds else "unknown"
+
+    def _send_new(self, entry: CommandEntry) -> None:
+        """Report a result just journaled, and count it once (docs/telemetry.md)."""
+        if entry.result is not None:
+            self.outcomes.add((self._kind_label(entry.kind), entry.result.outcome.value))
+        self._send_entry(entry)
 
     def _send_entry(self, entry: CommandEntry, message: str = "") -> None:
         self._sink.send(update_from_entry(entry, self._signer, message))

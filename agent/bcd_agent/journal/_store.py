@@ -224,6 +224,9 @@ class Journal:
         self._node_id = str(meta.get(K_NODE_ID, ""))
         self._next_seq = int(meta[K_NEXT_SEQ])
         self._acked_seq = int(meta.get(K_ACKED_SEQ, 0))
+        # Since this process opened the journal (bcd's own metrics, docs/telemetry.md).
+        self._events_acked = 0
+        self._metrics_dropped = 0
         self._last_epoch = int(meta.get(K_LAST_EPOCH, 0))
         self._applied_gen = int(meta.get(K_APPLIED_GEN, 0))
         self._server_mark = float(meta.get(K_SERVER_MARK, 0.0))
@@ -741,6 +744,11 @@ class Journal:
     def event_stats(self) -> EventStats:
         return EventStats(self._ev_count, self._ev_bytes, self._m_count, self._m_bytes)
 
+    def event_totals(self) -> tuple[int, int]:
+        """(events acked, metric events dropped for room) since this process opened the journal."""
+        with self._mutex:
+            return self._events_acked, self._metrics_dropped
+
     def _full(self) -> bool:
         return (self._ev_count - self._m_count) >= self._max_events or (
             self._ev_bytes - self._m_bytes
@@ -814,6 +822,7 @@ class Journal:
                     c.execute(_SQL_DROP_METRICS, (last,))
             self._next_seq = first + n
             self._ev_count, self._ev_bytes, self._m_count, self._m_bytes = count, size, mc, mb
+            self._metrics_dropped += dropped
             return EventsAppended(first, n, dropped)
 
     def unacked_events(self, after_seq: int = 0, limit: int = 1000) -> list[Event]:
@@ -836,6 +845,7 @@ class Journal:
                 c.execute(_SQL_DELETE_EVENTS, (seq,))
                 c.execute(_SQL_SET_META, (K_ACKED_SEQ, seq))
             self._acked_seq = seq
+            self._events_acked += int(count)
             self._ev_count -= count
             self._ev_bytes -= size
             self._m_count -= m_count

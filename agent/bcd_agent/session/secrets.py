@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import secrets as _secrets
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 
@@ -40,6 +41,7 @@ from bcd_shared.errors import RetryableError, TerminalError
 log = logging.getLogger("bcd.session")
 
 SECRET_TIMEOUT_S = 30.0
+SENT_KEPT = 64
 WORKFLOW_K8S_JOIN = "host:k8s-join"
 STEP_TOKEN_REF = "tokenRef"  # noqa: S105 (a workflow step name)
 
@@ -60,7 +62,9 @@ class SecretRequests:
         self._send: Send | None = None
         self._welcome = trio.Event()
         self._pending: dict[str, _Pending] = {}
-        self.sent: list[wire.SecretRequest] = []  # every request sent (tests, `bcd status`)
+        # The latest requests sent (tests, `bcd status`), bounded: an unavailable broker is asked again on
+        # every retry pass for as long as the node runs.
+        self.sent: deque[wire.SecretRequest] = deque(maxlen=SENT_KEPT)
 
     # --- the session's side (SessionCore) -------------------------------------------------------
 

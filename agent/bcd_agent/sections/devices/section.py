@@ -90,6 +90,8 @@ class DevicesSection:
         self.domains_committed_bytes = domains_committed_bytes
         self.pod_resources = pod_resources
         self.clock = clock
+        self.gpu_uuids: tuple[str, ...] = ()
+        self.held_device_ids: Mapping[str, tuple[str, ...]] = {}
 
     def is_empty(self, desired: object | None) -> bool:
         if desired is None:
@@ -177,7 +179,11 @@ class DevicesSection:
 
     def converge(self, desired: object | None, observation: Observation, ctx: PassContext) -> SectionOutcome:
         spec = to_spec(desired, ctx.generation)
-        the_plan = plan(spec, self.observe(spec, observation))
+        observed = self.observe(spec, observation)
+        # What bcd's own metrics report as holds per GPU (bcd.gpu.holds, docs/telemetry.md).
+        self.gpu_uuids = tuple(g.uuid for g in observed.inventory.gpus)
+        self.held_device_ids = {a: h.record.device_ids for a, h in observed.holds.items()}
+        the_plan = plan(spec, observed)
         for w in the_plan.warnings:
             log.warning("devices: %s", w)
         # The agent's own records (data_dir) are written as the node writes its journal; the host's
