@@ -93,8 +93,8 @@ def _without_simhost(*argv: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_simulated_root_needs_bcd_simhost(tmp_path: Path) -> None:
-    """`--root DIR` (DIR not /) where bcd-simhost is absent: one line naming the distribution, exit 2, for
-    the helper, the node, plan, status and sim alike; nothing is created under DIR."""
+    """`--root DIR` (DIR not /) where bcd-simhost is absent: one line naming the distribution, exit 64
+    (EX_USAGE), for the helper, the node, plan, status and sim alike; nothing is created under DIR."""
     root = tmp_path / "host"
     spec = str(REPO / "examples" / "gpu-node.json")
     cases = [
@@ -106,7 +106,7 @@ def test_a_simulated_root_needs_bcd_simhost(tmp_path: Path) -> None:
     ]
     for argv in cases:
         res = _without_simhost(*argv)
-        assert res.returncode == 2, (argv, res.stderr)
+        assert res.returncode == 64, (argv, res.stderr)  # EX_USAGE
         assert "Traceback" not in res.stderr, argv
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and "bcd-simhost" in lines[0] and f"--root {root}" in lines[0], (argv, lines)

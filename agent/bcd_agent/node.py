@@ -647,7 +647,7 @@ def _start_error(exc: BaseException) -> BaseException:
 
 def run(args: argparse.Namespace) -> int:
     from bcd_shared.simroot import SimHostMissing, simhost_module
-    from bcd_shared.subcommands import EX_CONFIG, CliError
+    from bcd_shared.subcommands import EX_CONFIG, EX_USAGE, CliError
 
     from bcd_agent.config import ConfigError, default_config_path, load_config
 
@@ -655,7 +655,9 @@ def run(args: argparse.Namespace) -> int:
         if args.root != "/":
             simhost_module(args.root)  # a simulated root needs bcd-simhost
         config = load_config(args.config or default_config_path())
-    except (ConfigError, SimHostMissing) as exc:
+    except SimHostMissing as exc:
+        raise CliError(str(exc), EX_USAGE) from None
+    except ConfigError as exc:
         raise CliError(str(exc), EX_CONFIG) from None
     _preflight(config)
     logsetup.configure(config.log.level, args.log_format)

@@ -609,7 +609,7 @@ def run(args: argparse.Namespace) -> int:
     """Exit 0 when every section is converged (nothing to do), 2 when it plans steps or failures
     (terraform plan -detailed-exitcode), 65 for a spec file it refuses, 78 for a refused config."""
     from bcd_shared.simroot import SimHostMissing
-    from bcd_shared.subcommands import EX_CHANGES, EX_CONFIG, EX_DATAERR, CliError
+    from bcd_shared.subcommands import EX_CHANGES, EX_CONFIG, EX_DATAERR, EX_USAGE, CliError
 
     from bcd_agent.config import ConfigError, default_config_path, load_config
 
@@ -626,7 +626,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         system = host_system(args.root)
     except SimHostMissing as e:
-        raise CliError(str(e), EX_CONFIG) from None
+        raise CliError(str(e), EX_USAGE) from None
     plans = plan_all(desired, system, data_dir, host_units=config.host.units)
     if args.json:
         doc = {"generation": desired.generation, "sections": to_json(plans)}

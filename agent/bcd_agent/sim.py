@@ -723,14 +723,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from bcd_shared.simroot import SimHostMissing, simhost_module
+    from bcd_shared.subcommands import EX_USAGE, CliError
 
     from bcd_agent.plan import SpecFileError
 
     try:
         simhost_module(args.root)  # `bcd sim` is the simulated host: it needs bcd-simhost
     except SimHostMissing as e:
-        print(f"bcd sim: {e}", file=sys.stderr)
-        return 2
+        raise CliError(str(e), EX_USAGE) from None
 
     opts = SimOptions(
         spec=Path(args.spec),

@@ -466,7 +466,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from bcd_shared.simroot import SimHostMissing
-    from bcd_shared.subcommands import EX_CONFIG, CliError
+    from bcd_shared.subcommands import EX_CONFIG, EX_USAGE, CliError
 
     from bcd_agent.config import ConfigError, default_config_path, load_config
     from bcd_agent.plan import host_system
@@ -490,7 +490,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     try:
         system = None if args.no_holds else host_system(args.root)
     except SimHostMissing as e:
-        raise CliError(str(e), EX_CONFIG) from None
+        raise CliError(str(e), EX_USAGE) from None
 
     def take() -> StatusSnapshot:
         return snapshot(data_dir, system)

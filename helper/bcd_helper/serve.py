@@ -75,7 +75,7 @@ def _stop(signum: int, _frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from bcd_shared.subcommands import EX_CONFIG, EX_NOPERM, CliError
+    from bcd_shared.subcommands import EX_CONFIG, EX_NOPERM, EX_USAGE, CliError
 
     logsetup.configure(logging.INFO, args.log_format)
     root = Path(args.root).resolve()
@@ -88,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
             simhost_module(root)  # before anything else: a simulated root needs bcd-simhost
         server = build(root, args.config)
     except SimHostMissing as exc:
-        raise CliError(str(exc), EX_CONFIG) from None
+        raise CliError(str(exc), EX_USAGE) from None
     except ConfigError as exc:
         raise CliError(str(exc), EX_CONFIG) from None
     notifier = Notifier()
