@@ -133,7 +133,30 @@ class StreamHandle:
 
     async def send(self, message: wire.NodeMessage | bytes) -> None:
         """One message, or one already serialized (the outbox's bytes)."""
-        await trio_asyncio.aio_as_trio(self._stream.send_message)(message)
+        await trio_asyncio.aio_as_trio(self._send)(message)
+
+    async def _send(self, message: wire.NodeMessage | bytes) -> None:
+        from grpclib.exceptions import StreamTerminatedError
+
+        try:
+            await self._stream.send_message(message)
+        except StreamTerminatedError as exc:
+            raise self._status_error() or exc from None
+
+    def _status_error(self) -> Exception | None:
+        """The gateway's status (GRPCError) when its trailers arrived with one other than OK: grpclib
+        reports the stream reset that follows them instead, which does not say why."""
+        from grpclib.const import Status
+        from grpclib.exceptions import GRPCError
+
+        trailers = getattr(self._stream._stream, "trailers", None)
+        if trailers is None:
+            return None
+        try:
+            status, message, details = self._stream._process_grpc_status(dict(trailers))
+        except Exception:
+            return None
+        return GRPCError(status, message, details) if status is not Status.OK else None
 
     async def recv(self) -> wire.GatewayMessage | None:
         message = await trio_asyncio.aio_as_trio(self._recv)()
@@ -141,6 +164,14 @@ class StreamHandle:
         return message
 
     async def _recv(self) -> wire.GatewayMessage | None:
+        from grpclib.exceptions import StreamTerminatedError
+
+        try:
+            return await self._recv_message()
+        except StreamTerminatedError as exc:
+            raise self._status_error() or exc from None
+
+    async def _recv_message(self) -> wire.GatewayMessage | None:
         """grpclib's `recv_message`, with the size cap checked on the prefix and a deadline on the body.
 
         grpclib's own reader acknowledges (re-opens the HTTP/2 window for) every byte it moves into its
@@ -153,6 +184,9 @@ class StreamHandle:
             h2 = stream._stream
             prefix = await h2.recv_data(5)
             if not prefix:
+                error = self._status_error()  # the end of the stream: a status other than OK says why
+                if error is not None:
+                    raise error
                 return None
             if len(prefix) != 5:
                 raise FrameRefused(f"a message prefix of {len(prefix)} bytes, expected 5")
