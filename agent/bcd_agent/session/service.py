@@ -186,9 +186,17 @@ class Session:
         self.outbox = outbox
         async with open_stream(self.endpoint, self.limits) as stream:
             hello = self.core.attach(outbox.put, room=outbox.room)
-            await stream.send(hello)
+            with trio.move_on_after(self.stall_timeout_s) as scope:
+                await stream.send(hello)
+            if scope.cancelled_caught:
+                raise PeerStalled(f"the Hello was not taken within {self.stall_timeout_s:g} s")
             self.hello_sent.set()
             async with trio.open_nursery() as nursery:
+
+                async def welcome_deadline() -> None:
+                    await trio.sleep(self.stall_timeout_s)
+                    if not self.core.state.welcomed:
+                        raise PeerStalled(f"no Welcome within {self.stall_timeout_s:g} s of the Hello")
 
                 async def receiver() -> None:
                     while True:
@@ -215,6 +223,7 @@ class Session:
 
                 nursery.start_soon(receiver)
                 nursery.start_soon(sender)
+                nursery.start_soon(welcome_deadline)
                 nursery.start_soon(self._ticker)
 
     async def _ticker(self) -> None:

@@ -41,6 +41,8 @@ from bcd_agent.wire import JOIN_PATH, SESSION_STREAM_PATH
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 # How long the rest of a message may take once its length prefix arrived.
 FRAME_DEADLINE_S = 10.0
+# How long closing a stream may take (the channel's connection is closed after it either way).
+CLOSE_S = 2.0
 
 
 class FrameRefused(Exception):
@@ -228,9 +230,10 @@ async def open_stream(endpoint: Endpoint, limits: StreamLimits | None = None) ->
             await trio_asyncio.aio_as_trio(stream.send_request)()
             yield StreamHandle(stream, limits)
         finally:
-            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+            # Bounded: towards a peer that stopped reading, the RST_STREAM itself cannot be written.
+            with trio.move_on_after(CLOSE_S, shield=True), contextlib.suppress(Exception):
                 await trio_asyncio.aio_as_trio(stream.cancel)()
-            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+            with trio.move_on_after(CLOSE_S, shield=True), contextlib.suppress(Exception):
                 await trio_asyncio.aio_as_trio(stream.__aexit__)(None, None, None)
     finally:
         channel.close()
