@@ -295,6 +295,8 @@ class Journal:
             self._closed = True
             try:
                 self._conn.close()
+            except sqlite3.Error as exc:  # e.g. the closing checkpoint's fsync failed: nothing to add
+                log.warning("journal: %s: closing: %s", self._path, exc)
             finally:
                 _files.unlock(self._lock_fd)
 

@@ -30,6 +30,7 @@ from collections.abc import Callable
 
 import trio
 
+from bcd_agent.journal import JournalIOError
 from bcd_agent.journal import WelcomeRefused as WelcomeRefusedError
 from bcd_agent.session.backoff import Backoff
 from bcd_agent.session.core import ProtocolViolation, SessionCore
@@ -150,9 +151,14 @@ class Session:
                     raise
                 except BaseExceptionGroup as group:
                     # The nurseries' groups: log the cause inside; a group of Cancelled only is ours.
-                    if not any(isinstance(e, Exception) for e in _leaves(group)):
+                    leaves = _leaves(group)
+                    if not any(isinstance(e, Exception) for e in leaves) or any(
+                        isinstance(e, JournalIOError) for e in leaves
+                    ):
                         raise
                     self._failed(self._why(group), self._level(group))
+                except JournalIOError:
+                    raise  # the journal's storage failed: the node ends (bcd node prints one line)
                 except Exception as exc:
                     self._failed(self._why(exc), self._level(exc))
                 finally:
