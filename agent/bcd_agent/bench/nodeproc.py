@@ -39,18 +39,39 @@ class NodeWorld:
         return config
 
     async def start_node(self, gateway: Path | None = None, extra_config: str = "") -> trio.Process:
-        from bcd_agent.sim import Child, bcd_argv, supervise
+        """`bcd node --test-kinds` until the world ends (SIGTERM, then SIGKILL after 10 s). Not through
+        `bcd_agent.sim.supervise`: its PR_SET_PDEATHSIG is tied to the spawning thread, which trio's
+        thread cache ends after a while, killing a long-running child."""
+        from bcd_agent.sim import bcd_argv
 
         config = self.write_config(gateway or self.layout.gateway_socket, extra_config)
         argv = bcd_argv("node", "--config", str(config), "--root", str(self.layout.root), "--test-kinds")
-        child = Child("bcd node", tuple(argv), self.layout.log_dir / "node.log")
-        proc: trio.Process = await self.nursery.start(supervise, child)
+        proc: trio.Process = await self.nursery.start(_child, argv, self.layout.log_dir / "node.log")
         return proc
 
     async def session(self, within: float = 30) -> None:
         with trio.fail_after(within):
             while self.node_id not in self.plane.sessions:  # noqa: ASYNC110 - the plane's table is polled
                 await trio.sleep(0.01)
+
+
+async def _child(
+    argv: list[str], log: Path, *, task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED
+) -> None:
+    with log.open("ab") as out:
+        proc = await trio.lowlevel.open_process(argv, stdout=out, stderr=out)
+        try:
+            task_status.started(proc)
+            await proc.wait()
+        finally:
+            if proc.returncode is None:
+                with trio.CancelScope(shield=True):
+                    proc.terminate()
+                    with trio.move_on_after(10):
+                        await proc.wait()
+                    if proc.returncode is None:
+                        proc.kill()
+                        await proc.wait()
 
 
 @asynccontextmanager
