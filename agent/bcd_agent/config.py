@@ -70,6 +70,10 @@ class ControlPlaneConfig:
     unix_socket: str | None = None  # a local gateway (development control plane, `bcd sim`)
     ca_file: str | None = None  # PEM of the CA the gateway's certificate chains to
     server_name: str | None = None  # TLS server name, when not the address's host
+    # A received message over this is refused before its body is read (gRPC's usual 4 MiB).
+    max_message_bytes: int = 4 * 1024 * 1024
+    frame_deadline_s: int = 10  # a message's body must arrive within this once its prefix did
+    stall_timeout_s: int = 60  # a message the gateway has not taken for this long: reconnect
 
 
 @frozen
@@ -376,6 +380,9 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "unix_socket": _abs_path,
         "ca_file": _abs_path,
         "server_name": _server_name,
+        "max_message_bytes": _int_range(64 * 1024, 64 * 1024 * 1024),
+        "frame_deadline_s": _int_range(1, 600),
+        "stall_timeout_s": _int_range(5, 3600),
     },
     "helper": {
         "socket": _abs_path,

@@ -32,6 +32,7 @@ import logging
 import math
 import os
 import signal
+import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -66,6 +67,7 @@ class NodeOptions:
     secret_timeout_s: float = 30.0  # how long a SecretRequest waits for its SecretResponse
     reboot_wait_s: float = 600.0  # node.reboot: how long the host may stay up after the request
     sweep_interval_s: float = SWEEP_INTERVAL_S  # journal.sweep() again this long after the last one
+    drain_s: float = 5.0  # at shutdown, commands in flight get this long to finish before cancelled
 
 
 def _boot_id(system: Any) -> str:
@@ -109,6 +111,10 @@ class Node:
         self.started_monotonic: float | None = None
         self.sweeps = 0  # journal sweeps run by this process (the one at start included)
         self._status_pokes: trio.MemorySendChannel[None] | None = None
+        # Shutdown order (`_shutdown`): the lanes, then the session, then the other parts.
+        self._parts_scope = trio.CancelScope(shield=True)
+        self._lanes_scope = trio.CancelScope()
+        self._session_scope = trio.CancelScope()
 
     # --- composition ----------------------------------------------------------------------------------
 
@@ -380,6 +386,7 @@ class Node:
         from bcd_agent.session.events import JournalEventSink
         from bcd_agent.session.secrets import SecretRequests
         from bcd_agent.session.service import Session
+        from bcd_agent.session.transport import StreamLimits
 
         self.started_monotonic = trio.current_time()
         cfg = self.config
@@ -477,35 +484,66 @@ class Node:
                 heartbeat_s=self.options.heartbeat_s,
                 status_interval_s=self.options.status_interval_s,
                 on_link_change=self._poke_status_file,
+                limits=StreamLimits(
+                    max_message_bytes=cfg.control_plane.max_message_bytes,
+                    frame_deadline_s=float(cfg.control_plane.frame_deadline_s),
+                ),
+                stall_timeout_s=float(cfg.control_plane.stall_timeout_s),
             )
             sink.wake = self.session.events_changed
             # The session's link changed: status.json is rewritten at once (bcd status --check).
             self._status_pokes, pokes = trio.open_memory_channel[None](1)
             notifier = Notifier()
+            async with trio.open_nursery() as outer:
+                # The parts run under a shielded scope: cancelling `run` (SIGTERM) does not stop them
+                # all at once, `_shutdown` stops them in order.
+                await outer.start(self._parts, journal, notifier, identity.node_id, pokes)
+                task_status.started(self)
+                try:
+                    await trio.sleep_forever()
+                finally:
+                    with trio.CancelScope(shield=True):
+                        await self._shutdown()
+        finally:
+            journal.close()
+
+    async def _parts(
+        self, journal: Any, notifier: Any, node_id: str, pokes: Any, *, task_status: trio.TaskStatus[None]
+    ) -> None:
+        from bcd_agent import statusfile
+
+        with self._parts_scope:
             async with trio.open_nursery() as nursery:
-                await nursery.start(self.dispatcher.run)
+                await nursery.start(_scoped, self._lanes_scope, self.dispatcher.run)
                 if self.exporter is not None:
                     await nursery.start(self.exporter.run)
                     await nursery.start(self.telemetry.run)
                 await nursery.start(self.runner.run)
                 # bcd status: each new status to data_dir/status.json (bcd_agent.statusfile; docs/sim.md).
-                from bcd_agent import statusfile
-
                 await nursery.start(
                     functools.partial(
-                        statusfile.serve, self.status, cfg.data_dir, extra=self.liveness, pokes=pokes
+                        statusfile.serve, self.status, self.config.data_dir, extra=self.liveness, pokes=pokes
                     )
                 )
-                await nursery.start(self.session.run)
+                await nursery.start(_scoped, self._session_scope, self.session.run)
                 nursery.start_soon(sweep_periodically, journal, self.options.sweep_interval_s, self._swept)
                 # The first inventory read (the heartbeat's hash) off the path to Hello.
                 nursery.start_soon(self._first_inventory)
-                notifier.ready(f"node {identity.node_id}")
+                notifier.ready(f"node {node_id}")
                 if notifier.watchdog_interval_s is not None:
                     nursery.start_soon(_watchdog, notifier, notifier.watchdog_interval_s)
-                task_status.started(self)
-        finally:
-            journal.close()
+                task_status.started()
+
+    async def _shutdown(self) -> None:
+        """Stop accepting commands, drain the lanes (or cancel them after DRAIN_S), close the session,
+        then everything else; `run`'s caller closes the journal last."""
+        if self.dispatcher is not None:
+            self.dispatcher.stop_accepting()
+            with trio.move_on_after(self.options.drain_s):
+                await self.dispatcher.drained()
+        self._lanes_scope.cancel()
+        self._session_scope.cancel()
+        self._parts_scope.cancel()
 
     def _poke_status_file(self) -> None:
         if self._status_pokes is not None:
@@ -562,6 +600,14 @@ class Node:
     def _swept(self, deleted: int) -> None:
         self.sweeps += 1
         log.info("node: journal swept: %d command entries deleted", deleted)
+
+
+async def _scoped(
+    scope: trio.CancelScope, service: Callable[..., Any], *, task_status: trio.TaskStatus[Any]
+) -> None:
+    """Run `service` (a nursery.start service) inside `scope`, so it can be stopped on its own."""
+    with scope:
+        await service(task_status=task_status)
 
 
 async def sweep_periodically(journal: Any, interval_s: float, swept: Callable[[int], None]) -> None:
@@ -682,6 +728,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         trio.run(main)
     except BaseException as exc:
+        fatal = _storage_failure(exc)
+        if fatal is not None:
+            # As PostgreSQL does on a failed fsync: end, in one line naming the file and the error.
+            log.error("bcd node %s stopped: storage failure: %s", VERSION, fatal)
+            print(f"bcd node: storage failure, exiting: {fatal}", file=sys.stderr)
+            return 1
         error = _start_error(exc)
         log.error("bcd node %s stopped: %s", VERSION, error)
         raise error from None
@@ -705,3 +757,23 @@ def start_line(config_path: object, config: Config, root: str, euid: int) -> str
         f"bcd node {VERSION} starting: config {config_path}, data_dir {config.data_dir}{where},"
         f" host changes {helper_mode(config, root, euid)}"
     )
+
+
+def _storage_failure(exc: BaseException) -> str | None:
+    """The one-line cause when `exc` (or one inside its groups) is a storage failure: the journal's
+    JournalIOError, or EIO from a file of the data_dir."""
+    import errno
+
+    from bcd_agent.journal import JournalIOError
+
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = _storage_failure(inner)
+            if found is not None:
+                return found
+        return None
+    if isinstance(exc, JournalIOError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.errno == errno.EIO:
+        return f"{exc.filename or 'a data_dir file'}: errno {exc.errno} (EIO): {exc.strerror}"
+    return None

@@ -49,7 +49,7 @@ from bcd_shared.wire.kinds import KIND_MESSAGES
 from bcd_shared.wire.strict import type_url
 
 from bcd_agent.devplane import keys as keysmod
-from bcd_agent.devplane.store import TERMINAL, Store
+from bcd_agent.devplane.store import TERMINAL, Store, log_update_in
 from bcd_agent.dispatch.kinds import KINDS, KindSpec, Lane
 from bcd_agent.kinds.testing import TEST_KINDS
 
@@ -732,7 +732,7 @@ class DevPlane:
                         (state, now, update.command_id),
                     )
                     applied = True
-        self.store.log_update(update.command_id, session.node_id, state or str(update.state), known, applied)
+            log_update_in(c, update.command_id, session.node_id, state or str(update.state), known, applied)
         if terminal:
             # Every terminal update is acknowledged, stored earlier or unknown included (DLV-RES-11).
             session.out(wire.GatewayMessage(ack=wire.Ack(command_ids=[update.command_id])))

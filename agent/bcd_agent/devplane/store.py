@@ -1,4 +1,9 @@
-"""The development control plane's state: one SQLite file `DIR/devplane.db` (WAL, synchronous=FULL).
+"""The development control plane's state: one SQLite file `DIR/devplane.db` (WAL, synchronous=NORMAL).
+
+synchronous=NORMAL: in WAL mode a commit is written to the WAL before it returns (a killed devplane
+process loses nothing) but fsynced only at checkpoints, so a power loss may lose the last commits. This
+is the development plane: its speed is the bench's ceiling on the node's command rate, and what the
+tests do to it is kill it, never the machine's power.
 
 Everything a restart must keep lives here: join tokens, nodes (spec body and signature of the current
 generation, observed generation, the node's journal id and acknowledged event seq, the last status
@@ -62,7 +67,7 @@ class Store:
         self.conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.conn.row_factory = sqlite3.Row
         self.conn.execute("PRAGMA journal_mode=WAL")
-        self.conn.execute("PRAGMA synchronous=FULL")
+        self.conn.execute("PRAGMA synchronous=NORMAL")
         self.lock = threading.RLock()
         with self.tx() as c:
             for stmt in DDL.split(";"):
@@ -108,8 +113,14 @@ class Store:
 
     def log_update(self, command_id: str, node_id: str, state: str, known: bool, applied: bool) -> None:
         with self.tx() as c:
-            c.execute(
-                "INSERT INTO updates (command_id, node_id, state, known, applied, at) VALUES (?, ?, ?, ?,"
-                " ?, ?)",
-                (command_id, node_id, state, int(known), int(applied), time.time()),
-            )
+            log_update_in(c, command_id, node_id, state, known, applied)
+
+
+def log_update_in(
+    c: sqlite3.Connection, command_id: str, node_id: str, state: str, known: bool, applied: bool
+) -> None:
+    """`Store.log_update` inside a transaction the caller holds."""
+    c.execute(
+        "INSERT INTO updates (command_id, node_id, state, known, applied, at) VALUES (?, ?, ?, ?, ?, ?)",
+        (command_id, node_id, state, int(known), int(applied), time.time()),
+    )

@@ -29,10 +29,11 @@ seen it journals CANCELLED in one write, so a late delivery is answered CANCELLE
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import trio
 from bcd_shared import wire
@@ -71,12 +72,23 @@ from bcd_agent.dispatch.ports import (
 )
 from bcd_agent.dispatch.results import result_attester, update_from_entry
 from bcd_agent.dispatch.wire import envelope_from_wire
-from bcd_agent.journal import Action, CommandEntry, CommandFlags, JournalFull, NewCommand, Outcome
+from bcd_agent.journal import (
+    Action,
+    CommandEntry,
+    CommandFlags,
+    DataDirFull,
+    JournalFull,
+    NewCommand,
+    Outcome,
+)
 
 log = logging.getLogger(__name__)
 
 # Deferred commands are held in memory; beyond this many, new ones are answered BUSY.
 MAX_DEFERRED = 1000
+# A lane's outcome that could not be journaled (the data_dir is full) is tried again this often; the
+# credit stays taken until it is journaled (DLV-LANE-09).
+DISK_RETRY_S = 1.0
 
 
 class _Phase(enum.Enum):
@@ -192,6 +204,10 @@ class Dispatcher:
         # Outcomes per (kind, outcome) since start, for bcd's own metrics (docs/telemetry.md): each new
         # terminal result once (a stored result resent is not counted again), and BUSY answers.
         self.outcomes = CounterSet()
+        self._started = False
+        self._accepting = True
+        self._idle = trio.Event()
+        self._idle.set()
         if signer is not None:
             # Attested results are signed once, as they are journaled, and replayed as stored.
             journal.set_attester(result_attester(signer))
@@ -213,9 +229,21 @@ class Dispatcher:
                         nursery.start_soon(self._worker, receive)
                 nursery.start_soon(self._deferral_timer)
                 self._running = True
+                self._started = True
                 task_status.started(self)
         finally:
             self._running = False
+
+    def stop_accepting(self) -> None:
+        """Shutdown's first step: every command delivered from now on is answered BUSY (the gateway
+        redelivers it to the next process); commands in flight go on (`drained`)."""
+        self._accepting = False
+
+    async def drained(self) -> None:
+        """Return once no accepted command is in flight."""
+        while self._inflight:
+            self._idle = trio.Event()
+            await self._idle.wait()
 
     # --- what the session calls -------------------------------------------------------------------------
 
@@ -246,9 +274,24 @@ class Dispatcher:
 
     def deliver(self, cmd: CommandEnvelope) -> None:
         """A command arrived (or was redelivered) from the session."""
-        self._require_running()
+        if not self._admitting(cmd):
+            return
         if cmd.id in self._deferred or cmd.id in self._inflight:
             return  # still waiting, or the run in flight reports (REATTACH)
+        try:
+            self._deliver(cmd)
+        except DataDirFull as exc:
+            # Nothing was journaled; the journal logged the state change once (DataDirFull condition).
+            self._busy(cmd, str(exc))
+
+    def _admitting(self, cmd: CommandEnvelope) -> bool:
+        self._require_running()
+        if not self._accepting or not self._running:
+            self._busy(cmd, "the node is shutting down")
+            return False
+        return True
+
+    def _deliver(self, cmd: CommandEnvelope) -> None:
         res = self._journal.resolve(cmd.id)
         if res.action is Action.DONE:
             assert res.entry is not None
@@ -277,6 +320,8 @@ class Dispatcher:
         answer) when its id could be read; otherwise there is nothing to answer and it is only logged. A
         command already known under that id is answered as any duplicate is."""
         self._require_running()
+        if not self._running or not self._accepting:
+            return  # the gateway redelivers it to the next process
         if not exc.command_id:
             log.warning("undecodable command dropped: %s", exc)
             return
@@ -286,9 +331,12 @@ class Dispatcher:
         res = self._journal.resolve(cid)
         if res.action is Action.NONE:
             new = NewCommand(id=cid, kind="", flags=CommandFlags())
-            entry = self._journal.reject(
-                new, RejectReason.UNSUPPORTED.value, f"invalid body: {exc.field}: {exc.rule}"
-            )
+            try:
+                entry = self._journal.reject(
+                    new, RejectReason.UNSUPPORTED.value, f"invalid body: {exc.field}: {exc.rule}"
+                )
+            except DataDirFull:
+                return  # not journaled: answered when redelivered
             self._send_new(entry)
         elif res.action is Action.DONE:
             assert res.entry is not None
@@ -299,6 +347,8 @@ class Dispatcher:
     def spec_applied(self, generation: int) -> None:
         """A newer spec was applied: re-run the checks of every deferred command, in `seq` order."""
         self._require_running()
+        if not self._running:
+            return  # stopped: the next process reads the generation from the journal
         if generation <= self._applied_generation:
             return
         self._applied_generation = generation
@@ -312,6 +362,12 @@ class Dispatcher:
     def cancel(self, command_id: str, reason: str = "") -> None:
         """`Cancel{command_id, reason}` from the gateway (see the module docstring)."""
         self._require_running()
+        if not self._running:
+            return  # the gateway repeats the Cancel on the next session (DLV-CAN-02)
+        with contextlib.suppress(DataDirFull):  # not journaled; the gateway repeats it after a reconnect
+            self._cancel(command_id, reason)
+
+    def _cancel(self, command_id: str, reason: str) -> None:
         deferred = self._deferred.pop(command_id, None)
         if deferred is not None:
             self._deferred_changed.set()
@@ -345,7 +401,8 @@ class Dispatcher:
     # --- admission ------------------------------------------------------------------------------------
 
     def _require_running(self) -> None:
-        if not self._running:
+        """A dispatcher never started is a wiring bug; one that stopped (shutdown) answers BUSY."""
+        if not self._started:
             raise RuntimeError("dispatcher not running: start it with nursery.start(dispatcher.run)")
 
     def _context(self) -> AcceptanceContext:
@@ -458,6 +515,17 @@ class Dispatcher:
             if exe.phase is _Phase.SETTLED:
                 continue  # cancelled while queued
             await self._execute(exe)
+            if not self._inflight:
+                self._idle.set()
+
+    async def _durably(self, write: Callable[[], None]) -> None:
+        """Run a journal write, again every DISK_RETRY_S while the data_dir is full."""
+        while True:
+            try:
+                write()
+                return
+            except DataDirFull:
+                await trio.sleep(DISK_RETRY_S)
 
     async def _execute(self, exe: _Execution) -> None:
         cmd = exe.cmd
@@ -465,38 +533,63 @@ class Dispatcher:
         try:
             resources = handler.resources(cmd)
         except CommandFailed as exc:
-            self._complete(exe, Outcome.FAILED, code=exc.code, message=exc.message)
+            code, message = exc.code, exc.message
+            await self._durably(lambda: self._complete(exe, Outcome.FAILED, code=code, message=message))
             return
         async with self._locks.hold(resources):
             if exe.phase is _Phase.SETTLED:
                 return  # cancelled while waiting for a lock
             now = self._clock.server_now()
             if cmd.not_after is None or now >= cmd.not_after:
-                entry = self._journal.reject(
-                    exe.new,
-                    RejectReason.EXPIRED.value,
-                    "not_after passed while the command waited for a worker",
-                )
-                self._settled(exe)
-                self._send_new(entry)
+                await self._durably(lambda: self._expired(exe))
                 return
             exe.phase = _Phase.STARTING
+            outcome: Callable[[], None]
             try:
                 body = await handler.run(cmd, _RunContext(self, exe))
             except CommandCancelled as exc:
-                cancelled = self._journal.cancel(cmd.id, exc.reason)
-                assert cancelled is not None
-                self._settled(exe)
-                self._send_new(cancelled)
+                reason = exc.reason
+
+                def outcome() -> None:
+                    cancelled = self._journal.cancel(cmd.id, reason)
+                    assert cancelled is not None
+                    self._settled(exe)
+                    self._send_new(cancelled)
+
             except CommandFailed as exc:
-                self._complete(exe, Outcome.FAILED, code=exc.code, message=exc.message)
+                code, message = exc.code, exc.message
+
+                def outcome() -> None:
+                    self._complete(exe, Outcome.FAILED, code=code, message=message)
+
             except StepError as exc:
-                self._complete(exe, Outcome.FAILED, code=exc.reason, message=exc.message)
+                code, message = exc.reason, exc.message
+
+                def outcome() -> None:
+                    self._complete(exe, Outcome.FAILED, code=code, message=message)
+
             except Exception as exc:
                 log.exception("command %s (%s) failed inside its handler", cmd.id, cmd.kind)
-                self._complete(exe, Outcome.FAILED, code=ERR_INTERNAL, message=f"{type(exc).__name__}: {exc}")
+                message = f"{type(exc).__name__}: {exc}"
+
+                def outcome() -> None:
+                    self._complete(exe, Outcome.FAILED, code=ERR_INTERNAL, message=message)
+
             else:
-                self._complete(exe, Outcome.SUCCEEDED, body=body)
+
+                def outcome() -> None:
+                    self._complete(exe, Outcome.SUCCEEDED, body=body)
+
+            await self._durably(outcome)
+
+    def _expired(self, exe: _Execution) -> None:
+        entry = self._journal.reject(
+            exe.new,
+            RejectReason.EXPIRED.value,
+            "not_after passed while the command waited for a worker",
+        )
+        self._settled(exe)
+        self._send_new(entry)
 
     # --- outcomes -----------------------------------------------------------------------------------------
 
@@ -512,6 +605,8 @@ class Dispatcher:
         exe.phase = _Phase.SETTLED
         self._inflight.pop(exe.cmd.id, None)
         self._credits[exe.accept.flags.lane].give_back()
+        if not self._inflight:
+            self._idle.set()
 
     def _send(self, state: UpdateState, command_id: str) -> None:
         self._sink.send(CommandUpdate(command_id, state, self.boot_id))

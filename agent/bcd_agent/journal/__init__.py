@@ -24,6 +24,12 @@ Rules (docs/journal.md has the detail and the decisions):
   Over them the oldest METRIC events are dropped; TRANSITION and RESULT events never are: when they alone
   fill the bounds, appends of them raise JournalFull, `is_full()` is true and accepts raise JournalFull
   (answer BUSY).
+* **Storage faults.** A full file system (SQLITE_FULL, ENOSPC) raises DataDirFull: nothing is written,
+  `space_ok` turns false and `on_space_change` is called once per change (the node logs it once, raises
+  the `DataDirFull` condition, answers BUSY); the next write that succeeds turns it back. An I/O error
+  (SQLITE_IOERR, e.g. EIO on fsync) raises JournalIOError naming the file and the error: the node ends.
+* **A lost tail.** `restart_events(reason)` starts a new journal_id and renumbers the unacked events
+  from 1, for when the gateway acked (or the node sent) seqs this journal no longer knows it issued.
 * **Meta.** node id, last epoch, applied generation (that of the stored spec), the server time mark
   (forward only; `check_welcome` refuses a Welcome more than 5 minutes before it), the last full spec's
   exact bytes, hash and signature, and used exec-ticket jtis until expiry (at most 10,000).
@@ -48,12 +54,14 @@ from bcd_agent.journal._types import (
     CommandFlags,
     CommandResult,
     CommandState,
+    DataDirFull,
     Event,
     EventClass,
     EventsAppended,
     EventStats,
     JournalError,
     JournalFull,
+    JournalIOError,
     JournalLocked,
     NewCommand,
     NewEvent,
@@ -82,6 +90,7 @@ __all__ = [
     "CommandFlags",
     "CommandResult",
     "CommandState",
+    "DataDirFull",
     "Event",
     "EventClass",
     "EventStats",
@@ -89,6 +98,7 @@ __all__ = [
     "Journal",
     "JournalError",
     "JournalFull",
+    "JournalIOError",
     "JournalLocked",
     "NewCommand",
     "NewEvent",

@@ -8,6 +8,7 @@ it directly where a few milliseconds of blocking are acceptable.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import sqlite3
@@ -52,12 +53,14 @@ from bcd_agent.journal._types import (
     CommandFlags,
     CommandResult,
     CommandState,
+    DataDirFull,
     Event,
     EventClass,
     EventsAppended,
     EventStats,
     JournalError,
     JournalFull,
+    JournalIOError,
     NewCommand,
     NewEvent,
     OpenReport,
@@ -131,6 +134,8 @@ _SQL_SET_META = "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)"
 _SQL_TICKET_GET = "SELECT expires_at FROM exec_tickets WHERE jti = ?"
 _SQL_TICKET_PUT = "INSERT OR REPLACE INTO exec_tickets (jti, expires_at) VALUES (?, ?)"
 _SQL_TICKET_PURGE = "DELETE FROM exec_tickets WHERE expires_at <= ?"
+_SQLITE_FULL = 13  # SQLITE_FULL: the file system (or the db's size limit) is full
+_SQLITE_IOERR = 10  # SQLITE_IOERR and its extended codes (low byte 10): the storage failed
 
 _Row = tuple[
     str, str, int, int, int, str, str, str, float, float, bytes, bytes,
@@ -219,6 +224,9 @@ class Journal:
         self._attester: Attester | None = None
         self._mutex = threading.RLock()
         self._closed = False
+        self._space_ok = True
+        # Called with (space_ok, message) when a write fails for a full file system, or succeeds again.
+        self.on_space_change: Callable[[bool, str], None] | None = None
         meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
         self._journal_id = str(meta[K_JOURNAL_ID])
         self._node_id = str(meta.get(K_NODE_ID, ""))
@@ -290,6 +298,8 @@ class Journal:
             self._closed = True
             try:
                 self._conn.close()
+            except sqlite3.Error as exc:  # e.g. the closing checkpoint's fsync failed: nothing to add
+                log.warning("journal: %s: closing: %s", self._path, exc)
             finally:
                 _files.unlock(self._lock_fd)
 
@@ -303,17 +313,59 @@ class Journal:
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction; durable (WAL fsynced) when the block exits without an exception."""
+        """One write transaction; durable (WAL fsynced) when the block exits without an exception.
+        A full file system raises DataDirFull, a storage failure JournalIOError (see `_storage`)."""
         conn = self._conn
-        conn.execute("BEGIN IMMEDIATE")
+        with self._storage():
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("ROLLBACK")
+                raise
+
+    @contextlib.contextmanager
+    def _storage(self) -> Iterator[None]:
+        """Translate SQLite's storage errors and track whether the data_dir has space."""
         try:
-            yield conn
-            conn.execute("COMMIT")
-        except BaseException:
-            if conn.in_transaction:
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("ROLLBACK")
+            yield
+        except sqlite3.OperationalError as exc:
+            code = getattr(exc, "sqlite_errorcode", 0)
+            name = getattr(exc, "sqlite_errorname", "")
+            if code == _SQLITE_FULL:
+                self._space(False, f"{self._path}: {name or 'SQLITE_FULL'}: {exc}")
+                raise DataDirFull(f"{self._path}: the file system is full ({name or 'SQLITE_FULL'})") from exc
+            if code & 0xFF == _SQLITE_IOERR:
+                raise JournalIOError(f"{self._path}: {name or 'SQLITE_IOERR'}: {exc}") from exc
             raise
+        except OSError as exc:  # the data_dir's own files (create, fsync of the directory)
+            if exc.errno == errno.ENOSPC:
+                self._space(False, f"{self._path.parent}: {exc}")
+                raise DataDirFull(f"{self._path.parent}: the file system is full") from exc
+            raise
+        else:
+            if not self._space_ok:
+                self._space(True, f"{self._path}: writes succeed again")
+
+    def _space(self, ok: bool, message: str) -> None:
+        if ok == self._space_ok:
+            return
+        self._space_ok = ok
+        callback = self.on_space_change
+        if ok:
+            log.warning("journal: the data_dir has space again: %s", message)
+        else:
+            log.error("journal: the data_dir is full; new commands are answered BUSY: %s", message)
+        if callback is not None:
+            callback(ok, message)
+
+    @property
+    def space_ok(self) -> bool:
+        """False since a write failed for a full file system, until one succeeds again."""
+        return self._space_ok
 
     # ------------------------------------------------------------------ meta
 
@@ -469,13 +521,15 @@ class Journal:
             flags = command.flags
             try:
                 # A single statement in autocommit mode is one durable transaction.
-                self._conn.execute(
-                    _SQL_INSERT_ACCEPTED,
-                    (
-                        command.id, command.kind, flags.retry_safe, flags.self_terminating, flags.attested,
-                        self._incarnation, self._boot_id, now, now, command.body, command.signature,
-                    ),
-                )  # fmt: skip
+                with self._storage():
+                    self._conn.execute(
+                        _SQL_INSERT_ACCEPTED,
+                        (
+                            command.id, command.kind, flags.retry_safe, flags.self_terminating,
+                            flags.attested, self._incarnation, self._boot_id, now, now, command.body,
+                            command.signature,
+                        ),
+                    )  # fmt: skip
             except sqlite3.IntegrityError:
                 with self._tx() as c:
                     row = c.execute(_SQL_GET, (command.id,)).fetchone()
@@ -825,11 +879,42 @@ class Journal:
             self._metrics_dropped += dropped
             return EventsAppended(first, n, dropped)
 
-    def unacked_events(self, after_seq: int = 0, limit: int = 1000) -> list[Event]:
-        """Unacked events with seq above `after_seq`, oldest first, at most `limit`."""
+    def unacked_events(
+        self, after_seq: int = 0, limit: int = 1000, max_bytes: int | None = None
+    ) -> list[Event]:
+        """Unacked events with seq above `after_seq`, oldest first, at most `limit`, and (with
+        `max_bytes`) no more payload bytes than that, but always the first one."""
+        out: list[Event] = []
+        total = 0
         with self._mutex:
-            rows = self._conn.execute(_SQL_EVENTS_AFTER, (after_seq, limit)).fetchall()
-        return [Event(seq, EventClass(cls), t, p, at) for seq, cls, t, p, at in rows]
+            for seq, cls, t, p, at in self._conn.execute(_SQL_EVENTS_AFTER, (after_seq, limit)):
+                total += len(p)
+                if max_bytes is not None and out and total > max_bytes:
+                    break
+                out.append(Event(seq, EventClass(cls), t, p, at))
+        return out
+
+    def restart_events(self) -> str:
+        """A new journal_id, for when seqs this journal issued were lost with its tail (the gateway
+        acked, or the node sent, seqs above `next_event_seq`): the unacked events are renumbered from 1
+        under it, so no seq the gateway already holds is reused. Returns the new journal_id."""
+        with self._mutex:
+            new_id = uuid.uuid4().hex
+            offset = self._acked_seq
+            with self._tx() as c:
+                # Two steps, so no intermediate row collides with another's seq.
+                c.execute("UPDATE events SET seq = -seq")
+                c.execute("UPDATE events SET seq = -seq - ?", (offset,))
+                top = c.execute("SELECT coalesce(max(seq), 0) FROM events").fetchone()[0]
+                c.execute(_SQL_SET_META, (K_JOURNAL_ID, new_id))
+                c.execute(_SQL_SET_META, (K_NEXT_SEQ, int(top) + 1))
+                c.execute(_SQL_SET_META, (K_ACKED_SEQ, 0))
+            old = self._journal_id
+            self._journal_id = new_id
+            self._next_seq = int(top) + 1
+            self._acked_seq = 0
+            log.error("journal: events restarted under journal_id %s (was %s)", new_id, old)
+            return new_id
 
     def ack_events(self, journal_id: str, seq: int) -> int:
         """A cumulative Ack{journal_id, event_seq}: drop every event up to `seq`. An ack for another

@@ -221,6 +221,17 @@ class JournalFull(JournalError):
     """Dropping metric events does not make room: answer new commands BUSY until acks drain it."""
 
 
+class DataDirFull(JournalError):
+    """The data_dir's file system is full (ENOSPC / SQLITE_FULL): nothing was written. The node stays up,
+    answers new commands BUSY and raises the `DataDirFull` condition until a write succeeds again."""
+
+
+class JournalIOError(JournalError):
+    """The journal's storage failed (EIO on write or fsync, SQLITE_IOERR): what is on disk is no longer
+    known to be what was written, so the process ends (as PostgreSQL does on an fsync failure) with this
+    one line, which names the file and the error."""
+
+
 class JournalLocked(JournalError):
     """Another process holds this data_dir's journal."""
 

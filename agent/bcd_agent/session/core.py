@@ -26,13 +26,16 @@ Per connection (`attach` ... `detach`):
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import logging
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+import attrs
 from attrs import define, field
 from bcd_shared import wire
 from bcd_shared.pki import TrustStore, VerifiedBundle
@@ -49,9 +52,10 @@ from bcd_agent.dispatch.ports import ResultSigner
 from bcd_agent.dispatch.results import update_from_entry
 from bcd_agent.dispatch.trust import BundleTrust
 from bcd_agent.dispatch.wire import envelope_from_wire, update_to_wire
-from bcd_agent.journal import Action, CommandFlags, Journal, NewCommand, WelcomeRefused
+from bcd_agent.journal import Action, CommandFlags, DataDirFull, Journal, NewCommand, WelcomeRefused
 from bcd_agent.session import identity as ident
 from bcd_agent.session import spec as specmod
+from bcd_agent.session.conditions import DATA_DIR_FULL, JOURNAL_TAIL_LOST, NodeConditions
 from bcd_agent.session.events import wire_event
 from bcd_agent.session.secrets import SecretRequests
 from bcd_agent.session.status import status_report
@@ -64,12 +68,25 @@ HOST_INTENT_FILE = "host-intent.json"
 # The identity file mirrors the mark at Welcome and when it moved this far since the last mirror.
 MARK_MIRROR_STEP_MS = 60_000
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
+# The highest event seq ever sent, per journal_id, outside the journal (it survives a lost WAL tail).
+EVENT_MARK_FILE = "event-mark.json"
+# What the session remembers of refused or ignored specs, spec requests and cancels: bounded, so a
+# gateway that sends them by the hundred thousand does not grow the node (counters count the rest).
+RECENT = 16
+MAX_CANCELS_SEEN = 10_000
+# A repeated refusal is logged at most once per this many seconds (with the count since).
+REPEAT_LOG_S = 60.0
 
 Send = Callable[[wire.NodeMessage], None]
 
 
 class ProtocolViolation(Exception):
     """The gateway broke the session's order (e.g. no Welcome first): the connection ends."""
+
+
+class EventsRestarted(ProtocolViolation):
+    """The gateway acked event seqs this journal never issued (its tail was lost): the journal now has
+    a new journal_id, and the connection is replaced so the next Hello carries it."""
 
 
 class DispatcherLike:  # the subset of dispatch.Dispatcher the session calls (documentation only)
@@ -90,11 +107,35 @@ class SessionState:
     connections: int = 0
     welcomes: int = 0
     last_refusal: str = ""
-    cancels_seen: set[str] = field(factory=set)
-    spec_requests: list[tuple[int, str]] = field(factory=list)  # (have_generation, reason) sent, all time
-    ignored_specs: list[str] = field(factory=list)
-    refused_specs: list[str] = field(factory=list)
+    cancels_seen: set[str] = field(factory=set)  # this session's, at most MAX_CANCELS_SEEN
+    # The last RECENT of each (bounded); the counters count them all.
+    spec_requests: deque[tuple[int, str]] = field(factory=lambda: deque(maxlen=RECENT))
+    ignored_specs: deque[str] = field(factory=lambda: deque(maxlen=RECENT))
+    refused_specs: deque[str] = field(factory=lambda: deque(maxlen=RECENT))
+    ignored_count: int = 0
+    refused_count: int = 0
     hello_sent_monotonic: float | None = None
+    journal_restarts: int = 0
+
+
+class _RepeatLog:
+    """Logs a repeated message once, then at most once per REPEAT_LOG_S with how many were not logged."""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+        self._last = -float("inf")
+        self._skipped = 0
+
+    def log(self, now: float, fmt: str, *args: object) -> None:
+        if now - self._last < REPEAT_LOG_S:
+            self._skipped += 1
+            return
+        if self._skipped:
+            log.log(self.level, fmt + " (%d more like it since the last)", *args, self._skipped)
+        else:
+            log.log(self.level, fmt, *args)
+        self._last = now
+        self._skipped = 0
 
 
 class SessionCore:
@@ -119,6 +160,8 @@ class SessionCore:
         resend_interval_s: float = RESEND_INTERVAL_S,
         persist_identity: bool = True,
         secrets: SecretRequests | None = None,
+        conditions: NodeConditions | None = None,
+        event_mark: bool = True,
     ) -> None:
         self.journal = journal
         self.dispatcher = dispatcher
@@ -147,6 +190,19 @@ class SessionCore:
         self._sent_status_version = 0
         self._pending_min_generation: int | None = None
         self._mirrored_mark_ms = identity.server_time_mark_ms
+        self._room: Callable[[], int] | None = None
+        self.events_throttled = False  # events wait for room in the outbox
+        self.conditions = conditions if conditions is not None else NodeConditions()
+        self._sent_conditions_version = 0
+        self._event_mark = event_mark
+        self._mark_seq = 0
+        self._spec_retry = False
+        self._refused_log = _RepeatLog(logging.ERROR)
+        self._ignored_log = _RepeatLog(logging.DEBUG)
+        journal.on_space_change = self._space_changed
+        if not journal.space_ok:
+            self._space_changed(False, "")
+        self._check_event_mark()
         bundle = identity.verified_bundle()
         if bundle is not None:
             self._trust_store = self._trust_store.accept(bundle)
@@ -184,9 +240,12 @@ class SessionCore:
 
     # --- connection -------------------------------------------------------------------------------
 
-    def attach(self, send: Send) -> wire.NodeMessage:
-        """A new connection: reset the per-session state and return the Hello to send first."""
+    def attach(self, send: Send, room: Callable[[], int] | None = None) -> wire.NodeMessage:
+        """A new connection: reset the per-session state and return the Hello to send first. `room` is
+        the outbox's free bytes: events are read from the journal only while it is above the reserve."""
         self._send = send
+        self._room = room
+        self.events_throttled = False
         st = self.state
         st.connected = True
         st.welcomed = False
@@ -194,6 +253,7 @@ class SessionCore:
         st.connections += 1
         self._sent_event_seq = self.journal.acked_event_seq
         self._sent_status_version = 0
+        self._sent_conditions_version = -1
         self._last_resend = self.monotonic()
         stored = self.journal.load_spec()
         hello = wire.Hello(
@@ -216,6 +276,7 @@ class SessionCore:
 
     def detach(self) -> None:
         self._send = None
+        self._room = None
         self.secrets.detached()
         self.state.connected = False
         self.state.welcomed = False
@@ -231,6 +292,16 @@ class SessionCore:
         which, value = _which(message)
         if not self.state.welcomed and which != "welcome":
             raise ProtocolViolation(f"the gateway sent {which or 'an empty message'} before Welcome")
+        try:
+            self._handle(which, value)
+        except DataDirFull:
+            # Nothing was written; the journal logged the state change once and the condition is up.
+            # Whatever this message asked is asked again (acks and heartbeats recur, commands were
+            # answered BUSY by the dispatcher, a spec is requested again when space returns).
+            if which == "desired_state":
+                self._spec_retry = True
+
+    def _handle(self, which: str, value: object) -> None:
         if which == "welcome":
             assert isinstance(value, wire.Welcome)
             self._welcome(value)
@@ -266,10 +337,13 @@ class SessionCore:
         except WelcomeRefused as exc:
             self.state.last_refusal = str(exc)
             raise
+        except DataDirFull:
+            pass  # the Welcome passed the check; only moving the mark forward failed
         self.clock.set_offset(welcome.server_time / 1000 - self.clock.host_time())
         self._mirror_mark(force=True)
         if welcome.session_epoch != self.journal.last_epoch:
-            self.journal.set_last_epoch(welcome.session_epoch)
+            with contextlib.suppress(DataDirFull):  # informational; written again at the next Welcome
+                self.journal.set_last_epoch(welcome.session_epoch)
         if welcome.trust_bundle is not None:
             self._trust_bundle(welcome.trust_bundle)
         self.dispatcher.set_upgrade_only(welcome.upgrade_only)  # type: ignore[attr-defined]
@@ -300,7 +374,10 @@ class SessionCore:
     def _save_identity(self, identity: ident.Identity) -> None:
         self.identity = identity
         if self.persist_identity:
-            ident.save(self.data_dir, identity)
+            try:
+                ident.save(self.data_dir, identity)
+            except OSError as exc:  # ENOSPC: kept in memory, written at the next change
+                log.warning("session: identity.json not written: %s", exc)
 
     def _trust_bundle(self, signed: wire.SignedTrustBundle) -> None:
         try:
@@ -331,11 +408,13 @@ class SessionCore:
             cache=self._chain_cache,
         )
         if isinstance(verdict, specmod.Ignored):
-            log.debug("session: spec ignored: %s", verdict.reason)
+            self._ignored_log.log(self.monotonic(), "session: spec ignored: %s", verdict.reason)
             self.state.ignored_specs.append(verdict.reason)
+            self.state.ignored_count += 1
         elif isinstance(verdict, specmod.Refused):
-            log.error("session: spec refused, not applied: %s", verdict.reason)
+            self._refused_log.log(self.monotonic(), "session: spec refused, not applied: %s", verdict.reason)
             self.state.refused_specs.append(verdict.reason)
+            self.state.refused_count += 1
         elif isinstance(verdict, specmod.BaseMismatch):
             log.info(
                 "session: patch base %d is not the applied generation %d: asking for the full spec",
@@ -394,17 +473,94 @@ class SessionCore:
         self.send_update(update_from_entry(entry, self.signer, f"{exc.field}: {exc.rule}"))
 
     def _cancel(self, cancel: wire.Cancel) -> None:
-        if cancel.command_id in self.state.cancels_seen:
+        seen = self.state.cancels_seen
+        if cancel.command_id in seen:
             return  # once per session (DLV-CAN-02)
-        self.state.cancels_seen.add(cancel.command_id)
+        if len(seen) >= MAX_CANCELS_SEEN:
+            seen.clear()  # bounded: a repeat after this is handled again, which is harmless
+        seen.add(cancel.command_id)
         self.dispatcher.cancel(cancel.command_id, cancel.reason)  # type: ignore[attr-defined]
 
     def _ack(self, ack: wire.Ack) -> None:
         if ack.command_ids:
             self.journal.ack_results(ack.command_ids)
         if ack.journal_id:
+            issued = self.journal.next_event_seq - 1
+            if ack.journal_id == self.journal.journal_id and ack.event_seq > issued:
+                self._restart_events(
+                    f"the gateway acked event seq {ack.event_seq} of journal {ack.journal_id}, above the"
+                    f" highest this journal holds ({issued}): the journal lost its tail"
+                )
+                raise EventsRestarted(
+                    f"journal {ack.journal_id} lost events the gateway holds; events restarted under"
+                    f" journal {self.journal.journal_id}"
+                )
             self.journal.ack_events(ack.journal_id, ack.event_seq)
             self._sent_event_seq = max(self._sent_event_seq, self.journal.acked_event_seq)
+
+    # --- a lost journal tail (seeds: "Events"; issue 16) --------------------------------------------
+
+    def _mark_path(self) -> Path:
+        return self.data_dir / EVENT_MARK_FILE
+
+    def _check_event_mark(self) -> None:
+        """At start: the event mark says this journal_id sent seqs the journal no longer holds."""
+        if not self._event_mark:
+            return
+        try:
+            doc = json.loads(self._mark_path().read_text())
+            mark_id, mark_seq = str(doc["journal_id"]), int(doc["sent_seq"])
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            log.warning("session: %s unreadable, ignored: %s", EVENT_MARK_FILE, exc)
+            return
+        if mark_id != self.journal.journal_id:
+            return
+        self._mark_seq = mark_seq
+        if mark_seq >= self.journal.next_event_seq:
+            self._restart_events(
+                f"event seq {mark_seq} of journal {mark_id} was sent to the gateway, but the journal's next"
+                f" seq is {self.journal.next_event_seq}: the journal lost its tail"
+            )
+
+    def _restart_events(self, why: str) -> None:
+        """Never reuse a seq the gateway may hold: a new journal_id, the `JournalTailLost` condition."""
+        old = self.journal.journal_id
+        new = self.journal.restart_events()
+        self.state.journal_restarts += 1
+        self._sent_event_seq = 0
+        self._mark_seq = 0
+        log.error("session: %s; events continue under the new journal_id %s (was %s)", why, new, old)
+        self.conditions.raise_(JOURNAL_TAIL_LOST, "EventSeqAhead", why, self.monotonic())
+
+    def _note_sent(self, top_seq: int) -> bool:
+        """Durable before sent: the mark covers every seq about to go out (one small fsynced file per
+        batch that passes it). False when it could not be written (the batch waits)."""
+        if not self._event_mark or top_seq <= self._mark_seq:
+            return True
+        doc = {"journal_id": self.journal.journal_id, "sent_seq": top_seq}
+        try:
+            atomic_write(self._mark_path(), json.dumps(doc).encode(), mode=0o600)
+        except OSError as exc:
+            log.warning("session: %s not written, events wait: %s", EVENT_MARK_FILE, exc)
+            return False
+        self._mark_seq = top_seq
+        return True
+
+    # --- a full data_dir ------------------------------------------------------------------------
+
+    def _space_changed(self, ok: bool, message: str) -> None:
+        if ok:
+            self.conditions.clear(DATA_DIR_FULL)
+            if self._spec_retry and self.state.welcomed:
+                self._spec_retry = False
+                reason = wire.SpecRequestReason.NO_SPEC if self.journal.needs_spec else None
+                self._spec_request(reason or wire.SpecRequestReason.MIN_GENERATION)
+        else:
+            self.conditions.raise_(
+                DATA_DIR_FULL, "NoSpace", f"{message}; new commands are answered BUSY", self.monotonic()
+            )
 
     # --- outbound ---------------------------------------------------------------------------------
 
@@ -437,16 +593,33 @@ class SessionCore:
         if not self.state.welcomed:
             return 0
         sent = 0
+        self.events_throttled = False
         while True:
-            events = self.journal.unacked_events(after_seq=self._sent_event_seq, limit=EVENT_BATCH)
+            budget = self._event_budget()
+            if budget <= 0:
+                self.events_throttled = True
+                return sent
+            events = self.journal.unacked_events(
+                after_seq=self._sent_event_seq, limit=EVENT_BATCH, max_bytes=budget
+            )
             if not events:
                 return sent
             batch = wire.EventBatch(
                 journal_id=self.journal.journal_id, events=[wire_event(e) for e in events]
             )
+            if not self._note_sent(events[-1].seq):
+                return sent
             self._out(wire.NodeMessage(event_batch=batch))
             self._sent_event_seq = events[-1].seq
             sent += len(events)
+
+    def _event_budget(self) -> int:
+        """Bytes of events the outbox admits now (flow control: read only what can be sent)."""
+        from bcd_agent.session.outbox import EVENT_RESERVE_BYTES
+
+        if self._room is None:
+            return EVENT_BATCH * 1024 * 1024
+        return self._room() - EVENT_RESERVE_BYTES
 
     def resend_due(self) -> bool:
         """Replay every unacked terminal result and event when `resend_interval_s` passed (DLV-RES-08)."""
@@ -456,7 +629,11 @@ class SessionCore:
         if now - self._last_resend < self.resend_interval_s:
             return False
         self._last_resend = now
+        from bcd_agent.session.outbox import EVENT_RESERVE_BYTES
+
         for entry in self.journal.unacked_results():
+            if self._room is not None and self._room() < EVENT_RESERVE_BYTES:
+                break  # the rest at the next interval; the gateway is slow to read
             self._out(wire.NodeMessage(command_update=self._result_update(entry)))
         self._sent_event_seq = self.journal.acked_event_seq
         self.pump_events()
@@ -473,10 +650,22 @@ class SessionCore:
 
     def status_message(self, status: NodeStatus) -> wire.NodeMessage | None:
         """The StatusReport of `status` unless it was already sent on this session (coalesced)."""
-        if status.version <= self._sent_status_version:
+        if (
+            status.version <= self._sent_status_version
+            and self.conditions.version == self._sent_conditions_version
+        ):
             return None
         self._sent_status_version = status.version
+        self._sent_conditions_version = self.conditions.version
+        extra = self.conditions.active()
+        if extra:
+            status = attrs.evolve(status, conditions=(*status.conditions, *extra))
         return wire.NodeMessage(status=status_report(status, self.monotonic()))
+
+    @property
+    def conditions_changed(self) -> bool:
+        """A node condition changed since the last StatusReport (send one at once)."""
+        return self.conditions.version != self._sent_conditions_version
 
 
 def _which(message: wire.GatewayMessage) -> tuple[str, object]:

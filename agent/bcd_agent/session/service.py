@@ -2,12 +2,19 @@
 
 Each connection: open the stream, send Hello, then run together until one of them ends:
 - the receiver: each GatewayMessage into `SessionCore.handle` (a WelcomeRefused or ProtocolViolation
-  ends the connection);
-- the sender: the outbox (a memory channel the core's `send` feeds) onto the stream, in order;
+  ends the connection); the transport refuses a message over the size cap before reading its body and
+  one whose body stops arriving (transport.FrameRefused: a protocol error);
+- the sender: the outbox (session.outbox: serialized messages, bytes counted, a ceiling) onto the
+  stream, in order. A message the gateway has not taken within `stall_timeout_s` means the peer stopped
+  reading: the connection is dropped and a new one made (OutboxFull, the queue at its ceiling, too);
 - the ticker: heartbeats every `heartbeat_s` (and soon after `heartbeat_soon`: the inventory hash
   changed), the status report when the runner published a newer one (coalesced latest-wins, at most one
-  per `status_interval_s`, but at once when it moves the applied or observed generation), new events,
-  and the replay of unacked results and events (`SessionCore.resend_due`).
+  per `status_interval_s`, but at once when it moves the applied or observed generation), new events
+  (read from the journal only while the outbox has room), and the replay of unacked results and events
+  (`SessionCore.resend_due`).
+
+Every connection that ends is logged in one line that says why (`describe_failure`): the refused Welcome
+with both times, the TLS or certificate error, the protocol error, the gateway closing the stream.
 
 Between connections: capped exponential backoff with jitter (`Backoff`), reset once a Welcome arrived.
 The runner and the dispatcher keep running while offline, so the last spec stays enforced (DLV-RCV-20).
@@ -18,22 +25,69 @@ from __future__ import annotations
 import logging
 import math
 import random
+import ssl
 import time
 from collections.abc import Callable
 
 import trio
-from bcd_shared import wire
 
+from bcd_agent.journal import JournalIOError
 from bcd_agent.journal import WelcomeRefused as WelcomeRefusedError
 from bcd_agent.session.backoff import Backoff
 from bcd_agent.session.core import ProtocolViolation, SessionCore
-from bcd_agent.session.transport import Endpoint, open_loop, open_stream
+from bcd_agent.session.outbox import EVENT_RESERVE_BYTES, MAX_OUTBOX_BYTES, Outbox, OutboxFull
+from bcd_agent.session.transport import Endpoint, FrameRefused, StreamLimits, open_loop, open_stream
 
 log = logging.getLogger("bcd.session")
 
 HEARTBEAT_S = 30.0
 STATUS_INTERVAL_S = 1.0
 TICK_S = 0.25
+# A message the gateway has not taken within this long: the peer is not reading; reconnect.
+STALL_TIMEOUT_S = 60.0
+
+
+class PeerStalled(Exception):
+    """The gateway stopped reading the stream."""
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for inner in exc.exceptions:
+            out.extend(_leaves(inner))
+        return out
+    return [exc]
+
+
+def describe_failure(exc: BaseException) -> str:
+    """One line naming why a connection ended (the cause inside any ExceptionGroup of the nurseries)."""
+    leaves = [e for e in _leaves(exc) if not isinstance(e, trio.Cancelled)] or [exc]
+    return "; ".join(_describe_one(e) for e in leaves)
+
+
+def _describe_one(exc: BaseException) -> str:
+    from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+
+    if isinstance(exc, WelcomeRefusedError):
+        return f"Welcome refused: {exc}"
+    if isinstance(exc, ProtocolViolation | FrameRefused):
+        return f"protocol error: {exc}"
+    if isinstance(exc, OutboxFull | PeerStalled):
+        return f"peer not reading: {exc}"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return f"TLS: the gateway's certificate was refused: {exc.verify_message} ({exc.reason})"
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS error: {exc.reason or exc}"
+    if isinstance(exc, GRPCError):
+        return f"the gateway closed the stream: {exc.status.name}: {exc.message or ''}".rstrip(": ")
+    if isinstance(exc, StreamTerminatedError):
+        return f"the gateway closed the stream: {exc}"
+    if isinstance(exc, ProtocolError):
+        return f"protocol error (HTTP/2): {exc}"
+    if isinstance(exc, ConnectionError | OSError):
+        return f"connection failed: {type(exc).__name__}: {exc}"
+    return f"{type(exc).__name__}: {exc}"
 
 
 class Session:
@@ -48,6 +102,9 @@ class Session:
         status_interval_s: float = STATUS_INTERVAL_S,
         wall: Callable[[], float] = time.time,
         on_link_change: Callable[[], None] | None = None,
+        limits: StreamLimits | None = None,
+        stall_timeout_s: float = STALL_TIMEOUT_S,
+        max_outbox_bytes: int = MAX_OUTBOX_BYTES,
     ) -> None:
         self.core = core
         self.endpoint = endpoint
@@ -71,6 +128,12 @@ class Session:
         self.retry_at: float | None = None  # wall time of the next attempt, while waiting for it
         self.last_heartbeat_at: float | None = None
         self.attempts = 0  # connection attempts that failed since the link was last up
+        self.limits = limits or StreamLimits()
+        self.stall_timeout_s = stall_timeout_s
+        self.max_outbox_bytes = max_outbox_bytes
+        self.outbox: Outbox | None = None  # the current connection's (tests, benches)
+        self.outbox_peak_bytes = 0  # the highest any connection's outbox reached
+        self.failures: list[str] = []  # the last few one-line causes (tests, `bcd status`)
 
     def _set_link(self, state: str) -> None:
         if state != self.link:
@@ -105,27 +168,27 @@ class Session:
                 self.retry_at = None
                 try:
                     await self._connect_once()
-                    log.info("session: the gateway ended the stream")
-                    self.link_error = "the gateway ended the stream"
-                except (WelcomeRefusedError, ProtocolViolation) as exc:
-                    log.error("session: %s", exc)
-                    self.link_error = str(exc)
+                    self._failed("the gateway ended the stream", logging.INFO)
                 except trio.Cancelled:
                     raise
+                except BaseExceptionGroup as group:
+                    # The nurseries' groups: log the cause inside; a group of Cancelled only is ours.
+                    leaves = _leaves(group)
+                    if not any(isinstance(e, Exception) for e in leaves) or any(
+                        isinstance(e, JournalIOError) for e in leaves
+                    ):
+                        raise
+                    self._failed(self._why(group), self._level(group))
+                except JournalIOError:
+                    raise  # the journal's storage failed: the node ends (bcd node prints one line)
                 except Exception as exc:
-                    log.warning(
-                        "session: connection to %s failed: %s: %s",
-                        self.endpoint.describe(),
-                        type(exc).__name__,
-                        exc,
-                    )
-                    leaf: BaseException = exc
-                    while isinstance(leaf, BaseExceptionGroup) and len(leaf.exceptions) == 1:
-                        leaf = leaf.exceptions[0]
-                    self.link_error = f"{type(leaf).__name__}: {leaf}"
+                    self._failed(self._why(exc), self._level(exc))
                 finally:
                     self.core.detach()
                     self._set_link("disconnected")
+                    if self.outbox is not None:
+                        self.outbox_peak_bytes = max(self.outbox_peak_bytes, self.outbox.peak_bytes)
+                    self.outbox = None
                 if self.core.state.welcomes > welcomed_before:
                     attempt = 0
                     self.attempts = 0
@@ -139,13 +202,37 @@ class Session:
                     self._on_link_change()  # the next attempt's time, for `bcd status`
                 await trio.sleep(delay)
 
+    def _why(self, exc: BaseException) -> str:
+        return f"connection to {self.endpoint.describe()} ended: {describe_failure(exc)}"
+
+    @staticmethod
+    def _level(exc: BaseException) -> int:
+        leaves = _leaves(exc)
+        if any(isinstance(e, WelcomeRefusedError | ProtocolViolation | FrameRefused) for e in leaves):
+            return logging.ERROR
+        return logging.WARNING
+
+    def _failed(self, why: str, level: int) -> None:
+        log.log(level, "session: %s", why)
+        self.failures = [*self.failures[-9:], why]
+        self.link_error = why  # `bcd status` shows the last one
+
     async def _connect_once(self) -> None:
-        send, receive = trio.open_memory_channel[wire.NodeMessage](math.inf)
-        async with open_stream(self.endpoint) as stream:
-            hello = self.core.attach(send.send_nowait)
-            await stream.send(hello)
+        outbox = Outbox(self.max_outbox_bytes)
+        self.outbox = outbox
+        async with open_stream(self.endpoint, self.limits) as stream:
+            hello = self.core.attach(outbox.put, room=outbox.room)
+            with trio.move_on_after(self.stall_timeout_s) as scope:
+                await stream.send(hello)
+            if scope.cancelled_caught:
+                raise PeerStalled(f"the Hello was not taken within {self.stall_timeout_s:g} s")
             self.hello_sent.set()
             async with trio.open_nursery() as nursery:
+
+                async def welcome_deadline() -> None:
+                    await trio.sleep(self.stall_timeout_s)
+                    if not self.core.state.welcomed:
+                        raise PeerStalled(f"no Welcome within {self.stall_timeout_s:g} s of the Hello")
 
                 async def receiver() -> None:
                     while True:
@@ -157,11 +244,22 @@ class Session:
                     nursery.cancel_scope.cancel()
 
                 async def sender() -> None:
-                    async for message in receive:
-                        await stream.send(message)
+                    while True:
+                        data = await outbox.next()
+                        with trio.move_on_after(self.stall_timeout_s) as scope:
+                            await stream.send(data)
+                        if scope.cancelled_caught:
+                            raise PeerStalled(
+                                f"a {len(data)}-byte message not taken within {self.stall_timeout_s:g} s"
+                                f" ({outbox.bytes} bytes, {len(outbox)} messages queued)"
+                            )
+                        outbox.sent()
+                        if self.core.events_throttled and outbox.room() > EVENT_RESERVE_BYTES:
+                            self._wake.set()  # room again: the ticker reads more events
 
                 nursery.start_soon(receiver)
                 nursery.start_soon(sender)
+                nursery.start_soon(welcome_deadline)
                 nursery.start_soon(self._ticker)
 
     async def _ticker(self) -> None:
@@ -187,6 +285,7 @@ class Session:
                 if status is not None and (
                     now - last_status >= self.status_interval_s
                     or (status.applied_generation, status.observed_generation) != sent_generations
+                    or core.conditions_changed
                 ):
                     message = core.status_message(status)
                     if message is not None:

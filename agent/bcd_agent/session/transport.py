@@ -7,15 +7,21 @@
   `[control_plane] ca_file` or identity.json).
 - `open_loop()`: enters a trio-asyncio loop unless the calling task already runs inside one (so `bcd sim`
   can host the node and the development control plane under one loop).
-- `open_stream(endpoint)`: an async context manager yielding a `StreamHandle` with trio-callable `send`,
-  `recv` (None at the end of the stream) and `close`.
+- `open_stream(endpoint, limits)`: an async context manager yielding a `StreamHandle` with trio-callable
+  `send` and `recv` (None at the end of the stream). `recv` reads the 5-byte gRPC message prefix itself
+  and refuses a message longer than `limits.max_message_bytes` (gRPC's usual 4 MiB) before reading any
+  of its body, so HTTP/2 flow control holds the rest back at the peer; a body that stops arriving for
+  `limits.frame_deadline_s` is refused too. Both raise `FrameRefused` (a protocol error: the session is
+  replaced).
 - `join_call(endpoint, request)`: the unary Join RPC.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ssl
+import struct
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -31,11 +37,30 @@ from grpclib.encoding.base import CodecBase
 
 from bcd_agent.wire import JOIN_PATH, SESSION_STREAM_PATH
 
+# gRPC's usual cap on a received message; `[control_plane] max_message_bytes` may set another.
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# How long the rest of a message may take once its length prefix arrived.
+FRAME_DEADLINE_S = 10.0
+# How long closing a stream may take (the channel's connection is closed after it either way).
+CLOSE_S = 2.0
+
+
+class FrameRefused(Exception):
+    """The gateway sent a message over the size cap, or one that stopped arriving: a protocol error."""
+
+
+@frozen
+class StreamLimits:
+    max_message_bytes: int = MAX_MESSAGE_BYTES
+    frame_deadline_s: float = FRAME_DEADLINE_S
+
 
 class StrictCodec(CodecBase):
     __content_subtype__ = "proto"
 
     def encode(self, message: Any, message_type: Any) -> bytes:
+        if isinstance(message, bytes):
+            return message  # serialized once by the session's outbox (session.outbox)
         if not isinstance(message, message_type):
             raise TypeError(f"{type(message).__name__} is not {message_type.__name__}")
         return bytes(message)
@@ -104,20 +129,92 @@ def _channel(endpoint: Endpoint, codec: CodecBase | None = None) -> Channel:
 
 
 class StreamHandle:
-    def __init__(self, stream: Any) -> None:
+    def __init__(self, stream: Any, limits: StreamLimits | None = None) -> None:
         self._stream = stream
+        self._limits = limits or StreamLimits()
 
-    async def send(self, message: wire.NodeMessage) -> None:
-        await trio_asyncio.aio_as_trio(self._stream.send_message)(message)
+    async def send(self, message: wire.NodeMessage | bytes) -> None:
+        """One message, or one already serialized (the outbox's bytes)."""
+        await trio_asyncio.aio_as_trio(self._send)(message)
+
+    async def _send(self, message: wire.NodeMessage | bytes) -> None:
+        from grpclib.exceptions import StreamTerminatedError
+
+        try:
+            await self._stream.send_message(message)
+        except StreamTerminatedError as exc:
+            raise self._status_error() or exc from None
+
+    def _status_error(self) -> Exception | None:
+        """The gateway's status (GRPCError) when its trailers arrived with one other than OK: grpclib
+        reports the stream reset that follows them instead, which does not say why."""
+        from grpclib.const import Status
+        from grpclib.exceptions import GRPCError
+
+        trailers = getattr(self._stream._stream, "trailers", None)
+        if trailers is None:
+            return None
+        try:
+            status, message, details = self._stream._process_grpc_status(dict(trailers))
+        except Exception:
+            return None
+        return GRPCError(status, message, details) if status is not Status.OK else None
 
     async def recv(self) -> wire.GatewayMessage | None:
-        message = await trio_asyncio.aio_as_trio(self._stream.recv_message)()
+        message = await trio_asyncio.aio_as_trio(self._recv)()
         assert message is None or isinstance(message, wire.GatewayMessage)
         return message
 
+    async def _recv(self) -> wire.GatewayMessage | None:
+        from grpclib.exceptions import StreamTerminatedError
+
+        try:
+            return await self._recv_message()
+        except StreamTerminatedError as exc:
+            raise self._status_error() or exc from None
+
+    async def _recv_message(self) -> wire.GatewayMessage | None:
+        """grpclib's `recv_message`, with the size cap checked on the prefix and a deadline on the body.
+
+        grpclib's own reader acknowledges (re-opens the HTTP/2 window for) every byte it moves into its
+        buffer while it waits for a whole message, so a 100 MB message would be buffered whole; here
+        nothing of a body is read before its length passed the cap."""
+        stream = self._stream
+        if not stream._recv_initial_metadata_done:
+            await stream.recv_initial_metadata()
+        with stream._wrapper:
+            h2 = stream._stream
+            prefix = await h2.recv_data(5)
+            if not prefix:
+                error = self._status_error()  # the end of the stream: a status other than OK says why
+                if error is not None:
+                    raise error
+                return None
+            if len(prefix) != 5:
+                raise FrameRefused(f"a message prefix of {len(prefix)} bytes, expected 5")
+            compressed, length = struct.unpack(">?I", prefix)
+            if compressed:
+                raise FrameRefused("a compressed message (bcd negotiates no compression)")
+            cap = self._limits.max_message_bytes
+            if length > cap:
+                raise FrameRefused(
+                    f"a message of {length} bytes exceeds the {cap}-byte cap"
+                    " ([control_plane] max_message_bytes)"
+                )
+            try:
+                body = await asyncio.wait_for(h2.recv_data(length), self._limits.frame_deadline_s)
+            except TimeoutError:
+                raise FrameRefused(
+                    f"a {length}-byte message stopped arriving: not complete after"
+                    f" {self._limits.frame_deadline_s:g} s"
+                ) from None
+            message = stream._codec.decode(body, stream._recv_type)
+            stream._messages_received += 1
+            return message  # type: ignore[no-any-return]
+
 
 @contextlib.asynccontextmanager
-async def open_stream(endpoint: Endpoint) -> AsyncIterator[StreamHandle]:
+async def open_stream(endpoint: Endpoint, limits: StreamLimits | None = None) -> AsyncIterator[StreamHandle]:
     """The session stream; must run inside `open_loop()`."""
 
     async def make() -> Channel:
@@ -131,11 +228,12 @@ async def open_stream(endpoint: Endpoint) -> AsyncIterator[StreamHandle]:
         await trio_asyncio.aio_as_trio(stream.__aenter__)()
         try:
             await trio_asyncio.aio_as_trio(stream.send_request)()
-            yield StreamHandle(stream)
+            yield StreamHandle(stream, limits)
         finally:
-            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+            # Bounded: towards a peer that stopped reading, the RST_STREAM itself cannot be written.
+            with trio.move_on_after(CLOSE_S, shield=True), contextlib.suppress(Exception):
                 await trio_asyncio.aio_as_trio(stream.cancel)()
-            with trio.CancelScope(shield=True), contextlib.suppress(Exception):
+            with trio.move_on_after(CLOSE_S, shield=True), contextlib.suppress(Exception):
                 await trio_asyncio.aio_as_trio(stream.__aexit__)(None, None, None)
     finally:
         channel.close()
