@@ -37,6 +37,7 @@ OP_TIMEOUT_S: Mapping[str, float] = {
     "host.unit": 30 * 60,
     "gpu.reset": 10 * 60,
     "node.reboot": 120,
+    "access.apply": 120,
     "daemon.swap": 10 * 60,
     "daemon.confirm": 120,
 }
@@ -121,10 +122,7 @@ class HelperClient:
 
     def file_write(self, kind: str, ident: str, content: bytes | str) -> dict[str, Any]:
         if isinstance(content, bytes):
-            if kind == "sshd-krl":
-                text, encoding = base64.b64encode(content).decode(), "base64"
-            else:
-                text, encoding = content.decode("utf-8"), "utf-8"
+            text, encoding = content.decode("utf-8"), "utf-8"
         else:
             text, encoding = content, "utf-8"
         return self.call("file.write", {"kind": kind, "id": ident, "content": text, "encoding": encoding})

@@ -12,12 +12,10 @@ the root-only rule (HST-ROOT-08) and are atomic and durable.
   as root, so a hook there would be root's code execution;
 - allocation-env: /run/bcd/allocations/<id>.env 0644; KEY=VALUE lines, the first
   BCD_ALLOCATION_ID=<id>, no key twice;
-- k8s-token: /var/lib/bcd-hostconfig/k8s/bootstrap-token 0600, id ""; one kubeadm bootstrap token;
-- sshd-config: /etc/ssh/sshd_config.d/90-bcd.conf 0644, id ""; only bcd's three directives,
-  each pointing at bcd's own files;
-- sshd-ca: /etc/ssh/bcd/user_ca.pub 0644, id ""; OpenSSH public keys, one per line;
-- sshd-principals: /etc/ssh/bcd/principals/<id> 0644, id an account name; one principal a line;
-- sshd-krl: /etc/ssh/bcd/revoked.krl 0644, id ""; an OpenSSH KRL (binary, sent base64).
+- k8s-token: /var/lib/bcd-hostconfig/k8s/bootstrap-token 0600, id ""; one kubeadm bootstrap token.
+
+There are no sshd kinds: the node never sends sshd text. Root renders the access section's files itself
+from the signed spec (access.apply, bcd_helper.ops.access; issue 9 item 1).
 """
 
 from __future__ import annotations
@@ -26,7 +24,6 @@ import base64
 import binascii
 import json
 import re
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -39,32 +36,8 @@ from bcd_helper.protocol import strict_loads
 
 MAX_CONTENT = 1024 * 1024
 ALLOCATION_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,80}$")
-ACCOUNT_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _EMPTY_RE = re.compile(r"^$")
 _TOKEN_RE = re.compile(r"^[a-z0-9]{6}\.[a-z0-9]{16}\n?$")
-_KEY_TYPES = frozenset(
-    {
-        "ssh-ed25519",
-        "ssh-rsa",
-        "ecdsa-sha2-nistp256",
-        "ecdsa-sha2-nistp384",
-        "ecdsa-sha2-nistp521",
-        "sk-ssh-ed25519@openssh.com",
-        "sk-ecdsa-sha2-nistp256@openssh.com",
-    }
-)
-SSHD_DIR = "/etc/ssh/bcd"
-SSHD_CA = f"{SSHD_DIR}/user_ca.pub"
-SSHD_PRINCIPALS = f"{SSHD_DIR}/principals"
-SSHD_KRL = f"{SSHD_DIR}/revoked.krl"
-SSHD_DROPIN = "/etc/ssh/sshd_config.d/90-bcd.conf"
-SSHD_DIRECTIVES = {
-    "TrustedUserCAKeys": SSHD_CA,
-    "AuthorizedPrincipalsFile": f"{SSHD_PRINCIPALS}/%u",
-    "RevokedKeys": SSHD_KRL,
-}
-_DIRECTIVES_TEXT = ", ".join(f"{k} {v}" for k, v in SSHD_DIRECTIVES.items())
-KRL_MAGIC = b"SSHKRL\n\x00"
 
 
 @frozen
@@ -197,57 +170,6 @@ def _check_token(_ident: str, data: bytes) -> None:
         raise Refused("bad-content", "k8s-token: not a kubeadm bootstrap token ([a-z0-9]{6}.[a-z0-9]{16})")
 
 
-def _check_sshd_config(_ident: str, data: bytes) -> None:
-    seen: set[str] = set()
-    for n, line in enumerate(_text(data, "sshd-config").splitlines(), start=1):
-        if not line.strip() or line.startswith("#"):
-            continue
-        parts = line.split()
-        if len(parts) != 2 or SSHD_DIRECTIVES.get(parts[0]) != parts[1] or parts[0] in seen:
-            raise Refused(
-                "bad-content",
-                f"sshd-config line {n}: only {_DIRECTIVES_TEXT}, once each",
-            )
-        seen.add(parts[0])
-
-
-def _check_public_key(line: str, n: int) -> None:
-    parts = line.split(" ", 2)
-    if len(parts) < 2 or parts[0] not in _KEY_TYPES:
-        raise Refused("bad-content", f"sshd-ca line {n}: not one OpenSSH public key")
-    try:
-        blob = base64.b64decode(parts[1], validate=True)
-        (length,) = struct.unpack(">I", blob[:4])
-        inner = blob[4 : 4 + length].decode("ascii")
-    except (binascii.Error, struct.error, UnicodeDecodeError):
-        raise Refused("bad-content", f"sshd-ca line {n}: the key is not valid base64 key data") from None
-    if inner != parts[0]:
-        raise Refused("bad-content", f"sshd-ca line {n}: the key data is a {inner!r} key, not {parts[0]!r}")
-
-
-def _check_sshd_ca(_ident: str, data: bytes) -> None:
-    lines = [line for line in _text(data, "sshd-ca").splitlines()]
-    for n, line in enumerate(lines, start=1):
-        if line.strip() and not line.startswith("#"):
-            _check_public_key(line, n)
-
-
-def _check_principals(_ident: str, data: bytes) -> None:
-    lines = _text(data, "sshd-principals").splitlines()
-    if len(lines) > 1024:
-        raise Refused("bad-content", "sshd-principals: at most 1024 principals")
-    for n, line in enumerate(lines, start=1):
-        if not line or any(c.isspace() for c in line) or len(line) > 256:
-            raise Refused(
-                "bad-content", f"sshd-principals line {n}: one principal without whitespace, 1-256 chars"
-            )
-
-
-def _check_krl(_ident: str, data: bytes) -> None:
-    if not data.startswith(KRL_MAGIC):
-        raise Refused("bad-content", "sshd-krl: not an OpenSSH KRL (magic SSHKRL)")
-
-
 @frozen
 class FileKind:
     path: Callable[[str], str]
@@ -279,12 +201,6 @@ FILE_KINDS: dict[str, FileKind] = {
     "k8s-token": FileKind(
         lambda _i: "/var/lib/bcd-hostconfig/k8s/bootstrap-token", _EMPTY_RE, "empty", 0o600, _check_token
     ),
-    "sshd-config": FileKind(lambda _i: SSHD_DROPIN, _EMPTY_RE, "empty", 0o644, _check_sshd_config),
-    "sshd-ca": FileKind(lambda _i: SSHD_CA, _EMPTY_RE, "empty", 0o644, _check_sshd_ca),
-    "sshd-principals": FileKind(
-        lambda i: f"{SSHD_PRINCIPALS}/{i}", ACCOUNT_RE, "an account name", 0o644, _check_principals
-    ),
-    "sshd-krl": FileKind(lambda _i: SSHD_KRL, _EMPTY_RE, "empty", 0o644, _check_krl, encoding="base64"),
 }
 
 
