@@ -174,12 +174,22 @@ class HelperClient:
             args["intent"] = dict(intent)
         return self.call("host.unit", args)
 
-    def gpu_reset(self, gpu_uuids: Sequence[str]) -> list[dict[str, Any]]:
-        gpus = self.call("gpu.reset", {"gpu_uuids": list(gpu_uuids)}).get("gpus", [])
+    def gpu_reset(
+        self, gpu_uuids: Sequence[str], command: Mapping[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """`command`: the signed Command the node received (command_arg), which root re-validates."""
+        args: dict[str, Any] = {"gpu_uuids": list(gpu_uuids)}
+        if command is not None:
+            args["command"] = dict(command)
+        gpus = self.call("gpu.reset", args).get("gpus", [])
         return list(gpus) if isinstance(gpus, list) else []
 
-    def node_reboot(self) -> dict[str, Any]:
-        return self.call("node.reboot")
+    def node_reboot(self, command: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return self.call("node.reboot", {} if command is None else {"command": dict(command)})
+
+    def access_apply(self, intent: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Root renders the access section's sshd files from the signed spec (`intent`, as for host.unit)."""
+        return self.call("access.apply", {} if intent is None else {"intent": dict(intent)})
 
     def daemon_swap(
         self,

@@ -260,10 +260,12 @@ class Node:
             handlers[nk.DIAG_NVML] = nk.DiagNvmlHandler(system)
             if self._acts_on_host():
                 helper = self._helper_client() if self._helper_socket() is not None else None
-                handlers[nk.GPU_RESET] = nk.GpuResetHandler(system, self.config.data_dir, helper)
+                handlers[nk.GPU_RESET] = nk.GpuResetHandler(
+                    system, self.config.data_dir, helper, trust_bundle=self._signed_bundle
+                )
                 reboot_helper = self._helper_client() if helper is not None else None
                 handlers[nk.NODE_REBOOT] = nk.NodeRebootHandler(
-                    system, reboot_helper, wait_s=self.options.reboot_wait_s
+                    system, reboot_helper, wait_s=self.options.reboot_wait_s, trust_bundle=self._signed_bundle
                 )
         if self.options.test_kinds:
             from bcd_agent.kinds.testing import EffectHandler, effect_handlers

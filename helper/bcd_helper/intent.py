@@ -484,6 +484,63 @@ class IntentVerifier:
             )
         return checked.next_state
 
+    # --- a signed command (gpu.reset, node.reboot) ---------------------------------------------------
+
+    def check_command(self, op: str, command: Any | None, now: dt.datetime | None = None) -> Any | None:
+        """With command-signing roots, the signed Command the node forwards: a `command` signature of a
+        worker chained to the roots (DLV-SIG-01), kind `op`, for the node root is bound to (the record's,
+        or the first signed spec's), `not_after` still ahead. Returns the decoded CommandBody (None where
+        nothing names roots: nothing is checked, HST-SIGN-33); raises Refused. Nothing is written."""
+        from bcd_shared.pki import verify_command
+        from bcd_shared.wire import CommandBody
+        from bcd_shared.wire.strict import decode as strict_decode
+
+        now = now or _now()
+        presented = None
+        chain: tuple[bytes, ...] = ()
+        if command is not None:
+            if command.trust_bundle is not None:
+                presented = _b64(command.trust_bundle, "command.trust_bundle", op)
+            chain = tuple(_b64(c, f"command.chain[{i}]", op) for i, c in enumerate(command.chain))
+        view = self.trust(op, presented, chain)
+        if view.roots is None:
+            return None
+        if command is None:
+            raise Refused(
+                "command-required",
+                f"{op}: the signed command is required (command-signing roots from {view.source})",
+            )
+        body = _b64(command.body, "command.body", op)
+        signature = _b64(command.signature, "command.signature", op)
+        try:
+            verify_command(body, signature, chain, view.roots, now, self.chains)
+        except PkiError as exc:
+            raise Refused("bad-command", f"{op}: the signed command is refused: {exc}") from None
+        try:
+            decoded = strict_decode(CommandBody, body)
+        except WireError as exc:
+            raise Refused("bad-command", f"{op}: the signed command does not decode: {exc}") from None
+        if decoded.kind != op:
+            raise Refused("command-mismatch", f"{op}: the signed command is a {decoded.kind!r}, not {op!r}")
+        node = view.state.node_id
+        if not node:
+            raise Refused(
+                "intent-unverifiable",
+                f"{op}: this helper is bound to no node yet (no join record, no signed spec accepted)",
+            )
+        if decoded.node_id != node or decoded.target_node_id not in ("", node):
+            raise Refused(
+                "wrong-node",
+                f"{op}: the signed command is for node {decoded.target_node_id or decoded.node_id!r}; "
+                f"this helper serves {node!r}",
+            )
+        if decoded.not_after <= _ms(now):
+            raise Refused(
+                "command-expired",
+                f"{op}: the signed command's not_after ({decoded.not_after} ms) has passed (or is absent)",
+            )
+        return decoded
+
     # --- daemon.swap ----------------------------------------------------------------------------------
 
     def release_roots(self, op: str, presented: bytes | None, chain: Sequence[bytes]) -> Roots:
