@@ -120,15 +120,21 @@ class HelperClient:
     def ping(self) -> dict[str, Any]:
         return self.call("helper.ping")
 
-    def file_write(self, kind: str, ident: str, content: bytes | str) -> dict[str, Any]:
-        if isinstance(content, bytes):
-            text, encoding = content.decode("utf-8"), "utf-8"
-        else:
-            text, encoding = content, "utf-8"
-        return self.call("file.write", {"kind": kind, "id": ident, "content": text, "encoding": encoding})
+    def file_write(
+        self, kind: str, ident: str, content: bytes | str, intent: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """`intent`: the signed spec the node keeps (as for host.unit); root binds holds to it."""
+        text = content.decode("utf-8") if isinstance(content, bytes) else content
+        args: dict[str, Any] = {"kind": kind, "id": ident, "content": text, "encoding": "utf-8"}
+        if intent is not None:
+            args["intent"] = dict(intent)
+        return self.call("file.write", args)
 
-    def file_remove(self, kind: str, ident: str) -> bool:
-        return bool(self.call("file.remove", {"kind": kind, "id": ident}).get("removed"))
+    def file_remove(self, kind: str, ident: str, intent: Mapping[str, Any] | None = None) -> bool:
+        args: dict[str, Any] = {"kind": kind, "id": ident}
+        if intent is not None:
+            args["intent"] = dict(intent)
+        return bool(self.call("file.remove", args).get("removed"))
 
     def slice_apply(
         self,

@@ -141,7 +141,7 @@ class Node:
             helper = self._helper_socket()
             privileged = self._acts_on_host()
             if helper is not None:
-                executor: Any = HelperExecutor(self._helper_client())
+                executor: Any = HelperExecutor(self._helper_client(), self._kept_intent)
             else:
                 executor = DirectExecutor(system)
             sections.append(
@@ -199,6 +199,18 @@ class Node:
 
         self.host_section = nh.NodeHostSection(executor_for, context_for, on_changed=self._host_changed)
         return self.host_section
+
+    def _kept_intent(self) -> dict[str, Any] | None:
+        """The signed spec the node keeps (data_dir/host-intent.json: the newest full spec), as the helper's
+        `intent` argument, with the node's trust bundle; None without one (or unreadable: root decides)."""
+        from bcd_agent.sections.host.intent import intent_args, read_host_intent
+
+        try:
+            kept = read_host_intent(self.config.data_dir)
+        except ValueError as exc:
+            log.warning("node: %s", exc)
+            return None
+        return intent_args(kept, self._signed_bundle())
 
     def _signed_bundle(self) -> bytes | None:
         """The serialized SignedTrustBundle the node holds now (host.unit presents it to the helper)."""
