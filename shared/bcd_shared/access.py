@@ -207,3 +207,60 @@ def render(
         files[principals_path(account)] = "".join(f"{p}\n" for p in sorted(names)).encode("ascii")
     files[SSHD_DROPIN] = DROPIN_TEXT.encode("ascii")
     return AccessFiles(files, tuple(sorted(by_account)), tuple(skipped))
+
+
+# --- the plan: pure, shared by root's helper and the node as root ----------------------------------------
+
+
+@frozen
+class Write:
+    path: str
+    data: bytes
+
+
+@frozen
+class Remove:
+    path: str
+
+
+@frozen
+class Reload:
+    """Reload sshd: the drop-in changed (DLV-ACC-05)."""
+
+
+Step = Write | Remove | Reload
+
+
+@frozen
+class Observed:
+    """bcd's sshd files as found: host path -> bytes (the drop-in, CA keys, KRL, principals/<account>)."""
+
+    files: Mapping[str, bytes]
+
+
+def managed_paths(principal_accounts: Iterable[str]) -> tuple[str, ...]:
+    """Every path the section owns, given the accounts whose principals file exists."""
+    return (SSHD_DROPIN, SSHD_CA, SSHD_KRL, *(principals_path(a) for a in sorted(principal_accounts)))
+
+
+def plan(desired: AccessFiles, observed: Observed) -> tuple[Step, ...]:
+    """The steps from `observed` to `desired`. Files first, the drop-in that points sshd at them last;
+    for an empty section the drop-in goes first (DLV-ACC-06). Reload only when the drop-in changed."""
+    have = observed.files
+    dropin_changed = have.get(SSHD_DROPIN) != desired.dropin
+    steps: list[Step] = []
+    stale = sorted(p for p in have if p not in desired.files)
+    if desired.dropin is None:
+        if SSHD_DROPIN in have:
+            steps.append(Remove(SSHD_DROPIN))
+        steps += [Remove(p) for p in stale if p != SSHD_DROPIN]
+    else:
+        steps += [
+            Write(p, data) for p, data in desired.files.items() if p != SSHD_DROPIN and have.get(p) != data
+        ]
+        steps += [Remove(p) for p in stale]
+        if dropin_changed:
+            steps.append(Write(SSHD_DROPIN, desired.dropin))
+    if dropin_changed:
+        steps.append(Reload())
+    return tuple(steps)

@@ -139,31 +139,31 @@ def access_apply(call: Call, req: AccessApply) -> dict[str, Any]:
                     f"{OP}: account {account!r} has uid 0: no principals file for it unless root's config "
                     "sets [helper] root_principals = true",
                 )
-    existing = _existing_principals(call.ctx.root)
-    old_dropin = _read(call.ctx.root, acc.SSHD_DROPIN)
+    observed = acc.Observed(
+        {
+            path: data
+            for path in acc.managed_paths(_existing_principals(call.ctx.root))
+            if (data := _read(call.ctx.root, path)) is not None
+        }
+    )
+    steps = acc.plan(rendered, observed)
     if checked.next_state is not None:  # durable before effect: root's intent state, then the files
         verifier.save_state(checked.next_state)
     written: list[str] = []
     removed: list[str] = []
-    stale = [acc.principals_path(a) for a in existing if a not in rendered.accounts]
+    reloaded = ""
     try:
-        if rendered.dropin is None:
-            order = [acc.SSHD_DROPIN, acc.SSHD_CA, acc.SSHD_KRL, *stale]
-            removed = [p for p in order if remove_root_only(call.ctx.root, p)]
-        else:
-            for path, data in rendered.files.items():  # the drop-in is rendered last
-                if path == acc.SSHD_DROPIN:
-                    continue
-                if _read(call.ctx.root, path) != data:
-                    write_root_only(call.ctx.root, path, data, acc.FILE_MODE)
-                    written.append(path)
-            removed = [p for p in stale if remove_root_only(call.ctx.root, p)]
-            if old_dropin != rendered.dropin:
-                write_root_only(call.ctx.root, acc.SSHD_DROPIN, rendered.dropin, acc.FILE_MODE)
-                written.append(acc.SSHD_DROPIN)
+        for step in steps:
+            if isinstance(step, acc.Write):
+                write_root_only(call.ctx.root, step.path, step.data, acc.FILE_MODE)
+                written.append(step.path)
+            elif isinstance(step, acc.Remove):
+                if remove_root_only(call.ctx.root, step.path):
+                    removed.append(step.path)
+            else:
+                reloaded = _reload_sshd(call)
     except RootPathRefused as exc:
         raise refused_path(exc) from None
-    reloaded = _reload_sshd(call) if old_dropin != rendered.dropin else ""
     return {
         "generation": decoded.generation,
         "signed": checked.roots,
