@@ -93,6 +93,7 @@ class Node:
         self.status: Any = None
         self.inventory: Any = None  # nodeparts.inventory.InventoryState
         self.host_section: Any = None  # nodeparts.host.NodeHostSection, when built
+        self.access_section: Any = None  # sections.access.AccessSection, when built (its JWKS: tunnels)
         self.secrets: Any = None  # session.secrets.SecretRequests
         self.handlers: dict[str, Any] = {}
         self.started_monotonic: float | None = None
@@ -147,7 +148,25 @@ class Node:
             sections.append(
                 DevicesSection(system, executor, sink, signer, self.config.data_dir, privileged=privileged)
             )
+        access = self._access_section(system, identity)
+        if access is not None:
+            sections.append(access)
         return sections
+
+    def _access_section(self, system: Any, identity: Any) -> Any:
+        """The access section (docs/access.md): beside the helper one `access.apply` with the kept signed
+        spec, as root (or on the simulated host) in-process; None for a node that cannot change the host
+        (the runner reports a non-empty section UNSUPPORTED)."""
+        if not self._acts_on_host():
+            return None
+        from bcd_agent.sections import access as ax
+
+        if self._helper_socket() is not None:
+            executor: Any = ax.HelperExecutor(self._helper_client(), self._kept_intent)
+        else:
+            executor = ax.DirectExecutor(system, root_principals=self.config.helper.root_principals)
+        self.access_section = ax.AccessSection(executor, identity.node_id, data_dir=self.config.data_dir)
+        return self.access_section
 
     def _host_section(self, system: Any, identity: Any, trio_token: Any) -> Any:
         """The host section, or None: `[host] units = false` (the runner reports HostManagedExternally),
