@@ -209,3 +209,14 @@ def _purpose() -> object:
     from bcd_shared.pki import Purpose
 
     return Purpose.DESIRED_STATE
+
+
+def test_bcd_plan_lists_the_access_steps_then_nothing(sim_root: Path) -> None:
+    from bcd_agent.plan import plan_access
+
+    desired = section(ssh_ca_keys=[K1], principals=[f"alice@{NODE}", "bob@node-b"])
+    first = plan_access(desired, sim_system(sim_root), NODE)
+    assert first.steps[-2:] == (f"write {acc.SSHD_DROPIN}", "reload sshd") and first.notes
+    run(ax.AccessSection(ax.DirectExecutor(sim_system(sim_root)), NODE), desired)
+    assert plan_access(desired, sim_system(sim_root), NODE).converged
+    assert plan_access(section(principals=["a b"]), sim_system(sim_root), NODE).failures
