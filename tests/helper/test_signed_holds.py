@@ -173,3 +173,12 @@ def test_issue9_item8_signed_spec_bytes_are_the_kept_ones(signed_node: RealNode,
     tampered = dict(spec, body=b64(body[:-1] + bytes([body[-1] ^ 1])))
     signed_node.refused(env_doc("b1", signed=tampered), "bad-intent")
     signed_node.ok(env_doc("b1", signed=spec))
+
+
+def test_the_no_roots_fast_path_names_roots_own_files() -> None:
+    """ops/base.py repeats two paths so that unsigned hold writes never import pki: they must be the same."""
+    from bcd_helper.intent import STATE_PATH
+    from bcd_helper.ops.base import INTENT_STATE_PATH, JOIN_RECORD_PATH
+    from bcd_shared.joinrecord import JOIN_RECORD
+
+    assert (JOIN_RECORD_PATH, INTENT_STATE_PATH) == (JOIN_RECORD, STATE_PATH)

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from attrs import frozen
-from bcd_shared import access as acc
 from bcd_shared.rootpath import (
     RootPathRefused,
     read_root_only,
@@ -78,6 +77,8 @@ def uid_of(root: Path, account: str) -> int | None:
 
 def _existing_principals(root: Path) -> list[str]:
     """The principals files root finds (names that are account names), read from a verified fd."""
+    from bcd_shared import access as acc
+
     try:
         with verified_dir(root, split_host_path(acc.SSHD_PRINCIPALS), create=False) as dfd:
             names = os.listdir(dfd)
@@ -106,6 +107,8 @@ def _reload_sshd(call: Call) -> str:
 
 
 def access_apply(call: Call, req: AccessApply) -> dict[str, Any]:
+    from bcd_shared import access as acc  # on the first access.apply, not at the helper's start
+
     config = call.ctx.config
     verifier = call.ctx.intent_verifier()
     checked = verifier.check_spec(OP, req.intent, decode_unverified=True)

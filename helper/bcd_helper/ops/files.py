@@ -46,7 +46,7 @@ from attrs import frozen
 from bcd_shared.rootpath import RootPathRefused, read_root_only, remove_root_only, write_root_only
 
 from bcd_helper.audit import canonical
-from bcd_helper.ops.base import Call, Refused, refused_path
+from bcd_helper.ops.base import Call, Refused, no_roots_possible, refused_path
 from bcd_helper.protocol import strict_loads
 
 MAX_CONTENT = 1024 * 1024
@@ -324,6 +324,8 @@ def _signed_assignment(
 ) -> tuple[Any, Any]:
     """With roots: (the spec's assignment for `ident` or None, the next intent state); (None, None) and
     nothing checked without roots."""
+    if no_roots_possible(call.ctx, intent):
+        return None, None
     checked = call.ctx.intent_verifier().check_spec(f"{op} {kind}", intent)
     if not checked.roots:
         return None, None
