@@ -85,6 +85,8 @@ class HelperConfig:
     node_uid: int | None = None
     node_gid: int | None = None
     audit_dir: str | None = None
+    unsigned_access: bool = False  # root: render sshd files from an unsigned spec (development only)
+    root_principals: bool = False  # an account of uid 0 may get a principals file (root and the node)
 
 
 @frozen
@@ -391,6 +393,8 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "node_uid": _int_range(1, 2**31 - 2),
         "node_gid": _int_range(1, 2**31 - 2),
         "audit_dir": _abs_path,
+        "unsigned_access": _boolean,
+        "root_principals": _boolean,
     },
     "host": {"units": _boolean},
     "devices": {"pod_resources_socket": _abs_path},

@@ -39,6 +39,7 @@ OP_TIMEOUT_S: Mapping[str, float] = {
     "host.unit": 30 * 60,
     "gpu.reset": 10 * 60,
     "node.reboot": 120,
+    "access.apply": 120,
     "daemon.swap": 10 * 60,
     "daemon.confirm": 120,
 }
@@ -153,18 +154,21 @@ class HelperClient:
     def ping(self) -> dict[str, Any]:
         return self.call("helper.ping")
 
-    def file_write(self, kind: str, ident: str, content: bytes | str) -> dict[str, Any]:
-        if isinstance(content, bytes):
-            if kind == "sshd-krl":
-                text, encoding = base64.b64encode(content).decode(), "base64"
-            else:
-                text, encoding = content.decode("utf-8"), "utf-8"
-        else:
-            text, encoding = content, "utf-8"
-        return self.call("file.write", {"kind": kind, "id": ident, "content": text, "encoding": encoding})
+    def file_write(
+        self, kind: str, ident: str, content: bytes | str, intent: Mapping[str, Any] | None = None
+    ) -> dict[str, Any]:
+        """`intent`: the signed spec the node keeps (as for host.unit); root binds holds to it."""
+        text = content.decode("utf-8") if isinstance(content, bytes) else content
+        args: dict[str, Any] = {"kind": kind, "id": ident, "content": text, "encoding": "utf-8"}
+        if intent is not None:
+            args["intent"] = dict(intent)
+        return self.call("file.write", args)
 
-    def file_remove(self, kind: str, ident: str) -> bool:
-        return bool(self.call("file.remove", {"kind": kind, "id": ident}).get("removed"))
+    def file_remove(self, kind: str, ident: str, intent: Mapping[str, Any] | None = None) -> bool:
+        args: dict[str, Any] = {"kind": kind, "id": ident}
+        if intent is not None:
+            args["intent"] = dict(intent)
+        return bool(self.call("file.remove", args).get("removed"))
 
     def slice_apply(
         self,
@@ -210,12 +214,22 @@ class HelperClient:
             args["intent"] = dict(intent)
         return self.call("host.unit", args)
 
-    def gpu_reset(self, gpu_uuids: Sequence[str]) -> list[dict[str, Any]]:
-        gpus = self.call("gpu.reset", {"gpu_uuids": list(gpu_uuids)}).get("gpus", [])
+    def gpu_reset(
+        self, gpu_uuids: Sequence[str], command: Mapping[str, Any] | None = None
+    ) -> list[dict[str, Any]]:
+        """`command`: the signed Command the node received (command_arg), which root re-validates."""
+        args: dict[str, Any] = {"gpu_uuids": list(gpu_uuids)}
+        if command is not None:
+            args["command"] = dict(command)
+        gpus = self.call("gpu.reset", args).get("gpus", [])
         return list(gpus) if isinstance(gpus, list) else []
 
-    def node_reboot(self) -> dict[str, Any]:
-        return self.call("node.reboot")
+    def node_reboot(self, command: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        return self.call("node.reboot", {} if command is None else {"command": dict(command)})
+
+    def access_apply(self, intent: Mapping[str, Any] | None) -> dict[str, Any]:
+        """Root renders the access section's sshd files from the signed spec (`intent`, as for host.unit)."""
+        return self.call("access.apply", {} if intent is None else {"intent": dict(intent)})
 
     def daemon_swap(
         self,

@@ -102,6 +102,7 @@ class Node:
         self.status: Any = None
         self.inventory: Any = None  # nodeparts.inventory.InventoryState
         self.host_section: Any = None  # nodeparts.host.NodeHostSection, when built
+        self.access_section: Any = None  # sections.access.AccessSection, when built (its JWKS: tunnels)
         self.secrets: Any = None  # session.secrets.SecretRequests
         self.metrics: Any = None  # sections.telemetry.metrics.NodeMetrics
         self.exporter: Any = None  # sections.telemetry.exporter.Exporter
@@ -177,7 +178,7 @@ class Node:
             helper = self._helper_socket()
             privileged = self._acts_on_host()
             if helper is not None:
-                executor: Any = HelperExecutor(self._helper_client())
+                executor: Any = HelperExecutor(self._helper_client(), self._kept_intent)
             else:
                 executor = DirectExecutor(system)
             devices = DevicesSection(
@@ -188,6 +189,9 @@ class Node:
                 from bcd_agent.sections.telemetry.metrics import holds_per_gpu
 
                 self.metrics.holds = lambda: holds_per_gpu(devices.gpu_uuids, devices.held_device_ids)
+        access = self._access_section(system, identity)
+        if access is not None:
+            sections.append(access)
         sections.append(self._telemetry_section(identity))
         return sections
 
@@ -211,6 +215,21 @@ class Node:
     def _trigger(self, reason: str) -> None:
         if self.runner is not None:
             self.runner.trigger(reason)
+
+    def _access_section(self, system: Any, identity: Any) -> Any:
+        """The access section (docs/access.md): beside the helper one `access.apply` with the kept signed
+        spec, as root (or on the simulated host) in-process; None for a node that cannot change the host
+        (the runner reports a non-empty section UNSUPPORTED)."""
+        if not self._acts_on_host():
+            return None
+        from bcd_agent.sections import access as ax
+
+        if self._helper_socket() is not None:
+            executor: Any = ax.HelperExecutor(self._helper_client(), self._kept_intent)
+        else:
+            executor = ax.DirectExecutor(system, root_principals=self.config.helper.root_principals)
+        self.access_section = ax.AccessSection(executor, identity.node_id, data_dir=self.config.data_dir)
+        return self.access_section
 
     def _host_section(self, system: Any, identity: Any, trio_token: Any) -> Any:
         """The host section, or None: `[host] units = false` (the runner reports HostManagedExternally),
@@ -262,6 +281,18 @@ class Node:
 
         self.host_section = nh.NodeHostSection(executor_for, context_for, on_changed=self._host_changed)
         return self.host_section
+
+    def _kept_intent(self) -> dict[str, Any] | None:
+        """The signed spec the node keeps (data_dir/host-intent.json: the newest full spec), as the helper's
+        `intent` argument, with the node's trust bundle; None without one (or unreadable: root decides)."""
+        from bcd_agent.sections.host.intent import intent_args, read_host_intent
+
+        try:
+            kept = read_host_intent(self.config.data_dir)
+        except ValueError as exc:
+            log.warning("node: %s", exc)
+            return None
+        return intent_args(kept, self._signed_bundle())
 
     def _signed_bundle(self) -> bytes | None:
         """The serialized SignedTrustBundle the node holds now (host.unit presents it to the helper)."""
@@ -323,10 +354,12 @@ class Node:
             handlers[nk.DIAG_NVML] = nk.DiagNvmlHandler(system)
             if self._acts_on_host():
                 helper = self._helper_client() if self._helper_socket() is not None else None
-                handlers[nk.GPU_RESET] = nk.GpuResetHandler(system, self._records_dir(), helper)
+                handlers[nk.GPU_RESET] = nk.GpuResetHandler(
+                    system, self._records_dir(), helper, trust_bundle=self._signed_bundle
+                )
                 reboot_helper = self._helper_client() if helper is not None else None
                 handlers[nk.NODE_REBOOT] = nk.NodeRebootHandler(
-                    system, reboot_helper, wait_s=self.options.reboot_wait_s
+                    system, reboot_helper, wait_s=self.options.reboot_wait_s, trust_bundle=self._signed_bundle
                 )
         if self.options.test_kinds:
             from bcd_agent.kinds.testing import EffectHandler, effect_handlers

@@ -311,7 +311,7 @@ class SectionPlan:
     """What one section would do: its steps (described), and why it would stop, if it would."""
 
     section: str
-    planner: str  # "host units", "devices", "telemetry", or "none" (no converger in this build)
+    planner: str  # "host units", "devices", "access", "telemetry", or "none" (no converger in this build)
     steps: tuple[str, ...] = ()
     failures: tuple[str, ...] = ()
     conditions: tuple[str, ...] = ()
@@ -511,8 +511,30 @@ def plan_telemetry(payload: object | None) -> SectionPlan:
     return SectionPlan("telemetry", "telemetry", steps=tuple(steps))
 
 
+def plan_access(payload: object | None, system: System, node_id: str) -> SectionPlan:
+    """The access section's steps (bcd_shared.access.plan) against the files on the host."""
+    from bcd_shared import access as acc
+
+    from bcd_agent.sections import access as ax
+
+    spec = ax.AccessSpec.of(payload)
+    try:
+        desired = acc.render(spec.ca_keys, spec.principals, spec.serials, node_id)
+    except acc.AccessInvalid as e:
+        return SectionPlan("access", "access", failures=(f"InvalidAccess: {e}",))
+    steps = acc.plan(desired, ax.observe(system))
+    described = tuple(
+        f"write {s.path}"
+        if isinstance(s, acc.Write)
+        else (f"remove {s.path}" if isinstance(s, acc.Remove) else "reload sshd")
+        for s in steps
+    )
+    notes = (f"{len(desired.skipped)} principal(s) not of this node skipped",) if desired.skipped else ()
+    return SectionPlan("access", "access", described, notes=notes)
+
+
 def plan_all(
-    desired: DesiredSpec, system: System, data_dir: str, *, host_units: bool = True
+    desired: DesiredSpec, system: System, data_dir: str, *, host_units: bool = True, node_id: str = ""
 ) -> list[SectionPlan]:
     """Every section's dry-run plan, in the seeds' order."""
     from bcd_agent.converge.runner import payload_is_empty
@@ -529,6 +551,8 @@ def plan_all(
             out.append(plan_devices(payload, desired.generation, system, data_dir))
         elif name == "telemetry":
             out.append(plan_telemetry(payload))
+        elif name == "access":
+            out.append(plan_access(payload, system, node_id))
         elif _empty_message(payload):
             out.append(SectionPlan(name, "none"))
         else:
@@ -602,6 +626,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--generation", type=positive_int, default=1, help="the generation to plan at (default 1)"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--node-id", default="", help="this node's id: the access section's own principals (<account>@<id>)"
+    )
     add_config_argument(parser)
 
 
@@ -627,7 +654,7 @@ def run(args: argparse.Namespace) -> int:
         system = host_system(args.root)
     except SimHostMissing as e:
         raise CliError(str(e), EX_USAGE) from None
-    plans = plan_all(desired, system, data_dir, host_units=config.host.units)
+    plans = plan_all(desired, system, data_dir, host_units=config.host.units, node_id=args.node_id)
     if args.json:
         doc = {"generation": desired.generation, "sections": to_json(plans)}
         json.dump(doc, sys.stdout, sort_keys=True)

@@ -22,6 +22,10 @@ signed-intent checks import it when a host.unit first needs it.)
   [helper] node_gid      the group the socket is given to, default the node account's group
   [helper] instance_bridges  "br0,br1": bridges instance taps may join (interface names)
   [helper] audit_dir     the audit log's directory, default /var/log/bcd-helper
+  [helper] unsigned_access  bool, default false: with no command-signing roots, access.apply renders the
+                         sshd files from an unsigned spec. Development only: without it, access writes
+                         need a signed spec (issue 9 item 1)
+  [helper] root_principals  bool, default false: an account of uid 0 may get a principals file
   [kubernetes] allowed_clusters  "https://host[:port]#sha256:<64 hex>,..."
 Other top-level tables are the node's and are checked by the node's own strict loader; they are not
 read here. Other top-level scalar keys must be in NODE_SCALARS, else the helper stops: a misspelt
@@ -54,7 +58,18 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 # Top-level scalar keys the node's config owns; the helper ignores them.
 NODE_SCALARS = frozenset({"data_dir", "log_level", "mode", "node_id"})
 
-_HELPER_KEYS = frozenset({"socket", "node_user", "node_uid", "node_gid", "instance_bridges", "audit_dir"})
+_HELPER_KEYS = frozenset(
+    {
+        "socket",
+        "node_user",
+        "node_uid",
+        "node_gid",
+        "instance_bridges",
+        "audit_dir",
+        "unsigned_access",
+        "root_principals",
+    }
+)
 _HOST_KEYS = frozenset({"units"})
 _K8S_KEYS = frozenset({"allowed_clusters"})
 _IFNAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
@@ -124,6 +139,8 @@ class HelperConfig:
     instance_bridges: tuple[str, ...]
     audit_dir: str
     allowed_clusters: tuple[AllowedCluster, ...]
+    unsigned_access: bool = False
+    root_principals: bool = False
 
 
 def ownership_message(path: str) -> str:
@@ -246,6 +263,11 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
     for i, name in enumerate(bridges, start=1):
         if not _IFNAME_RE.fullmatch(name):
             raise ConfigError(f"helper.instance_bridges: entry {i} {name!r} is not an interface name")
+    flags = {}
+    for key in ("unsigned_access", "root_principals"):
+        flags[key] = helper.get(key, False)
+        if not isinstance(flags[key], bool):
+            raise ConfigError(f"helper.{key}: must be true or false")
     k8s = _table(doc, "kubernetes", _K8S_KEYS)
     clusters = parse_allowed_clusters(k8s.get("allowed_clusters", ""))
     return HelperConfig(
@@ -259,6 +281,8 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
         instance_bridges=tuple(bridges),
         audit_dir=audit_dir,
         allowed_clusters=clusters,
+        unsigned_access=flags["unsigned_access"],
+        root_principals=flags["root_principals"],
     )
 
 

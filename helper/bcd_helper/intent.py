@@ -13,6 +13,9 @@ Where the command-signing roots come from, in this order:
 3. A SignedTrustBundle the node presents, verified against `join_signing_key_pin`, forward only from the
    newest version accepted, the record's included (HST-SIGN-09/10/15/16). Once a presented bundle moved
    the version past the record's, a request without it is refused (HST-SIGN-17).
+With `join_signing_key_pin` set but no join record, a request that brings no roots (no presented bundle
+with command roots) is refused (`join-record-required`): a pin means signing is expected, so stripping the
+signature never falls back to the unsigned rules (issue 9, item 9).
 From the first bundle with command roots on (`signed` in the state), a request without a signed spec, or
 presenting a bundle without roots, is refused whatever the node sends (HST-SIGN-08/28/29). Where nothing
 names roots, nothing is checked (HST-SIGN-33).
@@ -148,6 +151,16 @@ class IntentState:
 
 
 @frozen
+class SpecCheck:
+    """A spec that passed the common rules: the decoded body (verified when `roots`), the state to write."""
+
+    decoded: Any | None  # a DesiredStateBody
+    next_state: IntentState | None
+    roots: bool  # command-signing roots were found and the body verified against them
+    source: str
+
+
+@frozen
 class TrustView:
     """The roots a request is checked against (None: nothing names roots, HST-SIGN-33) and the state
     after the request's trust bundle (not written yet)."""
@@ -191,6 +204,7 @@ class IntentVerifier:
         self._record: tuple[str, VerifiedJoin] | None = None
         self._bundles: dict[str, VerifiedBundle] = {}
         self._lock = threading.Lock()  # guards the caches
+        self._save_lock = threading.Lock()  # one state write at a time
 
     # --- root's files -----------------------------------------------------------------------------
 
@@ -207,10 +221,16 @@ class IntentVerifier:
             raise Failed("intent-state", f"{op}: {STATE_PATH} cannot be read: {exc}") from None
 
     def save_state(self, state: IntentState) -> None:
-        try:
-            write_root_only(self.root, STATE_PATH, state.encode(), 0o600)
-        except RootPathRefused as exc:
-            raise Failed("intent-state", f"{STATE_PATH}: {exc}") from None
+        """Write the state, never moving the generation back: two ops that check specs under different
+        locks (host.unit, access.apply) may race, and the newer accepted generation wins."""
+        with self._save_lock:
+            current = self.load_state("intent")
+            if current.record_sha256 == state.record_sha256 and current.generation > state.generation:
+                return
+            try:
+                write_root_only(self.root, STATE_PATH, state.encode(), 0o600)
+            except RootPathRefused as exc:
+                raise Failed("intent-state", f"{STATE_PATH}: {exc}") from None
 
     def _pin(self, what: str, op: str) -> JoinKeyPin:
         if self.config.join_signing_key_pin is None:
@@ -330,16 +350,25 @@ class IntentVerifier:
                     "and this node's specs are signed",
                 )
             raise Refused("intent-required", f"{op}: this node's specs are signed: a signed spec is required")
+        if self.config.join_signing_key_pin is not None and record is None:
+            # A pin means the control plane signs: until root's join record exists, there are no roots to
+            # check against, and an unsigned request is refused rather than applied (issue 9, item 9).
+            raise Refused(
+                "join-record-required",
+                f"{op}: root's config.toml pins the JoinService key (join_signing_key_pin) but root's join "
+                f"record {JOIN_RECORD} does not exist yet: nothing is applied until `bcd join` writes it",
+            )
         return TrustView(None, state, "none")
 
-    # --- host.unit ------------------------------------------------------------------------------------
+    # --- a signed spec, whatever the op -------------------------------------------------------------
 
-    def check_host_unit(
-        self, unit: str, settings: str | None, intent: Any | None, now: dt.datetime | None = None
-    ) -> IntentState | None:
-        """Raise Refused unless the request is inside the signed-spec rules; the state to write (None:
-        nothing to write). `intent` has `body`, `signature`, `chain`, `trust_bundle` (base64 text)."""
-        op = "host.unit"
+    def check_spec(
+        self, op: str, intent: Any | None, now: dt.datetime | None = None, *, decode_unverified: bool = False
+    ) -> SpecCheck:
+        """The common signed-spec rules (chain, signature, strict decoding, node, generation never older)
+        for `op`; raises Refused. Without roots (HST-SIGN-33) nothing is verified: `decoded` is the
+        strictly decoded, unverified body the node sent (None without one) and `roots` is False. The
+        caller checks its own section, then writes `next_state` (when not None) before the effect."""
         now = now or _now()
         presented = None
         chain: tuple[bytes, ...] = ()
@@ -349,8 +378,14 @@ class IntentVerifier:
             chain = tuple(_b64(c, f"chain[{i}]", op) for i, c in enumerate(intent.chain))
         old = self.load_state(op)
         view = self.trust(op, presented, chain, old)
-        if view.roots is None:  # nothing names roots (HST-SIGN-33): nothing is checked
-            return view.state if view.state != old else None
+        if view.roots is None:  # nothing names roots (HST-SIGN-33): nothing is verified
+            decoded = None
+            if intent is not None and decode_unverified:
+                try:
+                    decoded, _unknown = decode_spec_body(_b64(intent.body, "body", op))
+                except WireError as exc:
+                    raise Refused("bad-intent", f"{op}: the spec does not decode: {exc}") from None
+            return SpecCheck(decoded, view.state if view.state != old else None, False, view.source)
         if intent is None:
             raise Refused(
                 "intent-required",
@@ -385,6 +420,38 @@ class IntentVerifier:
                 f"{op}: the signed spec's generation {decoded.generation} is older than generation "
                 f"{state.generation} already accepted",
             )
+        if decoded.generation > state.generation:
+            verified: tuple[Verified, ...] = (Verified(digest, decoded.generation, _ms(now)),)
+        elif known is None:
+            verified = (*state.verified, Verified(digest, decoded.generation, _ms(now)))[-MAX_VERIFIED:]
+        else:
+            verified = state.verified
+        node_id, source = state.node_id, state.node_source
+        if not node_id:  # no join record: trust on first use (HST-SIGN-23)
+            node_id, source = decoded.node_id, "first-signed-spec"
+        new = attrs.evolve(
+            state,
+            generation=max(state.generation, decoded.generation),
+            verified=verified,
+            node_id=node_id,
+            node_source=source,
+            signed=True,
+        )
+        return SpecCheck(decoded, new if new != old else None, True, view.source)
+
+    # --- host.unit ------------------------------------------------------------------------------------
+
+    def check_host_unit(
+        self, unit: str, settings: str | None, intent: Any | None, now: dt.datetime | None = None
+    ) -> IntentState | None:
+        """Raise Refused unless the request is inside the signed-spec rules; the state to write (None:
+        nothing to write). `intent` has `body`, `signature`, `chain`, `trust_bundle` (base64 text)."""
+        op = "host.unit"
+        checked = self.check_spec(op, intent, now)
+        if not checked.roots:
+            return checked.next_state
+        decoded = checked.decoded
+        assert decoded is not None
         # A full spec decides the host section (unset: no units, so every unit may be cleaned); a patch
         # speaks for it only when it sets it.
         units: list[Any] | None = None
@@ -415,24 +482,64 @@ class IntentVerifier:
                 f"{op}: {unit}: the signed spec (generation {decoded.generation}) still names it: "
                 "a clean is allowed only for a unit the spec no longer names",
             )
-        if decoded.generation > state.generation:
-            verified: tuple[Verified, ...] = (Verified(digest, decoded.generation, _ms(now)),)
-        elif known is None:
-            verified = (*state.verified, Verified(digest, decoded.generation, _ms(now)))[-MAX_VERIFIED:]
-        else:
-            verified = state.verified
-        node_id, source = state.node_id, state.node_source
-        if not node_id:  # no join record: trust on first use (HST-SIGN-23)
-            node_id, source = decoded.node_id, "first-signed-spec"
-        new = attrs.evolve(
-            state,
-            generation=max(state.generation, decoded.generation),
-            verified=verified,
-            node_id=node_id,
-            node_source=source,
-            signed=True,
-        )
-        return new if new != old else None
+        return checked.next_state
+
+    # --- a signed command (gpu.reset, node.reboot) ---------------------------------------------------
+
+    def check_command(self, op: str, command: Any | None, now: dt.datetime | None = None) -> Any | None:
+        """With command-signing roots, the signed Command the node forwards: a `command` signature of a
+        worker chained to the roots (DLV-SIG-01), kind `op`, for the node root is bound to (the record's,
+        or the first signed spec's), `not_after` still ahead. Returns the decoded CommandBody (None where
+        nothing names roots: nothing is checked, HST-SIGN-33); raises Refused. Nothing is written."""
+        from bcd_shared.pki import verify_command
+        from bcd_shared.wire import CommandBody
+        from bcd_shared.wire.strict import decode as strict_decode
+
+        now = now or _now()
+        presented = None
+        chain: tuple[bytes, ...] = ()
+        if command is not None:
+            if command.trust_bundle is not None:
+                presented = _b64(command.trust_bundle, "command.trust_bundle", op)
+            chain = tuple(_b64(c, f"command.chain[{i}]", op) for i, c in enumerate(command.chain))
+        view = self.trust(op, presented, chain)
+        if view.roots is None:
+            return None
+        if command is None:
+            raise Refused(
+                "command-required",
+                f"{op}: the signed command is required (command-signing roots from {view.source})",
+            )
+        body = _b64(command.body, "command.body", op)
+        signature = _b64(command.signature, "command.signature", op)
+        try:
+            verify_command(body, signature, chain, view.roots, now, self.chains)
+        except PkiError as exc:
+            raise Refused("bad-command", f"{op}: the signed command is refused: {exc}") from None
+        try:
+            decoded = strict_decode(CommandBody, body)
+        except WireError as exc:
+            raise Refused("bad-command", f"{op}: the signed command does not decode: {exc}") from None
+        if decoded.kind != op:
+            raise Refused("command-mismatch", f"{op}: the signed command is a {decoded.kind!r}, not {op!r}")
+        node = view.state.node_id
+        if not node:
+            raise Refused(
+                "intent-unverifiable",
+                f"{op}: this helper is bound to no node yet (no join record, no signed spec accepted)",
+            )
+        if decoded.node_id != node or decoded.target_node_id not in ("", node):
+            raise Refused(
+                "wrong-node",
+                f"{op}: the signed command is for node {decoded.target_node_id or decoded.node_id!r}; "
+                f"this helper serves {node!r}",
+            )
+        if decoded.not_after <= _ms(now):
+            raise Refused(
+                "command-expired",
+                f"{op}: the signed command's not_after ({decoded.not_after} ms) has passed (or is absent)",
+            )
+        return decoded
 
     # --- daemon.swap ----------------------------------------------------------------------------------
 

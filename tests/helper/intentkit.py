@@ -192,3 +192,41 @@ def host_unit_doc(unit: str, unit_settings: str | None, intent_arg: dict[str, An
 def intent_state(root: Path) -> dict[str, Any]:
     path = root / "var/lib/bcd-hostconfig/helper-intent.json"
     return dict(json.loads(path.read_text())) if path.exists() else {}
+
+
+def access_body(
+    node_id: str,
+    generation: int,
+    *,
+    ca_keys: tuple[str, ...] = (),
+    principals: tuple[str, ...] = (),
+    serials: tuple[int, ...] = (),
+    jwks: str = "",
+    empty: bool = False,
+) -> bytes:
+    """A serialized full DesiredStateBody whose access section carries these (`empty`: no section)."""
+    section = None
+    if not empty:
+        section = wire.AccessSection(
+            exec_ticket_jwks=jwks,
+            ssh_ca_keys=list(ca_keys),
+            principals=list(principals),
+            revoked_serials=list(serials),
+        )
+    return bytes(
+        wire.DesiredStateBody(
+            node_id=node_id,
+            generation=generation,
+            spec_hash=f"a{generation}",
+            full=wire.NodeSpec(access=section),
+        )
+    )
+
+
+def unsigned(body: bytes) -> dict[str, Any]:
+    """An `intent` argument carrying the body without a signature (what a node without roots sends)."""
+    return {"body": b64(body), "signature": "", "chain": [], "trust_bundle": None}
+
+
+def access_doc(intent_arg: dict[str, Any] | None) -> dict[str, Any]:
+    return {"op": "access.apply", "args": {} if intent_arg is None else {"intent": intent_arg}}

@@ -82,7 +82,7 @@ def test_file_write_outside_the_rules_is_refused_and_writes_nothing(
 @HELPER_SETTINGS
 @given(kind=st.text(max_size=30), ident=ids)
 def test_unknown_kinds_and_bad_ids_are_refused(helper: HelperProcess, kind: str, ident: str) -> None:
-    known = {"cdi", "allocation-env", "k8s-token", "sshd-config", "sshd-ca", "sshd-principals", "sshd-krl"}
+    known = {"cdi", "allocation-env", "k8s-token"}
     if kind in known:
         kind = kind + "x"
     assert_refused(helper, {"op": "file.remove", "args": {"kind": kind, "id": ident}})

@@ -48,9 +48,9 @@ BAD_IDS = [
 
 
 @pytest.mark.parametrize("ident", BAD_IDS, ids=[ascii(i)[:20] for i in BAD_IDS])
-@pytest.mark.parametrize("kind", ["cdi", "allocation-env", "sshd-principals", "k8s-token", "sshd-krl"])
+@pytest.mark.parametrize("kind", ["cdi", "allocation-env", "k8s-token"])
 def test_ids_that_leave_their_directory_are_refused(helper: HelperProcess, kind: str, ident: str) -> None:
-    if kind in ("k8s-token", "sshd-krl") and ident == "":
+    if kind == "k8s-token" and ident == "":
         ident = "x"  # their one good id is empty
     assert_refused_raw(helper, _doc("file.remove", kind=kind, id=ident), "bad-id", op="file.remove")
     content = "BCD_ALLOCATION_ID=a1\n"
@@ -206,20 +206,12 @@ def test_env_content_injections_are_refused(helper: HelperProcess, content: str)
     assert_refused_raw(helper, doc, "bad-content")
 
 
-@pytest.mark.parametrize(
-    ("kind", "content"),
-    [
-        (
-            "sshd-config",
-            "TrustedUserCAKeys /etc/ssh/bcd/user_ca.pub\u2028RevokedKeys /etc/ssh/bcd/revoked.krl\n",
-        ),
-        ("sshd-config", "# x\x85AuthorizedKeysFile /tmp/keys\n"),
-        ("sshd-principals", "alice\u2028root\n"),
-    ],
-)
-def test_text_kinds_see_lines_as_their_readers_do(helper: HelperProcess, kind: str, content: str) -> None:
-    ident = "alice" if kind == "sshd-principals" else ""
-    assert_refused_raw(helper, _doc("file.write", kind=kind, id=ident, content=content), "bad-content")
+def test_sshd_kinds_are_gone(helper: HelperProcess) -> None:
+    """The node never sends sshd text (issue 9 item 1): root renders the access section's files itself
+    (access.apply); every former sshd kind is an unknown kind."""
+    for kind, ident in (("sshd-config", ""), ("sshd-ca", ""), ("sshd-principals", "alice"), ("sshd-krl", "")):
+        doc = _doc("file.write", kind=kind, id=ident, content="alice\u2028root\n")
+        assert_refused_raw(helper, doc, "bad-kind")
 
 
 # --- removals ---------------------------------------------------------------------------------------------

@@ -220,13 +220,21 @@ def test_HST_SIGN_22_rejoin_as_another_node_moves_the_binding(fresh_root: Path, 
 
 
 def test_HST_SIGN_23_28_33_no_roots_then_trust_on_first_use(fresh_root: Path, cp: ControlPlane) -> None:
-    """No pins, no record: unsigned units apply (HST-SIGN-33); the first bundle with roots turns signed
-    intent on for good, and the first signed spec fixes the node (trust on first use)."""
+    """No pins at all: unsigned units apply (HST-SIGN-33). With the JoinService key pinned but no record
+    yet, an unsigned unit is refused (issue 9 item 9), the first bundle with roots turns signed intent on
+    for good, and the first signed spec fixes the node (trust on first use)."""
     worker = cp.command.leaf()
-    h = _start(fresh_root, cp)
+    h = _start(fresh_root, cp, pin=False)
     try:
         assert _ok(h, host_unit_doc("sysctl", S10, None))["changed"] is True
         assert intent_state(fresh_root) == {}
+    finally:
+        h.stop()
+    h = _start(fresh_root, cp)
+    try:
+        assert_refused(
+            h, host_unit_doc("sysctl", settings(**{"vm.swappiness": 11}), None), "join-record-required"
+        )
         body = host_body("node-t", 7, {"sysctl": S10})
         assert _ok(h, host_unit_doc("sysctl", S10, intent(worker, body, bundle=cp.bundle(1))))
         state = intent_state(fresh_root)

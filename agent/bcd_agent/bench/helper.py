@@ -13,8 +13,10 @@
   informational, no target;
 - signed_rss_mb: the helper's resident memory after the signed requests (pki, wire types and
   cryptography loaded), idle; informational (docs/helper.md: ~41 MiB, above idle_rss_mb's 35).
-Which operations carry signed intent (docs/helper.md "Which operations need signed intent"): host.unit
-(and daemon.swap's release signature), not file.write, so file_write_per_s has no signature check.
+Which operations carry signed intent: docs/helper.md "Which operations need signed intent". With
+command-signing roots a hold write carries the signed spec too (issue 9 item 8), which loads pki: so the
+write rates, start_ms and idle_rss_mb are measured on a helper without roots (no pin, HST-SIGN-33), and
+the signed figures on a second helper started with root's join record and pin.
 Runs as root over a temporary simulated host (the config must be root's).
 """
 
@@ -161,31 +163,37 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         cfg = root / "etc/bcd/config.toml"
         cfg.parent.mkdir(parents=True, exist_ok=True)
         os.chmod(cfg.parent, 0o750)  # noqa: S103 (the install's /etc/bcd mode)
-        pin_line, intent = _signed_world(root)
-        cfg.write_text(
-            pin_line + '[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 65534\nnode_gid = 65534\n'
-        )
-        os.chmod(cfg, 0o640)
-        sock = str(root / "run/bcd/helper.sock")
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)],
-            stderr=subprocess.PIPE,
-        )
-        client = HelperClient(sock)
-        while True:
-            if proc.poll() is not None:
-                err = proc.stderr.read().decode() if proc.stderr else ""
-                return {"error": f"helper exited {proc.returncode}: {err.strip()}"}
-            if os.path.exists(sock):
-                try:
-                    client.ping()
-                    break
-                except Exception:  # not listening yet
+
+        def serve(pin_line: str) -> tuple[subprocess.Popen[bytes], HelperClient, float] | str:
+            cfg.write_text(
+                pin_line + '[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 65534\nnode_gid = 65534\n'
+            )
+            os.chmod(cfg, 0o640)
+            sock = str(root / "run/bcd/helper.sock")
+            t0 = time.perf_counter()
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)],
+                stderr=subprocess.PIPE,
+            )
+            client = HelperClient(sock)
+            while True:
+                if proc.poll() is not None:
+                    err = proc.stderr.read().decode() if proc.stderr else ""
+                    return f"helper exited {proc.returncode}: {err.strip()}"
+                if os.path.exists(sock):
+                    try:
+                        client.ping()
+                        break
+                    except Exception:  # not listening yet
+                        time.sleep(0.002)
+                else:
                     time.sleep(0.002)
-            else:
-                time.sleep(0.002)
-        start_ms = (time.perf_counter() - t0) * 1000
+            return proc, client, (time.perf_counter() - t0) * 1000
+
+        served = serve("")
+        if isinstance(served, str):
+            return {"error": served}
+        proc, client, start_ms = served
         try:
             data = _content()
             text = data.decode()
@@ -196,6 +204,15 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             client.close()
             time.sleep(0.2)
             rss = _rss_mb(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(5)
+        pin_line, intent = _signed_world(root)
+        served = serve(pin_line)
+        if isinstance(served, str):
+            return {"error": served}
+        proc, client, _ = served
+        try:
             client.host_unit("sysctl", SYSCTL, (), intent)  # applies once; then converged
             signed = _rate(lambda: client.host_unit("sysctl", SYSCTL, (), intent))
             client.close()

@@ -19,6 +19,10 @@
   `wait_s` the command fails `reboot-timeout` (the host did not reboot). A refused or failed reboot
   request fails the command with the helper's reason or `systemctl`.
 
+Under the helper both forward the signed Command (body bytes exactly as received, signature, signer chain
+with its root appended from the node's trust bundle when the chain stops below it, and that bundle):
+with command-signing roots root re-validates it (issue 9 item 10; docs/helper-rpc.md).
+
 The dispatcher signs the results of attested kinds (NodeResultSigner) and journals every outcome.
 """
 
@@ -39,6 +43,28 @@ from bcd_agent.dispatch.payload import decode_request
 
 log = logging.getLogger("bcd.kinds")
 
+
+def no_bundle() -> bytes | None:
+    return None
+
+
+def command_arg(command: CommandEnvelope, signed_bundle: bytes | None) -> dict[str, Any]:
+    """The helper's `command` argument: the signed Command as received (docs/helper-rpc.md)."""
+    import base64
+
+    from bcd_agent.sections.host.intent import _with_root
+
+    def b64(data: bytes) -> str:
+        return base64.b64encode(data).decode("ascii")
+
+    return {
+        "body": b64(command.body_bytes),
+        "signature": b64(command.signature),
+        "chain": [b64(c) for c in _with_root(tuple(command.signer_chain), signed_bundle)],
+        "trust_bundle": None if signed_bundle is None else b64(signed_bundle),
+    }
+
+
 GPU_RESET = "gpu.reset"
 DIAG_NVML = "diag.nvml"
 NODE_REBOOT = "node.reboot"
@@ -57,10 +83,17 @@ def _gpu_uuids(command: CommandEnvelope) -> tuple[str, ...]:
 
 
 class GpuResetHandler:
-    def __init__(self, system: System, data_dir: str, helper: Any | None = None) -> None:
+    def __init__(
+        self,
+        system: System,
+        data_dir: str,
+        helper: Any | None = None,
+        trust_bundle: Callable[[], bytes | None] = no_bundle,
+    ) -> None:
         self.system = system
         self.data_dir = data_dir
         self.helper = helper  # a HelperClient beside bcd helper, else None
+        self.trust_bundle = trust_bundle  # the serialized SignedTrustBundle the node holds
 
     def resources(self, command: CommandEnvelope) -> frozenset[str]:
         return frozenset(gpu_resource(u) for u in _gpu_uuids(command))
@@ -77,19 +110,23 @@ class GpuResetHandler:
         await ctx.begin_effect()
         reset: Callable[[str], CommandResult] | None = None
         if self.helper is not None:
-            reset = self._helper_reset
+            signed = command_arg(command, self.trust_bundle())
+
+            def reset(uuid: str) -> CommandResult:
+                return self._helper_reset(uuid, signed)
+
         try:
             result = await trio.to_thread.run_sync(busy.gpu_reset, self.system, uuids, state, reset)
         except busy.GpuBusy as exc:
             raise CommandFailed(busy.GPU_BUSY, exc.message) from None
         return bytes(result)
 
-    def _helper_reset(self, uuid: str) -> CommandResult:
+    def _helper_reset(self, uuid: str, signed: dict[str, Any] | None = None) -> CommandResult:
         from bcd_agent.sections.devices import busy
 
         argv = ("helper", "gpu.reset", uuid)
         try:
-            gpus = self.helper.gpu_reset([uuid])  # type: ignore[union-attr]
+            gpus = self.helper.gpu_reset([uuid], signed)  # type: ignore[union-attr]
         except HelperRefused as exc:
             if exc.reason == busy.GPU_BUSY:
                 raise busy.GpuBusy(exc.message) from None
@@ -119,9 +156,16 @@ class DiagNvmlHandler:
 
 
 class NodeRebootHandler:
-    def __init__(self, system: System, helper: Any | None = None, wait_s: float = REBOOT_WAIT_S) -> None:
+    def __init__(
+        self,
+        system: System,
+        helper: Any | None = None,
+        wait_s: float = REBOOT_WAIT_S,
+        trust_bundle: Callable[[], bytes | None] = no_bundle,
+    ) -> None:
         self.system = system
         self.helper = helper
+        self.trust_bundle = trust_bundle
         self.wait_s = wait_s
         self.requested = 0
 
@@ -136,7 +180,8 @@ class NodeRebootHandler:
         await ctx.begin_effect()  # running{boot_id}, durable, right before the effect (DLV-JRN-17)
         if self.helper is not None:
             try:
-                await trio.to_thread.run_sync(self.helper.node_reboot)
+                signed = command_arg(command, self.trust_bundle())
+                await trio.to_thread.run_sync(self.helper.node_reboot, signed)
             except HelperRefused as exc:
                 raise CommandFailed(exc.reason, exc.message) from None
         else:

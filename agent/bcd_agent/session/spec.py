@@ -118,6 +118,22 @@ def check_signature(
     return None
 
 
+def access_problem(body: wire.DesiredStateBody) -> str | None:
+    """DLV-ACC-09..11: a CA key or principal that could add a line to sshd's files (a control character,
+    any non-ASCII character, a principal with whitespace, a CA key that is not exactly one OpenSSH key)
+    makes the whole spec invalid, signed or not; None when the access section passes (or is unset)."""
+    from bcd_shared import access
+
+    section = body.full.access if body.full is not None else (body.patch.access if body.patch else None)
+    if section is None:
+        return None
+    try:
+        access.validate(list(section.ssh_ca_keys), list(section.principals), list(section.revoked_serials))
+    except access.AccessInvalid as exc:
+        return f"invalid access section, the whole spec is refused: {exc}"
+    return None
+
+
 def judge(
     envelope: wire.DesiredState,
     *,
@@ -143,6 +159,9 @@ def judge(
     if body.full is None and body.patch is None:
         return Refused(f"generation {body.generation}: the body holds neither a full spec nor a patch")
     why = check_signature(raw, signature, chain, trust, now, cache)
+    if why is not None:
+        return Refused(f"generation {body.generation}: {why}")
+    why = access_problem(body)
     if why is not None:
         return Refused(f"generation {body.generation}: {why}")
     if body.full is not None:

@@ -13,6 +13,7 @@ RootOnlySystem with the deadline added.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -130,6 +131,24 @@ class HelperContext:
 
                 self._intent = IntentVerifier(self.root, self.config)
             return self._intent
+
+
+# Root's files that can name command-signing roots (bcd_shared.joinrecord.JOIN_RECORD and
+# bcd_helper.intent.STATE_PATH; repeated here so the check below imports neither, nor pki with them).
+JOIN_RECORD_PATH = "/var/lib/bcd-hostconfig/join-response.pb"
+INTENT_STATE_PATH = "/var/lib/bcd-hostconfig/helper-intent.json"
+
+
+def no_roots_possible(ctx: HelperContext, presented: object | None) -> bool:
+    """True when nothing could name command-signing roots for this request: no pin of either kind in root's
+    config, no join record, no intent state (so no bundle ever accepted) and nothing presented. Ops that
+    bind to signed intent skip the signed-intent module then (it imports pki: memory and start time)."""
+    cfg = ctx.config
+    if cfg.join_signing_key_pin is not None or cfg.command_root_sha256 or presented is not None:
+        return False
+    return not any(
+        os.path.lexists(ctx.root.joinpath(p.lstrip("/"))) for p in (JOIN_RECORD_PATH, INTENT_STATE_PATH)
+    )
 
 
 @frozen

@@ -12,12 +12,25 @@ the root-only rule (HST-ROOT-08) and are atomic and durable.
   as root, so a hook there would be root's code execution;
 - allocation-env: /run/bcd/allocations/<id>.env 0644; KEY=VALUE lines, the first
   BCD_ALLOCATION_ID=<id>, no key twice;
-- k8s-token: /var/lib/bcd-hostconfig/k8s/bootstrap-token 0600, id ""; one kubeadm bootstrap token;
-- sshd-config: /etc/ssh/sshd_config.d/90-bcd.conf 0644, id ""; only bcd's three directives,
-  each pointing at bcd's own files;
-- sshd-ca: /etc/ssh/bcd/user_ca.pub 0644, id ""; OpenSSH public keys, one per line;
-- sshd-principals: /etc/ssh/bcd/principals/<id> 0644, id an account name; one principal a line;
-- sshd-krl: /etc/ssh/bcd/revoked.krl 0644, id ""; an OpenSSH KRL (binary, sent base64).
+- k8s-token: /var/lib/bcd-hostconfig/k8s/bootstrap-token 0600, id ""; one kubeadm bootstrap token.
+
+Limits (issue 9 item 8): per kind, at most MAX_FILES files and MAX_TOTAL bytes in the kind's directory
+(counting the new content in place of the file it replaces): cdi 1024 files, 32 MiB; allocation-env 1024
+files, 8 MiB, each env file at most 64 KiB (`too-many-files`, `too-large`).
+
+Signed devices section (issue 9 item 8): where command-signing roots exist (bcd_helper.intent), a write or
+removal of kind cdi or allocation-env carries `intent`, the signed spec the node keeps (as for host.unit),
+re-validated the same way (chain, node, generation never older). Its devices section (a full spec decides
+it; a patch must set it) must list the allocation for a write (`not-in-spec`); a cdi hold's devices must
+each be one of that allocation's atoms (`bcd.dev/device-id`), each device's container edits must be the
+vendor's edits for that atom's own GPU (named in root's /etc/cdi/nvidia.json by the GPU's UUID, its index
+as root's nvidia-smi reads it, or `<index>:<n>` / a MIG UUID for a MIG atom), and the spec-level edits
+only the vendor's common ones (`atoms-outside`). A removal is refused while the spec still lists the
+allocation (`hold-in-spec`): a node cannot pull a live hold's file and then reset its GPU. Without roots
+nothing is bound (HST-SIGN-33).
+
+There are no sshd kinds: the node never sends sshd text. Root renders the access section's files itself
+from the signed spec (access.apply, bcd_helper.ops.access; issue 9 item 1).
 """
 
 from __future__ import annotations
@@ -26,7 +39,6 @@ import base64
 import binascii
 import json
 import re
-import struct
 from collections.abc import Callable
 from typing import Any
 
@@ -34,37 +46,23 @@ from attrs import frozen
 from bcd_shared.rootpath import RootPathRefused, read_root_only, remove_root_only, write_root_only
 
 from bcd_helper.audit import canonical
-from bcd_helper.ops.base import Call, Refused, refused_path
+from bcd_helper.ops.base import Call, Refused, no_roots_possible, refused_path
 from bcd_helper.protocol import strict_loads
 
 MAX_CONTENT = 1024 * 1024
 ALLOCATION_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,80}$")
-ACCOUNT_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}$")
 _EMPTY_RE = re.compile(r"^$")
 _TOKEN_RE = re.compile(r"^[a-z0-9]{6}\.[a-z0-9]{16}\n?$")
-_KEY_TYPES = frozenset(
-    {
-        "ssh-ed25519",
-        "ssh-rsa",
-        "ecdsa-sha2-nistp256",
-        "ecdsa-sha2-nistp384",
-        "ecdsa-sha2-nistp521",
-        "sk-ssh-ed25519@openssh.com",
-        "sk-ecdsa-sha2-nistp256@openssh.com",
-    }
-)
-SSHD_DIR = "/etc/ssh/bcd"
-SSHD_CA = f"{SSHD_DIR}/user_ca.pub"
-SSHD_PRINCIPALS = f"{SSHD_DIR}/principals"
-SSHD_KRL = f"{SSHD_DIR}/revoked.krl"
-SSHD_DROPIN = "/etc/ssh/sshd_config.d/90-bcd.conf"
-SSHD_DIRECTIVES = {
-    "TrustedUserCAKeys": SSHD_CA,
-    "AuthorizedPrincipalsFile": f"{SSHD_PRINCIPALS}/%u",
-    "RevokedKeys": SSHD_KRL,
-}
-_DIRECTIVES_TEXT = ", ".join(f"{k} {v}" for k, v in SSHD_DIRECTIVES.items())
-KRL_MAGIC = b"SSHKRL\n\x00"
+
+
+@frozen
+class SignedSpec:
+    """The signed DesiredState body the node keeps, as for host.unit (base64)."""
+
+    body: str
+    signature: str
+    chain: tuple[str, ...] = ()
+    trust_bundle: str | None = None
 
 
 @frozen
@@ -73,12 +71,36 @@ class FileWrite:
     id: str
     content: str
     encoding: str = "utf-8"
+    intent: SignedSpec | None = None
 
 
 @frozen
 class FileRemove:
     kind: str
     id: str
+    intent: SignedSpec | None = None
+
+
+@frozen
+class KindLimit:
+    """How many files of a kind, and how many bytes in all, root keeps in its directory."""
+
+    directory: str
+    pattern: re.Pattern[str]
+    max_files: int
+    max_total: int
+    max_file: int
+
+
+LIMITS: dict[str, KindLimit] = {
+    "cdi": KindLimit(
+        "/etc/cdi", re.compile(r"^bcd-[A-Za-z0-9_]{1,80}\.json$"), 1024, 32 * 1024 * 1024, 1024 * 1024
+    ),
+    "allocation-env": KindLimit(
+        "/run/bcd/allocations", re.compile(r"^[A-Za-z0-9_]{1,80}\.env$"), 1024, 8 * 1024 * 1024, 64 * 1024
+    ),
+}
+BOUND_KINDS = frozenset({"cdi", "allocation-env"})
 
 
 # Besides C0 controls and DEL: C1 controls (NEL among them) and the Unicode line and paragraph
@@ -197,57 +219,6 @@ def _check_token(_ident: str, data: bytes) -> None:
         raise Refused("bad-content", "k8s-token: not a kubeadm bootstrap token ([a-z0-9]{6}.[a-z0-9]{16})")
 
 
-def _check_sshd_config(_ident: str, data: bytes) -> None:
-    seen: set[str] = set()
-    for n, line in enumerate(_text(data, "sshd-config").splitlines(), start=1):
-        if not line.strip() or line.startswith("#"):
-            continue
-        parts = line.split()
-        if len(parts) != 2 or SSHD_DIRECTIVES.get(parts[0]) != parts[1] or parts[0] in seen:
-            raise Refused(
-                "bad-content",
-                f"sshd-config line {n}: only {_DIRECTIVES_TEXT}, once each",
-            )
-        seen.add(parts[0])
-
-
-def _check_public_key(line: str, n: int) -> None:
-    parts = line.split(" ", 2)
-    if len(parts) < 2 or parts[0] not in _KEY_TYPES:
-        raise Refused("bad-content", f"sshd-ca line {n}: not one OpenSSH public key")
-    try:
-        blob = base64.b64decode(parts[1], validate=True)
-        (length,) = struct.unpack(">I", blob[:4])
-        inner = blob[4 : 4 + length].decode("ascii")
-    except (binascii.Error, struct.error, UnicodeDecodeError):
-        raise Refused("bad-content", f"sshd-ca line {n}: the key is not valid base64 key data") from None
-    if inner != parts[0]:
-        raise Refused("bad-content", f"sshd-ca line {n}: the key data is a {inner!r} key, not {parts[0]!r}")
-
-
-def _check_sshd_ca(_ident: str, data: bytes) -> None:
-    lines = [line for line in _text(data, "sshd-ca").splitlines()]
-    for n, line in enumerate(lines, start=1):
-        if line.strip() and not line.startswith("#"):
-            _check_public_key(line, n)
-
-
-def _check_principals(_ident: str, data: bytes) -> None:
-    lines = _text(data, "sshd-principals").splitlines()
-    if len(lines) > 1024:
-        raise Refused("bad-content", "sshd-principals: at most 1024 principals")
-    for n, line in enumerate(lines, start=1):
-        if not line or any(c.isspace() for c in line) or len(line) > 256:
-            raise Refused(
-                "bad-content", f"sshd-principals line {n}: one principal without whitespace, 1-256 chars"
-            )
-
-
-def _check_krl(_ident: str, data: bytes) -> None:
-    if not data.startswith(KRL_MAGIC):
-        raise Refused("bad-content", "sshd-krl: not an OpenSSH KRL (magic SSHKRL)")
-
-
 @frozen
 class FileKind:
     path: Callable[[str], str]
@@ -279,12 +250,6 @@ FILE_KINDS: dict[str, FileKind] = {
     "k8s-token": FileKind(
         lambda _i: "/var/lib/bcd-hostconfig/k8s/bootstrap-token", _EMPTY_RE, "empty", 0o600, _check_token
     ),
-    "sshd-config": FileKind(lambda _i: SSHD_DROPIN, _EMPTY_RE, "empty", 0o644, _check_sshd_config),
-    "sshd-ca": FileKind(lambda _i: SSHD_CA, _EMPTY_RE, "empty", 0o644, _check_sshd_ca),
-    "sshd-principals": FileKind(
-        lambda i: f"{SSHD_PRINCIPALS}/{i}", ACCOUNT_RE, "an account name", 0o644, _check_principals
-    ),
-    "sshd-krl": FileKind(lambda _i: SSHD_KRL, _EMPTY_RE, "empty", 0o644, _check_krl, encoding="base64"),
 }
 
 
@@ -319,12 +284,178 @@ def _content(spec: FileKind, req: FileWrite) -> bytes:
     return data
 
 
+def _check_limits(call: Call, kind: str, path: str, size: int) -> None:
+    import os
+
+    from bcd_shared.rootpath import split_host_path, verified_dir
+
+    limit = LIMITS.get(kind)
+    if limit is None:
+        return
+    if size > limit.max_file:
+        raise Refused("too-large", f"{kind}: content larger than {limit.max_file} bytes")
+    own = path.rsplit("/", 1)[1]
+    count, total = 1, size
+    try:
+        with verified_dir(call.ctx.root, split_host_path(limit.directory), create=False) as dfd:
+            for name in os.listdir(dfd):
+                if name == own or not limit.pattern.fullmatch(name):
+                    continue
+                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+                count += 1
+                total += st.st_size
+    except FileNotFoundError:
+        return
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    if count > limit.max_files:
+        raise Refused(
+            "too-many-files", f"{kind}: root keeps at most {limit.max_files} files in {limit.directory}"
+        )
+    if total > limit.max_total:
+        raise Refused(
+            "too-many-files",
+            f"{kind}: root keeps at most {limit.max_total} bytes in all in {limit.directory}",
+        )
+
+
+def _signed_assignment(
+    call: Call, op: str, kind: str, ident: str, intent: SignedSpec | None
+) -> tuple[Any, Any]:
+    """With roots: (the spec's assignment for `ident` or None, the next intent state); (None, None) and
+    nothing checked without roots."""
+    if no_roots_possible(call.ctx, intent):
+        return None, None
+    checked = call.ctx.intent_verifier().check_spec(f"{op} {kind}", intent)
+    if not checked.roots:
+        return None, None
+    decoded = checked.decoded
+    assert decoded is not None  # verified against the roots
+    if decoded.full is not None:
+        section = decoded.full.devices
+    elif decoded.patch is not None and decoded.patch.devices is not None:
+        section = decoded.patch.devices
+    else:
+        raise Refused(
+            "bad-intent",
+            f"{op} {kind}: the signed spec (generation {decoded.generation}) sets no devices section",
+        )
+    assignments = [
+        a for a in (section.assignments if section is not None else []) if a.allocation_id == ident
+    ]
+    return (assignments[0] if assignments else None), (checked.next_state, decoded.generation)
+
+
+def _vendor_devices(call: Call) -> Any:
+    from bcd_shared import cdi
+
+    try:
+        data = read_root_only(call.ctx.root, cdi.VENDOR_SPEC_PATH, 16 * MAX_CONTENT)
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    if data is None:
+        return None
+    try:
+        return cdi.parse_vendor_spec(data)
+    except cdi.CdiError as exc:
+        raise Refused("bad-content", f"cdi: root's {cdi.VENDOR_SPEC_PATH}: {exc}") from None
+
+
+def _gpu_indexes(call: Call) -> dict[str, str]:
+    """GPU UUID -> index, as root's nvidia-smi lists them (empty without nvidia-smi)."""
+    result = call.system.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], timeout=60)
+    out: dict[str, str] = {}
+    if result.ok:
+        for line in result.stdout.decode(errors="replace").splitlines():
+            index, _, uuid = (p.strip() for p in line.partition(","))
+            if index.isdigit() and uuid:
+                out[uuid] = index
+    return out
+
+
+def _edit_items(edits: Any) -> set[tuple[str, bytes]]:
+    out: set[tuple[str, bytes]] = set()
+    for key, value in (edits or {}).items():
+        if key != "env":
+            out.update((key, canonical(v)) for v in (value if isinstance(value, list) else [value]))
+    return out
+
+
+def _check_atoms(call: Call, ident: str, data: bytes, assignment: Any) -> None:
+    """A signed hold carries only its allocation's atoms, each with its own GPU's vendor edits."""
+    doc = json.loads(data)  # _check_cdi found it strict JSON
+    atoms = {a.id for a in assignment.devices}
+    vendor = None
+    indexes: dict[str, str] | None = None
+    for i, dev in enumerate(doc["devices"]):
+        atom = dev["annotations"]["bcd.dev/device-id"]  # parse_hold_spec checked it is there
+        if atom not in atoms:
+            raise Refused(
+                "atoms-outside",
+                f"cdi: devices[{i}]: {atom!r} is not an atom of allocation {ident} in the signed spec",
+            )
+        edits = _edit_items(dev.get("containerEdits"))
+        if not edits:
+            continue
+        if vendor is None:
+            vendor = _vendor_devices(call)
+            indexes = _gpu_indexes(call)
+        assert indexes is not None
+        gpu = atom.split("/")[0]
+        names = {gpu}
+        index = indexes.get(gpu)
+        if index is not None:
+            names.add(index)
+        allowed: set[tuple[str, bytes]] = set()
+        for name, vedits in vendor.devices.items() if vendor is not None else []:
+            mine = name in names or (
+                "/gi" in atom
+                and ((index is not None and name.startswith(f"{index}:")) or name.startswith("MIG-"))
+            )
+            if mine or set(vendor.devices) == {"all"}:
+                allowed |= _edit_items(vedits)
+        outside = edits - allowed
+        if outside:
+            key, item = sorted(outside)[0]
+            raise Refused(
+                "atoms-outside",
+                f"cdi: devices[{i}].containerEdits.{key}: {item[:200].decode()} is not the vendor's edit for "
+                f"{gpu}: a hold device carries only its own GPU's edits",
+            )
+    common = _edit_items(doc.get("containerEdits"))
+    if common:
+        vendor = vendor if vendor is not None else _vendor_devices(call)
+        outside = common - (_edit_items(vendor.common_edits) if vendor is not None else set())
+        if outside:
+            key, item = sorted(outside)[0]
+            raise Refused(
+                "atoms-outside",
+                f"cdi: containerEdits.{key}: {item[:200].decode()} is not one of the vendor's common edits",
+            )
+
+
 def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
     spec, path = _kind(req.kind, req.id)
     data = _content(spec, req)
     spec.check(req.id, data)
+    _check_limits(call, req.kind, path, len(data))
+    next_state = None
+    if req.kind in BOUND_KINDS:
+        assignment, signed = _signed_assignment(call, "file.write", req.kind, req.id, req.intent)
+        if signed is not None:
+            next_state, generation = signed
+            if assignment is None:
+                raise Refused(
+                    "not-in-spec",
+                    f"{req.kind}: allocation {req.id} is not in the signed spec's devices section "
+                    f"(generation {generation})",
+                )
+            if req.kind == "cdi":
+                _check_atoms(call, req.id, data, assignment)
     if spec.host_check is not None:
         spec.host_check(call, req.id, data)
+    if next_state is not None:  # durable before effect
+        call.ctx.intent_verifier().save_state(next_state)
     try:
         write_root_only(call.ctx.root, path, data, spec.mode)
     except RootPathRefused as exc:
@@ -334,6 +465,18 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
 
 def file_remove(call: Call, req: FileRemove) -> dict[str, Any]:
     _spec, path = _kind(req.kind, req.id)
+    if req.kind in BOUND_KINDS:
+        assignment, signed = _signed_assignment(call, "file.remove", req.kind, req.id, req.intent)
+        if signed is not None:
+            next_state, generation = signed
+            if assignment is not None:
+                raise Refused(
+                    "hold-in-spec",
+                    f"{req.kind}: allocation {req.id} is still in the signed spec's devices section "
+                    f"(generation {generation}): its hold stays",
+                )
+            if next_state is not None:
+                call.ctx.intent_verifier().save_state(next_state)
     try:
         removed = remove_root_only(call.ctx.root, path)
     except RootPathRefused as exc:

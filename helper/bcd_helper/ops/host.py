@@ -7,6 +7,12 @@ pulls a GPU from under a workload. A GPU nvidia-smi does not list comes back `re
 message: unknown GPU`. Each other GPU is reset with `nvidia-smi --gpu-reset -i <uuid>`; a failure
 is that GPU's message.
 
+Signed commands (issue 9 item 10): with command-signing roots (bcd_helper.intent: pins, root's join record,
+a presented bundle), both ops need the signed Command the node received (`command`: body, signature,
+chain, trust_bundle, base64) and re-validate it: its signature, kind, node and `not_after`
+(IntentVerifier.check_command), and for gpu.reset every GPU asked for must be named in the command's
+GpuResetRequest. Where nothing names roots, root acts on the request alone (HST-SIGN-33).
+
 node.reboot: root's own busy check is the helper's locks: a reboot never starts while a host.unit
 (a driver install, a MIG change) or a daemon.swap is running (`busy`); then `systemctl reboot`.
 """
@@ -19,20 +25,40 @@ from typing import Any
 from attrs import frozen
 
 from bcd_helper.busy import BusyUnknown, busy_gpus, known_gpus
-from bcd_helper.ops.base import Call, Failed, Refused
+from bcd_helper.ops.base import Call, Failed, Refused, no_roots_possible
 
 GPU_UUID_RE = re.compile(r"^GPU-[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$")
 MAX_RESET = 64
 
 
 @frozen
+class SignedCommand:
+    """The Command the node received, as the node forwards it (base64)."""
+
+    body: str
+    signature: str
+    chain: tuple[str, ...] = ()
+    trust_bundle: str | None = None
+
+
+@frozen
 class GpuReset:
     gpu_uuids: tuple[str, ...]
+    command: SignedCommand | None = None
 
 
 @frozen
 class NodeReboot:
-    pass
+    command: SignedCommand | None = None
+
+
+def _payload(op: str, body: Any, cls: type[Any]) -> Any:
+    from bcd_shared.wire.strict import WireError, unpack_any
+
+    try:
+        return unpack_any(body.payload, cls)
+    except WireError as exc:
+        raise Refused("command-mismatch", f"{op}: the signed command's payload: {exc}") from None
 
 
 @frozen
@@ -50,6 +76,19 @@ def gpu_reset(call: Call, req: GpuReset) -> dict[str, Any]:
     for i, uuid in enumerate(req.gpu_uuids):
         if not GPU_UUID_RE.fullmatch(uuid):
             raise Refused("invalid-payload", f"gpu_uuids[{i}]: {uuid!r} is not a GPU UUID")
+    signed = None
+    if not no_roots_possible(call.ctx, req.command):
+        signed = call.ctx.intent_verifier().check_command("gpu.reset", req.command)
+    if signed is not None:
+        from bcd_shared.wire import GpuResetRequest
+
+        named = set(_payload("gpu.reset", signed, GpuResetRequest).gpu_uuids)
+        outside = [u for u in req.gpu_uuids if u not in named]
+        if outside:
+            raise Refused(
+                "command-mismatch",
+                f"gpu.reset: the signed command does not name {', '.join(outside)}",
+            )
     try:
         busy = busy_gpus(call.system)
         known = known_gpus(call.system)
@@ -71,7 +110,14 @@ def gpu_reset(call: Call, req: GpuReset) -> dict[str, Any]:
     return {"gpus": out}
 
 
-def node_reboot(call: Call, _req: NodeReboot) -> dict[str, Any]:
+def node_reboot(call: Call, req: NodeReboot) -> dict[str, Any]:
+    signed = None
+    if not no_roots_possible(call.ctx, req.command):
+        signed = call.ctx.intent_verifier().check_command("node.reboot", req.command)
+    if signed is not None:
+        from bcd_shared.wire import NodeRebootRequest
+
+        _payload("node.reboot", signed, NodeRebootRequest)
     result = call.system.run(["systemctl", "reboot"], timeout=60)
     if not result.ok:
         raise Failed("systemctl", result.describe())

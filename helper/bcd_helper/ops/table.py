@@ -5,7 +5,8 @@ Each row: request type (decoded strictly), handler, timeout in seconds, the lock
 and a one-line summary. docs/helper-rpc.md documents every row (a test checks it). The libvirt.*,
 ch.* and nft.* operations of the instances section slot in as rows of the same shape.
 
-Locks: `units` (host.unit: one unit at a time), `gpus` (what changes the GPUs' holders: cdi files,
+Locks: `units` (host.unit: one unit at a time), `access` (access.apply: one render at a time),
+`gpus` (what changes the GPUs' holders: cdi files,
 gpu.reset, and host.unit for mig-layout via `units`), `system` (node.reboot, daemon.swap and
 daemon.confirm: a reboot never lands in the middle of a swap). Flag `nowait`: a held
 lock refuses the request as `busy` instead of waiting (a reboot never waits behind a driver install).
@@ -17,10 +18,10 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_helper.ops import daemon, files, host, hostunit, slices
+from bcd_helper.ops import access, daemon, files, host, hostunit, slices
 from bcd_helper.ops.base import Handler
 
-LOCK_ORDER = ("units", "gpus", "slices", "system")
+LOCK_ORDER = ("units", "access", "gpus", "slices", "system")
 MINUTE = 60.0
 
 
@@ -97,6 +98,13 @@ OPS: dict[str, OpSpec] = {
         locks=("units",),
         shown=("unit", "busy_gpus"),
         summary="re-plan and apply one config unit as root from its name and settings",
+    ),
+    "access.apply": _op(
+        access.AccessApply,
+        access.access_apply,
+        2 * MINUTE,
+        locks=("access",),
+        summary="render and write the access section's sshd files from the signed spec; reload sshd",
     ),
     "gpu.reset": _op(
         host.GpuReset,

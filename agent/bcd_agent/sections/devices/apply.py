@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from attrs import frozen
 from bcd_shared import cdi
@@ -188,9 +188,11 @@ class DirectExecutor:
 
 
 class HelperClientLike(Protocol):
-    def file_write(self, kind: str, ident: str, content: bytes | str) -> object: ...
+    def file_write(
+        self, kind: str, ident: str, content: bytes | str, intent: Mapping[str, Any] | None = ...
+    ) -> object: ...
 
-    def file_remove(self, kind: str, ident: str) -> bool: ...
+    def file_remove(self, kind: str, ident: str, intent: Mapping[str, Any] | None = ...) -> bool: ...
 
     def slice_apply(
         self,
@@ -208,23 +210,32 @@ class HelperClientLike(Protocol):
     def slice_remove(self, name: str) -> object: ...
 
 
-class HelperExecutor:
-    """Asks the root helper for each write (bcd_agent.helperclient.HelperClient)."""
+def _no_intent() -> Mapping[str, Any] | None:
+    return None
 
-    def __init__(self, client: HelperClientLike) -> None:
+
+class HelperExecutor:
+    """Asks the root helper for each write (bcd_agent.helperclient.HelperClient). `intent` gives the
+    signed spec the node keeps (sections.host.intent.intent_args), sent with every hold write and removal:
+    with command-signing roots, root binds holds to the spec's devices section (issue 9 item 8)."""
+
+    def __init__(
+        self, client: HelperClientLike, intent: Callable[[], Mapping[str, Any] | None] = _no_intent
+    ) -> None:
         self.client = client
+        self.intent = intent
 
     def write_cdi(self, allocation_id: str, data: bytes) -> None:
-        self.client.file_write("cdi", allocation_id, data)
+        self.client.file_write("cdi", allocation_id, data, self.intent())
 
     def remove_cdi(self, allocation_id: str) -> None:
-        self.client.file_remove("cdi", allocation_id)
+        self.client.file_remove("cdi", allocation_id, self.intent())
 
     def write_env(self, allocation_id: str, data: bytes) -> None:
-        self.client.file_write("allocation-env", allocation_id, data)
+        self.client.file_write("allocation-env", allocation_id, data, self.intent())
 
     def remove_env(self, allocation_id: str) -> None:
-        self.client.file_remove("allocation-env", allocation_id)
+        self.client.file_remove("allocation-env", allocation_id, self.intent())
 
     def apply_slice(self, spec: SliceSpec, reset: tuple[str, ...] = ()) -> None:
         # The same properties as the direct executor: a 0 CPU quota or memory limit is no limit
