@@ -112,7 +112,7 @@ OPS: dict[str, OpSpec] = {
         daemon.daemon_swap,
         10 * MINUTE,
         locks=("system",),
-        shown=("version", "url", "sha256", "artifact", "confirm_timeout_s"),
+        shown=("version", "url", "sha256", "artifact", "confirm_timeout_s", "rollback"),
         summary="verify a signed release and swap it in, keeping the previous one for rollback",
     ),
     "daemon.confirm": _op(
