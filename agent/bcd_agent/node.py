@@ -95,6 +95,7 @@ class Node:
         self.host_section: Any = None  # nodeparts.host.NodeHostSection, when built
         self.secrets: Any = None  # session.secrets.SecretRequests
         self.handlers: dict[str, Any] = {}
+        self.upgrader: Any = None  # sections.daemon.upgrade.Upgrader, under the helper
         self.started_monotonic: float | None = None
         self.sweeps = 0  # journal sweeps run by this process (the one at start included)
 
@@ -147,6 +148,11 @@ class Node:
             sections.append(
                 DevicesSection(system, executor, sink, signer, self.config.data_dir, privileged=privileged)
             )
+        upgrader = self._upgrader()
+        if upgrader is not None:
+            from bcd_agent.sections.daemon.section import DaemonSection
+
+            sections.append(DaemonSection(upgrader, self.config.data_dir))
         return sections
 
     def _host_section(self, system: Any, identity: Any, trio_token: Any) -> Any:
@@ -279,8 +285,32 @@ class Node:
                     EffectHandler(Path(self.config.data_dir) / "test-effects.log", during_effect=during)
                 )
             )
+        upgrader = self._upgrader()
+        if upgrader is not None:
+            from bcd_agent.kinds.daemon import KIND as UPGRADE
+            from bcd_agent.kinds.daemon import DaemonUpgradeHandler
+
+            handlers[UPGRADE] = DaemonUpgradeHandler(upgrader)
         handlers.update(self.options.extra_handlers)
         return handlers
+
+    def _upgrader(self) -> Any:
+        """Self-update's node half (sections.daemon), only under the helper on a real host (DLV-CONV-15;
+        a simulated host, `bcd sim`, reports a non-empty daemon section UNSUPPORTED as the seeds say); one
+        per process so that the running release confirms itself once."""
+        if self._helper_socket() is None or self.options.root != "/":
+            return None
+        if self.upgrader is None:
+            from bcd_agent.sections.daemon import running_version
+            from bcd_agent.sections.daemon.upgrade import Upgrader
+
+            self.upgrader = Upgrader(
+                self._helper_client(),
+                self.config.data_dir,
+                running_version(),
+                trust_bundle=self._signed_bundle,
+            )
+        return self.upgrader
 
     def _endpoint(self, identity: Any) -> Any:
         from bcd_agent.session.identity import write_tls_client_pem
@@ -360,7 +390,7 @@ class Node:
                 data_dir=cfg.data_dir,
                 status=self.status,
                 signer=result_signer,
-                version=VERSION,
+                version=self._upgrader().running_version if self._upgrader() is not None else VERSION,
                 monotonic=trio.current_time,
                 inventory_hashes=inventory.hashes,
                 secrets=self.secrets,

@@ -20,6 +20,8 @@ its staging directory (`/var/lib/bcd/staging`) and asks the helper to swap it in
    unless the signed manifest is a rollback intent (`rollback: true`) naming it; the installed version
    again is a no-op with the same SHA-256 (`daemon.upgrade` is retry-safe) and `version-reused` with
    another one (one version, one artifact: TUF's mix-and-match); a version with no order is refused;
+   the release just rolled back, named again by a spec no newer than the one that named it, is
+   `release-failed` (no swap-and-roll-back loop; a newer spec or a new command tries it again);
 6. opens the artifact only inside the staging directory: the directories down to it are opened one by
    one relative to the verified fd before them, never through a symlink (those above the node's data
    directory root-only, the data directory and staging directory owned by the node's uid and writable
@@ -33,14 +35,16 @@ its staging directory (`/var/lib/bcd/staging`) and asks the helper to swap it in
    and flips `/usr/lib/bcd/bcd`, a symlink, to it atomically (a new link renamed over the old, directory
    fsynced: systemd-sysupdate's A/B). The previous release's directory stays; a packaged install's
    regular file is moved into `releases/initial/` at the first swap. A failure on the way flips back;
-8. waits for `daemon.confirm` from the new release: `healthy: true` confirms and prunes every release
+8. restarts `bcd-node.service` (`systemctl --no-block restart`) so that the node runs the new release
+   (also when the node asks for the release already installed: it is not running it);
+9. waits for `daemon.confirm` from the new release: `healthy: true` confirms and prunes every release
    directory but the installed and the previous one; `healthy: false`, or no confirmation before the
    deadline (a timer in the helper, re-armed when the helper starts), rolls back: the link is flipped
    back to the previous release (or removed when there was none), the record says `rolled-back`, and
    `systemctl --no-block restart bcd-node.service` starts the node on the previous release. A rollback
    by the timer is audited as op `daemon.rollback`.
-The node ends its own process after a swap (`daemon.upgrade` is self-terminating); systemd starts it
-again from the new release.
+`daemon.upgrade` is self-terminating: the restart ends the process that ran it; the journal runs it
+again in the new one (retry-safe), which finds itself running the version and completes it.
 """
 
 from __future__ import annotations
@@ -653,13 +657,30 @@ def daemon_swap(call: Call, req: DaemonSwap) -> dict[str, Any]:
     generation, command_id = _check_freshness(
         call, req, signed, chain, view.roots, view.state.node_id, floor, doc, now
     )
+    if (
+        doc is not None
+        and doc["state"] == "rolled-back"
+        and doc["previous_version"] == manifest.version
+        and doc["previous_sha256"] == manifest.sha256
+        and not command_id
+        and generation <= doc["spec_generation"]
+    ):
+        # The release that was just rolled back, from the same spec again: it would be swapped in and
+        # rolled back every pass. A newer spec, or a new daemon.upgrade command, may try it again.
+        raise Refused(
+            "release-failed",
+            f"daemon.swap: {manifest.version} was rolled back ({doc['reason']}); only a newer spec than "
+            f"generation {doc['spec_generation']} or a daemon.upgrade command tries it again",
+        )
     if _check_order(signed, doc):
         assert doc is not None
+        # The node asks for what is installed, so it is not running it: it restarts onto it.
         return {
             "version": manifest.version,
             "previous_version": doc["previous_version"],
             "path": INSTALLED,
             "already_installed": True,
+            "restart": _restart_node(call.ctx),
         }
     artifact = _read_artifact(call, req.artifact)
     try:
@@ -724,6 +745,7 @@ def _swap_in(
         "previous_version": previous_version,
         "path": INSTALLED,
         "confirm_by_ms": pending["deadline_ms"],
+        "restart": _restart_node(ctx),  # the node starts again on the new release
     }
 
 
