@@ -264,6 +264,10 @@ class Node:
             publish = self.inventory.publish if self.inventory is not None else (lambda _r: None)
             handlers[INVENTORY] = InventoryRefreshHandler(SystemInventoryCollector(system, publish))
             handlers[nk.DIAG_NVML] = nk.DiagNvmlHandler(system)
+            from bcd_agent.kinds.dcgm import KIND as DIAG_DCGM
+            from bcd_agent.kinds.dcgm import DiagDcgmHandler
+
+            handlers[DIAG_DCGM] = DiagDcgmHandler(system, self.config.data_dir)
             if self._acts_on_host():
                 helper = self._helper_client() if self._helper_socket() is not None else None
                 handlers[nk.GPU_RESET] = nk.GpuResetHandler(system, self.config.data_dir, helper)

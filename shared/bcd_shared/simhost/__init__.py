@@ -42,6 +42,7 @@ TOOLS: dict[str, str] = {
     "zypper": "pkg:zypper",  # host-config units
     "kubeadm": "kube:kubeadm",  # host-config units
     "kubectl": "kube:kubectl",  # host-config units
+    "dcgmi": "dcgmi:dcgmi",  # diag.dcgm
 }
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"
