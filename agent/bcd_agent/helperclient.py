@@ -39,6 +39,7 @@ OP_TIMEOUT_S: Mapping[str, float] = {
     "node.reboot": 120,
     "daemon.swap": 10 * 60,
     "daemon.confirm": 120,
+    "audit.tail": 30,
 }
 _LEN = struct.Struct(">I")
 
@@ -230,6 +231,10 @@ class HelperClient:
     def daemon_confirm(self, version: str, *, healthy: bool = True) -> dict[str, Any]:
         """The running release confirms itself (or, unhealthy, asks root to roll back)."""
         return self.call("daemon.confirm", {"version": version, "healthy": healthy})
+
+    def audit_tail(self, max_bytes: int = 256 * 1024) -> str:
+        """The newest whole lines of root's audit log (at most `max_bytes`), for logs.collect."""
+        return str(self.call("audit.tail", {"max_bytes": max_bytes}).get("text", ""))
 
 
 class TrioHelperClient:

@@ -289,6 +289,16 @@ class Node:
                     EffectHandler(Path(self.config.data_dir) / "test-effects.log", during_effect=during)
                 )
             )
+        from bcd_agent.kinds import logs
+
+        journal = self.journal
+        tail = self._helper_client().audit_tail if self._helper_socket() is not None else None
+        handlers[logs.KIND] = logs.LogsCollectHandler(
+            system,
+            self.config.data_dir,
+            journal_summary=lambda: logs.journal_summary(journal),
+            audit_tail=tail,
+        )
         upgrader = self._upgrader()
         if upgrader is not None:
             from bcd_agent.kinds.daemon import KIND as UPGRADE

@@ -13,9 +13,7 @@ the helper), DLV-SPEC-08 (the section's version, URL, SHA-256 and signature are 
 
 from __future__ import annotations
 
-import datetime as dt
 import importlib
-import ipaddress
 import json
 import os
 import shutil
@@ -39,14 +37,11 @@ from bcd_agent.sections.host.intent import write_host_intent
 from bcd_shared import wire
 from bcd_shared.pki import Purpose
 from bcd_shared.release import ReleaseManifest, sign_release
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from helperproc import HelperProcess, base_config
 from intentkit import ControlPlane, Signer
 from releasekit import LINK, NODE_ID, NODE_UID, RECORD
 from testsupport import REPO
+from tlskit import make_tls
 
 VERSIONS = ("0.9.0", "1.0.0", "1.1.0")
 PY = sys.executable
@@ -110,47 +105,6 @@ def test_the_builds_are_real_and_know_their_versions(releases: dict[str, Path]) 
 # --- an HTTPS release server -------------------------------------------------------------------------------
 
 
-def _tls(work: Path) -> tuple[Path, Path, Path]:
-    """A CA, and a certificate for 127.0.0.1 it issued: (ca.pem, cert.pem, key.pem)."""
-    now = dt.datetime.now(dt.UTC)
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "test release CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(1)
-        .not_valid_before(now - dt.timedelta(hours=1))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
-        .sign(ca_key, hashes.SHA256())
-    )
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(2)
-        .not_valid_before(now - dt.timedelta(hours=1))
-        .not_valid_after(now + dt.timedelta(days=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), False
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    paths = (work / "ca.pem", work / "cert.pem", work / "key.pem")
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
-    paths[0].chmod(0o644)
-    return paths
-
-
 SERVER = """
 import http.server, ssl, sys, functools
 handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])
@@ -166,7 +120,7 @@ httpd.serve_forever()
 @pytest.fixture(scope="module")
 def server(work: Path, releases: dict[str, Path]) -> Iterator[tuple[str, Path]]:
     """(base URL, CA file) of an HTTPS server serving /bcd/<version>/bcd."""
-    ca, cert, key = _tls(work)
+    ca, cert, key = make_tls(work)
     docroot = work / "www"
     for version, artifact in releases.items():
         (docroot / "bcd" / version).mkdir(parents=True)

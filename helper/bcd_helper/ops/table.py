@@ -17,7 +17,7 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_helper.ops import daemon, files, host, hostunit, slices
+from bcd_helper.ops import daemon, files, host, hostunit, logs, slices
 from bcd_helper.ops.base import Handler
 
 LOCK_ORDER = ("units", "gpus", "slices", "system")
@@ -122,6 +122,13 @@ OPS: dict[str, OpSpec] = {
         locks=("system",),
         shown=("version", "healthy"),
         summary="confirm the swapped release, or roll it back when it is unhealthy",
+    ),
+    "audit.tail": _op(
+        logs.AuditTail,
+        logs.audit_tail,
+        30,
+        shown=("max_bytes",),
+        summary="the newest lines of root's audit log, for logs.collect",
     ),
     "node.reboot": _op(
         host.NodeReboot,

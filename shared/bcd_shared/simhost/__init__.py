@@ -43,6 +43,7 @@ TOOLS: dict[str, str] = {
     "kubeadm": "kube:kubeadm",  # host-config units
     "kubectl": "kube:kubectl",  # host-config units
     "dcgmi": "dcgmi:dcgmi",  # diag.dcgm
+    "journalctl": "journalctl:journalctl",  # logs.collect
 }
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"
