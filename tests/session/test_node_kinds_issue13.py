@@ -1,8 +1,7 @@
 """What `bcd node` registers for issue 13: `diag.dcgm` and `logs.collect` everywhere the node runs;
 `daemon.upgrade` and the `daemon` section only under the helper on a real host (a simulated host, `bcd sim`,
-reports a non-empty daemon section UNSUPPORTED, as the seeds say); `driver.invoke` nowhere.
-
-Covers DLV-CONV-07 (on `bcd node` under the helper there is a `daemon` converger; in `bcd sim` none)."""
+reports a non-empty daemon section UNSUPPORTED, as the seeds say); `driver.invoke` nowhere. (The daemon
+half of the seeds' list of convergers; the rest is other sections'.)"""
 
 from __future__ import annotations
 
@@ -23,7 +22,7 @@ def _node(tmp_path: Path, *, helper: bool, root: str) -> Node:
     return Node(load_config(str(toml)), NodeOptions(root=root))
 
 
-def test_DLV_CONV_07_the_daemon_converger_and_upgrade_kind_only_under_the_helper_on_a_real_host(
+def test_the_daemon_converger_and_upgrade_kind_only_under_the_helper_on_a_real_host(
     tmp_path: Path,
 ) -> None:
     host = tmp_path / "host"
