@@ -54,3 +54,12 @@ def test_plan_steps() -> None:
     assert plan(target, Observed("1.0.0", None)) == (Step.DOWNLOAD, Step.SWAP, Step.RESTART)
     assert plan(target, Observed("1.0.0", "cd" * 32)) == (Step.DOWNLOAD, Step.SWAP, Step.RESTART)
     assert plan(target, Observed("1.0.0", SHA)) == (Step.SWAP, Step.RESTART)
+
+
+def test_is_empty_never_raises_on_a_bad_section() -> None:
+    from bcd_agent.sections.daemon.section import DaemonSection
+
+    section = DaemonSection.__new__(DaemonSection)  # is_empty needs none of its parts
+    assert section.is_empty(None) and section.is_empty(wire.DaemonSection())
+    assert not section.is_empty(_section(version="../bad"))
+    assert not section.is_empty(wire.DaemonSection(rollback=True))

@@ -41,9 +41,11 @@ class DaemonSection:
         self.data_dir = Path(data_dir)
 
     def is_empty(self, desired: object | None) -> bool:
-        return desired is None or (
-            isinstance(desired, wire.DaemonSection) and target_from_wire(desired) is None
-        )
+        if desired is None:
+            return True
+        if not isinstance(desired, wire.DaemonSection):
+            return False
+        return not (desired.version or desired.url or desired.sha256 or desired.signature or desired.rollback)
 
     def observe(self, target: ReleaseTarget | None) -> Observed:
         staged = staged_sha256(self.upgrader.staging, target.artifact_name) if target is not None else None
