@@ -4,7 +4,8 @@ into release artifacts (`bcd release build`), served over real HTTPS, downloaded
 section running as the node's uid, verified and swapped in by a real `bcd helper serve`, and confirmed
 by the new release itself running (`bcd release confirm` from the installed artifact). Then a release
 that never confirms is rolled back by root's timer and not retried from the same spec, and the old
-release replayed in a newer spec is refused.
+release replayed in a newer spec is refused. And the command path: `daemon.upgrade` swaps with the signed
+command as the release's freshness, and completes when the journal runs it again in the new release.
 
 Covers DLV-CONV-15 (the node converges `daemon` under the helper, downloading the release itself),
 DLV-CONV-16 (the helper verifies and swaps it), DLV-PRIV-10 (verify, swap, confirm, roll back through
@@ -22,11 +23,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import trio
 from bcd_agent.converge.section import Observation, PassContext
 from bcd_agent.converge.types import DesiredSpec
 from bcd_agent.helperclient import HelperClient
@@ -140,17 +142,11 @@ def server(work: Path, releases: dict[str, Path]) -> Iterator[tuple[str, Path]]:
 # --- the node, as its own uid ------------------------------------------------------------------------------
 
 
-def node_pass(
-    h: HelperProcess,
-    ca: Path,
-    running: str,
-    section: wire.DaemonSection,
-    generation: int,
-    *,
-    timeout_s: int = 600,
+def as_node(
+    h: HelperProcess, ca: Path, running: str, act: Callable[[Upgrader], dict[str, Any]], timeout_s: int = 600
 ) -> dict[str, Any]:
-    """One pass of the node's daemon section in a child process of the node's uid and gid; its outcome
-    ({state, reason, message}) or its exception ({error, reason, message})."""
+    """Run `act` with the node's Upgrader in a child process of the node's uid and gid; what it returns,
+    or its exception as {error, reason, message}."""
     data_dir = h.root / "var/lib/bcd"
     # The child of the node's uid cannot read the interpreter's files (they are under /root): whatever
     # it imports lazily is imported here first.
@@ -172,15 +168,11 @@ def node_pass(
                 ssl_context=lambda: ssl.create_default_context(cafile=str(ca)),
                 confirm_timeout_s=timeout_s,
             )
-            spec = DesiredSpec(
-                generation=generation, spec_hash=f"h{generation}", sections={"daemon": section}
-            )
-            ctx = PassContext(spec=spec, pass_number=1, reasons=frozenset({"spec"}), now_monotonic=0.0)
             try:
-                out = DaemonSection(upgrader, data_dir).converge(section, Observation(), ctx)
-                doc: dict[str, Any] = {"state": out.state.name, "reason": out.reason, "message": out.message}
+                doc = act(upgrader)
             except Exception as exc:  # reported to the parent
-                doc = {"error": type(exc).__name__, "reason": getattr(exc, "reason", ""), "message": str(exc)}
+                reason = getattr(exc, "reason", getattr(exc, "code", ""))
+                doc = {"error": type(exc).__name__, "reason": reason, "message": str(exc)}
             os.write(write, json.dumps(doc).encode())
             code = 0
         finally:
@@ -191,6 +183,26 @@ def node_pass(
     _pid, status = os.waitpid(pid, 0)
     assert status == 0, data
     return dict(json.loads(data))
+
+
+def node_pass(
+    h: HelperProcess,
+    ca: Path,
+    running: str,
+    section: wire.DaemonSection,
+    generation: int,
+    *,
+    timeout_s: int = 600,
+) -> dict[str, Any]:
+    """One pass of the node's daemon section, as the node's uid: its outcome ({state, reason, message})."""
+
+    def act(upgrader: Upgrader) -> dict[str, Any]:
+        spec = DesiredSpec(generation=generation, spec_hash=f"h{generation}", sections={"daemon": section})
+        ctx = PassContext(spec=spec, pass_number=1, reasons=frozenset({"spec"}), now_monotonic=0.0)
+        out = DaemonSection(upgrader, h.root / "var/lib/bcd").converge(section, Observation(), ctx)
+        return {"state": out.state.name, "reason": out.reason, "message": out.message}
+
+    return as_node(h, ca, running, act, timeout_s)
 
 
 def signed_spec(h: HelperProcess, signer: Signer, section: wire.DaemonSection, generation: int) -> None:
@@ -301,3 +313,62 @@ def test_DLV_CONV_15_16_DLV_PRIV_10_upgrade_confirm_roll_back_and_refuse_a_repla
     assert (out.get("error"), out.get("reason")) == ("TerminalError", "downgrade"), out
     assert (os.readlink(installed), _record(h)) == before
     assert run_release(installed, "release", "version") == "1.0.0"
+
+
+class _Ctx:
+    boot_id = "boot-1"
+    cancel_requested = False
+
+    async def begin_effect(self) -> None:
+        pass
+
+
+def _upgrade_command(signer: Signer, section: wire.DaemonSection) -> Any:
+    from bcd_agent.dispatch.wire import envelope_from_wire
+    from bcd_shared.wire.strict import type_url
+
+    request = wire.DaemonUpgradeRequest(
+        version=section.version, url=section.url, sha256=section.sha256, signature=section.signature
+    )
+    body = bytes(
+        wire.CommandBody(
+            id="01J00000000000000000E2EXPG",
+            node_id=NODE_ID,
+            seq=1,
+            kind="daemon.upgrade",
+            payload=wire.ProtoAny(type_url=type_url(wire.DaemonUpgradeRequest), value=bytes(request)),
+            lane=wire.Lane.CONTROL,
+            not_after=int(time.time() * 1000) + 600_000,
+            retry_safe=True,
+            self_terminating=True,
+        )
+    )
+    signature = signer.key.sign(Purpose.COMMAND, body)
+    return envelope_from_wire(wire.Command(body=body, signature=signature, signer_chain=list(signer.chain)))
+
+
+def test_DLV_PRIV_10_daemon_upgrade_swaps_then_completes_in_the_new_release(
+    host: tuple[HelperProcess, ControlPlane], server: tuple[str, Path], releases: dict[str, Path]
+) -> None:
+    """The command path: the signed daemon.upgrade command itself is the release's freshness; the handler
+    swaps and waits for the restart; the journal re-executes it in the new release, which confirms."""
+    from bcd_agent.kinds.daemon import DaemonUpgradeHandler
+
+    h, cp = host
+    base, ca = server
+    worker = cp.command.leaf()
+    command = _upgrade_command(worker, release_section(worker, base, "1.0.0", releases["1.0.0"]))
+
+    def run(upgrader: Upgrader) -> dict[str, Any]:
+        out = trio.run(DaemonUpgradeHandler(upgrader, wait_s=0.2).run, command, _Ctx())
+        result = wire.DaemonUpgradeResult.parse(out)
+        return {"version": result.version, "previous_version": result.previous_version}
+
+    first = as_node(h, ca, run_release(h.root / LINK, "release", "version"), run)
+    assert (first["error"], first["reason"]) == ("CommandFailed", "restart-timeout"), first  # no systemd here
+    assert os.readlink(h.root / LINK) == "releases/1.0.0/bcd"
+    assert _record(h)["used_commands"] == ["01J00000000000000000E2EXPG"]
+    # The restart: the journal runs the retry-safe command again in the new release, which confirms.
+    again = as_node(h, ca, run_release(h.root / LINK, "release", "version"), run)
+    assert again == {"version": "1.0.0", "previous_version": ""}, again
+    assert _record(h)["state"] == "confirmed"
