@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "status": ("bcd_agent.status", "generations, section states, conditions and the holder of each GPU"),
     "journal": ("bcd_agent.journalcli", "inspect the journal: meta, spec, commands, unacked results, events"),
     "sim": ("bcd_agent.sim", "devplane + helper + agent on a simulated host: apply a spec, show it converge"),
+    "release": ("bcd_agent.sections.daemon.release", "self-update releases: version, build, confirm"),
 }
 
 

@@ -42,6 +42,7 @@ OP_TIMEOUT_S: Mapping[str, float] = {
     "access.apply": 120,
     "daemon.swap": 10 * 60,
     "daemon.confirm": 120,
+    "audit.tail": 30,
 }
 _LEN = struct.Struct(">I")
 
@@ -242,8 +243,22 @@ class HelperClient:
         artifact: str,
         trust_bundle: bytes | None = None,
         confirm_timeout_s: int = 600,
+        rollback: bool = False,
+        spec: tuple[bytes, bytes] | None = None,
+        command: tuple[bytes, bytes] | None = None,
     ) -> dict[str, Any]:
-        """Ask root to verify the downloaded release (`artifact`, a file the node owns) and swap it in."""
+        """Ask root to verify the downloaded release (`artifact`, a file name in the node's staging
+        directory) and swap it in. `spec` or `command`: the signed (body, signature) that names the
+        release, binding it to freshness (helper/bcd_helper/ops/daemon.py)."""
+
+        def carrier(pair: tuple[bytes, bytes] | None) -> dict[str, str] | None:
+            if pair is None:
+                return None
+            return {
+                "body": base64.b64encode(pair[0]).decode(),
+                "signature": base64.b64encode(pair[1]).decode(),
+            }
+
         return self.call(
             "daemon.swap",
             {
@@ -255,12 +270,19 @@ class HelperClient:
                 "artifact": artifact,
                 "trust_bundle": None if trust_bundle is None else base64.b64encode(trust_bundle).decode(),
                 "confirm_timeout_s": confirm_timeout_s,
+                "rollback": rollback,
+                "spec": carrier(spec),
+                "command": carrier(command),
             },
         )
 
     def daemon_confirm(self, version: str, *, healthy: bool = True) -> dict[str, Any]:
         """The running release confirms itself (or, unhealthy, asks root to roll back)."""
         return self.call("daemon.confirm", {"version": version, "healthy": healthy})
+
+    def audit_tail(self, max_bytes: int = 256 * 1024) -> str:
+        """The newest whole lines of root's audit log (at most `max_bytes`), for logs.collect."""
+        return str(self.call("audit.tail", {"max_bytes": max_bytes}).get("text", ""))
 
 
 class TrioHelperClient:

@@ -109,6 +109,7 @@ class Node:
         self.telemetry: Any = None  # sections.telemetry.section.TelemetrySection
         self.helper_stats: Any = None  # helperclient.HelperCallStats, shared by every helper client
         self.handlers: dict[str, Any] = {}
+        self.upgrader: Any = None  # sections.daemon.upgrade.Upgrader, under the helper
         self.started_monotonic: float | None = None
         self.sweeps = 0  # journal sweeps run by this process (the one at start included)
         self._status_pokes: trio.MemorySendChannel[None] | None = None
@@ -192,6 +193,11 @@ class Node:
         access = self._access_section(system, identity)
         if access is not None:
             sections.append(access)
+        upgrader = self._upgrader()
+        if upgrader is not None:
+            from bcd_agent.sections.daemon.section import DaemonSection
+
+            sections.append(DaemonSection(upgrader, self.config.data_dir))
         sections.append(self._telemetry_section(identity))
         return sections
 
@@ -352,6 +358,10 @@ class Node:
             publish = self.inventory.publish if self.inventory is not None else (lambda _r: None)
             handlers[INVENTORY] = InventoryRefreshHandler(SystemInventoryCollector(system, publish))
             handlers[nk.DIAG_NVML] = nk.DiagNvmlHandler(system)
+            from bcd_agent.kinds.dcgm import KIND as DIAG_DCGM
+            from bcd_agent.kinds.dcgm import DiagDcgmHandler
+
+            handlers[DIAG_DCGM] = DiagDcgmHandler(system, self.config.data_dir)
             if self._acts_on_host():
                 helper = self._helper_client() if self._helper_socket() is not None else None
                 handlers[nk.GPU_RESET] = nk.GpuResetHandler(
@@ -375,8 +385,42 @@ class Node:
                     EffectHandler(Path(self.config.data_dir) / "test-effects.log", during_effect=during)
                 )
             )
+        from bcd_agent.kinds import logs
+
+        journal = self.journal
+        tail = self._helper_client().audit_tail if self._helper_socket() is not None else None
+        handlers[logs.KIND] = logs.LogsCollectHandler(
+            system,
+            self.config.data_dir,
+            journal_summary=lambda: logs.journal_summary(journal),
+            audit_tail=tail,
+        )
+        upgrader = self._upgrader()
+        if upgrader is not None:
+            from bcd_agent.kinds.daemon import KIND as UPGRADE
+            from bcd_agent.kinds.daemon import DaemonUpgradeHandler
+
+            handlers[UPGRADE] = DaemonUpgradeHandler(upgrader)
         handlers.update(self.options.extra_handlers)
         return handlers
+
+    def _upgrader(self) -> Any:
+        """Self-update's node half (sections.daemon), only under the helper on a real host (DLV-CONV-15;
+        a simulated host, `bcd sim`, reports a non-empty daemon section UNSUPPORTED as the seeds say); one
+        per process so that the running release confirms itself once."""
+        if self._helper_socket() is None or self.options.root != "/":
+            return None
+        if self.upgrader is None:
+            from bcd_agent.sections.daemon import running_version
+            from bcd_agent.sections.daemon.upgrade import Upgrader
+
+            self.upgrader = Upgrader(
+                self._helper_client(),
+                self.config.data_dir,
+                running_version(),
+                trust_bundle=self._signed_bundle,
+            )
+        return self.upgrader
 
     def _endpoint(self, identity: Any) -> Any:
         from bcd_agent.session.identity import write_tls_client_pem
@@ -464,7 +508,7 @@ class Node:
                 data_dir=cfg.data_dir,
                 status=self.status,
                 signer=result_signer,
-                version=VERSION,
+                version=self._upgrader().running_version if self._upgrader() is not None else VERSION,
                 monotonic=trio.current_time,
                 inventory_hashes=inventory.hashes,
                 secrets=self.secrets,

@@ -42,6 +42,8 @@ TOOLS: dict[str, str] = {
     "zypper": "pkg:zypper",  # host-config units
     "kubeadm": "kube:kubeadm",  # host-config units
     "kubectl": "kube:kubectl",  # host-config units
+    "dcgmi": "dcgmi:dcgmi",  # diag.dcgm
+    "journalctl": "journalctl:journalctl",  # logs.collect
 }
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"

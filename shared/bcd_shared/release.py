@@ -3,7 +3,10 @@
 A release is one artifact (the file that is installed and run) described by a manifest:
 
     manifest bytes = canonical JSON {"sha256": <64 lowercase hex>, "url": <https URL>, "version": <version>}
-                     (keys sorted, no whitespace, ASCII only, nothing else)
+                     (keys sorted, no whitespace, ASCII only, nothing else); a rollback manifest, the
+                     signed intent that lets a release move backwards to the version it names, has
+                     `"rollback": true` too (the key is absent otherwise, so forward manifests keep
+                     the bytes they always had)
 
 The control plane's worker key signs those exact bytes under purpose `daemon-release`
 (`Ed25519(b"bcd-sig-v1/daemon-release\\x00" || manifest)`), and the worker's certificate chains to the
@@ -13,6 +16,13 @@ or Command that carried the section or command (the same worker signs both). Bec
 manifest is in the section or command, the verifier rebuilds the manifest bytes from them (the encoding
 is canonical, so there is exactly one byte string per manifest) and checks the artifact's SHA-256 against
 the signed one.
+
+Versions are ordered (`compare_versions`) so that releases only move forward (issue 9 item 4, TUF's
+rollback attack): a release version is `N(.N)*` with an optional PEP 440 suffix `aN`, `bN`, `rcN`
+(pre-releases, before their release), `.postN` (after it) and `.devN` (before everything else of that
+release); trailing `.0`s do not count (1.2 == 1.2.0). A version outside that grammar has no order:
+it is a valid manifest field, but a swap refuses it (`unordered-version`), since nothing could prove it
+moves forward.
 
 Pure: no clock, no I/O. docs/pki.md "Daemon releases" has the rules.
 """
@@ -47,6 +57,12 @@ class BadManifest(PkiError):
     rule = "bad-release-manifest"
 
 
+class UnorderedVersion(PkiError):
+    """A version outside the ordered grammar: no forward-only decision can be made for it."""
+
+    rule = "unordered-version"
+
+
 class ArtifactMismatch(PkiError):
     """The artifact's SHA-256 is not the signed one."""
 
@@ -58,6 +74,7 @@ class ReleaseManifest:
     version: str
     url: str
     sha256: str
+    rollback: bool = False  # a signed rollback intent: the release may be older than the installed one
 
     def __attrs_post_init__(self) -> None:
         if not VERSION_RE.fullmatch(self.version):
@@ -71,7 +88,9 @@ class ReleaseManifest:
 
     def encode(self) -> bytes:
         """The exact bytes signed: canonical JSON, sorted keys, no whitespace, ASCII."""
-        doc = {"sha256": self.sha256, "url": self.url, "version": self.version}
+        doc: dict[str, object] = {"sha256": self.sha256, "url": self.url, "version": self.version}
+        if self.rollback:
+            doc["rollback"] = True
         return json.dumps(doc, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode("ascii")
 
 
@@ -107,3 +126,42 @@ def check_artifact(manifest: ReleaseManifest, artifact_sha256: str) -> None:
         raise ArtifactMismatch(
             f"artifact sha256 {artifact_sha256} is not the release's signed sha256 {manifest.sha256}"
         )
+
+
+_ORDERED_RE: Final = re.compile(
+    r"^(?P<release>[0-9]{1,9}(?:\.[0-9]{1,9}){0,7})"
+    r"(?:(?P<pre>a|b|rc)(?P<pre_n>[0-9]{1,9}))?"
+    r"(?:\.post(?P<post>[0-9]{1,9}))?"
+    r"(?:\.dev(?P<dev>[0-9]{1,9}))?$"
+)
+_PRE_RANK: Final = {"a": 0, "b": 1, "rc": 2}
+
+
+def version_key(version: str) -> tuple[tuple[int, ...], tuple[int, int], int, int]:
+    """The sort key of an ordered release version; raises UnorderedVersion outside the grammar."""
+    m = _ORDERED_RE.fullmatch(version)
+    if m is None:
+        raise UnorderedVersion(
+            f"version {version[:80]!r} has no release order (N(.N)* with an optional aN, bN, rcN, "
+            ".postN or .devN suffix)"
+        )
+    release = [int(x) for x in m["release"].split(".")]
+    while len(release) > 1 and release[-1] == 0:
+        release.pop()
+    # A .devN with no pre-release sorts before every pre-release of its release; a final release
+    # sorts after all of them.
+    if m["pre"] is not None:
+        pre = (_PRE_RANK[m["pre"]], int(m["pre_n"]))
+    elif m["dev"] is not None and m["post"] is None:
+        pre = (-1, 0)
+    else:
+        pre = (3, 0)
+    post = int(m["post"]) if m["post"] is not None else -1
+    dev = int(m["dev"]) if m["dev"] is not None else 1 << 62  # no .dev: after every .devN
+    return tuple(release), pre, post, dev
+
+
+def compare_versions(a: str, b: str) -> int:
+    """-1, 0 or 1 as release `a` is older than, the same as, or newer than `b` (UnorderedVersion)."""
+    ka, kb = version_key(a), version_key(b)
+    return (ka > kb) - (ka < kb)

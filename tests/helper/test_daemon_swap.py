@@ -5,7 +5,6 @@ restart) or refused. Covers DLV-CONV-16, DLV-PRIV-10 (the helper's half of self-
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import time
@@ -13,17 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bcd_shared.release import ReleaseManifest, sign_release
 from helperproc import HelperProcess, base_config, tree
 from intentkit import ControlPlane, Signer, b64
+from releasekit import NODE_ID, NODE_UID, RECORD, daemon_section, spec_carrier, stage, swap_doc
 
-NODE_UID = 4242
 INSTALLED = "usr/lib/bcd/bcd"
-PREVIOUS = "usr/lib/bcd/bcd.previous"
-RECORD = "var/lib/bcd-hostconfig/daemon-release.json"
 OLD = b"#!/bin/sh\necho bcd 1.0.0\n"
 NEW = b"#!/bin/sh\necho bcd 1.1.0\n" + os.urandom(64)
-URL = "https://releases.example.com/bcd/1.1.0/bcd"
 
 
 @pytest.fixture(scope="module")
@@ -33,9 +28,9 @@ def cp() -> ControlPlane:
 
 def _host(root: Path, cp: ControlPlane, *, record: bool = True) -> HelperProcess:
     if record:
-        cp.write_record(root, "node-a", cp.bundle(2))
+        cp.write_record(root, NODE_ID, cp.bundle(2))
     (root / "usr/lib/bcd").mkdir(parents=True, exist_ok=True)
-    (root / INSTALLED).write_bytes(OLD)
+    (root / INSTALLED).write_bytes(OLD)  # a packaged install: a regular file
     (root / INSTALLED).chmod(0o755)
     unit = root / "etc/systemd/system/bcd-node.service"
     unit.parent.mkdir(parents=True, exist_ok=True)
@@ -43,43 +38,22 @@ def _host(root: Path, cp: ControlPlane, *, record: bool = True) -> HelperProcess
     return HelperProcess(root, cp.config_lines() + base_config(node_uid=NODE_UID, node_gid=NODE_UID))
 
 
-def _artifact(root: Path, data: bytes = NEW, uid: int = NODE_UID, name: str = "bcd-1.1.0") -> str:
-    d = root / "var/lib/bcd/releases"
-    d.mkdir(parents=True, exist_ok=True)
-    os.chown(root / "var/lib/bcd", NODE_UID, NODE_UID)
-    os.chown(d, NODE_UID, NODE_UID)
-    path = d / name
-    path.write_bytes(data)
-    os.chown(path, uid, uid)
-    return "/var/lib/bcd/releases/" + name
-
-
 def _swap(
     signer: Signer,
-    artifact: str,
+    root: Path,
     *,
     version: str = "1.1.0",
-    url: str = URL,
-    sha256: str | None = None,
-    signed_sha256: str | None = None,
+    data: bytes = NEW,
+    generation: int = 1,
     timeout: int = 600,
-    chain: tuple[bytes, ...] | None = None,
+    name: str | None = None,
+    **override: Any,
 ) -> dict[str, Any]:
-    digest = sha256 or hashlib.sha256(NEW).hexdigest()
-    manifest = ReleaseManifest(version, url, signed_sha256 or digest)
-    signature = sign_release(signer.key, manifest)
-    return {
-        "op": "daemon.swap",
-        "args": {
-            "version": version,
-            "url": url,
-            "sha256": digest,
-            "signature": b64(signature),
-            "chain": [b64(c) for c in (chain if chain is not None else signer.chain)],
-            "artifact": artifact,
-            "confirm_timeout_s": timeout,
-        },
-    }
+    section = daemon_section(signer, version, data)
+    artifact = name if name is not None else stage(root, f"bcd-{version}", data)
+    return swap_doc(
+        signer, section, artifact, spec=spec_carrier(signer, section, generation), timeout=timeout, **override
+    )
 
 
 def _with(doc: dict[str, Any], **args: Any) -> dict[str, Any]:
@@ -96,15 +70,18 @@ def test_DLV_CONV_16_swap_verifies_swaps_keeps_previous_and_confirms(
 ) -> None:
     h = _host(fresh_root, cp)
     try:
-        out = h.raw(_swap(cp.command.leaf(), _artifact(fresh_root)))
+        out = h.raw(_swap(cp.command.leaf(), fresh_root))
         assert out["ok"] is True, out
         assert out["result"]["version"] == "1.1.0" and out["result"]["path"] == "/usr/lib/bcd/bcd"
-        assert (fresh_root / INSTALLED).read_bytes() == NEW and (fresh_root / PREVIOUS).read_bytes() == OLD
-        st = (fresh_root / INSTALLED).stat()
+        # A release directory per version; the packaged file kept as the `initial` release.
+        assert os.readlink(fresh_root / INSTALLED) == "releases/1.1.0/bcd"
+        assert (fresh_root / INSTALLED).read_bytes() == NEW
+        assert (fresh_root / "usr/lib/bcd/releases/initial/bcd").read_bytes() == OLD
+        st = (fresh_root / "usr/lib/bcd/releases/1.1.0/bcd").stat()
         assert (st.st_mode & 0o777, st.st_uid) == (0o755, 0)
         assert _state(fresh_root)["state"] == "pending"
         # A second swap waits for the first one's confirmation.
-        again = h.raw(_swap(cp.command.leaf(), _artifact(fresh_root)))
+        again = h.raw(_swap(cp.command.leaf(), fresh_root, version="1.2.0", generation=2))
         assert again["reason"] == "swap-pending"
         wrong = h.raw({"op": "daemon.confirm", "args": {"version": "9.9.9"}})
         assert wrong["reason"] == "version-mismatch"
@@ -114,6 +91,16 @@ def test_DLV_CONV_16_swap_verifies_swaps_keeps_previous_and_confirms(
         assert (fresh_root / INSTALLED).read_bytes() == NEW
         assert h.raw({"op": "daemon.confirm", "args": {"version": "1.1.0"}})["reason"] == "no-pending-swap"
         assert h.last_audit()["op"] == "daemon.confirm"
+        # The same release again is a no-op (daemon.upgrade is retry-safe).
+        same = h.raw(_swap(cp.command.leaf(), fresh_root, generation=2))
+        assert same["ok"] is True and same["result"]["already_installed"] is True, same
+        # Two forward swaps later, only the installed and the previous release directories are kept.
+        for n, version in enumerate(("1.2.0", "1.3.0"), start=3):
+            data = NEW + version.encode()
+            assert h.raw(_swap(cp.command.leaf(), fresh_root, version=version, data=data, generation=n))["ok"]
+            assert h.raw({"op": "daemon.confirm", "args": {"version": version}})["ok"]
+        assert sorted(os.listdir(fresh_root / "usr/lib/bcd/releases")) == ["1.2.0", "1.3.0"]
+        assert (fresh_root / INSTALLED).read_bytes() == NEW + b"1.3.0"
     finally:
         h.stop()
 
@@ -121,23 +108,27 @@ def test_DLV_CONV_16_swap_verifies_swaps_keeps_previous_and_confirms(
 def test_DLV_PRIV_10_refusals_change_nothing(fresh_root: Path, cp: ControlPlane) -> None:
     h = _host(fresh_root, cp)
     worker = cp.command.leaf()
-    good = _artifact(fresh_root)
-    root_owned = _artifact(fresh_root, uid=0, name="root-owned")
-    link = fresh_root / "var/lib/bcd/releases/link"
-    link.symlink_to(fresh_root / "var/lib/bcd/releases/bcd-1.1.0")
+    root_owned = stage(fresh_root, "root-owned", NEW, uid=0)
+    link = fresh_root / "var/lib/bcd/staging/link"
+    stage(fresh_root, "bcd-1.1.0", NEW)
+    link.symlink_to("bcd-1.1.0")
     os.lchown(link, NODE_UID, NODE_UID)
+    tampered = stage(fresh_root, "tampered", b"tampered")
+    good = _swap(worker, fresh_root)
     cases = [
-        (_swap(worker, _artifact(fresh_root, data=b"tampered", name="tampered")), "artifact-mismatch"),
-        (_swap(worker, good, signed_sha256="0" * 64), "bad-release-signature"),
-        (_swap(cp.other.leaf(), good), "bad-release-signature"),
-        (_with(_swap(worker, good, version="2.0.0"), version="1.1.0"), "bad-release-signature"),
-        (_swap(worker, root_owned), "bad-artifact"),
-        (_swap(worker, "/var/lib/bcd/releases/link"), "bad-artifact"),
-        (_swap(worker, "/var/lib/bcd/releases/../../../etc/shadow"), "bad-artifact"),
-        (_with(_swap(worker, good), url="http://releases.example.com/bcd"), "bad-manifest"),
-        (_with(_swap(worker, good), version="../1"), "bad-manifest"),
-        (_with(_swap(worker, good), sha256="A" * 64), "bad-manifest"),
-        (_swap(worker, good, timeout=0), "bad-arguments"),
+        (_with(good, artifact=tampered), "artifact-mismatch"),
+        (_with(good, sha256="0" * 64), "bad-release-signature"),
+        (_swap(cp.other.leaf(), fresh_root), "bad-release-signature"),
+        (_with(_swap(worker, fresh_root, version="2.0.0"), version="1.1.0"), "bad-release-signature"),
+        (_with(good, artifact=root_owned), "bad-artifact"),
+        (_with(good, artifact="link"), "bad-artifact"),
+        (_with(good, artifact="missing"), "bad-artifact"),
+        (_with(good, artifact="../../../etc/shadow"), "bad-artifact"),
+        (_with(good, artifact="/var/lib/bcd/staging/bcd-1.1.0"), "bad-artifact"),
+        (_with(good, url="http://releases.example.com/bcd"), "bad-manifest"),
+        (_with(good, version="../1"), "bad-manifest"),
+        (_with(good, sha256="A" * 64), "bad-manifest"),
+        (_swap(worker, fresh_root, timeout=0), "bad-arguments"),
     ]
     try:
         before = tree(fresh_root)
@@ -160,10 +151,10 @@ def test_DLV_PRIV_10_refusals_change_nothing(fresh_root: Path, cp: ControlPlane)
 def test_daemon_swap_needs_command_roots(fresh_root: Path, cp: ControlPlane) -> None:
     h = _host(fresh_root, cp, record=False)
     try:
-        answer = h.raw(_swap(cp.command.leaf(), _artifact(fresh_root)))
+        answer = h.raw(_swap(cp.command.leaf(), fresh_root))
         assert answer["reason"] == "join-record-required"  # a pin without a record: closed (issue 9 item 9)
         # A bundle the node presents, signed by the pinned JoinService key, names them.
-        doc = _swap(cp.command.leaf(), _artifact(fresh_root))
+        doc = _swap(cp.command.leaf(), fresh_root)
         doc["args"]["trust_bundle"] = b64(cp.bundle(1))
         assert h.raw(doc)["ok"] is True
     finally:
@@ -173,9 +164,10 @@ def test_daemon_swap_needs_command_roots(fresh_root: Path, cp: ControlPlane) -> 
 def test_DLV_PRIV_10_unhealthy_release_rolls_back(fresh_root: Path, cp: ControlPlane) -> None:
     h = _host(fresh_root, cp)
     try:
-        assert h.raw(_swap(cp.command.leaf(), _artifact(fresh_root)))["ok"] is True
+        assert h.raw(_swap(cp.command.leaf(), fresh_root))["ok"] is True
         out = h.raw({"op": "daemon.confirm", "args": {"version": "1.1.0", "healthy": False}})
         assert out["ok"] is True and out["result"]["rolled_back"] is True, out
+        assert os.readlink(fresh_root / INSTALLED) == "releases/initial/bcd"
         assert (fresh_root / INSTALLED).read_bytes() == OLD
         state = _state(fresh_root)
         assert (state["state"], state["previous_version"]) == ("rolled-back", "1.1.0")
@@ -190,7 +182,7 @@ def test_DLV_PRIV_10_unconfirmed_release_rolls_back_on_time_and_across_a_restart
 ) -> None:
     h = _host(fresh_root, cp)
     try:
-        assert h.raw(_swap(cp.command.leaf(), _artifact(fresh_root), timeout=1))["ok"] is True
+        assert h.raw(_swap(cp.command.leaf(), fresh_root, timeout=1))["ok"] is True
         deadline = time.monotonic() + 10
         while _state(fresh_root)["state"] == "pending" and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -202,7 +194,7 @@ def test_DLV_PRIV_10_unconfirmed_release_rolls_back_on_time_and_across_a_restart
             time.sleep(0.05)
         assert rollbacks == [("daemon.rollback", "confirm-timeout")]
         # A swap pending when the helper stops is rolled back by the next helper once its deadline passed.
-        assert h.raw(_swap(cp.command.leaf(), _artifact(fresh_root), timeout=1))["ok"] is True
+        assert h.raw(_swap(cp.command.leaf(), fresh_root, timeout=1, generation=2))["ok"] is True
         h.stop()
         time.sleep(1.2)
         h = HelperProcess(fresh_root)

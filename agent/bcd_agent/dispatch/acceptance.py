@@ -30,7 +30,7 @@ from collections.abc import Mapping
 from attrs import frozen
 
 from bcd_agent.dispatch.command import CommandEnvelope, RejectReason
-from bcd_agent.dispatch.kinds import UPGRADE_KIND, KindSpec, Lane, Role
+from bcd_agent.dispatch.kinds import NOT_BUILT, UPGRADE_KIND, KindSpec, Lane, Role
 from bcd_agent.dispatch.ports import BatchAdmission, BatchVerifier, LedgerView, TrustView
 
 
@@ -115,7 +115,10 @@ def _check_supported(cmd: CommandEnvelope, ctx: AcceptanceContext) -> Reject | K
         roles = ", ".join(sorted(r.value for r in spec.roles))
         return _unsupported(f"kind {cmd.kind} runs on {roles}, not on a {ctx.role.value} agent")
     if cmd.kind not in ctx.supported:
-        return _unsupported(f"kind {cmd.kind} has no handler on this agent")
+        why = NOT_BUILT.get(cmd.kind)
+        return _unsupported(
+            f"kind {cmd.kind}: {why}" if why else f"kind {cmd.kind} has no handler on this agent"
+        )
     if cmd.lane is not spec.lane:
         got = cmd.lane.value if cmd.lane is not None else "none"
         return _unsupported(f"kind {cmd.kind} runs on lane {spec.lane.value}, the body says {got}")

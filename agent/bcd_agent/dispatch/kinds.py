@@ -116,6 +116,16 @@ KINDS: Mapping[str, KindSpec] = {
 }
 
 
+# Why a kind of the table has no handler in this build, where there is more to say than "no handler"
+# (the UNSUPPORTED message; docs/open-questions.md).
+NOT_BUILT: Mapping[str, str] = {
+    "driver.invoke": (
+        "bcd hosts no driver plugins: the seeds define no plugin interface, payload or result for "
+        "driver.invoke, so it is refused before anything runs (docs/open-questions.md Q-BCD-DRV-01)"
+    ),
+}
+
+
 def timeout_for(kind: str, table: Mapping[str, KindSpec] = KINDS) -> float:
     """Seconds after `not_after` the control plane's sweeper waits before failing a command `timeout`."""
     spec = table.get(kind)

@@ -18,7 +18,7 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_helper.ops import access, daemon, files, host, hostunit, slices
+from bcd_helper.ops import access, daemon, files, host, hostunit, logs, slices
 from bcd_helper.ops.base import Handler
 
 LOCK_ORDER = ("units", "access", "gpus", "slices", "system")
@@ -120,7 +120,7 @@ OPS: dict[str, OpSpec] = {
         daemon.daemon_swap,
         10 * MINUTE,
         locks=("system",),
-        shown=("version", "url", "sha256", "artifact", "confirm_timeout_s"),
+        shown=("version", "url", "sha256", "artifact", "confirm_timeout_s", "rollback"),
         summary="verify a signed release and swap it in, keeping the previous one for rollback",
     ),
     "daemon.confirm": _op(
@@ -130,6 +130,13 @@ OPS: dict[str, OpSpec] = {
         locks=("system",),
         shown=("version", "healthy"),
         summary="confirm the swapped release, or roll it back when it is unhealthy",
+    ),
+    "audit.tail": _op(
+        logs.AuditTail,
+        logs.audit_tail,
+        30,
+        shown=("max_bytes",),
+        summary="the newest lines of root's audit log, for logs.collect",
     ),
     "node.reboot": _op(
         host.NodeReboot,

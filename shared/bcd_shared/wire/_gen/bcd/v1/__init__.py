@@ -1266,6 +1266,12 @@ class DaemonSection(betterproto2.Message):
     The release signature over the artifact (verified against the release key before the swap).
     """
 
+    rollback: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+    """
+    A signed rollback intent: the release may be older than the one installed (the signature covers it;
+    shared/bcd_shared/release.py). Without it releases only move forward.
+    """
+
 
 default_message_pool.register_message("bcd.v1", "DaemonSection", DaemonSection)
 
@@ -1283,6 +1289,11 @@ class DaemonUpgradeRequest(betterproto2.Message):
     sha256: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
 
     signature: "bytes" = betterproto2.field(4, betterproto2.TYPE_BYTES)
+
+    rollback: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+    """
+    A signed rollback intent naming `version` (see DaemonSection.rollback).
+    """
 
 
 default_message_pool.register_message(

@@ -1,0 +1,93 @@
+"""What a release is, and `bcd release`.
+
+A release artifact is one file: a zipapp (PEP 441) holding the pure-Python wheels of bcd-agent,
+bcd-shared and bcd-helper unpacked side by side (with their `.dist-info`, so the release knows its own
+version through importlib.metadata), a `__main__.py` that runs `bcd_agent.cli:main`, and the shebang
+`#!/usr/bin/python3`. The third-party libraries (trio, grpclib, cryptography, ...) come from the host's
+package install, whose versions the release's dist-info pins. The helper installs it as
+`/usr/lib/bcd/releases/<version>/bcd`; `/usr/bin/bcd` points at `/usr/lib/bcd/bcd`.
+
+`bcd release version` prints the running version; `bcd release build --out FILE WHEEL...` builds an
+artifact (and prints its SHA-256, the value the control plane signs); `bcd release confirm [--socket S]`
+confirms the running release to the helper (what `bcd node` does at its first converge pass; for
+packaging hooks and tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import zipfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+SHEBANG: Final = b"#!/usr/bin/python3\n"
+MAIN: Final = "import sys\nfrom bcd_agent.cli import main\n\nsys.exit(main())\n"
+# Fixed timestamps and order: the same wheels make the same bytes (a reproducible SHA-256).
+_EPOCH: Final = (1980, 1, 1, 0, 0, 0)
+
+
+def build_release(wheels: Sequence[Path], out: Path) -> str:
+    """Write the zipapp of `wheels` to `out` (0755); its SHA-256."""
+    entries: dict[str, bytes] = {}
+    for wheel in wheels:
+        with zipfile.ZipFile(wheel) as zf:
+            for info in zf.infolist():
+                if info.is_dir():
+                    continue
+                name = info.filename
+                if name.startswith("/") or ".." in name.split("/"):
+                    raise ValueError(f"{wheel.name}: entry {name!r} leaves the archive")
+                if name in entries:
+                    raise ValueError(f"{wheel.name}: {name} is in two wheels")
+                entries[name] = zf.read(info)
+    entries["__main__.py"] = MAIN.encode()
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name in sorted(entries):
+            info = zipfile.ZipInfo(name, _EPOCH)
+            info.compress_type = zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            zf.writestr(info, entries[name])
+    data = SHEBANG + buf.getvalue()
+    out.write_bytes(data)
+    out.chmod(0o755)
+    return hashlib.sha256(data).hexdigest()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="action", required=True)
+    sub.add_parser("version", help="print the version this bcd runs")
+    build = sub.add_parser("build", help="build a release artifact from wheels; prints its SHA-256")
+    build.add_argument("--out", required=True, type=Path)
+    build.add_argument("wheels", nargs="+", type=Path)
+    confirm = sub.add_parser("confirm", help="confirm the running release to bcd helper")
+    confirm.add_argument("--socket", default="/run/bcd/helper.sock")
+    confirm.add_argument("--unhealthy", action="store_true", help="report unhealthy: root rolls back")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bcd_agent.sections.daemon import running_version
+
+    if args.action == "version":
+        print(running_version())
+        return 0
+    if args.action == "build":
+        print(build_release(args.wheels, args.out))
+        return 0
+    from bcd_shared.errors import HelperRefused
+
+    from bcd_agent.helperclient import HelperClient
+
+    client = HelperClient(args.socket)
+    try:
+        answer = client.daemon_confirm(running_version(), healthy=not args.unhealthy)
+    except HelperRefused as exc:
+        print(f"bcd release confirm: {exc.reason}: {exc.message}")
+        return 1
+    finally:
+        client.close()
+    print(" ".join(f"{k}={answer[k]}" for k in sorted(answer)))
+    return 0
