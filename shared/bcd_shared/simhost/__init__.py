@@ -42,6 +42,9 @@ TOOLS: dict[str, str] = {
     "zypper": "pkg:zypper",  # host-config units
     "kubeadm": "kube:kubeadm",  # host-config units
     "kubectl": "kube:kubectl",  # host-config units
+    "virsh": "libvirt:virsh",  # instances (libvirt-kvm)
+    "qemu-img": "libvirt:qemu_img",  # instances
+    "genisoimage": "libvirt:genisoimage",  # instances (NoCloud seed)
 }
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"
