@@ -22,6 +22,9 @@ signed-intent checks import it when a host.unit first needs it.)
   [helper] node_gid      the group the socket is given to, default the node account's group
   [helper] instance_bridges  "br0,br1": bridges instance taps may join (interface names)
   [helper] audit_dir     the audit log's directory, default /var/log/bcd-helper
+  [helper] libvirt_uri   the libvirt connection of libvirt.*: qemu:///system (default) or test:///default
+  data_dir               (the node's key, read by root too) where instance disks may live, default
+                         /var/lib/bcd: libvirt.* allows disks only under it
   [kubernetes] allowed_clusters  "https://host[:port]#sha256:<64 hex>,..."
 Other top-level tables are the node's and are checked by the node's own strict loader; they are not
 read here. Other top-level scalar keys must be in NODE_SCALARS, else the helper stops: a misspelt
@@ -54,7 +57,13 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 # Top-level scalar keys the node's config owns; the helper ignores them.
 NODE_SCALARS = frozenset({"data_dir", "log_level", "mode", "node_id"})
 
-_HELPER_KEYS = frozenset({"socket", "node_user", "node_uid", "node_gid", "instance_bridges", "audit_dir"})
+_HELPER_KEYS = frozenset(
+    {"socket", "node_user", "node_uid", "node_gid", "instance_bridges", "audit_dir", "libvirt_uri"}
+)
+DEFAULT_DATA_DIR = "/var/lib/bcd"
+DEFAULT_LIBVIRT_URI = "qemu:///system"
+# libvirt.*: the connection root drives; test:///default only for tests and `bcd bench instances`.
+LIBVIRT_URIS = frozenset({"qemu:///system", "test:///default"})
 _HOST_KEYS = frozenset({"units"})
 _K8S_KEYS = frozenset({"allowed_clusters"})
 _IFNAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
@@ -124,6 +133,8 @@ class HelperConfig:
     instance_bridges: tuple[str, ...]
     audit_dir: str
     allowed_clusters: tuple[AllowedCluster, ...]
+    data_dir: str = DEFAULT_DATA_DIR
+    libvirt_uri: str = DEFAULT_LIBVIRT_URI
 
 
 def ownership_message(path: str) -> str:
@@ -248,6 +259,12 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
             raise ConfigError(f"helper.instance_bridges: entry {i} {name!r} is not an interface name")
     k8s = _table(doc, "kubernetes", _K8S_KEYS)
     clusters = parse_allowed_clusters(k8s.get("allowed_clusters", ""))
+    data_dir = _str(doc.get("data_dir", DEFAULT_DATA_DIR), "data_dir")
+    if not data_dir.startswith("/") or ".." in data_dir.split("/") or data_dir.rstrip("/") == "":
+        raise ConfigError("data_dir: must be an absolute path without '..', not /")
+    uri = _str(helper.get("libvirt_uri", DEFAULT_LIBVIRT_URI), "helper.libvirt_uri")
+    if uri not in LIBVIRT_URIS:
+        raise ConfigError(f"helper.libvirt_uri: must be one of {', '.join(sorted(LIBVIRT_URIS))}")
     return HelperConfig(
         path=path,
         join_signing_key_pin=pin,
@@ -259,6 +276,8 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
         instance_bridges=tuple(bridges),
         audit_dir=audit_dir,
         allowed_clusters=clusters,
+        data_dir=data_dir.rstrip("/"),
+        libvirt_uri=uri,
     )
 
 
