@@ -93,6 +93,8 @@ class Node:
         self.status: Any = None
         self.inventory: Any = None  # nodeparts.inventory.InventoryState
         self.host_section: Any = None  # nodeparts.host.NodeHostSection, when built
+        self.instances_section: Any = None  # sections.instances.section.InstancesSection, when built
+        self.runtimes: tuple[str, ...] = ()  # the instance runtimes this host runs (Hello)
         self.secrets: Any = None  # session.secrets.SecretRequests
         self.handlers: dict[str, Any] = {}
         self.started_monotonic: float | None = None
@@ -144,10 +146,51 @@ class Node:
                 executor: Any = HelperExecutor(self._helper_client())
             else:
                 executor = DirectExecutor(system)
-            sections.append(
-                DevicesSection(system, executor, sink, signer, self.config.data_dir, privileged=privileged)
+            devices = DevicesSection(
+                system, executor, sink, signer, self.config.data_dir, privileged=privileged
             )
+            sections.append(devices)
+            instances = self._instances_section(system, trio_token)
+            if instances is not None:
+                # The devices section's VFIO conflict: GPUs the instances pass through (DEV-PASS).
+                devices.vfio = lambda: instances.vfio(
+                    self.runner.spec.payload("instances")
+                    if self.runner is not None and self.runner.spec
+                    else None
+                )
+                sections.append(instances)
         return sections
+
+    def _instances_section(self, system: Any, trio_token: Any) -> Any:
+        try:
+            from bcd_agent.nodeparts.instances import SessionUserData, build_runtimes
+            from bcd_agent.sections.instances.section import InstancesSection
+        except ImportError as exc:  # a build without the instances section
+            log.info("node: no instances section: %s", exc)
+            return None
+        helper = self._helper_client() if self._helper_socket() is not None else None
+        data_dir = self.config.data_dir
+        root = Path(self.options.root)
+        if root != Path("/") and Path(data_dir).is_relative_to(root):
+            # On the simulated host the node's config names real paths; runtimes speak host paths
+            # (as root's config and the helper do).
+            data_dir = "/" + str(Path(data_dir).relative_to(root))
+        runtimes = build_runtimes(
+            system,
+            data_dir,
+            simulated=self.options.root != "/",
+            helper=helper,
+            as_root=os.geteuid() == 0,
+            intent_dir=self.config.data_dir,
+        )
+        self.runtimes = tuple(r.name for r in runtimes)
+        self.instances_section = InstancesSection(
+            system,
+            runtimes,
+            data_dir,
+            user_data=SessionUserData(self.secrets, trio_token),
+        )
+        return self.instances_section
 
     def _host_section(self, system: Any, identity: Any, trio_token: Any) -> Any:
         """The host section, or None: `[host] units = false` (the runner reports HostManagedExternally),
@@ -374,9 +417,12 @@ class Node:
                 identity,
                 trio.lowlevel.current_trio_token(),
             )
+            from bcd_agent.sections.instances.section import capabilities as instance_capabilities
+
             core.capabilities = device_capabilities(
                 any(s.name == "devices" for s in sections), self._acts_on_host()
-            )
+            ) + instance_capabilities(self.runtimes)
+            core.runtimes = self.runtimes
             self.runner = ConvergeRunner(
                 sections,
                 self._observer(system),

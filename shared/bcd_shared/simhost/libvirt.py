@@ -55,9 +55,11 @@ def _r(argv: Sequence[str], rc: int = 0, out: str = "", err: str = "") -> Comman
     return CommandResult(tuple(argv), rc, out.encode(), err.encode())
 
 
-def _state_dir(system: LocalSystem) -> Path:
+def _state_dir(system: LocalSystem, create: bool = False) -> Path:
     d = system.host_path(STATE)
-    d.mkdir(parents=True, exist_ok=True)
+    if create:  # libvirtd's own directory: written by whoever changes a domain (root under the helper)
+        d.mkdir(parents=True, exist_ok=True)
+        os.chmod(d, 0o755)
     return d
 
 
@@ -81,14 +83,16 @@ def _load(system: LocalSystem, name: str) -> tuple[bytes, dict[str, str]] | None
 
 
 def _save(system: LocalSystem, name: str, state: str, xml: bytes | None = None) -> None:
-    d = _state_dir(system)
+    # Readable by all: the fake of libvirt's read-only socket (`virsh -r`) for an unprivileged node.
+    d = _state_dir(system, create=True)
     if xml is not None:
-        atomic_write(d / f"{name}.xml", xml, 0o600)
-    atomic_write(d / f"{name}.json", json.dumps({"state": state, "boot_id": _boot(system)}).encode(), 0o600)
+        atomic_write(d / f"{name}.xml", xml, 0o644)
+    atomic_write(d / f"{name}.json", json.dumps({"state": state, "boot_id": _boot(system)}).encode(), 0o644)
 
 
 def _names(system: LocalSystem) -> list[str]:
-    return sorted(p.name[:-4] for p in _state_dir(system).glob("*.xml"))
+    d = _state_dir(system)
+    return sorted(p.name[:-4] for p in d.glob("*.xml")) if d.is_dir() else []
 
 
 def _size(xml: bytes) -> tuple[int, int]:
