@@ -91,10 +91,8 @@ def build_domain_xml(
     if inst.hugepages:
         backing = _sub(dom, "memoryBacking")
         pages = _sub(backing, "hugepages")
-        page = {"size": str(inst.hugepages // 1024), "unit": "KiB"}
-        if pl is not None and pl.mems:
-            page["nodeset"] = pl.mems
-        _sub(pages, "page", **page)
+        # No `nodeset` on the page: it names guest NUMA nodes; the host's come from numatune.
+        _sub(pages, "page", size=str(inst.hugepages // 1024), unit="KiB")
         _sub(backing, "locked")
     os_el = _sub(dom, "os")
     _sub(os_el, "type", "hvm", arch="x86_64", machine="pc")
