@@ -91,6 +91,10 @@ def _save(system: LocalSystem, name: str, state: str, xml: bytes | None = None) 
     atomic_write(d / f"{name}.json", json.dumps({"state": state, "boot_id": _boot(system)}).encode(), 0o644)
 
 
+def _pty(name: str) -> str:
+    return f"/dev/pts/{int(hashlib.sha256(name.encode()).hexdigest()[:6], 16) % 1000 + 10}"
+
+
 def _names(system: LocalSystem) -> list[str]:
     d = _state_dir(system)
     return sorted(p.name[:-4] for p in d.glob("*.xml")) if d.is_dir() else []
@@ -160,7 +164,12 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
     xml, rec = got
     state = rec["state"]
     if cmd == "dumpxml":
-        return _r(argv, out=xml.decode())
+        text = xml.decode()
+        if state != "shut off":  # libvirt names the serial port's pty while the domain runs
+            text = text.replace(
+                '<serial type="pty">', f'<serial type="pty">\n      <source path="{_pty(name)}" />', 1
+            )
+        return _r(argv, out=text)
     if cmd == "domstate":
         return _r(argv, out=f"{state}\n\n")
     if cmd == "start":
@@ -184,6 +193,9 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
                 err=f"error: Failed to start domain '{name}'\n{NO_MEMORY}",
             )
         _save(system, name, "paused" if "--paused" in rest else "running")
+        pty = system.host_path(_pty(name))  # the pty stands as a plain file on the simulated host
+        pty.parent.mkdir(parents=True, exist_ok=True)
+        pty.touch(mode=0o620)
         return _r(argv, out=f"Domain '{name}' started\n")
     if cmd in ("shutdown", "destroy"):
         if state == "shut off":
