@@ -81,6 +81,7 @@ class HelperConfig:
     node_uid: int | None = None
     node_gid: int | None = None
     audit_dir: str | None = None
+    libvirt_uri: str | None = None
 
 
 @frozen
@@ -357,6 +358,13 @@ def _account(value: object) -> str:
     return text
 
 
+def _libvirt_uri(value: object) -> str:
+    text = _string(value)
+    if text not in ("qemu:///system", "test:///default"):
+        raise _Bad(f"must be qemu:///system or test:///default, got {_describe(value)}")
+    return text
+
+
 def _log_level(value: object) -> str:
     text = _string(value)
     if text not in LOG_LEVELS:
@@ -384,6 +392,7 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "node_uid": _int_range(1, 2**31 - 2),
         "node_gid": _int_range(1, 2**31 - 2),
         "audit_dir": _abs_path,
+        "libvirt_uri": _libvirt_uri,
     },
     "host": {"units": _boolean},
     "devices": {"pod_resources_socket": _abs_path},
