@@ -168,3 +168,56 @@ def test_names_that_are_not_instance_ids_are_refused(
     if valid_instance_id(name):
         return
     assert_refused(h, {"op": "libvirt.destroy", "args": {"name": name}}, "bad-name")
+
+
+def test_restore_stages_the_checked_definition_and_passes_xml_dlv_hlp_09_10(
+    lv: tuple[HelperProcess, InstancesSection],
+) -> None:
+    """DLV-HLP-09, DLV-HLP-10: checked like a define (and must be the requested domain's), staged in
+    root's directory and always given as --xml (the simulated virsh restores only so)."""
+    h, _ = lv
+    xml = _good_xml(h)
+    assert_refused(h, {"op": "libvirt.restore", "args": {"name": "other", "xml": xml}}, "domain-name")
+    state = h.root / DATA.lstrip("/") / "libvirt/instances/good/save.state"
+    state.write_bytes(b"LibvirtQemudSave" + b"\0" * 76)
+    answer = h.raw({"op": "libvirt.restore", "args": {"name": "good", "xml": xml}})
+    assert answer["ok"] is True, answer
+    assert (h.root / "var/lib/bcd-hostconfig/libvirt/good.xml").read_text() == xml
+
+
+def test_the_base_image_is_checked_as_root_dlv_hlp_11(lv: tuple[HelperProcess, InstancesSection]) -> None:
+    """DLV-HLP-11: root re-reads the overlay's base: one naming a backing file is refused."""
+    from bcd_shared.simhost.libvirt import IMAGE_SHA256, qcow2_bytes
+
+    h, _ = lv
+    base = h.root / DATA.lstrip("/") / f"libvirt/images/{IMAGE_SHA256}.qcow2"
+    good = base.read_bytes()
+    try:
+        base.write_bytes(qcow2_bytes(1 << 30, "/etc/shadow", "raw"))
+        answer = assert_refused(h, {"op": "libvirt.define", "args": {"name": "good", "xml": _good_xml(h)}})
+        assert answer["reason"] == "domain-disk" and "backing file" in answer["message"]
+        # a symlink on the way is refused too (re-checked as root)
+        inst = h.root / DATA.lstrip("/") / "libvirt/instances/good"
+        base.write_bytes(good)
+        disk = inst / "disk.qcow2"
+        real = inst / "real.qcow2"
+        os.rename(disk, real)
+        os.symlink(real, disk)
+        try:
+            answer = assert_refused(
+                h, {"op": "libvirt.define", "args": {"name": "good", "xml": _good_xml(h)}}
+            )
+            assert answer["reason"] == "domain-disk" and "symlink" in answer["message"]
+        finally:
+            os.unlink(disk)
+            os.rename(real, disk)
+    finally:
+        base.write_bytes(good)
+
+
+def test_setmem_stays_within_the_domain(lv: tuple[HelperProcess, InstancesSection]) -> None:
+    """The libvirt.setmem op: within the domain's own memory only (the balloon controller is not built)."""
+    h, _ = lv
+    assert_refused(h, {"op": "libvirt.setmem", "args": {"name": "good", "kib": 1 << 40}}, "bad-arguments")
+    assert_refused(h, {"op": "libvirt.setmem", "args": {"name": "good", "kib": 0}}, "bad-arguments")
+    assert h.raw({"op": "libvirt.setmem", "args": {"name": "good", "kib": 1 << 20}})["ok"] is True

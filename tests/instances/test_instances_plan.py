@@ -359,3 +359,65 @@ def test_state_changes_suspend_and_stop() -> None:
         Stop("libvirt-kvm", "b")
         in plan(spec(vm("b", desired=Desired.STOPPED)), observed(dom("b", PAUSED))).steps
     )
+
+
+def test_images_over_https_only_dlv_libvirt_03() -> None:
+    """DLV-LIBVIRT-03: an http:// image fails the instance before anything is created."""
+    from bcd_agent.sections.instances.model import Image
+
+    p = plan(spec(vm("a", image=Image("http://images.sim.bcd/x.qcow2", "ab" * 32, "qcow2"))), observed())
+    assert "https only" in p.errors["a"] and p.steps == ()
+
+
+def test_a_digest_mismatch_never_becomes_visible_dlv_libvirt_04(tmp_path: Path) -> None:
+    """DLV-LIBVIRT-04: verified against the SHA-256 before it is renamed into images/."""
+    from bcd_agent.sections.instances.model import Image
+
+    system = sim_host(tmp_path)
+    sec, _ = section(system)
+    wrong = Image("https://images.sim.bcd/debian.qcow2", "cd" * 32, "qcow2")
+    out = converge(sec, spec(vm("a", image=wrong)))
+    assert out.state is SectionState.FAILED and "SHA-256" in out.message
+    assert system.listdir("/var/lib/bcd/libvirt/images") == []
+    assert not system.exists(f"{STATE}/a.xml")
+
+
+def test_a_base_naming_a_backing_file_is_refused_at_download_dlv_img_02_05(tmp_path: Path) -> None:
+    """DLV-IMG-02, DLV-IMG-05: checked when downloaded, before it is renamed into images/."""
+    import hashlib
+
+    from bcd_agent.sections.instances.model import Image
+    from bcd_shared.simhost.libvirt import HOSTILE_IMAGES
+
+    system = sim_host(tmp_path)
+    sec, _ = section(system)
+    sha = hashlib.sha256(HOSTILE_IMAGES["backing.qcow2"]).hexdigest()
+    out = converge(sec, spec(vm("a", image=Image("https://images.sim.bcd/backing.qcow2", sha, "qcow2"))))
+    assert out.state is SectionState.FAILED and "names a backing file" in out.message
+    assert system.listdir("/var/lib/bcd/libvirt/images") == []
+
+
+def test_base_and_overlay_checked_again_before_a_start_dlv_img_03_14(tmp_path: Path) -> None:
+    """DLV-IMG-03, DLV-IMG-11, DLV-IMG-14: a rewritten overlay, or a cached base that now names a
+    backing file, fails the start; nothing is started."""
+    from bcd_shared.images import parse_header
+    from bcd_shared.simhost.libvirt import qcow2_bytes
+
+    system = sim_host(tmp_path)
+    sec, _ = section(system)
+    converge(sec, spec(vm("a", desired=Desired.STOPPED)))
+    disk = system.host_path("/var/lib/bcd/libvirt/instances/a/disk.qcow2")
+    good = disk.read_bytes()
+    size = parse_header(good, 1 << 50).virtual_size
+    disk.write_bytes(qcow2_bytes(size, "/var/lib/bcd/libvirt/instances/b/disk.qcow2", "qcow2"))
+    out = converge(sec, spec(vm("a"), generation=2))
+    assert out.state is SectionState.FAILED and "not bcd's base" in out.message
+    assert json.loads(system.read_text(f"{STATE}/a.json") or "")["state"] == "shut off"
+    disk.write_bytes(good)
+    from bcd_shared.simhost.libvirt import IMAGE_SHA256
+
+    base = system.host_path(f"/var/lib/bcd/libvirt/images/{IMAGE_SHA256}.qcow2")
+    base.write_bytes(qcow2_bytes(1 << 30, "/etc/shadow", "raw"))
+    out = converge(sec, spec(vm("a"), generation=3))
+    assert out.state is SectionState.FAILED and "names a backing file" in out.message
+    assert json.loads(system.read_text(f"{STATE}/a.json") or "")["state"] == "shut off"

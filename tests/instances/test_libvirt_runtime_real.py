@@ -128,6 +128,17 @@ def test_qemu_reaches_its_files_as_root_dlv_qfa_01_02_03(
     assert stat.S_IMODE(os.stat(system.host_path(f"{DATA}/libvirt/images")).st_mode) == 0o701
 
 
+def test_bcds_own_files_stay_0600_dlv_qfa_04(
+    host: tuple[LocalSystem, LibvirtRuntime, RecordingVirsh, InstanceSpec],
+) -> None:
+    """DLV-QFA-04: the definition bcd keeps is 0600; the seed's staged user data does not stay."""
+    system, rt, _virsh, inst = host
+    rt.create(inst, Prepared(user_data=b"secret user data"))
+    d = system.host_path(f"{DATA}/libvirt/instances/vm1")
+    assert stat.S_IMODE(os.stat(d / "domain.xml").st_mode) == 0o600
+    assert sorted(os.listdir(d)) == ["disk.qcow2", "domain.xml", "seed.iso"]
+
+
 def test_a_rewritten_overlay_does_not_start_dlv_img_11_14(
     host: tuple[LocalSystem, LibvirtRuntime, RecordingVirsh, InstanceSpec],
 ) -> None:

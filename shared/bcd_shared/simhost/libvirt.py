@@ -50,6 +50,8 @@ def qcow2_bytes(size: int, backing: str | None = None, backing_format: str | Non
 
 IMAGE_BYTES = qcow2_bytes(1 << 30)
 IMAGE_SHA256 = hashlib.sha256(IMAGE_BYTES).hexdigest()
+# Hostile images the server also serves, by name: a qcow2 naming a host file as its backing file.
+HOSTILE_IMAGES = {"backing.qcow2": qcow2_bytes(1 << 30, "/etc/shadow", "raw")}
 
 
 def _r(argv: Sequence[str], rc: int = 0, out: str = "", err: str = "") -> CommandResult:
@@ -157,6 +159,16 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
         old = _load(system, name)
         _save(system, name, old[1]["state"] if old else "shut off", xml)
         return _r(argv, out=f"Domain '{name}' defined from {path}\n")
+    if cmd == "restore":  # bcd restores only with its own definition (--xml), never the state file's
+        if "--xml" not in rest:
+            return _r(argv, 1, err="error: the simulation restores only with --xml\n")
+        xml_path = rest[rest.index("--xml") + 1]
+        xml = Path(xml_path).read_bytes()
+        name = (ET.fromstring(xml).findtext("name") or "").strip()  # noqa: S314
+        if not Path(rest[0]).is_file():
+            return _r(argv, 1, err=f"error: Failed to restore domain from {rest[0]}\n")
+        _save(system, name, "running", xml)
+        return _r(argv, out=f"Domain restored from {rest[0]}\n")
     name = rest[0] if rest else ""
     got = _load(system, name)
     if got is None:
@@ -202,6 +214,10 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
             return _r(argv, 1, err="error: Requested operation is not valid: domain is not running\n")
         _save(system, name, "shut off")
         return _r(argv, out=f"Domain '{name}' {'is being shutdown' if cmd == 'shutdown' else 'destroyed'}\n")
+    if cmd == "setmem":
+        if state == "shut off":
+            return _r(argv, 1, err="error: Requested operation is not valid: domain is not running\n")
+        return _r(argv)
     if cmd == "suspend":
         _save(system, name, "paused")
         return _r(argv, out=f"Domain '{name}' suspended\n")
@@ -279,5 +295,6 @@ def serve_image(system: LocalSystem, argv: Sequence[str], url: str) -> CommandRe
         return None
     args = list(argv)
     out = args[args.index("-o") + 1]
-    atomic_write(Path(out), IMAGE_BYTES, 0o600)
+    name = url.rsplit("/", 1)[-1]
+    atomic_write(Path(out), HOSTILE_IMAGES.get(name, IMAGE_BYTES), 0o600)
     return _r(argv)

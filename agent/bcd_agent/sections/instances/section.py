@@ -256,7 +256,7 @@ class InstancesSection:
         elif isinstance(step, Grow):
             rt.grow(step.instance, step.running)
         elif isinstance(step, Start):
-            rt.start(step.name, step.paused)
+            rt.start(step.instance, step.paused)
 
     # --- converge ------------------------------------------------------------------------------
 

@@ -469,8 +469,19 @@ class LibvirtRuntime:
             raise RetryableError(f"{verb.capitalize()}Failed", f"virsh {verb} {name}: {text}")
         return result
 
-    def start(self, name: str, paused: bool) -> None:
-        self._act("start", name, *(["--paused"] if paused else []))
+    def start(self, inst: InstanceSpec, paused: bool) -> None:
+        """Before every start the base image and the overlay are checked again (DLV-IMG-03/14): a VMM
+        that once ran the disk can have rewritten its header."""
+        img = inst.image
+        if img is not None and img.format == "qcow2":
+            try:
+                check_image(
+                    self._real(image_path(self.data_dir, img.sha256, img.format)), self.max_virtual_size
+                )
+            except ImageRefused as exc:
+                raise TerminalError("BadImage", f"image {img.sha256[:12]}: {exc.message}") from None
+        self.check_overlay(inst)
+        self._act("start", inst.id, *(["--paused"] if paused else []))
 
     def suspend(self, name: str) -> None:
         self._act("suspend", name)
