@@ -60,3 +60,29 @@ def test_a_vm_start_waits_for_a_gpu_a_live_hold_has_dlv_dev_21(sim_root: Path) -
         "w": f"GPU {g1} is held by allocation alloc_whole",
         "m": f"GPU {g7} is held by allocation alloc_mig",
     }
+
+
+def test_holds_are_admitted_against_running_domains_dlv_adm_07(sim_root: Path) -> None:
+    """DLV-ADM-07 (and its mirror, DEV-ADM): a hold's memory limit is admitted against what the running
+    domains bcd manages hold, so VMs and holds never take what the other was promised."""
+    from bcd_agent.inventory.host import read_host_memory
+    from bcd_agent.sections.devices.model import Limits
+
+    devices = Host(sim_root)
+    inst, _ = section(devices.system)
+    devices.section.domains_committed_bytes = inst.committed_bytes
+    mem = read_host_memory(devices.system)
+    assert mem is not None
+    half = (mem.normal_available_bytes // 2) // (1 << 30) * (1 << 30)
+    hold = DevicesSpec(
+        1,
+        (DeviceAssignment("alloc_big", devices=(DeviceRef(gpu_uuid(0)),), limits=Limits(memory_bytes=half)),),
+    )
+    out = converge(inst, spec(vm("big", memory_bytes=half)))
+    assert out.state is SectionState.CONVERGED, out.message
+    assert inst.committed_bytes() == half + half // 32 + (256 << 20)
+    refused = devices.run(hold)
+    assert refused.state is SectionState.FAILED and "ResourcesExhausted" in refused.message
+    converge(inst, spec(generation=2))
+    assert inst.committed_bytes() == 0
+    assert devices.run(DevicesSpec(2, hold.assignments)).state is SectionState.CONVERGED

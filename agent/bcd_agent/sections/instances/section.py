@@ -124,6 +124,7 @@ class InstancesSection:
         self.slice_records = slice_records
         self.last_plan: Plan | None = None
         self.last_report = InstancesReport((), False)
+        self._last_views: dict[str, RuntimeView] = {}
 
     def is_empty(self, desired: object | None) -> bool:
         if desired is None:
@@ -147,6 +148,19 @@ class InstancesSection:
             for uuid, who in self.last_plan.vfio.items():
                 out.setdefault(uuid, who)
         return out
+
+    def committed_bytes(self) -> int:
+        """Normal memory the running and paused domains bcd manages hold, as of the last pass (the
+        devices section's admission of holds counts it, DEV-ADM: VMs and holds never take what the
+        other was promised)."""
+        from bcd_agent.sections.instances.placement import committed_bytes
+
+        return sum(
+            committed_bytes(d.memory_bytes, d.hugepages)
+            for view in self._last_views.values()
+            for d in view.domains
+            if d.managed and d.state in (RUNNING, PAUSED)
+        )
 
     # --- observe -------------------------------------------------------------------------------
 
@@ -284,6 +298,7 @@ class InstancesSection:
         errors = {**the_plan.errors, **errors}
         waiting = {**the_plan.waiting, **waits, **retry}
         views = self.list_runtimes() if the_plan.steps else observed.runtimes
+        self._last_views = dict(views)
         self.last_report = report(spec, views, errors, waiting)
         return outcome(errors, waiting, changed, self.last_report)
 

@@ -294,7 +294,7 @@ class LibvirtRuntime:
         img = inst.image
         assert img is not None
         path = image_path(self.data_dir, img.sha256, img.format)
-        self._mkdir(images_dir(self.data_dir), 0o700 if not self.under_helper else 0o750)
+        self._mkdir(images_dir(self.data_dir), 0o700 if not self.under_helper else 0o710)
         if not self.system.exists(path):
             self._download(img.url, img.sha256, img.format, path)
         if img.format == "qcow2":
@@ -365,9 +365,9 @@ class LibvirtRuntime:
         base = self.ensure_image(inst)
         fmt = inst.image.format if inst.image else "qcow2"
         d = self._dir(inst.id)
-        self._mkdir(libvirt_dir(self.data_dir), 0o700 if not self.under_helper else 0o750)
-        self._mkdir(f"{libvirt_dir(self.data_dir)}/instances", 0o700 if not self.under_helper else 0o750)
-        self._mkdir(d, 0o700 if not self.under_helper else 0o750)
+        self._mkdir(libvirt_dir(self.data_dir), 0o700 if not self.under_helper else 0o710)
+        self._mkdir(f"{libvirt_dir(self.data_dir)}/instances", 0o700 if not self.under_helper else 0o710)
+        self._mkdir(d, 0o700 if not self.under_helper else 0o710)
         disk = self._disk(inst.id)
         if not self.system.exists(disk):
             if fmt == "iso":
