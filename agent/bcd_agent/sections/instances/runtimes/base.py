@@ -42,6 +42,18 @@ class Domain:
 
 
 @frozen
+class DomainFiles:
+    disk: str  # the overlay (or the blank disk of an iso install)
+    base: str | None = None  # the base image the overlay names
+    base_format: str | None = None
+    seed: str | None = None  # the NoCloud seed iso
+    install_iso: str | None = None  # an iso image booted from a cdrom
+    kernel: str | None = None  # direct kernel boot (test guests)
+    initrd: str | None = None
+    cmdline: str | None = None
+
+
+@frozen
 class Prepared:
     """What `create` needs besides the spec: GPU addresses and the fetched user data."""
 

@@ -16,26 +16,14 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from attrs import frozen
 from bcd_shared.instancenames import METADATA_NS, tap_name
 
 from bcd_agent.sections.instances.model import InstanceSpec
 from bcd_agent.sections.instances.placement import cpu_placement
+from bcd_agent.sections.instances.runtimes.base import DomainFiles
 
 ET.register_namespace("bcd", METADATA_NS)
 _NS = "{" + METADATA_NS + "}"
-
-
-@frozen
-class DomainFiles:
-    disk: str  # the overlay (or the blank disk of an iso install)
-    base: str | None = None  # the base image the overlay names
-    base_format: str | None = None
-    seed: str | None = None  # the NoCloud seed iso
-    install_iso: str | None = None  # an iso image booted from a cdrom
-    kernel: str | None = None  # direct kernel boot (test guests)
-    initrd: str | None = None
-    cmdline: str | None = None
 
 
 def _sub(parent: ET.Element, tag: str, text: str | None = None, **attrs: str) -> ET.Element:

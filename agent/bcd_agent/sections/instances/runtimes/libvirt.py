@@ -30,7 +30,6 @@ import logging
 import os
 import shutil
 import time
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -47,9 +46,9 @@ from bcd_agent.sections.instances.runtimes.base import (
     STOPPED,
     CapacityRefused,
     Domain,
+    DomainFiles,
     Prepared,
 )
-from bcd_agent.sections.instances.runtimes.domainxml import DomainFiles, build_domain_xml, metadata_of
 
 log = logging.getLogger("bcd.instances")
 
@@ -145,6 +144,11 @@ class _Known:
 
 
 def _parse_domain(xml: bytes) -> _Known:
+    # xml.etree is imported on first use: a host that never lists a domain never loads it (idle RSS).
+    import xml.etree.ElementTree as ET
+
+    from bcd_agent.sections.instances.runtimes.domainxml import metadata_of
+
     meta = metadata_of(xml)
     try:
         root = ET.fromstring(xml)  # noqa: S314 (libvirt's own dumpxml output)
@@ -395,6 +399,8 @@ class LibvirtRuntime:
         if prepared.user_data is not None:
             self._seed(inst, prepared.user_data)
         self._file_access(inst, files)
+        from bcd_agent.sections.instances.runtimes.domainxml import build_domain_xml
+
         xml = build_domain_xml(
             inst, files, prepared.gpu_addresses, domain_type=self.domain_type, cpu_mode=self.cpu_mode
         )
