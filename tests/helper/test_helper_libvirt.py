@@ -55,7 +55,7 @@ def _good_xml(h: HelperProcess) -> str:
 
 
 def test_the_runtime_drives_the_helper_dlv_hlp_02(lv: tuple[HelperProcess, InstancesSection]) -> None:
-    """DLV-HLP-02, DLV-HLP-12, DLV-HLP-14: changes go through libvirt.*, audited; disks 0660."""
+    """DLV-HLP-02, DLV-HLP-14: changes go through libvirt.*, audited; disks 0660, directories 0710."""
     h, sec = lv
     ops = [e["op"] for e in h.audit_lines() if e["decision"] == "accepted"]
     assert "libvirt.define" in ops and "libvirt.start" in ops
@@ -66,6 +66,7 @@ def test_the_runtime_drives_the_helper_dlv_hlp_02(lv: tuple[HelperProcess, Insta
     assert ops[-3:] == ["libvirt.suspend", "libvirt.resume", "libvirt.shutdown"]
     disk = h.root / DATA.lstrip("/") / "libvirt/instances/good/disk.qcow2"
     assert os.stat(disk).st_mode & 0o777 == 0o660
+    assert os.stat(disk.parent).st_mode & 0o777 == 0o710
     converge(sec, spec(vm("good"), generation=5))
     assert [i.state for i in sec.last_report.instances] == ["RUNNING"]
 

@@ -130,12 +130,21 @@ def test_deleted_instance_is_removed_dlv_inst_04() -> None:
 
 
 def test_user_data_by_secret_request_before_define_dlv_inst_06(tmp_path: Path) -> None:
-    """DLV-INST-06, DLV-LIBVIRT-09/10/11: fetched with the allocation before define, into a cidata seed."""
+    """DLV-INST-06, DLV-LIBVIRT-09/10/11, DLV-IMG-10: fetched with the allocation before define, into a
+    cidata seed; the downloaded base is 0644 in a 0700 images/ (plus QEMU's o+x as root)."""
     system = sim_host(tmp_path)
     source = FixedUserData({"a": UserData(data=b"#cloud-config\nhostname: a\n")})
     sec, _ = section(system, source)
     converge(sec, spec(vm("a", user_data_ref="secret/ud-a")))
     assert source.asked == [("a", "alloc_a", "secret/ud-a")]
+    import os
+    import stat
+
+    from bcd_shared.simhost.libvirt import IMAGE_SHA256
+
+    images = system.host_path("/var/lib/bcd/libvirt/images")
+    assert stat.S_IMODE(os.stat(images).st_mode) == 0o701
+    assert stat.S_IMODE(os.stat(images / f"{IMAGE_SHA256}.qcow2").st_mode) == 0o644
     iso = system.read_bytes("/var/lib/bcd/libvirt/instances/a/seed.iso") or b""
     assert b"CD001" in iso and b"hostname: a" in iso and b"instance-id: a\nlocal-hostname: a" in iso
     xml = system.read_text(f"{STATE}/a.xml") or ""
@@ -228,6 +237,11 @@ def test_admission_counts_bound_holds_dlv_adm_07() -> None:
 
 def test_huge_page_admission_and_overhead_dlv_adm_09_11() -> None:
     """DLV-ADM-09, DLV-ADM-10, DLV-ADM-11: pages on the placement's nodes; overhead on normal memory."""
+    # 300 MiB of normal memory left: a 2 GiB guest in huge pages still needs 64 + 256 MiB of it.
+    pool = {2048: HugePool(2048, 2048, {0: 1024, 1: 1024})}
+    tight = HostMemory((5 * 1024 + 300) * 1024, 4 * 1024 * 1024, pool, (0, 1))
+    p = plan(spec(vm("a", placement=Placement(hugepage_size_bytes=2 * MIB))), observed(mem=tight))
+    assert p.waiting == {"a": "ResourcesExhausted: 320 MiB of memory needed, 300 MiB left on this host"}
     huge = Placement(mems="0", hugepage_size_bytes=2 * MIB)
     obs = observed(mem=memory(64, pages_2m=2048))  # 1024 free pages on each node
     p = plan(spec(vm("a", memory_bytes=2 * GIB, placement=huge)), obs)

@@ -117,3 +117,60 @@ def test_tap_names_fit_and_start_with_bc() -> None:
     names = {tap_name(f"inst-{i}", n) for i in range(200) for n in range(16)}
     assert len(names) == 200 * 16
     assert all(len(t) <= 15 and t.startswith("bc") for t in names)
+
+
+class _Recording:
+    """A simulated host that records every program bcd runs (argv), then runs the simulated tool."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+        self.argv: list[tuple[str, ...]] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def run(self, argv: object, **kw: object) -> object:
+        self.argv.append(tuple(argv))  # type: ignore[arg-type]
+        return self.inner.run(argv, **kw)  # type: ignore[attr-defined]
+
+
+def test_virsh_connections_dlv_libvirt_01_18_dlv_hlp_12(tmp_path: object) -> None:
+    """DLV-LIBVIRT-01: as root, `virsh -c qemu:///system` for every call; DLV-LIBVIRT-18: a paused start
+    is `start --paused`; DLV-HLP-12: under the helper, the node's own calls are reads over the read-only
+    socket (`virsh -r`), and only reads."""
+    from pathlib import Path
+
+    from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, HelperVirsh, LibvirtRuntime
+    from instkit import converge, sim_host, spec, vm
+
+    rec = _Recording(sim_host(Path(str(tmp_path)) / "a"))
+    from bcd_agent.sections.instances.section import InstancesSection
+
+    rt = LibvirtRuntime(rec, DirectVirsh(rec), "/var/lib/bcd")  # type: ignore[arg-type]
+    from bcd_agent.sections.instances.model import Desired
+
+    converge(
+        InstancesSection(rec, [rt], "/var/lib/bcd"),  # type: ignore[arg-type]
+        spec(vm("a"), vm("p", desired=Desired.PAUSED)),
+    )
+    virsh = [a for a in rec.argv if a[0] == "virsh"]
+    assert virsh and all(a[1:3] == ("-c", "qemu:///system") for a in virsh)
+    assert {a[3] for a in virsh} >= {"list", "define", "start"}
+    starts = [a[3:] for a in virsh if a[3] == "start"]
+    assert sorted(starts) == [("start", "a"), ("start", "p", "--paused")]
+
+    class Client:
+        calls: list[str] = []
+
+        def call(self, op: str, args: dict[str, object]) -> dict[str, object]:
+            self.calls.append(op)
+            return {}
+
+    rec2 = _Recording(sim_host(Path(str(tmp_path)) / "b"))
+    client = Client()
+    rt2 = LibvirtRuntime(rec2, HelperVirsh(rec2, client), "/var/lib/bcd", under_helper=True)  # type: ignore[arg-type]
+    converge(InstancesSection(rec2, [rt2], "/var/lib/bcd"), spec(vm("a")))  # type: ignore[arg-type]
+    virsh = [a for a in rec2.argv if a[0] == "virsh"]
+    assert virsh and all(a[1:4] == ("-r", "-c", "qemu:///system") for a in virsh)
+    assert {a[4] for a in virsh} <= {"list", "dumpxml", "domstate", "domstats"}
+    assert client.calls == ["libvirt.define", "libvirt.start"]

@@ -118,7 +118,7 @@ def test_grow_with_qemu_img_while_stopped_and_never_shrink_dlv_libvirt_07_08(
 def test_qemu_reaches_its_files_as_root_dlv_qfa_01_02_03(
     host: tuple[LocalSystem, LibvirtRuntime, RecordingVirsh, InstanceSpec],
 ) -> None:
-    """DLV-QFA-01, DLV-QFA-02, DLV-QFA-03, DLV-QFA-05, DLV-IMG-10: o+x (never o+r) from data_dir down."""
+    """DLV-QFA-01, DLV-QFA-02, DLV-QFA-03, DLV-QFA-05: o+x (never o+r) from data_dir down."""
     system, rt, _virsh, inst = host
     rt.create(inst, Prepared(user_data=b"x"))
     for d in ("", "/libvirt", "/libvirt/instances", "/libvirt/instances/vm1", "/libvirt/images"):
