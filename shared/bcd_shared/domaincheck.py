@@ -146,7 +146,16 @@ ALLOWED: Mapping[str, tuple[Mapping[str, Check], Check | None]] = {
 }
 # bcd's own metadata (DLV-LIBVIRT-16): one <bcd:instance> with these text children.
 METADATA_FIELDS = frozenset(
-    {"allocation", "image", "image-format", "base-format", "addresses", "restored-from", "runtime"}
+    {
+        "allocation",
+        "image",
+        "image-format",
+        "base-format",
+        "addresses",
+        "restored-from",
+        "runtime",
+        "definition",
+    }
 )
 
 

@@ -212,6 +212,7 @@ def test_metadata_namespace_dlv_libvirt_16() -> None:
     xml = _xml("plain")
     assert f'xmlns:bcd="{METADATA_NS}"'.encode() in xml
     meta = metadata_of(xml)
+    assert meta is not None and len(meta.pop("definition")) == 64
     assert meta == {
         "runtime": "libvirt-kvm",
         "allocation": "alloc_plain",

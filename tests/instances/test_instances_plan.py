@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from bcd_agent.converge.types import SectionState
 from bcd_agent.inventory.host import HostMemory, HugePool
-from bcd_agent.sections.instances.model import Desired, Placement
+from bcd_agent.sections.instances.model import Desired, Placement, definition_digest
 from bcd_agent.sections.instances.placement import HostFacts
 from bcd_agent.sections.instances.plan import (
     NO_RUNTIME,
@@ -46,7 +46,11 @@ def observed(*domains: Domain, mem: HostMemory | None = None, **kw: object) -> O
 
 
 def dom(name: str, state: str = RUNNING, managed: bool = True, mem: int = 2 * GIB) -> Domain:
-    return Domain(name, "libvirt-kvm", state, managed, memory_bytes=mem, vcpus=2, disk_bytes=10 * GIB)
+    """A domain as the runtime lists it, defined from `vm(name, memory_bytes=mem)`."""
+    digest = definition_digest(vm(name, memory_bytes=mem), ())
+    return Domain(
+        name, "libvirt-kvm", state, managed, memory_bytes=mem, vcpus=2, disk_bytes=10 * GIB, definition=digest
+    )
 
 
 # --- convergence on the simulated host --------------------------------------------------------------
@@ -435,3 +439,28 @@ def test_base_and_overlay_checked_again_before_a_start_dlv_img_03_14(tmp_path: P
     out = converge(sec, spec(vm("a"), generation=3))
     assert out.state is SectionState.FAILED and "names a backing file" in out.message
     assert json.loads(system.read_text(f"{STATE}/a.json") or "")["state"] == "shut off"
+
+
+def test_a_changed_definition_is_applied_while_stopped(tmp_path: Path) -> None:
+    """A spec change (vCPUs, memory, NICs, GPUs, placement) defines the domain again while it is
+    stopped; a running domain keeps its definition (a note) until it stops."""
+    system = sim_host(tmp_path)
+    sec, _ = section(system)
+    converge(sec, spec(vm("a"), vm("s", desired=Desired.STOPPED)))
+    bigger = spec(vm("a", vcpus=4), vm("s", vcpus=4, desired=Desired.STOPPED), generation=2)
+    p = sec.plan(bigger, 2)
+    assert [(type(s).__name__, getattr(s, "instance", None) and s.instance.id) for s in p.steps] == [
+        ("Create", "s")
+    ]
+    assert p.notes == {"a": "the spec changed the definition: it applies when the domain next stops"}
+    converge(sec, bigger)
+    assert '<vcpu placement="static">4</vcpu>' in (system.read_text(f"{STATE}/s.xml") or "")
+    assert '<vcpu placement="static">2</vcpu>' in (system.read_text(f"{STATE}/a.xml") or "")
+    notes = {i.instance_id: i.message for i in sec.last_report.instances}
+    assert notes["a"].startswith("the spec changed") and notes["s"] == ""
+    stopped = spec(
+        vm("a", vcpus=4, desired=Desired.STOPPED), vm("s", vcpus=4, desired=Desired.STOPPED), generation=3
+    )
+    converge(sec, stopped)
+    assert '<vcpu placement="static">4</vcpu>' in (system.read_text(f"{STATE}/a.xml") or "")
+    assert sec.plan(stopped, 3).steps == ()

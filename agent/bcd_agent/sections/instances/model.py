@@ -94,6 +94,26 @@ class InstancesSpec:
     instances: tuple[InstanceSpec, ...] = field(factory=tuple)
 
 
+def definition_digest(inst: InstanceSpec, gpu_addresses: tuple[str, ...]) -> str:
+    """What the domain's definition is built from (size, NICs, GPUs, placement, image, allocation), as
+    a SHA-256 kept in bcd's metadata: a different digest is a spec change the domain must be defined
+    again for (docs/instances.md). User data is not in it: it is fetched once, at the first define."""
+    import hashlib
+    import json
+
+    pl = inst.placement
+    doc = [
+        inst.allocation_id,
+        inst.vcpus,
+        inst.memory_bytes,
+        [[n.bridge, n.mac, list(n.addresses)] for n in inst.nics],
+        list(gpu_addresses),
+        [pl.cpus, pl.mems, pl.hugepage_size_bytes, pl.balloon] if pl is not None else None,
+        [inst.image.sha256, inst.image.format] if inst.image is not None else None,
+    ]
+    return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
+
+
 def check_instance(inst: InstanceSpec) -> str | None:
     """The first spec rule `inst` breaks (the instance's ERROR message), or None (pure)."""
     if not valid_instance_id(inst.id):

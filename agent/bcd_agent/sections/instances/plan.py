@@ -14,7 +14,9 @@ The seeds' rules first (delivery.md "Instances", DLV-INST, DLV-PLC, DLV-ADM, DLV
 4. It waits (PENDING, section PROGRESSING) for: its runtime's listing (failed this pass), its user
    data (the broker unavailable, DLV-INST-08), a GPU a live hold has, host admission
    (`ResourcesExhausted: ...`, DLV-ADM-12/13, never ERROR).
-5. A missing domain is created (image, overlay, seed, define; user data fetched before); a start
+5. A missing domain is created (image, overlay, seed, define; user data fetched before); a domain
+   whose definition digest (model.definition_digest) differs is defined again while it is stopped,
+   and keeps its definition while it runs (a note in its status); a start
    (new or stopped domain, to RUNNING or PAUSED) is admitted first (DLV-ADM-01); PAUSED from running
    is `suspend`, RUNNING from paused is `resume` (not a boot, not admitted; DLV-INST-10, DLV-ADM-02);
    STOPPED from running or paused is `stop`. A disk whose size grew is grown; a smaller one fails.
@@ -30,7 +32,13 @@ from collections.abc import Mapping
 from attrs import field, frozen
 
 from bcd_agent.inventory.host import HostMemory
-from bcd_agent.sections.instances.model import Desired, InstanceSpec, InstancesSpec, check_instance
+from bcd_agent.sections.instances.model import (
+    Desired,
+    InstanceSpec,
+    InstancesSpec,
+    check_instance,
+    definition_digest,
+)
 from bcd_agent.sections.instances.placement import Admission, HostFacts, check_placement, committed_bytes
 from bcd_agent.sections.instances.runtimes.base import PAUSED, RUNNING, STOPPED, Domain
 
@@ -134,6 +142,7 @@ class Plan:
     # GPU uuid -> instance id that has or will have it passed through (the devices section's VFIO)
     vfio: Mapping[str, str] = field(factory=dict)
     needs_user_data: tuple[str, ...] = ()  # instances whose user data the section must fetch first
+    notes: Mapping[str, str] = field(factory=dict)  # instance id -> a status message that is not a wait
 
 
 def needs_user_data(spec: InstancesSpec, domains: Mapping[str, Domain]) -> tuple[str, ...]:
@@ -164,6 +173,7 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
     steps: list[Step] = []
     errors: dict[str, str] = {}
     waiting: dict[str, str] = {}
+    notes: dict[str, str] = {}
     warnings: list[str] = []
     leaving: set[str] = set()
     # Rule 2: bcd's domains no spec names (or DELETED) go; unmanaged ones are never touched.
@@ -260,6 +270,13 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
             if wants_up:
                 _start(steps, waiting, admission, inst, view, paused)
             continue
+        # A changed definition is defined again while the domain is stopped (or stopped in this pass:
+        # creates run after stops); a running one keeps its definition until it stops.
+        if d.definition != definition_digest(inst, tuple(addresses)):
+            if d.state == STOPPED or inst.desired is Desired.STOPPED:
+                steps.append(Create(inst.runtime, inst, tuple(addresses), None))
+            else:
+                notes[inst.id] = "the spec changed the definition: it applies when the domain next stops"
         if inst.disk_bytes and d.disk_bytes is not None and inst.disk_bytes != d.disk_bytes:
             if inst.disk_bytes < d.disk_bytes:
                 errors[inst.id] = (
@@ -289,6 +306,7 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
         warnings=tuple(warnings),
         vfio=vfio,
         needs_user_data=needs_user_data(spec, domains),
+        notes=notes,
     )
 
 

@@ -299,7 +299,7 @@ class InstancesSection:
         waiting = {**the_plan.waiting, **waits, **retry}
         views = self.list_runtimes() if the_plan.steps else observed.runtimes
         self._last_views = dict(views)
-        self.last_report = report(spec, views, errors, waiting)
+        self.last_report = report(spec, views, errors, waiting, the_plan.notes)
         return outcome(errors, waiting, changed, self.last_report)
 
 
@@ -308,6 +308,7 @@ def report(
     views: Mapping[str, RuntimeView],
     errors: Mapping[str, str],
     waiting: Mapping[str, str],
+    notes: Mapping[str, str] | None = None,
 ) -> InstancesReport:
     """StatusReport.instances: every domain the runtimes hold, and each spec instance without one."""
     out: list[InstanceReport] = []
@@ -323,6 +324,8 @@ def report(
             state, message = "ERROR", errors[d.name]
         elif inst is not None and d.name in waiting:
             message = waiting[d.name]
+        elif inst is not None and notes and d.name in notes:
+            message = notes[d.name]
         out.append(InstanceReport(d.name, d.runtime, state, d.managed, message, d.allocation_id, d.name))
     for inst in spec.instances:
         if inst.id in seen or inst.desired is Desired.DELETED:

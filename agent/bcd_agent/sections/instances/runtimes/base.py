@@ -39,6 +39,7 @@ class Domain:
     hugepages: int = 0
     gpu_addresses: tuple[str, ...] = ()
     disk_bytes: int | None = None  # the overlay's virtual size from its header, when read
+    definition: str = ""  # bcd's metadata: the digest of what the definition was built from
 
 
 @frozen

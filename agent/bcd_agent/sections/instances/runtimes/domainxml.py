@@ -18,7 +18,7 @@ import xml.etree.ElementTree as ET
 
 from bcd_shared.instancenames import METADATA_NS, tap_name
 
-from bcd_agent.sections.instances.model import InstanceSpec
+from bcd_agent.sections.instances.model import InstanceSpec, definition_digest
 from bcd_agent.sections.instances.placement import cpu_placement
 from bcd_agent.sections.instances.runtimes.base import DomainFiles
 
@@ -53,6 +53,7 @@ def build_domain_xml(
     meta = _sub(_sub(dom, "metadata"), f"{_NS}instance")
     _sub(meta, f"{_NS}runtime", inst.runtime)
     _sub(meta, f"{_NS}allocation", inst.allocation_id)
+    _sub(meta, f"{_NS}definition", definition_digest(inst, gpu_addresses))
     if inst.image is not None:
         _sub(meta, f"{_NS}image", inst.image.sha256)
         _sub(meta, f"{_NS}image-format", inst.image.format)

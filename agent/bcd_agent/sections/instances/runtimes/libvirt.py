@@ -274,6 +274,7 @@ class LibvirtRuntime:
                     hugepages=known.hugepages,
                     gpu_addresses=known.gpus,
                     disk_bytes=disk_bytes,
+                    definition=known.meta.get("definition", ""),
                 )
             )
         return tuple(out)
@@ -394,7 +395,8 @@ class LibvirtRuntime:
                     self._real(disk),
                     str(size),
                 )
-        files = self.files(inst, base, prepared.user_data is not None)
+        seed = prepared.user_data is not None or self.system.exists(f"{d}/seed.iso")
+        files = self.files(inst, base, seed)
         self.check_overlay(inst)
         if prepared.user_data is not None:
             self._seed(inst, prepared.user_data)
