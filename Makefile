@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck demo proto clean bench compliance
+.PHONY: venv test lint typecheck demo demo-vm proto clean bench compliance
 
 $(STAMP): shared/pyproject.toml helper/pyproject.toml agent/pyproject.toml devhost/pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,10 @@ proto: $(STAMP)
 
 demo: $(STAMP)
 	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/bcd sim --spec examples/gpu-node.json --root .demo/root --fresh --once
+
+# A GPU VM (a VFIO GPU) beside container holds, on the simulated host's file-backed libvirt-kvm.
+demo-vm: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH $(BIN)/bcd sim --spec examples/vm-node.json --root .demo/vm-root --fresh --once
 
 bench: $(STAMP)
 	$(BIN)/bcd bench all

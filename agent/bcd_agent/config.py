@@ -87,6 +87,7 @@ class HelperConfig:
     audit_dir: str | None = None
     unsigned_access: bool = False  # root: render sshd files from an unsigned spec (development only)
     root_principals: bool = False  # an account of uid 0 may get a principals file (root and the node)
+    libvirt_uri: str | None = None
 
 
 @frozen
@@ -363,6 +364,13 @@ def _account(value: object) -> str:
     return text
 
 
+def _libvirt_uri(value: object) -> str:
+    text = _string(value)
+    if text not in ("qemu:///system", "test:///default"):
+        raise _Bad(f"must be qemu:///system or test:///default, got {_describe(value)}")
+    return text
+
+
 def _log_level(value: object) -> str:
     text = _string(value)
     if text not in LOG_LEVELS:
@@ -395,6 +403,7 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "audit_dir": _abs_path,
         "unsigned_access": _boolean,
         "root_principals": _boolean,
+        "libvirt_uri": _libvirt_uri,
     },
     "host": {"units": _boolean},
     "devices": {"pod_resources_socket": _abs_path},

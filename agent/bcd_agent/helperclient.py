@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import socket
 import struct
 import threading
@@ -43,6 +44,17 @@ OP_TIMEOUT_S: Mapping[str, float] = {
     "daemon.swap": 10 * 60,
     "daemon.confirm": 120,
     "audit.tail": 30,
+    "libvirt.define": 120,
+    "libvirt.start": 300,
+    "libvirt.shutdown": 120,
+    "libvirt.destroy": 120,
+    "libvirt.suspend": 120,
+    "libvirt.resume": 120,
+    "libvirt.undefine": 120,
+    "libvirt.blockresize": 120,
+    "libvirt.setmem": 120,
+    "libvirt.restore": 600,
+    "libvirt.console": 60,
 }
 _LEN = struct.Struct(">I")
 
@@ -149,6 +161,41 @@ class HelperClient:
             raise HelperRefused(reason, f"helper: {message or reason}")
         result = reply.get("result", {})
         return result if isinstance(result, dict) else {}
+
+    def call_fd(self, op: str, args: Mapping[str, Any] | None = None) -> tuple[dict[str, Any], int]:
+        """An op that hands back a file descriptor (libvirt.console): (result, fd) on a fresh connection."""
+        import array
+
+        body = json.dumps({"op": op, "args": dict(args or {})}, separators=(",", ":")).encode()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(OP_TIMEOUT_S.get(op, 60.0) + CONNECTION_SLACK_S)
+            try:
+                sock.connect(self.socket_path)
+                sock.sendall(_LEN.pack(len(body)) + body)
+                data, anc, _flags, _addr = sock.recvmsg(4, socket.CMSG_SPACE(4))
+                fds = array.array("i")
+                for level, kind, payload in anc:
+                    if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                        fds.frombytes(payload[: len(payload) - len(payload) % fds.itemsize])
+                data += _recv_exact(sock, 4 - len(data))
+                (n,) = _LEN.unpack(data)
+                reply = json.loads(_recv_exact(sock, n))
+            except (OSError, ValueError) as exc:
+                raise HelperRefused("unreachable", f"helper: {op}: {type(exc).__name__}: {exc}") from None
+        if not isinstance(reply, dict) or reply.get("ok") is not True:
+            for fd in fds:
+                os.close(fd)
+            message = str(reply.get("message", "")) if isinstance(reply, dict) else "malformed answer"
+            raise HelperRefused(
+                str(reply.get("reason", "refused")) if isinstance(reply, dict) else "protocol",
+                f"helper: {message}",
+            )
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise HelperRefused("protocol", f"helper: {op}: expected one file descriptor, got {len(fds)}")
+        result = reply.get("result", {})
+        return (result if isinstance(result, dict) else {}), fds[0]
 
     # --- the operations -----------------------------------------------------------------------
 

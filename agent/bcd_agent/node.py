@@ -103,6 +103,8 @@ class Node:
         self.inventory: Any = None  # nodeparts.inventory.InventoryState
         self.host_section: Any = None  # nodeparts.host.NodeHostSection, when built
         self.access_section: Any = None  # sections.access.AccessSection, when built (its JWKS: tunnels)
+        self.instances_section: Any = None  # sections.instances.section.InstancesSection, when built
+        self.runtimes: tuple[str, ...] = ()  # the instance runtimes this host runs (Hello)
         self.secrets: Any = None  # session.secrets.SecretRequests
         self.metrics: Any = None  # sections.telemetry.metrics.NodeMetrics
         self.exporter: Any = None  # sections.telemetry.exporter.Exporter
@@ -190,6 +192,15 @@ class Node:
                 from bcd_agent.sections.telemetry.metrics import holds_per_gpu
 
                 self.metrics.holds = lambda: holds_per_gpu(devices.gpu_uuids, devices.held_device_ids)
+            instances = self._instances_section(system, trio_token)
+            if instances is not None:
+                # The devices section's VFIO conflict: GPUs the instances pass through (DEV-PASS).
+                devices.vfio = lambda: instances.vfio(
+                    self.runner.spec.payload("instances")
+                    if self.runner is not None and self.runner.spec
+                    else None
+                )
+                sections.append(instances)
         access = self._access_section(system, identity)
         if access is not None:
             sections.append(access)
@@ -236,6 +247,37 @@ class Node:
             executor = ax.DirectExecutor(system, root_principals=self.config.helper.root_principals)
         self.access_section = ax.AccessSection(executor, identity.node_id, data_dir=self.config.data_dir)
         return self.access_section
+
+    def _instances_section(self, system: Any, trio_token: Any) -> Any:
+        try:
+            from bcd_agent.nodeparts.instances import SessionUserData, build_runtimes
+            from bcd_agent.sections.instances.section import InstancesSection
+        except ImportError as exc:  # a build without the instances section
+            log.info("node: no instances section: %s", exc)
+            return None
+        helper = self._helper_client() if self._helper_socket() is not None else None
+        data_dir = self.config.data_dir
+        root = Path(self.options.root)
+        if root != Path("/") and Path(data_dir).is_relative_to(root):
+            # On the simulated host the node's config names real paths; runtimes speak host paths
+            # (as root's config and the helper do).
+            data_dir = "/" + str(Path(data_dir).relative_to(root))
+        runtimes = build_runtimes(
+            system,
+            data_dir,
+            simulated=self.options.root != "/",
+            helper=helper,
+            as_root=os.geteuid() == 0,
+            intent_dir=self.config.data_dir,
+        )
+        self.runtimes = tuple(r.name for r in runtimes)
+        self.instances_section = InstancesSection(
+            system,
+            runtimes,
+            data_dir,
+            user_data=SessionUserData(self.secrets, trio_token),
+        )
+        return self.instances_section
 
     def _host_section(self, system: Any, identity: Any, trio_token: Any) -> Any:
         """The host section, or None: `[host] units = false` (the runner reports HostManagedExternally),
@@ -522,9 +564,12 @@ class Node:
                 identity,
                 trio.lowlevel.current_trio_token(),
             )
+            from bcd_agent.sections.instances.section import capabilities as instance_capabilities
+
             core.capabilities = device_capabilities(
                 any(s.name == "devices" for s in sections), self._acts_on_host()
-            )
+            ) + instance_capabilities(self.runtimes)
+            core.runtimes = self.runtimes
             self.runner = ConvergeRunner(
                 sections,
                 self._observer(system),

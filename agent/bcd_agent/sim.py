@@ -69,6 +69,7 @@ DEFAULT_ROOT = ".demo/root"  # `make demo`'s, and in .gitignore
 SETTLE_S = 2.0
 SECTION_NAMES = {1: "host", 2: "devices", 3: "instances", 4: "access", 5: "telemetry", 6: "daemon", 7: "site"}
 STATE_NAMES = {1: "CONVERGED", 2: "PROGRESSING", 3: "FAILED", 4: "UNSUPPORTED"}
+INSTANCE_STATES = {1: "RUNNING", 2: "PAUSED", 3: "STOPPED", 4: "ERROR", 5: "PENDING"}
 NODE_UID = 65534  # the node's account when the sim runs as root beside the helper (nobody)
 
 
@@ -297,6 +298,8 @@ class SimView:
     conditions: tuple[dict[str, Any], ...]
     events: tuple[dict[str, Any], ...]
     connected: bool
+    # StatusReport.instances: {"instance_id", "runtime", "state", "managed", "message"}
+    instances: tuple[dict[str, Any], ...] = ()
 
     @property
     def settled(self) -> bool:
@@ -319,6 +322,7 @@ class SimView:
             tuple(tuple(sorted(s.items())) for s in self.sections),
             tuple((c["type"], c["reason"], c["message"]) for c in self.conditions),
             tuple((e["seq"], e["type"]) for e in self.events),
+            tuple(tuple(sorted(i.items())) for i in self.instances),
         )
 
     def to_json(self, **more: object) -> dict[str, object]:
@@ -330,6 +334,7 @@ class SimView:
             "sections": list(self.sections),
             "conditions": list(self.conditions),
             "events": list(self.events),
+            "instances": list(self.instances),
             "converged": self.converged,
             **more,
         }
@@ -345,8 +350,19 @@ def view_from_report(
 ) -> SimView:
     sections: list[dict[str, Any]] = []
     conditions: list[dict[str, Any]] = []
+    instances: list[dict[str, Any]] = []
     applied = 0
     if report is not None:
+        instances = [
+            {
+                "instance_id": i.instance_id,
+                "runtime": i.runtime,
+                "state": INSTANCE_STATES.get(int(i.state), str(int(i.state))),
+                "managed": bool(i.managed),
+                "message": i.message,
+            }
+            for i in report.instances
+        ]
         applied = int(report.applied_generation)
         for s in report.sections:
             number = int(s.section)
@@ -372,6 +388,7 @@ def view_from_report(
         conditions=tuple(conditions),
         events=tuple({"seq": int(e["seq"]), "type": str(e["type"])} for e in events),
         connected=connected,
+        instances=tuple(instances),
     )
 
 
@@ -450,6 +467,9 @@ def render(view: SimView, *, elapsed_s: float, spec: str) -> str:
         lines.append(f"  {s['section']:<10} {s['state']:<12} gen {s['generation']:<3} {why}"[:160])
     for c in view.conditions:
         lines.append(f"  condition {c['type']} {c['reason']}: {c['message']}"[:160])
+    for i in view.instances:
+        how = f"{i['runtime']}{'' if i['managed'] else ', unmanaged'}"
+        lines.append(f"  instance {i['instance_id']:<16} {i['state']:<8} ({how}) {i['message']}"[:160])
     if view.events:
         shown = ", ".join(f"{e['seq']} {e['type']}" for e in view.events[-6:])
         lines.append(f"  events: {shown}")
@@ -474,6 +494,10 @@ def change_lines(previous: SimView | None, view: SimView) -> list[str]:
             out.append(
                 f"  {s['section']} {s['state']} (generation {s['generation']}){' ' + why if why else ''}"
             )
+    was = {i["instance_id"]: i for i in previous.instances} if previous else {}
+    for i in view.instances:
+        if was.get(i["instance_id"]) != i:
+            out.append(f"  instance {i['instance_id']} {i['state']} {i['message']}".rstrip())
     seen = {e["seq"] for e in previous.events} if previous else set()
     out.extend(f"  event {e['seq']} {e['type']}" for e in view.events if e["seq"] not in seen)
     return out
@@ -511,6 +535,7 @@ def write_root_config(layout: Layout, *, node_uid: int | None, join_pin: str) ->
         f'socket = "{layout.helper_socket_host_path}"',
         f"node_uid = {account}",
         f"node_gid = {account}",
+        'instance_bridges = "br0"',
     ]
     layout.root_config.parent.mkdir(parents=True, exist_ok=True)
     layout.root_config.write_text("\n".join(root_lines) + "\n")

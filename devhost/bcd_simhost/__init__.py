@@ -44,6 +44,9 @@ TOOLS: dict[str, str] = {
     "kubectl": "kube:kubectl",  # host-config units
     "dcgmi": "dcgmi:dcgmi",  # diag.dcgm
     "journalctl": "journalctl:journalctl",  # logs.collect
+    "virsh": "libvirt:virsh",  # instances (libvirt-kvm)
+    "qemu-img": "libvirt:qemu_img",  # instances
+    "genisoimage": "libvirt:genisoimage",  # instances (NoCloud seed)
 }
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"

@@ -139,6 +139,11 @@ def curl(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comma
     args = list(argv)
     out = args[args.index("-o") + 1] if "-o" in args else None
     url = args[-1]
+    from bcd_simhost.libvirt import serve_image
+
+    image = serve_image(system, argv, url)
+    if image is not None:
+        return image
     if not url.startswith("https://pkgs.k8s.io/"):
         return fail(argv, f"curl: (6) Could not resolve host: {url}\n", 6)
     if out:

@@ -26,6 +26,9 @@ signed-intent checks import it when a host.unit first needs it.)
                          sshd files from an unsigned spec. Development only: without it, access writes
                          need a signed spec (issue 9 item 1)
   [helper] root_principals  bool, default false: an account of uid 0 may get a principals file
+  [helper] libvirt_uri   the libvirt connection of libvirt.*: qemu:///system (default) or test:///default
+  data_dir               (the node's key, read by root too) where instance disks may live, default
+                         /var/lib/bcd: libvirt.* allows disks only under it
   [kubernetes] allowed_clusters  "https://host[:port]#sha256:<64 hex>,..."
 Other top-level tables are the node's and are checked by the node's own strict loader; they are not
 read here. Other top-level scalar keys must be in NODE_SCALARS, else the helper stops: a misspelt
@@ -68,8 +71,13 @@ _HELPER_KEYS = frozenset(
         "audit_dir",
         "unsigned_access",
         "root_principals",
+        "libvirt_uri",
     }
 )
+DEFAULT_DATA_DIR = "/var/lib/bcd"
+DEFAULT_LIBVIRT_URI = "qemu:///system"
+# libvirt.*: the connection root drives; test:///default only for tests and `bcd bench instances`.
+LIBVIRT_URIS = frozenset({"qemu:///system", "test:///default"})
 _HOST_KEYS = frozenset({"units"})
 _K8S_KEYS = frozenset({"allowed_clusters"})
 _IFNAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
@@ -141,6 +149,8 @@ class HelperConfig:
     allowed_clusters: tuple[AllowedCluster, ...]
     unsigned_access: bool = False
     root_principals: bool = False
+    data_dir: str = DEFAULT_DATA_DIR
+    libvirt_uri: str = DEFAULT_LIBVIRT_URI
 
 
 def ownership_message(path: str) -> str:
@@ -270,6 +280,12 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
             raise ConfigError(f"helper.{key}: must be true or false")
     k8s = _table(doc, "kubernetes", _K8S_KEYS)
     clusters = parse_allowed_clusters(k8s.get("allowed_clusters", ""))
+    data_dir = _str(doc.get("data_dir", DEFAULT_DATA_DIR), "data_dir")
+    if not data_dir.startswith("/") or ".." in data_dir.split("/") or data_dir.rstrip("/") == "":
+        raise ConfigError("data_dir: must be an absolute path without '..', not /")
+    uri = _str(helper.get("libvirt_uri", DEFAULT_LIBVIRT_URI), "helper.libvirt_uri")
+    if uri not in LIBVIRT_URIS:
+        raise ConfigError(f"helper.libvirt_uri: must be one of {', '.join(sorted(LIBVIRT_URIS))}")
     return HelperConfig(
         path=path,
         join_signing_key_pin=pin,
@@ -283,6 +299,8 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
         allowed_clusters=clusters,
         unsigned_access=flags["unsigned_access"],
         root_principals=flags["root_principals"],
+        data_dir=data_dir.rstrip("/"),
+        libvirt_uri=uri,
     )
 
 

@@ -130,9 +130,17 @@ class Connection:
         self.frame_deadline = None
         return decode_body(body)
 
-    def send(self, doc: Any) -> None:
+    def send(self, doc: Any, fd: int | None = None) -> None:
         self.sock.settimeout(FRAME_TIMEOUT_S)
-        self.sock.sendall(encode_frame(doc))
+        frame = encode_frame(doc)
+        if fd is None:
+            self.sock.sendall(frame)
+            return
+        # A descriptor the op hands back (libvirt.console) rides with the frame's first byte.
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
+        sent = self.sock.sendmsg([frame], rights)
+        if sent < len(frame):
+            self.sock.sendall(frame[sent:])
 
     # --- serving ----------------------------------------------------------------------------------
 
@@ -236,10 +244,15 @@ class Connection:
                 return
             self.requests += 1
             reply = self.answer(doc)
+            result = reply.get("result")
+            fd = result.pop("_fd", None) if isinstance(result, dict) else None
             try:
-                self.send(reply)
+                self.send(reply, fd)
             except OSError:
                 return
+            finally:
+                if fd is not None:
+                    os.close(fd)
 
 
 def _bounded(value: Any) -> Any:

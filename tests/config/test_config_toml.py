@@ -111,7 +111,7 @@ REFUSED = [
     (
         "[helper]\nsockets = '/x'",
         "[helper] sockets",
-        "unknown key in [helper] (known: audit_dir, instance_bridges, node_gid",
+        "unknown key in [helper] (known: audit_dir, instance_bridges, libvirt_uri, node_gid",
     ),
     ("host = true", "[host]", "must be a table"),
     ("data_dir = 'var/lib/bcd'", "data_dir", "absolute path"),

@@ -1,5 +1,5 @@
 """`diag.dcgm` on the simulated host: the payload's rules, the busy check from level 2, `dcgmi diag -j` run
-(the simulated dcgmi prints DCGM 4.x's document; see shared/bcd_shared/simhost/dcgmi.py for where the
+(the simulated dcgmi prints DCGM 4.x's document; see devhost/bcd_simhost/dcgmi.py for where the
 format comes from) and its JSON parsed into DiagDcgmResult, for DCGM 4 and DCGM 3 documents.
 
 Covers DLV-RST-06 and DEV-BUSY-07 (diag.dcgm from level 2 applies gpu.reset's busy check) and

@@ -298,3 +298,27 @@ def _records_in_data_dir(root: Path) -> None:
     # AllocationBound every pass (issue 15).
     assert (root / "var/lib/bcd/devices-events.json").exists()
     assert not (root / str(root).lstrip("/")).exists()
+
+
+def test_vm_node_runs_a_gpu_vm_beside_a_hold_dlv_rt_16(tmp_path: Path) -> None:
+    """DLV-RT-16, DLV-INST-01, DLV-INST-02: examples/vm-node.json on the simulated host's file-backed
+    libvirt-kvm: the VM reaches RUNNING with its VFIO GPU beside a container hold, and its domain
+    outlives the process (a second run finds it running and defines nothing)."""
+    root = tmp_path / "host"
+    rc, doc, err = sim(root, "vm-node.json")
+    _common(doc)
+    assert rc == 0, (doc, err)
+    assert [(i["instance_id"], i["state"], i["managed"]) for i in doc["instances"]] == [
+        ("vm-gpu-0001", "RUNNING", True)
+    ]
+    xml = (root / "var/lib/bcd-sim/libvirt/vm-gpu-0001.xml").read_text()
+    assert 'bus="0x5d"' in xml  # GPU index 3's bus id from the inventory
+    assert (root / "etc/cdi/bcd-alloc_train_0001.json").exists()
+    rc, doc, err = sim(root, "vm-node.json")
+    assert rc == 0 and [i["state"] for i in doc["instances"]] == ["RUNNING"], (doc, err)
+    if os.geteuid() == 0:  # through the helper: one define in all, signed (root's join record)
+        audit = [
+            json.loads(line) for line in (root / "var/log/bcd-helper/audit.log").read_text().splitlines()
+        ]
+        defines = [a for a in audit if a["op"] == "libvirt.define" and a["decision"] == "accepted"]
+        assert len(defines) == 1

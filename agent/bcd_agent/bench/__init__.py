@@ -33,6 +33,7 @@ BENCHES: dict[str, str] = {
     "host": "host",
     "converge": "converge",
     "devices": "devices",
+    "instances": "instances",
 }
 ALL = "all"
 

@@ -44,6 +44,7 @@ from bcd_agent.converge.types import (
     SECTION_ORDER,
     Condition,
     DesiredSpec,
+    InstancesReport,
     NodeStatus,
     SectionOutcome,
     SectionState,
@@ -148,6 +149,7 @@ class ConvergeRunner:
         self._statuses: tuple[SectionStatus, ...] = ()
         self._conditions: dict[tuple[str, str], Condition] = {}
         self._section_conditions: dict[str, tuple[Condition, ...]] = {}
+        self._instances: InstancesReport | None = None
 
     # --- inputs -------------------------------------------------------------------------------
 
@@ -376,6 +378,11 @@ class ConvergeRunner:
             )
             self._section_conditions[o.section] = conditions
             raised.extend(conditions)
+            if o.instances is not None:
+                self._instances = o.instances
+            elif result.keep_previous_conditions and o.section == "instances" and self._instances is not None:
+                # The section raised: its last listing is kept but no longer known to be complete.
+                self._instances = attrs.evolve(self._instances, complete=False)
             self._log_outcome(spec, o)
         merged: dict[tuple[str, str], Condition] = {}
         for c in raised:
@@ -442,6 +449,7 @@ class ConvergeRunner:
             conditions=tuple(self._conditions.values()),
             passes=self._passes,
             last_pass_monotonic=self._last_pass if self._last_pass is not None else -math.inf,
+            instances=self._instances,
         )
         self.status.publish(status)
         return status

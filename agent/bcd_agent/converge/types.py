@@ -48,6 +48,29 @@ class Condition:
 
 
 @frozen
+class InstanceReport:
+    """One VM or container a runtime holds, or a spec instance without one (StatusReport.instances).
+
+    `state`: RUNNING, PAUSED, STOPPED, ERROR or PENDING (waiting: user data, admission)."""
+
+    instance_id: str
+    runtime: str
+    state: str
+    managed: bool
+    message: str = ""
+    allocation_id: str = ""
+    domain: str = ""
+
+
+@frozen
+class InstancesReport:
+    """Everything the runtimes hold; `complete` when every runtime was listed without error."""
+
+    instances: tuple[InstanceReport, ...] = ()
+    complete: bool = False
+
+
+@frozen
 class SectionOutcome:
     """One section's result for one pass."""
 
@@ -59,6 +82,8 @@ class SectionOutcome:
     # True when the section changed anything on the host in this pass (used to trigger passes
     # of other sections and to decide on an inventory refresh).
     changed: bool = False
+    # The instances section's report for StatusReport.instances (None: this section reports none).
+    instances: InstancesReport | None = None
 
 
 # NodeSpec's protobuf field number of each section: SectionUnsupported's reason (a bare decimal
@@ -160,6 +185,7 @@ class NodeStatus:
     conditions: tuple[Condition, ...]
     passes: int
     last_pass_monotonic: float
+    instances: InstancesReport | None = None  # None: no instances converger ran
 
     def report_conditions(self, now_monotonic: float) -> tuple[ConditionReport, ...]:
         """The conditions with `age_ms` computed at `now_monotonic` (the time a report is built)."""

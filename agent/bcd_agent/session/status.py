@@ -22,8 +22,31 @@ def section_number(name: str) -> int:
     return int(name) if name.isdigit() else 0
 
 
+_INSTANCE_STATES = {
+    "RUNNING": wire.InstanceState.RUNNING,
+    "PAUSED": wire.InstanceState.PAUSED,
+    "STOPPED": wire.InstanceState.STOPPED,
+    "ERROR": wire.InstanceState.ERROR,
+    "PENDING": wire.InstanceState.PENDING,
+}
+
+
 def status_report(status: NodeStatus, now_monotonic: float) -> wire.StatusReport:
+    inst = status.instances
     return wire.StatusReport(
+        instances=[
+            wire.InstanceStatus(
+                instance_id=i.instance_id,
+                runtime=i.runtime,
+                state=_INSTANCE_STATES.get(i.state, wire.InstanceState.UNSPECIFIED),
+                managed=i.managed,
+                message=i.message,
+                allocation_id=i.allocation_id,
+                domain=i.domain,
+            )
+            for i in (inst.instances if inst is not None else ())
+        ],
+        instances_complete=inst.complete if inst is not None else False,
         observed_generation=status.observed_generation,
         applied_generation=status.applied_generation,
         applied_spec_hash=status.spec_hash,

@@ -18,10 +18,10 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_helper.ops import access, daemon, files, host, hostunit, logs, slices
+from bcd_helper.ops import access, daemon, files, host, hostunit, libvirt, logs, slices
 from bcd_helper.ops.base import Handler
 
-LOCK_ORDER = ("units", "access", "gpus", "slices", "system")
+LOCK_ORDER = ("units", "access", "gpus", "slices", "libvirt", "system")
 MINUTE = 60.0
 
 
@@ -145,6 +145,93 @@ OPS: dict[str, OpSpec] = {
         locks=("units", "system"),
         flags=("destructive", "nowait"),
         summary="reboot the machine, unless a unit or swap is running",
+    ),
+    "libvirt.define": _op(
+        libvirt.LibvirtDefine,
+        libvirt.libvirt_define,
+        2 * MINUTE,
+        locks=("gpus", "libvirt"),
+        shown=("name",),
+        summary="define a domain whose XML passes root's default-deny check (and the signed spec)",
+    ),
+    "libvirt.start": _op(
+        libvirt.LibvirtStart,
+        libvirt.libvirt_start,
+        5 * MINUTE,
+        locks=("gpus", "libvirt"),
+        shown=("name", "paused"),
+        summary="start bcd's domain (paused when asked), re-validated against the signed spec",
+    ),
+    "libvirt.shutdown": _op(
+        libvirt.LibvirtName,
+        libvirt.libvirt_shutdown,
+        2 * MINUTE,
+        locks=("libvirt",),
+        shown=("name",),
+        summary="ask bcd's domain to shut down (ACPI)",
+    ),
+    "libvirt.destroy": _op(
+        libvirt.LibvirtName,
+        libvirt.libvirt_destroy,
+        2 * MINUTE,
+        locks=("libvirt",),
+        shown=("name",),
+        summary="power off bcd's domain",
+    ),
+    "libvirt.suspend": _op(
+        libvirt.LibvirtName,
+        libvirt.libvirt_suspend,
+        2 * MINUTE,
+        locks=("libvirt",),
+        shown=("name",),
+        summary="pause bcd's domain",
+    ),
+    "libvirt.resume": _op(
+        libvirt.LibvirtName,
+        libvirt.libvirt_resume,
+        2 * MINUTE,
+        locks=("libvirt",),
+        shown=("name",),
+        summary="resume bcd's paused domain",
+    ),
+    "libvirt.undefine": _op(
+        libvirt.LibvirtName,
+        libvirt.libvirt_undefine,
+        2 * MINUTE,
+        locks=("libvirt",),
+        shown=("name",),
+        summary="undefine bcd's domain",
+    ),
+    "libvirt.blockresize": _op(
+        libvirt.LibvirtBlockresize,
+        libvirt.libvirt_blockresize,
+        2 * MINUTE,
+        locks=("libvirt",),
+        shown=("name", "target", "size_bytes"),
+        summary="grow a running domain's disk",
+    ),
+    "libvirt.setmem": _op(
+        libvirt.LibvirtSetmem,
+        libvirt.libvirt_setmem,
+        2 * MINUTE,
+        locks=("libvirt",),
+        shown=("name", "kib"),
+        summary="set a running domain's balloon, within its memory",
+    ),
+    "libvirt.restore": _op(
+        libvirt.LibvirtRestore,
+        libvirt.libvirt_restore,
+        10 * MINUTE,
+        locks=("gpus", "libvirt"),
+        shown=("name",),
+        summary="restore the instance's saved state with root's checked definition (--xml)",
+    ),
+    "libvirt.console": _op(
+        libvirt.LibvirtName,
+        libvirt.libvirt_console,
+        MINUTE,
+        shown=("name",),
+        summary="hand back bcd's domain's serial console pty as a file descriptor",
     ),
 }
 

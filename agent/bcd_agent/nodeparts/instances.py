@@ -1,0 +1,78 @@
+"""`bcd node`'s instances part: which runtimes this host runs, how they act, and the user data source.
+
+- The simulated host (`--root DIR`): libvirt-kvm over the simulated host's fake virsh (DLV-RT-16).
+- A real host: libvirt-kvm when `virsh` is on PATH (DLV-RT-01/02), acting directly as root
+  (`virsh -c qemu:///system`) or, with `[helper] socket`, through the helper's libvirt.* operations
+  (reads with `virsh -r`), carrying the signed spec the node keeps (host-intent.json: the newest full
+  spec, which sets the instances section too) so root can re-validate. An unprivileged node without
+  a helper runs no instance runtime (it is not in the libvirt group, DLV-HLP-01).
+- User data: a SecretRequest bound to the instance's allocation (DLV-INST-06), from the runner's
+  worker thread; a refusal fails the instance, no answer keeps it waiting.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+from functools import partial
+from typing import Any
+
+import trio
+from bcd_shared.errors import RetryableError, TerminalError
+
+from bcd_agent.sections.instances.plan import UserData
+
+log = logging.getLogger("bcd.instances")
+
+
+class SessionUserData:
+    def __init__(self, requests: Any, trio_token: trio.lowlevel.TrioToken) -> None:
+        self._requests = requests
+        self._token = trio_token
+
+    def fetch(self, instance_id: str, allocation_id: str, ref: str) -> UserData:
+        try:
+            value = trio.from_thread.run(
+                partial(self._requests.fetch, ref, allocation_id=allocation_id, instance_id=instance_id),
+                trio_token=self._token,
+            )
+        except TerminalError as exc:
+            return UserData(refused=exc.message)
+        except RetryableError as exc:
+            return UserData(unavailable=exc.message)
+        return UserData(data=bytes(value))
+
+
+def helper_intent(data_dir: str) -> dict[str, Any]:
+    """The signed spec the node keeps, as libvirt.define/start's `intent` ({} when none is kept)."""
+    from bcd_agent.sections.host.intent import read_host_intent
+
+    try:
+        kept = read_host_intent(data_dir)
+    except (ValueError, OSError) as exc:
+        log.warning("instances: the kept signed spec cannot be read: %s", exc)
+        return {}
+    if kept is None:
+        return {}
+    return {
+        "body": base64.b64encode(kept.body).decode(),
+        "signature": base64.b64encode(kept.signature).decode(),
+        "chain": [base64.b64encode(c).decode() for c in kept.signer_chain],
+    }
+
+
+def build_runtimes(
+    system: Any, data_dir: str, *, simulated: bool, helper: Any, as_root: bool, intent_dir: str = ""
+) -> list[Any]:
+    from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, HelperVirsh, LibvirtRuntime
+    from bcd_agent.sections.instances.section import runtimes_on_path
+
+    if not simulated and not runtimes_on_path():
+        return []
+    if helper is not None:
+        virsh: Any = HelperVirsh(system, helper, intent=lambda: helper_intent(intent_dir or data_dir))
+        return [LibvirtRuntime(system, virsh, data_dir, under_helper=True)]
+    if simulated or as_root:
+        return [LibvirtRuntime(system, DirectVirsh(system), data_dir)]
+    log.warning("instances: unprivileged without [helper] socket: this node runs no instance runtime")
+    return []

@@ -1,0 +1,358 @@
+"""The instances section: observe -> plan (pure) -> apply, once per pass (a synchronous Section).
+
+Built with the System, the runtimes this host runs (`runtimes_on_path`: `virsh` on PATH turns on
+libvirt-kvm, DLV-RT-01/02; none: `this host runs no instance runtime`), data_dir, and a user-data
+source (the session's SecretRequests: a SecretRequest bound to the instance's allocation, DLV-INST-06).
+
+Outcome: FAILED with reason InstanceFailed when an instance is in ERROR and nothing waits
+(DLV-INST-13); PROGRESSING (reason InstancesPending) while an instance waits (user data, admission,
+a held GPU) or a step failed retryably, its message naming failures too, so a start refused by
+admission is retried on the next pass even beside a failed instance (docs/instances.md); CONVERGED
+otherwise. Each outcome carries the instances report (StatusReport.instances and instances_complete:
+every runtime listed without error, Q-DLV-INST-02).
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from bcd_shared import wire
+from bcd_shared.errors import StepError, TerminalError
+from bcd_shared.system import System
+
+from bcd_agent.converge.section import Observation, PassContext
+from bcd_agent.converge.types import InstanceReport, InstancesReport, SectionOutcome, SectionState
+from bcd_agent.inventory.gpus import GpuInventory, collect_gpus, sysfs_pci_address
+from bcd_agent.inventory.host import parse_cpulist, read_host_memory
+from bcd_agent.sections.instances.model import Desired, InstancesSpec, spec_from_wire
+from bcd_agent.sections.instances.placement import HostFacts
+from bcd_agent.sections.instances.plan import (
+    Create,
+    Delete,
+    Grow,
+    Observed,
+    Plan,
+    Resume,
+    RuntimeView,
+    Start,
+    Step,
+    Stop,
+    Suspend,
+    UserData,
+    plan,
+)
+from bcd_agent.sections.instances.runtimes.base import (
+    PAUSED,
+    RUNNING,
+    CapacityRefused,
+    Domain,
+    Prepared,
+    Runtime,
+)
+
+log = logging.getLogger("bcd.instances")
+
+SECTION = "instances"
+REASON_FAILED = "InstanceFailed"
+REASON_PENDING = "InstancesPending"
+REASON_NO_RUNTIME = "NoInstanceRuntime"
+CAPABILITIES = ("instance.placement",)
+
+
+class UserDataSource(Protocol):
+    def fetch(self, instance_id: str, allocation_id: str, ref: str) -> UserData: ...
+
+
+def to_spec(desired: object | None, generation: int) -> InstancesSpec:
+    if desired is None:
+        return InstancesSpec(generation)
+    if isinstance(desired, InstancesSpec):
+        return desired
+    if isinstance(desired, wire.InstancesSection):
+        return spec_from_wire(generation, desired)
+    raise TypeError(
+        f"instances payload {type(desired).__name__} is neither InstancesSpec nor InstancesSection"
+    )
+
+
+def runtimes_on_path(which: Callable[[str], str | None] = shutil.which) -> tuple[str, ...]:
+    """The built-in runtimes whose tools are on PATH (DLV-RT-01..04); cloud-hypervisor is not built."""
+    return ("libvirt-kvm",) if which("virsh") else ()
+
+
+def capabilities(runtimes: Sequence[object]) -> tuple[str, ...]:
+    """What Hello advertises: only what this bcd enforces (DLV-CAP-03/05). Network policy, SSH from the
+    host only and volumes are not enforced by this build, so they are not advertised."""
+    return CAPABILITIES if runtimes else ()
+
+
+def host_facts(system: System) -> HostFacts:
+    def ids(path: str) -> frozenset[int]:
+        try:
+            return frozenset(parse_cpulist(system.read_text(path) or ""))
+        except ValueError:
+            return frozenset()
+
+    sizes = set()
+    for entry in system.listdir("/sys/kernel/mm/hugepages"):
+        if entry.startswith("hugepages-") and entry.endswith("kB") and entry[10:-2].isdigit():
+            sizes.add(int(entry[10:-2]) * 1024)
+    return HostFacts(
+        ids("/sys/devices/system/cpu/online"), ids("/sys/devices/system/node/online"), frozenset(sizes)
+    )
+
+
+class InstancesSection:
+    name = SECTION
+
+    def __init__(
+        self,
+        system: System,
+        runtimes: Sequence[Runtime],
+        data_dir: str,
+        *,
+        user_data: UserDataSource | None = None,
+        slice_records: bool = False,
+    ) -> None:
+        self.system = system
+        self.runtimes = {r.name: r for r in runtimes}
+        self.data_dir = data_dir
+        self.user_data = user_data
+        self.slice_records = slice_records
+        self.last_plan: Plan | None = None
+        self.last_report = InstancesReport((), False)
+        self._last_views: dict[str, RuntimeView] = {}
+
+    def is_empty(self, desired: object | None) -> bool:
+        if desired is None:
+            return True
+        if isinstance(desired, InstancesSpec | wire.InstancesSection):
+            return not desired.instances
+        return False
+
+    # --- the devices section's VFIO conflict ---------------------------------------------------
+
+    def vfio(self, desired: object | None) -> dict[str, str]:
+        """GPU uuid -> instance: GPUs the current spec passes through, and those domains still running
+        had at the last pass (DEV-PASS; fed to the devices section)."""
+        out: dict[str, str] = {}
+        if desired is not None:
+            for inst in to_spec(desired, 1).instances:
+                if inst.desired is not Desired.DELETED:
+                    for uuid in inst.gpu_uuids:
+                        out.setdefault(uuid, inst.id)
+        if self.last_plan is not None:
+            for uuid, who in self.last_plan.vfio.items():
+                out.setdefault(uuid, who)
+        return out
+
+    def committed_bytes(self) -> int:
+        """Normal memory the running and paused domains bcd manages hold, as of the last pass (the
+        devices section's admission of holds counts it, DEV-ADM: VMs and holds never take what the
+        other was promised)."""
+        from bcd_agent.sections.instances.placement import committed_bytes
+
+        return sum(
+            committed_bytes(d.memory_bytes, d.hugepages)
+            for view in self._last_views.values()
+            for d in view.domains
+            if d.managed and d.state in (RUNNING, PAUSED)
+        )
+
+    # --- observe -------------------------------------------------------------------------------
+
+    def _inventory(self, observation: Observation | None) -> GpuInventory:
+        if observation is not None and observation.has("inventory"):
+            inv = observation.get("inventory")
+            if isinstance(inv, GpuInventory):
+                return inv
+        return collect_gpus(self.system)
+
+    def _holds(self) -> tuple[dict[str, str], int]:
+        from bcd_agent.sections.devices import observe as dobs
+        from bcd_agent.sections.devices.atoms import atom_from_id
+
+        holds, _bad = dobs.read_holds(self.system)
+        gpus: dict[str, str] = {}
+        for alloc, hold in holds.items():
+            for dev in hold.record.device_ids:
+                try:
+                    gpus.setdefault(atom_from_id(dev).gpu, alloc)
+                except ValueError:
+                    continue
+        slices = dobs.read_slice_records(self.system) if self.slice_records else dobs.read_slices(self.system)
+        total = 0
+        for s in slices.values():
+            value = (s.limits or {}).get("MemoryMax", "")
+            if value.isdigit():
+                total += int(value)
+        return gpus, total
+
+    def list_runtimes(self) -> dict[str, RuntimeView]:
+        views: dict[str, RuntimeView] = {}
+        for name, rt in self.runtimes.items():
+            try:
+                views[name] = RuntimeView(name, rt.list(), None, rt.checks_capacity)
+            except StepError as exc:
+                views[name] = RuntimeView(name, (), exc.message, rt.checks_capacity)
+        return views
+
+    def observe(self, spec: InstancesSpec, observation: Observation | None = None) -> Observed:
+        views = self.list_runtimes()
+        if not spec.instances:
+            return Observed(runtimes=views)
+        inventory = self._inventory(observation)
+        addresses = {g.uuid: (sysfs_pci_address(g.bus_id) if g.bus_id else None) for g in inventory.gpus}
+        gpu_holds, holds_bytes = self._holds()
+        observed = Observed(
+            runtimes=views,
+            host=host_facts(self.system),
+            memory=read_host_memory(self.system),
+            holds_memory_bytes=holds_bytes,
+            gpu_addresses=addresses,
+            gpu_holds=gpu_holds,
+        )
+        draft = plan(spec, observed)
+        if draft.needs_user_data and self.user_data is not None:
+            by_id = {i.id: i for i in spec.instances}
+            fetched = {
+                i: self.user_data.fetch(i, by_id[i].allocation_id, by_id[i].user_data_ref)
+                for i in draft.needs_user_data
+            }
+            from attrs import evolve
+
+            observed = evolve(observed, user_data=fetched)
+        return observed
+
+    # --- apply ---------------------------------------------------------------------------------
+
+    def apply(self, the_plan: Plan) -> tuple[dict[str, str], dict[str, str], dict[str, str], bool]:
+        """Run the steps in order; (errors, waits, retryable failures, changed). A failed create skips
+        that instance's start."""
+        errors: dict[str, str] = {}
+        waits: dict[str, str] = {}
+        retry: dict[str, str] = {}
+        changed = False
+        for step in the_plan.steps:
+            name = step.name if not isinstance(step, Create | Grow) else step.instance.id
+            if name in errors or name in retry:
+                continue
+            rt = self.runtimes[step.runtime]
+            try:
+                self._run(rt, step)
+                changed = True
+            except CapacityRefused as exc:
+                if rt.checks_capacity:
+                    waits[name] = f"ResourcesExhausted: {exc.message}"
+                else:
+                    errors[name] = exc.message
+            except TerminalError as exc:
+                errors[name] = exc.message
+            except StepError as exc:
+                retry[name] = exc.message
+        return errors, waits, retry, changed
+
+    @staticmethod
+    def _run(rt: Runtime, step: Step) -> None:
+        if isinstance(step, Delete):
+            rt.delete(step.name)
+        elif isinstance(step, Stop):
+            rt.stop(step.name)
+        elif isinstance(step, Suspend):
+            rt.suspend(step.name)
+        elif isinstance(step, Resume):
+            rt.resume(step.name)
+        elif isinstance(step, Create):
+            rt.create(step.instance, Prepared(step.gpu_addresses, step.user_data))
+        elif isinstance(step, Grow):
+            rt.grow(step.instance, step.running)
+        elif isinstance(step, Start):
+            rt.start(step.instance, step.paused)
+
+    # --- converge ------------------------------------------------------------------------------
+
+    def plan(self, desired: object | None, generation: int, observation: Observation | None = None) -> Plan:
+        spec = to_spec(desired, generation)
+        return plan(spec, self.observe(spec, observation))
+
+    def converge(self, desired: object | None, observation: Observation, ctx: PassContext) -> SectionOutcome:
+        spec = to_spec(desired, ctx.generation)
+        observed = self.observe(spec, observation)
+        the_plan = plan(spec, observed)
+        self.last_plan = the_plan
+        for w in the_plan.warnings:
+            log.warning("instances: %s", w)
+        if the_plan.section_error is not None:
+            self.last_report = InstancesReport((), True)
+            return SectionOutcome(
+                SECTION,
+                SectionState.FAILED,
+                REASON_NO_RUNTIME,
+                the_plan.section_error,
+                instances=self.last_report,
+            )
+        errors, waits, retry, changed = self.apply(the_plan)
+        errors = {**the_plan.errors, **errors}
+        waiting = {**the_plan.waiting, **waits, **retry}
+        views = self.list_runtimes() if the_plan.steps else observed.runtimes
+        self._last_views = dict(views)
+        self.last_report = report(spec, views, errors, waiting, the_plan.notes)
+        return outcome(errors, waiting, changed, self.last_report)
+
+
+def report(
+    spec: InstancesSpec,
+    views: Mapping[str, RuntimeView],
+    errors: Mapping[str, str],
+    waiting: Mapping[str, str],
+    notes: Mapping[str, str] | None = None,
+) -> InstancesReport:
+    """StatusReport.instances: every domain the runtimes hold, and each spec instance without one."""
+    out: list[InstanceReport] = []
+    seen: set[str] = set()
+    by_id = {i.id: i for i in spec.instances}
+    domains: list[Domain] = [d for v in views.values() for d in v.domains]
+    for d in domains:
+        seen.add(d.name)
+        inst = by_id.get(d.name) if d.managed else None
+        state = {RUNNING: "RUNNING", PAUSED: "PAUSED"}.get(d.state, "STOPPED")
+        message = ""
+        if inst is not None and d.name in errors:
+            state, message = "ERROR", errors[d.name]
+        elif inst is not None and d.name in waiting:
+            message = waiting[d.name]
+        elif inst is not None and notes and d.name in notes:
+            message = notes[d.name]
+        out.append(InstanceReport(d.name, d.runtime, state, d.managed, message, d.allocation_id, d.name))
+    for inst in spec.instances:
+        if inst.id in seen or inst.desired is Desired.DELETED:
+            continue
+        if inst.id in errors:
+            out.append(
+                InstanceReport(inst.id, inst.runtime, "ERROR", True, errors[inst.id], inst.allocation_id)
+            )
+        else:
+            why = waiting.get(inst.id, "")
+            out.append(InstanceReport(inst.id, inst.runtime, "PENDING", True, why, inst.allocation_id))
+    complete = bool(views) and all(v.error is None for v in views.values())
+    return InstancesReport(tuple(out), complete)
+
+
+def outcome(
+    errors: Mapping[str, str], waiting: Mapping[str, str], changed: bool, rep: InstancesReport
+) -> SectionOutcome:
+    failed = "; ".join(f"{i}: {m}" for i, m in errors.items())
+    pending = "; ".join(f"{i}: {m}" for i, m in waiting.items())
+    if waiting:
+        message = "; ".join(x for x in (pending, failed) if x)
+        return SectionOutcome(
+            SECTION, SectionState.PROGRESSING, REASON_PENDING, message, changed=changed, instances=rep
+        )
+    if errors:
+        return SectionOutcome(
+            SECTION, SectionState.FAILED, REASON_FAILED, failed, changed=changed, instances=rep
+        )
+    return SectionOutcome(SECTION, SectionState.CONVERGED, "", "", changed=changed, instances=rep)

@@ -1,0 +1,333 @@
+"""libvirt.*: the libvirt-kvm runtime's changes, done by root for an unprivileged node (DLV-HLP-01..14).
+
+Every request names an instance by id (bcd_shared.instancenames: the domain's name). Rules:
+- define / restore: the definition passes bcd_shared.domaincheck as root, default-deny (no DOCTYPE or
+  entity, no element or attribute outside the allowlist, no `<qemu:commandline>`; disks only under
+  root's `data_dir` for this instance, re-checked on the host without symlinks, the overlay naming
+  exactly its base and the base a flat qcow2; taps `tap_name(id, i)` on `[helper] instance_bridges`;
+  hostdevs only this host's GPUs as nvidia-smi lists them to root). A domain of that name bcd did not
+  define (no bcd metadata in root's own `dumpxml`) is never defined over. The XML is staged in root's
+  directory `/var/lib/bcd-hostconfig/libvirt/` and given to `virsh define --validate`.
+- with command-signing roots (bcd_helper.intent), define and start are re-validated against the
+  signed spec's instance: named and not DELETED, the same vCPUs, memory, NICs (bridge and MAC), GPU
+  count and image digest (DLV-HLP, "root re-validates each define or start").
+- every other verb acts only on a domain root sees is bcd's; `restore` refuses a request without a
+  definition before anything runs (DLV-HLP-08), checks it like a define and as the requested domain's
+  (DLV-HLP-09), stages it and always passes `--xml` (DLV-HLP-10); its state file must be the
+  instance's own `save.state`.
+- `console` opens the pty root's `dumpxml` names (`/dev/pts/N` only) and hands it back as a file
+  descriptor (SCM_RIGHTS; DLV-HLP-07).
+- reads are the node's own business, over `virsh -r` (DLV-HLP-12): no read op here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import xml.etree.ElementTree as ET
+from typing import Any
+
+from attrs import frozen
+from bcd_shared.domaincheck import CheckedDomain, DomainPolicy, DomainRefused, check_domain, host_check
+from bcd_shared.instancenames import METADATA_NS, instance_dir, valid_instance_id
+from bcd_shared.rootpath import RootPathRefused
+
+from bcd_helper.ops.base import Call, Failed, Refused, refused_path
+from bcd_helper.ops.hostunit import SignedIntent
+
+STAGE_DIR = "/var/lib/bcd-hostconfig/libvirt"
+MAX_VIRTUAL_SIZE = 64 << 40
+_PTY = re.compile(r"^/dev/pts/[0-9]{1,6}$")
+_TARGET = re.compile(r"^vd[a-z]{1,2}$")
+NS = "{" + METADATA_NS + "}"
+
+
+@frozen
+class LibvirtDefine:
+    name: str
+    xml: str
+    intent: SignedIntent | None = None
+
+
+@frozen
+class LibvirtStart:
+    name: str
+    paused: bool = False
+    intent: SignedIntent | None = None
+
+
+@frozen
+class LibvirtName:
+    name: str
+
+
+@frozen
+class LibvirtBlockresize:
+    name: str
+    target: str
+    size_bytes: int
+
+
+@frozen
+class LibvirtSetmem:
+    name: str
+    kib: int
+
+
+@frozen
+class LibvirtRestore:
+    name: str
+    xml: str | None = None
+    intent: SignedIntent | None = None
+
+
+def _name(op: str, name: str) -> str:
+    if not valid_instance_id(name):
+        raise Refused("bad-name", f"{op}: {name[:80]!r} is not an instance id")
+    return name
+
+
+def _virsh(call: Call, *args: str) -> Any:
+    return call.system.run(["virsh", "-c", call.ctx.config.libvirt_uri, *args], timeout=120)
+
+
+def _err(result: Any) -> str:
+    text: str = (
+        result.stderr.decode(errors="replace").strip() or result.stdout.decode(errors="replace").strip()
+    )
+    return text[:500]
+
+
+def root_dumpxml(call: Call, name: str) -> bytes | None:
+    """Root's own view of the domain: its XML, or None when libvirt has no domain of that name."""
+    result = _virsh(call, "dumpxml", name)
+    if not result.ok:
+        if "failed to get domain" in _err(result) or "no domain" in _err(result).lower():
+            return None
+        raise Failed("virsh", f"virsh dumpxml {name}: {_err(result)}")
+    data: bytes = result.stdout
+    return data
+
+
+def is_bcds(xml: bytes) -> bool:
+    try:
+        root = ET.fromstring(xml)  # noqa: S314 (root's own libvirt output)
+    except ET.ParseError:
+        return False
+    return root.find(f"metadata/{NS}instance") is not None
+
+
+def _managed(call: Call, op: str, name: str) -> bytes:
+    xml = root_dumpxml(call, name)
+    if xml is None:
+        raise Refused("no-domain", f"{op}: no domain {name}")
+    if not is_bcds(xml):
+        raise Refused("unmanaged", f"{op}: domain {name} is not bcd's: it is never changed")
+    return xml
+
+
+def host_gpus(call: Call) -> frozenset[str]:
+    """This host's GPUs' PCI addresses as root reads them (nvidia-smi), sysfs form."""
+    result = call.system.run(["nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader"], timeout=60)
+    if result.returncode == 127:
+        return frozenset()
+    if not result.ok:
+        raise Failed("nvidia-smi", f"cannot list GPUs: {result.describe()}")
+    out = set()
+    for line in result.stdout.decode(errors="replace").splitlines():
+        bus = line.strip()
+        if bus:
+            domain, _, rest = bus.partition(":")
+            out.add(f"{domain[-4:]}:{rest}".lower())
+    return frozenset(out)
+
+
+def policy(call: Call, name: str, with_gpus: bool) -> DomainPolicy:
+    cfg = call.ctx.config
+    return DomainPolicy(
+        instance_id=name,
+        data_dir=cfg.data_dir,
+        bridges=cfg.instance_bridges,
+        gpu_addresses=host_gpus(call) if with_gpus else (),
+    )
+
+
+def check_definition(call: Call, op: str, name: str, xml: str) -> tuple[CheckedDomain, bytes]:
+    data = xml.encode()
+    wants_gpus = b"<hostdev" in data
+    pol = policy(call, name, wants_gpus)
+    try:
+        checked = check_domain(data, pol)
+        host_check(checked, pol, lambda p: str(call.system.host_path(p)), MAX_VIRTUAL_SIZE)
+    except DomainRefused as exc:
+        raise Refused(f"domain-{exc.reason}", f"{op}: {name}: {exc.message}") from None
+    return checked, data
+
+
+def _signed(
+    call: Call, op: str, name: str, intent: SignedIntent | None, checked: CheckedDomain | None
+) -> None:
+    """With roots: the signed spec's instance, compared with the definition; the state saved."""
+    verifier = call.ctx.intent_verifier()
+    inst, state = verifier.signed_instance(op, name, intent)
+    if inst is not None and checked is not None:
+        size = inst.size
+        nics = [(n.bridge, n.mac) for n in inst.nics]
+        image = inst.image.sha256 if inst.image is not None else ""
+        mismatch = []
+        if size is None or checked.vcpus != size.vcpus:
+            mismatch.append("vCPUs")
+        if size is None or checked.memory_bytes != size.memory_bytes:
+            mismatch.append("memory")
+        if [(b, m) for b, m, _t in checked.nics] != nics:
+            mismatch.append("NICs")
+        if len(checked.hostdevs) != len(inst.gpu_uuids):
+            mismatch.append("GPUs")
+        if checked.metadata.get("image", "") != image:
+            mismatch.append("image")
+        if mismatch:
+            raise Refused(
+                "spec-mismatch",
+                f"{op}: {name}: the definition differs from the signed spec in {', '.join(mismatch)}",
+            )
+    if state is not None:
+        verifier.save_state(state)
+
+
+def _stage(call: Call, name: str, data: bytes) -> str:
+    path = f"{STAGE_DIR}/{name}.xml"
+    try:
+        call.system.write_atomic(path, data, 0o600)
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    return str(call.system.host_path(path))
+
+
+def libvirt_define(call: Call, req: LibvirtDefine) -> dict[str, Any]:
+    op = "libvirt.define"
+    name = _name(op, req.name)
+    checked, data = check_definition(call, op, name, req.xml)
+    existing = root_dumpxml(call, name)
+    if existing is not None and not is_bcds(existing):
+        raise Refused("unmanaged", f"{op}: domain {name} exists and is not bcd's: it is never defined over")
+    _signed(call, op, name, req.intent, checked)
+    staged = _stage(call, name, data)
+    result = _virsh(call, "define", "--validate", staged)
+    if not result.ok:
+        raise Failed("virsh", f"virsh define {name}: {_err(result)}")
+    return {"name": name, "disks": [d.path for d in checked.disks], "taps": [t for _b, _m, t in checked.nics]}
+
+
+def libvirt_start(call: Call, req: LibvirtStart) -> dict[str, Any]:
+    op = "libvirt.start"
+    name = _name(op, req.name)
+    xml = _managed(call, op, name)
+    checked = None
+    if req.intent is not None or call.ctx.config.command_root_sha256:
+        checked = _checked_running(call, op, name, xml)
+    _signed(call, op, name, req.intent, checked)
+    result = _virsh(call, "start", name, *(["--paused"] if req.paused else []))
+    if not result.ok:
+        raise Failed("virsh", f"virsh start {name}: {_err(result)}")
+    return {"name": name, "paused": req.paused}
+
+
+def _checked_running(call: Call, op: str, name: str, xml: bytes) -> CheckedDomain:
+    """libvirt's dumpxml adds what it defaults; the fields the signed spec is compared on are read."""
+    root = ET.fromstring(xml)  # noqa: S314 (root's own libvirt output)
+    vcpus = int((root.findtext("vcpu") or "0").strip() or 0)
+    mem = int((root.findtext("memory") or "0").strip() or 0) * 1024
+    nics = tuple(
+        (
+            (i.find("source").get("bridge", "") if i.find("source") is not None else ""),  # type: ignore[union-attr]
+            (i.find("mac").get("address", "") if i.find("mac") is not None else ""),  # type: ignore[union-attr]
+            "",
+        )
+        for i in root.findall("devices/interface")
+    )
+    hostdevs = tuple("" for _ in root.findall("devices/hostdev"))
+    meta = {c.tag[len(NS) :]: c.text or "" for c in root.findall(f"metadata/{NS}instance/*")}
+    return CheckedDomain(name, root.get("type", ""), vcpus, mem, (), nics, hostdevs, meta)
+
+
+def _simple(verb: str) -> Any:
+    def handler(call: Call, req: LibvirtName) -> dict[str, Any]:
+        op = f"libvirt.{verb}"
+        name = _name(op, req.name)
+        _managed(call, op, name)
+        result = _virsh(call, verb, name)
+        if not result.ok:
+            raise Failed("virsh", f"virsh {verb} {name}: {_err(result)}")
+        return {"name": name}
+
+    return handler
+
+
+libvirt_shutdown = _simple("shutdown")
+libvirt_destroy = _simple("destroy")
+libvirt_suspend = _simple("suspend")
+libvirt_resume = _simple("resume")
+libvirt_undefine = _simple("undefine")
+
+
+def libvirt_blockresize(call: Call, req: LibvirtBlockresize) -> dict[str, Any]:
+    op = "libvirt.blockresize"
+    name = _name(op, req.name)
+    if not _TARGET.fullmatch(req.target) or not 0 < req.size_bytes <= MAX_VIRTUAL_SIZE:
+        raise Refused("bad-arguments", f"{op}: target must be vdX and the size from 1 byte to 64 TiB")
+    _managed(call, op, name)
+    result = _virsh(call, "blockresize", name, req.target, f"{req.size_bytes}B")
+    if not result.ok:
+        raise Failed("virsh", f"virsh blockresize {name}: {_err(result)}")
+    return {"name": name, "size_bytes": req.size_bytes}
+
+
+def libvirt_setmem(call: Call, req: LibvirtSetmem) -> dict[str, Any]:
+    op = "libvirt.setmem"
+    name = _name(op, req.name)
+    xml = _managed(call, op, name)
+    root = ET.fromstring(xml)  # noqa: S314 (root's own libvirt output)
+    top = int((root.findtext("memory") or "0").strip() or 0)
+    if not 0 < req.kib <= top:
+        raise Refused("bad-arguments", f"{op}: {req.kib} KiB is not within the domain's {top} KiB")
+    result = _virsh(call, "setmem", name, f"{req.kib}K", "--live")
+    if not result.ok:
+        raise Failed("virsh", f"virsh setmem {name}: {_err(result)}")
+    return {"name": name, "kib": req.kib}
+
+
+def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
+    op = "libvirt.restore"
+    name = _name(op, req.name)
+    if req.xml is None:
+        raise Refused(
+            "no-definition", f"{op}: a restore needs the domain's definition (never the state file's)"
+        )
+    checked, data = check_definition(call, op, name, req.xml)
+    _signed(call, op, name, req.intent, checked)
+    state = f"{instance_dir(call.ctx.config.data_dir, name)}/save.state"
+    real = str(call.system.host_path(state))
+    if not os.path.isfile(real) or os.path.islink(real):
+        raise Refused("no-state", f"{op}: {state} is not a regular file")
+    staged = _stage(call, name, data)
+    result = _virsh(call, "restore", real, "--xml", staged)
+    if not result.ok:
+        raise Failed("virsh", f"virsh restore {name}: {_err(result)}")
+    return {"name": name}
+
+
+def libvirt_console(call: Call, req: LibvirtName) -> dict[str, Any]:
+    """Open the domain's serial pty as root and hand back the descriptor (`_fd`, sent by the server)."""
+    op = "libvirt.console"
+    name = _name(op, req.name)
+    xml = _managed(call, op, name)
+    root = ET.fromstring(xml)  # noqa: S314 (root's own libvirt output)
+    src = root.find("devices/serial/source")
+    path = src.get("path", "") if src is not None else ""
+    if not _PTY.fullmatch(path):
+        raise Failed("no-console", f"{op}: domain {name} has no pty serial console (is it running?)")
+    try:
+        fd = os.open(call.system.host_path(path), os.O_RDWR | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Failed("no-console", f"{op}: {path}: {exc.strerror}") from None
+    return {"name": name, "pty": path, "_fd": fd}

@@ -1,0 +1,57 @@
+"""Names every party of an instance computes identically: the node, the helper and the simulated host.
+
+- An instance id names the libvirt domain, its directory and (hashed) its taps. It must match
+  INSTANCE_ID_RE: 1 to 64 of `[A-Za-z0-9_.-]`, starting with a letter or digit, so it is a safe file
+  name and domain name and never `.`/`..` (docs/instances.md).
+- `tap_name(instance_id, index)`: the seeds' `runtime.TapName`. Interface names have at most 15
+  characters and instance ids up to 64, so the tap is `bc` + the first 11 hex digits of the id's
+  SHA-256 + the NIC index in hex (at most MAX_NICS NICs): 14 characters, always starting `bc`, so the
+  nftables rules (`bc*`) match every instance tap and can be written before the tap exists.
+- Files: `data_dir/libvirt/instances/<id>/` (disk.qcow2, seed.iso, domain.xml) and
+  `data_dir/libvirt/images/<sha256>.<format>` (DLV-RT-02, DLV-LIBVIRT-02/05).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+
+INSTANCE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+BRIDGE_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
+MAC_RE = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+IMAGE_FORMATS = ("qcow2", "raw", "iso")
+MAX_NICS = 16
+METADATA_NS = "https://better-compute.dev/libvirt/1"
+
+
+def valid_instance_id(value: str) -> bool:
+    return bool(INSTANCE_ID_RE.fullmatch(value)) and ".." not in value
+
+
+def tap_name(instance_id: str, index: int) -> str:
+    """The tap of NIC `index` of `instance_id` (the seeds' runtime.TapName)."""
+    if not 0 <= index < MAX_NICS:
+        raise ValueError(f"NIC index {index} out of range (at most {MAX_NICS} NICs)")
+    digest = hashlib.sha256(instance_id.encode()).hexdigest()
+    return f"bc{digest[:11]}{index:x}"
+
+
+def libvirt_dir(data_dir: str) -> str:
+    return f"{data_dir.rstrip('/')}/libvirt"
+
+
+def instance_dir(data_dir: str, instance_id: str) -> str:
+    return f"{libvirt_dir(data_dir)}/instances/{instance_id}"
+
+
+def images_dir(data_dir: str) -> str:
+    return f"{libvirt_dir(data_dir)}/images"
+
+
+def image_path(data_dir: str, sha256: str, fmt: str) -> str:
+    return f"{images_dir(data_dir)}/{sha256}.{fmt}"
+
+
+def volumes_dir(data_dir: str) -> str:
+    return f"{data_dir.rstrip('/')}/volumes"

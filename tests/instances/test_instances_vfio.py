@@ -1,0 +1,88 @@
+"""The devices section's VFIO conflict, fed from the instances section (DEV-PASS): both sections on
+one simulated GPU host."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bcd_agent.converge.types import SectionState
+from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+from bcd_simhost.gpus import gpu_uuid
+from devices.devhost import Host
+from instkit import converge, section, spec, vm
+
+
+def _hold(alloc: str, device: str, device_class: str = "gpu") -> DevicesSpec:
+    return DevicesSpec(1, (DeviceAssignment(alloc, devices=(DeviceRef(device, device_class),)),))
+
+
+def test_no_hold_on_a_gpu_an_instance_passes_through_dlv_dev_20(sim_root: Path) -> None:
+    """DLV-DEV-20: the spec's passthrough GPUs, and those of domains still running at the last pass."""
+    devices = Host(sim_root)
+    inst, _ = section(devices.system)
+    devices.section.vfio = lambda: inst.vfio(current)
+    g3 = gpu_uuid(3)
+    current = spec(vm("gpuvm", gpu_uuids=(g3,)))
+    out = converge(inst, current)
+    assert out.state is SectionState.CONVERGED, out.message
+    assert inst.vfio(current) == {g3: "gpuvm"}
+    refused = devices.run(_hold("alloc_a", g3))
+    assert (
+        refused.state is SectionState.FAILED
+        and f"{g3} is passed through to instance gpuvm" in refused.message
+    )
+    # The spec drops the VM: the domain ran at the last pass, so the GPU stays claimed for this one.
+    current = spec(generation=2)
+    assert inst.vfio(current) == {g3: "gpuvm"}
+    converge(inst, current)  # deletes it; the next pass frees the GPU
+    converge(inst, current)
+    assert inst.vfio(current) == {}
+    assert devices.run(DevicesSpec(2, _hold("alloc_a", g3).assignments)).state is SectionState.CONVERGED
+
+
+def test_a_vm_start_waits_for_a_gpu_a_live_hold_has_dlv_dev_21(sim_root: Path) -> None:
+    """DLV-DEV-21: held whole or as a MIG instance, the GPU is not passed through; the VM waits."""
+    devices = Host(sim_root)
+    g1, g7 = gpu_uuid(1), gpu_uuid(7)
+    spec_holds = DevicesSpec(
+        1,
+        (
+            DeviceAssignment("alloc_whole", devices=(DeviceRef(g1),)),
+            DeviceAssignment("alloc_mig", devices=(DeviceRef(f"{g7}/gi1/ci0", "gpu.mig"),)),
+        ),
+    )
+    assert devices.run(spec_holds).state is SectionState.CONVERGED
+    inst, _ = section(devices.system)
+    out = converge(inst, spec(vm("w", gpu_uuids=(g1,)), vm("m", gpu_uuids=(g7,))))
+    assert out.state is SectionState.PROGRESSING
+    waits = {i.instance_id: i.message for i in inst.last_report.instances}
+    assert waits == {
+        "w": f"GPU {g1} is held by allocation alloc_whole",
+        "m": f"GPU {g7} is held by allocation alloc_mig",
+    }
+
+
+def test_holds_are_admitted_against_running_domains_dlv_adm_07(sim_root: Path) -> None:
+    """DLV-ADM-07 (and its mirror, DEV-ADM): a hold's memory limit is admitted against what the running
+    domains bcd manages hold, so VMs and holds never take what the other was promised."""
+    from bcd_agent.inventory.host import read_host_memory
+    from bcd_agent.sections.devices.model import Limits
+
+    devices = Host(sim_root)
+    inst, _ = section(devices.system)
+    devices.section.domains_committed_bytes = inst.committed_bytes
+    mem = read_host_memory(devices.system)
+    assert mem is not None
+    half = (mem.normal_available_bytes // 2) // (1 << 30) * (1 << 30)
+    hold = DevicesSpec(
+        1,
+        (DeviceAssignment("alloc_big", devices=(DeviceRef(gpu_uuid(0)),), limits=Limits(memory_bytes=half)),),
+    )
+    out = converge(inst, spec(vm("big", memory_bytes=half)))
+    assert out.state is SectionState.CONVERGED, out.message
+    assert inst.committed_bytes() == half + half // 32 + (256 << 20)
+    refused = devices.run(hold)
+    assert refused.state is SectionState.FAILED and "ResourcesExhausted" in refused.message
+    converge(inst, spec(generation=2))
+    assert inst.committed_bytes() == 0
+    assert devices.run(DevicesSpec(2, hold.assignments)).state is SectionState.CONVERGED
