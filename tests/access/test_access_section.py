@@ -220,3 +220,35 @@ def test_bcd_plan_lists_the_access_steps_then_nothing(sim_root: Path) -> None:
     run(ax.AccessSection(ax.DirectExecutor(sim_system(sim_root)), NODE), desired)
     assert plan_access(desired, sim_system(sim_root), NODE).converged
     assert plan_access(section(principals=["a b"]), sim_system(sim_root), NODE).failures
+
+
+def test_DLV_ACC_05_a_failed_reload_is_retried_on_the_next_pass(sim_root: Path) -> None:
+    """sshd refused the reload (systemd, faked here as PID 1 is): the drop-in is taken away again, so the
+    next pass sees the change and reloads once more, instead of leaving sshd on its old config."""
+    from bcd_shared.system import CommandResult, LocalSystem
+
+    sshd_active(sim_root)
+    inner = sim_system(sim_root)
+    failing = {"on": True}
+
+    class ReloadFails(LocalSystem):
+        def run(self, argv, *, timeout=60.0, input=None):  # type: ignore[no-untyped-def,override]
+            if failing["on"] and list(argv[:2]) == ["systemctl", "reload"]:
+                return CommandResult(tuple(argv), 1, b"", b"Job for ssh.service failed.\n")
+            return inner.run(argv, timeout=timeout, input=input)
+
+    system = ReloadFails(root=sim_root)
+    sec = ax.AccessSection(ax.DirectExecutor(system), NODE)
+    desired = section(ssh_ca_keys=[K1], principals=[f"alice@{NODE}"])
+    from bcd_shared.errors import RetryableError
+
+    with pytest.raises(RetryableError) as exc:
+        sec.converge(desired, Observation(), CTX)
+    assert exc.value.reason == "SshdReload" and system.read_bytes(acc.SSHD_DROPIN) is None
+    failing["on"] = False
+    changed, what, _ = run(sec, desired)
+    assert (
+        changed
+        and "reload ssh.service" in what
+        and system.read_bytes(acc.SSHD_DROPIN) == acc.DROPIN_TEXT.encode()
+    )

@@ -131,13 +131,20 @@ class DirectExecutor:
                 if system.remove(step.path):
                     done.append(f"remove {step.path}")
             else:
-                done.append(self._reload())
+                try:
+                    done.append(self._reload(system))
+                except RetryableError:
+                    # sshd did not take the new drop-in: take it away again, so the next pass sees the change
+                    # and reloads again (a reload happens only on a drop-in change, DLV-ACC-05).
+                    if desired.dropin is not None:
+                        system.remove(acc.SSHD_DROPIN)
+                    raise
         return bool(done), "; ".join(d for d in done if d)
 
-    def _reload(self) -> str:
+    def _reload(self, system: System) -> str:
         for unit in SSHD_UNITS:
-            if self.system.run(["systemctl", "is-active", "--quiet", unit], timeout=30).ok:
-                result = self.system.run(["systemctl", "reload", unit], timeout=60)
+            if system.run(["systemctl", "is-active", "--quiet", unit], timeout=30).ok:
+                result = system.run(["systemctl", "reload", unit], timeout=60)
                 if not result.ok:
                     raise RetryableError("SshdReload", f"systemctl reload {unit}: {result.describe()}")
                 return f"reload {unit}"
