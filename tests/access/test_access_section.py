@@ -25,7 +25,7 @@ from bcd_shared.simhost import sim_system
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from helper.helperproc import HelperProcess, base_config
-from helper.intentkit import ControlPlane, access_body
+from helper.intentkit import ControlPlane, access_body, unsigned
 
 NODE = "node-a"
 
@@ -252,3 +252,28 @@ def test_DLV_ACC_05_a_failed_reload_is_retried_on_the_next_pass(sim_root: Path) 
         and "reload ssh.service" in what
         and system.read_bytes(acc.SSHD_DROPIN) == acc.DROPIN_TEXT.encode()
     )
+
+
+def test_root_config_refusals_fail_the_section_terminally(tmp_path: Path, sim_root: Path) -> None:
+    """Beside a helper without roots and without `unsigned_access`, access.apply is refused for good:
+    the section is FAILED (terminal), not PROGRESSING forever; a passing helper error stays retryable."""
+    from bcd_shared.errors import HelperRefused
+
+    helper = HelperProcess(sim_root, base_config())
+    try:
+        body = access_body(NODE, 1, ca_keys=(K1,), principals=(f"alice@{NODE}",))
+        arg = {
+            "body": __import__("base64").b64encode(body).decode(),
+            "signature": "",
+            "chain": [],
+            "trust_bundle": None,
+        }
+        sec = ax.AccessSection(ax.HelperExecutor(HelperClient(helper.socket_path), lambda: arg), NODE)
+        with pytest.raises(TerminalError) as exc:
+            sec.converge(section(ssh_ca_keys=[K1], principals=[f"alice@{NODE}"]), Observation(), CTX)
+        assert exc.value.reason == "access-unsigned"
+    finally:
+        helper.stop()
+    gone = ax.AccessSection(ax.HelperExecutor(HelperClient(str(tmp_path / "none.sock")), lambda: arg), NODE)
+    with pytest.raises(HelperRefused):
+        gone.converge(section(ssh_ca_keys=[K1]), Observation(), CTX)
