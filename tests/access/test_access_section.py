@@ -262,12 +262,7 @@ def test_root_config_refusals_fail_the_section_terminally(tmp_path: Path, sim_ro
     helper = HelperProcess(sim_root, base_config())
     try:
         body = access_body(NODE, 1, ca_keys=(K1,), principals=(f"alice@{NODE}",))
-        arg = {
-            "body": __import__("base64").b64encode(body).decode(),
-            "signature": "",
-            "chain": [],
-            "trust_bundle": None,
-        }
+        arg = unsigned(body)
         sec = ax.AccessSection(ax.HelperExecutor(HelperClient(helper.socket_path), lambda: arg), NODE)
         with pytest.raises(TerminalError) as exc:
             sec.converge(section(ssh_ca_keys=[K1], principals=[f"alice@{NODE}"]), Observation(), CTX)
