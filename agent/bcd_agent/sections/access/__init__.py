@@ -162,9 +162,14 @@ class HelperExecutor:
 
     client: Any  # HelperClient: access_apply(intent)
     intent: Callable[[], Mapping[str, Any] | None]
+    system: System | None = None  # to read the files (0644) and skip root when they already match
 
     def converge(self, spec: AccessSpec, node_id: str) -> tuple[bool, str]:
-        render(spec, node_id)  # the node's own check first (DLV-ACC-12): never ask root for a bad section
+        desired = render(
+            spec, node_id
+        )  # the node's own check first (DLV-ACC-12): never ask root for a bad one
+        if self.system is not None and not acc.plan(desired, observe(self.system)):
+            return False, ""  # root would render the same bytes: nothing to ask (no audit line every pass)
         try:
             result = self.client.access_apply(self.intent())  # HelperRefused: retryable (DLV-PRIV-06)
         except HelperRefused as exc:
