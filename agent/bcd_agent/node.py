@@ -242,7 +242,7 @@ class Node:
         from bcd_agent.sections import access as ax
 
         if self._helper_socket() is not None:
-            executor: Any = ax.HelperExecutor(self._helper_client(), self._kept_intent)
+            executor: Any = ax.HelperExecutor(self._helper_client(), self._kept_intent, system)
         else:
             executor = ax.DirectExecutor(system, root_principals=self.config.helper.root_principals)
         self.access_section = ax.AccessSection(executor, identity.node_id, data_dir=self.config.data_dir)
