@@ -318,7 +318,7 @@ async def test_a_refused_export_is_dropped_and_a_retryable_one_is_sent_again() -
     exporter = Exporter(metrics, post=post)
     async with trio.open_nursery() as nursery:
         await nursery.start(exporter.run)
-        exporter.configure(ExportConfig("http://127.0.0.1:9/v1/metrics", 0.05, ()))
+        exporter.configure(ExportConfig("http://127.0.0.1:9/v1/metrics", 1.0, ()))
         with trio.fail_after(10):
             while exporter.sent < 1:  # noqa: ASYNC110
                 await trio.sleep(0.01)
