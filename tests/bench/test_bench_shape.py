@@ -70,6 +70,15 @@ def test_a_malformed_targets_table_is_refused(targets: dict[str, Any]) -> None:
 def test_measured_keys_may_not_shadow_the_shape() -> None:
     with pytest.raises(ValueError, match="reserved"):
         bench.result("x", {}, {"met": 1})
+    with pytest.raises(ValueError, match="reserved"):
+        bench.result("x", {}, {"bench": "y"})
+    assert bench.result("x", {}, {"bench": "x", "n": 1}) == {
+        "bench": "x",
+        "targets": {},
+        "met": True,
+        "missed": [],
+        "n": 1,
+    }
 
 
 def test_check_exits_1_on_a_missed_target_and_0_without_check(
