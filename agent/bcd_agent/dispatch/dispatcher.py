@@ -486,9 +486,13 @@ class Dispatcher:
         """Journal CANCELLED for a command that never got an `accepted` entry (deferred or unseen): one
         journal write (`cancel_new`), so no crash can leave it `accepted` for recovery to call
         `interrupted`. A command journaled meanwhile keeps its entry (a running one its real outcome)."""
+        before = self._journal.resolve(new.id).entry
         entry = self._journal.cancel_new(new, reason)
         if entry.state.terminal:
-            self._send_new(entry)
+            if before is not None and before.state.terminal:
+                self._send_entry(entry)  # its result was counted when it was journaled
+            else:
+                self._send_new(entry)
 
     # --- deferral ---------------------------------------------------------------------------------------
 
