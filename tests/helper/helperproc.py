@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import socket
 import stat
 import subprocess
@@ -88,6 +89,12 @@ class HelperProcess:
             self.stop()
             raise RuntimeError("helper did not start")
         self.client = HelperClient(self.socket_path)
+        # The audit log's verification key, printed once on stderr when this start made the sealing key.
+        assert self.proc.stderr is not None
+        os.set_blocking(self.proc.stderr.fileno(), False)
+        printed = (self.proc.stderr.read() or b"").decode()
+        found = re.findall(r"bcdk1-[0-9]+-[0-9a-f]{64}", printed)
+        self.audit_key: str | None = found[0] if found else None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
