@@ -81,6 +81,9 @@ class HelperConfig:
     node_uid: int | None = None
     node_gid: int | None = None
     audit_dir: str | None = None
+    audit_max_bytes: int | None = None
+    audit_keep: int | None = None
+    root_socket: str | None = None
 
 
 @frozen
@@ -91,6 +94,7 @@ class DevicesConfig:
 @frozen
 class HostConfig:
     units: bool = True
+    sysctl_allow: tuple[str, ...] = ()  # read by the helper only (root's copy)
 
 
 @frozen
@@ -344,6 +348,22 @@ def _networks(value: object) -> tuple[Network, ...]:
     return _comma_list(value, _network)
 
 
+_SYSCTL_PREFIX = re.compile(r"[a-z0-9_]+(?:\.[a-z0-9_-]+)*\.?")
+
+
+def _sysctl_prefix(text: str) -> str:
+    if not _SYSCTL_PREFIX.fullmatch(text):
+        raise _Bad(f"must list sysctl names or prefixes (vm.swappiness, net.core.), got {text!r}")
+    return text
+
+
+def _sysctl_prefixes(value: object) -> tuple[str, ...]:
+    out = _comma_list(value, _sysctl_prefix)
+    if not out:
+        raise _Bad("is empty; leave the key out to allow every key not denied")
+    return out
+
+
 _ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 
@@ -384,8 +404,11 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "node_uid": _int_range(1, 2**31 - 2),
         "node_gid": _int_range(1, 2**31 - 2),
         "audit_dir": _abs_path,
+        "audit_max_bytes": _int_range(16384, 1 << 30),
+        "audit_keep": _int_range(1, 1000),
+        "root_socket": _abs_path,
     },
-    "host": {"units": _boolean},
+    "host": {"units": _boolean, "sysctl_allow": _sysctl_prefixes},
     "devices": {"pod_resources_socket": _abs_path},
     "journal": {
         "max_bytes": _int_range(
