@@ -10,8 +10,10 @@ Rules (issue 4 item 6, issue 9 items 5 and 6; docs/helper.md "Audit log"):
 - the sealing key evolves at every line, k[s+1] = SHA-256("bcd-audit-evolve\\0" || k[s]), and only the
   next one is kept (`audit.key`, 0600, rewritten after each line; the one before is gone). Whoever
   takes root later cannot recompute the MAC of a line already written. The verification key
-  `bcdk1-<seq>-<hex k[seq]>` is printed once at set-up (`bcd helper audit init`, or the first start of
-  `serve` without one) for the operator to keep off the host (like journald's Forward Secure Sealing);
+  `bcdk1-<seq>-<hex k[seq]>` is printed once, by `bcd helper audit init` at set-up, for the operator to
+  keep off the host (like journald's Forward Secure Sealing). It derives every later sealing key, so it
+  is never written to a log: a helper that starts without `audit.key` makes one no one holds (a
+  warning says so) and the chain alone is then checkable;
 - appended with O_APPEND, fsynced before the answer goes out, files 0600 in a directory 0700
   that the root-only rule accepts;
 - rotated when `audit.log` passes `max_bytes`: audit.log.N shift up, audit.log becomes audit.log.1,
@@ -608,19 +610,27 @@ def _audit_dir(args: argparse.Namespace) -> Path:
     return root.joinpath(*split_host_path(directory + "/x")[:-1])
 
 
-def _init(args: argparse.Namespace) -> int:
-    root, directory = _host_dir(args)
+def init_key(root: Path, directory: str) -> str | None:
+    """Make the sealing key of the audit log in `directory` (a host path under `root`), starting at the
+    line after the newest; its verification key, or None when the log is sealed already."""
     with verified_dir(root, split_host_path(directory + "/x")[:-1], create=True) as dfd:
         os.fchmod(dfd, 0o700)
         if _read_key_state(dfd) is not None:
-            print(
-                f"bcd helper: {directory}/{KEY_NAME} exists: this log is sealed already "
-                "(its verification key was printed when it was made)",
-                file=sys.stderr,
-            )
-            return 1
+            return None
         tail = _seq_of(_last_line(dfd, LOG_NAME) or _last_line(dfd, f"{LOG_NAME}.1")) or 0
-        key = create_key(dfd, tail + 1)
+        return create_key(dfd, tail + 1)
+
+
+def _init(args: argparse.Namespace) -> int:
+    root, directory = _host_dir(args)
+    key = init_key(root, directory)
+    if key is None:
+        print(
+            f"bcd helper: {directory}/{KEY_NAME} exists: this log is sealed already "
+            "(its verification key was printed when it was made)",
+            file=sys.stderr,
+        )
+        return 1
     print(f"audit verification key (keep it off this host; it is not shown again): {key}")
     return 0
 

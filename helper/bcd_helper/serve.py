@@ -8,8 +8,8 @@ One helper per socket (issue 9 item 12): before it touches the socket, `serve` t
 non-blocking flock on `<socket>.lock` beside it (0600 root) and writes its pid there; a second `serve`
 finds it held and exits 1 with one line naming the pid that holds it. The lock goes with the process.
 
-The audit log's sealing key is made at the first start without one; its verification key is then
-printed once on stderr (better: `bcd helper audit init` before the first start; docs/helper.md).
+The audit log's sealing key is made by `bcd helper audit init` at set-up, which prints its verification key
+once; a start without one makes a key no one holds and warns (docs/helper.md "Audit log").
 """
 
 from __future__ import annotations
@@ -112,10 +112,11 @@ def build(root: Path, config_path: str) -> Helper:
             raise ConfigError(str(exc)) from None
         except AuditError as exc:
             raise ConfigError(f"audit log: {exc}") from None
-        if audit.created_key is not None:
+        if audit.created_key is not None:  # never printed here: the journal is on this host
             print(
-                "bcd helper: audit log sealing started; verification key (keep it off this host, "
-                f"it is not shown again): {audit.created_key}",
+                "bcd helper: warning: the audit log had no sealing key; one was made that no one holds, so "
+                "`audit verify --key` cannot be used for this log (run `bcd helper audit init` at set-up, "
+                "before the first start, and keep the key it prints off this host)",
                 file=sys.stderr,
                 flush=True,
             )

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-import re
 import socket
 import stat
 import subprocess
@@ -67,6 +67,13 @@ class HelperProcess:
         self.root = root
         if config is not None:
             write_config(root, config)
+        # Set up as an operator would: the audit log's sealing key first, its verification key kept here.
+        from bcd_helper.audit import init_key
+        from bcd_helper.config import load_config
+
+        self.audit_key: str | None = None
+        with contextlib.suppress(Exception):  # a config the helper refuses: the start below says why
+            self.audit_key = init_key(root, load_config(root).audit_dir)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)],
             stdout=subprocess.PIPE,
@@ -89,12 +96,6 @@ class HelperProcess:
             self.stop()
             raise RuntimeError("helper did not start")
         self.client = HelperClient(self.socket_path)
-        # The audit log's verification key, printed once on stderr when this start made the sealing key.
-        assert self.proc.stderr is not None
-        os.set_blocking(self.proc.stderr.fileno(), False)
-        printed = (self.proc.stderr.read() or b"").decode()
-        found = re.findall(r"bcdk1-[0-9]+-[0-9a-f]{64}", printed)
-        self.audit_key: str | None = found[0] if found else None
 
     def stop(self) -> None:
         if self.proc.poll() is None:
