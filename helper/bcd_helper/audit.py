@@ -140,25 +140,26 @@ def _first_line(dfd: int, name: str) -> bytes | None:
         return f.readline(1 << 20).rstrip(b"\n") or None
 
 
+_KEY_STATE_RE = re.compile(rb"^bcd-audit-key-state v1 ([0-9]{20}) ([0-9a-f]{64})\n$")
+
+
 def _read_key_state(dfd: int) -> tuple[int, bytes] | None:
+    """audit.key: the seq of the next line and its sealing key; None when there is none."""
     try:
         fd = os.open(KEY_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     except FileNotFoundError:
         return None
     with os.fdopen(fd, "rb") as f:
         data = f.read(4096)
-    try:
-        doc = json.loads(data)
-        seq, key = int(doc["seq"]), bytes.fromhex(doc["key"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise AuditError(f"{KEY_NAME}: unreadable ({exc}); the sealing cannot go on") from None
-    if len(key) != 32 or seq < 1:
-        raise AuditError(f"{KEY_NAME}: not a sealing key state")
-    return seq, key
+    m = _KEY_STATE_RE.fullmatch(data)
+    if m is None or int(m.group(1)) < 1:
+        raise AuditError(f"{KEY_NAME}: not a sealing key state; the sealing cannot go on")
+    return int(m.group(1)), bytes.fromhex(m.group(2).decode())
 
 
 def _key_state_bytes(seq: int, key: bytes) -> bytes:
-    return canonical({"key": key.hex(), "seq": seq}) + b"\n"
+    """Fixed length, so each rewrite is one pwrite of the same bytes' span (no truncation to tear)."""
+    return b"bcd-audit-key-state v1 %020d %s\n" % (seq, key.hex().encode())
 
 
 def create_key(dfd: int, next_seq: int) -> str:
@@ -326,7 +327,6 @@ class AuditLog:
             self._kfd = self._open(KEY_NAME, os.O_WRONLY)
         state = _key_state_bytes(seq + 1, self._key)
         os.pwrite(self._kfd, state, 0)
-        os.ftruncate(self._kfd, len(state))
         # The head guards the newest lines against an edit or a removal; it may lag after a crash.
         head = canonical({"seq": seq, "sha256": digest}) + b"\n"
         if self._hfd < 0:
@@ -546,6 +546,9 @@ def verify_chain(
             first_seq,
             seq,
         )
+    problem = _check_key_state(directory, sealing, seq)
+    if problem:
+        return VerifyResult(False, count, problem, first_seq, seq)
     if expect_head is not None:
         want_seq, want_sha = expect_head
         if want_seq > seq:
@@ -563,6 +566,29 @@ def verify_chain(
         if hashes.get(want_seq) != want_sha:
             return VerifyResult(False, count, f"the line at the expected head seq {want_seq} was changed")
     return VerifyResult(True, count, "", first_seq, seq)
+
+
+def _check_key_state(directory: Path, sealing: tuple[int, bytes] | None, last_seq: int) -> str:
+    """audit.key must be there, name the line after the newest (or an earlier one: it is rewritten
+    without an fsync and may lag after a crash), and, with the verification key, hold exactly the
+    sealing key of its seq: after lines are cut from the end the helper's next key cannot be made again
+    (the ones before it are erased), so a cut tail shows here even when audit.head was rewritten."""
+    path = directory / KEY_NAME
+    if not path.is_file():
+        return f"{KEY_NAME} is missing (the sealing key state; a new one would seal with a key no one holds)"
+    m = _KEY_STATE_RE.fullmatch(path.read_bytes()[:4096])
+    if m is None:
+        return f"{KEY_NAME}: not a sealing key state"
+    kseq, kval = int(m.group(1)), bytes.fromhex(m.group(2).decode())
+    if kseq > last_seq + 1:
+        return f"{KEY_NAME} is at seq {kseq} but the log ends at seq {last_seq}: lines were cut from the end"
+    if sealing is not None and kseq >= sealing[0]:
+        s, k = sealing
+        while s < kseq:
+            s, k = s + 1, evolve(k)
+        if not hmac.compare_digest(k, kval):
+            return f"{KEY_NAME}: the key state at seq {kseq} is not this key's (replaced)"
+    return ""
 
 
 # --- `bcd helper audit init|show|verify` -------------------------------------------------------------

@@ -443,6 +443,7 @@ def _drop_oldest_file(d: Path) -> None:
     [
         lambda d: (d / "audit.head").unlink(),
         lambda d: (d / "audit.log").unlink(),
+        lambda d: (d / "audit.key").unlink(),
         _edit_and_rechain,
         _truncate_tail_and_head,
         _truncate_tail_rewrite_head,
@@ -453,6 +454,7 @@ def _drop_oldest_file(d: Path) -> None:
     ids=[
         "head-deleted",
         "log-deleted",
+        "key-deleted",
         "edit-rechained",
         "tail-truncated",
         "tail-and-head",
@@ -473,3 +475,15 @@ def test_issue9_6_root_level_tampering_is_found(
     done = _verify(w, "verify", "--key", key, "--expect-head", head)
     assert done.returncode == 1, (done.stdout, done.stderr)
     assert done.stderr.startswith("audit log broken"), done.stderr
+
+
+def test_issue9_6_a_cut_tail_is_found_without_the_expected_head(
+    sealed: tuple[World, HelperProcess, str],
+) -> None:
+    """Lines cut from the end and audit.head rewritten to the new last line: the chain and the head agree,
+    but the sealing key state is past the end, and root cannot make the earlier state (keys erased)."""
+    w, h, key = sealed
+    h.stop()
+    _truncate_tail_rewrite_head(_audit_dir(w))
+    done = _verify(w, "verify", "--key", key)
+    assert done.returncode == 1 and "audit.key" in done.stderr, done.stderr
