@@ -88,6 +88,9 @@ class HelperConfig:
     unsigned_access: bool = False  # root: render sshd files from an unsigned spec (development only)
     root_principals: bool = False  # an account of uid 0 may get a principals file (root and the node)
     libvirt_uri: str | None = None
+    audit_max_bytes: int | None = None
+    audit_keep: int | None = None
+    root_socket: str | None = None
 
 
 @frozen
@@ -98,6 +101,7 @@ class DevicesConfig:
 @frozen
 class HostConfig:
     units: bool = True
+    sysctl_allow: tuple[str, ...] = ()  # read by the helper only (root's copy)
 
 
 @frozen
@@ -351,6 +355,22 @@ def _networks(value: object) -> tuple[Network, ...]:
     return _comma_list(value, _network)
 
 
+_SYSCTL_PREFIX = re.compile(r"[a-z0-9_]+(?:\.[a-z0-9_-]+)*\.?")
+
+
+def _sysctl_prefix(text: str) -> str:
+    if not _SYSCTL_PREFIX.fullmatch(text):
+        raise _Bad(f"must list sysctl names or prefixes (vm.swappiness, net.core.), got {text!r}")
+    return text
+
+
+def _sysctl_prefixes(value: object) -> tuple[str, ...]:
+    out = _comma_list(value, _sysctl_prefix)
+    if not out:
+        raise _Bad("is empty; leave the key out to allow every key not denied")
+    return out
+
+
 _ACCOUNT = re.compile(r"[a-z_][a-z0-9_-]{0,31}")
 
 
@@ -404,8 +424,11 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "unsigned_access": _boolean,
         "root_principals": _boolean,
         "libvirt_uri": _libvirt_uri,
+        "audit_max_bytes": _int_range(16384, 1 << 30),
+        "audit_keep": _int_range(1, 1000),
+        "root_socket": _abs_path,
     },
-    "host": {"units": _boolean},
+    "host": {"units": _boolean, "sysctl_allow": _sysctl_prefixes},
     "devices": {"pod_resources_socket": _abs_path},
     "journal": {
         "max_bytes": _int_range(

@@ -49,6 +49,8 @@ log = logging.getLogger("bcd.node")
 
 # Q-DLV-REC-01 (docs/journal.md): the journal is swept at start, right after recover, and then daily.
 SWEEP_INTERVAL_S = 24 * 3600.0
+# Under bcd helper: how often the helper's audit head is read for the StatusReport (docs/helper.md).
+AUDIT_HEAD_INTERVAL_S = 300.0
 
 
 @frozen
@@ -369,6 +371,25 @@ class Node:
 
         return guard
 
+    async def _read_audit_head(self) -> None:
+        """Under bcd helper: read the helper's audit head (op audit.head) every AUDIT_HEAD_INTERVAL_S and
+        hand it to the runner, whose next StatusReport carries it (issue 9 item 6). Reading it lets the
+        helper rotate away the lines up to it, so it is read only here, to be reported."""
+        client = self._helper_client()
+        try:
+            while True:
+                try:
+                    result = await trio.to_thread.run_sync(client.call, "audit.head", {})
+                    head = (int(result["seq"]), str(result["sha256"]))
+                except Exception as exc:  # unreachable helper, an old one without the op: try again later
+                    log.warning("node: cannot read the helper's audit head: %s", exc)
+                else:
+                    if self.runner is not None:
+                        self.runner.set_audit_head(head)
+                await trio.sleep(AUDIT_HEAD_INTERVAL_S)
+        finally:
+            client.close()
+
     def _host_changed(self) -> None:
         """A host unit changed the host (runner worker thread): read the inventory again (hash, heartbeat)
         and ask for a pass, in which the devices section sees the new GPUs / MIG layout (HST-LVL-13)."""
@@ -651,6 +672,8 @@ class Node:
                 nursery.start_soon(sweep_periodically, journal, self.options.sweep_interval_s, self._swept)
                 # The first inventory read (the heartbeat's hash) off the path to Hello.
                 nursery.start_soon(self._first_inventory)
+                if self._helper_socket() is not None:
+                    nursery.start_soon(self._read_audit_head)
                 notifier.ready(f"node {node_id}")
                 if notifier.watchdog_interval_s is not None:
                     nursery.start_soon(_watchdog, notifier, notifier.watchdog_interval_s)

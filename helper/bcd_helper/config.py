@@ -29,6 +29,13 @@ signed-intent checks import it when a host.unit first needs it.)
   [helper] libvirt_uri   the libvirt connection of libvirt.*: qemu:///system (default) or test:///default
   data_dir               (the node's key, read by root too) where instance disks may live, default
                          /var/lib/bcd: libvirt.* allows disks only under it
+  [helper] audit_max_bytes  rotate audit.log past this size, 16384 to 1 GiB, default 16 MiB
+  [helper] audit_keep    rotated files kept once the node has read past them, 1 to 1000, default 8
+  [helper] root_socket   root's own socket (0600 root; the node cannot reach or fill it),
+                         default /run/bcd/helper-root.sock
+  [host] sysctl_allow    "vm.swappiness,net.core.": when set, the sysctl unit takes only keys equal to
+                         one of these names or under one of these prefixes (whole name components);
+                         the denylist applies either way
   [kubernetes] allowed_clusters  "https://host[:port]#sha256:<64 hex>,..."
 Other top-level tables are the node's and are checked by the node's own strict loader; they are not
 read here. Other top-level scalar keys must be in NODE_SCALARS, else the helper stops: a misspelt
@@ -52,6 +59,7 @@ from bcd_shared.rootpath import RootPathRefused, open_regular_nofollow
 
 DEFAULT_CONFIG = "/etc/bcd/config.toml"
 DEFAULT_SOCKET = "/run/bcd/helper.sock"
+DEFAULT_ROOT_SOCKET = "/run/bcd/helper-root.sock"
 DEFAULT_AUDIT_DIR = "/var/log/bcd-helper"
 DEFAULT_NODE_USER = "bcd"
 MAX_CONFIG_BYTES = 1024 * 1024
@@ -64,6 +72,7 @@ NODE_SCALARS = frozenset({"data_dir", "log_level", "mode", "node_id"})
 _HELPER_KEYS = frozenset(
     {
         "socket",
+        "root_socket",
         "node_user",
         "node_uid",
         "node_gid",
@@ -72,13 +81,16 @@ _HELPER_KEYS = frozenset(
         "unsigned_access",
         "root_principals",
         "libvirt_uri",
+        "audit_max_bytes",
+        "audit_keep",
     }
 )
 DEFAULT_DATA_DIR = "/var/lib/bcd"
 DEFAULT_LIBVIRT_URI = "qemu:///system"
 # libvirt.*: the connection root drives; test:///default only for tests and `bcd bench instances`.
 LIBVIRT_URIS = frozenset({"qemu:///system", "test:///default"})
-_HOST_KEYS = frozenset({"units"})
+_HOST_KEYS = frozenset({"units", "sysctl_allow"})
+_SYSCTL_PREFIX_RE = re.compile(r"^[a-z0-9_]+(?:\.[a-z0-9_-]+)*\.?$")
 _K8S_KEYS = frozenset({"allowed_clusters"})
 _IFNAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
 _USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}\$?$")
@@ -151,6 +163,10 @@ class HelperConfig:
     root_principals: bool = False
     data_dir: str = DEFAULT_DATA_DIR
     libvirt_uri: str = DEFAULT_LIBVIRT_URI
+    root_socket: str = DEFAULT_ROOT_SOCKET
+    audit_max_bytes: int = 16 * 1024 * 1024
+    audit_keep: int = 8
+    sysctl_allow: tuple[str, ...] = ()
 
 
 def ownership_message(path: str) -> str:
@@ -245,10 +261,25 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
     units = host.get("units", True)
     if not isinstance(units, bool):
         raise ConfigError("host.units: must be true or false")
+    allow = _list_of(host.get("sysctl_allow", ""), "host.sysctl_allow")
+    for i, prefix in enumerate(allow, start=1):
+        if not _SYSCTL_PREFIX_RE.fullmatch(prefix):
+            raise ConfigError(f"host.sysctl_allow: entry {i} {prefix!r} is not a sysctl name or prefix")
+    if "sysctl_allow" in host and not allow:
+        raise ConfigError("host.sysctl_allow: is empty; leave the key out to allow every key not denied")
     helper = _table(doc, "helper", _HELPER_KEYS)
     socket_path = _str(helper.get("socket", DEFAULT_SOCKET), "helper.socket")
     if not socket_path.startswith("/") or len(socket_path) > 100:
         raise ConfigError("helper.socket: must be an absolute path of at most 100 characters")
+    root_socket = _str(helper.get("root_socket", DEFAULT_ROOT_SOCKET), "helper.root_socket")
+    if not root_socket.startswith("/") or len(root_socket) > 100 or root_socket == socket_path:
+        raise ConfigError(
+            "helper.root_socket: must be an absolute path of at most 100 characters, not helper.socket"
+        )
+    max_bytes = _int(
+        helper.get("audit_max_bytes", 16 * 1024 * 1024), "helper.audit_max_bytes", 16384, 1 << 30
+    )
+    keep = _int(helper.get("audit_keep", 8), "helper.audit_keep", 1, 1000)
     audit_dir = _str(helper.get("audit_dir", DEFAULT_AUDIT_DIR), "helper.audit_dir")
     if not audit_dir.startswith("/") or ".." in audit_dir.split("/"):
         raise ConfigError("helper.audit_dir: must be an absolute path without '..'")
@@ -301,6 +332,10 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
         root_principals=flags["root_principals"],
         data_dir=data_dir.rstrip("/"),
         libvirt_uri=uri,
+        root_socket=root_socket,
+        audit_max_bytes=max_bytes,
+        audit_keep=keep,
+        sysctl_allow=tuple(allow),
     )
 
 

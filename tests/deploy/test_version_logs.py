@@ -251,6 +251,12 @@ def test_helper_logs_start_and_stop_and_notifies_ready_after_binding(tmp_path: P
 
     root = make_root(tmp_path)
     write_config(root, base_config())
+    # Set up as an operator does (docs/helper.md): the audit log's sealing key before the first start.
+    subprocess.run(
+        [sys.executable, "-m", "bcd_helper.cli", "audit", "--root", str(root), "init"],
+        check=True,
+        capture_output=True,
+    )
     notify_path = tmp_path / "notify.sock"
     log_path = tmp_path / "helper.log"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify, log_path.open("wb") as log:

@@ -12,9 +12,13 @@ import pytest
 from bcd_helper.audit import AuditLog, verify_chain
 from bcd_helper.config import ConfigError, parse_config
 
+KEYS: dict[Path, str] = {}
+
 
 def _log(root: Path, n: int, **kw: int) -> Path:
     log = AuditLog(root, "/var/log/bcd-helper", syslog=False, **kw)
+    if log.created_key:
+        KEYS[root] = log.created_key
     for i in range(n):
         log.record(
             peer_pid=100 + i,
@@ -61,9 +65,11 @@ def test_edited_removed_and_reordered_lines_are_found(fresh_root: Path) -> None:
 def test_rotation_keeps_the_chain(fresh_root: Path) -> None:
     d = _log(fresh_root, 30, max_bytes=2000)
     assert (d / "audit.log.1").exists() and (d / "audit.log.2").exists()
-    assert verify_chain(d).ok and verify_chain(d).lines == 30
+    anchors = [json.loads(x) for p in d.glob("audit.log*") for x in p.read_bytes().splitlines()]
+    anchors = [e for e in anchors if e["op"] == "(anchor)"]
+    assert anchors and verify_chain(d).ok and verify_chain(d).lines == 30 + len(anchors)
     first_new = json.loads((d / "audit.log").read_bytes().split(b"\n")[0])
-    assert first_new["prev"] != "0" * 64
+    assert first_new["prev"] != "0" * 64 and first_new["op"] == "(anchor)"
 
 
 def test_audit_cli_show_and_verify(fresh_root: Path) -> None:
@@ -78,7 +84,7 @@ def test_audit_cli_show_and_verify(fresh_root: Path) -> None:
         "--dir",
         "/var/log/bcd-helper",
     ]
-    out = subprocess.run([*base, "verify"], capture_output=True, text=True)
+    out = subprocess.run([*base, "verify", "--key", KEYS[fresh_root]], capture_output=True, text=True)
     assert out.returncode == 0 and "6 entries" in out.stdout
     shown = subprocess.run(
         [*base, "show", "--op", "file.write", "--decision", "refused", "--json"],
@@ -91,8 +97,8 @@ def test_audit_cli_show_and_verify(fresh_root: Path) -> None:
     assert later.stdout == ""
     log = fresh_root / "var/log/bcd-helper/audit.log"
     log.write_bytes(log.read_bytes().replace(b'"peer_pid":101', b'"peer_pid":7'))
-    bad = subprocess.run([*base, "verify"], capture_output=True, text=True)
-    assert bad.returncode == 1 and "audit.log line 3" in bad.stderr
+    bad = subprocess.run([*base, "verify", "--key", KEYS[fresh_root]], capture_output=True, text=True)
+    assert bad.returncode == 1 and "audit.log line 2" in bad.stderr  # the edited line: its seal
 
 
 PIN = "a" * 64
