@@ -138,6 +138,11 @@ def test_config_decodes_the_helpers_keys() -> None:
             "kubernetes.allowed_clusters",
         ),
         ('[helper]\nnode_user = "no-such-user-here"', "helper.node_user"),
+        ('[host]\nsysctl_allow = ""', "host.sysctl_allow: is empty"),
+        ('[host]\nsysctl_allow = "vm.swappiness, Kernel.x"', "host.sysctl_allow: entry 2"),
+        ("[helper]\nnode_uid = 900\naudit_keep = 0", "helper.audit_keep"),
+        ("[helper]\nnode_uid = 900\naudit_max_bytes = 100", "helper.audit_max_bytes"),
+        ('[helper]\nnode_uid = 900\nroot_socket = "/run/bcd/helper.sock"', "helper.root_socket"),
         ("x = [", "not valid TOML"),
     ],
 )
