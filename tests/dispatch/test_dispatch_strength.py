@@ -8,11 +8,13 @@ from pathlib import Path
 import pytest
 import trio
 import trio.testing
-from bcd_agent.dispatch.command import CommandEnvelope, UpdateState
+from bcd_agent.dispatch.command import CommandEnvelope, InvalidCommand, UpdateState
 from bcd_agent.dispatch.kinds import Lane
 from bcd_agent.dispatch.lanes import LANES
+from bcd_agent.dispatch.wire import envelope_from_wire, is_ulid
 from bcd_agent.journal import CommandState
 from bcd_agent.kinds.testing import EffectHandler, effect_handlers
+from bcd_shared import wire
 from dhelpers import Gate, Harness, Pki, effect_ids, make_command, start
 
 
@@ -110,3 +112,47 @@ async def test_DLV_CAN_03_a_cancel_waits_for_the_action_in_progress(tmp_path: Pa
     entry = h.journal.get_command(cmd.id)
     assert entry is not None and entry.state is CommandState.CANCELLED
     assert not log.exists()
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "01ARZ3NDEKTSV4RRFFQ69G5FAV",
+        "00000000000000000000000000",
+        "7ZZZZZZZZZZZZZZZZZZZZZZZZZ",
+    ],
+)
+def test_DLV_CMD_03_a_ulid_is_accepted(value: str) -> None:
+    assert is_ulid(value)
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        "01ARZ3NDEKTSV4RRFFQ69G5FA",  # 25
+        "01ARZ3NDEKTSV4RRFFQ69G5FAVX",  # 27
+        "01ARZ3NDEKTSV4RRFFQ69G5FAV\n",  # `$` matches before a newline
+        "01arz3ndektsv4rrffq69g5fav",  # lower case is not the canonical form
+        "01ARZ3NDEKTSV4RRFFQ69G5FAI",  # I, L, O, U are not Crockford digits
+        "01ARZ3NDEKTSV4RRFFQ69G5FAL",
+        "01ARZ3NDEKTSV4RRFFQ69G5FAO",
+        "01ARZ3NDEKTSV4RRFFQ69G5FAU",
+        "8ZZZZZZZZZZZZZZZZZZZZZZZZZ",  # above 2^128
+        "01ARZ3NDEKTSV4RRFFQ69G5FA-",
+        "01ARZ3NDEKTSV4RRFFQ69G5F V",
+        "",
+        "a" * 26,
+    ],
+)
+def test_DLV_CMD_03_anything_else_is_not_a_ulid(value: str) -> None:
+    """DLV-CMD-03: exactly 26 Crockford base-32 digits, the first at most 7; a wire body whose id is not
+    one is refused naming `body.id`."""
+    assert not is_ulid(value)
+    with pytest.raises(InvalidCommand, match=r"body\.id"):
+        envelope_from_wire(wire.Command(body=bytes(_body(value))))
+
+
+def _body(command_id: str) -> wire.CommandBody:
+    return wire.CommandBody(
+        id=command_id, node_id="node-a", seq=1, kind="test.effect", lane=wire.Lane.CONTROL
+    )

@@ -34,7 +34,9 @@ from bcd_agent.dispatch.command import (
 from bcd_agent.dispatch.kinds import Lane
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-_ULID = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
+# A ULID is 128 bits: 26 Crockford base-32 digits, so the first is at most 7. fullmatch, since `$`
+# would also match before a trailing newline.
+_ULID = re.compile(r"[0-7][0-9A-HJKMNP-TV-Z]{25}")
 
 _LANES = {wire.Lane.CONTROL: Lane.CONTROL, wire.Lane.PROVISION: Lane.PROVISION, wire.Lane.BULK: Lane.BULK}
 
@@ -50,7 +52,7 @@ UPDATE_STATE_TO_WIRE = {
 
 
 def is_ulid(value: str) -> bool:
-    return bool(_ULID.match(value))
+    return _ULID.fullmatch(value) is not None
 
 
 def _lenient_id(body: bytes) -> str:
