@@ -80,3 +80,28 @@ def test_HST_CPU_17_reboot_until_isolated_shows_exactly_the_list(
         ]
     else:
         assert reboots == []
+
+
+def test_HST_RBT_06_the_sections_reboot_message_is_cut_to_1024_bytes(tmp_path: Path) -> None:
+    """HST-RBT-06: the RebootRequired condition the host section builds carries the waiting units' errors
+    cut to at most 1024 bytes on a UTF-8 boundary (the kernel's isolated file is shown in the cpu error,
+    here 700 two-byte characters), while the section's own message keeps them whole."""
+    from bcd_agent.sections.host import DirectExecutor, HostSection, converge_host
+    from bcd_shared.units import ApplyContext, UnitContext
+    from hostunits_support import ALLOWED, FakeTokens
+
+    root, system = make_host(tmp_path)
+    (root / "sys/devices/system/cpu/isolated").write_text("é" * 700)
+    spec = HostSection(
+        (("cpu", json.dumps({"isolate": "2-3"})), ("iommu", json.dumps({"passthrough": True})))
+    )
+    ex = DirectExecutor(system, UnitContext(allowed_clusters=ALLOWED), ApplyContext(tokens=FakeTokens()))
+    out = converge_host(spec, ex)
+    [reboot] = [c for c in out.conditions if c.type == "RebootRequired"]
+    whole = out.message.encode()
+    assert len(whole) > 1024 and out.message.startswith(
+        'cpu: CPUs 2-3 are isolated from the next boot (now: "é'
+    )
+    assert reboot.message.encode() == whole[:1024] or reboot.message.encode() == whole[:1023]
+    assert len(reboot.message.encode()) <= 1024
+    assert reboot.message.endswith("é")
