@@ -61,7 +61,8 @@ def _lenient_id(body: bytes) -> str:
         candidate = wire.CommandBody.parse(body).id
     except Exception:  # any parse failure: there is no id to report against
         return ""
-    return candidate if is_ulid(candidate) else ""
+    # A lenient parse of bad UTF-8 leaves the field None: nothing to report against then.
+    return candidate if isinstance(candidate, str) and is_ulid(candidate) else ""
 
 
 def _not_after(ms: int, command_id: str) -> dt.datetime | None:
