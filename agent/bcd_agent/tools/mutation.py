@@ -138,7 +138,8 @@ def main() -> int:
             total = sum(c.values())
             killed = c.get("killed", 0)
             print(
-                f"{name:9} {module:55} {total:5} mutants  {killed:5} killed  {c.get('survived', 0):4} survived"
+                f"{name:9} {module:55} {total:5} mutants  {killed:5} killed  "
+                f"{c.get('survived', 0):4} survived"
             )
     return 0
 
