@@ -3,6 +3,8 @@ real into a scratch root, and the Kubernetes DaemonSet manifest."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import re
 import shutil
@@ -245,3 +247,99 @@ def test_daemonset_manifest() -> None:
     assert "install -o 0 -g 990 -m 0640 /config/config.toml /host/etc/bcd/config.toml" in init["command"][-1]
     mounted = {m["name"] for c in spec["containers"] for m in c["volumeMounts"]}
     assert mounted <= {v["name"] for v in spec["volumes"]}
+
+
+GOOD_PIN = "sha256/" + "A" * 43 + "="
+GOOD_ROOT = "ab" * 32
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--control-plane", "gateway.example.com", "must name a port"),
+        ("--control-plane", "gw:0", "outside 1-65535"),
+        ("--control-plane", "gw:70000", "outside 1-65535"),
+        ("--control-plane", "bad_host!:443", "is not a DNS name"),
+        ("--control-plane", "300.1.1.1:443", "is not an IPv4 address"),
+        ("--control-plane", "[::zz]:443", "is not an IPv6 address"),
+        ("--join-signing-key-pin", "sha256/" + "A" * 42 + "=", "44 characters"),
+        ("--join-signing-key-pin", "sha256/" + "A" * 44, "44 characters"),
+        ("--join-signing-key-pin", "sha256/" + "A" * 42 + "B=", "canonical base64"),  # B: bits past 256
+        ("--join-signing-key-pin", "sha1/" + "A" * 43 + "=", "sha256/"),
+        ("--command-root-sha256", "AB" * 32, "64 lowercase hex"),
+        ("--command-root-sha256", "ab" * 31, "64 lowercase hex"),
+        ("--command-root-sha256", f"{GOOD_ROOT},{GOOD_ROOT}", "repeated"),
+        ("--allowed-clusters", "http://k8s:6443#sha256:" + "ab" * 32, "must be https://"),
+        ("--allowed-clusters", "https://k8s:6443#sha256:abc", "must be https://"),
+    ],
+)
+def test_install_refuses_each_bad_value_before_writing(
+    tmp_path: Path, flag: str, value: str, says: str
+) -> None:
+    """Issue 15: every value install.sh writes is checked first, with docs/config.md's rule."""
+    result = run_install(tmp_path / "host", flag, value)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert flag in result.stderr and says in result.stderr, result.stderr
+    assert not (tmp_path / "host/etc/bcd").exists()
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_accepts_good_values_of_every_form(tmp_path: Path) -> None:
+    for address in ("gw.example.com:7443", "10.0.0.1:443", "[fd00::1]:7443"):
+        root = tmp_path / address.replace(":", "_").strip("[]")
+        result = run_install(
+            root, "--control-plane", address, "--join-signing-key-pin", GOOD_PIN,
+            "--command-root-sha256", f"{GOOD_ROOT},{'cd' * 32}",
+            "--allowed-clusters", f"https://10.0.0.1:6443#sha256:{GOOD_ROOT}",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        config = parse_config((root / "etc/bcd/config.toml").read_text(), "c")
+        assert config.control_plane.address == address
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_rerun_with_other_flags_shows_each_difference_and_needs_replace(tmp_path: Path) -> None:
+    """A re-run whose flags differ from the kept config prints each difference and exits 3, keeping the
+    config; `--replace` writes the flags' config and keeps the old one beside it. Flags not given are
+    not differences: a bare re-run (to put modes right) still succeeds."""
+    root = tmp_path / "host"
+    assert (
+        run_install(root, "--control-plane", "a.example.com:1", "--join-signing-key-pin", GOOD_PIN).returncode
+        == 0
+    )
+    config = root / "etc/bcd/config.toml"
+    first = config.read_text()
+    other_pin = "sha256/" + base64.b64encode(hashlib.sha256(b"another key").digest()).decode()
+    result = run_install(
+        root,
+        "--control-plane",
+        "b.example.com:2",
+        "--join-signing-key-pin",
+        other_pin,
+        "--host-units-external",
+    )
+    assert result.returncode == 3
+    lines = sorted(line for line in result.stderr.splitlines() if "differs:" in line)
+    assert lines == sorted(
+        [
+            f"install.sh: differs: join_signing_key_pin: kept '{GOOD_PIN}', the flags give '{other_pin}'",
+            "install.sh: differs: control_plane.address: kept 'a.example.com:1',"
+            " the flags give 'b.example.com:2'",
+            "install.sh: differs: host.units: kept True, the flags give False",
+        ]
+    ), result.stderr
+    assert "--replace" in result.stderr
+    assert config.read_text() == first
+    assert run_install(root).returncode == 0  # no flags: nothing differs
+    assert run_install(root, "--control-plane", "a.example.com:1").returncode == 0  # the same value
+    result = run_install(root, "--control-plane", "b.example.com:2", "--replace")
+    assert result.returncode == 0, result.stderr
+    assert parse_config(config.read_text(), "c").control_plane.address == "b.example.com:2"
+    assert (root / "etc/bcd/config.toml.old").read_text() == first
+    _, gid = account(root, "bcd")
+    assert owner_mode(config) == (0, gid, 0o640)
+    assert owner_mode(root / "etc/bcd/config.toml.old") == (0, gid, 0o640)
