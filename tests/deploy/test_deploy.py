@@ -10,11 +10,14 @@ import re
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from bcd_agent.config import parse_config
+from bcd_shared.version import VERSION
 from testsupport import REPO, require_tool
 
 DEPLOY = REPO / "deploy"
@@ -243,10 +246,119 @@ def test_daemonset_manifest() -> None:
     assert containers["helper"]["command"][:2] == ["bcd-helper", "serve"]
     assert containers["node"]["command"][:2] == ["bcd", "node"]
     # Root's config reaches the host as a regular file, not the ConfigMap's symlinks.
-    [init] = spec["initContainers"]
-    assert "install -o 0 -g 990 -m 0640 /config/config.toml /host/etc/bcd/config.toml" in init["command"][-1]
-    mounted = {m["name"] for c in spec["containers"] for m in c["volumeMounts"]}
+    init = {c["name"]: c for c in spec["initContainers"]}
+    assert [c["name"] for c in spec["initContainers"]] == ["config", "join"]
+    cmd = init["config"]["command"][-1]
+    assert "install -o 0 -g 990 -m 0640 /config/config.toml /host/etc/bcd/config.toml" in cmd
+    mounted = {m["name"] for c in spec["containers"] + spec["initContainers"] for m in c["volumeMounts"]}
     assert mounted <= {v["name"] for v in spec["volumes"]}
+
+
+def _daemonset() -> dict[str, Any]:
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "bcd-daemonset.yaml").read_text()))
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    spec: dict[str, Any] = ds["spec"]["template"]["spec"]
+    return spec
+
+
+def _mounts(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["mountPath"]: m for m in container["volumeMounts"]}
+
+
+def test_daemonset_joins_once_with_the_token_from_a_secret() -> None:
+    """Issue 15: an init container, after `config`, runs `bcd join` with the token (and address) from the
+    Secret bcd-join, as root so root's join record is written, then hands data_dir to the node's uid."""
+    spec = _daemonset()
+    join = spec["initContainers"][1]
+    script = join["command"][-1]
+    assert join["command"][:2] == ["/bin/sh", "-ec"]
+    assert (
+        'bcd join --token="$BCD_JOIN_TOKEN" --address "$BCD_JOIN_ADDRESS" --config /etc/bcd/config.toml'
+        in script
+    )
+    assert "chown -R 990:990 /var/lib/bcd" in script
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in join["env"]}
+    assert env == {
+        "BCD_JOIN_TOKEN": {"name": "bcd-join", "key": "token"},
+        "BCD_JOIN_ADDRESS": {"name": "bcd-join", "key": "address"},
+    }
+    assert join["securityContext"]["runAsUser"] == 0
+    assert join["securityContext"]["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["CHOWN", "FOWNER", "DAC_OVERRIDE"],
+    }
+    mounts = _mounts(join)
+    assert mounts["/etc/bcd"]["readOnly"] is True
+    assert {"/var/lib/bcd", "/var/lib/bcd-hostconfig"} <= set(mounts)
+    # `bcd join` takes these options (the CLI's own parser), so the script is not a guess.
+    help_text = subprocess.run(
+        [sys.executable, "-m", "bcd_agent.cli", "join", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert "--token" in help_text and "--address" in help_text and "--config" in help_text
+
+
+def test_daemonset_probes_resources_and_gpu_access() -> None:
+    """The node's probes run `bcd status --check`; every container has requests and a memory limit; the
+    pod runs under the NVIDIA runtime with the variables that give the node the GPU device nodes and
+    the driver's tools, and the node reads the host's sysfs read-only."""
+    spec = _daemonset()
+    containers = {c["name"]: c for c in spec["containers"]}
+    node = containers["node"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        cmd = node[probe]["exec"]["command"]
+        assert cmd[:3] == ["bcd", "status", "--check"], probe
+        assert "--config" in cmd and cmd[cmd.index("--config") + 1] == "/etc/bcd/config.toml"
+        assert node[probe]["timeoutSeconds"] >= 5
+    for c in spec["containers"] + spec["initContainers"]:
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"], c["name"]
+        assert c["resources"]["limits"]["memory"], c["name"]
+    assert spec["runtimeClassName"] == "nvidia"
+    for name in ("node", "helper"):
+        env = {e["name"]: e["value"] for e in containers[name]["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]
+    mounts = _mounts(node)
+    assert mounts["/sys"]["readOnly"] is True and mounts["/etc/cdi"]["readOnly"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mounts["/sys"]["name"]]["hostPath"]["path"] == "/sys"
+    helper = _mounts(containers["helper"])
+    assert volumes[helper["/dev"]["name"]]["hostPath"]["path"] == "/dev"
+
+
+def containerfile_copies() -> list[Path]:
+    """The files deploy/kubernetes/Containerfile COPYs (build context: the repository root), with its
+    ARG defaults substituted."""
+    text = (DEPLOY / "kubernetes" / "Containerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    out = []
+    for line in re.findall(r"^COPY (.+)$", text, re.M):
+        *sources, _dest = line.split()
+        for src in sources:
+            out.append(REPO / re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], src))
+    return out
+
+
+def test_containerfile_installs_the_packages_make_deb_builds() -> None:
+    """The image installs the bcd-node (and bcd-helper) packages: it COPYs exactly the file names
+    packaging/build-deb.sh writes for this version (tests/deploy/test_packages.py builds them and checks
+    they exist), and runs what the DaemonSet's containers run."""
+    text = (DEPLOY / "kubernetes" / "Containerfile").read_text()
+    assert re.search(r"^FROM \S*debian:12", text, re.M)
+    copies = containerfile_copies()
+    assert [p.relative_to(REPO).as_posix() for p in copies] == [
+        f"dist/bcd-node_{VERSION}_amd64.deb",
+        f"dist/bcd-helper_{VERSION}_amd64.deb",
+    ]
+    build = (REPO / "packaging" / "build-deb.sh").read_text()
+    assert '"$OUT/${name}_${VERSION}_${ARCH}.deb"' in build
+    assert "apt-get install" in text and "/tmp/bcd/bcd-node_${VERSION}_${ARCH}.deb" in text
+    assert re.search(r"^USER 990:990$", text, re.M)
+    spec = _daemonset()
+    images = {c["image"] for c in spec["containers"] + spec["initContainers"]}
+    assert images == {f"registry.example.com/bcd:{VERSION}"}
 
 
 GOOD_PIN = "sha256/" + "A" * 43 + "="

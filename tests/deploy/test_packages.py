@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from bcd_agent.helperclient import HelperClient
 from bcd_shared.version import VERSION
+from deploy.test_deploy import containerfile_copies
 from testsupport import REPO, require_tool
 
 IN_CI = os.environ.get("CI") == "true"
@@ -107,6 +108,8 @@ def machine() -> Iterator[None]:
 
 def _debs() -> dict[str, Path]:
     sh("make", "deb", cwd=REPO, timeout=600)
+    for path in containerfile_copies():  # what deploy/kubernetes/Containerfile COPYs, make deb made
+        assert path.is_file(), path
     out = {}
     for pkg in PACKAGES:
         [deb] = (REPO / "dist").glob(f"{pkg}_{VERSION}_*.deb")
