@@ -110,6 +110,12 @@ def _debs() -> dict[str, Path]:
     sh("make", "deb", cwd=REPO, timeout=600)
     for path in containerfile_copies():  # what deploy/kubernetes/Containerfile COPYs, make deb made
         assert path.is_file(), path
+    # The distributions install from the repository alone: dist/ (make dist) and the dependencies'
+    # wheels, no index (`pip install ./helper` needed a bcd-shared from an index).
+    for dist in ("bcd-helper", "bcd-agent"):
+        local = ("--no-index", "--find-links", "dist", "--find-links", "build/deb/wheels")
+        pip = str(REPO / ".venv/bin/pip")
+        sh(pip, "install", "--dry-run", "--ignore-installed", *local, f"{dist}=={VERSION}", cwd=REPO)
     out = {}
     for pkg in PACKAGES:
         [deb] = (REPO / "dist").glob(f"{pkg}_{VERSION}_*.deb")
