@@ -298,3 +298,30 @@ def _records_in_data_dir(root: Path) -> None:
     # AllocationBound every pass (issue 15).
     assert (root / "var/lib/bcd/devices-events.json").exists()
     assert not (root / str(root).lstrip("/")).exists()
+
+
+def test_sigterm_stops_every_child_too(tmp_path: Path) -> None:
+    """SIGTERM is handled as Ctrl-C is: every child stopped, `bcd sim: stopped`, exit 128 + 15."""
+    root = tmp_path / "host"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bcd_agent.cli", "sim", "--spec", str(EXAMPLES / "gpu-node.json"),
+         "--root", str(root), "--helper", "no"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (root / "etc/cdi/bcd-alloc_train_0001.json").exists():
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "bcd sim: stopped"
+    deadline = time.monotonic() + 10
+    while _processes_under(root) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_under(root)
