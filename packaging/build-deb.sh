@@ -75,7 +75,7 @@ build_pkg() {
     echo "Description: $desc"
   } >"$stage/DEBIAN/control"
   find "$stage" -type d -exec chmod 0755 {} +
-  dpkg-deb --root-owner-group -Zxz --build "$stage" "$OUT/${name}_${VERSION}_${ARCH}.deb" >/dev/null
+  dpkg-deb --root-owner-group -Zgzip --build "$stage" "$OUT/${name}_${VERSION}_${ARCH}.deb" >/dev/null
   echo "build-deb.sh: $OUT/${name}_${VERSION}_${ARCH}.deb"
 }
 
