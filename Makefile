@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck demo demo-vm proto clean bench compliance compliance-check mutation fuzz
+.PHONY: venv test lint typecheck demo demo-vm proto clean bench compliance compliance-check mutation fuzz dist deb
 
 $(STAMP): shared/pyproject.toml helper/pyproject.toml agent/pyproject.toml devhost/pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -37,8 +37,25 @@ demo-vm: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/bcd bench all
 
+# Wheels and sdists of the three distributions (bcd-shared, bcd-helper, bcd-agent) in dist/, built
+# with the venv's setuptools (no build isolation, nothing downloaded). Install from the repository with
+# `pip install --find-links dist bcd-helper` (or bcd-agent): bcd-shared comes from dist/ too.
+dist: $(STAMP)
+	rm -rf dist build/dist && mkdir -p dist
+	for d in shared helper agent; do \
+	  (cd $$d && rm -rf build *.egg-info && ../$(BIN)/python -c "from setuptools import build_meta as b; \
+	    b.build_sdist('../dist'); b.build_wheel('../dist')" >/dev/null) || exit 1; \
+	done
+	ls dist
+
+# The Debian packages bcd-helper and bcd-node in dist/ (packaging/build-deb.sh; dpkg-deb, each with its
+# own venv under /opt/bcd/). Needs /usr/bin/python3.11 and python3-venv; fetches the dependencies'
+# wheels at build time (the pins in constraints.txt), never at install time.
+deb: dist
+	packaging/build-deb.sh dist
+
 clean:
-	rm -rf $(VENV) .demo .mypy_cache .ruff_cache .pytest_cache .hypothesis .mutation mutants
+	rm -rf $(VENV) .demo .mypy_cache .ruff_cache .pytest_cache .hypothesis .mutation mutants dist build
 
 compliance: $(STAMP)
 	$(BIN)/python -m bcd_agent.tools.compliance

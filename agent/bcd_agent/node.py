@@ -856,7 +856,6 @@ def run(args: argparse.Namespace) -> int:
         config,
         NodeOptions(root=args.root, test_kinds=args.test_kinds, test_effect_delay_s=args.test_effect_delay),
     )
-    log.info("%s", start_line(args.config, config, args.root, os.geteuid()))
 
     async def main() -> None:
         from bcd_shared.sdnotify import Notifier
@@ -864,6 +863,9 @@ def run(args: argparse.Namespace) -> int:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
+                # Once started (journal open, identity loaded): a node that cannot start says so in
+                # its one error line alone.
+                log.info("%s", start_line(args.config, config, args.root, os.geteuid()))
                 async for signum in signals:
                     log.info("bcd node: %s received, stopping", signal.Signals(signum).name)
                     Notifier().stopping()
@@ -896,10 +898,11 @@ def helper_mode(config: Config, root: str, euid: int) -> str:
 
 
 def start_line(config_path: object, config: Config, root: str, euid: int) -> str:
-    """The node's start-up log line: version, config path, data_dir, root, helper mode."""
+    """The node's start-up log line (once it has started): version, config path, data_dir, root, helper
+    mode."""
     where = f", root {root}" if root != "/" else ""
     return (
-        f"bcd node {VERSION} starting: config {config_path}, data_dir {config.data_dir}{where},"
+        f"bcd node {VERSION} started: config {config_path}, data_dir {config.data_dir}{where},"
         f" host changes {helper_mode(config, root, euid)}"
     )
 
