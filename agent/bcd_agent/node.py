@@ -76,12 +76,12 @@ def acts_on_host(helper_socket: str | None, euid: int, root: str) -> bool:
     return helper_socket is not None or euid == 0 or root != "/"
 
 
-def device_capabilities(devices_section: bool, acts_on_host: bool) -> tuple[str, ...]:
+def device_capabilities(devices_section: bool, acts_on_host: bool, nvml: bool = False) -> tuple[str, ...]:
     """What Hello advertises for holds. An unprivileged node without a helper takes no holds and says
-    so: no cdi, devices.limits or binding.kubernetes capability (DEV-CAP-01, DEV-UNPRIV-02)."""
-    if devices_section and acts_on_host:
-        return ("cdi", "devices.limits", "binding.kubernetes")
-    return ()
+    so: no cdi, devices.limits or binding.kubernetes capability (DEV-CAP-01, DEV-UNPRIV-02); `nvml`
+    whenever nvidia-smi answered, privileged or not (devices-and-holds.md "Hello claims nothing")."""
+    holds = ("cdi", "devices.limits", "binding.kubernetes") if devices_section and acts_on_host else ()
+    return (*holds, "nvml") if nvml else holds
 
 
 class Node:
@@ -101,6 +101,7 @@ class Node:
         self.started_monotonic: float | None = None
         self.sweeps = 0  # journal sweeps run by this process (the one at start included)
         self._status_pokes: trio.MemorySendChannel[None] | None = None
+        self._has_devices = False
 
     # --- composition ----------------------------------------------------------------------------------
 
@@ -115,9 +116,13 @@ class Node:
 
     def _helper_socket(self) -> str | None:
         sock = self.config.helper.socket
-        if sock is None or self.options.root == "/":
-            return sock
-        return str(Path(self.options.root) / sock.lstrip("/"))
+        return None if sock is None else self._host_socket(sock)
+
+    def _host_socket(self, path: str) -> str:
+        """A socket path of the host: under --root on a simulated host."""
+        if self.options.root == "/":
+            return path
+        return str(Path(self.options.root) / path.lstrip("/"))
 
     def _acts_on_host(self) -> bool:
         return acts_on_host(self._helper_socket(), os.geteuid(), self.options.root)
@@ -142,6 +147,8 @@ class Node:
         except ImportError as exc:  # a build without the devices section
             log.info("node: no devices section: %s", exc)
         else:
+            from bcd_agent.sections.devices.kube import PodResourcesClient
+
             helper = self._helper_socket()
             privileged = self._acts_on_host()
             if helper is not None:
@@ -149,7 +156,19 @@ class Node:
             else:
                 executor = DirectExecutor(system)
             sections.append(
-                DevicesSection(system, executor, sink, signer, self.config.data_dir, privileged=privileged)
+                DevicesSection(
+                    system,
+                    executor,
+                    sink,
+                    signer,
+                    self.config.data_dir,
+                    privileged=privileged,
+                    # Asked before a Kubernetes hold's release is reported (DEV-K8S; [devices]
+                    # pod_resources_socket); without it a release would stay pending for ever.
+                    pod_resources=PodResourcesClient(
+                        self._host_socket(self.config.devices.pod_resources_socket)
+                    ),
+                )
             )
         return sections
 
@@ -378,9 +397,13 @@ class Node:
                 identity,
                 trio.lowlevel.current_trio_token(),
             )
-            core.capabilities = device_capabilities(
-                any(s.name == "devices" for s in sections), self._acts_on_host()
-            )
+            has_devices = any(s.name == "devices" for s in sections)
+            # `nvml` when nvidia-smi answers: `nvidia-smi -L` once before Hello (bounded); the full
+            # inventory read stays off the path to Hello (_first_inventory), and a later read that
+            # finds nvidia-smi answering (or no longer) changes the next Hello's capabilities.
+            nvml = await trio.to_thread.run_sync(nvml_answers, system)
+            core.capabilities = device_capabilities(has_devices, self._acts_on_host(), nvml)
+            self._has_devices = has_devices
             self.runner = ConvergeRunner(
                 sections,
                 self._observer(system),
@@ -490,12 +513,25 @@ class Node:
                 log.warning("node: the first inventory read failed", exc_info=True)
 
     def _inventory_changed(self) -> None:
+        gpus = self.inventory.gpus if self.inventory is not None else None
+        if self.core is not None and gpus is not None:
+            self.core.capabilities = device_capabilities(self._has_devices, self._acts_on_host(), gpus.nvml)
         if self.session is not None:
             self.session.heartbeat_soon()
 
     def _swept(self, deleted: int) -> None:
         self.sweeps += 1
         log.info("node: journal swept: %d command entries deleted", deleted)
+
+
+def nvml_answers(system: Any) -> bool:
+    """Whether nvidia-smi answers (`nvidia-smi -L` exits 0): Hello's `nvml` capability."""
+    from bcd_agent.inventory.gpus import NVIDIA_SMI, TOOL_TIMEOUT_S
+
+    try:
+        return bool(system.run([NVIDIA_SMI, "-L"], timeout=min(TOOL_TIMEOUT_S, 10.0)).ok)
+    except OSError:
+        return False
 
 
 async def sweep_periodically(journal: Any, interval_s: float, swept: Callable[[int], None]) -> None:
