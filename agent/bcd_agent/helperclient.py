@@ -84,12 +84,14 @@ class HelperClient:
             self._sock = sock
         return self._sock
 
-    def call(self, op: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Send one request; the result on success, else HelperRefused."""
+    def call(
+        self, op: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Send one request; the result on success, else HelperRefused. `timeout` replaces the op's."""
         body = json.dumps({"op": op, "args": dict(args or {})}, separators=(",", ":")).encode()
         if len(body) > MAX_FRAME:
             raise HelperRefused("too-large", f"helper: {op}: request of {len(body)} bytes is too large")
-        wait = OP_TIMEOUT_S.get(op, 60.0) + CONNECTION_SLACK_S
+        wait = timeout if timeout is not None else OP_TIMEOUT_S.get(op, 60.0) + CONNECTION_SLACK_S
         with self._lock:
             try:
                 sock = self._connect()
