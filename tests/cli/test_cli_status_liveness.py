@@ -206,3 +206,22 @@ def test_no_status_file_is_down_for_check(tmp_path: Path) -> None:
     res = bcd("status", "--data-dir", str(tmp_path), "--check")
     assert res.returncode == 1
     assert res.stdout == "FAIL: down: no status.json (bcd node has not run with this data_dir)\n"
+
+
+def test_a_node_in_another_pid_namespace_is_judged_by_the_files_age(tmp_path: Path) -> None:
+    """A host reading a container's node: the pid means nothing here; three missed rewrites mean down."""
+    for written, alive in ((NOW - 5, True), (NOW - 31, False)):
+        write_status(tmp_path, _status(), now_monotonic=11.0, now_wall=written, extra=_node(NOW - 60))
+        path = status_path(tmp_path)
+        doc = json.loads(path.read_text())
+        assert doc["pid_ns"] == os.readlink("/proc/self/ns/pid")
+        doc["pid_ns"] = "pid:[1]"  # not ours
+        path.write_text(json.dumps(doc))
+        snap = snapshot(str(tmp_path), None, now_wall=NOW)
+        assert snap.live is not None and snap.live.process == "foreign" and snap.live.alive is alive
+        head = render(snap, now_wall=NOW).splitlines()[0]
+        assert head.startswith(
+            f"node: {'up' if alive else 'DOWN'} (pid {os.getpid()} in another pid namespace"
+        )
+        problems = check(snap, max_disconnected_s=300, max_stale_s=60)
+        assert problems == ([] if alive else ["down: no status.json written for 31s (another pid namespace)"])
