@@ -436,10 +436,19 @@ def watch(
         snap = take()
 
 
+_LIVE_PREFIXES = ("node:", "session:", "converge:", "last known ")
+
+
 def _stable(text: str) -> str:
-    # Lines with ages ("updated N s ago", "for 5s", "in 3s") change every round: compare without them.
+    # Lines with ages ("updated N s ago", "for 5s", "next retry in 3s") change every round: compare
+    # without them. The liveness lines all carry ages; a section line never starts with their prefixes.
     return "\n".join(
-        line for line in text.splitlines() if "ago" not in line and " for " not in line and " in " not in line
+        line
+        for line in text.splitlines()
+        if "ago" not in line
+        and " for " not in line
+        and not line.startswith(_LIVE_PREFIXES)
+        and not line.lstrip().startswith("next retry ")
     )
 
 

@@ -225,3 +225,36 @@ def test_a_node_in_another_pid_namespace_is_judged_by_the_files_age(tmp_path: Pa
         )
         problems = check(snap, max_disconnected_s=300, max_stale_s=60)
         assert problems == ([] if alive else ["down: no status.json written for 31s (another pid namespace)"])
+
+
+def test_watch_reprints_on_a_change_not_on_ages(tmp_path: Path) -> None:
+    """`bcd status --watch` off a terminal: ages and liveness lines move every round without a new block;
+    a section's message that changes (even one with " in " in it) prints one."""
+    import io
+
+    from bcd_agent.status import watch
+
+    rounds = iter(
+        [
+            (NOW - 1, "waiting in line"),
+            (NOW - 2, "waiting in line"),  # only the file's age differs
+            (NOW - 3, "waiting in the queue"),
+        ]
+    )
+
+    def take() -> StatusSnapshot:
+        written, message = next(rounds)
+        status = _status(SectionState.PROGRESSING)
+        section = status.sections[0]
+        status = NodeStatus(
+            version=1, applied_generation=3, observed_generation=2, spec_hash="h",
+            sections=(SectionStatus(section.section, section.state, 3, "HolderBusy", message),),
+            conditions=(), passes=1, last_pass_monotonic=0.0,
+        )  # fmt: skip
+        write_status(tmp_path, status, now_monotonic=11.0, now_wall=written, extra=_node(written - 30))
+        return snapshot(str(tmp_path), None, now_wall=NOW)
+
+    out = io.StringIO()
+    watch(take, out, interval=0, tty=False, count=3, sleep=lambda _: None)
+    assert out.getvalue().count("SECTION") == 2
+    assert "waiting in the queue" in out.getvalue().split("SECTION")[2]
