@@ -84,12 +84,12 @@ def acts_on_host(helper_socket: str | None, euid: int, root: str) -> bool:
     return helper_socket is not None or euid == 0 or root != "/"
 
 
-def device_capabilities(devices_section: bool, acts_on_host: bool) -> tuple[str, ...]:
+def device_capabilities(devices_section: bool, acts_on_host: bool, nvml: bool = False) -> tuple[str, ...]:
     """What Hello advertises for holds. An unprivileged node without a helper takes no holds and says
-    so: no cdi, devices.limits or binding.kubernetes capability (DEV-CAP-01, DEV-UNPRIV-02)."""
-    if devices_section and acts_on_host:
-        return ("cdi", "devices.limits", "binding.kubernetes")
-    return ()
+    so: no cdi, devices.limits or binding.kubernetes capability (DEV-CAP-01, DEV-UNPRIV-02); `nvml`
+    whenever nvidia-smi answered, privileged or not (devices-and-holds.md "Hello claims nothing")."""
+    holds = ("cdi", "devices.limits", "binding.kubernetes") if devices_section and acts_on_host else ()
+    return (*holds, "nvml") if nvml else holds
 
 
 class Node:
@@ -121,6 +121,7 @@ class Node:
         self._parts_scope = trio.CancelScope(shield=True)
         self._lanes_scope = trio.CancelScope()
         self._session_scope = trio.CancelScope()
+        self._has_devices = False
 
     # --- composition ----------------------------------------------------------------------------------
 
@@ -151,9 +152,13 @@ class Node:
 
     def _helper_socket(self) -> str | None:
         sock = self.config.helper.socket
-        if sock is None or self.options.root == "/":
-            return sock
-        return str(Path(self.options.root) / sock.lstrip("/"))
+        return None if sock is None else self._host_socket(sock)
+
+    def _host_socket(self, path: str) -> str:
+        """A socket path of the host: under --root on a simulated host."""
+        if self.options.root == "/":
+            return path
+        return str(Path(self.options.root) / path.lstrip("/"))
 
     def _acts_on_host(self) -> bool:
         return acts_on_host(self._helper_socket(), os.geteuid(), self.options.root)
@@ -180,6 +185,8 @@ class Node:
         except ImportError as exc:  # a build without the devices section
             log.info("node: no devices section: %s", exc)
         else:
+            from bcd_agent.sections.devices.kube import PodResourcesClient
+
             helper = self._helper_socket()
             privileged = self._acts_on_host()
             if helper is not None:
@@ -187,7 +194,15 @@ class Node:
             else:
                 executor = DirectExecutor(system)
             devices = DevicesSection(
-                system, executor, sink, signer, self._records_dir(), privileged=privileged
+                system,
+                executor,
+                sink,
+                signer,
+                self._records_dir(),
+                privileged=privileged,
+                # Asked before a Kubernetes hold's release is reported (DEV-K8S; [devices]
+                # pod_resources_socket); without it a release would stay pending for ever.
+                pod_resources=PodResourcesClient(self._host_socket(self.config.devices.pod_resources_socket)),
             )
             sections.append(devices)
             if self.metrics is not None:
@@ -587,10 +602,16 @@ class Node:
             )
             from bcd_agent.sections.instances.section import capabilities as instance_capabilities
 
+            has_devices = any(s.name == "devices" for s in sections)
+            # `nvml` when nvidia-smi answers: `nvidia-smi -L` once before Hello (bounded); the full
+            # inventory read stays off the path to Hello (_first_inventory), and a later read that
+            # finds nvidia-smi answering (or no longer) changes the next Hello's capabilities.
+            nvml = await trio.to_thread.run_sync(nvml_answers, system)
             core.capabilities = device_capabilities(
-                any(s.name == "devices" for s in sections), self._acts_on_host()
+                has_devices, self._acts_on_host(), nvml
             ) + instance_capabilities(self.runtimes)
             core.runtimes = self.runtimes
+            self._has_devices = has_devices
             self.runner = ConvergeRunner(
                 sections,
                 self._observer(system),
@@ -739,6 +760,9 @@ class Node:
                 log.warning("node: the first inventory read failed", exc_info=True)
 
     def _inventory_changed(self) -> None:
+        gpus = self.inventory.gpus if self.inventory is not None else None
+        if self.core is not None and gpus is not None:
+            self.core.capabilities = device_capabilities(self._has_devices, self._acts_on_host(), gpus.nvml)
         if self.session is not None:
             self.session.heartbeat_soon()
 
@@ -753,6 +777,16 @@ async def _scoped(
     """Run `service` (a nursery.start service) inside `scope`, so it can be stopped on its own."""
     with scope:
         await service(task_status=task_status)
+
+
+def nvml_answers(system: Any) -> bool:
+    """Whether nvidia-smi answers (`nvidia-smi -L` exits 0): Hello's `nvml` capability."""
+    from bcd_agent.inventory.gpus import NVIDIA_SMI, TOOL_TIMEOUT_S
+
+    try:
+        return bool(system.run([NVIDIA_SMI, "-L"], timeout=min(TOOL_TIMEOUT_S, 10.0)).ok)
+    except OSError:
+        return False
 
 
 async def sweep_periodically(journal: Any, interval_s: float, swept: Callable[[int], None]) -> None:

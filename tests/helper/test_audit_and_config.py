@@ -102,7 +102,7 @@ def test_audit_cli_show_and_verify(fresh_root: Path) -> None:
 
 
 PIN = "a" * 64
-CLUSTER = f"https://10.0.0.1:6443#sha256:{'b' * 64},https://K8s.Example.com#sha256:{'C' * 64}"
+CLUSTER = f"https://10.0.0.1:6443#sha256:{'b' * 64},https://K8s.Example.com#sha256:{'c' * 64}"
 
 
 def test_config_decodes_the_helpers_keys() -> None:
@@ -110,7 +110,7 @@ def test_config_decodes_the_helpers_keys() -> None:
         f'command_root_sha256 = "{PIN},{"c" * 64}"\ndata_dir = "/var/lib/bcd"\n[host]\nunits = false\n'
         f'[helper]\nnode_uid = 900\ninstance_bridges = "br0, virbr1"\n'
         f'[kubernetes]\nallowed_clusters = "{CLUSTER}"\n'
-        "[control_plane]\nanything = 1\n".encode()
+        '[control_plane]\naddress = "gw.example.com:7443"\n'.encode()
     )
     assert cfg.command_root_sha256 == (PIN, "c" * 64) and cfg.host_units is False
     assert cfg.node_uid == 900 and cfg.node_gid == 900 and cfg.instance_bridges == ("br0", "virbr1")
@@ -128,26 +128,29 @@ def test_config_decodes_the_helpers_keys() -> None:
         ("command_root_sha256 = " + '"' + ",".join(f"{i:064x}" for i in range(17)) + '"', "at most 16"),
         ('join_signing_key_pin = "sha256/xyz"', "join_signing_key_pin"),
         ("command_root_sha265 = 1", "command_root_sha265: unknown key"),
-        ("[host]\nunits = 1", "host.units"),
-        ("[host]\nunit = true", "host.unit: unknown key"),
-        ('[helper]\nnode_uid = "900"', "helper.node_uid"),
-        ("[helper]\nnode_uid = 900\nsockets = 1", "helper.sockets: unknown key"),
-        ('[helper]\nnode_uid = 900\ninstance_bridges = "br 0"', "helper.instance_bridges"),
+        ("[host]\nunits = 1", "[host] units"),
+        ("[host]\nunit = true", "[host] unit: unknown key"),
+        ('[helper]\nnode_uid = "900"', "[helper] node_uid"),
+        ("[helper]\nnode_uid = 900\nsockets = 1", "[helper] sockets: unknown key"),
+        ('[helper]\nnode_uid = 900\ninstance_bridges = "br 0"', "[helper] instance_bridges"),
         (
             '[helper]\nnode_uid = 900\n[kubernetes]\nallowed_clusters = "http://x#sha256:00"',
-            "kubernetes.allowed_clusters",
+            "[kubernetes] allowed_clusters",
         ),
-        ('[helper]\nnode_user = "no-such-user-here"', "helper.node_user"),
-        ('[host]\nsysctl_allow = ""', "host.sysctl_allow: is empty"),
-        ('[host]\nsysctl_allow = "vm.swappiness, Kernel.x"', "host.sysctl_allow: entry 2"),
-        ("[helper]\nnode_uid = 900\naudit_keep = 0", "helper.audit_keep"),
-        ("[helper]\nnode_uid = 900\naudit_max_bytes = 100", "helper.audit_max_bytes"),
-        ('[helper]\nnode_uid = 900\nroot_socket = "/run/bcd/helper.sock"', "helper.root_socket"),
+        ('[helper]\nnode_user = "no-such-user-here"', "[helper] node_user"),
+        ("log_level = 'debug'", "log_level: unknown key at the top level"),
+        ("[control_plane]\nanything = 1", r"\[control_plane\] anything: unknown key"),
+        ('[host]\nsysctl_allow = ""', r"\[host\] sysctl_allow: is empty"),
+        ('[host]\nsysctl_allow = "vm.swappiness, Kernel.x"', r"\[host\] sysctl_allow: entry 'Kernel.x'"),
+        ("[helper]\nnode_uid = 900\naudit_keep = 0", r"\[helper\] audit_keep"),
+        ("[helper]\nnode_uid = 900\naudit_max_bytes = 100", r"\[helper\] audit_max_bytes"),
+        ('[helper]\nnode_uid = 900\nroot_socket = "/run/bcd/helper.sock"', r"\[helper\] root_socket"),
         ("x = [", "not valid TOML"),
     ],
 )
 def test_HST_SIGN_13_a_malformed_value_stops_the_helper_naming_the_key(text: str, names: str) -> None:
     if "[helper]" not in text:
         text += "\n[helper]\nnode_uid = 900\n"
-    with pytest.raises(ConfigError, match=names.replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=names if "\\[" in names else names.replace("[", r"\[")) as info:
         parse_config(text.encode())
+    assert str(info.value).startswith("/etc/bcd/config.toml: ")  # names the file

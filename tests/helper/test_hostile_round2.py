@@ -214,7 +214,7 @@ def test_issue9_7_root_socket_answers_during_a_connect_flood(world: World) -> No
     answered = 0
     for _ in range(100):
         answer = _root_ping(root_sock, timeout=10)
-        answered += answer == {"ok": True, "result": {"peer_uid": 0, "host_units": True}}
+        answered += bool(answer and answer.get("ok") is True and answer["result"].get("peer_uid") == 0)
     out, err = flood.communicate(timeout=60)
     assert flood.returncode == 0, err
     assert json.loads(out.strip().splitlines()[-1])["held"] == 64
