@@ -130,7 +130,8 @@ class _RunContext:
         if exe.cancel_reason is not None:
             raise CommandCancelled(exe.cancel_reason)
         # Durable before effect: running{boot_id} is on disk when this returns (DLV-JRN-16/17).
-        self._d._journal.mark_running(exe.cmd.id)
+        # Durable for self-terminating kinds only (journal.mark_running says why).
+        self._d._journal.mark_running(exe.cmd.id, durable=exe.new.flags.self_terminating)
         exe.phase = _Phase.EFFECT
         self._d._send(UpdateState.RUNNING, exe.cmd.id)
         await trio.lowlevel.checkpoint()

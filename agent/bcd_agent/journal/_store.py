@@ -225,6 +225,7 @@ class Journal:
         self._mutex = threading.RLock()
         self._closed = False
         self._space_ok = True
+        self.durable_commits = 0  # fsynced transactions of this process (the command-rate test counts them)
         # Called with (space_ok, message) when a write fails for a full file system, or succeeds again.
         self.on_space_change: Callable[[bool, str], None] | None = None
         meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
@@ -309,20 +310,32 @@ class Journal:
         self.close()
 
     @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, durable: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction; durable (WAL fsynced) when the block exits without an exception.
-        A full file system raises DataDirFull, a storage failure JournalIOError (see `_storage`)."""
+        A full file system raises DataDirFull, a storage failure JournalIOError (see `_storage`).
+
+        `durable=False` (synchronous=NORMAL for this commit) is for the writes whose loss in a power cut
+        changes no decision (see `mark_running` and `ack_results`): they are written to the WAL at once
+        and become durable with the next durable commit, which fsyncs the WAL up to its end."""
         conn = self._conn
         with self._storage():
-            conn.execute("BEGIN IMMEDIATE")
+            if not durable:
+                conn.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                raise
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            conn.execute("ROLLBACK")
+                    raise
+            finally:
+                if not durable:
+                    conn.execute("PRAGMA synchronous=FULL")
+        if durable:
+            self.durable_commits += 1
 
     @contextlib.contextmanager
     def _storage(self) -> Iterator[None]:
@@ -519,6 +532,7 @@ class Journal:
             try:
                 # A single statement in autocommit mode is one durable transaction.
                 with self._storage():
+                    self.durable_commits += 1
                     self._conn.execute(
                         _SQL_INSERT_ACCEPTED,
                         (
@@ -562,11 +576,14 @@ class Journal:
                 acked=False,
             )
 
-    def mark_running(self, command_id: str) -> CommandEntry:
-        """Journal `running{boot_id}` (self-terminating kinds: immediately before the side effect)."""
+    def mark_running(self, command_id: str, *, durable: bool = True) -> CommandEntry:
+        """Journal `running{boot_id}` (self-terminating kinds: immediately before the side effect,
+        durably: DLV-JRN-17). For other kinds the dispatcher passes `durable=False`: their `accepted`
+        and `running` entries resolve alike after a crash (REEXECUTE or INTERRUPTED), so a `running` a
+        power cut loses changes nothing, and the command's next durable write covers it."""
         with self._mutex:
             now = self._clock()
-            with self._tx() as c:
+            with self._tx(durable) as c:
                 cur = c.execute(_SQL_RUNNING, (self._boot_id, now, command_id, self._incarnation))
                 if cur.rowcount != 1:
                     raise StateError(self._why_not(command_id, "mark running"))
@@ -767,11 +784,13 @@ class Journal:
         return tuple(_entry(r) for r in rows)
 
     def ack_results(self, command_ids: Iterable[str]) -> int:
-        """Stop replaying these results (ids unknown or not terminal are ignored). Returns how many."""
+        """Stop replaying these results (ids unknown or not terminal are ignored). Returns how many.
+        Not fsynced by itself (`_tx(durable=False)`): an ack a power cut loses only means the result is
+        replayed once more, and the gateway acks a result it already stored again (DLV-RES-11)."""
         ids = [(i,) for i in command_ids]
         if not ids:
             return 0
-        with self._mutex, self._tx() as c:
+        with self._mutex, self._tx(durable=False) as c:
             cur = c.executemany(_SQL_ACK_RESULT, ids)
             return max(cur.rowcount, 0)
 

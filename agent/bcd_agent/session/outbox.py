@@ -63,6 +63,20 @@ class Outbox:
             await self._ready.wait()
         return self._items[0]
 
-    def sent(self) -> None:
-        data = self._items.popleft()
-        self.bytes -= len(data)
+    def sent(self, count: int = 1) -> None:
+        for _ in range(count):
+            data = self._items.popleft()
+            self.bytes -= len(data)
+
+    async def batch(self, max_bytes: int) -> list[bytes]:
+        """The oldest queued messages, up to `max_bytes` together (always at least one); they stay
+        counted until `sent(len(batch))`."""
+        await self.next()
+        out: list[bytes] = []
+        total = 0
+        for data in self._items:
+            if out and total + len(data) > max_bytes:
+                break
+            out.append(data)
+            total += len(data)
+        return out

@@ -44,6 +44,8 @@ STATUS_INTERVAL_S = 1.0
 TICK_S = 0.25
 # A message the gateway has not taken within this long: the peer is not reading; reconnect.
 STALL_TIMEOUT_S = 60.0
+# The sender writes the queued messages together, up to this many bytes per write.
+SEND_BATCH_BYTES = 256 * 1024
 
 
 class PeerStalled(Exception):
@@ -215,15 +217,17 @@ class Session:
 
                 async def sender() -> None:
                     while True:
-                        data = await outbox.next()
+                        batch = await outbox.batch(SEND_BATCH_BYTES)
                         with trio.move_on_after(self.stall_timeout_s) as scope:
-                            await stream.send(data)
+                            await stream.send_many(batch)
                         if scope.cancelled_caught:
+                            size = sum(len(m) for m in batch)
                             raise PeerStalled(
-                                f"a {len(data)}-byte message not taken within {self.stall_timeout_s:g} s"
-                                f" ({outbox.bytes} bytes, {len(outbox)} messages queued)"
+                                f"{size} bytes ({len(batch)} messages) not taken within"
+                                f" {self.stall_timeout_s:g} s ({outbox.bytes} bytes,"
+                                f" {len(outbox)} messages queued)"
                             )
-                        outbox.sent()
+                        outbox.sent(len(batch))
                         if self.core.events_throttled and outbox.room() > EVENT_RESERVE_BYTES:
                             self._wake.set()  # room again: the ticker reads more events
 

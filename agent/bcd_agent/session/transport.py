@@ -137,6 +137,22 @@ class StreamHandle:
         """One message, or one already serialized (the outbox's bytes)."""
         await trio_asyncio.aio_as_trio(self._send)(message)
 
+    async def send_many(self, messages: list[bytes]) -> None:
+        """Serialized messages in one HTTP/2 write: gRPC messages are length-prefixed, so several may
+        share DATA frames, and the stream takes them with one call (one socket write when the window
+        allows) instead of one per message."""
+        await trio_asyncio.aio_as_trio(self._send_many)(messages)
+
+    async def _send_many(self, messages: list[bytes]) -> None:
+        from grpclib.exceptions import StreamTerminatedError
+
+        data = b"".join(struct.pack(">?I", False, len(m)) + m for m in messages)
+        try:
+            with self._stream._wrapper:
+                await self._stream._stream.send_data(data)
+        except StreamTerminatedError as exc:
+            raise self._status_error() or exc from None
+
     async def _send(self, message: wire.NodeMessage | bytes) -> None:
         from grpclib.exceptions import StreamTerminatedError
 
