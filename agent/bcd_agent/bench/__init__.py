@@ -20,6 +20,7 @@ BENCHES: dict[str, str] = {
     "host": "host",
     "converge": "converge",
     "devices": "devices",
+    "session": "session",
 }
 
 
