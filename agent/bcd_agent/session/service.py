@@ -212,7 +212,10 @@ class Session:
                         if message is None:
                             break
                         self.core.handle(message)
-                        self._wake.set()
+                        if message.welcome is not None or message.ack is not None:
+                            # What the ticker acts on: the Welcome (events, status) and acks (room
+                            # for events); a command's updates go out through the outbox directly.
+                            self._wake.set()
                     nursery.cancel_scope.cancel()
 
                 async def sender() -> None:
