@@ -12,6 +12,8 @@
 - `idle_rss_mb` (target <= 60): VmRSS of that `bcd node` process, idle after the specs converged.
 - `start_to_hello_ms` (target <= 1000): from spawning `bcd node` to the control plane holding the
   node's session (its Hello received and answered).
+- `stalled_gateway_rss_growth_mb` (target <= 30) and `refused_spec_bytes_per_msg` (target < 20): memory
+  under a gateway that stops reading for 120 s, and under refused/ignored specs (bench.reliab).
 """
 
 from __future__ import annotations
@@ -151,10 +153,15 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         base = Path(args.data_dir) if args.data_dir else Path(tmp)
         noop = trio.run(noop_pass_ms, base / "inproc")
         numbers = trio.run(node_numbers, base / "node")
+        # Issue 16's memory keys (stalled gateway, refused specs): their own module, merged here.
+        from bcd_agent.bench import reliab
+
+        extras = reliab.measure(args, base / "reliab")
     result: dict[str, float | int | str] = {"noop_pass_ms": round(noop, 3)}
     result.update({k: round(v, 3) for k, v in numbers.items()})
     for key, target in TARGETS.items():
         result[f"{key}_target"] = target
+    result.update(extras)
     result["passes"] = PASSES
     result["specs"] = SPECS
     return result
