@@ -35,7 +35,14 @@ from bcd_agent.journal import WelcomeRefused as WelcomeRefusedError
 from bcd_agent.session.backoff import Backoff
 from bcd_agent.session.core import ProtocolViolation, SessionCore
 from bcd_agent.session.outbox import EVENT_RESERVE_BYTES, MAX_OUTBOX_BYTES, Outbox, OutboxFull
-from bcd_agent.session.transport import Endpoint, FrameRefused, StreamLimits, open_loop, open_stream
+from bcd_agent.session.transport import (
+    Endpoint,
+    FrameRefused,
+    StreamLimits,
+    describe_transport_error,
+    open_loop,
+    open_stream,
+)
 
 log = logging.getLogger("bcd.session")
 
@@ -68,8 +75,6 @@ def describe_failure(exc: BaseException) -> str:
 
 
 def _describe_one(exc: BaseException) -> str:
-    from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
-
     if isinstance(exc, WelcomeRefusedError):
         return f"Welcome refused: {exc}"
     if isinstance(exc, ProtocolViolation | FrameRefused):
@@ -80,12 +85,9 @@ def _describe_one(exc: BaseException) -> str:
         return f"TLS: the gateway's certificate was refused: {exc.verify_message} ({exc.reason})"
     if isinstance(exc, ssl.SSLError):
         return f"TLS error: {exc.reason or exc}"
-    if isinstance(exc, GRPCError):
-        return f"the gateway closed the stream: {exc.status.name}: {exc.message or ''}".rstrip(": ")
-    if isinstance(exc, StreamTerminatedError):
-        return f"the gateway closed the stream: {exc}"
-    if isinstance(exc, ProtocolError):
-        return f"protocol error (HTTP/2): {exc}"
+    grpc = describe_transport_error(exc)
+    if grpc is not None:
+        return grpc
     if isinstance(exc, ConnectionError | OSError):
         return f"connection failed: {type(exc).__name__}: {exc}"
     return f"{type(exc).__name__}: {exc}"

@@ -49,6 +49,19 @@ class FrameRefused(Exception):
     """The gateway sent a message over the size cap, or one that stopped arriving: a protocol error."""
 
 
+def describe_transport_error(exc: BaseException) -> str | None:
+    """One line for grpclib's errors (the session's log names the cause), None for other exceptions."""
+    from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+
+    if isinstance(exc, GRPCError):
+        return f"the gateway closed the stream: {exc.status.name}: {exc.message or ''}".rstrip(": ")
+    if isinstance(exc, StreamTerminatedError):
+        return f"the gateway closed the stream: {exc}"
+    if isinstance(exc, ProtocolError):
+        return f"protocol error (HTTP/2): {exc}"
+    return None
+
+
 @frozen
 class StreamLimits:
     max_message_bytes: int = MAX_MESSAGE_BYTES
