@@ -49,8 +49,10 @@ class StallProxy:
 
     async def _handle(self, node: trio.SocketStream) -> None:
         self.connections += 1
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        try:
             await self._pipe(node)
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # one side closed its connection: this connection is over, the proxy goes on
 
     async def _pipe(self, node: trio.SocketStream) -> None:
         try:

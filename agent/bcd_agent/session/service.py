@@ -196,6 +196,7 @@ class Session:
         self.outbox = outbox
         async with open_stream(self.endpoint, self.limits) as stream:
             hello = self.core.attach(outbox.put, room=outbox.room)
+            self.core.journal.sync()  # what Hello reports is durable first (journal.sync)
             with trio.move_on_after(self.stall_timeout_s) as scope:
                 await stream.send(hello)
             if scope.cancelled_caught:
@@ -223,6 +224,9 @@ class Session:
                 async def sender() -> None:
                     while True:
                         batch = await outbox.batch(SEND_BATCH_BYTES)
+                        # Nothing reaches the gateway before the journal writes it reports are durable:
+                        # one fsync for the accepts and outcomes of everything in this batch.
+                        self.core.journal.sync()
                         with trio.move_on_after(self.stall_timeout_s) as scope:
                             await stream.send_many(batch)
                         if scope.cancelled_caught:
