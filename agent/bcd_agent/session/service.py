@@ -211,14 +211,17 @@ class Session:
 
                 async def receiver() -> None:
                     while True:
-                        message = await stream.recv()
-                        if message is None:
+                        messages = await stream.recv_batch()
+                        if messages is None:
                             break
-                        self.core.handle(message)
-                        if message.welcome is not None or message.ack is not None:
-                            # What the ticker acts on: the Welcome (events, status) and acks (room
-                            # for events); a command's updates go out through the outbox directly.
-                            self._wake.set()
+                        for message in messages:
+                            self.core.handle(message)
+                            if message.welcome is not None or (
+                                message.ack is not None and message.ack.journal_id
+                            ):
+                                # What the ticker acts on: the Welcome (events, status) and event acks
+                                # (room for events); a command's updates go out through the outbox.
+                                self._wake.set()
                     nursery.cancel_scope.cancel()
 
                 async def sender() -> None:
