@@ -33,12 +33,13 @@ TARGETS: dict[str, tuple[str, float]] = {
 _TERMINAL = ("succeeded", "failed", "rejected", "cancelled", "expired")
 
 
-async def _until_terminal(plane: Any, count: int, within: float) -> None:
+async def _until_terminal(plane: Any, node_id: str, count: int, within: float) -> None:
+    """Poll (through the plane's (node_id, state) index, every 20 ms: the poll is the plane's CPU too)."""
     marks = ", ".join(f"'{s}'" for s in _TERMINAL)
-    sql = f"SELECT count(*) FROM commands WHERE state IN ({marks})"  # noqa: S608 - constant list
+    sql = f"SELECT count(*) FROM commands WHERE node_id = ? AND state IN ({marks})"  # noqa: S608 - constant
     with trio.fail_after(within):
-        while int(plane.store.one(sql)[0]) < count:  # noqa: ASYNC110 - the plane's table is polled
-            await trio.sleep(0.005)
+        while int(plane.store.one(sql, node_id)[0]) < count:  # noqa: ASYNC110 - the plane's table is polled
+            await trio.sleep(0.02)
 
 
 async def commands_per_s(base: Path) -> dict[str, float]:
@@ -55,12 +56,12 @@ async def commands_per_s(base: Path) -> dict[str, float]:
         for _ in range(WARMUP):
             world.plane.enqueue(world.node_id, "test.echo", payload)
         world.plane.poke()
-        await _until_terminal(world.plane, WARMUP, 120)
+        await _until_terminal(world.plane, world.node_id, WARMUP, 120)
         for _ in range(COMMANDS):
             world.plane.enqueue(world.node_id, "test.echo", payload)
         t0 = time.perf_counter()
         world.plane.poke()
-        await _until_terminal(world.plane, WARMUP + COMMANDS, 600)
+        await _until_terminal(world.plane, world.node_id, WARMUP + COMMANDS, 600)
         elapsed = time.perf_counter() - t0
         busy = world.plane.store.one("SELECT count(*) FROM updates WHERE state = 'busy'")
         succeeded = world.plane.store.one("SELECT count(*) FROM commands WHERE state = 'succeeded'")
