@@ -34,6 +34,7 @@ BENCHES: dict[str, str] = {
     "converge": "converge",
     "devices": "devices",
     "instances": "instances",
+    "session": "session",
 }
 ALL = "all"
 
