@@ -16,8 +16,9 @@ Rules, in order (`check_domain(xml, policy)` raises `DomainRefused(reason, messa
    explicit backingStore (ending in an empty `<backingStore/>`, so QEMU never follows a header) or as
    an iso cdrom, named `data_dir/libvirt/images/<sha256>.<format>`; volumes only
    `data_dir/volumes/<id>.raw`. Each path is re-checked on the host as root by `host_check`: no
-   symlink on the way from data_dir, a regular file; the overlay must name exactly the base, the base
-   must be a flat qcow2 (bcd_shared.images), so a node cannot slip in a host file by a header.
+   symlink on the way from data_dir, a regular file with one link; the overlay must name exactly
+   the base, the base must be a flat qcow2 (bcd_shared.images), so a node cannot slip in a host file
+   by a header or a hard link.
 5. NICs (`tap`): bridge NICs only, NIC i on tap `tap_name(id, i)`, on a bridge of the policy.
 6. Hostdevs (`hostdev`): managed PCI only, each the address of one of this host's GPUs, none twice.
 7. Kernel boot (`kernel`): `os/kernel` and `os/initrd` only in the instance's directory.
@@ -473,8 +474,11 @@ def host_check(
                 raise DomainRefused("disk", f"{path[:200]!r} does not exist") from None
             if stat.S_ISLNK(st.st_mode):
                 raise DomainRefused("disk", f"{path[:200]!r}: a symlink on the way ({part})")
-        if not stat.S_ISREG(os.lstat(real).st_mode):
+        st = os.lstat(real)
+        if not stat.S_ISREG(st.st_mode):
             raise DomainRefused("disk", f"{path[:200]!r} is not a regular file")
+        if st.st_nlink != 1:  # a hard link can bring any file the node could link into its directory
+            raise DomainRefused("disk", f"{path[:200]!r} has {st.st_nlink} hard links")
         return real
 
     try:

@@ -222,3 +222,25 @@ def test_setmem_stays_within_the_domain(lv: tuple[HelperProcess, InstancesSectio
     assert_refused(h, {"op": "libvirt.setmem", "args": {"name": "good", "kib": 1 << 40}}, "bad-arguments")
     assert_refused(h, {"op": "libvirt.setmem", "args": {"name": "good", "kib": 0}}, "bad-arguments")
     assert h.raw({"op": "libvirt.setmem", "args": {"name": "good", "kib": 1 << 20}})["ok"] is True
+
+
+def test_a_hard_link_in_the_instance_directory_is_refused(lv: tuple[HelperProcess, InstancesSection]) -> None:
+    """DLV-HLP-04: a disk with a second hard link (a file the node linked in) is not bcd's own."""
+    h, _ = lv
+    inst = h.root / DATA.lstrip("/") / "libvirt/instances/good"
+    extra = h.root / "var/tmp-link"
+    os.link(inst / "seed.iso", extra)
+    try:
+        answer = assert_refused(h, {"op": "libvirt.define", "args": {"name": "good", "xml": _good_xml(h)}})
+        assert answer["reason"] == "domain-disk" and "hard links" in answer["message"]
+    finally:
+        os.unlink(extra)
+
+
+def test_undefine_drops_roots_staged_definition(lv: tuple[HelperProcess, InstancesSection]) -> None:
+    h, sec = lv
+    staged = h.root / "var/lib/bcd-hostconfig/libvirt/good.xml"
+    assert staged.exists()
+    converge(sec, spec(generation=9))
+    assert not staged.exists()
+    assert [e["op"] for e in h.audit_lines() if e["decision"] == "accepted"][-1] == "libvirt.undefine"

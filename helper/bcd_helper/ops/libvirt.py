@@ -267,7 +267,17 @@ libvirt_shutdown = _simple("shutdown")
 libvirt_destroy = _simple("destroy")
 libvirt_suspend = _simple("suspend")
 libvirt_resume = _simple("resume")
-libvirt_undefine = _simple("undefine")
+_undefine = _simple("undefine")
+
+
+def libvirt_undefine(call: Call, req: LibvirtName) -> dict[str, Any]:
+    """Undefine, then drop root's staged copy of the definition."""
+    result = _undefine(call, req)
+    try:
+        call.system.remove(f"{STAGE_DIR}/{req.name}.xml")
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    return dict(result)
 
 
 def libvirt_blockresize(call: Call, req: LibvirtBlockresize) -> dict[str, Any]:
