@@ -244,3 +244,32 @@ def test_undefine_drops_roots_staged_definition(lv: tuple[HelperProcess, Instanc
     converge(sec, spec(generation=9))
     assert not staged.exists()
     assert [e["op"] for e in h.audit_lines() if e["decision"] == "accepted"][-1] == "libvirt.undefine"
+
+
+def test_a_start_never_takes_a_gpu_a_hold_has_dlv_dev_21(lv: tuple[HelperProcess, InstancesSection]) -> None:
+    """DLV-DEV-21 as root: libvirt.start refuses a domain whose GPU root sees held by a live hold."""
+    from bcd_shared import cdi
+    from bcd_shared.simhost.gpus import gpu_uuid
+
+    h, sec = lv
+    g5 = gpu_uuid(5)
+    converge(sec, spec(vm("gv", gpu_uuids=(g5,), desired=Desired.STOPPED), generation=20))
+    hold = cdi.build_hold_spec(
+        allocation_id="alloc_h",
+        reservation_id="r",
+        generation=1,
+        kubernetes=False,
+        cgroup_parent=None,
+        devices=[cdi.HoldDevice(g5)],
+        env=["BCD_ALLOCATION_ID=alloc_h"],
+        vendor=None,
+    )
+    path = h.root / "etc/cdi/bcd-alloc_h.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(cdi.encode_spec(hold))
+    try:
+        answer = assert_refused(h, {"op": "libvirt.start", "args": {"name": "gv"}}, "gpu-busy")
+        assert "is held by alloc_h" in answer["message"]
+    finally:
+        path.unlink()
+    assert h.raw({"op": "libvirt.start", "args": {"name": "gv"}})["ok"] is True

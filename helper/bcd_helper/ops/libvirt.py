@@ -226,10 +226,46 @@ def libvirt_start(call: Call, req: LibvirtStart) -> dict[str, Any]:
     if req.intent is not None or call.ctx.config.command_root_sha256:
         checked = _checked_running(call, op, name, xml)
     _signed(call, op, name, req.intent, checked)
+    _gpus_free(call, op, name, xml)
     result = _virsh(call, "start", name, *(["--paused"] if req.paused else []))
     if not result.ok:
         raise Failed("virsh", f"virsh start {name}: {_err(result)}")
     return {"name": name, "paused": req.paused}
+
+
+def _gpus_free(call: Call, op: str, name: str, xml: bytes) -> None:
+    """A start passes its GPUs through (libvirt rebinds them to vfio-pci): none may be one root sees
+    held by a live hold or running compute processes (DLV-DEV-21, root's own view, bcd_helper.busy)."""
+    from bcd_helper.busy import ALL, BusyUnknown, busy_gpus
+
+    root = ET.fromstring(xml)  # noqa: S314 (root's own libvirt output)
+    wanted = set()
+    for a in root.findall("devices/hostdev/source/address"):
+        try:
+            parts = [int(a.get(k, ""), 16) for k in ("domain", "bus", "slot", "function")]
+        except ValueError:
+            continue
+        wanted.add("{:04x}:{:02x}:{:02x}.{:x}".format(*parts))
+    if not wanted:
+        return
+    result = call.system.run(
+        ["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"], timeout=60
+    )
+    if not result.ok:
+        raise Failed("nvidia-smi", f"{op}: cannot list GPUs: {result.describe()}")
+    by_address = {}
+    for line in result.stdout.decode(errors="replace").splitlines():
+        uuid, _, bus = (f.strip() for f in line.partition(","))
+        domain, _, rest = bus.partition(":")
+        by_address[f"{domain[-4:]}:{rest}".lower()] = uuid
+    try:
+        busy = busy_gpus(call.system)
+    except BusyUnknown as exc:
+        raise Failed("busy-unknown", f"{op}: {exc}") from None
+    for address in sorted(wanted):
+        why = busy.reason(by_address.get(address, ALL))
+        if why is not None:
+            raise Refused("gpu-busy", f"{op}: {name}: GPU {address} cannot be passed through: {why}")
 
 
 def _checked_running(call: Call, op: str, name: str, xml: bytes) -> CheckedDomain:
