@@ -21,7 +21,7 @@ from bcd_shared.instancenames import tap_name
 from bcd_shared.simhost import sim_system
 from bcd_shared.simhost.libvirt import STATE
 from helperproc import HELPER_SETTINGS, HelperProcess, assert_refused, base_config, make_root
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
@@ -158,7 +158,7 @@ def test_definitions_outside_the_rules_are_refused_and_change_nothing_dlv_hlp_04
     assert answer["reason"] == reason or answer["reason"].startswith("domain-"), (reason, answer)
 
 
-@HELPER_SETTINGS
+@settings(HELPER_SETTINGS, max_examples=min(HELPER_SETTINGS.max_examples, 200))  # one cheap rule
 @given(name=st.text(min_size=0, max_size=80))
 def test_names_that_are_not_instance_ids_are_refused(
     lv: tuple[HelperProcess, InstancesSection], name: str
