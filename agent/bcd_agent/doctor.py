@@ -5,7 +5,8 @@ The checks that apply so far (docs/deploy.md, docs/config.md; the seeds' doctor 
 - config: config.toml missing or refused by the strict parser (fail).
 - config-owner: under the helper, the file is not a regular root-owned file that no one else can
   write (fail; HST-HLP-24..30).
-- data-dir / data-files: data_dir missing or not 0700; journal.db or identity.json not 0600 (fail).
+- data-dir / data-files: data_dir missing or not 0700 (a search bit for QEMU's user is allowed,
+  DLV-QFA-01); journal.db or identity.json not 0600 (fail).
 - identity: identity.json missing, not joined yet (warn).
 - helper: [helper] socket set but nothing accepts on it (fail).
 - gpu-binding: a host with GPUs whose node would run unprivileged without [helper] (warn;
@@ -140,8 +141,14 @@ def _check_data_dir(config: Config) -> list[Finding]:
         return [Finding("data-dir", "fail", f"{data_dir} is not a directory", fix)]
     findings = []
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
+    if mode & 0o066:
         findings.append(Finding("data-dir", "fail", f"{data_dir} is mode {mode:04o}, not 0700", fix))
+    elif mode & 0o011:
+        # The search bit alone: the libvirt-kvm runtime lets QEMU's user reach its disks (DLV-QFA-01,
+        # DLV-HLP-14); listing stays closed and bcd's own files are 0600 (DLV-QFA-04).
+        findings.append(
+            Finding("data-dir", "ok", f"{data_dir} is {mode:04o} (search only, for QEMU), uid {st.st_uid}")
+        )
     else:
         findings.append(Finding("data-dir", "ok", f"{data_dir} is 0700, owned by uid {st.st_uid}"))
     for name in ("journal.db", "identity.json"):

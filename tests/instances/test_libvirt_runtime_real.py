@@ -151,3 +151,16 @@ def test_a_rewritten_overlay_does_not_start_dlv_img_11_14(
     )
     with pytest.raises(TerminalError, match="not bcd's base"):
         rt.check_overlay(inst)
+
+
+def test_a_start_gives_qemu_its_way_back_after_the_journal_closed_data_dir(
+    host: tuple[LocalSystem, LibvirtRuntime, RecordingVirsh, InstanceSpec],
+) -> None:
+    """DLV-QFA-01: bcd's journal sets data_dir back to 0700 at every start of bcd; the runtime adds the
+    search bit again before every domain start, so a stopped VM still starts after a restart of bcd."""
+    system, rt, _virsh, inst = host
+    rt.create(inst, Prepared())
+    top = system.host_path(DATA)
+    os.chmod(top, 0o700)  # what Journal.open does
+    rt.start(inst, paused=False)
+    assert stat.S_IMODE(os.stat(top).st_mode) == 0o701

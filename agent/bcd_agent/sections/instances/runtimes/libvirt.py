@@ -489,6 +489,14 @@ class LibvirtRuntime:
             except ImageRefused as exc:
                 raise TerminalError("BadImage", f"image {img.sha256[:12]}: {exc.message}") from None
         self.check_overlay(inst)
+        # QEMU's way to its files again: the journal puts data_dir back to 0700 whenever bcd starts.
+        fmt = img.format if img is not None else None
+        base = image_path(self.data_dir, img.sha256, img.format) if img is not None else None
+        d = self._dir(inst.id)
+        seed = self.system.exists(f"{d}/seed.iso")
+        self._file_access(
+            inst, self.files(inst, base, seed) if fmt is not None else DomainFiles(self._disk(inst.id))
+        )
         self._act("start", inst.id, *(["--paused"] if paused else []))
 
     def suspend(self, name: str) -> None:
