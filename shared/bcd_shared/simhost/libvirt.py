@@ -273,9 +273,15 @@ def qemu_img(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> C
         atomic_write(path, qcow2_bytes(size, opts.get("-b"), opts.get("-F")), 0o600)
         return _r(argv, out=f"Formatting '{path}', fmt=qcow2 size={size}\n")
     if cmd == "resize":
-        if opts.get("-f") != "qcow2":
-            return _r(argv, 1, err="qemu-img: resize needs -f in bcd's usage\n")
-        _resize(Path(pos[0]), int(pos[1]))
+        target = pos[0]
+        if target.startswith("json:"):
+            doc = json.loads(target[5:])
+            if doc.get("driver") != "qcow2" or "backing" not in doc:
+                return _r(argv, 1, err="qemu-img: the simulation resizes qcow2 with backing stated only\n")
+            target = doc["file"]["filename"]
+        elif opts.get("-f") != "qcow2":
+            return _r(argv, 1, err="qemu-img: resize needs a stated format in bcd's usage\n")
+        _resize(Path(target), int(pos[1]))
         return _r(argv, out="Image resized.\n")
     return _r(argv, 1, err=f"qemu-img: Command not found: {cmd}\n")
 

@@ -8,9 +8,10 @@
   (bcd_shared.images.check_image), made 0644 and renamed to `images/<sha256>.<format>` in a 0700
   directory; a qcow2 base is checked again on every use.
 - Disks (DLV-LIBVIRT-02/06/07/08, DLV-IMG-18/19): `qemu-img create -f qcow2 -u -b BASE -F FMT` (never
-  opening the base), a blank qcow2 for an iso install; grown with `qemu-img resize -f qcow2` while
-  stopped and `virsh blockresize` while running, the current size read from the header; a smaller
-  size fails the instance. The overlay is checked (check_overlay) before every start and grow.
+  opening the base), a blank qcow2 for an iso install; grown with `qemu-img resize` of the overlay
+  alone (`json:` options: driver qcow2, `backing` null; see `overlay_only`) while stopped and
+  `virsh blockresize` while running, the current size read from the header; a smaller size fails
+  the instance. The overlay is checked (check_overlay) before every start and grow.
 - User data (DLV-LIBVIRT-09/10): a NoCloud seed `seed.iso` (volume `cidata`, `user-data` and
   `meta-data` with `instance-id` and `local-hostname`) by genisoimage, else xorriso.
 - States (DLV-LIBVIRT-18..21): `start [--paused]`, `suspend`, `resume`; a stop is `shutdown`, then
@@ -64,6 +65,18 @@ _STATES = {
     "shut off": STOPPED,
     "crashed": STOPPED,
 }
+
+
+def overlay_only(path: str) -> str:
+    """qemu-img's name for the overlay alone: the qcow2 driver stated (never probed) and `backing`
+    null, so qemu-img opens no file a header names (the issue's rule; `-f qcow2` would still open the
+    backing chain). Used for `resize`."""
+    import json
+
+    return "json:" + json.dumps(
+        {"driver": "qcow2", "file": {"driver": "file", "filename": path}, "backing": None},
+        separators=(",", ":"),
+    )
 
 
 class Virsh(Protocol):
@@ -545,4 +558,4 @@ class LibvirtRuntime:
         if running:
             self._act("blockresize", inst.id, "vda", f"{inst.disk_bytes}B")
         else:
-            self._qemu_img("resize", "-f", "qcow2", self._real(self._disk(inst.id)), str(inst.disk_bytes))
+            self._qemu_img("resize", overlay_only(self._real(self._disk(inst.id))), str(inst.disk_bytes))
