@@ -464,3 +464,18 @@ def test_a_changed_definition_is_applied_while_stopped(tmp_path: Path) -> None:
     converge(sec, stopped)
     assert '<vcpu placement="static">4</vcpu>' in (system.read_text(f"{STATE}/a.xml") or "")
     assert sec.plan(stopped, 3).steps == ()
+
+
+def test_a_failed_create_leaves_no_directory_once_unwanted(tmp_path: Path) -> None:
+    """A create that failed before its define leaves the instance's directory; it goes once the
+    instance is no longer wanted (and is reused while it is)."""
+    system = sim_host(tmp_path)
+    sec, _ = section(system)
+    d = "/var/lib/bcd/libvirt/instances/x"
+    system.host_path(d).mkdir(parents=True)
+    system.write_atomic(f"{d}/disk.qcow2", b"partial")
+    p = sec.plan(spec(vm("y")), 1)
+    assert [type(s).__name__ for s in p.steps] == ["RemoveFiles", "Create", "Start"]
+    converge(sec, spec(vm("y")))
+    assert not system.exists(d)
+    assert sec.plan(spec(vm("y")), 1).steps == ()

@@ -35,6 +35,7 @@ from bcd_agent.sections.instances.plan import (
     Grow,
     Observed,
     Plan,
+    RemoveFiles,
     Resume,
     RuntimeView,
     Start,
@@ -195,7 +196,8 @@ class InstancesSection:
         views: dict[str, RuntimeView] = {}
         for name, rt in self.runtimes.items():
             try:
-                views[name] = RuntimeView(name, rt.list(), None, rt.checks_capacity)
+                domains = rt.list()
+                views[name] = RuntimeView(name, domains, None, rt.checks_capacity, rt.leftovers(domains))
             except StepError as exc:
                 views[name] = RuntimeView(name, (), exc.message, rt.checks_capacity)
         return views
@@ -259,6 +261,8 @@ class InstancesSection:
     def _run(rt: Runtime, step: Step) -> None:
         if isinstance(step, Delete):
             rt.delete(step.name)
+        elif isinstance(step, RemoveFiles):
+            rt.remove_files(step.name)
         elif isinstance(step, Stop):
             rt.stop(step.name)
         elif isinstance(step, Suspend):

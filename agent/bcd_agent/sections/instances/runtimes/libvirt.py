@@ -37,7 +37,7 @@ from typing import Any, Protocol
 from attrs import frozen
 from bcd_shared.errors import RetryableError, TerminalError
 from bcd_shared.images import ImageRefused, check_image, check_overlay
-from bcd_shared.instancenames import image_path, images_dir, instance_dir, libvirt_dir
+from bcd_shared.instancenames import image_path, images_dir, instance_dir, libvirt_dir, valid_instance_id
 from bcd_shared.system import CommandResult, System
 
 from bcd_agent.sections.instances.model import RUNTIME_LIBVIRT, InstanceSpec
@@ -542,6 +542,21 @@ class LibvirtRuntime:
             self._act("destroy", name)
         self._act("undefine", name)
         self.forget(name)
+        shutil.rmtree(self._real(self._dir(name)), ignore_errors=True)
+
+    def leftovers(self, domains: tuple[Domain, ...]) -> tuple[str, ...]:
+        """Instance directories with no domain (a create that failed before its define)."""
+        names = {d.name for d in domains}
+        return tuple(
+            n
+            for n in self.system.listdir(f"{libvirt_dir(self.data_dir)}/instances")
+            if n not in names and valid_instance_id(n)
+        )
+
+    def remove_files(self, name: str) -> None:
+        """Remove an instance directory that has no domain (never one a domain names)."""
+        if not valid_instance_id(name):
+            raise TerminalError("BadName", f"{name!r} is not an instance id")
         shutil.rmtree(self._real(self._dir(name)), ignore_errors=True)
 
     def grow(self, inst: InstanceSpec, running: bool) -> None:
