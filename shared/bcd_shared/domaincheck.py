@@ -9,7 +9,9 @@ Rules, in order (`check_domain(xml, policy)` raises `DomainRefused(reason, messa
 2. Every element is in ALLOWED by its path from `<domain>` and every attribute is in that element's
    allowlist with an allowed value (`element`, `attribute`). Elements of any namespace but bcd's own,
    under `<metadata>`, are refused; `<qemu:commandline>` is named (`qemu-commandline`).
-3. The name is the instance the request names (`name`); the type is kvm or qemu; vCPUs and memory
+3. The name is the instance the request names and the UUID bcd's `domain_uuid` of it (`name`; libvirt
+   refuses a definition whose name exists under another UUID, so it can never be defined over a
+   domain bcd did not create); the type is kvm or qemu; vCPUs and memory
    are within the policy's bounds (`size`).
 4. Disks (`disk`): file disks only. The overlay, the seed and an install iso only directly in the
    instance's own directory `data_dir/libvirt/instances/<id>/`; a base image only as the overlay's
@@ -40,6 +42,7 @@ from bcd_shared.instancenames import (
     BRIDGE_RE,
     MAC_RE,
     METADATA_NS,
+    domain_uuid,
     image_path,
     instance_dir,
     tap_name,
@@ -414,6 +417,10 @@ def check_domain(data: bytes, policy: DomainPolicy) -> CheckedDomain:
     name = (root.findtext("name") or "").strip()
     if name != policy.instance_id:
         raise DomainRefused("name", f"the domain is named {name[:80]!r}, not {policy.instance_id!r}")
+    uuid = (root.findtext("uuid") or "").strip()
+    if uuid != domain_uuid(name):
+        # bcd's UUID: libvirt itself then refuses to define it over a domain bcd did not create.
+        raise DomainRefused("name", f"the domain's uuid {uuid[:40]!r} is not bcd's {domain_uuid(name)}")
     for tag in ("name", "uuid", "memory", "vcpu", "os", "devices", "metadata", "cpu"):
         if len(root.findall(tag)) > 1:
             raise DomainRefused("element", f"<{tag}> appears twice")

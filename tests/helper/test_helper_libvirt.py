@@ -89,12 +89,18 @@ def test_unmanaged_domain_is_never_changed_through_the_helper(
     (d / "theirs.json").write_text('{"state": "running", "boot_id": "x"}')
     for op in ("libvirt.destroy", "libvirt.undefine", "libvirt.shutdown"):
         assert_refused(h, {"op": op, "args": {"name": "theirs"}}, "unmanaged")
+    from bcd_shared.instancenames import domain_uuid
+
     xml = (
         _good_xml(h)
         .replace("<name>good</name>", "<name>theirs</name>")
+        .replace(domain_uuid("good"), domain_uuid("theirs"))
         .replace("instances/good/", "instances/theirs/")
     )
-    assert h.raw({"op": "libvirt.define", "args": {"name": "theirs", "xml": xml}})["ok"] is False
+    before = (d / "theirs.xml").read_bytes()
+    answer = h.raw({"op": "libvirt.define", "args": {"name": "theirs", "xml": xml}})
+    assert answer["ok"] is False  # libvirt refuses the name under another UUID (or root's disk check does)
+    assert (d / "theirs.xml").read_bytes() == before
 
 
 # --- refusals as properties ----------------------------------------------------------------------------

@@ -58,6 +58,12 @@ HOSTILE = [
         GOOD.replace('<disk type="file"', '<disk xmlns:q="urn:q" q:x="1" type="file"', 1),
         "attribute",
     ),
+    (
+        "another uuid",
+        GOOD.replace(GOOD.split("<uuid>")[1].split("</uuid>")[0], "00000000-0000-4000-8000-000000000000"),
+        "name",
+    ),
+    ("no uuid", GOOD.replace("<uuid>" + GOOD.split("<uuid>")[1].split("</uuid>")[0] + "</uuid>", ""), "name"),
     ("a second name", GOOD.replace("<name>vm1</name>", "<name>vm1</name><name>other</name>"), "element"),
     ("a second devices", GOOD.replace("</domain>", "<devices/></domain>"), "element"),
     (

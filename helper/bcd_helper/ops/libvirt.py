@@ -5,8 +5,9 @@ Every request names an instance by id (bcd_shared.instancenames: the domain's na
   entity, no element or attribute outside the allowlist, no `<qemu:commandline>`; disks only under
   root's `data_dir` for this instance, re-checked on the host without symlinks, the overlay naming
   exactly its base and the base a flat qcow2; taps `tap_name(id, i)` on `[helper] instance_bridges`;
-  hostdevs only this host's GPUs as nvidia-smi lists them to root). A domain of that name bcd did not
-  define (no bcd metadata in root's own `dumpxml`) is never defined over. The XML is staged in root's
+  hostdevs only this host's GPUs as nvidia-smi lists them to root; the UUID bcd's `domain_uuid`). A
+  domain of that name bcd did not define is never defined over: libvirt refuses a name under
+  another UUID. The XML is staged in root's
   directory `/var/lib/bcd-hostconfig/libvirt/` and given to `virsh define --validate`.
 - with command-signing roots (bcd_helper.intent), define and start are re-validated against the
   signed spec's instance: named and not DELETED, the same vCPUs, memory, NICs (bridge and MAC), GPU
@@ -206,10 +207,9 @@ def _stage(call: Call, name: str, data: bytes) -> str:
 def libvirt_define(call: Call, req: LibvirtDefine) -> dict[str, Any]:
     op = "libvirt.define"
     name = _name(op, req.name)
+    # The definition carries bcd's UUID for the name (domaincheck): libvirt refuses it over a domain
+    # bcd did not create ("already exists with uuid"), atomically; no dumpxml of root's is needed.
     checked, data = check_definition(call, op, name, req.xml)
-    existing = root_dumpxml(call, name)
-    if existing is not None and not is_bcds(existing):
-        raise Refused("unmanaged", f"{op}: domain {name} exists and is not bcd's: it is never defined over")
     _signed(call, op, name, req.intent, checked)
     staged = _stage(call, name, data)
     result = _virsh(call, "define", "--validate", staged)

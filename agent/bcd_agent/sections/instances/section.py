@@ -43,6 +43,7 @@ from bcd_agent.sections.instances.plan import (
     Stop,
     Suspend,
     UserData,
+    needs_user_data,
     plan,
 )
 from bcd_agent.sections.instances.runtimes.base import (
@@ -217,12 +218,13 @@ class InstancesSection:
             gpu_addresses=addresses,
             gpu_holds=gpu_holds,
         )
-        draft = plan(spec, observed)
-        if draft.needs_user_data and self.user_data is not None:
+        listed = {d.name: d for v in views.values() for d in v.domains}
+        wanted_data = needs_user_data(spec, listed)
+        if wanted_data and self.user_data is not None:
             by_id = {i.id: i for i in spec.instances}
             fetched = {
                 i: self.user_data.fetch(i, by_id[i].allocation_id, by_id[i].user_data_ref)
-                for i in draft.needs_user_data
+                for i in wanted_data
             }
             from attrs import evolve
 

@@ -263,6 +263,7 @@ class LibvirtRuntime:
         for gone in set(self._known) - names:
             del self._known[gone]
         out = []
+        instances = str(self.system.host_path(f"{libvirt_dir(self.data_dir)}/instances"))
         for name, state in listed:
             known = self._known.get(name)
             if known is None:
@@ -274,7 +275,7 @@ class LibvirtRuntime:
             disk_bytes = None
             if known.managed:
                 with contextlib.suppress(ImageRefused):
-                    disk_bytes = self._overlay_size(name)
+                    disk_bytes = self._overlay_size(name, os.path.join(instances, name, "disk.qcow2"))
             out.append(
                 Domain(
                     name=name,
@@ -292,13 +293,16 @@ class LibvirtRuntime:
             )
         return tuple(out)
 
-    def _overlay_size(self, name: str) -> int | None:
+    def _overlay_size(self, name: str, real: str | None = None) -> int | None:
+        """The overlay's virtual size from its header (DLV-IMG-19); None without an overlay."""
         from bcd_shared.images import parse_header
 
-        data = self.system.read_bytes(self._disk(name))
-        if data is None:
+        try:
+            with open(real or self._real(self._disk(name)), "rb") as f:
+                data = f.read(1 << 16)
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        return parse_header(data[: 1 << 16], self.max_virtual_size).virtual_size
+        return parse_header(data, self.max_virtual_size).virtual_size
 
     # --- images -----------------------------------------------------------------------------------
 
