@@ -216,8 +216,8 @@ def test_stops_and_deletes_come_before_starts_dlv_inst_16() -> None:
     assert not p.waiting
 
 
-def test_admission_refusal_is_resources_exhausted_not_error_dlv_adm_12_13() -> None:
-    """DLV-ADM-01, DLV-ADM-04, DLV-ADM-05, DLV-ADM-06, DLV-ADM-08, DLV-ADM-12, DLV-ADM-13."""
+def test_admission_refusal_is_resources_exhausted_not_error_dlv_adm_12_13_dlv_inst_14() -> None:
+    """DLV-ADM-01, DLV-ADM-04, DLV-ADM-05, DLV-ADM-06, DLV-ADM-08, DLV-ADM-12, DLV-ADM-13, DLV-INST-14."""
     # 8 GiB MemTotal, 1 GiB headroom: 7168 MiB; one running 2 GiB domain takes 2368 MiB; left 4800.
     obs = observed(dom("r"), dom("x", STOPPED), mem=memory(8))
     p = plan(spec(vm("r"), vm("x"), vm("y"), vm("z")), obs)
