@@ -9,7 +9,8 @@ unit); ids are stable across runs and releases, and `--json` prints them in a ve
 - config-owner: under the helper, the file is not a regular root-owned file that no one else can
   write (fail; HST-HLP-24..30).
 - data-dir / data-files/<name>: data_dir missing (fix: create it), not a directory (fix: move the file
-  aside), not 0700 (fix: chmod); journal.db or identity.json not 0600 (fail).
+  aside), not 0700 (fix: chmod; a search bit for QEMU's user is allowed, DLV-QFA-01); journal.db or
+  identity.json not 0600 (fail).
 - identity: identity.json missing, not joined yet (warn).
 - helper: [helper] socket set but nothing accepts on it (fail). helper-version: the helper's
   helper.ping answer names another bcd version than the node's, or none (warn).
@@ -340,9 +341,15 @@ def _check_data_dir(config: Config) -> list[Finding]:
         ]
     findings = []
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
+    if mode & 0o066:
         findings.append(
             Finding("data-dir", "fail", f"{data_dir} is mode {mode:04o}, not 0700", f"chmod 0700 {data_dir}")
+        )
+    elif mode & 0o011:
+        # The search bit alone: the libvirt-kvm runtime lets QEMU's user reach its disks (DLV-QFA-01,
+        # DLV-HLP-14); listing stays closed and bcd's own files are 0600 (DLV-QFA-04).
+        findings.append(
+            Finding("data-dir", "ok", f"{data_dir} is {mode:04o} (search only, for QEMU), uid {st.st_uid}")
         )
     else:
         findings.append(Finding("data-dir", "ok", f"{data_dir} is 0700, owned by uid {st.st_uid}"))

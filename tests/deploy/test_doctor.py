@@ -241,3 +241,15 @@ def test_bcd_doctor_json_and_exit_status(tmp_path: Path) -> None:
     )
     assert out.returncode == 1
     assert "fail  config" in out.stdout and "bogus" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("mode", "level"), [(0o701, "ok"), (0o710, "ok"), (0o711, "ok"), (0o705, "fail"), (0o750, "fail")]
+)
+def test_data_dir_may_carry_the_search_bit_for_qemu_dlv_qfa_03(
+    tmp_path: Path, host: HostView, mode: int, level: str
+) -> None:
+    """DLV-QFA-01, DLV-QFA-03: libvirt-kvm adds search (x) for QEMU's user; reading stays closed."""
+    make_data_dir(tmp_path, mode)
+    [d] = by_check(check_all(write_config(tmp_path), host))["data-dir"]
+    assert d.level == level, d
