@@ -104,6 +104,9 @@ class HostConfig:
 class JournalConfig:
     max_bytes: int = JOURNAL_MAX_BYTES
     max_events: int = JOURNAL_MAX_EVENTS
+    # Off (the seeds' rule, DLV-JRN-15): every journal write is fsynced before it returns. On: accepts
+    # and outcomes share one fsync before each effect and before anything is told (docs/journal.md).
+    group_commit: bool = False
 
 
 @frozen

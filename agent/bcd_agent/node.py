@@ -549,7 +549,11 @@ class Node:
         system = self._system()
         boot_id = _boot_id(system)
         journal = Journal.open(
-            cfg.data_dir, boot_id=boot_id, max_events=cfg.journal.max_events, max_bytes=cfg.journal.max_bytes
+            cfg.data_dir,
+            boot_id=boot_id,
+            max_events=cfg.journal.max_events,
+            max_bytes=cfg.journal.max_bytes,
+            group_commit=cfg.journal.group_commit,
         )
         self.journal = journal
         try:

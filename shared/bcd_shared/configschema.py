@@ -372,6 +372,7 @@ SCHEMA: dict[str, dict[str, Rule]] = {
             JOURNAL_MAX_EVENTS,
             " (10,000 at most: config may lower the bound, never raise it)",
         ),
+        "group_commit": _boolean,
     },
     "kubernetes": {"allowed_clusters": _clusters},
     "instances": {"balloon_floor_percent": _int_range(10, 100)},

@@ -2,7 +2,9 @@
 `commands_per_s`; here, what bounds it: the fsynced journal commits per command, and the lanes' credits
 under a stream of commands sent as fast as the gateway may.
 
-A command's `accepted` and its outcome are committed to the WAL at once and fsynced together with
+With `[journal] group_commit` on (off by default: then every journal write is fsynced before it
+returns, DLV-JRN-15, tested last here), a command's `accepted` and its outcome are committed to the WAL
+at once and fsynced together with
 whatever else is pending (`Journal.sync`): before the command's side effect (DLV-JRN-16, in
 `begin_effect`) and before the session writes anything to the gateway. One fsync then covers a burst of
 commands. Its `running` entry (which resolves as `accepted` does after a crash, for kinds that are not
@@ -28,7 +30,7 @@ async def test_DLV_JRN_16_accepted_is_fsynced_before_each_effect_with_one_fsync_
     tmp_path: Path,
 ) -> None:
     pki = Pki.build()
-    h = Harness(tmp_path / "data", pki)
+    h = Harness(tmp_path / "data", pki, journal_options={"group_commit": True})
     pending_at_effect: list[bool] = []
 
     async def during(_cmd: object) -> None:
@@ -61,7 +63,7 @@ async def test_a_burst_of_commands_shares_one_fsync_of_their_accepts(tmp_path: P
     """Eight commands delivered together (as the gateway sends a lane's credits' worth): their accepts
     are fsynced once, by the first effect, and no effect starts before its accept is on disk."""
     pki = Pki.build()
-    h = Harness(tmp_path / "data", pki)
+    h = Harness(tmp_path / "data", pki, journal_options={"group_commit": True})
     accepted_at: dict[str, int] = {}
     synced_at_effect: dict[str, int] = {}
     syncs_at_effect: list[int] = []
@@ -90,7 +92,7 @@ async def test_a_burst_of_commands_shares_one_fsync_of_their_accepts(tmp_path: P
 
 async def test_DLV_JRN_17_a_self_terminating_kind_fsyncs_running_before_its_effect(tmp_path: Path) -> None:
     pki = Pki.build()
-    h = Harness(tmp_path / "data", pki)
+    h = Harness(tmp_path / "data", pki, journal_options={"group_commit": True})
     seen: list[tuple[Any, bool]] = []
 
     async def during(cmd: Any) -> None:
@@ -113,7 +115,7 @@ async def test_a_stream_of_commands_never_exceeds_the_lane_credits(tmp_path: Pat
     at once as the gateway would after a reconnect): at most 8 admitted on the control lane, the excess
     answered BUSY, every admitted one succeeds once."""
     pki = Pki.build()
-    h = Harness(tmp_path / "data", pki)
+    h = Harness(tmp_path / "data", pki, journal_options={"group_commit": True})
     peak = 0
     async with trio.open_nursery() as n:
         d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "effects"))))
@@ -134,3 +136,32 @@ async def test_a_stream_of_commands_never_exceeds_the_lane_credits(tmp_path: Pat
     assert len(done) == 8 and len(busy) == 192
     lines = (tmp_path / "effects").read_text().splitlines()
     assert sorted(line.split()[0] for line in lines) == sorted(done)
+
+
+async def test_DLV_JRN_15_by_default_every_journal_write_is_fsynced_before_it_returns(tmp_path: Path) -> None:
+    """Group commit off (the default): each command's accepted, running and outcome writes are each
+    fsynced when they return, so nothing is ever left unsynced, even a result ack."""
+    pki = Pki.build()
+    h = Harness(tmp_path / "data", pki)
+    unsynced_seen: list[bool] = []
+
+    async def during(_cmd: object) -> None:
+        unsynced_seen.append(h.journal.unsynced)
+
+    async with trio.open_nursery() as n:
+        d = await start(
+            n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "effects", during_effect=during)))
+        )
+        commands = [make_command(pki, kind="test.echo", seq=i + 1) for i in range(5)]
+        for cmd in commands:
+            before = h.journal.durable_commits
+            d.deliver(cmd)
+            assert not h.journal.unsynced and h.journal.durable_commits == before + 1  # accepted, fsynced
+            await h.sink.wait_terminal(cmd.id)
+            assert not h.journal.unsynced
+            assert h.journal.durable_commits >= before + 3  # accepted, running and the outcome, each fsynced
+        before = h.journal.durable_commits
+        h.journal.ack_results([c.id for c in commands])
+        assert h.journal.durable_commits == before + 1 and not h.journal.unsynced
+        n.cancel_scope.cancel()
+    assert unsynced_seen == [False] * 5

@@ -227,6 +227,7 @@ class Journal:
         self._space_ok = True
         self.durable_commits = 0  # fsyncs of the WAL by this process (the command-rate test counts them)
         self._unsynced = False
+        self.group_commit = False  # set by `open` (see there): off, every write is fsynced when it returns
         self.commits = 0  # commits that `sync()` tracks, and how many of them are known fsynced
         self.synced_through = 0
         # Called with (space_ok, message) when a write fails for a full file system, or succeeds again.
@@ -260,8 +261,13 @@ class Journal:
         max_bytes: int = MAX_EVENT_BYTES,
         max_tickets: int = MAX_EXEC_TICKETS,
         clock: Callable[[], float] = time.time,
+        group_commit: bool = False,
     ) -> Journal:
         """Open (or create) `data_dir/journal.db`.
+
+        `group_commit` off (the default): every write is fsynced before it returns, as DLV-JRN-15 says,
+        whatever `durable` a caller passes. On (`[journal] group_commit`): the writes callers mark
+        `durable=False` reach the WAL at once and are fsynced together by `sync()` (docs/journal.md).
 
         The bounds may be lowered, never raised (BoundError). A journal that fails `PRAGMA quick_check`
         or the schema check is moved aside (never deleted) and a new one, with a new journal_id, starts;
@@ -278,7 +284,7 @@ class Journal:
         try:
             conn, report = _open_db(data / DB_NAME, clock())
             _files.fix_file_modes(data / DB_NAME)
-            return cls(
+            journal = cls(
                 conn=conn,
                 lock_fd=lock_fd,
                 path=data / DB_NAME,
@@ -290,6 +296,8 @@ class Journal:
                 max_tickets=max_tickets,
                 report=report,
             )
+            journal.group_commit = group_commit
+            return journal
         except BaseException:
             _files.unlock(lock_fd)
             raise
@@ -324,6 +332,8 @@ class Journal:
         changes no decision (see `mark_running` and `ack_results`): they are written to the WAL at once
         and become durable with the next durable commit, which fsyncs the WAL up to its end.
         `needs_sync=False`: not even `sync()` waits for it (a write whose loss costs nothing)."""
+        if not self.group_commit:  # DLV-JRN-15: every write fsynced before it returns
+            durable = needs_sync = True
         conn = self._conn
         with self._storage():
             if not durable:
@@ -381,8 +391,8 @@ class Journal:
 
     @contextlib.contextmanager
     def _mode(self, durable: bool) -> Iterator[None]:
-        """synchronous=NORMAL around one autocommit statement when not `durable`."""
-        if durable:
+        """synchronous=NORMAL around one autocommit statement when not `durable` (group commit only)."""
+        if durable or not self.group_commit:
             yield
             return
         self._conn.execute("PRAGMA synchronous=NORMAL")
@@ -596,7 +606,7 @@ class Journal:
                             command.signature,
                         ),
                     )  # fmt: skip
-                self._committed(durable)
+                self._committed(durable or not self.group_commit)
             except sqlite3.IntegrityError:
                 with self._tx(durable) as c:
                     row = c.execute(_SQL_GET, (command.id,)).fetchone()
