@@ -271,11 +271,19 @@ class Node:
             intent_dir=self.config.data_dir,
         )
         self.runtimes = tuple(r.name for r in runtimes)
+        network = None
+        if runtimes and self.options.root == "/" and (helper is not None or os.geteuid() == 0):
+            # The instances' nftables rules (docs/instances.md "Network policy"): root's nft, or the
+            # helper's typed nft.apply/nft.check. The simulated host has no nft: no rules there.
+            from bcd_agent.sections.instances.network import DirectNft, HelperNft, NetworkPolicy
+
+            network = NetworkPolicy(HelperNft(helper) if helper is not None else DirectNft(system))
         self.instances_section = InstancesSection(
             system,
             runtimes,
             data_dir,
             user_data=SessionUserData(self.secrets, trio_token),
+            network=network,
         )
         return self.instances_section
 
@@ -568,7 +576,10 @@ class Node:
 
             core.capabilities = device_capabilities(
                 any(s.name == "devices" for s in sections), self._acts_on_host()
-            ) + instance_capabilities(self.runtimes)
+            ) + instance_capabilities(
+                self.runtimes,
+                network=getattr(self.instances_section, "network", None) is not None,
+            )
             core.runtimes = self.runtimes
             self.runner = ConvergeRunner(
                 sections,
@@ -649,6 +660,10 @@ class Node:
                 )
                 await nursery.start(_scoped, self._session_scope, self.session.run)
                 nursery.start_soon(sweep_periodically, journal, self.options.sweep_interval_s, self._swept)
+                if getattr(self.instances_section, "network", None) is not None:
+                    from bcd_agent.sections.instances.network import check_periodically
+
+                    nursery.start_soon(check_periodically, self.instances_section.network)
                 # The first inventory read (the heartbeat's hash) off the path to Hello.
                 nursery.start_soon(self._first_inventory)
                 notifier.ready(f"node {node_id}")

@@ -39,6 +39,8 @@ from bcd_shared.netpolicy import (
 from bcd_shared.system import System
 
 from bcd_agent.sections.instances.model import Desired, InstancesSpec
+from bcd_agent.sections.instances.plan import Plan, RuntimeView, Step
+from bcd_agent.sections.instances.runtimes.base import PAUSED, RUNNING, Domain
 
 log = logging.getLogger("bcd.instances.network")
 
@@ -251,3 +253,75 @@ class NetworkPolicy:
         if not self.trusted:
             return {}
         return {a: name for name, nics in self.loaded.items() for a in _owned(nics)}
+
+
+# --- the converge pass ------------------------------------------------------------------------------
+
+NETWORK_WAIT = "network policy"  # the key of a retry the outcome reports (no instance has this id)
+
+
+def gate(the_plan: Plan, failed: Mapping[str, str], domains: Mapping[str, Domain]) -> Plan:
+    """`the_plan` without the creates, grows, starts and resumes of `failed` instances, which fail with
+    their message, and with a stop for each of them that runs or is paused (DLV-NFT-05/06). Pure."""
+    from attrs import evolve
+
+    from bcd_agent.sections.instances.plan import _ORDER, Create, Delete, Grow, Stop
+
+    if not failed:
+        return the_plan
+    steps: list[Step] = []
+    for s in the_plan.steps:
+        name = s.instance.id if isinstance(s, Create | Grow) else s.name
+        if name in failed and not isinstance(s, Delete | Stop):
+            continue
+        steps.append(s)
+    stopping = {s.name for s in steps if isinstance(s, Stop | Delete)}
+    for name in sorted(failed):
+        d = domains.get(name)
+        if d is not None and d.managed and d.state in (RUNNING, PAUSED) and name not in stopping:
+            steps.append(Stop(d.runtime, name))
+    errors = {**the_plan.errors, **{k: v for k, v in failed.items() if k not in the_plan.errors}}
+    waiting = {k: v for k, v in the_plan.waiting.items() if k not in failed}
+    ordered = tuple(sorted(steps, key=lambda s: _ORDER[type(s)]))
+    return evolve(the_plan, steps=ordered, errors=errors, waiting=waiting)
+
+
+def enforce(
+    network: NetworkPolicy, spec: InstancesSpec, views: Mapping[str, RuntimeView], the_plan: Plan
+) -> Plan:
+    """Load the rules before any domain starts (DLV-NFT-01) and gate the plan on them: an instance whose
+    policy cannot be expressed fails and stops; when the load fails, the instances the rules guard
+    fail and stop (DLV-NFT-06) while EGRESS ones run on with a warning, and the pass stays
+    PROGRESSING so the next one retries (DLV-NFT-27, Q-DLV-NFT-03)."""
+    from attrs import evolve
+
+    domains = {d.name: d for v in views.values() for d in v.domains}
+    live = [d.name for d in domains.values() if d.managed]
+    policies, failed = nic_policies(spec, live, network.loaded)
+    failed = {k: v for k, v in failed.items() if k not in the_plan.errors}
+    try:
+        network.apply(policies)
+    except StepError as exc:
+        msg = f"network rules failed to load: {exc.message}"
+        log.warning("instances: %s (retried on the next pass)", msg)
+        by_id = {i.id: i for i in spec.instances}
+        for name in policies:
+            inst = by_id.get(name)
+            if inst is not None and guards(inst.network_policy, inst.ssh_from_host_only):
+                failed.setdefault(name, msg)
+        gated = gate(the_plan, failed, domains)
+        return evolve(gated, waiting={**gated.waiting, NETWORK_WAIT: msg})
+    return gate(the_plan, failed, domains)
+
+
+async def check_periodically(network: NetworkPolicy, interval_s: float = CHECK_INTERVAL_S) -> None:
+    """The integrity check every `interval_s`, in a worker thread, outside any converge pass
+    (DLV-NFT-23..25); the node runs it for as long as it runs."""
+    import trio
+
+    while True:
+        await trio.sleep(interval_s)
+        try:
+            await trio.to_thread.run_sync(network.integrity_check)
+        except Exception:  # a check never ends the node; the next one runs in interval_s
+            log.warning("instances: the network rules check failed", exc_info=True)

@@ -28,6 +28,7 @@ from bcd_agent.converge.types import InstanceReport, InstancesReport, SectionOut
 from bcd_agent.inventory.gpus import GpuInventory, collect_gpus, sysfs_pci_address
 from bcd_agent.inventory.host import parse_cpulist, read_host_memory
 from bcd_agent.sections.instances.model import Desired, InstancesSpec, spec_from_wire
+from bcd_agent.sections.instances.network import NetworkPolicy
 from bcd_agent.sections.instances.placement import HostFacts
 from bcd_agent.sections.instances.plan import (
     Create,
@@ -83,10 +84,13 @@ def runtimes_on_path(which: Callable[[str], str | None] = shutil.which) -> tuple
     return ("libvirt-kvm",) if which("virsh") else ()
 
 
-def capabilities(runtimes: Sequence[object]) -> tuple[str, ...]:
-    """What Hello advertises: only what this bcd enforces (DLV-CAP-03/05). Network policy, SSH from the
-    host only and volumes are not enforced by this build, so they are not advertised."""
-    return CAPABILITIES if runtimes else ()
+def capabilities(runtimes: Sequence[object], network: bool = False, volumes: bool = False) -> tuple[str, ...]:
+    """What Hello advertises: only what this bcd enforces (DLV-CAP-03/05): network policy and SSH from
+    the host only when the node loads the nftables rules, volumes when the volume store exists."""
+    if not runtimes:
+        return ()
+    extra = ("instance.network-policy", "instance.ssh-host-only") if network else ()
+    return CAPABILITIES + extra + (("instance.volumes",) if volumes else ())
 
 
 def host_facts(system: System) -> HostFacts:
@@ -116,12 +120,14 @@ class InstancesSection:
         *,
         user_data: UserDataSource | None = None,
         slice_records: bool = False,
+        network: NetworkPolicy | None = None,
     ) -> None:
         self.system = system
         self.runtimes = {r.name: r for r in runtimes}
         self.data_dir = data_dir
         self.user_data = user_data
         self.slice_records = slice_records
+        self.network = network  # None: no nftables rules (not advertised)
         self.last_plan: Plan | None = None
         self.last_report = InstancesReport((), False)
         self._last_views: dict[str, RuntimeView] = {}
@@ -282,6 +288,10 @@ class InstancesSection:
         spec = to_spec(desired, ctx.generation)
         observed = self.observe(spec, observation)
         the_plan = plan(spec, observed)
+        if self.network is not None and the_plan.section_error is None:
+            from bcd_agent.sections.instances.network import enforce
+
+            the_plan = enforce(self.network, spec, observed.runtimes, the_plan)
         self.last_plan = the_plan
         for w in the_plan.warnings:
             log.warning("instances: %s", w)
