@@ -121,6 +121,8 @@ class HelperContext:
         # daemon.swap's confirmation timer (bcd_helper.ops.daemon), one per helper.
         self.daemon_timer: threading.Timer | None = None
         self.timer_lock = threading.Lock()
+        # nft.apply's reference digest of the instances' tables (bcd_helper.ops.nft); None: none loaded.
+        self.nft_digest: str | None = None
         self._intent_lock = threading.Lock()
 
     def intent_verifier(self) -> IntentVerifier:
