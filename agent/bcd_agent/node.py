@@ -278,12 +278,27 @@ class Node:
             from bcd_agent.sections.instances.network import DirectNft, HelperNft, NetworkPolicy
 
             network = NetworkPolicy(HelperNft(helper) if helper is not None else DirectNft(system))
+        volumes = None
+        if runtimes:
+            # The persistent volume store, data_dir/volumes (docs/instances.md "Persistent volumes"):
+            # instance.volumes is advertised only when it exists.
+            from bcd_shared.instancenames import volumes_dir
+
+            from bcd_agent.sections.instances.volumes import VolumeStore
+
+            volumes = VolumeStore(str(system.host_path(volumes_dir(data_dir))))
+            try:
+                volumes.ensure()
+            except OSError as exc:
+                log.warning("node: no volume store (%s): instances with volumes fail here", exc)
+                volumes = None
         self.instances_section = InstancesSection(
             system,
             runtimes,
             data_dir,
             user_data=SessionUserData(self.secrets, trio_token),
             network=network,
+            volumes=volumes,
         )
         return self.instances_section
 
@@ -579,6 +594,8 @@ class Node:
             ) + instance_capabilities(
                 self.runtimes,
                 network=getattr(self.instances_section, "network", None) is not None,
+                volumes=getattr(self.instances_section, "volumes", None) is not None
+                and self.instances_section.volumes.exists(),
             )
             core.runtimes = self.runtimes
             self.runner = ConvergeRunner(

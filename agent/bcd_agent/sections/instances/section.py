@@ -19,12 +19,19 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import attrs
 from bcd_shared import wire
 from bcd_shared.errors import StepError, TerminalError
 from bcd_shared.system import System
 
 from bcd_agent.converge.section import Observation, PassContext
-from bcd_agent.converge.types import InstanceReport, InstancesReport, SectionOutcome, SectionState
+from bcd_agent.converge.types import (
+    InstanceReport,
+    InstancesReport,
+    SectionOutcome,
+    SectionState,
+    VolumeStorageReport,
+)
 from bcd_agent.inventory.gpus import GpuInventory, collect_gpus, sysfs_pci_address
 from bcd_agent.inventory.host import parse_cpulist, read_host_memory
 from bcd_agent.sections.instances.model import Desired, InstancesSpec, spec_from_wire
@@ -53,6 +60,7 @@ from bcd_agent.sections.instances.runtimes.base import (
     Prepared,
     Runtime,
 )
+from bcd_agent.sections.instances.volumes import VolumeStore
 
 log = logging.getLogger("bcd.instances")
 
@@ -121,6 +129,7 @@ class InstancesSection:
         user_data: UserDataSource | None = None,
         slice_records: bool = False,
         network: NetworkPolicy | None = None,
+        volumes: VolumeStore | None = None,
     ) -> None:
         self.system = system
         self.runtimes = {r.name: r for r in runtimes}
@@ -128,6 +137,7 @@ class InstancesSection:
         self.user_data = user_data
         self.slice_records = slice_records
         self.network = network  # None: no nftables rules (not advertised)
+        self.volumes = volumes  # None: no volume store (instance.volumes not advertised)
         self.last_plan: Plan | None = None
         self.last_report = InstancesReport((), False)
         self._last_views: dict[str, RuntimeView] = {}
@@ -136,7 +146,7 @@ class InstancesSection:
         if desired is None:
             return True
         if isinstance(desired, InstancesSpec | wire.InstancesSection):
-            return not desired.instances
+            return not desired.instances and not desired.volumes
         return False
 
     # --- the devices section's VFIO conflict ---------------------------------------------------
@@ -278,6 +288,21 @@ class InstancesSection:
         elif isinstance(step, Start):
             rt.start(step.instance, step.paused)
 
+    # --- volumes -------------------------------------------------------------------------------
+
+    def volume_storage(self) -> VolumeStorageReport | None:
+        """StatusReport.volume_storage (DLV-VOL-31..36); None without a store or when statfs fails."""
+        if self.volumes is None:
+            return None
+        try:
+            sp = self.volumes.space()
+        except OSError as exc:
+            log.warning("instances: volume store unreadable: %s", exc)
+            return None
+        return VolumeStorageReport(
+            sp.total_bytes, sp.available_bytes, sp.reserved_bytes, sp.committed_bytes, sp.outstanding_bytes
+        )
+
     # --- converge ------------------------------------------------------------------------------
 
     def plan(self, desired: object | None, generation: int, observation: Observation | None = None) -> Plan:
@@ -292,6 +317,14 @@ class InstancesSection:
             from bcd_agent.sections.instances.network import enforce
 
             the_plan = enforce(self.network, spec, observed.runtimes, the_plan)
+        vplan = None
+        if the_plan.section_error is None:
+            from bcd_agent.sections.instances import volumepass
+
+            if self.volumes is not None:
+                the_plan, vplan = volumepass.before(self.volumes, spec, observed.runtimes, the_plan)
+            else:
+                the_plan = volumepass.no_store(spec, the_plan)
         self.last_plan = the_plan
         for w in the_plan.warnings:
             log.warning("instances: %s", w)
@@ -308,8 +341,15 @@ class InstancesSection:
         errors = {**the_plan.errors, **errors}
         waiting = {**the_plan.waiting, **waits, **retry}
         views = self.list_runtimes() if the_plan.steps else observed.runtimes
+        if vplan is not None and self.volumes is not None:
+            from bcd_agent.sections.instances import volumepass
+
+            failed = volumepass.after(self.volumes, vplan, self.runtimes, observed.runtimes, views)
+            waiting = {**waiting, **failed}
         self._last_views = dict(views)
         self.last_report = report(spec, views, errors, waiting, the_plan.notes)
+        if self.volumes is not None:
+            self.last_report = attrs.evolve(self.last_report, volume_storage=self.volume_storage())
         return outcome(errors, waiting, changed, self.last_report)
 
 

@@ -24,8 +24,6 @@ destroys of volumes no longer listed and no domain has open, after the pass (DLV
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import ctypes.util
 import errno
 import json
 import os
@@ -253,6 +251,9 @@ class VolumeRefused(Exception):
 
 def punch_hole(fd: int, offset: int, length: int) -> None:
     """fallocate(PUNCH_HOLE | KEEP_SIZE): the blocks are freed, the size kept (the stdlib has no binding)."""
+    import ctypes
+    import ctypes.util
+
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     if libc.fallocate(fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, offset, length) != 0:
