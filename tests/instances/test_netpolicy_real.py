@@ -66,12 +66,12 @@ def test_the_guard_passes_the_nics_own_frames_dlv_nft_13_14_15(frames: dict[str,
     link-local sources and ARP for its own IPv4 address; each spoof is dropped by its guard rule."""
     for case in ("a_ok", "a_ll_ok", "a_arp_ok"):
         _delivered(frames, case)
-    _dropped_by(frames, "a_mac", f"mac {A}")
-    _dropped_by(frames, "a_ip4", f"ip4 {A}")
-    _dropped_by(frames, "a_ll_bad", f"ip6 {A}")
-    _dropped_by(frames, "a_arp_bad", f"arp {A}")
-    _dropped_by(frames, "a_vlan", f"ethertype {A}")
-    _dropped_by(frames, "a_na_other", f"na {A}")
+    _dropped_by(frames, "a_mac", "mac")
+    _dropped_by(frames, "a_ip4", "ip4")
+    _dropped_by(frames, "a_ll_bad", "ip6")
+    _dropped_by(frames, "a_arp_bad", "arp")
+    _dropped_by(frames, "a_vlan", "ethertype")
+    _dropped_by(frames, "a_na_other", "na")
 
 
 def test_guarded_addresses_are_bound_to_their_tap_dlv_nft_16(frames: dict[str, Any]) -> None:
@@ -100,19 +100,19 @@ def test_private_keeps_to_its_subnet_and_the_host_dlv_nft_02(frames: dict[str, A
     """DLV-NFT-02."""
     _delivered(frames, "a_ok")
     _delivered(frames, "a_host")
-    _dropped_by(frames, "a_private", f"private4 {A}")
+    _dropped_by(frames, "a_private", "private4")
 
 
 def test_none_reaches_the_host_only_dlv_nft_03(frames: dict[str, Any]) -> None:
     """DLV-NFT-03: nothing forwarded to or from b's tap; the host still answers."""
     _delivered(frames, "b_host")
-    _dropped_by(frames, "b_none", f"none-fwd {B}")
-    assert frames["cases"]["a_ok"]["moved"].get(f"none-fwd-in {B}") == 1  # the flood did not reach b
+    _dropped_by(frames, "b_none", "none-fwd")
+    assert frames["cases"]["a_ok"]["moved"].get("none-fwd-in") == 1  # the flood did not reach b
 
 
 def test_ssh_from_another_port_dropped_dlv_nft_29(frames: dict[str, Any]) -> None:
     """DLV-NFT-28, DLV-NFT-29: tcp/22 forwarded into a's tap is dropped; tcp/80 is not."""
-    _dropped_by(frames, "c_ssh", f"ssh-fwd {A}")
+    _dropped_by(frames, "c_ssh", "ssh-fwd")
     _delivered(frames, "c_http")
 
 

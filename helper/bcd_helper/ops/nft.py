@@ -16,17 +16,20 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from typing import Any
 
 from attrs import frozen
 from bcd_shared.netpolicy import (
     LIST_ARGVS,
+    HostAddresses,
     NicPolicy,
     PolicyError,
     build_ruleset,
     check_nics,
     listing_counts,
     listing_digest,
+    load_argv,
     parse_ip_addr,
     ruleset_counts,
 )
@@ -61,18 +64,25 @@ def nft_apply(call: Call, req: NftApply) -> dict[str, Any]:
     except PolicyError as exc:
         raise Refused("bad-policy", f"nft.apply: {exc}") from None
     wanted = sorted({n.bridge for n in req.nics})
-    host = parse_ip_addr(b"[]", ())
-    if wanted:
-        result = call.system.run(["ip", "-j", "addr", "show"], timeout=30)
+    host = HostAddresses()
+    for br in wanted:
+        result = call.system.run(["ip", "-j", "addr", "show", "dev", br], timeout=30)
         if not result.ok:
-            raise Failed("ip", f"ip -j addr show: {result.describe()}")
+            if b"does not exist" in result.stderr:
+                continue  # a bridge not made yet has no host address
+            raise Failed("ip", f"ip -j addr show dev {br}: {result.describe()}")
         try:
-            host = parse_ip_addr(result.stdout, wanted)
+            got = parse_ip_addr(result.stdout, wanted)
         except ValueError as exc:
             raise Failed("ip", f"ip -j addr show: unreadable output: {exc}") from None
+        host = HostAddresses(tuple(sorted({*host.v4, *got.v4})), tuple(sorted({*host.v6, *got.v6})))
     text = build_ruleset(req.nics, host)
     call.ctx.nft_digest = None
-    result = call.system.run(["nft", "-f", "-"], input=text.encode(), timeout=120)
+    argv, staged = load_argv(text)
+    try:
+        result = call.system.run(argv, timeout=120)
+    finally:
+        os.unlink(staged)
     if not result.ok:
         raise Failed("nft", f"nft -f: {result.describe()}")
     outs = _listing(call)

@@ -18,6 +18,7 @@ integrity check (seeds/delivery.md "Instances", DLV-NFT; the rules are bcd_share
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Protocol
@@ -33,6 +34,8 @@ from bcd_shared.netpolicy import (
     eui64_link_local,
     listing_counts,
     listing_digest,
+    load_argv,
+    parse_cidr,
     parse_ip_addr,
     ruleset_counts,
 )
@@ -94,12 +97,10 @@ def nic_policies(
 
 
 def _owned(nics: Iterable[NicPolicy]) -> list[str]:
-    import ipaddress
-
     out: list[str] = []
     for n in nics:
         if n.guarded:
-            out.extend(str(ipaddress.ip_interface(a).ip) for a in n.addresses)
+            out.extend(parse_cidr(a)[1] for a in n.addresses)
             out.append(eui64_link_local(n.mac))
     return out
 
@@ -125,13 +126,7 @@ class DirectNft:
         wanted = sorted(set(bridges))
         if not wanted:
             return HostAddresses()
-        result = self.system.run(["ip", "-j", "addr", "show"], timeout=30)
-        if not result.ok:
-            raise RetryableError("nft", f"ip -j addr show: {result.describe()}")
-        try:
-            return parse_ip_addr(result.stdout, wanted)
-        except ValueError as exc:
-            raise RetryableError("nft", f"ip -j addr show: unreadable output: {exc}") from None
+        return host_addresses(self.system, wanted)
 
     def listing(self) -> list[bytes]:
         outs = []
@@ -148,7 +143,11 @@ class DirectNft:
         except PolicyError as exc:
             raise RetryableError("nft", f"network policy: {exc}") from None
         self._digest = None
-        result = self.system.run(["nft", "-f", "-"], input=text.encode(), timeout=120)
+        argv, staged = load_argv(text)
+        try:
+            result = self.system.run(argv, timeout=120)
+        finally:
+            os.unlink(staged)
         if not result.ok:
             raise RetryableError("nft", f"nft -f: {result.describe()}")
         outs = self.listing()
@@ -166,6 +165,26 @@ class DirectNft:
             return False
         except ValueError:
             return False
+
+
+def host_addresses(system: System, bridges: Sequence[str]) -> HostAddresses:
+    """The host's addresses on `bridges` (`ip -j addr show dev BR`, one bridge at a time: a host with
+    1,000 taps would list them all otherwise). A bridge that does not exist has none."""
+    outs = []
+    for br in bridges:
+        result = system.run(["ip", "-j", "addr", "show", "dev", br], timeout=30)
+        if not result.ok:
+            if b"does not exist" in result.stderr:
+                continue
+            raise RetryableError("nft", f"ip -j addr show dev {br}: {result.describe()}")
+        outs.append(result.stdout)
+    try:
+        parts = [parse_ip_addr(o, bridges) for o in outs]
+    except ValueError as exc:
+        raise RetryableError("nft", f"ip -j addr show: unreadable output: {exc}") from None
+    return HostAddresses(
+        tuple(sorted({a for p in parts for a in p.v4})), tuple(sorted({a for p in parts for a in p.v6}))
+    )
 
 
 class HelperNft:
