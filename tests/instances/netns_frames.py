@@ -115,6 +115,40 @@ def counters() -> dict[str, int]:
     return out
 
 
+def host_tcp22(src: str, tap_fd: int, counters: Any) -> dict[str, Any]:
+    """A SYN to 10.0.0.10:22 sent by the host with source `src` (IP_HDRINCL); whether a's tap got it."""
+    while True:
+        try:
+            os.read(tap_fd, 65536)
+        except BlockingIOError:
+            break
+    before = counters()
+    sport = 40000 + int(src.rsplit(".", 1)[1])
+    seg = tcp(sport, 22, b"")
+    s = socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_RAW)
+    try:
+        s.sendto(ip4(src, "10.0.0.10", 6, seg), ("10.0.0.10", 0))
+    finally:
+        s.close()
+    got = False
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline and not got:
+        r, _, _ = select.select([tap_fd], [], [], 0.05)
+        if r:
+            with contextlib.suppress(BlockingIOError):
+                frame = os.read(tap_fd, 65536)
+                got = (
+                    frame[12:14] == b"\x08\x00"
+                    and frame[26:30] == ipaddress.IPv4Address(src).packed
+                    and (frame[34:36] == struct.pack("!H", sport))
+                )
+    after = counters()
+    return {
+        "delivered": got,
+        "moved": {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)},
+    }
+
+
 def main() -> None:
     sh("ip", "link", "set", "lo", "up")
     sh("ip", "link", "add", "br0", "type", "bridge")
@@ -124,8 +158,9 @@ def main() -> None:
     a = NicPolicy("a", 0, "br0", "52:54:00:00:00:0a", ("10.0.0.10/24", "fd00::10/64"), "PRIVATE", True)
     b = NicPolicy("b", 0, "br0", "52:54:00:00:00:0b", ("10.0.0.11/24",), "NONE", False)
     c = NicPolicy("c", 0, "br0", "", (), "EGRESS", False)
+    e = NicPolicy("e", 0, "br0", "52:54:00:00:00:0e", ("10.0.0.14/24",), "EGRESS", False)
     fds: dict[str, int] = {}
-    for n in (a, b, c):
+    for n in (a, b, c, e):
         sh("ip", "tuntap", "add", "dev", n.tap, "mode", "tap")
         sh("ip", "link", "set", n.tap, "master", "br0", "up")
         fds[n.tap] = open_tap(n.tap)
@@ -141,7 +176,7 @@ def main() -> None:
     time.sleep(0.3)  # ports reach forwarding
 
     policy = NetworkPolicy(DirectNft(LocalSystem()))
-    policy.apply({"a": (a,), "b": (b,), "c": (c,)})
+    policy.apply({"a": (a,), "b": (b,), "c": (c,), "e": (e,)})
     result: dict[str, Any] = {"cases": {}, "trusted": policy.trusted, "bound": policy.bound_addresses()}
 
     seq = [0]
@@ -252,12 +287,28 @@ def main() -> None:
     case("c_na_host", C, lambda p: eth(ma, mc, 0x86DD, ip6("fe80::c", "ff02::1", 58, na_host + p)), A)
     na_a = icmp6(136, struct.pack("!I", 0x20000000) + ipaddress.IPv6Address("fd00::10").packed)
     case("c_na_bound", C, lambda p: eth(ma, mc, 0x86DD, ip6("fe80::c", "ff02::1", 58, na_a + p)), A)
+    me = e.mac
+    case("e_egress", e.tap, lambda p: eth(mc, me, 0x0800, ip4("10.0.0.14", "8.8.8.8", 17, udp(1, 9, p))), C)
+    # the host into a's tap, tcp/22: from the host's own address it passes; from another source the
+    # output rule drops it (a raw socket writes the source)
+    sh("ip", "neigh", "replace", "10.0.0.10", "lladdr", ma, "dev", "br0", "nud", "permanent")
+    result["cases"]["host_ssh_own"] = host_tcp22("10.0.0.1", fds[A], counters)
+    result["cases"]["host_ssh_other"] = host_tcp22("10.0.0.77", fds[A], counters)
     moff = links[off]
     case(
         "off_bridge",
         off,
         lambda p: eth(
             moff, "52:54:00:00:00:ee", 0x0800, ip4("192.168.77.2", "192.168.77.1", 17, udp(1, 5555, p))
+        ),
+        "host",
+    )
+
+    case(
+        "off_bridge_arp",
+        off,
+        lambda p: eth(
+            BCAST, "52:54:00:00:00:ee", 0x0806, arp("52:54:00:00:00:ee", "192.168.77.2", "192.168.77.1") + p
         ),
         "host",
     )

@@ -151,7 +151,8 @@ def test_unset_policy_fails() -> None:
 
 
 def test_capabilities_only_what_is_enforced_dlv_cap_05() -> None:
-    """DLV-CAP-05: network policy and SSH from the host only are advertised only with the rules loaded."""
+    """DLV-CAP-01, DLV-CAP-02, DLV-CAP-05: network policy and SSH from the host only are advertised only
+    where the rules are loaded."""
     assert "instance.network-policy" not in capabilities(["libvirt-kvm"])
     caps = capabilities(["libvirt-kvm"], network=True)
     assert "instance.network-policy" in caps and "instance.ssh-host-only" in caps

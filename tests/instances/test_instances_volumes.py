@@ -115,8 +115,8 @@ def test_unlisted_volume_kept_while_open_then_destroyed_dlv_vol_23_25_26(tmp_pat
 
 
 def test_volume_storage_reported_and_volumes_advertised_dlv_vol_31_43(tmp_path: Path) -> None:
-    """DLV-VOL-31, DLV-VOL-35, DLV-VOL-43: every report of a host with the store carries volume_storage,
-    sizes summed; `instance.volumes` is advertised only with a store."""
+    """DLV-VOL-31, DLV-VOL-35, DLV-VOL-43, DLV-CAP-04: every report of a host with the store carries
+    volume_storage, sizes summed; `instance.volumes` is advertised only with a store."""
     sec, _ = _sec(tmp_path)
     converge(sec, spec(volumes=(DATA, VolumeSpec("two", "two", 2 * GIB))))
     vs = sec.last_report.volume_storage
@@ -131,3 +131,21 @@ def test_without_a_store_an_instance_with_volumes_fails(tmp_path: Path) -> None:
     sec, _rt = section(sim_host(tmp_path))
     converge(sec, spec(vm("a", nics=nic(1), volumes=(("data", False),)), volumes=(DATA,)))
     assert _states(sec)["a"] == ("ERROR", "volumes: this host keeps no volume store")
+
+
+def test_a_listed_volume_outlives_its_instances_dlv_vol_01(tmp_path: Path) -> None:
+    """DLV-VOL-01: the host keeps a listed volume when the instance that attached it is deleted, and the
+    next instance attaching it gets the same file, its data kept."""
+    sec, system = _sec(tmp_path)
+    converge(sec, spec(vm("a", nics=nic(1), volumes=(("data", False),)), volumes=(DATA,)))
+    raw = system.host_path(f"{DATA_DIR}/volumes/data.raw")
+    with open(raw, "r+b") as f:
+        f.write(b"kept")
+    out = converge(sec, spec(volumes=(DATA,), generation=2))
+    assert out.state is SectionState.CONVERGED and not sec.list_runtimes()["libvirt-kvm"].domains
+    out = converge(sec, spec(vm("b", nics=nic(2), volumes=(("data", False),)), volumes=(DATA,), generation=3))
+    assert out.state is SectionState.CONVERGED, out.message
+    assert raw.read_bytes()[:4] == b"kept"
+    assert next(d for v in sec.list_runtimes().values() for d in v.domains).volumes == (
+        ("data", False, "vdb"),
+    )

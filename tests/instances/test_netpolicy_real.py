@@ -21,7 +21,7 @@ import pytest
 from testsupport import IN_CI, require_tool
 
 HERE = Path(__file__).resolve().parent
-A, B = "bcca978112ca10", "bc3e23e8160030"  # tap_name("a", 0), tap_name("b", 0)
+A, B, E = "bcca978112ca10", "bc3e23e8160030", "bc3f79bb7b4350"  # tap_name("a"|"b"|"e", 0)
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def _delivered(frames: dict[str, Any], case: str) -> None:
 def test_tap_names_match_the_runtime() -> None:
     from bcd_shared.instancenames import tap_name
 
-    assert (tap_name("a", 0), tap_name("b", 0)) == (A, B)
+    assert (tap_name("a", 0), tap_name("b", 0), tap_name("e", 0)) == (A, B, E)
 
 
 def test_the_guard_passes_the_nics_own_frames_dlv_nft_13_14_15(frames: dict[str, Any]) -> None:
@@ -132,7 +132,11 @@ def test_flushed_set_and_deleted_rule_restored_dlv_nft_23_24_25(frames: dict[str
     assert ch["intact"] is True
     for what in ("flush_set", "delete_rule", "delete_table"):
         assert ch[f"after_{what}"] is False and ch[f"restored_{what}"] is True, (what, ch)
-    assert {tuple(e["concat"]) for e in ch["bind4_after"]} == {(A, "10.0.0.10"), (B, "10.0.0.11")}
+    assert {tuple(e["concat"]) for e in ch["bind4_after"]} == {
+        (A, "10.0.0.10"),
+        (B, "10.0.0.11"),
+        (E, "10.0.0.14"),
+    }
 
 
 def test_failed_reload_ends_trust_and_the_pass_retries_dlv_nft_26(frames: dict[str, Any]) -> None:
@@ -144,3 +148,24 @@ def test_failed_reload_ends_trust_and_the_pass_retries_dlv_nft_26(frames: dict[s
     assert ch["failed_reload"] is False and ch["trusted_after_failed_reload"] is False
     assert ch["bound_after_failed_reload"] == {} and ch["needs_reload"] is True
     assert ch["trusted_after_pass"] is True and ch["intact_after_pass"] is True
+
+
+def test_egress_adds_no_policy_rule_dlv_nft_04(frames: dict[str, Any]) -> None:
+    """DLV-NFT-04: a guarded EGRESS NIC reaches an address outside its subnet, which PRIVATE forbids
+    (a_private); no rule's counter moved."""
+    e = frames["cases"]["e_egress"]
+    assert e["delivered"] and e["moved"] == {}, e
+
+
+def test_arp_backstop_dlv_nft_20(frames: dict[str, Any]) -> None:
+    """DLV-NFT-20: ARP from a `bc*` tap off its bridge is dropped on the arp table's input hook."""
+    c = frames["cases"]["off_bridge_arp"]
+    assert c["moved"].get("arp-input") == 1, c
+
+
+def test_host_ssh_only_from_its_own_address_dlv_nft_30(frames: dict[str, Any]) -> None:
+    """DLV-NFT-30: tcp/22 the host sends into the tap passes from the host's address on the bridge and is
+    dropped from any other source."""
+    own, other = frames["cases"]["host_ssh_own"], frames["cases"]["host_ssh_other"]
+    assert own["delivered"] and "ssh4" not in own["moved"], own
+    assert not other["delivered"] and other["moved"].get("ssh4") == 1, other
