@@ -521,6 +521,11 @@ class LibvirtRuntime:
             for p in paths:
                 with contextlib.suppress(FileNotFoundError):
                     os.chmod(self._real(p), 0o640 if p != files.disk else 0o660)
+            # QEMU reaches the node's volumes through the group as it does the disk (read-only ones
+            # 0640); putting them back to 0600 when the domain stops is not built (DLV-VOL-41).
+            for path, _serial, ro in files.volumes:
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(self._real(path), 0o640 if ro else 0o660)
 
     # --- states -----------------------------------------------------------------------------------
 
