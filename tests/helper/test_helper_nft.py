@@ -184,5 +184,8 @@ def test_root_builds_the_same_bytes_and_checks_them_dlv_priv_08(netns_helper: He
     assert policy.integrity_check() is True
     listed = json.loads(_ns(pid, "nft", "-j", "list", "set", "bridge", "bcd_instances", "bind4"))
     assert listed["nftables"][1]["set"]["elem"] == [{"concat": [nic.tap, "10.0.0.5"]}]
+    _ns(pid, "ip", "addr", "add", "10.0.0.2/24", "dev", "br0")  # root reads the host's addresses again
+    assert h.client.call("nft.check", {}) == {"intact": False}
+    assert policy.integrity_check() is False and policy.integrity_check() is True
     ops = [e["op"] for e in h.audit_lines() if e["decision"] == "accepted"]
-    assert ops.count("nft.apply") == 3 and "nft.check" in ops
+    assert ops.count("nft.apply") == 4 and "nft.check" in ops

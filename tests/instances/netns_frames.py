@@ -329,6 +329,13 @@ def main() -> None:
     sh("nft", "delete", "table", "inet", "bcd_taps")
     checks["after_delete_table"] = policy.integrity_check()
     checks["restored_delete_table"] = policy.integrity_check()
+    # a new host address on the bridge: the check sees it and the rules follow (DLV-NFT-30's exception)
+    sh("ip", "addr", "add", "10.0.0.2/24", "dev", "br0")
+    checks["after_host_address"] = policy.integrity_check()
+    checks["restored_host_address"] = policy.integrity_check()
+    checks["host4_after"] = json.loads(sh("nft", "-j", "list", "set", "bridge", "bcd_instances", "host4"))[
+        "nftables"
+    ][1]["set"].get("elem", [])
     # a reload that fails: trust stays ended and the next apply (a pass) retries (DLV-NFT-26)
     sh("nft", "flush", "ruleset")
     real = policy.backend

@@ -169,3 +169,11 @@ def test_host_ssh_only_from_its_own_address_dlv_nft_30(frames: dict[str, Any]) -
     own, other = frames["cases"]["host_ssh_own"], frames["cases"]["host_ssh_other"]
     assert own["delivered"] and "ssh4" not in own["moved"], own
     assert not other["delivered"] and other["moved"].get("ssh4") == 1, other
+
+
+def test_a_new_host_address_reloads_the_rules_dlv_nft_30(frames: dict[str, Any]) -> None:
+    """DLV-NFT-11, DLV-NFT-30: the host's addresses are read again by the check; one added to the bridge
+    makes it load the rules again, with the address in the host set."""
+    ch = frames["checks"]
+    assert ch["after_host_address"] is False and ch["restored_host_address"] is True
+    assert set(ch["host4_after"]) == {"10.0.0.1", "10.0.0.2"}

@@ -63,7 +63,26 @@ def nft_apply(call: Call, req: NftApply) -> dict[str, Any]:
         check_nics(req.nics, bridges)
     except PolicyError as exc:
         raise Refused("bad-policy", f"nft.apply: {exc}") from None
-    wanted = sorted({n.bridge for n in req.nics})
+    wanted = tuple(sorted({n.bridge for n in req.nics}))
+    host = _host(call, wanted)
+    text = build_ruleset(req.nics, host)
+    call.ctx.nft_reference = None
+    argv, staged = load_argv(text)
+    try:
+        result = call.system.run(argv, timeout=120)
+    finally:
+        os.unlink(staged)
+    if not result.ok:
+        raise Failed("nft", f"nft -f: {result.describe()}")
+    outs = _listing(call)
+    if listing_counts(outs) != ruleset_counts(text):
+        raise Failed("nft", "nft: the tables changed while they were loaded")
+    call.ctx.nft_reference = (listing_digest(outs), wanted, host)
+    return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "nics": len(req.nics)}
+
+
+def _host(call: Call, wanted: tuple[str, ...]) -> HostAddresses:
+    """The host's addresses on the `wanted` bridges, as root reads them (`ip -j addr show dev BR`)."""
     host = HostAddresses()
     for br in wanted:
         result = call.system.run(["ip", "-j", "addr", "show", "dev", br], timeout=30)
@@ -76,27 +95,18 @@ def nft_apply(call: Call, req: NftApply) -> dict[str, Any]:
         except ValueError as exc:
             raise Failed("ip", f"ip -j addr show: unreadable output: {exc}") from None
         host = HostAddresses(tuple(sorted({*host.v4, *got.v4})), tuple(sorted({*host.v6, *got.v6})))
-    text = build_ruleset(req.nics, host)
-    call.ctx.nft_digest = None
-    argv, staged = load_argv(text)
-    try:
-        result = call.system.run(argv, timeout=120)
-    finally:
-        os.unlink(staged)
-    if not result.ok:
-        raise Failed("nft", f"nft -f: {result.describe()}")
-    outs = _listing(call)
-    if listing_counts(outs) != ruleset_counts(text):
-        raise Failed("nft", "nft: the tables changed while they were loaded")
-    call.ctx.nft_digest = listing_digest(outs)
-    return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "nics": len(req.nics)}
+    return host
 
 
 def nft_check(call: Call, req: NftCheck) -> dict[str, Any]:
-    reference = call.ctx.nft_digest
-    if reference is None:
+    """Intact: the tables are what the last load left, and the host's addresses on the bridges are still
+    those the rules were built with (a changed address makes the node load them again)."""
+    if call.ctx.nft_reference is None:
         return {"intact": False}
+    reference, wanted, host = call.ctx.nft_reference
     try:
+        if _host(call, wanted) != host:
+            return {"intact": False}
         digest = listing_digest(_listing(call))
     except Failed:
         return {"intact": False}  # a listing that fails: the table is gone

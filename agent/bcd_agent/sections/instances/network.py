@@ -121,6 +121,7 @@ class DirectNft:
     def __init__(self, system: System) -> None:
         self.system = system
         self._digest: str | None = None
+        self._host: tuple[tuple[str, ...], HostAddresses] = ((), HostAddresses())
 
     def host_addresses(self, bridges: Iterable[str]) -> HostAddresses:
         wanted = sorted(set(bridges))
@@ -138,8 +139,10 @@ class DirectNft:
         return outs
 
     def load(self, nics: Sequence[NicPolicy]) -> None:
+        bridges = tuple(sorted({n.bridge for n in nics}))
+        host = self.host_addresses(bridges)
         try:
-            text = build_ruleset(nics, self.host_addresses(n.bridge for n in nics))
+            text = build_ruleset(nics, host)
         except PolicyError as exc:
             raise RetryableError("nft", f"network policy: {exc}") from None
         self._digest = None
@@ -154,11 +157,16 @@ class DirectNft:
         if listing_counts(outs) != ruleset_counts(text):
             raise RetryableError("nft", "nft: the tables changed while they were loaded")
         self._digest = listing_digest(outs)
+        self._host = (bridges, host)
 
     def check(self) -> bool:
+        """Intact: the tables are what the last load left and the host's addresses on the bridges are
+        those the rules were built with (DLV-NFT-30's exception follows a changed host address)."""
         if self._digest is None:
             return False
         try:
+            if self.host_addresses(self._host[0]) != self._host[1]:
+                return False
             return listing_digest(self.listing()) == self._digest
         except StepError:
             # `nft list table` of a deleted table fails: the table is gone, not unreadable.
