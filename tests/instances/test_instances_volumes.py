@@ -149,3 +149,25 @@ def test_a_listed_volume_outlives_its_instances_dlv_vol_01(tmp_path: Path) -> No
     assert next(d for v in sec.list_runtimes().values() for d in v.domains).volumes == (
         ("data", False, "vdb"),
     )
+
+
+def test_nothing_destroyed_while_a_runtime_cannot_be_listed_dlv_vol_26(tmp_path: Path) -> None:
+    """DLV-VOL-26: when the runtime's listing fails, a domain may hold any volume open: an unlisted
+    volume is kept until a pass sees every domain."""
+    sec, system = _sec(tmp_path)
+    converge(sec, spec(vm("a", nics=nic(1), volumes=(("data", False),)), volumes=(DATA,)))
+    raw = system.host_path(f"{DATA_DIR}/volumes/data.raw")
+    rt = sec.runtimes["libvirt-kvm"]
+    real_list = rt.list
+
+    def broken() -> tuple[object, ...]:
+        from bcd_shared.errors import RetryableError
+
+        raise RetryableError("ListFailed", "virsh list: error: failed to connect to the hypervisor")
+
+    rt.list = broken  # type: ignore[method-assign]
+    converge(sec, spec(generation=2))
+    assert raw.exists()
+    rt.list = real_list  # type: ignore[method-assign]
+    converge(sec, spec(generation=3))
+    assert not raw.exists()

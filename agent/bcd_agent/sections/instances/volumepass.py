@@ -115,6 +115,9 @@ def after(
             resize(inst, target, size)
         except StepError as exc:
             failures[inst] = exc.message
+    if any(v.error is not None for v in (*views_before.values(), *views_after.values())):
+        # A runtime that could not be listed may hold any volume open: nothing is destroyed this pass.
+        return failures
     still = held(views_after, set())
     in_use = {v for vols in still.values() for v, _ in vols}
     for step in vplan.after:
