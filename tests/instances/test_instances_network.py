@@ -157,3 +157,23 @@ def test_capabilities_only_what_is_enforced_dlv_cap_05() -> None:
     caps = capabilities(["libvirt-kvm"], network=True)
     assert "instance.network-policy" in caps and "instance.ssh-host-only" in caps
     assert capabilities([], network=True) == ()
+
+
+def test_guard_kept_while_the_runtime_cannot_be_listed_dlv_nft_17(tmp_path: Path) -> None:
+    """DLV-NFT-17: an instance the spec dropped keeps its guard while its runtime cannot be listed (its
+    domain may still run); the guard goes once the domain is seen gone."""
+    sec, rec = _sec(tmp_path)
+    converge(sec, spec(vm("a", nics=nic(1, "10.0.0.5/24")), vm("b", nics=nic(2, "10.0.0.6/24"))))
+    rt = sec.runtimes["libvirt-kvm"]
+    real_list = rt.list
+
+    def broken() -> tuple[object, ...]:
+        raise RetryableError("ListFailed", "virsh list: error: failed to connect to the hypervisor")
+
+    rt.list = broken  # type: ignore[method-assign]
+    converge(sec, spec(vm("a", nics=nic(1, "10.0.0.5/24")), generation=2))
+    assert {n.instance for n in rec.loads[-1]} == {"a", "b"}
+    rt.list = real_list  # type: ignore[method-assign]
+    converge(sec, spec(vm("a", nics=nic(1, "10.0.0.5/24")), generation=3))  # b's domain deleted
+    converge(sec, spec(vm("a", nics=nic(1, "10.0.0.5/24")), generation=4))
+    assert {n.instance for n in rec.loads[-1]} == {"a"}

@@ -324,6 +324,8 @@ def enforce(
 
     domains = {d.name: d for v in views.values() for d in v.domains}
     live = [d.name for d in domains.values() if d.managed]
+    if any(v.error is not None for v in views.values()):
+        live += list(network.loaded)  # a runtime not listed may still run them: their guards stay
     policies, failed = nic_policies(spec, live, network.loaded)
     failed = {k: v for k, v in failed.items() if k not in the_plan.errors}
     try:
