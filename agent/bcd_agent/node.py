@@ -288,11 +288,34 @@ class Node:
             intent_dir=self.config.data_dir,
         )
         self.runtimes = tuple(r.name for r in runtimes)
+        network = None
+        if runtimes and self.options.root == "/" and (helper is not None or os.geteuid() == 0):
+            # The instances' nftables rules (docs/instances.md "Network policy"): root's nft, or the
+            # helper's typed nft.apply/nft.check. The simulated host has no nft: no rules there.
+            from bcd_agent.sections.instances.network import DirectNft, HelperNft, NetworkPolicy
+
+            network = NetworkPolicy(HelperNft(helper) if helper is not None else DirectNft(system))
+        volumes = None
+        if runtimes:
+            # The persistent volume store, data_dir/volumes (docs/instances.md "Persistent volumes"):
+            # instance.volumes is advertised only when it exists.
+            from bcd_shared.instancenames import volumes_dir
+
+            from bcd_agent.sections.instances.volumes import VolumeStore
+
+            volumes = VolumeStore(str(system.host_path(volumes_dir(data_dir))))
+            try:
+                volumes.ensure()
+            except OSError as exc:
+                log.warning("node: no volume store (%s): instances with volumes fail here", exc)
+                volumes = None
         self.instances_section = InstancesSection(
             system,
             runtimes,
             data_dir,
             user_data=SessionUserData(self.secrets, trio_token),
+            network=network,
+            volumes=volumes,
         )
         return self.instances_section
 
@@ -613,7 +636,12 @@ class Node:
             nvml = await trio.to_thread.run_sync(nvml_answers, system)
             core.capabilities = device_capabilities(
                 has_devices, self._acts_on_host(), nvml
-            ) + instance_capabilities(self.runtimes)
+            ) + instance_capabilities(
+                self.runtimes,
+                network=getattr(self.instances_section, "network", None) is not None,
+                volumes=getattr(self.instances_section, "volumes", None) is not None
+                and self.instances_section.volumes.exists(),
+            )
             core.runtimes = self.runtimes
             self._has_devices = has_devices
             self.runner = ConvergeRunner(
@@ -695,6 +723,10 @@ class Node:
                 )
                 await nursery.start(_scoped, self._session_scope, self.session.run)
                 nursery.start_soon(sweep_periodically, journal, self.options.sweep_interval_s, self._swept)
+                if getattr(self.instances_section, "network", None) is not None:
+                    from bcd_agent.sections.instances.network import check_periodically
+
+                    nursery.start_soon(check_periodically, self.instances_section.network)
                 # The first inventory read (the heartbeat's hash) off the path to Hello.
                 nursery.start_soon(self._first_inventory)
                 if self._helper_socket() is not None:

@@ -47,6 +47,8 @@ TOOLS: dict[str, str] = {
     "virsh": "libvirt:virsh",  # instances (libvirt-kvm)
     "qemu-img": "libvirt:qemu_img",  # instances
     "genisoimage": "libvirt:genisoimage",  # instances (NoCloud seed)
+    "nft": "netns:nft",  # instances' network policy: real, only in a private namespace
+    "ip": "netns:ip",  # the host's addresses on the instance bridges (ditto)
 }
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"

@@ -245,12 +245,28 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
         return _r(argv, out=f"Domain '{name}' has been undefined\n")
     if cmd == "blockresize":
         root = ET.fromstring(xml)  # noqa: S314
-        src = root.find("devices/disk/source")
+        target = rest[1] if len(rest) > 1 else "vda"
+        disk = next((d for d in root.findall("devices/disk") if _dev(d) == target), None)
+        if disk is None:
+            return _r(argv, 1, err=f"error: invalid argument: disk '{target}' was not found in domain\n")
+        src = disk.find("source")
         path = src.get("file", "") if src is not None else ""
         size = int(rest[2].rstrip("B"))
-        _resize(system.host_path(path) if not Path(path).exists() else Path(path), size)
-        return _r(argv, out="Block device 'vda' is resized\n")
+        driver = disk.find("driver")
+        if driver is not None and driver.get("type") == "raw":
+            # A raw volume: bcd truncated the file already; QEMU's block_resize only tells the guest.
+            # The simulation records what the guest was told, one line per resize.
+            with (_state_dir(system) / f"{name}.resized").open("a") as f:
+                f.write(f"{target} {size}\n")
+        else:
+            _resize(system.host_path(path) if not Path(path).exists() else Path(path), size)
+        return _r(argv, out=f"Block device '{target}' is resized\n")
     return _r(argv, 1, err=f"error: unknown command: '{cmd}'\n")
+
+
+def _dev(disk: ET.Element) -> str:
+    t = disk.find("target")
+    return t.get("dev", "") if t is not None else ""
 
 
 def _resize(path: Path, size: int) -> None:

@@ -63,7 +63,14 @@ def make_root(parent: Path) -> Path:
 
 
 class HelperProcess:
-    def __init__(self, root: Path, config: str | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        config: str | None = None,
+        prefix: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+    ) -> None:
+        """`prefix`: run the helper under it (`unshare -n`); `env`: added to the environment."""
         self.root = root
         if config is not None:
             write_config(root, config)
@@ -75,9 +82,10 @@ class HelperProcess:
         with contextlib.suppress(Exception):  # a config the helper refuses: the start below says why
             self.audit_key = init_key(root, load_config(root).audit_dir)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)],
+            [*prefix, sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            env={**os.environ, **env} if env else None,
         )
         self.socket_path = str(root / SOCKET.lstrip("/"))
         deadline = time.monotonic() + 10

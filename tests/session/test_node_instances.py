@@ -31,7 +31,10 @@ async def test_hello_runtimes_and_a_vm_reported_running_dlv_rt_06_dlv_cap_05(tmp
         assert hellos and list(hellos[-1].runtimes) == ["libvirt-kvm"]
         caps = set(hellos[-1].capabilities)
         assert "instance.placement" in caps
-        assert not caps & {"instance.network-policy", "instance.ssh-host-only", "instance.volumes"}
+        # Only what this host enforces (DLV-CAP-05): the simulated host loads no nft rules, so neither
+        # network capability; its volume store exists, so volumes are advertised.
+        assert not caps & {"instance.network-policy", "instance.ssh-host-only"}
+        assert ("instance.volumes" in caps) is node.instances_section.volumes.exists()
         assert world.plane.apply_spec(world.node_id, spec) == 1
         await world.observed(1)
         assert world.section("instances")["state"] == "SECTION_STATE_CONVERGED", world.section("instances")

@@ -63,11 +63,23 @@ class InstanceReport:
 
 
 @frozen
+class VolumeStorageReport:
+    """StatusReport.volume_storage (DLV-VOL-31..36)."""
+
+    total_bytes: int
+    available_bytes: int
+    reserved_bytes: int
+    committed_bytes: int
+    outstanding_bytes: int
+
+
+@frozen
 class InstancesReport:
     """Everything the runtimes hold; `complete` when every runtime was listed without error."""
 
     instances: tuple[InstanceReport, ...] = ()
     complete: bool = False
+    volume_storage: VolumeStorageReport | None = None  # the volume store's space, on hosts that keep one
 
 
 @frozen

@@ -47,6 +47,17 @@ def status_report(status: NodeStatus, now_monotonic: float) -> wire.StatusReport
             for i in (inst.instances if inst is not None else ())
         ],
         instances_complete=inst.complete if inst is not None else False,
+        volume_storage=(
+            wire.VolumeStorage(
+                total_bytes=inst.volume_storage.total_bytes,
+                available_bytes=inst.volume_storage.available_bytes,
+                reserved_bytes=inst.volume_storage.reserved_bytes,
+                committed_bytes=inst.volume_storage.committed_bytes,
+                outstanding_bytes=inst.volume_storage.outstanding_bytes,
+            )
+            if inst is not None and inst.volume_storage is not None
+            else None
+        ),
         observed_generation=status.observed_generation,
         applied_generation=status.applied_generation,
         applied_spec_hash=status.spec_hash,

@@ -121,6 +121,9 @@ class HelperContext:
         # daemon.swap's confirmation timer (bcd_helper.ops.daemon), one per helper.
         self.daemon_timer: threading.Timer | None = None
         self.timer_lock = threading.Lock()
+        # nft.apply's reference (bcd_helper.ops.nft): the tables' digest, the bridges and the host's
+        # addresses on them the rules were built with; None: none loaded.
+        self.nft_reference: tuple[str, tuple[str, ...], Any] | None = None
         self._intent_lock = threading.Lock()
 
     def intent_verifier(self) -> IntentVerifier:

@@ -18,10 +18,10 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_helper.ops import access, auditops, daemon, files, host, hostunit, libvirt, logs, slices
+from bcd_helper.ops import access, auditops, daemon, files, host, hostunit, libvirt, logs, nft, slices
 from bcd_helper.ops.base import Handler
 
-LOCK_ORDER = ("units", "access", "gpus", "slices", "libvirt", "system")
+LOCK_ORDER = ("units", "access", "gpus", "slices", "libvirt", "nft", "system")
 MINUTE = 60.0
 
 
@@ -238,6 +238,20 @@ OPS: dict[str, OpSpec] = {
         MINUTE,
         shown=("name",),
         summary="hand back bcd's domain's serial console pty as a file descriptor",
+    ),
+    "nft.apply": _op(
+        nft.NftApply,
+        nft.nft_apply,
+        3 * MINUTE,
+        locks=("nft",),
+        summary="build and load the instances' nftables rules from typed per-NIC policies (never nft text)",
+    ),
+    "nft.check": _op(
+        nft.NftCheck,
+        nft.nft_check,
+        MINUTE,
+        locks=("nft",),
+        summary="whether the instances' nftables tables are exactly what nft.apply loaded",
     ),
 }
 

@@ -23,6 +23,8 @@ from bcd_shared.instancenames import (
     valid_instance_id,
 )
 
+from bcd_agent.sections.instances.volumes import VolumeSpec
+
 if TYPE_CHECKING:
     from bcd_shared import wire
 
@@ -92,6 +94,7 @@ class InstanceSpec:
 class InstancesSpec:
     generation: int
     instances: tuple[InstanceSpec, ...] = field(factory=tuple)
+    volumes: tuple[VolumeSpec, ...] = field(factory=tuple)  # InstancesSection.volumes (DLV-VOL-01)
 
 
 def definition_digest(inst: InstanceSpec, gpu_addresses: tuple[str, ...]) -> str:
@@ -111,6 +114,8 @@ def definition_digest(inst: InstanceSpec, gpu_addresses: tuple[str, ...]) -> str
         [pl.cpus, pl.mems, pl.hugepage_size_bytes, pl.balloon] if pl is not None else None,
         [inst.image.sha256, inst.image.format] if inst.image is not None else None,
     ]
+    if inst.volumes:  # only then: the digests of domains without volumes stay what part 1 recorded
+        doc.append([[v, ro] for v, ro in inst.volumes])
     return hashlib.sha256(json.dumps(doc, separators=(",", ":")).encode()).hexdigest()
 
 
@@ -141,8 +146,6 @@ def check_instance(inst: InstanceSpec) -> str | None:
             return f"nics[{i}]: bridge {nic.bridge!r} starts with 'bc' (it would match every tap rule)"
         if not MAC_RE.fullmatch(nic.mac):
             return f"nics[{i}]: MAC {nic.mac[:40]!r} is not a lowercase colon-separated MAC address"
-    if inst.volumes:
-        return "volumes: persistent volumes are not supported by this bcd yet"
     return None
 
 
@@ -182,4 +185,8 @@ def instance_from_wire(msg: wire.InstanceSpec) -> InstanceSpec:
 def spec_from_wire(generation: int, section: wire.InstancesSection | None) -> InstancesSpec:
     if section is None:
         return InstancesSpec(generation=generation)
-    return InstancesSpec(generation, tuple(instance_from_wire(i) for i in section.instances))
+    return InstancesSpec(
+        generation,
+        tuple(instance_from_wire(i) for i in section.instances),
+        tuple(VolumeSpec(v.id, v.serial, int(v.size_bytes)) for v in section.volumes),
+    )

@@ -19,15 +19,23 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
+import attrs
 from bcd_shared import wire
 from bcd_shared.errors import StepError, TerminalError
 from bcd_shared.system import System
 
 from bcd_agent.converge.section import Observation, PassContext
-from bcd_agent.converge.types import InstanceReport, InstancesReport, SectionOutcome, SectionState
+from bcd_agent.converge.types import (
+    InstanceReport,
+    InstancesReport,
+    SectionOutcome,
+    SectionState,
+    VolumeStorageReport,
+)
 from bcd_agent.inventory.gpus import GpuInventory, collect_gpus, sysfs_pci_address
 from bcd_agent.inventory.host import parse_cpulist, read_host_memory
 from bcd_agent.sections.instances.model import Desired, InstancesSpec, spec_from_wire
+from bcd_agent.sections.instances.network import NetworkPolicy
 from bcd_agent.sections.instances.placement import HostFacts
 from bcd_agent.sections.instances.plan import (
     Create,
@@ -54,6 +62,7 @@ from bcd_agent.sections.instances.runtimes.base import (
     Prepared,
     Runtime,
 )
+from bcd_agent.sections.instances.volumes import VolumeStore
 
 log = logging.getLogger("bcd.instances")
 
@@ -85,10 +94,13 @@ def runtimes_on_path(which: Callable[[str], str | None] = shutil.which) -> tuple
     return ("libvirt-kvm",) if which("virsh") else ()
 
 
-def capabilities(runtimes: Sequence[object]) -> tuple[str, ...]:
-    """What Hello advertises: only what this bcd enforces (DLV-CAP-03/05). Network policy, SSH from the
-    host only and volumes are not enforced by this build, so they are not advertised."""
-    return CAPABILITIES if runtimes else ()
+def capabilities(runtimes: Sequence[object], network: bool = False, volumes: bool = False) -> tuple[str, ...]:
+    """What Hello advertises: only what this bcd enforces (DLV-CAP-03/05): network policy and SSH from
+    the host only when the node loads the nftables rules, volumes when the volume store exists."""
+    if not runtimes:
+        return ()
+    extra = ("instance.network-policy", "instance.ssh-host-only") if network else ()
+    return CAPABILITIES + extra + (("instance.volumes",) if volumes else ())
 
 
 def host_facts(system: System) -> HostFacts:
@@ -118,12 +130,16 @@ class InstancesSection:
         *,
         user_data: UserDataSource | None = None,
         slice_records: bool = False,
+        network: NetworkPolicy | None = None,
+        volumes: VolumeStore | None = None,
     ) -> None:
         self.system = system
         self.runtimes = {r.name: r for r in runtimes}
         self.data_dir = data_dir
         self.user_data = user_data
         self.slice_records = slice_records
+        self.network = network  # None: no nftables rules (not advertised)
+        self.volumes = volumes  # None: no volume store (instance.volumes not advertised)
         self.last_plan: Plan | None = None
         self.last_report = InstancesReport((), False)
         self._last_views: dict[str, RuntimeView] = {}
@@ -132,7 +148,7 @@ class InstancesSection:
         if desired is None:
             return True
         if isinstance(desired, InstancesSpec | wire.InstancesSection):
-            return not desired.instances
+            return not desired.instances and not desired.volumes
         return False
 
     # --- the devices section's VFIO conflict ---------------------------------------------------
@@ -278,6 +294,21 @@ class InstancesSection:
         elif isinstance(step, Start):
             rt.start(step.instance, step.paused)
 
+    # --- volumes -------------------------------------------------------------------------------
+
+    def volume_storage(self) -> VolumeStorageReport | None:
+        """StatusReport.volume_storage (DLV-VOL-31..36); None without a store or when statfs fails."""
+        if self.volumes is None:
+            return None
+        try:
+            sp = self.volumes.space()
+        except OSError as exc:
+            log.warning("instances: volume store unreadable: %s", exc)
+            return None
+        return VolumeStorageReport(
+            sp.total_bytes, sp.available_bytes, sp.reserved_bytes, sp.committed_bytes, sp.outstanding_bytes
+        )
+
     # --- converge ------------------------------------------------------------------------------
 
     def plan(self, desired: object | None, generation: int, observation: Observation | None = None) -> Plan:
@@ -288,6 +319,18 @@ class InstancesSection:
         spec = to_spec(desired, ctx.generation)
         observed = self.observe(spec, observation)
         the_plan = plan(spec, observed)
+        if self.network is not None and the_plan.section_error is None:
+            from bcd_agent.sections.instances.network import enforce
+
+            the_plan = enforce(self.network, spec, observed.runtimes, the_plan)
+        vplan = None
+        if the_plan.section_error is None:
+            from bcd_agent.sections.instances import volumepass
+
+            if self.volumes is not None:
+                the_plan, vplan = volumepass.before(self.volumes, spec, observed.runtimes, the_plan)
+            else:
+                the_plan = volumepass.no_store(spec, the_plan)
         self.last_plan = the_plan
         for w in the_plan.warnings:
             log.warning("instances: %s", w)
@@ -304,8 +347,15 @@ class InstancesSection:
         errors = {**the_plan.errors, **errors}
         waiting = {**the_plan.waiting, **waits, **retry}
         views = self.list_runtimes() if the_plan.steps else observed.runtimes
+        if vplan is not None and self.volumes is not None:
+            from bcd_agent.sections.instances import volumepass
+
+            failed = volumepass.after(self.volumes, vplan, self.runtimes, observed.runtimes, views)
+            waiting = {**waiting, **failed}
         self._last_views = dict(views)
         self.last_report = report(spec, views, errors, waiting, the_plan.notes)
+        if self.volumes is not None:
+            self.last_report = attrs.evolve(self.last_report, volume_storage=self.volume_storage())
         return outcome(errors, waiting, changed, self.last_report)
 
 

@@ -40,6 +40,7 @@ class Domain:
     gpu_addresses: tuple[str, ...] = ()
     disk_bytes: int | None = None  # the overlay's virtual size from its header, when read
     definition: str = ""  # bcd's metadata: the digest of what the definition was built from
+    volumes: tuple[tuple[str, bool, str], ...] = ()  # (volume id, read-only, target) it attaches
 
 
 @frozen
@@ -52,6 +53,7 @@ class DomainFiles:
     kernel: str | None = None  # direct kernel boot (test guests)
     initrd: str | None = None
     cmdline: str | None = None
+    volumes: tuple[tuple[str, str, bool], ...] = ()  # (path, serial, read-only), as vdb onward
 
 
 @frozen

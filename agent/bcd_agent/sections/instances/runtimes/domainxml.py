@@ -114,6 +114,16 @@ def build_domain_xml(
         _sub(bs, "source", file=files.base)
         _sub(bs, "backingStore")
     _sub(disk, "target", dev="vda", bus="virtio")
+    # Volumes: raw virtio disks as vdb onward, with their serial (the guest's
+    # /dev/disk/by-id/virtio-<serial>), read-only when asked; the format is stated, never probed.
+    for i, (path, vol_serial, ro) in enumerate(files.volumes):
+        vd = _sub(dev, "disk", type="file", device="disk")
+        _sub(vd, "driver", name="qemu", type="raw")
+        _sub(vd, "source", file=path)
+        _sub(vd, "target", dev=f"vd{chr(ord('b') + i)}", bus="virtio")
+        _sub(vd, "serial", vol_serial)
+        if ro:
+            _sub(vd, "readonly")
     letter = iter("cdefghijklmnopqrstuvwxyz")
     for iso in (files.install_iso, files.seed):
         if iso is None:

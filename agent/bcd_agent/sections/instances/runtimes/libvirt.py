@@ -37,7 +37,14 @@ from typing import Any, Protocol
 from attrs import frozen
 from bcd_shared.errors import RetryableError, TerminalError
 from bcd_shared.images import ImageRefused, check_image, check_overlay
-from bcd_shared.instancenames import image_path, images_dir, instance_dir, libvirt_dir, valid_instance_id
+from bcd_shared.instancenames import (
+    image_path,
+    images_dir,
+    instance_dir,
+    libvirt_dir,
+    valid_instance_id,
+    volumes_dir,
+)
 from bcd_shared.system import CommandResult, System
 
 from bcd_agent.sections.instances.model import RUNTIME_LIBVIRT, InstanceSpec
@@ -154,6 +161,7 @@ class _Known:
     memory_bytes: int
     hugepages: int
     gpus: tuple[str, ...]
+    volumes: tuple[tuple[str, bool, str], ...] = ()
 
 
 def _parse_domain(xml: bytes) -> _Known:
@@ -186,7 +194,30 @@ def _parse_domain(xml: bytes) -> _Known:
         except ValueError:
             continue
         gpus.append("{:04x}:{:02x}:{:02x}.{:x}".format(*parts))
-    return _Known(meta is not None, meta or {}, vcpus, memory, huge, tuple(gpus))
+    return _Known(meta is not None, meta or {}, vcpus, memory, huge, tuple(gpus), volumes_of(root))
+
+
+def volumes_of(root: Any) -> tuple[tuple[str, bool, str], ...]:
+    """The volumes a domain attaches: (volume id, read-only, target) of each disk whose source is a
+    `volumes/<id>.raw` (DLV-VOL-21: what a running domain has open)."""
+    import re
+
+    out = []
+    for disk in root.findall("devices/disk"):
+        src = disk.find("source")
+        path = src.get("file", "") if src is not None else ""
+        m = re.search(r"/volumes/([A-Za-z0-9_-]{1,80})\.raw$", path)
+        if m is None:
+            continue
+        target = disk.find("target")
+        out.append(
+            (
+                m.group(1),
+                disk.find("readonly") is not None,
+                target.get("dev", "") if target is not None else "",
+            )
+        )
+    return tuple(out)
 
 
 def parse_list(text: str) -> list[tuple[str, str]]:
@@ -289,6 +320,7 @@ class LibvirtRuntime:
                     gpu_addresses=known.gpus,
                     disk_bytes=disk_bytes,
                     definition=known.meta.get("definition", ""),
+                    volumes=known.volumes,
                 )
             )
         return tuple(out)
@@ -375,13 +407,43 @@ class LibvirtRuntime:
     def files(self, inst: InstanceSpec, base: str | None, seed: bool) -> DomainFiles:
         fmt = inst.image.format if inst.image else None
         d = self._dir(inst.id)
+        vols = self._volumes(inst)
         if fmt == "iso":
             return DomainFiles(
-                disk=self._disk(inst.id), install_iso=base, seed=f"{d}/seed.iso" if seed else None
+                disk=self._disk(inst.id),
+                install_iso=base,
+                seed=f"{d}/seed.iso" if seed else None,
+                volumes=vols,
             )
         return DomainFiles(
-            disk=self._disk(inst.id), base=base, base_format=fmt, seed=f"{d}/seed.iso" if seed else None
+            disk=self._disk(inst.id),
+            base=base,
+            base_format=fmt,
+            seed=f"{d}/seed.iso" if seed else None,
+            volumes=vols,
         )
+
+    def _volumes(self, inst: InstanceSpec) -> tuple[tuple[str, str, bool], ...]:
+        """Each attached volume's path and serial, from the store's record (volumes are created before
+        any instance is defined, DLV-VOL-08); raw, read-only when asked (DLV-VOL-12/13)."""
+        import json
+
+        out = []
+        for vid, ro in inst.volumes:
+            path = f"{volumes_dir(self.data_dir)}/{vid}.raw"
+            record = self.system.read_bytes(f"{volumes_dir(self.data_dir)}/{vid}.json")
+            try:
+                serial = json.loads(record or b"{}").get("serial", "")
+            except ValueError:
+                serial = ""
+            if not serial or not self.system.exists(path):
+                raise RetryableError("VolumeMissing", f"volume {vid} is not in the store yet")
+            out.append((path, str(serial), ro))
+        return tuple(out)
+
+    def resize_volume(self, name: str, target: str, size_bytes: int) -> None:
+        """A grown volume reaches the running or paused guest (DLV-VOL-11): `virsh blockresize`."""
+        self._act("blockresize", name, target, f"{size_bytes}B")
 
     def create(self, inst: InstanceSpec, prepared: Prepared) -> None:
         base = self.ensure_image(inst)
@@ -466,7 +528,8 @@ class LibvirtRuntime:
         paths = [p for p in (files.disk, files.seed, files.install_iso, files.kernel, files.initrd) if p]
         dirs: set[str] = set()
         top = self.data_dir
-        for p in [*paths, *([files.base] if files.base else [])]:
+        volumes = [v[0] for v in files.volumes]  # their directory searchable; the files stay 0600
+        for p in [*paths, *([files.base] if files.base else []), *volumes]:
             parent = os.path.dirname(p)
             while parent.startswith(top) and parent not in dirs:
                 dirs.add(parent)
@@ -482,6 +545,11 @@ class LibvirtRuntime:
             for p in paths:
                 with contextlib.suppress(FileNotFoundError):
                     os.chmod(self._real(p), 0o640 if p != files.disk else 0o660)
+            # QEMU reaches the node's volumes through the group as it does the disk (read-only ones
+            # 0640); putting them back to 0600 when the domain stops is not built (DLV-VOL-41).
+            for path, _serial, ro in files.volumes:
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(self._real(path), 0o640 if ro else 0o660)
 
     # --- states -----------------------------------------------------------------------------------
 

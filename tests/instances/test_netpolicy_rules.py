@@ -1,0 +1,99 @@
+"""The rule builder's own rules (bcd_shared.netpolicy), without nft: what the text says, and the checks."""
+
+from __future__ import annotations
+
+import ipaddress
+
+import pytest
+from bcd_shared.netpolicy import (
+    HostAddresses,
+    NicPolicy,
+    PolicyError,
+    build_ruleset,
+    check_nics,
+    eui64_link_local,
+    parse_cidr,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+A = NicPolicy("a", 0, "br0", "52:54:00:00:00:0a", ("10.0.0.10/24", "fd00::10/64"), "PRIVATE", True)
+B = NicPolicy("b", 1, "br1", "52:54:00:00:00:0b", ("10.1.0.11/24",), "NONE", True)
+
+
+def _chain(text: str, name: str) -> list[str]:
+    body = text.split(f"chain {name} {{", 1)[1].split("}", 1)[0]
+    return [
+        line.strip() for line in body.splitlines() if line.strip() and not line.strip().startswith("type ")
+    ]
+
+
+def test_tcp22_sits_ahead_of_every_accept_dlv_nft_32() -> None:
+    """DLV-NFT-32: in the forward and output chains the tcp/22 drops come first, and no chain after the
+    prerouting guard accepts anything (the base chains' policy is accept, judged after every rule)."""
+    text = build_ruleset([A, B], HostAddresses(("10.0.0.1",), ("fd00::1",)))
+    assert _chain(text, "tap_fwd")[0].startswith("oifname @ssh tcp dport 22 ")
+    assert [r.split(" counter")[0] for r in _chain(text, "tap_out")[:2]] == [
+        "oifname @ssh ether type ip tcp dport 22 ip saddr != @host4",
+        "oifname @ssh ether type ip6 tcp dport 22 ip6 saddr != @host6",
+    ]
+    for chain in ("tap_fwd", "tap_in", "tap_out"):
+        assert not any(r.endswith("accept") for r in _chain(text, chain)), chain
+
+
+def test_a_family_without_host_address_drops_tcp22_outright_dlv_nft_31() -> None:
+    """DLV-NFT-31: with no host IPv6 address on the bridges, tcp/22 over IPv6 into the tap is dropped
+    whatever its source; IPv4 keeps the host's exception."""
+    text = build_ruleset([A], HostAddresses(("10.0.0.1",), ()))
+    out = [r.split(" counter")[0] for r in _chain(text, "tap_out")]
+    assert "oifname @ssh ether type ip6 tcp dport 22" in out
+    assert "oifname @ssh ether type ip tcp dport 22 ip saddr != @host4" in out
+
+
+def test_same_input_same_bytes_whatever_the_order_dlv_priv_08() -> None:
+    """DLV-PRIV-08: the node and the helper build the same bytes for the same NICs (order-independent)."""
+    host = HostAddresses(("10.0.0.1",), ())
+    assert build_ruleset([A, B], host) == build_ruleset([B, A], host)
+    assert build_ruleset([A], host) != build_ruleset([A, B], host)
+
+
+def test_eui64_link_local() -> None:
+    assert eui64_link_local("52:54:00:12:34:56") == "fe80::5054:ff:fe12:3456"
+
+
+@given(st.ip_addresses(), st.integers(min_value=0, max_value=128))
+def test_parse_cidr_agrees_with_ipaddress(
+    ip: ipaddress.IPv4Address | ipaddress.IPv6Address, prefix: int
+) -> None:
+    """bcd's inet_pton parser gives ipaddress's address and network, and refuses what it refuses."""
+    text = f"{ip}/{prefix}"
+    try:
+        iface = ipaddress.ip_interface(text)
+    except ValueError:
+        with pytest.raises(ValueError):
+            parse_cidr(text)
+        return
+    fam, addr, net, _raw = parse_cidr(text)
+    assert (fam, ipaddress.ip_address(addr), ipaddress.ip_network(net)) == (
+        iface.version,
+        iface.ip,
+        iface.network,
+    )
+
+
+@pytest.mark.parametrize(
+    ("nic", "rule"),
+    [
+        (NicPolicy("a", 0, "bcbr0", "52:54:00:00:00:01", ("10.0.0.5/24",)), "starts with 'bc'"),
+        (NicPolicy("a", 0, "br0", "", (), "PRIVATE"), "needs a MAC and IPAM addresses"),
+        (NicPolicy("a", 0, "br0", "52:54:00:00:00:01", (), "NONE"), "needs a MAC and IPAM addresses"),
+        (NicPolicy("a", 0, "br0", "01:00:5e:00:00:01", ("10.0.0.5/24",)), "not a unicast address"),
+        (NicPolicy("a", 0, "br0", "52:54:00:00:00:01", ("10.0.0.255/24",)), "broadcast"),
+        (NicPolicy("a", 0, "br0", "52:54:00:00:00:01", ("fe80::1/64",)), "not a unicast address"),
+        (NicPolicy("a", 16, "br0"), "NIC index"),
+    ],
+)
+def test_policies_that_cannot_be_expressed_dlv_nft_05_22(nic: NicPolicy, rule: str) -> None:
+    """DLV-NFT-05, DLV-NFT-22."""
+    with pytest.raises(PolicyError, match=rule):
+        check_nics([nic])
