@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import struct
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from bcd_agent import cli
 from bcd_agent.sections.instances.model import Image, InstanceSpec
 from bcd_agent.sections.instances.runtimes.base import Prepared
 from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
+from bcd_shared.errors import TerminalError
 from bcd_shared.system import CommandResult, LocalSystem
 from testsupport import REPO, require_tool
 
@@ -81,11 +83,12 @@ def _variants(tmp: Path) -> dict[str, tuple[Path, str]]:
     return out
 
 
-def test_every_hostile_variant_is_refused_with_exit_1_dlv_img_04_05_06_07_08(
+def test_every_hostile_variant_is_refused_with_exit_1_dlv_img_04_05_06_07_08_20(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """DLV-IMG-04, DLV-IMG-05, DLV-IMG-06, DLV-IMG-07, DLV-IMG-08: each variant is REFUSED (exit 1) with
-    its reason; the format and virtual size are what the header states."""
+    """DLV-IMG-04, DLV-IMG-05, DLV-IMG-06, DLV-IMG-07, DLV-IMG-08, DLV-IMG-20: each variant, a real
+    qemu-img image (patched only where qemu-img cannot write the variant), is REFUSED (exit 1) with its
+    reason; the format and virtual size are what the header states."""
     for name, (path, reason) in _variants(tmp_path).items():
         rc, out = _check(capsys, str(path))
         assert rc == 1, (name, out)
@@ -160,9 +163,10 @@ def _opened(strace_log: str) -> list[str]:
     return [line for line in strace_log.splitlines() if "open" in line]
 
 
-def test_bcds_check_opens_no_file_a_header_names(tmp_path: Path) -> None:
-    """`bcd image check` (the runtime's check, bcd_shared.images) under strace -f: an image naming a trap as
-    its backing file, and one naming a trap as its data file, are refused and the trap is never opened."""
+def test_bcds_check_opens_no_file_a_header_names_dlv_img_01(tmp_path: Path) -> None:
+    """DLV-IMG-01: `bcd image check` (the runtime's check, bcd_shared.images) under strace -f: an image
+    naming a trap as its backing file, and one naming a trap as its data file, are refused, the trap is
+    never opened, and no other program runs (no qemu-img info: the only execve is Python's own)."""
     strace = require_tool("strace")
     trap = tmp_path / "trap-target.raw"
     trap.write_bytes(b"\0" * 4096)
@@ -172,7 +176,7 @@ def test_bcds_check_opens_no_file_a_header_names(tmp_path: Path) -> None:
     for img, reason in ((backing, "backing-file"), (datafile, "data-file")):
         log = tmp_path / f"{img.name}.strace"
         res = subprocess.run(
-            [strace, "-f", "-qq", "-o", str(log), "-e", "trace=open,openat",
+            [strace, "-f", "-qq", "-o", str(log), "-e", "trace=open,openat,execve",
              sys.executable, "-m", "bcd_agent.cli", "image", "check", str(img), "--json"],
             capture_output=True, text=True, env=env, check=False,
         )  # fmt: skip
@@ -180,6 +184,8 @@ def test_bcds_check_opens_no_file_a_header_names(tmp_path: Path) -> None:
         opened = _opened(log.read_text())
         assert any(str(img) in line for line in opened), "strace saw the image itself opened"
         assert not [line for line in opened if "trap-target" in line]
+        execs = [line for line in log.read_text().splitlines() if "execve(" in line]
+        assert len(execs) == 1 and sys.executable in execs[0], execs
 
 
 class _Virsh:
@@ -210,12 +216,15 @@ def _shim(tmp: Path) -> Path:
     return calls
 
 
-def test_runtime_qemu_img_states_the_format_and_opens_no_named_file_dlv_img_18_19(
+def test_runtime_qemu_img_states_the_format_and_opens_no_named_file_dlv_img_09_12_18_19(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """DLV-IMG-18, DLV-IMG-19: every qemu-img the runtime runs (overlay create, blank create, resize)
-    states the format (`-f`, or a json: name with its driver) and opens no file a header names: the
-    base the overlay names is never opened by the overlay create (-u) nor by the resize (backing null)."""
+    """DLV-IMG-09, DLV-IMG-12, DLV-IMG-18, DLV-IMG-19: every qemu-img the runtime runs (overlays on a
+    qcow2 and on a raw base, the blank disk of an iso install, a resize) states the format (`-f` and
+    `-F`, or a json: name with its driver) and opens no file a header names: the base an overlay names
+    is never opened by the overlay create (-u) nor by the resize (backing null); an iso is never given
+    to qemu-img and is attached as raw; the iso install's disk names no backing file, and one that
+    does is refused before a start."""
     require_tool("genisoimage")
     calls = _shim(tmp_path)
     root = tmp_path / "root"
@@ -248,15 +257,27 @@ def test_runtime_qemu_img_states_the_format_and_opens_no_named_file_dlv_img_18_1
         ),
         Prepared(),
     )
+    raw_base = images / "raw.tmp"
+    raw_base.write_bytes(b"QFI\xfb" + b"\0" * (GIB // 1024 - 4))  # raw bytes that look like qcow2
+    raw_sha = hashlib.sha256(raw_base.read_bytes()).hexdigest()
+    os.replace(raw_base, images / f"{raw_sha}.raw")
+    vm3 = InstanceSpec(
+        id="vm3", allocation_id="a3", vcpus=1, memory_bytes=GIB, disk_bytes=GIB,
+        image=Image("https://images.example/r.raw", raw_sha, "raw"),
+    )  # fmt: skip
+    rt.create(vm3, Prepared())
     argvs = {p: p.read_bytes().split(b"\0")[:-1] for p in calls.glob("call.??????")}
     verbs = sorted(a[0].decode() for a in argvs.values())
-    assert verbs == ["create", "create", "resize"], verbs
+    assert verbs == ["create", "create", "create", "resize"], verbs
+    formats = []
     for path, argv in argvs.items():
         args = [a.decode() for a in argv]
+        assert not [a for a in args if iso_sha in a], ("qemu-img was given the iso", args)
         if "-f" in args:
             assert args[args.index("-f") + 1] == "qcow2", args
             if "-b" in args:  # an overlay: unsafe (-u, the base is not opened) and its format stated
-                assert "-u" in args and args[args.index("-F") + 1] == "qcow2", args
+                assert "-u" in args, args
+                formats.append(args[args.index("-F") + 1])
         else:
             names = [a for a in args if a.startswith("json:")]
             assert len(names) == 1, args
@@ -264,7 +285,36 @@ def test_runtime_qemu_img_states_the_format_and_opens_no_named_file_dlv_img_18_1
             assert spec["driver"] == "qcow2" and spec["backing"] is None, args
         opened = _opened(Path(f"{path}.strace").read_text())
         assert [line for line in opened if "disk.qcow2" in line], "strace saw the disk itself opened"
-        assert not [line for line in opened if sha in line], (args, "the base was opened")
+        assert not [line for line in opened if sha in line or raw_sha in line], (args, "a base was opened")
+    assert sorted(formats) == ["qcow2", "raw"]
+    inst_dir = root / DATA.lstrip("/") / "libvirt/instances"
+    xml3 = (inst_dir / "vm3/domain.xml").read_text()
+    assert re.search(r'<backingStore type="file">\s*<format type="raw"', xml3), xml3
+    xml2 = (inst_dir / "vm2/domain.xml").read_text()
+    cdrom = re.search(r'<disk type="file" device="cdrom">\s*<driver name="qemu" type="raw"', xml2)
+    assert cdrom and "backingStore" not in xml2, xml2
+    vm2 = InstanceSpec(
+        id="vm2", allocation_id="a2", vcpus=1, memory_bytes=GIB, disk_bytes=GIB,
+        image=Image("https://images.example/i.iso", iso_sha, "iso"),
+    )  # fmt: skip
+    rt.check_overlay(vm2)  # flat: accepted
+    subprocess.run(
+        [
+            "qemu-img",
+            "rebase",
+            "-u",
+            "-f",
+            "qcow2",
+            "-F",
+            "raw",
+            "-b",
+            "/etc/passwd",
+            str(inst_dir / "vm2/disk.qcow2"),
+        ],
+        check=True,
+    )
+    with pytest.raises(TerminalError, match="names a backing file"):
+        rt.check_overlay(vm2)
 
 
 def test_no_qemu_img_call_in_the_code_omits_the_format() -> None:
