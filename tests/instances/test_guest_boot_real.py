@@ -166,10 +166,12 @@ def _virsh(*args: str) -> str:
     ).stdout
 
 
-def test_a_guest_boots_pauses_resumes_stops_gracefully_and_is_undefined(
+def test_a_guest_boots_pauses_resumes_stops_gracefully_and_is_undefined_dlv_libvirt_18_19_21(
     boot_files: tuple[Path, Path], bridge: str, workdir: Path
 ) -> None:
-    """The real runtime as root on qemu:///system (TCG): the guest runs (markers on its serial console),
+    """DLV-LIBVIRT-18, DLV-LIBVIRT-19, DLV-LIBVIRT-21 on a real guest.
+
+    The real runtime as root on qemu:///system (TCG): the guest runs (markers on its serial console),
     sees its disk (the overlay over bcd's base image) and its NIC (the spec's MAC, on a tap named for the
     instance on the spec's bridge); a start paused, then resume; a suspend that stops the guest's clock
     ticks and a resume that restarts them; a graceful stop (ACPI power button: the guest powers itself
