@@ -2,10 +2,12 @@
 guestkit.py) under `qemu:///system`, `<domain type='qemu'>` (TCG) with `<cpu mode='maximum'>`: the
 paravirtualised KVM here boots no stock kernel (../shared/notes/instances-facts.md "KVM and guests").
 
-Driven by the real libvirt-kvm runtime AS ROOT (LibvirtRuntime over DirectVirsh on qemu:///system and
-the real filesystem), not through the helper: the helper's test process runs over a simulated host root
-(tests/helper/helperproc.py), whose paths a real libvirtd cannot see. The helper's libvirt.* ops are
-tested against the test driver in tests/helper/test_helper_libvirt.py.
+Two drivers of the same run (`_drive`): the real libvirt-kvm runtime as root (DirectVirsh), and the
+real runtime through a real helper process (`bcd helper serve --root /` with [helper] libvirt_uri =
+qemu:///system, its config, sockets and audit log in a root-only directory of the test's own): every
+change a libvirt.* operation with root's domain check, reads through `virsh -r`. In the helper run the
+test plays the node's part in file ownership (uid 4242, group kvm, which QEMU's user is in: the install
+step DLV-HLP-13 is not built).
 
 The only test-only parts: `domain_type="qemu"` and `cpu_mode="maximum"` (constructor arguments whose
 production defaults are kvm and host-passthrough), and `_BootRuntime.files`, a subclass that adds a
@@ -21,17 +23,20 @@ qemu:///system; under CI=true it fails instead (.ci/run installs and starts it).
 
 from __future__ import annotations
 
+import contextlib
+import grp
 import hashlib
 import os
 import re
 import select
 import shutil
 import subprocess
+import sys
 import threading
 import time
 import tty
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -166,37 +171,37 @@ def _virsh(*args: str) -> str:
     ).stdout
 
 
-def test_a_guest_boots_pauses_resumes_stops_gracefully_and_is_undefined_dlv_libvirt_18_19_21(
-    boot_files: tuple[Path, Path], bridge: str, workdir: Path
-) -> None:
-    """DLV-LIBVIRT-18, DLV-LIBVIRT-19, DLV-LIBVIRT-21 on a real guest.
-
-    The real runtime as root on qemu:///system (TCG): the guest runs (markers on its serial console),
-    sees its disk (the overlay over bcd's base image) and its NIC (the spec's MAC, on a tap named for the
-    instance on the spec's bridge); a start paused, then resume; a suspend that stops the guest's clock
-    ticks and a resume that restarts them; a graceful stop (ACPI power button: the guest powers itself
-    off, no destroy) and a delete that undefines the domain and removes its directory."""
-    kernel, initrd = boot_files
+def _instance(workdir: Path, bridge: str) -> tuple[InstanceSpec, str, str]:
     data = str(workdir / "data")
     marker = f"disk-{uuid.uuid4().hex[:12]}"
     sha = _base_image(workdir, data, marker)
-    name = f"bcd-guest-test-{uuid.uuid4().hex[:8]}"
     inst = InstanceSpec(
-        id=name, allocation_id="alloc-guest", vcpus=1, memory_bytes=256 * MIB, disk_bytes=32 * MIB,
+        id=f"bcd-guest-test-{uuid.uuid4().hex[:8]}", allocation_id="alloc-guest", vcpus=1,
+        memory_bytes=256 * MIB, disk_bytes=32 * MIB,
         image=Image("https://images.example/guest.qcow2", sha, "qcow2"),
         nics=(Nic(bridge, MAC, ()),),
     )  # fmt: skip
-    system = LocalSystem(Path("/"))
-    rt = _BootRuntime(
-        system, DirectVirsh(system, SYSTEM_URI), data,
-        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=60.0,
-    )  # fmt: skip
+    return inst, data, marker
+
+
+def _drive(
+    rt: LibvirtRuntime,
+    inst: InstanceSpec,
+    marker: str,
+    boot_files: tuple[Path, Path],
+    before_start: Callable[[], None] = lambda: None,
+) -> None:
+    """Create, start paused, resume, see it run, suspend/resume, stop gracefully, delete."""
+    kernel, initrd = boot_files
     console: _Console | None = None
+    name, data, bridge = inst.id, rt.data_dir, inst.nics[0].bridge
     try:
-        rt.create(inst, Prepared())
         d = Path(data) / "libvirt/instances" / name
-        shutil.copy(kernel, d / "vmlinuz")
+        d.mkdir(parents=True)
+        shutil.copy(kernel, d / "vmlinuz")  # before the define: root's check wants the kernel there
         shutil.copy(initrd, d / "initrd")
+        rt.create(inst, Prepared())
+        before_start()
         xml = _virsh("dumpxml", "--inactive", name)
         assert "<domain type='qemu'" in xml and "mode='maximum'" in xml
         assert "<backingStore/>" in xml  # the overlay's chain is explicit and ends there
@@ -257,3 +262,116 @@ def test_a_guest_boots_pauses_resumes_stops_gracefully_and_is_undefined_dlv_libv
             console.close()
         subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
         subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
+
+
+def test_a_guest_boots_pauses_resumes_stops_gracefully_and_is_undefined_dlv_libvirt_18_19_21(
+    boot_files: tuple[Path, Path], bridge: str, workdir: Path
+) -> None:
+    """DLV-LIBVIRT-18, DLV-LIBVIRT-19, DLV-LIBVIRT-21 on a real guest.
+
+    The real runtime as root on qemu:///system (TCG): the guest runs (markers on its serial console),
+    sees its disk (the overlay over bcd's base image) and its NIC (the spec's MAC, on a tap named for the
+    instance on the spec's bridge); a start paused, then resume; a suspend that stops the guest's clock
+    ticks and a resume that restarts them; a graceful stop (ACPI power button: the guest powers itself
+    off, no destroy) and a delete that undefines the domain and removes its directory."""
+    inst, data, marker = _instance(workdir, bridge)
+    system = LocalSystem(Path("/"))
+    rt = _BootRuntime(
+        system, DirectVirsh(system, SYSTEM_URI), data,
+        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=60.0,
+    )  # fmt: skip
+    _drive(rt, inst, marker, boot_files)
+
+
+@pytest.fixture
+def helper_socket(workdir: Path, bridge: str) -> Iterator[tuple[str, Path]]:
+    """A real `bcd helper serve` as root on the real host (`--root /`), its config, sockets and audit log
+    in a root-only directory of its own, [helper] libvirt_uri = qemu:///system. Root stages definitions
+    in its fixed /var/lib/bcd-hostconfig/libvirt/; that directory is removed again when this fixture made
+    it (tests/conftest.py refuses a session that leaves real host paths behind)."""
+    hostconfig = Path("/var/lib/bcd-hostconfig")
+    made_hostconfig = not hostconfig.exists()
+    from bcd_agent.helperclient import HelperClient
+    from bcd_helper.audit import init_key
+
+    kvm_gid = grp.getgrnam("kvm").gr_gid  # QEMU's user (libvirt-qemu) is in kvm: the node group here
+    home = Path(f"/var/lib/bcd-guest-helper-{uuid.uuid4().hex[:8]}")
+    home.mkdir(mode=0o750)
+    config = home / "config.toml"
+    config.write_text(
+        f'data_dir = "{workdir / "data"}"\n[helper]\nsocket = "{home}/helper.sock"\n'
+        f'root_socket = "{home}/helper-root.sock"\nnode_uid = 4242\nnode_gid = {kvm_gid}\n'
+        f'audit_dir = "{home}/audit"\ninstance_bridges = "{bridge}"\nlibvirt_uri = "{SYSTEM_URI}"\n'
+    )
+    os.chmod(config, 0o640)
+    init_key(Path("/"), f"{home}/audit")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bcd_helper.cli", "serve", "--root", "/", "--config", str(config)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    sock = f"{home}/helper.sock"
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            if proc.poll() is not None:
+                raise AssertionError(f"helper exited {proc.returncode}: {proc.communicate()[1].decode()}")
+            if os.path.exists(sock):
+                with contextlib.suppress(Exception):
+                    HelperClient(sock).ping()
+                    break
+            assert time.monotonic() < deadline, "the helper did not start"
+            time.sleep(0.05)
+        yield sock, home
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(home, ignore_errors=True)
+        if made_hostconfig:
+            shutil.rmtree(hostconfig, ignore_errors=True)
+
+
+def test_a_guest_driven_through_the_real_helper_dlv_hlp_02(
+    boot_files: tuple[Path, Path], bridge: str, workdir: Path, helper_socket: tuple[str, Path]
+) -> None:
+    """DLV-HLP-02 on a real guest: the same run, every change through a real helper process's libvirt.*
+    operations (root's domain check, staging, `virsh define --validate`, start, suspend, resume,
+    shutdown, undefine on qemu:///system) and reads through `virsh -r`; each op audited."""
+    from bcd_agent.helperclient import HelperClient
+    from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh
+
+    sock, home = helper_socket
+    inst, data, marker = _instance(workdir, bridge)
+    system = LocalSystem(Path("/"))
+    client = HelperClient(sock)
+    rt = _BootRuntime(
+        system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
+        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=60.0,
+    )  # fmt: skip
+    kvm_gid = grp.getgrnam("kvm").gr_gid
+
+    def node_owns_the_files() -> None:
+        # What the node (uid 4242, group kvm here) would own had it created them.
+        for dirpath, _dirs, files in os.walk(data):
+            os.chown(dirpath, 4242, kvm_gid)
+            for f in files:
+                os.chown(os.path.join(dirpath, f), 4242, kvm_gid)
+
+    try:
+        _drive(rt, inst, marker, boot_files, before_start=node_owns_the_files)
+    finally:
+        client.close()
+    audit = (home / "audit/audit.log").read_text()
+    for op in (
+        "libvirt.define",
+        "libvirt.start",
+        "libvirt.suspend",
+        "libvirt.resume",
+        "libvirt.shutdown",
+        "libvirt.undefine",
+    ):
+        assert op in audit, op
