@@ -240,11 +240,21 @@ def _drive(
 
         # virsh shutdown (ACPI power button), waiting up to stop_timeout_s before a destroy; the console
         # is read meanwhile, since QEMU closes it when the guest is gone.
-        stopper = threading.Thread(target=rt.stop, args=(name,))
+        failed: list[BaseException] = []
+
+        def stop() -> None:
+            try:
+                rt.stop(name)
+            except BaseException as exc:  # raised again below, in the test's thread
+                failed.append(exc)
+
+        stopper = threading.Thread(target=stop)
         stopper.start()
         while stopper.is_alive():
             console.drain(0.2)
         stopper.join()
+        if failed:
+            raise failed[0]
         console.drain(0.5)
         assert _virsh("domstate", name).strip() == "shut off"
         assert {dom.name: dom.state for dom in rt.list()}[name] == STOPPED
