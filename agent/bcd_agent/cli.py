@@ -39,16 +39,28 @@ def _helper_main(argv: Sequence[str]) -> int:
     return helper_main(list(argv))
 
 
+def _image_main(argv: Sequence[str]) -> int:
+    # `bcd image ...` has its own parser: issue 10 gives it exit 2 for usage errors, not the table's 64.
+    from bcd_agent.imagecli import main as image_main
+
+    return image_main(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     if args_list and args_list[0] == "helper":
         return _helper_main(args_list[1:])
+    if args_list and args_list[0] == "image":
+        return _image_main(args_list[1:])
     return dispatch(
         args_list,
         SUBCOMMANDS,
         prog="bcd",
         description="bcd: node daemon for GPU and VM hosts",
-        listed={"helper": "the root helper (bcd helper --help)"},
+        listed={
+            "helper": "the root helper (bcd helper --help)",
+            "image": "tenant images: `bcd image check FILE [--json]` (exit 0 accepted, 1 refused, 2 usage)",
+        },
         version=f"bcd {VERSION}",
     )
 
