@@ -47,6 +47,11 @@ TOOLS: dict[str, str] = {
     "virsh": "libvirt:virsh",  # instances (libvirt-kvm)
     "qemu-img": "libvirt:qemu_img",  # instances
     "genisoimage": "libvirt:genisoimage",  # instances (NoCloud seed)
+    "systemd-run": "chtools:systemd_run",  # instances (cloud-hypervisor's VMM unit)
+    "useradd": "chtools:useradd",  # instances (cloud-hypervisor's VMM accounts)
+    "groupadd": "chtools:groupadd",
+    "userdel": "chtools:userdel",
+    "groupdel": "chtools:groupdel",
 }
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"

@@ -18,10 +18,10 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_helper.ops import access, daemon, files, host, hostunit, libvirt, logs, slices
+from bcd_helper.ops import access, ch, daemon, files, host, hostunit, libvirt, logs, slices
 from bcd_helper.ops.base import Handler
 
-LOCK_ORDER = ("units", "access", "gpus", "slices", "libvirt", "system")
+LOCK_ORDER = ("units", "access", "gpus", "slices", "libvirt", "ch", "system")
 MINUTE = 60.0
 
 
@@ -232,6 +232,39 @@ OPS: dict[str, OpSpec] = {
         MINUTE,
         shown=("name",),
         summary="hand back bcd's domain's serial console pty as a file descriptor",
+    ),
+    # cloud-hypervisor (issue 12): docs/helper-rpc.md, bcd_helper/ops/ch.py
+    "ch.taps": _op(
+        ch.ChTaps,
+        ch.ch_taps,
+        2 * MINUTE,
+        locks=("ch",),
+        shown=("name", "bridges"),
+        summary="create the instance's taps, owned by the node, on bridges of [helper] instance_bridges",
+    ),
+    "ch.untaps": _op(
+        ch.ChName,
+        ch.ch_untaps,
+        2 * MINUTE,
+        locks=("ch",),
+        shown=("name",),
+        summary="delete the instance's taps (only taps of its names)",
+    ),
+    "ch.launch": _op(
+        ch.ChLaunch,
+        ch.ch_launch,
+        5 * MINUTE,
+        locks=("gpus", "ch"),
+        shown=("name",),
+        summary="start the instance's confined VMM unit from root's own reading of vm.json",
+    ),
+    "ch.stop": _op(
+        ch.ChName,
+        ch.ch_stop,
+        5 * MINUTE,
+        locks=("ch",),
+        shown=("name",),
+        summary="stop the instance's VMM unit, answer its state, take back its ACL entries",
     ),
 }
 
