@@ -323,3 +323,73 @@ class FakeCHServer:
             self.balloon = int((config.get("balloon") or {}).get("size", 0))
             self.state = "Paused"
         return 204, None
+
+
+CH_DATA = "/var/lib/bcd"
+CH_BASE_SHA256 = "d" * 64  # a name only: the download checked the digest, root checks the header
+
+
+def lay_out_instance(
+    root: Path, name: str, node_uid: int, vmm_uid: int, *, volumes: tuple[tuple[str, bool], ...] = ()
+) -> Path:
+    """A cloud-hypervisor instance's files on the simulated host as the node's runtime leaves them
+    under the helper: directories the node's (searchable), a qcow2 base in `images/`, the overlay
+    naming it, the seed, `vm.json` (bcd_shared.chrecord) naming `volumes` ((file, read_only) in the
+    volume store, created when missing), and root's own /usr/bin/cloud-hypervisor stand-in."""
+    from bcd_shared.chrecord import CHNic, CHRecord, CHVolume, encode_record
+    from bcd_shared.chunit import ch_dir
+
+    from .libvirt import qcow2_bytes
+
+    def node_dir(p: Path, mode: int) -> None:
+        p.mkdir(parents=True, exist_ok=True)
+        os.chown(p, node_uid, node_uid)
+        os.chmod(p, mode)
+
+    def node_file(p: Path, data: bytes, mode: int = 0o600) -> None:
+        p.write_bytes(data)
+        os.chown(p, node_uid, node_uid)
+        os.chmod(p, mode)
+
+    data = root / CH_DATA.lstrip("/")
+    chd = root / ch_dir(CH_DATA).lstrip("/")
+    for d in (root / "var", root / "var/lib"):
+        d.mkdir(parents=True, exist_ok=True)
+    for d in (data, chd, chd / "instances", data / "volumes"):
+        node_dir(d, 0o711)
+    node_dir(chd / "images", 0o700)
+    base = f"{ch_dir(CH_DATA)}/images/{CH_BASE_SHA256}.qcow2"
+    if not (root / base.lstrip("/")).exists():
+        node_file(root / base.lstrip("/"), qcow2_bytes(1 << 30), 0o644)
+    inst = chd / "instances" / name
+    node_dir(inst, 0o700)
+    node_file(inst / "disk.qcow2", qcow2_bytes(1 << 30, base, "qcow2"))
+    node_file(inst / "seed.iso", b"\0" * 2048)
+    for vol, _ro in volumes:
+        if not (data / "volumes" / vol).exists():
+            node_file(data / "volumes" / vol, b"v" * 512)
+    rec = CHRecord(
+        name=name,
+        allocation_id=f"alloc-{name}",
+        uid=vmm_uid,
+        vcpus=2,
+        memory_bytes=1 << 30,
+        image_sha256=CH_BASE_SHA256,
+        image_format="qcow2",
+        seed=True,
+        nics=(CHNic("52:54:00:00:00:01", "br0"),),
+        gpus=(),
+        volumes=tuple(CHVolume(v, ro, f"vol{i}") for i, (v, ro) in enumerate(volumes)),
+        hugepages=False,
+        cpus="",
+        mems="",
+        restored=False,
+        config={"cpus": {"boot_vcpus": 2, "max_vcpus": 2}},
+    )
+    node_file(inst / "vm.json", encode_record(rec))
+    binary = root / "usr/bin/cloud-hypervisor"
+    if not binary.exists():
+        binary.parent.mkdir(parents=True, exist_ok=True)
+        binary.write_text("#!/bin/sh\nexit 0\n")
+        os.chmod(binary, 0o755)  # noqa: S103 (a program root runs)
+    return inst
