@@ -78,7 +78,7 @@ def tap_name_of(fd: int) -> str:
 
 
 class FakeCHServer:
-    def __init__(self, socket_path: str | Path, *, guest_acpi: bool = True) -> None:
+    def __init__(self, socket_path: str | Path, *, guest_acpi: bool = True, mode: int | None = None) -> None:
         self.path = str(socket_path)
         self.guest_acpi = guest_acpi
         self.state = ""  # "" before vm.create
@@ -92,6 +92,8 @@ class FakeCHServer:
         self._lock = threading.Lock()
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
         self._sock.bind(self.path)
+        if mode is not None:  # as the VMM's unit leaves it (UMask 0007: 0770)
+            os.chmod(self.path, mode)
         self._sock.listen(16)
         self._thread = threading.Thread(target=self._serve, daemon=True, name="fake-ch")
         self._thread.start()

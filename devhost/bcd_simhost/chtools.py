@@ -4,14 +4,18 @@
   unit in the fake systemctl's units.json (active, its properties, `Slice`, `ExecStart`), so that
   `systemctl list-units`, `show -p User --value` and `stop` see it (systemctl.py). A unit already
   active is refused as systemd refuses it ("Unit U was already loaded or has a fragment file.").
-  The VMM itself is not run (no cloud-hypervisor here; tests drive bcd_simhost.chapi instead).
+  When the command is a `cloud-hypervisor --api-socket path=P`, the simulated VMM
+  (bcd_simhost.chapi.FakeCHServer) serves P from the calling process (the helper's, under `bcd helper`)
+  until `systemctl stop` of the unit or `vmm.shutdown`.
 - `useradd`/`groupadd`/`userdel`/`groupdel` with the options bcd_shared.chunit gives them: edit the
   simulated root's /etc/passwd and /etc/group (exit 9 "already exists", 6 "does not exist").
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from typing import Any
 
 from bcd_shared.system import CommandResult, LocalSystem
 
@@ -48,6 +52,14 @@ def systemd_run(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -
         )
     units[unit] = {"active": True, "enabled": False, "properties": props, "transient": True}
     sc._save(system, units)
+    if command[0].endswith("/cloud-hypervisor") and "--api-socket" in command:
+        spec = (
+            command[command.index("--api-socket") + 1]
+            if command.index("--api-socket") + 1 < len(command)
+            else ""
+        )
+        if spec.startswith("path="):
+            _start_vmm(system, unit, spec[len("path=") :])
     sc._log(system, argv)
     return _res(argv)
 
@@ -102,3 +114,28 @@ def groupdel(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> C
     if not _edit(system, "/etc/group", name, None):
         return _res(argv, 6, f"groupdel: group '{name}' does not exist\n")
     return _res(argv)
+
+
+# The simulated VMMs this process serves, by (simulated root, unit): a VMM is a process of its own on a
+# real host; here it is a thread of whichever process ran systemd-run, so it is found again by key.
+_VMMS: dict[tuple[str, str], Any] = {}
+
+
+def _start_vmm(system: LocalSystem, unit: str, socket_path: str) -> None:
+    from .chapi import FakeCHServer
+
+    key = (str(system.root), unit)
+    old = _VMMS.pop(key, None)
+    if old is not None:
+        old.close()
+    real = system.host_path(socket_path)
+    with contextlib.suppress(FileNotFoundError):
+        real.unlink()
+    _VMMS[key] = FakeCHServer(real, mode=0o770)  # the unit's UMask=0007
+
+
+def stop_vmm(system: LocalSystem, unit: str) -> None:
+    """`systemctl stop` of a transient VMM unit (systemctl.py): its simulated VMM goes."""
+    srv = _VMMS.pop((str(system.root), unit), None)
+    if srv is not None:
+        srv.close()

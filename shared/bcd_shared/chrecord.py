@@ -66,6 +66,7 @@ class CHRecord:
     mems: str
     restored: bool
     config: dict[str, Any]
+    definition: str = ""  # the digest of what the configuration was built from (as libvirt-kvm's)
 
 
 _FIELDS = {
@@ -85,6 +86,7 @@ _FIELDS = {
     "mems": str,
     "restored": bool,
     "config": dict,
+    "definition": str,
 }
 
 
@@ -178,6 +180,8 @@ def parse_record(data: bytes) -> CHRecord:
     for key in ("cpus", "mems"):
         if not CPULIST_RE.fullmatch(doc[key]):
             raise RecordError(f"vm.json.{key}: a cpulist")
+    if len(doc["definition"]) > 64:
+        raise RecordError("vm.json.definition: at most 64 characters")
     if doc["hugepages"] and doc["config"].get("balloon") is not None:
         raise RecordError("vm.json: a balloon with huge pages")
     return CHRecord(
@@ -197,6 +201,7 @@ def parse_record(data: bytes) -> CHRecord:
         mems=doc["mems"],
         restored=doc["restored"],
         config=doc["config"],
+        definition=doc["definition"],
     )
 
 
@@ -221,5 +226,6 @@ def encode_record(rec: CHRecord) -> bytes:
         "mems": rec.mems,
         "restored": rec.restored,
         "config": rec.config,
+        "definition": rec.definition,
     }
     return json.dumps(doc, sort_keys=True, indent=1).encode() + b"\n"

@@ -69,11 +69,12 @@ def _with_user(entries: list[Entry], uid: int, perms: int | None) -> list[Entry]
     return kept
 
 
-def set_user(fd: int, uid: int, perms: int, default: bool = False) -> None:
+def set_user(fd: int, uid: int, perms: int, default: bool = False, access: bool = True) -> None:
     """Give `uid` the entry `perms` (rwx bits) on the open file; with `default`, in the directory's
-    default ACL too, so what is created there inherits it."""
+    default ACL too, so what is created there inherits it (only there, without `access`)."""
     st = os.fstat(fd)
-    os.setxattr(fd, ACCESS, encode(_with_user(_read(fd, ACCESS, st.st_mode), uid, perms)))
+    if access:
+        os.setxattr(fd, ACCESS, encode(_with_user(_read(fd, ACCESS, st.st_mode), uid, perms)))
     if default and stat.S_ISDIR(st.st_mode):
         os.setxattr(fd, DEFAULT, encode(_with_user(_read(fd, DEFAULT, st.st_mode), uid, perms)))
 

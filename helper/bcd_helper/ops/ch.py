@@ -405,6 +405,9 @@ def _acl_instance(call: Call, checked: Checked, uid: int, grant: bool) -> None:
             raise Refused("bad-layout", f"{inst} must be the node's directory")
         if grant:
             posixacl.set_user(dfd, uid, 0o7, default=True)
+            # What the VMM creates there (api.sock, serial.sock) stays reachable by the node, which
+            # drives the VMM over its API socket (DLV-CHH-22): a default entry for the node's uid.
+            posixacl.set_user(dfd, cfg.node_uid, 0o7, default=True, access=False)
         else:
             posixacl.remove_user(dfd, uid)
         for entry in os.scandir(dfd):
