@@ -175,3 +175,29 @@ def test_balloon_through_vm_resize(
     assert runtime.balloon_bytes("b1") == GIB // 2
     with pytest.raises(TerminalError, match="no balloon device"):
         runtime.set_balloon("b2", GIB // 2)
+
+
+def test_hello_advertises_it_only_with_binary_kvm_and_the_helpers_ops_dlv_chh_01(
+    rt: tuple[HelperProcess, CloudHypervisorRuntime, InstancesSection],
+) -> None:
+    """DLV-CHH-01, DLV-CHU-31 (Q-DLV-CHU-02): run (and so advertised in Hello) only where the binary
+    is v51 or later, /dev/kvm exists and the helper serves ch.*."""
+    from bcd_agent.sections.instances.runtimes.cloudhypervisor import ch_available, helper_has_ch_ops
+    from bcd_shared.errors import HelperRefused
+
+    h, _, _ = rt
+
+    class OldHelper:
+        def call(self, op: str, args: object) -> dict[str, object]:
+            raise HelperRefused("unknown-op", f"unknown op {op}")
+
+    assert helper_has_ch_ops(h.client) is True
+    assert helper_has_ch_ops(OldHelper()) is False
+    which = {"cloud-hypervisor": "/usr/bin/cloud-hypervisor"}.get
+    v51 = lambda p: "cloud-hypervisor v51.0"  # noqa: E731
+    assert ch_available(which, True, h.client, v51) is None
+    assert ch_available(lambda n: None, True, h.client, v51) == "no cloud-hypervisor on PATH"
+    assert "older than v51" in str(ch_available(which, True, h.client, lambda p: "cloud-hypervisor v50.0"))
+    assert ch_available(which, False, h.client, v51) == "no /dev/kvm"
+    assert ch_available(which, True, OldHelper(), v51) == "no helper serving ch.*"
+    assert ch_available(which, True, None, v51) == "no helper serving ch.*"

@@ -42,7 +42,7 @@ from typing import Any
 
 from bcd_shared.chrecord import CHNic, CHRecord, RecordError, encode_record, parse_record
 from bcd_shared.chunit import FIRMWARE, VMM_UID_BASE, VMM_UID_COUNT, ch_dir, ch_images_dir, ch_instance_dir
-from bcd_shared.errors import RetryableError, TerminalError
+from bcd_shared.errors import HelperRefused, RetryableError, TerminalError
 from bcd_shared.images import ImageRefused, check_image, check_overlay, parse_header
 from bcd_shared.system import System
 
@@ -528,3 +528,48 @@ class CloudHypervisorRuntime:
             return None
         balloon = info.get("config", {}).get("balloon")
         return int(balloon.get("size", 0)) if isinstance(balloon, dict) else None
+
+
+def vmm_version(path: str) -> str | None:
+    """`cloud-hypervisor --version`'s answer, or None."""
+    import subprocess
+
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def helper_has_ch_ops(helper: Any) -> bool:
+    """Whether the helper serves ch.*: a nameless ch.stop is refused for its name, never run; a helper
+    without the op answers `unknown-op`."""
+    try:
+        helper.call("ch.stop", {"name": ""})
+    except HelperRefused as exc:
+        return exc.reason == "bad-name"
+    return False
+
+
+def ch_available(
+    which: Callable[[str], str | None],
+    kvm: bool,
+    helper: Any,
+    version_of: Callable[[str], str | None],
+) -> str | None:
+    """Why this host does not run cloud-hypervisor, or None when it does: its binary on PATH at the
+    minimum version (Q-DLV-CHU-02: an older one is not run), /dev/kvm, and a helper serving ch.*
+    (this build runs the runtime only under the helper). Hello advertises it only then."""
+    from bcd_agent.sections.instances.runtimes.chapi import MIN_VERSION, parse_version
+
+    binary = which("cloud-hypervisor")
+    if binary is None:
+        return "no cloud-hypervisor on PATH"
+    version = parse_version(version_of(binary) or "")
+    if version is None or version < MIN_VERSION:
+        return f"cloud-hypervisor {version or '(no version)'} is older than v{MIN_VERSION[0]}"
+    if not kvm:
+        return "no /dev/kvm"
+    if helper is None or not helper_has_ch_ops(helper):
+        return "no helper serving ch.*"
+    return None
