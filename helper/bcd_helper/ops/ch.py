@@ -115,16 +115,18 @@ def _is_tap(link: dict[str, Any]) -> bool:
 
 
 def _signed_nics(
-    call: Call, op: str, name: str, intent: SignedIntent | None, bridges: list[str] | None
-) -> Any:
-    """With roots: the signed spec's instance (None without roots); its NICs' bridges must match."""
+    call: Call, op: str, name: str, intent: SignedIntent | None, bridges: list[str] | None, check: Any = None
+) -> None:
+    """With roots: the signed spec's instance; its NICs' bridges must be `bridges`, and `check(inst)`
+    passes; root's intent state is saved only after every check passed (a refusal changes nothing)."""
     verifier = call.ctx.intent_verifier()
     inst, state = verifier.signed_instance(op, name, intent)
     if inst is not None and bridges is not None and [n.bridge for n in inst.nics] != bridges:
         raise Refused("spec-mismatch", f"{op}: {name}: the bridges differ from the signed spec's NICs")
+    if inst is not None and check is not None:
+        check(inst)
     if state is not None:
         verifier.save_state(state)
-    return inst
 
 
 def _with_roots(call: Call, intent: SignedIntent | None) -> bool:
@@ -343,26 +345,27 @@ def _running_units(call: Call) -> dict[str, int]:
 
 
 def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, rec: CHRecord) -> None:
-    inst = _signed_nics(call, op, name, intent, None)
-    if inst is None:
-        return
-    size = inst.size
-    mismatch = []
-    if size is None or rec.vcpus != size.vcpus:
-        mismatch.append("vCPUs")
-    if size is None or rec.memory_bytes != size.memory_bytes:
-        mismatch.append("memory")
-    if [(n.bridge, n.mac) for n in rec.nics] != [(n.bridge, n.mac) for n in inst.nics]:
-        mismatch.append("NICs")
-    if len(rec.gpus) != len(inst.gpu_uuids):
-        mismatch.append("GPUs")
-    image = inst.image.sha256 if inst.image is not None else None
-    if not rec.restored and rec.image_sha256 != image:
-        mismatch.append("image")
-    if mismatch:
-        raise Refused(
-            "spec-mismatch", f"{op}: {name}: vm.json differs from the signed spec in {', '.join(mismatch)}"
-        )
+    def check(inst: Any) -> None:
+        size = inst.size
+        mismatch = []
+        if size is None or rec.vcpus != size.vcpus:
+            mismatch.append("vCPUs")
+        if size is None or rec.memory_bytes != size.memory_bytes:
+            mismatch.append("memory")
+        if [(n.bridge, n.mac) for n in rec.nics] != [(n.bridge, n.mac) for n in inst.nics]:
+            mismatch.append("NICs")
+        if len(rec.gpus) != len(inst.gpu_uuids):
+            mismatch.append("GPUs")
+        image = inst.image.sha256 if inst.image is not None else None
+        if not rec.restored and rec.image_sha256 != image:
+            mismatch.append("image")
+        if mismatch:
+            raise Refused(
+                "spec-mismatch",
+                f"{op}: {name}: vm.json differs from the signed spec in {', '.join(mismatch)}",
+            )
+
+    _signed_nics(call, op, name, intent, None, check)
 
 
 def root_binary(call: Call) -> str:
