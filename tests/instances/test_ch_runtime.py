@@ -201,3 +201,80 @@ def test_hello_advertises_it_only_with_binary_kvm_and_the_helpers_ops_dlv_chh_01
     assert ch_available(which, False, h.client, v51) == "no /dev/kvm"
     assert ch_available(which, True, OldHelper(), v51) == "no helper serving ch.*"
     assert ch_available(which, True, None, v51) == "no helper serving ch.*"
+
+
+SAVED = {
+    "cpus": {
+        "boot_vcpus": 2,
+        "max_vcpus": 2,
+        "topology": {"threads_per_core": 1},
+        "affinity": [{"vcpu": 0, "host_cpus": [3]}],
+    },
+    "memory": {
+        "size": GIB,
+        "hugepages": True,
+        "hugepage_size": 2 << 20,
+        "zones": [{"id": "z", "size": GIB}],
+        "shared": False,
+    },
+    "platform": {"num_pci_segments": 1, "uuid": "u", "oem_strings": ["x"]},
+    "payload": {"kernel": "/etc/shadow"},
+    "disks": [{"path": "/etc/shadow"}],
+    "net": [{"id": "net0", "tap": "eth0", "mac": "52:54:00:00:00:09"}],
+    "fs": [{"tag": "t", "socket": "/run/x"}],
+    "pmem": [{"file": "/dev/mem"}],
+    "vsock": {"cid": 3, "socket": "/run/v"},
+    "debug_console": {"mode": "File", "file": "/etc/passwd"},
+    "landlock_rules": [{"path": "/", "access": "rw"}],
+    "balloon": {"size": 900 << 20},
+    "serial": {"mode": "File", "file": "/etc/passwd"},
+}
+
+
+def test_the_restore_config_is_rebuilt_from_allowlists_dlv_ch_38_39_40_41() -> None:
+    """DLV-CH-38, DLV-CH-39, DLV-CH-40, DLV-CH-41, DLV-CHU-08, DLV-CHU-29: only cpus, memory and
+    platform keys through their allowlists; bcd's payload, disks, serial, rng and balloon (never the
+    tenant's balloon); NICs by id and MAC, no tap; no affinity, zones, huge pages, fs, pmem, vsock,
+    debug console or landlock rules."""
+    from bcd_agent.sections.instances.runtimes.cloudhypervisor import restored_config
+
+    fresh = vm_config(
+        vm("r", runtime=RUNTIME_CH, vcpus=2, memory_bytes=GIB, placement=Placement(balloon=True)),
+        "/d",
+        "/b",
+        True,
+    )
+    out = restored_config(SAVED, fresh, [("net0", "52:54:00:00:00:01")])
+    assert set(out) == {
+        "cpus",
+        "memory",
+        "platform",
+        "payload",
+        "disks",
+        "serial",
+        "console",
+        "rng",
+        "balloon",
+        "net",
+    }
+    assert out["cpus"] == {"boot_vcpus": 2, "max_vcpus": 2, "topology": {"threads_per_core": 1}}
+    assert out["memory"] == {"size": GIB, "shared": False}
+    assert out["platform"] == {"num_pci_segments": 1, "uuid": "u"}
+    for key in ("payload", "disks", "serial", "console", "rng", "balloon"):
+        assert out[key] == fresh[key], key
+    assert out["balloon"]["size"] == 0  # bcd's balloon, not the snapshot's 900 MiB
+    assert out["net"] == [{"id": "net0", "mac": "52:54:00:00:00:01"}]
+
+
+def test_a_snapshot_of_another_size_is_refused_dlv_ch_37() -> None:
+    """DLV-CH-37."""
+    from bcd_agent.sections.instances.runtimes.cloudhypervisor import check_snapshot_config
+
+    check_snapshot_config(SAVED, 2, GIB)
+    for vcpus, mem in ((4, GIB), (2, 2 * GIB), (1, GIB)):
+        with pytest.raises(TerminalError):
+            check_snapshot_config(SAVED, vcpus, mem)
+    with pytest.raises(TerminalError):
+        check_snapshot_config({"cpus": {"boot_vcpus": 2, "max_vcpus": 4}, "memory": {"size": GIB}}, 2, GIB)
+    with pytest.raises(TerminalError):
+        check_snapshot_config([], 2, GIB)

@@ -573,3 +573,52 @@ def ch_available(
     if helper is None or not helper_has_ch_ops(helper):
         return "no helper serving ch.*"
     return None
+
+
+# A memory snapshot's configuration, rebuilt before its first start (DLV-CH-38..41): from the saved
+# `config.json` only these keys of `cpus`, `memory` and `platform`; everything else comes from bcd.
+RESTORE_CPUS = ("boot_vcpus", "max_vcpus", "topology", "max_phys_bits", "kvm_hyperv")
+RESTORE_MEMORY = ("size", "mergeable", "hotplug_method", "hotplug_size", "hotplugged_size", "shared", "thp")
+RESTORE_PLATFORM = ("num_pci_segments", "serial_number", "uuid")
+# bcd's own: the payload, disks, serial, console, rng, devices and the balloon (a memory-restored VM
+# keeps bcd's balloon, never the tenant's) come from the fresh configuration; NICs by id and MAC only.
+BCD_SUPPLIED = ("payload", "disks", "serial", "console", "rng", "devices", "balloon")
+
+
+def check_snapshot_config(saved: Any, vcpus: int, memory_bytes: int) -> None:
+    """DLV-CH-37: a memory snapshot restores only with exactly the instance's vCPUs and memory."""
+    if not isinstance(saved, dict):
+        raise TerminalError("BadSnapshot", "the snapshot's config.json is not an object")
+    cpus, memory = saved.get("cpus"), saved.get("memory")
+    if not isinstance(cpus, dict) or not isinstance(memory, dict):
+        raise TerminalError("BadSnapshot", "the snapshot's config.json has no cpus or memory")
+    if cpus.get("boot_vcpus") != vcpus or cpus.get("max_vcpus") != vcpus:
+        raise TerminalError("BadSnapshot", f"the snapshot's vCPUs are not the instance's {vcpus}")
+    if memory.get("size") != memory_bytes:
+        raise TerminalError(
+            "BadSnapshot", f"the snapshot's memory is not the instance's {memory_bytes} bytes"
+        )
+
+
+def restored_config(
+    saved: dict[str, Any], fresh: dict[str, Any], nics: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """The configuration a memory restore starts from (DLV-CH-38..41, DLV-CHU-08, DLV-CHU-29): the
+    saved `cpus`, `memory` and `platform` through their allowlists (no CPU affinity, no memory zones,
+    no huge pages), bcd's payload, disks, serial, console, rng, devices and balloon, and the NICs as
+    (id, MAC) with no tap name (their fds come as `net_fds`). Nothing else of the snapshot's."""
+
+    def allowed(key: str, keys: tuple[str, ...]) -> dict[str, Any]:
+        part = saved.get(key)
+        return {k: part[k] for k in keys if k in part} if isinstance(part, dict) else {}
+
+    out: dict[str, Any] = {"cpus": allowed("cpus", RESTORE_CPUS), "memory": allowed("memory", RESTORE_MEMORY)}
+    platform = allowed("platform", RESTORE_PLATFORM)
+    if platform:
+        out["platform"] = platform
+    for key in BCD_SUPPLIED:
+        if key in fresh:
+            out[key] = fresh[key]
+    if nics:
+        out["net"] = [{"id": nid, "mac": mac} for nid, mac in nics]
+    return out
