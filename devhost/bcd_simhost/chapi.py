@@ -78,9 +78,17 @@ def tap_name_of(fd: int) -> str:
 
 
 class FakeCHServer:
-    def __init__(self, socket_path: str | Path, *, guest_acpi: bool = True, mode: int | None = None) -> None:
+    def __init__(
+        self,
+        socket_path: str | Path,
+        *,
+        guest_acpi: bool = True,
+        mode: int | None = None,
+        boot_error: str = "",
+    ) -> None:
         self.path = str(socket_path)
         self.guest_acpi = guest_acpi
+        self.boot_error = boot_error  # vm.boot answers 500 with it (e.g. the KVM's "Cannot allocate memory")
         self.state = ""  # "" before vm.create
         self.config: dict[str, Any] = {}
         self.balloon = 0
@@ -100,10 +108,12 @@ class FakeCHServer:
 
     def close(self) -> None:
         self.vmm_up = False
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
+        # accept() is not woken by closing the socket: a connection wakes it, and the loop ends.
+        with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as poke:
+            poke.settimeout(1)
+            poke.connect(self.path)
         self._thread.join(5)
+        self._sock.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
@@ -122,6 +132,8 @@ class FakeCHServer:
             except OSError:
                 return
             with conn, contextlib.suppress(OSError):
+                if not self.vmm_up:  # the poke of close()
+                    return
                 self._one(conn)
 
     def _one(self, conn: socket.socket) -> None:
@@ -235,6 +247,8 @@ class FakeCHServer:
             self.state = "Created"
         elif endpoint == "vm.boot":
             self._need("Created")
+            if self.boot_error:
+                raise Refuse(self.boot_error)
             self.state = "Running"
         elif endpoint == "vm.pause":
             self._need("Running")
