@@ -346,7 +346,13 @@ CH_BASE_SHA256 = "d" * 64  # a name only: the download checked the digest, root 
 
 
 def lay_out_instance(
-    root: Path, name: str, node_uid: int, vmm_uid: int, *, volumes: tuple[tuple[str, bool], ...] = ()
+    root: Path,
+    name: str,
+    node_uid: int,
+    vmm_uid: int,
+    *,
+    volumes: tuple[tuple[str, bool], ...] = (),
+    gpus: tuple[str, ...] = (),
 ) -> Path:
     """A cloud-hypervisor instance's files on the simulated host as the node's runtime leaves them
     under the helper: directories the node's (searchable), a qcow2 base in `images/`, the overlay
@@ -394,7 +400,7 @@ def lay_out_instance(
         image_format="qcow2",
         seed=True,
         nics=(CHNic("52:54:00:00:00:01", "br0"),),
-        gpus=(),
+        gpus=gpus,
         volumes=tuple(CHVolume(v, ro, f"vol{i}") for i, (v, ro) in enumerate(volumes)),
         hugepages=False,
         cpus="",

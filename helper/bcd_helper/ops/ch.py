@@ -20,7 +20,14 @@ the server audits it with that name. Rules:
   `bcd_shared.chunit` builds with root's own `cloud-hypervisor` binary and UMask 0007 (DLV-CHH-21,
   DLV-CHH-02..04). No command line of the node's reaches root.
 - `ch.stop`: stops the unit, answers its state, removes the VMM user's ACL entries from the instance
-  directory, its files and the record's volumes (DLV-CHH-14, DLV-CHH-04).
+  directory, its files and the record's volumes, and gives back to root exactly the /dev/vfio groups
+  the stopped unit's user owned (DLV-CHH-14, DLV-CHH-04).
+- `ch.vfio`: the record's GPUs, only this host's, none root sees holding work (a live hold, compute
+  processes); each one's IOMMU group may hold only this host's GPUs, their functions and PCI bridges,
+  and its /dev/vfio node must not be a running VMM unit's user's (root reads the owner itself). Every
+  endpoint is bound to vfio-pci (driver_override, unbind, drivers_probe; bridges stay), checked, and
+  /dev/vfio/<group> given to the VMM's user, 0600 (DLV-CHH-09..12, DLV-CHH-15). `ch.unvfio` gives the
+  groups back to root and their drivers, never a group a running unit's user holds (DLV-CHH-13).
 """
 
 from __future__ import annotations
@@ -516,8 +523,187 @@ def ch_stop(call: Call, req: ChName) -> dict[str, Any]:
             uid = _read_record(call, op, name).record.uid
         except Refused:
             uid = None
+    groups: list[str] = []
     if uid is not None and active in ("inactive", "failed"):
+        groups = give_back_owned(call, op, uid)
         # a directory already removed has no entries left to remove
         with contextlib.suppress(Refused, OSError):
             _acl_instance(call, _read_record(call, op, name), uid, grant=False)
-    return {"name": name, "unit": unit, "state": active}
+    return {"name": name, "unit": unit, "state": active, "groups": groups}
+
+
+# -- VFIO ------------------------------------------------------------------------------------------
+# Root reads the PCI topology from sysfs and who holds a group from /dev/vfio itself (DLV-CHH-15);
+# sysfs is written with `tee` (argv, no shell), one value per write, as the kernel wants it.
+
+PCI = "/sys/bus/pci/devices"
+GROUPS = "/sys/kernel/iommu_groups"
+VFIO_DRIVER = "vfio-pci"
+BRIDGE_CLASS = "0x0604"
+
+
+def _sysfs_read(call: Call, path: str) -> str:
+    return (call.system.read_text(path) or "").strip()
+
+
+def _driver(call: Call, addr: str) -> str:
+    try:
+        return os.path.basename(os.readlink(call.system.host_path(f"{PCI}/{addr}/driver")))
+    except OSError:
+        return ""
+
+
+def _group_of(call: Call, op: str, addr: str) -> str:
+    try:
+        group = os.path.basename(os.readlink(call.system.host_path(f"{PCI}/{addr}/iommu_group")))
+    except OSError:
+        raise Failed("no-iommu", f"{op}: {addr} has no IOMMU group (is the IOMMU on?)") from None
+    if not group.isdigit():
+        raise Failed("no-iommu", f"{op}: {addr}: unreadable IOMMU group {group[:20]!r}")
+    return group
+
+
+def _sysfs_write(call: Call, op: str, path: str, value: str) -> None:
+    result = call.system.run(["tee", str(call.system.host_path(path))], input=value.encode(), timeout=60)
+    if not result.ok:
+        raise Failed("sysfs", f"{op}: writing {value!r} to {path}: {_err(result)}")
+
+
+def _vfio_owner(call: Call, group: str) -> int | None:
+    try:
+        return os.stat(call.system.host_path(f"/dev/vfio/{group}")).st_uid
+    except OSError:
+        return None
+
+
+def _groups_for(call: Call, op: str, gpus: tuple[str, ...]) -> dict[str, list[str]]:
+    """Each GPU's IOMMU group and its devices; refused when a device is neither one of this host's GPUs,
+    a function of one, nor a PCI bridge (DLV-CHH-11)."""
+    from bcd_helper.ops.libvirt import host_gpus
+
+    ours = host_gpus(call)
+    slots = {g.rsplit(".", 1)[0] for g in ours}
+    out: dict[str, list[str]] = {}
+    for gpu in gpus:
+        if gpu not in ours:
+            raise Refused("not-this-hosts-gpu", f"{op}: {gpu} is not a GPU of this host")
+        group = _group_of(call, op, gpu)
+        devices = sorted(call.system.listdir(f"{GROUPS}/{group}/devices"))
+        for dev in devices:
+            bridge = _sysfs_read(call, f"{PCI}/{dev}/class").startswith(BRIDGE_CLASS)
+            if dev not in ours and dev.rsplit(".", 1)[0] not in slots and not bridge:
+                raise Refused(
+                    "foreign-device",
+                    f"{op}: IOMMU group {group} of {gpu} holds {dev}, which is not a GPU of this host, "
+                    "a function of one or a PCI bridge",
+                )
+        out[group] = devices
+    return out
+
+
+def _busy_gpus(call: Call, op: str, gpus: tuple[str, ...]) -> None:
+    """DLV-CHH-09: only GPUs root does not see holding work (a live hold, compute processes)."""
+    from bcd_helper.busy import BusyUnknown, busy_gpus
+
+    result = call.system.run(
+        ["nvidia-smi", "--query-gpu=pci.bus_id,uuid", "--format=csv,noheader"], timeout=60
+    )
+    by_addr: dict[str, str] = {}
+    if result.ok:
+        for line in result.stdout.decode(errors="replace").splitlines():
+            bus, _, uuid = (f.strip() for f in line.partition(","))
+            domain, _, rest = bus.partition(":")
+            by_addr[f"{domain[-4:]}:{rest}".lower()] = uuid
+    try:
+        busy = busy_gpus(call.system)
+    except BusyUnknown as exc:
+        raise Failed("gpu-busy-unknown", f"{op}: {exc}") from None
+    for gpu in gpus:
+        why = busy.reason(by_addr.get(gpu, "?"))
+        if why is not None:
+            raise Refused("gpu-busy", f"{op}: {gpu}: {why}")
+
+
+def _running_uids(call: Call) -> set[int]:
+    return {uid for uid in _running_units(call).values() if uid >= 0}
+
+
+def ch_vfio(call: Call, req: ChName) -> dict[str, Any]:
+    """Bind the record's GPUs' IOMMU groups to vfio-pci and give /dev/vfio/<group> to the VMM's user."""
+    op = "ch.vfio"
+    name = _name(op, req.name)
+    rec = _read_record(call, op, name).record
+    if not rec.gpus:
+        return {"name": name, "groups": []}
+    _busy_gpus(call, op, rec.gpus)
+    groups = _groups_for(call, op, rec.gpus)
+    running = _running_uids(call)
+    for group in groups:
+        owner = _vfio_owner(call, group)
+        if owner is not None and owner not in (0, rec.uid) and owner in running:
+            raise Refused(
+                "group-in-use", f"{op}: /dev/vfio/{group} is held by a running VMM's user ({owner})"
+            )
+    for group, devices in groups.items():
+        for dev in devices:
+            if _sysfs_read(call, f"{PCI}/{dev}/class").startswith(BRIDGE_CLASS):
+                continue  # bridges stay on pcieport (DLV-CH-19)
+            if _driver(call, dev) == VFIO_DRIVER:
+                continue
+            _sysfs_write(call, op, f"{PCI}/{dev}/driver_override", VFIO_DRIVER)
+            if _driver(call, dev):
+                _sysfs_write(call, op, f"{PCI}/{dev}/driver/unbind", dev)
+            _sysfs_write(call, op, "/sys/bus/pci/drivers_probe", dev)
+            if _driver(call, dev) != VFIO_DRIVER:
+                raise Failed("vfio", f"{op}: {dev} did not move to vfio-pci (is the vfio-pci module loaded?)")
+        node = call.system.host_path(f"/dev/vfio/{group}")
+        try:
+            os.chown(node, rec.uid, rec.uid, follow_symlinks=False)
+            os.chmod(node, 0o600, follow_symlinks=False)
+        except OSError as exc:
+            raise Failed("vfio", f"{op}: /dev/vfio/{group}: {exc.strerror}") from None
+    return {"name": name, "groups": sorted(groups)}
+
+
+def _give_back(call: Call, op: str, group: str, devices: list[str]) -> None:
+    node = call.system.host_path(f"/dev/vfio/{group}")
+    with contextlib.suppress(FileNotFoundError):
+        os.chown(node, 0, 0, follow_symlinks=False)
+        os.chmod(node, 0o600, follow_symlinks=False)
+    for dev in devices:
+        if _driver(call, dev) != VFIO_DRIVER:
+            continue
+        _sysfs_write(call, op, f"{PCI}/{dev}/driver/unbind", dev)
+        _sysfs_write(call, op, f"{PCI}/{dev}/driver_override", "\n")
+        _sysfs_write(call, op, "/sys/bus/pci/drivers_probe", dev)
+
+
+def ch_unvfio(call: Call, req: ChName) -> dict[str, Any]:
+    """Give the record's GPUs' groups back to root and their host drivers; never a group a running
+    VMM unit's user holds (DLV-CHH-13)."""
+    op = "ch.unvfio"
+    name = _name(op, req.name)
+    rec = _read_record(call, op, name).record
+    groups = _groups_for(call, op, rec.gpus) if rec.gpus else {}
+    running = _running_uids(call)
+    for group in groups:
+        owner = _vfio_owner(call, group)
+        if owner is not None and owner in running:
+            raise Refused(
+                "group-in-use", f"{op}: /dev/vfio/{group} is held by a running VMM's user ({owner})"
+            )
+    for group, devices in groups.items():
+        _give_back(call, op, group, devices)
+    return {"name": name, "groups": sorted(groups)}
+
+
+def give_back_owned(call: Call, op: str, uid: int) -> list[str]:
+    """After a unit stopped: exactly the /dev/vfio groups its user owns go back to root (DLV-CHH-14)."""
+    out = []
+    for group in call.system.listdir("/dev/vfio"):
+        if group.isdigit() and _vfio_owner(call, group) == uid:
+            node = call.system.host_path(f"/dev/vfio/{group}")
+            os.chown(node, 0, 0, follow_symlinks=False)
+            os.chmod(node, 0o600, follow_symlinks=False)
+            out.append(group)
+    return sorted(out)
