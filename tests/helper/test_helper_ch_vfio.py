@@ -57,7 +57,8 @@ def test_vfio_binds_the_group_and_hands_the_node_dlv_chh_12_dlv_ch_19(vf: Helper
     """DLV-CHH-12, DLV-CHH-11, DLV-CH-18, DLV-CH-19: every endpoint of the GPU's group (its audio
     function too) moves to vfio-pci, the bridge stays on pcieport, /dev/vfio/10 is the VMM user's 0600;
     then, with that VMM's unit running, another instance cannot take the group (DLV-CHH-10) nor can
-    ch.unvfio give it back (DLV-CHH-13); ch.stop gives back exactly its groups (DLV-CHH-14, DLV-CHH-15)
+    ch.unvfio give it back (DLV-CHH-13); ch.stop gives back exactly its groups (DLV-CHH-14, DLV-CHH-15,
+    DLV-CH-22)
     and ch.unvfio returns the devices to their host drivers."""
     h = vf
     answer = h.raw({"op": "ch.vfio", "args": {"name": "vm1"}})

@@ -76,7 +76,8 @@ def rt() -> Iterator[tuple[HelperProcess, CloudHypervisorRuntime, InstancesSecti
 
 
 def test_config_has_no_nics_and_explicit_image_types_dlv_chu_05_dlv_ch_06_dlv_ch_07_dlv_ch_24() -> None:
-    """DLV-CHU-05, DLV-CH-06, DLV-CH-07, DLV-CH-24, DLV-CH-04, DLV-CH-42."""
+    """DLV-CHU-05, DLV-CH-06, DLV-CH-07, DLV-CH-24, DLV-CH-04, DLV-CH-42, DLV-CH-10 (the seed a Raw
+    read-only disk)."""
     inst = vm("a", runtime=RUNTIME_CH, vcpus=3, placement=Placement(balloon=True))
     c = vm_config(inst, f"{CHD}/instances/a", f"{CHD}/images/x.qcow2", True)
     assert "net" not in c

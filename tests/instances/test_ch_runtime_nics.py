@@ -146,3 +146,25 @@ def test_a_paused_start_pauses_after_boot_dlv_ch_29(short_root: Path) -> None:
     assert [r[0] for r in rec.vmm.requests if r[0] != "vmm.ping"] == ["vm.create", "vm.boot", "vm.pause"]
     rt.delete("n5")
     assert not rt.system.exists(ch_instance_dir(DATA, "n5"))
+
+
+def test_gpus_are_bound_before_the_launch_and_given_back_at_delete_dlv_ch_17_dlv_ch_23(
+    short_root: Path,
+) -> None:
+    """DLV-CH-17, DLV-CH-18, DLV-CH-23: the GPU passes as a VFIO device from its sysfs
+    directory, recorded in vm.json; ch.vfio runs before ch.launch, ch.unvfio after the stop at delete;
+    a GPU without an inventory address fails the instance."""
+    from bcd_shared.chrecord import parse_record
+
+    rt, rec = _runtime(short_root)
+    inst = chvm("g1", nics=(), gpu_uuids=("GPU-1",))
+    with pytest.raises(TerminalError, match="without a PCI address"):
+        rt.create(inst, Prepared())
+    rt.create(inst, Prepared(gpu_addresses=("0000:18:00.0",)))
+    record = parse_record(rt.system.read_bytes(f"{ch_instance_dir(DATA, 'g1')}/vm.json") or b"")
+    assert record.gpus == ("0000:18:00.0",)
+    assert record.config["devices"] == [{"id": "gpu0", "path": "/sys/bus/pci/devices/0000:18:00.0/"}]
+    rt.start(inst, paused=False)
+    assert rec.calls == ["ch.vfio", "ch.launch"]
+    rt.delete("g1")
+    assert rec.calls == ["ch.vfio", "ch.launch", "ch.stop", "ch.unvfio"]

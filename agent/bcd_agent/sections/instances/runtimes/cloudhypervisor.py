@@ -23,7 +23,10 @@ user ACL entries for the run.
 - Grow (DLV-CH-09): `qemu-img resize` while stopped, `vm.resize-disk` while running; never smaller.
 - Balloon: `set_balloon` is `vm.resize` with `desired_balloon` (only for a VM with a balloon device).
 
-Not built (docs/instances.md): GPUs (the helper's `ch.vfio`), snapshots and restores, volumes,
+- GPUs (DLV-CH-17/18/23): VFIO devices from `/sys/bus/pci/devices/<addr>/`; `ch.vfio` before the
+  launch, `ch.stop` gives the groups back to root, `ch.unvfio` at delete returns them to their drivers.
+
+Not built (docs/instances.md): snapshots and restores (the configuration rebuild exists), volumes,
 identity rebind, and the runtime as root without the helper.
 """
 
@@ -78,8 +81,11 @@ def open_tap(name: str) -> int:
     return fd
 
 
-def vm_config(inst: InstanceSpec, rec_dir: str, base: str | None, seed: bool) -> dict[str, Any]:
-    """The `vm.create` body (VmConfig of the v51 API): no NICs, no tap names."""
+def vm_config(
+    inst: InstanceSpec, rec_dir: str, base: str | None, seed: bool, gpus: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The `vm.create` body (VmConfig of the v51 API): no NICs, no tap names; GPUs as VFIO devices
+    from their sysfs directories (DLV-CH-17)."""
     disks: list[dict[str, Any]] = [
         {
             "id": "disk0",
@@ -104,6 +110,10 @@ def vm_config(inst: InstanceSpec, rec_dir: str, base: str | None, seed: bool) ->
     }
     if inst.placement is not None and inst.placement.balloon:
         config["balloon"] = {"size": 0, "free_page_reporting": True}
+    if gpus:
+        config["devices"] = [
+            {"id": f"gpu{i}", "path": f"/sys/bus/pci/devices/{a}/"} for i, a in enumerate(gpus)
+        ]
     return config
 
 
@@ -296,10 +306,8 @@ class CloudHypervisorRuntime:
             raise TerminalError("NoImage", "cloud-hypervisor needs an image")
         if img.format == "iso":
             raise TerminalError("BadImage", "cloud-hypervisor boots disk images, not an iso")
-        if prepared.gpu_addresses or inst.gpu_uuids:
-            raise TerminalError(
-                "NotBuilt", "GPUs on cloud-hypervisor (the helper's ch.vfio) are not built yet"
-            )
+        if len(prepared.gpu_addresses) != len(inst.gpu_uuids):
+            raise TerminalError("NoGpuAddress", "a GPU without a PCI address in the inventory")
         if inst.volumes or inst.restore_from:
             raise TerminalError("NotBuilt", "volumes and restores on cloud-hypervisor are not built yet")
         for i, nic in enumerate(inst.nics):
@@ -340,7 +348,7 @@ class CloudHypervisorRuntime:
         old = self.record(inst.id)
         from bcd_agent.sections.instances.model import definition_digest
 
-        config = vm_config(inst, d, base, seed)
+        config = vm_config(inst, d, base, seed, prepared.gpu_addresses)
         rec = CHRecord(
             name=inst.id,
             allocation_id=inst.allocation_id,
@@ -351,7 +359,7 @@ class CloudHypervisorRuntime:
             image_format=img.format,
             seed=seed,
             nics=tuple(CHNic(n.mac, n.bridge) for n in inst.nics),
-            gpus=(),
+            gpus=tuple(prepared.gpu_addresses),
             volumes=(),
             hugepages=bool(inst.hugepages),
             cpus=inst.placement.cpus if inst.placement is not None else "",
@@ -419,6 +427,8 @@ class CloudHypervisorRuntime:
                     "taps"
                 ]
             )
+        if rec.gpus:  # DLV-CH-18: the groups bound to vfio-pci and handed to the VMM's user first
+            self._call("ch.vfio", {"name": inst.id})
         self._call("ch.launch", self._signed(inst.id))
         try:
             api = self._wait_socket(inst.id)
@@ -478,8 +488,12 @@ class CloudHypervisorRuntime:
             self._call("ch.untaps", {"name": name})
 
     def delete(self, name: str) -> None:
-        """Stop first, never removing the directory of a VMM still running (DLV-CH-33)."""
+        """Stop first, never removing the directory of a VMM still running (DLV-CH-33); the record's
+        GPUs go back to their host drivers (DLV-CH-23)."""
         self.stop(name)
+        rec = self.record(name)
+        if rec is not None and rec.gpus:
+            self._call("ch.unvfio", {"name": name})
         shutil.rmtree(self._real(self._dir(name)), ignore_errors=True)
 
     def grow(self, inst: InstanceSpec, running: bool) -> None:
