@@ -338,7 +338,7 @@ def test_uid_and_size_bounds_dlv_chh_19_dlv_chh_20(
     try:
         assert_refused(h, {"op": "ch.launch", "args": {"name": "vm1"}}, "bad-record")
     finally:
-        lay_out(h.root, record())
+        _node_file(inst / "vm.json", encode_record(record()))
 
 
 @HELPER_SETTINGS
@@ -468,3 +468,23 @@ def test_without_instance_bridges_every_tap_is_refused() -> None:
     with pytest.raises(Refused) as exc:
         ch_taps(_call(extra=""), ChTaps("vm1", ("br0",)))
     assert exc.value.reason == "bridge-not-allowed" and "none configured" in exc.value.message
+
+
+def test_only_roots_own_binary_is_run_dlv_chh_21(ch: HelperProcess) -> None:
+    """DLV-CHH-21: a cloud-hypervisor others can write is never run: the launch fails before anything
+    is granted or started."""
+    h = ch
+    binary = h.root / "usr/bin/cloud-hypervisor"
+    inst = h.root / CH.lstrip("/") / "instances/vm1"
+    os.chmod(binary, 0o775)
+    try:
+        answer = h.raw({"op": "ch.launch", "args": {"name": "vm1"}})
+        assert answer["ok"] is False and answer["reason"] == "no-vmm", answer
+        assert not _units(h).get("bcd-ch-vm1.service", {}).get("active")
+        fd = os.open(inst, os.O_RDONLY)
+        try:
+            assert posixacl.user_perms(fd, UID1) is None
+        finally:
+            os.close(fd)
+    finally:
+        os.chmod(binary, 0o755)

@@ -502,6 +502,9 @@ def ch_launch(call: Call, req: ChLaunch) -> dict[str, Any]:
         raise Failed("acl", f"{op}: granting the VMM user's ACL entries: {exc.strerror}") from None
     result = call.system.run(run_argv(launch), timeout=120)
     if not result.ok:
+        # No VMM runs: the VMM user's entries go again, so a failed launch leaves nothing granted.
+        with contextlib.suppress(Refused, OSError):
+            _acl_instance(call, checked, rec.uid, grant=False)
         raise Failed("systemd-run", f"{op}: systemd-run {unit}: {_err(result)}")
     return {"name": name, "unit": unit, "uid": rec.uid, "binary": binary}
 
