@@ -64,6 +64,7 @@ MAX_VIRTUAL_SIZE = 64 << 40
 DISK = "disk.qcow2"
 SEED = "seed.iso"
 RECORD = "vm.json"
+RECORD_MAX = 1 << 20  # bcd_shared.chrecord.MAX_BYTES
 
 
 @frozen
@@ -264,10 +265,10 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
                 raise Refused(
                     "symlink", f"{op}: {inst}/{entry.name} is a symlink: none may be in the directory"
                 )
-        rfd, rst = _open_node_file(dfd, RECORD, op, cfg.node_uid, f"{inst}/{RECORD}")
+        rfd, _rst = _open_node_file(dfd, RECORD, op, cfg.node_uid, f"{inst}/{RECORD}")
         try:
             with os.fdopen(os.dup(rfd), "rb") as f:
-                data = f.read(rst.st_size + 1)
+                data = f.read(RECORD_MAX + 1)  # bounded whatever the node wrote
         finally:
             os.close(rfd)
         try:
