@@ -85,8 +85,10 @@ class FakeCHServer:
         guest_acpi: bool = True,
         mode: int | None = None,
         boot_error: str = "",
+        root: Path | None = None,
     ) -> None:
         self.path = str(socket_path)
+        self.root = root  # the simulated host the VMM's paths are under (None: this machine's /)
         self.guest_acpi = guest_acpi
         self.boot_error = boot_error  # vm.boot answers 500 with it (e.g. the KVM's "Cannot allocate memory")
         self.state = ""  # "" before vm.create
@@ -207,6 +209,9 @@ class FakeCHServer:
 
     # -- the VMM ------------------------------------------------------------------------------
 
+    def _host(self, path: str) -> str:
+        return str(self.root / path.lstrip("/")) if self.root is not None and path.startswith("/") else path
+
     def _need(self, *states: str) -> None:
         if self.state not in states:
             raise Refuse(f"VM is in state {self.state or 'not created'}, needs {' or '.join(states)}")
@@ -275,7 +280,7 @@ class FakeCHServer:
             self.balloon = size
         elif endpoint == "vm.add-disk":
             self._need("Running", "Paused")
-            if not isinstance(doc, dict) or not os.path.exists(str(doc.get("path", ""))):
+            if not isinstance(doc, dict) or not os.path.exists(self._host(str(doc.get("path", "")))):
                 raise Refuse(f"cannot open disk {doc.get('path') if isinstance(doc, dict) else None!r}")
             disk = dict(doc)
             disk.setdefault("id", f"_disk{len(self.disks)}")
@@ -310,9 +315,9 @@ class FakeCHServer:
         elif endpoint == "vm.snapshot":
             self._need("Paused")
             dest = str((doc or {}).get("destination_url", ""))
-            if not dest.startswith("file://") or not os.path.isdir(dest[7:]):
+            if not dest.startswith("file://") or not os.path.isdir(self._host(dest[7:])):
                 raise Refuse(f"bad destination {dest!r}")
-            d = Path(dest[7:])
+            d = Path(self._host(dest[7:]))
             config = dict(self.config, net=[{k: v for k, v in n.items() if k != "tap"} for n in self.nets])
             config["disks"] = list(self.disks)
             if "balloon" in config:
@@ -323,9 +328,11 @@ class FakeCHServer:
         elif endpoint == "vm.restore":
             self._need("")
             src = str((doc or {}).get("source_url", ""))
-            if not src.startswith("file://") or not os.path.isfile(os.path.join(src[7:], "config.json")):
+            if not src.startswith("file://") or not os.path.isfile(
+                os.path.join(self._host(src[7:]), "config.json")
+            ):
                 raise Refuse(f"bad source {src!r}")
-            config = json.loads(Path(src[7:], "config.json").read_text())
+            config = json.loads(Path(self._host(src[7:]), "config.json").read_text())
             wanted = (doc or {}).get("net_fds") or []
             if sum(int(n.get("num_fds", 0)) for n in wanted) != len(fds):
                 raise Refuse(f"net_fds name {len(wanted)} NICs but {len(fds)} fds came by SCM_RIGHTS")

@@ -131,7 +131,7 @@ def _start_vmm(system: LocalSystem, unit: str, socket_path: str) -> None:
     real = system.host_path(socket_path)
     with contextlib.suppress(FileNotFoundError):
         real.unlink()
-    _VMMS[key] = FakeCHServer(real, mode=0o770)  # the unit's UMask=0007
+    _VMMS[key] = FakeCHServer(real, mode=0o770, root=system.root)  # the unit's UMask=0007
 
 
 def stop_vmm(system: LocalSystem, unit: str) -> None:

@@ -46,7 +46,7 @@ class Recorder:
             return {"taps": [tap_name(name, i) for i in range(len(args["bridges"]))]}
         if op == "ch.launch":
             sock = self.system.host_path(f"{ch_instance_dir(DATA, name)}/api.sock")
-            self.vmm = FakeCHServer(sock, **self.server_kw)
+            self.vmm = FakeCHServer(sock, root=self.system.root, **self.server_kw)
             return {}
         if op == "ch.stop":
             if self.vmm is not None:
@@ -168,3 +168,29 @@ def test_gpus_are_bound_before_the_launch_and_given_back_at_delete_dlv_ch_17_dlv
     assert rec.calls == ["ch.vfio", "ch.launch"]
     rt.delete("g1")
     assert rec.calls == ["ch.vfio", "ch.launch", "ch.stop", "ch.unvfio"]
+
+
+def test_the_rebind_disk_is_hot_added_then_removed_and_zeroed_dlv_reb_08_dlv_reb_11_dlv_reb_12(
+    short_root: Path,
+) -> None:
+    """DLV-REB-07, DLV-REB-08, DLV-REB-11, DLV-REB-12 (cloud-hypervisor's half): vm.add-disk with
+    serial bc-rebind of a file in the instance's directory, then vm.remove-device, and the file zeroed
+    (seen through a second link) and deleted."""
+    rt, rec = _runtime(short_root)
+    inst = chvm("r1", nics=())
+    rt.create(inst, Prepared())
+    rt.start(inst, paused=False)
+    image = b"secret" + b"\0" * (1 << 20)
+    rt.rebind_attach("r1", image)
+    vmm = rec.vmm
+    assert vmm is not None
+    added = [d for d in vmm.disks if d["id"] == "rebind"]
+    assert added and added[0]["serial"] == "bc-rebind" and added[0]["image_type"] == "Raw"
+    real = Path(rt._real(added[0]["path"]))
+    assert real.read_bytes() == image and real.stat().st_mode & 0o777 == 0o660
+    witness = real.parent / "witness"
+    os.link(real, witness)
+    rt.rebind_detach("r1")
+    assert [d["id"] for d in vmm.disks] == ["disk0"]
+    assert not real.exists()
+    assert witness.read_bytes() == b"\0" * len(image)

@@ -520,6 +520,56 @@ class CloudHypervisorRuntime:
         if not result.ok:
             raise RetryableError("QemuImgFailed", f"qemu-img resize: {result.describe()}")
 
+    # -- identity rebind (DLV-REB-05..12, the runtime's half; the section's flow is not built) -----
+
+    REBIND_ID = "rebind"
+    REBIND_SERIAL = "bc-rebind"
+
+    def rebind_attach(self, name: str, image: bytes) -> str:
+        """Write the rebind disk into the instance's directory (0660: the VMM user's inherited ACL
+        entry is effective, the node keeps owning it) and hot-add it with serial `bc-rebind`."""
+        path = f"{self._dir(name)}/rebind.img"
+        self.system.write_atomic(path, image, 0o660)
+        os.chmod(self._real(path), 0o660)  # the umask never narrows it
+        disk = {"id": self.REBIND_ID, "path": path, "image_type": "Raw", "serial": self.REBIND_SERIAL}
+        try:
+            return str(self.api(name).add_disk(disk).get("id", self.REBIND_ID))
+        except CHApiError as exc:
+            self._zero_and_remove(path)
+            raise RetryableError("RebindFailed", f"{name}: vm.add-disk: {exc}") from None
+
+    def rebind_answer(self, name: str, size: int = 4096) -> bytes:
+        """The last `size` bytes of the rebind disk, where the guest writes its answer."""
+        data = self.system.read_bytes(f"{self._dir(name)}/rebind.img") or b""
+        return data[-size:]
+
+    def rebind_detach(self, name: str) -> None:
+        """Remove the disk from the VM (vm.remove-device) and zero and delete its file either way, so
+        the secret never stays on the host (DLV-REB-11/12)."""
+        path = f"{self._dir(name)}/rebind.img"
+        try:
+            with contextlib.suppress(CHApiError):
+                self.api(name).remove_device(self.REBIND_ID)
+        finally:
+            self._zero_and_remove(path)
+
+    def _zero_and_remove(self, path: str) -> None:
+        real = self._real(path)
+        try:
+            fd = os.open(real, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            size = os.fstat(fd).st_size
+            chunk = b"\0" * min(size, 1 << 20)
+            written = 0
+            while written < size:
+                written += os.write(fd, chunk[: size - written])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(real)
+
     def set_balloon(self, name: str, balloon_bytes: int) -> None:
         """The balloon through `vm.resize` `desired_balloon` (a VM without a balloon device is not
         touched)."""
