@@ -290,6 +290,7 @@ MUTATIONS: list[tuple[str, Callable[[Path], None], str]] = [
     ),
     ("a missing volume (DLV-CHH-18)", _rewrite(volumes=(CHVolume("nope.raw", True, "x"),)), "bad-volume"),
     ("a GPU not of this host (DLV-CHH-18)", _rewrite(gpus=("0000:ff:00.0",)), "not-this-hosts-gpu"),
+    ("a restored disk naming a backing file (DLV-CH-07)", _rewrite(restored=True), "image-backing-file"),
 ]
 
 
@@ -488,3 +489,23 @@ def test_only_roots_own_binary_is_run_dlv_chh_21(ch: HelperProcess) -> None:
             os.close(fd)
     finally:
         os.chmod(binary, 0o755)
+
+
+def test_a_uid_held_by_another_account_is_refused(ch: HelperProcess) -> None:
+    """A VMM never runs as an account that is not bcd's, even in bcd's uid range."""
+    h = ch
+    inst = h.root / CH.lstrip("/") / "instances/vm1"
+    passwd = h.root / "etc/passwd"
+    before = passwd.read_text() if passwd.exists() else None
+    uid = VMM_UID_BASE + 50
+    passwd.write_text((before or "") + f"mallory:x:{uid}:{uid}::/home/m:/bin/sh\n")
+    _node_file(inst / "vm.json", encode_record(record(uid=uid)))
+    try:
+        answer = assert_refused(h, {"op": "ch.launch", "args": {"name": "vm1"}}, "foreign-account")
+        assert "mallory" in answer["message"]
+    finally:
+        if before is None:
+            passwd.unlink()
+        else:
+            passwd.write_text(before)
+        _node_file(inst / "vm.json", encode_record(record()))

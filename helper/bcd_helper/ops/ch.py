@@ -285,7 +285,15 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
     finally:
         os.close(dfd)
     base = None
-    if rec.image_sha256 is not None:
+    disk = str(call.system.host_path(f"{inst}/{DISK}"))
+    if rec.restored:
+        # A restored disk is flat: it names no backing file, and its VMM gets backing_files off
+        # (DLV-CH-07); no base image is bound into its unit.
+        try:
+            check_overlay(disk, None, None, MAX_VIRTUAL_SIZE)
+        except ImageRefused as exc:
+            raise Refused(f"image-{exc.reason}", f"{op}: {exc.message}") from None
+    elif rec.image_sha256 is not None:
         base = f"{ch_images_dir(data_dir)}/{rec.image_sha256}.{rec.image_format}"
         real = call.system.host_path(base)
         try:
@@ -298,12 +306,10 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
             if rec.image_format == "qcow2":
                 check_image(str(real), MAX_VIRTUAL_SIZE)
             # the overlay names the base by the path the VMM sees, which is the host path
-            check_overlay(
-                str(call.system.host_path(f"{inst}/{DISK}")), base, rec.image_format, MAX_VIRTUAL_SIZE
-            )
+            check_overlay(disk, base, rec.image_format, MAX_VIRTUAL_SIZE)
         except ImageRefused as exc:
             raise Refused(f"image-{exc.reason}", f"{op}: {exc.message}") from None
-    elif not rec.restored:
+    else:
         raise Refused("bad-record", f"{op}: a disk without a base image must be a restored one")
     rw: list[str] = []
     ro: list[str] = []
@@ -393,8 +399,15 @@ def _has_account(call: Call, uid: int) -> bool:
     return any(line.split(":")[2:3] == [str(uid)] for line in passwd.splitlines())
 
 
-def _ensure_account(call: Call, uid: int) -> None:
-    """systemd 252 refuses User= without a passwd entry (217/USER): root creates the account."""
+def _ensure_account(call: Call, op: str, uid: int) -> None:
+    """systemd 252 refuses User= without a passwd entry (217/USER): root creates the account. A uid
+    of the range held by an account that is not bcd's (`bcd-vmm-<n>`) is refused: a VMM never runs as
+    someone else."""
+    passwd = call.system.read_text("/etc/passwd") or ""
+    for line in passwd.splitlines():
+        fields = line.split(":")
+        if fields[2:3] == [str(uid)] and fields[0] != vmm_user_name(uid):
+            raise Refused("foreign-account", f"{op}: uid {uid} is the account {fields[0][:32]!r}, not bcd's")
     if _has_account(call, uid):
         return
     for argv in account_add_argv(uid):
@@ -496,7 +509,7 @@ def ch_launch(call: Call, req: ChLaunch) -> dict[str, Any]:
         cpus=rec.cpus,
         mems=rec.mems,
     )
-    _ensure_account(call, rec.uid)
+    _ensure_account(call, op, rec.uid)
     try:
         _acl_instance(call, checked, rec.uid, grant=True)
     except OSError as exc:
