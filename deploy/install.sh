@@ -2,20 +2,24 @@
 # Install bcd on a host: the unprivileged `bcd` account, its directories, root's config.toml and
 # the systemd units (bcd-helper.service as root, bcd-node.service as `bcd`). See docs/deploy.md.
 #
-# The programs themselves (/usr/bin/bcd and /usr/bin/bcd-helper) come from the package or wheel
-# install; this script lays out what they need, with the ownership and modes the seeds require:
+# The programs themselves (/usr/bin/bcd and /usr/bin/bcd-helper) come from the bcd-node and
+# bcd-helper packages (make deb; the package carries this script as /usr/share/bcd/install.sh); this
+# script lays out what they need, with the ownership and modes the seeds require:
 #   /etc/bcd                 root:bcd  0750   (only root can write; the node reads through its group)
 #   /etc/bcd/config.toml     root:bcd  0640   (root's config: regular file, root-owned, not writable
 #                                              by group or others, in root-only directories)
 #   /var/lib/bcd             bcd:bcd   0700   (data_dir: journal.db, identity.json 0600)
 #   /var/lib/bcd-hostconfig  root:root 0700   (root's records: join-response.pb, helper-intent.json)
 #   /var/log/bcd-helper      root:root 0700   (the helper's audit log)
-# Re-running it is safe: an existing config.toml is kept (its ownership and mode are put right),
-# and an account left in the root-equivalent `libvirt` group by an older install is taken out.
+# Every value it writes is checked first (the control-plane address, the pin, the root hashes, the
+# clusters), with the rules of docs/config.md. Re-running it is safe: an existing config.toml is kept
+# (its ownership and mode are put right), and an account left in the root-equivalent `libvirt` group
+# by an older install is taken out. A re-run whose flags say something else than the kept config
+# prints each difference and exits 3, unless --replace (then the kept one becomes config.toml.old).
 #
 # Usage: install.sh [--root DIR] [--join-signing-key-pin sha256/...] [--command-root-sha256 HEX,...]
 #                   [--control-plane HOST:PORT] [--host-units-external] [--allowed-clusters LIST]
-#                   [--no-helper] [--no-enable]
+#                   [--no-helper] [--no-enable] [--replace]
 set -euo pipefail
 
 ROOT=/
@@ -26,6 +30,8 @@ HOST_UNITS=true
 CLUSTERS=""
 HELPER=true
 ENABLE=true
+REPLACE=false
+GIVEN=""  # the managed keys the flags name, for the comparison with a kept config
 ACCOUNT=bcd
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -34,14 +40,15 @@ die() { echo "install.sh: $*" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     --root) ROOT="${2:?--root needs a directory}"; shift 2 ;;
-    --join-signing-key-pin) PIN="${2:?}"; shift 2 ;;
-    --command-root-sha256) ROOTS="${2:?}"; shift 2 ;;
-    --control-plane) CONTROL_PLANE="${2:?}"; shift 2 ;;
-    --host-units-external) HOST_UNITS=false; shift ;;
-    --allowed-clusters) CLUSTERS="${2:?}"; shift 2 ;;
-    --no-helper) HELPER=false; shift ;;
+    --join-signing-key-pin) PIN="${2:?}"; GIVEN+=" pin"; shift 2 ;;
+    --command-root-sha256) ROOTS="${2:?}"; GIVEN+=" roots"; shift 2 ;;
+    --control-plane) CONTROL_PLANE="${2:?}"; GIVEN+=" control_plane"; shift 2 ;;
+    --host-units-external) HOST_UNITS=false; GIVEN+=" units"; shift ;;
+    --allowed-clusters) CLUSTERS="${2:?}"; GIVEN+=" clusters"; shift 2 ;;
+    --no-helper) HELPER=false; GIVEN+=" helper"; shift ;;
     --no-enable) ENABLE=false; shift ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    --replace) REPLACE=true; shift ;;
+    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
     *) die "unknown argument $1" ;;
   esac
 done
@@ -55,7 +62,73 @@ P() { echo "${ROOT}$1"; }  # a host path under --root
 for v in "$PIN" "$ROOTS" "$CONTROL_PLANE" "$CLUSTERS"; do
   case "$v" in *[\"\\$'\n']*) die "a value contains a quote, a backslash or a newline: $v" ;; esac
 done
-case "$PIN" in ""|sha256/*) ;; *) die "--join-signing-key-pin must look like sha256/<base64>" ;; esac
+command -v python3 >/dev/null || die "python3 is needed (bcd runs on it)"
+# Each value against its rule in docs/config.md, before anything is written.
+python3 - "$PIN" "$ROOTS" "$CONTROL_PLANE" "$CLUSTERS" <<'PY' || exit 2
+import base64, ipaddress, re, sys
+pin, roots, address, clusters = sys.argv[1:]
+DNS = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+def host_port(text, port_required):
+    m = re.fullmatch(r"(\[[^\]]*\]|[^:\[\]]+)(?::(\d{1,5}))?", text)
+    if m is None:
+        return "must be host:port (an IPv6 address in brackets)"
+    host, port = m.group(1), m.group(2)
+    if host.startswith("["):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"{host} is not an IPv6 address"
+    elif re.fullmatch(r"[0-9.]+", host):
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return f"{host} is not an IPv4 address"
+    elif not DNS.fullmatch(host):
+        return f"{host} is not a DNS name"
+    if port is None:
+        return "must name a port (host:port)" if port_required else None
+    if not 1 <= int(port) <= 65535:
+        return f"has port {port} outside 1-65535"
+    return None
+
+def hexes(text, what):
+    items = text.split(",")
+    if not 1 <= len(items) <= 16:
+        return f"{what}: 1 to 16 comma-separated SHA-256s"
+    for h in items:
+        if not re.fullmatch(r"[0-9a-f]{64}", h):
+            return f"{what}: {h!r} is not 64 lowercase hex digits (a SHA-256)"
+    if len(set(items)) != len(items):
+        return f"{what}: a hash is repeated"
+    return None
+
+errors = []
+if pin:
+    b64 = pin[len("sha256/"):] if pin.startswith("sha256/") else ""
+    ok = len(b64) == 44 and re.fullmatch(r"[A-Za-z0-9+/]{43}=", b64) is not None
+    if ok:
+        try:
+            ok = base64.b64encode(base64.b64decode(b64, validate=True)).decode() == b64
+        except ValueError:
+            ok = False
+    if not ok:
+        errors.append(f"--join-signing-key-pin: must be sha256/ and 44 characters of canonical base64 (a SHA-256), got {pin!r}")
+if roots and (e := hexes(roots, "--command-root-sha256")):
+    errors.append(e)
+if address and (e := host_port(address, True)):
+    errors.append(f"--control-plane: {e}, got {address!r}")
+for c in clusters.split(",") if clusters else []:
+    server, sep, h = c.partition("#sha256:")
+    rule = "must be https://<host>[:<port>]#sha256:<64 hex digits>"
+    if not sep or not server.startswith("https://"):
+        errors.append(f"--allowed-clusters: {c!r} {rule}")
+    elif (e := host_port(server[len("https://"):], False)) or not re.fullmatch(r"[0-9a-f]{64}", h):
+        errors.append(f"--allowed-clusters: {c!r} {rule}")
+for e in errors:
+    print(f"install.sh: {e}", file=sys.stderr)
+sys.exit(1 if errors else 0)
+PY
 
 # --- the account -----------------------------------------------------------------------------------
 mkdir -p "$(P /etc)"
@@ -108,32 +181,79 @@ config="$(P /etc/bcd/config.toml)"
 if [ -L "$config" ]; then
   die "$config is a symlink: root's config must be a regular file"
 fi
+tmp="$(mktemp "$(P /etc/bcd)/.config.toml.XXXXXX")"
+trap 'rm -f "$tmp"' EXIT
+{
+  echo "# bcd's config (docs/config.md). Root's copy: root:bcd 0640 in /etc/bcd 0750."
+  echo 'data_dir = "/var/lib/bcd"'
+  [ -z "$PIN" ] || echo "join_signing_key_pin = \"$PIN\""
+  [ -z "$ROOTS" ] || echo "command_root_sha256 = \"$ROOTS\""
+  if [ -n "$CONTROL_PLANE" ]; then
+    printf '\n[control_plane]\naddress = "%s"\n' "$CONTROL_PLANE"
+  fi
+  if $HELPER; then
+    printf '\n[helper]\nsocket = "/run/bcd/helper.sock"\nnode_user = "%s"\n' "$ACCOUNT"
+  fi
+  printf '\n[host]\nunits = %s\n' "$HOST_UNITS"
+  if [ -n "$CLUSTERS" ]; then
+    printf '\n[kubernetes]\nallowed_clusters = "%s"\n' "$CLUSTERS"
+  fi
+} >"$tmp"
+chown "0:$gid" "$tmp"
+chmod 0640 "$tmp"
+sync "$tmp"
 if [ ! -e "$config" ]; then
-  tmp="$(mktemp "$(P /etc/bcd)/.config.toml.XXXXXX")"
-  {
-    echo "# bcd's config (docs/config.md). Root's copy: root:bcd 0640 in /etc/bcd 0750."
-    echo 'data_dir = "/var/lib/bcd"'
-    [ -z "$PIN" ] || echo "join_signing_key_pin = \"$PIN\""
-    [ -z "$ROOTS" ] || echo "command_root_sha256 = \"$ROOTS\""
-    if [ -n "$CONTROL_PLANE" ]; then
-      printf '\n[control_plane]\naddress = "%s"\n' "$CONTROL_PLANE"
-    fi
-    if $HELPER; then
-      printf '\n[helper]\nsocket = "/run/bcd/helper.sock"\nnode_user = "%s"\n' "$ACCOUNT"
-    fi
-    printf '\n[host]\nunits = %s\n' "$HOST_UNITS"
-    if [ -n "$CLUSTERS" ]; then
-      printf '\n[kubernetes]\nallowed_clusters = "%s"\n' "$CLUSTERS"
-    fi
-  } >"$tmp"
-  chown "0:$gid" "$tmp"
-  chmod 0640 "$tmp"
-  sync "$tmp"
   mv "$tmp" "$config"
   sync "$(P /etc/bcd)"
   echo "install.sh: wrote $config"
 else
-  echo "install.sh: kept the existing $config"
+  # The keys the flags name, kept vs asked: each difference on its own line.
+  differences="$(python3 - "$config" "$tmp" "$GIVEN" <<'PY'
+import sys, tomllib
+kept_path, new_path, given = sys.argv[1], sys.argv[2], sys.argv[3].split()
+KEYS = {
+    "pin": [("join_signing_key_pin",)],
+    "roots": [("command_root_sha256",)],
+    "control_plane": [("control_plane", "address")],
+    "units": [("host", "units")],
+    "clusters": [("kubernetes", "allowed_clusters")],
+    "helper": [("helper", "socket"), ("helper", "node_user")],
+}
+def get(doc, path):
+    for part in path:
+        if not isinstance(doc, dict) or part not in doc:
+            return None
+        doc = doc[part]
+    return doc
+try:
+    with open(kept_path, "rb") as f:
+        kept = tomllib.load(f)
+except (OSError, tomllib.TOMLDecodeError) as e:
+    print(f"the kept config cannot be read: {e}")
+    sys.exit(0)
+with open(new_path, "rb") as f:
+    new = tomllib.load(f)
+for name in given:
+    for path in KEYS[name]:
+        a, b = get(kept, path), get(new, path)
+        if a != b:
+            show = lambda v: "(none)" if v is None else repr(v)
+            print(f"{'.'.join(path)}: kept {show(a)}, the flags give {show(b)}")
+PY
+)"
+  if [ -z "$differences" ]; then
+    echo "install.sh: kept the existing $config"
+  elif $REPLACE; then
+    cp -p "$config" "$config.old"
+    mv "$tmp" "$config"
+    sync "$(P /etc/bcd)"
+    echo "$differences" | sed 's/^/install.sh: replaced: /'
+    echo "install.sh: wrote $config (the kept one is $config.old)"
+  else
+    echo "$differences" | sed 's/^/install.sh: differs: /' >&2
+    echo "install.sh: kept $config unchanged; re-run with --replace to write the flags' config" >&2
+    exit 3
+  fi
 fi
 # Whatever was there: root owns it, the node's group reads it, no one else writes it.
 chown "0:$gid" "$config"
@@ -146,7 +266,14 @@ units=(bcd-node.service)
 $HELPER && units+=(bcd-helper.service)
 mkdir -p "$(P /etc/systemd/system)"
 for u in "${units[@]}"; do
-  install -m 0644 -o 0 -g 0 "$HERE/$u" "$(P "/etc/systemd/system/$u")"
+  if [ -e "$(P "/lib/systemd/system/$u")" ]; then
+    # The package's unit (make deb): a copy in /etc would hide the package's later versions.
+    echo "install.sh: $u comes from the package"
+  elif [ -e "$HERE/$u" ]; then
+    install -m 0644 -o 0 -g 0 "$HERE/$u" "$(P "/etc/systemd/system/$u")"
+  else
+    die "$u: not installed by a package and not beside this script"
+  fi
 done
 if $ENABLE && [ "$ROOT" = "" ] && [ -d /run/systemd/system ]; then
   systemctl daemon-reload

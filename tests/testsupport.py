@@ -14,7 +14,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 # ../shared/ beside the checkout: read-only reference data (seeds, CDI schema, nvidia-smi output).
-SHARED = REPO.parent / "shared"
+# BCD_SHARED_MATERIAL names it where the suite runs from a copy (mutation testing's staging tree).
+SHARED = Path(os.environ.get("BCD_SHARED_MATERIAL") or REPO.parent / "shared")
 REFERENCE = SHARED / "reference"
 IN_CI = os.environ.get("CI") == "true"
 

@@ -1,15 +1,29 @@
 """`bcd doctor`: checks of this host's bcd setup, each ok / warn / fail with its fix.
 
-The checks that apply so far (docs/deploy.md, docs/config.md; the seeds' doctor findings):
+Each finding has an id: its check's name, or `check/subject` where a check reports several (a file, a
+unit); ids are stable across runs and releases, and `--json` prints them in a versioned document
+(`format` 1; docs/operations.md "bcd doctor" lists every id and the schema). The checks:
 
-- config: config.toml missing or refused by the strict parser (fail).
+- config: config.toml missing, unreadable or refused by the strict parser (fail; the fix fits the fault:
+  missing: write it; EACCES: run as root or in the bcd group; refused: correct the key).
 - config-owner: under the helper, the file is not a regular root-owned file that no one else can
   write (fail; HST-HLP-24..30).
-- data-dir / data-files: data_dir missing or not 0700; journal.db or identity.json not 0600 (fail).
+- data-dir / data-files/<name>: data_dir missing (fix: create it), not a directory (fix: move the file
+  aside), not 0700 (fix: chmod; a search bit for QEMU's user is allowed, DLV-QFA-01); journal.db or
+  identity.json not 0600 (fail).
 - identity: identity.json missing, not joined yet (warn).
-- helper: [helper] socket set but nothing accepts on it (fail).
+- helper: [helper] socket set but nothing accepts on it (fail). helper-version: the helper's
+  helper.ping answer names another bcd version than the node's, or none (warn).
+- control-plane: the gateway ([control_plane] unix_socket or address, else the join's address) does not
+  accept a connection (fail), or none is configured (warn).
+- certificate: the node certificate in identity.json expired (fail) or ends within 14 days (warn).
+- nvidia: NVIDIA GPUs on the PCI bus without nvidia-smi, or nvidia-smi failing with a GPU or driver
+  present (fail); the GPU count and driver version otherwise.
 - gpu-binding: a host with GPUs whose node would run unprivileged without [helper] (warn;
   DEV-UNPRIV-05).
+- kvm: /dev/kvm missing (warn), not a character device (fail), open to every user (warn); its mode and
+  group otherwise.
+- cgroup: a v1 or hybrid hierarchy (fail), cgroup v2 without cpu, cpuset, memory or hugetlb (warn).
 - vm-runtime: neither virsh nor cloud-hypervisor (warn; DLV-RT-11).
 - instance-bridges: under the helper with a VM runtime and no [helper] instance_bridges (warn;
   DLV-CHH-24).
@@ -22,7 +36,9 @@ The checks that apply so far (docs/deploy.md, docs/config.md; the seeds' doctor 
 - kubernetes: a joined Kubernetes node without [kubernetes] allowed_clusters (fail; HST-K8S-60).
 - iommu: an active IOMMU without the vfio-pci driver (warn; HST-IOMMU-12).
 - clock: the wall clock is before 2024, an unset RTC: certificates and signed intent cannot verify
-  (fail).
+  (fail). time-sync: adjtimex(2) says the clock is not synchronized (TIME_ERROR or STA_UNSYNC; warn).
+- units/bcd-helper.service, units/bcd-node.service: failed (fail), inactive or not enabled (warn); one
+  `units` finding when systemctl cannot reach systemd (a container).
 - join-binding (as root on a node with [helper]; host-config.md "Signed specs", HST-SIGN-38..41): ok
   "host units bind to <node-id> (root's signed join record)" when root's join record names this
   machine's identity and the pinned JoinService key signed it; warn when the node joined before the
@@ -35,8 +51,9 @@ The checks that apply so far (docs/deploy.md, docs/config.md; the seeds' doctor 
   itself presents a trust bundle". Not reported when the record cannot be verified: the helper then
   refuses every host unit, which join-binding says.
 
-Host paths (/proc, /sys, /dev, /etc) are read under `--root` (a simulated host); data_dir and the
-config are real paths. Exit status: 1 when any check fails, else 0.
+`--root DIR` applies to every check: the config (an absolute --config is a host path), data_dir, the
+sockets, /dev, /proc, /sys and /etc are read under DIR, and programs are the simulated host's. Exit
+status: 1 when any check fails, else 0.
 """
 
 from __future__ import annotations
@@ -49,86 +66,238 @@ import socket
 import stat
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
-from attrs import asdict, frozen
+from attrs import evolve, frozen
+from bcd_shared.system import CommandResult
 from bcd_shared.version import VERSION
 
-from bcd_agent.config import Config, ConfigError, add_config_argument, default_config_path, load_config
+from bcd_agent.config import Config, ConfigError, add_config_argument, default_config_path, parse_config
 
 Level = Literal["ok", "warn", "fail"]
 # 2024-01-01T00:00:00Z: a clock before this was never set (an RTC reset reads 1970 or 2000).
 CLOCK_FLOOR = 1_704_067_200
+# The --json document's format; bumped only when a key changes meaning or goes (docs/operations.md).
+JSON_FORMAT = 1
+CERT_WARN_DAYS = 14
+# Controllers hold slices use: cpuset (cpus, mems), cpu (cpu_millis), memory, hugetlb (hugepages).
+CGROUP_CONTROLLERS = ("cpu", "cpuset", "memory", "hugetlb")
+UNITS = ("bcd-helper.service", "bcd-node.service")
+TOOL_TIMEOUT_S = 10.0
 
 
 @frozen
 class Finding:
+    """One finding. `check` names the check (the table in docs/operations.md); `subject` what it is about
+    when a check reports several (a file, a unit); `id` = check or check/subject, stable across runs."""
+
     check: str
     level: Level
     message: str
     fix: str = ""
+    subject: str = ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.check}/{self.subject}" if self.subject else self.check
+
+    def to_json(self) -> dict[str, str]:
+        return {
+            "id": self.id,
+            "check": self.check,
+            "subject": self.subject,
+            "level": self.level,
+            "message": self.message,
+            "fix": self.fix,
+        }
+
+
+@frozen
+class TimeSync:
+    """The kernel's clock discipline state (adjtimex(2) with modes 0: read-only)."""
+
+    synchronized: bool  # return value not TIME_ERROR and STA_UNSYNC clear
+    state: str  # TIME_OK, TIME_ERROR, ...
+    max_error_us: int
+
+
+Runner = Callable[[Sequence[str]], CommandResult]
+
+
+def _no_tool(argv: Sequence[str]) -> CommandResult:
+    return CommandResult(tuple(argv), 127)
 
 
 @frozen
 class HostView:
-    """What doctor reads of the host; tests give a scratch root and fakes."""
+    """What doctor reads of the host; tests give a scratch root and fakes. Every path doctor reads is a
+    host path under `root` (config, data_dir, sockets, /dev, /proc, /sys, /etc): `--root` applies to
+    every check."""
 
     root: Path = Path("/")
     euid: int = 0
     which: Callable[[str], str | None] = shutil.which
     wall_clock: Callable[[], float] = time.time
-
-    version_of: Callable[[str], str | None] = lambda path: _version_output(path)
+    run: Runner = _no_tool  # a host program (the simulated host's fakes under --root)
+    time_sync: Callable[[], TimeSync | None] = lambda: read_adjtimex()
 
     def path(self, host_path: str) -> Path:
         return self.root / host_path.lstrip("/")
 
 
-def _version_output(path: str) -> str | None:
-    import subprocess
+def read_adjtimex() -> TimeSync | None:
+    """adjtimex(2) with modes = 0 (reads, changes nothing; allowed unprivileged). None off Linux/glibc."""
+    import ctypes
+    import ctypes.util
 
+    class Timeval(ctypes.Structure):
+        _fields_ = [("tv_sec", ctypes.c_long), ("tv_usec", ctypes.c_long)]
+
+    class Timex(ctypes.Structure):  # struct timex, <sys/timex.h>
+        _fields_ = [
+            ("modes", ctypes.c_uint), ("offset", ctypes.c_long), ("freq", ctypes.c_long),
+            ("maxerror", ctypes.c_long), ("esterror", ctypes.c_long), ("status", ctypes.c_int),
+            ("constant", ctypes.c_long), ("precision", ctypes.c_long), ("tolerance", ctypes.c_long),
+            ("time", Timeval), ("tick", ctypes.c_long), ("ppsfreq", ctypes.c_long),
+            ("jitter", ctypes.c_long), ("shift", ctypes.c_int), ("stabil", ctypes.c_long),
+            ("jitcnt", ctypes.c_long), ("calcnt", ctypes.c_long), ("errcnt", ctypes.c_long),
+            ("stbcnt", ctypes.c_long), ("tai", ctypes.c_int), ("_pad", ctypes.c_int * 11),
+        ]  # fmt: skip
+
+    name = ctypes.util.find_library("c")
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=False)
-    except (OSError, subprocess.TimeoutExpired):
+        libc = ctypes.CDLL(name or "libc.so.6", use_errno=True)
+        tx = Timex()
+        rc = int(libc.adjtimex(ctypes.byref(tx)))
+    except (OSError, AttributeError):
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    if rc < 0:
+        return None
+    states = {0: "TIME_OK", 1: "TIME_INS", 2: "TIME_DEL", 3: "TIME_OOP", 4: "TIME_WAIT", 5: "TIME_ERROR"}
+    sta_unsync = 0x0040
+    return TimeSync(
+        synchronized=rc != 5 and not tx.status & sta_unsync,
+        state=states.get(rc, str(rc)),
+        max_error_us=int(tx.maxerror),
+    )
+
+
+def host_view(root: str, euid: int) -> HostView:
+    """The real host, or a simulated one (its fake programs) under `root`."""
+    from bcd_agent.plan import host_system
+
+    system = host_system(root)
+    rooted = Path(root).resolve() != Path("/")
+
+    def run(argv: Sequence[str]) -> CommandResult:
+        try:
+            return system.run(list(argv), timeout=TOOL_TIMEOUT_S)
+        except OSError as exc:
+            return CommandResult(tuple(argv), 127, b"", str(exc).encode())
+
+    def which(name: str) -> str | None:
+        if rooted:  # the simulated host's programs are fakes the System runs, not files on PATH
+            return name if run([name, "--version"]).returncode != 127 else None
+        return shutil.which(name)
+
+    return HostView(root=Path(root), euid=euid, which=which, run=run)
+
+
+def rooted_config(config: Config, host: HostView) -> Config:
+    """The config with its paths (data_dir, sockets, ca_file) as real paths under host.root."""
+    if host.root == Path("/"):
+        return config
+
+    def under(path: str | None) -> str | None:
+        return None if path is None else str(host.path(path))
+
+    cp = config.control_plane
+    return evolve(
+        config,
+        data_dir=str(host.path(config.data_dir)),
+        helper=evolve(config.helper, socket=under(config.helper.socket)),
+        control_plane=evolve(cp, unix_socket=under(cp.unix_socket), ca_file=under(cp.ca_file)),
+    )
+
+
+def config_file(config_path: str, host: HostView) -> Path:
+    """An absolute --config is a host path (under --root); a relative one is relative to the working
+    directory, as every command's file arguments are."""
+    return host.path(config_path) if config_path.startswith("/") else Path(config_path)
 
 
 def check_all(config_path: str, host: HostView) -> list[Finding]:
     findings: list[Finding] = []
-    config = _check_config(config_path, findings)
+    path = config_file(config_path, host)
+    config = rooted_config(_check_config(path, findings), host)
     if config.under_helper:
-        findings.append(_check_config_owner(config_path))
+        findings.append(_check_config_owner(str(path)))
     findings.extend(_check_data_dir(config))
-    findings.append(_check_helper(config))
+    findings.extend(_check_helper(config))
+    findings.extend(_check_control_plane(config))
+    findings.extend(_check_certificate(config, host))
+    findings.extend(_check_nvidia(host))
     findings.extend(_check_gpu_binding(config, host))
+    findings.extend(_check_kvm(host))
+    findings.extend(_check_cgroup(host))
     findings.extend(_check_vm_runtime(config, host))
     findings.extend(_check_libvirt_group(config, host))
     findings.extend(_check_ch(host))
     findings.extend(_check_kubernetes(config, host))
     findings.extend(_check_iommu(host))
     findings.append(_check_clock(host))
+    findings.append(_check_time_sync(host))
+    findings.extend(_check_units(host))
     if host.euid == 0 and config.under_helper:
         findings.extend(_check_join_binding(config, host))
     return findings
 
 
-def _check_config(path: str, findings: list[Finding]) -> Config:
+def _check_config(path: Path, findings: list[Finding]) -> Config:
+    fallback = Config(source=f"{path} (refused: defaults)")
+    meanwhile = "; the other checks use the defaults meanwhile"
     try:
-        config = load_config(path)
-    except ConfigError as e:
+        text = path.read_bytes()
+    except FileNotFoundError:
         findings.append(
             Finding(
                 "config",
                 "fail",
-                str(e),
-                "write the file with deploy/install.sh, or correct the key as docs/config.md says; "
-                "the other checks use the defaults meanwhile",
+                f"{path}: no such file",
+                f"write it with deploy/install.sh, or name another with --config or $BCD_CONFIG{meanwhile}",
             )
         )
-        return Config(source=f"{path} (refused: defaults)")
+        return fallback
+    except PermissionError:
+        findings.append(
+            Finding(
+                "config",
+                "fail",
+                f"{path}: permission denied",
+                "run bcd doctor as root or as a member of the bcd group (the file is root:bcd 0640)"
+                + meanwhile,
+            )
+        )
+        return fallback
+    except OSError as e:
+        findings.append(
+            Finding("config", "fail", f"{path}: {e.strerror}", f"{path} must be a regular file{meanwhile}")
+        )
+        return fallback
+    try:
+        config = parse_config(text.decode("utf-8", errors="strict"), str(path))
+    except UnicodeDecodeError:
+        findings.append(
+            Finding("config", "fail", f"{path}: is not UTF-8", f"write it as UTF-8 text{meanwhile}")
+        )
+        return fallback
+    except ConfigError as e:
+        findings.append(
+            Finding("config", "fail", str(e), f"correct the key as docs/config.md says{meanwhile}")
+        )
+        return fallback
     findings.append(Finding("config", "ok", f"{path} parses"))
     return config
 
@@ -147,19 +316,46 @@ def _check_config_owner(path: str) -> Finding:
 
 def _check_data_dir(config: Config) -> list[Finding]:
     data_dir = Path(config.data_dir)
-    fix = f"chmod 0700 {data_dir} (owned by the node's account; deploy/install.sh makes it)"
+    make = f"install -d -m 0700 -o bcd -g bcd {data_dir} (deploy/install.sh makes it)"
     try:
         st = data_dir.stat()
     except FileNotFoundError:
-        return [Finding("data-dir", "fail", f"{data_dir} does not exist", f"run deploy/install.sh, or {fix}")]
+        return [Finding("data-dir", "fail", f"{data_dir} does not exist", f"create it: {make}")]
+    except PermissionError:
+        return [
+            Finding(
+                "data-dir",
+                "fail",
+                f"{data_dir}: permission denied",
+                "run bcd doctor as root or as the node's account (bcd): data_dir is 0700",
+            )
+        ]
     except OSError as e:
-        return [Finding("data-dir", "fail", f"{data_dir}: {e.strerror}", fix)]
+        return [
+            Finding("data-dir", "fail", f"{data_dir}: {e.strerror}", f"correct data_dir in {config.source}")
+        ]
     if not stat.S_ISDIR(st.st_mode):
-        return [Finding("data-dir", "fail", f"{data_dir} is not a directory", fix)]
+        return [
+            Finding(
+                "data-dir",
+                "fail",
+                f"{data_dir} is not a directory",
+                f"move the file aside (mv {data_dir} {data_dir}.old) and create the directory: {make}; "
+                f"or correct data_dir in {config.source}",
+            )
+        ]
     findings = []
     mode = stat.S_IMODE(st.st_mode)
-    if mode & 0o077:
-        findings.append(Finding("data-dir", "fail", f"{data_dir} is mode {mode:04o}, not 0700", fix))
+    if mode & 0o066:
+        findings.append(
+            Finding("data-dir", "fail", f"{data_dir} is mode {mode:04o}, not 0700", f"chmod 0700 {data_dir}")
+        )
+    elif mode & 0o011:
+        # The search bit alone: the libvirt-kvm runtime lets QEMU's user reach its disks (DLV-QFA-01,
+        # DLV-HLP-14); listing stays closed and bcd's own files are 0600 (DLV-QFA-04).
+        findings.append(
+            Finding("data-dir", "ok", f"{data_dir} is {mode:04o} (search only, for QEMU), uid {st.st_uid}")
+        )
     else:
         findings.append(Finding("data-dir", "ok", f"{data_dir} is 0700, owned by uid {st.st_uid}"))
     for name in ("journal.db", "identity.json"):
@@ -169,14 +365,22 @@ def _check_data_dir(config: Config) -> list[Finding]:
         except FileNotFoundError:
             continue
         except OSError as e:
-            findings.append(Finding("data-files", "fail", f"{p}: {e.strerror}", f"check {data_dir}'s owner"))
+            findings.append(
+                Finding("data-files", "fail", f"{p}: {e.strerror}", f"check {data_dir}'s owner", subject=name)
+            )
             continue
         if fmode & 0o077:
             findings.append(
-                Finding("data-files", "fail", f"{p} is mode {fmode:04o}, not 0600", f"chmod 0600 {p}")
+                Finding(
+                    "data-files",
+                    "fail",
+                    f"{p} is mode {fmode:04o}, not 0600",
+                    f"chmod 0600 {p}",
+                    subject=name,
+                )
             )
         else:
-            findings.append(Finding("data-files", "ok", f"{p} is 0600"))
+            findings.append(Finding("data-files", "ok", f"{p} is 0600", subject=name))
     if config.identity_path.exists():
         findings.append(Finding("identity", "ok", f"joined: {config.identity_path} is there"))
     else:
@@ -192,18 +396,333 @@ def _check_data_dir(config: Config) -> list[Finding]:
     return findings
 
 
-def _check_helper(config: Config) -> Finding:
+def _check_helper(config: Config) -> list[Finding]:
+    """The helper's socket accepts (`helper`), and its helper.ping answer names the node's version
+    (`helper-version`)."""
+    from bcd_shared.errors import HelperRefused
+    from bcd_shared.version import VERSION
+
+    from bcd_agent.helperclient import HelperClient
+
     path = config.helper.socket
     if path is None:
-        return Finding("helper", "ok", "no [helper] socket: the node acts itself (as root) or takes no holds")
+        return [
+            Finding("helper", "ok", "no [helper] socket: the node acts itself (as root) or takes no holds")
+        ]
     fix = f"start the helper (systemctl start bcd-helper), or correct [helper] socket ({path})"
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(2.0)
         try:
             sock.connect(path)
         except OSError as e:
-            return Finding("helper", "fail", f"nothing accepts on {path}: {e.strerror or e}", fix)
-    return Finding("helper", "ok", f"the helper accepts on {path}")
+            return [Finding("helper", "fail", f"nothing accepts on {path}: {e.strerror or e}", fix)]
+    findings = [Finding("helper", "ok", f"the helper accepts on {path}")]
+    client = HelperClient(path, connect_timeout=2.0)
+    try:
+        answer = client.call("helper.ping", timeout=3.0)
+    except HelperRefused as e:
+        findings.append(
+            Finding(
+                "helper-version",
+                "warn",
+                f"the helper on {path} did not answer helper.ping: {e}",
+                "systemctl status bcd-helper; journalctl -u bcd-helper",
+            )
+        )
+        return findings
+    finally:
+        client.close()
+    theirs = str(answer.get("version", "")) or "older than 0.1.0 (its ping names no version)"
+    if theirs == VERSION:
+        findings.append(Finding("helper-version", "ok", f"the helper is bcd {theirs}, as the node is"))
+    else:
+        findings.append(
+            Finding(
+                "helper-version",
+                "warn",
+                f"the helper is bcd {theirs}, the node bcd {VERSION}",
+                "upgrade bcd-helper and bcd-node together (same release), then systemctl restart bcd-helper",
+            )
+        )
+    return findings
+
+
+def _split_address(address: str) -> tuple[str, int] | None:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return None
+    return host.strip("[]"), int(port)
+
+
+def _check_control_plane(config: Config) -> list[Finding]:
+    """The gateway accepts connections (TCP or Unix socket; no TLS handshake: that is the session's)."""
+    from bcd_agent.session import identity as ident
+
+    cp = config.control_plane
+    address = cp.address
+    if cp.unix_socket is None and address is None and config.identity_path.exists():
+        try:
+            address = ident.load(config.data_dir).address or None
+        except ident.IdentityError:
+            address = None
+    fix = "check [control_plane] in config.toml, the network path and the firewall to the gateway"
+    try:
+        if cp.unix_socket is not None or (address is not None and address.startswith("unix:")):
+            where = cp.unix_socket or (address or "").removeprefix("unix:")
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.settimeout(3.0)
+                sock.connect(where)
+            return [Finding("control-plane", "ok", f"the control plane accepts on unix:{where}")]
+        if address is None:
+            return [
+                Finding(
+                    "control-plane",
+                    "warn",
+                    "no control plane: neither [control_plane] address nor unix_socket, and not joined",
+                    "run `bcd join --token TOKEN --address HOST:PORT`, or set [control_plane] address",
+                )
+            ]
+        parts = _split_address(address)
+        if parts is None:
+            return [Finding("control-plane", "fail", f"{address!r} is not HOST:PORT", fix)]
+        with socket.create_connection(parts, timeout=3.0):
+            pass
+    except OSError as e:
+        shown = address or f"unix:{cp.unix_socket}"
+        return [Finding("control-plane", "fail", f"cannot connect to {shown}: {e.strerror or e}", fix)]
+    return [Finding("control-plane", "ok", f"the control plane accepts on {address}")]
+
+
+def _check_certificate(config: Config, host: HostView) -> list[Finding]:
+    """The node certificate in identity.json: expired (fail), expiring within 14 days (warn)."""
+    from cryptography import x509
+
+    from bcd_agent.session import identity as ident
+
+    if not config.identity_path.exists():
+        return []
+    rejoin = "bcd join --reset --yes --token TOKEN --address ADDRESS (a new certificate)"
+    try:
+        identity = ident.load(config.data_dir)
+        cert = x509.load_der_x509_certificate(identity.certificate_chain[0])
+    except (ident.IdentityError, ValueError, OSError) as e:
+        return [Finding("certificate", "fail", f"{config.identity_path}: {e}", f"restore it, or {rejoin}")]
+    not_after = cert.not_valid_after_utc.timestamp()
+    left_days = (not_after - host.wall_clock()) / 86400
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(not_after))
+    if left_days < 0:
+        return [Finding("certificate", "fail", f"the node certificate expired on {when}", rejoin)]
+    if left_days < CERT_WARN_DAYS:
+        return [
+            Finding(
+                "certificate",
+                "warn",
+                f"the node certificate expires on {when}, in {left_days:.1f} days",
+                f"let the node renew it while connected, or {rejoin}",
+            )
+        ]
+    return [
+        Finding("certificate", "ok", f"the node certificate is valid until {when} ({int(left_days)} days)")
+    ]
+
+
+def _pci_nvidia_gpus(host: HostView) -> list[str]:
+    """PCI functions of vendor NVIDIA (0x10de) and class display (0x03xxxx): GPUs, driver or not."""
+    base = host.path("/sys/bus/pci/devices")
+    found = []
+    try:
+        entries = sorted(base.iterdir())
+    except OSError:
+        return []
+    for dev in entries:
+        try:
+            vendor = (dev / "vendor").read_text().strip()
+            klass = (dev / "class").read_text().strip()
+        except OSError:
+            continue
+        if vendor == "0x10de" and klass.startswith("0x03"):
+            found.append(dev.name)
+    return found
+
+
+def _check_nvidia(host: HostView) -> list[Finding]:
+    """nvidia-smi and the driver: GPUs with a driver that answers, or why not."""
+    pci = _pci_nvidia_gpus(host)
+    version_file = host.path("/proc/driver/nvidia/version")
+    try:
+        driver = version_file.read_text().splitlines()[0].strip()
+    except (OSError, IndexError):
+        driver = ""
+    if host.which("nvidia-smi") is None:
+        if pci:
+            return [
+                Finding(
+                    "nvidia",
+                    "fail",
+                    f"{len(pci)} NVIDIA GPU(s) on the PCI bus ({', '.join(pci[:4])}) but no nvidia-smi: "
+                    "bcd sees no GPU and binds no hold",
+                    "install the NVIDIA driver and its utilities (the host's nvidia-driver unit, or "
+                    "apt-get install nvidia-driver nvidia-smi)",
+                )
+            ]
+        return [Finding("nvidia", "ok", "no NVIDIA GPU and no nvidia-smi: this host takes no GPU holds")]
+    res = host.run(["nvidia-smi", "-L"])
+    if not res.ok:
+        detail = (res.stdout + res.stderr).decode(errors="replace").strip().splitlines()
+        why = detail[0] if detail else f"exit status {res.returncode}"
+        if not pci and not driver:  # the utilities without a GPU or a driver: nothing to hold here
+            return [
+                Finding(
+                    "nvidia",
+                    "warn",
+                    f"nvidia-smi is installed but fails ({why}), and no NVIDIA GPU is on the PCI bus",
+                    "nothing to do on a host without GPUs; else check the GPU is seated and powered (lspci)",
+                )
+            ]
+        return [
+            Finding(
+                "nvidia",
+                "fail",
+                f"nvidia-smi fails: {why}"
+                + ("" if driver else " (no driver loaded: /proc/driver/nvidia missing)"),
+                "load the driver (modprobe nvidia; dmesg says why it failed), or reinstall the driver "
+                "matching the running kernel",
+            )
+        ]
+    gpus = [line for line in res.stdout.decode(errors="replace").splitlines() if line.startswith("GPU ")]
+    shown = f"; driver: {driver}" if driver else ""
+    return [Finding("nvidia", "ok", f"nvidia-smi answers: {len(gpus)} GPU(s){shown}")]
+
+
+def _group_name(host: HostView, gid: int) -> str:
+    try:
+        for line in host.path("/etc/group").read_text().splitlines():
+            fields = line.split(":")
+            if len(fields) >= 3 and fields[2] == str(gid):
+                return fields[0]
+    except OSError:
+        pass
+    return str(gid)
+
+
+def _check_kvm(host: HostView) -> list[Finding]:
+    """/dev/kvm: a character device, crw-rw---- root:kvm as udev makes it."""
+    path = host.path("/dev/kvm")
+    fix = "enable virtualization (VT-x/AMD-V) in the firmware and load kvm_intel or kvm_amd"
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return [
+            Finding(
+                "kvm", "warn", "no /dev/kvm: VMs would run without KVM (TCG, far slower) or not at all", fix
+            )
+        ]
+    except OSError as e:
+        return [Finding("kvm", "warn", f"/dev/kvm: {e.strerror}", fix)]
+    mode = stat.S_IMODE(st.st_mode)
+    group = _group_name(host, st.st_gid)
+    shown = f"{stat.filemode(st.st_mode)} uid {st.st_uid} group {group}"
+    if not stat.S_ISCHR(st.st_mode):
+        return [
+            Finding("kvm", "fail", f"/dev/kvm is not a character device ({shown})", f"remove it and {fix}")
+        ]
+    if mode & 0o006:
+        return [
+            Finding(
+                "kvm",
+                "warn",
+                f"/dev/kvm is open to every user ({shown})",
+                "chmod 0660 /dev/kvm and chgrp kvm /dev/kvm (udev's 50-udev-default.rules does)",
+            )
+        ]
+    return [Finding("kvm", "ok", f"/dev/kvm is {shown}")]
+
+
+def _check_cgroup(host: HostView) -> list[Finding]:
+    """cgroup v2 with the controllers hold slices use."""
+    base = host.path("/sys/fs/cgroup")
+    controllers_file = base / "cgroup.controllers"
+    try:
+        controllers = controllers_file.read_text().split()
+    except FileNotFoundError:
+        # cgroup v1 (or hybrid) mounts one hierarchy per controller: /sys/fs/cgroup/memory, .../cpu, ...
+        if any((base / name).is_dir() for name in ("memory", "cpu", "cpuset", "pids", "devices")):
+            return [
+                Finding(
+                    "cgroup",
+                    "fail",
+                    "the cgroup hierarchy is v1 or hybrid: hold slices need the unified one (cgroup v2)",
+                    "boot with systemd.unified_cgroup_hierarchy=1 (the default of systemd 247 and later)",
+                )
+            ]
+        return [
+            Finding(
+                "cgroup",
+                "warn",
+                "no cgroup.controllers at /sys/fs/cgroup: the controllers cannot be checked",
+                "mount cgroup2 on /sys/fs/cgroup",
+            )
+        ]
+    except OSError as e:
+        return [Finding("cgroup", "warn", f"{controllers_file}: {e.strerror}", "run bcd doctor as root")]
+    missing = [c for c in CGROUP_CONTROLLERS if c not in controllers]
+    if missing:
+        return [
+            Finding(
+                "cgroup",
+                "warn",
+                f"cgroup v2 without the {', '.join(missing)} controller(s): holds with those limits fail",
+                "enable them in the kernel (cgroup_enable=, or a kernel built with them)",
+            )
+        ]
+    return [Finding("cgroup", "ok", f"cgroup v2 with {', '.join(CGROUP_CONTROLLERS)}")]
+
+
+def _check_time_sync(host: HostView) -> Finding:
+    state = host.time_sync()
+    if state is None:
+        return Finding("time-sync", "warn", "the clock's sync state cannot be read (adjtimex failed)", "")
+    if state.synchronized:
+        return Finding(
+            "time-sync",
+            "ok",
+            f"the clock is synchronized (adjtimex {state.state}, "
+            f"max error {state.max_error_us / 1000:.0f} ms)",
+        )
+    return Finding(
+        "time-sync",
+        "warn",
+        f"the clock is not synchronized (adjtimex {state.state}, STA_UNSYNC): certificate and signature "
+        "times drift",
+        "enable NTP: timedatectl set-ntp true (or start chronyd / systemd-timesyncd)",
+    )
+
+
+def _check_units(host: HostView) -> list[Finding]:
+    """bcd-helper.service and bcd-node.service: active, enabled."""
+    if host.which("systemctl") is None:
+        return [Finding("units", "ok", "no systemctl (a container?): the units were not checked")]
+    findings = []
+    for unit in UNITS:
+        res = host.run(["systemctl", "is-active", unit])
+        active = res.stdout.decode(errors="replace").strip()
+        if not active:  # "System has not been booted with systemd", "Failed to connect to bus"
+            err = res.stderr.decode(errors="replace").strip().splitlines()
+            why = f": {err[0]}" if err else ""
+            return [
+                Finding("units", "ok", f"the units were not checked: systemctl cannot reach systemd{why}")
+            ]
+        enabled = host.run(["systemctl", "is-enabled", unit]).stdout.decode(errors="replace").strip()
+        shown = f"{unit} is {active or 'unknown'} ({enabled or 'unknown'})"
+        if active == "active":
+            level: Level = "ok" if enabled == "enabled" else "warn"
+            fix = "" if level == "ok" else f"systemctl enable {unit} (it would not start at boot)"
+        elif active == "failed":
+            level, fix = "fail", f"journalctl -u {unit} says why; then systemctl restart {unit}"
+        else:
+            level, fix = "warn", f"systemctl enable --now {unit}"
+        findings.append(Finding("units", level, shown, fix, subject=unit))
+    return findings
 
 
 def _node_uid(config: Config, host: HostView) -> int:
@@ -268,7 +787,8 @@ def _check_ch(host: HostView) -> list[Finding]:
     if binary is None:
         return []
     out: list[Finding] = []
-    text = host.version_of(binary)
+    answer = host.run([binary, "--version"])
+    text = answer.stdout.decode(errors="replace").strip() if answer.ok else ""
     version = parse_version(text) if text else None
     minimum = f"v{MIN_VERSION[0]}.{MIN_VERSION[1]}"
     if version is None:
@@ -558,19 +1078,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def render(findings: list[Finding]) -> str:
     lines = []
     for f in findings:
-        lines.append(f"{f.level:<4}  {f.check:<16} {f.message}")
+        lines.append(f"{f.level:<4}  {f.id:<24} {f.message}")
         if f.fix and f.level != "ok":
-            lines.append(f"{'':<6}{'':<16} fix: {f.fix}")
+            lines.append(f"{'':<6}{'':<24} fix: {f.fix}")
     return "\n".join(lines) + "\n"
 
 
+def to_json(findings: list[Finding], *, root: str, config: str) -> dict[str, object]:
+    """The --json document (format 1; docs/operations.md "bcd doctor --json")."""
+    from bcd_shared.version import VERSION
+
+    counts = {level: sum(f.level == level for f in findings) for level in ("ok", "warn", "fail")}
+    return {
+        "format": JSON_FORMAT,
+        "ok": counts["fail"] == 0,
+        "version": VERSION,
+        "root": root,
+        "config": config,
+        "counts": counts,
+        "findings": [f.to_json() for f in findings],
+    }
+
+
 def run(args: argparse.Namespace) -> int:
-    host = HostView(root=Path(args.root), euid=os.geteuid())
-    findings = check_all(args.config or default_config_path(), host)
+    host = host_view(args.root, os.geteuid())
+    config_path = args.config or default_config_path()
+    findings = check_all(config_path, host)
     failed = any(f.level == "fail" for f in findings)
     if args.json:
-        doc = {"version": VERSION, "ok": not failed, "findings": [asdict(f) for f in findings]}
-        json.dump(doc, sys.stdout, indent=None)
+        doc = to_json(findings, root=args.root, config=config_path)
+        json.dump(doc, sys.stdout, indent=None, sort_keys=True)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(f"bcd doctor {VERSION}\n" + render(findings))

@@ -122,22 +122,24 @@ class HelperClient:
             self._sock = sock
         return self._sock
 
-    def call(self, op: str, args: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Send one request; the result on success, else HelperRefused."""
+    def call(
+        self, op: str, args: Mapping[str, Any] | None = None, *, timeout: float | None = None
+    ) -> dict[str, Any]:
+        """Send one request; the result on success, else HelperRefused. `timeout` replaces the op's."""
         if self.stats is None:
-            return self._call(op, args)
+            return self._call(op, args, timeout)
         self.stats.called(op)
         try:
-            return self._call(op, args)
+            return self._call(op, args, timeout)
         except HelperRefused as exc:
             self.stats.refused(op, exc.reason)
             raise
 
-    def _call(self, op: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
+    def _call(self, op: str, args: Mapping[str, Any] | None, timeout: float | None) -> dict[str, Any]:
         body = json.dumps({"op": op, "args": dict(args or {})}, separators=(",", ":")).encode()
         if len(body) > MAX_FRAME:
             raise HelperRefused("too-large", f"helper: {op}: request of {len(body)} bytes is too large")
-        wait = OP_TIMEOUT_S.get(op, 60.0) + CONNECTION_SLACK_S
+        wait = timeout if timeout is not None else OP_TIMEOUT_S.get(op, 60.0) + CONNECTION_SLACK_S
         with self._lock:
             try:
                 sock = self._connect()

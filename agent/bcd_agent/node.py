@@ -49,6 +49,8 @@ log = logging.getLogger("bcd.node")
 
 # Q-DLV-REC-01 (docs/journal.md): the journal is swept at start, right after recover, and then daily.
 SWEEP_INTERVAL_S = 24 * 3600.0
+# Under bcd helper: how often the helper's audit head is read for the StatusReport (docs/helper.md).
+AUDIT_HEAD_INTERVAL_S = 300.0
 
 
 @frozen
@@ -82,12 +84,12 @@ def acts_on_host(helper_socket: str | None, euid: int, root: str) -> bool:
     return helper_socket is not None or euid == 0 or root != "/"
 
 
-def device_capabilities(devices_section: bool, acts_on_host: bool) -> tuple[str, ...]:
+def device_capabilities(devices_section: bool, acts_on_host: bool, nvml: bool = False) -> tuple[str, ...]:
     """What Hello advertises for holds. An unprivileged node without a helper takes no holds and says
-    so: no cdi, devices.limits or binding.kubernetes capability (DEV-CAP-01, DEV-UNPRIV-02)."""
-    if devices_section and acts_on_host:
-        return ("cdi", "devices.limits", "binding.kubernetes")
-    return ()
+    so: no cdi, devices.limits or binding.kubernetes capability (DEV-CAP-01, DEV-UNPRIV-02); `nvml`
+    whenever nvidia-smi answered, privileged or not (devices-and-holds.md "Hello claims nothing")."""
+    holds = ("cdi", "devices.limits", "binding.kubernetes") if devices_section and acts_on_host else ()
+    return (*holds, "nvml") if nvml else holds
 
 
 class Node:
@@ -119,6 +121,7 @@ class Node:
         self._parts_scope = trio.CancelScope(shield=True)
         self._lanes_scope = trio.CancelScope()
         self._session_scope = trio.CancelScope()
+        self._has_devices = False
 
     # --- composition ----------------------------------------------------------------------------------
 
@@ -149,9 +152,13 @@ class Node:
 
     def _helper_socket(self) -> str | None:
         sock = self.config.helper.socket
-        if sock is None or self.options.root == "/":
-            return sock
-        return str(Path(self.options.root) / sock.lstrip("/"))
+        return None if sock is None else self._host_socket(sock)
+
+    def _host_socket(self, path: str) -> str:
+        """A socket path of the host: under --root on a simulated host."""
+        if self.options.root == "/":
+            return path
+        return str(Path(self.options.root) / path.lstrip("/"))
 
     def _acts_on_host(self) -> bool:
         return acts_on_host(self._helper_socket(), os.geteuid(), self.options.root)
@@ -178,6 +185,8 @@ class Node:
         except ImportError as exc:  # a build without the devices section
             log.info("node: no devices section: %s", exc)
         else:
+            from bcd_agent.sections.devices.kube import PodResourcesClient
+
             helper = self._helper_socket()
             privileged = self._acts_on_host()
             if helper is not None:
@@ -185,7 +194,15 @@ class Node:
             else:
                 executor = DirectExecutor(system)
             devices = DevicesSection(
-                system, executor, sink, signer, self._records_dir(), privileged=privileged
+                system,
+                executor,
+                sink,
+                signer,
+                self._records_dir(),
+                privileged=privileged,
+                # Asked before a Kubernetes hold's release is reported (DEV-K8S; [devices]
+                # pod_resources_socket); without it a release would stay pending for ever.
+                pod_resources=PodResourcesClient(self._host_socket(self.config.devices.pod_resources_socket)),
             )
             sections.append(devices)
             if self.metrics is not None:
@@ -242,7 +259,7 @@ class Node:
         from bcd_agent.sections import access as ax
 
         if self._helper_socket() is not None:
-            executor: Any = ax.HelperExecutor(self._helper_client(), self._kept_intent)
+            executor: Any = ax.HelperExecutor(self._helper_client(), self._kept_intent, system)
         else:
             executor = ax.DirectExecutor(system, root_principals=self.config.helper.root_principals)
         self.access_section = ax.AccessSection(executor, identity.node_id, data_dir=self.config.data_dir)
@@ -368,6 +385,25 @@ class Node:
                 raise RetryableError("RootOnly", str(exc)) from None
 
         return guard
+
+    async def _read_audit_head(self) -> None:
+        """Under bcd helper: read the helper's audit head (op audit.head) every AUDIT_HEAD_INTERVAL_S and
+        hand it to the runner, whose next StatusReport carries it (issue 9 item 6). Reading it lets the
+        helper rotate away the lines up to it, so it is read only here, to be reported."""
+        client = self._helper_client()
+        try:
+            while True:
+                try:
+                    result = await trio.to_thread.run_sync(client.call, "audit.head", {})
+                    head = (int(result["seq"]), str(result["sha256"]))
+                except Exception as exc:  # unreachable helper, an old one without the op: try again later
+                    log.warning("node: cannot read the helper's audit head: %s", exc)
+                else:
+                    if self.runner is not None:
+                        self.runner.set_audit_head(head)
+                await trio.sleep(AUDIT_HEAD_INTERVAL_S)
+        finally:
+            client.close()
 
     def _host_changed(self) -> None:
         """A host unit changed the host (runner worker thread): read the inventory again (hash, heartbeat)
@@ -513,7 +549,11 @@ class Node:
         system = self._system()
         boot_id = _boot_id(system)
         journal = Journal.open(
-            cfg.data_dir, boot_id=boot_id, max_events=cfg.journal.max_events, max_bytes=cfg.journal.max_bytes
+            cfg.data_dir,
+            boot_id=boot_id,
+            max_events=cfg.journal.max_events,
+            max_bytes=cfg.journal.max_bytes,
+            group_commit=cfg.journal.group_commit,
         )
         self.journal = journal
         try:
@@ -566,10 +606,16 @@ class Node:
             )
             from bcd_agent.sections.instances.section import capabilities as instance_capabilities
 
+            has_devices = any(s.name == "devices" for s in sections)
+            # `nvml` when nvidia-smi answers: `nvidia-smi -L` once before Hello (bounded); the full
+            # inventory read stays off the path to Hello (_first_inventory), and a later read that
+            # finds nvidia-smi answering (or no longer) changes the next Hello's capabilities.
+            nvml = await trio.to_thread.run_sync(nvml_answers, system)
             core.capabilities = device_capabilities(
-                any(s.name == "devices" for s in sections), self._acts_on_host()
+                has_devices, self._acts_on_host(), nvml
             ) + instance_capabilities(self.runtimes)
             core.runtimes = self.runtimes
+            self._has_devices = has_devices
             self.runner = ConvergeRunner(
                 sections,
                 self._observer(system),
@@ -651,6 +697,8 @@ class Node:
                 nursery.start_soon(sweep_periodically, journal, self.options.sweep_interval_s, self._swept)
                 # The first inventory read (the heartbeat's hash) off the path to Hello.
                 nursery.start_soon(self._first_inventory)
+                if self._helper_socket() is not None:
+                    nursery.start_soon(self._read_audit_head)
                 notifier.ready(f"node {node_id}")
                 if notifier.watchdog_interval_s is not None:
                     nursery.start_soon(_watchdog, notifier, notifier.watchdog_interval_s)
@@ -716,6 +764,9 @@ class Node:
                 log.warning("node: the first inventory read failed", exc_info=True)
 
     def _inventory_changed(self) -> None:
+        gpus = self.inventory.gpus if self.inventory is not None else None
+        if self.core is not None and gpus is not None:
+            self.core.capabilities = device_capabilities(self._has_devices, self._acts_on_host(), gpus.nvml)
         if self.session is not None:
             self.session.heartbeat_soon()
 
@@ -730,6 +781,16 @@ async def _scoped(
     """Run `service` (a nursery.start service) inside `scope`, so it can be stopped on its own."""
     with scope:
         await service(task_status=task_status)
+
+
+def nvml_answers(system: Any) -> bool:
+    """Whether nvidia-smi answers (`nvidia-smi -L` exits 0): Hello's `nvml` capability."""
+    from bcd_agent.inventory.gpus import NVIDIA_SMI, TOOL_TIMEOUT_S
+
+    try:
+        return bool(system.run([NVIDIA_SMI, "-L"], timeout=min(TOOL_TIMEOUT_S, 10.0)).ok)
+    except OSError:
+        return False
 
 
 async def sweep_periodically(journal: Any, interval_s: float, swept: Callable[[int], None]) -> None:
@@ -833,7 +894,6 @@ def run(args: argparse.Namespace) -> int:
         config,
         NodeOptions(root=args.root, test_kinds=args.test_kinds, test_effect_delay_s=args.test_effect_delay),
     )
-    log.info("%s", start_line(args.config, config, args.root, os.geteuid()))
 
     async def main() -> None:
         from bcd_shared.sdnotify import Notifier
@@ -841,6 +901,9 @@ def run(args: argparse.Namespace) -> int:
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
+                # Once started (journal open, identity loaded): a node that cannot start says so in
+                # its one error line alone.
+                log.info("%s", start_line(args.config, config, args.root, os.geteuid()))
                 async for signum in signals:
                     log.info("bcd node: %s received, stopping", signal.Signals(signum).name)
                     Notifier().stopping()
@@ -873,10 +936,11 @@ def helper_mode(config: Config, root: str, euid: int) -> str:
 
 
 def start_line(config_path: object, config: Config, root: str, euid: int) -> str:
-    """The node's start-up log line: version, config path, data_dir, root, helper mode."""
+    """The node's start-up log line (once it has started): version, config path, data_dir, root, helper
+    mode."""
     where = f", root {root}" if root != "/" else ""
     return (
-        f"bcd node {VERSION} starting: config {config_path}, data_dir {config.data_dir}{where},"
+        f"bcd node {VERSION} started: config {config_path}, data_dir {config.data_dir}{where},"
         f" host changes {helper_mode(config, root, euid)}"
     )
 

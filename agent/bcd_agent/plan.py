@@ -311,7 +311,7 @@ class SectionPlan:
     """What one section would do: its steps (described), and why it would stop, if it would."""
 
     section: str
-    planner: str  # "host units", "devices", "access", "telemetry", or "none" (no converger in this build)
+    planner: str  # "host units", "devices", "instances", "access", "telemetry", or "none" (no converger)
     steps: tuple[str, ...] = ()
     failures: tuple[str, ...] = ()
     conditions: tuple[str, ...] = ()
@@ -414,6 +414,53 @@ def plan_devices(payload: object | None, generation: int, system: System, data_d
     return SectionPlan(
         "devices", "devices", steps, failures, conditions, tuple(the_plan.warnings) + holders, binds, releases
     )
+
+
+def plan_instances(payload: object | None, generation: int, system: System, data_dir: str) -> SectionPlan:
+    """The instances section's dry run: its runtimes list (read-only), then the pure planner. User data
+    is never fetched in a dry run: instances that need it show as waiting for it."""
+    from bcd_agent.sections.instances import plan as ip
+    from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, LibvirtRuntime
+    from bcd_agent.sections.instances.section import InstancesSection, runtimes_on_path
+
+    root = system.root
+    if root != Path("/") and Path(data_dir).is_relative_to(root):
+        data_dir = "/" + str(Path(data_dir).relative_to(root))
+    simulated = root != Path("/")
+    runtimes = (
+        [LibvirtRuntime(system, DirectVirsh(system), data_dir)] if simulated or runtimes_on_path() else []
+    )
+    section = InstancesSection(system, runtimes, data_dir)
+    try:
+        the_plan = section.plan(payload, generation)
+    except StepError as e:
+        return SectionPlan(
+            "instances", "instances", notes=(f"cannot observe the host: {e.reason}: {e.message}",)
+        )
+    if the_plan.section_error is not None:
+        return SectionPlan("instances", "instances", failures=(the_plan.section_error,))
+
+    def describe(step: object) -> str:
+        if isinstance(step, ip.Create):
+            i = step.instance
+            what = f"{i.vcpus} vCPUs, {i.memory_bytes >> 20} MiB"
+            if i.image is not None:
+                what += f", image {i.image.sha256[:12]} ({i.image.format})"
+            if step.gpu_addresses:
+                what += f", GPUs {', '.join(step.gpu_addresses)}"
+            return f"define {i.id} ({what})"
+        if isinstance(step, ip.Grow):
+            return f"grow {step.instance.id}'s disk to {step.instance.disk_bytes} bytes"
+        if isinstance(step, ip.Start):
+            return f"start {step.name}{' paused' if step.paused else ''}"
+        return f"{type(step).__name__.lower()} {getattr(step, 'name', '')}"
+
+    steps = tuple(describe(s) for s in the_plan.steps)
+    failures = tuple(f"{i}: {m}" for i, m in the_plan.errors.items())
+    notes = tuple(f"{i}: {m}" for i, m in {**the_plan.waiting, **the_plan.notes}.items()) + tuple(
+        the_plan.warnings
+    )
+    return SectionPlan("instances", "instances", steps, failures, (), notes)
 
 
 def device_changes(the_plan: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
@@ -549,6 +596,8 @@ def plan_all(
             out.append(SectionPlan("host", "none", notes=() if payload_is_empty(payload) else (note,)))
         elif name == "devices":
             out.append(plan_devices(payload, desired.generation, system, data_dir))
+        elif name == "instances":
+            out.append(plan_instances(payload, desired.generation, system, data_dir))
         elif name == "telemetry":
             out.append(plan_telemetry(payload))
         elif name == "access":

@@ -77,6 +77,21 @@ class SimError(Exception):
     """The simulation could not run (a child died, a join failed): the message says which and why."""
 
 
+class Stopped(Exception):
+    """SIGINT or SIGTERM stopped the simulation (every child was stopped first)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+async def _stop_on_signal(signals: Any, scope: trio.CancelScope, stopped: list[int]) -> None:
+    async for signum in signals:
+        stopped.append(signum)
+        scope.cancel()
+        return
+
+
 # --- layout -----------------------------------------------------------------------------------------------
 
 
@@ -608,74 +623,83 @@ async def simulate(
     tty = out.isatty() and not opts.json
     started = time.monotonic()
 
-    async with trio.open_nursery() as nursery:
-        plane = DevPlane(layout.plane_dir, listen=None, unix_socket=layout.gateway_socket)
-        await nursery.start(plane.run)
-        if node_user is not None:
-            os.chown(layout.gateway_socket, node_user, node_user)
-        if helper:
-            write_root_config(layout, node_uid=node_user, join_pin=plane.join_pin)
-            helper_child = Child("bcd helper", tuple(bcd_argv("helper", "serve", "--root", str(layout.root))),
-                                 layout.log_dir / "helper.log")  # fmt: skip
-            proc = await nursery.start(supervise, helper_child)
-            await wait_for_socket(
-                layout.root / layout.helper_socket_host_path.lstrip("/"), proc, "bcd helper"
-            )
-        if not (layout.data_dir / "identity.json").exists():
-            token = plane.issue_token()
-            # `--token=T`: a token is URL-safe base64 and may begin with `-`, which argparse would
-            # take for an option.
-            await run_once(
-                bcd_argv("join", f"--token={token}", "--address", f"unix:{layout.gateway_socket}",
-                         "--config", str(layout.node_config), "--root", str(layout.root)),
-                layout.log_dir / "join.log",
-                user=node_user,
-            )  # fmt: skip
-        node_id = plane.default_node()
-        # A re-run keeps the control plane's record: the same spec keeps its generation, and the report
-        # stored is the previous run's. Forget it, so that only this run's node can settle the view.
-        forget_status(plane, node_id)
-        node_child = Child("bcd node", tuple(bcd_argv("node", "--config", str(layout.node_config),
-                                                      "--root", str(layout.root))),
-                           layout.log_dir / "node.log", user=node_user)  # fmt: skip
-        node_proc = await nursery.start(supervise, node_child)
-        generation = plane.apply_spec(node_id, spec)
-        if on_started is not None:
-            on_started(layout, plane)
-        if not opts.json:
-            out.write(
-                f"bcd sim: node {node_id} on {layout.root}; applied {opts.spec} as generation {generation}\n"
-            )
-            out.flush()
-        previous: SimView | None = None
-        deadline = started + opts.timeout_s
-        timed_out = False
-        settler = Settler(opts.settle_s)
-        while True:
-            view = plane_view(plane, node_id)
-            version = node_status_version(layout.data_dir)
-            # data_dir/status.json of an earlier run's node (another pid) says nothing about this run.
-            current = version is not None and version[0] == node_proc.pid
-            settled = settler.update(view, version, time.monotonic(), current=current)
+    # SIGINT and SIGTERM arrive as messages (not as KeyboardInterrupt raised wherever the main thread
+    # happens to be: raised inside the control plane's grpclib/asyncio code it could be lost, and
+    # `bcd sim` then never stopped): the nursery is cancelled, every child stopped, then Stopped.
+    stopped: list[int] = []
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope, stopped)
+            plane = DevPlane(layout.plane_dir, listen=None, unix_socket=layout.gateway_socket)
+            await nursery.start(plane.run)
+            if node_user is not None:
+                os.chown(layout.gateway_socket, node_user, node_user)
+            if helper:
+                write_root_config(layout, node_uid=node_user, join_pin=plane.join_pin)
+                helper_argv = bcd_argv("helper", "serve", "--root", str(layout.root))
+                helper_child = Child("bcd helper", tuple(helper_argv), layout.log_dir / "helper.log")
+                proc = await nursery.start(supervise, helper_child)
+                await wait_for_socket(
+                    layout.root / layout.helper_socket_host_path.lstrip("/"), proc, "bcd helper"
+                )
+            if not (layout.data_dir / "identity.json").exists():
+                token = plane.issue_token()
+                # `--token=T`: a token is URL-safe base64 and may begin with `-`, which argparse would
+                # take for an option.
+                await run_once(
+                    bcd_argv("join", f"--token={token}", "--address", f"unix:{layout.gateway_socket}",
+                             "--config", str(layout.node_config), "--root", str(layout.root)),
+                    layout.log_dir / "join.log",
+                    user=node_user,
+                )  # fmt: skip
+            node_id = plane.default_node()
+            # A re-run keeps the control plane's record: the same spec keeps its generation, and the report
+            # stored is the previous run's. Forget it, so that only this run's node can settle the view.
+            forget_status(plane, node_id)
+            node_child = Child("bcd node", tuple(bcd_argv("node", "--config", str(layout.node_config),
+                                                          "--root", str(layout.root))),
+                               layout.log_dir / "node.log", user=node_user)  # fmt: skip
+            node_proc = await nursery.start(supervise, node_child)
+            generation = plane.apply_spec(node_id, spec)
+            if on_started is not None:
+                on_started(layout, plane)
             if not opts.json:
-                if tty:
-                    out.write(
-                        "\x1b[H\x1b[2J"
-                        + render(view, elapsed_s=time.monotonic() - started, spec=str(opts.spec))
-                    )
-                else:
-                    for line in change_lines(previous, view):
-                        out.write(line + "\n")
+                out.write(
+                    f"bcd sim: node {node_id} on {layout.root}; applied {opts.spec}"
+                    f" as generation {generation}\n"
+                )
                 out.flush()
-            previous = view
-            if opts.once and settled:
-                break
-            if opts.once and time.monotonic() >= deadline:
-                # Observed but still changing at the deadline: the latest status, not a time-out.
-                timed_out = not view.settled
-                break
-            await trio.sleep(0.1 if opts.once else 0.5)
-        nursery.cancel_scope.cancel()
+            previous: SimView | None = None
+            deadline = started + opts.timeout_s
+            timed_out = False
+            settler = Settler(opts.settle_s)
+            while True:
+                view = plane_view(plane, node_id)
+                version = node_status_version(layout.data_dir)
+                # data_dir/status.json of an earlier run's node (another pid) says nothing about this run.
+                current = version is not None and version[0] == node_proc.pid
+                settled = settler.update(view, version, time.monotonic(), current=current)
+                if not opts.json:
+                    if tty:
+                        out.write(
+                            "\x1b[H\x1b[2J"
+                            + render(view, elapsed_s=time.monotonic() - started, spec=str(opts.spec))
+                        )
+                    else:
+                        for line in change_lines(previous, view):
+                            out.write(line + "\n")
+                    out.flush()
+                previous = view
+                if opts.once and settled:
+                    break
+                if opts.once and time.monotonic() >= deadline:
+                    # Observed but still changing at the deadline: the latest status, not a time-out.
+                    timed_out = not view.settled
+                    break
+                await trio.sleep(0.1 if opts.once else 0.5)
+            nursery.cancel_scope.cancel()
+    if stopped:
+        raise Stopped(stopped[0])
 
     doc = view.to_json(timed_out=timed_out, root=str(layout.root))
     if not opts.json:
@@ -768,6 +792,9 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         code, doc = trio.run(simulate, opts, sys.stdout)
+    except Stopped as e:
+        print("bcd sim: stopped", file=sys.stderr)
+        return 128 + e.signum
     except SpecFileError as e:
         print(f"bcd sim: {e}", file=sys.stderr)
         return 2

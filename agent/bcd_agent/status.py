@@ -44,7 +44,14 @@ from attrs import frozen
 from bcd_shared.system import System
 from bcd_shared.version import VERSION
 
-from bcd_agent.statusfile import StatusFileError, StatusView, process_start, read_status
+from bcd_agent.statusfile import (
+    REFRESH_S,
+    StatusFileError,
+    StatusView,
+    pid_namespace,
+    process_start,
+    read_status,
+)
 
 DEFAULT_MAX_STALE_S = 60
 DEFAULT_MAX_DISCONNECTED_S = 300
@@ -102,8 +109,11 @@ def read_holders(system: System) -> Holds:
     return Holds(tuple(rows), bad, inventory.errors)
 
 
-def pid_state(pid: int, pid_start: int | None, proc: Path = Path("/proc")) -> str:
-    """ "running", "gone" (no such process), or "recycled" (another process has the pid now)."""
+def pid_state(pid: int, pid_start: int | None, proc: Path = Path("/proc"), pid_ns: str | None = None) -> str:
+    """`running`, `gone` (no such process), `recycled` (another process has the pid now), or `foreign`
+    (the node runs in another pid namespace, a container seen from the host: its pid means nothing here)."""
+    if pid_ns is not None and pid_namespace(proc) not in (None, pid_ns):
+        return "foreign"
     start = process_start(pid, proc)
     if start is None:
         return "gone"
@@ -143,6 +153,9 @@ class Liveness:
 
     @property
     def alive(self) -> bool:
+        # In another pid namespace only the file's age tells: three missed rewrites and it is not.
+        if self.process == "foreign":
+            return self.written_age_s <= 3 * REFRESH_S
         return self.process == "running"
 
     def to_json(self) -> dict[str, object]:
@@ -189,7 +202,7 @@ def liveness(status: StatusView, now_wall: float, proc: Path = Path("/proc")) ->
 
     attempts = session.get("attempts")
     return Liveness(
-        process=pid_state(status.pid, status.pid_start, proc),
+        process=pid_state(status.pid, status.pid_start, proc, status.pid_ns),
         pid=status.pid,
         written_age_s=max(0.0, now_wall - status.written_at),
         version=_text(node, "version"),
@@ -251,6 +264,10 @@ def check(snap: StatusSnapshot, *, max_disconnected_s: float, max_stale_s: float
         problems.append(f"down: pid {live.pid} is not running")
     elif live.process == "recycled":
         problems.append(f"down: pid {live.pid} is another process now")
+    elif not live.alive:
+        problems.append(
+            f"down: no status.json written for {_age_s(live.written_age_s)} (another pid namespace)"
+        )
     if live.written_age_s > max_stale_s:
         problems.append(
             f"stale: status.json written {_age_s(live.written_age_s)} ago (over {max_stale_s:g} s)"
@@ -281,6 +298,12 @@ def _live_lines(live: Liveness) -> list[str]:
         head = f"node: up (pid {live.pid}{version}); status written {written} ago"
     elif live.process == "recycled":
         head = f"node: DOWN (pid {live.pid} is another process now); last status {written} ago"
+    elif live.process == "foreign":
+        state = "up" if live.alive else "DOWN"
+        head = (
+            f"node: {state} (pid {live.pid} in another pid namespace: judged by status.json's age{version});"
+            f" status written {written} ago"
+        )
     else:
         head = f"node: DOWN (pid {live.pid} is not running); last status {written} ago"
     lines = [head]
@@ -422,10 +445,19 @@ def watch(
         snap = take()
 
 
+_LIVE_PREFIXES = ("node:", "session:", "converge:", "last known ")
+
+
 def _stable(text: str) -> str:
-    # Lines with ages ("updated N s ago", "for 5s", "in 3s") change every round: compare without them.
+    # Lines with ages ("updated N s ago", "for 5s", "next retry in 3s") change every round: compare
+    # without them. The liveness lines all carry ages; a section line never starts with their prefixes.
     return "\n".join(
-        line for line in text.splitlines() if "ago" not in line and " for " not in line and " in " not in line
+        line
+        for line in text.splitlines()
+        if "ago" not in line
+        and " for " not in line
+        and not line.startswith(_LIVE_PREFIXES)
+        and not line.lstrip().startswith("next retry ")
     )
 
 

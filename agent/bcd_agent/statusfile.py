@@ -15,7 +15,8 @@ a file of another format or one that does not parse, with a message naming the f
 Liveness (`bcd status`, `bcd status --check`; docs/operations.md): the file is rewritten at least every
 `REFRESH_S` even when nothing changed, so its `written_at` ages only when the node stops writing (stale);
 `pid` with `pid_start` (the process's start time in clock ticks since boot, /proc/PID/stat field 22)
-tells a live node from a stopped one, and from an unrelated process that got the same pid; `node`
+tells a live node from a stopped one, and from an unrelated process that got the same pid, where the
+reader shares the node's pid namespace (`pid_ns`; a host reading a container's node judges by age); `node`
 (written by `bcd node`) carries the session's link state and since when, the last heartbeat, and the
 last and next converge pass with the next pass's reason, all as wall times.
 """
@@ -44,6 +45,14 @@ MODE = 0o640
 
 STATE_NAMES = ("CONVERGED", "PROGRESSING", "FAILED", "UNSUPPORTED")
 REFRESH_S = 10.0  # status.json is rewritten at least this often while the node runs
+
+
+def pid_namespace(proc: Path = Path("/proc")) -> str | None:
+    """This process's pid namespace ("pid:[4026531836]"), or None where /proc does not say."""
+    try:
+        return os.readlink(proc / "self/ns/pid")
+    except OSError:
+        return None
 
 
 def process_start(pid: int, proc: Path = Path("/proc")) -> int | None:
@@ -83,6 +92,7 @@ def encode(
         "pid": pid,
         "version": VERSION,  # the node's bcd version (read back through `extra`)
         "pid_start": process_start(pid),
+        "pid_ns": pid_namespace(),
         "status_version": status.version,
         "applied_generation": status.applied_generation,
         "observed_generation": status.observed_generation,
@@ -168,6 +178,7 @@ class StatusView:
     conditions: tuple[ConditionView, ...]
     extra: Mapping[str, object] = field(factory=dict)
     pid_start: int | None = None
+    pid_ns: str | None = None  # the node's pid namespace: its pid means nothing in another one
 
     @property
     def settled(self) -> bool:
@@ -253,8 +264,11 @@ def decode(data: bytes, *, source: str = STATUS_FILE, now_wall: float | None = N
         )  # fmt: skip
     known = {
         "format", "written_at", "pid", "status_version", "applied_generation", "observed_generation",
-        "spec_hash", "passes", "sections", "conditions", "pid_start",
+        "spec_hash", "passes", "sections", "conditions", "pid_start", "pid_ns",
     }  # fmt: skip
+    pid_ns = doc.get("pid_ns")
+    if pid_ns is not None and not isinstance(pid_ns, str):
+        raise StatusFileError(f"{source}: pid_ns: not a string")
     pid_start = doc.get("pid_start")
     if pid_start is not None and (isinstance(pid_start, bool) or not isinstance(pid_start, int)):
         raise StatusFileError(f"{source}: pid_start: not an integer")
@@ -270,6 +284,7 @@ def decode(data: bytes, *, source: str = STATUS_FILE, now_wall: float | None = N
         conditions=tuple(conditions),
         extra={k: v for k, v in doc.items() if k not in known},
         pid_start=pid_start,
+        pid_ns=pid_ns,
     )
 
 

@@ -73,15 +73,18 @@ def _boot(system: LocalSystem) -> str:
         return ""
 
 
-def _load(system: LocalSystem, name: str) -> tuple[bytes, dict[str, str]] | None:
-    d = _state_dir(system)
+def _load(
+    system: LocalSystem, name: str, boot: str | None = None, d: Path | None = None
+) -> tuple[bytes, dict[str, str]] | None:
+    d = _state_dir(system) if d is None else d
+    boot = _boot(system) if boot is None else boot
     try:
         xml = (d / f"{name}.xml").read_bytes()
         rec = json.loads((d / f"{name}.json").read_text())
     except (FileNotFoundError, ValueError):
         return None
-    if rec.get("state") != "shut off" and rec.get("boot_id") != _boot(system):
-        rec = {"state": "shut off", "boot_id": _boot(system)}
+    if rec.get("state") != "shut off" and rec.get("boot_id") != boot:
+        rec = {"state": "shut off", "boot_id": boot}
     return xml, rec
 
 
@@ -146,8 +149,10 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
     cmd, rest = args[0], args[1:]
     if cmd == "list":
         lines = [" Id   Name   State", "-" * 30]
+        boot = _boot(system)
+        d = _state_dir(system)
         for i, name in enumerate(_names(system), start=1):
-            got = _load(system, name)
+            got = _load(system, name, boot, d)
             if got is not None:
                 state = got[1]["state"]
                 lines.append(f" {i if state != 'shut off' else '-'}    {name}   {state}")
@@ -157,6 +162,13 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
         xml = Path(path).read_bytes()
         name = (ET.fromstring(xml).findtext("name") or "").strip()  # noqa: S314
         old = _load(system, name)
+        if old is not None:  # libvirt: a name is defined again only under its own UUID
+            new_uuid = (ET.fromstring(xml).findtext("uuid") or "").strip()  # noqa: S314
+            old_uuid = (ET.fromstring(old[0]).findtext("uuid") or "").strip()  # noqa: S314
+            if new_uuid != old_uuid:
+                shown = old_uuid or "(none)"
+                err = f"error: operation failed: domain '{name}' already exists with uuid {shown}\n"
+                return _r(argv, 1, err=f"error: Failed to define domain from {path}\n{err}")
         _save(system, name, old[1]["state"] if old else "shut off", xml)
         return _r(argv, out=f"Domain '{name}' defined from {path}\n")
     if cmd == "restore":  # bcd restores only with its own definition (--xml), never the state file's
@@ -273,9 +285,15 @@ def qemu_img(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> C
         atomic_write(path, qcow2_bytes(size, opts.get("-b"), opts.get("-F")), 0o600)
         return _r(argv, out=f"Formatting '{path}', fmt=qcow2 size={size}\n")
     if cmd == "resize":
-        if opts.get("-f") != "qcow2":
-            return _r(argv, 1, err="qemu-img: resize needs -f in bcd's usage\n")
-        _resize(Path(pos[0]), int(pos[1]))
+        target = pos[0]
+        if target.startswith("json:"):
+            doc = json.loads(target[5:])
+            if doc.get("driver") != "qcow2" or "backing" not in doc:
+                return _r(argv, 1, err="qemu-img: the simulation resizes qcow2 with backing stated only\n")
+            target = doc["file"]["filename"]
+        elif opts.get("-f") != "qcow2":
+            return _r(argv, 1, err="qemu-img: resize needs a stated format in bcd's usage\n")
+        _resize(Path(target), int(pos[1]))
         return _r(argv, out="Image resized.\n")
     return _r(argv, 1, err=f"qemu-img: Command not found: {cmd}\n")
 

@@ -1,21 +1,33 @@
-"""The audit log: every request, accepted or refused, as one hash-chained JSON line.
+"""The audit log: every request, accepted or refused, as one hash-chained, forward-secure sealed JSON line.
 
-Rules (issue 4, item 6):
+Rules (issue 4 item 6, issue 9 items 5 and 6; docs/helper.md "Audit log"):
 - one line per request: `seq`, `time` (UTC, RFC 3339 with microseconds), `peer_pid`, `peer_uid`,
-  `op`, `args` (the security-relevant arguments, as sent), `args_sha256` (SHA-256 of the whole
-  request's canonical JSON, so what is not shown is still pinned), `decision`
-  (`accepted` | `refused` | `failed`), `reason`, `message`, `duration_ms`, and `prev`: the SHA-256
-  (hex) of the previous line's bytes without its newline; the first line ever has 64 zeros;
+  `op`, `args` (the security-relevant arguments, as sent, each bounded by the server), `args_sha256`
+  (SHA-256 of the whole request's canonical JSON, so what is not shown is still pinned), `decision`
+  (`accepted` | `refused` | `failed` | `anchor`), `reason`, `message`, `duration_ms`, `prev`: the
+  SHA-256 (hex) of the previous line's bytes without its newline (the first line ever has 64 zeros),
+  and `mac`: HMAC-SHA256 of the line without `mac` under the sealing key of its seq;
+- the sealing key evolves at every line, k[s+1] = SHA-256("bcd-audit-evolve\\0" || k[s]), and only the
+  next one is kept (`audit.key`, 0600, rewritten after each line; the one before is gone). Whoever
+  takes root later cannot recompute the MAC of a line already written. The verification key
+  `bcdk1-<seq>-<hex k[seq]>` is printed once, by `bcd helper audit init` at set-up, for the operator to
+  keep off the host (like journald's Forward Secure Sealing). It derives every later sealing key, so it
+  is never written to a log: a helper that starts without `audit.key` makes one no one holds (a
+  warning says so) and the chain alone is then checkable;
 - appended with O_APPEND, fsynced before the answer goes out, files 0600 in a directory 0700
   that the root-only rule accepts;
-- rotated when `audit.log` passes `max_bytes`: it becomes `audit.log.1` (older ones shift up to
-  `keep`), and the first line of the new file chains to the last line of the old one;
-- `audit.head` (0600) holds the seq and hash of the newest line, rewritten after each append (not
-  fsynced: it may lag after a crash), so that an edited or removed *last* line is found too;
+- rotated when `audit.log` passes `max_bytes`: audit.log.N shift up, audit.log becomes audit.log.1,
+  and the new audit.log starts with an anchor line (op `(anchor)`) that chains to the old file's last
+  line and records the previous file's last seq and the oldest seq still kept. A rotated file is
+  deleted only when more than `keep` are kept AND the node has read a head at or past its last line
+  (`audit.head`, the op; docs/helper.md). Past keep x HOLD_FACTOR files held for that reason,
+  `full` is true and the server refuses the node's requests (`audit-full`) except `audit.head`;
+- `audit.head` (the file, 0600) holds the seq and hash of the newest line, rewritten after each
+  append (not fsynced: it may lag after a crash, which verify accepts while the line it names is
+  there, unchanged);
 - each line also goes to the system log (best effort: `/dev/log` of the real host, when present).
 
-`verify_chain(dir)` reads the files oldest first and names the first line that does not chain
-(edited, removed, inserted or reordered), by file and line number.
+`verify(dir, key, expect_head)` reads the files oldest first and names the first problem.
 """
 
 from __future__ import annotations
@@ -24,8 +36,11 @@ import argparse
 import contextlib
 import datetime as dt
 import hashlib
+import hmac
 import json
 import os
+import re
+import secrets
 import socket
 import sys
 import threading
@@ -38,9 +53,18 @@ from bcd_shared.rootpath import split_host_path, verified_dir
 
 LOG_NAME = "audit.log"
 HEAD_NAME = "audit.head"
+KEY_NAME = "audit.key"
 GENESIS = "0" * 64
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 DEFAULT_KEEP = 8
+HOLD_FACTOR = 4
+ANCHOR_OP = "(anchor)"
+KEY_PREFIX = "bcdk1"
+_KEY_RE = re.compile(r"^bcdk1-([1-9][0-9]{0,18})-([0-9a-f]{64})$")
+
+
+class AuditError(Exception):
+    """The audit log cannot be used as it is (the helper does not start); the message says why."""
 
 
 def canonical(value: Any) -> bytes:
@@ -49,6 +73,25 @@ def canonical(value: Any) -> bytes:
 
 def line_hash(line: bytes) -> str:
     return hashlib.sha256(line).hexdigest()
+
+
+def evolve(key: bytes) -> bytes:
+    return hashlib.sha256(b"bcd-audit-evolve\0" + key).digest()
+
+
+def seal(key: bytes, body: bytes) -> str:
+    return hmac.new(key, body, hashlib.sha256).hexdigest()
+
+
+def format_key(seq: int, key: bytes) -> str:
+    return f"{KEY_PREFIX}-{seq}-{key.hex()}"
+
+
+def parse_key(text: str) -> tuple[int, bytes]:
+    m = _KEY_RE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError("a verification key reads bcdk1-<seq>-<64 hex digits>")
+    return int(m.group(1)), bytes.fromhex(m.group(2))
 
 
 def _now() -> str:
@@ -65,8 +108,75 @@ def _syslog(line: bytes) -> None:
         s.send(b"<86>bcd-helper[%d]: " % os.getpid() + line[:8000])
 
 
+def _open(dfd: int, name: str, flags: int) -> int:
+    return os.open(name, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+
+
+def _rotated(dfd: int) -> list[int]:
+    """The numbers N of the audit.log.N files in the directory, ascending (1 is the newest)."""
+    out = []
+    for name in os.listdir(dfd):
+        suffix = name[len(LOG_NAME) + 1 :]
+        if name.startswith(LOG_NAME + ".") and suffix.isdigit() and not suffix.startswith("0"):
+            out.append(int(suffix))
+    return sorted(out)
+
+
+def _seq_of(line: bytes | None) -> int | None:
+    if line is None:
+        return None
+    try:
+        return int(json.loads(line)["seq"])
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _first_line(dfd: int, name: str) -> bytes | None:
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        return f.readline(1 << 20).rstrip(b"\n") or None
+
+
+_KEY_STATE_RE = re.compile(rb"^bcd-audit-key-state v1 ([0-9]{20}) ([0-9a-f]{64})\n$")
+
+
+def _read_key_state(dfd: int) -> tuple[int, bytes] | None:
+    """audit.key: the seq of the next line and its sealing key; None when there is none."""
+    try:
+        fd = os.open(KEY_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(4096)
+    m = _KEY_STATE_RE.fullmatch(data)
+    if m is None or int(m.group(1)) < 1:
+        raise AuditError(f"{KEY_NAME}: not a sealing key state; the sealing cannot go on")
+    return int(m.group(1)), bytes.fromhex(m.group(2).decode())
+
+
+def _key_state_bytes(seq: int, key: bytes) -> bytes:
+    """Fixed length, so each rewrite is one pwrite of the same bytes' span (no truncation to tear)."""
+    return b"bcd-audit-key-state v1 %020d %s\n" % (seq, key.hex().encode())
+
+
+def create_key(dfd: int, next_seq: int) -> str:
+    """A new sealing key starting at `next_seq`, written to audit.key (fsynced); the verification key."""
+    key = secrets.token_bytes(32)
+    fd = _open(dfd, KEY_NAME, os.O_WRONLY | os.O_EXCL)
+    try:
+        os.write(fd, _key_state_bytes(next_seq, key))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.fsync(dfd)
+    return format_key(next_seq, key)
+
+
 class AuditLog:
-    """Appends chained lines to `<root>/<dir>/audit.log`. Thread-safe; one per helper process."""
+    """Appends chained, sealed lines to `<root>/<dir>/audit.log`. Thread-safe; one per helper process."""
 
     def __init__(
         self,
@@ -84,18 +194,34 @@ class AuditLog:
         self._keep = keep
         self._syslog = syslog
         self._lock = threading.Lock()
+        self.created_key: str | None = None  # the verification key, when this start created it
+        self._exported = 0
         with verified_dir(root, self._parts, create=True) as dfd:
             os.fchmod(dfd, 0o700)
             self._prev, self._seq = self._tail(dfd)
             # The directory was checked from / down once; its fd is kept (only root could move it),
-            # and so are the log's and the head's fds, reopened after a rotation: a record is then a
-            # write, an fsync and a rewrite of the head, without walking the path again.
+            # and so are the log's, the head's and the key's fds, reopened after a rotation.
             self._dfd = os.dup(dfd)
+        state = _read_key_state(self._dfd)
+        if state is None:
+            self.created_key = create_key(self._dfd, self._seq + 1)
+            state = _read_key_state(self._dfd)
+            assert state is not None
+        kseq, key = state
+        if kseq > self._seq + 1:
+            raise AuditError(
+                f"{KEY_NAME} is at seq {kseq} but the log ends at seq {self._seq}: lines were removed"
+            )
+        while kseq < self._seq + 1:  # the key file lags after a crash: evolve to the next line
+            kseq, key = kseq + 1, evolve(key)
+        self._key = key
         self._fd = -1
         self._hfd = -1
+        self._kfd = -1
+        self._held = len(_rotated(self._dfd))
 
     def _open(self, name: str, flags: int) -> int:
-        return os.open(name, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dfd)
+        return _open(self._dfd, name, flags)
 
     def _log_fd(self) -> int:
         if self._fd < 0:
@@ -105,29 +231,109 @@ class AuditLog:
 
     def close(self) -> None:
         with self._lock:
-            for fd in (self._fd, self._hfd, self._dfd):
+            for fd in (self._fd, self._hfd, self._kfd, self._dfd):
                 if fd >= 0:
                     os.close(fd)
-            self._fd = self._hfd = self._dfd = -1
+            self._fd = self._hfd = self._kfd = self._dfd = -1
 
     def _tail(self, dfd: int) -> tuple[str, int]:
         """The hash and seq of the newest line (in audit.log, else audit.log.1)."""
         for name in (LOG_NAME, f"{LOG_NAME}.1"):
             last = _last_line(dfd, name)
             if last is not None:
-                try:
-                    seq = int(json.loads(last)["seq"])
-                except (ValueError, KeyError, TypeError):
-                    seq = 0
-                return line_hash(last), seq
+                return line_hash(last), _seq_of(last) or 0
         return GENESIS, 0
 
-    def _rotate(self, dfd: int) -> None:
-        for i in range(self._keep - 1, 0, -1):
-            with contextlib.suppress(FileNotFoundError):
-                os.rename(f"{LOG_NAME}.{i}", f"{LOG_NAME}.{i + 1}", src_dir_fd=dfd, dst_dir_fd=dfd)
-        os.rename(LOG_NAME, f"{LOG_NAME}.1", src_dir_fd=dfd, dst_dir_fd=dfd)
+    # --- export and rotation ------------------------------------------------------------------
+
+    @property
+    def full(self) -> bool:
+        """True while more than keep x HOLD_FACTOR rotated files are held unexported."""
+        return self._held >= self._keep * HOLD_FACTOR
+
+    def head(self) -> tuple[int, str]:
+        with self._lock:
+            return self._seq, self._prev
+
+    def export(self) -> dict[str, Any]:
+        """The head, now read by the node: every line up to it may be rotated away (and files past
+        `keep` are, at once, behind a new anchor)."""
+        with self._lock:
+            self._exported = max(self._exported, self._seq)
+            head = {"seq": self._seq, "sha256": self._prev}
+            if self._held > self._keep:
+                self._rotate_and_anchor()
+            return head
+
+    def _prune(self) -> None:
+        numbers = _rotated(self._dfd)
+        while len(numbers) > self._keep:
+            oldest = numbers[-1]
+            last = _seq_of(_last_line(self._dfd, f"{LOG_NAME}.{oldest}"))
+            if last is None or last > self._exported:
+                break
+            os.unlink(f"{LOG_NAME}.{oldest}", dir_fd=self._dfd)
+            numbers.pop()
+        self._held = len(numbers)
+
+    def _rotate_and_anchor(self) -> None:
+        dfd = self._dfd
+        previous = self._seq
+        for i in reversed(_rotated(dfd)):
+            os.rename(f"{LOG_NAME}.{i}", f"{LOG_NAME}.{i + 1}", src_dir_fd=dfd, dst_dir_fd=dfd)
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(LOG_NAME, f"{LOG_NAME}.1", src_dir_fd=dfd, dst_dir_fd=dfd)
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._prune()
         os.fsync(dfd)
+        numbers = _rotated(dfd)
+        oldest = _seq_of(_first_line(dfd, f"{LOG_NAME}.{numbers[-1]}")) if numbers else None
+        args = {"previous_last_seq": previous, "oldest_seq": oldest or previous + 1, "files": len(numbers)}
+        self._append(
+            {
+                "peer_pid": os.getpid(),
+                "peer_uid": 0,
+                "op": ANCHOR_OP,
+                "args": args,
+                "args_sha256": hashlib.sha256(canonical(args)).hexdigest(),
+                "decision": "anchor",
+                "reason": "rotated",
+                "message": "",
+                "duration_ms": 0.0,
+            },
+            new_file=True,
+        )
+
+    # --- appending ----------------------------------------------------------------------------
+
+    def _append(self, fields: dict[str, Any], new_file: bool = False) -> bytes:
+        seq = self._seq + 1
+        entry = {"seq": seq, "time": _now(), **fields, "prev": self._prev}
+        entry["mac"] = seal(self._key, canonical(entry))
+        line = canonical(entry)
+        fd = self._log_fd()
+        os.write(fd, line + b"\n")
+        os.fsync(fd)
+        if new_file:
+            os.fsync(self._dfd)
+        digest = line_hash(line)
+        self._prev, self._seq = digest, seq
+        # The old key is overwritten by the next one (not fsynced: after a crash it may lag, and the
+        # next start evolves it forward from the log's last seq).
+        self._key = evolve(self._key)
+        if self._kfd < 0:
+            self._kfd = self._open(KEY_NAME, os.O_WRONLY)
+        state = _key_state_bytes(seq + 1, self._key)
+        os.pwrite(self._kfd, state, 0)
+        # The head guards the newest lines against an edit or a removal; it may lag after a crash.
+        head = canonical({"seq": seq, "sha256": digest}) + b"\n"
+        if self._hfd < 0:
+            self._hfd = self._open(HEAD_NAME, os.O_WRONLY)
+        os.pwrite(self._hfd, head, 0)
+        os.ftruncate(self._hfd, len(head))
+        return line
 
     def record(
         self,
@@ -144,43 +350,23 @@ class AuditLog:
     ) -> str:
         """Append one line, fsynced; returns its hash."""
         with self._lock:
-            dfd = self._dfd
-            size = os.fstat(self._log_fd()).st_size
-            if size >= self._max:
-                self._rotate(dfd)
-                os.close(self._fd)
-                self._fd = -1
-                size = 0
-            entry = {
-                "seq": self._seq + 1,
-                "time": _now(),
-                "peer_pid": peer_pid,
-                "peer_uid": peer_uid,
-                "op": op,
-                "args": dict(args),
-                "args_sha256": args_sha256,
-                "decision": decision,
-                "reason": reason,
-                "message": message,
-                "duration_ms": round(duration_ms, 3),
-                "prev": self._prev,
-            }
-            line = canonical(entry)
-            fd = self._log_fd()
-            os.write(fd, line + b"\n")
-            os.fsync(fd)
-            if size == 0:
-                os.fsync(dfd)
-            digest = line_hash(line)
-            self._prev, self._seq = digest, self._seq + 1
-            # The head is rewritten in place without an fsync of its own: it guards the newest lines
-            # against an edit or a removal; after a crash it may lag, which verify accepts as long as
-            # the line it names is still there, unchanged.
-            head = canonical({"seq": self._seq, "sha256": digest}) + b"\n"
-            if self._hfd < 0:
-                self._hfd = self._open(HEAD_NAME, os.O_WRONLY)
-            os.ftruncate(self._hfd, 0)
-            os.pwrite(self._hfd, head, 0)
+            if os.fstat(self._log_fd()).st_size >= self._max:
+                self._rotate_and_anchor()
+            line = self._append(
+                {
+                    "peer_pid": peer_pid,
+                    "peer_uid": peer_uid,
+                    "op": op,
+                    "args": dict(args),
+                    "args_sha256": args_sha256,
+                    "decision": decision,
+                    "reason": reason,
+                    "message": message,
+                    "duration_ms": round(duration_ms, 3),
+                },
+                new_file=os.fstat(self._log_fd()).st_size == 0,
+            )
+            digest = self._prev
         if self._syslog:
             _syslog(line)
         return digest
@@ -232,56 +418,180 @@ class VerifyResult:
     ok: bool
     lines: int
     problem: str
+    first_seq: int = 0
+    last_seq: int = 0
 
 
-def verify_chain(directory: Path) -> VerifyResult:
-    """Check the chain over every kept file and against audit.head. Names the first bad line."""
+def verify_chain(
+    directory: Path, key: str | None = None, expect_head: tuple[int, str] | None = None
+) -> VerifyResult:
+    """Check every kept file: canonical lines, consecutive seqs, the hash chain, an anchor at the start
+    of every file after the oldest (and at the oldest unless it starts the chain), the newest anchor's
+    oldest seq, audit.head, and with `key` every sealed line's MAC, with `expect_head` that line.
+    Names the first problem; a missing directory, audit.log or audit.head is one."""
+    sealing: tuple[int, bytes] | None = None
+    if key is not None:
+        try:
+            sealing = parse_key(key)
+        except ValueError as exc:
+            return VerifyResult(False, 0, f"--key: {exc}")
+    if not directory.is_dir():
+        return VerifyResult(False, 0, f"{directory}: no such audit directory")
+    if not (directory / LOG_NAME).is_file():
+        return VerifyResult(False, 0, f"{LOG_NAME} is missing")
+    files = log_files(directory)
+    numbers = sorted(int(p.name[len(LOG_NAME) + 1 :]) for p in files[:-1])
+    if numbers != list(range(1, len(numbers) + 1)):
+        missing = sorted(set(range(1, (numbers[-1] if numbers else 0) + 1)) - set(numbers))
+        return VerifyResult(False, 0, f"{LOG_NAME}.{missing[0]} is missing (a gap between rotated files)")
     prev: str | None = None
-    seq: int | None = None
+    seq = 0
+    first_seq = 0
     count = 0
+    anchor_oldest: int | None = None
     hashes: dict[int, str] = {}
+    kseq, kval = sealing if sealing is not None else (0, b"")
     for path, n, line in iter_lines(directory):
         where = f"{path.name} line {n}"
         try:
             entry = json.loads(line)
-            this_prev, this_seq = entry["prev"], int(entry["seq"])
+            this_prev, this_seq = entry["prev"], entry["seq"]
+            if type(this_seq) is not int or type(this_prev) is not str:
+                raise TypeError("seq or prev of the wrong type")
         except (ValueError, KeyError, TypeError):
-            return VerifyResult(False, count, f"{where}: not an audit entry")
-        if prev is None:
-            if this_prev != GENESIS and this_seq == 1:
-                return VerifyResult(False, count, f"{where}: the first entry does not start the chain")
-        elif this_prev != prev:
+            return VerifyResult(False, count, f"{where}: not an audit entry", first_seq, seq)
+        if canonical(entry) != line:
+            return VerifyResult(False, count, f"{where}: not in canonical form (edited)", first_seq, seq)
+        is_anchor = entry.get("op") == ANCHOR_OP and entry.get("decision") == "anchor"
+        if is_anchor != (n == 1 and (prev is not None or this_seq != 1)):
+            what = "an anchor inside a file" if is_anchor else "a file that does not start with an anchor"
             return VerifyResult(
                 False,
                 count,
-                f"{where} (seq {this_seq}): does not chain to the line before it "
-                "(that line was edited, or lines were removed or reordered)",
+                f"{where} (seq {this_seq}): {what} (lines dropped, or files spliced)",
+                first_seq,
+                seq,
             )
-        if seq is not None and this_seq != seq + 1:
-            return VerifyResult(
-                False, count, f"{where}: seq {this_seq} follows seq {seq} (lines removed or reordered)"
-            )
+        if prev is None:
+            first_seq = this_seq
+            if not is_anchor and this_prev != GENESIS:
+                return VerifyResult(False, count, f"{where}: the first entry does not start the chain")
+            if is_anchor and entry["args"].get("previous_last_seq") != this_seq - 1:
+                return VerifyResult(False, count, f"{where}: the anchor does not explain seq {this_seq}")
+        else:
+            if this_seq != seq + 1:
+                return VerifyResult(
+                    False, count, f"{where}: seq {this_seq} follows seq {seq} (lines removed or reordered)"
+                )
+            if this_prev != prev:
+                return VerifyResult(
+                    False,
+                    count,
+                    f"{where} (seq {this_seq}): does not chain to the line before it "
+                    "(that line was edited, or lines were removed or reordered)",
+                    first_seq,
+                    seq,
+                )
+            if is_anchor and entry["args"].get("previous_last_seq") != seq:
+                return VerifyResult(False, count, f"{where}: the anchor names the wrong previous line")
+        if is_anchor:
+            anchor_oldest = entry["args"].get("oldest_seq")
+        if sealing is not None and this_seq >= sealing[0]:
+            if this_seq < kseq:  # cannot happen with consecutive seqs; kept for clarity
+                return VerifyResult(False, count, f"{where}: seq goes back")
+            while kseq < this_seq:
+                kseq, kval = kseq + 1, evolve(kval)
+            mac = entry.pop("mac", None)
+            if not isinstance(mac, str) or not hmac.compare_digest(mac, seal(kval, canonical(entry))):
+                return VerifyResult(
+                    False,
+                    count,
+                    f"{where} (seq {this_seq}): its seal does not verify with this key "
+                    "(edited or forged, or another key)",
+                    first_seq,
+                    seq,
+                )
         prev, seq = line_hash(line), this_seq
         hashes[this_seq] = prev
         count += 1
+    if count == 0:
+        return VerifyResult(False, 0, f"{LOG_NAME} holds no entries")
+    if anchor_oldest is not None and anchor_oldest != first_seq:
+        return VerifyResult(
+            False,
+            count,
+            f"the oldest kept line is seq {first_seq} but the last rotation kept seq {anchor_oldest} on: "
+            "older files were removed",
+            first_seq,
+            seq,
+        )
+    if sealing is not None and seq < sealing[0]:
+        return VerifyResult(
+            False, count, f"sealing starts at seq {sealing[0]} but the log ends at seq {seq}", first_seq, seq
+        )
     head_path = directory / HEAD_NAME
-    if head_path.exists():
-        try:
-            head = json.loads(head_path.read_bytes())
-            head_seq, head_sha = int(head["seq"]), head["sha256"]
-        except (ValueError, KeyError, TypeError):
-            return VerifyResult(False, count, f"{HEAD_NAME}: unreadable")
-        if hashes.get(head_seq) != head_sha:
+    if not head_path.is_file():
+        return VerifyResult(False, count, f"{HEAD_NAME} is missing", first_seq, seq)
+    try:
+        head = json.loads(head_path.read_bytes())
+        head_seq, head_sha = int(head["seq"]), head["sha256"]
+    except (ValueError, KeyError, TypeError):
+        return VerifyResult(False, count, f"{HEAD_NAME}: unreadable", first_seq, seq)
+    if hashes.get(head_seq) != head_sha:
+        return VerifyResult(
+            False,
+            count,
+            f"the line {HEAD_NAME} records (seq {head_seq}) is missing or changed (newest: seq {seq}): "
+            "the last line was edited or removed",
+            first_seq,
+            seq,
+        )
+    problem = _check_key_state(directory, sealing, seq)
+    if problem:
+        return VerifyResult(False, count, problem, first_seq, seq)
+    if expect_head is not None:
+        want_seq, want_sha = expect_head
+        if want_seq > seq:
             return VerifyResult(
                 False,
                 count,
-                f"the line {HEAD_NAME} records (seq {head_seq}) is missing or changed (newest: seq {seq}): "
-                "the last line was edited or removed",
+                f"the log ends at seq {seq}, before the expected head seq {want_seq}: lines removed",
             )
-    return VerifyResult(True, count, "")
+        if want_seq < first_seq:
+            return VerifyResult(
+                False,
+                count,
+                f"the expected head seq {want_seq} is older than the oldest kept line (seq {first_seq})",
+            )
+        if hashes.get(want_seq) != want_sha:
+            return VerifyResult(False, count, f"the line at the expected head seq {want_seq} was changed")
+    return VerifyResult(True, count, "", first_seq, seq)
 
 
-# --- `bcd helper audit show|verify` ------------------------------------------------------------------
+def _check_key_state(directory: Path, sealing: tuple[int, bytes] | None, last_seq: int) -> str:
+    """audit.key must be there, name the line after the newest (or an earlier one: it is rewritten
+    without an fsync and may lag after a crash), and, with the verification key, hold exactly the
+    sealing key of its seq: after lines are cut from the end the helper's next key cannot be made again
+    (the ones before it are erased), so a cut tail shows here even when audit.head was rewritten."""
+    path = directory / KEY_NAME
+    if not path.is_file():
+        return f"{KEY_NAME} is missing (the sealing key state; a new one would seal with a key no one holds)"
+    m = _KEY_STATE_RE.fullmatch(path.read_bytes()[:4096])
+    if m is None:
+        return f"{KEY_NAME}: not a sealing key state"
+    kseq, kval = int(m.group(1)), bytes.fromhex(m.group(2).decode())
+    if kseq > last_seq + 1:
+        return f"{KEY_NAME} is at seq {kseq} but the log ends at seq {last_seq}: lines were cut from the end"
+    if sealing is not None and kseq >= sealing[0]:
+        s, k = sealing
+        while s < kseq:
+            s, k = s + 1, evolve(k)
+        if not hmac.compare_digest(k, kval):
+            return f"{KEY_NAME}: the key state at seq {kseq} is not this key's (replaced)"
+    return ""
+
+
+# --- `bcd helper audit init|show|verify` -------------------------------------------------------------
 
 
 def _common_arguments(parser: argparse.ArgumentParser, default: Any) -> None:
@@ -297,10 +607,12 @@ def _common_arguments(parser: argparse.ArgumentParser, default: Any) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     _common_arguments(parser, None)
-    sub = parser.add_subparsers(dest="audit_command", metavar="show|verify", required=True)
+    sub = parser.add_subparsers(dest="audit_command", metavar="init|show|verify", required=True)
+    init = sub.add_parser("init", help="create the sealing key and print its verification key, once")
+    _common_arguments(init, argparse.SUPPRESS)
     show = sub.add_parser("show", help="print audit entries, filtered")
     show.add_argument("--op", default=None, help="only this operation")
-    show.add_argument("--decision", choices=("accepted", "refused", "failed"), default=None)
+    show.add_argument("--decision", choices=("accepted", "refused", "failed", "anchor"), default=None)
     show.add_argument(
         "--since", type=_time_arg, default=None, help="only entries at or after this time (RFC 3339)"
     )
@@ -309,7 +621,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     show.add_argument("--json", action="store_true", help="print the raw JSON lines")
     _common_arguments(show, argparse.SUPPRESS)
-    verify = sub.add_parser("verify", help="check the hash chain; names the first bad line")
+    verify = sub.add_parser("verify", help="check the seals and the chain; names the first problem")
+    verify.add_argument("--key", default=None, help="the verification key printed at set-up (required)")
+    verify.add_argument(
+        "--expect-head",
+        default=None,
+        metavar="SEQ:HASH",
+        help="a head held off the host (the node's reports)",
+    )
     _common_arguments(verify, argparse.SUPPRESS)
 
 
@@ -327,7 +646,7 @@ def _time_arg(text: str) -> dt.datetime:
         ) from None
 
 
-def _audit_dir(args: argparse.Namespace) -> Path:
+def _host_dir(args: argparse.Namespace) -> tuple[Path, str]:
     from bcd_shared.subcommands import EX_CONFIG, CliError
 
     root = Path(args.root)
@@ -339,21 +658,73 @@ def _audit_dir(args: argparse.Namespace) -> Path:
             directory = load_config(root, args.config).audit_dir
         except ConfigError as exc:
             raise CliError(f"{exc} (or name the audit directory with --dir)", EX_CONFIG) from None
+    return root, directory
+
+
+def _audit_dir(args: argparse.Namespace) -> Path:
+    root, directory = _host_dir(args)
     return root.joinpath(*split_host_path(directory + "/x")[:-1])
 
 
+def init_key(root: Path, directory: str) -> str | None:
+    """Make the sealing key of the audit log in `directory` (a host path under `root`), starting at the
+    line after the newest; its verification key, or None when the log is sealed already."""
+    with verified_dir(root, split_host_path(directory + "/x")[:-1], create=True) as dfd:
+        os.fchmod(dfd, 0o700)
+        if _read_key_state(dfd) is not None:
+            return None
+        tail = _seq_of(_last_line(dfd, LOG_NAME) or _last_line(dfd, f"{LOG_NAME}.1")) or 0
+        return create_key(dfd, tail + 1)
+
+
+def _init(args: argparse.Namespace) -> int:
+    root, directory = _host_dir(args)
+    key = init_key(root, directory)
+    if key is None:
+        print(
+            f"bcd helper: {directory}/{KEY_NAME} exists: this log is sealed already "
+            "(its verification key was printed when it was made)",
+            file=sys.stderr,
+        )
+        return 1
+    print(f"audit verification key (keep it off this host; it is not shown again): {key}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
-    from bcd_shared.subcommands import EX_NOINPUT, EX_NOPERM, CliError
+    from bcd_shared.subcommands import EX_IOERR, EX_NOINPUT, EX_NOPERM, CliError
 
     if Path(args.root) == Path("/") and os.geteuid() != 0:
         raise CliError("must run as root: the audit log and root's config.toml are root's alone", EX_NOPERM)
-    directory = _audit_dir(args)
+    try:
+        if args.audit_command == "init":
+            return _init(args)
+        directory = _audit_dir(args)
+    except OSError as exc:
+        raise CliError(str(exc), EX_IOERR) from None
     if not directory.is_dir():
         raise CliError(f"{directory}: no audit log here (is this the helper's audit_dir?)", EX_NOINPUT)
     if args.audit_command == "verify":
-        result = verify_chain(directory)
+        if args.key is None:
+            print(
+                "bcd helper audit: --key is required (the verification key printed at set-up); "
+                "without it the chain cannot show what root changed",
+                file=sys.stderr,
+            )
+            return 1
+        expect: tuple[int, str] | None = None
+        if args.expect_head is not None:
+            m = re.fullmatch(r"([0-9]{1,19}):([0-9a-f]{64})", args.expect_head)
+            if m is None:
+                print("bcd helper audit: --expect-head: expected SEQ:HASH (64 hex digits)", file=sys.stderr)
+                return 1
+            expect = (int(m.group(1)), m.group(2))
+        result = verify_chain(directory, args.key, expect)
         if result.ok:
-            print(f"audit log intact: {result.lines} entries")
+            print(
+                f"audit log intact: {result.lines} entries, seq {result.first_seq} to {result.last_seq}, "
+                "sealed" + (" and at the expected head" if expect else "")
+            )
             return 0
         print(f"audit log broken after {result.lines} good entries: {result.problem}", file=sys.stderr)
         return 1

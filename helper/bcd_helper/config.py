@@ -6,21 +6,19 @@ HST-SIGN-05/11/13, HST-K8S-54/55):
   others, in directories only root can write (the root-only rule, from `/` down); otherwise the
   helper stops with `<path> must be a regular file root owns that no one else can write`. The
   install's `root:bcd 0640` in `/etc/bcd 0750` passes;
-- it is parsed with tomllib, strictly: within the helper's keys and tables an unknown key or a bad
-  value stops the helper with a message naming the key and the rule.
+- it is validated with config.toml's one schema (bcd_shared.configschema), the node's too: an unknown
+  table or key, or a value that breaks its rule, stops the helper with `<file>: <key>: <rule>`, exactly
+  as the node would refuse it (docs/config.md).
 
-The same file is the node's config (the node reads it through its group). The helper owns:
-  join_signing_key_pin   "sha256/<padded base64 of SHA-256 of the JoinService key's SPKI DER>"
-  command_root_sha256    "<64 lowercase hex>,..." 1 to 16, no repeats
-(The pins are parsed here with the same rules as bcd_shared.pki.pins, which a test checks; importing
-bcd_shared.pki would pull the wire types and cryptography into the helper's start-up, ~100 ms. The
-signed-intent checks import it when a host.unit first needs it.)
+The same file is the node's config (the node reads it through its group). Of it the helper uses:
+  join_signing_key_pin   the JoinService key's pin (its digest)
+  command_root_sha256    1 to 16 root pins
   [host] units           bool, default true
   [helper] socket        the socket path, default /run/bcd/helper.sock
   [helper] node_user     the node's account, default "bcd" (resolved with the passwd database)
   [helper] node_uid      the node's uid (instead of node_user; tests and containers)
   [helper] node_gid      the group the socket is given to, default the node account's group
-  [helper] instance_bridges  "br0,br1": bridges instance taps may join (interface names)
+  [helper] instance_bridges  bridges instance taps may join
   [helper] audit_dir     the audit log's directory, default /var/log/bcd-helper
   [helper] unsigned_access  bool, default false: with no command-signing roots, access.apply renders the
                          sshd files from an unsigned spec. Development only: without it, access writes
@@ -29,66 +27,44 @@ signed-intent checks import it when a host.unit first needs it.)
   [helper] libvirt_uri   the libvirt connection of libvirt.*: qemu:///system (default) or test:///default
   data_dir               (the node's key, read by root too) where instance disks may live, default
                          /var/lib/bcd: libvirt.* allows disks only under it
-  [kubernetes] allowed_clusters  "https://host[:port]#sha256:<64 hex>,..."
-Other top-level tables are the node's and are checked by the node's own strict loader; they are not
-read here. Other top-level scalar keys must be in NODE_SCALARS, else the helper stops: a misspelt
-pin at the top level must never pass silently.
+  [helper] audit_max_bytes  rotate audit.log past this size, 16384 to 1 GiB, default 16 MiB
+  [helper] audit_keep    rotated files kept once the node has read past them, 1 to 1000, default 8
+  [helper] root_socket   root's own socket (0600 root; the node cannot reach or fill it),
+                         default /run/bcd/helper-root.sock; never the same path as [helper] socket
+  [host] sysctl_allow    "vm.swappiness,net.core.": when set, the sysctl unit takes only keys equal to
+                         one of these names or under one of these prefixes (whole name components);
+                         the denylist applies either way
+  [kubernetes] allowed_clusters  API servers and their CA pins (ports made explicit, hosts lowercase)
+The other keys are the node's: validated the same way, not used here.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 import os
 import pwd
 import re
 import stat
-import tomllib
 from pathlib import Path
-from typing import Any
 
 from attrs import frozen
+from bcd_shared import configschema as schema
 from bcd_shared.rootpath import RootPathRefused, open_regular_nofollow
 
 DEFAULT_CONFIG = "/etc/bcd/config.toml"
 DEFAULT_SOCKET = "/run/bcd/helper.sock"
 DEFAULT_AUDIT_DIR = "/var/log/bcd-helper"
-DEFAULT_NODE_USER = "bcd"
-MAX_CONFIG_BYTES = 1024 * 1024
-MAX_ROOT_PINS = 16
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-
-# Top-level scalar keys the node's config owns; the helper ignores them.
-NODE_SCALARS = frozenset({"data_dir", "log_level", "mode", "node_id"})
-
-_HELPER_KEYS = frozenset(
-    {
-        "socket",
-        "node_user",
-        "node_uid",
-        "node_gid",
-        "instance_bridges",
-        "audit_dir",
-        "unsigned_access",
-        "root_principals",
-        "libvirt_uri",
-    }
-)
+DEFAULT_ROOT_SOCKET = "/run/bcd/helper-root.sock"
 DEFAULT_DATA_DIR = "/var/lib/bcd"
 DEFAULT_LIBVIRT_URI = "qemu:///system"
 # libvirt.*: the connection root drives; test:///default only for tests and `bcd bench instances`.
 LIBVIRT_URIS = frozenset({"qemu:///system", "test:///default"})
-_HOST_KEYS = frozenset({"units"})
-_K8S_KEYS = frozenset({"allowed_clusters"})
-_IFNAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,15}$")
-_USER_RE = re.compile(r"^[a-z_][a-z0-9_-]{0,31}\$?$")
-_CLUSTER_RE = re.compile(
-    r"^https://([A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\])(?::([0-9]{1,5}))?#sha256:([0-9a-fA-F]{64})$"
-)
+DEFAULT_NODE_USER = "bcd"
+MAX_CONFIG_BYTES = 1024 * 1024
+_SERVER_RE = re.compile(r"https://(\[[^\]]+\]|[^:\[\]]+)(?::(\d{1,5}))?")
 
 
 class ConfigError(Exception):
-    """Root's config cannot be used; the helper does not start. The message names the key or path."""
+    """Root's config cannot be used; the helper does not start. The message names the file and the key."""
 
 
 @frozen
@@ -100,39 +76,6 @@ class AllowedCluster:
 
     def __str__(self) -> str:
         return f"{self.server}#sha256:{self.ca_sha256}"
-
-
-def parse_root_pins(text: str, key: str = "command_root_sha256") -> tuple[str, ...]:
-    """At most 16 lowercase-hex SHA-256 pins, comma-separated (spaces around commas allowed)."""
-    if text.strip(" ") == "":
-        raise ConfigError(f"{key}: is empty; leave the key out to pin no roots")
-    entries = [e.strip(" ") for e in text.split(",")]
-    if len(entries) > MAX_ROOT_PINS:
-        raise ConfigError(f"{key}: {len(entries)} entries, at most {MAX_ROOT_PINS}")
-    for i, entry in enumerate(entries, start=1):
-        if not _HEX64.fullmatch(entry):
-            raise ConfigError(
-                f"{key} entry {i}: {entry!r} is not 64 lowercase hex digits (a SHA-256 of the root's DER)"
-            )
-        if entry in entries[: i - 1]:
-            raise ConfigError(f"{key}: entry {i} repeats {entry}")
-    return tuple(entries)
-
-
-def parse_join_pin(text: str, key: str = "join_signing_key_pin") -> bytes:
-    """`sha256/` + 44 characters of canonical padded base64 of a SHA-256: the digest."""
-    if not text.startswith("sha256/"):
-        raise ConfigError(f"{key}: must start with 'sha256/'")
-    encoded = text[len("sha256/") :]
-    if not re.fullmatch(r"[A-Za-z0-9+/]{43}=", encoded):
-        raise ConfigError(f"{key}: after 'sha256/' expected 44 characters of padded base64 of a SHA-256")
-    try:
-        digest = base64.b64decode(encoded, validate=True)
-    except binascii.Error:
-        raise ConfigError(f"{key}: not valid base64") from None
-    if len(digest) != 32 or base64.b64encode(digest).decode() != encoded:
-        raise ConfigError(f"{key}: non-canonical base64")
-    return digest
 
 
 @frozen
@@ -151,6 +94,10 @@ class HelperConfig:
     root_principals: bool = False
     data_dir: str = DEFAULT_DATA_DIR
     libvirt_uri: str = DEFAULT_LIBVIRT_URI
+    root_socket: str = DEFAULT_ROOT_SOCKET
+    audit_max_bytes: int = 16 * 1024 * 1024
+    audit_keep: int = 8
+    sysctl_allow: tuple[str, ...] = ()
 
 
 def ownership_message(path: str) -> str:
@@ -178,129 +125,62 @@ def read_root_config(root: Path, path: str) -> bytes:
     return data
 
 
-def _table(doc: dict[str, Any], name: str, allowed: frozenset[str]) -> dict[str, Any]:
-    value = doc.get(name, {})
-    if not isinstance(value, dict):
-        raise ConfigError(f"{name}: must be a table ([{name}])")
-    for key in value:
-        if key not in allowed:
-            raise ConfigError(f"{name}.{key}: unknown key (known: {', '.join(sorted(allowed))})")
-    return value
-
-
-def _str(value: Any, key: str) -> str:
-    if not isinstance(value, str):
-        raise ConfigError(f"{key}: must be a string, got {type(value).__name__}")
-    return value
-
-
-def _int(value: Any, key: str, lo: int, hi: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
-        raise ConfigError(f"{key}: must be an integer from {lo} to {hi}")
-    return value
-
-
-def _list_of(value: Any, key: str) -> list[str]:
-    text = _str(value, key)
-    return [] if text.strip() == "" else [e.strip() for e in text.split(",")]
-
-
-def parse_allowed_clusters(text: Any, key: str = "kubernetes.allowed_clusters") -> tuple[AllowedCluster, ...]:
-    out: list[AllowedCluster] = []
-    for i, entry in enumerate(_list_of(text, key), start=1):
-        m = _CLUSTER_RE.fullmatch(entry)
-        if m is None:
-            raise ConfigError(
-                f"{key}: entry {i} {entry!r} is not https://<host>[:<port>]#sha256:<64 hex digits>"
-            )
-        port = int(m.group(2) or "443")
-        if not 1 <= port <= 65535:
-            raise ConfigError(f"{key}: entry {i}: port {port} out of range")
-        out.append(AllowedCluster(f"https://{m.group(1).lower()}:{port}", m.group(3).lower()))
-    return tuple(out)
+def _explicit(cluster: schema.AllowedCluster) -> AllowedCluster:
+    """The server with its port made explicit and its host lowercase, as a Kubernetes join compares it."""
+    m = _SERVER_RE.fullmatch(cluster.server)
+    assert m is not None  # the schema's rule accepted it
+    return AllowedCluster(f"https://{m.group(1).lower()}:{m.group(2) or '443'}", cluster.ca_sha256)
 
 
 def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
-    """Decode root's config strictly. Raises ConfigError naming the key."""
+    """Validate root's config with the one schema, then take root's keys. Raises ConfigError naming the
+    file and the key."""
     try:
-        doc = tomllib.loads(data.decode("utf-8"))
-    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"{path}: not valid TOML: {exc}") from None
-    for key, value in doc.items():
-        if key in ("join_signing_key_pin", "command_root_sha256", "host", "helper", "kubernetes"):
-            continue
-        if not isinstance(value, dict) and key not in NODE_SCALARS:
-            raise ConfigError(f"{key}: unknown key")
-    pin = (
-        parse_join_pin(_str(doc["join_signing_key_pin"], "join_signing_key_pin"))
-        if "join_signing_key_pin" in doc
-        else None
-    )
-    roots = (
-        parse_root_pins(_str(doc["command_root_sha256"], "command_root_sha256"))
-        if "command_root_sha256" in doc
-        else ()
-    )
-    host = _table(doc, "host", _HOST_KEYS)
-    units = host.get("units", True)
-    if not isinstance(units, bool):
-        raise ConfigError("host.units: must be true or false")
-    helper = _table(doc, "helper", _HELPER_KEYS)
-    socket_path = _str(helper.get("socket", DEFAULT_SOCKET), "helper.socket")
-    if not socket_path.startswith("/") or len(socket_path) > 100:
-        raise ConfigError("helper.socket: must be an absolute path of at most 100 characters")
-    audit_dir = _str(helper.get("audit_dir", DEFAULT_AUDIT_DIR), "helper.audit_dir")
-    if not audit_dir.startswith("/") or ".." in audit_dir.split("/"):
-        raise ConfigError("helper.audit_dir: must be an absolute path without '..'")
-    if "node_uid" in helper and "node_user" in helper:
-        raise ConfigError("helper.node_uid: give node_user or node_uid, not both")
+        doc = schema.parse_document(schema.decode(data, path), path)
+    except schema.ConfigError as exc:
+        raise ConfigError(str(exc)) from None
+
+    def refuse(key: str, rule: str) -> ConfigError:
+        return ConfigError(str(schema.ConfigError(path, key, rule)))
+
+    top, helper = doc[""], doc["helper"]
+    uid: int
+    gid_default: int
     if "node_uid" in helper:
-        uid = _int(helper["node_uid"], "helper.node_uid", 1, 2**31 - 2)
+        uid = helper["node_uid"]
         gid_default = uid
     else:
-        user = _str(helper.get("node_user", DEFAULT_NODE_USER), "helper.node_user")
-        if not _USER_RE.fullmatch(user):
-            raise ConfigError(f"helper.node_user: {user!r} is not an account name")
+        user = helper.get("node_user", DEFAULT_NODE_USER)
         try:
             entry = pwd.getpwnam(user)
         except KeyError:
-            raise ConfigError(f"helper.node_user: no account {user!r} on this host") from None
+            raise refuse("[helper] node_user", f"no account {user!r} on this host") from None
         uid, gid_default = entry.pw_uid, entry.pw_gid
         if uid == 0:
-            raise ConfigError("helper.node_user: the node's account must not be root")
-    gid = _int(helper.get("node_gid", gid_default), "helper.node_gid", 1, 2**31 - 2)
-    bridges = _list_of(helper.get("instance_bridges", ""), "helper.instance_bridges")
-    for i, name in enumerate(bridges, start=1):
-        if not _IFNAME_RE.fullmatch(name):
-            raise ConfigError(f"helper.instance_bridges: entry {i} {name!r} is not an interface name")
-    flags = {}
-    for key in ("unsigned_access", "root_principals"):
-        flags[key] = helper.get(key, False)
-        if not isinstance(flags[key], bool):
-            raise ConfigError(f"helper.{key}: must be true or false")
-    k8s = _table(doc, "kubernetes", _K8S_KEYS)
-    clusters = parse_allowed_clusters(k8s.get("allowed_clusters", ""))
-    data_dir = _str(doc.get("data_dir", DEFAULT_DATA_DIR), "data_dir")
-    if not data_dir.startswith("/") or ".." in data_dir.split("/") or data_dir.rstrip("/") == "":
-        raise ConfigError("data_dir: must be an absolute path without '..', not /")
-    uri = _str(helper.get("libvirt_uri", DEFAULT_LIBVIRT_URI), "helper.libvirt_uri")
-    if uri not in LIBVIRT_URIS:
-        raise ConfigError(f"helper.libvirt_uri: must be one of {', '.join(sorted(LIBVIRT_URIS))}")
+            raise refuse("[helper] node_user", "the node's account must not be root")
+    socket_path = helper.get("socket", DEFAULT_SOCKET)
+    root_socket = helper.get("root_socket", DEFAULT_ROOT_SOCKET)
+    if root_socket == socket_path:
+        raise refuse("[helper] root_socket", "must not be [helper] socket (root's socket is its own)")
     return HelperConfig(
         path=path,
-        join_signing_key_pin=pin,
-        command_root_sha256=roots,
-        host_units=units,
+        join_signing_key_pin=top.get("join_signing_key_pin"),
+        command_root_sha256=top.get("command_root_sha256", ()),
+        host_units=doc["host"].get("units", True),
         socket=socket_path,
         node_uid=uid,
-        node_gid=gid,
-        instance_bridges=tuple(bridges),
-        audit_dir=audit_dir,
-        allowed_clusters=clusters,
-        unsigned_access=flags["unsigned_access"],
-        root_principals=flags["root_principals"],
-        data_dir=data_dir.rstrip("/"),
-        libvirt_uri=uri,
+        node_gid=int(helper.get("node_gid", gid_default)),
+        instance_bridges=helper.get("instance_bridges", ()),
+        audit_dir=helper.get("audit_dir", DEFAULT_AUDIT_DIR),
+        allowed_clusters=tuple(_explicit(c) for c in doc["kubernetes"].get("allowed_clusters", ())),
+        unsigned_access=helper.get("unsigned_access", False),
+        root_principals=helper.get("root_principals", False),
+        data_dir=top.get("data_dir", DEFAULT_DATA_DIR).rstrip("/") or "/",
+        libvirt_uri=helper.get("libvirt_uri", DEFAULT_LIBVIRT_URI),
+        root_socket=root_socket,
+        audit_max_bytes=helper.get("audit_max_bytes", 16 * 1024 * 1024),
+        audit_keep=helper.get("audit_keep", 8),
+        sysctl_allow=tuple(doc["host"].get("sysctl_allow", ())),
     )
 
 

@@ -1,7 +1,8 @@
 """The helper's wire protocol: length-prefixed JSON frames over a Unix stream socket.
 
 A frame is a 4-byte big-endian length followed by that many bytes of UTF-8 JSON (one document,
-no trailing data). Frames larger than MAX_FRAME (4 MiB) are refused and the connection closed. The JSON
+no trailing data). Frames larger than MAX_FRAME (4 MiB) are refused and the connection closed, and so are
+frames holding more than MAX_VALUES values (counted on the bytes before decoding). The JSON
 is strict (strict_loads): a duplicate key, NaN or Infinity, a lone surrogate escape, or nesting deeper
 than MAX_DEPTH refuses the frame.
 
@@ -32,6 +33,11 @@ if TYPE_CHECKING:
 
 MAX_FRAME = 4 * 1024 * 1024
 MAX_DEPTH = 32  # a request nests four levels (host.unit's intent.chain); 10,000 would overflow recursion
+# Values (array and object openings, members, separators) one frame may hold. A real request holds a few
+# hundred at most (host.unit's settings and intent are strings); a 4 MiB frame of `[[],[],…]` holds 1.4 M,
+# which decoded would take ~200 MiB. Counted on the bytes, before json.loads (issue 9 item 3).
+MAX_VALUES = 16384
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _LEN = struct.Struct(">I")
 
 T = TypeVar("T")
@@ -94,7 +100,7 @@ def _check_tree(doc: Any, max_depth: int) -> None:
                 _check_string(item)
 
 
-def strict_loads(data: bytes, max_depth: int = MAX_DEPTH) -> Any:
+def strict_loads(data: bytes | bytearray, max_depth: int = MAX_DEPTH) -> Any:
     """One JSON document in UTF-8, strictly: no duplicate keys (never last-wins), no NaN or Infinity, no
     lone surrogates, at most `max_depth` levels of nesting. Raises ValueError naming the rule."""
     try:
@@ -111,7 +117,32 @@ def strict_loads(data: bytes, max_depth: int = MAX_DEPTH) -> Any:
     return doc
 
 
-def decode_body(body: bytes) -> Any:
+def count_values(body: bytes | bytearray) -> int:
+    """An upper bound on the values in a JSON text: `[`, `{`, `,` and `:` outside strings. Counted on all
+    the bytes first (no copy); only when that passes MAX_VALUES are the strings taken out and counted
+    again, so brackets inside a file's content never count."""
+
+    def n(data: bytes | bytearray) -> int:
+        return data.count(b"[") + data.count(b"{") + data.count(b",") + data.count(b":")
+
+    total = n(body)
+    if total <= MAX_VALUES:
+        return total
+    # Each string is a value: past MAX_VALUES strings (unescaped quotes / 2, a lower bound) the frame is
+    # refused at once, so the substitution below never has more than ~2 x MAX_VALUES strings to take out.
+    strings = (body.count(b'"') - body.count(b'\\"')) // 2
+    if strings > MAX_VALUES:
+        return strings
+    return n(_STRING.sub(b"", body))
+
+
+def decode_body(body: bytes | bytearray) -> Any:
+    values = count_values(body)
+    if values > MAX_VALUES:
+        raise ProtocolError(
+            f"frame holds {values} values (arrays, objects, members), more than {MAX_VALUES}: refused "
+            "before decoding"
+        )
     try:
         return strict_loads(body)
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors

@@ -1,8 +1,10 @@
-"""The helper's socket server: peer check, framing, strict decoding, dispatch through OPS, audit.
+"""The helper's socket servers: peer check, framing, strict decoding, dispatch through OPS, audit.
 
-- A Unix stream socket, mode 0660, owned root:<node group>; its directory is made root-only.
-- Every connection: SO_PEERCRED is read once; only root and the configured node uid are served,
-  anyone else is refused (audited) and the connection closed.
+- Two Unix stream sockets: the node's (mode 0660, root:<node group>) and root's own (mode 0600, root;
+  `[helper] root_socket`), each with its own accept thread and listen backlog, so that no flood of the
+  node's connects can keep root out (issue 9 item 7). Their directory is checked root-only.
+- Every connection: SO_PEERCRED is read once; the node's socket serves root and the configured node
+  uid, root's socket only root; anyone else is refused (audited) and the connection closed.
 - Reads go through recvmsg with room for ancillary data: any SCM_RIGHTS descriptor that arrives is
   closed at once, the request refused and the connection closed (the helper hands descriptors
   out, never takes them in). Truncated ancillary data is treated the same way.
@@ -10,18 +12,29 @@
   frame's first byte has arrived, the whole frame must arrive within FRAME_TIMEOUT_S (however slowly
   it trickles), and an answer must be taken within FRAME_TIMEOUT_S; else the connection is closed
   (a slow-loris client holds one thread for seconds, not for the 15-minute idle timeout).
+- Memory (issue 9 item 3): a frame's body is read only once its cost (frame_cost: its bytes three
+  times over, for the buffer, the decoded text and the decoded strings, plus VALUE_COST per value it
+  may hold) fits the process-wide in-flight budget (BUDGET bytes, shared by all the node's
+  connections; root's own frames are not counted). A frame that cannot get it within its deadline is
+  refused `busy`. The body is read into one buffer of its announced size, and a frame holding more
+  than MAX_VALUES values is refused before it is decoded (protocol.count_values).
 - At most MAX_CONNECTIONS connections of non-root peers at once (each is a thread): one more is
-  answered `busy`, audited and closed at once. Root's own connections are never counted, so a
-  flood from the node's uid cannot lock root out.
-- Audit lines are bounded: a shown argument whose JSON is longer than MAX_SHOWN bytes is recorded as
-  its size and SHA-256 (args_sha256 pins the whole request anyway), and messages are cut to MAX_TEXT
-  characters, in the audit log and in the answer alike.
+  answered `busy` without blocking (a non-blocking send, no audit write on the accept thread: the
+  refusal is counted and the count audited by the flusher thread) and closed.
+- Audit lines are bounded (issue 9 item 5): a shown argument whose JSON is longer than MAX_SHOWN
+  bytes, integers beyond 64 bits included, is recorded as its size and SHA-256 (args_sha256 pins the
+  whole request anyway), and messages are cut to MAX_TEXT characters and MAX_TEXT_BYTES of JSON.
+  Refusals of a non-root peer are rate-limited per uid (a bucket of REFUSAL_BURST, refilled at
+  REFUSAL_RATE a second): past it a refusal is still answered, and counted; the counts are audited as
+  one `(suppressed)` line per peer (args: count and reasons) at most every FLUSH_S. While the audit
+  log holds as many unexported files as it may (AuditLog.full), the node's requests other than
+  `audit.head` are refused `audit-full`, counted the same way; root is always served and audited.
 - Each request is decoded into its op's frozen type (protocol.structure), run under the op's
   locks and deadline, answered, and recorded in the audit log, accepted or refused, before the
   answer is sent.
 - One thread per connection (the standard library's socketserver threading mix-in), so a
   30-minute host.unit never blocks a file.write on another connection. Per-connection state lives
-  in a `Connection` object; process-wide state in the HelperContext.
+  in a `Connection` object; process-wide state in the HelperContext and the server's `Guards`.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ import array
 import contextlib
 import grp
 import hashlib
+import json
 import os
 import socket
 import socketserver
@@ -42,18 +56,37 @@ from typing import Any
 from bcd_helper.audit import canonical
 from bcd_helper.ops.base import BoundedSystem, Call, Deadline, Failed, HelperContext, Peer, Refused
 from bcd_helper.ops.table import LOCK_ORDER, OPS, OpSpec
-from bcd_helper.protocol import MAX_FRAME, DecodeError, ProtocolError, decode_body, encode_frame, structure
+from bcd_helper.protocol import (
+    MAX_FRAME,
+    MAX_VALUES,
+    DecodeError,
+    ProtocolError,
+    decode_body,
+    encode_frame,
+    structure,
+)
 
 IDLE_TIMEOUT_S = 15 * 60.0
 FRAME_TIMEOUT_S = 10.0
 MAX_CONNECTIONS = 64
 MAX_SHOWN = 1024
 MAX_TEXT = 2000
+MAX_TEXT_BYTES = 4096
+BUDGET = 24 * 1024 * 1024
+VALUE_COST = 200  # bytes a decoded value may take (an empty list is 56, a one-key dict ~230 with its key)
+REFUSAL_BURST = 100
+REFUSAL_RATE = 10.0
+FLUSH_S = 1.0
+READ_AHEAD = 1 << 16
 _LEN = struct.Struct(">I")
 _FD_SPACE = socket.CMSG_SPACE(16 * 4)
 
 
 EOF = object()  # read_request's answer at a clean end of stream (a JSON null is a request)
+
+
+class Busy(ProtocolError):
+    """The frame could not get its share of the in-flight budget in time."""
 
 
 def peer_credentials(sock: socket.socket) -> Peer:
@@ -62,21 +95,118 @@ def peer_credentials(sock: socket.socket) -> Peer:
     return Peer(pid, uid, gid)
 
 
+def frame_cost(n: int) -> int:
+    return 3 * n + VALUE_COST * min(n, MAX_VALUES)
+
+
+class Budget:
+    """The process-wide bytes that frames being read, decoded and served may take."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.used = 0
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, deadline: float) -> bool:
+        n = min(n, self.total)
+        with self._cond:
+            while self.used + n > self.total:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+            self.used += n
+            return True
+
+    def release(self, n: int) -> None:
+        n = min(n, self.total)
+        with self._cond:
+            self.used -= n
+            self._cond.notify_all()
+
+
+class Guards:
+    """Process-wide limits shared by both sockets: the in-flight budget, the per-peer refusal rate and the
+    counts of refusals not audited one by one, which the flusher thread writes as `(suppressed)` lines."""
+
+    def __init__(self, ctx: HelperContext) -> None:
+        self.ctx = ctx
+        self.budget = Budget(BUDGET)
+        self._lock = threading.Lock()
+        self._tokens: dict[int, tuple[float, float]] = {}  # uid -> (tokens, when)
+        self._pending: dict[int, dict[str, int]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._flusher, name="audit-flusher", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.flush()
+
+    def allow_refusal(self, uid: int) -> bool:
+        """Take a token for one audited refusal of `uid` (root is never limited)."""
+        if uid == 0:
+            return True
+        now = time.monotonic()
+        with self._lock:
+            tokens, when = self._tokens.get(uid, (float(REFUSAL_BURST), now))
+            tokens = min(float(REFUSAL_BURST), tokens + (now - when) * REFUSAL_RATE)
+            if tokens < 1.0:
+                self._tokens[uid] = (tokens, now)
+                return False
+            self._tokens[uid] = (tokens - 1.0, now)
+            return True
+
+    def count(self, uid: int, reason: str) -> None:
+        """A refusal answered but not audited on its own line (no I/O: safe on the accept thread)."""
+        with self._lock:
+            reasons = self._pending.setdefault(uid, {})
+            reasons[reason] = reasons.get(reason, 0) + 1
+
+    def flush(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, {}
+        for uid, reasons in sorted(pending.items()):
+            args = {"count": sum(reasons.values()), "reasons": dict(sorted(reasons.items())[:32])}
+            self.ctx.audit.record(
+                peer_pid=0,
+                peer_uid=uid,
+                op="(suppressed)",
+                args=args,
+                args_sha256=hashlib.sha256(canonical(args)).hexdigest(),
+                decision="refused",
+                reason="rate-limit",
+                message=f"{args['count']} refusals of uid {uid} answered without a line of their own",
+                duration_ms=0.0,
+            )
+
+    def _flusher(self) -> None:
+        while not self._stop.wait(FLUSH_S):
+            with contextlib.suppress(Exception):  # an audit write error must not end the flusher
+                self.flush()
+
+
 class Connection:
     """One client connection: its peer, its socket and what it has sent so far."""
 
-    def __init__(self, ctx: HelperContext, sock: socket.socket) -> None:
+    def __init__(
+        self, ctx: HelperContext, sock: socket.socket, guards: Guards, uids: tuple[int, ...] | None = None
+    ) -> None:
         self.ctx = ctx
         self.sock = sock
+        self.guards = guards
+        self.uids = (0, ctx.config.node_uid) if uids is None else uids
         self.peer = peer_credentials(sock)
-        self.buffer = bytearray()
+        self.buffer = bytearray()  # read ahead of the next frame (at most READ_AHEAD bytes)
         self.requests = 0
+        self.reserved = 0
         self.frame_deadline: float | None = None  # set while a frame is partly read
 
     # --- framing with ancillary-data refusal --------------------------------------------------
 
-    def _recv(self) -> bytes:
-        data, ancdata, flags, _addr = self.sock.recvmsg(1 << 16, _FD_SPACE)
+    def _recv_into(self, view: memoryview) -> int:
+        n, ancdata, flags, _addr = self.sock.recvmsg_into([view], _FD_SPACE)
         passed = False
         for level, kind, payload in ancdata:
             if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
@@ -90,45 +220,79 @@ class Connection:
                 passed = True
         if passed or flags & socket.MSG_CTRUNC:
             raise ProtocolError("file descriptors or other ancillary data were sent: the helper takes none")
-        return data
+        return n
 
-    def _fill(self, n: int) -> bool:
-        while len(self.buffer) < n:
+    def _wait_left(self) -> None:
+        if self.frame_deadline is None:
+            self.sock.settimeout(IDLE_TIMEOUT_S)
+            return
+        left = self.frame_deadline - time.monotonic()
+        if left <= 0:
+            raise ProtocolError(f"frame not complete within {FRAME_TIMEOUT_S:.0f} s")
+        self.sock.settimeout(left)
+
+    def _recv_some(self, view: memoryview) -> int:
+        self._wait_left()
+        try:
+            k = self._recv_into(view)
+        except TimeoutError:
+            if self.frame_deadline is None:
+                raise
+            raise ProtocolError(f"frame not complete within {FRAME_TIMEOUT_S:.0f} s") from None
+        if k and self.frame_deadline is None:
+            self.frame_deadline = time.monotonic() + FRAME_TIMEOUT_S
+        return k
+
+    def _fill_head(self) -> bool:
+        """At least the 4-byte length in self.buffer (read READ_AHEAD bytes at a time, so a small frame
+        comes in one call); False on a clean end of stream before a frame's first byte."""
+        while len(self.buffer) < 4:
             if self.buffer and self.frame_deadline is None:
                 self.frame_deadline = time.monotonic() + FRAME_TIMEOUT_S
-            if self.frame_deadline is None:
-                self.sock.settimeout(IDLE_TIMEOUT_S)
-            else:
-                left = self.frame_deadline - time.monotonic()
-                if left <= 0:
-                    raise ProtocolError(f"frame not complete within {FRAME_TIMEOUT_S:.0f} s")
-                self.sock.settimeout(left)
-            try:
-                chunk = self._recv()
-            except TimeoutError:
-                if self.frame_deadline is None:
-                    raise
-                raise ProtocolError(f"frame not complete within {FRAME_TIMEOUT_S:.0f} s") from None
-            if not chunk:
+            chunk = bytearray(READ_AHEAD)
+            k = self._recv_some(memoryview(chunk))
+            if k == 0:
                 if self.buffer:
                     raise ProtocolError("connection closed mid-frame")
                 return False
-            self.buffer += chunk
+            self.buffer += memoryview(chunk)[:k]
         return True
 
     def read_request(self) -> Any:
-        """The next decoded JSON document, or EOF at a clean end of stream."""
-        if not self._fill(4):
+        """The next decoded JSON document, or EOF at a clean end of stream. The frame's budget stays
+        reserved (self.reserved) until `release`."""
+        if not self._fill_head():
             return EOF
+        if self.frame_deadline is None:
+            self.frame_deadline = time.monotonic() + FRAME_TIMEOUT_S
         (n,) = _LEN.unpack(self.buffer[:4])
         if n > MAX_FRAME:
             raise ProtocolError(f"frame of {n} bytes exceeds {MAX_FRAME}")
-        if not self._fill(4 + n):
-            raise ProtocolError("connection closed mid-frame")
-        body = bytes(self.buffer[4 : 4 + n])
-        del self.buffer[: 4 + n]
+        if self.peer.uid != 0:
+            cost = frame_cost(n)
+            if not self.guards.budget.acquire(cost, self.frame_deadline):
+                raise Busy("the helper is busy with other large frames: try again later")
+            self.reserved = cost
+        # The body goes into one buffer of its announced size: what was read ahead, then the rest.
+        ahead = min(n, len(self.buffer) - 4)
+        body = bytearray(n)
+        body[:ahead] = self.buffer[4 : 4 + ahead]
+        del self.buffer[: 4 + ahead]
+        view = memoryview(body)
+        got = ahead
+        while got < n:
+            k = self._recv_some(view[got:])
+            if k == 0:
+                raise ProtocolError("connection closed mid-frame")
+            got += k
+        del view
         self.frame_deadline = None
         return decode_body(body)
+
+    def release(self) -> None:
+        if self.reserved:
+            self.guards.budget.release(self.reserved)
+            self.reserved = 0
 
     def send(self, doc: Any, fd: int | None = None) -> None:
         self.sock.settimeout(FRAME_TIMEOUT_S)
@@ -147,19 +311,25 @@ class Connection:
     def audit(
         self, op: str, args: Any, spec: OpSpec | None, decision: str, reason: str, message: str, t0: float
     ) -> None:
+        if decision == "refused" and not self.guards.allow_refusal(self.peer.uid):
+            self.guards.count(self.peer.uid, reason)
+            return
         shown: dict[str, Any] = {}
         if isinstance(args, dict) and spec is not None:
             shown = {k: _bounded(args[k]) for k in spec.shown if k in args}
-        digest = hashlib.sha256(canonical({"op": op, "args": args})).hexdigest()
+        try:
+            digest = hashlib.sha256(canonical({"op": op, "args": args})).hexdigest()
+        except ValueError:  # an integer past Python's 4300 digits cannot be printed
+            digest = "0" * 64
         self.ctx.audit.record(
             peer_pid=self.peer.pid,
             peer_uid=self.peer.uid,
-            op=op[:100],
+            op=_cut(op, 100),
             args=shown,
             args_sha256=digest,
             decision=decision,
             reason=reason,
-            message=message[:MAX_TEXT],
+            message=_cut(message, MAX_TEXT),
             duration_ms=(time.monotonic() - t0) * 1000,
         )
 
@@ -175,6 +345,10 @@ class Connection:
             if not isinstance(op, str):
                 op = "?"
                 raise Refused("bad-request", "$.op: expected string")
+            if self.peer.uid != 0 and op != "audit.head" and self.ctx.audit.full:
+                self.guards.count(self.peer.uid, "audit-full")
+                message = "the audit log holds all the unexported files it may: read audit.head first"
+                return {"ok": False, "error": "refused", "reason": "audit-full", "message": message}
             spec = OPS.get(op)
             if spec is None:
                 raise Refused("unknown-op", f"unknown operation {op[:100]!r}")
@@ -220,10 +394,16 @@ class Connection:
                 lock.release()
 
     def serve(self) -> None:
-        ctx = self.ctx
-        if self.peer.uid not in (0, ctx.config.node_uid):
+        try:
+            self._serve()
+        finally:
+            self.release()
+
+    def _serve(self) -> None:
+        if self.peer.uid not in self.uids:
             t0 = time.monotonic()
-            message = f"uid {self.peer.uid} may not use the helper (only root and uid {ctx.config.node_uid})"
+            who = " and ".join(f"uid {u}" if u else "root" for u in self.uids)
+            message = f"uid {self.peer.uid} may not use this socket (only {who})"
             self.audit("(connect)", None, None, "refused", "peer", message, t0)
             with contextlib.suppress(OSError):
                 self.send({"ok": False, "error": "refused", "reason": "peer", "message": message})
@@ -234,16 +414,16 @@ class Connection:
                 doc = self.read_request()
             except (ProtocolError, TimeoutError, ConnectionError) as exc:
                 if not isinstance(exc, ConnectionError | TimeoutError):
-                    self.audit("(frame)", None, None, "refused", "protocol", str(exc), t0)
+                    reason = "busy" if isinstance(exc, Busy) else "protocol"
+                    self.audit("(frame)", None, None, "refused", reason, str(exc), t0)
                     with contextlib.suppress(OSError):
-                        self.send(
-                            {"ok": False, "error": "refused", "reason": "protocol", "message": str(exc)}
-                        )
+                        self.send({"ok": False, "error": "refused", "reason": reason, "message": str(exc)})
                 return
             if doc is EOF:
                 return
             self.requests += 1
             reply = self.answer(doc)
+            del doc
             result = reply.get("result")
             fd = result.pop("_fd", None) if isinstance(result, dict) else None
             try:
@@ -251,46 +431,81 @@ class Connection:
             except OSError:
                 return
             finally:
+                self.release()
                 if fd is not None:
                     os.close(fd)
 
 
 def _bounded(value: Any) -> Any:
-    """A shown argument as sent, or its size and digest when its JSON is longer than MAX_SHOWN bytes."""
-    if isinstance(value, str | int | None) and (not isinstance(value, str) or len(value) <= MAX_SHOWN // 12):
+    """A shown argument as sent, or its size and digest when its JSON is longer than MAX_SHOWN bytes.
+    Integers are shown only within 64 bits (a 4,299-digit one would make a 4 KiB line)."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value.bit_length() <= 64:
+            return value
+        text = str(value).encode()
+        return {"bytes": len(text), "sha256": hashlib.sha256(text).hexdigest()}
+    if isinstance(value, str) and len(value) <= MAX_SHOWN // 12:
         return value  # short enough whatever its escapes (at most 12 bytes a character)
-    data = canonical(value)
+    try:
+        data = canonical(value)
+    except ValueError:  # holds an integer past Python's printable digits
+        data = repr(type(value)).encode() + b" too large"
+        return {"bytes": -1, "sha256": hashlib.sha256(data).hexdigest()}
     if len(data) <= MAX_SHOWN:
         return value
     return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
 
+def _cut(text: str, limit: int) -> str:
+    """At most `limit` characters, whose JSON (escaped ASCII) is at most MAX_TEXT_BYTES bytes."""
+    text = text[:limit]
+    while len(json.dumps(text)) > MAX_TEXT_BYTES:
+        text = text[: len(text) * 3 // 4]
+    return text
+
+
 class _Handler(socketserver.BaseRequestHandler):
-    server: HelperServer
+    server: HelperServer | RootServer
 
     def handle(self) -> None:
         sock: socket.socket = self.request
         with contextlib.suppress(OSError):
-            Connection(self.server.ctx, sock).serve()
+            Connection(self.server.ctx, sock, self.server.guards, self.server.uids).serve()
+
+
+def _bind(server: socketserver.UnixStreamServer, path: str, gid: int, mode: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    old = os.umask(0o177)
+    try:
+        server.server_bind()
+        server.server_activate()
+    finally:
+        os.umask(old)
+    os.chown(path, 0, gid)
+    os.chmod(path, mode)
 
 
 class HelperServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """The node's socket (root may use it too)."""
+
     daemon_threads = True
     block_on_close = False
-    request_queue_size = 64
+    request_queue_size = 128
 
-    def __init__(self, ctx: HelperContext, real_socket_path: str) -> None:
+    def __init__(self, ctx: HelperContext, real_socket_path: str, guards: Guards | None = None) -> None:
         self.ctx = ctx
+        self.guards = guards or Guards(ctx)
+        self.uids: tuple[int, ...] | None = None
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(real_socket_path)
-        old = os.umask(0o177)
+        super().__init__(real_socket_path, _Handler, bind_and_activate=False)
         try:
-            super().__init__(real_socket_path, _Handler)
-        finally:
-            os.umask(old)
-        os.chown(real_socket_path, 0, ctx.config.node_gid)
-        os.chmod(real_socket_path, 0o660)
+            _bind(self, real_socket_path, ctx.config.node_gid, 0o660)
+        except BaseException:
+            self.server_close()
+            raise
 
     # A connection of a non-root peer holds one of MAX_CONNECTIONS slots while its thread runs.
 
@@ -324,23 +539,33 @@ class HelperServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
                 self._slots.release()
 
     def _refuse_busy(self, request: socket.socket, peer: Peer) -> None:
+        """On the accept thread: counted (audited later by the flusher), one non-blocking send."""
+        self.guards.count(peer.uid, "busy")
         message = f"more than {MAX_CONNECTIONS} connections at once: try again later"
-        self.ctx.audit.record(
-            peer_pid=peer.pid,
-            peer_uid=peer.uid,
-            op="(connect)",
-            args={},
-            args_sha256=hashlib.sha256(canonical({"op": "(connect)", "args": None})).hexdigest(),
-            decision="refused",
-            reason="busy",
-            message=message,
-            duration_ms=0.0,
-        )
         with contextlib.suppress(OSError):
-            request.settimeout(0)
+            request.setblocking(False)
             request.send(
                 encode_frame({"ok": False, "error": "refused", "reason": "busy", "message": message})
             )
+
+
+class RootServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    """Root's own socket: 0600 root, so the node can neither connect to it nor fill its backlog."""
+
+    daemon_threads = True
+    block_on_close = False
+    request_queue_size = 64
+
+    def __init__(self, ctx: HelperContext, real_socket_path: str, guards: Guards) -> None:
+        self.ctx = ctx
+        self.guards = guards
+        self.uids: tuple[int, ...] | None = (0,)
+        super().__init__(real_socket_path, _Handler, bind_and_activate=False)
+        try:
+            _bind(self, real_socket_path, 0, 0o600)
+        except BaseException:
+            self.server_close()
+            raise
 
 
 def node_group_name(gid: int) -> str:

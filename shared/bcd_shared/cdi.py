@@ -12,6 +12,8 @@ Rules (devices-and-holds.md, "The CDI spec"; notes/real-host-testing.md for the 
 - spec annotations `bcd.dev/allocation-id`, `bcd.dev/reservation-id`, `bcd.dev/generation`, plus
   `bcd.dev/cgroup-parent` (sliced) or `bcd.dev/binding: kubernetes`;
 - one device per atom, named by the atom id with `/` as `_`, its real id in `bcd.dev/device-id`;
+  a device is never bare: without edits of its own it carries `BCD_DEVICE_<name>=<id>`
+  (device_marker_env), since CDI's loader refuses a device with empty edits;
 - empty fields are omitted (the schema types `env` as an array and refuses `null`);
 - kind `vendor/class`, each part starting with a letter and ending with a letter or digit, with
   letters, digits and `-_.` between; a device name starts and ends with a letter or digit, with
@@ -303,6 +305,17 @@ class HoldDevice:
     edits: Mapping[str, Any] | None = None
 
 
+def device_marker_env(atom_id: str) -> str:
+    """The one edit of a device that would otherwise have none (every device of a Kubernetes hold, and a
+    hold's device the vendor spec gives no edits): `BCD_DEVICE_<name>=<device id>` (docs/devices.md,
+    "Devices never bare"). The reference CDI library refuses a device whose containerEdits are empty
+    ("invalid device, empty device edits") and with it the whole spec; an env entry is the one edit that
+    grants nothing (no device node, mount, hook or group), and a key per device keeps two devices of one
+    pod from setting the same variable."""
+    key = "BCD_DEVICE_" + re.sub(r"[^A-Za-z0-9_]", "_", device_name(atom_id))
+    return f"{key}={atom_id}"
+
+
 def _strip_device_edits(edits: Mapping[str, Any]) -> dict[str, Any]:
     # Devices carry no env of their own (DEV-CDI-13); empty fields are omitted.
     return {k: v for k, v in edits.items() if k != "env" and v not in (None, [], {})}
@@ -333,6 +346,8 @@ def build_hold_spec(
     devs: list[dict[str, Any]] = []
     for d in devices:
         edits = {} if kubernetes or d.edits is None else _strip_device_edits(d.edits)
+        if not edits:
+            edits = {"env": [device_marker_env(d.atom_id)]}
         devs.append(
             {
                 "name": device_name(d.atom_id),

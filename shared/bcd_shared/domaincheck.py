@@ -9,15 +9,18 @@ Rules, in order (`check_domain(xml, policy)` raises `DomainRefused(reason, messa
 2. Every element is in ALLOWED by its path from `<domain>` and every attribute is in that element's
    allowlist with an allowed value (`element`, `attribute`). Elements of any namespace but bcd's own,
    under `<metadata>`, are refused; `<qemu:commandline>` is named (`qemu-commandline`).
-3. The name is the instance the request names (`name`); the type is kvm or qemu; vCPUs and memory
+3. The name is the instance the request names and the UUID bcd's `domain_uuid` of it (`name`; libvirt
+   refuses a definition whose name exists under another UUID, so it can never be defined over a
+   domain bcd did not create); the type is kvm or qemu; vCPUs and memory
    are within the policy's bounds (`size`).
 4. Disks (`disk`): file disks only. The overlay, the seed and an install iso only directly in the
    instance's own directory `data_dir/libvirt/instances/<id>/`; a base image only as the overlay's
    explicit backingStore (ending in an empty `<backingStore/>`, so QEMU never follows a header) or as
    an iso cdrom, named `data_dir/libvirt/images/<sha256>.<format>`; volumes only
    `data_dir/volumes/<id>.raw`. Each path is re-checked on the host as root by `host_check`: no
-   symlink on the way from data_dir, a regular file; the overlay must name exactly the base, the base
-   must be a flat qcow2 (bcd_shared.images), so a node cannot slip in a host file by a header.
+   symlink on the way from data_dir, a regular file with one link; the overlay must name exactly
+   the base, the base must be a flat qcow2 (bcd_shared.images), so a node cannot slip in a host file
+   by a header or a hard link.
 5. NICs (`tap`): bridge NICs only, NIC i on tap `tap_name(id, i)`, on a bridge of the policy.
 6. Hostdevs (`hostdev`): managed PCI only, each the address of one of this host's GPUs, none twice.
 7. Kernel boot (`kernel`): `os/kernel` and `os/initrd` only in the instance's directory.
@@ -39,6 +42,7 @@ from bcd_shared.instancenames import (
     BRIDGE_RE,
     MAC_RE,
     METADATA_NS,
+    domain_uuid,
     image_path,
     instance_dir,
     tap_name,
@@ -413,6 +417,10 @@ def check_domain(data: bytes, policy: DomainPolicy) -> CheckedDomain:
     name = (root.findtext("name") or "").strip()
     if name != policy.instance_id:
         raise DomainRefused("name", f"the domain is named {name[:80]!r}, not {policy.instance_id!r}")
+    uuid = (root.findtext("uuid") or "").strip()
+    if uuid != domain_uuid(name):
+        # bcd's UUID: libvirt itself then refuses to define it over a domain bcd did not create.
+        raise DomainRefused("name", f"the domain's uuid {uuid[:40]!r} is not bcd's {domain_uuid(name)}")
     for tag in ("name", "uuid", "memory", "vcpu", "os", "devices", "metadata", "cpu"):
         if len(root.findall(tag)) > 1:
             raise DomainRefused("element", f"<{tag}> appears twice")
@@ -473,8 +481,11 @@ def host_check(
                 raise DomainRefused("disk", f"{path[:200]!r} does not exist") from None
             if stat.S_ISLNK(st.st_mode):
                 raise DomainRefused("disk", f"{path[:200]!r}: a symlink on the way ({part})")
-        if not stat.S_ISREG(os.lstat(real).st_mode):
+        st = os.lstat(real)
+        if not stat.S_ISREG(st.st_mode):
             raise DomainRefused("disk", f"{path[:200]!r} is not a regular file")
+        if st.st_nlink != 1:  # a hard link can bring any file the node could link into its directory
+            raise DomainRefused("disk", f"{path[:200]!r} has {st.st_nlink} hard links")
         return real
 
     try:

@@ -7,6 +7,7 @@
   characters and instance ids up to 64, so the tap is `bc` + the first 11 hex digits of the id's
   SHA-256 + the NIC index in hex (at most MAX_NICS NICs): 14 characters, always starting `bc`, so the
   nftables rules (`bc*`) match every instance tap and can be written before the tap exists.
+- `domain_uuid(instance_id)`: the domain's UUID, derived from the id (see its docstring).
 - Files: `data_dir/libvirt/instances/<id>/` (disk.qcow2, seed.iso, domain.xml) and
   `data_dir/libvirt/images/<sha256>.<format>` (DLV-RT-02, DLV-LIBVIRT-02/05).
 """
@@ -35,6 +36,15 @@ def tap_name(instance_id: str, index: int) -> str:
         raise ValueError(f"NIC index {index} out of range (at most {MAX_NICS} NICs)")
     digest = hashlib.sha256(instance_id.encode()).hexdigest()
     return f"bc{digest[:11]}{index:x}"
+
+
+def domain_uuid(instance_id: str) -> str:
+    """The libvirt UUID of bcd's domain for `instance_id` (UUIDv5 in bcd's namespace). libvirt refuses
+    to define a domain whose name exists under another UUID, so a definition carrying this UUID can
+    never be defined over a domain bcd did not create, with no check-then-act race."""
+    import uuid
+
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"{METADATA_NS}/{instance_id}"))
 
 
 def libvirt_dir(data_dir: str) -> str:

@@ -29,15 +29,20 @@ class Notifier:
         return None if self._watchdog_s is None else self._watchdog_s / 2
 
     def notify(self, *assignments: str) -> bool:
-        """Send `KEY=value` lines in one datagram; False when not under systemd."""
+        """Send `KEY=value` lines in one datagram; False when not under systemd or it could not be sent."""
         if self._address is None:
             return False
         for a in assignments:
             if "=" not in a or "\n" in a:
                 raise ValueError(f"sd_notify assignment must be KEY=value on one line, got {a!r}")
-        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
-            sock.connect(self._address)
-            sock.sendall("\n".join(assignments).encode())
+        # As sd_notify(3): a notification that cannot be sent is reported (False), never raised, so a
+        # daemon's start or stop never fails on it (a socket gone, systemd restarting).
+        try:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
+                sock.connect(self._address)
+                sock.sendall("\n".join(assignments).encode())
+        except OSError:
+            return False
         return True
 
     def ready(self, status: str = "") -> bool:

@@ -24,7 +24,8 @@ class SimHostMissing(Exception):
     def __init__(self, root: str | Path) -> None:
         super().__init__(
             f"--root {root}: a simulated host needs the development distribution bcd-simhost "
-            "(pip install ./devhost), which is not installed here; on a real host use --root /"
+            "(devhost/ in the repository; make venv installs it), which is not installed here;"
+            " on a real host use --root /"
         )
 
 

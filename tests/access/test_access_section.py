@@ -25,7 +25,7 @@ from bcd_simhost import sim_system
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from helper.helperproc import HelperProcess, base_config
-from helper.intentkit import ControlPlane, access_body
+from helper.intentkit import ControlPlane, access_body, unsigned
 
 NODE = "node-a"
 
@@ -190,7 +190,9 @@ def test_DLV_PRIV_07_under_the_helper_root_writes_the_same_bytes(tmp_path: Path,
             signer_chain=worker.chain,
         )
         executor = ax.HelperExecutor(
-            HelperClient(helper.socket_path), lambda: intent_args(read_host_intent(data_dir), None)
+            HelperClient(helper.socket_path),
+            lambda: intent_args(read_host_intent(data_dir), None),
+            sim_system(sim_root),  # the node reads the files (0644) to skip root when they match
         )
         sec = ax.AccessSection(executor, NODE)
         desired = section(ssh_ca_keys=[K1], principals=[f"alice@{NODE}"], revoked_serials=[9])
@@ -200,7 +202,7 @@ def test_DLV_PRIV_07_under_the_helper_root_writes_the_same_bytes(tmp_path: Path,
         for path, data in acc.render([K1], [f"alice@{NODE}"], [9], NODE).files.items():
             assert system.read_bytes(path) == data
         assert run(sec, desired)[:2] == (False, "")
-        assert [a["op"] for a in helper.audit_lines()].count("access.apply") == 2
+        assert [a["op"] for a in helper.audit_lines()].count("access.apply") == 1  # nothing to ask again
     finally:
         helper.stop()
 
@@ -220,3 +222,55 @@ def test_bcd_plan_lists_the_access_steps_then_nothing(sim_root: Path) -> None:
     run(ax.AccessSection(ax.DirectExecutor(sim_system(sim_root)), NODE), desired)
     assert plan_access(desired, sim_system(sim_root), NODE).converged
     assert plan_access(section(principals=["a b"]), sim_system(sim_root), NODE).failures
+
+
+def test_DLV_ACC_05_a_failed_reload_is_retried_on_the_next_pass(sim_root: Path) -> None:
+    """sshd refused the reload (systemd, faked here as PID 1 is): the drop-in is taken away again, so the
+    next pass sees the change and reloads once more, instead of leaving sshd on its old config."""
+    from bcd_shared.system import CommandResult, LocalSystem
+
+    sshd_active(sim_root)
+    inner = sim_system(sim_root)
+    failing = {"on": True}
+
+    class ReloadFails(LocalSystem):
+        def run(self, argv, *, timeout=60.0, input=None):  # type: ignore[no-untyped-def,override]
+            if failing["on"] and list(argv[:2]) == ["systemctl", "reload"]:
+                return CommandResult(tuple(argv), 1, b"", b"Job for ssh.service failed.\n")
+            return inner.run(argv, timeout=timeout, input=input)
+
+    system = ReloadFails(root=sim_root)
+    sec = ax.AccessSection(ax.DirectExecutor(system), NODE)
+    desired = section(ssh_ca_keys=[K1], principals=[f"alice@{NODE}"])
+    from bcd_shared.errors import RetryableError
+
+    with pytest.raises(RetryableError) as exc:
+        sec.converge(desired, Observation(), CTX)
+    assert exc.value.reason == "SshdReload" and system.read_bytes(acc.SSHD_DROPIN) is None
+    failing["on"] = False
+    changed, what, _ = run(sec, desired)
+    assert (
+        changed
+        and "reload ssh.service" in what
+        and system.read_bytes(acc.SSHD_DROPIN) == acc.DROPIN_TEXT.encode()
+    )
+
+
+def test_root_config_refusals_fail_the_section_terminally(tmp_path: Path, sim_root: Path) -> None:
+    """Beside a helper without roots and without `unsigned_access`, access.apply is refused for good:
+    the section is FAILED (terminal), not PROGRESSING forever; a passing helper error stays retryable."""
+    from bcd_shared.errors import HelperRefused
+
+    helper = HelperProcess(sim_root, base_config())
+    try:
+        body = access_body(NODE, 1, ca_keys=(K1,), principals=(f"alice@{NODE}",))
+        arg = unsigned(body)
+        sec = ax.AccessSection(ax.HelperExecutor(HelperClient(helper.socket_path), lambda: arg), NODE)
+        with pytest.raises(TerminalError) as exc:
+            sec.converge(section(ssh_ca_keys=[K1], principals=[f"alice@{NODE}"]), Observation(), CTX)
+        assert exc.value.reason == "access-unsigned"
+    finally:
+        helper.stop()
+    gone = ax.AccessSection(ax.HelperExecutor(HelperClient(str(tmp_path / "none.sock")), lambda: arg), NODE)
+    with pytest.raises(HelperRefused):
+        gone.converge(section(ssh_ca_keys=[K1]), Observation(), CTX)

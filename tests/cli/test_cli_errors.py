@@ -162,11 +162,14 @@ def test_node_without_config_or_env_reads_the_default_path(
 def test_audit_verify_root_after_the_subcommand_is_used(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """`audit verify --root DIR` and `audit --root DIR verify` read the same (empty) log."""
+    """`audit verify --root DIR` and `audit --root DIR verify` read the same log, sealed at set-up."""
     root = _audit_dir(tmp_path)
+    assert _main(["helper", "audit", "init", "--root", root, "--dir", "/var/log/bcd-helper"]) == 0
+    key = capsys.readouterr().out.strip().rsplit(" ", 1)[-1]
+    outs = []
     for argv in (
-        ["helper", "audit", "verify", "--root", root, "--dir", "/var/log/bcd-helper"],
-        ["helper", "audit", "--root", root, "--dir", "/var/log/bcd-helper", "verify"],
+        ["helper", "audit", "verify", "--root", root, "--dir", "/var/log/bcd-helper", "--key", key],
+        ["helper", "audit", "--root", root, "--dir", "/var/log/bcd-helper", "verify", "--key", key],
         [
             "helper",
             "audit",
@@ -177,10 +180,15 @@ def test_audit_verify_root_after_the_subcommand_is_used(
             root,
             "--dir",
             "/var/log/bcd-helper",
+            "--key",
+            key,
         ],
     ):
-        assert _main(argv) == 0, capsys.readouterr().err
-        assert capsys.readouterr().out == "audit log intact: 0 entries\n"
+        code = _main(argv)
+        out, err = capsys.readouterr()
+        outs.append((code, out, err))
+    assert len({o for o in outs}) == 1, outs  # the same answer, wherever --root stands
+    assert "no audit log" not in outs[0][2] and "/nonexistent" not in outs[0][2], outs[0]
 
 
 def test_plan_exit_code_says_whether_it_would_change_anything(tmp_path: Path) -> None:

@@ -57,6 +57,22 @@ def test_plan_gpu_node_lists_steps_and_applies_nothing(tmp_path: Path) -> None:
     assert not (root / "etc/cdi/bcd-alloc_train_0001.json").exists()
 
 
+def test_plan_vm_node_shows_the_instance_steps_and_applies_nothing(tmp_path: Path) -> None:
+    """`bcd plan` runs the instances planner too: list (read-only), plan, nothing applied."""
+    root = sim_root(tmp_path)
+    before = _tree_digest(root)
+    rc, doc = bcd_json("plan", "--spec", str(EXAMPLES / "vm-node.json"), "--root", str(root),
+                       "--data-dir", "/var/lib/bcd")  # fmt: skip
+    assert rc == 2  # it plans changes (terraform plan -detailed-exitcode)
+    inst = {s["section"]: s for s in doc["sections"]}["instances"]
+    assert inst["planner"] == "instances" and inst["failures"] == []
+    assert inst["steps"] == [
+        "define vm-gpu-0001 (8 vCPUs, 32768 MiB, image 39d1d3de8476 (qcow2), GPUs 0000:5d:00.0)",
+        "start vm-gpu-0001",
+    ]
+    assert _tree_digest(root) == before
+
+
 def test_plan_failing_assignment_names_the_reasons(tmp_path: Path) -> None:
     root = sim_root(tmp_path)
     rc, doc = bcd_json("plan", "--spec", str(EXAMPLES / "assignment-fails.json"), "--root", str(root),

@@ -86,9 +86,8 @@ def test_status_follows_a_node_through_disconnection_and_stop(tmp_path: Path) ->
         _wait("the session up", lambda: _session(data).get("state") == "connected")
 
         up = bcd("status", "--data-dir", str(data), "--check")
-        assert up.returncode == 0 and re.fullmatch(
-            rf"ok: pid {node.pid} up, connected, status \d+s old\n", up.stdout
-        )
+        assert up.returncode == 0
+        assert re.fullmatch(rf"ok: pid {node.pid} up, connected, status \d+s old\n", up.stdout), up.stdout
         text = bcd("status", "--data-dir", str(data), "--no-holds").stdout.splitlines()
         assert text[1].startswith(f"node: up (pid {node.pid}, bcd ")
         assert text[2].startswith(f"session: connected to unix:{sock} for ")
@@ -211,3 +210,55 @@ def test_no_status_file_is_down_for_check(tmp_path: Path) -> None:
     res = bcd("status", "--data-dir", str(tmp_path), "--check")
     assert res.returncode == 1
     assert res.stdout == "FAIL: down: no status.json (bcd node has not run with this data_dir)\n"
+
+
+def test_a_node_in_another_pid_namespace_is_judged_by_the_files_age(tmp_path: Path) -> None:
+    """A host reading a container's node: the pid means nothing here; three missed rewrites mean down."""
+    for written, alive in ((NOW - 5, True), (NOW - 31, False)):
+        write_status(tmp_path, _status(), now_monotonic=11.0, now_wall=written, extra=_node(NOW - 60))
+        path = status_path(tmp_path)
+        doc = json.loads(path.read_text())
+        assert doc["pid_ns"] == os.readlink("/proc/self/ns/pid")
+        doc["pid_ns"] = "pid:[1]"  # not ours
+        path.write_text(json.dumps(doc))
+        snap = snapshot(str(tmp_path), None, now_wall=NOW)
+        assert snap.live is not None and snap.live.process == "foreign" and snap.live.alive is alive
+        head = render(snap, now_wall=NOW).splitlines()[1]  # after the version line
+        assert head.startswith(
+            f"node: {'up' if alive else 'DOWN'} (pid {os.getpid()} in another pid namespace"
+        )
+        problems = check(snap, max_disconnected_s=300, max_stale_s=60)
+        assert problems == ([] if alive else ["down: no status.json written for 31s (another pid namespace)"])
+
+
+def test_watch_reprints_on_a_change_not_on_ages(tmp_path: Path) -> None:
+    """`bcd status --watch` off a terminal: ages and liveness lines move every round without a new block;
+    a section's message that changes (even one with " in " in it) prints one."""
+    import io
+
+    from bcd_agent.status import watch
+
+    rounds = iter(
+        [
+            (NOW - 1, "waiting in line"),
+            (NOW - 2, "waiting in line"),  # only the file's age differs
+            (NOW - 3, "waiting in the queue"),
+        ]
+    )
+
+    def take() -> StatusSnapshot:
+        written, message = next(rounds)
+        status = _status(SectionState.PROGRESSING)
+        section = status.sections[0]
+        status = NodeStatus(
+            version=1, applied_generation=3, observed_generation=2, spec_hash="h",
+            sections=(SectionStatus(section.section, section.state, 3, "HolderBusy", message),),
+            conditions=(), passes=1, last_pass_monotonic=0.0,
+        )  # fmt: skip
+        write_status(tmp_path, status, now_monotonic=11.0, now_wall=written, extra=_node(written - 30))
+        return snapshot(str(tmp_path), None, now_wall=NOW)
+
+    out = io.StringIO()
+    watch(take, out, interval=0, tty=False, count=3, sleep=lambda _: None)
+    assert out.getvalue().count("SECTION") == 2
+    assert "waiting in the queue" in out.getvalue().split("SECTION")[2]

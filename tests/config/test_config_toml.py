@@ -111,7 +111,8 @@ REFUSED = [
     (
         "[helper]\nsockets = '/x'",
         "[helper] sockets",
-        "unknown key in [helper] (known: audit_dir, instance_bridges, libvirt_uri, node_gid",
+        "unknown key in [helper] (known: audit_dir, audit_keep, audit_max_bytes, instance_bridges,"
+        " libvirt_uri, node_gid",
     ),
     ("host = true", "[host]", "must be a table"),
     ("data_dir = 'var/lib/bcd'", "data_dir", "absolute path"),
@@ -236,3 +237,44 @@ def test_the_root_helper_reads_the_same_file() -> None:
     assert [c.ca_sha256 for c in root.allowed_clusters] == [
         c.ca_sha256 for c in node.kubernetes.allowed_clusters
     ]
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "rule"), REFUSED, ids=[f"{i:02d}-{r[1] or 'toml'}" for i, r in enumerate(REFUSED)]
+)
+def test_one_schema_the_helper_refuses_what_the_node_refuses(text: str, key: str, rule: str) -> None:
+    """Issue 15, item 7: the root helper validates with the same schema (bcd_shared.configschema), so
+    it refuses every value and key the node refuses, with the node's message, which names the file."""
+    helper_config = pytest.importorskip("bcd_helper.config")
+    with pytest.raises(ConfigError) as node:
+        parse_config(text, "/etc/bcd/config.toml")
+    with pytest.raises(helper_config.ConfigError) as root:
+        helper_config.parse_config(text.encode(), "/etc/bcd/config.toml")
+    assert str(root.value) == str(node.value)
+
+
+def test_one_schema_keys_the_helper_used_to_pass() -> None:
+    """What the helper accepted and the node refused: a top-level log_level, keys in the node's tables
+    (it skipped them), an uppercase cluster pin. Both refuse them now; both accept the full file."""
+    helper_config = pytest.importorskip("bcd_helper.config")
+    for text in (
+        "log_level = 'debug'\n",
+        "node_id = 'n1'\n",
+        "[control_plane]\nanything = 1\n",
+        f"[kubernetes]\nallowed_clusters = 'https://k8s:6443#sha256:{HEX_A.upper()}'\n",
+    ):
+        with pytest.raises(ConfigError):
+            parse_config(text)
+        with pytest.raises(helper_config.ConfigError, match=r"^/etc/bcd/config\.toml: "):
+            helper_config.parse_config(f"{text}[helper]\nnode_uid = 900\n".encode(), "/etc/bcd/config.toml")
+    full = FULL.replace('node_user = "bcd"', "node_uid = 990")
+    assert parse_config(full).helper.node_uid == 990
+    assert helper_config.parse_config(full.encode(), "/etc/bcd/config.toml").node_uid == 990
+
+
+def test_the_schema_lives_in_shared() -> None:
+    """One table: the agent's SCHEMA is bcd_shared.configschema's, and the helper imports no agent code."""
+    from bcd_agent import config as agent_config
+    from bcd_shared import configschema
+
+    assert agent_config.SCHEMA is configschema.SCHEMA

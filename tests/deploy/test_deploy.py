@@ -3,16 +3,21 @@ real into a scratch root, and the Kubernetes DaemonSet manifest."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import os
 import re
 import shutil
 import stat
 import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
 from bcd_agent.config import parse_config
+from bcd_shared.version import VERSION
 from testsupport import REPO, require_tool
 
 DEPLOY = REPO / "deploy"
@@ -241,7 +246,212 @@ def test_daemonset_manifest() -> None:
     assert containers["helper"]["command"][:2] == ["bcd-helper", "serve"]
     assert containers["node"]["command"][:2] == ["bcd", "node"]
     # Root's config reaches the host as a regular file, not the ConfigMap's symlinks.
-    [init] = spec["initContainers"]
-    assert "install -o 0 -g 990 -m 0640 /config/config.toml /host/etc/bcd/config.toml" in init["command"][-1]
-    mounted = {m["name"] for c in spec["containers"] for m in c["volumeMounts"]}
+    init = {c["name"]: c for c in spec["initContainers"]}
+    assert [c["name"] for c in spec["initContainers"]] == ["config", "join"]
+    cmd = init["config"]["command"][-1]
+    assert "install -o 0 -g 990 -m 0640 /config/config.toml /host/etc/bcd/config.toml" in cmd
+    mounted = {m["name"] for c in spec["containers"] + spec["initContainers"] for m in c["volumeMounts"]}
     assert mounted <= {v["name"] for v in spec["volumes"]}
+
+
+def _daemonset() -> dict[str, Any]:
+    docs = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "bcd-daemonset.yaml").read_text()))
+    [ds] = [d for d in docs if d["kind"] == "DaemonSet"]
+    spec: dict[str, Any] = ds["spec"]["template"]["spec"]
+    return spec
+
+
+def _mounts(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {m["mountPath"]: m for m in container["volumeMounts"]}
+
+
+def test_daemonset_joins_once_with_the_token_from_a_secret() -> None:
+    """Issue 15: an init container, after `config`, runs `bcd join` with the token (and address) from the
+    Secret bcd-join, as root so root's join record is written, then hands data_dir to the node's uid."""
+    spec = _daemonset()
+    join = spec["initContainers"][1]
+    script = join["command"][-1]
+    assert join["command"][:2] == ["/bin/sh", "-ec"]
+    assert (
+        'bcd join --token="$BCD_JOIN_TOKEN" --address "$BCD_JOIN_ADDRESS" --config /etc/bcd/config.toml'
+        in script
+    )
+    assert "chown -R 990:990 /var/lib/bcd" in script
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in join["env"]}
+    assert env == {
+        "BCD_JOIN_TOKEN": {"name": "bcd-join", "key": "token"},
+        "BCD_JOIN_ADDRESS": {"name": "bcd-join", "key": "address"},
+    }
+    assert join["securityContext"]["runAsUser"] == 0
+    assert join["securityContext"]["capabilities"] == {
+        "drop": ["ALL"],
+        "add": ["CHOWN", "FOWNER", "DAC_OVERRIDE"],
+    }
+    mounts = _mounts(join)
+    assert mounts["/etc/bcd"]["readOnly"] is True
+    assert {"/var/lib/bcd", "/var/lib/bcd-hostconfig"} <= set(mounts)
+    # `bcd join` takes these options (the CLI's own parser), so the script is not a guess.
+    help_text = subprocess.run(
+        [sys.executable, "-m", "bcd_agent.cli", "join", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert "--token" in help_text and "--address" in help_text and "--config" in help_text
+
+
+def test_daemonset_probes_resources_and_gpu_access() -> None:
+    """The node's probes run `bcd status --check`; every container has requests and a memory limit; the
+    pod runs under the NVIDIA runtime with the variables that give the node the GPU device nodes and
+    the driver's tools, and the node reads the host's sysfs read-only."""
+    spec = _daemonset()
+    containers = {c["name"]: c for c in spec["containers"]}
+    node = containers["node"]
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        cmd = node[probe]["exec"]["command"]
+        assert cmd[:3] == ["bcd", "status", "--check"], probe
+        assert "--config" in cmd and cmd[cmd.index("--config") + 1] == "/etc/bcd/config.toml"
+        assert node[probe]["timeoutSeconds"] >= 5
+    for c in spec["containers"] + spec["initContainers"]:
+        assert c["resources"]["requests"]["cpu"] and c["resources"]["requests"]["memory"], c["name"]
+        assert c["resources"]["limits"]["memory"], c["name"]
+    assert spec["runtimeClassName"] == "nvidia"
+    for name in ("node", "helper"):
+        env = {e["name"]: e["value"] for e in containers[name]["env"]}
+        assert env["NVIDIA_VISIBLE_DEVICES"] == "all" and "utility" in env["NVIDIA_DRIVER_CAPABILITIES"]
+    mounts = _mounts(node)
+    assert mounts["/sys"]["readOnly"] is True and mounts["/etc/cdi"]["readOnly"] is True
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes[mounts["/sys"]["name"]]["hostPath"]["path"] == "/sys"
+    helper = _mounts(containers["helper"])
+    assert volumes[helper["/dev"]["name"]]["hostPath"]["path"] == "/dev"
+
+
+def containerfile_copies() -> list[Path]:
+    """The files deploy/kubernetes/Containerfile COPYs (build context: the repository root), with its
+    ARG defaults substituted."""
+    text = (DEPLOY / "kubernetes" / "Containerfile").read_text()
+    args = dict(re.findall(r"^ARG (\w+)=(\S+)$", text, re.M))
+    out = []
+    for line in re.findall(r"^COPY (.+)$", text, re.M):
+        *sources, _dest = line.split()
+        for src in sources:
+            out.append(REPO / re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], src))
+    return out
+
+
+def test_containerfile_installs_the_packages_make_deb_builds() -> None:
+    """The image installs the bcd-node (and bcd-helper) packages: it COPYs exactly the file names
+    packaging/build-deb.sh writes for this version (tests/deploy/test_packages.py builds them and checks
+    they exist), and runs what the DaemonSet's containers run."""
+    text = (DEPLOY / "kubernetes" / "Containerfile").read_text()
+    assert re.search(r"^FROM \S*debian:12", text, re.M)
+    copies = containerfile_copies()
+    assert [p.relative_to(REPO).as_posix() for p in copies] == [
+        f"dist/bcd-node_{VERSION}_amd64.deb",
+        f"dist/bcd-helper_{VERSION}_amd64.deb",
+    ]
+    build = (REPO / "packaging" / "build-deb.sh").read_text()
+    assert '"$OUT/${name}_${VERSION}_${ARCH}.deb"' in build
+    assert "apt-get install" in text and "/tmp/bcd/bcd-node_${VERSION}_${ARCH}.deb" in text
+    assert re.search(r"^USER 990:990$", text, re.M)
+    spec = _daemonset()
+    images = {c["image"] for c in spec["containers"] + spec["initContainers"]}
+    assert images == {f"registry.example.com/bcd:{VERSION}"}
+
+
+GOOD_PIN = "sha256/" + "A" * 43 + "="
+GOOD_ROOT = "ab" * 32
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--control-plane", "gateway.example.com", "must name a port"),
+        ("--control-plane", "gw:0", "outside 1-65535"),
+        ("--control-plane", "gw:70000", "outside 1-65535"),
+        ("--control-plane", "bad_host!:443", "is not a DNS name"),
+        ("--control-plane", "300.1.1.1:443", "is not an IPv4 address"),
+        ("--control-plane", "[::zz]:443", "is not an IPv6 address"),
+        ("--join-signing-key-pin", "sha256/" + "A" * 42 + "=", "44 characters"),
+        ("--join-signing-key-pin", "sha256/" + "A" * 44, "44 characters"),
+        ("--join-signing-key-pin", "sha256/" + "A" * 42 + "B=", "canonical base64"),  # B: bits past 256
+        ("--join-signing-key-pin", "sha1/" + "A" * 43 + "=", "sha256/"),
+        ("--command-root-sha256", "AB" * 32, "64 lowercase hex"),
+        ("--command-root-sha256", "ab" * 31, "64 lowercase hex"),
+        ("--command-root-sha256", f"{GOOD_ROOT},{GOOD_ROOT}", "repeated"),
+        ("--allowed-clusters", "http://k8s:6443#sha256:" + "ab" * 32, "must be https://"),
+        ("--allowed-clusters", "https://k8s:6443#sha256:abc", "must be https://"),
+    ],
+)
+def test_install_refuses_each_bad_value_before_writing(
+    tmp_path: Path, flag: str, value: str, says: str
+) -> None:
+    """Issue 15: every value install.sh writes is checked first, with docs/config.md's rule."""
+    result = run_install(tmp_path / "host", flag, value)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert flag in result.stderr and says in result.stderr, result.stderr
+    assert not (tmp_path / "host/etc/bcd").exists()
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_accepts_good_values_of_every_form(tmp_path: Path) -> None:
+    for address in ("gw.example.com:7443", "10.0.0.1:443", "[fd00::1]:7443"):
+        root = tmp_path / address.replace(":", "_").strip("[]")
+        result = run_install(
+            root, "--control-plane", address, "--join-signing-key-pin", GOOD_PIN,
+            "--command-root-sha256", f"{GOOD_ROOT},{'cd' * 32}",
+            "--allowed-clusters", f"https://10.0.0.1:6443#sha256:{GOOD_ROOT}",
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr
+        config = parse_config((root / "etc/bcd/config.toml").read_text(), "c")
+        assert config.control_plane.address == address
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_rerun_with_other_flags_shows_each_difference_and_needs_replace(tmp_path: Path) -> None:
+    """A re-run whose flags differ from the kept config prints each difference and exits 3, keeping the
+    config; `--replace` writes the flags' config and keeps the old one beside it. Flags not given are
+    not differences: a bare re-run (to put modes right) still succeeds."""
+    root = tmp_path / "host"
+    assert (
+        run_install(root, "--control-plane", "a.example.com:1", "--join-signing-key-pin", GOOD_PIN).returncode
+        == 0
+    )
+    config = root / "etc/bcd/config.toml"
+    first = config.read_text()
+    other_pin = "sha256/" + base64.b64encode(hashlib.sha256(b"another key").digest()).decode()
+    result = run_install(
+        root,
+        "--control-plane",
+        "b.example.com:2",
+        "--join-signing-key-pin",
+        other_pin,
+        "--host-units-external",
+    )
+    assert result.returncode == 3
+    lines = sorted(line for line in result.stderr.splitlines() if "differs:" in line)
+    assert lines == sorted(
+        [
+            f"install.sh: differs: join_signing_key_pin: kept '{GOOD_PIN}', the flags give '{other_pin}'",
+            "install.sh: differs: control_plane.address: kept 'a.example.com:1',"
+            " the flags give 'b.example.com:2'",
+            "install.sh: differs: host.units: kept True, the flags give False",
+        ]
+    ), result.stderr
+    assert "--replace" in result.stderr
+    assert config.read_text() == first
+    assert run_install(root).returncode == 0  # no flags: nothing differs
+    assert run_install(root, "--control-plane", "a.example.com:1").returncode == 0  # the same value
+    result = run_install(root, "--control-plane", "b.example.com:2", "--replace")
+    assert result.returncode == 0, result.stderr
+    assert parse_config(config.read_text(), "c").control_plane.address == "b.example.com:2"
+    assert (root / "etc/bcd/config.toml.old").read_text() == first
+    _, gid = account(root, "bcd")
+    assert owner_mode(config) == (0, gid, 0o640)
+    assert owner_mode(root / "etc/bcd/config.toml.old") == (0, gid, 0o640)

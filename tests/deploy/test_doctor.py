@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import socket
@@ -12,6 +13,9 @@ from pathlib import Path
 
 import pytest
 from bcd_agent.doctor import CLOCK_FLOOR, Finding, HostView, check_all, render
+from bcd_agent.session import identity as ident
+from bcd_shared.pki import KeyPair, issue_node_certificate, issue_root
+from bcd_shared.pki.pins import JoinKeyPin
 
 
 def by_check(findings: list[Finding]) -> dict[str, list[Finding]]:
@@ -27,16 +31,28 @@ def levels(findings: list[Finding], check: str) -> list[str]:
 
 @pytest.fixture
 def host(tmp_path: Path) -> HostView:
-    root = tmp_path / "host"
-    (root / "etc").mkdir(parents=True)
-    return HostView(root=root, euid=990, which=lambda name: None, wall_clock=lambda: 1_800_000_000.0)
+    """The scratch directory stands for /: every path doctor reads is a host path under it."""
+    (tmp_path / "etc").mkdir(parents=True)
+    return HostView(root=tmp_path, euid=990, which=lambda name: None, wall_clock=lambda: 1_800_000_000.0)
 
 
 def write_config(tmp_path: Path, text: str = "", data_dir: Path | None = None) -> str:
-    data = data_dir or (tmp_path / "data")
+    """tmp_path/config.toml, returned as its host path /config.toml; data_dir /data by default."""
+    data = "/" + str((data_dir or (tmp_path / "data")).relative_to(tmp_path))
     path = tmp_path / "config.toml"
     path.write_text(f'data_dir = "{data}"\n{text}')
-    return str(path)
+    return "/config.toml"
+
+
+def write_identity(data: Path, *, not_after: float, address: str = "") -> None:
+    """A real identity.json whose node certificate ends at `not_after` (0600, as bcd join writes it)."""
+    end = dt.datetime.fromtimestamp(not_after, dt.UTC)
+    start = end - dt.timedelta(days=365)
+    ca_key, node_key = KeyPair.generate(), KeyPair.generate()
+    ca = issue_root(ca_key, "node ca", start, end + dt.timedelta(days=1), path_length=0)
+    cert = issue_node_certificate(ca, ca_key, node_key.public_key, "node-doctor", start, end)
+    pin = str(JoinKeyPin.of_key(KeyPair.generate().public_key))
+    ident.save(data, ident.Identity("node-doctor", node_key, (cert,), pin, address=address))
 
 
 def make_data_dir(tmp_path: Path, mode: int = 0o700) -> Path:
@@ -48,8 +64,7 @@ def make_data_dir(tmp_path: Path, mode: int = 0o700) -> Path:
 
 def test_a_healthy_unprivileged_host_without_gpus(tmp_path: Path, host: HostView) -> None:
     data = make_data_dir(tmp_path)
-    (data / "identity.json").write_text("{}")
-    (data / "identity.json").chmod(0o600)
+    write_identity(data, not_after=1_800_000_000.0 + 90 * 86400)
     (data / "journal.db").write_bytes(b"")
     (data / "journal.db").chmod(0o600)
     findings = check_all(write_config(tmp_path), host)
@@ -88,18 +103,18 @@ def test_data_dir_and_file_modes(tmp_path: Path, host: HostView) -> None:
 
 @pytest.fixture
 def helper_socket(tmp_path: Path) -> Iterator[str]:
-    path = str(tmp_path / "helper.sock")
+    """A socket that accepts (and never answers) at tmp_path/helper.sock: host path /helper.sock."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as server:
-        server.bind(path)
+        server.bind(str(tmp_path / "helper.sock"))
         server.listen(1)
-        yield path
+        yield "/helper.sock"
 
 
 def test_helper_socket_reachable_or_not(tmp_path: Path, host: HostView, helper_socket: str) -> None:
     make_data_dir(tmp_path)
     ok = check_all(write_config(tmp_path, f'[helper]\nsocket = "{helper_socket}"\n'), host)
     assert levels(ok, "helper") == ["ok"]
-    dead = check_all(write_config(tmp_path, f'[helper]\nsocket = "{tmp_path}/gone.sock"\n'), host)
+    dead = check_all(write_config(tmp_path, '[helper]\nsocket = "/gone.sock"\n'), host)
     [h] = by_check(dead)["helper"]
     assert h.level == "fail" and "nothing accepts" in h.message and "bcd-helper" in h.fix
 
@@ -108,11 +123,11 @@ def test_helper_socket_reachable_or_not(tmp_path: Path, host: HostView, helper_s
 def test_config_owner_under_the_helper(tmp_path: Path, host: HostView) -> None:
     """HST-HLP-29/30 as doctor sees them: root:bcd 0640 is fine; group-writable is not."""
     make_data_dir(tmp_path)
-    path = write_config(tmp_path, f'[helper]\nsocket = "{tmp_path}/h.sock"\n')
-    os.chown(path, 0, 990)
-    os.chmod(path, 0o640)
+    path = write_config(tmp_path, '[helper]\nsocket = "/h.sock"\n')
+    os.chown(tmp_path / "config.toml", 0, 990)
+    os.chmod(tmp_path / "config.toml", 0o640)
     assert levels(check_all(path, host), "config-owner") == ["ok"]
-    os.chmod(path, 0o660)
+    os.chmod(tmp_path / "config.toml", 0o660)
     [c] = by_check(check_all(path, host))["config-owner"]
     assert c.level == "fail" and "must be a regular file root owns that no one else can write" in c.message
 
@@ -226,3 +241,15 @@ def test_bcd_doctor_json_and_exit_status(tmp_path: Path) -> None:
     )
     assert out.returncode == 1
     assert "fail  config" in out.stdout and "bogus" in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("mode", "level"), [(0o701, "ok"), (0o710, "ok"), (0o711, "ok"), (0o705, "fail"), (0o750, "fail")]
+)
+def test_data_dir_may_carry_the_search_bit_for_qemu_dlv_qfa_03(
+    tmp_path: Path, host: HostView, mode: int, level: str
+) -> None:
+    """DLV-QFA-01, DLV-QFA-03: libvirt-kvm adds search (x) for QEMU's user; reading stays closed."""
+    make_data_dir(tmp_path, mode)
+    [d] = by_check(check_all(write_config(tmp_path), host))["data-dir"]
+    assert d.level == level, d

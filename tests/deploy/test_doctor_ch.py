@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bcd_agent.doctor import HostView, check_all
+from bcd_shared.system import CommandResult
 from test_doctor import by_check, write_config
 
 
@@ -21,7 +22,7 @@ def _host(tmp_path: Path, version: str | None, kvm: bool = True, passwd: str = "
         euid=990,
         which=lambda name: "/usr/bin/cloud-hypervisor" if name == "cloud-hypervisor" else None,
         wall_clock=lambda: 1_800_000_000.0,
-        version_of=lambda path: version,
+        run=lambda argv: CommandResult(tuple(argv), 0 if version else 1, (version or "").encode(), b""),
     )
 
 

@@ -59,3 +59,11 @@ def test_a_bad_assignment_is_refused(tmp_path: Path) -> None:
             n.notify("READY=1\nMAINPID=1")
         with pytest.raises(ValueError, match="KEY=value"):
             n.notify("READY")
+
+
+def test_a_socket_that_is_gone_is_false_not_an_error(tmp_path: Path) -> None:
+    """systemd restarted, or a test's listener went away: the daemon's start or stop goes on."""
+    notifier = Notifier({"NOTIFY_SOCKET": str(tmp_path / "gone.sock")})
+    assert notifier.enabled
+    assert notifier.stopping() is False
+    assert notifier.ready("x") is False

@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -179,7 +178,7 @@ def test_node_start_line_names_version_config_data_dir_and_helper_mode(tmp_path:
     with_helper = parse_config('data_dir = "/var/lib/bcd"\n[helper]\nsocket = "/run/bcd/helper.sock"\n', "c")
     line = start_line("/etc/bcd/config.toml", with_helper, "/", 990)
     assert line == (
-        f"bcd node {VERSION} starting: config /etc/bcd/config.toml, data_dir /var/lib/bcd,"
+        f"bcd node {VERSION} started: config /etc/bcd/config.toml, data_dir /var/lib/bcd,"
         " host changes through bcd helper at /run/bcd/helper.sock"
     )
     alone = parse_config('data_dir = "/var/lib/bcd"\n', "c")
@@ -216,10 +215,12 @@ def test_node_writes_start_and_stop_lines_in_json(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         assert proc.stderr is not None
-        first = json.loads(proc.stderr.readline())
-        deadline = time.monotonic() + 20
-        while not (data / "journal.db").exists() and time.monotonic() < deadline:
-            time.sleep(0.02)  # the node opens its journal once its signal handling is set up
+        while True:  # the start line comes once the node has started (its signal handling set up)
+            line = proc.stderr.readline()
+            assert line, "the node ended before its start line"
+            first = json.loads(line)
+            if "started" in first["msg"]:
+                break
         proc.send_signal(signal.SIGTERM)
         _, rest = proc.communicate(timeout=30)
     finally:
@@ -230,7 +231,7 @@ def test_node_writes_start_and_stop_lines_in_json(tmp_path: Path) -> None:
         "itself (no [helper] socket; acting as root)" if os.geteuid() == 0 else "itself on the simulated host"
     )
     assert first["msg"] == (
-        f"bcd node {VERSION} starting: config {toml}, data_dir {data}, root {root}, host changes {mode}"
+        f"bcd node {VERSION} started: config {toml}, data_dir {data}, root {root}, host changes {mode}"
     ), first
     assert first["level"] == "INFO" and "ts" in first
     lines = [json.loads(line) for line in rest.splitlines() if line.startswith("{")]
@@ -251,6 +252,12 @@ def test_helper_logs_start_and_stop_and_notifies_ready_after_binding(tmp_path: P
 
     root = make_root(tmp_path)
     write_config(root, base_config())
+    # Set up as an operator does (docs/helper.md): the audit log's sealing key before the first start.
+    subprocess.run(
+        [sys.executable, "-m", "bcd_helper.cli", "audit", "--root", str(root), "init"],
+        check=True,
+        capture_output=True,
+    )
     notify_path = tmp_path / "notify.sock"
     log_path = tmp_path / "helper.log"
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as notify, log_path.open("wb") as log:

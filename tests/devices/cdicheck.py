@@ -40,6 +40,18 @@ def _validator() -> jsonschema.Draft7Validator | None:
     return jsonschema.Draft7Validator(schema, registry=registry)
 
 
+def loader_errors(doc: Any) -> list[str]:
+    """Rules of the reference CDI library's loader beyond the schema: a device with empty containerEdits
+    is refused ("invalid device, empty device edits", container-device-interface pkg/cdi/device.go),
+    and the whole spec with it."""
+    return [
+        f"devices[{i}] {d.get('name')!r}: invalid device, empty device edits"
+        for i, d in enumerate(doc.get("devices") or ())
+        if isinstance(d, dict)
+        and not any(v not in (None, [], {}) for v in (d.get("containerEdits") or {}).values())
+    ]
+
+
 def schema_errors(doc: Any) -> list[str]:
     validator = _validator()
     if validator is None:
@@ -52,7 +64,7 @@ def schema_errors(doc: Any) -> list[str]:
 def assert_cdi_valid(spec: bytes | str | dict[str, Any]) -> dict[str, Any]:
     """Fail unless `spec` passes the official schema and CDI's naming/version rules; return the doc."""
     doc = json.loads(spec) if isinstance(spec, bytes | str) else spec
-    problems = schema_errors(doc) + cdi.naming_errors(doc)
+    problems = schema_errors(doc) + cdi.naming_errors(doc) + loader_errors(doc)
     assert problems == [], f"CDI spec refused: {problems}"
     return doc
 

@@ -26,7 +26,9 @@ LANE_KINDS = {Lane.CONTROL: "test.effect", Lane.PROVISION: "test.provision", Lan
 
 
 @pytest.mark.parametrize("lane", list(Lane))
-async def test_DLV_LANE_05_06_07_credits_and_fixed_workers(tmp_path: Path, pki: Pki, lane: Lane) -> None:
+async def test_DLV_LANE_05_06_credits_and_workers_bound_the_load(
+    tmp_path: Path, pki: Pki, lane: Lane
+) -> None:
     """Credits bound admitted commands (running or waiting), workers bound running ones; one more
     command than credits is BUSY. The worker tasks are the same fixed set before and after the load."""
     cfg = LANES[lane]

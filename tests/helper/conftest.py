@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 from helperproc import HelperProcess, base_config, make_root
+from realkit import world  # noqa: F401 (a fixture: a real unprivileged node account)
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import socket
@@ -66,6 +67,13 @@ class HelperProcess:
         self.root = root
         if config is not None:
             write_config(root, config)
+        # Set up as an operator would: the audit log's sealing key first, its verification key kept here.
+        from bcd_helper.audit import init_key
+        from bcd_helper.config import load_config
+
+        self.audit_key: str | None = None
+        with contextlib.suppress(Exception):  # a config the helper refuses: the start below says why
+            self.audit_key = init_key(root, load_config(root).audit_dir)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)],
             stdout=subprocess.PIPE,

@@ -12,9 +12,13 @@ import pytest
 from bcd_helper.audit import AuditLog, verify_chain
 from bcd_helper.config import ConfigError, parse_config
 
+KEYS: dict[Path, str] = {}
+
 
 def _log(root: Path, n: int, **kw: int) -> Path:
     log = AuditLog(root, "/var/log/bcd-helper", syslog=False, **kw)
+    if log.created_key:
+        KEYS[root] = log.created_key
     for i in range(n):
         log.record(
             peer_pid=100 + i,
@@ -61,9 +65,11 @@ def test_edited_removed_and_reordered_lines_are_found(fresh_root: Path) -> None:
 def test_rotation_keeps_the_chain(fresh_root: Path) -> None:
     d = _log(fresh_root, 30, max_bytes=2000)
     assert (d / "audit.log.1").exists() and (d / "audit.log.2").exists()
-    assert verify_chain(d).ok and verify_chain(d).lines == 30
+    anchors = [json.loads(x) for p in d.glob("audit.log*") for x in p.read_bytes().splitlines()]
+    anchors = [e for e in anchors if e["op"] == "(anchor)"]
+    assert anchors and verify_chain(d).ok and verify_chain(d).lines == 30 + len(anchors)
     first_new = json.loads((d / "audit.log").read_bytes().split(b"\n")[0])
-    assert first_new["prev"] != "0" * 64
+    assert first_new["prev"] != "0" * 64 and first_new["op"] == "(anchor)"
 
 
 def test_audit_cli_show_and_verify(fresh_root: Path) -> None:
@@ -78,7 +84,7 @@ def test_audit_cli_show_and_verify(fresh_root: Path) -> None:
         "--dir",
         "/var/log/bcd-helper",
     ]
-    out = subprocess.run([*base, "verify"], capture_output=True, text=True)
+    out = subprocess.run([*base, "verify", "--key", KEYS[fresh_root]], capture_output=True, text=True)
     assert out.returncode == 0 and "6 entries" in out.stdout
     shown = subprocess.run(
         [*base, "show", "--op", "file.write", "--decision", "refused", "--json"],
@@ -91,12 +97,12 @@ def test_audit_cli_show_and_verify(fresh_root: Path) -> None:
     assert later.stdout == ""
     log = fresh_root / "var/log/bcd-helper/audit.log"
     log.write_bytes(log.read_bytes().replace(b'"peer_pid":101', b'"peer_pid":7'))
-    bad = subprocess.run([*base, "verify"], capture_output=True, text=True)
-    assert bad.returncode == 1 and "audit.log line 3" in bad.stderr
+    bad = subprocess.run([*base, "verify", "--key", KEYS[fresh_root]], capture_output=True, text=True)
+    assert bad.returncode == 1 and "audit.log line 2" in bad.stderr  # the edited line: its seal
 
 
 PIN = "a" * 64
-CLUSTER = f"https://10.0.0.1:6443#sha256:{'b' * 64},https://K8s.Example.com#sha256:{'C' * 64}"
+CLUSTER = f"https://10.0.0.1:6443#sha256:{'b' * 64},https://K8s.Example.com#sha256:{'c' * 64}"
 
 
 def test_config_decodes_the_helpers_keys() -> None:
@@ -104,7 +110,7 @@ def test_config_decodes_the_helpers_keys() -> None:
         f'command_root_sha256 = "{PIN},{"c" * 64}"\ndata_dir = "/var/lib/bcd"\n[host]\nunits = false\n'
         f'[helper]\nnode_uid = 900\ninstance_bridges = "br0, virbr1"\n'
         f'[kubernetes]\nallowed_clusters = "{CLUSTER}"\n'
-        "[control_plane]\nanything = 1\n".encode()
+        '[control_plane]\naddress = "gw.example.com:7443"\n'.encode()
     )
     assert cfg.command_root_sha256 == (PIN, "c" * 64) and cfg.host_units is False
     assert cfg.node_uid == 900 and cfg.node_gid == 900 and cfg.instance_bridges == ("br0", "virbr1")
@@ -122,21 +128,29 @@ def test_config_decodes_the_helpers_keys() -> None:
         ("command_root_sha256 = " + '"' + ",".join(f"{i:064x}" for i in range(17)) + '"', "at most 16"),
         ('join_signing_key_pin = "sha256/xyz"', "join_signing_key_pin"),
         ("command_root_sha265 = 1", "command_root_sha265: unknown key"),
-        ("[host]\nunits = 1", "host.units"),
-        ("[host]\nunit = true", "host.unit: unknown key"),
-        ('[helper]\nnode_uid = "900"', "helper.node_uid"),
-        ("[helper]\nnode_uid = 900\nsockets = 1", "helper.sockets: unknown key"),
-        ('[helper]\nnode_uid = 900\ninstance_bridges = "br 0"', "helper.instance_bridges"),
+        ("[host]\nunits = 1", "[host] units"),
+        ("[host]\nunit = true", "[host] unit: unknown key"),
+        ('[helper]\nnode_uid = "900"', "[helper] node_uid"),
+        ("[helper]\nnode_uid = 900\nsockets = 1", "[helper] sockets: unknown key"),
+        ('[helper]\nnode_uid = 900\ninstance_bridges = "br 0"', "[helper] instance_bridges"),
         (
             '[helper]\nnode_uid = 900\n[kubernetes]\nallowed_clusters = "http://x#sha256:00"',
-            "kubernetes.allowed_clusters",
+            "[kubernetes] allowed_clusters",
         ),
-        ('[helper]\nnode_user = "no-such-user-here"', "helper.node_user"),
+        ('[helper]\nnode_user = "no-such-user-here"', "[helper] node_user"),
+        ("log_level = 'debug'", "log_level: unknown key at the top level"),
+        ("[control_plane]\nanything = 1", r"\[control_plane\] anything: unknown key"),
+        ('[host]\nsysctl_allow = ""', r"\[host\] sysctl_allow: is empty"),
+        ('[host]\nsysctl_allow = "vm.swappiness, Kernel.x"', r"\[host\] sysctl_allow: entry 'Kernel.x'"),
+        ("[helper]\nnode_uid = 900\naudit_keep = 0", r"\[helper\] audit_keep"),
+        ("[helper]\nnode_uid = 900\naudit_max_bytes = 100", r"\[helper\] audit_max_bytes"),
+        ('[helper]\nnode_uid = 900\nroot_socket = "/run/bcd/helper.sock"', r"\[helper\] root_socket"),
         ("x = [", "not valid TOML"),
     ],
 )
 def test_HST_SIGN_13_a_malformed_value_stops_the_helper_naming_the_key(text: str, names: str) -> None:
     if "[helper]" not in text:
         text += "\n[helper]\nnode_uid = 900\n"
-    with pytest.raises(ConfigError, match=names.replace("[", r"\[")):
+    with pytest.raises(ConfigError, match=names if "\\[" in names else names.replace("[", r"\[")) as info:
         parse_config(text.encode())
+    assert str(info.value).startswith("/etc/bcd/config.toml: ")  # names the file

@@ -1,14 +1,15 @@
 """The helper stays lean: no grpclib, trio, trio-asyncio or agent code in its process; root's pins are
-parsed exactly as bcd_shared.pki parses them."""
+parsed exactly as bcd_shared.pki parses them (both use config.toml's one schema, bcd_shared.configschema)."""
 
 from __future__ import annotations
 
 import base64
 import subprocess
 import sys
+from typing import Any
 
 import pytest
-from bcd_helper.config import ConfigError, parse_join_pin, parse_root_pins
+from bcd_helper.config import ConfigError, parse_config
 from bcd_shared.pki.errors import BadPin
 from bcd_shared.pki.pins import JoinKeyPin
 from bcd_shared.pki.pins import parse_root_pins as pki_root_pins
@@ -22,6 +23,10 @@ def test_helper_server_process_loads_no_grpclib_trio_or_agent() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == ""
+
+
+def _root(line: str) -> Any:
+    return parse_config(f"{line}\n[helper]\nnode_uid = 900\n".encode(), "/etc/bcd/config.toml")
 
 
 PINS = [
@@ -45,7 +50,7 @@ def test_root_pins_agree_with_pki(text: str) -> None:
     except BadPin:
         expected = None
     try:
-        got: tuple[str, ...] | None = parse_root_pins(text)
+        got: tuple[str, ...] | None = _root(f'command_root_sha256 = "{text}"').command_root_sha256
     except ConfigError:
         got = None
     assert got == expected
@@ -67,7 +72,7 @@ def test_join_pin_agrees_with_pki(text: str) -> None:
     except BadPin:
         expected = None
     try:
-        got: bytes | None = parse_join_pin(text)
+        got: bytes | None = _root(f'join_signing_key_pin = "{text}"').join_signing_key_pin
     except ConfigError:
         got = None
     assert got == expected

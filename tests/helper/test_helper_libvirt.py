@@ -21,7 +21,7 @@ from bcd_shared.instancenames import tap_name
 from bcd_simhost import sim_system
 from bcd_simhost.libvirt import STATE
 from helperproc import HELPER_SETTINGS, HelperProcess, assert_refused, base_config, make_root
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
@@ -89,12 +89,18 @@ def test_unmanaged_domain_is_never_changed_through_the_helper(
     (d / "theirs.json").write_text('{"state": "running", "boot_id": "x"}')
     for op in ("libvirt.destroy", "libvirt.undefine", "libvirt.shutdown"):
         assert_refused(h, {"op": op, "args": {"name": "theirs"}}, "unmanaged")
+    from bcd_shared.instancenames import domain_uuid
+
     xml = (
         _good_xml(h)
         .replace("<name>good</name>", "<name>theirs</name>")
+        .replace(domain_uuid("good"), domain_uuid("theirs"))
         .replace("instances/good/", "instances/theirs/")
     )
-    assert h.raw({"op": "libvirt.define", "args": {"name": "theirs", "xml": xml}})["ok"] is False
+    before = (d / "theirs.xml").read_bytes()
+    answer = h.raw({"op": "libvirt.define", "args": {"name": "theirs", "xml": xml}})
+    assert answer["ok"] is False  # libvirt refuses the name under another UUID (or root's disk check does)
+    assert (d / "theirs.xml").read_bytes() == before
 
 
 # --- refusals as properties ----------------------------------------------------------------------------
@@ -158,7 +164,7 @@ def test_definitions_outside_the_rules_are_refused_and_change_nothing_dlv_hlp_04
     assert answer["reason"] == reason or answer["reason"].startswith("domain-"), (reason, answer)
 
 
-@HELPER_SETTINGS
+@settings(HELPER_SETTINGS, max_examples=min(HELPER_SETTINGS.max_examples, 200))  # one cheap rule
 @given(name=st.text(min_size=0, max_size=80))
 def test_names_that_are_not_instance_ids_are_refused(
     lv: tuple[HelperProcess, InstancesSection], name: str
@@ -222,3 +228,54 @@ def test_setmem_stays_within_the_domain(lv: tuple[HelperProcess, InstancesSectio
     assert_refused(h, {"op": "libvirt.setmem", "args": {"name": "good", "kib": 1 << 40}}, "bad-arguments")
     assert_refused(h, {"op": "libvirt.setmem", "args": {"name": "good", "kib": 0}}, "bad-arguments")
     assert h.raw({"op": "libvirt.setmem", "args": {"name": "good", "kib": 1 << 20}})["ok"] is True
+
+
+def test_a_hard_link_in_the_instance_directory_is_refused(lv: tuple[HelperProcess, InstancesSection]) -> None:
+    """DLV-HLP-04: a disk with a second hard link (a file the node linked in) is not bcd's own."""
+    h, _ = lv
+    inst = h.root / DATA.lstrip("/") / "libvirt/instances/good"
+    extra = h.root / "var/tmp-link"
+    os.link(inst / "seed.iso", extra)
+    try:
+        answer = assert_refused(h, {"op": "libvirt.define", "args": {"name": "good", "xml": _good_xml(h)}})
+        assert answer["reason"] == "domain-disk" and "hard links" in answer["message"]
+    finally:
+        os.unlink(extra)
+
+
+def test_undefine_drops_roots_staged_definition(lv: tuple[HelperProcess, InstancesSection]) -> None:
+    h, sec = lv
+    staged = h.root / "var/lib/bcd-hostconfig/libvirt/good.xml"
+    assert staged.exists()
+    converge(sec, spec(generation=9))
+    assert not staged.exists()
+    assert [e["op"] for e in h.audit_lines() if e["decision"] == "accepted"][-1] == "libvirt.undefine"
+
+
+def test_a_start_never_takes_a_gpu_a_hold_has_dlv_dev_21(lv: tuple[HelperProcess, InstancesSection]) -> None:
+    """DLV-DEV-21 as root: libvirt.start refuses a domain whose GPU root sees held by a live hold."""
+    from bcd_shared import cdi
+    from bcd_simhost.gpus import gpu_uuid
+
+    h, sec = lv
+    g5 = gpu_uuid(5)
+    converge(sec, spec(vm("gv", gpu_uuids=(g5,), desired=Desired.STOPPED), generation=20))
+    hold = cdi.build_hold_spec(
+        allocation_id="alloc_h",
+        reservation_id="r",
+        generation=1,
+        kubernetes=False,
+        cgroup_parent=None,
+        devices=[cdi.HoldDevice(g5)],
+        env=["BCD_ALLOCATION_ID=alloc_h"],
+        vendor=None,
+    )
+    path = h.root / "etc/cdi/bcd-alloc_h.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(cdi.encode_spec(hold))
+    try:
+        answer = assert_refused(h, {"op": "libvirt.start", "args": {"name": "gv"}}, "gpu-busy")
+        assert "is held by alloc_h" in answer["message"]
+    finally:
+        path.unlink()
+    assert h.raw({"op": "libvirt.start", "args": {"name": "gv"}})["ok"] is True

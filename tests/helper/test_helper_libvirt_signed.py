@@ -136,3 +136,23 @@ def test_console_is_handed_back_as_a_descriptor_dlv_hlp_07(tmp_path: Path) -> No
         assert h.last_audit()["op"] == "libvirt.console"
     finally:
         h.stop()
+
+
+def test_libvirt_itself_refuses_defining_over_a_domain_bcd_did_not_create(tmp_path: Path) -> None:
+    """DLV-LIBVIRT-17 with real libvirt: the test driver's own domain `test` exists under another
+    UUID; bcd's definition of an instance `test` (bcd's UUID) is refused by libvirt, atomically."""
+    root = make_root(tmp_path)
+    h = HelperProcess(root, base_config(extra='instance_bridges = "br0"\nlibvirt_uri = "test:///default"\n'))
+    try:
+        system = sim_system(root)
+        keep = Keep()
+        inst = InstanceSpec(
+            id="test", allocation_id="a1", vcpus=1, memory_bytes=GIB, disk_bytes=10 * GIB,
+            image=Image(URL, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", MAC),),
+        )  # fmt: skip
+        LibvirtRuntime(system, keep, "/var/lib/bcd", under_helper=True).create(inst, Prepared())
+        answer = h.raw({"op": "libvirt.define", "args": {"name": "test", "xml": keep.xml.decode()}})
+        assert answer["ok"] is False and answer["error"] == "failed", answer
+        assert "already exists with uuid" in answer["message"]
+    finally:
+        h.stop()

@@ -144,6 +144,23 @@ def test_cdi_naming_another_allocation_is_refused(helper: HelperProcess) -> None
     assert_refused_raw(helper, _doc("file.write", kind="cdi", id="a1", content=content), "bad-content")
 
 
+def test_a_device_carries_only_its_own_marker(helper: HelperProcess) -> None:
+    """A Kubernetes hold's devices (and a hold's device without vendor edits) carry exactly their own
+    BCD_DEVICE_ marker, which the helper writes; any other device env is refused."""
+    kube = cdi.build_hold_spec(
+        allocation_id="k1", reservation_id="rsv_1", generation=3, kubernetes=True, cgroup_parent=None,
+        devices=[cdi.HoldDevice(GPU0, None)], env=["BCD_ALLOCATION_ID=k1"], vendor=None,
+    )  # fmt: skip
+    marker = f"BCD_DEVICE_{GPU0.replace('-', '_')}={GPU0}"
+    assert kube["devices"][0]["containerEdits"] == {"env": [marker]}
+    answer = _write_cdi(helper, cdi.encode_spec(kube).decode(), "k1")
+    assert answer is not None and answer["ok"] is True, answer
+    for env in ([marker, "X=1"], [f"BCD_DEVICE_{GPU0.replace('-', '_')}=GPU-other"], ["BCD_ALLOCATION_ID=x"]):
+        kube["devices"][0]["containerEdits"] = {"env": env}
+        content = cdi.encode_spec(kube).decode()
+        assert_refused_raw(helper, _doc("file.write", kind="cdi", id="k1", content=content), "bad-content")
+
+
 @pytest.mark.parametrize(
     ("where", "key", "value"),
     [

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 from bcd_helper.config import ConfigError, load_config
+from bcd_helper.ops.host import helper_version
 from bcd_shared.rootpath import (
     RootPathRefused,
     refusal_message,
@@ -242,7 +243,7 @@ def test_so_peercred_real_clients_of_other_uids(world_root: Path, node_user: Use
         assert ok.returncode == 0, ok.stderr
         assert json.loads(ok.stdout) == {
             "ok": True,
-            "result": {"peer_uid": node_user.uid, "host_units": True},
+            "result": {"peer_uid": node_user.uid, "host_units": True, "version": helper_version()},
         }
         bad = other.run(_client_code(), helper.socket_path)
         assert bad.returncode == 0, bad.stderr

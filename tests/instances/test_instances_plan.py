@@ -216,8 +216,8 @@ def test_stops_and_deletes_come_before_starts_dlv_inst_16() -> None:
     assert not p.waiting
 
 
-def test_admission_refusal_is_resources_exhausted_not_error_dlv_adm_12_13() -> None:
-    """DLV-ADM-01, DLV-ADM-04, DLV-ADM-05, DLV-ADM-06, DLV-ADM-08, DLV-ADM-12, DLV-ADM-13."""
+def test_admission_refusal_is_resources_exhausted_not_error_dlv_adm_12_13_dlv_inst_14() -> None:
+    """DLV-ADM-01, DLV-ADM-04, DLV-ADM-05, DLV-ADM-06, DLV-ADM-08, DLV-ADM-12, DLV-ADM-13, DLV-INST-14."""
     # 8 GiB MemTotal, 1 GiB headroom: 7168 MiB; one running 2 GiB domain takes 2368 MiB; left 4800.
     obs = observed(dom("r"), dom("x", STOPPED), mem=memory(8))
     p = plan(spec(vm("r"), vm("x"), vm("y"), vm("z")), obs)
@@ -464,3 +464,18 @@ def test_a_changed_definition_is_applied_while_stopped(tmp_path: Path) -> None:
     converge(sec, stopped)
     assert '<vcpu placement="static">4</vcpu>' in (system.read_text(f"{STATE}/a.xml") or "")
     assert sec.plan(stopped, 3).steps == ()
+
+
+def test_a_failed_create_leaves_no_directory_once_unwanted(tmp_path: Path) -> None:
+    """A create that failed before its define leaves the instance's directory; it goes once the
+    instance is no longer wanted (and is reused while it is)."""
+    system = sim_host(tmp_path)
+    sec, _ = section(system)
+    d = "/var/lib/bcd/libvirt/instances/x"
+    system.host_path(d).mkdir(parents=True)
+    system.write_atomic(f"{d}/disk.qcow2", b"partial")
+    p = sec.plan(spec(vm("y")), 1)
+    assert [type(s).__name__ for s in p.steps] == ["RemoveFiles", "Create", "Start"]
+    converge(sec, spec(vm("y")))
+    assert not system.exists(d)
+    assert sec.plan(spec(vm("y")), 1).steps == ()

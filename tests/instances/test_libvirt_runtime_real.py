@@ -113,6 +113,9 @@ def test_grow_with_qemu_img_while_stopped_and_never_shrink_dlv_libvirt_07_08(
     with pytest.raises(TerminalError, match="disks only grow"):
         rt.grow(evolve(inst, disk_bytes=5 * GIB), running=False)
     assert _info(disk)["virtual-size"] == 6 * GIB
+    assert _info(disk)["backing-filename"] == str(
+        system.host_path(f"{DATA}/libvirt/images/{inst.image.sha256}.qcow2")  # type: ignore[union-attr]
+    )  # the resize kept the overlay's base
 
 
 def test_qemu_reaches_its_files_as_root_dlv_qfa_01_02_03(
@@ -139,6 +142,30 @@ def test_bcds_own_files_stay_0600_dlv_qfa_04(
     assert sorted(os.listdir(d)) == ["disk.qcow2", "domain.xml", "seed.iso"]
 
 
+def test_resize_opens_no_file_a_header_names(tmp_path: Path) -> None:
+    """qemu-img resize of the overlay alone: a header naming a trap file, the trap is never opened
+    (strace), and the overlay is resized."""
+    qemu_img = require_tool("qemu-img")
+    strace = require_tool("strace")
+    from bcd_agent.sections.instances.runtimes.libvirt import overlay_only
+
+    trap = tmp_path / "trap.qcow2"
+    subprocess.run([qemu_img, "create", "-q", "-f", "qcow2", str(trap), str(GIB)], check=True)
+    disk = tmp_path / "disk.qcow2"
+    subprocess.run(
+        [qemu_img, "create", "-q", "-f", "qcow2", "-u", "-b", str(trap), "-F", "qcow2", str(disk), str(GIB)],
+        check=True,
+    )
+    out = subprocess.run(
+        [strace, "-f", "-e", "trace=open,openat", qemu_img, "resize", overlay_only(str(disk)), str(2 * GIB)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert "trap.qcow2" not in out.stderr
+    assert _info(disk)["virtual-size"] == 2 * GIB
+
+
 def test_a_rewritten_overlay_does_not_start_dlv_img_11_14(
     host: tuple[LocalSystem, LibvirtRuntime, RecordingVirsh, InstanceSpec],
 ) -> None:
@@ -151,3 +178,16 @@ def test_a_rewritten_overlay_does_not_start_dlv_img_11_14(
     )
     with pytest.raises(TerminalError, match="not bcd's base"):
         rt.check_overlay(inst)
+
+
+def test_a_start_gives_qemu_its_way_back_after_the_journal_closed_data_dir(
+    host: tuple[LocalSystem, LibvirtRuntime, RecordingVirsh, InstanceSpec],
+) -> None:
+    """DLV-QFA-01: bcd's journal sets data_dir back to 0700 at every start of bcd; the runtime adds the
+    search bit again before every domain start, so a stopped VM still starts after a restart of bcd."""
+    system, rt, _virsh, inst = host
+    rt.create(inst, Prepared())
+    top = system.host_path(DATA)
+    os.chmod(top, 0o700)  # what Journal.open does
+    rt.start(inst, paused=False)
+    assert stat.S_IMODE(os.stat(top).st_mode) == 0o701

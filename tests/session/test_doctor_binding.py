@@ -79,7 +79,7 @@ class Host:
         os.chmod(tmp, 0o755)
         self.tmp = tmp
         self.site = site
-        self.root = tmp / "host"
+        self.root = tmp  # stands for /: config, data_dir and sockets are host paths under it
         (self.root / "etc").mkdir(parents=True)
         self.data = tmp / "data"
         self.data.mkdir(mode=0o700)
@@ -109,16 +109,15 @@ class Host:
         os.chmod(path, 0o600)
 
     def config(self, *, pin: bool = True, command_roots: bool = False, helper: bool = True) -> str:
-        text = f'data_dir = "{self.data}"\n'
+        text = 'data_dir = "/data"\n'
         if pin:
             text += f'join_signing_key_pin = "{self.site.pin}"\n'
         if command_roots:
             text += f'command_root_sha256 = "{hashlib.sha256(self.site.command_root).hexdigest()}"\n'
         if helper:
-            text += f'[helper]\nsocket = "{self.tmp / "helper.sock"}"\n'
-        path = self.tmp / "config.toml"
-        path.write_text(text)
-        return str(path)
+            text += '[helper]\nsocket = "/helper.sock"\n'
+        (self.tmp / "config.toml").write_text(text)
+        return "/config.toml"
 
     def check(self, **kw: bool) -> dict[str, list[Finding]]:
         out: dict[str, list[Finding]] = {}

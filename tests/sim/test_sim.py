@@ -322,3 +322,30 @@ def test_vm_node_runs_a_gpu_vm_beside_a_hold_dlv_rt_16(tmp_path: Path) -> None:
         ]
         defines = [a for a in audit if a["op"] == "libvirt.define" and a["decision"] == "accepted"]
         assert len(defines) == 1
+
+
+def test_sigterm_stops_every_child_too(tmp_path: Path) -> None:
+    """SIGTERM is handled as Ctrl-C is: every child stopped, `bcd sim: stopped`, exit 128 + 15."""
+    root = tmp_path / "host"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bcd_agent.cli", "sim", "--spec", str(EXAMPLES / "gpu-node.json"),
+         "--root", str(root), "--helper", "no"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not (root / "etc/cdi/bcd-alloc_train_0001.json").exists():
+            assert proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert err.strip().splitlines()[-1] == "bcd sim: stopped"
+    deadline = time.monotonic() + 10
+    while _processes_under(root) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_under(root)

@@ -208,3 +208,22 @@ async def test_a_401_from_the_endpoint_fetches_the_headers_again() -> None:
     assert len(asked) == 2
     assert any(("authorization", "new") in h for h in seen)
     assert section.exporter.metrics.exports.get(("401",)) >= 1
+
+
+async def test_a_refused_secret_stays_failed_for_its_generation_and_is_asked_again_for_a_new_one() -> None:
+    section, asked, triggered = await _section_with(TerminalError("SecretRefused", "not now"))
+    async with trio.open_nursery() as nursery:
+        await nursery.start(section.run)
+        await section.converge(SECTION, Observation(), CTX)
+        with trio.fail_after(5):
+            while not triggered:  # noqa: ASYNC110
+                await trio.sleep(0.01)
+        for _ in range(2):
+            out = await section.converge(SECTION, Observation(), CTX)
+            assert (out.state, out.reason) == (SectionState.FAILED, "SecretRefused")
+        assert len(asked) == 1
+        gen2 = PassContext(DesiredSpec(2, "h2"), 5, frozenset(), 0.0)
+        out = await section.converge(SECTION, Observation(), gen2)
+        await trio.sleep(0.05)  # the fetch runs in the section's own task
+        assert out.state is SectionState.PROGRESSING and len(asked) == 2
+        nursery.cancel_scope.cancel()

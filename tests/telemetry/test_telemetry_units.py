@@ -318,7 +318,7 @@ async def test_a_refused_export_is_dropped_and_a_retryable_one_is_sent_again() -
     exporter = Exporter(metrics, post=post)
     async with trio.open_nursery() as nursery:
         await nursery.start(exporter.run)
-        exporter.configure(ExportConfig("http://127.0.0.1:9/v1/metrics", 0.05, ()))
+        exporter.configure(ExportConfig("http://127.0.0.1:9/v1/metrics", 1.0, ()))
         with trio.fail_after(10):
             while exporter.sent < 1:  # noqa: ASYNC110
                 await trio.sleep(0.01)
@@ -451,3 +451,66 @@ def test_bcd_plan_shows_the_telemetry_steps_and_refuses_a_bad_section() -> None:
     assert plan_telemetry(None).converged
     bad = plan_telemetry(wire.TelemetrySection(otlp_endpoint="http://10.0.0.1"))
     assert bad.failures and bad.failures[0].startswith("InvalidTelemetry: telemetry.otlp_endpoint")
+
+
+async def test_https_verifies_the_endpoint_against_the_system_trust_store(tmp_path: Path) -> None:
+    """A collector whose certificate chains to no trusted root is refused at the handshake (retried,
+    never sent in the clear); the request never reaches it."""
+    import datetime as dt
+    import ipaddress
+    import ssl
+    from functools import partial
+
+    from bcd_agent.sections.telemetry.exporter import post_otlp
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = dt.datetime.now(dt.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(1)
+        .not_valid_before(now - dt.timedelta(hours=1))
+        .not_valid_after(now + dt.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+            False,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "k.pem").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
+    )
+    server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+    received: list[bytes] = []
+
+    async def serve(stream: trio.SocketStream) -> None:
+        tls = trio.SSLStream(stream, server_ctx, server_side=True)
+        try:
+            received.append(await tls.receive_some(65536))
+        except trio.BrokenResourceError:
+            pass
+        finally:
+            await trio.aclose_forcefully(tls)
+
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(partial(trio.serve_tcp, serve, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        with pytest.raises(ExportFailed) as caught:
+            await post_otlp(f"https://127.0.0.1:{port}/v1/metrics", b"body", (("x-api-key", "s"),), 5.0)
+        nursery.cancel_scope.cancel()
+    assert caught.value.retryable and caught.value.error_type in (
+        "SSLCertVerificationError",
+        "BrokenResourceError",
+    )
+    assert received == []

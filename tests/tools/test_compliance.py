@@ -32,7 +32,6 @@ def test_ids_in_names_docstrings_ranges_and_lists(tmp_path: Path) -> None:
     found = scan_tests(_tree(tmp_path) / "tests")
     assert set(found) == {
         "DLV-JRN-03",
-        "DLV-JRN-01",
         "DLV-REC-01",
         "DLV-REC-02",
         "DLV-REC-03",
@@ -74,7 +73,9 @@ def test_render_rows(tmp_path: Path) -> None:
     (spec / "host.md").write_text("")
     text = render(repo, spec)
     rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
-    assert rows["| DLV-JRN-03"].endswith("| agent/bcd_agent/journal/ | `tests/test_a.py` | tested |")
+    assert rows["| DLV-JRN-03"].endswith(
+        "| agent/bcd_agent/journal/ | `tests/test_a.py::test_DLV_JRN_03_something` | tested |"
+    )
     assert rows["| DLV-JRN-04"].endswith("| not yet |")
     assert rows["| DLV-OOS-01"].endswith("| out of scope |")
     assert rows["| Q-DLV-JRN-01"].endswith("| answered in `docs/journal.md` |")
@@ -93,3 +94,45 @@ def test_test_names_with_several_areas_lists_and_ranges() -> None:
     assert _name_ids("HST_SYS_09_RMV_09_11") == ["HST-SYS-09", "HST-RMV-09", "HST-RMV-11"]
     assert _name_ids("HST_K8S_07_to_09_16") == ["HST-K8S-07", "HST-K8S-08", "HST-K8S-09", "HST-K8S-16"]
     assert _name_ids("DEV_CDI_04_DLV_DEV_12") == ["DEV-CDI-04", "DLV-DEV-12"]
+
+
+def test_only_a_tests_name_docstring_or_decorator_names_an_id(tmp_path: Path) -> None:
+    """A module docstring, a comment or a helper names nothing; a parametrize table a decorator refers
+    to by name does; a class's test methods are listed with their class."""
+    tests = tmp_path / "repo" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "test_b.py").write_text(
+        '"""Covers DLV-AAA-01."""\n'
+        "# DLV-AAA-02 in a comment\n"
+        "ROWS = [('DLV-AAA-03', 1)]\n"
+        "OTHER = ['DLV-AAA-04']\n"
+        "def helper():\n"
+        '    """DLV-AAA-05."""\n'
+        "@pytest.mark.parametrize('row', ROWS)\n"
+        "def test_rows(row):\n"
+        "    assert OTHER\n"
+        "class TestThing:\n"
+        "    def test_DLV_AAA_06_method(self):\n"
+        '        """And DLV-AAA-07."""\n'
+    )
+    found = scan_tests(tests)
+    assert {k: sorted(v) for k, v in found.items()} == {
+        "DLV-AAA-03": ["tests/test_b.py::test_rows"],
+        "DLV-AAA-06": ["tests/test_b.py::TestThing::test_DLV_AAA_06_method"],
+        "DLV-AAA-07": ["tests/test_b.py::TestThing::test_DLV_AAA_06_method"],
+    }
+
+
+def test_check_fails_on_a_listed_test_that_does_not_exist_and_on_a_stale_report(tmp_path: Path) -> None:
+    from bcd_agent.tools.compliance import check
+
+    repo = _tree(tmp_path)
+    fresh = "| DLV-JRN-03 | x | y | `tests/test_a.py::test_DLV_JRN_03_something` | tested |\n"
+    assert check(fresh, fresh, repo / "tests") == []
+    gone = fresh.replace("test_DLV_JRN_03_something", "test_DLV_JRN_03_renamed")
+    problems = check(gone, fresh, repo / "tests")
+    assert problems == [
+        "compliance.md lists tests/test_a.py::test_DLV_JRN_03_renamed, which is not a test function",
+        "docs/compliance.md is out of date: run `make compliance` and commit it",
+    ]
+    assert check("", fresh, repo / "tests") == ["docs/compliance.md does not exist: run `make compliance`"]

@@ -19,6 +19,8 @@
 - `export_ms` (informational): one export of every metric in process: NodeMetrics over a real journal,
   8 GPUs' holds, every kind's outcomes and every helper op's calls, encoded and POSTed to a loopback
   receiver (`post_otlp`, the production client). Median of `EXPORTS`; `export_bytes` is one body's size.
+- `stalled_gateway_rss_growth_mb` (target <= 30) and `refused_spec_bytes_per_msg` (target < 20): memory
+  under a gateway that stops reading for 120 s, and under refused/ignored specs (bench.reliab).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ TARGETS: dict[str, tuple[str, float]] = {
     "idle_rss_mb": ("<=", 60.0),
     "start_to_hello_ms": ("<=", 1000.0),
     "idle_rss_mb_with_telemetry": ("<=", 60.0),
+    # issue 16's memory keys, measured by bench.reliab
+    "stalled_gateway_rss_growth_mb": ("<=", 30.0),
+    "refused_spec_bytes_per_msg": ("<", 20.0),
 }
 HEADERS_REF = "secret://bench/otlp-headers"
 
@@ -246,10 +251,15 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
         noop = trio.run(noop_pass_ms, base / "inproc")
         numbers = trio.run(node_numbers, base / "node")
         numbers.update(trio.run(export_numbers, base / "export"))
+        # Issue 16's memory keys (stalled gateway, refused specs): their own module, merged here.
+        from bcd_agent.bench import reliab
+
+        extras = reliab.measure(args, base / "reliab")
     result: dict[str, float | int | str] = {"noop_pass_ms": round(noop, 3)}
     result.update({k: round(v, 3) for k, v in numbers.items()})
     result["export_bytes"] = int(result["export_bytes"])
     result["telemetry_exports"] = int(result["telemetry_exports"])
+    result.update(extras)
     result["passes"] = PASSES
     result["specs"] = SPECS
     return result

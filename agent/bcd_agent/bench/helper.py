@@ -13,6 +13,15 @@
   informational, no target;
 - signed_rss_mb: the helper's resident memory after the signed requests (pki, wire types and
   cryptography loaded), idle; informational (docs/helper.md: ~41 MiB, above idle_rss_mb's 35).
+- flood_root_ping_ms_p99 (target <= 1000): with 64 connections of the node's uid held open and four
+  threads of the node's uid connecting as fast as they can, the 99th percentile of 100 root pings on
+  root's own socket, each on a fresh connection (flood_root_pings_answered: how many of the 100 came
+  back; the target needs all 100);
+- bomb_peak_rss_mb (target <= 100): the helper's peak resident memory (VmHWM, over the whole run)
+  after 64 connections of the node's uid each sent a 4 MiB frame of `[[],[],…]` at once;
+  bomb_root_ping_ms_max (target <= 1000): the slowest root ping on root's socket meanwhile.
+The node's side of both runs in forked children that drop to the node's uid (65534) after changing into
+the socket's directory, so the helper's SO_PEERCRED sees the node.
 Which operations carry signed intent: docs/helper.md "Which operations need signed intent". With
 command-signing roots a hold write carries the signed spec too (issue 9 item 8), which loads pki: so the
 write rates, start_ms and idle_rss_mb are measured on a helper without roots (no pin, HST-SIGN-33), and
@@ -23,11 +32,15 @@ Runs as root over a temporary simulated host (the config must be root's).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import socket
+import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +57,14 @@ TARGETS: dict[str, tuple[str, float]] = {
     "ratio": (">=", 0.5),
     "start_ms": ("<=", 200.0),
     "idle_rss_mb": ("<=", 35.0),
+    "flood_root_ping_ms_p99": ("<=", 1000.0),
+    "flood_root_pings_answered": (">=", 100),
+    "bomb_peak_rss_mb": ("<=", 100.0),
+    "bomb_root_ping_ms_max": ("<=", 1000.0),
 }
+NODE_UID = 65534
+HELD = 64
+PINGS = 100
 NODE_ID = "bench-node"
 SYSCTL = '{"vm.swappiness":60}'
 
@@ -121,12 +141,121 @@ def _content() -> bytes:
     return cdi.encode_spec(doc)
 
 
-def _rss_mb(pid: int) -> float:
+def _rss_mb(pid: int, field: str = "VmRSS") -> float:
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def _frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def _root_ping_ms(path: str) -> float | None:
+    """One ping on a fresh connection to root's socket: milliseconds, or None when it failed."""
+    t0 = time.perf_counter()
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(_frame(b'{"op":"helper.ping","args":{}}'))
+            head = s.recv(4, socket.MSG_WAITALL)
+            answer = json.loads(s.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL))
+    except (OSError, ValueError, struct.error):
+        return None
+    return (time.perf_counter() - t0) * 1000 if answer.get("ok") else None
+
+
+def _as_node(sock: str, work: Callable[[str], None]) -> int:
+    """Fork a child of the node's uid that runs work(<socket name>) from the socket's directory."""
+    directory, name = os.path.split(sock)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.chdir(directory)
+            os.setgroups([])
+            os.setgid(NODE_UID)
+            os.setuid(NODE_UID)
+            work(name)
+            code = 0
+        finally:
+            os._exit(code)
+    return pid
+
+
+def _flood(name: str, seconds: float = 6.0) -> None:
+    held = []
+    for _ in range(HELD):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(name)
+        held.append(s)
+    stop = time.monotonic() + seconds
+
+    def spam() -> None:
+        while time.monotonic() < stop:
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.setblocking(False)
+                    s.connect(name)
+            except OSError:
+                pass
+
+    threads = [threading.Thread(target=spam) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _bomb(name: str) -> None:
+    size = 4 * 1024 * 1024
+    body = _frame(b"[" + b"[]," * ((size - 2) // 3 - 1) + b"[]]")
+    socks = []
+    for _ in range(HELD):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(60)
+        s.connect(name)
+        socks.append(s)
+
+    def one(s: socket.socket) -> None:
+        try:
+            s.sendall(body)
+            s.recv(4)
+        except OSError:
+            pass
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in socks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _under_flood(root_sock: str, sock: str) -> tuple[float, int]:
+    """The p99 of PINGS root pings while the node holds HELD connections and floods connects; answered."""
+    pid = _as_node(sock, _flood)
+    time.sleep(1.0)  # the held connections are in and the storm is on
+    times = [_root_ping_ms(root_sock) for _ in range(PINGS)]
+    os.waitpid(pid, 0)
+    answered = sorted(t for t in times if t is not None)
+    p99 = answered[min(len(answered) - 1, int(len(answered) * 0.99))] if answered else float("inf")
+    if len(answered) < PINGS:
+        p99 = float("inf")
+    return p99, len(answered)
+
+
+def _under_bomb(root_sock: str, sock: str) -> float:
+    """The slowest root ping while HELD node connections send a decoded-size bomb each."""
+    pid = _as_node(sock, _bomb)
+    worst = 0.0
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        t = _root_ping_ms(root_sock)
+        worst = max(worst, float("inf") if t is None else t)
+        time.sleep(0.02)
+    return worst
 
 
 def _rate(fn: object) -> float:
@@ -157,7 +286,7 @@ def _paired_rates(
 def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
     base = Path(tempfile.mkdtemp(prefix="bcd-bench-helper-", dir=args.data_dir))
     try:
-        os.chmod(base, 0o755)  # noqa: S103 (the simulated root must be traversable, as / is)
+        os.chmod(base, 0o755)  # noqa: S103 (the simulated root is traversable like /)
         root = base / "host"
         seed(root)
         cfg = root / "etc/bcd/config.toml"
@@ -170,6 +299,14 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             )
             os.chmod(cfg, 0o640)
             sock = str(root / "run/bcd/helper.sock")
+            # Set up as an operator would (docs/helper.md "Audit log"): the sealing key made before the
+            # first start, so start_ms measures a start, not the one-time key creation and its fsyncs.
+            # (`audit init` refuses a log sealed already: the second helper keeps the first one's key.)
+            subprocess.run(
+                [sys.executable, "-m", "bcd_helper.cli", "audit", "--root", str(root), "init"],
+                check=False,
+                capture_output=True,
+            )
             t0 = time.perf_counter()
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)],
@@ -204,6 +341,11 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             client.close()
             time.sleep(0.2)
             rss = _rss_mb(proc.pid)
+            root_sock = str(root / "run/bcd/helper-root.sock")
+            sock = str(root / "run/bcd/helper.sock")
+            flood_p99, flood_answered = _under_flood(root_sock, sock)
+            bomb_ping = _under_bomb(root_sock, sock)
+            bomb_rss = _rss_mb(proc.pid, "VmHWM")
         finally:
             proc.terminate()
             proc.wait(5)
@@ -229,6 +371,10 @@ def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
             "idle_rss_mb": round(rss, 1),
             "signed_host_unit_per_s": round(signed, 1),
             "signed_rss_mb": round(signed_rss, 1),
+            "flood_root_ping_ms_p99": round(flood_p99, 1),
+            "flood_root_pings_answered": flood_answered,
+            "bomb_peak_rss_mb": round(bomb_rss, 1),
+            "bomb_root_ping_ms_max": round(bomb_ping, 1),
         }
         return result
     finally:

@@ -17,16 +17,20 @@ import trio
 
 
 class StallProxy:
-    def __init__(self, listen: Path, target: Path) -> None:
+    def __init__(self, listen: Path, target: Path, *, stall_after_bytes: int | None = None) -> None:
         self.listen = listen
         self.target = target
+        # Set: every connection stalls on its own once it forwarded this many bytes from the node (the
+        # Hello passes, the backlog behind it does not), until `resume()`.
+        self.stall_after_bytes = stall_after_bytes
         self.stalled = False
         self._resumed = trio.Event()
         self.connections = 0
 
     def stall(self) -> None:
         self.stalled = True
-        self._resumed = trio.Event()
+        if self._resumed.is_set():
+            self._resumed = trio.Event()
 
     def resume(self) -> None:
         self.stalled = False
@@ -45,8 +49,10 @@ class StallProxy:
 
     async def _handle(self, node: trio.SocketStream) -> None:
         self.connections += 1
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        try:
             await self._pipe(node)
+        except* (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            pass  # one side closed its connection: this connection is over, the proxy goes on
 
     async def _pipe(self, node: trio.SocketStream) -> None:
         try:
@@ -57,10 +63,16 @@ class StallProxy:
         async with node, gateway, trio.open_nursery() as nursery:
 
             async def upstream() -> None:
+                forwarded = 0
                 while True:
-                    while self.stalled:
+                    while self.stalled or (
+                        self.stall_after_bytes is not None
+                        and forwarded >= self.stall_after_bytes
+                        and not self._resumed.is_set()
+                    ):
                         await self._resumed.wait()
                     data = await node.receive_some(65536)
+                    forwarded += len(data)
                     if not data:
                         break
                     await gateway.send_all(data)

@@ -143,6 +143,7 @@ class ConvergeRunner:
         self._pass_lock = trio.Lock()
         self._passes = 0
         self._version = 0
+        self._audit_head: tuple[int, str] | None = None
         self._observed_generation = 0
         self._last_pass: float | None = None
         self._follow_ups = 0
@@ -437,6 +438,15 @@ class ConvergeRunner:
                 self._follow_ups,
             )
 
+    def set_audit_head(self, head: tuple[int, str]) -> None:
+        """The helper's audit head as just read: published at once with the current status (a new
+        version, no pass), so the next StatusReport carries it (docs/helper.md "Audit log")."""
+        if head == self._audit_head:
+            return
+        self._audit_head = head
+        if self._version:
+            self._publish()
+
     def _publish(self) -> NodeStatus:
         self._version += 1
         spec = self._spec
@@ -450,6 +460,7 @@ class ConvergeRunner:
             passes=self._passes,
             last_pass_monotonic=self._last_pass if self._last_pass is not None else -math.inf,
             instances=self._instances,
+            audit_head=self._audit_head,
         )
         self.status.publish(status)
         return status

@@ -186,6 +186,8 @@ class NodeStatus:
     passes: int
     last_pass_monotonic: float
     instances: InstancesReport | None = None  # None: no instances converger ran
+    # Under bcd helper: the helper's audit head (seq, sha256) as last read (StatusReport.helper_audit_head).
+    audit_head: tuple[int, str] | None = None
 
     def report_conditions(self, now_monotonic: float) -> tuple[ConditionReport, ...]:
         """The conditions with `age_ms` computed at `now_monotonic` (the time a report is built)."""

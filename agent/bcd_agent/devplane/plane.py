@@ -60,6 +60,8 @@ SWEEP_S = 5.0
 DISPATCH_S = 1.0
 HEARTBEAT_MS = 10_000
 LANE_CREDITS = {Lane.CONTROL: 8, Lane.PROVISION: 4, Lane.BULK: 2}
+# Pending rows read beyond a lane's free credits, for the invalid bodies dispatch skips (cancels).
+_SKIP_ALLOWANCE = 8
 _WIRE_LANES = {
     Lane.CONTROL: wire.Lane.CONTROL,
     Lane.PROVISION: wire.Lane.PROVISION,
@@ -502,29 +504,39 @@ class DevPlane:
         )
 
     def dispatch(self, session: GatewaySession, *, redeliver: bool = False) -> int:
-        """Send pending commands within lane credits (and, on a new session, those in flight again)."""
+        """Send pending commands within lane credits (and, on a new session, those in flight again).
+
+        Called after every terminal update, so it reads only what it may send: the in-flight count per
+        lane, then at most that lane's free credits of pending rows (the index `commands_node`), never
+        the whole backlog."""
         if session.closed or self.sessions.get(session.node_id) is not session:
             return 0  # only the session of the node's current epoch is sent commands (DLV-DSP-03)
         now = time.time()
         sent = 0
         with self.store.tx() as c:
-            rows = c.execute(
-                "SELECT * FROM commands WHERE node_id = ? AND state IN ('pending', 'dispatched', 'acked',"
-                " 'running')"
+            used = {lane: 0 for lane in Lane}
+            in_flight = c.execute(
+                "SELECT * FROM commands WHERE node_id = ? AND state IN ('dispatched', 'acked', 'running')"
                 " ORDER BY seq",
                 (session.node_id,),
             ).fetchall()
-            used = {lane: 0 for lane in Lane}
-            for row in rows:
-                if row["state"] != "pending":
-                    used[Lane(row["lane"])] += 1
-            for row in rows:
-                lane = Lane(row["lane"])
-                if row["state"] == "pending":
-                    if row["not_before"] > now or row["not_after_ms"] <= now * 1000:
-                        continue
-                    if used[lane] >= LANE_CREDITS[lane]:
-                        continue
+            for row in in_flight:
+                used[Lane(row["lane"])] += 1
+                if redeliver:
+                    session.out(self._command_message(row))
+                    sent += 1
+            for lane in Lane:
+                free = LANE_CREDITS[lane] - used[lane]
+                if free <= 0:
+                    continue
+                rows = c.execute(
+                    "SELECT * FROM commands WHERE node_id = ? AND state = 'pending' AND lane = ?"
+                    " AND not_before <= ? AND not_after_ms > ? ORDER BY seq LIMIT ?",
+                    (session.node_id, lane.value, now, now * 1000, free + _SKIP_ALLOWANCE),
+                ).fetchall()
+                for row in rows:
+                    if free <= 0:
+                        break
                     if not _body_ok(bytes(row["body"]), session.node_id):
                         c.execute(
                             "UPDATE commands SET state = 'cancelled', reason = 'invalid-body', updated_at = ?"
@@ -532,16 +544,14 @@ class DevPlane:
                             (now, row["id"]),
                         )  # never sent (DLV-CMD-17)
                         continue
-                    used[lane] += 1
+                    free -= 1
                     c.execute(
                         "UPDATE commands SET state = 'dispatched', dispatched_at = ?, dispatched_epoch = ?,"
                         " deliveries = deliveries + 1, updated_at = ? WHERE id = ?",
                         (now, session.epoch, now, row["id"]),
                     )
-                elif not redeliver:
-                    continue
-                session.out(self._command_message(row))
-                sent += 1
+                    session.out(self._command_message(row))
+                    sent += 1
         return sent
 
     def sweep(self, now: float | None = None) -> int:

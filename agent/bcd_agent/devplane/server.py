@@ -11,6 +11,7 @@ import contextlib
 import logging
 import math
 import os
+import struct
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -86,17 +87,74 @@ class _Handlers:
 
                 async def sender() -> None:
                     async for message in receive:
-                        await trio_asyncio.aio_as_trio(stream.send_message)(message)
+                        batch = [message]
+                        while len(batch) < SEND_BATCH:
+                            try:
+                                batch.append(receive.receive_nowait())
+                            except trio.WouldBlock:
+                                break
+                        await trio_asyncio.aio_as_trio(_send_batch)(stream, _merge_acks(batch))
 
                 nursery.start_soon(sender)
                 while True:
-                    message = await trio_asyncio.aio_as_trio(stream.recv_message)()
-                    if message is None:
+                    messages = await trio_asyncio.aio_as_trio(_recv_batch)(stream)
+                    if messages is None:
                         break
-                    plane.on_message(session, message)
+                    for message in messages:
+                        plane.on_message(session, message)
                 nursery.cancel_scope.cancel()
         finally:
             plane.close_session(session)
+
+
+# The sender writes what is queued together (one HTTP/2 write), at most this many messages.
+SEND_BATCH = 64
+
+
+def _merge_acks(batch: list[wire.GatewayMessage]) -> list[wire.GatewayMessage]:
+    """Consecutive acks of command results become one Ack (its `command_ids` is a list for that); an
+    event ack or any other message keeps its place, so the order the node sees is unchanged."""
+    out: list[wire.GatewayMessage] = []
+    for message in batch:
+        ack = message.ack
+        if ack is not None and not ack.journal_id and out:
+            last = out[-1].ack
+            if last is not None and not last.journal_id:
+                last.command_ids = [*last.command_ids, *ack.command_ids]
+                continue
+        if ack is not None and not ack.journal_id:
+            message = wire.GatewayMessage(ack=wire.Ack(command_ids=list(ack.command_ids)))
+        out.append(message)
+    return out
+
+
+async def _send_batch(stream: Any, messages: list[wire.GatewayMessage]) -> None:
+    """gRPC messages are length-prefixed, so several share one write."""
+    if len(messages) == 1:
+        await stream.send_message(messages[0])
+        return
+    if not stream._send_initial_metadata_done:
+        await stream.send_initial_metadata()
+    data = b"".join(struct.pack(">?I", False, len(m)) + m for m in (bytes(x) for x in messages))
+    await stream._stream.send_data(data)
+
+
+async def _recv_batch(stream: Any, limit: int = 64) -> list[wire.NodeMessage] | None:
+    """The next message and those already buffered behind it, in one crossing into asyncio."""
+    first = await stream.recv_message()
+    if first is None:
+        return None
+    out = [first]
+    buffer = getattr(stream._stream, "buffer", None)
+    while len(out) < limit and buffer is not None:
+        queued = getattr(getattr(buffer, "_unacked", None), "_queue", ())
+        if int(getattr(buffer, "_acked_size", 0)) + sum(int(i.data_size) for i in queued) < 5:
+            break
+        message = await stream.recv_message()
+        if message is None:
+            break
+        out.append(message)
+    return out
 
 
 @contextlib.asynccontextmanager

@@ -131,7 +131,11 @@ class _RunContext:
         if exe.cancel_reason is not None:
             raise CommandCancelled(exe.cancel_reason)
         # Durable before effect: running{boot_id} is on disk when this returns (DLV-JRN-16/17).
-        self._d._journal.mark_running(exe.cmd.id)
+        # Durable for self-terminating kinds only (journal.mark_running says why); and `accepted`, written
+        # with durable=False, is fsynced now, before the effect (DLV-JRN-16), with every other pending
+        # commit (one fsync for a burst of commands).
+        self._d._journal.mark_running(exe.cmd.id, durable=exe.new.flags.self_terminating)
+        self._d._journal.sync()
         exe.phase = _Phase.EFFECT
         self._d._send(UpdateState.RUNNING, exe.cmd.id)
         await trio.lowlevel.checkpoint()
@@ -444,7 +448,9 @@ class Dispatcher:
             return
         new = _new_command(cmd, verdict.spec)
         try:
-            self._journal.accept_command(new)
+            # Fsynced before its effect (begin_effect) and before the ACKED leaves (the session syncs
+            # before it writes): a burst of commands shares one fsync.
+            self._journal.accept_command(new, durable=False)
         except JournalFull as exc:
             credits.give_back()
             self._busy(cmd, str(exc))
@@ -486,9 +492,13 @@ class Dispatcher:
         """Journal CANCELLED for a command that never got an `accepted` entry (deferred or unseen): one
         journal write (`cancel_new`), so no crash can leave it `accepted` for recovery to call
         `interrupted`. A command journaled meanwhile keeps its entry (a running one its real outcome)."""
+        before = self._journal.resolve(new.id).entry
         entry = self._journal.cancel_new(new, reason)
         if entry.state.terminal:
-            self._send_new(entry)
+            if before is not None and before.state.terminal:
+                self._send_entry(entry)  # its result was counted when it was journaled
+            else:
+                self._send_new(entry)
 
     # --- deferral ---------------------------------------------------------------------------------------
 
@@ -597,7 +607,11 @@ class Dispatcher:
         self, exe: _Execution, outcome: Outcome, *, code: str = "", body: bytes = b"", message: str = ""
     ) -> None:
         """Journal the real outcome, then give the credit back (DLV-LANE-09), then report it."""
-        entry = self._journal.complete(exe.cmd.id, outcome, code=code, body=body, message=message)
+        # Fsynced before the result leaves the node (the session syncs before it writes); a crash before
+        # that leaves the entry as a crash during the effect does (REEXECUTE or INTERRUPTED).
+        entry = self._journal.complete(
+            exe.cmd.id, outcome, code=code, body=body, message=message, durable=False
+        )
         self._settled(exe)
         self._send_new(entry)
 

@@ -27,16 +27,19 @@ class BatchAdmission:
 
 class CommandJournal(Protocol):
     """The commands half of `bcd_agent.journal.Journal`, as the dispatcher uses it (the real Journal
-    satisfies this structurally). Every write is durable when it returns."""
+    satisfies this structurally). Every write is durable when it returns, except those made with
+    `durable=False`, which `sync()` makes durable."""
 
     @property
     def boot_id(self) -> str: ...
 
     def resolve(self, command_id: str) -> Resolution: ...
 
-    def accept_command(self, command: NewCommand) -> CommandEntry: ...
+    def accept_command(self, command: NewCommand, *, durable: bool = True) -> CommandEntry: ...
 
-    def mark_running(self, command_id: str) -> CommandEntry: ...
+    def sync(self) -> None: ...
+
+    def mark_running(self, command_id: str, *, durable: bool = True) -> CommandEntry: ...
 
     def complete(
         self,
@@ -48,6 +51,7 @@ class CommandJournal(Protocol):
         node_sig: bytes = b"",
         attestation: bytes = b"",
         message: str = "",
+        durable: bool = True,
     ) -> CommandEntry: ...
 
     def reject(self, command: NewCommand, reason: str, message: str = "") -> CommandEntry: ...

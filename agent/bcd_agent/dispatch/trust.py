@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from bcd_shared.pki import TrustBundle, attest_command_result
+from bcd_shared.pki import Roots, TrustBundle, attest_command_result
 from bcd_shared.pki.chain import ChainCache
 from bcd_shared.pki.quorum import admit_batched_command, decode_scope
 from bcd_shared.pki.signing import KeyPair
@@ -29,6 +29,8 @@ class BundleTrust:
     def __init__(self, bundle: TrustBundle | None = None, cache: ChainCache | None = None) -> None:
         self._bundle = bundle
         self._cache = cache if cache is not None else ChainCache()
+        # The roots parsed once per bundle (parsing the certificates was half a command's verify).
+        self._roots: Roots | None = None
 
     @property
     def bundle(self) -> TrustBundle | None:
@@ -36,6 +38,7 @@ class BundleTrust:
 
     def set_bundle(self, bundle: TrustBundle) -> None:
         self._bundle = bundle
+        self._roots = None
 
     def has_command_roots(self) -> bool:
         return self._bundle is not None and self._bundle.has_command_roots
@@ -43,11 +46,13 @@ class BundleTrust:
     def verify_command(self, command: CommandEnvelope, now: dt.datetime) -> None:
         if self._bundle is None:
             raise ValueError("no trust bundle")
+        if self._roots is None:
+            self._roots = self._bundle.command_root_set()
         verify_command(
             command.body_bytes,
             command.signature,
             command.signer_chain,
-            self._bundle.command_root_set(),
+            self._roots,
             now,
             self._cache,
         )

@@ -34,7 +34,9 @@ from bcd_agent.dispatch.command import (
 from bcd_agent.dispatch.kinds import Lane
 
 _EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
-_ULID = re.compile(r"^[0-9A-HJKMNP-TV-Z]{26}$")
+# A ULID is 128 bits: 26 Crockford base-32 digits, so the first is at most 7. fullmatch, since `$`
+# would also match before a trailing newline.
+_ULID = re.compile(r"[0-7][0-9A-HJKMNP-TV-Z]{25}")
 
 _LANES = {wire.Lane.CONTROL: Lane.CONTROL, wire.Lane.PROVISION: Lane.PROVISION, wire.Lane.BULK: Lane.BULK}
 
@@ -50,7 +52,7 @@ UPDATE_STATE_TO_WIRE = {
 
 
 def is_ulid(value: str) -> bool:
-    return bool(_ULID.match(value))
+    return _ULID.fullmatch(value) is not None
 
 
 def _lenient_id(body: bytes) -> str:
@@ -59,7 +61,8 @@ def _lenient_id(body: bytes) -> str:
         candidate = wire.CommandBody.parse(body).id
     except Exception:  # any parse failure: there is no id to report against
         return ""
-    return candidate if is_ulid(candidate) else ""
+    # A lenient parse of bad UTF-8 leaves the field None: nothing to report against then.
+    return candidate if isinstance(candidate, str) and is_ulid(candidate) else ""
 
 
 def _not_after(ms: int, command_id: str) -> dt.datetime | None:

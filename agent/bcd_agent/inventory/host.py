@@ -1,18 +1,23 @@
 """Host memory for admission: /proc/meminfo, huge page pools per size and per NUMA node.
 
-`read_host_memory(system)` returns None when /proc/meminfo cannot be read or lacks MemTotal (the
-caller then binds without host-side admission and says so). Huge page counts come from
-`/sys/kernel/mm/hugepages/hugepages-<kB>kB/{free,resv}_hugepages` (host-wide) and
+`read_host_memory(system)` returns None when /proc/meminfo is missing, cannot be read (a read error
+such as EIO or EACCES, not only a missing file) or lacks MemTotal, and when the huge page counts cannot
+be read (the caller then binds without host-side admission and says so, as delivery.md's admission
+rule says: "a host whose /proc/meminfo cannot be read starts without the check, with a warning").
+Huge page counts come from `/sys/kernel/mm/hugepages/hugepages-<kB>kB/{free,resv}_hugepages` (host-wide) and
 `/sys/devices/system/node/node<N>/hugepages/hugepages-<kB>kB/free_hugepages` (per node).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Mapping
 
 from attrs import frozen
 from bcd_shared.system import System
+
+log = logging.getLogger("bcd.devices")
 
 KIB = 1024
 MIB = 1024 * 1024
@@ -95,6 +100,14 @@ def numa_nodes(system: System) -> tuple[int, ...]:
 
 
 def read_host_memory(system: System) -> HostMemory | None:
+    try:
+        return _read_host_memory(system)
+    except OSError as exc:
+        log.warning("devices: host memory cannot be read (%s): binding without host-side admission", exc)
+        return None
+
+
+def _read_host_memory(system: System) -> HostMemory | None:
     text = system.read_text("/proc/meminfo")
     if text is None:
         return None

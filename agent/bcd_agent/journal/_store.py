@@ -225,6 +225,11 @@ class Journal:
         self._mutex = threading.RLock()
         self._closed = False
         self._space_ok = True
+        self.durable_commits = 0  # fsyncs of the WAL by this process (the command-rate test counts them)
+        self._unsynced = False
+        self.group_commit = False  # set by `open` (see there): off, every write is fsynced when it returns
+        self.commits = 0  # commits that `sync()` tracks, and how many of them are known fsynced
+        self.synced_through = 0
         # Called with (space_ok, message) when a write fails for a full file system, or succeeds again.
         self.on_space_change: Callable[[bool, str], None] | None = None
         meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
@@ -256,8 +261,13 @@ class Journal:
         max_bytes: int = MAX_EVENT_BYTES,
         max_tickets: int = MAX_EXEC_TICKETS,
         clock: Callable[[], float] = time.time,
+        group_commit: bool = False,
     ) -> Journal:
         """Open (or create) `data_dir/journal.db`.
+
+        `group_commit` off (the default): every write is fsynced before it returns, as DLV-JRN-15 says,
+        whatever `durable` a caller passes. On (`[journal] group_commit`): the writes callers mark
+        `durable=False` reach the WAL at once and are fsynced together by `sync()` (docs/journal.md).
 
         The bounds may be lowered, never raised (BoundError). A journal that fails `PRAGMA quick_check`
         or the schema check is moved aside (never deleted) and a new one, with a new journal_id, starts;
@@ -274,7 +284,7 @@ class Journal:
         try:
             conn, report = _open_db(data / DB_NAME, clock())
             _files.fix_file_modes(data / DB_NAME)
-            return cls(
+            journal = cls(
                 conn=conn,
                 lock_fd=lock_fd,
                 path=data / DB_NAME,
@@ -286,6 +296,8 @@ class Journal:
                 max_tickets=max_tickets,
                 report=report,
             )
+            journal.group_commit = group_commit
+            return journal
         except BaseException:
             _files.unlock(lock_fd)
             raise
@@ -312,20 +324,82 @@ class Journal:
         self.close()
 
     @contextlib.contextmanager
-    def _tx(self) -> Iterator[sqlite3.Connection]:
+    def _tx(self, durable: bool = True, needs_sync: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction; durable (WAL fsynced) when the block exits without an exception.
-        A full file system raises DataDirFull, a storage failure JournalIOError (see `_storage`)."""
+        A full file system raises DataDirFull, a storage failure JournalIOError (see `_storage`).
+
+        `durable=False` (synchronous=NORMAL for this commit) is for the writes whose loss in a power cut
+        changes no decision (see `mark_running` and `ack_results`): they are written to the WAL at once
+        and become durable with the next durable commit, which fsyncs the WAL up to its end.
+        `needs_sync=False`: not even `sync()` waits for it (a write whose loss costs nothing)."""
+        if not self.group_commit:  # DLV-JRN-15: every write fsynced before it returns
+            durable = needs_sync = True
         conn = self._conn
         with self._storage():
-            conn.execute("BEGIN IMMEDIATE")
+            if not durable:
+                conn.execute("PRAGMA synchronous=NORMAL")
             try:
-                yield conn
-                conn.execute("COMMIT")
-            except BaseException:
-                if conn.in_transaction:
-                    with contextlib.suppress(sqlite3.Error):
-                        conn.execute("ROLLBACK")
-                raise
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                    conn.execute("COMMIT")
+                except BaseException:
+                    if conn.in_transaction:
+                        with contextlib.suppress(sqlite3.Error):
+                            conn.execute("ROLLBACK")
+                    raise
+            finally:
+                if not durable:
+                    conn.execute("PRAGMA synchronous=FULL")
+        if durable or needs_sync:
+            self._committed(durable)
+
+    def _committed(self, durable: bool) -> None:
+        self.commits += 1
+        if durable:
+            self.durable_commits += 1
+            self._unsynced = False  # a durable commit fsyncs the WAL to its end
+            self.synced_through = self.commits
+        else:
+            self._unsynced = True
+
+    @property
+    def unsynced(self) -> bool:
+        """A commit made with `durable=False` is not yet fsynced (`sync()` makes it so)."""
+        return self._unsynced
+
+    def sync(self) -> None:
+        """Make every commit so far durable: one fdatasync of the WAL (what synchronous=FULL does at each
+        commit), or nothing when nothing is pending. The dispatcher calls it before a side effect and the
+        session before anything it writes to the gateway, so the commits made with `durable=False`
+        (accepted, outcomes) are durable before they act or are told, one fsync for all of them."""
+        with self._mutex:
+            if not self._unsynced or self._closed:
+                return
+            wal = Path(str(self._path) + "-wal")
+            try:
+                fd = os.open(wal if wal.exists() else self._path, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                raise JournalIOError(f"{wal}: fdatasync: errno {exc.errno} ({exc.strerror})") from exc
+            self.durable_commits += 1
+            self._unsynced = False
+            self.synced_through = self.commits
+
+    @contextlib.contextmanager
+    def _mode(self, durable: bool) -> Iterator[None]:
+        """synchronous=NORMAL around one autocommit statement when not `durable` (group commit only)."""
+        if durable or not self.group_commit:
+            yield
+            return
+        self._conn.execute("PRAGMA synchronous=NORMAL")
+        try:
+            yield
+        finally:
+            self._conn.execute("PRAGMA synchronous=FULL")
 
     @contextlib.contextmanager
     def _storage(self) -> Iterator[None]:
@@ -510,18 +584,20 @@ class Journal:
         entry = self.get_command(command_id)
         return Resolution(resolve_entry(entry, self._incarnation, self._boot_id), entry)
 
-    def accept_command(self, command: NewCommand) -> CommandEntry:
+    def accept_command(self, command: NewCommand, *, durable: bool = True) -> CommandEntry:
         """Journal `accepted` durably, before any side effect. A retry-safe entry left by an earlier
         process (Resolve REEXECUTE) is taken over by this process. Raises JournalFull when the event
-        bounds are exhausted (answer BUSY) and StateError when the id is already journaled otherwise."""
+        bounds are exhausted (answer BUSY) and StateError when the id is already journaled otherwise.
+        `durable=False`: committed to the WAL, fsynced by the next `sync()` or durable commit (the
+        dispatcher syncs before the command's effect; the session before telling the gateway)."""
         with self._mutex:
             if self._full():
                 raise JournalFull(self._full_message())
             now = self._clock()
             flags = command.flags
             try:
-                # A single statement in autocommit mode is one durable transaction.
-                with self._storage():
+                # A single statement in autocommit mode is one transaction.
+                with self._storage(), self._mode(durable):
                     self._conn.execute(
                         _SQL_INSERT_ACCEPTED,
                         (
@@ -530,8 +606,9 @@ class Journal:
                             command.signature,
                         ),
                     )  # fmt: skip
+                self._committed(durable or not self.group_commit)
             except sqlite3.IntegrityError:
-                with self._tx() as c:
+                with self._tx(durable) as c:
                     row = c.execute(_SQL_GET, (command.id,)).fetchone()
                     old = _entry(row)
                     if resolve_entry(old, self._incarnation, self._boot_id) is not Action.REEXECUTE:
@@ -565,11 +642,14 @@ class Journal:
                 acked=False,
             )
 
-    def mark_running(self, command_id: str) -> CommandEntry:
-        """Journal `running{boot_id}` (self-terminating kinds: immediately before the side effect)."""
+    def mark_running(self, command_id: str, *, durable: bool = True) -> CommandEntry:
+        """Journal `running{boot_id}` (self-terminating kinds: immediately before the side effect,
+        durably: DLV-JRN-17). For other kinds the dispatcher passes `durable=False`: their `accepted`
+        and `running` entries resolve alike after a crash (REEXECUTE or INTERRUPTED), so a `running` a
+        power cut loses changes nothing, and the command's next durable write covers it."""
         with self._mutex:
             now = self._clock()
-            with self._tx() as c:
+            with self._tx(durable, needs_sync=durable) as c:
                 cur = c.execute(_SQL_RUNNING, (self._boot_id, now, command_id, self._incarnation))
                 if cur.rowcount != 1:
                     raise StateError(self._why_not(command_id, "mark running"))
@@ -586,13 +666,15 @@ class Journal:
         node_sig: bytes = b"",
         attestation: bytes = b"",
         message: str = "",
+        durable: bool = True,
     ) -> CommandEntry:
         """Journal the real outcome (SUCCEEDED or FAILED) of this process's accepted/running command.
         An entry already terminal is returned unchanged (the first terminal outcome wins). For an attested
-        command without a given `node_sig`, the attester signs it (`set_attester`)."""
+        command without a given `node_sig`, the attester signs it (`set_attester`). `durable=False` as for
+        `accept_command`: the session syncs before the outcome reaches the gateway."""
         if outcome not in (Outcome.SUCCEEDED, Outcome.FAILED):
             raise ValueError(f"outcome: complete() takes SUCCEEDED or FAILED, got {outcome.value}")
-        with self._mutex, self._tx() as c:
+        with self._mutex, self._tx(durable) as c:
             row = c.execute(_SQL_GET, (command_id,)).fetchone()
             if row is None:
                 raise StateError(f"command {command_id}: not journaled")
@@ -770,11 +852,13 @@ class Journal:
         return tuple(_entry(r) for r in rows)
 
     def ack_results(self, command_ids: Iterable[str]) -> int:
-        """Stop replaying these results (ids unknown or not terminal are ignored). Returns how many."""
+        """Stop replaying these results (ids unknown or not terminal are ignored). Returns how many.
+        Not fsynced by itself (`_tx(durable=False)`): an ack a power cut loses only means the result is
+        replayed once more, and the gateway acks a result it already stored again (DLV-RES-11)."""
         ids = [(i,) for i in command_ids]
         if not ids:
             return 0
-        with self._mutex, self._tx() as c:
+        with self._mutex, self._tx(durable=False, needs_sync=False) as c:
             cur = c.executemany(_SQL_ACK_RESULT, ids)
             return max(cur.rowcount, 0)
 

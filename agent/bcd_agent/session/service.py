@@ -36,7 +36,14 @@ from bcd_agent.journal import WelcomeRefused as WelcomeRefusedError
 from bcd_agent.session.backoff import Backoff
 from bcd_agent.session.core import ProtocolViolation, SessionCore
 from bcd_agent.session.outbox import EVENT_RESERVE_BYTES, MAX_OUTBOX_BYTES, Outbox, OutboxFull
-from bcd_agent.session.transport import Endpoint, FrameRefused, StreamLimits, open_loop, open_stream
+from bcd_agent.session.transport import (
+    Endpoint,
+    FrameRefused,
+    StreamLimits,
+    describe_transport_error,
+    open_loop,
+    open_stream,
+)
 
 log = logging.getLogger("bcd.session")
 
@@ -45,6 +52,8 @@ STATUS_INTERVAL_S = 1.0
 TICK_S = 0.25
 # A message the gateway has not taken within this long: the peer is not reading; reconnect.
 STALL_TIMEOUT_S = 60.0
+# The sender writes the queued messages together, up to this many bytes per write.
+SEND_BATCH_BYTES = 256 * 1024
 
 
 class PeerStalled(Exception):
@@ -67,8 +76,6 @@ def describe_failure(exc: BaseException) -> str:
 
 
 def _describe_one(exc: BaseException) -> str:
-    from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
-
     if isinstance(exc, WelcomeRefusedError):
         return f"Welcome refused: {exc}"
     if isinstance(exc, ProtocolViolation | FrameRefused):
@@ -79,12 +86,9 @@ def _describe_one(exc: BaseException) -> str:
         return f"TLS: the gateway's certificate was refused: {exc.verify_message} ({exc.reason})"
     if isinstance(exc, ssl.SSLError):
         return f"TLS error: {exc.reason or exc}"
-    if isinstance(exc, GRPCError):
-        return f"the gateway closed the stream: {exc.status.name}: {exc.message or ''}".rstrip(": ")
-    if isinstance(exc, StreamTerminatedError):
-        return f"the gateway closed the stream: {exc}"
-    if isinstance(exc, ProtocolError):
-        return f"protocol error (HTTP/2): {exc}"
+    grpc = describe_transport_error(exc)
+    if grpc is not None:
+        return grpc
     if isinstance(exc, ConnectionError | OSError):
         return f"connection failed: {type(exc).__name__}: {exc}"
     return f"{type(exc).__name__}: {exc}"
@@ -222,6 +226,7 @@ class Session:
         self.outbox = outbox
         async with open_stream(self.endpoint, self.limits) as stream:
             hello = self.core.attach(outbox.put, room=outbox.room)
+            self.core.journal.sync()  # what Hello reports is durable first (journal.sync)
             with trio.move_on_after(self.stall_timeout_s) as scope:
                 await stream.send(hello)
             if scope.cancelled_caught:
@@ -236,24 +241,35 @@ class Session:
 
                 async def receiver() -> None:
                     while True:
-                        message = await stream.recv()
-                        if message is None:
+                        messages = await stream.recv_batch()
+                        if messages is None:
                             break
-                        self.core.handle(message)
-                        self._wake.set()
+                        for message in messages:
+                            self.core.handle(message)
+                            if message.welcome is not None or (
+                                message.ack is not None and message.ack.journal_id
+                            ):
+                                # What the ticker acts on: the Welcome (events, status) and event acks
+                                # (room for events); a command's updates go out through the outbox.
+                                self._wake.set()
                     nursery.cancel_scope.cancel()
 
                 async def sender() -> None:
                     while True:
-                        data = await outbox.next()
+                        batch = await outbox.batch(SEND_BATCH_BYTES)
+                        # Nothing reaches the gateway before the journal writes it reports are durable:
+                        # one fsync for the accepts and outcomes of everything in this batch.
+                        self.core.journal.sync()
                         with trio.move_on_after(self.stall_timeout_s) as scope:
-                            await stream.send(data)
+                            await stream.send_many(batch)
                         if scope.cancelled_caught:
+                            size = sum(len(m) for m in batch)
                             raise PeerStalled(
-                                f"a {len(data)}-byte message not taken within {self.stall_timeout_s:g} s"
-                                f" ({outbox.bytes} bytes, {len(outbox)} messages queued)"
+                                f"{size} bytes ({len(batch)} messages) not taken within"
+                                f" {self.stall_timeout_s:g} s ({outbox.bytes} bytes,"
+                                f" {len(outbox)} messages queued)"
                             )
-                        outbox.sent()
+                        outbox.sent(len(batch))
                         if self.core.events_throttled and outbox.room() > EVENT_RESERVE_BYTES:
                             self._wake.set()  # room again: the ticker reads more events
 

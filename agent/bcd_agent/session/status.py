@@ -70,4 +70,9 @@ def status_report(status: NodeStatus, now_monotonic: float) -> wire.StatusReport
             )
             for c in status.report_conditions(now_monotonic)
         ],
+        helper_audit_head=(
+            wire.HelperAuditHead(seq=status.audit_head[0], sha256=status.audit_head[1])
+            if status.audit_head is not None
+            else None
+        ),
     )

@@ -49,6 +49,19 @@ class FrameRefused(Exception):
     """The gateway sent a message over the size cap, or one that stopped arriving: a protocol error."""
 
 
+def describe_transport_error(exc: BaseException) -> str | None:
+    """One line for grpclib's errors (the session's log names the cause), None for other exceptions."""
+    from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+
+    if isinstance(exc, GRPCError):
+        return f"the gateway closed the stream: {exc.status.name}: {exc.message or ''}".rstrip(": ")
+    if isinstance(exc, StreamTerminatedError):
+        return f"the gateway closed the stream: {exc}"
+    if isinstance(exc, ProtocolError):
+        return f"protocol error (HTTP/2): {exc}"
+    return None
+
+
 @frozen
 class StreamLimits:
     max_message_bytes: int = MAX_MESSAGE_BYTES
@@ -132,10 +145,27 @@ class StreamHandle:
     def __init__(self, stream: Any, limits: StreamLimits | None = None) -> None:
         self._stream = stream
         self._limits = limits or StreamLimits()
+        self._pending: Exception | None = None  # an error met behind a batch's messages
 
     async def send(self, message: wire.NodeMessage | bytes) -> None:
         """One message, or one already serialized (the outbox's bytes)."""
         await trio_asyncio.aio_as_trio(self._send)(message)
+
+    async def send_many(self, messages: list[bytes]) -> None:
+        """Serialized messages in one HTTP/2 write: gRPC messages are length-prefixed, so several may
+        share DATA frames, and the stream takes them with one call (one socket write when the window
+        allows) instead of one per message."""
+        await trio_asyncio.aio_as_trio(self._send_many)(messages)
+
+    async def _send_many(self, messages: list[bytes]) -> None:
+        from grpclib.exceptions import StreamTerminatedError
+
+        data = b"".join(struct.pack(">?I", False, len(m)) + m for m in messages)
+        try:
+            with self._stream._wrapper:
+                await self._stream._stream.send_data(data)
+        except StreamTerminatedError as exc:
+            raise self._status_error() or exc from None
 
     async def _send(self, message: wire.NodeMessage | bytes) -> None:
         from grpclib.exceptions import StreamTerminatedError
@@ -164,6 +194,40 @@ class StreamHandle:
         message = await trio_asyncio.aio_as_trio(self._recv)()
         assert message is None or isinstance(message, wire.GatewayMessage)
         return message
+
+    async def recv_batch(self, limit: int = 64) -> list[wire.GatewayMessage] | None:
+        """The next message and the ones whose prefix already arrived behind it (at most `limit`), in one
+        crossing into asyncio; None at the end of the stream."""
+        batch: list[wire.GatewayMessage] | None = await trio_asyncio.aio_as_trio(self._recv_batch)(limit)
+        return batch
+
+    async def _recv_batch(self, limit: int) -> list[wire.GatewayMessage] | None:
+        if self._pending is not None:
+            error, self._pending = self._pending, None
+            raise error
+        first = await self._recv()
+        if first is None:
+            return None
+        out = [first]
+        while len(out) < limit and self._buffered(5):
+            try:
+                message = await self._recv()
+            except Exception as exc:  # the messages before it are handled first; it is raised next time
+                self._pending = exc
+                break
+            if message is None:
+                break
+            out.append(message)
+        return out
+
+    def _buffered(self, size: int) -> bool:
+        """At least `size` bytes of the stream arrived and wait in grpclib's buffer (no read would wait)."""
+        buffer = getattr(self._stream._stream, "buffer", None)
+        if buffer is None:
+            return False
+        queued = getattr(getattr(buffer, "_unacked", None), "_queue", ())
+        have = int(getattr(buffer, "_acked_size", 0)) + sum(int(item.data_size) for item in queued)
+        return bool(have >= size)
 
     async def _recv(self) -> wire.GatewayMessage | None:
         from grpclib.exceptions import StreamTerminatedError

@@ -2,7 +2,8 @@
 
 Sources:
 - the requirement catalogue (../shared/spec/*.md beside the checkout): lines `- **ID** text [tags]`;
-- the tests: an id named in a test's name (`DLV_JRN_03`) or in the test file's text (`DLV-JRN-03`);
+- the tests: an id named by a test function: in its name (`DLV_JRN_03`), its docstring or its decorators
+  (`DLV-JRN-03`), never a module docstring or a comment; rows list the test functions;
 - docs/compliance-notes.toml: `[where]` maps an id prefix (area or single id) to where it is
   implemented, `[notes]` maps an id prefix to a status note (why not yet, a departure, ...).
   The longest matching prefix wins.
@@ -17,6 +18,8 @@ Run: `python -m bcd_agent.tools.compliance` (also `make compliance`).
 from __future__ import annotations
 
 import argparse
+import ast
+import os
 import re
 import tomllib
 from collections import defaultdict
@@ -50,17 +53,77 @@ def read_catalogue(spec_dir: Path) -> list[tuple[str, str, str]]:
 
 
 def scan_tests(tests_dir: Path) -> dict[str, set[str]]:
-    """id -> test files (relative) naming it."""
+    """id -> the test functions (`tests/x.py::test_f`, `tests/x.py::Class::test_f`) naming it.
+
+    Only a test names an id: its function name, its own docstring, or one of its decorators (with the
+    module-level tables a decorator refers to by name, such as a parametrize table). A module docstring,
+    a comment or a helper elsewhere in the file names nothing: a claim must sit on the test that makes it.
+    """
     found: dict[str, set[str]] = defaultdict(set)
     for path in sorted(tests_dir.rglob("*.py")):
         if path.parent.name == "tools" and path.parent.parent == tests_dir:
             continue  # the report's own tests name ids as sample data
-        text = path.read_text(errors="replace")
-        idents = [ident for m in ID_IN_TEXT.finditer(text) for ident in _ids(*m.groups())]
-        idents += [ident for m in TEST_NAME.finditer(text) for ident in _name_ids(m.group(1))]
-        for ident in idents:
-            found[ident].add(str(path.relative_to(tests_dir.parent)))
+        if not path.name.startswith("test"):
+            continue
+        rel = str(path.relative_to(tests_dir.parent))
+        for qualname, ids in _test_ids(path.read_text(errors="replace")):
+            for ident in ids:
+                found[ident].add(f"{rel}::{qualname}")
     return found
+
+
+def test_functions(tests_dir: Path) -> set[str]:
+    """Every test function in the tree, as `tests/x.py::name` (for --check)."""
+    names: set[str] = set()
+    for path in sorted(tests_dir.rglob("test*.py")):
+        rel = str(path.relative_to(tests_dir.parent))
+        names |= {f"{rel}::{q}" for q, _ in _test_ids(path.read_text(errors="replace"))}
+    return names
+
+
+def _text_ids(text: str) -> list[str]:
+    return [ident for m in ID_IN_TEXT.finditer(text) for ident in _ids(*m.groups())]
+
+
+def _test_ids(source: str) -> list[tuple[str, list[str]]]:
+    """(qualified name, ids) for each test function of one module."""
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    tables: dict[str, str] = {}
+    for node in tree.body:
+        targets = (
+            node.targets
+            if isinstance(node, ast.Assign)
+            else [node.target]
+            if isinstance(node, ast.AnnAssign)
+            else []
+        )
+        for target in targets:
+            if isinstance(target, ast.Name):
+                tables[target.id] = ast.get_source_segment(source, node) or ""
+    out: list[tuple[str, list[str]]] = []
+
+    def visit(body: list[ast.stmt], prefix: str) -> None:
+        for node in body:
+            if isinstance(node, ast.ClassDef) and node.name.startswith("Test"):
+                visit(node.body, f"{prefix}{node.name}::")
+            elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name.startswith("test"):
+                ids: list[str] = []
+                m = TEST_NAME.match(f"def {node.name}")
+                if m:
+                    ids += _name_ids(m.group(1))
+                ids += _text_ids(ast.get_docstring(node) or "")
+                for dec in node.decorator_list:
+                    ids += _text_ids(ast.get_source_segment(source, dec) or "")
+                    for sub in ast.walk(dec):
+                        if isinstance(sub, ast.Name) and sub.id in tables:
+                            ids += _text_ids(tables[sub.id])
+                out.append((prefix + node.name, ids))
+
+    visit(tree.body, "")
+    return out
 
 
 def _name_ids(prefix: str) -> list[str]:
@@ -164,7 +227,7 @@ def render(repo: Path, spec_dir: Path) -> str:
     for ident, text, _tags in rows:
         summary = text if len(text) <= 140 else text[:137] + "..."
         summary = summary.replace("|", "\\|")
-        tests = ", ".join(f"`{t}`" for t in sorted(tested.get(ident, ())))
+        tests = "<br>".join(f"`{t}`" for t in sorted(tested.get(ident, ())))
         note = _lookup(status, ident)
         if ident.startswith("Q-"):
             docs = ", ".join(f"`{d}`" for d in sorted(answered.get(ident, ())))
@@ -183,10 +246,43 @@ def main() -> int:
     repo = Path(__file__).resolve().parents[3]
     parser.add_argument("--spec", type=Path, default=repo.parent / "shared" / "spec")
     parser.add_argument("--out", type=Path, default=repo / "docs" / "compliance.md")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="write nothing; exit 1 when the report names a test that does not exist or is out of date",
+    )
     args = parser.parse_args()
-    args.out.write_text(render(repo, args.spec))
-    print(f"wrote {args.out}")
-    return 0
+    if not (args.spec / "delivery.md").exists():
+        # A user's clone has no ../shared beside it: nothing to check against (CI always has it).
+        print(f"compliance: no requirement catalogue at {args.spec}")
+        return 1 if os.environ.get("CI") == "true" or not args.check else 0
+    text = render(repo, args.spec)
+    if not args.check:
+        args.out.write_text(text)
+        print(f"wrote {args.out}")
+        return 0
+    problems = check(args.out.read_text() if args.out.exists() else "", text, repo / "tests")
+    for problem in problems:
+        print(problem)
+    return 1 if problems else 0
+
+
+LISTED_TEST = re.compile(r"`(tests/[^`:]+\.py::[A-Za-z0-9_:]+)`")
+
+
+def check(report: str, fresh: str, tests_dir: Path) -> list[str]:
+    """What is wrong with a kept report: listed tests that do not exist, and staleness."""
+    existing = test_functions(tests_dir)
+    problems = [
+        f"compliance.md lists {name}, which is not a test function"
+        for name in sorted(set(LISTED_TEST.findall(report)))
+        if name not in existing
+    ]
+    if not report:
+        problems.append("docs/compliance.md does not exist: run `make compliance`")
+    elif report != fresh:
+        problems.append("docs/compliance.md is out of date: run `make compliance` and commit it")
+    return problems
 
 
 if __name__ == "__main__":

@@ -164,7 +164,14 @@ def access_apply(call: Call, req: AccessApply) -> dict[str, Any]:
                 if remove_root_only(call.ctx.root, step.path):
                     removed.append(step.path)
             else:
-                reloaded = _reload_sshd(call)
+                try:
+                    reloaded = _reload_sshd(call)
+                except Failed:
+                    # sshd did not take the new drop-in: take it away again, so the next request sees the
+                    # drop-in change and reloads again (a reload happens only on a change, DLV-ACC-05).
+                    if rendered.dropin is not None:
+                        remove_root_only(call.ctx.root, acc.SSHD_DROPIN)
+                    raise
     except RootPathRefused as exc:
         raise refused_path(exc) from None
     return {

@@ -7,9 +7,10 @@ the root-only rule (HST-ROOT-08) and are atomic and durable.
 - cdi: /etc/cdi/bcd-<id>.json 0644, id an allocation id; one bcd hold (kind bcd.dev/gpu) for
   exactly that allocation (bcd_shared.cdi.parse_hold_spec, CDI's naming rules), strict JSON (no
   duplicate key, NaN or deep nesting), its env setting no key twice and BCD_ALLOCATION_ID only to
-  <id>, no env on a device, and every other container edit (hooks, mounts, device nodes, ...) one
-  that root's own vendor spec /etc/cdi/nvidia.json carries: the container runtime applies a hold
-  as root, so a hook there would be root's code execution;
+  <id>, no env on a device (one without other edits: exactly its BCD_DEVICE_ marker), and every
+  other container edit (hooks, mounts, device nodes, ...) one that root's own vendor spec
+  /etc/cdi/nvidia.json carries: the container runtime applies a hold as root, so a hook there would
+  be root's code execution;
 - allocation-env: /run/bcd/allocations/<id>.env 0644; KEY=VALUE lines, the first
   BCD_ALLOCATION_ID=<id>, no key twice;
 - k8s-token: /var/lib/bcd-hostconfig/k8s/bootstrap-token 0600, id ""; one kubeadm bootstrap token.
@@ -138,10 +139,18 @@ def _check_cdi(ident: str, data: bytes) -> None:
     if any(e.startswith("BCD_ALLOCATION_ID=") and e != own for e in hold.env):
         raise Refused("bad-content", f"cdi: containerEdits.env: BCD_ALLOCATION_ID must be {ident}")
     for i, dev in enumerate(doc["devices"]):
-        if (dev.get("containerEdits") or {}).get("env"):
-            raise Refused(
-                "bad-content", f"cdi: devices[{i}].containerEdits.env: a hold's devices carry no env"
-            )
+        env = (dev.get("containerEdits") or {}).get("env")
+        if not env:
+            continue
+        # A device without other edits carries exactly its own marker (cdi.device_marker_env), no more.
+        edits = dev.get("containerEdits") or {}
+        if set(edits) == {"env"} and env == [cdi.device_marker_env(hold.device_ids[i])]:
+            continue
+        raise Refused(
+            "bad-content",
+            f"cdi: devices[{i}].containerEdits.env: a hold's devices carry no env "
+            "(only a device without other edits, its own BCD_DEVICE_ marker)",
+        )
 
 
 def _vendor_edits(call: Call) -> frozenset[tuple[str, bytes]]:

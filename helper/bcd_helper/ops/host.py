@@ -124,5 +124,16 @@ def node_reboot(call: Call, req: NodeReboot) -> dict[str, Any]:
     return {"rebooting": True}
 
 
+def helper_version() -> str:
+    """The installed bcd-helper's version (package metadata); "unknown" outside an install."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("bcd-helper")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 def ping(call: Call, _req: Ping) -> dict[str, Any]:
-    return {"peer_uid": call.peer.uid, "host_units": call.ctx.config.host_units}
+    # The version lets `bcd doctor` tell a helper left at another release from the node's.
+    return {"peer_uid": call.peer.uid, "host_units": call.ctx.config.host_units, "version": helper_version()}

@@ -9,7 +9,8 @@ Rules (host-config.md "Under bcd helper"; HST-HLP-03..12, 20..23, 33..36):
 - a helper without host units (bcd_shared.units missing or offering no REGISTRY) answers
   `not configured`; an unknown unit is `not supported`;
 - the unit decodes and validates the settings itself (`settings` is the canonical JSON text; None
-  cleans a unit that left the spec), with root's `[kubernetes] allowed_clusters`;
+  cleans a unit that left the spec), with root's `[kubernetes] allowed_clusters`; for `sysctl`, root's
+  `[host] sysctl_allow` (when set) refuses every key outside its prefixes;
 - for `mig-layout` the helper ignores the node's busy GPUs and uses root's own view
   (bcd_helper.busy); for every other unit the node's list is passed through;
 - writes go through the root-only rule (BoundedSystem, and the units' own path guard), programs
@@ -115,6 +116,16 @@ def host_unit(call: Call, req: HostUnit) -> dict[str, Any]:
         raise Refused("invalid-settings", f"host.unit: {req.unit}: {exc.message}") from None
     except RecursionError:  # nested past the decoder's recursion: not settings any unit takes
         raise Refused("invalid-settings", f"host.unit: {req.unit}: settings nested too deeply") from None
+    allow = call.ctx.config.sysctl_allow
+    if req.unit == "sysctl" and allow and settings is not None:
+        from bcd_shared.units.sysctl import outside_allowlist
+
+        for key, _value in settings.values:
+            if outside_allowlist(key, allow):
+                raise Refused(
+                    "invalid-settings",
+                    f"host.unit: sysctl: {key} is refused: not under root's [host] sysctl_allow",
+                )
     if next_state is not None:  # durable before effect: root's intent state, then the unit
         verifier.save_state(next_state)
     actx = units.ApplyContext(guard=call.system.guard, tokens=units.StagedTokenSource(call.system))

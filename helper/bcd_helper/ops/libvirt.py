@@ -5,8 +5,9 @@ Every request names an instance by id (bcd_shared.instancenames: the domain's na
   entity, no element or attribute outside the allowlist, no `<qemu:commandline>`; disks only under
   root's `data_dir` for this instance, re-checked on the host without symlinks, the overlay naming
   exactly its base and the base a flat qcow2; taps `tap_name(id, i)` on `[helper] instance_bridges`;
-  hostdevs only this host's GPUs as nvidia-smi lists them to root). A domain of that name bcd did not
-  define (no bcd metadata in root's own `dumpxml`) is never defined over. The XML is staged in root's
+  hostdevs only this host's GPUs as nvidia-smi lists them to root; the UUID bcd's `domain_uuid`). A
+  domain of that name bcd did not define is never defined over: libvirt refuses a name under
+  another UUID. The XML is staged in root's
   directory `/var/lib/bcd-hostconfig/libvirt/` and given to `virsh define --validate`.
 - with command-signing roots (bcd_helper.intent), define and start are re-validated against the
   signed spec's instance: named and not DELETED, the same vCPUs, memory, NICs (bridge and MAC), GPU
@@ -206,10 +207,9 @@ def _stage(call: Call, name: str, data: bytes) -> str:
 def libvirt_define(call: Call, req: LibvirtDefine) -> dict[str, Any]:
     op = "libvirt.define"
     name = _name(op, req.name)
+    # The definition carries bcd's UUID for the name (domaincheck): libvirt refuses it over a domain
+    # bcd did not create ("already exists with uuid"), atomically; no dumpxml of root's is needed.
     checked, data = check_definition(call, op, name, req.xml)
-    existing = root_dumpxml(call, name)
-    if existing is not None and not is_bcds(existing):
-        raise Refused("unmanaged", f"{op}: domain {name} exists and is not bcd's: it is never defined over")
     _signed(call, op, name, req.intent, checked)
     staged = _stage(call, name, data)
     result = _virsh(call, "define", "--validate", staged)
@@ -226,10 +226,46 @@ def libvirt_start(call: Call, req: LibvirtStart) -> dict[str, Any]:
     if req.intent is not None or call.ctx.config.command_root_sha256:
         checked = _checked_running(call, op, name, xml)
     _signed(call, op, name, req.intent, checked)
+    _gpus_free(call, op, name, xml)
     result = _virsh(call, "start", name, *(["--paused"] if req.paused else []))
     if not result.ok:
         raise Failed("virsh", f"virsh start {name}: {_err(result)}")
     return {"name": name, "paused": req.paused}
+
+
+def _gpus_free(call: Call, op: str, name: str, xml: bytes) -> None:
+    """A start passes its GPUs through (libvirt rebinds them to vfio-pci): none may be one root sees
+    held by a live hold or running compute processes (DLV-DEV-21, root's own view, bcd_helper.busy)."""
+    from bcd_helper.busy import ALL, BusyUnknown, busy_gpus
+
+    root = ET.fromstring(xml)  # noqa: S314 (root's own libvirt output)
+    wanted = set()
+    for a in root.findall("devices/hostdev/source/address"):
+        try:
+            parts = [int(a.get(k, ""), 16) for k in ("domain", "bus", "slot", "function")]
+        except ValueError:
+            continue
+        wanted.add("{:04x}:{:02x}:{:02x}.{:x}".format(*parts))
+    if not wanted:
+        return
+    result = call.system.run(
+        ["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"], timeout=60
+    )
+    if not result.ok:
+        raise Failed("nvidia-smi", f"{op}: cannot list GPUs: {result.describe()}")
+    by_address = {}
+    for line in result.stdout.decode(errors="replace").splitlines():
+        uuid, _, bus = (f.strip() for f in line.partition(","))
+        domain, _, rest = bus.partition(":")
+        by_address[f"{domain[-4:]}:{rest}".lower()] = uuid
+    try:
+        busy = busy_gpus(call.system)
+    except BusyUnknown as exc:
+        raise Failed("busy-unknown", f"{op}: {exc}") from None
+    for address in sorted(wanted):
+        why = busy.reason(by_address.get(address, ALL))
+        if why is not None:
+            raise Refused("gpu-busy", f"{op}: {name}: GPU {address} cannot be passed through: {why}")
 
 
 def _checked_running(call: Call, op: str, name: str, xml: bytes) -> CheckedDomain:
@@ -267,7 +303,17 @@ libvirt_shutdown = _simple("shutdown")
 libvirt_destroy = _simple("destroy")
 libvirt_suspend = _simple("suspend")
 libvirt_resume = _simple("resume")
-libvirt_undefine = _simple("undefine")
+_undefine = _simple("undefine")
+
+
+def libvirt_undefine(call: Call, req: LibvirtName) -> dict[str, Any]:
+    """Undefine, then drop root's staged copy of the definition."""
+    result = _undefine(call, req)
+    try:
+        call.system.remove(f"{STAGE_DIR}/{req.name}.xml")
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    return dict(result)
 
 
 def libvirt_blockresize(call: Call, req: LibvirtBlockresize) -> dict[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_helper.ops import access, ch, daemon, files, host, hostunit, libvirt, logs, slices
+from bcd_helper.ops import access, auditops, ch, daemon, files, host, hostunit, libvirt, logs, slices
 from bcd_helper.ops.base import Handler
 
 LOCK_ORDER = ("units", "access", "gpus", "slices", "libvirt", "ch", "system")
@@ -50,6 +50,12 @@ def _op(
 
 OPS: dict[str, OpSpec] = {
     "helper.ping": _op(host.Ping, host.ping, 5, summary="answers the peer's uid; for health checks"),
+    "audit.head": _op(
+        auditops.AuditHead,
+        auditops.audit_head,
+        5,
+        summary="the audit log's head (seq, sha256) for the node's StatusReport; lines up to it may rotate",
+    ),
     "file.write": _op(
         files.FileWrite,
         files.file_write,

@@ -12,7 +12,6 @@ A malformed value raises BadPin naming the rule; callers stop bcd from starting 
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import re
 from typing import Final
@@ -21,6 +20,7 @@ import attrs
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
+from bcd_shared import configschema
 from bcd_shared.pki.errors import BadPin
 from bcd_shared.pki.signing import check_public_key
 
@@ -43,23 +43,14 @@ def check_root_pin(value: str, where: str = "pin") -> str:
 
 
 def parse_root_pins(text: str, field: str = "command_root_sha256") -> tuple[str, ...]:
-    """Parse `command_root_sha256`: comma-separated root pins, 1 to 16, in the order given."""
+    """Parse `command_root_sha256`: comma-separated root pins, 1 to 16, in the order given. The rule is
+    config.toml's (bcd_shared.configschema.parse_root_pins), so config and every other use agree."""
     if not isinstance(text, str):
         raise BadPin(f"{field}: must be a string, got {type(text).__name__}")
-    if text.strip(" ") == "":
-        raise BadPin(f"{field}: is empty; leave the key out to pin no roots")
-    entries = [entry.strip(" ") for entry in text.split(",")]
-    if len(entries) > MAX_ROOT_PINS:
-        raise BadPin(f"{field}: {len(entries)} entries, at most {MAX_ROOT_PINS}")
-    seen: set[str] = set()
-    for index, entry in enumerate(entries, start=1):
-        if entry == "":
-            raise BadPin(f"{field}: entry {index} is empty")
-        check_root_pin(entry, f"{field} entry {index}")
-        if entry in seen:
-            raise BadPin(f"{field}: entry {index} repeats {entry}")
-        seen.add(entry)
-    return tuple(entries)
+    try:
+        return configschema.parse_root_pins(text)
+    except configschema.RuleError as exc:
+        raise BadPin(f"{field}: {exc}") from None
 
 
 def spki_der(public_key: bytes) -> bytes:
@@ -88,17 +79,10 @@ class JoinKeyPin:
     def parse(cls, text: str, field: str = "join_signing_key_pin") -> JoinKeyPin:
         if not isinstance(text, str):
             raise BadPin(f"{field}: must be a string, got {type(text).__name__}")
-        if not text.startswith(JOIN_PIN_PREFIX):
-            raise BadPin(f"{field}: must start with {JOIN_PIN_PREFIX!r}")
-        encoded = text[len(JOIN_PIN_PREFIX) :]
-        if len(encoded) != 44 or not re.fullmatch(r"[A-Za-z0-9+/]{43}=", encoded):
-            raise BadPin(f"{field}: after 'sha256/' expected 44 characters of padded base64 of a SHA-256")
         try:
-            digest = base64.b64decode(encoded, validate=True)
-        except binascii.Error:
-            raise BadPin(f"{field}: not valid base64") from None
-        if base64.b64encode(digest).decode("ascii") != encoded:
-            raise BadPin(f"{field}: non-canonical base64")
+            digest = configschema.parse_join_pin(text)  # config.toml's rule: one implementation
+        except configschema.RuleError as exc:
+            raise BadPin(f"{field}: {exc}") from None
         return cls(digest)
 
     def matches(self, public_key: bytes) -> bool:

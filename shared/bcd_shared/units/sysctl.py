@@ -61,15 +61,50 @@ DENYLIST: tuple[tuple[str, str], ...] = (
     ("user.*", _USERNS),
     ("kernel.unprivileged_userns_clone", _USERNS),
     ("kernel.apparmor_restrict_unprivileged_userns", _USERNS),
+    # Address-space randomization bits: any value the node picks is at best what the kernel chose.
+    ("vm.mmap_rnd_bits", _DEFENSE),
+    ("vm.mmap_rnd_compat_bits", _DEFENSE),
 )
 
-# Keys that take only their hardened values: key -> (allowed check, description).
+# Keys that take only their hardened values: key pattern (fnmatch) -> (allowed range, description).
 HARDENED: dict[str, tuple[tuple[int, int], str]] = {
     "dev.tty.legacy_tiocsti": ((0, 0), "0 only"),
     "dev.tty.ldisc_autoload": ((0, 0), "0 only"),
     "kernel.io_uring_disabled": ((1, 2), "1 or 2"),
     "net.ipv4.ip_unprivileged_port_start": ((1024, 1 << 31), "1024 or above"),
+    # 0 lets unprivileged processes leave AppArmor's unconfined profile / load userns policy.
+    "kernel.apparmor_restrict_unprivileged_unconfined": ((1, 1), "1 only"),
+    "kernel.unprivileged_userns_apparmor_policy": ((1, 1), "1 only"),
+    # 1 routes 127/8 from the wire to local services bound to loopback (any interface, all, default).
+    "net.ipv4.conf.*.route_localnet": ((0, 0), "0 only"),
+    # Source-routed packets steer around filtering: IPv4 0 only; IPv6 0 or -1 (refuse all).
+    "net.ipv4.conf.*.accept_source_route": ((0, 0), "0 only"),
+    "net.ipv6.conf.*.accept_source_route": ((-1, 0), "0 or -1"),
+    # 0 removes the limit after which oopses/warnings panic (a bug is then re-triggered at will);
+    # above the kernel's default (10000) is as good as none.
+    "kernel.oops_limit": ((1, 10000), "1 to 10000"),
+    "kernel.warn_limit": ((1, 10000), "1 to 10000"),
 }
+
+
+def hardened_rule(key: str) -> tuple[tuple[int, int], str] | None:
+    for pattern, rule in HARDENED.items():
+        if fnmatch.fnmatchcase(key, pattern):
+            return rule
+    return None
+
+
+def outside_allowlist(key: str, prefixes: tuple[str, ...]) -> bool:
+    """True when `prefixes` (root's `[host] sysctl_allow`) is set and no entry equals `key` or is a whole
+    leading run of its name components (`net.core` and `net.core.` take `net.core.somaxconn`, not
+    `net.corex`)."""
+    if not prefixes:
+        return False
+    for p in prefixes:
+        stem = p.rstrip(".")
+        if key == stem or key.startswith(stem + "."):
+            return False
+    return True
 
 
 def refused_reason(key: str) -> str | None:
@@ -129,14 +164,15 @@ class Sysctl(ConfigUnit[SysctlSettings, SysctlObserved]):
             if why:
                 raise refuse(f"{key} is refused: {why}")
             value = render_value(key, obj[key])
-            if key in HARDENED:
-                (lo, hi), _desc = HARDENED[key]
+            rule = hardened_rule(key)
+            if rule is not None:
+                (lo, hi), desc = rule
                 try:
                     n = int(value)
                 except ValueError:
                     n = None
                 if n is None or not lo <= n <= hi:
-                    raise refuse(f"{key} = {value} is refused: it would lower the host's defenses")
+                    raise refuse(f"{key} = {value} is refused: it would lower the host's defenses ({desc})")
             out.append((key, value))
         return SysctlSettings(tuple(out))
 

@@ -15,7 +15,9 @@ the one place root's helper uses too, so a node as root and the helper write the
   node's config; under the helper: root's).
 - The exec-ticket JWKS is taken anew on every pass, even when no file changes (DLV-ACC-08), and kept
   for the tunnel code (`current_jwks`, DLV-ACC-07).
-- `changed` when a file changed; the outcome message names what was done.
+- `changed` when a file changed; the outcome message names what was done. A helper refusal is retried
+  (DLV-PRIV-06), except those only root's config or a new spec can change (`access-unsigned`,
+  `root-principal`, `invalid-access`): FAILED, so observed_generation is not held back.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from typing import Any, Protocol
 
 from attrs import frozen
 from bcd_shared import access as acc
-from bcd_shared.errors import RetryableError, TerminalError
+from bcd_shared.errors import HelperRefused, RetryableError, TerminalError
 from bcd_shared.system import System
 from bcd_shared.units.rootonly import for_root
 
@@ -36,6 +38,9 @@ from bcd_agent.converge.types import SectionOutcome, SectionState
 
 SECTION = "access"
 SSHD_UNITS = ("ssh.service", "sshd.service")
+# Helper refusals that only root's config or a new spec can change: the section fails terminally instead
+# of holding back observed_generation forever (every other helper error is retried, DLV-PRIV-06).
+TERMINAL_REFUSALS = frozenset({"access-unsigned", "root-principal", "invalid-access"})
 
 
 @frozen
@@ -131,13 +136,20 @@ class DirectExecutor:
                 if system.remove(step.path):
                     done.append(f"remove {step.path}")
             else:
-                done.append(self._reload())
+                try:
+                    done.append(self._reload(system))
+                except RetryableError:
+                    # sshd did not take the new drop-in: take it away again, so the next pass sees the change
+                    # and reloads again (a reload happens only on a drop-in change, DLV-ACC-05).
+                    if desired.dropin is not None:
+                        system.remove(acc.SSHD_DROPIN)
+                    raise
         return bool(done), "; ".join(d for d in done if d)
 
-    def _reload(self) -> str:
+    def _reload(self, system: System) -> str:
         for unit in SSHD_UNITS:
-            if self.system.run(["systemctl", "is-active", "--quiet", unit], timeout=30).ok:
-                result = self.system.run(["systemctl", "reload", unit], timeout=60)
+            if system.run(["systemctl", "is-active", "--quiet", unit], timeout=30).ok:
+                result = system.run(["systemctl", "reload", unit], timeout=60)
                 if not result.ok:
                     raise RetryableError("SshdReload", f"systemctl reload {unit}: {result.describe()}")
                 return f"reload {unit}"
@@ -150,10 +162,20 @@ class HelperExecutor:
 
     client: Any  # HelperClient: access_apply(intent)
     intent: Callable[[], Mapping[str, Any] | None]
+    system: System | None = None  # to read the files (0644) and skip root when they already match
 
     def converge(self, spec: AccessSpec, node_id: str) -> tuple[bool, str]:
-        render(spec, node_id)  # the node's own check first (DLV-ACC-12): never ask root for a bad section
-        result = self.client.access_apply(self.intent())  # HelperRefused: retryable (DLV-PRIV-06)
+        desired = render(
+            spec, node_id
+        )  # the node's own check first (DLV-ACC-12): never ask root for a bad one
+        if self.system is not None and not acc.plan(desired, observe(self.system)):
+            return False, ""  # root would render the same bytes: nothing to ask (no audit line every pass)
+        try:
+            result = self.client.access_apply(self.intent())  # HelperRefused: retryable (DLV-PRIV-06)
+        except HelperRefused as exc:
+            if exc.reason in TERMINAL_REFUSALS:
+                raise TerminalError(exc.reason, exc.message) from None
+            raise
         written = [str(p) for p in result.get("written", [])]
         removed = [str(p) for p in result.get("removed", [])]
         done = [f"write {p}" for p in written] + [f"remove {p}" for p in removed]

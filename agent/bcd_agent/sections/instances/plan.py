@@ -4,7 +4,8 @@ The seeds' rules first (delivery.md "Instances", DLV-INST, DLV-PLC, DLV-ADM, DLV
 1. A host with no runtime runs no instances: a non-empty section fails, `this host runs no instance
    runtime` (DLV-RT-10).
 2. A domain bcd created that no spec names, or whose desired state is DELETED, is deleted
-   (DLV-INST-03/04). A domain bcd did not create is never touched, only reported (DLV-INST-05).
+   (DLV-INST-03/04). A domain bcd did not create is never touched, only reported (DLV-INST-05). An
+   instance directory without a domain (a create that failed) goes when its instance is not wanted.
 3. Each instance, in spec order, fails alone (ERROR, DLV-INST-12) when: its spec breaks a rule
    (model.check_instance); its runtime is not on this host (`<runtime> runtime is not installed on
    this host`, DLV-RT-05); a domain of that name exists that bcd did not create; its placement cannot
@@ -56,6 +57,7 @@ class RuntimeView:
     domains: tuple[Domain, ...] = ()
     error: str | None = None
     checks_capacity: bool = False
+    leftovers: tuple[str, ...] = ()  # instance directories without a domain
 
 
 @frozen
@@ -83,6 +85,14 @@ class Observed:
 
 @frozen
 class Delete:
+    runtime: str
+    name: str
+
+
+@frozen
+class RemoveFiles:
+    """An instance directory no domain has, whose instance is not wanted (a create that failed)."""
+
     runtime: str
     name: str
 
@@ -128,8 +138,8 @@ class Start:
     instance: InstanceSpec
 
 
-Step = Delete | Stop | Suspend | Resume | Create | Grow | Start
-_ORDER = {Delete: 0, Stop: 1, Suspend: 2, Create: 3, Grow: 4, Resume: 5, Start: 6}
+Step = Delete | RemoveFiles | Stop | Suspend | Resume | Create | Grow | Start
+_ORDER = {Delete: 0, RemoveFiles: 0, Stop: 1, Suspend: 2, Create: 3, Grow: 4, Resume: 5, Start: 6}
 
 
 @frozen
@@ -181,6 +191,10 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
         if existing.managed and existing.name not in wanted:
             steps.append(Delete(existing.runtime, existing.name))
             leaving.add(existing.name)
+    for listed in observed.runtimes.values():
+        for name in listed.leftovers:
+            if name not in wanted or wanted[name].runtime != listed.name:
+                steps.append(RemoveFiles(listed.name, name))
     vfio: dict[str, str] = {}
     committed = sum(
         committed_bytes(d.memory_bytes, d.hugepages)

@@ -35,6 +35,7 @@ from bcd_agent.sections.instances.plan import (
     Grow,
     Observed,
     Plan,
+    RemoveFiles,
     Resume,
     RuntimeView,
     Start,
@@ -42,6 +43,7 @@ from bcd_agent.sections.instances.plan import (
     Stop,
     Suspend,
     UserData,
+    needs_user_data,
     plan,
 )
 from bcd_agent.sections.instances.runtimes.base import (
@@ -196,7 +198,8 @@ class InstancesSection:
         views: dict[str, RuntimeView] = {}
         for name, rt in self.runtimes.items():
             try:
-                views[name] = RuntimeView(name, rt.list(), None, rt.checks_capacity)
+                domains = rt.list()
+                views[name] = RuntimeView(name, domains, None, rt.checks_capacity, rt.leftovers(domains))
             except StepError as exc:
                 views[name] = RuntimeView(name, (), exc.message, rt.checks_capacity)
         return views
@@ -216,12 +219,13 @@ class InstancesSection:
             gpu_addresses=addresses,
             gpu_holds=gpu_holds,
         )
-        draft = plan(spec, observed)
-        if draft.needs_user_data and self.user_data is not None:
+        listed = {d.name: d for v in views.values() for d in v.domains}
+        wanted_data = needs_user_data(spec, listed)
+        if wanted_data and self.user_data is not None:
             by_id = {i.id: i for i in spec.instances}
             fetched = {
                 i: self.user_data.fetch(i, by_id[i].allocation_id, by_id[i].user_data_ref)
-                for i in draft.needs_user_data
+                for i in wanted_data
             }
             from attrs import evolve
 
@@ -260,6 +264,8 @@ class InstancesSection:
     def _run(rt: Runtime, step: Step) -> None:
         if isinstance(step, Delete):
             rt.delete(step.name)
+        elif isinstance(step, RemoveFiles):
+            rt.remove_files(step.name)
         elif isinstance(step, Stop):
             rt.stop(step.name)
         elif isinstance(step, Suspend):

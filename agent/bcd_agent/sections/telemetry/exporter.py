@@ -40,6 +40,7 @@ MAX_QUEUE = 4
 MAX_QUEUE_BYTES = 1 << 20
 TIMEOUT_S = 10.0
 MAX_BACKOFF_S = 60.0
+MIN_RETRY_S = 0.5  # a `Retry-After: 0` never makes a tight loop
 MAX_RESPONSE_HEAD = 16 * 1024
 RETRYABLE_STATUS = frozenset({429, 502, 503, 504})
 # The endpoint refused the credentials: the headers secret may have been rotated (fetched again).
@@ -252,10 +253,9 @@ class Exporter:
                     self.metrics.exports.add((exc.error_type,))
                     failures += 1
                     if exc.retryable:
-                        wait = (
-                            exc.retry_after_s
-                            if exc.retry_after_s is not None
-                            else min(2.0 ** (failures - 1), MAX_BACKOFF_S)
+                        backoff = min(2.0 ** (failures - 1), MAX_BACKOFF_S)
+                        wait = max(
+                            exc.retry_after_s if exc.retry_after_s is not None else backoff, MIN_RETRY_S
                         )
                         log.info(
                             "telemetry: export to %s failed (%s); retrying in %g s",

@@ -63,6 +63,7 @@ class TelemetrySection:
         self.base_resource = base_resource
         self._headers: dict[str, HeadersState] = {}
         self._nursery: trio.Nursery | None = None
+        self._generation = 0
         exporter.on_auth_failure = self._headers_rejected
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -97,8 +98,14 @@ class TelemetrySection:
             self.exporter.configure(None)
             raise
         wanted = spec.headers_secret_ref if spec is not None else ""
-        for ref in [r for r in self._headers if r != wanted]:
-            del self._headers[ref]  # only the named reference's headers are kept
+        new_generation = ctx.generation != self._generation
+        self._generation = ctx.generation
+        for ref, state in list(self._headers.items()):
+            # Only the named reference's headers are kept; a refusal is terminal for its generation only
+            # (a new spec asks again, the broker may release it now).
+            stale = isinstance(state, HeadersFailed) and state.terminal and new_generation
+            if ref != wanted or stale:
+                del self._headers[ref]
         the_plan = plan(spec, self.observe(spec), self.base_resource)
         for step in the_plan.steps:
             if isinstance(step, Configure):
@@ -134,6 +141,9 @@ class TelemetrySection:
             state = HeadersFailed(exc.reason, exc.message, terminal=True)
         except RetryableError as exc:
             state = HeadersFailed(exc.reason, exc.message, terminal=False)
+        except Exception as exc:  # a bug must not stop the node: retried on the next pass
+            log.warning("telemetry: fetching the export headers %s failed", ref, exc_info=True)
+            state = HeadersFailed("InternalError", f"{type(exc).__name__}: {exc}", terminal=False)
         if isinstance(state, HeadersFailed):
             log.warning("telemetry: the export headers %s: %s", ref, state.message)
         if isinstance(self._headers.get(ref), HeadersPending):

@@ -496,6 +496,14 @@ class CloudHypervisorRuntime:
             self._call("ch.unvfio", {"name": name})
         shutil.rmtree(self._real(self._dir(name)), ignore_errors=True)
 
+    def leftovers(self, domains: tuple[Domain, ...]) -> tuple[str, ...]:
+        """None: a directory without vm.json is not bcd's and is never removed (DLV-CH-28), even one a
+        create that failed before its record left behind."""
+        return ()
+
+    def remove_files(self, name: str) -> None:
+        raise TerminalError("NotBcds", f"{name}: cloud-hypervisor removes only directories with a vm.json")
+
     def grow(self, inst: InstanceSpec, running: bool) -> None:
         self.check_overlay(inst)
         head = self.system.read_bytes(f"{self._dir(inst.id)}/disk.qcow2") or b""
@@ -513,10 +521,11 @@ class CloudHypervisorRuntime:
             except CHApiError as exc:
                 raise RetryableError("GrowFailed", f"{inst.id}: {exc}") from None
             return
-        disk = self._real(f"{self._dir(inst.id)}/disk.qcow2")
-        result = self.system.run(
-            ["qemu-img", "resize", "-f", "qcow2", disk, str(inst.disk_bytes)], timeout=600
-        )
+        from bcd_agent.sections.instances.runtimes.libvirt import overlay_only
+
+        # The overlay alone (qcow2 stated, backing null): qemu-img opens no file a header names.
+        disk = overlay_only(self._real(f"{self._dir(inst.id)}/disk.qcow2"))
+        result = self.system.run(["qemu-img", "resize", disk, str(inst.disk_bytes)], timeout=600)
         if not result.ok:
             raise RetryableError("QemuImgFailed", f"qemu-img resize: {result.describe()}")
 

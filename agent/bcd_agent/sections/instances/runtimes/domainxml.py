@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from bcd_shared.instancenames import METADATA_NS, tap_name
+from bcd_shared.instancenames import METADATA_NS, domain_uuid, tap_name
 
 from bcd_agent.sections.instances.model import InstanceSpec, definition_digest
 from bcd_agent.sections.instances.placement import cpu_placement
@@ -50,6 +50,7 @@ def build_domain_xml(
 ) -> bytes:
     dom = ET.Element("domain", {"type": domain_type})
     _sub(dom, "name", inst.id)
+    _sub(dom, "uuid", domain_uuid(inst.id))
     meta = _sub(_sub(dom, "metadata"), f"{_NS}instance")
     _sub(meta, f"{_NS}runtime", inst.runtime)
     _sub(meta, f"{_NS}allocation", inst.allocation_id)

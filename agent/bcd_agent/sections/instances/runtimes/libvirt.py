@@ -8,9 +8,10 @@
   (bcd_shared.images.check_image), made 0644 and renamed to `images/<sha256>.<format>` in a 0700
   directory; a qcow2 base is checked again on every use.
 - Disks (DLV-LIBVIRT-02/06/07/08, DLV-IMG-18/19): `qemu-img create -f qcow2 -u -b BASE -F FMT` (never
-  opening the base), a blank qcow2 for an iso install; grown with `qemu-img resize -f qcow2` while
-  stopped and `virsh blockresize` while running, the current size read from the header; a smaller
-  size fails the instance. The overlay is checked (check_overlay) before every start and grow.
+  opening the base), a blank qcow2 for an iso install; grown with `qemu-img resize` of the overlay
+  alone (`json:` options: driver qcow2, `backing` null; see `overlay_only`) while stopped and
+  `virsh blockresize` while running, the current size read from the header; a smaller size fails
+  the instance. The overlay is checked (check_overlay) before every start and grow.
 - User data (DLV-LIBVIRT-09/10): a NoCloud seed `seed.iso` (volume `cidata`, `user-data` and
   `meta-data` with `instance-id` and `local-hostname`) by genisoimage, else xorriso.
 - States (DLV-LIBVIRT-18..21): `start [--paused]`, `suspend`, `resume`; a stop is `shutdown`, then
@@ -36,7 +37,7 @@ from typing import Any, Protocol
 from attrs import frozen
 from bcd_shared.errors import RetryableError, TerminalError
 from bcd_shared.images import ImageRefused, check_image, check_overlay
-from bcd_shared.instancenames import image_path, images_dir, instance_dir, libvirt_dir
+from bcd_shared.instancenames import image_path, images_dir, instance_dir, libvirt_dir, valid_instance_id
 from bcd_shared.system import CommandResult, System
 
 from bcd_agent.sections.instances.model import RUNTIME_LIBVIRT, InstanceSpec
@@ -64,6 +65,18 @@ _STATES = {
     "shut off": STOPPED,
     "crashed": STOPPED,
 }
+
+
+def overlay_only(path: str) -> str:
+    """qemu-img's name for the overlay alone: the qcow2 driver stated (never probed) and `backing`
+    null, so qemu-img opens no file a header names (the issue's rule; `-f qcow2` would still open the
+    backing chain). Used for `resize`."""
+    import json
+
+    return "json:" + json.dumps(
+        {"driver": "qcow2", "file": {"driver": "file", "filename": path}, "backing": None},
+        separators=(",", ":"),
+    )
 
 
 class Virsh(Protocol):
@@ -250,6 +263,7 @@ class LibvirtRuntime:
         for gone in set(self._known) - names:
             del self._known[gone]
         out = []
+        instances = str(self.system.host_path(f"{libvirt_dir(self.data_dir)}/instances"))
         for name, state in listed:
             known = self._known.get(name)
             if known is None:
@@ -261,7 +275,7 @@ class LibvirtRuntime:
             disk_bytes = None
             if known.managed:
                 with contextlib.suppress(ImageRefused):
-                    disk_bytes = self._overlay_size(name)
+                    disk_bytes = self._overlay_size(name, os.path.join(instances, name, "disk.qcow2"))
             out.append(
                 Domain(
                     name=name,
@@ -279,13 +293,16 @@ class LibvirtRuntime:
             )
         return tuple(out)
 
-    def _overlay_size(self, name: str) -> int | None:
+    def _overlay_size(self, name: str, real: str | None = None) -> int | None:
+        """The overlay's virtual size from its header (DLV-IMG-19); None without an overlay."""
         from bcd_shared.images import parse_header
 
-        data = self.system.read_bytes(self._disk(name))
-        if data is None:
+        try:
+            with open(real or self._real(self._disk(name)), "rb") as f:
+                data = f.read(1 << 16)
+        except (FileNotFoundError, NotADirectoryError):
             return None
-        return parse_header(data[: 1 << 16], self.max_virtual_size).virtual_size
+        return parse_header(data, self.max_virtual_size).virtual_size
 
     # --- images -----------------------------------------------------------------------------------
 
@@ -489,6 +506,14 @@ class LibvirtRuntime:
             except ImageRefused as exc:
                 raise TerminalError("BadImage", f"image {img.sha256[:12]}: {exc.message}") from None
         self.check_overlay(inst)
+        # QEMU's way to its files again: the journal puts data_dir back to 0700 whenever bcd starts.
+        fmt = img.format if img is not None else None
+        base = image_path(self.data_dir, img.sha256, img.format) if img is not None else None
+        d = self._dir(inst.id)
+        seed = self.system.exists(f"{d}/seed.iso")
+        self._file_access(
+            inst, self.files(inst, base, seed) if fmt is not None else DomainFiles(self._disk(inst.id))
+        )
         self._act("start", inst.id, *(["--paused"] if paused else []))
 
     def suspend(self, name: str) -> None:
@@ -523,6 +548,21 @@ class LibvirtRuntime:
         self.forget(name)
         shutil.rmtree(self._real(self._dir(name)), ignore_errors=True)
 
+    def leftovers(self, domains: tuple[Domain, ...]) -> tuple[str, ...]:
+        """Instance directories with no domain (a create that failed before its define)."""
+        names = {d.name for d in domains}
+        return tuple(
+            n
+            for n in self.system.listdir(f"{libvirt_dir(self.data_dir)}/instances")
+            if n not in names and valid_instance_id(n)
+        )
+
+    def remove_files(self, name: str) -> None:
+        """Remove an instance directory that has no domain (never one a domain names)."""
+        if not valid_instance_id(name):
+            raise TerminalError("BadName", f"{name!r} is not an instance id")
+        shutil.rmtree(self._real(self._dir(name)), ignore_errors=True)
+
     def grow(self, inst: InstanceSpec, running: bool) -> None:
         """Grow the overlay to `disk_bytes`; a smaller size fails the instance (DLV-LIBVIRT-07/08)."""
         self.check_overlay(inst)
@@ -537,4 +577,4 @@ class LibvirtRuntime:
         if running:
             self._act("blockresize", inst.id, "vda", f"{inst.disk_bytes}B")
         else:
-            self._qemu_img("resize", "-f", "qcow2", self._real(self._disk(inst.id)), str(inst.disk_bytes))
+            self._qemu_img("resize", overlay_only(self._real(self._disk(inst.id))), str(inst.disk_bytes))

@@ -54,6 +54,7 @@ __all__ = (
     "GpuResetRequest",
     "GpuResetResult",
     "Hello",
+    "HelperAuditHead",
     "HostSection",
     "HostUnit",
     "HugepagePool",
@@ -1929,6 +1930,22 @@ default_message_pool.register_message("bcd.v1", "Hello", Hello)
 
 
 @dataclass(eq=False, repr=False)
+class HelperAuditHead(betterproto2.Message):
+    seq: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
+    """
+    The seq of the newest audit line.
+    """
+
+    sha256: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    SHA-256 (64 lowercase hex digits) of that line's bytes.
+    """
+
+
+default_message_pool.register_message("bcd.v1", "HelperAuditHead", HelperAuditHead)
+
+
+@dataclass(eq=False, repr=False)
 class HostSection(betterproto2.Message):
     """
     ---- host -------------------------------------------------------------------------------------------
@@ -2911,6 +2928,15 @@ class StatusReport(betterproto2.Message):
     )
     """
     Host pressure and similar readings; excluded from the status key.
+    """
+
+    helper_audit_head: "HelperAuditHead | None" = betterproto2.field(
+        10, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    Under bcd helper: the root helper's audit log head as the node last read it (helper op audit.head), so
+    that the control plane holds a copy off the host (bcd helper audit verify --expect-head SEQ:HASH).
+    Unset without a helper or before the first read. Excluded from the status key.
     """
 
 

@@ -1,0 +1,136 @@
+# ruff: noqa: E501  (hostile documents read best on one line each)
+"""Root's default-deny domain check on the XML alone (bcd_shared.domaincheck), fast and pure: hostile
+documents of every kind are refused, and random elements or attributes grafted anywhere are refused."""
+
+from __future__ import annotations
+
+import pytest
+from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
+from bcd_agent.sections.instances.runtimes.base import DomainFiles
+from bcd_agent.sections.instances.runtimes.domainxml import build_domain_xml
+from bcd_shared.domaincheck import ALLOWED, DomainPolicy, DomainRefused, check_domain
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+SHA = "ab" * 32
+D = "/var/lib/bcd/libvirt"
+POLICY = DomainPolicy("vm1", "/var/lib/bcd", ("br0",), ("0000:53:00.0",))
+INST = InstanceSpec(
+    id="vm1", allocation_id="a", vcpus=2, memory_bytes=1 << 30,
+    image=Image("https://x/y.qcow2", SHA, "qcow2"), nics=(Nic("br0", "52:54:00:00:00:01"),),
+    gpu_uuids=("GPU-1",),
+)  # fmt: skip
+FILES = DomainFiles(
+    f"{D}/instances/vm1/disk.qcow2", f"{D}/images/{SHA}.qcow2", "qcow2", f"{D}/instances/vm1/seed.iso"
+)
+GOOD = build_domain_xml(INST, FILES, ("0000:53:00.0",)).decode()
+
+
+def test_the_built_domain_is_accepted() -> None:
+    checked = check_domain(GOOD.encode(), POLICY)
+    assert checked.hostdevs == ("0000:53:00.0",) and [d.kind for d in checked.disks] == [
+        "instance",
+        "instance",
+    ]
+
+
+HOSTILE = [
+    ("billion laughs", '<!DOCTYPE d [<!ENTITY a "aaaa"><!ENTITY b "&a;&a;&a;">]>' + GOOD, "doctype"),
+    ("processing instruction", '<?xml-stylesheet href="x"?>' + GOOD, "doctype"),
+    (
+        "xinclude",
+        GOOD.replace(
+            "<devices>",
+            '<devices><xi:include xmlns:xi="http://www.w3.org/2001/XInclude" href="/etc/shadow"/>',
+        ),
+        "element",
+    ),
+    (
+        "qemu namespace",
+        GOOD.replace(
+            "</domain>",
+            '<qemu:commandline xmlns:qemu="http://libvirt.org/schemas/domain/qemu/1.0"><qemu:arg value="-x"/></qemu:commandline></domain>',
+        ),
+        "qemu-commandline",
+    ),
+    (
+        "namespaced attribute",
+        GOOD.replace('<disk type="file"', '<disk xmlns:q="urn:q" q:x="1" type="file"', 1),
+        "attribute",
+    ),
+    (
+        "another uuid",
+        GOOD.replace(GOOD.split("<uuid>")[1].split("</uuid>")[0], "00000000-0000-4000-8000-000000000000"),
+        "name",
+    ),
+    ("no uuid", GOOD.replace("<uuid>" + GOOD.split("<uuid>")[1].split("</uuid>")[0] + "</uuid>", ""), "name"),
+    ("a second name", GOOD.replace("<name>vm1</name>", "<name>vm1</name><name>other</name>"), "element"),
+    ("a second devices", GOOD.replace("</domain>", "<devices/></domain>"), "element"),
+    (
+        "network disk",
+        GOOD.replace('<disk type="file" device="disk">', '<disk type="network" device="disk">'),
+        "attribute",
+    ),
+    (
+        "block disk source",
+        GOOD.replace(f'<source file="{D}/instances/vm1/disk.qcow2" />', '<source dev="/dev/sda" />'),
+        "attribute",
+    ),
+    ("direct interface", GOOD.replace('<interface type="bridge">', '<interface type="direct">'), "attribute"),
+    ("unmanaged hostdev", GOOD.replace('managed="yes"', 'managed="no"'), "attribute"),
+    ("usb hostdev", GOOD.replace('type="pci" managed', 'type="usb" managed'), "attribute"),
+    (
+        "graphics",
+        GOOD.replace("<memballoon", '<graphics type="vnc" listen="0.0.0.0"/><memballoon'),
+        "element",
+    ),
+    (
+        "filesystem",
+        GOOD.replace(
+            "<memballoon",
+            '<filesystem type="mount"><source dir="/"/><target dir="r"/></filesystem><memballoon',
+        ),
+        "element",
+    ),
+    ("seclabel none", GOOD.replace("</domain>", '<seclabel type="none"/></domain>'), "element"),
+    ("emulator", GOOD.replace("<devices>", "<devices><emulator>/bin/sh</emulator>"), "element"),
+    ("writable seed", GOOD.replace("<readonly />", ""), "disk"),
+    ("foreign metadata", GOOD.replace("</metadata>", '<x:y xmlns:x="urn:x">1</x:y></metadata>'), "element"),
+    ("not utf-8", GOOD.encode("utf-16").decode("latin-1"), "malformed"),
+]
+
+
+@pytest.mark.parametrize(("what", "doc", "reason"), HOSTILE, ids=[h[0] for h in HOSTILE])
+def test_hostile_documents_are_refused_dlv_hlp_04(what: str, doc: str, reason: str) -> None:
+    """DLV-HLP-04: default-deny, each refusal with its rule."""
+    data = doc.encode("latin-1") if what == "not utf-8" else doc.encode()
+    with pytest.raises(DomainRefused) as exc:
+        check_domain(data, POLICY)
+    assert exc.value.reason == reason, exc.value.message
+
+
+NAMES = st.from_regex(r"\A[a-zA-Z][a-zA-Z0-9_]{0,12}\Z")
+SPOTS = ["<devices>", "<os>", "<features>", "</disk>", "</interface>", "</hostdev>", "<cputune>", "</domain>"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(tag=NAMES, attr=NAMES, spot=st.sampled_from(SPOTS))
+def test_grafted_elements_and_attributes_are_refused(tag: str, attr: str, spot: str) -> None:
+    """Any element grafted anywhere, unless its path is on the allowlist, is refused; so is any
+    attribute the allowlist does not name for its element."""
+    if spot in GOOD:
+        parent = {"<devices>": "devices", "<os>": "os", "<features>": "features", "</disk>": "devices/disk",
+                  "</interface>": "devices/interface", "</hostdev>": "devices/hostdev", "</domain>": ""}[spot]  # fmt: skip
+        path = f"{parent}/{tag}" if parent else tag
+        doc = GOOD.replace(
+            spot,
+            f"{spot}<{tag}/>" if spot.startswith("<") and not spot.startswith("</") else f"<{tag}/>{spot}",
+            1,
+        )
+        if path not in ALLOWED:
+            with pytest.raises(DomainRefused):
+                check_domain(doc.encode(), POLICY)
+    first = GOOD.replace("<memballoon ", f'<memballoon {attr}="1" ', 1)
+    if attr not in ("model", "freePageReporting"):
+        with pytest.raises(DomainRefused):
+            check_domain(first.encode(), POLICY)
