@@ -122,5 +122,8 @@ def test_no_vfio_pci_module_fails_the_bind_dlv_ch_20(tmp_path: Path) -> None:
     try:
         answer = h.raw({"op": "ch.vfio", "args": {"name": "vm1"}})
         assert answer["ok"] is False and "vfio-pci" in answer["message"], answer
+        # the device went back to its host driver, its override cleared
+        assert _driver(h, GPU) == "nvidia"
+        assert (root / f"sys/bus/pci/devices/{GPU}/driver_override").read_text().strip() == ""
     finally:
         h.stop()

@@ -672,6 +672,7 @@ def ch_vfio(call: Call, req: ChName) -> dict[str, Any]:
                 _sysfs_write(call, op, f"{PCI}/{dev}/driver/unbind", dev)
             _sysfs_write(call, op, "/sys/bus/pci/drivers_probe", dev)
             if _driver(call, dev) != VFIO_DRIVER:
+                _unbind_failed(call, op, dev)
                 raise Failed("vfio", f"{op}: {dev} did not move to vfio-pci (is the vfio-pci module loaded?)")
         node = call.system.host_path(f"/dev/vfio/{group}")
         try:
@@ -680,6 +681,14 @@ def ch_vfio(call: Call, req: ChName) -> dict[str, Any]:
         except OSError as exc:
             raise Failed("vfio", f"{op}: /dev/vfio/{group}: {exc.strerror}") from None
     return {"name": name, "groups": sorted(groups)}
+
+
+def _unbind_failed(call: Call, op: str, dev: str) -> None:
+    """A device that did not reach vfio-pci goes back to its host driver: the override cleared and the
+    device probed again (best effort: the failure is what the answer reports)."""
+    with contextlib.suppress(Failed):
+        _sysfs_write(call, op, f"{PCI}/{dev}/driver_override", "\n")
+        _sysfs_write(call, op, "/sys/bus/pci/drivers_probe", dev)
 
 
 def _give_back(call: Call, op: str, group: str, devices: list[str]) -> None:
