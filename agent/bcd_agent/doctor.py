@@ -27,6 +27,10 @@ unit); ids are stable across runs and releases, and `--json` prints them in a ve
 - vm-runtime: neither virsh nor cloud-hypervisor (warn; DLV-RT-11).
 - instance-bridges: under the helper with a VM runtime and no [helper] instance_bridges (warn;
   DLV-CHH-24).
+- ch-vmm / ch-uid-range (where `cloud-hypervisor` is on PATH; docs/instances.md): its version
+  (`--version`) below v51, the runtime's minimum, or unreadable (warn: the runtime is not run); no
+  /dev/kvm (warn); an account that is not bcd's (`bcd-vmm-<n>`) holding a uid of bcd's VMM range
+  0x7FFD0000..+65535 (fail: a VMM would run as it).
 - libvirt-group: under the helper, the node's account is in the root-equivalent libvirt group
   (fail; HST-HLP-32).
 - kubernetes: a joined Kubernetes node without [kubernetes] allowed_clusters (fail; HST-K8S-60).
@@ -240,6 +244,7 @@ def check_all(config_path: str, host: HostView) -> list[Finding]:
     findings.extend(_check_cgroup(host))
     findings.extend(_check_vm_runtime(config, host))
     findings.extend(_check_libvirt_group(config, host))
+    findings.extend(_check_ch(host))
     findings.extend(_check_kubernetes(config, host))
     findings.extend(_check_iommu(host))
     findings.append(_check_clock(host))
@@ -771,6 +776,56 @@ def _check_vm_runtime(config: Config, host: HostView) -> list[Finding]:
             )
         )
     return findings
+
+
+def _check_ch(host: HostView) -> list[Finding]:
+    from bcd_shared.chunit import VMM_UID_BASE, VMM_UID_COUNT
+
+    from bcd_agent.sections.instances.runtimes.chapi import MIN_VERSION, parse_version
+
+    binary = host.which("cloud-hypervisor")
+    if binary is None:
+        return []
+    out: list[Finding] = []
+    answer = host.run([binary, "--version"])
+    text = answer.stdout.decode(errors="replace").strip() if answer.ok else ""
+    version = parse_version(text) if text else None
+    minimum = f"v{MIN_VERSION[0]}.{MIN_VERSION[1]}"
+    if version is None:
+        out.append(Finding("ch-vmm", "warn", f"{binary} --version answers no version: bcd does not run it",
+                           f"install cloud-hypervisor {minimum} or later"))  # fmt: skip
+    elif version < MIN_VERSION:
+        out.append(Finding("ch-vmm", "warn",
+                           f"cloud-hypervisor v{version[0]}.{version[1]} is older than {minimum} (explicit "
+                           "image_type and backing_files): bcd does not run it",
+                           f"install cloud-hypervisor {minimum} or later"))  # fmt: skip
+    elif not host.path("/dev/kvm").exists():
+        fix = "load kvm (kvm_intel or kvm_amd) and enable virtualisation in the firmware"
+        out.append(Finding("ch-vmm", "warn", "cloud-hypervisor without /dev/kvm: it runs no VM", fix))
+    else:
+        out.append(Finding("ch-vmm", "ok", f"cloud-hypervisor v{version[0]}.{version[1]} with /dev/kvm"))
+    try:
+        lines = host.path("/etc/passwd").read_text().splitlines()
+    except OSError:
+        lines = []
+    foreign = []
+    for line in lines:
+        fields = line.split(":")
+        if len(fields) > 2 and fields[2].isdigit():
+            uid = int(fields[2])
+            if VMM_UID_BASE <= uid < VMM_UID_BASE + VMM_UID_COUNT and not fields[0].startswith("bcd-vmm-"):
+                foreign.append(f"{fields[0]} ({uid})")
+    if foreign:
+        message = f"accounts that are not bcd's hold uids of its VMM range: {', '.join(foreign[:5])}"
+        fix = "move those accounts out of 2147287040..2147352575 (bcd's VMM uids)"
+        out.append(Finding("ch-uid-range", "fail", message, fix))
+    else:
+        out.append(
+            Finding(
+                "ch-uid-range", "ok", "bcd's VMM uid range 2147287040..2147352575 is free of other accounts"
+            )
+        )
+    return out
 
 
 def _check_libvirt_group(config: Config, host: HostView) -> list[Finding]:

@@ -49,6 +49,11 @@ TOOLS: dict[str, str] = {
     "genisoimage": "libvirt:genisoimage",  # instances (NoCloud seed)
     "nft": "netns:nft",  # instances' network policy: real, only in a private namespace
     "ip": "netns:ip",  # the host's addresses on the instance bridges (ditto)
+    "systemd-run": "chtools:systemd_run",  # instances (cloud-hypervisor's VMM unit)
+    "useradd": "chtools:useradd",  # instances (cloud-hypervisor's VMM accounts)
+    "groupadd": "chtools:groupadd",
+    "userdel": "chtools:userdel",
+    "groupdel": "chtools:groupdel",
 }
 
 SIM_STATE_DIR = "/var/lib/bcd-sim"

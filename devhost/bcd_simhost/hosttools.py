@@ -39,6 +39,11 @@ def tee(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comman
         if host is None:
             return fail(argv, f"tee: {real}: Permission denied (outside the simulated host)\n")
         value = data.decode().strip()
+        if host.startswith("/sys/bus/pci/"):
+            from .pcisim import pci_write
+
+            if pci_write(system, host, data.decode()):
+                continue
         if host.endswith("/scaling_governor"):
             avail = (system.read_text(host.rsplit("/", 1)[0] + "/scaling_available_governors") or "").split()
             if value not in avail:

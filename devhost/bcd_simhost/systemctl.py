@@ -155,6 +155,10 @@ def _stop(system: LocalSystem, units: dict[str, dict[str, Any]], unit: str) -> N
             if real.is_dir():
                 real.rmdir()
         _exec_simulated(system, unit, "ExecStopPost")
+    if rec is not None and rec.get("transient"):
+        from .chtools import stop_vmm
+
+        stop_vmm(system, unit)
     if rec is not None:
         rec["active"] = False
         rec["properties"] = {}

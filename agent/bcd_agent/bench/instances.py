@@ -10,6 +10,12 @@
   Define only: libvirt's test driver keeps its domains in the connection, so a start or destroy in a
   second virsh process finds no domain (docs/instances.md);
 - header_check_us: bcd_shared.images.check_image of a qcow2 header (target <= 100);
+- ch_api_roundtrip_ms: one cloud-hypervisor API request (`vmm.ping`) over the Unix socket with the
+  h11 client, against the simulated host's v51 API server, median of 200 (target <= 5);
+- ch_launch_ms: the helper's `ch.launch` up to a started unit (root reads and checks vm.json, the
+  overlay and its base, the running units, creates the VMM's account on the first run, grants the ACL
+  entries and runs the simulated systemd-run), through a real helper process on the simulated host,
+  median of 15 launch/stop pairs (target <= 100).
 - nft_apply_ms_100/_1000, nft_ratio (>= 0.8), integrity_check_ms (<= 150), volume_create_ms (<= 100):
   bcd_agent.bench.instances_net (in a private network namespace).
 Runs as root (the helper's config must be root's); needs virsh for the ratio.
@@ -36,6 +42,8 @@ TARGETS: dict[str, tuple[str, float]] = {
     "nft_ratio": (">=", 0.8),
     "integrity_check_ms": ("<=", 150.0),
     "volume_create_ms": ("<=", 100.0),
+    "ch_api_roundtrip_ms": ("<=", 5.0),
+    "ch_launch_ms": ("<=", 100.0),
 }
 INSTANCES = 200
 GIB = 1 << 30
@@ -183,6 +191,72 @@ def _define_ratio(base: Path) -> dict[str, float]:
     return {"direct_define_ms": d * 1000, "helper_define_ms": h * 1000, "helper_define_ratio": d / h}
 
 
+def _ch_api_roundtrip_ms(base: Path) -> float:
+    from bcd_simhost.chapi import FakeCHServer
+
+    from bcd_agent.sections.instances.runtimes.chapi import CHApi
+
+    sock = Path(tempfile.mkdtemp(prefix="bcdch", dir="/tmp")) / "api.sock"  # sun_path: 108 bytes
+    try:
+        with FakeCHServer(sock) as srv:
+            api = CHApi(srv.path, timeout_s=5)
+            times = []
+            for _ in range(200):
+                t0 = time.perf_counter()
+                api.ping()
+                times.append((time.perf_counter() - t0) * 1000)
+        return statistics.median(times)
+    finally:
+        shutil.rmtree(sock.parent, ignore_errors=True)
+
+
+def _ch_launch_ms(base: Path) -> float:
+    from bcd_shared.chunit import VMM_UID_BASE
+    from bcd_simhost.chapi import lay_out_instance
+    from bcd_simhost.seed import seed
+
+    from bcd_agent.helperclient import HelperClient
+
+    root = base / "chhost"
+    seed(root)
+    for p in (base, root):
+        os.chmod(p, 0o755)  # noqa: S103 (the simulated root must be traversable, as / is)
+    node = 65534
+    lay_out_instance(root, "bench-ch", node, VMM_UID_BASE + 1)
+    cfg = root / "etc/bcd/config.toml"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(cfg.parent, 0o750)  # noqa: S103 (the install's /etc/bcd mode)
+    cfg.write_text(
+        f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = {node}\nnode_gid = {node}\n'
+        'instance_bridges = "br0"\n'
+    )
+    os.chmod(cfg, 0o640)
+    sock = str(root / "run/bcd/helper.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)])
+    client = HelperClient(sock)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except Exception:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the helper did not start") from None
+                time.sleep(0.01)
+        times = []
+        for _ in range(15):
+            t0 = time.perf_counter()
+            client.call("ch.launch", {"name": "bench-ch"})
+            times.append((time.perf_counter() - t0) * 1000)
+            client.call("ch.stop", {"name": "bench-ch"})
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(5)
+    return statistics.median(times)
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     base = Path(tempfile.mkdtemp(prefix="bcd-bench-instances-", dir=args.data_dir))
     try:
@@ -193,6 +267,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             result.update({k: round(v, 3) for k, v in _define_ratio(base).items()})
         except RuntimeError as exc:
             result["error"] = str(exc)
+        result["ch_api_roundtrip_ms"] = round(_ch_api_roundtrip_ms(base), 3)
+        result["ch_launch_ms"] = round(_ch_launch_ms(base), 2)
         from bcd_agent.bench import instances_net
 
         result["volume_create_ms"] = round(instances_net.volume_create_ms(base), 2)

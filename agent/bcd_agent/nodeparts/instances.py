@@ -6,6 +6,8 @@
   (reads with `virsh -r`), carrying the signed spec the node keeps (host-intent.json: the newest full
   spec, which sets the instances section too) so root can re-validate. An unprivileged node without
   a helper runs no instance runtime (it is not in the libvirt group, DLV-HLP-01).
+- cloud-hypervisor (issue 12) only under the helper, where `ch_available` finds its binary at v51 or
+  later, /dev/kvm and the helper's ch.* operations (then Hello advertises it); see docs/instances.md.
 - User data: a SecretRequest bound to the instance's allocation (DLV-INST-06), from the runner's
   worker thread; a refusal fails the instance, no answer keeps it waiting.
 """
@@ -67,12 +69,33 @@ def build_runtimes(
     from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, HelperVirsh, LibvirtRuntime
     from bcd_agent.sections.instances.section import runtimes_on_path
 
+    out: list[Any] = []
+    if helper is not None and not simulated:
+        out.extend(_cloud_hypervisor(system, data_dir, helper, intent_dir))
     if not simulated and not runtimes_on_path():
-        return []
+        return out
     if helper is not None:
         virsh: Any = HelperVirsh(system, helper, intent=lambda: helper_intent(intent_dir or data_dir))
-        return [LibvirtRuntime(system, virsh, data_dir, under_helper=True)]
+        return [LibvirtRuntime(system, virsh, data_dir, under_helper=True), *out]
     if simulated or as_root:
         return [LibvirtRuntime(system, DirectVirsh(system), data_dir)]
     log.warning("instances: unprivileged without [helper] socket: this node runs no instance runtime")
     return []
+
+
+def _cloud_hypervisor(system: Any, data_dir: str, helper: Any, intent_dir: str) -> list[Any]:
+    import os
+    import shutil
+
+    from bcd_agent.sections.instances.runtimes.cloudhypervisor import (
+        CloudHypervisorRuntime,
+        ch_available,
+        vmm_version,
+    )
+
+    why = ch_available(shutil.which, os.path.exists("/dev/kvm"), helper, vmm_version)
+    if why is not None:
+        log.info("instances: cloud-hypervisor is not run: %s", why)
+        return []
+    intent = partial(helper_intent, intent_dir or data_dir)
+    return [CloudHypervisorRuntime(system, helper, data_dir, intent=intent)]

@@ -18,10 +18,10 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_helper.ops import access, auditops, daemon, files, host, hostunit, libvirt, logs, nft, slices
+from bcd_helper.ops import access, auditops, ch, daemon, files, host, hostunit, libvirt, logs, nft, slices
 from bcd_helper.ops.base import Handler
 
-LOCK_ORDER = ("units", "access", "gpus", "slices", "libvirt", "nft", "system")
+LOCK_ORDER = ("units", "access", "gpus", "slices", "libvirt", "nft", "ch", "system")
 MINUTE = 60.0
 
 
@@ -252,6 +252,55 @@ OPS: dict[str, OpSpec] = {
         MINUTE,
         locks=("nft",),
         summary="whether the instances' nftables tables are exactly what nft.apply loaded",
+    ),
+    # cloud-hypervisor (issue 12): docs/helper-rpc.md, bcd_helper/ops/ch.py
+    "ch.taps": _op(
+        ch.ChTaps,
+        ch.ch_taps,
+        2 * MINUTE,
+        locks=("ch",),
+        shown=("name", "bridges"),
+        summary="create the instance's taps, owned by the node, on bridges of [helper] instance_bridges",
+    ),
+    "ch.untaps": _op(
+        ch.ChName,
+        ch.ch_untaps,
+        2 * MINUTE,
+        locks=("ch",),
+        shown=("name",),
+        summary="delete the instance's taps (only taps of its names)",
+    ),
+    "ch.launch": _op(
+        ch.ChLaunch,
+        ch.ch_launch,
+        5 * MINUTE,
+        locks=("gpus", "ch"),
+        shown=("name",),
+        summary="start the instance's confined VMM unit from root's own reading of vm.json",
+    ),
+    "ch.vfio": _op(
+        ch.ChName,
+        ch.ch_vfio,
+        5 * MINUTE,
+        locks=("gpus", "ch"),
+        shown=("name",),
+        summary="bind the record's GPUs' IOMMU groups to vfio-pci and hand /dev/vfio to the VMM's user",
+    ),
+    "ch.unvfio": _op(
+        ch.ChName,
+        ch.ch_unvfio,
+        5 * MINUTE,
+        locks=("gpus", "ch"),
+        shown=("name",),
+        summary="give the record's GPUs' groups back to root and their host drivers",
+    ),
+    "ch.stop": _op(
+        ch.ChName,
+        ch.ch_stop,
+        5 * MINUTE,
+        locks=("gpus", "ch"),
+        shown=("name",),
+        summary="stop the instance's VMM unit, answer its state, take back its ACL entries",
     ),
 }
 

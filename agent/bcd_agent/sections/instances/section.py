@@ -90,7 +90,8 @@ def to_spec(desired: object | None, generation: int) -> InstancesSpec:
 
 
 def runtimes_on_path(which: Callable[[str], str | None] = shutil.which) -> tuple[str, ...]:
-    """The built-in runtimes whose tools are on PATH (DLV-RT-01..04); cloud-hypervisor is not built."""
+    """The built-in runtimes whose tools are on PATH (DLV-RT-01..04): libvirt-kvm here; cloud-hypervisor
+    needs more (runtimes.cloudhypervisor.ch_available, checked in nodeparts.instances)."""
     return ("libvirt-kvm",) if which("virsh") else ()
 
 

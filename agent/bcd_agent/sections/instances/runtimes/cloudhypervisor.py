@@ -1,0 +1,697 @@
+"""The cloud-hypervisor runtime under the helper (docs/instances.md "cloud-hypervisor").
+
+One VMM per instance in its confined unit (bcd_shared.chunit), started by the helper's `ch.launch`
+from root's own reading of `vm.json`, and driven over its API socket (chapi.CHApi). Files under
+`data_dir/cloud-hypervisor` (bcd_shared.chunit.ch_dir): the node owns them; root grants the VMM's
+user ACL entries for the run.
+
+- Record (DLV-CH-26/27/28): `instances/<id>/vm.json` (bcd_shared.chrecord); `list` reports only
+  directories with one, the state from `vm.info` (no answer on the socket: stopped).
+- Create: an iso is refused (DLV-CH-08); the base image downloaded once into `images/` (https only,
+  SHA-256, header check), a qcow2 overlay naming it by the path the VMM sees (`qemu-img create -u`), the
+  NoCloud seed, a VMM uid from bcd's range not used by another record, and the VM configuration:
+  firmware (DLV-CH-04), `boot_vcpus` = `max_vcpus` = vCPUs (DLV-CH-24), disks with an explicit
+  `image_type` and `backing_files` only on the overlay (DLV-CH-06/07), the serial port on
+  `serial.sock` (DLV-CH-42), no NICs (DLV-CHU-05).
+- Start: base and overlay checked again; `ch.taps`, `ch.launch`, then `vm.create`, one `vm.add-net`
+  per NIC with the tap's fd (opened here, TUNSETIFF, sent by SCM_RIGHTS; DLV-CHH-08, DLV-CHU-06),
+  `vm.boot`, and `vm.pause` for a paused start (DLV-CH-29). A failed NIC attach stops the VMM: no VM
+  without its NICs (DLV-CH-14).
+- Stop (DLV-CH-30/31): the ACPI power button, up to `stop_timeout_s` (60) for the guest to go, then
+  `vm.shutdown`, `vmm.shutdown` and `ch.stop`, which must answer inactive or failed; the taps are
+  deleted (`ch.untaps`, DLV-CH-16). Delete stops first, then removes the directory (DLV-CH-33).
+- Grow (DLV-CH-09): `qemu-img resize` while stopped, `vm.resize-disk` while running; never smaller.
+- Balloon: `set_balloon` is `vm.resize` with `desired_balloon` (only for a VM with a balloon device).
+
+- GPUs (DLV-CH-17/18/23): VFIO devices from `/sys/bus/pci/devices/<addr>/`; `ch.vfio` before the
+  launch, `ch.stop` gives the groups back to root, `ch.unvfio` at delete returns them to their drivers.
+
+Not built (docs/instances.md): snapshots and restores (the configuration rebuild exists), volumes,
+identity rebind, and the runtime as root without the helper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import logging
+import os
+import shutil
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bcd_shared.chrecord import CHNic, CHRecord, RecordError, encode_record, parse_record
+from bcd_shared.chunit import FIRMWARE, VMM_UID_BASE, VMM_UID_COUNT, ch_dir, ch_images_dir, ch_instance_dir
+from bcd_shared.errors import HelperRefused, RetryableError, TerminalError
+from bcd_shared.images import ImageRefused, check_image, check_overlay, parse_header
+from bcd_shared.system import System
+
+from bcd_agent.sections.instances.model import RUNTIME_CH, InstanceSpec
+from bcd_agent.sections.instances.runtimes.base import (
+    PAUSED,
+    RUNNING,
+    STOPPED,
+    CapacityRefused,
+    Domain,
+    Prepared,
+)
+from bcd_agent.sections.instances.runtimes.chapi import CHApi, CHApiError
+
+log = logging.getLogger("bcd.instances")
+
+STOP_TIMEOUT_S = 60.0
+SOCKET_WAIT_S = 10.0
+MAX_VIRTUAL_SIZE = 64 << 40
+TUNSETIFF = 0x400454CA
+IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
+_STATES = {"Running": RUNNING, "Paused": PAUSED, "Created": STOPPED, "Shutdown": STOPPED}
+
+
+def open_tap(name: str) -> int:
+    """Attach to the persistent tap `name` (the node's, created by ch.taps); its fd (DLV-CHU-04)."""
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH", name.encode(), IFF_TAP | IFF_NO_PI | IFF_VNET_HDR))
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def vm_config(
+    inst: InstanceSpec, rec_dir: str, base: str | None, seed: bool, gpus: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    """The `vm.create` body (VmConfig of the v51 API): no NICs, no tap names; GPUs as VFIO devices
+    from their sysfs directories (DLV-CH-17)."""
+    disks: list[dict[str, Any]] = [
+        {
+            "id": "disk0",
+            "path": f"{rec_dir}/disk.qcow2",
+            "image_type": "Qcow2",
+            "backing_files": base is not None,
+        }
+    ]
+    if seed:
+        disks.append({"id": "seed", "path": f"{rec_dir}/seed.iso", "image_type": "Raw", "readonly": True})
+    memory: dict[str, Any] = {"size": inst.memory_bytes, "shared": False}
+    if inst.hugepages:
+        memory.update(hugepages=True, hugepage_size=inst.hugepages)
+    config: dict[str, Any] = {
+        "payload": {"firmware": FIRMWARE},
+        "cpus": {"boot_vcpus": inst.vcpus, "max_vcpus": inst.vcpus},
+        "memory": memory,
+        "disks": disks,
+        "serial": {"mode": "Socket", "socket": f"{rec_dir}/serial.sock"},
+        "console": {"mode": "Off"},
+        "rng": {"src": "/dev/urandom"},
+    }
+    if inst.placement is not None and inst.placement.balloon:
+        config["balloon"] = {"size": 0, "free_page_reporting": True}
+    if gpus:
+        config["devices"] = [
+            {"id": f"gpu{i}", "path": f"/sys/bus/pci/devices/{a}/"} for i, a in enumerate(gpus)
+        ]
+    return config
+
+
+class CloudHypervisorRuntime:
+    """See the module docstring. `priv` is the helper client (its `call(op, args)`)."""
+
+    name = RUNTIME_CH
+    checks_capacity = False
+
+    def __init__(
+        self,
+        system: System,
+        priv: Any,
+        data_dir: str,
+        *,
+        intent: Callable[[], Any] = dict,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
+        socket_wait_s: float = SOCKET_WAIT_S,
+        max_virtual_size: int = MAX_VIRTUAL_SIZE,
+        tap_opener: Callable[[str], int] = open_tap,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        self.system = system
+        self.priv = priv
+        self.data_dir = data_dir.rstrip("/")
+        self.intent = intent
+        self.stop_timeout_s = stop_timeout_s
+        self.socket_wait_s = socket_wait_s
+        self.max_virtual_size = max_virtual_size
+        self.tap_opener = tap_opener
+        self.sleep = sleep
+
+    # -- paths -----------------------------------------------------------------------------------
+
+    def _dir(self, name: str) -> str:
+        return ch_instance_dir(self.data_dir, name)
+
+    def _real(self, path: str) -> str:
+        return str(self.system.host_path(path))
+
+    def api(self, name: str, timeout_s: float = 30.0) -> CHApi:
+        return CHApi(self._real(f"{self._dir(name)}/api.sock"), timeout_s=timeout_s)
+
+    def record(self, name: str) -> CHRecord | None:
+        data = self.system.read_bytes(f"{self._dir(name)}/vm.json")
+        if data is None:
+            return None
+        try:
+            return parse_record(data)
+        except RecordError as exc:
+            raise RetryableError("BadRecord", f"{name}/vm.json: {exc}") from None
+
+    def _call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = self.priv.call(op, args)
+        return out
+
+    def _signed(self, name: str) -> dict[str, Any]:
+        args: dict[str, Any] = {"name": name}
+        intent = self.intent()
+        if intent:
+            args["intent"] = intent
+        return args
+
+    # -- listing ---------------------------------------------------------------------------------
+
+    def _state(self, name: str) -> str:
+        try:
+            return _STATES.get(str(self.api(name, timeout_s=5).info()["state"]), STOPPED)
+        except CHApiError as exc:
+            if exc.status == 0:  # no VMM on the socket
+                return STOPPED
+            raise RetryableError("StateFailed", f"{name}: {exc}") from None
+
+    def list(self) -> tuple[Domain, ...]:
+        out = []
+        for name in self.system.listdir(f"{ch_dir(self.data_dir)}/instances"):
+            rec = self.record(name)
+            if rec is None:
+                continue  # not bcd's: never touched (DLV-CH-28)
+            size = None
+            head = self.system.read_bytes(f"{self._dir(name)}/disk.qcow2")
+            if head is not None:
+                with contextlib.suppress(ImageRefused):
+                    size = parse_header(head[: 1 << 16], self.max_virtual_size).virtual_size
+            out.append(
+                Domain(
+                    name=name,
+                    runtime=self.name,
+                    state=self._state(name),
+                    managed=True,
+                    allocation_id=rec.allocation_id,
+                    vcpus=rec.vcpus,
+                    memory_bytes=rec.memory_bytes,
+                    hugepages=int(rec.config.get("memory", {}).get("hugepage_size", 0) or 0),
+                    gpu_addresses=rec.gpus,
+                    disk_bytes=size,
+                    definition=rec.definition,
+                )
+            )
+        return tuple(out)
+
+    # -- images and create -----------------------------------------------------------------------
+
+    def _mkdir(self, path: str, mode: int) -> None:
+        real = self.system.host_path(path)
+        real.mkdir(parents=True, exist_ok=True)
+        os.chmod(real, mode)
+
+    def ensure_image(self, inst: InstanceSpec) -> str:
+        img = inst.image
+        assert img is not None
+        path = f"{ch_images_dir(self.data_dir)}/{img.sha256}.{img.format}"
+        self._mkdir(ch_images_dir(self.data_dir), 0o700)
+        if not self.system.exists(path):
+            self._download(img.url, img.sha256, img.format, path)
+        if img.format == "qcow2":
+            try:
+                check_image(self._real(path), self.max_virtual_size)
+            except ImageRefused as exc:
+                raise TerminalError("BadImage", f"image {img.sha256[:12]}: {exc.message}") from None
+        return path
+
+    def _download(self, url: str, sha256: str, fmt: str, path: str) -> None:
+        """As libvirt-kvm's (DLV-CH-05): https only, verified, checked before it becomes visible."""
+        if not url.startswith("https://"):
+            raise TerminalError("BadImage", f"image {url[:200]!r}: https only")
+        real = self._real(f"{ch_images_dir(self.data_dir)}/.{sha256}.{fmt}.part")
+        argv = [
+            "curl", "--fail", "--silent", "--show-error", "--location",
+            "--proto", "=https", "--proto-redir", "=https",
+            "--speed-limit", "8738", "--speed-time", "120", "--max-time", "21600", "-o", real, url,
+        ]  # fmt: skip
+        result = self.system.run(argv, timeout=21700)
+        try:
+            if not result.ok:
+                raise RetryableError("DownloadFailed", f"image {url[:200]}: {result.describe()}")
+            digest = hashlib.sha256()
+            with open(real, "rb") as f:
+                for chunk in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(chunk)
+            if digest.hexdigest() != sha256:
+                raise TerminalError(
+                    "BadImage", f"image {url[:200]}: SHA-256 {digest.hexdigest()} is not {sha256}"
+                )
+            if fmt == "qcow2":
+                try:
+                    check_image(real, self.max_virtual_size)
+                except ImageRefused as exc:
+                    raise TerminalError("BadImage", f"image {url[:200]}: {exc.message}") from None
+            os.chmod(real, 0o644)
+            os.replace(real, self._real(path))
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(real)
+
+    def _free_uid(self, name: str) -> int:
+        used = set()
+        for other in self.system.listdir(f"{ch_dir(self.data_dir)}/instances"):
+            if other == name:
+                continue
+            with contextlib.suppress(RetryableError):
+                rec = self.record(other)
+                if rec is not None:
+                    used.add(rec.uid)
+        for uid in range(VMM_UID_BASE, VMM_UID_BASE + VMM_UID_COUNT):
+            if uid not in used:
+                return uid
+        raise RetryableError("NoVmmUid", "every VMM uid of bcd's range is in use")
+
+    def _seed(self, inst: InstanceSpec, user_data: bytes) -> None:
+        d = self._dir(inst.id)
+        stage = f"{d}/seed"
+        self._mkdir(stage, 0o700)
+        self.system.write_atomic(f"{stage}/user-data", user_data, 0o600)
+        meta = f"instance-id: {inst.id}\nlocal-hostname: {inst.id}\n".encode()
+        self.system.write_atomic(f"{stage}/meta-data", meta, 0o600)
+        out = self._real(f"{d}/seed.iso")
+        files = [self._real(f"{stage}/user-data"), self._real(f"{stage}/meta-data")]
+        result = self.system.run(
+            ["genisoimage", "-quiet", "-output", out, "-volid", "cidata", "-joliet", "-rock", *files],
+            timeout=120,
+        )
+        shutil.rmtree(self._real(stage), ignore_errors=True)
+        if not result.ok:
+            raise RetryableError("SeedFailed", f"the NoCloud seed: {result.describe()}")
+
+    def create(self, inst: InstanceSpec, prepared: Prepared) -> None:
+        img = inst.image
+        if img is None:
+            raise TerminalError("NoImage", "cloud-hypervisor needs an image")
+        if img.format == "iso":
+            raise TerminalError("BadImage", "cloud-hypervisor boots disk images, not an iso")
+        if len(prepared.gpu_addresses) != len(inst.gpu_uuids):
+            raise TerminalError("NoGpuAddress", "a GPU without a PCI address in the inventory")
+        if inst.volumes or inst.restore_from:
+            raise TerminalError("NotBuilt", "volumes and restores on cloud-hypervisor are not built yet")
+        for i, nic in enumerate(inst.nics):
+            if not nic.bridge:
+                raise TerminalError("BadNic", f"nics[{i}]: a NIC without a network")
+        base = self.ensure_image(inst)
+        for d in (ch_dir(self.data_dir), f"{ch_dir(self.data_dir)}/instances"):
+            self._mkdir(d, 0o711)
+        d = self._dir(inst.id)
+        self._mkdir(d, 0o700)
+        disk = f"{d}/disk.qcow2"
+        if not self.system.exists(disk):
+            size = max(inst.disk_bytes, self._base_size(base, img.format))
+            # The overlay names its base by the path the VMM sees (bound read-only into its unit).
+            result = self.system.run(
+                [
+                    "qemu-img",
+                    "create",
+                    "-f",
+                    "qcow2",
+                    "-u",
+                    "-b",
+                    base,
+                    "-F",
+                    img.format,
+                    self._real(disk),
+                    str(size),
+                ],
+                timeout=600,
+            )
+            if not result.ok:
+                raise RetryableError("QemuImgFailed", f"qemu-img create: {result.describe()}")
+            os.chmod(self._real(disk), 0o600)
+        self.check_overlay(inst)
+        if prepared.user_data is not None:
+            self._seed(inst, prepared.user_data)
+        seed = self.system.exists(f"{d}/seed.iso")
+        old = self.record(inst.id)
+        from bcd_agent.sections.instances.model import definition_digest
+
+        config = vm_config(inst, d, base, seed, prepared.gpu_addresses)
+        rec = CHRecord(
+            name=inst.id,
+            allocation_id=inst.allocation_id,
+            uid=old.uid if old is not None else self._free_uid(inst.id),
+            vcpus=inst.vcpus,
+            memory_bytes=inst.memory_bytes,
+            image_sha256=img.sha256,
+            image_format=img.format,
+            seed=seed,
+            nics=tuple(CHNic(n.mac, n.bridge) for n in inst.nics),
+            gpus=tuple(prepared.gpu_addresses),
+            volumes=(),
+            hugepages=bool(inst.hugepages),
+            cpus=inst.placement.cpus if inst.placement is not None else "",
+            mems=inst.placement.mems if inst.placement is not None else "",
+            restored=False,
+            config=config,
+            definition=definition_digest(inst, ()),
+        )
+        try:
+            data = encode_record(rec)
+            parse_record(data)  # what root will read
+        except RecordError as exc:
+            raise TerminalError("BadSpec", f"vm.json: {exc}") from None
+        self.system.write_atomic(f"{d}/vm.json", data, 0o600)
+
+    def _base_size(self, base: str, fmt: str) -> int:
+        if fmt == "qcow2":
+            return check_image(self._real(base), self.max_virtual_size).virtual_size
+        return os.stat(self._real(base)).st_size
+
+    def check_overlay(self, inst: InstanceSpec) -> None:
+        img = inst.image
+        assert img is not None
+        base = f"{ch_images_dir(self.data_dir)}/{img.sha256}.{img.format}"
+        try:
+            check_overlay(
+                self._real(f"{self._dir(inst.id)}/disk.qcow2"), base, img.format, self.max_virtual_size
+            )
+        except ImageRefused as exc:
+            raise TerminalError("BadDisk", f"disk.qcow2: {exc.message}") from None
+
+    # -- states ----------------------------------------------------------------------------------
+
+    def _wait_socket(self, name: str) -> CHApi:
+        api = self.api(name)
+        deadline = time.monotonic() + self.socket_wait_s
+        while True:
+            try:
+                api.ping()
+                return api
+            except CHApiError:
+                if time.monotonic() > deadline:
+                    raise RetryableError(
+                        "VmmFailed", f"{name}: the VMM's API socket did not answer"
+                    ) from None
+                self.sleep(0.05)
+
+    def start(self, inst: InstanceSpec, paused: bool) -> None:
+        img = inst.image
+        if img is not None and img.format == "qcow2":
+            try:
+                check_image(
+                    self._real(f"{ch_images_dir(self.data_dir)}/{img.sha256}.qcow2"), self.max_virtual_size
+                )
+            except ImageRefused as exc:
+                raise TerminalError("BadImage", f"image {img.sha256[:12]}: {exc.message}") from None
+        self.check_overlay(inst)
+        rec = self.record(inst.id)
+        if rec is None:
+            raise RetryableError("NoRecord", f"{inst.id}: no vm.json (create first)")
+        taps: list[str] = []
+        if rec.nics:
+            taps = list(
+                self._call("ch.taps", {**self._signed(inst.id), "bridges": [n.bridge for n in rec.nics]})[
+                    "taps"
+                ]
+            )
+        if rec.gpus:  # DLV-CH-18: the groups bound to vfio-pci and handed to the VMM's user first
+            self._call("ch.vfio", {"name": inst.id})
+        self._call("ch.launch", self._signed(inst.id))
+        try:
+            api = self._wait_socket(inst.id)
+            api.create(rec.config)
+            for i, (nic, tap) in enumerate(zip(rec.nics, taps, strict=True)):
+                fd = self.tap_opener(tap)
+                try:
+                    api.add_net({"id": f"net{i}", "mac": nic.mac}, fd)
+                finally:
+                    os.close(fd)
+            api.boot()
+            if paused:
+                api.pause()
+        except (CHApiError, OSError, RetryableError) as exc:
+            # No VM without its NICs (DLV-CH-14): the VMM is stopped again.
+            with contextlib.suppress(Exception):
+                self._call("ch.stop", {"name": inst.id})
+            text = str(exc)
+            if "Cannot allocate memory" in text:
+                raise CapacityRefused(
+                    "CapacityRefused", f"cloud-hypervisor refused the start: {text}"
+                ) from None
+            raise RetryableError("StartFailed", f"{inst.id}: {text}") from None
+
+    def suspend(self, name: str) -> None:
+        self._api_step(name, "pause")
+
+    def resume(self, name: str) -> None:
+        self._api_step(name, "resume")
+
+    def _api_step(self, name: str, verb: str) -> None:
+        try:
+            getattr(self.api(name), verb)()
+        except CHApiError as exc:
+            raise RetryableError(f"{verb.capitalize()}Failed", f"{name}: {exc}") from None
+
+    def stop(self, name: str) -> None:
+        """The power button, `stop_timeout_s` for the guest, then vm.shutdown, vmm.shutdown and the
+        unit's stop, which must leave it inactive or failed (DLV-CH-30/31); the taps go (DLV-CH-16)."""
+        api = self.api(name, timeout_s=10)
+        if self._state(name) == RUNNING:
+            with contextlib.suppress(CHApiError):
+                api.power_button()
+            deadline = time.monotonic() + self.stop_timeout_s
+            while time.monotonic() < deadline and self._state(name) == RUNNING:
+                self.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+        for step in (api.shutdown, api.vmm_shutdown):
+            with contextlib.suppress(CHApiError):
+                step()
+        state = str(self._call("ch.stop", {"name": name}).get("state", ""))
+        if state not in ("inactive", "failed"):
+            raise RetryableError(
+                "StopFailed", f"{name}: the VMM's unit is still {state or 'unknown'} after its stop"
+            )
+        rec = self.record(name)
+        if rec is not None and rec.nics:
+            self._call("ch.untaps", {"name": name})
+
+    def delete(self, name: str) -> None:
+        """Stop first, never removing the directory of a VMM still running (DLV-CH-33); the record's
+        GPUs go back to their host drivers (DLV-CH-23)."""
+        self.stop(name)
+        rec = self.record(name)
+        if rec is not None and rec.gpus:
+            self._call("ch.unvfio", {"name": name})
+        shutil.rmtree(self._real(self._dir(name)), ignore_errors=True)
+
+    def leftovers(self, domains: tuple[Domain, ...]) -> tuple[str, ...]:
+        """None: a directory without vm.json is not bcd's and is never removed (DLV-CH-28), even one a
+        create that failed before its record left behind."""
+        return ()
+
+    def remove_files(self, name: str) -> None:
+        raise TerminalError("NotBcds", f"{name}: cloud-hypervisor removes only directories with a vm.json")
+
+    def grow(self, inst: InstanceSpec, running: bool) -> None:
+        self.check_overlay(inst)
+        head = self.system.read_bytes(f"{self._dir(inst.id)}/disk.qcow2") or b""
+        current = parse_header(head[: 1 << 16], self.max_virtual_size).virtual_size
+        if inst.disk_bytes < current:
+            raise TerminalError(
+                "DiskShrink",
+                f"size.disk_bytes {inst.disk_bytes} is below the disk's {current} bytes: disks only grow",
+            )
+        if inst.disk_bytes == current:
+            return
+        if running:
+            try:
+                self.api(inst.id).resize_disk("disk0", inst.disk_bytes)
+            except CHApiError as exc:
+                raise RetryableError("GrowFailed", f"{inst.id}: {exc}") from None
+            return
+        from bcd_agent.sections.instances.runtimes.libvirt import overlay_only
+
+        # The overlay alone (qcow2 stated, backing null): qemu-img opens no file a header names.
+        disk = overlay_only(self._real(f"{self._dir(inst.id)}/disk.qcow2"))
+        result = self.system.run(["qemu-img", "resize", disk, str(inst.disk_bytes)], timeout=600)
+        if not result.ok:
+            raise RetryableError("QemuImgFailed", f"qemu-img resize: {result.describe()}")
+
+    # -- identity rebind (DLV-REB-05..12, the runtime's half; the section's flow is not built) -----
+
+    REBIND_ID = "rebind"
+    REBIND_SERIAL = "bc-rebind"
+
+    def rebind_attach(self, name: str, image: bytes) -> str:
+        """Write the rebind disk into the instance's directory (0660: the VMM user's inherited ACL
+        entry is effective, the node keeps owning it) and hot-add it with serial `bc-rebind`."""
+        path = f"{self._dir(name)}/rebind.img"
+        self.system.write_atomic(path, image, 0o660)
+        os.chmod(self._real(path), 0o660)  # the umask never narrows it
+        disk = {"id": self.REBIND_ID, "path": path, "image_type": "Raw", "serial": self.REBIND_SERIAL}
+        try:
+            return str(self.api(name).add_disk(disk).get("id", self.REBIND_ID))
+        except CHApiError as exc:
+            self._zero_and_remove(path)
+            raise RetryableError("RebindFailed", f"{name}: vm.add-disk: {exc}") from None
+
+    def rebind_answer(self, name: str, size: int = 4096) -> bytes:
+        """The last `size` bytes of the rebind disk, where the guest writes its answer."""
+        data = self.system.read_bytes(f"{self._dir(name)}/rebind.img") or b""
+        return data[-size:]
+
+    def rebind_detach(self, name: str) -> None:
+        """Remove the disk from the VM (vm.remove-device) and zero and delete its file either way, so
+        the secret never stays on the host (DLV-REB-11/12)."""
+        path = f"{self._dir(name)}/rebind.img"
+        try:
+            with contextlib.suppress(CHApiError):
+                self.api(name).remove_device(self.REBIND_ID)
+        finally:
+            self._zero_and_remove(path)
+
+    def _zero_and_remove(self, path: str) -> None:
+        real = self._real(path)
+        try:
+            fd = os.open(real, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return
+        try:
+            size = os.fstat(fd).st_size
+            chunk = b"\0" * min(size, 1 << 20)
+            written = 0
+            while written < size:
+                written += os.write(fd, chunk[: size - written])
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.unlink(real)
+
+    def set_balloon(self, name: str, balloon_bytes: int) -> None:
+        """The balloon through `vm.resize` `desired_balloon` (a VM without a balloon device is not
+        touched)."""
+        rec = self.record(name)
+        if rec is None or "balloon" not in rec.config:
+            raise TerminalError("ErrNoBalloon", f"{name} has no balloon device")
+        if not 0 <= balloon_bytes <= rec.memory_bytes:
+            raise TerminalError(
+                "BadBalloon", f"{name}: a balloon of {balloon_bytes} bytes is outside its memory"
+            )
+        try:
+            self.api(name).resize_balloon(balloon_bytes)
+        except CHApiError as exc:
+            raise RetryableError("BalloonFailed", f"{name}: {exc}") from None
+
+    def balloon_bytes(self, name: str) -> int | None:
+        try:
+            info = self.api(name, timeout_s=5).info()
+        except CHApiError:
+            return None
+        balloon = info.get("config", {}).get("balloon")
+        return int(balloon.get("size", 0)) if isinstance(balloon, dict) else None
+
+
+def vmm_version(path: str) -> str | None:
+    """`cloud-hypervisor --version`'s answer, or None."""
+    import subprocess
+
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def helper_has_ch_ops(helper: Any) -> bool:
+    """Whether the helper serves ch.*: a nameless ch.stop is refused for its name, never run; a helper
+    without the op answers `unknown-op`."""
+    try:
+        helper.call("ch.stop", {"name": ""})
+    except HelperRefused as exc:
+        return exc.reason == "bad-name"
+    return False
+
+
+def ch_available(
+    which: Callable[[str], str | None],
+    kvm: bool,
+    helper: Any,
+    version_of: Callable[[str], str | None],
+) -> str | None:
+    """Why this host does not run cloud-hypervisor, or None when it does: its binary on PATH at the
+    minimum version (Q-DLV-CHU-02: an older one is not run), /dev/kvm, and a helper serving ch.*
+    (this build runs the runtime only under the helper). Hello advertises it only then."""
+    from bcd_agent.sections.instances.runtimes.chapi import MIN_VERSION, parse_version
+
+    binary = which("cloud-hypervisor")
+    if binary is None:
+        return "no cloud-hypervisor on PATH"
+    version = parse_version(version_of(binary) or "")
+    if version is None or version < MIN_VERSION:
+        return f"cloud-hypervisor {version or '(no version)'} is older than v{MIN_VERSION[0]}"
+    if not kvm:
+        return "no /dev/kvm"
+    if helper is None or not helper_has_ch_ops(helper):
+        return "no helper serving ch.*"
+    return None
+
+
+# A memory snapshot's configuration, rebuilt before its first start (DLV-CH-38..41): from the saved
+# `config.json` only these keys of `cpus`, `memory` and `platform`; everything else comes from bcd.
+RESTORE_CPUS = ("boot_vcpus", "max_vcpus", "topology", "max_phys_bits", "kvm_hyperv")
+RESTORE_MEMORY = ("size", "mergeable", "hotplug_method", "hotplug_size", "hotplugged_size", "shared", "thp")
+RESTORE_PLATFORM = ("num_pci_segments", "serial_number", "uuid")
+# bcd's own: the payload, disks, serial, console, rng, devices and the balloon (a memory-restored VM
+# keeps bcd's balloon, never the tenant's) come from the fresh configuration; NICs by id and MAC only.
+BCD_SUPPLIED = ("payload", "disks", "serial", "console", "rng", "devices", "balloon")
+
+
+def check_snapshot_config(saved: Any, vcpus: int, memory_bytes: int) -> None:
+    """DLV-CH-37: a memory snapshot restores only with exactly the instance's vCPUs and memory."""
+    if not isinstance(saved, dict):
+        raise TerminalError("BadSnapshot", "the snapshot's config.json is not an object")
+    cpus, memory = saved.get("cpus"), saved.get("memory")
+    if not isinstance(cpus, dict) or not isinstance(memory, dict):
+        raise TerminalError("BadSnapshot", "the snapshot's config.json has no cpus or memory")
+    if cpus.get("boot_vcpus") != vcpus or cpus.get("max_vcpus") != vcpus:
+        raise TerminalError("BadSnapshot", f"the snapshot's vCPUs are not the instance's {vcpus}")
+    if memory.get("size") != memory_bytes:
+        raise TerminalError(
+            "BadSnapshot", f"the snapshot's memory is not the instance's {memory_bytes} bytes"
+        )
+
+
+def restored_config(
+    saved: dict[str, Any], fresh: dict[str, Any], nics: list[tuple[str, str]]
+) -> dict[str, Any]:
+    """The configuration a memory restore starts from (DLV-CH-38..41, DLV-CHU-08, DLV-CHU-29): the
+    saved `cpus`, `memory` and `platform` through their allowlists (no CPU affinity, no memory zones,
+    no huge pages), bcd's payload, disks, serial, console, rng, devices and balloon, and the NICs as
+    (id, MAC) with no tap name (their fds come as `net_fds`). Nothing else of the snapshot's."""
+
+    def allowed(key: str, keys: tuple[str, ...]) -> dict[str, Any]:
+        part = saved.get(key)
+        return {k: part[k] for k in keys if k in part} if isinstance(part, dict) else {}
+
+    out: dict[str, Any] = {"cpus": allowed("cpus", RESTORE_CPUS), "memory": allowed("memory", RESTORE_MEMORY)}
+    platform = allowed("platform", RESTORE_PLATFORM)
+    if platform:
+        out["platform"] = platform
+    for key in BCD_SUPPLIED:
+        if key in fresh:
+            out[key] = fresh[key]
+    if nics:
+        out["net"] = [{"id": nid, "mac": mac} for nid, mac in nics]
+    return out
