@@ -1,6 +1,7 @@
 """Helper-side host-config items that had no test naming them (docs/compliance.md).
 
-Covers HST-HLP-08 (the node waits 30 minutes plus a minute on the connection) and HST-HLP-11 (a helper without host units answers `not configured`).
+Covers HST-HLP-08 (the node waits 30 minutes plus a minute on the connection) and HST-HLP-11 (a helper
+without host units answers `not configured`).
 """
 
 from __future__ import annotations
