@@ -267,7 +267,7 @@ def test_DEV_BIND_05_holds_go_through_the_helper(
 ) -> None:
     """Covers DEV-BIND-05 (file.write of kind cdi / allocation-env with the allocation id, file.remove of
     the same kinds). The executor is wired by hand here; that `bcd node` itself wires it beside the helper
-    (DEV-UNPRIV-06) is test_devices_node_helper.py's test."""
+    is tested in test_devices_node_helper.py."""
     host, [helper] = helper_host
     assert host.run(DevicesSpec(1, (hold("a1", G0),))).state is SectionState.CONVERGED
     assert host.path("/etc/cdi/bcd-a1.json").exists() and host.path("/run/bcd/allocations/a1.env").exists()
