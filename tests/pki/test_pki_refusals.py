@@ -49,7 +49,9 @@ from bcd_shared.pki import (
     sign_trust_bundle,
     verify_batch_approval,
     verify_chain,
+    verify_command,
     verify_command_result,
+    verify_desired_state,
     verify_inclusion,
     verify_join_response,
     verify_report,
@@ -58,8 +60,8 @@ from bcd_shared.pki import (
     verify_signed_trust_bundle,
 )
 from bcd_shared.pki.bundle import MAX_APPROVERS, MAX_KEY_ID, MAX_ROOTS, Approver, verify_trust_bundle
-from bcd_shared.pki.certs import ROLE_OID, issue_certificate, parse_certificate, role_for
-from bcd_shared.pki.chain import MAX_CHAIN_LENGTH, chain_digest
+from bcd_shared.pki.certs import ROLE_OID, issue_certificate, parse_certificate, public_key_of, role_for
+from bcd_shared.pki.chain import MAX_CHAIN_LENGTH, chain_digest, verify_signed
 from bcd_shared.pki.pins import check_root_pin, parse_root_pins, spki_der
 from bcd_shared.pki.quorum import decode_scope, leaf_hash
 from bcd_shared.pki.signing import check_public_key, check_signature_shape
@@ -762,3 +764,68 @@ def test_verify_signature_purpose_tag_is_the_ascii_purpose() -> None:
 
     nacl.signing.VerifyKey(key.public_key).verify(b"bcd-sig-v1/command\x00data", sig)
     verify_signature(key.public_key, Purpose.COMMAND, b"data", sig)
+
+
+def test_mixed_case_pin_is_refused_as_not_lowercase() -> None:
+    with pytest.raises(BadPin) as exc:
+        check_root_pin("aB" * 32)
+    assert exc.value.message.endswith("must be lowercase hex")
+
+
+def test_public_key_of_a_certificate_is_its_raw_key() -> None:
+    h = shared_hierarchy()
+    assert public_key_of(h.root) == h.root_key.public_key
+
+
+def test_verifiers_use_the_cache_they_are_given() -> None:
+    h = shared_hierarchy()
+    worker = h.leaf(Role.WORKER)
+    cache = ChainCache()
+    for verify, purpose in ((verify_desired_state, Purpose.DESIRED_STATE), (verify_command, Purpose.COMMAND)):
+        sig = worker.key.sign(purpose, b"body")
+        verify(b"body", sig, list(worker.chain), h.roots, NOW, cache)
+        verify(b"body", sig, list(worker.chain), h.roots, NOW, cache)
+    assert (cache.misses, cache.hits) == (2, 2)
+
+
+def test_verify_signed_checks_the_chain_for_the_chain_purpose() -> None:
+    """A release signature (no certificate role signs it) verified with a worker chain checked as `command`:
+    the chain's role is taken from chain_purpose, the signature's tag from purpose."""
+    h = shared_hierarchy()
+    worker = h.leaf(Role.WORKER)
+    sig = worker.key.sign(Purpose.DAEMON_RELEASE, b"manifest")
+    signer = verify_signed(
+        Purpose.DAEMON_RELEASE,
+        b"manifest",
+        sig,
+        list(worker.chain),
+        h.roots,
+        NOW,
+        chain_purpose=Purpose.COMMAND,
+    )
+    assert signer.role is Role.WORKER
+    with pytest.raises(WrongRole):
+        verify_signed(Purpose.DAEMON_RELEASE, b"manifest", sig, list(worker.chain), h.roots, NOW)
+
+
+def test_random_serials_are_positive_63_bit() -> None:
+    key = KeyPair(b"\x45" * 32)
+    for _ in range(24):
+        serial = x509.load_der_x509_certificate(issue_root(key, "r", NOW, NOW + DAY)).serial_number
+        assert 1 <= serial <= 1 << 63
+
+
+def test_a_non_ca_certificate_carries_no_path_length() -> None:
+    key = KeyPair(b"\x46" * 32)
+    der = issue_certificate(
+        subject_public_key=key.public_key,
+        common_name="leafish",
+        issuer_key=key,
+        issuer_der=None,
+        not_before=NOW,
+        not_after=NOW + DAY,
+        ca=False,
+        path_length=2,
+    )
+    bc = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(x509.BasicConstraints)
+    assert (bc.value.ca, bc.value.path_length) == (False, None)
