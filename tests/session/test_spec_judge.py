@@ -191,3 +191,20 @@ def test_a_held_spec_that_cannot_take_a_patch_is_named() -> None:
     assert v == Refused("generation 2: the held spec cannot take a patch: the stored body holds no full spec")
     with pytest.raises(ValueError, match=r"^the stored body holds no full spec$"):
         decode_stored(patch_only)
+
+
+UNKNOWN_50 = b"\x90\x03\x01"  # NodeSpec field 50 (varint 1): a section this build does not know
+UNKNOWN_51 = b"\x98\x03\x01"  # field 51
+
+
+def test_unknown_sections_are_reported_from_the_full_spec_and_from_patch_and_held_together() -> None:
+    head = bytes(wire.DesiredStateBody(node_id=NODE, generation=1, spec_hash="h1"))
+    full = head + b"\x22" + bytes([len(UNKNOWN_50)]) + UNKNOWN_50
+    v = run(envelope(full))
+    assert isinstance(v, Accepted) and v.spec.unknown_fields == (50,)
+    applied = StoredSpec(generation=1, body=full, spec_hash="h1", signature=b"")
+    head2 = bytes(wire.DesiredStateBody(node_id=NODE, generation=2, spec_hash="h2"))
+    patch = head2 + b"\x2a" + bytes([len(UNKNOWN_51)]) + UNKNOWN_51 + b"\x30\x01"  # base_generation 1
+    v = run(envelope(patch), applied)
+    assert isinstance(v, Accepted)
+    assert v.spec.unknown_fields == (50, 51) and v.spec.spec_hash == "h2" and v.spec.generation == 2
