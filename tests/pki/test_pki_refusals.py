@@ -829,3 +829,24 @@ def test_a_non_ca_certificate_carries_no_path_length() -> None:
     )
     bc = x509.load_der_x509_certificate(der).extensions.get_extension_for_class(x509.BasicConstraints)
     assert (bc.value.ca, bc.value.path_length) == (False, None)
+
+
+def test_a_certificate_with_a_duplicated_extension_is_refused_by_name() -> None:
+    """The DER of a real certificate whose AuthorityKeyIdentifier OID is rewritten to the
+    SubjectKeyIdentifier's (same length): two extensions with one OID, which X.509 forbids."""
+    der = shared_hierarchy().intermediate
+    aki, ski = b"\x06\x03\x55\x1d\x23", b"\x06\x03\x55\x1d\x0e"
+    assert der.count(aki) == 1
+    with pytest.raises(MalformedCertificate) as exc:
+        parse_certificate(der.replace(aki, ski))
+    assert exc.value.message.startswith("'command-signing CA': bad extensions (")
+
+
+def test_the_leaf_limit_of_a_tree_is_inclusive(monkeypatch: pytest.MonkeyPatch) -> None:
+    from bcd_shared.pki import quorum
+
+    monkeypatch.setattr(quorum, "MAX_LEAVES", 4)
+    assert merkle_root([b"a", b"b", b"c", b"d"]) == merkle_root([b"a", b"b", b"c", b"d"])
+    with pytest.raises(MalformedQuorumInput) as exc:
+        merkle_root([b"a", b"b", b"c", b"d", b"e"])
+    assert exc.value.message == "a batch has 1 to 4 leaves, got 5"
