@@ -262,12 +262,12 @@ def helper_host(sim_root: Path) -> Iterator[tuple[Host, list[HelperProcess]]]:
             proc.stop()
 
 
-def test_DEV_BIND_05_UNPRIV_06_holds_go_through_the_helper(
+def test_DEV_BIND_05_holds_go_through_the_helper(
     helper_host: tuple[Host, list[HelperProcess]],
 ) -> None:
     """Covers DEV-BIND-05 (file.write of kind cdi / allocation-env with the allocation id, file.remove of
-    the same kinds) and the helper half of DEV-UNPRIV-06 (an unprivileged node beside a
-    real helper binds and releases a hold; the root half is every other test here)."""
+    the same kinds). The executor is wired by hand here; that `bcd node` itself wires it beside the helper
+    is tested in test_devices_node_helper.py."""
     host, [helper] = helper_host
     assert host.run(DevicesSpec(1, (hold("a1", G0),))).state is SectionState.CONVERGED
     assert host.path("/etc/cdi/bcd-a1.json").exists() and host.path("/run/bcd/allocations/a1.env").exists()

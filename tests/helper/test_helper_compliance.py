@@ -1,7 +1,7 @@
 """Helper-side host-config items that had no test naming them (docs/compliance.md).
 
-Covers HST-HLP-07 (the helper bounds host.unit to 30 minutes), HST-HLP-08 (the node waits 30 minutes plus
-a minute on the connection) and HST-HLP-11 (a helper without host units answers `not configured`).
+Covers HST-HLP-08 (the node waits 30 minutes plus a minute on the connection) and HST-HLP-11 (a helper
+without host units answers `not configured`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from bcd_helper.ops.base import Refused
 from bcd_helper.ops.table import OPS
 
 
-def test_HST_HLP_07_helper_bounds_host_unit_to_30_minutes() -> None:
+def test_host_unit_table_entry_is_30_minutes() -> None:
+    """The table's value only; that the server applies it to the call is HST-HLP-07's test, in
+    test_helper_op_timeout.py."""
     assert OPS["host.unit"].timeout_s == 30 * 60
 
 

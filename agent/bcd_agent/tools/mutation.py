@@ -101,7 +101,10 @@ def run_scope(name: str, mutmut: str) -> dict[str, dict[str, int]]:
     _stage(stage)
     (stage / "setup.cfg").write_text(_setup_cfg(modules, tests))
     env = {**os.environ, "BCD_SHARED_MATERIAL": str(REPO.parent / "shared")}
-    subprocess.run([mutmut, "run"], cwd=stage, check=False, env=env, stdout=subprocess.DEVNULL)
+    # mutmut's progress goes to a log beside the results: a run that stops early (a clean test failing
+    # under load, say) leaves its mutants "not checked", and the log says why.
+    with (REPO / ".mutation" / f"{name}.log").open("wb") as log:
+        subprocess.run([mutmut, "run"], cwd=stage, check=False, env=env, stdout=log, stderr=subprocess.STDOUT)
     out = subprocess.run(
         [mutmut, "results", "--all", "true"], cwd=stage, capture_output=True, text=True, env=env, check=False
     )
@@ -141,6 +144,11 @@ def main() -> int:
                 f"{name:9} {module:55} {total:5} mutants  {killed:5} killed  "
                 f"{c.get('survived', 0):4} survived"
             )
+            if c.get("not checked", 0):
+                print(
+                    f"{name:9} {c['not checked']} mutants not checked: see .mutation/{name}.log",
+                    file=sys.stderr,
+                )
     return 0
 
 

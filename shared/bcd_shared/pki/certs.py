@@ -118,7 +118,8 @@ def parse_certificate(der: bytes) -> CertInfo:
         ext = cert.extensions.get_extension_for_oid(ROLE_OID)
     except x509.ExtensionNotFound:
         pass
-    except ValueError as e:  # duplicate or malformed extensions
+    except (ValueError, x509.DuplicateExtension) as e:  # malformed or duplicate extensions (the latter
+        # is not a ValueError: uncaught, a hostile certificate escaped as an unexpected exception type)
         raise MalformedCertificate(f"{name!r}: bad extensions ({e})") from None
     else:
         assert isinstance(ext.value, x509.UnrecognizedExtension)

@@ -107,14 +107,14 @@ def _ext(info: CertInfo, kind: type[_E]) -> _E | None:
         return info.cert.extensions.get_extension_for_class(kind).value
     except x509.ExtensionNotFound:
         return None
-    except ValueError as e:
+    except (ValueError, x509.DuplicateExtension) as e:
         raise MalformedCertificate(f"{info.name!r}: bad extensions ({e})") from None
 
 
 def _check_shape(info: CertInfo) -> None:
     try:
         extensions = info.cert.extensions
-    except ValueError as e:
+    except (ValueError, x509.DuplicateExtension) as e:
         raise MalformedCertificate(f"{info.name!r}: bad extensions ({e})") from None
     for ext in extensions:
         if ext.critical and ext.oid not in _KNOWN_CRITICAL:
