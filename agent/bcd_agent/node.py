@@ -927,10 +927,20 @@ def run(args: argparse.Namespace) -> int:
         NodeOptions(root=args.root, test_kinds=args.test_kinds, test_effect_delay_s=args.test_effect_delay),
     )
 
+    from bcd_agent.earlystop import installed
+
+    early = installed()  # `bcd` installed it before importing the node; None when run otherwise
+
     async def main() -> None:
         from bcd_shared.sdnotify import Notifier
 
         with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            if early is not None and early.received:
+                log.info(
+                    "bcd node: %s received while starting, stopping", signal.Signals(early.received[0]).name
+                )
+                Notifier().stopping()
+                return
             async with trio.open_nursery() as nursery:
                 await nursery.start(node.run)
                 # Once started (journal open, identity loaded): a node that cannot start says so in

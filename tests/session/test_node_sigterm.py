@@ -59,6 +59,7 @@ async def test_sigterm_under_a_stream_of_commands_always_exits_0(tmp_path: Path)
             assert "Traceback" not in text and "dispatcher not running" not in text, text
         # A last node settles what is left: every command one terminal result, none lost.
         proc = await world.start_node()
+        await world.session()  # up: a SIGTERM during the interpreter's own start-up is the default action
 
         def settled() -> bool:
             row = world.plane.store.one(
@@ -76,3 +77,19 @@ async def test_sigterm_under_a_stream_of_commands_always_exits_0(tmp_path: Path)
         proc.send_signal(signal.SIGTERM)
         with trio.fail_after(20):
             assert await proc.wait() == 0
+
+
+def test_a_sigterm_while_bcd_node_starts_is_remembered_not_fatal() -> None:
+    """`bcd` installs EarlyStop for `bcd node` before importing it: a SIGTERM then is recorded (the node
+    stops with 0 once its trio receiver is up) instead of killing the process with the default action."""
+    import subprocess
+
+    code = (
+        "import os, signal\n"
+        "from bcd_agent.earlystop import EarlyStop, installed\n"
+        "stop = EarlyStop().install()\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "assert installed() is stop and stop.received == [signal.SIGTERM], stop.received\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
