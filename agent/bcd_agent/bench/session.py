@@ -42,14 +42,14 @@ async def _until_terminal(plane: Any, node_id: str, count: int, within: float) -
             await trio.sleep(0.02)
 
 
-async def commands_per_s(base: Path) -> dict[str, float]:
+async def commands_per_s(base: Path, extra_config: str = "") -> dict[str, float]:
     from bcd_shared import wire
 
     from bcd_agent.bench.nodeproc import node_world
     from bcd_agent.kinds.testing import effect_payload
 
     async with node_world(base) as world:
-        await world.start_node()
+        await world.start_node(extra_config=extra_config)
         await world.session()
         url, value = effect_payload("bench")
         payload = wire.ProtoAny(type_url=url, value=value)
@@ -177,7 +177,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         (base / "oversized").mkdir(parents=True, exist_ok=True)
         oversized = trio.run(oversized_refused_ms, base / "oversized")
         rate = trio.run(commands_per_s, base / "rate")
+        # The same stream with [journal] group_commit on (informational: off is the default, DLV-JRN-15).
+        grouped = trio.run(commands_per_s, base / "rate-group", "\n[journal]\ngroup_commit = true\n")
     result: dict[str, Any] = {k: round(v, 3) for k, v in rate.items()}
+    result["commands_per_s_group_commit"] = round(grouped["commands_per_s"], 3)
     result["oversized_refused_ms"] = round(oversized, 3)
     result["commands"] = COMMANDS
     return result
