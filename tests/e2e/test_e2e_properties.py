@@ -58,6 +58,7 @@ steps_strategy = st.lists(
         st.tuples(st.just("enqueue"), st.sampled_from(["test.effect", "test.echo"]), st.integers(1, 3)),
         st.tuples(st.just("spec"), st.frozensets(st.integers(0, GPUS - 1), max_size=GPUS)),
         st.just(("cut",)),
+        st.tuples(st.just("stall_then_cut"), st.sampled_from([0.5, 1.5])),
         st.just(("restart_plane",)),
         st.just(("kill_node",)),
         st.just(("kill_node_while_running",)),
@@ -79,6 +80,7 @@ class Forwarder:
         self.upstream = upstream
         self.scopes: set[trio.CancelScope] = set()
         self.cuts = 0
+        self.stalled = False  # the gateway's bytes are held back (a half-open connection)
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         sock = trio.socket.socket(trio.socket.AF_UNIX, trio.socket.SOCK_STREAM)
@@ -98,8 +100,8 @@ class Forwarder:
                     except OSError:
                         return  # the plane is down: the node sees the connection refused, in effect
                     async with upstream, trio.open_nursery() as nursery:
-                        nursery.start_soon(_pump, client, upstream, nursery.cancel_scope)
-                        nursery.start_soon(_pump, upstream, client, nursery.cancel_scope)
+                        nursery.start_soon(self._pump, client, upstream, nursery.cancel_scope, False)
+                        nursery.start_soon(self._pump, upstream, client, nursery.cancel_scope, True)
             finally:
                 self.scopes.discard(scope)
 
@@ -108,12 +110,15 @@ class Forwarder:
         for scope in list(self.scopes):
             scope.cancel()
 
-
-async def _pump(src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope) -> None:
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-        while data := await src.receive_some(65536):
-            await dst.send_all(data)
-    done.cancel()
+    async def _pump(
+        self, src: trio.SocketStream, dst: trio.SocketStream, done: trio.CancelScope, from_gateway: bool
+    ) -> None:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            while data := await src.receive_some(65536):
+                while from_gateway and self.stalled:  # noqa: ASYNC110 - the test flips the flag
+                    await trio.sleep(0.02)
+                await dst.send_all(data)
+        done.cancel()
 
 
 # --- the world ----------------------------------------------------------------------------------------------
@@ -266,23 +271,37 @@ class World:
                 self.generation = self.plane.apply_spec(self.node_id, spec_holding(self.gpus, held))
             case ("cut",):
                 self.forwarder.cut()
+            case ("stall_then_cut", seconds):
+                # Once a command runs, its result reaches the plane, the ack does not come back (a
+                # half-open connection), then the connection drops: the node must replay the result.
+                await self.some_running()
+                self.forwarder.stalled = True
+                try:
+                    await trio.sleep(seconds)
+                finally:
+                    self.forwarder.cut()
+                    self.forwarder.stalled = False
             case ("restart_plane",):
                 await self.stop_plane()
                 await self.start_plane()
             case ("kill_node",):
                 await self.kill_node()
             case ("kill_node_while_running",):
-                # Wait (briefly) for a command inside its side effect, so the kill lands there.
-                with trio.move_on_after(3):
-                    while not any(  # noqa: ASYNC110 - polls the plane's store
-                        (self.plane.command(c) or {}).get("state") == "running" for c in self.commands
-                    ):
-                        await trio.sleep(0.02)
+                await self.some_running()  # so the kill lands inside a side effect
                 await self.kill_node()
             case ("wait", seconds):
                 await trio.sleep(seconds)
             case _:
                 raise AssertionError(f"unknown step {step!r}")
+
+    async def some_running(self, within: float = 3) -> None:
+        """Wait (briefly) until a command is inside its side effect, as the plane sees it."""
+        assert self.plane is not None
+        with trio.move_on_after(within):
+            while not any(  # noqa: ASYNC110 - polls the plane's store
+                (self.plane.command(c) or {}).get("state") == "running" for c in self.commands
+            ):
+                await trio.sleep(0.02)
 
     @property
     def gpus(self) -> list[str]:
@@ -326,6 +345,11 @@ async def world_at(base: Path) -> AsyncIterator[World]:
 # --- the checks ---------------------------------------------------------------------------------------------
 
 
+def assert_no_seq_reused(records: Records) -> None:
+    reused = {key: len(got) for key, got in records.events.items() if len(got) > 1}
+    assert not reused, f"event seqs reused for different events: {reused}"
+
+
 def journal_meta(data_dir: Path) -> dict[str, Any] | None:
     """The running node's journal meta. The node holds its journal with locking_mode=EXCLUSIVE, so a copy of
     the file and its WAL is read (None when the copy caught a write half done; the caller polls)."""
@@ -356,6 +380,7 @@ async def settle(world: World) -> None:
     )
 
     def events_stored() -> bool:
+        assert_no_seq_reused(world.records)  # fail now, not at the timeout a reuse may also cause
         meta = journal_meta(world.layout.data_dir)
         if meta is None:
             return False
@@ -389,6 +414,9 @@ def check(world: World) -> None:
         assert record is not None and record["state"] in TERMINAL, (cid, record)
         stored = [u for u in record["updates"] if u["state"] in TERMINAL and u["applied"]]
         if cid in acked:
+            # One outcome reported by the node, however often it was replayed; stored once.
+            outcomes = {u["state"] for u in record["updates"] if u["state"] in TERMINAL}
+            assert outcomes == {record["state"]}, (cid, record["updates"])
             assert len(stored) == 1, (cid, record["updates"])
         if record["state"] == "succeeded":
             assert bytes.fromhex(record["result"]) == json.dumps({"token": token}).encode(), record
@@ -410,8 +438,7 @@ def check(world: World) -> None:
 
     # No seq names two events within a journal id (DLV-EVT-02); every issued event stored (DLV-EVT-03,
     # checked in settle); the stored event is the one received.
-    reused = {key: len(got) for key, got in world.records.events.items() if len(got) > 1}
-    assert not reused, f"event seqs reused for different events: {reused}"
+    assert_no_seq_reused(world.records)
     stored = plane.store.all("SELECT journal_id, seq, event FROM events WHERE node_id = ?", world.node_id)
     for row in stored:
         assert {bytes(row["event"])} == world.records.events[(row["journal_id"], row["seq"])]
@@ -435,8 +462,10 @@ async def run_steps(base: Path, steps: list[Step]) -> None:
         check(world)
         assert world.plane is not None
         states = [(world.plane.command(c) or {}).get("state") for c in world.commands]
+        replays = world.plane.store.one("SELECT count(*) FROM updates WHERE applied = 0")
         print(
             f"  {len(world.commands)} commands {sorted(states)}, interrupted {world.interrupted}, "
+            f"{replays[0] if replays else 0} updates not applied, "
             f"{len(world.records.events)} events, {len(world.records.statuses)} status reports",
             file=sys.stderr,
         )
@@ -476,7 +505,7 @@ def scratch() -> Iterator[Path]:
         ("restart_plane",),
         ("spec", frozenset()),
         ("enqueue", "test.echo", 1),
-        ("cut",),
+        ("stall_then_cut", 1.5),
         ("wait", 0.5),
         ("kill_node",),
     ]
