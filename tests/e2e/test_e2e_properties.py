@@ -48,6 +48,7 @@ pytestmark = pytest.mark.slow
 EFFECT_DELAY_S = 0.8  # long enough for a SIGKILL to land inside a test kind's side effect
 GPUS = 3
 SETTLE_S = 60.0
+CI = os.environ.get("CI") == "true"
 
 # --- steps -------------------------------------------------------------------------------------------------
 
@@ -174,7 +175,7 @@ class World:
         plane.on_events = events  # type: ignore[method-assign]
         scope, done = trio.CancelScope(), trio.Event()
 
-        async def serve(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async def serve(*, task_status: trio.TaskStatus[DevPlane] = trio.TASK_STATUS_IGNORED) -> None:
             try:
                 with scope:
                     await plane.run(task_status=task_status)
@@ -461,7 +462,7 @@ async def run_steps(base: Path, steps: list[Step]) -> None:
         await settle(world)
         check(world)
         assert world.plane is not None
-        states = [(world.plane.command(c) or {}).get("state") for c in world.commands]
+        states = [str((world.plane.command(c) or {}).get("state")) for c in world.commands]
         replays = world.plane.store.one("SELECT count(*) FROM updates WHERE applied = 0")
         print(
             f"  {len(world.commands)} commands {sorted(states)}, interrupted {world.interrupted}, "
@@ -481,8 +482,8 @@ def scratch() -> Iterator[Path]:
 @settings(
     max_examples=6,
     deadline=None,
-    derandomize=os.environ.get("CI") == "true",
-    database=None if os.environ.get("CI") == "true" else settings.default.database,
+    derandomize=CI,  # CI runs the same examples every time
+    database=None,  # a failure prints its steps; no example database left in the tree
     phases=(Phase.explicit, Phase.reuse, Phase.generate),  # shrinking would cost minutes of restarts
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
