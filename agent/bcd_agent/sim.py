@@ -728,8 +728,10 @@ def audit_summary(root: Path) -> str:
         key = (str(entry.get("op", "?")), str(entry.get("decision", "?")))
         counts[key] = counts.get(key, 0) + 1
     body = ", ".join(f"{n} {op} {decision}" for (op, decision), n in sorted(counts.items()))
-    check = f"bcd helper audit --root {root} verify"
-    return f"bcd helper (root): {body or 'no requests'}; check its audit log: {check}\n"
+    # `show`, not `verify`: the sim's helper starts without `audit init`, so no one holds the key that
+    # `verify --key` needs (docs/helper.md "Audit log").
+    show = f"bcd helper audit --root {root} show"
+    return f"bcd helper (root): {body or 'no requests'}; read its audit log: {show}\n"
 
 
 def _leaves(group: BaseExceptionGroup[BaseException]) -> list[BaseException]:
