@@ -256,12 +256,14 @@ def test_HST_SIGN_30_31_verified_body_outlives_its_worker_certificate(
     fresh_root: Path, cp: ControlPlane
 ) -> None:
     cp.write_record(fresh_root, "node-a", cp.bundle(2))
-    short = cp.command.leaf(not_after=now() + dt.timedelta(seconds=2))
+    # Long enough for a helper start and a first call on a loaded machine; then wait out exactly its expiry.
+    expires = now() + dt.timedelta(seconds=8)
+    short = cp.command.leaf(not_after=expires)
     h = _start(fresh_root, cp)
     try:
         body = host_body("node-a", 3, {"sysctl": S10})
         assert _ok(h, host_unit_doc("sysctl", S10, intent(short, body)))["changed"] is True
-        time.sleep(2.5)
+        time.sleep(max(0.0, (expires - now()).total_seconds()) + 1.0)
         # The body it already verified stays good (HST-SIGN-30)...
         assert _ok(h, host_unit_doc("sysctl", S10, intent(short, body)))["changed"] is False
         # ...also after the helper restarts (the digest is in root's state)...
