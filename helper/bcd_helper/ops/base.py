@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from bcd_helper.config import HelperConfig
     from bcd_helper.intent import IntentVerifier
 
+# daemon.swap's record of a swap waiting for its confirmation (bcd_helper.ops.daemon); here, so that a
+# start checks for it without importing the daemon module.
+RELEASE_STATE = "/var/lib/bcd-hostconfig/daemon-release.json"
+
 
 class Refused(Exception):
     """The request is outside the rules; nothing was done."""
