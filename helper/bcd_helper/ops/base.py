@@ -153,9 +153,8 @@ def no_roots_possible(ctx: HelperContext, presented: object | None) -> bool:
     cfg = ctx.config
     if cfg.join_signing_key_pin is not None or cfg.command_root_sha256 or presented is not None:
         return False
-    return not any(
-        os.path.lexists(ctx.root.joinpath(p.lstrip("/"))) for p in (JOIN_RECORD_PATH, INTENT_STATE_PATH)
-    )
+    root = str(ctx.root)  # string joins: this runs on every hold write (pathlib's parsing is not free)
+    return not any(os.path.lexists(root + p) for p in (JOIN_RECORD_PATH, INTENT_STATE_PATH))
 
 
 @frozen
