@@ -70,6 +70,7 @@ from bcd_shared.wire.strict import WireError, decode_spec_body
 
 from bcd_helper.config import HelperConfig
 from bcd_helper.ops.base import Failed, Refused
+from bcd_helper.usedcommands import UsedCommands
 
 STATE_PATH: Final = "/var/lib/bcd-hostconfig/helper-intent.json"
 STATE_FORMAT: Final = 1
@@ -205,6 +206,7 @@ class IntentVerifier:
         self._bundles: dict[str, VerifiedBundle] = {}
         self._lock = threading.Lock()  # guards the caches
         self._save_lock = threading.Lock()  # one state write at a time
+        self.used = UsedCommands(root)  # the destructive commands acted on (gpu.reset, node.reboot)
 
     # --- root's files -----------------------------------------------------------------------------
 
