@@ -128,6 +128,7 @@ class HelperContext:
         # nft.apply's reference (bcd_helper.ops.nft): the tables' digest, the bridges and the host's
         # addresses on them the rules were built with; None: none loaded.
         self.nft_reference: tuple[str, tuple[str, ...], Any] | None = None
+        self.nft_memo: Any = None  # bcd_shared.netpolicy.NicMemo, made by the first nft.apply
         self._intent_lock = threading.Lock()
 
     def intent_verifier(self) -> IntentVerifier:
