@@ -83,6 +83,18 @@ def seal(key: bytes, body: bytes) -> str:
     return hmac.new(key, body, hashlib.sha256).hexdigest()
 
 
+def _sealed_line(key: bytes, entry: dict[str, Any]) -> bytes:
+    """canonical(entry with `mac`), where mac seals canonical(entry): the entry is encoded once, and `mac`
+    is spliced in at its sorted place (canonical sorts the top-level keys; each value's encoding does not
+    depend on its neighbours)."""
+    before = {k: v for k, v in entry.items() if k < "mac"}
+    after = {k: v for k, v in entry.items() if k > "mac"}
+    head, tail = canonical(before), canonical(after)
+    # canonical(entry) is head and tail joined: both are non-empty ("args" and "seq" are always there)
+    mac = seal(key, head[:-1] + b"," + tail[1:])
+    return head[:-1] + b',"mac":"' + mac.encode() + b'",' + tail[1:]
+
+
 def format_key(seq: int, key: bytes) -> str:
     return f"{KEY_PREFIX}-{seq}-{key.hex()}"
 
@@ -216,6 +228,7 @@ class AuditLog:
             kseq, key = kseq + 1, evolve(key)
         self._key = key
         self._fd = -1
+        self._size = 0  # audit.log's size, read when it is opened
         self._hfd = -1
         self._kfd = -1
         self._held = len(_rotated(self._dfd))
@@ -227,6 +240,7 @@ class AuditLog:
         if self._fd < 0:
             self._fd = self._open(LOG_NAME, os.O_WRONLY | os.O_APPEND)
             os.fchmod(self._fd, 0o600)
+            self._size = os.fstat(self._fd).st_size  # then counted here: one writer, under the lock
         return self._fd
 
     def close(self) -> None:
@@ -311,11 +325,11 @@ class AuditLog:
     def _append(self, fields: dict[str, Any], new_file: bool = False) -> bytes:
         seq = self._seq + 1
         entry = {"seq": seq, "time": _now(), **fields, "prev": self._prev}
-        entry["mac"] = seal(self._key, canonical(entry))
-        line = canonical(entry)
+        line = _sealed_line(self._key, entry)
         fd = self._log_fd()
         os.write(fd, line + b"\n")
         os.fsync(fd)
+        self._size += len(line) + 1
         if new_file:
             os.fsync(self._dfd)
         digest = line_hash(line)
@@ -350,7 +364,8 @@ class AuditLog:
     ) -> str:
         """Append one line, fsynced; returns its hash."""
         with self._lock:
-            if os.fstat(self._log_fd()).st_size >= self._max:
+            self._log_fd()
+            if self._size >= self._max:
                 self._rotate_and_anchor()
             line = self._append(
                 {
@@ -364,7 +379,7 @@ class AuditLog:
                     "message": message,
                     "duration_ms": round(duration_ms, 3),
                 },
-                new_file=os.fstat(self._log_fd()).st_size == 0,
+                new_file=self._size == 0,
             )
             digest = self._prev
         if self._syslog:

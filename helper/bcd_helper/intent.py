@@ -70,6 +70,7 @@ from bcd_shared.wire.strict import WireError, decode_spec_body
 
 from bcd_helper.config import HelperConfig
 from bcd_helper.ops.base import Failed, Refused
+from bcd_helper.usedcommands import UsedCommands
 
 STATE_PATH: Final = "/var/lib/bcd-hostconfig/helper-intent.json"
 STATE_FORMAT: Final = 1
@@ -205,6 +206,7 @@ class IntentVerifier:
         self._bundles: dict[str, VerifiedBundle] = {}
         self._lock = threading.Lock()  # guards the caches
         self._save_lock = threading.Lock()  # one state write at a time
+        self.used = UsedCommands(root)  # the destructive commands acted on (gpu.reset, node.reboot)
 
     # --- root's files -----------------------------------------------------------------------------
 
@@ -366,42 +368,14 @@ class IntentVerifier:
         self, op: str, instance_id: str, intent: Any | None, now: dt.datetime | None = None
     ) -> tuple[Any | None, IntentState | None]:
         """The signed spec's InstanceSpec for `instance_id` (None: nothing names roots, nothing is
-        checked, DLV-HLP re-validation off) and the state to write. Raises Refused like host.unit: a
-        missing or unverifiable spec, another node, an older generation, or a spec that does not name
-        the instance (or wants it DELETED)."""
-        now = now or _now()
-        presented = None
-        chain: tuple[bytes, ...] = ()
-        if intent is not None:
-            if intent.trust_bundle is not None:
-                presented = _b64(intent.trust_bundle, "trust_bundle", op)
-            chain = tuple(_b64(c, f"chain[{i}]", op) for i, c in enumerate(intent.chain))
-        old = self.load_state(op)
-        view = self.trust(op, presented, chain, old)
-        if view.roots is None:
-            return None, (view.state if view.state != old else None)
-        if intent is None:
-            raise Refused("intent-required", f"{op}: a signed spec is required (roots from {view.source})")
-        state = view.state
-        body = _b64(intent.body, "body", op)
-        signature = _b64(intent.signature, "signature", op)
-        digest = hashlib.sha256(body).hexdigest()
-        known = next(
-            (v for v in state.verified if v.sha256 == digest and v.generation == state.generation), None
-        )
-        at = dt.datetime.fromtimestamp(known.verified_at_ms / 1000, dt.UTC) if known is not None else now
-        try:
-            verify_desired_state(body, signature, chain, view.roots, at, self.chains)
-            decoded, _unknown = decode_spec_body(body)
-        except (PkiError, WireError) as exc:
-            raise Refused("bad-intent", f"{op}: the signed spec is refused: {exc}") from None
-        if state.node_id and decoded.node_id != state.node_id:
-            raise Refused("wrong-node", f"{op}: the signed spec is for node {decoded.node_id!r}")
-        if decoded.generation < state.generation:
-            raise Refused(
-                "stale-generation",
-                f"{op}: the signed spec's generation {decoded.generation} is older than {state.generation}",
-            )
+        checked, DLV-HLP re-validation off) and the state to write. Raises Refused like host.unit (the
+        common rules of check_spec), or `not-in-spec` for a spec that does not name the instance (or
+        wants it DELETED)."""
+        checked = self.check_spec(op, intent, now)
+        if not checked.roots:
+            return None, checked.next_state
+        decoded = checked.decoded
+        assert decoded is not None  # verified against the roots
         section = decoded.full.instances if decoded.full is not None else None
         if section is None and decoded.patch is not None:
             section = decoded.patch.instances
@@ -412,24 +386,7 @@ class IntentVerifier:
                 f"{op}: {instance_id}: the signed spec (generation {decoded.generation}) does not name it "
                 "as an instance to run",
             )
-        if decoded.generation > state.generation:
-            verified: tuple[Verified, ...] = (Verified(digest, decoded.generation, _ms(now)),)
-        elif known is None:
-            verified = (*state.verified, Verified(digest, decoded.generation, _ms(now)))[-MAX_VERIFIED:]
-        else:
-            verified = state.verified
-        node_id, source = (
-            (state.node_id, state.node_source) if state.node_id else (decoded.node_id, "first-signed-spec")
-        )
-        new = attrs.evolve(
-            state,
-            generation=max(state.generation, decoded.generation),
-            verified=verified,
-            node_id=node_id,
-            node_source=source,
-            signed=True,
-        )
-        return named[0], (new if new != old else None)
+        return named[0], checked.next_state
 
     # --- a signed spec, whatever the op -------------------------------------------------------------
 

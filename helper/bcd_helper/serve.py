@@ -35,8 +35,7 @@ from bcd_shared.version import VERSION
 
 from bcd_helper.audit import AuditError, AuditLog
 from bcd_helper.config import DEFAULT_CONFIG, ConfigError, load_config
-from bcd_helper.ops.base import Failed, HelperContext
-from bcd_helper.ops.daemon import RELEASE_STATE
+from bcd_helper.ops.base import RELEASE_STATE, Failed, HelperContext
 from bcd_helper.ops.table import lock_names
 from bcd_helper.server import Guards, HelperServer, RootServer
 

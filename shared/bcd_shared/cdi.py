@@ -404,6 +404,11 @@ def parse_hold_spec(data: bytes, allocation_id: str | None = None) -> HoldRecord
         doc = json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
         raise CdiError(f"spec is not JSON: {exc}") from None
+    return parse_hold_doc(doc, allocation_id)
+
+
+def parse_hold_doc(doc: Any, allocation_id: str | None = None) -> HoldRecord:
+    """parse_hold_spec of a spec already decoded (the helper decodes it strictly first)."""
     errors = naming_errors(doc)
     if errors:
         raise CdiError("; ".join(errors))

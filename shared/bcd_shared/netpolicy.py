@@ -54,7 +54,7 @@ class PolicyError(ValueError):
     """A policy that cannot be expressed; the message names the field and the rule."""
 
 
-@frozen
+@frozen(cache_hash=True)  # a NicMemo key, hashed at every load
 class NicPolicy:
     """One instance NIC as the rules see it. The tap is derived (`tap_name(instance, index)`), never
     given: root builds it itself."""
@@ -87,7 +87,10 @@ class HostAddresses:
 
 def _ll_bytes(mac: str) -> bytes:
     b = bytes.fromhex(mac.replace(":", ""))
-    return b"\xfe\x80" + bytes(6) + bytes([b[0] ^ 0x02]) + b[1:3] + b"\xff\xfe" + b[3:6]
+    return b"".join((_LL_PREFIX, (b[0] ^ 0x02).to_bytes(1, "big"), b[1:3], b"\xff\xfe", b[3:6]))
+
+
+_LL_PREFIX = b"\xfe\x80" + bytes(6)
 
 
 def eui64_link_local(mac: str) -> str:
@@ -127,9 +130,12 @@ def parse_cidr(text: str) -> Addr:
 
 def _unicast_problem(addr: Addr) -> str | None:
     fam, _ip, net, raw = addr
+    return _problem(fam, int(net.rsplit("/", 1)[1]), raw)
+
+
+def _problem(fam: int, prefix: int, raw: bytes) -> str | None:
     x = int.from_bytes(raw, "big")
     if fam == 4:
-        prefix = int(net.rsplit("/", 1)[1])
         if x == 0 or raw[0] == 127 or raw[0] >= 224 or raw[:2] == b"\xa9\xfe":
             return "is not a unicast address an instance may own"
         if prefix < 31 and x | ((1 << (32 - prefix)) - 1) == x:
@@ -138,6 +144,32 @@ def _unicast_problem(addr: Addr) -> str | None:
     if x in (0, 1) or raw[0] == 0xFF or (raw[0] == 0xFE and raw[1] & 0xC0 == 0x80):
         return "is not a unicast address an instance may own"
     return None
+
+
+_AF4, _AF6 = socket.AF_INET, socket.AF_INET6
+_pton, _ntop = socket.inet_pton, socket.inet_ntop
+
+
+def _own_address(text: str) -> tuple[Addr | None, str | None]:
+    """parse_cidr and _unicast_problem in one pass (the builder's hot path): (the address or None when
+    it is not one, the problem or None)."""
+    ip, sep, plen = text.partition("/")
+    if not sep or not plen.isascii() or not plen.isdigit() or len(plen) > 3:
+        return None, None
+    prefix = int(plen)
+    if ":" in ip:
+        fam, af, bits = 6, _AF6, 128
+    else:
+        fam, af, bits = 4, _AF4, 32
+    if prefix > bits:
+        return None, None
+    try:
+        raw = _pton(af, ip)
+    except (OSError, ValueError):
+        return None, None
+    shift = bits - prefix
+    net = (int.from_bytes(raw, "big") >> shift << shift).to_bytes(bits // 8, "big")
+    return (fam, _ntop(af, raw), f"{_ntop(af, net)}/{prefix}", raw), _problem(fam, prefix, raw)
 
 
 def _check_one(i: int, n: NicPolicy, bridges: frozenset[str] | None) -> list[Addr]:
@@ -163,13 +195,9 @@ def _check_one(i: int, n: NicPolicy, bridges: frozenset[str] | None) -> list[Add
         raise PolicyError(f"{where}.addresses: {len(n.addresses)} addresses, at most {MAX_ADDRESSES}")
     out: list[Addr] = []
     for j, a in enumerate(n.addresses):
-        try:
-            addr = parse_cidr(a) if isinstance(a, str) else None
-        except ValueError:
-            addr = None
+        addr, problem = _own_address(a) if isinstance(a, str) else (None, None)
         if addr is None:
             raise PolicyError(f"{where}.addresses[{j}]: {str(a)[:60]!r} is not an address in CIDR form")
-        problem = _unicast_problem(addr)
         if problem is not None:
             raise PolicyError(f"{where}.addresses[{j}]: {a} {problem}")
         out.append(addr)
@@ -185,33 +213,156 @@ def check_nics(nics: Sequence[NicPolicy], bridges: frozenset[str] | None = None)
     (DLV-NFT-22), a guarded policy without a MAC or addresses (DLV-NFT-05), a NIC listed twice, or an
     address two NICs claim (DLV-NFT-18: an address is bound to exactly one tap). `bridges`: the only
     bridges allowed (root's `[helper] instance_bridges`); None: any. Each NIC's parsed addresses."""
+    return [c[0] for c in checked_nics(nics, bridges).items]
+
+
+# What the rules say of one NIC (build_checked): the quoted tap; the PRIVATE sets' elements (dst4, dst6,
+# src4, src6); when guarded (else ""), its `macs` element; its bind4 and bind6 elements, its own
+# addresses (v4, v6 with the link-local) and its na_bind6 elements.
+_Fragments = tuple[
+    str,
+    list[str],
+    list[str],
+    list[str],
+    list[str],
+    str,
+    list[str],
+    list[str],
+    list[str],
+    list[str],
+    list[str],
+]
+# One NIC as check_nics accepted it, with what the rules need of it, computed once: its parsed addresses,
+# when guarded its EUI-64 link-local (bytes and text), its tap, the addresses it claims (check_nics'
+# "bound to one tap") and its fragments. A plain tuple: 1,000 NICs are checked per load.
+_Checked = tuple[list[Addr], bytes | None, str, str, list[str], _Fragments]
+
+
+@frozen
+class CheckedNics:
+    """NIC policies check_nics accepted, with what the check parsed (build_checked uses it: a caller that
+    must refuse before it reads the host's addresses checks once, not twice)."""
+
+    nics: tuple[NicPolicy, ...]
+    items: tuple[_Checked, ...]
+
+
+class NicMemo:
+    """What checking each NIC of the last load found, for the next load: a reload of the same instances
+    (a changed policy among 1,000, the integrity check's reload) checks and parses each unchanged NIC
+    again only for what depends on the others (listed twice, an address claimed twice) and on the
+    allowed bridges. The check of one NIC is a pure function of its NicPolicy, the key. Holds the last
+    load's NICs only (at most MAX_NIC_POLICIES). One per loader, used under its lock."""
+
+    def __init__(self) -> None:
+        self.last: dict[NicPolicy, _Checked] = {}
+
+
+def checked_nics(
+    nics: Sequence[NicPolicy], bridges: frozenset[str] | None = None, memo: NicMemo | None = None
+) -> CheckedNics:
+    """check_nics, keeping what it parsed for build_checked; raises PolicyError. With `memo`, NICs the
+    last accepted load checked are taken from it, and the memo then holds this load's NICs."""
+    return CheckedNics(tuple(nics), tuple(_checked(nics, bridges, memo)))
+
+
+def _check_new(i: int, n: NicPolicy, bridges: frozenset[str] | None) -> _Checked:
+    addrs = _check_one(i, n, bridges)
+    ll: bytes | None = None
+    ll_text = ""
+    claims: list[str] = []
+    if n.mac:
+        claims = [x[1] for x in addrs]
+        if addrs:  # guarded: a MAC and addresses
+            ll = _ll_bytes(n.mac)
+            ll_text = socket.inet_ntop(socket.AF_INET6, ll)
+            claims.append(ll_text)
+    tap = n.tap
+    return addrs, ll, ll_text, tap, claims, _fragments(n, tap, addrs, ll, ll_text)
+
+
+def _fragments(n: NicPolicy, tap: str, addrs: list[Addr], ll: bytes | None, ll_text: str) -> _Fragments:
+    t = f'"{tap}"'
+    v4, v6, s4, s6 = _split(addrs)
+    dst4: list[str] = []
+    dst6: list[str] = []
+    src4: list[str] = []
+    src6: list[str] = []
+    if n.policy == "PRIVATE":
+        dst4 = [f"{t} . {x}" for x in [*s4, "255.255.255.255"]]
+        dst6 = [f"{t} . {x}" for x in [*s6, "ff02::/16"]]
+        src4 = [f"{t} . {x}" for x in s4]
+        src6 = [f"{t} . {x}" for x in s6]
+    if ll is None:  # not guarded
+        return t, dst4, dst6, src4, src6, "", [], [], [], [], []
+    own6 = [*v6, ll_text]
+    na = [f"{t} . 0x{a[3].hex()}" for a in addrs if a[0] == 6]
+    na.append(f"{t} . 0x{ll.hex()}")
+    return (
+        t,
+        dst4,
+        dst6,
+        src4,
+        src6,
+        f"{t} . {n.mac}",
+        [f"{t} . {a}" for a in v4],
+        [f"{t} . {a}" for a in own6],
+        v4,
+        own6,
+        na,
+    )
+
+
+def _checked(
+    nics: Sequence[NicPolicy], bridges: frozenset[str] | None, memo: NicMemo | None = None
+) -> list[_Checked]:
     if len(nics) > MAX_NIC_POLICIES:
         raise PolicyError(f"nics: {len(nics)} NICs, at most {MAX_NIC_POLICIES}")
     seen: dict[tuple[str, int], int] = {}
     owner: dict[str, int] = {}
-    parsed: list[list[Addr]] = []
+    out: list[_Checked] = []
+    known = memo.last if memo is not None else {}
     for i, n in enumerate(nics):
-        addrs = _check_one(i, n, bridges)
-        parsed.append(addrs)
+        try:
+            hit = known.get(n)
+        except TypeError:  # a field of a type no NicPolicy may have: _check_one names it
+            hit = None
+        if hit is None:
+            c = _check_new(i, n, bridges)
+        else:
+            c = hit
+            if bridges is not None and n.bridge not in bridges:  # _check_one's rule and message
+                raise PolicyError(f"nics[{i}].bridge: {n.bridge!r} is not one of the instance bridges")
         key = (n.instance, n.index)
         if key in seen:
             raise PolicyError(f"nics[{i}]: {n.instance} NIC {n.index} is listed twice (nics[{seen[key]}])")
         seen[key] = i
-        if n.mac:
-            for a in [*(x[1] for x in addrs), *([eui64_link_local(n.mac)] if n.guarded else [])]:
-                if a in owner and owner[a] != i:
-                    raise PolicyError(f"nics[{i}]: address {a} is claimed by nics[{owner[a]}] too")
-                owner[a] = i
-    return parsed
+        for a in c[4]:
+            if owner.setdefault(a, i) != i:
+                raise PolicyError(f"nics[{i}]: address {a} is claimed by nics[{owner[a]}] too")
+        out.append(c)
+    if memo is not None:
+        try:
+            memo.last = dict(zip(nics, out, strict=True))
+        except TypeError:  # an unhashable field: nothing kept
+            memo.last = {}
+    return out
 
 
 def _split(addrs: Sequence[Addr]) -> tuple[list[str], list[str], list[str], list[str]]:
     """(own v4, own v6, v4 subnets, v6 subnets) of a NIC's parsed addresses."""
-    v4 = [a[1] for a in addrs if a[0] == 4]
-    v6 = [a[1] for a in addrs if a[0] == 6]
-    s4 = sorted({a[2] for a in addrs if a[0] == 4})
-    s6 = sorted({a[2] for a in addrs if a[0] == 6})
-    return v4, v6, s4, s6
+    v4: list[str] = []
+    v6: list[str] = []
+    s4: set[str] = set()
+    s6: set[str] = set()
+    for fam, ip, net, _raw in addrs:
+        if fam == 4:
+            v4.append(ip)
+            s4.add(net)
+        else:
+            v6.append(ip)
+            s6.add(net)
+    return v4, v6, sorted(s4), sorted(s6)
 
 
 _TADDR = "@th,64,128"
@@ -244,22 +395,38 @@ def _elements(items: Sequence[str]) -> str:
     return f"elements = {_set(items)}; " if items else ""
 
 
-def build_ruleset(nics: Sequence[NicPolicy], host: HostAddresses) -> str:
-    """The `nft -f` text replacing the three tables (checks `nics` first; PolicyError when they cannot
-    be expressed). Deterministic: the same input gives the same bytes on the node and in the helper.
+def build_ruleset(
+    nics: Sequence[NicPolicy],
+    host: HostAddresses,
+    bridges: frozenset[str] | None = None,
+    memo: NicMemo | None = None,
+) -> str:
+    """The `nft -f` text replacing the three tables (checks `nics` first, as check_nics with `bridges`
+    does; PolicyError when they cannot be expressed). Deterministic: the same input gives the same bytes
+    on the node and in the helper.
 
     Per-tap facts live in named sets keyed by the tap's name (`ifname . address`), so the number of
     rules is fixed and a host of 1,000 instances loads and lists sets, not thousands of rules and
     anonymous sets."""
-    parsed = check_nics(nics)
-    taps = [n.tap for n in nics]
+    return build_checked(checked_nics(nics, bridges, memo), host)
+
+
+def build_checked(accepted: CheckedNics, host: HostAddresses) -> str:
+    """build_ruleset of NIC policies checked_nics accepted."""
+    return render_ruleset(nic_sets(accepted), host)
+
+
+def _named(name: str, kind: str, items: Sequence[str], interval: bool = False) -> str:
+    flags = "flags interval; " if interval else ""
+    return f"\tset {name} {{ {kind}; {flags}{_elements(sorted(items))}}}\n"
+
+
+def nic_sets(accepted: CheckedNics) -> tuple[str, str]:
+    """The named sets that depend on the NICs alone, as text (before and after `na_host6`): a loader can
+    make them while it reads the host's addresses, then render_ruleset."""
+    nics, checked = accepted.nics, accepted.items
+    taps = [c[3] for c in checked]
     order = sorted(range(len(nics)), key=lambda k: (taps[k], nics[k].instance))
-    out: list[str] = []
-    w = out.append
-    for fam, name in TABLES:
-        w(f"table {fam} {name}\ndelete table {fam} {name}\n")
-    host4 = sorted({str(ipaddress.IPv4Address(a)) for a in host.v4})
-    host6 = sorted({str(ipaddress.IPv6Address(a)) for a in host.v6})
     bind4: list[str] = []  # tap . its own IPv4 (the addresses bound to it, DLV-NFT-16)
     bind6: list[str] = []  # tap . its own IPv6, its EUI-64 link-local included
     macs: list[str] = []
@@ -272,55 +439,72 @@ def build_ruleset(nics: Sequence[NicPolicy], host: HostAddresses) -> str:
     priv_dst6: list[str] = []  # tap . its subnets, and link-scope multicast
     priv_src4: list[str] = []  # tap . its subnets
     priv_src6: list[str] = []
+    own4: set[str] = set()  # every tap's own addresses (bound4, bound6)
+    own6: set[str] = set()
     for k in order:
         n = nics[k]
-        t = f'"{taps[k]}"'
-        v4, v6, s4, s6 = _split(parsed[k])
+        t, dst4, dst6, src4, src6, mac, b4, b6, o4, o6, na = checked[k][5]
         if n.ssh_from_host_only:
             ssh.append(t)
         if n.policy == "PRIVATE":
             private.append(t)
-            priv_dst4 += [f"{t} . {x}" for x in [*s4, "255.255.255.255"]]
-            priv_dst6 += [f"{t} . {x}" for x in [*s6, "ff02::/16"]]
-            priv_src4 += [f"{t} . {x}" for x in s4]
-            priv_src6 += [f"{t} . {x}" for x in s6]
+            priv_dst4 += dst4
+            priv_dst6 += dst6
+            priv_src4 += src4
+            priv_src6 += src6
         elif n.policy == "NONE":
             none.append(t)
-        if not n.guarded:
+        if not mac:  # not guarded
             continue
         guarded.append(t)
-        ll = eui64_link_local(n.mac)
-        macs.append(f"{t} . {n.mac}")
-        bind4 += [f"{t} . {a}" for a in v4]
-        bind6 += [f"{t} . {a}" for a in [*v6, ll]]
-        na_own += [f"{t} . {_hex6(a)}" for a in v6] + [f"{t} . 0x{_ll_bytes(n.mac).hex()}"]
-    bound4 = sorted({x.split(" . ")[1] for x in bind4})
-    bound6 = sorted({x.split(" . ")[1] for x in bind6})
-    na_bind = sorted(na_own)
+        macs.append(mac)
+        bind4 += b4
+        bind6 += b6
+        own4.update(o4)
+        own6.update(o6)
+        na_own += na
+    bound4 = sorted(own4)
+    bound6 = sorted(own6)
+    before = "".join(
+        (
+            _named("bound4", "type ipv4_addr", bound4),
+            _named("bound6", "type ipv6_addr", bound6),
+            _named("bind4", "type ifname . ipv4_addr", bind4),
+            _named("bind6", "type ifname . ipv6_addr", bind6),
+            _named("macs", "type ifname . ether_addr", macs),
+        )
+    )
+    after = "".join(
+        (
+            _named("na_bound6", f"typeof {_TADDR}", [_hex6(a) for a in bound6]),
+            _named("na_bind6", f"typeof iifname . {_TADDR}", na_own),
+            _named("guarded", "type ifname", guarded),
+            _named("private", "type ifname", private),
+            _named("none", "type ifname", none),
+            _named("ssh", "type ifname", ssh),
+            _named("priv_dst4", "type ifname . ipv4_addr", priv_dst4, interval=True),
+            _named("priv_dst6", "type ifname . ipv6_addr", priv_dst6, interval=True),
+            _named("priv_src4", "type ifname . ipv4_addr", priv_src4, interval=True),
+            _named("priv_src6", "type ifname . ipv6_addr", priv_src6, interval=True),
+        )
+    )
+    return before, after
+
+
+def render_ruleset(sets: tuple[str, str], host: HostAddresses) -> str:
+    """The whole text: nic_sets' sets, the host's own, and the chains."""
+    out: list[str] = []
+    w = out.append
+    for fam, name in TABLES:
+        w(f"table {fam} {name}\ndelete table {fam} {name}\n")
+    host4 = sorted({str(ipaddress.IPv4Address(a)) for a in host.v4})
+    host6 = sorted({str(ipaddress.IPv6Address(a)) for a in host.v6})
     w("table bridge bcd_instances {\n")
-
-    def named(name: str, kind: str, items: Sequence[str], interval: bool = False) -> None:
-        flags = "flags interval; " if interval else ""
-        w(f"\tset {name} {{ {kind}; {flags}{_elements(sorted(items))}}}\n")
-
-    named("host4", "type ipv4_addr", host4)
-    named("host6", "type ipv6_addr", host6)
-    named("bound4", "type ipv4_addr", bound4)
-    named("bound6", "type ipv6_addr", bound6)
-    named("bind4", "type ifname . ipv4_addr", bind4)
-    named("bind6", "type ifname . ipv6_addr", bind6)
-    named("macs", "type ifname . ether_addr", macs)
-    named("na_host6", f"typeof {_TADDR}", [_hex6(a) for a in host6])
-    named("na_bound6", f"typeof {_TADDR}", [_hex6(a) for a in bound6])
-    named("na_bind6", f"typeof iifname . {_TADDR}", na_bind)
-    named("guarded", "type ifname", guarded)
-    named("private", "type ifname", private)
-    named("none", "type ifname", none)
-    named("ssh", "type ifname", ssh)
-    named("priv_dst4", "type ifname . ipv4_addr", priv_dst4, interval=True)
-    named("priv_dst6", "type ifname . ipv6_addr", priv_dst6, interval=True)
-    named("priv_src4", "type ifname . ipv4_addr", priv_src4, interval=True)
-    named("priv_src6", "type ifname . ipv6_addr", priv_src6, interval=True)
+    w(_named("host4", "type ipv4_addr", host4))
+    w(_named("host6", "type ipv6_addr", host6))
+    w(sets[0])
+    w(_named("na_host6", f"typeof {_TADDR}", [_hex6(a) for a in host6]))
+    w(sets[1])
     # prerouting: every port
     w("\tchain tap_pre {\n\t\ttype filter hook prerouting priority filter; policy accept;\n")
     pre: list[str] = []

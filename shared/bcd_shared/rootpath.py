@@ -35,7 +35,7 @@ import ctypes
 import errno
 import os
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 
 # Host paths under which root never writes, whatever their modes (world-writable by design).
@@ -228,14 +228,25 @@ def _check_target(dir_fd: int, name: str, shown: str) -> bool:
 
 
 def write_root_only(
-    root: Path, path: str, data: bytes, mode: int = 0o644, *, uid: int = 0, gid: int = 0
+    root: Path,
+    path: str,
+    data: bytes,
+    mode: int = 0o644,
+    *,
+    uid: int = 0,
+    gid: int = 0,
+    check: Callable[[int], None] | None = None,
 ) -> None:
-    """Write `data` to host path `path` as root, atomically and durably, under the rule."""
+    """Write `data` to host path `path` as root, atomically and durably, under the rule. `check`, when
+    given, is called with the verified directory's fd before anything is written there (a limit on
+    the directory's files): what it raises stops the write."""
     parts = split_host_path(path)
     _refuse_never_under(parts)
     with verified_dir(root, parts[:-1], create=True) as dfd:
         name = parts[-1]
         _check_target(dfd, name, path)
+        if check is not None:
+            check(dfd)
         tmp = f".{name}.{os.urandom(6).hex()}.tmp"
         fd = _open_component(dfd, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:

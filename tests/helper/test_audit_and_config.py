@@ -9,8 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from bcd_helper.audit import AuditLog, verify_chain
+from bcd_helper.audit import AuditLog, _sealed_line, canonical, seal, verify_chain
 from bcd_helper.config import ConfigError, parse_config
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 KEYS: dict[Path, str] = {}
 
@@ -154,3 +156,33 @@ def test_HST_SIGN_13_a_malformed_value_stops_the_helper_naming_the_key(text: str
     with pytest.raises(ConfigError, match=names if "\\[" in names else names.replace("[", r"\[")) as info:
         parse_config(text.encode())
     assert str(info.value).startswith("/etc/bcd/config.toml: ")  # names the file
+
+
+_JSONISH = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(args=st.dictionaries(st.text(max_size=6), _JSONISH, max_size=4), text=st.text(max_size=12))
+def test_a_sealed_line_is_the_canonical_entry_with_its_mac(args: dict[str, object], text: str) -> None:
+    """The writer encodes an entry once and splices `mac` in; `verify` re-encodes the whole entry: both must
+    give the same bytes whatever the values hold (keys sorting around "mac", quotes, `"mac":` in text)."""
+    key = bytes(range(32))
+    entry = {
+        "seq": 7,
+        "time": text,
+        "peer_pid": 1,
+        "peer_uid": 0,
+        "op": text + '","mac":"',
+        "args": args,
+        "args_sha256": "0" * 64,
+        "decision": "accepted",
+        "reason": text,
+        "message": text,
+        "duration_ms": 1.5,
+        "prev": "0" * 64,
+    }
+    assert _sealed_line(key, entry) == canonical({**entry, "mac": seal(key, canonical(entry))})

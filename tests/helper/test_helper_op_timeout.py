@@ -20,7 +20,7 @@ import pytest
 from bcd_helper import server
 from bcd_helper.audit import AuditLog, init_key
 from bcd_helper.config import load_config
-from bcd_helper.ops import base
+from bcd_helper.ops import base, host, hostunit
 from bcd_helper.ops.base import Call, HelperContext
 from bcd_helper.ops.table import OPS, lock_names
 from bcd_shared.system import DEFAULT_TOOL_TIMEOUT_S, CommandResult, LocalSystem
@@ -92,9 +92,7 @@ def test_HST_HLP_07_host_unit_call_is_bounded_by_the_tables_30_minutes(
         while True:
             call.system.run(["/usr/sbin/dkms", "autoinstall"], timeout=3600)
 
-    table = dict(OPS)
-    table["host.unit"] = attrs.evolve(OPS["host.unit"], handler=build_forever)
-    monkeypatch.setattr(server, "OPS", table)
+    monkeypatch.setattr(hostunit, "host_unit", build_forever)  # the table looks its handler up by name
     conn = server.Connection(ctx, peer_socket, server.Guards(ctx), uids=(os.getuid(),))
     answer = conn.answer({"op": "host.unit", "args": {"unit": "nvidia-driver"}})
 
@@ -120,8 +118,9 @@ def test_a_short_op_timeout_ends_a_real_program(
         return {"returncode": result.returncode, "stderr": result.stderr.decode()}
 
     table = dict(OPS)
-    table["helper.ping"] = attrs.evolve(OPS["helper.ping"], handler=sleeper, timeout_s=0.5)
+    table["helper.ping"] = attrs.evolve(OPS["helper.ping"], timeout_s=0.5)
     monkeypatch.setattr(server, "OPS", table)
+    monkeypatch.setattr(host, "ping", sleeper)
     conn = server.Connection(ctx, peer_socket, server.Guards(ctx), uids=(os.getuid(),))
     answer = conn.answer({"op": "helper.ping", "args": {}})
     assert answer == {"ok": True, "result": {"returncode": 124, "stderr": "sleep: timed out after 0s"}}

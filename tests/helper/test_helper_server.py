@@ -8,8 +8,11 @@ import os
 import re
 import socket
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
+import attrs
 from bcd_helper.ops.table import OPS
 from bcd_simhost import sim_system
 from helperproc import REPO, HelperProcess, tree
@@ -159,6 +162,25 @@ def test_slice_apply_sets_exactly_the_properties_and_remove_waits_for_empty(help
     (cg / "cgroup.events").write_text("populated 0\nfrozen 0\n")
     assert helper.client.slice_remove(name)["stopped"] is True
     assert not cg.exists()
+
+
+def test_every_row_resolves_to_a_request_type_and_handler_in_the_helpers_ops() -> None:
+    """The table names each op's module, type and handler; a start imports none of them (the op's first
+    call does). Each name must resolve, to an attrs type and a callable of a module under bcd_helper.ops."""
+    for name, spec in OPS.items():
+        assert spec.module.startswith("bcd_helper.ops."), name
+        assert attrs.has(spec.request), name
+        assert callable(spec.handler), name
+
+
+def test_a_start_imports_no_op_family() -> None:
+    """`bcd helper serve`'s imports leave every op module (libvirt, nft, ch, ...) for its first call."""
+    code = (
+        "import sys, bcd_helper.serve\n"
+        "print(sorted(m for m in sys.modules if m.startswith('bcd_helper.ops.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "['bcd_helper.ops.base', 'bcd_helper.ops.table']"
 
 
 def test_docs_document_every_op_and_no_other() -> None:

@@ -7,6 +7,7 @@ import ipaddress
 import pytest
 from bcd_shared.netpolicy import (
     HostAddresses,
+    NicMemo,
     NicPolicy,
     PolicyError,
     build_ruleset,
@@ -97,3 +98,56 @@ def test_policies_that_cannot_be_expressed_dlv_nft_05_22(nic: NicPolicy, rule: s
     """DLV-NFT-05, DLV-NFT-22."""
     with pytest.raises(PolicyError, match=rule):
         check_nics([nic])
+
+
+def _outcome(nics: list[NicPolicy], bridges: frozenset[str] | None, memo: NicMemo | None) -> str:
+    try:
+        return build_ruleset(nics, HostAddresses(("10.0.0.1",), ("fd00::1",)), bridges, memo)
+    except PolicyError as exc:
+        return f"refused: {exc}"
+
+
+_POOL = [
+    A,
+    B,
+    NicPolicy("c", 0, "br0", "52:54:00:00:00:0c", ("10.0.0.10/24",), "EGRESS"),  # A's address
+    NicPolicy("d", 0, "br1", "52:54:00:00:00:0a", ("10.1.0.20/24",), "PRIVATE"),  # A's link-local
+    NicPolicy("a", 0, "br1", "52:54:00:00:00:0e", ("10.1.0.30/24",), "NONE"),  # A's NIC again
+    NicPolicy("e", 2, "br0", "", (), "EGRESS"),
+    NicPolicy("f", 0, "bcx", "52:54:00:00:00:0f", ("10.0.0.40/24",)),
+]
+
+
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.sampled_from(_POOL), max_size=4),
+            st.sampled_from([None, frozenset({"br0"}), frozenset({"br0", "br1"})]),
+        ),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_a_reload_through_the_memo_gives_what_a_fresh_build_gives(
+    loads: list[tuple[list[NicPolicy], frozenset[str] | None]],
+) -> None:
+    """DLV-PRIV-08 (one builder, the same bytes): a loader keeps the last load's NICs checked (NicMemo).
+    Whatever came before, each load through the memo gives the text, or the refusal, of a build without
+    it: a NIC known from the last load is still refused for a bridge not allowed now, a NIC listed
+    twice, or an address (or link-local) another NIC of this load claims."""
+    memo = NicMemo()
+    for nics, bridges in loads:
+        assert _outcome(nics, bridges, memo) == _outcome(nics, bridges, None)
+
+
+def test_the_memo_keeps_the_cross_nic_checks() -> None:
+    memo = NicMemo()
+    build_ruleset([A], HostAddresses(), None, memo)
+    assert A in memo.last
+    with pytest.raises(PolicyError, match="is claimed by nics"):
+        build_ruleset([A, _POOL[2]], HostAddresses(), None, memo)
+    with pytest.raises(PolicyError, match="not one of the instance bridges"):
+        build_ruleset([A], HostAddresses(), frozenset({"br1"}), memo)
+    assert set(memo.last) == {A}  # a refused load leaves the memo as it was
+    build_ruleset([B], HostAddresses(), None, memo)
+    assert set(memo.last) == {B}  # only the last load's NICs are kept

@@ -30,6 +30,10 @@ if TYPE_CHECKING:
     from bcd_helper.config import HelperConfig
     from bcd_helper.intent import IntentVerifier
 
+# daemon.swap's record of a swap waiting for its confirmation (bcd_helper.ops.daemon); here, so that a
+# start checks for it without importing the daemon module.
+RELEASE_STATE = "/var/lib/bcd-hostconfig/daemon-release.json"
+
 
 class Refused(Exception):
     """The request is outside the rules; nothing was done."""
@@ -124,6 +128,7 @@ class HelperContext:
         # nft.apply's reference (bcd_helper.ops.nft): the tables' digest, the bridges and the host's
         # addresses on them the rules were built with; None: none loaded.
         self.nft_reference: tuple[str, tuple[str, ...], Any] | None = None
+        self.nft_memo: Any = None  # bcd_shared.netpolicy.NicMemo, made by the first nft.apply
         self._intent_lock = threading.Lock()
 
     def intent_verifier(self) -> IntentVerifier:
@@ -149,9 +154,8 @@ def no_roots_possible(ctx: HelperContext, presented: object | None) -> bool:
     cfg = ctx.config
     if cfg.join_signing_key_pin is not None or cfg.command_root_sha256 or presented is not None:
         return False
-    return not any(
-        os.path.lexists(ctx.root.joinpath(p.lstrip("/"))) for p in (JOIN_RECORD_PATH, INTENT_STATE_PATH)
-    )
+    root = str(ctx.root)  # string joins: this runs on every hold write (pathlib's parsing is not free)
+    return not any(os.path.lexists(root + p) for p in (JOIN_RECORD_PATH, INTENT_STATE_PATH))
 
 
 @frozen

@@ -73,14 +73,13 @@ from bcd_shared.rootpath import (
     write_root_only,
 )
 
-from bcd_helper.ops.base import Call, Failed, HelperContext, Refused
+from bcd_helper.ops.base import RELEASE_STATE, Call, Failed, HelperContext, Refused
 
 DAEMON_DIR: Final = "/usr/lib/bcd"
 RELEASES: Final = "releases"  # under DAEMON_DIR: one directory per version
 INSTALLED: Final = f"{DAEMON_DIR}/bcd"  # a symlink to releases/<version>/bcd
 INITIAL: Final = "initial"  # the directory a packaged install's file moves into at the first swap
 STAGING_DIR: Final = "/var/lib/bcd/staging"  # the node's: the only place an artifact is read from
-RELEASE_STATE: Final = "/var/lib/bcd-hostconfig/daemon-release.json"
 NODE_UNIT: Final = "bcd-node.service"
 MAX_ARTIFACT: Final = 256 * 1024 * 1024
 DEFAULT_CONFIRM_S: Final = 600

@@ -131,7 +131,7 @@ def _check_cdi(ident: str, data: bytes) -> None:
     except ValueError as exc:
         raise Refused("bad-content", f"cdi: not strict JSON: {exc}") from None
     try:
-        hold = cdi.parse_hold_spec(data, ident)
+        hold = cdi.parse_hold_doc(doc, ident)
     except cdi.CdiError as exc:
         raise Refused("bad-content", f"cdi: {exc}") from None
     _unique_keys(hold.env, "cdi: containerEdits.env")
@@ -293,39 +293,39 @@ def _content(spec: FileKind, req: FileWrite) -> bytes:
     return data
 
 
-def _check_limits(call: Call, kind: str, path: str, size: int) -> None:
+def _limits(kind: str, path: str, size: int) -> Callable[[int], None] | None:
+    """The kind's limits: a file too large is refused here; the count and total are checked by the
+    returned function, given the fd of the kind's directory that the write has verified (one walk)."""
     import os
-
-    from bcd_shared.rootpath import split_host_path, verified_dir
 
     limit = LIMITS.get(kind)
     if limit is None:
-        return
+        return None
     if size > limit.max_file:
         raise Refused("too-large", f"{kind}: content larger than {limit.max_file} bytes")
-    own = path.rsplit("/", 1)[1]
-    count, total = 1, size
-    try:
-        with verified_dir(call.ctx.root, split_host_path(limit.directory), create=False) as dfd:
-            for name in os.listdir(dfd):
-                if name == own or not limit.pattern.fullmatch(name):
-                    continue
-                st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
-                count += 1
-                total += st.st_size
-    except FileNotFoundError:
-        return
-    except RootPathRefused as exc:
-        raise refused_path(exc) from None
-    if count > limit.max_files:
-        raise Refused(
-            "too-many-files", f"{kind}: root keeps at most {limit.max_files} files in {limit.directory}"
-        )
-    if total > limit.max_total:
-        raise Refused(
-            "too-many-files",
-            f"{kind}: root keeps at most {limit.max_total} bytes in all in {limit.directory}",
-        )
+    directory, own = path.rsplit("/", 1)
+    if directory != limit.directory:  # the write's directory is the one counted
+        raise AssertionError(f"{kind}: {path} is not in {limit.directory}")
+
+    def check(dfd: int) -> None:
+        count, total = 1, size
+        for name in os.listdir(dfd):
+            if name == own or not limit.pattern.fullmatch(name):
+                continue
+            st = os.stat(name, dir_fd=dfd, follow_symlinks=False)
+            count += 1
+            total += st.st_size
+        if count > limit.max_files:
+            raise Refused(
+                "too-many-files", f"{kind}: root keeps at most {limit.max_files} files in {limit.directory}"
+            )
+        if total > limit.max_total:
+            raise Refused(
+                "too-many-files",
+                f"{kind}: root keeps at most {limit.max_total} bytes in all in {limit.directory}",
+            )
+
+    return check
 
 
 def _signed_assignment(
@@ -447,7 +447,7 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
     spec, path = _kind(req.kind, req.id)
     data = _content(spec, req)
     spec.check(req.id, data)
-    _check_limits(call, req.kind, path, len(data))
+    limits = _limits(req.kind, path, len(data))
     next_state = None
     if req.kind in BOUND_KINDS:
         assignment, signed = _signed_assignment(call, "file.write", req.kind, req.id, req.intent)
@@ -466,7 +466,7 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
     if next_state is not None:  # durable before effect
         call.ctx.intent_verifier().save_state(next_state)
     try:
-        write_root_only(call.ctx.root, path, data, spec.mode)
+        write_root_only(call.ctx.root, path, data, spec.mode, check=limits)
     except RootPathRefused as exc:
         raise refused_path(exc) from None
     return {"path": path, "bytes": len(data)}

@@ -12,6 +12,8 @@ a presented bundle), both ops need the signed Command the node received (`comman
 chain, trust_bundle, base64) and re-validate it: its signature, kind, node and `not_after`
 (IntentVerifier.check_command), and for gpu.reset every GPU asked for must be named in the command's
 GpuResetRequest. Where nothing names roots, root acts on the request alone (HST-SIGN-33).
+Root acts on a signed command once (bcd_helper.usedcommands): gpu.reset once per GPU it names,
+node.reboot once; a replay before its `not_after` is refused (`command-replayed`).
 
 node.reboot: root's own busy check is the helper's locks: a reboot never starts while a host.unit
 (a driver install, a MIG change) or a daemon.swap is running (`busy`); then `systemctl reboot`.
@@ -20,6 +22,7 @@ node.reboot: root's own busy check is the helper's locks: a reboot never starts 
 from __future__ import annotations
 
 import re
+import time
 from typing import Any
 
 from attrs import frozen
@@ -66,6 +69,10 @@ class Ping:
     pass
 
 
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
 def gpu_reset(call: Call, req: GpuReset) -> dict[str, Any]:
     if not req.gpu_uuids:
         raise Refused("invalid-payload", "gpu.reset: no GPU named")
@@ -89,6 +96,7 @@ def gpu_reset(call: Call, req: GpuReset) -> dict[str, Any]:
                 "command-mismatch",
                 f"gpu.reset: the signed command does not name {', '.join(outside)}",
             )
+        call.ctx.intent_verifier().used.check("gpu.reset", signed.id, req.gpu_uuids, _now_ms())
     try:
         busy = busy_gpus(call.system)
         known = known_gpus(call.system)
@@ -97,6 +105,10 @@ def gpu_reset(call: Call, req: GpuReset) -> dict[str, Any]:
     reasons = [r for r in (busy.reason(u) for u in req.gpu_uuids) if r]
     if reasons:
         raise Refused("gpu-busy", "gpu.reset: " + "; ".join(reasons))
+    if signed is not None:  # durable before effect: each GPU is reset once under a command
+        call.ctx.intent_verifier().used.remember(
+            "gpu.reset", signed.id, req.gpu_uuids, signed.not_after, _now_ms()
+        )
     out = []
     for uuid in req.gpu_uuids:
         if known is not None and uuid not in known:
@@ -118,6 +130,8 @@ def node_reboot(call: Call, req: NodeReboot) -> dict[str, Any]:
         from bcd_shared.wire import NodeRebootRequest
 
         _payload("node.reboot", signed, NodeRebootRequest)
+        # Durable before effect: a command reboots the machine once, never again on a replay.
+        call.ctx.intent_verifier().used.remember("node.reboot", signed.id, ("",), signed.not_after, _now_ms())
     result = call.system.run(["systemctl", "reboot"], timeout=60)
     if not result.ok:
         raise Failed("systemctl", result.describe())

@@ -2,11 +2,13 @@
 
 - `nft.apply` receives a typed policy per instance NIC (`bcd_shared.netpolicy.NicPolicy`: instance id,
   NIC index, bridge, MAC, IPAM addresses, policy, ssh_from_host_only), never nft text. Root checks
-  every NIC (`check_nics`, with the bridges limited to `[helper] instance_bridges`), reads the host's
+  every NIC (`checked_nics`, with the bridges limited to `[helper] instance_bridges`), reads the host's
   addresses on those bridges itself (`ip -j addr show`), derives each tap from the instance id and index,
-  builds the rules with the node's own builder (`build_ruleset`: the same bytes for the same input)
-  and loads them with `nft -f -` in one transaction. It then lists the three tables; the listing becomes
-  root's reference digest only if its rule and set-element counts are what was built. The answer
+  builds the rules with the node's own builder (`build_checked`, build_ruleset's core: the same bytes for
+  the same input) and loads them with `nft -f FILE` in one transaction. The NICs of the last load are
+  kept checked (`NicMemo`, in the helper's memory): a reload checks again only what changed and what
+  depends on the other NICs. It then lists the three tables; the listing becomes root's reference
+  digest only if its rule and set-element counts are what was built. The answer
   carries the SHA-256 of the loaded text.
 - `nft.check` lists the tables and compares their digest (counters and handles left out, set elements
   in) with root's reference: `{"intact": bool}`. The reference lives in the helper's memory: a restarted
@@ -23,10 +25,11 @@ from attrs import frozen
 from bcd_shared.netpolicy import (
     LIST_ARGVS,
     HostAddresses,
+    NicMemo,
     NicPolicy,
     PolicyError,
-    build_ruleset,
-    check_nics,
+    build_checked,
+    checked_nics,
     listing_counts,
     listing_digest,
     load_argv,
@@ -59,13 +62,16 @@ def _listing(call: Call) -> list[bytes]:
 
 def nft_apply(call: Call, req: NftApply) -> dict[str, Any]:
     bridges = frozenset(call.ctx.config.instance_bridges)
+    if call.ctx.nft_memo is None:
+        call.ctx.nft_memo = NicMemo()  # under the nft lock, as every use of it
     try:
-        check_nics(req.nics, bridges)
+        # refused before anything runs; checked once (the last load's NICs from the memo)
+        accepted = checked_nics(req.nics, bridges, call.ctx.nft_memo)
     except PolicyError as exc:
         raise Refused("bad-policy", f"nft.apply: {exc}") from None
     wanted = tuple(sorted({n.bridge for n in req.nics}))
     host = _host(call, wanted)
-    text = build_ruleset(req.nics, host)
+    text = build_checked(accepted, host)
     call.ctx.nft_reference = None
     argv, staged = load_argv(text)
     try:
