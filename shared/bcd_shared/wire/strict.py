@@ -27,6 +27,7 @@ Decoding never re-encodes: signed bytes are verified and stored as received (doc
 from __future__ import annotations
 
 import functools
+import struct
 from collections.abc import Collection
 from typing import Any, TypeVar
 
@@ -97,7 +98,9 @@ def decode_with_unknown(
     unknown: list[UnknownField] = []
     _check(cls, raw, "", frozenset(tolerate_unknown_in), unknown)
     try:
-        return cls.parse(raw), unknown
+        if unknown:
+            return cls.parse(raw), unknown  # parse keeps the tolerated fields' bytes (`_unknown_fields`)
+        return _build(cls, raw), unknown
     except Exception as exc:  # the walk above admits only what parse handles; keep the boundary typed anyway
         raise WireError("", f"undecodable: {exc}") from exc
 
@@ -205,12 +208,34 @@ def _field_class(cls: type[betterproto2.Message], name: str, meta: Any) -> type[
     return field_cls
 
 
+_FIXED_FORMATS = {
+    betterproto2.TYPE_DOUBLE: "<d",
+    betterproto2.TYPE_FLOAT: "<f",
+    betterproto2.TYPE_FIXED32: "<I",
+    betterproto2.TYPE_FIXED64: "<Q",
+    betterproto2.TYPE_SFIXED32: "<i",
+    betterproto2.TYPE_SFIXED64: "<q",
+}
+
 # What the walk needs of one field, computed once per message class (`_rules`).
 _K_VARINT, _K_FIXED, _K_STRING, _K_BYTES, _K_MESSAGE = range(5)
 
 
 class _Rule:
-    __slots__ = ("fixed_wire", "group", "kind", "name", "packable", "proto_type", "repeated", "sub")
+    __slots__ = (
+        "enum_cls",
+        "fixed_fmt",
+        "fixed_wire",
+        "group",
+        "is_map",
+        "kind",
+        "name",
+        "packable",
+        "proto_type",
+        "repeated",
+        "sub",
+        "unwrap",
+    )
 
     def __init__(self, cls: type[betterproto2.Message], name: str, meta: Any) -> None:
         proto_type = meta.proto_type
@@ -220,12 +245,19 @@ class _Rule:
         self.packable = bool(meta.repeated)  # a packed run is accepted for a repeated scalar
         self.group = meta.group
         self.fixed_wire = -1
+        self.fixed_fmt = ""
         self.sub: type[betterproto2.Message] | None = None
+        self.enum_cls: Any = None
+        self.is_map = proto_type == betterproto2.TYPE_MAP
+        self.unwrap = meta.unwrap is not None
         if proto_type in _VARINT_TYPES:
             self.kind = _K_VARINT
+            if proto_type == betterproto2.TYPE_ENUM:
+                self.enum_cls = _proto_meta(cls).cls_by_field[name]
         elif proto_type in _FIXED64_TYPES or proto_type in _FIXED32_TYPES:
             self.kind = _K_FIXED
             self.fixed_wire = _WIRE_FIXED64 if proto_type in _FIXED64_TYPES else _WIRE_FIXED32
+            self.fixed_fmt = _FIXED_FORMATS[proto_type]
         elif proto_type == betterproto2.TYPE_STRING:
             self.kind = _K_STRING
         elif proto_type in (betterproto2.TYPE_MESSAGE, betterproto2.TYPE_MAP):
@@ -338,3 +370,86 @@ def _check(
 def _where(path: str, name: str, index: int) -> str:
     where = _sub(path, name)
     return f"{where}[{index}]" if index >= 0 else where
+
+
+# ---- building the message from bytes the walk accepted ----------------------------------------------
+
+
+def _from_varint(rule: _Rule, value: int) -> Any:
+    """A varint's value as betterproto2's parser makes it (Message._postprocess_single)."""
+    proto_type = rule.proto_type
+    if proto_type in _SIGNED_VARINT:
+        bits = 32 if proto_type == betterproto2.TYPE_INT32 else 64
+        value &= (1 << bits) - 1
+        sign = 1 << (bits - 1)
+        value = (value ^ sign) - sign
+        return rule.enum_cls(value) if rule.enum_cls is not None else value
+    if proto_type == betterproto2.TYPE_BOOL:
+        return value > 0
+    if proto_type == betterproto2.TYPE_UINT32:
+        return value & 0xFFFFFFFF
+    if proto_type == betterproto2.TYPE_UINT64:
+        return value & 0xFFFFFFFFFFFFFFFF
+    value &= 0xFFFFFFFF if proto_type == betterproto2.TYPE_SINT32 else 0xFFFFFFFFFFFFFFFF
+    return (value >> 1) ^ (-(value & 1))  # sint32/sint64: undo the zig-zag
+
+
+_SIGNED_VARINT = frozenset({betterproto2.TYPE_INT32, betterproto2.TYPE_INT64, betterproto2.TYPE_ENUM})
+
+
+def _build(cls: type[M], data: bytes) -> M:
+    """The message `cls.parse(data)` would make, for bytes `_check` accepted with no unknown field (so no
+    check is repeated here): the same values, field by field, without betterproto2's generic reader.
+    tests/wire/test_wire_strict_walk.py compares the two."""
+    rules = _rules(cls)
+    message = cls()
+    pos = 0
+    end = len(data)
+    while pos < end:
+        tag, pos = _varint(data, pos, "")
+        rule = rules[tag >> 3]
+        wire_type = tag & 7
+        value: Any
+        if wire_type == _WIRE_VARINT:
+            raw, pos = _varint(data, pos, "")
+            value = _from_varint(rule, raw)
+        elif wire_type == _WIRE_LEN:
+            length, pos = _varint(data, pos, "")
+            payload, pos = data[pos : pos + length], pos + length
+            kind = rule.kind
+            if kind == _K_STRING:
+                value = str(payload, "utf-8")
+            elif kind == _K_BYTES:
+                value = payload
+            elif kind == _K_MESSAGE:
+                assert rule.sub is not None
+                value = _build(rule.sub, payload)
+                if rule.is_map:
+                    getattr(message, rule.name)[value.key] = value.value
+                    continue
+                if rule.unwrap:
+                    value = value.to_wrapped()
+            else:  # a packed run of scalars
+                getattr(message, rule.name).extend(_unpack(rule, payload))
+                continue
+        else:
+            size = 8 if wire_type == _WIRE_FIXED64 else 4
+            value = struct.unpack(rule.fixed_fmt, data[pos : pos + size])[0]
+            pos += size
+        if rule.repeated:
+            getattr(message, rule.name).append(value)
+        else:
+            setattr(message, rule.name, value)
+    return message
+
+
+def _unpack(rule: _Rule, payload: bytes) -> list[Any]:
+    if rule.kind == _K_FIXED:
+        size = 8 if rule.fixed_wire == _WIRE_FIXED64 else 4
+        return [struct.unpack(rule.fixed_fmt, payload[i : i + size])[0] for i in range(0, len(payload), size)]
+    out: list[Any] = []
+    pos = 0
+    while pos < len(payload):
+        raw, pos = _varint(payload, pos, "")
+        out.append(_from_varint(rule, raw))
+    return out
