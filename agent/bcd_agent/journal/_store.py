@@ -227,6 +227,7 @@ class Journal:
         self._closed = False
         self._space_ok = True
         self.durable_commits = 0  # fsyncs of the WAL by this process (the command-rate test counts them)
+        self._pending_acks: list[str] = []  # `ack_results(defer=True)`, written with the next transaction
         self._unsynced = False
         self.group_commit = False  # set by `open` (see there): off, every write is fsynced when it returns
         self.commits = 0  # commits that `sync()` tracks, and how many of them are known fsynced
@@ -343,6 +344,9 @@ class Journal:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     yield conn
+                    acks, self._pending_acks = self._pending_acks, []
+                    if acks:  # `ack_results(defer=True)`: written with this transaction
+                        conn.executemany(_SQL_ACK_RESULT, [(i,) for i in acks])
                     conn.execute("COMMIT")
                 except BaseException:
                     if conn.in_transaction:
@@ -949,16 +953,30 @@ class Journal:
             rows = self._conn.execute(_SQL_UNACKED_RESULTS).fetchall()
         return tuple(_entry(r) for r in rows)
 
-    def ack_results(self, command_ids: Iterable[str]) -> int:
+    def ack_results(self, command_ids: Iterable[str], *, defer: bool = False) -> int:
         """Stop replaying these results (ids unknown or not terminal are ignored). Returns how many.
-        Not fsynced by itself (`_tx(durable=False)`): an ack a power cut loses only means the result is
-        replayed once more, and the gateway acks a result it already stored again (DLV-RES-11)."""
+        With [journal] group_commit not fsynced by itself (`_tx(durable=False)`): an ack a power cut loses
+        only means the result is replayed once more, and the gateway acks a result it already stored
+        again (DLV-RES-11). `defer=True`: nothing is written now (returns 0); the ids are written inside
+        the next write transaction (the session's batch: with its commands' accepts, one fsync for
+        both) or by `flush_acks()`; until then the results stay unacked, which costs at most a replay."""
+        if defer:
+            with self._mutex:
+                self._pending_acks.extend(command_ids)
+            return 0
         ids = [(i,) for i in command_ids]
         if not ids:
             return 0
         with self._mutex, self._tx(durable=False, needs_sync=False) as c:
             cur = c.executemany(_SQL_ACK_RESULT, ids)
             return max(cur.rowcount, 0)
+
+    def flush_acks(self) -> None:
+        """Write the acks `ack_results(defer=True)` kept that no transaction took yet."""
+        with self._mutex:
+            if self._pending_acks and not self._closed:
+                with self._tx(durable=False, needs_sync=False):
+                    pass  # `_tx` writes the pending acks
 
     def sweep(self, now: float | None = None) -> int:
         """Delete acked terminal entries finished more than 7 days ago and accepted/running entries of
