@@ -100,8 +100,9 @@ class _Handlers:
                     messages = await trio_asyncio.aio_as_trio(_recv_batch)(stream)
                     if messages is None:
                         break
-                    for message in messages:
-                        plane.on_message(session, message)
+                    with plane.store.batch():  # one commit for the batch (nothing is sent before it)
+                        for message in messages:
+                            plane.on_message(session, message)
                 nursery.cancel_scope.cancel()
         finally:
             plane.close_session(session)
