@@ -70,7 +70,17 @@ class Switch:
 
 
 class KillingJournal:
-    WRITES = ("accept_command", "mark_running", "complete", "reject", "cancel", "cancel_new", "settle")
+    WRITES = (
+        "accept_command",
+        "accept_commands",
+        "mark_running",
+        "complete",
+        "complete_many",
+        "reject",
+        "cancel",
+        "cancel_new",
+        "settle",
+    )
 
     def __init__(self, journal: Journal, switch: Switch) -> None:
         self._j = journal

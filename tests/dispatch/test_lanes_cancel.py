@@ -60,18 +60,19 @@ async def test_DLV_LANE_05_06_credits_and_workers_bound_the_load(
 
 
 async def test_DLV_LANE_09_credit_held_until_result_journaled(tmp_path: Path, pki: Pki) -> None:
-    """At the journal's complete() the credit is still held; when the terminal update goes out it is
-    already journaled and the credit is back."""
+    """At the journal's write of the outcome (complete_many: the outcomes of one tick in one durable
+    transaction) the credit is still held; when the terminal update goes out it is already journaled and
+    the credit is back."""
     h = Harness(tmp_path / "data", pki)
     seen: list[tuple[str, Any, Any]] = []
     d_ref: list[Dispatcher] = []
-    real_complete = h.journal.complete
+    real_complete = h.journal.complete_many
 
-    def complete(command_id: str, *args: Any, **kwargs: Any) -> Any:
+    def complete(completions: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append(("complete", d_ref[0].credits_in_use(Lane.CONTROL), None))
-        return real_complete(command_id, *args, **kwargs)
+        return real_complete(completions, *args, **kwargs)
 
-    h.journal.complete = complete  # type: ignore[method-assign]
+    h.journal.complete_many = complete  # type: ignore[method-assign]
     real_send = h.sink.send
 
     def send(update: CommandUpdate) -> None:
@@ -219,7 +220,17 @@ async def test_Q_DLV_CAN_01_cancel_of_unseen_command_settles_it(tmp_path: Path, 
 class CountingJournal:
     """The real journal, counting its writes (every write is one durable transaction)."""
 
-    WRITES = ("accept_command", "mark_running", "complete", "reject", "cancel", "cancel_new", "settle")
+    WRITES = (
+        "accept_command",
+        "accept_commands",
+        "mark_running",
+        "complete",
+        "complete_many",
+        "reject",
+        "cancel",
+        "cancel_new",
+        "settle",
+    )
 
     def __init__(self, journal: Any) -> None:
         self._j = journal

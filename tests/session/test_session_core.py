@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -485,3 +487,38 @@ def test_DLV_JRN_14_the_mark_is_mirrored_and_a_lost_journal_does_not_reset_it(
     # The mark never moves back: the older Welcome did not lower the mirrored one.
     assert ident.load(data).server_time_mark_ms == later_ms
     fresh.journal.close()
+
+
+class BatchingRecorder(Recorder):
+    """A dispatcher that records when the session opens and closes its admission batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.log: list[str] = []
+
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        self.log.append("enter")
+        try:
+            yield
+        finally:
+            self.log.append("exit")  # the batch's accepts are written here, even when a message raised
+
+    def cancel(self, command_id: str, reason: str = "") -> None:
+        self.log.append(command_id)
+
+
+def test_a_received_batch_is_handled_inside_one_admission_batch(tmp_path: Path, pki: Pki) -> None:
+    """The messages that arrived together reach the dispatcher inside one `admitting()`, so their
+    commands' accepts are journaled in one durable transaction; a message that ends the connection
+    still closes the batch (what was admitted is journaled and answered)."""
+    core, out, _, _ = make(tmp_path, pki)
+    rec = BatchingRecorder()
+    core.dispatcher = rec
+    connect(core, out)
+    batch = [wire.GatewayMessage(cancel=wire.Cancel(command_id=c, reason="r")) for c in ("a", "b", "c")]
+    core.handle_batch(batch)
+    assert rec.log == ["enter", "a", "b", "c", "exit"]
+    with pytest.raises(ProtocolViolation):
+        core.handle_batch([wire.GatewayMessage(cancel=wire.Cancel(command_id="d", reason="r")), welcome()])
+    assert rec.log[5:] == ["enter", "d", "exit"]

@@ -193,6 +193,10 @@ class DevPlane:
         self.sessions: dict[str, GatewaySession] = {}
         self.address: tuple[str, int] | None = None
         self._poke = trio.Event()
+        # Bodies `enqueue` built (valid by construction) -> their node: `dispatch` re-checks a stored body
+        # (DLV-CMD-17) by decoding it only when its bytes are not these (changed in the store, or
+        # enqueued by an earlier process). Bounded: cleared past _KNOWN_BODIES_MAX.
+        self._known_bodies: dict[bytes, str] = {}
         self.ca_pem_path = self.directory / "ca.pem"
         if not self.ca_pem_path.exists():
             self.ca_pem_path.write_bytes(self.keys.ca_pem())
@@ -418,6 +422,10 @@ class DevPlane:
                 batch_id=f"batch-{command_id}" if batched else "",
             )
             body = bytes(body_msg)
+            if body_msg.not_after > 0:
+                if len(self._known_bodies) >= _KNOWN_BODIES_MAX:
+                    self._known_bodies.clear()
+                self._known_bodies[body] = node_id
             signature = self.keys.key("worker").sign(Purpose.COMMAND, body)
             approval = proof = None
             if batched:
@@ -537,7 +545,10 @@ class DevPlane:
                 for row in rows:
                     if free <= 0:
                         break
-                    if not _body_ok(bytes(row["body"]), session.node_id):
+                    body = bytes(row["body"])
+                    if self._known_bodies.pop(body, None) != session.node_id and not _body_ok(
+                        body, session.node_id
+                    ):
                         c.execute(
                             "UPDATE commands SET state = 'cancelled', reason = 'invalid-body', updated_at = ?"
                             " WHERE id = ?",
@@ -823,6 +834,9 @@ class DevPlane:
 
     def nodes(self) -> list[str]:
         return [str(r[0]) for r in self.store.all("SELECT node_id FROM nodes ORDER BY joined_at")]
+
+
+_KNOWN_BODIES_MAX = 100_000
 
 
 def _body_ok(body: bytes, node_id: str) -> bool:

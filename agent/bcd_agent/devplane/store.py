@@ -69,6 +69,7 @@ class Store:
         self.conn.execute("PRAGMA journal_mode=WAL")
         self.conn.execute("PRAGMA synchronous=NORMAL")
         self.lock = threading.RLock()
+        self.depth = 0  # open transactions and savepoints (the lock's owner's)
         with self.tx() as c:
             for stmt in DDL.split(";"):
                 if stmt.strip():
@@ -78,22 +79,46 @@ class Store:
         self.conn.close()
 
     class _Tx:
-        def __init__(self, store: Store) -> None:
+        """One transaction; inside `batch()` (or another tx of this thread) a savepoint of it, so a
+        failing one still rolls back only its own writes."""
+
+        def __init__(self, store: Store, always_commit: bool = False) -> None:
             self.store = store
+            self.always_commit = always_commit
 
         def __enter__(self) -> sqlite3.Connection:
-            self.store.lock.acquire()
-            self.store.conn.execute("BEGIN IMMEDIATE")
-            return self.store.conn
+            store = self.store
+            store.lock.acquire()
+            try:
+                store.conn.execute("SAVEPOINT tx" if store.depth else "BEGIN IMMEDIATE")
+            except BaseException:
+                store.lock.release()
+                raise
+            store.depth += 1
+            return store.conn
 
         def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
+            store = self.store
+            store.depth -= 1
+            failed = exc_type is not None and not self.always_commit
             try:
-                self.store.conn.execute("ROLLBACK" if exc_type else "COMMIT")
+                if store.depth:
+                    if failed:
+                        store.conn.execute("ROLLBACK TO tx")
+                    store.conn.execute("RELEASE tx")
+                else:
+                    store.conn.execute("ROLLBACK" if failed else "COMMIT")
             finally:
-                self.store.lock.release()
+                store.lock.release()
 
     def tx(self) -> Store._Tx:
         return Store._Tx(self)
+
+    def batch(self) -> Store._Tx:
+        """One transaction around several `tx()` blocks (the messages of one received batch): each is a
+        savepoint, rolled back alone if it fails, and what the others wrote is committed once at the end,
+        even when one raised."""
+        return Store._Tx(self, always_commit=True)
 
     def one(self, sql: str, *args: Any) -> sqlite3.Row | None:
         with self.lock:

@@ -33,7 +33,7 @@ import contextlib
 import enum
 import logging
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import trio
 from bcd_shared import wire
@@ -76,10 +76,12 @@ from bcd_agent.journal import (
     Action,
     CommandEntry,
     CommandFlags,
+    Completion,
     DataDirFull,
     JournalFull,
     NewCommand,
     Outcome,
+    StateError,
 )
 
 log = logging.getLogger(__name__)
@@ -109,6 +111,27 @@ class _Execution:
         self.cancel_reason: str | None = None
 
 
+class _Pending:
+    """A command that passed the checks and holds its credit inside `admitting()`: journaled `accepted`
+    with the others of its batch when the batch ends (one transaction, one fsync), then ACKED."""
+
+    def __init__(self, cmd: CommandEnvelope, verdict: Accept, new: NewCommand, host_now: float) -> None:
+        self.cmd = cmd
+        self.verdict = verdict
+        self.new = new
+        self.host_now = host_now
+
+
+class _OutcomeWrite:
+    """A worker's outcome waiting for the group write of the outcomes reached in the same tick."""
+
+    def __init__(self, exe: _Execution, completion: Completion) -> None:
+        self.exe = exe
+        self.completion = completion
+        self.done = trio.Event()
+        self.error: BaseException | None = None
+
+
 class _RunContext:
     """What a handler sees of the dispatcher (handlers.RunContext)."""
 
@@ -130,11 +153,13 @@ class _RunContext:
             return
         if exe.cancel_reason is not None:
             raise CommandCancelled(exe.cancel_reason)
-        # Durable before effect: running{boot_id} is on disk when this returns (DLV-JRN-16/17).
-        # Durable for self-terminating kinds only (journal.mark_running says why); and `accepted`, written
-        # with durable=False, is fsynced now, before the effect (DLV-JRN-16), with every other pending
-        # commit (one fsync for a burst of commands).
-        self._d._journal.mark_running(exe.cmd.id, durable=exe.new.flags.self_terminating)
+        # Durable before effect (DLV-JRN-16/17): a self-terminating kind's running{boot_id} is on disk
+        # when this returns. Other kinds write no `running`: after a crash their `accepted` resolves as
+        # `running` would (REEXECUTE or INTERRUPTED; journal.mark_running), so it would be a write that
+        # changes no decision. With [journal] group_commit, `accepted` (written with durable=False) is
+        # fsynced now, before the effect, with every other pending commit.
+        if exe.new.flags.self_terminating:
+            self._d._journal.mark_running(exe.cmd.id)
         self._d._journal.sync()
         exe.phase = _Phase.EFFECT
         self._d._send(UpdateState.RUNNING, exe.cmd.id)
@@ -212,6 +237,12 @@ class Dispatcher:
         self._accepting = True
         self._idle = trio.Event()
         self._idle.set()
+        # Inside `admitting()`: the commands that passed the checks, journaled together when it ends.
+        self._batch_depth = 0
+        self._pending: list[_Pending] = []
+        self._pending_ids: set[str] = set()
+        # The outcomes workers reached in this tick, written together by the first of them.
+        self._outcomes: list[_OutcomeWrite] = []
         if signer is not None:
             # Attested results are signed once, as they are journaled, and replayed as stored.
             journal.set_attester(result_attester(signer))
@@ -276,11 +307,58 @@ class Dispatcher:
     def set_upgrade_only(self, upgrade_only: bool) -> None:
         self._upgrade_only = upgrade_only
 
+    @contextlib.contextmanager
+    def admitting(self) -> Iterator[None]:
+        """Deliveries inside are accepted together (the session wraps each batch of received messages):
+        every command that passes the checks takes its credit at once, and when the block ends their
+        `accepted` entries are journaled in one transaction, fsynced once before it returns
+        (`Journal.accept_commands`: one write, durable when it returns, DLV-JRN-15), and only then is
+        each one's ACKED sent and the command queued on its lane. A crash before that fsync leaves no
+        record and no ACKED: the gateway redelivers. Anything that must see those commands in flight
+        (a Cancel, an invalid duplicate, a spec) writes the batch first (`flush_admissions`)."""
+        self._batch_depth += 1
+        try:
+            yield
+        finally:
+            self._batch_depth -= 1
+            if self._batch_depth == 0:
+                self.flush_admissions()
+
+    def flush_admissions(self) -> None:
+        """Journal the pending batch's `accepted` entries (one durable transaction), then ACK and queue
+        each. A command the journal refused is answered as its entry says (JournalFull: BUSY)."""
+        pending, self._pending = self._pending, []
+        self._pending_ids = set()
+        if not pending:
+            return
+        try:
+            results = self._journal.accept_commands([p.new for p in pending], durable=False)
+        except DataDirFull as exc:
+            for p in pending:
+                self._credits[p.verdict.flags.lane].give_back()
+                self._busy(p.cmd, str(exc))
+            return
+        except BaseException:
+            for p in pending:
+                self._credits[p.verdict.flags.lane].give_back()
+            raise
+        for p, result in zip(pending, results, strict=True):
+            if isinstance(result, JournalFull):
+                self._credits[p.verdict.flags.lane].give_back()
+                self._busy(p.cmd, str(result))
+            elif isinstance(result, Exception):
+                # Journaled meanwhile (an invalid duplicate of the batch was rejected): a duplicate.
+                self._credits[p.verdict.flags.lane].give_back()
+                log.info("command %s: %s; answered as a duplicate", p.cmd.id, result)
+                self._deliver(p.cmd)
+            else:
+                self._admitted(p.cmd, p.verdict, p.new, p.host_now)
+
     def deliver(self, cmd: CommandEnvelope) -> None:
         """A command arrived (or was redelivered) from the session."""
         if not self._admitting(cmd):
             return
-        if cmd.id in self._deferred or cmd.id in self._inflight:
+        if cmd.id in self._deferred or cmd.id in self._inflight or cmd.id in self._pending_ids:
             return  # still waiting, or the run in flight reports (REATTACH)
         try:
             self._deliver(cmd)
@@ -326,6 +404,7 @@ class Dispatcher:
         self._require_running()
         if not self._running or not self._accepting:
             return  # the gateway redelivers it to the next process
+        self.flush_admissions()
         if not exc.command_id:
             log.warning("undecodable command dropped: %s", exc)
             return
@@ -353,6 +432,7 @@ class Dispatcher:
         self._require_running()
         if not self._running:
             return  # stopped: the next process reads the generation from the journal
+        self.flush_admissions()
         if generation <= self._applied_generation:
             return
         self._applied_generation = generation
@@ -368,6 +448,7 @@ class Dispatcher:
         self._require_running()
         if not self._running:
             return  # the gateway repeats the Cancel on the next session (DLV-CAN-02)
+        self.flush_admissions()  # a command of this batch is in flight once its accept is written
         with contextlib.suppress(DataDirFull):  # not journaled; the gateway repeats it after a reconnect
             self._cancel(command_id, reason)
 
@@ -447,9 +528,17 @@ class Dispatcher:
             self._busy(cmd, f"lane {lane.value} has no free credit ({credits.total} in use)")
             return
         new = _new_command(cmd, verdict.spec)
+        if self._batch_depth:
+            if verdict.claim is None:
+                self._pending.append(_Pending(cmd, verdict, new, ctx.host_now))
+                self._pending_ids.add(cmd.id)
+                return
+            # A quorum claim (the unbatched allowance, a batch leaf) is recorded before the next
+            # command's checks read the ledger: such a command is never batched.
+            self.flush_admissions()
         try:
-            # Fsynced before its effect (begin_effect) and before the ACKED leaves (the session syncs
-            # before it writes): a burst of commands shares one fsync.
+            # Durable when it returns (with [journal] group_commit: fsynced before its effect, in
+            # begin_effect, and before the ACKED leaves, the session syncing before it writes).
             self._journal.accept_command(new, durable=False)
         except JournalFull as exc:
             credits.give_back()
@@ -458,10 +547,15 @@ class Dispatcher:
         except BaseException:
             credits.give_back()
             raise
+        self._admitted(cmd, verdict, new, ctx.host_now)
+
+    def _admitted(self, cmd: CommandEnvelope, verdict: Accept, new: NewCommand, host_now: float) -> None:
+        """`accepted` is journaled: record the quorum claim, report ACKED, queue it on its lane."""
+        lane = verdict.flags.lane
         exe = _Execution(cmd, verdict, new)
         self._inflight[cmd.id] = exe
         try:
-            self._record_claim(cmd, verdict, ctx.host_now)
+            self._record_claim(cmd, verdict, host_now)
         except Exception as exc:
             log.exception("command %s: recording its quorum claim failed", cmd.id)
             self._complete(exe, Outcome.FAILED, code=ERR_INTERNAL, message=f"quorum ledger: {exc}")
@@ -543,8 +637,7 @@ class Dispatcher:
         try:
             resources = handler.resources(cmd)
         except CommandFailed as exc:
-            code, message = exc.code, exc.message
-            await self._durably(lambda: self._complete(exe, Outcome.FAILED, code=code, message=message))
+            await self._durably_outcome(exe, Outcome.FAILED, code=exc.code, message=exc.message)
             return
         async with self._locks.hold(resources):
             if exe.phase is _Phase.SETTLED:
@@ -554,43 +647,72 @@ class Dispatcher:
                 await self._durably(lambda: self._expired(exe))
                 return
             exe.phase = _Phase.STARTING
-            outcome: Callable[[], None]
             try:
                 body = await handler.run(cmd, _RunContext(self, exe))
             except CommandCancelled as exc:
                 reason = exc.reason
 
-                def outcome() -> None:
-                    cancelled = self._journal.cancel(cmd.id, reason)
-                    assert cancelled is not None
+                def cancelled() -> None:
+                    entry = self._journal.cancel(cmd.id, reason)
+                    assert entry is not None
                     self._settled(exe)
-                    self._send_new(cancelled)
+                    self._send_new(entry)
 
+                await self._durably(cancelled)
             except CommandFailed as exc:
-                code, message = exc.code, exc.message
-
-                def outcome() -> None:
-                    self._complete(exe, Outcome.FAILED, code=code, message=message)
-
+                await self._durably_outcome(exe, Outcome.FAILED, code=exc.code, message=exc.message)
             except StepError as exc:
-                code, message = exc.reason, exc.message
-
-                def outcome() -> None:
-                    self._complete(exe, Outcome.FAILED, code=code, message=message)
-
+                await self._durably_outcome(exe, Outcome.FAILED, code=exc.reason, message=exc.message)
             except Exception as exc:
                 log.exception("command %s (%s) failed inside its handler", cmd.id, cmd.kind)
                 message = f"{type(exc).__name__}: {exc}"
-
-                def outcome() -> None:
-                    self._complete(exe, Outcome.FAILED, code=ERR_INTERNAL, message=message)
-
+                await self._durably_outcome(exe, Outcome.FAILED, code=ERR_INTERNAL, message=message)
             else:
+                await self._durably_outcome(exe, Outcome.SUCCEEDED, body=body)
 
-                def outcome() -> None:
-                    self._complete(exe, Outcome.SUCCEEDED, body=body)
+    async def _durably_outcome(
+        self, exe: _Execution, outcome: Outcome, *, code: str = "", body: bytes = b"", message: str = ""
+    ) -> None:
+        """`_journal_outcome`, again every DISK_RETRY_S while the data_dir is full."""
+        while True:
+            try:
+                await self._journal_outcome(exe, Completion(exe.cmd.id, outcome, code, body, message))
+                return
+            except DataDirFull:
+                await trio.sleep(DISK_RETRY_S)
 
-            await self._durably(outcome)
+    async def _journal_outcome(self, exe: _Execution, completion: Completion) -> None:
+        """Journal a worker's real outcome together with those the other workers reach in the same tick:
+        the first to arrive lets the others run once (a shielded checkpoint), then writes them all in
+        one transaction, fsynced before it returns (`Journal.complete_many`: one write, DLV-JRN-15); only
+        then is each credit given back (DLV-LANE-09) and each result reported. Every worker returns once
+        its own outcome is durable (or raises what the write raised)."""
+        item = _OutcomeWrite(exe, completion)
+        self._outcomes.append(item)
+        if len(self._outcomes) > 1:
+            await item.done.wait()  # the first of this tick writes it
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            batch, self._outcomes = self._outcomes, []
+            self._write_outcomes(batch)
+        if item.error is not None:
+            raise item.error
+
+    def _write_outcomes(self, batch: list[_OutcomeWrite]) -> None:
+        try:
+            results = self._journal.complete_many([w.completion for w in batch], durable=False)
+        except BaseException as exc:  # DataDirFull: each worker retries; anything else ends the node
+            for w in batch:
+                w.error = exc
+                w.done.set()
+            return
+        for w, result in zip(batch, results, strict=True):
+            if isinstance(result, StateError):
+                w.error = result
+            else:
+                self._settled(w.exe)
+                self._send_new(result)
+            w.done.set()
 
     def _expired(self, exe: _Execution) -> None:
         entry = self._journal.reject(

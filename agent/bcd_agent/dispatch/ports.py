@@ -8,12 +8,22 @@ adapters around them, see dispatch.adapters). Tests pass the real journal and re
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Sequence
 from typing import Protocol
 
 from attrs import frozen
 
 from bcd_agent.dispatch.command import CommandEnvelope, CommandUpdate, UpdateState
-from bcd_agent.journal import Attester, CommandEntry, NewCommand, Outcome, Resolution
+from bcd_agent.journal import (
+    Attester,
+    CommandEntry,
+    Completion,
+    JournalError,
+    NewCommand,
+    Outcome,
+    Resolution,
+    StateError,
+)
 
 
 @frozen
@@ -27,8 +37,9 @@ class BatchAdmission:
 
 class CommandJournal(Protocol):
     """The commands half of `bcd_agent.journal.Journal`, as the dispatcher uses it (the real Journal
-    satisfies this structurally). Every write is durable when it returns, except those made with
-    `durable=False`, which `sync()` makes durable."""
+    satisfies this structurally). Every write is durable when it returns (`accept_commands` and
+    `complete_many` are one write each: one transaction for several commands), except, with
+    [journal] group_commit, those made with `durable=False`, which `sync()` makes durable."""
 
     @property
     def boot_id(self) -> str: ...
@@ -36,6 +47,10 @@ class CommandJournal(Protocol):
     def resolve(self, command_id: str) -> Resolution: ...
 
     def accept_command(self, command: NewCommand, *, durable: bool = True) -> CommandEntry: ...
+
+    def accept_commands(
+        self, commands: Sequence[NewCommand], *, durable: bool = True
+    ) -> list[CommandEntry | JournalError]: ...
 
     def sync(self) -> None: ...
 
@@ -53,6 +68,10 @@ class CommandJournal(Protocol):
         message: str = "",
         durable: bool = True,
     ) -> CommandEntry: ...
+
+    def complete_many(
+        self, completions: Sequence[Completion], *, durable: bool = True
+    ) -> list[CommandEntry | StateError]: ...
 
     def reject(self, command: NewCommand, reason: str, message: str = "") -> CommandEntry: ...
 

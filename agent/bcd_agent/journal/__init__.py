@@ -4,7 +4,8 @@ Rules (docs/journal.md has the detail and the decisions):
 
 * **Durable before it returns.** WAL with synchronous=FULL; every public write is one transaction,
   fsynced when the call returns. `accept_command` reaches disk before any side effect; self-terminating
-  kinds call `mark_running` immediately before theirs (DLV-JRN-15..17).
+  kinds call `mark_running` immediately before theirs (DLV-JRN-15..17). `accept_commands` and
+  `complete_many` write several commands in one transaction, fsynced once, before they return.
 * **Synchronous store.** No trio here: callers run it in a thread (`trio.to_thread.run_sync`) or call it
   directly. Calls are serialised by an internal lock. One process per data_dir (an flock on
   `journal.lock`); the data_dir is 0700 and ours alone, the files 0600.
@@ -54,6 +55,7 @@ from bcd_agent.journal._types import (
     CommandFlags,
     CommandResult,
     CommandState,
+    Completion,
     DataDirFull,
     Event,
     EventClass,
@@ -90,6 +92,7 @@ __all__ = [
     "CommandFlags",
     "CommandResult",
     "CommandState",
+    "Completion",
     "DataDirFull",
     "Event",
     "EventClass",

@@ -53,6 +53,7 @@ from bcd_agent.journal._types import (
     CommandFlags,
     CommandResult,
     CommandState,
+    Completion,
     DataDirFull,
     Event,
     EventClass,
@@ -226,6 +227,7 @@ class Journal:
         self._closed = False
         self._space_ok = True
         self.durable_commits = 0  # fsyncs of the WAL by this process (the command-rate test counts them)
+        self._pending_acks: list[str] = []  # `ack_results(defer=True)`, written with the next transaction
         self._unsynced = False
         self.group_commit = False  # set by `open` (see there): off, every write is fsynced when it returns
         self.commits = 0  # commits that `sync()` tracks, and how many of them are known fsynced
@@ -342,6 +344,9 @@ class Journal:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     yield conn
+                    acks, self._pending_acks = self._pending_acks, []
+                    if acks:  # `ack_results(defer=True)`: written with this transaction
+                        conn.executemany(_SQL_ACK_RESULT, [(i,) for i in acks])
                     conn.execute("COMMIT")
                 except BaseException:
                     if conn.in_transaction:
@@ -642,6 +647,65 @@ class Journal:
                 acked=False,
             )
 
+    def accept_commands(
+        self, commands: Sequence[NewCommand], *, durable: bool = True
+    ) -> list[CommandEntry | JournalError]:
+        """Journal `accepted` for several commands in ONE transaction: one write, fsynced before it
+        returns (DLV-JRN-15), so a burst of commands shares one fsync and none of their ACKED can leave
+        before all of them are on disk. Per command, as `accept_command` (a retry-safe leftover is taken
+        over); in the place of a command that cannot be accepted, its JournalFull or StateError (nothing
+        written for it). DataDirFull or JournalIOError: nothing of the batch is written."""
+        out: list[CommandEntry | JournalError] = []
+        with self._mutex:
+            now = self._clock()
+            with self._tx(durable) as c:
+                for command in commands:
+                    if self._full():
+                        out.append(JournalFull(self._full_message()))
+                        continue
+                    try:
+                        out.append(self._accept_in(c, command, now))
+                    except StateError as exc:
+                        out.append(exc)
+        return out
+
+    def _accept_in(self, c: sqlite3.Connection, command: NewCommand, now: float) -> CommandEntry:
+        """`accepted` for one command inside the caller's transaction (StateError: already journaled
+        and not a retry-safe leftover of an earlier process; nothing written)."""
+        flags = command.flags
+        try:
+            c.execute(
+                _SQL_INSERT_ACCEPTED,
+                (
+                    command.id, command.kind, flags.retry_safe, flags.self_terminating, flags.attested,
+                    self._incarnation, self._boot_id, now, now, command.body, command.signature,
+                ),
+            )  # fmt: skip
+        except sqlite3.IntegrityError:
+            old = _entry(c.execute(_SQL_GET, (command.id,)).fetchone())
+            if resolve_entry(old, self._incarnation, self._boot_id) is not Action.REEXECUTE:
+                raise StateError(
+                    f"command {command.id}: already journaled ({old.state.value}); resolve it first"
+                ) from None
+            c.execute(
+                _SQL_TAKE_OVER,
+                (self._incarnation, self._boot_id, now, now, command.body, command.signature, command.id),
+            )
+        return CommandEntry(
+            id=command.id,
+            kind=command.kind,
+            flags=flags,
+            state=CommandState.ACCEPTED,
+            incarnation=self._incarnation,
+            boot_id=self._boot_id,
+            accepted_at=now,
+            updated_at=now,
+            body=command.body,
+            signature=command.signature,
+            result=None,
+            acked=False,
+        )
+
     def mark_running(self, command_id: str, *, durable: bool = True) -> CommandEntry:
         """Journal `running{boot_id}` (self-terminating kinds: immediately before the side effect,
         durably: DLV-JRN-17). For other kinds the dispatcher passes `durable=False`: their `accepted`
@@ -675,28 +739,66 @@ class Journal:
         if outcome not in (Outcome.SUCCEEDED, Outcome.FAILED):
             raise ValueError(f"outcome: complete() takes SUCCEEDED or FAILED, got {outcome.value}")
         with self._mutex, self._tx(durable) as c:
-            row = c.execute(_SQL_GET, (command_id,)).fetchone()
-            if row is None:
-                raise StateError(f"command {command_id}: not journaled")
-            entry = _entry(row)
-            if entry.state.terminal:
-                return entry
-            if entry.incarnation != self._incarnation:
-                raise StateError(f"command {command_id}: left by an earlier process; resolve it first")
-            return self._finish(
-                c,
-                entry,
-                CommandResult(
-                    outcome,
-                    code,
-                    body,
-                    self._boot_id,
-                    self._clock(),
-                    node_sig,
-                    attestation=attestation,
-                    message=message[:MAX_MESSAGE_CHARS],
-                ),
-            )
+            return self._complete_in(c, command_id, outcome, code, body, message, node_sig, attestation)
+
+    def complete_many(
+        self, completions: Sequence[Completion], *, durable: bool = True
+    ) -> list[CommandEntry | StateError]:
+        """`complete` for several commands in ONE transaction: one write, fsynced before it returns
+        (DLV-JRN-15), so the outcomes a burst of commands reached together share one fsync. In the place
+        of an outcome that cannot be written, its StateError (nothing written for it). DataDirFull or
+        JournalIOError: nothing of the batch is written."""
+        for done in completions:
+            if done.outcome not in (Outcome.SUCCEEDED, Outcome.FAILED):
+                raise ValueError(
+                    f"outcome: complete_many() takes SUCCEEDED or FAILED, got {done.outcome.value}"
+                )
+        out: list[CommandEntry | StateError] = []
+        with self._mutex, self._tx(durable) as c:
+            for done in completions:
+                try:
+                    out.append(
+                        self._complete_in(
+                            c, done.command_id, done.outcome, done.code, done.body, done.message
+                        )
+                    )
+                except StateError as exc:
+                    out.append(exc)
+        return out
+
+    def _complete_in(
+        self,
+        c: sqlite3.Connection,
+        command_id: str,
+        outcome: Outcome,
+        code: str,
+        body: bytes,
+        message: str,
+        node_sig: bytes = b"",
+        attestation: bytes = b"",
+    ) -> CommandEntry:
+        row = c.execute(_SQL_GET, (command_id,)).fetchone()
+        if row is None:
+            raise StateError(f"command {command_id}: not journaled")
+        entry = _entry(row)
+        if entry.state.terminal:
+            return entry
+        if entry.incarnation != self._incarnation:
+            raise StateError(f"command {command_id}: left by an earlier process; resolve it first")
+        return self._finish(
+            c,
+            entry,
+            CommandResult(
+                outcome,
+                code,
+                body,
+                self._boot_id,
+                self._clock(),
+                node_sig,
+                attestation=attestation,
+                message=message[:MAX_MESSAGE_CHARS],
+            ),
+        )
 
     def reject(self, command: NewCommand, reason: str, message: str = "") -> CommandEntry:
         """Journal a terminal rejection (UNSUPPORTED, EXPIRED, ...; never BUSY). A new id gets a `rejected`
@@ -851,16 +953,30 @@ class Journal:
             rows = self._conn.execute(_SQL_UNACKED_RESULTS).fetchall()
         return tuple(_entry(r) for r in rows)
 
-    def ack_results(self, command_ids: Iterable[str]) -> int:
+    def ack_results(self, command_ids: Iterable[str], *, defer: bool = False) -> int:
         """Stop replaying these results (ids unknown or not terminal are ignored). Returns how many.
-        Not fsynced by itself (`_tx(durable=False)`): an ack a power cut loses only means the result is
-        replayed once more, and the gateway acks a result it already stored again (DLV-RES-11)."""
+        With [journal] group_commit not fsynced by itself (`_tx(durable=False)`): an ack a power cut loses
+        only means the result is replayed once more, and the gateway acks a result it already stored
+        again (DLV-RES-11). `defer=True`: nothing is written now (returns 0); the ids are written inside
+        the next write transaction (the session's batch: with its commands' accepts, one fsync for
+        both) or by `flush_acks()`; until then the results stay unacked, which costs at most a replay."""
+        if defer:
+            with self._mutex:
+                self._pending_acks.extend(command_ids)
+            return 0
         ids = [(i,) for i in command_ids]
         if not ids:
             return 0
         with self._mutex, self._tx(durable=False, needs_sync=False) as c:
             cur = c.executemany(_SQL_ACK_RESULT, ids)
             return max(cur.rowcount, 0)
+
+    def flush_acks(self) -> None:
+        """Write the acks `ack_results(defer=True)` kept that no transaction took yet."""
+        with self._mutex:
+            if self._pending_acks and not self._closed:
+                with self._tx(durable=False, needs_sync=False):
+                    pass  # `_tx` writes the pending acks
 
     def sweep(self, now: float | None = None) -> int:
         """Delete acked terminal entries finished more than 7 days ago and accepted/running entries of

@@ -98,6 +98,17 @@ class NewCommand:
 
 
 @frozen
+class Completion:
+    """One real outcome for `Journal.complete_many` (the arguments of `Journal.complete`)."""
+
+    command_id: str
+    outcome: Outcome
+    code: str = ""
+    body: bytes = b""
+    message: str = ""
+
+
+@frozen
 class CommandResult:
     """A terminal result, stored exactly as produced and replayed until acknowledged.
 

@@ -244,14 +244,15 @@ class Session:
                         messages = await stream.recv_batch()
                         if messages is None:
                             break
-                        for message in messages:
-                            self.core.handle(message)
-                            if message.welcome is not None or (
-                                message.ack is not None and message.ack.journal_id
-                            ):
-                                # What the ticker acts on: the Welcome (events, status) and event acks
-                                # (room for events); a command's updates go out through the outbox.
-                                self._wake.set()
+                        # One batch: its commands' accepts are journaled in one durable transaction.
+                        self.core.handle_batch(messages)
+                        if any(
+                            m.welcome is not None or (m.ack is not None and m.ack.journal_id)
+                            for m in messages
+                        ):
+                            # What the ticker acts on: the Welcome (events, status) and event acks
+                            # (room for events); a command's updates go out through the outbox.
+                            self._wake.set()
                     nursery.cancel_scope.cancel()
 
                 async def sender() -> None:

@@ -266,7 +266,10 @@ class StreamHandle:
                     " ([control_plane] max_message_bytes)"
                 )
             try:
-                body = await asyncio.wait_for(h2.recv_data(length), self._limits.frame_deadline_s)
+                if self._buffered(length):  # all there: no deadline (a timer and a task) needed
+                    body = await h2.recv_data(length)
+                else:
+                    body = await asyncio.wait_for(h2.recv_data(length), self._limits.frame_deadline_s)
             except TimeoutError:
                 raise FrameRefused(
                     f"a {length}-byte message stopped arriving: not complete after"

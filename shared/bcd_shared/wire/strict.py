@@ -26,6 +26,8 @@ Decoding never re-encodes: signed bytes are verified and stored as received (doc
 
 from __future__ import annotations
 
+import functools
+import struct
 from collections.abc import Collection
 from typing import Any, TypeVar
 
@@ -96,7 +98,9 @@ def decode_with_unknown(
     unknown: list[UnknownField] = []
     _check(cls, raw, "", frozenset(tolerate_unknown_in), unknown)
     try:
-        return cls.parse(raw), unknown
+        if unknown:
+            return cls.parse(raw), unknown  # parse keeps the tolerated fields' bytes (`_unknown_fields`)
+        return _build(cls, raw), unknown
     except Exception as exc:  # the walk above admits only what parse handles; keep the boundary typed anyway
         raise WireError("", f"undecodable: {exc}") from exc
 
@@ -154,6 +158,15 @@ def _varint(data: bytes, pos: int, path: str) -> tuple[int, int]:
         shift += 7
 
 
+def _varint_at(data: bytes, pos: int, path: str, name: str) -> tuple[int, int]:
+    """`_varint` with the one-byte case inline and the error path (`path`.`name`) built only on error."""
+    if pos < len(data):
+        byte = data[pos]
+        if byte < 0x80:
+            return byte, pos + 1
+    return _varint(data, pos, _sub(path, name))
+
+
 def _sub(path: str, name: str) -> str:
     return f"{path}.{name}" if path else name
 
@@ -195,6 +208,75 @@ def _field_class(cls: type[betterproto2.Message], name: str, meta: Any) -> type[
     return field_cls
 
 
+_FIXED_FORMATS = {
+    betterproto2.TYPE_DOUBLE: "<d",
+    betterproto2.TYPE_FLOAT: "<f",
+    betterproto2.TYPE_FIXED32: "<I",
+    betterproto2.TYPE_FIXED64: "<Q",
+    betterproto2.TYPE_SFIXED32: "<i",
+    betterproto2.TYPE_SFIXED64: "<q",
+}
+
+# What the walk needs of one field, computed once per message class (`_rules`).
+_K_VARINT, _K_FIXED, _K_STRING, _K_BYTES, _K_MESSAGE = range(5)
+
+
+class _Rule:
+    __slots__ = (
+        "enum_cls",
+        "fixed_fmt",
+        "fixed_wire",
+        "group",
+        "is_map",
+        "kind",
+        "name",
+        "packable",
+        "proto_type",
+        "repeated",
+        "sub",
+        "unwrap",
+    )
+
+    def __init__(self, cls: type[betterproto2.Message], name: str, meta: Any) -> None:
+        proto_type = meta.proto_type
+        self.name = name
+        self.proto_type = proto_type
+        self.repeated = bool(meta.repeated) or proto_type == betterproto2.TYPE_MAP
+        self.packable = bool(meta.repeated)  # a packed run is accepted for a repeated scalar
+        self.group = meta.group
+        self.fixed_wire = -1
+        self.fixed_fmt = ""
+        self.sub: type[betterproto2.Message] | None = None
+        self.enum_cls: Any = None
+        self.is_map = proto_type == betterproto2.TYPE_MAP
+        self.unwrap = meta.unwrap is not None
+        if proto_type in _VARINT_TYPES:
+            self.kind = _K_VARINT
+            if proto_type == betterproto2.TYPE_ENUM:
+                self.enum_cls = _proto_meta(cls).cls_by_field[name]
+        elif proto_type in _FIXED64_TYPES or proto_type in _FIXED32_TYPES:
+            self.kind = _K_FIXED
+            self.fixed_wire = _WIRE_FIXED64 if proto_type in _FIXED64_TYPES else _WIRE_FIXED32
+            self.fixed_fmt = _FIXED_FORMATS[proto_type]
+        elif proto_type == betterproto2.TYPE_STRING:
+            self.kind = _K_STRING
+        elif proto_type in (betterproto2.TYPE_MESSAGE, betterproto2.TYPE_MAP):
+            self.kind = _K_MESSAGE
+            self.sub = _field_class(cls, name, meta)
+        else:
+            self.kind = _K_BYTES
+
+
+@functools.cache
+def _rules(cls: type[betterproto2.Message]) -> dict[int, _Rule]:
+    """The class's fields by number (the schema is fixed for the life of the process)."""
+    proto_meta = _proto_meta(cls)
+    return {
+        number: _Rule(cls, name, proto_meta.meta_by_field_name[name])
+        for number, name in proto_meta.field_name_by_number.items()
+    }
+
+
 def _check(
     cls: type[betterproto2.Message],
     data: bytes,
@@ -202,76 +284,172 @@ def _check(
     tolerate: frozenset[str],
     unknown: list[UnknownField],
 ) -> None:
-    proto_meta = _proto_meta(cls)
+    rules = _rules(cls)
     seen: set[int] = set()
     groups: dict[str, str] = {}
     counts: dict[str, int] = {}
     pos = 0
-    while pos < len(data):
-        tag, pos = _varint(data, pos, _sub(path, "<tag>"))
+    end = len(data)
+    while pos < end:
+        tag, pos = _varint_at(data, pos, path, "<tag>")
         number, wire_type = tag >> 3, tag & 7
         if number < 1 or number > _MAX_FIELD_NUMBER:
             raise WireError(path, f"invalid field number {number}")
-        name = proto_meta.field_name_by_number.get(number)
-        where = _sub(path, name) if name else _sub(path, f"#{number}")
+        rule = rules.get(number)
+        name = rule.name if rule is not None else f"#{number}"
         if wire_type == _WIRE_VARINT:
-            value, pos = _varint(data, pos, where)
+            value, pos = _varint_at(data, pos, path, name)
             payload = b""
+        elif wire_type == _WIRE_LEN:
+            length, pos = _varint_at(data, pos, path, name)
+            if pos + length > end:
+                raise WireError(_sub(path, name), f"length {length} runs past the end of the message")
+            value, payload, pos = 0, data[pos : pos + length], pos + length
         elif wire_type in (_WIRE_FIXED64, _WIRE_FIXED32):
             size = 8 if wire_type == _WIRE_FIXED64 else 4
-            if pos + size > len(data):
-                raise WireError(where, "truncated fixed-width value")
+            if pos + size > end:
+                raise WireError(_sub(path, name), "truncated fixed-width value")
             value, payload, pos = 0, data[pos : pos + size], pos + size
-        elif wire_type == _WIRE_LEN:
-            length, pos = _varint(data, pos, where)
-            if pos + length > len(data):
-                raise WireError(where, f"length {length} runs past the end of the message")
-            value, payload, pos = 0, data[pos : pos + length], pos + length
         else:
-            raise WireError(where, f"wire type {wire_type} is not allowed (groups are not used)")
+            raise WireError(_sub(path, name), f"wire type {wire_type} is not allowed (groups are not used)")
 
-        if name is None:
+        if rule is None:
             if path in tolerate:
                 unknown.append(UnknownField(path=path, number=number, wire_type=wire_type))
                 continue
-            raise WireError(where, f"unknown field number {number}")
+            raise WireError(_sub(path, name), f"unknown field number {number}")
 
-        meta = proto_meta.meta_by_field_name[name]
-        proto_type = meta.proto_type
-        repeated = bool(meta.repeated) or proto_type == betterproto2.TYPE_MAP
-        if repeated:
+        index = -1
+        if rule.repeated:
             index = counts.get(name, 0)
             counts[name] = index + 1
-            where = f"{where}[{index}]"
         else:
             if number in seen:
-                raise WireError(where, "singular field appears more than once")
+                raise WireError(_sub(path, name), "singular field appears more than once")
             seen.add(number)
-            if meta.group:
-                other = groups.get(meta.group)
+            if rule.group:
+                other = groups.get(rule.group)
                 if other is not None:
-                    raise WireError(where, f"oneof {meta.group} already set by {other}")
-                groups[meta.group] = name
+                    raise WireError(_sub(path, name), f"oneof {rule.group} already set by {other}")
+                groups[rule.group] = name
 
-        if proto_type in _VARINT_TYPES:
-            if wire_type == _WIRE_VARINT:
-                _check_varint_value(proto_type, value, where)
-            elif wire_type == _WIRE_LEN and meta.repeated:
-                _check_packed(proto_type, payload, where)
-            else:
-                raise WireError(where, f"wire type {wire_type} does not carry a {proto_type}")
-        elif proto_type in _FIXED64_TYPES or proto_type in _FIXED32_TYPES:
-            expected = _WIRE_FIXED64 if proto_type in _FIXED64_TYPES else _WIRE_FIXED32
-            if wire_type == _WIRE_LEN and meta.repeated:
-                _check_packed(proto_type, payload, where)
-            elif wire_type != expected:
-                raise WireError(where, f"wire type {wire_type} does not carry a {proto_type}")
-        elif wire_type != _WIRE_LEN:
-            raise WireError(where, f"wire type {wire_type} does not carry a {proto_type}")
-        elif proto_type == betterproto2.TYPE_STRING:
+        kind = rule.kind
+        if kind == _K_STRING and wire_type == _WIRE_LEN:
             try:
                 payload.decode("utf-8")
             except UnicodeDecodeError:
-                raise WireError(where, "string is not valid UTF-8") from None
-        elif proto_type in (betterproto2.TYPE_MESSAGE, betterproto2.TYPE_MAP):
-            _check(_field_class(cls, name, meta), payload, where, tolerate, unknown)
+                raise WireError(_where(path, name, index), "string is not valid UTF-8") from None
+        elif kind == _K_BYTES and wire_type == _WIRE_LEN:
+            pass
+        elif kind == _K_MESSAGE and wire_type == _WIRE_LEN:
+            assert rule.sub is not None
+            _check(rule.sub, payload, _where(path, name, index), tolerate, unknown)
+        elif kind == _K_VARINT:
+            if wire_type == _WIRE_VARINT:
+                if value >= 1 << 31 or rule.proto_type == betterproto2.TYPE_BOOL:
+                    _check_varint_value(rule.proto_type, value, _where(path, name, index))
+            elif wire_type == _WIRE_LEN and rule.packable:
+                _check_packed(rule.proto_type, payload, _where(path, name, index))
+            else:
+                raise WireError(
+                    _where(path, name, index), f"wire type {wire_type} does not carry a {rule.proto_type}"
+                )
+        elif kind == _K_FIXED:
+            if wire_type == _WIRE_LEN and rule.packable:
+                _check_packed(rule.proto_type, payload, _where(path, name, index))
+            elif wire_type != rule.fixed_wire:
+                raise WireError(
+                    _where(path, name, index), f"wire type {wire_type} does not carry a {rule.proto_type}"
+                )
+        else:  # a length-delimited kind with another wire type
+            raise WireError(
+                _where(path, name, index), f"wire type {wire_type} does not carry a {rule.proto_type}"
+            )
+
+
+def _where(path: str, name: str, index: int) -> str:
+    where = _sub(path, name)
+    return f"{where}[{index}]" if index >= 0 else where
+
+
+# ---- building the message from bytes the walk accepted ----------------------------------------------
+
+
+def _from_varint(rule: _Rule, value: int) -> Any:
+    """A varint's value as betterproto2's parser makes it (Message._postprocess_single)."""
+    proto_type = rule.proto_type
+    if proto_type in _SIGNED_VARINT:
+        bits = 32 if proto_type == betterproto2.TYPE_INT32 else 64
+        value &= (1 << bits) - 1
+        sign = 1 << (bits - 1)
+        value = (value ^ sign) - sign
+        return rule.enum_cls(value) if rule.enum_cls is not None else value
+    if proto_type == betterproto2.TYPE_BOOL:
+        return value > 0
+    if proto_type == betterproto2.TYPE_UINT32:
+        return value & 0xFFFFFFFF
+    if proto_type == betterproto2.TYPE_UINT64:
+        return value & 0xFFFFFFFFFFFFFFFF
+    value &= 0xFFFFFFFF if proto_type == betterproto2.TYPE_SINT32 else 0xFFFFFFFFFFFFFFFF
+    return (value >> 1) ^ (-(value & 1))  # sint32/sint64: undo the zig-zag
+
+
+_SIGNED_VARINT = frozenset({betterproto2.TYPE_INT32, betterproto2.TYPE_INT64, betterproto2.TYPE_ENUM})
+
+
+def _build(cls: type[M], data: bytes) -> M:
+    """The message `cls.parse(data)` would make, for bytes `_check` accepted with no unknown field (so no
+    check is repeated here): the same values, field by field, without betterproto2's generic reader.
+    tests/wire/test_wire_strict_walk.py compares the two."""
+    rules = _rules(cls)
+    message = cls()
+    pos = 0
+    end = len(data)
+    while pos < end:
+        tag, pos = _varint(data, pos, "")
+        rule = rules[tag >> 3]
+        wire_type = tag & 7
+        value: Any
+        if wire_type == _WIRE_VARINT:
+            raw, pos = _varint(data, pos, "")
+            value = _from_varint(rule, raw)
+        elif wire_type == _WIRE_LEN:
+            length, pos = _varint(data, pos, "")
+            payload, pos = data[pos : pos + length], pos + length
+            kind = rule.kind
+            if kind == _K_STRING:
+                value = str(payload, "utf-8")
+            elif kind == _K_BYTES:
+                value = payload
+            elif kind == _K_MESSAGE:
+                assert rule.sub is not None
+                value = _build(rule.sub, payload)
+                if rule.is_map:
+                    getattr(message, rule.name)[value.key] = value.value
+                    continue
+                if rule.unwrap:
+                    value = value.to_wrapped()
+            else:  # a packed run of scalars
+                getattr(message, rule.name).extend(_unpack(rule, payload))
+                continue
+        else:
+            size = 8 if wire_type == _WIRE_FIXED64 else 4
+            value = struct.unpack(rule.fixed_fmt, data[pos : pos + size])[0]
+            pos += size
+        if rule.repeated:
+            getattr(message, rule.name).append(value)
+        else:
+            setattr(message, rule.name, value)
+    return message
+
+
+def _unpack(rule: _Rule, payload: bytes) -> list[Any]:
+    if rule.kind == _K_FIXED:
+        size = 8 if rule.fixed_wire == _WIRE_FIXED64 else 4
+        return [struct.unpack(rule.fixed_fmt, payload[i : i + size])[0] for i in range(0, len(payload), size)]
+    out: list[Any] = []
+    pos = 0
+    while pos < len(payload):
+        raw, pos = _varint(payload, pos, "")
+        out.append(_from_varint(rule, raw))
+    return out
