@@ -222,22 +222,27 @@ def converter() -> cattrs.Converter:
 
 
 def _messages(exc: BaseException, path: str) -> list[str]:
-    from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+    from cattrs.errors import (
+        AttributeValidationNote,
+        ClassValidationError,
+        ForbiddenExtraKeysError,
+        IterableValidationError,
+        IterableValidationNote,
+    )
 
     if isinstance(exc, ForbiddenExtraKeysError):
         return [f"{path}: unknown field {k!r}" for k in sorted(exc.extra_fields)]
     if isinstance(exc, ClassValidationError | IterableValidationError):
         out: list[str] = []
         for sub in exc.exceptions:
-            # cattrs notes each sub-error with the attribute's name or the item's index.
+            # cattrs notes each sub-error with the attribute's name or the item's index (notes are str
+            # subclasses: `getattr(note, "index")` would find str.index, so test the type).
             field = ""
             for n in getattr(sub, "__notes__", ()):
-                name = getattr(n, "name", None)
-                idx = getattr(n, "index", None)
-                if name is not None:
-                    field = f".{name}"
-                elif idx is not None:
-                    field = f"[{idx}]"
+                if isinstance(n, AttributeValidationNote):
+                    field = f".{n.name}"
+                elif isinstance(n, IterableValidationNote):
+                    field = f"[{n.index}]"
             if isinstance(sub, KeyError):
                 out.append(f"{path}{field}: required field missing")
             else:

@@ -118,11 +118,17 @@ def run_scope(name: str, mutmut: str, max_children: int | None = None) -> dict[s
         [mutmut, "results", "--all", "true"], cwd=stage, capture_output=True, text=True, env=env, check=False
     )
     counts: dict[str, Counter[str]] = {}
+    left: list[str] = []
     for line in out.stdout.splitlines():
         mutant, _, status = line.strip().rpartition(": ")
         if not mutant:
             continue
         counts.setdefault(_module_of(mutant), Counter())[status] += 1
+        if status != "killed":
+            left.append(f"{mutant}: {status}")
+    # What was not killed, kept beside the log: the stage (where `mutmut show` works) is rebuilt by the
+    # next scope's run.
+    (REPO / ".mutation" / f"{name}.survivors").write_text("".join(f"{x}\n" for x in left))
     return {m: dict(c) for m, c in sorted(counts.items())}
 
 
