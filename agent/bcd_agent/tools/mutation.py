@@ -43,6 +43,10 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "helper-intent": (("helper/bcd_helper/intent.py",), ("tests/helper/test_intent_unit.py",)),
     "helper-protocol": (("helper/bcd_helper/protocol.py",), ("tests/helper/test_protocol_unit.py",)),
     "helper-audit": (("helper/bcd_helper/audit.py",), ("tests/helper/test_audit_unit.py",)),
+    "helper-server": (
+        ("helper/bcd_helper/server.py",),
+        ("tests/helper/test_server_unit.py", "tests/helper/test_helper_op_timeout.py"),
+    ),
     "pki": (("shared/bcd_shared/pki/*",), ("tests/pki/",)),
     "shared": (
         ("shared/bcd_shared/rootpath.py", "shared/bcd_shared/cdi.py", "shared/bcd_shared/units/*"),
