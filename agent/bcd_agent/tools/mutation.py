@@ -43,6 +43,7 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "helper-intent": (("helper/bcd_helper/intent.py",), ("tests/helper/test_intent_unit.py",)),
     "helper-protocol": (("helper/bcd_helper/protocol.py",), ("tests/helper/test_protocol_unit.py",)),
     "helper-audit": (("helper/bcd_helper/audit.py",), ("tests/helper/test_audit_unit.py",)),
+    "helper-slices": (("helper/bcd_helper/ops/slices.py",), ("tests/helper/test_slices_unit.py",)),
     "helper-server": (
         ("helper/bcd_helper/server.py",),
         ("tests/helper/test_server_unit.py", "tests/helper/test_helper_op_timeout.py"),
