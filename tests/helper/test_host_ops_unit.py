@@ -5,7 +5,6 @@ signed command's GPUs (DLV-PRIV-09, issue 9 item 10; docs/mutation.md)."""
 from __future__ import annotations
 
 import datetime as dt
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -292,7 +291,7 @@ def test_host_unit_when_root_manages_the_host(root: Path) -> None:
     ctx = ctx_of(root, config="[host]\nunits = false\n")
     assert refused(check_request, call(ctx), HostUnit("sysctl")) == (
         "host-managed-externally",
-        "host.unit: this host's configuration is managed outside bcd ([host] units = false in root's config.toml)",
+        hostunit.EXTERNAL_MESSAGE,
     )
 
 

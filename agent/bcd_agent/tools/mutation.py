@@ -44,6 +44,10 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "helper-protocol": (("helper/bcd_helper/protocol.py",), ("tests/helper/test_protocol_unit.py",)),
     "helper-audit": (("helper/bcd_helper/audit.py",), ("tests/helper/test_audit_unit.py",)),
     "helper-slices": (("helper/bcd_helper/ops/slices.py",), ("tests/helper/test_slices_unit.py",)),
+    "helper-hostops": (
+        ("helper/bcd_helper/ops/host.py", "helper/bcd_helper/ops/hostunit.py"),
+        ("tests/helper/test_host_ops_unit.py",),
+    ),
     "helper-server": (
         ("helper/bcd_helper/server.py",),
         ("tests/helper/test_server_unit.py", "tests/helper/test_helper_op_timeout.py"),
