@@ -915,3 +915,304 @@ def test_cli_refuses_a_time_that_is_not_rfc3339(root: Path, capsys: pytest.Captu
 def test_shown_text_escapes_what_is_not_printable() -> None:
     assert audit._shown("a\nb\tc\x00d\u2028é") == "a\\nb\\tc\\x00d\\u2028é"
     assert audit._shown(7) == "7"
+
+
+def test_the_cli_surface_operators_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every option of `bcd helper audit` and its subcommands: the help an operator reads, the default,
+    the choices (a flag given before the subcommand is not reset by the subcommand's own copy)."""
+    parser = argparse.ArgumentParser(prog="bcd helper audit")
+    audit.add_arguments(parser)
+    common = {
+        "--root": ("the directory standing for / (a simulated host)", None),
+        "--dir": ("the audit directory (host path; default from config)", None),
+        "--config": ("root's config.toml (host path)", None),
+    }
+
+    def options(p: argparse.ArgumentParser) -> dict[str, tuple[Any, ...]]:
+        return {
+            a.option_strings[-1]: (a.help, a.choices)
+            for a in p._actions
+            if a.option_strings and a.option_strings[-1] != "--help"
+        }
+
+    assert options(parser) == common
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert sub.required and sub.metavar == "init|show|verify"
+    assert {a.dest: a.help for a in sub._choices_actions} == {
+        "init": "create the sealing key and print its verification key, once",
+        "show": "print audit entries, filtered",
+        "verify": "check the seals and the chain; names the first problem",
+    }
+    assert options(sub.choices["init"]) == common
+    assert options(sub.choices["show"]) == {
+        "--op": ("only this operation", None),
+        "--decision": (None, ("accepted", "refused", "failed", "anchor")),
+        "--since": ("only entries at or after this time (RFC 3339)", None),
+        "--until": ("only entries before this time (RFC 3339)", None),
+        "--json": ("print the raw JSON lines", None),
+        **common,
+    }
+    assert options(sub.choices["verify"]) == {
+        "--key": ("the verification key printed at set-up (required)", None),
+        "--expect-head": ("a head held off the host (the node's reports)", None),
+        **common,
+    }
+    verify_help = sub.choices["verify"].format_help()
+    assert "--expect-head SEQ:HASH" in verify_help
+    args = parser.parse_args(["show", "--json", "--op", "x", "--decision", "failed"])
+    assert (args.json, args.op, args.decision, args.since, args.until) == (True, "x", "failed", None, None)
+    assert parser.parse_args(["show"]).json is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["show", "--decision", "maybe"])
+    with pytest.raises(SystemExit):
+        parser.parse_args([])  # a subcommand is required
+    capsys.readouterr()
+
+
+def test_each_line_goes_to_the_system_log_when_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[str, Any]] = []
+
+    class FakeSocket:
+        def __init__(self, family: int, kind: int) -> None:
+            sent.append(("socket", (family, kind)))
+
+        def __enter__(self) -> FakeSocket:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            sent.append(("closed", None))
+
+        def setblocking(self, flag: bool) -> None:
+            sent.append(("blocking", flag))
+
+        def connect(self, path: str) -> None:
+            sent.append(("connect", path))
+
+        def send(self, data: bytes) -> int:
+            sent.append(("send", data))
+            return len(data)
+
+    monkeypatch.setattr(audit.os.path, "exists", lambda p: p == "/dev/log")
+    monkeypatch.setattr(audit.socket, "socket", FakeSocket)
+    audit._syslog(b"x" * 9000)
+    import socket as s
+
+    assert sent == [
+        ("socket", (s.AF_UNIX, s.SOCK_DGRAM)),
+        ("blocking", False),
+        ("connect", "/dev/log"),
+        ("send", b"<86>bcd-helper[%d]: " % os.getpid() + b"x" * 8000),
+        ("closed", None),
+    ]
+    sent.clear()
+    monkeypatch.setattr(FakeSocket, "send", lambda self, data: (_ for _ in ()).throw(OSError("full")))
+    audit._syslog(b"y")  # best effort: an error is swallowed
+    monkeypatch.setattr(audit.os.path, "exists", lambda p: False)
+    sent.clear()
+    audit._syslog(b"z")
+    assert sent == []
+
+
+def test_record_sends_to_the_system_log_unless_told_not_to(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines_sent: list[bytes] = []
+    monkeypatch.setattr(audit, "_syslog", lines_sent.append)
+    log = AuditLog(root, DIR)
+    write(log, 1)
+    log.close()
+    assert lines_sent == [(adir(root) / LOG_NAME).read_bytes().rstrip(b"\n")]
+    quiet = new_log(root)
+    write(quiet, 1, start=1)
+    quiet.close()
+    assert len(lines_sent) == 1
+
+
+# --- edges found by mutation testing ----------------------------------------------------------------------
+
+
+def test_first_line_never_follows_a_symlink_and_reads_at_most_a_mebibyte(root: Path) -> None:
+    d = root / "d"
+    d.mkdir()
+    (d / "real").write_bytes(b"abX \n")
+    (d / "link").symlink_to("real")
+    (d / "huge").write_bytes(b"z" * ((1 << 20) + 10) + b"\n")
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        assert audit._first_line(fd, "real") == b"abX "  # only the newline is taken off
+        with pytest.raises(OSError):
+            audit._first_line(fd, "link")
+        assert audit._first_line(fd, "huge") == b"z" * (1 << 20)
+    finally:
+        os.close(fd)
+
+
+def test_export_with_exactly_keep_files_held_rotates_nothing(root: Path) -> None:
+    log = new_log(root, max_bytes=600, keep=2)
+    d = adir(root)
+    n = 0
+    while len(audit.log_files(d)) - 1 < 2:
+        write(log, 1, start=n)
+        n += 1
+    assert len(audit.log_files(d)) - 1 == 2
+    seq, _ = log.head()
+    log.export()
+    assert log.head()[0] == seq and len(audit.log_files(d)) - 1 == 2  # no anchor, nothing pruned
+    log.close()
+
+
+def test_pruning_stops_at_the_first_file_the_node_has_not_read(root: Path) -> None:
+    log = new_log(root, max_bytes=600, keep=1)
+    d = adir(root)
+    write(log, 4)
+    log.export()  # the node read up to here
+    exported = log.head()[0]
+    write(log, 12, start=4)  # more rotations: files past `keep` the node has not read stay
+    rotated = audit.log_files(d)[:-1]
+    assert len(rotated) > 2
+    unread = [p for p in rotated if lines(p)[-1]["seq"] > exported]
+    assert unread == rotated  # every kept file has lines the node has not read...
+    assert lines(rotated[0])[0]["seq"] <= exported + 1  # ...and the oldest follows what it read
+    assert verify_chain(d, log.created_key).ok
+    log.close()
+
+
+def test_rotated_files_shift_up_in_order(root: Path) -> None:
+    log = new_log(root, max_bytes=600)
+    write(log, 9)
+    d = adir(root)
+    names = [p.name for p in audit.log_files(d)]
+    assert names == [f"{LOG_NAME}.{i}" for i in range(len(names) - 1, 0, -1)] + [LOG_NAME]
+    assert len(names) >= 4
+    seqs = [lines(p)[0]["seq"] for p in audit.log_files(d)]
+    assert seqs == sorted(seqs)
+    log.close()
+
+
+def test_an_export_after_the_current_file_went_missing_still_rotates(root: Path) -> None:
+    log = new_log(root, max_bytes=600, keep=1)
+    write(log, 8)
+    log.close()
+    d = adir(root)
+    (d / LOG_NAME).unlink()
+    (d / KEY_NAME).unlink()  # (it was past the rotated file's last line: a new one is made)
+    again = new_log(root, max_bytes=600, keep=1)
+    held = len(audit.log_files(d))
+    assert held > 1
+    head = again.export()
+    assert head["seq"] == lines(audit.log_files(d)[-2])[-1]["seq"]
+    assert lines(d / LOG_NAME)[0]["op"] == ANCHOR_OP
+    again.close()
+
+
+def test_an_empty_file_rotated_names_the_next_seq_as_the_oldest(root: Path) -> None:
+    log = new_log(root, max_bytes=0)
+    write(log, 1)
+    anchor = lines(adir(root) / LOG_NAME)[0]
+    assert anchor["op"] == ANCHOR_OP
+    assert anchor["args"] == {"previous_last_seq": 0, "oldest_seq": 1, "files": 1}
+    log.close()
+
+
+def test_an_entry_that_only_claims_to_be_an_anchor_is_not_one(sealed: tuple[Path, str]) -> None:
+    d, _ = sealed
+    rows = raw_lines(d)
+    for change in ({"decision": "anchor"}, {"op": ANCHOR_OP}):
+        entry = {**json.loads(rows[-1]), **change}
+        put(d, [*rows[:-1], canonical(entry)])
+        assert verify_chain(d).problem == (
+            f"the line {HEAD_NAME} records (seq 5) is missing or changed (newest: seq 5): "
+            "the last line was edited or removed"
+        )
+
+
+def test_a_replaced_key_state_is_found_with_a_key_of_its_seq(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    _, k = parse_key(key)
+    for _ in range(4):
+        k = evolve(k)
+    at5 = format_key(5, k)
+    (d / KEY_NAME).write_bytes(b"bcd-audit-key-state v1 %020d %s\n" % (5, bytes(32).hex().encode()))
+    assert verify_chain(d, at5).problem == f"{KEY_NAME}: the key state at seq 5 is not this key's (replaced)"
+    (d / KEY_NAME).write_bytes(b"bcd-audit-key-state v1 %020d %s\n" % (5, k.hex().encode()))
+    assert verify_chain(d, at5).ok
+
+
+def test_cli_must_run_as_root_on_the_real_host(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bcd_shared.subcommands import EX_NOPERM, CliError
+
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    monkeypatch.setattr(audit.os, "geteuid", lambda: 1000)
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", "/", "show"]))
+    assert (info.value.message, info.value.code) == (
+        "must run as root: the audit log and root's config.toml are root's alone",
+        EX_NOPERM,
+    )
+    new_log(root).close()
+    assert audit.run(parser.parse_args(["--root", str(root), "--dir", DIR, "show"])) == 0  # a simulated host
+    monkeypatch.setattr(audit.os, "geteuid", lambda: 0)
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", "/", "--dir", "/nonexistent-bcd-audit-dir", "show"]))
+    assert info.value.code != EX_NOPERM
+
+
+def test_cli_exit_codes(root: Path, tmp_path: Path) -> None:
+    from bcd_shared.subcommands import EX_CONFIG, EX_IOERR, EX_NOINPUT, CliError
+
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", str(root), "--dir", DIR, "show"]))
+    assert info.value.code == EX_NOINPUT
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", str(root), "show"]))
+    assert info.value.code == EX_CONFIG
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", str(afile), "--dir", DIR, "init"]))
+    assert info.value.code == EX_IOERR and info.value.message != ""
+    assert "a-file" in info.value.message or "Not a directory" in info.value.message
+
+
+def test_cli_verify_with_another_key_fails(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = new_log(root)
+    write(log, 2)
+    log.close()
+    other = format_key(1, bytes(32))
+    assert cli(root, "verify", "--key", other) == 1
+    assert capsys.readouterr().err == (
+        f"audit log broken after 0 good entries: {LOG_NAME} line 1 (seq 1): {SEAL}\n"
+    )
+
+
+def test_init_key_makes_the_directory_root_only(root: Path) -> None:
+    d = adir(root)
+    d.mkdir(parents=True, mode=0o755)
+    os.chmod(d, 0o755)
+    assert audit.init_key(root, DIR) is not None
+    assert os.stat(d).st_mode & 0o777 == 0o700
+
+
+def test_cli_show_skips_unreadable_lines_anywhere(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = new_log(root)
+    write(log, 1)
+    write(log, 1, start=1, op="slice.apply")
+    write(log, 1, start=2)
+    log.close()
+    d = adir(root)
+    rows = raw_lines(d)
+    junk = [
+        b"garbage",
+        canonical({"seq": 99, "time": "not a time", "op": "file.write", "decision": "accepted"}),
+        canonical({"seq": 98, "op": "file.write", "decision": "accepted"}),
+    ]
+    put(d, [rows[0], *junk, rows[1], *junk, rows[2]])
+    assert cli(root, "show") == 0
+    assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#1", "#2", "#3"]
+    assert cli(root, "show", "--op", "file.write") == 0
+    assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#1", "#3"]
+    assert cli(root, "show", "--decision", "accepted", "--op", "slice.apply") == 0
+    assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#2"]
