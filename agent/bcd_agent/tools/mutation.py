@@ -48,6 +48,10 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("helper/bcd_helper/ops/host.py", "helper/bcd_helper/ops/hostunit.py"),
         ("tests/helper/test_host_ops_unit.py",),
     ),
+    "helper-logops": (
+        ("helper/bcd_helper/ops/logs.py", "helper/bcd_helper/ops/auditops.py"),
+        ("tests/helper/test_log_ops_unit.py",),
+    ),
     "helper-server": (
         ("helper/bcd_helper/server.py",),
         ("tests/helper/test_server_unit.py", "tests/helper/test_helper_op_timeout.py"),
