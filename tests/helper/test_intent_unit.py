@@ -947,3 +947,116 @@ def test_a_release_needs_roots(root: Path, cp: ControlPlane) -> None:
     )
     roots = with_record(cp, root).release_roots("daemon.swap", None, ())
     assert roots.pins == {root_pin(cp.command.root)}
+
+
+# --- every entry point passes its op, its chain and its presented bundle on -------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"body": "%%%"}, "body"),
+        ({"signature": "é"}, "signature"),
+        ({"chain": ("AAAA", "A")}, "chain[1]"),
+        ({"trust_bundle": "A="}, "trust_bundle"),
+    ],
+)
+def test_signed_instance_names_a_field_that_is_not_base64(
+    root: Path, cp: ControlPlane, worker: Signer, changes: dict[str, Any], field: str
+) -> None:
+    import attrs
+
+    v = with_record(cp, root)
+    good = signed(worker, instance_body(NODE, 1, {"vm-1": 1}))
+    assert refusal(v.signed_instance, "ch.start", "vm-1", attrs.evolve(good, **changes)) == (
+        "bad-intent",
+        f"ch.start: intent.{field} is not base64",
+    )
+
+
+def test_the_op_is_named_in_refusals_from_the_roots_and_the_state(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    v = verifier(root, cp.config_lines())
+    body = instance_body(NODE, 1, {"vm-1": 1})
+    want = (
+        "join-record-required",
+        "{op}: root's config.toml pins the JoinService key (join_signing_key_pin) but root's join "
+        f"record {JOIN_RECORD} does not exist yet: nothing is applied until `bcd join` writes it",
+    )
+    got = refusal(v.signed_instance, "libvirt.define", "vm-1", None)
+    assert got == (want[0], want[1].format(op="libvirt.define"))
+    assert refusal(v.check_command, "gpu.reset", None) == (want[0], want[1].format(op="gpu.reset"))
+    assert refusal(v.release_roots, "daemon.swap", None, ()) == (want[0], want[1].format(op="daemon.swap"))
+    assert refusal(v.check_host_unit, UNIT, S1, None) == (want[0], want[1].format(op="host.unit"))
+    write_root_only(root, STATE_PATH, b"[]", 0o600)
+    with pytest.raises(Failed) as info:
+        v.signed_instance("libvirt.define", "vm-1", signed(worker, body))
+    assert info.value.message == f"libvirt.define: {STATE_PATH} cannot be read: not a JSON object"
+
+
+def test_pinned_roots_work_for_every_entry_point(root: Path, cp: ControlPlane, worker: Signer) -> None:
+    record(cp, root)
+    v = verifier(root, cp.config_lines(pin_roots=True))
+    inst, state = v.signed_instance(
+        "libvirt.define",
+        "vm-1",
+        signed(worker, instance_body(NODE, 3, {"vm-1": 1}), with_root=cp.command.root),
+    )
+    assert inst is not None and state is not None and state.generation == 3
+    cmd = command(worker)
+    pinned_cmd = type(cmd)(cmd.body, cmd.signature, (*cmd.chain, b64(cp.command.root)), None)
+    assert v.check_command("gpu.reset", pinned_cmd) is not None
+    assert v.release_roots("daemon.swap", None, (*worker.chain, cp.command.root)).pins == {
+        root_pin(cp.command.root)
+    }
+    ok = v.check_host_unit(
+        UNIT, S1, signed(worker, host_body(NODE, 3, {UNIT: S1}), with_root=cp.command.root)
+    )
+    assert ok is not None
+
+
+def test_a_release_takes_the_roots_of_a_presented_bundle(root: Path, cp: ControlPlane) -> None:
+    v = verifier(root, cp.config_lines())
+    assert v.release_roots("daemon.swap", cp.bundle(1), ()).pins == {root_pin(cp.command.root)}
+
+
+def test_signed_instance_checks_a_known_body_at_its_first_verification(root: Path, cp: ControlPlane) -> None:
+    """HST-SIGN-30 for libvirt.* and ch.*: the signer may have expired since."""
+    v = with_record(cp, root)
+    t = dt.datetime.now(dt.UTC)
+    short = cp.command.leaf(not_after=t + HOUR)
+    body = instance_body(NODE, 5, {"vm-1": 1})
+    _, state = v.signed_instance("ch.start", "vm-1", signed(short, body), t)
+    assert state is not None
+    v.save_state(state)
+    inst, again = v.signed_instance("ch.start", "vm-1", signed(short, body), t + 2 * HOUR)
+    assert inst is not None and again is None
+    other = instance_body(NODE, 5, {"vm-1": 1, "vm-2": 1})
+    assert (
+        refusal(v.signed_instance, "ch.start", "vm-1", signed(short, other), t + 2 * HOUR)[0] == "bad-intent"
+    )
+
+
+def test_host_unit_checks_at_the_time_given(root: Path, cp: ControlPlane) -> None:
+    v = with_record(cp, root)
+    t = dt.datetime.now(dt.UTC)
+    short = cp.command.leaf(not_after=t + HOUR)
+    body = host_body(NODE, 5, {UNIT: S1})
+    assert v.check_host_unit(UNIT, S1, signed(short, body), t) is not None
+    reason, message = refusal(v.check_host_unit, UNIT, S1, signed(short, body), t + 2 * HOUR)
+    assert reason == "bad-intent" and message.startswith("host.unit: the signed spec is refused: ")
+    assert refusal(v.check_host_unit, UNIT, S1, None) == (
+        "intent-required",
+        "host.unit: a signed spec is required (command-signing roots from join record)",
+    )
+
+
+def test_a_command_field_that_is_not_base64_is_named(root: Path, cp: ControlPlane, worker: Signer) -> None:
+    import attrs
+
+    v = with_record(cp, root)
+    assert refusal(v.check_command, "gpu.reset", attrs.evolve(command(worker), signature="é")) == (
+        "bad-intent",
+        "gpu.reset: intent.command.signature is not base64",
+    )
