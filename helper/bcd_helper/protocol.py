@@ -181,6 +181,13 @@ def _strict(conv: cattrs.Converter) -> cattrs.Converter:
     conv.register_structure_hook(bool, exact(bool, "boolean"))
     conv.register_structure_hook(int, exact(int, "integer"))
 
+    from cattrs.errors import (
+        ClassValidationError,
+        ForbiddenExtraKeysError,
+        IterableValidationError,
+        IterableValidationNote,
+    )
+
     def tuple_hook(value: Any, t: Any) -> Any:
         if not isinstance(value, list):
             raise TypeError(f"expected array, got {type(value).__name__}")
@@ -191,6 +198,11 @@ def _strict(conv: cattrs.Converter) -> cattrs.Converter:
                 out.append(conv.structure(v, inner))
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"item {i}: {exc}") from None
+            except (ClassValidationError, ForbiddenExtraKeysError) as exc:
+                # An item that is itself a request type (nft.apply's nics): keep its index in the path,
+                # `$.args.nics[2].name`, which cattrs' own errors would lose under this hook.
+                exc.add_note(IterableValidationNote(f"Structuring {t} @ index {i}", i, inner))
+                raise IterableValidationError(f"While structuring {t}", [exc], t) from None
         return tuple(out)
 
     conv.register_structure_hook_func(
@@ -210,25 +222,27 @@ def converter() -> cattrs.Converter:
 
 
 def _messages(exc: BaseException, path: str) -> list[str]:
-    from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+    from cattrs.errors import (
+        AttributeValidationNote,
+        ClassValidationError,
+        ForbiddenExtraKeysError,
+        IterableValidationError,
+        IterableValidationNote,
+    )
 
     if isinstance(exc, ForbiddenExtraKeysError):
         return [f"{path}: unknown field {k!r}" for k in sorted(exc.extra_fields)]
     if isinstance(exc, ClassValidationError | IterableValidationError):
         out: list[str] = []
         for sub in exc.exceptions:
-            note = next((n for n in getattr(sub, "__notes__", ()) if isinstance(n, str)), "")
+            # cattrs notes each sub-error with the attribute's name or the item's index (notes are str
+            # subclasses: `getattr(note, "index")` would find str.index, so test the type).
             field = ""
-            notes = getattr(sub, "__notes__", [])
-            for n in notes:
-                name = getattr(n, "name", None)
-                idx = getattr(n, "index", None)
-                if name is not None:
-                    field = f".{name}"
-                elif idx is not None:
-                    field = f"[{idx}]"
-            if not field and note.startswith("Structuring class") is False and "@ attribute" in note:
-                field = "." + note.rsplit(" ", 1)[-1]
+            for n in getattr(sub, "__notes__", ()):
+                if isinstance(n, AttributeValidationNote):
+                    field = f".{n.name}"
+                elif isinstance(n, IterableValidationNote):
+                    field = f"[{n.index}]"
             if isinstance(sub, KeyError):
                 out.append(f"{path}{field}: required field missing")
             else:

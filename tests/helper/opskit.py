@@ -1,0 +1,67 @@
+"""In-process calls of the helper's op handlers: a HelperContext over a temporary root, and a host whose
+programs are scripted and recorded (the argv lists root would run)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from bcd_helper.audit import AuditLog
+from bcd_helper.config import parse_config
+from bcd_helper.ops.base import BoundedSystem, Call, Deadline, HelperContext, Peer
+from bcd_helper.ops.table import LOCK_ORDER
+from bcd_shared.system import DEFAULT_TOOL_TIMEOUT_S, CommandResult, LocalSystem
+
+NODE_UID = 4242
+Script = Callable[[tuple[str, ...]], tuple[int, bytes, bytes]]
+
+
+class Programs(LocalSystem):
+    """A simulated host whose programs answer from `script` (argv -> status, stdout, stderr; default: exit
+    0, no output), every run recorded with its timeout."""
+
+    def __init__(self, root: Path, script: Script | None = None) -> None:
+        super().__init__(root)
+        self.script = script
+        self.runs: list[tuple[str, ...]] = []
+        self.timeouts: list[float] = []
+
+    def run(
+        self, argv: Sequence[str], *, timeout: float = DEFAULT_TOOL_TIMEOUT_S, input: bytes | None = None
+    ) -> CommandResult:
+        args = tuple(argv)
+        self.runs.append(args)
+        self.timeouts.append(timeout)
+        rc, out, err = self.script(args) if self.script is not None else (0, b"", b"")
+        return CommandResult(args, rc, out, err)
+
+
+def make_root(parent: Path) -> Path:
+    root = parent / "host"
+    root.mkdir(mode=0o755)
+    return root
+
+
+def context(root: Path, config: str = "", script: Script | None = None) -> HelperContext:
+    """`config`: lines added to root's config.toml (top-level keys first, then sections)."""
+    text = config + f'\n[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = {NODE_UID}\n'
+    if "[helper]" in config:
+        text = config
+    cfg = parse_config(text.encode())
+    audit = AuditLog(root, cfg.audit_dir, syslog=False)
+    return HelperContext(
+        root=root, config=cfg, system=Programs(root, script), audit=audit, lock_names=LOCK_ORDER
+    )
+
+
+def call(ctx: HelperContext, timeout_s: float = 60.0, uid: int = NODE_UID, *, bounded: bool = True) -> Call:
+    """`bounded` False: the op's programs reach the recorded host with the timeouts the op asks for
+    (the server's BoundedSystem would cut them to the call's deadline)."""
+    deadline = Deadline(timeout_s)
+    system = BoundedSystem(ctx.system, deadline) if bounded else ctx.system
+    return Call(ctx, Peer(1, uid, uid), deadline, system)  # type: ignore[arg-type]
+
+
+def programs(ctx: HelperContext) -> Programs:
+    assert isinstance(ctx.system, Programs)
+    return ctx.system

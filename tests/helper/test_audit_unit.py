@@ -1,0 +1,1218 @@
+"""The audit log in process: the line format, the sealing key's evolution, rotation and pruning, every
+problem `verify_chain` names (word for word) and the `bcd helper audit` CLI called as a function.
+
+test_audit_and_config.py and the real-helper tests check the same log end to end; these are fast and
+each rule's edge is here, so mutation testing sees them (docs/mutation.md)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import hashlib
+import hmac
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_helper import audit
+from bcd_helper.audit import (
+    ANCHOR_OP,
+    GENESIS,
+    HEAD_NAME,
+    KEY_NAME,
+    LOG_NAME,
+    AuditError,
+    AuditLog,
+    VerifyResult,
+    canonical,
+    evolve,
+    format_key,
+    parse_key,
+    seal,
+    verify_chain,
+)
+
+DIR = "/var/log/bcd-helper"
+SEAL = "its seal does not verify with this key (edited or forged, or another key)"
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = tmp_path / "host"
+    r.mkdir(mode=0o755)
+    return r
+
+
+def adir(root: Path) -> Path:
+    return root / DIR.lstrip("/")
+
+
+def write(log: AuditLog, n: int, start: int = 0, **kw: Any) -> None:
+    for i in range(start, start + n):
+        fields: dict[str, Any] = {
+            "peer_pid": 100 + i,
+            "peer_uid": 4242,
+            "op": "file.write",
+            "args": {"i": i},
+            "args_sha256": "0" * 64,
+            "decision": "accepted",
+            "reason": "",
+            "message": f"m{i}",
+            "duration_ms": 1.23456,
+        }
+        fields.update(kw)
+        log.record(**fields)
+
+
+def new_log(root: Path, **kw: Any) -> AuditLog:
+    return AuditLog(root, DIR, syslog=False, **kw)
+
+
+def lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_bytes().splitlines()]
+
+
+# --- primitives -----------------------------------------------------------------------------------------
+
+
+def test_canonical_json_is_sorted_compact_ascii() -> None:
+    assert canonical({"b": 1, "a": ["é", None]}) == b'{"a":["\\u00e9",null],"b":1}'
+
+
+def test_the_key_evolves_by_a_tagged_sha256_and_seals_by_hmac() -> None:
+    key = bytes(range(32))
+    assert evolve(key) == hashlib.sha256(b"bcd-audit-evolve\0" + key).digest()
+    assert seal(key, b"body") == hmac.new(key, b"body", hashlib.sha256).hexdigest()
+    assert audit.line_hash(b"x") == hashlib.sha256(b"x").hexdigest()
+
+
+def test_a_verification_key_reads_bcdk1_seq_hex() -> None:
+    key = bytes(range(32))
+    text = format_key(12, key)
+    assert text == f"bcdk1-12-{key.hex()}"
+    assert parse_key(text) == (12, key)
+    assert parse_key(f"  {text}\n") == (12, key)
+    assert parse_key(f"bcdk1-{'9' * 19}-{key.hex()}") == (int("9" * 19), key)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        f"bcdk1-0-{'a' * 64}",
+        f"bcdk1-01-{'a' * 64}",
+        f"bcdk1-{'9' * 20}-{'a' * 64}",
+        f"bcdk1-1-{'A' * 64}",
+        f"bcdk1-1-{'a' * 63}",
+        f"bcdk1-1-{'a' * 65}",
+        f"bcdk2-1-{'a' * 64}",
+        f"xbcdk1-1-{'a' * 64}",
+        f"bcdk1-1-{'a' * 64}x",
+    ],
+)
+def test_a_bad_verification_key_is_refused(text: str) -> None:
+    with pytest.raises(ValueError) as info:
+        parse_key(text)
+    assert str(info.value) == "a verification key reads bcdk1-<seq>-<64 hex digits>"
+
+
+def test_times_are_utc_rfc3339_with_microseconds() -> None:
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", audit._now())
+
+
+def test_rotated_files_are_numbered_without_leading_zeros(root: Path) -> None:
+    d = adir(root)
+    d.mkdir(parents=True)
+    for name in ["audit.log", "audit.log.1", "audit.log.10", "audit.log.2", "audit.log.01", "audit.log.x"]:
+        (d / name).write_bytes(b"")
+    (d / "audit.logs.3").write_bytes(b"")
+    (d / "audit.log.").write_bytes(b"")
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        assert audit._rotated(fd) == [1, 2, 10]
+    finally:
+        os.close(fd)
+    assert [p.name for p in audit.log_files(d)] == [
+        "audit.log.10",
+        "audit.log.2",
+        "audit.log.1",
+        "audit.log.01",
+        "audit.log",
+    ]
+
+
+def test_seq_of_a_line() -> None:
+    assert audit._seq_of(None) is None
+    assert audit._seq_of(b'{"seq": 7}') == 7
+    assert audit._seq_of(b"{") is None
+    assert audit._seq_of(b'{"q": 1}') is None
+    assert audit._seq_of(b"[1]") is None
+    assert audit._seq_of(b'{"seq": "x"}') is None
+
+
+def test_first_and_last_lines_of_a_file(root: Path) -> None:
+    d = root / "d"
+    d.mkdir()
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        assert audit._first_line(fd, "none") is None and audit._last_line(fd, "none") is None
+        (d / "empty").write_bytes(b"")
+        assert audit._first_line(fd, "empty") is None and audit._last_line(fd, "empty") is None
+        (d / "one").write_bytes(b"only\n")
+        assert audit._first_line(fd, "one") == b"only" and audit._last_line(fd, "one") == b"only"
+        (d / "nonl").write_bytes(b"a\nb")
+        assert audit._last_line(fd, "nonl") == b"b"
+        big = b"".join(b"%06d" % i + b"x" * 993 + b"\n" for i in range(200))  # 200 KB, lines of 1000
+        (d / "big").write_bytes(big)
+        assert audit._first_line(fd, "big") == b"000000" + b"x" * 993
+        assert audit._last_line(fd, "big") == b"000199" + b"x" * 993
+        long = b"first\n" + b"y" * 150_000 + b"\n"  # a last line longer than one read
+        (d / "long").write_bytes(long)
+        assert audit._last_line(fd, "long") == b"y" * 150_000
+        (d / "blank").write_bytes(b"a\n\n\n")
+        assert audit._last_line(fd, "blank") == b"a"
+    finally:
+        os.close(fd)
+
+
+# --- the key state --------------------------------------------------------------------------------------
+
+
+def test_a_new_log_makes_its_sealing_key_once(root: Path) -> None:
+    log = new_log(root)
+    d = adir(root)
+    assert log.created_key is not None
+    seq, key = parse_key(log.created_key)
+    assert seq == 1
+    assert (d / KEY_NAME).read_bytes() == b"bcd-audit-key-state v1 %020d %s\n" % (1, key.hex().encode())
+    assert os.stat(d / KEY_NAME).st_mode & 0o777 == 0o600
+    assert os.stat(d).st_mode & 0o777 == 0o700
+    log.close()
+    again = new_log(root)
+    assert again.created_key is None
+    again.close()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        b"bcd-audit-key-state v1 %020d %s\n" % (0, b"a" * 64),
+        b"bcd-audit-key-state v1 %020d %s" % (1, b"a" * 64),
+        b"bcd-audit-key-state v2 %020d %s\n" % (1, b"a" * 64),
+        b"bcd-audit-key-state v1 %019d %s\n" % (1, b"a" * 64),
+        b"bcd-audit-key-state v1 %020d %s\n" % (1, b"A" * 64),
+    ],
+)
+def test_a_key_state_that_is_not_one_stops_the_log(root: Path, content: bytes) -> None:
+    d = adir(root)
+    d.mkdir(parents=True, mode=0o700)
+    (d / KEY_NAME).write_bytes(content)
+    with pytest.raises(AuditError) as info:
+        new_log(root)
+    assert str(info.value) == f"{KEY_NAME}: not a sealing key state; the sealing cannot go on"
+
+
+def test_a_key_state_ahead_of_the_log_means_lines_were_removed(root: Path) -> None:
+    log = new_log(root)
+    write(log, 3)
+    log.close()
+    path = adir(root) / LOG_NAME
+    path.write_bytes(b"\n".join(path.read_bytes().splitlines()[:2]) + b"\n")
+    with pytest.raises(AuditError) as info:
+        new_log(root)
+    assert str(info.value) == f"{KEY_NAME} is at seq 4 but the log ends at seq 2: lines were removed"
+
+
+def test_a_lagging_key_state_is_evolved_to_the_next_line(root: Path) -> None:
+    log = new_log(root)
+    assert log.created_key is not None
+    write(log, 2)
+    lagging = (adir(root) / KEY_NAME).read_bytes()
+    write(log, 3, start=2)
+    log.close()
+    (adir(root) / KEY_NAME).write_bytes(lagging)  # a crash before the key file's rewrite reached disk
+    again = new_log(root)
+    write(again, 2, start=5)
+    again.close()
+    result = verify_chain(adir(root), log.created_key)
+    assert result == VerifyResult(True, 7, "", 1, 7)
+
+
+def test_init_key_starts_at_the_line_after_the_newest(root: Path) -> None:
+    assert audit.init_key(root, DIR) is not None
+    assert audit.init_key(root, DIR) is None
+    d = adir(root)
+    (d / KEY_NAME).unlink()
+    log = new_log(root)  # makes one nobody holds
+    write(log, 4)
+    log.close()
+    (d / KEY_NAME).unlink()
+    key = audit.init_key(root, DIR)
+    assert key is not None and parse_key(key)[0] == 5
+    (d / KEY_NAME).unlink()
+    os.rename(d / LOG_NAME, d / f"{LOG_NAME}.1")
+    key = audit.init_key(root, DIR)
+    assert key is not None and parse_key(key)[0] == 5
+
+
+# --- appending ------------------------------------------------------------------------------------------
+
+
+def test_a_line_holds_the_fields_chained_and_sealed(root: Path) -> None:
+    log = new_log(root)
+    assert log.created_key is not None
+    _, key = parse_key(log.created_key)
+    assert log.head() == (0, GENESIS)
+    digest = log.record(
+        peer_pid=7,
+        peer_uid=4242,
+        op="file.write",
+        args={"kind": "cdi"},
+        args_sha256="ab" * 32,
+        decision="refused",
+        reason="bad-kind",
+        message="no",
+        duration_ms=1.23456,
+    )
+    raw = (adir(root) / LOG_NAME).read_bytes()
+    assert raw.endswith(b"\n") and raw.count(b"\n") == 1
+    line = raw.rstrip(b"\n")
+    assert digest == hashlib.sha256(line).hexdigest()
+    entry = json.loads(line)
+    assert canonical(entry) == line
+    mac = entry.pop("mac")
+    assert mac == seal(key, canonical(entry))
+    time = entry.pop("time")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}Z", time)
+    assert entry == {
+        "seq": 1,
+        "peer_pid": 7,
+        "peer_uid": 4242,
+        "op": "file.write",
+        "args": {"kind": "cdi"},
+        "args_sha256": "ab" * 32,
+        "decision": "refused",
+        "reason": "bad-kind",
+        "message": "no",
+        "duration_ms": 1.235,
+        "prev": GENESIS,
+    }
+    assert log.head() == (1, digest)
+    assert (adir(root) / HEAD_NAME).read_bytes() == canonical({"seq": 1, "sha256": digest}) + b"\n"
+    assert (adir(root) / KEY_NAME).read_bytes() == b"bcd-audit-key-state v1 %020d %s\n" % (
+        2,
+        evolve(key).hex().encode(),
+    )
+    assert os.stat(adir(root) / LOG_NAME).st_mode & 0o777 == 0o600
+    write(log, 1)
+    second = lines(adir(root) / LOG_NAME)[1]
+    assert second["seq"] == 2 and second["prev"] == digest
+    mac2 = second.pop("mac")
+    assert mac2 == seal(evolve(key), canonical(second))
+    log.close()
+
+
+def test_a_restart_continues_the_chain_from_the_newest_line(root: Path) -> None:
+    log = new_log(root)
+    write(log, 3)
+    head = log.head()
+    log.close()
+    again = new_log(root)
+    assert again.head() == head
+    write(again, 1)
+    assert lines(adir(root) / LOG_NAME)[3]["prev"] == head[1]
+    again.close()
+
+
+def test_a_restart_after_a_rotation_reads_the_rotated_file(root: Path) -> None:
+    log = new_log(root)
+    write(log, 3)
+    head = log.head()
+    log.close()
+    os.rename(adir(root) / LOG_NAME, adir(root) / f"{LOG_NAME}.1")
+    again = new_log(root)
+    assert again.head() == head
+    again.close()
+
+
+def test_the_head_file_shrinks_with_its_content(root: Path) -> None:
+    log = new_log(root)
+    write(log, 10)
+    head = (adir(root) / HEAD_NAME).read_bytes()
+    assert json.loads(head) == {"seq": 10, "sha256": log.head()[1]} and head.count(b"\n") == 1
+    log.close()
+
+
+# --- rotation -------------------------------------------------------------------------------------------
+
+
+def test_rotation_starts_a_file_with_an_anchor_that_chains_on(root: Path) -> None:
+    log = new_log(root, max_bytes=1000)
+    assert log.created_key is not None
+    write(log, 4)  # each line is ~400 bytes: the third line starts audit.log.1's successor
+    d = adir(root)
+    assert audit.log_files(d) == [d / f"{LOG_NAME}.1", d / LOG_NAME]
+    old, new = lines(d / f"{LOG_NAME}.1"), lines(d / LOG_NAME)
+    assert [e["seq"] for e in old] == [1, 2, 3]
+    anchor = new[0]
+    assert anchor["op"] == ANCHOR_OP and anchor["decision"] == "anchor" and anchor["reason"] == "rotated"
+    assert anchor["args"] == {"previous_last_seq": 3, "oldest_seq": 1, "files": 1}
+    assert anchor["args_sha256"] == hashlib.sha256(canonical(anchor["args"])).hexdigest()
+    assert (anchor["peer_pid"], anchor["peer_uid"], anchor["message"], anchor["duration_ms"]) == (
+        os.getpid(),
+        0,
+        "",
+        0.0,
+    )
+    assert anchor["prev"] == hashlib.sha256(raw_lines(d, f"{LOG_NAME}.1")[-1]).hexdigest()
+    assert [e["seq"] for e in new] == [4, 5]
+    assert verify_chain(d, log.created_key) == VerifyResult(True, 5, "", 1, 5)
+    log.close()
+
+
+def test_rotated_files_are_kept_until_the_node_read_past_them(root: Path) -> None:
+    log = new_log(root, max_bytes=600, keep=2)
+    write(log, 12)
+    d = adir(root)
+    held = len(audit.log_files(d)) - 1
+    assert held > 2  # nothing exported: nothing removed
+    assert log.full is (held >= 2 * audit.HOLD_FACTOR)
+    seq, sha = log.head()
+    assert log.export() == {"seq": seq, "sha256": sha}
+    assert log.head()[0] == seq + 1  # the anchor
+    rotated = audit.log_files(d)[:-1]
+    assert len(rotated) == 2  # pruned down to keep, behind a new anchor
+    newest = lines(d / LOG_NAME)
+    assert newest[0]["op"] == ANCHOR_OP
+    oldest_first = lines(rotated[0])[0]
+    assert newest[0]["args"]["oldest_seq"] == oldest_first["seq"]
+    assert newest[0]["args"]["files"] == 2
+    assert verify_chain(d, log.created_key).ok
+    log.close()
+
+
+def test_export_rotates_only_when_more_than_keep_are_held(root: Path) -> None:
+    log = new_log(root, max_bytes=600, keep=3)
+    write(log, 4)
+    d = adir(root)
+    before = len(audit.log_files(d))
+    assert 1 < before - 1 <= 3
+    seq, sha = log.head()
+    assert log.export() == {"seq": seq, "sha256": sha}
+    assert len(audit.log_files(d)) == before and log.head() == (seq, sha)  # no anchor written
+    log.close()
+
+
+def test_the_log_is_full_at_keep_times_the_hold_factor(root: Path) -> None:
+    log = new_log(root, max_bytes=400, keep=1)
+    d = adir(root)
+    n = 0
+    while len(audit.log_files(d)) - 1 < audit.HOLD_FACTOR - 1:
+        write(log, 1, start=n)
+        n += 1
+    assert not log.full
+    while len(audit.log_files(d)) - 1 < audit.HOLD_FACTOR:
+        write(log, 1, start=n)
+        n += 1
+    assert log.full
+    log.export()
+    assert not log.full and len(audit.log_files(d)) - 1 == 1
+    log.close()
+    reopened = new_log(root, max_bytes=400, keep=1)
+    assert not reopened.full
+    reopened.close()
+
+
+def test_a_rotated_file_is_pruned_only_when_its_last_line_was_exported(root: Path) -> None:
+    log = new_log(root, max_bytes=600, keep=1)
+    write(log, 3)
+    d = adir(root)
+    log.export()
+    exported = log.head()[0]
+    write(log, 8, start=3)
+    assert len(audit.log_files(d)) - 1 > 1
+    kept = audit.log_files(d)[0]
+    assert lines(kept)[-1]["seq"] > exported
+    log.close()
+
+
+# --- verify_chain ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def sealed(root: Path) -> tuple[Path, str]:
+    log = new_log(root)
+    assert log.created_key is not None
+    write(log, 5)
+    log.close()
+    return adir(root), log.created_key
+
+
+def raw_lines(d: Path, name: str = LOG_NAME) -> list[bytes]:
+    return (d / name).read_bytes().splitlines()
+
+
+def put(d: Path, rows: list[bytes], name: str = LOG_NAME) -> None:
+    (d / name).write_bytes(b"".join(r + b"\n" for r in rows))
+
+
+def reseal(entry: dict[str, Any]) -> bytes:
+    return canonical(entry)
+
+
+def test_an_intact_log_verifies(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    assert verify_chain(d, key) == VerifyResult(True, 5, "", 1, 5)
+    assert verify_chain(d) == VerifyResult(True, 5, "", 1, 5)
+
+
+def test_verify_names_a_bad_key_and_missing_files(root: Path, sealed: tuple[Path, str]) -> None:
+    d, _ = sealed
+    assert verify_chain(d, "nope") == VerifyResult(
+        False, 0, "--key: a verification key reads bcdk1-<seq>-<64 hex digits>"
+    )
+    assert verify_chain(root / "nowhere") == VerifyResult(
+        False, 0, f"{root / 'nowhere'}: no such audit directory"
+    )
+    (d / HEAD_NAME).unlink()
+    assert verify_chain(d) == VerifyResult(False, 5, f"{HEAD_NAME} is missing", 1, 5)
+    (d / LOG_NAME).unlink()
+    assert verify_chain(d) == VerifyResult(False, 0, f"{LOG_NAME} is missing")
+
+
+def test_verify_names_an_empty_log(root: Path) -> None:
+    new_log(root).close()
+    (adir(root) / LOG_NAME).write_bytes(b"")
+    assert verify_chain(adir(root)) == VerifyResult(False, 0, f"{LOG_NAME} holds no entries")
+
+
+def test_verify_names_a_gap_between_rotated_files(sealed: tuple[Path, str]) -> None:
+    d, _ = sealed
+    (d / f"{LOG_NAME}.2").write_bytes(b"")
+    assert verify_chain(d) == VerifyResult(False, 0, f"{LOG_NAME}.1 is missing (a gap between rotated files)")
+    (d / f"{LOG_NAME}.1").write_bytes(b"")
+    (d / f"{LOG_NAME}.4").write_bytes(b"")
+    assert verify_chain(d).problem == f"{LOG_NAME}.3 is missing (a gap between rotated files)"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        b"not json",
+        b"[]",
+        b'{"seq": 1}',
+        b'{"prev": "x"}',
+        b'{"seq": "1", "prev": "x"}',
+        b'{"seq": 1, "prev": 2}',
+    ],
+)
+def test_verify_names_a_line_that_is_not_an_entry(sealed: tuple[Path, str], bad: bytes) -> None:
+    d, _ = sealed
+    rows = raw_lines(d)
+    rows[2] = bad
+    put(d, rows)
+    assert verify_chain(d) == VerifyResult(False, 2, f"{LOG_NAME} line 3: not an audit entry", 1, 2)
+
+
+def test_verify_names_a_line_not_in_canonical_form(sealed: tuple[Path, str]) -> None:
+    d, _ = sealed
+    rows = raw_lines(d)
+    rows[1] = json.dumps(json.loads(rows[1])).encode()
+    put(d, rows)
+    assert verify_chain(d) == VerifyResult(
+        False, 1, f"{LOG_NAME} line 2: not in canonical form (edited)", 1, 1
+    )
+
+
+def test_verify_names_an_edited_line_by_the_next_ones_chain(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    rows = raw_lines(d)
+    entry = json.loads(rows[1])
+    entry["message"] = "forged"
+    rows[1] = reseal(entry)
+    put(d, rows)
+    assert verify_chain(d) == VerifyResult(
+        False,
+        2,
+        f"{LOG_NAME} line 3 (seq 3): does not chain to the line before it "
+        "(that line was edited, or lines were removed or reordered)",
+        1,
+        2,
+    )
+    assert verify_chain(d, key) == VerifyResult(
+        False,
+        1,
+        f"{LOG_NAME} line 2 (seq 2): {SEAL}",
+        1,
+        1,
+    )
+
+
+def test_verify_names_a_missing_or_wrong_mac(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    rows = raw_lines(d)
+    entry = json.loads(rows[4])
+    del entry["mac"]
+    rows[4] = reseal(entry)
+    put(d, rows)
+    result = verify_chain(d, key)
+    assert result.problem == (f"{LOG_NAME} line 5 (seq 5): {SEAL}")
+    assert (result.lines, result.first_seq, result.last_seq) == (4, 1, 4)
+    entry["mac"] = 7
+    rows[4] = reseal(entry)
+    put(d, rows)
+    assert verify_chain(d, key).problem.startswith(f"{LOG_NAME} line 5 (seq 5): its seal does not verify")
+
+
+def test_verify_with_another_key_names_the_first_line(sealed: tuple[Path, str]) -> None:
+    d, _ = sealed
+    other = format_key(1, bytes(32))
+    assert verify_chain(d, other).problem.startswith(f"{LOG_NAME} line 1 (seq 1): its seal does not verify")
+
+
+def test_verify_with_a_later_key_checks_only_from_its_seq(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    seq, k = parse_key(key)
+    for _ in range(3):
+        k = evolve(k)
+    later = format_key(seq + 3, k)
+    assert verify_chain(d, later) == VerifyResult(True, 5, "", 1, 5)
+    rows = raw_lines(d)
+    entry = json.loads(rows[1])
+    entry["message"] = "edited before the key's seq"
+    rows[1] = reseal(entry)
+    put(d, rows)
+    assert verify_chain(d, later).problem.startswith(f"{LOG_NAME} line 3 (seq 3): does not chain")
+
+
+def test_verify_names_a_key_beyond_the_log(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    _, k = parse_key(key)
+    assert verify_chain(d, format_key(9, k)) == VerifyResult(
+        False, 5, "sealing starts at seq 9 but the log ends at seq 5", 1, 5
+    )
+
+
+def test_verify_names_removed_and_reordered_lines(sealed: tuple[Path, str]) -> None:
+    d, _ = sealed
+    rows = raw_lines(d)
+    put(d, rows[:2] + rows[3:])
+    assert verify_chain(d) == VerifyResult(
+        False, 2, f"{LOG_NAME} line 3: seq 4 follows seq 2 (lines removed or reordered)"
+    )
+    put(d, rows[1:])
+    assert verify_chain(d) == VerifyResult(
+        False,
+        0,
+        f"{LOG_NAME} line 1 (seq 2): a file that does not start with an anchor "
+        "(lines dropped, or files spliced)",
+        0,
+        0,
+    )
+
+
+def test_verify_names_a_first_line_that_does_not_start_the_chain(sealed: tuple[Path, str]) -> None:
+    d, _ = sealed
+    rows = raw_lines(d)
+    entry = json.loads(rows[0])
+    entry["prev"] = "1" * 64
+    rows[0] = reseal(entry)
+    put(d, rows)
+    assert verify_chain(d) == VerifyResult(
+        False, 0, f"{LOG_NAME} line 1: the first entry does not start the chain"
+    )
+
+
+def test_verify_names_the_last_line_removed_or_edited(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    rows = raw_lines(d)
+    put(d, rows[:-1])
+    assert verify_chain(d) == VerifyResult(
+        False,
+        4,
+        f"the line {HEAD_NAME} records (seq 5) is missing or changed (newest: seq 4): "
+        "the last line was edited or removed",
+        1,
+        4,
+    )
+    put(d, rows)
+    (d / HEAD_NAME).write_bytes(b"{")
+    assert verify_chain(d) == VerifyResult(False, 5, f"{HEAD_NAME}: unreadable", 1, 5)
+    (d / HEAD_NAME).write_bytes(b'{"seq": 5}')
+    assert verify_chain(d).problem == f"{HEAD_NAME}: unreadable"
+    (d / HEAD_NAME).write_bytes(b'{"seq": [5], "sha256": "x"}')
+    assert verify_chain(d).problem == f"{HEAD_NAME}: unreadable"
+    lagging = {"seq": 4, "sha256": hashlib.sha256(rows[3]).hexdigest()}
+    (d / HEAD_NAME).write_bytes(canonical(lagging))
+    assert verify_chain(d, key).ok  # a head that lags after a crash is accepted while its line is there
+
+
+def test_verify_checks_the_key_state_file(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    state = (d / KEY_NAME).read_bytes()
+    (d / KEY_NAME).unlink()
+    assert verify_chain(d) == VerifyResult(
+        False,
+        5,
+        f"{KEY_NAME} is missing (the sealing key state; a new one would seal with a key no one holds)",
+        1,
+        5,
+    )
+    (d / KEY_NAME).write_bytes(b"junk")
+    assert verify_chain(d).problem == f"{KEY_NAME}: not a sealing key state"
+    (d / KEY_NAME).write_bytes(state.replace(b"%020d" % 6, b"%020d" % 7))
+    assert verify_chain(d).problem == (
+        f"{KEY_NAME} is at seq 7 but the log ends at seq 5: lines were cut from the end"
+    )
+    (d / KEY_NAME).write_bytes(state.replace(b"%020d" % 6, b"%020d" % 5))
+    assert verify_chain(d).ok  # may lag; without the key its content is not checked
+    assert verify_chain(d, key).problem == f"{KEY_NAME}: the key state at seq 5 is not this key's (replaced)"
+    _, k = parse_key(key)
+    for _ in range(4):
+        k = evolve(k)
+    (d / KEY_NAME).write_bytes(b"bcd-audit-key-state v1 %020d %s\n" % (5, k.hex().encode()))
+    assert verify_chain(d, key).ok  # the lagging state holds exactly seq 5's key
+    (d / KEY_NAME).write_bytes(state)
+    seq6 = format_key(6, evolve(k))
+    assert verify_chain(d, seq6).problem == "sealing starts at seq 6 but the log ends at seq 5"
+
+
+def test_verify_checks_the_expected_head(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    rows = raw_lines(d)
+    h3 = hashlib.sha256(rows[2]).hexdigest()
+    assert verify_chain(d, key, (3, h3)) == VerifyResult(True, 5, "", 1, 5)
+    assert verify_chain(d, key, (5, hashlib.sha256(rows[4]).hexdigest())).ok
+    assert verify_chain(d, key, (3, "0" * 64)) == VerifyResult(
+        False, 5, "the line at the expected head seq 3 was changed"
+    )
+    assert verify_chain(d, key, (6, h3)) == VerifyResult(
+        False, 5, "the log ends at seq 5, before the expected head seq 6: lines removed"
+    )
+
+
+def test_verify_across_rotations_checks_anchors(root: Path) -> None:
+    log = new_log(root, max_bytes=1000)
+    assert log.created_key is not None
+    write(log, 7)
+    log.close()
+    d = adir(root)
+    key = log.created_key
+    files = audit.log_files(d)
+    assert len(files) >= 3
+    ok = verify_chain(d, key)
+    assert ok.ok and ok.first_seq == 1
+    # an anchor inside a file
+    newest = raw_lines(d)
+    first_anchor = newest[0]
+    put(d, [*newest, first_anchor])
+    result = verify_chain(d)
+    assert result.problem.endswith("an anchor inside a file (lines dropped, or files spliced)")
+    put(d, newest)
+    # the oldest file removed: audit.log.N missing is a gap only when in the middle; drop the oldest
+    oldest = files[0]
+    oldest_seq = lines(oldest)[0]["seq"]
+    next_first = lines(files[1])[0]["seq"]
+    oldest.unlink()
+    assert verify_chain(d).problem == (
+        f"the oldest kept line is seq {next_first} but the last rotation kept seq {oldest_seq} on: "
+        "older files were removed"
+    )
+
+
+def test_verify_names_an_anchor_that_names_the_wrong_previous_line(root: Path) -> None:
+    log = new_log(root, max_bytes=1000)
+    write(log, 4)
+    log.close()
+    d2 = adir(root)
+    rows = raw_lines(d2)
+    entry = json.loads(rows[0])
+    assert entry["op"] == ANCHOR_OP
+    entry["args"]["previous_last_seq"] = 1
+    rows[0] = canonical(entry)
+    put(d2, rows)
+    assert verify_chain(d2).problem == f"{LOG_NAME} line 1: the anchor names the wrong previous line"
+
+
+def test_verify_names_an_oldest_anchor_that_does_not_explain_its_seq(root: Path) -> None:
+    log = new_log(root, max_bytes=1000)
+    write(log, 4)
+    log.close()
+    d = adir(root)
+    (d / f"{LOG_NAME}.1").unlink()
+    rows = raw_lines(d)
+    entry = json.loads(rows[0])
+    seq = entry["seq"]
+    entry["args"]["previous_last_seq"] = seq - 2
+    rows[0] = canonical(entry)
+    put(d, rows)
+    assert verify_chain(d).problem == f"{LOG_NAME} line 1: the anchor does not explain seq {seq}"
+
+
+def test_a_chain_that_starts_with_a_kept_anchor_verifies(root: Path) -> None:
+    log = new_log(root, max_bytes=600, keep=1)
+    assert log.created_key is not None
+    write(log, 10)
+    log.export()
+    write(log, 1, start=10)
+    log.close()
+    d = adir(root)
+    result = verify_chain(d, log.created_key)
+    assert result.ok and result.first_seq > 1
+    assert verify_chain(d, log.created_key, (result.first_seq - 1, "0" * 64)).problem == (
+        f"the expected head seq {result.first_seq - 1} is older than the oldest kept line "
+        f"(seq {result.first_seq})"
+    )
+
+
+# --- the CLI --------------------------------------------------------------------------------------------
+
+
+def cli(root: Path, *argv: str) -> int:
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    args = parser.parse_args(["--root", str(root), "--dir", DIR, *argv])
+    return audit.run(args)
+
+
+def test_cli_init_prints_the_key_once(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(root, "init") == 0
+    out = capsys.readouterr()
+    m = re.fullmatch(
+        r"audit verification key \(keep it off this host; it is not shown again\): (bcdk1-1-[0-9a-f]{64})\n",
+        out.out,
+    )
+    assert m is not None
+    assert cli(root, "init") == 1
+    assert capsys.readouterr().err == (
+        f"bcd helper: {DIR}/{KEY_NAME} exists: this log is sealed already "
+        "(its verification key was printed when it was made)\n"
+    )
+
+
+def test_cli_verify(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(root, "init") == 0
+    key = capsys.readouterr().out.rsplit(" ", 1)[-1].strip()
+    log = new_log(root)
+    write(log, 3)
+    seq, sha = log.head()
+    log.close()
+    assert cli(root, "verify", "--key", key) == 0
+    assert capsys.readouterr().out == "audit log intact: 3 entries, seq 1 to 3, sealed\n"
+    assert cli(root, "verify", "--key", key, "--expect-head", f"{seq}:{sha}") == 0
+    assert (
+        capsys.readouterr().out
+        == "audit log intact: 3 entries, seq 1 to 3, sealed and at the expected head\n"
+    )
+    assert cli(root, "verify") == 1
+    assert capsys.readouterr().err == (
+        "bcd helper audit: --key is required (the verification key printed at set-up); "
+        "without it the chain cannot show what root changed\n"
+    )
+    for bad in ["3", f"x:{sha}", f"3:{sha[:-1]}", f"3:{sha.upper()}", f"{'1' * 20}:{sha}"]:
+        assert cli(root, "verify", "--key", key, "--expect-head", bad) == 1
+        assert (
+            capsys.readouterr().err == "bcd helper audit: --expect-head: expected SEQ:HASH (64 hex digits)\n"
+        )
+    assert cli(root, "verify", "--key", key, "--expect-head", f"4:{sha}") == 1
+    assert capsys.readouterr().err == (
+        "audit log broken after 3 good entries: the log ends at seq 3, before the expected head seq 4: "
+        "lines removed\n"
+    )
+
+
+def test_cli_names_a_directory_without_a_log(root: Path) -> None:
+    from bcd_shared.subcommands import CliError
+
+    with pytest.raises(CliError) as info:
+        cli(root, "show")
+    assert str(info.value) == f"{adir(root)}: no audit log here (is this the helper's audit_dir?)"
+
+
+def test_cli_reads_the_directory_from_roots_config(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bcd_shared.subcommands import CliError
+
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    args = parser.parse_args(["--root", str(root), "show"])
+    with pytest.raises(CliError) as info:
+        audit.run(args)
+    assert str(info.value).endswith("(or name the audit directory with --dir)")
+    cfg = root / "etc/bcd/config.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text('[helper]\nnode_uid = 4242\naudit_dir = "/var/log/elsewhere"\n')
+    os.chmod(cfg, 0o640)
+    log = AuditLog(root, "/var/log/elsewhere", syslog=False)
+    write(log, 1)
+    log.close()
+    assert audit.run(parser.parse_args(["--root", str(root), "show", "--json"])) == 0
+    assert json.loads(capsys.readouterr().out)["seq"] == 1
+    args = parser.parse_args(["--root", str(root), "show", "--config", "/etc/bcd/other.toml"])
+    with pytest.raises(CliError):
+        audit.run(args)
+
+
+def test_cli_flags_before_the_subcommand_are_kept(root: Path) -> None:
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    args = parser.parse_args(["--root", "/r", "--dir", "/d", "--config", "/c", "show"])
+    assert (args.root, args.dir, args.config) == ("/r", "/d", "/c")
+    args = parser.parse_args(["show", "--root", "/r2"])
+    assert (args.root, args.dir, args.config) == ("/r2", None, "/etc/bcd/config.toml")
+    args = parser.parse_args(["verify"])
+    assert (args.root, args.key, args.expect_head) == ("/", None, None)
+
+
+def test_cli_show_filters_and_escapes(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = new_log(root)
+    write(log, 2, op="file.write", decision="accepted")
+    write(log, 1, start=2, op="slice.apply", decision="refused", reason="bad", message="line\nforged #9")
+    write(log, 1, start=3, op="evil\u2028op", decision="failed")
+    log.close()
+    d = adir(root)
+    written = lines(d / LOG_NAME)
+    # a line that is not JSON and one whose time does not parse are skipped by show
+    with (d / LOG_NAME).open("ab") as f:
+        f.write(b"garbage\n")
+        f.write(canonical({"seq": 99, "time": "not a time", "op": "x"}) + b"\n")
+    assert cli(root, "show") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert len(out) == 4
+    first = written[0]
+    assert out[0] == (f"{first['time']} #1 uid=4242 pid=100 file.write accepted  {json.dumps({'i': 0})} m0")
+    assert out[2].endswith('slice.apply refused bad {"i": 2} line\\nforged #9')
+    assert " evil\\u2028op failed " in out[3]
+    assert cli(root, "show", "--op", "slice.apply") == 0
+    assert capsys.readouterr().out.count("\n") == 1
+    assert cli(root, "show", "--decision", "accepted", "--json") == 0
+    shown = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [e["seq"] for e in shown] == [1, 2]
+    when = dt.datetime.fromisoformat(written[2]["time"].replace("Z", "+00:00"))
+    assert cli(root, "show", "--since", written[2]["time"]) == 0
+    assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#3", "#4"]
+    assert cli(root, "show", "--until", written[2]["time"]) == 0
+    assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#1", "#2"]
+    naive = when.replace(tzinfo=None).isoformat()
+    assert cli(root, "show", "--since", naive) == 0  # no zone: UTC
+    assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#3", "#4"]
+
+
+def test_cli_refuses_a_time_that_is_not_rfc3339(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli(root, "show", "--since", "yesterday")
+    assert (
+        "'yesterday' is not an RFC 3339 time (like 2026-01-31T12:00:00Z or 2026-01-31)"
+        in capsys.readouterr().err
+    )
+    assert audit._parse_time("2026-01-31") == dt.datetime(2026, 1, 31, tzinfo=dt.UTC)
+    assert audit._parse_time("2026-01-31T12:00:00Z") == dt.datetime(2026, 1, 31, 12, tzinfo=dt.UTC)
+    assert audit._parse_time("2026-01-31T12:00:00+02:00").utcoffset() == dt.timedelta(hours=2)
+
+
+def test_shown_text_escapes_what_is_not_printable() -> None:
+    assert audit._shown("a\nb\tc\x00d\u2028é") == "a\\nb\\tc\\x00d\\u2028é"
+    assert audit._shown(7) == "7"
+
+
+def test_the_cli_surface_operators_read(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every option of `bcd helper audit` and its subcommands: the help an operator reads, the default,
+    the choices (a flag given before the subcommand is not reset by the subcommand's own copy)."""
+    parser = argparse.ArgumentParser(prog="bcd helper audit")
+    audit.add_arguments(parser)
+    common = {
+        "--root": ("the directory standing for / (a simulated host)", None),
+        "--dir": ("the audit directory (host path; default from config)", None),
+        "--config": ("root's config.toml (host path)", None),
+    }
+
+    def options(p: argparse.ArgumentParser) -> dict[str, tuple[Any, ...]]:
+        return {
+            a.option_strings[-1]: (a.help, a.choices)
+            for a in p._actions
+            if a.option_strings and a.option_strings[-1] != "--help"
+        }
+
+    assert options(parser) == common
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert sub.required and sub.metavar == "init|show|verify"
+    assert {a.dest: a.help for a in sub._choices_actions} == {
+        "init": "create the sealing key and print its verification key, once",
+        "show": "print audit entries, filtered",
+        "verify": "check the seals and the chain; names the first problem",
+    }
+    assert options(sub.choices["init"]) == common
+    assert options(sub.choices["show"]) == {
+        "--op": ("only this operation", None),
+        "--decision": (None, ("accepted", "refused", "failed", "anchor")),
+        "--since": ("only entries at or after this time (RFC 3339)", None),
+        "--until": ("only entries before this time (RFC 3339)", None),
+        "--json": ("print the raw JSON lines", None),
+        **common,
+    }
+    assert options(sub.choices["verify"]) == {
+        "--key": ("the verification key printed at set-up (required)", None),
+        "--expect-head": ("a head held off the host (the node's reports)", None),
+        **common,
+    }
+    verify_help = sub.choices["verify"].format_help()
+    assert "--expect-head SEQ:HASH" in verify_help
+    args = parser.parse_args(["show", "--json", "--op", "x", "--decision", "failed"])
+    assert (args.json, args.op, args.decision, args.since, args.until) == (True, "x", "failed", None, None)
+    assert parser.parse_args(["show"]).json is False
+    with pytest.raises(SystemExit):
+        parser.parse_args(["show", "--decision", "maybe"])
+    with pytest.raises(SystemExit):
+        parser.parse_args([])  # a subcommand is required
+    capsys.readouterr()
+
+
+def test_each_line_goes_to_the_system_log_when_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    sent: list[tuple[str, Any]] = []
+
+    class FakeSocket:
+        def __init__(self, family: int, kind: int) -> None:
+            sent.append(("socket", (family, kind)))
+
+        def __enter__(self) -> FakeSocket:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            sent.append(("closed", None))
+
+        def setblocking(self, flag: bool) -> None:
+            sent.append(("blocking", flag))
+
+        def connect(self, path: str) -> None:
+            sent.append(("connect", path))
+
+        def send(self, data: bytes) -> int:
+            sent.append(("send", data))
+            return len(data)
+
+    monkeypatch.setattr(audit.os.path, "exists", lambda p: p == "/dev/log")
+    monkeypatch.setattr(audit.socket, "socket", FakeSocket)
+    audit._syslog(b"x" * 9000)
+    import socket as s
+
+    assert sent == [
+        ("socket", (s.AF_UNIX, s.SOCK_DGRAM)),
+        ("blocking", False),
+        ("connect", "/dev/log"),
+        ("send", b"<86>bcd-helper[%d]: " % os.getpid() + b"x" * 8000),
+        ("closed", None),
+    ]
+    sent.clear()
+    monkeypatch.setattr(FakeSocket, "send", lambda self, data: (_ for _ in ()).throw(OSError("full")))
+    audit._syslog(b"y")  # best effort: an error is swallowed
+    monkeypatch.setattr(audit.os.path, "exists", lambda p: False)
+    sent.clear()
+    audit._syslog(b"z")
+    assert sent == []
+
+
+def test_record_sends_to_the_system_log_unless_told_not_to(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lines_sent: list[bytes] = []
+    monkeypatch.setattr(audit, "_syslog", lines_sent.append)
+    log = AuditLog(root, DIR)
+    write(log, 1)
+    log.close()
+    assert lines_sent == [(adir(root) / LOG_NAME).read_bytes().rstrip(b"\n")]
+    quiet = new_log(root)
+    write(quiet, 1, start=1)
+    quiet.close()
+    assert len(lines_sent) == 1
+
+
+# --- edges found by mutation testing ----------------------------------------------------------------------
+
+
+def test_first_line_never_follows_a_symlink_and_reads_at_most_a_mebibyte(root: Path) -> None:
+    d = root / "d"
+    d.mkdir()
+    (d / "real").write_bytes(b"abX \n")
+    (d / "link").symlink_to("real")
+    (d / "huge").write_bytes(b"z" * ((1 << 20) + 10) + b"\n")
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        assert audit._first_line(fd, "real") == b"abX "  # only the newline is taken off
+        with pytest.raises(OSError):
+            audit._first_line(fd, "link")
+        assert audit._first_line(fd, "huge") == b"z" * (1 << 20)
+    finally:
+        os.close(fd)
+
+
+def test_export_with_exactly_keep_files_held_rotates_nothing(root: Path) -> None:
+    log = new_log(root, max_bytes=600, keep=2)
+    d = adir(root)
+    n = 0
+    while len(audit.log_files(d)) - 1 < 2:
+        write(log, 1, start=n)
+        n += 1
+    assert len(audit.log_files(d)) - 1 == 2
+    seq, _ = log.head()
+    log.export()
+    assert log.head()[0] == seq and len(audit.log_files(d)) - 1 == 2  # no anchor, nothing pruned
+    log.close()
+
+
+def test_pruning_stops_at_the_first_file_the_node_has_not_read(root: Path) -> None:
+    log = new_log(root, max_bytes=600, keep=1)
+    d = adir(root)
+    write(log, 4)
+    log.export()  # the node read up to here
+    exported = log.head()[0]
+    write(log, 12, start=4)  # more rotations: files past `keep` the node has not read stay
+    rotated = audit.log_files(d)[:-1]
+    assert len(rotated) > 2
+    unread = [p for p in rotated if lines(p)[-1]["seq"] > exported]
+    assert unread == rotated  # every kept file has lines the node has not read...
+    assert lines(rotated[0])[0]["seq"] <= exported + 1  # ...and the oldest follows what it read
+    assert verify_chain(d, log.created_key).ok
+    log.close()
+
+
+def test_rotated_files_shift_up_in_order(root: Path) -> None:
+    log = new_log(root, max_bytes=600)
+    write(log, 9)
+    d = adir(root)
+    names = [p.name for p in audit.log_files(d)]
+    assert names == [f"{LOG_NAME}.{i}" for i in range(len(names) - 1, 0, -1)] + [LOG_NAME]
+    assert len(names) >= 4
+    seqs = [lines(p)[0]["seq"] for p in audit.log_files(d)]
+    assert seqs == sorted(seqs)
+    log.close()
+
+
+def test_an_export_after_the_current_file_went_missing_still_rotates(root: Path) -> None:
+    log = new_log(root, max_bytes=600, keep=1)
+    write(log, 8)
+    log.close()
+    d = adir(root)
+    (d / LOG_NAME).unlink()
+    (d / KEY_NAME).unlink()  # (it was past the rotated file's last line: a new one is made)
+    again = new_log(root, max_bytes=600, keep=1)
+    held = len(audit.log_files(d))
+    assert held > 1
+    head = again.export()
+    assert head["seq"] == lines(audit.log_files(d)[-2])[-1]["seq"]
+    assert lines(d / LOG_NAME)[0]["op"] == ANCHOR_OP
+    again.close()
+
+
+def test_an_empty_file_rotated_names_the_next_seq_as_the_oldest(root: Path) -> None:
+    log = new_log(root, max_bytes=0)
+    write(log, 1)
+    anchor = lines(adir(root) / LOG_NAME)[0]
+    assert anchor["op"] == ANCHOR_OP
+    assert anchor["args"] == {"previous_last_seq": 0, "oldest_seq": 1, "files": 1}
+    log.close()
+
+
+def test_an_entry_that_only_claims_to_be_an_anchor_is_not_one(sealed: tuple[Path, str]) -> None:
+    d, _ = sealed
+    rows = raw_lines(d)
+    for change in ({"decision": "anchor"}, {"op": ANCHOR_OP}):
+        entry = {**json.loads(rows[-1]), **change}
+        put(d, [*rows[:-1], canonical(entry)])
+        assert verify_chain(d).problem == (
+            f"the line {HEAD_NAME} records (seq 5) is missing or changed (newest: seq 5): "
+            "the last line was edited or removed"
+        )
+
+
+def test_a_replaced_key_state_is_found_with_a_key_of_its_seq(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    _, k = parse_key(key)
+    for _ in range(4):
+        k = evolve(k)
+    at5 = format_key(5, k)
+    (d / KEY_NAME).write_bytes(b"bcd-audit-key-state v1 %020d %s\n" % (5, bytes(32).hex().encode()))
+    assert verify_chain(d, at5).problem == f"{KEY_NAME}: the key state at seq 5 is not this key's (replaced)"
+    (d / KEY_NAME).write_bytes(b"bcd-audit-key-state v1 %020d %s\n" % (5, k.hex().encode()))
+    assert verify_chain(d, at5).ok
+
+
+def test_cli_must_run_as_root_on_the_real_host(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from bcd_shared.subcommands import EX_NOPERM, CliError
+
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    monkeypatch.setattr(audit.os, "geteuid", lambda: 1000)
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", "/", "show"]))
+    assert (info.value.message, info.value.code) == (
+        "must run as root: the audit log and root's config.toml are root's alone",
+        EX_NOPERM,
+    )
+    new_log(root).close()
+    assert audit.run(parser.parse_args(["--root", str(root), "--dir", DIR, "show"])) == 0  # a simulated host
+    monkeypatch.setattr(audit.os, "geteuid", lambda: 0)
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", "/", "--dir", "/nonexistent-bcd-audit-dir", "show"]))
+    assert info.value.code != EX_NOPERM
+
+
+def test_cli_exit_codes(root: Path, tmp_path: Path) -> None:
+    from bcd_shared.subcommands import EX_CONFIG, EX_IOERR, EX_NOINPUT, CliError
+
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", str(root), "--dir", DIR, "show"]))
+    assert info.value.code == EX_NOINPUT
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", str(root), "show"]))
+    assert info.value.code == EX_CONFIG
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", str(afile), "--dir", DIR, "init"]))
+    assert info.value.code == EX_IOERR and info.value.message != ""
+    assert "a-file" in info.value.message or "Not a directory" in info.value.message
+
+
+def test_cli_verify_with_another_key_fails(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = new_log(root)
+    write(log, 2)
+    log.close()
+    other = format_key(1, bytes(32))
+    assert cli(root, "verify", "--key", other) == 1
+    assert capsys.readouterr().err == (
+        f"audit log broken after 0 good entries: {LOG_NAME} line 1 (seq 1): {SEAL}\n"
+    )
+
+
+def test_init_key_makes_the_directory_root_only(root: Path) -> None:
+    d = adir(root)
+    d.mkdir(parents=True, mode=0o755)
+    os.chmod(d, 0o755)
+    assert audit.init_key(root, DIR) is not None
+    assert os.stat(d).st_mode & 0o777 == 0o700
+
+
+def test_cli_show_skips_unreadable_lines_anywhere(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    log = new_log(root)
+    write(log, 1)
+    write(log, 1, start=1, op="slice.apply")
+    write(log, 1, start=2)
+    log.close()
+    d = adir(root)
+    rows = raw_lines(d)
+    junk = [
+        b"garbage",
+        canonical({"seq": 99, "time": "not a time", "op": "file.write", "decision": "accepted"}),
+        canonical({"seq": 98, "op": "file.write", "decision": "accepted"}),
+    ]
+    put(d, [rows[0], *junk, rows[1], *junk, rows[2]])
+    assert cli(root, "show") == 0
+    assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#1", "#2", "#3"]
+    assert cli(root, "show", "--op", "file.write") == 0
+    assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#1", "#3"]
+    assert cli(root, "show", "--decision", "accepted", "--op", "slice.apply") == 0
+    assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#2"]

@@ -1,0 +1,295 @@
+"""file.write and file.remove called in process over a temporary root, without command-signing roots: the
+kinds, the content rules and the per-kind limits, each refusal word for word, the path and mode written
+(HST-ROOT-08, issue 9 item 8; docs/mutation.md). The signed-devices rules are driven through a real
+helper in test_signed_holds.py."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_helper.ops import files
+from bcd_helper.ops.base import HelperContext, Refused
+from bcd_helper.ops.files import MAX_CONTENT, FileRemove, FileWrite, file_remove, file_write
+from bcd_shared import cdi
+from opskit import call, context, make_root
+
+ALLOC = "a1"
+GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> Iterator[HelperContext]:
+    c = context(make_root(tmp_path))
+    yield c
+    c.audit.close()
+
+
+def refused(ctx: HelperContext, req: Any) -> tuple[str, str]:
+    fn = file_write if isinstance(req, FileWrite) else file_remove
+    with pytest.raises(Refused) as info:
+        fn(call(ctx), req)
+    return info.value.reason, info.value.message
+
+
+def env(ident: str = ALLOC, extra: str = "") -> FileWrite:
+    return FileWrite("allocation-env", ident, f"BCD_ALLOCATION_ID={ident}\n{extra}")
+
+
+def hold(ident: str = ALLOC, edits: dict[str, Any] | None = None, env_lines: list[str] | None = None) -> str:
+    devices = [
+        cdi.HoldDevice(f"{GPU1}", edits if edits is not None else {"deviceNodes": [{"path": "/dev/nvidia0"}]})
+    ]
+    doc = cdi.build_hold_spec(
+        allocation_id=ident,
+        reservation_id="r1",
+        generation=1,
+        kubernetes=False,
+        cgroup_parent=None,
+        devices=devices,
+        env=env_lines if env_lines is not None else [f"BCD_ALLOCATION_ID={ident}"],
+        vendor=None,
+    )
+    return cdi.encode_spec(doc).decode()
+
+
+def vendor(root: Path, devices: dict[str, dict[str, Any]], common: dict[str, Any] | None = None) -> None:
+    doc: dict[str, Any] = {
+        "cdiVersion": "0.6.0",
+        "kind": "nvidia.com/gpu",
+        "devices": [{"name": n, "containerEdits": e} for n, e in devices.items()],
+    }
+    if common:
+        doc["containerEdits"] = common
+    (root / "etc/cdi").mkdir(parents=True, exist_ok=True)
+    (root / "etc/cdi/nvidia.json").write_text(json.dumps(doc))
+
+
+# --- kinds and ids ----------------------------------------------------------------------------------------
+
+
+def test_an_unknown_kind_or_a_bad_id_is_refused(ctx: HelperContext) -> None:
+    assert refused(ctx, FileWrite("sshd", "x", "")) == (
+        "bad-kind",
+        "file kind 'sshd' is not one the helper writes (cdi, allocation-env, k8s-token)",
+    )
+    assert refused(ctx, FileRemove("../x", "x")) == (
+        "bad-kind",
+        "file kind '../x' is not one the helper writes (cdi, allocation-env, k8s-token)",
+    )
+    for bad in ["", "a-b", "a/b", "x" * 81, "a\n"]:
+        assert refused(ctx, FileWrite("cdi", bad, "")) == (
+            "bad-id",
+            f"cdi: id {bad!r} must be an allocation id ([A-Za-z0-9_]{{1,80}})",
+        )
+    assert refused(ctx, FileWrite("k8s-token", "x", "")) == ("bad-id", "k8s-token: id 'x' must be empty")
+    assert refused(ctx, FileRemove("allocation-env", "..")) == (
+        "bad-id",
+        "allocation-env: id '..' must be an allocation id ([A-Za-z0-9_]{1,80})",
+    )
+
+
+# --- allocation-env ---------------------------------------------------------------------------------------
+
+
+def test_an_env_file_is_written_0644_at_its_path(ctx: HelperContext) -> None:
+    ident = "A_z9" + "x" * 76
+    got = file_write(call(ctx), env(ident, "FOO=bar\n"))
+    path = f"/run/bcd/allocations/{ident}.env"
+    assert got == {"path": path, "bytes": len(f"BCD_ALLOCATION_ID={ident}\nFOO=bar\n")}
+    on_disk = ctx.root / path.lstrip("/")
+    assert on_disk.read_text() == f"BCD_ALLOCATION_ID={ident}\nFOO=bar\n"
+    assert os.stat(on_disk).st_mode & 0o777 == 0o644
+    assert file_remove(call(ctx), FileRemove("allocation-env", ident)) == {"path": path, "removed": True}
+    assert not on_disk.exists()
+    assert file_remove(call(ctx), FileRemove("allocation-env", ident)) == {"path": path, "removed": False}
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ("BCD_ALLOCATION_ID=a1\nX=1", "allocation-env: must end with a newline"),
+        ("BCD_ALLOCATION_ID=a1\nX=\x01\n", "allocation-env: carries a control character"),
+        ("BCD_ALLOCATION_ID=a1\nX=\x7f\n", "allocation-env: carries a control character"),
+        ("BCD_ALLOCATION_ID=a1\nX=\x85\n", "allocation-env: carries a control character"),
+        ("BCD_ALLOCATION_ID=a1\nX=\u2028\n", "allocation-env: carries a control character"),
+        ("BCD_ALLOCATION_ID=a1\nX=\u2029\n", "allocation-env: carries a control character"),
+        ("BCD_ALLOCATION_ID=a1\nX=\t\n", "allocation-env: carries a control character"),
+        ("BCD_ALLOCATION_ID=a1\nX=1\nX=2\n", "allocation-env: 'X' is set twice"),
+    ],
+)
+def test_a_bad_env_file_is_refused_naming_the_rule(ctx: HelperContext, content: str, message: str) -> None:
+    assert refused(ctx, FileWrite("allocation-env", ALLOC, content)) == ("bad-content", message)
+
+
+def test_an_env_file_keeps_printable_text_above_the_c1_range(ctx: HelperContext) -> None:
+    file_write(call(ctx), env(extra="X=\xa0é\u2030\n"))
+
+
+def test_an_env_file_must_start_with_its_allocation(ctx: HelperContext) -> None:
+    reason, message = refused(ctx, FileWrite("allocation-env", ALLOC, "BCD_ALLOCATION_ID=other\n"))
+    assert reason == "bad-content" and message.startswith("allocation-env: ")
+
+
+def test_content_must_be_utf8_text_of_the_kinds_encoding(ctx: HelperContext) -> None:
+    assert refused(ctx, FileWrite("allocation-env", ALLOC, "x", encoding="base64")) == (
+        "bad-content",
+        "allocation-env: content must be sent as utf-8",
+    )
+    assert refused(ctx, FileWrite("allocation-env", ALLOC, "BCD_ALLOCATION_ID=a1\n\udc80\n")) == (
+        "bad-content",
+        "allocation-env: content is not UTF-8",
+    )
+
+
+def test_content_size_limits(ctx: HelperContext) -> None:
+    assert refused(ctx, FileWrite("cdi", ALLOC, "x" * (2 * MAX_CONTENT + 1))) == (
+        "too-large",
+        f"cdi: content larger than {MAX_CONTENT} bytes",
+    )
+    assert refused(ctx, FileWrite("cdi", ALLOC, "é" * (MAX_CONTENT // 2 + 1))) == (
+        "too-large",
+        f"cdi: content larger than {MAX_CONTENT} bytes",
+    )
+    big = "BCD_ALLOCATION_ID=a1\nX=" + "y" * (64 * 1024 - 24) + "\n"
+    assert len(big.encode()) == 64 * 1024
+    file_write(call(ctx), FileWrite("allocation-env", ALLOC, big))
+    assert refused(ctx, FileWrite("allocation-env", ALLOC, big[:-1] + "yy\n")) == (
+        "too-large",
+        f"allocation-env: content larger than {64 * 1024} bytes",
+    )
+
+
+def test_a_kind_keeps_at_most_its_files_and_bytes(
+    ctx: HelperContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    limit = files.LIMITS["allocation-env"]
+    monkeypatch.setitem(
+        files.LIMITS,
+        "allocation-env",
+        files.KindLimit(limit.directory, limit.pattern, 3, 200, limit.max_file),
+    )
+    for ident in ("a1", "a2", "a3"):
+        file_write(call(ctx), env(ident))
+    (ctx.root / "run/bcd/allocations/notes.txt").write_text("x" * 500)  # another name does not count
+    file_write(call(ctx), env("a3", "X=1\n"))  # replacing one counts its new size, not twice
+    assert refused(ctx, env("a4")) == (
+        "too-many-files",
+        "allocation-env: root keeps at most 3 files in /run/bcd/allocations",
+    )
+    file_remove(call(ctx), FileRemove("allocation-env", "a3"))
+    assert refused(ctx, env("a4", "X=" + "y" * 135 + "\n")) == (
+        "too-many-files",
+        "allocation-env: root keeps at most 200 bytes in all in /run/bcd/allocations",
+    )
+    file_write(call(ctx), env("a4", "X=" + "y" * 134 + "\n"))  # 21 + 21 + 158 bytes: exactly 200
+
+
+# --- k8s-token --------------------------------------------------------------------------------------------
+
+
+def test_a_bootstrap_token_is_written_0600(ctx: HelperContext) -> None:
+    got = file_write(call(ctx), FileWrite("k8s-token", "", "abcdef.0123456789abcdef\n"))
+    path = ctx.root / "var/lib/bcd-hostconfig/k8s/bootstrap-token"
+    assert got["path"] == "/var/lib/bcd-hostconfig/k8s/bootstrap-token"
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    file_write(call(ctx), FileWrite("k8s-token", "", "abcdef.0123456789abcdef"))
+    for bad in [
+        "ABCDEF.0123456789abcdef",
+        "abcdef.0123456789abcde",
+        "abcdef0123456789abcdef0",
+        "abcdef.0123456789abcdef\n\n",
+    ]:
+        assert refused(ctx, FileWrite("k8s-token", "", bad)) == (
+            "bad-content",
+            "k8s-token: not a kubeadm bootstrap token ([a-z0-9]{6}.[a-z0-9]{16})",
+        )
+
+
+# --- cdi --------------------------------------------------------------------------------------------------
+
+
+def test_a_hold_is_written_at_its_path(ctx: HelperContext) -> None:
+    vendor(ctx.root, {"0": {"deviceNodes": [{"path": "/dev/nvidia0"}]}})
+    got = file_write(call(ctx), FileWrite("cdi", ALLOC, hold()))
+    assert got["path"] == f"/etc/cdi/bcd-{ALLOC}.json"
+    assert os.stat(ctx.root / f"etc/cdi/bcd-{ALLOC}.json").st_mode & 0o777 == 0o644
+
+
+def test_a_hold_that_is_not_strict_json_or_not_a_hold_is_refused(ctx: HelperContext) -> None:
+    assert refused(ctx, FileWrite("cdi", ALLOC, '{"a":1,"a":2}')) == (
+        "bad-content",
+        "cdi: not strict JSON: key 'a' appears twice",
+    )
+    reason, message = refused(ctx, FileWrite("cdi", ALLOC, "{}"))
+    assert reason == "bad-content" and message.startswith("cdi: ") and "strict JSON" not in message
+    reason, message = refused(ctx, FileWrite("cdi", "a2", hold("a1")))
+    assert reason == "bad-content" and message.startswith("cdi: ")
+
+
+def test_a_holds_env_names_only_its_allocation_once(ctx: HelperContext) -> None:
+    vendor(ctx.root, {"0": {"deviceNodes": [{"path": "/dev/nvidia0"}]}})
+    assert refused(ctx, FileWrite("cdi", ALLOC, hold(env_lines=["BCD_ALLOCATION_ID=a1", "X=1", "X=2"]))) == (
+        "bad-content",
+        "cdi: containerEdits.env: 'X' is set twice",
+    )
+    assert refused(ctx, FileWrite("cdi", ALLOC, hold(env_lines=["X=1", "BCD_ALLOCATION_ID=other"]))) == (
+        "bad-content",
+        "cdi: containerEdits.env: BCD_ALLOCATION_ID must be a1",
+    )
+
+
+def device_edits(edits: dict[str, Any]) -> str:
+    """A hold whose one device's containerEdits are exactly `edits` (build_hold_spec would set them)."""
+    doc = json.loads(hold())
+    doc["devices"][0]["containerEdits"] = edits
+    return json.dumps(doc)
+
+
+def test_a_hold_device_carries_no_env_but_its_own_marker(ctx: HelperContext) -> None:
+    marker = cdi.device_marker_env(GPU1)
+    file_write(call(ctx), FileWrite("cdi", ALLOC, device_edits({"env": [marker]})))
+    node = {"path": "/dev/nvidia0"}
+    for edits in ({"env": [marker, "X=1"]}, {"env": ["X=1"]}, {"env": [marker], "deviceNodes": [node]}):
+        assert refused(ctx, FileWrite("cdi", ALLOC, device_edits(edits))) == (
+            "bad-content",
+            "cdi: devices[0].containerEdits.env: a hold's devices carry no env (only a device without other "
+            "edits, its own BCD_DEVICE_ marker)",
+        )
+
+
+def test_a_hold_carries_only_the_vendors_edits(ctx: HelperContext) -> None:
+    hook = {"hooks": [{"hookName": "createContainer", "path": "/tmp/evil"}]}
+    assert refused(ctx, FileWrite("cdi", ALLOC, hold(edits=hook))) == (
+        "bad-content",
+        'cdi: devices[0].containerEdits.hooks: {"hookName":"createContainer","path":"/tmp/evil"} is not in '
+        "root's vendor spec /etc/cdi/nvidia.json: a hold carries only the vendor's edits",
+    )
+    vendor(
+        ctx.root,
+        {"0": {"deviceNodes": [{"path": "/dev/nvidia0"}], "env": ["NVIDIA_VISIBLE_DEVICES=0"]}},
+        common={"mounts": [{"hostPath": "/usr/lib/x", "containerPath": "/usr/lib/x"}]},
+    )
+    file_write(call(ctx), FileWrite("cdi", ALLOC, hold()))
+    file_write(
+        call(ctx),
+        FileWrite(
+            "cdi", ALLOC, hold(edits={"mounts": [{"hostPath": "/usr/lib/x", "containerPath": "/usr/lib/x"}]})
+        ),
+    )
+    assert refused(ctx, FileWrite("cdi", ALLOC, hold(edits={"deviceNodes": [{"path": "/dev/nvidia1"}]})))[
+        1
+    ].startswith(
+        'cdi: devices[0].containerEdits.deviceNodes: {"path":"/dev/nvidia1"} is not in root\'s vendor spec'
+    )
+
+
+def test_an_unreadable_vendor_spec_refuses_edits(ctx: HelperContext) -> None:
+    (ctx.root / "etc/cdi").mkdir(parents=True)
+    (ctx.root / "etc/cdi/nvidia.json").write_text("[")
+    reason, message = refused(ctx, FileWrite("cdi", ALLOC, hold()))
+    assert reason == "bad-content" and message.startswith("cdi: root's /etc/cdi/nvidia.json: ")

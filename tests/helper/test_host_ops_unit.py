@@ -1,0 +1,344 @@
+"""gpu.reset, node.reboot, helper.ping and host.unit's argument rules called in process over a temporary
+root whose programs are scripted and recorded: each refusal word for word, the argv root runs, and the
+signed command's GPUs (DLV-PRIV-09, issue 9 item 10; docs/mutation.md)."""
+
+from __future__ import annotations
+
+import datetime as dt
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_helper.ops import host, hostunit
+from bcd_helper.ops.base import Failed, HelperContext, Refused
+from bcd_helper.ops.host import GpuReset, NodeReboot, Ping, SignedCommand, gpu_reset, node_reboot
+from bcd_helper.ops.hostunit import HostUnit, check_request, host_unit
+from bcd_shared import wire
+from bcd_shared.pki import Purpose
+from bcd_shared.wire.strict import type_url
+from intentkit import ControlPlane, Signer, b64
+from opskit import call, context, make_root, programs
+
+GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+GPU2 = "GPU-5f1c2a90-0000-4000-8000-000000000002"
+GPU3 = "GPU-5f1c2a90-0000-4000-8000-000000000003"
+NODE = "node-a"
+APPS = ("nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader")
+LIST = ("nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader")
+
+
+def smi(apps: bytes = b"", gpus: bytes = b"", reset: dict[str, tuple[int, bytes]] | None = None) -> Any:
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv == APPS:
+            return 0, apps, b""
+        if argv == LIST:
+            return 0, gpus, b""
+        if argv[:3] == ("nvidia-smi", "--gpu-reset", "-i"):
+            rc, err = (reset or {}).get(argv[3], (0, b""))
+            return rc, b"", err
+        return 0, b"", b""
+
+    return script
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return make_root(tmp_path)
+
+
+def ctx_of(root: Path, script: Any = None, config: str = "") -> HelperContext:
+    return context(root, config, script)
+
+
+def refused(fn: Any, *args: Any) -> tuple[str, str]:
+    with pytest.raises(Refused) as info:
+        fn(*args)
+    return info.value.reason, info.value.message
+
+
+# --- gpu.reset --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("uuids", "message"),
+    [
+        ((), "gpu.reset: no GPU named"),
+        (tuple(f"GPU-5f1c2a90-0000-4000-8000-{i:012d}" for i in range(65)), "gpu.reset: at most 64 GPUs"),
+        ((GPU1, GPU1), "gpu.reset: a GPU is listed twice"),
+        ((GPU1, "GPU-1"), "gpu_uuids[1]: 'GPU-1' is not a GPU UUID"),
+        ((GPU1 + "\n",), f"gpu_uuids[0]: {GPU1 + chr(10)!r} is not a GPU UUID"),
+        (
+            ("MIG-5f1c2a90-0000-4000-8000-000000000001",),
+            "gpu_uuids[0]: 'MIG-5f1c2a90-0000-4000-8000-000000000001' is not a GPU UUID",
+        ),
+    ],
+)
+def test_gpu_reset_arguments(root: Path, uuids: tuple[str, ...], message: str) -> None:
+    ctx = ctx_of(root, smi())
+    assert refused(gpu_reset, call(ctx), GpuReset(uuids)) == ("invalid-payload", message)
+    assert programs(ctx).runs == []
+
+
+def test_gpu_reset_takes_64_gpus_and_upper_case_hex(root: Path) -> None:
+    ctx = ctx_of(root, smi())
+    many = tuple(f"GPU-5F1C2A90-0000-4000-8000-{i:012d}" for i in range(64))
+    assert len(gpu_reset(call(ctx), GpuReset(many))["gpus"]) == 64
+
+
+def test_gpu_reset_resets_each_known_gpu(root: Path) -> None:
+    ctx = ctx_of(
+        root, smi(gpus=f"{GPU1}\n {GPU2} \n\n".encode(), reset={GPU2: (3, b"In use by another client\n")})
+    )
+    got = gpu_reset(call(ctx, bounded=False), GpuReset((GPU1, GPU2, GPU3)))
+    assert got == {
+        "gpus": [
+            {"uuid": GPU1, "reset": True, "message": ""},
+            {"uuid": GPU2, "reset": False, "message": "In use by another client"},
+            {"uuid": GPU3, "reset": False, "message": "unknown GPU"},
+        ]
+    }
+    runs = programs(ctx).runs
+    assert ("nvidia-smi", "--gpu-reset", "-i", GPU1) in runs and (
+        "nvidia-smi",
+        "--gpu-reset",
+        "-i",
+        GPU3,
+    ) not in runs
+    i = runs.index(("nvidia-smi", "--gpu-reset", "-i", GPU1))
+    assert programs(ctx).timeouts[i] == 300
+
+
+def test_a_failed_reset_without_output_is_described(root: Path) -> None:
+    ctx = ctx_of(root, smi(gpus=GPU1.encode(), reset={GPU1: (9, b"")}))
+    assert gpu_reset(call(ctx), GpuReset((GPU1,)))["gpus"] == [
+        {"uuid": GPU1, "reset": False, "message": "nvidia-smi exited 9"}
+    ]
+
+
+def test_without_nvidia_smi_every_gpu_is_tried(root: Path) -> None:
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        return (127, b"", b"") if argv in (APPS, LIST) else (0, b"", b"")
+
+    ctx = ctx_of(root, script)
+    assert gpu_reset(call(ctx), GpuReset((GPU1,)))["gpus"] == [{"uuid": GPU1, "reset": True, "message": ""}]
+
+
+def test_a_busy_gpu_refuses_the_whole_request(root: Path) -> None:
+    ctx = ctx_of(root, smi(apps=f"{GPU2}, 4321\n".encode(), gpus=f"{GPU1}\n{GPU2}".encode()))
+    assert refused(gpu_reset, call(ctx), GpuReset((GPU1, GPU2))) == (
+        "gpu-busy",
+        f"gpu.reset: {GPU2} runs compute process 4321",
+    )
+    assert not any(r[:2] == ("nvidia-smi", "--gpu-reset") for r in programs(ctx).runs)
+
+
+def test_busy_gpus_that_cannot_be_read_fail(root: Path) -> None:
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        return (2, b"", b"driver gone") if argv == APPS else (0, b"", b"")
+
+    with pytest.raises(Failed) as info:
+        gpu_reset(call(ctx_of(root, script)), GpuReset((GPU1,)))
+    assert (info.value.reason, info.value.message) == (
+        "busy-unknown",
+        "gpu.reset: cannot list compute processes: nvidia-smi exited 2: driver gone",
+    )
+
+
+# --- signed commands ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cp() -> ControlPlane:
+    return ControlPlane.build()
+
+
+@pytest.fixture(scope="module")
+def worker(cp: ControlPlane) -> Signer:
+    return cp.command.leaf()
+
+
+def signed(signer: Signer, kind: str, payload: Any) -> SignedCommand:
+    body = bytes(
+        wire.CommandBody(
+            id="01J00000000000000000000000",
+            node_id=NODE,
+            seq=1,
+            kind=kind,
+            payload=wire.ProtoAny(type_url=type_url(type(payload)), value=bytes(payload)),
+            lane=wire.Lane.CONTROL,
+            not_after=int((dt.datetime.now(dt.UTC) + dt.timedelta(minutes=10)).timestamp() * 1000),
+        )
+    )
+    sig = signer.key.sign(Purpose.COMMAND, body)
+    return SignedCommand(b64(body), b64(sig), tuple(b64(c) for c in signer.chain), None)
+
+
+def signed_ctx(root: Path, cp: ControlPlane, script: Any = None) -> HelperContext:
+    cp.write_record(root, NODE, cp.bundle(1))
+    return ctx_of(root, script, cp.config_lines())
+
+
+def test_with_roots_a_reset_needs_the_signed_command_naming_each_gpu(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    ctx = signed_ctx(root, cp, smi(gpus=f"{GPU1}\n{GPU2}".encode()))
+    assert refused(gpu_reset, call(ctx), GpuReset((GPU1,))) == (
+        "command-required",
+        "gpu.reset: the signed command is required (command-signing roots from join record)",
+    )
+    command = signed(worker, "gpu.reset", wire.GpuResetRequest(gpu_uuids=[GPU1]))
+    assert gpu_reset(call(ctx), GpuReset((GPU1,), command))["gpus"][0]["reset"] is True
+    assert refused(gpu_reset, call(ctx), GpuReset((GPU1, GPU2, GPU3), command)) == (
+        "command-mismatch",
+        f"gpu.reset: the signed command does not name {GPU2}, {GPU3}",
+    )
+    wrong = signed(worker, "gpu.reset", wire.NodeRebootRequest())
+    reason, message = refused(gpu_reset, call(ctx), GpuReset((GPU1,), wrong))
+    assert reason == "command-mismatch" and message.startswith("gpu.reset: the signed command's payload: ")
+    ctx.audit.close()
+
+
+def test_a_presented_command_without_any_pin_is_still_checked(root: Path, worker: Signer) -> None:
+    """A command the node presents turns the check on (no_roots_possible is False): with nothing to
+    check against, it is not required, and the request goes on."""
+    ctx = ctx_of(root, smi(gpus=GPU1.encode()))
+    command = signed(worker, "gpu.reset", wire.GpuResetRequest(gpu_uuids=[]))
+    assert gpu_reset(call(ctx), GpuReset((GPU1,), command))["gpus"][0]["reset"] is True
+
+
+def test_node_reboot_runs_systemctl_reboot(root: Path) -> None:
+    ctx = ctx_of(root)
+    assert node_reboot(call(ctx, bounded=False), NodeReboot()) == {"rebooting": True}
+    assert programs(ctx).runs == [("systemctl", "reboot")] and programs(ctx).timeouts == [60]
+    bad = ctx_of(root, lambda argv: (1, b"", b"Failed to reboot\n"))
+    with pytest.raises(Failed) as info:
+        node_reboot(call(bad), NodeReboot())
+    assert (info.value.reason, info.value.message) == ("systemctl", "systemctl exited 1: Failed to reboot")
+
+
+def test_with_roots_a_reboot_needs_its_signed_command(root: Path, cp: ControlPlane, worker: Signer) -> None:
+    ctx = signed_ctx(root, cp)
+    assert refused(node_reboot, call(ctx), NodeReboot())[0] == "command-required"
+    assert programs(ctx).runs == []
+    assert node_reboot(call(ctx), NodeReboot(signed(worker, "node.reboot", wire.NodeRebootRequest()))) == {
+        "rebooting": True
+    }
+    wrong = signed(worker, "node.reboot", wire.GpuResetRequest(gpu_uuids=[GPU1]))
+    reason, message = refused(node_reboot, call(ctx), NodeReboot(wrong))
+    assert reason == "command-mismatch" and message.startswith("node.reboot: the signed command's payload: ")
+
+
+def test_ping_answers_the_peer_and_the_config(root: Path) -> None:
+    ctx = ctx_of(root, config="[host]\nunits = false\n")
+    got = host.ping(call(ctx, uid=4242), Ping())
+    assert got == {"peer_uid": 4242, "host_units": False, "version": host.helper_version()}
+    assert host.helper_version() != ""
+
+
+# --- host.unit's rules ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("req", "reason", "message"),
+    [
+        (HostUnit("Sysctl"), "bad-unit-name", "host.unit: 'Sysctl' is not a config unit name"),
+        (HostUnit(""), "bad-unit-name", "host.unit: '' is not a config unit name"),
+        (HostUnit("a" * 65), "bad-unit-name", f"host.unit: {'a' * 65!r} is not a config unit name"),
+        (HostUnit("a\n"), "bad-unit-name", "host.unit: 'a\\n' is not a config unit name"),
+        (
+            HostUnit("sysctl", busy_gpus=("x",) * 1025),
+            "too-many-busy-gpus",
+            "host.unit: 1025 busy GPUs, at most 1024",
+        ),
+        (
+            HostUnit("sysctl", busy_gpus=(GPU1, "")),
+            "bad-busy-gpu",
+            "host.unit: busy_gpus[1] is not a device id",
+        ),
+        (
+            HostUnit("sysctl", busy_gpus=("a b",)),
+            "bad-busy-gpu",
+            "host.unit: busy_gpus[0] is not a device id",
+        ),
+        (
+            HostUnit("sysctl", busy_gpus=("a\x1fb",)),
+            "bad-busy-gpu",
+            "host.unit: busy_gpus[0] is not a device id",
+        ),
+        (
+            HostUnit("sysctl", busy_gpus=("x" * 129,)),
+            "bad-busy-gpu",
+            "host.unit: busy_gpus[0] is not a device id",
+        ),
+        (
+            HostUnit("sysctl", settings="é" * (128 * 1024 + 1)),
+            "too-large",
+            "host.unit: settings larger than 262144 bytes",
+        ),
+    ],
+)
+def test_host_unit_arguments(root: Path, req: HostUnit, reason: str, message: str) -> None:
+    assert refused(check_request, call(ctx_of(root)), req) == (reason, message)
+
+
+def test_host_unit_limits_are_inclusive(root: Path) -> None:
+    c = call(ctx_of(root))
+    check_request(c, HostUnit("a" * 64, settings="x" * (256 * 1024), busy_gpus=("x" * 128,) * 1024))
+    check_request(c, HostUnit("mig-layout-2", busy_gpus=(f"{GPU1}/gi1/ci0", "\x7f")))
+
+
+def test_host_unit_when_root_manages_the_host(root: Path) -> None:
+    ctx = ctx_of(root, config="[host]\nunits = false\n")
+    assert refused(check_request, call(ctx), HostUnit("sysctl")) == (
+        "host-managed-externally",
+        hostunit.EXTERNAL_MESSAGE,
+    )
+
+
+def test_host_unit_refusals_before_any_effect(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ctx = ctx_of(root)
+    assert refused(host_unit, call(ctx), HostUnit("nope")) == (
+        "not-supported",
+        "host.unit: nope: not supported",
+    )
+    reason, message = refused(host_unit, call(ctx), HostUnit("sysctl", settings="{"))
+    assert reason == "invalid-settings" and message.startswith("host.unit: sysctl: ")
+    deep = "[" * 100_000 + "]" * 100_000
+    reason, message = refused(host_unit, call(ctx), HostUnit("sysctl", settings=deep))
+    assert reason == "invalid-settings"
+    monkeypatch.setattr(hostunit, "unit_registry", lambda: None)
+    assert refused(host_unit, call(ctx), HostUnit("sysctl")) == (
+        "not-configured",
+        "host.unit: not configured (this helper has no host units)",
+    )
+    assert programs(ctx).runs == []
+
+
+def test_the_registry_is_bcd_shareds(monkeypatch: pytest.MonkeyPatch) -> None:
+    import bcd_shared.units
+
+    assert hostunit.unit_registry() is bcd_shared.units.REGISTRY
+    monkeypatch.setattr(bcd_shared.units, "REGISTRY", ["not", "a", "mapping"])
+    assert hostunit.unit_registry() is None
+
+
+def test_sysctl_keys_outside_roots_allowlist_are_refused(root: Path) -> None:
+    ctx = ctx_of(root, config='[host]\nsysctl_allow = "net.core"\n')
+    s = '{"net.core.somaxconn":1024,"vm.swappiness":10}'
+    assert refused(host_unit, call(ctx), HostUnit("sysctl", settings=s)) == (
+        "invalid-settings",
+        "host.unit: sysctl: vm.swappiness is refused: not under root's [host] sysctl_allow",
+    )
+    assert programs(ctx).runs == []
+
+
+def test_mig_layout_reads_the_busy_gpus_itself(root: Path) -> None:
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        return (2, b"", b"no driver") if argv == APPS else (0, b"", b"")
+
+    with pytest.raises(Failed) as info:
+        host_unit(call(ctx_of(root, script)), HostUnit("mig-layout", settings=None))
+    assert (info.value.reason, info.value.message) == (
+        "busy-unknown",
+        "host.unit: cannot list compute processes: nvidia-smi exited 2: no driver",
+    )

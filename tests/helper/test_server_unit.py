@@ -1,0 +1,958 @@
+"""The helper's server in process: a `Connection` over a socket pair (framing, the budget, ancillary data,
+the frame deadline), `answer` (every refusal, word for word, and what the audit log records), the
+per-peer refusal rate, the audit-full rule, the op locks, the bounds on audit lines, and the servers'
+sockets.
+
+test_hostile_framing.py and the real-helper tests drive the same code in a `bcd helper serve` process;
+these call it directly, so they are fast and mutation testing sees them (docs/mutation.md). A non-root
+peer is stood in for by setting the connection's `peer` after SO_PEERCRED was read (a socket pair's
+peer is this process, root)."""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from attrs import frozen
+from bcd_helper import server
+from bcd_helper.audit import AuditLog, canonical
+from bcd_helper.config import parse_config
+from bcd_helper.ops.base import Failed, HelperContext, Peer, Refused
+from bcd_helper.ops.table import LOCK_ORDER, OPS, OpSpec
+from bcd_helper.protocol import MAX_FRAME, MAX_VALUES, ProtocolError, encode_frame, read_frame
+from bcd_helper.server import (
+    BUDGET,
+    EOF,
+    MAX_CONNECTIONS,
+    MAX_SHOWN,
+    MAX_TEXT,
+    MAX_TEXT_BYTES,
+    REFUSAL_BURST,
+    VALUE_COST,
+    Budget,
+    Busy,
+    Connection,
+    Guards,
+    _bounded,
+    _cut,
+    frame_cost,
+)
+
+DIR = "/var/log/bcd-helper"
+NODE = 4242
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> Iterator[HelperContext]:
+    root = tmp_path / "host"
+    root.mkdir(mode=0o755)
+    config = parse_config(f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = {NODE}\n'.encode())
+    from bcd_shared.system import LocalSystem
+
+    audit = AuditLog(root, DIR, syslog=False)
+    c = HelperContext(root=root, config=config, system=LocalSystem(root), audit=audit, lock_names=LOCK_ORDER)
+    yield c
+    audit.close()
+
+
+@pytest.fixture
+def guards(ctx: HelperContext) -> Iterator[Guards]:
+    g = Guards(ctx)
+    yield g
+    g.close()
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    a, b = socket.socketpair()
+    with a, b:
+        yield a, b
+
+
+def audit_lines(ctx: HelperContext) -> list[dict[str, Any]]:
+    path = ctx.root / DIR.lstrip("/") / "audit.log"
+    return [json.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def connection(ctx: HelperContext, guards: Guards, sock: socket.socket, uid: int = 0) -> Connection:
+    conn = Connection(ctx, sock, guards)
+    if uid:
+        conn.peer = Peer(conn.peer.pid, uid, uid)
+    return conn
+
+
+# --- the budget -------------------------------------------------------------------------------------------
+
+
+def test_a_frame_costs_its_bytes_three_times_and_its_values() -> None:
+    assert frame_cost(0) == 0
+    assert frame_cost(10) == 30 + 10 * VALUE_COST
+    assert frame_cost(MAX_VALUES + 5) == 3 * (MAX_VALUES + 5) + VALUE_COST * MAX_VALUES
+
+
+def test_the_budget_is_shared_and_waits_for_a_release() -> None:
+    b = Budget(100)
+    assert b.acquire(60, time.monotonic() + 1) and b.used == 60
+    assert b.acquire(40, time.monotonic() + 1) and b.used == 100
+    assert not b.acquire(1, time.monotonic() + 0.05)  # full until the deadline
+    assert b.used == 100
+    releaser = threading.Timer(0.05, b.release, args=(60,))
+    releaser.start()
+    assert b.acquire(50, time.monotonic() + 5)  # woken by the release
+    releaser.join()
+    assert b.used == 90
+    b.release(90)
+    assert b.used == 0
+    assert b.acquire(500, time.monotonic())  # more than the total takes the total, never waits forever
+    assert b.used == 100
+    b.release(500)
+    assert b.used == 0
+    assert not b.acquire(1, time.monotonic() - 1) or b.used == 1
+
+
+def test_an_expired_deadline_gets_nothing_once_the_budget_is_full() -> None:
+    b = Budget(10)
+    assert b.acquire(10, time.monotonic() - 1)  # fits: no wait, whatever the deadline
+    assert not b.acquire(1, time.monotonic() - 1)
+    assert b.used == 10
+
+
+# --- the refusal rate and the suppressed counts ----------------------------------------------------------
+
+
+def test_root_is_never_rate_limited_and_a_peer_gets_a_burst(
+    guards: Guards, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(server.time, "monotonic", lambda: clock[0])
+    assert all(guards.allow_refusal(0) for _ in range(REFUSAL_BURST * 2))
+    assert all(guards.allow_refusal(NODE) for _ in range(REFUSAL_BURST))
+    assert not guards.allow_refusal(NODE)
+    assert guards.allow_refusal(NODE + 1)  # another peer has its own bucket
+    clock[0] += 0.05  # half a token at 10 a second
+    assert not guards.allow_refusal(NODE)
+    clock[0] += 0.06  # one token now (0.11 s at 10 a second: 1.1 tokens)
+    assert guards.allow_refusal(NODE)
+    assert not guards.allow_refusal(NODE)
+    clock[0] += 3600  # refilled to the burst, never past it
+    assert all(guards.allow_refusal(NODE) for _ in range(REFUSAL_BURST))
+    assert not guards.allow_refusal(NODE)
+
+
+def test_counted_refusals_are_audited_as_one_line_per_peer(ctx: HelperContext, guards: Guards) -> None:
+    for _ in range(3):
+        guards.count(NODE, "busy")
+    guards.count(NODE, "audit-full")
+    guards.count(77, "busy")
+    guards.flush()
+    lines = [e for e in audit_lines(ctx) if e["op"] == "(suppressed)"]
+    assert [(e["peer_uid"], e["args"]) for e in lines] == [
+        (77, {"count": 1, "reasons": {"busy": 1}}),
+        (NODE, {"count": 4, "reasons": {"audit-full": 1, "busy": 3}}),
+    ]
+    e = lines[1]
+    assert (e["peer_pid"], e["decision"], e["reason"], e["duration_ms"]) == (0, "refused", "rate-limit", 0.0)
+    assert e["message"] == f"4 refusals of uid {NODE} answered without a line of their own"
+    import hashlib
+
+    assert e["args_sha256"] == hashlib.sha256(canonical(e["args"])).hexdigest()
+    guards.flush()  # nothing pending: nothing written
+    assert len([e for e in audit_lines(ctx) if e["op"] == "(suppressed)"]) == 2
+
+
+def test_a_suppressed_line_names_at_most_32_reasons(ctx: HelperContext, guards: Guards) -> None:
+    for i in range(40):
+        guards.count(NODE, f"r{i:02d}")
+    guards.close()
+    (line,) = [e for e in audit_lines(ctx) if e["op"] == "(suppressed)"]
+    assert line["args"]["count"] == 40
+    assert sorted(line["args"]["reasons"]) == [f"r{i:02d}" for i in range(32)]
+
+
+def test_the_flusher_writes_the_counts_on_its_own(
+    ctx: HelperContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "FLUSH_S", 0.01)
+    g = Guards(ctx)
+    try:
+        g.count(NODE, "busy")
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not any(e["op"] == "(suppressed)" for e in audit_lines(ctx)):
+            time.sleep(0.01)
+        assert any(e["op"] == "(suppressed)" for e in audit_lines(ctx))
+    finally:
+        g.close()
+    assert not g._thread.is_alive()
+
+
+# --- reading frames ---------------------------------------------------------------------------------------
+
+
+def test_frames_are_read_one_after_another_then_eof(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    a.sendall(encode_frame({"op": "x", "args": {}}) + encode_frame([1, 2]) + encode_frame(None))
+    assert conn.read_request() == {"op": "x", "args": {}}
+    assert conn.frame_deadline is None
+    assert conn.read_request() == [1, 2]
+    assert conn.read_request() is None  # a JSON null is a document, not the end
+    a.shutdown(socket.SHUT_WR)
+    assert conn.read_request() is EOF
+
+
+def test_a_frame_split_in_small_pieces_is_gathered(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    frame = encode_frame({"op": "helper.ping", "args": {"k": "v" * 100}})
+
+    def trickle() -> None:
+        for i in range(0, len(frame), 3):
+            a.sendall(frame[i : i + 3])
+            time.sleep(0.001)
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        assert conn.read_request() == {"op": "helper.ping", "args": {"k": "v" * 100}}
+    finally:
+        t.join()
+
+
+def test_a_frame_larger_than_read_ahead_is_read_whole(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    doc = {"op": "x", "args": {"s": "y" * (server.READ_AHEAD * 3)}}
+    t = threading.Thread(target=a.sendall, args=(encode_frame(doc) + encode_frame(7),))
+    t.start()
+    try:
+        assert conn.read_request() == doc
+        assert conn.read_request() == 7
+    finally:
+        t.join()
+
+
+@pytest.mark.parametrize("sent", [b"\x00\x00", b"\x00\x00\x00\x10{}"])
+def test_a_peer_closing_mid_frame_is_named(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket], sent: bytes
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    a.sendall(sent)
+    a.shutdown(socket.SHUT_WR)
+    with pytest.raises(ProtocolError) as info:
+        conn.read_request()
+    assert str(info.value) == "connection closed mid-frame"
+
+
+def test_a_length_above_the_cap_is_refused(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    a.sendall(struct.pack(">I", MAX_FRAME + 1))
+    with pytest.raises(ProtocolError) as info:
+        conn.read_request()
+    assert str(info.value) == f"frame of {MAX_FRAME + 1} bytes exceeds {MAX_FRAME}"
+
+
+def test_a_frame_at_the_cap_is_read(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b, uid=NODE)
+    frame = encode_frame("a" * (MAX_FRAME - 2))
+    t = threading.Thread(target=a.sendall, args=(frame,))
+    t.start()
+    try:
+        assert conn.read_request() == "a" * (MAX_FRAME - 2)
+    finally:
+        t.join()
+    assert conn.reserved == frame_cost(MAX_FRAME) and guards.budget.used == frame_cost(MAX_FRAME)
+    conn.release()
+    assert conn.reserved == 0 and guards.budget.used == 0
+    conn.release()
+    assert guards.budget.used == 0
+
+
+def test_only_a_non_root_peer_takes_from_the_budget(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    root_conn = connection(ctx, guards, b)
+    body = b'{"op":"x","args":{}}'
+    a.sendall(struct.pack(">I", len(body)) + body)
+    root_conn.read_request()
+    assert root_conn.reserved == 0 and guards.budget.used == 0
+    node_conn = connection(ctx, guards, b, uid=NODE)
+    a.sendall(struct.pack(">I", len(body)) + body)
+    node_conn.read_request()
+    assert node_conn.reserved == frame_cost(len(body)) == guards.budget.used
+
+
+def test_a_frame_that_cannot_get_its_budget_in_time_is_busy(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.05)
+    a, b = pair
+    guards.budget.used = BUDGET
+    conn = connection(ctx, guards, b, uid=NODE)
+    a.sendall(encode_frame({"op": "x", "args": {}}))
+    with pytest.raises(Busy) as info:
+        conn.read_request()
+    assert str(info.value) == "the helper is busy with other large frames: try again later"
+    assert conn.reserved == 0
+
+
+def test_a_frame_not_complete_within_the_deadline_is_refused(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.2)
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    a.sendall(b"\x00\x00")
+    with pytest.raises(ProtocolError) as info:
+        conn.read_request()
+    assert str(info.value) == "frame not complete within 0 s"
+    conn2 = connection(ctx, guards, b)
+    a.sendall(b"\x00\x00\x00\x10{")
+    with pytest.raises(ProtocolError) as info:
+        conn2.read_request()
+    assert str(info.value) == "frame not complete within 0 s"
+
+
+def test_a_deadline_already_past_is_refused_before_reading(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    _, b = pair
+    conn = connection(ctx, guards, b)
+    conn.buffer += b"\x00"
+    conn.frame_deadline = time.monotonic() - 1
+    with pytest.raises(ProtocolError) as info:
+        conn.read_request()
+    assert str(info.value) == f"frame not complete within {server.FRAME_TIMEOUT_S:.0f} s"
+
+
+def test_an_idle_connection_times_out_without_a_refusal(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server, "IDLE_TIMEOUT_S", 0.05)
+    _, b = pair
+    conn = connection(ctx, guards, b)
+    with pytest.raises(TimeoutError):
+        conn.read_request()
+    assert b.gettimeout() == 0.05
+
+
+def test_a_passed_descriptor_is_closed_and_refused(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    r, w = os.pipe()
+    try:
+        a.sendmsg(
+            [encode_frame({"op": "x", "args": {}})],
+            [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r]).tobytes())],
+        )
+        before = set(os.listdir("/proc/self/fd"))
+        with pytest.raises(ProtocolError) as info:
+            conn.read_request()
+        assert str(info.value) == "file descriptors or other ancillary data were sent: the helper takes none"
+        assert set(os.listdir("/proc/self/fd")) <= before  # the received copy was closed
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_an_answer_can_carry_a_descriptor(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    r, w = os.pipe()
+    try:
+        conn.send({"ok": True, "result": {}}, r)
+        data, ancdata, _flags, _addr = a.recvmsg(1 << 16, socket.CMSG_SPACE(4))
+        assert data == encode_frame({"ok": True, "result": {}})
+        ((level, kind, payload),) = ancdata
+        assert (level, kind) == (socket.SOL_SOCKET, socket.SCM_RIGHTS)
+        got = array.array("i", payload)[0]
+        os.write(w, b"z")
+        assert os.read(got, 1) == b"z"
+        os.close(got)
+        conn.send([1])
+        assert read_frame(a) == [1]
+        assert b.gettimeout() == server.FRAME_TIMEOUT_S
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+# --- answering ----------------------------------------------------------------------------------------------
+
+
+@frozen
+class Nothing:
+    pass
+
+
+@frozen
+class Shown:
+    kind: str = ""
+    big: int = 0
+    hidden: str = ""
+
+
+def spec(handler: Any, **kw: Any) -> OpSpec:
+    fields: dict[str, Any] = {
+        "request": Nothing,
+        "handler": handler,
+        "timeout_s": 5.0,
+        "locks": (),
+        "flags": frozenset(),
+        "shown": (),
+        "summary": "",
+    }
+    fields.update(kw)
+    return OpSpec(**fields)
+
+
+def last(ctx: HelperContext) -> dict[str, Any]:
+    return audit_lines(ctx)[-1]
+
+
+@pytest.fixture
+def conn(ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]) -> Connection:
+    return connection(ctx, guards, pair[1])
+
+
+@pytest.mark.parametrize(
+    ("doc", "message"),
+    [
+        ([], 'a request is exactly {"op": <string>, "args": <object>}'),
+        ({"op": "helper.ping"}, 'a request is exactly {"op": <string>, "args": <object>}'),
+        (
+            {"op": "helper.ping", "args": {}, "x": 1},
+            'a request is exactly {"op": <string>, "args": <object>}',
+        ),
+        ({"op": 7, "args": {}}, "$.op: expected string"),
+    ],
+)
+def test_a_request_outside_its_shape_is_refused(
+    ctx: HelperContext, conn: Connection, doc: Any, message: str
+) -> None:
+    assert conn.answer(doc) == {"ok": False, "error": "refused", "reason": "bad-request", "message": message}
+    e = last(ctx)
+    assert (e["op"], e["decision"], e["reason"], e["message"]) == ("?", "refused", "bad-request", message)
+
+
+def test_an_unknown_op_is_refused_naming_it_cut(ctx: HelperContext, conn: Connection) -> None:
+    op = "x" * 150
+    got = conn.answer({"op": op, "args": {}})
+    assert got == {
+        "ok": False,
+        "error": "refused",
+        "reason": "unknown-op",
+        "message": f"unknown operation {'x' * 100!r}",
+    }
+    assert last(ctx)["op"] == "x" * 100
+
+
+def test_bad_arguments_are_refused_naming_the_op_and_field(ctx: HelperContext, conn: Connection) -> None:
+    got = conn.answer({"op": "helper.ping", "args": {"x": 1}})
+    assert got == {
+        "ok": False,
+        "error": "refused",
+        "reason": "bad-arguments",
+        "message": "helper.ping: $.args: unknown field 'x'",
+    }
+
+
+def test_an_accepted_request_is_answered_and_audited(ctx: HelperContext, conn: Connection) -> None:
+    got = conn.answer({"op": "helper.ping", "args": {}})
+    assert got["ok"] is True and got["result"]["peer_uid"] == 0
+    e = last(ctx)
+    import hashlib
+
+    assert (e["op"], e["decision"], e["reason"], e["message"], e["args"]) == (
+        "helper.ping",
+        "accepted",
+        "",
+        "",
+        {},
+    )
+    assert e["args_sha256"] == hashlib.sha256(canonical({"op": "helper.ping", "args": {}})).hexdigest()
+    assert (e["peer_pid"], e["peer_uid"]) == (os.getpid(), 0)
+    assert 0 <= e["duration_ms"] < 60_000
+
+
+def test_handler_outcomes_are_answered_and_audited(
+    ctx: HelperContext, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(_call: Any, _req: Any) -> dict[str, Any]:
+        raise Refused("nope", "r" * (MAX_TEXT + 10))
+
+    def fail(_call: Any, _req: Any) -> dict[str, Any]:
+        raise Failed("tool", "f" * (MAX_TEXT + 10))
+
+    def boom(_call: Any, _req: Any) -> dict[str, Any]:
+        raise RuntimeError("b" * (MAX_TEXT + 10))
+
+    monkeypatch.setitem(OPS, "t.refuse", spec(refuse))
+    monkeypatch.setitem(OPS, "t.fail", spec(fail))
+    monkeypatch.setitem(OPS, "t.boom", spec(boom))
+    assert conn.answer({"op": "t.refuse", "args": {}}) == {
+        "ok": False,
+        "error": "refused",
+        "reason": "nope",
+        "message": "r" * MAX_TEXT,
+    }
+    assert (last(ctx)["decision"], last(ctx)["reason"], last(ctx)["message"]) == (
+        "refused",
+        "nope",
+        "r" * MAX_TEXT,
+    )
+    assert conn.answer({"op": "t.fail", "args": {}}) == {
+        "ok": False,
+        "error": "failed",
+        "reason": "tool",
+        "message": "f" * MAX_TEXT,
+    }
+    assert (last(ctx)["decision"], last(ctx)["reason"]) == ("failed", "tool")
+    message = ("t.boom: RuntimeError: " + "b" * MAX_TEXT)[:MAX_TEXT]
+    assert conn.answer({"op": "t.boom", "args": {}}) == {
+        "ok": False,
+        "error": "failed",
+        "reason": "internal",
+        "message": message,
+    }
+    assert (last(ctx)["decision"], last(ctx)["reason"], last(ctx)["message"]) == (
+        "failed",
+        "internal",
+        message,
+    )
+
+
+def test_the_call_gets_the_peer_a_deadline_and_a_bounded_system(
+    conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: dict[str, Any] = {}
+
+    def look(call: Any, req: Any) -> dict[str, Any]:
+        seen.update(peer=call.peer, left=call.deadline.remaining(), seconds=call.deadline.seconds, req=req)
+        seen["system"] = call.system
+        return {"x": 1}
+
+    monkeypatch.setitem(OPS, "t.look", spec(look, timeout_s=123.0))
+    assert conn.answer({"op": "t.look", "args": {}}) == {"ok": True, "result": {"x": 1}}
+    assert seen["peer"] == conn.peer and seen["seconds"] == 123.0 and 100 < seen["left"] <= 123.0
+    assert seen["req"] == Nothing()
+    from bcd_helper.ops.base import BoundedSystem
+
+    assert isinstance(seen["system"], BoundedSystem) and seen["system"].inner is conn.ctx.system
+
+
+def test_shown_arguments_are_recorded_bounded_the_rest_only_digested(
+    ctx: HelperContext, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(
+        OPS, "t.shown", spec(lambda _c, _r: {}, request=Shown, shown=("kind", "big", "absent"))
+    )
+    args = {"kind": "cdi", "big": 2**70, "hidden": "secret"}
+    conn.answer({"op": "t.shown", "args": args})
+    e = last(ctx)
+    text = str(2**70).encode()
+    import hashlib
+
+    assert e["args"] == {
+        "kind": "cdi",
+        "big": {"bytes": len(text), "sha256": hashlib.sha256(text).hexdigest()},
+    }
+    assert e["args_sha256"] == hashlib.sha256(canonical({"op": "t.shown", "args": args})).hexdigest()
+
+
+def test_an_unprintable_integer_gets_a_zero_digest(ctx: HelperContext, conn: Connection) -> None:
+    huge = 10**5000
+    got = conn.answer({"op": "helper.ping", "args": {"n": huge}})
+    assert got["reason"] == "bad-arguments"
+    assert last(ctx)["args_sha256"] == "0" * 64
+
+
+def test_refusals_past_the_burst_are_counted_not_audited(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server.time, "monotonic", lambda: 1000.0)  # no refill while the test runs
+    conn = connection(ctx, guards, pair[1], uid=NODE)
+    for _ in range(REFUSAL_BURST + 5):
+        assert conn.answer({"op": "no.such", "args": {}})["reason"] == "unknown-op"
+    refused = [e for e in audit_lines(ctx) if e["reason"] == "unknown-op"]
+    assert len(refused) == REFUSAL_BURST
+    assert guards._pending == {NODE: {"unknown-op": 5}}
+    assert conn.answer({"op": "helper.ping", "args": {}})["ok"] is True  # accepted lines are never limited
+    assert last(ctx)["decision"] == "accepted"
+
+
+def test_a_full_audit_log_refuses_the_node_but_not_root_or_audit_head(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    ctx.audit._held = ctx.audit._keep * 4
+    assert ctx.audit.full
+    node = connection(ctx, guards, pair[1], uid=NODE)
+    before = len(audit_lines(ctx))
+    assert node.answer({"op": "helper.ping", "args": {}}) == {
+        "ok": False,
+        "error": "refused",
+        "reason": "audit-full",
+        "message": "the audit log holds all the unexported files it may: read audit.head first",
+    }
+    assert len(audit_lines(ctx)) == before and guards._pending == {NODE: {"audit-full": 1}}
+    assert node.answer({"op": "audit.head", "args": {}})["ok"] is True
+    root = connection(ctx, guards, pair[1])
+    assert root.answer({"op": "helper.ping", "args": {}})["ok"] is True
+    assert node.answer({"op": 5, "args": {}})["reason"] == "bad-request"
+
+
+# --- locks ----------------------------------------------------------------------------------------------
+
+
+def test_an_ops_locks_are_held_in_order_while_it_runs_and_released(
+    ctx: HelperContext, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    held: list[str] = []
+    order: list[str] = []
+    real = {n: ctx.locks[n] for n in ctx.locks}
+
+    class Spy:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def acquire(self, **kw: Any) -> bool:
+            order.append(self.name)
+            return real[self.name].acquire(**kw)
+
+        def release(self) -> None:
+            real[self.name].release()
+
+    for name in ("system", "gpus", "units"):
+        ctx.locks[name] = Spy(name)  # type: ignore[assignment]
+
+    def look(_call: Any, _req: Any) -> dict[str, Any]:
+        held.extend(n for n in ("system", "gpus", "units") if real[n].locked())
+        return {}
+
+    monkeypatch.setitem(OPS, "t.locks", spec(look, locks=("system", "units", "gpus")))
+    assert conn.answer({"op": "t.locks", "args": {}})["ok"] is True
+    assert order == ["units", "gpus", "system"]  # LOCK_ORDER, whatever the row lists
+    assert sorted(held) == ["gpus", "system", "units"]
+    assert not any(real[n].locked() for n in real)
+
+
+def test_a_held_lock_refuses_busy_at_once_with_nowait_or_at_the_deadline(
+    ctx: HelperContext, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(
+        OPS,
+        "t.nowait",
+        spec(lambda _c, _r: {}, locks=("units", "system"), flags=frozenset({"nowait"}), timeout_s=30.0),
+    )
+    monkeypatch.setitem(OPS, "t.wait", spec(lambda _c, _r: {}, locks=("units", "system"), timeout_s=0.2))
+    ctx.locks["system"].acquire()
+    try:
+        t0 = time.monotonic()
+        assert conn.answer({"op": "t.nowait", "args": {}}) == {
+            "ok": False,
+            "error": "refused",
+            "reason": "busy",
+            "message": "another operation holds the helper's system lock",
+        }
+        assert time.monotonic() - t0 < 5
+        assert not ctx.locks["units"].locked()  # the lock taken before is given back
+        t0 = time.monotonic()
+        assert conn.answer({"op": "t.wait", "args": {}})["reason"] == "busy"
+        assert time.monotonic() - t0 >= 0.15
+        assert not ctx.locks["units"].locked()
+    finally:
+        ctx.locks["system"].release()
+    assert conn.answer({"op": "t.wait", "args": {}})["ok"] is True
+
+
+def test_a_waiting_op_gets_the_lock_when_it_is_released(
+    ctx: HelperContext, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(OPS, "t.wait", spec(lambda _c, _r: {}, locks=("gpus",), timeout_s=10.0))
+    ctx.locks["gpus"].acquire()
+    threading.Timer(0.05, ctx.locks["gpus"].release).start()
+    assert conn.answer({"op": "t.wait", "args": {}})["ok"] is True
+
+
+# --- the connection loop --------------------------------------------------------------------------------
+
+
+def test_a_peer_that_may_not_use_the_socket_is_refused_and_closed(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b, uid=1234)
+    conn.serve()
+    message = f"uid 1234 may not use this socket (only root and uid {NODE})"
+    assert read_frame(a) == {"ok": False, "error": "refused", "reason": "peer", "message": message}
+    e = last(ctx)
+    assert (e["op"], e["decision"], e["reason"], e["message"], e["peer_uid"]) == (
+        "(connect)",
+        "refused",
+        "peer",
+        message,
+        1234,
+    )
+    root_only = Connection(ctx, b, guards, (0,))
+    root_only.peer = Peer(1, NODE, NODE)
+    root_only.serve()
+    assert read_frame(a)["message"] == f"uid {NODE} may not use this socket (only root)"
+
+
+def test_the_loop_answers_each_request_until_the_end(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b, uid=NODE)
+    a.sendall(encode_frame({"op": "helper.ping", "args": {}}) + encode_frame({"op": "nope", "args": {}}))
+    a.shutdown(socket.SHUT_WR)
+    conn.serve()
+    assert read_frame(a)["result"]["peer_uid"] == NODE
+    assert read_frame(a)["reason"] == "unknown-op"
+    assert conn.requests == 2 and guards.budget.used == 0
+
+
+def test_the_loop_refuses_a_broken_frame_and_closes(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    a, b = pair
+    conn = connection(ctx, guards, b, uid=NODE)
+    a.sendall(encode_frame({"op": "helper.ping", "args": {}}) + struct.pack(">I", 3) + b"{{{")
+    conn.serve()
+    assert read_frame(a)["ok"] is True
+    answer = read_frame(a)
+    assert (answer["ok"], answer["error"], answer["reason"]) == (False, "refused", "protocol")
+    assert answer["message"].startswith("frame is not one JSON document: ")
+    e = last(ctx)
+    assert (e["op"], e["reason"], e["message"]) == ("(frame)", "protocol", answer["message"])
+    assert conn.requests == 1 and guards.budget.used == 0
+
+
+def test_the_loop_answers_busy_when_the_budget_is_spent(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.05)
+    a, b = pair
+    guards.budget.used = BUDGET
+    conn = connection(ctx, guards, b, uid=NODE)
+    a.sendall(encode_frame({"op": "helper.ping", "args": {}}))
+    conn.serve()
+    answer = read_frame(a)
+    assert (answer["reason"], answer["message"]) == (
+        "busy",
+        "the helper is busy with other large frames: try again later",
+    )
+    assert last(ctx)["reason"] == "busy"
+
+
+def test_a_peer_gone_is_not_a_refusal(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server, "IDLE_TIMEOUT_S", 0.05)
+    _, b = pair
+    before = len(audit_lines(ctx))
+    connection(ctx, guards, b).serve()  # idle: times out
+    assert len(audit_lines(ctx)) == before
+
+
+def test_a_descriptor_in_a_result_is_sent_and_closed(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a, b = pair
+    r, w = os.pipe()
+    handed: list[int] = []
+
+    def console(_call: Any, _req: Any) -> dict[str, Any]:
+        handed.append(os.dup(r))
+        return {"_fd": handed[0], "pty": "x"}
+
+    monkeypatch.setitem(OPS, "t.console", spec(console))
+    a.sendall(encode_frame({"op": "t.console", "args": {}}))
+    a.shutdown(socket.SHUT_WR)
+    connection(ctx, guards, b).serve()
+    with pytest.raises(OSError):
+        os.fstat(handed[0])  # the helper's copy was closed once sent
+    data, ancdata, _f, _a = a.recvmsg(1 << 16, socket.CMSG_SPACE(4))
+    assert json.loads(data[4:]) == {"ok": True, "result": {"pty": "x"}}
+    got = array.array("i", ancdata[0][2])[0]
+    os.write(w, b"q")
+    assert os.read(got, 1) == b"q"
+    os.close(got)
+    os.close(r)
+    os.close(w)
+
+
+# --- bounded audit lines ------------------------------------------------------------------------------
+
+
+def test_bounded_shows_small_values_as_sent() -> None:
+    import hashlib
+
+    assert _bounded(None) is None and _bounded(True) is True and _bounded(False) is False
+    assert _bounded(2**64 - 1) == 2**64 - 1 and _bounded(-(2**64) + 1) == -(2**64) + 1
+    text = str(2**64).encode()
+    assert _bounded(2**64) == {"bytes": len(text), "sha256": hashlib.sha256(text).hexdigest()}
+    short = "\u2028" * (MAX_SHOWN // 12)
+    assert _bounded(short) is short
+    at_cap = "a" * (MAX_SHOWN - 2)
+    assert _bounded(at_cap) == at_cap
+    over = "a" * (MAX_SHOWN - 1)
+    data = canonical(over)
+    assert _bounded(over) == {"bytes": MAX_SHOWN + 1, "sha256": hashlib.sha256(data).hexdigest()}
+    fits = "\u2028" * ((MAX_SHOWN - 2) // 6)  # escaped: 6 bytes a character, 1022 in all
+    assert _bounded(fits) == fits
+    escaped = fits + "\u2028"  # 1028 bytes of JSON
+    assert _bounded(escaped) == {"bytes": 1028, "sha256": hashlib.sha256(canonical(escaped)).hexdigest()}
+    assert _bounded(["a", 1]) == ["a", 1]
+    assert _bounded({"k": "v" * 2000})["bytes"] == len(canonical({"k": "v" * 2000}))
+
+
+def test_bounded_digests_a_value_holding_an_unprintable_integer() -> None:
+    import hashlib
+
+    got = _bounded([10**5000])
+    assert got == {"bytes": -1, "sha256": hashlib.sha256(b"<class 'list'> too large").hexdigest()}
+
+
+def test_cut_keeps_the_text_within_characters_and_json_bytes() -> None:
+    assert _cut("abc", 2) == "ab"
+    assert _cut("a" * 5000, MAX_TEXT) == "a" * MAX_TEXT
+    plain = "a" * (MAX_TEXT_BYTES - 2)
+    assert _cut(plain, 10_000) == plain  # its JSON is exactly MAX_TEXT_BYTES
+    assert _cut(plain + "a", 10_000) == (plain + "a")[: (MAX_TEXT_BYTES - 1) * 3 // 4]
+    escaped = _cut("\u2028" * MAX_TEXT, MAX_TEXT)
+    assert len(json.dumps(escaped)) <= MAX_TEXT_BYTES
+    assert escaped == "\u2028" * 632  # 2000 -> 1500 -> 1125 -> 843 -> 632 characters: 3794 bytes
+
+
+# --- the sockets ----------------------------------------------------------------------------------------
+
+
+def test_the_servers_bind_their_sockets_with_their_modes(ctx: HelperContext, tmp_path: Path) -> None:
+    node_path = str(tmp_path / "helper.sock")
+    root_path = str(tmp_path / "root.sock")
+    (tmp_path / "helper.sock").write_text("stale")  # an old socket file is replaced
+    srv = server.HelperServer(ctx, node_path)
+    rsrv = server.RootServer(ctx, root_path, srv.guards)
+    try:
+        st = os.stat(node_path)
+        assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o660, 0, NODE)
+        st = os.stat(root_path)
+        assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o600, 0, 0)
+        assert srv.uids is None and rsrv.uids == (0,)
+        assert srv.request_queue_size == 128 and rsrv.request_queue_size == 64
+        threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in (srv, rsrv)]
+        for t in threads:
+            t.start()
+        for path in (node_path, root_path):
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+                c.settimeout(10)
+                c.connect(path)
+                c.sendall(encode_frame({"op": "helper.ping", "args": {}}))
+                assert read_frame(c)["result"]["peer_uid"] == 0
+    finally:
+        for s in (srv, rsrv):
+            s.shutdown()
+            s.server_close()
+        srv.guards.close()
+
+
+def test_a_connection_past_the_cap_is_refused_busy(
+    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    try:
+        monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
+        srv._slots = threading.BoundedSemaphore(1)
+        assert srv._slots.acquire(blocking=False)  # the one slot is taken
+        a, b = socket.socketpair()
+        with a:
+            srv.process_request(b, None)
+            assert read_frame(a) == {
+                "ok": False,
+                "error": "refused",
+                "reason": "busy",
+                "message": f"more than {MAX_CONNECTIONS} connections at once: try again later",
+            }
+        assert guards._pending == {NODE: {"busy": 1}}
+        srv._slots.release()
+        a, b = socket.socketpair()
+        with a:
+            srv.process_request(b, None)  # a slot: served on its own thread, then the slot is given back
+            a.sendall(encode_frame({"op": "helper.ping", "args": {}}))
+            a.settimeout(10)
+            assert read_frame(a)["result"]["peer_uid"] == NODE
+            a.shutdown(socket.SHUT_WR)
+            end = time.monotonic() + 10
+            while time.monotonic() < end and not srv._slots.acquire(blocking=False):
+                time.sleep(0.01)
+        srv._slots.release()
+    finally:
+        srv.server_close()
+
+
+def test_root_connections_take_no_slot(ctx: HelperContext, tmp_path: Path, guards: Guards) -> None:
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    try:
+        srv._slots = threading.BoundedSemaphore(1)
+        assert srv._slots.acquire(blocking=False)
+        a, b = socket.socketpair()
+        with a:
+            srv.process_request(b, None)
+            a.settimeout(10)
+            a.sendall(encode_frame({"op": "helper.ping", "args": {}}))
+            assert read_frame(a)["ok"] is True
+    finally:
+        srv.server_close()
+
+
+def test_a_group_is_named_or_shown_by_number() -> None:
+    assert server.node_group_name(0) == "root"
+    assert server.node_group_name(2**31 - 7) == str(2**31 - 7)
