@@ -36,7 +36,7 @@ import errno
 import os
 import stat
 from collections.abc import Callable, Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 
 # Host paths under which root never writes, whatever their modes (world-writable by design).
 NEVER_UNDER: tuple[str, ...] = ("/tmp", "/var/tmp", "/dev/shm")  # noqa: S108 (refused, never used)
@@ -131,8 +131,9 @@ def split_host_path(path: str) -> tuple[str, ...]:
     """The components of an absolute host path free of '..', '.' and empty parts."""
     if not path.startswith("/") or "\x00" in path:
         raise RootPathRefused(path, f"{path!r} is not an absolute host path")
-    parts = PurePosixPath(path).parts[1:]
-    if any(p in ("..", ".") for p in parts) or "//" in path or not parts:
+    # Split by hand: PurePosixPath drops '.' parts and a trailing '/', and would accept them.
+    parts = tuple(path[1:].split("/"))
+    if any(p in ("..", ".", "") for p in parts):
         raise RootPathRefused(path, f"{path!r} is not a plain absolute host path")
     return parts
 

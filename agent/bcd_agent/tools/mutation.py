@@ -6,6 +6,10 @@ survived, timeouts and the kill rate as JSON (`--out`, default .mutation/results
 docs/mutation.md's table is written. Not in CI: a full run takes hours on this project's machines.
 
     python -m bcd_agent.tools.mutation [SCOPE ...] [--list]
+    python -m bcd_agent.tools.mutation SCOPE --only MODULE [--tests TEST ...] [--max-children 1]
+
+`--only` mutates one module of a scope (its row in results.json is replaced, the scope's others kept);
+`--tests` narrows the scope's tests to those that test the module (docs/mutation.md says which were used).
 
 mutmut 3 names a mutant by its module path below `src/`, so each scope runs in a staging tree
 (.mutation/stage) where the three packages sit side by side under src/ beside a copy of tests/ and the
@@ -115,8 +119,16 @@ def _module_of(mutant: str) -> str:
     return f"{folder}/{package}/{rest.replace('.', '/')}.py"
 
 
-def run_scope(name: str, mutmut: str, max_children: int | None = None) -> dict[str, dict[str, int]]:
+def run_scope(
+    name: str,
+    mutmut: str,
+    only: tuple[str, ...] = (),
+    tests_override: tuple[str, ...] = (),
+    max_children: int | None = None,
+) -> dict[str, dict[str, int]]:
     modules, tests = SCOPES[name]
+    modules = only or modules
+    tests = tests_override or tests
     stage = REPO / ".mutation" / "stage"
     _stage(stage)
     (stage / "setup.cfg").write_text(_setup_cfg(modules, tests))
@@ -124,7 +136,7 @@ def run_scope(name: str, mutmut: str, max_children: int | None = None) -> dict[s
     # mutmut's progress goes to a log beside the results: a run that stops early (a clean test failing
     # under load, say) leaves its mutants "not checked", and the log says why.
     with (REPO / ".mutation" / f"{name}.log").open("wb") as log:
-        children = [] if max_children is None else ["--max-children", str(max_children)]
+        children = ["--max-children", str(max_children)] if max_children else []
         subprocess.run(
             [mutmut, "run", *children], cwd=stage, check=False, env=env, stdout=log, stderr=subprocess.STDOUT
         )
@@ -153,12 +165,9 @@ def main() -> int:
     parser.add_argument("scopes", nargs="*", help=f"scopes to run (default: all of {', '.join(SCOPES)})")
     parser.add_argument("--list", action="store_true", help="print the scopes and exit")
     parser.add_argument("--out", type=Path, default=REPO / ".mutation" / "results.json")
-    parser.add_argument(
-        "--max-children",
-        type=int,
-        default=None,
-        help="mutmut's test processes at once (default: one per core)",
-    )
+    parser.add_argument("--only", nargs="+", default=[], help="mutate only these modules of the scope")
+    parser.add_argument("--tests", nargs="+", default=[], help="run these tests instead of the scope's")
+    parser.add_argument("--max-children", type=int, help="mutmut's parallel test runs (default: cores)")
     args = parser.parse_args()
     if args.list:
         for name, (modules, tests) in SCOPES.items():
@@ -169,7 +178,8 @@ def main() -> int:
     for name in args.scopes or list(SCOPES):
         if name not in SCOPES:
             parser.error(f"unknown scope {name!r} (--list shows them)")
-        results[name] = run_scope(name, mutmut, args.max_children)
+        got = run_scope(name, mutmut, tuple(args.only), tuple(args.tests), args.max_children)
+        results[name] = {**results.get(name, {}), **got} if args.only else got
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1, sort_keys=True))
         for module, c in results[name].items():
