@@ -315,9 +315,12 @@ def _rebind_guest(path: Path) -> None:
     import tarfile
 
     data = path.read_bytes()
-    with tarfile.open(fileobj=io.BytesIO(data[: len(data) - 4096])) as tar:
-        member = tar.extractfile("nonce")
-        nonce = member.read().decode().strip() if member is not None else ""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data[: len(data) - 4096])) as tar:
+            member = tar.extractfile("nonce")
+            nonce = member.read().decode().strip() if member is not None else ""
+    except (tarfile.TarError, KeyError):
+        return  # no bundle on the disk: the guest has nothing to answer
     with path.open("r+b") as f:
         f.seek(len(data) - 4096)
         f.write(f"BCREBOUND {nonce}\n".encode())

@@ -158,7 +158,7 @@ class HelperVirsh:
             req["kib"] = int(args[0].rstrip("K"))
         if verb in ("attach-disk", "detach-disk"):
             # Root builds the rebind disk's path, target and serial itself: only the name travels.
-            verb = verb.replace("-disk", "_rebind")
+            verb = "rebind" if verb == "attach-disk" else "unrebind"
         self.client.call(f"libvirt.{verb.replace('-', '_')}", req)
         return CommandResult(("virsh", verb, name), 0)
 
@@ -705,7 +705,7 @@ class LibvirtRuntime:
         """Write the rebind disk in the instance's directory (0600 as root; 0660 under the helper, so
         QEMU reaches it through the node's group) and hot-add it: `virsh attach-disk NAME PATH vdz
         --targetbus virtio --subdriver raw --serial bc-rebind --live` (the helper's
-        `libvirt.attach_rebind`, which builds the same from the name alone)."""
+        `libvirt.rebind`, which builds the same from the name alone)."""
         path = self._rebind_path(name)
         mode = 0o660 if self.under_helper else 0o600
         self.system.write_atomic(path, image, mode)
