@@ -559,7 +559,7 @@ class LibvirtRuntime:
                 with contextlib.suppress(FileNotFoundError):
                     os.chmod(self._real(p), 0o640 if p != files.disk else 0o660)
             # QEMU reaches the node's volumes through the group as it does the disk (read-only ones
-            # 0640); putting them back to 0600 when the domain stops is not built (DLV-VOL-41).
+            # 0640), for the run: back to 0600 when the domain stops (`_close_volumes`, DLV-VOL-41).
             for path, _serial, ro in files.volumes:
                 with contextlib.suppress(FileNotFoundError):
                     os.chmod(self._real(path), 0o640 if ro else 0o660)
@@ -621,13 +621,33 @@ class LibvirtRuntime:
             self.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
         if self._state(name) != STOPPED:
             self._act("destroy", name)
+        self._close_volumes(name)
 
     def delete(self, name: str) -> None:
         if self._state(name) != STOPPED:
             self._act("destroy", name)
         self._act("undefine", name)
+        self._close_volumes(name)
         self.forget(name)
         shutil.rmtree(self._real(self._dir(name)), ignore_errors=True)
+
+    def _close_volumes(self, name: str) -> None:
+        """Under the helper, a stopped or destroyed domain's volumes go back to 0600 unless another
+        running or paused domain still has them open (DLV-VOL-41): QEMU reached them through the node's
+        group only for the run."""
+        known = self._known.get(name)
+        if not self.under_helper or known is None or not known.volumes:
+            return
+        try:
+            domains = self.list()
+        except RetryableError as exc:  # kept as they are; the next stop or delete closes them
+            log.warning("instances: %s: volumes not closed: %s", name, exc.message)
+            return
+        still = {v for d in domains if d.name != name and d.state != STOPPED for v, _ro, _t in d.volumes}
+        for vid, _ro, _target in known.volumes:
+            if vid not in still:
+                with contextlib.suppress(FileNotFoundError):
+                    os.chmod(self._real(f"{volumes_dir(self.data_dir)}/{vid}.raw"), 0o600)
 
     def leftovers(self, domains: tuple[Domain, ...]) -> tuple[str, ...]:
         """Instance directories with no domain (a create that failed before its define)."""
