@@ -153,7 +153,8 @@ def _setup(tmp_path: Path, answers: dict[str, UserData], **kw: Any) -> tuple[Any
 def test_rebind_runs_whole_then_plans_nothing_and_survives_a_restart_dlv_reb_02_07_09_11_12_13_14(
     tmp_path: Path, identity: tuple[str, str]
 ) -> None:
-    """DLV-REB-02, DLV-REB-07, DLV-REB-09, DLV-REB-11, DLV-REB-12, DLV-REB-13, DLV-REB-14, DLV-REB-21: the
+    """DLV-REB-01, DLV-REB-02, DLV-REB-07, DLV-REB-09, DLV-REB-11, DLV-REB-12, DLV-REB-13, DLV-REB-14,
+    DLV-REB-21: the
     bundle is fetched bound to the allocation, the disk hot-added (`attach-disk … vdz … --serial
     bc-rebind --live`), the (simulated, compliant) guest answers, the disk is detached and its file
     gone; the reference is recorded in instances-rebound.json and reported as identity_rebound_ref, also
