@@ -168,9 +168,9 @@ def test_controller_sets_balloons_of_running_ballooned_guests_only_dlv_bal_01_02
 ) -> None:
     """DLV-BAL-01, DLV-BAL-02, DLV-BAL-04, DLV-BAL-12, DLV-BAL-14, DLV-BAL-18: under pressure the
     controller reads `domstats --balloon` and sets `setmem --live` only for the running guest whose
-    placement asks for a balloon; a guest without one (memballoon none), a stopped one, and a huge-page one (no balloon
-    device either: the placement refuses both) are never touched; the set size is what the guest is
-    left, in KiB; setting a guest without a balloon device answers ErrNoBalloon."""
+    placement asks for a balloon; a guest without one (memballoon none), a stopped one and one in huge
+    pages are never touched; the set size is what the guest is left, in KiB; setting a guest without a
+    balloon device answers ErrNoBalloon."""
     system = sim_host(tmp_path)
     sec, rt = section(system)
     ball = Placement(balloon=True)
