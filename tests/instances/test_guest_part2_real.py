@@ -209,3 +209,104 @@ def test_the_identity_rebind_runs_whole_dlv_reb_05_07_09_10_11_12_13(guest: Gues
     doc = json.loads((Path(guest.data) / "instances-rebound.json").read_text())
     assert doc["rebound"] == {name: "ref-1"}
     assert rebinder.tick(spec(guest.inst), rt.list()) == []  # plan again: nothing
+
+
+@pytest.fixture
+def real_helper(guest: Guest) -> Iterator[tuple[Any, Path]]:
+    """A real `bcd helper serve --root /` for the guest's data_dir (as in test_guest_boot_real.py's
+    helper_socket): [helper] libvirt_uri = qemu:///system, the guest's bridge allowed."""
+    import contextlib
+    import grp
+    import sys
+
+    from bcd_agent.helperclient import HelperClient
+    from bcd_helper.audit import init_key
+
+    hostconfig = Path("/var/lib/bcd-hostconfig")
+    made_hostconfig = not hostconfig.exists()
+    kvm_gid = grp.getgrnam("kvm").gr_gid
+    home = Path(f"/var/lib/bcd-guest2-helper-{uuid.uuid4().hex[:8]}")
+    home.mkdir(mode=0o750)
+    (home / "config.toml").write_text(
+        f'data_dir = "{guest.data}"\n[helper]\nsocket = "{home}/helper.sock"\n'
+        f'root_socket = "{home}/helper-root.sock"\nnode_uid = 4242\nnode_gid = {kvm_gid}\n'
+        f'audit_dir = "{home}/audit"\ninstance_bridges = "{guest.inst.nics[0].bridge}"\n'
+        f'libvirt_uri = "{SYSTEM_URI}"\n'
+    )
+    init_key(Path("/"), f"{home}/audit")
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "bcd_helper.cli",
+            "serve",
+            "--root",
+            "/",
+            "--config",
+            str(home / "config.toml"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    client = None
+    try:
+        deadline = time.monotonic() + 15
+        while client is None:
+            assert proc.poll() is None, proc.communicate()[1].decode()
+            if (home / "helper.sock").exists():
+                with contextlib.suppress(Exception):
+                    HelperClient(str(home / "helper.sock")).ping()
+                    client = HelperClient(str(home / "helper.sock"))
+            assert time.monotonic() < deadline, "the helper did not start"
+            time.sleep(0.05)
+        yield client, home
+    finally:
+        if client is not None:
+            client.close()
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        shutil.rmtree(home, ignore_errors=True)
+        if made_hostconfig:
+            shutil.rmtree(hostconfig, ignore_errors=True)
+
+
+def test_rebind_and_setmem_through_a_real_helper_dlv_hlp_03(
+    guest: Guest, real_helper: tuple[Any, Path]
+) -> None:
+    """DLV-HLP-03, DLV-REB-09 under the helper, for real: a new reference is installed with root's
+    `libvirt.rebind` (root builds the attach-disk argv from the name) and `libvirt.unrebind`, the guest
+    answers again; the balloon's size goes through `libvirt.setmem` and reaches the guest; each op is
+    in root's audit log."""
+    from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh
+
+    client, home = real_helper
+    system = LocalSystem(Path("/"))
+    rt = _BootRuntime(system, HelperVirsh(system, client, SYSTEM_URI), guest.data, under_helper=True,
+                      domain_type="qemu", cpu_mode="maximum")  # fmt: skip
+    rt.list()
+    name = guest.inst.id
+    inst = InstanceSpec(**{**_fields(guest.inst), "identity_rebind_ref": "ref-2"})
+    source = FixedUserData({name: UserData(data=bundle(with_key=False, principals=["helper-8"]))})
+    rebinder = Rebinder(system, guest.data, {"libvirt-kvm": rt}, source, poll_s=0.5)
+    rebinder.sleep = guest.console.drain
+    assert rebinder.tick(spec(inst), rt.list()) == [(name, "rebound")]
+    guest.console.wait_for(rf"{MARK}-REBOUND tenant helper-8,", 10)
+    rt.set_balloon(name, 32 * MIB)
+    deadline = time.monotonic() + 30
+    while rt.balloon_readings()[name].balloon_bytes != 32 * MIB:
+        assert time.monotonic() < deadline, "the balloon did not reach 32 MiB"
+        guest.console.drain(0.5)
+    rt.set_balloon(name, 0)
+    audit = (home / "audit/audit.log").read_text()
+    for op in ("libvirt.rebind", "libvirt.unrebind", "libvirt.setmem"):
+        assert f'"{op}"' in audit, op
+
+
+def _fields(inst: InstanceSpec) -> dict[str, Any]:
+    import attrs
+
+    return attrs.asdict(inst, recurse=False)
