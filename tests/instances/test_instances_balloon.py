@@ -241,3 +241,25 @@ def test_admission_still_charges_the_full_memory_of_a_ballooned_guest_dlv_bal_16
     assert Admission.open(mem, committed, 0).admit(vm("b", memory_bytes=3 * GIB)) is not None
     lent = Admission.open(mem, committed - GIB, 0)  # had the balloon's loan been counted, b would fit
     assert lent.admit(vm("b", memory_bytes=3 * GIB)) is None
+
+
+def test_what_each_ballooned_guest_lends_is_exported_under_the_seeds_name_dlv_bal_17(tmp_path: Path) -> None:
+    """DLV-BAL-17: after a tick the node's metrics carry `bcd.instance.memory.balloon.reclaimed`, one
+    point per running guest whose spec asks for a balloon (its memory less what the balloon leaves it),
+    none for a guest without one."""
+    from bcd_agent.sections.telemetry.metrics import NodeMetrics
+
+    system = sim_host(tmp_path)
+    sec, rt = section(system)
+    desired = spec(vm("a", placement=Placement(balloon=True)), vm("plain"))
+    converge(sec, desired)
+    (system.host_path(STATE) / "a.used").write_text(f"{256 * 1024}\n")
+    total_kb = int(system.host_path("/proc/meminfo").read_text().split()[1])
+    _pressure(system, total_kb // 20)
+    ctl = BalloonController(system, {"libvirt-kvm": rt}, floor_percent=50)
+    ctl.tick(desired, [d for v in sec.list_runtimes().values() for d in v.domains])
+    metrics = NodeMetrics()
+    metrics.balloons = lambda: dict(ctl.lent)
+    (m,) = [m for m in metrics.collect() if m.name == "bcd.instance.memory.balloon.reclaimed"]
+    assert m.unit == "By"
+    assert [(p.attributes, p.value) for p in m.points] == [((("bcd.instance.id", "a"),), 512 * MIB)]
