@@ -265,3 +265,20 @@ def test_refused_or_malformed_bundles_are_not_retried_and_pruned_later_dlv_reb_1
     sec.rebind_tick(spec(vm("c", identity_rebind_ref="ref-c")))
     state = state_from_json(system.host_path(f"{DATA_DIR}/instances-rebound.json").read_bytes())
     assert set(state.attempts) == {"c"}
+
+
+def test_a_failed_attach_counts_as_a_try_and_leaves_no_file(tmp_path: Path) -> None:
+    """A hot-add libvirt refuses (here: a target already taken) is a try like a silent guest: retried
+    after 5 minutes, and the disk's file is zeroed and gone at once."""
+    sec, _rt, system, clock = _setup(tmp_path, {"a": UserData(data=bundle(with_key=False))})
+    desired = spec(vm("a", identity_rebind_ref="ref-1"))
+    converge(sec, desired)
+    (system.host_path(STATE) / "a.attached").write_text("someone else's vdz\n")
+    (outcome,) = sec.rebind_tick(desired)
+    assert outcome[1].startswith("attach failed") and "already exists" in outcome[1]
+    assert not system.host_path(f"{DATA_DIR}/libvirt/instances/a/rebind.img").exists()
+    assert sec.rebinder.state.attempts["a"].tries == 1
+    assert sec.rebind_tick(desired) == []
+    clock.t += RETRY_MS / 1000
+    (system.host_path(STATE) / "a.attached").unlink()
+    assert sec.rebind_tick(desired) == [("a", "rebound")]

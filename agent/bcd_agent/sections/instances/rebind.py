@@ -337,9 +337,11 @@ class Rebinder:
         ok = False
         try:
             rt.rebind_attach(job.instance_id, image)
-        except StepError as exc:
+        except (StepError, OSError) as exc:  # counted as a try: a broken attach is not retried forever
             self._attempt(job)
-            return f"attach failed: {exc.message}"
+            why = exc.message if isinstance(exc, StepError) else str(exc)
+            log.warning("rebind: %s: attach failed: %s", job.instance_id, why)
+            return f"attach failed: {why}"
         try:
             deadline = time.monotonic() + self.wait_s
             while True:
@@ -352,8 +354,8 @@ class Rebinder:
         finally:
             try:
                 rt.rebind_detach(job.instance_id)
-            except StepError as exc:  # the file is zeroed and deleted whatever the detach did
-                log.warning("rebind: %s: detach: %s", job.instance_id, exc.message)
+            except (StepError, OSError) as exc:  # the runtime zeroes and deletes the file whatever it did
+                log.warning("rebind: %s: detach: %s", job.instance_id, exc)
         if not ok:
             self._attempt(job)
             return "the guest did not answer"
