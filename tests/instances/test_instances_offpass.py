@@ -9,6 +9,7 @@ import time
 from typing import Any
 
 import trio
+import trio.testing
 from bcd_agent.nodeparts.instances import balloon_periodically, rebind_periodically
 
 
@@ -69,3 +70,46 @@ def test_the_balloon_loop_survives_a_failed_tick_dlv_bal_04() -> None:
 
     trio.run(main)
     assert len(sec.threads) >= 4 and threading.main_thread().name not in sec.threads
+
+
+def test_every_thirty_seconds_the_host_memory_and_stall_are_read_dlv_bal_03() -> None:
+    """DLV-BAL-03: the node's balloon loop ticks every 30 s (trio's mock clock), and each tick reads
+    /proc/meminfo (MemTotal, MemAvailable) and /proc/pressure/memory (PSI some avg10)."""
+    from bcd_agent.sections.instances.balloon import BalloonController, HostPressure
+    from bcd_agent.sections.instances.model import InstancesSpec
+
+    class _Proc:
+        def __init__(self) -> None:
+            self.read: list[str] = []
+
+        def read_text(self, path: str) -> str | None:
+            self.read.append(path)
+            if path == "/proc/meminfo":
+                return "MemTotal: 1000 kB\nMemAvailable: 500 kB\n"
+            return "some avg10=12.00 avg60=0.00 avg300=0.00 total=5\n"
+
+    proc = _Proc()
+    ctl = BalloonController(proc, {})
+    seen: list[tuple[float, HostPressure | None]] = []
+    done: list[trio.Event] = []
+
+    class _Sec:
+        def balloon_tick(self, desired: Any) -> tuple[Any, ...]:
+            now = trio.from_thread.run_sync(trio.current_time)
+            seen.append((now, ctl.read_host()))
+            if len(seen) == 3:
+                trio.from_thread.run_sync(done[0].set)
+            return ctl.tick(InstancesSpec(1), [])
+
+    async def main() -> None:
+        done.append(trio.Event())
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(balloon_periodically, _Sec(), lambda: None)
+            await done[0].wait()  # no timer of this task: the mock clock jumps only to the loop's sleeps
+            nursery.cancel_scope.cancel()
+        assert [round(t - start, 3) for t, _ in seen[:3]] == [30, 60, 90]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert seen[0][1] == HostPressure(1000 * 1024, 500 * 1024, 12.0)
+    assert proc.read[:2] == ["/proc/meminfo", "/proc/pressure/memory"]
