@@ -88,11 +88,13 @@ def test_a_stall_takes_at_least_two_percent_even_with_memory_available_dlv_bal_0
 
 
 def test_deflates_a_quarter_at_a_time_within_what_is_free_above_twenty_percent_dlv_bal_08() -> None:
-    """DLV-BAL-08: with 21% available the balloons give back only the 1% free above 20%; with 40% each
+    """DLV-BAL-08: with 21% available the balloons give back only the 1% free above 20%, the most
+    inflated first; with 40% each
     gives back a quarter of its guest's memory per pass; repeated passes empty them, then no steps."""
     guests = [guest("a", 8 * GIB, balloon=4 * GIB), guest("b", 8 * GIB, balloon=3 * GIB)]
     tight = plan_balloons(host(HOST * 21 // 100), guests, 50)
     assert 0 < sum(s.previous_bytes - s.balloon_bytes for s in tight) <= HOST // 100  # 1% is free above 20%
+    assert [s.name for s in tight] == ["a"]  # the most inflated is given back first
     h = host(HOST * 40 // 100)
     steps = plan_balloons(h, guests, 50)
     assert {s.name: s.previous_bytes - s.balloon_bytes for s in steps} == {"a": 2 * GIB, "b": 2 * GIB}
