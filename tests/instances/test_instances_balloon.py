@@ -64,6 +64,9 @@ def test_inflates_to_cover_the_shortfall_below_ten_percent_then_nothing_dlv_bal_
     h2, g2 = apply(h, guests, steps)
     assert h2.available_bytes >= HOST // 10
     assert plan_balloons(h2, g2, 50) == ()
+    inflated = [guest("a", balloon=2 * GIB), guest("b", balloon=GIB)]
+    for percent in (11, 15, 20):  # in between: neither inflated nor deflated
+        assert plan_balloons(host(HOST * percent // 100), inflated, 50) == ()
 
 
 def test_most_room_above_the_floor_first_at_most_a_quarter_each_dlv_bal_06_07() -> None:
@@ -170,9 +173,9 @@ def test_controller_sets_balloons_of_running_ballooned_guests_only_dlv_bal_01_02
 ) -> None:
     """DLV-BAL-01, DLV-BAL-02, DLV-BAL-04, DLV-BAL-12, DLV-BAL-14, DLV-BAL-18: under pressure the
     controller reads `domstats --balloon` and sets `setmem --live` only for the running guest whose
-    placement asks for a balloon; a guest without one (memballoon none), a stopped one and one in huge
-    pages are never touched; the set size is what the guest is left, in KiB; setting a guest without a
-    balloon device answers ErrNoBalloon."""
+    placement asks for a balloon; a guest without one (memballoon none), a stopped one, a paused one
+    and one in huge pages are never touched; the set size is what the guest is left, in KiB; setting a
+    guest without a balloon device answers ErrNoBalloon."""
     system = sim_host(tmp_path)
     sec, rt = section(system)
     ball = Placement(balloon=True)
@@ -180,6 +183,7 @@ def test_controller_sets_balloons_of_running_ballooned_guests_only_dlv_bal_01_02
         vm("a", placement=ball),
         vm("plain"),
         vm("off", placement=ball, desired=Desired.STOPPED),
+        vm("paused", placement=ball, desired=Desired.PAUSED),
     )
     out = converge(sec, desired)
     assert out.state.name == "CONVERGED", out.message
@@ -194,6 +198,7 @@ def test_controller_sets_balloons_of_running_ballooned_guests_only_dlv_bal_01_02
     kib = int((system.host_path(STATE) / "a.balloon").read_text())
     assert kib == (2 * GIB - 512 * MIB) // 1024
     assert not (system.host_path(STATE) / "plain.balloon").exists()
+    assert not (system.host_path(STATE) / "paused.balloon").exists()  # only running guests
     assert rt.balloon_readings()["a"].balloon_bytes == 512 * MIB
     assert "plain" not in rt.balloon_readings()
     with pytest.raises(ErrNoBalloon):
