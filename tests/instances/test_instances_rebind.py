@@ -20,6 +20,7 @@ from bcd_agent.sections.instances.rebind import (
     RETRY_MS,
     Attempt,
     BundleRefused,
+    RebindBundle,
     Rebinder,
     RebindState,
     answered,
@@ -93,6 +94,8 @@ def test_the_disk_is_one_mib_a_tar_then_the_answer_area_dlv_reb_05_06(identity: 
         read = {n: tar.extractfile(n).read() for n in names}  # type: ignore[union-attr]
     assert read["nonce"] == NONCE.encode() + b"\n" and read["principals"] == b"p1\n"
     assert read["host_key"].decode() == key and read["host_key-cert.pub"].decode() == cert
+    with pytest.raises(BundleRefused, match="does not fit"):
+        rebind_image(RebindBundle("t", ("p" * 1000,) * 1100), NONCE)
     plain = rebind_image(parse_rebind(b'{"v":1,"account":"t","principals":["p"]}'), NONCE)
     with tarfile.open(fileobj=io.BytesIO(plain[:-ANSWER_SIZE])) as tar:
         assert tar.getnames() == ["nonce", "account", "principals"]
@@ -125,6 +128,8 @@ def test_plan_rebinds_who_when_and_pruning_dlv_reb_15_16_17() -> None:
     assert plan_rebinds(s, doms, spent, 10**12, frozenset({"libvirt-kvm"}))[0] == ()
     final = RebindState(attempts={"a": Attempt("r1", 1, 0, final=True)})
     assert plan_rebinds(s, doms, final, 10**12, frozenset({"libvirt-kvm"}))[0] == ()
+    stopping = spec(vm("a", identity_rebind_ref="r1", desired=Desired.STOPPED))
+    assert plan_rebinds(stopping, doms, RebindState(), 0, frozenset({"libvirt-kvm"}))[0] == ()
     s2 = spec(vm("a", identity_rebind_ref="r2"))
     assert len(plan_rebinds(s2, doms, final, 0, frozenset({"libvirt-kvm"}))[0]) == 1
     _jobs, pruned = plan_rebinds(spec(vm("b")), doms, RebindState({"a": "r1"}, {"a": Attempt("r1")}), 0,
@@ -259,12 +264,16 @@ def test_refused_or_malformed_bundles_are_not_retried_and_pruned_later_dlv_reb_1
         and out["c"].startswith("unavailable")
     )
     assert not list(system.host_path(STATE).glob("*.attached"))
-    clock.t += 3600
-    assert [i for i, _ in sec.rebind_tick(desired)] == ["c"]
+    for _ in range(MAX_TRIES + 1):  # an unanswered SecretRequest is not a try
+        clock.t += 31
+        assert [i for i, _ in sec.rebind_tick(desired)] == ["c"]
+    sec.user_data.answers["c"] = UserData(data=bundle(with_key=False))
+    clock.t += 31
+    assert sec.rebind_tick(desired) == [("c", "rebound")]
     converge(sec, spec(vm("c", identity_rebind_ref="ref-c"), vm("a", desired=Desired.DELETED), generation=2))
     sec.rebind_tick(spec(vm("c", identity_rebind_ref="ref-c")))
     state = state_from_json(system.host_path(f"{DATA_DIR}/instances-rebound.json").read_bytes())
-    assert set(state.attempts) == {"c"}
+    assert state.attempts == {} and state.rebound == {"c": "ref-c"}  # a's and b's final attempts pruned
 
 
 def test_a_failed_attach_counts_as_a_try_and_leaves_no_file(tmp_path: Path) -> None:
