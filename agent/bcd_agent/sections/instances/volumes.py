@@ -306,7 +306,6 @@ def plan_volumes(
     """`attachments`: (instance, its (volume, read_only) in order, whether it is to run or be paused) in
     spec order; `held`: instance -> the volumes its running or paused domain has open (instances the
     pass stops or deletes already left out, DLV-VOL-20/21). Pure."""
-    held_all = dict(held)
     before: list[VolumeStep] = []
     refused: dict[str, str] = {}
     listed: dict[str, VolumeSpec] = {}
@@ -405,7 +404,6 @@ def plan_volumes(
     for inst, why in let_go.items():
         errors[inst] = why
     in_use = {vid for vols in held.values() for vid, _ in vols}
-    in_use |= {vid for inst in let_go for vid, _ in held_all.get(inst, ())}
     in_use |= {vid for _inst, vols, _up in attachments for vid, _ in vols}
     after = tuple(
         VolumeStep("destroy", VolumeSpec(vid, cur.serial, cur.size_bytes))
