@@ -317,6 +317,13 @@ class Node:
             network=network,
             volumes=volumes,
         )
+        if runtimes:
+            # Off the pass (docs/instances.md): the identity rebind and the balloon controller.
+            from bcd_agent.nodeparts.instances import off_pass_parts
+
+            off_pass_parts(
+                self.instances_section, system, data_dir, self.config.instances.balloon_floor_percent
+            )
         return self.instances_section
 
     def _host_section(self, system: Any, identity: Any, trio_token: Any) -> Any:
@@ -727,6 +734,16 @@ class Node:
                     from bcd_agent.sections.instances.network import check_periodically
 
                     nursery.start_soon(check_periodically, self.instances_section.network)
+                if getattr(self.instances_section, "rebinder", None) is not None:
+                    from bcd_agent.nodeparts.instances import balloon_periodically, rebind_periodically
+
+                    def instances_payload() -> Any:
+                        return self.runner.spec.payload("instances")
+
+                    nursery.start_soon(
+                        rebind_periodically, self.instances_section, instances_payload, self._trigger
+                    )
+                    nursery.start_soon(balloon_periodically, self.instances_section, instances_payload)
                 # The first inventory read (the heartbeat's hash) off the path to Hello.
                 nursery.start_soon(self._first_inventory)
                 if self._helper_socket() is not None:

@@ -171,6 +171,8 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
                 return _r(argv, 1, err=f"error: Failed to define domain from {path}\n{err}")
         _save(system, name, old[1]["state"] if old else "shut off", xml)
         return _r(argv, out=f"Domain '{name}' defined from {path}\n")
+    if cmd == "domstats":
+        return _r(argv, out=_domstats(system))
     if cmd == "restore":  # bcd restores only with its own definition (--xml), never the state file's
         if "--xml" not in rest:
             return _r(argv, 1, err="error: the simulation restores only with --xml\n")
@@ -229,7 +231,27 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
     if cmd == "setmem":
         if state == "shut off":
             return _r(argv, 1, err="error: Requested operation is not valid: domain is not running\n")
+        if ET.fromstring(xml).find("devices/memballoon[@model='virtio']") is None:  # noqa: S314
+            return _r(argv, 1, err="error: Requested operation is not supported: no balloon device\n")
+        kib = int(rest[1].rstrip("K"))
+        atomic_write(_state_dir(system) / f"{name}.balloon", f"{kib}\n".encode(), 0o644)
         return _r(argv)
+    if cmd == "attach-disk":  # the rebind disk; the simulated guest is a compliant one (DLV-REB-21)
+        if state != "running":
+            return _r(argv, 1, err="error: Requested operation is not valid: domain is not running\n")
+        marker = _state_dir(system) / f"{name}.attached"
+        if marker.exists():
+            return _r(argv, 1, err="error: Requested operation is not valid: target vdz already exists\n")
+        marker.write_text(rest[1] + "\n")
+        if not (_state_dir(system) / f"{name}.silent").exists():
+            _rebind_guest(Path(rest[1]))
+        return _r(argv, out="Disk attached successfully\n")
+    if cmd == "detach-disk":
+        marker = _state_dir(system) / f"{name}.attached"
+        if not marker.exists():
+            return _r(argv, 1, err="error: No disk found whose source path or target is vdz\n")
+        marker.unlink()
+        return _r(argv, out="Disk detached successfully\n")
     if cmd == "suspend":
         _save(system, name, "paused")
         return _r(argv, out=f"Domain '{name}' suspended\n")
@@ -262,6 +284,46 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
             _resize(system.host_path(path) if not Path(path).exists() else Path(path), size)
         return _r(argv, out=f"Block device '{target}' is resized\n")
     return _r(argv, 1, err=f"error: unknown command: '{cmd}'\n")
+
+
+def _domstats(system: LocalSystem) -> str:
+    """`virsh domstats --balloon` of the running domains: a virtio balloon's current size (what setmem
+    left the guest) and, where a test wrote `<name>.used` (KiB), the guest's available and usable."""
+    out = []
+    d = _state_dir(system)
+    for name in _names(system):
+        got = _load(system, name)
+        if got is None or got[1]["state"] == "shut off":
+            continue
+        _vcpus, mem = _size(got[0])
+        kib = mem // 1024
+        lines = [f"Domain: '{name}'"]
+        virtio = ET.fromstring(got[0]).find("devices/memballoon[@model='virtio']") is not None  # noqa: S314
+        current = int((d / f"{name}.balloon").read_text()) if (d / f"{name}.balloon").exists() else kib
+        lines += [f"  balloon.current={current if virtio else kib}", f"  balloon.maximum={kib}"]
+        if virtio and (d / f"{name}.used").exists():
+            used = int((d / f"{name}.used").read_text())
+            lines += [f"  balloon.available={current}", f"  balloon.usable={max(0, current - used)}"]
+        out.append("\n".join(lines) + "\n")
+    return "\n".join(out) + "\n"
+
+
+def _rebind_guest(path: Path) -> None:
+    """The simulated guest's half of the identity rebind: read the tar, answer `BCREBOUND <nonce>` at
+    the start of the disk's last 4 KiB (what the published guest script does)."""
+    import io
+    import tarfile
+
+    data = path.read_bytes()
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data[: len(data) - 4096])) as tar:
+            member = tar.extractfile("nonce")
+            nonce = member.read().decode().strip() if member is not None else ""
+    except (tarfile.TarError, KeyError):
+        return  # no bundle on the disk: the guest has nothing to answer
+    with path.open("r+b") as f:
+        f.seek(len(data) - 4096)
+        f.write(f"BCREBOUND {nonce}\n".encode())
 
 
 def _dev(disk: ET.Element) -> str:

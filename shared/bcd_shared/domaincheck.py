@@ -147,6 +147,7 @@ ALLOWED: Mapping[str, tuple[Mapping[str, Check], Check | None]] = {
     "devices/console": ({"type": _one_of("pty")}, None),
     "devices/console/target": ({"type": _one_of("serial"), "port": _one_of("0")}, None),
     "devices/memballoon": ({"model": _one_of("none", "virtio"), "freePageReporting": _one_of("on")}, None),
+    "devices/memballoon/stats": ({"period": _one_of("10")}, None),
 }
 # bcd's own metadata (DLV-LIBVIRT-16): one <bcd:instance> with these text children.
 METADATA_FIELDS = frozenset(

@@ -7,9 +7,12 @@ and ACPI's `button` and `evdev`, so that a power-button press (`virsh shutdown`,
 guest as an input event. Its /init mounts the virtio disk (/dev/vda, ext4, read-only), prints markers
 on the serial console (ttyS0), prints a tick every second, and powers off when any input device sees an
 event (the ACPI power button) or when the kernel command line says `bcd.poweroff_after=N` seconds.
+Each tick it prints its disks (name, sysfs serial, sectors) and MemTotal when they changed, and runs the
+identity rebind script of docs/instances.md (`rebind_script`) when a disk with serial `bc-rebind`
+appears (issue 11: tests/instances/test_guest_part2_real.py).
 
-Both are cached under /var/tmp/bcd-test-guest/<kernel version>/ (built once per kernel version, then
-reused across runs: the download is 26 MB).
+Both are cached under /var/tmp/bcd-test-guest/<kernel version>/ (the kernel once per version; the
+initramfs keyed by a digest of its init, modules and script; the download is 26 MB).
 """
 
 from __future__ import annotations
@@ -56,8 +59,32 @@ rm -f /pwr
 for e in /dev/input/event*; do (head -c 1 "$e" >/dev/null && touch /pwr) & done
 after=$(sed -n 's/.*bcd.poweroff_after=\\([0-9]*\\).*/\\1/p' /proc/cmdline)
 t=0
+state=""
+rebound=""
 while [ ! -e /pwr ]; do
   echo "{MARK}-TICK $t"
+  # Disks (name:serial:sectors) and MemTotal, printed when they change (hot-adds, resizes, the balloon).
+  s=""
+  for b in /sys/block/vd*; do
+    [ -e "$b/size" ] && s="$s${{b##*/}}:$(cat $b/serial 2>/dev/null):$(cat $b/size) "
+  done
+  s="${{s}}mem:$(sed -n 's/^MemTotal: *\\([0-9]*\\).*/\\1/p' /proc/meminfo)"
+  if [ "$s" != "$state" ]; then echo "{MARK}-STATE $s"; state="$s"; fi
+  # The identity rebind: what udev and bc-rebind@.service do on a real guest (docs/instances.md).
+  now=""
+  for b in /sys/block/vd*; do
+    [ "$(cat $b/serial 2>/dev/null)" = bc-rebind ] && now="${{b##*/}}"
+  done
+  if [ -n "$now" ] && [ "$now" != "$rebound" ]; then
+    if /usr/local/sbin/bc-rebind "/dev/$now"; then
+      echo "{MARK}-REBOUND $(ls /etc/ssh/auth_principals) $(cat /etc/ssh/auth_principals/* | tr '\\n' ,)"
+      c=/etc/ssh/ssh_host_bcd_key-cert.pub
+      [ -f $c ] && echo "{MARK}-HOSTCERT $(cut -d' ' -f1 $c)"
+    else
+      echo "{MARK}-REBIND-FAILED"
+    fi
+  fi
+  rebound="$now"
   sleep 1
   t=$((t+1))
   if [ -n "$after" ] && [ $t -ge "$after" ]; then break; fi
@@ -66,6 +93,15 @@ echo "{MARK}-POWEROFF"
 sync
 poweroff -f
 """
+
+
+def rebind_script() -> str:
+    """The guest half's script, verbatim from docs/instances.md (DLV-REB-19): the booted guest runs it."""
+    text = (Path(__file__).resolve().parents[2] / "docs/instances.md").read_text()
+    found = re.search(r"```sh\n(#!/bin/sh\n# bc-rebind DEVICE:.*?)```", text, re.S)
+    if found is None:
+        raise RuntimeError("docs/instances.md has no bc-rebind script")
+    return found.group(1)
 
 
 def kernel_version() -> str:
@@ -94,8 +130,10 @@ def _initramfs(tree: Path, version: str, out: Path) -> None:
         raise RuntimeError("busybox is missing (busybox-static)")
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         root = Path(tmp) / "root"
-        for d in ("bin", "proc", "sys", "dev", "mnt", "lib/modules"):
+        for d in ("bin", "proc", "sys", "dev", "mnt", "lib/modules", "usr/local/sbin", "etc/ssh", "tmp"):
             (root / d).mkdir(parents=True)
+        (root / "usr/local/sbin/bc-rebind").write_text(rebind_script())
+        os.chmod(root / "usr/local/sbin/bc-rebind", 0o755)
         shutil.copy(busybox, root / "bin/busybox")
         for name, ko in _modules(tree, version).items():
             if name in MODULES:
@@ -114,9 +152,13 @@ def _initramfs(tree: Path, version: str, out: Path) -> None:
 
 def guest_boot_files() -> tuple[Path, Path]:
     """(vmlinuz, initramfs), built once per kernel version under CACHE."""
+    import hashlib
+
     version = kernel_version()
     cache = CACHE / version
-    kernel, initrd = cache / "vmlinuz", cache / "initramfs.cpio"
+    # The initramfs is keyed by what goes into it (the init, the modules, the rebind script).
+    key = hashlib.sha256((INIT + " ".join(MODULES) + rebind_script()).encode()).hexdigest()[:12]
+    kernel, initrd = cache / "vmlinuz", cache / f"initramfs-{key}.cpio"
     if kernel.exists() and initrd.exists():
         return kernel, initrd
     cache.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,7 @@ class InstanceReport:
     message: str = ""
     allocation_id: str = ""
     domain: str = ""
+    identity_rebound_ref: str = ""  # the identity_rebind_ref bcd installed in the guest (DLV-REB-14)
 
 
 @frozen

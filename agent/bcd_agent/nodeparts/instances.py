@@ -10,6 +10,10 @@
   later, /dev/kvm and the helper's ch.* operations (then Hello advertises it); see docs/instances.md.
 - User data: a SecretRequest bound to the instance's allocation (DLV-INST-06), from the runner's
   worker thread; a refusal fails the instance, no answer keeps it waiting.
+- Off the pass, in the node's nursery, each in a worker thread: the identity rebind every 10 s
+  (`rebind_periodically`; the bundle fetched like user data, DLV-REB-02/04; a success triggers a pass,
+  whose report carries `identity_rebound_ref`) and the balloon controller every 30 s
+  (`balloon_periodically`, DLV-BAL-03).
 """
 
 from __future__ import annotations
@@ -99,3 +103,41 @@ def _cloud_hypervisor(system: Any, data_dir: str, helper: Any, intent_dir: str) 
         return []
     intent = partial(helper_intent, intent_dir or data_dir)
     return [CloudHypervisorRuntime(system, helper, data_dir, intent=intent)]
+
+
+REBIND_INTERVAL_S = 10.0
+
+
+def off_pass_parts(section: Any, system: Any, data_dir: str, floor_percent: int) -> None:
+    """Give the section its rebinder (over the same SecretRequest source as user data) and balloon
+    controller."""
+    from bcd_agent.sections.instances.balloon import BalloonController
+    from bcd_agent.sections.instances.rebind import Rebinder
+
+    section.rebinder = Rebinder(system, data_dir, section.runtimes, section.user_data)
+    section.balloons = BalloonController(system, section.runtimes, floor_percent)
+
+
+async def rebind_periodically(
+    section: Any, desired: Any, trigger: Any, interval_s: float = REBIND_INTERVAL_S
+) -> None:
+    while True:
+        await trio.sleep(interval_s)
+        try:
+            done = await trio.to_thread.run_sync(section.rebind_tick, desired())
+        except Exception:  # never ends the node; the next tick tries again
+            log.warning("instances: the identity rebind failed", exc_info=True)
+            continue
+        if any(outcome == "rebound" for _i, outcome in done):
+            trigger("identity rebound")
+
+
+async def balloon_periodically(section: Any, desired: Any, interval_s: float | None = None) -> None:
+    from bcd_agent.sections.instances.balloon import INTERVAL_S
+
+    while True:
+        await trio.sleep(INTERVAL_S if interval_s is None else interval_s)
+        try:
+            await trio.to_thread.run_sync(section.balloon_tick, desired())
+        except Exception:  # never ends the node
+            log.warning("instances: the balloon controller failed", exc_info=True)

@@ -43,6 +43,7 @@ def status_report(status: NodeStatus, now_monotonic: float) -> wire.StatusReport
                 message=i.message,
                 allocation_id=i.allocation_id,
                 domain=i.domain,
+                identity_rebound_ref=i.identity_rebound_ref,
             )
             for i in (inst.instances if inst is not None else ())
         ],

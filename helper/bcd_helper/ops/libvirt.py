@@ -16,6 +16,10 @@ Every request names an instance by id (bcd_shared.instancenames: the domain's na
   definition before anything runs (DLV-HLP-08), checks it like a define and as the requested domain's
   (DLV-HLP-09), stages it and always passes `--xml` (DLV-HLP-10); its state file must be the
   instance's own `save.state`.
+- `rebind` / `unrebind`: the identity rebind disk (DLV-REB-09/11); root builds its path
+  (`<instance dir>/rebind.img`, checked: no symlink from data_dir, regular, one link, exactly 1 MiB),
+  target `vdz` and serial `bc-rebind` itself from the name; with roots the signed spec must ask the
+  instance for an identity rebind (`identity_rebind_ref`).
 - `console` opens the pty root's `dumpxml` names (`/dev/pts/N` only) and hands it back as a file
   descriptor (SCM_RIGHTS; DLV-HLP-07).
 - reads are the node's own business, over `virsh -r` (DLV-HLP-12): no read op here.
@@ -73,6 +77,12 @@ class LibvirtBlockresize:
 class LibvirtSetmem:
     name: str
     kib: int
+
+
+@frozen
+class LibvirtRebind:
+    name: str
+    intent: SignedIntent | None = None
 
 
 @frozen
@@ -340,6 +350,67 @@ def libvirt_setmem(call: Call, req: LibvirtSetmem) -> dict[str, Any]:
     if not result.ok:
         raise Failed("virsh", f"virsh setmem {name}: {_err(result)}")
     return {"name": name, "kib": req.kib}
+
+
+def _rebind_disk(call: Call, op: str, name: str) -> str:
+    """Root's own check of the rebind disk: `<instance dir>/rebind.img`, reached without a symlink from
+    data_dir, a regular file with one link and exactly 1 MiB (bcd_shared.rebinddisk)."""
+    import stat
+
+    from bcd_shared.rebinddisk import REBIND_FILE, REBIND_SIZE
+
+    data_dir = call.ctx.config.data_dir.rstrip("/") or "/"
+    path = f"{instance_dir(data_dir, name)}/{REBIND_FILE}"
+    top = str(call.system.host_path(data_dir))
+    real = str(call.system.host_path(path))
+    cur = top
+    for part in [p for p in os.path.relpath(real, top).split("/") if p]:
+        cur = os.path.join(cur, part)
+        try:
+            st = os.lstat(cur)
+        except FileNotFoundError:
+            raise Refused("no-rebind-disk", f"{op}: {path} does not exist") from None
+        if stat.S_ISLNK(st.st_mode):
+            raise Refused("rebind-disk", f"{op}: {path}: a symlink on the way ({part})")
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != REBIND_SIZE:
+        raise Refused(
+            "rebind-disk", f"{op}: {path} must be a regular file of {REBIND_SIZE} bytes with one link"
+        )
+    return real
+
+
+def libvirt_attach_rebind(call: Call, req: LibvirtRebind) -> dict[str, Any]:
+    """Hot-add the instance's rebind disk (DLV-REB-09): root builds the path, target and serial; with
+    command-signing roots the signed spec must ask this instance for an identity rebind."""
+    from bcd_shared.rebinddisk import attach_args
+
+    op = "libvirt.rebind"
+    name = _name(op, req.name)
+    verifier = call.ctx.intent_verifier()
+    inst, state = verifier.signed_instance(op, name, req.intent)
+    if inst is not None and not inst.identity_rebind_ref:
+        raise Refused("spec-mismatch", f"{op}: {name}: the signed spec asks no identity rebind of it")
+    _managed(call, op, name)
+    real = _rebind_disk(call, op, name)
+    if state is not None:
+        verifier.save_state(state)
+    result = _virsh(call, "attach-disk", name, *attach_args(real))
+    if not result.ok:
+        raise Failed("virsh", f"virsh attach-disk {name}: {_err(result)}")
+    return {"name": name}
+
+
+def libvirt_detach_rebind(call: Call, req: LibvirtName) -> dict[str, Any]:
+    """Remove the rebind disk from bcd's running domain (`detach-disk vdz --live`, DLV-REB-11)."""
+    from bcd_shared.rebinddisk import detach_args
+
+    op = "libvirt.unrebind"
+    name = _name(op, req.name)
+    _managed(call, op, name)
+    result = _virsh(call, "detach-disk", name, *detach_args())
+    if not result.ok:
+        raise Failed("virsh", f"virsh detach-disk {name}: {_err(result)}")
+    return {"name": name}
 
 
 def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:

@@ -267,6 +267,22 @@ OPS: dict[str, OpSpec] = {
         shown=("name", "kib"),
         summary="set a running domain's balloon, within its memory",
     ),
+    "libvirt.rebind": _op(
+        libvirt.LibvirtRebind,
+        libvirt.libvirt_attach_rebind,
+        2 * MINUTE,
+        locks=("libvirt",),
+        shown=("name",),
+        summary="hot-add the instance's 1 MiB identity rebind disk (vdz, serial bc-rebind) root checked",
+    ),
+    "libvirt.unrebind": _op(
+        libvirt.LibvirtName,
+        libvirt.libvirt_detach_rebind,
+        2 * MINUTE,
+        locks=("libvirt",),
+        shown=("name",),
+        summary="remove the identity rebind disk (vdz) from bcd's running domain",
+    ),
     "libvirt.restore": _op(
         "libvirt",
         "LibvirtRestore",

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import attrs
 from bcd_shared import wire
@@ -141,6 +141,8 @@ class InstancesSection:
         self.slice_records = slice_records
         self.network = network  # None: no nftables rules (not advertised)
         self.volumes = volumes  # None: no volume store (instance.volumes not advertised)
+        self.rebinder: Any = None  # rebind.Rebinder, set by the node (identity rebind, DLV-REB)
+        self.balloons: Any = None  # balloon.BalloonController, set by the node (DLV-BAL)
         self.last_plan: Plan | None = None
         self.last_report = InstancesReport((), False)
         self._last_views: dict[str, RuntimeView] = {}
@@ -295,6 +297,39 @@ class InstancesSection:
         elif isinstance(step, Start):
             rt.start(step.instance, step.paused)
 
+    # --- off the pass: identity rebind and balloons ---------------------------------------------
+
+    def _rebound(self) -> Mapping[str, str]:
+        return self.rebinder.rebound() if self.rebinder is not None else {}
+
+    def _domains(self) -> list[Domain]:
+        return [d for v in dict(self._last_views).values() for d in v.domains]
+
+    def rebind_tick(self, desired: object | None) -> list[tuple[str, str]]:
+        """Rebind the running instances that need it (off the pass, DLV-REB-04); a success shows in the
+        report at once (DLV-REB-14)."""
+        if self.rebinder is None:
+            return []
+        spec = to_spec(desired, 0)
+        done: list[tuple[str, str]] = self.rebinder.tick(spec, self._domains())
+        if any(outcome == "rebound" for _i, outcome in done):
+            rebound = self._rebound()
+            by_id = {i.id: i.identity_rebind_ref for i in spec.instances}
+            self.last_report = attrs.evolve(
+                self.last_report,
+                instances=tuple(
+                    attrs.evolve(r, identity_rebound_ref=_rebound_ref(r.instance_id, by_id, rebound))
+                    for r in self.last_report.instances
+                ),
+            )
+        return done
+
+    def balloon_tick(self, desired: object | None) -> tuple[Any, ...]:
+        """One balloon controller tick over the last pass's domains (DLV-BAL-03/04)."""
+        if self.balloons is None:
+            return ()
+        return tuple(self.balloons.tick(to_spec(desired, 0), self._domains()))
+
     # --- volumes -------------------------------------------------------------------------------
 
     def volume_storage(self) -> VolumeStorageReport | None:
@@ -354,10 +389,17 @@ class InstancesSection:
             failed = volumepass.after(self.volumes, vplan, self.runtimes, observed.runtimes, views)
             waiting = {**waiting, **failed}
         self._last_views = dict(views)
-        self.last_report = report(spec, views, errors, waiting, the_plan.notes)
+        self.last_report = report(spec, views, errors, waiting, the_plan.notes, self._rebound())
         if self.volumes is not None:
             self.last_report = attrs.evolve(self.last_report, volume_storage=self.volume_storage())
         return outcome(errors, waiting, changed, self.last_report)
+
+
+def _rebound_ref(name: str, refs: Mapping[str, str], rebound: Mapping[str, str]) -> str:
+    """The reference reported for an instance: the one it was rebound to, while its spec still asks
+    for exactly that one (a new reference is reported only once installed)."""
+    got = rebound.get(name, "")
+    return got if got and refs.get(name) == got else ""
 
 
 def report(
@@ -366,11 +408,13 @@ def report(
     errors: Mapping[str, str],
     waiting: Mapping[str, str],
     notes: Mapping[str, str] | None = None,
+    rebound: Mapping[str, str] | None = None,
 ) -> InstancesReport:
     """StatusReport.instances: every domain the runtimes hold, and each spec instance without one."""
     out: list[InstanceReport] = []
     seen: set[str] = set()
     by_id = {i.id: i for i in spec.instances}
+    refs = {i.id: i.identity_rebind_ref for i in spec.instances}
     domains: list[Domain] = [d for v in views.values() for d in v.domains]
     for d in domains:
         seen.add(d.name)
@@ -383,7 +427,8 @@ def report(
             message = waiting[d.name]
         elif inst is not None and notes and d.name in notes:
             message = notes[d.name]
-        out.append(InstanceReport(d.name, d.runtime, state, d.managed, message, d.allocation_id, d.name))
+        ref = _rebound_ref(d.name, refs, rebound or {}) if inst is not None else ""
+        out.append(InstanceReport(d.name, d.runtime, state, d.managed, message, d.allocation_id, d.name, ref))
     for inst in spec.instances:
         if inst.id in seen or inst.desired is Desired.DELETED:
             continue

@@ -4,7 +4,8 @@
   deletes: DLV-VOL-20/21), `plan_volumes`, then the creates and growths run at once, before any
   instance is defined (DLV-VOL-08/09). A refused volume keeps its size (DLV-VOL-29). The instances whose
   attachments fail lose their creates, starts and resumes and report why; a running one is not stopped
-  for a spec-level refusal (DLV-VOL-23).
+  for a spec-level refusal (DLV-VOL-23). Only a second holder of an open volume is stopped: a running
+  domain holding a volume that a holder earlier in spec order has open lets go of it (DLV-VOL-24).
 - `after`: the live resizes of grown volumes in every guest that has them open (DLV-VOL-11), then, with
   the runtimes listed again, the destroys of unlisted volumes no domain holds (DLV-VOL-25..27).
 """
@@ -18,7 +19,18 @@ from attrs import evolve
 from bcd_shared.errors import StepError
 
 from bcd_agent.sections.instances.model import Desired, InstancesSpec
-from bcd_agent.sections.instances.plan import Create, Delete, Grow, Plan, Resume, RuntimeView, Start, Stop
+from bcd_agent.sections.instances.plan import (
+    _ORDER,
+    Create,
+    Delete,
+    Grow,
+    Plan,
+    Resume,
+    RuntimeView,
+    Start,
+    Stop,
+    Suspend,
+)
 from bcd_agent.sections.instances.runtimes.base import PAUSED, RUNNING
 from bcd_agent.sections.instances.volumes import VolumePlan, VolumeRefused, VolumeStore, plan_volumes
 
@@ -72,16 +84,21 @@ def before(
             bad = next((refused[v] for v, _ro in vols if v in refused), None)
             if bad is not None:
                 errors[inst_id] = bad
-    errors = {k: v for k, v in errors.items() if k not in the_plan.errors}
+    errors = {k: v for k, v in errors.items() if k not in the_plan.errors or k in vplan.let_go}
     if not errors:
         return the_plan, evolve(vplan, refused=refused)
-    steps = tuple(
+    steps = [
         s
         for s in the_plan.steps
         if not (isinstance(s, Create | Grow | Start | Resume) and _name(s) in errors)
-    )
+        and not (isinstance(s, Stop | Suspend) and s.name in vplan.let_go)
+    ]
+    # A second holder of an open volume lets go of it: its domain is stopped (DLV-VOL-24).
+    runtime_of = {d.name: d.runtime for view in views.values() for d in view.domains}
+    steps += [Stop(runtime_of[i], i) for i in vplan.let_go if i in runtime_of]
+    steps = sorted(steps, key=lambda s: _ORDER[type(s)])
     waiting = {k: v for k, v in the_plan.waiting.items() if k not in errors}
-    gated = evolve(the_plan, steps=steps, errors={**the_plan.errors, **errors}, waiting=waiting)
+    gated = evolve(the_plan, steps=tuple(steps), errors={**the_plan.errors, **errors}, waiting=waiting)
     return gated, evolve(vplan, refused=refused, errors=errors)
 
 

@@ -291,6 +291,9 @@ class VolumePlan:
     errors: Mapping[str, str] = field(factory=dict)  # instance id -> why it cannot attach its volumes
     refused: Mapping[str, str] = field(factory=dict)  # volume id -> why it keeps its size / is not made
     resize: tuple[tuple[str, str, int], ...] = ()  # (instance, volume, new size): live resizes
+    # Instances whose running domain holds a volume another holder earlier in spec order has open
+    # (a second writer, or a writer beside readers): stopped, so it lets go (DLV-VOL-24).
+    let_go: Mapping[str, str] = field(factory=dict)  # instance -> why
 
 
 def plan_volumes(
@@ -340,12 +343,29 @@ def plan_volumes(
     resize: list[tuple[str, str, int]] = []
     writers: dict[str, str] = {}
     readers: dict[str, list[str]] = {}
-    for inst, held_vols in held.items():
-        for vid, ro in held_vols:
+    let_go: dict[str, str] = {}
+    order = {inst: i for i, (inst, _vols, _up) in enumerate(attachments)}
+    # Holders in spec order (domains the spec no longer attaches volumes to last): one that holds a
+    # volume an earlier holder has open in a way that excludes it lets go (DLV-VOL-24).
+    for inst in sorted(held, key=lambda i: (order.get(i, len(order)), i)):
+        clash = None
+        for vid, ro in held[inst]:
+            w = writers.get(vid)
+            if w is not None:
+                clash = f"volume {vid} is open for writing by instance {w}"
+            elif not ro and readers.get(vid):
+                clash = f"volume {vid} is open by instance {readers[vid][0]}: a writer needs it alone"
+            if clash:
+                break
+        if clash is not None:
+            let_go[inst] = f"{clash}: stopped so that it lets go (the first in spec order keeps it)"
+            continue
+        for vid, ro in held[inst]:
             if ro:
                 readers.setdefault(vid, []).append(inst)
             else:
                 writers.setdefault(vid, inst)
+    held = {k: v for k, v in held.items() if k not in let_go}
     grown = {s.volume.id: s.volume.size_bytes for s in before if s.kind == "grow"}
     for inst, held_vols in held.items():
         for vid, _ro in held_vols:
@@ -381,6 +401,8 @@ def plan_volumes(
                         writers.setdefault(vid, inst)
         if problem is not None:
             errors[inst] = problem
+    for inst, why in let_go.items():
+        errors[inst] = why
     in_use = {vid for vols in held.values() for vid, _ in vols}
     in_use |= {vid for _inst, vols, _up in attachments for vid, _ in vols}
     after = tuple(
@@ -388,4 +410,4 @@ def plan_volumes(
         for vid, cur in sorted(stored.items())
         if vid not in listed and vid not in in_use and vid not in refused
     )
-    return VolumePlan(tuple(before), after, errors, refused, tuple(resize))
+    return VolumePlan(tuple(before), after, errors, refused, tuple(resize), let_go)

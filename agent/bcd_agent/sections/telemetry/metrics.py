@@ -15,6 +15,7 @@ the process started (`start_time_unix_nano` is that start). See docs/telemetry.m
 | `bcd.converge.pass.duration` | Histogram | `s` | |
 | `bcd.converge.section.status` | UpDownCounter | `1` | `bcd.section`, `bcd.section.state` |
 | `bcd.gpu.holds` | UpDownCounter | `{hold}` | `hw.id` |
+| `bcd.instance.memory.balloon.reclaimed` | UpDownCounter | `By` | `bcd.instance.id` |
 | `bcd.helper.calls` | Counter | `{call}` | `bcd.helper.op` |
 | `bcd.helper.refusals` | Counter | `{call}` | `bcd.helper.op`, `error.type` |
 | `bcd.telemetry.exports` | Counter | `{export}` | `error.type` (failed exports only) |
@@ -150,6 +151,8 @@ class NodeMetrics:
         self.dispatcher: Any = None  # bcd_agent.dispatch.dispatcher.Dispatcher
         self.status: Any = None  # bcd_agent.converge.status.StatusCell
         self.holds: Callable[[], Mapping[str, int]] | None = None  # GPU UUID -> holds
+        # instance -> bytes its balloon lends the host (the balloon controller's last tick, DLV-BAL-17)
+        self.balloons: Callable[[], Mapping[str, int]] | None = None
         self.helper: Any = None  # bcd_agent.helperclient.HelperCallStats
         self.exports: CounterSet = CounterSet()  # (error.type or "",)
         self.exports_dropped: CounterSet = CounterSet()  # ()
@@ -165,6 +168,7 @@ class NodeMetrics:
             self._dispatcher,
             self._converge,
             self._holds,
+            self._balloons,
             self._helper,
             self._telemetry,
         ):
@@ -268,6 +272,21 @@ class NodeMetrics:
                 "{hold}",
                 MetricKind.UPDOWN,
                 tuple(NumberPoint((("hw.id", gpu),), n) for gpu, n in sorted(held.items())),
+            )
+        ]
+
+    def _balloons(self) -> list[Metric]:
+        """Only the running guests whose spec asks for a balloon: the controller's view (DLV-BAL-17)."""
+        from bcd_agent.sections.instances.balloon import BALLOON_METRIC
+
+        lent = self.balloons() if self.balloons is not None else {}
+        return [
+            Metric(
+                BALLOON_METRIC,
+                "Memory a ballooned guest lends the host: its memory less what its balloon leaves it",
+                "By",
+                MetricKind.UPDOWN,
+                tuple(NumberPoint((("bcd.instance.id", i),), n) for i, n in sorted(lent.items())),
             )
         ]
 
