@@ -47,6 +47,7 @@ def build_domain_xml(
     *,
     domain_type: str = "kvm",
     cpu_mode: str = "host-passthrough",
+    restored_from: str = "",
 ) -> bytes:
     dom = ET.Element("domain", {"type": domain_type})
     _sub(dom, "name", inst.id)
@@ -60,6 +61,8 @@ def build_domain_xml(
         _sub(meta, f"{_NS}image-format", inst.image.format)
     if files.base_format:
         _sub(meta, f"{_NS}base-format", files.base_format)
+    if restored_from:  # the snapshot's SHA-256 (DLV-LIBVIRT-16)
+        _sub(meta, f"{_NS}restored-from", restored_from)
     addresses = " ".join(a for nic in inst.nics for a in nic.addresses)
     if addresses:
         _sub(meta, f"{_NS}addresses", addresses)
