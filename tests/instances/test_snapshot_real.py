@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import test_guest_boot_real as booted
 from bcd_agent.sections.instances import snapshots
 from bcd_agent.sections.instances.model import InstanceSpec, Nic
 from bcd_agent.sections.instances.runtimes.base import RUNNING, Prepared, SnapshotRefused
@@ -35,15 +36,12 @@ from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, DirectVirs
 from bcd_shared.instancenames import domain_uuid
 from bcd_shared.system import LocalSystem
 from guestkit import MARK
-from test_guest_boot_real import (  # noqa: F401 (pytest fixtures, used by name)
-    _BootRuntime,
-    _Console,
-    _instance,
-    _virsh,
-    boot_files,
-    bridge,
-    workdir,
-)
+from test_guest_boot_real import _BootRuntime, _Console, _instance, _virsh
+
+# The booted-guest test's fixtures, shared by name.
+boot_files = booted.boot_files
+bridge = booted.bridge
+workdir = booted.workdir
 
 MIB = 1 << 20
 
@@ -85,7 +83,7 @@ def test_a_memory_snapshot_restores_under_a_new_name_and_uuid_dlv_libvirt_22_23_
     boot_files: tuple[Path, Path],
     bridge: str,
     workdir: Path,
-    cleanup_domains: list[str],  # noqa: F811
+    cleanup_domains: list[str],
 ) -> None:
     """DLV-LIBVIRT-22, DLV-LIBVIRT-23, DLV-LIBVIRT-25, DLV-LIBVIRT-28, DLV-SNAP-13 on a real guest.
 
