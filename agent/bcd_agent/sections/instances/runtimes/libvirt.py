@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from attrs import frozen
 from bcd_shared.errors import RetryableError, TerminalError
@@ -98,6 +98,11 @@ class Virsh(Protocol):
     def define(self, name: str, xml: bytes, xml_path: str) -> None: ...
 
     def act(self, verb: str, name: str, *args: str) -> CommandResult: ...
+
+
+class VirshStates(Protocol):
+    """A Virsh that also saves and restores memory state (DirectVirsh, HelperVirsh); kept apart so a
+    Virsh without snapshots (a bench's, a test's) still is one."""
 
     def save(self, name: str, state_path: str) -> None: ...
 
@@ -685,6 +690,11 @@ class LibvirtRuntime:
 
     # --- snapshots and restores (docs/instances.md "Snapshots and restores") -----------------------
 
+    def _states(self) -> VirshStates:
+        if not hasattr(self.virsh, "save") or not hasattr(self.virsh, "restore"):
+            raise TerminalError("NoSnapshots", "this libvirt connection saves and restores no memory state")
+        return cast(VirshStates, self.virsh)
+
     def cpu_model(self) -> str:
         from bcd_agent.sections.instances.snapshots import cpu_model
 
@@ -732,7 +742,7 @@ class LibvirtRuntime:
         saved = paused_here = False
         try:
             if include_memory:
-                self.virsh.save(name, self._real(save))
+                self._states().save(name, self._real(save))
                 saved = True
             elif state == RUNNING:
                 self._act("suspend", name)
@@ -761,7 +771,7 @@ class LibvirtRuntime:
         if xml is None:
             raise RetryableError("RestoreFailed", f"{name}: no domain.xml to restore the state with")
         self.forget(name)
-        self.virsh.restore(name, xml, self._real(xml_path), self._real(state), paused)
+        self._states().restore(name, xml, self._real(xml_path), self._real(state), paused)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self._real(state))
 
