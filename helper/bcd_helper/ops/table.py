@@ -229,8 +229,16 @@ OPS: dict[str, OpSpec] = {
         libvirt.libvirt_restore,
         10 * MINUTE,
         locks=("gpus", "libvirt"),
-        shown=("name",),
+        shown=("name", "paused"),
         summary="restore the instance's saved state with root's checked definition (--xml)",
+    ),
+    "libvirt.save": _op(
+        libvirt.LibvirtSave,
+        libvirt.libvirt_save,
+        30 * MINUTE,
+        locks=("libvirt",),
+        shown=("name",),
+        summary="save bcd's running domain's memory state for a snapshot and hand it to the node",
     ),
     "libvirt.console": _op(
         libvirt.LibvirtName,

@@ -178,7 +178,7 @@ class HelperVirsh:
 
     def save(self, name: str, state_path: str) -> None:
         """root saves into the instance's own `save.state` and hands it to the node (libvirt.save)."""
-        self.client.call("libvirt.save", {"name": name})
+        self.client.call("libvirt.save", self._args(name))
 
     def restore(self, name: str, xml: bytes, xml_path: str, state_path: str, paused: bool) -> None:
         """root checks the definition and always passes it as --xml (DLV-HLP-08..10)."""

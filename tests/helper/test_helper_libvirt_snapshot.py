@@ -1,0 +1,165 @@
+"""Snapshots and restores through the helper (libvirt.save, libvirt.restore) against a real helper process
+on a simulated host (fake virsh and qemu-img), the test the unprivileged node's client.
+
+The node's runtime takes a memory snapshot through root: `libvirt.save` has libvirtd write the state into
+root's own directory and hands it to the node as the instance's `save.state` (the node's uid, 0640);
+the domain carries on with `libvirt.restore` of bcd's definition. A restore into a new instance
+defines it and its first start is `libvirt.restore` of the new definition (paused when asked). Root
+refuses, audited and changing nothing: a memory save of a domain with passthrough GPUs or a writable
+volume (its own view of DLV-RT-13/14), a domain bcd did not define, a name that is no instance id, and an
+instance directory the node swapped for a symlink."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from bcd_agent.converge.types import SectionState
+from bcd_agent.sections.instances.model import InstanceSpec, Nic
+from bcd_agent.sections.instances.runtimes.base import Prepared
+from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh, LibvirtRuntime
+from bcd_agent.sections.instances.section import InstancesSection
+from bcd_shared.instancenames import domain_uuid
+from bcd_simhost import sim_system
+from bcd_simhost.libvirt import STATE
+from helperproc import HelperProcess, assert_refused, base_config, make_root
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
+from instkit import FixedUserData, converge, spec, vm
+
+DATA = "/var/lib/bcd"
+GIB = 1 << 30
+
+
+@pytest.fixture(scope="module")
+def lv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HelperProcess, LibvirtRuntime]]:
+    root = make_root(tmp_path_factory.mktemp("snap"))
+    proc = HelperProcess(root, base_config(extra='instance_bridges = "br0"\n'))
+    system = sim_system(root)
+    rt = LibvirtRuntime(
+        system, HelperVirsh(system, proc.client), DATA, under_helper=True, sleep=lambda s: None
+    )
+    sec = InstancesSection(system, [rt], DATA, user_data=FixedUserData())
+    out = converge(sec, spec(vm("good", user_data_ref="ud")))
+    assert out.state is SectionState.CONVERGED, out.message
+    yield proc, rt
+    proc.stop()
+
+
+def _state(h: HelperProcess, name: str) -> str:
+    import json
+
+    return str(json.loads((h.root / STATE.lstrip("/") / f"{name}.json").read_text())["state"])
+
+
+def test_a_memory_snapshot_and_its_restore_go_through_root_dlv_hlp_02_dlv_libvirt_23(
+    lv: tuple[HelperProcess, LibvirtRuntime], tmp_path: Path
+) -> None:
+    """DLV-HLP-02 (save and restore through libvirt.*), DLV-LIBVIRT-23 (the source carries on with
+    bcd's own definition as --xml), DLV-LIBVIRT-28 (the new instance's first start is a restore with
+    its own definition): audited, the state handed to the node and gone once restored."""
+    h, rt = lv
+    seq = h.last_audit()["seq"]
+    tar = tmp_path / "s.tar"
+    meta = rt.snapshot(vm("good"), True, str(tar))
+    assert meta.include_memory and _state(h, "good") == "running"
+    ops = [(e["op"], e["decision"]) for e in h.audit_lines() if e["seq"] > seq]
+    assert ops == [("libvirt.save", "accepted"), ("libvirt.restore", "accepted")]
+    inst_dir = h.root / DATA.lstrip("/") / "libvirt/instances/good"
+    assert not (inst_dir / "save.state").exists()
+    assert sorted(os.listdir(h.root / "var/lib/bcd-hostconfig/libvirt")) == ["good.xml"]  # no state left
+    with tarfile.open(tar) as t:
+        assert t.getnames() == ["meta.json", "disk.qcow2", "seed.iso", "save.state"]
+        state = t.extractfile("save.state").read()  # type: ignore[union-attr]
+    assert state.startswith(b"LibvirtQemudSave") and b"<name>good</name>" in state
+
+    new = InstanceSpec(
+        id="restored", vcpus=2, memory_bytes=2 * GIB, restore_from="https://s.example/s.tar",
+        restore_sha256=hashlib.sha256(tar.read_bytes()).hexdigest(),
+        nics=(Nic("br0", "52:54:00:00:00:02", ("10.0.0.6/24",)),),
+    )  # fmt: skip
+    rt.restore(new, str(tar), Prepared())
+    nd = h.root / DATA.lstrip("/") / "libvirt/instances/restored"
+    assert b"<name>restored</name>" in (nd / "save.state").read_bytes()
+    rt.start(new, paused=True)
+    assert _state(h, "restored") == "paused" and not (nd / "save.state").exists()
+    last = h.audit_lines()[-1]
+    assert (last["op"], last["decision"]) == ("libvirt.restore", "accepted")
+    staged = (h.root / "var/lib/bcd-hostconfig/libvirt/restored.xml").read_text()
+    assert domain_uuid("restored") in staged and "restored-from" in staged
+
+
+def test_the_state_is_handed_to_the_node_and_a_symlinked_directory_is_refused(
+    lv: tuple[HelperProcess, LibvirtRuntime], tmp_path: Path
+) -> None:
+    """libvirt.save: the state reaches the instance's directory as the node's file (0640); a node that
+    swapped its instance directory for a symlink (to steer root's rename elsewhere) is refused."""
+    h, rt = lv
+    answer = h.raw({"op": "libvirt.save", "args": {"name": "good"}})
+    assert answer["ok"] is True, answer
+    state = h.root / DATA.lstrip("/") / "libvirt/instances/good/save.state"
+    st = os.stat(state)
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (4242, 4242, 0o640)
+    rt.start(vm("good"), paused=False)  # the saved domain carries on (a restore)
+    assert _state(h, "good") == "running" and not state.exists()
+
+    inst = h.root / DATA.lstrip("/") / "libvirt/instances"
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    os.rename(inst / "good", elsewhere / "good")
+    os.symlink(elsewhere / "good", inst / "good")
+    try:
+        assert_refused(h, {"op": "libvirt.save", "args": {"name": "good"}}, "bad-path")
+        assert _state(h, "good") == "running"
+        assert not (elsewhere / "good/save.state").exists()
+    finally:
+        os.unlink(inst / "good")
+        os.rename(elsewhere / "good", inst / "good")
+
+
+@pytest.mark.parametrize(
+    ("device", "reason"),
+    [
+        (
+            "<hostdev mode='subsystem' type='pci' managed='yes'><source><address domain='0x0000' bus='0x53' "
+            "slot='0x00' function='0x0'/></source></hostdev>",
+            "memory-snapshot-gpus",
+        ),
+        (
+            "<disk type='file' device='disk'><driver name='qemu' type='raw'/>"
+            f"<source file='{DATA}/volumes/v1.raw'/><target dev='vdb' bus='virtio'/></disk>",
+            "memory-snapshot-volumes",
+        ),
+    ],
+)
+def test_root_refuses_a_memory_save_with_gpus_or_a_writable_volume_dlv_rt_13_14(
+    lv: tuple[HelperProcess, LibvirtRuntime], device: str, reason: str
+) -> None:
+    """DLV-RT-13, DLV-RT-14 as root sees the domain: refused, audited, nothing changed."""
+    h, _ = lv
+    d = h.root / STATE.lstrip("/")
+    xml = (d / "good.xml").read_text().replace("<devices>", "<devices>" + device, 1)
+    xml = xml.replace("<name>good</name>", "<name>withdev</name>")
+    (d / "withdev.xml").write_text(xml)
+    (d / "withdev.json").write_text((d / "good.json").read_text())
+    try:
+        answer = assert_refused(h, {"op": "libvirt.save", "args": {"name": "withdev"}}, reason)
+        assert "snapshot" in answer["message"]
+    finally:
+        (d / "withdev.xml").unlink()
+        (d / "withdev.json").unlink()
+
+
+def test_save_refuses_other_domains_and_names(lv: tuple[HelperProcess, LibvirtRuntime]) -> None:
+    h, _ = lv
+    d = h.root / STATE.lstrip("/")
+    (d / "theirs.xml").write_text("<domain type='kvm'><name>theirs</name><memory>1024</memory></domain>")
+    (d / "theirs.json").write_text('{"state": "running", "boot_id": "x"}')
+    assert_refused(h, {"op": "libvirt.save", "args": {"name": "theirs"}}, "unmanaged")
+    assert_refused(h, {"op": "libvirt.save", "args": {"name": "../etc"}}, "bad-name")
+    assert_refused(h, {"op": "libvirt.save", "args": {"name": "good", "path": "/etc/x"}})
