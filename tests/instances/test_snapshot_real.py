@@ -17,15 +17,19 @@ Locally it skips when libvirtd does not answer; under CI=true it fails instead (
 
 from __future__ import annotations
 
+import grp
 import hashlib
+import json
+import os
 import re
 import shutil
 import subprocess
 import tarfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import test_guest_boot_real as booted
@@ -42,14 +46,28 @@ from test_guest_boot_real import _BootRuntime, _Console, _instance, _virsh
 boot_files = booted.boot_files
 bridge = booted.bridge
 workdir = booted.workdir
+helper_socket = booted.helper_socket
 
 MIB = 1 << 20
 
 
 class _SnapRuntime(_BootRuntime):
-    """Test-only: a restored instance's directory gets the kernel and initramfs before its define."""
+    """Test-only: a restored instance's directory gets the kernel and initramfs before its define; the
+    state changes and qemu-img runs are recorded in order."""
 
     boot: tuple[Path, Path] | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.acts: list[str] = []
+
+    def _act(self, verb: str, name: str, *args: str) -> Any:
+        self.acts.append(verb)
+        return super()._act(verb, name, *args)
+
+    def _qemu_img(self, *args: str) -> None:
+        self.acts.append(f"qemu-img {args[0]}")
+        super()._qemu_img(*args)
 
     def _file_access(self, inst, files):  # type: ignore[no-untyped-def]
         d = Path(self._real(self._dir(inst.id)))
@@ -79,33 +97,26 @@ def _last_tick(console: _Console) -> int:
     return max(int(t) for t in re.findall(rf"{MARK}-TICK (\d+)", console.text))
 
 
-def test_a_memory_snapshot_restores_under_a_new_name_and_uuid_dlv_libvirt_22_23_25_28_dlv_snap_13(
+def _snapshot_and_restore(
+    rt: _SnapRuntime,
+    src: InstanceSpec,
     boot_files: tuple[Path, Path],
     bridge: str,
-    workdir: Path,
     cleanup_domains: list[str],
+    before_start: Callable[[], None] = lambda: None,
 ) -> None:
-    """DLV-LIBVIRT-22, DLV-LIBVIRT-23, DLV-LIBVIRT-25, DLV-LIBVIRT-28, DLV-SNAP-13 on a real guest.
-
-    A booted TCG guest is snapshotted with its memory: the tar holds exactly meta.json (this runtime,
-    this host's CPU model, includeMemory), the flattened disk (a qcow2 naming no backing file), the
-    seed-less instance's state from `virsh save`; the source carries on from its saved state. The tar
-    restores into a new instance with another name, UUID and MAC: its first start is `virsh restore`
-    with the new definition, and the guest resumes from its saved memory (ticks go on from where they
-    were, no boot marker again) under the new identity, while the source still runs."""
+    """Boot `src`, snapshot it disk-only and with memory, restore the memory snapshot under a new
+    identity (see the tests)."""
     kernel, initrd = boot_files
-    src, data, _marker = _instance(workdir, bridge)
-    system = LocalSystem(Path("/"))
-    rt = _SnapRuntime(
-        system, DirectVirsh(system, SYSTEM_URI), data, domain_type="qemu", cpu_mode="maximum",
-    )  # fmt: skip
     rt.boot = boot_files
+    data = rt.data_dir
     cleanup_domains.append(src.id)
     d = Path(data) / "libvirt/instances" / src.id
     d.mkdir(parents=True)
     shutil.copy(kernel, d / "vmlinuz")
     shutil.copy(initrd, d / "initrd")
     rt.create(src, Prepared())
+    before_start()
     rt.start(src, paused=True)
     console = _console(src.id)
     time.sleep(1.2)
@@ -114,6 +125,14 @@ def test_a_memory_snapshot_restores_under_a_new_name_and_uuid_dlv_libvirt_22_23_
 
     staging = Path(data) / "snapshots"
     staging.mkdir(mode=0o700)
+    # A disk-only snapshot of the running domain pauses it for the copy (DLV-LIBVIRT-24).
+    rt.acts.clear()
+    disk_only = rt.snapshot(src, False, str(staging / "disk.tar"))
+    assert not disk_only.include_memory
+    assert rt.acts == ["suspend", "qemu-img convert", "resume"], rt.acts
+    with tarfile.open(staging / "disk.tar") as tar:
+        assert tar.getnames() == ["meta.json", "disk.qcow2"]
+    assert _virsh("domstate", src.id).strip() == "running"
     tar_path = staging / "snap.tar"
     meta = rt.snapshot(src, True, str(tar_path))
     assert meta.include_memory and meta.runtime == "libvirt-kvm" and meta.cpu_model == rt.cpu_model()
@@ -143,6 +162,7 @@ def test_a_memory_snapshot_restores_under_a_new_name_and_uuid_dlv_libvirt_22_23_
     )  # fmt: skip
     cleanup_domains.append(new.id)
     rt.restore(new, str(tar_path), Prepared())
+    before_start()
     nd = Path(data) / "libvirt/instances" / new.id
     assert (nd / "save.state").exists() and (nd / "disk.qcow2").exists()
     embedded = snapshots.embedded_xml(str(nd / "save.state")).decode()
@@ -192,3 +212,66 @@ def test_a_memory_snapshot_restores_under_a_new_name_and_uuid_dlv_libvirt_22_23_
     with pytest.raises(SnapshotRefused, match="CPU model"):
         rt.restore(other, str(tar_path), Prepared())
     assert not (Path(data) / "libvirt/instances" / other.id).exists()
+
+
+def test_a_memory_snapshot_restores_under_a_new_name_and_uuid_dlv_libvirt_22_23_24_25_28_dlv_snap_13(
+    boot_files: tuple[Path, Path],
+    bridge: str,
+    workdir: Path,
+    cleanup_domains: list[str],
+) -> None:
+    """DLV-LIBVIRT-22, DLV-LIBVIRT-23, DLV-LIBVIRT-24, DLV-LIBVIRT-25, DLV-LIBVIRT-28, DLV-SNAP-13 on a
+    real guest, the runtime as root.
+
+    A booted TCG guest is snapshotted disk-only (paused for the copy, then running again) and with its
+    memory: the tar holds exactly meta.json (this runtime, this host's CPU model, includeMemory), the
+    flattened disk (a qcow2 naming no backing file) and the state from `virsh save`; the source carries
+    on from its saved state. The tar restores into a new instance with another name, UUID and MAC: its
+    first start is `virsh restore` with the new definition, and the guest resumes from its saved memory
+    (ticks go on from where they were, no boot marker again) under the new identity, while the source
+    still runs."""
+    src, data, _marker = _instance(workdir, bridge)
+    system = LocalSystem(Path("/"))
+    rt = _SnapRuntime(
+        system, DirectVirsh(system, SYSTEM_URI), data, domain_type="qemu", cpu_mode="maximum",
+    )  # fmt: skip
+    _snapshot_and_restore(rt, src, boot_files, bridge, cleanup_domains)
+
+
+def test_the_same_through_the_real_helper_dlv_hlp_02_08_09_10(
+    boot_files: tuple[Path, Path],
+    bridge: str,
+    workdir: Path,
+    cleanup_domains: list[str],
+    helper_socket: tuple[str, Path],
+) -> None:
+    """DLV-HLP-02, DLV-HLP-08..10 on a real guest: the same run with every change through a real helper
+    process (`libvirt.save` writing the state into root's directory and handing it over, `libvirt.restore`
+    with root's checked definition as --xml, for the source's carry-on and the new instance's first
+    start), each audited."""
+    from bcd_agent.helperclient import HelperClient
+    from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh
+
+    sock, home = helper_socket
+    src, data, _marker = _instance(workdir, bridge)
+    system = LocalSystem(Path("/"))
+    client = HelperClient(sock)
+    rt = _SnapRuntime(
+        system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
+        domain_type="qemu", cpu_mode="maximum",
+    )  # fmt: skip
+    kvm_gid = grp.getgrnam("kvm").gr_gid
+
+    def node_owns_the_files() -> None:
+        # What the node (uid 4242, group kvm here) would own had it created them.
+        for dirpath, _dirs, files in os.walk(data):
+            os.chown(dirpath, 4242, kvm_gid)
+            for f in files:
+                os.chown(os.path.join(dirpath, f), 4242, kvm_gid)
+
+    try:
+        _snapshot_and_restore(rt, src, boot_files, bridge, cleanup_domains, node_owns_the_files)
+    finally:
+        client.close()
+    ops = [e["op"] for e in map(json.loads, (home / "audit/audit.log").read_text().splitlines())]
+    assert "libvirt.save" in ops and ops.count("libvirt.restore") == 2, ops
