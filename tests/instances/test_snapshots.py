@@ -319,8 +319,8 @@ def test_dlv_snap_05_a_mismatch_fails_the_instance_and_a_plugin_restores_nothing
 
 
 def test_dlv_snap_06_07_dlv_rt_12_another_runtime_or_cpu_model_is_refused(tmp_path: Path) -> None:
-    """DLV-SNAP-06, DLV-RT-12: a tar another runtime took is refused; DLV-SNAP-07: a memory snapshot
-    from another CPU model too, while a disk-only one from another model restores."""
+    """DLV-SNAP-06, DLV-RT-12, DLV-LIBVIRT-26: a tar another runtime took is refused; DLV-SNAP-07: a
+    memory snapshot from another CPU model too, while a disk-only one from another model restores."""
     dest = tmp_path / "d"
     dest.mkdir()
     ch = _tar(SnapshotMeta("cloud-hypervisor", CPU, False), {"disk.qcow2": b"q"}, tmp_path / "ch.tar")
@@ -556,3 +556,91 @@ def test_dlv_snap_15_a_crash_leaves_an_interrupted_entry_and_its_staging_file_go
         LocalSystem(Path("/")), str(tmp_path / "data"), instance=lambda i: None, runtimes=dict
     )
     assert os.listdir(staging) == []
+
+
+# --- the section on the simulated host (fake virsh and qemu-img) ----------------------------------------
+
+
+def _restored_section(tmp_path: Path) -> tuple[Any, Any, Path, str]:
+    """A simulated host with a running `src`, a memory snapshot of it already downloaded as the
+    section's data_dir/snapshots/<sha>.tar, and a section with the downloader (which must not fetch)."""
+    from bcd_agent.converge.types import SectionState
+    from bcd_agent.sections.instances.section import InstancesSection
+    from instkit import DATA_DIR, FixedUserData, converge, section, sim_host, spec, vm
+
+    system = sim_host(tmp_path)
+    sec, rt = section(system)
+    assert converge(sec, spec(vm("src", user_data_ref="ud"))).state is SectionState.CONVERGED
+    staging = system.host_path(f"{DATA_DIR}/snapshots/staging")
+    staging.mkdir(parents=True)
+    tar = staging / "t.tar"
+    rt.snapshot(vm("src"), True, str(tar))
+    sha = hashlib.sha256(tar.read_bytes()).hexdigest()
+    os.replace(tar, system.host_path(f"{DATA_DIR}/snapshots/{sha}.tar"))
+
+    def never(fn: Any) -> None:
+        raise AssertionError("a downloaded snapshot is not fetched again")
+
+    dl = SnapshotDownloads(system, DATA_DIR, start=never)
+    sec2 = InstancesSection(system, [rt], DATA_DIR, user_data=FixedUserData(), snapshots=dl)
+    return sec2, rt, system.host_path(DATA_DIR), sha
+
+
+def test_dlv_snap_01_plc_16_the_section_restores_an_instance_from_its_snapshot(tmp_path: Path) -> None:
+    """DLV-SNAP-01, DLV-PLC-16, DLV-IMG-16: an instance with restore_from is created from its snapshot
+    (no image), runs, keeps the spec's pinning (not the snapshot's) and its seed as a raw read-only
+    cdrom; the next pass plans nothing; once no spec restores from it, the tar is deleted (DLV-SNAP-12)."""
+    from bcd_agent.converge.types import SectionState
+    from bcd_agent.sections.instances.model import Placement
+    from bcd_simhost.libvirt import STATE
+    from instkit import DATA_DIR, converge, spec, vm
+
+    sec, _rt, data, sha = _restored_section(tmp_path)
+    restored = InstanceSpec(
+        id="copy", allocation_id="alloc_copy", vcpus=2, memory_bytes=2 * GIB,
+        restore_from="https://s.example/s.tar", restore_sha256=sha, placement=Placement(cpus="4-5"),
+    )  # fmt: skip
+    desired = spec(vm("src"), restored, generation=2)
+    out = converge(sec, desired)
+    assert out.state is SectionState.CONVERGED, out.message
+    states = {i.instance_id: i.state for i in sec.last_report.instances}
+    assert states == {"src": "RUNNING", "copy": "RUNNING"}
+    xml = (tmp_path / "host" / STATE.lstrip("/") / "copy.xml").read_text()
+    assert f"<bcd:restored-from>{sha}</bcd:restored-from>" in xml
+    assert "<bcd:image>" not in xml and "backingStore" not in xml
+    assert '<vcpupin vcpu="0" cpuset="4" />' in xml and '<vcpupin vcpu="1" cpuset="5" />' in xml
+    import xml.etree.ElementTree as ET
+
+    cdroms = [d for d in ET.fromstring(xml).findall("devices/disk") if d.get("device") == "cdrom"]
+    assert [(c.find("driver").get("type"), c.find("source").get("file")) for c in cdroms] == [  # type: ignore[union-attr]
+        ("raw", f"{DATA_DIR}/libvirt/instances/copy/seed.iso")
+    ]
+    assert not (data / "libvirt/instances/copy/save.state").exists()  # the first start restored it
+    assert sec.plan(desired, 2).steps == ()
+    assert (data / f"snapshots/{sha}.tar").exists()
+    converge(sec, spec(vm("src"), generation=3))
+    assert not (data / f"snapshots/{sha}.tar").exists()
+
+
+def test_dlv_img_15_17_dlv_libvirt_27_a_restored_disk_naming_a_backing_file_is_refused(
+    tmp_path: Path,
+) -> None:
+    """DLV-IMG-15, DLV-IMG-17, DLV-LIBVIRT-27: a snapshot whose disk names a backing file (a tenant's
+    qcow2 pointing at a host file) fails the instance and its directory is removed; no domain."""
+    from bcd_simhost.libvirt import qcow2_bytes
+    from instkit import converge, spec
+
+    sec, _rt, data, _sha = _restored_section(tmp_path)
+    bad = _tar(
+        SnapshotMeta("libvirt-kvm", sec.runtimes["libvirt-kvm"].cpu_model(), False),
+        {"disk.qcow2": qcow2_bytes(GIB, "/etc/shadow", "raw")},
+        tmp_path / "bad.tar",
+    )
+    sha = hashlib.sha256(Path(bad).read_bytes()).hexdigest()
+    os.replace(bad, data / f"snapshots/{sha}.tar")
+    inst = InstanceSpec(id="evil", vcpus=1, memory_bytes=GIB, restore_from="https://s/x", restore_sha256=sha)
+    out = converge(sec, spec(inst))
+    report = {i.instance_id: i for i in sec.last_report.instances}
+    assert report["evil"].state == "ERROR" and "disk.qcow2" in report["evil"].message, out.message
+    assert not (data / "libvirt/instances/evil").exists()
+    assert "evil" not in [d.name for d in sec.runtimes["libvirt-kvm"].list()]
