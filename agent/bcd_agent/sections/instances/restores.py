@@ -94,7 +94,11 @@ class SnapshotDownloads:
         out: dict[str, SnapshotState] = {}
         due: list[tuple[str, str]] = []
         if wanted:
-            self._ensure_dir()
+            try:
+                self._ensure_dir()
+            except OSError as exc:  # the instances wait, saying why; the next pass tries again
+                why = f"restore_from: {self.dir} cannot be made: {exc.strerror}"
+                return {sha: SnapshotState(failed=why) for sha in wanted}
         now = self.clock()
         with self._lock:
             for sha, url in wanted.items():
