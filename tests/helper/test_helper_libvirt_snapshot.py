@@ -12,11 +12,13 @@ instance directory the node swapped for a symlink."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import sys
 import tarfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from bcd_agent.converge.types import SectionState
@@ -27,7 +29,8 @@ from bcd_agent.sections.instances.section import InstancesSection
 from bcd_shared.instancenames import domain_uuid
 from bcd_simhost import sim_system
 from bcd_simhost.libvirt import STATE
-from helperproc import HelperProcess, assert_refused, base_config, make_root
+from helperproc import HelperProcess, assert_refused, base_config, make_root, tree
+from hostilekit import NODE_GID, NODE_UID, connect_as, frame, read_answer, verify_audit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
 from instkit import FixedUserData, converge, spec, vm
@@ -49,6 +52,32 @@ def lv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HelperProcess
     assert out.state is SectionState.CONVERGED, out.message
     yield proc, rt
     proc.stop()
+
+
+def refused_as_node(h: HelperProcess, doc: dict[str, Any], reason: str) -> dict[str, Any]:
+    """`doc` sent by a client of the node's own uid and group (a real unprivileged process): refused
+    for `reason`, audited as the next line, the tree under the root unchanged, the chain intact."""
+    before = tree(h.root)
+    seq = h.last_audit()["seq"]
+    sock, _ = connect_as(h, NODE_UID, NODE_GID)
+    with sock:
+        sock.sendall(frame(json.dumps(doc).encode()))
+        answer = read_answer(sock)
+    assert answer is not None and (answer["ok"], answer["error"], answer["reason"]) == (
+        False,
+        "refused",
+        reason,
+    )
+    last = h.last_audit()
+    assert (last["seq"], last["op"], last["decision"], last["reason"]) == (
+        seq + 1,
+        doc["op"],
+        "refused",
+        reason,
+    )
+    assert tree(h.root) == before
+    assert verify_audit(h)
+    return answer
 
 
 def _state(h: HelperProcess, name: str) -> str:
@@ -114,7 +143,7 @@ def test_the_state_is_handed_to_the_node_and_a_symlinked_directory_is_refused(
     os.rename(inst / "good", elsewhere / "good")
     os.symlink(elsewhere / "good", inst / "good")
     try:
-        assert_refused(h, {"op": "libvirt.save", "args": {"name": "good"}}, "bad-path")
+        refused_as_node(h, {"op": "libvirt.save", "args": {"name": "good"}}, "bad-path")
         assert _state(h, "good") == "running"
         assert not (elsewhere / "good/save.state").exists()
     finally:
@@ -148,7 +177,7 @@ def test_root_refuses_a_memory_save_with_gpus_or_a_writable_volume_dlv_rt_13_14(
     (d / "withdev.xml").write_text(xml)
     (d / "withdev.json").write_text((d / "good.json").read_text())
     try:
-        answer = assert_refused(h, {"op": "libvirt.save", "args": {"name": "withdev"}}, reason)
+        answer = refused_as_node(h, {"op": "libvirt.save", "args": {"name": "withdev"}}, reason)
         assert "snapshot" in answer["message"]
     finally:
         (d / "withdev.xml").unlink()
@@ -160,6 +189,6 @@ def test_save_refuses_other_domains_and_names(lv: tuple[HelperProcess, LibvirtRu
     d = h.root / STATE.lstrip("/")
     (d / "theirs.xml").write_text("<domain type='kvm'><name>theirs</name><memory>1024</memory></domain>")
     (d / "theirs.json").write_text('{"state": "running", "boot_id": "x"}')
-    assert_refused(h, {"op": "libvirt.save", "args": {"name": "theirs"}}, "unmanaged")
-    assert_refused(h, {"op": "libvirt.save", "args": {"name": "../etc"}}, "bad-name")
+    refused_as_node(h, {"op": "libvirt.save", "args": {"name": "theirs"}}, "unmanaged")
+    refused_as_node(h, {"op": "libvirt.save", "args": {"name": "../etc"}}, "bad-name")
     assert_refused(h, {"op": "libvirt.save", "args": {"name": "good", "path": "/etc/x"}})
