@@ -192,3 +192,49 @@ def test_save_refuses_other_domains_and_names(lv: tuple[HelperProcess, LibvirtRu
     refused_as_node(h, {"op": "libvirt.save", "args": {"name": "theirs"}}, "unmanaged")
     refused_as_node(h, {"op": "libvirt.save", "args": {"name": "../etc"}}, "bad-name")
     assert_refused(h, {"op": "libvirt.save", "args": {"name": "good", "path": "/etc/x"}})
+
+
+def test_with_roots_a_save_needs_the_signed_spec_naming_the_instance(tmp_path: Path) -> None:
+    """With command-signing roots, libvirt.save is re-validated against the signed spec's instance (as
+    start is): no intent, a spec that does not name it or names it DELETED, or another signer's intent,
+    is refused; a signed one saves."""
+    from helperproc import make_root as _make_root
+    from intentkit import ControlPlane, intent
+    from test_helper_libvirt_signed import NODE, Keep, body, wire_vm
+
+    cp = ControlPlane.build()
+    root = _make_root(tmp_path)
+    cp.write_record(root, NODE, cp.bundle(1))
+    h = HelperProcess(root, cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'))
+    try:
+        system = sim_system(root)
+        keep = Keep()
+        inst = vm(
+            "vm1", allocation_id="a1", vcpus=2, memory_bytes=GIB, nics=(Nic("br0", "52:54:00:00:00:01"),)
+        )
+        LibvirtRuntime(system, keep, DATA, under_helper=True).create(inst, Prepared())
+        d = root / STATE.lstrip("/")
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "vm1.xml").write_bytes(keep.xml)
+        (d / "vm1.json").write_text(json.dumps({"state": "running", "boot_id": system.boot_id()}))
+        signer = cp.command.leaf()
+
+        def save(intent_arg: dict[str, Any] | None) -> dict[str, Any]:
+            args: dict[str, Any] = {"name": "vm1"}
+            if intent_arg is not None:
+                args["intent"] = intent_arg
+            return {"op": "libvirt.save", "args": args}
+
+        assert_refused(h, save(None), "intent-required")
+        assert_refused(h, save(intent(signer, body(1))), "not-in-spec")
+        assert_refused(h, save(intent(signer, body(1, wire_vm(state=4)))), "not-in-spec")
+        assert_refused(h, save(intent(cp.other.leaf(), body(1, wire_vm()))), "bad-intent")
+        answer = h.raw(save(intent(signer, body(2, wire_vm()))))
+        assert answer["ok"] is True, answer
+        assert (
+            (root / DATA.lstrip("/") / "libvirt/instances/vm1/save.state")
+            .read_bytes()
+            .startswith(b"LibvirtQemudSave")
+        )
+    finally:
+        h.stop()
