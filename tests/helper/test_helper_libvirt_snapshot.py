@@ -238,3 +238,26 @@ def test_with_roots_a_save_needs_the_signed_spec_naming_the_instance(tmp_path: P
         )
     finally:
         h.stop()
+
+
+def test_restore_refuses_a_state_that_is_not_a_bounded_save_image(
+    lv: tuple[HelperProcess, LibvirtRuntime],
+) -> None:
+    """The node writes the state's header: root reads it first and refuses anything but libvirt's
+    magic, a known version and a data area of at most 16 MiB (libvirtd would allocate what it says)."""
+    import struct
+
+    h, _ = lv
+    xml = (h.root / DATA.lstrip("/") / "libvirt/instances/good/domain.xml").read_text()
+    state = h.root / DATA.lstrip("/") / "libvirt/instances/good/save.state"
+    for head in (
+        b"QEVM" + b"\0" * 88,
+        struct.pack("<16s5I56x", b"LibvirtQemudSave", 2, 1 << 30, 1, 0, 0),
+        struct.pack("<16s5I56x", b"LibvirtQemudSave", 7, 4096, 1, 0, 0),
+        b"LibvirtQemudSave",
+    ):
+        state.write_bytes(head)
+        try:
+            refused_as_node(h, {"op": "libvirt.restore", "args": {"name": "good", "xml": xml}}, "bad-state")
+        finally:
+            state.unlink()

@@ -29,6 +29,7 @@ import contextlib
 import errno
 import os
 import re
+import stat
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -366,11 +367,41 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
     real = str(call.system.host_path(state))
     if not os.path.isfile(real) or os.path.islink(real):
         raise Refused("no-state", f"{op}: {state} is not a regular file")
+    _check_state_header(op, state, real)
     staged = _stage(call, name, data)
     result = _virsh(call, "restore", real, "--xml", staged, *(["--paused"] if req.paused else []))
     if not result.ok:
         raise Failed("virsh", f"virsh restore {name}: {_err(result)}")
     return {"name": name, "paused": req.paused}
+
+
+SAVE_MAGIC = b"LibvirtQemudSave"
+MAX_SAVE_DATA = 16 << 20
+
+
+def _check_state_header(op: str, state: str, real: str) -> None:
+    """The node wrote the state file (and its header, see the node's snapshots.rewrite_save_header):
+    root reads the 92-byte libvirt header before libvirtd does and refuses anything but a save image
+    whose data area (the embedded XML and cookie) is at most 16 MiB, so libvirtd never allocates what a
+    node's header asks."""
+    import struct
+
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Refused("no-state", f"{op}: {state}: {exc.strerror}") from None
+    try:
+        head = os.read(fd, 92) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+    if len(head) != 92:
+        raise Refused("bad-state", f"{op}: {state} is not a libvirt save image (short header)")
+    magic, version, data_len = struct.unpack("<16sII", head[:24])
+    if magic != SAVE_MAGIC or version not in (1, 2) or not 0 < data_len <= MAX_SAVE_DATA:
+        raise Refused(
+            "bad-state",
+            f"{op}: {state} is not a libvirt save image (magic, version 1 or 2, data at most 16 MiB)",
+        )
 
 
 def _memory_refusals(op: str, name: str, xml: bytes) -> None:
