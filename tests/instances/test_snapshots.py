@@ -644,3 +644,67 @@ def test_dlv_img_15_17_dlv_libvirt_27_a_restored_disk_naming_a_backing_file_is_r
     assert report["evil"].state == "ERROR" and "disk.qcow2" in report["evil"].message, out.message
     assert not (data / "libvirt/instances/evil").exists()
     assert "evil" not in [d.name for d in sec.runtimes["libvirt-kvm"].list()]
+
+
+# --- a hostile tar, as a property ---------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_NAMES = st.sampled_from(
+    [
+        "meta.json", "disk.qcow2", "seed.iso", "save.state", "ch/config.json", "ch/state.json",
+        "../escape", "/abs", "ch/../../escape", "disk.qcow2/x", "./disk.qcow2", "ch", "other",
+    ]
+)  # fmt: skip
+_KINDS = st.sampled_from(
+    [tarfile.REGTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.DIRTYPE, tarfile.FIFOTYPE]
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    members=st.lists(st.tuples(_NAMES, _KINDS, st.binary(max_size=64)), max_size=6),
+    memory=st.booleans(),
+    meta_first=st.booleans(),
+)
+def test_any_tar_writes_only_snapshot_files_inside_the_directory(
+    tmp_path: Path, members: list[tuple[str, bytes, bytes]], memory: bool, meta_first: bool
+) -> None:
+    """Whatever a tar holds (names climbing out, links, devices, duplicates, meta late or missing), the
+    unpack either refuses it (SnapshotRefused) or writes only snapshot member names as regular files,
+    and never anything outside the new instance's directory."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir=tmp_path) as work:
+        base = Path(work)
+        dest = base / "a" / "d"
+        dest.mkdir(parents=True)
+        path = base / "t.tar"
+        with tarfile.open(path, "w") as tar:
+            entries = list(members)
+            meta = snapshots.meta_bytes(SnapshotMeta("libvirt-kvm", CPU, memory))
+            if meta_first:
+                entries.insert(0, ("meta.json", tarfile.REGTYPE, meta))
+            for name, kind, data in entries:
+                info = tarfile.TarInfo(name)
+                info.type = kind
+                if kind in (tarfile.SYMTYPE, tarfile.LNKTYPE):
+                    info.linkname = "/etc/passwd"
+                if kind == tarfile.REGTYPE:
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                else:
+                    tar.addfile(info)
+        try:
+            _meta, written = snapshots.unpack(str(path), str(dest), "libvirt-kvm", CPU, "save.state")
+        except SnapshotRefused:
+            written = None
+        outside = sorted(str(p.relative_to(base)) for p in base.rglob("*") if not p.is_relative_to(dest))
+        assert outside == ["a", "t.tar"]
+        for p in dest.rglob("*"):
+            rel = str(p.relative_to(dest))
+            assert rel in snapshots.MEMBERS or rel == "ch", rel
+            assert p.is_dir() if rel == "ch" else (p.is_file() and not p.is_symlink())
+        if written is not None:
+            assert "disk.qcow2" in written and len(set(written)) == len(written)
