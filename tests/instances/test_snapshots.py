@@ -708,3 +708,40 @@ def test_any_tar_writes_only_snapshot_files_inside_the_directory(
             assert p.is_dir() if rel == "ch" else (p.is_file() and not p.is_symlink())
         if written is not None:
             assert "disk.qcow2" in written and len(set(written)) == len(written)
+
+
+def test_a_refused_restore_is_not_unpacked_again_and_a_memory_restore_takes_no_gpu(tmp_path: Path) -> None:
+    """A restore refused after its unpack (a bad disk) is refused from memory on the next pass, without
+    writing the snapshot out again; a memory snapshot restored into a spec with a passthrough GPU is
+    refused up front (the saved guest never had that device)."""
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_simhost.libvirt import qcow2_bytes
+
+    _sec, rt, data, sha = _restored_section(tmp_path)
+    bad = _tar(
+        SnapshotMeta("libvirt-kvm", rt.cpu_model(), False),
+        {"disk.qcow2": qcow2_bytes(GIB, "/x", "raw")},
+        tmp_path / "b.tar",
+    )
+    inst = InstanceSpec(
+        id="evil", vcpus=1, memory_bytes=GIB, restore_from="https://s/x", restore_sha256="b" * 64
+    )
+    from bcd_shared.errors import TerminalError
+
+    with pytest.raises(TerminalError, match=r"disk\.qcow2: .*backing"):
+        rt.restore(inst, bad, Prepared())
+    os.unlink(bad)  # gone: a second unpack would fail differently
+    with pytest.raises(SnapshotRefused, match=r"disk\.qcow2: .*backing"):
+        rt.restore(inst, bad, Prepared())
+    assert not (data / "libvirt/instances/evil").exists()
+    gpu = InstanceSpec(
+        id="g",
+        vcpus=2,
+        memory_bytes=2 * GIB,
+        restore_from="https://s/x",
+        restore_sha256=sha,
+        gpu_uuids=("GPU-1",),
+    )
+    with pytest.raises(SnapshotRefused, match="without passthrough GPUs"):
+        rt.restore(gpu, str(data / f"snapshots/{sha}.tar"), Prepared(("0000:53:00.0",)))
+    assert not (data / "libvirt/instances/g").exists()

@@ -300,6 +300,8 @@ class LibvirtRuntime:
         self.max_virtual_size = max_virtual_size
         self.sleep = sleep
         self._known: dict[str, _Known] = {}
+        # (instance, snapshot SHA-256) -> why its restore was refused (kept for this process's life)
+        self._refused: dict[tuple[str, str], str] = {}
 
     # --- paths ------------------------------------------------------------------------------------
 
@@ -786,6 +788,13 @@ class LibvirtRuntime:
 
         from bcd_agent.sections.instances import snapshots
 
+        refused = self._refused.get((inst.id, inst.restore_sha256))
+        if refused is not None:  # refused once already: not unpacked again every pass
+            raise SnapshotRefused("SnapshotRefused", refused)
+        try:  # cheap (meta.json only), so checked again on every pass: the spec may change
+            snapshots.refuse_memory_restore(inst, snapshots.read_meta(tar_path))
+        except (tarfile.TarError, OSError) as exc:
+            raise SnapshotRefused("BadSnapshot", f"restore_from: {exc}") from None
         d = self._dir(inst.id)
         real_dir = self._real(d)
         shutil.rmtree(real_dir, ignore_errors=True)  # a failed attempt's files (ours, no domain)
@@ -810,11 +819,16 @@ class LibvirtRuntime:
                 rewrite={LIBVIRT_STATE_NAME: state},
             )  # fmt: skip
             self.check_overlay(inst)
-        except (SnapshotRefused, TerminalError, tarfile.TarError, OSError) as exc:
+        except (TerminalError, tarfile.TarError) as exc:
             shutil.rmtree(real_dir, ignore_errors=True)
+            message = exc.message if isinstance(exc, TerminalError) else f"restore_from: {exc}"
+            self._refused[(inst.id, inst.restore_sha256)] = message
             if isinstance(exc, TerminalError):
                 raise
-            raise SnapshotRefused("BadSnapshot", f"restore_from: {exc}") from None
+            raise SnapshotRefused("BadSnapshot", message) from None
+        except OSError as exc:  # the host's trouble (a full disk): tried again on the next pass
+            shutil.rmtree(real_dir, ignore_errors=True)
+            raise RetryableError("RestoreFailed", f"restore_from: unpacking: {exc}") from None
         self._file_access(inst, files)
         xml_path = f"{d}/domain.xml"
         self.system.write_atomic(xml_path, xml, 0o600)
