@@ -26,7 +26,7 @@ from bcd_agent.dispatch.handlers import CommandFailed, InvalidPayload
 from bcd_agent.dispatch.kinds import KINDS
 from bcd_agent.kinds.snapshot import KIND, InstanceSnapshotHandler
 from bcd_agent.sections.instances import snapshots
-from bcd_agent.sections.instances.model import Image, InstanceSpec, InstancesSpec, check_instance
+from bcd_agent.sections.instances.model import Image, InstanceSpec, InstancesSpec, Nic, check_instance
 from bcd_agent.sections.instances.plan import Create, Delete, Observed, RuntimeView, Start, plan
 from bcd_agent.sections.instances.restores import SnapshotDownloads, SnapshotState
 from bcd_agent.sections.instances.runtimes.base import Domain, SnapshotMeta, SnapshotRefused
@@ -745,3 +745,34 @@ def test_a_refused_restore_is_not_unpacked_again_and_a_memory_restore_takes_no_g
     with pytest.raises(SnapshotRefused, match="without passthrough GPUs"):
         rt.restore(gpu, str(data / f"snapshots/{sha}.tar"), Prepared(("0000:53:00.0",)))
     assert not (data / "libvirt/instances/g").exists()
+
+
+def test_dlv_snap_08_09_the_section_loads_rules_and_deletes_while_a_download_runs(tmp_path: Path) -> None:
+    """DLV-SNAP-08, DLV-SNAP-09 on the section: with its snapshot still downloading, the restore is
+    PENDING "waiting for the user data or snapshot", while the same pass loads the firewall rules (the
+    restore's NIC included, before its tap exists) and deletes a domain no spec names."""
+    from bcd_agent.converge.types import SectionState
+    from bcd_agent.sections.instances.network import NetworkPolicy
+    from bcd_agent.sections.instances.section import InstancesSection
+    from instkit import DATA_DIR, FixedUserData, converge, section, sim_host, spec, vm
+    from test_instances_network import Recording
+
+    system = sim_host(tmp_path)
+    sec0, rt = section(system)
+    assert converge(sec0, spec(vm("old"))).state is SectionState.CONVERGED
+    started: list[Any] = []
+    dl = SnapshotDownloads(system, DATA_DIR, start=started.append)  # never finishes in this test
+    sec = InstancesSection(system, [rt], DATA_DIR, user_data=FixedUserData(), snapshots=dl)
+    rec = Recording(sec)
+    sec.network = NetworkPolicy(rec)
+    restore = _restore(nics=(Nic("br0", "52:54:00:00:00:09", ("10.0.0.9/24",)),), network_policy="PRIVATE")
+    out = converge(sec, spec(restore, generation=2))
+    assert out.state is SectionState.PROGRESSING, out.message
+    report = {i.instance_id: i for i in sec.last_report.instances}
+    assert report["r1"].state == "PENDING"
+    assert report["r1"].message == "waiting for the user data or snapshot: downloading the snapshot"
+    assert "old" not in report and "old" not in [d.name for d in rt.list()]
+    assert [(n.instance, n.policy) for n in rec.loads[-1]] == [("r1", "PRIVATE")]
+    assert len(started) == 1
+    converge(sec, spec(restore, generation=3))
+    assert len(started) == 1  # one download, however many passes wait on it
