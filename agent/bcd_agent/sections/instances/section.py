@@ -234,6 +234,11 @@ class InstancesSection:
 
     def observe(self, spec: InstancesSpec, observation: Observation | None = None) -> Observed:
         views = self.list_runtimes()
+        if self.snapshots is not None:
+            try:  # every pass, an empty spec's too (DLV-SNAP-12)
+                self.snapshots.prune(restores_kept(spec))
+            except OSError as exc:
+                log.warning("instances: pruning the downloaded snapshots: %s", exc)
         if not spec.instances:
             return Observed(runtimes=views)
         inventory = self._inventory(observation)
@@ -249,13 +254,9 @@ class InstancesSection:
         )
         listed = {d.name: d for v in views.values() for d in v.domains}
         if self.snapshots is not None:
-            # The downloads never hold the pass up (DLV-SNAP-08/09); leftovers go every pass (-12).
+            # The downloads never hold the pass up (DLV-SNAP-08/09).
             from attrs import evolve
 
-            try:
-                self.snapshots.prune(restores_kept(spec))
-            except OSError as exc:
-                log.warning("instances: pruning the downloaded snapshots: %s", exc)
             observed = evolve(observed, snapshots=self.snapshots.states(restores_wanted(spec, listed)))
         wanted_data = needs_user_data(spec, listed)
         if wanted_data and self.user_data is not None:
