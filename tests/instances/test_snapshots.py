@@ -108,6 +108,9 @@ def server(tmp_path: Path) -> Iterator[Server]:
                 self.end_headers()
 
         def do_PUT(self) -> None:
+            if self.path == "/put-stall":  # reads nothing: the client's window fills and stays full
+                time.sleep(15)
+                return
             body = self.rfile.read(int(self.headers["Content-Length"]))
             if self.path == "/put-redirect-http":
                 self.send_response(307)
@@ -239,6 +242,17 @@ def test_dlv_snap_17_a_stalled_transfer_ends(tmp_path: Path, server: Server) -> 
         "--max-time",
         "21600",
     ]
+
+
+def test_dlv_snap_17_a_stalled_upload_ends(tmp_path: Path, server: Server) -> None:
+    """DLV-SNAP-17 for the upload, scaled down: a peer that stops reading ends the PUT after a 2-second
+    window that moved less than 1 MiB."""
+    big = tmp_path / "big.tar"
+    big.write_bytes(os.urandom(16 << 20))
+    rules = TransferRules(stall_s=2, stall_bytes=1 << 20, max_s=60, cacert=server.ca)
+    with pytest.raises(TransferFailed) as exc:
+        upload(LocalSystem(Path("/")), f"{server.base}/put-stall", str(big), rules)
+    assert exc.value.code == CODE_STALLED
 
 
 def test_dlv_snap_18_a_transfer_ends_after_its_time_in_all(tmp_path: Path, server: Server) -> None:
