@@ -604,6 +604,8 @@ def test_dlv_snap_01_plc_16_the_section_restores_an_instance_from_its_snapshot(t
     """DLV-SNAP-01, DLV-PLC-16, DLV-IMG-16: an instance with restore_from is created from its snapshot
     (no image), runs, keeps the spec's pinning (not the snapshot's) and its seed as a raw read-only
     cdrom; the next pass plans nothing; once no spec restores from it, the tar is deleted (DLV-SNAP-12)."""
+    import xml.etree.ElementTree as ET
+
     from bcd_agent.converge.types import SectionState
     from bcd_agent.sections.instances.model import Placement
     from bcd_simhost.libvirt import STATE
@@ -621,10 +623,11 @@ def test_dlv_snap_01_plc_16_the_section_restores_an_instance_from_its_snapshot(t
     assert states == {"src": "RUNNING", "copy": "RUNNING"}
     xml = (tmp_path / "host" / STATE.lstrip("/") / "copy.xml").read_text()
     assert f"<bcd:restored-from>{sha}</bcd:restored-from>" in xml
-    assert "<bcd:image>" not in xml and "backingStore" not in xml
+    assert "<bcd:image>" not in xml
+    vda = next(d for d in ET.fromstring(xml).findall("devices/disk") if d.get("device") == "disk")
+    bs = vda.find("backingStore")  # explicit and empty: no chain a header could name is followed
+    assert bs is not None and len(bs) == 0 and not bs.attrib
     assert '<vcpupin vcpu="0" cpuset="4" />' in xml and '<vcpupin vcpu="1" cpuset="5" />' in xml
-    import xml.etree.ElementTree as ET
-
     cdroms = [d for d in ET.fromstring(xml).findall("devices/disk") if d.get("device") == "cdrom"]
     assert [(c.find("driver").get("type"), c.find("source").get("file")) for c in cdroms] == [  # type: ignore[union-attr]
         ("raw", f"{DATA_DIR}/libvirt/instances/copy/seed.iso")
@@ -792,3 +795,29 @@ def test_dlv_snap_08_09_the_section_loads_rules_and_deletes_while_a_download_run
     assert len(started) == 1
     converge(sec, spec(restore, generation=3))
     assert len(started) == 1  # one download, however many passes wait on it
+
+
+def test_a_restored_definition_passes_roots_check_and_an_empty_backing_store_only_there() -> None:
+    """The restored domain's definition (flat disk with an explicit empty `<backingStore/>`, seed,
+    `restored-from`) passes root's default-deny check; an empty backingStore anywhere else (a cdrom),
+    or one with content, is refused."""
+    from bcd_agent.sections.instances.runtimes.base import DomainFiles
+    from bcd_agent.sections.instances.runtimes.domainxml import build_domain_xml
+    from bcd_shared.domaincheck import DomainPolicy, DomainRefused, check_domain
+
+    d = "/var/lib/bcd/libvirt/instances/r1"
+    inst = _restore(nics=(Nic("br0", "52:54:00:00:00:09"),))
+    xml = build_domain_xml(
+        inst, DomainFiles(f"{d}/disk.qcow2", seed=f"{d}/seed.iso"), restored_from=SHA_A
+    ).decode()
+    policy = DomainPolicy("r1", "/var/lib/bcd", ("br0",), ())
+    checked = check_domain(xml.encode(), policy)
+    assert checked.metadata["restored-from"] == SHA_A and checked.disks[0].backing is None
+    assert xml.count("<backingStore />") == 1
+    on_cdrom = xml.replace("<readonly />", "<readonly /><backingStore />", 1)
+    with_content = xml.replace(
+        "<backingStore />", '<backingStore type="file"><source file="/etc/shadow" /></backingStore>'
+    )
+    for bad in (on_cdrom, with_content):
+        with pytest.raises(DomainRefused):
+            check_domain(bad.encode(), policy)

@@ -116,6 +116,8 @@ def build_domain_xml(
         _sub(bs, "format", type=files.base_format)
         _sub(bs, "source", file=files.base)
         _sub(bs, "backingStore")
+    elif restored_from:  # a restored snapshot's flat disk: libvirt follows no name its header could gain
+        _sub(disk, "backingStore")
     _sub(disk, "target", dev="vda", bus="virtio")
     # Volumes: raw virtio disks as vdb onward, with their serial (the guest's
     # /dev/disk/by-id/virtio-<serial>), read-only when asked; the format is stated, never probed.
