@@ -821,3 +821,14 @@ def test_a_restored_definition_passes_roots_check_and_an_empty_backing_store_onl
     for bad in (on_cdrom, with_content):
         with pytest.raises(DomainRefused):
             check_domain(bad.encode(), policy)
+
+
+def test_member_names_reads_a_bounded_number_of_headers(tmp_path: Path) -> None:
+    """A tar of thousands of members is never listed whole (at most one header past a snapshot's)."""
+    path = tmp_path / "many.tar"
+    with tarfile.open(path, "w") as tar:
+        for i in range(2000):
+            info = tarfile.TarInfo(f"m{i}")
+            tar.addfile(info, io.BytesIO(b""))
+    names = snapshots.member_names(str(path))
+    assert len(names) == len(snapshots.MEMBERS) + 1 and names[0] == "m0"

@@ -173,6 +173,16 @@ def read_meta(tar_path: str) -> SnapshotMeta:
         return parse_meta(f.read())
 
 
+def member_names(tar_path: str) -> tuple[str, ...]:
+    """The tar's member names, reading at most one more header than a snapshot can hold (a tar of a
+    million members is not listed whole; `unpack` refuses it at its first stranger)."""
+    names: list[str] = []
+    with tarfile.open(tar_path, mode="r:") as tar:
+        while len(names) <= len(MEMBERS) and (member := tar.next()) is not None:
+            names.append(member.name)
+    return tuple(names)
+
+
 def unpack(
     tar_path: str,
     dest: str,

@@ -801,9 +801,7 @@ class LibvirtRuntime:
         for parent in (libvirt_dir(self.data_dir), f"{libvirt_dir(self.data_dir)}/instances", d):
             self._mkdir(parent, 0o700 if not self.under_helper else 0o710)
         try:
-            with tarfile.open(tar_path, mode="r:") as tar:
-                names = set(tar.getnames())
-            files = self.files(inst, None, "seed.iso" in names)
+            files = self.files(inst, None, "seed.iso" in snapshots.member_names(tar_path))
             from bcd_agent.sections.instances.runtimes.domainxml import build_domain_xml
 
             xml = build_domain_xml(
