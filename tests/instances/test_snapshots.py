@@ -832,3 +832,18 @@ def test_member_names_reads_a_bounded_number_of_headers(tmp_path: Path) -> None:
             tar.addfile(info, io.BytesIO(b""))
     names = snapshots.member_names(str(path))
     assert len(names) == len(snapshots.MEMBERS) + 1 and names[0] == "m0"
+
+
+def test_a_huge_extended_header_is_refused_before_tarfile_reads_it(tmp_path: Path) -> None:
+    """A PAX header claiming 1 GiB (tarfile would read it whole into memory) refuses the tar first."""
+    pax = tarfile.TarInfo("././@PaxHeader")
+    pax.type = tarfile.XHDTYPE
+    pax.size = 1 << 30
+    head = pax.tobuf(format=tarfile.USTAR_FORMAT)
+    path = tmp_path / "pax.tar"
+    path.write_bytes(head + b"\0" * 1024)
+    for read in (snapshots.read_meta, snapshots.member_names):
+        with pytest.raises(SnapshotRefused, match="extended tar header"):
+            read(str(path))  # type: ignore[operator]
+    ok = _tar(SnapshotMeta("libvirt-kvm", CPU, False), {"disk.qcow2": b"q" * 3000}, tmp_path / "ok.tar")
+    snapshots.check_headers(ok)  # a real PAX tar passes
