@@ -232,11 +232,12 @@ OPS: dict[str, OpSpec] = {
         shown=("name", "paused"),
         summary="restore the instance's saved state with root's checked definition (--xml)",
     ),
+    # No lock: a save writes the guest's memory (minutes for a large one) and would hold every other
+    # libvirt.* op behind it; libvirt's own job lock keeps other changes off that domain meanwhile.
     "libvirt.save": _op(
         libvirt.LibvirtSave,
         libvirt.libvirt_save,
         30 * MINUTE,
-        locks=("libvirt",),
         shown=("name",),
         summary="save bcd's running domain's memory state for a snapshot and hand it to the node",
     ),
