@@ -7,7 +7,9 @@ pool at most what hugepages-2m-limit allows (memory short), a
 governor not listed in scaling_available_governors is EINVAL. `env` strips VAR=value words and runs
 the rest. `sysctl -w` writes /proc/sys (an unknown key is sysctl's "cannot stat" with status 255).
 `update-grub`, `grubby`, `mount`, `swapoff`, `curl`, `gpg`, `mkdir`, `containerd --version` and
-`nvidia-ctk` (only once the toolkit is installed) do what the units need of them.
+`nvidia-ctk` (only once the toolkit is installed) do what the units need of them. `curl` reads a URL
+given on its stdin (`--config -`, how bcd passes presigned URLs) and hands an https URL on loopback
+(127.0.0.1, localhost: a test's server, or an operator's in `bcd sim`) to the real curl.
 """
 
 from __future__ import annotations

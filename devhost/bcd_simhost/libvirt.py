@@ -8,7 +8,10 @@ MemTotal): a start beyond them fails with libvirt's "Cannot allocate memory". Ou
 virsh 9.0 (`list --all` table, `domstate` words, `dumpxml` of the defined XML).
 
 `qemu-img create/resize` write real qcow2 v3 headers (with the backing file name and the backing
-format extension), so bcd's header checks run on them; `genisoimage` writes a stand-in ISO (the
+format extension), so bcd's header checks run on them, and `convert` (a snapshot's flattening, every
+driver and backing stated in a `json:` name) writes a flat one of the overlay's size; `virsh save`
+writes a stand-in save image (libvirt's 92-byte header, the domain XML, a fake stream) and shuts the
+domain off, `restore --xml` honours `--paused`; `genisoimage` writes a stand-in ISO (the
 `CD001` signature and the files). `https://images.sim.bcd/<name>.qcow2` serves a flat 1 GiB qcow2,
 `IMAGE_SHA256` its digest. A `virsh -c test:///default` call goes to the real virsh: libvirt's test
 driver keeps its state in the connection and touches nothing on the host.
