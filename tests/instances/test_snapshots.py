@@ -847,3 +847,24 @@ def test_a_huge_extended_header_is_refused_before_tarfile_reads_it(tmp_path: Pat
             read(str(path))  # type: ignore[operator]
     ok = _tar(SnapshotMeta("libvirt-kvm", CPU, False), {"disk.qcow2": b"q" * 3000}, tmp_path / "ok.tar")
     snapshots.check_headers(ok)  # a real PAX tar passes
+
+
+def test_a_held_instance_is_left_alone_by_the_converger(tmp_path: Path) -> None:
+    """While instance.snapshot holds an instance, the pass's steps for it wait (a stop is not run under
+    the capture); released, the next pass runs them. A second hold on the same instance is refused."""
+    from bcd_agent.converge.types import SectionState
+    from bcd_agent.sections.instances.model import Desired
+    from bcd_shared.errors import TerminalError
+    from instkit import converge, section, sim_host, spec, vm
+
+    sec, rt = section(sim_host(tmp_path))
+    assert converge(sec, spec(vm("a"))).state is SectionState.CONVERGED
+    with sec.hold("a"):
+        with pytest.raises(TerminalError, match="being snapshotted already"), sec.hold("a"):
+            pass
+        out = converge(sec, spec(vm("a", desired=Desired.STOPPED), generation=2))
+        assert out.state is SectionState.PROGRESSING and "a snapshot of this instance" in out.message
+        assert {d.name: d.state for d in rt.list()}["a"] == "running"
+    out = converge(sec, spec(vm("a", desired=Desired.STOPPED), generation=3))
+    assert out.state is SectionState.CONVERGED, out.message
+    assert {d.name: d.state for d in rt.list()}["a"] == "stopped"
