@@ -309,6 +309,17 @@ class Node:
             except OSError as exc:
                 log.warning("node: no volume store (%s): instances with volumes fail here", exc)
                 volumes = None
+        snapshots = None
+        if runtimes:
+            # restore_from downloads in the background (docs/instances.md "Snapshots and restores"); a
+            # download's end triggers a pass (DLV-SNAP-10).
+            from bcd_agent.sections.instances.restores import SnapshotDownloads
+
+            def downloaded() -> None:
+                if self.runner is not None:
+                    self.runner.trigger("snapshot-download")
+
+            snapshots = SnapshotDownloads(system, data_dir, on_done=downloaded)
         self.instances_section = InstancesSection(
             system,
             runtimes,
@@ -316,6 +327,7 @@ class Node:
             user_data=SessionUserData(self.secrets, trio_token),
             network=network,
             volumes=volumes,
+            snapshots=snapshots,
         )
         if runtimes:
             # Off the pass (docs/instances.md): the identity rebind and the balloon controller.
@@ -492,6 +504,23 @@ class Node:
                 effect_handlers(
                     EffectHandler(Path(self.config.data_dir) / "test-effects.log", during_effect=during)
                 )
+            )
+        section = self.instances_section
+        if section is not None and section.runtimes:
+            from bcd_agent.kinds.snapshot import KIND as SNAPSHOT
+            from bcd_agent.kinds.snapshot import InstanceSnapshotHandler
+            from bcd_agent.sections.instances.section import spec_instance
+
+            def instance(instance_id: str) -> Any:
+                spec = self.runner.spec if self.runner is not None else None
+                return spec_instance(spec.payload("instances") if spec else None, 1, instance_id)
+
+            handlers[SNAPSHOT] = InstanceSnapshotHandler(
+                system,
+                section.data_dir,
+                instance=instance,
+                runtimes=lambda: section.runtimes,
+                hold=section.hold,
             )
         from bcd_agent.kinds import logs
 
@@ -730,6 +759,8 @@ class Node:
                 )
                 await nursery.start(_scoped, self._session_scope, self.session.run)
                 nursery.start_soon(sweep_periodically, journal, self.options.sweep_interval_s, self._swept)
+                if getattr(self.instances_section, "snapshots", None) is not None:
+                    nursery.start_soon(self.instances_section.snapshots.serve)
                 if getattr(self.instances_section, "network", None) is not None:
                     from bcd_agent.sections.instances.network import check_periodically
 

@@ -8,7 +8,10 @@ MemTotal): a start beyond them fails with libvirt's "Cannot allocate memory". Ou
 virsh 9.0 (`list --all` table, `domstate` words, `dumpxml` of the defined XML).
 
 `qemu-img create/resize` write real qcow2 v3 headers (with the backing file name and the backing
-format extension), so bcd's header checks run on them; `genisoimage` writes a stand-in ISO (the
+format extension), so bcd's header checks run on them, and `convert` (a snapshot's flattening, every
+driver and backing stated in a `json:` name) writes a flat one of the overlay's size; `virsh save`
+writes a stand-in save image (libvirt's 92-byte header, the domain XML, a fake stream) and shuts the
+domain off, `restore --xml` honours `--paused`; `genisoimage` writes a stand-in ISO (the
 `CD001` signature and the files). `https://images.sim.bcd/<name>.qcow2` serves a flat 1 GiB qcow2,
 `IMAGE_SHA256` its digest. A `virsh -c test:///default` call goes to the real virsh: libvirt's test
 driver keeps its state in the connection and touches nothing on the host.
@@ -181,7 +184,7 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
         name = (ET.fromstring(xml).findtext("name") or "").strip()  # noqa: S314
         if not Path(rest[0]).is_file():
             return _r(argv, 1, err=f"error: Failed to restore domain from {rest[0]}\n")
-        _save(system, name, "running", xml)
+        _save(system, name, "paused" if "--paused" in rest else "running", xml)
         return _r(argv, out=f"Domain restored from {rest[0]}\n")
     name = rest[0] if rest else ""
     got = _load(system, name)
@@ -252,6 +255,16 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
             return _r(argv, 1, err="error: No disk found whose source path or target is vdz\n")
         marker.unlink()
         return _r(argv, out="Disk detached successfully\n")
+    if cmd == "save":  # libvirt's save image: its 92-byte header, the domain XML, then QEMU's stream
+        if state == "shut off":
+            return _r(argv, 1, err="error: Requested operation is not valid: domain is not running\n")
+        import struct
+
+        data = xml + b"\0" * (4096 - len(xml) % 4096)
+        head = struct.pack("<16s5I56x", b"LibvirtQemudSave", 2, len(data), int(state == "running"), 0, 0)
+        Path(rest[1]).write_bytes(head + data + b"QEVM-simulated-stream")
+        _save(system, name, "shut off")
+        return _r(argv, out=f"\nDomain '{name}' saved to {rest[1]}\n")
     if cmd == "suspend":
         _save(system, name, "paused")
         return _r(argv, out=f"Domain '{name}' suspended\n")
@@ -347,11 +360,11 @@ def qemu_img(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> C
     i = 0
     while i < len(rest):
         a = rest[i]
-        if a in ("-f", "-b", "-F", "-o"):
+        if a in ("-f", "-b", "-F", "-o", "-O"):
             opts[a] = rest[i + 1]
             i += 2
             continue
-        if a == "-u":
+        if a in ("-u", "-U"):
             opts[a] = ""
         else:
             pos.append(a)
@@ -373,6 +386,16 @@ def qemu_img(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> C
             return _r(argv, 1, err="qemu-img: resize needs a stated format in bcd's usage\n")
         _resize(Path(target), int(pos[1]))
         return _r(argv, out="Image resized.\n")
+    if cmd == "convert":  # bcd flattens an overlay for a snapshot: every driver and backing stated
+        if opts.get("-O") != "qcow2" or not pos or not pos[0].startswith("json:"):
+            return _r(argv, 1, err="qemu-img: the simulation converts a stated json: chain to qcow2 only\n")
+        doc = json.loads(pos[0][5:])
+        if doc.get("driver") != "qcow2" or "backing" not in doc:
+            return _r(argv, 1, err="qemu-img: the simulation converts qcow2 with backing stated only\n")
+        head = Path(doc["file"]["filename"]).read_bytes()[:32]
+        size = struct.unpack(">Q", head[24:32])[0]
+        atomic_write(Path(pos[1]), qcow2_bytes(size, None, None), 0o644)
+        return _r(argv)
     return _r(argv, 1, err=f"qemu-img: Command not found: {cmd}\n")
 
 

@@ -347,7 +347,10 @@ def _disks(devices: ET.Element, policy: DomainPolicy) -> tuple[Disk, ...]:
             )
         backing = backing_format = None
         bs = d.find("backingStore")
-        if bs is not None:
+        flat = kind == "instance" and fmt == "qcow2" and device == "disk" and path.endswith("/disk.qcow2")
+        if bs is not None and flat and not len(bs) and not bs.attrib and not (bs.text or "").strip():
+            pass  # `<backingStore/>` alone: a flat disk (a restored snapshot's), no chain followed
+        elif bs is not None:
             bsrc, bfmt, end = bs.find("source"), bs.find("format"), bs.find("backingStore")
             if bsrc is None or bfmt is None or end is None or len(end) or end.attrib:
                 raise DomainRefused("disk", "a backingStore names its file and format and ends empty")
@@ -358,7 +361,7 @@ def _disks(devices: ET.Element, policy: DomainPolicy) -> tuple[Disk, ...]:
                 raise DomainRefused(
                     "disk", f"backing store {backing[:200]!r} is not of format {backing_format}"
                 )
-        elif kind == "instance" and fmt == "qcow2" and device == "disk" and path.endswith("/disk.qcow2"):
+        elif flat:
             pass  # a flat overlay (restored snapshot, iso install): host_check refuses a named backing file
         if kind == "image" and (device != "cdrom" or not path.endswith(".iso") or fmt != "raw"):
             raise DomainRefused("disk", f"a base image {path[:200]!r} is attached only as an iso cdrom")

@@ -186,7 +186,9 @@ def test_restore_stages_the_checked_definition_and_passes_xml_dlv_hlp_09_10(
     xml = _good_xml(h)
     assert_refused(h, {"op": "libvirt.restore", "args": {"name": "other", "xml": xml}}, "domain-name")
     state = h.root / DATA.lstrip("/") / "libvirt/instances/good/save.state"
-    state.write_bytes(b"LibvirtQemudSave" + b"\0" * 76)
+    import struct
+
+    state.write_bytes(struct.pack("<16s5I56x", b"LibvirtQemudSave", 2, 4096, 1, 0, 0) + b"\0" * 4096)
     answer = h.raw({"op": "libvirt.restore", "args": {"name": "good", "xml": xml}})
     assert answer["ok"] is True, answer
     assert (h.root / "var/lib/bcd-hostconfig/libvirt/good.xml").read_text() == xml

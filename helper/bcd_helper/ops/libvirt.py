@@ -15,7 +15,9 @@ Every request names an instance by id (bcd_shared.instancenames: the domain's na
 - every other verb acts only on a domain root sees is bcd's; `restore` refuses a request without a
   definition before anything runs (DLV-HLP-08), checks it like a define and as the requested domain's
   (DLV-HLP-09), stages it and always passes `--xml` (DLV-HLP-10); its state file must be the
-  instance's own `save.state`.
+  instance's own `save.state`. `save` (a memory snapshot) refuses a domain with passthrough GPUs or a
+  writable volume (DLV-RT-13/14, root's own view), has libvirtd write the state into root's directory
+  and hands it to the node as the instance's `save.state`.
 - `rebind` / `unrebind`: the identity rebind disk (DLV-REB-09/11); root builds its path
   (`<instance dir>/rebind.img`, checked: no symlink from data_dir, regular, one link, exactly 1 MiB),
   target `vdz` and serial `bc-rebind` itself from the name; with roots the signed spec must ask the
@@ -27,8 +29,11 @@ Every request names an instance by id (bcd_shared.instancenames: the domain's na
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import re
+import stat
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -89,6 +94,13 @@ class LibvirtRebind:
 class LibvirtRestore:
     name: str
     xml: str | None = None
+    intent: SignedIntent | None = None
+    paused: bool = False
+
+
+@frozen
+class LibvirtSave:
+    name: str
     intent: SignedIntent | None = None
 
 
@@ -426,11 +438,143 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
     real = str(call.system.host_path(state))
     if not os.path.isfile(real) or os.path.islink(real):
         raise Refused("no-state", f"{op}: {state} is not a regular file")
+    _check_state_header(op, state, real)
     staged = _stage(call, name, data)
-    result = _virsh(call, "restore", real, "--xml", staged)
+    result = _virsh(call, "restore", real, "--xml", staged, *(["--paused"] if req.paused else []))
     if not result.ok:
         raise Failed("virsh", f"virsh restore {name}: {_err(result)}")
-    return {"name": name}
+    return {"name": name, "paused": req.paused}
+
+
+SAVE_MAGIC = b"LibvirtQemudSave"
+MAX_SAVE_DATA = 16 << 20
+
+
+def _check_state_header(op: str, state: str, real: str) -> None:
+    """The node wrote the state file (and its header, see the node's snapshots.rewrite_save_header):
+    root reads the 92-byte libvirt header before libvirtd does and refuses anything but a save image
+    whose data area (the embedded XML and cookie) is at most 16 MiB, so libvirtd never allocates what a
+    node's header asks."""
+    import struct
+
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise Refused("no-state", f"{op}: {state}: {exc.strerror}") from None
+    try:
+        head = os.read(fd, 92) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
+    finally:
+        os.close(fd)
+    if len(head) != 92:
+        raise Refused("bad-state", f"{op}: {state} is not a libvirt save image (short header)")
+    magic, version, data_len = struct.unpack("<16sII", head[:24])
+    if magic != SAVE_MAGIC or version not in (1, 2) or not 0 < data_len <= MAX_SAVE_DATA:
+        raise Refused(
+            "bad-state",
+            f"{op}: {state} is not a libvirt save image (magic, version 1 or 2, data at most 16 MiB)",
+        )
+
+
+def _memory_refusals(op: str, name: str, xml: bytes) -> None:
+    """Root's own view of DLV-RT-13/14: no memory state of a domain with passthrough GPUs (their state
+    lives in the device) or a writable volume (another writer could change it under the saved guest)."""
+    root = ET.fromstring(xml)  # noqa: S314 (root's own libvirt output)
+    if root.find("devices/hostdev") is not None:
+        raise Refused(
+            "memory-snapshot-gpus",
+            f"{op}: {name}: an instance with passthrough GPUs cannot be snapshotted with its memory; "
+            "snapshot its disk only",
+        )
+    for disk in root.findall("devices/disk"):
+        src = disk.find("source")
+        path = src.get("file", "") if src is not None else ""
+        if "/volumes/" in path and disk.find("readonly") is None:
+            raise Refused(
+                "memory-snapshot-volumes",
+                f"{op}: {name}: ErrMemorySnapshotWithVolumes: an instance with a read-write volume "
+                "cannot be snapshotted with its memory",
+            )
+
+
+def _node_dir_fd(call: Call, path: str) -> int:
+    """The node's directory `path`, opened one component at a time without following a symlink: a
+    node that swaps a component for a link makes the open fail instead of steering root's rename."""
+    real = str(call.system.host_path(path))
+    fd = os.open("/", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in [p for p in real.split("/") if p]:
+            if part in (".", ".."):
+                raise Refused("bad-path", f"{path}: not a plain path")
+            try:
+                nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            except OSError as exc:
+                raise Refused("bad-path", f"{path}: {exc.strerror} at {part!r} (no symlinks)") from None
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _copy_into(src: str, dir_fd: int, name: str, uid: int, gid: int) -> None:
+    """Another filesystem: a new file in the directory (the old name unlinked, never followed)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(name, dir_fd=dir_fd)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    out = os.open(name, flags, 0o640, dir_fd=dir_fd)
+    with os.fdopen(out, "wb") as w, open(src, "rb") as f:
+        os.fchown(out, uid, gid)
+        while chunk := f.read(1 << 20):
+            w.write(chunk)
+        w.flush()
+        os.fsync(out)
+
+
+def libvirt_save(call: Call, req: LibvirtSave) -> dict[str, Any]:
+    """`virsh save` of bcd's domain for a memory snapshot (DLV-LIBVIRT-22), never of one with GPUs or a
+    writable volume. libvirtd writes the state as root, so it writes it into root's own directory
+    (`STAGE_DIR/<name>.state`), never through a path the node controls; root then hands the file to
+    the node (owner the node, 0640) and renames it into the instance's directory as `save.state`, the
+    directory opened without following links (a rename replaces a name, never writes through it)."""
+    op = "libvirt.save"
+    name = _name(op, req.name)
+    xml = _managed(call, op, name)
+    _memory_refusals(op, name, xml)
+    _signed(call, op, name, req.intent, None)
+    dir_fd = _node_dir_fd(call, instance_dir(call.ctx.config.data_dir, name))
+    staged = f"{STAGE_DIR}/{name}.state"
+    real = str(call.system.host_path(staged))
+    try:
+        try:
+            call.system.write_atomic(staged, b"", 0o600)  # root's directory, checked root-only on the way
+        except RootPathRefused as exc:
+            raise refused_path(exc) from None
+        result = _virsh(call, "save", name, real)
+        if not result.ok:
+            raise Failed("virsh", f"virsh save {name}: {_err(result)}")
+        cfg = call.ctx.config
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchown(fd, cfg.node_uid, cfg.node_gid)
+            os.fchmod(fd, 0o640)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        try:
+            try:
+                os.rename(real, "save.state", dst_dir_fd=dir_fd)
+            except OSError as exc:
+                if exc.errno != errno.EXDEV:
+                    raise
+                _copy_into(real, dir_fd, "save.state", cfg.node_uid, cfg.node_gid)
+        except OSError as exc:
+            raise Failed("save-handover", f"{op}: {name}: the state was not handed over: {exc}") from None
+    finally:
+        os.close(dir_fd)
+        with contextlib.suppress(RootPathRefused, OSError):
+            call.system.remove(staged)
+    return {"name": name, "size_bytes": size}
 
 
 def libvirt_console(call: Call, req: LibvirtName) -> dict[str, Any]:

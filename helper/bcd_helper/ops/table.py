@@ -291,8 +291,18 @@ OPS: dict[str, OpSpec] = {
         "libvirt_restore",
         10 * MINUTE,
         locks=("gpus", "libvirt"),
-        shown=("name",),
+        shown=("name", "paused"),
         summary="restore the instance's saved state with root's checked definition (--xml)",
+    ),
+    # No lock: a save writes the guest's memory (minutes for a large one) and would hold every other
+    # libvirt.* op behind it; libvirt's own job lock keeps other changes off that domain meanwhile.
+    "libvirt.save": _op(
+        "libvirt",
+        "LibvirtSave",
+        "libvirt_save",
+        30 * MINUTE,
+        shown=("name",),
+        summary="save bcd's running domain's memory state for a snapshot and hand it to the node",
     ),
     "libvirt.console": _op(
         "libvirt",

@@ -4,8 +4,9 @@ An instance the spec describes badly fails alone (DLV-INST-12): `check_instance`
 of the first rule it breaks, and the planner turns it into that instance's ERROR; the section is then
 FAILED with InstanceFailed (DLV-INST-13). Rules, in order: the id (bcd_shared.instancenames), the
 desired state, the size (vCPUs and memory above 0), the image (https only, a lowercase SHA-256, a
-known format; or `restore_from`, which this build does not run yet), the NICs (at most 16, a bridge
-name not starting with `bc`, a lowercase MAC), the placement (bcd_agent.sections.instances.placement).
+known format; or `restore_from`: an https URL and a lowercase SHA-256, and no image), the NICs (at
+most 16, a bridge name not starting with `bc`, a lowercase MAC), the placement
+(bcd_agent.sections.instances.placement).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class InstanceSpec:
     volumes: tuple[tuple[str, bool], ...] = ()
     network_policy: str = "EGRESS"
     ssh_from_host_only: bool = False
-    restore_from: str = ""
+    restore_from: str = ""  # SnapshotRef.url
+    restore_sha256: str = ""  # SnapshotRef.sha256
     identity_rebind_ref: str = ""
     user_data_ref: str = ""
 
@@ -127,16 +129,30 @@ def check_instance(inst: InstanceSpec) -> str | None:
         return "desired_state is unset"
     if inst.vcpus < 1 or inst.memory_bytes < 1:
         return f"size: {inst.vcpus} vCPUs and {inst.memory_bytes} bytes of memory: both must be above 0"
-    if inst.restore_from:
-        return "restore_from: restoring a snapshot is not supported by this bcd yet"
-    if inst.image is None:
+    if inst.restore_from or inst.restore_sha256:
+        # DLV-SNAP-03/04: https only (a snapshot may hold a tenant's memory), the digest mandatory.
+        if inst.image is not None:
+            return "image: set beside restore_from (a restore boots its snapshot, never an image)"
+        if not inst.restore_from.startswith("https://") or any(c.isspace() for c in inst.restore_from):
+            return (
+                f"restore_from.url: {inst.restore_from[:200]!r} is not an https URL "
+                "(snapshots are downloaded over https only)"
+            )
+        if not inst.restore_sha256:
+            return "restore_from.sha256: missing (a snapshot is verified against its digest before use)"
+        if not SHA256_RE.fullmatch(inst.restore_sha256):
+            return "restore_from.sha256: must be 64 lowercase hex digits"
+    elif inst.image is None:
         return "image: unset (an instance boots an image or restores a snapshot)"
-    if not inst.image.url.startswith("https://"):
-        return f"image: {inst.image.url[:200]!r} is not an https URL (images are downloaded over https only)"
-    if not SHA256_RE.fullmatch(inst.image.sha256):
-        return "image: sha256 must be 64 lowercase hex digits"
-    if inst.image.format not in IMAGE_FORMATS:
-        return f"image: format {inst.image.format[:40]!r} is not one of {', '.join(IMAGE_FORMATS)}"
+    if inst.image is not None:
+        if not inst.image.url.startswith("https://"):
+            return (
+                f"image: {inst.image.url[:200]!r} is not an https URL (images are downloaded over https only)"
+            )
+        if not SHA256_RE.fullmatch(inst.image.sha256):
+            return "image: sha256 must be 64 lowercase hex digits"
+        if inst.image.format not in IMAGE_FORMATS:
+            return f"image: format {inst.image.format[:40]!r} is not one of {', '.join(IMAGE_FORMATS)}"
     if len(inst.nics) > MAX_NICS:
         return f"nics: {len(inst.nics)} NICs, at most {MAX_NICS}"
     for i, nic in enumerate(inst.nics):
@@ -177,6 +193,7 @@ def instance_from_wire(msg: wire.InstanceSpec) -> InstanceSpec:
         network_policy=_POLICY.get(int(msg.network_policy), str(int(msg.network_policy))),
         ssh_from_host_only=bool(msg.ssh_from_host_only),
         restore_from=msg.restore_from.url if msg.restore_from is not None else "",
+        restore_sha256=msg.restore_from.sha256 if msg.restore_from is not None else "",
         identity_rebind_ref=msg.identity_rebind_ref,
         user_data_ref=msg.user_data_ref,
     )

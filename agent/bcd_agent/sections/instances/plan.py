@@ -41,6 +41,7 @@ from bcd_agent.sections.instances.model import (
     definition_digest,
 )
 from bcd_agent.sections.instances.placement import Admission, HostFacts, check_placement, committed_bytes
+from bcd_agent.sections.instances.restores import SnapshotState
 from bcd_agent.sections.instances.runtimes.base import PAUSED, RUNNING, STOPPED, Domain
 
 NO_RUNTIME = "this host runs no instance runtime"
@@ -58,6 +59,7 @@ class RuntimeView:
     error: str | None = None
     checks_capacity: bool = False
     leftovers: tuple[str, ...] = ()  # instance directories without a domain
+    snapshots: bool = False  # it takes snapshots, and so restores them (DLV-RT-09: plugins do not)
 
 
 @frozen
@@ -78,6 +80,7 @@ class Observed:
     gpu_addresses: Mapping[str, str | None] = field(factory=dict)  # uuid -> sysfs PCI address or None
     gpu_holds: Mapping[str, str] = field(factory=dict)  # uuid -> allocation holding it
     user_data: Mapping[str, UserData] = field(factory=dict)  # instance id -> fetched or why not
+    snapshots: Mapping[str, SnapshotState] = field(factory=dict)  # restore_from SHA-256 -> download
 
 
 # --- steps ----------------------------------------------------------------------------------------
@@ -121,6 +124,7 @@ class Create:
     instance: InstanceSpec
     gpu_addresses: tuple[str, ...] = ()
     user_data: bytes | None = None
+    snapshot: str | None = None  # a restore: the verified tar (the runtime's `restore`, not `create`)
 
 
 @frozen
@@ -161,6 +165,7 @@ def needs_user_data(spec: InstancesSpec, domains: Mapping[str, Domain]) -> tuple
         i.id
         for i in spec.instances
         if i.user_data_ref
+        and not i.restore_from  # a restore boots with its snapshot's seed
         and i.desired is not Desired.DELETED
         and i.id not in domains
         and check_instance(i) is None
@@ -268,6 +273,28 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
             continue
         wants_up = inst.desired in (Desired.RUNNING, Desired.PAUSED)
         paused = inst.desired is Desired.PAUSED
+        if d is None and inst.restore_from:
+            if not view.snapshots:
+                errors[inst.id] = (
+                    f"restore_from: the {inst.runtime} runtime takes no snapshots, so it restores none"
+                )
+                continue
+            snap = observed.snapshots.get(inst.restore_sha256)
+            if snap is not None and snap.failed is not None and snap.mismatch:
+                errors[inst.id] = snap.failed  # DLV-SNAP-05, for a minute; then it is fetched again
+                continue
+            if snap is None or snap.path is None:
+                why = (
+                    f"the download failed ({snap.failed}); it is tried again a minute after"
+                    if snap is not None and snap.failed is not None
+                    else "downloading the snapshot"
+                )
+                waiting[inst.id] = f"waiting for the user data or snapshot: {why}"
+                continue
+            steps.append(Create(inst.runtime, inst, tuple(addresses), None, snap.path))
+            if wants_up:
+                _start(steps, waiting, admission, inst, view, paused)
+            continue
         if d is None:
             user_data: bytes | None = None
             if inst.user_data_ref:
@@ -338,3 +365,22 @@ def _start(
             waiting[inst.id] = refused
             return
     steps.append(Start(inst.runtime, inst.id, paused, inst))
+
+
+def restores_wanted(spec: InstancesSpec, domains: Mapping[str, Domain]) -> dict[str, str]:
+    """The snapshots to fetch this pass (SHA-256 -> URL): those of valid instances without a domain."""
+    return {
+        i.restore_sha256: i.restore_from
+        for i in spec.instances
+        if i.restore_from
+        and i.desired is not Desired.DELETED
+        and i.id not in domains
+        and check_instance(i) is None
+    }
+
+
+def restores_kept(spec: InstancesSpec) -> frozenset[str]:
+    """The downloaded snapshots a spec still restores from (the others go, DLV-SNAP-12)."""
+    return frozenset(
+        i.restore_sha256 for i in spec.instances if i.restore_from and i.desired is not Desired.DELETED
+    )

@@ -14,9 +14,10 @@ every runtime listed without error, Q-DLV-INST-02).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import shutil
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 import attrs
@@ -34,7 +35,7 @@ from bcd_agent.converge.types import (
 )
 from bcd_agent.inventory.gpus import GpuInventory, collect_gpus, sysfs_pci_address
 from bcd_agent.inventory.host import parse_cpulist, read_host_memory
-from bcd_agent.sections.instances.model import Desired, InstancesSpec, spec_from_wire
+from bcd_agent.sections.instances.model import Desired, InstanceSpec, InstancesSpec, spec_from_wire
 from bcd_agent.sections.instances.network import NetworkPolicy
 from bcd_agent.sections.instances.placement import HostFacts
 from bcd_agent.sections.instances.plan import (
@@ -53,7 +54,10 @@ from bcd_agent.sections.instances.plan import (
     UserData,
     needs_user_data,
     plan,
+    restores_kept,
+    restores_wanted,
 )
+from bcd_agent.sections.instances.restores import SnapshotDownloads
 from bcd_agent.sections.instances.runtimes.base import (
     PAUSED,
     RUNNING,
@@ -133,6 +137,7 @@ class InstancesSection:
         slice_records: bool = False,
         network: NetworkPolicy | None = None,
         volumes: VolumeStore | None = None,
+        snapshots: SnapshotDownloads | None = None,
     ) -> None:
         self.system = system
         self.runtimes = {r.name: r for r in runtimes}
@@ -143,6 +148,11 @@ class InstancesSection:
         self.volumes = volumes  # None: no volume store (instance.volumes not advertised)
         self.rebinder: Any = None  # rebind.Rebinder, set by the node (identity rebind, DLV-REB)
         self.balloons: Any = None  # balloon.BalloonController, set by the node (DLV-BAL)
+        self.snapshots = snapshots  # None: restore_from instances wait (no downloader)
+        import threading
+
+        self._apply_lock = threading.Lock()  # an apply, or a snapshot registering its hold
+        self._held: set[str] = set()  # instances an instance.snapshot has: no step touches them
         self.last_plan: Plan | None = None
         self.last_report = InstancesReport((), False)
         self._last_views: dict[str, RuntimeView] = {}
@@ -217,13 +227,20 @@ class InstancesSection:
         for name, rt in self.runtimes.items():
             try:
                 domains = rt.list()
-                views[name] = RuntimeView(name, domains, None, rt.checks_capacity, rt.leftovers(domains))
+                views[name] = RuntimeView(
+                    name, domains, None, rt.checks_capacity, rt.leftovers(domains), hasattr(rt, "restore")
+                )
             except StepError as exc:
                 views[name] = RuntimeView(name, (), exc.message, rt.checks_capacity)
         return views
 
     def observe(self, spec: InstancesSpec, observation: Observation | None = None) -> Observed:
         views = self.list_runtimes()
+        if self.snapshots is not None:
+            try:  # every pass, an empty spec's too (DLV-SNAP-12)
+                self.snapshots.prune(restores_kept(spec))
+            except OSError as exc:
+                log.warning("instances: pruning the downloaded snapshots: %s", exc)
         if not spec.instances:
             return Observed(runtimes=views)
         inventory = self._inventory(observation)
@@ -238,6 +255,11 @@ class InstancesSection:
             gpu_holds=gpu_holds,
         )
         listed = {d.name: d for v in views.values() for d in v.domains}
+        if self.snapshots is not None:
+            # The downloads never hold the pass up (DLV-SNAP-08/09).
+            from attrs import evolve
+
+            observed = evolve(observed, snapshots=self.snapshots.states(restores_wanted(spec, listed)))
         wanted_data = needs_user_data(spec, listed)
         if wanted_data and self.user_data is not None:
             by_id = {i.id: i for i in spec.instances}
@@ -252,15 +274,36 @@ class InstancesSection:
 
     # --- apply ---------------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def hold(self, name: str) -> Iterator[None]:
+        """Keep the converger's steps off instance `name` (an `instance.snapshot` capturing it): taken
+        between passes' applies, so no step of that instance is under way meanwhile."""
+        with self._apply_lock:
+            if name in self._held:
+                raise TerminalError("InstanceBusy", f"instance {name} is being snapshotted already")
+            self._held.add(name)
+        try:
+            yield
+        finally:
+            with self._apply_lock:
+                self._held.discard(name)
+
     def apply(self, the_plan: Plan) -> tuple[dict[str, str], dict[str, str], dict[str, str], bool]:
+        with self._apply_lock:
+            return self._apply(the_plan)
+
+    def _apply(self, the_plan: Plan) -> tuple[dict[str, str], dict[str, str], dict[str, str], bool]:
         """Run the steps in order; (errors, waits, retryable failures, changed). A failed create skips
-        that instance's start."""
+        that instance's start; an instance a snapshot holds waits."""
         errors: dict[str, str] = {}
         waits: dict[str, str] = {}
         retry: dict[str, str] = {}
         changed = False
         for step in the_plan.steps:
             name = step.name if not isinstance(step, Create | Grow) else step.instance.id
+            if name in self._held:
+                waits[name] = "a snapshot of this instance is being taken"
+                continue
             if name in errors or name in retry:
                 continue
             rt = self.runtimes[step.runtime]
@@ -290,6 +333,8 @@ class InstancesSection:
             rt.suspend(step.name)
         elif isinstance(step, Resume):
             rt.resume(step.name)
+        elif isinstance(step, Create) and step.snapshot is not None:
+            rt.restore(step.instance, step.snapshot, Prepared(step.gpu_addresses))  # type: ignore[attr-defined]
         elif isinstance(step, Create):
             rt.create(step.instance, Prepared(step.gpu_addresses, step.user_data))
         elif isinstance(step, Grow):
@@ -458,3 +503,11 @@ def outcome(
             SECTION, SectionState.FAILED, REASON_FAILED, failed, changed=changed, instances=rep
         )
     return SectionOutcome(SECTION, SectionState.CONVERGED, "", "", changed=changed, instances=rep)
+
+
+def spec_instance(desired: object | None, generation: int, instance_id: str) -> InstanceSpec | None:
+    """The current spec's instance `instance_id` (None when the spec names none, or it is DELETED)."""
+    for inst in to_spec(desired, generation).instances:
+        if inst.id == instance_id and inst.desired is not Desired.DELETED:
+            return inst
+    return None

@@ -47,6 +47,7 @@ def build_domain_xml(
     *,
     domain_type: str = "kvm",
     cpu_mode: str = "host-passthrough",
+    restored_from: str = "",
 ) -> bytes:
     dom = ET.Element("domain", {"type": domain_type})
     _sub(dom, "name", inst.id)
@@ -60,6 +61,8 @@ def build_domain_xml(
         _sub(meta, f"{_NS}image-format", inst.image.format)
     if files.base_format:
         _sub(meta, f"{_NS}base-format", files.base_format)
+    if restored_from:  # the snapshot's SHA-256 (DLV-LIBVIRT-16)
+        _sub(meta, f"{_NS}restored-from", restored_from)
     addresses = " ".join(a for nic in inst.nics for a in nic.addresses)
     if addresses:
         _sub(meta, f"{_NS}addresses", addresses)
@@ -113,6 +116,8 @@ def build_domain_xml(
         _sub(bs, "format", type=files.base_format)
         _sub(bs, "source", file=files.base)
         _sub(bs, "backingStore")
+    elif restored_from:  # a restored snapshot's flat disk: libvirt follows no name its header could gain
+        _sub(disk, "backingStore")
     _sub(disk, "target", dev="vda", bus="virtio")
     # Volumes: raw virtio disks as vdb onward, with their serial (the guest's
     # /dev/disk/by-id/virtio-<serial>), read-only when asked; the format is stated, never probed.

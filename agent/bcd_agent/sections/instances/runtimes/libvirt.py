@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from attrs import frozen
 from bcd_shared.errors import RetryableError, TerminalError
@@ -50,6 +50,8 @@ from bcd_shared.system import CommandResult, System
 
 from bcd_agent.sections.instances.model import RUNTIME_LIBVIRT, InstanceSpec
 from bcd_agent.sections.instances.runtimes.base import (
+    DISK_NAME,
+    LIBVIRT_STATE_NAME,
     PAUSED,
     RUNNING,
     STOPPED,
@@ -58,6 +60,8 @@ from bcd_agent.sections.instances.runtimes.base import (
     DomainFiles,
     ErrNoBalloon,
     Prepared,
+    SnapshotMeta,
+    SnapshotRefused,
 )
 
 if TYPE_CHECKING:
@@ -101,6 +105,15 @@ class Virsh(Protocol):
     def act(self, verb: str, name: str, *args: str) -> CommandResult: ...
 
 
+class VirshStates(Protocol):
+    """A Virsh that also saves and restores memory state (DirectVirsh, HelperVirsh); kept apart so a
+    Virsh without snapshots (a bench's, a test's) still is one."""
+
+    def save(self, name: str, state_path: str) -> None: ...
+
+    def restore(self, name: str, xml: bytes, xml_path: str, state_path: str, paused: bool) -> None: ...
+
+
 def _describe(result: CommandResult) -> str:
     return result.stderr.decode(errors="replace").strip() or result.stdout.decode(errors="replace").strip()
 
@@ -122,6 +135,17 @@ class DirectVirsh:
 
     def act(self, verb: str, name: str, *args: str) -> CommandResult:
         return self.system.run(["virsh", "-c", self.uri, verb, name, *args], timeout=120)
+
+    def save(self, name: str, state_path: str) -> None:
+        result = self.system.run(["virsh", "-c", self.uri, "save", name, state_path], timeout=1800)
+        if not result.ok:
+            raise RetryableError("SaveFailed", f"virsh save {name}: {_describe(result)}")
+
+    def restore(self, name: str, xml: bytes, xml_path: str, state_path: str, paused: bool) -> None:
+        argv = ["virsh", "-c", self.uri, "restore", state_path, "--xml", xml_path]
+        result = self.system.run([*argv, *(["--paused"] if paused else [])], timeout=1800)
+        if not result.ok:
+            raise RetryableError("RestoreFailed", f"virsh restore {name}: {_describe(result)}")
 
 
 class HelperVirsh:
@@ -161,6 +185,14 @@ class HelperVirsh:
             verb = "rebind" if verb == "attach-disk" else "unrebind"
         self.client.call(f"libvirt.{verb.replace('-', '_')}", req)
         return CommandResult(("virsh", verb, name), 0)
+
+    def save(self, name: str, state_path: str) -> None:
+        """root saves into the instance's own `save.state` and hands it to the node (libvirt.save)."""
+        self.client.call("libvirt.save", self._args(name))
+
+    def restore(self, name: str, xml: bytes, xml_path: str, state_path: str, paused: bool) -> None:
+        """root checks the definition and always passes it as --xml (DLV-HLP-08..10)."""
+        self.client.call("libvirt.restore", {**self._args(name), "xml": xml.decode(), "paused": paused})
 
 
 @frozen
@@ -281,6 +313,8 @@ class LibvirtRuntime:
         self.max_virtual_size = max_virtual_size
         self.sleep = sleep
         self._known: dict[str, _Known] = {}
+        # (instance, snapshot SHA-256) -> why its restore was refused (kept for this process's life)
+        self._refused: dict[tuple[str, str], str] = {}
 
     # --- paths ------------------------------------------------------------------------------------
 
@@ -421,6 +455,8 @@ class LibvirtRuntime:
         fmt = inst.image.format if inst.image else None
         d = self._dir(inst.id)
         vols = self._volumes(inst)
+        if fmt is None:  # a restored snapshot: its flat disk and its seed, no base (DLV-IMG-12)
+            return DomainFiles(disk=self._disk(inst.id), seed=f"{d}/seed.iso" if seed else None, volumes=vols)
         if fmt == "iso":
             return DomainFiles(
                 disk=self._disk(inst.id),
@@ -459,6 +495,10 @@ class LibvirtRuntime:
         self._act("blockresize", name, target, f"{size_bytes}B")
 
     def create(self, inst: InstanceSpec, prepared: Prepared) -> None:
+        if inst.image is None and inst.restore_from:
+            # A restored instance defined again (its definition digest changed): its files are there.
+            self._define_restored(inst, prepared)
+            return
         base = self.ensure_image(inst)
         fmt = inst.image.format if inst.image else "qcow2"
         d = self._dir(inst.id)
@@ -588,13 +628,16 @@ class LibvirtRuntime:
                 raise TerminalError("BadImage", f"image {img.sha256[:12]}: {exc.message}") from None
         self.check_overlay(inst)
         # QEMU's way to its files again: the journal puts data_dir back to 0700 whenever bcd starts.
-        fmt = img.format if img is not None else None
         base = image_path(self.data_dir, img.sha256, img.format) if img is not None else None
         d = self._dir(inst.id)
         seed = self.system.exists(f"{d}/seed.iso")
-        self._file_access(
-            inst, self.files(inst, base, seed) if fmt is not None else DomainFiles(self._disk(inst.id))
-        )
+        self._file_access(inst, self.files(inst, base, seed))
+        state = f"{d}/{LIBVIRT_STATE_NAME}"
+        if self.system.exists(state):
+            # A memory restore's first start (DLV-LIBVIRT-28), or a snapshot's save a crash left
+            # before its restore: `virsh restore --xml` of bcd's own domain.xml, never the state's.
+            self._restore_state(inst.id, state, paused)
+            return
         self._act("start", inst.id, *(["--paused"] if paused else []))
 
     def suspend(self, name: str) -> None:
@@ -679,6 +722,167 @@ class LibvirtRuntime:
             self._act("blockresize", inst.id, "vda", f"{inst.disk_bytes}B")
         else:
             self._qemu_img("resize", overlay_only(self._real(self._disk(inst.id))), str(inst.disk_bytes))
+
+    # --- snapshots and restores (docs/instances.md "Snapshots and restores") -----------------------
+
+    def _states(self) -> VirshStates:
+        if not hasattr(self.virsh, "save") or not hasattr(self.virsh, "restore"):
+            raise TerminalError("NoSnapshots", "this libvirt connection saves and restores no memory state")
+        return cast(VirshStates, self.virsh)
+
+    def cpu_model(self) -> str:
+        from bcd_agent.sections.instances.snapshots import cpu_model
+
+        return cpu_model(self.system)
+
+    def _flat_source(self, inst: InstanceSpec) -> str:
+        """The overlay and its base as one `json:` name for `qemu-img convert`: every driver stated and
+        the chain ending in `backing: null`, so qemu-img opens no file a header names (the facts: a
+        plain `convert` follows a backing or data file named in the header)."""
+        import json
+
+        img = inst.image
+        backing: dict[str, Any] | None = None
+        if img is not None and img.format in ("qcow2", "raw"):
+            base = self._real(image_path(self.data_dir, img.sha256, img.format))
+            backing = {"driver": img.format, "file": {"driver": "file", "filename": base}}
+            if img.format == "qcow2":
+                backing["backing"] = None
+        opts = {
+            "driver": "qcow2",
+            "file": {"driver": "file", "filename": self._real(self._disk(inst.id))},
+            "backing": backing,
+        }
+        return "json:" + json.dumps(opts, separators=(",", ":"))
+
+    def snapshot(self, inst: InstanceSpec, include_memory: bool, tar_path: str) -> SnapshotMeta:
+        """DLV-LIBVIRT-22..24: a tar of meta.json, the overlay flattened onto its base (`qemu-img
+        convert`, `-U` beside a running QEMU), the seed and, with memory, `virsh save`'s state; after a
+        save the domain carries on with `virsh restore --xml` of bcd's own domain.xml (paused when it was);
+        a disk-only snapshot of a running domain pauses it for the copy (suspend flushes QEMU's caches)."""
+        from bcd_agent.sections.instances.snapshots import refuse_memory_snapshot, write_tar
+
+        refuse_memory_snapshot(inst, include_memory)
+        name = inst.id
+        state = self._state(name)
+        if include_memory and state == STOPPED:
+            raise SnapshotRefused(
+                "SnapshotRefused", f"payload.include_memory: instance {name} is not running: it has no memory"
+            )
+        self.check_overlay(inst)
+        d = self._dir(name)
+        meta = SnapshotMeta(self.name, self.cpu_model(), include_memory)
+        real_flat = f"{tar_path}.disk"  # tar_path is a real path (the caller's staging file)
+        save = f"{d}/{LIBVIRT_STATE_NAME}"
+        saved = paused_here = False
+        try:
+            if include_memory:
+                self._states().save(name, self._real(save))
+                saved = True
+            elif state == RUNNING:
+                self._act("suspend", name)
+                paused_here = True
+            self._qemu_img("convert", "-U", "-O", "qcow2", self._flat_source(inst), real_flat)
+            files = [(DISK_NAME, real_flat)]
+            if self.system.exists(f"{d}/seed.iso"):
+                files.append(("seed.iso", self._real(f"{d}/seed.iso")))
+            if saved:
+                files.append((LIBVIRT_STATE_NAME, self._real(save)))
+            write_tar(tar_path, meta, files)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(real_flat)
+            if paused_here:
+                self._act("resume", name)
+            if saved:
+                # The domain carries on from its saved state (paused if it was): bcd's own definition.
+                self._restore_state(name, save, paused=state == PAUSED)
+        return meta
+
+    def _restore_state(self, name: str, state: str, paused: bool) -> None:
+        """`virsh restore STATE --xml domain.xml [--paused]` (DLV-LIBVIRT-23/28), then the state goes."""
+        xml_path = f"{self._dir(name)}/domain.xml"
+        xml = self.system.read_bytes(xml_path)
+        if xml is None:
+            raise RetryableError("RestoreFailed", f"{name}: no domain.xml to restore the state with")
+        self.forget(name)
+        self._states().restore(name, xml, self._real(xml_path), self._real(state), paused)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._real(state))
+
+    def restore(self, inst: InstanceSpec, tar_path: str, prepared: Prepared) -> None:
+        """DLV-LIBVIRT-25..28, DLV-IMG-15..17: unpack the verified tar into the new instance's directory
+        (another runtime, or with memory another CPU model, refused), check its disk (a flat qcow2) and
+        leave its seed unprobed, define the domain under the instance's own name and UUID. A memory
+        snapshot's state is unpacked with bcd's new definition written into its header
+        (snapshots.rewrite_save_header: libvirt 9.0 refuses `restore --xml` under another name or
+        UUID), and the first start restores it. A failed check removes the directory."""
+        import tarfile
+
+        from bcd_agent.sections.instances import snapshots
+
+        refused = self._refused.get((inst.id, inst.restore_sha256))
+        if refused is not None:  # refused once already: not unpacked again every pass
+            raise SnapshotRefused("SnapshotRefused", refused)
+        try:  # cheap (meta.json only), so checked again on every pass: the spec may change
+            snapshots.refuse_memory_restore(inst, snapshots.read_meta(tar_path))
+        except (tarfile.TarError, OSError) as exc:
+            raise SnapshotRefused("BadSnapshot", f"restore_from: {exc}") from None
+        d = self._dir(inst.id)
+        real_dir = self._real(d)
+        shutil.rmtree(real_dir, ignore_errors=True)  # a failed attempt's files (ours, no domain)
+        for parent in (libvirt_dir(self.data_dir), f"{libvirt_dir(self.data_dir)}/instances", d):
+            self._mkdir(parent, 0o700 if not self.under_helper else 0o710)
+        try:
+            files = self.files(inst, None, "seed.iso" in snapshots.member_names(tar_path))
+            from bcd_agent.sections.instances.runtimes.domainxml import build_domain_xml
+
+            xml = build_domain_xml(
+                inst, files, prepared.gpu_addresses, domain_type=self.domain_type, cpu_mode=self.cpu_mode,
+                restored_from=inst.restore_sha256,
+            )  # fmt: skip
+
+            def state(src: Any, out: Any) -> None:
+                snapshots.rewrite_save_header(src, out, xml)
+
+            snapshots.unpack(
+                tar_path, real_dir, self.name, self.cpu_model(), LIBVIRT_STATE_NAME,
+                rewrite={LIBVIRT_STATE_NAME: state},
+            )  # fmt: skip
+            self.check_overlay(inst)
+        except (TerminalError, tarfile.TarError) as exc:
+            shutil.rmtree(real_dir, ignore_errors=True)
+            message = exc.message if isinstance(exc, TerminalError) else f"restore_from: {exc}"
+            self._refused[(inst.id, inst.restore_sha256)] = message
+            if isinstance(exc, TerminalError):
+                raise
+            raise SnapshotRefused("BadSnapshot", message) from None
+        except OSError as exc:  # the host's trouble (a full disk): tried again on the next pass
+            shutil.rmtree(real_dir, ignore_errors=True)
+            raise RetryableError("RestoreFailed", f"restore_from: unpacking: {exc}") from None
+        self._file_access(inst, files)
+        xml_path = f"{d}/domain.xml"
+        self.system.write_atomic(xml_path, xml, 0o600)
+        self.forget(inst.id)
+        self.virsh.define(inst.id, xml, self._real(xml_path))
+
+    def _define_restored(self, inst: InstanceSpec, prepared: Prepared) -> None:
+        d = self._dir(inst.id)
+        if not self.system.exists(self._disk(inst.id)):
+            raise TerminalError("BadDisk", f"{inst.id}: the restored disk is gone")
+        self.check_overlay(inst)
+        files = self.files(inst, None, self.system.exists(f"{d}/seed.iso"))
+        self._file_access(inst, files)
+        from bcd_agent.sections.instances.runtimes.domainxml import build_domain_xml
+
+        xml = build_domain_xml(
+            inst, files, prepared.gpu_addresses, domain_type=self.domain_type, cpu_mode=self.cpu_mode,
+            restored_from=inst.restore_sha256,
+        )  # fmt: skip
+        xml_path = f"{d}/domain.xml"
+        self.system.write_atomic(xml_path, xml, 0o600)
+        self.forget(inst.id)
+        self.virsh.define(inst.id, xml, self._real(xml_path))
 
     # --- ballooning (DLV-BAL-12/14) -----------------------------------------------------------------
 
