@@ -298,6 +298,14 @@ def test_runtime_qemu_img_states_the_format_and_opens_no_named_file_dlv_img_09_1
         image=Image("https://images.example/i.iso", iso_sha, "iso"),
     )  # fmt: skip
     rt.check_overlay(vm2)  # flat: accepted
+    # The snapshot's flatten source (a json: name): the overlay and, for a qcow2 or raw image, its base,
+    # every layer's driver stated and the qcow2 base's own backing null, so no header-named file is opened.
+    flat = json.loads(rt._flat_source(inst).removeprefix("json:"))
+    assert flat["driver"] == "qcow2" and flat["file"]["filename"].endswith("vm1/disk.qcow2"), flat
+    assert flat["backing"] == {
+        "driver": "qcow2", "file": {"driver": "file", "filename": str(base)}, "backing": None,
+    }, flat  # fmt: skip
+    assert json.loads(rt._flat_source(vm2).removeprefix("json:"))["backing"] is None  # an iso is no base
     subprocess.run(
         [
             "qemu-img",
@@ -322,10 +330,12 @@ def test_no_qemu_img_call_in_the_code_omits_the_format() -> None:
     `-f` or `overlay_only` (a json: name stating the driver); the helper never runs qemu-img."""
     src = (REPO / "agent/bcd_agent/sections/instances/runtimes/libvirt.py").read_text()
     calls = src.split("self._qemu_img(")[1:]
-    assert len(calls) == 3
+    assert len(calls) == 4
     for call in calls:
         head = call.split(")\n")[0]
-        assert '"-f"' in head or "overlay_only(" in head, head
+        # _flat_source: the snapshot's flatten, a json: name stating every layer's driver (its own test
+        # in test_snapshot_real.py checks the chain ends in backing null).
+        assert '"-f"' in head or "overlay_only(" in head or "self._flat_source(" in head, head
     runtimes = {"libvirt.py", "cloudhypervisor.py"}
     for tree in ("agent", "helper", "shared"):
         for py in (REPO / tree).rglob("*.py"):
