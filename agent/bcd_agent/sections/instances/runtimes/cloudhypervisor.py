@@ -7,7 +7,9 @@ user ACL entries for the run.
 
 - Record (DLV-CH-26/27/28): `instances/<id>/vm.json` (bcd_shared.chrecord); `list` reports only
   directories with one, the state from `vm.info` (no answer on the socket: stopped).
-- Create: an iso is refused (DLV-CH-08); the base image downloaded once into `images/` (https only,
+- Create: an iso is refused (DLV-CH-08); an existing directory without vm.json is not bcd's and is
+  refused (DLV-CH-28); a new instance is built in a staging directory renamed into place once its
+  record is written; the base image downloaded once into `images/` (https only,
   SHA-256, header check), a qcow2 overlay naming it by the path the VMM sees (`qemu-img create -u`), the
   NoCloud seed, a VMM uid from bcd's range not used by another record, and the VM configuration:
   firmware (DLV-CH-04), `boot_vcpus` = `max_vcpus` = vCPUs (DLV-CH-24), disks with an explicit
@@ -22,12 +24,21 @@ user ACL entries for the run.
   deleted (`ch.untaps`, DLV-CH-16). Delete stops first, then removes the directory (DLV-CH-33).
 - Grow (DLV-CH-09): `qemu-img resize` while stopped, `vm.resize-disk` while running; never smaller.
 - Balloon: `set_balloon` is `vm.resize` with `desired_balloon` (only for a VM with a balloon device).
+- Volumes: Raw disks `vol<i>` of the volume store with their serial, read-only when attached so;
+  `resize_volume` is `vm.resize-disk`. Root binds them into the unit and grants the VMM's user its
+  ACL entries for the run.
+- Snapshots (DLV-CH-34/35): `snapshot(name, include_memory, staging)` pauses a running VM, has the
+  VMM write its own snapshot (`vm.snapshot`) into `snapshot/` of the instance's directory, flattens
+  the overlay (`qemu-img convert`, every layer stated), tars meta.json, disk, seed and ch/ into
+  `staging`, and resumes. `restore(inst, prepared, tar)` defines a new instance from a downloaded
+  tar (DLV-CH-36/37, DLV-CH-25): refusals, the flat-disk check, the configuration rebuilt from
+  allowlists (`restored_config`); its first start is `vm.restore` with `net_fds`, then `vm.resume`.
 
 - GPUs (DLV-CH-17/18/23): VFIO devices from `/sys/bus/pci/devices/<addr>/`; `ch.vfio` before the
   launch, `ch.stop` gives the groups back to root, `ch.unvfio` at delete returns them to their drivers.
 
-Not built (docs/instances.md): snapshots and restores (the configuration rebuild exists), volumes,
-identity rebind, and the runtime as root without the helper.
+Not built (docs/instances.md): the runtime as root without the helper (DLV-CHU-09/10). The section
+wires snapshots, restores, the identity rebind's flow and the balloon controller.
 """
 
 from __future__ import annotations
@@ -35,18 +46,21 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
+import json
 import logging
 import os
 import shutil
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from bcd_shared.chrecord import CHNic, CHRecord, RecordError, encode_record, parse_record
+from attrs import evolve
+from bcd_shared.chrecord import CHNic, CHRecord, CHVolume, RecordError, encode_record, parse_record
 from bcd_shared.chunit import FIRMWARE, VMM_UID_BASE, VMM_UID_COUNT, ch_dir, ch_images_dir, ch_instance_dir
 from bcd_shared.errors import HelperRefused, RetryableError, TerminalError
 from bcd_shared.images import ImageRefused, check_image, check_overlay, parse_header
+from bcd_shared.instancenames import valid_instance_id, volumes_dir
 from bcd_shared.system import System
 
 from bcd_agent.sections.instances.model import RUNTIME_CH, InstanceSpec
@@ -68,6 +82,22 @@ MAX_VIRTUAL_SIZE = 64 << 40
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
 _STATES = {"Running": RUNNING, "Paused": PAUSED, "Created": STOPPED, "Shutdown": STOPPED}
+# A snapshot (DLV-CH-34): a tar of meta.json, the flattened overlay, the seed and, with memory, the
+# VMM's own snapshot under ch/. Restored, the VMM's files sit at the top of the instance's directory
+# (the source of vm.restore, and where root's ACL entries for the VMM's user reach them).
+META = "meta.json"
+MEMORY_FILES = ("config.json", "state.json", "memory-ranges")
+TAR_MEMBERS = {
+    META: META,
+    "disk.qcow2": "disk.qcow2",
+    "seed.iso": "seed.iso",
+    **{f"ch/{n}": n for n in MEMORY_FILES},
+}
+SNAPSHOT_WORK = "snapshot"  # in the instance's directory: where the VMM writes its snapshot
+MAX_META = 64 << 10
+MAX_CONFIG = 1 << 20
+MAX_STATE = 256 << 20
+MAX_SEED = 64 << 20
 
 
 def open_tap(name: str) -> int:
@@ -82,10 +112,18 @@ def open_tap(name: str) -> int:
 
 
 def vm_config(
-    inst: InstanceSpec, rec_dir: str, base: str | None, seed: bool, gpus: tuple[str, ...] = ()
+    inst: InstanceSpec,
+    rec_dir: str,
+    base: str | None,
+    seed: bool,
+    gpus: tuple[str, ...] = (),
+    volumes: tuple[CHVolume, ...] = (),
+    data_dir: str = "/var/lib/bcd",
 ) -> dict[str, Any]:
     """The `vm.create` body (VmConfig of the v51 API): no NICs, no tap names; GPUs as VFIO devices
-    from their sysfs directories (DLV-CH-17)."""
+    from their sysfs directories (DLV-CH-17); volumes as raw disks `vol<i>` with their serial,
+    read-only when attached so (DLV-VOL-12/13). `base` None: a restored, flat disk (no
+    `backing_files`, DLV-CH-07)."""
     disks: list[dict[str, Any]] = [
         {
             "id": "disk0",
@@ -96,6 +134,16 @@ def vm_config(
     ]
     if seed:
         disks.append({"id": "seed", "path": f"{rec_dir}/seed.iso", "image_type": "Raw", "readonly": True})
+    for i, vol in enumerate(volumes):
+        disks.append(
+            {
+                "id": f"vol{i}",
+                "path": f"{volumes_dir(data_dir)}/{vol.name}",
+                "image_type": "Raw",
+                "readonly": vol.read_only,
+                "serial": vol.serial,
+            }
+        )
     memory: dict[str, Any] = {"size": inst.memory_bytes, "shared": False}
     if inst.hugepages:
         memory.update(hugepages=True, hugepage_size=inst.hugepages)
@@ -190,6 +238,8 @@ class CloudHypervisorRuntime:
     def list(self) -> tuple[Domain, ...]:
         out = []
         for name in self.system.listdir(f"{ch_dir(self.data_dir)}/instances"):
+            if not valid_instance_id(name):
+                continue  # a create's staging directory
             rec = self.record(name)
             if rec is None:
                 continue  # not bcd's: never touched (DLV-CH-28)
@@ -211,6 +261,10 @@ class CloudHypervisorRuntime:
                     gpu_addresses=rec.gpus,
                     disk_bytes=size,
                     definition=rec.definition,
+                    volumes=tuple(
+                        (v.name.removesuffix(".raw"), v.read_only, f"vol{i}")
+                        for i, v in enumerate(rec.volumes)
+                    ),
                 )
             )
         return tuple(out)
@@ -283,8 +337,7 @@ class CloudHypervisorRuntime:
                 return uid
         raise RetryableError("NoVmmUid", "every VMM uid of bcd's range is in use")
 
-    def _seed(self, inst: InstanceSpec, user_data: bytes) -> None:
-        d = self._dir(inst.id)
+    def _seed(self, inst: InstanceSpec, user_data: bytes, d: str) -> None:
         stage = f"{d}/seed"
         self._mkdir(stage, 0o700)
         self.system.write_atomic(f"{stage}/user-data", user_data, 0o600)
@@ -300,80 +353,155 @@ class CloudHypervisorRuntime:
         if not result.ok:
             raise RetryableError("SeedFailed", f"the NoCloud seed: {result.describe()}")
 
-    def create(self, inst: InstanceSpec, prepared: Prepared) -> None:
-        img = inst.image
-        if img is None:
-            raise TerminalError("NoImage", "cloud-hypervisor needs an image")
-        if img.format == "iso":
-            raise TerminalError("BadImage", "cloud-hypervisor boots disk images, not an iso")
+    def _check_create(self, inst: InstanceSpec, prepared: Prepared) -> None:
         if len(prepared.gpu_addresses) != len(inst.gpu_uuids):
             raise TerminalError("NoGpuAddress", "a GPU without a PCI address in the inventory")
-        if inst.volumes or inst.restore_from:
-            raise TerminalError("NotBuilt", "volumes and restores on cloud-hypervisor are not built yet")
         for i, nic in enumerate(inst.nics):
             if not nic.bridge:
                 raise TerminalError("BadNic", f"nics[{i}]: a NIC without a network")
-        base = self.ensure_image(inst)
+
+    def _workdir(self, name: str) -> tuple[str, bool]:
+        """Where a create builds the instance's files: the directory itself when its record exists
+        (a definition changed), else a staging directory renamed into place once `vm.json` is in it,
+        so a crash mid-create never leaves a directory without a record that bcd would have to
+        call its own. An existing directory without `vm.json` is not bcd's: never defined over
+        (DLV-CH-28)."""
         for d in (ch_dir(self.data_dir), f"{ch_dir(self.data_dir)}/instances"):
             self._mkdir(d, 0o711)
-        d = self._dir(inst.id)
-        self._mkdir(d, 0o700)
-        disk = f"{d}/disk.qcow2"
-        if not self.system.exists(disk):
-            size = max(inst.disk_bytes, self._base_size(base, img.format))
-            # The overlay names its base by the path the VMM sees (bound read-only into its unit).
-            result = self.system.run(
-                [
-                    "qemu-img",
-                    "create",
-                    "-f",
-                    "qcow2",
-                    "-u",
-                    "-b",
-                    base,
-                    "-F",
-                    img.format,
-                    self._real(disk),
-                    str(size),
-                ],
-                timeout=600,
-            )
-            if not result.ok:
-                raise RetryableError("QemuImgFailed", f"qemu-img create: {result.describe()}")
-            os.chmod(self._real(disk), 0o600)
-        self.check_overlay(inst)
-        if prepared.user_data is not None:
-            self._seed(inst, prepared.user_data)
-        seed = self.system.exists(f"{d}/seed.iso")
-        old = self.record(inst.id)
-        from bcd_agent.sections.instances.model import definition_digest
+        final = self._dir(name)
+        if self.system.exists(final):
+            if self.record(name) is None:
+                raise TerminalError(
+                    "NotBcds",
+                    f"{final} exists without a vm.json: it is not bcd's and is never defined over",
+                )
+            return final, False
+        stage = self._stage(name)
+        shutil.rmtree(self._real(stage), ignore_errors=True)  # a crashed create's: bcd's own
+        self._mkdir(stage, 0o700)
+        return stage, True
 
-        config = vm_config(inst, d, base, seed, prepared.gpu_addresses)
-        rec = CHRecord(
-            name=inst.id,
-            allocation_id=inst.allocation_id,
-            uid=old.uid if old is not None else self._free_uid(inst.id),
-            vcpus=inst.vcpus,
-            memory_bytes=inst.memory_bytes,
-            image_sha256=img.sha256,
-            image_format=img.format,
-            seed=seed,
-            nics=tuple(CHNic(n.mac, n.bridge) for n in inst.nics),
-            gpus=tuple(prepared.gpu_addresses),
-            volumes=(),
-            hugepages=bool(inst.hugepages),
-            cpus=inst.placement.cpus if inst.placement is not None else "",
-            mems=inst.placement.mems if inst.placement is not None else "",
-            restored=False,
-            config=config,
-            definition=definition_digest(inst, ()),
-        )
+    def _stage(self, name: str) -> str:
+        # Never an instance id (a leading dot): list() and the helper never take it for one.
+        return f"{ch_dir(self.data_dir)}/instances/.{name}.new"
+
+    def _commit(self, name: str, work: str, staged: bool, rec: CHRecord) -> None:
         try:
             data = encode_record(rec)
             parse_record(data)  # what root will read
         except RecordError as exc:
             raise TerminalError("BadSpec", f"vm.json: {exc}") from None
-        self.system.write_atomic(f"{d}/vm.json", data, 0o600)
+        self.system.write_atomic(f"{work}/vm.json", data, 0o600)
+        if staged:
+            os.rename(self._real(work), self._real(self._dir(name)))
+            fd = os.open(self._real(f"{ch_dir(self.data_dir)}/instances"), os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+
+    def create(self, inst: InstanceSpec, prepared: Prepared) -> None:
+        img = inst.image
+        if inst.restore_from:
+            raise TerminalError("RestoreFrom", "a restore is created by restore() from its snapshot")
+        if img is None:
+            raise TerminalError("NoImage", "cloud-hypervisor needs an image")
+        if img.format == "iso":
+            raise TerminalError("BadImage", "cloud-hypervisor boots disk images, not an iso")
+        self._check_create(inst, prepared)
+        volumes = self._volumes(inst)
+        base = self.ensure_image(inst)
+        work, staged = self._workdir(inst.id)
+        d = self._dir(inst.id)
+        try:
+            disk = f"{work}/disk.qcow2"
+            if not self.system.exists(disk):
+                size = max(inst.disk_bytes, self._base_size(base, img.format))
+                # The overlay names its base by the path the VMM sees (bound read-only into its unit).
+                result = self.system.run(
+                    ["qemu-img", "create", "-f", "qcow2", "-u", "-b", base, "-F", img.format,
+                     self._real(disk), str(size)],
+                    timeout=600,
+                )  # fmt: skip
+                if not result.ok:
+                    raise RetryableError("QemuImgFailed", f"qemu-img create: {result.describe()}")
+                os.chmod(self._real(disk), 0o600)
+            self._check_overlay_at(disk, inst)
+            if prepared.user_data is not None:
+                self._seed(inst, prepared.user_data, work)
+            seed = self.system.exists(f"{work}/seed.iso")
+            old = None if staged else self.record(inst.id)
+            rec = self._new_record(
+                inst,
+                prepared,
+                vm_config(inst, d, base, seed, prepared.gpu_addresses, volumes, self.data_dir),
+                seed,
+                volumes,
+            )
+            if old is not None:
+                rec = evolve(rec, uid=old.uid)
+            self._commit(inst.id, work, staged, rec)
+        except BaseException:
+            if staged:
+                shutil.rmtree(self._real(work), ignore_errors=True)
+            raise
+
+    def _new_record(
+        self,
+        inst: InstanceSpec,
+        prepared: Prepared,
+        config: dict[str, Any],
+        seed: bool,
+        volumes: tuple[CHVolume, ...],
+        restored: bool = False,
+    ) -> CHRecord:
+        from bcd_agent.sections.instances.model import definition_digest
+
+        img = inst.image
+        return CHRecord(
+            name=inst.id,
+            allocation_id=inst.allocation_id,
+            uid=self._free_uid(inst.id),
+            vcpus=inst.vcpus,
+            memory_bytes=inst.memory_bytes,
+            image_sha256=None if restored or img is None else img.sha256,
+            image_format=None if restored or img is None else img.format,
+            seed=seed,
+            nics=tuple(CHNic(n.mac, n.bridge) for n in inst.nics),
+            gpus=tuple(prepared.gpu_addresses),
+            volumes=volumes,
+            hugepages=bool(inst.hugepages),
+            cpus=inst.placement.cpus if inst.placement is not None else "",
+            mems=inst.placement.mems if inst.placement is not None else "",
+            restored=restored,
+            config=config,
+            definition=definition_digest(inst, ()),
+        )
+
+    def _volumes(self, inst: InstanceSpec) -> tuple[CHVolume, ...]:
+        """Each attached volume as the record names it: the store's `<id>.raw` and the serial of its
+        record (volumes are created before any instance is defined, DLV-VOL-08). Root grants the VMM's
+        user its ACL entry, read-write or read-only, for the run (DLV-CHH-04)."""
+        out = []
+        store = volumes_dir(self.data_dir)
+        for vid, ro in inst.volumes:
+            record = self.system.read_bytes(f"{store}/{vid}.json")
+            try:
+                serial = json.loads(record or b"{}").get("serial", "")
+            except ValueError:
+                serial = ""
+            if not serial or not self.system.exists(f"{store}/{vid}.raw"):
+                raise RetryableError("VolumeMissing", f"volume {vid} is not in the store yet")
+            out.append(CHVolume(f"{vid}.raw", ro, str(serial)))
+        return tuple(out)
+
+    def resize_volume(self, name: str, target: str, size_bytes: int) -> None:
+        """A grown volume reaches the running or paused guest (DLV-VOL-11): the store truncated the
+        file already; `vm.resize-disk` tells the guest."""
+        try:
+            self.api(name).resize_disk(target, size_bytes)
+        except CHApiError as exc:
+            raise RetryableError("GrowFailed", f"{name}: volume {target}: {exc}") from None
 
     def _base_size(self, base: str, fmt: str) -> int:
         if fmt == "qcow2":
@@ -381,13 +509,18 @@ class CloudHypervisorRuntime:
         return os.stat(self._real(base)).st_size
 
     def check_overlay(self, inst: InstanceSpec) -> None:
-        img = inst.image
-        assert img is not None
-        base = f"{ch_images_dir(self.data_dir)}/{img.sha256}.{img.format}"
+        """bcd's overlay must name exactly its base (or nothing, for a restored disk): checked before
+        every start, snapshot and resize."""
+        rec = self.record(inst.id)
+        self._check_overlay_at(
+            f"{self._dir(inst.id)}/disk.qcow2", None if rec is not None and rec.restored else inst
+        )
+
+    def _check_overlay_at(self, disk: str, inst: InstanceSpec | None) -> None:
+        img = inst.image if inst is not None else None
+        base = f"{ch_images_dir(self.data_dir)}/{img.sha256}.{img.format}" if img is not None else None
         try:
-            check_overlay(
-                self._real(f"{self._dir(inst.id)}/disk.qcow2"), base, img.format, self.max_virtual_size
-            )
+            check_overlay(self._real(disk), base, img.format if img else None, self.max_virtual_size)
         except ImageRefused as exc:
             raise TerminalError("BadDisk", f"disk.qcow2: {exc.message}") from None
 
@@ -408,8 +541,11 @@ class CloudHypervisorRuntime:
                 self.sleep(0.05)
 
     def start(self, inst: InstanceSpec, paused: bool) -> None:
+        rec = self.record(inst.id)
+        if rec is None:
+            raise RetryableError("NoRecord", f"{inst.id}: no vm.json (create first)")
         img = inst.image
-        if img is not None and img.format == "qcow2":
+        if not rec.restored and img is not None and img.format == "qcow2":
             try:
                 check_image(
                     self._real(f"{ch_images_dir(self.data_dir)}/{img.sha256}.qcow2"), self.max_virtual_size
@@ -417,9 +553,8 @@ class CloudHypervisorRuntime:
             except ImageRefused as exc:
                 raise TerminalError("BadImage", f"image {img.sha256[:12]}: {exc.message}") from None
         self.check_overlay(inst)
-        rec = self.record(inst.id)
-        if rec is None:
-            raise RetryableError("NoRecord", f"{inst.id}: no vm.json (create first)")
+        d = self._dir(inst.id)
+        memory = rec.restored and self.system.exists(f"{d}/{MEMORY_FILES[1]}")
         taps: list[str] = []
         if rec.nics:
             taps = list(
@@ -432,6 +567,22 @@ class CloudHypervisorRuntime:
         self._call("ch.launch", self._signed(inst.id))
         try:
             api = self._wait_socket(inst.id)
+            if memory:
+                # A memory restore's first start (DLV-CH-38): vm.restore from bcd's rebuilt
+                # config.json with each NIC's tap fd as net_fds (DLV-CHU-07), then vm.resume. The
+                # memory state goes once the VMM read it (the default restore mode copies it).
+                fds: list[int] = []
+                try:
+                    for tap in taps:
+                        fds.append(self.tap_opener(tap))
+                    api.restore(d, [(f"net{i}", fd) for i, fd in enumerate(fds)])
+                finally:
+                    for fd in fds:
+                        os.close(fd)
+                if not paused:
+                    api.resume()
+                self._drop_memory_state(inst.id)
+                return
             api.create(rec.config)
             for i, (nic, tap) in enumerate(zip(rec.nics, taps, strict=True)):
                 fd = self.tap_opener(tap)
@@ -578,6 +729,251 @@ class CloudHypervisorRuntime:
         finally:
             os.close(fd)
         os.unlink(real)
+
+    # -- snapshots and restores (DLV-CH-25, DLV-CH-34..41, DLV-CHU-07/08, DLV-BAL-15) -------------
+    # The runtime's half of DLV-SNAP-01..13: `snapshot` writes the tar into a staging file the
+    # section names (under data_dir/snapshots), `restore` builds a new instance from a downloaded,
+    # verified tar; the section does the transfers, hashes and retries.
+
+    def cpu_model(self) -> str:
+        """The host CPU's model name (/proc/cpuinfo), which a memory snapshot must match."""
+        for line in (self.system.read_text("/proc/cpuinfo") or "").splitlines():
+            key, sep, value = line.partition(":")
+            if sep and key.strip() == "model name":
+                return value.strip()
+        return ""
+
+    def _check_record_disk(self, rec: CHRecord) -> None:
+        base = None
+        if not rec.restored and rec.image_sha256 is not None:
+            base = f"{ch_images_dir(self.data_dir)}/{rec.image_sha256}.{rec.image_format}"
+        try:
+            check_overlay(
+                self._real(f"{self._dir(rec.name)}/disk.qcow2"),
+                base,
+                None if base is None else rec.image_format,
+                self.max_virtual_size,
+            )
+        except ImageRefused as exc:
+            raise TerminalError("BadDisk", f"disk.qcow2: {exc.message}") from None
+
+    def _flatten(self, rec: CHRecord, out: str) -> None:
+        """The overlay flattened onto its base with `qemu-img convert`, every layer's driver and file
+        stated (the base's own backing null): qemu-img opens no file a header names."""
+        layer: dict[str, Any] = {
+            "driver": "qcow2",
+            "file": {"driver": "file", "filename": self._real(f"{self._dir(rec.name)}/disk.qcow2")},
+            "backing": None,
+        }
+        if not rec.restored and rec.image_sha256 is not None and rec.image_format is not None:
+            base = self._real(f"{ch_images_dir(self.data_dir)}/{rec.image_sha256}.{rec.image_format}")
+            backing: dict[str, Any] = {
+                "driver": rec.image_format,
+                "file": {"driver": "file", "filename": base},
+            }
+            if rec.image_format == "qcow2":
+                backing["backing"] = None
+            layer["backing"] = backing
+        src = "json:" + json.dumps(layer, separators=(",", ":"))
+        result = self.system.run(
+            ["qemu-img", "convert", "-O", "qcow2", src, self._real(out)], timeout=6 * 3600
+        )
+        if not result.ok:
+            raise RetryableError("QemuImgFailed", f"qemu-img convert: {result.describe()}")
+
+    def snapshot(self, name: str, include_memory: bool, staging: str) -> None:
+        """Write instance `name`'s snapshot tar to `staging` (DLV-CH-34, DLV-SNAP-13): meta.json
+        (runtime, CPU model, includeMemory), the overlay flattened, the seed and, with memory, the
+        VMM's `vm.snapshot` of the paused VM under ch/. A running VM is paused for it and resumed
+        after, whatever happened (DLV-CH-35). A memory snapshot needs a running or paused VM."""
+        rec = self.record(name)
+        if rec is None:
+            raise TerminalError("NotBcds", f"{name}: no vm.json: not a cloud-hypervisor instance of bcd's")
+        self._check_record_disk(rec)
+        state = self._state(name)
+        if include_memory and state == STOPPED:
+            raise TerminalError("NotRunning", f"{name}: a memory snapshot needs a running or paused VM")
+        d = self._dir(name)
+        work = f"{d}/{SNAPSHOT_WORK}"
+        shutil.rmtree(self._real(work), ignore_errors=True)
+        # 0770: under the helper the directory inherits the VMM user's default ACL entry, whose
+        # effective rights the mode's group bits bound; root's runtime gives the VMM the directory.
+        self._mkdir(work, 0o770)
+        api = self.api(name, timeout_s=600)
+        paused_here = False
+        try:
+            if state == RUNNING:
+                api.pause()
+                paused_here = True
+            if include_memory:
+                api.snapshot(work)
+            self._flatten(rec, f"{work}/disk.qcow2")
+            meta = {"runtime": self.name, "cpuModel": self.cpu_model(), "includeMemory": include_memory}
+            members: list[tuple[str, str | bytes]] = [
+                (META, json.dumps(meta, sort_keys=True).encode()),
+                ("disk.qcow2", f"{work}/disk.qcow2"),
+            ]
+            if rec.seed:
+                members.append(("seed.iso", f"{d}/seed.iso"))
+            if include_memory:
+                members += [(f"ch/{n}", f"{work}/{n}") for n in MEMORY_FILES]
+            self._write_tar(staging, members)
+        except CHApiError as exc:
+            raise RetryableError("SnapshotFailed", f"{name}: {exc}") from None
+        finally:
+            try:
+                if paused_here:
+                    api.resume()
+            finally:
+                shutil.rmtree(self._real(work), ignore_errors=True)
+
+    def _write_tar(self, staging: str, members: Sequence[tuple[str, str | bytes]]) -> None:
+        import io
+        import tarfile
+
+        real = self._real(staging)
+        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        with os.fdopen(fd, "wb") as out:
+            with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+                for arcname, src in members:
+                    info = tarfile.TarInfo(arcname)
+                    info.mode = 0o600
+                    if isinstance(src, bytes):
+                        info.size = len(src)
+                        tar.addfile(info, io.BytesIO(src))
+                        continue
+                    with open(self._real(src), "rb") as f:
+                        info.size = os.fstat(f.fileno()).st_size
+                        tar.addfile(info, f)
+            out.flush()
+            os.fsync(out.fileno())
+
+    def _member_limit(self, dest: str, inst: InstanceSpec) -> int:
+        return {
+            META: MAX_META,
+            "config.json": MAX_CONFIG,
+            "state.json": MAX_STATE,
+            "memory-ranges": inst.memory_bytes + (1 << 20),
+            "seed.iso": MAX_SEED,
+        }.get(dest, self.max_virtual_size + self.max_virtual_size // 64 + (1 << 30))
+
+    def _unpack(self, snapshot: str, work: str, inst: InstanceSpec) -> set[str]:
+        """DLV-LIBVIRT-25: the tar unpacked into the new instance's directory: regular files of the
+        names a snapshot holds, each once and within its bound; anything else refuses it."""
+        import tarfile
+
+        got: set[str] = set()
+        try:
+            with tarfile.open(self._real(snapshot), mode="r:") as tar:
+                for m in tar:
+                    if m.isdir() and m.name.rstrip("/") == "ch":
+                        continue
+                    dest = TAR_MEMBERS.get(m.name)
+                    if dest is None or not m.isreg():
+                        raise TerminalError(
+                            "BadSnapshot", f"the snapshot holds {m.name[:100]!r}, which no snapshot holds"
+                        )
+                    if dest in got:
+                        raise TerminalError("BadSnapshot", f"the snapshot holds {m.name!r} twice")
+                    if m.size > self._member_limit(dest, inst):
+                        raise TerminalError(
+                            "BadSnapshot", f"the snapshot's {m.name} is too large ({m.size} bytes)"
+                        )
+                    got.add(dest)
+                    src = tar.extractfile(m)
+                    assert src is not None
+                    fd = os.open(
+                        self._real(f"{work}/{dest}"),
+                        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                        0o600,
+                    )
+                    with os.fdopen(fd, "wb") as out:
+                        shutil.copyfileobj(src, out, 1 << 20)
+                        out.flush()
+                        os.fsync(out.fileno())
+        except (tarfile.TarError, EOFError) as exc:
+            raise TerminalError("BadSnapshot", f"the snapshot is not a readable tar: {exc}") from None
+        return got
+
+    def _snapshot_meta(self, work: str, got: set[str]) -> bool:
+        """meta.json, strictly: this runtime's, and with memory this host's CPU model (DLV-CH-25,
+        DLV-LIBVIRT-26); whether the snapshot holds memory."""
+        if META not in got or "disk.qcow2" not in got:
+            raise TerminalError("BadSnapshot", "the snapshot has no meta.json or no disk.qcow2")
+        try:
+            meta = json.loads(self.system.read_bytes(f"{work}/{META}") or b"")
+        except ValueError:
+            raise TerminalError("BadSnapshot", "the snapshot's meta.json is not JSON") from None
+        if not isinstance(meta, dict) or set(meta) != {"runtime", "cpuModel", "includeMemory"}:
+            raise TerminalError("BadSnapshot", "meta.json: exactly runtime, cpuModel and includeMemory")
+        if meta["runtime"] != self.name:
+            raise TerminalError(
+                "BadSnapshot", f"the snapshot was taken by {str(meta['runtime'])[:40]!r}, not {self.name}"
+            )
+        memory = meta["includeMemory"]
+        if type(memory) is not bool or not isinstance(meta["cpuModel"], str):
+            raise TerminalError("BadSnapshot", "meta.json: includeMemory a boolean, cpuModel a string")
+        held = {n for n in MEMORY_FILES if n in got}
+        if held != (set(MEMORY_FILES) if memory else set()):
+            raise TerminalError("BadSnapshot", "the snapshot's memory files do not match its includeMemory")
+        if memory and meta["cpuModel"] != self.cpu_model():
+            raise TerminalError(
+                "CpuMismatch",
+                f"the memory snapshot was taken on CPU {meta['cpuModel'][:80]!r}, "
+                f"this host's is {self.cpu_model()[:80]!r}",
+            )
+        return memory
+
+    def restore(self, inst: InstanceSpec, prepared: Prepared, snapshot: str) -> None:
+        """Define instance `inst` from the downloaded and verified snapshot tar `snapshot` (a system
+        path) instead of an image (DLV-CH-36): unpacked into the new directory, refused when taken
+        by another runtime or, with memory, on another CPU model; its disk must be a flat qcow2 and
+        its seed is attached raw, never probed (DLV-LIBVIRT-27). A memory snapshot's config.json must
+        have exactly the instance's vCPUs and memory (DLV-CH-37) and is rebuilt from allowlists
+        (DLV-CH-38..41), keeping bcd's balloon (DLV-BAL-15). Any refusal removes the new directory.
+        An instance already restored (its vm.json exists) only has its record brought up to date."""
+        self._check_create(inst, prepared)
+        volumes = self._volumes(inst)
+        work, staged = self._workdir(inst.id)
+        d = self._dir(inst.id)
+        try:
+            memory = False
+            if staged:
+                got = self._unpack(snapshot, work, inst)
+                memory = self._snapshot_meta(work, got)
+                os.unlink(self._real(f"{work}/{META}"))
+                try:
+                    check_overlay(self._real(f"{work}/disk.qcow2"), None, None, self.max_virtual_size)
+                except ImageRefused as exc:
+                    raise TerminalError("BadSnapshot", f"the snapshot's disk: {exc.message}") from None
+            seed = self.system.exists(f"{work}/seed.iso")
+            fresh = vm_config(inst, d, None, seed, prepared.gpu_addresses, volumes, self.data_dir)
+            if memory:
+                try:
+                    saved = json.loads(self.system.read_bytes(f"{work}/config.json") or b"")
+                except ValueError:
+                    raise TerminalError("BadSnapshot", "the snapshot's config.json is not JSON") from None
+                check_snapshot_config(saved, inst.vcpus, inst.memory_bytes)
+                nics = [(f"net{i}", n.mac) for i, n in enumerate(inst.nics)]
+                rebuilt = restored_config(saved, fresh, nics)
+                self.system.write_atomic(
+                    f"{work}/config.json", json.dumps(rebuilt, sort_keys=True).encode(), 0o600
+                )
+            old = None if staged else self.record(inst.id)
+            rec = self._new_record(inst, prepared, fresh, seed, volumes, restored=True)
+            if old is not None:
+                rec = evolve(rec, uid=old.uid)
+            self._commit(inst.id, work, staged, rec)
+        except BaseException:
+            if staged:
+                shutil.rmtree(self._real(work), ignore_errors=True)
+            raise
+
+    def _drop_memory_state(self, name: str) -> None:
+        """After a memory restore's first start: its state files go (later starts boot the disk)."""
+        for n in MEMORY_FILES:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._real(f"{self._dir(name)}/{n}"))
 
     def set_balloon(self, name: str, balloon_bytes: int) -> None:
         """The balloon through `vm.resize` `desired_balloon` (a VM without a balloon device is not

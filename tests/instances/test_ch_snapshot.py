@@ -1,0 +1,418 @@
+"""cloud-hypervisor snapshots and restores, the runtime's half (DLV-CH-25, DLV-CH-34..38, DLV-CHU-07,
+DLV-BAL-15), and its volumes and the directories that are not bcd's (DLV-CH-28).
+
+The VMM is the simulated v51 API server (bcd_simhost.chapi: `vm.snapshot` writes config.json,
+state.json and memory-ranges; `vm.restore` takes the taps only by SCM_RIGHTS and checks each fd);
+`qemu-img` is the real one (Debian's qemu-utils), so the flattened disk in a snapshot is read back
+with `qemu-io` and must hold both the base image's and the overlay's bytes. NICs are real taps in a
+private network namespace."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import subprocess
+import tarfile
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_agent.sections.instances.model import RUNTIME_CH, Image, Nic, Placement
+from bcd_agent.sections.instances.runtimes.base import Prepared
+from bcd_agent.sections.instances.runtimes.cloudhypervisor import CloudHypervisorRuntime
+from bcd_shared.chrecord import parse_record
+from bcd_shared.chunit import ch_images_dir, ch_instance_dir
+from bcd_shared.errors import RetryableError, TerminalError
+from bcd_shared.instancenames import tap_name
+from bcd_shared.system import CommandResult, FakeTool, LocalSystem
+from bcd_simhost import TOOLS, _LazyTool
+from bcd_simhost.chapi import FakeCHServer
+from bcd_simhost.seed import seed
+from netns import in_netns
+
+DATA = "/var/lib/bcd"
+MIB = 1 << 20
+IN_CI = os.environ.get("CI") == "true"
+needs_tools = pytest.mark.skipif(
+    not IN_CI and (os.geteuid() != 0 or not os.path.exists("/dev/net/tun") or not shutil.which("qemu-io")),
+    reason="needs root, /dev/net/tun and qemu-utils",
+)
+pytestmark = needs_tools
+
+
+def sim_tools(qemu_img: FakeTool) -> dict[str, FakeTool]:
+    tools: dict[str, FakeTool] = {name: _LazyTool(spec) for name, spec in TOOLS.items()}
+    tools["qemu-img"] = qemu_img
+    return tools
+
+
+def real_tool(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
+    proc = subprocess.run(list(argv), input=stdin, capture_output=True, timeout=600, check=False)
+    return CommandResult(tuple(argv), proc.returncode, proc.stdout, proc.stderr)
+
+
+class Recorder:
+    """ch.* as the helper answers them; ch.launch starts the simulated VMM on the instance's socket."""
+
+    def __init__(self, system: LocalSystem) -> None:
+        self.system = system
+        self.calls: list[str] = []
+        self.vmms: dict[str, FakeCHServer] = {}
+
+    def call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        self.calls.append(op)
+        name = args["name"]
+        if op == "ch.taps":
+            return {"taps": [tap_name(name, i) for i in range(len(args["bridges"]))]}
+        if op == "ch.launch":
+            sock = self.system.host_path(f"{ch_instance_dir(DATA, name)}/api.sock")
+            self.vmms[name] = FakeCHServer(sock, root=self.system.root)
+            return {}
+        if op == "ch.stop":
+            vmm = self.vmms.pop(name, None)
+            if vmm is not None:
+                vmm.close()
+            return {"state": "inactive"}
+        return {}
+
+    def close(self) -> None:
+        for vmm in self.vmms.values():
+            vmm.close()
+
+
+def qemu_io(path: Path, *cmds: str) -> subprocess.CompletedProcess[bytes]:
+    spec = {"driver": "qcow2", "file": {"driver": "file", "filename": str(path)}, "backing": None}
+    argv = ["qemu-io", "-f", "qcow2"]
+    for c in cmds:
+        argv += ["-c", c]
+    return subprocess.run([*argv, "json:" + json.dumps(spec)], capture_output=True, check=False)
+
+
+@pytest.fixture
+def host() -> Iterator[tuple[CloudHypervisorRuntime, Recorder, Image]]:
+    tmp = Path(tempfile.mkdtemp(prefix="chs", dir="/tmp"))  # short: sun_path holds 108 bytes
+    root = tmp / "h"
+    seed(root)
+    tools = sim_tools(qemu_img=real_tool)  # the real qemu-img: create, convert, a real flattened disk
+    system = LocalSystem(root=root, tools=tools)
+    rec = Recorder(system)
+    rt = CloudHypervisorRuntime(system, rec, DATA, stop_timeout_s=1.0, sleep=lambda s: None)
+    # A real base image with a pattern in its first MiB, under its SHA-256 (downloaded before).
+    images = system.host_path(ch_images_dir(DATA))
+    images.mkdir(parents=True)
+    base = tmp / "base.qcow2"
+    subprocess.run(
+        ["qemu-img", "create", "-f", "qcow2", str(base), str(64 * MIB)], check=True, capture_output=True
+    )
+    subprocess.run(
+        ["qemu-io", "-f", "qcow2", "-c", "write -P 0xab 0 1M", str(base)], check=True, capture_output=True
+    )
+    sha = hashlib.sha256(base.read_bytes()).hexdigest()
+    shutil.move(base, images / f"{sha}.qcow2")
+    yield rt, rec, Image("https://images.sim.bcd/real.qcow2", sha, "qcow2")
+    rec.close()
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def chvm(ident: str, image: Image | None, **kw: Any) -> Any:
+    from bcd_agent.sections.instances.model import InstanceSpec
+
+    base: dict[str, Any] = {
+        "id": ident,
+        "allocation_id": f"alloc_{ident}",
+        "runtime": RUNTIME_CH,
+        "vcpus": 2,
+        "memory_bytes": 512 * MIB,
+        "disk_bytes": 128 * MIB,
+        "image": image,
+        "nics": (Nic("br0", "52:54:00:00:00:01"), Nic("br0", "52:54:00:00:00:02")),
+        "placement": Placement(balloon=True),
+    }
+    base.update(kw)
+    return InstanceSpec(**base)
+
+
+def requests(vmm: FakeCHServer) -> list[str]:
+    return [r[0] for r in vmm.requests if r[0] not in ("vmm.ping", "vm.info")]
+
+
+def members(tar_path: Path) -> dict[str, bytes]:
+    with tarfile.open(tar_path) as tar:
+        out = {}
+        for m in tar:
+            f = tar.extractfile(m)
+            out[m.name] = f.read() if f is not None else b""
+        return out
+
+
+def write_tar(path: Path, files: dict[str, bytes], links: Sequence[str] = ()) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        for name in links:
+            info = tarfile.TarInfo(name)
+            info.type = tarfile.SYMTYPE
+            info.linkname = "/etc/shadow"
+            tar.addfile(info)
+
+
+def test_a_memory_snapshot_pauses_and_holds_the_flat_disk_and_the_vmms_state_dlv_ch_34_dlv_ch_35(
+    host: tuple[CloudHypervisorRuntime, Recorder, Image],
+) -> None:
+    """DLV-CH-34, DLV-CH-35, DLV-SNAP-13 (the runtime's capture): a running VM is paused, snapshotted
+    by the VMM into the instance's directory, its overlay flattened onto the base (both layers' bytes,
+    no backing file) and resumed; the tar holds exactly meta.json, disk.qcow2, seed.iso and ch/'s
+    config.json, state.json and memory-ranges. A disk-only snapshot of a stopped VM holds no ch/ and
+    asks the VMM nothing; a memory snapshot of a stopped VM is refused."""
+    rt, rec, image = host
+    inst = chvm("s1", image)
+    staging = rt.system.host_path(f"{DATA}/snapshots/s1.tar")
+    staging.parent.mkdir(parents=True)
+
+    def body() -> None:
+        rt.create(inst, Prepared(user_data=b"#cloud-config\n"))
+        disk = rt.system.host_path(f"{ch_instance_dir(DATA, 's1')}/disk.qcow2")
+        assert qemu_io(disk, "write -P 0xcd 1M 1M").returncode == 0  # the guest's own write
+        rt.start(inst, paused=False)
+        vmm = rec.vmms["s1"]
+        rt.snapshot("s1", True, f"{DATA}/snapshots/s1.tar")
+        assert requests(vmm)[-3:] == ["vm.pause", "vm.snapshot", "vm.resume"]
+        assert vmm.state == "Running"
+        rt.stop("s1")
+
+    in_netns(body)
+    got = members(staging)
+    assert sorted(got) == sorted(
+        ["meta.json", "disk.qcow2", "seed.iso", "ch/config.json", "ch/state.json", "ch/memory-ranges"]
+    )
+    meta = json.loads(got["meta.json"])
+    assert meta == {"runtime": "cloud-hypervisor", "cpuModel": rt.cpu_model(), "includeMemory": True}
+    assert meta["cpuModel"]  # the simulated host's /proc/cpuinfo names one
+    assert json.loads(got["ch/config.json"])["cpus"]["boot_vcpus"] == 2
+    flat = staging.parent / "flat.qcow2"
+    flat.write_bytes(got["disk.qcow2"])
+    info = json.loads(
+        subprocess.run(["qemu-img", "info", "--output=json", str(flat)], capture_output=True).stdout
+    )
+    assert "backing-filename" not in info and info["virtual-size"] == 128 * MIB
+    assert qemu_io(flat, "read -P 0xab 0 1M", "read -P 0xcd 1M 1M").stdout.count(b"read 1048576/") == 2
+    assert not rt.system.exists(f"{ch_instance_dir(DATA, 's1')}/snapshot")  # the work directory went
+
+    # Stopped: a disk-only snapshot, no VMM asked; a memory one is refused.
+    rt.snapshot("s1", False, f"{DATA}/snapshots/s1d.tar")
+    assert sorted(members(staging.parent / "s1d.tar")) == ["disk.qcow2", "meta.json", "seed.iso"]
+    with pytest.raises(TerminalError, match="needs a running or paused VM"):
+        rt.snapshot("s1", True, f"{DATA}/snapshots/s1m.tar")
+
+
+def test_a_memory_restore_is_vm_restore_with_net_fds_then_resume_dlv_ch_38_dlv_chu_07_dlv_bal_15(
+    host: tuple[CloudHypervisorRuntime, Recorder, Image],
+) -> None:
+    """DLV-CH-38, DLV-CHU-07, DLV-CHU-08, DLV-BAL-15, DLV-CH-36 (DLV-LIBVIRT-25), DLV-CH-07: a tar
+    of a VM whose balloon was inflated restores into a new instance: the directory holds the disk,
+    the seed and the VMM's files, vm.json says restored with no base image; its first start is
+    vm.restore from bcd's rebuilt config.json (NICs by id and MAC, no tap name, bcd's empty balloon,
+    no backing_files) with each NIC's new tap by SCM_RIGHTS as net_fds, then vm.resume; the memory
+    files go after. The restored VM's balloon is bcd's, never the snapshot's."""
+    rt, rec, image = host
+    src, dst = chvm("m1", image), chvm("m2", None, restore_from="https://snap.example/m1.tar")
+    tar = f"{DATA}/snapshots/m1.tar"
+    rt.system.host_path(tar).parent.mkdir(parents=True)
+
+    def body() -> None:
+        rt.create(src, Prepared(user_data=b"#cloud-config\n"))
+        rt.start(src, paused=False)
+        rt.set_balloon("m1", 256 * MIB)
+        rt.snapshot("m1", True, tar)
+        assert json.loads(members(rt.system.host_path(tar))["ch/config.json"])["balloon"]["size"] == 256 * MIB
+        rt.restore(dst, Prepared(), tar)
+        d = rt.system.host_path(ch_instance_dir(DATA, "m2"))
+        assert sorted(os.listdir(d)) == sorted(
+            ["config.json", "disk.qcow2", "memory-ranges", "seed.iso", "state.json", "vm.json"]
+        )
+        record = parse_record((d / "vm.json").read_bytes())
+        assert record.restored and record.image_sha256 is None
+        rebuilt = json.loads((d / "config.json").read_text())
+        assert rebuilt["net"] == [
+            {"id": "net0", "mac": "52:54:00:00:00:01"},
+            {"id": "net1", "mac": "52:54:00:00:00:02"},
+        ]
+        assert rebuilt["balloon"] == {"size": 0, "free_page_reporting": True}
+        assert rebuilt["disks"][0]["backing_files"] is False
+        assert rebuilt["disks"][0]["path"] == f"{ch_instance_dir(DATA, 'm2')}/disk.qcow2"
+        rt.start(dst, paused=False)
+        vmm = rec.vmms["m2"]
+        assert requests(vmm) == ["vm.restore", "vm.resume"]
+        restore = next(r for r in vmm.requests if r[0] == "vm.restore")
+        assert restore[2] == 2 and restore[1]["net_fds"] == [
+            {"id": "net0", "num_fds": 1},
+            {"id": "net1", "num_fds": 1},
+        ]
+        assert [n["tap"] for n in vmm.nets] == [tap_name("m2", 0), tap_name("m2", 1)]
+        assert vmm.state == "Running" and vmm.ignored_fields == []
+        assert rt.balloon_bytes("m2") == 0
+        assert sorted(os.listdir(d)) == ["api.sock", "disk.qcow2", "seed.iso", "vm.json"]
+        rt.stop("m2")
+        rt.stop("m1")
+
+    in_netns(body)
+
+
+def _refused(rt: CloudHypervisorRuntime, name: str, tar: str, match: str) -> None:
+    inst = chvm(name, None, restore_from="https://snap.example/x.tar", nics=())
+    with pytest.raises(TerminalError, match=match):
+        rt.restore(inst, Prepared(), tar)
+    left = rt.system.listdir(f"{DATA}/cloud-hypervisor/instances")
+    assert name not in left and f".{name}.new" not in left
+
+
+def test_a_restore_refuses_another_runtime_cpu_or_a_bad_disk_and_leaves_nothing_dlv_ch_36_dlv_ch_25(
+    host: tuple[CloudHypervisorRuntime, Recorder, Image],
+) -> None:
+    """DLV-CH-36 (DLV-LIBVIRT-25..27), DLV-CH-25, DLV-SNAP-06, DLV-SNAP-07, DLV-CH-37: a tar taken by
+    another runtime, a memory tar from another CPU model, one of another size, a disk naming a backing
+    file, a member outside a snapshot's names (a path, a symlink), a member twice: each refused,
+    and the new instance's directory is gone. A disk-only tar restores on any CPU."""
+    rt, _rec, image = host
+    snaps = rt.system.host_path(f"{DATA}/snapshots")
+    snaps.mkdir(parents=True)
+    rt.create(chvm("o1", image, nics=()), Prepared(user_data=b"#cloud-config\n"))
+    rt.snapshot("o1", False, f"{DATA}/snapshots/disk.tar")
+    good = members(snaps / "disk.tar")
+    cpu = rt.cpu_model()
+    mem = {
+        "ch/config.json": json.dumps(
+            {"cpus": {"boot_vcpus": 2, "max_vcpus": 2}, "memory": {"size": 512 * MIB}}
+        ).encode(),
+        "ch/state.json": b"{}",
+        "ch/memory-ranges": b"\0" * 64,
+    }
+
+    def meta(runtime: str = "cloud-hypervisor", cpu_model: str = cpu, memory: bool = False) -> bytes:
+        return json.dumps({"runtime": runtime, "cpuModel": cpu_model, "includeMemory": memory}).encode()
+
+    cases: list[tuple[str, dict[str, bytes], Sequence[str], str]] = [
+        ("runtime", {**good, "meta.json": meta("libvirt-kvm")}, (), "taken by 'libvirt-kvm'"),
+        ("cpu", {**good, **mem, "meta.json": meta(cpu_model="Other CPU", memory=True)}, (), "taken on CPU"),
+        (
+            "size",
+            {
+                **good,
+                **mem,
+                "meta.json": meta(memory=True),
+                "ch/config.json": mem["ch/config.json"].replace(b"2", b"4"),
+            },
+            (),
+            "vCPUs",
+        ),
+        ("nomem", {**good, "meta.json": meta(memory=True)}, (), "do not match its includeMemory"),
+        ("path", {**good, "../escape": b"x"}, (), "which no snapshot holds"),
+        ("link", good, ("seed.iso",), "twice|which no snapshot holds"),
+        ("twice", good, (), ""),
+    ]
+    for name, files, links, match in cases:
+        path = snaps / f"{name}.tar"
+        if name == "twice":
+            write_tar(path, files)
+            with tarfile.open(path, "a") as tar:
+                info = tarfile.TarInfo("disk.qcow2")
+                info.size = 1
+                tar.addfile(info, io.BytesIO(b"x"))
+            match = "twice"
+        else:
+            write_tar(path, files, links)
+        _refused(rt, f"x{name}", f"{DATA}/snapshots/{name}.tar", match)
+    # A disk naming a backing file (the overlay itself, not flattened).
+    overlay = rt.system.read_bytes(f"{ch_instance_dir(DATA, 'o1')}/disk.qcow2") or b""
+    write_tar(snaps / "backing.tar", {**good, "disk.qcow2": overlay})
+    _refused(rt, "xbacking", f"{DATA}/snapshots/backing.tar", "backing file")
+    # The same disk-only tar restores on another CPU: only memory is bound to the CPU model.
+    rt.cpu_model = lambda: "Other CPU"  # type: ignore[method-assign]
+    rt.restore(
+        chvm("ok1", None, restore_from="https://snap.example/x.tar", nics=()),
+        Prepared(),
+        f"{DATA}/snapshots/disk.tar",
+    )
+    assert [d.name for d in rt.list()] == ["o1", "ok1"]
+
+
+def test_a_directory_without_vm_json_is_never_defined_over_dlv_ch_28(
+    host: tuple[CloudHypervisorRuntime, Recorder, Image],
+) -> None:
+    """DLV-CH-28: an instance directory bcd did not record is refused by create and restore, left as
+    it is, and never listed; a create that failed midway leaves no directory of that name behind."""
+    rt, _rec, image = host
+    d = rt.system.host_path(ch_instance_dir(DATA, "theirs"))
+    d.mkdir(parents=True)
+    (d / "disk.qcow2").write_bytes(b"someone else's")
+    with pytest.raises(TerminalError, match="not bcd's"):
+        rt.create(chvm("theirs", image, nics=()), Prepared())
+    with pytest.raises(TerminalError, match="not bcd's"):
+        rt.restore(chvm("theirs", None, restore_from="https://x/y.tar", nics=()), Prepared(), "/nonexistent")
+    assert os.listdir(d) == ["disk.qcow2"] and (d / "disk.qcow2").read_bytes() == b"someone else's"
+    assert rt.list() == ()
+    with pytest.raises(TerminalError):
+        rt.remove_files("theirs")
+
+    # A create that fails before its record (qemu-img cannot write) leaves nothing called "new1".
+    def full(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
+        return CommandResult(tuple(argv), 1, b"", b"no space left on device")
+
+    rt = CloudHypervisorRuntime(LocalSystem(root=rt.system.root, tools=sim_tools(full)), None, DATA)
+    with pytest.raises(RetryableError, match="no space"):
+        rt.create(chvm("new1", image, nics=()), Prepared())
+    assert sorted(rt.system.listdir(f"{DATA}/cloud-hypervisor/instances")) == ["theirs"]
+
+
+def test_volumes_are_raw_disks_with_their_serial_resized_live(
+    host: tuple[CloudHypervisorRuntime, Recorder, Image],
+) -> None:
+    """DLV-CHU-21 (the volumes the instance attaches are in its record, which root binds into the
+    unit and grants ACL entries for): each volume a Raw disk of the store with its serial, read-only
+    when attached so; listed with its target; a grown volume reaches the running guest by
+    vm.resize-disk; a volume not in the store yet is a retry."""
+    rt, rec, image = host
+    store = rt.system.host_path(f"{DATA}/volumes")
+    store.mkdir(parents=True)
+    inst = chvm("v1", image, nics=(), volumes=(("data", False), ("ro", True)))
+    with pytest.raises(RetryableError, match="not in the store"):
+        rt.create(inst, Prepared())
+    for vid, serial in (("data", "vol-data"), ("ro", "vol-ro")):
+        (store / f"{vid}.raw").write_bytes(b"\0" * 4096)
+        (store / f"{vid}.json").write_text(json.dumps({"id": vid, "serial": serial, "size_bytes": 4096}))
+    rt.create(inst, Prepared())
+    record = parse_record(rt.system.read_bytes(f"{ch_instance_dir(DATA, 'v1')}/vm.json") or b"")
+    assert [(v.name, v.read_only, v.serial) for v in record.volumes] == [
+        ("data.raw", False, "vol-data"),
+        ("ro.raw", True, "vol-ro"),
+    ]
+    assert record.config["disks"][1:] == [
+        {
+            "id": "vol0",
+            "path": f"{DATA}/volumes/data.raw",
+            "image_type": "Raw",
+            "readonly": False,
+            "serial": "vol-data",
+        },
+        {
+            "id": "vol1",
+            "path": f"{DATA}/volumes/ro.raw",
+            "image_type": "Raw",
+            "readonly": True,
+            "serial": "vol-ro",
+        },
+    ]
+    [dom] = rt.list()
+    assert dom.volumes == (("data", False, "vol0"), ("ro", True, "vol1"))
+    rt.start(inst, paused=False)
+    rt.resize_volume("v1", "vol0", 8192)
+    vmm = rec.vmms["v1"]
+    assert ("vm.resize-disk", {"id": "vol0", "desired_size": 8192}, 0) in vmm.requests
+    rt.stop("v1")
