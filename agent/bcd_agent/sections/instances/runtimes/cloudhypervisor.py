@@ -165,6 +165,19 @@ def vm_config(
     return config
 
 
+def stated_chain(disk: str, base: str | None, base_format: str | None) -> str:
+    """qemu-img's name for bcd's overlay with its base: a json: name stating each layer's driver and
+    file, the base's own backing null (none for a flat disk), so no name in a header is followed
+    (instances-facts: `convert --image-opts … backing=null` opened no such file)."""
+    layer: dict[str, Any] = {"driver": "qcow2", "file": {"driver": "file", "filename": disk}, "backing": None}
+    if base is not None and base_format is not None:
+        backing: dict[str, Any] = {"driver": base_format, "file": {"driver": "file", "filename": base}}
+        if base_format == "qcow2":
+            backing["backing"] = None
+        layer["backing"] = backing
+    return "json:" + json.dumps(layer, separators=(",", ":"))
+
+
 class CloudHypervisorRuntime:
     """See the module docstring. `priv` is the helper client (its `call(op, args)`)."""
 
@@ -759,22 +772,12 @@ class CloudHypervisorRuntime:
 
     def _flatten(self, rec: CHRecord, out: str) -> None:
         """The overlay flattened onto its base with `qemu-img convert`, every layer's driver and file
-        stated (the base's own backing null): qemu-img opens no file a header names."""
-        layer: dict[str, Any] = {
-            "driver": "qcow2",
-            "file": {"driver": "file", "filename": self._real(f"{self._dir(rec.name)}/disk.qcow2")},
-            "backing": None,
-        }
+        stated (stated_chain): qemu-img opens no file a header names."""
+        base = None
         if not rec.restored and rec.image_sha256 is not None and rec.image_format is not None:
             base = self._real(f"{ch_images_dir(self.data_dir)}/{rec.image_sha256}.{rec.image_format}")
-            backing: dict[str, Any] = {
-                "driver": rec.image_format,
-                "file": {"driver": "file", "filename": base},
-            }
-            if rec.image_format == "qcow2":
-                backing["backing"] = None
-            layer["backing"] = backing
-        src = "json:" + json.dumps(layer, separators=(",", ":"))
+        disk = self._real(f"{self._dir(rec.name)}/disk.qcow2")
+        src = stated_chain(disk, base, rec.image_format)
         result = self.system.run(
             ["qemu-img", "convert", "-O", "qcow2", src, self._real(out)], timeout=6 * 3600
         )
