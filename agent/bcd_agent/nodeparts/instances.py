@@ -6,8 +6,9 @@
   (reads with `virsh -r`), carrying the signed spec the node keeps (host-intent.json: the newest full
   spec, which sets the instances section too) so root can re-validate. An unprivileged node without
   a helper runs no instance runtime (it is not in the libvirt group, DLV-HLP-01).
-- cloud-hypervisor (issue 12) only under the helper, where `ch_available` finds its binary at v51 or
-  later, /dev/kvm and the helper's ch.* operations (then Hello advertises it); see docs/instances.md.
+- cloud-hypervisor (issue 12) under the helper, where `ch_available` finds its binary at v51 or
+  later, /dev/kvm and the helper's ch.* operations (then Hello advertises it), or as root without a
+  helper, its root steps in process (runtimes/chlocal.py); see docs/instances.md.
 - User data: a SecretRequest bound to the instance's allocation (DLV-INST-06), from the runner's
   worker thread; a refusal fails the instance, no answer keeps it waiting.
 """
@@ -72,13 +73,18 @@ def build_runtimes(
     out: list[Any] = []
     if helper is not None and not simulated:
         out.extend(_cloud_hypervisor(system, data_dir, helper, intent_dir))
+    elif as_root and not simulated:
+        # As root without the helper, cloud-hypervisor's root steps run in process (chlocal.py).
+        from bcd_agent.sections.instances.runtimes.chlocal import LocalChOps
+
+        out.extend(_cloud_hypervisor(system, data_dir, LocalChOps(system, data_dir), intent_dir))
     if not simulated and not runtimes_on_path():
         return out
     if helper is not None:
         virsh: Any = HelperVirsh(system, helper, intent=lambda: helper_intent(intent_dir or data_dir))
         return [LibvirtRuntime(system, virsh, data_dir, under_helper=True), *out]
     if simulated or as_root:
-        return [LibvirtRuntime(system, DirectVirsh(system), data_dir)]
+        return [LibvirtRuntime(system, DirectVirsh(system), data_dir), *out]
     log.warning("instances: unprivileged without [helper] socket: this node runs no instance runtime")
     return []
 

@@ -227,6 +227,12 @@ class CloudHypervisorRuntime:
         except RecordError as exc:
             raise RetryableError("BadRecord", f"{name}/vm.json: {exc}") from None
 
+    def _to_vmm(self, path: str, rec: CHRecord) -> None:
+        """As root (no helper), what bcd adds to a running VMM's directory is chowned to the VMM's
+        user (DLV-CHU-09, DLV-REB-08); under the helper the inherited ACL entries give it access."""
+        if getattr(self.priv, "as_root", False):
+            os.chown(self._real(path), rec.uid, rec.uid, follow_symlinks=False)
+
     def _call(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = self.priv.call(op, args)
         return out
@@ -704,6 +710,9 @@ class CloudHypervisorRuntime:
         path = f"{self._dir(name)}/rebind.img"
         self.system.write_atomic(path, image, 0o660)
         os.chmod(self._real(path), 0o660)  # the umask never narrows it
+        rec = self.record(name)
+        if rec is not None:
+            self._to_vmm(path, rec)
         disk = {"id": self.REBIND_ID, "path": path, "image_type": "Raw", "serial": self.REBIND_SERIAL}
         try:
             return str(self.api(name).add_disk(disk).get("id", self.REBIND_ID))
@@ -802,6 +811,7 @@ class CloudHypervisorRuntime:
         # 0770: under the helper the directory inherits the VMM user's default ACL entry, whose
         # effective rights the mode's group bits bound; root's runtime gives the VMM the directory.
         self._mkdir(work, 0o770)
+        self._to_vmm(work, rec)
         api = self.api(name, timeout_s=600)
         paused_here = False
         try:
@@ -1030,8 +1040,8 @@ def ch_available(
     version_of: Callable[[str], str | None],
 ) -> str | None:
     """Why this host does not run cloud-hypervisor, or None when it does: its binary on PATH at the
-    minimum version (Q-DLV-CHU-02: an older one is not run), /dev/kvm, and a helper serving ch.*
-    (this build runs the runtime only under the helper). Hello advertises it only then."""
+    minimum version (Q-DLV-CHU-02: an older one is not run), /dev/kvm, and a helper serving ch.* (or
+    bcd node as root, whose `LocalChOps` does those steps itself). Hello advertises it only then."""
     from bcd_agent.sections.instances.runtimes.chapi import MIN_VERSION, parse_version
 
     binary = which("cloud-hypervisor")
@@ -1042,6 +1052,8 @@ def ch_available(
         return f"cloud-hypervisor {version or '(no version)'} is older than v{MIN_VERSION[0]}"
     if not kvm:
         return "no /dev/kvm"
+    if getattr(helper, "as_root", False):
+        return None  # bcd node as root: the ch.* steps run in process (chlocal.LocalChOps)
     if helper is None or not helper_has_ch_ops(helper):
         return "no helper serving ch.*"
     return None

@@ -1,0 +1,168 @@
+"""The cloud-hypervisor runtime as root, without `bcd helper` (runtimes/chlocal.py), on the simulated
+host: a sysfs shaped like the kernel's (bcd_simhost.pcisim, whose `tee` binds as the kernel does and
+makes /dev/vfio/<group>), the simulated systemd-run whose unit serves the simulated v51 VMM, the
+simulated useradd; chowns and ACL entries on the real filesystem under the simulated root."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_agent.sections.instances.model import RUNTIME_CH
+from bcd_agent.sections.instances.runtimes.base import Prepared
+from bcd_agent.sections.instances.runtimes.chlocal import LocalChOps
+from bcd_agent.sections.instances.runtimes.cloudhypervisor import CloudHypervisorRuntime
+from bcd_shared import posixacl
+from bcd_shared.chrecord import parse_record
+from bcd_shared.chunit import VMM_UID_BASE, ch_instance_dir, vmm_user_name
+from bcd_shared.errors import TerminalError
+from bcd_simhost import sim_system
+from bcd_simhost.pcisim import lay_out_pci
+from bcd_simhost.seed import seed
+from instkit import vm
+
+DATA = "/var/lib/bcd"
+GPU = "0000:18:00.0"
+AUDIO = "0000:18:00.1"
+BRIDGE = "0000:17:00.0"
+NIC = "0000:2b:00.0"
+IN_CI = os.environ.get("CI") == "true"
+pytestmark = pytest.mark.skipif(not IN_CI and os.geteuid() != 0, reason="chowns need root")
+
+
+@pytest.fixture
+def host() -> Iterator[tuple[CloudHypervisorRuntime, Path]]:
+    tmp = Path(tempfile.mkdtemp(prefix="chr", dir="/var/tmp"))  # a disk filesystem: POSIX ACLs
+    root = tmp / "h"
+    seed(root)
+    lay_out_pci(
+        root,
+        [
+            (GPU, "0x030200", 10, "nvidia"),
+            (AUDIO, "0x040300", 10, "snd_hda_intel"),
+            (BRIDGE, "0x060400", 10, "pcieport"),
+            ("0000:2a:00.0", "0x030200", 11, "nvidia"),
+            (NIC, "0x020000", 11, "ixgbe"),
+        ],
+    )
+    system = sim_system(root)
+    ops = LocalChOps(system, DATA, which=lambda name: f"/usr/bin/{name}")
+    rt = CloudHypervisorRuntime(system, ops, DATA, stop_timeout_s=1.0, sleep=lambda s: None)
+    store = root / DATA.lstrip("/") / "volumes"
+    store.mkdir(parents=True)
+    for vid in ("data", "ro"):
+        (store / f"{vid}.raw").write_bytes(b"\0" * 4096)
+        os.chmod(store / f"{vid}.raw", 0o600)
+        (store / f"{vid}.json").write_text(json.dumps({"id": vid, "serial": f"s-{vid}", "size_bytes": 4096}))
+    yield rt, root
+    with contextlib.suppress(Exception):
+        for d in rt.list():
+            rt.stop(d.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def chvm(ident: str, **kw: Any) -> Any:
+    return vm(ident, runtime=RUNTIME_CH, nics=(), **kw)
+
+
+def _driver(root: Path, addr: str) -> str:
+    return os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{addr}/driver"))
+
+
+def _units(root: Path) -> dict[str, Any]:
+    path = root / "var/lib/bcd-sim/systemd/units.json"
+    units: dict[str, Any] = json.loads(path.read_text()) if path.exists() else {}
+    return units
+
+
+def test_as_root_the_files_and_vfio_groups_go_to_the_vmm_and_back_dlv_chu_09_dlv_chu_10(
+    host: tuple[CloudHypervisorRuntime, Path],
+) -> None:
+    """DLV-CHU-09, DLV-CHU-10, DLV-CHU-14 (UMask 0077 as root), DLV-CH-18, DLV-CH-19, DLV-CH-22,
+    DLV-CH-23: at start the VMM's account exists, the instance's directory and files (not vm.json)
+    are its uid's, a read-write volume is its uid's 0600 and a read-only one carries an ACL entry r
+    for it; every endpoint of the GPU's group is on vfio-pci (the bridge stays on pcieport) and
+    /dev/vfio/10 is the VMM's 0600; the unit runs as the uid with UMask 0077. At stop the group and
+    the volumes go back to root; at delete the devices go back to their host drivers."""
+    rt, root = host
+    inst = chvm("a1", gpu_uuids=("GPU-1",), volumes=(("data", False), ("ro", True)))
+    rt.create(inst, Prepared(gpu_addresses=(GPU,), user_data=b"#cloud-config\n"))
+    d = root / ch_instance_dir(DATA, "a1").lstrip("/")
+    uid = parse_record((d / "vm.json").read_bytes()).uid
+    assert uid == VMM_UID_BASE
+    rt.start(inst, paused=False)
+    assert [(x.name, x.state) for x in rt.list()] == [("a1", "running")]
+    assert f"{vmm_user_name(uid)}:x:{uid}:{uid}:" in (root / "etc/passwd").read_text()
+    for f in (d, d / "disk.qcow2", d / "seed.iso"):
+        assert (f.stat().st_uid, f.stat().st_gid) == (uid, uid), f
+    assert (d / "vm.json").stat().st_uid == 0
+    vols = root / DATA.lstrip("/") / "volumes"
+    assert (vols / "data.raw").stat().st_uid == uid and (vols / "data.raw").stat().st_mode & 0o777 == 0o600
+    fd = os.open(vols / "ro.raw", os.O_RDONLY)
+    try:
+        assert posixacl.user_perms(fd, uid) == 0o4
+    finally:
+        os.close(fd)
+    assert [_driver(root, a) for a in (GPU, AUDIO, BRIDGE)] == ["vfio-pci", "vfio-pci", "pcieport"]
+    node = (root / "dev/vfio/10").stat()
+    assert (node.st_uid, node.st_mode & 0o777) == (uid, 0o600)
+    props = _units(root)["bcd-ch-a1.service"]["properties"]
+    assert (props["User"], props["UMask"]) == (str(uid), "0077")
+    assert "DeviceAllow" in props and "/dev/vfio/vfio rw" in props["DeviceAllow"]
+
+    # The rebind disk added to the running VM is the VMM's too (DLV-REB-08 as root).
+    rt.rebind_attach("a1", b"\0" * 4096)
+    assert (d / "rebind.img").stat().st_uid == uid
+    rt.rebind_detach("a1")
+
+    rt.stop("a1")
+    node = (root / "dev/vfio/10").stat()
+    assert (node.st_uid, node.st_gid) == (0, 0)
+    assert (vols / "data.raw").stat().st_uid == 0
+    fd = os.open(vols / "ro.raw", os.O_RDONLY)
+    try:
+        assert posixacl.user_perms(fd, uid) is None
+    finally:
+        os.close(fd)
+    rt.delete("a1")
+    assert [_driver(root, a) for a in (GPU, AUDIO, BRIDGE)] == ["nvidia", "snd_hda_intel", "pcieport"]
+    assert not d.exists()
+
+
+def test_as_root_a_group_with_a_foreign_device_is_refused_and_nothing_bound(
+    host: tuple[CloudHypervisorRuntime, Path],
+) -> None:
+    """VFIO takes whole groups: a GPU sharing its group with a NIC is refused before any bind, and no
+    VMM is launched."""
+    rt, root = host
+    inst = chvm("a2", gpu_uuids=("GPU-2",))
+    rt.create(inst, Prepared(gpu_addresses=("0000:2a:00.0",)))
+    with pytest.raises(TerminalError, match="not the GPU's"):
+        rt.start(inst, paused=False)
+    assert _driver(root, NIC) == "ixgbe" and _driver(root, "0000:2a:00.0") == "nvidia"
+    assert "bcd-ch-a2.service" not in _units(root)
+
+
+def test_as_root_without_a_helper_the_runtime_is_offered_with_its_binary_and_kvm(
+    host: tuple[CloudHypervisorRuntime, Path],
+) -> None:
+    """bcd node as root runs cloud-hypervisor (and Hello advertises it) with its binary at v51 or
+    later and /dev/kvm, its root steps in process; still not without either."""
+    from bcd_agent.sections.instances.runtimes.cloudhypervisor import ch_available
+
+    rt, _root = host
+    ops = rt.priv
+
+    def v51(path: str) -> str:
+        return "cloud-hypervisor v51.0"
+
+    assert ch_available(lambda n: "/usr/bin/cloud-hypervisor", True, ops, v51) is None
+    assert ch_available(lambda n: "/usr/bin/cloud-hypervisor", False, ops, v51) == "no /dev/kvm"
+    assert ch_available(lambda n: None, True, ops, v51) == "no cloud-hypervisor on PATH"
