@@ -90,3 +90,51 @@ class Runtime(Protocol):
     def leftovers(self, domains: tuple[Domain, ...]) -> tuple[str, ...]: ...
 
     def remove_files(self, name: str) -> None: ...
+
+
+# --- snapshots and restores (docs/instances.md "Snapshots and restores") ----------------------------
+
+META_NAME = "meta.json"  # the tar's first member: SnapshotMeta as JSON
+DISK_NAME = "disk.qcow2"  # the overlay flattened onto its base: one flat qcow2
+SEED_NAME = "seed.iso"  # the NoCloud seed, when the instance had one
+LIBVIRT_STATE_NAME = "save.state"  # libvirt-kvm: `virsh save`'s state (memory snapshots only)
+CH_STATE_DIR = "ch/"  # cloud-hypervisor: its own snapshot (config.json, state.json, memory-ranges)
+
+
+@frozen
+class SnapshotMeta:
+    """`meta.json`: which runtime took the snapshot, on which CPU model, with or without memory
+    (DLV-LIBVIRT-22, DLV-CH-34). A restore refuses another runtime (DLV-SNAP-06, DLV-RT-12) and, with
+    memory, another CPU model (DLV-SNAP-07)."""
+
+    runtime: str
+    cpu_model: str
+    include_memory: bool
+
+
+class SnapshotRefused(TerminalError):
+    """A snapshot or restore the rules refuse (another runtime or CPU model, GPUs or read-write volumes
+    with memory, a malformed tar): the command fails, or the restored instance is ERROR."""
+
+
+class Snapshotting(Protocol):
+    """What a runtime that takes snapshots adds to `Runtime` (plugin runtimes take none, DLV-RT-09).
+
+    - `snapshot(inst, include_memory, tar_path)`: capture the instance's disk (flattened) and, with
+      `include_memory`, its memory state, into a new tar at `tar_path` (a staging file under
+      data_dir/snapshots, DLV-SNAP-13; the caller hashes and uploads it and removes it after). The
+      domain carries on in the state it was in. Refusals (SnapshotRefused) before anything runs:
+      memory with passthrough GPUs (DLV-RT-13) or a read-write volume (DLV-RT-14).
+    - `restore(inst, tar_path, prepared)`: what `create` does for an instance with `restore_from`:
+      unpack the verified tar into the new instance's directory, refusing another runtime or (with
+      memory) another CPU model, check its disk and seed (DLV-IMG-15..17; a failed check removes the
+      directory), and define the domain under the instance's own identity. A memory snapshot's first
+      `start` then resumes the saved state instead of booting.
+    - `cpu_model()`: this host's CPU model as `meta.json` records it.
+    """
+
+    def snapshot(self, inst: InstanceSpec, include_memory: bool, tar_path: str) -> SnapshotMeta: ...
+
+    def restore(self, inst: InstanceSpec, tar_path: str, prepared: Prepared) -> None: ...
+
+    def cpu_model(self) -> str: ...
