@@ -166,3 +166,47 @@ def test_as_root_without_a_helper_the_runtime_is_offered_with_its_binary_and_kvm
     assert ch_available(lambda n: "/usr/bin/cloud-hypervisor", True, ops, v51) is None
     assert ch_available(lambda n: "/usr/bin/cloud-hypervisor", False, ops, v51) == "no /dev/kvm"
     assert ch_available(lambda n: None, True, ops, v51) == "no cloud-hypervisor on PATH"
+
+
+def test_as_root_taps_are_real_persistent_taps_on_their_bridge_and_only_taps_go_dlv_ch_11() -> None:
+    """DLV-CH-11 (as root; under the helper DLV-CHH-05..07): in a private network namespace with the
+    real `ip`, ch.taps creates `runtime.TapName(instance, i)` with `ip tuntap add` (a persistent tap),
+    on its bridge and up; an existing interface of that name that is not a tap is refused and left;
+    ch.untaps deletes only taps."""
+    import subprocess
+    from collections.abc import Sequence
+
+    from bcd_shared.instancenames import tap_name
+    from bcd_shared.system import CommandResult, LocalSystem
+    from netns import in_netns
+
+    def real_ip(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
+        proc = subprocess.run(list(argv), input=stdin, capture_output=True, timeout=60, check=False)
+        return CommandResult(tuple(argv), proc.returncode, proc.stdout, proc.stderr)
+
+    def link(dev: str) -> dict[str, Any]:
+        out = subprocess.run(["ip", "-j", "-d", "link", "show", "dev", dev], capture_output=True, check=True)
+        doc: dict[str, Any] = json.loads(out.stdout)[0]
+        return doc
+
+    def body() -> None:
+        subprocess.run(["ip", "link", "add", "br0", "type", "bridge"], check=True)
+        subprocess.run(["ip", "link", "add", tap_name("t2", 0), "type", "bridge"], check=True)
+        ops = LocalChOps(LocalSystem(tools={"ip": real_ip}), DATA)
+        assert ops.call("ch.taps", {"name": "t1", "bridges": ["br0", "br0"]})["taps"] == [
+            tap_name("t1", 0),
+            tap_name("t1", 1),
+        ]
+        for i in (0, 1):
+            got = link(tap_name("t1", i))
+            assert got["linkinfo"]["info_kind"] == "tun" and got["linkinfo"]["info_data"]["type"] == "tap"
+            assert got["linkinfo"]["info_data"].get("persist") is True
+            assert got["master"] == "br0" and "UP" in got["flags"]
+        with pytest.raises(TerminalError, match="not a tap"):
+            ops.call("ch.taps", {"name": "t2", "bridges": ["br0"]})
+        assert link(tap_name("t2", 0))["linkinfo"]["info_kind"] == "bridge"
+        assert ops.call("ch.untaps", {"name": "t1"})["deleted"] == [tap_name("t1", 0), tap_name("t1", 1)]
+        assert ops.call("ch.untaps", {"name": "t2"})["deleted"] == []
+        assert link(tap_name("t2", 0))["linkinfo"]["info_kind"] == "bridge"
+
+    in_netns(body)

@@ -165,10 +165,12 @@ def test_grow_while_running_uses_resize_disk_dlv_ch_09(
         runtime.grow(chvm("g1", disk_bytes=GIB), running=True)  # type: ignore[arg-type]
 
 
-def test_balloon_through_vm_resize(
+def test_balloon_through_vm_resize_dlv_bal_13_dlv_bal_14(
     rt: tuple[HelperProcess, CloudHypervisorRuntime, InstancesSection],
 ) -> None:
-    """The balloon is vm.resize desired_balloon, read back from vm.info; none without a device."""
+    """DLV-BAL-13, DLV-BAL-14 (cloud-hypervisor's half): the balloon is vm.resize desired_balloon,
+    read back from vm.info's balloon size; a VM defined without a balloon device is never touched
+    (ErrNoBalloon)."""
     _h, runtime, sec = rt
     out = converge(sec, spec(chvm("b1", placement=Placement(balloon=True)), chvm("b2"), generation=20))
     assert out.state is SectionState.CONVERGED, out.message

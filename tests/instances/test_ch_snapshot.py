@@ -166,7 +166,7 @@ def write_tar(path: Path, files: dict[str, bytes], links: Sequence[str] = ()) ->
 def test_a_memory_snapshot_pauses_and_holds_the_flat_disk_and_the_vmms_state_dlv_ch_34_dlv_ch_35(
     host: tuple[CloudHypervisorRuntime, Recorder, Image],
 ) -> None:
-    """DLV-CH-34, DLV-CH-35, DLV-SNAP-13 (the runtime's capture): a running VM is paused, snapshotted
+    """DLV-CH-34, DLV-CH-35: a running VM is paused, snapshotted
     by the VMM into the instance's directory, its overlay flattened onto the base (both layers' bytes,
     no backing file) and resumed; the tar holds exactly meta.json, disk.qcow2, seed.iso and ch/'s
     config.json, state.json and memory-ranges. A disk-only snapshot of a stopped VM holds no ch/ and
@@ -182,7 +182,7 @@ def test_a_memory_snapshot_pauses_and_holds_the_flat_disk_and_the_vmms_state_dlv
         assert qemu_io(disk, "write -P 0xcd 1M 1M").returncode == 0  # the guest's own write
         rt.start(inst, paused=False)
         vmm = rec.vmms["s1"]
-        rt.snapshot("s1", True, f"{DATA}/snapshots/s1.tar")
+        rt.snapshot(inst, True, str(staging))
         assert requests(vmm)[-3:] == ["vm.pause", "vm.snapshot", "vm.resume"]
         assert vmm.state == "Running"
         rt.stop("s1")
@@ -206,10 +206,10 @@ def test_a_memory_snapshot_pauses_and_holds_the_flat_disk_and_the_vmms_state_dlv
     assert not rt.system.exists(f"{ch_instance_dir(DATA, 's1')}/snapshot")  # the work directory went
 
     # Stopped: a disk-only snapshot, no VMM asked; a memory one is refused.
-    rt.snapshot("s1", False, f"{DATA}/snapshots/s1d.tar")
+    rt.snapshot(inst, False, str(staging.parent / "s1d.tar"))
     assert sorted(members(staging.parent / "s1d.tar")) == ["disk.qcow2", "meta.json", "seed.iso"]
     with pytest.raises(TerminalError, match="needs a running or paused VM"):
-        rt.snapshot("s1", True, f"{DATA}/snapshots/s1m.tar")
+        rt.snapshot(inst, True, str(staging.parent / "s1m.tar"))
 
 
 def test_a_memory_restore_is_vm_restore_with_net_fds_then_resume_dlv_ch_38_dlv_chu_07_dlv_bal_15(
@@ -223,16 +223,16 @@ def test_a_memory_restore_is_vm_restore_with_net_fds_then_resume_dlv_ch_38_dlv_c
     files go after. The restored VM's balloon is bcd's, never the snapshot's."""
     rt, rec, image = host
     src, dst = chvm("m1", image), chvm("m2", None, restore_from="https://snap.example/m1.tar")
-    tar = f"{DATA}/snapshots/m1.tar"
-    rt.system.host_path(tar).parent.mkdir(parents=True)
+    tar = rt.system.host_path(f"{DATA}/snapshots/m1.tar")
+    tar.parent.mkdir(parents=True)
 
     def body() -> None:
         rt.create(src, Prepared(user_data=b"#cloud-config\n"))
         rt.start(src, paused=False)
         rt.set_balloon("m1", 256 * MIB)
-        rt.snapshot("m1", True, tar)
-        assert json.loads(members(rt.system.host_path(tar))["ch/config.json"])["balloon"]["size"] == 256 * MIB
-        rt.restore(dst, Prepared(), tar)
+        rt.snapshot(src, True, str(tar))
+        assert json.loads(members(tar)["ch/config.json"])["balloon"]["size"] == 256 * MIB
+        rt.restore(dst, str(tar), Prepared())
         d = rt.system.host_path(ch_instance_dir(DATA, "m2"))
         assert sorted(os.listdir(d)) == sorted(
             ["config.json", "disk.qcow2", "memory-ranges", "seed.iso", "state.json", "vm.json"]
@@ -268,7 +268,7 @@ def test_a_memory_restore_is_vm_restore_with_net_fds_then_resume_dlv_ch_38_dlv_c
 def _refused(rt: CloudHypervisorRuntime, name: str, tar: str, match: str) -> None:
     inst = chvm(name, None, restore_from="https://snap.example/x.tar", nics=())
     with pytest.raises(TerminalError, match=match):
-        rt.restore(inst, Prepared(), tar)
+        rt.restore(inst, tar, Prepared())
     left = rt.system.listdir(f"{DATA}/cloud-hypervisor/instances")
     assert name not in left and f".{name}.new" not in left
 
@@ -284,7 +284,7 @@ def test_a_restore_refuses_another_runtime_cpu_or_a_bad_disk_and_leaves_nothing_
     snaps = rt.system.host_path(f"{DATA}/snapshots")
     snaps.mkdir(parents=True)
     rt.create(chvm("o1", image, nics=()), Prepared(user_data=b"#cloud-config\n"))
-    rt.snapshot("o1", False, f"{DATA}/snapshots/disk.tar")
+    rt.snapshot(chvm("o1", image, nics=()), False, str(snaps / "disk.tar"))
     good = members(snaps / "disk.tar")
     cpu = rt.cpu_model()
     mem = {
@@ -299,8 +299,13 @@ def test_a_restore_refuses_another_runtime_cpu_or_a_bad_disk_and_leaves_nothing_
         return json.dumps({"runtime": runtime, "cpuModel": cpu_model, "includeMemory": memory}).encode()
 
     cases: list[tuple[str, dict[str, bytes], Sequence[str], str]] = [
-        ("runtime", {**good, "meta.json": meta("libvirt-kvm")}, (), "taken by 'libvirt-kvm'"),
-        ("cpu", {**good, **mem, "meta.json": meta(cpu_model="Other CPU", memory=True)}, (), "taken on CPU"),
+        ("runtime", {**good, "meta.json": meta("libvirt-kvm")}, (), "taken by the 'libvirt-kvm' runtime"),
+        (
+            "cpu",
+            {**good, **mem, "meta.json": meta(cpu_model="Other CPU", memory=True)},
+            (),
+            "taken on CPU model",
+        ),
         (
             "size",
             {
@@ -312,9 +317,14 @@ def test_a_restore_refuses_another_runtime_cpu_or_a_bad_disk_and_leaves_nothing_
             (),
             "vCPUs",
         ),
-        ("nomem", {**good, "meta.json": meta(memory=True)}, (), "do not match its includeMemory"),
-        ("path", {**good, "../escape": b"x"}, (), "which no snapshot holds"),
-        ("link", good, ("seed.iso",), "twice|which no snapshot holds"),
+        (
+            "nomem",
+            {**good, "meta.json": meta(memory=True)},
+            (),
+            "includeMemory is set but the memory state is missing",
+        ),
+        ("path", {**good, "../escape": b"x"}, (), "not a snapshot file"),
+        ("link", good, ("seed.iso",), "not a regular file"),
         ("twice", good, (), ""),
     ]
     for name, files, links, match in cases:
@@ -325,20 +335,20 @@ def test_a_restore_refuses_another_runtime_cpu_or_a_bad_disk_and_leaves_nothing_
                 info = tarfile.TarInfo("disk.qcow2")
                 info.size = 1
                 tar.addfile(info, io.BytesIO(b"x"))
-            match = "twice"
+            match = "appears twice"
         else:
             write_tar(path, files, links)
-        _refused(rt, f"x{name}", f"{DATA}/snapshots/{name}.tar", match)
+        _refused(rt, f"x{name}", str(path), match)
     # A disk naming a backing file (the overlay itself, not flattened).
     overlay = rt.system.read_bytes(f"{ch_instance_dir(DATA, 'o1')}/disk.qcow2") or b""
     write_tar(snaps / "backing.tar", {**good, "disk.qcow2": overlay})
-    _refused(rt, "xbacking", f"{DATA}/snapshots/backing.tar", "backing file")
+    _refused(rt, "xbacking", str(snaps / "backing.tar"), "backing file")
     # The same disk-only tar restores on another CPU: only memory is bound to the CPU model.
     rt.cpu_model = lambda: "Other CPU"  # type: ignore[method-assign]
     rt.restore(
         chvm("ok1", None, restore_from="https://snap.example/x.tar", nics=()),
+        str(snaps / "disk.tar"),
         Prepared(),
-        f"{DATA}/snapshots/disk.tar",
     )
     assert [d.name for d in rt.list()] == ["o1", "ok1"]
 
@@ -355,7 +365,7 @@ def test_a_directory_without_vm_json_is_never_defined_over_dlv_ch_28(
     with pytest.raises(TerminalError, match="not bcd's"):
         rt.create(chvm("theirs", image, nics=()), Prepared())
     with pytest.raises(TerminalError, match="not bcd's"):
-        rt.restore(chvm("theirs", None, restore_from="https://x/y.tar", nics=()), Prepared(), "/nonexistent")
+        rt.restore(chvm("theirs", None, restore_from="https://x/y.tar", nics=()), "/nonexistent", Prepared())
     assert os.listdir(d) == ["disk.qcow2"] and (d / "disk.qcow2").read_bytes() == b"someone else's"
     assert rt.list() == ()
     with pytest.raises(TerminalError):

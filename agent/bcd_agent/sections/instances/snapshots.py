@@ -185,7 +185,7 @@ def unpack(
         meta = parse_meta(mf.read())
         check_meta(meta, runtime, host_cpu_model)
         seen: list[str] = []
-        for member in tar:
+        while (member := tar.next()) is not None:  # (iterating the TarFile would yield meta.json again)
             name = member.name
             if name not in MEMBERS or name == META_NAME:
                 raise SnapshotRefused("BadSnapshot", f"snapshot member {name[:120]!r}: not a snapshot file")

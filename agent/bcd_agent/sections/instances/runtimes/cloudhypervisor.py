@@ -52,7 +52,7 @@ import os
 import shutil
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from attrs import evolve
@@ -65,12 +65,15 @@ from bcd_shared.system import System
 
 from bcd_agent.sections.instances.model import RUNTIME_CH, InstanceSpec
 from bcd_agent.sections.instances.runtimes.base import (
+    CH_STATE_DIR,
     PAUSED,
     RUNNING,
     STOPPED,
     CapacityRefused,
     Domain,
     Prepared,
+    SnapshotMeta,
+    SnapshotRefused,
 )
 from bcd_agent.sections.instances.runtimes.chapi import CHApi, CHApiError
 
@@ -82,19 +85,12 @@ MAX_VIRTUAL_SIZE = 64 << 40
 TUNSETIFF = 0x400454CA
 IFF_TAP, IFF_NO_PI, IFF_VNET_HDR = 0x0002, 0x1000, 0x4000
 _STATES = {"Running": RUNNING, "Paused": PAUSED, "Created": STOPPED, "Shutdown": STOPPED}
-# A snapshot (DLV-CH-34): a tar of meta.json, the flattened overlay, the seed and, with memory, the
-# VMM's own snapshot under ch/. Restored, the VMM's files sit at the top of the instance's directory
-# (the source of vm.restore, and where root's ACL entries for the VMM's user reach them).
-META = "meta.json"
+# A snapshot (DLV-CH-34; snapshots.py writes and reads the tar): meta.json, the flattened overlay,
+# the seed and, with memory, the VMM's own snapshot under ch/. Restored, the VMM's files are moved to
+# the top of the instance's directory: the source of vm.restore, and where root's ACL entries for the
+# VMM's user reach them under the helper (entries are granted on the directory's own files).
 MEMORY_FILES = ("config.json", "state.json", "memory-ranges")
-TAR_MEMBERS = {
-    META: META,
-    "disk.qcow2": "disk.qcow2",
-    "seed.iso": "seed.iso",
-    **{f"ch/{n}": n for n in MEMORY_FILES},
-}
 SNAPSHOT_WORK = "snapshot"  # in the instance's directory: where the VMM writes its snapshot
-MAX_META = 64 << 10
 MAX_CONFIG = 1 << 20
 MAX_STATE = 256 << 20
 MAX_SEED = 64 << 20
@@ -758,12 +754,10 @@ class CloudHypervisorRuntime:
     # verified tar; the section does the transfers, hashes and retries.
 
     def cpu_model(self) -> str:
-        """The host CPU's model name (/proc/cpuinfo), which a memory snapshot must match."""
-        for line in (self.system.read_text("/proc/cpuinfo") or "").splitlines():
-            key, sep, value = line.partition(":")
-            if sep and key.strip() == "model name":
-                return value.strip()
-        return ""
+        """The host CPU's model as meta.json records it, which a memory snapshot must match."""
+        from bcd_agent.sections.instances.snapshots import cpu_model
+
+        return cpu_model(self.system)
 
     def _check_record_disk(self, rec: CHRecord) -> None:
         base = None
@@ -793,27 +787,33 @@ class CloudHypervisorRuntime:
         if not result.ok:
             raise RetryableError("QemuImgFailed", f"qemu-img convert: {result.describe()}")
 
-    def snapshot(self, name: str, include_memory: bool, staging: str) -> None:
-        """Write instance `name`'s snapshot tar to `staging` (DLV-CH-34, DLV-SNAP-13): meta.json
-        (runtime, CPU model, includeMemory), the overlay flattened, the seed and, with memory, the
+    def snapshot(self, inst: InstanceSpec, include_memory: bool, tar_path: str) -> SnapshotMeta:
+        """Write instance `inst`'s snapshot to the new tar `tar_path` (a real path: the section's
+        staging file; DLV-CH-34): meta.json, the overlay flattened, the seed and, with memory, the
         VMM's `vm.snapshot` of the paused VM under ch/. A running VM is paused for it and resumed
-        after, whatever happened (DLV-CH-35). A memory snapshot needs a running or paused VM."""
+        after, whatever happened (DLV-CH-35). Memory needs a running or paused VM, and is refused
+        with GPUs or a read-write volume before anything runs (DLV-RT-13/14)."""
+        from bcd_agent.sections.instances.snapshots import refuse_memory_snapshot, write_tar
+
+        name = inst.id
+        refuse_memory_snapshot(inst, include_memory)
         rec = self.record(name)
         if rec is None:
             raise TerminalError("NotBcds", f"{name}: no vm.json: not a cloud-hypervisor instance of bcd's")
         self._check_record_disk(rec)
         state = self._state(name)
         if include_memory and state == STOPPED:
-            raise TerminalError("NotRunning", f"{name}: a memory snapshot needs a running or paused VM")
+            raise SnapshotRefused("NotRunning", f"{name}: a memory snapshot needs a running or paused VM")
         d = self._dir(name)
         work = f"{d}/{SNAPSHOT_WORK}"
         shutil.rmtree(self._real(work), ignore_errors=True)
         # 0770: under the helper the directory inherits the VMM user's default ACL entry, whose
-        # effective rights the mode's group bits bound; root's runtime gives the VMM the directory.
+        # effective rights the mode's group bits bound; as root it is handed to the VMM's user.
         self._mkdir(work, 0o770)
         self._to_vmm(work, rec)
         api = self.api(name, timeout_s=600)
         paused_here = False
+        meta = SnapshotMeta(self.name, self.cpu_model(), include_memory)
         try:
             if state == RUNNING:
                 api.pause()
@@ -821,16 +821,12 @@ class CloudHypervisorRuntime:
             if include_memory:
                 api.snapshot(work)
             self._flatten(rec, f"{work}/disk.qcow2")
-            meta = {"runtime": self.name, "cpuModel": self.cpu_model(), "includeMemory": include_memory}
-            members: list[tuple[str, str | bytes]] = [
-                (META, json.dumps(meta, sort_keys=True).encode()),
-                ("disk.qcow2", f"{work}/disk.qcow2"),
-            ]
+            files = [("disk.qcow2", self._real(f"{work}/disk.qcow2"))]
             if rec.seed:
-                members.append(("seed.iso", f"{d}/seed.iso"))
+                files.append(("seed.iso", self._real(f"{d}/seed.iso")))
             if include_memory:
-                members += [(f"ch/{n}", f"{work}/{n}") for n in MEMORY_FILES]
-            self._write_tar(staging, members)
+                files += [(f"{CH_STATE_DIR}{n}", self._real(f"{work}/{n}")) for n in MEMORY_FILES]
+            write_tar(tar_path, meta, files)
         except CHApiError as exc:
             raise RetryableError("SnapshotFailed", f"{name}: {exc}") from None
         finally:
@@ -839,112 +835,43 @@ class CloudHypervisorRuntime:
                     api.resume()
             finally:
                 shutil.rmtree(self._real(work), ignore_errors=True)
+        return meta
 
-    def _write_tar(self, staging: str, members: Sequence[tuple[str, str | bytes]]) -> None:
-        import io
-        import tarfile
-
-        real = self._real(staging)
-        fd = os.open(real, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "wb") as out:
-            with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
-                for arcname, src in members:
-                    info = tarfile.TarInfo(arcname)
-                    info.mode = 0o600
-                    if isinstance(src, bytes):
-                        info.size = len(src)
-                        tar.addfile(info, io.BytesIO(src))
-                        continue
-                    with open(self._real(src), "rb") as f:
-                        info.size = os.fstat(f.fileno()).st_size
-                        tar.addfile(info, f)
-            out.flush()
-            os.fsync(out.fileno())
-
-    def _member_limit(self, dest: str, inst: InstanceSpec) -> int:
+    def _member_limit(self, name: str, inst: InstanceSpec) -> int:
         return {
-            META: MAX_META,
-            "config.json": MAX_CONFIG,
-            "state.json": MAX_STATE,
-            "memory-ranges": inst.memory_bytes + (1 << 20),
+            f"{CH_STATE_DIR}config.json": MAX_CONFIG,
+            f"{CH_STATE_DIR}state.json": MAX_STATE,
+            f"{CH_STATE_DIR}memory-ranges": inst.memory_bytes + (1 << 20),
             "seed.iso": MAX_SEED,
-        }.get(dest, self.max_virtual_size + self.max_virtual_size // 64 + (1 << 30))
+        }.get(name, self.max_virtual_size + self.max_virtual_size // 64 + (1 << 30))
 
-    def _unpack(self, snapshot: str, work: str, inst: InstanceSpec) -> set[str]:
-        """DLV-LIBVIRT-25: the tar unpacked into the new instance's directory: regular files of the
-        names a snapshot holds, each once and within its bound; anything else refuses it."""
+    def _check_sizes(self, tar_path: str, inst: InstanceSpec) -> None:
+        """Each member within its bound before anything is written (the headers only)."""
         import tarfile
 
-        got: set[str] = set()
         try:
-            with tarfile.open(self._real(snapshot), mode="r:") as tar:
+            with tarfile.open(tar_path, mode="r:") as tar:
                 for m in tar:
-                    if m.isdir() and m.name.rstrip("/") == "ch":
-                        continue
-                    dest = TAR_MEMBERS.get(m.name)
-                    if dest is None or not m.isreg():
-                        raise TerminalError(
-                            "BadSnapshot", f"the snapshot holds {m.name[:100]!r}, which no snapshot holds"
+                    if m.size > self._member_limit(m.name, inst):
+                        raise SnapshotRefused(
+                            "BadSnapshot", f"snapshot member {m.name[:120]!r}: too large ({m.size} bytes)"
                         )
-                    if dest in got:
-                        raise TerminalError("BadSnapshot", f"the snapshot holds {m.name!r} twice")
-                    if m.size > self._member_limit(dest, inst):
-                        raise TerminalError(
-                            "BadSnapshot", f"the snapshot's {m.name} is too large ({m.size} bytes)"
-                        )
-                    got.add(dest)
-                    src = tar.extractfile(m)
-                    assert src is not None
-                    fd = os.open(
-                        self._real(f"{work}/{dest}"),
-                        os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                        0o600,
-                    )
-                    with os.fdopen(fd, "wb") as out:
-                        shutil.copyfileobj(src, out, 1 << 20)
-                        out.flush()
-                        os.fsync(out.fileno())
         except (tarfile.TarError, EOFError) as exc:
-            raise TerminalError("BadSnapshot", f"the snapshot is not a readable tar: {exc}") from None
-        return got
+            raise SnapshotRefused("BadSnapshot", f"the snapshot is not a readable tar: {exc}") from None
 
-    def _snapshot_meta(self, work: str, got: set[str]) -> bool:
-        """meta.json, strictly: this runtime's, and with memory this host's CPU model (DLV-CH-25,
-        DLV-LIBVIRT-26); whether the snapshot holds memory."""
-        if META not in got or "disk.qcow2" not in got:
-            raise TerminalError("BadSnapshot", "the snapshot has no meta.json or no disk.qcow2")
-        try:
-            meta = json.loads(self.system.read_bytes(f"{work}/{META}") or b"")
-        except ValueError:
-            raise TerminalError("BadSnapshot", "the snapshot's meta.json is not JSON") from None
-        if not isinstance(meta, dict) or set(meta) != {"runtime", "cpuModel", "includeMemory"}:
-            raise TerminalError("BadSnapshot", "meta.json: exactly runtime, cpuModel and includeMemory")
-        if meta["runtime"] != self.name:
-            raise TerminalError(
-                "BadSnapshot", f"the snapshot was taken by {str(meta['runtime'])[:40]!r}, not {self.name}"
-            )
-        memory = meta["includeMemory"]
-        if type(memory) is not bool or not isinstance(meta["cpuModel"], str):
-            raise TerminalError("BadSnapshot", "meta.json: includeMemory a boolean, cpuModel a string")
-        held = {n for n in MEMORY_FILES if n in got}
-        if held != (set(MEMORY_FILES) if memory else set()):
-            raise TerminalError("BadSnapshot", "the snapshot's memory files do not match its includeMemory")
-        if memory and meta["cpuModel"] != self.cpu_model():
-            raise TerminalError(
-                "CpuMismatch",
-                f"the memory snapshot was taken on CPU {meta['cpuModel'][:80]!r}, "
-                f"this host's is {self.cpu_model()[:80]!r}",
-            )
-        return memory
+    def restore(self, inst: InstanceSpec, tar_path: str, prepared: Prepared) -> None:
+        """Define instance `inst` from the downloaded and verified snapshot tar `tar_path` (a real
+        path) instead of an image (DLV-CH-36): unpacked into the new directory (snapshots.unpack:
+        strict names, regular files, each once), refused when taken by another runtime or, with
+        memory, on another CPU model (DLV-CH-25); its disk must be a flat qcow2, its seed is attached
+        raw, never probed (DLV-LIBVIRT-27). A memory snapshot's config.json must have exactly the
+        instance's vCPUs and memory (DLV-CH-37) and is rebuilt from allowlists (DLV-CH-38..41),
+        keeping bcd's balloon (DLV-BAL-15). Any refusal removes the new directory. An instance
+        already restored (its vm.json exists) only has its record brought up to date."""
+        import tarfile
 
-    def restore(self, inst: InstanceSpec, prepared: Prepared, snapshot: str) -> None:
-        """Define instance `inst` from the downloaded and verified snapshot tar `snapshot` (a system
-        path) instead of an image (DLV-CH-36): unpacked into the new directory, refused when taken
-        by another runtime or, with memory, on another CPU model; its disk must be a flat qcow2 and
-        its seed is attached raw, never probed (DLV-LIBVIRT-27). A memory snapshot's config.json must
-        have exactly the instance's vCPUs and memory (DLV-CH-37) and is rebuilt from allowlists
-        (DLV-CH-38..41), keeping bcd's balloon (DLV-BAL-15). Any refusal removes the new directory.
-        An instance already restored (its vm.json exists) only has its record brought up to date."""
+        from bcd_agent.sections.instances.snapshots import unpack
+
         self._check_create(inst, prepared)
         volumes = self._volumes(inst)
         work, staged = self._workdir(inst.id)
@@ -952,20 +879,32 @@ class CloudHypervisorRuntime:
         try:
             memory = False
             if staged:
-                got = self._unpack(snapshot, work, inst)
-                memory = self._snapshot_meta(work, got)
-                os.unlink(self._real(f"{work}/{META}"))
+                self._check_sizes(tar_path, inst)
+                try:
+                    meta, _names = unpack(
+                        tar_path, self._real(work), self.name, self.cpu_model(), CH_STATE_DIR
+                    )
+                except (tarfile.TarError, EOFError) as exc:
+                    raise SnapshotRefused(
+                        "BadSnapshot", f"the snapshot is not a readable tar: {exc}"
+                    ) from None
+                memory = meta.include_memory
+                if memory:
+                    for n in MEMORY_FILES:
+                        os.rename(self._real(f"{work}/{CH_STATE_DIR}{n}"), self._real(f"{work}/{n}"))
+                with contextlib.suppress(FileNotFoundError):
+                    os.rmdir(self._real(f"{work}/{CH_STATE_DIR}"))
                 try:
                     check_overlay(self._real(f"{work}/disk.qcow2"), None, None, self.max_virtual_size)
                 except ImageRefused as exc:
-                    raise TerminalError("BadSnapshot", f"the snapshot's disk: {exc.message}") from None
+                    raise SnapshotRefused("BadSnapshot", f"the snapshot's disk: {exc.message}") from None
             seed = self.system.exists(f"{work}/seed.iso")
             fresh = vm_config(inst, d, None, seed, prepared.gpu_addresses, volumes, self.data_dir)
             if memory:
                 try:
                     saved = json.loads(self.system.read_bytes(f"{work}/config.json") or b"")
                 except ValueError:
-                    raise TerminalError("BadSnapshot", "the snapshot's config.json is not JSON") from None
+                    raise SnapshotRefused("BadSnapshot", "the snapshot's config.json is not JSON") from None
                 check_snapshot_config(saved, inst.vcpus, inst.memory_bytes)
                 nics = [(f"net{i}", n.mac) for i, n in enumerate(inst.nics)]
                 rebuilt = restored_config(saved, fresh, nics)
