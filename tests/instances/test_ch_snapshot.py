@@ -426,3 +426,34 @@ def test_volumes_are_raw_disks_with_their_serial_resized_live(
     vmm = rec.vmms["v1"]
     assert ("vm.resize-disk", {"id": "vol0", "desired_size": 8192}, 0) in vmm.requests
     rt.stop("v1")
+
+
+def test_the_console_is_the_serial_ports_socket_dlv_ch_42(
+    host: tuple[CloudHypervisorRuntime, Recorder, Image],
+) -> None:
+    """DLV-CH-42: the VMM's configuration puts the serial port on instances/<id>/serial.sock, and the
+    runtime's console is a connection to exactly that socket (here a stand-in for the VMM's serial
+    end, echoing what the guest would read); no VMM: a retryable error, not a hang."""
+    import socket
+
+    rt, _rec, image = host
+    inst = chvm("c1", image, nics=())
+    rt.create(inst, Prepared())
+    d = ch_instance_dir(DATA, "c1")
+    record = parse_record(rt.system.read_bytes(f"{d}/vm.json") or b"")
+    assert record.config["serial"] == {"mode": "Socket", "socket": f"{d}/serial.sock"}
+    with pytest.raises(RetryableError, match="no serial console"):
+        rt.console("c1")
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(str(rt.system.host_path(f"{d}/serial.sock")))
+    srv.listen(1)
+    try:
+        con = rt.console("c1")
+        peer, _ = srv.accept()
+        with con, peer:
+            con.sendall(b"root\n")
+            assert peer.recv(16) == b"root\n"
+            peer.sendall(b"login: ")
+            assert con.recv(16) == b"login: "
+    finally:
+        srv.close()

@@ -50,6 +50,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import struct
 import time
 from collections.abc import Callable
@@ -926,6 +927,25 @@ class CloudHypervisorRuntime:
         for n in MEMORY_FILES:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self._real(f"{self._dir(name)}/{n}"))
+
+    def console(self, name: str, timeout_s: float = 5.0) -> socket.socket:
+        """The instance's console (DLV-CH-42): a connection to the serial port's Unix socket
+        `instances/<id>/serial.sock`, where the VMM serves the guest's serial line (config `serial`
+        mode Socket). The caller relays it (a console tunnel) and closes it. Under the helper the
+        node reaches the socket through its default ACL entry on the directory."""
+        if self.record(name) is None:
+            raise TerminalError("NotBcds", f"{name}: no vm.json: not a cloud-hypervisor instance of bcd's")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(self._real(f"{self._dir(name)}/serial.sock"))
+        except OSError as exc:
+            sock.close()
+            raise RetryableError(
+                "NoConsole", f"{name}: no serial console ({exc.strerror}; is it running?)"
+            ) from None
+        sock.settimeout(None)
+        return sock
 
     def set_balloon(self, name: str, balloon_bytes: int) -> None:
         """The balloon through `vm.resize` `desired_balloon` (a VM without a balloon device is not
