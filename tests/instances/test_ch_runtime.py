@@ -176,6 +176,10 @@ def test_balloon_through_vm_resize_dlv_bal_13_dlv_bal_14(
     assert out.state is SectionState.CONVERGED, out.message
     runtime.set_balloon("b1", GIB // 2)
     assert runtime.balloon_bytes("b1") == GIB // 2
+    readings = runtime.balloon_readings()
+    assert {k: (r.balloon_bytes, r.used_bytes) for k, r in readings.items() if k in ("b1", "b2")} == {
+        "b1": (GIB // 2, None)
+    }
     with pytest.raises(TerminalError, match="no balloon device"):
         runtime.set_balloon("b2", GIB // 2)
 

@@ -56,7 +56,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from attrs import evolve
+from attrs import evolve, frozen
 from bcd_shared.chrecord import CHNic, CHRecord, CHVolume, RecordError, encode_record, parse_record
 from bcd_shared.chunit import FIRMWARE, VMM_UID_BASE, VMM_UID_COUNT, ch_dir, ch_images_dir, ch_instance_dir
 from bcd_shared.errors import HelperRefused, RetryableError, TerminalError
@@ -173,6 +173,14 @@ def stated_chain(disk: str, base: str | None, base_format: str | None) -> str:
             backing["backing"] = None
         layer["backing"] = backing
     return "json:" + json.dumps(layer, separators=(",", ":"))
+
+
+@frozen
+class CHBalloonReading:
+    """One guest's balloon as the controller reads it (the fields of balloon.BalloonReading)."""
+
+    balloon_bytes: int
+    used_bytes: int | None = None
 
 
 class CloudHypervisorRuntime:
@@ -961,6 +969,32 @@ class CloudHypervisorRuntime:
             self.api(name).resize_balloon(balloon_bytes)
         except CHApiError as exc:
             raise RetryableError("BalloonFailed", f"{name}: {exc}") from None
+
+    def balloon_readings(self) -> dict[str, CHBalloonReading]:
+        """The balloon controller's reading (DLV-BAL-13): for each of bcd's running VMs defined with a
+        balloon device, the balloon's size from `vm.info`; a VM without one is left out, never
+        touched (DLV-BAL-14). cloud-hypervisor's API reports no guest use, so `used_bytes` is None
+        and the controller takes nothing from such a guest (DLV-BAL-11); free page reporting
+        still hands its free pages back."""
+        out: dict[str, CHBalloonReading] = {}
+        for name in self.system.listdir(f"{ch_dir(self.data_dir)}/instances"):
+            if not valid_instance_id(name):
+                continue
+            try:
+                rec = self.record(name)
+            except RetryableError:
+                continue
+            if rec is None or "balloon" not in rec.config:
+                continue
+            try:
+                info = self.api(name, timeout_s=5).info()
+            except CHApiError:
+                continue  # no VMM: not running
+            balloon = info.get("config", {}).get("balloon")
+            if info.get("state") != "Running" or not isinstance(balloon, dict):
+                continue
+            out[name] = CHBalloonReading(int(balloon.get("size", 0)), None)
+        return out
 
     def balloon_bytes(self, name: str) -> int | None:
         try:
