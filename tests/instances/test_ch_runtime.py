@@ -45,6 +45,13 @@ class NodeRuntime(CloudHypervisorRuntime):
 
     def create(self, inst: Any, prepared: Any) -> None:
         super().create(inst, prepared)
+        self._to_node()
+
+    def restore(self, inst: Any, tar_path: str, prepared: Any) -> None:
+        super().restore(inst, tar_path, prepared)
+        self._to_node()
+
+    def _to_node(self) -> None:
         top = self.system.host_path(self.data_dir)
         for dirpath, dirs, files in os.walk(top):
             for n in [dirpath, *(os.path.join(dirpath, f) for f in files + dirs)]:
@@ -285,3 +292,64 @@ def test_a_snapshot_of_another_size_is_refused_dlv_ch_37() -> None:
         check_snapshot_config({"cpus": {"boot_vcpus": 2, "max_vcpus": 4}, "memory": {"size": GIB}}, 2, GIB)
     with pytest.raises(TerminalError):
         check_snapshot_config([], 2, GIB)
+
+
+def test_a_memory_restore_launches_through_the_helper_dlv_chh_16_dlv_ch_38(
+    rt: tuple[HelperProcess, CloudHypervisorRuntime, InstancesSection],
+) -> None:
+    """DLV-CHH-16, DLV-CHH-17, DLV-CH-07, DLV-CH-38, DLV-CH-41 through a real helper: a restored record
+    (a flat disk, no base image) passes root's ch.launch checks and its unit binds no base image; the
+    first start is vm.restore of bcd's rebuilt configuration (the snapshot's `fs` and CPU affinity
+    dropped, no backing_files), then vm.resume; the VMM's state files go after."""
+    from bcd_agent.sections.instances.runtimes.base import Prepared, SnapshotMeta
+    from bcd_agent.sections.instances.snapshots import cpu_model, write_tar
+    from bcd_simhost.libvirt import qcow2_bytes
+
+    h, runtime, _sec = rt
+    work = Path(tempfile.mkdtemp(prefix="chrs", dir="/var/tmp"))
+    try:
+        (work / "disk").write_bytes(qcow2_bytes(GIB))
+        (work / "seed").write_bytes(b"\0" * 2048)
+        saved = {
+            "cpus": {"boot_vcpus": 2, "max_vcpus": 2, "affinity": [{"vcpu": 0, "host_cpus": [3]}]},
+            "memory": {"size": 2 * GIB, "hugepages": True},
+            "fs": [{"tag": "host", "socket": "/run/evil.sock"}],
+            "payload": {"kernel": "/etc/shadow"},
+        }
+        (work / "config").write_text(json.dumps(saved))
+        (work / "state").write_text("{}")
+        (work / "mem").write_bytes(b"\0" * 64)
+        tar = work / "snap.tar"
+        write_tar(
+            str(tar),
+            SnapshotMeta("cloud-hypervisor", cpu_model(runtime.system), True),
+            [
+                ("disk.qcow2", str(work / "disk")),
+                ("seed.iso", str(work / "seed")),
+                ("ch/config.json", str(work / "config")),
+                ("ch/state.json", str(work / "state")),
+                ("ch/memory-ranges", str(work / "mem")),
+            ],
+        )
+        inst = chvm("rs1", image=None, restore_from="https://snap.example/rs1.tar")
+        runtime.restore(inst, str(tar), Prepared())  # type: ignore[arg-type]
+        runtime.start(inst, paused=False)  # type: ignore[arg-type]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    info = runtime.api("rs1").info()
+    assert info["state"] == "Running"
+    config = info["config"]
+    assert "fs" not in config and "affinity" not in config["cpus"] and "hugepages" not in config["memory"]
+    assert config["payload"]["firmware"].endswith("CLOUDHV.fd") and "kernel" not in config["payload"]
+    assert config["disks"][0]["backing_files"] is False
+    units = json.loads((h.root / "var/lib/bcd-sim/systemd/units.json").read_text())
+    props = units["bcd-ch-rs1.service"]["properties"]
+    assert "BindReadOnlyPaths" not in props
+    d = h.root / CHD.lstrip("/") / "instances/rs1"
+    assert sorted(p.name for p in d.iterdir() if p.name != "api.sock") == [
+        "disk.qcow2",
+        "seed.iso",
+        "vm.json",
+    ]
+    assert [e["op"] for e in h.audit_lines() if e["decision"] == "accepted"][-1] == "ch.launch"
+    runtime.delete("rs1")
