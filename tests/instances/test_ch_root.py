@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bcd_agent.sections.instances.model import RUNTIME_CH
+from bcd_agent.sections.instances.model import RUNTIME_CH, definition_digest
 from bcd_agent.sections.instances.runtimes.base import Prepared
 from bcd_agent.sections.instances.runtimes.chlocal import LocalChOps
 from bcd_agent.sections.instances.runtimes.cloudhypervisor import CloudHypervisorRuntime
@@ -122,6 +122,8 @@ def test_as_root_the_files_and_vfio_groups_go_to_the_vmm_and_back_dlv_chu_09_dlv
     assert (d / "rebind.img").stat().st_uid == uid
     rt.rebind_detach("a1")
 
+    [dom] = rt.list()
+    assert dom.definition == definition_digest(inst, (GPU,))  # what the planner compares it with
     rt.stop("a1")
     node = (root / "dev/vfio/10").stat()
     assert (node.st_uid, node.st_gid) == (0, 0)
@@ -210,3 +212,19 @@ def test_as_root_taps_are_real_persistent_taps_on_their_bridge_and_only_taps_go_
         assert link(tap_name("t2", 0))["linkinfo"]["info_kind"] == "bridge"
 
     in_netns(body)
+
+
+def test_a_gpu_the_spec_dropped_goes_back_to_its_host_driver_dlv_ch_23(
+    host: tuple[CloudHypervisorRuntime, Path],
+) -> None:
+    """DLV-CH-23: the spec drops the GPU of a stopped instance; its new definition hands the recorded
+    group's devices back to their host drivers before the record forgets them."""
+    rt, root = host
+    inst = chvm("a3", gpu_uuids=("GPU-1",))
+    rt.create(inst, Prepared(gpu_addresses=(GPU,)))
+    rt.start(inst, paused=False)
+    rt.stop("a3")
+    assert _driver(root, GPU) == "vfio-pci"
+    rt.create(chvm("a3"), Prepared())
+    assert [_driver(root, a) for a in (GPU, AUDIO, BRIDGE)] == ["nvidia", "snd_hda_intel", "pcieport"]
+    assert parse_record((root / ch_instance_dir(DATA, "a3").lstrip("/") / "vm.json").read_bytes()).gpus == ()

@@ -455,6 +455,10 @@ class CloudHypervisorRuntime:
                 self._seed(inst, prepared.user_data, work)
             seed = self.system.exists(f"{work}/seed.iso")
             old = None if staged else self.record(inst.id)
+            if old is not None and set(old.gpus) - set(prepared.gpu_addresses):
+                # DLV-CH-23: a GPU the spec dropped goes back to its host driver while the record
+                # still names it (a definition changes only while the VM is stopped).
+                self._call("ch.unvfio", {"name": inst.id})
             rec = self._new_record(
                 inst,
                 prepared,
@@ -499,7 +503,7 @@ class CloudHypervisorRuntime:
             mems=inst.placement.mems if inst.placement is not None else "",
             restored=restored,
             config=config,
-            definition=definition_digest(inst, ()),
+            definition=definition_digest(inst, tuple(prepared.gpu_addresses)),
         )
 
     def _volumes(self, inst: InstanceSpec) -> tuple[CHVolume, ...]:
