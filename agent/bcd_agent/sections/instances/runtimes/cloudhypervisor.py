@@ -1,9 +1,9 @@
-"""The cloud-hypervisor runtime under the helper (docs/instances.md "cloud-hypervisor").
+"""The cloud-hypervisor runtime (docs/instances.md "cloud-hypervisor").
 
-One VMM per instance in its confined unit (bcd_shared.chunit), started by the helper's `ch.launch`
-from root's own reading of `vm.json`, and driven over its API socket (chapi.CHApi). Files under
-`data_dir/cloud-hypervisor` (bcd_shared.chunit.ch_dir): the node owns them; root grants the VMM's
-user ACL entries for the run.
+One VMM per instance in its confined unit (bcd_shared.chunit), started by `ch.launch` and driven over
+its API socket (chapi.CHApi). `priv` does the root-only `ch.*` steps: the helper client (root reads
+`vm.json` itself; the node owns the files under `data_dir/cloud-hypervisor` and root grants the VMM's
+user ACL entries for the run), or, for a node running as root, chlocal.LocalChOps (chowns instead).
 
 - Record (DLV-CH-26/27/28): `instances/<id>/vm.json` (bcd_shared.chrecord); `list` reports only
   directories with one, the state from `vm.info` (no answer on the socket: stopped).
@@ -27,18 +27,19 @@ user ACL entries for the run.
 - Volumes: Raw disks `vol<i>` of the volume store with their serial, read-only when attached so;
   `resize_volume` is `vm.resize-disk`. Root binds them into the unit and grants the VMM's user its
   ACL entries for the run.
-- Snapshots (DLV-CH-34/35): `snapshot(name, include_memory, staging)` pauses a running VM, has the
-  VMM write its own snapshot (`vm.snapshot`) into `snapshot/` of the instance's directory, flattens
-  the overlay (`qemu-img convert`, every layer stated), tars meta.json, disk, seed and ch/ into
-  `staging`, and resumes. `restore(inst, prepared, tar)` defines a new instance from a downloaded
+- Snapshots (DLV-CH-34/35; base.Snapshotting, snapshots.py): `snapshot(inst, include_memory,
+  tar_path)` pauses a running VM, has the VMM write its own snapshot (`vm.snapshot`) into `snapshot/`
+  of the instance's directory, flattens the overlay (`qemu-img convert`, every layer stated), writes
+  the tar and resumes. `restore(inst, tar_path, prepared)` defines a new instance from a downloaded
   tar (DLV-CH-36/37, DLV-CH-25): refusals, the flat-disk check, the configuration rebuilt from
   allowlists (`restored_config`); its first start is `vm.restore` with `net_fds`, then `vm.resume`.
+- Console (DLV-CH-42): `console(name)` connects to `serial.sock`.
 
 - GPUs (DLV-CH-17/18/23): VFIO devices from `/sys/bus/pci/devices/<addr>/`; `ch.vfio` before the
   launch, `ch.stop` gives the groups back to root, `ch.unvfio` at delete returns them to their drivers.
 
-Not built (docs/instances.md): the runtime as root without the helper (DLV-CHU-09/10). The section
-wires snapshots, restores, the identity rebind's flow and the balloon controller.
+The section wires snapshots, restores, the identity rebind's flow (`rebind_attach`, `rebind_answer`,
+`rebind_detach`), the balloon controller (`set_balloon`, `balloon_readings`) and console tunnels.
 """
 
 from __future__ import annotations
