@@ -228,3 +228,37 @@ def test_a_gpu_the_spec_dropped_goes_back_to_its_host_driver_dlv_ch_23(
     rt.create(chvm("a3"), Prepared())
     assert [_driver(root, a) for a in (GPU, AUDIO, BRIDGE)] == ["nvidia", "snd_hda_intel", "pcieport"]
     assert parse_record((root / ch_instance_dir(DATA, "a3").lstrip("/") / "vm.json").read_bytes()).gpus == ()
+
+
+def test_as_root_nics_are_real_taps_handed_to_the_vmm_and_deleted_at_stop(
+    host: tuple[CloudHypervisorRuntime, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DLV-CHU-04, DLV-CH-12, DLV-CH-16 as root: in a private network namespace (the simulated host's
+    `ip` runs the real one there), the start creates the taps on the bridge, opens each and sends its
+    fd to the VMM with vm.add-net (the VMM names the tap from the fd it got); the stop deletes them."""
+    import subprocess
+
+    from bcd_agent.sections.instances.model import Nic
+    from bcd_shared.instancenames import tap_name
+    from bcd_simhost import chtools
+    from bcd_simhost.netns import ENV
+    from netns import in_netns
+
+    rt, root = host
+    monkeypatch.setenv(ENV, "1")
+    inst = vm("n1", runtime=RUNTIME_CH, nics=(Nic("br0", "52:54:00:00:00:07"),))
+
+    def body() -> list[tuple[str, str]]:
+        subprocess.run(["ip", "link", "add", "br0", "type", "bridge"], check=True)
+        rt.create(inst, Prepared())
+        rt.start(inst, paused=False)
+        vmm = chtools._VMMS[(str(root), "bcd-ch-n1.service")]
+        nets = [(n["tap"], n["mac"]) for n in vmm.nets]
+        shown = subprocess.run(["ip", "-j", "link", "show", "master", "br0"], capture_output=True, check=True)
+        assert [link["ifname"] for link in json.loads(shown.stdout)] == [tap_name("n1", 0)]
+        rt.stop("n1")
+        gone = subprocess.run(["ip", "link", "show", "dev", tap_name("n1", 0)], capture_output=True)
+        assert gone.returncode != 0
+        return nets
+
+    assert in_netns(body) == [(tap_name("n1", 0), "52:54:00:00:00:07")]
