@@ -457,3 +457,110 @@ def test_the_console_is_the_serial_ports_socket_dlv_ch_42(
             assert con.recv(16) == b"login: "
     finally:
         srv.close()
+
+
+_NAMES = [
+    "meta.json",
+    "disk.qcow2",
+    "seed.iso",
+    "ch/config.json",
+    "ch/state.json",
+    "ch/memory-ranges",
+    "ch",
+    "../escape",
+    "/etc/escape",
+    "ch/../../escape",
+    "vm.json",
+    "api.sock",
+    "save.state",
+]
+
+
+def test_any_tar_restores_whole_or_refuses_and_leaves_nothing_dlv_ch_36() -> None:
+    """DLV-CH-36 (DLV-LIBVIRT-25..27) over drawn tars: members of a snapshot's names and others (paths
+    out, a record, libvirt's state), of every type (file, directory, symlink, hard link, fifo), in any
+    order and number, with a good or bad meta, a flat or a backing disk. Each restore either defines
+    the instance (a vm.json, a flat disk, nothing but a snapshot's files) or refuses it with a
+    TerminalError, leaving no instance or staging directory; nothing is ever written outside it."""
+    from bcd_simhost.libvirt import qcow2_bytes
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    tmp = Path(tempfile.mkdtemp(prefix="chp", dir="/var/tmp"))
+    root = tmp / "h"
+    seed(root)
+    system = LocalSystem(root=root, tools=sim_tools(real_tool))
+    rt = CloudHypervisorRuntime(system, None, DATA)
+    cpu = rt.cpu_model()
+    flat, backed = qcow2_bytes(1 << 30), qcow2_bytes(1 << 30, "/etc/shadow", "raw")
+    memory_config = json.dumps({"cpus": {"boot_vcpus": 2, "max_vcpus": 2}, "memory": {"size": 512 * MIB}})
+    types = [tarfile.REGTYPE, tarfile.DIRTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.FIFOTYPE]
+    member = st.tuples(st.sampled_from(_NAMES), st.sampled_from(types), st.binary(max_size=64))
+    before = {p for p in root.rglob("*")}
+    counter = iter(range(10**6))
+
+    @settings(max_examples=300 if IN_CI else 60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        memory=st.booleans(),
+        runtime=st.sampled_from(["cloud-hypervisor"] * 3 + ["libvirt-kvm"]),
+        same_cpu=st.sampled_from([True, True, False]),
+        disk=st.sampled_from(["flat", "flat", "backed", "junk", "none"]),
+        extra=st.one_of(st.just([]), st.lists(member, max_size=5)),
+    )
+    def check(
+        memory: bool, runtime: str, same_cpu: bool, disk: str, extra: list[tuple[str, bytes, bytes]]
+    ) -> None:
+        name = f"p{next(counter)}"
+        path = tmp / f"{name}.tar"
+        with tarfile.open(path, "w") as tar:
+
+            def add(n: str, data: bytes, kind: bytes = tarfile.REGTYPE) -> None:
+                info = tarfile.TarInfo(n)
+                info.type = kind
+                if kind in (tarfile.SYMTYPE, tarfile.LNKTYPE):
+                    info.linkname = "/etc/shadow"
+                if kind == tarfile.REGTYPE:
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+                else:
+                    tar.addfile(info)
+
+            meta = {"runtime": runtime, "cpuModel": cpu if same_cpu else "Other", "includeMemory": memory}
+            add("meta.json", json.dumps(meta).encode())
+            if disk != "none":
+                add("disk.qcow2", {"flat": flat, "backed": backed, "junk": b"junk" * 100}[disk])
+            if memory:
+                add("ch/config.json", memory_config.encode())
+                add("ch/state.json", b"{}")
+                add("ch/memory-ranges", b"\0" * 64)
+            for n, kind, data in extra:
+                add(n, data, kind)
+        inst = chvm(name, None, restore_from="https://snap.example/x.tar", nics=())
+        instances = root / f"{DATA}/cloud-hypervisor/instances".lstrip("/")
+        try:
+            rt.restore(inst, str(path), Prepared())
+        except TerminalError:
+            left = set(os.listdir(instances)) if instances.exists() else set()
+            assert name not in left and f".{name}.new" not in left
+        else:
+            d = instances / name
+            assert parse_record((d / "vm.json").read_bytes()).restored
+            assert runtime == "cloud-hypervisor" and disk == "flat" and (same_cpu or not memory)
+            files = set(os.listdir(d))
+            assert {"vm.json", "disk.qcow2"} <= files <= {"vm.json", "disk.qcow2", "seed.iso", *MEMORY}
+            shutil.rmtree(d)
+        finally:
+            path.unlink()
+        assert not (root / "etc/escape").exists() and not (tmp / "escape").exists()
+        assert not any(p.is_symlink() for p in instances.rglob("*")) if instances.exists() else True
+
+    try:
+        check()
+        after = {p for p in root.rglob("*")}
+        data = root / DATA.lstrip("/")
+        assert {p for p in after - before if p != data and "cloud-hypervisor" not in p.parts} == set()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+MEMORY = ("config.json", "state.json", "memory-ranges")
