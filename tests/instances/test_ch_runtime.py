@@ -75,7 +75,7 @@ def rt() -> Iterator[tuple[HelperProcess, CloudHypervisorRuntime, InstancesSecti
     os.chown(data, NODE, NODE)
     proc = HelperProcess(root, base_config(node_uid=NODE, node_gid=NODE, extra='instance_bridges = "br0"\n'))
     system = sim_system(root)
-    runtime = NodeRuntime(system, proc.client, DATA, stop_timeout_s=2.0, sleep=lambda s: None)
+    runtime = NodeRuntime(system, proc.client, DATA, stop_timeout_s=2.0, sleep=lambda s: None, owner=NODE)
     sec = InstancesSection(system, [runtime], DATA, user_data=FixedUserData())
     yield proc, runtime, sec
     proc.stop()

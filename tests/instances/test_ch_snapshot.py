@@ -564,3 +564,46 @@ def test_any_tar_restores_whole_or_refuses_and_leaves_nothing_dlv_ch_36() -> Non
 
 
 MEMORY = ("config.json", "state.json", "memory-ranges")
+
+
+def test_files_the_vmms_user_can_replace_are_never_followed(
+    host: tuple[CloudHypervisorRuntime, Recorder, Image],
+) -> None:
+    """The VMM's user can rename and replace entries of its instance's directory (its ACL entry on
+    the directory; as root it owns it). A disk, seed or rebind disk swapped for a symlink to another
+    tenant's disk is refused by the snapshot, the grow and the rebind answer, which read nothing
+    through it; a vm.json that is not the node's own file is not bcd's record."""
+    rt, _rec, image = host
+    for name in ("t1", "t2"):
+        rt.create(chvm(name, image, nics=()), Prepared(user_data=b"#cloud-config\n"))
+    d1 = rt.system.host_path(ch_instance_dir(DATA, "t1"))
+    other = rt.system.host_path(ch_instance_dir(DATA, "t2")) / "disk.qcow2"
+    before = other.read_bytes()
+    snaps = rt.system.host_path(f"{DATA}/snapshots")
+    snaps.mkdir(parents=True)
+
+    (d1 / "seed.iso").unlink()
+    (d1 / "seed.iso").symlink_to(other)
+    with pytest.raises(TerminalError, match="no symlink"):
+        rt.snapshot(chvm("t1", image, nics=()), False, str(snaps / "a.tar"))
+    assert not (snaps / "a.tar.disk").exists()
+    tar = snaps / "a.tar"
+    assert not tar.exists() or before[:4096] not in tar.read_bytes()
+
+    (d1 / "disk.qcow2").rename(d1 / "mine.qcow2")
+    (d1 / "disk.qcow2").symlink_to(other)
+    with pytest.raises(TerminalError, match="no symlink"):
+        rt.snapshot(chvm("t1", image, nics=()), False, str(snaps / "b.tar"))
+    assert not (snaps / "b.tar").exists()
+    with pytest.raises(TerminalError, match="no symlink"):
+        rt.grow(chvm("t1", image, nics=(), disk_bytes=512 * MIB), running=False)
+    assert other.read_bytes() == before  # never resized through the link
+
+    (d1 / "rebind.img").symlink_to(other)
+    assert rt.rebind_answer("t1") == b""
+
+    (d1 / "vm.json").rename(d1 / "old.json")
+    (d1 / "vm.json").write_bytes((d1 / "old.json").read_bytes())
+    os.chown(d1 / "vm.json", 4242, 4242)  # the VMM's user wrote it
+    with pytest.raises(RetryableError, match="not the node's own regular file"):
+        rt.record("t1")

@@ -45,6 +45,7 @@ The section wires snapshots, restores, the identity rebind's flow (`rebind_attac
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import json
@@ -52,16 +53,18 @@ import logging
 import os
 import shutil
 import socket
+import stat
 import struct
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from attrs import evolve, frozen
+from bcd_shared.chrecord import MAX_BYTES as RECORD_MAX
 from bcd_shared.chrecord import CHNic, CHRecord, CHVolume, RecordError, encode_record, parse_record
 from bcd_shared.chunit import FIRMWARE, VMM_UID_BASE, VMM_UID_COUNT, ch_dir, ch_images_dir, ch_instance_dir
-from bcd_shared.errors import HelperRefused, RetryableError, TerminalError
-from bcd_shared.images import ImageRefused, check_image, check_overlay, parse_header
+from bcd_shared.errors import HelperRefused, RetryableError, StepError, TerminalError
+from bcd_shared.images import MAX_READ, ImageRefused, check_image, check_overlay, parse_header
 from bcd_shared.instancenames import valid_instance_id, volumes_dir
 from bcd_shared.system import System
 
@@ -177,6 +180,16 @@ def stated_chain(disk: str, base: str | None, base_format: str | None) -> str:
 
 
 @frozen
+class Pinned:
+    """An open file of an instance's directory: its descriptor, its /proc/<pid>/fd/<n> name (that very
+    inode, for tools), and its path as shown in messages."""
+
+    fd: int
+    path: str
+    shown: str
+
+
+@frozen
 class CHBalloonReading:
     """One guest's balloon as the controller reads it (the fields of balloon.BalloonReading)."""
 
@@ -202,6 +215,7 @@ class CloudHypervisorRuntime:
         max_virtual_size: int = MAX_VIRTUAL_SIZE,
         tap_opener: Callable[[str], int] = open_tap,
         sleep: Callable[[float], None] = time.sleep,
+        owner: int | None = None,
     ) -> None:
         self.system = system
         self.priv = priv
@@ -212,6 +226,7 @@ class CloudHypervisorRuntime:
         self.max_virtual_size = max_virtual_size
         self.tap_opener = tap_opener
         self.sleep = sleep
+        self.owner = os.geteuid() if owner is None else owner  # who owns bcd's own files (vm.json)
 
     # -- paths -----------------------------------------------------------------------------------
 
@@ -224,8 +239,49 @@ class CloudHypervisorRuntime:
     def api(self, name: str, timeout_s: float = 30.0) -> CHApi:
         return CHApi(self._real(f"{self._dir(name)}/api.sock"), timeout_s=timeout_s)
 
+    @contextlib.contextmanager
+    def _pinned(self, path: str, write: bool = False) -> Iterator[Pinned]:
+        """A file of an instance's directory, where the VMM's user may rename and replace entries
+        (its ACL entry on the directory; as root it owns it): opened once without following a
+        symlink, a regular file, checked through its descriptor and named to tools as
+        /proc/<pid>/fd/<n>, that very inode, so a swap between the check and the use changes
+        nothing."""
+        flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self._real(path), flags)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                raise RetryableError("NoFile", f"{path}: missing") from None
+            raise TerminalError("BadDisk", f"{path}: {exc.strerror} (a regular file, no symlink)") from None
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise TerminalError("BadDisk", f"{path}: not a regular file")
+            yield Pinned(fd, f"/proc/{os.getpid()}/fd/{fd}", path)
+        finally:
+            os.close(fd)
+
+    def _read_own(self, path: str, limit: int) -> bytes | None:
+        """A file bcd wrote (vm.json): read without following a symlink, and only as the node's own
+        regular file; the VMM's user could otherwise plant one of its own. None when missing."""
+        try:
+            fd = os.open(self._real(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise RetryableError(
+                "BadRecord", f"{path}: {exc.strerror} (the node's file, no symlink)"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != self.owner:
+                raise RetryableError("BadRecord", f"{path}: not the node's own regular file")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                return f.read(limit)
+        finally:
+            os.close(fd)
+
     def record(self, name: str) -> CHRecord | None:
-        data = self.system.read_bytes(f"{self._dir(name)}/vm.json")
+        data = self._read_own(f"{self._dir(name)}/vm.json", RECORD_MAX + 1)
         if data is None:
             return None
         try:
@@ -269,10 +325,11 @@ class CloudHypervisorRuntime:
             if rec is None:
                 continue  # not bcd's: never touched (DLV-CH-28)
             size = None
-            head = self.system.read_bytes(f"{self._dir(name)}/disk.qcow2")
-            if head is not None:
-                with contextlib.suppress(ImageRefused):
-                    size = parse_header(head[: 1 << 16], self.max_virtual_size).virtual_size
+            with (
+                contextlib.suppress(ImageRefused, StepError),
+                self._pinned(f"{self._dir(name)}/disk.qcow2") as p,
+            ):
+                size = parse_header(os.pread(p.fd, MAX_READ, 0), self.max_virtual_size).virtual_size
             out.append(
                 Domain(
                     name=name,
@@ -548,10 +605,26 @@ class CloudHypervisorRuntime:
     def _check_overlay_at(self, disk: str, inst: InstanceSpec | None) -> None:
         img = inst.image if inst is not None else None
         base = f"{ch_images_dir(self.data_dir)}/{img.sha256}.{img.format}" if img is not None else None
+        with self._pinned(disk) as p:
+            self._overlay(p, base, img.format if img else None)
+
+    def _overlay(self, disk: Pinned, base: str | None, base_format: str | None) -> int:
+        """bcd's overlay, read through its descriptor: the header checks, and it names exactly `base`
+        in `base_format` (nothing for a flat, restored disk); its virtual size (as
+        bcd_shared.images.check_overlay, which opens by path)."""
         try:
-            check_overlay(self._real(disk), base, img.format if img else None, self.max_virtual_size)
+            info = parse_header(os.pread(disk.fd, MAX_READ, 0), self.max_virtual_size, disk.shown)
         except ImageRefused as exc:
             raise TerminalError("BadDisk", f"disk.qcow2: {exc.message}") from None
+        if base is None and info.backing_file is not None:
+            raise TerminalError("BadDisk", f"{disk.shown}: names a backing file; a flat disk must name none")
+        if base is not None and (info.backing_file != base or info.backing_format != base_format):
+            raise TerminalError(
+                "BadDisk",
+                f"{disk.shown}: names backing file {str(info.backing_file)[:200]!r} "
+                f"({info.backing_format}), not bcd's base {base!r} ({base_format})",
+            )
+        return info.virtual_size
 
     # -- states ----------------------------------------------------------------------------------
 
@@ -685,9 +758,14 @@ class CloudHypervisorRuntime:
         raise TerminalError("NotBcds", f"{name}: cloud-hypervisor removes only directories with a vm.json")
 
     def grow(self, inst: InstanceSpec, running: bool) -> None:
-        self.check_overlay(inst)
-        head = self.system.read_bytes(f"{self._dir(inst.id)}/disk.qcow2") or b""
-        current = parse_header(head[: 1 << 16], self.max_virtual_size).virtual_size
+        rec = self.record(inst.id)
+        if rec is None:
+            raise RetryableError("NoRecord", f"{inst.id}: no vm.json (create first)")
+        with self._pinned(f"{self._dir(inst.id)}/disk.qcow2", write=not running) as disk:
+            current = self._check_record_disk(rec, disk)
+            self._grow(inst, running, disk, current)
+
+    def _grow(self, inst: InstanceSpec, running: bool, disk: Pinned, current: int) -> None:
         if inst.disk_bytes < current:
             raise TerminalError(
                 "DiskShrink",
@@ -703,9 +781,11 @@ class CloudHypervisorRuntime:
             return
         from bcd_agent.sections.instances.runtimes.libvirt import overlay_only
 
-        # The overlay alone (qcow2 stated, backing null): qemu-img opens no file a header names.
-        disk = overlay_only(self._real(f"{self._dir(inst.id)}/disk.qcow2"))
-        result = self.system.run(["qemu-img", "resize", disk, str(inst.disk_bytes)], timeout=600)
+        # The overlay alone (qcow2 stated, backing null): qemu-img opens no file a header names, and
+        # the file is the one checked (pinned).
+        result = self.system.run(
+            ["qemu-img", "resize", overlay_only(disk.path), str(inst.disk_bytes)], timeout=600
+        )
         if not result.ok:
             raise RetryableError("QemuImgFailed", f"qemu-img resize: {result.describe()}")
 
@@ -732,8 +812,11 @@ class CloudHypervisorRuntime:
 
     def rebind_answer(self, name: str, size: int = 4096) -> bytes:
         """The last `size` bytes of the rebind disk, where the guest writes its answer."""
-        data = self.system.read_bytes(f"{self._dir(name)}/rebind.img") or b""
-        return data[-size:]
+        try:
+            with self._pinned(f"{self._dir(name)}/rebind.img") as p:
+                return os.pread(p.fd, size, max(0, os.fstat(p.fd).st_size - size))
+        except StepError:
+            return b""
 
     def rebind_detach(self, name: str) -> None:
         """Remove the disk from the VM (vm.remove-device) and zero and delete its file either way, so
@@ -773,31 +856,26 @@ class CloudHypervisorRuntime:
 
         return cpu_model(self.system)
 
-    def _check_record_disk(self, rec: CHRecord) -> None:
-        base = None
-        if not rec.restored and rec.image_sha256 is not None:
-            base = f"{ch_images_dir(self.data_dir)}/{rec.image_sha256}.{rec.image_format}"
-        try:
-            check_overlay(
-                self._real(f"{self._dir(rec.name)}/disk.qcow2"),
-                base,
-                None if base is None else rec.image_format,
-                self.max_virtual_size,
-            )
-        except ImageRefused as exc:
-            raise TerminalError("BadDisk", f"disk.qcow2: {exc.message}") from None
+    def _base_of(self, rec: CHRecord) -> str | None:
+        if rec.restored or rec.image_sha256 is None:
+            return None
+        return f"{ch_images_dir(self.data_dir)}/{rec.image_sha256}.{rec.image_format}"
+
+    def _check_record_disk(self, rec: CHRecord, disk: Pinned) -> int:
+        """The pinned overlay `disk` names exactly the record's base (nothing for a restored disk);
+        its virtual size."""
+        base = self._base_of(rec)
+        return self._overlay(disk, base, None if base is None else rec.image_format)
 
     def _flatten(self, rec: CHRecord, out: str) -> None:
-        """The overlay flattened onto its base with `qemu-img convert`, every layer's driver and file
-        stated (stated_chain): qemu-img opens no file a header names."""
-        base = None
-        if not rec.restored and rec.image_sha256 is not None and rec.image_format is not None:
-            base = self._real(f"{ch_images_dir(self.data_dir)}/{rec.image_sha256}.{rec.image_format}")
-        disk = self._real(f"{self._dir(rec.name)}/disk.qcow2")
-        src = stated_chain(disk, base, rec.image_format)
-        result = self.system.run(
-            ["qemu-img", "convert", "-O", "qcow2", src, self._real(out)], timeout=6 * 3600
-        )
+        """The overlay, checked and pinned, flattened onto its base into `out` (a real path outside
+        the instance's directory) with `qemu-img convert`, every layer's driver and file stated
+        (stated_chain): qemu-img opens no file a header names, nor one swapped in after the check."""
+        base = self._base_of(rec)
+        with self._pinned(f"{self._dir(rec.name)}/disk.qcow2") as disk:
+            self._check_record_disk(rec, disk)
+            src = stated_chain(disk.path, None if base is None else self._real(base), rec.image_format)
+            result = self.system.run(["qemu-img", "convert", "-O", "qcow2", src, out], timeout=6 * 3600)
         if not result.ok:
             raise RetryableError("QemuImgFailed", f"qemu-img convert: {result.describe()}")
 
@@ -814,7 +892,8 @@ class CloudHypervisorRuntime:
         rec = self.record(name)
         if rec is None:
             raise TerminalError("NotBcds", f"{name}: no vm.json: not a cloud-hypervisor instance of bcd's")
-        self._check_record_disk(rec)
+        with self._pinned(f"{self._dir(name)}/disk.qcow2") as disk:
+            self._check_record_disk(rec, disk)
         state = self._state(name)
         if include_memory and state == STOPPED:
             raise SnapshotRefused("NotRunning", f"{name}: a memory snapshot needs a running or paused VM")
@@ -828,19 +907,26 @@ class CloudHypervisorRuntime:
         api = self.api(name, timeout_s=600)
         paused_here = False
         meta = SnapshotMeta(self.name, self.cpu_model(), include_memory)
+        flat = f"{tar_path}.disk"
         try:
             if state == RUNNING:
                 api.pause()
                 paused_here = True
             if include_memory:
                 api.snapshot(work)
-            self._flatten(rec, f"{work}/disk.qcow2")
-            files = [("disk.qcow2", self._real(f"{work}/disk.qcow2"))]
-            if rec.seed:
-                files.append(("seed.iso", self._real(f"{d}/seed.iso")))
-            if include_memory:
-                files += [(f"{CH_STATE_DIR}{n}", self._real(f"{work}/{n}")) for n in MEMORY_FILES]
-            write_tar(tar_path, meta, files)
+            # The flat disk is written beside the tar, never into a directory the VMM's user can
+            # plant a symlink in; the VMM's files and the seed are read pinned (no symlink followed).
+            self._flatten(rec, flat)
+            with contextlib.ExitStack() as stack:
+                files = [("disk.qcow2", flat)]
+                if rec.seed:
+                    files.append(("seed.iso", stack.enter_context(self._pinned(f"{d}/seed.iso")).path))
+                if include_memory:
+                    files += [
+                        (f"{CH_STATE_DIR}{n}", stack.enter_context(self._pinned(f"{work}/{n}")).path)
+                        for n in MEMORY_FILES
+                    ]
+                write_tar(tar_path, meta, files)
         except CHApiError as exc:
             raise RetryableError("SnapshotFailed", f"{name}: {exc}") from None
         finally:
@@ -849,6 +935,8 @@ class CloudHypervisorRuntime:
                     api.resume()
             finally:
                 shutil.rmtree(self._real(work), ignore_errors=True)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(flat)
         return meta
 
     def _member_limit(self, name: str, inst: InstanceSpec) -> int:
