@@ -607,3 +607,39 @@ def test_files_the_vmms_user_can_replace_are_never_followed(
     os.chown(d1 / "vm.json", 4242, 4242)  # the VMM's user wrote it
     with pytest.raises(RetryableError, match="not the node's own regular file"):
         rt.record("t1")
+
+
+def test_a_snapshot_directory_swapped_for_a_link_is_not_followed(
+    host: tuple[CloudHypervisorRuntime, Recorder, Image],
+) -> None:
+    """The VMM's user replaces the directory bcd made for the VMM's snapshot with a symlink to another
+    instance's directory holding a restored memory state: the tar holds what the VMM wrote into bcd's
+    directory (read through its descriptor), never the other tenant's files, and the link's target
+    is left as it was."""
+    rt, rec, image = host
+    inst = chvm("w1", image, nics=())
+    rt.create(inst, Prepared())
+    rt.start(inst, paused=False)
+    victim = rt.system.host_path(ch_instance_dir(DATA, "w1")).parent / "victim"
+    victim.mkdir()
+    (victim / "state.json").write_text("the other tenant's memory")
+    vmm = rec.vmms["w1"]
+    original = vmm._handle
+
+    def swap_then_snapshot(endpoint: str, doc: Any, fds: list[int]) -> tuple[int, Any]:
+        out = original(endpoint, doc, fds)
+        if endpoint == "vm.snapshot":  # after writing into bcd's directory, swap it for a link
+            work = Path(vmm._host(doc["destination_url"][len("file://") :]))
+            work.rename(work.with_name("moved"))
+            work.symlink_to(victim)
+        return out
+
+    vmm._handle = swap_then_snapshot  # type: ignore[method-assign]
+    tar = rt.system.host_path(f"{DATA}/snapshots/w1.tar")
+    tar.parent.mkdir(parents=True)
+    rt.snapshot(inst, True, str(tar))
+    got = members(tar)
+    assert got["ch/state.json"] == b'{"vm": "state"}'
+    assert (victim / "state.json").read_text() == "the other tenant's memory"
+    assert not (rt.system.host_path(ch_instance_dir(DATA, "w1")) / "snapshot").exists()
+    rt.stop("w1")

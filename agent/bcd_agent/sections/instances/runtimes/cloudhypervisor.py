@@ -240,15 +240,15 @@ class CloudHypervisorRuntime:
         return CHApi(self._real(f"{self._dir(name)}/api.sock"), timeout_s=timeout_s)
 
     @contextlib.contextmanager
-    def _pinned(self, path: str, write: bool = False) -> Iterator[Pinned]:
+    def _pinned(self, path: str, write: bool = False, dir_fd: int | None = None) -> Iterator[Pinned]:
         """A file of an instance's directory, where the VMM's user may rename and replace entries
         (its ACL entry on the directory; as root it owns it): opened once without following a
         symlink, a regular file, checked through its descriptor and named to tools as
         /proc/<pid>/fd/<n>, that very inode, so a swap between the check and the use changes
-        nothing."""
+        nothing. With `dir_fd`, `path` is a name in that open directory."""
         flags = (os.O_RDWR if write else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
         try:
-            fd = os.open(self._real(path), flags)
+            fd = os.open(path if dir_fd is not None else self._real(path), flags, dir_fd=dir_fd)
         except OSError as exc:
             if exc.errno == errno.ENOENT:
                 raise RetryableError("NoFile", f"{path}: missing") from None
@@ -799,7 +799,6 @@ class CloudHypervisorRuntime:
         entry is effective, the node keeps owning it) and hot-add it with serial `bc-rebind`."""
         path = f"{self._dir(name)}/rebind.img"
         self.system.write_atomic(path, image, 0o660)
-        os.chmod(self._real(path), 0o660)  # the umask never narrows it
         rec = self.record(name)
         if rec is not None:
             self._to_vmm(path, rec)
@@ -899,16 +898,13 @@ class CloudHypervisorRuntime:
             raise SnapshotRefused("NotRunning", f"{name}: a memory snapshot needs a running or paused VM")
         d = self._dir(name)
         work = f"{d}/{SNAPSHOT_WORK}"
-        shutil.rmtree(self._real(work), ignore_errors=True)
-        # 0770: under the helper the directory inherits the VMM user's default ACL entry, whose
-        # effective rights the mode's group bits bound; as root it is handed to the VMM's user.
-        self._mkdir(work, 0o770)
-        self._to_vmm(work, rec)
         api = self.api(name, timeout_s=600)
         paused_here = False
         meta = SnapshotMeta(self.name, self.cpu_model(), include_memory)
         flat = f"{tar_path}.disk"
+        work_fd = self._fresh_dir(work)
         try:
+            self._to_vmm(work, rec)
             if state == RUNNING:
                 api.pause()
                 paused_here = True
@@ -923,7 +919,7 @@ class CloudHypervisorRuntime:
                     files.append(("seed.iso", stack.enter_context(self._pinned(f"{d}/seed.iso")).path))
                 if include_memory:
                     files += [
-                        (f"{CH_STATE_DIR}{n}", stack.enter_context(self._pinned(f"{work}/{n}")).path)
+                        (f"{CH_STATE_DIR}{n}", stack.enter_context(self._pinned(n, dir_fd=work_fd)).path)
                         for n in MEMORY_FILES
                     ]
                 write_tar(tar_path, meta, files)
@@ -934,10 +930,30 @@ class CloudHypervisorRuntime:
                 if paused_here:
                     api.resume()
             finally:
-                shutil.rmtree(self._real(work), ignore_errors=True)
+                os.close(work_fd)
+                self._remove_tree(work)
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(flat)
         return meta
+
+    def _remove_tree(self, path: str) -> None:
+        """A directory the VMM's user may have replaced by a symlink: the link goes, never its target."""
+        real = self._real(path)
+        if os.path.islink(real):
+            os.unlink(real)
+        else:
+            shutil.rmtree(real, ignore_errors=True)
+
+    def _fresh_dir(self, path: str) -> int:
+        """A new, empty directory for the VMM to write into (0770: under the helper it inherits the
+        VMM user's default ACL entry, whose effective rights the mode's group bits bound), open: what
+        is read back is read through this descriptor, whatever the VMM's user renames after."""
+        self._remove_tree(path)
+        real = self._real(path)
+        os.mkdir(real, 0o770)
+        fd = os.open(real, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        os.fchmod(fd, 0o770)  # the umask never narrows it
+        return fd
 
     def _member_limit(self, name: str, inst: InstanceSpec) -> int:
         return {
