@@ -22,7 +22,7 @@ from bcd_agent.sections.instances.runtimes.cloudhypervisor import CloudHyperviso
 from bcd_shared import posixacl
 from bcd_shared.chrecord import parse_record
 from bcd_shared.chunit import VMM_UID_BASE, ch_instance_dir, vmm_user_name
-from bcd_shared.errors import TerminalError
+from bcd_shared.errors import RetryableError, TerminalError
 from bcd_simhost import sim_system
 from bcd_simhost.pcisim import lay_out_pci
 from bcd_simhost.seed import seed
@@ -262,3 +262,18 @@ def test_as_root_nics_are_real_taps_handed_to_the_vmm_and_deleted_at_stop(
         return nets
 
     assert in_netns(body) == [(tap_name("n1", 0), "52:54:00:00:00:07")]
+
+
+def test_as_root_a_record_the_vmms_user_planted_is_refused(host: tuple[CloudHypervisorRuntime, Path]) -> None:
+    """As root the instance's directory is the VMM's user's: a vm.json it replaced (its own file naming
+    another GPU) is not root's record, so ch.vfio binds nothing for it."""
+    rt, root = host
+    rt.create(chvm("a4"), Prepared())
+    d = root / ch_instance_dir(DATA, "a4").lstrip("/")
+    forged = (d / "vm.json").read_text().replace('"gpus": []', '"gpus": ["0000:18:00.0"]')
+    (d / "vm.json").unlink()
+    (d / "vm.json").write_text(forged)
+    os.chown(d / "vm.json", VMM_UID_BASE, VMM_UID_BASE)
+    with pytest.raises(RetryableError, match="not root's own regular file"):
+        rt.priv.call("ch.vfio", {"name": "a4"})
+    assert _driver(root, GPU) == "nvidia"

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bcd_shared import posixacl
+from bcd_shared.chrecord import MAX_BYTES as MAX_RECORD
 from bcd_shared.chrecord import CHRecord, RecordError, parse_record
 from bcd_shared.chunit import (
     CHLaunch,
@@ -86,9 +87,25 @@ class LocalChOps:
         return result.stdout.decode(errors="replace")
 
     def _record(self, name: str) -> CHRecord:
-        data = self.system.read_bytes(f"{ch_instance_dir(self.data_dir, name)}/{RECORD}")
-        if data is None:
-            raise RetryableError("NoRecord", f"{name}: no vm.json")
+        """vm.json, read only as root's own regular file: the directory is the VMM's user's, who
+        could otherwise plant a record naming other GPUs or volumes."""
+        path = self._real(f"{ch_instance_dir(self.data_dir, name)}/{RECORD}")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise RetryableError("NoRecord", f"{name}: no vm.json") from None
+        except OSError as exc:
+            raise RetryableError(
+                "BadRecord", f"{name}/vm.json: {exc.strerror} (root's file, no symlink)"
+            ) from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                raise RetryableError("BadRecord", f"{name}/vm.json: not root's own regular file")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read(MAX_RECORD + 1)
+        finally:
+            os.close(fd)
         try:
             return parse_record(data)
         except RecordError as exc:
