@@ -159,9 +159,10 @@ def _modes(paths: dict[str, str]) -> dict[str, tuple[str, str]]:
 
 
 def test_launch_and_stop_dlv_chh_21_dlv_chh_02_dlv_chh_04(ch: HelperProcess) -> None:
-    """DLV-CHH-21, DLV-CHH-02, DLV-CHH-03, DLV-CHH-04, DLV-CHH-14, DLV-CHH-23: root builds the unit
-    from its own reading (its own binary, UMask 0007, the VMM's account created), the VMM's uid gets
-    exactly the record's files for the run (checked as that uid for real), and ch.stop takes them back."""
+    """DLV-CHH-21, DLV-CHH-02, DLV-CHH-03, DLV-CHH-04, DLV-CHH-14, DLV-CHH-23, DLV-VOL-42: root
+    builds the unit from its own reading (its own binary, UMask 0007, the VMM's account created), the
+    VMM's uid gets exactly the record's files for the run (checked as that uid for real: the
+    read-write volume rw, the read-only one r), and ch.stop takes them back."""
     h = ch
     inst = h.root / CH.lstrip("/") / "instances/vm1"
     vols = h.root / DATA.lstrip("/") / "volumes"

@@ -85,7 +85,7 @@ def _units(root: Path) -> dict[str, Any]:
 def test_as_root_the_files_and_vfio_groups_go_to_the_vmm_and_back_dlv_chu_09_dlv_chu_10(
     host: tuple[CloudHypervisorRuntime, Path],
 ) -> None:
-    """DLV-CHU-09, DLV-CHU-10, DLV-CHU-14 (UMask 0077 as root), DLV-CH-18, DLV-CH-19, DLV-CH-22,
+    """DLV-CHU-09, DLV-CHU-10, DLV-CHU-14 (UMask 0077 as root), DLV-CH-18, DLV-CH-19, DLV-CH-22, DLV-VOL-37,
     DLV-CH-23: at start the VMM's account exists, the instance's directory and files (not vm.json)
     are its uid's, a read-write volume is its uid's 0600 and a read-only one carries an ACL entry r
     for it; every endpoint of the GPU's group is on vfio-pci (the bridge stays on pcieport) and
@@ -277,3 +277,82 @@ def test_as_root_a_record_the_vmms_user_planted_is_refused(host: tuple[CloudHype
     with pytest.raises(RetryableError, match="not root's own regular file"):
         rt.priv.call("ch.vfio", {"name": "a4"})
     assert _driver(root, GPU) == "nvidia"
+
+
+def _two_readers(rt: CloudHypervisorRuntime) -> tuple[Any, Any]:
+    a = chvm("r1", volumes=(("ro", True),))
+    b = chvm("r2", volumes=(("ro", True),))
+    for inst in (a, b):
+        rt.create(inst, Prepared())
+        rt.start(inst, paused=False)
+    return a, b
+
+
+def _acl(path: Path) -> bytes | None:
+    import errno
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return os.getxattr(fd, posixacl.ACCESS)
+    except OSError as exc:
+        if exc.errno in (errno.ENODATA, errno.EOPNOTSUPP):
+            return None
+        raise
+    finally:
+        os.close(fd)
+
+
+def test_as_root_a_read_only_volume_is_roots_alone_after_its_last_reader_dlv_vol_38_dlv_vol_39(
+    host: tuple[CloudHypervisorRuntime, Path],
+) -> None:
+    """DLV-VOL-38, DLV-VOL-39, DLV-VOL-14: two VMMs read one volume, each through its own ACL entry
+    r; the first stop removes only its entry; after the last, the volume is root's 0600 with no ACL
+    at all."""
+    rt, root = host
+    vol = root / DATA.lstrip("/") / "volumes/ro.raw"
+    _two_readers(rt)
+    fd = os.open(vol, os.O_RDONLY)
+    try:
+        assert (posixacl.user_perms(fd, VMM_UID_BASE), posixacl.user_perms(fd, VMM_UID_BASE + 1)) == (4, 4)
+    finally:
+        os.close(fd)
+    rt.stop("r1")
+    fd = os.open(vol, os.O_RDONLY)
+    try:
+        assert (posixacl.user_perms(fd, VMM_UID_BASE), posixacl.user_perms(fd, VMM_UID_BASE + 1)) == (None, 4)
+    finally:
+        os.close(fd)
+    rt.stop("r2")
+    st = vol.stat()
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777, _acl(vol)) == (0, 0, 0o600, None)
+
+
+def test_as_root_without_acls_a_read_only_volume_falls_back_to_group_kvm_dlv_vol_40(
+    host: tuple[CloudHypervisorRuntime, Path],
+) -> None:
+    """DLV-VOL-40, for real on a filesystem without POSIX ACLs (ramfs mounted over the volume store):
+    a read-only volume is group kvm 0640 while VMMs read it, still so after the first of two stops,
+    and root's 0600 again once no other running instance was given it."""
+    import subprocess
+
+    rt, root = host
+    with (root / "etc/group").open("a") as f:
+        f.write("kvm:x:993:\n")
+    store = root / DATA.lstrip("/") / "volumes"
+    saved = {p.name: p.read_bytes() for p in store.iterdir()}
+    subprocess.run(["mount", "-t", "ramfs", "-o", "mode=0700", "ramfs", str(store)], check=True)
+    try:
+        for name, data in saved.items():
+            (store / name).write_bytes(data)
+            os.chmod(store / name, 0o600)
+        vol = store / "ro.raw"
+        _two_readers(rt)
+        st = vol.stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777, _acl(vol)) == (0, 993, 0o640, None)
+        rt.stop("r1")
+        assert (vol.stat().st_gid, vol.stat().st_mode & 0o777) == (993, 0o640)  # r2 still reads it
+        rt.stop("r2")
+        st = vol.stat()
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
+    finally:
+        subprocess.run(["umount", str(store)], check=False)

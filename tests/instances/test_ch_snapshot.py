@@ -381,10 +381,10 @@ def test_a_directory_without_vm_json_is_never_defined_over_dlv_ch_28(
     assert sorted(rt.system.listdir(f"{DATA}/cloud-hypervisor/instances")) == ["theirs"]
 
 
-def test_volumes_are_raw_disks_with_their_serial_resized_live(
+def test_volumes_are_raw_disks_with_their_serial_resized_live_dlv_vol_14(
     host: tuple[CloudHypervisorRuntime, Recorder, Image],
 ) -> None:
-    """DLV-CHU-21 (the volumes the instance attaches are in its record, which root binds into the
+    """DLV-VOL-14, DLV-CHU-21 (the volumes the instance attaches are in its record, which root binds into the
     unit and grants ACL entries for): each volume a Raw disk of the store with its serial, read-only
     when attached so; listed with its target; a grown volume reaches the running guest by
     vm.resize-disk; a volume not in the store yet is a retry."""

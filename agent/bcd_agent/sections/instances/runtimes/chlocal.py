@@ -17,6 +17,7 @@ against. Taps are created owned by root (the node opens them and hands the fds t
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -205,15 +206,74 @@ class LocalChOps:
                     raise TerminalError("BadVolume", f"volume {path} is not a regular file")
                 if vol.read_only:
                     if grant:
-                        posixacl.set_user(fd, rec.uid, 0o4)
+                        self._ro_grant(fd, rec.uid)
                     else:
-                        posixacl.remove_user(fd, rec.uid)
+                        self._ro_release(fd, rec, vol.name)
                 else:
                     os.fchown(fd, rec.uid if grant else 0, rec.uid if grant else 0)
                     os.fchmod(fd, 0o600)
             finally:
                 os.close(fd)
         return tuple(rw), tuple(ro)
+
+    def _kvm_gid(self) -> int:
+        for line in (self.system.read_text("/etc/group") or "").splitlines():
+            fields = line.split(":")
+            if fields[0] == "kvm" and len(fields) > 2 and fields[2].isdigit():
+                return int(fields[2])
+        raise RetryableError("NoKvmGroup", "no group kvm: a read-only volume without ACLs needs it")
+
+    def _ro_grant(self, fd: int, uid: int) -> None:
+        """DLV-VOL-38: an ACL entry `r` for the VMM's user; DLV-VOL-40: on a filesystem without ACLs,
+        group kvm and 0640 instead."""
+        try:
+            posixacl.set_user(fd, uid, 0o4)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            os.fchown(fd, 0, self._kvm_gid())
+            os.fchmod(fd, 0o640)
+
+    def _ro_release(self, fd: int, rec: CHRecord, volume: str) -> None:
+        """The stopped VMM's entry goes; the last reader gone, the volume is root's 0600 with no ACL
+        (DLV-VOL-39). Without ACLs, group kvm's 0640 is reverted once no other running instance of
+        the runtime was given the volume (DLV-VOL-40)."""
+        try:
+            posixacl.remove_user(fd, rec.uid)
+        except OSError as exc:
+            if exc.errno not in (errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise
+            if not self._others_reading(rec.name, volume):
+                os.fchown(fd, 0, 0)
+                os.fchmod(fd, 0o600)
+            return
+        try:
+            entries = posixacl.parse(os.getxattr(fd, posixacl.ACCESS))
+        except OSError:
+            entries = []
+        if not any(tag in (posixacl.USER, posixacl.GROUP) for tag, _p, _i in entries):
+            with contextlib.suppress(OSError):
+                os.removexattr(fd, posixacl.ACCESS)
+            os.fchown(fd, 0, 0)
+            os.fchmod(fd, 0o600)
+
+    def _others_reading(self, name: str, volume: str) -> bool:
+        """Whether another running VMM unit's instance has `volume` read-only in its record."""
+        out = self._run(
+            ["systemctl", "list-units", "--type=service", "--plain", "--no-legend", "--no-pager", "bcd-ch-*"],
+            "systemctl list-units",
+        )
+        for line in out.splitlines():
+            fields = line.split()
+            if len(fields) < 3 or fields[2] != "active" or not fields[0].endswith(".service"):
+                continue
+            other = fields[0].removeprefix("bcd-ch-").removesuffix(".service")
+            if other == name or not valid_instance_id(other):
+                continue
+            with contextlib.suppress(RetryableError):
+                if any(v.name == volume and v.read_only for v in self._record(other).volumes):
+                    return True
+        return False
 
     def launch(self, name: str, args: dict[str, Any]) -> dict[str, Any]:
         rec = self._record(name)
