@@ -379,6 +379,14 @@ def test_a_directory_without_vm_json_is_never_defined_over_dlv_ch_28(
     with pytest.raises(RetryableError, match="no space"):
         rt.create(chvm("new1", image, nics=()), Prepared())
     assert sorted(rt.system.listdir(f"{DATA}/cloud-hypervisor/instances")) == ["theirs"]
+    # A crash mid-create leaves its staging directory (never listed); the next create removes it.
+    crashed = rt.system.host_path(f"{DATA}/cloud-hypervisor/instances/.gone.new")
+    crashed.mkdir()
+    (crashed / "disk.qcow2").write_bytes(b"half")
+    assert rt.list() == ()
+    with pytest.raises(RetryableError, match="no space"):
+        rt.create(chvm("new2", image, nics=()), Prepared())
+    assert sorted(rt.system.listdir(f"{DATA}/cloud-hypervisor/instances")) == ["theirs"]
 
 
 def test_volumes_are_raw_disks_with_their_serial_resized_live_dlv_vol_14(

@@ -458,8 +458,12 @@ class CloudHypervisorRuntime:
                     f"{final} exists without a vm.json: it is not bcd's and is never defined over",
                 )
             return final, False
+        # Staging directories a crashed create left (bcd's own: never an instance id); creates run
+        # one at a time, so none is in use now.
+        for n in self.system.listdir(f"{ch_dir(self.data_dir)}/instances"):
+            if n.startswith(".") and n.endswith(".new"):
+                self._remove_tree(f"{ch_dir(self.data_dir)}/instances/{n}")
         stage = self._stage(name)
-        shutil.rmtree(self._real(stage), ignore_errors=True)  # a crashed create's: bcd's own
         self._mkdir(stage, 0o700)
         return stage, True
 
