@@ -343,6 +343,19 @@ def test_a_restore_refuses_another_runtime_cpu_or_a_bad_disk_and_leaves_nothing_
     overlay = rt.system.read_bytes(f"{ch_instance_dir(DATA, 'o1')}/disk.qcow2") or b""
     write_tar(snaps / "backing.tar", {**good, "disk.qcow2": overlay})
     _refused(rt, "xbacking", str(snaps / "backing.tar"), "backing file")
+    # A restored instance defined again (the spec changed while it was stopped) keeps its files and
+    # its restored record; its new size is in the record.
+    rt.restore(
+        chvm("ok0", None, restore_from="https://snap.example/x.tar", nics=()),
+        str(snaps / "disk.tar"),
+        Prepared(),
+    )
+    rt.create(chvm("ok0", None, restore_from="https://snap.example/x.tar", nics=(), vcpus=4), Prepared())
+    again = parse_record(rt.system.read_bytes(f"{ch_instance_dir(DATA, 'ok0')}/vm.json") or b"")
+    assert again.restored and again.vcpus == 4 and again.config["cpus"]["boot_vcpus"] == 4
+    with pytest.raises(TerminalError, match="restore"):
+        rt.create(chvm("none0", None, restore_from="https://snap.example/x.tar", nics=()), Prepared())
+    rt.delete("ok0")
     # The same disk-only tar restores on another CPU: only memory is bound to the CPU model.
     rt.cpu_model = lambda: "Other CPU"  # type: ignore[method-assign]
     rt.restore(

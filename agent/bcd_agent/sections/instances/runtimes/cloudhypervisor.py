@@ -489,7 +489,12 @@ class CloudHypervisorRuntime:
     def create(self, inst: InstanceSpec, prepared: Prepared) -> None:
         img = inst.image
         if inst.restore_from:
-            raise TerminalError("RestoreFrom", "a restore is created by restore() from its snapshot")
+            # A restored instance defined again (its definition changed while it was stopped): its
+            # record is brought up to date, its files kept; a new one comes from its tar (restore).
+            if self.record(inst.id) is None:
+                raise TerminalError("RestoreFrom", "a restore is created by restore() from its snapshot")
+            self.restore(inst, "", prepared)
+            return
         if img is None:
             raise TerminalError("NoImage", "cloud-hypervisor needs an image")
         if img.format == "iso":
