@@ -57,7 +57,7 @@ import stat
 import struct
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from attrs import evolve, frozen
 from bcd_shared.chrecord import MAX_BYTES as RECORD_MAX
@@ -77,8 +77,10 @@ from bcd_agent.sections.instances.runtimes.base import (
     CapacityRefused,
     Domain,
     Prepared,
+    Runtime,
     SnapshotMeta,
     SnapshotRefused,
+    Snapshotting,
 )
 from bcd_agent.sections.instances.runtimes.chapi import CHApi, CHApiError
 
@@ -1217,3 +1219,10 @@ def restored_config(
     if nics:
         out["net"] = [{"id": nid, "mac": mac} for nid, mac in nics]
     return out
+
+
+if TYPE_CHECKING:
+
+    def _conforms(rt: CloudHypervisorRuntime) -> tuple[Runtime, Snapshotting]:
+        """mypy checks the runtime against the section's interfaces (base.Runtime, Snapshotting)."""
+        return rt, rt
