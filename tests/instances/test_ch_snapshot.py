@@ -339,6 +339,19 @@ def test_a_restore_refuses_another_runtime_cpu_or_a_bad_disk_and_leaves_nothing_
         else:
             write_tar(path, files, links)
         _refused(rt, f"x{name}", str(path), match)
+    # A memory snapshot restores without a writable volume (the snapshot refused one).
+    write_tar(snaps / "mem.tar", {**good, **mem, "meta.json": meta(memory=True)})
+    store = rt.system.host_path(f"{DATA}/volumes")
+    store.mkdir(parents=True)
+    (store / "w.raw").write_bytes(b"\0" * 512)
+    (store / "w.json").write_text(json.dumps({"id": "w", "serial": "s-w", "size_bytes": 512}))
+    with pytest.raises(TerminalError, match="read-write volumes"):
+        rt.restore(
+            chvm("xvol", None, restore_from="https://s/x.tar", nics=(), volumes=(("w", False),)),
+            str(snaps / "mem.tar"),
+            Prepared(),
+        )
+    assert "xvol" not in rt.system.listdir(f"{DATA}/cloud-hypervisor/instances")
     # A disk naming a backing file (the overlay itself, not flattened).
     overlay = rt.system.read_bytes(f"{ch_instance_dir(DATA, 'o1')}/disk.qcow2") or b""
     write_tar(snaps / "backing.tar", {**good, "disk.qcow2": overlay})

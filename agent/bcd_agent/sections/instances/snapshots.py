@@ -79,6 +79,18 @@ def refuse_memory_snapshot(inst: InstanceSpec, include_memory: bool) -> None:
         raise SnapshotRefused("SnapshotRefused", f"payload.include_memory: {ERR_VOLUMES}")
 
 
+def refuse_memory_restore(inst: InstanceSpec, meta: SnapshotMeta) -> None:
+    """A memory snapshot resumes a guest that had no passthrough GPU and no writable volume (the
+    snapshot refused those): a restore whose spec adds one would hand QEMU's saved state a device it
+    never had, so it is refused up front (docs/instances.md)."""
+    if meta.include_memory and (inst.gpu_uuids or any(not ro for _vid, ro in inst.volumes)):
+        raise SnapshotRefused(
+            "SnapshotRefused",
+            "restore_from: a memory snapshot restores without passthrough GPUs or read-write volumes "
+            "(gpu_uuids, volumes); restore a disk-only snapshot instead",
+        )
+
+
 def meta_bytes(meta: SnapshotMeta) -> bytes:
     doc = {"runtime": meta.runtime, "cpuModel": meta.cpu_model, "includeMemory": meta.include_memory}
     return json.dumps(doc, sort_keys=True).encode() + b"\n"

@@ -999,7 +999,7 @@ class CloudHypervisorRuntime:
         already restored (its vm.json exists) only has its record brought up to date."""
         import tarfile
 
-        from bcd_agent.sections.instances.snapshots import unpack
+        from bcd_agent.sections.instances.snapshots import read_meta, refuse_memory_restore, unpack
 
         self._check_create(inst, prepared)
         volumes = self._volumes(inst)
@@ -1009,6 +1009,8 @@ class CloudHypervisorRuntime:
             memory = False
             if staged:
                 self._check_sizes(tar_path, inst)
+                # A memory snapshot resumes a guest without passthrough GPUs or writable volumes.
+                refuse_memory_restore(inst, read_meta(tar_path))
                 try:
                     meta, _names = unpack(
                         tar_path, self._real(work), self.name, self.cpu_model(), CH_STATE_DIR
