@@ -356,3 +356,35 @@ def test_as_root_without_acls_a_read_only_volume_falls_back_to_group_kvm_dlv_vol
         assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
     finally:
         subprocess.run(["umount", str(store)], check=False)
+
+
+def test_the_cloud_hypervisor_binary_on_path_turns_the_runtime_on_dlv_rt_03_dlv_rt_04(
+    host: tuple[CloudHypervisorRuntime, Path],
+) -> None:
+    """DLV-RT-03, DLV-RT-04, DLV-RT-01: a `cloud-hypervisor` binary on PATH (with /dev/kvm, at v51)
+    turns on cloud-hypervisor with its files under data_dir/cloud-hypervisor; with `virsh` too, both
+    run; without it, only libvirt-kvm; no configuration key (a root node, no helper)."""
+    from bcd_agent.nodeparts.instances import HostTools, build_runtimes
+    from bcd_shared.chunit import ch_dir
+
+    rt, _root = host
+
+    def tools(*on_path: str) -> HostTools:
+        return HostTools(
+            which=lambda name: f"/usr/bin/{name}" if name in on_path else None,
+            kvm=lambda: True,
+            version_of=lambda path: "cloud-hypervisor v51.0",
+        )
+
+    def built(*on_path: str) -> list[Any]:
+        return build_runtimes(
+            rt.system, DATA, simulated=False, helper=None, as_root=True, host=tools(*on_path)
+        )
+
+    both = built("virsh", "cloud-hypervisor")
+    assert [r.name for r in both] == ["libvirt-kvm", "cloud-hypervisor"]
+    [ch] = built("cloud-hypervisor")
+    assert ch.name == "cloud-hypervisor" and isinstance(ch.priv, LocalChOps)
+    assert ch._dir("x").startswith(ch_dir(DATA) + "/")
+    assert [r.name for r in built("virsh")] == ["libvirt-kvm"]
+    assert built() == []

@@ -276,7 +276,8 @@ def _refused(rt: CloudHypervisorRuntime, name: str, tar: str, match: str) -> Non
 def test_a_restore_refuses_another_runtime_cpu_or_a_bad_disk_and_leaves_nothing_dlv_ch_36_dlv_ch_25(
     host: tuple[CloudHypervisorRuntime, Recorder, Image],
 ) -> None:
-    """DLV-CH-36 (DLV-LIBVIRT-25..27), DLV-CH-25, DLV-SNAP-06, DLV-SNAP-07, DLV-CH-37: a tar taken by
+    """DLV-CH-36 (DLV-LIBVIRT-25..27), DLV-CH-25, DLV-SNAP-06, DLV-SNAP-07, DLV-CH-37, DLV-RT-12,
+    DLV-IMG-15, DLV-IMG-16, DLV-IMG-17 (cloud-hypervisor's restore): a tar taken by
     another runtime, a memory tar from another CPU model, one of another size, a disk naming a backing
     file, a member outside a snapshot's names (a path, a symlink), a member twice: each refused,
     and the new instance's directory is gone. A disk-only tar restores on any CPU."""
@@ -369,6 +370,14 @@ def test_a_restore_refuses_another_runtime_cpu_or_a_bad_disk_and_leaves_nothing_
     with pytest.raises(TerminalError, match="restore"):
         rt.create(chvm("none0", None, restore_from="https://snap.example/x.tar", nics=()), Prepared())
     rt.delete("ok0")
+    # The seed is attached raw, never probed: one that looks like a qcow2 naming /etc/shadow is data.
+    write_tar(snaps / "oddseed.tar", {**good, "seed.iso": overlay})
+    rt.restore(
+        chvm("okseed", None, restore_from="https://s/x.tar", nics=()), str(snaps / "oddseed.tar"), Prepared()
+    )
+    seeded = parse_record(rt.system.read_bytes(f"{ch_instance_dir(DATA, 'okseed')}/vm.json") or b"")
+    assert seeded.config["disks"][1]["image_type"] == "Raw" and seeded.config["disks"][1]["readonly"] is True
+    rt.delete("okseed")
     # The same disk-only tar restores on another CPU: only memory is bound to the CPU model.
     rt.cpu_model = lambda: "Other CPU"  # type: ignore[method-assign]
     rt.restore(
@@ -677,3 +686,56 @@ def test_a_snapshot_directory_swapped_for_a_link_is_not_followed(
     assert (victim / "state.json").read_text() == "the other tenant's memory"
     assert not (rt.system.host_path(ch_instance_dir(DATA, "w1")) / "snapshot").exists()
     rt.stop("w1")
+
+
+def test_the_overlay_is_checked_before_every_start_snapshot_and_resize_dlv_img_13(
+    host: tuple[CloudHypervisorRuntime, Recorder, Image],
+) -> None:
+    """DLV-IMG-13: a VMM that rewrote its overlay's header to name another backing file (here with
+    the real `qemu-img rebase -u`) gets no start, no snapshot and no resize of it."""
+    rt, rec, image = host
+    inst = chvm("i1", image, nics=())
+    rt.create(inst, Prepared())
+    disk = rt.system.host_path(f"{ch_instance_dir(DATA, 'i1')}/disk.qcow2")
+    subprocess.run(
+        ["qemu-img", "rebase", "-u", "-f", "qcow2", "-F", "raw", "-b", "/etc/shadow", str(disk)], check=True
+    )
+    snaps = rt.system.host_path(f"{DATA}/snapshots")
+    snaps.mkdir(parents=True)
+    with pytest.raises(TerminalError, match="/etc/shadow"):
+        rt.start(inst, paused=False)
+    assert "i1" not in rec.vmms and "ch.launch" not in rec.calls
+    with pytest.raises(TerminalError, match="/etc/shadow"):
+        rt.snapshot(inst, False, str(snaps / "i1.tar"))
+    assert not (snaps / "i1.tar").exists()
+    size = disk.stat().st_size
+    with pytest.raises(TerminalError, match="/etc/shadow"):
+        rt.grow(chvm("i1", image, nics=(), disk_bytes=1 << 30), running=False)
+    assert disk.stat().st_size == size
+
+
+def test_memory_snapshots_with_gpus_or_writable_volumes_are_refused_up_front_dlv_rt_13_dlv_rt_14_dlv_rt_15(
+    host: tuple[CloudHypervisorRuntime, Recorder, Image],
+) -> None:
+    """DLV-RT-13, DLV-RT-14, DLV-RT-15 (cloud-hypervisor): a memory snapshot of an instance with a
+    passthrough GPU or a read-write volume is refused before anything runs (the VMM is asked nothing);
+    a disk-only snapshot of the same instance works."""
+    rt, rec, image = host
+    store = rt.system.host_path(f"{DATA}/volumes")
+    store.mkdir(parents=True)
+    (store / "w.raw").write_bytes(b"\0" * 512)
+    (store / "w.json").write_text(json.dumps({"id": "w", "serial": "s-w", "size_bytes": 512}))
+    gpu = chvm("g1", image, nics=(), gpu_uuids=("GPU-1",))
+    vol = chvm("v2", image, nics=(), volumes=(("w", False),))
+    rt.create(gpu, Prepared(gpu_addresses=("0000:18:00.0",)))
+    rt.create(vol, Prepared())
+    snaps = rt.system.host_path(f"{DATA}/snapshots")
+    snaps.mkdir(parents=True)
+    with pytest.raises(TerminalError, match="passthrough GPUs cannot be snapshotted with its memory"):
+        rt.snapshot(gpu, True, str(snaps / "g.tar"))
+    with pytest.raises(TerminalError, match="ErrMemorySnapshotWithVolumes"):
+        rt.snapshot(vol, True, str(snaps / "v.tar"))
+    assert not list(snaps.iterdir()) and rec.calls == []
+    for inst in (gpu, vol):
+        rt.snapshot(inst, False, str(snaps / f"{inst.id}.tar"))
+        assert sorted(members(snaps / f"{inst.id}.tar")) == ["disk.qcow2", "meta.json"]

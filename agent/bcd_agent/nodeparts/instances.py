@@ -17,10 +17,14 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
+import shutil
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import trio
+from attrs import frozen
 from bcd_shared.errors import RetryableError, TerminalError
 
 from bcd_agent.sections.instances.plan import UserData
@@ -65,20 +69,31 @@ def helper_intent(data_dir: str) -> dict[str, Any]:
 
 
 def build_runtimes(
-    system: Any, data_dir: str, *, simulated: bool, helper: Any, as_root: bool, intent_dir: str = ""
+    system: Any,
+    data_dir: str,
+    *,
+    simulated: bool,
+    helper: Any,
+    as_root: bool,
+    intent_dir: str = "",
+    host: HostTools | None = None,
 ) -> list[Any]:
+    """The runtimes this host runs (DLV-RT-01..04). `host`: how PATH, /dev/kvm and the VMM's version
+    are read (this machine's by default)."""
     from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, HelperVirsh, LibvirtRuntime
     from bcd_agent.sections.instances.section import runtimes_on_path
 
+    tools = host or HostTools()
     out: list[Any] = []
     if helper is not None and not simulated:
-        out.extend(_cloud_hypervisor(system, data_dir, helper, intent_dir))
+        out.extend(_cloud_hypervisor(system, data_dir, helper, intent_dir, tools))
     elif as_root and not simulated:
         # As root without the helper, cloud-hypervisor's root steps run in process (chlocal.py).
         from bcd_agent.sections.instances.runtimes.chlocal import LocalChOps
 
-        out.extend(_cloud_hypervisor(system, data_dir, LocalChOps(system, data_dir), intent_dir))
-    if not simulated and not runtimes_on_path():
+        ops = LocalChOps(system, data_dir, which=tools.which)
+        out.extend(_cloud_hypervisor(system, data_dir, ops, intent_dir, tools))
+    if not simulated and not runtimes_on_path(tools.which):
         return out
     if helper is not None:
         virsh: Any = HelperVirsh(system, helper, intent=lambda: helper_intent(intent_dir or data_dir))
@@ -89,17 +104,25 @@ def build_runtimes(
     return []
 
 
-def _cloud_hypervisor(system: Any, data_dir: str, helper: Any, intent_dir: str) -> list[Any]:
-    import os
-    import shutil
+@frozen
+class HostTools:
+    """What decides which runtimes run: PATH lookups, whether /dev/kvm exists, a VMM's version."""
 
+    which: Callable[[str], str | None] = shutil.which
+    kvm: Callable[[], bool] = lambda: os.path.exists("/dev/kvm")
+    version_of: Callable[[str], str | None] | None = None
+
+
+def _cloud_hypervisor(
+    system: Any, data_dir: str, helper: Any, intent_dir: str, tools: HostTools
+) -> list[Any]:
     from bcd_agent.sections.instances.runtimes.cloudhypervisor import (
         CloudHypervisorRuntime,
         ch_available,
         vmm_version,
     )
 
-    why = ch_available(shutil.which, os.path.exists("/dev/kvm"), helper, vmm_version)
+    why = ch_available(tools.which, tools.kvm(), helper, tools.version_of or vmm_version)
     if why is not None:
         log.info("instances: cloud-hypervisor is not run: %s", why)
         return []
