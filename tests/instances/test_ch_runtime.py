@@ -353,3 +353,31 @@ def test_a_memory_restore_launches_through_the_helper_dlv_chh_16_dlv_ch_38(
     ]
     assert [e["op"] for e in h.audit_lines() if e["decision"] == "accepted"][-1] == "ch.launch"
     runtime.delete("rs1")
+
+
+def test_the_placement_becomes_affinity_huge_pages_and_a_reporting_balloon_dlv_plc_11_12_13_16() -> None:
+    """DLV-PLC-11, DLV-PLC-12, DLV-PLC-13, DLV-PLC-16: `cpus` becomes `cpus.affinity` (one host CPU
+    per vCPU when it names exactly as many, else each vCPU floats over the set), huge pages
+    `memory.hugepages` with their size, a balloon one with free page reporting; a memory restore
+    keeps bcd's affinity from the spec, never the snapshot's."""
+    from bcd_agent.sections.instances.runtimes.cloudhypervisor import restored_config
+
+    def config(**pl: Any) -> dict[str, Any]:
+        inst = vm(
+            "p", runtime=RUNTIME_CH, vcpus=2, memory_bytes=GIB, placement=Placement(**pl) if pl else None
+        )
+        return vm_config(inst, "/d", "/b", False)  # type: ignore[arg-type]
+
+    pinned = config(cpus="4-5")
+    assert pinned["cpus"]["affinity"] == [{"vcpu": 0, "host_cpus": [4]}, {"vcpu": 1, "host_cpus": [5]}]
+    floating = config(cpus="0-3,8")
+    assert floating["cpus"]["affinity"] == [{"vcpu": i, "host_cpus": [0, 1, 2, 3, 8]} for i in (0, 1)]
+    huge = config(hugepage_size_bytes=2 << 20)
+    assert (huge["memory"]["hugepages"], huge["memory"]["hugepage_size"]) == (True, 2 << 20)
+    assert "balloon" not in huge
+    assert config(balloon=True)["balloon"] == {"size": 0, "free_page_reporting": True}
+    plain = config()
+    assert "affinity" not in plain["cpus"] and "hugepages" not in plain["memory"] and "balloon" not in plain
+    restored = restored_config(SAVED, pinned, [])
+    assert restored["cpus"]["affinity"] == pinned["cpus"]["affinity"]
+    assert restored_config(SAVED, plain, [])["cpus"].get("affinity") is None  # never the snapshot's [3]

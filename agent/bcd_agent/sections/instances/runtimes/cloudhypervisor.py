@@ -150,9 +150,20 @@ def vm_config(
     memory: dict[str, Any] = {"size": inst.memory_bytes, "shared": False}
     if inst.hugepages:
         memory.update(hugepages=True, hugepage_size=inst.hugepages)
+    from bcd_agent.sections.instances.placement import cpu_placement
+
+    cpus: dict[str, Any] = {"boot_vcpus": inst.vcpus, "max_vcpus": inst.vcpus}
+    placed = cpu_placement(inst)
+    if placed is not None:
+        # DLV-PLC-11 (as libvirt-kvm's vcpupin or cpuset): one host CPU per vCPU when the placement
+        # names exactly as many, else every vCPU floats over the whole set.
+        cpus["affinity"] = [
+            {"vcpu": i, "host_cpus": [placed.cpus[i]] if placed.pinned else list(placed.cpus)}
+            for i in range(inst.vcpus)
+        ]
     config: dict[str, Any] = {
         "payload": {"firmware": FIRMWARE},
-        "cpus": {"boot_vcpus": inst.vcpus, "max_vcpus": inst.vcpus},
+        "cpus": cpus,
         "memory": memory,
         "disks": disks,
         "serial": {"mode": "Socket", "socket": f"{rec_dir}/serial.sock"},
@@ -1212,6 +1223,9 @@ def restored_config(
         return {k: part[k] for k in keys if k in part} if isinstance(part, dict) else {}
 
     out: dict[str, Any] = {"cpus": allowed("cpus", RESTORE_CPUS), "memory": allowed("memory", RESTORE_MEMORY)}
+    affinity = fresh.get("cpus", {}).get("affinity")
+    if affinity is not None:
+        out["cpus"]["affinity"] = affinity  # bcd's pinning from the spec, never the snapshot's (DLV-PLC-16)
     platform = allowed("platform", RESTORE_PLATFORM)
     if platform:
         out["platform"] = platform
