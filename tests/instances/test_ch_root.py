@@ -40,6 +40,7 @@ pytestmark = pytest.mark.skipif(not IN_CI and os.geteuid() != 0, reason="chowns 
 @pytest.fixture
 def host() -> Iterator[tuple[CloudHypervisorRuntime, Path]]:
     tmp = Path(tempfile.mkdtemp(prefix="chr", dir="/var/tmp"))  # a disk filesystem: POSIX ACLs
+    os.chmod(tmp, 0o755)  # the VMM's uid reaches its directory, as through its unit's binds
     root = tmp / "h"
     seed(root)
     lay_out_pci(
@@ -66,6 +67,19 @@ def host() -> Iterator[tuple[CloudHypervisorRuntime, Path]]:
         for d in rt.list():
             rt.stop(d.name)
     shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _as_uid(uid: int, code: str) -> str:
+    """Run `code` as `uid` for real (its own group only); its stdout."""
+    import subprocess
+
+    from testsupport import require_tool
+
+    setpriv = require_tool("setpriv")
+    argv = [setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "/usr/bin/python3", "-c", code]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
 
 
 def chvm(ident: str, **kw: Any) -> Any:
@@ -100,9 +114,18 @@ def test_as_root_the_files_and_vfio_groups_go_to_the_vmm_and_back_dlv_chu_09_dlv
     rt.start(inst, paused=False)
     assert [(x.name, x.state) for x in rt.list()] == [("a1", "running")]
     assert f"{vmm_user_name(uid)}:x:{uid}:{uid}:" in (root / "etc/passwd").read_text()
-    for f in (d, d / "disk.qcow2", d / "seed.iso"):
+    for f in (d / "disk.qcow2", d / "seed.iso"):
         assert (f.stat().st_uid, f.stat().st_gid) == (uid, uid), f
+    assert (d.stat().st_uid, d.stat().st_gid, d.stat().st_mode & 0o7777) == (0, uid, 0o1770)
     assert (d / "vm.json").stat().st_uid == 0
+    # As the VMM's uid for real: it creates in its directory, but never renames root's record.
+    assert _as_uid(uid, f"open({str(d / 'api.sock.x')!r}, 'xb').close()") == ""
+    assert "PermissionError" in _as_uid(
+        uid,
+        f"import os\ntry:\n    os.rename({str(d / 'vm.json')!r}, {str(d / 'x.json')!r})\n"
+        "except OSError as e:\n    print(type(e).__name__)",
+    )
+    (d / "api.sock.x").unlink()
     vols = root / DATA.lstrip("/") / "volumes"
     assert (vols / "data.raw").stat().st_uid == uid and (vols / "data.raw").stat().st_mode & 0o777 == 0o600
     fd = os.open(vols / "ro.raw", os.O_RDONLY)

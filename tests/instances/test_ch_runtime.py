@@ -381,3 +381,45 @@ def test_the_placement_becomes_affinity_huge_pages_and_a_reporting_balloon_dlv_p
     restored = restored_config(SAVED, pinned, [])
     assert restored["cpus"]["affinity"] == pinned["cpus"]["affinity"]
     assert restored_config(SAVED, plain, [])["cpus"].get("affinity") is None  # never the snapshot's [3]
+
+
+def test_the_vmms_user_never_renames_the_nodes_files_under_the_helper(
+    rt: tuple[HelperProcess, CloudHypervisorRuntime, InstancesSection],
+) -> None:
+    """The instance's directory is sticky (1700): root's ACL entry lets the VMM's uid create in it
+    (its sockets), but, checked as that uid for real, it can neither rename nor remove the node's
+    vm.json or disk, so nothing it plants there is ever taken for bcd's record."""
+    import subprocess
+
+    from testsupport import require_tool
+
+    h, runtime, sec = rt
+    out = converge(sec, spec(chvm("st1"), generation=40))
+    assert out.state is SectionState.CONVERGED, out.message
+    d = h.root / CHD.lstrip("/") / "instances/st1"
+    assert d.stat().st_mode & 0o1000  # sticky
+    uid = parse_record((d / "vm.json").read_bytes()).uid
+    code = (
+        "import os, sys\nd = sys.argv[1]\nout = []\n"
+        "open(os.path.join(d, 'made'), 'xb').close(); out.append('created')\n"
+        "for op in (lambda: os.rename(os.path.join(d, 'vm.json'), os.path.join(d, 'x')),\n"
+        "           lambda: os.unlink(os.path.join(d, 'disk.qcow2'))):\n"
+        "    try:\n        op(); out.append('done')\n"
+        "    except OSError as e:\n        out.append(type(e).__name__)\n"
+        "print(' '.join(out))"
+    )
+    setpriv = require_tool("setpriv")
+    argv = [
+        setpriv,
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "/usr/bin/python3",
+        "-c",
+        code,
+        str(d),
+    ]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert result.stdout.split() == ["created", "PermissionError", "PermissionError"], result.stderr
+    (d / "made").unlink()
+    runtime.delete("st1")

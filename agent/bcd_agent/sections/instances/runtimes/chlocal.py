@@ -177,11 +177,13 @@ class LocalChOps:
                 raise RetryableError("ChStepFailed", f"{argv[0]} {vmm_user_name(uid)}: {result.describe()}")
 
     def _chown_instance(self, rec: CHRecord) -> None:
-        """DLV-CHU-09: the instance's directory and files (not vm.json, which stays root's) to the
-        VMM's uid; nothing followed through a symlink."""
+        """DLV-CHU-09: the instance's files (not vm.json, which stays root's) to the VMM's uid, the
+        directory to its group; nothing followed through a symlink."""
         d = self._real(ch_instance_dir(self.data_dir, rec.name))
-        os.chown(d, rec.uid, rec.uid, follow_symlinks=False)
-        os.chmod(d, 0o700)
+        # root's, group the VMM's, sticky (1770): the VMM creates its sockets here, but never
+        # renames or removes root's vm.json.
+        os.chown(d, 0, rec.uid, follow_symlinks=False)
+        os.chmod(d, 0o1770)  # noqa: S103 (the group is the VMM's own, one per instance)
         for entry in os.scandir(d):
             if entry.name == RECORD or entry.is_symlink():
                 continue

@@ -477,7 +477,9 @@ class CloudHypervisorRuntime:
             if n.startswith(".") and n.endswith(".new"):
                 self._remove_tree(f"{ch_dir(self.data_dir)}/instances/{n}")
         stage = self._stage(name)
-        self._mkdir(stage, 0o700)
+        # Sticky (1700): the VMM's user, which root's ACL entry lets create its sockets here, can
+        # never rename or remove the node's files (vm.json, the disks, the seed, the rebind disk).
+        self._mkdir(stage, 0o1700)
         return stage, True
 
     def _stage(self, name: str) -> str:
