@@ -53,6 +53,10 @@ def host() -> Iterator[tuple[CloudHypervisorRuntime, Path]]:
             (NIC, "0x020000", 11, "ixgbe"),
         ],
     )
+    binary = root / "usr/bin/cloud-hypervisor"  # the simulated systemd-run serves its API
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    binary.write_text("#!/bin/sh\nexit 0\n")
+    os.chmod(binary, 0o755)
     system = sim_system(root)
     ops = LocalChOps(system, DATA, which=lambda name: f"/usr/bin/{name}")
     rt = CloudHypervisorRuntime(system, ops, DATA, stop_timeout_s=1.0, sleep=lambda s: None)
@@ -411,3 +415,17 @@ def test_the_cloud_hypervisor_binary_on_path_turns_the_runtime_on_dlv_rt_03_dlv_
     assert ch._dir("x").startswith(ch_dir(DATA) + "/")
     assert [r.name for r in built("virsh")] == ["libvirt-kvm"]
     assert built() == []
+
+
+def test_as_root_a_vmm_binary_others_can_write_is_never_run(
+    host: tuple[CloudHypervisorRuntime, Path],
+) -> None:
+    """As the helper runs only root's own binary: a `cloud-hypervisor` on PATH that a group can write
+    is refused before any unit starts."""
+    rt, root = host
+    os.chmod(root / "usr/bin/cloud-hypervisor", 0o775)
+    inst = chvm("u1")
+    rt.create(inst, Prepared())
+    with pytest.raises(TerminalError, match="only root can write"):
+        rt.start(inst, paused=False)
+    assert "bcd-ch-u1.service" not in _units(root)

@@ -282,6 +282,15 @@ class LocalChOps:
         binary = self.which("cloud-hypervisor")
         if binary is None:
             raise RetryableError("NoVmm", "no cloud-hypervisor on PATH")
+        try:
+            st = os.stat(self._real(binary))
+        except OSError as exc:
+            raise RetryableError("NoVmm", f"{binary}: {exc.strerror}") from None
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
+            # As the helper's root_binary: a VMM binary someone else could rewrite is never run.
+            raise TerminalError(
+                "UnsafeVmm", f"{binary} must be a regular file root owns and only root can write"
+            )
         base = None
         if not rec.restored and rec.image_sha256 is not None:
             base = f"{ch_images_dir(self.data_dir)}/{rec.image_sha256}.{rec.image_format}"
