@@ -162,6 +162,7 @@ def write_tar(tar_path: str, meta: SnapshotMeta, files: Iterable[tuple[str, str]
 
 def read_meta(tar_path: str) -> SnapshotMeta:
     """The tar's `meta.json` (its first member), strictly."""
+    check_headers(tar_path)
     with tarfile.open(tar_path, mode="r:") as tar:
         first = tar.next()
         if first is None or first.name != META_NAME or not first.isreg() or first.size > MAX_META:
@@ -171,6 +172,47 @@ def read_meta(tar_path: str) -> SnapshotMeta:
         f = tar.extractfile(first)
         assert f is not None
         return parse_meta(f.read())
+
+
+MAX_EXTENDED_HEADER: Final = 64 * 1024
+
+
+def check_headers(tar_path: str) -> None:
+    """Walk the first headers of the tar ourselves before `tarfile` does: Python's tarfile reads a PAX
+    or GNU long-name header's whole body into memory, so one claiming gigabytes would exhaust bcd.
+    Such a header larger than 64 KiB, or a size field that does not parse, refuses the tar."""
+    with open(tar_path, "rb") as f:
+        for _ in range(2 * len(MEMBERS) + 2):
+            block = f.read(512)
+            if len(block) < 512 or not block.strip(b"\0"):
+                return
+            field = block[124:136]
+            if field[0] & 0x80:  # base-256 (GNU): only ever a huge size here
+                size = int.from_bytes(field[1:], "big")
+            else:
+                text = field.rstrip(b"\0 ").strip() or b"0"
+                try:
+                    size = int(text, 8)
+                except ValueError:
+                    raise SnapshotRefused(
+                        "BadSnapshot", "snapshot: a tar header's size is malformed"
+                    ) from None
+            if block[156:157] in (b"x", b"g", b"L", b"K") and size > MAX_EXTENDED_HEADER:
+                raise SnapshotRefused(
+                    "BadSnapshot", f"snapshot: an extended tar header of {size} bytes (at most 64 KiB)"
+                )
+            f.seek(-(-size // 512) * 512, os.SEEK_CUR)
+
+
+def member_names(tar_path: str) -> tuple[str, ...]:
+    """The tar's member names, reading at most one more header than a snapshot can hold (a tar of a
+    million members is not listed whole; `unpack` refuses it at its first stranger)."""
+    names: list[str] = []
+    check_headers(tar_path)
+    with tarfile.open(tar_path, mode="r:") as tar:
+        while len(names) <= len(MEMBERS) and (member := tar.next()) is not None:
+            names.append(member.name)
+    return tuple(names)
 
 
 def unpack(
@@ -186,6 +228,7 @@ def unpack(
     written. `state_name`, when given, is the one state member this runtime accepts (with memory it must
     be there; without, it must not); `rewrite[name]`, when given, copies that member itself (src, out).
     Anything else is refused, naming the member and the rule."""
+    check_headers(tar_path)
     with tarfile.open(tar_path, mode="r:") as tar:
         first = tar.next()
         if first is None or first.name != META_NAME or not first.isreg() or first.size > MAX_META:

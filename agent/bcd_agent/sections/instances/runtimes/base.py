@@ -25,6 +25,14 @@ class CapacityRefused(TerminalError):
     """The runtime refused a start for lack of memory ("Cannot allocate memory")."""
 
 
+class ErrNoBalloon(TerminalError):
+    """The guest was defined without a balloon device: the balloon controller never touches it
+    (DLV-BAL-14; every runtime's `set_balloon` raises it)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__("ErrNoBalloon", f"{name} has no balloon device")
+
+
 @frozen
 class Domain:
     """One domain a runtime holds."""

@@ -76,6 +76,7 @@ from bcd_agent.sections.instances.runtimes.base import (
     STOPPED,
     CapacityRefused,
     Domain,
+    ErrNoBalloon,
     Prepared,
     Runtime,
     SnapshotMeta,
@@ -988,12 +989,20 @@ class CloudHypervisorRuntime:
         }.get(name, self.max_virtual_size + self.max_virtual_size // 64 + (1 << 30))
 
     def _check_sizes(self, tar_path: str, inst: InstanceSpec) -> None:
-        """Each member within its bound before anything is written (the headers only)."""
+        """Each member within its bound before anything is written (the headers only; their extended
+        headers bounded first, snapshots.check_headers)."""
         import tarfile
 
+        from bcd_agent.sections.instances.snapshots import MEMBERS, check_headers
+
+        check_headers(tar_path)
         try:
             with tarfile.open(tar_path, mode="r:") as tar:
-                for m in tar:
+                # At most one header more than a snapshot holds: unpack refuses any stranger.
+                for _ in range(len(MEMBERS) + 1):
+                    m = tar.next()
+                    if m is None:
+                        break
                     if m.size > self._member_limit(m.name, inst):
                         raise SnapshotRefused(
                             "BadSnapshot", f"snapshot member {m.name[:120]!r}: too large ({m.size} bytes)"
@@ -1095,7 +1104,7 @@ class CloudHypervisorRuntime:
         touched)."""
         rec = self.record(name)
         if rec is None or "balloon" not in rec.config:
-            raise TerminalError("ErrNoBalloon", f"{name} has no balloon device")
+            raise ErrNoBalloon(name)
         if not 0 <= balloon_bytes <= rec.memory_bytes:
             raise TerminalError(
                 "BadBalloon", f"{name}: a balloon of {balloon_bytes} bytes is outside its memory"
