@@ -159,9 +159,10 @@ def _modes(paths: dict[str, str]) -> dict[str, tuple[str, str]]:
 
 
 def test_launch_and_stop_dlv_chh_21_dlv_chh_02_dlv_chh_04(ch: HelperProcess) -> None:
-    """DLV-CHH-21, DLV-CHH-02, DLV-CHH-03, DLV-CHH-04, DLV-CHH-14, DLV-CHH-23: root builds the unit
-    from its own reading (its own binary, UMask 0007, the VMM's account created), the VMM's uid gets
-    exactly the record's files for the run (checked as that uid for real), and ch.stop takes them back."""
+    """DLV-CHH-21, DLV-CHH-02, DLV-CHH-03, DLV-CHH-04, DLV-CHH-14, DLV-CHH-23, DLV-VOL-42: root
+    builds the unit from its own reading (its own binary, UMask 0007, the VMM's account created), the
+    VMM's uid gets exactly the record's files for the run (checked as that uid for real: the
+    read-write volume rw, the read-only one r), and ch.stop takes them back."""
     h = ch
     inst = h.root / CH.lstrip("/") / "instances/vm1"
     vols = h.root / DATA.lstrip("/") / "volumes"
@@ -509,3 +510,40 @@ def test_a_uid_held_by_another_account_is_refused(ch: HelperProcess) -> None:
         else:
             passwd.write_text(before)
         _node_file(inst / "vm.json", encode_record(record()))
+
+
+def test_what_the_node_and_the_vmm_add_during_a_run_reaches_the_other_dlv_chh_22(ch: HelperProcess) -> None:
+    """DLV-CHH-22, DLV-REB-08 (under the helper): during a run, a disk the node writes into the
+    instance's directory for `vm.add-disk` (the rebind disk, 0660) is readable and writable by the
+    VMM's uid through the inherited ACL entry, and what the VMM's uid creates there (its sockets) is
+    reachable by the node's; both checked as those uids for real. After ch.stop the VMM's uid
+    reaches nothing."""
+    h = ch
+    inst = h.root / CH.lstrip("/") / "instances/vm1"
+    answer = h.raw({"op": "ch.launch", "args": {"name": "vm1"}})
+    assert answer["ok"] is True, answer
+    rebind, made = inst / "rebind.img", inst / "made-by-vmm"
+    try:
+        _as_uid(
+            NODE,
+            f"import os\nfd = os.open({str(rebind)!r}, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o660)\n"
+            "os.write(fd, b'bundle')\nos.close(fd)",
+        )
+        assert _reach(UID1, {"read rebind": str(rebind), "write rebind": str(rebind)}) == {
+            "read rebind": "ok",
+            "write rebind": "ok",
+        }
+        assert _reach(UID1, {"create made": str(made)}) == {"create made": "ok"}
+        assert _reach(NODE, {"read made": str(made), "write made": str(made)}) == {
+            "read made": "ok",
+            "write made": "ok",
+        }
+    finally:
+        answer = h.raw({"op": "ch.stop", "args": {"name": "vm1"}})
+        assert answer["ok"] is True, answer
+    assert _reach(UID1, {"read rebind": str(rebind), "write rebind": str(rebind)}) == {
+        "read rebind": "PermissionError",
+        "write rebind": "PermissionError",
+    }
+    for p in (rebind, made):
+        p.unlink()

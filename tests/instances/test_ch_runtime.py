@@ -45,6 +45,13 @@ class NodeRuntime(CloudHypervisorRuntime):
 
     def create(self, inst: Any, prepared: Any) -> None:
         super().create(inst, prepared)
+        self._to_node()
+
+    def restore(self, inst: Any, tar_path: str, prepared: Any) -> None:
+        super().restore(inst, tar_path, prepared)
+        self._to_node()
+
+    def _to_node(self) -> None:
         top = self.system.host_path(self.data_dir)
         for dirpath, dirs, files in os.walk(top):
             for n in [dirpath, *(os.path.join(dirpath, f) for f in files + dirs)]:
@@ -68,7 +75,7 @@ def rt() -> Iterator[tuple[HelperProcess, CloudHypervisorRuntime, InstancesSecti
     os.chown(data, NODE, NODE)
     proc = HelperProcess(root, base_config(node_uid=NODE, node_gid=NODE, extra='instance_bridges = "br0"\n'))
     system = sim_system(root)
-    runtime = NodeRuntime(system, proc.client, DATA, stop_timeout_s=2.0, sleep=lambda s: None)
+    runtime = NodeRuntime(system, proc.client, DATA, stop_timeout_s=2.0, sleep=lambda s: None, owner=NODE)
     sec = InstancesSection(system, [runtime], DATA, user_data=FixedUserData())
     yield proc, runtime, sec
     proc.stop()
@@ -165,15 +172,21 @@ def test_grow_while_running_uses_resize_disk_dlv_ch_09(
         runtime.grow(chvm("g1", disk_bytes=GIB), running=True)  # type: ignore[arg-type]
 
 
-def test_balloon_through_vm_resize(
+def test_balloon_through_vm_resize_dlv_bal_13_dlv_bal_14(
     rt: tuple[HelperProcess, CloudHypervisorRuntime, InstancesSection],
 ) -> None:
-    """The balloon is vm.resize desired_balloon, read back from vm.info; none without a device."""
+    """DLV-BAL-13, DLV-BAL-14 (cloud-hypervisor's half): the balloon is vm.resize desired_balloon,
+    read back from vm.info's balloon size; a VM defined without a balloon device is never touched
+    (ErrNoBalloon)."""
     _h, runtime, sec = rt
     out = converge(sec, spec(chvm("b1", placement=Placement(balloon=True)), chvm("b2"), generation=20))
     assert out.state is SectionState.CONVERGED, out.message
     runtime.set_balloon("b1", GIB // 2)
     assert runtime.balloon_bytes("b1") == GIB // 2
+    readings = runtime.balloon_readings()
+    assert {k: (r.balloon_bytes, r.used_bytes) for k, r in readings.items() if k in ("b1", "b2")} == {
+        "b1": (GIB // 2, None)
+    }
     with pytest.raises(TerminalError, match="no balloon device"):
         runtime.set_balloon("b2", GIB // 2)
 
@@ -279,3 +292,134 @@ def test_a_snapshot_of_another_size_is_refused_dlv_ch_37() -> None:
         check_snapshot_config({"cpus": {"boot_vcpus": 2, "max_vcpus": 4}, "memory": {"size": GIB}}, 2, GIB)
     with pytest.raises(TerminalError):
         check_snapshot_config([], 2, GIB)
+
+
+def test_a_memory_restore_launches_through_the_helper_dlv_chh_16_dlv_ch_38(
+    rt: tuple[HelperProcess, CloudHypervisorRuntime, InstancesSection],
+) -> None:
+    """DLV-CHH-16, DLV-CHH-17, DLV-CH-07, DLV-CH-38, DLV-CH-41 through a real helper: a restored record
+    (a flat disk, no base image) passes root's ch.launch checks and its unit binds no base image; the
+    first start is vm.restore of bcd's rebuilt configuration (the snapshot's `fs` and CPU affinity
+    dropped, no backing_files), then vm.resume; the VMM's state files go after."""
+    from bcd_agent.sections.instances.runtimes.base import Prepared, SnapshotMeta
+    from bcd_agent.sections.instances.snapshots import cpu_model, write_tar
+    from bcd_simhost.libvirt import qcow2_bytes
+
+    h, runtime, _sec = rt
+    work = Path(tempfile.mkdtemp(prefix="chrs", dir="/var/tmp"))
+    try:
+        (work / "disk").write_bytes(qcow2_bytes(GIB))
+        (work / "seed").write_bytes(b"\0" * 2048)
+        saved = {
+            "cpus": {"boot_vcpus": 2, "max_vcpus": 2, "affinity": [{"vcpu": 0, "host_cpus": [3]}]},
+            "memory": {"size": 2 * GIB, "hugepages": True},
+            "fs": [{"tag": "host", "socket": "/run/evil.sock"}],
+            "payload": {"kernel": "/etc/shadow"},
+        }
+        (work / "config").write_text(json.dumps(saved))
+        (work / "state").write_text("{}")
+        (work / "mem").write_bytes(b"\0" * 64)
+        tar = work / "snap.tar"
+        write_tar(
+            str(tar),
+            SnapshotMeta("cloud-hypervisor", cpu_model(runtime.system), True),
+            [
+                ("disk.qcow2", str(work / "disk")),
+                ("seed.iso", str(work / "seed")),
+                ("ch/config.json", str(work / "config")),
+                ("ch/state.json", str(work / "state")),
+                ("ch/memory-ranges", str(work / "mem")),
+            ],
+        )
+        inst = chvm("rs1", image=None, restore_from="https://snap.example/rs1.tar")
+        runtime.restore(inst, str(tar), Prepared())  # type: ignore[arg-type]
+        runtime.start(inst, paused=False)  # type: ignore[arg-type]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    info = runtime.api("rs1").info()
+    assert info["state"] == "Running"
+    config = info["config"]
+    assert "fs" not in config and "affinity" not in config["cpus"] and "hugepages" not in config["memory"]
+    assert config["payload"]["firmware"].endswith("CLOUDHV.fd") and "kernel" not in config["payload"]
+    assert config["disks"][0]["backing_files"] is False
+    units = json.loads((h.root / "var/lib/bcd-sim/systemd/units.json").read_text())
+    props = units["bcd-ch-rs1.service"]["properties"]
+    assert "BindReadOnlyPaths" not in props
+    d = h.root / CHD.lstrip("/") / "instances/rs1"
+    assert sorted(p.name for p in d.iterdir() if p.name != "api.sock") == [
+        "disk.qcow2",
+        "seed.iso",
+        "vm.json",
+    ]
+    assert [e["op"] for e in h.audit_lines() if e["decision"] == "accepted"][-1] == "ch.launch"
+    runtime.delete("rs1")
+
+
+def test_the_placement_becomes_affinity_huge_pages_and_a_reporting_balloon_dlv_plc_11_12_13_16() -> None:
+    """DLV-PLC-11, DLV-PLC-12, DLV-PLC-13, DLV-PLC-16: `cpus` becomes `cpus.affinity` (one host CPU
+    per vCPU when it names exactly as many, else each vCPU floats over the set), huge pages
+    `memory.hugepages` with their size, a balloon one with free page reporting; a memory restore
+    keeps bcd's affinity from the spec, never the snapshot's."""
+    from bcd_agent.sections.instances.runtimes.cloudhypervisor import restored_config
+
+    def config(**pl: Any) -> dict[str, Any]:
+        inst = vm(
+            "p", runtime=RUNTIME_CH, vcpus=2, memory_bytes=GIB, placement=Placement(**pl) if pl else None
+        )
+        return vm_config(inst, "/d", "/b", False)  # type: ignore[arg-type]
+
+    pinned = config(cpus="4-5")
+    assert pinned["cpus"]["affinity"] == [{"vcpu": 0, "host_cpus": [4]}, {"vcpu": 1, "host_cpus": [5]}]
+    floating = config(cpus="0-3,8")
+    assert floating["cpus"]["affinity"] == [{"vcpu": i, "host_cpus": [0, 1, 2, 3, 8]} for i in (0, 1)]
+    huge = config(hugepage_size_bytes=2 << 20)
+    assert (huge["memory"]["hugepages"], huge["memory"]["hugepage_size"]) == (True, 2 << 20)
+    assert "balloon" not in huge
+    assert config(balloon=True)["balloon"] == {"size": 0, "free_page_reporting": True}
+    plain = config()
+    assert "affinity" not in plain["cpus"] and "hugepages" not in plain["memory"] and "balloon" not in plain
+    restored = restored_config(SAVED, pinned, [])
+    assert restored["cpus"]["affinity"] == pinned["cpus"]["affinity"]
+    assert restored_config(SAVED, plain, [])["cpus"].get("affinity") is None  # never the snapshot's [3]
+
+
+def test_the_vmms_user_never_renames_the_nodes_files_under_the_helper(
+    rt: tuple[HelperProcess, CloudHypervisorRuntime, InstancesSection],
+) -> None:
+    """The instance's directory is sticky (1700): root's ACL entry lets the VMM's uid create in it
+    (its sockets), but, checked as that uid for real, it can neither rename nor remove the node's
+    vm.json or disk, so nothing it plants there is ever taken for bcd's record."""
+    import subprocess
+
+    from testsupport import require_tool
+
+    h, runtime, sec = rt
+    out = converge(sec, spec(chvm("st1"), generation=40))
+    assert out.state is SectionState.CONVERGED, out.message
+    d = h.root / CHD.lstrip("/") / "instances/st1"
+    assert d.stat().st_mode & 0o1000  # sticky
+    uid = parse_record((d / "vm.json").read_bytes()).uid
+    code = (
+        "import os, sys\nd = sys.argv[1]\nout = []\n"
+        "open(os.path.join(d, 'made'), 'xb').close(); out.append('created')\n"
+        "for op in (lambda: os.rename(os.path.join(d, 'vm.json'), os.path.join(d, 'x')),\n"
+        "           lambda: os.unlink(os.path.join(d, 'disk.qcow2'))):\n"
+        "    try:\n        op(); out.append('done')\n"
+        "    except OSError as e:\n        out.append(type(e).__name__)\n"
+        "print(' '.join(out))"
+    )
+    setpriv = require_tool("setpriv")
+    argv = [
+        setpriv,
+        f"--reuid={uid}",
+        f"--regid={uid}",
+        "--clear-groups",
+        "/usr/bin/python3",
+        "-c",
+        code,
+        str(d),
+    ]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=30, check=False)
+    assert result.stdout.split() == ["created", "PermissionError", "PermissionError"], result.stderr
+    (d / "made").unlink()
+    runtime.delete("st1")

@@ -194,3 +194,43 @@ def test_the_rebind_disk_is_hot_added_then_removed_and_zeroed_dlv_reb_08_dlv_reb
     assert [d["id"] for d in vmm.disks] == ["disk0"]
     assert not real.exists()
     assert witness.read_bytes() == b"\0" * len(image)
+
+
+def test_base_images_are_verified_and_checked_as_libvirt_kvms_in_their_own_directory_dlv_ch_05(
+    short_root: Path,
+) -> None:
+    """DLV-CH-05: over the same simulated image server, cloud-hypervisor refuses what libvirt-kvm
+    refuses (an http URL, a SHA-256 mismatch, a qcow2 naming a backing file: each BadImage, nothing
+    kept in either images directory) and keeps an accepted base in its own `images/`, 0644, which its
+    overlay names."""
+    import hashlib
+
+    from bcd_agent.sections.instances.model import Image
+    from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, LibvirtRuntime
+    from bcd_shared.chunit import ch_images_dir
+    from bcd_shared.images import check_overlay
+    from bcd_shared.instancenames import images_dir
+    from bcd_simhost.libvirt import HOSTILE_IMAGES, IMAGE_SHA256
+
+    ch, _ = _runtime(short_root)
+    lv = LibvirtRuntime(ch.system, DirectVirsh(ch.system), DATA, stop_timeout_s=0.0, sleep=lambda s: None)
+    hostile = hashlib.sha256(HOSTILE_IMAGES["backing.qcow2"]).hexdigest()
+    bad = [
+        (Image("http://images.sim.bcd/debian-12.qcow2", IMAGE_SHA256, "qcow2"), "https only"),
+        (Image("https://images.sim.bcd/debian-12.qcow2", "0" * 64, "qcow2"), "is not " + "0" * 64),
+        (Image("https://images.sim.bcd/backing.qcow2", hostile, "qcow2"), "backing file"),
+    ]
+    for i, (image, why) in enumerate(bad):
+        for rt in (lv, ch):
+            with pytest.raises(TerminalError, match=why) as exc:
+                rt.create(chvm(f"b{i}", nics=(), image=image), Prepared())
+            assert exc.value.reason == "BadImage"
+    for d in (images_dir(DATA), ch_images_dir(DATA)):
+        assert [n for n in ch.system.listdir(d) if not n.startswith(".")] == []
+    inst = chvm("ok", nics=())
+    ch.create(inst, Prepared())
+    base = f"{ch_images_dir(DATA)}/{IMAGE_SHA256}.qcow2"
+    assert ch.system.host_path(base).stat().st_mode & 0o777 == 0o644
+    assert ch.system.listdir(images_dir(DATA)) == []  # not libvirt-kvm's directory
+    disk = ch.system.host_path(f"{ch_instance_dir(DATA, 'ok')}/disk.qcow2")
+    assert check_overlay(str(disk), base, "qcow2", 1 << 40).backing_file == base

@@ -154,8 +154,9 @@ def test_kernel_system_network_dlv_chu_23_dlv_chu_24_dlv_chu_25() -> None:
 
 
 def test_limits_dlv_chu_26_dlv_chu_27_dlv_chu_28_dlv_chu_29() -> None:
-    """DLV-CHU-26..29: MemoryMax memory + memory/32 + 256 MiB (the overhead only with huge pages,
-    the whole again after a memory restore dropped them), TasksMax, CPUQuota."""
+    """DLV-CHU-26..29, DLV-PLC-14, DLV-PLC-15: MemoryMax memory + memory/32 + 256 MiB (the overhead
+    only with huge pages, the whole again after a memory restore dropped them), TasksMax, CPUQuota;
+    the placement's AllowedCPUs and AllowedMemoryNodes."""
     p = props(launch(vcpus=3, memory_bytes=4 * GIB))
     assert p["MemoryMax"] == [str(4 * GIB + 128 * MIB + 256 * MIB)]
     assert p["TasksMax"] == [str(4 * 3 + 128)] and p["CPUQuota"] == ["400%"]

@@ -6,8 +6,9 @@
   (reads with `virsh -r`), carrying the signed spec the node keeps (host-intent.json: the newest full
   spec, which sets the instances section too) so root can re-validate. An unprivileged node without
   a helper runs no instance runtime (it is not in the libvirt group, DLV-HLP-01).
-- cloud-hypervisor (issue 12) only under the helper, where `ch_available` finds its binary at v51 or
-  later, /dev/kvm and the helper's ch.* operations (then Hello advertises it); see docs/instances.md.
+- cloud-hypervisor (issue 12) under the helper, where `ch_available` finds its binary at v51 or
+  later, /dev/kvm and the helper's ch.* operations (then Hello advertises it), or as root without a
+  helper, its root steps in process (runtimes/chlocal.py); see docs/instances.md.
 - User data: a SecretRequest bound to the instance's allocation (DLV-INST-06), from the runner's
   worker thread; a refusal fails the instance, no answer keeps it waiting.
 - Off the pass, in the node's nursery, each in a worker thread: the identity rebind every 10 s
@@ -20,10 +21,14 @@ from __future__ import annotations
 
 import base64
 import logging
+import os
+import shutil
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import trio
+from attrs import frozen
 from bcd_shared.errors import RetryableError, TerminalError
 
 from bcd_agent.sections.instances.plan import UserData
@@ -68,36 +73,60 @@ def helper_intent(data_dir: str) -> dict[str, Any]:
 
 
 def build_runtimes(
-    system: Any, data_dir: str, *, simulated: bool, helper: Any, as_root: bool, intent_dir: str = ""
+    system: Any,
+    data_dir: str,
+    *,
+    simulated: bool,
+    helper: Any,
+    as_root: bool,
+    intent_dir: str = "",
+    host: HostTools | None = None,
 ) -> list[Any]:
+    """The runtimes this host runs (DLV-RT-01..04). `host`: how PATH, /dev/kvm and the VMM's version
+    are read (this machine's by default)."""
     from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, HelperVirsh, LibvirtRuntime
     from bcd_agent.sections.instances.section import runtimes_on_path
 
+    tools = host or HostTools()
     out: list[Any] = []
     if helper is not None and not simulated:
-        out.extend(_cloud_hypervisor(system, data_dir, helper, intent_dir))
-    if not simulated and not runtimes_on_path():
+        out.extend(_cloud_hypervisor(system, data_dir, helper, intent_dir, tools))
+    elif as_root and not simulated:
+        # As root without the helper, cloud-hypervisor's root steps run in process (chlocal.py).
+        from bcd_agent.sections.instances.runtimes.chlocal import LocalChOps
+
+        ops = LocalChOps(system, data_dir, which=tools.which)
+        out.extend(_cloud_hypervisor(system, data_dir, ops, intent_dir, tools))
+    if not simulated and not runtimes_on_path(tools.which):
         return out
     if helper is not None:
         virsh: Any = HelperVirsh(system, helper, intent=lambda: helper_intent(intent_dir or data_dir))
         return [LibvirtRuntime(system, virsh, data_dir, under_helper=True), *out]
     if simulated or as_root:
-        return [LibvirtRuntime(system, DirectVirsh(system), data_dir)]
+        return [LibvirtRuntime(system, DirectVirsh(system), data_dir), *out]
     log.warning("instances: unprivileged without [helper] socket: this node runs no instance runtime")
     return []
 
 
-def _cloud_hypervisor(system: Any, data_dir: str, helper: Any, intent_dir: str) -> list[Any]:
-    import os
-    import shutil
+@frozen
+class HostTools:
+    """What decides which runtimes run: PATH lookups, whether /dev/kvm exists, a VMM's version."""
 
+    which: Callable[[str], str | None] = shutil.which
+    kvm: Callable[[], bool] = lambda: os.path.exists("/dev/kvm")
+    version_of: Callable[[str], str | None] | None = None
+
+
+def _cloud_hypervisor(
+    system: Any, data_dir: str, helper: Any, intent_dir: str, tools: HostTools
+) -> list[Any]:
     from bcd_agent.sections.instances.runtimes.cloudhypervisor import (
         CloudHypervisorRuntime,
         ch_available,
         vmm_version,
     )
 
-    why = ch_available(shutil.which, os.path.exists("/dev/kvm"), helper, vmm_version)
+    why = ch_available(tools.which, tools.kvm(), helper, tools.version_of or vmm_version)
     if why is not None:
         log.info("instances: cloud-hypervisor is not run: %s", why)
         return []
