@@ -324,7 +324,8 @@ def _checked(
     known = memo.last if memo is not None else {}
     for i, n in enumerate(nics):
         try:
-            hit = known.get(n)
+            # True == 1 and hashes alike: an index must be an int to be taken from the memo
+            hit = known.get(n) if type(n.index) is int else None
         except TypeError:  # a field of a type no NicPolicy may have: _check_one names it
             hit = None
         if hit is None:

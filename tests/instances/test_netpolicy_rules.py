@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 
+import attrs
 import pytest
 from bcd_shared.netpolicy import (
     HostAddresses,
@@ -151,3 +152,6 @@ def test_the_memo_keeps_the_cross_nic_checks() -> None:
     assert set(memo.last) == {A}  # a refused load leaves the memo as it was
     build_ruleset([B], HostAddresses(), None, memo)
     assert set(memo.last) == {B}  # only the last load's NICs are kept
+    # An index True equals (and hashes as) index 1: it is checked, not taken from the memo.
+    with pytest.raises(PolicyError, match="is not a NIC index"):
+        build_ruleset([attrs.evolve(B, index=True)], HostAddresses(), None, memo)

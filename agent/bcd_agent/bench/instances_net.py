@@ -5,7 +5,7 @@
   `DirectNft.ruleset` (the host's addresses read by `ip` while the NICs are checked, then the rules
   built), the text staged and `nft -f` through the System, median; nft_f_ms_*: `nft -f FILE` of the
   same text, each right after bcd's load in the same round; nft_ratio (target >= 0.8): the median over
-  the 1,000-instance rounds of each round's nft_f / nft_apply (a pair measured back to back sees the
+  the 15 rounds of 1,000 instances of each round's nft_f / nft_apply (a pair measured back to back sees the
   same machine load; on a shared machine the load moves between rounds). Where bcd's extra time went
   (docs/instances.md): checking and building the 1,000 NICs' rules (~22 ms of CPU, ~17 now) and the
   `ip` process (now read while the NICs are checked). The loader keeps the last load's NICs checked
@@ -106,7 +106,7 @@ def _child() -> dict[str, float]:
     ratios: list[float] = []
     tmp = Path(tempfile.mkdtemp(prefix="bcd-bench-nft-"))
     try:
-        for n, rounds in ((100, 9), (1000, 9)):
+        for n, rounds in ((100, 9), (1000, 15)):
             nics: list[NicPolicy] = [x for v in _nics(n).values() for x in v]
             host = nft.host_addresses(["br0"])
             text = build_ruleset(nics, host)
