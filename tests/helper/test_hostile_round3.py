@@ -1,0 +1,80 @@
+"""Round 3 of the hostile node (red team, 2026-12-01): the instances' ops as a compromised node would use
+them, from a real unprivileged account (tests/helper/realnode.py: `useradd` + `setpriv`, SO_PEERCRED
+sees the account) against a real `bcd helper serve` over a simulated host.
+
+The node owns its instance directories (it writes the overlay, the seed and the rebind disk), so what
+root checked at `libvirt.define` can be changed before the next op: each op that makes libvirt open the
+instance's files must check them again itself. docs/helper.md "Threat model, round 3" has a row for
+each test here."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_agent.converge.types import SectionState
+from bcd_agent.sections.instances.model import Desired
+from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh, LibvirtRuntime
+from bcd_agent.sections.instances.section import InstancesSection
+from bcd_simhost import sim_system
+from realnode import RealNode
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
+from instkit import FixedUserData, converge, spec, vm
+
+DATA = "/var/lib/bcd"
+
+
+@pytest.fixture(scope="module")
+def node() -> Iterator[tuple[RealNode, InstancesSection]]:
+    n = RealNode('[helper]\ninstance_bridges = "br0"\n')
+    try:
+        system = sim_system(n.root)
+        rt = LibvirtRuntime(
+            system, HelperVirsh(system, n.h.client), DATA, under_helper=True, stop_timeout_s=0.0,
+            sleep=lambda s: None,
+        )  # fmt: skip
+        sec = InstancesSection(system, [rt], DATA, user_data=FixedUserData())
+        out = converge(sec, spec(vm("sw", desired=Desired.STOPPED)))
+        assert out.state is SectionState.CONVERGED, out.message
+        yield n, sec
+    finally:
+        n.close()
+
+
+def _inst(n: RealNode, name: str) -> Path:
+    return n.root / DATA.lstrip("/") / "libvirt/instances" / name
+
+
+def _start(name: str) -> dict[str, Any]:
+    return {"op": "libvirt.start", "args": {"name": name}}
+
+
+def test_round3_a_disk_swapped_after_the_define_is_refused_at_start(
+    node: tuple[RealNode, InstancesSection],
+) -> None:
+    """The node defines a checked domain, then replaces its overlay with a symlink to a host file (or a
+    hard link) before `libvirt.start`: libvirt would open (and with dynamic ownership chown) the host
+    file. Root re-checks the defined domain's files at every start: refused `domain-disk`, nothing
+    started; the untouched domain starts."""
+    n, _sec = node
+    disk = _inst(n, "sw") / "disk.qcow2"
+    real = disk.with_name("real.qcow2")
+    os.rename(disk, real)
+    try:
+        os.symlink("/etc/shadow", disk)
+        answer = n.refused(_start("sw"), "domain-disk", "symlink")
+        assert "disk.qcow2" in answer["message"]
+        disk.unlink()
+        os.link(real, disk)  # the overlay with a second name the node keeps
+        n.refused(_start("sw"), "domain-disk", "hard links")
+    finally:
+        if disk.exists() or disk.is_symlink():
+            disk.unlink()
+        os.rename(real, disk)
+    assert n.call(_start("sw"))["ok"] is True
+    assert n.call({"op": "libvirt.destroy", "args": {"name": "sw"}})["ok"] is True
