@@ -78,3 +78,41 @@ def test_round3_a_disk_swapped_after_the_define_is_refused_at_start(
         os.rename(real, disk)
     assert n.call(_start("sw"))["ok"] is True
     assert n.call({"op": "libvirt.destroy", "args": {"name": "sw"}})["ok"] is True
+
+
+def test_round3_a_restore_never_takes_a_gpu_a_hold_has_dlv_dev_21(
+    node: tuple[RealNode, InstancesSection],
+) -> None:
+    """DLV-DEV-21 as root holds for every way a domain gets its GPUs: `libvirt.start` refuses a GPU a
+    live hold has, so the node tried `libvirt.restore` of the same checked definition instead (a saved
+    state of its own). Refused `gpu-busy` before anything is staged; restored once the hold is gone."""
+    from bcd_shared import cdi
+    from bcd_simhost.gpus import gpu_uuid
+
+    n, sec = node
+    g5 = gpu_uuid(5)
+    out = converge(sec, spec(vm("gv", gpu_uuids=(g5,), desired=Desired.STOPPED), generation=2))
+    assert out.state is SectionState.CONVERGED, out.message
+    xml = (_inst(n, "gv") / "domain.xml").read_text()
+    (_inst(n, "gv") / "save.state").write_bytes(b"LibvirtQemudSave" + b"\0" * 76)
+    hold = cdi.build_hold_spec(
+        allocation_id="alloc_r3",
+        reservation_id="r",
+        generation=1,
+        kubernetes=False,
+        cgroup_parent=None,
+        devices=[cdi.HoldDevice(g5)],
+        env=["BCD_ALLOCATION_ID=alloc_r3"],
+        vendor=None,
+    )
+    path = n.root / "etc/cdi/bcd-alloc_r3.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(cdi.encode_spec(hold))
+    restore = {"op": "libvirt.restore", "args": {"name": "gv", "xml": xml}}
+    try:
+        answer = n.refused(restore, "gpu-busy")
+        assert "is held by alloc_r3" in answer["message"]
+    finally:
+        path.unlink()
+    assert n.call(restore)["ok"] is True
+    assert n.call({"op": "libvirt.destroy", "args": {"name": "gv"}})["ok"] is True

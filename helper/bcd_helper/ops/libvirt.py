@@ -459,6 +459,7 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
             "no-definition", f"{op}: a restore needs the domain's definition (never the state file's)"
         )
     checked, data = check_definition(call, op, name, req.xml)
+    _gpus_free(call, op, name, data)  # a restore passes its GPUs through as a start does (DLV-DEV-21)
     _signed(call, op, name, req.intent, checked)
     state = f"{instance_dir(call.ctx.config.data_dir, name)}/save.state"
     real = str(call.system.host_path(state))
