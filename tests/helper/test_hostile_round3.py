@@ -9,8 +9,11 @@ each test here."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,8 @@ from bcd_agent.sections.instances.model import Desired
 from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh, LibvirtRuntime
 from bcd_agent.sections.instances.section import InstancesSection
 from bcd_simhost import sim_system
+from helperproc import HelperProcess, base_config, make_root, tree
+from hostilekit import NODE_GID, NODE_UID, connect_as, frame, read_answer
 from realnode import RealNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
@@ -116,3 +121,73 @@ def test_round3_a_restore_never_takes_a_gpu_a_hold_has_dlv_dev_21(
         path.unlink()
     assert n.call(restore)["ok"] is True
     assert n.call({"op": "libvirt.destroy", "args": {"name": "gv"}})["ok"] is True
+
+
+# --- cloud-hypervisor: the node's uid (hostilekit.connect_as forks and drops to it) -------------------
+
+
+@pytest.fixture(scope="module")
+def ch() -> Iterator[HelperProcess]:
+    from test_helper_ch import NODE, lay_out, record
+
+    parent = Path(tempfile.mkdtemp(prefix="bcd-r3-", dir="/var/tmp"))
+    os.chmod(parent, 0o755)
+    root = make_root(parent)
+    for d in (root / "var", root / "var/lib"):
+        d.mkdir(exist_ok=True)
+        os.chmod(d, 0o755)
+    lay_out(root, record("ca"))
+    lay_out(root, record("cb"))  # the same VMM uid as ca's: never launched while ca runs
+    proc = HelperProcess(root, base_config(node_uid=NODE, node_gid=NODE, extra='instance_bridges = "br0"\n'))
+    yield proc
+    proc.stop()
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def _as_node(h: HelperProcess, doc: dict[str, Any]) -> dict[str, Any]:
+    sock, _ = connect_as(h, NODE_UID, NODE_GID)
+    with sock:
+        sock.sendall(frame(json.dumps(doc).encode()))
+        answer = read_answer(sock)
+    assert answer is not None
+    return answer
+
+
+def _refused_as_node(h: HelperProcess, doc: dict[str, Any], reason: str, text: str = "") -> dict[str, Any]:
+    """Refused for `reason`, audited as the next line with the node's uid, nothing under the root changed."""
+    before = tree(h.root)
+    seq = h.last_audit()["seq"]
+    answer = _as_node(h, doc)
+    assert (answer["ok"], answer.get("reason")) == (False, reason), answer
+    assert text in answer["message"], answer
+    last = h.last_audit()
+    assert (last["seq"], last["decision"], last["reason"], last["peer_uid"]) == (
+        seq + 1,
+        "refused",
+        reason,
+        NODE_UID,
+    )
+    assert tree(h.root) == before
+    return answer
+
+
+def test_round3_ch_stop_never_takes_a_running_vmms_vfio_groups(ch: HelperProcess) -> None:
+    """ch.stop of an instance whose unit is gone reads the VMM uid from the node's own vm.json. The node
+    names there the uid of another instance's running VMM: root must not give that VMM's /dev/vfio
+    groups back to root (it would take a live passthrough away on the node's word, DLV-CHH-14)."""
+    from test_helper_ch import UID1
+
+    h = ch
+    group = h.root / "dev/vfio/77"
+    group.parent.mkdir(parents=True, exist_ok=True)
+    group.touch()
+    os.chown(group, UID1, UID1)
+    assert _as_node(h, {"op": "ch.launch", "args": {"name": "ca"}})["ok"] is True
+    try:
+        answer = _as_node(h, {"op": "ch.stop", "args": {"name": "cb"}})
+        assert answer["ok"] is True and answer["result"]["groups"] == [], answer
+        assert os.stat(group).st_uid == UID1  # still the running VMM's
+    finally:
+        assert _as_node(h, {"op": "ch.stop", "args": {"name": "ca"}})["ok"] is True
+    assert os.stat(group).st_uid == 0  # its own unit stopped: given back
+    group.unlink()

@@ -542,7 +542,9 @@ def ch_stop(call: Call, req: ChName) -> dict[str, Any]:
             uid = None
     groups: list[str] = []
     if uid is not None and active in ("inactive", "failed"):
-        groups = give_back_owned(call, op, uid)
+        # The uid may be the record's (the node's word): a uid a running unit has keeps its groups.
+        if uid not in _running_uids(call):
+            groups = give_back_owned(call, op, uid)
         # a directory already removed has no entries left to remove
         with contextlib.suppress(Refused, OSError):
             _acl_instance(call, _read_record(call, op, name), uid, grant=False)
