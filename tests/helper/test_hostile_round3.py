@@ -191,3 +191,28 @@ def test_round3_ch_stop_never_takes_a_running_vmms_vfio_groups(ch: HelperProcess
         assert _as_node(h, {"op": "ch.stop", "args": {"name": "ca"}})["ok"] is True
     assert os.stat(group).st_uid == 0  # its own unit stopped: given back
     group.unlink()
+
+
+def test_round3_ch_instance_directory_entries_are_bounded(ch: HelperProcess) -> None:
+    """Root scans the node's instance directory (symlinks) and grants an ACL entry per file, under the
+    `gpus` and `ch` locks, with no program to bound it by the op's deadline: a directory of thousands of
+    files held both locks as long as the node liked. More than MAX_ENTRIES entries is `bad-layout`
+    before anything is granted."""
+    from bcd_helper.ops.ch import MAX_ENTRIES
+    from test_helper_ch import NODE
+
+    h = ch
+    inst = h.root / "var/lib/bcd/cloud-hypervisor/instances/ca"
+    extra = []
+    for i in range(MAX_ENTRIES):
+        p = inst / f"junk{i}"
+        p.touch()
+        os.chown(p, NODE, NODE)
+        extra.append(p)
+    try:
+        _refused_as_node(h, {"op": "ch.launch", "args": {"name": "ca"}}, "bad-layout", "entries")
+    finally:
+        for p in extra:
+            p.unlink()
+    assert _as_node(h, {"op": "ch.launch", "args": {"name": "ca"}})["ok"] is True
+    assert _as_node(h, {"op": "ch.stop", "args": {"name": "ca"}})["ok"] is True

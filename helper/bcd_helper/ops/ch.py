@@ -33,6 +33,7 @@ the server audits it with that name. Rules:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import stat
@@ -65,6 +66,10 @@ DISK = "disk.qcow2"
 SEED = "seed.iso"
 RECORD = "vm.json"
 RECORD_MAX = 1 << 20  # bcd_shared.chrecord.MAX_BYTES
+# Entries root scans (and grants ACL entries on) in an instance directory: the node's runtime leaves a
+# handful (vm.json, the disk, the seed, the VMM's sockets); a bound keeps root's time under the locks
+# bounded whatever the node puts there.
+MAX_ENTRIES = 256
 
 
 @frozen
@@ -229,6 +234,15 @@ def _open_dir_chain(base: Path, parts: list[str], op: str) -> int:
     return fd
 
 
+def _entries(dfd: int, op: str, inst: str) -> list[os.DirEntry[str]]:
+    """The directory's entries, refused past MAX_ENTRIES before any is acted on."""
+    with os.scandir(dfd) as it:
+        entries = list(itertools.islice(it, MAX_ENTRIES + 1))
+    if len(entries) > MAX_ENTRIES:
+        raise Refused("bad-layout", f"{op}: {inst} holds more than {MAX_ENTRIES} entries")
+    return entries
+
+
 def _open_node_file(dir_fd: int, name: str, op: str, uid: int, shown: str) -> tuple[int, os.stat_result]:
     try:
         fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
@@ -260,7 +274,7 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
         st = os.fstat(dfd)
         if st.st_uid != cfg.node_uid:
             raise Refused("bad-layout", f"{op}: {inst} must be the node's directory")
-        for entry in os.scandir(dfd):
+        for entry in _entries(dfd, op, inst):
             if entry.is_symlink():
                 raise Refused(
                     "symlink", f"{op}: {inst}/{entry.name} is a symlink: none may be in the directory"
@@ -427,6 +441,7 @@ def _acl_instance(call: Call, checked: Checked, uid: int, grant: bool) -> None:
     try:
         if os.fstat(dfd).st_uid != cfg.node_uid:
             raise Refused("bad-layout", f"{inst} must be the node's directory")
+        entries = _entries(dfd, "acl", inst)
         if grant:
             posixacl.set_user(dfd, uid, 0o7, default=True)
             # What the VMM creates there (api.sock, serial.sock) stays reachable by the node, which
@@ -434,7 +449,7 @@ def _acl_instance(call: Call, checked: Checked, uid: int, grant: bool) -> None:
             posixacl.set_user(dfd, cfg.node_uid, 0o7, default=True, access=False)
         else:
             posixacl.remove_user(dfd, uid)
-        for entry in os.scandir(dfd):
+        for entry in entries:
             if entry.name == RECORD:
                 continue  # the record is the node's and root's: the VMM never needs it
             try:
