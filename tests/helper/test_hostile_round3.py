@@ -216,3 +216,49 @@ def test_round3_ch_instance_directory_entries_are_bounded(ch: HelperProcess) -> 
             p.unlink()
     assert _as_node(h, {"op": "ch.launch", "args": {"name": "ca"}})["ok"] is True
     assert _as_node(h, {"op": "ch.stop", "args": {"name": "ca"}})["ok"] is True
+
+
+# --- the lazily imported OPS table ------------------------------------------------------------------
+
+
+def test_round3_op_names_never_reach_an_import_and_a_failed_import_denies(tmp_path: Path) -> None:
+    """The table imports an op's module on its first call, by the row's own name. Names that look like
+    modules, attributes or rows with a twist are `unknown-op` (nothing imported: the row is looked up in
+    a dict); an op whose module fails to import (here made to, in the helper process) is denied: failed
+    `internal`, audited, nothing run, and the helper keeps serving every other op."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('import sys\nsys.modules["bcd_helper.ops.nft"] = None\n')
+    h = HelperProcess(
+        make_root(tmp_path), base_config(extra='instance_bridges = "br0"\n'), env={"PYTHONPATH": str(site)}
+    )
+    try:
+        for op in (
+            "bcd_helper.ops.nft",
+            "nft",
+            "nft.apply ",
+            "NFT.APPLY",
+            "nft.apply\u0000",
+            "__class__",
+            "__init__",
+            "ops.table",
+            "os.system",
+            "OPS",
+            "x" * 5000,
+        ):
+            answer = _as_node(h, {"op": op, "args": {}})
+            assert answer["reason"] == "unknown-op", (op[:40], answer)
+            last = h.last_audit()
+            assert (last["decision"], last["reason"]) == ("refused", "unknown-op")
+            assert len(last["op"]) <= 100
+        before = tree(h.root)
+        answer = _as_node(h, {"op": "nft.apply", "args": {"nics": []}})
+        assert (answer["ok"], answer["error"], answer["reason"]) == (False, "failed", "internal"), answer
+        assert "ImportError" in answer["message"] or "ModuleNotFoundError" in answer["message"], answer
+        last = h.last_audit()
+        assert (last["op"], last["decision"], last["peer_uid"]) == ("nft.apply", "failed", NODE_UID)
+        assert tree(h.root) == before
+        assert _as_node(h, {"op": "nft.check", "args": {}})["reason"] == "internal"
+        assert _as_node(h, {"op": "helper.ping", "args": {}})["ok"] is True
+    finally:
+        h.stop()
