@@ -262,3 +262,56 @@ def test_round3_op_names_never_reach_an_import_and_a_failed_import_denies(tmp_pa
         assert _as_node(h, {"op": "helper.ping", "args": {}})["ok"] is True
     finally:
         h.stop()
+
+
+# --- nft.apply: typed policies only ----------------------------------------------------------------
+
+NIC: dict[str, Any] = {
+    "instance": "vm-1",
+    "index": 0,
+    "bridge": "br0",
+    "mac": "52:54:00:00:00:01",
+    "addresses": ["10.0.0.5/24"],
+    "policy": "PRIVATE",
+    "ssh_from_host_only": True,
+}
+NFT_ATTACKS: list[tuple[str, Any]] = [
+    ("addresses", ['10.0.0.5/24"; flush ruleset']),
+    ("addresses", ["10.0.0.5/24 } ; flush ruleset ; {"]),
+    ("addresses", ["10.0.0.5/\uff12\uff14"]),  # fullwidth digits
+    ("addresses", ["10.0.0.5/24\n"]),
+    ("addresses", ["fe80::1%br0/64"]),
+    ("addresses", ["10.0.0.5/24"] * 65),
+    ("instance", 'vm"; flush ruleset;"'),
+    ("instance", "vm\u0661"),  # an Arabic-Indic digit
+    ("instance", "\uff56\uff4d"),
+    ("bridge", 'br0" ; flush'),
+    ("bridge", "bc0"),
+    ("bridge", "lo"),
+    ("index", 16),
+    ("index", 2**70),
+    ("index", True),
+    ("mac", "52:54:00:00:00:01\n"),
+    ("policy", "PRIVATE\n"),
+    ("ssh_from_host_only", 1),
+]
+
+
+def test_round3_nft_syntax_never_reaches_root_through_a_typed_field(tmp_path: Path) -> None:
+    """nft.apply takes typed NIC policies: nft syntax, non-ASCII look-alikes, a `bc*` or foreign bridge,
+    an index past the taps, 65 addresses or a wrong JSON type in any field is refused before anything
+    runs (bad-policy or bad-arguments), audited with the node's uid, nothing changed."""
+    h = HelperProcess(make_root(tmp_path), base_config(extra='instance_bridges = "br0"\n'))
+    try:
+        for field, value in NFT_ATTACKS:
+            doc = {"op": "nft.apply", "args": {"nics": [{**NIC, field: value}]}}
+            answer = _as_node(h, doc)
+            assert answer["ok"] is False, (field, answer)
+            assert answer["reason"] in ("bad-policy", "bad-arguments"), (field, answer)
+            last = h.last_audit()
+            assert (last["op"], last["decision"], last["peer_uid"]) == ("nft.apply", "refused", NODE_UID)
+        many = [{**NIC, "instance": f"v{i}", "mac": "", "addresses": []} for i in range(3000)]
+        answer = _as_node(h, {"op": "nft.apply", "args": {"nics": many}})
+        assert (answer["ok"], answer["reason"]) == (False, "protocol"), answer  # values counted, not decoded
+    finally:
+        h.stop()
