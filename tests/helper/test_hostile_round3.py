@@ -96,7 +96,8 @@ def test_round3_a_restore_never_takes_a_gpu_a_hold_has_dlv_dev_21(
 
     n, sec = node
     g5 = gpu_uuid(5)
-    out = converge(sec, spec(vm("gv", gpu_uuids=(g5,), desired=Desired.STOPPED), generation=2))
+    both = (vm("sw", desired=Desired.STOPPED), vm("gv", gpu_uuids=(g5,), desired=Desired.STOPPED))
+    out = converge(sec, spec(*both, generation=2))
     assert out.state is SectionState.CONVERGED, out.message
     xml = (_inst(n, "gv") / "domain.xml").read_text()
     (_inst(n, "gv") / "save.state").write_bytes(b"LibvirtQemudSave" + b"\0" * 76)
@@ -121,6 +122,26 @@ def test_round3_a_restore_never_takes_a_gpu_a_hold_has_dlv_dev_21(
         path.unlink()
     assert n.call(restore)["ok"] is True
     assert n.call({"op": "libvirt.destroy", "args": {"name": "gv"}})["ok"] is True
+
+
+def test_round3_the_saved_state_is_reached_as_the_disks_are(node: tuple[RealNode, InstancesSection]) -> None:
+    """libvirt.restore hands root's libvirtd the instance's `save.state`: it must be reached with no
+    symlink from data_dir and have one link, as the disks (a hard link brings a file the node did not
+    write; a symlinked instance directory a state file of anywhere). Refused `no-state`."""
+    n, _sec = node
+    inst = _inst(n, "sw")
+    xml = (inst / "domain.xml").read_text()
+    state = inst / "save.state"
+    state.write_bytes(b"LibvirtQemudSave" + b"\0" * 76)
+    other = n.root / "var/other.state"
+    os.link(state, other)
+    restore = {"op": "libvirt.restore", "args": {"name": "sw", "xml": xml}}
+    try:
+        n.refused(restore, "no-state", "one link")
+    finally:
+        other.unlink()
+    assert n.call(restore)["ok"] is True
+    assert n.call({"op": "libvirt.destroy", "args": {"name": "sw"}})["ok"] is True
 
 
 # --- cloud-hypervisor: the node's uid (hostilekit.connect_as forks and drops to it) -------------------

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 import xml.etree.ElementTree as ET
 from typing import Any
 
@@ -393,12 +394,24 @@ def libvirt_setmem(call: Call, req: LibvirtSetmem) -> dict[str, Any]:
 def _rebind_disk(call: Call, op: str, name: str) -> str:
     """Root's own check of the rebind disk: `<instance dir>/rebind.img`, reached without a symlink from
     data_dir, a regular file with one link and exactly 1 MiB (bcd_shared.rebinddisk)."""
-    import stat
-
     from bcd_shared.rebinddisk import REBIND_FILE, REBIND_SIZE
 
+    real, st = _instance_file(call, op, name, REBIND_FILE, "no-rebind-disk", "rebind-disk")
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != REBIND_SIZE:
+        path = f"{instance_dir(call.ctx.config.data_dir, name)}/{REBIND_FILE}"
+        raise Refused(
+            "rebind-disk", f"{op}: {path} must be a regular file of {REBIND_SIZE} bytes with one link"
+        )
+    return real
+
+
+def _instance_file(
+    call: Call, op: str, name: str, file: str, missing: str, reason: str
+) -> tuple[str, os.stat_result]:
+    """`<instance dir>/<file>` reached with no symlink from data_dir (lstat each step, as host_check):
+    its host path and lstat."""
     data_dir = call.ctx.config.data_dir.rstrip("/") or "/"
-    path = f"{instance_dir(data_dir, name)}/{REBIND_FILE}"
+    path = f"{instance_dir(data_dir, name)}/{file}"
     top = str(call.system.host_path(data_dir))
     real = str(call.system.host_path(path))
     cur = top
@@ -407,14 +420,10 @@ def _rebind_disk(call: Call, op: str, name: str) -> str:
         try:
             st = os.lstat(cur)
         except FileNotFoundError:
-            raise Refused("no-rebind-disk", f"{op}: {path} does not exist") from None
+            raise Refused(missing, f"{op}: {path} does not exist") from None
         if stat.S_ISLNK(st.st_mode):
-            raise Refused("rebind-disk", f"{op}: {path}: a symlink on the way ({part})")
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != REBIND_SIZE:
-        raise Refused(
-            "rebind-disk", f"{op}: {path} must be a regular file of {REBIND_SIZE} bytes with one link"
-        )
-    return real
+            raise Refused(reason, f"{op}: {path}: a symlink on the way ({part})")
+    return real, st
 
 
 def libvirt_attach_rebind(call: Call, req: LibvirtRebind) -> dict[str, Any]:
@@ -461,10 +470,10 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
     checked, data = check_definition(call, op, name, req.xml)
     _gpus_free(call, op, name, data)  # a restore passes its GPUs through as a start does (DLV-DEV-21)
     _signed(call, op, name, req.intent, checked)
-    state = f"{instance_dir(call.ctx.config.data_dir, name)}/save.state"
-    real = str(call.system.host_path(state))
-    if not os.path.isfile(real) or os.path.islink(real):
-        raise Refused("no-state", f"{op}: {state} is not a regular file")
+    real, st = _instance_file(call, op, name, "save.state", "no-state", "no-state")
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link: a file the node did not write
+        state = f"{instance_dir(call.ctx.config.data_dir, name)}/save.state"
+        raise Refused("no-state", f"{op}: {state} must be a regular file with one link")
     staged = _stage(call, name, data)
     result = _virsh(call, "restore", real, "--xml", staged)
     if not result.ok:
