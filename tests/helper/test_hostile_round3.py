@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -237,6 +238,40 @@ def test_round3_ch_instance_directory_entries_are_bounded(ch: HelperProcess) -> 
             p.unlink()
     assert _as_node(h, {"op": "ch.launch", "args": {"name": "ca"}})["ok"] is True
     assert _as_node(h, {"op": "ch.stop", "args": {"name": "ca"}})["ok"] is True
+
+
+def test_round3_a_failed_ch_taps_leaves_no_tap(tmp_path: Path) -> None:
+    """ch.taps creates a tap and then enslaves it: when a later step fails (here `instance_bridges`
+    names br0 but the host has none), the taps this call created are deleted again, so a failure is
+    not half-applied. Real `ip` in the helper's own network namespace."""
+    from bcd_shared.instancenames import tap_name
+    from testsupport import IN_CI, require_tool
+
+    for tool in ("ip", "unshare", "nsenter"):
+        require_tool(tool)
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("needs root under CI (unshare -n)")
+        pytest.skip("needs root (unshare -n)")
+    h = HelperProcess(
+        make_root(tmp_path),
+        base_config(extra='instance_bridges = "br0"\n'),
+        prefix=("unshare", "-n"),
+        env={"BCD_SIM_NETNS": "1"},
+    )
+    try:
+        answer = _as_node(h, {"op": "ch.taps", "args": {"name": "vm1", "bridges": ["br0", "br0"]}})
+        assert (answer["ok"], answer["error"], answer["reason"]) == (False, "failed", "ip"), answer
+        links = subprocess.run(
+            ["nsenter", "-t", str(h.proc.pid), "-n", "ip", "-j", "link", "show"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        names = {link["ifname"] for link in json.loads(links)}
+        assert tap_name("vm1", 0) not in names, names
+        assert _as_node(h, {"op": "ch.untaps", "args": {"name": "vm1"}})["result"]["deleted"] == []
+    finally:
+        h.stop()
 
 
 # --- the lazily imported OPS table ------------------------------------------------------------------

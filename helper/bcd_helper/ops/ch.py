@@ -163,14 +163,28 @@ def ch_taps(call: Call, req: ChTaps) -> dict[str, Any]:
             )
     if _with_roots(call, req.intent):
         _signed_nics(call, op, name, req.intent, list(req.bridges))
-    cfg = call.ctx.config
     taps = [tap_name(name, i) for i in range(len(req.bridges))]
     existing = {t: _link(call, t) for t in taps}
     for tap, link in existing.items():
         if link is not None and not _is_tap(link):
             raise Refused("not-a-tap", f"{op}: {tap} exists and is not a tap: it is never touched")
-    created = []
-    for tap, br in zip(taps, req.bridges, strict=True):
+    created: list[str] = []
+    try:
+        _make_taps(call, taps, req.bridges, existing, created)
+    except Failed:
+        # Nothing half-applied: the taps this call created go again (best effort; the failure is answered).
+        for tap in created:
+            with contextlib.suppress(Failed):
+                call.system.run(["ip", "link", "delete", "dev", tap], timeout=30)
+        raise
+    return {"name": name, "taps": taps, "created": created}
+
+
+def _make_taps(
+    call: Call, taps: list[str], bridges: tuple[str, ...], existing: dict[str, Any], created: list[str]
+) -> None:
+    cfg = call.ctx.config
+    for tap, br in zip(taps, bridges, strict=True):
         if existing[tap] is None:
             result = call.system.run(
                 [
@@ -194,7 +208,6 @@ def ch_taps(call: Call, req: ChTaps) -> dict[str, Any]:
         result = call.system.run(["ip", "link", "set", "dev", tap, "master", br, "up"], timeout=30)
         if not result.ok:
             raise Failed("ip", f"ip link set {tap} master {br}: {_err(result)}")
-    return {"name": name, "taps": taps, "created": created}
 
 
 def ch_untaps(call: Call, req: ChName) -> dict[str, Any]:
