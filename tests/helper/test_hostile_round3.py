@@ -145,6 +145,50 @@ def test_round3_the_saved_state_is_reached_as_the_disks_are(node: tuple[RealNode
     assert n.call({"op": "libvirt.destroy", "args": {"name": "sw"}})["ok"] is True
 
 
+def test_round3_a_console_whose_pty_changed_while_opened_is_never_handed_out(
+    node: tuple[RealNode, InstancesSection], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """libvirt.console opens the `/dev/pts/N` root's dumpxml named. The node destroys the domain on
+    another connection in between, and the kernel gives N to the next login: root would hand that
+    terminal to the node. The race is made deterministic here, in process: the domain is destroyed at
+    the moment root opens the pty. Root's second look must name the same pty on the same run, else
+    `failed` (`no-console`) and the descriptor closed."""
+    from bcd_helper.config import load_config
+    from bcd_helper.ops import libvirt as ops
+    from bcd_helper.ops.base import BoundedSystem, Call, Deadline, Failed, HelperContext, Peer
+    from bcd_helper.ops.table import LOCK_ORDER
+
+    n, _sec = node
+    assert n.call(_start("sw"))["ok"] is True
+    system = sim_system(n.root)
+    ctx = HelperContext(
+        root=n.root, config=load_config(n.root), system=system, audit=None, lock_names=LOCK_ORDER
+    )  # type: ignore[arg-type]
+    deadline = Deadline(60)
+    call = Call(ctx, Peer(1, n.uid, n.gid), deadline, BoundedSystem(system, deadline))
+    first = ops.libvirt_console(call, ops.LibvirtName("sw"))  # no race: the pty, open
+    os.close(first["_fd"])
+    real_open = os.open
+    opened: list[int] = []
+
+    def racing_open(path: Any, flags: int, *a: Any, **kw: Any) -> int:
+        if "/dev/pts/" in str(path):
+            system.run(["virsh", "destroy", "sw"])  # the domain goes; its pty number is free
+            fd = real_open(path, flags, *a, **kw)
+            opened.append(fd)
+            return fd
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(ops.os, "open", racing_open)
+    with pytest.raises(Failed) as exc:
+        ops.libvirt_console(call, ops.LibvirtName("sw"))
+    monkeypatch.undo()
+    assert exc.value.reason == "no-console" and "changed" in exc.value.message
+    assert len(opened) == 1
+    with pytest.raises(OSError):
+        os.fstat(opened[0])  # closed, never handed out
+
+
 # --- cloud-hypervisor: the node's uid (hostilekit.connect_as forks and drops to it) -------------------
 
 

@@ -495,4 +495,15 @@ def libvirt_console(call: Call, req: LibvirtName) -> dict[str, Any]:
         fd = os.open(call.system.host_path(path), os.O_RDWR | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise Failed("no-console", f"{op}: {path}: {exc.strerror}") from None
+    # The kernel reuses pty numbers: had the domain gone between dumpxml and the open, another login's
+    # terminal may be that number now. Root's view after the open must name the same pty on the same
+    # run of the domain (libvirt's `id`), else the descriptor is closed, never handed out.
+    try:
+        again = ET.fromstring(_managed(call, op, name))  # noqa: S314 (root's own libvirt output)
+        src = again.find("devices/serial/source")
+        if (src.get("path", "") if src is not None else "") != path or again.get("id") != root.get("id"):
+            raise Failed("no-console", f"{op}: domain {name}'s console changed while root opened it")
+    except BaseException:
+        os.close(fd)
+        raise
     return {"name": name, "pty": path, "_fd": fd}
