@@ -24,6 +24,7 @@ from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.instances.model import Desired
 from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh, LibvirtRuntime
 from bcd_agent.sections.instances.section import InstancesSection
+from bcd_shared.chunit import VMM_UID_BASE as VMM_UID
 from bcd_simhost import sim_system
 from helperproc import HelperProcess, base_config, make_root, tree
 from hostilekit import NODE_GID, NODE_UID, connect_as, frame, read_answer
@@ -415,3 +416,18 @@ def test_round3_nft_syntax_never_reaches_root_through_a_typed_field(tmp_path: Pa
         assert (answer["ok"], answer["reason"]) == (False, "protocol"), answer  # values counted, not decoded
     finally:
         h.stop()
+
+
+def test_round3_a_deeply_nested_vm_json_is_a_bad_record(ch: HelperProcess) -> None:
+    """Root parses the node's vm.json (at most 1 MiB): 200,000 `[` made json.loads raise RecursionError,
+    answered as an internal failure with the interpreter's message. It is the node's bad record:
+    refused `bad-record`, audited, nothing changed."""
+    from test_helper_ch import NODE, lay_out, record
+
+    h = ch
+    inst = lay_out(h.root, record("cd", uid=VMM_UID + 4))
+    path = inst / "vm.json"
+    path.write_bytes(b"[" * 200_000)
+    os.chown(path, NODE, NODE)
+    _refused_as_node(h, {"op": "ch.launch", "args": {"name": "cd"}}, "bad-record", "nested")
+    _refused_as_node(h, {"op": "ch.vfio", "args": {"name": "cd"}}, "bad-record", "nested")
