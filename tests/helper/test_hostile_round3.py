@@ -431,3 +431,34 @@ def test_round3_a_deeply_nested_vm_json_is_a_bad_record(ch: HelperProcess) -> No
     os.chown(path, NODE, NODE)
     _refused_as_node(h, {"op": "ch.launch", "args": {"name": "cd"}}, "bad-record", "nested")
     _refused_as_node(h, {"op": "ch.vfio", "args": {"name": "cd"}}, "bad-record", "nested")
+
+
+def test_round3_vmm_accounts_root_creates_are_bounded(ch: HelperProcess) -> None:
+    """Root creates the VMM's account (`bcd-vmm-<n>`) for the uid vm.json names and, under the helper,
+    never removes it: launching and stopping with a new uid each time, the node could add 65,536
+    accounts and groups to the host's /etc/passwd and /etc/group. Past MAX_VMM_ACCOUNTS accounts a new
+    one is refused (`too-many-accounts`) before anything is granted; a uid that has its account still
+    launches."""
+    from bcd_helper.ops.ch import MAX_VMM_ACCOUNTS
+    from bcd_shared.chunit import vmm_user_name
+    from test_helper_ch import UID1, lay_out, record
+
+    h = ch
+    passwd = h.root / "etc/passwd"
+    before = passwd.read_bytes() if passwd.exists() else b""
+    have = sum(1 for line in before.decode().splitlines() if line.startswith("bcd-vmm-"))
+    uids = [VMM_UID + 1000 + i for i in range(MAX_VMM_ACCOUNTS - have)]
+    lines = [f"{vmm_user_name(u)}:x:{u}:{u}::/:/usr/sbin/nologin" for u in uids]
+    passwd.write_bytes(before + ("\n".join(lines) + "\n").encode())
+    try:
+        lay_out(h.root, record("ce", uid=VMM_UID + 900))
+        answer = _refused_as_node(h, {"op": "ch.launch", "args": {"name": "ce"}}, "too-many-accounts")
+        assert str(MAX_VMM_ACCOUNTS) in answer["message"]
+        if not any(line.startswith(vmm_user_name(UID1) + ":") for line in before.decode().splitlines()):
+            with passwd.open("a") as f:  # ca's uid, as its launch left it
+                f.write(f"{vmm_user_name(UID1)}:x:{UID1}:{UID1}::/:/usr/sbin/nologin\n")
+        lay_out(h.root, record("ce", uid=UID1))  # ca's uid: its account exists (ca is stopped)
+        assert _as_node(h, {"op": "ch.launch", "args": {"name": "ce"}})["ok"] is True
+        assert _as_node(h, {"op": "ch.stop", "args": {"name": "ce"}})["ok"] is True
+    finally:
+        passwd.write_bytes(before)

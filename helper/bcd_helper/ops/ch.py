@@ -70,6 +70,9 @@ RECORD_MAX = 1 << 20  # bcd_shared.chrecord.MAX_BYTES
 # handful (vm.json, the disk, the seed, the VMM's sockets); a bound keeps root's time under the locks
 # bounded whatever the node puts there.
 MAX_ENTRIES = 256
+# VMM accounts root creates and keeps (the node reuses the lowest free uid, one per instance it runs):
+# a node naming a new uid at every launch would otherwise fill /etc/passwd and /etc/group.
+MAX_VMM_ACCOUNTS = 1024
 
 
 @frozen
@@ -437,6 +440,11 @@ def _ensure_account(call: Call, op: str, uid: int) -> None:
             raise Refused("foreign-account", f"{op}: uid {uid} is the account {fields[0][:32]!r}, not bcd's")
     if _has_account(call, uid):
         return
+    ours = sum(1 for line in passwd.splitlines() if line.startswith("bcd-vmm-"))
+    if ours >= MAX_VMM_ACCOUNTS:
+        raise Refused(
+            "too-many-accounts", f"{op}: {ours} VMM accounts exist, at most {MAX_VMM_ACCOUNTS}: reuse a uid"
+        )
     for argv in account_add_argv(uid):
         result = call.system.run(argv, timeout=60)
         if not result.ok and "already exists" not in _err(result):
