@@ -190,6 +190,42 @@ def test_round3_a_console_whose_pty_changed_while_opened_is_never_handed_out(
         os.fstat(opened[0])  # closed, never handed out
 
 
+def test_round3_roots_staged_definitions_are_bounded(node: tuple[RealNode, InstancesSection]) -> None:
+    """Each `libvirt.define` (and restore) of a new name leaves root's staged copy of up to 256 KiB in
+    /var/lib/bcd-hostconfig/libvirt/ (and a libvirt definition) until its undefine: without signing
+    roots nothing bounds the names, so the node could fill root's file system. Past MAX_STAGED a new
+    name is refused `too-many-files` before anything is checked or written; a staged name may be
+    defined again."""
+    from bcd_helper.ops.libvirt import MAX_STAGED
+    from bcd_simhost.gpus import gpu_uuid
+
+    n, sec = node
+    # nw's files as the node's runtime lays them out; its definition and staged copy gone again
+    three = (
+        vm("sw", desired=Desired.STOPPED),
+        vm("gv", gpu_uuids=(gpu_uuid(5),), desired=Desired.STOPPED),
+        vm("nw", desired=Desired.STOPPED),
+    )
+    assert converge(sec, spec(*three, generation=5)).state is SectionState.CONVERGED
+    assert n.call({"op": "libvirt.undefine", "args": {"name": "nw"}})["ok"] is True
+    stage = n.root / "var/lib/bcd-hostconfig/libvirt"
+    have = len(os.listdir(stage))
+    filler = [stage / f"filler{i}.xml" for i in range(MAX_STAGED - have)]
+    for p in filler:
+        p.write_bytes(b"")
+    try:
+        new = {
+            "op": "libvirt.define",
+            "args": {"name": "nw", "xml": (_inst(n, "nw") / "domain.xml").read_text()},
+        }
+        n.refused(new, "too-many-files", str(MAX_STAGED))
+        xml = (_inst(n, "sw") / "domain.xml").read_text()
+        assert n.call({"op": "libvirt.define", "args": {"name": "sw", "xml": xml}})["ok"] is True
+    finally:
+        for p in filler:
+            p.unlink()
+
+
 # --- cloud-hypervisor: the node's uid (hostilekit.connect_as forks and drops to it) -------------------
 
 

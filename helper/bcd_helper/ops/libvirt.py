@@ -42,6 +42,9 @@ from bcd_helper.ops.base import Call, Failed, Refused, refused_path
 from bcd_helper.ops.hostunit import SignedIntent
 
 STAGE_DIR = "/var/lib/bcd-hostconfig/libvirt"
+# Definitions root keeps staged (one per defined domain, up to MAX_XML each): without signing roots the
+# node names the domains, so their number is bounded here (256 MiB at most in root's directory).
+MAX_STAGED = 1024
 MAX_VIRTUAL_SIZE = 64 << 40
 _PTY = re.compile(r"^/dev/pts/[0-9]{1,6}$")
 _TARGET = re.compile(r"^vd[a-z]{1,2}$")
@@ -206,6 +209,16 @@ def _signed(
         verifier.save_state(state)
 
 
+def _stage_room(call: Call, op: str, name: str) -> None:
+    """A new name is staged only while fewer than MAX_STAGED definitions are (`too-many-files`)."""
+    try:
+        staged = os.listdir(call.system.host_path(STAGE_DIR))
+    except FileNotFoundError:
+        return
+    if f"{name}.xml" not in staged and len(staged) >= MAX_STAGED:
+        raise Refused("too-many-files", f"{op}: root keeps at most {MAX_STAGED} definitions in {STAGE_DIR}")
+
+
 def _stage(call: Call, name: str, data: bytes) -> str:
     path = f"{STAGE_DIR}/{name}.xml"
     try:
@@ -218,6 +231,7 @@ def _stage(call: Call, name: str, data: bytes) -> str:
 def libvirt_define(call: Call, req: LibvirtDefine) -> dict[str, Any]:
     op = "libvirt.define"
     name = _name(op, req.name)
+    _stage_room(call, op, name)
     # The definition carries bcd's UUID for the name (domaincheck): libvirt refuses it over a domain
     # bcd did not create ("already exists with uuid"), atomically; no dumpxml of root's is needed.
     checked, data = check_definition(call, op, name, req.xml)
@@ -467,6 +481,7 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
         raise Refused(
             "no-definition", f"{op}: a restore needs the domain's definition (never the state file's)"
         )
+    _stage_room(call, op, name)
     checked, data = check_definition(call, op, name, req.xml)
     _gpus_free(call, op, name, data)  # a restore passes its GPUs through as a start does (DLV-DEV-21)
     _signed(call, op, name, req.intent, checked)
