@@ -498,3 +498,28 @@ def test_round3_vmm_accounts_root_creates_are_bounded(ch: HelperProcess) -> None
         assert _as_node(h, {"op": "ch.stop", "args": {"name": "ce"}})["ok"] is True
     finally:
         passwd.write_bytes(before)
+
+
+def test_round3_vfio_never_hands_a_group_to_an_account_not_bcds(tmp_path: Path) -> None:
+    """ch.launch refuses a VMM uid that is another account's (`foreign-account`: a VMM never runs as
+    someone else), but ch.vfio chowned the GPU's /dev/vfio group to whatever uid of bcd's range vm.json
+    named: an account of that range that is not `bcd-vmm-<n>` got the GPU's VFIO group. Refused the
+    same way, before any driver is touched."""
+    from bcd_simhost.chapi import lay_out_instance
+    from bcd_simhost.pcisim import lay_out_pci
+
+    gpu = "0000:2a:00.0"  # the simulated nvidia-smi's GPU 1, alone in IOMMU group 11
+    uid = VMM_UID + 7
+    root = make_root(tmp_path)
+    lay_out_pci(root, [(gpu, "0x030200", 11, "nvidia")])
+    lay_out_instance(root, "vm4", NODE_UID, uid, gpus=(gpu,))
+    passwd = root / "etc/passwd"
+    with passwd.open("a") as f:
+        f.write(f"intruder:x:{uid}:{uid}::/home/intruder:/bin/sh\n")
+    h = HelperProcess(root, base_config(extra='instance_bridges = "br0"\n'))
+    try:
+        answer = _refused_as_node(h, {"op": "ch.vfio", "args": {"name": "vm4"}}, "foreign-account")
+        assert "intruder" in answer["message"]
+        assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu}/driver")) == "nvidia"
+    finally:
+        h.stop()

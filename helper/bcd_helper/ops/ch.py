@@ -429,15 +429,21 @@ def _has_account(call: Call, uid: int) -> bool:
     return any(line.split(":")[2:3] == [str(uid)] for line in passwd.splitlines())
 
 
-def _ensure_account(call: Call, op: str, uid: int) -> None:
-    """systemd 252 refuses User= without a passwd entry (217/USER): root creates the account. A uid
-    of the range held by an account that is not bcd's (`bcd-vmm-<n>`) is refused: a VMM never runs as
-    someone else."""
+def _not_foreign(call: Call, op: str, uid: int) -> str:
+    """Refuse a uid of the range that an account other than bcd's `bcd-vmm-<n>` has; /etc/passwd."""
     passwd = call.system.read_text("/etc/passwd") or ""
     for line in passwd.splitlines():
         fields = line.split(":")
         if fields[2:3] == [str(uid)] and fields[0] != vmm_user_name(uid):
             raise Refused("foreign-account", f"{op}: uid {uid} is the account {fields[0][:32]!r}, not bcd's")
+    return passwd
+
+
+def _ensure_account(call: Call, op: str, uid: int) -> None:
+    """systemd 252 refuses User= without a passwd entry (217/USER): root creates the account. A uid
+    of the range held by an account that is not bcd's (`bcd-vmm-<n>`) is refused: a VMM never runs as
+    someone else."""
+    passwd = _not_foreign(call, op, uid)
     if _has_account(call, uid):
         return
     ours = sum(1 for line in passwd.splitlines() if line.startswith("bcd-vmm-"))
@@ -690,6 +696,7 @@ def ch_vfio(call: Call, req: ChName) -> dict[str, Any]:
     rec = _read_record(call, op, name).record
     if not rec.gpus:
         return {"name": name, "groups": []}
+    _not_foreign(call, op, rec.uid)  # the groups go to that uid: a VMM's, never someone else's
     _busy_gpus(call, op, rec.gpus)
     groups = _groups_for(call, op, rec.gpus)
     running = _running_uids(call)
