@@ -523,3 +523,46 @@ def test_round3_vfio_never_hands_a_group_to_an_account_not_bcds(tmp_path: Path) 
         assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu}/driver")) == "nvidia"
     finally:
         h.stop()
+
+
+def test_round3_the_instances_ops_shown_fields_never_forge_or_bloat_an_audit_line(tmp_path: Path) -> None:
+    """Every shown field of the instances' ops (`name`, `target`, `size_bytes`, `kib`, `bridges`,
+    `paused`) carrying a forged entry after a newline, or a 4,001-digit integer, as the node: each
+    request adds exactly one ASCII line of at most 8 KiB naming the real decision, and the chain
+    verifies."""
+    from hostilekit import INJECTED, verify_audit
+
+    h = HelperProcess(make_root(tmp_path), base_config(extra='instance_bridges = "br0"\n'))
+    big = 10**4000
+    forged = "vm1" + INJECTED
+    docs: list[dict[str, Any]] = [
+        {"op": "libvirt.blockresize", "args": {"name": forged, "target": "vda", "size_bytes": 1}},
+        {"op": "libvirt.blockresize", "args": {"name": "vm1", "target": "vda" + INJECTED, "size_bytes": big}},
+        {"op": "libvirt.setmem", "args": {"name": forged, "kib": big}},
+        {"op": "libvirt.start", "args": {"name": forged, "paused": True}},
+        {"op": "libvirt.rebind", "args": {"name": forged}},
+        {"op": "libvirt.unrebind", "args": {"name": forged * 50}},
+        {"op": "libvirt.restore", "args": {"name": forged, "xml": INJECTED * 1000}},
+        {"op": "ch.taps", "args": {"name": forged, "bridges": ["br0" + INJECTED] * 16}},
+        {"op": "ch.taps", "args": {"name": "vm1", "bridges": ["br0" + INJECTED * 20] * 16}},
+        {"op": "ch.launch", "args": {"name": forged}},
+        {"op": "ch.stop", "args": {"name": forged}},
+        {"op": "nft.apply", "args": {"nics": [{"instance": forged, "index": big, "bridge": "br0"}]}},
+    ]
+    log = h.root / "var/log/bcd-helper/audit.log"
+    try:
+        for doc in docs:
+            raw_before = log.read_bytes()
+            answer = _as_node(h, doc)
+            assert answer["ok"] is False, (doc["op"], answer)
+            added = log.read_bytes()[len(raw_before) :]
+            assert added.count(b"\n") == 1 and added.isascii() and len(added) <= 8192, (doc["op"], len(added))
+            entry = json.loads(added)
+            assert (entry["op"], entry["decision"], entry["peer_uid"]) == (
+                doc["op"],
+                answer["error"],
+                NODE_UID,
+            )
+        verify_audit(h)
+    finally:
+        h.stop()
