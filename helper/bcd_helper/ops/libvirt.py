@@ -271,6 +271,8 @@ def _recheck_files(call: Call, op: str, name: str, xml: bytes) -> None:
     for d in root.findall("devices/disk"):
         src, drv, bs = d.find("source"), d.find("driver"), d.find("backingStore")
         path = src.get("file") if src is not None else None
+        if path is None and d.get("device") == "cdrom":
+            continue  # an empty drive: libvirt opens nothing
         if path is None:
             raise Refused("domain-disk", f"{op}: {name}: a disk without a file is never bcd's")
         bsrc = bs.find("source") if bs is not None else None
