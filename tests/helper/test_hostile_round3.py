@@ -566,3 +566,66 @@ def test_round3_the_instances_ops_shown_fields_never_forge_or_bloat_an_audit_lin
         verify_audit(h)
     finally:
         h.stop()
+
+
+def test_round3_a_signed_define_passes_through_only_the_spec_gpus(tmp_path: Path) -> None:
+    """With command-signing roots root compared the definition with the signed spec's instance on the
+    GPU *count* only: the spec gives vm1 GPU 3, the node's definition passes through GPU 5 (one GPU,
+    as many). Root maps each hostdev's address to its UUID (nvidia-smi, as root) and refuses any GPU
+    the spec does not name: `spec-mismatch` (GPUs)."""
+    from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_shared import wire
+    from bcd_shared.system import CommandResult
+    from bcd_simhost.gpus import gpu_uuid
+    from bcd_simhost.libvirt import IMAGE_SHA256
+    from intentkit import ControlPlane, intent
+
+    class Keep:
+        xml = b""
+
+        def read(self, *args: str) -> CommandResult:
+            return CommandResult(args, 0, b"shut off\n")
+
+        def define(self, name: str, xml: bytes, xml_path: str) -> None:
+            Keep.xml = xml
+
+        def act(self, verb: str, name: str, *args: str) -> CommandResult:
+            return CommandResult((verb,), 0)
+
+    gib, mac, url = 1 << 30, "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
+    cp = ControlPlane.build()
+    root = make_root(tmp_path)
+    cp.write_record(root, "node-r3", cp.bundle(1))
+    h = HelperProcess(root, cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'))
+    try:
+        inst = InstanceSpec(
+            id="vm1", allocation_id="a1", vcpus=2, memory_bytes=gib, disk_bytes=10 * gib,
+            image=Image(url, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", mac),), gpu_uuids=(gpu_uuid(5),),
+        )  # fmt: skip
+        system = sim_system(root)
+        out = system.run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"]).stdout
+        bus = {u.strip(): b.strip() for u, b in (line.split(",") for line in out.decode().splitlines())}
+        domain, _, rest = bus[gpu_uuid(5)].partition(":")
+        address = f"{domain[-4:]}:{rest}".lower()
+        LibvirtRuntime(system, Keep(), DATA, under_helper=True).create(inst, Prepared((address,)))
+        assert b"<hostdev" in Keep.xml
+
+        def signed(generation: int, gpu: str) -> dict[str, Any]:
+            vm1 = wire.InstanceSpec(
+                id="vm1", allocation_id="a1", runtime="libvirt-kvm",
+                desired_state=wire.InstanceDesiredState(1),
+                size=wire.InstanceSize(vcpus=2, memory_bytes=gib, disk_bytes=10 * gib),
+                image=wire.ImageRef(url=url, sha256=IMAGE_SHA256, format="qcow2"),
+                nics=[wire.Nic(bridge="br0", mac=mac)], gpu_uuids=[gpu],
+            )  # fmt: skip
+            full = wire.NodeSpec(instances=wire.InstancesSection(instances=[vm1]))
+            body = wire.DesiredStateBody(node_id="node-r3", generation=generation, spec_hash="h", full=full)
+            args = {"name": "vm1", "xml": Keep.xml.decode(), "intent": intent(cp.command.leaf(), bytes(body))}
+            return {"op": "libvirt.define", "args": args}
+
+        _refused_as_node(h, signed(1, gpu_uuid(3)), "spec-mismatch", "GPUs")
+        answer = _as_node(h, signed(1, gpu_uuid(5)))
+        assert answer["ok"] is True, answer
+    finally:
+        h.stop()

@@ -10,8 +10,9 @@ Every request names an instance by id (bcd_shared.instancenames: the domain's na
   another UUID. The XML is staged in root's
   directory `/var/lib/bcd-hostconfig/libvirt/` and given to `virsh define --validate`.
 - with command-signing roots (bcd_helper.intent), define and start are re-validated against the
-  signed spec's instance: named and not DELETED, the same vCPUs, memory, NICs (bridge and MAC), GPU
-  count and image digest (DLV-HLP, "root re-validates each define or start").
+  signed spec's instance: named and not DELETED, the same vCPUs, memory, NICs (bridge and MAC), GPUs
+  (each hostdev's UUID by root's nvidia-smi) and image digest (DLV-HLP, "root re-validates each define
+  or start").
 - every other verb acts only on a domain root sees is bcd's; `restore` refuses a request without a
   definition before anything runs (DLV-HLP-08), checks it like a define and as the requested domain's
   (DLV-HLP-09), stages it and always passes `--xml` (DLV-HLP-10); its state file must be the
@@ -196,7 +197,9 @@ def _signed(
             mismatch.append("memory")
         if [(b, m) for b, m, _t in checked.nics] != nics:
             mismatch.append("NICs")
-        if len(checked.hostdevs) != len(inst.gpu_uuids):
+        if len(checked.hostdevs) != len(inst.gpu_uuids) or _gpu_uuids(call, checked.hostdevs) != sorted(
+            inst.gpu_uuids
+        ):
             mismatch.append("GPUs")
         if checked.metadata.get("image", "") != image:
             mismatch.append("image")
@@ -207,6 +210,24 @@ def _signed(
             )
     if state is not None:
         verifier.save_state(state)
+
+
+def _gpu_uuids(call: Call, addresses: tuple[str, ...]) -> list[str]:
+    """The UUIDs of the GPUs at `addresses` (sysfs form) as root's nvidia-smi names them, sorted: the
+    signed spec names GPUs by UUID, so a definition passes through the spec's GPUs, not just as many."""
+    if not addresses:
+        return []
+    result = call.system.run(
+        ["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"], timeout=60
+    )
+    if not result.ok:
+        raise Failed("nvidia-smi", f"cannot list GPUs: {result.describe()}")
+    by_address = {}
+    for line in result.stdout.decode(errors="replace").splitlines():
+        uuid, _, bus = (f.strip() for f in line.partition(","))
+        domain, _, rest = bus.partition(":")
+        by_address[f"{domain[-4:]}:{rest}".lower()] = uuid
+    return sorted(by_address.get(a, f"(no GPU at {a})") for a in addresses)
 
 
 def _stage_room(call: Call, op: str, name: str) -> None:
@@ -346,9 +367,16 @@ def _checked_running(call: Call, op: str, name: str, xml: bytes) -> CheckedDomai
         )
         for i in root.findall("devices/interface")
     )
-    hostdevs = tuple("" for _ in root.findall("devices/hostdev"))
+    hostdevs = []
+    for a in root.findall("devices/hostdev/source/address"):
+        try:
+            parts = [int(a.get(k, ""), 16) for k in ("domain", "bus", "slot", "function")]
+        except ValueError:
+            hostdevs.append("")
+            continue
+        hostdevs.append("{:04x}:{:02x}:{:02x}.{:x}".format(*parts))
     meta = {c.tag[len(NS) :]: c.text or "" for c in root.findall(f"metadata/{NS}instance/*")}
-    return CheckedDomain(name, root.get("type", ""), vcpus, mem, (), nics, hostdevs, meta)
+    return CheckedDomain(name, root.get("type", ""), vcpus, mem, (), nics, tuple(hostdevs), meta)
 
 
 def _simple(verb: str) -> Any:
