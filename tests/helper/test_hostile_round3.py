@@ -629,3 +629,48 @@ def test_round3_a_signed_define_passes_through_only_the_spec_gpus(tmp_path: Path
         assert answer["ok"] is True, answer
     finally:
         h.stop()
+
+
+def test_round3_a_signed_launch_passes_through_only_the_spec_gpus() -> None:
+    """As for libvirt: with roots ch.launch compared vm.json's GPUs with the signed spec's by count. The
+    spec gives vm5 GPU 0; vm.json names GPU 1's address. Refused `spec-mismatch` (GPUs); the spec's own
+    GPU launches."""
+    from bcd_shared import wire
+    from bcd_simhost.chapi import CH_BASE_SHA256, lay_out_instance
+    from intentkit import ControlPlane, intent
+
+    cp = ControlPlane.build()
+    parent = Path(tempfile.mkdtemp(prefix="bcd-r3-", dir="/var/tmp"))  # short: the VMM's socket paths
+    root = make_root(parent)
+    cp.write_record(root, "node-r3", cp.bundle(1))
+    lay_out_instance(root, "vm5", NODE_UID, VMM_UID + 5, gpus=("0000:2a:00.0",))
+    h = HelperProcess(root, cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'))
+    try:
+        out = sim_system(root).run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"])
+        by_bus = {
+            b.strip()[-12:].lower(): u.strip()
+            for u, b in (x.split(",") for x in out.stdout.decode().splitlines())
+        }
+
+        def launch(generation: int, gpu: str) -> dict[str, Any]:
+            vm5 = wire.InstanceSpec(
+                id="vm5", allocation_id="alloc-vm5", runtime="cloud-hypervisor",
+                desired_state=wire.InstanceDesiredState(1),
+                size=wire.InstanceSize(vcpus=2, memory_bytes=1 << 30, disk_bytes=10 << 30),
+                image=wire.ImageRef(url="https://x.invalid/x.qcow2", sha256=CH_BASE_SHA256, format="qcow2"),
+                nics=[wire.Nic(bridge="br0", mac="52:54:00:00:00:01")], gpu_uuids=[gpu],
+            )  # fmt: skip
+            full = wire.NodeSpec(instances=wire.InstancesSection(instances=[vm5]))
+            body = wire.DesiredStateBody(node_id="node-r3", generation=generation, spec_hash="h", full=full)
+            return {
+                "op": "ch.launch",
+                "args": {"name": "vm5", "intent": intent(cp.command.leaf(), bytes(body))},
+            }
+
+        _refused_as_node(h, launch(1, by_bus["0000:18:00.0"]), "spec-mismatch", "GPUs")
+        answer = _as_node(h, launch(1, by_bus["0000:2a:00.0"]))
+        assert answer["ok"] is True, answer
+        assert _as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True
+    finally:
+        h.stop()
+        shutil.rmtree(parent, ignore_errors=True)

@@ -398,8 +398,10 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
             mismatch.append("memory")
         if [(n.bridge, n.mac) for n in rec.nics] != [(n.bridge, n.mac) for n in inst.nics]:
             mismatch.append("NICs")
-        if len(rec.gpus) != len(inst.gpu_uuids):
-            mismatch.append("GPUs")
+        from bcd_helper.ops.libvirt import gpu_uuids_at
+
+        if len(rec.gpus) != len(inst.gpu_uuids) or gpu_uuids_at(call, rec.gpus) != sorted(inst.gpu_uuids):
+            mismatch.append("GPUs")  # the spec's GPUs by UUID, not just as many
         image = inst.image.sha256 if inst.image is not None else None
         if not rec.restored and rec.image_sha256 != image:
             mismatch.append("image")

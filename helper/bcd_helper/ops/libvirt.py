@@ -197,7 +197,7 @@ def _signed(
             mismatch.append("memory")
         if [(b, m) for b, m, _t in checked.nics] != nics:
             mismatch.append("NICs")
-        if len(checked.hostdevs) != len(inst.gpu_uuids) or _gpu_uuids(call, checked.hostdevs) != sorted(
+        if len(checked.hostdevs) != len(inst.gpu_uuids) or gpu_uuids_at(call, checked.hostdevs) != sorted(
             inst.gpu_uuids
         ):
             mismatch.append("GPUs")
@@ -212,7 +212,7 @@ def _signed(
         verifier.save_state(state)
 
 
-def _gpu_uuids(call: Call, addresses: tuple[str, ...]) -> list[str]:
+def gpu_uuids_at(call: Call, addresses: tuple[str, ...]) -> list[str]:
     """The UUIDs of the GPUs at `addresses` (sysfs form) as root's nvidia-smi names them, sorted: the
     signed spec names GPUs by UUID, so a definition passes through the spec's GPUs, not just as many."""
     if not addresses:
