@@ -126,6 +126,8 @@ def parse_record(data: bytes) -> CHRecord:
         doc = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:
         raise RecordError(f"vm.json: not JSON: {exc}") from None
+    except RecursionError:  # the node's file: json's decoder stops at the interpreter's recursion limit
+        raise RecordError("vm.json: nested too deeply") from None
     doc = _obj(doc, "vm.json", _FIELDS)
     if doc["v"] != VERSION:
         raise RecordError(f"vm.json.v: must be {VERSION}")

@@ -33,6 +33,7 @@ the server audits it with that name. Rules:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import stat
@@ -65,6 +66,13 @@ DISK = "disk.qcow2"
 SEED = "seed.iso"
 RECORD = "vm.json"
 RECORD_MAX = 1 << 20  # bcd_shared.chrecord.MAX_BYTES
+# Entries root scans (and grants ACL entries on) in an instance directory: the node's runtime leaves a
+# handful (vm.json, the disk, the seed, the VMM's sockets); a bound keeps root's time under the locks
+# bounded whatever the node puts there.
+MAX_ENTRIES = 256
+# VMM accounts root creates and keeps (the node reuses the lowest free uid, one per instance it runs):
+# a node naming a new uid at every launch would otherwise fill /etc/passwd and /etc/group.
+MAX_VMM_ACCOUNTS = 1024
 
 
 @frozen
@@ -158,14 +166,28 @@ def ch_taps(call: Call, req: ChTaps) -> dict[str, Any]:
             )
     if _with_roots(call, req.intent):
         _signed_nics(call, op, name, req.intent, list(req.bridges))
-    cfg = call.ctx.config
     taps = [tap_name(name, i) for i in range(len(req.bridges))]
     existing = {t: _link(call, t) for t in taps}
     for tap, link in existing.items():
         if link is not None and not _is_tap(link):
             raise Refused("not-a-tap", f"{op}: {tap} exists and is not a tap: it is never touched")
-    created = []
-    for tap, br in zip(taps, req.bridges, strict=True):
+    created: list[str] = []
+    try:
+        _make_taps(call, taps, req.bridges, existing, created)
+    except Failed:
+        # Nothing half-applied: the taps this call created go again (best effort; the failure is answered).
+        for tap in created:
+            with contextlib.suppress(Failed):
+                call.system.run(["ip", "link", "delete", "dev", tap], timeout=30)
+        raise
+    return {"name": name, "taps": taps, "created": created}
+
+
+def _make_taps(
+    call: Call, taps: list[str], bridges: tuple[str, ...], existing: dict[str, Any], created: list[str]
+) -> None:
+    cfg = call.ctx.config
+    for tap, br in zip(taps, bridges, strict=True):
         if existing[tap] is None:
             result = call.system.run(
                 [
@@ -189,7 +211,6 @@ def ch_taps(call: Call, req: ChTaps) -> dict[str, Any]:
         result = call.system.run(["ip", "link", "set", "dev", tap, "master", br, "up"], timeout=30)
         if not result.ok:
             raise Failed("ip", f"ip link set {tap} master {br}: {_err(result)}")
-    return {"name": name, "taps": taps, "created": created}
 
 
 def ch_untaps(call: Call, req: ChName) -> dict[str, Any]:
@@ -229,6 +250,15 @@ def _open_dir_chain(base: Path, parts: list[str], op: str) -> int:
     return fd
 
 
+def _entries(dfd: int, op: str, inst: str) -> list[os.DirEntry[str]]:
+    """The directory's entries, refused past MAX_ENTRIES before any is acted on."""
+    with os.scandir(dfd) as it:
+        entries = list(itertools.islice(it, MAX_ENTRIES + 1))
+    if len(entries) > MAX_ENTRIES:
+        raise Refused("bad-layout", f"{op}: {inst} holds more than {MAX_ENTRIES} entries")
+    return entries
+
+
 def _open_node_file(dir_fd: int, name: str, op: str, uid: int, shown: str) -> tuple[int, os.stat_result]:
     try:
         fd = os.open(name, os.O_RDONLY | _NOFOLLOW, dir_fd=dir_fd)
@@ -260,7 +290,7 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
         st = os.fstat(dfd)
         if st.st_uid != cfg.node_uid:
             raise Refused("bad-layout", f"{op}: {inst} must be the node's directory")
-        for entry in os.scandir(dfd):
+        for entry in _entries(dfd, op, inst):
             if entry.is_symlink():
                 raise Refused(
                     "symlink", f"{op}: {inst}/{entry.name} is a symlink: none may be in the directory"
@@ -368,8 +398,10 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
             mismatch.append("memory")
         if [(n.bridge, n.mac) for n in rec.nics] != [(n.bridge, n.mac) for n in inst.nics]:
             mismatch.append("NICs")
-        if len(rec.gpus) != len(inst.gpu_uuids):
-            mismatch.append("GPUs")
+        from bcd_helper.ops.libvirt import gpu_uuids_at
+
+        if len(rec.gpus) != len(inst.gpu_uuids) or gpu_uuids_at(call, rec.gpus) != sorted(inst.gpu_uuids):
+            mismatch.append("GPUs")  # the spec's GPUs by UUID, not just as many
         image = inst.image.sha256 if inst.image is not None else None
         if not rec.restored and rec.image_sha256 != image:
             mismatch.append("image")
@@ -399,17 +431,28 @@ def _has_account(call: Call, uid: int) -> bool:
     return any(line.split(":")[2:3] == [str(uid)] for line in passwd.splitlines())
 
 
-def _ensure_account(call: Call, op: str, uid: int) -> None:
-    """systemd 252 refuses User= without a passwd entry (217/USER): root creates the account. A uid
-    of the range held by an account that is not bcd's (`bcd-vmm-<n>`) is refused: a VMM never runs as
-    someone else."""
+def _not_foreign(call: Call, op: str, uid: int) -> str:
+    """Refuse a uid of the range that an account other than bcd's `bcd-vmm-<n>` has; /etc/passwd."""
     passwd = call.system.read_text("/etc/passwd") or ""
     for line in passwd.splitlines():
         fields = line.split(":")
         if fields[2:3] == [str(uid)] and fields[0] != vmm_user_name(uid):
             raise Refused("foreign-account", f"{op}: uid {uid} is the account {fields[0][:32]!r}, not bcd's")
+    return passwd
+
+
+def _ensure_account(call: Call, op: str, uid: int) -> None:
+    """systemd 252 refuses User= without a passwd entry (217/USER): root creates the account. A uid
+    of the range held by an account that is not bcd's (`bcd-vmm-<n>`) is refused: a VMM never runs as
+    someone else."""
+    passwd = _not_foreign(call, op, uid)
     if _has_account(call, uid):
         return
+    ours = sum(1 for line in passwd.splitlines() if line.startswith("bcd-vmm-"))
+    if ours >= MAX_VMM_ACCOUNTS:
+        raise Refused(
+            "too-many-accounts", f"{op}: {ours} VMM accounts exist, at most {MAX_VMM_ACCOUNTS}: reuse a uid"
+        )
     for argv in account_add_argv(uid):
         result = call.system.run(argv, timeout=60)
         if not result.ok and "already exists" not in _err(result):
@@ -427,6 +470,7 @@ def _acl_instance(call: Call, checked: Checked, uid: int, grant: bool) -> None:
     try:
         if os.fstat(dfd).st_uid != cfg.node_uid:
             raise Refused("bad-layout", f"{inst} must be the node's directory")
+        entries = _entries(dfd, "acl", inst)
         if grant:
             posixacl.set_user(dfd, uid, 0o7, default=True)
             # What the VMM creates there (api.sock, serial.sock) stays reachable by the node, which
@@ -434,7 +478,7 @@ def _acl_instance(call: Call, checked: Checked, uid: int, grant: bool) -> None:
             posixacl.set_user(dfd, cfg.node_uid, 0o7, default=True, access=False)
         else:
             posixacl.remove_user(dfd, uid)
-        for entry in os.scandir(dfd):
+        for entry in entries:
             if entry.name == RECORD:
                 continue  # the record is the node's and root's: the VMM never needs it
             try:
@@ -542,7 +586,9 @@ def ch_stop(call: Call, req: ChName) -> dict[str, Any]:
             uid = None
     groups: list[str] = []
     if uid is not None and active in ("inactive", "failed"):
-        groups = give_back_owned(call, op, uid)
+        # The uid may be the record's (the node's word): a uid a running unit has keeps its groups.
+        if uid not in _running_uids(call):
+            groups = give_back_owned(call, op, uid)
         # a directory already removed has no entries left to remove
         with contextlib.suppress(Refused, OSError):
             _acl_instance(call, _read_record(call, op, name), uid, grant=False)
@@ -652,6 +698,7 @@ def ch_vfio(call: Call, req: ChName) -> dict[str, Any]:
     rec = _read_record(call, op, name).record
     if not rec.gpus:
         return {"name": name, "groups": []}
+    _not_foreign(call, op, rec.uid)  # the groups go to that uid: a VMM's, never someone else's
     _busy_gpus(call, op, rec.gpus)
     groups = _groups_for(call, op, rec.gpus)
     running = _running_uids(call)

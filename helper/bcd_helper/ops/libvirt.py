@@ -10,8 +10,9 @@ Every request names an instance by id (bcd_shared.instancenames: the domain's na
   another UUID. The XML is staged in root's
   directory `/var/lib/bcd-hostconfig/libvirt/` and given to `virsh define --validate`.
 - with command-signing roots (bcd_helper.intent), define and start are re-validated against the
-  signed spec's instance: named and not DELETED, the same vCPUs, memory, NICs (bridge and MAC), GPU
-  count and image digest (DLV-HLP, "root re-validates each define or start").
+  signed spec's instance: named and not DELETED, the same vCPUs, memory, NICs (bridge and MAC), GPUs
+  (each hostdev's UUID by root's nvidia-smi) and image digest (DLV-HLP, "root re-validates each define
+  or start").
 - every other verb acts only on a domain root sees is bcd's; `restore` refuses a request without a
   definition before anything runs (DLV-HLP-08), checks it like a define and as the requested domain's
   (DLV-HLP-09), stages it and always passes `--xml` (DLV-HLP-10); its state file must be the
@@ -46,6 +47,9 @@ from bcd_helper.ops.base import Call, Failed, Refused, refused_path
 from bcd_helper.ops.hostunit import SignedIntent
 
 STAGE_DIR = "/var/lib/bcd-hostconfig/libvirt"
+# Definitions root keeps staged (one per defined domain, up to MAX_XML each): without signing roots the
+# node names the domains, so their number is bounded here (256 MiB at most in root's directory).
+MAX_STAGED = 1024
 MAX_VIRTUAL_SIZE = 64 << 40
 _PTY = re.compile(r"^/dev/pts/[0-9]{1,6}$")
 _TARGET = re.compile(r"^vd[a-z]{1,2}$")
@@ -204,7 +208,9 @@ def _signed(
             mismatch.append("memory")
         if [(b, m) for b, m, _t in checked.nics] != nics:
             mismatch.append("NICs")
-        if len(checked.hostdevs) != len(inst.gpu_uuids):
+        if len(checked.hostdevs) != len(inst.gpu_uuids) or gpu_uuids_at(call, checked.hostdevs) != sorted(
+            inst.gpu_uuids
+        ):
             mismatch.append("GPUs")
         if checked.metadata.get("image", "") != image:
             mismatch.append("image")
@@ -215,6 +221,34 @@ def _signed(
             )
     if state is not None:
         verifier.save_state(state)
+
+
+def gpu_uuids_at(call: Call, addresses: tuple[str, ...]) -> list[str]:
+    """The UUIDs of the GPUs at `addresses` (sysfs form) as root's nvidia-smi names them, sorted: the
+    signed spec names GPUs by UUID, so a definition passes through the spec's GPUs, not just as many."""
+    if not addresses:
+        return []
+    result = call.system.run(
+        ["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"], timeout=60
+    )
+    if not result.ok:
+        raise Failed("nvidia-smi", f"cannot list GPUs: {result.describe()}")
+    by_address = {}
+    for line in result.stdout.decode(errors="replace").splitlines():
+        uuid, _, bus = (f.strip() for f in line.partition(","))
+        domain, _, rest = bus.partition(":")
+        by_address[f"{domain[-4:]}:{rest}".lower()] = uuid
+    return sorted(by_address.get(a, f"(no GPU at {a})") for a in addresses)
+
+
+def _stage_room(call: Call, op: str, name: str) -> None:
+    """A new name is staged only while fewer than MAX_STAGED definitions are (`too-many-files`)."""
+    try:
+        staged = os.listdir(call.system.host_path(STAGE_DIR))
+    except FileNotFoundError:
+        return
+    if f"{name}.xml" not in staged and len(staged) >= MAX_STAGED:
+        raise Refused("too-many-files", f"{op}: root keeps at most {MAX_STAGED} definitions in {STAGE_DIR}")
 
 
 def _stage(call: Call, name: str, data: bytes) -> str:
@@ -229,6 +263,7 @@ def _stage(call: Call, name: str, data: bytes) -> str:
 def libvirt_define(call: Call, req: LibvirtDefine) -> dict[str, Any]:
     op = "libvirt.define"
     name = _name(op, req.name)
+    _stage_room(call, op, name)
     # The definition carries bcd's UUID for the name (domaincheck): libvirt refuses it over a domain
     # bcd did not create ("already exists with uuid"), atomically; no dumpxml of root's is needed.
     checked, data = check_definition(call, op, name, req.xml)
@@ -244,6 +279,7 @@ def libvirt_start(call: Call, req: LibvirtStart) -> dict[str, Any]:
     op = "libvirt.start"
     name = _name(op, req.name)
     xml = _managed(call, op, name)
+    _recheck_files(call, op, name, xml)
     checked = None
     if req.intent is not None or call.ctx.config.command_root_sha256:
         checked = _checked_running(call, op, name, xml)
@@ -253,6 +289,45 @@ def libvirt_start(call: Call, req: LibvirtStart) -> dict[str, Any]:
     if not result.ok:
         raise Failed("virsh", f"virsh start {name}: {_err(result)}")
     return {"name": name, "paused": req.paused}
+
+
+def _recheck_files(call: Call, op: str, name: str, xml: bytes) -> None:
+    """The node owns the instance directory: a disk checked at define can be a symlink or a hard link by
+    the start, and libvirt would open (and chown) what it names. Root's own definition's files are checked
+    again with host_check (no symlink from data_dir, regular, one link); a qcow2 disk whose chain the
+    definition names explicitly is checked against it too (red team round 3)."""
+    from bcd_shared.domaincheck import Disk
+
+    root = ET.fromstring(xml)  # noqa: S314 (root's own libvirt output)
+    disks = []
+    for d in root.findall("devices/disk"):
+        src, drv, bs = d.find("source"), d.find("driver"), d.find("backingStore")
+        path = src.get("file") if src is not None else None
+        if path is None and d.get("device") == "cdrom":
+            continue  # an empty drive: libvirt opens nothing
+        if path is None:
+            raise Refused("domain-disk", f"{op}: {name}: a disk without a file is never bcd's")
+        bsrc = bs.find("source") if bs is not None else None
+        bfmt = bs.find("format") if bs is not None else None
+        backing = bsrc.get("file") if bsrc is not None else None
+        fmt = drv.get("type", "") if drv is not None else ""
+        disks.append(
+            Disk(
+                path,
+                d.get("device", "disk"),
+                fmt if backing is not None else "",  # the header checked where the chain is named
+                d.find("readonly") is not None,
+                backing,
+                bfmt.get("type") if bfmt is not None else None,
+            )
+        )
+    kernel = tuple(p for p in (root.findtext("os/kernel"), root.findtext("os/initrd")) if p)
+    checked = CheckedDomain(name, root.get("type", ""), 0, 0, tuple(disks), (), (), {}, kernel)
+    host = call.system.host_path
+    try:
+        host_check(checked, policy(call, name, False), lambda p: str(host(p)), MAX_VIRTUAL_SIZE)
+    except DomainRefused as exc:
+        raise Refused(f"domain-{exc.reason}", f"{op}: {name}: {exc.message}") from None
 
 
 def _gpus_free(call: Call, op: str, name: str, xml: bytes) -> None:
@@ -303,9 +378,16 @@ def _checked_running(call: Call, op: str, name: str, xml: bytes) -> CheckedDomai
         )
         for i in root.findall("devices/interface")
     )
-    hostdevs = tuple("" for _ in root.findall("devices/hostdev"))
+    hostdevs = []
+    for a in root.findall("devices/hostdev/source/address"):
+        try:
+            parts = [int(a.get(k, ""), 16) for k in ("domain", "bus", "slot", "function")]
+        except ValueError:
+            hostdevs.append("")
+            continue
+        hostdevs.append("{:04x}:{:02x}:{:02x}.{:x}".format(*parts))
     meta = {c.tag[len(NS) :]: c.text or "" for c in root.findall(f"metadata/{NS}instance/*")}
-    return CheckedDomain(name, root.get("type", ""), vcpus, mem, (), nics, hostdevs, meta)
+    return CheckedDomain(name, root.get("type", ""), vcpus, mem, (), nics, tuple(hostdevs), meta)
 
 
 def _simple(verb: str) -> Any:
@@ -367,12 +449,24 @@ def libvirt_setmem(call: Call, req: LibvirtSetmem) -> dict[str, Any]:
 def _rebind_disk(call: Call, op: str, name: str) -> str:
     """Root's own check of the rebind disk: `<instance dir>/rebind.img`, reached without a symlink from
     data_dir, a regular file with one link and exactly 1 MiB (bcd_shared.rebinddisk)."""
-    import stat
-
     from bcd_shared.rebinddisk import REBIND_FILE, REBIND_SIZE
 
+    real, st = _instance_file(call, op, name, REBIND_FILE, "no-rebind-disk", "rebind-disk")
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != REBIND_SIZE:
+        path = f"{instance_dir(call.ctx.config.data_dir, name)}/{REBIND_FILE}"
+        raise Refused(
+            "rebind-disk", f"{op}: {path} must be a regular file of {REBIND_SIZE} bytes with one link"
+        )
+    return real
+
+
+def _instance_file(
+    call: Call, op: str, name: str, file: str, missing: str, reason: str
+) -> tuple[str, os.stat_result]:
+    """`<instance dir>/<file>` reached with no symlink from data_dir (lstat each step, as host_check):
+    its host path and lstat."""
     data_dir = call.ctx.config.data_dir.rstrip("/") or "/"
-    path = f"{instance_dir(data_dir, name)}/{REBIND_FILE}"
+    path = f"{instance_dir(data_dir, name)}/{file}"
     top = str(call.system.host_path(data_dir))
     real = str(call.system.host_path(path))
     cur = top
@@ -381,14 +475,10 @@ def _rebind_disk(call: Call, op: str, name: str) -> str:
         try:
             st = os.lstat(cur)
         except FileNotFoundError:
-            raise Refused("no-rebind-disk", f"{op}: {path} does not exist") from None
+            raise Refused(missing, f"{op}: {path} does not exist") from None
         if stat.S_ISLNK(st.st_mode):
-            raise Refused("rebind-disk", f"{op}: {path}: a symlink on the way ({part})")
-    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != REBIND_SIZE:
-        raise Refused(
-            "rebind-disk", f"{op}: {path} must be a regular file of {REBIND_SIZE} bytes with one link"
-        )
-    return real
+            raise Refused(reason, f"{op}: {path}: a symlink on the way ({part})")
+    return real, st
 
 
 def libvirt_attach_rebind(call: Call, req: LibvirtRebind) -> dict[str, Any]:
@@ -432,12 +522,14 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
         raise Refused(
             "no-definition", f"{op}: a restore needs the domain's definition (never the state file's)"
         )
+    _stage_room(call, op, name)
     checked, data = check_definition(call, op, name, req.xml)
+    _gpus_free(call, op, name, data)  # a restore passes its GPUs through as a start does (DLV-DEV-21)
     _signed(call, op, name, req.intent, checked)
+    real, st = _instance_file(call, op, name, "save.state", "no-state", "no-state")
     state = f"{instance_dir(call.ctx.config.data_dir, name)}/save.state"
-    real = str(call.system.host_path(state))
-    if not os.path.isfile(real) or os.path.islink(real):
-        raise Refused("no-state", f"{op}: {state} is not a regular file")
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link: a file the node did not write
+        raise Refused("no-state", f"{op}: {state} must be a regular file with one link")
     _check_state_header(op, state, real)
     staged = _stage(call, name, data)
     result = _virsh(call, "restore", real, "--xml", staged, *(["--paused"] if req.paused else []))
@@ -591,4 +683,15 @@ def libvirt_console(call: Call, req: LibvirtName) -> dict[str, Any]:
         fd = os.open(call.system.host_path(path), os.O_RDWR | os.O_NOCTTY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as exc:
         raise Failed("no-console", f"{op}: {path}: {exc.strerror}") from None
+    # The kernel reuses pty numbers: had the domain gone between dumpxml and the open, another login's
+    # terminal may be that number now. Root's view after the open must name the same pty on the same
+    # run of the domain (libvirt's `id`), else the descriptor is closed, never handed out.
+    try:
+        again = ET.fromstring(_managed(call, op, name))  # noqa: S314 (root's own libvirt output)
+        src = again.find("devices/serial/source")
+        if (src.get("path", "") if src is not None else "") != path or again.get("id") != root.get("id"):
+            raise Failed("no-console", f"{op}: domain {name}'s console changed while root opened it")
+    except BaseException:
+        os.close(fd)
+        raise
     return {"name": name, "pty": path, "_fd": fd}
