@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -51,6 +52,10 @@ def node() -> Iterator[tuple[RealNode, InstancesSection]]:
         yield n, sec
     finally:
         n.close()
+
+
+# A libvirt save image header root accepts (magic, version 2, a 4 KiB data area; was-running), then the data.
+_SAVE_IMAGE = struct.pack("<16s5I56x", b"LibvirtQemudSave", 2, 4096, 1, 0, 0) + b"\0" * 4096
 
 
 def _inst(n: RealNode, name: str) -> Path:
@@ -102,7 +107,7 @@ def test_round3_a_restore_never_takes_a_gpu_a_hold_has_dlv_dev_21(
     out = converge(sec, spec(*both, generation=2))
     assert out.state is SectionState.CONVERGED, out.message
     xml = (_inst(n, "gv") / "domain.xml").read_text()
-    (_inst(n, "gv") / "save.state").write_bytes(b"LibvirtQemudSave" + b"\0" * 76)
+    (_inst(n, "gv") / "save.state").write_bytes(_SAVE_IMAGE)
     hold = cdi.build_hold_spec(
         allocation_id="alloc_r3",
         reservation_id="r",
@@ -134,7 +139,7 @@ def test_round3_the_saved_state_is_reached_as_the_disks_are(node: tuple[RealNode
     inst = _inst(n, "sw")
     xml = (inst / "domain.xml").read_text()
     state = inst / "save.state"
-    state.write_bytes(b"LibvirtQemudSave" + b"\0" * 76)
+    state.write_bytes(_SAVE_IMAGE)
     other = n.root / "var/other.state"
     os.link(state, other)
     restore = {"op": "libvirt.restore", "args": {"name": "sw", "xml": xml}}
