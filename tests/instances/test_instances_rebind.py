@@ -291,3 +291,53 @@ def test_a_failed_attach_counts_as_a_try_and_leaves_no_file(tmp_path: Path) -> N
     clock.t += RETRY_MS / 1000
     (system.host_path(STATE) / "a.attached").unlink()
     assert sec.rebind_tick(desired) == [("a", "rebound")]
+
+
+class _PluginRuntime:
+    """A bcx runtime plugin's shape (list, apply, remove over Invoke): no rebind methods."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("rebind"):
+            raise AttributeError(name)
+        return lambda *a, **k: self.calls.append(name)
+
+
+class _RebindRecorder:
+    def __init__(self) -> None:
+        self.attached: list[str] = []
+
+    def rebind_attach(self, name: str, image: bytes) -> None:
+        self.attached.append(name)
+
+    def rebind_answer(self, name: str, size: int = 4096) -> bytes:
+        return b""
+
+    def rebind_detach(self, name: str) -> None:
+        pass
+
+
+def test_a_plugin_runtime_is_never_rebound_nor_reported_dlv_reb_20(tmp_path: Path) -> None:
+    """DLV-REB-20: an instance of a runtime without the rebind methods (a bcx plugin's shape) carrying
+    `identity_rebind_ref` gets no rebind job, no bundle is fetched for it, nothing is called on the
+    plugin, and no `identity_rebound_ref` is recorded for it; a libvirt-kvm instance beside it is
+    rebound (a compliant guest here)."""
+    plugin = _PluginRuntime()
+    kvm = _RebindRecorder()
+    source = FixedUserData({"k1": UserData(data=b'{"v":1,"account":"t","principals":["p"]}')})
+    rb = Rebinder(
+        sim_host(tmp_path), DATA_DIR, {"libvirt-kvm": kvm, "bcx:sandbox": plugin}, source,
+        wait_s=0.0, clock=lambda: 1000.0, sleep=lambda _s: None,
+    )  # fmt: skip
+    assert rb.rebinders == frozenset({"libvirt-kvm"})
+    s = spec(vm("p1", runtime="bcx:sandbox", identity_rebind_ref="r1"), vm("k1", identity_rebind_ref="r1"))
+    doms = [Domain("p1", "bcx:sandbox", "running", True), Domain("k1", "libvirt-kvm", "running", True)]
+    jobs, _ = plan_rebinds(s, doms, RebindState(), 0, rb.rebinders)
+    assert [j.instance_id for j in jobs] == ["k1"]
+    outcomes = dict(rb.tick(s, doms))
+    assert list(outcomes) == ["k1"] and kvm.attached == ["k1"]
+    assert [a[0] for a in source.asked] == ["k1"]
+    assert plugin.calls == []
+    assert "p1" not in rb.rebound() and "p1" not in rb.state.attempts
