@@ -290,7 +290,7 @@ def test_the_rebinder_drives_ch_add_disk_and_remove_device_dlv_reb_02_07_11_12_1
     recorded = json.loads(w.system.host_path(f"{DATA}/instances-rebound.json").read_text())
     assert recorded["rebound"] == {"a": "ref-1"}
     assert w.sec.rebind_tick(desired) == []  # plan again: nothing
-    assert requests(vmm)[-1] == "vm.remove-device"
+    assert requests(vmm)[-1] == "vm.remove-device" and w.sec.plan(desired, 1).steps == ()
     converge(w.sec, desired)
     assert w.sec.last_report.instances[0].identity_rebound_ref == "ref-1"
     assert Rebinder(w.system, DATA, w.sec.runtimes, w.source).rebound() == {"a": "ref-1"}  # a restart
@@ -353,6 +353,7 @@ def test_the_balloon_controller_over_ch_resizes_and_leaves_a_vm_without_balloon_
     assert "vm.resize" not in requests(w.rec.vmms["b2"])
     assert w.sec.balloons.lent == {"b1": 0}
     assert w.sec.balloon_tick(desired) == ()  # plan again: nothing
+    assert w.sec.plan(desired, 1).steps == ()  # the section's plan is untouched by the balloons
     assert [r[0] for r in w.rec.vmms["b1"].requests].count("vm.resize") == 2  # bcd's set, the tick's
     stopped = spec(chvm("b1", w.image, nics=(), desired=Desired.STOPPED), generation=2)
     in_netns(lambda: converge(w.sec, stopped))
