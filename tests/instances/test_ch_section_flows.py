@@ -323,6 +323,9 @@ def test_a_silent_ch_guest_is_detached_zeroed_and_retried_dlv_reb_10_12_16(world
     assert seen == [b"\0" * REBIND_SIZE] and not path.exists()
     assert [d["id"] for d in vmm.disks] == ["disk0"]  # the rebind disk gone
     assert w.sec.rebind_tick(desired) == []  # not before 5 minutes
+    converge(w.sec, desired)
+    assert w.sec.last_report.instances[0].identity_rebound_ref == ""  # nothing reported
+    assert w.sec.rebinder.state.attempts["s"].tries == 1
     w.clock.t += RETRY_MS / 1000
     vmm.guest_rebind = True
     assert w.sec.rebind_tick(desired) == [("s", "rebound")]
