@@ -15,7 +15,10 @@ client and the bench talk to this one. It follows the VMM where bcd depends on i
 - the states Created, Running, Paused, Shutdown; a snapshot only while Paused, writing `config.json`,
   `state.json` and `memory-ranges` into the destination directory; a restore only before a create.
 
-`guest_acpi` says whether the simulated guest honours the ACPI power button (it then shuts down).
+`guest_acpi` says whether the simulated guest honours the ACPI power button (it then shuts down);
+`guest_rebind` whether it answers an identity-rebind disk (serial `bc-rebind`) hot-added by
+`vm.add-disk`: it reads the disk's tar and writes `BCREBOUND <nonce>` into its answer area, as the
+published guest script does (False: a silent guest).
 """
 
 from __future__ import annotations
@@ -90,6 +93,7 @@ class FakeCHServer:
         self.path = str(socket_path)
         self.root = root  # the simulated host the VMM's paths are under (None: this machine's /)
         self.guest_acpi = guest_acpi
+        self.guest_rebind = True
         self.boot_error = boot_error  # vm.boot answers 500 with it (e.g. the KVM's "Cannot allocate memory")
         self.state = ""  # "" before vm.create
         self.config: dict[str, Any] = {}
@@ -287,6 +291,10 @@ class FakeCHServer:
             if any(d.get("id") == disk["id"] for d in self.disks):
                 raise Refuse(f"device id {disk['id']} in use")
             self.disks.append(disk)
+            if disk.get("serial") == "bc-rebind" and self.guest_rebind:
+                from .libvirt import _rebind_guest
+
+                _rebind_guest(Path(self._host(str(disk["path"]))))
             return 200, {"id": disk["id"], "bdf": f"0000:00:{5 + len(self.disks):02x}.0"}
         elif endpoint == "vm.remove-device":
             self._need("Running", "Paused")
