@@ -254,21 +254,22 @@ def test_DLV_JRN_16_a_kill_around_the_batch_write_never_leaves_an_ACKED_without_
 
 
 def test_DLV_JRN_15_deferred_acks_ride_with_the_next_write(tmp_path: Path) -> None:
-    """The session's result acks of one received batch are written in the transaction of the batch's
-    accepts (one fsync for both), or by flush_acks when the batch had no command."""
+    """The session's result acks are written in the next write transaction (a batch's accepts or
+    outcomes: one fsync for both), by flush_acks, or at close; kept ones are not replayed meanwhile."""
     with Journal.open(tmp_path, boot_id="b1") as j:
-        j.accept_commands([_new("a"), _new("b")])
-        j.complete_many([Completion("a", Outcome.SUCCEEDED), Completion("b", Outcome.SUCCEEDED)])
+        j.accept_commands([_new("a"), _new("b"), _new("c")])
+        j.complete_many([Completion(i, Outcome.SUCCEEDED) for i in "abc"])
         before = j.durable_commits
         assert j.ack_results(["a"], defer=True) == 0
-        assert [r.id for r in j.unacked_results()] == ["a", "b"]  # nothing written yet
-        j.accept_commands([_new("c")])
+        assert j.durable_commits == before  # nothing written
+        assert [r.id for r in j.unacked_results()] == ["b", "c"]  # not replayed meanwhile
+        j.accept_commands([_new("d")])
         assert j.durable_commits == before + 1  # the accept and the ack: one durable transaction
-        assert [r.id for r in j.unacked_results()] == ["b"]
         j.ack_results(["b"], defer=True)
         j.flush_acks()
-        assert j.unacked_results() == () and j.durable_commits == before + 2
-        j.flush_acks()  # nothing pending: no write
         assert j.durable_commits == before + 2
+        j.flush_acks()  # nothing kept: no write
+        assert j.durable_commits == before + 2
+        j.ack_results(["c"], defer=True)  # written by close
     with Journal.open(tmp_path, boot_id="b1") as j:
         assert j.unacked_results() == ()

@@ -292,7 +292,8 @@ class SessionCore:
         """Messages that arrived together, in order, with the dispatcher's `admitting()` around them: the
         commands among them that pass the checks are journaled `accepted` in one transaction, fsynced
         once, before any of their ACKED is queued (one fsync per batch instead of one per command); the
-        batch's result acks are written in that same transaction (or alone at the end)."""
+        batch's result acks are written with the next such transaction (`Journal.ack_results(defer=True)`:
+        no fsync of their own; `resend_due` writes those still kept)."""
         admitting = getattr(self.dispatcher, "admitting", None)
         self._batching = True
         try:
@@ -301,8 +302,6 @@ class SessionCore:
                     self.handle(message)
         finally:
             self._batching = False
-            # Acks of results are written with the batch's accepts (one transaction), or here.
-            self.journal.flush_acks()
 
     def handle(self, message: wire.GatewayMessage) -> None:
         """One GatewayMessage. Raises WelcomeRefused or ProtocolViolation to end the connection."""
@@ -649,6 +648,7 @@ class SessionCore:
         if now - self._last_resend < self.resend_interval_s:
             return False
         self._last_resend = now
+        self.journal.flush_acks()  # the acks kept since the last write (none are replayed meanwhile)
         from bcd_agent.session.outbox import EVENT_RESERVE_BYTES
 
         for entry in self.journal.unacked_results():
