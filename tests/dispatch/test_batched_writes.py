@@ -273,3 +273,51 @@ def test_DLV_JRN_15_deferred_acks_ride_with_the_next_write(tmp_path: Path) -> No
         j.ack_results(["c"], defer=True)  # written by close
     with Journal.open(tmp_path, boot_id="b1") as j:
         assert j.unacked_results() == ()
+
+
+async def test_test_kinds_effects_of_one_tick_share_an_fsync_and_each_returns_once_durable(
+    tmp_path: Path, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test kinds' effect log (what the crash tests count): the lines of the workers that reach
+    their effect together are fsynced once, and no handler returns before an fsync after its line."""
+    import bcd_agent.kinds.testing as testing
+
+    log = tmp_path / "e"
+    fsynced: list[set[str]] = []  # the lines on disk at each fsync
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        if os.readlink(f"/proc/self/fd/{fd}") == str(log):
+            fsynced.append(set(log.read_text().splitlines()))
+
+    monkeypatch.setattr(testing.os, "fsync", fsync)
+    returned: dict[str, int] = {}
+
+    async def during(cmd: Any) -> None:
+        await trio.lowlevel.checkpoint()
+
+    h = Harness(tmp_path / "data", pki)
+    handler = EffectHandler(log, during_effect=during)
+    real_run = handler.run
+
+    async def run(cmd: Any, ctx: Any) -> bytes:
+        out = await real_run(cmd, ctx)
+        returned[cmd.id] = len(fsynced)  # fsyncs done when this handler returned
+        return out
+
+    handler.run = run  # type: ignore[method-assign]
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(handler)))
+        cmds = [make_command(pki, kind="test.echo", seq=i + 1) for i in range(24)]
+        for round_start in range(0, 24, 4):  # rounds of four: trio's scheduling order varies between them
+            with d.admitting():
+                for c in cmds[round_start : round_start + 4]:
+                    d.deliver(c)
+            for c in cmds[round_start : round_start + 4]:
+                await h.sink.wait_terminal(c.id)
+        n.cancel_scope.cancel()
+    assert len(fsynced) < 24, fsynced  # the four control workers share fsyncs
+    for c in cmds:
+        k = returned[c.id]
+        assert k >= 1 and any(line.startswith(c.id) for line in fsynced[k - 1]), (c.id, fsynced)
