@@ -483,7 +483,9 @@ class Node:
 
             handlers.update(
                 effect_handlers(
-                    EffectHandler(Path(self.config.data_dir) / "test-effects.log", during_effect=during)
+                    EffectHandler(
+                        Path(self.config.data_dir) / "test-effects.log", during_effect=during, in_thread=True
+                    )
                 )
             )
         from bcd_agent.kinds import logs
@@ -668,6 +670,7 @@ class Node:
                 signer=result_signer,
                 kinds=kinds,
                 applied_generation=journal.applied_generation,
+                write_in_thread=True,
             )
             core.dispatcher = self.dispatcher
             metrics.dispatcher = self.dispatcher
