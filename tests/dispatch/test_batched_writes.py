@@ -120,9 +120,7 @@ async def test_DLV_JRN_15_a_batch_of_commands_shares_one_fsync_and_no_ACKED_prec
     gate = Gate()
     handler = EffectHandler(tmp_path / "e", during_effect=gate, in_thread=in_thread)
     async with trio.open_nursery() as n:
-        d = await start(
-            n, h.dispatcher(effect_handlers(handler), write_in_thread=in_thread, thread_write_s=0.0)
-        )
+        d = await start(n, h.dispatcher(effect_handlers(handler), write_in_thread=in_thread))
         cmds = [make_command(pki, kind="test.echo", seq=i + 1) for i in range(8)]
         before = h.journal.durable_commits
         with d.admitting(defer_flush=in_thread):

@@ -33,7 +33,6 @@ import contextlib
 import enum
 import logging
 import math
-import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -88,8 +87,6 @@ from bcd_agent.journal import (
 
 log = logging.getLogger(__name__)
 
-# With write_in_thread, batch writes move to a worker thread while they take this long on average.
-THREAD_WRITE_S = 0.001
 # Deferred commands are held in memory; beyond this many, new ones are answered BUSY.
 MAX_DEFERRED = 1000
 # A lane's outcome that could not be journaled (the data_dir is full) is tried again this often; the
@@ -206,7 +203,6 @@ class Dispatcher:
         upgrade_only: bool = False,
         max_deferred: int = MAX_DEFERRED,
         write_in_thread: bool = False,
-        thread_write_s: float = THREAD_WRITE_S,
     ) -> None:
         unknown = sorted(set(handlers) - set(kinds))
         if unknown:
@@ -249,14 +245,10 @@ class Dispatcher:
         self._pending_ids: set[str] = set()
         # The outcomes workers reached in this tick, written together by the first of them.
         self._outcomes: list[_OutcomeWrite] = []
-        # `bcd node`: the batch writes (and their fsync) in a worker thread while they are slow (the
-        # recent ones took THREAD_WRITE_S or more: the event loop goes on meanwhile, the session and the
-        # other lanes), inline while they are fast (a thread hand-off costs more CPU than it saves); each
-        # waits for its write before it reports anything. Off in the unit tests that drive a MockClock
-        # (a task waiting on a thread lets it jump).
+        # `bcd node`: the batch writes (and their fsync) in a worker thread, so the event loop goes on
+        # meanwhile (the session, the other lanes); each waits for its write before it reports anything.
+        # Off in the unit tests that drive a MockClock (a task waiting on a thread lets it jump).
         self._write_in_thread = write_in_thread
-        self._thread_write_s = thread_write_s
-        self._write_s = 0.0  # moving average of the batch writes' durations
         if signer is not None:
             # Attested results are signed once, as they are journaled, and replayed as stored.
             journal.set_attester(result_attester(signer))
@@ -368,9 +360,14 @@ class Dispatcher:
         pending, self._pending = self._pending, []
         if not pending:
             return
-        news = [p.new for p in pending]
         try:
-            results = await self._batch_write(lambda: self._journal.accept_commands(news, durable=False))
+            if self._write_in_thread:
+                news = [p.new for p in pending]
+                results = await trio.to_thread.run_sync(
+                    lambda: self._journal.accept_commands(news, durable=False)
+                )
+            else:
+                results = self._journal.accept_commands([p.new for p in pending], durable=False)
         except BaseException as exc:
             self._pending_ids.difference_update(p.cmd.id for p in pending)
             self._not_admitted(pending, exc)
@@ -381,22 +378,6 @@ class Dispatcher:
         self._admit_results(pending, results)
         if not self._inflight and not self._pending_ids:
             self._idle.set()
-
-    async def _batch_write(self, write: Callable[[], list[Any]]) -> list[Any]:
-        """Run a batch write, in a worker thread while writes are slow (see `write_in_thread`). The
-        thread's wait cannot be cancelled: a write that ran is always followed by its reports."""
-
-        def timed() -> tuple[list[Any], float]:
-            t0 = time.perf_counter()
-            out = write()
-            return out, time.perf_counter() - t0
-
-        if self._write_in_thread and self._write_s >= self._thread_write_s:
-            results, took = await trio.to_thread.run_sync(timed)
-        else:
-            results, took = timed()
-        self._write_s = 0.8 * self._write_s + 0.2 * took
-        return results
 
     def _not_admitted(self, pending: list[_Pending], exc: BaseException) -> None:
         """The batch's write failed (nothing of it written): credits back; a full disk answers BUSY (the
@@ -766,7 +747,12 @@ class Dispatcher:
     async def _write_outcomes(self, batch: list[_OutcomeWrite]) -> None:
         completions = [w.completion for w in batch]
         try:
-            results = await self._batch_write(lambda: self._journal.complete_many(completions, durable=False))
+            if self._write_in_thread:  # uncancellable: the write, then its reports, always both
+                results = await trio.to_thread.run_sync(
+                    lambda: self._journal.complete_many(completions, durable=False)
+                )
+            else:
+                results = self._journal.complete_many(completions, durable=False)
         except BaseException as exc:  # DataDirFull: each worker retries; anything else ends the node
             for w in batch:
                 w.error = exc

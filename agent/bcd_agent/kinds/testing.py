@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 
@@ -80,9 +79,6 @@ def append_effect(log: Path, line: str) -> None:
         os.close(fd)
 
 
-SLOW_FSYNC_S = 0.001
-
-
 def _fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
     try:
@@ -99,8 +95,7 @@ class _GroupFsync:
 
     def __init__(self, log: Path, in_thread: bool = False) -> None:
         self._log = log
-        self._in_thread = in_thread  # while fsyncs are slow (SLOW_FSYNC_S), in a worker thread
-        self._fsync_s = 0.0
+        self._in_thread = in_thread
         self._waiting: list[tuple[trio.Event, list[BaseException]]] = []
 
     async def append(self, line: str) -> None:
@@ -119,12 +114,10 @@ class _GroupFsync:
             batch, self._waiting = self._waiting, []
             failure: list[BaseException] = []
             try:
-                t0 = time.perf_counter()
-                if self._in_thread and self._fsync_s >= SLOW_FSYNC_S:  # uncancellable
+                if self._in_thread:  # uncancellable: every waiter is released after it
                     await trio.to_thread.run_sync(_fsync_file, self._log)
                 else:
                     _fsync_file(self._log)
-                self._fsync_s = 0.8 * self._fsync_s + 0.2 * (time.perf_counter() - t0)
             except OSError as exc:
                 failure.append(exc)
             for event, errors in batch:
