@@ -230,8 +230,6 @@ class Journal:
         self._space_ok = True
         self.durable_commits = 0  # fsyncs of the WAL by this process (the command-rate test counts them)
         self._pending_acks: list[str] = []  # `ack_results(defer=True)`, written with the next transaction
-        # Guards `_pending_acks` alone: the loop adds to it while a worker thread's write holds `_mutex`.
-        self._acks_lock = threading.Lock()
         self._unsynced = False
         self.group_commit = False  # set by `open` (see there): off, every write is fsynced when it returns
         self.commits = 0  # commits that `sync()` tracks, and how many of them are known fsynced
@@ -352,8 +350,7 @@ class Journal:
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     yield conn
-                    with self._acks_lock:
-                        acks, self._pending_acks = self._pending_acks, []
+                    acks, self._pending_acks = self._pending_acks, []
                     if acks:  # `ack_results(defer=True)`: written with this transaction
                         conn.executemany(_SQL_ACK_RESULT, [(i,) for i in acks])
                     conn.execute("COMMIT")
@@ -963,7 +960,6 @@ class Journal:
         ack kept by `ack_results(defer=True)` counts as written (it is, with the next transaction)."""
         with self._mutex:
             rows = self._conn.execute(_SQL_UNACKED_RESULTS).fetchall()
-        with self._acks_lock:
             pending = set(self._pending_acks)
         return tuple(e for e in (_entry(r) for r in rows) if e.id not in pending)
 
@@ -977,11 +973,10 @@ class Journal:
         crash before that loses only acks, which costs a replay the gateway acks again. Meanwhile
         `unacked_results()` leaves them out (they are not replayed)."""
         if defer:
-            with self._acks_lock:  # not `_mutex`: a write in a worker thread may hold it for its fsync
+            with self._mutex:
                 self._pending_acks.extend(command_ids)
-                full = len(self._pending_acks) >= MAX_PENDING_ACKS
-            if full:
-                self.flush_acks()
+                if len(self._pending_acks) >= MAX_PENDING_ACKS:
+                    self.flush_acks()
             return 0
         ids = [(i,) for i in command_ids]
         if not ids:
@@ -992,8 +987,6 @@ class Journal:
 
     def flush_acks(self) -> None:
         """Write the acks `ack_results(defer=True)` kept that no transaction took yet."""
-        if not self._pending_acks:
-            return
         with self._mutex:
             if self._pending_acks and not self._closed:
                 with self._tx(durable=False, needs_sync=False):
