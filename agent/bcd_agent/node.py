@@ -483,9 +483,7 @@ class Node:
 
             handlers.update(
                 effect_handlers(
-                    EffectHandler(
-                        Path(self.config.data_dir) / "test-effects.log", during_effect=during, in_thread=True
-                    )
+                    EffectHandler(Path(self.config.data_dir) / "test-effects.log", during_effect=during)
                 )
             )
         from bcd_agent.kinds import logs
@@ -670,7 +668,6 @@ class Node:
                 signer=result_signer,
                 kinds=kinds,
                 applied_generation=journal.applied_generation,
-                write_in_thread=True,
             )
             core.dispatcher = self.dispatcher
             metrics.dispatcher = self.dispatcher

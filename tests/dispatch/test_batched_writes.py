@@ -108,31 +108,22 @@ class CheckingSink(Sink):
         super().send(update)
 
 
-@pytest.mark.parametrize("in_thread", [False, True], ids=["inline", "write_in_thread"])
 async def test_DLV_JRN_15_a_batch_of_commands_shares_one_fsync_and_no_ACKED_precedes_it(
-    tmp_path: Path, pki: Pki, in_thread: bool
+    tmp_path: Path, pki: Pki
 ) -> None:
-    """Inline (the batch written when `admitting()` ends) and as `bcd node` runs it (`write_in_thread`:
-    the session awaits `flush_admissions_async`, the journal writes in a worker thread, the outcomes
-    too, and the effects' fsync)."""
     h = Harness(tmp_path / "data", pki)
     sink = h.sink = CheckingSink(h)
     gate = Gate()
-    handler = EffectHandler(tmp_path / "e", during_effect=gate, in_thread=in_thread)
     async with trio.open_nursery() as n:
-        d = await start(n, h.dispatcher(effect_handlers(handler), write_in_thread=in_thread))
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e", during_effect=gate))))
         cmds = [make_command(pki, kind="test.echo", seq=i + 1) for i in range(8)]
         before = h.journal.durable_commits
-        with d.admitting(defer_flush=in_thread):
+        with d.admitting():
             for c in cmds:
                 d.deliver(c)
                 # Inside the batch: nothing written, nothing sent, the credit already taken.
                 assert h.journal.get_command(c.id) is None and sink.seen == []
             assert d.credits_in_use(Lane.CONTROL) == 8
-        if in_thread:
-            assert sink.seen == [] and h.journal.get_command(cmds[0].id) is None  # not yet written
-            d.deliver(cmds[0])  # a redelivery while the batch is being written: the batch answers it
-            await d.flush_admissions_async()
         # The batch ended: one durable transaction for the eight, then their ACKED.
         assert h.journal.durable_commits == before + 1
         acked = [s for s in sink.seen if s[1] is UpdateState.ACKED]

@@ -34,7 +34,6 @@ import enum
 import logging
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
 
 import trio
 from bcd_shared import wire
@@ -202,7 +201,6 @@ class Dispatcher:
         applied_generation: int = 0,
         upgrade_only: bool = False,
         max_deferred: int = MAX_DEFERRED,
-        write_in_thread: bool = False,
     ) -> None:
         unknown = sorted(set(handlers) - set(kinds))
         if unknown:
@@ -245,10 +243,6 @@ class Dispatcher:
         self._pending_ids: set[str] = set()
         # The outcomes workers reached in this tick, written together by the first of them.
         self._outcomes: list[_OutcomeWrite] = []
-        # `bcd node`: the batch writes (and their fsync) in a worker thread, so the event loop goes on
-        # meanwhile (the session, the other lanes); each waits for its write before it reports anything.
-        # Off in the unit tests that drive a MockClock (a task waiting on a thread lets it jump).
-        self._write_in_thread = write_in_thread
         if signer is not None:
             # Attested results are signed once, as they are journaled, and replayed as stored.
             journal.set_attester(result_attester(signer))
@@ -281,8 +275,8 @@ class Dispatcher:
         self._accepting = False
 
     async def drained(self) -> None:
-        """Return once no accepted command is in flight (or being journaled)."""
-        while self._inflight or self._pending_ids:
+        """Return once no accepted command is in flight."""
+        while self._inflight:
             self._idle = trio.Event()
             await self._idle.wait()
 
@@ -314,80 +308,40 @@ class Dispatcher:
         self._upgrade_only = upgrade_only
 
     @contextlib.contextmanager
-    def admitting(self, *, defer_flush: bool = False) -> Iterator[None]:
+    def admitting(self) -> Iterator[None]:
         """Deliveries inside are accepted together (the session wraps each batch of received messages):
         every command that passes the checks takes its credit at once, and when the block ends their
         `accepted` entries are journaled in one transaction, fsynced once before it returns
         (`Journal.accept_commands`: one write, durable when it returns, DLV-JRN-15), and only then is
         each one's ACKED sent and the command queued on its lane. A crash before that fsync leaves no
         record and no ACKED: the gateway redelivers. Anything that must see those commands in flight
-        (a Cancel, an invalid duplicate, a spec) writes the batch first (`flush_admissions`).
-        `defer_flush`: the batch is written by the caller's `await flush_admissions_async()` (the session;
-        in a worker thread with `write_in_thread`), not when the block ends; when the block raises, it is
-        written at once."""
+        (a Cancel, an invalid duplicate, a spec) writes the batch first (`flush_admissions`)."""
         self._batch_depth += 1
         try:
             yield
-        except BaseException:
+        finally:
             self._batch_depth -= 1
             if self._batch_depth == 0:
                 self.flush_admissions()
-            raise
-        self._batch_depth -= 1
-        if self._batch_depth == 0 and not defer_flush:
-            self.flush_admissions()
 
     def flush_admissions(self) -> None:
         """Journal the pending batch's `accepted` entries (one durable transaction), then ACK and queue
         each. A command the journal refused is answered as its entry says (JournalFull: BUSY)."""
         pending, self._pending = self._pending, []
-        self._pending_ids.difference_update(p.cmd.id for p in pending)
+        self._pending_ids = set()
         if not pending:
             return
         try:
             results = self._journal.accept_commands([p.new for p in pending], durable=False)
         except DataDirFull as exc:
-            self._not_admitted(pending, exc)
-            return
-        except BaseException as exc:
-            self._not_admitted(pending, exc)
-            raise
-        self._admit_results(pending, results)
-
-    async def flush_admissions_async(self) -> None:
-        """`flush_admissions`, the write in a worker thread with `write_in_thread` (the event loop goes
-        on; the batch's ids still count as in flight until it is written, then ACKED is sent)."""
-        pending, self._pending = self._pending, []
-        if not pending:
-            return
-        try:
-            if self._write_in_thread:
-                news = [p.new for p in pending]
-                results = await trio.to_thread.run_sync(
-                    lambda: self._journal.accept_commands(news, durable=False)
-                )
-            else:
-                results = self._journal.accept_commands([p.new for p in pending], durable=False)
-        except BaseException as exc:
-            self._pending_ids.difference_update(p.cmd.id for p in pending)
-            self._not_admitted(pending, exc)
-            if isinstance(exc, DataDirFull):
-                return
-            raise
-        self._pending_ids.difference_update(p.cmd.id for p in pending)
-        self._admit_results(pending, results)
-        if not self._inflight and not self._pending_ids:
-            self._idle.set()
-
-    def _not_admitted(self, pending: list[_Pending], exc: BaseException) -> None:
-        """The batch's write failed (nothing of it written): credits back; a full disk answers BUSY (the
-        gateway redelivers); anything else ends the connection or the node, and the gateway redelivers."""
-        for p in pending:
-            self._credits[p.verdict.flags.lane].give_back()
-            if isinstance(exc, DataDirFull):
+            for p in pending:
+                self._credits[p.verdict.flags.lane].give_back()
                 self._busy(p.cmd, str(exc))
-
-    def _admit_results(self, pending: list[_Pending], results: list[Any]) -> None:
+            return
+        except BaseException:
+            for p in pending:
+                self._credits[p.verdict.flags.lane].give_back()
+            raise
         for p, result in zip(pending, results, strict=True):
             if isinstance(result, JournalFull):
                 self._credits[p.verdict.flags.lane].give_back()
@@ -740,19 +694,13 @@ class Dispatcher:
         else:
             await trio.lowlevel.cancel_shielded_checkpoint()
             batch, self._outcomes = self._outcomes, []
-            await self._write_outcomes(batch)
+            self._write_outcomes(batch)
         if item.error is not None:
             raise item.error
 
-    async def _write_outcomes(self, batch: list[_OutcomeWrite]) -> None:
-        completions = [w.completion for w in batch]
+    def _write_outcomes(self, batch: list[_OutcomeWrite]) -> None:
         try:
-            if self._write_in_thread:  # uncancellable: the write, then its reports, always both
-                results = await trio.to_thread.run_sync(
-                    lambda: self._journal.complete_many(completions, durable=False)
-                )
-            else:
-                results = self._journal.complete_many(completions, durable=False)
+            results = self._journal.complete_many([w.completion for w in batch], durable=False)
         except BaseException as exc:  # DataDirFull: each worker retries; anything else ends the node
             for w in batch:
                 w.error = exc

@@ -384,8 +384,6 @@ class Journal:
         commit), or nothing when nothing is pending. The dispatcher calls it before a side effect and the
         session before anything it writes to the gateway, so the commits made with `durable=False`
         (accepted, outcomes) are durable before they act or are told, one fsync for all of them."""
-        if not self._unsynced:
-            return  # without the lock: a batch written in a worker thread holds it for its fsync
         with self._mutex:
             if not self._unsynced or self._closed:
                 return

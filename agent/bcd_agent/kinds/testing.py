@@ -79,23 +79,14 @@ def append_effect(log: Path, line: str) -> None:
         os.close(fd)
 
 
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 class _GroupFsync:
     """Lines appended by the handlers that reach their effect in the same scheduler tick share one fsync:
     each handler writes its line, the first of them lets the others run once (a shielded checkpoint) and
     fsyncs the file for all, and every handler returns only once its line is on disk, exactly as with
     `append_effect` (a process killed after the write keeps the line: it is in the page cache)."""
 
-    def __init__(self, log: Path, in_thread: bool = False) -> None:
+    def __init__(self, log: Path) -> None:
         self._log = log
-        self._in_thread = in_thread
         self._waiting: list[tuple[trio.Event, list[BaseException]]] = []
 
     async def append(self, line: str) -> None:
@@ -114,10 +105,11 @@ class _GroupFsync:
             batch, self._waiting = self._waiting, []
             failure: list[BaseException] = []
             try:
-                if self._in_thread:  # uncancellable: every waiter is released after it
-                    await trio.to_thread.run_sync(_fsync_file, self._log)
-                else:
-                    _fsync_file(self._log)
+                fd = os.open(self._log, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             except OSError as exc:
                 failure.append(exc)
             for event, errors in batch:
@@ -142,15 +134,12 @@ class EffectHandler:
         before_effect: Hook | None = None,
         during_effect: Hook | None = None,
         terminate: Callable[[], None] | None = None,
-        in_thread: bool = False,
     ) -> None:
         self._log = effect_log
         self._before = before_effect
         self._during = during_effect
         self._terminate = terminate
-        # `bcd node --test-kinds`: the fsync in a worker thread, as a real handler runs its blocking work
-        # (off in the unit tests that drive a MockClock: a task waiting on a thread lets it jump).
-        self._group = _GroupFsync(effect_log, in_thread)
+        self._group = _GroupFsync(effect_log)
 
     def resources(self, command: CommandEnvelope) -> frozenset[str]:
         return parse_effect(command)[1]

@@ -36,7 +36,6 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import attrs
-import trio
 from attrs import define, field
 from bcd_shared import wire
 from bcd_shared.pki import TrustStore, VerifiedBundle
@@ -297,27 +296,13 @@ class SessionCore:
         no fsync of their own; `resend_due` writes those still kept)."""
         # Looked up on the class: a stand-in dispatcher (benches, tests) without batches has none.
         admitting = getattr(type(self.dispatcher), "admitting", None)
-        deferred = hasattr(type(self.dispatcher), "flush_admissions_async")
         self._batching = True
         try:
-            if admitting is None:
-                context: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
-            elif deferred:
-                context = admitting(self.dispatcher, defer_flush=True)
-            else:
-                context = admitting(self.dispatcher)
-            with context:
+            with admitting(self.dispatcher) if admitting is not None else contextlib.nullcontext():
                 for message in messages:
                     self.handle(message)
         finally:
             self._batching = False
-
-    async def finish_batch(self) -> None:
-        """After `handle_batch`: journal the batch's accepts (in a worker thread when the dispatcher
-        writes there) and only then send their ACKED. The one method here that awaits."""
-        flush = getattr(type(self.dispatcher), "flush_admissions_async", None)
-        if flush is not None:
-            await flush(self.dispatcher)
 
     def handle(self, message: wire.GatewayMessage) -> None:
         """One GatewayMessage. Raises WelcomeRefused or ProtocolViolation to end the connection."""
@@ -586,10 +571,6 @@ class SessionCore:
     # --- a full data_dir ------------------------------------------------------------------------
 
     def _space_changed(self, ok: bool, message: str) -> None:
-        if not trio.lowlevel.in_trio_run() and _in_trio_worker_thread():
-            # A write the dispatcher runs in a worker thread (write_in_thread): handled in trio.
-            trio.from_thread.run_sync(self._space_changed, ok, message)
-            return
         if ok:
             self.conditions.clear(DATA_DIR_FULL)
             if self._spec_retry and self.state.welcomed:
@@ -706,17 +687,6 @@ class SessionCore:
     def conditions_changed(self) -> bool:
         """A node condition changed since the last StatusReport (send one at once)."""
         return self.conditions.version != self._sent_conditions_version
-
-
-def _in_trio_worker_thread() -> bool:
-    """This thread was started by trio.to_thread (from_thread can reach its trio run)."""
-    try:
-        trio.from_thread.check_cancelled()
-    except RuntimeError:
-        return False
-    except trio.Cancelled:
-        return True
-    return True
 
 
 def _which(message: wire.GatewayMessage) -> tuple[str, object]:

@@ -246,7 +246,6 @@ class Session:
                             break
                         # One batch: its commands' accepts are journaled in one durable transaction.
                         self.core.handle_batch(messages)
-                        await self.core.finish_batch()
                         if any(
                             m.welcome is not None or (m.ack is not None and m.ack.journal_id)
                             for m in messages
