@@ -254,21 +254,70 @@ def test_DLV_JRN_16_a_kill_around_the_batch_write_never_leaves_an_ACKED_without_
 
 
 def test_DLV_JRN_15_deferred_acks_ride_with_the_next_write(tmp_path: Path) -> None:
-    """The session's result acks of one received batch are written in the transaction of the batch's
-    accepts (one fsync for both), or by flush_acks when the batch had no command."""
+    """The session's result acks are written in the next write transaction (a batch's accepts or
+    outcomes: one fsync for both), by flush_acks, or at close; kept ones are not replayed meanwhile."""
     with Journal.open(tmp_path, boot_id="b1") as j:
-        j.accept_commands([_new("a"), _new("b")])
-        j.complete_many([Completion("a", Outcome.SUCCEEDED), Completion("b", Outcome.SUCCEEDED)])
+        j.accept_commands([_new("a"), _new("b"), _new("c")])
+        j.complete_many([Completion(i, Outcome.SUCCEEDED) for i in "abc"])
         before = j.durable_commits
         assert j.ack_results(["a"], defer=True) == 0
-        assert [r.id for r in j.unacked_results()] == ["a", "b"]  # nothing written yet
-        j.accept_commands([_new("c")])
+        assert j.durable_commits == before  # nothing written
+        assert [r.id for r in j.unacked_results()] == ["b", "c"]  # not replayed meanwhile
+        j.accept_commands([_new("d")])
         assert j.durable_commits == before + 1  # the accept and the ack: one durable transaction
-        assert [r.id for r in j.unacked_results()] == ["b"]
         j.ack_results(["b"], defer=True)
         j.flush_acks()
-        assert j.unacked_results() == () and j.durable_commits == before + 2
-        j.flush_acks()  # nothing pending: no write
         assert j.durable_commits == before + 2
+        j.flush_acks()  # nothing kept: no write
+        assert j.durable_commits == before + 2
+        j.ack_results(["c"], defer=True)  # written by close
     with Journal.open(tmp_path, boot_id="b1") as j:
         assert j.unacked_results() == ()
+
+
+async def test_test_kinds_effects_of_one_tick_share_an_fsync_and_each_returns_once_durable(
+    tmp_path: Path, pki: Pki, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The test kinds' effect log (what the crash tests count): the lines of the workers that reach
+    their effect together are fsynced once, and no handler returns before an fsync after its line."""
+    import bcd_agent.kinds.testing as testing
+
+    log = tmp_path / "e"
+    fsynced: list[set[str]] = []  # the lines on disk at each fsync
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        real_fsync(fd)
+        if os.readlink(f"/proc/self/fd/{fd}") == str(log):
+            fsynced.append(set(log.read_text().splitlines()))
+
+    monkeypatch.setattr(testing.os, "fsync", fsync)
+    returned: dict[str, int] = {}
+
+    async def during(cmd: Any) -> None:
+        await trio.lowlevel.checkpoint()
+
+    h = Harness(tmp_path / "data", pki)
+    handler = EffectHandler(log, during_effect=during)
+    real_run = handler.run
+
+    async def run(cmd: Any, ctx: Any) -> bytes:
+        out = await real_run(cmd, ctx)
+        returned[cmd.id] = len(fsynced)  # fsyncs done when this handler returned
+        return out
+
+    handler.run = run  # type: ignore[method-assign]
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(handler)))
+        cmds = [make_command(pki, kind="test.echo", seq=i + 1) for i in range(24)]
+        for round_start in range(0, 24, 4):  # rounds of four: trio's scheduling order varies between them
+            with d.admitting():
+                for c in cmds[round_start : round_start + 4]:
+                    d.deliver(c)
+            for c in cmds[round_start : round_start + 4]:
+                await h.sink.wait_terminal(c.id)
+        n.cancel_scope.cancel()
+    assert len(fsynced) < 24, fsynced  # the four control workers share fsyncs
+    for c in cmds:
+        k = returned[c.id]
+        assert k >= 1 and any(line.startswith(c.id) for line in fsynced[k - 1]), (c.id, fsynced)

@@ -30,6 +30,7 @@ class NodeWorld:
         self.plane = plane
         self.layout = layout
         self.node_id = node_id
+        self.node_pid = 0  # the last `start_node`'s process
 
     def write_config(self, gateway: Path, extra: str = "") -> Path:
         config = self.base / "node-bench.toml"
@@ -47,6 +48,7 @@ class NodeWorld:
         config = self.write_config(gateway or self.layout.gateway_socket, extra_config)
         argv = bcd_argv("node", "--config", str(config), "--root", str(self.layout.root), "--test-kinds")
         proc: trio.Process = await self.nursery.start(_child, argv, self.layout.log_dir / "node.log")
+        self.node_pid = proc.pid
         return proc
 
     async def session(self, within: float = 30) -> None:

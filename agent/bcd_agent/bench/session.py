@@ -2,9 +2,15 @@
 
 - `commands_per_s` (target >= 500): the real `bcd node --test-kinds` process beside the development
   control plane (this process) on a simulated host: `COMMANDS` test.echo commands (retry-safe, no work
-  beyond the test kinds' effect log) enqueued at once, from the first dispatch to the control plane
-  holding every terminal result. The plane sends within the lanes' credits (8 on control); `busy_answers`
-  counts the node's BUSY answers (0: the credits were respected on both sides).
+  beyond the test kinds' effect log: a line fsynced before the handler returns, the lines of one tick
+  sharing the fsync) enqueued at once, from the first dispatch to the control plane holding every
+  terminal result, with the journal's default durability (every write fsynced before it returns,
+  DLV-JRN-15; a received batch's accepts and a tick's outcomes are one write each, docs/journal.md).
+  The plane sends within the lanes' credits (8 on control); `busy_answers` counts the node's BUSY
+  answers (0: the credits were respected on both sides). The machine's state is reported beside it, as
+  the rate depends on it: `load_avg_1m` at the start, `fsync_ms` (one append + fsync in the data
+  directory's file system, median of 20) and the CPU each process spent per command
+  (`node_cpu_ms_per_command`, `plane_cpu_ms_per_command`).
 - `oversized_refused_ms` (target <= 100): a gateway that, after its Welcome, announces a 100 MB message
   in the gRPC prefix and starts sending it; from writing the prefix to the node's session ending with the
   protocol error (its size cap, 4 MiB, checked on the prefix). Median of `OVERSIZED_RUNS`.
@@ -59,17 +65,49 @@ async def commands_per_s(base: Path, extra_config: str = "") -> dict[str, float]
         await _until_terminal(world.plane, world.node_id, WARMUP, 120)
         for _ in range(COMMANDS):
             world.plane.enqueue(world.node_id, "test.echo", payload)
+        pid = world.node_pid
+        node_cpu0, plane_cpu0 = _cpu_s(pid), time.process_time()
         t0 = time.perf_counter()
         world.plane.poke()
         await _until_terminal(world.plane, world.node_id, WARMUP + COMMANDS, 600)
         elapsed = time.perf_counter() - t0
+        node_cpu, plane_cpu = _cpu_s(pid) - node_cpu0, time.process_time() - plane_cpu0
         busy = world.plane.store.one("SELECT count(*) FROM updates WHERE state = 'busy'")
         succeeded = world.plane.store.one("SELECT count(*) FROM commands WHERE state = 'succeeded'")
     return {
         "commands_per_s": COMMANDS / elapsed,
         "busy_answers": float(busy[0]) if busy else 0.0,
         "commands_succeeded": float(succeeded[0]) if succeeded else 0.0,
+        "node_cpu_ms_per_command": node_cpu * 1000 / COMMANDS,
+        "plane_cpu_ms_per_command": plane_cpu * 1000 / COMMANDS,
     }
+
+
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of process `pid` (/proc/PID/stat)."""
+    import os
+
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def fsync_ms(directory: Path, count: int = 20) -> float:
+    """Median ms of one small append + fsync in `directory` (what each durable write waits for)."""
+    import os
+
+    path = directory / "fsync-probe"
+    samples: list[float] = []
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    try:
+        for _ in range(count):
+            t0 = time.perf_counter()
+            os.write(fd, b"x" * 100)
+            os.fsync(fd)
+            samples.append((time.perf_counter() - t0) * 1000)
+    finally:
+        os.close(fd)
+        path.unlink()
+    return statistics.median(samples)
 
 
 async def oversized_refused_ms(base: Path) -> float:
@@ -176,11 +214,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         base = Path(args.data_dir) if args.data_dir else Path(tmp)
         (base / "oversized").mkdir(parents=True, exist_ok=True)
         oversized = trio.run(oversized_refused_ms, base / "oversized")
+        load = float(Path("/proc/loadavg").read_text().split()[0])
+        probe = fsync_ms(base)
         rate = trio.run(commands_per_s, base / "rate")
-        # The same stream with [journal] group_commit on (informational: off is the default, DLV-JRN-15).
+        # The same stream with [journal] group_commit on: the opt-in deferred fsync (docs/journal.md),
+        # informational.
         grouped = trio.run(commands_per_s, base / "rate-group", "\n[journal]\ngroup_commit = true\n")
     result: dict[str, Any] = {k: round(v, 3) for k, v in rate.items()}
     result["commands_per_s_group_commit"] = round(grouped["commands_per_s"], 3)
+    result["load_avg_1m"] = load
+    result["fsync_ms"] = round(probe, 3)
     result["oversized_refused_ms"] = round(oversized, 3)
     result["commands"] = COMMANDS
     return result

@@ -109,6 +109,8 @@ _SQL_UNACKED_RESULTS = (
     f"SELECT {_COLS} FROM commands WHERE acked = 0"  # noqa: S608
     " AND state IN ('done', 'cancelled', 'rejected') ORDER BY finished_at, id"
 )
+# Acks kept by `ack_results(defer=True)` are written at once beyond this many.
+MAX_PENDING_ACKS = 1000
 _SQL_ACK_RESULT = (
     "UPDATE commands SET acked = 1 WHERE id = ? AND acked = 0 AND state IN ('done', 'cancelled', 'rejected')"
 )
@@ -309,6 +311,10 @@ class Journal:
         with self._mutex:
             if self._closed:
                 return
+            try:
+                self.flush_acks()
+            except JournalError as exc:  # a full or failing disk: they are replayed and acked again
+                log.warning("journal: %s: acks not written at close: %s", self._path, exc)
             self._closed = True
             try:
                 self._conn.close()
@@ -948,21 +954,27 @@ class Journal:
         return f"command {command_id}: cannot {what}: it is {entry.state.value} (written by {owner})"
 
     def unacked_results(self) -> tuple[CommandEntry, ...]:
-        """Terminal entries not yet in an `Ack.command_ids`: replayed at Hello and after reconnect."""
+        """Terminal entries not yet in an `Ack.command_ids`: replayed at Hello and after reconnect. An
+        ack kept by `ack_results(defer=True)` counts as written (it is, with the next transaction)."""
         with self._mutex:
             rows = self._conn.execute(_SQL_UNACKED_RESULTS).fetchall()
-        return tuple(_entry(r) for r in rows)
+            pending = set(self._pending_acks)
+        return tuple(e for e in (_entry(r) for r in rows) if e.id not in pending)
 
     def ack_results(self, command_ids: Iterable[str], *, defer: bool = False) -> int:
         """Stop replaying these results (ids unknown or not terminal are ignored). Returns how many.
         With [journal] group_commit not fsynced by itself (`_tx(durable=False)`): an ack a power cut loses
         only means the result is replayed once more, and the gateway acks a result it already stored
         again (DLV-RES-11). `defer=True`: nothing is written now (returns 0); the ids are written inside
-        the next write transaction (the session's batch: with its commands' accepts, one fsync for
-        both) or by `flush_acks()`; until then the results stay unacked, which costs at most a replay."""
+        the next write transaction (a batch's accepts or outcomes: one fsync for both), by
+        `flush_acks()` (the session's replay timer, `close()`), or at once past MAX_PENDING_ACKS; a
+        crash before that loses only acks, which costs a replay the gateway acks again. Meanwhile
+        `unacked_results()` leaves them out (they are not replayed)."""
         if defer:
             with self._mutex:
                 self._pending_acks.extend(command_ids)
+                if len(self._pending_acks) >= MAX_PENDING_ACKS:
+                    self.flush_acks()
             return 0
         ids = [(i,) for i in command_ids]
         if not ids:

@@ -6,7 +6,8 @@ the production table, so a real control plane can never run them.
 Payload: `type.googleapis.com/bcd.test.Effect` whose value is a JSON object, checked strictly:
     {"token": str, "resources": [str, ...]}            (both optional; no other keys)
 Effect: one line `<command id> <token> <boot id>\\n` appended to the effect log, fsynced before the handler
-returns, so a test can count how often a side effect really happened across crashes. Result: the JSON
+returns, so a test can count how often a side effect really happened across crashes (the handlers that
+reach their effect in the same scheduler tick share that fsync: `_GroupFsync`). Result: the JSON
 `{"token": token}`. `test.reboot` is self-terminating: its effect is the same line, then the injected
 `terminate` callable (a test's os._exit, or a simulated reboot).
 """
@@ -17,6 +18,8 @@ import json
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
+
+import trio
 
 from bcd_agent.dispatch.command import CommandEnvelope
 from bcd_agent.dispatch.handlers import InvalidPayload, RunContext
@@ -76,6 +79,46 @@ def append_effect(log: Path, line: str) -> None:
         os.close(fd)
 
 
+class _GroupFsync:
+    """Lines appended by the handlers that reach their effect in the same scheduler tick share one fsync:
+    each handler writes its line, the first of them lets the others run once (a shielded checkpoint) and
+    fsyncs the file for all, and every handler returns only once its line is on disk, exactly as with
+    `append_effect` (a process killed after the write keeps the line: it is in the page cache)."""
+
+    def __init__(self, log: Path) -> None:
+        self._log = log
+        self._waiting: list[tuple[trio.Event, list[BaseException]]] = []
+
+    async def append(self, line: str) -> None:
+        fd = os.open(self._log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+        done = trio.Event()
+        error: list[BaseException] = []
+        self._waiting.append((done, error))
+        if len(self._waiting) > 1:
+            await done.wait()
+        else:
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            batch, self._waiting = self._waiting, []
+            failure: list[BaseException] = []
+            try:
+                fd = os.open(self._log, os.O_WRONLY | os.O_CLOEXEC)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError as exc:
+                failure.append(exc)
+            for event, errors in batch:
+                errors.extend(failure)
+                event.set()
+        if error:
+            raise error[0]
+
+
 Hook = Callable[[CommandEnvelope], Awaitable[None]]
 
 
@@ -96,6 +139,7 @@ class EffectHandler:
         self._before = before_effect
         self._during = during_effect
         self._terminate = terminate
+        self._group = _GroupFsync(effect_log)
 
     def resources(self, command: CommandEnvelope) -> frozenset[str]:
         return parse_effect(command)[1]
@@ -107,7 +151,7 @@ class EffectHandler:
         await ctx.begin_effect()
         if self._during is not None:
             await self._during(command)
-        append_effect(self._log, f"{command.id} {token} {ctx.boot_id}\n")
+        await self._group.append(f"{command.id} {token} {ctx.boot_id}\n")
         if command.self_terminating and self._terminate is not None:
             self._terminate()
         return json.dumps({"token": token}).encode()
