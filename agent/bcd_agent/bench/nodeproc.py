@@ -39,9 +39,9 @@ class NodeWorld:
         return config
 
     async def start_node(self, gateway: Path | None = None, extra_config: str = "") -> trio.Process:
-        """`bcd node --test-kinds` until the world ends (SIGTERM, then SIGKILL after 10 s). Not through
-        `bcd_agent.sim.supervise`: its PR_SET_PDEATHSIG is tied to the spawning thread, which trio's
-        thread cache ends after a while, killing a long-running child."""
+        """`bcd node --test-kinds` until the world ends (SIGTERM, then SIGKILL after 10 s: sim.watch). Not
+        through `bcd_agent.sim.supervise`: its PR_SET_PDEATHSIG is tied to the spawning thread, which
+        trio's thread cache ends after a while, killing a long-running child."""
         from bcd_agent.sim import bcd_argv
 
         config = self.write_config(gateway or self.layout.gateway_socket, extra_config)
@@ -58,20 +58,11 @@ class NodeWorld:
 async def _child(
     argv: list[str], log: Path, *, task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED
 ) -> None:
+    from bcd_agent.sim import watch
+
     with log.open("ab") as out:
         proc = await trio.lowlevel.open_process(argv, stdout=out, stderr=out)
-        try:
-            task_status.started(proc)
-            await proc.wait()
-        finally:
-            if proc.returncode is None:
-                with trio.CancelScope(shield=True):
-                    proc.terminate()
-                    with trio.move_on_after(10):
-                        await proc.wait()
-                    if proc.returncode is None:
-                        proc.kill()
-                        await proc.wait()
+        await watch(proc, 10, task_status)
 
 
 @asynccontextmanager
