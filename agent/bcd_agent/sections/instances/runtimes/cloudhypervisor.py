@@ -65,6 +65,7 @@ from bcd_shared.chunit import FIRMWARE, VMM_UID_BASE, VMM_UID_COUNT, ch_dir, ch_
 from bcd_shared.errors import HelperRefused, RetryableError, StepError, TerminalError
 from bcd_shared.images import MAX_READ, ImageRefused, check_image, check_overlay, parse_header
 from bcd_shared.instancenames import valid_instance_id, volumes_dir
+from bcd_shared.rebinddisk import zero_and_remove
 from bcd_shared.system import CommandResult, System
 
 from bcd_agent.sections.instances.model import RUNTIME_CH, InstanceSpec
@@ -794,7 +795,7 @@ class CloudHypervisorRuntime:
         try:
             return str(self.api(name).add_disk(disk).get("id", self.REBIND_ID))
         except CHApiError as exc:
-            self._zero_and_remove(path)
+            zero_and_remove(self._real(path))
             raise RetryableError("RebindFailed", f"{name}: vm.add-disk: {exc}") from None
 
     def rebind_answer(self, name: str, size: int = 4096) -> bytes:
@@ -813,24 +814,7 @@ class CloudHypervisorRuntime:
             with contextlib.suppress(CHApiError):
                 self.api(name).remove_device(self.REBIND_ID)
         finally:
-            self._zero_and_remove(path)
-
-    def _zero_and_remove(self, path: str) -> None:
-        real = self._real(path)
-        try:
-            fd = os.open(real, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        try:
-            size = os.fstat(fd).st_size
-            chunk = b"\0" * min(size, 1 << 20)
-            written = 0
-            while written < size:
-                written += os.write(fd, chunk[: size - written])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.unlink(real)
+            zero_and_remove(self._real(path))
 
     # -- snapshots and restores (DLV-CH-25, DLV-CH-34..41, DLV-CHU-07/08, DLV-BAL-15) -------------
     # The runtime's half of DLV-SNAP-01..13: `snapshot` writes the tar into a staging file the

@@ -44,7 +44,7 @@ from bcd_shared.instancenames import (
     valid_instance_id,
     volumes_dir,
 )
-from bcd_shared.rebinddisk import REBIND_FILE, attach_args, detach_args
+from bcd_shared.rebinddisk import REBIND_FILE, attach_args, detach_args, zero_and_remove
 from bcd_shared.system import CommandResult, System
 
 from bcd_agent.sections.instances.model import RUNTIME_LIBVIRT, InstanceSpec
@@ -916,24 +916,6 @@ class LibvirtRuntime:
             self.virsh.act("detach-disk", name, *detach_args())
         finally:
             zero_and_remove(self._real(self._rebind_path(name)))
-
-
-def zero_and_remove(real: str) -> None:
-    """Overwrite a file with zeros, fsync, unlink (O_NOFOLLOW: never a link's target)."""
-    try:
-        fd = os.open(real, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        size = os.fstat(fd).st_size
-        chunk = b"\0" * min(size, 1 << 20)
-        written = 0
-        while written < size:
-            written += os.write(fd, chunk[: size - written])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.unlink(real)
 
 
 def parse_domstats(text: str) -> dict[str, dict[str, int]]:
