@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+if TYPE_CHECKING:
+    from bcd_agent.devplane.plane import DevPlane
+    from bcd_agent.sim import Layout
 
 
 def rss_mb(pid: int) -> float:
@@ -65,21 +69,30 @@ async def _child(
         await watch(proc, 10, task_status)
 
 
+async def joined_plane(layout: Layout, nursery: trio.Nursery) -> tuple[DevPlane, str]:
+    """The development plane on `layout`'s gateway socket, run in `nursery`, and `bcd join` done
+    against it with the layout's node config: the plane and the joined node's id."""
+    from bcd_agent.devplane.plane import DevPlane
+    from bcd_agent.sim import bcd_argv, run_once
+
+    plane = DevPlane(layout.plane_dir, listen=None, unix_socket=layout.gateway_socket)
+    await nursery.start(plane.run)
+    token = plane.issue_token()
+    await run_once(
+        bcd_argv("join", f"--token={token}", "--address", f"unix:{layout.gateway_socket}",
+                 "--config", str(layout.node_config)),
+        layout.log_dir / "join.log",
+    )  # fmt: skip
+    return plane, plane.default_node()
+
+
 @asynccontextmanager
 async def node_world(base: Path) -> AsyncIterator[NodeWorld]:
-    from bcd_agent.devplane.plane import DevPlane
-    from bcd_agent.sim import Layout, bcd_argv, prepare, run_once
+    from bcd_agent.sim import Layout, prepare
 
     layout = Layout(base)
     prepare(layout, helper=False, node_uid=None)
     async with trio.open_nursery() as nursery:
-        plane = DevPlane(layout.plane_dir, listen=None, unix_socket=layout.gateway_socket)
-        await nursery.start(plane.run)
-        token = plane.issue_token()
-        await run_once(
-            bcd_argv("join", f"--token={token}", "--address", f"unix:{layout.gateway_socket}",
-                     "--config", str(layout.node_config)),
-            layout.log_dir / "join.log",
-        )  # fmt: skip
-        yield NodeWorld(base, nursery, plane, layout, plane.default_node())
+        plane, node_id = await joined_plane(layout, nursery)
+        yield NodeWorld(base, nursery, plane, layout, node_id)
         nursery.cancel_scope.cancel()
