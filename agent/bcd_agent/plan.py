@@ -33,6 +33,7 @@ from attrs import frozen
 from bcd_shared import wire
 from bcd_shared.errors import StepError
 from bcd_shared.pki import Purpose
+from bcd_shared.strictjson import unique_keys
 from bcd_shared.system import LocalSystem, System
 
 from bcd_agent.converge.types import SECTION_ORDER, DesiredSpec
@@ -246,15 +247,7 @@ def _kind(value: object) -> str:
 
 
 def _pairs(source: str) -> Callable[[list[tuple[str, Any]]], dict[str, Any]]:
-    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in out:
-                raise SpecFileError(source, k, "key appears twice in one JSON object")
-            out[k] = v
-        return out
-
-    return hook
+    return unique_keys(lambda k: SpecFileError(source, k, "key appears twice in one JSON object"))
 
 
 def _constant(source: str) -> Callable[[str], Any]:

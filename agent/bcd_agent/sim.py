@@ -55,7 +55,7 @@ import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol, TextIO, TypeVar
 
 import trio
 from attrs import field, frozen
@@ -235,6 +235,39 @@ class Child:
     env: Mapping[str, str] = field(factory=dict)
 
 
+class Reapable(Protocol):
+    """What `watch` needs of a child: ChildProcess or trio.Process."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    async def wait(self) -> int: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+
+P = TypeVar("P", bound=Reapable)
+
+
+async def watch(proc: P, grace_s: float, task_status: trio.TaskStatus[P]) -> None:
+    """Hand `proc` to `task_status` and wait for it to exit; if the caller is cancelled first, SIGTERM,
+    then SIGKILL after `grace_s`, reaped either way (shielded: a cancelled caller leaves no zombie)."""
+    try:
+        task_status.started(proc)
+        await proc.wait()
+    finally:
+        if proc.returncode is None:
+            with trio.CancelScope(shield=True):
+                proc.terminate()
+                with trio.move_on_after(grace_s):
+                    await proc.wait()
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+
+
 async def supervise(
     child: Child, *, task_status: trio.TaskStatus[ChildProcess] = trio.TASK_STATUS_IGNORED
 ) -> None:
@@ -244,18 +277,7 @@ async def supervise(
         proc = ChildProcess(
             child.argv, user=child.user, stdin=subprocess.DEVNULL, stdout=log, stderr=log, env=env
         )
-        try:
-            task_status.started(proc)
-            await proc.wait()
-        finally:
-            if proc.returncode is None:
-                with trio.CancelScope(shield=True):
-                    proc.terminate()
-                    with trio.move_on_after(5):
-                        await proc.wait()
-                    if proc.returncode is None:
-                        proc.kill()
-                        await proc.wait()
+        await watch(proc, 5, task_status)
     raise SimError(f"{child.name} exited with status {proc.returncode}: {tail(child.log)}")
 
 

@@ -27,6 +27,7 @@ import struct
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
+from bcd_shared.strictjson import unique_keys
 
 if TYPE_CHECKING:
     import cattrs
@@ -58,13 +59,7 @@ def encode_frame(doc: Any) -> bytes:
     return _LEN.pack(len(body)) + body
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"key {key[:100]!r} appears twice")
-        out[key] = value
-    return out
+_pairs = unique_keys(lambda key: ValueError(f"key {key[:100]!r} appears twice"))
 
 
 def _constant(name: str) -> Any:

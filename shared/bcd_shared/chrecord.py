@@ -17,6 +17,7 @@ from attrs import frozen
 
 from bcd_shared.chunit import valid_vmm_uid
 from bcd_shared.instancenames import BRIDGE_RE, MAC_RE, MAX_NICS, SHA256_RE, valid_instance_id
+from bcd_shared.strictjson import unique_keys
 
 VERSION = 1
 MAX_BYTES = 1 << 20
@@ -110,13 +111,7 @@ def _obj(value: Any, where: str, fields: dict[str, Any]) -> dict[str, Any]:
     return value
 
 
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise RecordError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
+_no_duplicates = unique_keys(lambda k: RecordError(f"duplicate key {k!r}"))
 
 
 def parse_record(data: bytes) -> CHRecord:

@@ -4,9 +4,12 @@ A raw file of exactly 1 MiB in the instance's directory (`<instance dir>/rebind.
 running guest as virtio disk `vdz` with serial `bc-rebind` (DLV-REB-07/09), read-write: the tar of the
 bundle at offset 0, the guest's answer `BCREBOUND <nonce>` at the start of its last 4 KiB
 (DLV-REB-05/06). The helper builds the same `virsh attach-disk` argv from the instance's name alone.
+The file is zeroed before it is deleted (`zero_and_remove`), so the secret never stays on the host.
 """
 
 from __future__ import annotations
+
+import os
 
 REBIND_FILE = "rebind.img"
 REBIND_SIZE = 1 << 20
@@ -23,3 +26,21 @@ def attach_args(path: str) -> list[str]:
 
 def detach_args() -> list[str]:
     return [REBIND_TARGET, "--live"]
+
+
+def zero_and_remove(real: str) -> None:
+    """Overwrite a file with zeros, fsync, unlink (O_NOFOLLOW: never a link's target)."""
+    try:
+        fd = os.open(real, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        size = os.fstat(fd).st_size
+        chunk = b"\0" * min(size, 1 << 20)
+        written = 0
+        while written < size:
+            written += os.write(fd, chunk[: size - written])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.unlink(real)

@@ -113,25 +113,17 @@ def _rss_mb(pid: int) -> float:
 async def node_numbers(root: Path) -> dict[str, float]:
     from bcd_shared import wire
 
+    from bcd_agent.bench.nodeproc import joined_plane
     from bcd_agent.devplane.otlp import OtlpReceiver
-    from bcd_agent.devplane.plane import DevPlane
     from bcd_agent.plan import load_spec_file
-    from bcd_agent.sim import Child, Layout, bcd_argv, prepare, run_once, supervise
+    from bcd_agent.sim import Child, Layout, bcd_argv, prepare, supervise
 
     layout = Layout(root)
     prepare(layout, helper=False, node_uid=None)
     spec = load_spec_file(_example())
     out: dict[str, float] = {}
     async with trio.open_nursery() as nursery:
-        plane = DevPlane(layout.plane_dir, listen=None, unix_socket=layout.gateway_socket)
-        await nursery.start(plane.run)
-        token = plane.issue_token()
-        await run_once(
-            bcd_argv("join", f"--token={token}", "--address", f"unix:{layout.gateway_socket}",
-                     "--config", str(layout.node_config)),
-            layout.log_dir / "join.log",
-        )  # fmt: skip
-        node_id = plane.default_node()
+        plane, node_id = await joined_plane(layout, nursery)
         plane.apply_spec(node_id, spec)
         argv = bcd_argv("node", "--config", str(layout.node_config), "--root", str(root))
         child = Child("bcd node", tuple(argv), layout.log_dir / "node.log")

@@ -31,8 +31,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from bcd_agent.helperclient import HelperClient
 
 TARGETS: dict[str, tuple[str, float]] = {
     "noop_pass_ms": ("<=", 50.0),
@@ -110,13 +115,43 @@ def _header_check_us(base: Path) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+@contextmanager
+def _helper(root: Path, config: str) -> Iterator[HelperClient]:
+    """`bcd helper serve` on the simulated `root` with `config` as its config.toml, once it answers a
+    ping; stopped (SIGTERM, reaped) when the block ends."""
+    from bcd_agent.helperclient import HelperClient
+
+    cfg = root / "etc/bcd/config.toml"
+    cfg.parent.mkdir(parents=True, exist_ok=True)
+    os.chmod(cfg.parent, 0o750)  # noqa: S103 (the install's /etc/bcd mode)
+    cfg.write_text(config)
+    os.chmod(cfg, 0o640)
+    sock = str(root / "run/bcd/helper.sock")
+    proc = subprocess.Popen([sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)])
+    client = HelperClient(sock)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                client.ping()
+                break
+            except Exception:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("the helper did not start") from None
+                time.sleep(0.01)
+        yield client
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(5)
+
+
 def _define_ratio(base: Path) -> dict[str, float]:
     from bcd_shared.system import CommandResult
     from bcd_simhost import sim_system
     from bcd_simhost.libvirt import IMAGE_SHA256
     from bcd_simhost.seed import seed
 
-    from bcd_agent.helperclient import HelperClient
     from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
     from bcd_agent.sections.instances.runtimes.base import Prepared
     from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
@@ -152,27 +187,11 @@ def _define_ratio(base: Path) -> dict[str, float]:
     xml_text = keep.xml.decode()
     xml_file = base / "bench-vm.xml"
     xml_file.write_bytes(keep.xml)
-    cfg = root / "etc/bcd/config.toml"
-    cfg.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(cfg.parent, 0o750)  # noqa: S103 (the install's /etc/bcd mode)
-    cfg.write_text(
+    config = (
         '[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 65534\nnode_gid = 65534\n'
         'instance_bridges = "br0"\nlibvirt_uri = "test:///default"\n'
     )
-    os.chmod(cfg, 0o640)
-    sock = str(root / "run/bcd/helper.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)])
-    client = HelperClient(sock)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except Exception:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the helper did not start") from None
-                time.sleep(0.01)
+    with _helper(root, config) as client:
         argv = [virsh, "-c", "test:///default", "define", "--validate", str(xml_file)]
         direct: list[float] = []
         helper: list[float] = []
@@ -183,10 +202,6 @@ def _define_ratio(base: Path) -> dict[str, float]:
             t0 = time.perf_counter()
             client.call("libvirt.define", {"name": "bench-vm", "xml": xml_text})
             helper.append(time.perf_counter() - t0)
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(5)
     d, h = statistics.median(direct), statistics.median(helper)
     return {"direct_define_ms": d * 1000, "helper_define_ms": h * 1000, "helper_define_ratio": d / h}
 
@@ -215,45 +230,23 @@ def _ch_launch_ms(base: Path) -> float:
     from bcd_simhost.chapi import lay_out_instance
     from bcd_simhost.seed import seed
 
-    from bcd_agent.helperclient import HelperClient
-
     root = base / "chhost"
     seed(root)
     for p in (base, root):
         os.chmod(p, 0o755)  # noqa: S103 (the simulated root must be traversable, as / is)
     node = 65534
     lay_out_instance(root, "bench-ch", node, VMM_UID_BASE + 1)
-    cfg = root / "etc/bcd/config.toml"
-    cfg.parent.mkdir(parents=True, exist_ok=True)
-    os.chmod(cfg.parent, 0o750)  # noqa: S103 (the install's /etc/bcd mode)
-    cfg.write_text(
+    config = (
         f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = {node}\nnode_gid = {node}\n'
         'instance_bridges = "br0"\n'
     )
-    os.chmod(cfg, 0o640)
-    sock = str(root / "run/bcd/helper.sock")
-    proc = subprocess.Popen([sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)])
-    client = HelperClient(sock)
-    try:
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                client.ping()
-                break
-            except Exception:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("the helper did not start") from None
-                time.sleep(0.01)
+    with _helper(root, config) as client:
         times = []
         for _ in range(15):
             t0 = time.perf_counter()
             client.call("ch.launch", {"name": "bench-ch"})
             times.append((time.perf_counter() - t0) * 1000)
             client.call("ch.stop", {"name": "bench-ch"})
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(5)
     return statistics.median(times)
 
 

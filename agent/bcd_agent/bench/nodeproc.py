@@ -11,9 +11,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
+
+if TYPE_CHECKING:
+    from bcd_agent.devplane.plane import DevPlane
+    from bcd_agent.sim import Layout
 
 
 def rss_mb(pid: int) -> float:
@@ -40,9 +44,9 @@ class NodeWorld:
         return config
 
     async def start_node(self, gateway: Path | None = None, extra_config: str = "") -> trio.Process:
-        """`bcd node --test-kinds` until the world ends (SIGTERM, then SIGKILL after 10 s). Not through
-        `bcd_agent.sim.supervise`: its PR_SET_PDEATHSIG is tied to the spawning thread, which trio's
-        thread cache ends after a while, killing a long-running child."""
+        """`bcd node --test-kinds` until the world ends (SIGTERM, then SIGKILL after 10 s: sim.watch). Not
+        through `bcd_agent.sim.supervise`: its PR_SET_PDEATHSIG is tied to the spawning thread, which
+        trio's thread cache ends after a while, killing a long-running child."""
         from bcd_agent.sim import bcd_argv
 
         config = self.write_config(gateway or self.layout.gateway_socket, extra_config)
@@ -60,37 +64,37 @@ class NodeWorld:
 async def _child(
     argv: list[str], log: Path, *, task_status: trio.TaskStatus[trio.Process] = trio.TASK_STATUS_IGNORED
 ) -> None:
+    from bcd_agent.sim import watch
+
     with log.open("ab") as out:
         proc = await trio.lowlevel.open_process(argv, stdout=out, stderr=out)
-        try:
-            task_status.started(proc)
-            await proc.wait()
-        finally:
-            if proc.returncode is None:
-                with trio.CancelScope(shield=True):
-                    proc.terminate()
-                    with trio.move_on_after(10):
-                        await proc.wait()
-                    if proc.returncode is None:
-                        proc.kill()
-                        await proc.wait()
+        await watch(proc, 10, task_status)
+
+
+async def joined_plane(layout: Layout, nursery: trio.Nursery) -> tuple[DevPlane, str]:
+    """The development plane on `layout`'s gateway socket, run in `nursery`, and `bcd join` done
+    against it with the layout's node config: the plane and the joined node's id."""
+    from bcd_agent.devplane.plane import DevPlane
+    from bcd_agent.sim import bcd_argv, run_once
+
+    plane = DevPlane(layout.plane_dir, listen=None, unix_socket=layout.gateway_socket)
+    await nursery.start(plane.run)
+    token = plane.issue_token()
+    await run_once(
+        bcd_argv("join", f"--token={token}", "--address", f"unix:{layout.gateway_socket}",
+                 "--config", str(layout.node_config)),
+        layout.log_dir / "join.log",
+    )  # fmt: skip
+    return plane, plane.default_node()
 
 
 @asynccontextmanager
 async def node_world(base: Path) -> AsyncIterator[NodeWorld]:
-    from bcd_agent.devplane.plane import DevPlane
-    from bcd_agent.sim import Layout, bcd_argv, prepare, run_once
+    from bcd_agent.sim import Layout, prepare
 
     layout = Layout(base)
     prepare(layout, helper=False, node_uid=None)
     async with trio.open_nursery() as nursery:
-        plane = DevPlane(layout.plane_dir, listen=None, unix_socket=layout.gateway_socket)
-        await nursery.start(plane.run)
-        token = plane.issue_token()
-        await run_once(
-            bcd_argv("join", f"--token={token}", "--address", f"unix:{layout.gateway_socket}",
-                     "--config", str(layout.node_config)),
-            layout.log_dir / "join.log",
-        )  # fmt: skip
-        yield NodeWorld(base, nursery, plane, layout, plane.default_node())
+        plane, node_id = await joined_plane(layout, nursery)
+        yield NodeWorld(base, nursery, plane, layout, node_id)
         nursery.cancel_scope.cancel()

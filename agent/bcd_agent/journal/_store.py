@@ -605,53 +605,15 @@ class Journal:
             if self._full():
                 raise JournalFull(self._full_message())
             now = self._clock()
-            flags = command.flags
             try:
                 # A single statement in autocommit mode is one transaction.
                 with self._storage(), self._mode(durable):
-                    self._conn.execute(
-                        _SQL_INSERT_ACCEPTED,
-                        (
-                            command.id, command.kind, flags.retry_safe, flags.self_terminating,
-                            flags.attested, self._incarnation, self._boot_id, now, now, command.body,
-                            command.signature,
-                        ),
-                    )  # fmt: skip
+                    self._conn.execute(_SQL_INSERT_ACCEPTED, self._accepted_row(command, now))
                 self._committed(durable or not self.group_commit)
             except sqlite3.IntegrityError:
                 with self._tx(durable) as c:
-                    row = c.execute(_SQL_GET, (command.id,)).fetchone()
-                    old = _entry(row)
-                    if resolve_entry(old, self._incarnation, self._boot_id) is not Action.REEXECUTE:
-                        raise StateError(
-                            f"command {command.id}: already journaled ({old.state.value}); resolve it first"
-                        ) from None
-                    c.execute(
-                        _SQL_TAKE_OVER,
-                        (
-                            self._incarnation,
-                            self._boot_id,
-                            now,
-                            now,
-                            command.body,
-                            command.signature,
-                            command.id,
-                        ),
-                    )
-            return CommandEntry(
-                id=command.id,
-                kind=command.kind,
-                flags=flags,
-                state=CommandState.ACCEPTED,
-                incarnation=self._incarnation,
-                boot_id=self._boot_id,
-                accepted_at=now,
-                updated_at=now,
-                body=command.body,
-                signature=command.signature,
-                result=None,
-                acked=False,
-            )
+                    self._take_over(c, command, now)
+            return self._accepted_entry(command, now)
 
     def accept_commands(
         self, commands: Sequence[NewCommand], *, durable: bool = True
@@ -678,29 +640,39 @@ class Journal:
     def _accept_in(self, c: sqlite3.Connection, command: NewCommand, now: float) -> CommandEntry:
         """`accepted` for one command inside the caller's transaction (StateError: already journaled
         and not a retry-safe leftover of an earlier process; nothing written)."""
-        flags = command.flags
         try:
-            c.execute(
-                _SQL_INSERT_ACCEPTED,
-                (
-                    command.id, command.kind, flags.retry_safe, flags.self_terminating, flags.attested,
-                    self._incarnation, self._boot_id, now, now, command.body, command.signature,
-                ),
-            )  # fmt: skip
+            c.execute(_SQL_INSERT_ACCEPTED, self._accepted_row(command, now))
         except sqlite3.IntegrityError:
-            old = _entry(c.execute(_SQL_GET, (command.id,)).fetchone())
-            if resolve_entry(old, self._incarnation, self._boot_id) is not Action.REEXECUTE:
-                raise StateError(
-                    f"command {command.id}: already journaled ({old.state.value}); resolve it first"
-                ) from None
-            c.execute(
-                _SQL_TAKE_OVER,
-                (self._incarnation, self._boot_id, now, now, command.body, command.signature, command.id),
-            )
+            self._take_over(c, command, now)
+        return self._accepted_entry(command, now)
+
+    def _accepted_row(self, command: NewCommand, now: float) -> tuple[object, ...]:
+        """_SQL_INSERT_ACCEPTED's parameters for `command` accepted by this process at `now`."""
+        flags = command.flags
+        return (
+            command.id, command.kind, flags.retry_safe, flags.self_terminating, flags.attested,
+            self._incarnation, self._boot_id, now, now, command.body, command.signature,
+        )  # fmt: skip
+
+    def _take_over(self, c: sqlite3.Connection, command: NewCommand, now: float) -> None:
+        """`command` is already journaled: take over a retry-safe leftover of an earlier process
+        (Resolve REEXECUTE), inside the caller's transaction; anything else is a StateError."""
+        old = _entry(c.execute(_SQL_GET, (command.id,)).fetchone())
+        if resolve_entry(old, self._incarnation, self._boot_id) is not Action.REEXECUTE:
+            raise StateError(
+                f"command {command.id}: already journaled ({old.state.value}); resolve it first"
+            ) from None
+        c.execute(
+            _SQL_TAKE_OVER,
+            (self._incarnation, self._boot_id, now, now, command.body, command.signature, command.id),
+        )
+
+    def _accepted_entry(self, command: NewCommand, now: float) -> CommandEntry:
+        """The entry `accepted` wrote for `command` (or its take-over)."""
         return CommandEntry(
             id=command.id,
             kind=command.kind,
-            flags=flags,
+            flags=command.flags,
             state=CommandState.ACCEPTED,
             incarnation=self._incarnation,
             boot_id=self._boot_id,

@@ -63,7 +63,12 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "pki": (("shared/bcd_shared/pki/*",), ("tests/pki/",)),
     "shared": (
-        ("shared/bcd_shared/rootpath.py", "shared/bcd_shared/cdi.py", "shared/bcd_shared/units/*"),
+        (
+            "shared/bcd_shared/rootpath.py",
+            "shared/bcd_shared/cdi.py",
+            "shared/bcd_shared/strictjson.py",
+            "shared/bcd_shared/units/*",
+        ),
         ("tests/host/", "tests/devices/", "tests/helper/"),
     ),
     "journal": (("agent/bcd_agent/journal/*",), ("tests/journal/",)),

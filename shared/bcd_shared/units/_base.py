@@ -22,6 +22,7 @@ from typing import Any, Literal, Protocol
 from attrs import field, frozen
 
 from bcd_shared.errors import RetryableError, StepError, TerminalError
+from bcd_shared.strictjson import unique_keys
 from bcd_shared.system import CommandResult, System
 
 STATE_DIR = "/var/lib/bcd-hostconfig"
@@ -130,13 +131,7 @@ def _no_constant(name: str) -> Any:
     raise refuse(f"{name} is not a JSON number bcd accepts")
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise refuse(f"{k}: appears twice")
-        out[k] = v
-    return out
+_pairs = unique_keys(lambda k: refuse(f"{k}: appears twice"))
 
 
 _DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_no_constant)

@@ -39,6 +39,7 @@ import attrs
 from attrs import frozen
 from bcd_shared.errors import StepError
 from bcd_shared.rebinddisk import ANSWER_SIZE, REBIND_SIZE
+from bcd_shared.strictjson import unique_keys
 
 from bcd_agent.sections.instances.model import Desired, InstancesSpec
 from bcd_agent.sections.instances.runtimes.base import RUNNING, Domain
@@ -77,13 +78,7 @@ class RebindBundle:
     host_certificate: str | None = None
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise BundleRefused(f"bundle: key {k[:40]!r} appears twice")
-        out[k] = v
-    return out
+_pairs = unique_keys(lambda k: BundleRefused(f"bundle: key {k[:40]!r} appears twice"))
 
 
 def parse_rebind(data: bytes) -> RebindBundle:

@@ -164,14 +164,19 @@ def read_meta(tar_path: str) -> SnapshotMeta:
     """The tar's `meta.json` (its first member), strictly."""
     check_headers(tar_path)
     with tarfile.open(tar_path, mode="r:") as tar:
-        first = tar.next()
-        if first is None or first.name != META_NAME or not first.isreg() or first.size > MAX_META:
-            raise SnapshotRefused(
-                "BadSnapshot", f"snapshot: the first member must be {META_NAME}, a file of at most 4 KiB"
-            )
-        f = tar.extractfile(first)
-        assert f is not None
-        return parse_meta(f.read())
+        return _first_meta(tar)
+
+
+def _first_meta(tar: tarfile.TarFile) -> SnapshotMeta:
+    """The open tar's next member, which must be `meta.json`, parsed strictly."""
+    first = tar.next()
+    if first is None or first.name != META_NAME or not first.isreg() or first.size > MAX_META:
+        raise SnapshotRefused(
+            "BadSnapshot", f"snapshot: the first member must be {META_NAME}, a file of at most 4 KiB"
+        )
+    f = tar.extractfile(first)
+    assert f is not None
+    return parse_meta(f.read())
 
 
 MAX_EXTENDED_HEADER: Final = 64 * 1024
@@ -230,14 +235,7 @@ def unpack(
     Anything else is refused, naming the member and the rule."""
     check_headers(tar_path)
     with tarfile.open(tar_path, mode="r:") as tar:
-        first = tar.next()
-        if first is None or first.name != META_NAME or not first.isreg() or first.size > MAX_META:
-            raise SnapshotRefused(
-                "BadSnapshot", f"snapshot: the first member must be {META_NAME}, a file of at most 4 KiB"
-            )
-        mf = tar.extractfile(first)
-        assert mf is not None
-        meta = parse_meta(mf.read())
+        meta = _first_meta(tar)
         check_meta(meta, runtime, host_cpu_model)
         seen: list[str] = []
         while (member := tar.next()) is not None:  # (iterating the TarFile would yield meta.json again)

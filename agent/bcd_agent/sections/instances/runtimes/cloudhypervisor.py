@@ -47,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
-import hashlib
 import json
 import logging
 import os
@@ -66,9 +65,11 @@ from bcd_shared.chunit import FIRMWARE, VMM_UID_BASE, VMM_UID_COUNT, ch_dir, ch_
 from bcd_shared.errors import HelperRefused, RetryableError, StepError, TerminalError
 from bcd_shared.images import MAX_READ, ImageRefused, check_image, check_overlay, parse_header
 from bcd_shared.instancenames import valid_instance_id, volumes_dir
-from bcd_shared.system import System
+from bcd_shared.rebinddisk import zero_and_remove
+from bcd_shared.system import CommandResult, System
 
 from bcd_agent.sections.instances.model import RUNTIME_CH, InstanceSpec
+from bcd_agent.sections.instances.runtimes import images
 from bcd_agent.sections.instances.runtimes.base import (
     CH_STATE_DIR,
     PAUSED,
@@ -368,56 +369,19 @@ class CloudHypervisorRuntime:
     # -- images and create -----------------------------------------------------------------------
 
     def _mkdir(self, path: str, mode: int) -> None:
-        real = self.system.host_path(path)
-        real.mkdir(parents=True, exist_ok=True)
-        os.chmod(real, mode)
+        images.make_dir(self.system, path, mode)
 
     def ensure_image(self, inst: InstanceSpec) -> str:
-        img = inst.image
-        assert img is not None
-        path = f"{ch_images_dir(self.data_dir)}/{img.sha256}.{img.format}"
-        self._mkdir(ch_images_dir(self.data_dir), 0o700)
-        if not self.system.exists(path):
-            self._download(img.url, img.sha256, img.format, path)
-        if img.format == "qcow2":
-            try:
-                check_image(self._real(path), self.max_virtual_size)
-            except ImageRefused as exc:
-                raise TerminalError("BadImage", f"image {img.sha256[:12]}: {exc.message}") from None
-        return path
-
-    def _download(self, url: str, sha256: str, fmt: str, path: str) -> None:
-        """As libvirt-kvm's (DLV-CH-05): https only, verified, checked before it becomes visible."""
-        if not url.startswith("https://"):
-            raise TerminalError("BadImage", f"image {url[:200]!r}: https only")
-        real = self._real(f"{ch_images_dir(self.data_dir)}/.{sha256}.{fmt}.part")
-        argv = [
-            "curl", "--fail", "--silent", "--show-error", "--location",
-            "--proto", "=https", "--proto-redir", "=https",
-            "--speed-limit", "8738", "--speed-time", "120", "--max-time", "21600", "-o", real, url,
-        ]  # fmt: skip
-        result = self.system.run(argv, timeout=21700)
-        try:
-            if not result.ok:
-                raise RetryableError("DownloadFailed", f"image {url[:200]}: {result.describe()}")
-            digest = hashlib.sha256()
-            with open(real, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
-            if digest.hexdigest() != sha256:
-                raise TerminalError(
-                    "BadImage", f"image {url[:200]}: SHA-256 {digest.hexdigest()} is not {sha256}"
-                )
-            if fmt == "qcow2":
-                try:
-                    check_image(real, self.max_virtual_size)
-                except ImageRefused as exc:
-                    raise TerminalError("BadImage", f"image {url[:200]}: {exc.message}") from None
-            os.chmod(real, 0o644)
-            os.replace(real, self._real(path))
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(real)
+        """As libvirt-kvm's (DLV-CH-05; runtimes/images.py), into `cloud-hypervisor/images`."""
+        assert inst.image is not None
+        return images.ensure_image(
+            self.system,
+            ch_images_dir(self.data_dir),
+            inst.image,
+            self.max_virtual_size,
+            dir_mode=0o700,
+            describe=CommandResult.describe,
+        )
 
     def _free_uid(self, name: str) -> int:
         used = set()
@@ -831,7 +795,7 @@ class CloudHypervisorRuntime:
         try:
             return str(self.api(name).add_disk(disk).get("id", self.REBIND_ID))
         except CHApiError as exc:
-            self._zero_and_remove(path)
+            zero_and_remove(self._real(path))
             raise RetryableError("RebindFailed", f"{name}: vm.add-disk: {exc}") from None
 
     def rebind_answer(self, name: str, size: int = 4096) -> bytes:
@@ -850,24 +814,7 @@ class CloudHypervisorRuntime:
             with contextlib.suppress(CHApiError):
                 self.api(name).remove_device(self.REBIND_ID)
         finally:
-            self._zero_and_remove(path)
-
-    def _zero_and_remove(self, path: str) -> None:
-        real = self._real(path)
-        try:
-            fd = os.open(real, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return
-        try:
-            size = os.fstat(fd).st_size
-            chunk = b"\0" * min(size, 1 << 20)
-            written = 0
-            while written < size:
-                written += os.write(fd, chunk[: size - written])
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.unlink(real)
+            zero_and_remove(self._real(path))
 
     # -- snapshots and restores (DLV-CH-25, DLV-CH-34..41, DLV-CHU-07/08, DLV-BAL-15) -------------
     # The runtime's half of DLV-SNAP-01..13: `snapshot` writes the tar into a staging file the

@@ -6,7 +6,7 @@
 - Images (DLV-LIBVIRT-03..05, DLV-IMG-02/03): downloaded once with curl, https only (redirects too), to a
   staging file in `images/`, verified against the SHA-256, a qcow2 checked by its header
   (bcd_shared.images.check_image), made 0644 and renamed to `images/<sha256>.<format>` in a 0700
-  directory; a qcow2 base is checked again on every use.
+  directory; a qcow2 base is checked again on every use (runtimes/images.py, shared with cloud-hypervisor).
 - Disks (DLV-LIBVIRT-02/06/07/08, DLV-IMG-18/19): `qemu-img create -f qcow2 -u -b BASE -F FMT` (never
   opening the base), a blank qcow2 for an iso install; grown with `qemu-img resize` of the overlay
   alone (`json:` options: driver qcow2, `backing` null; see `overlay_only`) while stopped and
@@ -26,7 +26,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shutil
@@ -45,10 +44,11 @@ from bcd_shared.instancenames import (
     valid_instance_id,
     volumes_dir,
 )
-from bcd_shared.rebinddisk import REBIND_FILE, attach_args, detach_args
+from bcd_shared.rebinddisk import REBIND_FILE, attach_args, detach_args, zero_and_remove
 from bcd_shared.system import CommandResult, System
 
 from bcd_agent.sections.instances.model import RUNTIME_LIBVIRT, InstanceSpec
+from bcd_agent.sections.instances.runtimes import images
 from bcd_agent.sections.instances.runtimes.base import (
     DISK_NAME,
     LIBVIRT_STATE_NAME,
@@ -386,58 +386,19 @@ class LibvirtRuntime:
     # --- images -----------------------------------------------------------------------------------
 
     def _mkdir(self, path: str, mode: int) -> None:
-        real = self.system.host_path(path)
-        real.mkdir(parents=True, exist_ok=True)
-        os.chmod(real, mode)
+        images.make_dir(self.system, path, mode)
 
     def ensure_image(self, inst: InstanceSpec) -> str:
         """The verified base image's path, downloading it once (see the module docstring)."""
-        img = inst.image
-        assert img is not None
-        path = image_path(self.data_dir, img.sha256, img.format)
-        self._mkdir(images_dir(self.data_dir), 0o700 if not self.under_helper else 0o710)
-        if not self.system.exists(path):
-            self._download(img.url, img.sha256, img.format, path)
-        if img.format == "qcow2":
-            try:
-                check_image(self._real(path), self.max_virtual_size)
-            except ImageRefused as exc:
-                raise TerminalError("BadImage", f"image {img.sha256[:12]}: {exc.message}") from None
-        return path
-
-    def _download(self, url: str, sha256: str, fmt: str, path: str) -> None:
-        if not url.startswith("https://"):
-            raise TerminalError("BadImage", f"image {url[:200]!r}: https only")
-        part = f"{images_dir(self.data_dir)}/.{sha256}.{fmt}.part"
-        argv = [
-            "curl", "--fail", "--silent", "--show-error", "--location",
-            "--proto", "=https", "--proto-redir", "=https",
-            "--speed-limit", "8738", "--speed-time", "120", "--max-time", "21600",
-            "-o", self._real(part), url,
-        ]  # fmt: skip
-        result = self.system.run(argv, timeout=21700)
-        real = self._real(part)
-        try:
-            if not result.ok:
-                raise RetryableError("DownloadFailed", f"image {url[:200]}: {_describe(result)}")
-            digest = hashlib.sha256()
-            with open(real, "rb") as f:
-                for chunk in iter(lambda: f.read(1 << 20), b""):
-                    digest.update(chunk)
-            if digest.hexdigest() != sha256:
-                raise TerminalError(
-                    "BadImage", f"image {url[:200]}: SHA-256 {digest.hexdigest()} is not {sha256}"
-                )
-            if fmt == "qcow2":
-                try:
-                    check_image(real, self.max_virtual_size)
-                except ImageRefused as exc:
-                    raise TerminalError("BadImage", f"image {url[:200]}: {exc.message}") from None
-            os.chmod(real, 0o644)
-            os.replace(real, self._real(path))
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(real)
+        assert inst.image is not None
+        return images.ensure_image(
+            self.system,
+            images_dir(self.data_dir),
+            inst.image,
+            self.max_virtual_size,
+            dir_mode=0o700 if not self.under_helper else 0o710,
+            describe=_describe,
+        )
 
     # --- create -----------------------------------------------------------------------------------
 
@@ -955,24 +916,6 @@ class LibvirtRuntime:
             self.virsh.act("detach-disk", name, *detach_args())
         finally:
             zero_and_remove(self._real(self._rebind_path(name)))
-
-
-def zero_and_remove(real: str) -> None:
-    """Overwrite a file with zeros, fsync, unlink (O_NOFOLLOW: never a link's target)."""
-    try:
-        fd = os.open(real, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return
-    try:
-        size = os.fstat(fd).st_size
-        chunk = b"\0" * min(size, 1 << 20)
-        written = 0
-        while written < size:
-            written += os.write(fd, chunk[: size - written])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.unlink(real)
 
 
 def parse_domstats(text: str) -> dict[str, dict[str, int]]:
