@@ -342,3 +342,64 @@ def test_mig_layout_reads_the_busy_gpus_itself(root: Path) -> None:
         "busy-unknown",
         "host.unit: cannot list compute processes: nvidia-smi exited 2: no driver",
     )
+
+
+# --- host.unit to the end ---------------------------------------------------------------------------------
+
+
+def kernel(root: Path) -> Any:
+    """A host whose `sysctl -w key=value` sets the simulated /proc/sys file, as the real tool would."""
+    (root / "proc/sys/vm").mkdir(parents=True)
+    (root / "proc/sys/vm/swappiness").write_text("60\n")
+
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[:2] == ("sysctl", "-w"):
+            key, _, value = argv[2].partition("=")
+            (root / "proc/sys" / key.replace(".", "/")).write_text(value + "\n")
+        return 0, b"", b""
+
+    return script
+
+
+def test_host_unit_converges_the_unit_and_answers_what_it_did(root: Path) -> None:
+    ctx = ctx_of(root, kernel(root), config='[host]\nsysctl_allow = "vm"\n')
+    got = host_unit(call(ctx), HostUnit("sysctl", settings='{"vm.swappiness":10}'))
+    assert got["unit"] == "sysctl" and got["changed"] is True
+    assert got["steps"] == ["write /etc/sysctl.d/90-bcd.conf", "run sysctl -w vm.swappiness=10"]
+    assert got["issues"] == [] and got["conditions"] == []
+    assert (root / "etc/sysctl.d/90-bcd.conf").exists()
+    assert (root / "proc/sys/vm/swappiness").read_text().strip() == "10"
+    again = host_unit(call(ctx), HostUnit("sysctl", settings='{"vm.swappiness":10}'))
+    assert again == {"unit": "sysctl", "changed": False, "steps": [], "issues": [], "conditions": []}
+    clean = host_unit(call(ctx), HostUnit("sysctl", settings=None))
+    assert clean["steps"] == ["remove /etc/sysctl.d/90-bcd.conf"] and clean["changed"] is True
+    assert not (root / "etc/sysctl.d/90-bcd.conf").exists()
+
+
+def test_host_unit_reports_issues_as_kind_and_message(root: Path) -> None:
+    ctx = ctx_of(root)
+    got = host_unit(call(ctx), HostUnit("sysctl", settings='{"vm.swappiness":10}'))
+    assert got["issues"] == [
+        {
+            "kind": "retryable",
+            "message": "sysctl: this kernel has no vm.swappiness (is the module that provides it loaded?)",
+        }
+    ]
+
+
+def test_a_signed_host_unit_writes_roots_state_before_the_unit(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    from bcd_helper.intent import STATE_PATH, IntentState
+    from intentkit import host_body, intent
+
+    ctx = signed_ctx(root, cp, kernel(root))
+    settings = '{"vm.swappiness":10}'
+    doc = intent(worker, host_body(NODE, 7, {"sysctl": settings}))
+    signed_intent = hostunit.SignedIntent(doc["body"], doc["signature"], tuple(doc["chain"]), None)
+    host_unit(call(ctx), HostUnit("sysctl", settings=settings, intent=signed_intent))
+    state = IntentState.decode((root / STATE_PATH.lstrip("/")).read_bytes())
+    assert state.generation == 7 and state.node_id == NODE
+    refused_req = HostUnit("sysctl", settings='{"vm.swappiness":20}', intent=signed_intent)
+    assert refused(host_unit, call(ctx), refused_req)[0] == "settings-mismatch"
+    assert (root / "proc/sys/vm/swappiness").read_text().strip() == "10"
