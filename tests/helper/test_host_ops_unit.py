@@ -403,3 +403,44 @@ def test_a_signed_host_unit_writes_roots_state_before_the_unit(
     refused_req = HostUnit("sysctl", settings='{"vm.swappiness":20}', intent=signed_intent)
     assert refused(host_unit, call(ctx), refused_req)[0] == "settings-mismatch"
     assert (root / "proc/sys/vm/swappiness").read_text().strip() == "10"
+
+
+def test_a_presented_command_is_decoded_even_without_roots(root: Path, worker: Signer) -> None:
+    import attrs
+
+    bad = attrs.evolve(signed(worker, "gpu.reset", wire.GpuResetRequest(gpu_uuids=[GPU1])), chain=("A",))
+    ctx = ctx_of(root, smi())
+    assert refused(gpu_reset, call(ctx), GpuReset((GPU1,), bad)) == (
+        "bad-intent",
+        "gpu.reset: intent.command.chain[0] is not base64",
+    )
+    assert refused(node_reboot, call(ctx), NodeReboot(bad)) == (
+        "bad-intent",
+        "node.reboot: intent.command.chain[0] is not base64",
+    )
+    assert programs(ctx).runs == []
+
+
+def test_every_busy_gpu_is_named(root: Path) -> None:
+    ctx = ctx_of(root, smi(apps=f"{GPU1}, 11\n{GPU2}, 22\n".encode()))
+    assert refused(gpu_reset, call(ctx), GpuReset((GPU1, GPU2))) == (
+        "gpu-busy",
+        f"gpu.reset: {GPU1} runs compute process 11; {GPU2} runs compute process 22",
+    )
+
+
+def test_a_reset_message_that_is_not_utf8_is_replaced(root: Path) -> None:
+    ctx = ctx_of(root, smi(gpus=GPU1.encode(), reset={GPU1: (3, b"bad \xff byte")}))
+    assert gpu_reset(call(ctx), GpuReset((GPU1,)))["gpus"][0]["message"] == "bad \ufffd byte"
+
+
+def test_the_version_is_the_installed_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata as md
+
+    assert host.helper_version() == md.version("bcd-helper")
+
+    def missing(_name: str) -> str:
+        raise md.PackageNotFoundError(_name)
+
+    monkeypatch.setattr(md, "version", missing)
+    assert host.helper_version() == "unknown"
