@@ -304,8 +304,10 @@ def test_host_unit_refusals_before_any_effect(root: Path, monkeypatch: pytest.Mo
     reason, message = refused(host_unit, call(ctx), HostUnit("sysctl", settings="{"))
     assert reason == "invalid-settings" and message.startswith("host.unit: sysctl: ")
     deep = "[" * 100_000 + "]" * 100_000
-    reason, message = refused(host_unit, call(ctx), HostUnit("sysctl", settings=deep))
-    assert reason == "invalid-settings"
+    assert refused(host_unit, call(ctx), HostUnit("sysctl", settings=deep)) == (
+        "invalid-settings",
+        "host.unit: sysctl: settings nested too deeply",
+    )
     monkeypatch.setattr(hostunit, "unit_registry", lambda: None)
     assert refused(host_unit, call(ctx), HostUnit("sysctl")) == (
         "not-configured",
