@@ -446,3 +446,89 @@ def test_the_version_is_the_installed_packages(monkeypatch: pytest.MonkeyPatch) 
 
     monkeypatch.setattr(md, "version", missing)
     assert host.helper_version() == "unknown"
+
+
+# --- what host.unit hands a unit --------------------------------------------------------------------------
+
+
+class Seen:
+    """A stand-in unit and converge: what host.unit passes on, and a result with every field set."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def decode_settings(self, text: str) -> str:
+        return f"decoded:{text}"
+
+    def converge(self, unit: Any, settings: Any, system: Any, uctx: Any, actx: Any) -> Any:
+        from types import SimpleNamespace as NS
+
+        self.calls.append((unit, settings, system, uctx, actx))
+        return NS(
+            changed=True,
+            steps_done=("one", "two"),
+            issues=[NS(kind="retryable", message="m1")],
+            conditions=[NS(type="RebootRequired", reason="Driver", message="m2")],
+        )
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> Seen:
+    import bcd_shared.units
+
+    s = Seen()
+    monkeypatch.setattr(hostunit, "unit_registry", lambda: {"mig-layout": s, "kmod": s})
+    monkeypatch.setattr(bcd_shared.units, "converge_unit", s.converge)
+    return s
+
+
+def test_host_unit_hands_the_unit_its_context_and_answers_its_result(root: Path, seen: Seen) -> None:
+    import bcd_shared.units as units
+
+    pin = "b" * 64
+    ctx = ctx_of(
+        root,
+        config=f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 4242\n[kubernetes]\nallowed_clusters = "https://10.0.0.1:6443#sha256:{pin}"\n',
+    )
+    c = call(ctx)
+    got = host_unit(c, HostUnit("kmod", settings="{}", busy_gpus=(GPU1, f"{GPU2}/gi1/ci0")))
+    assert got == {
+        "unit": "kmod",
+        "changed": True,
+        "steps": ["one", "two"],
+        "issues": [{"kind": "retryable", "message": "m1"}],
+        "conditions": [{"type": "RebootRequired", "reason": "Driver", "message": "m2"}],
+    }
+    ((unit, settings, system, uctx, actx),) = seen.calls
+    assert unit is seen and settings == "decoded:{}" and system is c.system
+    assert uctx == units.UnitContext(
+        busy_gpus=frozenset({GPU1, f"{GPU2}/gi1/ci0"}),
+        allowed_clusters=(units.ClusterPin("https://10.0.0.1:6443", pin),),
+    )
+    assert actx.guard == c.system.guard  # the bound method of the call's system
+    assert isinstance(actx.tokens, units.StagedTokenSource) and actx.tokens.system is c.system
+    host_unit(c, HostUnit("kmod", settings=None))
+    assert seen.calls[-1][1] is None  # a clean: no settings decoded
+
+
+def test_mig_layout_takes_roots_own_busy_gpus_and_all_known_when_any_mig_is_busy(
+    root: Path, seen: Seen
+) -> None:
+    ctx = ctx_of(root, smi(apps=f"{GPU1}, 7\n".encode(), gpus=f"{GPU1}\n{GPU2}\n".encode()))
+    host_unit(
+        call(ctx), HostUnit("mig-layout", settings="{}", busy_gpus=(GPU3,))
+    )  # the node's list is ignored
+    assert seen.calls[-1][3].busy_gpus == frozenset({GPU1})
+    mig = ctx_of(
+        root, smi(apps=b"MIG-5f1c2a90-0000-4000-8000-000000000009, 8\n", gpus=f"{GPU1}\n{GPU2}\n".encode())
+    )
+    host_unit(call(mig), HostUnit("mig-layout", settings="{}"))
+    assert seen.calls[-1][3].busy_gpus == frozenset({GPU1, GPU2})
+
+    def no_smi(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv == APPS:
+            return 0, b"MIG-5f1c2a90-0000-4000-8000-000000000009, 8\n", b""
+        return 127, b"", b""
+
+    host_unit(call(ctx_of(root, no_smi)), HostUnit("mig-layout", settings="{}"))
+    assert seen.calls[-1][3].busy_gpus == frozenset()
