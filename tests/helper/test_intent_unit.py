@@ -1124,3 +1124,22 @@ def test_a_rotated_bundle_version_without_a_record_must_be_presented(root: Path,
         "bundle-required",
         "host.unit: trust bundle version 1 rotated the command-signing roots: the node must present it",
     )
+
+
+def test_signed_instance_remembers_a_second_body_of_the_same_generation(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    v = with_record(cp, root)
+    t = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    first = instance_body(NODE, 5, {"vm-1": 1})
+    _, state = v.signed_instance("ch.start", "vm-1", signed(worker, first), t)
+    assert state is not None
+    v.save_state(state)
+    second = instance_body(NODE, 5, {"vm-1": 1, "vm-2": 1})
+    later = t + dt.timedelta(seconds=3)
+    _, more = v.signed_instance("ch.start", "vm-1", signed(worker, second), later)
+    assert more is not None
+    assert more.verified == (
+        Verified(hashlib.sha256(first).hexdigest(), 5, int(t.timestamp() * 1000)),
+        Verified(hashlib.sha256(second).hexdigest(), 5, int(later.timestamp() * 1000)),
+    )
