@@ -1240,3 +1240,25 @@ def test_cli_show_skips_unreadable_lines_anywhere(root: Path, capsys: pytest.Cap
     assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#1", "#3"]
     assert cli(root, "show", "--decision", "accepted", "--op", "slice.apply") == 0
     assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#2"]
+
+
+def test_only_the_newline_is_taken_off_a_line(root: Path, sealed: tuple[Path, str]) -> None:
+    d, _ = sealed
+    (root / "x").mkdir()
+    (root / "x/f").write_bytes(b"abX\n")
+    fd = os.open(root / "x", os.O_RDONLY)
+    try:
+        assert audit._first_line(fd, "f") == b"abX"
+    finally:
+        os.close(fd)
+    rows = raw_lines(d)
+    put(d, [rows[0], rows[1] + b" ", *rows[2:]])  # a trailing space: not what the helper wrote
+    assert verify_chain(d) == VerifyResult(
+        False, 1, f"{LOG_NAME} line 2: not in canonical form (edited)", 1, 1
+    )
+
+
+def test_the_expected_head_may_be_the_oldest_kept_line(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    first = hashlib.sha256(raw_lines(d)[0]).hexdigest()
+    assert verify_chain(d, key, (1, first)) == VerifyResult(True, 5, "", 1, 5)
