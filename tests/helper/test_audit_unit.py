@@ -495,7 +495,7 @@ def test_verify_names_a_gap_between_rotated_files(sealed: tuple[Path, str]) -> N
     assert verify_chain(d) == VerifyResult(False, 0, f"{LOG_NAME}.1 is missing (a gap between rotated files)")
     (d / f"{LOG_NAME}.1").write_bytes(b"")
     (d / f"{LOG_NAME}.4").write_bytes(b"")
-    assert verify_chain(d).problem == f"{LOG_NAME}.3 is missing (a gap between rotated files)"
+    assert verify_chain(d) == VerifyResult(False, 0, f"{LOG_NAME}.3 is missing (a gap between rotated files)")
 
 
 @pytest.mark.parametrize(
@@ -662,7 +662,7 @@ def test_verify_checks_the_key_state_file(sealed: tuple[Path, str]) -> None:
         5,
     )
     (d / KEY_NAME).write_bytes(b"junk")
-    assert verify_chain(d).problem == f"{KEY_NAME}: not a sealing key state"
+    assert verify_chain(d) == VerifyResult(False, 5, f"{KEY_NAME}: not a sealing key state", 1, 5)
     (d / KEY_NAME).write_bytes(state.replace(b"%020d" % 6, b"%020d" % 7))
     assert verify_chain(d).problem == (
         f"{KEY_NAME} is at seq 7 but the log ends at seq 5: lines were cut from the end"
@@ -677,7 +677,9 @@ def test_verify_checks_the_key_state_file(sealed: tuple[Path, str]) -> None:
     assert verify_chain(d, key).ok  # the lagging state holds exactly seq 5's key
     (d / KEY_NAME).write_bytes(state)
     seq6 = format_key(6, evolve(k))
-    assert verify_chain(d, seq6).problem == "sealing starts at seq 6 but the log ends at seq 5"
+    assert verify_chain(d, seq6) == VerifyResult(
+        False, 5, "sealing starts at seq 6 but the log ends at seq 5", 1, 5
+    )
 
 
 def test_verify_checks_the_expected_head(sealed: tuple[Path, str]) -> None:
@@ -708,18 +710,31 @@ def test_verify_across_rotations_checks_anchors(root: Path) -> None:
     # an anchor inside a file
     newest = raw_lines(d)
     first_anchor = newest[0]
+    total = sum(len(lines(f)) for f in files)
+    last = lines(files[-1])[-1]["seq"]
     put(d, [*newest, first_anchor])
-    result = verify_chain(d)
-    assert result.problem.endswith("an anchor inside a file (lines dropped, or files spliced)")
+    assert verify_chain(d) == VerifyResult(
+        False,
+        total,
+        f"{LOG_NAME} line {len(newest) + 1} (seq {json.loads(first_anchor)['seq']}): an anchor inside a file "
+        "(lines dropped, or files spliced)",
+        1,
+        last,
+    )
     put(d, newest)
     # the oldest file removed: audit.log.N missing is a gap only when in the middle; drop the oldest
     oldest = files[0]
     oldest_seq = lines(oldest)[0]["seq"]
     next_first = lines(files[1])[0]["seq"]
+    kept = total - len(lines(oldest))
     oldest.unlink()
-    assert verify_chain(d).problem == (
+    assert verify_chain(d) == VerifyResult(
+        False,
+        kept,
         f"the oldest kept line is seq {next_first} but the last rotation kept seq {oldest_seq} on: "
-        "older files were removed"
+        "older files were removed",
+        next_first,
+        last,
     )
 
 
@@ -734,7 +749,10 @@ def test_verify_names_an_anchor_that_names_the_wrong_previous_line(root: Path) -
     entry["args"]["previous_last_seq"] = 1
     rows[0] = canonical(entry)
     put(d2, rows)
-    assert verify_chain(d2).problem == f"{LOG_NAME} line 1: the anchor names the wrong previous line"
+    before = len(raw_lines(d2, f"{LOG_NAME}.1"))
+    assert verify_chain(d2) == VerifyResult(
+        False, before, f"{LOG_NAME} line 1: the anchor names the wrong previous line"
+    )
 
 
 def test_verify_names_an_oldest_anchor_that_does_not_explain_its_seq(root: Path) -> None:
@@ -749,7 +767,9 @@ def test_verify_names_an_oldest_anchor_that_does_not_explain_its_seq(root: Path)
     entry["args"]["previous_last_seq"] = seq - 2
     rows[0] = canonical(entry)
     put(d, rows)
-    assert verify_chain(d).problem == f"{LOG_NAME} line 1: the anchor does not explain seq {seq}"
+    assert verify_chain(d) == VerifyResult(
+        False, 0, f"{LOG_NAME} line 1: the anchor does not explain seq {seq}"
+    )
 
 
 def test_a_chain_that_starts_with_a_kept_anchor_verifies(root: Path) -> None:
@@ -762,9 +782,11 @@ def test_a_chain_that_starts_with_a_kept_anchor_verifies(root: Path) -> None:
     d = adir(root)
     result = verify_chain(d, log.created_key)
     assert result.ok and result.first_seq > 1
-    assert verify_chain(d, log.created_key, (result.first_seq - 1, "0" * 64)).problem == (
+    assert verify_chain(d, log.created_key, (result.first_seq - 1, "0" * 64)) == VerifyResult(
+        False,
+        result.lines,
         f"the expected head seq {result.first_seq - 1} is older than the oldest kept line "
-        f"(seq {result.first_seq})"
+        f"(seq {result.first_seq})",
     )
 
 
@@ -1133,7 +1155,9 @@ def test_a_replaced_key_state_is_found_with_a_key_of_its_seq(sealed: tuple[Path,
         k = evolve(k)
     at5 = format_key(5, k)
     (d / KEY_NAME).write_bytes(b"bcd-audit-key-state v1 %020d %s\n" % (5, bytes(32).hex().encode()))
-    assert verify_chain(d, at5).problem == f"{KEY_NAME}: the key state at seq 5 is not this key's (replaced)"
+    assert verify_chain(d, at5) == VerifyResult(
+        False, 5, f"{KEY_NAME}: the key state at seq 5 is not this key's (replaced)", 1, 5
+    )
     (d / KEY_NAME).write_bytes(b"bcd-audit-key-state v1 %020d %s\n" % (5, k.hex().encode()))
     assert verify_chain(d, at5).ok
 
@@ -1216,3 +1240,25 @@ def test_cli_show_skips_unreadable_lines_anywhere(root: Path, capsys: pytest.Cap
     assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#1", "#3"]
     assert cli(root, "show", "--decision", "accepted", "--op", "slice.apply") == 0
     assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#2"]
+
+
+def test_only_the_newline_is_taken_off_a_line(root: Path, sealed: tuple[Path, str]) -> None:
+    d, _ = sealed
+    (root / "x").mkdir()
+    (root / "x/f").write_bytes(b"abX\n")
+    fd = os.open(root / "x", os.O_RDONLY)
+    try:
+        assert audit._first_line(fd, "f") == b"abX"
+    finally:
+        os.close(fd)
+    rows = raw_lines(d)
+    put(d, [rows[0], rows[1] + b" ", *rows[2:]])  # a trailing space: not what the helper wrote
+    assert verify_chain(d) == VerifyResult(
+        False, 1, f"{LOG_NAME} line 2: not in canonical form (edited)", 1, 1
+    )
+
+
+def test_the_expected_head_may_be_the_oldest_kept_line(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    first = hashlib.sha256(raw_lines(d)[0]).hexdigest()
+    assert verify_chain(d, key, (1, first)) == VerifyResult(True, 5, "", 1, 5)

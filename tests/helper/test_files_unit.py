@@ -293,3 +293,35 @@ def test_an_unreadable_vendor_spec_refuses_edits(ctx: HelperContext) -> None:
     (ctx.root / "etc/cdi/nvidia.json").write_text("[")
     reason, message = refused(ctx, FileWrite("cdi", ALLOC, hold()))
     assert reason == "bad-content" and message.startswith("cdi: root's /etc/cdi/nvidia.json: ")
+
+
+def test_spaces_are_text_and_a_key_is_what_comes_before_the_first_equals(ctx: HelperContext) -> None:
+    file_write(call(ctx), env(extra="X=a b\n"))
+    assert refused(ctx, env(extra="A=b=c\nA=d\n")) == ("bad-content", "allocation-env: 'A' is set twice")
+    long_key = "K" * 150
+    assert refused(ctx, env(extra=f"{long_key}=1\n{long_key}=2\n")) == (
+        "bad-content",
+        f"allocation-env: {'K' * 100!r} is set twice",
+    )
+
+
+def test_a_spec_level_edit_outside_the_vendors_is_named_there(ctx: HelperContext) -> None:
+    doc = json.loads(hold())
+    doc["containerEdits"]["mounts"] = [{"hostPath": "/", "containerPath": "/host"}]
+    assert refused(ctx, FileWrite("cdi", ALLOC, json.dumps(doc))) == (
+        "bad-content",
+        'cdi: containerEdits.mounts: {"containerPath":"/host","hostPath":"/"} is not in root\'s vendor spec '
+        "/etc/cdi/nvidia.json: a hold carries only the vendor's edits",
+    )
+
+
+def test_a_symlink_in_a_kinds_directory_counts_as_itself(ctx: HelperContext, tmp_path: Path) -> None:
+    limit = files.LIMITS["allocation-env"]
+    files.LIMITS["allocation-env"] = files.KindLimit(limit.directory, limit.pattern, 10, 200, limit.max_file)
+    try:
+        file_write(call(ctx), env("a1"))
+        (tmp_path / "big").write_bytes(b"x" * 10_000)
+        (ctx.root / "run/bcd/allocations/z9.env").symlink_to(tmp_path / "big")
+        file_write(call(ctx), env("a2"))  # the link's own size counts, not its target's
+    finally:
+        files.LIMITS["allocation-env"] = limit

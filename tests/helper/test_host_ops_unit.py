@@ -304,8 +304,10 @@ def test_host_unit_refusals_before_any_effect(root: Path, monkeypatch: pytest.Mo
     reason, message = refused(host_unit, call(ctx), HostUnit("sysctl", settings="{"))
     assert reason == "invalid-settings" and message.startswith("host.unit: sysctl: ")
     deep = "[" * 100_000 + "]" * 100_000
-    reason, message = refused(host_unit, call(ctx), HostUnit("sysctl", settings=deep))
-    assert reason == "invalid-settings"
+    assert refused(host_unit, call(ctx), HostUnit("sysctl", settings=deep)) == (
+        "invalid-settings",
+        "host.unit: sysctl: settings nested too deeply",
+    )
     monkeypatch.setattr(hostunit, "unit_registry", lambda: None)
     assert refused(host_unit, call(ctx), HostUnit("sysctl")) == (
         "not-configured",
@@ -342,3 +344,191 @@ def test_mig_layout_reads_the_busy_gpus_itself(root: Path) -> None:
         "busy-unknown",
         "host.unit: cannot list compute processes: nvidia-smi exited 2: no driver",
     )
+
+
+# --- host.unit to the end ---------------------------------------------------------------------------------
+
+
+def kernel(root: Path) -> Any:
+    """A host whose `sysctl -w key=value` sets the simulated /proc/sys file, as the real tool would."""
+    (root / "proc/sys/vm").mkdir(parents=True)
+    (root / "proc/sys/vm/swappiness").write_text("60\n")
+
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[:2] == ("sysctl", "-w"):
+            key, _, value = argv[2].partition("=")
+            (root / "proc/sys" / key.replace(".", "/")).write_text(value + "\n")
+        return 0, b"", b""
+
+    return script
+
+
+def test_host_unit_converges_the_unit_and_answers_what_it_did(root: Path) -> None:
+    ctx = ctx_of(root, kernel(root), config='[host]\nsysctl_allow = "vm"\n')
+    got = host_unit(call(ctx), HostUnit("sysctl", settings='{"vm.swappiness":10}'))
+    assert got["unit"] == "sysctl" and got["changed"] is True
+    assert got["steps"] == ["write /etc/sysctl.d/90-bcd.conf", "run sysctl -w vm.swappiness=10"]
+    assert got["issues"] == [] and got["conditions"] == []
+    assert (root / "etc/sysctl.d/90-bcd.conf").exists()
+    assert (root / "proc/sys/vm/swappiness").read_text().strip() == "10"
+    again = host_unit(call(ctx), HostUnit("sysctl", settings='{"vm.swappiness":10}'))
+    assert again == {"unit": "sysctl", "changed": False, "steps": [], "issues": [], "conditions": []}
+    clean = host_unit(call(ctx), HostUnit("sysctl", settings=None))
+    assert clean["steps"] == ["remove /etc/sysctl.d/90-bcd.conf"] and clean["changed"] is True
+    assert not (root / "etc/sysctl.d/90-bcd.conf").exists()
+
+
+def test_host_unit_reports_issues_as_kind_and_message(root: Path) -> None:
+    ctx = ctx_of(root)
+    got = host_unit(call(ctx), HostUnit("sysctl", settings='{"vm.swappiness":10}'))
+    assert got["issues"] == [
+        {
+            "kind": "retryable",
+            "message": "sysctl: this kernel has no vm.swappiness (is the module that provides it loaded?)",
+        }
+    ]
+
+
+def test_a_signed_host_unit_writes_roots_state_before_the_unit(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    from bcd_helper.intent import STATE_PATH, IntentState
+    from intentkit import host_body, intent
+
+    ctx = signed_ctx(root, cp, kernel(root))
+    settings = '{"vm.swappiness":10}'
+    doc = intent(worker, host_body(NODE, 7, {"sysctl": settings}))
+    signed_intent = hostunit.SignedIntent(doc["body"], doc["signature"], tuple(doc["chain"]), None)
+    host_unit(call(ctx), HostUnit("sysctl", settings=settings, intent=signed_intent))
+    state = IntentState.decode((root / STATE_PATH.lstrip("/")).read_bytes())
+    assert state.generation == 7 and state.node_id == NODE
+    refused_req = HostUnit("sysctl", settings='{"vm.swappiness":20}', intent=signed_intent)
+    assert refused(host_unit, call(ctx), refused_req)[0] == "settings-mismatch"
+    assert (root / "proc/sys/vm/swappiness").read_text().strip() == "10"
+
+
+def test_a_presented_command_is_decoded_even_without_roots(root: Path, worker: Signer) -> None:
+    import attrs
+
+    bad = attrs.evolve(signed(worker, "gpu.reset", wire.GpuResetRequest(gpu_uuids=[GPU1])), chain=("A",))
+    ctx = ctx_of(root, smi())
+    assert refused(gpu_reset, call(ctx), GpuReset((GPU1,), bad)) == (
+        "bad-intent",
+        "gpu.reset: intent.command.chain[0] is not base64",
+    )
+    assert refused(node_reboot, call(ctx), NodeReboot(bad)) == (
+        "bad-intent",
+        "node.reboot: intent.command.chain[0] is not base64",
+    )
+    assert programs(ctx).runs == []
+
+
+def test_every_busy_gpu_is_named(root: Path) -> None:
+    ctx = ctx_of(root, smi(apps=f"{GPU1}, 11\n{GPU2}, 22\n".encode()))
+    assert refused(gpu_reset, call(ctx), GpuReset((GPU1, GPU2))) == (
+        "gpu-busy",
+        f"gpu.reset: {GPU1} runs compute process 11; {GPU2} runs compute process 22",
+    )
+
+
+def test_a_reset_message_that_is_not_utf8_is_replaced(root: Path) -> None:
+    ctx = ctx_of(root, smi(gpus=GPU1.encode(), reset={GPU1: (3, b"bad \xff byte")}))
+    assert gpu_reset(call(ctx), GpuReset((GPU1,)))["gpus"][0]["message"] == "bad \ufffd byte"
+
+
+def test_the_version_is_the_installed_packages(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.metadata as md
+
+    assert host.helper_version() == md.version("bcd-helper")
+
+    def missing(_name: str) -> str:
+        raise md.PackageNotFoundError(_name)
+
+    monkeypatch.setattr(md, "version", missing)
+    assert host.helper_version() == "unknown"
+
+
+# --- what host.unit hands a unit --------------------------------------------------------------------------
+
+
+class Seen:
+    """A stand-in unit and converge: what host.unit passes on, and a result with every field set."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+
+    def decode_settings(self, text: str) -> str:
+        return f"decoded:{text}"
+
+    def converge(self, unit: Any, settings: Any, system: Any, uctx: Any, actx: Any) -> Any:
+        from types import SimpleNamespace as NS
+
+        self.calls.append((unit, settings, system, uctx, actx))
+        return NS(
+            changed=True,
+            steps_done=("one", "two"),
+            issues=[NS(kind="retryable", message="m1")],
+            conditions=[NS(type="RebootRequired", reason="Driver", message="m2")],
+        )
+
+
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> Seen:
+    import bcd_shared.units
+
+    s = Seen()
+    monkeypatch.setattr(hostunit, "unit_registry", lambda: {"mig-layout": s, "kmod": s})
+    monkeypatch.setattr(bcd_shared.units, "converge_unit", s.converge)
+    return s
+
+
+def test_host_unit_hands_the_unit_its_context_and_answers_its_result(root: Path, seen: Seen) -> None:
+    import bcd_shared.units as units
+
+    pin = "b" * 64
+    ctx = ctx_of(
+        root,
+        config=f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 4242\n[kubernetes]\nallowed_clusters = "https://10.0.0.1:6443#sha256:{pin}"\n',
+    )
+    c = call(ctx)
+    got = host_unit(c, HostUnit("kmod", settings="{}", busy_gpus=(GPU1, f"{GPU2}/gi1/ci0")))
+    assert got == {
+        "unit": "kmod",
+        "changed": True,
+        "steps": ["one", "two"],
+        "issues": [{"kind": "retryable", "message": "m1"}],
+        "conditions": [{"type": "RebootRequired", "reason": "Driver", "message": "m2"}],
+    }
+    ((unit, settings, system, uctx, actx),) = seen.calls
+    assert unit is seen and settings == "decoded:{}" and system is c.system
+    assert uctx == units.UnitContext(
+        busy_gpus=frozenset({GPU1, f"{GPU2}/gi1/ci0"}),
+        allowed_clusters=(units.ClusterPin("https://10.0.0.1:6443", pin),),
+    )
+    assert actx.guard == c.system.guard  # the bound method of the call's system
+    assert isinstance(actx.tokens, units.StagedTokenSource) and actx.tokens.system is c.system
+    host_unit(c, HostUnit("kmod", settings=None))
+    assert seen.calls[-1][1] is None  # a clean: no settings decoded
+
+
+def test_mig_layout_takes_roots_own_busy_gpus_and_all_known_when_any_mig_is_busy(
+    root: Path, seen: Seen
+) -> None:
+    ctx = ctx_of(root, smi(apps=f"{GPU1}, 7\n".encode(), gpus=f"{GPU1}\n{GPU2}\n".encode()))
+    host_unit(
+        call(ctx), HostUnit("mig-layout", settings="{}", busy_gpus=(GPU3,))
+    )  # the node's list is ignored
+    assert seen.calls[-1][3].busy_gpus == frozenset({GPU1})
+    mig = ctx_of(
+        root, smi(apps=b"MIG-5f1c2a90-0000-4000-8000-000000000009, 8\n", gpus=f"{GPU1}\n{GPU2}\n".encode())
+    )
+    host_unit(call(mig), HostUnit("mig-layout", settings="{}"))
+    assert seen.calls[-1][3].busy_gpus == frozenset({GPU1, GPU2})
+
+    def no_smi(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv == APPS:
+            return 0, b"MIG-5f1c2a90-0000-4000-8000-000000000009, 8\n", b""
+        return 127, b"", b""
+
+    host_unit(call(ctx_of(root, no_smi)), HostUnit("mig-layout", settings="{}"))
+    assert seen.calls[-1][3].busy_gpus == frozenset()

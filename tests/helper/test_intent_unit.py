@@ -1060,3 +1060,86 @@ def test_a_command_field_that_is_not_base64_is_named(root: Path, cp: ControlPlan
         "bad-intent",
         "gpu.reset: intent.command.signature is not base64",
     )
+
+
+def test_a_join_record_larger_than_a_mebibyte_is_refused(root: Path, cp: ControlPlane) -> None:
+    v = verifier(root, cp.config_lines())
+    write_root_only(root, JOIN_RECORD, b"x" * (1024 * 1024 + 1), 0o600)
+    assert refusal(v.join_record, "host.unit") == (
+        "join-record",
+        f"host.unit: root's join record {JOIN_RECORD}: {JOIN_RECORD} is larger than 1048576 bytes",
+    )
+    write_root_only(root, JOIN_RECORD, b"x" * (1024 * 1024), 0o600)  # at the limit: read, then not verified
+    reason, message = refusal(v.trust, "host.unit", None, ())
+    assert reason == "join-record" and message.startswith(
+        f"host.unit: root's join record {JOIN_RECORD} is refused ("
+    )
+
+
+def test_a_state_that_cannot_be_read_is_named_with_the_op(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    v = verifier(root)
+    write_root_only(root, STATE_PATH, b"{", 0o600)
+    for call, op in [
+        (lambda: v.trust("host.unit", None, ()), "host.unit"),
+        (lambda: v.check_host_unit(UNIT, S1, None), "host.unit"),
+        (lambda: v.save_state(IntentState()), "intent"),
+    ]:
+        with pytest.raises(Failed) as info:
+            call()
+        assert info.value.reason == "intent-state"
+        assert info.value.message.startswith(f"{op}: {STATE_PATH} cannot be read: ")
+
+
+def test_without_roots_an_unverified_body_that_is_not_base64_is_named(root: Path) -> None:
+    bad = SignedIntent("%%%", "", ())
+    assert refusal(verifier(root).check_spec, "access.apply", bad, decode_unverified=True) == (
+        "bad-intent",
+        "access.apply: intent.body is not base64",
+    )
+
+
+def test_a_record_with_roots_refuses_a_newer_rootless_bundle(root: Path, cp: ControlPlane) -> None:
+    """The record's bundle named roots: signed intent is on, so a presented bundle that drops them is
+    refused even before any state was written."""
+    record(cp, root, bundle_version=1)
+    v = verifier(root, cp.config_lines())
+    assert refusal(v.trust, "host.unit", cp.bundle(2, roots=()), ()) == (
+        "rootless-bundle",
+        "host.unit: the presented trust bundle has no command-signing roots, "
+        "and this node's specs are signed",
+    )
+
+
+def test_pinned_roots_turn_signed_intent_on(root: Path, cp: ControlPlane, worker: Signer) -> None:
+    v = verifier(root, cp.config_lines(pin_roots=True))
+    view = v.trust("host.unit", None, (*worker.chain, cp.command.root))
+    assert view.state.signed is True and view.state.record_sha256 == ""
+
+
+def test_a_rotated_bundle_version_without_a_record_must_be_presented(root: Path, cp: ControlPlane) -> None:
+    v = verifier(root, cp.config_lines())
+    assert refusal(v.trust, "host.unit", None, (), IntentState(bundle_version=1, signed=True)) == (
+        "bundle-required",
+        "host.unit: trust bundle version 1 rotated the command-signing roots: the node must present it",
+    )
+
+
+def test_signed_instance_remembers_a_second_body_of_the_same_generation(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    v = with_record(cp, root)
+    t = dt.datetime.now(dt.UTC).replace(microsecond=0)
+    first = instance_body(NODE, 5, {"vm-1": 1})
+    _, state = v.signed_instance("ch.start", "vm-1", signed(worker, first), t)
+    assert state is not None
+    v.save_state(state)
+    second = instance_body(NODE, 5, {"vm-1": 1, "vm-2": 1})
+    later = t + dt.timedelta(seconds=3)
+    _, more = v.signed_instance("ch.start", "vm-1", signed(worker, second), later)
+    assert more is not None
+    assert more.verified == (
+        Verified(hashlib.sha256(first).hexdigest(), 5, int(t.timestamp() * 1000)),
+        Verified(hashlib.sha256(second).hexdigest(), 5, int(later.timestamp() * 1000)),
+    )

@@ -93,3 +93,29 @@ def test_the_head_is_the_logs_export(ctx: HelperContext) -> None:
     seq, sha = ctx.audit.head()
     assert audit_head(call(ctx), AuditHead()) == {"seq": seq, "sha256": sha}
     assert ctx.audit._exported == seq
+
+
+def test_one_byte_past_the_tail_drops_the_partial_line(ctx: HelperContext) -> None:
+    log_path(ctx).write_bytes(b"ab\n" + b"c" * 1021 + b"\n")  # 1025 bytes: the tail starts at "b"
+    assert audit_tail(call(ctx), AuditTail(1024)) == {
+        "text": "c" * 1021 + "\n",
+        "size_bytes": 1025,
+        "truncated": True,
+    }
+
+
+def test_a_tail_starting_at_a_line_end_keeps_the_next_line(ctx: HelperContext) -> None:
+    log_path(ctx).write_bytes(b"z" * 100 + b"\n" + b"q" * 1022 + b"\n")  # the tail starts at the newline
+    assert audit_tail(call(ctx), AuditTail(1024))["text"] == "q" * 1022 + "\n"
+
+
+def test_an_audit_dir_written_with_a_trailing_slash(tmp_path: Path) -> None:
+    c = context(
+        make_root(tmp_path),
+        '[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 4242\naudit_dir = "/var/log/x/"\n',
+    )
+    try:
+        (c.root / "var/log/x/audit.log").write_bytes(b"line\n")
+        assert audit_tail(call(c), AuditTail())["text"] == "line\n"
+    finally:
+        c.audit.close()

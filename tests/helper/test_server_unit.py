@@ -888,7 +888,10 @@ def test_the_servers_bind_their_sockets_with_their_modes(ctx: HelperContext, tmp
         assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o600, 0, 0)
         assert srv.uids is None and rsrv.uids == (0,)
         assert srv.request_queue_size == 128 and rsrv.request_queue_size == 64
-        threads = [threading.Thread(target=s.serve_forever, daemon=True) for s in (srv, rsrv)]
+        threads = [
+            threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+            for s in (srv, rsrv)
+        ]
         for t in threads:
             t.start()
         for path in (node_path, root_path):
@@ -956,3 +959,109 @@ def test_root_connections_take_no_slot(ctx: HelperContext, tmp_path: Path, guard
 def test_a_group_is_named_or_shown_by_number() -> None:
     assert server.node_group_name(0) == "root"
     assert server.node_group_name(2**31 - 7) == str(2**31 - 7)
+
+
+# --- edges found by mutation testing ----------------------------------------------------------------------
+
+
+def test_the_budget_waits_out_its_deadline_for_a_release() -> None:
+    b = Budget(10)
+    assert b.acquire(10, time.monotonic() + 5)
+    releaser = threading.Timer(0.05, b.release, args=(10,))
+    releaser.start()
+    assert b.acquire(5, time.monotonic() + 0.5)  # less than a second left: still waits
+    releaser.join()
+
+
+def test_roots_socket_refuses_the_node_whatever_the_peer(
+    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rsrv = server.RootServer(ctx, str(tmp_path / "root.sock"), guards)
+    t = threading.Thread(target=rsrv.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    t.start()
+    try:
+        monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(10)
+            c.connect(str(tmp_path / "root.sock"))
+            assert read_frame(c) == {
+                "ok": False,
+                "error": "refused",
+                "reason": "peer",
+                "message": f"uid {NODE} may not use this socket (only root)",
+            }
+        monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, 0, 0))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(10)
+            c.connect(str(tmp_path / "root.sock"))
+            c.sendall(encode_frame({"op": "no.such", "args": {}}))
+            assert (
+                read_frame(c)["reason"] == "unknown-op"
+            )  # a refusal on root's socket is audited and answered
+    finally:
+        rsrv.shutdown()
+        rsrv.server_close()
+
+
+def test_a_server_without_guards_makes_its_own_over_the_context(ctx: HelperContext, tmp_path: Path) -> None:
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"))
+    try:
+        srv.guards.count(NODE, "busy")
+        srv.guards.flush()
+        assert audit_lines(ctx)[-1]["op"] == "(suppressed)"
+    finally:
+        srv.server_close()
+        srv.guards.close()
+
+
+def test_the_server_holds_at_most_max_connections_of_the_node(
+    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "MAX_CONNECTIONS", 1)
+    monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    try:
+        a, b = socket.socketpair()
+        c, d = socket.socketpair()
+        with a, c:
+            srv.process_request(b, None)  # holds the one slot while its thread serves it
+            srv.process_request(d, None)
+            c.settimeout(10)
+            assert read_frame(c)["reason"] == "busy"
+            a.shutdown(socket.SHUT_WR)
+    finally:
+        srv.server_close()
+
+
+def test_a_peer_whose_credentials_cannot_be_read_is_closed(
+    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def gone(_s: socket.socket) -> Peer:
+        raise OSError("gone")
+
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    try:
+        monkeypatch.setattr(server, "peer_credentials", gone)
+        a, b = socket.socketpair()
+        with a:
+            srv.process_request(b, None)
+            a.settimeout(10)
+            assert a.recv(1) == b""  # closed, not served
+    finally:
+        srv.server_close()
+
+
+def test_a_busy_refusal_to_a_peer_already_gone_is_quiet(
+    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    try:
+        srv._slots = threading.BoundedSemaphore(1)
+        assert srv._slots.acquire(blocking=False)
+        a, b = socket.socketpair()
+        a.close()
+        srv.process_request(b, None)  # the send fails (EPIPE): swallowed
+        assert guards._pending == {NODE: {"busy": 1}}
+    finally:
+        srv.server_close()

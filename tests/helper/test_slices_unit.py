@@ -353,4 +353,33 @@ def test_a_symlinked_directory_on_the_way_is_refused(ctx: HelperContext, tmp_pat
     with pytest.raises(Refused) as info:
         slice_apply(call(ctx), SliceApply(NAME, hugepages_2mi=1))
     assert info.value.reason == "root-only"
+    assert info.value.message.startswith("/sys/fs/cgroup/bcd.slice")
     assert (tmp_path / "moved/cgroup.subtree_control").read_bytes() == b""
+
+
+def test_limits_at_their_bounds_are_taken(ctx: HelperContext) -> None:
+    req = SliceApply(NAME, cpu_millis=MAX_MILLIS, memory_bytes=MAX_MEMORY, hugepages_2mi=MAX_PAGES)
+    cgroup_files(ctx.root)
+    got = slice_apply(call(ctx), req)
+    assert got["properties"][0] == f"CPUQuota={-(-MAX_MILLIS // 10)}%"
+
+
+def test_a_bad_cpulist_names_its_field(ctx: HelperContext) -> None:
+    assert refused(slice_apply, call(ctx), SliceApply(NAME, cpus="x")) == (
+        "bad-cpulist",
+        "cpus: 'x' is not N or N-M",
+    )
+    assert refused(slice_apply, call(ctx), SliceApply(NAME, mems="")) == ("bad-cpulist", "mems: empty")
+
+
+def test_kernel_files_are_written_in_place_never_created(ctx: HelperContext) -> None:
+    cgroup_files(ctx.root)
+    path = f"/{CG}/hugetlb.1GB.max"
+    assert slices.write_kernel_file(call(ctx), path, b"7") is True
+    assert (ctx.root / CG / "hugetlb.1GB.max").read_bytes() == b"7"
+    assert slices.write_kernel_file(call(ctx), f"/{CG}/nope", b"7", missing_ok=True) is False
+    assert not (ctx.root / CG / "nope").exists()
+    gone = "sys/fs/cgroup/bcd.slice/bcd-alloc.slice/bcd-alloc-gone.slice"
+    with pytest.raises(Failed):
+        slices.write_kernel_file(call(ctx), f"/{gone}/hugetlb.2MB.max", b"1")
+    assert not (ctx.root / gone).exists()  # a missing cgroup is never made by a write
