@@ -773,7 +773,7 @@ def test_signed_instance_refusals(root: Path, cp: ControlPlane, worker: Signer) 
     op = "libvirt.define"
     assert refusal(v.signed_instance, op, "vm-1", None) == (
         "intent-required",
-        "libvirt.define: a signed spec is required (roots from join record)",
+        "libvirt.define: a signed spec is required (command-signing roots from join record)",
     )
     reason, message = refusal(
         v.signed_instance, op, "vm-1", signed(worker, instance_body(NODE, 5, {"vm-1": 1}), flip=1)

@@ -15,8 +15,10 @@ import json
 import os
 import socket
 import struct
+import sys
 import threading
 import time
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -428,9 +430,16 @@ class Shown:
 
 
 def spec(handler: Any, **kw: Any) -> OpSpec:
+    """A table row for a test op: the table names an op's module, request type and handler (imported
+    on the first call), so the test's handler and type go in a module of their own."""
+    mod = types.ModuleType(f"_server_unit_op_{len(sys.modules)}_{id(handler)}")
+    mod.Request = kw.pop("request", Nothing)  # type: ignore[attr-defined]
+    mod.handle = handler  # type: ignore[attr-defined]
+    sys.modules[mod.__name__] = mod
     fields: dict[str, Any] = {
-        "request": Nothing,
-        "handler": handler,
+        "module": mod.__name__,
+        "request_name": "Request",
+        "handler_name": "handle",
         "timeout_s": 5.0,
         "locks": (),
         "flags": frozenset(),
