@@ -780,7 +780,7 @@ def test_signed_instance_refusals(root: Path, cp: ControlPlane, worker: Signer) 
     )
     assert reason == "bad-intent" and message.startswith("libvirt.define: the signed spec is refused: ")
     reason, message = refusal(v.signed_instance, op, "vm-1", signed(worker, b"\xff\xff"))
-    assert reason == "bad-intent" and message.startswith("libvirt.define: the signed spec is refused: ")
+    assert reason == "bad-intent" and message.startswith("libvirt.define: the signed spec does not decode: ")
     assert refusal(
         v.signed_instance, op, "vm-1", signed(worker, instance_body("node-b", 5, {"vm-1": 1}))
     ) == (
