@@ -785,7 +785,8 @@ def test_signed_instance_refusals(root: Path, cp: ControlPlane, worker: Signer) 
         v.signed_instance, op, "vm-1", signed(worker, instance_body("node-b", 5, {"vm-1": 1}))
     ) == (
         "wrong-node",
-        "libvirt.define: the signed spec is for node 'node-b'",
+        "libvirt.define: the signed spec is for node 'node-b'; "
+        "this helper serves 'node-a' (root's join record)",
     )
     for instances in [{"vm-2": 1}, {"vm-1": 4}, {}]:
         assert refusal(v.signed_instance, op, "vm-1", signed(worker, instance_body(NODE, 5, instances))) == (
@@ -813,7 +814,7 @@ def test_signed_instance_refusals(root: Path, cp: ControlPlane, worker: Signer) 
     v.save_state(state)
     assert refusal(v.signed_instance, op, "vm-1", signed(worker, instance_body(NODE, 4, {"vm-1": 1}))) == (
         "stale-generation",
-        "libvirt.define: the signed spec's generation 4 is older than 5",
+        "libvirt.define: the signed spec's generation 4 is older than generation 5 already accepted",
     )
     _, more = v.signed_instance(op, "vm-1", signed(worker, instance_body(NODE, 5, {"vm-1": 1, "vm-9": 1})))
     assert more is not None and len(more.verified) == 2 and more.generation == 5
