@@ -293,6 +293,19 @@ def test_libc_reports_errno(monkeypatch: pytest.MonkeyPatch) -> None:
     assert exc.value.errno == errno.ENOENT
 
 
+def test_probe_says_no_where_openat2_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rootpath, "_LIBC", None)
+    assert rootpath._probe_openat2() is False
+
+
+def test_read_reads_no_more_than_its_limit(fresh_root: Path) -> None:
+    """A (sparse) 1 TiB file is refused after reading limit + 1 bytes, not read whole into memory."""
+    with open(fresh_root / "etc/huge", "wb") as f:
+        f.truncate(1 << 40)
+    err = _refused(read_root_only, fresh_root, "/etc/huge", limit=10)
+    assert (err.path, err.message) == ("/etc/huge", "/etc/huge is larger than 10 bytes")
+
+
 def test_probe_finds_openat2_on_this_kernel() -> None:
     """Linux 5.6+ has openat2 (every kernel bcd supports); the probe opens / and closes it."""
     before = len(os.listdir("/proc/self/fd"))
