@@ -133,6 +133,19 @@ def test_check_walks_every_directory_down_to_the_last(fresh_root: Path) -> None:
     check_root_only(fresh_root, "/etc/new/deeper/f")
 
 
+def test_a_directory_root_does_not_own_is_refused_whatever_its_mode(fresh_root: Path) -> None:
+    (fresh_root / "etc/theirs").mkdir()
+    os.chown(fresh_root / "etc/theirs", 4321, 0)  # 0755, but not root's
+    for call, args in (
+        (write_root_only, (fresh_root, "/etc/theirs/f", b"x")),
+        (check_root_only, (fresh_root, "/etc/theirs/f")),
+        (read_root_only, (fresh_root, "/etc/theirs/f")),
+    ):
+        err = _refused(call, *args)
+        assert (err.path, err.message) == ("/etc/theirs", refusal_message("/etc/theirs")), call
+    assert list((fresh_root / "etc/theirs").iterdir()) == []
+
+
 def test_write_refusals_name_their_directory(fresh_root: Path) -> None:
     (fresh_root / "etc/gw").mkdir()
     os.chmod(fresh_root / "etc/gw", 0o775)
