@@ -133,6 +133,19 @@ def test_check_walks_every_directory_down_to_the_last(fresh_root: Path) -> None:
     check_root_only(fresh_root, "/etc/new/deeper/f")
 
 
+def test_a_directory_root_does_not_own_is_refused_whatever_its_mode(fresh_root: Path) -> None:
+    (fresh_root / "etc/theirs").mkdir()
+    os.chown(fresh_root / "etc/theirs", 4321, 0)  # 0755, but not root's
+    for call, args in (
+        (write_root_only, (fresh_root, "/etc/theirs/f", b"x")),
+        (check_root_only, (fresh_root, "/etc/theirs/f")),
+        (read_root_only, (fresh_root, "/etc/theirs/f")),
+    ):
+        err = _refused(call, *args)
+        assert (err.path, err.message) == ("/etc/theirs", refusal_message("/etc/theirs")), call
+    assert list((fresh_root / "etc/theirs").iterdir()) == []
+
+
 def test_write_refusals_name_their_directory(fresh_root: Path) -> None:
     (fresh_root / "etc/gw").mkdir()
     os.chmod(fresh_root / "etc/gw", 0o775)
@@ -291,6 +304,19 @@ def test_libc_reports_errno(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(OSError) as exc:
         openat2(-100, "/nonexistent-bcd-path", os.O_RDONLY)
     assert exc.value.errno == errno.ENOENT
+
+
+def test_probe_says_no_where_openat2_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(rootpath, "_LIBC", None)
+    assert rootpath._probe_openat2() is False
+
+
+def test_read_reads_no_more_than_its_limit(fresh_root: Path) -> None:
+    """A (sparse) 1 TiB file is refused after reading limit + 1 bytes, not read whole into memory."""
+    with open(fresh_root / "etc/huge", "wb") as f:
+        f.truncate(1 << 40)
+    err = _refused(read_root_only, fresh_root, "/etc/huge", limit=10)
+    assert (err.path, err.message) == ("/etc/huge", "/etc/huge is larger than 10 bytes")
 
 
 def test_probe_finds_openat2_on_this_kernel() -> None:
