@@ -71,12 +71,13 @@ class Helper:
         thread = threading.Thread(
             target=self.root.serve_forever, args=(0.2,), name="root-socket", daemon=True
         )
-        thread.start()
-        try:
+        try:  # a SIGTERM (SystemExit) may land anywhere here, even before the root thread runs
+            thread.start()
             self.node.serve_forever(poll_interval=0.2)
         finally:
-            self.root.shutdown()
-            thread.join(timeout=5)
+            if thread.ident is not None:  # started: stop its loop before close() shuts its socket
+                self.root.shutdown()
+                thread.join(timeout=5)
 
     def close(self) -> None:
         self.node.server_close()
