@@ -53,7 +53,10 @@ MAC = "52:54:00:bc:d0:01"
 
 
 class _BootRuntime(LibvirtRuntime):
-    """Test-only: the production runtime plus a direct kernel boot from the instance's directory."""
+    """Test-only: the production runtime plus a direct kernel boot from the instance's directory; the
+    guest powers itself off after `poweroff_after` seconds, whatever happens to the test."""
+
+    poweroff_after = 120
 
     def files(self, inst: InstanceSpec, base: str | None, seed: bool) -> DomainFiles:
         files = super().files(inst, base, seed)
@@ -61,7 +64,8 @@ class _BootRuntime(LibvirtRuntime):
         return DomainFiles(
             disk=files.disk, base=files.base, base_format=files.base_format, seed=files.seed,
             install_iso=files.install_iso, kernel=f"{d}/vmlinuz", initrd=f"{d}/initrd",
-            cmdline="console=ttyS0 panic=-1 quiet bcd.poweroff_after=120",
+            cmdline=f"console=ttyS0 panic=-1 quiet bcd.poweroff_after={self.poweroff_after}",
+            volumes=files.volumes,
         )  # fmt: skip
 
 
@@ -77,6 +81,8 @@ def _require_libvirtd() -> str:
             pytest.fail(why + " (.ci/run starts it)")
         pytest.skip(why)
     if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("the booted guest is driven as root (CI runs as root)")
         pytest.skip("the booted guest is driven as root")
     return virsh
 
