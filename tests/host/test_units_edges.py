@@ -1,0 +1,504 @@
+"""The host units' rules at their edges, written against mutation testing's survivors (docs/mutation.md).
+
+Refusals are checked word for word (field and rule), limits at the limit and one past it, regexes with
+a bad input of each forbidden class, and planners pure: a plan over a constructed observation, its
+exact steps. The units' whole runs on the simulated host are in test_units_simhost.py.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import pytest
+from bcd_shared.errors import TerminalError
+from bcd_shared.units import REGISTRY
+from bcd_shared.units._base import Issue, RemoveFile, Run, WriteFile
+from bcd_shared.units.kmod import KernelModulesObserved, ModuleView
+from bcd_shared.units.sysctl import SysctlObserved, outside_allowlist, render_value
+
+
+def refusal(unit: str, settings: Any) -> str:
+    text = settings if isinstance(settings, str) else json.dumps(settings)
+    with pytest.raises(TerminalError) as exc:
+        REGISTRY[unit].decode_settings(text)
+    assert exc.value.reason == "InvalidSettings"
+    return exc.value.message
+
+
+def decoded(unit: str, settings: Any) -> Any:
+    return REGISTRY[unit].decode_settings(json.dumps(settings))
+
+
+HEAD = "# Written by bcd ({unit} unit): local edits are replaced on the next converge pass.\n"
+
+
+# -- sysctl
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "vm",  # one component
+        "vm.",  # an empty second component
+        ".vm.swappiness",
+        "vm..swappiness",
+        "Vm.swappiness",  # upper case
+        "vm.swap piness",  # a space
+        "vm.swap/piness",  # a slash
+        "vm-x.swappiness",  # a dash in the first component
+        "vm.swappiness\n",
+    ],
+)
+def test_sysctl_name_refused_naming_the_rule(key: str) -> None:
+    assert refusal("sysctl", {key: 1}) == f"{key}: not a sysctl name (^[a-z0-9_]+(?:\\.[a-z0-9_-]+)+$)"
+
+
+def test_sysctl_names_accepted_at_the_rules_edges() -> None:
+    settings = decoded("sysctl", {"a.b": 1, "net.ipv4.conf.eth-0.rp_filter": 1, "x_1.y-2.z_3": "v"})
+    assert settings.values == (("a.b", "1"), ("net.ipv4.conf.eth-0.rp_filter", "1"), ("x_1.y-2.z_3", "v"))
+
+
+@pytest.mark.parametrize(
+    ("key", "why"),
+    [
+        ("kernel.core_pattern", "it names or controls a program the kernel runs as root"),
+        ("kernel.usermodehelper.inheritable", "it names or controls a program the kernel runs as root"),
+        ("fs.binfmt_misc.register", "it registers interpreters the kernel runs"),
+        ("fs.protected_regular", "it would lower the host's defenses"),
+        ("kernel.unprivileged_bpf_disabled", "it would lower the host's defenses"),
+        ("kernel.modules_disabled", "it cannot be undone without a reboot"),
+        ("user.max_net_namespaces", "it changes who may create namespaces"),
+        ("vm.mmap_rnd_bits", "it would lower the host's defenses"),
+        ("vm.mmap_rnd_compat_bits", "it would lower the host's defenses"),
+    ],
+)
+def test_HST_SYS_12_denylisted_key_refused_whatever_the_value_with_its_reason(key: str, why: str) -> None:
+    """Q-HST-SYS-01's wording, for values that would be harmless on a hardened key (0, 1, "1", true)."""
+    for value in (0, 1, "1", True, 2.5):
+        assert refusal("sysctl", {key: value}) == f"{key} is refused: {why}"
+
+
+def test_sysctl_denylist_patterns_match_whole_names_only() -> None:
+    # `kernel.yama.*` takes `kernel.yama.x`, not `kernel.yamax`; exact names do not take a longer one.
+    settings = decoded("sysctl", {"kernel.yamax": 1, "kernel.sysrq_x": 1, "fs.suid_dumpable2": 1})
+    assert [k for k, _ in settings.values] == ["fs.suid_dumpable2", "kernel.sysrq_x", "kernel.yamax"]
+
+
+@pytest.mark.parametrize(
+    ("key", "good", "bad", "desc"),
+    [
+        ("dev.tty.legacy_tiocsti", [0, False, "0"], [1, -1, True], "0 only"),
+        ("kernel.io_uring_disabled", [1, 2, "2"], [0, 3, -1], "1 or 2"),
+        (
+            "net.ipv4.ip_unprivileged_port_start",
+            [1024, 65535, 1 << 31],
+            [1023, 0, (1 << 31) + 1],
+            "1024 or above",
+        ),
+        ("kernel.apparmor_restrict_unprivileged_unconfined", [1], [0, 2], "1 only"),
+        ("kernel.unprivileged_userns_apparmor_policy", [1, True], [0, 2], "1 only"),
+        ("net.ipv4.conf.all.route_localnet", [0], [1], "0 only"),
+        ("net.ipv4.conf.eth0.accept_source_route", [0], [1, -1], "0 only"),
+        ("net.ipv6.conf.default.accept_source_route", [0, -1], [1, -2], "0 or -1"),
+        ("kernel.oops_limit", [1, 10000], [0, 10001], "1 to 10000"),
+        ("kernel.warn_limit", [1, 10000], [0, 10001], "1 to 10000"),
+    ],
+)
+def test_HST_SYS_37_hardened_values_at_each_bound(
+    key: str, good: list[Any], bad: list[Any], desc: str
+) -> None:
+    for value in good:
+        assert decoded("sysctl", {key: value}).values == ((key, render_value(key, value)),)
+    for value in bad:
+        shown = render_value(key, value)
+        assert refusal("sysctl", {key: value}) == (
+            f"{key} = {shown} is refused: it would lower the host's defenses ({desc})"
+        )
+
+
+def test_sysctl_hardened_key_with_a_value_that_is_no_integer_is_refused() -> None:
+    for value in ("off", 0.5, "0 1"):
+        shown = render_value("dev.tty.ldisc_autoload", value)
+        assert refusal("sysctl", {"dev.tty.ldisc_autoload": value}) == (
+            f"dev.tty.ldisc_autoload = {shown} is refused: it would lower the host's defenses (0 only)"
+        )
+
+
+def test_HST_SYS_05_06_values_rendered_exactly() -> None:
+    assert render_value("k", True) == "1" and render_value("k", False) == "0"
+    assert render_value("k", 10) == "10" and render_value("k", -3) == "-3"
+    assert render_value("k", 4.0) == "4" and render_value("k", 0.5) == "0.5"
+    assert render_value("k", " 4096\t87380  6291456 ") == "4096 87380 6291456"
+    assert render_value("k", "a" * 4096) == "a" * 4096
+
+
+def test_HST_SYS_03_string_values_at_their_limits() -> None:
+    assert refusal("sysctl", {"kernel.x": "a" * 4097}) == "kernel.x: at most 4096 characters, not 4097"
+    assert refusal("sysctl", {"kernel.x": "a\rb"}) == "kernel.x: the value must be a single line"
+    assert refusal("sysctl", {"kernel.x": "a\nb"}) == "kernel.x: the value must be a single line"
+    assert refusal("sysctl", {"kernel.x": None}) == (
+        "kernel.x: the value must be a number, a boolean or a string, not NoneType"
+    )
+    assert refusal("sysctl", {"kernel.x": {"a": 1}}) == (
+        "kernel.x: the value must be a number, a boolean or a string, not dict"
+    )
+
+
+def test_sysctl_allowlist_takes_whole_leading_components() -> None:
+    assert not outside_allowlist("net.core.somaxconn", ())
+    assert not outside_allowlist("net.core.somaxconn", ("net.core",))
+    assert not outside_allowlist("net.core.somaxconn", ("net.core.",))
+    assert not outside_allowlist("vm.swappiness", ("net.core", "vm.swappiness"))
+    assert outside_allowlist("net.corex.a", ("net.core",))
+    assert outside_allowlist("vm.swappiness", ("net.core",))
+    assert outside_allowlist("net.core", ("net.core.somaxconn",))
+
+
+def _sysctl_plan(
+    settings: dict[str, Any] | None, dropin: bytes | None, live: Mapping[str, str | None]
+) -> Any:
+    unit = REGISTRY["sysctl"]
+    s = None if settings is None else unit.decode_settings(json.dumps(settings))
+    return unit.plan(s, SysctlObserved(dropin, tuple(live.items())))
+
+
+def test_HST_SYS_07_08_10_plan_writes_the_dropin_sets_what_differs_and_waits_for_missing_keys() -> None:
+    want = (HEAD.format(unit="sysctl") + "net.core.somaxconn = 4096\nvm.swappiness = 10\nvm.x = 1\n").encode()
+    settings = {"vm.swappiness": 10, "net.core.somaxconn": 4096, "vm.x": True}
+    p = _sysctl_plan(settings, None, {"net.core.somaxconn": "4096", "vm.swappiness": "60", "vm.x": None})
+    assert p.steps == (
+        WriteFile("/etc/sysctl.d/90-bcd.conf", want),
+        Run(("sysctl", "-w", "vm.swappiness=10"), message="cannot set vm.swappiness"),
+    )
+    assert p.issues == (
+        Issue("retryable", "this kernel has no vm.x (is the module that provides it loaded?)"),
+    )
+    live = {"net.core.somaxconn": "4096", "vm.swappiness": "10", "vm.x": "1"}
+    assert _sysctl_plan(settings, want, live).converged
+
+
+def test_HST_SYS_09_plan_removes_the_dropin_for_empty_settings_and_clean_up() -> None:
+    assert _sysctl_plan({}, b"x", {}).steps == (RemoveFile("/etc/sysctl.d/90-bcd.conf"),)
+    assert _sysctl_plan(None, b"x", {}).steps == (RemoveFile("/etc/sysctl.d/90-bcd.conf"),)
+    assert _sysctl_plan(None, None, {}).converged and _sysctl_plan({}, None, {}).converged
+
+
+# -- kernel-modules
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["", "a" * 65, "Kvm", "kvm.ko", "kvm intel", "kvm/x", "kvm\n"],
+)
+def test_HST_MOD_03_load_names_refused(name: str) -> None:
+    shown = repr(name[:80])
+    assert refusal("kernel-modules", {"load": [name]}) == (
+        f"load[0]: {shown} does not match ^[a-z0-9_-]{{1,64}}$"
+    )
+
+
+def test_HST_MOD_02_03_load_at_its_limits() -> None:
+    assert decoded("kernel-modules", {"load": ["a" * 64, "b-c_9"]}).load == ("a" * 64, "b-c_9")
+    names = [f"m{i}" for i in range(64)]
+    assert decoded("kernel-modules", {"load": names}).load == tuple(names)
+    assert refusal("kernel-modules", {"load": [*names, "m64"]}) == "load: at most 64 entries, not 65"
+    assert refusal("kernel-modules", {"load": "kvm"}) == "load: must be a list of strings"
+    assert refusal("kernel-modules", {"load": [1]}) == "load[0]: must be a string"
+
+
+def test_HST_MOD_04_options_at_their_limits() -> None:
+    opts = {f"m{i}": "a=1" for i in range(64)}
+    assert len(decoded("kernel-modules", {"options": opts}).options) == 64
+    assert refusal("kernel-modules", {"options": {**opts, "m64": "a=1"}}) == (
+        "options: at most 64 entries, not 65"
+    )
+    assert refusal("kernel-modules", {"options": ["a=1"]}) == "options: must be an object of strings"
+    assert refusal("kernel-modules", {"options": {"kvm": 1}}) == "options.kvm: must be a string"
+    assert refusal("kernel-modules", {"options": {"Kvm": "a=1"}}) == (
+        "options: module name 'Kvm' does not match ^[a-z0-9_-]{1,64}$"
+    )
+
+
+@pytest.mark.parametrize("bad", ["a=$x", "a=1;b=2", "a=`x`", "a=1\tb=2", 'a="x"', "a=é", "a=1\n"])
+def test_HST_MOD_05_option_value_characters_refused(bad: str) -> None:
+    assert refusal("kernel-modules", {"options": {"kvm": bad}}) == (
+        "options.kvm: only letters, digits and _.,:=/ - are allowed"
+    )
+
+
+def test_HST_MOD_05_06_option_values_at_their_limits() -> None:
+    ok = "a=" + "1" * 254
+    assert decoded("kernel-modules", {"options": {"kvm": ok}}).options == (("kvm", (("a", "1" * 254),), ok),)
+    assert refusal("kernel-modules", {"options": {"kvm": ok + "1"}}) == (
+        "options.kvm: at most 256 characters, not 257"
+    )
+    assert (
+        refusal("kernel-modules", {"options": {"kvm": "nested"}}) == "options.kvm: 'nested' is not key=value"
+    )
+    assert refusal("kernel-modules", {"options": {"kvm": "  "}}) == "options.kvm: empty options"
+    assert refusal("kernel-modules", {"options": {"kvm": ""}}) == "options.kvm: empty options"
+    every = "a_B9=x.y,z:w/v-u ids=10de:2330"
+    assert decoded("kernel-modules", {"options": {"kvm": every}}).options[0][1] == (
+        ("a_B9", "x.y,z:w/v-u"),
+        ("ids", "10de:2330"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("key", "shown"), [("", "''"), ("k" * 65, repr("k" * 65)), ("a.b", "'a.b'"), ("a-b", "'a-b'")]
+)
+def test_HST_MOD_07_option_key_refused_naming_the_rule(key: str, shown: str) -> None:
+    assert refusal("kernel-modules", {"options": {"kvm": f"{key}=1"}}) == (
+        f"options.kvm: option key {shown} does not match ^[A-Za-z0-9_]{{1,64}}$"
+    )
+
+
+def test_HST_MOD_07_option_key_at_64_characters_accepted() -> None:
+    key = "K" * 63 + "9"
+    assert decoded("kernel-modules", {"options": {"kvm": f"{key}=1"}}).options[0][1] == ((key, "1"),)
+
+
+@pytest.mark.parametrize(
+    ("module", "key"),
+    [
+        ("vfio", "enable_unsafe_noiommu_mode"),
+        ("vfio_iommu_type1", "allow_unsafe_interrupts"),
+        ("vfio-iommu-type1", "allow_unsafe_interrupts"),
+    ],
+)
+def test_HST_MOD_17_18_refused_options_named_whatever_the_value(module: str, key: str) -> None:
+    for value in ("1", "0", "Y"):
+        assert refusal("kernel-modules", {"options": {module: f"a=1 {key}={value}"}}) == (
+            f"options.{module}: {key} is refused: it lets a passed-through device reach host memory"
+        )
+    # the same key on another module is only an option
+    assert decoded("kernel-modules", {"options": {"kvm": f"{key}=1"}}).options[0][1] == ((key, "1"),)
+
+
+def test_kmod_unknown_field_named() -> None:
+    assert refusal("kernel-modules", {"load": [], "option": {}}) == "option: unknown field"
+
+
+def _kmod_plan(
+    settings: dict[str, Any] | None, load: bytes | None, opts: bytes | None, mods: dict[str, ModuleView]
+) -> Any:
+    unit = REGISTRY["kernel-modules"]
+    s = None if settings is None else unit.decode_settings(json.dumps(settings))
+    return unit.plan(s, KernelModulesObserved(load, opts, tuple(mods.items())))
+
+
+def test_HST_MOD_08_09_files_rendered_exactly() -> None:
+    head = HEAD.format(unit="kernel-modules")
+    settings = {
+        "load": ["vhost_net", "tun", "tun"],
+        "options": {"vfio-pci": "ids=10de:2330 x=1", "kvm": "a=Y"},
+    }
+    loaded = ModuleView(True, 0, ())
+    p = _kmod_plan(settings, None, None, {"tun": loaded, "vhost_net": loaded})
+    assert p.steps == (
+        WriteFile("/etc/modules-load.d/bcd.conf", (head + "tun\nvhost_net\n").encode()),
+        WriteFile(
+            "/etc/modprobe.d/bcd.conf",
+            (head + "options kvm a=Y\noptions vfio_pci ids=10de:2330 x=1\n").encode(),
+        ),
+    )
+
+
+def test_HST_MOD_10_RMV_files_removed_when_empty_and_on_clean_up() -> None:
+    steps = (RemoveFile("/etc/modules-load.d/bcd.conf"), RemoveFile("/etc/modprobe.d/bcd.conf"))
+    assert _kmod_plan(None, b"x", b"y", {}).steps == steps
+    assert _kmod_plan({"load": []}, b"x", b"y", {}).steps == steps
+    assert _kmod_plan({}, None, None, {}).converged
+
+
+def test_HST_MOD_12_13_14_15_load_reload_and_in_use() -> None:
+    head = HEAD.format(unit="kernel-modules").encode()
+    settings = {"load": ["kvm_intel", "tun", "vfio-pci"], "options": {"kvm_intel": "nested=1 ept=Y"}}
+    load = head + b"kvm_intel\ntun\nvfio-pci\n"
+    opts = head + b"options kvm_intel nested=1 ept=Y\n"
+
+    def plan(kvm: ModuleView, tun: ModuleView | None = None) -> Any:
+        mods = {"kvm_intel": kvm, "vfio-pci": ModuleView(True, 0, ())}
+        if tun is not None:
+            mods["tun"] = tun
+        return _kmod_plan(settings, load, opts, mods)
+
+    same = (("nested", "Y"), ("ept", "1"))  # Y/N and 1/0 compare equal
+    assert plan(ModuleView(True, 0, same), ModuleView(True, 0, ())).converged
+    assert plan(ModuleView(True, 0, same)).steps == (
+        Run(("modprobe", "--", "tun"), message="cannot load tun"),
+    )
+    assert plan(ModuleView(True, 0, same), ModuleView(False, 0, ())).steps == (
+        Run(("modprobe", "--", "tun"), message="cannot load tun"),
+    )
+    reload = (
+        Run(("modprobe", "-r", "--", "kvm_intel"), message="cannot unload kvm_intel"),
+        Run(("modprobe", "--", "kvm_intel"), message="cannot load kvm_intel"),
+    )
+    tun = ModuleView(True, 0, ())
+    assert plan(ModuleView(True, 0, (("nested", "N"), ("ept", "1"))), tun).steps == reload
+    assert plan(ModuleView(True, 0, (("nested", "1"), ("ept", "n"))), tun).steps == reload
+    assert plan(ModuleView(True, 0, (("nested", "1"),)), tun).steps == reload  # a parameter not shown differs
+    in_use = plan(ModuleView(True, 1, (("nested", "0"), ("ept", "0"))), tun)
+    assert in_use.converged  # HST-MOD-16: no step, no issue
+    assert plan(ModuleView(False, 0, ()), tun).steps == (
+        Run(("modprobe", "--", "kvm_intel"), message="cannot load kvm_intel"),
+    )
+
+
+# -- mig-layout
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        ("all-", "layout: '' is not a MIG profile (<n>g.<m>gb)"),
+        ("all-1g.10gb+me", "layout: '1g.10gb+me' is not a MIG profile (<n>g.<m>gb)"),
+        ("all-Disabled", "layout: 'Disabled' is not a MIG profile (<n>g.<m>gb)"),
+        ("mixed:", "layout: '' is not [<n>x]<n>g.<m>gb"),
+        ("mixed:x1g.10gb", "layout: 'x1g.10gb' is not [<n>x]<n>g.<m>gb"),
+        ("mixed:2X1g.10gb", "layout: '2X1g.10gb' is not [<n>x]<n>g.<m>gb"),
+        ("mixed:1g.10gb++1g.10gb", "layout: '' is not [<n>x]<n>g.<m>gb"),
+        ("mixed:9x1g.10gb", "layout: the count 9 of 1g.10gb is outside 1 to 8"),
+        ("mixed:0x1g.10gb", "layout: the count 0 of 1g.10gb is outside 1 to 8"),
+        ("mixed:5x1g.10gb+4x1g.10gb", "layout: 9 instances; a layout holds 1 to 8"),
+        ("Mixed:1g.10gb", "layout: 'Mixed:1g.10gb' is not all-disabled, all-<profile> or mixed:<profiles>"),
+        ("all-disabled ", "layout: 'disabled ' is not a MIG profile (<n>g.<m>gb)"),
+        ("disabled", "layout: 'disabled' is not all-disabled, all-<profile> or mixed:<profiles>"),
+    ],
+)
+def test_HST_MIG_layout_refusals_word_for_word(layout: str, message: str) -> None:
+    assert refusal("mig-layout", {"layout": layout}) == message
+
+
+def test_HST_MIG_05_06_07_layouts_at_their_limits() -> None:
+    from bcd_shared.units.mig import Layout
+
+    assert decoded("mig-layout", {"layout": "mixed:8x1g.10gb"}).parsed == Layout("mixed", (("1g.10gb", 8),))
+    assert decoded("mig-layout", {"layout": "mixed:1x7g.80gb"}).parsed == Layout("mixed", (("7g.80gb", 1),))
+    assert decoded("mig-layout", {"layout": "mixed:3g.40gb+2x2g.20gb+1g.10gb"}).parsed == Layout(
+        "mixed", (("3g.40gb", 1), ("2g.20gb", 2), ("1g.10gb", 1))
+    )
+    assert decoded("mig-layout", {"layout": "mixed:4x1g.10gb+4x1g.10gb"}).parsed.profiles == (
+        ("1g.10gb", 4),
+        ("1g.10gb", 4),
+    )
+    assert decoded("mig-layout", {"layout": "all-10g.100gb"}).parsed == Layout("all", (("10g.100gb", 0),))
+    assert decoded("mig-layout", {"layout": "all-disabled"}).parsed == Layout("disabled")
+    empty = decoded("mig-layout", {"from": "pool", "layout": ""})
+    assert (empty.layout, empty.parsed, empty.source) == ("", None, "pool")
+    at_limit = "all-1g." + "1" * 247 + "gb"  # 256 characters
+    assert decoded("mig-layout", {"layout": at_limit}).parsed == Layout("all", ((at_limit[4:], 0),))
+    assert refusal("mig-layout", {"layout": "all-1g.1" + "1" * 247 + "gb"}) == (
+        "layout: at most 256 characters, not 257"
+    )
+    assert refusal("mig-layout", {"layout": "all-1g.10gb", "form": "pool"}) == "form: unknown field"
+
+
+def test_HST_MIG_largest_first_orders_by_slices_then_memory() -> None:
+    from bcd_shared.units.mig import largest_first, size_key
+
+    assert largest_first(["1g.10gb", "1g.20gb", "7g.80gb", "2g.20gb", "1g.10gb"]) == (
+        "7g.80gb",
+        "2g.20gb",
+        "1g.20gb",
+        "1g.10gb",
+        "1g.10gb",
+    )
+    assert size_key("12g.160gb") == (12, 160) and size_key("x") == (0, 0)
+
+
+def _mig(index: str, current: str, instances: tuple[str, ...] = (), uuid: str = "") -> Any:
+    from bcd_shared.units.mig import MigGpu
+    from bcd_shared.units.nvsmi import MigProfile
+
+    profiles = (
+        MigProfile("1g.10gb", 19, 7),
+        MigProfile("2g.20gb", 14, 3),
+        MigProfile("3g.40gb", 9, 2),
+        MigProfile("7g.80gb", 0, 1),
+    )
+    return MigGpu(
+        index, uuid or f"GPU-{index}", current, current, profiles if current == "Enabled" else (), instances
+    )
+
+
+def _mig_plan(layout: str, gpus: Any, busy: frozenset[str] = frozenset()) -> Any:
+    from bcd_shared.units.mig import MigObserved
+
+    unit = REGISTRY["mig-layout"]
+    return unit.plan(unit.decode_settings(json.dumps({"layout": layout})), MigObserved(gpus, busy))
+
+
+def test_HST_MIG_plan_mode_then_instances_largest_first() -> None:
+    from bcd_shared.units.mig import Repartition, SetMigMode
+
+    layout = "mixed:2x1g.10gb+3g.40gb"
+    assert _mig_plan(layout, (_mig("0", "Disabled"), _mig("1", "Enabled"))).steps == (
+        SetMigMode("0", True),
+        Repartition("1", ("3g.40gb", "1g.10gb", "1g.10gb")),
+    )
+    at = ("1g.10gb", "1g.10gb", "3g.40gb")  # as parse_lgi sorts them
+    assert _mig_plan(layout, (_mig("0", "Enabled", at),)).converged
+    assert _mig_plan(layout, (_mig("0", "Enabled", ("1g.10gb", "3g.40gb")),)).steps == (
+        Repartition("0", ("3g.40gb", "1g.10gb", "1g.10gb")),
+    )
+    # all-<profile>: as many as fit on an empty GPU (the profile's total)
+    assert _mig_plan("all-2g.20gb", (_mig("0", "Enabled"),)).steps == (
+        Repartition("0", ("2g.20gb", "2g.20gb", "2g.20gb")),
+    )
+    assert _mig_plan("all-2g.20gb", (_mig("0", "Enabled", ("2g.20gb",) * 3),)).converged
+    assert Repartition("2", ("3g.40gb", "1g.10gb")).describe() == "partition GPU 2 as 3g.40gb+1g.10gb"
+    assert Repartition("2", ()).describe() == "partition GPU 2 as nothing"
+    assert SetMigMode("3", True).describe() == "turn MIG mode on on GPU 3"
+    assert SetMigMode("3", False).describe() == "turn MIG mode off on GPU 3"
+
+
+def test_HST_MIG_plan_all_disabled_destroys_instances_before_mode() -> None:
+    from bcd_shared.units.mig import Repartition, SetMigMode
+
+    assert _mig_plan("all-disabled", (_mig("0", "Enabled", ("7g.80gb",)), _mig("1", "Enabled"))).steps == (
+        Repartition("0", ()),
+        SetMigMode("0", False),
+        SetMigMode("1", False),
+    )
+    assert _mig_plan("all-disabled", (_mig("0", "Disabled"),)).converged
+
+
+def test_HST_MIG_plan_unknown_profile_is_terminal_and_plans_nothing() -> None:
+    p = _mig_plan("mixed:4g.40gb", (_mig("0", "Disabled"), _mig("1", "Enabled")))
+    assert p.steps == ()
+    assert p.issues == (Issue("terminal", "mig-layout: GPU 1 has no MIG profile 4g.40gb"),)
+
+
+def test_HST_MIG_plan_busy_gpus_left_alone_others_repartitioned() -> None:
+    from bcd_shared.units.mig import Repartition
+
+    gpus = (_mig("0", "Enabled", uuid="GPU-a"), _mig("1", "Enabled", uuid="GPU-b"), _mig("2", "Enabled"))
+    p = _mig_plan("all-7g.80gb", gpus, frozenset({"GPU-a", "GPU-b"}))
+    assert p.steps == (Repartition("2", ("7g.80gb",)),)
+    assert p.issues == (
+        Issue(
+            "retryable",
+            "mig-layout: GPU-a, GPU-b hold allocations; they are repartitioned once those end",
+        ),
+    )
+    # a busy GPU already at the layout is converged; a busy GPU whose profile is unknown stays busy
+    at = (_mig("0", "Enabled", ("7g.80gb",), uuid="GPU-a"),)
+    assert _mig_plan("all-7g.80gb", at, frozenset({"GPU-a"})).converged
+    p = _mig_plan("mixed:4g.40gb", (_mig("0", "Enabled", uuid="GPU-a"),), frozenset({"GPU-a"}))
+    assert p.steps == () and p.issues[0].kind == "retryable"
+
+
+def test_HST_MIG_plan_without_an_answer_and_without_a_layout() -> None:
+    from bcd_shared.units.mig import MigObserved
+
+    assert _mig_plan("all-1g.10gb", None).issues == (
+        Issue("retryable", "mig-layout: nvidia-smi does not answer yet (is the driver loaded?)"),
+    )
+    unit = REGISTRY["mig-layout"]
+    none = unit.decode_settings('{"from": "profile", "layout": ""}')
+    assert unit.plan(none, MigObserved(None, frozenset())).converged
+    assert unit.plan(None, MigObserved(None, frozenset())).converged
