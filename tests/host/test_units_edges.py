@@ -502,3 +502,368 @@ def test_HST_MIG_plan_without_an_answer_and_without_a_layout() -> None:
     none = unit.decode_settings('{"from": "profile", "layout": ""}')
     assert unit.plan(none, MigObserved(None, frozenset())).converged
     assert unit.plan(None, MigObserved(None, frozenset())).converged
+
+
+# -- nvidia-driver, fabric-manager
+
+
+@pytest.mark.parametrize("branch", ["58", "5800", "5a0", " 580", "580\n", "٥٨٠", ""])
+def test_HST_DRV_01_branch_refused_naming_the_rule(branch: str) -> None:
+    assert refusal("nvidia-driver", {"branch": branch}) == f"branch: {branch!r} does not match ^[0-9]{{3}}$"
+
+
+def test_HST_DRV_01_02_driver_settings_decoded() -> None:
+    from bcd_shared.units.nvidia import DriverSettings
+
+    assert decoded("nvidia-driver", {"branch": "580"}) == DriverSettings("580", None)
+    assert decoded("nvidia-driver", {"branch": "570", "open": False}) == DriverSettings("570", False)
+    assert refusal("nvidia-driver", {}) == "branch: required"
+    assert refusal("nvidia-driver", {"branch": "580", "opn": True}) == "opn: unknown field"
+    assert refusal("fabric-manager", {"x": 1}) == "x: unknown field"
+
+
+def test_HST_DRV_driver_versions_parsed_from_real_formats() -> None:
+    from bcd_shared.units.nvidia import DriverVersion, parse_modinfo, parse_proc_version
+
+    proc = (
+        "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.82.07  Release Build  "
+        "(dvs-builder@U16-I3-B03-4-3)  Wed Sep 10 2025\nGCC version:  gcc version 12.2.0\n"
+    )
+    assert parse_proc_version(proc) == DriverVersion("580.82.07", "580", True)
+    prop = "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.124.06  Thu Apr 3 2025\n"
+    assert parse_proc_version(prop) == DriverVersion("570.124.06", "570", False)
+    assert parse_proc_version("NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54  x\n") == DriverVersion(
+        "550.54", "550", False
+    )
+    assert parse_proc_version(None) is None and parse_proc_version("") is None
+    assert parse_proc_version("NVRM version: none here\n580.1.2\n") is None  # the first line only
+    modinfo = "filename: /lib/modules/nvidia.ko\nversion:        580.82.07\nlicense:        Dual MIT/GPL\n"
+    assert parse_modinfo(modinfo) == DriverVersion("580.82.07", "580", True)
+    assert parse_modinfo("version: 570.124.06\nlicense: NVIDIA\nversion: 999.1\n") == DriverVersion(
+        "570.124.06", "570", False
+    )
+    assert parse_modinfo("version: 580\n") is None and parse_modinfo("license: NVIDIA\n") is None
+    assert parse_modinfo("version: 580.82.07x\n") is None
+
+
+def _driver_plan(
+    settings: dict[str, Any],
+    family: str,
+    installed: Any,
+    loaded: Any,
+    pers: tuple[bool, bool] = (False, False),
+) -> Any:
+    from bcd_shared.units.distro import Distro
+    from bcd_shared.units.nvidia import DriverObserved
+
+    unit = REGISTRY["nvidia-driver"]
+    distro = Distro(
+        {"ubuntu": "ubuntu", "debian": "debian", "rhel": "rocky", "suse": "sles"}.get(family, "arch"),
+        "1",
+        family,  # type: ignore[arg-type]
+    )
+    return unit.plan(
+        unit.decode_settings(json.dumps(settings)), DriverObserved(distro, installed, loaded, *pers)
+    )
+
+
+APT_INSTALL = ("env", "DEBIAN_FRONTEND=noninteractive", "apt-get", "install", "-y", "--no-install-recommends",
+               "-o", "Dpkg::Options::=--force-confold")  # fmt: skip
+APT_UPDATE = ("apt-get", "update")
+ZYPPER = ("zypper", "--non-interactive", "install")
+UTILS = "nvidia-utils-580-server"
+
+
+@pytest.mark.parametrize(
+    ("family", "open_", "commands"),
+    [
+        ("ubuntu", True, [APT_UPDATE, (*APT_INSTALL, "nvidia-headless-580-server-open", UTILS)]),
+        ("ubuntu", False, [APT_UPDATE, (*APT_INSTALL, "nvidia-headless-580-server", UTILS)]),
+        ("debian", True, [APT_UPDATE, (*APT_INSTALL, "nvidia-open-580")]),
+        ("debian", False, [APT_UPDATE, (*APT_INSTALL, "cuda-drivers-580")]),
+        ("rhel", True, [("dnf", "-y", "install", "@nvidia-driver:580-open")]),
+        ("rhel", False, [("dnf", "-y", "install", "@nvidia-driver:580-dkms")]),
+        ("suse", True, [(*ZYPPER, "nvidia-open-driver-G06-signed-kmp-default", "nvidia-compute-utils-G06")]),
+        ("suse", False, [(*ZYPPER, "nvidia-driver-G06-kmp-default", "nvidia-compute-utils-G06")]),
+    ],
+)  # fmt: skip
+def test_HST_DRV_10_to_17_install_then_load(
+    family: str, open_: bool, commands: list[tuple[str, ...]]
+) -> None:
+    from bcd_shared.units.nvidia import DriverVersion, LoadDriver
+
+    p = _driver_plan({"branch": "580", "open": open_}, family, None, DriverVersion("570.1", "570", False))
+    pkgs = " ".join(commands[-1][-2:] if family in ("ubuntu", "suse") else commands[-1][-1:])
+    assert p.steps == (
+        *(Run(argv, message=f"installing {pkgs}") for argv in commands),
+        LoadDriver("580", open_, "570.1", family),
+    )
+    assert p.issues == ()
+
+
+def test_HST_DRV_plan_loaded_installed_flavors_and_persistenced() -> None:
+    from bcd_shared.units.nvidia import DriverVersion, LoadDriver
+
+    open580 = DriverVersion("580.82.07", "580", True)
+    prop580 = DriverVersion("580.82.07", "580", False)
+    assert _driver_plan({"branch": "580"}, "ubuntu", open580, open580).converged
+    assert _driver_plan({"branch": "580", "open": True}, "ubuntu", open580, open580).converged
+    # installed but not loaded: load it, no install
+    assert _driver_plan({"branch": "580"}, "ubuntu", prop580, None).steps == (
+        LoadDriver("580", None, None, "ubuntu"),
+    )
+    # the loaded flavor differs: install the asked flavor, swap the loaded one
+    p = _driver_plan({"branch": "580", "open": False}, "rhel", open580, open580)
+    assert p.steps == (
+        Run(
+            ("dnf", "-y", "install", "@nvidia-driver:580-dkms"), message="installing @nvidia-driver:580-dkms"
+        ),
+        LoadDriver("580", False, "580.82.07", "rhel"),
+    )
+    start = Run(("systemctl", "enable", "--now", "nvidia-persistenced.service"))
+    assert _driver_plan({"branch": "580"}, "ubuntu", open580, open580, (True, False)).steps == (start,)
+    assert _driver_plan({"branch": "580"}, "ubuntu", open580, open580, (True, True)).converged
+    assert _driver_plan({"branch": "580"}, "ubuntu", open580, open580, (False, False)).converged
+    unknown = _driver_plan({"branch": "580"}, "unknown", None, None)
+    assert unknown.steps == () and unknown.issues == (
+        Issue("terminal", "bcd has no driver packages for arch"),
+    )
+    assert REGISTRY["nvidia-driver"].plan(None, None).converged
+    assert LoadDriver("580", None, None).describe() == "load NVIDIA driver branch 580"
+
+
+def _fm_plan(switches: int, family: str, loaded: Any, installed: bool, active: bool) -> Any:
+    from bcd_shared.units.distro import Distro
+    from bcd_shared.units.nvidia import FmObserved
+
+    unit = REGISTRY["fabric-manager"]
+    distro = Distro("x", "1", family)  # type: ignore[arg-type]
+    return unit.plan(unit.decode_settings("{}"), FmObserved(switches, distro, loaded, installed, active))
+
+
+def test_HST_FM_plan_install_enable_and_conditions() -> None:
+    from bcd_shared.units._base import UnitCondition
+    from bcd_shared.units.nvidia import DriverVersion
+
+    down = (
+        UnitCondition(
+            "FabricManagerDown", "NotRunning", "nvidia-fabricmanager is not running on an NVSwitch host"
+        ),
+    )
+    v = DriverVersion("580.82.07", "580", True)
+    enable = Run(("systemctl", "enable", "--now", "nvidia-fabricmanager.service"))
+    assert _fm_plan(0, "ubuntu", None, False, False).converged  # no NVSwitch: nothing to do
+    running = _fm_plan(4, "ubuntu", v, True, True)
+    assert running.converged and running.conditions == ()
+    p = _fm_plan(4, "ubuntu", None, False, False)
+    assert (p.steps, p.issues, p.conditions) == (
+        (),
+        (Issue("retryable", "fabric-manager: no NVIDIA driver is loaded yet"),),
+        down,
+    )
+    p = _fm_plan(4, "debian", v, False, False)
+    assert p.steps == (
+        Run(("apt-get", "update"), message="installing nvidia-fabricmanager-580"),
+        Run((*APT_INSTALL, "nvidia-fabricmanager-580"), message="installing nvidia-fabricmanager-580"),
+        enable,
+    )
+    assert p.conditions == down and p.issues == ()
+    p = _fm_plan(4, "rhel", v, False, False)
+    assert p.steps == (
+        Run(("dnf", "-y", "install", "nvidia-fabric-manager"), message="installing nvidia-fabric-manager"),
+        enable,
+    )
+    assert _fm_plan(4, "suse", v, True, False).steps == (enable,)
+    p = _fm_plan(4, "unknown", v, False, False)
+    assert (p.steps, p.issues, p.conditions) == (
+        (),
+        (Issue("terminal", "bcd has no Fabric Manager package for x"),),
+        down,
+    )
+
+
+# -- cpu
+
+
+def _boot() -> Any:
+    from bcd_shared.units.bootargs import BootloaderView
+
+    return BootloaderView(True, False)
+
+
+@pytest.mark.parametrize(
+    ("isolate", "message"),
+    [
+        ("a", "isolate: 'a' is not a CPU or a range of CPUs"),
+        ("4-", "isolate: '4-' is not a CPU or a range of CPUs"),
+        ("-4", "isolate: '-4' is not a CPU or a range of CPUs"),
+        ("4:2", "isolate: '4:2' is not a CPU or a range of CPUs"),
+        ("1-8:2", "isolate: '1-8:2' is not a CPU or a range of CPUs"),  # no strides
+        ("4,,5", "isolate: '' is not a CPU or a range of CPUs"),
+        ("4 ,5", "isolate: '4 ' is not a CPU or a range of CPUs"),
+        ("123456", "isolate: '123456' is not a CPU or a range of CPUs"),  # six digits
+        ("5-4", "isolate: '5-4' runs backwards"),
+        ("8192", "isolate: CPU 8192 is above 8191"),
+        ("1-8192", "isolate: CPU 8192 is above 8191"),
+        ("0", "isolate must not include CPU 0 (it keeps the host's housekeeping)"),
+        ("2,0-1", "isolate must not include CPU 0 (it keeps the host's housekeeping)"),
+    ],
+)
+def test_HST_CPU_02_to_05_isolate_refusals_word_for_word(isolate: str, message: str) -> None:
+    assert refusal("cpu", {"isolate": isolate}) == message
+
+
+def test_HST_CPU_isolate_and_governor_at_their_limits() -> None:
+    from bcd_shared.units.cpu import CpuSettings, format_cpulist, isolation_args
+
+    assert decoded("cpu", {"isolate": "8191"}).isolate == frozenset({8191})
+    assert decoded("cpu", {"isolate": "1-1,3"}).isolate == frozenset({1, 3})
+    assert decoded("cpu", {"isolate": " 4-5 "}).isolate == frozenset({4, 5})
+    assert decoded("cpu", {"isolate": ""}) == CpuSettings(None, frozenset())
+    at_limit = ",".join(["1"] * 128)[:255] + "1"  # 256 characters
+    assert len(at_limit) == 256 and decoded("cpu", {"isolate": at_limit}).isolate == frozenset({1, 11})
+    assert refusal("cpu", {"isolate": at_limit + "1"}) == "isolate: at most 256 characters, not 257"
+    for g in ("performance", "schedutil", "ondemand", "powersave"):
+        assert decoded("cpu", {"governor": g}).governor == g
+    assert refusal("cpu", {"governor": "Performance"}) == (
+        "governor: 'Performance' is not one of performance, schedutil, ondemand, powersave"
+    )
+    assert refusal("cpu", {"governor": "performance", "isolated": "1"}) == "isolated: unknown field"
+    assert format_cpulist(frozenset({1, 2, 3, 5, 7, 8})) == "1-3,5,7-8"
+    assert format_cpulist(frozenset({9})) == "9" and format_cpulist(frozenset()) == ""
+    assert isolation_args(frozenset({4, 5, 6, 9})) == (
+        "isolcpus=managed_irq,domain,4-6,9 nohz_full=4-6,9 rcu_nocbs=4-6,9"
+    )
+    assert isolation_args(frozenset()) == ""
+
+
+def _cpu_plan(settings: dict[str, Any] | None, cpus: Any, isolated: str, recorded: str | None) -> Any:
+    from bcd_shared.units.cpu import CpuObserved, parse_cpulist
+
+    unit = REGISTRY["cpu"]
+    s = None if settings is None else unit.decode_settings(json.dumps(settings))
+    observed = CpuObserved(tuple(cpus), parse_cpulist(isolated), isolated, recorded, _boot())
+    return unit.plan(s, observed)
+
+
+def test_HST_CPU_plan_governor_per_cpu_and_refusal_naming_the_cpu() -> None:
+    from bcd_shared.units._base import WriteKernel
+    from bcd_shared.units.cpu import CpuView
+
+    both = ("performance", "powersave")
+    cpus = [
+        CpuView("cpu0", "powersave", both),
+        CpuView("cpu1", "performance", both),
+        CpuView("cpu2", "x", both),
+    ]
+    p = _cpu_plan({"governor": "performance"}, cpus, "", None)
+    assert p.steps == (
+        WriteKernel("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor", "performance"),
+        WriteKernel("/sys/devices/system/cpu/cpu2/cpufreq/scaling_governor", "performance"),
+    )
+    assert p.issues == ()
+    lacking = [CpuView("cpu0", "powersave", both), CpuView("cpu1", "powersave", ("powersave",))]
+    p = _cpu_plan({"governor": "schedutil"}, lacking, "", None)
+    assert p.steps == () and p.issues == (
+        Issue(
+            "terminal", "cpu: governor schedutil is not offered by cpu0 (it offers: performance powersave)"
+        ),
+    )
+    p = _cpu_plan(
+        {"governor": "performance"}, [CpuView("cpu0", "x", ()), CpuView("cpu3", "x", both)], "", None
+    )
+    assert p.issues == (
+        Issue("terminal", "cpu: governor performance is not offered by cpu0 (it offers: none)"),
+    )
+    assert _cpu_plan({"governor": "performance"}, [], "", None).converged  # no cpufreq: converged
+
+
+def test_HST_CPU_plan_isolation_boot_args_and_reboot_wait() -> None:
+    from bcd_shared.units.bootargs import SetBootArgs
+
+    args = "isolcpus=managed_irq,domain,4-5 nohz_full=4-5 rcu_nocbs=4-5"
+    record = "/var/lib/bcd-hostconfig/bootargs/cpu"
+    dropin = "/etc/default/grub.d/90-bcd-cpu.cfg"
+    p = _cpu_plan({"isolate": "4,5"}, [], "", None)
+    assert p.steps == (SetBootArgs("cpu", dropin, record, "", args, args, _boot()),)
+    assert p.issues == (
+        Issue("reboot", 'cpu: CPUs 4-5 are isolated from the next boot (now: ""): reboot the node'),
+    )
+    p = _cpu_plan({"isolate": "4-5"}, [], "4", args)
+    assert p.steps == () and p.issues == (
+        Issue("reboot", 'cpu: CPUs 4-5 are isolated from the next boot (now: "4"): reboot the node'),
+    )
+    assert _cpu_plan({"isolate": "4-5"}, [], "4-5", args).converged
+    assert _cpu_plan({"isolate": "4-5"}, [], "4-6", args).issues[0].kind == "reboot"  # HST-CPU-17: exactly
+    # no isolation asked (or the unit left the spec): the earlier arguments are removed, no wait
+    for settings in ({}, None, {"isolate": ""}):
+        p = _cpu_plan(settings, [], "4-5", args)
+        assert p.steps == (SetBootArgs("cpu", dropin, record, args, "", "", _boot()),) and p.issues == ()
+    assert _cpu_plan(None, [], "", None).converged
+
+
+# -- iommu
+
+
+def _iommu_plan(
+    settings: dict[str, Any] | None, vendor: str | None, iommus: tuple[str, ...], recorded: str | None
+) -> Any:
+    from bcd_shared.units.iommu import IommuObserved
+
+    unit = REGISTRY["iommu"]
+    s = None if settings is None else unit.decode_settings(json.dumps(settings))
+    return unit.plan(s, IommuObserved(vendor, iommus, recorded, _boot()))
+
+
+@pytest.mark.parametrize(
+    ("vendor", "passthrough", "args"),
+    [
+        ("GenuineIntel", True, "intel_iommu=on iommu=pt"),
+        ("GenuineIntel", False, "intel_iommu=on"),
+        ("AuthenticAMD", True, "amd_iommu=on iommu=pt"),
+        ("HygonGenuine", False, "amd_iommu=on"),
+        (None, True, "iommu=pt"),
+        (None, False, ""),
+    ],
+)
+def test_HST_IOMMU_plan_arguments_per_vendor(vendor: str | None, passthrough: bool, args: str) -> None:
+    from bcd_shared.units.bootargs import SetBootArgs
+
+    rec, drop = "/var/lib/bcd-hostconfig/bootargs/iommu", "/etc/default/grub.d/90-bcd-iommu.cfg"
+    p = _iommu_plan({"passthrough": passthrough}, vendor, (), None)
+    assert p.steps == ((SetBootArgs("iommu", drop, rec, "", args, args, _boot()),) if args else ())
+    assert p.issues == (
+        Issue(
+            "reboot",
+            f"iommu: the IOMMU is on from the next boot ({args}): reboot the node; "
+            "check the firmware enables VT-d or AMD-Vi",
+        ),
+    )
+    assert _iommu_plan({"passthrough": passthrough}, vendor, ("dmar0",), args or None).converged
+
+
+def test_HST_IOMMU_settings_vendor_and_clean_up() -> None:
+    from bcd_shared.units.bootargs import SetBootArgs
+    from bcd_shared.units.iommu import IommuSettings, vendor_of
+
+    assert decoded("iommu", {}) == IommuSettings(True)
+    assert decoded("iommu", {"passthrough": False}) == IommuSettings(False)
+    assert refusal("iommu", {"passthrough": 1}) == "passthrough: must be true or false"
+    assert refusal("iommu", {"pt": True}) == "pt: unknown field"
+    p = _iommu_plan({}, "CentaurHauls", (), None)
+    assert p.steps == () and p.issues == (
+        Issue("terminal", "iommu: CPU vendor CentaurHauls is not one bcd knows"),
+    )
+    rec, drop = "/var/lib/bcd-hostconfig/bootargs/iommu", "/etc/default/grub.d/90-bcd-iommu.cfg"
+    prev = "intel_iommu=on iommu=pt"
+    assert _iommu_plan(None, "GenuineIntel", ("dmar0",), prev).steps == (
+        SetBootArgs("iommu", drop, rec, prev, "", "", _boot()),
+    )
+    assert _iommu_plan(None, "GenuineIntel", (), None).converged
+    # a changed setting replaces what was recorded
+    assert _iommu_plan({"passthrough": False}, "GenuineIntel", ("dmar0",), prev).steps == (
+        SetBootArgs("iommu", drop, rec, prev, "intel_iommu=on", "intel_iommu=on", _boot()),
+    )
+    cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nvendor_id : GenuineIntel\n"
+    assert vendor_of(cpuinfo) == "AuthenticAMD"
+    assert vendor_of("processor : 0\nvendor_idx : x\nvendor_id\n") is None
