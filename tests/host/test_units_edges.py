@@ -867,3 +867,158 @@ def test_HST_IOMMU_settings_vendor_and_clean_up() -> None:
     cpuinfo = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nvendor_id : GenuineIntel\n"
     assert vendor_of(cpuinfo) == "AuthenticAMD"
     assert vendor_of("processor : 0\nvendor_idx : x\nvendor_id\n") is None
+
+
+# -- hugepages
+
+POOL = "/sys/kernel/mm/hugepages/hugepages-{}/nr_hugepages"
+NODE_POOL = "/sys/devices/system/node/node{}/hugepages/hugepages-{}/nr_hugepages"
+
+
+def test_HST_HP_01_to_04_settings_at_their_limits() -> None:
+    from bcd_shared.units.hugepages import HugepagesSettings
+
+    assert decoded("hugepages", {"pages2m": 16777216, "pages1g": 0}) == HugepagesSettings(16777216, 0)
+    assert decoded(
+        "hugepages", {"pages2m": 4.0, "perNuma": True, "transparent": "never"}
+    ) == HugepagesSettings(4, None, "never", True)
+    assert decoded("hugepages", {}) == HugepagesSettings(None, None, None, False)
+    assert refusal("hugepages", {"pages1g": 16777217}) == "pages1g: 16777217 is outside 0 to 16777216"
+    assert refusal("hugepages", {"pages2m": -1}) == "pages2m: -1 is outside 0 to 16777216"
+    assert refusal("hugepages", {"pages2m": 1.5}) == "pages2m: must be a whole number"
+    assert refusal("hugepages", {"pages2m": True}) == "pages2m: must be a whole number"
+    assert refusal("hugepages", {"pages2m": "4"}) == "pages2m: must be a whole number"
+    assert refusal("hugepages", {"transparent": "Always"}) == (
+        "transparent: 'Always' is not one of always, madvise, never"
+    )
+    assert refusal("hugepages", {"perNuma": "true"}) == "perNuma: must be true or false"
+
+
+def _hp_observed(**kw: Any) -> Any:
+    from bcd_shared.units.hugepages import HugepagesObserved
+
+    base: dict[str, Any] = {
+        "has_1g": True,
+        "thp": "madvise",
+        "numa_nodes": (0, 1),
+        "counts": (),
+        "boot_record": None,
+        "bootloader": _boot(),
+        "systemd": True,
+        "mount_unit": None,
+        "mounted": False,
+        "mount_enabled": False,
+    }
+    return HugepagesObserved(**{**base, **kw})
+
+
+def _hp_plan(settings: dict[str, Any] | None, **kw: Any) -> Any:
+    unit = REGISTRY["hugepages"]
+    s = None if settings is None else unit.decode_settings(json.dumps(settings))
+    return unit.plan(s, _hp_observed(**kw))
+
+
+def test_HST_HP_19_20_21_kernel_lacks_are_terminal_together() -> None:
+    p = _hp_plan(
+        {"pages1g": 1, "transparent": "never", "perNuma": True}, has_1g=False, thp=None, numa_nodes=()
+    )
+    assert p.steps == () and p.issues == (
+        Issue("terminal", "this kernel has no 1 GiB huge pages (no hugepages-1048576kB)"),
+        Issue("terminal", "this kernel has no transparent huge pages"),
+        Issue("terminal", "perNuma: this kernel shows no NUMA nodes"),
+    )
+    # pages1g 0 needs no 1 GiB support; an unset transparent needs no THP
+    assert _hp_plan({"pages1g": 0, "pages2m": 0}, has_1g=False, thp=None, counts=(
+        (POOL.format("2048kB"), 0), (POOL.format("1048576kB"), 0))).converged  # fmt: skip
+    assert _hp_plan(None, has_1g=False).converged  # HST-RMV-04: nothing is undone
+
+
+def test_HST_HP_plan_thp_and_2m_pools_global_and_per_numa() -> None:
+    from bcd_shared.units._base import WriteKernel
+    from bcd_shared.units.hugepages import Set2MPages
+
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    p = _hp_plan({"transparent": "never", "pages2m": 64}, counts=((POOL.format("2048kB"), 32),))
+    assert p.steps == (WriteKernel(thp, "never"), Set2MPages(POOL.format("2048kB"), 64))
+    assert _hp_plan(
+        {"transparent": "madvise", "pages2m": 64}, counts=((POOL.format("2048kB"), 64),)
+    ).converged
+    counts = (
+        (NODE_POOL.format(0, "2048kB"), 64),
+        (NODE_POOL.format(1, "2048kB"), 0),
+        (POOL.format("2048kB"), 64),
+    )
+    assert _hp_plan({"pages2m": 64, "perNuma": True}, counts=counts).steps == (
+        Set2MPages(NODE_POOL.format(1, "2048kB"), 64),
+    )
+    assert Set2MPages("/p", 3).describe() == "set /p to 3"
+
+
+def test_HST_HP_plan_1g_mount_pages_and_boot_reservation() -> None:
+    from bcd_shared.units.bootargs import SetBootArgs
+    from bcd_shared.units.hugepages import Set1GPages, mount_unit_text
+
+    unit_path = "/etc/systemd/system/dev-hugepages1G.mount"
+    record, dropin = "/var/lib/bcd-hostconfig/hugepages-1g-boot", "/etc/default/grub.d/90-bcd-hugepages.cfg"
+    g1 = POOL.format("1048576kB")
+    p = _hp_plan({"pages1g": 4}, counts=((g1, 1),))
+    assert p.steps == (
+        WriteFile(unit_path, mount_unit_text()),
+        Run(("systemctl", "daemon-reload")),
+        Run(("systemctl", "enable", "dev-hugepages1G.mount")),
+        Run(("systemctl", "start", "dev-hugepages1G.mount")),
+        Set1GPages(((g1, 4),), 4, "", _boot()),
+    )
+    done = {"mount_unit": mount_unit_text(), "mounted": True, "mount_enabled": True}
+    assert _hp_plan({"pages1g": 4}, counts=((g1, 4),), **done).converged
+    assert _hp_plan({"pages1g": 4}, counts=((g1, 4),), **{**done, "mount_enabled": False}).steps == (
+        Run(("systemctl", "enable", "dev-hugepages1G.mount")),
+    )
+    # without systemd: mkdir and mount
+    assert _hp_plan({"pages1g": 4}, counts=((g1, 4),), systemd=False).steps == (
+        Run(("mkdir", "-p", "/dev/hugepages1G")),
+        Run(("mount", "-t", "hugetlbfs", "-o", "pagesize=1G", "hugetlbfs", "/dev/hugepages1G")),
+    )
+    assert _hp_plan({"pages1g": 4}, counts=((g1, 4),), systemd=False, mounted=True).converged
+    # per NUMA node: the boot reservation is the total over nodes
+    counts = ((NODE_POOL.format(0, "1048576kB"), 2), (NODE_POOL.format(1, "1048576kB"), 0))
+    assert _hp_plan({"pages1g": 2, "perNuma": True}, counts=counts, **done).steps == (
+        Set1GPages(((NODE_POOL.format(1, "1048576kB"), 2),), 4, "", _boot()),
+    )
+    # HST-HP-17/18: the reservation follows the count once the pages are there; 0 removes it
+    prev = "hugepagesz=1G hugepages=8"
+    assert _hp_plan({"pages1g": 4}, counts=((g1, 4),), boot_record=prev, **done).steps == (
+        SetBootArgs(
+            "hugepages",
+            dropin,
+            record,
+            prev,
+            "hugepagesz=1G hugepages=4",
+            "hugepagesz=1G hugepages=4",
+            _boot(),
+        ),
+    )
+    assert _hp_plan({"pages1g": 0}, counts=((g1, 0),), boot_record=prev).steps == (
+        SetBootArgs("hugepages", dropin, record, prev, "", "", _boot()),
+    )
+    assert _hp_plan(
+        {"pages1g": 4}, counts=((g1, 4),), boot_record="hugepagesz=1G hugepages=4", **done
+    ).converged
+    assert _hp_plan({"pages1g": 0}, counts=((g1, 0),)).converged  # no mount for 0 pages
+    assert Set1GPages(((g1, 4), ("/q", 2)), 6, "", _boot()).describe() == f"set 1 GiB pages ({g1}=4, /q=2)"
+
+
+def test_HST_HP_mount_unit_rendered_exactly() -> None:
+    from bcd_shared.units.hugepages import boot_args, mount_unit_text, pool_path
+
+    assert mount_unit_text().decode() == (
+        HEAD.format(unit="hugepages") + "[Unit]\n"
+        "Description=Huge pages of 1 GiB for VMMs (bcd hugepages unit)\n"
+        "DefaultDependencies=no\nBefore=sysinit.target\n"
+        "ConditionPathExists=/sys/kernel/mm/hugepages/hugepages-1048576kB\n\n"
+        "[Mount]\nWhat=hugetlbfs\nWhere=/dev/hugepages1G\nType=hugetlbfs\nOptions=pagesize=1G\n\n"
+        "[Install]\nWantedBy=sysinit.target\n"
+    )
+    assert boot_args(0) == "" and boot_args(3) == "hugepagesz=1G hugepages=3"
+    assert pool_path("1g", None) == POOL.format("1048576kB")
+    assert pool_path("2m", 3) == NODE_POOL.format(3, "2048kB")
