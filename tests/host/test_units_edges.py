@@ -1022,3 +1022,149 @@ def test_HST_HP_mount_unit_rendered_exactly() -> None:
     assert boot_args(0) == "" and boot_args(3) == "hugepagesz=1G hugepages=3"
     assert pool_path("1g", None) == POOL.format("1048576kB")
     assert pool_path("2m", 3) == NODE_POOL.format(3, "2048kB")
+
+
+# -- gpu-settings
+
+
+def _gpus_plan(settings: dict[str, Any] | None, gpus: Any) -> Any:
+    from bcd_shared.units.gpusettings import GpuSettingsObserved
+
+    unit = REGISTRY["gpu-settings"]
+    s = None if settings is None else unit.decode_settings(json.dumps(settings))
+    return unit.plan(s, GpuSettingsObserved(gpus))
+
+
+def _gpu(index: str, limit: float | None, ecc: tuple[str, str] = ("Enabled", "Enabled")) -> Any:
+    from bcd_shared.units.gpusettings import GpuPower
+
+    return GpuPower(index, limit, 100.0 if limit is not None else None, 700.0, *ecc)
+
+
+def test_HST_GPUS_settings_at_their_limits() -> None:
+    from bcd_shared.units.gpusettings import GpuSettingsSettings
+
+    assert decoded("gpu-settings", {"powerLimitWatts": 1, "ecc": False}) == GpuSettingsSettings(1, False)
+    assert decoded("gpu-settings", {"powerLimitWatts": 10000}) == GpuSettingsSettings(10000, None)
+    assert refusal("gpu-settings", {"powerLimitWatts": 0}) == "powerLimitWatts: 0 is outside 1 to 10000"
+    assert (
+        refusal("gpu-settings", {"powerLimitWatts": 10001}) == "powerLimitWatts: 10001 is outside 1 to 10000"
+    )
+    assert refusal("gpu-settings", {"ecc": "on"}) == "ecc: must be true or false"
+    assert refusal("gpu-settings", {"power": 1}) == "power: unknown field"
+
+
+def test_HST_GPUS_plan_power_limits_within_each_gpus_range() -> None:
+    def pl(i: str, w: int) -> Run:
+        return Run(("nvidia-smi", "-i", i, "-pl", str(w)), message=f"setting GPU {i}'s power limit")
+
+    # a limit within 1 W of the setting counts as set (nvidia-smi shows fractions of a watt)
+    gpus = (_gpu("0", 700.0), _gpu("1", 450.5), _gpu("2", None), _gpu("3", 699.0), _gpu("4", 699.5))
+    assert _gpus_plan({"powerLimitWatts": 700}, gpus).steps == (pl("1", 700), pl("3", 700))
+    assert _gpus_plan({"powerLimitWatts": 100}, (_gpu("0", 100.0),)).converged  # at the minimum
+    p = _gpus_plan({"powerLimitWatts": 701}, gpus)
+    assert p.steps == () and p.issues == (Issue("terminal", "GPU 0 takes 100 to 700 W, not 701"),)
+    p = _gpus_plan({"powerLimitWatts": 99}, gpus)
+    assert p.issues == (Issue("terminal", "GPU 0 takes 100 to 700 W, not 99"),)
+    assert _gpus_plan({"powerLimitWatts": 300}, (_gpu("0", None),)).converged  # HST-GPUS-09
+    assert _gpus_plan({"powerLimitWatts": 300}, None).issues == (
+        Issue("retryable", "gpu-settings: nvidia-smi does not answer yet (is the driver loaded?)"),
+    )
+    assert _gpus_plan({}, None).converged and _gpus_plan(None, None).converged
+
+
+def test_HST_GPUS_plan_ecc_pending_and_reboot_wait() -> None:
+    def e(i: str, v: str) -> Run:
+        return Run(("nvidia-smi", "-i", i, "-e", v))
+
+    gpus = (
+        _gpu("0", None, ("Enabled", "Enabled")),
+        _gpu("1", None, ("Enabled", "Disabled")),  # already pending
+        _gpu("2", None, ("Disabled", "Enabled")),
+        _gpu("3", None, ("[N/A]", "[N/A]")),  # HST-GPUS-11: no ECC
+    )
+    p = _gpus_plan({"ecc": False}, gpus)
+    assert p.steps == (e("0", "0"), e("2", "0"))
+    assert p.issues == (
+        Issue(
+            "reboot", "gpu-settings: the ECC mode of GPU(s) 0,1 changes at their next reset: reboot the node"
+        ),
+    )
+    p = _gpus_plan({"ecc": True}, gpus)
+    assert p.steps == (e("1", "1"),)
+    assert p.issues == (
+        Issue(
+            "reboot", "gpu-settings: the ECC mode of GPU(s) 2 changes at their next reset: reboot the node"
+        ),
+    )
+    assert _gpus_plan({"ecc": True}, (gpus[0], gpus[3])).converged
+
+
+# -- gpu-sharing
+
+
+def _share_plan(settings: dict[str, Any] | None, mps: bool, unit_file: bytes | None, active: bool) -> Any:
+    from bcd_shared.units.sharing import SharingObserved
+
+    unit = REGISTRY["gpu-sharing"]
+    s = None if settings is None else unit.decode_settings(json.dumps(settings))
+    return unit.plan(s, SharingObserved(mps, unit_file, active))
+
+
+def test_HST_SHARE_settings_and_service_text() -> None:
+    from bcd_shared.units.sharing import SharingSettings, service_text, thread_percentage
+
+    assert decoded("gpu-sharing", {"mode": "mps"}) == SharingSettings("mps", 10)
+    assert decoded("gpu-sharing", {"mode": "timeslice", "replicas": 48}) == SharingSettings("timeslice", 48)
+    assert decoded("gpu-sharing", {"mode": "mps", "replicas": 1}) == SharingSettings("mps", 1)
+    assert refusal("gpu-sharing", {}) == "mode: required (mps or timeslice)"
+    assert refusal("gpu-sharing", {"mode": "mps", "replicas": 49}) == "replicas: 49 is outside 1 to 48"
+    assert refusal("gpu-sharing", {"mode": "MPS"}) == "mode: 'MPS' is not one of mps, timeslice"
+    assert [thread_percentage(n) for n in (1, 3, 48)] == [100, 33, 2]
+    assert service_text(3).decode() == (
+        HEAD.format(unit="gpu-sharing") + "[Unit]\n"
+        "Description=NVIDIA MPS control daemon (bcd gpu-sharing unit)\n"
+        "After=nvidia-persistenced.service\n\n[Service]\nType=forking\n"
+        "Environment=CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps\n"
+        "Environment=CUDA_MPS_LOG_DIRECTORY=/var/log/nvidia-mps\n"
+        "ExecStartPre=/usr/bin/nvidia-smi -c EXCLUSIVE_PROCESS\n"
+        "ExecStart=/usr/bin/nvidia-cuda-mps-control -d\n"
+        "ExecStartPost=/bin/sh -c "
+        "'echo set_default_active_thread_percentage 33 | /usr/bin/nvidia-cuda-mps-control'\n"
+        "ExecStop=/bin/sh -c 'echo quit | /usr/bin/nvidia-cuda-mps-control'\n"
+        "ExecStopPost=/usr/bin/nvidia-smi -c DEFAULT\nRestart=on-failure\nRestartSec=5\n\n"
+        "[Install]\nWantedBy=multi-user.target\n"
+    )
+
+
+def test_HST_SHARE_plan_mps_service_and_removal() -> None:
+    from bcd_shared.units._base import UnitCondition
+    from bcd_shared.units.sharing import service_text
+
+    down = (UnitCondition("MPSDown", "NotRunning", "bcd-mps.service is not active: MPS clients fail"),)
+    path = "/etc/systemd/system/bcd-mps.service"
+    p = _share_plan({"mode": "mps", "replicas": 4}, True, b"old", True)
+    assert p.steps == (
+        WriteFile(path, service_text(4)),
+        Run(("systemctl", "daemon-reload")),
+        Run(("systemctl", "enable", "bcd-mps.service")),
+        Run(("systemctl", "restart", "bcd-mps.service")),
+    )
+    assert p.conditions == down and p.issues == ()
+    p = _share_plan({"mode": "mps", "replicas": 4}, True, service_text(4), False)
+    assert p.steps == (Run(("systemctl", "start", "bcd-mps.service")),) and p.conditions == down
+    p = _share_plan({"mode": "mps", "replicas": 4}, True, service_text(4), True)
+    assert p.converged and p.conditions == ()
+    p = _share_plan({"mode": "mps"}, False, None, False)
+    assert p.steps == () and p.conditions == down
+    assert p.issues == (
+        Issue("retryable", "gpu-sharing: nvidia-cuda-mps-control is not installed yet (driver utilities)"),
+    )
+    removal = (
+        Run(("systemctl", "disable", "--now", "bcd-mps.service")),
+        RemoveFile(path),
+        Run(("systemctl", "daemon-reload")),
+    )
+    assert _share_plan({"mode": "timeslice"}, False, b"x", True).steps == removal
+    assert _share_plan(None, False, b"x", False).steps == removal
+    assert _share_plan({"mode": "timeslice"}, False, None, False).converged
