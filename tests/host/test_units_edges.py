@@ -7,6 +7,7 @@ exact steps. The units' whole runs on the simulated host are in test_units_simho
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Mapping
 from typing import Any
@@ -1168,3 +1169,92 @@ def test_HST_SHARE_plan_mps_service_and_removal() -> None:
     assert _share_plan({"mode": "timeslice"}, False, b"x", True).steps == removal
     assert _share_plan(None, False, b"x", False).steps == removal
     assert _share_plan({"mode": "timeslice"}, False, None, False).converged
+
+
+# -- container-toolkit
+
+
+def _ctk_plan(settings: dict[str, Any] | None, **kw: Any) -> Any:
+    from bcd_shared.units.distro import Distro
+    from bcd_shared.units.toolkit import ToolkitObserved
+
+    base: dict[str, Any] = {
+        "distro": Distro("ubuntu", "24.04", "ubuntu"),
+        "ctk": True,
+        "unconfigured": (),
+        "ctk_config": CTK_DONE,
+        "stamp_now": "s1",
+        "stamp_recorded": "s1",
+        "cdi_json": True,
+        "cdi_yaml": False,
+    }
+    unit = REGISTRY["container-toolkit"]
+    s = None if settings is None else unit.decode_settings(json.dumps(settings))
+    return unit.plan(s, ToolkitObserved(**{**base, **kw}))
+
+
+CTK_DONE = (
+    "[nvidia-container-runtime]\n"
+    "  accept-nvidia-visible-devices-envvar-when-unprivileged = false\n"
+    "accept-nvidia-visible-devices-as-volume-mounts=false\n"
+)
+
+
+def test_HST_CTK_settings_and_key_is_false() -> None:
+    from bcd_shared.units.toolkit import ToolkitSettings, key_is_false, stamp_of
+
+    assert decoded("container-toolkit", {}) == ToolkitSettings(True)
+    assert decoded("container-toolkit", {"cdi": False}) == ToolkitSettings(False)
+    assert refusal("container-toolkit", {"cdi": "no"}) == "cdi: must be true or false"
+    key = "accept-nvidia-visible-devices-as-volume-mounts"
+    assert key_is_false(f"x = 1\n  {key} = false  \n", key)
+    assert not key_is_false(f"#{key} = false\n", key)
+    assert not key_is_false(f"{key} = true\n", key)
+    assert not key_is_false(f"{key} = falsey\n", key)
+    assert not key_is_false(f"x{key} = false\n", key)
+    assert stamp_of("580.1", "GPU 0: H100\n") == hashlib.sha256(b"580.1\nGPU 0: H100\n").hexdigest()
+
+
+def test_HST_CTK_plan_install_configure_and_cdi() -> None:
+    from bcd_shared.units.distro import Distro
+    from bcd_shared.units.toolkit import GenerateCdi
+
+    p = _ctk_plan({}, ctk=False, distro=Distro("rocky", "9", "rhel"))
+    assert p.steps == (
+        Run(
+            ("dnf", "-y", "install", "nvidia-container-toolkit"),
+            message="installing nvidia-container-toolkit",
+        ),
+    )
+    p = _ctk_plan({}, ctk=False, distro=Distro("arch", "", "unknown"))
+    assert p.steps == () and p.issues == (Issue("terminal", "bcd has no container toolkit package for arch"),)
+    assert _ctk_plan({}).converged
+    assert _ctk_plan(None, ctk=False).converged  # HST-RMV-03
+    p = _ctk_plan(
+        {}, unconfigured=("containerd", "docker"), ctk_config="", stamp_recorded=None, cdi_yaml=True
+    )
+    configure = ("nvidia-ctk", "runtime", "configure")
+    unset = ("nvidia-ctk", "config", "--in-place", "--set")
+    assert p.steps == (
+        Run((*configure, "--runtime=containerd", "--cdi.enabled"), message="configuring containerd"),
+        Run(("systemctl", "restart", "containerd.service")),
+        Run((*configure, "--runtime=docker", "--cdi.enabled"), message="configuring docker"),
+        Run(("systemctl", "restart", "docker.service")),
+        Run((*unset, "accept-nvidia-visible-devices-envvar-when-unprivileged=false")),
+        Run((*unset, "accept-nvidia-visible-devices-as-volume-mounts=false")),
+        GenerateCdi("s1"),
+        RemoveFile("/etc/cdi/nvidia.yaml"),
+    )
+    assert _ctk_plan({}, cdi_json=False).steps == (GenerateCdi("s1"),)
+    p = _ctk_plan({}, stamp_now=None)
+    assert p.steps == () and p.issues == (
+        Issue("retryable", "container-toolkit: no NVIDIA driver is loaded yet to describe in CDI"),
+    )
+    # without CDI: the runtimes are configured without it, and nothing of CDI is planned
+    p = _ctk_plan({"cdi": False}, unconfigured=("docker",), ctk_config="", stamp_now=None, cdi_yaml=True)
+    assert p.steps == (
+        Run(("nvidia-ctk", "runtime", "configure", "--runtime=docker"), message="configuring docker"),
+        Run(("systemctl", "restart", "docker.service")),
+    )
+    assert p.issues == ()
+    assert GenerateCdi("x").describe() == "generate /etc/cdi/nvidia.json"
