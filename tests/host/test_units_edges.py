@@ -1258,3 +1258,154 @@ def test_HST_CTK_plan_install_configure_and_cdi() -> None:
     )
     assert p.issues == ()
     assert GenerateCdi("x").describe() == "generate /etc/cdi/nvidia.json"
+
+
+# -- _base: strict decoding, steps, records
+
+
+def test_HST_DEC_load_object_refusals_word_for_word() -> None:
+    from bcd_shared.units._base import load_object
+
+    assert load_object(b'  {"a": 1}\n ') == {"a": 1}
+    assert load_object('\t{"a": [1, {"b": null}]}') == {"a": [1, {"b": None}]}
+    with pytest.raises(TerminalError) as exc:
+        load_object("")
+    assert exc.value.message == "settings are not JSON: Expecting value at 0"
+    with pytest.raises(TerminalError) as exc:
+        load_object('  {"a": 1} x' + "y" * 60)
+    assert exc.value.message == "trailing data after the settings object: " + repr("x" + "y" * 39)
+    with pytest.raises(TerminalError) as exc:
+        load_object('{"a": 1}  []')
+    assert exc.value.message == "trailing data after the settings object: '[]'"
+    for text in ("[]", "1", '"x"', "null"):
+        with pytest.raises(TerminalError) as exc:
+            load_object(text)
+        assert exc.value.message == "settings must be a JSON object"
+    for constant in ("NaN", "Infinity", "-Infinity"):
+        with pytest.raises(TerminalError) as exc:
+            load_object(f'{{"a": {constant}}}')
+        assert exc.value.message == f"{constant} is not a JSON number bcd accepts"
+    with pytest.raises(TerminalError) as exc:
+        load_object('{"a": {"b": 1, "b": 2}}')
+    assert (exc.value.reason, exc.value.message) == ("InvalidSettings", "b: appears twice")
+
+
+def test_HST_DEC_fields_read_each_type_and_name_the_field() -> None:
+    from bcd_shared.units._base import Fields
+
+    f = Fields(
+        {"s": "ab", "c": "x", "b": False, "i": 3.0, "l": ["a"], "m": {"z": "1", "a": "2"}, "r": [1]},
+        prefix="p.",
+    )
+    assert f.string("s", pattern=r"^[a-b]+$", max_len=2) == "ab"
+    assert f.choice("c", ("x", "y")) == "x"
+    assert f.boolean("b") is False
+    assert f.integer("i", 3, 3) == 3
+    assert f.string_list("l", max_items=1, pattern="^a$", max_len=1) == ("a",)
+    assert f.string_map("m", max_items=2) == (("a", "2"), ("z", "1"))
+    assert f.raw("r") == [1]
+    assert f.has("s") and not f.has("nope")
+    assert f.string("nope") is None and f.boolean("nope") is None and f.integer("nope", 0, 1) is None
+    assert f.string_list("nope", max_items=1) is None and f.string_map("nope", max_items=1) is None
+    assert f.choice("nope", ("x",)) is None
+    f.done()
+
+    def fault(obj: dict[str, Any], read: Any) -> str:
+        with pytest.raises(TerminalError) as exc:
+            read(Fields(obj, prefix="p."))
+        return exc.value.message
+
+    assert fault({"s": 1}, lambda f: f.string("s")) == "p.s: must be a string"
+    assert fault({"s": "abc"}, lambda f: f.string("s", max_len=2)) == "p.s: at most 2 characters, not 3"
+    assert fault({"s": "a-"}, lambda f: f.string("s", pattern="^a+$")) == "p.s: 'a-' does not match ^a+$"
+    assert (
+        fault({"s": "b" * 100}, lambda f: f.string("s", pattern="^a$"))
+        == f"p.s: {'b' * 80!r} does not match ^a$"
+    )
+    assert fault({"c": "z"}, lambda f: f.choice("c", ("x", "y"))) == "p.c: 'z' is not one of x, y"
+    assert fault({"b": 0}, lambda f: f.boolean("b")) == "p.b: must be true or false"
+    for bad in (True, 1.5, "1", [1]):
+        assert fault({"i": bad}, lambda f: f.integer("i", 0, 9)) == "p.i: must be a whole number"
+    assert fault({"i": 10}, lambda f: f.integer("i", 0, 9)) == "p.i: 10 is outside 0 to 9"
+    assert fault({"i": -1}, lambda f: f.integer("i", 0, 9)) == "p.i: -1 is outside 0 to 9"
+    assert fault({"l": "a"}, lambda f: f.string_list("l", max_items=1)) == "p.l: must be a list of strings"
+    assert (
+        fault({"l": ["a", "b"]}, lambda f: f.string_list("l", max_items=1)) == "p.l: at most 1 entries, not 2"
+    )
+    assert fault({"l": ["a", 2]}, lambda f: f.string_list("l", max_items=2)) == "p.l[1]: must be a string"
+    assert fault({"l": ["a", "bb"]}, lambda f: f.string_list("l", max_items=2, max_len=1)) == (
+        "p.l[1]: at most 1 characters, not 2"
+    )
+    assert fault({"m": []}, lambda f: f.string_map("m", max_items=1)) == "p.m: must be an object of strings"
+    assert fault({"m": {"a": "1", "b": "2"}}, lambda f: f.string_map("m", max_items=1)) == (
+        "p.m: at most 1 entries, not 2"
+    )
+    assert fault({"m": {"a": 1}}, lambda f: f.string_map("m", max_items=1)) == "p.m.a: must be a string"
+    assert fault({"z": 1, "y": 2, "x": 3}, lambda f: (f.raw("x"), f.done())) == "p.y: unknown field"
+
+
+def _result(rc: int, stdout: bytes = b"", stderr: bytes = b"") -> Any:
+    from bcd_shared.system import CommandResult
+
+    return CommandResult(("tool", "a"), rc, stdout, stderr)
+
+
+def test_HST_LVL_tool_failures_checked_by_kind() -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units._base import RebootRequired, check
+
+    check(_result(0, stderr=b"boom"), "terminal", "m")  # success whatever it says
+    check(_result(1, stderr=b"x: Not Found\n"), "terminal", "m", ("Not Found",))
+    check(_result(1, stdout=b"already gone"), "terminal", "m", ("gone",))  # stdout counts too
+    with pytest.raises(TerminalError) as t:
+        check(_result(2, stderr=b"bad thing\nmore"), "terminal", "setting it", ("Not Found",))
+    assert (t.value.reason, t.value.message) == ("ToolFailed", "setting it: tool exited 2: bad thing")
+    with pytest.raises(RetryableError) as r:
+        check(_result(3), "retryable", "")
+    assert type(r.value) is RetryableError
+    assert (r.value.reason, r.value.message) == ("ToolFailed", "tool exited 3")
+    with pytest.raises(RebootRequired) as b:
+        check(_result(4, stderr=b"busy"), "reboot", "GPU busy")
+    assert (b.value.reason, b.value.message) == ("RebootRequired", "GPU busy: reboot the node")
+    with pytest.raises(RebootRequired) as b:
+        check(_result(4), "reboot", "")
+    assert b.value.message == "tool exited 4: reboot the node"
+    assert RebootRequired("please reboot the node now").message == "please reboot the node now"
+
+
+def test_issue_kinds_become_their_errors() -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units._base import RebootRequired
+
+    t = Issue("terminal", "m").to_error()
+    assert type(t) is TerminalError and (t.reason, t.message) == ("UnitRefused", "m")
+    r = Issue("retryable", "m").to_error()
+    assert type(r) is RetryableError and (r.reason, r.message) == ("UnitNotReady", "m")
+    b = Issue("reboot", "m").to_error()
+    assert type(b) is RebootRequired and (b.reason, b.message) == ("RebootRequired", "m: reboot the node")
+
+
+def test_HST_LVL_07_records_and_headers(tmp_path: Any) -> None:
+    from bcd_shared.system import LocalSystem
+    from bcd_shared.units._base import header, json_record, read_json_record, read_text_record, text_record
+
+    assert header("cpu") == HEAD.format(unit="cpu")
+    assert (
+        header("x", "//")
+        == "// Written by bcd (x unit): local edits are replaced on the next converge pass.\n"
+    )
+    assert json_record("u", {"b": 1, "a": [2]}) == (
+        b'{\n  "_comment": "Written by bcd (u unit): local edits are replaced on the next converge pass.",\n'
+        b'  "b": 1,\n  "a": [\n    2\n  ]\n}\n'
+    )
+    assert text_record("u", "v 1") == (HEAD.format(unit="u") + "v 1\n").encode()
+    system = LocalSystem(tmp_path)
+    system.write_atomic("/r/a", json_record("u", {"k": 1}))
+    system.write_atomic("/r/b", b"[1]")
+    system.write_atomic("/r/c", b"{bad")
+    system.write_atomic("/r/d", b"# c\n\n  one  \n# two\ntwo\n")
+    assert read_json_record(system, "/r/a") == {"_comment": HEAD.format(unit="u")[2:-1], "k": 1}
+    assert read_json_record(system, "/r/b") is None and read_json_record(system, "/r/c") is None
+    assert read_json_record(system, "/r/none") is None
+    assert read_text_record(system, "/r/d") == "one two"
+    assert read_text_record(system, "/r/none") is None
