@@ -1409,3 +1409,147 @@ def test_HST_LVL_07_records_and_headers(tmp_path: Any) -> None:
     assert read_json_record(system, "/r/none") is None
     assert read_text_record(system, "/r/d") == "one two"
     assert read_text_record(system, "/r/none") is None
+
+
+# -- _unit: the one-unit runner
+
+
+class _Step:
+    """A step that records itself in the stand-in unit's host state, or raises what it is told to."""
+
+    def __init__(self, name: str, fail: Exception | None = None) -> None:
+        self.name, self.fail = name, fail
+
+    def describe(self) -> str:
+        return f"step {self.name}"
+
+    def apply(self, system: Any, actx: Any) -> None:
+        system.done.append(self.name)
+        if self.fail is not None:
+            raise self.fail
+
+
+class _Host:
+    def __init__(self) -> None:
+        self.done: list[str] = []
+
+
+def _unit(plans: list[Any], rounds: int = 3) -> Any:
+    """A stand-in unit whose plans come from a script, one per observe-plan round (the last repeats)."""
+    from bcd_shared.units import ConfigUnit
+
+    class Scripted(ConfigUnit[str, int]):
+        name = "scripted"
+        max_rounds = rounds
+        validated: list[str] = []
+
+        def decode(self, obj: dict[str, Any]) -> str:
+            return "s"
+
+        def validate(self, settings: str, ctx: Any) -> None:
+            self.validated.append(settings)
+            if settings == "refuse":
+                raise TerminalError("InvalidSettings", "not allowed here")
+
+        def observe(self, system: Any, settings: str | None, ctx: Any) -> int:
+            return len(system.done)
+
+        def plan(self, settings: str | None, observed: int) -> Any:
+            return plans[min(self.calls(), len(plans) - 1)]
+
+        def calls(self) -> int:
+            self.n = getattr(self, "n", -1) + 1
+            return self.n
+
+    return Scripted()
+
+
+def _converge(unit: Any, settings: str | None = "s") -> tuple[Any, _Host]:
+    from bcd_shared.units import ApplyContext, UnitContext, converge_unit
+
+    host = _Host()
+    return converge_unit(unit, settings, host, UnitContext(), ApplyContext()), host  # type: ignore[arg-type]
+
+
+def test_HST_LVL_converge_applies_then_plans_again() -> None:
+    from bcd_shared.units import Plan, UnitResult
+
+    r, host = _converge(_unit([Plan((_Step("a"), _Step("b"))), Plan()]))
+    assert r == UnitResult("scripted", True, (), (), ("step a", "step b")) and r.ok
+    assert host.done == ["a", "b"]
+    r, host = _converge(_unit([Plan()]))
+    assert r == UnitResult("scripted", False) and host.done == []
+
+
+def test_HST_LVL_terminal_issue_applies_nothing_and_is_prefixed() -> None:
+    from bcd_shared.units import Plan, UnitResult
+
+    plan = Plan((_Step("a"),), (Issue("terminal", "bad"), Issue("retryable", "scripted: later")))
+    r, host = _converge(_unit([plan]))
+    assert host.done == [] and not r.ok
+    assert r == UnitResult(
+        "scripted", False, (Issue("terminal", "scripted: bad"), Issue("retryable", "scripted: later"))
+    )
+
+
+def test_HST_LVL_rounds_are_bounded_and_unfinished_steps_reported() -> None:
+    from bcd_shared.units import Plan
+
+    again = Plan((_Step("x"),))
+    r, host = _converge(_unit([again], rounds=2))
+    assert host.done == ["x", "x"] and r.changed
+    assert r.issues == (Issue("retryable", "scripted: not converged yet: step x"),)
+    r, host = _converge(_unit([again], rounds=1))
+    assert host.done == ["x"] and r.steps_done == ("step x",)
+
+
+def test_HST_LVL_stop_after_ends_the_action_for_this_pass() -> None:
+    from bcd_shared.units import Plan, UnitCondition
+
+    cond = (UnitCondition("T", "R", "m"),)
+    first = Plan((_Step("install"),), stop_after=True)
+    r, host = _converge(_unit([first, Plan((_Step("join"),), conditions=cond)]))
+    assert host.done == ["install"]
+    assert r.issues == (Issue("retryable", "scripted: installed packages; the next pass plans the rest"),)
+    assert r.conditions == cond and r.changed and r.steps_done == ("step install",)
+    r, _ = _converge(_unit([first, Plan((), (Issue("reboot", "wait"),))]))
+    assert r.issues == (Issue("reboot", "scripted: wait"),)
+
+
+def test_HST_LVL_step_errors_become_issues_by_kind() -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import Plan, RebootRequired, UnitCondition
+
+    cond = (UnitCondition("Down", "NotRunning", "m"),)
+    cond2 = (UnitCondition("Down2", "NotRunning", "m2"),)
+    cases = [
+        (TerminalError("X", "scripted: broken"), Issue("terminal", "scripted: broken")),
+        (RetryableError("X", "try later"), Issue("retryable", "scripted: try later")),
+        (RebootRequired("needs it"), Issue("reboot", "scripted: needs it: reboot the node")),
+        (RetryableError("Other", "then reboot the node"), Issue("reboot", "scripted: then reboot the node")),
+        (TerminalError("RebootRequired", "x"), Issue("terminal", "scripted: x")),
+    ]
+    for exc, issue in cases:
+        plans = [
+            Plan((_Step("ok"), _Step("bad", exc), _Step("never")), conditions=cond),
+            Plan(conditions=cond2),
+        ]
+        r, host = _converge(_unit(plans))
+        assert host.done == ["ok", "bad"]
+        assert (r.issues, r.changed, r.steps_done) == ((issue,), True, ("step ok",))
+        assert r.conditions == cond2  # re-planned over the host the failed step left
+    # a failure on the first step: nothing changed, the plan's own conditions
+    r, host = _converge(_unit([Plan((_Step("bad", RetryableError("X", "no")),), conditions=cond)]))
+    assert (r.changed, r.steps_done, r.conditions) == (False, (), cond)
+
+
+def test_HST_LVL_validate_runs_before_anything_and_not_for_clean_up() -> None:
+    from bcd_shared.units import Plan, UnitResult
+
+    unit = _unit([Plan((_Step("a"),))])
+    r, host = _converge(unit, "refuse")
+    assert r == UnitResult("scripted", False, (Issue("terminal", "scripted: not allowed here"),))
+    assert host.done == []
+    unit = _unit([Plan((_Step("rm"),)), Plan()])
+    r, host = _converge(unit, None)
+    assert unit.validated == [] and host.done == ["rm"] and r.ok
