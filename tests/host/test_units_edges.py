@@ -1553,3 +1553,38 @@ def test_HST_LVL_validate_runs_before_anything_and_not_for_clean_up() -> None:
     unit = _unit([Plan((_Step("rm"),)), Plan()])
     r, host = _converge(unit, None)
     assert unit.validated == [] and host.done == ["rm"] and r.ok
+
+
+# -- __init__ and strictjson
+
+
+def test_HST_HLP_04_unit_name_rule_at_its_edges() -> None:
+    from bcd_shared.units import valid_unit_name
+
+    assert valid_unit_name("a") and valid_unit_name("k8s-join") and valid_unit_name("x" * 64)
+    for bad in ("", "x" * 65, "Sysctl", "k8s_join", "a.b", "a b", "a/b", "a\n", "é"):
+        assert not valid_unit_name(bad), bad
+
+
+def test_clean_plans_the_clean_up_of_a_unit_that_left_the_spec(tmp_path: Any) -> None:
+    from bcd_shared.system import LocalSystem
+    from bcd_shared.units import ApplyContext, UnitContext, UnitResult, clean
+
+    system = LocalSystem(tmp_path)
+    system.write_atomic("/etc/sysctl.d/90-bcd.conf", b"vm.swappiness = 10\n")
+    r = clean("sysctl", system, UnitContext(), ApplyContext())
+    assert r == UnitResult("sysctl", True, (), (), ("remove /etc/sysctl.d/90-bcd.conf",))
+    assert not system.exists("/etc/sysctl.d/90-bcd.conf")
+    assert clean("hugepages", system, UnitContext(), ApplyContext()) == UnitResult("hugepages")
+
+
+def test_strictjson_unique_keys_refuses_a_repeated_key_with_the_callers_error() -> None:
+    from bcd_shared.strictjson import unique_keys
+
+    hook = unique_keys(lambda k: ValueError(f"twice: {k}"))
+    assert json.loads('{"a": 1, "b": {"a": 2}}', object_pairs_hook=hook) == {"a": 1, "b": {"a": 2}}
+    assert hook([]) == {}
+    with pytest.raises(ValueError, match=r"^twice: b$"):
+        json.loads('{"a": 1, "b": 2, "b": 2}', object_pairs_hook=hook)
+    with pytest.raises(ValueError, match=r"^twice: x$"):
+        hook([("x", 1), ("y", 2), ("x", 1)])
