@@ -1588,3 +1588,166 @@ def test_strictjson_unique_keys_refuses_a_repeated_key_with_the_callers_error() 
         json.loads('{"a": 1, "b": 2, "b": 2}', object_pairs_hook=hook)
     with pytest.raises(ValueError, match=r"^twice: x$"):
         hook([("x", 1), ("y", 2), ("x", 1)])
+
+
+# -- observers over a host tree (files only; no program runs)
+
+
+def _tree(tmp: Any, files: dict[str, str]) -> Any:
+    from bcd_shared.system import LocalSystem
+
+    system = LocalSystem(tmp)
+    for path, text in files.items():
+        if path.endswith("/"):
+            system.host_path(path).mkdir(parents=True, exist_ok=True)
+        else:
+            system.write_atomic(path, text.encode())
+    return system
+
+
+def test_observe_sysctl_and_kernel_modules(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.kmod import KernelModulesObserved, ModuleView
+    from bcd_shared.units.sysctl import SysctlObserved
+
+    system = _tree(
+        tmp_path,
+        {
+            "/proc/sys/net/ipv4/tcp_rmem": "4096\t131072\t6291456\n",
+            "/etc/sysctl.d/90-bcd.conf": "x\n",
+            "/sys/module/vfio_pci/refcnt": "2\n",
+            "/sys/module/vfio_pci/parameters/ids": "10de:2330\n",
+            "/sys/module/kvm/refcnt": "busy\n",
+            "/sys/module/tun/": "",
+            "/etc/modprobe.d/bcd.conf": "o\n",
+        },
+    )
+    s = decoded("sysctl", {"net.ipv4.tcp_rmem": "4096 131072 6291456", "vm.nope": 1})
+    assert REGISTRY["sysctl"].observe(system, s, UnitContext()) == SysctlObserved(
+        b"x\n", (("net.ipv4.tcp_rmem", "4096 131072 6291456"), ("vm.nope", None))
+    )
+    assert REGISTRY["sysctl"].observe(system, None, UnitContext()) == SysctlObserved(b"x\n", ())
+    s = decoded(
+        "kernel-modules",
+        {"load": ["vfio-pci", "tun", "nbd"], "options": {"vfio-pci": "ids=10de:2330 x=1", "kvm": "a=1"}},
+    )
+    assert REGISTRY["kernel-modules"].observe(system, s, UnitContext()) == KernelModulesObserved(
+        None,
+        b"o\n",
+        (
+            ("kvm", ModuleView(True, 0, (("a", ""),))),
+            ("nbd", ModuleView(False, 0, ())),
+            ("tun", ModuleView(True, 0, ())),
+            ("vfio-pci", ModuleView(True, 2, (("ids", "10de:2330"), ("x", "")))),
+        ),
+    )
+    assert REGISTRY["kernel-modules"].observe(system, None, UnitContext()) == KernelModulesObserved(
+        None, b"o\n", ()
+    )
+
+
+def test_observe_cpu_and_iommu(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.bootargs import BootloaderView
+    from bcd_shared.units.cpu import CpuObserved, CpuView
+    from bcd_shared.units.iommu import IommuObserved
+
+    base = "/sys/devices/system/cpu"
+    system = _tree(
+        tmp_path,
+        {
+            f"{base}/cpu10/cpufreq/scaling_governor": "powersave\n",
+            f"{base}/cpu10/cpufreq/scaling_available_governors": "performance powersave\n",
+            f"{base}/cpu2/cpufreq/scaling_governor": "performance\n",
+            f"{base}/cpu3/": "",  # no cpufreq
+            f"{base}/cpufreq/": "",
+            f"{base}/cpuidle/": "",
+            f"{base}/isolated": "4-5\n",
+            "/var/lib/bcd-hostconfig/bootargs/cpu": "# h\nisolcpus=x\n",
+            "/var/lib/bcd-hostconfig/bootargs/iommu": "# h\niommu=pt\n",
+            "/usr/sbin/grubby": "",
+            "/proc/cpuinfo": "processor : 0\nvendor_id : GenuineIntel\n",
+            "/sys/class/iommu/dmar0/": "",
+        },
+    )
+    boot = BootloaderView(False, True)
+    s = decoded("cpu", {"governor": "performance"})
+    assert REGISTRY["cpu"].observe(system, s, UnitContext()) == CpuObserved(
+        (CpuView("cpu2", "performance", ()), CpuView("cpu10", "powersave", ("performance", "powersave"))),
+        frozenset({4, 5}),
+        "4-5",
+        "isolcpus=x",
+        boot,
+    )
+    # without a governor, cpufreq is not read
+    assert REGISTRY["cpu"].observe(system, decoded("cpu", {}), UnitContext()).cpus == ()
+    system.write_atomic(f"{base}/isolated", b"garbage\n")
+    o = REGISTRY["cpu"].observe(system, None, UnitContext())
+    assert (o.cpus, o.isolated, o.isolated_text) == ((), frozenset(), "garbage")
+    assert REGISTRY["iommu"].observe(system, decoded("iommu", {}), UnitContext()) == IommuObserved(
+        "GenuineIntel", ("dmar0",), "iommu=pt", boot
+    )
+
+
+def test_observe_hugepages_pools_thp_and_the_mount(tmp_path: Any) -> None:
+    from bcd_shared.system import CommandResult, LocalSystem
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.bootargs import BootloaderView
+    from bcd_shared.units.hugepages import HugepagesObserved
+
+    asked: list[tuple[str, ...]] = []
+
+    def systemctl(system: Any, argv: Any, stdin: bytes | None) -> CommandResult:
+        asked.append(tuple(argv))
+        return CommandResult(tuple(argv), 0 if argv[1] == "is-enabled" else 3)
+
+    files = {
+        POOL.format("2048kB"): "16\n",
+        POOL.format("1048576kB"): "x\n",
+        NODE_POOL.format(0, "2048kB"): "8\n",
+        NODE_POOL.format(1, "1048576kB"): "1\n",
+        "/sys/devices/system/node/has_cpu": "0-1\n",
+        "/sys/devices/system/node/nodeX/": "",
+        "/sys/kernel/mm/transparent_hugepage/enabled": "always [madvise] never\n",
+        "/var/lib/bcd-hostconfig/hugepages-1g-boot": "# h\nhugepagesz=1G hugepages=2\n",
+        "/proc/mounts": (
+            "sysfs /sys sysfs rw 0 0\nhugetlbfs /dev/hugepages1G hugetlbfs rw,pagesize=1024M 0 0\n\n"
+        ),
+        "/run/systemd/system/": "",
+        "/usr/sbin/update-grub": "",
+    }
+    _tree(tmp_path, files)
+    system = LocalSystem(tmp_path, tools={"systemctl": systemctl})
+    o = REGISTRY["hugepages"].observe(system, None, UnitContext())
+    assert o == HugepagesObserved(
+        has_1g=True,
+        thp="madvise",
+        numa_nodes=(0, 1),
+        counts=(
+            (POOL.format("2048kB"), 16),
+            (POOL.format("1048576kB"), None),
+            (NODE_POOL.format(0, "2048kB"), 8),
+            (NODE_POOL.format(1, "2048kB"), None),
+            (NODE_POOL.format(0, "1048576kB"), None),
+            (NODE_POOL.format(1, "1048576kB"), 1),
+        ),
+        boot_record="hugepagesz=1G hugepages=2",
+        bootloader=BootloaderView(True, False),
+        systemd=True,
+        mount_unit=None,
+        mounted=True,  # from /proc/mounts although the unit is not active
+        mount_enabled=True,
+    )
+    assert asked == [
+        ("systemctl", "is-enabled", "dev-hugepages1G.mount"),
+        ("systemctl", "is-active", "--quiet", "dev-hugepages1G.mount"),
+    ]
+    system.write_atomic("/proc/mounts", b"hugetlbfs /dev/hugepages hugetlbfs rw 0 0\n")
+    system.write_atomic("/sys/kernel/mm/transparent_hugepage/enabled", b"always madvise never\n")
+    o = REGISTRY["hugepages"].observe(system, None, UnitContext())
+    assert (o.mounted, o.thp) == (False, "")
+    system.remove("/sys/kernel/mm/transparent_hugepage/enabled")
+    system.host_path("/run/systemd/system").rmdir()
+    asked.clear()
+    o = REGISTRY["hugepages"].observe(system, None, UnitContext())
+    assert (o.thp, o.systemd, o.mount_enabled, o.mounted, asked) == (None, False, False, False, [])
