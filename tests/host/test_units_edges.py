@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -1751,3 +1752,212 @@ def test_observe_hugepages_pools_thp_and_the_mount(tmp_path: Any) -> None:
     asked.clear()
     o = REGISTRY["hugepages"].observe(system, None, UnitContext())
     assert (o.thp, o.systemd, o.mount_enabled, o.mounted, asked) == (None, False, False, False, [])
+
+
+# -- steps applied on a host whose programs are scripted
+
+
+class Scripted:
+    """A host tree whose programs answer from a table (program -> function) and are recorded."""
+
+    def __init__(self, tmp: Any, answers: dict[str, Any]) -> None:
+        from bcd_shared.system import CommandResult, LocalSystem
+
+        self.calls: list[tuple[str, ...]] = []
+
+        def tool(name: str) -> Any:
+            def run(system: Any, argv: Any, stdin: bytes | None) -> CommandResult:
+                self.calls.append(tuple(argv))
+                rc, out, err = answers[name](tuple(argv), stdin)
+                return CommandResult(tuple(argv), rc, out, err)
+
+            return run
+
+        self.system = LocalSystem(tmp, tools={name: tool(name) for name in answers})
+
+
+def _tee(argv: tuple[str, ...], stdin: bytes | None, keep: Any = None) -> tuple[int, bytes, bytes]:
+    from pathlib import Path
+
+    value = (stdin or b"").decode()
+    Path(argv[1]).write_text(keep(value) if keep else value)
+    return 0, b"", b""
+
+
+def test_write_kernel_verifies_what_the_kernel_kept(tmp_path: Any) -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext
+    from bcd_shared.units._base import WriteKernel
+
+    path = "/sys/kernel/mm/transparent_hugepage/enabled"
+    host = Scripted(tmp_path, {"tee": lambda a, i: _tee(a, i, lambda v: "[never]\n")})
+    host.system.write_atomic(path, b"")
+    WriteKernel(path, "madvise").apply(host.system, ApplyContext())  # not verified: no error
+    assert host.calls == [("tee", str(tmp_path / path.lstrip("/")))]
+    with pytest.raises(RetryableError) as exc:
+        WriteKernel(path, "madvise", verify=True).apply(host.system, ApplyContext())
+    assert (exc.value.reason, exc.value.message) == (
+        "KernelWrite",
+        f"{path} is [never] after writing madvise",
+    )
+    host = Scripted(tmp_path, {"tee": lambda a, i: _tee(a, i, lambda v: "")})
+    with pytest.raises(RetryableError) as exc:
+        WriteKernel(path, "1", verify=True).apply(host.system, ApplyContext())
+    assert exc.value.message == f"{path} is empty after writing 1"
+    host = Scripted(tmp_path, {"tee": lambda a, i: (1, b"", b"tee: Permission denied\n")})
+    with pytest.raises(RetryableError) as exc:
+        WriteKernel(path, "1").apply(host.system, ApplyContext())
+    assert exc.value.message == f"cannot set {path} to 1: tee exited 1: tee: Permission denied"
+    assert WriteKernel(path, "1").describe() == f"set {path} to 1"
+
+
+def test_HST_HP_2m_and_1g_shortfalls(tmp_path: Any) -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext, RebootRequired
+    from bcd_shared.units.bootargs import BootloaderView
+    from bcd_shared.units.hugepages import Set1GPages, Set2MPages
+
+    g1, g1b = NODE_POOL.format(0, "1048576kB"), NODE_POOL.format(1, "1048576kB")
+    answers = {
+        "tee": lambda a, i: _tee(a, i, lambda v: "3\n" if "1048576kB" in a[1] or "2048kB" in a[1] else v),
+        "update-grub": lambda a, i: (0, b"", b""),
+    }
+    host = Scripted(tmp_path, answers)
+    for path in (g1, g1b, POOL.format("2048kB")):
+        host.system.write_atomic(path, b"0\n")
+    with pytest.raises(RetryableError) as exc:
+        Set2MPages(POOL.format("2048kB"), 8).apply(host.system, ApplyContext())
+    assert (exc.value.reason, exc.value.message) == (
+        "HugepagesShort",
+        f"hugepages: {POOL.format('2048kB')} holds 3 pages, not 8 (memory fragmented or short)",
+    )
+    Set2MPages(POOL.format("2048kB"), 3).apply(host.system, ApplyContext())  # got what it asked
+    with pytest.raises(RebootRequired) as boot:
+        Set1GPages(((g1, 4), (g1b, 5)), 10, "", BootloaderView(True, False)).apply(
+            host.system, ApplyContext()
+        )
+    assert boot.value.message == (
+        "hugepages: 9 pages of 1 GiB could not be allocated now (6 allocated); "
+        "the boot loader reserves them from the next boot: reboot the node"
+    )
+    assert host.system.read_text("/etc/default/grub.d/90-bcd-hugepages.cfg") == (
+        HEAD.format(unit="hugepages")
+        + 'GRUB_CMDLINE_LINUX="$GRUB_CMDLINE_LINUX hugepagesz=1G hugepages=10"\n'
+    )
+    assert host.system.read_text("/var/lib/bcd-hostconfig/hugepages-1g-boot") == (
+        HEAD.format(unit="hugepages") + "hugepagesz=1G hugepages=10\n"
+    )
+    assert host.calls[-1] == ("update-grub",)
+    # the same reservation already recorded: the boot loader is not asked again
+    host.calls.clear()
+    with pytest.raises(RebootRequired):
+        Set1GPages(((g1, 4),), 10, "hugepagesz=1G hugepages=10", BootloaderView(True, False)).apply(
+            host.system, ApplyContext()
+        )
+    assert [c[0] for c in host.calls] == ["tee"]
+    Set1GPages(((g1, 3),), 3, "", BootloaderView(False, False)).apply(
+        host.system, ApplyContext()
+    )  # all there
+
+
+MODINFO_580_OPEN = b"filename: /lib/modules/nvidia.ko\nversion: 580.82.07\nlicense: Dual MIT/GPL\n"
+PROC_580_OPEN = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.82.07  Release Build\n"
+
+
+def _driver_host(tmp: Any, modinfo: bytes | None, loaded_after: str | None, unload_rc: int = 0) -> Scripted:
+    from pathlib import Path
+
+    root = Path(tmp)
+
+    def modprobe(argv: tuple[str, ...], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        if argv[1] == "-r":
+            if unload_rc == 0:
+                shutil.rmtree(root / "sys/module" / argv[-1])
+            return unload_rc, b"", b"modprobe: FATAL: Module nvidia is in use.\n" if unload_rc else b""
+        (root / "sys/module" / argv[-1]).mkdir(parents=True, exist_ok=True)
+        if argv[-1] == "nvidia" and loaded_after is not None:
+            (root / "proc/driver/nvidia").mkdir(parents=True, exist_ok=True)
+            (root / "proc/driver/nvidia/version").write_text(loaded_after)
+        return 0, b"", b""
+
+    return Scripted(
+        tmp,
+        {
+            "modinfo": lambda a, i: (0, modinfo, b"") if modinfo is not None else (1, b"", b"not found"),
+            "modprobe": modprobe,
+            "systemctl": lambda a, i: (5, b"", b"Unit not loaded.\n"),
+        },
+    )
+
+
+def test_HST_DRV_load_refuses_a_module_of_another_branch_before_unloading(tmp_path: Any) -> None:
+    from bcd_shared.units import ApplyContext
+    from bcd_shared.units.nvidia import LoadDriver
+
+    host = _driver_host(tmp_path, MODINFO_580_OPEN, PROC_580_OPEN)
+    host.system.write_atomic("/sys/module/nvidia/refcnt", b"0\n")
+    cases = [
+        (
+            LoadDriver("570", None, "580.1", "ubuntu"),
+            "the driver packages installed 580.82.07 (open), not branch 570",
+        ),
+        (
+            LoadDriver("580", False, "570.1", "rhel"),
+            "the driver packages installed 580.82.07 (open), not branch 580 (proprietary)",
+        ),
+        (
+            LoadDriver("570", True, None, "suse"),
+            "the driver packages installed 580.82.07 (open), not branch 570 (open); the SUSE packages carry "
+            "no branch: pin the driver version in the repository, or ask for branch 580",
+        ),
+    ]
+    for step, message in cases:
+        host.calls.clear()
+        with pytest.raises(TerminalError) as exc:
+            step.apply(host.system, ApplyContext())
+        assert (exc.value.reason, exc.value.message) == ("DriverBranch", message)
+        assert host.calls == [("modinfo", "nvidia")]  # nothing stopped or unloaded
+
+
+def test_HST_DRV_load_swaps_the_loaded_driver_and_checks_the_result(tmp_path: Any) -> None:
+    from bcd_shared.units import ApplyContext, RebootRequired
+    from bcd_shared.units.nvidia import LoadDriver
+
+    host = _driver_host(tmp_path, MODINFO_580_OPEN, PROC_580_OPEN)
+    for mod in ("nvidia", "nvidia_uvm", "nvidia_modeset"):
+        host.system.write_atomic(f"/sys/module/{mod}/refcnt", b"0\n")
+    LoadDriver("580", True, "570.124.06", "ubuntu").apply(host.system, ApplyContext())
+    assert host.calls == [
+        ("modinfo", "nvidia"),
+        ("systemctl", "stop", "nvidia-fabricmanager.service"),
+        ("systemctl", "stop", "nvidia-persistenced.service"),
+        ("systemctl", "stop", "nvidia-dcgm.service"),
+        ("modprobe", "-r", "--", "nvidia_uvm"),
+        ("modprobe", "-r", "--", "nvidia_modeset"),
+        ("modprobe", "-r", "--", "nvidia"),
+        ("modprobe", "--", "nvidia"),
+        ("modprobe", "--", "nvidia_uvm"),
+    ]
+    # nothing loaded before: no services stopped, nothing unloaded
+    host = _driver_host(tmp_path / "b", None, PROC_580_OPEN)
+    LoadDriver("580", None, None).apply(host.system, ApplyContext())
+    assert host.calls == [
+        ("modinfo", "nvidia"),
+        ("modprobe", "--", "nvidia"),
+        ("modprobe", "--", "nvidia_uvm"),
+    ]
+    # the old driver is in use
+    host = _driver_host(tmp_path / "c", MODINFO_580_OPEN, PROC_580_OPEN, unload_rc=1)
+    host.system.write_atomic("/sys/module/nvidia/refcnt", b"3\n")
+    with pytest.raises(RebootRequired) as boot:
+        LoadDriver("580", None, "570.124.06").apply(host.system, ApplyContext())
+    assert boot.value.message == "driver 570.124.06 is in use; reboot the node to load branch 580"
+    # loaded, but the kernel still shows another driver
+    host = _driver_host(tmp_path / "d", None, "NVRM version: NVIDIA UNIX x86_64 Kernel Module  570.1.2  x\n")
+    with pytest.raises(RebootRequired) as boot:
+        LoadDriver("580", None, None).apply(host.system, ApplyContext())
+    assert boot.value.message == "the loaded driver is 570.1.2, not branch 580: reboot the node"
+    host = _driver_host(tmp_path / "e", None, None)
+    with pytest.raises(RebootRequired) as boot:
+        LoadDriver("580", None, None).apply(host.system, ApplyContext())
+    assert boot.value.message == "the loaded driver is none, not branch 580: reboot the node"
