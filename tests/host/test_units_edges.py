@@ -1961,3 +1961,139 @@ def test_HST_DRV_load_swaps_the_loaded_driver_and_checks_the_result(tmp_path: An
     with pytest.raises(RebootRequired) as boot:
         LoadDriver("580", None, None).apply(host.system, ApplyContext())
     assert boot.value.message == "the loaded driver is none, not branch 580: reboot the node"
+
+
+# The `mig -lgip` / `mig -lgi` tables as the A30 transcript in ../shared/reference/nvidia-smi/mig shows them
+# (a30_535.183.01_mig-session_transcript.txt), GPU 1 added as a second A30.
+LGIP = """\
++-----------------------------------------------------------------------------+
+| GPU instance profiles:                                                      |
+| GPU   Name             ID    Instances   Memory     P2P    SM    DEC   ENC  |
+|                              Free/Total   GiB              CE    JPEG  OFA  |
+|=============================================================================|
+|   0  MIG 1g.6gb        14     4/4        5.81       No     14     1     0   |
+|                                                             1     0     0   |
++-----------------------------------------------------------------------------+
+|   0  MIG 2g.12gb        5     2/2        11.69      No     28     2     0   |
+|                                                             2     0     0   |
++-----------------------------------------------------------------------------+
+|   1  MIG 4g.24gb        0     1/1        23.44      No     56     4     0   |
+|                                                             4     1     1   |
++-----------------------------------------------------------------------------+
+"""
+LGI = """\
++-------------------------------------------------------+
+| GPU instances:                                        |
+| GPU   Name             Profile  Instance   Placement  |
+|                          ID       ID       Start:Size |
+|=======================================================|
+|   0  MIG 2g.12gb          5        2          2:2     |
++-------------------------------------------------------+
+|   0  MIG 1g.6gb          14        3          0:1     |
++-------------------------------------------------------+
+"""
+
+
+def test_observe_mig_rows_profiles_instances_and_busy_gpus(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.mig import MigGpu, MigObserved
+    from bcd_shared.units.nvsmi import MigProfile
+
+    rows = b"0, GPU-a, Enabled, Enabled\n1, GPU-b, Disabled, Enabled\n2, GPU-c, [N/A], [N/A]\n"
+
+    def smi(argv: tuple[str, ...], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        if argv[1].startswith("--query-gpu="):
+            return 0, rows, b""
+        return 0, {"-lgip": LGIP, "-lgi": LGI}[argv[2]].encode(), b""
+
+    host = Scripted(tmp_path, {"nvidia-smi": smi})
+    s = decoded("mig-layout", {"layout": "all-1g.6gb"})
+    ctx = UnitContext(busy_gpus=frozenset({"GPU-a/gi2/ci0", "GPU-z/s1"}))
+    A30_PROFILES = (MigProfile("1g.6gb", 14, 4), MigProfile("2g.12gb", 5, 2))  # noqa: N806
+    assert REGISTRY["mig-layout"].observe(host.system, s, ctx) == MigObserved(
+        (
+            MigGpu("0", "GPU-a", "Enabled", "Enabled", A30_PROFILES, ("1g.6gb", "2g.12gb")),
+            MigGpu("1", "GPU-b", "Disabled", "Enabled", (MigProfile("4g.24gb", 0, 1),), ()),
+        ),
+        frozenset({"GPU-a", "GPU-z"}),
+    )  # fmt: skip
+    assert host.calls == [
+        (
+            "nvidia-smi",
+            "--query-gpu=index,uuid,mig.mode.current,mig.mode.pending",
+            "--format=csv,noheader,nounits",
+        ),
+        ("nvidia-smi", "mig", "-lgip"),
+        ("nvidia-smi", "mig", "-lgi"),
+    ]
+    # MIG off everywhere: the tables are not asked for
+    rows = b"0, GPU-a, Disabled, Disabled\n"
+    host.calls.clear()
+    o = REGISTRY["mig-layout"].observe(host.system, s, UnitContext())
+    assert o == MigObserved((MigGpu("0", "GPU-a", "Disabled", "Disabled", (), ()),), frozenset())
+    assert len(host.calls) == 1
+    # no layout: nothing is asked
+    host.calls.clear()
+    assert REGISTRY["mig-layout"].observe(host.system, None, UnitContext()) == MigObserved((), frozenset())
+    assert host.calls == []
+    dead = Scripted(tmp_path, {"nvidia-smi": lambda a, i: (9, b"", b"NVIDIA-SMI has failed")})
+    assert REGISTRY["mig-layout"].observe(dead.system, s, UnitContext()) == MigObserved(None, frozenset())
+
+
+def test_HST_MIG_steps_mode_with_reset_and_repartition(tmp_path: Any) -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext, RebootRequired
+    from bcd_shared.units.mig import Repartition, SetMigMode
+
+    state = {"mode": "Disabled", "after_reset": "Enabled", "reset_rc": 0, "mig_rc": 0}
+
+    def smi(argv: tuple[str, ...], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        if argv[1].startswith("--query-gpu="):
+            return 0, f"0, GPU-a, Enabled, Enabled\n3, GPU-d, {state['mode']}, Enabled\n".encode(), b""
+        if argv[1] == "--gpu-reset":
+            state["mode"] = state["after_reset"]
+            return int(state["reset_rc"]), b"", b""
+        if argv[1] == "-i" and argv[3] == "-mig":
+            return int(state["mig_rc"]), b"", b"Unable to enable MIG Mode\n" if state["mig_rc"] else b""
+        if argv[4] in ("-dci", "-dgi"):
+            return 6, b"", b"No GPU instances found: Not Found\n"
+        return 0, b"", b""
+
+    host = Scripted(tmp_path, {"nvidia-smi": smi})
+    SetMigMode("3", True).apply(host.system, ApplyContext())
+    assert [c[1:4] for c in host.calls] == [
+        ("-i", "3", "-mig"),
+        ("--query-gpu=index,uuid,mig.mode.current,mig.mode.pending", "--format=csv,noheader,nounits"),
+        ("--gpu-reset", "-i", "3"),
+        ("--query-gpu=index,uuid,mig.mode.current,mig.mode.pending", "--format=csv,noheader,nounits"),
+    ]
+    assert host.calls[0] == ("nvidia-smi", "-i", "3", "-mig", "1")
+    host.calls.clear()
+    SetMigMode("3", True).apply(host.system, ApplyContext())  # already on: no reset
+    assert len(host.calls) == 2
+    state.update(mode="Enabled", after_reset="Enabled", reset_rc=1)
+    with pytest.raises(RebootRequired) as boot:
+        SetMigMode("3", False).apply(host.system, ApplyContext())
+    assert boot.value.message == (
+        "mig-layout: MIG mode of GPU 3 waits for a GPU reset, which failed (reboot the node)"
+    )
+    state.update(reset_rc=0)  # the reset "works" but the mode stays
+    with pytest.raises(RebootRequired):
+        SetMigMode("3", False).apply(host.system, ApplyContext())
+    state.update(mig_rc=2)
+    with pytest.raises(RetryableError) as exc:
+        SetMigMode("3", True).apply(host.system, ApplyContext())
+    assert (exc.value.reason, exc.value.message) == (
+        "MigMode",
+        "mig-layout: cannot set MIG mode on GPU 3: nvidia-smi exited 2: Unable to enable MIG Mode",
+    )
+    host.calls.clear()
+    Repartition("3", ("3g.40gb", "1g.10gb")).apply(host.system, ApplyContext())  # "Not Found" is done
+    assert host.calls == [
+        ("nvidia-smi", "mig", "-i", "3", "-dci"),
+        ("nvidia-smi", "mig", "-i", "3", "-dgi"),
+        ("nvidia-smi", "mig", "-i", "3", "-cgi", "3g.40gb,1g.10gb", "-C"),
+    ]
+    host.calls.clear()
+    Repartition("3", ()).apply(host.system, ApplyContext())
+    assert [c[4] for c in host.calls] == ["-dci", "-dgi"]
