@@ -2009,10 +2009,10 @@ def test_observe_mig_rows_profiles_instances_and_busy_gpus(tmp_path: Any) -> Non
     host = Scripted(tmp_path, {"nvidia-smi": smi})
     s = decoded("mig-layout", {"layout": "all-1g.6gb"})
     ctx = UnitContext(busy_gpus=frozenset({"GPU-a/gi2/ci0", "GPU-z/s1"}))
-    A30_PROFILES = (MigProfile("1g.6gb", 14, 4), MigProfile("2g.12gb", 5, 2))  # noqa: N806
+    a30_profiles = (MigProfile("1g.6gb", 14, 4), MigProfile("2g.12gb", 5, 2))
     assert REGISTRY["mig-layout"].observe(host.system, s, ctx) == MigObserved(
         (
-            MigGpu("0", "GPU-a", "Enabled", "Enabled", A30_PROFILES, ("1g.6gb", "2g.12gb")),
+            MigGpu("0", "GPU-a", "Enabled", "Enabled", a30_profiles, ("1g.6gb", "2g.12gb")),
             MigGpu("1", "GPU-b", "Disabled", "Enabled", (MigProfile("4g.24gb", 0, 1),), ()),
         ),
         frozenset({"GPU-a", "GPU-z"}),
@@ -2045,7 +2045,7 @@ def test_HST_MIG_steps_mode_with_reset_and_repartition(tmp_path: Any) -> None:
     from bcd_shared.units import ApplyContext, RebootRequired
     from bcd_shared.units.mig import Repartition, SetMigMode
 
-    state = {"mode": "Disabled", "after_reset": "Enabled", "reset_rc": 0, "mig_rc": 0}
+    state: dict[str, Any] = {"mode": "Disabled", "after_reset": "Enabled", "reset_rc": 0, "mig_rc": 0}
 
     def smi(argv: tuple[str, ...], stdin: bytes | None) -> tuple[int, bytes, bytes]:
         if argv[1].startswith("--query-gpu="):
