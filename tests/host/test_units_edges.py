@@ -2097,3 +2097,60 @@ def test_HST_MIG_steps_mode_with_reset_and_repartition(tmp_path: Any) -> None:
     host.calls.clear()
     Repartition("3", ()).apply(host.system, ApplyContext())
     assert [c[4] for c in host.calls] == ["-dci", "-dgi"]
+
+
+def test_observe_nvidia_driver_and_fabric_manager(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.distro import Distro
+    from bcd_shared.units.nvidia import DriverObserved, DriverVersion, FmObserved, require_driver
+
+    active = {"nvidia-persistenced.service": 0, "nvidia-fabricmanager.service": 3}
+    host = Scripted(
+        tmp_path,
+        {
+            "modinfo": lambda a, i: (0, MODINFO_580_OPEN, b""),
+            "systemctl": lambda a, i: (active[a[-1]], b"", b""),
+        },
+    )
+    _tree(
+        tmp_path,
+        {
+            "/etc/os-release": 'ID=ubuntu\nVERSION_ID="24.04"\n',
+            "/sys/module/nvidia/": "",
+            "/proc/driver/nvidia/version": PROC_580_OPEN,
+            "/usr/bin/nvidia-persistenced": "",
+            "/proc/driver/nvidia-nvswitch/devices/0000:01:00.0": "",
+            "/proc/driver/nvidia-nvswitch/devices/0000:02:00.0": "",
+        },
+    )
+    v = DriverVersion("580.82.07", "580", True)
+    ubuntu = Distro("ubuntu", "24.04", "ubuntu")
+    s = decoded("nvidia-driver", {"branch": "580"})
+    assert REGISTRY["nvidia-driver"].observe(host.system, s, UnitContext()) == DriverObserved(
+        ubuntu, v, v, True, True
+    )
+    assert host.calls[-1] == ("systemctl", "is-active", "--quiet", "nvidia-persistenced.service")
+    fm = REGISTRY["fabric-manager"].observe(host.system, decoded("fabric-manager", {}), UnitContext())
+    assert fm == FmObserved(2, ubuntu, v, False, False)  # nv-fabricmanager not installed: not asked
+    host.system.write_atomic("/usr/sbin/nv-fabricmanager", b"")
+    fm = REGISTRY["fabric-manager"].observe(host.system, decoded("fabric-manager", {}), UnitContext())
+    assert (fm.installed, fm.active) == (True, False)
+    active["nvidia-fabricmanager.service"] = 0
+    fm = REGISTRY["fabric-manager"].observe(host.system, decoded("fabric-manager", {}), UnitContext())
+    assert (fm.installed, fm.active) == (True, True)
+    require_driver(host.system, "gpu-settings")  # loaded: no error
+    shutil.rmtree(tmp_path / "proc/driver/nvidia-nvswitch")
+    assert REGISTRY["fabric-manager"].observe(host.system, None, UnitContext()) == FmObserved(
+        0, Distro("", "", "unknown"), None, False, False
+    )
+    shutil.rmtree(tmp_path / "sys/module/nvidia")
+    o = REGISTRY["nvidia-driver"].observe(host.system, s, UnitContext())
+    assert (o.installed, o.loaded) == (v, None)
+    from bcd_shared.errors import RetryableError
+
+    with pytest.raises(RetryableError) as exc:
+        require_driver(host.system, "gpu-settings")
+    assert (exc.value.reason, exc.value.message) == (
+        "NoDriver",
+        "gpu-settings: no NVIDIA driver is loaded yet",
+    )
