@@ -7,6 +7,7 @@ rollback. The real helper is driven in test_daemon_swap.py and test_hostile_rele
 from __future__ import annotations
 
 import base64
+import datetime as dt
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -1080,3 +1082,152 @@ def test_arm_replaces_the_timer_and_resume_rearms_a_pending_swap(ctx: HelperCont
     daemon.resume(ctx)
     timer = ctx.daemon_timer
     assert timer is not None and 190 < timer.interval <= 200 and timer.args == (ctx, "1.1.0")
+
+
+# --- edges ------------------------------------------------------------------------------------------------
+
+
+def test_a_record_past_64_kib_cannot_be_read(ctx: HelperContext, root: Path) -> None:
+    doc = write_record(root)
+    text = json.dumps(doc)
+    (root / RECORD).write_text(text + " " * (64 * 1024 - len(text)))
+    assert load_release(ctx) == doc
+    (root / RECORD).write_text(text + " " * (64 * 1024 + 1 - len(text)))
+    with pytest.raises(Failed) as info:
+        load_release(ctx)
+    assert (info.value.reason, info.value.message) == (
+        "release-state",
+        f"{RELEASE_STATE}: {RELEASE_STATE} is larger than 65536 bytes",
+    )
+
+
+def test_an_artifact_at_the_size_limit_is_read_and_one_byte_more_is_not(
+    ctx: HelperContext, root: Path, worker: Signer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(daemon, "MAX_ARTIFACT", len(NEW))
+    args = doc_for(worker, root)
+    assert swap(ctx, args)["version"] == "1.1.0"
+    confirm(ctx, "1.1.0")
+    bigger = NEW + b"+"
+    args = doc_for(worker, root, version="1.2.0", data=bigger, generation=2)
+    assert refused(ctx, args) == (
+        "too-large",
+        f"daemon.swap: artifact /{STAGING}/bcd-1.2.0 is larger than {len(NEW)} bytes",
+    )
+
+
+def test_long_names_in_refusals_are_cut_to_80_characters(
+    ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    args = doc_for(worker, root)
+    section = daemon_section(worker, "1.1.0", NEW)
+    long_node = "n" * 100
+    assert refused(ctx, {**args, "spec": spec_carrier(worker, section, 1, node=long_node)})[1] == (
+        f"daemon.swap: the signed spec is for node {'n' * 80!r}"
+    )
+    named = wire.DaemonSection(
+        version="9" * 100, url=section.url, sha256=section.sha256, signature=section.signature
+    )
+    assert refused(ctx, {**args, "spec": spec_carrier(worker, named, 1)})[1].startswith(
+        f"daemon.swap: the signed spec names another release ({'9' * 80!r});"
+    )
+    assert refused(ctx, command_args(worker, root, node=long_node))[1] == (
+        f"daemon.swap: the signed command is for node {'n' * 80!r}"
+    )
+    assert refused(ctx, command_args(worker, root, kind="k" * 100))[1] == (
+        f"daemon.swap: the signed command is {'k' * 80!r}, not daemon.upgrade"
+    )
+    long_id = "i" * 100
+    write_record(root, version="1.0.9", sha256=sha(b"x"), used_commands=[long_id])
+    assert refused(ctx, command_args(worker, root, command_id=long_id))[1] == (
+        f"daemon.swap: the daemon.upgrade command {'i' * 80!r} was already used"
+    )
+    with pytest.raises(Refused) as info:
+        confirm(ctx, "v" * 100)
+    assert info.value.message.startswith("daemon.confirm: no swap")
+    write_record(root, state="pending")
+    with pytest.raises(Refused) as info:
+        confirm(ctx, "v" * 100)
+    assert info.value.message == f"daemon.confirm: the pending swap is to 1.1.0, not {'v' * 80!r}"
+
+
+class _Frozen(dt.datetime):
+    at: dt.datetime
+
+    @classmethod
+    def now(cls, tz: dt.tzinfo | None = None) -> _Frozen:  # type: ignore[override]
+        return cls.fromtimestamp(cls.at.timestamp(), tz)
+
+
+def test_a_command_expires_at_its_not_after(
+    ctx: HelperContext, root: Path, worker: Signer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    at = dt.datetime.fromtimestamp(int(time.time()), dt.UTC)
+    _Frozen.at = at
+    monkeypatch.setattr(daemon, "dt", SimpleNamespace(datetime=_Frozen, UTC=dt.UTC))
+    now_ms = int(at.timestamp() * 1000)
+    assert refused(ctx, command_args(worker, root, not_after_ms=now_ms)) == (
+        "expired-intent",
+        f"daemon.swap: the signed daemon.upgrade command 01J0000000000000000000UPG1 expired (not_after "
+        f"{now_ms}, now {now_ms}): its release is not fresh",
+    )
+    assert swap(ctx, command_args(worker, root, not_after_ms=now_ms + 1))["version"] == "1.1.0"
+
+
+def test_root_keeps_the_last_64_command_ids(ctx: HelperContext, root: Path, worker: Signer) -> None:
+    used = [f"01J{i:023d}" for i in range(64)]
+    write_record(root, version="1.0.9", sha256=sha(b"x"), used_commands=used)
+    swap(ctx, command_args(worker, root, command_id="01JNEW0000000000000000000X"))
+    assert record(root)["used_commands"] == [*used[1:], "01JNEW0000000000000000000X"]
+
+
+def test_without_a_join_record_pinned_roots_bind_no_node(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    """command_root_sha256 pins the roots and no join record binds a node: a spec for any node is
+    accepted (the chain carries its root)."""
+    (root / "usr/lib/bcd").mkdir(parents=True)
+    config = cp.config_lines(pin_roots=True).split("\n", 1)[1]
+    c = context(root, config + HELPER)
+    try:
+        args = doc_for(worker, root)
+        section = daemon_section(worker, "1.1.0", NEW)
+        args["chain"] = [*args["chain"], b64(cp.command.root)]
+        args["spec"] = spec_carrier(worker, section, 1, node="node-z")
+        assert swap(c, args)["version"] == "1.1.0"
+    finally:
+        with c.timer_lock:
+            if c.daemon_timer is not None:
+                c.daemon_timer.cancel()
+        c.audit.close()
+
+
+def test_after_a_rollback_the_next_swap_names_the_release_it_replaces(
+    ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    swap(ctx, doc_for(worker, root))
+    confirm(ctx, "1.1.0")
+    swap(ctx, doc_for(worker, root, version="1.2.0", data=NEW + b"2", generation=2))
+    confirm(ctx, "1.2.0", healthy=False)
+    assert os.readlink(root / LINK) == "releases/1.1.0/bcd" and record(root)["version"] == "1.1.0"
+    got = swap(ctx, doc_for(worker, root, version="1.2.1", data=NEW + b"21", generation=3))
+    assert got["previous_version"] == "1.1.0" and record(root)["previous_sha256"] == sha(NEW)
+
+
+def test_a_first_release_confirmed_prunes_every_other_directory(
+    ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    (root / LINK).unlink()
+    stale = root / RELEASES / "0.9.0"
+    stale.mkdir(parents=True)
+    (stale / "bcd").write_bytes(b"old")
+    (stale / "bcd.sig").write_bytes(b"sig")
+    swap(ctx, doc_for(worker, root))
+    assert sorted(os.listdir(root / RELEASES)) == ["0.9.0", "1.1.0"]
+    confirm(ctx, "1.1.0")
+    assert os.listdir(root / RELEASES) == ["1.1.0"]
+
+
+def test_a_restart_error_that_is_not_utf8_is_still_reported(ctx: HelperContext) -> None:
+    programs(ctx).script = lambda argv: (1, b"", b"\xff bad unit")
+    assert daemon._restart_node(ctx) == "systemctl restart bcd-node.service: exit 1: \ufffd bad unit"
