@@ -25,7 +25,7 @@ from bcd_helper.ops.table import LOCK_ORDER
 from bcd_shared.rootpath import RootPathRefused
 from bcd_shared.system import DEFAULT_TOOL_TIMEOUT_S, CommandResult, LocalSystem
 from intentkit import ControlPlane
-from opskit import NODE_UID, context, make_root
+from opskit import NODE_UID, Programs, context, make_root
 
 HELPER = f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = {NODE_UID}\n'
 
@@ -109,7 +109,15 @@ def test_each_program_gets_the_least_of_its_timeout_the_cap_and_what_is_left(
     clock.now += 70
     system.run(["c"], timeout=40)  # what is left
     system.run(["d"])  # the default timeout, capped
-    assert inner.runs == [(("a",), 10, b"in"), (("b",), 50, None), (("c",), 30.0, None), (("d",), 30.0, None)]
+    clock.now += 29.5
+    system.run(["f"], timeout=5)  # under a second left: still started, with what is left
+    assert inner.runs == [
+        (("a",), 10, b"in"),
+        (("b",), 50, None),
+        (("c",), 30.0, None),
+        (("d",), 30.0, None),
+        (("f",), 0.5, None),
+    ]
     # Without a cap given, the cap is the default tool timeout (20 minutes).
     long = BoundedSystem(inner, Deadline(7200))
     long.run(["e"], timeout=3600)
@@ -148,7 +156,7 @@ def test_the_context_has_one_lock_per_name_and_nothing_else_yet(root: Path) -> N
     assert all(type(x) is type(threading.Lock()) for x in locks) and len({id(x) for x in locks}) == len(locks)
     assert (ctx.daemon_timer, ctx.nft_reference, ctx.nft_memo) == (None, None, None)
     assert type(ctx.timer_lock) is type(threading.Lock())
-    assert ctx.root == root and ctx.config.node_uid == NODE_UID
+    assert ctx.root == root and ctx.config.node_uid == NODE_UID and isinstance(ctx.system, Programs)
     ctx.audit.close()
 
 
@@ -157,8 +165,17 @@ def test_the_verifier_is_made_once_on_first_use(root: Path) -> None:
     assert ctx._intent is None  # a start imports no pki
     verifier = ctx.intent_verifier()
     assert ctx.intent_verifier() is verifier
-    assert verifier.load_state("x").generation == 0  # over this context's root and config
+    assert verifier.load_state("x").generation == 0  # over this context's root
     ctx.audit.close()
+    # ... and its config: pinned roots want a chain.
+    pinned = context(root, ControlPlane.build().config_lines(pin_roots=True).split("\n", 1)[1] + HELPER)
+    with pytest.raises(Refused) as info:
+        pinned.intent_verifier().trust("host.unit", None, ())
+    assert (info.value.reason, info.value.message) == (
+        "intent-required",
+        "host.unit: command_root_sha256 pins the roots: a signed spec is required",
+    )
+    pinned.audit.close()
 
 
 def test_no_roots_possible_only_when_nothing_can_name_roots(root: Path) -> None:
