@@ -57,6 +57,11 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("tests/helper/test_log_ops_unit.py",),
     ),
     "helper-files": (("helper/bcd_helper/ops/files.py",), ("tests/helper/test_files_unit.py",)),
+    "helper-access": (("helper/bcd_helper/ops/access.py",), ("tests/helper/test_access_unit.py",)),
+    "helper-nft": (("helper/bcd_helper/ops/nft.py",), ("tests/helper/test_nft_unit.py",)),
+    "helper-base": (("helper/bcd_helper/ops/base.py",), ("tests/helper/test_base_unit.py",)),
+    "helper-table": (("helper/bcd_helper/ops/table.py",), ("tests/helper/test_table_unit.py",)),
+    "helper-daemon": (("helper/bcd_helper/ops/daemon.py",), ("tests/helper/test_daemon_unit.py",)),
     "helper-server": (
         ("helper/bcd_helper/server.py",),
         ("tests/helper/test_server_unit.py", "tests/helper/test_helper_op_timeout.py"),
