@@ -57,6 +57,8 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("tests/helper/test_log_ops_unit.py",),
     ),
     "helper-files": (("helper/bcd_helper/ops/files.py",), ("tests/helper/test_files_unit.py",)),
+    "helper-libvirt": (("helper/bcd_helper/ops/libvirt.py",), ("tests/helper/test_libvirt_ops_unit.py",)),
+    "helper-ch": (("helper/bcd_helper/ops/ch.py",), ("tests/helper/test_ch_ops_unit.py",)),
     "helper-server": (
         ("helper/bcd_helper/server.py",),
         ("tests/helper/test_server_unit.py", "tests/helper/test_helper_op_timeout.py"),
