@@ -298,6 +298,50 @@ def test_bcds_domain_is_known_by_its_metadata_element() -> None:
     assert not lv.is_bcds(b"<domain><metadata><instance/></metadata></domain>")
 
 
+HANDLERS = [
+    ("libvirt.start", lv.libvirt_start, lv.LibvirtStart),
+    ("libvirt.shutdown", lv.libvirt_shutdown, lv.LibvirtName),
+    ("libvirt.destroy", lv.libvirt_destroy, lv.LibvirtName),
+    ("libvirt.suspend", lv.libvirt_suspend, lv.LibvirtName),
+    ("libvirt.resume", lv.libvirt_resume, lv.LibvirtName),
+    ("libvirt.undefine", lv.libvirt_undefine, lv.LibvirtName),
+    ("libvirt.blockresize", lv.libvirt_blockresize, lambda n: lv.LibvirtBlockresize(n, "vda", 1)),
+    ("libvirt.setmem", lv.libvirt_setmem, lambda n: lv.LibvirtSetmem(n, 1)),
+    ("libvirt.rebind", lv.libvirt_attach_rebind, lv.LibvirtRebind),
+    ("libvirt.unrebind", lv.libvirt_detach_rebind, lv.LibvirtName),
+    ("libvirt.save", lv.libvirt_save, lv.LibvirtSave),
+    ("libvirt.console", lv.libvirt_console, lv.LibvirtName),
+]
+
+
+@pytest.mark.parametrize(("op", "handler", "make"), HANDLERS, ids=[h[0] for h in HANDLERS])
+def test_every_verb_names_itself_in_its_refusals(
+    ctx: HelperContext, host: Host, op: str, handler: Any, make: Any
+) -> None:
+    """A bad name, no domain, a domain bcd did not define: refused with the op's own name, and nothing
+    but root's dumpxml runs."""
+    assert refused(handler, call(ctx), make("x/y")) == ("bad-name", f"{op}: 'x/y' is not an instance id")
+    assert refused(handler, call(ctx), make("vm2")) == ("no-domain", f"{op}: no domain vm2")
+    host.domains["vm1"] = THEIRS
+    assert refused(handler, call(ctx), make("vm1")) == (
+        "unmanaged",
+        f"{op}: domain vm1 is not bcd's: it is never changed",
+    )
+    assert virsh_runs(ctx) == [("dumpxml", "vm2"), ("dumpxml", "vm1")]
+
+
+@pytest.mark.parametrize(
+    ("op", "handler", "make"),
+    [
+        ("libvirt.define", lv.libvirt_define, lambda n: lv.LibvirtDefine(n, NO_GPU_DEFINE)),
+        ("libvirt.restore", lv.libvirt_restore, lambda n: lv.LibvirtRestore(n, NO_GPU_DEFINE)),
+    ],
+)
+def test_define_and_restore_name_themselves(ctx: HelperContext, op: str, handler: Any, make: Any) -> None:
+    assert refused(handler, call(ctx), make("x/y")) == ("bad-name", f"{op}: 'x/y' is not an instance id")
+    assert programs(ctx).runs == []
+
+
 # --- define ----------------------------------------------------------------------------------------------
 
 
@@ -591,8 +635,9 @@ def test_blockresize_bounds_and_argv(ctx: HelperContext, host: Host) -> None:
         assert got == {"name": "vm1", "size_bytes": size}
         assert programs(ctx).runs[-1] == virsh("blockresize", "vm1", target, f"{size}B")
     host.fail["blockresize"] = (1, b"", b"error: Failed to resize block device 'vda'\n")
-    assert failed(lv.libvirt_blockresize, call(ctx), lv.LibvirtBlockresize("vm1", "vda", 2))[1] == (
-        "virsh blockresize vm1: error: Failed to resize block device 'vda'"
+    assert failed(lv.libvirt_blockresize, call(ctx), lv.LibvirtBlockresize("vm1", "vda", 2)) == (
+        "virsh",
+        "virsh blockresize vm1: error: Failed to resize block device 'vda'",
     )
     assert refused(lv.libvirt_blockresize, call(ctx), lv.LibvirtBlockresize("x/y", "vda", 2))[0] == "bad-name"
     host.domains["vm1"] = THEIRS
@@ -615,8 +660,9 @@ def test_setmem_stays_within_the_domains_memory(ctx: HelperContext, host: Host) 
         }
         assert programs(ctx).runs[-1] == virsh("setmem", "vm1", f"{kib}K", "--live")
     host.fail["setmem"] = (1, b"", b"error: Requested operation is not valid: domain is not running\n")
-    assert failed(lv.libvirt_setmem, call(ctx), lv.LibvirtSetmem("vm1", 5))[1] == (
-        "virsh setmem vm1: error: Requested operation is not valid: domain is not running"
+    assert failed(lv.libvirt_setmem, call(ctx), lv.LibvirtSetmem("vm1", 5)) == (
+        "virsh",
+        "virsh setmem vm1: error: Requested operation is not valid: domain is not running",
     )
     del host.fail["setmem"]
     host.domains["vm1"] = NO_GPU_DUMP.replace(
@@ -650,8 +696,9 @@ def test_undefine_drops_roots_staged_definition(ctx: HelperContext, root: Path, 
     # libvirt refused: the staged copy stays
     lv.libvirt_define(call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))
     host.fail["undefine"] = (1, b"", b"error: Failed to undefine domain 'vm1'\n")
-    assert failed(lv.libvirt_undefine, call(ctx), lv.LibvirtName("vm1"))[1] == (
-        "virsh undefine vm1: error: Failed to undefine domain 'vm1'"
+    assert failed(lv.libvirt_undefine, call(ctx), lv.LibvirtName("vm1")) == (
+        "virsh",
+        "virsh undefine vm1: error: Failed to undefine domain 'vm1'",
     )
     assert staged.exists()
     del host.fail["undefine"]
@@ -1109,8 +1156,11 @@ def test_console_hands_back_the_pty_as_a_descriptor_dlv_hlp_07(
 @pytest.mark.parametrize(
     "path", ["", "/dev/pts/1234567", "/dev/ptmx", "/dev/pts/3x", "/etc/shadow", "/dev/pts/"]
 )
-def test_console_only_opens_a_dev_pts_number(ctx: HelperContext, host: Host, path: str) -> None:
-    host.domains["vm1"] = with_pty(NO_GPU_DUMP, path) if path else NO_GPU_DUMP
+def test_console_only_opens_a_dev_pts_number(ctx: HelperContext, host: Host, path: str | None) -> None:
+    if path is None:  # a <source> without a path (another serial type's)
+        host.domains["vm1"] = NO_GPU_DUMP.replace(b"<serial type='pty'>\n", b"<serial type='pty'>\n<source/>")
+    else:
+        host.domains["vm1"] = with_pty(NO_GPU_DUMP, path) if path else NO_GPU_DUMP
     assert failed(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1")) == (
         "no-console",
         "libvirt.console: domain vm1 has no pty serial console (is it running?)",
@@ -1141,7 +1191,13 @@ def test_console_that_changed_while_root_opened_it_is_closed(
     (root / "dev/pts/3").write_bytes(b"")
     before = sorted(os.listdir("/proc/self/fd"))
     changed = "libvirt.console: domain vm1's console changed while root opened it"
-    for again in (with_pty(NO_GPU_DUMP, "/dev/pts/4"), with_pty(NO_GPU_DUMP, ident="3"), NO_GPU_DUMP):
+    sourceless = NO_GPU_DUMP.replace(b"<serial type='pty'>\n", b"<serial type='pty'>\n<source/>")
+    for again in (
+        with_pty(NO_GPU_DUMP, "/dev/pts/4"),
+        with_pty(NO_GPU_DUMP, ident="3"),
+        NO_GPU_DUMP,
+        sourceless,
+    ):
         host.domains["vm1"] = [with_pty(NO_GPU_DUMP), again]
         assert failed(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1")) == ("no-console", changed)
     host.domains["vm1"] = [with_pty(NO_GPU_DUMP), THEIRS]
