@@ -517,7 +517,7 @@ def launch_refused(ctx: HelperContext, op: str = "ch.launch") -> tuple[str, str]
 def test_launch_starts_roots_unit_with_the_vmms_acl_entries_dlv_chh_21_dlv_chh_02(
     ctx: HelperContext, root: Path, host: Host
 ) -> None:
-    """DLV-CHH-21, DLV-CHH-02, DLV-CHH-03: root's own reading builds the unit (its own binary, the
+    """DLV-CHH-21, DLV-CHH-02: root's own reading builds the unit (its own binary, the
     VMM's account created first); the VMM's uid gets exactly the record's files (the instance
     directory rwx with a default entry, its files rw, the rw volume rw, the ro volume r; never vm.json),
     the node a default entry on the directory (what the VMM creates stays the node's to reach)."""
@@ -556,10 +556,8 @@ def test_launch_passes_the_records_placement_gpus_and_hugepages_to_the_unit(
     assert runs(ctx)[-1] == want
 
 
-def test_launch_of_a_restored_disk_binds_no_base_dlv_ch_07(
-    ctx: HelperContext, root: Path, host: Host
-) -> None:
-    """DLV-CH-07: a restored disk is flat, named no base; the unit binds none (restored memory)."""
+def test_launch_of_a_restored_disk_binds_no_base(ctx: HelperContext, root: Path, host: Host) -> None:
+    """A restored disk is flat and names no base; the unit binds none (restored memory)."""
     inst = root / INST.lstrip("/")
     rewrite(root, record(restored=True, image_sha256=None, image_format=None, volumes=()))
     node_file(inst / "disk.qcow2", qcow2_bytes(GIB))

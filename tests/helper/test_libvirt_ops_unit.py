@@ -254,6 +254,8 @@ def test_a_verb_libvirt_fails_is_answered_with_virshs_message(ctx: HelperContext
     )
     host.fail["suspend"] = (1, b"", b"\xffbad\n")
     assert failed(lv.libvirt_suspend, call(ctx), lv.LibvirtName("vm1"))[1] == "virsh suspend vm1: \ufffdbad"
+    host.fail["resume"] = (1, b"\xffworse\n", b"")
+    assert failed(lv.libvirt_resume, call(ctx), lv.LibvirtName("vm1"))[1] == "virsh resume vm1: \ufffdworse"
 
 
 def test_no_domain_and_a_domain_not_bcds_are_refused_and_never_changed(
@@ -387,9 +389,9 @@ def test_host_gpus_reads_nvidia_smi_in_sysfs_form(ctx: HelperContext, host: Host
         ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0", "0000:9a:00.0", "0000:ab:00.0",
          "0000:ba:00.0", "0000:db:00.0"]
     )  # fmt: skip
-    c = context(ctx.root, "", lambda argv: (0, b"\n  00000001:AB:01.7  \n\n0000:1:2.3\n", b""))
+    c = context(ctx.root, "", lambda argv: (0, b"\n  00000001:AB:01.7  \n\n0000:1:2.3\n\xff\n", b""))
     try:
-        assert lv.host_gpus(call(c)) == frozenset(["0001:ab:01.7", "0000:1:2.3"])
+        assert lv.host_gpus(call(c)) == frozenset(["0001:ab:01.7", "0000:1:2.3", "\ufffd:"])
     finally:
         c.audit.close()
 
@@ -530,6 +532,30 @@ def test_start_of_a_restored_flat_disk_and_an_empty_cdrom(ctx: HelperContext, ro
         "domain-disk",
         "libvirt.start: vm1: a disk without a file is never bcd's",
     )
+
+
+def test_start_checks_every_disk_after_an_empty_drive(ctx: HelperContext, root: Path, host: Host) -> None:
+    """An empty cdrom (no file: libvirt opens nothing) is skipped, and the disks after it are checked;
+    a disk without a <driver> is checked as a file (its header is read only where a chain is named)."""
+    d = root / INST.lstrip("/")
+    empty = b"<disk type='file' device='cdrom'><target dev='sdd' bus='sata'/><readonly/></disk>\n"
+    host.domains["vm1"] = NO_GPU_DUMP.replace(b"<devices>\n", b"<devices>\n" + empty, 1)
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
+    os.link(d / "seed.iso", d / "second")
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: '{INST}/seed.iso' has 2 hard links",
+    )
+    os.unlink(d / "second")
+    driverless = (
+        b"<disk type='file' device='disk'><source file='" + f"{INST}/extra.img".encode() + b"'/></disk>\n"
+    )
+    host.domains["vm1"] = NO_GPU_DUMP.replace(b"<devices>\n", b"<devices>\n" + driverless, 1)
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))[1] == (
+        f"libvirt.start: vm1: '{INST}/extra.img' does not exist"
+    )
+    (d / "extra.img").write_bytes(b"not a qcow2 header")
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
 
 
 def test_start_checks_a_direct_kernel_and_initrd(ctx: HelperContext, root: Path, host: Host) -> None:
@@ -1036,6 +1062,36 @@ def test_save_across_filesystems_copies_into_a_new_file(
     assert os.listdir(root / STAGE) == []
 
 
+def test_a_link_planted_after_the_unlink_is_never_written_through(
+    ctx: HelperContext, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Across filesystems the copy is a new file (O_CREAT|O_EXCL|O_NOFOLLOW): a link the node plants
+    between root's unlink and its open fails the handover; its target is never written."""
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, **kw: Any) -> None:
+        if dst == "save.state":
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_rename(src, dst, **kw)
+
+    real_unlink = os.unlink
+
+    def unlink(path: Any, **kw: Any) -> None:
+        if path != "save.state":  # the node's link comes back at once
+            real_unlink(path, **kw)
+
+    monkeypatch.setattr(lv.os, "rename", rename)
+    monkeypatch.setattr(lv.os, "unlink", unlink)
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep")
+    os.symlink(target, root / STATE.lstrip("/"))
+    assert failed(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm1")) == (
+        "save-handover",
+        "libvirt.save: vm1: the state was not handed over: [Errno 17] File exists: 'save.state'",
+    )
+    assert target.read_bytes() == b"keep" and os.stat(target).st_uid == 0
+
+
 @pytest.mark.parametrize(
     ("device", "reason", "message"),
     [
@@ -1338,15 +1394,20 @@ def test_roots_running_view_is_read_for_the_comparison(ctx: HelperContext) -> No
     }
     odd = (
         b"<domain><vcpu> 3 </vcpu><memory>4</memory><devices><interface type='bridge'/>"
+        b"<interface type='network'><source network='default'/><mac/></interface>"
         b"<hostdev><source><address domain='0x0' bus='0xzz' slot='0' function='0'/></source></hostdev>"
-        b"<hostdev><source><address domain='0x1' bus='0x2' slot='0x3' function='0x4'/></source></hostdev>"
-        b"</devices></domain>"
+        b"<hostdev><source><address domain='0x0' bus='0x18' slot='0x0'/></source></hostdev>"
+        b"<hostdev><source><address domain='0x1' bus='0xab' slot='0xc' function='0x4'/></source></hostdev>"
+        b"</devices><metadata><bcd:instance xmlns:bcd='https://better-compute.dev/libvirt/1'><bcd:image/>"
+        b"</bcd:instance></metadata></domain>"
     )
     got = lv._checked_running(call(ctx), "libvirt.start", "x", odd)
-    assert (got.type, got.vcpus, got.memory_bytes, got.nics) == ("", 3, 4096, (("", "", ""),))
-    assert got.hostdevs == ("", "0001:02:03.4") and got.metadata == {}
-    empty = lv._checked_running(call(ctx), "libvirt.start", "x", b"<domain><vcpu> </vcpu></domain>")
-    assert (empty.vcpus, empty.memory_bytes, empty.hostdevs) == (0, 0, ())
+    assert (got.type, got.vcpus, got.memory_bytes) == ("", 3, 4096)
+    assert got.nics == (("", "", ""), ("", "", ""))
+    assert got.hostdevs == ("", "", "0001:ab:0c.4") and got.metadata == {"image": ""}
+    for xml in (b"<domain/>", b"<domain><vcpu> </vcpu><memory> </memory></domain>"):
+        empty = lv._checked_running(call(ctx), "libvirt.start", "x", xml)
+        assert (empty.vcpus, empty.memory_bytes, empty.hostdevs, empty.nics) == (0, 0, (), ())
 
 
 def test_a_signed_start_compares_roots_running_definition(
@@ -1413,7 +1474,10 @@ def test_a_signed_rebind_needs_the_spec_to_ask_for_one(
     c = signed_ctx(root, host, cp)
     try:
         rebind = lambda i: lv.libvirt_attach_rebind(call(c), lv.LibvirtRebind("vm1", i))  # noqa: E731
-        assert refused(rebind, None)[0] == "intent-required"
+        assert refused(rebind, None) == (
+            "intent-required",
+            "libvirt.rebind: a signed spec is required (command-signing roots from join record)",
+        )
         assert refused(rebind, signed(signer, 2, wire_vm())) == (
             "spec-mismatch",
             "libvirt.rebind: vm1: the signed spec asks no identity rebind of it",
