@@ -62,6 +62,8 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "helper-base": (("helper/bcd_helper/ops/base.py",), ("tests/helper/test_base_unit.py",)),
     "helper-table": (("helper/bcd_helper/ops/table.py",), ("tests/helper/test_table_unit.py",)),
     "helper-daemon": (("helper/bcd_helper/ops/daemon.py",), ("tests/helper/test_daemon_unit.py",)),
+    "helper-libvirt": (("helper/bcd_helper/ops/libvirt.py",), ("tests/helper/test_libvirt_ops_unit.py",)),
+    "helper-ch": (("helper/bcd_helper/ops/ch.py",), ("tests/helper/test_ch_ops_unit.py",)),
     "helper-server": (
         ("helper/bcd_helper/server.py",),
         ("tests/helper/test_server_unit.py", "tests/helper/test_helper_op_timeout.py"),

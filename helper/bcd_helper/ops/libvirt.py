@@ -40,10 +40,11 @@ from typing import Any
 
 from attrs import frozen
 from bcd_shared.domaincheck import CheckedDomain, DomainPolicy, DomainRefused, check_domain, host_check
+from bcd_shared.errors import RetryableError
 from bcd_shared.instancenames import METADATA_NS, instance_dir, valid_instance_id
 from bcd_shared.rootpath import RootPathRefused
 
-from bcd_helper.ops.base import Call, Failed, Refused, refused_path
+from bcd_helper.ops.base import Call, Failed, Refused
 from bcd_helper.ops.hostunit import SignedIntent
 
 STAGE_DIR = "/var/lib/bcd-hostconfig/libvirt"
@@ -54,6 +55,10 @@ MAX_VIRTUAL_SIZE = 64 << 40
 _PTY = re.compile(r"^/dev/pts/[0-9]{1,6}$")
 _TARGET = re.compile(r"^vd[a-z]{1,2}$")
 NS = "{" + METADATA_NS + "}"
+# What a write or removal the root-only rule refuses raises: the helper's System (ops.base.BoundedSystem,
+# a RootOnlySystem) raises RetryableError("RootOnly"); a bare System's rootpath calls, RootPathRefused.
+# Both are refused as `root-only` (catching only the latter let the former out as an internal error).
+_ROOT_ONLY = (RootPathRefused, RetryableError)
 
 
 @frozen
@@ -255,8 +260,8 @@ def _stage(call: Call, name: str, data: bytes) -> str:
     path = f"{STAGE_DIR}/{name}.xml"
     try:
         call.system.write_atomic(path, data, 0o600)
-    except RootPathRefused as exc:
-        raise refused_path(exc) from None
+    except _ROOT_ONLY as exc:
+        raise Refused("root-only", str(exc)) from None
     return str(call.system.host_path(path))
 
 
@@ -415,8 +420,8 @@ def libvirt_undefine(call: Call, req: LibvirtName) -> dict[str, Any]:
     result = _undefine(call, req)
     try:
         call.system.remove(f"{STAGE_DIR}/{req.name}.xml")
-    except RootPathRefused as exc:
-        raise refused_path(exc) from None
+    except _ROOT_ONLY as exc:
+        raise Refused("root-only", str(exc)) from None
     return dict(result)
 
 
@@ -640,8 +645,8 @@ def libvirt_save(call: Call, req: LibvirtSave) -> dict[str, Any]:
     try:
         try:
             call.system.write_atomic(staged, b"", 0o600)  # root's directory, checked root-only on the way
-        except RootPathRefused as exc:
-            raise refused_path(exc) from None
+        except _ROOT_ONLY as exc:
+            raise Refused("root-only", str(exc)) from None
         result = _virsh(call, "save", name, real)
         if not result.ok:
             raise Failed("virsh", f"virsh save {name}: {_err(result)}")
@@ -664,7 +669,7 @@ def libvirt_save(call: Call, req: LibvirtSave) -> dict[str, Any]:
             raise Failed("save-handover", f"{op}: {name}: the state was not handed over: {exc}") from None
     finally:
         os.close(dir_fd)
-        with contextlib.suppress(RootPathRefused, OSError):
+        with contextlib.suppress(*_ROOT_ONLY, OSError):
             call.system.remove(staged)
     return {"name": name, "size_bytes": size}
 

@@ -1,0 +1,1493 @@
+"""libvirt.* called in process over a temporary root whose programs are scripted and recorded (opskit):
+the exact `virsh` argv root runs, the files it stages, checks and hands over, each refusal word for word,
+with and without command-signing roots (docs/mutation.md, "helper ops: libvirt, ch").
+
+What root reads is realistic: its `virsh dumpxml` answers are libvirt 9.0's own serialisation of bcd's
+definition (tests/fixtures/virsh/README.md), `nvidia-smi` answers are columns of the simulated HGX H200's
+`--query-gpu` capture (tests/fixtures/nvidia-smi/README.md), virsh's messages are those virsh 9.0 prints
+(`error: failed to get domain 'x'`; the qemu driver's `Domain not found: no domain with matching name`),
+and the disks are qcow2 v3 headers (bcd_simhost.libvirt.qcow2_bytes; the same bytes `qemu-img create`
+writes up to the header's end). The real-process tests (test_helper_libvirt*.py, test_helper_rebind.py)
+drive the same handlers through `bcd helper serve`; mutmut sees only these."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_helper.ops import libvirt as lv
+from bcd_helper.ops.base import Failed, HelperContext, Refused
+from bcd_helper.ops.hostunit import SignedIntent
+from bcd_helper.protocol import structure
+from bcd_shared import wire
+from bcd_shared.instancenames import tap_name
+from bcd_simhost.libvirt import qcow2_bytes
+from intentkit import ControlPlane, Signer, intent
+from opskit import NODE_UID, call, context, make_root, programs
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+DEFINE = (FIXTURES / "virsh/vm1_define.xml").read_text()
+DUMPXML = (FIXTURES / "virsh/vm1_dumpxml-running_test-driver_9.0.0.xml").read_bytes()
+NO_DRIVER = "NVIDIA-SMI has failed because it couldn't communicate with the driver"
+SMI_CSV = (FIXTURES / "nvidia-smi/hgx-h200-8gpu_mig-on-gpu7_590.48.01_query-gpu_noheader.csv").read_text()
+GPUS = [[f.strip() for f in line.split(",")] for line in SMI_CSV.splitlines()]  # index, uuid, name, bus, ...
+GPU0, GPU1 = GPUS[0][1], GPUS[1][1]  # at 0000:18:00.0 and 0000:2a:00.0
+URI = "qemu:///system"
+DATA = "/var/lib/bcd"
+INST = f"{DATA}/libvirt/instances/vm1"
+SHA = "ab" * 32
+BASE = f"{DATA}/libvirt/images/{SHA}.qcow2"
+STAGE = "var/lib/bcd-hostconfig/libvirt"
+NODE = "node-lv"
+NODE_GID = 4343  # not the uid: owner and group are told apart
+GIB = 1 << 30
+MAC = "52:54:00:00:00:01"
+HOSTDEV_DEF = """    <hostdev mode="subsystem" type="pci" managed="yes">
+      <source>
+        <address domain="0x0000" bus="0x18" slot="0x00" function="0x0" />
+      </source>
+    </hostdev>
+"""
+HOSTDEV_DUMP = """    <hostdev mode='subsystem' type='pci' managed='yes'>
+      <source>
+        <address domain='0x0000' bus='0x18' slot='0x00' function='0x0'/>
+      </source>
+    </hostdev>
+"""
+NO_GPU_DEFINE = DEFINE.replace(HOSTDEV_DEF, "")
+NO_GPU_DUMP = DUMPXML.replace(HOSTDEV_DUMP.encode(), b"")
+assert NO_GPU_DEFINE != DEFINE and NO_GPU_DUMP != DUMPXML
+THEIRS = b"<domain type='kvm' id='1'>\n  <name>vm1</name>\n  <memory unit='KiB'>1024</memory>\n</domain>\n"
+
+
+def save_image(xml: bytes = b"<domain/>", version: int = 2, data_len: int = 4096) -> bytes:
+    """libvirt's 92-byte save header (magic, version, data length, was_running, compressed, cookie, 15
+    unused words) and its data area."""
+    return struct.pack("<16s5I56x", b"LibvirtQemudSave", version, data_len, 1, 0, 0) + xml.ljust(
+        data_len, b"\0"
+    )
+
+
+class Host:
+    """Root's programs: a libvirtd with domains by name (`dumpxml` answers, in turn when a list), the
+    GPUs of the simulated HGX H200, compute processes; `fail[verb]` answers a verb with an error."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.domains: dict[str, Any] = {"vm1": NO_GPU_DUMP}
+        self.fail: dict[str, tuple[int, bytes, bytes]] = {}
+        self.apps = b""
+        self.smi_rc = 0
+        self.saved = b""
+
+    def __call__(self, argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[0] == "nvidia-smi":
+            return self.smi(argv)
+        assert argv[:3] == ("virsh", "-c", URI), argv
+        verb, args = argv[3], argv[4:]
+        if verb in self.fail:
+            return self.fail[verb]
+        if verb == "dumpxml":
+            xml = self.domains.get(args[0])
+            if xml is None:
+                return 1, b"", f"error: failed to get domain '{args[0]}'\n".encode()
+            if isinstance(xml, list):
+                return 0, xml.pop(0), b""
+            return 0, xml, b""
+        if verb == "save":  # libvirtd writes the state into the file root named (as root)
+            Path(args[1]).write_bytes(self.saved or save_image(NO_GPU_DUMP))
+            return 0, f"\nDomain '{args[0]}' saved to {args[1]}\n\n".encode(), b""
+        return 0, f"\nDomain '{args[0] if args else ''}' {verb}\n\n".encode(), b""
+
+    def smi(self, argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if self.smi_rc:
+            return (
+                self.smi_rc,
+                b"",
+                b"NVIDIA-SMI has failed because it couldn't communicate with the driver\n",
+            )
+        query = argv[1]
+        if query == "--query-gpu=pci.bus_id":
+            return 0, "".join(f"{g[3]}\n" for g in GPUS).encode(), b""
+        if query == "--query-gpu=uuid,pci.bus_id":
+            return 0, "".join(f"{g[1]}, {g[3]}\n" for g in GPUS).encode(), b""
+        if query == "--query-compute-apps=gpu_uuid,pid":
+            return 0, self.apps, b""
+        raise AssertionError(argv)
+
+
+def virsh(*args: str) -> tuple[str, ...]:
+    return ("virsh", "-c", URI, *args)
+
+
+BUS = ("nvidia-smi", "--query-gpu=pci.bus_id", "--format=csv,noheader")
+UUID_BUS = ("nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader")
+APPS = ("nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader")
+
+
+def lay_out(root: Path) -> Path:
+    """The node's instance directory (its uid, 0710), the base image and the overlay naming it, as the
+    node's runtime leaves them before libvirt.define."""
+    d = root / INST.lstrip("/")
+    d.mkdir(parents=True)
+    images = root / BASE.lstrip("/")
+    images.parent.mkdir(parents=True)
+    images.write_bytes(qcow2_bytes(GIB))
+    (d / "disk.qcow2").write_bytes(qcow2_bytes(10 * GIB, str(images), "qcow2"))
+    (d / "seed.iso").write_bytes(b"\0" * 0x8001 + b"CD001")
+    for p in (d, d / "disk.qcow2", d / "seed.iso"):
+        os.chown(p, NODE_UID, NODE_UID)
+    os.chmod(d, 0o710)
+    return d
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    r = make_root(tmp_path)
+    lay_out(r)
+    return r
+
+
+@pytest.fixture
+def host(root: Path) -> Host:
+    return Host(root)
+
+
+CONFIG = (
+    f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = {NODE_UID}\nnode_gid = {NODE_GID}\n'
+    'instance_bridges = "br0"\n'
+)
+
+
+@pytest.fixture
+def ctx(root: Path, host: Host) -> Iterator[HelperContext]:
+    c = context(root, CONFIG, host)
+    yield c
+    c.audit.close()
+
+
+def refused(fn: Any, *args: Any) -> tuple[str, str]:
+    with pytest.raises(Refused) as info:
+        fn(*args)
+    return info.value.reason, info.value.message
+
+
+def failed(fn: Any, *args: Any) -> tuple[str, str]:
+    with pytest.raises(Failed) as info:
+        fn(*args)
+    return info.value.reason, info.value.message
+
+
+def req(cls: type[Any], **args: Any) -> Any:
+    """The request as the server decodes it from the frame's args."""
+    return structure(args, cls)
+
+
+def virsh_runs(ctx: HelperContext) -> list[tuple[str, ...]]:
+    return [r[3:] for r in programs(ctx).runs if r[0] == "virsh"]
+
+
+# --- names, managed domains, virsh's answers --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "verb", ["shutdown", "destroy", "suspend", "resume", "undefine", "console", "unrebind"]
+)
+def test_a_name_that_is_no_instance_id_is_refused_before_any_program(ctx: HelperContext, verb: str) -> None:
+    handlers = {"console": lv.libvirt_console, "unrebind": lv.libvirt_detach_rebind}
+    handler = handlers[verb] if verb in handlers else getattr(lv, f"libvirt_{verb}")
+    long = "a" * 70 + "/" + "b" * 40
+    assert refused(handler, call(ctx), lv.LibvirtName(long)) == (
+        "bad-name",
+        f"libvirt.{verb}: {long[:80]!r} is not an instance id",
+    )
+    assert refused(handler, call(ctx), lv.LibvirtName("a..b"))[0] == "bad-name"
+    assert programs(ctx).runs == []
+
+
+@pytest.mark.parametrize("verb", ["shutdown", "destroy", "suspend", "resume"])
+def test_a_simple_verb_runs_virsh_on_bcds_domain(ctx: HelperContext, verb: str) -> None:
+    handler = getattr(lv, f"libvirt_{verb}")
+    assert handler(call(ctx), req(lv.LibvirtName, name="vm1")) == {"name": "vm1"}
+    assert programs(ctx).runs == [virsh("dumpxml", "vm1"), virsh(verb, "vm1")]
+    ctx_timeouts = programs(ctx).timeouts
+    assert len(ctx_timeouts) == 2
+
+
+def test_virsh_runs_with_the_configured_uri_and_two_minutes(root: Path, host: Host) -> None:
+    uri = "test:///default"
+    text = f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = {NODE_UID}\nlibvirt_uri = "{uri}"\n'
+    c = context(root, text, lambda argv: (0, NO_GPU_DUMP, b""))
+    try:
+        lv.libvirt_destroy(call(c, bounded=False), lv.LibvirtName("vm1"))
+        assert programs(c).runs == [
+            ("virsh", "-c", uri, "dumpxml", "vm1"),
+            ("virsh", "-c", uri, "destroy", "vm1"),
+        ]
+        assert programs(c).timeouts == [120, 120]
+    finally:
+        c.audit.close()
+
+
+def test_a_verb_libvirt_fails_is_answered_with_virshs_message(ctx: HelperContext, host: Host) -> None:
+    host.fail["shutdown"] = (
+        1,
+        b"",
+        b"error: Failed to shutdown domain 'vm1'\nerror: domain is not running\n",
+    )
+    assert failed(lv.libvirt_shutdown, call(ctx), lv.LibvirtName("vm1")) == (
+        "virsh",
+        "virsh shutdown vm1: error: Failed to shutdown domain 'vm1'\nerror: domain is not running",
+    )
+    # no stderr: stdout is the message; either is cut at 500 characters
+    host.fail["destroy"] = (1, b"  " + b"x" * 600 + b"\n", b"  \n")
+    assert failed(lv.libvirt_destroy, call(ctx), lv.LibvirtName("vm1")) == (
+        "virsh",
+        "virsh destroy vm1: " + "x" * 500,
+    )
+    host.fail["suspend"] = (1, b"", b"\xffbad\n")
+    assert failed(lv.libvirt_suspend, call(ctx), lv.LibvirtName("vm1"))[1] == "virsh suspend vm1: \ufffdbad"
+    host.fail["resume"] = (1, b"\xffworse\n", b"")
+    assert failed(lv.libvirt_resume, call(ctx), lv.LibvirtName("vm1"))[1] == "virsh resume vm1: \ufffdworse"
+
+
+def test_no_domain_and_a_domain_not_bcds_are_refused_and_never_changed(
+    ctx: HelperContext, host: Host
+) -> None:
+    assert refused(lv.libvirt_destroy, call(ctx), lv.LibvirtName("vm2")) == (
+        "no-domain",
+        "libvirt.destroy: no domain vm2",
+    )
+    # the qemu driver's words for the same (libvirt 9.0: "Domain not found: no domain with matching name")
+    host.fail["dumpxml"] = (
+        1,
+        b"",
+        b"error: failed to get domain 'vm1'\nerror: Domain not found: No Domain with matching name 'vm1'\n",
+    )
+    assert refused(lv.libvirt_destroy, call(ctx), lv.LibvirtName("vm1"))[0] == "no-domain"
+    host.fail["dumpxml"] = (1, b"", b"error: Domain not found: no domain with matching name 'vm1'\n")
+    assert refused(lv.libvirt_destroy, call(ctx), lv.LibvirtName("vm1"))[0] == "no-domain"
+    host.fail["dumpxml"] = (1, b"error: failed to get domain 'vm1'\n", b"")  # stdout when stderr is empty
+    assert refused(lv.libvirt_destroy, call(ctx), lv.LibvirtName("vm1"))[0] == "no-domain"
+    host.fail["dumpxml"] = (1, b"", b"error: failed to connect to the hypervisor\n")
+    assert failed(lv.libvirt_destroy, call(ctx), lv.LibvirtName("vm1")) == (
+        "virsh",
+        "virsh dumpxml vm1: error: failed to connect to the hypervisor",
+    )
+    del host.fail["dumpxml"]
+    for xml in (THEIRS, b"<domain><metadata><other/></metadata></domain>", b"not xml <"):
+        host.domains["vm1"] = xml
+        assert refused(lv.libvirt_undefine, call(ctx), lv.LibvirtName("vm1")) == (
+            "unmanaged",
+            "libvirt.undefine: domain vm1 is not bcd's: it is never changed",
+        )
+    assert all(r[3] == "dumpxml" for r in programs(ctx).runs)
+
+
+def test_bcds_domain_is_known_by_its_metadata_element() -> None:
+    assert lv.is_bcds(DUMPXML) and lv.is_bcds(DEFINE.encode())
+    ns = "https://better-compute.dev/libvirt/1"
+    assert lv.is_bcds(f"<domain><metadata><i:instance xmlns:i='{ns}'/></metadata></domain>".encode())
+    assert not lv.is_bcds(f"<domain><i:instance xmlns:i='{ns}'/></domain>".encode())
+    assert not lv.is_bcds(f"<domain><metadata><i:other xmlns:i='{ns}'/></metadata></domain>".encode())
+    assert not lv.is_bcds(b"<domain><metadata><instance/></metadata></domain>")
+
+
+HANDLERS = [
+    ("libvirt.start", lv.libvirt_start, lv.LibvirtStart),
+    ("libvirt.shutdown", lv.libvirt_shutdown, lv.LibvirtName),
+    ("libvirt.destroy", lv.libvirt_destroy, lv.LibvirtName),
+    ("libvirt.suspend", lv.libvirt_suspend, lv.LibvirtName),
+    ("libvirt.resume", lv.libvirt_resume, lv.LibvirtName),
+    ("libvirt.undefine", lv.libvirt_undefine, lv.LibvirtName),
+    ("libvirt.blockresize", lv.libvirt_blockresize, lambda n: lv.LibvirtBlockresize(n, "vda", 1)),
+    ("libvirt.setmem", lv.libvirt_setmem, lambda n: lv.LibvirtSetmem(n, 1)),
+    ("libvirt.rebind", lv.libvirt_attach_rebind, lv.LibvirtRebind),
+    ("libvirt.unrebind", lv.libvirt_detach_rebind, lv.LibvirtName),
+    ("libvirt.save", lv.libvirt_save, lv.LibvirtSave),
+    ("libvirt.console", lv.libvirt_console, lv.LibvirtName),
+]
+
+
+@pytest.mark.parametrize(("op", "handler", "make"), HANDLERS, ids=[h[0] for h in HANDLERS])
+def test_every_verb_names_itself_in_its_refusals(
+    ctx: HelperContext, host: Host, op: str, handler: Any, make: Any
+) -> None:
+    """A bad name, no domain, a domain bcd did not define: refused with the op's own name, and nothing
+    but root's dumpxml runs."""
+    assert refused(handler, call(ctx), make("x/y")) == ("bad-name", f"{op}: 'x/y' is not an instance id")
+    assert refused(handler, call(ctx), make("vm2")) == ("no-domain", f"{op}: no domain vm2")
+    host.domains["vm1"] = THEIRS
+    assert refused(handler, call(ctx), make("vm1")) == (
+        "unmanaged",
+        f"{op}: domain vm1 is not bcd's: it is never changed",
+    )
+    assert virsh_runs(ctx) == [("dumpxml", "vm2"), ("dumpxml", "vm1")]
+
+
+@pytest.mark.parametrize(
+    ("op", "handler", "make"),
+    [
+        ("libvirt.define", lv.libvirt_define, lambda n: lv.LibvirtDefine(n, NO_GPU_DEFINE)),
+        ("libvirt.restore", lv.libvirt_restore, lambda n: lv.LibvirtRestore(n, NO_GPU_DEFINE)),
+    ],
+)
+def test_define_and_restore_name_themselves(ctx: HelperContext, op: str, handler: Any, make: Any) -> None:
+    assert refused(handler, call(ctx), make("x/y")) == ("bad-name", f"{op}: 'x/y' is not an instance id")
+    assert programs(ctx).runs == []
+
+
+# --- define ----------------------------------------------------------------------------------------------
+
+
+def test_define_checks_stages_0600_and_runs_define_validate(ctx: HelperContext, root: Path) -> None:
+    got = lv.libvirt_define(call(ctx), req(lv.LibvirtDefine, name="vm1", xml=NO_GPU_DEFINE))
+    staged = root / STAGE / "vm1.xml"
+    assert got == {
+        "name": "vm1",
+        "disks": [f"{INST}/disk.qcow2", f"{INST}/seed.iso"],
+        "taps": [tap_name("vm1", 0)],
+    }
+    assert staged.read_text() == NO_GPU_DEFINE and stat.S_IMODE(os.stat(staged).st_mode) == 0o600
+    # no hostdev: nvidia-smi is not asked
+    assert programs(ctx).runs == [virsh("define", "--validate", str(staged))]
+
+
+def test_define_with_a_gpu_asks_roots_nvidia_smi(ctx: HelperContext, root: Path, host: Host) -> None:
+    got = lv.libvirt_define(call(ctx, bounded=False), lv.LibvirtDefine("vm1", DEFINE))
+    assert got["name"] == "vm1"
+    assert programs(ctx).runs == [BUS, virsh("define", "--validate", str(root / STAGE / "vm1.xml"))]
+    assert programs(ctx).timeouts == [60, 120]
+    # GPU 1's bus id is upper case in nvidia-smi (00000000:2A:00.0): the sysfs form is lower case
+    other = DEFINE.replace('bus="0x18"', 'bus="0x2a"')
+    assert lv.libvirt_define(call(ctx), lv.LibvirtDefine("vm1", other))["name"] == "vm1"
+    # a hostdev that is no GPU of this host
+    bad = DEFINE.replace('bus="0x18"', 'bus="0x19"')
+    assert refused(lv.libvirt_define, call(ctx), lv.LibvirtDefine("vm1", bad)) == (
+        "domain-hostdev",
+        "libvirt.define: vm1: hostdev 0000:19:00.0 is not one of this host's GPUs",
+    )
+    host.smi_rc = 127  # no nvidia-smi: no GPU on this host
+    assert refused(lv.libvirt_define, call(ctx), lv.LibvirtDefine("vm1", DEFINE))[0] == "domain-hostdev"
+    host.smi_rc = 9
+    assert failed(lv.libvirt_define, call(ctx), lv.LibvirtDefine("vm1", DEFINE)) == (
+        "nvidia-smi",
+        "cannot list GPUs: nvidia-smi exited 9: "
+        "NVIDIA-SMI has failed because it couldn't communicate with the driver",
+    )
+
+
+def test_host_gpus_reads_nvidia_smi_in_sysfs_form(ctx: HelperContext, host: Host) -> None:
+    assert lv.host_gpus(call(ctx)) == frozenset(
+        ["0000:18:00.0", "0000:2a:00.0", "0000:3a:00.0", "0000:5d:00.0", "0000:9a:00.0", "0000:ab:00.0",
+         "0000:ba:00.0", "0000:db:00.0"]
+    )  # fmt: skip
+    c = context(ctx.root, "", lambda argv: (0, b"\n  00000001:AB:01.7  \n\n0000:1:2.3\n\xff\n", b""))
+    try:
+        assert lv.host_gpus(call(c)) == frozenset(["0001:ab:01.7", "0000:1:2.3", "\ufffd:"])
+    finally:
+        c.audit.close()
+
+
+def test_a_definition_outside_the_rules_is_refused_naming_the_rule(ctx: HelperContext, root: Path) -> None:
+    cases = [
+        (NO_GPU_DEFINE.replace("<name>vm1</name>", "<name>vm2</name>"), "domain-name",
+         "libvirt.define: vm1: the domain is named 'vm2', not 'vm1'"),
+        (NO_GPU_DEFINE.replace('bridge="br0"', 'bridge="br1"'), "domain-tap",
+         "libvirt.define: vm1: NIC 0: bridge 'br1' is not in [helper] instance_bridges"),
+    ]  # fmt: skip
+    for xml, reason, message in cases:
+        assert refused(lv.libvirt_define, call(ctx), lv.LibvirtDefine("vm1", xml)) == (reason, message)
+    # the host half: the overlay naming another base than the definition's
+    (root / INST.lstrip("/") / "disk.qcow2").write_bytes(qcow2_bytes(GIB, "/etc/shadow", "raw"))
+    reason, message = refused(lv.libvirt_define, call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))
+    assert reason == "domain-disk"
+    assert message.startswith("libvirt.define: vm1: ") and "names backing file '/etc/shadow' (raw)" in message
+    assert programs(ctx).runs == [] and not (root / STAGE).exists()
+
+
+def test_define_fails_with_virshs_message_after_staging(ctx: HelperContext, host: Host, root: Path) -> None:
+    host.fail["define"] = (1, b"", b"error: operation failed: domain 'vm1' already exists with uuid x\n")
+    assert failed(lv.libvirt_define, call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE)) == (
+        "virsh",
+        "virsh define vm1: error: operation failed: domain 'vm1' already exists with uuid x",
+    )
+
+
+def test_root_keeps_at_most_max_staged_definitions(ctx: HelperContext, root: Path) -> None:
+    stage = root / STAGE
+    stage.mkdir(parents=True, mode=0o700)
+    for i in range(lv.MAX_STAGED - 1):
+        (stage / f"x{i}.xml").write_bytes(b"")
+    assert lv.libvirt_define(call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))["name"] == "vm1"
+    # at the limit: the name already staged is redefined, a new one is refused
+    assert len(os.listdir(stage)) == lv.MAX_STAGED
+    assert lv.libvirt_define(call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))["name"] == "vm1"
+    os.rename(stage / "vm1.xml", stage / "other.xml")
+    message = f"root keeps at most 1024 definitions in {lv.STAGE_DIR}"
+    assert refused(lv.libvirt_define, call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE)) == (
+        "too-many-files",
+        f"libvirt.define: {message}",
+    )
+    assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE)) == (
+        "too-many-files",
+        f"libvirt.restore: {message}",
+    )
+
+
+def test_a_staging_directory_root_does_not_own_alone_is_refused(ctx: HelperContext, root: Path) -> None:
+    stage = root / STAGE
+    stage.mkdir(parents=True)
+    os.chown(stage, NODE_UID, NODE_UID)
+    reason, message = refused(lv.libvirt_define, call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))
+    assert reason == "root-only" and "/var/lib/bcd-hostconfig/libvirt" in message
+    assert os.listdir(stage) == [] and programs(ctx).runs == []
+
+
+# --- start -----------------------------------------------------------------------------------------------
+
+
+def test_start_rechecks_roots_definition_and_starts(ctx: HelperContext, host: Host) -> None:
+    assert lv.libvirt_start(call(ctx), req(lv.LibvirtStart, name="vm1")) == {"name": "vm1", "paused": False}
+    assert programs(ctx).runs == [virsh("dumpxml", "vm1"), virsh("start", "vm1")]
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1", paused=True)) == {"name": "vm1", "paused": True}
+    assert programs(ctx).runs[-1] == virsh("start", "vm1", "--paused")
+    host.fail["start"] = (1, b"", b"error: Failed to start domain 'vm1'\nerror: Cannot allocate memory\n")
+    assert failed(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "virsh",
+        "virsh start vm1: error: Failed to start domain 'vm1'\nerror: Cannot allocate memory",
+    )
+    host.domains["vm1"] = THEIRS
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "unmanaged",
+        "libvirt.start: domain vm1 is not bcd's: it is never changed",
+    )
+
+
+def test_start_refuses_a_disk_swapped_since_the_define(ctx: HelperContext, root: Path) -> None:
+    d = root / INST.lstrip("/")
+    os.rename(d / "disk.qcow2", d / "real.qcow2")
+    os.symlink(d / "real.qcow2", d / "disk.qcow2")
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: '{INST}/disk.qcow2': a symlink on the way (disk.qcow2)",
+    )
+    os.unlink(d / "disk.qcow2")
+    os.link(d / "real.qcow2", d / "disk.qcow2")
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))[1] == (
+        f"libvirt.start: vm1: '{INST}/disk.qcow2' has 2 hard links"
+    )
+    assert [r[3] for r in programs(ctx).runs] == ["dumpxml", "dumpxml"]
+
+
+def test_start_checks_the_chain_roots_definition_names(ctx: HelperContext, root: Path, host: Host) -> None:
+    d = root / INST.lstrip("/")
+    # the overlay now names another file than root's definition's backingStore
+    (d / "disk.qcow2").write_bytes(qcow2_bytes(GIB, str(d / "seed.iso"), "raw"))
+    reason, message = refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))
+    assert reason == "domain-disk" and f"names backing file '{d}/seed.iso' (raw)" in message
+    # a base that names a backing file itself is refused (the base must be flat)
+    (d / "disk.qcow2").write_bytes(qcow2_bytes(GIB, str(root / BASE.lstrip("/")), "qcow2"))
+    (root / BASE.lstrip("/")).write_bytes(qcow2_bytes(GIB, "/etc/shadow", "raw"))
+    reason, message = refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))
+    assert reason == "domain-disk" and "backing file" in message and "/etc/shadow" in message
+    # a raw base: its header is not read, the overlay must name it with format raw
+    (root / BASE.lstrip("/")).write_bytes(b"\0" * 512)
+    raw = NO_GPU_DUMP.replace(b"<format type='qcow2'/>", b"<format type='raw'/>")
+    host.domains["vm1"] = raw
+    reason, message = refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))
+    assert reason == "domain-disk" and "(qcow2)" in message and "(raw)" in message
+
+
+def test_start_of_a_restored_flat_disk_and_an_empty_cdrom(ctx: HelperContext, root: Path, host: Host) -> None:
+    d = root / INST.lstrip("/")
+    chain = NO_GPU_DUMP[
+        NO_GPU_DUMP.index(b"      <backingStore type") : NO_GPU_DUMP.index(b"      <target dev='vda'")
+    ]
+    flat = NO_GPU_DUMP.replace(chain, b"      <backingStore/>\n")
+    flat = flat.replace(f"<source file='{INST}/seed.iso'/>".encode(), b"")  # an empty drive
+    host.domains["vm1"] = flat
+    (d / "disk.qcow2").write_bytes(qcow2_bytes(GIB))
+    os.unlink(d / "seed.iso")
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
+    # an explicit empty <backingStore/>: libvirt opens no backing file whatever the header names, so
+    # root checks the file (no symlink, one link) and not its header
+    (d / "disk.qcow2").write_bytes(qcow2_bytes(GIB, "/etc/shadow", "raw"))
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
+    os.link(d / "disk.qcow2", d / "second")
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))[1] == (
+        f"libvirt.start: vm1: '{INST}/disk.qcow2' has 2 hard links"
+    )
+    os.unlink(d / "second")
+    # a disk (not a cdrom) without a file is never bcd's
+    host.domains["vm1"] = flat.replace(f"<source file='{INST}/disk.qcow2'/>".encode(), b"")
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "domain-disk",
+        "libvirt.start: vm1: a disk without a file is never bcd's",
+    )
+
+
+def test_start_checks_every_disk_after_an_empty_drive(ctx: HelperContext, root: Path, host: Host) -> None:
+    """An empty cdrom (no file: libvirt opens nothing) is skipped, and the disks after it are checked;
+    a disk without a <driver> is checked as a file (its header is read only where a chain is named)."""
+    d = root / INST.lstrip("/")
+    empty = b"<disk type='file' device='cdrom'><target dev='sdd' bus='sata'/><readonly/></disk>\n"
+    host.domains["vm1"] = NO_GPU_DUMP.replace(b"<devices>\n", b"<devices>\n" + empty, 1)
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
+    os.link(d / "seed.iso", d / "second")
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: '{INST}/seed.iso' has 2 hard links",
+    )
+    os.unlink(d / "second")
+    driverless = (
+        b"<disk type='file' device='disk'><source file='" + f"{INST}/extra.img".encode() + b"'/></disk>\n"
+    )
+    host.domains["vm1"] = NO_GPU_DUMP.replace(b"<devices>\n", b"<devices>\n" + driverless, 1)
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))[1] == (
+        f"libvirt.start: vm1: '{INST}/extra.img' does not exist"
+    )
+    (d / "extra.img").write_bytes(b"not a qcow2 header")
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
+
+
+def test_start_checks_a_direct_kernel_and_initrd(ctx: HelperContext, root: Path, host: Host) -> None:
+    d = root / INST.lstrip("/")
+    boot = b"<boot dev='hd'/>"
+    host.domains["vm1"] = NO_GPU_DUMP.replace(
+        boot, boot + f"<kernel>{INST}/vmlinuz</kernel><initrd>{INST}/initrd.img</initrd>".encode()
+    )
+    (d / "vmlinuz").write_bytes(b"MZ")
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: '{INST}/initrd.img' does not exist",
+    )
+    (d / "initrd.img").write_bytes(b"\x1f\x8b")
+    os.unlink(d / "vmlinuz")
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))[1] == (
+        f"libvirt.start: vm1: '{INST}/vmlinuz' does not exist"
+    )
+    (d / "vmlinuz").write_bytes(b"MZ")
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
+
+
+def test_start_never_takes_a_gpu_root_sees_busy_dlv_dev_21(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """DLV-DEV-21 as root: a live hold or compute processes on the domain's GPU refuse the start."""
+    from bcd_shared import cdi
+
+    host.domains["vm1"] = DUMPXML
+    assert lv.libvirt_start(call(ctx, bounded=False), lv.LibvirtStart("vm1"))["name"] == "vm1"
+    assert programs(ctx).runs == [virsh("dumpxml", "vm1"), UUID_BUS, APPS, virsh("start", "vm1")]
+    assert programs(ctx).timeouts == [120, 60, 60, 120]
+    host.apps = f"{GPU1}, 4242\n{GPU0}, 777\n".encode()
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "gpu-busy",
+        f"libvirt.start: vm1: GPU 0000:18:00.0 cannot be passed through: {GPU0} runs compute process 777",
+    )
+    host.apps = f"{GPU1}, 4242\n".encode()  # another GPU's processes
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
+    hold = cdi.build_hold_spec(
+        allocation_id="alloc_h", reservation_id="r", generation=1, kubernetes=False, cgroup_parent=None,
+        devices=[cdi.HoldDevice(GPU0)], env=["BCD_ALLOCATION_ID=alloc_h"], vendor=None,
+    )  # fmt: skip
+    (root / "etc/cdi").mkdir(parents=True)
+    (root / "etc/cdi/bcd-alloc_h.json").write_bytes(cdi.encode_spec(hold))
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))[1] == (
+        f"libvirt.start: vm1: GPU 0000:18:00.0 cannot be passed through: {GPU0} is held by alloc_h"
+    )
+    # a GPU nvidia-smi does not list is refused whenever anything is busy (ALL answers for it)
+    os.unlink(root / "etc/cdi/bcd-alloc_h.json")
+    host.apps = b"MIG-5f1c2a90-0000-4000-8000-00000000000a, 99\n"
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))[0] == "gpu-busy"
+    host.apps = b""
+    host.domains["vm1"] = DUMPXML.replace(b"bus='0x18'", b"bus='0x77'")
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
+    host.apps = f"{GPU1}, 4242\n".encode()  # a GPU nvidia-smi does not list is busy only when all are
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
+
+
+def test_start_fails_closed_when_root_cannot_read_the_gpus(ctx: HelperContext, host: Host) -> None:
+    host.domains["vm1"] = DUMPXML
+    host.smi_rc = 9
+    reason, message = failed(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1"))
+    assert reason == "nvidia-smi"
+    assert message == (f"libvirt.start: cannot list GPUs: nvidia-smi exited 9: {NO_DRIVER}")
+    c = context(
+        ctx.root,
+        CONFIG,
+        lambda a: (0, DUMPXML, b"") if a[0] == "virsh" else (2 if a == APPS else 0, b"", b"x"),
+    )
+    try:
+        reason, message = failed(lv.libvirt_start, call(c), lv.LibvirtStart("vm1"))
+        assert reason == "busy-unknown" and message.startswith(
+            "libvirt.start: cannot list compute processes: "
+        )
+    finally:
+        c.audit.close()
+
+
+def test_a_malformed_hostdev_address_in_roots_view_is_skipped(ctx: HelperContext, host: Host) -> None:
+    host.domains["vm1"] = DUMPXML.replace(b"bus='0x18'", b"bus='0xzz'")
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
+    assert UUID_BUS not in programs(ctx).runs
+
+
+# --- blockresize, setmem ---------------------------------------------------------------------------------
+
+
+def test_blockresize_bounds_and_argv(ctx: HelperContext, host: Host) -> None:
+    message = "libvirt.blockresize: target must be vdX and the size from 1 byte to 64 TiB"
+    for target, size in [("vda", 0), ("vda", -1), ("vda", (64 << 40) + 1), ("sda", 1), ("vd", 1),
+                         ("vdabc", 1),
+                         ("vdA", 1), ("vda\n", 1), (" vda", 1)]:  # fmt: skip
+        assert refused(lv.libvirt_blockresize, call(ctx), lv.LibvirtBlockresize("vm1", target, size)) == (
+            "bad-arguments",
+            message,
+        )
+    assert programs(ctx).runs == []
+    for target, size in [("vda", 1), ("vdzz", 64 << 40)]:
+        got = lv.libvirt_blockresize(
+            call(ctx), req(lv.LibvirtBlockresize, name="vm1", target=target, size_bytes=size)
+        )
+        assert got == {"name": "vm1", "size_bytes": size}
+        assert programs(ctx).runs[-1] == virsh("blockresize", "vm1", target, f"{size}B")
+    host.fail["blockresize"] = (1, b"", b"error: Failed to resize block device 'vda'\n")
+    assert failed(lv.libvirt_blockresize, call(ctx), lv.LibvirtBlockresize("vm1", "vda", 2)) == (
+        "virsh",
+        "virsh blockresize vm1: error: Failed to resize block device 'vda'",
+    )
+    assert refused(lv.libvirt_blockresize, call(ctx), lv.LibvirtBlockresize("x/y", "vda", 2))[0] == "bad-name"
+    host.domains["vm1"] = THEIRS
+    assert (
+        refused(lv.libvirt_blockresize, call(ctx), lv.LibvirtBlockresize("vm1", "vda", 2))[0] == "unmanaged"
+    )
+
+
+def test_setmem_stays_within_the_domains_memory(ctx: HelperContext, host: Host) -> None:
+    top = 1048576  # the domain's <memory unit='KiB'>
+    for kib in (0, -1, top + 1):
+        assert refused(lv.libvirt_setmem, call(ctx), lv.LibvirtSetmem("vm1", kib)) == (
+            "bad-arguments",
+            f"libvirt.setmem: {kib} KiB is not within the domain's {top} KiB",
+        )
+    for kib in (1, top):
+        assert lv.libvirt_setmem(call(ctx), req(lv.LibvirtSetmem, name="vm1", kib=kib)) == {
+            "name": "vm1",
+            "kib": kib,
+        }
+        assert programs(ctx).runs[-1] == virsh("setmem", "vm1", f"{kib}K", "--live")
+    host.fail["setmem"] = (1, b"", b"error: Requested operation is not valid: domain is not running\n")
+    assert failed(lv.libvirt_setmem, call(ctx), lv.LibvirtSetmem("vm1", 5)) == (
+        "virsh",
+        "virsh setmem vm1: error: Requested operation is not valid: domain is not running",
+    )
+    del host.fail["setmem"]
+    host.domains["vm1"] = NO_GPU_DUMP.replace(
+        b"<memory unit='KiB'>1048576</memory>", b"<memory unit='KiB'> 7 </memory>"
+    )
+    assert lv.libvirt_setmem(call(ctx), lv.LibvirtSetmem("vm1", 7))["kib"] == 7
+    assert refused(lv.libvirt_setmem, call(ctx), lv.LibvirtSetmem("vm1", 8))[0] == "bad-arguments"
+    host.domains["vm1"] = NO_GPU_DUMP.replace(b"<memory unit='KiB'>1048576</memory>", b"")
+    assert refused(lv.libvirt_setmem, call(ctx), lv.LibvirtSetmem("vm1", 1))[1] == (
+        "libvirt.setmem: 1 KiB is not within the domain's 0 KiB"
+    )
+    host.domains["vm1"] = NO_GPU_DUMP.replace(
+        b"<memory unit='KiB'>1048576</memory>", b"<memory unit='KiB'> </memory>"
+    )
+    assert refused(lv.libvirt_setmem, call(ctx), lv.LibvirtSetmem("vm1", 1))[0] == "bad-arguments"
+    host.domains["vm1"] = THEIRS
+    assert refused(lv.libvirt_setmem, call(ctx), lv.LibvirtSetmem("vm1", 1))[0] == "unmanaged"
+
+
+# --- undefine --------------------------------------------------------------------------------------------
+
+
+def test_undefine_drops_roots_staged_definition(ctx: HelperContext, root: Path, host: Host) -> None:
+    lv.libvirt_define(call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))
+    staged = root / STAGE / "vm1.xml"
+    assert staged.exists()
+    assert lv.libvirt_undefine(call(ctx), req(lv.LibvirtName, name="vm1")) == {"name": "vm1"}
+    assert not staged.exists() and programs(ctx).runs[-1] == virsh("undefine", "vm1")
+    # nothing staged: the undefine still answers
+    assert lv.libvirt_undefine(call(ctx), lv.LibvirtName("vm1")) == {"name": "vm1"}
+    # libvirt refused: the staged copy stays
+    lv.libvirt_define(call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))
+    host.fail["undefine"] = (1, b"", b"error: Failed to undefine domain 'vm1'\n")
+    assert failed(lv.libvirt_undefine, call(ctx), lv.LibvirtName("vm1")) == (
+        "virsh",
+        "virsh undefine vm1: error: Failed to undefine domain 'vm1'",
+    )
+    assert staged.exists()
+    del host.fail["undefine"]
+    os.chown(root / STAGE, NODE_UID, 0)
+    reason, message = refused(lv.libvirt_undefine, call(ctx), lv.LibvirtName("vm1"))
+    assert reason == "root-only" and "/var/lib/bcd-hostconfig/libvirt" in message
+
+
+# --- the rebind disk -------------------------------------------------------------------------------------
+
+REBIND = f"{INST}/rebind.img"
+ATTACH = (
+    "--targetbus",
+    "virtio",
+    "--driver",
+    "qemu",
+    "--subdriver",
+    "raw",
+    "--serial",
+    "bc-rebind",
+    "--live",
+)
+
+
+def test_rebind_attaches_roots_own_path_target_and_serial_dlv_reb_09(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """DLV-REB-09: root builds the disk's path, target vdz and serial bc-rebind itself."""
+    disk = root / REBIND.lstrip("/")
+    disk.write_bytes(b"\0" * (1 << 20))
+    assert lv.libvirt_attach_rebind(call(ctx), req(lv.LibvirtRebind, name="vm1")) == {"name": "vm1"}
+    assert virsh_runs(ctx) == [("dumpxml", "vm1"), ("attach-disk", "vm1", str(disk), "vdz", *ATTACH)]
+    host.fail["attach-disk"] = (1, b"", b"error: Failed to attach disk\n")
+    assert failed(lv.libvirt_attach_rebind, call(ctx), lv.LibvirtRebind("vm1")) == (
+        "virsh",
+        "virsh attach-disk vm1: error: Failed to attach disk",
+    )
+
+
+def test_unrebind_detaches_vdz_live_dlv_reb_11(ctx: HelperContext, host: Host) -> None:
+    """DLV-REB-11: `detach-disk vdz --live` of bcd's domain only."""
+    assert lv.libvirt_detach_rebind(call(ctx), req(lv.LibvirtName, name="vm1")) == {"name": "vm1"}
+    assert virsh_runs(ctx) == [("dumpxml", "vm1"), ("detach-disk", "vm1", "vdz", "--live")]
+    host.fail["detach-disk"] = (1, b"", b"error: No disk found whose source path or target is vdz\n")
+    assert failed(lv.libvirt_detach_rebind, call(ctx), lv.LibvirtName("vm1")) == (
+        "virsh",
+        "virsh detach-disk vm1: error: No disk found whose source path or target is vdz",
+    )
+    host.domains["vm1"] = THEIRS
+    assert refused(lv.libvirt_detach_rebind, call(ctx), lv.LibvirtName("vm1"))[0] == "unmanaged"
+
+
+def test_the_rebind_disk_is_checked_as_root(
+    ctx: HelperContext, root: Path, host: Host, tmp_path: Path
+) -> None:
+    disk = root / REBIND.lstrip("/")
+    assert refused(lv.libvirt_attach_rebind, call(ctx), lv.LibvirtRebind("vm1")) == (
+        "no-rebind-disk",
+        f"libvirt.rebind: {REBIND} does not exist",
+    )
+    rule = f"libvirt.rebind: {REBIND} must be a regular file of 1048576 bytes with one link"
+    for size in ((1 << 20) - 1, (1 << 20) + 1):
+        disk.write_bytes(b"\0" * size)
+        assert refused(lv.libvirt_attach_rebind, call(ctx), lv.LibvirtRebind("vm1")) == ("rebind-disk", rule)
+    disk.write_bytes(b"\0" * (1 << 20))
+    os.link(disk, tmp_path / "second")
+    assert refused(lv.libvirt_attach_rebind, call(ctx), lv.LibvirtRebind("vm1")) == ("rebind-disk", rule)
+    os.unlink(tmp_path / "second")
+    os.unlink(disk)
+    disk.mkdir()
+    assert refused(lv.libvirt_attach_rebind, call(ctx), lv.LibvirtRebind("vm1")) == ("rebind-disk", rule)
+    disk.rmdir()
+    (tmp_path / "r.img").write_bytes(b"\0" * (1 << 20))
+    os.symlink(tmp_path / "r.img", disk)
+    assert refused(lv.libvirt_attach_rebind, call(ctx), lv.LibvirtRebind("vm1")) == (
+        "rebind-disk",
+        f"libvirt.rebind: {REBIND}: a symlink on the way (rebind.img)",
+    )
+    # a symlink earlier on the way: the instance directory itself
+    os.unlink(disk)
+    inst = root / INST.lstrip("/")
+    os.rename(inst, tmp_path / "vm1")
+    os.symlink(tmp_path / "vm1", inst)
+    assert refused(lv.libvirt_attach_rebind, call(ctx), lv.LibvirtRebind("vm1")) == (
+        "rebind-disk",
+        f"libvirt.rebind: {REBIND}: a symlink on the way (vm1)",
+    )
+    assert virsh_runs(ctx) == [("dumpxml", "vm1")] * 7
+    host.domains["vm1"] = THEIRS
+    assert refused(lv.libvirt_attach_rebind, call(ctx), lv.LibvirtRebind("vm1"))[0] == "unmanaged"
+
+
+def test_the_rebind_disk_under_a_data_dir_with_a_trailing_slash(root: Path, host: Host) -> None:
+    c = context(root, f'data_dir = "{DATA}/"\n' + CONFIG, host)
+    try:
+        (root / REBIND.lstrip("/")).write_bytes(b"\0" * (1 << 20))
+        lv.libvirt_attach_rebind(call(c), lv.LibvirtRebind("vm1"))
+        assert programs(c).runs[-1][4:6] == ("vm1", str(root / REBIND.lstrip("/")))
+    finally:
+        c.audit.close()
+
+
+# --- restore ---------------------------------------------------------------------------------------------
+
+STATE = f"{INST}/save.state"
+
+
+def test_restore_without_a_definition_is_refused_dlv_hlp_08(ctx: HelperContext) -> None:
+    """DLV-HLP-08: before anything runs."""
+    assert refused(lv.libvirt_restore, call(ctx), req(lv.LibvirtRestore, name="vm1")) == (
+        "no-definition",
+        "libvirt.restore: a restore needs the domain's definition (never the state file's)",
+    )
+    assert programs(ctx).runs == []
+
+
+def test_restore_stages_the_checked_definition_and_passes_xml_dlv_hlp_09_10(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """DLV-HLP-09, DLV-HLP-10: checked like a define and as the requested domain's, staged in root's
+    directory (0600) and always given to `virsh restore` as --xml."""
+    state = root / STATE.lstrip("/")
+    state.write_bytes(save_image(NO_GPU_DUMP))
+    got = lv.libvirt_restore(call(ctx), req(lv.LibvirtRestore, name="vm1", xml=NO_GPU_DEFINE))
+    staged = root / STAGE / "vm1.xml"
+    assert got == {"name": "vm1", "paused": False}
+    assert staged.read_text() == NO_GPU_DEFINE and stat.S_IMODE(os.stat(staged).st_mode) == 0o600
+    assert programs(ctx).runs == [virsh("restore", str(state), "--xml", str(staged))]
+    assert (
+        lv.libvirt_restore(call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE, paused=True))["paused"] is True
+    )
+    assert programs(ctx).runs[-1] == virsh("restore", str(state), "--xml", str(staged), "--paused")
+    other = NO_GPU_DEFINE.replace("<name>vm1</name>", "<name>vm2</name>")
+    assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", other)) == (
+        "domain-name",
+        "libvirt.restore: vm1: the domain is named 'vm2', not 'vm1'",
+    )
+    host.fail["restore"] = (1, b"", b"error: Failed to restore domain from x\n")
+    assert failed(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE)) == (
+        "virsh",
+        "virsh restore vm1: error: Failed to restore domain from x",
+    )
+
+
+def test_restore_passes_gpus_through_only_when_free(ctx: HelperContext, root: Path, host: Host) -> None:
+    """A restore passes its GPUs through as a start does: root's busy check first."""
+    (root / STATE.lstrip("/")).write_bytes(save_image(DUMPXML))
+    host.apps = f"{GPU0}, 31337\n".encode()
+    assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", DEFINE)) == (
+        "gpu-busy",
+        f"libvirt.restore: vm1: GPU 0000:18:00.0 cannot be passed through: {GPU0} runs compute process 31337",
+    )
+    host.apps = b""
+    assert lv.libvirt_restore(call(ctx), lv.LibvirtRestore("vm1", DEFINE))["name"] == "vm1"
+
+
+def test_restore_takes_only_the_instances_own_state_file(
+    ctx: HelperContext, root: Path, tmp_path: Path
+) -> None:
+    state = root / STATE.lstrip("/")
+    assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE)) == (
+        "no-state",
+        f"libvirt.restore: {STATE} does not exist",
+    )
+    (tmp_path / "elsewhere").write_bytes(save_image())
+    os.symlink(tmp_path / "elsewhere", state)
+    assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE)) == (
+        "no-state",
+        f"libvirt.restore: {STATE}: a symlink on the way (save.state)",
+    )
+    os.unlink(state)
+    os.link(tmp_path / "elsewhere", state)
+    rule = f"libvirt.restore: {STATE} must be a regular file with one link"
+    assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE)) == (
+        "no-state",
+        rule,
+    )
+    os.unlink(state)
+    os.mkfifo(state)
+    assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE)) == (
+        "no-state",
+        rule,
+    )
+    assert programs(ctx).runs == [] and not (root / STAGE / "vm1.xml").exists()
+
+
+@pytest.mark.parametrize(
+    ("head", "ok"),
+    [
+        (save_image(version=1), True),
+        (save_image(version=2, data_len=16 << 20)[:92], True),
+        (save_image(data_len=1)[:92], True),
+        (save_image()[:92], True),
+        (save_image()[:91], False),
+        (b"", False),
+        (save_image(version=0), False),
+        (save_image(version=3), False),
+        (save_image(data_len=0), False),
+        (save_image(data_len=(16 << 20) + 1)[:92], False),
+        (b"LibvirtQemudPart" + save_image()[16:], False),  # libvirt's partial-save magic
+        (b"QEVM" + b"\0" * 88, False),
+    ],
+)
+def test_restore_reads_the_save_header_before_libvirtd(
+    ctx: HelperContext, root: Path, head: bytes, ok: bool
+) -> None:
+    """Root refuses anything but libvirt's magic, version 1 or 2 and a data area of 1 byte to 16 MiB."""
+    (root / STATE.lstrip("/")).write_bytes(head)
+    if ok:
+        assert lv.libvirt_restore(call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE))["name"] == "vm1"
+        return
+    short = len(head) < 92
+    message = f"libvirt.restore: {STATE} is not a libvirt save image " + (
+        "(short header)" if short else "(magic, version 1 or 2, data at most 16 MiB)"
+    )
+    assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE)) == (
+        "bad-state",
+        message,
+    )
+    assert programs(ctx).runs == []
+
+
+def test_the_header_check_opens_without_following_or_blocking(tmp_path: Path) -> None:
+    """What the state file can be by the time root opens it (the node owns the directory)."""
+    check = lv._check_state_header
+    assert refused(check, "libvirt.restore", "/x/save.state", str(tmp_path / "gone")) == (
+        "no-state",
+        "libvirt.restore: /x/save.state: No such file or directory",
+    )
+    (tmp_path / "img").write_bytes(save_image())
+    os.symlink(tmp_path / "img", tmp_path / "link")
+    assert refused(check, "libvirt.restore", "/x/save.state", str(tmp_path / "link")) == (
+        "no-state",
+        "libvirt.restore: /x/save.state: Too many levels of symbolic links",
+    )
+    os.mkfifo(tmp_path / "fifo")  # opened non-blocking and never read
+    assert refused(check, "libvirt.restore", "/x/save.state", str(tmp_path / "fifo")) == (
+        "bad-state",
+        "libvirt.restore: /x/save.state is not a libvirt save image (short header)",
+    )
+    check("libvirt.restore", "/x/save.state", str(tmp_path / "img"))
+
+
+# --- save ------------------------------------------------------------------------------------------------
+
+
+def test_save_hands_the_state_to_the_node(ctx: HelperContext, root: Path, host: Host) -> None:
+    """libvirtd writes into root's directory; the node gets `save.state`, its own, 0640."""
+    host.saved = save_image(NO_GPU_DUMP) + b"stream" * 1000
+    got = lv.libvirt_save(call(ctx), req(lv.LibvirtSave, name="vm1"))
+    staged = root / STAGE / "vm1.state"
+    assert got == {"name": "vm1", "size_bytes": len(host.saved)}
+    assert virsh_runs(ctx) == [("dumpxml", "vm1"), ("save", "vm1", str(staged))]
+    state = root / STATE.lstrip("/")
+    st = os.stat(state)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode), st.st_nlink) == (NODE_UID, NODE_GID, 0o640, 1)
+    assert state.read_bytes() == host.saved and os.listdir(root / STAGE) == []
+
+
+def test_save_that_libvirt_fails_leaves_nothing(ctx: HelperContext, root: Path, host: Host) -> None:
+    host.fail["save"] = (1, b"", b"error: Failed to save domain 'vm1' to x\n")
+    assert failed(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm1")) == (
+        "virsh",
+        "virsh save vm1: error: Failed to save domain 'vm1' to x",
+    )
+    assert os.listdir(root / STAGE) == [] and not (root / STATE.lstrip("/")).exists()
+
+
+def test_save_replaces_a_name_and_never_writes_through_it(
+    ctx: HelperContext, root: Path, tmp_path: Path
+) -> None:
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep")
+    os.symlink(target, root / STATE.lstrip("/"))
+    lv.libvirt_save(call(ctx), lv.LibvirtSave("vm1"))
+    assert target.read_bytes() == b"keep"
+    assert stat.S_ISREG(os.lstat(root / STATE.lstrip("/")).st_mode)
+    # a directory in the way: the handover fails, answered, and root's staged file goes
+    os.unlink(root / STATE.lstrip("/"))
+    (root / STATE.lstrip("/")).mkdir()
+    reason, message = failed(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm1"))
+    assert reason == "save-handover"
+    assert (
+        message
+        == "libvirt.save: vm1: the state was not handed over: [Errno 21] Is a directory: "
+        + repr(str(root / STAGE / "vm1.state"))
+        + " -> 'save.state'"
+    )
+    assert os.listdir(root / STAGE) == []
+
+
+def test_save_across_filesystems_copies_into_a_new_file(
+    ctx: HelperContext, root: Path, host: Host, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Root's directory and the node's on different filesystems (EXDEV): a new file, the old name
+    unlinked (a link is replaced, never followed), the node's, 0640, the bytes libvirtd wrote."""
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, **kw: Any) -> None:
+        if dst == "save.state":
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_rename(src, dst, **kw)
+
+    monkeypatch.setattr(lv.os, "rename", rename)
+    host.saved = save_image(NO_GPU_DUMP) + os.urandom(3 << 20)  # more than one 1 MiB chunk
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep")
+    state = root / STATE.lstrip("/")
+    os.symlink(target, state)
+    assert lv.libvirt_save(call(ctx), lv.LibvirtSave("vm1"))["size_bytes"] == len(host.saved)
+    st = os.lstat(state)
+    assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode), stat.S_ISREG(st.st_mode)) == (
+        NODE_UID,
+        NODE_GID,
+        0o640,
+        True,
+    )
+    assert state.read_bytes() == host.saved and target.read_bytes() == b"keep"
+    assert os.listdir(root / STAGE) == []
+    # no old name: the copy is made all the same
+    os.unlink(state)
+    lv.libvirt_save(call(ctx), lv.LibvirtSave("vm1"))
+    assert state.read_bytes() == host.saved
+
+    def denied(src: Any, dst: Any, **kw: Any) -> None:
+        if dst == "save.state":
+            raise OSError(errno.EACCES, "Permission denied")
+        real_rename(src, dst, **kw)
+
+    monkeypatch.setattr(lv.os, "rename", denied)
+    assert failed(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm1")) == (
+        "save-handover",
+        "libvirt.save: vm1: the state was not handed over: [Errno 13] Permission denied",
+    )
+    assert os.listdir(root / STAGE) == []
+
+
+def test_a_link_planted_after_the_unlink_is_never_written_through(
+    ctx: HelperContext, root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Across filesystems the copy is a new file (O_CREAT|O_EXCL|O_NOFOLLOW): a link the node plants
+    between root's unlink and its open fails the handover; its target is never written."""
+    real_rename = os.rename
+
+    def rename(src: Any, dst: Any, **kw: Any) -> None:
+        if dst == "save.state":
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_rename(src, dst, **kw)
+
+    real_unlink = os.unlink
+
+    def unlink(path: Any, **kw: Any) -> None:
+        if path != "save.state":  # the node's link comes back at once
+            real_unlink(path, **kw)
+
+    monkeypatch.setattr(lv.os, "rename", rename)
+    monkeypatch.setattr(lv.os, "unlink", unlink)
+    target = tmp_path / "precious"
+    target.write_bytes(b"keep")
+    os.symlink(target, root / STATE.lstrip("/"))
+    assert failed(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm1")) == (
+        "save-handover",
+        "libvirt.save: vm1: the state was not handed over: [Errno 17] File exists: 'save.state'",
+    )
+    assert target.read_bytes() == b"keep" and os.stat(target).st_uid == 0
+
+
+@pytest.mark.parametrize(
+    ("device", "reason", "message"),
+    [
+        (
+            HOSTDEV_DUMP,
+            "memory-snapshot-gpus",
+            "libvirt.save: vm1: an instance with passthrough GPUs cannot be snapshotted with its memory; "
+            "snapshot its disk only",
+        ),
+        (
+            "<disk type='file' device='disk'><driver name='qemu' type='raw'/>"
+            f"<source file='{DATA}/volumes/v1.raw'/>"
+            "<target dev='vdb' bus='virtio'/></disk>",
+            "memory-snapshot-volumes",
+            "libvirt.save: vm1: ErrMemorySnapshotWithVolumes: an instance with a read-write volume cannot be "
+            "snapshotted with its memory",
+        ),
+    ],
+)
+def test_no_memory_save_with_gpus_or_a_writable_volume_dlv_rt_13_14(
+    ctx: HelperContext, root: Path, host: Host, device: str, reason: str, message: str
+) -> None:
+    """DLV-RT-13, DLV-RT-14 in root's own view of the domain: refused before libvirtd writes anything."""
+    host.domains["vm1"] = NO_GPU_DUMP.replace(b"<devices>\n", b"<devices>\n" + device.encode(), 1)
+    assert refused(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm1")) == (reason, message)
+    assert virsh_runs(ctx) == [("dumpxml", "vm1")] and not (root / STAGE).exists()
+
+
+def test_a_read_only_volume_or_a_sourceless_drive_allows_a_memory_save(
+    ctx: HelperContext, host: Host
+) -> None:
+    ro = (
+        "<disk type='file' device='disk'><driver name='qemu' type='raw'/>"
+        f"<source file='{DATA}/volumes/v1.raw'/>"
+        "<target dev='vdb' bus='virtio'/><readonly/></disk><disk type='file' device='cdrom'>"
+        "<driver name='qemu' type='raw'/><target dev='sdd' bus='sata'/><readonly/></disk>"
+    )
+    host.domains["vm1"] = NO_GPU_DUMP.replace(b"<devices>\n", b"<devices>\n" + ro.encode(), 1)
+    assert lv.libvirt_save(call(ctx), lv.LibvirtSave("vm1"))["name"] == "vm1"
+
+
+def test_save_refuses_a_node_directory_swapped_for_a_symlink(
+    ctx: HelperContext, root: Path, tmp_path: Path
+) -> None:
+    inst = root / INST.lstrip("/")
+    os.rename(inst, tmp_path / "vm1")
+    os.symlink(tmp_path / "vm1", inst)
+    assert refused(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm1")) == (
+        "bad-path",
+        f"{INST}: Not a directory at 'vm1' (no symlinks)",
+    )
+    assert not (tmp_path / "vm1/save.state").exists() and not (root / STAGE).exists()
+    os.unlink(inst)
+    assert refused(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm1"))[1] == (
+        f"{INST}: No such file or directory at 'vm1' (no symlinks)"
+    )
+
+
+def test_save_of_a_domain_not_bcds_or_missing(ctx: HelperContext, host: Host) -> None:
+    host.domains["vm1"] = THEIRS
+    assert refused(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm1"))[0] == "unmanaged"
+    assert refused(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm2")) == (
+        "no-domain",
+        "libvirt.save: no domain vm2",
+    )
+    assert refused(lv.libvirt_save, call(ctx), lv.LibvirtSave("../x"))[0] == "bad-name"
+
+
+def test_the_node_directory_is_opened_component_by_component(root: Path) -> None:
+    c = context(root, CONFIG)
+    try:
+        fd = lv._node_dir_fd(call(c), INST)
+        try:
+            assert os.fstat(fd).st_ino == os.stat(root / INST.lstrip("/")).st_ino
+        finally:
+            os.close(fd)
+        before = len(os.listdir("/proc/self/fd"))
+        assert refused(lv._node_dir_fd, call(c), f"{INST}/nothing") == (
+            "bad-path",
+            f"{INST}/nothing: No such file or directory at 'nothing' (no symlinks)",
+        )
+        assert len(os.listdir("/proc/self/fd")) == before  # every descriptor on the way closed
+    finally:
+        c.audit.close()
+
+
+# --- console ---------------------------------------------------------------------------------------------
+
+
+def with_pty(xml: bytes, path: str = "/dev/pts/3", ident: str = "2") -> bytes:
+    out = xml.replace(
+        b"<serial type='pty'>\n", f"<serial type='pty'>\n      <source path='{path}'/>\n".encode()
+    )
+    return out.replace(b"id='2'", f"id='{ident}'".encode())
+
+
+def test_console_hands_back_the_pty_as_a_descriptor_dlv_hlp_07(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """DLV-HLP-07: root opens the pty its own dumpxml names and hands back the descriptor."""
+    pts = root / "dev/pts/3"
+    pts.parent.mkdir(parents=True)
+    pts.write_bytes(b"")
+    host.domains["vm1"] = with_pty(NO_GPU_DUMP)
+    got = lv.libvirt_console(call(ctx), req(lv.LibvirtName, name="vm1"))
+    fd = got.pop("_fd")
+    try:
+        assert got == {"name": "vm1", "pty": "/dev/pts/3"}
+        os.write(fd, b"hello")
+        flags = __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)
+        assert flags & os.O_ACCMODE == os.O_RDWR and os.get_inheritable(fd) is False
+    finally:
+        os.close(fd)
+    assert pts.read_bytes() == b"hello"
+    assert virsh_runs(ctx) == [("dumpxml", "vm1"), ("dumpxml", "vm1")]
+
+
+@pytest.mark.parametrize(
+    "path", ["", "/dev/pts/1234567", "/dev/ptmx", "/dev/pts/3x", "/etc/shadow", "/dev/pts/"]
+)
+def test_console_only_opens_a_dev_pts_number(ctx: HelperContext, host: Host, path: str | None) -> None:
+    if path is None:  # a <source> without a path (another serial type's)
+        host.domains["vm1"] = NO_GPU_DUMP.replace(b"<serial type='pty'>\n", b"<serial type='pty'>\n<source/>")
+    else:
+        host.domains["vm1"] = with_pty(NO_GPU_DUMP, path) if path else NO_GPU_DUMP
+    assert failed(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1")) == (
+        "no-console",
+        "libvirt.console: domain vm1 has no pty serial console (is it running?)",
+    )
+
+
+def test_console_of_a_pty_that_is_gone_or_a_link(
+    ctx: HelperContext, root: Path, host: Host, tmp_path: Path
+) -> None:
+    host.domains["vm1"] = with_pty(NO_GPU_DUMP, "/dev/pts/123456")
+    assert failed(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1")) == (
+        "no-console",
+        "libvirt.console: /dev/pts/123456: No such file or directory",
+    )
+    (root / "dev/pts").mkdir(parents=True)
+    (tmp_path / "tty").write_bytes(b"")
+    os.symlink(tmp_path / "tty", root / "dev/pts/123456")
+    assert failed(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1"))[1] == (
+        "libvirt.console: /dev/pts/123456: Too many levels of symbolic links"
+    )
+
+
+def test_console_that_changed_while_root_opened_it_is_closed(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """The kernel reuses pty numbers: root's view after the open must name the same pty on the same run."""
+    (root / "dev/pts").mkdir(parents=True)
+    (root / "dev/pts/3").write_bytes(b"")
+    before = sorted(os.listdir("/proc/self/fd"))
+    changed = "libvirt.console: domain vm1's console changed while root opened it"
+    sourceless = NO_GPU_DUMP.replace(b"<serial type='pty'>\n", b"<serial type='pty'>\n<source/>")
+    for again in (
+        with_pty(NO_GPU_DUMP, "/dev/pts/4"),
+        with_pty(NO_GPU_DUMP, ident="3"),
+        NO_GPU_DUMP,
+        sourceless,
+    ):
+        host.domains["vm1"] = [with_pty(NO_GPU_DUMP), again]
+        assert failed(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1")) == ("no-console", changed)
+    host.domains["vm1"] = [with_pty(NO_GPU_DUMP), THEIRS]
+    assert refused(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1"))[0] == "unmanaged"
+    assert sorted(os.listdir("/proc/self/fd")) == before
+    host.domains["vm1"] = THEIRS
+    assert refused(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1"))[0] == "unmanaged"
+
+
+# --- with command-signing roots --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cp() -> ControlPlane:
+    return ControlPlane.build()
+
+
+@pytest.fixture(scope="module")
+def signer(cp: ControlPlane) -> Signer:
+    return cp.command.leaf()
+
+
+def signed_ctx(root: Path, host: Host, cp: ControlPlane, *, pin: bool = False) -> HelperContext:
+    cp.write_record(root, NODE, cp.bundle(1))
+    return context(root, cp.config_lines(pin_roots=pin) + CONFIG, host)
+
+
+def wire_vm(
+    *,
+    vcpus: int = 2,
+    memory: int = GIB,
+    nics: tuple[tuple[str, str], ...] = (("br0", MAC),),
+    gpus: tuple[str, ...] = (),
+    sha: str = SHA,
+    state: int = 1,
+    rebind: str = "",
+    sized: bool = True,
+) -> wire.InstanceSpec:
+    return wire.InstanceSpec(
+        id="vm1",
+        allocation_id="a1",
+        runtime="libvirt-kvm",
+        desired_state=wire.InstanceDesiredState(state),
+        size=wire.InstanceSize(vcpus=vcpus, memory_bytes=memory, disk_bytes=10 * GIB) if sized else None,
+        image=wire.ImageRef(url="https://images.example/x.qcow2", sha256=sha, format="qcow2")
+        if sha
+        else None,
+        nics=[wire.Nic(bridge=b, mac=m) for b, m in nics],
+        gpu_uuids=list(gpus),
+        identity_rebind_ref=rebind,
+    )
+
+
+def signed(
+    signer: Signer, generation: int, *instances: wire.InstanceSpec, root: bytes | None = None
+) -> SignedIntent:
+    spec = wire.NodeSpec(instances=wire.InstancesSection(instances=list(instances)))
+    body = bytes(
+        wire.DesiredStateBody(node_id=NODE, generation=generation, spec_hash=f"h{generation}", full=spec)
+    )
+    doc = intent(signer, body, with_root=root)
+    return SignedIntent(doc["body"], doc["signature"], tuple(doc["chain"]), None)
+
+
+def generation(root: Path) -> int:
+    return int(json.loads((root / "var/lib/bcd-hostconfig/helper-intent.json").read_text())["generation"])
+
+
+def test_a_signed_define_is_compared_with_the_spec_field_by_field(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """Root re-validates each define against the signed spec's instance (vCPUs, memory, NICs by bridge
+    and MAC, GPUs by UUID as root's nvidia-smi names them, image digest); a refusal writes no state."""
+    c = signed_ctx(root, host, cp)
+    try:
+        define = lambda xml, i: lv.libvirt_define(call(c), lv.LibvirtDefine("vm1", xml, i))  # noqa: E731
+        assert refused(define, DEFINE, None) == (
+            "intent-required",
+            "libvirt.define: a signed spec is required (command-signing roots from join record)",
+        )
+        mismatch = "libvirt.define: vm1: the definition differs from the signed spec in "
+        cases = [
+            (wire_vm(vcpus=3, gpus=(GPU0,)), "vCPUs"),
+            (wire_vm(memory=2 * GIB, gpus=(GPU0,)), "memory"),
+            (wire_vm(nics=(("br0", "52:54:00:00:00:02"),), gpus=(GPU0,)), "NICs"),
+            (wire_vm(nics=(("br1", MAC),), gpus=(GPU0,)), "NICs"),
+            (wire_vm(nics=(), gpus=(GPU0,)), "NICs"),
+            (wire_vm(gpus=(GPU1,)), "GPUs"),
+            (wire_vm(gpus=()), "GPUs"),
+            (wire_vm(gpus=(GPU0, GPU1)), "GPUs"),
+            (wire_vm(sha="cd" * 32, gpus=(GPU0,)), "image"),
+            (wire_vm(sha="", gpus=(GPU0,)), "image"),
+            (wire_vm(sized=False, gpus=(GPU0,)), "vCPUs, memory"),
+            (
+                wire_vm(vcpus=1, memory=1, nics=(), gpus=(GPU1,), sha="cd" * 32),
+                "vCPUs, memory, NICs, GPUs, image",
+            ),
+        ]
+        for inst, fields in cases:
+            assert refused(define, DEFINE, signed(signer, 5, inst)) == ("spec-mismatch", mismatch + fields)
+        assert not (root / "var/lib/bcd-hostconfig/helper-intent.json").exists()
+        assert refused(define, DEFINE, signed(signer, 5, wire_vm(gpus=(GPU0,), state=4)))[0] == "not-in-spec"
+        assert not (root / STAGE).exists()
+        got = define(DEFINE, signed(signer, 5, wire_vm(gpus=(GPU0,))))
+        assert got["name"] == "vm1" and generation(root) == 5
+        assert [r for r in programs(c).runs if r[0] == "nvidia-smi"][-2:] == [BUS, UUID_BUS]
+        # no GPU in either: nvidia-smi is not asked for UUIDs
+        runs = len(programs(c).runs)
+        define(NO_GPU_DEFINE, signed(signer, 6, wire_vm()))
+        assert UUID_BUS not in programs(c).runs[runs:] and generation(root) == 6
+    finally:
+        c.audit.close()
+
+
+def test_gpu_uuids_at_names_each_address_by_roots_nvidia_smi(ctx: HelperContext, host: Host) -> None:
+    assert lv.gpu_uuids_at(call(ctx), ()) == [] and programs(ctx).runs == []
+    got = lv.gpu_uuids_at(call(ctx, bounded=False), ("0000:db:00.0", "0000:2a:00.0", "0000:99:00.0"))
+    assert got == sorted([GPUS[7][1], GPU1, "(no GPU at 0000:99:00.0)"])
+    assert programs(ctx).runs == [UUID_BUS] and programs(ctx).timeouts == [60]
+    host.smi_rc = 6
+    assert failed(lv.gpu_uuids_at, call(ctx), ("0000:18:00.0",)) == (
+        "nvidia-smi",
+        f"cannot list GPUs: nvidia-smi exited 6: {NO_DRIVER}",
+    )
+
+
+def test_roots_running_view_is_read_for_the_comparison(ctx: HelperContext) -> None:
+    got = lv._checked_running(call(ctx), "libvirt.start", "vm1", DUMPXML)
+    assert (got.name, got.type, got.vcpus, got.memory_bytes, got.disks) == ("vm1", "kvm", 2, GIB, ())
+    assert got.nics == (("br0", MAC, ""),) and got.hostdevs == ("0000:18:00.0",)
+    assert got.metadata == {
+        "runtime": "libvirt-kvm",
+        "allocation": "a1",
+        "definition": "cc1c30a2022475bbf52d9cf337de868b3c5ca2d25fbde477f748270a28934924",
+        "image": SHA,
+        "image-format": "qcow2",
+        "base-format": "qcow2",
+    }
+    odd = (
+        b"<domain><vcpu> 3 </vcpu><memory>4</memory><devices><interface type='bridge'/>"
+        b"<interface type='network'><source network='default'/><mac/></interface>"
+        b"<hostdev><source><address domain='0x0' bus='0xzz' slot='0' function='0'/></source></hostdev>"
+        b"<hostdev><source><address domain='0x0' bus='0x18' slot='0x0'/></source></hostdev>"
+        b"<hostdev><source><address domain='0x1' bus='0xab' slot='0xc' function='0x4'/></source></hostdev>"
+        b"</devices><metadata><bcd:instance xmlns:bcd='https://better-compute.dev/libvirt/1'><bcd:image/>"
+        b"</bcd:instance></metadata></domain>"
+    )
+    got = lv._checked_running(call(ctx), "libvirt.start", "x", odd)
+    assert (got.type, got.vcpus, got.memory_bytes) == ("", 3, 4096)
+    assert got.nics == (("", "", ""), ("", "", ""))
+    assert got.hostdevs == ("", "", "0001:ab:0c.4") and got.metadata == {"image": ""}
+    for xml in (b"<domain/>", b"<domain><vcpu> </vcpu><memory> </memory></domain>"):
+        empty = lv._checked_running(call(ctx), "libvirt.start", "x", xml)
+        assert (empty.vcpus, empty.memory_bytes, empty.hostdevs, empty.nics) == (0, 0, (), ())
+
+
+def test_a_signed_start_compares_roots_running_definition(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """Root re-validates each start against the signed spec, on libvirt's own view of the domain."""
+    host.domains["vm1"] = DUMPXML
+    c = signed_ctx(root, host, cp)
+    try:
+        start = lambda i: lv.libvirt_start(call(c), lv.LibvirtStart("vm1", intent=i))  # noqa: E731
+        assert refused(start, None)[0] == "intent-required"
+        assert refused(start, signed(signer, 3, wire_vm(vcpus=4, gpus=(GPU0,)))) == (
+            "spec-mismatch",
+            "libvirt.start: vm1: the definition differs from the signed spec in vCPUs",
+        )
+        assert refused(start, signed(signer, 3, wire_vm(gpus=(GPU1,))))[1].endswith(" in GPUs")
+        assert virsh_runs(c)[-1] == ("dumpxml", "vm1")
+        assert start(signed(signer, 3, wire_vm(gpus=(GPU0,)))) == {"name": "vm1", "paused": False}
+        assert generation(root) == 3 and virsh_runs(c)[-1] == ("start", "vm1")
+    finally:
+        c.audit.close()
+
+
+def test_a_signed_start_with_pinned_roots_is_compared_too(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    host.domains["vm1"] = DUMPXML
+    c = signed_ctx(root, host, cp, pin=True)
+    try:
+        i = signed(signer, 4, wire_vm(memory=GIB // 2, gpus=(GPU0,)), root=cp.command.root)
+        assert refused(lv.libvirt_start, call(c), lv.LibvirtStart("vm1", intent=i))[1].endswith(" in memory")
+    finally:
+        c.audit.close()
+
+
+def test_a_signed_restore_and_save_are_checked_against_the_spec(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    c = signed_ctx(root, host, cp)
+    try:
+        (root / STATE.lstrip("/")).write_bytes(save_image())
+        restore = lambda i: lv.libvirt_restore(call(c), lv.LibvirtRestore("vm1", NO_GPU_DEFINE, i))  # noqa: E731
+        assert refused(restore, None)[0] == "intent-required"
+        assert refused(restore, signed(signer, 2, wire_vm(vcpus=9)))[1] == (
+            "libvirt.restore: vm1: the definition differs from the signed spec in vCPUs"
+        )
+        assert restore(signed(signer, 2, wire_vm()))["name"] == "vm1" and generation(root) == 2
+        save = lambda i: lv.libvirt_save(call(c), lv.LibvirtSave("vm1", i))  # noqa: E731
+        assert refused(save, None)[0] == "intent-required"
+        assert refused(save, signed(signer, 3, wire_vm(state=4)))[0] == "not-in-spec"
+        assert virsh_runs(c)[-1] == ("dumpxml", "vm1") and not (root / STAGE / "vm1.state").exists()
+        # a save compares no definition (the domain runs as defined): any spec naming the instance
+        assert save(signed(signer, 3, wire_vm(vcpus=9)))["name"] == "vm1" and generation(root) == 3
+    finally:
+        c.audit.close()
+
+
+def test_a_signed_rebind_needs_the_spec_to_ask_for_one(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """With roots the signed spec must ask this instance for an identity rebind; the state is written
+    only once the disk passed root's checks."""
+    (root / REBIND.lstrip("/")).write_bytes(b"\0" * (1 << 20))
+    c = signed_ctx(root, host, cp)
+    try:
+        rebind = lambda i: lv.libvirt_attach_rebind(call(c), lv.LibvirtRebind("vm1", i))  # noqa: E731
+        assert refused(rebind, None) == (
+            "intent-required",
+            "libvirt.rebind: a signed spec is required (command-signing roots from join record)",
+        )
+        assert refused(rebind, signed(signer, 2, wire_vm())) == (
+            "spec-mismatch",
+            "libvirt.rebind: vm1: the signed spec asks no identity rebind of it",
+        )
+        assert programs(c).runs == []
+        os.unlink(root / REBIND.lstrip("/"))
+        assert refused(rebind, signed(signer, 2, wire_vm(rebind="r1")))[0] == "no-rebind-disk"
+        assert not (root / "var/lib/bcd-hostconfig/helper-intent.json").exists()
+        (root / REBIND.lstrip("/")).write_bytes(b"\0" * (1 << 20))
+        assert rebind(signed(signer, 2, wire_vm(rebind="r1"))) == {"name": "vm1"}
+        assert generation(root) == 2 and virsh_runs(c)[-1][0] == "attach-disk"
+    finally:
+        c.audit.close()
