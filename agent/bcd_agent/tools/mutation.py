@@ -56,7 +56,10 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("helper/bcd_helper/ops/logs.py", "helper/bcd_helper/ops/auditops.py"),
         ("tests/helper/test_log_ops_unit.py",),
     ),
-    "helper-files": (("helper/bcd_helper/ops/files.py",), ("tests/helper/test_files_unit.py",)),
+    "helper-files": (
+        ("helper/bcd_helper/ops/files.py",),
+        ("tests/helper/test_files_unit.py", "tests/helper/test_files_signed_unit.py"),
+    ),
     "helper-server": (
         ("helper/bcd_helper/server.py",),
         ("tests/helper/test_server_unit.py", "tests/helper/test_helper_op_timeout.py"),
