@@ -346,7 +346,9 @@ def test_a_device_carries_its_own_gpus_edits_named_by_uuid(ctx: HelperContext, w
 def test_a_device_carries_its_own_gpus_edits_named_by_the_index_nvidia_smi_reads(
     root: Path, cp: ControlPlane, worker: Signer
 ) -> None:
-    out = f"junk\n[N/A], {GPU2}\n 0 ,  {GPU1} \n1,{GPU2}\n2,\n".encode()
+    # Lines that name no index (after the good ones, so as not to be overwritten) and a byte that is not
+    # UTF-8 are passed over.
+    out = f"junk\n 0 ,  {GPU1} \n1,{GPU2}\n[N/A], {GPU2}\n2,\n".encode() + b"3, GPU-\xff\n"
     ctx = signed_ctx(root, cp, smi(out))
     vendor(root, {"0": NV0, "1": NV1, "2": {"deviceNodes": [{"path": "/dev/nvidia2"}]}})
     spec = signed(worker, body(2, {"a1": [GPU1], "a2": [GPU2]}))
@@ -506,4 +508,60 @@ def test_spec_level_edits_without_a_vendor_spec_are_refused(ctx: HelperContext, 
         "atoms-outside",
         'cdi: containerEdits.mounts: {"containerPath":"/usr/lib/libcuda.so",'
         '"hostPath":"/usr/lib/libcuda.so"} is not one of the vendor\'s common edits',
+    )
+
+
+def test_a_presented_spec_is_decoded_even_without_roots(root: Path, worker: Signer) -> None:
+    """A spec the node presents turns the check on (no_roots_possible is False): its fields must decode."""
+    ctx = context(root, script=smi())
+    try:
+        good = signed(worker, body(2, {"a1": [GPU1]}))
+        bad = SignedSpec(good.body, good.signature, ("not base64!",), None)
+        assert refused(ctx, env_write("a1", bad)) == (
+            "bad-intent",
+            "file.write allocation-env: intent.chain[0] is not base64",
+        )
+        assert refused(ctx, FileRemove("cdi", "a1", bad)) == (
+            "bad-intent",
+            "file.remove cdi: intent.chain[0] is not base64",
+        )
+    finally:
+        ctx.audit.close()
+
+
+def test_a_device_with_only_its_marker_does_not_end_the_check(ctx: HelperContext, worker: Signer) -> None:
+    vendor(ctx.root, {GPU1: NV0, GPU2: NV1})
+    spec = signed(worker, body(2, {"a1": [GPU1, GPU2]}))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, None), (GPU2, NV0)]), spec)) == (
+        "atoms-outside",
+        'cdi: devices[1].containerEdits.deviceNodes: {"path":"/dev/nvidia0"} is not the vendor\'s edit for '
+        f"{GPU2}: a hold device carries only its own GPU's edits",
+    )
+
+
+def test_a_spec_level_edit_outside_the_common_ones_is_shown_cut_to_200_bytes(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    long_path = "/usr/lib/" + "x" * 300
+    mount = {"hostPath": long_path, "containerPath": long_path}
+    vendor(ctx.root, {GPU1: {"mounts": [mount]}})
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    item = json.dumps(mount, separators=(",", ":"), sort_keys=True)
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, None)], common={"mounts": [mount]}), spec)) == (
+        "atoms-outside",
+        f"cdi: containerEdits.mounts: {item[:200]} is not one of the vendor's common edits",
+    )
+
+
+def test_a_vendor_spec_is_read_up_to_16_mib(ctx: HelperContext, worker: Signer) -> None:
+    vendor(ctx.root, {GPU1: NV0})
+    path = ctx.root / "etc/cdi/nvidia.json"
+    text = path.read_bytes()
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    path.write_bytes(text + b" " * (16 * 1024 * 1024 - len(text)))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, NV0)]), spec))
+    path.write_bytes(text + b" " * (16 * 1024 * 1024 - len(text) + 1))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, NV0)]), spec)) == (
+        "root-only",
+        f"/etc/cdi/nvidia.json is larger than {16 * 1024 * 1024} bytes",
     )
