@@ -325,3 +325,101 @@ def test_a_symlink_in_a_kinds_directory_counts_as_itself(ctx: HelperContext, tmp
         file_write(call(ctx), env("a2"))  # the link's own size counts, not its target's
     finally:
         files.LIMITS["allocation-env"] = limit
+
+
+# --- edges the mutation run found unchecked (docs/mutation.md) ----------------------------------------------
+
+
+def test_a_hold_for_another_allocation_is_named_before_its_env(ctx: HelperContext) -> None:
+    assert refused(ctx, FileWrite("cdi", "a2", hold("a1"))) == (
+        "bad-content",
+        "cdi: annotations.bcd.dev/allocation-id: 'a1' is not the file's allocation 'a2'",
+    )
+
+
+def test_every_device_of_a_hold_is_checked_for_env(ctx: HelperContext) -> None:
+    """A first device without env, or with exactly its marker, does not end the check."""
+    vendor(ctx.root, {"0": {"deviceNodes": [{"path": "/dev/nvidia0"}]}})
+    gpu2 = "GPU-5f1c2a90-0000-4000-8000-000000000002"
+    for first in ({"deviceNodes": [{"path": "/dev/nvidia0"}]}, {"env": [cdi.device_marker_env(GPU1)]}):
+        doc = json.loads(hold())
+        second = json.loads(json.dumps(doc["devices"][0]).replace(GPU1, gpu2))
+        second["containerEdits"] = {"env": ["X=1"]}
+        doc["devices"] = [dict(doc["devices"][0], containerEdits=first), second]
+        assert refused(ctx, FileWrite("cdi", ALLOC, json.dumps(doc))) == (
+            "bad-content",
+            "cdi: devices[1].containerEdits.env: a hold's devices carry no env (only a device without other "
+            "edits, its own BCD_DEVICE_ marker)",
+        )
+
+
+def test_a_vendor_spec_is_read_up_to_16_mib(ctx: HelperContext) -> None:
+    vendor(ctx.root, {"0": {"deviceNodes": [{"path": "/dev/nvidia0"}]}})
+    path = ctx.root / "etc/cdi/nvidia.json"
+    text = path.read_bytes()
+    path.write_bytes(text + b" " * (16 * MAX_CONTENT - len(text)))
+    file_write(call(ctx), FileWrite("cdi", ALLOC, hold()))
+    path.write_bytes(text + b" " * (16 * MAX_CONTENT - len(text) + 1))
+    assert refused(ctx, FileWrite("cdi", ALLOC, hold())) == (
+        "root-only",
+        f"/etc/cdi/nvidia.json is larger than {16 * MAX_CONTENT} bytes",
+    )
+
+
+def test_a_vendor_spec_that_is_a_symlink_is_refused_naming_it(ctx: HelperContext, tmp_path: Path) -> None:
+    (ctx.root / "etc/cdi").mkdir(parents=True)
+    (tmp_path / "v.json").write_text("{}")
+    (ctx.root / "etc/cdi/nvidia.json").symlink_to(tmp_path / "v.json")
+    assert refused(ctx, FileWrite("cdi", ALLOC, hold())) == (
+        "root-only",
+        "/etc/cdi/nvidia.json is not a regular file: bcd will not write as root through it",
+    )
+
+
+def test_an_edit_outside_the_vendors_is_shown_cut_to_200_bytes(ctx: HelperContext) -> None:
+    long_path = "/dev/" + "x" * 300
+    item = json.dumps({"path": long_path}, separators=(",", ":"))
+    assert refused(ctx, FileWrite("cdi", ALLOC, hold(edits={"deviceNodes": [{"path": long_path}]}))) == (
+        "bad-content",
+        f"cdi: devices[0].containerEdits.deviceNodes: {item[:200]} is not in root's vendor spec "
+        "/etc/cdi/nvidia.json: a hold carries only the vendor's edits",
+    )
+
+
+def test_every_file_of_the_kind_is_counted_whatever_else_the_directory_holds(
+    ctx: HelperContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Other names (made before and after the counted ones, so that they come first in either listing
+    order) and the file being replaced are passed over, not the end of the count."""
+    limit = files.LIMITS["allocation-env"]
+    monkeypatch.setitem(
+        files.LIMITS,
+        "allocation-env",
+        files.KindLimit(limit.directory, limit.pattern, 3, 10_000, limit.max_file),
+    )
+    folder = ctx.root / "run/bcd/allocations"
+    folder.mkdir(parents=True)
+    for i in range(15):
+        (folder / f"before{i}.txt").write_text("x")
+    for ident in ("a1", "a2", "a3"):
+        file_write(call(ctx), env(ident))
+    for i in range(15):
+        (folder / f"after{i}.txt").write_text("x")
+    assert refused(ctx, env("a4")) == (
+        "too-many-files",
+        "allocation-env: root keeps at most 3 files in /run/bcd/allocations",
+    )
+    file_write(call(ctx), env("a2", "X=1\n"))  # a replacement: still 3
+
+
+def test_a_target_that_is_a_symlink_is_neither_written_nor_removed(
+    ctx: HelperContext, tmp_path: Path
+) -> None:
+    folder = ctx.root / "run/bcd/allocations"
+    folder.mkdir(parents=True)
+    (tmp_path / "elsewhere").write_text("keep\n")
+    (folder / "a1.env").symlink_to(tmp_path / "elsewhere")
+    message = "/run/bcd/allocations/a1.env is not a regular file: bcd will not write as root through it"
+    assert refused(ctx, env()) == ("root-only", message)
+    assert refused(ctx, FileRemove("allocation-env", ALLOC)) == ("root-only", message)
+    assert (tmp_path / "elsewhere").read_text() == "keep\n" and (folder / "a1.env").is_symlink()

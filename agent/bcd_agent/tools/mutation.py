@@ -56,7 +56,10 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("helper/bcd_helper/ops/logs.py", "helper/bcd_helper/ops/auditops.py"),
         ("tests/helper/test_log_ops_unit.py",),
     ),
-    "helper-files": (("helper/bcd_helper/ops/files.py",), ("tests/helper/test_files_unit.py",)),
+    "helper-files": (
+        ("helper/bcd_helper/ops/files.py",),
+        ("tests/helper/test_files_unit.py", "tests/helper/test_files_signed_unit.py"),
+    ),
     "helper-access": (("helper/bcd_helper/ops/access.py",), ("tests/helper/test_access_unit.py",)),
     "helper-nft": (("helper/bcd_helper/ops/nft.py",), ("tests/helper/test_nft_unit.py",)),
     "helper-base": (("helper/bcd_helper/ops/base.py",), ("tests/helper/test_base_unit.py",)),

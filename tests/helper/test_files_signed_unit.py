@@ -1,0 +1,567 @@
+"""file.write and file.remove with command-signing roots, called in process over a temporary root (issue 9
+item 8; docs/mutation.md): a hold write carries the signed spec, its allocation must be in the spec's
+devices section, a cdi hold's devices must be that allocation's atoms each carrying only its own GPU's
+vendor edits (named by UUID, by the index root's nvidia-smi reads, or as a MIG device), the spec-level edits
+only the vendor's common ones, and a hold the spec still lists cannot be removed. Every refusal word for
+word, the intent state written only when the request is served, and nvidia-smi asked only when a device
+carries edits. test_signed_holds.py drives the same rules through a real helper."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_helper.intent import STATE_PATH, IntentState
+from bcd_helper.ops.base import HelperContext, Refused
+from bcd_helper.ops.files import FileRemove, FileWrite, SignedSpec, file_remove, file_write
+from bcd_shared import cdi, wire
+from intentkit import ControlPlane, Signer, intent
+from opskit import Script, call, context, make_root, programs
+
+NODE = "node-a"
+GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+GPU2 = "GPU-5f1c2a90-0000-4000-8000-000000000002"
+MIG1 = f"{GPU1}/gi1/ci0"
+NV0 = {"deviceNodes": [{"path": "/dev/nvidia0"}]}
+NV1 = {"deviceNodes": [{"path": "/dev/nvidia1"}]}
+SMI_ARGV = ("nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader")
+SMI_OUT = f"0, {GPU1}\n1, {GPU2}\n".encode()
+
+
+@pytest.fixture(scope="module")
+def cp() -> ControlPlane:
+    return ControlPlane.build()
+
+
+@pytest.fixture(scope="module")
+def worker(cp: ControlPlane) -> Signer:
+    return cp.command.leaf()
+
+
+def smi(out: bytes = SMI_OUT, rc: int = 0) -> Script:
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        assert argv == SMI_ARGV
+        return rc, out, b""
+
+    return script
+
+
+def signed_ctx(root: Path, cp: ControlPlane, script: Script | None = None) -> HelperContext:
+    """A helper bound to node-a by root's join record, whose bundle names the command-signing root."""
+    cp.write_record(root, NODE, cp.bundle(1))
+    return context(root, cp.config_lines(), script or smi())
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return make_root(tmp_path)
+
+
+@pytest.fixture
+def ctx(root: Path, cp: ControlPlane) -> Iterator[HelperContext]:
+    c = signed_ctx(root, cp)
+    yield c
+    c.audit.close()
+
+
+def section(assignments: dict[str, list[str]]) -> wire.DevicesSection:
+    return wire.DevicesSection(
+        assignments=[
+            wire.DeviceAssignment(
+                allocation_id=a,
+                reservation_id="r1",
+                binding=wire.Binding.HOLD,
+                devices=[wire.DeviceAtom(id=g, device_class="gpu") for g in atoms],
+            )
+            for a, atoms in assignments.items()
+        ]
+    )
+
+
+def body(generation: int, assignments: dict[str, list[str]] | None, *, patch: bool = False) -> bytes:
+    """A DesiredStateBody for node-a; `assignments` None: the spec sets no devices section."""
+    devices = None if assignments is None else section(assignments)
+    if patch:
+        return bytes(
+            wire.DesiredStateBody(
+                node_id=NODE,
+                generation=generation,
+                spec_hash=f"p{generation}",
+                patch=wire.NodeSpecPatch(devices=devices),
+                base_generation=generation - 1,
+            )
+        )
+    return bytes(
+        wire.DesiredStateBody(
+            node_id=NODE,
+            generation=generation,
+            spec_hash=f"d{generation}",
+            full=wire.NodeSpec(devices=devices),
+        )
+    )
+
+
+def signed(signer: Signer, data: bytes) -> SignedSpec:
+    doc = intent(signer, data)
+    return SignedSpec(doc["body"], doc["signature"], tuple(doc["chain"]), doc["trust_bundle"])
+
+
+def hold(
+    ident: str, devices: list[tuple[str, dict[str, Any] | None]], common: dict[str, Any] | None = None
+) -> str:
+    """A hold for `ident` whose devices are (atom id, container edits; None: only its marker)."""
+    doc = cdi.build_hold_spec(
+        allocation_id=ident,
+        reservation_id="r1",
+        generation=1,
+        kubernetes=False,
+        cgroup_parent=None,
+        devices=[cdi.HoldDevice(atom, edits) for atom, edits in devices],
+        env=[f"BCD_ALLOCATION_ID={ident}"],
+        vendor=None,
+    )
+    if common:
+        doc["containerEdits"].update(common)
+    return cdi.encode_spec(doc).decode()
+
+
+def vendor(root: Path, devices: dict[str, dict[str, Any]], common: dict[str, Any] | None = None) -> None:
+    doc: dict[str, Any] = {
+        "cdiVersion": "0.6.0",
+        "kind": "nvidia.com/gpu",
+        "devices": [{"name": n, "containerEdits": e} for n, e in devices.items()],
+    }
+    if common:
+        doc["containerEdits"] = common
+    (root / "etc/cdi").mkdir(parents=True, exist_ok=True)
+    (root / "etc/cdi/nvidia.json").write_text(json.dumps(doc))
+
+
+def refused(ctx: HelperContext, req: Any) -> tuple[str, str]:
+    fn = file_write if isinstance(req, FileWrite) else file_remove
+    with pytest.raises(Refused) as info:
+        fn(call(ctx), req)
+    return info.value.reason, info.value.message
+
+
+def state(root: Path) -> IntentState | None:
+    path = root / STATE_PATH.lstrip("/")
+    return IntentState.decode(path.read_bytes()) if path.exists() else None
+
+
+def generation(root: Path) -> int | None:
+    got = state(root)
+    return None if got is None else got.generation
+
+
+def cdi_write(ident: str, content: str, spec: SignedSpec | None) -> FileWrite:
+    return FileWrite("cdi", ident, content, intent=spec)
+
+
+def env_write(ident: str, spec: SignedSpec | None) -> FileWrite:
+    return FileWrite("allocation-env", ident, f"BCD_ALLOCATION_ID={ident}\n", intent=spec)
+
+
+# --- the signed spec and its devices section ----------------------------------------------------------------
+
+
+def test_with_roots_each_bound_kind_needs_the_signed_spec_named_by_op_and_kind(ctx: HelperContext) -> None:
+    for req, op in [
+        (cdi_write("a1", hold("a1", [(GPU1, None)]), None), "file.write cdi"),
+        (env_write("a1", None), "file.write allocation-env"),
+        (FileRemove("cdi", "a1"), "file.remove cdi"),
+        (FileRemove("allocation-env", "a1"), "file.remove allocation-env"),
+    ]:
+        assert refused(ctx, req) == (
+            "intent-required",
+            f"{op}: a signed spec is required (command-signing roots from join record)",
+        )
+    # k8s-token is not bound: written without a spec.
+    got = file_write(call(ctx), FileWrite("k8s-token", "", "abcdef.0123456789abcdef\n"))
+    assert got == {"path": "/var/lib/bcd-hostconfig/k8s/bootstrap-token", "bytes": 24}
+    assert state(ctx.root) is None
+
+
+def test_a_signed_env_file_is_written_and_the_generation_kept(ctx: HelperContext, worker: Signer) -> None:
+    spec = signed(worker, body(4, {"a0": [GPU2], "a1": [GPU1]}))
+    assert file_write(call(ctx), env_write("a1", spec)) == {
+        "path": "/run/bcd/allocations/a1.env",
+        "bytes": len("BCD_ALLOCATION_ID=a1\n"),
+    }
+    assert (ctx.root / "run/bcd/allocations/a1.env").read_bytes() == b"BCD_ALLOCATION_ID=a1\n"
+    kept = state(ctx.root)
+    assert kept is not None and (kept.generation, kept.node_id, kept.signed) == (4, NODE, True)
+    # The same spec again: nothing new to keep, the write still served.
+    file_write(call(ctx), env_write("a0", spec))
+    assert generation(ctx.root) == 4
+    # An older one is stale.
+    assert refused(ctx, env_write("a1", signed(worker, body(3, {"a1": [GPU1]})))) == (
+        "stale-generation",
+        "file.write allocation-env: the signed spec's generation 3 is older than generation 4 "
+        "already accepted",
+    )
+
+
+def test_an_allocation_the_spec_does_not_list_is_refused_and_nothing_kept(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    assert refused(ctx, env_write("a9", spec)) == (
+        "not-in-spec",
+        "allocation-env: allocation a9 is not in the signed spec's devices section (generation 2)",
+    )
+    assert refused(ctx, cdi_write("a9", hold("a9", [(GPU1, None)]), spec)) == (
+        "not-in-spec",
+        "cdi: allocation a9 is not in the signed spec's devices section (generation 2)",
+    )
+    assert state(ctx.root) is None
+    assert not (ctx.root / "run/bcd/allocations/a9.env").exists()
+    # A full spec without a devices section lists no allocation.
+    assert refused(ctx, env_write("a1", signed(worker, body(3, None)))) == (
+        "not-in-spec",
+        "allocation-env: allocation a1 is not in the signed spec's devices section (generation 3)",
+    )
+    assert state(ctx.root) is None
+
+
+def test_a_patch_must_set_the_devices_section(ctx: HelperContext, worker: Signer) -> None:
+    assert refused(ctx, env_write("a1", signed(worker, body(3, None, patch=True)))) == (
+        "bad-intent",
+        "file.write allocation-env: the signed spec (generation 3) sets no devices section",
+    )
+    assert refused(ctx, FileRemove("cdi", "a1", signed(worker, body(3, None, patch=True)))) == (
+        "bad-intent",
+        "file.remove cdi: the signed spec (generation 3) sets no devices section",
+    )
+    file_write(call(ctx), env_write("a1", signed(worker, body(3, {"a1": [GPU1]}, patch=True))))
+    assert generation(ctx.root) == 3
+    assert (
+        refused(ctx, env_write("a2", signed(worker, body(3, {"a1": [GPU1]}, patch=True))))[0] == "not-in-spec"
+    )
+
+
+def test_a_listed_hold_stays_and_a_released_one_is_removed(ctx: HelperContext, worker: Signer) -> None:
+    vendor(ctx.root, {GPU1: NV0})
+    listed = signed(worker, body(2, {"a1": [GPU1]}))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, NV0)]), listed))
+    file_write(call(ctx), env_write("a1", listed))
+    for kind in ("cdi", "allocation-env"):
+        assert refused(ctx, FileRemove(kind, "a1", listed)) == (
+            "hold-in-spec",
+            f"{kind}: allocation a1 is still in the signed spec's devices section (generation 2): "
+            "its hold stays",
+        )
+    assert (ctx.root / "etc/cdi/bcd-a1.json").exists()
+    released = signed(worker, body(7, {"a2": [GPU2]}))
+    assert refused(ctx, FileRemove("cdi", "a2", released))[0] == "hold-in-spec"
+    assert generation(ctx.root) == 2  # a refused removal keeps nothing
+    assert file_remove(call(ctx), FileRemove("cdi", "a1", released)) == {
+        "path": "/etc/cdi/bcd-a1.json",
+        "removed": True,
+    }
+    assert generation(ctx.root) == 7  # kept by the removal
+    assert not (ctx.root / "etc/cdi/bcd-a1.json").exists()
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a1", released)) == {
+        "path": "/run/bcd/allocations/a1.env",
+        "removed": True,
+    }
+    assert refused(ctx, env_write("a1", listed))[0] == "stale-generation"
+
+
+def test_a_removal_keeps_the_newer_generation_even_when_nothing_is_there(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    released = signed(worker, body(5, {}))
+    assert file_remove(call(ctx), FileRemove("cdi", "a1", released)) == {
+        "path": "/etc/cdi/bcd-a1.json",
+        "removed": False,
+    }
+    assert generation(ctx.root) == 5
+
+
+def test_without_roots_a_presented_spec_binds_nothing(root: Path, worker: Signer) -> None:
+    """HST-SIGN-33: a spec presented where nothing names roots is not checked: an allocation it does not
+    list, or a spec that sets no devices section at all, is written and removed as without one."""
+    ctx = context(root, script=smi())
+    try:
+        other = signed(worker, body(2, {"a1": [GPU1]}))
+        nothing = signed(worker, body(2, None, patch=True))
+        assert file_write(call(ctx), env_write("a9", other))["bytes"] == len("BCD_ALLOCATION_ID=a9\n")
+        file_write(call(ctx), cdi_write("a9", hold("a9", [(GPU2, None)]), nothing))
+        assert file_remove(call(ctx), FileRemove("allocation-env", "a9", other))["removed"] is True
+        assert file_remove(call(ctx), FileRemove("cdi", "a9", nothing))["removed"] is True
+        assert state(root) is None and programs(ctx).runs == []
+    finally:
+        ctx.audit.close()
+
+
+# --- a cdi hold's atoms and each device's vendor edits ------------------------------------------------------
+
+
+def test_a_hold_device_outside_its_allocation_is_refused(ctx: HelperContext, worker: Signer) -> None:
+    vendor(ctx.root, {GPU1: NV0, GPU2: NV1})
+    spec = signed(worker, body(2, {"a1": [GPU1], "a2": [GPU2]}))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, NV0), (GPU2, NV1)]), spec)) == (
+        "atoms-outside",
+        f"cdi: devices[1]: {GPU2!r} is not an atom of allocation a1 in the signed spec",
+    )
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU2, None)]), spec)) == (
+        "atoms-outside",
+        f"cdi: devices[0]: {GPU2!r} is not an atom of allocation a1 in the signed spec",
+    )
+    assert state(ctx.root) is None and not (ctx.root / "etc/cdi/bcd-a1.json").exists()
+
+
+def test_a_device_with_only_its_marker_needs_no_vendor_spec_nor_nvidia_smi(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    spec = signed(worker, body(2, {"a1": [GPU1, GPU2]}))
+    content = hold("a1", [(GPU1, None), (GPU2, None)])
+    assert file_write(call(ctx), cdi_write("a1", content, spec)) == {
+        "path": "/etc/cdi/bcd-a1.json",
+        "bytes": len(content.encode()),
+    }
+    assert (ctx.root / "etc/cdi/bcd-a1.json").read_text() == content
+    assert programs(ctx).runs == []
+    assert generation(ctx.root) == 2
+
+
+def test_a_device_carries_its_own_gpus_edits_named_by_uuid(ctx: HelperContext, worker: Signer) -> None:
+    vendor(ctx.root, {GPU1: NV0, GPU2: NV1})
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    # GPU2's device node is in the vendor spec (so the vendor rule alone would pass it), not GPU1's.
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, NV1)]), spec)) == (
+        "atoms-outside",
+        'cdi: devices[0].containerEdits.deviceNodes: {"path":"/dev/nvidia1"} is not the vendor\'s edit for '
+        f"{GPU1}: a hold device carries only its own GPU's edits",
+    )
+    assert state(ctx.root) is None
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, NV0)]), spec))
+    assert programs(ctx).runs == [SMI_ARGV, SMI_ARGV]  # once per write that checks device edits
+
+
+def test_a_device_carries_its_own_gpus_edits_named_by_the_index_nvidia_smi_reads(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    # Lines that name no index (after the good ones, so as not to be overwritten) and a byte that is not
+    # UTF-8 are passed over.
+    out = f"junk\n 0 ,  {GPU1} \n1,{GPU2}\n[N/A], {GPU2}\n2,\n".encode() + b"3, GPU-\xff\n"
+    ctx = signed_ctx(root, cp, smi(out))
+    vendor(root, {"0": NV0, "1": NV1, "2": {"deviceNodes": [{"path": "/dev/nvidia2"}]}})
+    spec = signed(worker, body(2, {"a1": [GPU1], "a2": [GPU2]}))
+    file_write(call(ctx, bounded=False), cdi_write("a1", hold("a1", [(GPU1, NV0)]), spec))
+    file_write(call(ctx), cdi_write("a2", hold("a2", [(GPU2, NV1)]), spec))
+    assert programs(ctx).runs == [SMI_ARGV, SMI_ARGV] and programs(ctx).timeouts[0] == 60
+    assert refused(ctx, cdi_write("a2", hold("a2", [(GPU2, NV0)]), spec))[1] == (
+        'cdi: devices[0].containerEdits.deviceNodes: {"path":"/dev/nvidia0"} is not the vendor\'s edit for '
+        f"{GPU2}: a hold device carries only its own GPU's edits"
+    )
+    ctx.audit.close()
+
+
+@pytest.mark.parametrize("rc", [1, 127])
+def test_a_failed_nvidia_smi_names_no_index(root: Path, cp: ControlPlane, worker: Signer, rc: int) -> None:
+    """Its output is not read when it fails: GPUs are then named by UUID only."""
+    ctx = signed_ctx(root, cp, smi(SMI_OUT, rc=rc))
+    vendor(root, {"0": NV0})
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, NV0)]), spec))[0] == "atoms-outside"
+    ctx.audit.close()
+
+
+def test_a_mig_device_carries_its_gpus_mig_devices_edits(ctx: HelperContext, worker: Signer) -> None:
+    mig_a = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap21"}]}
+    mig_b = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap22"}]}
+    mig_other = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap30"}]}
+    vendor(ctx.root, {"0:1": mig_a, "MIG-9b1b2c3d-0000-5000-8000-000000000001": mig_b, "1:0": mig_other})
+    spec = signed(worker, body(2, {"a1": [MIG1], "a2": [GPU1]}))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(MIG1, mig_a)]), spec))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(MIG1, mig_b)]), spec))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(MIG1, mig_other)]), spec)) == (
+        "atoms-outside",
+        'cdi: devices[0].containerEdits.deviceNodes: {"path":"/dev/nvidia-caps/nvidia-cap30"} is not the '
+        f"vendor's edit for {GPU1}: a hold device carries only its own GPU's edits",
+    )
+    # A whole GPU's device is not a MIG one: the MIG devices' edits are not its own.
+    for edits in (mig_a, mig_b):
+        assert refused(ctx, cdi_write("a2", hold("a2", [(GPU1, edits)]), spec))[0] == "atoms-outside"
+
+
+def test_a_mig_device_without_an_index_takes_only_mig_named_edits(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    ctx = signed_ctx(root, cp, smi(b"", rc=9))
+    mig_a = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap21"}]}
+    mig_b = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap22"}]}
+    vendor(root, {"0:1": mig_a, "MIG-9b1b2c3d-0000-5000-8000-000000000001": mig_b})
+    spec = signed(worker, body(2, {"a1": [MIG1]}))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(MIG1, mig_b)]), spec))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(MIG1, mig_a)]), spec))[0] == "atoms-outside"
+    ctx.audit.close()
+
+
+def test_a_vendor_spec_of_one_all_device_gives_its_edits_to_every_gpu(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    """WSL's toolkit names one device, `all`."""
+    dxg = {"deviceNodes": [{"path": "/dev/dxg"}]}
+    vendor(ctx.root, {"all": dxg})
+    spec = signed(worker, body(2, {"a1": [GPU1, GPU2]}))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, dxg), (GPU2, dxg)]), spec))
+    # `all` beside named devices is a name like any other.
+    vendor(ctx.root, {"all": dxg, GPU2: NV1})
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, dxg)]), spec))[0] == "atoms-outside"
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU2, NV1)]), spec))
+
+
+def test_every_edit_of_a_device_is_checked_and_the_first_outside_named(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    long_path = "/dev/" + "x" * 300
+    vendor(
+        ctx.root, {GPU1: NV0, GPU2: {"deviceNodes": [{"path": long_path}], "mounts": [{"hostPath": "/a"}]}}
+    )
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    edits = {"deviceNodes": [{"path": "/dev/nvidia0"}, {"path": long_path}], "mounts": [{"hostPath": "/a"}]}
+    item = json.dumps({"path": long_path}, separators=(",", ":"))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, edits)]), spec)) == (
+        "atoms-outside",
+        f"cdi: devices[0].containerEdits.deviceNodes: {item[:200]} is not the vendor's edit for {GPU1}: "
+        "a hold device carries only its own GPU's edits",
+    )
+    # A value that is not a list (intelRdt) is one item.
+    rdt_a, rdt_b = {"intelRdt": {"closID": "a"}}, {"intelRdt": {"closID": "b"}}
+    vendor(ctx.root, {GPU1: rdt_a, GPU2: rdt_b})
+    assert refused(ctx, cdi_write("a1", device_edits("a1", GPU1, rdt_b), spec)) == (
+        "atoms-outside",
+        'cdi: devices[0].containerEdits.intelRdt: {"closID":"b"} is not the vendor\'s edit for '
+        f"{GPU1}: a hold device carries only its own GPU's edits",
+    )
+    file_write(call(ctx), cdi_write("a1", device_edits("a1", GPU1, rdt_a), spec))
+
+
+def device_edits(ident: str, atom: str, edits: dict[str, Any]) -> str:
+    """A hold whose one device's containerEdits are exactly `edits` (build_hold_spec would reshape them)."""
+    doc = json.loads(hold(ident, [(atom, None)]))
+    doc["devices"][0]["containerEdits"] = edits
+    doc["cdiVersion"] = cdi.later_version(doc["cdiVersion"], cdi.required_version(doc))
+    return json.dumps(doc)
+
+
+def test_without_a_vendor_spec_no_device_edit_is_its_gpus(ctx: HelperContext, worker: Signer) -> None:
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, NV0)]), spec)) == (
+        "atoms-outside",
+        'cdi: devices[0].containerEdits.deviceNodes: {"path":"/dev/nvidia0"} is not the vendor\'s edit for '
+        f"{GPU1}: a hold device carries only its own GPU's edits",
+    )
+
+
+def test_a_vendor_spec_that_does_not_parse_or_is_a_symlink_is_named(
+    ctx: HelperContext, worker: Signer, tmp_path: Path
+) -> None:
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    (ctx.root / "etc/cdi").mkdir(parents=True)
+    (ctx.root / "etc/cdi/nvidia.json").write_text('{"devices": []}')
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, NV0)]), spec)) == (
+        "bad-content",
+        "cdi: root's /etc/cdi/nvidia.json: vendor spec: cdiVersion missing",
+    )
+    (ctx.root / "etc/cdi/nvidia.json").unlink()
+    (tmp_path / "v.json").write_text("{}")
+    (ctx.root / "etc/cdi/nvidia.json").symlink_to(tmp_path / "v.json")
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, NV0)]), spec)) == (
+        "root-only",
+        "/etc/cdi/nvidia.json is not a regular file: bcd will not write as root through it",
+    )
+    assert state(ctx.root) is None
+
+
+# --- the spec-level edits -----------------------------------------------------------------------------------
+
+
+def test_spec_level_edits_are_only_the_vendors_common_ones(ctx: HelperContext, worker: Signer) -> None:
+    lib = {"mounts": [{"hostPath": "/usr/lib/libcuda.so", "containerPath": "/usr/lib/libcuda.so"}]}
+    hook = {"hooks": [{"hookName": "createContainer", "path": "/usr/bin/nvidia-ctk"}]}
+    # The common hook is also one device's edit: the vendor rule alone would pass it at spec level.
+    vendor(ctx.root, {GPU1: {**NV0, **hook}}, common=lib)
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, NV0)], common=lib), spec))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, NV0)], common=hook), spec)) == (
+        "atoms-outside",
+        'cdi: containerEdits.hooks: {"hookName":"createContainer","path":"/usr/bin/nvidia-ctk"} '
+        "is not one of the vendor's common edits",
+    )
+    # Spec-level edits on a hold whose devices carry none: the vendor spec is read for them alone.
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, None)], common=hook), spec))[0] == "atoms-outside"
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, None)], common=lib), spec))
+    assert generation(ctx.root) == 2
+
+
+def test_spec_level_edits_without_a_vendor_spec_are_refused(ctx: HelperContext, worker: Signer) -> None:
+    lib = {"mounts": [{"hostPath": "/usr/lib/libcuda.so", "containerPath": "/usr/lib/libcuda.so"}]}
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, None)], common=lib), spec)) == (
+        "atoms-outside",
+        'cdi: containerEdits.mounts: {"containerPath":"/usr/lib/libcuda.so",'
+        '"hostPath":"/usr/lib/libcuda.so"} is not one of the vendor\'s common edits',
+    )
+
+
+def test_a_presented_spec_is_decoded_even_without_roots(root: Path, worker: Signer) -> None:
+    """A spec the node presents turns the check on (no_roots_possible is False): its fields must decode."""
+    ctx = context(root, script=smi())
+    try:
+        good = signed(worker, body(2, {"a1": [GPU1]}))
+        bad = SignedSpec(good.body, good.signature, ("not base64!",), None)
+        assert refused(ctx, env_write("a1", bad)) == (
+            "bad-intent",
+            "file.write allocation-env: intent.chain[0] is not base64",
+        )
+        assert refused(ctx, FileRemove("cdi", "a1", bad)) == (
+            "bad-intent",
+            "file.remove cdi: intent.chain[0] is not base64",
+        )
+    finally:
+        ctx.audit.close()
+
+
+def test_a_device_with_only_its_marker_does_not_end_the_check(ctx: HelperContext, worker: Signer) -> None:
+    vendor(ctx.root, {GPU1: NV0, GPU2: NV1})
+    spec = signed(worker, body(2, {"a1": [GPU1, GPU2]}))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, None), (GPU2, NV0)]), spec)) == (
+        "atoms-outside",
+        'cdi: devices[1].containerEdits.deviceNodes: {"path":"/dev/nvidia0"} is not the vendor\'s edit for '
+        f"{GPU2}: a hold device carries only its own GPU's edits",
+    )
+
+
+def test_a_spec_level_edit_outside_the_common_ones_is_shown_cut_to_200_bytes(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    long_path = "/usr/lib/" + "x" * 300
+    mount = {"hostPath": long_path, "containerPath": long_path}
+    vendor(ctx.root, {GPU1: {"mounts": [mount]}})
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    item = json.dumps(mount, separators=(",", ":"), sort_keys=True)
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, None)], common={"mounts": [mount]}), spec)) == (
+        "atoms-outside",
+        f"cdi: containerEdits.mounts: {item[:200]} is not one of the vendor's common edits",
+    )
+
+
+def test_a_vendor_spec_is_read_up_to_16_mib(ctx: HelperContext, worker: Signer) -> None:
+    vendor(ctx.root, {GPU1: NV0})
+    path = ctx.root / "etc/cdi/nvidia.json"
+    text = path.read_bytes()
+    spec = signed(worker, body(2, {"a1": [GPU1]}))
+    path.write_bytes(text + b" " * (16 * 1024 * 1024 - len(text)))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, NV0)]), spec))
+    path.write_bytes(text + b" " * (16 * 1024 * 1024 - len(text) + 1))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, NV0)]), spec)) == (
+        "root-only",
+        f"/etc/cdi/nvidia.json is larger than {16 * 1024 * 1024} bytes",
+    )
