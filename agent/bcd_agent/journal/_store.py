@@ -285,6 +285,7 @@ class Journal:
         data = Path(data_dir)
         _files.prepare_data_dir(data)
         lock_fd = _files.lock_data_dir(data / LOCK_NAME)
+        conn: sqlite3.Connection | None = None
         try:
             conn, report = _open_db(data / DB_NAME, clock())
             _files.fix_file_modes(data / DB_NAME)
@@ -303,6 +304,11 @@ class Journal:
             journal.group_commit = group_commit
             return journal
         except BaseException:
+            # Close the connection too: left open, its exclusive lock would make the next open in this
+            # process find the journal locked and move a healthy journal aside.
+            if conn is not None:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.close()
             _files.unlock(lock_fd)
             raise
 
