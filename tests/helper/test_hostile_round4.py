@@ -87,3 +87,127 @@ def test_round4_ch_vfio_hands_over_only_the_signed_specs_gpus() -> None:
     finally:
         h.stop()
         shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(tmp_path: Path) -> None:
+    """With command-signing roots, `nft.apply` took the node's NIC policies as they came: a spec that makes
+    vm1 PRIVATE with SSH from the host only could be loaded as EGRESS, without vm1 at all, or with a
+    wider subnet, so the guest reached what the signed spec denies. Root now derives each kept
+    instance's policies from the signed spec itself: without the spec `intent-required`; a weaker
+    policy, a missing instance, an extra address, a NIC more or less `spec-mismatch`; an older
+    generation `stale-generation`. The spec's own policies load (with a deleted instance's guard kept as
+    the node sends it), real nft in the helper's own network namespace."""
+    import json
+    import subprocess
+
+    import pytest
+    from bcd_shared import wire
+    from bcd_shared.netpolicy import NicPolicy
+    from intentkit import ControlPlane, intent
+    from testsupport import IN_CI, require_tool
+
+    require_tool("nft")
+    require_tool("nsenter")
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("needs root under CI (unshare -n)")
+        pytest.skip("needs root (unshare -n)")
+    cp = ControlPlane.build()
+    root = make_root(tmp_path)
+    cp.write_record(root, "node-r4", cp.bundle(1))
+    h = HelperProcess(
+        root,
+        cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'),
+        prefix=("unshare", "-n"),
+        env={"BCD_SIM_NETNS": "1"},
+    )
+    pid = h.proc.pid
+
+    def ns(*argv: str) -> bytes:
+        return subprocess.run(
+            ["nsenter", "-t", str(pid), "-n", *argv], check=True, capture_output=True
+        ).stdout
+
+    ns("ip", "link", "add", "br0", "type", "bridge")
+    ns("ip", "addr", "add", "10.0.0.1/24", "dev", "br0")
+    mac, addr = "52:54:00:00:00:01", "10.0.0.5/24"
+
+    def signed(generation: int) -> dict[str, Any]:
+        vm1 = wire.InstanceSpec(
+            id="vm1", allocation_id="a1", runtime="libvirt-kvm", desired_state=wire.InstanceDesiredState(1),
+            nics=[wire.Nic(bridge="br0", mac=mac, addresses=[addr])],
+            network_policy=wire.NetworkPolicy(2), ssh_from_host_only=True,
+        )  # fmt: skip
+        gone = wire.InstanceSpec(id="old", desired_state=wire.InstanceDesiredState(4))
+        full = wire.NodeSpec(instances=wire.InstancesSection(instances=[vm1, gone]))
+        body = wire.DesiredStateBody(node_id="node-r4", generation=generation, spec_hash="h", full=full)
+        return intent(cp.command.leaf(), bytes(body))
+
+    nic = {
+        "instance": "vm1", "index": 0, "bridge": "br0", "mac": mac, "addresses": [addr],
+        "policy": "PRIVATE", "ssh_from_host_only": True,
+    }  # fmt: skip
+    egress = {**nic, "policy": "EGRESS", "ssh_from_host_only": False}
+    leftover = {"instance": "old", "index": 0, "bridge": "br0", "policy": "EGRESS"}  # a deleted one's
+
+    def apply(nics: list[dict[str, Any]], generation: int | None = 2) -> dict[str, Any]:
+        args: dict[str, Any] = {"nics": nics}
+        if generation is not None:
+            args["intent"] = signed(generation)
+        return {"op": "nft.apply", "args": args}
+
+    try:
+        _refused_as_node(h, apply([egress], None), "intent-required")
+        for nics in (
+            [egress],  # PRIVATE and SSH from the host only, loaded as EGRESS
+            [{**nic, "ssh_from_host_only": False}],
+            [],  # vm1's guard left out
+            [leftover],
+            [{**nic, "addresses": [addr, "192.168.0.5/16"]}],  # a wider subnet for the PRIVATE guest
+            [nic, {**nic, "index": 1, "mac": "52:54:00:00:00:02", "addresses": ["10.0.0.6/24"]}],
+        ):
+            _refused_as_node(h, apply(nics), "spec-mismatch", "vm1")
+        answer = _as_node(h, apply([nic, leftover]))
+        assert answer["ok"] is True and answer["result"]["nics"] == 2, answer
+        tap = NicPolicy("vm1", 0, "br0").tap
+        listed = json.loads(ns("nft", "-j", "list", "set", "bridge", "bcd_instances", "bind4"))
+        assert listed["nftables"][1]["set"]["elem"] == [{"concat": [tap, "10.0.0.5"]}]
+        _refused_as_node(h, apply([nic, leftover], 1), "stale-generation")
+    finally:
+        h.stop()
+
+
+def test_round4_roots_derivation_of_the_nic_policies_is_the_nodes() -> None:
+    """nft.apply with roots loads only what root derives from the signed spec (`spec_policies`), and the
+    node sends what its `nic_policies` derives: the two must agree, or a signed node could load no rules.
+    Cases: each policy, SSH from the host only, an unset policy, a PRIVATE NIC without addresses, an
+    address an earlier instance claims, a DELETED instance, a `bc*` bridge, two NICs."""
+    from bcd_agent.sections.instances.model import spec_from_wire
+    from bcd_agent.sections.instances.network import nic_policies
+    from bcd_helper.ops.nft import spec_policies
+    from bcd_shared import wire
+
+    def inst(id_: str, policy: int, nics: list[tuple[str, str, list[str]]], **kw: Any) -> Any:
+        return wire.InstanceSpec(
+            id=id_, desired_state=wire.InstanceDesiredState(kw.pop("state", 1)),
+            nics=[wire.Nic(bridge=b, mac=m, addresses=a) for b, m, a in nics],
+            network_policy=wire.NetworkPolicy(policy), **kw,
+        )  # fmt: skip
+
+    m = "52:54:00:00:00:0{}".format
+    instances = [
+        inst("a", 2, [("br0", m(1), ["10.0.0.5/24"])], ssh_from_host_only=True),
+        inst("b", 1, [("br0", "", [])]),
+        inst("c", 3, [("br0", m(3), ["10.0.0.7/24"]), ("br1", m(4), ["fd00::7/64"])]),
+        inst("d", 0, [("br0", m(5), ["10.0.0.8/24"])]),  # unset policy
+        inst("e", 2, [("br0", m(6), [])]),  # PRIVATE without addresses
+        inst("f", 3, [("br0", m(7), ["10.0.0.5/24"])]),  # a's address
+        inst("g", 2, [("br0", m(8), ["10.0.0.9/24"])], state=4),  # DELETED
+        inst("h", 1, [("bcx", "", [])]),  # a bc* bridge
+    ]
+    section = wire.InstancesSection(instances=instances)
+    mine, errors = nic_policies(spec_from_wire(1, section), (), {})
+    roots = spec_policies(instances)
+    assert {k: v for k, v in roots.items() if v is not None} == mine
+    assert {k for k, v in roots.items() if v is None} == set(errors) == {"d", "e", "f", "h"}
+    assert "g" not in roots
