@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -98,7 +100,6 @@ def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(tmp_path: Pa
     generation `stale-generation`. The spec's own policies load (with a deleted instance's guard kept as
     the node sends it), real nft in the helper's own network namespace."""
     import json
-    import subprocess
 
     import pytest
     from bcd_shared import wire
@@ -211,3 +212,71 @@ def test_round4_roots_derivation_of_the_nic_policies_is_the_nodes() -> None:
     assert {k: v for k, v in roots.items() if v is not None} == mine
     assert {k for k, v in roots.items() if v is None} == set(errors) == {"d", "e", "f", "h"}
     assert "g" not in roots
+
+
+# The real helper on the real libvirt (qemu:///system, TCG), as tests/instances/test_guest_boot_real.py
+# drives it: its fixtures are used here (a bridge, a work directory QEMU can reach, the helper's socket).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
+from test_guest_boot_real import bridge, helper_socket, workdir  # noqa: E402, F401  (fixtures)
+
+
+def test_round4_a_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
+    workdir: Path,  # noqa: F811
+    bridge: str,  # noqa: F811
+    helper_socket: tuple[str, Path],  # noqa: F811
+) -> None:
+    """Root checks a domain's files at `libvirt.start`, then libvirt opens them by path: a node that swaps
+    `disk.qcow2` for a symlink to a host file inside that window (milliseconds, the virsh process start)
+    got libvirt, with `dynamic_ownership` (Debian's default), to chown the host file to QEMU's user
+    (`libvirt-qemu`) and the guest to run on it (a root-only qcow2 here: another guest's disk). What
+    the node wins in the window now: root's definition carries `<seclabel model='dac' relabel='no'/>`
+    on every file source, so libvirt chowns nothing and QEMU opens the path with its own user's rights
+    only (Permission denied here). The race is made deterministic by running the start root's op runs
+    (`virsh start`) right after the swap, as a node that won the window has it; real libvirt 9.0 and
+    QEMU (TCG)."""
+    import grp
+
+    from bcd_agent.helperclient import HelperClient
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
+    from bcd_shared.system import LocalSystem
+    from test_guest_boot_real import _instance, _require_libvirtd, _virsh
+
+    _require_libvirtd()
+    sock, _home = helper_socket
+    inst, data, _marker = _instance(workdir, bridge)
+    system = LocalSystem(Path("/"))
+    client = HelperClient(sock)
+    rt = LibvirtRuntime(
+        system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
+        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
+    )  # fmt: skip
+    kvm = grp.getgrnam("kvm").gr_gid
+    host_file = workdir / "host-secret.qcow2"  # root's own image (another guest's disk, say), 0600
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(host_file), "16M"], check=True)
+    os.chmod(host_file, 0o600)
+    name = inst.id
+    disk = Path(data) / "libvirt/instances" / name / "disk.qcow2"
+    try:
+        rt.create(inst, Prepared())
+        for dirpath, _dirs, files in os.walk(data):  # what the node would own had it made them
+            os.chown(dirpath, 4242, kvm)
+            for f in files:
+                os.chown(os.path.join(dirpath, f), 4242, kvm)
+        os.rename(disk, disk.with_name("real.qcow2"))
+        os.symlink(host_file, disk)
+        started = subprocess.run(
+            ["virsh", "-c", SYSTEM_URI, "start", name], capture_output=True, text=True, check=False
+        )
+        st = os.stat(host_file)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600), started
+        assert started.returncode != 0 and "Permission denied" in started.stderr, started
+        xml = _virsh("dumpxml", "--inactive", name)
+        assert xml.count("<source file=") == xml.count("<seclabel model='dac' relabel='no'/>") >= 2, xml
+        disk.unlink()
+        os.rename(disk.with_name("real.qcow2"), disk)
+        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name  # the real disk
+    finally:
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
+        client.close()
