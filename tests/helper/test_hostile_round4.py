@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import pytest
 from bcd_shared.chunit import VMM_UID_BASE as VMM_UID
 from bcd_simhost import sim_system
 from helperproc import HelperProcess, base_config, make_root
@@ -101,7 +102,6 @@ def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(tmp_path: Pa
     the node sends it), real nft in the helper's own network namespace."""
     import json
 
-    import pytest
     from bcd_shared import wire
     from bcd_shared.netpolicy import NicPolicy
     from intentkit import ControlPlane, intent
@@ -220,7 +220,102 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
 from test_guest_boot_real import bridge, helper_socket, workdir  # noqa: E402, F401  (fixtures)
 
 
+@pytest.fixture
+def real_libvirt() -> None:
+    """Before the real-host fixtures: skip (or fail under CI) without libvirtd and root."""
+    from test_guest_boot_real import _require_libvirtd
+
+    _require_libvirtd()
+
+
+@pytest.fixture
+def node_wins_the_race(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:  # noqa: F811
+    """A `virsh` first on the PATH the helper inherits: when the test has written `<trigger>` ("PATH
+    TARGET"), its next `restore` first renames PATH away and puts a symlink to TARGET in its place, then
+    runs the real virsh: the node winning the window between root's checks and libvirtd's open, made
+    deterministic."""
+    real = shutil.which("virsh")
+    assert real is not None
+    bindir = workdir / "bin"
+    bindir.mkdir()
+    trigger = workdir / "swap-trigger"
+    wrapper = bindir / "virsh"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$3" = restore ] && [ -f {trigger} ]; then\n'
+        f"  read src dst < {trigger}; rm -f {trigger}\n"
+        '  mv "$src" "$src.moved" && ln -s "$dst" "$src"\n'
+        "fi\n"
+        f'exec {real} "$@"\n'
+    )
+    os.chmod(wrapper, 0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    return trigger
+
+
+def test_round4_a_saved_state_swapped_after_roots_check_is_never_read(
+    real_libvirt: None,
+    node_wins_the_race: Path,
+    workdir: Path,  # noqa: F811
+    bridge: str,  # noqa: F811
+    helper_socket: tuple[str, Path],  # noqa: F811
+) -> None:
+    """`libvirt.restore` checked the node's `save.state` (no symlink, one link, the header), then gave
+    libvirtd its path: libvirtd, as root, opened whatever the path named by then, so a node that swapped
+    in a symlink inside the window had root read a root-only file (another domain's saved memory) into
+    its guest. Root now opens the state itself (the directory without following a link, the file
+    O_NOFOLLOW, checked on the descriptor) and libvirtd reads `/proc/<helper>/fd/<n>`: the swap made
+    right before libvirtd's open changes nothing, the checked state is restored. Real libvirt 9.0 (TCG)."""
+    from bcd_agent.helperclient import HelperClient
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
+    from bcd_shared.system import LocalSystem
+    from test_guest_boot_real import _instance, _virsh
+
+    sock, _home = helper_socket
+    inst, data, _marker = _instance(workdir, bridge)
+    system = LocalSystem(Path("/"))
+    client = HelperClient(sock)
+    rt = LibvirtRuntime(
+        system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
+        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
+    )  # fmt: skip
+    _node_owns(data)
+    name = inst.id
+    d = Path(data) / "libvirt/instances" / name
+    host_file = workdir / "host-secret"
+    host_file.write_text("root's, not a save image\n")
+    os.chmod(host_file, 0o600)
+    try:
+        rt.create(inst, Prepared())
+        _node_owns(data)
+        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
+        client.call("libvirt.save", {"name": name})
+        xml = (d / "domain.xml").read_text()
+        node_wins_the_race.write_text(f"{d / 'save.state'} {host_file}\n")
+        answer = client.call("libvirt.restore", {"name": name, "xml": xml, "paused": True})
+        assert answer == {"name": name, "paused": True}, answer
+        assert not node_wins_the_race.exists() and (d / "save.state").is_symlink()  # the swap was made
+        assert _virsh("domstate", name).strip() == "paused"
+    finally:
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
+        client.close()
+
+
+def _node_owns(data: str) -> None:
+    """What the node (uid 4242, group kvm here: QEMU's user is in it) would own had it made the files."""
+    import grp
+
+    kvm = grp.getgrnam("kvm").gr_gid
+    for dirpath, _dirs, files in os.walk(data):
+        os.chown(dirpath, 4242, kvm)
+        for f in files:
+            os.chown(os.path.join(dirpath, f), 4242, kvm, follow_symlinks=False)
+
+
 def test_round4_a_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
+    real_libvirt: None,
     workdir: Path,  # noqa: F811
     bridge: str,  # noqa: F811
     helper_socket: tuple[str, Path],  # noqa: F811

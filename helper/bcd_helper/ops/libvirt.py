@@ -541,37 +541,57 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
     checked, data = check_definition(call, op, name, req.xml)
     _gpus_free(call, op, name, data)  # a restore passes its GPUs through as a start does (DLV-DEV-21)
     _signed(call, op, name, req.intent, checked)
-    real, st = _instance_file(call, op, name, "save.state", "no-state", "no-state")
+    _real, st = _instance_file(call, op, name, "save.state", "no-state", "no-state")
     state = f"{instance_dir(call.ctx.config.data_dir, name)}/save.state"
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link: a file the node did not write
         raise Refused("no-state", f"{op}: {state} must be a regular file with one link")
-    _check_state_header(op, state, real)
-    staged = _stage(call, name, no_relabel(data))
-    result = _virsh(call, "restore", real, "--xml", staged, *(["--paused"] if req.paused else []))
+    fd = _state_fd(call, op, name, state)
+    try:
+        _check_state_header(op, state, fd)
+        staged = _stage(call, name, no_relabel(data))
+        # libvirtd (root) reads the state through root's own descriptor, never the node's path: a
+        # symlink swapped in after the checks is never followed (red team round 3, row 21).
+        held = f"/proc/{os.getpid()}/fd/{fd}"
+        result = _virsh(call, "restore", held, "--xml", staged, *(["--paused"] if req.paused else []))
+    finally:
+        os.close(fd)
     if not result.ok:
         raise Failed("virsh", f"virsh restore {name}: {_err(result)}")
     return {"name": name, "paused": req.paused}
+
+
+def _state_fd(call: Call, op: str, name: str, state: str) -> int:
+    """`save.state` opened by root through the instance directory opened without following a link, and
+    checked on the descriptor: a regular file with one link (a name swapped since the lstat fails)."""
+    try:
+        dir_fd = _node_dir_fd(call, instance_dir(call.ctx.config.data_dir, name))
+    except Refused:
+        raise Refused("no-state", f"{op}: {state}: a symlink on the way") from None
+    try:
+        fd = os.open("save.state", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as exc:
+        raise Refused("no-state", f"{op}: {state}: {exc.strerror}") from None
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise Refused("no-state", f"{op}: {state} must be a regular file with one link")
+    return fd
 
 
 SAVE_MAGIC = b"LibvirtQemudSave"
 MAX_SAVE_DATA = 16 << 20
 
 
-def _check_state_header(op: str, state: str, real: str) -> None:
+def _check_state_header(op: str, state: str, fd: int) -> None:
     """The node wrote the state file (and its header, see the node's snapshots.rewrite_save_header):
     root reads the 92-byte libvirt header before libvirtd does and refuses anything but a save image
     whose data area (the embedded XML and cookie) is at most 16 MiB, so libvirtd never allocates what a
     node's header asks."""
     import struct
 
-    try:
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError as exc:
-        raise Refused("no-state", f"{op}: {state}: {exc.strerror}") from None
-    try:
-        head = os.read(fd, 92) if stat.S_ISREG(os.fstat(fd).st_mode) else b""
-    finally:
-        os.close(fd)
+    head = os.pread(fd, 92, 0)
     if len(head) != 92:
         raise Refused("bad-state", f"{op}: {state} is not a libvirt save image (short header)")
     magic, version, data_len = struct.unpack("<16sII", head[:24])
