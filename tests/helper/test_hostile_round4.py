@@ -230,10 +230,10 @@ def real_libvirt() -> None:
 
 @pytest.fixture
 def node_wins_the_race(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:  # noqa: F811
-    """A `virsh` first on the PATH the helper inherits: when the test has written `<trigger>` ("PATH
-    TARGET"), its next `restore` first renames PATH away and puts a symlink to TARGET in its place, then
-    runs the real virsh: the node winning the window between root's checks and libvirtd's open, made
-    deterministic."""
+    """A `virsh` first on the PATH the helper inherits: when the test has written `<trigger>` ("VERB PATH
+    TARGET"; VERB a shell pattern), its next VERB first renames PATH away and puts a symlink to
+    TARGET in its place, then runs the real virsh: the node winning the window between root's checks
+    and libvirt's open, made deterministic."""
     real = shutil.which("virsh")
     assert real is not None
     bindir = workdir / "bin"
@@ -242,8 +242,8 @@ def node_wins_the_race(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path: 
     wrapper = bindir / "virsh"
     wrapper.write_text(
         "#!/bin/sh\n"
-        f'if [ "$3" = restore ] && [ -f {trigger} ]; then\n'
-        f"  read src dst < {trigger}; rm -f {trigger}\n"
+        f'if [ -f {trigger} ] && case "$3" in $(cut -d" " -f1 {trigger})) true;; *) false;; esac; then\n'
+        f"  read verb src dst < {trigger}; rm -f {trigger}\n"
         '  mv "$src" "$src.moved" && ln -s "$dst" "$src"\n'
         "fi\n"
         f'exec {real} "$@"\n'
@@ -292,7 +292,7 @@ def test_round4_a_saved_state_swapped_after_roots_check_is_never_read(
         assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
         client.call("libvirt.save", {"name": name})
         xml = (d / "domain.xml").read_text()
-        node_wins_the_race.write_text(f"{d / 'save.state'} {host_file}\n")
+        node_wins_the_race.write_text(f"restore {d / 'save.state'} {host_file}\n")
         answer = client.call("libvirt.restore", {"name": name, "xml": xml, "paused": True})
         assert answer == {"name": name, "paused": True}, answer
         assert not node_wins_the_race.exists() and (d / "save.state").is_symlink()  # the swap was made
@@ -371,6 +371,71 @@ def test_round4_a_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
         disk.unlink()
         os.rename(disk.with_name("real.qcow2"), disk)
         assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name  # the real disk
+    finally:
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
+        client.close()
+
+
+def test_round4_a_rebind_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
+    real_libvirt: None,
+    node_wins_the_race: Path,
+    workdir: Path,  # noqa: F811
+    bridge: str,  # noqa: F811
+    helper_socket: tuple[str, Path],  # noqa: F811
+) -> None:
+    """`libvirt.rebind` checked `rebind.img` (no symlink, one link, 1 MiB), then `virsh attach-disk` gave
+    libvirt its path: a node that swapped in a symlink inside the window had libvirt (dynamic_ownership)
+    chown a root-only file to QEMU's user and hot-add it to the guest. Root now hot-adds the disk with
+    `attach-device` and `<seclabel model='dac' relabel='no'/>` on its source: nothing is chowned, QEMU
+    opens the path with its own user's rights (Permission denied), the file stays root's 0600. The
+    window itself stays (libvirt 9.0 cannot hot-add from a descriptor). Real libvirt 9.0 (TCG)."""
+    from bcd_agent.helperclient import HelperClient
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
+    from bcd_shared.errors import HelperRefused
+    from bcd_shared.rebinddisk import REBIND_SIZE
+    from bcd_shared.system import LocalSystem
+
+    sock, _home = helper_socket
+    from test_guest_boot_real import _instance
+
+    inst, data, _marker = _instance(workdir, bridge)
+    system = LocalSystem(Path("/"))
+    client = HelperClient(sock)
+    rt = LibvirtRuntime(
+        system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
+        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
+    )  # fmt: skip
+    name = inst.id
+    d = Path(data) / "libvirt/instances" / name
+    host_file = workdir / "host-secret.img"
+    host_file.write_bytes(b"root's\n".ljust(REBIND_SIZE, b"\0"))
+    os.chmod(host_file, 0o600)
+    try:
+        rt.create(inst, Prepared())
+        _node_owns(data)
+        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
+        rebind = d / "rebind.img"
+        rebind.write_bytes(bytes(REBIND_SIZE))
+        os.chmod(rebind, 0o660)
+        _node_owns(data)
+        node_wins_the_race.write_text(f"attach-* {rebind} {host_file}\n")  # attach-disk before the fix
+        with pytest.raises(HelperRefused) as refused:
+            client.call("libvirt.rebind", {"name": name})
+        assert "Permission denied" in str(refused.value), refused.value
+        assert not node_wins_the_race.exists() and rebind.is_symlink()  # the swap was made
+        st = os.stat(host_file)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
+        rebind.unlink()
+        os.rename(d / "rebind.img.moved", rebind)
+        assert client.call("libvirt.rebind", {"name": name}) == {"name": name}  # the node's own disk
+        assert (
+            "vdz"
+            in subprocess.run(
+                ["virsh", "-c", SYSTEM_URI, "domblklist", name], capture_output=True, text=True, check=True
+            ).stdout
+        )
     finally:
         subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
         subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)

@@ -499,8 +499,6 @@ def _instance_file(
 def libvirt_attach_rebind(call: Call, req: LibvirtRebind) -> dict[str, Any]:
     """Hot-add the instance's rebind disk (DLV-REB-09): root builds the path, target and serial; with
     command-signing roots the signed spec must ask this instance for an identity rebind."""
-    from bcd_shared.rebinddisk import attach_args
-
     op = "libvirt.rebind"
     name = _name(op, req.name)
     verifier = call.ctx.intent_verifier()
@@ -511,10 +509,30 @@ def libvirt_attach_rebind(call: Call, req: LibvirtRebind) -> dict[str, Any]:
     real = _rebind_disk(call, op, name)
     if state is not None:
         verifier.save_state(state)
-    result = _virsh(call, "attach-disk", name, *attach_args(real))
+    # attach-device, not attach-disk: the disk's source carries relabel='no' (attach-disk has no
+    # option for it), so libvirt never chowns what the path names when QEMU opens it (round 3, row 22).
+    result = call.system.run(
+        ["virsh", "-c", call.ctx.config.libvirt_uri, "attach-device", name, "/dev/stdin", "--live"],
+        input=rebind_device_xml(real),
+        timeout=120,
+    )
     if not result.ok:
-        raise Failed("virsh", f"virsh attach-disk {name}: {_err(result)}")
+        raise Failed("virsh", f"virsh attach-device {name}: {_err(result)}")
     return {"name": name}
+
+
+def rebind_device_xml(path: str) -> bytes:
+    """The rebind disk as `virsh attach-disk PATH vdz --targetbus virtio --subdriver raw --serial
+    bc-rebind --live` makes it (bcd_shared.rebinddisk.attach_args), with DAC relabelling off."""
+    from bcd_shared.rebinddisk import REBIND_SERIAL, REBIND_TARGET
+
+    disk = ET.Element("disk", type="file", device="disk")
+    ET.SubElement(disk, "driver", name="qemu", type="raw")
+    src = ET.SubElement(disk, "source", file=path)
+    ET.SubElement(src, "seclabel", model="dac", relabel="no")
+    ET.SubElement(disk, "target", dev=REBIND_TARGET, bus="virtio")
+    ET.SubElement(disk, "serial").text = REBIND_SERIAL
+    return ET.tostring(disk, encoding="unicode").encode() + b"\n"
 
 
 def libvirt_detach_rebind(call: Call, req: LibvirtName) -> dict[str, Any]:
