@@ -440,3 +440,22 @@ def test_round4_a_rebind_disk_swapped_after_roots_check_is_never_chowned_by_libv
         subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
         subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
         client.close()
+
+
+def test_round4_roots_rebind_disk_is_attach_disks_with_relabelling_off() -> None:
+    """The XML root hot-adds (row 22) is the disk `attach-disk PATH vdz --targetbus virtio --driver qemu
+    --subdriver raw --serial bc-rebind` makes, plus `relabel='no'` on its source, the path escaped."""
+    import xml.etree.ElementTree as ET
+
+    from bcd_helper.ops.libvirt import rebind_device_xml
+
+    disk = ET.fromstring(rebind_device_xml("/d/a'b&c/rebind.img"))
+    assert (disk.tag, disk.get("type"), disk.get("device")) == ("disk", "file", "disk")
+    assert [(c.tag, dict(c.attrib), (c.text or "")) for c in disk] == [
+        ("driver", {"name": "qemu", "type": "raw"}, ""),
+        ("source", {"file": "/d/a'b&c/rebind.img"}, ""),
+        ("target", {"dev": "vdz", "bus": "virtio"}, ""),
+        ("serial", {}, "bc-rebind"),
+    ]
+    src = disk.find("source")
+    assert src is not None and [dict(c.attrib) for c in src] == [{"model": "dac", "relabel": "no"}]
