@@ -292,9 +292,15 @@ class Node:
         if runtimes and self.options.root == "/" and (helper is not None or os.geteuid() == 0):
             # The instances' nftables rules (docs/instances.md "Network policy"): root's nft, or the
             # helper's typed nft.apply/nft.check. The simulated host has no nft: no rules there.
+            from bcd_agent.nodeparts.instances import helper_intent
             from bcd_agent.sections.instances.network import DirectNft, HelperNft, NetworkPolicy
 
-            network = NetworkPolicy(HelperNft(helper) if helper is not None else DirectNft(system))
+            intent_dir = self.config.data_dir
+            network = NetworkPolicy(
+                HelperNft(helper, intent=lambda: helper_intent(intent_dir))
+                if helper is not None
+                else DirectNft(system)
+            )
         volumes = None
         if runtimes:
             # The persistent volume store, data_dir/volumes (docs/instances.md "Persistent volumes"):

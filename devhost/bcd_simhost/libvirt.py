@@ -249,6 +249,20 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
         if not (_state_dir(system) / f"{name}.silent").exists():
             _rebind_guest(Path(rest[1]))
         return _r(argv, out="Disk attached successfully\n")
+    if cmd == "attach-device":  # the helper's rebind disk: its XML on stdin (virsh reads /dev/stdin)
+        if state != "running":
+            return _r(argv, 1, err="error: Requested operation is not valid: domain is not running\n")
+        if rest[1:2] != ["/dev/stdin"] or stdin is None:
+            return _r(argv, 1, err="error: the simulation attaches a device only from /dev/stdin\n")
+        src = ET.fromstring(stdin).find("source")  # noqa: S314 (the helper's own XML)
+        path = src.get("file", "") if src is not None else ""
+        marker = _state_dir(system) / f"{name}.attached"
+        if marker.exists():
+            return _r(argv, 1, err="error: Requested operation is not valid: target vdz already exists\n")
+        marker.write_text(path + "\n")
+        if not (_state_dir(system) / f"{name}.silent").exists():
+            _rebind_guest(Path(path))
+        return _r(argv, out="Device attached successfully\n")
     if cmd == "detach-disk":
         marker = _state_dir(system) / f"{name}.attached"
         if not marker.exists():

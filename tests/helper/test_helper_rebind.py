@@ -62,7 +62,8 @@ def test_the_node_attaches_and_detaches_only_roots_own_rebind_disk_dlv_reb_09_11
     node: tuple[RealNode, InstancesSection, LibvirtRuntime],
 ) -> None:
     """DLV-REB-09, DLV-REB-11 under the helper: the node's runtime writes the disk and root hot-adds it
-    (`attach-disk … vdz … --serial bc-rebind --live` on root's own path); detach removes it; both
+    (`attach-device`, the disk `attach-disk … vdz … --serial bc-rebind --live` makes, relabelling off,
+    on root's own path); detach removes it; both
     audited with the node's uid."""
     n, _sec, rt = node
     rt.list()

@@ -284,6 +284,15 @@ def test_rebind_and_setmem_through_a_real_helper_dlv_hlp_03(
                       domain_type="qemu", cpu_mode="maximum")  # fmt: skip
     rt.list()
     name = guest.inst.id
+    # The node's files carry its group (QEMU's user is in it; kvm here): what the runtime writes in the
+    # instance's directory from now on gets it, as the node's rebind disk would. Root hot-adds that
+    # disk with relabelling off (docs/helper.md round 3, row 22): QEMU reaches it through the group.
+    import grp
+    import stat
+
+    inst_dir = Path(guest.data) / "libvirt/instances" / name
+    os.chown(inst_dir, -1, grp.getgrnam("kvm").gr_gid)
+    os.chmod(inst_dir, stat.S_IMODE(os.stat(inst_dir).st_mode) | stat.S_ISGID | stat.S_IXGRP)
     inst = InstanceSpec(**{**_fields(guest.inst), "identity_rebind_ref": "ref-2"})
     source = FixedUserData({name: UserData(data=bundle(with_key=False, principals=["helper-8"]))})
     rebinder = Rebinder(system, guest.data, {"libvirt-kvm": rt}, source, poll_s=0.5)

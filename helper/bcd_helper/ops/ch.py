@@ -26,7 +26,9 @@ the server audits it with that name. Rules:
   processes); each one's IOMMU group may hold only this host's GPUs, their functions and PCI bridges,
   and its /dev/vfio node must not be a running VMM unit's user's (root reads the owner itself). Every
   endpoint is bound to vfio-pci (driver_override, unbind, drivers_probe; bridges stay), checked, and
-  /dev/vfio/<group> given to the VMM's user, 0600 (DLV-CHH-09..12, DLV-CHH-15). `ch.unvfio` gives the
+  /dev/vfio/<group> given to the VMM's user, 0600 (DLV-CHH-09..12, DLV-CHH-15). With command-signing
+  roots the request carries the signed spec, re-validated as for `ch.launch`, and the record's GPUs
+  must be exactly its instance's (by UUID). `ch.unvfio` gives the
   groups back to root and their drivers, never a group a running unit's user holds (DLV-CHH-13).
 """
 
@@ -691,11 +693,31 @@ def _running_uids(call: Call) -> set[int]:
     return {uid for uid in _running_units(call).values() if uid >= 0}
 
 
-def ch_vfio(call: Call, req: ChName) -> dict[str, Any]:
-    """Bind the record's GPUs' IOMMU groups to vfio-pci and give /dev/vfio/<group> to the VMM's user."""
+def _signed_gpus(call: Call, op: str, name: str, intent: SignedIntent | None, rec: CHRecord) -> None:
+    """With roots: the record's GPUs must be exactly the signed spec's instance's, by UUID (root's
+    nvidia-smi), before any driver or group is touched."""
+
+    def check(inst: Any) -> None:
+        from bcd_helper.ops.libvirt import gpu_uuids_at
+
+        if len(rec.gpus) != len(inst.gpu_uuids) or gpu_uuids_at(call, rec.gpus) != sorted(inst.gpu_uuids):
+            raise Refused(
+                "spec-mismatch",
+                f"{op}: {name}: vm.json's GPUs differ from the signed spec's: only the GPUs the spec's "
+                "instance holds go to its VMM",
+            )
+
+    _signed_nics(call, op, name, intent, None, check)
+
+
+def ch_vfio(call: Call, req: ChLaunch) -> dict[str, Any]:
+    """Bind the record's GPUs' IOMMU groups to vfio-pci and give /dev/vfio/<group> to the VMM's user.
+    With roots, the record's GPUs must be the signed spec's instance's (as for ch.launch)."""
     op = "ch.vfio"
     name = _name(op, req.name)
     rec = _read_record(call, op, name).record
+    if _with_roots(call, req.intent):
+        _signed_gpus(call, op, name, req.intent, rec)
     if not rec.gpus:
         return {"name": name, "groups": []}
     _not_foreign(call, op, rec.uid)  # the groups go to that uid: a VMM's, never someone else's

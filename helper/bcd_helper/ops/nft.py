@@ -13,6 +13,10 @@
 - `nft.check` lists the tables and compares their digest (counters and handles left out, set elements
   in) with root's reference: `{"intact": bool}`. The reference lives in the helper's memory: a restarted
   helper answers `intact: false`, and the node loads the rules again.
+- With command-signing roots, `nft.apply` takes the signed spec (`intent`, re-validated as for
+  `libvirt.start`: chain, node, generation never older) and the NICs may grant no guest more than it
+  does (`_signed_policies`): root derives each kept instance's NIC policies from the spec's instances
+  section itself (`spec_policies`) and the request must carry exactly those.
 """
 
 from __future__ import annotations
@@ -29,20 +33,106 @@ from bcd_shared.netpolicy import (
     NicPolicy,
     PolicyError,
     build_checked,
+    check_nics,
     checked_nics,
+    eui64_link_local,
     listing_counts,
     listing_digest,
     load_argv,
+    parse_cidr,
     parse_ip_addr,
     ruleset_counts,
 )
 
-from bcd_helper.ops.base import Call, Failed, Refused
+from bcd_helper.ops.base import Call, Failed, Refused, no_roots_possible
+from bcd_helper.ops.hostunit import SignedIntent
+
+
+def _with_roots(call: Call, intent: SignedIntent | None) -> bool:
+    return not no_roots_possible(call.ctx, intent)
 
 
 @frozen
 class NftApply:
     nics: tuple[NicPolicy, ...] = ()
+    intent: SignedIntent | None = None
+
+
+_POLICIES = {1: "EGRESS", 2: "PRIVATE", 3: "NONE"}
+_DELETED = 4  # InstanceDesiredState.DELETED
+
+
+def spec_policies(instances: Any) -> dict[str, tuple[NicPolicy, ...] | None]:
+    """Root's own derivation of the NIC policies from the signed spec's instances (wire InstanceSpec),
+    as the node's `nic_policies` makes them: for each instance the spec keeps (not DELETED), in order,
+    its NICs' policies, or None where they cannot be expressed (an unset policy, a field the builder
+    refuses, an address an earlier instance claims): such an instance gets no rules."""
+    out: dict[str, tuple[NicPolicy, ...] | None] = {}
+    owner: set[str] = set()
+    for inst in instances:
+        if int(inst.desired_state) == _DELETED:
+            continue
+        policy = _POLICIES.get(int(inst.network_policy))
+        if policy is None:
+            out[inst.id] = None
+            continue
+        nics = tuple(
+            NicPolicy(inst.id, i, n.bridge, n.mac, tuple(n.addresses), policy, bool(inst.ssh_from_host_only))
+            for i, n in enumerate(inst.nics)
+        )
+        try:
+            check_nics(nics)
+            owned = [parse_cidr(a)[1] for n in nics if n.guarded for a in n.addresses]
+            owned += [eui64_link_local(n.mac) for n in nics if n.guarded]
+        except (PolicyError, ValueError):
+            out[inst.id] = None
+            continue
+        if any(a in owner for a in owned):
+            out[inst.id] = None
+            continue
+        owner.update(owned)
+        out[inst.id] = nics
+    return out
+
+
+def _signed_policies(call: Call, req: NftApply) -> None:
+    """With command-signing roots, the NICs must grant no guest more than the signed spec does: every
+    instance the spec keeps whose policy can be expressed is in the request with exactly root's own
+    derivation of its NICs (none missing, none changed), an instance whose policy cannot be expressed
+    has none, and no other entry names a tap of the spec's instances. Entries of instances the spec
+    does not keep (a deleted instance's guard, kept while its domain exists) are taken as sent: a tap's
+    rules only drop, and leaving them out entirely is the node's to decide. The state is saved last."""
+    op = "nft.apply"
+    verifier = call.ctx.intent_verifier()
+    checked = verifier.check_spec(op, req.intent)
+    if checked.roots:
+        decoded = checked.decoded
+        assert decoded is not None  # verified against the roots
+        section = decoded.full.instances if decoded.full is not None else None
+        if section is None and decoded.patch is not None:
+            section = decoded.patch.instances
+        derived = spec_policies(section.instances if section is not None else [])
+        sent: dict[str, list[NicPolicy]] = {}
+        for n in req.nics:
+            sent.setdefault(n.instance, []).append(n)
+        spec_taps = {n.tap for nics in derived.values() if nics for n in nics}
+        for inst, want in derived.items():
+            got = tuple(sorted(sent.get(inst, ()), key=lambda n: n.index))
+            if got != (want or ()):
+                what = "cannot be expressed: it gets no rules" if want is None else "differ or are missing"
+                raise Refused(
+                    "spec-mismatch",
+                    f"{op}: instance {inst}: the NIC policies differ from the signed spec's "
+                    f"(generation {decoded.generation}; its policy {what})",
+                )
+        for n in req.nics:
+            if n.instance not in derived and n.tap in spec_taps:
+                raise Refused(
+                    "spec-mismatch",
+                    f"{op}: instance {n.instance[:80]}: NIC {n.index}'s tap is a spec instance's",
+                )
+    if checked.next_state is not None:
+        verifier.save_state(checked.next_state)
 
 
 @frozen
@@ -69,6 +159,8 @@ def nft_apply(call: Call, req: NftApply) -> dict[str, Any]:
         accepted = checked_nics(req.nics, bridges, call.ctx.nft_memo)
     except PolicyError as exc:
         raise Refused("bad-policy", f"nft.apply: {exc}") from None
+    if _with_roots(call, req.intent):
+        _signed_policies(call, req)
     wanted = tuple(sorted({n.bridge for n in req.nics}))
     host = _host(call, wanted)
     text = build_checked(accepted, host)

@@ -358,7 +358,7 @@ OPS: dict[str, OpSpec] = {
     ),
     "ch.vfio": _op(
         "ch",
-        "ChName",
+        "ChLaunch",
         "ch_vfio",
         5 * MINUTE,
         locks=("gpus", "ch"),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
@@ -213,12 +213,19 @@ def host_addresses(system: System, bridges: Sequence[str]) -> HostAddresses:
 class HelperNft:
     """Under the helper (DLV-PRIV-08): typed per-tap policies, never nft text."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, intent: Callable[[], dict[str, Any]] | None = None) -> None:
         self.client = client
+        # The signed spec the node keeps ({} when none): with command-signing roots root derives the
+        # policies from its instances section and loads nothing else (docs/helper-rpc.md "nft.apply").
+        self.intent = intent or dict
 
     def load(self, nics: Sequence[NicPolicy]) -> None:
         # HelperRefused (a RetryableError, "helper: ...") passes through (DLV-PRIV-05).
-        self.client.call("nft.apply", {"nics": [_wire(n) for n in nics]})
+        args: dict[str, Any] = {"nics": [_wire(n) for n in nics]}
+        intent = self.intent()
+        if intent:
+            args["intent"] = intent
+        self.client.call("nft.apply", args)
 
     def check(self) -> bool:
         return bool(self.client.call("nft.check", {}).get("intact"))

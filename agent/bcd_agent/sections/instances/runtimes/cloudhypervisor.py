@@ -654,7 +654,7 @@ class CloudHypervisorRuntime:
                 ]
             )
         if rec.gpus:  # DLV-CH-18: the groups bound to vfio-pci and handed to the VMM's user first
-            self._call("ch.vfio", {"name": inst.id})
+            self._call("ch.vfio", self._signed(inst.id))
         self._call("ch.launch", self._signed(inst.id))
         try:
             api = self._wait_socket(inst.id)

@@ -1,0 +1,461 @@
+"""The gaps round 3 left open (docs/helper.md, "Threat model, round 3", "Found and not closed"), closed and
+tried as the hostile node: a real unprivileged account (SO_PEERCRED sees the node's uid) against a real
+`bcd helper serve` over a simulated host. Each test failed on the code before its fix."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_shared.chunit import VMM_UID_BASE as VMM_UID
+from bcd_simhost import sim_system
+from helperproc import HelperProcess, base_config, make_root
+from hostilekit import NODE_UID
+from test_hostile_round3 import _as_node, _refused_as_node
+
+
+def _by_bus(root: Path) -> dict[str, str]:
+    """The simulated nvidia-smi's GPUs: sysfs address -> UUID."""
+    out = sim_system(root).run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"])
+    return {
+        b.strip()[-12:].lower(): u.strip()
+        for u, b in (x.split(",") for x in out.stdout.decode().splitlines())
+    }
+
+
+def test_round4_ch_vfio_hands_over_only_the_signed_specs_gpus() -> None:
+    """With command-signing roots, `ch.vfio` took only the instance's name: root bound whatever GPUs the
+    node's vm.json named to vfio-pci and handed their /dev/vfio groups to its VMM uid, whatever the
+    signed spec said. It now takes the signed spec as ch.launch does: without one `intent-required`; a
+    spec that gives the instance another GPU `spec-mismatch`, one that does not name it `not-in-spec`,
+    an older generation `stale-generation`; each before any driver or group is touched. The spec's own
+    GPU is bound and handed over."""
+    from bcd_shared import wire
+    from bcd_simhost.chapi import CH_BASE_SHA256, lay_out_instance
+    from bcd_simhost.pcisim import lay_out_pci
+    from intentkit import ControlPlane, intent
+
+    gpu0, gpu1 = "0000:18:00.0", "0000:2a:00.0"
+    cp = ControlPlane.build()
+    parent = Path(tempfile.mkdtemp(prefix="bcd-r4-", dir="/var/tmp"))
+    root = make_root(parent)
+    cp.write_record(root, "node-r4", cp.bundle(1))
+    lay_out_pci(root, [(gpu0, "0x030200", 10, "nvidia"), (gpu1, "0x030200", 11, "nvidia")])
+    uid = VMM_UID + 5
+    lay_out_instance(root, "vm5", NODE_UID, uid, gpus=(gpu1,))
+    h = HelperProcess(root, cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'))
+    by_bus = _by_bus(root)
+
+    def vfio(generation: int, gpu: str, name: str = "vm5") -> dict[str, Any]:
+        inst = wire.InstanceSpec(
+            id=name, allocation_id=f"alloc-{name}", runtime="cloud-hypervisor",
+            desired_state=wire.InstanceDesiredState(1),
+            size=wire.InstanceSize(vcpus=2, memory_bytes=1 << 30, disk_bytes=10 << 30),
+            image=wire.ImageRef(url="https://x.invalid/x.qcow2", sha256=CH_BASE_SHA256, format="qcow2"),
+            nics=[wire.Nic(bridge="br0", mac="52:54:00:00:00:01")], gpu_uuids=[gpu],
+        )  # fmt: skip
+        full = wire.NodeSpec(instances=wire.InstancesSection(instances=[inst]))
+        body = wire.DesiredStateBody(node_id="node-r4", generation=generation, spec_hash="h", full=full)
+        return {"op": "ch.vfio", "args": {"name": "vm5", "intent": intent(cp.command.leaf(), bytes(body))}}
+
+    def untouched() -> None:
+        drivers = [
+            os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{g}/driver")) for g in (gpu0, gpu1)
+        ]
+        assert drivers == ["nvidia", "nvidia"]
+        for g in ("10", "11"):  # the simulated kernel makes the node at the bind; root's until handed over
+            assert not (root / f"dev/vfio/{g}").exists() or os.stat(root / f"dev/vfio/{g}").st_uid == 0
+
+    try:
+        _refused_as_node(h, {"op": "ch.vfio", "args": {"name": "vm5"}}, "intent-required")
+        untouched()
+        _refused_as_node(h, vfio(2, by_bus[gpu0]), "spec-mismatch", "GPUs")
+        untouched()
+        _refused_as_node(h, vfio(2, by_bus[gpu1], name="vm6"), "not-in-spec")
+        answer = _as_node(h, vfio(2, by_bus[gpu1]))
+        assert answer["ok"] is True and answer["result"]["groups"] == ["11"], answer
+        assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu1}/driver")) == "vfio-pci"
+        assert os.stat(root / "dev/vfio/11").st_uid == uid
+        assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu0}/driver")) == "nvidia"
+        assert _as_node(h, {"op": "ch.unvfio", "args": {"name": "vm5"}})["ok"] is True
+        untouched()
+        _refused_as_node(h, vfio(1, by_bus[gpu1]), "stale-generation")  # generation 2 was accepted
+        untouched()
+    finally:
+        h.stop()
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(tmp_path: Path) -> None:
+    """With command-signing roots, `nft.apply` took the node's NIC policies as they came: a spec that makes
+    vm1 PRIVATE with SSH from the host only could be loaded as EGRESS, without vm1 at all, or with a
+    wider subnet, so the guest reached what the signed spec denies. Root now derives each kept
+    instance's policies from the signed spec itself: without the spec `intent-required`; a weaker
+    policy, a missing instance, an extra address, a NIC more or less `spec-mismatch`; an older
+    generation `stale-generation`. The spec's own policies load (with a deleted instance's guard kept as
+    the node sends it), real nft in the helper's own network namespace."""
+    import json
+
+    from bcd_shared import wire
+    from bcd_shared.netpolicy import NicPolicy
+    from intentkit import ControlPlane, intent
+    from testsupport import IN_CI, require_tool
+
+    require_tool("nft")
+    require_tool("nsenter")
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("needs root under CI (unshare -n)")
+        pytest.skip("needs root (unshare -n)")
+    cp = ControlPlane.build()
+    root = make_root(tmp_path)
+    cp.write_record(root, "node-r4", cp.bundle(1))
+    h = HelperProcess(
+        root,
+        cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'),
+        prefix=("unshare", "-n"),
+        env={"BCD_SIM_NETNS": "1"},
+    )
+    pid = h.proc.pid
+
+    def ns(*argv: str) -> bytes:
+        return subprocess.run(
+            ["nsenter", "-t", str(pid), "-n", *argv], check=True, capture_output=True
+        ).stdout
+
+    ns("ip", "link", "add", "br0", "type", "bridge")
+    ns("ip", "addr", "add", "10.0.0.1/24", "dev", "br0")
+    mac, addr = "52:54:00:00:00:01", "10.0.0.5/24"
+
+    def signed(generation: int) -> dict[str, Any]:
+        vm1 = wire.InstanceSpec(
+            id="vm1", allocation_id="a1", runtime="libvirt-kvm", desired_state=wire.InstanceDesiredState(1),
+            nics=[wire.Nic(bridge="br0", mac=mac, addresses=[addr])],
+            network_policy=wire.NetworkPolicy(2), ssh_from_host_only=True,
+        )  # fmt: skip
+        gone = wire.InstanceSpec(id="old", desired_state=wire.InstanceDesiredState(4))
+        full = wire.NodeSpec(instances=wire.InstancesSection(instances=[vm1, gone]))
+        body = wire.DesiredStateBody(node_id="node-r4", generation=generation, spec_hash="h", full=full)
+        return intent(cp.command.leaf(), bytes(body))
+
+    nic = {
+        "instance": "vm1", "index": 0, "bridge": "br0", "mac": mac, "addresses": [addr],
+        "policy": "PRIVATE", "ssh_from_host_only": True,
+    }  # fmt: skip
+    egress = {**nic, "policy": "EGRESS", "ssh_from_host_only": False}
+    leftover = {"instance": "old", "index": 0, "bridge": "br0", "policy": "EGRESS"}  # a deleted one's
+
+    def apply(nics: list[dict[str, Any]], generation: int | None = 2) -> dict[str, Any]:
+        args: dict[str, Any] = {"nics": nics}
+        if generation is not None:
+            args["intent"] = signed(generation)
+        return {"op": "nft.apply", "args": args}
+
+    try:
+        _refused_as_node(h, apply([egress], None), "intent-required")
+        for nics in (
+            [egress],  # PRIVATE and SSH from the host only, loaded as EGRESS
+            [{**nic, "ssh_from_host_only": False}],
+            [],  # vm1's guard left out
+            [leftover],
+            [{**nic, "addresses": [addr, "192.168.0.5/16"]}],  # a wider subnet for the PRIVATE guest
+            [nic, {**nic, "index": 1, "mac": "52:54:00:00:00:02", "addresses": ["10.0.0.6/24"]}],
+        ):
+            _refused_as_node(h, apply(nics), "spec-mismatch", "vm1")
+        answer = _as_node(h, apply([nic, leftover]))
+        assert answer["ok"] is True and answer["result"]["nics"] == 2, answer
+        tap = NicPolicy("vm1", 0, "br0").tap
+        listed = json.loads(ns("nft", "-j", "list", "set", "bridge", "bcd_instances", "bind4"))
+        assert listed["nftables"][1]["set"]["elem"] == [{"concat": [tap, "10.0.0.5"]}]
+        _refused_as_node(h, apply([nic, leftover], 1), "stale-generation")
+    finally:
+        h.stop()
+
+
+def test_round4_roots_derivation_of_the_nic_policies_is_the_nodes() -> None:
+    """nft.apply with roots loads only what root derives from the signed spec (`spec_policies`), and the
+    node sends what its `nic_policies` derives: the two must agree, or a signed node could load no rules.
+    Cases: each policy, SSH from the host only, an unset policy, a PRIVATE NIC without addresses, an
+    address an earlier instance claims, a DELETED instance, a `bc*` bridge, two NICs."""
+    from bcd_agent.sections.instances.model import spec_from_wire
+    from bcd_agent.sections.instances.network import nic_policies
+    from bcd_helper.ops.nft import spec_policies
+    from bcd_shared import wire
+
+    def inst(id_: str, policy: int, nics: list[tuple[str, str, list[str]]], **kw: Any) -> Any:
+        return wire.InstanceSpec(
+            id=id_, desired_state=wire.InstanceDesiredState(kw.pop("state", 1)),
+            nics=[wire.Nic(bridge=b, mac=m, addresses=a) for b, m, a in nics],
+            network_policy=wire.NetworkPolicy(policy), **kw,
+        )  # fmt: skip
+
+    m = "52:54:00:00:00:0{}".format
+    instances = [
+        inst("a", 2, [("br0", m(1), ["10.0.0.5/24"])], ssh_from_host_only=True),
+        inst("b", 1, [("br0", "", [])]),
+        inst("c", 3, [("br0", m(3), ["10.0.0.7/24"]), ("br1", m(4), ["fd00::7/64"])]),
+        inst("d", 0, [("br0", m(5), ["10.0.0.8/24"])]),  # unset policy
+        inst("e", 2, [("br0", m(6), [])]),  # PRIVATE without addresses
+        inst("f", 3, [("br0", m(7), ["10.0.0.5/24"])]),  # a's address
+        inst("g", 2, [("br0", m(8), ["10.0.0.9/24"])], state=4),  # DELETED
+        inst("h", 1, [("bcx", "", [])]),  # a bc* bridge
+    ]
+    section = wire.InstancesSection(instances=instances)
+    mine, errors = nic_policies(spec_from_wire(1, section), (), {})
+    roots = spec_policies(instances)
+    assert {k: v for k, v in roots.items() if v is not None} == mine
+    assert {k for k, v in roots.items() if v is None} == set(errors) == {"d", "e", "f", "h"}
+    assert "g" not in roots
+
+
+# The real helper on the real libvirt (qemu:///system, TCG), as tests/instances/test_guest_boot_real.py
+# drives it: its fixtures are used here (a bridge, a work directory QEMU can reach, the helper's socket).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
+from test_guest_boot_real import bridge, helper_socket, workdir  # noqa: E402, F401  (fixtures)
+
+
+@pytest.fixture
+def real_libvirt() -> None:
+    """Before the real-host fixtures: skip (or fail under CI) without libvirtd and root."""
+    from test_guest_boot_real import _require_libvirtd
+
+    _require_libvirtd()
+
+
+@pytest.fixture
+def node_wins_the_race(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:  # noqa: F811
+    """A `virsh` first on the PATH the helper inherits: when the test has written `<trigger>` ("VERB PATH
+    TARGET"; VERB a shell pattern), its next VERB first renames PATH away and puts a symlink to
+    TARGET in its place, then runs the real virsh: the node winning the window between root's checks
+    and libvirt's open, made deterministic."""
+    real = shutil.which("virsh")
+    assert real is not None
+    bindir = workdir / "bin"
+    bindir.mkdir()
+    trigger = workdir / "swap-trigger"
+    wrapper = bindir / "virsh"
+    wrapper.write_text(
+        "#!/bin/sh\n"
+        f'if [ -f {trigger} ] && case "$3" in $(cut -d" " -f1 {trigger})) true;; *) false;; esac; then\n'
+        f"  read verb src dst < {trigger}; rm -f {trigger}\n"
+        '  mv "$src" "$src.moved" && ln -s "$dst" "$src"\n'
+        "fi\n"
+        f'exec {real} "$@"\n'
+    )
+    os.chmod(wrapper, 0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    return trigger
+
+
+def test_round4_a_saved_state_swapped_after_roots_check_is_never_read(
+    real_libvirt: None,
+    node_wins_the_race: Path,
+    workdir: Path,  # noqa: F811
+    bridge: str,  # noqa: F811
+    helper_socket: tuple[str, Path],  # noqa: F811
+) -> None:
+    """`libvirt.restore` checked the node's `save.state` (no symlink, one link, the header), then gave
+    libvirtd its path: libvirtd, as root, opened whatever the path named by then, so a node that swapped
+    in a symlink inside the window had root read a root-only file (another domain's saved memory) into
+    its guest. Root now opens the state itself (the directory without following a link, the file
+    O_NOFOLLOW, checked on the descriptor) and libvirtd reads `/proc/<helper>/fd/<n>`: the swap made
+    right before libvirtd's open changes nothing, the checked state is restored. Real libvirt 9.0 (TCG)."""
+    from bcd_agent.helperclient import HelperClient
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
+    from bcd_shared.system import LocalSystem
+    from test_guest_boot_real import _instance, _virsh
+
+    sock, _home = helper_socket
+    inst, data, _marker = _instance(workdir, bridge)
+    system = LocalSystem(Path("/"))
+    client = HelperClient(sock)
+    rt = LibvirtRuntime(
+        system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
+        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
+    )  # fmt: skip
+    _node_owns(data)
+    name = inst.id
+    d = Path(data) / "libvirt/instances" / name
+    host_file = workdir / "host-secret"
+    host_file.write_text("root's, not a save image\n")
+    os.chmod(host_file, 0o600)
+    try:
+        rt.create(inst, Prepared())
+        _node_owns(data)
+        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
+        client.call("libvirt.save", {"name": name})
+        xml = (d / "domain.xml").read_text()
+        node_wins_the_race.write_text(f"restore {d / 'save.state'} {host_file}\n")
+        answer = client.call("libvirt.restore", {"name": name, "xml": xml, "paused": True})
+        assert answer == {"name": name, "paused": True}, answer
+        assert not node_wins_the_race.exists() and (d / "save.state").is_symlink()  # the swap was made
+        assert _virsh("domstate", name).strip() == "paused"
+    finally:
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
+        client.close()
+
+
+def _node_owns(data: str) -> None:
+    """What the node (uid 4242, group kvm here: QEMU's user is in it) would own had it made the files."""
+    import grp
+
+    kvm = grp.getgrnam("kvm").gr_gid
+    for dirpath, _dirs, files in os.walk(data):
+        os.chown(dirpath, 4242, kvm)
+        for f in files:
+            os.chown(os.path.join(dirpath, f), 4242, kvm, follow_symlinks=False)
+
+
+def test_round4_a_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
+    real_libvirt: None,
+    workdir: Path,  # noqa: F811
+    bridge: str,  # noqa: F811
+    helper_socket: tuple[str, Path],  # noqa: F811
+) -> None:
+    """Root checks a domain's files at `libvirt.start`, then libvirt opens them by path: a node that swaps
+    `disk.qcow2` for a symlink to a host file inside that window (milliseconds, the virsh process start)
+    got libvirt, with `dynamic_ownership` (Debian's default), to chown the host file to QEMU's user
+    (`libvirt-qemu`) and the guest to run on it (a root-only qcow2 here: another guest's disk). What
+    the node wins in the window now: root's definition carries `<seclabel model='dac' relabel='no'/>`
+    on every file source, so libvirt chowns nothing and QEMU opens the path with its own user's rights
+    only (Permission denied here). The race is made deterministic by running the start root's op runs
+    (`virsh start`) right after the swap, as a node that won the window has it; real libvirt 9.0 and
+    QEMU (TCG)."""
+    import grp
+
+    from bcd_agent.helperclient import HelperClient
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
+    from bcd_shared.system import LocalSystem
+    from test_guest_boot_real import _instance, _require_libvirtd, _virsh
+
+    _require_libvirtd()
+    sock, _home = helper_socket
+    inst, data, _marker = _instance(workdir, bridge)
+    system = LocalSystem(Path("/"))
+    client = HelperClient(sock)
+    rt = LibvirtRuntime(
+        system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
+        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
+    )  # fmt: skip
+    kvm = grp.getgrnam("kvm").gr_gid
+    host_file = workdir / "host-secret.qcow2"  # root's own image (another guest's disk, say), 0600
+    subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(host_file), "16M"], check=True)
+    os.chmod(host_file, 0o600)
+    name = inst.id
+    disk = Path(data) / "libvirt/instances" / name / "disk.qcow2"
+    try:
+        rt.create(inst, Prepared())
+        for dirpath, _dirs, files in os.walk(data):  # what the node would own had it made them
+            os.chown(dirpath, 4242, kvm)
+            for f in files:
+                os.chown(os.path.join(dirpath, f), 4242, kvm)
+        os.rename(disk, disk.with_name("real.qcow2"))
+        os.symlink(host_file, disk)
+        started = subprocess.run(
+            ["virsh", "-c", SYSTEM_URI, "start", name], capture_output=True, text=True, check=False
+        )
+        st = os.stat(host_file)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600), started
+        assert started.returncode != 0 and "Permission denied" in started.stderr, started
+        xml = _virsh("dumpxml", "--inactive", name)
+        assert xml.count("<source file=") == xml.count("<seclabel model='dac' relabel='no'/>") >= 2, xml
+        disk.unlink()
+        os.rename(disk.with_name("real.qcow2"), disk)
+        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name  # the real disk
+    finally:
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
+        client.close()
+
+
+def test_round4_a_rebind_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
+    real_libvirt: None,
+    node_wins_the_race: Path,
+    workdir: Path,  # noqa: F811
+    bridge: str,  # noqa: F811
+    helper_socket: tuple[str, Path],  # noqa: F811
+) -> None:
+    """`libvirt.rebind` checked `rebind.img` (no symlink, one link, 1 MiB), then `virsh attach-disk` gave
+    libvirt its path: a node that swapped in a symlink inside the window had libvirt (dynamic_ownership)
+    chown a root-only file to QEMU's user and hot-add it to the guest. Root now hot-adds the disk with
+    `attach-device` and `<seclabel model='dac' relabel='no'/>` on its source: nothing is chowned, QEMU
+    opens the path with its own user's rights (Permission denied), the file stays root's 0600. The
+    window itself stays (libvirt 9.0 cannot hot-add from a descriptor). Real libvirt 9.0 (TCG)."""
+    from bcd_agent.helperclient import HelperClient
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
+    from bcd_shared.errors import HelperRefused
+    from bcd_shared.rebinddisk import REBIND_SIZE
+    from bcd_shared.system import LocalSystem
+
+    sock, _home = helper_socket
+    from test_guest_boot_real import _instance
+
+    inst, data, _marker = _instance(workdir, bridge)
+    system = LocalSystem(Path("/"))
+    client = HelperClient(sock)
+    rt = LibvirtRuntime(
+        system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
+        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
+    )  # fmt: skip
+    name = inst.id
+    d = Path(data) / "libvirt/instances" / name
+    host_file = workdir / "host-secret.img"
+    host_file.write_bytes(b"root's\n".ljust(REBIND_SIZE, b"\0"))
+    os.chmod(host_file, 0o600)
+    try:
+        rt.create(inst, Prepared())
+        _node_owns(data)
+        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
+        rebind = d / "rebind.img"
+        rebind.write_bytes(bytes(REBIND_SIZE))
+        os.chmod(rebind, 0o660)
+        _node_owns(data)
+        node_wins_the_race.write_text(f"attach-* {rebind} {host_file}\n")  # attach-disk before the fix
+        with pytest.raises(HelperRefused) as refused:
+            client.call("libvirt.rebind", {"name": name})
+        assert "Permission denied" in str(refused.value), refused.value
+        assert not node_wins_the_race.exists() and rebind.is_symlink()  # the swap was made
+        st = os.stat(host_file)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
+        rebind.unlink()
+        os.rename(d / "rebind.img.moved", rebind)
+        assert client.call("libvirt.rebind", {"name": name}) == {"name": name}  # the node's own disk
+        assert (
+            "vdz"
+            in subprocess.run(
+                ["virsh", "-c", SYSTEM_URI, "domblklist", name], capture_output=True, text=True, check=True
+            ).stdout
+        )
+    finally:
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
+        client.close()
+
+
+def test_round4_roots_rebind_disk_is_attach_disks_with_relabelling_off() -> None:
+    """The XML root hot-adds (row 22) is the disk `attach-disk PATH vdz --targetbus virtio --driver qemu
+    --subdriver raw --serial bc-rebind` makes, plus `relabel='no'` on its source, the path escaped."""
+    import xml.etree.ElementTree as ET
+
+    from bcd_helper.ops.libvirt import rebind_device_xml
+
+    disk = ET.fromstring(rebind_device_xml("/d/a'b&c/rebind.img"))
+    assert (disk.tag, disk.get("type"), disk.get("device")) == ("disk", "file", "disk")
+    assert [(c.tag, dict(c.attrib), (c.text or "")) for c in disk] == [
+        ("driver", {"name": "qemu", "type": "raw"}, ""),
+        ("source", {"file": "/d/a'b&c/rebind.img"}, ""),
+        ("target", {"dev": "vdz", "bus": "virtio"}, ""),
+        ("serial", {}, "bc-rebind"),
+    ]
+    src = disk.find("source")
+    assert src is not None and [dict(c.attrib) for c in src] == [{"model": "dac", "relabel": "no"}]
