@@ -50,7 +50,7 @@ import socketserver
 import struct
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from bcd_helper.audit import canonical
@@ -187,6 +187,82 @@ class Guards:
                 self.flush()
 
 
+class _Worker:
+    """A connection's second thread, for the audit line written ahead of a file.write's effect: it encodes,
+    seals, appends and fsyncs the line while the connection's thread writes and fsyncs the file and its
+    directory (docs/helper.md "Audit log"). Started on the connection's first such request and ended with
+    the connection: no thread per request. Two plain locks hand a job over and its end back."""
+
+    def __init__(self) -> None:
+        self._go = threading.Lock()
+        self._go.acquire()
+        self._done = threading.Lock()
+        self._done.acquire()
+        self._job: Callable[[], None] | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="audit-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._go.acquire()
+            job = self._job
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException as exc:  # handed to the connection's thread by `result`
+                self._error = exc
+            self._done.release()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._job, self._error = job, None
+        self._go.release()
+
+    def result(self) -> None:
+        """Wait for the job; raise what it raised."""
+        self._done.acquire()
+        error, self._job, self._error = self._error, None, None
+        if error is not None:
+            raise error
+
+    def close(self) -> None:
+        self._job = None
+        self._go.release()
+        self._thread.join(timeout=5)
+
+
+class _Ahead:
+    """call.ahead of one request (ops.base.AuditAhead): its `accepted` line, written by the connection's
+    worker from `start` on; `wait` returns once the line is fsynced. `started`: the line was handed over
+    (the request's outcome, when not accepted, is then a second line); `failed`: the line could not be
+    made durable (no answer is sent: the connection is closed, as when any audit write fails)."""
+
+    __slots__ = ("args", "conn", "failed", "op", "spec", "started", "t0")
+
+    def __init__(self, conn: Connection, op: str, args: Any, spec: OpSpec, t0: float) -> None:
+        self.conn, self.op, self.args, self.spec, self.t0 = conn, op, args, spec, t0
+        self.started = False
+        self.failed = False
+
+    def start(self) -> None:
+        conn, duration = self.conn, (time.monotonic() - self.t0) * 1000
+        op, args, spec, t0 = self.op, self.args, self.spec, self.t0
+
+        def job() -> None:
+            conn.audit(op, args, spec, "accepted", "", "", t0, duration)
+
+        conn.worker().submit(job)
+        self.started = True
+
+    def wait(self) -> None:
+        try:
+            self.conn.worker().result()
+        except BaseException:
+            self.failed = True
+            raise
+
+
 class Connection:
     """One client connection: its peer, its socket and what it has sent so far."""
 
@@ -202,6 +278,12 @@ class Connection:
         self.requests = 0
         self.reserved = 0
         self.frame_deadline: float | None = None  # set while a frame is partly read
+        self._worker: _Worker | None = None
+
+    def worker(self) -> _Worker:
+        if self._worker is None:
+            self._worker = _Worker()
+        return self._worker
 
     # --- framing with ancillary-data refusal --------------------------------------------------
 
@@ -309,7 +391,15 @@ class Connection:
     # --- serving ----------------------------------------------------------------------------------
 
     def audit(
-        self, op: str, args: Any, spec: OpSpec | None, decision: str, reason: str, message: str, t0: float
+        self,
+        op: str,
+        args: Any,
+        spec: OpSpec | None,
+        decision: str,
+        reason: str,
+        message: str,
+        t0: float,
+        duration_ms: float | None = None,
     ) -> None:
         if decision == "refused" and not self.guards.allow_refusal(self.peer.uid):
             self.guards.count(self.peer.uid, reason)
@@ -330,7 +420,7 @@ class Connection:
             decision=decision,
             reason=reason,
             message=_cut(message, MAX_TEXT),
-            duration_ms=(time.monotonic() - t0) * 1000,
+            duration_ms=(time.monotonic() - t0) * 1000 if duration_ms is None else duration_ms,
         )
 
     def answer(self, doc: Any) -> dict[str, Any]:
@@ -338,6 +428,7 @@ class Connection:
         t0 = time.monotonic()
         op, args = "?", None
         spec: OpSpec | None = None
+        ahead: _Ahead | None = None
         try:
             if not isinstance(doc, dict) or set(doc) != {"op", "args"}:
                 raise Refused("bad-request", 'a request is exactly {"op": <string>, "args": <object>}')
@@ -357,20 +448,24 @@ class Connection:
             except DecodeError as exc:
                 raise Refused("bad-arguments", f"{op}: {exc}") from None
             deadline = Deadline(spec.timeout_s)
-            call = Call(self.ctx, self.peer, deadline, BoundedSystem(self.ctx.system, deadline))
+            ahead = _Ahead(self, op, args, spec, t0)
+            call = Call(self.ctx, self.peer, deadline, BoundedSystem(self.ctx.system, deadline), ahead)
             with self._locks(spec, deadline):
                 result = spec.handler(call, req)
         except Refused as exc:
-            self.audit(op, args, spec, "refused", exc.reason, exc.message, t0)
+            self.audit(op, args, spec, "refused", exc.reason, _after(ahead, exc.message), t0)
             return {"ok": False, "error": "refused", "reason": exc.reason, "message": exc.message[:MAX_TEXT]}
         except Failed as exc:
-            self.audit(op, args, spec, "failed", exc.reason, exc.message, t0)
+            self.audit(op, args, spec, "failed", exc.reason, _after(ahead, exc.message), t0)
             return {"ok": False, "error": "failed", "reason": exc.reason, "message": exc.message[:MAX_TEXT]}
         except Exception as exc:  # a bug or an unexpected host error: failed, never silent
+            if ahead is not None and ahead.failed:
+                raise  # the audit line could not be written: no answer (as below when the audit fails)
             message = f"{op[:100]}: {type(exc).__name__}: {exc}"[:MAX_TEXT]
-            self.audit(op, args, spec, "failed", "internal", message, t0)
+            self.audit(op, args, spec, "failed", "internal", _after(ahead, message), t0)
             return {"ok": False, "error": "failed", "reason": "internal", "message": message}
-        self.audit(op, args, spec, "accepted", "", "", t0)
+        if ahead is None or not ahead.started:
+            self.audit(op, args, spec, "accepted", "", "", t0)
         return {"ok": True, "result": result}
 
     @contextlib.contextmanager
@@ -398,6 +493,8 @@ class Connection:
             self._serve()
         finally:
             self.release()
+            if self._worker is not None:
+                self._worker.close()
 
     def _serve(self) -> None:
         if self.peer.uid not in self.uids:
@@ -434,6 +531,13 @@ class Connection:
                 self.release()
                 if fd is not None:
                     os.close(fd)
+
+
+def _after(ahead: _Ahead | None, message: str) -> str:
+    """The message of a request's outcome line written after its `accepted` line went ahead."""
+    if ahead is None or not ahead.started:
+        return message
+    return f"after its accepted line, the effect did not complete: {message}"
 
 
 def _bounded(value: Any) -> Any:

@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from attrs import frozen
 from bcd_shared.rootpath import RootPathRefused, read_root_only
@@ -158,14 +158,26 @@ def no_roots_possible(ctx: HelperContext, presented: object | None) -> bool:
     return not any(os.path.lexists(root + p) for p in (JOIN_RECORD_PATH, INTENT_STATE_PATH))
 
 
+class AuditAhead(Protocol):
+    """The request's `accepted` audit line written ahead of its effect (server.Connection; docs/helper.md
+    "Audit log"): `start` once every check has passed and nothing is written yet, `wait` before the
+    handler returns, whatever happened in between (it raises when the line could not be made durable)."""
+
+    def start(self) -> None: ...
+
+    def wait(self) -> None: ...
+
+
 @frozen
 class Call:
-    """One request being served."""
+    """One request being served. `ahead`: set by the server for the ops that write their audit line
+    ahead of their effect (file.write), None elsewhere (in-process calls of the tests: no audit)."""
 
     ctx: HelperContext
     peer: Peer
     deadline: Deadline
     system: BoundedSystem
+    ahead: AuditAhead | None = None
 
 
 Handler = Callable[[Call, Any], dict[str, Any]]

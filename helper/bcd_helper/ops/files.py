@@ -465,10 +465,28 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
         spec.host_check(call, req.id, data)
     if next_state is not None:  # durable before effect
         call.ctx.intent_verifier().save_state(next_state)
+    ahead = call.ahead
+    started = False
+
+    def ready(dfd: int) -> None:
+        """Called by write_root_only once the target and the directory passed the rule, before anything
+        is written: the last refusals (the kind's limits), then the audit line goes ahead of the write,
+        its fsync overlapping the file's (docs/helper.md "Audit log")."""
+        nonlocal started
+        if limits is not None:
+            limits(dfd)
+        if ahead is not None:
+            ahead.start()
+            started = True
+
     try:
-        write_root_only(call.ctx.root, path, data, spec.mode, check=limits)
+        write_root_only(call.ctx.root, path, data, spec.mode, check=ready)
     except RootPathRefused as exc:
         raise refused_path(exc) from None
+    finally:
+        if started:
+            assert ahead is not None
+            ahead.wait()  # the line durable (or its error raised) before any answer
     return {"path": path, "bytes": len(data)}
 
 
