@@ -322,7 +322,7 @@ def acl(path: Path) -> tuple[dict[int, int], dict[int, int]]:
         (ch.ch_launch, "ch.launch", ch.ChLaunch),
         (ch.ch_stop, "ch.stop", ch.ChName),
         (ch.ch_untaps, "ch.untaps", ch.ChName),
-        (ch.ch_vfio, "ch.vfio", ch.ChName),
+        (ch.ch_vfio, "ch.vfio", ch.ChLaunch),
         (ch.ch_unvfio, "ch.unvfio", ch.ChName),
     ],
 )
@@ -511,7 +511,7 @@ def expected_launch(root: Path, **kw: Any) -> tuple[str, ...]:
 
 def launch_refused(ctx: HelperContext, op: str = "ch.launch") -> tuple[str, str]:
     fn = {"ch.launch": ch.ch_launch, "ch.vfio": ch.ch_vfio, "ch.unvfio": ch.ch_unvfio}[op]
-    return refused(fn, call(ctx), (ch.ChLaunch if op == "ch.launch" else ch.ChName)("vm1"))
+    return refused(fn, call(ctx), (ch.ChName if op == "ch.unvfio" else ch.ChLaunch)("vm1"))
 
 
 def test_launch_starts_roots_unit_with_the_vmms_acl_entries_dlv_chh_21_dlv_chh_02(
@@ -1082,7 +1082,7 @@ def test_vfio_binds_the_group_and_hands_it_to_the_vmm_dlv_chh_12_dlv_ch_19(
     vfio-pci through driver_override, unbind and drivers_probe, one value per write; the bridge stays on
     pcieport; /dev/vfio/10 becomes the VMM user's, 0600."""
     root = pci
-    got = ch.ch_vfio(call(ctx, bounded=False), req(ch.ChName, name="vm1"))
+    got = ch.ch_vfio(call(ctx, bounded=False), req(ch.ChLaunch, name="vm1"))
     assert got == {"name": "vm1", "groups": ["10"]}
     dev = "/sys/bus/pci/devices"
     assert host.writes == [
@@ -1107,7 +1107,7 @@ def test_vfio_binds_the_group_and_hands_it_to_the_vmm_dlv_chh_12_dlv_ch_19(
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (UID1, UID1, 0o600)
     # again: devices already on vfio-pci are left as they are
     host.writes.clear()
-    assert ch.ch_vfio(call(ctx), ch.ChName("vm1"))["groups"] == ["10"] and host.writes == []
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"] and host.writes == []
     # and given back: the node to root, the devices to their host drivers
     got = ch.ch_unvfio(call(ctx), req(ch.ChName, name="vm1"))
     assert got == {"name": "vm1", "groups": ["10"]}
@@ -1132,13 +1132,13 @@ def test_a_device_with_no_driver_is_probed_without_an_unbind(
     ctx: HelperContext, pci: Path, host: Host
 ) -> None:
     os.unlink(pci / f"sys/bus/pci/devices/{AUDIO}/driver")
-    ch.ch_vfio(call(ctx), ch.ChName("vm1"))
+    ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))
     assert (f"/sys/bus/pci/devices/{AUDIO}/driver/unbind", AUDIO) not in host.writes
     assert driver(pci, AUDIO) == "vfio-pci"
 
 
 def test_vfio_of_a_record_without_gpus_touches_nothing(ctx: HelperContext, root: Path) -> None:
-    assert ch.ch_vfio(call(ctx), ch.ChName("vm1")) == {"name": "vm1", "groups": []}
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1")) == {"name": "vm1", "groups": []}
     assert ch.ch_unvfio(call(ctx), ch.ChName("vm1")) == {"name": "vm1", "groups": []}
     assert runs(ctx) == [LIST]
 
@@ -1160,12 +1160,12 @@ def test_a_group_with_a_foreign_device_is_refused_dlv_chh_11(
 def test_an_iommu_group_root_cannot_read_fails(ctx: HelperContext, pci: Path) -> None:
     link = pci / f"sys/bus/pci/devices/{GPU}/iommu_group"
     os.unlink(link)
-    assert failed(ch.ch_vfio, call(ctx), ch.ChName("vm1")) == (
+    assert failed(ch.ch_vfio, call(ctx), ch.ChLaunch("vm1")) == (
         "no-iommu",
         f"ch.vfio: {GPU} has no IOMMU group (is the IOMMU on?)",
     )
     os.symlink("../../../../kernel/iommu_groups/" + "x" * 30, link)
-    assert failed(ch.ch_vfio, call(ctx), ch.ChName("vm1")) == (
+    assert failed(ch.ch_vfio, call(ctx), ch.ChLaunch("vm1")) == (
         "no-iommu",
         f"ch.vfio: {GPU}: unreadable IOMMU group {'x' * 20!r}",
     )
@@ -1181,7 +1181,7 @@ def test_a_gpu_root_sees_busy_is_refused_dlv_chh_09(ctx: HelperContext, pci: Pat
     assert host.writes == []
     assert ("nvidia-smi", "--query-gpu=pci.bus_id,uuid", "--format=csv,noheader") in runs(ctx)
     host.apps = f"{GPU1_UUID}, 12\n".encode()
-    assert ch.ch_vfio(call(ctx), ch.ChName("vm1"))["groups"] == ["10"]
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"]
 
 
 def test_busy_gpus_when_nvidia_smi_cannot_name_them(ctx: HelperContext, host: Host) -> None:
@@ -1211,14 +1211,14 @@ def test_a_group_a_running_vmm_holds_is_never_taken_or_given_back_dlv_chh_10_13(
     assert launch_refused(ctx, "ch.unvfio") == ("group-in-use", f"ch.unvfio: {message}")
     assert host.writes == [] and os.stat(node).st_uid == UID2
     host.units = {"bcd-ch-vm2.service": ("failed", str(UID2))}
-    assert ch.ch_vfio(call(ctx), ch.ChName("vm1"))["groups"] == ["10"] and os.stat(node).st_uid == UID1
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"] and os.stat(node).st_uid == UID1
     # its own user (the record's uid) while its unit runs: taken again, not given back
     host.units = {UNIT: ("active", str(UID1))}
-    assert ch.ch_vfio(call(ctx), ch.ChName("vm1"))["groups"] == ["10"]
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"]
     assert launch_refused(ctx, "ch.unvfio")[0] == "group-in-use"
     os.chown(node, 0, 0)
     host.units = {"bcd-ch-vm2.service": ("active", "0")}
-    assert ch.ch_vfio(call(ctx), ch.ChName("vm1"))["groups"] == ["10"]
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"]
 
 
 def test_vfio_refuses_a_uid_of_another_account(ctx: HelperContext, pci: Path) -> None:
@@ -1236,7 +1236,7 @@ def test_no_vfio_pci_module_fails_the_bind_and_restores_the_driver_dlv_ch_20(roo
     rewrite(root, record(gpus=(GPU,)))
     c = context(root, host)
     try:
-        assert failed(ch.ch_vfio, call(c), ch.ChName("vm1")) == (
+        assert failed(ch.ch_vfio, call(c), ch.ChLaunch("vm1")) == (
             "vfio",
             f"ch.vfio: {GPU} did not move to vfio-pci (is the vfio-pci module loaded?)",
         )
@@ -1249,7 +1249,7 @@ def test_no_vfio_pci_module_fails_the_bind_and_restores_the_driver_dlv_ch_20(roo
         os.unlink(root / f"sys/bus/pci/devices/{GPU}/driver")
         host.writes.clear()
         host.fail[f"tee {dev}/driver_override"] = (1, b"", b"tee: write error: Permission denied\n")
-        assert failed(ch.ch_vfio, call(c), ch.ChName("vm1")) == (
+        assert failed(ch.ch_vfio, call(c), ch.ChLaunch("vm1")) == (
             "sysfs",
             f"ch.vfio: writing 'vfio-pci' to {dev}/driver_override: tee: write error: Permission denied",
         )
@@ -1272,7 +1272,7 @@ def test_a_failed_restore_write_after_a_failed_bind_is_not_the_answer(root: Path
             return real(argv)
 
         host.tee = tee  # type: ignore[method-assign]
-        assert failed(ch.ch_vfio, call(c), ch.ChName("vm1"))[0] == "vfio"
+        assert failed(ch.ch_vfio, call(c), ch.ChLaunch("vm1"))[0] == "vfio"
         assert count["n"] == 4  # the probe after the failed override is not tried
     finally:
         c.audit.close()
@@ -1281,14 +1281,14 @@ def test_a_failed_restore_write_after_a_failed_bind_is_not_the_answer(root: Path
 def test_a_group_node_root_cannot_hand_over_fails(ctx: HelperContext, root: Path) -> None:
     lay_out_pci(root, [(GPU, "0x030200", 10, "vfio-pci")])  # already bound: no node made
     rewrite(root, record(gpus=(GPU,)))
-    assert failed(ch.ch_vfio, call(ctx), ch.ChName("vm1")) == (
+    assert failed(ch.ch_vfio, call(ctx), ch.ChLaunch("vm1")) == (
         "vfio",
         "ch.vfio: /dev/vfio/10: No such file or directory",
     )
 
 
 def test_unvfio_gives_back_only_devices_on_vfio_pci(ctx: HelperContext, pci: Path, host: Host) -> None:
-    ch.ch_vfio(call(ctx), ch.ChName("vm1"))
+    ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))
     os.unlink(pci / f"sys/bus/pci/devices/{AUDIO}/driver")  # gone from vfio-pci meanwhile
     host.writes.clear()
     ch.ch_unvfio(call(ctx), ch.ChName("vm1"))
