@@ -57,6 +57,7 @@ OP_TIMEOUT_S: Mapping[str, float] = {
     "libvirt.console": 60,
 }
 _LEN = struct.Struct(">I")
+READ_AHEAD = 4096  # a first read takes a usual answer whole; a larger one is read on
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -68,6 +69,25 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
         parts.append(chunk)
         n -= len(chunk)
     return b"".join(parts)
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """One answer frame's body. A small answer comes whole in the first read (one wait, not two); the
+    helper sends one frame per request, so bytes past it are a broken stream."""
+    data = b""
+    while len(data) < 4:
+        more = sock.recv(READ_AHEAD)
+        if not more:
+            raise ConnectionError("the helper closed the connection")
+        data += more
+    (n,) = _LEN.unpack_from(data)
+    if n > MAX_FRAME:
+        raise ConnectionError(f"answer of {n} bytes is too large")
+    if len(data) - 4 > n:
+        raise ConnectionError("the helper sent more than one answer")
+    if len(data) - 4 == n:
+        return data[4:]
+    return data[4:] + _recv_exact(sock, n - (len(data) - 4))
 
 
 class HelperCallStats:
@@ -143,12 +163,10 @@ class HelperClient:
         with self._lock:
             try:
                 sock = self._connect()
-                sock.settimeout(wait)
+                if sock.gettimeout() != wait:
+                    sock.settimeout(wait)
                 sock.sendall(_LEN.pack(len(body)) + body)
-                (n,) = _LEN.unpack(_recv_exact(sock, 4))
-                if n > MAX_FRAME:
-                    raise ConnectionError(f"answer of {n} bytes is too large")
-                reply = json.loads(_recv_exact(sock, n))
+                reply = json.loads(_read_answer(sock))
             except (OSError, ValueError) as exc:
                 self._drop()
                 raise HelperRefused("unreachable", f"helper: {op}: {type(exc).__name__}: {exc}") from None

@@ -87,12 +87,23 @@ def _sealed_line(key: bytes, entry: dict[str, Any]) -> bytes:
     """canonical(entry with `mac`), where mac seals canonical(entry): the entry is encoded once, and `mac`
     is spliced in at its sorted place (canonical sorts the top-level keys; each value's encoding does not
     depend on its neighbours)."""
-    before = {k: v for k, v in entry.items() if k < "mac"}
-    after = {k: v for k, v in entry.items() if k > "mac"}
-    head, tail = canonical(before), canonical(after)
-    # canonical(entry) is head and tail joined: both are non-empty ("args" and "seq" are always there)
-    mac = seal(key, head[:-1] + b"," + tail[1:])
-    return head[:-1] + b',"mac":"' + mac.encode() + b'",' + tail[1:]
+    body = canonical(entry)
+    # `mac` sorts just before `message`, which every entry has. The top-level `,"message":` is the last
+    # one: after it come only op, peer_pid, peer_uid, prev, reason, seq and time, strings (whose quotes
+    # are escaped) and integers; one inside `args` (a shown object's key) comes before it.
+    at = body.rfind(b',"message":')
+    if at < 0 or "message" not in entry or any("mac" < k < "message" for k in entry):
+        # not the fields record() writes: the general way
+        before = {k: v for k, v in entry.items() if k < "mac"}
+        after = {k: v for k, v in entry.items() if k > "mac"}
+        head, tail = canonical(before), canonical(after)
+        return head[:-1] + b',"mac":"' + seal(key, body).encode() + b'",' + tail[1:]
+    return body[:at] + b',"mac":"' + seal(key, body).encode() + b'"' + body[at:]
+
+
+def _head_bytes(seq: int, digest: str) -> bytes:
+    """canonical({"seq": seq, "sha256": digest}) and a newline, formatted directly (the keys sorted)."""
+    return b'{"seq":%d,"sha256":"%s"}\n' % (seq, digest.encode())
 
 
 def format_key(seq: int, key: bytes) -> str:
@@ -230,6 +241,7 @@ class AuditLog:
         self._fd = -1
         self._size = 0  # audit.log's size, read when it is opened
         self._hfd = -1
+        self._head_len = -1  # the length audit.head was last truncated to
         self._kfd = -1
         self._held = len(_rotated(self._dfd))
 
@@ -342,11 +354,14 @@ class AuditLog:
         state = _key_state_bytes(seq + 1, self._key)
         os.pwrite(self._kfd, state, 0)
         # The head guards the newest lines against an edit or a removal; it may lag after a crash.
-        head = canonical({"seq": seq, "sha256": digest}) + b"\n"
+        head = _head_bytes(seq, digest)
         if self._hfd < 0:
             self._hfd = self._open(HEAD_NAME, os.O_WRONLY)
+            self._head_len = -1
         os.pwrite(self._hfd, head, 0)
-        os.ftruncate(self._hfd, len(head))
+        if len(head) != self._head_len:  # seqs only grow: the same length overwrites it all
+            os.ftruncate(self._hfd, len(head))
+            self._head_len = len(head)
         return line
 
     def record(

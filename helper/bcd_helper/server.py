@@ -31,7 +31,9 @@
   `audit.head` are refused `audit-full`, counted the same way; root is always served and audited.
 - Each request is decoded into its op's frozen type (protocol.structure), run under the op's
   locks and deadline, answered, and recorded in the audit log, accepted or refused, before the
-  answer is sent.
+  answer is sent. A file.write's `accepted` line goes ahead of its effect (call.ahead, `_Ahead`):
+  the connection's worker thread writes and fsyncs it while the file is fsynced; the answer waits for
+  both, and an effect that fails after it is a second line (docs/helper.md "Audit log").
 - One thread per connection (the standard library's socketserver threading mix-in), so a
   30-minute host.unit never blocks a file.write on another connection. Per-connection state lives
   in a `Connection` object; process-wide state in the HelperContext and the server's `Guards`.
@@ -275,6 +277,7 @@ class Connection:
         self.uids = (0, ctx.config.node_uid) if uids is None else uids
         self.peer = peer_credentials(sock)
         self.buffer = bytearray()  # read ahead of the next frame (at most READ_AHEAD bytes)
+        self._chunk: memoryview | None = None  # what each read of the frame's head goes into
         self.requests = 0
         self.reserved = 0
         self.frame_deadline: float | None = None  # set while a frame is partly read
@@ -331,13 +334,14 @@ class Connection:
         while len(self.buffer) < 4:
             if self.buffer and self.frame_deadline is None:
                 self.frame_deadline = time.monotonic() + FRAME_TIMEOUT_S
-            chunk = bytearray(READ_AHEAD)
-            k = self._recv_some(memoryview(chunk))
+            if self._chunk is None:  # one per connection: not 64 KiB allocated, zeroed and freed a frame
+                self._chunk = memoryview(bytearray(READ_AHEAD))
+            k = self._recv_some(self._chunk)
             if k == 0:
                 if self.buffer:
                     raise ProtocolError("connection closed mid-frame")
                 return False
-            self.buffer += memoryview(chunk)[:k]
+            self.buffer += self._chunk[:k]
         return True
 
     def read_request(self) -> Any:
@@ -565,6 +569,8 @@ def _bounded(value: Any) -> Any:
 def _cut(text: str, limit: int) -> str:
     """At most `limit` characters, whose JSON (escaped ASCII) is at most MAX_TEXT_BYTES bytes."""
     text = text[:limit]
+    if len(text) * 12 + 2 <= MAX_TEXT_BYTES:  # JSON escapes a character to at most 12 bytes (a pair)
+        return text
     while len(json.dumps(text)) > MAX_TEXT_BYTES:
         text = text[: len(text) * 3 // 4]
     return text

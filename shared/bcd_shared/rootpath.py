@@ -237,10 +237,13 @@ def write_root_only(
     uid: int = 0,
     gid: int = 0,
     check: Callable[[int], None] | None = None,
+    before_fsync: Callable[[], None] | None = None,
 ) -> None:
     """Write `data` to host path `path` as root, atomically and durably, under the rule. `check`, when
     given, is called with the verified directory's fd before anything is written there (a limit on
-    the directory's files): what it raises stops the write."""
+    the directory's files): what it raises stops the write. `before_fsync`, when given, is called once
+    the temporary file holds the data, just before its fsync (the helper starts its audit line's
+    write there, so that the line's fsync overlaps the file's)."""
     parts = split_host_path(path)
     _refuse_never_under(parts)
     with verified_dir(root, parts[:-1], create=True) as dfd:
@@ -259,6 +262,8 @@ def write_root_only(
                 if (uid, gid) != (os.geteuid(), os.getegid()):
                     os.fchown(fd, uid, gid)
                 os.fchmod(fd, mode)
+                if before_fsync is not None:
+                    before_fsync()
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -186,3 +186,38 @@ def test_a_sealed_line_is_the_canonical_entry_with_its_mac(args: dict[str, objec
         "prev": "0" * 64,
     }
     assert _sealed_line(key, entry) == canonical({**entry, "mac": seal(key, canonical(entry))})
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        {"message": "x"},
+        {"a": {"message": ',"message":"'}, "z": [{"message": 1}]},
+        {"kind": ',"message":', "id": '"message"'},
+    ],
+)
+@pytest.mark.parametrize("extra", [{}, {"mad": 1}, {"mab": "m"}, {"zz": {"message": 2}}])
+def test_a_sealed_line_puts_mac_at_its_sorted_place_whatever_message_keys_args_hold(
+    args: dict[str, object], extra: dict[str, object]
+) -> None:
+    """`mac` is spliced in before the top-level `message`: a `message` key or text inside the shown arguments
+    (before it) or another entry's keys sorting between `mac` and `message` must not move it."""
+    key = bytes(range(32))
+    entry: dict[str, object] = {
+        "seq": 7,
+        "time": "t",
+        "peer_pid": 1,
+        "peer_uid": 0,
+        "op": ',"message":"',
+        "args": args,
+        "args_sha256": "0" * 64,
+        "decision": "accepted",
+        "reason": ',"message":',
+        "message": ',"message":"x',
+        "duration_ms": 1.5,
+        "prev": "0" * 64,
+        **extra,
+    }
+    assert _sealed_line(key, entry) == canonical({**entry, "mac": seal(key, canonical(entry))})
+    without = {k: v for k, v in entry.items() if k != "message"}
+    assert _sealed_line(key, without) == canonical({**without, "mac": seal(key, canonical(without))})

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import json
 import re
 from collections.abc import Callable
 from typing import Any
@@ -123,7 +122,9 @@ def _unique_keys(lines: Any, where: str) -> None:
         seen.add(key)
 
 
-def _check_cdi(ident: str, data: bytes) -> None:
+def _check_cdi(ident: str, data: bytes) -> Any:
+    """The hold's checks; returns the strictly decoded document (the later checks read it, not the bytes
+    again)."""
     from bcd_shared import cdi  # on the first hold, not at the helper's start
 
     try:
@@ -151,6 +152,7 @@ def _check_cdi(ident: str, data: bytes) -> None:
             f"cdi: devices[{i}].containerEdits.env: a hold's devices carry no env "
             "(only a device without other edits, its own BCD_DEVICE_ marker)",
         )
+    return doc
 
 
 def _vendor_edits(call: Call) -> frozenset[tuple[str, bytes]]:
@@ -176,11 +178,11 @@ def _vendor_edits(call: Call) -> frozenset[tuple[str, bytes]]:
     return frozenset(out)
 
 
-def _check_cdi_edits(call: Call, _ident: str, data: bytes) -> None:
-    """A hold carries only container edits root's vendor spec carries (env aside)."""
+def _check_cdi_edits(call: Call, _ident: str, doc: Any) -> None:
+    """A hold carries only container edits root's vendor spec carries (env aside). `doc`: the hold as
+    _check_cdi decoded it."""
     from bcd_shared import cdi
 
-    doc = json.loads(data)  # _check_cdi found it strict JSON
     allowed: frozenset[tuple[str, bytes]] | None = None
     places = [("containerEdits", doc.get("containerEdits") or {})]
     places += [
@@ -234,9 +236,9 @@ class FileKind:
     id_rule: re.Pattern[str]
     id_text: str
     mode: int
-    check: Callable[[str, bytes], None]
+    check: Callable[[str, bytes], Any]  # returns what it decoded (cdi: the hold), for host_check
     encoding: str = "utf-8"
-    host_check: Callable[[Call, str, bytes], None] | None = None  # checks that read root's own files
+    host_check: Callable[[Call, str, Any], None] | None = None  # checks that read root's own files
 
 
 # kind -> how the helper builds the path and checks the content. One literal table.
@@ -390,9 +392,9 @@ def _edit_items(edits: Any) -> set[tuple[str, bytes]]:
     return out
 
 
-def _check_atoms(call: Call, ident: str, data: bytes, assignment: Any) -> None:
-    """A signed hold carries only its allocation's atoms, each with its own GPU's vendor edits."""
-    doc = json.loads(data)  # _check_cdi found it strict JSON
+def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
+    """A signed hold carries only its allocation's atoms, each with its own GPU's vendor edits. `doc`: the
+    hold as _check_cdi decoded it."""
     atoms = {a.id for a in assignment.devices}
     vendor = None
     indexes: dict[str, str] | None = None
@@ -446,7 +448,7 @@ def _check_atoms(call: Call, ident: str, data: bytes, assignment: Any) -> None:
 def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
     spec, path = _kind(req.kind, req.id)
     data = _content(spec, req)
-    spec.check(req.id, data)
+    decoded = spec.check(req.id, data)
     limits = _limits(req.kind, path, len(data))
     next_state = None
     if req.kind in BOUND_KINDS:
@@ -460,27 +462,25 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                     f"(generation {generation})",
                 )
             if req.kind == "cdi":
-                _check_atoms(call, req.id, data, assignment)
+                _check_atoms(call, req.id, decoded, assignment)
     if spec.host_check is not None:
-        spec.host_check(call, req.id, data)
+        spec.host_check(call, req.id, decoded)
     if next_state is not None:  # durable before effect
         call.ctx.intent_verifier().save_state(next_state)
     ahead = call.ahead
     started = False
 
-    def ready(dfd: int) -> None:
-        """Called by write_root_only once the target and the directory passed the rule, before anything
-        is written: the last refusals (the kind's limits), then the audit line goes ahead of the write,
-        its fsync overlapping the file's (docs/helper.md "Audit log")."""
+    def go_ahead() -> None:
+        """Called by write_root_only after every refusal (the rule's walk, the target, the kind's limits)
+        and once the temporary file holds the data, before its fsync and the rename: the audit line goes
+        ahead of the effect, its fsync overlapping the file's (docs/helper.md "Audit log")."""
         nonlocal started
-        if limits is not None:
-            limits(dfd)
         if ahead is not None:
             ahead.start()
             started = True
 
     try:
-        write_root_only(call.ctx.root, path, data, spec.mode, check=ready)
+        write_root_only(call.ctx.root, path, data, spec.mode, check=limits, before_fsync=go_ahead)
     except RootPathRefused as exc:
         raise refused_path(exc) from None
     finally:

@@ -1,0 +1,92 @@
+"""The node's HelperClient reading answers (bcd_agent.helperclient._read_answer): a small answer in one read,
+a split one gathered, and a broken stream (closed, oversized, more than one frame) refused as
+`unreachable` with the connection dropped. The helper end is a socket pair driven by the test."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import threading
+from collections.abc import Callable
+
+import pytest
+from bcd_agent.helperclient import MAX_FRAME, HelperClient
+from bcd_shared.errors import HelperRefused
+
+
+def frame(doc: object) -> bytes:
+    body = json.dumps(doc).encode()
+    return struct.pack(">I", len(body)) + body
+
+
+def serve_once(
+    reply: Callable[[socket.socket], None],
+) -> tuple[HelperClient, socket.socket, threading.Thread]:
+    a, b = socket.socketpair()
+    client = HelperClient("unused")
+    client._sock = a
+
+    def run() -> None:
+        (n,) = struct.unpack(">I", b.recv(4, socket.MSG_WAITALL))
+        b.recv(n, socket.MSG_WAITALL)
+        reply(b)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return client, b, t
+
+
+def test_an_answer_in_one_piece_is_read() -> None:
+    client, b, t = serve_once(lambda s: s.sendall(frame({"ok": True, "result": {"x": 1}})))
+    with b:
+        assert client.call("helper.ping") == {"x": 1}
+        t.join()
+    client.close()
+
+
+def test_an_answer_split_byte_by_byte_is_gathered() -> None:
+    data = frame({"ok": True, "result": {"text": "y" * 300}})
+
+    def trickle(s: socket.socket) -> None:
+        for i in range(len(data)):
+            s.sendall(data[i : i + 1])
+
+    client, b, t = serve_once(trickle)
+    with b:
+        assert client.call("helper.ping") == {"text": "y" * 300}
+        t.join()
+    client.close()
+
+
+def test_an_answer_larger_than_one_read_is_read_whole() -> None:
+    client, b, t = serve_once(lambda s: s.sendall(frame({"ok": True, "result": {"t": "z" * 200_000}})))
+    with b:
+        assert client.call("helper.ping") == {"t": "z" * 200_000}
+        t.join()
+    client.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "words"),
+    [
+        (lambda s: s.sendall(frame({"ok": True}) + frame({"ok": True})), "more than one answer"),
+        (lambda s: s.sendall(struct.pack(">I", MAX_FRAME + 1)), "too large"),
+        (lambda s: s.sendall(b"\0\0"), "closed the connection"),
+        (lambda s: s.sendall(struct.pack(">I", 10) + b"{}"), "closed the connection"),
+    ],
+)
+def test_a_broken_stream_is_unreachable_and_dropped(
+    reply: Callable[[socket.socket], None], words: str
+) -> None:
+    def then_close(s: socket.socket) -> None:
+        reply(s)
+        s.shutdown(socket.SHUT_WR)
+
+    client, b, t = serve_once(then_close)
+    with b:
+        with pytest.raises(HelperRefused) as info:
+            client.call("helper.ping")
+        t.join()
+    assert info.value.reason == "unreachable" and words in str(info.value)
+    assert client._sock is None  # dropped: the next call reconnects
