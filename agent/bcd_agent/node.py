@@ -771,7 +771,8 @@ class Node:
                     from bcd_agent.nodeparts.instances import balloon_periodically, rebind_periodically
 
                     def instances_payload() -> Any:
-                        return self.runner.spec.payload("instances")
+                        spec = self.runner.spec
+                        return spec.payload("instances") if spec is not None else None  # None: no spec yet
 
                     nursery.start_soon(
                         rebind_periodically, self.instances_section, instances_payload, self._trigger

@@ -76,6 +76,28 @@ def test_no_worker_thread_runs_while_no_rebind_is_due() -> None:
     assert sec.threads == [] and sec.desired == []
 
 
+def test_a_failing_spec_read_never_ends_the_rebind_loop() -> None:
+    """Reading the spec (the node's runner before any spec, a bug) fails: logged, the next tick reads
+    again; the node goes on."""
+    sec = _Section()
+    reads = 0
+
+    def desired() -> Any:
+        nonlocal reads
+        reads += 1
+        raise AttributeError("no spec yet")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rebind_periodically, sec, desired, lambda _r: None, 0.01)
+            while reads < 3:  # noqa: ASYNC110 - the count is polled
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sec.threads == [] and sec.asked == 0
+
+
 def test_the_balloon_loop_survives_a_failed_tick_dlv_bal_04() -> None:
     """DLV-BAL-04: the controller ticks over and over in worker threads; a tick that raises is logged
     and the next one runs."""

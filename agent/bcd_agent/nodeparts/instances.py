@@ -153,10 +153,10 @@ async def rebind_periodically(
 ) -> None:
     while True:
         await trio.sleep(interval_s)
-        payload = desired()
-        if not section.rebind_due(payload):  # nothing to rebind: no worker thread
-            continue
         try:
+            payload = desired()
+            if not section.rebind_due(payload):  # nothing to rebind: no worker thread
+                continue
             done = await trio.to_thread.run_sync(section.rebind_tick, payload)
         except Exception:  # never ends the node; the next tick tries again
             log.warning("instances: the identity rebind failed", exc_info=True)
