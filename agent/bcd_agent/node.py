@@ -51,6 +51,8 @@ log = logging.getLogger("bcd.node")
 SWEEP_INTERVAL_S = 24 * 3600.0
 # Under bcd helper: how often the helper's audit head is read for the StatusReport (docs/helper.md).
 AUDIT_HEAD_INTERVAL_S = 300.0
+# How long start-up waits for a first converge pass before it hands the free heap back anyway.
+STARTUP_PASS_WAIT_S = 60.0
 
 
 @frozen
@@ -775,14 +777,16 @@ class Node:
                     from bcd_agent.nodeparts.instances import balloon_periodically, rebind_periodically
 
                     def instances_payload() -> Any:
-                        return self.runner.spec.payload("instances")
+                        spec = self.runner.spec
+                        return spec.payload("instances") if spec is not None else None  # None: no spec yet
 
                     nursery.start_soon(
                         rebind_periodically, self.instances_section, instances_payload, self._trigger
                     )
                     nursery.start_soon(balloon_periodically, self.instances_section, instances_payload)
-                # The first inventory read (the heartbeat's hash) off the path to Hello.
-                nursery.start_soon(self._first_inventory)
+                # The first inventory read (the heartbeat's hash) off the path to Hello, then the heap's
+                # free pages back once start-up is over.
+                nursery.start_soon(self._start_tail)
                 if self._helper_socket() is not None:
                     nursery.start_soon(self._read_audit_head)
                 notifier.ready(f"node {node_id}")
@@ -840,6 +844,22 @@ class Node:
                 "next_pass_reason": next_reason if next_at != math.inf else "",
             }
         return {"node": doc}
+
+    async def _start_tail(self) -> None:
+        """After Hello: the first inventory read; then, once the first converge pass ran (or
+        STARTUP_PASS_WAIT_S went by without a spec), the free heap start-up left behind goes back to
+        the system (nodeparts.memory; docs/benchmarks.md, idle_rss_mb)."""
+        from bcd_agent.nodeparts.memory import release_free_heap
+
+        await self._first_inventory()
+        with trio.move_on_after(STARTUP_PASS_WAIT_S):
+            version = 0
+            while True:
+                status = await self.status.wait_newer(version)
+                if status.passes > 0:
+                    break
+                version = status.version
+        release_free_heap()
 
     async def _first_inventory(self) -> None:
         await self.session.hello_sent.wait()
@@ -1006,6 +1026,9 @@ def run(args: argparse.Namespace) -> int:
                     nursery.cancel_scope.cancel()
                     break
 
+    from bcd_agent.nodeparts.memory import limit_arenas
+
+    limit_arenas()  # before trio's first worker thread (nodeparts.memory)
     try:
         trio.run(main)
     except BaseException as exc:

@@ -14,9 +14,15 @@ from bcd_agent.nodeparts.instances import balloon_periodically, rebind_periodica
 
 
 class _Section:
-    def __init__(self) -> None:
+    def __init__(self, due: bool = True) -> None:
         self.threads: list[str] = []
         self.desired: list[Any] = []
+        self.due = due
+        self.asked = 0
+
+    def rebind_due(self, desired: Any) -> bool:
+        self.asked += 1
+        return self.due
 
     def rebind_tick(self, desired: Any) -> list[tuple[str, str]]:
         self.threads.append(threading.current_thread().name)
@@ -52,6 +58,44 @@ def test_the_rebind_runs_off_the_pass_in_a_worker_thread_and_a_success_triggers_
     assert sec.threads and all(t != main_thread for t in sec.threads)
     assert sec.desired[0] == "spec" and triggers == ["identity rebound"]
     assert ticks > 10
+
+
+def test_no_worker_thread_runs_while_no_rebind_is_due() -> None:
+    """A spec without rebinds (the common case) costs the node no worker thread every 10 s: the loop
+    asks rebind_due on trio's thread and goes back to sleep."""
+    sec = _Section(due=False)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rebind_periodically, sec, lambda: "spec", lambda _r: None, 0.01)
+            while sec.asked < 5:  # noqa: ASYNC110 - the fake's count is polled
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sec.threads == [] and sec.desired == []
+
+
+def test_a_failing_spec_read_never_ends_the_rebind_loop() -> None:
+    """Reading the spec (the node's runner before any spec, a bug) fails: logged, the next tick reads
+    again; the node goes on."""
+    sec = _Section()
+    reads = 0
+
+    def desired() -> Any:
+        nonlocal reads
+        reads += 1
+        raise AttributeError("no spec yet")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(rebind_periodically, sec, desired, lambda _r: None, 0.01)
+            while reads < 3:  # noqa: ASYNC110 - the count is polled
+                await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    assert sec.threads == [] and sec.asked == 0
 
 
 def test_the_balloon_loop_survives_a_failed_tick_dlv_bal_04() -> None:

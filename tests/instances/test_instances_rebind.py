@@ -341,3 +341,27 @@ def test_a_plugin_runtime_is_never_rebound_nor_reported_dlv_reb_20(tmp_path: Pat
     assert [a[0] for a in source.asked] == ["k1"]
     assert plugin.calls == []
     assert "p1" not in rb.rebound() and "p1" not in rb.state.attempts
+
+
+def test_a_tick_is_due_only_for_a_rebind_ref_or_kept_state(tmp_path: Path) -> None:
+    """The node's 10 s loop asks rebind_due on trio's thread before it starts a worker thread: due for
+    an instance with an identity_rebind_ref (the model's or the wire's spec) or while rebind state is
+    kept (a tick prunes it); not for a spec without rebinds, nor without a rebinder."""
+    from bcd_shared import wire
+
+    sec, _rt, _system, _clock = _setup(tmp_path, {"a": UserData(refused="PermissionDenied: no")})
+    assert not sec.rebind_due(None)
+    assert not sec.rebind_due(spec(vm("a"), vm("b")))
+    assert not sec.rebind_due(wire.InstancesSection(instances=[wire.InstanceSpec(id="a")]))
+    assert sec.rebind_due(
+        wire.InstancesSection(instances=[wire.InstanceSpec(id="a", identity_rebind_ref="r")])
+    )
+    desired = spec(vm("a", identity_rebind_ref="ref-a"))
+    assert sec.rebind_due(desired)
+    converge(sec, desired)
+    assert [i for i, _ in sec.rebind_tick(desired)] == ["a"]  # refused: a final attempt is kept
+    assert sec.rebind_due(spec(vm("b")))  # the next tick prunes a's attempt
+    sec.rebind_tick(spec(vm("b")))
+    assert not sec.rebind_due(spec(vm("b")))
+    sec.rebinder = None
+    assert not sec.rebind_due(desired)

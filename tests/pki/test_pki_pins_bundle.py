@@ -17,6 +17,7 @@ from bcd_shared.pki import (
     ConflictingTrustBundle,
     JoinKeyPin,
     KeyPair,
+    MalformedSignature,
     MalformedTrustBundle,
     Purpose,
     StaleTrustBundle,
@@ -212,3 +213,22 @@ def test_HST_SIGN_10_HST_SIGN_15_trust_store_moves_forward_only(hierarchy: Hiera
     with pytest.raises(ConflictingTrustBundle, match="version 5 has other bytes"):
         store.accept(v5_other)
     assert TrustStore().is_newer(v3)
+
+
+def test_spki_der_is_cryptographys_encoding_and_reads_back() -> None:
+    """spki_der builds the RFC 8410 encoding itself (no cryptography `serialization` import on the node's
+    path): byte for byte what cryptography writes, and a bundle's signer_spki reads back to the key."""
+    from bcd_shared.pki.bundle import _raw_key_of_spki
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    for _ in range(8):
+        key = ed25519.Ed25519PrivateKey.generate().public_key()
+        raw = key.public_bytes_raw()
+        expected = key.public_bytes(
+            serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+        assert spki_der(raw) == expected
+        assert _raw_key_of_spki(expected, UntrustedBundleSigner) == raw
+    with pytest.raises(MalformedSignature, match="32 bytes, got 31"):
+        spki_der(b"\x01" * 31)

@@ -36,10 +36,7 @@ import json
 import os
 import re
 import ssl
-import tarfile
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -163,6 +160,8 @@ def build_parts(
 
 def write_archive(path: Path, parts: Sequence[tuple[str, bytes]]) -> tuple[str, int]:
     """A gzipped tar of `parts` at `path` (fsynced); its SHA-256 and size."""
+    import tarfile  # here, not at start: only this kind writes a tar (the idle node's memory)
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz", format=tarfile.PAX_FORMAT) as tar:
         for name, data in parts:
@@ -181,6 +180,10 @@ def write_archive(path: Path, parts: Sequence[tuple[str, bytes]]) -> tuple[str, 
 
 def upload(url: str, path: Path, size: int, context: ssl.SSLContext | None) -> None:
     """PUT the archive to the presigned URL; CommandFailed `upload-failed` unless a 2xx answers."""
+    # Imported here, not at start: urllib.request brings http.client and email (~1 MB that the idle
+    # node never uses; docs/benchmarks.md, idle_rss_mb).
+    import urllib.error
+    import urllib.request
 
     class NoRedirect(urllib.request.HTTPRedirectHandler):
         def redirect_request(self, *args: Any, **kwargs: Any) -> None:

@@ -12,8 +12,9 @@
 - User data: a SecretRequest bound to the instance's allocation (DLV-INST-06), from the runner's
   worker thread; a refusal fails the instance, no answer keeps it waiting.
 - Off the pass, in the node's nursery, each in a worker thread: the identity rebind every 10 s
-  (`rebind_periodically`; the bundle fetched like user data, DLV-REB-02/04; a success triggers a pass,
-  whose report carries `identity_rebound_ref`) and the balloon controller every 30 s
+  (`rebind_periodically`, only when the spec asks for a rebind or rebind state is kept; the bundle
+  fetched like user data, DLV-REB-02/04; a success triggers a pass, whose report carries
+  `identity_rebound_ref`) and the balloon controller every 30 s
   (`balloon_periodically`, DLV-BAL-03).
 """
 
@@ -153,7 +154,10 @@ async def rebind_periodically(
     while True:
         await trio.sleep(interval_s)
         try:
-            done = await trio.to_thread.run_sync(section.rebind_tick, desired())
+            payload = desired()
+            if not section.rebind_due(payload):  # nothing to rebind: no worker thread
+                continue
+            done = await trio.to_thread.run_sync(section.rebind_tick, payload)
         except Exception:  # never ends the node; the next tick tries again
             log.warning("instances: the identity rebind failed", exc_info=True)
             continue

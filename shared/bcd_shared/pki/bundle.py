@@ -19,7 +19,6 @@ import hashlib
 from collections.abc import Iterable
 
 import attrs
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from bcd_shared.pki._wire import decode
@@ -32,7 +31,7 @@ from bcd_shared.pki.errors import (
     StaleTrustBundle,
     UntrustedBundleSigner,
 )
-from bcd_shared.pki.pins import JoinKeyPin, spki_der
+from bcd_shared.pki.pins import ED25519_SPKI_PREFIX, JoinKeyPin, spki_der
 from bcd_shared.pki.signing import PUBLIC_KEY_LENGTH, KeyPair, Purpose, verify_signature
 from bcd_shared.wire import ApproverKey as WireApproverKey
 from bcd_shared.wire import SignedTrustBundle as WireSignedTrustBundle
@@ -187,6 +186,11 @@ class VerifiedBundle:
 
 
 def _raw_key_of_spki(spki: bytes, error: type[PkiError]) -> bytes:
+    if len(spki) == len(ED25519_SPKI_PREFIX) + PUBLIC_KEY_LENGTH and spki.startswith(ED25519_SPKI_PREFIX):
+        return spki[len(ED25519_SPKI_PREFIX) :]  # the canonical encoding (spki_der): nothing to refuse
+    # Anything else is refused; cryptography's reading says why (imported only here: docs/benchmarks.md).
+    from cryptography.hazmat.primitives import serialization
+
     try:
         key = serialization.load_der_public_key(spki)
     except (ValueError, TypeError) as e:

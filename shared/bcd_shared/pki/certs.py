@@ -22,7 +22,6 @@ from typing import Final
 
 import attrs
 from cryptography import x509
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ed25519
 from cryptography.x509.oid import NameOID, SignatureAlgorithmOID
 
@@ -124,7 +123,7 @@ def parse_certificate(der: bytes) -> CertInfo:
     else:
         assert isinstance(ext.value, x509.UnrecognizedExtension)
         role = _decode_role(ext.value.value, repr(name))
-    raw = key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    raw = key.public_bytes_raw()
     return CertInfo(der, cert, hashlib.sha256(der).hexdigest(), name, raw, role)
 
 
@@ -211,6 +210,8 @@ def issue_certificate(
         builder = builder.add_extension(
             x509.UnrecognizedExtension(ROLE_OID, _encode_role(role)), critical=True
         )
+    from cryptography.hazmat.primitives import serialization  # issuing only, not on the node's path
+
     cert = builder.sign(_crypto_key(issuer_key), None)
     return cert.public_bytes(serialization.Encoding.DER)
 

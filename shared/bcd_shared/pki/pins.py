@@ -17,8 +17,6 @@ import re
 from typing import Final
 
 import attrs
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import ed25519
 
 from bcd_shared import configschema
 from bcd_shared.pki.errors import BadPin
@@ -27,6 +25,10 @@ from bcd_shared.pki.signing import check_public_key
 MAX_ROOT_PINS: Final = 16
 JOIN_PIN_PREFIX: Final = "sha256/"
 _HEX64: Final = re.compile(r"[0-9a-f]{64}")
+# The DER SubjectPublicKeyInfo of an Ed25519 key is these 12 bytes and the raw key (RFC 8410 section 4;
+# DER has one encoding): built here rather than through cryptography's `serialization` package, whose
+# import (its SSH and cipher modules, ~0.4 MB) the node would otherwise carry for this alone.
+ED25519_SPKI_PREFIX: Final = bytes.fromhex("302a300506032b6570032100")
 
 
 def root_pin(der: bytes) -> str:
@@ -56,8 +58,7 @@ def parse_root_pins(text: str, field: str = "command_root_sha256") -> tuple[str,
 def spki_der(public_key: bytes) -> bytes:
     """The DER SubjectPublicKeyInfo of a raw Ed25519 public key."""
     check_public_key(public_key)
-    key = ed25519.Ed25519PublicKey.from_public_bytes(public_key)
-    return key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    return ED25519_SPKI_PREFIX + public_key
 
 
 @attrs.frozen

@@ -30,7 +30,6 @@ import json
 import logging
 import re
 import secrets
-import tarfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -130,6 +129,8 @@ def rebind_image(bundle: RebindBundle, nonce: str) -> bytes:
     if bundle.host_key is not None and bundle.host_certificate is not None:
         files.append(("host_key", bundle.host_key.rstrip("\n").encode() + b"\n", 0o600))
         files.append(("host_key-cert.pub", bundle.host_certificate.rstrip("\n").encode() + b"\n", 0o644))
+    import tarfile  # here, not at start: only a rebind writes a tar (the idle node's memory)
+
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for name, data, mode in files:

@@ -350,6 +350,18 @@ class InstancesSection:
     def _domains(self) -> list[Domain]:
         return [d for v in dict(self._last_views).values() for d in v.domains]
 
+    def rebind_due(self, desired: object | None) -> bool:
+        """Whether a rebind tick has anything to look at: an instance with an identity_rebind_ref, or
+        kept rebind state (a tick prunes the state of instances gone). Cheap, on trio's thread: the
+        node starts no worker thread every 10 s for a spec without rebinds."""
+        if self.rebinder is None:
+            return False
+        state = self.rebinder.state
+        if state.rebound or state.attempts:
+            return True
+        instances = getattr(desired, "instances", None) or ()
+        return any(i.identity_rebind_ref for i in instances)
+
     def rebind_tick(self, desired: object | None) -> list[tuple[str, str]]:
         """Rebind the running instances that need it (off the pass, DLV-REB-04); a success shows in the
         report at once (DLV-REB-14)."""

@@ -22,9 +22,8 @@ from __future__ import annotations
 import json
 import os
 import struct
-import tarfile
 from collections.abc import Callable, Iterable, Mapping
-from typing import IO, Final
+from typing import IO, TYPE_CHECKING, Final
 
 from bcd_shared.system import System
 
@@ -38,6 +37,9 @@ from bcd_agent.sections.instances.runtimes.base import (
     SnapshotMeta,
     SnapshotRefused,
 )
+
+if TYPE_CHECKING:  # tarfile is imported where a tar is read or written, not at the node's start
+    import tarfile
 
 MAX_META: Final = 4096
 CH_MEMBERS: Final = ("ch/config.json", "ch/state.json", "ch/memory-ranges")
@@ -138,6 +140,7 @@ def write_tar(tar_path: str, meta: SnapshotMeta, files: Iterable[tuple[str, str]
     """A new tar at `tar_path` (created exclusively, fsynced): `meta.json` first, then each (member
     name, real path). Plain ustar/PAX, no compression (the disk is qcow2 already)."""
     import io
+    import tarfile
 
     fd = os.open(tar_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w", format=tarfile.PAX_FORMAT) as tar:
@@ -163,6 +166,8 @@ def write_tar(tar_path: str, meta: SnapshotMeta, files: Iterable[tuple[str, str]
 def read_meta(tar_path: str) -> SnapshotMeta:
     """The tar's `meta.json` (its first member), strictly."""
     check_headers(tar_path)
+    import tarfile
+
     with tarfile.open(tar_path, mode="r:") as tar:
         return _first_meta(tar)
 
@@ -214,6 +219,8 @@ def member_names(tar_path: str) -> tuple[str, ...]:
     million members is not listed whole; `unpack` refuses it at its first stranger)."""
     names: list[str] = []
     check_headers(tar_path)
+    import tarfile
+
     with tarfile.open(tar_path, mode="r:") as tar:
         while len(names) <= len(MEMBERS) and (member := tar.next()) is not None:
             names.append(member.name)
@@ -234,6 +241,8 @@ def unpack(
     be there; without, it must not); `rewrite[name]`, when given, copies that member itself (src, out).
     Anything else is refused, naming the member and the rule."""
     check_headers(tar_path)
+    import tarfile
+
     with tarfile.open(tar_path, mode="r:") as tar:
         meta = _first_meta(tar)
         check_meta(meta, runtime, host_cpu_model)
