@@ -442,6 +442,9 @@ def test_root_keeps_at_most_max_staged_definitions(ctx: HelperContext, root: Pat
         "too-many-files",
         f"libvirt.restore: {message}",
     )
+    os.rename(stage / "other.xml", stage / "vm1.xml")  # its own name staged: a restore redefines it
+    (root / STATE.lstrip("/")).write_bytes(save_image())
+    assert lv.libvirt_restore(call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE))["name"] == "vm1"
 
 
 def test_a_staging_directory_root_does_not_own_alone_is_refused(ctx: HelperContext, root: Path) -> None:
@@ -641,6 +644,31 @@ def test_a_malformed_hostdev_address_in_roots_view_is_skipped(ctx: HelperContext
     host.domains["vm1"] = DUMPXML.replace(b"bus='0x18'", b"bus='0xzz'")
     assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))["name"] == "vm1"
     assert UUID_BUS not in programs(ctx).runs
+
+
+def test_the_busy_check_reads_every_hostdev_and_nvidia_smis_forms(root: Path) -> None:
+    """Addresses root cannot read are skipped and the next ones still checked; GPU 1's bus has hex
+    letters (0x2a); older drivers print a 4-digit PCI domain; a byte that is not UTF-8 is no GPU."""
+    bad = b"<hostdev mode='subsystem' type='pci' managed='yes'><source><address domain='0x0000' bus='0x19'/>"
+    bad += b"</source></hostdev>\n"
+    xml = DUMPXML.replace(b"bus='0x18'", b"bus='0x2a'").replace(b"<devices>\n", b"<devices>\n" + bad, 1)
+
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[0] == "virsh":
+            return (0, xml, b"") if argv[3] == "dumpxml" else (0, b"", b"")
+        if argv == UUID_BUS:
+            return 0, f"\xff, x\n{GPU1}, 0000:2A:00.0\n".encode("latin-1"), b""
+        return 0, f"{GPU1}, 4242\n".encode(), b""
+
+    c = context(root, CONFIG, script)
+    try:
+        assert refused(lv.libvirt_start, call(c), lv.LibvirtStart("vm1")) == (
+            "gpu-busy",
+            "libvirt.start: vm1: GPU 0000:2a:00.0 cannot be passed through: "
+            f"{GPU1} runs compute process 4242",
+        )
+    finally:
+        c.audit.close()
 
 
 # --- blockresize, setmem ---------------------------------------------------------------------------------
