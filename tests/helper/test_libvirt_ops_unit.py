@@ -86,6 +86,7 @@ class Host:
         self.apps = b""
         self.smi_rc = 0
         self.saved = b""
+        self.staged_mode = -1
 
     def __call__(self, argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
         if argv[0] == "nvidia-smi":
@@ -102,6 +103,7 @@ class Host:
                 return 0, xml.pop(0), b""
             return 0, xml, b""
         if verb == "save":  # libvirtd writes the state into the file root named (as root)
+            self.staged_mode = stat.S_IMODE(os.stat(args[1]).st_mode)
             Path(args[1]).write_bytes(self.saved or save_image(NO_GPU_DUMP))
             return 0, f"\nDomain '{args[0]}' saved to {args[1]}\n\n".encode(), b""
         return 0, f"\nDomain '{args[0] if args else ''}' {verb}\n\n".encode(), b""
@@ -440,6 +442,9 @@ def test_root_keeps_at_most_max_staged_definitions(ctx: HelperContext, root: Pat
         "too-many-files",
         f"libvirt.restore: {message}",
     )
+    os.rename(stage / "other.xml", stage / "vm1.xml")  # its own name staged: a restore redefines it
+    (root / STATE.lstrip("/")).write_bytes(save_image())
+    assert lv.libvirt_restore(call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE))["name"] == "vm1"
 
 
 def test_a_staging_directory_root_does_not_own_alone_is_refused(ctx: HelperContext, root: Path) -> None:
@@ -641,6 +646,31 @@ def test_a_malformed_hostdev_address_in_roots_view_is_skipped(ctx: HelperContext
     assert UUID_BUS not in programs(ctx).runs
 
 
+def test_the_busy_check_reads_every_hostdev_and_nvidia_smis_forms(root: Path) -> None:
+    """Addresses root cannot read are skipped and the next ones still checked; GPU 1's bus has hex
+    letters (0x2a); older drivers print a 4-digit PCI domain; a byte that is not UTF-8 is no GPU."""
+    bad = b"<hostdev mode='subsystem' type='pci' managed='yes'><source><address domain='0x0000' bus='0x19'/>"
+    bad += b"</source></hostdev>\n"
+    xml = DUMPXML.replace(b"bus='0x18'", b"bus='0x2a'").replace(b"<devices>\n", b"<devices>\n" + bad, 1)
+
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[0] == "virsh":
+            return (0, xml, b"") if argv[3] == "dumpxml" else (0, b"", b"")
+        if argv == UUID_BUS:
+            return 0, f"\xff, x\n{GPU1}, 0000:2A:00.0\n".encode("latin-1"), b""
+        return 0, f"{GPU1}, 4242\n".encode(), b""
+
+    c = context(root, CONFIG, script)
+    try:
+        assert refused(lv.libvirt_start, call(c), lv.LibvirtStart("vm1")) == (
+            "gpu-busy",
+            "libvirt.start: vm1: GPU 0000:2a:00.0 cannot be passed through: "
+            f"{GPU1} runs compute process 4242",
+        )
+    finally:
+        c.audit.close()
+
+
 # --- blockresize, setmem ---------------------------------------------------------------------------------
 
 
@@ -817,16 +847,6 @@ def test_the_rebind_disk_is_checked_as_root(
     assert refused(lv.libvirt_attach_rebind, call(ctx), lv.LibvirtRebind("vm1"))[0] == "unmanaged"
 
 
-def test_the_rebind_disk_under_a_data_dir_with_a_trailing_slash(root: Path, host: Host) -> None:
-    c = context(root, f'data_dir = "{DATA}/"\n' + CONFIG, host)
-    try:
-        (root / REBIND.lstrip("/")).write_bytes(b"\0" * (1 << 20))
-        lv.libvirt_attach_rebind(call(c), lv.LibvirtRebind("vm1"))
-        assert programs(c).runs[-1][4:6] == ("vm1", str(root / REBIND.lstrip("/")))
-    finally:
-        c.audit.close()
-
-
 # --- restore ---------------------------------------------------------------------------------------------
 
 STATE = f"{INST}/save.state"
@@ -965,6 +985,13 @@ def test_the_header_check_opens_without_following_or_blocking(tmp_path: Path) ->
         "bad-state",
         "libvirt.restore: /x/save.state is not a libvirt save image (short header)",
     )
+    # a FIFO the node holds open with a valid header in it: still never read (not a regular file)
+    writer = os.open(tmp_path / "fifo", os.O_RDWR | os.O_NONBLOCK)
+    try:
+        os.write(writer, save_image()[:92])
+        assert refused(check, "libvirt.restore", "/x/save.state", str(tmp_path / "fifo"))[0] == "bad-state"
+    finally:
+        os.close(writer)
     check("libvirt.restore", "/x/save.state", str(tmp_path / "img"))
 
 
@@ -982,6 +1009,8 @@ def test_save_hands_the_state_to_the_node(ctx: HelperContext, root: Path, host: 
     st = os.stat(state)
     assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode), st.st_nlink) == (NODE_UID, NODE_GID, 0o640, 1)
     assert state.read_bytes() == host.saved and os.listdir(root / STAGE) == []
+    # the file libvirtd writes the guest's memory into was root's alone (0600) before it did
+    assert host.staged_mode == 0o600
 
 
 def test_save_that_libvirt_fails_leaves_nothing(ctx: HelperContext, root: Path, host: Host) -> None:
@@ -991,6 +1020,15 @@ def test_save_that_libvirt_fails_leaves_nothing(ctx: HelperContext, root: Path, 
         "virsh save vm1: error: Failed to save domain 'vm1' to x",
     )
     assert os.listdir(root / STAGE) == [] and not (root / STATE.lstrip("/")).exists()
+
+
+def test_save_into_a_staging_directory_not_roots_alone_is_refused(ctx: HelperContext, root: Path) -> None:
+    stage = root / STAGE
+    stage.mkdir(parents=True)
+    os.chown(stage, NODE_UID, NODE_UID)
+    reason, message = refused(lv.libvirt_save, call(ctx), lv.LibvirtSave("vm1"))
+    assert reason == "root-only" and message.startswith("/var/lib/bcd-hostconfig/libvirt is not a directory")
+    assert os.listdir(stage) == [] and virsh_runs(ctx) == [("dumpxml", "vm1")]
 
 
 def test_save_replaces_a_name_and_never_writes_through_it(
@@ -1128,6 +1166,8 @@ def test_a_read_only_volume_or_a_sourceless_drive_allows_a_memory_save(
         f"<source file='{DATA}/volumes/v1.raw'/>"
         "<target dev='vdb' bus='virtio'/><readonly/></disk><disk type='file' device='cdrom'>"
         "<driver name='qemu' type='raw'/><target dev='sdd' bus='sata'/><readonly/></disk>"
+        "<disk type='block' device='disk'><driver name='qemu' type='raw'/><source dev='/dev/sdb'/>"
+        "<target dev='vdc' bus='virtio'/></disk>"
     )
     host.domains["vm1"] = NO_GPU_DUMP.replace(b"<devices>\n", b"<devices>\n" + ro.encode(), 1)
     assert lv.libvirt_save(call(ctx), lv.LibvirtSave("vm1"))["name"] == "vm1"
@@ -1373,6 +1413,12 @@ def test_gpu_uuids_at_names_each_address_by_roots_nvidia_smi(ctx: HelperContext,
     got = lv.gpu_uuids_at(call(ctx, bounded=False), ("0000:db:00.0", "0000:2a:00.0", "0000:99:00.0"))
     assert got == sorted([GPUS[7][1], GPU1, "(no GPU at 0000:99:00.0)"])
     assert programs(ctx).runs == [UUID_BUS] and programs(ctx).timeouts == [60]
+    # older drivers print a 4-digit PCI domain; a byte that is not UTF-8 is no GPU
+    c = context(ctx.root, "", lambda argv: (0, f"{GPU0}, 0000:18:00.0\n\xff, x\n".encode("latin-1"), b""))
+    try:
+        assert lv.gpu_uuids_at(call(c), ("0000:18:00.0",)) == [GPU0]
+    finally:
+        c.audit.close()
     host.smi_rc = 6
     assert failed(lv.gpu_uuids_at, call(ctx), ("0000:18:00.0",)) == (
         "nvidia-smi",
@@ -1456,7 +1502,10 @@ def test_a_signed_restore_and_save_are_checked_against_the_spec(
         )
         assert restore(signed(signer, 2, wire_vm()))["name"] == "vm1" and generation(root) == 2
         save = lambda i: lv.libvirt_save(call(c), lv.LibvirtSave("vm1", i))  # noqa: E731
-        assert refused(save, None)[0] == "intent-required"
+        assert refused(save, None) == (
+            "intent-required",
+            "libvirt.save: a signed spec is required (command-signing roots from join record)",
+        )
         assert refused(save, signed(signer, 3, wire_vm(state=4)))[0] == "not-in-spec"
         assert virsh_runs(c)[-1] == ("dumpxml", "vm1") and not (root / STAGE / "vm1.state").exists()
         # a save compares no definition (the domain runs as defined): any spec naming the instance
