@@ -2154,3 +2154,51 @@ def test_observe_nvidia_driver_and_fabric_manager(tmp_path: Any) -> None:
         "NoDriver",
         "gpu-settings: no NVIDIA driver is loaded yet",
     )
+
+
+def test_HST_MOD_13_every_spelling_of_a_boolean_parameter_compares_equal() -> None:
+    head = HEAD.format(unit="kernel-modules").encode()
+    tun = ModuleView(True, 0, ())
+    for now, want in (
+        ("Y", "1"),
+        ("y", "1"),
+        ("N", "0"),
+        ("n", "0"),
+        ("1", "Y"),
+        ("0", "N"),
+        ("1", "y"),
+        ("0", "n"),
+    ):
+        settings = {"load": ["kvm", "tun"], "options": {"kvm": f"p={want}"}}
+        load, opts = head + b"kvm\ntun\n", head + f"options kvm p={want}\n".encode()
+        assert _kmod_plan(
+            settings, load, opts, {"kvm": ModuleView(True, 0, (("p", now),)), "tun": tun}
+        ).converged
+    # Y is not 0, N is not 1: those reload
+    settings = {"load": ["kvm"], "options": {"kvm": "p=1"}}
+    load, opts = head + b"kvm\n", head + b"options kvm p=1\n"
+    assert len(_kmod_plan(settings, load, opts, {"kvm": ModuleView(True, 0, (("p", "N"),))}).steps) == 2
+    # an empty option value matches a parameter the module does not show
+    settings = {"load": ["kvm"], "options": {"kvm": "p="}}
+    opts = head + b"options kvm p=\n"
+    assert _kmod_plan(settings, load, opts, {"kvm": ModuleView(True, 0, ())}).converged
+
+
+def test_HST_MOD_12_14_every_module_is_planned_after_one_that_loads() -> None:
+    head = HEAD.format(unit="kernel-modules").encode()
+    settings = {"load": ["a_mod", "kvm"], "options": {"kvm": "p=1"}}
+    load, opts = head + b"a_mod\nkvm\n", head + b"options kvm p=1\n"
+    p = _kmod_plan(
+        settings, load, opts, {"a_mod": ModuleView(False, 0, ()), "kvm": ModuleView(True, 0, (("p", "0"),))}
+    )
+    assert p.steps == (
+        Run(("modprobe", "--", "a_mod"), message="cannot load a_mod"),
+        Run(("modprobe", "-r", "--", "kvm"), message="cannot unload kvm"),
+        Run(("modprobe", "--", "kvm"), message="cannot load kvm"),
+    )
+
+
+def test_HST_MOD_05_an_option_value_may_hold_an_equals_sign() -> None:
+    assert decoded("kernel-modules", {"options": {"kvm": "a=b=c"}}).options == (
+        ("kvm", (("a", "b=c"),), "a=b=c"),
+    )
