@@ -2202,3 +2202,123 @@ def test_HST_MOD_05_an_option_value_may_hold_an_equals_sign() -> None:
     assert decoded("kernel-modules", {"options": {"kvm": "a=b=c"}}).options == (
         ("kvm", (("a", "b=c"),), "a=b=c"),
     )
+
+
+def test_observe_gpu_settings_sharing_and_toolkit(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.distro import Distro
+    from bcd_shared.units.gpusettings import GpuPower, GpuSettingsObserved
+    from bcd_shared.units.sharing import SharingObserved
+    from bcd_shared.units.toolkit import ToolkitObserved, stamp_of
+
+    # --query-gpu rows as the reference CSV shows them (590.48.01: [N/A] without power management)
+    rows = (
+        b"0, GPU-a, 700.00, 100.00, 700.00, Enabled, Enabled\n1, GPU-b, [N/A], [N/A], [N/A], [N/A], [N/A]\n"
+    )
+    host = Scripted(
+        tmp_path,
+        {
+            "nvidia-smi": lambda a, i: (
+                0,
+                rows if a[1].startswith("--query") else b"GPU 0: H100 (UUID: GPU-a)\n",
+                b"",
+            ),
+            "systemctl": lambda a, i: (0, b"", b""),
+        },
+    )
+    s = decoded("gpu-settings", {"ecc": True})
+    assert REGISTRY["gpu-settings"].observe(host.system, s, UnitContext()) == GpuSettingsObserved(
+        (
+            GpuPower("0", 700.0, 100.0, 700.0, "Enabled", "Enabled"),
+            GpuPower("1", None, None, None, "[N/A]", "[N/A]"),
+        )
+    )
+    assert host.calls == [
+        (
+            "nvidia-smi",
+            "--query-gpu=index,uuid,power.limit,power.min_limit,power.max_limit,ecc.mode.current,ecc.mode.pending",
+            "--format=csv,noheader,nounits",
+        )
+    ]
+    host.calls.clear()
+    assert (
+        REGISTRY["gpu-settings"].observe(host.system, decoded("gpu-settings", {}), UnitContext()).gpus == ()
+    )
+    assert REGISTRY["gpu-settings"].observe(host.system, None, UnitContext()).gpus == ()
+    assert host.calls == []
+    # gpu-sharing: the control program and the service are only asked about for MPS or a unit file
+    assert REGISTRY["gpu-sharing"].observe(host.system, None, UnitContext()) == SharingObserved(
+        False, None, False
+    )
+    _tree(tmp_path, {"/usr/bin/nvidia-cuda-mps-control": "", "/etc/systemd/system/bcd-mps.service": "u"})
+    mps = decoded("gpu-sharing", {"mode": "mps"})
+    assert REGISTRY["gpu-sharing"].observe(host.system, mps, UnitContext()) == SharingObserved(
+        True, b"u", True
+    )
+    ts = decoded("gpu-sharing", {"mode": "timeslice"})
+    assert REGISTRY["gpu-sharing"].observe(host.system, ts, UnitContext()) == SharingObserved(
+        False, b"u", True
+    )
+    # container-toolkit
+    _tree(
+        tmp_path,
+        {
+            "/etc/os-release": "ID=debian\nVERSION_ID=12\n",
+            "/usr/bin/nvidia-ctk": "",
+            "/usr/bin/containerd": "",
+            "/etc/containerd/config.toml": "[plugins]\n",
+            "/usr/bin/dockerd": "",
+            "/etc/docker/daemon.json": '{"runtimes": {"nvidia": {"path": "nvidia-container-runtime"}}}',
+            "/etc/nvidia-container-runtime/config.toml": "c\n",
+            "/var/lib/bcd-hostconfig/cdi-nvidia.stamp": "# h\nabc\n",
+            "/etc/cdi/nvidia.yaml": "",
+            "/sys/module/nvidia/": "",
+            "/proc/driver/nvidia/version": PROC_580_OPEN,
+        },
+    )
+    o = REGISTRY["container-toolkit"].observe(host.system, decoded("container-toolkit", {}), UnitContext())
+    assert o == ToolkitObserved(
+        Distro("debian", "12", "debian"),
+        True,
+        ("containerd",),
+        "c\n",
+        stamp_of("580.82.07", "GPU 0: H100 (UUID: GPU-a)\n"),
+        "abc",
+        False,
+        True,
+    )
+    o = REGISTRY["container-toolkit"].observe(
+        host.system, decoded("container-toolkit", {"cdi": False}), UnitContext()
+    )
+    assert o.stamp_now is None
+    assert REGISTRY["container-toolkit"].observe(host.system, None, UnitContext()) == ToolkitObserved(
+        Distro("", "", "unknown"), False, (), "", None, None, False, False
+    )
+
+
+def test_HST_CTK_generate_cdi_writes_the_spec_then_its_stamp(tmp_path: Any) -> None:
+    from bcd_shared.units import ApplyContext
+    from bcd_shared.units.toolkit import GenerateCdi
+
+    host = Scripted(tmp_path, {"nvidia-ctk": lambda a, i: (0, b"", b"")})
+    GenerateCdi("d1g3st").apply(host.system, ApplyContext())
+    assert host.calls == [
+        (
+            "nvidia-ctk",
+            "cdi",
+            "generate",
+            "--format=json",
+            "--device-name-strategy=uuid",
+            "--output=/etc/cdi/nvidia.json",
+        )
+    ]
+    assert host.system.read_text("/var/lib/bcd-hostconfig/cdi-nvidia.stamp") == (
+        HEAD.format(unit="container-toolkit") + "d1g3st\n"
+    )
+    from bcd_shared.errors import RetryableError
+
+    failing = Scripted(tmp_path / "f", {"nvidia-ctk": lambda a, i: (1, b"", b"no driver\n")})
+    with pytest.raises(RetryableError) as exc:
+        GenerateCdi("x").apply(failing.system, ApplyContext())
+    assert exc.value.message == "generating the NVIDIA CDI spec: nvidia-ctk exited 1: no driver"
+    assert not failing.system.exists("/var/lib/bcd-hostconfig/cdi-nvidia.stamp")
