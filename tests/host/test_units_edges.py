@@ -2322,3 +2322,36 @@ def test_HST_CTK_generate_cdi_writes_the_spec_then_its_stamp(tmp_path: Any) -> N
         GenerateCdi("x").apply(failing.system, ApplyContext())
     assert exc.value.message == "generating the NVIDIA CDI spec: nvidia-ctk exited 1: no driver"
     assert not failing.system.exists("/var/lib/bcd-hostconfig/cdi-nvidia.stamp")
+
+
+def test_HST_HP_one_page_of_1g_mounts_and_missing_pool_files_read_as_zero(tmp_path: Any) -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext, RebootRequired
+    from bcd_shared.units.bootargs import BootloaderView
+    from bcd_shared.units.hugepages import Set1GPages, Set2MPages, mount_unit_text
+
+    g1 = POOL.format("1048576kB")
+    assert _hp_plan({"pages1g": 1}, counts=((g1, 1),)).steps[0] == WriteFile(
+        "/etc/systemd/system/dev-hugepages1G.mount", mount_unit_text()
+    )
+    # a kernel file that vanished reads as 0 pages: 0 asked is met, 2 asked is short by 2
+    host = Scripted(tmp_path, {"tee": lambda a, i: (0, b"", b""), "grubby": lambda a, i: (0, b"", b"")})
+    Set2MPages("/sys/none", 0).apply(host.system, ApplyContext())
+    Set1GPages((("/sys/none", 0),), 0, "", BootloaderView(False, True)).apply(host.system, ApplyContext())
+    with pytest.raises(RetryableError) as exc:
+        Set2MPages("/sys/none", 2).apply(host.system, ApplyContext())
+    assert exc.value.message == "hugepages: /sys/none holds 0 pages, not 2 (memory fragmented or short)"
+    # grubby: the arguments set before are removed, then the new ones added; unreadable counts add nothing
+    host.system.write_atomic("/sys/bad", b"err\n")
+    host.calls.clear()
+    with pytest.raises(RebootRequired) as boot:
+        Set1GPages((("/sys/bad", 4),), 4, "hugepagesz=1G hugepages=2", BootloaderView(False, True)).apply(
+            host.system, ApplyContext()
+        )
+    assert boot.value.message.startswith(
+        "hugepages: 4 pages of 1 GiB could not be allocated now (0 allocated)"
+    )
+    assert host.calls[1:] == [
+        ("grubby", "--update-kernel=ALL", "--remove-args=hugepagesz=1G hugepages=2"),
+        ("grubby", "--update-kernel=ALL", "--args=hugepagesz=1G hugepages=4"),
+    ]
