@@ -2154,3 +2154,204 @@ def test_observe_nvidia_driver_and_fabric_manager(tmp_path: Any) -> None:
         "NoDriver",
         "gpu-settings: no NVIDIA driver is loaded yet",
     )
+
+
+def test_HST_MOD_13_every_spelling_of_a_boolean_parameter_compares_equal() -> None:
+    head = HEAD.format(unit="kernel-modules").encode()
+    tun = ModuleView(True, 0, ())
+    for now, want in (
+        ("Y", "1"),
+        ("y", "1"),
+        ("N", "0"),
+        ("n", "0"),
+        ("1", "Y"),
+        ("0", "N"),
+        ("1", "y"),
+        ("0", "n"),
+    ):
+        settings = {"load": ["kvm", "tun"], "options": {"kvm": f"p={want}"}}
+        load, opts = head + b"kvm\ntun\n", head + f"options kvm p={want}\n".encode()
+        assert _kmod_plan(
+            settings, load, opts, {"kvm": ModuleView(True, 0, (("p", now),)), "tun": tun}
+        ).converged
+    # Y is not 0, N is not 1: those reload
+    settings = {"load": ["kvm"], "options": {"kvm": "p=1"}}
+    load, opts = head + b"kvm\n", head + b"options kvm p=1\n"
+    assert len(_kmod_plan(settings, load, opts, {"kvm": ModuleView(True, 0, (("p", "N"),))}).steps) == 2
+    # an empty option value matches a parameter the module does not show
+    settings = {"load": ["kvm"], "options": {"kvm": "p="}}
+    opts = head + b"options kvm p=\n"
+    assert _kmod_plan(settings, load, opts, {"kvm": ModuleView(True, 0, ())}).converged
+
+
+def test_HST_MOD_12_14_every_module_is_planned_after_one_that_loads() -> None:
+    head = HEAD.format(unit="kernel-modules").encode()
+    settings = {"load": ["a_mod", "kvm"], "options": {"kvm": "p=1"}}
+    load, opts = head + b"a_mod\nkvm\n", head + b"options kvm p=1\n"
+    p = _kmod_plan(
+        settings, load, opts, {"a_mod": ModuleView(False, 0, ()), "kvm": ModuleView(True, 0, (("p", "0"),))}
+    )
+    assert p.steps == (
+        Run(("modprobe", "--", "a_mod"), message="cannot load a_mod"),
+        Run(("modprobe", "-r", "--", "kvm"), message="cannot unload kvm"),
+        Run(("modprobe", "--", "kvm"), message="cannot load kvm"),
+    )
+
+
+def test_HST_MOD_05_an_option_value_may_hold_an_equals_sign() -> None:
+    assert decoded("kernel-modules", {"options": {"kvm": "a=b=c"}}).options == (
+        ("kvm", (("a", "b=c"),), "a=b=c"),
+    )
+
+
+def test_observe_gpu_settings_sharing_and_toolkit(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.distro import Distro
+    from bcd_shared.units.gpusettings import GpuPower, GpuSettingsObserved
+    from bcd_shared.units.sharing import SharingObserved
+    from bcd_shared.units.toolkit import ToolkitObserved, stamp_of
+
+    # --query-gpu rows as the reference CSV shows them (590.48.01: [N/A] without power management)
+    rows = (
+        b"0, GPU-a, 700.00, 100.00, 700.00, Enabled, Enabled\n1, GPU-b, [N/A], [N/A], [N/A], [N/A], [N/A]\n"
+    )
+    host = Scripted(
+        tmp_path,
+        {
+            "nvidia-smi": lambda a, i: (
+                0,
+                rows if a[1].startswith("--query") else b"GPU 0: H100 (UUID: GPU-a)\n",
+                b"",
+            ),
+            "systemctl": lambda a, i: (0, b"", b""),
+        },
+    )
+    s = decoded("gpu-settings", {"ecc": True})
+    assert REGISTRY["gpu-settings"].observe(host.system, s, UnitContext()) == GpuSettingsObserved(
+        (
+            GpuPower("0", 700.0, 100.0, 700.0, "Enabled", "Enabled"),
+            GpuPower("1", None, None, None, "[N/A]", "[N/A]"),
+        )
+    )
+    assert host.calls == [
+        (
+            "nvidia-smi",
+            "--query-gpu=index,uuid,power.limit,power.min_limit,power.max_limit,ecc.mode.current,ecc.mode.pending",
+            "--format=csv,noheader,nounits",
+        )
+    ]
+    host.calls.clear()
+    assert (
+        REGISTRY["gpu-settings"].observe(host.system, decoded("gpu-settings", {}), UnitContext()).gpus == ()
+    )
+    assert REGISTRY["gpu-settings"].observe(host.system, None, UnitContext()).gpus == ()
+    assert host.calls == []
+    # gpu-sharing: the control program and the service are only asked about for MPS or a unit file
+    assert REGISTRY["gpu-sharing"].observe(host.system, None, UnitContext()) == SharingObserved(
+        False, None, False
+    )
+    _tree(tmp_path, {"/usr/bin/nvidia-cuda-mps-control": "", "/etc/systemd/system/bcd-mps.service": "u"})
+    mps = decoded("gpu-sharing", {"mode": "mps"})
+    assert REGISTRY["gpu-sharing"].observe(host.system, mps, UnitContext()) == SharingObserved(
+        True, b"u", True
+    )
+    ts = decoded("gpu-sharing", {"mode": "timeslice"})
+    assert REGISTRY["gpu-sharing"].observe(host.system, ts, UnitContext()) == SharingObserved(
+        False, b"u", True
+    )
+    # container-toolkit
+    _tree(
+        tmp_path,
+        {
+            "/etc/os-release": "ID=debian\nVERSION_ID=12\n",
+            "/usr/bin/nvidia-ctk": "",
+            "/usr/bin/containerd": "",
+            "/etc/containerd/config.toml": "[plugins]\n",
+            "/usr/bin/dockerd": "",
+            "/etc/docker/daemon.json": '{"runtimes": {"nvidia": {"path": "nvidia-container-runtime"}}}',
+            "/etc/nvidia-container-runtime/config.toml": "c\n",
+            "/var/lib/bcd-hostconfig/cdi-nvidia.stamp": "# h\nabc\n",
+            "/etc/cdi/nvidia.yaml": "",
+            "/sys/module/nvidia/": "",
+            "/proc/driver/nvidia/version": PROC_580_OPEN,
+        },
+    )
+    o = REGISTRY["container-toolkit"].observe(host.system, decoded("container-toolkit", {}), UnitContext())
+    assert o == ToolkitObserved(
+        Distro("debian", "12", "debian"),
+        True,
+        ("containerd",),
+        "c\n",
+        stamp_of("580.82.07", "GPU 0: H100 (UUID: GPU-a)\n"),
+        "abc",
+        False,
+        True,
+    )
+    o = REGISTRY["container-toolkit"].observe(
+        host.system, decoded("container-toolkit", {"cdi": False}), UnitContext()
+    )
+    assert o.stamp_now is None
+    assert REGISTRY["container-toolkit"].observe(host.system, None, UnitContext()) == ToolkitObserved(
+        Distro("", "", "unknown"), False, (), "", None, None, False, False
+    )
+
+
+def test_HST_CTK_generate_cdi_writes_the_spec_then_its_stamp(tmp_path: Any) -> None:
+    from bcd_shared.units import ApplyContext
+    from bcd_shared.units.toolkit import GenerateCdi
+
+    host = Scripted(tmp_path, {"nvidia-ctk": lambda a, i: (0, b"", b"")})
+    GenerateCdi("d1g3st").apply(host.system, ApplyContext())
+    assert host.calls == [
+        (
+            "nvidia-ctk",
+            "cdi",
+            "generate",
+            "--format=json",
+            "--device-name-strategy=uuid",
+            "--output=/etc/cdi/nvidia.json",
+        )
+    ]
+    assert host.system.read_text("/var/lib/bcd-hostconfig/cdi-nvidia.stamp") == (
+        HEAD.format(unit="container-toolkit") + "d1g3st\n"
+    )
+    from bcd_shared.errors import RetryableError
+
+    failing = Scripted(tmp_path / "f", {"nvidia-ctk": lambda a, i: (1, b"", b"no driver\n")})
+    with pytest.raises(RetryableError) as exc:
+        GenerateCdi("x").apply(failing.system, ApplyContext())
+    assert exc.value.message == "generating the NVIDIA CDI spec: nvidia-ctk exited 1: no driver"
+    assert not failing.system.exists("/var/lib/bcd-hostconfig/cdi-nvidia.stamp")
+
+
+def test_HST_HP_one_page_of_1g_mounts_and_missing_pool_files_read_as_zero(tmp_path: Any) -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext, RebootRequired
+    from bcd_shared.units.bootargs import BootloaderView
+    from bcd_shared.units.hugepages import Set1GPages, Set2MPages, mount_unit_text
+
+    g1 = POOL.format("1048576kB")
+    assert _hp_plan({"pages1g": 1}, counts=((g1, 1),)).steps[0] == WriteFile(
+        "/etc/systemd/system/dev-hugepages1G.mount", mount_unit_text()
+    )
+    # a kernel file that vanished reads as 0 pages: 0 asked is met, 2 asked is short by 2
+    host = Scripted(tmp_path, {"tee": lambda a, i: (0, b"", b""), "grubby": lambda a, i: (0, b"", b"")})
+    Set2MPages("/sys/none", 0).apply(host.system, ApplyContext())
+    Set1GPages((("/sys/none", 0),), 0, "", BootloaderView(False, True)).apply(host.system, ApplyContext())
+    with pytest.raises(RetryableError) as exc:
+        Set2MPages("/sys/none", 2).apply(host.system, ApplyContext())
+    assert exc.value.message == "hugepages: /sys/none holds 0 pages, not 2 (memory fragmented or short)"
+    # grubby: the arguments set before are removed, then the new ones added; unreadable counts add nothing
+    host.system.write_atomic("/sys/bad", b"err\n")
+    host.calls.clear()
+    with pytest.raises(RebootRequired) as boot:
+        Set1GPages((("/sys/bad", 4),), 4, "hugepagesz=1G hugepages=2", BootloaderView(False, True)).apply(
+            host.system, ApplyContext()
+        )
+    assert boot.value.message.startswith(
+        "hugepages: 4 pages of 1 GiB could not be allocated now (0 allocated)"
+    )
+    assert host.calls[1:] == [
+        ("grubby", "--update-kernel=ALL", "--remove-args=hugepagesz=1G hugepages=2"),
+        ("grubby", "--update-kernel=ALL", "--args=hugepagesz=1G hugepages=4"),
+    ]

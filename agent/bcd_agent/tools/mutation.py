@@ -83,18 +83,15 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     # The host units one module at a time (`--only`), against the in-process unit tests: the simulated
     # host's programs are child processes, but the unit code runs in the test process, which mutmut sees.
-    # Not `tests/helper/` (a real helper child: no coverage) nor the real-tool and whole-node tests.
+    # Not `tests/helper/` (a real helper child: no coverage) nor the real-tool and whole-node tests; the
+    # compliance files repeat the simulated host's runs and only slow each surviving mutant down.
     "shared-units": (
         ("shared/bcd_shared/units/*", "shared/bcd_shared/strictjson.py"),
         (
+            "tests/host/test_units_edges.py",
             "tests/host/test_unit_rules.py",
             "tests/host/test_units_strength.py",
             "tests/host/test_units_simhost.py",
-            "tests/host/test_host_compliance_units.py",
-            "tests/host/test_host_compliance_round2.py",
-            "tests/host/test_open_question_decisions.py",
-            "tests/host/test_idempotence.py",
-            "tests/host/test_units_edges.py",
         ),
     ),
     "journal": (("agent/bcd_agent/journal/*",), ("tests/journal/",)),
