@@ -292,7 +292,7 @@ def test_round4_a_saved_state_swapped_after_roots_check_is_never_read(
         assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
         client.call("libvirt.save", {"name": name})
         xml = (d / "domain.xml").read_text()
-        node_wins_the_race.write_text(f"restore {d / 'save.state'} {host_file}\n")
+        node_wins_the_race.write_text(f"*restore* {d / 'save.state'} {host_file}\n")
         answer = client.call("libvirt.restore", {"name": name, "xml": xml, "paused": True})
         assert answer == {"name": name, "paused": True}, answer
         assert not node_wins_the_race.exists() and (d / "save.state").is_symlink()  # the swap was made
@@ -314,30 +314,27 @@ def _node_owns(data: str) -> None:
             os.chown(os.path.join(dirpath, f), 4242, kvm, follow_symlinks=False)
 
 
-def test_round4_a_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
+def test_round4_a_disk_swapped_after_roots_check_is_never_opened(
     real_libvirt: None,
+    node_wins_the_race: Path,
     workdir: Path,  # noqa: F811
     bridge: str,  # noqa: F811
     helper_socket: tuple[str, Path],  # noqa: F811
 ) -> None:
-    """Root checks a domain's files at `libvirt.start`, then libvirt opens them by path: a node that swaps
-    `disk.qcow2` for a symlink to a host file inside that window (milliseconds, the virsh process start)
-    got libvirt, with `dynamic_ownership` (Debian's default), to chown the host file to QEMU's user
-    (`libvirt-qemu`) and the guest to run on it (a root-only qcow2 here: another guest's disk). What
-    the node wins in the window now: root's definition carries `<seclabel model='dac' relabel='no'/>`
-    on every file source, so libvirt chowns nothing and QEMU opens the path with its own user's rights
-    only (Permission denied here). The race is made deterministic by running the start root's op runs
-    (`virsh start`) right after the swap, as a node that won the window has it; real libvirt 9.0 and
-    QEMU (TCG)."""
-    import grp
-
+    """Root checked a domain's files at `libvirt.start`, then libvirt opened them by path: a node that
+    swapped `disk.qcow2` for a symlink to a host file inside that window (milliseconds, the virsh process
+    start) got libvirt, with `dynamic_ownership` (Debian's default), to chown the host file to QEMU's
+    user (`libvirt-qemu`) and the guest to run on it (a root-only qcow2 here: another guest's disk).
+    Root's definition now carries `fdgroup`s and `relabel='no'` on every disk source, and the start
+    associates each group with a descriptor root opened and checked (`virsh dom-fd-associate`, then
+    `start`, in one virsh process): the swap, made right before the real virsh runs, changes nothing
+    QEMU opens; the host file is neither opened nor chowned. Real libvirt 9.0 and QEMU (TCG)."""
     from bcd_agent.helperclient import HelperClient
     from bcd_agent.sections.instances.runtimes.base import Prepared
     from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
     from bcd_shared.system import LocalSystem
-    from test_guest_boot_real import _instance, _require_libvirtd, _virsh
+    from test_guest_boot_real import _instance, _virsh
 
-    _require_libvirtd()
     sock, _home = helper_socket
     inst, data, _marker = _instance(workdir, bridge)
     system = LocalSystem(Path("/"))
@@ -346,7 +343,6 @@ def test_round4_a_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
         system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
         domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
     )  # fmt: skip
-    kvm = grp.getgrnam("kvm").gr_gid
     host_file = workdir / "host-secret.qcow2"  # root's own image (another guest's disk, say), 0600
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(host_file), "16M"], check=True)
     os.chmod(host_file, 0o600)
@@ -354,23 +350,27 @@ def test_round4_a_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
     disk = Path(data) / "libvirt/instances" / name / "disk.qcow2"
     try:
         rt.create(inst, Prepared())
-        for dirpath, _dirs, files in os.walk(data):  # what the node would own had it made them
-            os.chown(dirpath, 4242, kvm)
-            for f in files:
-                os.chown(os.path.join(dirpath, f), 4242, kvm)
-        os.rename(disk, disk.with_name("real.qcow2"))
-        os.symlink(host_file, disk)
-        started = subprocess.run(
-            ["virsh", "-c", SYSTEM_URI, "start", name], capture_output=True, text=True, check=False
-        )
-        st = os.stat(host_file)
-        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600), started
-        assert started.returncode != 0 and "Permission denied" in started.stderr, started
+        _node_owns(data)
         xml = _virsh("dumpxml", "--inactive", name)
-        assert xml.count("<source file=") == xml.count("<seclabel model='dac' relabel='no'/>") >= 2, xml
-        disk.unlink()
-        os.rename(disk.with_name("real.qcow2"), disk)
-        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name  # the real disk
+        sources = xml.count("<source file=")
+        assert sources >= 2 and xml.count("fdgroup='bcd") == sources, xml
+        assert xml.count("<seclabel model='dac' relabel='no'/>") == sources, xml
+        real = os.stat(disk)
+        node_wins_the_race.write_text(f"*start* {disk} {host_file}\n")
+        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
+        assert not node_wins_the_race.exists() and disk.is_symlink()  # the swap was made
+        st = os.stat(host_file)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
+        pid = Path(f"/run/libvirt/qemu/{name}.pid").read_text().strip()
+        held = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                fst = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            held.add((fst.st_dev, fst.st_ino))
+        assert (real.st_dev, real.st_ino) in held  # QEMU runs on the disk root checked
+        assert (st.st_dev, st.st_ino) not in held  # and never opened the host file
     finally:
         subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
         subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)

@@ -90,11 +90,12 @@ class BoundedSystem(RootOnlySystem):
         *,
         timeout: float = DEFAULT_TOOL_TIMEOUT_S,
         input: bytes | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> CommandResult:
         left = self._deadline.remaining()
         if left <= 0:
             raise Failed("timeout", f"the operation's {self._deadline.seconds:.0f}s ran out before {argv[0]}")
-        return self.inner.run(argv, timeout=min(timeout, self._cap, left), input=input)
+        return self.inner.run(argv, timeout=min(timeout, self._cap, left), input=input, pass_fds=pass_fds)
 
 
 @frozen
