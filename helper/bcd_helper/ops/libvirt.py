@@ -361,7 +361,10 @@ def _virsh_held(call: Call, name: str, held: list[Held], *command: str) -> Any:
         f"dom-fd-associate {name} {h.group} {h.fd}" + (" --seclabel-writable" if h.writable else "")
         for h in held
     ]
-    line = " ; ".join([*steps, " ".join(command)])
+    import shlex
+
+    # virsh's own parser reads shell-like quoting; names and groups are plain, paths are quoted
+    line = " ; ".join([*steps, " ".join(shlex.quote(c) for c in command)])
     return call.system.run(
         ["virsh", "-c", call.ctx.config.libvirt_uri, line], timeout=120, pass_fds=[h.fd for h in held]
     )
