@@ -214,6 +214,77 @@ def test_round4_roots_derivation_of_the_nic_policies_is_the_nodes() -> None:
     assert "g" not in roots
 
 
+def test_round4_a_guarded_guest_never_starts_without_its_signed_rules(tmp_path: Path) -> None:
+    """With command-signing roots `nft.apply` loads only the signed policies (row 19), but nothing made the
+    node load them: it could launch a PRIVATE guest and never call nft.apply (or load nothing after a
+    reboot), and the guest ran with no rules at all. `ch.launch` (as `libvirt.start` and
+    `libvirt.restore`) now starts a guest the signed spec guards only when root's last successful load
+    holds every NIC policy root derives for it: refused `network-policy` before, launched after the
+    signed load. Real nft in the helper's own network namespace, the simulated VMM."""
+    from bcd_shared import wire
+    from bcd_simhost.chapi import CH_BASE_SHA256, lay_out_instance
+    from intentkit import ControlPlane, intent
+    from testsupport import IN_CI, require_tool
+
+    require_tool("nft")
+    require_tool("nsenter")
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("needs root under CI (unshare -n)")
+        pytest.skip("needs root (unshare -n)")
+    cp = ControlPlane.build()
+    parent = Path(tempfile.mkdtemp(prefix="bcd-r4-", dir="/var/tmp"))  # short: the VMM's socket paths
+    root = make_root(parent)
+    cp.write_record(root, "node-r4", cp.bundle(1))
+    lay_out_instance(root, "vm5", NODE_UID, VMM_UID + 5)
+    h = HelperProcess(
+        root,
+        cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'),
+        prefix=("unshare", "-n"),
+        env={"BCD_SIM_NETNS": "1"},
+    )
+    pid = h.proc.pid
+    subprocess.run(
+        ["nsenter", "-t", str(pid), "-n", "ip", "link", "add", "br0", "type", "bridge"], check=True
+    )
+    mac, addr = "52:54:00:00:00:01", "10.0.0.5/24"
+    vm5 = wire.InstanceSpec(
+        id="vm5", allocation_id="alloc-vm5", runtime="cloud-hypervisor",
+        desired_state=wire.InstanceDesiredState(1),
+        size=wire.InstanceSize(vcpus=2, memory_bytes=1 << 30, disk_bytes=10 << 30),
+        image=wire.ImageRef(url="https://x.invalid/x.qcow2", sha256=CH_BASE_SHA256, format="qcow2"),
+        nics=[wire.Nic(bridge="br0", mac=mac, addresses=[addr])], network_policy=wire.NetworkPolicy(2),
+    )  # fmt: skip
+    full = wire.NodeSpec(instances=wire.InstancesSection(instances=[vm5]))
+    signed = intent(
+        cp.command.leaf(), bytes(wire.DesiredStateBody(node_id="node-r4", generation=1, full=full))
+    )
+    launch = {"op": "ch.launch", "args": {"name": "vm5", "intent": signed}}
+    nic = {
+        "instance": "vm5",
+        "index": 0,
+        "bridge": "br0",
+        "mac": mac,
+        "addresses": [addr],
+        "policy": "PRIVATE",
+    }
+    try:
+        _refused_as_node(h, launch, "network-policy", "nft.apply")
+        egress = {**nic, "policy": "EGRESS", "addresses": [], "mac": ""}
+        _refused_as_node(
+            h, {"op": "nft.apply", "args": {"nics": [egress], "intent": signed}}, "spec-mismatch"
+        )
+        _refused_as_node(h, launch, "network-policy")
+        answer = _as_node(h, {"op": "nft.apply", "args": {"nics": [nic], "intent": signed}})
+        assert answer["ok"] is True, answer
+        answer = _as_node(h, launch)
+        assert answer["ok"] is True, answer
+        assert _as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True
+    finally:
+        h.stop()
+        shutil.rmtree(parent, ignore_errors=True)
+
+
 # The real helper on the real libvirt (qemu:///system, TCG), as tests/instances/test_guest_boot_real.py
 # drives it: its fixtures are used here (a bridge, a work directory QEMU can reach, the helper's socket).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))

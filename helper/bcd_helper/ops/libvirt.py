@@ -192,11 +192,21 @@ def check_definition(call: Call, op: str, name: str, xml: str) -> tuple[CheckedD
 
 
 def _signed(
-    call: Call, op: str, name: str, intent: SignedIntent | None, checked: CheckedDomain | None
+    call: Call,
+    op: str,
+    name: str,
+    intent: SignedIntent | None,
+    checked: CheckedDomain | None,
+    runs: bool = False,
 ) -> None:
-    """With roots: the signed spec's instance, compared with the definition; the state saved."""
+    """With roots: the signed spec's instance, compared with the definition; `runs` (a start, a
+    restore): its signed network rules loaded (nft.require_loaded); the state saved."""
     verifier = call.ctx.intent_verifier()
     inst, state = verifier.signed_instance(op, name, intent)
+    if inst is not None and runs:
+        from bcd_helper.ops.nft import require_loaded
+
+        require_loaded(call, op, inst)
     if inst is not None and checked is not None:
         size = inst.size
         nics = [(n.bridge, n.mac) for n in inst.nics]
@@ -412,7 +422,7 @@ def libvirt_start(call: Call, req: LibvirtStart) -> dict[str, Any]:
     checked = None
     if req.intent is not None or call.ctx.config.command_root_sha256:
         checked = _checked_running(call, op, name, xml)
-    _signed(call, op, name, req.intent, checked)
+    _signed(call, op, name, req.intent, checked, runs=True)
     _gpus_free(call, op, name, xml)
     held = _held_files(call, op, name, xml)
     try:
@@ -677,7 +687,7 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
     _stage_room(call, op, name)
     checked, data = check_definition(call, op, name, req.xml)
     _gpus_free(call, op, name, data)  # a restore passes its GPUs through as a start does (DLV-DEV-21)
-    _signed(call, op, name, req.intent, checked)
+    _signed(call, op, name, req.intent, checked, runs=True)
     _real, st = _instance_file(call, op, name, "save.state", "no-state", "no-state")
     state = f"{instance_dir(call.ctx.config.data_dir, name)}/save.state"
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link: a file the node did not write
