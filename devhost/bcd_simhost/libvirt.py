@@ -141,6 +141,9 @@ def _real_test_driver(argv: Sequence[str]) -> CommandResult:
     return CommandResult(tuple(argv), proc.returncode, proc.stdout, proc.stderr)
 
 
+_NOT_ASSOCIATED = "error: invalid argument: file descriptor group '{}' was not associated with the domain\n"
+
+
 def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
     if TEST_URI in argv:
         return _real_test_driver(argv)
@@ -149,6 +152,51 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
         args = args[2:] if args[0] == "-c" else args[1:]
     if not args:
         return _r(argv, 1, err="error: no command\n")
+    if len(args) == 1 and ";" in args[0]:
+        return _chain(system, argv, args[0], stdin)
+    return _one(system, argv, args, stdin, {})
+
+
+def _chain(system: LocalSystem, argv: Sequence[str], line: str, stdin: bytes | None) -> CommandResult:
+    """virsh's `;`-separated commands in one connection: `dom-fd-associate NAME GROUP FD
+    [--seclabel-writable]` (libvirt >= 9.0) holds the caller's descriptor (this process's: the simulated
+    tool runs in the helper) for the commands after it; the first failure ends the chain."""
+    import shlex
+
+    assoc: dict[str, str] = {}
+    out = b""
+    for part in line.split(";"):
+        words = shlex.split(part)
+        if not words:
+            continue
+        if words[0] == "dom-fd-associate":
+            if len(words) < 4 or not words[3].isdigit():
+                return _r(argv, 1, err="error: dom-fd-associate NAME GROUP FD\n")
+            try:
+                os.fstat(int(words[3]))
+            except OSError:
+                return _r(argv, 1, err=f"error: Unable to get file descriptor {words[3]}\n")
+            assoc[words[2]] = f"/proc/self/fd/{words[3]}"
+            continue
+        result = _one(system, argv, words, stdin, assoc)
+        out += result.stdout
+        if not result.ok:
+            return CommandResult(tuple(argv), result.returncode, out, result.stderr)
+    return CommandResult(tuple(argv), 0, out, b"")
+
+
+def _unassociated(xml: bytes, assoc: dict[str, str]) -> str | None:
+    """The first fdgroup of the definition no descriptor was associated with (libvirt refuses then)."""
+    for src in ET.fromstring(xml).iter("source"):  # noqa: S314 (the simulation's own copy)
+        group = src.get("fdgroup")
+        if group is not None and group not in assoc:
+            return group
+    return None
+
+
+def _one(
+    system: LocalSystem, argv: Sequence[str], args: list[str], stdin: bytes | None, assoc: dict[str, str]
+) -> CommandResult:
     cmd, rest = args[0], args[1:]
     if cmd == "list":
         lines = [" Id   Name   State", "-" * 30]
@@ -182,6 +230,9 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
         xml_path = rest[rest.index("--xml") + 1]
         xml = Path(xml_path).read_bytes()
         name = (ET.fromstring(xml).findtext("name") or "").strip()  # noqa: S314
+        group = _unassociated(xml, assoc)
+        if group is not None:
+            return _r(argv, 1, err=_NOT_ASSOCIATED.format(group))
         if not Path(rest[0]).is_file():
             return _r(argv, 1, err=f"error: Failed to restore domain from {rest[0]}\n")
         _save(system, name, "paused" if "--paused" in rest else "running", xml)
@@ -208,6 +259,9 @@ def virsh(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> Comm
                 1,
                 err="error: Requested operation is not valid: domain is already running\n",
             )
+        group = _unassociated(xml, assoc)
+        if group is not None:
+            return _r(argv, 1, err=_NOT_ASSOCIATED.format(group))
         vcpus, mem = _size(xml)
         cap_cpu, cap_mem = _capacity(system)
         for other in _names(system):

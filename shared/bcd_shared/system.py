@@ -191,7 +191,10 @@ class LocalSystem:
         *,
         timeout: float = DEFAULT_TOOL_TIMEOUT_S,
         input: bytes | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> CommandResult:
+        """`pass_fds`: descriptors the program inherits (the helper hands libvirt the files it opened;
+        a simulated tool runs in this process and reads them from /proc/self/fd)."""
         if not argv:
             raise ValueError("empty argv")
         args = tuple(argv)
@@ -202,7 +205,9 @@ class LocalSystem:
             # A simulated host never runs the real machine's programs.
             return CommandResult(args, 127, b"", f"{args[0]}: not found on the simulated host".encode())
         try:
-            proc = subprocess.run(args, input=input, capture_output=True, timeout=timeout, check=False)
+            proc = subprocess.run(
+                args, input=input, capture_output=True, timeout=timeout, check=False, pass_fds=tuple(pass_fds)
+            )
         except FileNotFoundError:
             return CommandResult(args, 127, b"", f"{args[0]}: command not found".encode())
         except subprocess.TimeoutExpired as exc:

@@ -287,6 +287,6 @@ def test_a_start_never_takes_a_gpu_a_hold_has_dlv_dev_21(lv: tuple[HelperProcess
 
 
 def _no_relabel(xml: bytes) -> bytes:
-    from bcd_helper.ops.libvirt import no_relabel
+    from bcd_helper.ops.libvirt import root_definition
 
-    return no_relabel(xml)
+    return root_definition(xml)

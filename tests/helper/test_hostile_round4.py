@@ -214,6 +214,77 @@ def test_round4_roots_derivation_of_the_nic_policies_is_the_nodes() -> None:
     assert "g" not in roots
 
 
+def test_round4_a_guarded_guest_never_starts_without_its_signed_rules(tmp_path: Path) -> None:
+    """With command-signing roots `nft.apply` loads only the signed policies (row 19), but nothing made the
+    node load them: it could launch a PRIVATE guest and never call nft.apply (or load nothing after a
+    reboot), and the guest ran with no rules at all. `ch.launch` (as `libvirt.start` and
+    `libvirt.restore`) now starts a guest the signed spec guards only when root's last successful load
+    holds every NIC policy root derives for it: refused `network-policy` before, launched after the
+    signed load. Real nft in the helper's own network namespace, the simulated VMM."""
+    from bcd_shared import wire
+    from bcd_simhost.chapi import CH_BASE_SHA256, lay_out_instance
+    from intentkit import ControlPlane, intent
+    from testsupport import IN_CI, require_tool
+
+    require_tool("nft")
+    require_tool("nsenter")
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("needs root under CI (unshare -n)")
+        pytest.skip("needs root (unshare -n)")
+    cp = ControlPlane.build()
+    parent = Path(tempfile.mkdtemp(prefix="bcd-r4-", dir="/var/tmp"))  # short: the VMM's socket paths
+    root = make_root(parent)
+    cp.write_record(root, "node-r4", cp.bundle(1))
+    lay_out_instance(root, "vm5", NODE_UID, VMM_UID + 5)
+    h = HelperProcess(
+        root,
+        cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'),
+        prefix=("unshare", "-n"),
+        env={"BCD_SIM_NETNS": "1"},
+    )
+    pid = h.proc.pid
+    subprocess.run(
+        ["nsenter", "-t", str(pid), "-n", "ip", "link", "add", "br0", "type", "bridge"], check=True
+    )
+    mac, addr = "52:54:00:00:00:01", "10.0.0.5/24"
+    vm5 = wire.InstanceSpec(
+        id="vm5", allocation_id="alloc-vm5", runtime="cloud-hypervisor",
+        desired_state=wire.InstanceDesiredState(1),
+        size=wire.InstanceSize(vcpus=2, memory_bytes=1 << 30, disk_bytes=10 << 30),
+        image=wire.ImageRef(url="https://x.invalid/x.qcow2", sha256=CH_BASE_SHA256, format="qcow2"),
+        nics=[wire.Nic(bridge="br0", mac=mac, addresses=[addr])], network_policy=wire.NetworkPolicy(2),
+    )  # fmt: skip
+    full = wire.NodeSpec(instances=wire.InstancesSection(instances=[vm5]))
+    signed = intent(
+        cp.command.leaf(), bytes(wire.DesiredStateBody(node_id="node-r4", generation=1, full=full))
+    )
+    launch = {"op": "ch.launch", "args": {"name": "vm5", "intent": signed}}
+    nic = {
+        "instance": "vm5",
+        "index": 0,
+        "bridge": "br0",
+        "mac": mac,
+        "addresses": [addr],
+        "policy": "PRIVATE",
+    }
+    try:
+        _refused_as_node(h, launch, "network-policy", "nft.apply")
+        egress = {**nic, "policy": "EGRESS", "addresses": [], "mac": ""}
+        _refused_as_node(
+            h, {"op": "nft.apply", "args": {"nics": [egress], "intent": signed}}, "spec-mismatch"
+        )
+        _refused_as_node(h, launch, "network-policy")
+        answer = _as_node(h, {"op": "nft.apply", "args": {"nics": [nic], "intent": signed}})
+        assert answer["ok"] is True, answer
+        answer = _as_node(h, launch)
+        assert answer["ok"] is True, answer
+        assert _as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True
+    finally:
+        h.stop()
+        shutil.rmtree(parent, ignore_errors=True)
+
+
 # The real helper on the real libvirt (qemu:///system, TCG), as tests/instances/test_guest_boot_real.py
 # drives it: its fixtures are used here (a bridge, a work directory QEMU can reach, the helper's socket).
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
@@ -292,7 +363,7 @@ def test_round4_a_saved_state_swapped_after_roots_check_is_never_read(
         assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
         client.call("libvirt.save", {"name": name})
         xml = (d / "domain.xml").read_text()
-        node_wins_the_race.write_text(f"restore {d / 'save.state'} {host_file}\n")
+        node_wins_the_race.write_text(f"*restore* {d / 'save.state'} {host_file}\n")
         answer = client.call("libvirt.restore", {"name": name, "xml": xml, "paused": True})
         assert answer == {"name": name, "paused": True}, answer
         assert not node_wins_the_race.exists() and (d / "save.state").is_symlink()  # the swap was made
@@ -314,30 +385,27 @@ def _node_owns(data: str) -> None:
             os.chown(os.path.join(dirpath, f), 4242, kvm, follow_symlinks=False)
 
 
-def test_round4_a_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
+def test_round4_a_disk_swapped_after_roots_check_is_never_opened(
     real_libvirt: None,
+    node_wins_the_race: Path,
     workdir: Path,  # noqa: F811
     bridge: str,  # noqa: F811
     helper_socket: tuple[str, Path],  # noqa: F811
 ) -> None:
-    """Root checks a domain's files at `libvirt.start`, then libvirt opens them by path: a node that swaps
-    `disk.qcow2` for a symlink to a host file inside that window (milliseconds, the virsh process start)
-    got libvirt, with `dynamic_ownership` (Debian's default), to chown the host file to QEMU's user
-    (`libvirt-qemu`) and the guest to run on it (a root-only qcow2 here: another guest's disk). What
-    the node wins in the window now: root's definition carries `<seclabel model='dac' relabel='no'/>`
-    on every file source, so libvirt chowns nothing and QEMU opens the path with its own user's rights
-    only (Permission denied here). The race is made deterministic by running the start root's op runs
-    (`virsh start`) right after the swap, as a node that won the window has it; real libvirt 9.0 and
-    QEMU (TCG)."""
-    import grp
-
+    """Root checked a domain's files at `libvirt.start`, then libvirt opened them by path: a node that
+    swapped `disk.qcow2` for a symlink to a host file inside that window (milliseconds, the virsh process
+    start) got libvirt, with `dynamic_ownership` (Debian's default), to chown the host file to QEMU's
+    user (`libvirt-qemu`) and the guest to run on it (a root-only qcow2 here: another guest's disk).
+    Root's definition now carries `fdgroup`s and `relabel='no'` on every disk source, and the start
+    associates each group with a descriptor root opened and checked (`virsh dom-fd-associate`, then
+    `start`, in one virsh process): the swap, made right before the real virsh runs, changes nothing
+    QEMU opens; the host file is neither opened nor chowned. Real libvirt 9.0 and QEMU (TCG)."""
     from bcd_agent.helperclient import HelperClient
     from bcd_agent.sections.instances.runtimes.base import Prepared
     from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
     from bcd_shared.system import LocalSystem
-    from test_guest_boot_real import _instance, _require_libvirtd, _virsh
+    from test_guest_boot_real import _instance, _virsh
 
-    _require_libvirtd()
     sock, _home = helper_socket
     inst, data, _marker = _instance(workdir, bridge)
     system = LocalSystem(Path("/"))
@@ -346,7 +414,6 @@ def test_round4_a_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
         system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
         domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
     )  # fmt: skip
-    kvm = grp.getgrnam("kvm").gr_gid
     host_file = workdir / "host-secret.qcow2"  # root's own image (another guest's disk, say), 0600
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(host_file), "16M"], check=True)
     os.chmod(host_file, 0o600)
@@ -354,23 +421,27 @@ def test_round4_a_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
     disk = Path(data) / "libvirt/instances" / name / "disk.qcow2"
     try:
         rt.create(inst, Prepared())
-        for dirpath, _dirs, files in os.walk(data):  # what the node would own had it made them
-            os.chown(dirpath, 4242, kvm)
-            for f in files:
-                os.chown(os.path.join(dirpath, f), 4242, kvm)
-        os.rename(disk, disk.with_name("real.qcow2"))
-        os.symlink(host_file, disk)
-        started = subprocess.run(
-            ["virsh", "-c", SYSTEM_URI, "start", name], capture_output=True, text=True, check=False
-        )
-        st = os.stat(host_file)
-        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600), started
-        assert started.returncode != 0 and "Permission denied" in started.stderr, started
+        _node_owns(data)
         xml = _virsh("dumpxml", "--inactive", name)
-        assert xml.count("<source file=") == xml.count("<seclabel model='dac' relabel='no'/>") >= 2, xml
-        disk.unlink()
-        os.rename(disk.with_name("real.qcow2"), disk)
-        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name  # the real disk
+        sources = xml.count("<source file=")
+        assert sources >= 2 and xml.count("fdgroup='bcd") == sources, xml
+        assert xml.count("<seclabel model='dac' relabel='no'/>") == sources, xml
+        real = os.stat(disk)
+        node_wins_the_race.write_text(f"*start* {disk} {host_file}\n")
+        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
+        assert not node_wins_the_race.exists() and disk.is_symlink()  # the swap was made
+        st = os.stat(host_file)
+        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
+        pid = Path(f"/run/libvirt/qemu/{name}.pid").read_text().strip()
+        held = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                fst = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            held.add((fst.st_dev, fst.st_ino))
+        assert (real.st_dev, real.st_ino) in held  # QEMU runs on the disk root checked
+        assert (st.st_dev, st.st_ino) not in held  # and never opened the host file
     finally:
         subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
         subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)

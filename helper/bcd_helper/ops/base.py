@@ -90,10 +90,13 @@ class BoundedSystem(RootOnlySystem):
         *,
         timeout: float = DEFAULT_TOOL_TIMEOUT_S,
         input: bytes | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> CommandResult:
         left = self._deadline.remaining()
         if left <= 0:
             raise Failed("timeout", f"the operation's {self._deadline.seconds:.0f}s ran out before {argv[0]}")
+        if pass_fds:  # only then: in-process fakes of the host take the two-argument form
+            return self.inner.run(argv, timeout=min(timeout, self._cap, left), input=input, pass_fds=pass_fds)
         return self.inner.run(argv, timeout=min(timeout, self._cap, left), input=input)
 
 
@@ -129,6 +132,9 @@ class HelperContext:
         # addresses on them the rules were built with; None: none loaded.
         self.nft_reference: tuple[str, tuple[str, ...], Any] | None = None
         self.nft_memo: Any = None  # bcd_shared.netpolicy.NicMemo, made by the first nft.apply
+        # The NIC policies of the last nft.apply that loaded (empty before one, and while one loads):
+        # with roots, a guarded instance starts only with its signed rules in it (nft.require_loaded).
+        self.nft_loaded: frozenset[Any] = frozenset()
         self._intent_lock = threading.Lock()
 
     def intent_verifier(self) -> IntentVerifier:

@@ -412,6 +412,9 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
                 "spec-mismatch",
                 f"{op}: {name}: vm.json differs from the signed spec in {', '.join(mismatch)}",
             )
+        from bcd_helper.ops.nft import require_loaded
+
+        require_loaded(call, op, inst)  # the guest runs only behind its signed rules
 
     _signed_nics(call, op, name, intent, None, check)
 

@@ -197,11 +197,21 @@ def check_definition(call: Call, op: str, name: str, xml: str) -> tuple[CheckedD
 
 
 def _signed(
-    call: Call, op: str, name: str, intent: SignedIntent | None, checked: CheckedDomain | None
+    call: Call,
+    op: str,
+    name: str,
+    intent: SignedIntent | None,
+    checked: CheckedDomain | None,
+    runs: bool = False,
 ) -> None:
-    """With roots: the signed spec's instance, compared with the definition; the state saved."""
+    """With roots: the signed spec's instance, compared with the definition; `runs` (a start, a
+    restore): its signed network rules loaded (nft.require_loaded); the state saved."""
     verifier = call.ctx.intent_verifier()
     inst, state = verifier.signed_instance(op, name, intent)
+    if inst is not None and runs:
+        from bcd_helper.ops.nft import require_loaded
+
+        require_loaded(call, op, inst)
     if inst is not None and checked is not None:
         size = inst.size
         nics = [(n.bridge, n.mac) for n in inst.nics]
@@ -246,19 +256,133 @@ def gpu_uuids_at(call: Call, addresses: tuple[str, ...]) -> list[str]:
     return sorted(by_address.get(a, f"(no GPU at {a})") for a in addresses)
 
 
-def no_relabel(data: bytes) -> bytes:
-    """Root's staged definition: each file `<source>` of a disk (its explicit backing chain's too)
-    carries `<seclabel model='dac' relabel='no'/>`, so libvirt never chowns what the node's path names
-    when QEMU opens it (dynamic_ownership): a path the node swaps for a symlink after root's check
-    reaches only what QEMU's own user may open (the node gives QEMU its files through the group).
-    The definition passed the check: the node could not bring a seclabel of its own."""
+def root_definition(data: bytes, fdgroups: bool = True) -> bytes:
+    """Root's staged definition of a checked one: each file `<source>` of a disk (its explicit backing
+    chain's too) carries `<seclabel model='dac' relabel='no'/>`, so libvirt never chowns what the node's
+    path names (dynamic_ownership), and `fdgroup='bcd<i>'` (document order), so QEMU opens none of them
+    by path: `start` and `restore` associate each group with a descriptor root opened and checked
+    itself (`_held_files`; libvirt >= 9.0 `virDomainFDAssociate`). A node that swaps a path after root's
+    checks changes nothing QEMU opens. The definition passed the check: the node could bring neither a
+    seclabel nor an fdgroup of its own."""
     ET.register_namespace("bcd", NS[1:-1])
     root = ET.fromstring(data)  # noqa: S314 (checked by domaincheck: no DOCTYPE, no entity)
+    n = 0
     for disk in root.findall("devices/disk"):
         for src in disk.iter("source"):
-            if src.get("file") is not None and src.find("seclabel") is None:
-                ET.SubElement(src, "seclabel", model="dac", relabel="no")
+            if src.get("file") is not None:
+                if fdgroups:
+                    src.set("fdgroup", f"bcd{n}")
+                    n += 1
+                if src.find("seclabel") is None:
+                    ET.SubElement(src, "seclabel", model="dac", relabel="no")
     return ET.tostring(root, encoding="unicode").encode() + b"\n"
+
+
+def _fd_passing(call: Call) -> bool:
+    """Descriptors for disks are QEMU's driver's (libvirt's test driver refuses an fdgroup)."""
+    return call.ctx.config.libvirt_uri.startswith("qemu")
+
+
+@frozen
+class Held:
+    group: str
+    fd: int
+    writable: bool
+
+
+def _held_files(call: Call, op: str, name: str, xml: bytes) -> list[Held]:
+    """Each fdgroup source of root's definition `xml`, opened by root: the directory component by
+    component and the file without following a link, a regular file with one link, opened read-write
+    only as a writable disk's top image; a qcow2 disk's header read through its descriptor (flat, or
+    naming exactly its explicit backing store, itself flat): what QEMU gets is what root checked. The
+    caller closes the descriptors."""
+    from bcd_shared.images import MAX_READ, ImageRefused, parse_header
+
+    root = ET.fromstring(xml)  # noqa: S314 (root's own libvirt output or root's staged definition)
+    held: list[Held] = []
+    try:
+        for disk in root.findall("devices/disk"):
+            top = disk.find("source")
+            ro = disk.find("readonly") is not None or disk.get("device") == "cdrom"
+            drv = disk.find("driver")
+            fmt = drv.get("type", "") if drv is not None else ""
+            chain: list[tuple[ET.Element, str]] = [] if top is None else [(top, fmt)]
+            bs = disk.find("backingStore")
+            while bs is not None and bs.find("source") is not None:
+                bfmt = bs.find("format")
+                chain.append((bs.find("source"), bfmt.get("type", "") if bfmt is not None else ""))  # type: ignore[arg-type]
+                bs = bs.find("backingStore")
+            fds: list[int] = []
+            for i, (src, _f) in enumerate(chain):
+                group, path = src.get("fdgroup"), src.get("file")
+                if group is None or path is None:
+                    fds.append(-1)
+                    continue
+                fd = _open_checked(call, op, name, path, writable=(i == 0 and not ro))
+                held.append(Held(group, fd, i == 0 and not ro))
+                fds.append(fd)
+            for i, (src, f) in enumerate(chain):
+                if f != "qcow2" or fds[i] < 0:
+                    continue
+                shown = src.get("file", "")
+                nxt = chain[i + 1] if i + 1 < len(chain) else None
+                info = parse_header(os.pread(fds[i], MAX_READ, 0), MAX_VIRTUAL_SIZE, shown)
+                want = str(call.system.host_path(nxt[0].get("file", ""))) if nxt is not None else None
+                if info.backing_file != want or (nxt is not None and info.backing_format != nxt[1]):
+                    raise Refused(
+                        "domain-disk",
+                        f"{op}: {name}: {shown} names backing file {info.backing_file!r}, not {want!r}",
+                    )
+    except ImageRefused as exc:
+        for h in held:
+            os.close(h.fd)
+        raise Refused("domain-disk", f"{op}: {name}: {exc.message}") from None
+    except BaseException:
+        for h in held:
+            os.close(h.fd)
+        raise
+    return held
+
+
+def _open_checked(call: Call, op: str, name: str, path: str, writable: bool) -> int:
+    data_dir = call.ctx.config.data_dir.rstrip("/")
+    if not path.startswith(data_dir + "/"):
+        raise Refused("domain-disk", f"{op}: {name}: {path[:200]!r} is outside data_dir")
+    try:
+        dir_fd = _node_dir_fd(call, os.path.dirname(path))
+    except Refused:
+        raise Refused("domain-disk", f"{op}: {name}: {path[:200]!r}: a symlink on the way") from None
+    flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(os.path.basename(path), flags, dir_fd=dir_fd)
+    except OSError as exc:
+        raise Refused("domain-disk", f"{op}: {name}: {path[:200]!r}: {exc.strerror}") from None
+    finally:
+        os.close(dir_fd)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        raise Refused("domain-disk", f"{op}: {name}: {path[:200]!r} must be a regular file with one link")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def _virsh_held(call: Call, name: str, held: list[Held], *command: str) -> Any:
+    """One virsh process: each group associated with root's descriptor, then `command` (virsh runs
+    `;`-separated commands in one connection; associations last as long as it)."""
+    if not held:
+        return _virsh(call, *command)
+    steps = [
+        f"dom-fd-associate {name} {h.group} {h.fd}" + (" --seclabel-writable" if h.writable else "")
+        for h in held
+    ]
+    import shlex
+
+    # virsh's own parser reads shell-like quoting; names and groups are plain, paths are quoted
+    line = " ; ".join([*steps, " ".join(shlex.quote(c) for c in command)])
+    return call.system.run(
+        ["virsh", "-c", call.ctx.config.libvirt_uri, line], timeout=120, pass_fds=[h.fd for h in held]
+    )
 
 
 def _stage_room(call: Call, op: str, name: str) -> None:
@@ -288,7 +412,7 @@ def libvirt_define(call: Call, req: LibvirtDefine) -> dict[str, Any]:
     # bcd did not create ("already exists with uuid"), atomically; no dumpxml of root's is needed.
     checked, data = check_definition(call, op, name, req.xml)
     _signed(call, op, name, req.intent, checked)
-    staged = _stage(call, name, no_relabel(data))
+    staged = _stage(call, name, root_definition(data, _fd_passing(call)))
     result = _virsh(call, "define", "--validate", staged)
     if not result.ok:
         raise Failed("virsh", f"virsh define {name}: {_err(result)}")
@@ -303,9 +427,14 @@ def libvirt_start(call: Call, req: LibvirtStart) -> dict[str, Any]:
     checked = None
     if req.intent is not None or call.ctx.config.command_root_sha256:
         checked = _checked_running(call, op, name, xml)
-    _signed(call, op, name, req.intent, checked)
+    _signed(call, op, name, req.intent, checked, runs=True)
     _gpus_free(call, op, name, xml)
-    result = _virsh(call, "start", name, *(["--paused"] if req.paused else []))
+    held = _held_files(call, op, name, xml)
+    try:
+        result = _virsh_held(call, name, held, "start", name, *(["--paused"] if req.paused else []))
+    finally:
+        for h in held:
+            os.close(h.fd)
     if not result.ok:
         raise Failed("virsh", f"virsh start {name}: {_err(result)}")
     return {"name": name, "paused": req.paused}
@@ -563,21 +692,29 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
     _stage_room(call, op, name)
     checked, data = check_definition(call, op, name, req.xml)
     _gpus_free(call, op, name, data)  # a restore passes its GPUs through as a start does (DLV-DEV-21)
-    _signed(call, op, name, req.intent, checked)
+    _signed(call, op, name, req.intent, checked, runs=True)
     _real, st = _instance_file(call, op, name, "save.state", "no-state", "no-state")
     state = f"{instance_dir(call.ctx.config.data_dir, name)}/save.state"
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link: a file the node did not write
         raise Refused("no-state", f"{op}: {state} must be a regular file with one link")
+    # Descriptors are associated with a defined domain only: a restore of a name libvirt does not know
+    # (a transient domain) keeps paths, relabelling off.
+    staged_xml = root_definition(data, _fd_passing(call) and root_dumpxml(call, name) is not None)
     fd = _state_fd(call, op, name, state)
+    held: list[Held] = []
     try:
         _check_state_header(op, state, fd)
-        staged = _stage(call, name, no_relabel(data))
+        held = _held_files(call, op, name, staged_xml)
+        staged = _stage(call, name, staged_xml)
         # libvirtd (root) reads the state through root's own descriptor, never the node's path: a
         # symlink swapped in after the checks is never followed (red team round 3, row 21).
-        held = f"/proc/{os.getpid()}/fd/{fd}"
-        result = _virsh(call, "restore", held, "--xml", staged, *(["--paused"] if req.paused else []))
+        state_fd = f"/proc/{os.getpid()}/fd/{fd}"
+        paused = ["--paused"] if req.paused else []
+        result = _virsh_held(call, name, held, "restore", state_fd, "--xml", staged, *paused)
     finally:
         os.close(fd)
+        for h in held:
+            os.close(h.fd)
     if not result.ok:
         raise Failed("virsh", f"virsh restore {name}: {_err(result)}")
     return {"name": name, "paused": req.paused}

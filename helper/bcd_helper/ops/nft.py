@@ -95,6 +95,23 @@ def spec_policies(instances: Any) -> dict[str, tuple[NicPolicy, ...] | None]:
     return out
 
 
+def require_loaded(call: Call, op: str, inst: Any) -> None:
+    """With roots, before a guest runs (`libvirt.start`, `libvirt.restore`, `ch.launch`): an instance
+    the signed spec guards (PRIVATE, NONE, SSH from the host only, or a NIC with a MAC and addresses)
+    starts only when root's last successful `nft.apply` holds every NIC policy root derives for it from
+    the spec (`network-policy`): the node loads the rules before any domain starts (DLV-NFT-01), so
+    an honest node never meets this; a node that skips the load never runs the guest unguarded. An
+    instance whose policy cannot be expressed gets no rules, and the node fails it (DLV-NFT-05)."""
+    nics = spec_policies([inst]).get(inst.id)
+    if not nics or not any(n.policy != "EGRESS" or n.ssh_from_host_only or n.guarded for n in nics):
+        return
+    if any(n not in call.ctx.nft_loaded for n in nics):
+        raise Refused(
+            "network-policy",
+            f"{op}: {inst.id}: the signed spec's network rules for it are not loaded: nft.apply first",
+        )
+
+
 def _signed_policies(call: Call, req: NftApply) -> None:
     """With command-signing roots, the NICs must grant no guest more than the signed spec does: every
     instance the spec keeps whose policy can be expressed is in the request with exactly root's own
@@ -165,6 +182,7 @@ def nft_apply(call: Call, req: NftApply) -> dict[str, Any]:
     host = _host(call, wanted)
     text = build_checked(accepted, host)
     call.ctx.nft_reference = None
+    call.ctx.nft_loaded = frozenset()
     argv, staged = load_argv(text)
     try:
         result = call.system.run(argv, timeout=120)
@@ -176,6 +194,7 @@ def nft_apply(call: Call, req: NftApply) -> dict[str, Any]:
     if listing_counts(outs) != ruleset_counts(text):
         raise Failed("nft", "nft: the tables changed while they were loaded")
     call.ctx.nft_reference = (listing_digest(outs), wanted, host)
+    call.ctx.nft_loaded = frozenset(req.nics)
     return {"sha256": hashlib.sha256(text.encode()).hexdigest(), "nics": len(req.nics)}
 
 
