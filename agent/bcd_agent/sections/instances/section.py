@@ -53,6 +53,7 @@ from bcd_agent.sections.instances.plan import (
     UserData,
     needs_user_data,
     plan,
+    restore_limits,
     restores_kept,
     restores_wanted,
 )
@@ -261,7 +262,8 @@ class InstancesSection:
             # The downloads never hold the pass up (DLV-SNAP-08/09).
             from attrs import evolve
 
-            observed = evolve(observed, snapshots=self.snapshots.states(restores_wanted(spec, listed)))
+            states = self.snapshots.states(restores_wanted(spec, listed), restore_limits(spec, listed))
+            observed = evolve(observed, snapshots=states)
         wanted_data = needs_user_data(spec, listed)
         if wanted_data and self.user_data is not None:
             by_id = {i.id: i for i in spec.instances}
