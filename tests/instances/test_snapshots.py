@@ -34,6 +34,7 @@ from bcd_agent.sections.instances.transfers import (
     CODE_REFUSED,
     CODE_STALLED,
     CODE_TIMEOUT,
+    CODE_TOO_LARGE,
     TransferFailed,
     TransferRules,
     download,
@@ -65,7 +66,8 @@ class Server:
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    """GET /f/<name> serves `files`; /redirect-http redirects to plain http; /trickle and /slow send a
+    """GET /f/<name> serves `files` (/nolength/<name> without a Content-Length); /redirect-http
+    redirects to plain http; /trickle and /slow send a
     few bytes a second; PUT /put/<name> stores into `puts`, PUT /put-redirect-http redirects to http."""
     require_tool("curl")
     ca, cert, key = make_tls(tmp_path)
@@ -93,6 +95,11 @@ def server(tmp_path: Path) -> Iterator[Server]:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+            elif self.path.startswith("/nolength/") and self.path[10:] in srv.files:
+                # No Content-Length: the body ends when the connection closes (HTTP/1.0).
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(srv.files[self.path[10:]])
             elif self.path == "/redirect-http":
                 self.send_response(302)
                 self.send_header("Location", f"http://127.0.0.1:{self.server.server_address[1]}/f/x")
@@ -205,6 +212,58 @@ def test_dlv_snap_05_11_a_mismatch_fails_for_a_minute_then_is_fetched_again(
     clock.now += 2
     assert dl.states({SHA_A: url})[SHA_A].running
     assert len(server.gets) == 2
+
+
+def test_a_download_over_its_cap_is_refused_and_removed(tmp_path: Path, server: Server) -> None:
+    """restore_from's download cap (docs/instances.md): a Content-Length over it is refused before any
+    byte is written, a body without one once it ended over the cap; either way the partial file goes
+    and the failure names the field and the limit. At the cap exactly, the snapshot is kept."""
+    body = os.urandom(4096)
+    server.files["s.tar"] = body
+    sha = hashlib.sha256(body).hexdigest()
+    system, rules = LocalSystem(Path("/")), TransferRules(cacert=server.ca)
+    for path in ("/f/s.tar", "/nolength/s.tar"):
+        with pytest.raises(TransferFailed) as exc:
+            download(system, f"{server.base}{path}", str(tmp_path / "x"), rules, max_bytes=4095)
+        assert exc.value.code == CODE_TOO_LARGE
+        message = exc.value.message
+        assert message.startswith("restore_from.url: ") and "limit of 4095 bytes" in message
+    with pytest.raises(TransferFailed, match="Content-Length is over"):
+        download(system, f"{server.base}/f/s.tar", str(tmp_path / "y"), rules, max_bytes=4095)
+    assert not (tmp_path / "y").exists() or (tmp_path / "y").stat().st_size == 0  # nothing was fetched
+    at_cap = download(system, f"{server.base}/nolength/s.tar", str(tmp_path / "z"), rules, max_bytes=4096)
+    assert at_cap == sha
+    data = tmp_path / "data"
+    for path in ("/f/s.tar", "/nolength/s.tar"):
+        dl = SnapshotDownloads(system, str(data), rules=rules, start=lambda fn: fn(), clock=Clock())
+        dl.states({sha: f"{server.base}{path}"}, {sha: 4095})
+        state = dl.states({sha: f"{server.base}{path}"}, {sha: 4095})[sha]
+        assert state.path is None and not state.mismatch
+        assert state.failed is not None and "transfer-too-large" in state.failed and "4095" in state.failed
+        assert os.listdir(data / "snapshots") == []  # the partial file removed
+    dl = SnapshotDownloads(system, str(data), rules=rules, start=lambda fn: fn(), clock=Clock())
+    dl.states({sha: f"{server.base}/f/s.tar"}, {sha: 4096})
+    assert dl.states({sha: f"{server.base}/f/s.tar"}, {sha: 4096})[sha].path is not None
+
+
+def test_the_download_cap_is_the_largest_restoring_instances_disk_and_memory_and_a_gib() -> None:
+    """plan.restore_limits: disk_bytes and 1/64 of it for qcow2's metadata, memory_bytes (a memory
+    snapshot's state), 1 GiB for the rest; a snapshot several instances restore from takes the
+    largest; an instance with a domain, deleted or invalid asks for nothing."""
+    import attrs
+    from bcd_agent.sections.instances.model import Desired
+    from bcd_agent.sections.instances.plan import restore_limits, snapshot_limit
+
+    small = _restore("a", disk_bytes=64 * GIB)
+    big = attrs.evolve(_restore("b", disk_bytes=128 * GIB), memory_bytes=4 * GIB)
+    assert snapshot_limit(small) == 64 * GIB + GIB + GIB + GIB
+    assert snapshot_limit(big) == 128 * GIB + 2 * GIB + 4 * GIB + GIB
+    gone = _restore("c", disk_bytes=1024 * GIB, desired=Desired.DELETED)
+    running = _restore("d", disk_bytes=1024 * GIB)
+    spec = InstancesSpec(1, (small, big, gone, running))
+    assert restore_limits(spec, {"d": Domain("d", "libvirt-kvm", "running", True)}) == {
+        SHA_A: snapshot_limit(big)
+    }
 
 
 def test_dlv_snap_16_redirects_only_to_https(tmp_path: Path, server: Server) -> None:

@@ -8,7 +8,8 @@
   it keeps (each .pyc's bytes, the import machinery's transients) in between what stays; glibc gives
   back only the top of the heap, so ~2.3 MB of free pages stayed resident for the node's life.
 
-Both are no-ops where the C library has no such call (musl); nothing else depends on them.
+Both are no-ops where the C library has no such call (musl); nothing else depends on them. The helper
+pins its malloc the same way for another reason (bcd_helper.serve._bound_malloc, docs/helper.md).
 """
 
 from __future__ import annotations
@@ -23,13 +24,16 @@ M_ARENA_MAX = -8  # glibc's malloc.h
 
 
 def _libc() -> Any:
-    return ctypes.CDLL(None)
+    try:
+        return ctypes.CDLL(None)
+    except OSError:  # no C library to ask: nothing to tune
+        return None
 
 
 def limit_arenas(arenas: int = 1, libc: Any = None) -> bool:
     """Cap glibc's malloc arenas (mallopt M_ARENA_MAX); call before any thread starts. False where the
     C library has no mallopt or refused."""
-    mallopt = getattr(libc if libc is not None else _libc(), "mallopt", None)
+    mallopt = getattr(libc or _libc(), "mallopt", None)
     if mallopt is None:
         return False
     return bool(mallopt(M_ARENA_MAX, arenas))
@@ -38,7 +42,7 @@ def limit_arenas(arenas: int = 1, libc: Any = None) -> bool:
 def release_free_heap(libc: Any = None) -> bool:
     """Return the heap's free pages to the system (malloc_trim(0)): a fraction of a millisecond for the
     node's heap. False where the C library has no malloc_trim or nothing was released."""
-    trim = getattr(libc if libc is not None else _libc(), "malloc_trim", None)
+    trim = getattr(libc or _libc(), "malloc_trim", None)
     if trim is None:
         return False
     return bool(trim(0))

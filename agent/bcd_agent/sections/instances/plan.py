@@ -367,16 +367,37 @@ def _start(
     steps.append(Start(inst.runtime, inst.id, paused, inst))
 
 
-def restores_wanted(spec: InstancesSpec, domains: Mapping[str, Domain]) -> dict[str, str]:
-    """The snapshots to fetch this pass (SHA-256 -> URL): those of valid instances without a domain."""
-    return {
-        i.restore_sha256: i.restore_from
+def _restoring(spec: InstancesSpec, domains: Mapping[str, Domain]) -> list[InstanceSpec]:
+    """The valid instances without a domain that restore from a snapshot."""
+    return [
+        i
         for i in spec.instances
         if i.restore_from
         and i.desired is not Desired.DELETED
         and i.id not in domains
         and check_instance(i) is None
-    }
+    ]
+
+
+def restores_wanted(spec: InstancesSpec, domains: Mapping[str, Domain]) -> dict[str, str]:
+    """The snapshots to fetch this pass (SHA-256 -> URL): those of valid instances without a domain."""
+    return {i.restore_sha256: i.restore_from for i in _restoring(spec, domains)}
+
+
+def snapshot_limit(inst: InstanceSpec) -> int:
+    """The most a snapshot of `inst` can weigh (restore_from's download cap): its disk (a qcow2 of
+    disk_bytes, with up to 1/64 of metadata), its memory (a memory snapshot's state) and 1 GiB for the
+    seed, the configuration files and the tar's headers."""
+    return inst.disk_bytes + inst.disk_bytes // 64 + inst.memory_bytes + (1 << 30)
+
+
+def restore_limits(spec: InstancesSpec, domains: Mapping[str, Domain]) -> dict[str, int]:
+    """Each snapshot of restores_wanted's with its download cap: the largest of the instances that
+    restore from it."""
+    out: dict[str, int] = {}
+    for i in _restoring(spec, domains):
+        out[i.restore_sha256] = max(out.get(i.restore_sha256, 0), snapshot_limit(i))
+    return out
 
 
 def restores_kept(spec: InstancesSpec) -> frozenset[str]:

@@ -89,8 +89,12 @@ class SnapshotDownloads:
         real.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.chmod(real, 0o700)
 
-    def states(self, wanted: Mapping[str, str]) -> dict[str, SnapshotState]:
-        """Each wanted snapshot's state (SHA-256 -> URL); starts the downloads that are due."""
+    def states(
+        self, wanted: Mapping[str, str], limits: Mapping[str, int] | None = None
+    ) -> dict[str, SnapshotState]:
+        """Each wanted snapshot's state (SHA-256 -> URL); starts the downloads that are due, each
+        capped at `limits[sha]` bytes when given (plan.restore_limits)."""
+        limits = limits or {}
         out: dict[str, SnapshotState] = {}
         due: list[tuple[str, str]] = []
         if wanted:
@@ -115,14 +119,15 @@ class SnapshotDownloads:
                     due.append((sha, url))
                     out[sha] = SnapshotState(running=True)
         for sha, url in due:
-            self.start(lambda sha=sha, url=url: self._download(sha, url))  # type: ignore[misc]
+            cap = limits.get(sha)
+            self.start(lambda sha=sha, url=url, cap=cap: self._download(sha, url, cap))  # type: ignore[misc]
         return out
 
-    def _download(self, sha: str, url: str) -> None:
+    def _download(self, sha: str, url: str, max_bytes: int | None = None) -> None:
         part = self._real(f"{self.dir}/.{sha}.part")
         failure: tuple[str, bool] | None = None
         try:
-            digest = download(self.system, url, part, self.rules, self.clock)
+            digest = download(self.system, url, part, self.rules, self.clock, max_bytes)
             if digest != sha:
                 failure = (f"restore_from.sha256: the snapshot's SHA-256 is {digest}, not {sha}", True)
             else:

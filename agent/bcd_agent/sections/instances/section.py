@@ -18,7 +18,7 @@ import contextlib
 import logging
 import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 from bcd_shared import wire
@@ -36,7 +36,6 @@ from bcd_agent.converge.types import (
 from bcd_agent.inventory.gpus import GpuInventory, collect_gpus, sysfs_pci_address
 from bcd_agent.inventory.host import parse_cpulist, read_host_memory
 from bcd_agent.sections.instances.model import Desired, InstanceSpec, InstancesSpec, spec_from_wire
-from bcd_agent.sections.instances.network import NetworkPolicy
 from bcd_agent.sections.instances.placement import HostFacts
 from bcd_agent.sections.instances.plan import (
     Create,
@@ -54,6 +53,7 @@ from bcd_agent.sections.instances.plan import (
     UserData,
     needs_user_data,
     plan,
+    restore_limits,
     restores_kept,
     restores_wanted,
 )
@@ -67,6 +67,9 @@ from bcd_agent.sections.instances.runtimes.base import (
     Runtime,
 )
 from bcd_agent.sections.instances.volumes import VolumeStore
+
+if TYPE_CHECKING:  # the nftables policy (and bcd_shared.netpolicy) only where the node loads rules
+    from bcd_agent.sections.instances.network import NetworkPolicy
 
 log = logging.getLogger("bcd.instances")
 
@@ -259,7 +262,8 @@ class InstancesSection:
             # The downloads never hold the pass up (DLV-SNAP-08/09).
             from attrs import evolve
 
-            observed = evolve(observed, snapshots=self.snapshots.states(restores_wanted(spec, listed)))
+            states = self.snapshots.states(restores_wanted(spec, listed), restore_limits(spec, listed))
+            observed = evolve(observed, snapshots=states)
         wanted_data = needs_user_data(spec, listed)
         if wanted_data and self.user_data is not None:
             by_id = {i.id: i for i in spec.instances}

@@ -8,14 +8,17 @@ than `stall_bytes` (1 MiB; curl's `--speed-limit` of stall_bytes/stall_s bytes p
 by the elapsed time.
 
 The outcome is a `TransferFailed` with a `code` (Q-DLV-SNAP-01): `transfer-stalled` (DLV-SNAP-17),
-`transfer-timeout` (DLV-SNAP-18), `transfer-refused` (a non-https URL or redirect), `transfer-failed`
-(anything else: DNS, TLS, an HTTP error status).
+`transfer-timeout` (DLV-SNAP-18), `transfer-refused` (a non-https URL or redirect), `transfer-too-large`
+(a download over its `max_bytes`: announced by Content-Length, curl refuses it before any byte
+(`--max-filesize`); a body without one is measured once it ended, as curl before 8.4 does not stop it
+on the way), `transfer-failed` (anything else: DNS, TLS, an HTTP error status).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Final
@@ -30,6 +33,8 @@ CODE_STALLED: Final = "transfer-stalled"
 CODE_TIMEOUT: Final = "transfer-timeout"
 CODE_REFUSED: Final = "transfer-refused"
 CODE_FAILED: Final = "transfer-failed"
+CODE_TOO_LARGE: Final = "transfer-too-large"
+CURL_FILESIZE_EXCEEDED: Final = 63  # curl's exit status for --max-filesize
 
 
 class TransferFailed(Exception):
@@ -90,14 +95,27 @@ def download(
     dest: str,
     rules: TransferRules,
     clock: Callable[[], float] = time.monotonic,
+    max_bytes: int | None = None,
 ) -> str:
-    """GET `url` into the real path `dest` (created or truncated); its SHA-256."""
+    """GET `url` into the real path `dest` (created or truncated); its SHA-256. Over `max_bytes`
+    (None: no cap): TransferFailed `transfer-too-large`, `dest` left for the caller to remove."""
     _check_url(url, "restore_from.url")
     start = clock()
+    cap = [] if max_bytes is None else ["--max-filesize", str(max_bytes)]
     result = system.run(
-        [*rules.curl_args(), "-o", dest, "--config", "-"], timeout=rules.max_s + 60, input=_url_config(url)
+        [*rules.curl_args(), *cap, "-o", dest, "--config", "-"],
+        timeout=rules.max_s + 60,
+        input=_url_config(url),
     )
+    if max_bytes is not None and result.returncode == CURL_FILESIZE_EXCEEDED:
+        raise TransferFailed(
+            CODE_TOO_LARGE, f"restore_from.url: its Content-Length is over the limit of {max_bytes} bytes"
+        )
     _outcome("download", result.returncode, result.stderr, clock() - start, rules)
+    if max_bytes is not None and (size := os.path.getsize(dest)) > max_bytes:
+        raise TransferFailed(
+            CODE_TOO_LARGE, f"restore_from.url: {size} bytes downloaded, over the limit of {max_bytes} bytes"
+        )
     digest = hashlib.sha256()
     with open(dest, "rb") as f:
         while chunk := f.read(1 << 20):

@@ -484,7 +484,7 @@ class CloudHypervisorRuntime:
         base = self.ensure_image(inst)
         work, staged = self._workdir(inst.id)
         d = self._dir(inst.id)
-        try:
+        with self._unstaged_on_failure(work, staged):
             disk = f"{work}/disk.qcow2"
             if not self.system.exists(disk):
                 size = max(inst.disk_bytes, self._base_size(base, img.format))
@@ -501,25 +501,45 @@ class CloudHypervisorRuntime:
             if prepared.user_data is not None:
                 self._seed(inst, prepared.user_data, work)
             seed = self.system.exists(f"{work}/seed.iso")
-            old = None if staged else self.record(inst.id)
-            if old is not None and set(old.gpus) - set(prepared.gpu_addresses):
-                # DLV-CH-23: a GPU the spec dropped goes back to its host driver while the record
-                # still names it (a definition changes only while the VM is stopped).
-                self._call("ch.unvfio", {"name": inst.id})
-            rec = self._new_record(
-                inst,
-                prepared,
-                vm_config(inst, d, base, seed, prepared.gpu_addresses, volumes, self.data_dir),
-                seed,
-                volumes,
-            )
-            if old is not None:
-                rec = evolve(rec, uid=old.uid)
-            self._commit(inst.id, work, staged, rec)
+            config = vm_config(inst, d, base, seed, prepared.gpu_addresses, volumes, self.data_dir)
+            self._write_record(inst, prepared, work, staged, config, seed, volumes, unvfio_dropped=True)
+
+    @contextlib.contextmanager
+    def _unstaged_on_failure(self, work: str, staged: bool) -> Iterator[None]:
+        """A create or restore that fails removes the staging directory it made (an existing
+        instance's directory is kept as it was)."""
+        try:
+            yield
         except BaseException:
             if staged:
                 shutil.rmtree(self._real(work), ignore_errors=True)
             raise
+
+    def _write_record(
+        self,
+        inst: InstanceSpec,
+        prepared: Prepared,
+        work: str,
+        staged: bool,
+        config: dict[str, Any],
+        seed: bool,
+        volumes: tuple[CHVolume, ...],
+        *,
+        restored: bool = False,
+        unvfio_dropped: bool = False,
+    ) -> None:
+        """The end of a create or restore: the record written into `work` (the staged directory then
+        renamed into place), keeping an existing instance's uid. `unvfio_dropped` (create): a GPU the
+        spec dropped goes back to its host driver first."""
+        old = None if staged else self.record(inst.id)
+        if unvfio_dropped and old is not None and set(old.gpus) - set(prepared.gpu_addresses):
+            # DLV-CH-23: a GPU the spec dropped goes back to its host driver while the record
+            # still names it (a definition changes only while the VM is stopped).
+            self._call("ch.unvfio", {"name": inst.id})
+        rec = self._new_record(inst, prepared, config, seed, volumes, restored=restored)
+        if old is not None:
+            rec = evolve(rec, uid=old.uid)
+        self._commit(inst.id, work, staged, rec)
 
     def _new_record(
         self,
@@ -974,7 +994,7 @@ class CloudHypervisorRuntime:
         volumes = self._volumes(inst)
         work, staged = self._workdir(inst.id)
         d = self._dir(inst.id)
-        try:
+        with self._unstaged_on_failure(work, staged):
             memory = False
             if staged:
                 self._check_sizes(tar_path, inst)
@@ -1011,15 +1031,7 @@ class CloudHypervisorRuntime:
                 self.system.write_atomic(
                     f"{work}/config.json", json.dumps(rebuilt, sort_keys=True).encode(), 0o600
                 )
-            old = None if staged else self.record(inst.id)
-            rec = self._new_record(inst, prepared, fresh, seed, volumes, restored=True)
-            if old is not None:
-                rec = evolve(rec, uid=old.uid)
-            self._commit(inst.id, work, staged, rec)
-        except BaseException:
-            if staged:
-                shutil.rmtree(self._real(work), ignore_errors=True)
-            raise
+            self._write_record(inst, prepared, work, staged, fresh, seed, volumes, restored=True)
 
     def _drop_memory_state(self, name: str) -> None:
         """After a memory restore's first start: its state files go (later starts boot the disk)."""
