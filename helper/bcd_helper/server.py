@@ -79,6 +79,7 @@ VALUE_COST = 200  # bytes a decoded value may take (an empty list is 56, a one-k
 REFUSAL_BURST = 100
 REFUSAL_RATE = 10.0
 FLUSH_S = 1.0
+CLOSE_WAIT_S = 5.0  # how long closing the guards waits for a flusher stuck in an audit write
 READ_AHEAD = 1 << 16
 _LEN = struct.Struct(">I")
 _FD_SPACE = socket.CMSG_SPACE(16 * 4)
@@ -91,9 +92,12 @@ class Busy(ProtocolError):
     """The frame could not get its share of the in-flight budget in time."""
 
 
+_UCRED = struct.Struct("iII")  # struct ucred: pid_t (signed), uid_t and gid_t (unsigned 32-bit)
+
+
 def peer_credentials(sock: socket.socket) -> Peer:
-    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", raw)
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
+    pid, uid, gid = _UCRED.unpack(raw)
     return Peer(pid, uid, gid)
 
 
@@ -143,7 +147,7 @@ class Guards:
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=5)
+        self._thread.join(timeout=CLOSE_WAIT_S)
         self.flush()
 
     def allow_refusal(self, uid: int) -> bool:

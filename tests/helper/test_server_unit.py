@@ -11,6 +11,7 @@ peer is this process, root)."""
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import socket
@@ -890,6 +891,14 @@ def test_the_servers_bind_their_sockets_with_their_modes(ctx: HelperContext, tmp
     (tmp_path / "helper.sock").write_text("stale")  # an old socket file is replaced
     srv = server.HelperServer(ctx, node_path)
     rsrv = server.RootServer(ctx, root_path, srv.guards)
+    # Serving before any check: `shutdown` below waits for serve_forever, so a failed check must not
+    # leave it unstarted (the test would hang instead of failing).
+    threads = [
+        threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+        for s in (srv, rsrv)
+    ]
+    for t in threads:
+        t.start()
     try:
         st = os.stat(node_path)
         assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o660, 0, NODE)
@@ -897,12 +906,6 @@ def test_the_servers_bind_their_sockets_with_their_modes(ctx: HelperContext, tmp
         assert (st.st_mode & 0o777, st.st_uid, st.st_gid) == (0o600, 0, 0)
         assert srv.uids is None and rsrv.uids == (0,)
         assert srv.request_queue_size == 128 and rsrv.request_queue_size == 64
-        threads = [
-            threading.Thread(target=s.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-            for s in (srv, rsrv)
-        ]
-        for t in threads:
-            t.start()
         for path in (node_path, root_path):
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
                 c.settimeout(10)
@@ -1072,5 +1075,456 @@ def test_a_busy_refusal_to_a_peer_already_gone_is_quiet(
         a.close()
         srv.process_request(b, None)  # the send fails (EPIPE): swallowed
         assert guards._pending == {NODE: {"busy": 1}}
+    finally:
+        srv.server_close()
+
+
+def test_a_connections_thread_is_a_daemon_whatever_thread_accepts(
+    ctx: HelperContext, tmp_path: Path, guards: Guards
+) -> None:
+    """The accept loop may run on a thread that is not a daemon: a connection's thread still must not hold
+    the process's exit (a node that never closes its connection would keep a stopped helper alive)."""
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    try:
+        assert not threading.current_thread().daemon
+        before = set(threading.enumerate())
+        a, b = socket.socketpair()
+        with a:
+            srv.process_request(b, None)  # on this thread, not a daemon
+            new = [t for t in threading.enumerate() if t not in before]
+            assert [t.daemon for t in new] == [True]
+            a.shutdown(socket.SHUT_WR)
+            new[0].join(10)
+    finally:
+        srv.server_close()
+
+
+def test_a_busy_refusal_never_blocks_the_accept_thread(
+    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A peer past the cap that reads nothing (its socket's buffer full) gets no answer, and the accept
+    thread goes on at once."""
+    monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    try:
+        srv._slots = threading.BoundedSemaphore(1)
+        assert srv._slots.acquire(blocking=False)
+        a, b = socket.socketpair()
+        with a:
+            b.setblocking(False)
+            with pytest.raises(BlockingIOError):
+                while True:
+                    b.send(b"x" * 65536)
+            b.setblocking(True)
+            accept = threading.Thread(target=srv.process_request, args=(b, None), daemon=True)
+            accept.start()
+            accept.join(5)
+            assert not accept.is_alive()
+            assert b.fileno() == -1  # closed by the server
+        assert guards._pending == {NODE: {"busy": 1}}
+    finally:
+        srv.server_close()
+
+
+# --- edges found by the complete mutation run (docs/mutation.md) -------------------------------------------
+
+
+class _Creds:
+    def __init__(self, raw: bytes) -> None:
+        self.raw = raw
+
+    def getsockopt(self, level: int, name: int, size: int) -> bytes:
+        assert (level, name, size) == (socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        return self.raw
+
+
+def test_a_peers_uid_and_gid_are_read_unsigned() -> None:
+    """struct ucred's uid_t and gid_t are unsigned: a uid past 2**31 (a user namespace's, say) is shown as
+    itself in the audit line, never as a negative number."""
+    raw = struct.pack("iII", 4321, 2**31 + 5, 2**32 - 2)
+    assert server.peer_credentials(_Creds(raw)) == Peer(4321, 2**31 + 5, 2**32 - 2)  # type: ignore[arg-type]
+
+
+def test_the_flusher_is_a_named_daemon_thread(guards: Guards) -> None:
+    """It never holds the process's exit, and shows as `audit-flusher` in a thread dump."""
+    assert (guards._thread.name, guards._thread.daemon, guards._thread.is_alive()) == (
+        "audit-flusher",
+        True,
+        True,
+    )
+
+
+def test_closing_waits_a_bounded_time_for_a_stuck_flusher(
+    ctx: HelperContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "FLUSH_S", 0.01)
+    monkeypatch.setattr(server, "CLOSE_WAIT_S", 0.1)
+    stuck, release = threading.Event(), threading.Event()
+    real = ctx.audit.record
+
+    def hang(**kw: Any) -> None:
+        stuck.set()
+        release.wait(30)
+        real(**kw)
+
+    monkeypatch.setattr(ctx.audit, "record", hang)
+    g = Guards(ctx)
+    g.count(NODE, "busy")
+    assert stuck.wait(10)
+    closer = threading.Thread(target=g.close, daemon=True)
+    closer.start()
+    closer.join(5)
+    try:
+        assert not closer.is_alive()  # back after CLOSE_WAIT_S, the flusher still stuck
+    finally:
+        release.set()
+        g._thread.join(10)
+
+
+def test_the_flusher_outlives_an_audit_write_error(
+    ctx: HelperContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "FLUSH_S", 0.01)
+    real = ctx.audit.record
+    failures = [OSError("disk full")]
+
+    def record(**kw: Any) -> None:
+        if failures:
+            raise failures.pop()
+        real(**kw)
+
+    monkeypatch.setattr(ctx.audit, "record", record)
+    g = Guards(ctx)
+    try:
+        g.count(NODE, "busy")
+        end = time.monotonic() + 10
+        while time.monotonic() < end and failures:
+            time.sleep(0.01)
+        g.count(NODE, "peer")  # counted after the failed write: the flusher still writes it
+        while time.monotonic() < end and not any(e["op"] == "(suppressed)" for e in audit_lines(ctx)):
+            time.sleep(0.01)
+        assert [e["args"] for e in audit_lines(ctx) if e["op"] == "(suppressed)"] == [
+            {"count": 1, "reasons": {"peer": 1}}
+        ]
+        assert g._thread.is_alive()
+    finally:
+        g.close()
+
+
+def test_ancillary_data_other_than_descriptors_is_refused_and_never_read_as_descriptors(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """Credentials (SCM_CREDENTIALS, delivered once the socket has SO_PASSCRED) are refused like
+    descriptors; their numbers (pid, uid, gid) are not taken for descriptors and closed."""
+    a, b = pair
+    b.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+    conn = connection(ctx, guards, b)
+    r, w = os.pipe()
+    try:
+        creds = struct.pack("3i", os.getpid(), r, w)  # root may send any uid and gid
+        a.sendmsg(
+            [encode_frame({"op": "x", "args": {}})], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)]
+        )
+        with pytest.raises(ProtocolError) as info:
+            conn.read_request()
+        assert str(info.value) == "file descriptors or other ancillary data were sent: the helper takes none"
+        os.fstat(r)
+        os.fstat(w)  # still open
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_frame_deadline_reached_to_the_instant_is_refused(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, b = pair
+    conn = connection(ctx, guards, b)
+    monkeypatch.setattr(server.time, "monotonic", lambda: 500.0)
+    conn.buffer += b"\x00"
+    conn.frame_deadline = 500.0
+    with pytest.raises(ProtocolError) as info:
+        conn.read_request()
+    assert str(info.value) == f"frame not complete within {server.FRAME_TIMEOUT_S:.0f} s"
+
+
+def _later(sock: socket.socket, data: bytes, delay: float) -> threading.Thread:
+    t = threading.Timer(delay, sock.sendall, args=(data,))
+    t.start()
+    return t
+
+
+def test_a_frame_completed_with_under_a_second_left_is_read(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.8)
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    frame = encode_frame({"op": "x", "args": {}})
+    a.sendall(frame[:6])
+    t = _later(a, frame[6:], 0.05)
+    try:
+        assert conn.read_request() == {"op": "x", "args": {}}
+    finally:
+        t.join()
+
+
+def test_a_trickled_frame_gets_no_more_time_for_each_byte(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The deadline runs from the frame's first byte: bytes arriving one by one, each well within it, do not
+    move it."""
+    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.5)
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    frame = encode_frame({"op": "x", "args": {}})
+
+    def trickle() -> None:
+        with contextlib.suppress(OSError):
+            for i in range(4):
+                a.sendall(frame[i : i + 1] if i < 3 else frame[3:])
+                time.sleep(0.2)
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    try:
+        with pytest.raises(ProtocolError) as info:
+            conn.read_request()
+        assert str(info.value) == "frame not complete within 0 s"
+    finally:
+        t.join()
+
+
+def test_a_head_read_ahead_gets_the_frame_deadline(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Bytes of the next frame read ahead with the last one start its deadline when it is read: a part of
+    its length, or its whole length and part of its body."""
+    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(server, "IDLE_TIMEOUT_S", 1.0)
+    first = encode_frame([1])
+    nxt = encode_frame({"op": "x", "args": {}})
+    for cut in (2, 6):
+        a, b = socket.socketpair()
+        with a, b:
+            conn = connection(ctx, guards, b)
+            a.sendall(first + nxt[:cut])
+            assert conn.read_request() == [1]
+            t = _later(a, nxt[cut:], 0.05)  # the rest well within the deadline
+            try:
+                assert conn.read_request() == {"op": "x", "args": {}}
+            finally:
+                t.join()
+            a.sendall(first + nxt[:cut])  # the rest never comes: refused at the frame's deadline
+            assert conn.read_request() == [1]
+            with pytest.raises(ProtocolError) as info:
+                conn.read_request()
+            assert str(info.value) == "frame not complete within 0 s"
+
+
+def test_a_large_answer_with_a_descriptor_is_sent_whole(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """More than the socket takes at once: the rest follows the part sent with the descriptor."""
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    doc = {"ok": True, "result": {"log": "z" * (2 * 1024 * 1024)}}
+    got: dict[str, Any] = {}
+
+    def reader() -> None:
+        a.settimeout(30)
+        data, ancdata, _flags, _addr = a.recvmsg(1 << 16, socket.CMSG_SPACE(4))
+        got["fds"] = [array.array("i", p)[0] for _l, _k, p in ancdata]
+        rest = bytearray(data)
+        n = struct.unpack(">I", rest[:4])[0] + 4
+        while len(rest) < n:
+            rest += a.recv(1 << 20)
+        got["frame"] = bytes(rest)
+
+    r, w = os.pipe()
+    t = threading.Thread(target=reader)
+    t.start()
+    try:
+        conn.send(doc, r)
+        t.join(30)
+        assert got["frame"] == encode_frame(doc)
+        assert len(got["fds"]) == 1
+        os.close(got["fds"][0])
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_roots_refusals_are_never_rate_limited(
+    ctx: HelperContext, conn: Connection, guards: Guards, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server.time, "monotonic", lambda: 1000.0)  # no refill while the test runs
+    for _ in range(REFUSAL_BURST + 3):
+        assert conn.answer({"op": "no.such", "args": {}})["reason"] == "unknown-op"
+    assert len([e for e in audit_lines(ctx) if e["reason"] == "unknown-op"]) == REFUSAL_BURST + 3
+    assert guards._pending == {}
+
+
+def test_the_duration_is_recorded_in_milliseconds(
+    ctx: HelperContext, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server.time, "monotonic", lambda: 1000.0)
+    conn.audit("helper.ping", {}, OPS["helper.ping"], "accepted", "", "", 999.75)
+    assert last(ctx)["duration_ms"] == 250.0
+
+
+def test_root_is_served_while_the_audit_log_is_full(
+    ctx: HelperContext, conn: Connection, guards: Guards
+) -> None:
+    ctx.audit._held = ctx.audit._keep * 4
+    assert ctx.audit.full
+    assert conn.answer({"op": "helper.ping", "args": {}})["ok"] is True
+    assert last(ctx)["decision"] == "accepted" and guards._pending == {}
+
+
+def test_refused_and_failed_requests_show_their_arguments(
+    ctx: HelperContext, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    def refuse(_call: Any, _req: Any) -> dict[str, Any]:
+        raise Refused("nope", "no")
+
+    def fail(_call: Any, _req: Any) -> dict[str, Any]:
+        raise Failed("tool", "broke")
+
+    def boom(_call: Any, _req: Any) -> dict[str, Any]:
+        raise RuntimeError("bug")
+
+    for name, handler, decision in [
+        ("t.refuse", refuse, "refused"),
+        ("t.fail", fail, "failed"),
+        ("t.boom", boom, "failed"),
+    ]:
+        monkeypatch.setitem(OPS, name, spec(handler, request=Shown, shown=("kind",)))
+        args = {"kind": "cdi", "hidden": "secret"}
+        assert conn.answer({"op": name, "args": args})["ok"] is False
+        e = last(ctx)
+        assert (e["op"], e["decision"], e["args"]) == (name, decision, {"kind": "cdi"})
+        assert e["args_sha256"] == hashlib.sha256(canonical({"op": name, "args": args})).hexdigest()
+
+
+def test_an_unexpected_error_before_the_op_is_looked_up_names_the_op_cut(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(_self: Any) -> bool:
+        raise OSError("audit directory gone")
+
+    monkeypatch.setattr(AuditLog, "full", property(broken))
+    node = connection(ctx, guards, pair[1], uid=NODE)
+    op = "o" * 150
+    message = f"{'o' * 100}: OSError: audit directory gone"
+    assert node.answer({"op": op, "args": {}}) == {
+        "ok": False,
+        "error": "failed",
+        "reason": "internal",
+        "message": message,
+    }
+    assert (last(ctx)["op"], last(ctx)["message"]) == ("o" * 100, message)
+
+
+def test_serving_a_peer_already_gone_is_quiet(ctx: HelperContext, guards: Guards) -> None:
+    """A refusal that cannot be sent (the peer closed its end) still is audited, and serve returns."""
+    a, b = socket.socketpair()
+    with b:
+        a.close()
+        stranger = connection(ctx, guards, b, uid=NODE + 1)
+        stranger.serve()
+        e = last(ctx)
+        assert (e["op"], e["decision"], e["reason"]) == ("(connect)", "refused", "peer")
+    a, b = socket.socketpair()
+    with b:
+        a.sendall(struct.pack(">I", MAX_FRAME + 1))
+        a.close()
+        connection(ctx, guards, b, uid=NODE).serve()
+        e = last(ctx)
+        assert (e["op"], e["decision"], e["reason"], e["message"]) == (
+            "(frame)",
+            "refused",
+            "protocol",
+            f"frame of {MAX_FRAME + 1} bytes exceeds {MAX_FRAME}",
+        )
+
+
+def test_a_handler_whose_peer_is_gone_prints_nothing(
+    ctx: HelperContext,
+    tmp_path: Path,
+    guards: Guards,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """socketserver prints a traceback for an exception a handler lets out: a peer gone is not one."""
+
+    def gone(_s: socket.socket) -> Peer:
+        raise OSError("gone")
+
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    try:
+        monkeypatch.setattr(server, "peer_credentials", gone)
+        a, b = socket.socketpair()
+        with a:
+            srv.process_request_thread(b, "")
+        assert capsys.readouterr().err == ""
+    finally:
+        srv.server_close()
+
+
+def test_a_socket_is_never_more_open_than_0600_before_its_mode_is_set(
+    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    modes: list[int] = []
+    real = os.chown
+
+    def chown(path: str, uid: int, gid: int) -> None:
+        modes.append(os.stat(path).st_mode & 0o777)
+        real(path, uid, gid)
+
+    monkeypatch.setattr(server.os, "chown", chown)
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    rsrv = server.RootServer(ctx, str(tmp_path / "root.sock"), guards)
+    srv.server_close()
+    rsrv.server_close()
+    assert modes == [0o600, 0o600]
+
+
+def test_a_connection_whose_thread_cannot_start_gives_back_its_slot(
+    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
+    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    try:
+        srv._slots = threading.BoundedSemaphore(1)
+
+        def no_thread(_self: threading.Thread) -> None:
+            raise RuntimeError("can't start new thread")
+
+        a, b = socket.socketpair()
+        with a:
+            with monkeypatch.context() as m:
+                m.setattr(threading.Thread, "start", no_thread)
+                with pytest.raises(RuntimeError, match="can't start new thread"):
+                    srv.process_request(b, None)
+            assert b.fileno() == -1
+            assert srv._slots.acquire(blocking=False)  # the slot was given back
     finally:
         srv.server_close()
