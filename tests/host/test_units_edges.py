@@ -2355,3 +2355,21 @@ def test_HST_HP_one_page_of_1g_mounts_and_missing_pool_files_read_as_zero(tmp_pa
         ("grubby", "--update-kernel=ALL", "--remove-args=hugepagesz=1G hugepages=2"),
         ("grubby", "--update-kernel=ALL", "--args=hugepagesz=1G hugepages=4"),
     ]
+
+
+def test_HST_CPU_every_cpu_is_read_past_entries_that_are_not_cpus(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.cpu import CpuView, format_cpulist
+
+    assert format_cpulist(frozenset({1, 2, 5, 8, 9, 10})) == "1-2,5,8-10"
+    base = "/sys/devices/system/cpu"
+    system = _tree(
+        tmp_path,
+        {
+            f"{base}/amd_pstate/status": "active\n",  # sorts before cpu0
+            f"{base}/cpu0/": "",  # no cpufreq
+            f"{base}/cpu1/cpufreq/scaling_governor": "schedutil\n",
+        },
+    )
+    o = REGISTRY["cpu"].observe(system, decoded("cpu", {"governor": "performance"}), UnitContext())
+    assert o.cpus == (CpuView("cpu1", "schedutil", ()),)
