@@ -481,3 +481,108 @@ def test_store_spec_refuses_a_generation_not_above_the_held_one(tmp_path: Path) 
         j.discard_spec()
         j.store_spec(StoredSpec(generation=1, body=b"d", spec_hash="h1", signature=b""))  # after discard: any
         assert j.applied_generation == 1
+
+
+# ---------------------------------------------------------------- what each write leaves
+
+
+def test_meta_setters_take_effect_at_once_and_survive_a_restart(tmp_path: Path) -> None:
+    from bcd_agent.journal import StoredSpec
+
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+        j.set_node_id("node-9")
+        j.set_last_epoch(4)
+        assert (j.node_id, j.last_epoch) == ("node-9", 4)
+        j.store_spec(StoredSpec(generation=3, body=b"x", spec_hash="h", signature=b""))
+        j.discard_spec()
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+        assert (j.node_id, j.last_epoch, j.applied_generation, j.needs_spec) == ("node-9", 4, 0, True)
+
+
+def test_results_carry_empty_defaults_and_the_ack_flag(tmp_path: Path) -> None:
+    with Journal.open(tmp_path / "d", boot_id="b1") as j:
+        j.accept_commands([cmd("a"), cmd("m")])
+        a = j.complete("a", Outcome.SUCCEEDED)
+        (m,) = j.complete_many([Completion("m", Outcome.SUCCEEDED)])
+        r = j.reject(cmd("r"), "EXPIRED")
+        n = j.cancel_new(cmd("n"), "operator")
+        for e in (a, m, r, n):
+            assert not isinstance(e, Exception) and e.result is not None
+            got = (e.result.body, e.result.node_sig, e.result.attestation, e.result.message, e.result.boot_id)
+            assert got == (b"", b"", b"", "", "b1")
+        assert a.result is not None and a.result.code == ""
+        assert j.get_command("a").acked is False  # type: ignore[union-attr]
+        j.ack_results(["a"])
+        assert j.get_command("a").acked is True  # type: ignore[union-attr]
+        assert j.get_command("r").acked is False  # type: ignore[union-attr]
+
+
+def test_a_full_journal_refuses_every_command_of_a_batch_by_name(tmp_path: Path) -> None:
+    with Journal.open(tmp_path / "d", boot_id="b", max_events=2) as j:
+        j.append_events([_ev(M, b"m"), _ev(R, b"1"), _ev(T, b"2")])  # the metric is dropped
+        out = j.accept_commands([cmd("x"), cmd("y")])
+        expected = (
+            "journal full: 2 unacked transition/result events (4 bytes) against bounds of 2 events and"
+            f" {64 * 1024 * 1024} bytes; acks must drain it"
+        )
+        assert [str(e) for e in out] == [expected, expected]
+        assert all(isinstance(e, JournalFull) for e in out)
+    with Journal.open(tmp_path / "e", boot_id="b", max_bytes=4) as j:
+        # Full by bytes, with a metric of no bytes still held (the only metric a full journal can hold):
+        # the message counts transitions and results only.
+        j.append_events([_ev(R, b"123", type="r"), NewEvent(M, "", b"")])
+        assert j.is_full() and j.event_stats().count == 2
+        with pytest.raises(JournalFull) as exc:
+            j.accept_command(cmd("z"))
+        assert str(exc.value) == (
+            "journal full: 1 unacked transition/result events (4 bytes) against bounds of 10000 events and"
+            " 4 bytes; acks must drain it"
+        )
+
+
+def test_the_byte_bound_drops_metrics_down_to_exactly_the_limit(tmp_path: Path) -> None:
+    with Journal.open(tmp_path / "d", boot_id="b", max_bytes=30) as j:
+        j.append_events([_ev(M, b"a" * 9), _ev(M, b"b" * 9), _ev(M, b"c" * 9)])  # 30 bytes
+        assert j.append_events([_ev(T, b"d" * 9)]) == EventsAppended(4, 1, 1)  # 40: one metric goes
+        assert [e.seq for e in j.unacked_events()] == [2, 3, 4] and j.event_stats().bytes == 30
+
+
+def test_an_ack_not_above_the_last_writes_nothing(tmp_path: Path) -> None:
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+        j.append_events([_ev(T, b"1"), _ev(T, b"2")])
+        j.ack_events(j.journal_id, 1)
+        commits = j.commits
+        assert j.ack_events(j.journal_id, 1) == 0 and j.ack_events(j.journal_id, 0) == 0
+        assert j.ack_events("other", 2) == 0
+        assert j.commits == commits
+
+
+def test_same_boot_leftovers_are_taken_over_or_settled_interrupted(tmp_path: Path) -> None:
+    """The daemon died in the same boot: a running node.reboot (retry-safe) is taken over by a
+    redelivery; a running boot.kexec (not retry-safe) is settled FAILED `interrupted`, not `rebooted`."""
+    j = Journal.open(tmp_path / "a", boot_id="boot1")
+    j.accept_command(cmd("r", REBOOT, "node.reboot"))
+    j.mark_running("r")
+    j.accept_command(cmd("k", KEXEC, "boot.kexec"))
+    j.mark_running("k")
+    j.accept_command(cmd("k2", KEXEC, "boot.kexec"))
+    j.mark_running("k2")
+    data = crash_copy(j, tmp_path / "b")
+    with Journal.open(data, boot_id="boot1") as k:
+        taken = k.accept_command(cmd("r", REBOOT, "node.reboot"))
+        assert (taken.state, taken.incarnation) == (CommandState.ACCEPTED, k.incarnation)
+        s = k.settle("k")
+        assert s.result is not None
+        assert (s.result.outcome, s.result.code, s.result.boot_id, s.result.previous_boot_id) == (
+            Outcome.FAILED, "interrupted", "boot1", "",
+        )  # fmt: skip
+        (rec,) = k.recover()
+        assert rec.id == "k2" and rec.result is not None and rec.result.code == "interrupted"
+
+
+def test_settle_leaves_this_process_s_own_commands_alone(tmp_path: Path) -> None:
+    with Journal.open(tmp_path / "a", boot_id="b1") as j:
+        mine = j.accept_command(cmd("u", NOT_RETRY_SAFE, "gpu.reset"))
+        assert j.settle("u") == mine
+        running = j.mark_running("u")
+        assert j.settle("u") == running and j.recover() == ()

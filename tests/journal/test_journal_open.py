@@ -122,7 +122,6 @@ def test_a_fresh_journal_holds_nothing(tmp_path: Path) -> None:
 
 
 def test_data_dir_is_created_0700_under_missing_parents(tmp_path: Path) -> None:
-    os.umask(0o022)
     data = tmp_path / "a" / "b" / "data"
     with Journal.open(data, boot_id="b") as j:
         assert stat.S_IMODE(os.stat(data).st_mode) == 0o700
@@ -414,7 +413,7 @@ def test_a_healthy_journal_reopens_as_it_was(tmp_path: Path) -> None:
     data = tmp_path / "d"
     old = _made(data)
     with _reopened(data) as j:
-        assert not j.report.created and j.report.moved_aside == () and j.report.reason == ""
+        assert j.report.created is False and j.report.moved_aside == () and j.report.reason == ""
         assert j.journal_id == old and j.next_event_seq == 2
         assert j.event_stats().count == 1
         assert j.resolve("c1").action is Action.REEXECUTE
@@ -441,3 +440,50 @@ def test_a_command_without_body_or_signature_is_stored_empty(tmp_path: Path) -> 
     with Journal.open(data, boot_id="b") as j:
         e = j.get_command("x")
         assert e is not None and (e.body, e.signature, e.kind) == (b"", b"", "gpu.reset")
+
+
+def test_a_new_data_dir_is_0700_whatever_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0)
+    try:
+        with Journal.open(tmp_path / "d", boot_id="b"):
+            assert stat.S_IMODE(os.stat(tmp_path / "d").st_mode) == 0o700
+            assert stat.S_IMODE(os.stat(tmp_path / "d" / "journal.lock").st_mode) == 0o600
+    finally:
+        os.umask(old)
+
+
+def test_fsync_dir_takes_directories_only(tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_text("")
+    with pytest.raises(NotADirectoryError):
+        _files.fsync_dir(f)
+    _files.fsync_dir(tmp_path)
+
+
+def test_a_journal_failing_quick_check_is_moved_aside_naming_the_first_five_problems(tmp_path: Path) -> None:
+    """A NOT NULL column holding NULLs (written behind SQLite's back): quick_check names each row; the
+    reason keeps the first five."""
+    data = tmp_path / "d"
+    with Journal.open(data, boot_id="b") as j:
+        old = j.journal_id
+        for i in range(7):
+            j.use_exec_ticket(f"t{i}", 2e9)
+    db = data / "journal.db"
+    conn = sqlite3.connect(db)
+    ddl = conn.execute("SELECT sql FROM sqlite_master WHERE name = 'exec_tickets'").fetchone()[0]
+    conn.close()
+    loose = ddl.replace("REAL NOT NULL", "REAL")
+    _sql(
+        db,
+        "PRAGMA writable_schema=ON",
+        f"UPDATE sqlite_master SET sql = '{loose}' WHERE name = 'exec_tickets'",
+    )
+    _sql(db, "UPDATE exec_tickets SET expires_at = NULL")
+    _sql(
+        db, "PRAGMA writable_schema=ON", f"UPDATE sqlite_master SET sql = '{ddl}' WHERE name = 'exec_tickets'"
+    )
+    with _reopened(data) as j:
+        assert j.report.reason == "_Corrupt: quick_check: " + "; ".join(
+            ["NULL value in exec_tickets.expires_at"] * 5
+        )
+        assert j.journal_id != old and j.exec_ticket_count() == 0

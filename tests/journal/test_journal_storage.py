@@ -331,3 +331,43 @@ def test_ack_results_counts_what_it_acked(journal: Journal) -> None:
     assert j.ack_results(["a"]) == 0  # already acked
     assert j.ack_results(iter(["b"])) == 1
     assert j.unacked_results() == ()
+
+
+def test_group_commit_keeps_every_write_durable_unless_the_caller_says_otherwise(tmp_path: Path) -> None:
+    """Under group commit only the writes a caller marks `durable=False` wait for `sync()`: by default
+    each write (a take-over, a batch, running, an outcome) is fsynced when it returns."""
+    j = Journal.open(tmp_path / "a", boot_id="b1")
+    j.accept_command(cmd("left"))
+    data = crash_copy(j, tmp_path / "b")
+    with Journal.open(data, boot_id="b1", group_commit=True) as k:
+        k.accept_command(cmd("left"))  # the take-over of a retry-safe leftover
+        assert (k.commits, k.durable_commits, k.unsynced) == (1, 1, False)
+        k.accept_commands([cmd("a")])
+        k.mark_running("a")
+        k.complete("a", Outcome.SUCCEEDED)
+        k.complete_many([Completion("left", Outcome.FAILED, code="x")])
+        assert (k.commits, k.durable_commits, k.unsynced) == (5, 5, False)
+        k.ack_results(["a"], defer=True)
+        k.flush_acks()  # acks: never waited for, not even by sync()
+        assert (k.commits, k.durable_commits, k.unsynced) == (5, 5, False)
+        k.accept_command(cmd("left2"), durable=False)
+        k.mark_running("left2", durable=True)  # durable: fsyncs the WAL to its end
+        assert (k.commits, k.durable_commits, k.synced_through, k.unsynced) == (7, 6, 7, False)
+    with Journal.open(data, boot_id="b1") as k:
+        assert [e.id for e in k.unacked_results()] == ["left"]
+
+
+def test_a_failing_close_is_logged_and_still_releases_the_lock(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class _BadClose(_Failing):
+        def close(self) -> None:
+            self._conn.close()
+            raise sqlite3.OperationalError("disk I/O error")
+
+    j = Journal.open(tmp_path / "d", boot_id="b1")
+    j._conn = _BadClose(j._conn, "never", RuntimeError())  # type: ignore[assignment]
+    with caplog.at_level(logging.WARNING, logger="bcd_agent.journal._store"):
+        j.close()
+    assert caplog.messages == [f"journal: {j.path}: closing: disk I/O error"]
+    Journal.open(tmp_path / "d", boot_id="b1").close()
