@@ -798,11 +798,17 @@ def test_DLV_PRIV_10_a_packaged_install_becomes_the_initial_release(
     assert (root / RECORD).stat().st_mode & 0o777 == 0o600
     assert programs(ctx).runs == [RESTART]
     timer = ctx.daemon_timer
-    assert isinstance(timer, threading.Timer) and timer.daemon and timer.is_alive() and timer.interval == 90
+    assert (
+        isinstance(timer, threading.Timer)
+        and timer.daemon
+        and timer.is_alive()
+        and not timer.finished.is_set()
+        and timer.interval == 90
+    )
     assert timer.args == (ctx, "1.1.0")
     # Confirmed: the timer is stopped, the record says so, both releases are kept.
     assert confirm(ctx, "1.1.0") == {"version": "1.1.0", "confirmed": True, "previous_version": ""}
-    assert ctx.daemon_timer is None and not timer.is_alive()
+    assert ctx.daemon_timer is None and timer.finished.is_set()
     assert record(root)["state"] == "confirmed"
     assert sorted(os.listdir(root / RELEASES)) == ["1.1.0", "initial"]
 
@@ -956,7 +962,7 @@ def test_DLV_PRIV_10_an_unhealthy_release_rolls_back(ctx: HelperContext, root: P
         "rolled_back": True,
         "restart": "restarted bcd-node.service",
     }
-    assert ctx.daemon_timer is None and timer is not None and not timer.is_alive()
+    assert ctx.daemon_timer is None and timer is not None and timer.finished.is_set()
     assert os.readlink(root / LINK) == "releases/initial/bcd" and (root / LINK).read_bytes() == OLD
     rec = record(root)
     assert rec == {
@@ -1075,7 +1081,7 @@ def test_arm_replaces_the_timer_and_resume_rearms_a_pending_swap(ctx: HelperCont
     daemon.arm(ctx, "1.1.0", 100)
     first = ctx.daemon_timer
     daemon.arm(ctx, "1.1.0", -5)  # a deadline already past: at once
-    assert first is not None and not first.is_alive()
+    assert first is not None and first.finished.is_set()
     second = ctx.daemon_timer
     assert second is not None and second.interval == 0.0 and second.daemon
     second.cancel()
