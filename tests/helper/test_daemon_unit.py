@@ -11,6 +11,7 @@ import datetime as dt
 import hashlib
 import json
 import os
+import shutil
 import threading
 import time
 from collections.abc import Iterator
@@ -64,7 +65,10 @@ def worker(cp: ControlPlane) -> Signer:
 
 
 @pytest.fixture
-def root(tmp_path: Path) -> Path:
+def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    # A fresh working directory: a path root resolved against the cwd instead of its verified fd finds
+    # nothing there (nor what an earlier test left).
+    monkeypatch.chdir(tmp_path)
     return make_root(tmp_path)
 
 
@@ -794,11 +798,17 @@ def test_DLV_PRIV_10_a_packaged_install_becomes_the_initial_release(
     assert (root / RECORD).stat().st_mode & 0o777 == 0o600
     assert programs(ctx).runs == [RESTART]
     timer = ctx.daemon_timer
-    assert isinstance(timer, threading.Timer) and timer.daemon and timer.is_alive() and timer.interval == 90
+    assert (
+        isinstance(timer, threading.Timer)
+        and timer.daemon
+        and timer.is_alive()
+        and not timer.finished.is_set()
+        and timer.interval == 90
+    )
     assert timer.args == (ctx, "1.1.0")
     # Confirmed: the timer is stopped, the record says so, both releases are kept.
     assert confirm(ctx, "1.1.0") == {"version": "1.1.0", "confirmed": True, "previous_version": ""}
-    assert ctx.daemon_timer is None and not timer.is_alive()
+    assert ctx.daemon_timer is None and timer.finished.is_set()
     assert record(root)["state"] == "confirmed"
     assert sorted(os.listdir(root / RELEASES)) == ["1.1.0", "initial"]
 
@@ -952,7 +962,7 @@ def test_DLV_PRIV_10_an_unhealthy_release_rolls_back(ctx: HelperContext, root: P
         "rolled_back": True,
         "restart": "restarted bcd-node.service",
     }
-    assert ctx.daemon_timer is None and timer is not None and not timer.is_alive()
+    assert ctx.daemon_timer is None and timer is not None and timer.finished.is_set()
     assert os.readlink(root / LINK) == "releases/initial/bcd" and (root / LINK).read_bytes() == OLD
     rec = record(root)
     assert rec == {
@@ -996,14 +1006,17 @@ def test_a_failed_restart_is_reported_not_raised(ctx: HelperContext, root: Path)
 
 
 def test_the_timer_rolls_back_an_unconfirmed_swap_and_audits_it(
-    ctx: HelperContext, root: Path, worker: Signer
+    ctx: HelperContext, root: Path, worker: Signer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     swap(ctx, doc_for(worker, root))
     assert ctx.daemon_timer is not None
     ctx.daemon_timer.cancel()
     rec = record(root)
     (root / RECORD).write_text(json.dumps({**rec, "deadline_ms": int(time.time() * 1000) - 1}))
+    ticks = iter((100.0, 100.25))
+    monkeypatch.setattr(daemon, "time", SimpleNamespace(monotonic=lambda: next(ticks), time=time.time))
     daemon._expire(ctx, "1.1.0")
+    monkeypatch.undo()
     assert record(root)["state"] == "rolled-back"
     assert record(root)["reason"] == "not confirmed before its deadline"
     last = audit(ctx)[-1]
@@ -1023,7 +1036,7 @@ def test_the_timer_rolls_back_an_unconfirmed_swap_and_audits_it(
     assert last["args"] == {"version": "1.1.0"}
     assert last["args_sha256"] == sha(b"1.1.0")
     assert last["message"] == json.dumps(result, sort_keys=True)
-    assert 0 <= last["duration_ms"] < 60_000
+    assert last["duration_ms"] == 250.0
 
 
 def test_the_timer_leaves_what_is_not_its_swap(ctx: HelperContext, root: Path) -> None:
@@ -1039,10 +1052,10 @@ def test_the_timer_leaves_what_is_not_its_swap(ctx: HelperContext, root: Path) -
 
 
 def test_the_timer_rearms_for_a_deadline_not_yet_reached(ctx: HelperContext, root: Path) -> None:
-    write_record(root, state="pending", deadline_ms=int(time.time() * 1000) + 300_000)
+    write_record(root, state="pending", deadline_ms=int(time.time() * 1000) + 3_000_000)
     daemon._expire(ctx, "1.1.0")
     timer = ctx.daemon_timer
-    assert timer is not None and 290 < timer.interval <= 300 and timer.args == (ctx, "1.1.0")
+    assert timer is not None and 2999 < timer.interval <= 3000 and timer.args == (ctx, "1.1.0")
     assert record(root)["state"] == "pending"
 
 
@@ -1068,7 +1081,7 @@ def test_arm_replaces_the_timer_and_resume_rearms_a_pending_swap(ctx: HelperCont
     daemon.arm(ctx, "1.1.0", 100)
     first = ctx.daemon_timer
     daemon.arm(ctx, "1.1.0", -5)  # a deadline already past: at once
-    assert first is not None and not first.is_alive()
+    assert first is not None and first.finished.is_set()
     second = ctx.daemon_timer
     assert second is not None and second.interval == 0.0 and second.daemon
     second.cancel()
@@ -1078,10 +1091,10 @@ def test_arm_replaces_the_timer_and_resume_rearms_a_pending_swap(ctx: HelperCont
     write_record(root, state="confirmed")
     daemon.resume(ctx)
     assert ctx.daemon_timer is None
-    write_record(root, state="pending", deadline_ms=int(time.time() * 1000) + 200_000)
+    write_record(root, state="pending", deadline_ms=int(time.time() * 1000) + 2_000_000)
     daemon.resume(ctx)
     timer = ctx.daemon_timer
-    assert timer is not None and 190 < timer.interval <= 200 and timer.args == (ctx, "1.1.0")
+    assert timer is not None and 1999 < timer.interval <= 2000 and timer.args == (ctx, "1.1.0")
 
 
 # --- edges ------------------------------------------------------------------------------------------------
@@ -1231,3 +1244,306 @@ def test_a_first_release_confirmed_prunes_every_other_directory(
 def test_a_restart_error_that_is_not_utf8_is_still_reported(ctx: HelperContext) -> None:
     programs(ctx).script = lambda argv: (1, b"", b"\xff bad unit")
     assert daemon._restart_node(ctx) == "systemctl restart bcd-node.service: exit 1: \ufffd bad unit"
+
+
+@pytest.mark.parametrize("swapped", ["symlink", "other-file"])
+def test_an_artifact_swapped_after_its_check_is_refused(
+    ctx: HelperContext, root: Path, worker: Signer, monkeypatch: pytest.MonkeyPatch, swapped: str
+) -> None:
+    """The node swaps the artifact between root's look at its name and root's open: a symlink is opened
+    as itself (O_PATH|O_NOFOLLOW) and refused, another file is seen to be another inode."""
+    args = doc_for(worker, root)
+    path = root / STAGING / args["artifact"]
+    other = stage(root, "other", NEW)
+    real_stat = os.stat
+    raced: list[str] = []
+
+    def racing(name: Any, *a: Any, **kw: Any) -> os.stat_result:
+        st = real_stat(name, *a, **kw)
+        if name == args["artifact"] and "dir_fd" in kw and not raced:
+            raced.append(name)
+            path.unlink()
+            if swapped == "symlink":
+                path.symlink_to(other)
+                os.lchown(path, NODE_UID, NODE_UID)
+            else:
+                os.rename(root / STAGING / other, path)
+        return st
+
+    monkeypatch.setattr(daemon.os, "stat", racing)
+    got = refused(ctx, args)
+    monkeypatch.undo()
+    assert raced == [args["artifact"]]
+    shown = f"/{STAGING}/{args['artifact']}"
+    if swapped == "symlink":
+        assert got == (
+            "bad-artifact",
+            f"daemon.swap: artifact {shown} must be a regular file owned by the node (uid {NODE_UID}) with "
+            "one link",
+        )
+    else:
+        assert got == ("bad-artifact", f"daemon.swap: artifact {shown} was replaced while it was checked")
+    assert not (root / RECORD).exists()
+
+
+def test_an_artifact_that_vanishes_after_its_check_is_refused(
+    ctx: HelperContext, root: Path, worker: Signer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = doc_for(worker, root)
+    path = root / STAGING / args["artifact"]
+    real_stat = os.stat
+
+    def racing(name: Any, *a: Any, **kw: Any) -> os.stat_result:
+        st = real_stat(name, *a, **kw)
+        if name == args["artifact"] and "dir_fd" in kw and path.exists():
+            path.unlink()
+        return st
+
+    monkeypatch.setattr(daemon.os, "stat", racing)
+    got = refused(ctx, args)
+    monkeypatch.undo()
+    assert got == (
+        "bad-artifact",
+        f"daemon.swap: artifact /{STAGING}/{args['artifact']}: No such file or directory",
+    )
+
+
+def test_an_artifact_that_grows_after_its_check_is_refused(
+    ctx: HelperContext, root: Path, worker: Signer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(daemon, "MAX_ARTIFACT", len(NEW))
+    args = doc_for(worker, root)
+    path = root / STAGING / args["artifact"]
+    real_open = os.open
+
+    def racing(name: Any, *a: Any, **kw: Any) -> int:
+        if isinstance(name, str) and name.startswith("/proc/self/fd/"):
+            with path.open("ab") as f:
+                f.write(b"+")
+        return real_open(name, *a, **kw)
+
+    monkeypatch.setattr(daemon.os, "open", racing)
+    got = refused(ctx, args)
+    monkeypatch.undo()
+    assert got == (
+        "too-large",
+        f"daemon.swap: artifact /{STAGING}/{args['artifact']} is larger than {len(NEW)} bytes",
+    )
+
+
+def test_a_dangling_symlink_is_refused_as_not_a_file_and_never_followed(
+    ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    """Root looks at the name itself: the answer says nothing about what the link names (no existence
+    oracle for root's files)."""
+    args = doc_for(worker, root)
+    path = root / STAGING / args["artifact"]
+    path.unlink()
+    path.symlink_to("/root/no-such-file")
+    os.lchown(path, NODE_UID, NODE_UID)
+    assert refused(ctx, args) == (
+        "bad-artifact",
+        f"daemon.swap: artifact /{STAGING}/{args['artifact']} must be a regular file owned by the node "
+        f"(uid {NODE_UID}) with one link",
+    )
+
+
+def test_a_signed_spec_that_does_not_decode_is_refused(
+    ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    from bcd_shared.pki import Purpose
+
+    args = doc_for(worker, root)
+    body = b"\xff\xff\xff"
+    carrier = {"body": b64(body), "signature": b64(worker.key.sign(Purpose.DESIRED_STATE, body))}
+    reason, message = refused(ctx, {**args, "spec": carrier})
+    assert reason == "bad-intent" and message.startswith("daemon.swap: the signed spec does not decode: ")
+    # Neither a full spec nor a patch: no daemon section.
+    empty = bytes(wire.DesiredStateBody(node_id=NODE_ID, generation=2, spec_hash="e"))
+    carrier = {"body": b64(empty), "signature": b64(worker.key.sign(Purpose.DESIRED_STATE, empty))}
+    assert refused(ctx, {**args, "spec": carrier}) == (
+        "release-not-in-intent",
+        "daemon.swap: the signed spec (generation 2) sets no daemon section",
+    )
+
+
+def test_a_long_expired_command_id_is_cut(ctx: HelperContext, root: Path, worker: Signer) -> None:
+    long_id = "i" * 100
+    reason, message = refused(ctx, command_args(worker, root, command_id=long_id, not_after_ms=1))
+    assert reason == "expired-intent"
+    assert message.startswith(
+        f"daemon.swap: the signed daemon.upgrade command {'i' * 80} expired (not_after 1, "
+    )
+
+
+def test_a_first_swap_by_command_or_by_a_spec_of_generation_0_keeps_generation_0(
+    ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    swap(ctx, command_args(worker, root))
+    assert record(root)["spec_generation"] == 0
+    (root / RECORD).unlink()
+    assert swap(ctx, doc_for(worker, root, generation=0))["version"] == "1.1.0"
+    assert record(root)["spec_generation"] == 0
+
+
+def test_roots_refusals_name_the_op(root: Path, cp: ControlPlane, worker: Signer) -> None:
+    c = context(root, cp.config_lines() + HELPER)
+    try:
+        reason, message = refused(c, doc_for(worker, root))
+        assert reason == "join-record-required" and message.startswith("daemon.swap: ")
+    finally:
+        c.audit.close()
+
+
+def test_a_packaged_file_over_a_known_record_has_no_previous_version(
+    ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    """A package reinstall put a regular file back over the link: the record's version is not what runs."""
+    write_record(root, version="1.0.5", sha256=sha(b"x"))
+    assert swap(ctx, doc_for(worker, root, generation=2))["previous_version"] == ""
+    assert record(root)["previous_version"] == ""
+
+
+def test_a_large_packaged_binary_is_kept_and_rolled_back_to(
+    ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    """Releases up to 256 MiB: a 65 MiB packaged file (past read_root_only's 64 MiB default) is read
+    whole, kept as `initial` and rolled back to."""
+    size = 65 * 1024 * 1024
+    with (root / LINK).open("r+b") as f:
+        f.truncate(size)
+    swap(ctx, doc_for(worker, root))
+    assert record(root)["previous_sha256"] == hashlib.sha256(OLD + bytes(size - len(OLD))).hexdigest()
+    assert (root / RELEASES / "initial/bcd").stat().st_size == size
+    assert confirm(ctx, "1.1.0", healthy=False)["rolled_back"] is True
+    assert os.readlink(root / LINK) == "releases/initial/bcd"
+
+
+def test_rolling_back_to_nothing_when_the_link_is_already_gone(
+    ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    (root / LINK).unlink()
+    swap(ctx, doc_for(worker, root))
+    (root / LINK).unlink()
+    assert confirm(ctx, "1.1.0", healthy=False)["version"] == ""
+    assert not os.path.lexists(root / LINK) and record(root)["state"] == "rolled-back"
+
+
+def test_a_link_that_cannot_be_replaced_leaves_no_temporary(
+    ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    swap(ctx, doc_for(worker, root))
+    (root / LINK).unlink()
+    (root / LINK).mkdir()
+    (root / LINK / "x").write_bytes(b"x")
+    with pytest.raises(IsADirectoryError):
+        confirm(ctx, "1.1.0", healthy=False)
+    assert sorted(os.listdir(root / "usr/lib/bcd")) == ["bcd", "releases"]
+    assert os.listdir(root) == [] or all(not n.startswith(".bcd.") for n in os.listdir(root.parent))
+
+
+def sorted_listdir(monkeypatch: pytest.MonkeyPatch) -> None:
+    """os.listdir in name order, so that what prune meets first is known."""
+    real = os.listdir
+    monkeypatch.setattr(daemon.os, "listdir", lambda p=".": sorted(real(p)))
+
+
+def test_prune_skips_what_is_not_a_stale_release_and_goes_on(
+    ctx: HelperContext, root: Path, worker: Signer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    swap(ctx, doc_for(worker, root))
+    releases = root / RELEASES
+    (releases / ".hidden").mkdir()
+    (releases / "0.8.0").symlink_to("/tmp")  # named as a version, but a link: never entered
+    (releases / "0.8.5").write_bytes(b"not a directory")
+    stale = releases / "0.9.0"
+    stale.mkdir()
+    (stale / "bcd").write_bytes(b"old")
+    (stale / "lib").symlink_to("/usr")  # a link inside: removed as a link, its target untouched
+    sorted_listdir(monkeypatch)
+    confirm(ctx, "1.1.0")
+    monkeypatch.undo()
+    assert sorted(os.listdir(releases)) == [".hidden", "0.8.0", "0.8.5", "1.1.0", "initial"]
+    assert os.path.isdir("/usr/bin")
+
+
+def test_prune_is_best_effort(ctx: HelperContext, root: Path, worker: Signer) -> None:
+    """A directory inside a stale release, or a releases directory that is a symlink: the confirmation
+    stands, what was not pruned stays."""
+    swap(ctx, doc_for(worker, root))
+    stale = root / RELEASES / "0.9.0" / "lib"
+    stale.mkdir(parents=True)
+    assert confirm(ctx, "1.1.0")["confirmed"] is True
+    assert (root / RELEASES / "0.9.0/lib").is_dir()
+    swap(ctx, doc_for(worker, root, version="1.2.0", data=NEW + b"2", generation=2))
+    (root / RELEASES).rename(root / "usr/lib/bcd/kept")
+    (root / RELEASES).symlink_to("kept")
+    assert confirm(ctx, "1.2.0")["confirmed"] is True
+    assert (root / RELEASES).is_symlink()
+    (root / RELEASES).unlink()
+    (root / "usr/lib/bcd/kept").rename(root / RELEASES)
+    swap(ctx, doc_for(worker, root, version="1.3.0", data=NEW + b"3", generation=3))
+    shutil.rmtree(root / RELEASES)
+    assert confirm(ctx, "1.3.0")["confirmed"] is True
+    assert not os.path.lexists(root / RELEASES)  # never made again by the prune
+
+
+class _Clock:
+    def __init__(self, ms: int) -> None:
+        self.ms = ms
+
+    def time(self) -> float:
+        return self.ms / 1000
+
+    def monotonic(self) -> float:
+        return 0.0
+
+
+@pytest.mark.parametrize(("left_ms", "rolled_back"), [(0, True), (1, False), (1001, False)])
+def test_the_timer_rolls_back_at_the_deadline_to_the_millisecond(
+    ctx: HelperContext,
+    root: Path,
+    worker: Signer,
+    monkeypatch: pytest.MonkeyPatch,
+    left_ms: int,
+    rolled_back: bool,
+) -> None:
+    swap(ctx, doc_for(worker, root))
+    assert ctx.daemon_timer is not None
+    ctx.daemon_timer.cancel()
+    deadline = record(root)["deadline_ms"]
+    monkeypatch.setattr(daemon, "time", _Clock(deadline - left_ms))
+    daemon._expire(ctx, "1.1.0")
+    monkeypatch.undo()
+    assert (record(root)["state"] == "rolled-back") is rolled_back
+    if not rolled_back:
+        timer = ctx.daemon_timer
+        assert timer is not None and timer.interval == left_ms / 1000
+
+
+def test_the_armed_timer_rolls_back_when_it_fires(ctx: HelperContext, root: Path, worker: Signer) -> None:
+    swap(ctx, doc_for(worker, root))
+    rec = record(root)
+    (root / RECORD).write_text(json.dumps({**rec, "deadline_ms": 0}))
+    daemon.arm(ctx, "1.1.0", 0)
+    timer = ctx.daemon_timer
+    assert timer is not None
+    timer.join(30)
+    assert record(root)["state"] == "rolled-back" and audit(ctx)[-1]["op"] == "daemon.rollback"
+
+
+def test_no_staging_tree_is_made_while_it_is_looked_for(root: Path, cp: ControlPlane, worker: Signer) -> None:
+    """Pinned roots, no join record: no /var/lib yet. The refusal makes no directory."""
+    (root / "usr/lib/bcd").mkdir(parents=True)
+    c = context(root, cp.config_lines(pin_roots=True).split("\n", 1)[1] + HELPER)
+    try:
+        section = daemon_section(worker, "1.1.0", NEW)
+        args = swap_doc(worker, section, "bcd-1.1.0", spec=spec_carrier(worker, section, 1))["args"]
+        args["chain"] = [*args["chain"], b64(cp.command.root)]
+        assert refused(c, args) == (
+            "bad-staging",
+            f"daemon.swap: the staging directory /{STAGING}: openat2 'lib': No such file or directory",
+        )
+        assert not (root / "var/lib").exists()
+    finally:
+        c.audit.close()
