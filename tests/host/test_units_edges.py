@@ -2373,3 +2373,42 @@ def test_HST_CPU_every_cpu_is_read_past_entries_that_are_not_cpus(tmp_path: Any)
     )
     o = REGISTRY["cpu"].observe(system, decoded("cpu", {"governor": "performance"}), UnitContext())
     assert o.cpus == (CpuView("cpu1", "schedutil", ()),)
+
+
+def test_HST_GPUS_a_gpu_without_a_full_power_range_is_skipped_and_ecc_read_past_one_without_it() -> None:
+    from bcd_shared.units.gpusettings import GpuPower
+
+    partial = (
+        GpuPower("0", None, 100.0, 700.0, "Enabled", "Enabled"),
+        GpuPower("1", 300.0, 100.0, None, "Enabled", "Enabled"),
+        GpuPower("2", 300.0, None, 700.0, "Enabled", "Enabled"),
+    )
+    assert _gpus_plan({"powerLimitWatts": 500}, partial).converged
+    gpus = (_gpu("0", None, ("[N/A]", "[N/A]")), _gpu("1", None, ("Disabled", "Disabled")))
+    p = _gpus_plan({"ecc": True}, gpus)
+    assert p.steps == (Run(("nvidia-smi", "-i", "1", "-e", "1")),)
+    assert p.issues[0].message.startswith("gpu-settings: the ECC mode of GPU(s) 1 changes")
+    p = _gpus_plan({"ecc": True}, None)
+    assert p.steps == () and p.terminal == () and p.issues[0].kind == "retryable"
+
+
+def test_HST_SHARE_a_stopped_service_is_started_with_no_issue() -> None:
+    from bcd_shared.units.sharing import service_text
+
+    p = _share_plan({"mode": "mps", "replicas": 48}, True, service_text(48), False)
+    assert p.steps == (Run(("systemctl", "start", "bcd-mps.service")),)
+    assert p.issues == () and p.terminal == ()
+
+
+def test_HST_CTK_stamp_of_output_that_is_not_utf8_and_a_missing_config(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.toolkit import stamp_of
+
+    host = Scripted(tmp_path, {"nvidia-smi": lambda a, i: (0, b"GPU 0: \xff\n", b"")})
+    _tree(
+        tmp_path,
+        {"/usr/bin/nvidia-ctk": "", "/sys/module/nvidia/": "", "/proc/driver/nvidia/version": PROC_580_OPEN},
+    )
+    o = REGISTRY["container-toolkit"].observe(host.system, decoded("container-toolkit", {}), UnitContext())
+    assert o.stamp_now == stamp_of("580.82.07", "GPU 0: \ufffd\n")
+    assert o.ctk_config == "" and o.unconfigured == ()
