@@ -468,6 +468,8 @@ def test_untaps_deletes_only_the_instances_taps_dlv_chh_07(ctx: HelperContext, h
     assert got == {"name": "vm1", "deleted": [T0, tap_name("vm1", 15)]}
     shows = [show(tap_name("vm1", i)) for i in range(16)]
     assert [r for r in runs(ctx) if r[1] == "-j"] == shows
+    deletes = [(r, t) for r, t in zip(runs(ctx), ctx.system.timeouts, strict=True) if r[2] == "delete"]  # type: ignore[attr-defined]
+    assert deletes == [(("ip", "link", "delete", "dev", t), 30) for t in (T0, tap_name("vm1", 15))]
     assert sorted(host.links) == sorted([T1, tap_name("vm2", 0)])
     host.links[T0] = TAP_JSON
     host.fail["ip link"] = (2, b"", b"RTNETLINK answers: Operation not permitted\n")
@@ -1009,6 +1011,20 @@ def test_stop_of_a_unit_gone_uses_the_records_uid(ctx: HelperContext, root: Path
     assert ch.ch_stop(call(ctx), ch.ChName("vm1"))["groups"] == [] and os.stat(node).st_uid == UID1
 
 
+def test_stop_reads_a_user_that_is_not_text_as_none(ctx: HelperContext, root: Path, host: Host) -> None:
+    host.units[UNIT] = ("active", "\udcff")  # systemctl's answer is bytes: one that is not UTF-8
+    orig = host.systemctl
+
+    def systemctl(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[1:4] == ("show", "-p", "User"):
+            return 0, b"\xff\n", b""
+        return orig(argv)
+
+    host.systemctl = systemctl  # type: ignore[method-assign]
+    vfio_node(root, "10", UID1)
+    assert ch.ch_stop(call(ctx), ch.ChName("vm1"))["groups"] == ["10"]  # the record's uid
+
+
 def test_stop_gives_back_the_units_own_user_not_the_records(
     ctx: HelperContext, root: Path, host: Host
 ) -> None:
@@ -1154,7 +1170,11 @@ def test_a_group_with_a_foreign_device_is_refused_dlv_chh_11(
         "or a PCI bridge",
     )
     assert host.writes == [] and driver(pci, NIC) == "ixgbe"
-    assert launch_refused(ctx, "ch.unvfio")[0] == "foreign-device"
+    assert launch_refused(ctx, "ch.unvfio") == (
+        "foreign-device",
+        f"ch.unvfio: IOMMU group 11 of {GPU1} holds {NIC}, which is not a GPU of this host, a function of "
+        "one or a PCI bridge",
+    )
 
 
 def test_an_iommu_group_root_cannot_read_fails(ctx: HelperContext, pci: Path) -> None:
@@ -1295,6 +1315,25 @@ def test_unvfio_gives_back_only_devices_on_vfio_pci(ctx: HelperContext, pci: Pat
     assert [w for w in host.writes if AUDIO in w[0] or w[1] == AUDIO] == []
     os.unlink(pci / "dev/vfio/10")  # a node gone: nothing to give back, no failure
     assert ch.ch_unvfio(call(ctx), ch.ChName("vm1"))["groups"] == ["10"]
+
+
+def test_unvfio_names_itself_in_what_it_refuses_or_fails(ctx: HelperContext, pci: Path, host: Host) -> None:
+    ch.ch_vfio(call(ctx), ch.ChName("vm1"))
+    dev = f"/sys/bus/pci/devices/{GPU}"
+    for path, value in ((f"{dev}/driver/unbind", GPU), (f"{dev}/driver_override", "\n"),
+                        ("/sys/bus/pci/drivers_probe", GPU)):  # fmt: skip
+        host.fail[f"tee {path}"] = (1, b"", b"tee: write error: No such device\n")
+        assert failed(ch.ch_unvfio, call(ctx), ch.ChName("vm1")) == (
+            "sysfs",
+            f"ch.unvfio: writing {value!r} to {path}: tee: write error: No such device",
+        )
+        del host.fail[f"tee {path}"]
+        ch.ch_vfio(call(ctx), ch.ChName("vm1"))
+    os.unlink(pci / INST.lstrip("/") / "vm.json")
+    assert launch_refused(ctx, "ch.unvfio") == (
+        "bad-layout",
+        f"ch.unvfio: {INST}/vm.json: No such file or directory (a regular file, no symlink)",
+    )
 
 
 def test_the_group_devices_are_this_hosts_gpus_functions_and_bridges(ctx: HelperContext, root: Path) -> None:
