@@ -1250,7 +1250,7 @@ def test_console_hands_back_the_pty_as_a_descriptor_dlv_hlp_07(
 
 
 @pytest.mark.parametrize(
-    "path", ["", "/dev/pts/1234567", "/dev/ptmx", "/dev/pts/3x", "/etc/shadow", "/dev/pts/"]
+    "path", [None, "", "/dev/pts/1234567", "/dev/ptmx", "/dev/pts/3x", "/etc/shadow", "/dev/pts/"]
 )
 def test_console_only_opens_a_dev_pts_number(ctx: HelperContext, host: Host, path: str | None) -> None:
     if path is None:  # a <source> without a path (another serial type's)
