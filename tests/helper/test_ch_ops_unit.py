@@ -440,6 +440,7 @@ def test_a_failed_tap_leaves_none_of_the_calls_taps(ctx: HelperContext, host: Ho
         f'ip link set {T0} master br0: Error: argument "br0" is wrong: Device does not exist',
     )
     assert runs(ctx)[n:] == [show(T0), tuntap(T0), master(T0, "br0"), ("ip", "link", "delete", "dev", T0)]
+    assert ctx.system.timeouts[-1] == 30  # type: ignore[attr-defined]
 
 
 def test_roots_view_of_a_link_and_its_failures(ctx: HelperContext, host: Host) -> None:
@@ -468,6 +469,8 @@ def test_untaps_deletes_only_the_instances_taps_dlv_chh_07(ctx: HelperContext, h
     assert got == {"name": "vm1", "deleted": [T0, tap_name("vm1", 15)]}
     shows = [show(tap_name("vm1", i)) for i in range(16)]
     assert [r for r in runs(ctx) if r[1] == "-j"] == shows
+    deletes = [(r, t) for r, t in zip(runs(ctx), ctx.system.timeouts, strict=True) if r[2] == "delete"]  # type: ignore[attr-defined]
+    assert deletes == [(("ip", "link", "delete", "dev", t), 30) for t in (T0, tap_name("vm1", 15))]
     assert sorted(host.links) == sorted([T1, tap_name("vm2", 0)])
     host.links[T0] = TAP_JSON
     host.fail["ip link"] = (2, b"", b"RTNETLINK answers: Operation not permitted\n")
@@ -1009,6 +1012,47 @@ def test_stop_of_a_unit_gone_uses_the_records_uid(ctx: HelperContext, root: Path
     assert ch.ch_stop(call(ctx), ch.ChName("vm1"))["groups"] == [] and os.stat(node).st_uid == UID1
 
 
+def test_stop_reads_a_user_that_is_not_text_as_none(ctx: HelperContext, root: Path, host: Host) -> None:
+    host.units[UNIT] = ("active", "\udcff")  # systemctl's answer is bytes: one that is not UTF-8
+    orig = host.systemctl
+
+    def systemctl(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[1:4] == ("show", "-p", "User"):
+            return 0, b"\xff\n", b""
+        return orig(argv)
+
+    host.systemctl = systemctl  # type: ignore[method-assign]
+    vfio_node(root, "10", UID1)
+    assert ch.ch_stop(call(ctx), ch.ChName("vm1"))["groups"] == ["10"]  # the record's uid
+
+
+def test_stop_answers_even_when_taking_the_entries_back_fails(
+    ctx: HelperContext, root: Path, host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*a: Any, **kw: Any) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    monkeypatch.setattr(posixacl, "remove_user", refuse)
+    vfio_node(root, "10", UID1)
+    assert ch.ch_stop(call(ctx), ch.ChName("vm1"))["groups"] == ["10"]
+
+
+def test_stop_reads_a_state_that_is_not_text_as_not_stopped(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    orig = host.systemctl
+
+    def systemctl(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[1:4] == ("show", "-p", "ActiveState"):
+            return 0, b"\xff\n", b""
+        return orig(argv)
+
+    host.systemctl = systemctl  # type: ignore[method-assign]
+    node = vfio_node(root, "10", UID1)
+    got = ch.ch_stop(call(ctx), ch.ChName("vm1"))
+    assert (got["state"], got["groups"]) == ("\ufffd", []) and os.stat(node).st_uid == UID1
+
+
 def test_stop_gives_back_the_units_own_user_not_the_records(
     ctx: HelperContext, root: Path, host: Host
 ) -> None:
@@ -1023,8 +1067,10 @@ def test_stop_that_did_not_stop_gives_nothing_back(ctx: HelperContext, root: Pat
     host.units[UNIT] = ("active", str(UID1))
     host.fail["systemctl stop"] = (0, b"", b"")  # stop answered, the unit is still deactivating
     c = ctx
+    ch._acl_instance(call(c), ch._read_record(call(c), "ch.launch", "vm1"), UID1, True)
     got = ch.ch_stop(call(c), ch.ChName("vm1"))
     assert (got["state"], got["groups"]) == ("active", []) and os.stat(node).st_uid == UID1
+    assert acl(root / INST.lstrip("/"))[0] == {UID1: 7}  # a VMM still running keeps its entries
     host.units[UNIT] = ("failed", str(UID1))
     assert ch.ch_stop(call(c), ch.ChName("vm1"))["groups"] == ["10"]
     host.fail["systemctl show"] = (1, b"", b"Failed to connect to bus\n")
@@ -1137,6 +1183,53 @@ def test_a_device_with_no_driver_is_probed_without_an_unbind(
     assert driver(pci, AUDIO) == "vfio-pci"
 
 
+def test_a_device_already_on_vfio_pci_is_skipped_and_the_next_bound(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    lay_out_pci(root, [(GPU, "0x030200", 10, "vfio-pci"), (AUDIO, "0x040300", 10, "snd_hda_intel")])
+    rewrite(root, record(gpus=(GPU,)))
+    vfio_node(root, "10", 0)
+    assert ch.ch_vfio(call(ctx), ch.ChName("vm1"))["groups"] == ["10"]
+    assert [w[0] for w in host.writes] == [
+        f"/sys/bus/pci/devices/{AUDIO}/driver_override",
+        f"/sys/bus/pci/devices/{AUDIO}/driver/unbind",
+        "/sys/bus/pci/drivers_probe",
+    ]
+    assert driver(root, AUDIO) == "vfio-pci"
+
+
+def test_vfio_names_itself_in_its_sysfs_failures(ctx: HelperContext, pci: Path, host: Host) -> None:
+    dev = f"/sys/bus/pci/devices/{GPU}"
+    for path, value in ((f"{dev}/driver/unbind", GPU), ("/sys/bus/pci/drivers_probe", GPU)):
+        host.fail[f"tee {path}"] = (1, b"", b"tee: write error: No such device\n")
+        assert failed(ch.ch_vfio, call(ctx), ch.ChName("vm1")) == (
+            "sysfs",
+            f"ch.vfio: writing {value!r} to {path}: tee: write error: No such device",
+        )
+        del host.fail[f"tee {path}"]
+
+
+def test_busy_gpus_reads_nvidia_smis_forms(root: Path) -> None:
+    """GPU 1's bus has hex letters (2A, lower-cased); older drivers print a 4-digit PCI domain; a byte
+    that is not UTF-8 names no GPU."""
+
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[1] == "--query-gpu=pci.bus_id,uuid":
+            return 0, f"\xff, x\n0000:2A:00.0, {GPU1_UUID}\n".encode("latin-1"), b""
+        return 0, f"{GPU1_UUID}, 31\n".encode(), b""
+
+    c = context(root, Host(root))
+    c.system.script = script  # type: ignore[attr-defined]
+    try:
+        assert refused(ch._busy_gpus, call(c, bounded=False), "ch.vfio", (GPU1,)) == (
+            "gpu-busy",
+            f"ch.vfio: {GPU1}: {GPU1_UUID} runs compute process 31",
+        )
+        assert c.system.timeouts == [60, 60]  # type: ignore[attr-defined]
+    finally:
+        c.audit.close()
+
+
 def test_vfio_of_a_record_without_gpus_touches_nothing(ctx: HelperContext, root: Path) -> None:
     assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1")) == {"name": "vm1", "groups": []}
     assert ch.ch_unvfio(call(ctx), ch.ChName("vm1")) == {"name": "vm1", "groups": []}
@@ -1154,7 +1247,11 @@ def test_a_group_with_a_foreign_device_is_refused_dlv_chh_11(
         "or a PCI bridge",
     )
     assert host.writes == [] and driver(pci, NIC) == "ixgbe"
-    assert launch_refused(ctx, "ch.unvfio")[0] == "foreign-device"
+    assert launch_refused(ctx, "ch.unvfio") == (
+        "foreign-device",
+        f"ch.unvfio: IOMMU group 11 of {GPU1} holds {NIC}, which is not a GPU of this host, a function of "
+        "one or a PCI bridge",
+    )
 
 
 def test_an_iommu_group_root_cannot_read_fails(ctx: HelperContext, pci: Path) -> None:
@@ -1295,6 +1392,25 @@ def test_unvfio_gives_back_only_devices_on_vfio_pci(ctx: HelperContext, pci: Pat
     assert [w for w in host.writes if AUDIO in w[0] or w[1] == AUDIO] == []
     os.unlink(pci / "dev/vfio/10")  # a node gone: nothing to give back, no failure
     assert ch.ch_unvfio(call(ctx), ch.ChName("vm1"))["groups"] == ["10"]
+
+
+def test_unvfio_names_itself_in_what_it_refuses_or_fails(ctx: HelperContext, pci: Path, host: Host) -> None:
+    ch.ch_vfio(call(ctx), ch.ChName("vm1"))
+    dev = f"/sys/bus/pci/devices/{GPU}"
+    for path, value in ((f"{dev}/driver/unbind", GPU), (f"{dev}/driver_override", "\n"),
+                        ("/sys/bus/pci/drivers_probe", GPU)):  # fmt: skip
+        host.fail[f"tee {path}"] = (1, b"", b"tee: write error: No such device\n")
+        assert failed(ch.ch_unvfio, call(ctx), ch.ChName("vm1")) == (
+            "sysfs",
+            f"ch.unvfio: writing {value!r} to {path}: tee: write error: No such device",
+        )
+        del host.fail[f"tee {path}"]
+        ch.ch_vfio(call(ctx), ch.ChName("vm1"))
+    os.unlink(pci / INST.lstrip("/") / "vm.json")
+    assert launch_refused(ctx, "ch.unvfio") == (
+        "bad-layout",
+        f"ch.unvfio: {INST}/vm.json: No such file or directory (a regular file, no symlink)",
+    )
 
 
 def test_the_group_devices_are_this_hosts_gpus_functions_and_bridges(ctx: HelperContext, root: Path) -> None:

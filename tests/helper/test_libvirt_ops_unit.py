@@ -1250,7 +1250,7 @@ def test_console_hands_back_the_pty_as_a_descriptor_dlv_hlp_07(
 
 
 @pytest.mark.parametrize(
-    "path", ["", "/dev/pts/1234567", "/dev/ptmx", "/dev/pts/3x", "/etc/shadow", "/dev/pts/"]
+    "path", [None, "", "/dev/pts/1234567", "/dev/ptmx", "/dev/pts/3x", "/etc/shadow", "/dev/pts/"]
 )
 def test_console_only_opens_a_dev_pts_number(ctx: HelperContext, host: Host, path: str | None) -> None:
     if path is None:  # a <source> without a path (another serial type's)
@@ -1297,7 +1297,10 @@ def test_console_that_changed_while_root_opened_it_is_closed(
         host.domains["vm1"] = [with_pty(NO_GPU_DUMP), again]
         assert failed(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1")) == ("no-console", changed)
     host.domains["vm1"] = [with_pty(NO_GPU_DUMP), THEIRS]
-    assert refused(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1"))[0] == "unmanaged"
+    assert refused(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1")) == (
+        "unmanaged",
+        "libvirt.console: domain vm1 is not bcd's: it is never changed",
+    )
     assert sorted(os.listdir("/proc/self/fd")) == before
     host.domains["vm1"] = THEIRS
     assert refused(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1"))[0] == "unmanaged"
@@ -1400,6 +1403,11 @@ def test_a_signed_define_is_compared_with_the_spec_field_by_field(
         got = define(DEFINE, signed(signer, 5, wire_vm(gpus=(GPU0,))))
         assert got["name"] == "vm1" and generation(root) == 5
         assert [r for r in programs(c).runs if r[0] == "nvidia-smi"][-2:] == [BUS, UUID_BUS]
+        # no image in either (an install from nothing bcd downloaded): equal
+        imageless = NO_GPU_DEFINE.replace(f"      <bcd:image>{SHA}</bcd:image>\n", "")
+        assert imageless != NO_GPU_DEFINE
+        assert define(imageless, signed(signer, 5, wire_vm(sha="")))["name"] == "vm1"
+        assert refused(define, imageless, signed(signer, 5, wire_vm()))[1] == mismatch + "image"
         # no GPU in either: nvidia-smi is not asked for UUIDs
         runs = len(programs(c).runs)
         define(NO_GPU_DEFINE, signed(signer, 6, wire_vm()))
