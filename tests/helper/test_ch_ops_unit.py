@@ -1189,7 +1189,7 @@ def test_a_device_already_on_vfio_pci_is_skipped_and_the_next_bound(
     lay_out_pci(root, [(GPU, "0x030200", 10, "vfio-pci"), (AUDIO, "0x040300", 10, "snd_hda_intel")])
     rewrite(root, record(gpus=(GPU,)))
     vfio_node(root, "10", 0)
-    assert ch.ch_vfio(call(ctx), ch.ChName("vm1"))["groups"] == ["10"]
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"]
     assert [w[0] for w in host.writes] == [
         f"/sys/bus/pci/devices/{AUDIO}/driver_override",
         f"/sys/bus/pci/devices/{AUDIO}/driver/unbind",
@@ -1202,7 +1202,7 @@ def test_vfio_names_itself_in_its_sysfs_failures(ctx: HelperContext, pci: Path, 
     dev = f"/sys/bus/pci/devices/{GPU}"
     for path, value in ((f"{dev}/driver/unbind", GPU), ("/sys/bus/pci/drivers_probe", GPU)):
         host.fail[f"tee {path}"] = (1, b"", b"tee: write error: No such device\n")
-        assert failed(ch.ch_vfio, call(ctx), ch.ChName("vm1")) == (
+        assert failed(ch.ch_vfio, call(ctx), ch.ChLaunch("vm1")) == (
             "sysfs",
             f"ch.vfio: writing {value!r} to {path}: tee: write error: No such device",
         )
@@ -1395,7 +1395,7 @@ def test_unvfio_gives_back_only_devices_on_vfio_pci(ctx: HelperContext, pci: Pat
 
 
 def test_unvfio_names_itself_in_what_it_refuses_or_fails(ctx: HelperContext, pci: Path, host: Host) -> None:
-    ch.ch_vfio(call(ctx), ch.ChName("vm1"))
+    ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))
     dev = f"/sys/bus/pci/devices/{GPU}"
     for path, value in ((f"{dev}/driver/unbind", GPU), (f"{dev}/driver_override", "\n"),
                         ("/sys/bus/pci/drivers_probe", GPU)):  # fmt: skip
@@ -1405,7 +1405,7 @@ def test_unvfio_names_itself_in_what_it_refuses_or_fails(ctx: HelperContext, pci
             f"ch.unvfio: writing {value!r} to {path}: tee: write error: No such device",
         )
         del host.fail[f"tee {path}"]
-        ch.ch_vfio(call(ctx), ch.ChName("vm1"))
+        ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))
     os.unlink(pci / INST.lstrip("/") / "vm.json")
     assert launch_refused(ctx, "ch.unvfio") == (
         "bad-layout",
