@@ -1547,3 +1547,11 @@ def test_no_staging_tree_is_made_while_it_is_looked_for(root: Path, cp: ControlP
         assert not (root / "var/lib").exists()
     finally:
         c.audit.close()
+
+
+def test_the_timers_audited_message_is_cut_to_2000_characters(ctx: HelperContext, root: Path) -> None:
+    write_record(root, state="pending", version="v" * 3000)
+    daemon._expire(ctx, "1.1.0")
+    last = audit(ctx)[-1]
+    assert (last["op"], last["decision"], last["reason"]) == ("daemon.rollback", "failed", "rollback")
+    assert last["message"] == f"{RELEASE_STATE} cannot be read: version {'v' * 3000!r}"[:2000]
