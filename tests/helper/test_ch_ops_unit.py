@@ -444,6 +444,10 @@ def test_a_failed_tap_leaves_none_of_the_calls_taps(ctx: HelperContext, host: Ho
 
 
 def test_roots_view_of_a_link_and_its_failures(ctx: HelperContext, host: Host) -> None:
+    host.fail["ip -j"] = (2, b"", b"\xff" + b"e" * 600 + b"\n")
+    assert failed(ch._link, call(ctx), "x") == ("ip", "ip link show x: \ufffd" + "e" * 499)
+    host.fail["ip -j"] = (2, b"\xffout\n", b"")
+    assert failed(ch._link, call(ctx), "x") == ("ip", "ip link show x: \ufffdout")
     host.fail["ip -j"] = (1, b"", b'Cannot find device "x"\n')
     assert ch._link(call(ctx), "x") is None
     host.fail["ip -j"] = (255, b"", b"RTNETLINK answers: Operation not permitted\n")
@@ -786,6 +790,7 @@ def test_a_uid_another_running_unit_has_is_refused_dlv_chh_19(ctx: HelperContext
     [
         ("usr/local/bin", 0o755, 0, "/usr/local/bin/cloud-hypervisor"),
         ("usr/local/bin", 0o700, 0, "/usr/local/bin/cloud-hypervisor"),
+        ("usr/local/bin", 0o601, 0, "/usr/local/bin/cloud-hypervisor"),
         ("usr/local/bin", 0o775, 0, "/usr/bin/cloud-hypervisor"),
         ("usr/local/bin", 0o757, 0, "/usr/bin/cloud-hypervisor"),
         ("usr/local/bin", 0o644, 0, "/usr/bin/cloud-hypervisor"),
@@ -918,6 +923,24 @@ def test_a_volume_gone_before_the_grant_fails_it(ctx: HelperContext, root: Path)
     assert refused(ch._acl_instance, call(ctx), checked, UID1, True) == (
         "bad-layout",
         f"{INST} must be the node's directory",
+    )
+
+
+def test_grants_reach_the_directory_without_a_symlink(ctx: HelperContext, root: Path, tmp_path: Path) -> None:
+    """The directory is opened again for the grants, one component at a time: gone or reached through
+    a symlink since the record was read, it is refused, naming the step."""
+    checked = ch._read_record(call(ctx), "ch.launch", "vm1")
+    chd = root / CHD.lstrip("/")
+    os.rename(chd, tmp_path / "ch")
+    os.symlink(tmp_path / "ch", chd)
+    assert refused(ch._acl_instance, call(ctx), checked, UID1, True) == (
+        "bad-layout",
+        "acl: cloud-hypervisor/instances/vm1: Not a directory (a directory, no symlink)",
+    )
+    assert acl(tmp_path / "ch/instances/vm1") == ({}, {})
+    os.unlink(chd)
+    assert refused(ch._acl_instance, call(ctx), checked, UID1, True)[1] == (
+        "acl: cloud-hypervisor/instances/vm1: No such file or directory (a directory, no symlink)"
     )
 
 
