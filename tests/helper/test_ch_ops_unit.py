@@ -944,6 +944,34 @@ def test_grants_reach_the_directory_without_a_symlink(ctx: HelperContext, root: 
     )
 
 
+def test_grants_on_what_changed_since_the_record_was_read(ctx: HelperContext, root: Path) -> None:
+    """Between root's reading and its grants the node can change its files: a volume swapped for a
+    link is never followed; a directory grown past the bound is refused; taking entries back goes on
+    past a volume that is gone."""
+    checked = ch._read_record(call(ctx), "ch.launch", "vm1")
+    vols = root / f"{DATA}/volumes".lstrip("/")
+    os.unlink(vols / "rw.raw")
+    os.symlink(vols / "other.raw", vols / "rw.raw")
+    assert failed(ch._acl_instance, call(ctx), checked, UID1, True) == (
+        "acl",
+        f"{DATA}/volumes/rw.raw: Too many levels of symbolic links",
+    )
+    assert acl(vols / "other.raw") == ({}, {})
+    os.unlink(vols / "rw.raw")
+    node_file(vols / "rw.raw", b"")
+    ch._acl_instance(call(ctx), checked, UID1, True)
+    os.unlink(vols / "rw.raw")
+    ch._acl_instance(call(ctx), checked, UID1, False)
+    assert acl(vols / "ro.raw") == ({}, {})  # the volume after the missing one
+    inst = root / INST.lstrip("/")
+    for i in range(ch.MAX_ENTRIES):
+        (inst / f"f{i}").write_bytes(b"")
+    assert refused(ch._acl_instance, call(ctx), checked, UID1, True) == (
+        "bad-layout",
+        f"acl: {INST} holds more than 256 entries",
+    )
+
+
 def test_grants_skip_what_is_not_the_nodes_or_not_a_file(ctx: HelperContext, root: Path) -> None:
     import socket
 
@@ -1578,6 +1606,10 @@ def test_an_unsigned_host_with_a_presented_intent_checks_it(root: Path, host: Ho
     try:
         bad = SignedIntent("", "", ("!!",), None)
         assert refused(ch.ch_taps, call(c), ch.ChTaps("vm1", ("br0",), bad))[0] == "bad-intent"
+        assert refused(ch.ch_launch, call(c), ch.ChLaunch("vm1", bad)) == (
+            "bad-intent",
+            "ch.launch: intent.chain[0] is not base64",
+        )
         assert runs(c) == []
         assert ch.ch_taps(call(c), ch.ChTaps("vm1", ("br0",)))["created"] == [T0]
     finally:
