@@ -572,6 +572,16 @@ def test_launch_of_a_restored_disk_binds_no_base(ctx: HelperContext, root: Path,
     assert runs(ctx)[-1] == expected_launch(
         root, base_image=None, restored_memory=True, volumes_rw=(), volumes_ro=()
     )
+    # restored memory with huge pages: the unit charges the memory again (DLV-CHU-29's unit)
+    rewrite(root, record(restored=True, image_sha256=None, image_format=None, volumes=(), hugepages=True))
+    host.units.clear()
+    ch.ch_launch(call(ctx), ch.ChLaunch("vm1"))
+    want = expected_launch(
+        root, base_image=None, restored_memory=True, hugepages=True, volumes_rw=(), volumes_ro=()
+    )
+    assert runs(ctx)[-1] == want
+    assert want != expected_launch(root, base_image=None, hugepages=True, volumes_rw=(), volumes_ro=())
+    host.units.clear()
     rewrite(root, record(restored=True, volumes=()))  # a restored record naming its image: still no base
     host.units.clear()
     ch.ch_launch(call(ctx), ch.ChLaunch("vm1"))
