@@ -616,6 +616,8 @@ def test_a_record_without_a_base_must_be_restored(ctx: HelperContext, root: Path
          f"ch.launch: {INST}/vm.json must be a regular file the node owns"),
         (lambda i: (os.unlink(i / "vm.json"), node_dir(i / "vm.json")), "bad-layout",
          f"ch.launch: {INST}/vm.json must be a regular file the node owns"),
+        (lambda i: (os.unlink(i / "vm.json"), os.mkfifo(i / "vm.json"), os.chown(i / "vm.json", NODE_UID, 0)),
+         "bad-layout", f"ch.launch: {INST}/vm.json must be a regular file the node owns"),
         (lambda i: os.chown(i / "disk.qcow2", 0, 0), "bad-layout",
          f"ch.launch: {INST}/disk.qcow2 must be a regular file the node owns"),
         (lambda i: os.unlink(i / "disk.qcow2"), "bad-layout",
@@ -668,6 +670,14 @@ def test_the_instance_directory_is_reached_without_a_symlink(
     assert launch_refused(ctx) == (
         "bad-layout",
         "ch.launch: cloud-hypervisor/instances/vm1: No such file or directory (a directory, no symlink)",
+    )
+    os.symlink(tmp_path / "vm1", inst)  # a link earlier on the way: cloud-hypervisor itself
+    chd = root / CHD.lstrip("/")
+    os.rename(chd, tmp_path / "chd")
+    os.symlink(tmp_path / "chd", chd)
+    assert launch_refused(ctx) == (
+        "bad-layout",
+        "ch.launch: cloud-hypervisor/instances/vm1: Not a directory (a directory, no symlink)",
     )
     before = len(os.listdir("/proc/self/fd"))
     launch_refused(ctx)
@@ -781,6 +791,14 @@ def test_running_units_as_root_reads_them(ctx: HelperContext, host: Host) -> Non
     host.fail["systemctl show"] = (1, b"", b"Failed to get properties\n")
     del host.fail["systemctl list-units"]
     assert ch._running_units(call(ctx))["bcd-ch-a.service"] == -1
+    del host.fail["systemctl show"]
+    host.fail["systemctl list-units"] = (
+        0,
+        b"\xff loaded active running x\nbcd-ch-a.service loaded active running x\n",
+        b"",
+    )
+    host.fail["systemctl show"] = (0, b"\xff\n", b"")
+    assert ch._running_units(call(ctx)) == {"bcd-ch-a.service": -1}
 
 
 def test_a_uid_another_running_unit_has_is_refused_dlv_chh_19(ctx: HelperContext, host: Host) -> None:
@@ -899,6 +917,30 @@ def test_a_failed_start_takes_the_grants_back(ctx: HelperContext, root: Path, ho
     vols = root / f"{DATA}/volumes".lstrip("/")
     assert acl(inst)[0] == {} and UID1 not in acl(inst)[1] and acl(inst / "disk.qcow2")[0] == {}
     assert acl(vols / "rw.raw")[0] == {} and acl(vols / "ro.raw")[0] == {}
+
+
+def test_a_failed_start_answers_its_failure_whatever_the_rollback_meets(
+    ctx: HelperContext, root: Path, host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host.fail[SYSTEMD_RUN_KEY] = (1, b"", b"Job for bcd-ch-vm1.service failed.\n")
+    want = ("systemd-run", f"ch.launch: systemd-run {UNIT}: Job for bcd-ch-vm1.service failed.")
+
+    def refuse(*a: Any, **kw: Any) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    with monkeypatch.context() as m:
+        m.setattr(posixacl, "remove_user", refuse)
+        assert failed(ch.ch_launch, call(ctx), ch.ChLaunch("vm1")) == want
+    # a volume the node gave away meanwhile: the rollback's refusal is not the answer either
+    real = posixacl.remove_user
+
+    def chown_then_remove(fd: int, uid: int) -> None:
+        os.chown(root / f"{DATA}/volumes/rw.raw".lstrip("/"), 0, 0)
+        real(fd, uid)
+
+    with monkeypatch.context() as m:
+        m.setattr(posixacl, "remove_user", chown_then_remove)
+        assert failed(ch.ch_launch, call(ctx), ch.ChLaunch("vm1")) == want
 
 
 def test_a_grant_the_filesystem_refuses_fails_the_launch(
