@@ -671,7 +671,7 @@ def test_the_instance_directory_is_reached_without_a_symlink(
         "bad-layout",
         "ch.launch: cloud-hypervisor/instances/vm1: No such file or directory (a directory, no symlink)",
     )
-    os.symlink(tmp_path / "vm1", inst)  # a link earlier on the way: cloud-hypervisor itself
+    os.rename(tmp_path / "vm1", inst)  # a real directory again, but a link earlier on the way
     chd = root / CHD.lstrip("/")
     os.rename(chd, tmp_path / "chd")
     os.symlink(tmp_path / "chd", chd)
