@@ -444,6 +444,10 @@ def test_a_failed_tap_leaves_none_of_the_calls_taps(ctx: HelperContext, host: Ho
 
 
 def test_roots_view_of_a_link_and_its_failures(ctx: HelperContext, host: Host) -> None:
+    host.fail["ip -j"] = (2, b"", b"\xff" + b"e" * 600 + b"\n")
+    assert failed(ch._link, call(ctx), "x") == ("ip", "ip link show x: \ufffd" + "e" * 499)
+    host.fail["ip -j"] = (2, b"\xffout\n", b"")
+    assert failed(ch._link, call(ctx), "x") == ("ip", "ip link show x: \ufffdout")
     host.fail["ip -j"] = (1, b"", b'Cannot find device "x"\n')
     assert ch._link(call(ctx), "x") is None
     host.fail["ip -j"] = (255, b"", b"RTNETLINK answers: Operation not permitted\n")
@@ -568,6 +572,16 @@ def test_launch_of_a_restored_disk_binds_no_base(ctx: HelperContext, root: Path,
     assert runs(ctx)[-1] == expected_launch(
         root, base_image=None, restored_memory=True, volumes_rw=(), volumes_ro=()
     )
+    # restored memory with huge pages: the unit charges the memory again (DLV-CHU-29's unit)
+    rewrite(root, record(restored=True, image_sha256=None, image_format=None, volumes=(), hugepages=True))
+    host.units.clear()
+    ch.ch_launch(call(ctx), ch.ChLaunch("vm1"))
+    want = expected_launch(
+        root, base_image=None, restored_memory=True, hugepages=True, volumes_rw=(), volumes_ro=()
+    )
+    assert runs(ctx)[-1] == want
+    assert want != expected_launch(root, base_image=None, hugepages=True, volumes_rw=(), volumes_ro=())
+    host.units.clear()
     rewrite(root, record(restored=True, volumes=()))  # a restored record naming its image: still no base
     host.units.clear()
     ch.ch_launch(call(ctx), ch.ChLaunch("vm1"))
@@ -602,6 +616,8 @@ def test_a_record_without_a_base_must_be_restored(ctx: HelperContext, root: Path
          f"ch.launch: {INST}/vm.json must be a regular file the node owns"),
         (lambda i: (os.unlink(i / "vm.json"), node_dir(i / "vm.json")), "bad-layout",
          f"ch.launch: {INST}/vm.json must be a regular file the node owns"),
+        (lambda i: (os.unlink(i / "vm.json"), os.mkfifo(i / "vm.json"), os.chown(i / "vm.json", NODE_UID, 0)),
+         "bad-layout", f"ch.launch: {INST}/vm.json must be a regular file the node owns"),
         (lambda i: os.chown(i / "disk.qcow2", 0, 0), "bad-layout",
          f"ch.launch: {INST}/disk.qcow2 must be a regular file the node owns"),
         (lambda i: os.unlink(i / "disk.qcow2"), "bad-layout",
@@ -654,6 +670,14 @@ def test_the_instance_directory_is_reached_without_a_symlink(
     assert launch_refused(ctx) == (
         "bad-layout",
         "ch.launch: cloud-hypervisor/instances/vm1: No such file or directory (a directory, no symlink)",
+    )
+    os.rename(tmp_path / "vm1", inst)  # a real directory again, but a link earlier on the way
+    chd = root / CHD.lstrip("/")
+    os.rename(chd, tmp_path / "chd")
+    os.symlink(tmp_path / "chd", chd)
+    assert launch_refused(ctx) == (
+        "bad-layout",
+        "ch.launch: cloud-hypervisor/instances/vm1: Not a directory (a directory, no symlink)",
     )
     before = len(os.listdir("/proc/self/fd"))
     launch_refused(ctx)
@@ -767,6 +791,14 @@ def test_running_units_as_root_reads_them(ctx: HelperContext, host: Host) -> Non
     host.fail["systemctl show"] = (1, b"", b"Failed to get properties\n")
     del host.fail["systemctl list-units"]
     assert ch._running_units(call(ctx))["bcd-ch-a.service"] == -1
+    del host.fail["systemctl show"]
+    host.fail["systemctl list-units"] = (
+        0,
+        b"\xff loaded active running x\nbcd-ch-a.service loaded active running x\n",
+        b"",
+    )
+    host.fail["systemctl show"] = (0, b"\xff\n", b"")
+    assert ch._running_units(call(ctx)) == {"bcd-ch-a.service": -1}
 
 
 def test_a_uid_another_running_unit_has_is_refused_dlv_chh_19(ctx: HelperContext, host: Host) -> None:
@@ -786,6 +818,7 @@ def test_a_uid_another_running_unit_has_is_refused_dlv_chh_19(ctx: HelperContext
     [
         ("usr/local/bin", 0o755, 0, "/usr/local/bin/cloud-hypervisor"),
         ("usr/local/bin", 0o700, 0, "/usr/local/bin/cloud-hypervisor"),
+        ("usr/local/bin", 0o601, 0, "/usr/local/bin/cloud-hypervisor"),
         ("usr/local/bin", 0o775, 0, "/usr/bin/cloud-hypervisor"),
         ("usr/local/bin", 0o757, 0, "/usr/bin/cloud-hypervisor"),
         ("usr/local/bin", 0o644, 0, "/usr/bin/cloud-hypervisor"),
@@ -886,6 +919,30 @@ def test_a_failed_start_takes_the_grants_back(ctx: HelperContext, root: Path, ho
     assert acl(vols / "rw.raw")[0] == {} and acl(vols / "ro.raw")[0] == {}
 
 
+def test_a_failed_start_answers_its_failure_whatever_the_rollback_meets(
+    ctx: HelperContext, root: Path, host: Host, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    host.fail[SYSTEMD_RUN_KEY] = (1, b"", b"Job for bcd-ch-vm1.service failed.\n")
+    want = ("systemd-run", f"ch.launch: systemd-run {UNIT}: Job for bcd-ch-vm1.service failed.")
+
+    def refuse(*a: Any, **kw: Any) -> None:
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+    with monkeypatch.context() as m:
+        m.setattr(posixacl, "remove_user", refuse)
+        assert failed(ch.ch_launch, call(ctx), ch.ChLaunch("vm1")) == want
+    # a volume the node gave away meanwhile: the rollback's refusal is not the answer either
+    real = posixacl.remove_user
+
+    def chown_then_remove(fd: int, uid: int) -> None:
+        os.chown(root / f"{DATA}/volumes/rw.raw".lstrip("/"), 0, 0)
+        real(fd, uid)
+
+    with monkeypatch.context() as m:
+        m.setattr(posixacl, "remove_user", chown_then_remove)
+        assert failed(ch.ch_launch, call(ctx), ch.ChLaunch("vm1")) == want
+
+
 def test_a_grant_the_filesystem_refuses_fails_the_launch(
     ctx: HelperContext, root: Path, host: Host, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -918,6 +975,52 @@ def test_a_volume_gone_before_the_grant_fails_it(ctx: HelperContext, root: Path)
     assert refused(ch._acl_instance, call(ctx), checked, UID1, True) == (
         "bad-layout",
         f"{INST} must be the node's directory",
+    )
+
+
+def test_grants_reach_the_directory_without_a_symlink(ctx: HelperContext, root: Path, tmp_path: Path) -> None:
+    """The directory is opened again for the grants, one component at a time: gone or reached through
+    a symlink since the record was read, it is refused, naming the step."""
+    checked = ch._read_record(call(ctx), "ch.launch", "vm1")
+    chd = root / CHD.lstrip("/")
+    os.rename(chd, tmp_path / "ch")
+    os.symlink(tmp_path / "ch", chd)
+    assert refused(ch._acl_instance, call(ctx), checked, UID1, True) == (
+        "bad-layout",
+        "acl: cloud-hypervisor/instances/vm1: Not a directory (a directory, no symlink)",
+    )
+    assert acl(tmp_path / "ch/instances/vm1") == ({}, {})
+    os.unlink(chd)
+    assert refused(ch._acl_instance, call(ctx), checked, UID1, True)[1] == (
+        "acl: cloud-hypervisor/instances/vm1: No such file or directory (a directory, no symlink)"
+    )
+
+
+def test_grants_on_what_changed_since_the_record_was_read(ctx: HelperContext, root: Path) -> None:
+    """Between root's reading and its grants the node can change its files: a volume swapped for a
+    link is never followed; a directory grown past the bound is refused; taking entries back goes on
+    past a volume that is gone."""
+    checked = ch._read_record(call(ctx), "ch.launch", "vm1")
+    vols = root / f"{DATA}/volumes".lstrip("/")
+    os.unlink(vols / "rw.raw")
+    os.symlink(vols / "other.raw", vols / "rw.raw")
+    assert failed(ch._acl_instance, call(ctx), checked, UID1, True) == (
+        "acl",
+        f"{DATA}/volumes/rw.raw: Too many levels of symbolic links",
+    )
+    assert acl(vols / "other.raw") == ({}, {})
+    os.unlink(vols / "rw.raw")
+    node_file(vols / "rw.raw", b"")
+    ch._acl_instance(call(ctx), checked, UID1, True)
+    os.unlink(vols / "rw.raw")
+    ch._acl_instance(call(ctx), checked, UID1, False)
+    assert acl(vols / "ro.raw") == ({}, {})  # the volume after the missing one
+    inst = root / INST.lstrip("/")
+    for i in range(ch.MAX_ENTRIES):
+        (inst / f"f{i}").write_bytes(b"")
+    assert refused(ch._acl_instance, call(ctx), checked, UID1, True) == (
+        "bad-layout",
+        f"acl: {INST} holds more than 256 entries",
     )
 
 
@@ -1555,6 +1658,10 @@ def test_an_unsigned_host_with_a_presented_intent_checks_it(root: Path, host: Ho
     try:
         bad = SignedIntent("", "", ("!!",), None)
         assert refused(ch.ch_taps, call(c), ch.ChTaps("vm1", ("br0",), bad))[0] == "bad-intent"
+        assert refused(ch.ch_launch, call(c), ch.ChLaunch("vm1", bad)) == (
+            "bad-intent",
+            "ch.launch: intent.chain[0] is not base64",
+        )
         assert runs(c) == []
         assert ch.ch_taps(call(c), ch.ChTaps("vm1", ("br0",)))["created"] == [T0]
     finally:
