@@ -1666,3 +1666,39 @@ def test_an_unsigned_host_with_a_presented_intent_checks_it(root: Path, host: Ho
         assert ch.ch_taps(call(c), ch.ChTaps("vm1", ("br0",)))["created"] == [T0]
     finally:
         c.audit.close()
+
+
+def test_a_symlink_in_place_of_the_group_node_is_refused_by_name_and_never_followed(
+    ctx: HelperContext, pci: Path, host: Host
+) -> None:
+    """A link at /dev/vfio/<group> (only root can make one) fails `vfio` naming it, for ch.vfio and
+    ch.unvfio alike, rather than chowning what it points at or failing as `internal` (Linux has no
+    lchmod); its target keeps its owner and mode."""
+    target = pci / "etc/not-a-group"
+    target.write_text("x")
+    os.chmod(target, 0o644)
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"]  # the simulated driver made the node
+    node = pci / "dev/vfio/10"
+    node.unlink()
+    node.symlink_to(target)
+    want = ("vfio", "ch.vfio: /dev/vfio/10 is a symlink, not the group's device node")
+    assert failed(ch.ch_vfio, call(ctx), ch.ChLaunch("vm1")) == want
+    assert failed(ch.ch_unvfio, call(ctx), ch.ChName("vm1")) == (
+        "vfio",
+        want[1].replace("ch.vfio", "ch.unvfio"),
+    )
+    st = os.stat(target)
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (0, 0o644) and node.is_symlink()
+
+
+def test_the_group_node_missing_fails_vfio_and_is_skipped_when_given_back(
+    ctx: HelperContext, pci: Path, host: Host
+) -> None:
+    """ch.vfio cannot hand over a group whose node is missing (`vfio`, named); giving back skips it."""
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"]  # the simulated driver made the node
+    (pci / "dev/vfio/10").unlink()
+    assert failed(ch.ch_vfio, call(ctx), ch.ChLaunch("vm1")) == (
+        "vfio",
+        "ch.vfio: /dev/vfio/10: No such file or directory",
+    )
+    assert ch.ch_unvfio(call(ctx), ch.ChName("vm1")) == {"name": "vm1", "groups": ["10"]}

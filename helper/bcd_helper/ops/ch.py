@@ -746,13 +746,32 @@ def ch_vfio(call: Call, req: ChLaunch) -> dict[str, Any]:
             if _driver(call, dev) != VFIO_DRIVER:
                 _unbind_failed(call, op, dev)
                 raise Failed("vfio", f"{op}: {dev} did not move to vfio-pci (is the vfio-pci module loaded?)")
-        node = call.system.host_path(f"/dev/vfio/{group}")
-        try:
-            os.chown(node, rec.uid, rec.uid, follow_symlinks=False)
-            os.chmod(node, 0o600, follow_symlinks=False)
-        except OSError as exc:
-            raise Failed("vfio", f"{op}: /dev/vfio/{group}: {exc.strerror}") from None
+        _own_vfio_node(call, op, group, rec.uid)
     return {"name": name, "groups": sorted(groups)}
+
+
+def _own_vfio_node(call: Call, op: str, group: str, uid: int, *, missing_ok: bool = False) -> None:
+    """/dev/vfio/<group> made uid's, 0600, on the node itself: opened O_PATH|O_NOFOLLOW (no open of the
+    group, which would claim it) and changed through /proc/self/fd, so a symlink there is refused by
+    name rather than followed, or failing as Linux's lchmod does (NotImplementedError: `internal`)."""
+    node = call.system.host_path(f"/dev/vfio/{group}")
+    try:
+        fd = os.open(node, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if missing_ok:
+            return
+        raise Failed("vfio", f"{op}: /dev/vfio/{group}: No such file or directory") from None
+    except OSError as exc:
+        raise Failed("vfio", f"{op}: /dev/vfio/{group}: {exc.strerror}") from None
+    try:
+        if stat.S_ISLNK(os.fstat(fd).st_mode):
+            raise Failed("vfio", f"{op}: /dev/vfio/{group} is a symlink, not the group's device node")
+        os.chown(f"/proc/self/fd/{fd}", uid, uid)
+        os.chmod(f"/proc/self/fd/{fd}", 0o600)
+    except OSError as exc:
+        raise Failed("vfio", f"{op}: /dev/vfio/{group}: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def _unbind_failed(call: Call, op: str, dev: str) -> None:
@@ -764,10 +783,7 @@ def _unbind_failed(call: Call, op: str, dev: str) -> None:
 
 
 def _give_back(call: Call, op: str, group: str, devices: list[str]) -> None:
-    node = call.system.host_path(f"/dev/vfio/{group}")
-    with contextlib.suppress(FileNotFoundError):
-        os.chown(node, 0, 0, follow_symlinks=False)
-        os.chmod(node, 0o600, follow_symlinks=False)
+    _own_vfio_node(call, op, group, 0, missing_ok=True)
     for dev in devices:
         if _driver(call, dev) != VFIO_DRIVER:
             continue
@@ -800,8 +816,6 @@ def give_back_owned(call: Call, op: str, uid: int) -> list[str]:
     out = []
     for group in call.system.listdir("/dev/vfio"):
         if group.isdigit() and _vfio_owner(call, group) == uid:
-            node = call.system.host_path(f"/dev/vfio/{group}")
-            os.chown(node, 0, 0, follow_symlinks=False)
-            os.chmod(node, 0o600, follow_symlinks=False)
+            _own_vfio_node(call, op, group, 0)
             out.append(group)
     return sorted(out)
