@@ -230,3 +230,18 @@ def test_DLV_JRN_18_lowered_bounds_are_in_force(tmp_path: Path) -> None:
         assert j.bounds[:2] == (JOURNAL_MIN_EVENTS, JOURNAL_MIN_BYTES)
     with pytest.raises(BoundError, match="max_events"):
         Journal.open(tmp_path / "b", boot_id="b", max_events=JOURNAL_MAX_EVENTS + 1)
+
+
+def test_without_an_attester_attested_results_are_stored_unsigned_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No attester set (a journal opened by `bcd journal`, or before the node key is loaded): nothing to
+    call, nothing logged; the replay signs it later."""
+    with Journal.open(tmp_path / "a", boot_id="b1") as j, caplog.at_level(logging.DEBUG):
+        j.accept_command(cmd("s", ATTESTED))
+        e = j.complete("s", Outcome.SUCCEEDED, body=b"x")
+        assert e.result is not None and (e.result.attestation, e.result.node_sig) == (b"", b"")
+        j.set_attester(None)
+        r = j.reject(cmd("r", ATTESTED), "EXPIRED")
+        assert r.result is not None and (r.result.attestation, r.result.node_sig) == (b"", b"")
+    assert caplog.records == []

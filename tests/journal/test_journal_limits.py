@@ -349,6 +349,7 @@ def test_a_rebooted_result_names_both_boots_and_an_interrupted_one_this_boot(tmp
             100.0,
             "boot1",
         )
+        assert (r.result.body, i.result.body, r.result.message, i.result.message) == (b"", b"", "", "")
         assert (r.kind, r.body, r.signature, r.incarnation) == (
             "node.reboot",
             b"body:r",
@@ -382,8 +383,8 @@ def test_cancel_and_cancel_new_carry_their_reason_and_boot(tmp_path: Path) -> No
         clock.t = 120.0
         c = j.cancel("q")
         assert c is not None and c.result is not None
-        assert (c.result.outcome, c.result.code, c.result.boot_id, c.result.finished_at) == (
-            Outcome.CANCELLED, "", "b1", 120.0,
+        assert (c.result.outcome, c.result.code, c.result.boot_id, c.result.finished_at, c.result.body) == (
+            Outcome.CANCELLED, "", "b1", 120.0, b"",
         )  # fmt: skip
         n = j.cancel_new(cmd("n"))
         assert n.result is not None and (n.result.code, n.accepted_at, n.incarnation) == (
@@ -586,3 +587,31 @@ def test_settle_leaves_this_process_s_own_commands_alone(tmp_path: Path) -> None
         assert j.settle("u") == mine
         running = j.mark_running("u")
         assert j.settle("u") == running and j.recover() == ()
+
+
+def test_metrics_count_toward_neither_fullness_nor_the_refusal_s_message(tmp_path: Path) -> None:
+    """`is_full()` and JournalFull's message weigh transitions and results only: metrics held beside
+    them (which would be dropped for room) neither make the journal full nor show in the count."""
+    with Journal.open(tmp_path / "d", boot_id="b", max_bytes=100) as j:
+        j.append_events([_ev(R, b"r" * 59), _ev(M, b"m" * 29)])  # 60 result bytes, 30 metric bytes
+        assert not j.is_full()
+        j.accept_command(cmd("ok"))
+        with pytest.raises(JournalFull) as exc:
+            j.append_event(R, "r", b"x" * 40)  # 60 + 41 result bytes: over, even with the metric gone
+        assert str(exc.value) == (
+            "journal full: 1 unacked transition/result events (60 bytes) against bounds of 10000 events and"
+            " 100 bytes; acks must drain it"
+        )
+        assert [e.seq for e in j.unacked_events()] == [1, 2] and j.next_event_seq == 3
+
+
+def test_restart_events_is_durable_as_it_returns(tmp_path: Path) -> None:
+    data = tmp_path / "d"
+    j = Journal.open(data, boot_id="b")
+    j.append_events([_ev(T, b"1"), _ev(T, b"2"), _ev(T, b"3")])
+    j.ack_events(j.journal_id, 1)
+    new = j.restart_events()
+    copy = crash_copy(j, tmp_path / "crash")
+    with Journal.open(copy, boot_id="b") as k:
+        assert (k.journal_id, k.next_event_seq, k.acked_event_seq) == (new, 3, 0)
+        assert [(e.seq, e.payload) for e in k.unacked_events()] == [(1, b"2"), (2, b"3")]

@@ -142,13 +142,11 @@ def test_a_data_dir_others_may_write_is_refused(tmp_path: Path, mode: int) -> No
     assert list(data.iterdir()) == []
 
 
-@pytest.mark.parametrize("mode", [0o755, 0o750, 0o705, 0o500])
+@pytest.mark.parametrize("mode", [0o755, 0o750, 0o705, 0o701])
 def test_read_and_search_bits_are_narrowed_to_0700(tmp_path: Path, mode: int) -> None:
     data = tmp_path / "d"
     data.mkdir()
     os.chmod(data, mode)
-    if mode == 0o500 and os.geteuid() != 0:
-        pytest.skip("a 0500 directory is writable by root only")
     Journal.open(data, boot_id="b").close()
     assert stat.S_IMODE(os.stat(data).st_mode) == 0o700
 
@@ -172,7 +170,7 @@ def test_a_data_dir_that_is_a_file_or_another_users_is_refused(tmp_path: Path) -
 def test_a_wider_journal_file_is_narrowed_to_0600(tmp_path: Path) -> None:
     data = tmp_path / "d"
     _made(data)
-    os.chmod(data / "journal.db", 0o644)
+    os.chmod(data / "journal.db", 0o601)
     os.symlink("/nonexistent", data / "journal.db-shm")  # not a regular file: left alone
     with _reopened(data) as j:
         assert stat.S_IMODE(os.stat(data / "journal.db").st_mode) == 0o600
@@ -487,3 +485,31 @@ def test_a_journal_failing_quick_check_is_moved_aside_naming_the_first_five_prob
             ["NULL value in exec_tickets.expires_at"] * 5
         )
         assert j.journal_id != old and j.exec_ticket_count() == 0
+
+
+def test_a_failure_creating_the_journal_is_raised_as_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failure before any connection exists (creating the file) is the caller's error, unchanged,
+    and the lock is released."""
+    data = tmp_path / "d"
+
+    def refused(path: Path) -> None:
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(_files, "create_db_file", refused)
+    with pytest.raises(PermissionError) as exc:
+        Journal.open(data, boot_id="b")
+    assert exc.value.filename == str(data / "journal.db")
+    monkeypatch.undo()
+    with Journal.open(data, boot_id="b") as j:
+        assert j.report.created
+
+
+def test_move_aside_never_renames_over_an_earlier_failed_journal_without_side_files(tmp_path: Path) -> None:
+    db = tmp_path / "journal.db"
+    db.write_bytes(b"first")
+    assert [p.name for p in _files.move_aside(db, T0)] == [f"journal.db.failed-{STAMP}"]
+    db.write_bytes(b"second")
+    assert [p.name for p in _files.move_aside(db, T0)] == [f"journal.db.failed-{STAMP}-1"]
+    assert (tmp_path / f"journal.db.failed-{STAMP}").read_bytes() == b"first"

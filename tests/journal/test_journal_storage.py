@@ -139,9 +139,12 @@ def test_group_commit_leaves_writes_unsynced_until_sync(
         j.accept_command(cmd("e"))  # durable by default, also the single-statement path
         assert (j.commits, j.durable_commits, j.synced_through, j.unsynced) == (6, 3, 6, False)
         j.accept_command(cmd("f"), durable=False)
+        j.sync()  # counted on top of the durable commits before it
+        assert (j.commits, j.durable_commits, j.synced_through, j.unsynced) == (7, 4, 7, False)
+        j.accept_command(cmd("g"), durable=False)
         j.close()
         j.sync()  # closed: nothing to do, no error
-        assert len(synced) == 1
+        assert len(synced) == 2
 
 
 def test_a_failed_sync_is_a_journal_io_error_naming_the_wal(
