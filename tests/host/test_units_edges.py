@@ -2412,3 +2412,90 @@ def test_HST_CTK_stamp_of_output_that_is_not_utf8_and_a_missing_config(tmp_path:
     o = REGISTRY["container-toolkit"].observe(host.system, decoded("container-toolkit", {}), UnitContext())
     assert o.stamp_now == stamp_of("580.82.07", "GPU 0: \ufffd\n")
     assert o.ctk_config == "" and o.unconfigured == ()
+
+
+def test_HST_MIG_mode_off_without_reset_and_with_one_and_rows_that_vanish(tmp_path: Any) -> None:
+    from bcd_shared.units import ApplyContext, RebootRequired
+    from bcd_shared.units.mig import SetMigMode
+
+    state: dict[str, Any] = {
+        "rows": "3, GPU-d, Disabled, Enabled\n",
+        "after": "3, GPU-d, Disabled, Enabled\n",
+    }
+
+    def smi(argv: tuple[str, ...], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        if argv[1].startswith("--query-gpu="):
+            return 0, state["rows"].encode(), b""
+        if argv[1] == "--gpu-reset":
+            state["rows"] = state["after"]
+        return 0, b"", b""
+
+    host = Scripted(tmp_path, {"nvidia-smi": smi})
+    SetMigMode("3", False).apply(host.system, ApplyContext())  # already off after -mig 0: no reset
+    assert [c[1] for c in host.calls] == ["-i", "--query-gpu=index,uuid,mig.mode.current,mig.mode.pending"]
+    state["rows"] = "3, GPU-d, Enabled, Disabled\n"  # the reset applies the pending mode
+    SetMigMode("3", False).apply(host.system, ApplyContext())
+    assert host.calls[-2][1] == "--gpu-reset"
+    # the GPU's row is missing after the reset: a reboot, not a crash; missing before it: the reset decides
+    state.update(rows="3, GPU-d, Enabled, Enabled\n", after="")
+    with pytest.raises(RebootRequired):
+        SetMigMode("3", False).apply(host.system, ApplyContext())
+    state.update(rows="", after="3, GPU-d, Disabled, Disabled\n")
+    SetMigMode("3", False).apply(host.system, ApplyContext())  # missing before, there after the reset
+
+
+def test_HST_MIG_repartition_failures_named_and_not_found_in_either_case(tmp_path: Any) -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext
+    from bcd_shared.units.mig import Repartition
+
+    answers: dict[str, tuple[int, bytes]] = {}
+
+    def smi(argv: tuple[str, ...], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        rc, err = answers.get(argv[4], (0, b""))
+        return rc, b"", err
+
+    host = Scripted(tmp_path, {"nvidia-smi": smi})
+    answers.update({"-dci": (6, b"No compute instances found: not found\n"), "-dgi": (6, b"Not Found\n")})
+    Repartition("0", ("1g.10gb",)).apply(host.system, ApplyContext())
+    for flag, message in (
+        ("-dci", "destroying compute instances: nvidia-smi exited 1: In use by another client"),
+        ("-dgi", "destroying GPU instances: nvidia-smi exited 1: In use by another client"),
+        ("-cgi", "creating GPU instances on GPU 0: nvidia-smi exited 1: In use by another client"),
+    ):
+        answers.clear()
+        answers[flag] = (1, b"In use by another client\n")
+        with pytest.raises(RetryableError) as exc:
+            Repartition("0", ("1g.10gb",)).apply(host.system, ApplyContext())
+        assert exc.value.message == message
+
+
+def test_HST_MIG_observe_pending_mode_failed_listing_and_bytes_that_are_not_utf8(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.mig import MigGpu
+    from bcd_shared.units.nvsmi import MigProfile
+
+    answers: dict[str, tuple[int, bytes]] = {
+        "query": (0, b"0, GPU-x, [N/A], [N/A]\n1, GPU-a, Enabled, Disabled\n"),
+        "-lgip": (0, LGIP.encode().replace(b"GPU instance profiles:", b"GPU instance profiles\xff")),
+        "-lgi": (0, LGI.encode().replace(b"GPU instances:", b"GPU instances\xfe")),
+    }
+
+    def smi(argv: tuple[str, ...], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        rc, out = answers["query" if argv[1].startswith("--query") else argv[2]]
+        return rc, out, b""
+
+    host = Scripted(tmp_path, {"nvidia-smi": smi})
+    s = decoded("mig-layout", {"layout": "all-1g.6gb"})
+    o = REGISTRY["mig-layout"].observe(host.system, s, UnitContext())
+    assert o.gpus == (MigGpu("1", "GPU-a", "Enabled", "Disabled", (MigProfile("4g.24gb", 0, 1),), ()),)
+    answers["query"] = (0, b"1, GPU-x, [N/A], [N/A]\n0, GPU-a, Enabled, Disabled\n")
+    o = REGISTRY["mig-layout"].observe(host.system, s, UnitContext())
+    assert o.gpus is not None and len(o.gpus) == 1
+    assert [p.name for p in o.gpus[0].profiles] == ["1g.6gb", "2g.12gb"]
+    assert o.gpus[0].instances == ("1g.6gb", "2g.12gb")
+    answers["-lgip"] = (6, LGIP.encode())  # a failed listing is not read, whatever it printed
+    o = REGISTRY["mig-layout"].observe(host.system, s, UnitContext())
+    assert o.gpus is not None and o.gpus[0].profiles == () and o.gpus[0].instances == ("1g.6gb", "2g.12gb")
+    p = REGISTRY["mig-layout"].plan(s, type(o)(None, frozenset()))
+    assert p.steps == () and p.terminal == ()
