@@ -2499,3 +2499,92 @@ def test_HST_MIG_observe_pending_mode_failed_listing_and_bytes_that_are_not_utf8
     assert o.gpus is not None and o.gpus[0].profiles == () and o.gpus[0].instances == ("1g.6gb", "2g.12gb")
     p = REGISTRY["mig-layout"].plan(s, type(o)(None, frozenset()))
     assert p.steps == () and p.terminal == ()
+
+
+MODINFO_570_PROP = (
+    b"filename: /lib/modules/nvidia.ko\nversion: 570.124.06\nlicense: NVIDIA\nvermagic: 6.8 \xff\n"
+)
+
+
+def test_HST_DRV_load_names_each_flavor_and_failure(tmp_path: Any) -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext, RebootRequired
+    from bcd_shared.units.nvidia import LoadDriver
+
+    host = _driver_host(tmp_path / "a", MODINFO_570_PROP, None)
+    with pytest.raises(TerminalError) as exc:
+        LoadDriver("570", True, None).apply(host.system, ApplyContext())
+    assert (
+        exc.value.message == "the driver packages installed 570.124.06 (proprietary), not branch 570 (open)"
+    )
+    # modinfo failing is no module on disk, whatever it printed
+    host = Scripted(
+        tmp_path / "b",
+        {
+            "modinfo": lambda a, i: (1, MODINFO_570_PROP, b"modinfo: ERROR: Module nvidia not found.\n"),
+            "modprobe": lambda a, i: (0, b"", b""),
+        },
+    )
+    _tree(tmp_path / "b", {"/sys/module/nvidia/": "", "/proc/driver/nvidia/version": PROC_580_OPEN})
+    LoadDriver("580", True, None).apply(host.system, ApplyContext())
+    # the loaded driver's flavor is checked too
+    with pytest.raises(RebootRequired) as boot:
+        LoadDriver("580", False, None).apply(host.system, ApplyContext())
+    assert boot.value.message == "the loaded driver is 580.82.07, not branch 580: reboot the node"
+    for failing in ("nvidia", "nvidia_uvm"):
+        host = Scripted(
+            tmp_path / failing,
+            {
+                "modinfo": lambda a, i: (1, b"", b""),
+                "modprobe": lambda a, i, f=failing: (
+                    1 if a[-1] == f else 0,
+                    b"",
+                    b"modprobe: FATAL: no such device\n",
+                ),
+            },
+        )
+        with pytest.raises(RetryableError) as exc:
+            LoadDriver("580", None, None).apply(host.system, ApplyContext())
+        assert (
+            exc.value.message == f"cannot load {failing}: modprobe exited 1: modprobe: FATAL: no such device"
+        )
+
+
+def test_HST_DRV_swap_unloads_nvidia_drm_too(tmp_path: Any) -> None:
+    from bcd_shared.units import ApplyContext
+    from bcd_shared.units.nvidia import LoadDriver
+
+    host = _driver_host(tmp_path, None, PROC_580_OPEN)
+    for mod in ("nvidia", "nvidia_drm"):
+        host.system.write_atomic(f"/sys/module/{mod}/refcnt", b"0\n")
+    LoadDriver("580", None, "570.1").apply(host.system, ApplyContext())
+    assert [c[-1] for c in host.calls if c[:2] == ("modprobe", "-r")] == ["nvidia_drm", "nvidia"]
+
+
+def test_HST_DRV_observe_reads_modinfo_of_nvidia_only_when_it_succeeds(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.nvidia import DriverVersion
+
+    answer: dict[str, Any] = {"rc": 0}
+    host = Scripted(
+        tmp_path,
+        {
+            "modinfo": lambda a, i: (
+                answer["rc"],
+                MODINFO_570_PROP if a == ("modinfo", "nvidia") else b"",
+                b"",
+            ),
+            "systemctl": lambda a, i: (0, b"", b""),
+        },
+    )
+    s = decoded("nvidia-driver", {"branch": "570"})
+    o = REGISTRY["nvidia-driver"].observe(host.system, s, UnitContext())
+    assert o.installed == DriverVersion("570.124.06", "570", False) and o.loaded is None
+    answer["rc"] = 1
+    assert REGISTRY["nvidia-driver"].observe(host.system, s, UnitContext()).installed is None
+    from bcd_shared.units.distro import Distro
+    from bcd_shared.units.nvidia import DriverObserved
+
+    nameless = DriverObserved(Distro("", "", "unknown"), None, None, False, False)
+    p = REGISTRY["nvidia-driver"].plan(s, nameless)
+    assert p.issues == (Issue("terminal", "bcd has no driver packages for this distribution"),)
