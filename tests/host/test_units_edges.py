@@ -2543,10 +2543,11 @@ def test_HST_DRV_load_names_each_flavor_and_failure(tmp_path: Any) -> None:
                 ),
             },
         )
-        with pytest.raises(RetryableError) as exc:
+        with pytest.raises(RetryableError) as failed:
             LoadDriver("580", None, None).apply(host.system, ApplyContext())
         assert (
-            exc.value.message == f"cannot load {failing}: modprobe exited 1: modprobe: FATAL: no such device"
+            failed.value.message
+            == f"cannot load {failing}: modprobe exited 1: modprobe: FATAL: no such device"
         )
 
 
