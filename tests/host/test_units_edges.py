@@ -2589,3 +2589,45 @@ def test_HST_DRV_observe_reads_modinfo_of_nvidia_only_when_it_succeeds(tmp_path:
     nameless = DriverObserved(Distro("", "", "unknown"), None, None, False, False)
     p = REGISTRY["nvidia-driver"].plan(s, nameless)
     assert p.issues == (Issue("terminal", "bcd has no driver packages for this distribution"),)
+
+
+def test_HST_LVL_converge_hands_settings_observation_and_context_through() -> None:
+    """Every observe and plan of converge_unit sees the unit's own settings, context and observation,
+    in each round, after stop_after and after a failed step."""
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext, ConfigUnit, Plan, UnitCondition, UnitContext, converge_unit
+
+    ctx = UnitContext(busy_gpus=frozenset({"GPU-a"}))
+    seen: list[tuple[Any, ...]] = []
+    cond = (UnitCondition("C", "R", "m"),)
+
+    class Checked(ConfigUnit[str, tuple[str, Any]]):
+        name = "checked"
+
+        def __init__(self, plans: list[Plan]) -> None:
+            self.plans = plans
+
+        def decode(self, obj: dict[str, Any]) -> str:
+            return "s"
+
+        def observe(self, system: Any, settings: str | None, c: Any) -> tuple[str, Any]:
+            seen.append(("observe", settings, c))
+            return ("observed", settings)
+
+        def plan(self, settings: str | None, observed: tuple[str, Any]) -> Plan:
+            seen.append(("plan", settings, observed))
+            return self.plans.pop(0) if len(self.plans) > 1 else self.plans[0]
+
+    for plans in (
+        [Plan((_Step("a"),)), Plan((_Step("b"),)), Plan()],  # rounds
+        [Plan((_Step("a"),)), Plan((_Step("b"),)), Plan((_Step("c"),)), Plan()],  # every round, then a plan
+        [Plan((_Step("a"),), stop_after=True), Plan(conditions=cond)],  # stop_after
+        [Plan((_Step("a"), _Step("x", RetryableError("X", "no")))), Plan(conditions=cond)],  # a failed step
+    ):
+        seen.clear()
+        r = converge_unit(Checked(plans), "s", _Host(), ctx, ApplyContext())  # type: ignore[arg-type]
+        assert r.name == "checked"
+        assert all(e == ("observe", "s", ctx) for e in seen[0::2]), seen
+        assert all(e == ("plan", "s", ("observed", "s")) for e in seen[1::2]), seen
+        assert len(seen) >= 4
+    assert r.conditions == cond
