@@ -371,11 +371,11 @@ def test_HST_MOD_12_13_14_15_load_reload_and_in_use() -> None:
         ("disabled", "layout: 'disabled' is not all-disabled, all-<profile> or mixed:<profiles>"),
     ],
 )
-def test_HST_MIG_layout_refusals_word_for_word(layout: str, message: str) -> None:
+def test_HST_MIG_06_07_08_09_10_layout_refusals_word_for_word(layout: str, message: str) -> None:
     assert refusal("mig-layout", {"layout": layout}) == message
 
 
-def test_HST_MIG_05_06_07_layouts_at_their_limits() -> None:
+def test_HST_MIG_05_layouts_at_their_limits() -> None:
     from bcd_shared.units.mig import Layout
 
     assert decoded("mig-layout", {"layout": "mixed:8x1g.10gb"}).parsed == Layout("mixed", (("1g.10gb", 8),))
