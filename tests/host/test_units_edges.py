@@ -371,11 +371,11 @@ def test_HST_MOD_12_13_14_15_load_reload_and_in_use() -> None:
         ("disabled", "layout: 'disabled' is not all-disabled, all-<profile> or mixed:<profiles>"),
     ],
 )
-def test_HST_MIG_layout_refusals_word_for_word(layout: str, message: str) -> None:
+def test_HST_MIG_06_07_08_09_10_layout_refusals_word_for_word(layout: str, message: str) -> None:
     assert refusal("mig-layout", {"layout": layout}) == message
 
 
-def test_HST_MIG_05_06_07_layouts_at_their_limits() -> None:
+def test_HST_MIG_05_layouts_at_their_limits() -> None:
     from bcd_shared.units.mig import Layout
 
     assert decoded("mig-layout", {"layout": "mixed:8x1g.10gb"}).parsed == Layout("mixed", (("1g.10gb", 8),))
@@ -2412,3 +2412,222 @@ def test_HST_CTK_stamp_of_output_that_is_not_utf8_and_a_missing_config(tmp_path:
     o = REGISTRY["container-toolkit"].observe(host.system, decoded("container-toolkit", {}), UnitContext())
     assert o.stamp_now == stamp_of("580.82.07", "GPU 0: \ufffd\n")
     assert o.ctk_config == "" and o.unconfigured == ()
+
+
+def test_HST_MIG_mode_off_without_reset_and_with_one_and_rows_that_vanish(tmp_path: Any) -> None:
+    from bcd_shared.units import ApplyContext, RebootRequired
+    from bcd_shared.units.mig import SetMigMode
+
+    state: dict[str, Any] = {
+        "rows": "3, GPU-d, Disabled, Enabled\n",
+        "after": "3, GPU-d, Disabled, Enabled\n",
+    }
+
+    def smi(argv: tuple[str, ...], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        if argv[1].startswith("--query-gpu="):
+            return 0, state["rows"].encode(), b""
+        if argv[1] == "--gpu-reset":
+            state["rows"] = state["after"]
+        return 0, b"", b""
+
+    host = Scripted(tmp_path, {"nvidia-smi": smi})
+    SetMigMode("3", False).apply(host.system, ApplyContext())  # already off after -mig 0: no reset
+    assert [c[1] for c in host.calls] == ["-i", "--query-gpu=index,uuid,mig.mode.current,mig.mode.pending"]
+    state["rows"] = "3, GPU-d, Enabled, Disabled\n"  # the reset applies the pending mode
+    SetMigMode("3", False).apply(host.system, ApplyContext())
+    assert host.calls[-2][1] == "--gpu-reset"
+    # the GPU's row is missing after the reset: a reboot, not a crash; missing before it: the reset decides
+    state.update(rows="3, GPU-d, Enabled, Enabled\n", after="")
+    with pytest.raises(RebootRequired):
+        SetMigMode("3", False).apply(host.system, ApplyContext())
+    state.update(rows="", after="3, GPU-d, Disabled, Disabled\n")
+    SetMigMode("3", False).apply(host.system, ApplyContext())  # missing before, there after the reset
+
+
+def test_HST_MIG_repartition_failures_named_and_not_found_in_either_case(tmp_path: Any) -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext
+    from bcd_shared.units.mig import Repartition
+
+    answers: dict[str, tuple[int, bytes]] = {}
+
+    def smi(argv: tuple[str, ...], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        rc, err = answers.get(argv[4], (0, b""))
+        return rc, b"", err
+
+    host = Scripted(tmp_path, {"nvidia-smi": smi})
+    answers.update({"-dci": (6, b"No compute instances found: not found\n"), "-dgi": (6, b"Not Found\n")})
+    Repartition("0", ("1g.10gb",)).apply(host.system, ApplyContext())
+    for flag, message in (
+        ("-dci", "destroying compute instances: nvidia-smi exited 1: In use by another client"),
+        ("-dgi", "destroying GPU instances: nvidia-smi exited 1: In use by another client"),
+        ("-cgi", "creating GPU instances on GPU 0: nvidia-smi exited 1: In use by another client"),
+    ):
+        answers.clear()
+        answers[flag] = (1, b"In use by another client\n")
+        with pytest.raises(RetryableError) as exc:
+            Repartition("0", ("1g.10gb",)).apply(host.system, ApplyContext())
+        assert exc.value.message == message
+
+
+def test_HST_MIG_observe_pending_mode_failed_listing_and_bytes_that_are_not_utf8(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.mig import MigGpu
+    from bcd_shared.units.nvsmi import MigProfile
+
+    answers: dict[str, tuple[int, bytes]] = {
+        "query": (0, b"0, GPU-x, [N/A], [N/A]\n1, GPU-a, Enabled, Disabled\n"),
+        "-lgip": (0, LGIP.encode().replace(b"GPU instance profiles:", b"GPU instance profiles\xff")),
+        "-lgi": (0, LGI.encode().replace(b"GPU instances:", b"GPU instances\xfe")),
+    }
+
+    def smi(argv: tuple[str, ...], stdin: bytes | None) -> tuple[int, bytes, bytes]:
+        rc, out = answers["query" if argv[1].startswith("--query") else argv[2]]
+        return rc, out, b""
+
+    host = Scripted(tmp_path, {"nvidia-smi": smi})
+    s = decoded("mig-layout", {"layout": "all-1g.6gb"})
+    o = REGISTRY["mig-layout"].observe(host.system, s, UnitContext())
+    assert o.gpus == (MigGpu("1", "GPU-a", "Enabled", "Disabled", (MigProfile("4g.24gb", 0, 1),), ()),)
+    answers["query"] = (0, b"1, GPU-x, [N/A], [N/A]\n0, GPU-a, Enabled, Disabled\n")
+    o = REGISTRY["mig-layout"].observe(host.system, s, UnitContext())
+    assert o.gpus is not None and len(o.gpus) == 1
+    assert [p.name for p in o.gpus[0].profiles] == ["1g.6gb", "2g.12gb"]
+    assert o.gpus[0].instances == ("1g.6gb", "2g.12gb")
+    answers["-lgip"] = (6, LGIP.encode())  # a failed listing is not read, whatever it printed
+    o = REGISTRY["mig-layout"].observe(host.system, s, UnitContext())
+    assert o.gpus is not None and o.gpus[0].profiles == () and o.gpus[0].instances == ("1g.6gb", "2g.12gb")
+    p = REGISTRY["mig-layout"].plan(s, type(o)(None, frozenset()))
+    assert p.steps == () and p.terminal == ()
+
+
+MODINFO_570_PROP = (
+    b"filename: /lib/modules/nvidia.ko\nversion: 570.124.06\nlicense: NVIDIA\nvermagic: 6.8 \xff\n"
+)
+
+
+def test_HST_DRV_load_names_each_flavor_and_failure(tmp_path: Any) -> None:
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext, RebootRequired
+    from bcd_shared.units.nvidia import LoadDriver
+
+    host = _driver_host(tmp_path / "a", MODINFO_570_PROP, None)
+    with pytest.raises(TerminalError) as exc:
+        LoadDriver("570", True, None).apply(host.system, ApplyContext())
+    assert (
+        exc.value.message == "the driver packages installed 570.124.06 (proprietary), not branch 570 (open)"
+    )
+    # modinfo failing is no module on disk, whatever it printed
+    host = Scripted(
+        tmp_path / "b",
+        {
+            "modinfo": lambda a, i: (1, MODINFO_570_PROP, b"modinfo: ERROR: Module nvidia not found.\n"),
+            "modprobe": lambda a, i: (0, b"", b""),
+        },
+    )
+    _tree(tmp_path / "b", {"/sys/module/nvidia/": "", "/proc/driver/nvidia/version": PROC_580_OPEN})
+    LoadDriver("580", True, None).apply(host.system, ApplyContext())
+    # the loaded driver's flavor is checked too
+    with pytest.raises(RebootRequired) as boot:
+        LoadDriver("580", False, None).apply(host.system, ApplyContext())
+    assert boot.value.message == "the loaded driver is 580.82.07, not branch 580: reboot the node"
+    for failing in ("nvidia", "nvidia_uvm"):
+        host = Scripted(
+            tmp_path / failing,
+            {
+                "modinfo": lambda a, i: (1, b"", b""),
+                "modprobe": lambda a, i, f=failing: (
+                    1 if a[-1] == f else 0,
+                    b"",
+                    b"modprobe: FATAL: no such device\n",
+                ),
+            },
+        )
+        with pytest.raises(RetryableError) as failed:
+            LoadDriver("580", None, None).apply(host.system, ApplyContext())
+        assert (
+            failed.value.message
+            == f"cannot load {failing}: modprobe exited 1: modprobe: FATAL: no such device"
+        )
+
+
+def test_HST_DRV_swap_unloads_nvidia_drm_too(tmp_path: Any) -> None:
+    from bcd_shared.units import ApplyContext
+    from bcd_shared.units.nvidia import LoadDriver
+
+    host = _driver_host(tmp_path, None, PROC_580_OPEN)
+    for mod in ("nvidia", "nvidia_drm"):
+        host.system.write_atomic(f"/sys/module/{mod}/refcnt", b"0\n")
+    LoadDriver("580", None, "570.1").apply(host.system, ApplyContext())
+    assert [c[-1] for c in host.calls if c[:2] == ("modprobe", "-r")] == ["nvidia_drm", "nvidia"]
+
+
+def test_HST_DRV_observe_reads_modinfo_of_nvidia_only_when_it_succeeds(tmp_path: Any) -> None:
+    from bcd_shared.units import UnitContext
+    from bcd_shared.units.nvidia import DriverVersion
+
+    answer: dict[str, Any] = {"rc": 0}
+    host = Scripted(
+        tmp_path,
+        {
+            "modinfo": lambda a, i: (
+                answer["rc"],
+                MODINFO_570_PROP if a == ("modinfo", "nvidia") else b"",
+                b"",
+            ),
+            "systemctl": lambda a, i: (0, b"", b""),
+        },
+    )
+    s = decoded("nvidia-driver", {"branch": "570"})
+    o = REGISTRY["nvidia-driver"].observe(host.system, s, UnitContext())
+    assert o.installed == DriverVersion("570.124.06", "570", False) and o.loaded is None
+    answer["rc"] = 1
+    assert REGISTRY["nvidia-driver"].observe(host.system, s, UnitContext()).installed is None
+    from bcd_shared.units.distro import Distro
+    from bcd_shared.units.nvidia import DriverObserved
+
+    nameless = DriverObserved(Distro("", "", "unknown"), None, None, False, False)
+    p = REGISTRY["nvidia-driver"].plan(s, nameless)
+    assert p.issues == (Issue("terminal", "bcd has no driver packages for this distribution"),)
+
+
+def test_HST_LVL_converge_hands_settings_observation_and_context_through() -> None:
+    """Every observe and plan of converge_unit sees the unit's own settings, context and observation,
+    in each round, after stop_after and after a failed step."""
+    from bcd_shared.errors import RetryableError
+    from bcd_shared.units import ApplyContext, ConfigUnit, Plan, UnitCondition, UnitContext, converge_unit
+
+    ctx = UnitContext(busy_gpus=frozenset({"GPU-a"}))
+    seen: list[tuple[Any, ...]] = []
+    cond = (UnitCondition("C", "R", "m"),)
+
+    class Checked(ConfigUnit[str, tuple[str, Any]]):
+        name = "checked"
+
+        def __init__(self, plans: list[Plan]) -> None:
+            self.plans = plans
+
+        def decode(self, obj: dict[str, Any]) -> str:
+            return "s"
+
+        def observe(self, system: Any, settings: str | None, c: Any) -> tuple[str, Any]:
+            seen.append(("observe", settings, c))
+            return ("observed", settings)
+
+        def plan(self, settings: str | None, observed: tuple[str, Any]) -> Plan:
+            seen.append(("plan", settings, observed))
+            return self.plans.pop(0) if len(self.plans) > 1 else self.plans[0]
+
+    for plans in (
+        [Plan((_Step("a"),)), Plan((_Step("b"),)), Plan()],  # rounds
+        [Plan((_Step("a"),)), Plan((_Step("b"),)), Plan((_Step("c"),)), Plan()],  # every round, then a plan
+        [Plan((_Step("a"),), stop_after=True), Plan(conditions=cond)],  # stop_after
+        [Plan((_Step("a"), _Step("x", RetryableError("X", "no")))), Plan(conditions=cond)],  # a failed step
+    ):
+        seen.clear()
+        r = converge_unit(Checked(plans), "s", _Host(), ctx, ApplyContext())  # type: ignore[arg-type]
+        assert r.name == "checked"
+        assert all(e == ("observe", "s", ctx) for e in seen[0::2]), seen
+        assert all(e == ("plan", "s", ("observed", "s")) for e in seen[1::2]), seen
+        assert len(seen) >= 4
+    assert r.conditions == cond
