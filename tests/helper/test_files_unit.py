@@ -423,3 +423,17 @@ def test_a_target_that_is_a_symlink_is_neither_written_nor_removed(
     assert refused(ctx, env()) == ("root-only", message)
     assert refused(ctx, FileRemove("allocation-env", ALLOC)) == ("root-only", message)
     assert (tmp_path / "elsewhere").read_text() == "keep\n" and (folder / "a1.env").is_symlink()
+
+
+def test_a_hold_of_exactly_the_largest_size_is_written(ctx: HelperContext) -> None:
+    vendor(ctx.root, {"0": {"deviceNodes": [{"path": "/dev/nvidia0"}]}})
+    text = hold()
+    full = text + " " * (MAX_CONTENT - len(text.encode()) - 1) + "\n"
+    assert file_write(call(ctx), FileWrite("cdi", ALLOC, full)) == {
+        "path": f"/etc/cdi/bcd-{ALLOC}.json",
+        "bytes": MAX_CONTENT,
+    }
+    assert refused(ctx, FileWrite("cdi", ALLOC, full + " ")) == (
+        "too-large",
+        f"cdi: content larger than {MAX_CONTENT} bytes",
+    )
