@@ -664,8 +664,9 @@ def test_a_read_only_disk_is_handed_read_only(ctx: HelperContext, root: Path, ho
 def test_a_start_libvirt_refuses_for_a_group_without_a_descriptor_is_answered(
     ctx: HelperContext, root: Path, host: Host
 ) -> None:
-    """Sources without an fdgroup are left to libvirt (paths); what libvirt says of a group root did not
-    associate comes back word for word (here the node's own extra group on a source without a file)."""
+    """A source without an fdgroup is left to libvirt (its path), one without a file is never opened by
+    root (nothing to check): its group stays unassociated, and libvirt's refusal of the start comes back
+    word for word."""
     host.domains["vm1"] = FD_DUMP.replace(b" fdgroup='bcd1'", b"").replace(
         b"<serial type='pty'>",
         b"<disk type='file' device='cdrom'><source fdgroup='x'/></disk><serial type='pty'>",
@@ -678,6 +679,141 @@ def test_a_start_libvirt_refuses_for_a_group_without_a_descriptor_is_answered(
     assert programs(ctx).runs[-1] == associated(
         ("bcd0", fds[0], True), ("bcd2", fds[1], False), command="start vm1"
     )
+
+
+def held_disk(path: str, fmt: str = "raw", extra: str = "", backing: str = "") -> bytes:
+    return (
+        f"<domain><devices><disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
+        f"<source file='{path}' fdgroup='bcd0'/>{backing}<target dev='vda' bus='virtio'/>{extra}</disk>"
+        "</devices></domain>"
+    ).encode()
+
+
+def test_root_hands_over_only_what_it_opened_and_checked(
+    ctx: HelperContext, root: Path, tmp_path: Path
+) -> None:
+    """`_held_files`: each fdgroup source opened by root under data_dir, through directories without a
+    link, the file itself never a link, a regular file with one link; a refusal names the path (at most
+    200 characters) and closes every descriptor opened before it."""
+    d = root / INST.lstrip("/")
+    held = lambda xml: lv._held_files(call(ctx), "libvirt.start", "vm1", xml)  # noqa: E731
+    before = open_fds()
+    long = f"{DATA}/" + "x" * 250
+    cases = [
+        ("/etc/shadow", "'/etc/shadow' is outside data_dir"),
+        (f"{DATA}x/a.img", f"'{DATA}x/a.img' is outside data_dir"),
+        ("/" + "y" * 300, f"{('/' + 'y' * 199)!r} is outside data_dir"),
+        (f"{INST}/gone.img", f"'{INST}/gone.img': No such file or directory"),
+        (long, f"{long[:200]!r}: No such file or directory"),
+        (f"{INST}/nodir/a.img", f"'{INST}/nodir/a.img': a symlink on the way"),
+        (f"{INST}/sub", f"'{INST}/sub': Is a directory"),  # a writable disk opened read-write
+        (f"{INST}/link.img", f"'{INST}/link.img': Too many levels of symbolic links"),
+        (f"{INST}/twice.img", f"'{INST}/twice.img' must be a regular file with one link"),
+        (f"{INST}/fifo", f"'{INST}/fifo' must be a regular file with one link"),
+    ]
+    (d / "sub").mkdir()
+    os.symlink(d / "seed.iso", d / "link.img")
+    (tmp_path / "t").write_bytes(b"")
+    os.link(tmp_path / "t", d / "twice.img")
+    os.mkfifo(d / "fifo")  # opened non-blocking (read-write: a writable disk) and refused on the descriptor
+    for path, message in cases:
+        # the seed (opened first, read-only) is closed again when the second disk is refused
+        xml = held_disk(path).replace(
+            b"<devices>",
+            f"<devices><disk type='file' device='cdrom'><source file='{INST}/seed.iso' fdgroup='bcd9'/>"
+            "<target dev='sdc' bus='sata'/><readonly/></disk>".encode(),
+        )
+        assert refused(held, xml) == ("domain-disk", f"libvirt.start: vm1: {message}")
+        assert open_fds() == before
+    os.rename(d, tmp_path / "vm1")
+    os.symlink(tmp_path / "vm1", d)
+    assert refused(held, held_disk(f"{INST}/seed.iso")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: '{INST}/seed.iso': a symlink on the way",
+    )
+    assert open_fds() == before
+
+
+def test_root_reads_each_qcow2_header_through_its_descriptor(ctx: HelperContext, root: Path) -> None:
+    """A qcow2 source's header is read through root's descriptor: flat, or naming exactly its explicit
+    backing store (the file and its format); a header that is no qcow2 is refused with its reason."""
+    d = root / INST.lstrip("/")
+    base = root / BASE.lstrip("/")
+    held = lambda xml: lv._held_files(call(ctx), "libvirt.start", "vm1", xml)  # noqa: E731
+    before = open_fds()
+    chain = (
+        "<backingStore type='file'><format type='{}'/>"
+        f"<source file='{BASE}' fdgroup='bcd1'/><backingStore/></backingStore>"
+    )
+    overlay = lambda fmt="qcow2": held_disk(f"{INST}/disk.qcow2", "qcow2", backing=chain.format(fmt))  # noqa: E731
+    got = held(overlay())
+    try:
+        assert [(h.group, h.writable) for h in got] == [("bcd0", True), ("bcd1", False)]
+        assert [os.fstat(h.fd).st_ino for h in got] == [
+            os.stat(d / "disk.qcow2").st_ino,
+            os.stat(base).st_ino,
+        ]
+    finally:
+        for h in got:
+            os.close(h.fd)
+    # the overlay names the base as qcow2; the definition's chain says raw
+    assert refused(held, overlay("raw")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: {INST}/disk.qcow2 names backing file {str(base)!r}, not {str(base)!r}",
+    )
+    # a flat qcow2 disk (no chain named) whose header names a backing file
+    assert refused(held, held_disk(f"{INST}/disk.qcow2", "qcow2")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: {INST}/disk.qcow2 names backing file {str(base)!r}, not None",
+    )
+    # the base (the chain's last) must be flat itself
+    base.write_bytes(qcow2_bytes(GIB, "/etc/shadow", "raw"))
+    assert refused(held, overlay()) == (
+        "domain-disk",
+        f"libvirt.start: vm1: {BASE} names backing file '/etc/shadow', not None",
+    )
+    (d / "disk.qcow2").write_bytes(b"QFI\xfb\0\0\0\x07" + b"\0" * 100)
+    assert refused(held, overlay()) == (
+        "domain-disk",
+        f"libvirt.start: vm1: {INST}/disk.qcow2: qcow2 version 7, only 2 and 3 are accepted",
+    )
+    assert open_fds() == before
+    # a raw disk's bytes are never read as a header; a source without a group is root's to leave alone
+    got = held(
+        held_disk(f"{INST}/disk.qcow2", "raw", backing=chain.format("qcow2").replace(" fdgroup='bcd1'", ""))
+    )
+    assert [h.group for h in got] == ["bcd0"]
+    os.close(got[0].fd)
+    base.write_bytes(qcow2_bytes(GIB))
+    (d / "disk.qcow2").write_bytes(qcow2_bytes(GIB))
+    got = held(held_disk(f"{INST}/disk.qcow2", "qcow2"))  # a flat qcow2 with no chain named
+    assert [h.group for h in got] == ["bcd0"]
+    os.close(got[0].fd)
+
+
+def test_a_disk_swapped_inside_roots_window_is_never_handed_to_qemu(
+    ctx: HelperContext, root: Path, host: Host, tmp_path: Path
+) -> None:
+    """Root rechecked the disks, then (here while it reads the GPUs) the node swaps the overlay for a
+    symlink to a host file: root's own open refuses it; no virsh start runs, the host file is untouched."""
+    d = root / INST.lstrip("/")
+    host.domains["vm1"] = FD_GPU_DUMP
+    secret = tmp_path / "secret.qcow2"
+    secret.write_bytes(qcow2_bytes(GIB))
+
+    def race(argv: tuple[str, ...]) -> None:
+        if argv == UUID_BUS:
+            os.replace(d / "disk.qcow2", tmp_path / "disk.qcow2")
+            os.symlink(secret, d / "disk.qcow2")
+
+    host.race = race
+    before = open_fds()
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: '{INST}/disk.qcow2': Too many levels of symbolic links",
+    )
+    assert [r[3] for r in programs(ctx).runs if r[0] == "virsh"] == ["dumpxml"] and open_fds() == before
+    assert os.stat(secret).st_uid == 0 and secret.read_bytes() == qcow2_bytes(GIB)
 
 
 def test_start_refuses_a_disk_swapped_since_the_define(ctx: HelperContext, root: Path) -> None:
@@ -1697,6 +1833,8 @@ def wire_vm(
     state: int = 1,
     rebind: str = "",
     sized: bool = True,
+    policy: int = 0,
+    addresses: tuple[str, ...] = (),
 ) -> wire.InstanceSpec:
     return wire.InstanceSpec(
         id="vm1",
@@ -1707,7 +1845,8 @@ def wire_vm(
         image=wire.ImageRef(url="https://images.example/x.qcow2", sha256=sha, format="qcow2")
         if sha
         else None,
-        nics=[wire.Nic(bridge=b, mac=m) for b, m in nics],
+        nics=[wire.Nic(bridge=b, mac=m, addresses=list(addresses)) for b, m in nics],
+        network_policy=wire.NetworkPolicy(policy),
         gpu_uuids=list(gpus),
         identity_rebind_ref=rebind,
     )
@@ -1906,5 +2045,48 @@ def test_a_signed_rebind_needs_the_spec_to_ask_for_one(
         assert generation(root) == 2
         assert virsh_runs(c)[-1] == ("attach-device", "vm1", "/dev/stdin", "--live")
         assert programs(c).inputs[-1] == rebind_xml(root / REBIND.lstrip("/"))
+    finally:
+        c.audit.close()
+
+
+def test_a_guarded_guest_runs_only_with_its_signed_rules_loaded(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """With roots, `start` and `restore` of an instance the signed spec guards (PRIVATE here) are refused
+    `network-policy` until root's last nft.apply holds its NIC's policy; nothing runs and no state is
+    written before. A define or a save (nothing runs) never asks for the rules."""
+    from bcd_shared.netpolicy import NicPolicy
+
+    (root / STATE.lstrip("/")).write_bytes(save_image())
+    host.domains["vm1"] = FD_DUMP
+    c = signed_ctx(root, host, cp)
+    try:
+        private = wire_vm(policy=2, addresses=("10.0.0.5/24",))
+        start = lambda g: lv.libvirt_start(call(c), lv.LibvirtStart("vm1", intent=signed(signer, g, private)))  # noqa: E731
+        restore = lambda g: lv.libvirt_restore(  # noqa: E731
+            call(c), lv.LibvirtRestore("vm1", NO_GPU_DEFINE, signed(signer, g, private))
+        )
+        for op, fn in (("libvirt.start", start), ("libvirt.restore", restore)):
+            assert refused(fn, 2) == (
+                "network-policy",
+                f"{op}: vm1: the signed spec's network rules for it are not loaded: nft.apply first",
+            )
+        assert virsh_runs(c) == [("dumpxml", "vm1")] and host.restored == []
+        assert not (root / "var/lib/bcd-hostconfig/helper-intent.json").exists()
+        assert not (root / STAGE).exists()
+        # a define and a save of the same instance run no guest: no rules asked
+        define = lv.LibvirtDefine("vm1", NO_GPU_DEFINE, signed(signer, 2, private))
+        assert lv.libvirt_define(call(c), define)["name"] == "vm1" and generation(root) == 2
+        assert lv.libvirt_save(call(c), lv.LibvirtSave("vm1", signed(signer, 3, private)))["name"] == "vm1"
+        (root / STATE.lstrip("/")).write_bytes(save_image())
+        # other rules loaded: still refused
+        c.nft_loaded = frozenset([NicPolicy("vm1", 0, "br0", MAC, ("10.0.0.6/24",), "PRIVATE")])
+        assert refused(start, 4)[0] == "network-policy"
+        c.nft_loaded = frozenset([NicPolicy("vm1", 0, "br0", MAC, ("10.0.0.5/24",), "PRIVATE")])
+        assert start(4) == {"name": "vm1", "paused": False} and generation(root) == 4
+        assert restore(5) == {"name": "vm1", "paused": False} and generation(root) == 5
+        assert virsh_runs(c)[-1][0].endswith(
+            f" ; restore {host.restored[-1][0]} --xml {root / STAGE / 'vm1.xml'}"
+        )
     finally:
         c.audit.close()
