@@ -17,6 +17,7 @@ real-process tests (test_helper_libvirt*.py, test_helper_rebind.py) drive the sa
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -725,6 +726,21 @@ def test_root_hands_over_only_what_it_opened_and_checked(
         )
         assert refused(held, xml) == ("domain-disk", f"libvirt.start: vm1: {message}")
         assert open_fds() == before
+    # read-only, the FIFO is opened non-blocking too (a blocking open would wait for a writer forever)
+    assert refused(held, held_disk(f"{INST}/fifo", extra="<readonly/>")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: '{INST}/fifo' must be a regular file with one link",
+    )
+    # a cdrom is read-only whether or not the definition says <readonly/>
+    cdrom = (
+        f"<domain><devices><disk type='file' device='cdrom'><source file='{INST}/seed.iso' fdgroup='bcd0'/>"
+    )
+    got = held(f"{cdrom}</disk></devices></domain>".encode())
+    try:
+        assert [(h.group, h.writable) for h in got] == [("bcd0", False)]
+        assert fcntl.fcntl(got[0].fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+    finally:
+        os.close(got[0].fd)
     os.rename(d, tmp_path / "vm1")
     os.symlink(tmp_path / "vm1", d)
     assert refused(held, held_disk(f"{INST}/seed.iso")) == (
