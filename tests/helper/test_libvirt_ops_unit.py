@@ -320,6 +320,31 @@ def test_a_simple_verb_runs_virsh_on_bcds_domain(ctx: HelperContext, verb: str) 
     assert len(ctx_timeouts) == 2
 
 
+@pytest.mark.parametrize("verb", ["shutdown", "destroy", "suspend", "resume", "undefine"])
+def test_the_simple_verbs_handler_is_built_per_verb(ctx: HelperContext, host: Host, verb: str) -> None:
+    """`_simple(verb)` builds the handler (at import for the module's own; built here again so what it
+    builds is what runs): the op's name in its refusals, root's dumpxml, then `virsh VERB NAME`."""
+    handler = lv._simple(verb)
+    assert handler(call(ctx), req(lv.LibvirtName, name="vm1")) == {"name": "vm1"}
+    assert programs(ctx).runs == [virsh("dumpxml", "vm1"), virsh(verb, "vm1")]
+    assert refused(handler, call(ctx), lv.LibvirtName("x/y")) == (
+        "bad-name",
+        f"libvirt.{verb}: 'x/y' is not an instance id",
+    )
+    assert refused(handler, call(ctx), lv.LibvirtName("vm2")) == (
+        "no-domain",
+        f"libvirt.{verb}: no domain vm2",
+    )
+    host.fail[verb] = (1, b"", b"error: failed\n")
+    assert failed(handler, call(ctx), lv.LibvirtName("vm1")) == ("virsh", f"virsh {verb} vm1: error: failed")
+    host.domains["vm1"] = THEIRS
+    assert refused(handler, call(ctx), lv.LibvirtName("vm1")) == (
+        "unmanaged",
+        f"libvirt.{verb}: domain vm1 is not bcd's: it is never changed",
+    )
+    assert virsh_runs(ctx)[-1] == ("dumpxml", "vm1")
+
+
 def test_virsh_runs_with_the_configured_uri_and_two_minutes(root: Path, host: Host) -> None:
     uri = "test:///default"
     text = f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = {NODE_UID}\nlibvirt_uri = "{uri}"\n'
@@ -707,6 +732,8 @@ def test_root_hands_over_only_what_it_opened_and_checked(
         (f"{INST}/gone.img", f"'{INST}/gone.img': No such file or directory"),
         (long, f"{long[:200]!r}: No such file or directory"),
         (f"{INST}/nodir/a.img", f"'{INST}/nodir/a.img': a symlink on the way"),
+        (f"{long}/a.img", f"{long[:200]!r}: a symlink on the way"),
+        (f"{INST}/{'z' * 230}", f"{(INST + '/' + 'z' * 230)[:200]!r} must be a regular file with one link"),
         (f"{INST}/sub", f"'{INST}/sub': Is a directory"),  # a writable disk opened read-write
         (f"{INST}/link.img", f"'{INST}/link.img': Too many levels of symbolic links"),
         (f"{INST}/twice.img", f"'{INST}/twice.img' must be a regular file with one link"),
@@ -716,6 +743,7 @@ def test_root_hands_over_only_what_it_opened_and_checked(
     os.symlink(d / "seed.iso", d / "link.img")
     (tmp_path / "t").write_bytes(b"")
     os.link(tmp_path / "t", d / "twice.img")
+    os.link(tmp_path / "t", d / ("z" * 230))
     os.mkfifo(d / "fifo")  # opened non-blocking (read-write: a writable disk) and refused on the descriptor
     for path, message in cases:
         # the seed (opened first, read-only) is closed again when the second disk is refused
@@ -805,6 +833,35 @@ def test_root_reads_each_qcow2_header_through_its_descriptor(ctx: HelperContext,
     got = held(held_disk(f"{INST}/disk.qcow2", "qcow2"))  # a flat qcow2 with no chain named
     assert [h.group for h in got] == ["bcd0"]
     os.close(got[0].fd)
+
+
+def test_root_follows_the_whole_explicit_chain(ctx: HelperContext, root: Path) -> None:
+    """A chain of three (overlay, middle, base): every source opened and each qcow2 header checked
+    against the next; a qcow2 backing store after a raw top is checked too."""
+    d = root / INST.lstrip("/")
+    base, mid, top = root / BASE.lstrip("/"), d / "mid.qcow2", d / "disk.qcow2"
+    mid.write_bytes(qcow2_bytes(GIB, str(base), "qcow2"))
+    top.write_bytes(qcow2_bytes(GIB, str(mid), "qcow2"))
+    fmt = "<backingStore><format type='qcow2'/>"
+    inner = f"{fmt}<source file='{BASE}' fdgroup='bcd2'/><backingStore/></backingStore>"
+    chain = f"{fmt}<source file='{INST}/mid.qcow2' fdgroup='bcd1'/>{inner}</backingStore>"
+    held = lambda xml: lv._held_files(call(ctx), "libvirt.start", "vm1", xml)  # noqa: E731
+    got = held(held_disk(f"{INST}/disk.qcow2", "qcow2", backing=chain))
+    try:
+        assert [(h.group, os.fstat(h.fd).st_ino) for h in got] == [
+            ("bcd0", os.stat(top).st_ino),
+            ("bcd1", os.stat(mid).st_ino),
+            ("bcd2", os.stat(base).st_ino),
+        ]
+    finally:
+        for h in got:
+            os.close(h.fd)
+    base.write_bytes(qcow2_bytes(GIB, "/etc/shadow", "raw"))
+    for fmt in ("qcow2", "raw"):  # the base's header is read after a raw top's too
+        assert refused(held, held_disk(f"{INST}/disk.qcow2", fmt, backing=chain)) == (
+            "domain-disk",
+            f"libvirt.start: vm1: {BASE} names backing file '/etc/shadow', not None",
+        )
 
 
 def test_a_disk_swapped_inside_roots_window_is_never_handed_to_qemu(
