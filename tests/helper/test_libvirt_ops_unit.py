@@ -1870,7 +1870,10 @@ def test_console_that_changed_while_root_opened_it_is_closed(
         host.domains["vm1"] = [with_pty(NO_GPU_DUMP), again]
         assert failed(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1")) == ("no-console", changed)
     host.domains["vm1"] = [with_pty(NO_GPU_DUMP), THEIRS]
-    assert refused(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1"))[0] == "unmanaged"
+    assert refused(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1")) == (
+        "unmanaged",
+        "libvirt.console: domain vm1 is not bcd's: it is never changed",
+    )
     assert sorted(os.listdir("/proc/self/fd")) == before
     host.domains["vm1"] = THEIRS
     assert refused(lv.libvirt_console, call(ctx), lv.LibvirtName("vm1"))[0] == "unmanaged"
