@@ -3,8 +3,11 @@ programs are scripted and recorded (the argv lists root would run)."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NamedTuple
 
 from bcd_helper.audit import AuditLog
 from bcd_helper.config import parse_config
@@ -16,22 +19,54 @@ NODE_UID = 4242
 Script = Callable[[tuple[str, ...]], tuple[int, bytes, bytes]]
 
 
+class Handed(NamedTuple):
+    """A descriptor a program was handed (`pass_fds`) as it was while the program ran: the file it names
+    (/proc/self/fd/N), that file's (st_dev, st_ino), its access mode (os.O_RDONLY, os.O_RDWR) and
+    whether it was inheritable in root's process (root opens with O_CLOEXEC; only the child gets it),
+    and whether it was in blocking mode."""
+
+    fd: int
+    path: str
+    inode: tuple[int, int]
+    access: int
+    inheritable: bool
+    blocking: bool
+
+
+def handed(fd: int) -> Handed:
+    st = os.fstat(fd)
+    flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+    path = os.readlink(f"/proc/self/fd/{fd}")
+    inode = (st.st_dev, st.st_ino)
+    return Handed(fd, path, inode, flags & os.O_ACCMODE, os.get_inheritable(fd), not flags & os.O_NONBLOCK)
+
+
 class Programs(LocalSystem):
     """A simulated host whose programs answer from `script` (argv -> status, stdout, stderr; default: exit
-    0, no output), every run recorded with its timeout."""
+    0, no output), every run recorded with its timeout, its stdin and the descriptors it was handed
+    (`handed[i]` for `runs[i]`; a descriptor that is not open fails the run as subprocess would)."""
 
     def __init__(self, root: Path, script: Script | None = None) -> None:
         super().__init__(root)
         self.script = script
         self.runs: list[tuple[str, ...]] = []
         self.timeouts: list[float] = []
+        self.inputs: list[bytes | None] = []
+        self.handed: list[tuple[Handed, ...]] = []
 
     def run(
-        self, argv: Sequence[str], *, timeout: float = DEFAULT_TOOL_TIMEOUT_S, input: bytes | None = None
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_TOOL_TIMEOUT_S,
+        input: bytes | None = None,
+        pass_fds: Sequence[int] = (),
     ) -> CommandResult:
         args = tuple(argv)
         self.runs.append(args)
         self.timeouts.append(timeout)
+        self.inputs.append(input)
+        self.handed.append(tuple(handed(fd) for fd in pass_fds))
         rc, out, err = self.script(args) if self.script is not None else (0, b"", b"")
         return CommandResult(args, rc, out, err)
 

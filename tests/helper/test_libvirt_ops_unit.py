@@ -7,17 +7,25 @@ definition (tests/fixtures/virsh/README.md), `nvidia-smi` answers are columns of
 `--query-gpu` capture (tests/fixtures/nvidia-smi/README.md), virsh's messages are those virsh 9.0 prints
 (`error: failed to get domain 'x'`; the qemu driver's `Domain not found: no domain with matching name`),
 and the disks are qcow2 v3 headers (bcd_simhost.libvirt.qcow2_bytes; the same bytes `qemu-img create`
-writes up to the header's end). The real-process tests (test_helper_libvirt*.py, test_helper_rebind.py)
-drive the same handlers through `bcd helper serve`; mutmut sees only these."""
+writes up to the header's end). Root's definition of a domain defined since the descriptor handover carries
+an `fdgroup` and `relabel='no'` on every disk source (`fd_form`; libvirt 9.0's `dumpxml --inactive` shows
+both, test_hostile_round4.py); `start` and `restore` then run `dom-fd-associate ... ; start` in one virsh
+process, handed root's own descriptors (opskit.Handed records what each run was handed). The
+real-process tests (test_helper_libvirt*.py, test_helper_rebind.py) drive the same handlers through
+`bcd helper serve`; mutmut sees only these."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
+import re
+import shlex
 import stat
 import struct
-from collections.abc import Iterator
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +38,7 @@ from bcd_shared import wire
 from bcd_shared.instancenames import tap_name
 from bcd_simhost.libvirt import qcow2_bytes
 from intentkit import ControlPlane, Signer, intent
-from opskit import NODE_UID, call, context, make_root, programs
+from opskit import NODE_UID, Programs, call, context, make_root, programs
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DEFINE = (FIXTURES / "virsh/vm1_define.xml").read_text()
@@ -65,6 +73,32 @@ NO_GPU_DEFINE = DEFINE.replace(HOSTDEV_DEF, "")
 NO_GPU_DUMP = DUMPXML.replace(HOSTDEV_DUMP.encode(), b"")
 assert NO_GPU_DEFINE != DEFINE and NO_GPU_DUMP != DUMPXML
 THEIRS = b"<domain type='kvm' id='1'>\n  <name>vm1</name>\n  <memory unit='KiB'>1024</memory>\n</domain>\n"
+_SOURCE = re.compile(r"""<source file=(['"])([^'"]*)\1 ?/>""")
+
+
+def fd_form(xml: str, groups: bool = True) -> str:
+    """`xml` with each disk file source as root's staged definition has it (written out here, not by the
+    code under test): `fdgroup='bcd<i>'` in document order (`groups`) and DAC relabelling off."""
+    n = iter(range(100))
+
+    def one(m: re.Match[str]) -> str:
+        q, path = m.group(1), m.group(2)
+        group = f" fdgroup={q}bcd{next(n)}{q}" if groups else ""
+        return f"<source file={q}{path}{q}{group}><seclabel model={q}dac{q} relabel={q}no{q}/></source>"
+
+    return _SOURCE.sub(one, xml)
+
+
+def c14n(xml: str | bytes) -> str:
+    """The XML's canonical form: what it says, whatever quotes and empty-element style it is written in."""
+    text = xml.decode() if isinstance(xml, bytes) else xml
+    return ET.canonicalize(text, strip_text=True)
+
+
+FD_DUMP = fd_form(NO_GPU_DUMP.decode()).encode()  # disk.qcow2 bcd0, the base bcd1, seed.iso bcd2
+FD_GPU_DUMP = fd_form(DUMPXML.decode()).encode()
+assert FD_DUMP.count(b"fdgroup='bcd") == 3 and b"fdgroup='bcd2'" in FD_DUMP
+NOT_ASSOCIATED = "error: invalid argument: file descriptor group '{}' was not associated with the domain\n"
 
 
 def save_image(xml: bytes = b"<domain/>", version: int = 2, data_len: int = 4096) -> bytes:
@@ -77,7 +111,12 @@ def save_image(xml: bytes = b"<domain/>", version: int = 2, data_len: int = 4096
 
 class Host:
     """Root's programs: a libvirtd with domains by name (`dumpxml` answers, in turn when a list), the
-    GPUs of the simulated HGX H200, compute processes; `fail[verb]` answers a verb with an error."""
+    GPUs of the simulated HGX H200, compute processes; `fail[verb]` answers a verb with an error.
+    virsh runs `;`-separated commands in one process as libvirt 9.0's does: `dom-fd-associate NAME GROUP
+    FD [--seclabel-writable]` takes only a descriptor the helper handed that virsh (`programs`), and a
+    `start` or `restore` of a definition with an fdgroup no descriptor was associated with is refused
+    (libvirt's words). `restore` records the state file libvirtd read (its path, inode and header).
+    `race(argv)`, when set, runs before each program: the node's move inside root's window."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
@@ -87,14 +126,55 @@ class Host:
         self.smi_rc = 0
         self.saved = b""
         self.staged_mode = -1
+        self.programs: Programs | None = None
+        self.restored: list[tuple[str, int, bytes]] = []
+        self.race: Callable[[tuple[str, ...]], None] | None = None
 
     def __call__(self, argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if self.race is not None:
+            self.race(argv)
         if argv[0] == "nvidia-smi":
             return self.smi(argv)
         assert argv[:3] == ("virsh", "-c", URI), argv
-        verb, args = argv[3], argv[4:]
+        if len(argv) == 4 and ";" in argv[3]:
+            return self.chain(argv[3])
+        return self.virsh(argv[3], argv[4:], {})
+
+    def chain(self, line: str) -> tuple[int, bytes, bytes]:
+        assert self.programs is not None
+        passed = {h.fd for h in self.programs.handed[-1]}
+        assoc: dict[str, int] = {}
+        out = b""
+        for part in line.split(";"):
+            words = shlex.split(part)
+            if words[0] == "dom-fd-associate":
+                _name, group, fd, *_flags = words[1:]
+                if int(fd) not in passed:
+                    return 1, out, f"error: Unable to get file descriptor {fd}\n".encode()
+                assoc[group] = int(fd)
+                continue
+            rc, o, e = self.virsh(words[0], tuple(words[1:]), assoc)
+            out += o
+            if rc:
+                return rc, out, e
+        return 0, out, b""
+
+    def virsh(self, verb: str, args: tuple[str, ...], assoc: dict[str, int]) -> tuple[int, bytes, bytes]:
         if verb in self.fail:
             return self.fail[verb]
+        if verb in ("start", "restore"):
+            xml = (
+                self.domains.get(args[0])
+                if verb == "start"
+                else Path(args[args.index("--xml") + 1]).read_bytes()
+            )
+            for src in ET.fromstring(xml if isinstance(xml, bytes) else b"<x/>").iter("source"):
+                group = src.get("fdgroup")
+                if group is not None and group not in assoc:
+                    return 1, b"", NOT_ASSOCIATED.format(group).encode()
+        if verb == "restore":  # libvirtd (root) reads the state through the path it is given
+            with open(args[0], "rb") as f:
+                self.restored.append((args[0], os.fstat(f.fileno()).st_ino, f.read(92)))
         if verb == "dumpxml":
             xml = self.domains.get(args[0])
             if xml is None:
@@ -171,6 +251,7 @@ CONFIG = (
 @pytest.fixture
 def ctx(root: Path, host: Host) -> Iterator[HelperContext]:
     c = context(root, CONFIG, host)
+    host.programs = programs(c)
     yield c
     c.audit.close()
 
@@ -194,6 +275,22 @@ def req(cls: type[Any], **args: Any) -> Any:
 
 def virsh_runs(ctx: HelperContext) -> list[tuple[str, ...]]:
     return [r[3:] for r in programs(ctx).runs if r[0] == "virsh"]
+
+
+def inode(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def open_fds() -> list[str]:
+    return sorted(os.listdir("/proc/self/fd"))
+
+
+def associated(*held: tuple[str, int, bool], command: str, name: str = "vm1") -> tuple[str, ...]:
+    """The one virsh process root runs with descriptors: each (group, fd, writable) associated, then
+    `command` (quoted for virsh's shell-like parser)."""
+    steps = [f"dom-fd-associate {name} {g} {fd}" + (" --seclabel-writable" if w else "") for g, fd, w in held]
+    return virsh(" ; ".join([*steps, command]))
 
 
 # --- names, managed domains, virsh's answers --------------------------------------------------------------
@@ -221,6 +318,31 @@ def test_a_simple_verb_runs_virsh_on_bcds_domain(ctx: HelperContext, verb: str) 
     assert programs(ctx).runs == [virsh("dumpxml", "vm1"), virsh(verb, "vm1")]
     ctx_timeouts = programs(ctx).timeouts
     assert len(ctx_timeouts) == 2
+
+
+@pytest.mark.parametrize("verb", ["shutdown", "destroy", "suspend", "resume", "undefine"])
+def test_the_simple_verbs_handler_is_built_per_verb(ctx: HelperContext, host: Host, verb: str) -> None:
+    """`_simple(verb)` builds the handler (at import for the module's own; built here again so what it
+    builds is what runs): the op's name in its refusals, root's dumpxml, then `virsh VERB NAME`."""
+    handler = lv._simple(verb)
+    assert handler(call(ctx), req(lv.LibvirtName, name="vm1")) == {"name": "vm1"}
+    assert programs(ctx).runs == [virsh("dumpxml", "vm1"), virsh(verb, "vm1")]
+    assert refused(handler, call(ctx), lv.LibvirtName("x/y")) == (
+        "bad-name",
+        f"libvirt.{verb}: 'x/y' is not an instance id",
+    )
+    assert refused(handler, call(ctx), lv.LibvirtName("vm2")) == (
+        "no-domain",
+        f"libvirt.{verb}: no domain vm2",
+    )
+    host.fail[verb] = (1, b"", b"error: failed\n")
+    assert failed(handler, call(ctx), lv.LibvirtName("vm1")) == ("virsh", f"virsh {verb} vm1: error: failed")
+    host.domains["vm1"] = THEIRS
+    assert refused(handler, call(ctx), lv.LibvirtName("vm1")) == (
+        "unmanaged",
+        f"libvirt.{verb}: domain vm1 is not bcd's: it is never changed",
+    )
+    assert virsh_runs(ctx)[-1] == ("dumpxml", "vm1")
 
 
 def test_virsh_runs_with_the_configured_uri_and_two_minutes(root: Path, host: Host) -> None:
@@ -357,9 +479,42 @@ def test_define_checks_stages_0600_and_runs_define_validate(ctx: HelperContext, 
         "disks": [f"{INST}/disk.qcow2", f"{INST}/seed.iso"],
         "taps": [tap_name("vm1", 0)],
     }
-    assert staged.read_text() == NO_GPU_DEFINE and stat.S_IMODE(os.stat(staged).st_mode) == 0o600
+    # root's own definition: every disk source (the backing store's too) with its fdgroup, in document
+    # order, and DAC relabelling off; nothing else changed (the bcd prefix kept, one trailing newline)
+    data = staged.read_bytes()
+    assert c14n(data) == c14n(fd_form(NO_GPU_DEFINE)) and stat.S_IMODE(os.stat(staged).st_mode) == 0o600
+    assert data.count(b"<bcd:") == 7 and data.endswith(b"</domain>\n") and not data.endswith(b"\n\n")
     # no hostdev: nvidia-smi is not asked
     assert programs(ctx).runs == [virsh("define", "--validate", str(staged))]
+
+
+def test_define_for_another_driver_stages_paths_with_relabelling_off(root: Path) -> None:
+    """libvirt's test driver refuses an fdgroup: any URI but qemu's keeps paths, relabelling off."""
+    uri = "test:///default"
+    c = context(root, CONFIG + f'libvirt_uri = "{uri}"\n', lambda argv: (0, b"", b""))
+    try:
+        assert lv.libvirt_define(call(c), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))["name"] == "vm1"
+        staged = root / STAGE / "vm1.xml"
+        assert c14n(staged.read_bytes()) == c14n(fd_form(NO_GPU_DEFINE, groups=False))
+        assert programs(c).runs == [("virsh", "-c", uri, "define", "--validate", str(staged))]
+    finally:
+        c.audit.close()
+
+
+def test_root_definition_marks_only_disk_files_and_never_twice() -> None:
+    xml = (
+        b"<domain><devices><disk><source file='/d/a'><seclabel model='dac' relabel='no'/></source>"
+        b"<backingStore><source file='/d/b'/></backingStore></disk><disk><source dev='/dev/sdb'/></disk>"
+        b"<interface><source file='/d/nic'/></interface></devices></domain>"
+    )
+    want = (
+        "<domain><devices><disk><source fdgroup='bcd0' file='/d/a'><seclabel model='dac' relabel='no'/>"
+        "</source><backingStore><source fdgroup='bcd1' file='/d/b'><seclabel model='dac' relabel='no'/>"
+        "</source></backingStore></disk><disk><source dev='/dev/sdb'/></disk>"
+        "<interface><source file='/d/nic'/></interface></devices></domain>"
+    )
+    assert c14n(lv.root_definition(xml)) == c14n(want)
+    assert c14n(lv.root_definition(xml, fdgroups=False)) == c14n(re.sub(r" fdgroup='bcd.'", "", want))
 
 
 def test_define_with_a_gpu_asks_roots_nvidia_smi(ctx: HelperContext, root: Path, host: Host) -> None:
@@ -460,6 +615,7 @@ def test_a_staging_directory_root_does_not_own_alone_is_refused(ctx: HelperConte
 
 
 def test_start_rechecks_roots_definition_and_starts(ctx: HelperContext, host: Host) -> None:
+    """A domain defined before the descriptor handover (no fdgroup in root's view): paths, no descriptor."""
     assert lv.libvirt_start(call(ctx), req(lv.LibvirtStart, name="vm1")) == {"name": "vm1", "paused": False}
     assert programs(ctx).runs == [virsh("dumpxml", "vm1"), virsh("start", "vm1")]
     assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1", paused=True)) == {"name": "vm1", "paused": True}
@@ -474,6 +630,263 @@ def test_start_rechecks_roots_definition_and_starts(ctx: HelperContext, host: Ho
         "unmanaged",
         "libvirt.start: domain vm1 is not bcd's: it is never changed",
     )
+
+
+def test_start_hands_qemu_roots_own_descriptors_of_the_checked_disks(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """Root opens each fdgroup source itself (the writable overlay read-write, its base and the cdrom
+    read-only, none inheritable in root, all blocking) and hands exactly those to the one virsh that
+    associates each group and starts; every descriptor is closed once virsh ran, answered or failed."""
+    d = root / INST.lstrip("/")
+    host.domains["vm1"] = FD_DUMP
+    files = [d / "disk.qcow2", root / BASE.lstrip("/"), d / "seed.iso"]
+    before = open_fds()
+    assert lv.libvirt_start(call(ctx, bounded=False), req(lv.LibvirtStart, name="vm1")) == {
+        "name": "vm1",
+        "paused": False,
+    }
+    handed = programs(ctx).handed[-1]
+    assert [(h.path, h.inode, h.access, h.inheritable, h.blocking) for h in handed] == [
+        (str(files[0]), inode(files[0]), os.O_RDWR, False, True),
+        (str(files[1]), inode(files[1]), os.O_RDONLY, False, True),
+        (str(files[2]), inode(files[2]), os.O_RDONLY, False, True),
+    ]
+    fds = [h.fd for h in handed]
+    assert programs(ctx).runs == [
+        virsh("dumpxml", "vm1"),
+        associated(
+            ("bcd0", fds[0], True), ("bcd1", fds[1], False), ("bcd2", fds[2], False), command="start vm1"
+        ),
+    ]
+    assert programs(ctx).handed[0] == () and programs(ctx).timeouts == [120, 120]
+    assert open_fds() == before
+    assert lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1", paused=True))["paused"] is True
+    fds = [h.fd for h in programs(ctx).handed[-1]]
+    assert programs(ctx).runs[-1] == associated(
+        ("bcd0", fds[0], True), ("bcd1", fds[1], False), ("bcd2", fds[2], False), command="start vm1 --paused"
+    )
+    host.fail["start"] = (1, b"", b"error: Failed to start domain 'vm1'\nerror: Cannot allocate memory\n")
+    assert failed(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "virsh",
+        "virsh start vm1: error: Failed to start domain 'vm1'\nerror: Cannot allocate memory",
+    )
+    assert open_fds() == before
+
+
+def test_a_read_only_disk_is_handed_read_only(ctx: HelperContext, root: Path, host: Host) -> None:
+    """A disk marked <readonly/> (not a cdrom) is opened read-only and associated without
+    --seclabel-writable."""
+    host.domains["vm1"] = FD_DUMP.replace(
+        b"<target dev='vda' bus='virtio'/>", b"<target dev='vda' bus='virtio'/><readonly/>"
+    )
+    assert b"<readonly/>" in host.domains["vm1"]
+    lv.libvirt_start(call(ctx), lv.LibvirtStart("vm1"))
+    handed = programs(ctx).handed[-1]
+    assert [h.access for h in handed] == [os.O_RDONLY] * 3
+    assert " --seclabel-writable" not in programs(ctx).runs[-1][3]
+
+
+def test_a_start_libvirt_refuses_for_a_group_without_a_descriptor_is_answered(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """A source without an fdgroup is left to libvirt (its path), one without a file is never opened by
+    root (nothing to check): its group stays unassociated, and libvirt's refusal of the start comes back
+    word for word."""
+    host.domains["vm1"] = FD_DUMP.replace(b" fdgroup='bcd1'", b"").replace(
+        b"<serial type='pty'>",
+        b"<disk type='file' device='cdrom'><source fdgroup='x'/></disk><serial type='pty'>",
+    )
+    assert failed(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "virsh",
+        "virsh start vm1: " + NOT_ASSOCIATED.format("x").strip(),
+    )
+    fds = [h.fd for h in programs(ctx).handed[-1]]
+    assert programs(ctx).runs[-1] == associated(
+        ("bcd0", fds[0], True), ("bcd2", fds[1], False), command="start vm1"
+    )
+
+
+def held_disk(path: str, fmt: str = "raw", extra: str = "", backing: str = "") -> bytes:
+    return (
+        f"<domain><devices><disk type='file' device='disk'><driver name='qemu' type='{fmt}'/>"
+        f"<source file='{path}' fdgroup='bcd0'/>{backing}<target dev='vda' bus='virtio'/>{extra}</disk>"
+        "</devices></domain>"
+    ).encode()
+
+
+def test_root_hands_over_only_what_it_opened_and_checked(
+    ctx: HelperContext, root: Path, tmp_path: Path
+) -> None:
+    """`_held_files`: each fdgroup source opened by root under data_dir, through directories without a
+    link, the file itself never a link, a regular file with one link; a refusal names the path (at most
+    200 characters) and closes every descriptor opened before it."""
+    d = root / INST.lstrip("/")
+    held = lambda xml: lv._held_files(call(ctx), "libvirt.start", "vm1", xml)  # noqa: E731
+    before = open_fds()
+    long = f"{DATA}/" + "x" * 250
+    cases = [
+        ("/etc/shadow", "'/etc/shadow' is outside data_dir"),
+        (f"{DATA}x/a.img", f"'{DATA}x/a.img' is outside data_dir"),
+        ("/" + "y" * 300, f"{('/' + 'y' * 199)!r} is outside data_dir"),
+        (f"{INST}/gone.img", f"'{INST}/gone.img': No such file or directory"),
+        (long, f"{long[:200]!r}: No such file or directory"),
+        (f"{INST}/nodir/a.img", f"'{INST}/nodir/a.img': a symlink on the way"),
+        (f"{long}/a.img", f"{long[:200]!r}: a symlink on the way"),
+        (f"{INST}/{'z' * 230}", f"{(INST + '/' + 'z' * 230)[:200]!r} must be a regular file with one link"),
+        (f"{INST}/sub", f"'{INST}/sub': Is a directory"),  # a writable disk opened read-write
+        (f"{INST}/link.img", f"'{INST}/link.img': Too many levels of symbolic links"),
+        (f"{INST}/twice.img", f"'{INST}/twice.img' must be a regular file with one link"),
+        (f"{INST}/fifo", f"'{INST}/fifo' must be a regular file with one link"),
+    ]
+    (d / "sub").mkdir()
+    os.symlink(d / "seed.iso", d / "link.img")
+    (tmp_path / "t").write_bytes(b"")
+    os.link(tmp_path / "t", d / "twice.img")
+    os.link(tmp_path / "t", d / ("z" * 230))
+    os.mkfifo(d / "fifo")  # opened non-blocking (read-write: a writable disk) and refused on the descriptor
+    for path, message in cases:
+        # the seed (opened first, read-only) is closed again when the second disk is refused
+        xml = held_disk(path).replace(
+            b"<devices>",
+            f"<devices><disk type='file' device='cdrom'><source file='{INST}/seed.iso' fdgroup='bcd9'/>"
+            "<target dev='sdc' bus='sata'/><readonly/></disk>".encode(),
+        )
+        assert refused(held, xml) == ("domain-disk", f"libvirt.start: vm1: {message}")
+        assert open_fds() == before
+    # read-only, the FIFO is opened non-blocking too (a blocking open would wait for a writer forever)
+    assert refused(held, held_disk(f"{INST}/fifo", extra="<readonly/>")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: '{INST}/fifo' must be a regular file with one link",
+    )
+    # a cdrom is read-only whether or not the definition says <readonly/>
+    cdrom = (
+        f"<domain><devices><disk type='file' device='cdrom'><source file='{INST}/seed.iso' fdgroup='bcd0'/>"
+    )
+    got = held(f"{cdrom}</disk></devices></domain>".encode())
+    try:
+        assert [(h.group, h.writable) for h in got] == [("bcd0", False)]
+        assert fcntl.fcntl(got[0].fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY
+    finally:
+        os.close(got[0].fd)
+    os.rename(d, tmp_path / "vm1")
+    os.symlink(tmp_path / "vm1", d)
+    assert refused(held, held_disk(f"{INST}/seed.iso")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: '{INST}/seed.iso': a symlink on the way",
+    )
+    assert open_fds() == before
+
+
+def test_root_reads_each_qcow2_header_through_its_descriptor(ctx: HelperContext, root: Path) -> None:
+    """A qcow2 source's header is read through root's descriptor: flat, or naming exactly its explicit
+    backing store (the file and its format); a header that is no qcow2 is refused with its reason."""
+    d = root / INST.lstrip("/")
+    base = root / BASE.lstrip("/")
+    held = lambda xml: lv._held_files(call(ctx), "libvirt.start", "vm1", xml)  # noqa: E731
+    before = open_fds()
+    chain = (
+        "<backingStore type='file'><format type='{}'/>"
+        f"<source file='{BASE}' fdgroup='bcd1'/><backingStore/></backingStore>"
+    )
+    overlay = lambda fmt="qcow2": held_disk(f"{INST}/disk.qcow2", "qcow2", backing=chain.format(fmt))  # noqa: E731
+    got = held(overlay())
+    try:
+        assert [(h.group, h.writable) for h in got] == [("bcd0", True), ("bcd1", False)]
+        assert [os.fstat(h.fd).st_ino for h in got] == [
+            os.stat(d / "disk.qcow2").st_ino,
+            os.stat(base).st_ino,
+        ]
+    finally:
+        for h in got:
+            os.close(h.fd)
+    # the overlay names the base as qcow2; the definition's chain says raw
+    assert refused(held, overlay("raw")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: {INST}/disk.qcow2 names backing file {str(base)!r}, not {str(base)!r}",
+    )
+    # a flat qcow2 disk (no chain named) whose header names a backing file
+    assert refused(held, held_disk(f"{INST}/disk.qcow2", "qcow2")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: {INST}/disk.qcow2 names backing file {str(base)!r}, not None",
+    )
+    # the base (the chain's last) must be flat itself
+    base.write_bytes(qcow2_bytes(GIB, "/etc/shadow", "raw"))
+    assert refused(held, overlay()) == (
+        "domain-disk",
+        f"libvirt.start: vm1: {BASE} names backing file '/etc/shadow', not None",
+    )
+    (d / "disk.qcow2").write_bytes(b"QFI\xfb\0\0\0\x07" + b"\0" * 100)
+    assert refused(held, overlay()) == (
+        "domain-disk",
+        f"libvirt.start: vm1: {INST}/disk.qcow2: qcow2 version 7, only 2 and 3 are accepted",
+    )
+    assert open_fds() == before
+    # a raw disk's bytes are never read as a header; a source without a group is root's to leave alone
+    got = held(
+        held_disk(f"{INST}/disk.qcow2", "raw", backing=chain.format("qcow2").replace(" fdgroup='bcd1'", ""))
+    )
+    assert [h.group for h in got] == ["bcd0"]
+    os.close(got[0].fd)
+    base.write_bytes(qcow2_bytes(GIB))
+    (d / "disk.qcow2").write_bytes(qcow2_bytes(GIB))
+    got = held(held_disk(f"{INST}/disk.qcow2", "qcow2"))  # a flat qcow2 with no chain named
+    assert [h.group for h in got] == ["bcd0"]
+    os.close(got[0].fd)
+
+
+def test_root_follows_the_whole_explicit_chain(ctx: HelperContext, root: Path) -> None:
+    """A chain of three (overlay, middle, base): every source opened and each qcow2 header checked
+    against the next; a qcow2 backing store after a raw top is checked too."""
+    d = root / INST.lstrip("/")
+    base, mid, top = root / BASE.lstrip("/"), d / "mid.qcow2", d / "disk.qcow2"
+    mid.write_bytes(qcow2_bytes(GIB, str(base), "qcow2"))
+    top.write_bytes(qcow2_bytes(GIB, str(mid), "qcow2"))
+    fmt = "<backingStore><format type='qcow2'/>"
+    inner = f"{fmt}<source file='{BASE}' fdgroup='bcd2'/><backingStore/></backingStore>"
+    chain = f"{fmt}<source file='{INST}/mid.qcow2' fdgroup='bcd1'/>{inner}</backingStore>"
+    held = lambda xml: lv._held_files(call(ctx), "libvirt.start", "vm1", xml)  # noqa: E731
+    got = held(held_disk(f"{INST}/disk.qcow2", "qcow2", backing=chain))
+    try:
+        assert [(h.group, os.fstat(h.fd).st_ino) for h in got] == [
+            ("bcd0", os.stat(top).st_ino),
+            ("bcd1", os.stat(mid).st_ino),
+            ("bcd2", os.stat(base).st_ino),
+        ]
+    finally:
+        for h in got:
+            os.close(h.fd)
+    base.write_bytes(qcow2_bytes(GIB, "/etc/shadow", "raw"))
+    for fmt in ("qcow2", "raw"):  # the base's header is read after a raw top's too
+        assert refused(held, held_disk(f"{INST}/disk.qcow2", fmt, backing=chain)) == (
+            "domain-disk",
+            f"libvirt.start: vm1: {BASE} names backing file '/etc/shadow', not None",
+        )
+
+
+def test_a_disk_swapped_inside_roots_window_is_never_handed_to_qemu(
+    ctx: HelperContext, root: Path, host: Host, tmp_path: Path
+) -> None:
+    """Root rechecked the disks, then (here while it reads the GPUs) the node swaps the overlay for a
+    symlink to a host file: root's own open refuses it; no virsh start runs, the host file is untouched."""
+    d = root / INST.lstrip("/")
+    host.domains["vm1"] = FD_GPU_DUMP
+    secret = tmp_path / "secret.qcow2"
+    secret.write_bytes(qcow2_bytes(GIB))
+
+    def race(argv: tuple[str, ...]) -> None:
+        if argv == UUID_BUS:
+            os.replace(d / "disk.qcow2", tmp_path / "disk.qcow2")
+            os.symlink(secret, d / "disk.qcow2")
+
+    host.race = race
+    before = open_fds()
+    assert refused(lv.libvirt_start, call(ctx), lv.LibvirtStart("vm1")) == (
+        "domain-disk",
+        f"libvirt.start: vm1: '{INST}/disk.qcow2': Too many levels of symbolic links",
+    )
+    assert [r[3] for r in programs(ctx).runs if r[0] == "virsh"] == ["dumpxml"] and open_fds() == before
+    assert os.stat(secret).st_uid == 0 and secret.read_bytes() == qcow2_bytes(GIB)
 
 
 def test_start_refuses_a_disk_swapped_since_the_define(ctx: HelperContext, root: Path) -> None:
@@ -766,31 +1179,35 @@ def test_undefine_drops_roots_staged_definition(ctx: HelperContext, root: Path, 
 # --- the rebind disk -------------------------------------------------------------------------------------
 
 REBIND = f"{INST}/rebind.img"
-ATTACH = (
-    "--targetbus",
-    "virtio",
-    "--driver",
-    "qemu",
-    "--subdriver",
-    "raw",
-    "--serial",
-    "bc-rebind",
-    "--live",
-)
+
+
+def rebind_xml(path: Path) -> bytes:
+    """The disk `virsh attach-disk PATH vdz --targetbus virtio --driver qemu --subdriver raw --serial
+    bc-rebind --live` makes (libvirt 9.0), with DAC relabelling off on its source, as root sends it."""
+    return (
+        b'<disk type="file" device="disk"><driver name="qemu" type="raw" />'
+        + f'<source file="{path}"><seclabel model="dac" relabel="no" /></source>'.encode()
+        + b'<target dev="vdz" bus="virtio" /><serial>bc-rebind</serial></disk>\n'
+    )
 
 
 def test_rebind_attaches_roots_own_path_target_and_serial_dlv_reb_09(
     ctx: HelperContext, root: Path, host: Host
 ) -> None:
-    """DLV-REB-09: root builds the disk's path, target vdz and serial bc-rebind itself."""
+    """DLV-REB-09: root builds the disk's path, target vdz and serial bc-rebind itself, and hot-adds it
+    with attach-device (the device XML on stdin) so its source carries relabel='no'."""
     disk = root / REBIND.lstrip("/")
     disk.write_bytes(b"\0" * (1 << 20))
-    assert lv.libvirt_attach_rebind(call(ctx), req(lv.LibvirtRebind, name="vm1")) == {"name": "vm1"}
-    assert virsh_runs(ctx) == [("dumpxml", "vm1"), ("attach-disk", "vm1", str(disk), "vdz", *ATTACH)]
-    host.fail["attach-disk"] = (1, b"", b"error: Failed to attach disk\n")
+    assert lv.libvirt_attach_rebind(call(ctx, bounded=False), req(lv.LibvirtRebind, name="vm1")) == {
+        "name": "vm1"
+    }
+    assert virsh_runs(ctx) == [("dumpxml", "vm1"), ("attach-device", "vm1", "/dev/stdin", "--live")]
+    assert programs(ctx).inputs == [None, rebind_xml(disk)] and programs(ctx).timeouts == [120, 120]
+    assert lv.rebind_device_xml(str(disk)) == rebind_xml(disk)
+    host.fail["attach-device"] = (1, b"", b"error: Failed to attach device from /dev/stdin\n")
     assert failed(lv.libvirt_attach_rebind, call(ctx), lv.LibvirtRebind("vm1")) == (
         "virsh",
-        "virsh attach-disk vm1: error: Failed to attach disk",
+        "virsh attach-device vm1: error: Failed to attach device from /dev/stdin",
     )
 
 
@@ -865,18 +1282,43 @@ def test_restore_stages_the_checked_definition_and_passes_xml_dlv_hlp_09_10(
     ctx: HelperContext, root: Path, host: Host
 ) -> None:
     """DLV-HLP-09, DLV-HLP-10: checked like a define and as the requested domain's, staged in root's
-    directory (0600) and always given to `virsh restore` as --xml."""
+    directory (0600) and always given to `virsh restore` as --xml. The domain is defined (root's
+    dumpxml): the staged definition carries the fdgroups, associated in the same virsh with root's
+    descriptors of the checked disks; libvirtd reads the state through root's own descriptor."""
     state = root / STATE.lstrip("/")
+    d = root / INST.lstrip("/")
     state.write_bytes(save_image(NO_GPU_DUMP))
-    got = lv.libvirt_restore(call(ctx), req(lv.LibvirtRestore, name="vm1", xml=NO_GPU_DEFINE))
+    before = open_fds()
+    got = lv.libvirt_restore(call(ctx, bounded=False), req(lv.LibvirtRestore, name="vm1", xml=NO_GPU_DEFINE))
     staged = root / STAGE / "vm1.xml"
     assert got == {"name": "vm1", "paused": False}
-    assert staged.read_text() == NO_GPU_DEFINE and stat.S_IMODE(os.stat(staged).st_mode) == 0o600
-    assert programs(ctx).runs == [virsh("restore", str(state), "--xml", str(staged))]
+    assert c14n(staged.read_bytes()) == c14n(fd_form(NO_GPU_DEFINE))
+    assert stat.S_IMODE(os.stat(staged).st_mode) == 0o600
+    [(seen, ino, head)] = host.restored
+    assert ino == os.stat(state).st_ino and head == save_image(NO_GPU_DUMP)[:92]
+    assert re.fullmatch(f"/proc/{os.getpid()}/fd/[0-9]+", seen)
+    handed = programs(ctx).handed[-1]
+    files = [d / "disk.qcow2", root / BASE.lstrip("/"), d / "seed.iso"]
+    assert [(h.path, h.inode, h.access, h.inheritable) for h in handed] == [
+        (str(files[0]), inode(files[0]), os.O_RDWR, False),
+        (str(files[1]), inode(files[1]), os.O_RDONLY, False),
+        (str(files[2]), inode(files[2]), os.O_RDONLY, False),
+    ]
+    fds = [h.fd for h in handed]
+    assert int(seen.rsplit("/", 1)[1]) not in fds  # libvirtd (root) opens it; QEMU is not handed it
+    held = (("bcd0", fds[0], True), ("bcd1", fds[1], False), ("bcd2", fds[2], False))
+    assert programs(ctx).runs == [
+        virsh("dumpxml", "vm1"),
+        associated(*held, command=f"restore {seen} --xml {staged}"),
+    ]
+    assert programs(ctx).timeouts == [120, 120] and open_fds() == before
     assert (
         lv.libvirt_restore(call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE, paused=True))["paused"] is True
     )
-    assert programs(ctx).runs[-1] == virsh("restore", str(state), "--xml", str(staged), "--paused")
+    seen = host.restored[-1][0]
+    fds = [h.fd for h in programs(ctx).handed[-1]]
+    held = (("bcd0", fds[0], True), ("bcd1", fds[1], False), ("bcd2", fds[2], False))
+    assert programs(ctx).runs[-1] == associated(*held, command=f"restore {seen} --xml {staged} --paused")
     other = NO_GPU_DEFINE.replace("<name>vm1</name>", "<name>vm2</name>")
     assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", other)) == (
         "domain-name",
@@ -887,6 +1329,61 @@ def test_restore_stages_the_checked_definition_and_passes_xml_dlv_hlp_09_10(
         "virsh",
         "virsh restore vm1: error: Failed to restore domain from x",
     )
+    assert open_fds() == before
+
+
+def test_restore_of_a_domain_libvirt_does_not_know_keeps_paths(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """Descriptors are associated with a defined domain only: a restore of a name libvirt does not know
+    stages paths with relabelling off and runs virsh alone, handed nothing."""
+    del host.domains["vm1"]
+    state = root / STATE.lstrip("/")
+    state.write_bytes(save_image())
+    assert lv.libvirt_restore(call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE))["name"] == "vm1"
+    staged = root / STAGE / "vm1.xml"
+    assert c14n(staged.read_bytes()) == c14n(fd_form(NO_GPU_DEFINE, groups=False))
+    seen = host.restored[-1][0]
+    assert programs(ctx).runs == [virsh("dumpxml", "vm1"), virsh("restore", seen, "--xml", str(staged))]
+    assert programs(ctx).handed == [(), ()] and host.restored[-1][1] == os.stat(state).st_ino
+
+
+def test_restore_for_another_driver_asks_no_dumpxml_and_keeps_paths(root: Path, host: Host) -> None:
+    """libvirt's test driver refuses an fdgroup: no descriptor, so root need not ask whether the domain
+    is defined."""
+    uri = "test:///default"
+    (root / STATE.lstrip("/")).write_bytes(save_image())
+    c = context(root, CONFIG + f'libvirt_uri = "{uri}"\n', lambda argv: (0, b"", b""))
+    try:
+        assert lv.libvirt_restore(call(c), lv.LibvirtRestore("vm1", NO_GPU_DEFINE))["name"] == "vm1"
+        staged = root / STAGE / "vm1.xml"
+        assert c14n(staged.read_bytes()) == c14n(fd_form(NO_GPU_DEFINE, groups=False))
+        [run] = programs(c).runs
+        assert run[:4] == ("virsh", "-c", uri, "restore") and run[5:] == ("--xml", str(staged))
+        assert re.fullmatch(f"/proc/{os.getpid()}/fd/[0-9]+", run[4]) and programs(c).handed == [()]
+    finally:
+        c.audit.close()
+
+
+def test_restore_quotes_the_command_for_virshs_parser(tmp_path: Path) -> None:
+    """The command after the associations is one line virsh parses shell-like: root's staged path with
+    a space in it stays one argument."""
+    (tmp_path / "a b").mkdir()
+    r = make_root(tmp_path / "a b")
+    lay_out(r)
+    (r / STATE.lstrip("/")).write_bytes(save_image())
+    host = Host(r)
+    host.domains["vm1"] = FD_DUMP
+    c = context(r, CONFIG, host)
+    host.programs = programs(c)
+    try:
+        assert lv.libvirt_restore(call(c), lv.LibvirtRestore("vm1", NO_GPU_DEFINE))["name"] == "vm1"
+        staged = str(r / STAGE / "vm1.xml")
+        assert " " in staged and host.restored[-1][1] == os.stat(r / STATE.lstrip("/")).st_ino
+        line = programs(c).runs[-1][3]
+        assert line.endswith(f" ; restore {host.restored[-1][0]} --xml '{staged}'")
+    finally:
+        c.audit.close()
 
 
 def test_restore_passes_gpus_through_only_when_free(ctx: HelperContext, root: Path, host: Host) -> None:
@@ -960,39 +1457,115 @@ def test_restore_reads_the_save_header_before_libvirtd(
     message = f"libvirt.restore: {STATE} is not a libvirt save image " + (
         "(short header)" if short else "(magic, version 1 or 2, data at most 16 MiB)"
     )
+    before = open_fds()
     assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE)) == (
         "bad-state",
         message,
     )
-    assert programs(ctx).runs == []
+    # only root's question whether the domain is defined ran; nothing staged, the state's descriptor closed
+    assert virsh_runs(ctx) == [("dumpxml", "vm1")] and not (root / STAGE / "vm1.xml").exists()
+    assert open_fds() == before
 
 
-def test_the_header_check_opens_without_following_or_blocking(tmp_path: Path) -> None:
-    """What the state file can be by the time root opens it (the node owns the directory)."""
-    check = lv._check_state_header
-    assert refused(check, "libvirt.restore", "/x/save.state", str(tmp_path / "gone")) == (
-        "no-state",
-        "libvirt.restore: /x/save.state: No such file or directory",
-    )
+def test_the_state_is_opened_without_following_or_blocking(
+    ctx: HelperContext, root: Path, tmp_path: Path
+) -> None:
+    """What the state file can be by the time root opens it (the node owns the directory): `_state_fd`
+    opens it through the instance directory opened without links, never follows or blocks, and checks
+    the descriptor; the header check reads only that descriptor."""
+    state = root / STATE.lstrip("/")
+    inst = root / INST.lstrip("/")
+    open_state = lambda: lv._state_fd(call(ctx), "libvirt.restore", "vm1", "/x/save.state")  # noqa: E731
+    before = open_fds()
+    assert refused(open_state) == ("no-state", "libvirt.restore: /x/save.state: No such file or directory")
     (tmp_path / "img").write_bytes(save_image())
-    os.symlink(tmp_path / "img", tmp_path / "link")
-    assert refused(check, "libvirt.restore", "/x/save.state", str(tmp_path / "link")) == (
+    os.symlink(tmp_path / "img", state)
+    assert refused(open_state) == (
         "no-state",
         "libvirt.restore: /x/save.state: Too many levels of symbolic links",
     )
-    os.mkfifo(tmp_path / "fifo")  # opened non-blocking and never read
-    assert refused(check, "libvirt.restore", "/x/save.state", str(tmp_path / "fifo")) == (
-        "bad-state",
-        "libvirt.restore: /x/save.state is not a libvirt save image (short header)",
-    )
-    # a FIFO the node holds open with a valid header in it: still never read (not a regular file)
-    writer = os.open(tmp_path / "fifo", os.O_RDWR | os.O_NONBLOCK)
+    os.unlink(state)
+    rule = ("no-state", "libvirt.restore: /x/save.state must be a regular file with one link")
+    os.link(tmp_path / "img", state)
+    assert refused(open_state) == rule
+    os.unlink(state)
+    os.mkfifo(state)  # opened non-blocking, refused on the descriptor, never read
+    assert refused(open_state) == rule
+    os.unlink(state)
+    os.rename(inst, tmp_path / "vm1")
+    os.symlink(tmp_path / "vm1", inst)
+    (tmp_path / "vm1/save.state").write_bytes(save_image())
+    assert refused(open_state) == ("no-state", "libvirt.restore: /x/save.state: a symlink on the way")
+    os.unlink(inst)
+    os.rename(tmp_path / "vm1", inst)
+    assert open_fds() == before  # every descriptor on the way closed
+    fd = open_state()
     try:
-        os.write(writer, save_image()[:92])
-        assert refused(check, "libvirt.restore", "/x/save.state", str(tmp_path / "fifo"))[0] == "bad-state"
+        assert os.fstat(fd).st_ino == os.stat(state).st_ino and not os.get_inheritable(fd)
+        assert os.read(fd, 16) == b"LibvirtQemudSave"
+        lv._check_state_header("libvirt.restore", "/x/save.state", fd)  # read at offset 0 (pread)
     finally:
-        os.close(writer)
-    check("libvirt.restore", "/x/save.state", str(tmp_path / "img"))
+        os.close(fd)
+    short = os.open(tmp_path / "img", os.O_RDWR)
+    try:
+        os.truncate(tmp_path / "img", 91)
+        assert refused(lv._check_state_header, "libvirt.restore", "/x/save.state", short) == (
+            "bad-state",
+            "libvirt.restore: /x/save.state is not a libvirt save image (short header)",
+        )
+    finally:
+        os.close(short)
+
+
+def test_restore_refuses_a_state_or_disk_swapped_inside_roots_window(
+    ctx: HelperContext, root: Path, host: Host, tmp_path: Path
+) -> None:
+    """Between root's lstat checks and its opens (here: while root asks libvirt whether the domain is
+    defined) the node swaps the state file or a disk: root's open of it is refused, nothing is staged
+    and libvirtd reads nothing."""
+    state = root / STATE.lstrip("/")
+    d = root / INST.lstrip("/")
+    state.write_bytes(save_image())
+    precious = tmp_path / "precious"
+    precious.write_bytes(save_image())
+
+    def swap(make: Callable[[], None]) -> Callable[[tuple[str, ...]], None]:
+        def race(argv: tuple[str, ...]) -> None:
+            if argv[3:] == ("dumpxml", "vm1"):
+                make()
+
+        return race
+
+    def to_link() -> None:
+        os.replace(state, tmp_path / "saved")
+        os.symlink(precious, state)
+
+    def to_hard_link() -> None:
+        os.unlink(state)
+        os.link(precious, state)
+
+    cases = [
+        (to_link, ("no-state", f"libvirt.restore: {STATE}: Too many levels of symbolic links")),
+        (to_hard_link, ("no-state", f"libvirt.restore: {STATE} must be a regular file with one link")),
+    ]
+    before = open_fds()
+    for make, want in cases:
+        host.race = swap(make)
+        assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE)) == want
+        os.unlink(state)
+        state.write_bytes(save_image())
+
+    def disk_to_link() -> None:
+        os.replace(d / "disk.qcow2", tmp_path / "disk.qcow2")
+        os.symlink(tmp_path / "disk.qcow2", d / "disk.qcow2")
+
+    host.race = swap(disk_to_link)
+    assert refused(lv.libvirt_restore, call(ctx), lv.LibvirtRestore("vm1", NO_GPU_DEFINE)) == (
+        "domain-disk",
+        f"libvirt.restore: vm1: '{INST}/disk.qcow2': Too many levels of symbolic links",
+    )
+    assert virsh_runs(ctx) == [("dumpxml", "vm1")] * 3 and host.restored == []
+    assert not (root / STAGE / "vm1.xml").exists() and open_fds() == before
 
 
 # --- save ------------------------------------------------------------------------------------------------
@@ -1321,7 +1894,9 @@ def signer(cp: ControlPlane) -> Signer:
 
 def signed_ctx(root: Path, host: Host, cp: ControlPlane, *, pin: bool = False) -> HelperContext:
     cp.write_record(root, NODE, cp.bundle(1))
-    return context(root, cp.config_lines(pin_roots=pin) + CONFIG, host)
+    c = context(root, cp.config_lines(pin_roots=pin) + CONFIG, host)
+    host.programs = programs(c)
+    return c
 
 
 def wire_vm(
@@ -1334,6 +1909,8 @@ def wire_vm(
     state: int = 1,
     rebind: str = "",
     sized: bool = True,
+    policy: int = 0,
+    addresses: tuple[str, ...] = (),
 ) -> wire.InstanceSpec:
     return wire.InstanceSpec(
         id="vm1",
@@ -1344,7 +1921,8 @@ def wire_vm(
         image=wire.ImageRef(url="https://images.example/x.qcow2", sha256=sha, format="qcow2")
         if sha
         else None,
-        nics=[wire.Nic(bridge=b, mac=m) for b, m in nics],
+        nics=[wire.Nic(bridge=b, mac=m, addresses=list(addresses)) for b, m in nics],
+        network_policy=wire.NetworkPolicy(policy),
         gpu_uuids=list(gpus),
         identity_rebind_ref=rebind,
     )
@@ -1545,6 +2123,51 @@ def test_a_signed_rebind_needs_the_spec_to_ask_for_one(
         assert not (root / "var/lib/bcd-hostconfig/helper-intent.json").exists()
         (root / REBIND.lstrip("/")).write_bytes(b"\0" * (1 << 20))
         assert rebind(signed(signer, 2, wire_vm(rebind="r1"))) == {"name": "vm1"}
-        assert generation(root) == 2 and virsh_runs(c)[-1][0] == "attach-disk"
+        assert generation(root) == 2
+        assert virsh_runs(c)[-1] == ("attach-device", "vm1", "/dev/stdin", "--live")
+        assert programs(c).inputs[-1] == rebind_xml(root / REBIND.lstrip("/"))
+    finally:
+        c.audit.close()
+
+
+def test_a_guarded_guest_runs_only_with_its_signed_rules_loaded(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """With roots, `start` and `restore` of an instance the signed spec guards (PRIVATE here) are refused
+    `network-policy` until root's last nft.apply holds its NIC's policy; nothing runs and no state is
+    written before. A define or a save (nothing runs) never asks for the rules."""
+    from bcd_shared.netpolicy import NicPolicy
+
+    (root / STATE.lstrip("/")).write_bytes(save_image())
+    host.domains["vm1"] = FD_DUMP
+    c = signed_ctx(root, host, cp)
+    try:
+        private = wire_vm(policy=2, addresses=("10.0.0.5/24",))
+        start = lambda g: lv.libvirt_start(call(c), lv.LibvirtStart("vm1", intent=signed(signer, g, private)))  # noqa: E731
+        restore = lambda g: lv.libvirt_restore(  # noqa: E731
+            call(c), lv.LibvirtRestore("vm1", NO_GPU_DEFINE, signed(signer, g, private))
+        )
+        for op, fn in (("libvirt.start", start), ("libvirt.restore", restore)):
+            assert refused(fn, 2) == (
+                "network-policy",
+                f"{op}: vm1: the signed spec's network rules for it are not loaded: nft.apply first",
+            )
+        assert virsh_runs(c) == [("dumpxml", "vm1")] and host.restored == []
+        assert not (root / "var/lib/bcd-hostconfig/helper-intent.json").exists()
+        assert not (root / STAGE).exists()
+        # a define and a save of the same instance run no guest: no rules asked
+        define = lv.LibvirtDefine("vm1", NO_GPU_DEFINE, signed(signer, 2, private))
+        assert lv.libvirt_define(call(c), define)["name"] == "vm1" and generation(root) == 2
+        assert lv.libvirt_save(call(c), lv.LibvirtSave("vm1", signed(signer, 3, private)))["name"] == "vm1"
+        (root / STATE.lstrip("/")).write_bytes(save_image())
+        # other rules loaded: still refused
+        c.nft_loaded = frozenset([NicPolicy("vm1", 0, "br0", MAC, ("10.0.0.6/24",), "PRIVATE")])
+        assert refused(start, 4)[0] == "network-policy"
+        c.nft_loaded = frozenset([NicPolicy("vm1", 0, "br0", MAC, ("10.0.0.5/24",), "PRIVATE")])
+        assert start(4) == {"name": "vm1", "paused": False} and generation(root) == 4
+        assert restore(5) == {"name": "vm1", "paused": False} and generation(root) == 5
+        assert virsh_runs(c)[-1][0].endswith(
+            f" ; restore {host.restored[-1][0]} --xml {root / STAGE / 'vm1.xml'}"
+        )
     finally:
         c.audit.close()
