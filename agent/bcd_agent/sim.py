@@ -573,6 +573,9 @@ def write_root_config(layout: Layout, *, node_uid: int | None, join_pin: str) ->
         f"node_uid = {account}",
         f"node_gid = {account}",
         'instance_bridges = "br0"',
+        # The simulated host has no nftables (bcd_simhost.netns): its node loads no rules, so root
+        # cannot require a guest's signed rules before it starts (docs/config.md).
+        "guest_network_rules = false",
     ]
     layout.root_config.parent.mkdir(parents=True, exist_ok=True)
     layout.root_config.write_text("\n".join(root_lines) + "\n")

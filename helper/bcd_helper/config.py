@@ -24,6 +24,9 @@ The same file is the node's config (the node reads it through its group). Of it 
                          sshd files from an unsigned spec. Development only: without it, access writes
                          need a signed spec (issue 9 item 1)
   [helper] root_principals  bool, default false: an account of uid 0 may get a principals file
+  [helper] guest_network_rules  bool, default true: with roots, a guest the signed spec guards starts only
+                         behind its signed nft rules. `bcd sim` turns it off: the simulated host has no
+                         nftables (bcd_simhost.netns), so its node loads no rules
   [helper] libvirt_uri   the libvirt connection of libvirt.*: qemu:///system (default) or test:///default
   data_dir               (the node's key, read by root too) where instance disks may live, default
                          /var/lib/bcd: libvirt.* allows disks only under it
@@ -92,6 +95,7 @@ class HelperConfig:
     allowed_clusters: tuple[AllowedCluster, ...]
     unsigned_access: bool = False
     root_principals: bool = False
+    guest_network_rules: bool = True
     data_dir: str = DEFAULT_DATA_DIR
     libvirt_uri: str = DEFAULT_LIBVIRT_URI
     root_socket: str = DEFAULT_ROOT_SOCKET
@@ -175,6 +179,7 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
         allowed_clusters=tuple(_explicit(c) for c in doc["kubernetes"].get("allowed_clusters", ())),
         unsigned_access=helper.get("unsigned_access", False),
         root_principals=helper.get("root_principals", False),
+        guest_network_rules=helper.get("guest_network_rules", True),
         data_dir=top.get("data_dir", DEFAULT_DATA_DIR).rstrip("/") or "/",
         libvirt_uri=helper.get("libvirt_uri", DEFAULT_LIBVIRT_URI),
         root_socket=root_socket,

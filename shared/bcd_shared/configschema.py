@@ -354,6 +354,7 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "audit_dir": _abs_path,
         "unsigned_access": _boolean,
         "root_principals": _boolean,
+        "guest_network_rules": _boolean,
         "libvirt_uri": _libvirt_uri,
         "audit_max_bytes": _int_range(16384, 1 << 30),
         "audit_keep": _int_range(1, 1000),

@@ -111,8 +111,8 @@ REFUSED = [
     (
         "[helper]\nsockets = '/x'",
         "[helper] sockets",
-        "unknown key in [helper] (known: audit_dir, audit_keep, audit_max_bytes, instance_bridges,"
-        " libvirt_uri, node_gid",
+        "unknown key in [helper] (known: audit_dir, audit_keep, audit_max_bytes, guest_network_rules,"
+        " instance_bridges, libvirt_uri, node_gid",
     ),
     ("host = true", "[host]", "must be a table"),
     ("data_dir = 'var/lib/bcd'", "data_dir", "absolute path"),

@@ -2171,3 +2171,24 @@ def test_a_guarded_guest_runs_only_with_its_signed_rules_loaded(
         )
     finally:
         c.audit.close()
+
+
+def test_a_host_whose_root_config_turns_guest_network_rules_off_starts_a_guarded_guest_without_them(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """`[helper] guest_network_rules = false` (what `bcd sim` writes: its simulated host has no nftables)
+    lets a guarded guest start with no rules loaded; the default (on) refuses it, as above."""
+    import attrs
+
+    host.domains["vm1"] = FD_DUMP
+    c = signed_ctx(root, host, cp)
+    try:
+        private = wire_vm(policy=2, addresses=("10.0.0.5/24",))
+        assert c.config.guest_network_rules is True
+        with pytest.raises(Refused):
+            lv.libvirt_start(call(c), lv.LibvirtStart("vm1", intent=signed(signer, 2, private)))
+        c.config = attrs.evolve(c.config, guest_network_rules=False)
+        got = lv.libvirt_start(call(c), lv.LibvirtStart("vm1", intent=signed(signer, 3, private)))
+        assert got == {"name": "vm1", "paused": False} and generation(root) == 3
+    finally:
+        c.audit.close()
