@@ -7,12 +7,14 @@ import fcntl
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
+import pytest
 from bcd_helper.audit import AuditLog
 from bcd_helper.config import parse_config
-from bcd_helper.ops.base import BoundedSystem, Call, Deadline, HelperContext, Peer
+from bcd_helper.ops.base import BoundedSystem, Call, Deadline, Failed, HelperContext, Peer, Refused
 from bcd_helper.ops.table import LOCK_ORDER
+from bcd_helper.protocol import structure
 from bcd_shared.system import DEFAULT_TOOL_TIMEOUT_S, CommandResult, LocalSystem
 
 NODE_UID = 4242
@@ -100,3 +102,22 @@ def call(ctx: HelperContext, timeout_s: float = 60.0, uid: int = NODE_UID, *, bo
 def programs(ctx: HelperContext) -> Programs:
     assert isinstance(ctx.system, Programs)
     return ctx.system
+
+
+def refused(fn: Any, *args: Any) -> tuple[str, str]:
+    """fn(*args) refused: its reason and message."""
+    with pytest.raises(Refused) as info:
+        fn(*args)
+    return info.value.reason, info.value.message
+
+
+def failed(fn: Any, *args: Any) -> tuple[str, str]:
+    """fn(*args) failed: its reason and message."""
+    with pytest.raises(Failed) as info:
+        fn(*args)
+    return info.value.reason, info.value.message
+
+
+def req(cls: type[Any], **args: Any) -> Any:
+    """The request as the server decodes it from the frame's args."""
+    return structure(args, cls)

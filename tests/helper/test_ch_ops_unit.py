@@ -27,10 +27,9 @@ import pytest
 from bcd_helper.audit import AuditLog
 from bcd_helper.config import parse_config
 from bcd_helper.ops import ch
-from bcd_helper.ops.base import Failed, HelperContext, Refused
+from bcd_helper.ops.base import HelperContext
 from bcd_helper.ops.hostunit import SignedIntent
 from bcd_helper.ops.table import LOCK_ORDER
-from bcd_helper.protocol import structure
 from bcd_shared import posixacl, wire
 from bcd_shared.chrecord import CHNic, CHRecord, CHVolume, encode_record
 from bcd_shared.chunit import VMM_UID_BASE, CHLaunch, account_add_argv, run_argv
@@ -39,7 +38,7 @@ from bcd_shared.system import DEFAULT_TOOL_TIMEOUT_S, CommandResult, LocalSystem
 from bcd_simhost.libvirt import qcow2_bytes
 from bcd_simhost.pcisim import lay_out_pci, pci_write
 from intentkit import ControlPlane, Signer, intent
-from opskit import NODE_UID, Programs, call, make_root
+from opskit import NODE_UID, Programs, call, failed, make_root, refused, req
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 TAP_JSON = json.loads((FIXTURES / "ip/tap_ip-j-d-link-show_iproute2-6.1.0.json").read_text())
@@ -263,22 +262,6 @@ def context(root: Path, host: Host, config: str = CONFIG) -> HelperContext:
 def runs(ctx: HelperContext) -> list[tuple[str, ...]]:
     assert isinstance(ctx.system, Programs)
     return ctx.system.runs
-
-
-def refused(fn: Any, *args: Any) -> tuple[str, str]:
-    with pytest.raises(Refused) as info:
-        fn(*args)
-    return info.value.reason, info.value.message
-
-
-def failed(fn: Any, *args: Any) -> tuple[str, str]:
-    with pytest.raises(Failed) as info:
-        fn(*args)
-    return info.value.reason, info.value.message
-
-
-def req(cls: type[Any], **args: Any) -> Any:
-    return structure(args, cls)
 
 
 @pytest.fixture

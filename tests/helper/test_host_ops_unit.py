@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 from bcd_helper.ops import host, hostunit
-from bcd_helper.ops.base import Failed, HelperContext, Refused
+from bcd_helper.ops.base import Failed, HelperContext
 from bcd_helper.ops.host import GpuReset, NodeReboot, Ping, SignedCommand, gpu_reset, node_reboot
 from bcd_helper.ops.hostunit import HostUnit, check_request, host_unit
 from bcd_shared import wire
 from bcd_shared.pki import Purpose
 from bcd_shared.wire.strict import type_url
 from intentkit import ControlPlane, Signer, b64
-from opskit import call, context, make_root, programs
+from opskit import call, context, make_root, programs, refused
 
 GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
 GPU2 = "GPU-5f1c2a90-0000-4000-8000-000000000002"
@@ -48,12 +48,6 @@ def root(tmp_path: Path) -> Path:
 
 def ctx_of(root: Path, script: Any = None, config: str = "") -> HelperContext:
     return context(root, config, script)
-
-
-def refused(fn: Any, *args: Any) -> tuple[str, str]:
-    with pytest.raises(Refused) as info:
-        fn(*args)
-    return info.value.reason, info.value.message
 
 
 # --- gpu.reset --------------------------------------------------------------------------------------------

@@ -31,14 +31,13 @@ from typing import Any
 
 import pytest
 from bcd_helper.ops import libvirt as lv
-from bcd_helper.ops.base import Failed, HelperContext, Refused
+from bcd_helper.ops.base import HelperContext, Refused
 from bcd_helper.ops.hostunit import SignedIntent
-from bcd_helper.protocol import structure
 from bcd_shared import wire
 from bcd_shared.instancenames import tap_name
 from bcd_simhost.libvirt import qcow2_bytes
 from intentkit import ControlPlane, Signer, intent
-from opskit import NODE_UID, Programs, call, context, make_root, programs
+from opskit import NODE_UID, Programs, call, context, failed, make_root, programs, refused, req
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 DEFINE = (FIXTURES / "virsh/vm1_define.xml").read_text()
@@ -254,23 +253,6 @@ def ctx(root: Path, host: Host) -> Iterator[HelperContext]:
     host.programs = programs(c)
     yield c
     c.audit.close()
-
-
-def refused(fn: Any, *args: Any) -> tuple[str, str]:
-    with pytest.raises(Refused) as info:
-        fn(*args)
-    return info.value.reason, info.value.message
-
-
-def failed(fn: Any, *args: Any) -> tuple[str, str]:
-    with pytest.raises(Failed) as info:
-        fn(*args)
-    return info.value.reason, info.value.message
-
-
-def req(cls: type[Any], **args: Any) -> Any:
-    """The request as the server decodes it from the frame's args."""
-    return structure(args, cls)
 
 
 def virsh_runs(ctx: HelperContext) -> list[tuple[str, ...]]:

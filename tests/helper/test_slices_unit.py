@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from bcd_helper.ops import slices
@@ -24,7 +23,7 @@ from bcd_helper.ops.slices import (
     slice_apply,
     slice_remove,
 )
-from opskit import call, context, make_root, programs
+from opskit import call, context, make_root, programs, refused
 
 NAME = "bcd-alloc-a1.slice"
 CG = f"sys/fs/cgroup/bcd.slice/bcd-alloc.slice/{NAME}"
@@ -35,12 +34,6 @@ def ctx(tmp_path: Path) -> Iterator[HelperContext]:
     c = context(make_root(tmp_path))
     yield c
     c.audit.close()
-
-
-def refused(fn: Any, *args: Any) -> tuple[str, str]:
-    with pytest.raises(Refused) as info:
-        fn(*args)
-    return info.value.reason, info.value.message
 
 
 # --- the argument rules ---------------------------------------------------------------------------------
