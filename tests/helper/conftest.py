@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from helperproc import HelperProcess, base_config, make_root
+from hostilekit import SignedHost
 from realkit import world  # noqa: F401 (a fixture: a real unprivileged node account)
 
 
@@ -21,3 +24,19 @@ def helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HelperProcess]:
 @pytest.fixture
 def fresh_root(tmp_path: Path) -> Path:
     return make_root(tmp_path)
+
+
+@pytest.fixture
+def signed_host() -> Iterator[SignedHost]:
+    """A simulated host whose helper trusts command-signing roots (hostilekit.SignedHost), under /var/tmp:
+    short enough for the VMM's socket paths. Its helpers are stopped and the tree removed at the end."""
+    parent = Path(tempfile.mkdtemp(prefix="bcd-signed-", dir="/var/tmp"))
+    helpers: list[HelperProcess] = []
+    try:
+        host = SignedHost(parent)
+        helpers = host.helpers
+        yield host
+    finally:
+        for h in helpers:
+            h.stop()
+        shutil.rmtree(parent, ignore_errors=True)

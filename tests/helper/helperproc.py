@@ -14,9 +14,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 from bcd_agent.helperclient import HelperClient
 from bcd_simhost.seed import seed
 from hypothesis import HealthCheck, settings
+from testsupport import require_tool
 
 REPO = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI") == "true"
@@ -69,8 +71,15 @@ class HelperProcess:
         config: str | None = None,
         prefix: tuple[str, ...] = (),
         env: dict[str, str] | None = None,
+        *,
+        netns: bool = False,
     ) -> None:
-        """`prefix`: run the helper under it (`unshare -n`); `env`: added to the environment."""
+        """`prefix`: run the helper under it; `env`: added to the environment; `netns`: in a network
+        namespace of its own (`unshare -n`, BCD_SIM_NETNS=1: the simulated host's `ip` and `nft` are the
+        real ones there, see `require_netns` and `in_netns`)."""
+        if netns:
+            prefix = ("unshare", "-n", *prefix)
+            env = {"BCD_SIM_NETNS": "1", **(env or {})}
         self.root = root
         if config is not None:
             write_config(root, config)
@@ -114,6 +123,13 @@ class HelperProcess:
                 self.proc.kill()
                 self.proc.wait()
 
+    def in_netns(self, *argv: str) -> bytes:
+        """`argv` run in the network namespace of a helper started with `netns` (unshare execs the helper:
+        the same pid, in the new namespace); its output."""
+        return subprocess.run(
+            ["nsenter", "-t", str(self.proc.pid), "-n", *argv], check=True, capture_output=True
+        ).stdout
+
     def raw(self, doc: Any) -> dict[str, Any]:
         """Send a raw request document on a fresh connection; the answer."""
         import json
@@ -143,6 +159,17 @@ class HelperProcess:
             f.seek(max(0, f.tell() - 65536))
             data = f.read().rstrip(b"\n")
         return dict(json.loads(data.rsplit(b"\n", 1)[-1]))
+
+
+def require_netns(*tools: str) -> None:
+    """What a helper started with `netns` needs: root (unshare -n), nsenter and `tools`; skipped locally
+    without them, a failure under CI."""
+    for tool in ("unshare", "nsenter", *tools):
+        require_tool(tool)
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail("needs root under CI (unshare -n)")
+        pytest.skip("needs root (unshare -n)")
 
 
 def assert_refused(h: HelperProcess, doc: dict[str, Any], reason: str | None = None) -> dict[str, Any]:

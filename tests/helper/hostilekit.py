@@ -14,13 +14,19 @@ import json
 import os
 import socket
 import struct
+from pathlib import Path
 from typing import Any
 
 from bcd_helper.audit import verify_chain
-from helperproc import AUDIT_DIR, HelperProcess, tree
+from bcd_shared import wire
+from bcd_simhost import sim_system
+from bcd_simhost.chapi import CH_BASE_SHA256
+from helperproc import AUDIT_DIR, HelperProcess, base_config, make_root, tree
+from intentkit import ControlPlane, instances_body, intent
 
 NODE_UID = 4242  # helperproc.base_config's node uid and gid
 NODE_GID = 4242
+SIGNED_NODE = "node-hostile"  # SignedHost's node id
 INJECTED = '\n{"decision":"accepted","op":"file.write","prev":"' + "0" * 64 + '","seq":1}\n'
 
 
@@ -146,3 +152,49 @@ def connect_as(
     sock = socket.socket(fileno=fds[0])
     sock.settimeout(10)
     return sock, msg[0]
+
+
+def gpus_by_bus(root: Path) -> dict[str, str]:
+    """The simulated nvidia-smi's GPUs: sysfs address -> UUID."""
+    out = sim_system(root).run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"])
+    return {
+        b.strip()[-12:].lower(): u.strip()
+        for u, b in (x.split(",") for x in out.stdout.decode().splitlines())
+    }
+
+
+def ch_instance(name: str, **fields: Any) -> wire.InstanceSpec:
+    """A RUNNING cloud-hypervisor instance of the signed spec as bcd_simhost.chapi's `lay_out_instance`
+    lays it out (2 vCPUs, 1 GiB, 10 GiB, its base image), one NIC on br0 unless `fields` say otherwise."""
+    spec: dict[str, Any] = {
+        "id": name,
+        "allocation_id": f"alloc-{name}",
+        "runtime": "cloud-hypervisor",
+        "desired_state": wire.InstanceDesiredState(1),
+        "size": wire.InstanceSize(vcpus=2, memory_bytes=1 << 30, disk_bytes=10 << 30),
+        "image": wire.ImageRef(url="https://x.invalid/x.qcow2", sha256=CH_BASE_SHA256, format="qcow2"),
+        "nics": [wire.Nic(bridge="br0", mac="52:54:00:00:00:01")],
+    }
+    return wire.InstanceSpec(**{**spec, **fields})
+
+
+class SignedHost:
+    """A simulated host under `parent` whose helper trusts `cp`'s command-signing roots (the join record
+    of SIGNED_NODE written); `start` runs the real `bcd helper serve` over it (conftest's `signed_host`:
+    one under /var/tmp, short for the VMM's socket paths, its helpers stopped at the test's end)."""
+
+    def __init__(self, parent: Path) -> None:
+        self.cp = ControlPlane.build()
+        self.root = make_root(parent)
+        self.cp.write_record(self.root, SIGNED_NODE, self.cp.bundle(1))
+        self.helpers: list[HelperProcess] = []
+
+    def start(self, *, netns: bool = False) -> HelperProcess:
+        """The helper, bridge br0 allowed (`netns`: in a network namespace of its own)."""
+        config = self.cp.config_lines() + base_config(extra='instance_bridges = "br0"\n')
+        self.helpers.append(HelperProcess(self.root, config, netns=netns))
+        return self.helpers[-1]
+
+    def signed(self, generation: int, *instances: wire.InstanceSpec) -> dict[str, Any]:
+        """An `intent` argument: the full spec of `instances` at `generation`, signed by a command leaf."""
+        return intent(self.cp.command.leaf(), instances_body(SIGNED_NODE, generation, *instances))

@@ -107,6 +107,14 @@ def host_body(
     )
 
 
+def instances_body(node_id: str, generation: int, *instances: wire.InstanceSpec) -> bytes:
+    """A serialized full DesiredStateBody whose instances section holds `instances`."""
+    full = wire.NodeSpec(instances=wire.InstancesSection(instances=list(instances)))
+    return bytes(
+        wire.DesiredStateBody(node_id=node_id, generation=generation, spec_hash=f"h{generation}", full=full)
+    )
+
+
 def settings(**values: Any) -> str:
     return json.dumps(values, sort_keys=True, separators=(",", ":"))
 

@@ -11,18 +11,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from bcd_agent.sections.instances.network import HelperNft, NetworkPolicy
 from bcd_shared.netpolicy import NicPolicy, build_ruleset, parse_ip_addr
-from helperproc import HELPER_SETTINGS, HelperProcess, assert_refused, base_config, make_root
+from helperproc import HELPER_SETTINGS, HelperProcess, assert_refused, base_config, make_root, require_netns
 from hypothesis import given
 from hypothesis import strategies as st
-from testsupport import IN_CI, require_tool
 
 CONFIG = base_config(extra='instance_bridges = "br0,br1"\n')
 GOOD: dict[str, Any] = {
@@ -135,28 +132,13 @@ def test_check_without_a_load_is_not_intact(helper: HelperProcess) -> None:
 # --- the accepted path: real nft in the helper's own network namespace -----------------------------
 
 
-def _ns(pid: int, *argv: str) -> bytes:
-    return subprocess.run(["nsenter", "-t", str(pid), "-n", *argv], check=True, capture_output=True).stdout
-
-
 @pytest.fixture(scope="module")
 def netns_helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HelperProcess]:
-    require_tool("nft")
-    require_tool("nsenter")
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("the helper's nft tests need root under CI")
-        pytest.skip("needs root (unshare -n)")
-    h = HelperProcess(
-        make_root(tmp_path_factory.mktemp("nftns")),
-        CONFIG,
-        prefix=("unshare", "-n"),
-        env={"BCD_SIM_NETNS": "1"},
-    )
-    pid = h.proc.pid  # unshare execs the helper: the same pid, in the new namespace
-    _ns(pid, "ip", "link", "add", "br0", "type", "bridge")
-    _ns(pid, "ip", "addr", "add", "10.0.0.1/24", "dev", "br0")
-    _ns(pid, "ip", "link", "set", "br0", "up")
+    require_netns("nft")
+    h = HelperProcess(make_root(tmp_path_factory.mktemp("nftns")), CONFIG, netns=True)
+    h.in_netns("ip", "link", "add", "br0", "type", "bridge")
+    h.in_netns("ip", "addr", "add", "10.0.0.1/24", "dev", "br0")
+    h.in_netns("ip", "link", "set", "br0", "up")
     yield h
     h.stop()
 
@@ -166,25 +148,24 @@ def test_root_builds_the_same_bytes_and_checks_them_dlv_priv_08(netns_helper: He
     the node's builder makes for the same NICs and host addresses) and its check, reached through the
     node's HelperNft, sees `nft flush set` and loads them again."""
     h = netns_helper
-    pid = h.proc.pid
     answer = h.client.call("nft.apply", {"nics": [GOOD]})
     nic = NicPolicy(**{**GOOD, "addresses": tuple(GOOD["addresses"])})
-    host = parse_ip_addr(_ns(pid, "ip", "-j", "addr", "show"), ["br0"])
+    host = parse_ip_addr(h.in_netns("ip", "-j", "addr", "show"), ["br0"])
     assert "10.0.0.1" in host.v4
     text = build_ruleset([nic], host)
     assert answer == {"sha256": hashlib.sha256(text.encode()).hexdigest(), "nics": 1}
-    listed = json.loads(_ns(pid, "nft", "-j", "list", "set", "bridge", "bcd_instances", "bind4"))
+    listed = json.loads(h.in_netns("nft", "-j", "list", "set", "bridge", "bcd_instances", "bind4"))
     assert listed["nftables"][1]["set"]["elem"] == [{"concat": [nic.tap, "10.0.0.5"]}]
     policy = NetworkPolicy(HelperNft(h.client))
     policy.apply({"vm-1": (nic,)})
     assert policy.trusted and policy.integrity_check() is True
-    _ns(pid, "nft", "flush", "set", "bridge", "bcd_instances", "bind4")
+    h.in_netns("nft", "flush", "set", "bridge", "bcd_instances", "bind4")
     assert h.client.call("nft.check", {}) == {"intact": False}
     assert policy.integrity_check() is False  # seen, and loaded again through nft.apply
     assert policy.integrity_check() is True
-    listed = json.loads(_ns(pid, "nft", "-j", "list", "set", "bridge", "bcd_instances", "bind4"))
+    listed = json.loads(h.in_netns("nft", "-j", "list", "set", "bridge", "bcd_instances", "bind4"))
     assert listed["nftables"][1]["set"]["elem"] == [{"concat": [nic.tap, "10.0.0.5"]}]
-    _ns(pid, "ip", "addr", "add", "10.0.0.2/24", "dev", "br0")  # root reads the host's addresses again
+    h.in_netns("ip", "addr", "add", "10.0.0.2/24", "dev", "br0")  # root reads the host's addresses again
     assert h.client.call("nft.check", {}) == {"intact": False}
     assert policy.integrity_check() is False and policy.integrity_check() is True
     ops = [e["op"] for e in h.audit_lines() if e["decision"] == "accepted"]

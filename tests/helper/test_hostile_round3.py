@@ -13,7 +13,6 @@ import json
 import os
 import shutil
 import struct
-import subprocess
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -27,8 +26,17 @@ from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh, LibvirtRu
 from bcd_agent.sections.instances.section import InstancesSection
 from bcd_shared.chunit import VMM_UID_BASE as VMM_UID
 from bcd_simhost import sim_system
-from helperproc import HelperProcess, base_config, make_root, tree
-from hostilekit import NODE_GID, NODE_UID, connect_as, frame, read_answer
+from helperproc import HelperProcess, base_config, make_root, require_netns, tree
+from hostilekit import (
+    NODE_GID,
+    NODE_UID,
+    SignedHost,
+    ch_instance,
+    connect_as,
+    frame,
+    gpus_by_bus,
+    read_answer,
+)
 from realnode import RealNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
@@ -331,29 +339,13 @@ def test_round3_a_failed_ch_taps_leaves_no_tap(tmp_path: Path) -> None:
     names br0 but the host has none), the taps this call created are deleted again, so a failure is
     not half-applied. Real `ip` in the helper's own network namespace."""
     from bcd_shared.instancenames import tap_name
-    from testsupport import IN_CI, require_tool
 
-    for tool in ("ip", "unshare", "nsenter"):
-        require_tool(tool)
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("needs root under CI (unshare -n)")
-        pytest.skip("needs root (unshare -n)")
-    h = HelperProcess(
-        make_root(tmp_path),
-        base_config(extra='instance_bridges = "br0"\n'),
-        prefix=("unshare", "-n"),
-        env={"BCD_SIM_NETNS": "1"},
-    )
+    require_netns("ip")
+    h = HelperProcess(make_root(tmp_path), base_config(extra='instance_bridges = "br0"\n'), netns=True)
     try:
         answer = _as_node(h, {"op": "ch.taps", "args": {"name": "vm1", "bridges": ["br0", "br0"]}})
         assert (answer["ok"], answer["error"], answer["reason"]) == (False, "failed", "ip"), answer
-        links = subprocess.run(
-            ["nsenter", "-t", str(h.proc.pid), "-n", "ip", "-j", "link", "show"],
-            check=True,
-            capture_output=True,
-        ).stdout
-        names = {link["ifname"] for link in json.loads(links)}
+        names = {link["ifname"] for link in json.loads(h.in_netns("ip", "-j", "link", "show"))}
         assert tap_name("vm1", 0) not in names, names
         assert _as_node(h, {"op": "ch.untaps", "args": {"name": "vm1"}})["result"]["deleted"] == []
     finally:
@@ -573,7 +565,7 @@ def test_round3_the_instances_ops_shown_fields_never_forge_or_bloat_an_audit_lin
         h.stop()
 
 
-def test_round3_a_signed_define_passes_through_only_the_spec_gpus(tmp_path: Path) -> None:
+def test_round3_a_signed_define_passes_through_only_the_spec_gpus(signed_host: SignedHost) -> None:
     """With command-signing roots root compared the definition with the signed spec's instance on the
     GPU *count* only: the spec gives vm1 GPU 3, the node's definition passes through GPU 5 (one GPU,
     as many). Root maps each hostdev's address to its UUID (nvidia-smi, as root) and refuses any GPU
@@ -584,7 +576,6 @@ def test_round3_a_signed_define_passes_through_only_the_spec_gpus(tmp_path: Path
     from bcd_shared.system import CommandResult
     from bcd_simhost.gpus import gpu_uuid
     from bcd_simhost.libvirt import IMAGE_SHA256
-    from intentkit import ControlPlane, intent
 
     class Keep:
         xml = b""
@@ -599,83 +590,51 @@ def test_round3_a_signed_define_passes_through_only_the_spec_gpus(tmp_path: Path
             return CommandResult((verb,), 0)
 
     gib, mac, url = 1 << 30, "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
-    cp = ControlPlane.build()
-    root = make_root(tmp_path)
-    cp.write_record(root, "node-r3", cp.bundle(1))
-    h = HelperProcess(root, cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'))
-    try:
-        inst = InstanceSpec(
-            id="vm1", allocation_id="a1", vcpus=2, memory_bytes=gib, disk_bytes=10 * gib,
-            image=Image(url, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", mac),), gpu_uuids=(gpu_uuid(5),),
+    root = signed_host.root
+    h = signed_host.start()
+    inst = InstanceSpec(
+        id="vm1", allocation_id="a1", vcpus=2, memory_bytes=gib, disk_bytes=10 * gib,
+        image=Image(url, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", mac),), gpu_uuids=(gpu_uuid(5),),
+    )  # fmt: skip
+    system = sim_system(root)
+    out = system.run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"]).stdout
+    bus = {u.strip(): b.strip() for u, b in (line.split(",") for line in out.decode().splitlines())}
+    domain, _, rest = bus[gpu_uuid(5)].partition(":")
+    address = f"{domain[-4:]}:{rest}".lower()
+    LibvirtRuntime(system, Keep(), DATA, under_helper=True).create(inst, Prepared((address,)))
+    assert b"<hostdev" in Keep.xml
+
+    def signed(generation: int, gpu: str) -> dict[str, Any]:
+        vm1 = wire.InstanceSpec(
+            id="vm1", allocation_id="a1", runtime="libvirt-kvm",
+            desired_state=wire.InstanceDesiredState(1),
+            size=wire.InstanceSize(vcpus=2, memory_bytes=gib, disk_bytes=10 * gib),
+            image=wire.ImageRef(url=url, sha256=IMAGE_SHA256, format="qcow2"),
+            nics=[wire.Nic(bridge="br0", mac=mac)], gpu_uuids=[gpu],
         )  # fmt: skip
-        system = sim_system(root)
-        out = system.run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"]).stdout
-        bus = {u.strip(): b.strip() for u, b in (line.split(",") for line in out.decode().splitlines())}
-        domain, _, rest = bus[gpu_uuid(5)].partition(":")
-        address = f"{domain[-4:]}:{rest}".lower()
-        LibvirtRuntime(system, Keep(), DATA, under_helper=True).create(inst, Prepared((address,)))
-        assert b"<hostdev" in Keep.xml
+        args = {"name": "vm1", "xml": Keep.xml.decode(), "intent": signed_host.signed(generation, vm1)}
+        return {"op": "libvirt.define", "args": args}
 
-        def signed(generation: int, gpu: str) -> dict[str, Any]:
-            vm1 = wire.InstanceSpec(
-                id="vm1", allocation_id="a1", runtime="libvirt-kvm",
-                desired_state=wire.InstanceDesiredState(1),
-                size=wire.InstanceSize(vcpus=2, memory_bytes=gib, disk_bytes=10 * gib),
-                image=wire.ImageRef(url=url, sha256=IMAGE_SHA256, format="qcow2"),
-                nics=[wire.Nic(bridge="br0", mac=mac)], gpu_uuids=[gpu],
-            )  # fmt: skip
-            full = wire.NodeSpec(instances=wire.InstancesSection(instances=[vm1]))
-            body = wire.DesiredStateBody(node_id="node-r3", generation=generation, spec_hash="h", full=full)
-            args = {"name": "vm1", "xml": Keep.xml.decode(), "intent": intent(cp.command.leaf(), bytes(body))}
-            return {"op": "libvirt.define", "args": args}
-
-        _refused_as_node(h, signed(1, gpu_uuid(3)), "spec-mismatch", "GPUs")
-        answer = _as_node(h, signed(1, gpu_uuid(5)))
-        assert answer["ok"] is True, answer
-    finally:
-        h.stop()
+    _refused_as_node(h, signed(1, gpu_uuid(3)), "spec-mismatch", "GPUs")
+    answer = _as_node(h, signed(1, gpu_uuid(5)))
+    assert answer["ok"] is True, answer
 
 
-def test_round3_a_signed_launch_passes_through_only_the_spec_gpus() -> None:
+def test_round3_a_signed_launch_passes_through_only_the_spec_gpus(signed_host: SignedHost) -> None:
     """As for libvirt: with roots ch.launch compared vm.json's GPUs with the signed spec's by count. The
     spec gives vm5 GPU 0; vm.json names GPU 1's address. Refused `spec-mismatch` (GPUs); the spec's own
     GPU launches."""
-    from bcd_shared import wire
-    from bcd_simhost.chapi import CH_BASE_SHA256, lay_out_instance
-    from intentkit import ControlPlane, intent
+    from bcd_simhost.chapi import lay_out_instance
 
-    cp = ControlPlane.build()
-    parent = Path(tempfile.mkdtemp(prefix="bcd-r3-", dir="/var/tmp"))  # short: the VMM's socket paths
-    root = make_root(parent)
-    cp.write_record(root, "node-r3", cp.bundle(1))
-    lay_out_instance(root, "vm5", NODE_UID, VMM_UID + 5, gpus=("0000:2a:00.0",))
-    h = HelperProcess(root, cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'))
-    try:
-        out = sim_system(root).run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"])
-        by_bus = {
-            b.strip()[-12:].lower(): u.strip()
-            for u, b in (x.split(",") for x in out.stdout.decode().splitlines())
-        }
+    lay_out_instance(signed_host.root, "vm5", NODE_UID, VMM_UID + 5, gpus=("0000:2a:00.0",))
+    h = signed_host.start()
+    by_bus = gpus_by_bus(signed_host.root)
 
-        def launch(generation: int, gpu: str) -> dict[str, Any]:
-            vm5 = wire.InstanceSpec(
-                id="vm5", allocation_id="alloc-vm5", runtime="cloud-hypervisor",
-                desired_state=wire.InstanceDesiredState(1),
-                size=wire.InstanceSize(vcpus=2, memory_bytes=1 << 30, disk_bytes=10 << 30),
-                image=wire.ImageRef(url="https://x.invalid/x.qcow2", sha256=CH_BASE_SHA256, format="qcow2"),
-                nics=[wire.Nic(bridge="br0", mac="52:54:00:00:00:01")], gpu_uuids=[gpu],
-            )  # fmt: skip
-            full = wire.NodeSpec(instances=wire.InstancesSection(instances=[vm5]))
-            body = wire.DesiredStateBody(node_id="node-r3", generation=generation, spec_hash="h", full=full)
-            return {
-                "op": "ch.launch",
-                "args": {"name": "vm5", "intent": intent(cp.command.leaf(), bytes(body))},
-            }
+    def launch(generation: int, gpu: str) -> dict[str, Any]:
+        signed = signed_host.signed(generation, ch_instance("vm5", gpu_uuids=[gpu]))
+        return {"op": "ch.launch", "args": {"name": "vm5", "intent": signed}}
 
-        _refused_as_node(h, launch(1, by_bus["0000:18:00.0"]), "spec-mismatch", "GPUs")
-        answer = _as_node(h, launch(1, by_bus["0000:2a:00.0"]))
-        assert answer["ok"] is True, answer
-        assert _as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True
-    finally:
-        h.stop()
-        shutil.rmtree(parent, ignore_errors=True)
+    _refused_as_node(h, launch(1, by_bus["0000:18:00.0"]), "spec-mismatch", "GPUs")
+    answer = _as_node(h, launch(1, by_bus["0000:2a:00.0"]))
+    assert answer["ok"] is True, answer
+    assert _as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True

@@ -8,61 +8,51 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
+from bcd_agent.helperclient import HelperClient
+from bcd_agent.sections.instances.model import InstanceSpec
+from bcd_agent.sections.instances.runtimes.base import Prepared
+from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
+from bcd_shared import wire
 from bcd_shared.chunit import VMM_UID_BASE as VMM_UID
-from bcd_simhost import sim_system
-from helperproc import HelperProcess, base_config, make_root
-from hostilekit import NODE_UID
+from bcd_shared.system import LocalSystem
+from helperproc import require_netns
+from hostilekit import NODE_UID, SignedHost, ch_instance, gpus_by_bus
 from test_hostile_round3 import _as_node, _refused_as_node
 
 
-def _by_bus(root: Path) -> dict[str, str]:
-    """The simulated nvidia-smi's GPUs: sysfs address -> UUID."""
-    out = sim_system(root).run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"])
-    return {
-        b.strip()[-12:].lower(): u.strip()
-        for u, b in (x.split(",") for x in out.stdout.decode().splitlines())
-    }
+@pytest.fixture
+def netns() -> None:
+    """Before `signed_host`: skip (or fail under CI) without root, nft and nsenter."""
+    require_netns("nft")
 
 
-def test_round4_ch_vfio_hands_over_only_the_signed_specs_gpus() -> None:
+def test_round4_ch_vfio_hands_over_only_the_signed_specs_gpus(signed_host: SignedHost) -> None:
     """With command-signing roots, `ch.vfio` took only the instance's name: root bound whatever GPUs the
     node's vm.json named to vfio-pci and handed their /dev/vfio groups to its VMM uid, whatever the
     signed spec said. It now takes the signed spec as ch.launch does: without one `intent-required`; a
     spec that gives the instance another GPU `spec-mismatch`, one that does not name it `not-in-spec`,
     an older generation `stale-generation`; each before any driver or group is touched. The spec's own
     GPU is bound and handed over."""
-    from bcd_shared import wire
-    from bcd_simhost.chapi import CH_BASE_SHA256, lay_out_instance
+    from bcd_simhost.chapi import lay_out_instance
     from bcd_simhost.pcisim import lay_out_pci
-    from intentkit import ControlPlane, intent
 
     gpu0, gpu1 = "0000:18:00.0", "0000:2a:00.0"
-    cp = ControlPlane.build()
-    parent = Path(tempfile.mkdtemp(prefix="bcd-r4-", dir="/var/tmp"))
-    root = make_root(parent)
-    cp.write_record(root, "node-r4", cp.bundle(1))
+    root = signed_host.root
     lay_out_pci(root, [(gpu0, "0x030200", 10, "nvidia"), (gpu1, "0x030200", 11, "nvidia")])
     uid = VMM_UID + 5
     lay_out_instance(root, "vm5", NODE_UID, uid, gpus=(gpu1,))
-    h = HelperProcess(root, cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'))
-    by_bus = _by_bus(root)
+    h = signed_host.start()
+    by_bus = gpus_by_bus(root)
 
     def vfio(generation: int, gpu: str, name: str = "vm5") -> dict[str, Any]:
-        inst = wire.InstanceSpec(
-            id=name, allocation_id=f"alloc-{name}", runtime="cloud-hypervisor",
-            desired_state=wire.InstanceDesiredState(1),
-            size=wire.InstanceSize(vcpus=2, memory_bytes=1 << 30, disk_bytes=10 << 30),
-            image=wire.ImageRef(url="https://x.invalid/x.qcow2", sha256=CH_BASE_SHA256, format="qcow2"),
-            nics=[wire.Nic(bridge="br0", mac="52:54:00:00:00:01")], gpu_uuids=[gpu],
-        )  # fmt: skip
-        full = wire.NodeSpec(instances=wire.InstancesSection(instances=[inst]))
-        body = wire.DesiredStateBody(node_id="node-r4", generation=generation, spec_hash="h", full=full)
-        return {"op": "ch.vfio", "args": {"name": "vm5", "intent": intent(cp.command.leaf(), bytes(body))}}
+        signed = signed_host.signed(generation, ch_instance(name, gpu_uuids=[gpu]))
+        return {"op": "ch.vfio", "args": {"name": "vm5", "intent": signed}}
 
     def untouched() -> None:
         drivers = [
@@ -72,27 +62,25 @@ def test_round4_ch_vfio_hands_over_only_the_signed_specs_gpus() -> None:
         for g in ("10", "11"):  # the simulated kernel makes the node at the bind; root's until handed over
             assert not (root / f"dev/vfio/{g}").exists() or os.stat(root / f"dev/vfio/{g}").st_uid == 0
 
-    try:
-        _refused_as_node(h, {"op": "ch.vfio", "args": {"name": "vm5"}}, "intent-required")
-        untouched()
-        _refused_as_node(h, vfio(2, by_bus[gpu0]), "spec-mismatch", "GPUs")
-        untouched()
-        _refused_as_node(h, vfio(2, by_bus[gpu1], name="vm6"), "not-in-spec")
-        answer = _as_node(h, vfio(2, by_bus[gpu1]))
-        assert answer["ok"] is True and answer["result"]["groups"] == ["11"], answer
-        assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu1}/driver")) == "vfio-pci"
-        assert os.stat(root / "dev/vfio/11").st_uid == uid
-        assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu0}/driver")) == "nvidia"
-        assert _as_node(h, {"op": "ch.unvfio", "args": {"name": "vm5"}})["ok"] is True
-        untouched()
-        _refused_as_node(h, vfio(1, by_bus[gpu1]), "stale-generation")  # generation 2 was accepted
-        untouched()
-    finally:
-        h.stop()
-        shutil.rmtree(parent, ignore_errors=True)
+    _refused_as_node(h, {"op": "ch.vfio", "args": {"name": "vm5"}}, "intent-required")
+    untouched()
+    _refused_as_node(h, vfio(2, by_bus[gpu0]), "spec-mismatch", "GPUs")
+    untouched()
+    _refused_as_node(h, vfio(2, by_bus[gpu1], name="vm6"), "not-in-spec")
+    answer = _as_node(h, vfio(2, by_bus[gpu1]))
+    assert answer["ok"] is True and answer["result"]["groups"] == ["11"], answer
+    assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu1}/driver")) == "vfio-pci"
+    assert os.stat(root / "dev/vfio/11").st_uid == uid
+    assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu0}/driver")) == "nvidia"
+    assert _as_node(h, {"op": "ch.unvfio", "args": {"name": "vm5"}})["ok"] is True
+    untouched()
+    _refused_as_node(h, vfio(1, by_bus[gpu1]), "stale-generation")  # generation 2 was accepted
+    untouched()
 
 
-def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(tmp_path: Path) -> None:
+def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(
+    netns: None, signed_host: SignedHost
+) -> None:
     """With command-signing roots, `nft.apply` took the node's NIC policies as they came: a spec that makes
     vm1 PRIVATE with SSH from the host only could be loaded as EGRESS, without vm1 at all, or with a
     wider subnet, so the guest reached what the signed spec denies. Root now derives each kept
@@ -102,35 +90,11 @@ def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(tmp_path: Pa
     the node sends it), real nft in the helper's own network namespace."""
     import json
 
-    from bcd_shared import wire
     from bcd_shared.netpolicy import NicPolicy
-    from intentkit import ControlPlane, intent
-    from testsupport import IN_CI, require_tool
 
-    require_tool("nft")
-    require_tool("nsenter")
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("needs root under CI (unshare -n)")
-        pytest.skip("needs root (unshare -n)")
-    cp = ControlPlane.build()
-    root = make_root(tmp_path)
-    cp.write_record(root, "node-r4", cp.bundle(1))
-    h = HelperProcess(
-        root,
-        cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'),
-        prefix=("unshare", "-n"),
-        env={"BCD_SIM_NETNS": "1"},
-    )
-    pid = h.proc.pid
-
-    def ns(*argv: str) -> bytes:
-        return subprocess.run(
-            ["nsenter", "-t", str(pid), "-n", *argv], check=True, capture_output=True
-        ).stdout
-
-    ns("ip", "link", "add", "br0", "type", "bridge")
-    ns("ip", "addr", "add", "10.0.0.1/24", "dev", "br0")
+    h = signed_host.start(netns=True)
+    h.in_netns("ip", "link", "add", "br0", "type", "bridge")
+    h.in_netns("ip", "addr", "add", "10.0.0.1/24", "dev", "br0")
     mac, addr = "52:54:00:00:00:01", "10.0.0.5/24"
 
     def signed(generation: int) -> dict[str, Any]:
@@ -140,9 +104,7 @@ def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(tmp_path: Pa
             network_policy=wire.NetworkPolicy(2), ssh_from_host_only=True,
         )  # fmt: skip
         gone = wire.InstanceSpec(id="old", desired_state=wire.InstanceDesiredState(4))
-        full = wire.NodeSpec(instances=wire.InstancesSection(instances=[vm1, gone]))
-        body = wire.DesiredStateBody(node_id="node-r4", generation=generation, spec_hash="h", full=full)
-        return intent(cp.command.leaf(), bytes(body))
+        return signed_host.signed(generation, vm1, gone)
 
     nic = {
         "instance": "vm1", "index": 0, "bridge": "br0", "mac": mac, "addresses": [addr],
@@ -157,25 +119,22 @@ def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(tmp_path: Pa
             args["intent"] = signed(generation)
         return {"op": "nft.apply", "args": args}
 
-    try:
-        _refused_as_node(h, apply([egress], None), "intent-required")
-        for nics in (
-            [egress],  # PRIVATE and SSH from the host only, loaded as EGRESS
-            [{**nic, "ssh_from_host_only": False}],
-            [],  # vm1's guard left out
-            [leftover],
-            [{**nic, "addresses": [addr, "192.168.0.5/16"]}],  # a wider subnet for the PRIVATE guest
-            [nic, {**nic, "index": 1, "mac": "52:54:00:00:00:02", "addresses": ["10.0.0.6/24"]}],
-        ):
-            _refused_as_node(h, apply(nics), "spec-mismatch", "vm1")
-        answer = _as_node(h, apply([nic, leftover]))
-        assert answer["ok"] is True and answer["result"]["nics"] == 2, answer
-        tap = NicPolicy("vm1", 0, "br0").tap
-        listed = json.loads(ns("nft", "-j", "list", "set", "bridge", "bcd_instances", "bind4"))
-        assert listed["nftables"][1]["set"]["elem"] == [{"concat": [tap, "10.0.0.5"]}]
-        _refused_as_node(h, apply([nic, leftover], 1), "stale-generation")
-    finally:
-        h.stop()
+    _refused_as_node(h, apply([egress], None), "intent-required")
+    for nics in (
+        [egress],  # PRIVATE and SSH from the host only, loaded as EGRESS
+        [{**nic, "ssh_from_host_only": False}],
+        [],  # vm1's guard left out
+        [leftover],
+        [{**nic, "addresses": [addr, "192.168.0.5/16"]}],  # a wider subnet for the PRIVATE guest
+        [nic, {**nic, "index": 1, "mac": "52:54:00:00:00:02", "addresses": ["10.0.0.6/24"]}],
+    ):
+        _refused_as_node(h, apply(nics), "spec-mismatch", "vm1")
+    answer = _as_node(h, apply([nic, leftover]))
+    assert answer["ok"] is True and answer["result"]["nics"] == 2, answer
+    tap = NicPolicy("vm1", 0, "br0").tap
+    listed = json.loads(h.in_netns("nft", "-j", "list", "set", "bridge", "bcd_instances", "bind4"))
+    assert listed["nftables"][1]["set"]["elem"] == [{"concat": [tap, "10.0.0.5"]}]
+    _refused_as_node(h, apply([nic, leftover], 1), "stale-generation")
 
 
 def test_round4_roots_derivation_of_the_nic_policies_is_the_nodes() -> None:
@@ -214,51 +173,25 @@ def test_round4_roots_derivation_of_the_nic_policies_is_the_nodes() -> None:
     assert "g" not in roots
 
 
-def test_round4_a_guarded_guest_never_starts_without_its_signed_rules(tmp_path: Path) -> None:
+def test_round4_a_guarded_guest_never_starts_without_its_signed_rules(
+    netns: None, signed_host: SignedHost
+) -> None:
     """With command-signing roots `nft.apply` loads only the signed policies (row 19), but nothing made the
     node load them: it could launch a PRIVATE guest and never call nft.apply (or load nothing after a
     reboot), and the guest ran with no rules at all. `ch.launch` (as `libvirt.start` and
     `libvirt.restore`) now starts a guest the signed spec guards only when root's last successful load
     holds every NIC policy root derives for it: refused `network-policy` before, launched after the
     signed load. Real nft in the helper's own network namespace, the simulated VMM."""
-    from bcd_shared import wire
-    from bcd_simhost.chapi import CH_BASE_SHA256, lay_out_instance
-    from intentkit import ControlPlane, intent
-    from testsupport import IN_CI, require_tool
+    from bcd_simhost.chapi import lay_out_instance
 
-    require_tool("nft")
-    require_tool("nsenter")
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("needs root under CI (unshare -n)")
-        pytest.skip("needs root (unshare -n)")
-    cp = ControlPlane.build()
-    parent = Path(tempfile.mkdtemp(prefix="bcd-r4-", dir="/var/tmp"))  # short: the VMM's socket paths
-    root = make_root(parent)
-    cp.write_record(root, "node-r4", cp.bundle(1))
-    lay_out_instance(root, "vm5", NODE_UID, VMM_UID + 5)
-    h = HelperProcess(
-        root,
-        cp.config_lines() + base_config(extra='instance_bridges = "br0"\n'),
-        prefix=("unshare", "-n"),
-        env={"BCD_SIM_NETNS": "1"},
-    )
-    pid = h.proc.pid
-    subprocess.run(
-        ["nsenter", "-t", str(pid), "-n", "ip", "link", "add", "br0", "type", "bridge"], check=True
-    )
+    lay_out_instance(signed_host.root, "vm5", NODE_UID, VMM_UID + 5)
+    h = signed_host.start(netns=True)
+    h.in_netns("ip", "link", "add", "br0", "type", "bridge")
     mac, addr = "52:54:00:00:00:01", "10.0.0.5/24"
-    vm5 = wire.InstanceSpec(
-        id="vm5", allocation_id="alloc-vm5", runtime="cloud-hypervisor",
-        desired_state=wire.InstanceDesiredState(1),
-        size=wire.InstanceSize(vcpus=2, memory_bytes=1 << 30, disk_bytes=10 << 30),
-        image=wire.ImageRef(url="https://x.invalid/x.qcow2", sha256=CH_BASE_SHA256, format="qcow2"),
-        nics=[wire.Nic(bridge="br0", mac=mac, addresses=[addr])], network_policy=wire.NetworkPolicy(2),
-    )  # fmt: skip
-    full = wire.NodeSpec(instances=wire.InstancesSection(instances=[vm5]))
-    signed = intent(
-        cp.command.leaf(), bytes(wire.DesiredStateBody(node_id="node-r4", generation=1, full=full))
+    vm5 = ch_instance(
+        "vm5", nics=[wire.Nic(bridge="br0", mac=mac, addresses=[addr])], network_policy=wire.NetworkPolicy(2)
     )
+    signed = signed_host.signed(1, vm5)
     launch = {"op": "ch.launch", "args": {"name": "vm5", "intent": signed}}
     nic = {
         "instance": "vm5",
@@ -268,21 +201,15 @@ def test_round4_a_guarded_guest_never_starts_without_its_signed_rules(tmp_path: 
         "addresses": [addr],
         "policy": "PRIVATE",
     }
-    try:
-        _refused_as_node(h, launch, "network-policy", "nft.apply")
-        egress = {**nic, "policy": "EGRESS", "addresses": [], "mac": ""}
-        _refused_as_node(
-            h, {"op": "nft.apply", "args": {"nics": [egress], "intent": signed}}, "spec-mismatch"
-        )
-        _refused_as_node(h, launch, "network-policy")
-        answer = _as_node(h, {"op": "nft.apply", "args": {"nics": [nic], "intent": signed}})
-        assert answer["ok"] is True, answer
-        answer = _as_node(h, launch)
-        assert answer["ok"] is True, answer
-        assert _as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True
-    finally:
-        h.stop()
-        shutil.rmtree(parent, ignore_errors=True)
+    _refused_as_node(h, launch, "network-policy", "nft.apply")
+    egress = {**nic, "policy": "EGRESS", "addresses": [], "mac": ""}
+    _refused_as_node(h, {"op": "nft.apply", "args": {"nics": [egress], "intent": signed}}, "spec-mismatch")
+    _refused_as_node(h, launch, "network-policy")
+    answer = _as_node(h, {"op": "nft.apply", "args": {"nics": [nic], "intent": signed}})
+    assert answer["ok"] is True, answer
+    answer = _as_node(h, launch)
+    assert answer["ok"] is True, answer
+    assert _as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True
 
 
 # The real helper on the real libvirt (qemu:///system, TCG), as tests/instances/test_guest_boot_real.py
@@ -300,7 +227,7 @@ def real_libvirt() -> None:
 
 
 @pytest.fixture
-def node_wins_the_race(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:  # noqa: F811
+def node_wins_the_race(real_libvirt: None, workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:  # noqa: F811
     """A `virsh` first on the PATH the helper inherits: when the test has written `<trigger>` ("VERB PATH
     TARGET"; VERB a shell pattern), its next VERB first renames PATH away and puts a symlink to
     TARGET in its place, then runs the real virsh: the node winning the window between root's checks
@@ -324,24 +251,33 @@ def node_wins_the_race(workdir: Path, monkeypatch: pytest.MonkeyPatch) -> Path: 
     return trigger
 
 
-def test_round4_a_saved_state_swapped_after_roots_check_is_never_read(
-    real_libvirt: None,
-    node_wins_the_race: Path,
+@attrs.frozen
+class Guest:
+    """An instance of the node's LibvirtRuntime under the real helper (not created yet): `data` its data
+    directory, `dir` its domain's; destroyed and undefined at the test's end."""
+
+    inst: InstanceSpec
+    data: str
+    client: HelperClient
+    rt: LibvirtRuntime
+
+    @property
+    def name(self) -> str:
+        return self.inst.id
+
+    @property
+    def dir(self) -> Path:
+        return Path(self.data) / "libvirt/instances" / self.name
+
+
+@pytest.fixture
+def guest(
+    node_wins_the_race: Path,  # first: the helper below inherits its PATH
     workdir: Path,  # noqa: F811
     bridge: str,  # noqa: F811
     helper_socket: tuple[str, Path],  # noqa: F811
-) -> None:
-    """`libvirt.restore` checked the node's `save.state` (no symlink, one link, the header), then gave
-    libvirtd its path: libvirtd, as root, opened whatever the path named by then, so a node that swapped
-    in a symlink inside the window had root read a root-only file (another domain's saved memory) into
-    its guest. Root now opens the state itself (the directory without following a link, the file
-    O_NOFOLLOW, checked on the descriptor) and libvirtd reads `/proc/<helper>/fd/<n>`: the swap made
-    right before libvirtd's open changes nothing, the checked state is restored. Real libvirt 9.0 (TCG)."""
-    from bcd_agent.helperclient import HelperClient
-    from bcd_agent.sections.instances.runtimes.base import Prepared
-    from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
-    from bcd_shared.system import LocalSystem
-    from test_guest_boot_real import _instance, _virsh
+) -> Iterator[Guest]:
+    from test_guest_boot_real import _instance
 
     sock, _home = helper_socket
     inst, data, _marker = _instance(workdir, bridge)
@@ -351,27 +287,42 @@ def test_round4_a_saved_state_swapped_after_roots_check_is_never_read(
         system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
         domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
     )  # fmt: skip
-    _node_owns(data)
-    name = inst.id
-    d = Path(data) / "libvirt/instances" / name
+    try:
+        yield Guest(inst, data, client, rt)
+    finally:
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", inst.id], capture_output=True, check=False)
+        subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", inst.id], capture_output=True, check=False)
+        client.close()
+
+
+def test_round4_a_saved_state_swapped_after_roots_check_is_never_read(
+    guest: Guest,
+    node_wins_the_race: Path,
+    workdir: Path,  # noqa: F811
+) -> None:
+    """`libvirt.restore` checked the node's `save.state` (no symlink, one link, the header), then gave
+    libvirtd its path: libvirtd, as root, opened whatever the path named by then, so a node that swapped
+    in a symlink inside the window had root read a root-only file (another domain's saved memory) into
+    its guest. Root now opens the state itself (the directory without following a link, the file
+    O_NOFOLLOW, checked on the descriptor) and libvirtd reads `/proc/<helper>/fd/<n>`: the swap made
+    right before libvirtd's open changes nothing, the checked state is restored. Real libvirt 9.0 (TCG)."""
+    from test_guest_boot_real import _virsh
+
+    client, name, d = guest.client, guest.name, guest.dir
+    _node_owns(guest.data)
     host_file = workdir / "host-secret"
     host_file.write_text("root's, not a save image\n")
     os.chmod(host_file, 0o600)
-    try:
-        rt.create(inst, Prepared())
-        _node_owns(data)
-        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
-        client.call("libvirt.save", {"name": name})
-        xml = (d / "domain.xml").read_text()
-        node_wins_the_race.write_text(f"*restore* {d / 'save.state'} {host_file}\n")
-        answer = client.call("libvirt.restore", {"name": name, "xml": xml, "paused": True})
-        assert answer == {"name": name, "paused": True}, answer
-        assert not node_wins_the_race.exists() and (d / "save.state").is_symlink()  # the swap was made
-        assert _virsh("domstate", name).strip() == "paused"
-    finally:
-        subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
-        subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
-        client.close()
+    guest.rt.create(guest.inst, Prepared())
+    _node_owns(guest.data)
+    assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
+    client.call("libvirt.save", {"name": name})
+    xml = (d / "domain.xml").read_text()
+    node_wins_the_race.write_text(f"*restore* {d / 'save.state'} {host_file}\n")
+    answer = client.call("libvirt.restore", {"name": name, "xml": xml, "paused": True})
+    assert answer == {"name": name, "paused": True}, answer
+    assert not node_wins_the_race.exists() and (d / "save.state").is_symlink()  # the swap was made
+    assert _virsh("domstate", name).strip() == "paused"
 
 
 def _node_owns(data: str) -> None:
@@ -386,11 +337,9 @@ def _node_owns(data: str) -> None:
 
 
 def test_round4_a_disk_swapped_after_roots_check_is_never_opened(
-    real_libvirt: None,
+    guest: Guest,
     node_wins_the_race: Path,
     workdir: Path,  # noqa: F811
-    bridge: str,  # noqa: F811
-    helper_socket: tuple[str, Path],  # noqa: F811
 ) -> None:
     """Root checked a domain's files at `libvirt.start`, then libvirt opened them by path: a node that
     swapped `disk.qcow2` for a symlink to a host file inside that window (milliseconds, the virsh process
@@ -400,60 +349,41 @@ def test_round4_a_disk_swapped_after_roots_check_is_never_opened(
     associates each group with a descriptor root opened and checked (`virsh dom-fd-associate`, then
     `start`, in one virsh process): the swap, made right before the real virsh runs, changes nothing
     QEMU opens; the host file is neither opened nor chowned. Real libvirt 9.0 and QEMU (TCG)."""
-    from bcd_agent.helperclient import HelperClient
-    from bcd_agent.sections.instances.runtimes.base import Prepared
-    from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
-    from bcd_shared.system import LocalSystem
-    from test_guest_boot_real import _instance, _virsh
+    from test_guest_boot_real import _virsh
 
-    sock, _home = helper_socket
-    inst, data, _marker = _instance(workdir, bridge)
-    system = LocalSystem(Path("/"))
-    client = HelperClient(sock)
-    rt = LibvirtRuntime(
-        system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
-        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
-    )  # fmt: skip
+    client, name = guest.client, guest.name
     host_file = workdir / "host-secret.qcow2"  # root's own image (another guest's disk, say), 0600
     subprocess.run(["qemu-img", "create", "-q", "-f", "qcow2", str(host_file), "16M"], check=True)
     os.chmod(host_file, 0o600)
-    name = inst.id
-    disk = Path(data) / "libvirt/instances" / name / "disk.qcow2"
-    try:
-        rt.create(inst, Prepared())
-        _node_owns(data)
-        xml = _virsh("dumpxml", "--inactive", name)
-        sources = xml.count("<source file=")
-        assert sources >= 2 and xml.count("fdgroup='bcd") == sources, xml
-        assert xml.count("<seclabel model='dac' relabel='no'/>") == sources, xml
-        real = os.stat(disk)
-        node_wins_the_race.write_text(f"*start* {disk} {host_file}\n")
-        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
-        assert not node_wins_the_race.exists() and disk.is_symlink()  # the swap was made
-        st = os.stat(host_file)
-        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
-        pid = Path(f"/run/libvirt/qemu/{name}.pid").read_text().strip()
-        held = set()
-        for fd in os.listdir(f"/proc/{pid}/fd"):
-            try:
-                fst = os.stat(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            held.add((fst.st_dev, fst.st_ino))
-        assert (real.st_dev, real.st_ino) in held  # QEMU runs on the disk root checked
-        assert (st.st_dev, st.st_ino) not in held  # and never opened the host file
-    finally:
-        subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
-        subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
-        client.close()
+    disk = guest.dir / "disk.qcow2"
+    guest.rt.create(guest.inst, Prepared())
+    _node_owns(guest.data)
+    xml = _virsh("dumpxml", "--inactive", name)
+    sources = xml.count("<source file=")
+    assert sources >= 2 and xml.count("fdgroup='bcd") == sources, xml
+    assert xml.count("<seclabel model='dac' relabel='no'/>") == sources, xml
+    real = os.stat(disk)
+    node_wins_the_race.write_text(f"*start* {disk} {host_file}\n")
+    assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
+    assert not node_wins_the_race.exists() and disk.is_symlink()  # the swap was made
+    st = os.stat(host_file)
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
+    pid = Path(f"/run/libvirt/qemu/{name}.pid").read_text().strip()
+    held = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            fst = os.stat(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        held.add((fst.st_dev, fst.st_ino))
+    assert (real.st_dev, real.st_ino) in held  # QEMU runs on the disk root checked
+    assert (st.st_dev, st.st_ino) not in held  # and never opened the host file
 
 
 def test_round4_a_rebind_disk_swapped_after_roots_check_is_never_chowned_by_libvirt(
-    real_libvirt: None,
+    guest: Guest,
     node_wins_the_race: Path,
     workdir: Path,  # noqa: F811
-    bridge: str,  # noqa: F811
-    helper_socket: tuple[str, Path],  # noqa: F811
 ) -> None:
     """`libvirt.rebind` checked `rebind.img` (no symlink, one link, 1 MiB), then `virsh attach-disk` gave
     libvirt its path: a node that swapped in a symlink inside the window had libvirt (dynamic_ownership)
@@ -461,56 +391,36 @@ def test_round4_a_rebind_disk_swapped_after_roots_check_is_never_chowned_by_libv
     `attach-device` and `<seclabel model='dac' relabel='no'/>` on its source: nothing is chowned, QEMU
     opens the path with its own user's rights (Permission denied), the file stays root's 0600. The
     window itself stays (libvirt 9.0 cannot hot-add from a descriptor). Real libvirt 9.0 (TCG)."""
-    from bcd_agent.helperclient import HelperClient
-    from bcd_agent.sections.instances.runtimes.base import Prepared
-    from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, HelperVirsh, LibvirtRuntime
     from bcd_shared.errors import HelperRefused
     from bcd_shared.rebinddisk import REBIND_SIZE
-    from bcd_shared.system import LocalSystem
 
-    sock, _home = helper_socket
-    from test_guest_boot_real import _instance
-
-    inst, data, _marker = _instance(workdir, bridge)
-    system = LocalSystem(Path("/"))
-    client = HelperClient(sock)
-    rt = LibvirtRuntime(
-        system, HelperVirsh(system, client, SYSTEM_URI), data, under_helper=True,
-        domain_type="qemu", cpu_mode="maximum", stop_timeout_s=0.0,
-    )  # fmt: skip
-    name = inst.id
-    d = Path(data) / "libvirt/instances" / name
+    client, name, d = guest.client, guest.name, guest.dir
     host_file = workdir / "host-secret.img"
     host_file.write_bytes(b"root's\n".ljust(REBIND_SIZE, b"\0"))
     os.chmod(host_file, 0o600)
-    try:
-        rt.create(inst, Prepared())
-        _node_owns(data)
-        assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
-        rebind = d / "rebind.img"
-        rebind.write_bytes(bytes(REBIND_SIZE))
-        os.chmod(rebind, 0o660)
-        _node_owns(data)
-        node_wins_the_race.write_text(f"attach-* {rebind} {host_file}\n")  # attach-disk before the fix
-        with pytest.raises(HelperRefused) as refused:
-            client.call("libvirt.rebind", {"name": name})
-        assert "Permission denied" in str(refused.value), refused.value
-        assert not node_wins_the_race.exists() and rebind.is_symlink()  # the swap was made
-        st = os.stat(host_file)
-        assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
-        rebind.unlink()
-        os.rename(d / "rebind.img.moved", rebind)
-        assert client.call("libvirt.rebind", {"name": name}) == {"name": name}  # the node's own disk
-        assert (
-            "vdz"
-            in subprocess.run(
-                ["virsh", "-c", SYSTEM_URI, "domblklist", name], capture_output=True, text=True, check=True
-            ).stdout
-        )
-    finally:
-        subprocess.run(["virsh", "-c", SYSTEM_URI, "destroy", name], capture_output=True, check=False)
-        subprocess.run(["virsh", "-c", SYSTEM_URI, "undefine", name], capture_output=True, check=False)
-        client.close()
+    guest.rt.create(guest.inst, Prepared())
+    _node_owns(guest.data)
+    assert client.call("libvirt.start", {"name": name, "paused": True})["name"] == name
+    rebind = d / "rebind.img"
+    rebind.write_bytes(bytes(REBIND_SIZE))
+    os.chmod(rebind, 0o660)
+    _node_owns(guest.data)
+    node_wins_the_race.write_text(f"attach-* {rebind} {host_file}\n")  # attach-disk before the fix
+    with pytest.raises(HelperRefused) as refused:
+        client.call("libvirt.rebind", {"name": name})
+    assert "Permission denied" in str(refused.value), refused.value
+    assert not node_wins_the_race.exists() and rebind.is_symlink()  # the swap was made
+    st = os.stat(host_file)
+    assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, 0, 0o600)
+    rebind.unlink()
+    os.rename(d / "rebind.img.moved", rebind)
+    assert client.call("libvirt.rebind", {"name": name}) == {"name": name}  # the node's own disk
+    assert (
+        "vdz"
+        in subprocess.run(
+            ["virsh", "-c", SYSTEM_URI, "domblklist", name], capture_output=True, text=True, check=True
+        ).stdout
+    )
 
 
 def test_round4_roots_rebind_disk_is_attach_disks_with_relabelling_off() -> None:
