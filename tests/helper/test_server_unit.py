@@ -93,6 +93,63 @@ def connection(ctx: HelperContext, guards: Guards, sock: socket.socket, uid: int
     return conn
 
 
+@pytest.fixture
+def conn(ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]) -> Connection:
+    """Root's connection on the pair's second end (the first is the peer's)."""
+    return connection(ctx, guards, pair[1])
+
+
+@pytest.fixture
+def node_conn(ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]) -> Connection:
+    """The node's connection on the pair's second end."""
+    return connection(ctx, guards, pair[1], uid=NODE)
+
+
+def read_refused(conn: Connection) -> str:
+    """Reading the next request raises ProtocolError: its text."""
+    with pytest.raises(ProtocolError) as info:
+        conn.read_request()
+    return str(info.value)
+
+
+@pytest.fixture
+def srv(ctx: HelperContext, tmp_path: Path, guards: Guards) -> Iterator[server.HelperServer]:
+    """The node's socket server over `guards`, not serving (each test hands it its connections), closed at
+    the end."""
+    s = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
+    yield s
+    s.server_close()
+
+
+@pytest.fixture
+def as_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every connection the servers take is the node's (what SO_PEERCRED would say)."""
+    monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
+
+
+@pytest.fixture
+def peer_gone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The credentials of every connection the servers take cannot be read: the peer is gone."""
+
+    def gone(_s: socket.socket) -> Peer:
+        raise OSError("gone")
+
+    monkeypatch.setattr(server, "peer_credentials", gone)
+
+
+@pytest.fixture
+def budget_spent(guards: Guards, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other frames hold the whole budget, and a frame waits 0.05 s for its share."""
+    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.05)
+    guards.budget.used = BUDGET
+
+
+def one_slot_taken(srv: server.HelperServer) -> None:
+    """The server holds at most one connection of the node, and that slot is taken."""
+    srv._slots = threading.BoundedSemaphore(1)
+    assert srv._slots.acquire(blocking=False)
+
+
 # --- the budget -------------------------------------------------------------------------------------------
 
 
@@ -201,10 +258,9 @@ def test_the_flusher_writes_the_counts_on_its_own(
 
 
 def test_frames_are_read_one_after_another_then_eof(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    pair: tuple[socket.socket, socket.socket], conn: Connection
 ) -> None:
-    a, b = pair
-    conn = connection(ctx, guards, b)
+    a = pair[0]
     a.sendall(encode_frame({"op": "x", "args": {}}) + encode_frame([1, 2]) + encode_frame(None))
     assert conn.read_request() == {"op": "x", "args": {}}
     assert conn.frame_deadline is None
@@ -215,10 +271,9 @@ def test_frames_are_read_one_after_another_then_eof(
 
 
 def test_a_frame_split_in_small_pieces_is_gathered(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    pair: tuple[socket.socket, socket.socket], conn: Connection
 ) -> None:
-    a, b = pair
-    conn = connection(ctx, guards, b)
+    a = pair[0]
     frame = encode_frame({"op": "helper.ping", "args": {"k": "v" * 100}})
 
     def trickle() -> None:
@@ -235,10 +290,9 @@ def test_a_frame_split_in_small_pieces_is_gathered(
 
 
 def test_a_frame_larger_than_read_ahead_is_read_whole(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    pair: tuple[socket.socket, socket.socket], conn: Connection
 ) -> None:
-    a, b = pair
-    conn = connection(ctx, guards, b)
+    a = pair[0]
     doc = {"op": "x", "args": {"s": "y" * (server.READ_AHEAD * 3)}}
     t = threading.Thread(target=a.sendall, args=(encode_frame(doc) + encode_frame(7),))
     t.start()
@@ -251,44 +305,37 @@ def test_a_frame_larger_than_read_ahead_is_read_whole(
 
 @pytest.mark.parametrize("sent", [b"\x00\x00", b"\x00\x00\x00\x10{}"])
 def test_a_peer_closing_mid_frame_is_named(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket], sent: bytes
+    pair: tuple[socket.socket, socket.socket], sent: bytes, conn: Connection
 ) -> None:
-    a, b = pair
-    conn = connection(ctx, guards, b)
+    a = pair[0]
     a.sendall(sent)
     a.shutdown(socket.SHUT_WR)
-    with pytest.raises(ProtocolError) as info:
-        conn.read_request()
-    assert str(info.value) == "connection closed mid-frame"
+    assert read_refused(conn) == "connection closed mid-frame"
 
 
 def test_a_length_above_the_cap_is_refused(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    pair: tuple[socket.socket, socket.socket], conn: Connection
 ) -> None:
-    a, b = pair
-    conn = connection(ctx, guards, b)
+    a = pair[0]
     a.sendall(struct.pack(">I", MAX_FRAME + 1))
-    with pytest.raises(ProtocolError) as info:
-        conn.read_request()
-    assert str(info.value) == f"frame of {MAX_FRAME + 1} bytes exceeds {MAX_FRAME}"
+    assert read_refused(conn) == f"frame of {MAX_FRAME + 1} bytes exceeds {MAX_FRAME}"
 
 
 def test_a_frame_at_the_cap_is_read(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    guards: Guards, pair: tuple[socket.socket, socket.socket], node_conn: Connection
 ) -> None:
-    a, b = pair
-    conn = connection(ctx, guards, b, uid=NODE)
+    a = pair[0]
     frame = encode_frame("a" * (MAX_FRAME - 2))
     t = threading.Thread(target=a.sendall, args=(frame,))
     t.start()
     try:
-        assert conn.read_request() == "a" * (MAX_FRAME - 2)
+        assert node_conn.read_request() == "a" * (MAX_FRAME - 2)
     finally:
         t.join()
-    assert conn.reserved == frame_cost(MAX_FRAME) and guards.budget.used == frame_cost(MAX_FRAME)
-    conn.release()
-    assert conn.reserved == 0 and guards.budget.used == 0
-    conn.release()
+    assert node_conn.reserved == frame_cost(MAX_FRAME) and guards.budget.used == frame_cost(MAX_FRAME)
+    node_conn.release()
+    assert node_conn.reserved == 0 and guards.budget.used == 0
+    node_conn.release()
     assert guards.budget.used == 0
 
 
@@ -308,20 +355,16 @@ def test_only_a_non_root_peer_takes_from_the_budget(
 
 
 def test_a_frame_that_cannot_get_its_budget_in_time_is_busy(
-    ctx: HelperContext,
-    guards: Guards,
     pair: tuple[socket.socket, socket.socket],
-    monkeypatch: pytest.MonkeyPatch,
+    node_conn: Connection,
+    budget_spent: None,
 ) -> None:
-    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.05)
-    a, b = pair
-    guards.budget.used = BUDGET
-    conn = connection(ctx, guards, b, uid=NODE)
+    a = pair[0]
     a.sendall(encode_frame({"op": "x", "args": {}}))
     with pytest.raises(Busy) as info:
-        conn.read_request()
+        node_conn.read_request()
     assert str(info.value) == "the helper is busy with other large frames: try again later"
-    assert conn.reserved == 0
+    assert node_conn.reserved == 0
 
 
 def test_a_frame_not_complete_within_the_deadline_is_refused(
@@ -329,52 +372,37 @@ def test_a_frame_not_complete_within_the_deadline_is_refused(
     guards: Guards,
     pair: tuple[socket.socket, socket.socket],
     monkeypatch: pytest.MonkeyPatch,
+    conn: Connection,
 ) -> None:
     monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.2)
     a, b = pair
-    conn = connection(ctx, guards, b)
     a.sendall(b"\x00\x00")
-    with pytest.raises(ProtocolError) as info:
-        conn.read_request()
-    assert str(info.value) == "frame not complete within 0 s"
+    assert read_refused(conn) == "frame not complete within 0 s"
     conn2 = connection(ctx, guards, b)
     a.sendall(b"\x00\x00\x00\x10{")
-    with pytest.raises(ProtocolError) as info:
-        conn2.read_request()
-    assert str(info.value) == "frame not complete within 0 s"
+    assert read_refused(conn2) == "frame not complete within 0 s"
 
 
-def test_a_deadline_already_past_is_refused_before_reading(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
-) -> None:
-    _, b = pair
-    conn = connection(ctx, guards, b)
+def test_a_deadline_already_past_is_refused_before_reading(conn: Connection) -> None:
     conn.buffer += b"\x00"
     conn.frame_deadline = time.monotonic() - 1
-    with pytest.raises(ProtocolError) as info:
-        conn.read_request()
-    assert str(info.value) == f"frame not complete within {server.FRAME_TIMEOUT_S:.0f} s"
+    assert read_refused(conn) == f"frame not complete within {server.FRAME_TIMEOUT_S:.0f} s"
 
 
 def test_an_idle_connection_times_out_without_a_refusal(
-    ctx: HelperContext,
-    guards: Guards,
-    pair: tuple[socket.socket, socket.socket],
-    monkeypatch: pytest.MonkeyPatch,
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch, conn: Connection
 ) -> None:
     monkeypatch.setattr(server, "IDLE_TIMEOUT_S", 0.05)
-    _, b = pair
-    conn = connection(ctx, guards, b)
+    b = pair[1]
     with pytest.raises(TimeoutError):
         conn.read_request()
     assert b.gettimeout() == 0.05
 
 
 def test_a_passed_descriptor_is_closed_and_refused(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    pair: tuple[socket.socket, socket.socket], conn: Connection
 ) -> None:
-    a, b = pair
-    conn = connection(ctx, guards, b)
+    a = pair[0]
     r, w = os.pipe()
     try:
         a.sendmsg(
@@ -382,9 +410,9 @@ def test_a_passed_descriptor_is_closed_and_refused(
             [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [r]).tobytes())],
         )
         before = set(os.listdir("/proc/self/fd"))
-        with pytest.raises(ProtocolError) as info:
-            conn.read_request()
-        assert str(info.value) == "file descriptors or other ancillary data were sent: the helper takes none"
+        assert (
+            read_refused(conn) == "file descriptors or other ancillary data were sent: the helper takes none"
+        )
         assert set(os.listdir("/proc/self/fd")) <= before  # the received copy was closed
     finally:
         os.close(r)
@@ -392,10 +420,9 @@ def test_a_passed_descriptor_is_closed_and_refused(
 
 
 def test_an_answer_can_carry_a_descriptor(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    pair: tuple[socket.socket, socket.socket], conn: Connection
 ) -> None:
     a, b = pair
-    conn = connection(ctx, guards, b)
     r, w = os.pipe()
     try:
         conn.send({"ok": True, "result": {}}, r)
@@ -453,11 +480,6 @@ def spec(handler: Any, **kw: Any) -> OpSpec:
 
 def last(ctx: HelperContext) -> dict[str, Any]:
     return audit_lines(ctx)[-1]
-
-
-@pytest.fixture
-def conn(ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]) -> Connection:
-    return connection(ctx, guards, pair[1])
 
 
 @pytest.mark.parametrize(
@@ -615,38 +637,36 @@ def test_an_unprintable_integer_gets_a_zero_digest(ctx: HelperContext, conn: Con
 def test_refusals_past_the_burst_are_counted_not_audited(
     ctx: HelperContext,
     guards: Guards,
-    pair: tuple[socket.socket, socket.socket],
     monkeypatch: pytest.MonkeyPatch,
+    node_conn: Connection,
 ) -> None:
     monkeypatch.setattr(server.time, "monotonic", lambda: 1000.0)  # no refill while the test runs
-    conn = connection(ctx, guards, pair[1], uid=NODE)
     for _ in range(REFUSAL_BURST + 5):
-        assert conn.answer({"op": "no.such", "args": {}})["reason"] == "unknown-op"
+        assert node_conn.answer({"op": "no.such", "args": {}})["reason"] == "unknown-op"
     refused = [e for e in audit_lines(ctx) if e["reason"] == "unknown-op"]
     assert len(refused) == REFUSAL_BURST
     assert guards._pending == {NODE: {"unknown-op": 5}}
-    assert conn.answer({"op": "helper.ping", "args": {}})["ok"] is True  # accepted lines are never limited
+    # accepted lines are never limited
+    assert node_conn.answer({"op": "helper.ping", "args": {}})["ok"] is True
     assert last(ctx)["decision"] == "accepted"
 
 
 def test_a_full_audit_log_refuses_the_node_but_not_root_or_audit_head(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    ctx: HelperContext, guards: Guards, node_conn: Connection, conn: Connection
 ) -> None:
     ctx.audit._held = ctx.audit._keep * 4
     assert ctx.audit.full
-    node = connection(ctx, guards, pair[1], uid=NODE)
     before = len(audit_lines(ctx))
-    assert node.answer({"op": "helper.ping", "args": {}}) == {
+    assert node_conn.answer({"op": "helper.ping", "args": {}}) == {
         "ok": False,
         "error": "refused",
         "reason": "audit-full",
         "message": "the audit log holds all the unexported files it may: read audit.head first",
     }
     assert len(audit_lines(ctx)) == before and guards._pending == {NODE: {"audit-full": 1}}
-    assert node.answer({"op": "audit.head", "args": {}})["ok"] is True
-    root = connection(ctx, guards, pair[1])
-    assert root.answer({"op": "helper.ping", "args": {}})["ok"] is True
-    assert node.answer({"op": 5, "args": {}})["reason"] == "bad-request"
+    assert node_conn.answer({"op": "audit.head", "args": {}})["ok"] is True
+    assert conn.answer({"op": "helper.ping", "args": {}})["ok"] is True
+    assert node_conn.answer({"op": 5, "args": {}})["reason"] == "bad-request"
 
 
 # --- locks ----------------------------------------------------------------------------------------------
@@ -748,46 +768,41 @@ def test_a_peer_that_may_not_use_the_socket_is_refused_and_closed(
 
 
 def test_the_loop_answers_each_request_until_the_end(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    guards: Guards, pair: tuple[socket.socket, socket.socket], node_conn: Connection
 ) -> None:
-    a, b = pair
-    conn = connection(ctx, guards, b, uid=NODE)
+    a = pair[0]
     a.sendall(encode_frame({"op": "helper.ping", "args": {}}) + encode_frame({"op": "nope", "args": {}}))
     a.shutdown(socket.SHUT_WR)
-    conn.serve()
+    node_conn.serve()
     assert read_frame(a)["result"]["peer_uid"] == NODE
     assert read_frame(a)["reason"] == "unknown-op"
-    assert conn.requests == 2 and guards.budget.used == 0
+    assert node_conn.requests == 2 and guards.budget.used == 0
 
 
 def test_the_loop_refuses_a_broken_frame_and_closes(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket], node_conn: Connection
 ) -> None:
-    a, b = pair
-    conn = connection(ctx, guards, b, uid=NODE)
+    a = pair[0]
     a.sendall(encode_frame({"op": "helper.ping", "args": {}}) + struct.pack(">I", 3) + b"{{{")
-    conn.serve()
+    node_conn.serve()
     assert read_frame(a)["ok"] is True
     answer = read_frame(a)
     assert (answer["ok"], answer["error"], answer["reason"]) == (False, "refused", "protocol")
     assert answer["message"].startswith("frame is not one JSON document: ")
     e = last(ctx)
     assert (e["op"], e["reason"], e["message"]) == ("(frame)", "protocol", answer["message"])
-    assert conn.requests == 1 and guards.budget.used == 0
+    assert node_conn.requests == 1 and guards.budget.used == 0
 
 
 def test_the_loop_answers_busy_when_the_budget_is_spent(
     ctx: HelperContext,
-    guards: Guards,
     pair: tuple[socket.socket, socket.socket],
-    monkeypatch: pytest.MonkeyPatch,
+    node_conn: Connection,
+    budget_spent: None,
 ) -> None:
-    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.05)
-    a, b = pair
-    guards.budget.used = BUDGET
-    conn = connection(ctx, guards, b, uid=NODE)
+    a = pair[0]
     a.sendall(encode_frame({"op": "helper.ping", "args": {}}))
-    conn.serve()
+    node_conn.serve()
     answer = read_frame(a)
     assert (answer["reason"], answer["message"]) == (
         "busy",
@@ -920,52 +935,41 @@ def test_the_servers_bind_their_sockets_with_their_modes(ctx: HelperContext, tmp
 
 
 def test_a_connection_past_the_cap_is_refused_busy(
-    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+    guards: Guards, srv: server.HelperServer, as_node: None
 ) -> None:
-    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
-    try:
-        monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
-        srv._slots = threading.BoundedSemaphore(1)
-        assert srv._slots.acquire(blocking=False)  # the one slot is taken
-        a, b = socket.socketpair()
-        with a:
-            srv.process_request(b, None)
-            assert read_frame(a) == {
-                "ok": False,
-                "error": "refused",
-                "reason": "busy",
-                "message": f"more than {MAX_CONNECTIONS} connections at once: try again later",
-            }
-        assert guards._pending == {NODE: {"busy": 1}}
-        srv._slots.release()
-        a, b = socket.socketpair()
-        with a:
-            srv.process_request(b, None)  # a slot: served on its own thread, then the slot is given back
-            a.sendall(encode_frame({"op": "helper.ping", "args": {}}))
-            a.settimeout(10)
-            assert read_frame(a)["result"]["peer_uid"] == NODE
-            a.shutdown(socket.SHUT_WR)
-            end = time.monotonic() + 10
-            while time.monotonic() < end and not srv._slots.acquire(blocking=False):
-                time.sleep(0.01)
-        srv._slots.release()
-    finally:
-        srv.server_close()
+    one_slot_taken(srv)
+    a, b = socket.socketpair()
+    with a:
+        srv.process_request(b, None)
+        assert read_frame(a) == {
+            "ok": False,
+            "error": "refused",
+            "reason": "busy",
+            "message": f"more than {MAX_CONNECTIONS} connections at once: try again later",
+        }
+    assert guards._pending == {NODE: {"busy": 1}}
+    srv._slots.release()
+    a, b = socket.socketpair()
+    with a:
+        srv.process_request(b, None)  # a slot: served on its own thread, then the slot is given back
+        a.sendall(encode_frame({"op": "helper.ping", "args": {}}))
+        a.settimeout(10)
+        assert read_frame(a)["result"]["peer_uid"] == NODE
+        a.shutdown(socket.SHUT_WR)
+        end = time.monotonic() + 10
+        while time.monotonic() < end and not srv._slots.acquire(blocking=False):
+            time.sleep(0.01)
+    srv._slots.release()
 
 
-def test_root_connections_take_no_slot(ctx: HelperContext, tmp_path: Path, guards: Guards) -> None:
-    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
-    try:
-        srv._slots = threading.BoundedSemaphore(1)
-        assert srv._slots.acquire(blocking=False)
-        a, b = socket.socketpair()
-        with a:
-            srv.process_request(b, None)
-            a.settimeout(10)
-            a.sendall(encode_frame({"op": "helper.ping", "args": {}}))
-            assert read_frame(a)["ok"] is True
-    finally:
-        srv.server_close()
+def test_root_connections_take_no_slot(srv: server.HelperServer) -> None:
+    one_slot_taken(srv)
+    a, b = socket.socketpair()
+    with a:
+        srv.process_request(b, None)
+        a.settimeout(10)
+        a.sendall(encode_frame({"op": "helper.ping", "args": {}}))
+        assert read_frame(a)["ok"] is True
 
 
 def test_a_group_is_named_or_shown_by_number() -> None:
@@ -1027,10 +1031,9 @@ def test_a_server_without_guards_makes_its_own_over_the_context(ctx: HelperConte
 
 
 def test_the_server_holds_at_most_max_connections_of_the_node(
-    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch, as_node: None
 ) -> None:
-    monkeypatch.setattr(server, "MAX_CONNECTIONS", 1)
-    monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
+    monkeypatch.setattr(server, "MAX_CONNECTIONS", 1)  # before the server: its slots are made of it
     srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
     try:
         a, b = socket.socketpair()
@@ -1045,85 +1048,57 @@ def test_the_server_holds_at_most_max_connections_of_the_node(
         srv.server_close()
 
 
-def test_a_peer_whose_credentials_cannot_be_read_is_closed(
-    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    def gone(_s: socket.socket) -> Peer:
-        raise OSError("gone")
-
-    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
-    try:
-        monkeypatch.setattr(server, "peer_credentials", gone)
-        a, b = socket.socketpair()
-        with a:
-            srv.process_request(b, None)
-            a.settimeout(10)
-            assert a.recv(1) == b""  # closed, not served
-    finally:
-        srv.server_close()
+def test_a_peer_whose_credentials_cannot_be_read_is_closed(srv: server.HelperServer, peer_gone: None) -> None:
+    a, b = socket.socketpair()
+    with a:
+        srv.process_request(b, None)
+        a.settimeout(10)
+        assert a.recv(1) == b""  # closed, not served
 
 
 def test_a_busy_refusal_to_a_peer_already_gone_is_quiet(
-    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+    guards: Guards, srv: server.HelperServer, as_node: None
 ) -> None:
-    monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
-    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
-    try:
-        srv._slots = threading.BoundedSemaphore(1)
-        assert srv._slots.acquire(blocking=False)
-        a, b = socket.socketpair()
-        a.close()
-        srv.process_request(b, None)  # the send fails (EPIPE): swallowed
-        assert guards._pending == {NODE: {"busy": 1}}
-    finally:
-        srv.server_close()
+    one_slot_taken(srv)
+    a, b = socket.socketpair()
+    a.close()
+    srv.process_request(b, None)  # the send fails (EPIPE): swallowed
+    assert guards._pending == {NODE: {"busy": 1}}
 
 
-def test_a_connections_thread_is_a_daemon_whatever_thread_accepts(
-    ctx: HelperContext, tmp_path: Path, guards: Guards
-) -> None:
+def test_a_connections_thread_is_a_daemon_whatever_thread_accepts(srv: server.HelperServer) -> None:
     """The accept loop may run on a thread that is not a daemon: a connection's thread still must not hold
     the process's exit (a node that never closes its connection would keep a stopped helper alive)."""
-    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
-    try:
-        assert not threading.current_thread().daemon
-        before = set(threading.enumerate())
-        a, b = socket.socketpair()
-        with a:
-            srv.process_request(b, None)  # on this thread, not a daemon
-            new = [t for t in threading.enumerate() if t not in before]
-            assert [t.daemon for t in new] == [True]
-            a.shutdown(socket.SHUT_WR)
-            new[0].join(10)
-    finally:
-        srv.server_close()
+    assert not threading.current_thread().daemon
+    before = set(threading.enumerate())
+    a, b = socket.socketpair()
+    with a:
+        srv.process_request(b, None)  # on this thread, not a daemon
+        new = [t for t in threading.enumerate() if t not in before]
+        assert [t.daemon for t in new] == [True]
+        a.shutdown(socket.SHUT_WR)
+        new[0].join(10)
 
 
 def test_a_busy_refusal_never_blocks_the_accept_thread(
-    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+    guards: Guards, srv: server.HelperServer, as_node: None
 ) -> None:
     """A peer past the cap that reads nothing (its socket's buffer full) gets no answer, and the accept
     thread goes on at once."""
-    monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
-    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
-    try:
-        srv._slots = threading.BoundedSemaphore(1)
-        assert srv._slots.acquire(blocking=False)
-        a, b = socket.socketpair()
-        with a:
-            b.setblocking(False)
-            with pytest.raises(BlockingIOError):
-                while True:
-                    b.send(b"x" * 65536)
-            b.setblocking(True)
-            accept = threading.Thread(target=srv.process_request, args=(b, None), daemon=True)
-            accept.start()
-            accept.join(5)
-            assert not accept.is_alive()
-            assert b.fileno() == -1  # closed by the server
-        assert guards._pending == {NODE: {"busy": 1}}
-    finally:
-        srv.server_close()
+    one_slot_taken(srv)
+    a, b = socket.socketpair()
+    with a:
+        b.setblocking(False)
+        with pytest.raises(BlockingIOError):
+            while True:
+                b.send(b"x" * 65536)
+        b.setblocking(True)
+        accept = threading.Thread(target=srv.process_request, args=(b, None), daemon=True)
+        accept.start()
+        accept.join(5)
+        assert not accept.is_alive()
+        assert b.fileno() == -1  # closed by the server
+    assert guards._pending == {NODE: {"busy": 1}}
 
 
 # --- edges found by the complete mutation run (docs/mutation.md) -------------------------------------------
@@ -1225,9 +1200,9 @@ def test_ancillary_data_other_than_descriptors_is_refused_and_never_read_as_desc
         a.sendmsg(
             [encode_frame({"op": "x", "args": {}})], [(socket.SOL_SOCKET, socket.SCM_CREDENTIALS, creds)]
         )
-        with pytest.raises(ProtocolError) as info:
-            conn.read_request()
-        assert str(info.value) == "file descriptors or other ancillary data were sent: the helper takes none"
+        assert (
+            read_refused(conn) == "file descriptors or other ancillary data were sent: the helper takes none"
+        )
         os.fstat(r)
         os.fstat(w)  # still open
     finally:
@@ -1236,19 +1211,12 @@ def test_ancillary_data_other_than_descriptors_is_refused_and_never_read_as_desc
 
 
 def test_a_frame_deadline_reached_to_the_instant_is_refused(
-    ctx: HelperContext,
-    guards: Guards,
-    pair: tuple[socket.socket, socket.socket],
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, conn: Connection
 ) -> None:
-    _, b = pair
-    conn = connection(ctx, guards, b)
     monkeypatch.setattr(server.time, "monotonic", lambda: 500.0)
     conn.buffer += b"\x00"
     conn.frame_deadline = 500.0
-    with pytest.raises(ProtocolError) as info:
-        conn.read_request()
-    assert str(info.value) == f"frame not complete within {server.FRAME_TIMEOUT_S:.0f} s"
+    assert read_refused(conn) == f"frame not complete within {server.FRAME_TIMEOUT_S:.0f} s"
 
 
 def _later(sock: socket.socket, data: bytes, delay: float) -> threading.Thread:
@@ -1258,14 +1226,10 @@ def _later(sock: socket.socket, data: bytes, delay: float) -> threading.Thread:
 
 
 def test_a_frame_completed_with_under_a_second_left_is_read(
-    ctx: HelperContext,
-    guards: Guards,
-    pair: tuple[socket.socket, socket.socket],
-    monkeypatch: pytest.MonkeyPatch,
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch, conn: Connection
 ) -> None:
     monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.8)
-    a, b = pair
-    conn = connection(ctx, guards, b)
+    a = pair[0]
     frame = encode_frame({"op": "x", "args": {}})
     a.sendall(frame[:6])
     t = _later(a, frame[6:], 0.05)
@@ -1276,16 +1240,12 @@ def test_a_frame_completed_with_under_a_second_left_is_read(
 
 
 def test_a_trickled_frame_gets_no_more_time_for_each_byte(
-    ctx: HelperContext,
-    guards: Guards,
-    pair: tuple[socket.socket, socket.socket],
-    monkeypatch: pytest.MonkeyPatch,
+    pair: tuple[socket.socket, socket.socket], monkeypatch: pytest.MonkeyPatch, conn: Connection
 ) -> None:
     """The deadline runs from the frame's first byte: bytes arriving one by one, each well within it, do not
     move it."""
     monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.5)
-    a, b = pair
-    conn = connection(ctx, guards, b)
+    a = pair[0]
     frame = encode_frame({"op": "x", "args": {}})
 
     def trickle() -> None:
@@ -1297,9 +1257,7 @@ def test_a_trickled_frame_gets_no_more_time_for_each_byte(
     t = threading.Thread(target=trickle)
     t.start()
     try:
-        with pytest.raises(ProtocolError) as info:
-            conn.read_request()
-        assert str(info.value) == "frame not complete within 0 s"
+        assert read_refused(conn) == "frame not complete within 0 s"
     finally:
         t.join()
 
@@ -1329,17 +1287,14 @@ def test_a_head_read_ahead_gets_the_frame_deadline(
                 t.join()
             a.sendall(first + nxt[:cut])  # the rest never comes: refused at the frame's deadline
             assert conn.read_request() == [1]
-            with pytest.raises(ProtocolError) as info:
-                conn.read_request()
-            assert str(info.value) == "frame not complete within 0 s"
+            assert read_refused(conn) == "frame not complete within 0 s"
 
 
 def test_a_large_answer_with_a_descriptor_is_sent_whole(
-    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+    pair: tuple[socket.socket, socket.socket], conn: Connection
 ) -> None:
     """More than the socket takes at once: the rest follows the part sent with the descriptor."""
-    a, b = pair
-    conn = connection(ctx, guards, b)
+    a = pair[0]
     doc = {"ok": True, "result": {"log": "z" * (2 * 1024 * 1024)}}
     got: dict[str, Any] = {}
 
@@ -1422,19 +1377,15 @@ def test_refused_and_failed_requests_show_their_arguments(
 
 
 def test_an_unexpected_error_before_the_op_is_looked_up_names_the_op_cut(
-    ctx: HelperContext,
-    guards: Guards,
-    pair: tuple[socket.socket, socket.socket],
-    monkeypatch: pytest.MonkeyPatch,
+    ctx: HelperContext, monkeypatch: pytest.MonkeyPatch, node_conn: Connection
 ) -> None:
     def broken(_self: Any) -> bool:
         raise OSError("audit directory gone")
 
     monkeypatch.setattr(AuditLog, "full", property(broken))
-    node = connection(ctx, guards, pair[1], uid=NODE)
     op = "o" * 150
     message = f"{'o' * 100}: OSError: audit directory gone"
-    assert node.answer({"op": op, "args": {}}) == {
+    assert node_conn.answer({"op": op, "args": {}}) == {
         "ok": False,
         "error": "failed",
         "reason": "internal",
@@ -1467,26 +1418,13 @@ def test_serving_a_peer_already_gone_is_quiet(ctx: HelperContext, guards: Guards
 
 
 def test_a_handler_whose_peer_is_gone_prints_nothing(
-    ctx: HelperContext,
-    tmp_path: Path,
-    guards: Guards,
-    monkeypatch: pytest.MonkeyPatch,
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], srv: server.HelperServer, peer_gone: None
 ) -> None:
     """socketserver prints a traceback for an exception a handler lets out: a peer gone is not one."""
-
-    def gone(_s: socket.socket) -> Peer:
-        raise OSError("gone")
-
-    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
-    try:
-        monkeypatch.setattr(server, "peer_credentials", gone)
-        a, b = socket.socketpair()
-        with a:
-            srv.process_request_thread(b, "")
-        assert capsys.readouterr().err == ""
-    finally:
-        srv.server_close()
+    a, b = socket.socketpair()
+    with a:
+        srv.process_request_thread(b, "")
+    assert capsys.readouterr().err == ""
 
 
 def test_a_socket_is_never_more_open_than_0600_before_its_mode_is_set(
@@ -1508,23 +1446,18 @@ def test_a_socket_is_never_more_open_than_0600_before_its_mode_is_set(
 
 
 def test_a_connection_whose_thread_cannot_start_gives_back_its_slot(
-    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch, srv: server.HelperServer, as_node: None
 ) -> None:
-    monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
-    srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
-    try:
-        srv._slots = threading.BoundedSemaphore(1)
+    srv._slots = threading.BoundedSemaphore(1)
 
-        def no_thread(_self: threading.Thread) -> None:
-            raise RuntimeError("can't start new thread")
+    def no_thread(_self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
 
-        a, b = socket.socketpair()
-        with a:
-            with monkeypatch.context() as m:
-                m.setattr(threading.Thread, "start", no_thread)
-                with pytest.raises(RuntimeError, match="can't start new thread"):
-                    srv.process_request(b, None)
-            assert b.fileno() == -1
-            assert srv._slots.acquire(blocking=False)  # the slot was given back
-    finally:
-        srv.server_close()
+    a, b = socket.socketpair()
+    with a:
+        with monkeypatch.context() as m:
+            m.setattr(threading.Thread, "start", no_thread)
+            with pytest.raises(RuntimeError, match="can't start new thread"):
+                srv.process_request(b, None)
+        assert b.fileno() == -1
+        assert srv._slots.acquire(blocking=False)  # the slot was given back
