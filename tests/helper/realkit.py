@@ -70,7 +70,8 @@ class NodeUser:
             subprocess.run(["id", "-g", self.name], check=True, capture_output=True, text=True).stdout
         )
 
-    def argv(self, code: str, *args: str) -> list[str]:
+    def python(self, code: str, *args: str) -> list[str]:
+        """The argv that runs the system's python3 with `code` and `args` as this user."""
         return [
             "setpriv",
             f"--reuid={self.uid}",
@@ -78,9 +79,13 @@ class NodeUser:
             "--init-groups",
             SYS_PY,
             "-c",
-            CLIENT + code,
+            code,
             *args,
         ]
+
+    def argv(self, code: str, *args: str) -> list[str]:
+        """`code` after the shared client programs (CLIENT), as this user."""
+        return self.python(CLIENT + code, *args)
 
     def run(self, code: str, *args: str, timeout: float = 120) -> Any:
         """Run `code` as this user; its stdout's last line, decoded as JSON."""

@@ -10,19 +10,15 @@ would see a compromised `bcd node`. Everything is removed afterwards.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
-import pytest
 from helperproc import HelperProcess, base_config, make_root, tree
-from testsupport import IN_CI, require_tool
+from realkit import NodeUser
 
-SYS_PY = "/usr/bin/python3"
 _CLIENT = (
     "import json,socket,struct,sys\n"
     "doc=sys.stdin.buffer.read()\n"
@@ -43,20 +39,8 @@ class RealNode:
     """A real account as the node, a simulated host and a helper serving that account."""
 
     def __init__(self, config_extra: str = "", setup: Any = None) -> None:
-        require_tool("useradd")
-        require_tool("setpriv")
-        if not os.path.exists(SYS_PY):
-            if IN_CI:
-                pytest.fail(f"{SYS_PY} is missing under CI: .ci/run installs python3")
-            pytest.skip(f"{SYS_PY} missing")
-        self.name = f"bcdn{secrets.token_hex(3)}"
-        subprocess.run(
-            ["useradd", "--system", "--no-create-home", "--shell", "/usr/sbin/nologin", self.name],
-            check=True,
-            capture_output=True,
-        )
-        self.uid = int(subprocess.run(["id", "-u", self.name], check=True, capture_output=True).stdout)
-        self.gid = int(subprocess.run(["id", "-g", self.name], check=True, capture_output=True).stdout)
+        self.user = NodeUser()
+        self.name, self.uid, self.gid = self.user.name, self.user.uid, self.user.gid
         self.parent = Path(tempfile.mkdtemp(prefix="bcd-node-", dir="/var/tmp"))
         self.helper: HelperProcess | None = None
         try:
@@ -84,16 +68,7 @@ class RealNode:
     def call(self, doc: dict[str, Any]) -> dict[str, Any]:
         """One request as the node's real account; the answer."""
         done = subprocess.run(
-            [
-                "setpriv",
-                f"--reuid={self.uid}",
-                f"--regid={self.gid}",
-                "--init-groups",
-                SYS_PY,
-                "-c",
-                _CLIENT,
-                self.h.socket_path,
-            ],
+            self.user.python(_CLIENT, self.h.socket_path),
             input=json.dumps(doc).encode(),
             capture_output=True,
             timeout=120,
@@ -129,5 +104,5 @@ class RealNode:
     def close(self) -> None:
         if self.helper is not None:
             self.helper.stop()
-        subprocess.run(["userdel", self.name], capture_output=True)
+        self.user.remove()
         shutil.rmtree(self.parent, ignore_errors=True)
