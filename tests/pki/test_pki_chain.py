@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from bcd_shared.pki import (
@@ -128,18 +129,22 @@ def _wrong_role(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
     return list(h.leaf(Role.APPROVER).chain), h.roots, Purpose.COMMAND
 
 
-def _no_role(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
+def _odd_leaf(h: Hierarchy, common_name: str, **flags: Any) -> tuple[list[bytes], Roots, Purpose]:
+    """A leaf that h's intermediate issued with these flags (valid from a day before NOW to a day after)."""
     leaf = issue_certificate(
         subject_public_key=KeyPair.generate().public_key,
-        common_name="plain",
+        common_name=common_name,
         issuer_key=h.ca_key,
         issuer_der=h.intermediate,
         not_before=NOW - DAY,
         not_after=NOW + DAY,
-        ca=False,
-        digital_signature=True,
+        **flags,
     )
     return [leaf, h.intermediate], h.roots, Purpose.COMMAND
+
+
+def _no_role(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
+    return _odd_leaf(h, "plain", ca=False, digital_signature=True)
 
 
 def _expired_leaf(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
@@ -264,34 +269,13 @@ def _intermediate_without_cert_sign(h: Hierarchy, w: Signer) -> tuple[list[bytes
 
 
 def _leaf_is_ca(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
-    leaf = issue_certificate(
-        subject_public_key=KeyPair.generate().public_key,
-        common_name="ca leaf",
-        issuer_key=h.ca_key,
-        issuer_der=h.intermediate,
-        not_before=NOW - DAY,
-        not_after=NOW + DAY,
-        ca=True,
-        path_length=0,
-        key_cert_sign=True,
-        digital_signature=True,
-        role=Role.WORKER,
+    return _odd_leaf(
+        h, "ca leaf", ca=True, path_length=0, key_cert_sign=True, digital_signature=True, role=Role.WORKER
     )
-    return [leaf, h.intermediate], h.roots, Purpose.COMMAND
 
 
 def _leaf_without_digital_signature(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
-    leaf = issue_certificate(
-        subject_public_key=KeyPair.generate().public_key,
-        common_name="no ds",
-        issuer_key=h.ca_key,
-        issuer_der=h.intermediate,
-        not_before=NOW - DAY,
-        not_after=NOW + DAY,
-        ca=False,
-        role=Role.WORKER,
-    )
-    return [leaf, h.intermediate], h.roots, Purpose.COMMAND
+    return _odd_leaf(h, "no ds", ca=False, role=Role.WORKER)
 
 
 def _root_alone(h: Hierarchy, w: Signer) -> tuple[list[bytes], Roots, Purpose]:
