@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -37,3 +40,25 @@ def require_shared(path: Path) -> Path:
             pytest.fail(f"{path} is missing under CI (CI lays ../shared/ beside the checkout)")
         pytest.skip(f"{path} not present beside this checkout")
     return path
+
+
+def wait_until(
+    what: str,
+    check: Callable[[], Any],
+    timeout: float = 30.0,
+    errors: tuple[type[Exception], ...] = (OSError,),
+) -> Any:
+    """`check()`'s first true result, tried every 0.1 s (`errors` it raises meanwhile count as not yet);
+    after `timeout` seconds an AssertionError naming `what` and the last result or error."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except errors as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")

@@ -25,23 +25,15 @@ from bcd_agent.status import StatusSnapshot, check, render, snapshot
 from bcd_agent.statusfile import process_start, read_status, status_path, write_status
 from bcd_simhost.seed import seed
 from clisupport import bcd
+from testsupport import wait_until
 
 NOW = 1_800_000_000.0
 
 
 def _wait(what: str, check_: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check_()
-        except (OSError, ValueError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+    return wait_until(
+        what, check_, timeout, errors=(OSError, ValueError)
+    )  # ValueError: status.json mid-write
 
 
 def _proc(args: list[str], log: Path) -> subprocess.Popen[bytes]:

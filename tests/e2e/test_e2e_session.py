@@ -29,7 +29,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from bcd_agent.devplane.admin import AdminClient
 from bcd_shared import wire
 from bcd_simhost import sim_system
 from bcd_simhost.seed import seed
+from testsupport import wait_until as _wait
 
 pytestmark = pytest.mark.slow
 
@@ -52,21 +53,6 @@ def _bcd(*args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "bcd_agent.cli", *args], capture_output=True, text=True, **kw
     )
-
-
-def _wait(what: str, check: Callable[[], Any], timeout: float = 30.0) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        try:
-            last = check()
-        except (OSError, ConnectionError) as exc:
-            last = exc
-        else:
-            if last:
-                return last
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
 
 
 def _free_port() -> int:
