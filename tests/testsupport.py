@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -62,3 +63,32 @@ def wait_until(
                 return last
         time.sleep(0.1)
     raise AssertionError(f"timed out waiting for {what}; last: {last!r}")
+
+
+def systemd_root(tmp_path: Path, programs: Iterable[str] = ()) -> Path:
+    """A directory standing for / under `systemd-analyze verify --root`: the system's own units (so targets
+    resolve), an empty etc/systemd/system for the units under test, and executable stand-ins for
+    `programs` (verify checks that ExecStart's program exists)."""
+    root = tmp_path / "root"
+    system_units = next(
+        p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system")) if p.is_dir()
+    )
+    shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
+    (root / "etc/systemd/system").mkdir(parents=True)
+    for prog in programs:
+        path = root / prog.lstrip("/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text("#!/bin/sh\nexit 0\n")
+        path.chmod(0o755)
+    return root
+
+
+def systemd_verify(root: Path, unit: str) -> subprocess.CompletedProcess[str]:
+    """`systemd-analyze verify` of /etc/systemd/system/`unit` under `root` (a `systemd_root`)."""
+    tool = require_tool("systemd-analyze")
+    return subprocess.run(
+        [tool, "verify", "--man=no", f"--root={root}", f"/etc/systemd/system/{unit}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )

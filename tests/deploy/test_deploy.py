@@ -18,7 +18,8 @@ import pytest
 import yaml
 from bcd_agent.config import parse_config
 from bcd_shared.version import VERSION
-from testsupport import REPO, require_tool
+from testsupport import REPO, require_tool, systemd_root
+from testsupport import systemd_verify as verify
 
 DEPLOY = REPO / "deploy"
 UNITS = ("bcd-node.service", "bcd-helper.service")
@@ -42,31 +43,10 @@ def scratch_root(tmp_path: Path, *, programs: bool = True) -> Path:
     """A directory standing for / with the system's own units (so targets resolve), the two units,
     and, unless told otherwise, executable stand-ins for the programs the units run: the real
     programs are installed by the package, not by the units, and verify checks ExecStart exists."""
-    root = tmp_path / "root"
-    system_units = next(
-        p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system")) if p.is_dir()
-    )
-    shutil.copytree(system_units, root / "usr/lib/systemd/system", symlinks=True)
-    (root / "etc/systemd/system").mkdir(parents=True)
+    root = systemd_root(tmp_path, PROGRAMS if programs else ())
     for unit in UNITS:
         shutil.copy(DEPLOY / unit, root / "etc/systemd/system" / unit)
-    if programs:
-        for prog in PROGRAMS:
-            path = root / prog.lstrip("/")
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text("#!/bin/sh\nexit 0\n")
-            path.chmod(0o755)
     return root
-
-
-def verify(root: Path, unit: str) -> subprocess.CompletedProcess[str]:
-    tool = require_tool("systemd-analyze")
-    return subprocess.run(
-        [tool, "verify", "--man=no", f"--root={root}", f"/etc/systemd/system/{unit}"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 @pytest.mark.realhost

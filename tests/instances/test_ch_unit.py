@@ -5,7 +5,6 @@ and `systemd-analyze security --offline=true` (exposure at most 1.5)."""
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from bcd_shared.chunit import (
     unit_name,
     vmm_user_name,
 )
-from testsupport import require_tool
+from testsupport import require_tool, systemd_root, systemd_verify
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -179,26 +178,9 @@ def test_accounts_argv() -> None:
 
 
 def _scratch(tmp_path: Path, spec: CHLaunch) -> Path:
-    root = tmp_path / "root"
-    units = next(p for p in (Path("/usr/lib/systemd/system"), Path("/lib/systemd/system")) if p.is_dir())
-    shutil.copytree(units, root / "usr/lib/systemd/system", symlinks=True)
-    (root / "etc/systemd/system").mkdir(parents=True)
+    root = systemd_root(tmp_path, (spec.binary,))
     (root / "etc/systemd/system" / spec.unit).write_text(unit_file(spec))
-    binary = root / spec.binary.lstrip("/")
-    binary.parent.mkdir(parents=True, exist_ok=True)
-    binary.write_text("#!/bin/sh\nexit 0\n")
-    binary.chmod(0o755)
     return root
-
-
-def _verify(root: Path, unit: str) -> subprocess.CompletedProcess[str]:
-    tool = require_tool("systemd-analyze")
-    return subprocess.run(
-        [tool, "verify", "--man=no", f"--root={root}", f"/etc/systemd/system/{unit}"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 @pytest.mark.realhost
@@ -216,7 +198,7 @@ def test_the_generated_unit_passes_systemd_analyze_verify_dlv_chu_30(
 ) -> None:
     """DLV-CHU-30: the whole generated unit, through the real systemd (verify: empty stderr)."""
     spec = launch(**kw)
-    result = _verify(_scratch(tmp_path, spec), spec.unit)
+    result = systemd_verify(_scratch(tmp_path, spec), spec.unit)
     assert result.stderr == "" and result.returncode == 0
 
 
@@ -227,7 +209,7 @@ def test_verify_is_live(tmp_path: Path) -> None:
     root = _scratch(tmp_path, spec)
     path = root / "etc/systemd/system" / spec.unit
     path.write_text(path.read_text().replace("LockPersonality=yes", "LockPersonalty=yes"))
-    assert "LockPersonalty" in _verify(root, spec.unit).stderr
+    assert "LockPersonalty" in systemd_verify(root, spec.unit).stderr
 
 
 @pytest.mark.realhost
