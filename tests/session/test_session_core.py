@@ -250,6 +250,30 @@ def test_DLV_SIG_16_signed_spec_rule_once_roots_are_known(tmp_path: Path, pki: P
     assert [s.generation for s in rec.specs] == [3]
 
 
+def test_DLV_SIG_15_a_present_spec_signature_is_verified_not_just_seen(tmp_path: Path, pki: Pki) -> None:
+    """The signature is checked over the exact body bytes, under purpose `desired-state`, by a key the
+    chain binds: a signature of the trusted worker over other bytes, or under the `command` purpose,
+    is present and well-formed and still refused; the right one is applied."""
+    core, out, rec, _ = make(tmp_path, pki)
+    connect(core, out, bundle=pki.bundle())
+    other = pki.spec(1)
+    moved = pki.spec(2)
+    moved.signature = other.signature  # the worker's signature, of generation 1's body
+    core.handle(wire.GatewayMessage(desired_state=moved))
+    as_command = pki.spec(3)
+    as_command.signature = pki.worker.sign(Purpose.COMMAND, bytes(as_command.body))
+    core.handle(wire.GatewayMessage(desired_state=as_command))
+    no_chain = pki.spec(4)
+    no_chain.signer_chain = []
+    core.handle(wire.GatewayMessage(desired_state=no_chain))
+    assert rec.specs == [] and core.journal.applied_generation == 0
+    assert len(core.state.refused_specs) == 3
+    core.handle(wire.GatewayMessage(desired_state=pki.spec(5)))
+    assert [s.generation for s in rec.specs] == [5]
+    stored = core.journal.load_spec()
+    assert stored is not None and stored.signature == pki.spec(5).signature
+
+
 def test_signed_spec_rule_not_enforced_without_roots(tmp_path: Path, pki: Pki) -> None:
     core, out, rec, _ = make(tmp_path, pki)
     connect(core, out, bundle=pki.bundle(roots=False))
