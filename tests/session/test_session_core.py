@@ -513,6 +513,31 @@ def test_DLV_JRN_14_the_mark_is_mirrored_and_a_lost_journal_does_not_reset_it(
     fresh.journal.close()
 
 
+def test_DLV_JRN_12_the_mark_never_moves_back(tmp_path: Path, pki: Pki) -> None:
+    """An older heartbeat, an older (but admitted) Welcome and an older mirror in identity.json at start
+    all leave the mark where it is; the node's heartbeat reports the highest time seen."""
+    data = tmp_path / "data"
+    core = _persisting(data, pki)
+    mark_ms = int(time.time() * 1000)
+    connect(core, [], server_ms=mark_ms)
+    high_ms = mark_ms + 120_000
+    core.handle(wire.GatewayMessage(heartbeat=wire.GatewayHeartbeat(server_time=high_ms)))
+    core.handle(wire.GatewayMessage(heartbeat=wire.GatewayHeartbeat(server_time=mark_ms + 10_000)))
+    assert core.journal.server_time_mark == high_ms / 1000
+    core.detach()
+    core.attach([].append)
+    core.handle(welcome(high_ms - 60_000))  # a minute behind: admitted, and the mark stays
+    assert core.state.welcomed and core.journal.server_time_mark == high_ms / 1000
+    sent = core.heartbeat().heartbeat
+    assert sent is not None and sent.server_time_mark == high_ms
+    core.journal.close()
+    # identity.json mirrors an older mark than the journal's: the journal keeps its own.
+    ident.save(data, ident.with_mark(pki.identity(), mark_ms))
+    again = _persisting(data, pki, identity=ident.load(data))
+    assert again.journal.server_time_mark == high_ms / 1000
+    again.journal.close()
+
+
 class BatchingRecorder(Recorder):
     """A dispatcher that records when the session opens and closes its admission batch."""
 
