@@ -14,6 +14,7 @@ import trio.testing
 from bcd_agent.dispatch.command import CommandEnvelope, UpdateState
 from bcd_agent.dispatch.handlers import CommandFailed, RunContext
 from bcd_agent.dispatch.kinds import UPGRADE_KIND, Lane
+from bcd_agent.dispatch.trust import BundleTrust
 from bcd_agent.journal import CommandState, EventClass
 from bcd_agent.kinds.testing import EffectHandler, effect_handlers, effect_payload
 from bcd_shared import wire
@@ -740,3 +741,35 @@ async def test_DLV_CMD_13_attested_in_the_body_makes_the_result_node_signed(
         result=done.result,
         node_id=NODE,
     )
+
+
+async def test_DLV_ACK_01_REC_03_a_delivery_is_resolved_against_the_journal_before_any_check(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Redelivered once every acceptance check would refuse it (past not_after, upgrade-only, now
+    unsigned under roots), a settled command still gets its stored result, and an interrupted one its
+    `interrupted`: the journal answers first."""
+    h = Harness(tmp_path / "data", pki)
+    log = tmp_path / "e"
+    done_cmd = make_command(pki, kind="test.effect", not_after=T0 + dt.timedelta(minutes=1), sign="none")
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        d.deliver(done_cmd)
+        first = await h.sink.wait_terminal(done_cmd.id)
+        n.cancel_scope.cancel()
+    assert first.state is UpdateState.SUCCEEDED
+    cut = make_command(pki, kind="test.effect", not_after=T0 + dt.timedelta(minutes=1), sign="none")
+    await _crash_while_running(h, tmp_path, cut, after_effect=True)
+    h.reopen()
+    h.trust = BundleTrust(pki.bundle())  # roots now: both bodies are unsigned
+    h.clock.offset_s = 600  # and past their not_after
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        d.set_upgrade_only(True)
+        d.deliver(done_cmd)
+        d.deliver(cut)
+        n.cancel_scope.cancel()
+    assert h.sink.of(done_cmd.id) == [first]
+    (again,) = h.sink.of(cut.id)
+    assert (again.state, again.error_code) == (UpdateState.FAILED, "interrupted")
+    assert list(effect_ids(log)).count(done_cmd.id) == 1
