@@ -282,6 +282,29 @@ def test_DLV_RES_09_10_SIG_19_updates_scoped_to_the_node_and_stored_exactly(tmp_
     )
 
 
+def test_DLV_RES_07_a_result_lands_without_the_steps_before_it(tmp_path: Path) -> None:
+    """A terminal update on a command never reported ACKED or RUNNING is stored and acknowledged; a late
+    ACKED or RUNNING (the one that was lost, arriving after) moves nothing back."""
+    plane, node = _plane(tmp_path)
+    straight = plane.enqueue(node, "inventory.refresh")
+    acked_lost = plane.enqueue(node, "inventory.refresh")
+    session, receive, got = _session(plane, node)
+    assert {b.id for b in _commands(got)} == {straight, acked_lost}
+    plane.on_update(session, wire.CommandUpdate(command_id=straight, state=wire.CommandState.REJECTED))
+    plane.on_update(session, wire.CommandUpdate(command_id=acked_lost, state=wire.CommandState.RUNNING))
+    plane.on_update(
+        session, wire.CommandUpdate(command_id=acked_lost, state=wire.CommandState.SUCCEEDED, result=b"r")
+    )
+    acks = [m.ack.command_ids for m in _drain(receive) if m.ack is not None]
+    assert acks == [[straight], [acked_lost]]
+    for late in (wire.CommandState.ACKED, wire.CommandState.RUNNING):
+        plane.on_update(session, wire.CommandUpdate(command_id=acked_lost, state=late))
+        plane.on_update(session, wire.CommandUpdate(command_id=straight, state=late))
+    assert (plane.command(straight) or {})["state"] == "rejected"
+    record = plane.command(acked_lost) or {}
+    assert record["state"] == "succeeded" and bytes.fromhex(record["result"]) == b"r"
+
+
 def test_DLV_EVT_07_acked_event_seq_advanced_and_ack_answered(tmp_path: Path) -> None:
     """The ack half of DLV-EVT-07 (report handlers are the real gateway's, docs/devplane.md)."""
     plane, node = _plane(tmp_path)
