@@ -773,3 +773,69 @@ async def test_DLV_ACK_01_REC_03_a_delivery_is_resolved_against_the_journal_befo
     (again,) = h.sink.of(cut.id)
     assert (again.state, again.error_code) == (UpdateState.FAILED, "interrupted")
     assert list(effect_ids(log)).count(done_cmd.id) == 1
+
+
+def _with_body(cmd: CommandEnvelope, **fields: object) -> CommandEnvelope:
+    """`cmd` with body fields replaced, through the wire edge (unsigned: the harness has no roots)."""
+    from bcd_agent.dispatch.wire import envelope_from_wire
+
+    body = wire.CommandBody.parse(cmd.body_bytes)
+    for name, value in fields.items():
+        setattr(body, name, value)
+    return envelope_from_wire(wire.Command(body=bytes(body)))
+
+
+class _Broker:
+    """The session's secret requests, as the dispatcher sees them: records what was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str, str]] = []
+
+    async def fetch(self, ref: str, *, workflow_id: str, step_id: str) -> bytes:
+        self.asked.append((ref, workflow_id, step_id))
+        return b"value-of-" + ref.encode()
+
+
+class _NeedsSecret:
+    """A kind that needs a secret before its effect (a BMC password, a registry token)."""
+
+    def resources(self, command: CommandEnvelope) -> frozenset[str]:
+        return frozenset()
+
+    async def run(self, command: CommandEnvelope, ctx: RunContext) -> bytes:
+        value = await ctx.secret("secret://pool/bmc")
+        await ctx.begin_effect()
+        return value
+
+
+async def test_DLV_CMD_14_a_secret_asked_for_a_command_binds_to_its_workflow_step(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """The secret request names the command's workflow_id and step_id; a command that names no workflow
+    step gets no secret (FAILED `secret-unbound`, nothing asked, no effect begun), nor does a command on an
+    agent without a broker (`secret-unavailable`)."""
+    h = Harness(tmp_path / "data", pki)
+    broker = _Broker()
+    bound = _with_body(make_command(pki), workflow_id="wf-9", step_id="power-cycle")
+    unbound = make_command(pki)
+    half = _with_body(make_command(pki), workflow_id="wf-9")
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher({"test.effect": _NeedsSecret()}, secrets=broker))
+        for cmd in (bound, unbound, half):
+            d.deliver(cmd)
+        done = await h.sink.wait_terminal(bound.id)
+        refused = [await h.sink.wait_terminal(c.id) for c in (unbound, half)]
+        n.cancel_scope.cancel()
+    assert done.state is UpdateState.SUCCEEDED and done.result == b"value-of-secret://pool/bmc"
+    assert broker.asked == [("secret://pool/bmc", "wf-9", "power-cycle")]
+    for cmd, r in zip((unbound, half), refused, strict=True):
+        assert (r.state, r.error_code) == (UpdateState.FAILED, "secret-unbound")
+        assert UpdateState.RUNNING not in h.sink.states(cmd.id)
+    h.reopen()
+    lone = _with_body(make_command(pki), workflow_id="wf-9", step_id="power-cycle")
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher({"test.effect": _NeedsSecret()}))
+        d.deliver(lone)
+        r = await h.sink.wait_terminal(lone.id)
+        n.cancel_scope.cancel()
+    assert (r.state, r.error_code) == (UpdateState.FAILED, "secret-unavailable")
