@@ -710,6 +710,7 @@ class Node:
                 clock=clock,
                 handlers=self.handlers,
                 signer=result_signer,
+                secrets=self.secrets,
                 kinds=kinds,
                 applied_generation=journal.applied_generation,
             )

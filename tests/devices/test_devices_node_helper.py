@@ -62,7 +62,8 @@ def test_DEV_UNPRIV_06_node_with_helper_socket_binds_holds_through_the_helper(
 ) -> None:
     """DEV-UNPRIV-06 (the helper setup): a node whose config names the helper's socket binds a hold, and the
     hold's CDI spec and env file are written and removed by the helper (its audit log shows file.write and
-    file.remove of each kind, accepted, for the allocation), not by the node."""
+    file.remove of each kind, accepted, for the allocation), not by the node. Covers DLV-PRIV-01: the
+    requests name the kind (`cdi`, `allocation-env`) and the allocation id, never a path."""
     section = _devices_section(sim_root, tmp_path, SOCKET)
     hold = DeviceAssignment("a1", "rsv_a1", BINDING_HOLD, (DeviceRef(G0, "gpu"),), None)
     assert _converge(section, DevicesSpec(1, (hold,))) is SectionState.CONVERGED
@@ -76,6 +77,7 @@ def test_DEV_UNPRIV_06_node_with_helper_socket_binds_holds_through_the_helper(
         ("file.write", "allocation-env", "a1", "accepted"),
         ("file.write", "cdi", "a1", "accepted"),
     ]
+    assert not any("path" in a["args"] for a in helper.audit_lines() if a["op"].startswith("file."))
     assert _converge(section, DevicesSpec(2, ())) is SectionState.CONVERGED
     assert not (sim_root / "etc/cdi/bcd-a1.json").exists()
     removes = [(a["op"], a["args"].get("kind")) for a in helper.audit_lines() if a["op"] == "file.remove"]

@@ -221,6 +221,34 @@ def test_DLV_DSP_04_LANE_04_credits_and_order_within_a_lane(tmp_path: Path) -> N
     assert [b.id for b in _commands(_drain(receive))] == [ids[Lane.BULK][-1]]
 
 
+def test_DLV_CMD_02_the_stored_body_and_signature_are_resent_byte_for_byte(tmp_path: Path) -> None:
+    """Stored at enqueue; the first send and a redelivery on a new session carry exactly those bytes."""
+    plane, node = _plane(tmp_path)
+    cid = plane.enqueue(node, "inventory.refresh")
+    row = plane.store.one("SELECT body, signature FROM commands WHERE id = ?", cid)
+    stored = (bytes(row["body"]), bytes(row["signature"]))
+    _s1, _r1, first = _session(plane, node)
+    _s2, _r2, again = _session(plane, node)  # the node reconnects before answering: redelivered
+    sent = [
+        (bytes(m.command.body), bytes(m.command.signature)) for m in first + again if m.command is not None
+    ]
+    assert sent == [stored, stored]
+    verify_signature(plane.keys.key("worker").public_key, Purpose.COMMAND, stored[0], stored[1])
+
+
+def test_DLV_CMD_05_seq_is_per_node_and_gives_the_replay_order(tmp_path: Path) -> None:
+    plane, node = _plane(tmp_path)
+    other = _joined(plane)
+    mine = [plane.enqueue(node, "inventory.refresh") for _ in range(3)]
+    theirs = plane.enqueue(other, "inventory.refresh")
+    mine.append(plane.enqueue(node, "diag.nvml"))
+    _s, _r, got = _session(plane, node)
+    bodies = _commands(got)
+    assert [b.id for b in bodies] == mine  # replayed in seq order
+    assert [b.seq for b in bodies] == [1, 2, 3, 4]  # the other node's command took none of them
+    assert (plane.command(theirs) or {})["seq"] == 1
+
+
 def test_DLV_CMD_17_invalid_stored_body_cancelled_not_sent(tmp_path: Path) -> None:
     plane, node = _plane(tmp_path)
     other = plane.enqueue(node, "inventory.refresh")
@@ -280,6 +308,29 @@ def test_DLV_RES_09_10_SIG_19_updates_scoped_to_the_node_and_stored_exactly(tmp_
     assert (
         bytes.fromhex(record["result"]) == b"\x08\x01raw" and bytes.fromhex(record["node_sig"]) == bogus_sig
     )
+
+
+def test_DLV_RES_07_a_result_lands_without_the_steps_before_it(tmp_path: Path) -> None:
+    """A terminal update on a command never reported ACKED or RUNNING is stored and acknowledged; a late
+    ACKED or RUNNING (the one that was lost, arriving after) moves nothing back."""
+    plane, node = _plane(tmp_path)
+    straight = plane.enqueue(node, "inventory.refresh")
+    acked_lost = plane.enqueue(node, "inventory.refresh")
+    session, receive, got = _session(plane, node)
+    assert {b.id for b in _commands(got)} == {straight, acked_lost}
+    plane.on_update(session, wire.CommandUpdate(command_id=straight, state=wire.CommandState.REJECTED))
+    plane.on_update(session, wire.CommandUpdate(command_id=acked_lost, state=wire.CommandState.RUNNING))
+    plane.on_update(
+        session, wire.CommandUpdate(command_id=acked_lost, state=wire.CommandState.SUCCEEDED, result=b"r")
+    )
+    acks = [m.ack.command_ids for m in _drain(receive) if m.ack is not None]
+    assert acks == [[straight], [acked_lost]]
+    for late in (wire.CommandState.ACKED, wire.CommandState.RUNNING):
+        plane.on_update(session, wire.CommandUpdate(command_id=acked_lost, state=late))
+        plane.on_update(session, wire.CommandUpdate(command_id=straight, state=late))
+    assert (plane.command(straight) or {})["state"] == "rejected"
+    record = plane.command(acked_lost) or {}
+    assert record["state"] == "succeeded" and bytes.fromhex(record["result"]) == b"r"
 
 
 def test_DLV_EVT_07_acked_event_seq_advanced_and_ack_answered(tmp_path: Path) -> None:

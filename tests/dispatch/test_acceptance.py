@@ -247,6 +247,28 @@ def test_DLV_QRM_05_a_used_leaf_admits_nothing_else(pki: Pki, ledger: QuorumLedg
     assert isinstance(precheck(cmd, c, reexecute=True), Accept)
 
 
+def test_DLV_CMD_16_batch_id_names_the_batch_and_empty_means_unbatched(
+    pki: Pki, ledger: QuorumLedger
+) -> None:
+    """The body's batch_id must be the batch the approval is for; an empty one makes the command
+    unbatched, counted against the hourly allowance whatever approval travels beside it."""
+    cid = ulid()
+    batch = approved_batch(pki, "b-7", [leaf_for(cid, "test.destructive")], 0)
+    c = ctx(ledger, pki.bundle(approvers=3, required=2, allowance=0))
+    v = precheck(make_command(pki, id=cid, kind="test.destructive", batch_id="b-7", batch=batch), c)
+    assert (
+        isinstance(v, Accept) and isinstance(v.claim, LeafClaim) and v.claim.admission.leaf.startswith("b-7/")
+    )
+    v = precheck(make_command(pki, id=cid, kind="test.destructive", batch_id="b-8", batch=batch), c)
+    assert isinstance(v, Reject) and v.reason is RejectReason.BATCH_UNAPPROVED
+    assert "'b-7'" in v.message and "'b-8'" in v.message
+    v = precheck(make_command(pki, id=cid, kind="test.destructive", batch_id="", batch=batch), c)
+    assert isinstance(v, Reject) and v.reason is RejectReason.UNBATCHED_LIMIT
+    one = ctx(ledger, pki.bundle(approvers=3, required=2, allowance=1))
+    v = precheck(make_command(pki, id=cid, kind="test.destructive", batch_id="", batch=batch), one)
+    assert isinstance(v, Accept) and v.claim == UnbatchedClaim()
+
+
 # --- the order ------------------------------------------------------------------------------------
 
 # One fault per check, in the seeds' order; the first present must decide.

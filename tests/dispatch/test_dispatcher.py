@@ -14,6 +14,7 @@ import trio.testing
 from bcd_agent.dispatch.command import CommandEnvelope, UpdateState
 from bcd_agent.dispatch.handlers import CommandFailed, RunContext
 from bcd_agent.dispatch.kinds import UPGRADE_KIND, Lane
+from bcd_agent.dispatch.trust import BundleTrust
 from bcd_agent.journal import CommandState, EventClass
 from bcd_agent.kinds.testing import EffectHandler, effect_handlers, effect_payload
 from bcd_shared import wire
@@ -544,3 +545,297 @@ async def test_DLV_QRM_05_leaf_runs_once_even_after_journal_loss(tmp_path: Path,
         n.cancel_scope.cancel()
     assert (done.state, done.reason) == (UpdateState.REJECTED, "BATCH_UNAPPROVED")
     assert list(effect_ids(log)) == [cid]
+
+
+# --- the command body's fields (DLV-CMD) ------------------------------------------------------------
+
+
+def _relaned(cmd: CommandEnvelope, lane: wire.Lane) -> CommandEnvelope:
+    """`cmd` with its body's lane replaced, through the wire edge (unsigned: the harness has no roots)."""
+    from bcd_agent.dispatch.wire import envelope_from_wire
+
+    body = wire.CommandBody.parse(cmd.body_bytes)
+    body.lane = lane
+    return envelope_from_wire(wire.Command(body=bytes(body)))
+
+
+async def test_DLV_CMD_04_a_command_for_another_node_never_runs(tmp_path: Path, pki: Pki) -> None:
+    h = Harness(tmp_path / "data", pki)
+    log = tmp_path / "e"
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        other = make_command(pki, node_id="node-b")
+        mine = make_command(pki)
+        d.deliver(other)
+        d.deliver(mine)
+        await h.sink.wait_terminal(mine.id)
+        n.cancel_scope.cancel()
+    assert [(u.state, u.reason) for u in h.sink.of(other.id)] == [(UpdateState.REJECTED, "UNSUPPORTED")]
+    assert "node-b" in h.sink.of(other.id)[0].message
+    assert list(effect_ids(log)) == [mine.id]
+    entry = h.journal.get_command(other.id)
+    assert entry is not None and entry.state is CommandState.REJECTED
+
+
+async def test_DLV_CMD_07_each_lane_takes_its_own_commands_and_a_body_without_one_is_refused(
+    tmp_path: Path, pki: Pki
+) -> None:
+    h = Harness(tmp_path / "data", pki)
+    log = tmp_path / "e"
+    gate = Gate()
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log, during_effect=gate))))
+        by_lane = {
+            Lane.CONTROL: make_command(pki, kind="test.effect"),
+            Lane.PROVISION: make_command(pki, kind="test.provision"),
+            Lane.BULK: make_command(pki, kind="test.bulk"),
+        }
+        laneless = _relaned(make_command(pki, kind="test.effect"), wire.Lane.UNSPECIFIED)
+        elsewhere = _relaned(make_command(pki, kind="test.provision"), wire.Lane.BULK)
+        for cmd in (*by_lane.values(), laneless, elsewhere):
+            d.deliver(cmd)
+        for cmd in by_lane.values():
+            await h.sink.wait_state(cmd.id, UpdateState.RUNNING)
+        # Each command holds a credit of its own lane, and only that.
+        assert {lane: d.credits_in_use(lane) for lane in Lane} == dict.fromkeys(Lane, 1)
+        gate.release.set()
+        for cmd in by_lane.values():
+            assert (await h.sink.wait_terminal(cmd.id)).state is UpdateState.SUCCEEDED
+        n.cancel_scope.cancel()
+    assert laneless.lane is None
+    for refused in (laneless, elsewhere):
+        done = h.sink.terminal(refused.id)
+        assert done is not None and (done.state, done.reason) == (UpdateState.REJECTED, "UNSUPPORTED")
+        assert "lane" in done.message
+    assert sorted(effect_ids(log)) == sorted(c.id for c in by_lane.values())
+
+
+async def test_DLV_CMD_08_not_after_is_judged_in_server_time_and_a_late_command_never_starts(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """The host clock is an hour off either way; only the server time (the Welcome offset) decides."""
+    h = Harness(tmp_path / "data", pki)
+    log = tmp_path / "e"
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        now = h.clock.server_now()
+        h.clock.host_jump_s = 3600.0  # the host thinks it is an hour later: still in time
+        in_time = make_command(pki, not_after=now + dt.timedelta(minutes=5))
+        d.deliver(in_time)
+        assert (await h.sink.wait_terminal(in_time.id)).state is UpdateState.SUCCEEDED
+        h.clock.host_jump_s = -3600.0  # the host thinks it is an hour earlier: still too late
+        late = make_command(pki, not_after=now - dt.timedelta(seconds=1))
+        d.deliver(late)
+        done = await h.sink.wait_terminal(late.id)
+        n.cancel_scope.cancel()
+    assert (done.state, done.reason) == (UpdateState.REJECTED, "EXPIRED")
+    assert UpdateState.RUNNING not in h.sink.states(late.id)
+    assert list(effect_ids(log)) == [in_time.id]
+
+
+async def test_DLV_CMD_09_min_generation_0_presupposes_no_spec(tmp_path: Path, pki: Pki) -> None:
+    """0 runs on a node that holds no spec at all and asks for none; a generation above the applied one
+    waits for it, one at or below runs."""
+    h = Harness(tmp_path / "data", pki)
+    log = tmp_path / "e"
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log)), applied_generation=0))
+        none = make_command(pki, min_generation=0)
+        d.deliver(none)
+        assert (await h.sink.wait_terminal(none.id)).state is UpdateState.SUCCEEDED
+        assert h.specs.sent == []
+        needs_3 = make_command(pki, min_generation=3)
+        d.deliver(needs_3)
+        assert d.deferred_ids() == (needs_3.id,) and h.specs.sent == [0]
+        d.spec_applied(2)
+        assert d.deferred_ids() == (needs_3.id,)
+        needs_2 = make_command(pki, min_generation=2)
+        d.deliver(needs_2)
+        assert (await h.sink.wait_terminal(needs_2.id)).state is UpdateState.SUCCEEDED
+        d.spec_applied(3)
+        assert (await h.sink.wait_terminal(needs_3.id)).state is UpdateState.SUCCEEDED
+        n.cancel_scope.cancel()
+    assert list(effect_ids(log)) == [none.id, needs_2.id, needs_3.id]
+
+
+@pytest.mark.parametrize("retry_safe", [True, False])
+async def test_DLV_CMD_10_retry_safe_in_the_body_decides_whether_a_crash_reruns_the_command(
+    tmp_path: Path, pki: Pki, retry_safe: bool
+) -> None:
+    """test.retry is retry-safe in the table; the body's flag decides: re-run, or FAILED interrupted."""
+    h = Harness(tmp_path / "data", pki)
+    cmd = make_command(pki, kind="test.retry", retry_safe=retry_safe)
+    await _crash_while_running(h, tmp_path, cmd, after_effect=True)
+    h.reopen()
+    log = tmp_path / "e2"
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    if retry_safe:
+        assert done.state is UpdateState.SUCCEEDED and list(effect_ids(log)) == [cmd.id]
+    else:
+        assert (done.state, done.error_code) == (UpdateState.FAILED, "interrupted")
+        assert not log.exists()
+
+
+class _ProcessEnded(BaseException):
+    """What a self-terminating side effect does to the process: nothing after it runs."""
+
+
+def _end_process() -> None:
+    raise _ProcessEnded
+
+
+async def test_DLV_CMD_12_a_self_terminating_effect_ends_the_process_and_the_next_boot_completes_it(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """The process that runs the effect reports no outcome (it ends with it); `running{boot_id}` is on
+    disk by then, so the next boot reports SUCCEEDED `rebooted` and the effect is not run again."""
+    h = Harness(tmp_path / "data", pki)
+    log = tmp_path / "e"
+    cmd = make_command(pki, kind="test.reboot")
+    assert cmd.self_terminating
+    with pytest.raises(BaseExceptionGroup) as ended:
+        async with trio.open_nursery() as n:
+            d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log, terminate=_end_process))))
+            d.deliver(cmd)
+            await trio.sleep_forever()
+    assert ended.group_contains(_ProcessEnded)
+    assert h.sink.states(cmd.id) == [UpdateState.ACKED, UpdateState.RUNNING]
+    entry = h.journal.get_command(cmd.id)
+    assert entry is not None and (entry.state, entry.boot_id) == (CommandState.RUNNING, "boot-1")
+    h.reopen(boot_id="boot-2")
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert (done.state, done.reason) == (UpdateState.SUCCEEDED, "rebooted")
+    assert list(effect_ids(log)) == [cmd.id]
+
+
+@pytest.mark.parametrize("attested", [True, False])
+async def test_DLV_CMD_13_attested_in_the_body_makes_the_result_node_signed(
+    tmp_path: Path, pki: Pki, attested: bool
+) -> None:
+    """test.echo is not attested in the table: the body's flag alone asks for the node's signature."""
+    h = Harness(tmp_path / "data", pki)
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e"))))
+        cmd = make_command(pki, kind="test.echo", attested=attested)
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert done.state is UpdateState.SUCCEEDED
+    if not attested:
+        assert (done.attestation, done.node_sig) == (b"", b"")
+        return
+    verify_command_result(
+        done.attestation,
+        done.node_sig,
+        pki.node_key.public_key,
+        command_id=cmd.id,
+        state=wire.CommandState.SUCCEEDED,
+        result=done.result,
+        node_id=NODE,
+    )
+
+
+async def test_DLV_ACK_01_REC_03_a_delivery_is_resolved_against_the_journal_before_any_check(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Redelivered once every acceptance check would refuse it (past not_after, upgrade-only, now
+    unsigned under roots), a settled command still gets its stored result, and an interrupted one its
+    `interrupted`: the journal answers first."""
+    h = Harness(tmp_path / "data", pki)
+    log = tmp_path / "e"
+    done_cmd = make_command(pki, kind="test.effect", not_after=T0 + dt.timedelta(minutes=1), sign="none")
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        d.deliver(done_cmd)
+        first = await h.sink.wait_terminal(done_cmd.id)
+        n.cancel_scope.cancel()
+    assert first.state is UpdateState.SUCCEEDED
+    cut = make_command(pki, kind="test.effect", not_after=T0 + dt.timedelta(minutes=1), sign="none")
+    await _crash_while_running(h, tmp_path, cut, after_effect=True)
+    h.reopen()
+    h.trust = BundleTrust(pki.bundle())  # roots now: both bodies are unsigned
+    h.clock.offset_s = 600  # and past their not_after
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(log))))
+        d.set_upgrade_only(True)
+        d.deliver(done_cmd)
+        d.deliver(cut)
+        n.cancel_scope.cancel()
+    assert h.sink.of(done_cmd.id) == [first]
+    (again,) = h.sink.of(cut.id)
+    assert (again.state, again.error_code) == (UpdateState.FAILED, "interrupted")
+    assert list(effect_ids(log)).count(done_cmd.id) == 1
+
+
+def _with_body(cmd: CommandEnvelope, **fields: object) -> CommandEnvelope:
+    """`cmd` with body fields replaced, through the wire edge (unsigned: the harness has no roots)."""
+    from bcd_agent.dispatch.wire import envelope_from_wire
+
+    body = wire.CommandBody.parse(cmd.body_bytes)
+    for name, value in fields.items():
+        setattr(body, name, value)
+    return envelope_from_wire(wire.Command(body=bytes(body)))
+
+
+class _Broker:
+    """The session's secret requests, as the dispatcher sees them: records what was asked."""
+
+    def __init__(self) -> None:
+        self.asked: list[tuple[str, str, str]] = []
+
+    async def fetch(self, ref: str, *, workflow_id: str, step_id: str) -> bytes:
+        self.asked.append((ref, workflow_id, step_id))
+        return b"value-of-" + ref.encode()
+
+
+class _NeedsSecret:
+    """A kind that needs a secret before its effect (a BMC password, a registry token)."""
+
+    def resources(self, command: CommandEnvelope) -> frozenset[str]:
+        return frozenset()
+
+    async def run(self, command: CommandEnvelope, ctx: RunContext) -> bytes:
+        value = await ctx.secret("secret://pool/bmc")
+        await ctx.begin_effect()
+        return value
+
+
+async def test_DLV_CMD_14_a_secret_asked_for_a_command_binds_to_its_workflow_step(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """The secret request names the command's workflow_id and step_id; a command that names no workflow
+    step gets no secret (FAILED `secret-unbound`, nothing asked, no effect begun), nor does a command on an
+    agent without a broker (`secret-unavailable`)."""
+    h = Harness(tmp_path / "data", pki)
+    broker = _Broker()
+    bound = _with_body(make_command(pki), workflow_id="wf-9", step_id="power-cycle")
+    unbound = make_command(pki)
+    half = _with_body(make_command(pki), workflow_id="wf-9")
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher({"test.effect": _NeedsSecret()}, secrets=broker))
+        for cmd in (bound, unbound, half):
+            d.deliver(cmd)
+        done = await h.sink.wait_terminal(bound.id)
+        refused = [await h.sink.wait_terminal(c.id) for c in (unbound, half)]
+        n.cancel_scope.cancel()
+    assert done.state is UpdateState.SUCCEEDED and done.result == b"value-of-secret://pool/bmc"
+    assert broker.asked == [("secret://pool/bmc", "wf-9", "power-cycle")]
+    for cmd, r in zip((unbound, half), refused, strict=True):
+        assert (r.state, r.error_code) == (UpdateState.FAILED, "secret-unbound")
+        assert UpdateState.RUNNING not in h.sink.states(cmd.id)
+    h.reopen()
+    lone = _with_body(make_command(pki), workflow_id="wf-9", step_id="power-cycle")
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher({"test.effect": _NeedsSecret()}))
+        d.deliver(lone)
+        r = await h.sink.wait_terminal(lone.id)
+        n.cancel_scope.cancel()
+    assert (r.state, r.error_code) == (UpdateState.FAILED, "secret-unavailable")

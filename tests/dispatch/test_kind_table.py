@@ -3,10 +3,24 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from typing import Any
 
 import pytest
+import trio
+import trio.testing
+from bcd_agent.dispatch.command import UpdateState
 from bcd_agent.dispatch.kinds import DEFAULT_TIMEOUT_S, KINDS, UPGRADE_KIND, Lane, Role, timeout_for
+from bcd_agent.journal import CommandState
+from bcd_agent.kinds.testing import EffectHandler
+from dhelpers import Gate, Harness, Pki, effect_ids, effect_lines, make_command, start
 from testsupport import SHARED, require_shared
+
+
+@pytest.fixture(scope="module")
+def pki() -> Pki:
+    return Pki.build()
+
 
 SEED = SHARED / "seeds" / "delivery.md"
 
@@ -109,3 +123,107 @@ def test_DLV_LANE_01_to_03_lanes_of_kinds() -> None:
     assert KINDS["gpu.reset"].lane is Lane.CONTROL and KINDS["disk.wipe"].lane is Lane.PROVISION
     assert KINDS["logs.collect"].lane is Lane.BULK
     assert Role.NODE in KINDS[UPGRADE_KIND].roles
+
+
+# --- the rows as behaviour: each kind's lane, roles and flags, through the real dispatcher ----------------
+#
+# A row here is the seed's, written out (not read from KINDS), and every column is checked by what the
+# dispatcher does with a command of that kind: on a role outside the row it is UNSUPPORTED; on its roles it
+# runs holding a credit of its lane and no other; an attested kind's result is node-signed; a destructive
+# kind is under the quorum (UNBATCHED_LIMIT with approver keys and no allowance); after a crash during its
+# effect a retry-safe kind runs again and another is FAILED `interrupted`; a self-terminating kind has
+# `running{boot_id}` on disk and is SUCCEEDED `rebooted` from the next boot. The kinds get the test kinds'
+# effect handler: this build has no handler for most of them, and the rules are the dispatcher's.
+
+KIND_ROWS = [
+    ("DLV-KIND-05", "node.reboot", "control", "node site", "retry-safe self-terminating destructive"),
+    ("DLV-KIND-06", "bmc.query", "control", "site", "retry-safe"),
+    ("DLV-KIND-07", "bmc.boot", "control", "site", "retry-safe destructive"),
+    ("DLV-KIND-08", "bmc.power", "control", "site", "destructive"),
+    ("DLV-KIND-09", "bmc.firmware", "control", "site", "destructive"),
+    ("DLV-KIND-10", "bmc.storage", "control", "site", "destructive"),
+    ("DLV-KIND-11", "bmc.rotate", "control", "site", "attested destructive"),
+    ("DLV-KIND-12", "site.httpProxy", "control", "site", "destructive"),
+    ("DLV-KIND-13", "boot.prepareRamdisk", "control", "site", "retry-safe"),
+    ("DLV-KIND-14", "boot.cleanUp", "control", "site", "retry-safe"),
+    ("DLV-KIND-15", "boot.kexec", "control", "ramdisk", "self-terminating"),
+    ("DLV-KIND-16", "disk.wipe", "provision", "ramdisk", "attested destructive"),
+    ("DLV-KIND-17", "deploy.image", "provision", "ramdisk", "destructive"),
+    ("DLV-KIND-19", "driver.invoke", "provision", "node site ramdisk", "destructive"),
+]
+
+
+async def _run_once(h: Any, kind: str, log: Path, *, crash: bool = False) -> tuple[Any, dict[Lane, int]]:
+    """Deliver one command of `kind`; return it and the lanes' credits in use during its effect. With
+    `crash` the process stops during the effect, nothing settled."""
+    gate = Gate()
+    credits: dict[Lane, int] = {}
+    cmd = make_command(h.pki, kind=kind, kinds=KINDS)
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher({kind: EffectHandler(log, during_effect=gate)}, kinds=KINDS))
+        d.deliver(cmd)
+        await trio.testing.wait_all_tasks_blocked()
+        credits = {lane: d.credits_in_use(lane) for lane in Lane}
+        if crash:
+            n.cancel_scope.cancel()
+        else:
+            gate.release.set()
+            await h.sink.wait_terminal(cmd.id)
+            n.cancel_scope.cancel()
+    return cmd, credits
+
+
+@pytest.mark.parametrize(
+    ("ident", "kind", "lane", "roles", "flags"), KIND_ROWS, ids=[r[1] for r in KIND_ROWS]
+)
+async def test_each_kind_row_is_what_the_dispatcher_does(
+    tmp_path: Path, pki: Pki, ident: str, kind: str, lane: str, roles: str, flags: str
+) -> None:
+    """Covers DLV-KIND-05..17 and DLV-KIND-19, one row each (see the comment above KIND_ROWS)."""
+    words = set(flags.split())
+    own = [Role(r) for r in roles.split()]
+    for role in Role:
+        h = Harness(tmp_path / role.value, pki, role=role)
+        cmd, credits = await _run_once(h, kind, tmp_path / f"{role.value}.log")
+        done = h.sink.terminal(cmd.id)
+        assert done is not None
+        if role not in own:
+            assert (done.state, done.reason) == (UpdateState.REJECTED, "UNSUPPORTED"), (role, done)
+            assert f"not on a {role.value} agent" in done.message
+            assert not (tmp_path / f"{role.value}.log").exists()
+            continue
+        assert done.state is UpdateState.SUCCEEDED, (role, done)
+        assert credits == {x: int(x is Lane(lane)) for x in Lane}, role
+        assert bool(done.node_sig) is ("attested" in words)
+    # The quorum: approver keys and no unbatched allowance.
+    h = Harness(tmp_path / "quorum", pki, bundle=pki.bundle(approvers=3, allowance=0), role=own[0])
+    cmd, _ = await _run_once(h, kind, tmp_path / "quorum.log")
+    done = h.sink.terminal(cmd.id)
+    assert done is not None
+    if "destructive" in words:
+        assert (done.state, done.reason) == (UpdateState.REJECTED, "UNBATCHED_LIMIT")
+    else:
+        assert done.state is UpdateState.SUCCEEDED
+    # A crash during the effect, then the same boot or the next one.
+    for boot in ("boot-1", "boot-2"):
+        h = Harness(tmp_path / f"crash-{boot}", pki, role=own[0])
+        log = tmp_path / f"crash-{boot}.log"
+        cmd, _ = await _run_once(h, kind, log, crash=True)
+        entry = h.journal.get_command(cmd.id)
+        assert entry is not None
+        if "self-terminating" in words:
+            assert (entry.state, entry.boot_id) == (CommandState.RUNNING, "boot-1")
+        h.reopen(boot_id=boot)
+        async with trio.open_nursery() as n:
+            d = await start(n, h.dispatcher({kind: EffectHandler(log)}, kinds=KINDS))
+            d.deliver(cmd)
+            done = await h.sink.wait_terminal(cmd.id)
+            n.cancel_scope.cancel()
+        if "self-terminating" in words and boot == "boot-2":
+            assert (done.state, done.reason) == (UpdateState.SUCCEEDED, "rebooted")
+            assert len(effect_lines(log)) == 0  # the gate held the effect: the reboot completed it
+        elif "retry-safe" in words:
+            assert done.state is UpdateState.SUCCEEDED and list(effect_ids(log)) == [cmd.id]
+        else:
+            assert (done.state, done.error_code) == (UpdateState.FAILED, "interrupted")
+            assert not log.exists()

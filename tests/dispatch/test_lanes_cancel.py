@@ -282,3 +282,44 @@ async def test_DLV_CAN_04_07_never_accepted_command_is_cancelled_in_one_journal_
     assert entry is not None and entry.state is CommandState.CANCELLED
     assert entry.result is not None and entry.result.attestation == update.attestation
     assert not log.exists()
+
+
+async def test_DLV_LANE_02_03_long_provisioning_and_bulk_work_leave_the_control_lane_free(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """On a ramdisk agent, disk wipes, image writes and DCGM diagnostics fill the provision lane and log
+    collection the bulk lane; while all of them hang, an inventory refresh on the control lane runs and
+    finishes. The production kinds, by their table rows, with the test kinds' effect handler."""
+    from bcd_agent.dispatch.kinds import KINDS, Role
+
+    h = Harness(tmp_path / "data", pki, role=Role.RAMDISK)
+    log = tmp_path / "e"
+    long_work, slow_jobs = Gate(), Gate()
+    provision = ("disk.wipe", "deploy.image", "diag.dcgm", "disk.wipe")
+    handlers: dict[str, Any] = dict.fromkeys(provision, EffectHandler(log, during_effect=long_work))
+    handlers["logs.collect"] = EffectHandler(log, during_effect=slow_jobs)
+    handlers["inventory.refresh"] = EffectHandler(log)
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(handlers, kinds=KINDS))
+        waiting = [
+            make_command(pki, kind=k, kinds=KINDS) for k in (*provision, "logs.collect", "logs.collect")
+        ]
+        for cmd in waiting:
+            d.deliver(cmd)
+        await trio.testing.wait_all_tasks_blocked()
+        assert (long_work.active, slow_jobs.active) == (
+            LANES[Lane.PROVISION].workers,
+            LANES[Lane.BULK].workers,
+        )
+        assert (d.credits_in_use(Lane.PROVISION), d.credits_in_use(Lane.BULK)) == (4, 2)
+        assert d.credits_in_use(Lane.CONTROL) == 0
+        quick = make_command(pki, kind="inventory.refresh", kinds=KINDS)
+        d.deliver(quick)
+        assert (await h.sink.wait_terminal(quick.id)).state is UpdateState.SUCCEEDED
+        assert all(h.sink.terminal(c.id) is None for c in waiting)
+        long_work.release.set()
+        slow_jobs.release.set()
+        for cmd in waiting:
+            assert (await h.sink.wait_terminal(cmd.id)).state is UpdateState.SUCCEEDED
+        n.cancel_scope.cancel()
+    assert next(effect_ids(log)) == quick.id

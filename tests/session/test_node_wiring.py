@@ -51,10 +51,10 @@ class World:
         self.data = tmp / "data"
         self.node_id = ""
 
-    def config(self, *, units: bool = True) -> Config:
+    def config(self, *, units: bool = True, gateway: Path | None = None) -> Config:
         toml = self.tmp / "node.toml"
         toml.write_text(
-            f'data_dir = "{self.data}"\n[control_plane]\nunix_socket = "{self.gw}"\n'
+            f'data_dir = "{self.data}"\n[control_plane]\nunix_socket = "{gateway or self.gw}"\n'
             f'[kubernetes]\nallowed_clusters = "{SERVER}#sha256:{PIN}"\n'
         )
         config = load_config(str(toml))
@@ -279,3 +279,72 @@ async def test_DLV_JRN_17_REC_07_17_node_reboot_completed_by_the_next_boot(tmp_p
     assert done["state"] == "succeeded" and done["reason"] == "rebooted", done
     result = wire.NodeRebootResult.parse(bytes.fromhex(done["result"]))
     assert result.previous_boot_id == first_boot
+
+
+async def test_DLV_RCV_20_the_stored_spec_is_enforced_with_the_control_plane_gone(tmp_path: Path) -> None:
+    """With the control plane gone the node keeps converging the spec it stored: a drift pass while
+    disconnected puts a changed sysctl and a deleted CDI spec back, and a node started again with no
+    control plane at all converges the journaled spec at its first pass."""
+    from bcd_agent.bench.stallproxy import StallProxy
+
+    world = World(tmp_path)
+    link = StallProxy(tmp_path / "link.sock", world.gw)  # the node's way to the control plane
+    config = world.config(gateway=link.listen)
+    hold = {
+        "allocationId": "alloc_1",
+        "reservationId": "res_1",
+        "binding": "BINDING_HOLD",
+        "devices": [{"id": world.gpus()[0], "deviceClass": "gpu"}],
+    }
+    spec = {"host": {"units": [_unit("sysctl", {"vm.swappiness": 10})]}, "devices": {"assignments": [hold]}}
+    swappiness = world.root / "proc/sys/vm/swappiness"
+    cdi = world.root / "etc/cdi/bcd-alloc_1.json"
+
+    def drift() -> None:
+        swappiness.write_text("60\n")
+        cdi.unlink()
+
+    def enforced() -> bool:
+        return swappiness.read_text().strip() == "10" and cdi.exists()
+
+    options = NodeOptions(root=str(world.root), status_interval_s=0.05, backoff_max_s=0.5)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(world.plane.run)
+        link_scope = trio.CancelScope()
+
+        async def serve_link(task_status: trio.TaskStatus[None]) -> None:
+            with link_scope:
+                await link.run(task_status=task_status)
+
+        await nursery.start(serve_link)
+        identity = await join(config, token=world.plane.issue_token(), address=f"unix:{world.gw}")
+        world.node_id = identity.node_id
+        node = Node(config, options)
+        await nursery.start(node.run)
+        await world.until("the session", lambda: node.core.state.welcomed)
+        assert world.plane.apply_spec(world.node_id, spec) == 1
+        await world.observed(1)
+        assert enforced()
+
+        # The control plane becomes unreachable: the connection drops and no new one can be made.
+        link_scope.cancel()
+        await world.until("the session lost", lambda: not node.core.state.welcomed)
+        assert node.runner.observed_generation == 1
+        # The timed passes go on while disconnected: the next is a drift pass at a finite time.
+        when, why = node.runner.next_pass()
+        assert why == "drift" and when < float("inf")
+        drift()
+        node.runner.trigger("drift")  # what the drift timer does every drift interval
+        await world.until("drift undone while disconnected", enforced)
+        assert not node.core.state.welcomed
+        nursery.cancel_scope.cancel()
+
+    # A new process with the control plane gone still: the spec comes from the journal alone.
+    drift()
+    async with trio.open_nursery() as nursery:
+        node = Node(config, options)
+        await nursery.start(node.run)
+        await world.until("the stored spec enforced at start", enforced)
+        assert node.runner.spec is not None and node.runner.spec.generation == 1
+        assert not node.core.state.welcomed
+        nursery.cancel_scope.cancel()

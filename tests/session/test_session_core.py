@@ -250,6 +250,30 @@ def test_DLV_SIG_16_signed_spec_rule_once_roots_are_known(tmp_path: Path, pki: P
     assert [s.generation for s in rec.specs] == [3]
 
 
+def test_DLV_SIG_15_a_present_spec_signature_is_verified_not_just_seen(tmp_path: Path, pki: Pki) -> None:
+    """The signature is checked over the exact body bytes, under purpose `desired-state`, by a key the
+    chain binds: a signature of the trusted worker over other bytes, or under the `command` purpose,
+    is present and well-formed and still refused; the right one is applied."""
+    core, out, rec, _ = make(tmp_path, pki)
+    connect(core, out, bundle=pki.bundle())
+    other = pki.spec(1)
+    moved = pki.spec(2)
+    moved.signature = other.signature  # the worker's signature, of generation 1's body
+    core.handle(wire.GatewayMessage(desired_state=moved))
+    as_command = pki.spec(3)
+    as_command.signature = pki.worker.sign(Purpose.COMMAND, bytes(as_command.body))
+    core.handle(wire.GatewayMessage(desired_state=as_command))
+    no_chain = pki.spec(4)
+    no_chain.signer_chain = []
+    core.handle(wire.GatewayMessage(desired_state=no_chain))
+    assert rec.specs == [] and core.journal.applied_generation == 0
+    assert len(core.state.refused_specs) == 3
+    core.handle(wire.GatewayMessage(desired_state=pki.spec(5)))
+    assert [s.generation for s in rec.specs] == [5]
+    stored = core.journal.load_spec()
+    assert stored is not None and stored.signature == pki.spec(5).signature
+
+
 def test_signed_spec_rule_not_enforced_without_roots(tmp_path: Path, pki: Pki) -> None:
     core, out, rec, _ = make(tmp_path, pki)
     connect(core, out, bundle=pki.bundle(roots=False))
@@ -487,6 +511,31 @@ def test_DLV_JRN_14_the_mark_is_mirrored_and_a_lost_journal_does_not_reset_it(
     # The mark never moves back: the older Welcome did not lower the mirrored one.
     assert ident.load(data).server_time_mark_ms == later_ms
     fresh.journal.close()
+
+
+def test_DLV_JRN_12_the_mark_never_moves_back(tmp_path: Path, pki: Pki) -> None:
+    """An older heartbeat, an older (but admitted) Welcome and an older mirror in identity.json at start
+    all leave the mark where it is; the node's heartbeat reports the highest time seen."""
+    data = tmp_path / "data"
+    core = _persisting(data, pki)
+    mark_ms = int(time.time() * 1000)
+    connect(core, [], server_ms=mark_ms)
+    high_ms = mark_ms + 120_000
+    core.handle(wire.GatewayMessage(heartbeat=wire.GatewayHeartbeat(server_time=high_ms)))
+    core.handle(wire.GatewayMessage(heartbeat=wire.GatewayHeartbeat(server_time=mark_ms + 10_000)))
+    assert core.journal.server_time_mark == high_ms / 1000
+    core.detach()
+    core.attach([].append)
+    core.handle(welcome(high_ms - 60_000))  # a minute behind: admitted, and the mark stays
+    assert core.state.welcomed and core.journal.server_time_mark == high_ms / 1000
+    sent = core.heartbeat().heartbeat
+    assert sent is not None and sent.server_time_mark == high_ms
+    core.journal.close()
+    # identity.json mirrors an older mark than the journal's: the journal keeps its own.
+    ident.save(data, ident.with_mark(pki.identity(), mark_ms))
+    again = _persisting(data, pki, identity=ident.load(data))
+    assert again.journal.server_time_mark == high_ms / 1000
+    again.journal.close()
 
 
 class BatchingRecorder(Recorder):

@@ -110,6 +110,34 @@ def test_gpu_node_converges(tmp_path: Path) -> None:
         assert {"kernel-modules", "sysctl"} <= units
 
 
+def test_DLV_CONV_14_a_daemon_section_is_unsupported_in_bcd_sim(tmp_path: Path) -> None:
+    """`bcd sim` has no daemon converger (self-update needs the helper on a real host): a non-empty daemon
+    section is UNSUPPORTED with the SectionUnsupported condition, which is terminal, so the generation is
+    still observed and the other sections converge; nothing is downloaded."""
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "host": {"units": [{"name": "sysctl", "settings": '{"vm.swappiness":10}'}]},
+                "daemon": {
+                    "version": "99.0.0",
+                    "url": "https://releases.invalid/bcd-99.0.0.tar",
+                    "sha256": "ab" * 32,
+                },
+            }
+        )
+    )
+    root = tmp_path / "host"
+    rc, doc, err = sim(root, spec)
+    _common(doc)
+    states = {s["section"]: s for s in doc["sections"]}
+    assert states["daemon"]["state"] == "UNSUPPORTED" and states["daemon"]["reason"] == "6", states["daemon"]
+    assert states["host"]["state"] == "CONVERGED"
+    assert [c for c in doc["conditions"] if c.get("type") == "SectionUnsupported"], doc["conditions"]
+    assert doc["observed_generation"] == 1  # UNSUPPORTED is settled: it holds nothing back
+    assert "releases.invalid" not in err, rc
+
+
 def test_assignment_fails_exits_1_with_the_reason(tmp_path: Path) -> None:
     root = tmp_path / "host"
     rc, doc, _ = sim(root, "assignment-fails.json")

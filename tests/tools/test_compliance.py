@@ -96,6 +96,19 @@ def test_test_names_with_several_areas_lists_and_ranges() -> None:
     assert _name_ids("DEV_CDI_04_DLV_DEV_12") == ["DEV-CDI-04", "DLV-DEV-12"]
 
 
+def test_a_range_in_a_test_name_names_every_id_in_it(tmp_path: Path) -> None:
+    """`_to_` is lower case: the name's id prefix must not end at it (it did, and `test_DLV_KIND_01_to_21_…`
+    named DLV-KIND-01 only)."""
+    tests = tmp_path / "repo" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "test_c.py").write_text(
+        "def test_DLV_AAA_01_to_03_06_ranges_and_lists():\n    pass\n"
+        "def test_DLV_BBB_02_tokens_are_words():\n    pass\n"
+    )
+    found = scan_tests(tests)
+    assert sorted(found) == ["DLV-AAA-01", "DLV-AAA-02", "DLV-AAA-03", "DLV-AAA-06", "DLV-BBB-02"]
+
+
 def test_only_a_tests_name_docstring_or_decorator_names_an_id(tmp_path: Path) -> None:
     """A module docstring, a comment or a helper names nothing; a parametrize table a decorator refers
     to by name does; a class's test methods are listed with their class."""

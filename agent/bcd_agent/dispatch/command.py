@@ -135,6 +135,10 @@ class RejectReason(enum.Enum):
 ERR_INTERRUPTED = "interrupted"
 ERR_INVALID_PAYLOAD = "invalid-payload"
 ERR_INTERNAL = "internal"
+# A handler asked for a secret: the command names no workflow step to bind it to (DLV-CMD-14), or this
+# agent has no secret broker.
+ERR_SECRET_UNBOUND = "secret-unbound"  # noqa: S105 (an error code)
+ERR_SECRET_UNAVAILABLE = "secret-unavailable"  # noqa: S105 (an error code)
 # The SUCCEEDED reason of a self-terminating command completed by the reboot it caused.
 REASON_REBOOTED = "rebooted"
 

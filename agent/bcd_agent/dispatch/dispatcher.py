@@ -51,6 +51,8 @@ from bcd_agent.dispatch.acceptance import (
 )
 from bcd_agent.dispatch.command import (
     ERR_INTERNAL,
+    ERR_SECRET_UNAVAILABLE,
+    ERR_SECRET_UNBOUND,
     CommandEnvelope,
     CommandUpdate,
     InvalidCommand,
@@ -66,6 +68,7 @@ from bcd_agent.dispatch.ports import (
     CommandJournal,
     LedgerStore,
     ResultSigner,
+    SecretFetcher,
     SpecRequester,
     TrustView,
     UpdateSink,
@@ -165,6 +168,20 @@ class _RunContext:
         self._d._send(UpdateState.RUNNING, exe.cmd.id)
         await trio.lowlevel.checkpoint()
 
+    async def secret(self, ref: str) -> bytes:
+        # A secret binds to the workflow step the command executes (DLV-CMD-14): the request names it,
+        # and a command that names none asks for nothing (the broker could only release it unbound).
+        cmd = self._exe.cmd
+        if not cmd.workflow_id or not cmd.step_id:
+            raise CommandFailed(
+                ERR_SECRET_UNBOUND,
+                f"secret {ref}: the command names no workflow step (workflow_id and step_id) to bind it to",
+            )
+        broker = self._d._secrets
+        if broker is None:
+            raise CommandFailed(ERR_SECRET_UNAVAILABLE, f"secret {ref}: this agent has no secret broker")
+        return await broker.fetch(ref, workflow_id=cmd.workflow_id, step_id=cmd.step_id)
+
 
 def _new_command(cmd: CommandEnvelope, spec: KindSpec | None) -> NewCommand:
     """The journal's record of a command: table flags when the kind is known, else the body's."""
@@ -196,6 +213,7 @@ class Dispatcher:
         clock: Clock,
         handlers: Mapping[str, Handler],
         signer: ResultSigner | None = None,
+        secrets: SecretFetcher | None = None,
         kinds: Mapping[str, KindSpec] = KINDS,
         lanes: Mapping[Lane, LaneConfig] = LANES,
         applied_generation: int = 0,
@@ -216,6 +234,7 @@ class Dispatcher:
         self._clock = clock
         self._handlers = dict(handlers)
         self._signer = signer
+        self._secrets = secrets
         self._kinds = kinds
         self._lanes = dict(lanes)
         self._applied_generation = applied_generation

@@ -65,6 +65,11 @@ class RunContext(Protocol):
         """Journal `running{boot_id}` and report RUNNING; raises CommandCancelled if a cancel came first."""
         ...
 
+    async def secret(self, ref: str) -> bytes:
+        """The secret `ref` from the control plane's broker, bound to the command's workflow step
+        (`workflow_id`, `step_id`, DLV-CMD-14): a command that names none gets `secret-unbound`."""
+        ...
+
 
 class Handler(Protocol):
     """Runs one kind on this agent."""

@@ -152,6 +152,13 @@ class UpdateSink(Protocol):
     def send(self, update: CommandUpdate) -> None: ...
 
 
+class SecretFetcher(Protocol):
+    """The session's secret broker (`session.secrets.SecretRequests`): a `SecretRequest` out, the value
+    back; raises TerminalError (refused) or RetryableError (unavailable), both StepErrors."""
+
+    async def fetch(self, ref: str, *, workflow_id: str, step_id: str) -> bytes: ...
+
+
 class SpecRequester(Protocol):
     """Asks the control plane for the spec: `SpecRequest{have_generation, reason=MIN_GENERATION}`."""
 
