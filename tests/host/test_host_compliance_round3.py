@@ -8,6 +8,7 @@ System to see the programs a unit runs, in order.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Any
 
 from bcd_shared.system import CommandResult, LocalSystem
 from bcd_shared.units import STATE_DIR, UnitContext
-from hostunits_support import ALLOWED, PIN, SERVER, FakeTokens, make_host, run
+from hostunits_support import ALLOWED, PIN, SERVER, FakeTokens, make_host, plan, run
 
 K8S = {
     "server": SERVER,
@@ -93,3 +94,143 @@ def test_HST_REC_02_no_unit_record_in_data_dir(tmp_path: Path) -> None:
     # Under /var/lib only root's records and the simulated host's own state (its packages, systemd) move.
     other = [p for p in changed if p.startswith("var/lib/") and not p.startswith(("var/lib/bcd-sim/",))]
     assert sorted(other) == sorted(records), other
+
+
+# -- iommu
+
+IOMMU_DROPIN = "/etc/default/grub.d/90-bcd-iommu.cfg"
+IOMMU_RECORD = "/var/lib/bcd-hostconfig/bootargs/iommu"
+
+
+def _vendor(root: Path, vendor: str | None) -> None:
+    """/proc/cpuinfo of a host whose CPUs are `vendor`'s (None: an Arm host, no vendor_id line)."""
+    lines = [] if vendor is None else [f"vendor_id\t: {vendor}"]
+    (root / "proc/cpuinfo").write_text(
+        "".join(f"processor\t: {i}\n" + "".join(f"{x}\n" for x in lines) + "\n" for i in range(2))
+    )
+
+
+def _grub_cmdline(system: LocalSystem) -> str:
+    """The kernel command line the simulated update-grub generated."""
+    cfg = system.read_text("/boot/grub/grub.cfg") or ""
+    return cfg.split("linux /boot/vmlinuz ", 1)[1].strip() if "linux /boot/vmlinuz " in cfg else ""
+
+
+def _grubby(root: Path) -> None:
+    """A RHEL-family boot loader: grubby, no update-grub."""
+    (root / "usr/sbin/update-grub").unlink()
+    (root / "usr/sbin/grubby").write_text("#!/bin/sh\n")
+
+
+def _grubby_args(root: Path) -> list[str]:
+    path = root / "var/lib/bcd-sim/grubby-args.json"
+    args: list[str] = json.loads(path.read_text()) if path.exists() else []
+    return args
+
+
+def test_HST_IOMMU_05_amd_and_hygon_get_amd_iommu_on(tmp_path: Path) -> None:
+    for vendor in ("AuthenticAMD", "HygonGenuine"):
+        root, system = make_host(tmp_path / vendor)
+        _vendor(root, vendor)
+        run(system, "iommu", {})
+        assert _grub_cmdline(system).split()[3:] == ["amd_iommu=on", "iommu=pt"], vendor
+        assert run(system, "iommu", {"passthrough": False}).issues[0].kind == "reboot"
+        assert _grub_cmdline(system).split()[3:] == ["amd_iommu=on"], vendor
+        assert "intel_iommu" not in (system.read_text(IOMMU_RECORD) or "")
+
+
+def test_HST_IOMMU_06_arm_gets_only_iommu_pt(tmp_path: Path) -> None:
+    """A CPU with no vendor_id line is not refused: it gets iommu=pt and nothing of a vendor's."""
+    root, system = make_host(tmp_path)
+    _vendor(root, None)
+    r = run(system, "iommu", {})
+    assert [i.kind for i in r.issues] == ["reboot"]
+    assert _grub_cmdline(system).split()[3:] == ["iommu=pt"]
+    (root / "sys/class/iommu/smmu3.0x0000000009050000").mkdir(parents=True)
+    assert plan(system, "iommu", {}).converged
+
+
+def test_HST_IOMMU_07_another_vendor_is_terminal_and_changes_nothing(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    _vendor(root, "CentaurHauls")
+    before = files(root)
+    recording = Recording(system)
+    r = run(recording, "iommu", {})  # type: ignore[arg-type]
+    assert [(i.kind, i.message) for i in r.issues] == [
+        ("terminal", "iommu: CPU vendor CentaurHauls is not one bcd knows")
+    ]
+    assert recording.argvs == [] and files(root) == before
+
+
+def test_HST_IOMMU_08_on_the_boot_loader_as_for_cpu(tmp_path: Path) -> None:
+    """update-grub: the drop-in 90-bcd-iommu.cfg, then update-grub; grubby: --args on every kernel."""
+    root, system = make_host(tmp_path / "grub")
+    recording = Recording(system)
+    run(recording, "iommu", {})  # type: ignore[arg-type]
+    assert (system.read_text(IOMMU_DROPIN) or "").splitlines()[-1] == (
+        'GRUB_CMDLINE_LINUX="$GRUB_CMDLINE_LINUX intel_iommu=on iommu=pt"'
+    )
+    assert recording.argvs == [["update-grub"]]
+    assert "intel_iommu=on iommu=pt" in _grub_cmdline(system)
+    root, system = make_host(tmp_path / "grubby")
+    _grubby(root)
+    recording = Recording(system)
+    run(recording, "iommu", {})  # type: ignore[arg-type]
+    assert recording.argvs == [["grubby", "--update-kernel=ALL", "--args=intel_iommu=on iommu=pt"]]
+    assert _grubby_args(root) == ["intel_iommu=on", "iommu=pt"]
+    assert not system.exists(IOMMU_DROPIN)
+
+
+def test_HST_IOMMU_09_recorded_and_unchanged_arguments_plan_no_boot_loader_step(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    run(system, "iommu", {})
+    assert (system.read_text(IOMMU_RECORD) or "").splitlines()[-1] == "intel_iommu=on iommu=pt"
+    p = plan(system, "iommu", {})
+    assert p.steps == () and [i.kind for i in p.issues] == ["reboot"]  # still waiting, nothing to set
+    recording = Recording(system)
+    run(recording, "iommu", {})  # type: ignore[arg-type]
+    assert recording.argvs == []
+    changed = plan(system, "iommu", {"passthrough": False})
+    assert [s.describe() for s in changed.steps] == [
+        "set kernel arguments 'intel_iommu=on' for iommu on the boot loader"
+    ]
+    # The record, not the drop-in, is what is compared: a record saying otherwise plans the step again.
+    (root / IOMMU_RECORD.lstrip("/")).unlink()
+    assert len(plan(system, "iommu", {}).steps) == 1
+
+
+def test_HST_IOMMU_10_waits_for_a_reboot_until_sys_class_iommu_lists_one(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    _vendor(root, "AuthenticAMD")
+    expected = (
+        "iommu: the IOMMU is on from the next boot (amd_iommu=on iommu=pt): reboot the node; "
+        "check the firmware enables VT-d or AMD-Vi"
+    )
+    r = run(system, "iommu", {})
+    assert [(i.kind, i.message) for i in r.issues] == [("reboot", expected)]
+    assert [(i.kind, i.message) for i in plan(system, "iommu", {}).issues] == [("reboot", expected)]
+    (root / "sys/class/iommu/ivhd0").mkdir(parents=True)
+    assert plan(system, "iommu", {}).converged
+
+
+def test_HST_RMV_12_removing_iommu_takes_its_arguments_off_the_boot_loader(tmp_path: Path) -> None:
+    """Leaving the spec removes the drop-in and runs update-grub (or grubby --remove-args), and the
+    record; the running kernel keeps its IOMMU until the next boot."""
+    root, system = make_host(tmp_path / "grub")
+    run(system, "cpu", {"isolate": "4-7"})
+    run(system, "iommu", {})
+    (root / "sys/class/iommu/dmar0").mkdir(parents=True)
+    recording = Recording(system)
+    assert run(recording, "iommu", None).changed  # type: ignore[arg-type]
+    assert recording.argvs == [["update-grub"]]
+    assert not system.exists(IOMMU_DROPIN) and not system.exists(IOMMU_RECORD)
+    cmdline = _grub_cmdline(system)
+    assert "intel_iommu=on" not in cmdline and "iommu=pt" not in cmdline
+    assert "nohz_full=4-7" in cmdline  # cpu's arguments stay
+    assert system.exists("/sys/class/iommu/dmar0")
+    assert plan(system, "iommu", None).steps == ()
+    root, system = make_host(tmp_path / "grubby")
+    _grubby(root)
+    run(system, "iommu", {})
+    run(system, "iommu", None)
+    assert _grubby_args(root) == [] and not system.exists(IOMMU_RECORD)
