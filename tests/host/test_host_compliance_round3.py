@@ -14,8 +14,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bcd_agent.converge.types import SectionState
+from bcd_agent.sections.host import DirectExecutor, HostSection, converge_host
 from bcd_shared.system import CommandResult, LocalSystem
-from bcd_shared.units import STATE_DIR, UnitContext
+from bcd_shared.units import STATE_DIR, ApplyContext, UnitContext
 from hostunits_support import ALLOWED, PIN, SERVER, FakeTokens, make_host, plan, run
 
 K8S = {
@@ -39,6 +41,10 @@ class Recording:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def _executor(system: object) -> DirectExecutor:
+    return DirectExecutor(system, UnitContext(allowed_clusters=ALLOWED), ApplyContext(tokens=FakeTokens()))  # type: ignore[arg-type]
 
 
 def files(root: Path) -> dict[str, str]:
@@ -234,3 +240,35 @@ def test_HST_RMV_12_removing_iommu_takes_its_arguments_off_the_boot_loader(tmp_p
     run(system, "iommu", {})
     run(system, "iommu", None)
     assert _grubby_args(root) == [] and not system.exists(IOMMU_RECORD)
+
+
+# -- reboots
+
+
+def _boot(root: Path, system: LocalSystem) -> None:
+    """What a reboot does to the simulated host: the kernel runs with the command line update-grub
+    generated, isolates the CPUs it names, and turns the IOMMU on when asked."""
+    cmdline = _grub_cmdline(system)
+    (root / "proc/cmdline").write_text(cmdline + "\n")
+    for word in cmdline.split():
+        if word.startswith("nohz_full="):
+            (root / "sys/devices/system/cpu/isolated").write_text(word.split("=", 1)[1] + "\n")
+        if word in ("intel_iommu=on", "amd_iommu=on"):
+            (root / "sys/class/iommu/dmar0").mkdir(parents=True, exist_ok=True)
+
+
+def test_HST_RBT_08_after_the_reboot_the_units_converge_and_the_condition_goes(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    spec = HostSection((("cpu", '{"isolate":"4-7"}'), ("iommu", "{}"), ("sysctl", '{"vm.swappiness":5}')))
+    first = converge_host(spec, _executor(system))
+    assert first.state is SectionState.PROGRESSING
+    (reboot,) = [c for c in first.conditions if c.type == "RebootRequired"]
+    assert reboot.reason == "cpu,iommu"
+    again = converge_host(spec, _executor(system))  # no reboot yet: still waiting, nothing new to do
+    assert again.state is SectionState.PROGRESSING and not again.changed
+    assert [c.reason for c in again.conditions if c.type == "RebootRequired"] == ["cpu,iommu"]
+    _boot(root, system)
+    after = converge_host(spec, _executor(system))
+    assert after.state is SectionState.CONVERGED, after.message
+    assert [c for c in after.conditions if c.type == "RebootRequired"] == []
+    assert not after.changed
