@@ -7,18 +7,23 @@ System to see the programs a unit runs, in order.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import hostunits_support
 from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.host import DirectExecutor, HostSection, converge_host
 from bcd_shared.system import CommandResult, LocalSystem
 from bcd_shared.units import STATE_DIR, ApplyContext, UnitContext
-from hostunits_support import ALLOWED, PIN, SERVER, FakeTokens, make_host, plan, run
+from bcd_simhost import sim_system
+from hostunits_support import ALLOWED, PIN, SERVER, FakeTokens, plan, run
 
 K8S = {
     "server": SERVER,
@@ -26,6 +31,22 @@ K8S = {
     "tokenRef": "secret://pool/k8s-token",
     "kubernetesVersion": "1.34.1",
 }
+
+
+_TEMPLATE: list[Path] = []
+
+
+def make_host(tmp: Path) -> tuple[Path, LocalSystem]:
+    """A freshly seeded simulated host: a copy of one seeded for this module (seeding fsyncs every file,
+    which a throwaway host does not need; a copy is the same tree)."""
+    if not _TEMPLATE:
+        template = Path(tempfile.mkdtemp(prefix="bcd-round3-"))
+        atexit.register(shutil.rmtree, template, True)
+        hostunits_support.make_host(template)
+        _TEMPLATE.append(template / "host")
+    root = tmp / "host"
+    shutil.copytree(_TEMPLATE[0], root, symlinks=True)
+    return root, sim_system(root)
 
 
 class Recording:
@@ -272,3 +293,194 @@ def test_HST_RBT_08_after_the_reboot_the_units_converge_and_the_condition_goes(t
     assert after.state is SectionState.CONVERGED, after.message
     assert [c for c in after.conditions if c.type == "RebootRequired"] == []
     assert not after.changed
+
+
+# -- container-toolkit
+
+CTK_CONFIG = "/etc/nvidia-container-runtime/config.toml"
+ENVVAR_KEY = "accept-nvidia-visible-devices-envvar-when-unprivileged"
+MOUNTS_KEY = "accept-nvidia-visible-devices-as-volume-mounts"
+
+
+def _runtimes(root: Path, system: LocalSystem, *names: str) -> None:
+    """Container runtimes installed as their packages lay them down: the binary and its service."""
+    if "containerd" in names:
+        assert system.run(["apt-get", "install", "-y", "containerd"]).ok
+    if "docker" in names:
+        (root / "usr/bin/dockerd").write_text("#!/bin/sh\n")
+        (root / "lib/systemd/system/docker.service").write_text(
+            "[Unit]\nDescription=Docker\n\n[Service]\nExecStart=/usr/bin/dockerd\n\n[Install]\n"
+            "WantedBy=multi-user.target\n"
+        )
+
+
+def _toolkit_host(tmp: Path, *runtimes: str) -> tuple[Path, LocalSystem]:
+    """A host with the toolkit installed (as its package lays it down) and the given runtimes."""
+    root, system = make_host(tmp)
+    assert system.run(["apt-get", "install", "-y", "nvidia-container-toolkit"]).ok
+    _runtimes(root, system, *runtimes)
+    return root, system
+
+
+def _configures(argvs: list[list[str]]) -> list[list[str]]:
+    return [
+        a
+        for a in argvs
+        if a[:3] == ["nvidia-ctk", "runtime", "configure"] or a[:2] == ["systemctl", "restart"]
+    ]
+
+
+def test_HST_CTK_03_each_installed_runtime_is_configured(tmp_path: Path) -> None:
+    """containerd (binary containerd) and Docker (binary dockerd) are configured when installed, and
+    only then; the configuration each gets is its own file."""
+    for installed in ((), ("containerd",), ("docker",), ("containerd", "docker")):
+        _, system = _toolkit_host(tmp_path / ("-".join(installed) or "none"), *installed)
+        recording = Recording(system)
+        assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+        configured = [a[3] for a in recording.argvs if a[:3] == ["nvidia-ctk", "runtime", "configure"]]
+        assert configured == [f"--runtime={r}" for r in installed]
+        assert ("nvidia-container-runtime" in (system.read_text("/etc/containerd/config.toml") or "")) == (
+            "containerd" in installed
+        )
+        assert ("nvidia-container-runtime" in (system.read_text("/etc/docker/daemon.json") or "")) == (
+            "docker" in installed
+        )
+        assert plan(system, "container-toolkit", {}).converged
+
+
+def test_HST_CTK_04_05_configure_then_restart_each_runtime(tmp_path: Path) -> None:
+    """nvidia-ctk runtime configure --runtime=<runtime> (with --cdi.enabled when cdi is on), each
+    followed by that runtime's restart."""
+    _, system = _toolkit_host(tmp_path / "cdi", "containerd", "docker")
+    recording = Recording(system)
+    run(recording, "container-toolkit", {})  # type: ignore[arg-type]
+    assert _configures(recording.argvs) == [
+        ["nvidia-ctk", "runtime", "configure", "--runtime=containerd", "--cdi.enabled"],
+        ["systemctl", "restart", "containerd.service"],
+        ["nvidia-ctk", "runtime", "configure", "--runtime=docker", "--cdi.enabled"],
+        ["systemctl", "restart", "docker.service"],
+    ]
+    _, system = _toolkit_host(tmp_path / "legacy", "containerd", "docker")
+    recording = Recording(system)
+    run(recording, "container-toolkit", {"cdi": False})  # type: ignore[arg-type]
+    assert _configures(recording.argvs) == [
+        ["nvidia-ctk", "runtime", "configure", "--runtime=containerd"],
+        ["systemctl", "restart", "containerd.service"],
+        ["nvidia-ctk", "runtime", "configure", "--runtime=docker"],
+        ["systemctl", "restart", "docker.service"],
+    ]
+
+
+def test_HST_CTK_06_a_configured_runtime_is_not_configured_again(tmp_path: Path) -> None:
+    """A runtime whose configuration mentions nvidia-container-runtime is left alone, so turning cdi on
+    after a legacy start neither reconfigures nor restarts it."""
+    _, system = _toolkit_host(tmp_path, "containerd", "docker")
+    run(system, "container-toolkit", {"cdi": False})
+    containerd = system.read_text("/etc/containerd/config.toml")
+    docker = system.read_text("/etc/docker/daemon.json")
+    assert "enable_cdi" not in (containerd or "")
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {"cdi": True}).ok  # type: ignore[arg-type]
+    assert _configures(recording.argvs) == []
+    assert system.read_text("/etc/containerd/config.toml") == containerd
+    assert system.read_text("/etc/docker/daemon.json") == docker
+    # Configured by hand (the operator's own edit naming the runtime): left alone too.
+    _, system = _toolkit_host(tmp_path / "hand", "containerd")
+    (system.root / "etc/containerd").mkdir(parents=True, exist_ok=True)
+    hand = 'version = 2\n# BinaryName = "/usr/bin/nvidia-container-runtime"\n'
+    system.write_atomic("/etc/containerd/config.toml", hand.encode())
+    recording = Recording(system)
+    run(recording, "container-toolkit", {})  # type: ignore[arg-type]
+    assert _configures(recording.argvs) == [] and system.read_text("/etc/containerd/config.toml") == hand
+
+
+def _sets(argvs: list[list[str]]) -> list[list[str]]:
+    return [a for a in argvs if a[:2] == ["nvidia-ctk", "config"]]
+
+
+def test_HST_CTK_07_08_09_cdi_sets_both_keys_false_unless_the_file_says_so_and_restarts_nothing(
+    tmp_path: Path,
+) -> None:
+    """The package's file has one key commented out at its permissive default and the other commented
+    out as false: neither counts, both are set; once the file says false, neither is set again; setting
+    them restarts no runtime (HST-CTK-09)."""
+    _, system = _toolkit_host(tmp_path, "containerd")
+    run(system, "container-toolkit", {})  # the runtime configured and restarted once
+    # The file as the package ships it (nvidia-container-toolkit 1.17): both keys commented out.
+    packaged = f"#{MOUNTS_KEY} = false\n#{ENVVAR_KEY} = true\ndisable-require = false\n"
+    system.write_atomic(CTK_CONFIG, packaged.encode())
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+    assert _sets(recording.argvs) == [
+        ["nvidia-ctk", "config", "--in-place", "--set", f"{ENVVAR_KEY}=false"],
+        ["nvidia-ctk", "config", "--in-place", "--set", f"{MOUNTS_KEY}=false"],
+    ]
+    assert [a for a in recording.argvs if a[0] == "systemctl"] == []  # HST-CTK-09
+    text = system.read_text(CTK_CONFIG) or ""
+    assert f"\n{ENVVAR_KEY} = false" in "\n" + text and f"\n{MOUNTS_KEY} = false" in "\n" + text
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+    assert recording.argvs and _sets(recording.argvs) == []  # the file says so: nothing set
+    # Only the one key that is not false is set.
+    system.write_atomic(CTK_CONFIG, text.replace(f"{MOUNTS_KEY} = false", f"{MOUNTS_KEY} = true").encode())
+    recording = Recording(system)
+    run(recording, "container-toolkit", {})  # type: ignore[arg-type]
+    assert _sets(recording.argvs) == [["nvidia-ctk", "config", "--in-place", "--set", f"{MOUNTS_KEY}=false"]]
+    assert [a for a in recording.argvs if a[0] == "systemctl"] == []
+
+
+def test_HST_CTK_11_12_cdi_spec_generated_as_json_and_the_old_yaml_removed(tmp_path: Path) -> None:
+    root, system = _toolkit_host(tmp_path)
+    (root / "etc/cdi/nvidia.yaml").write_text("cdiVersion: 0.5.0\nkind: nvidia.com/gpu\n")
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+    generate = [a for a in recording.argvs if a[:3] == ["nvidia-ctk", "cdi", "generate"]]
+    assert generate == [
+        [
+            "nvidia-ctk",
+            "cdi",
+            "generate",
+            "--format=json",
+            "--device-name-strategy=uuid",
+            "--output=/etc/cdi/nvidia.json",
+        ]
+    ]
+    spec = json.loads(system.read_text("/etc/cdi/nvidia.json") or "{}")
+    assert spec["kind"] == "nvidia.com/gpu"
+    assert not system.exists("/etc/cdi/nvidia.yaml")
+    assert plan(system, "container-toolkit", {}).converged
+
+
+def _stamp_now(system: LocalSystem) -> str:
+    """SHA-256 of the loaded driver's version and `nvidia-smi -L`, worked out here from the host."""
+    version = (system.read_text("/proc/driver/nvidia/version") or "").split("  ")[1].strip()
+    listing = system.run(["nvidia-smi", "-L"]).stdout.decode()
+    return hashlib.sha256(f"{version}\n{listing}".encode()).hexdigest()
+
+
+def test_HST_CTK_13_14_stamp_records_driver_and_devices_and_a_change_regenerates_in_one_pass(
+    tmp_path: Path,
+) -> None:
+    root, system = _toolkit_host(tmp_path)
+    stamp = "/var/lib/bcd-hostconfig/cdi-nvidia.stamp"
+    run(system, "container-toolkit", {})
+    assert (system.read_text(stamp) or "").splitlines()[-1] == _stamp_now(system)
+    first = system.read_text("/etc/cdi/nvidia.json")
+    # A new MIG layout: the next pass of the unit generates the spec again and records the new stamp.
+    run(system, "mig-layout", {"layout": "all-1g.18gb"})
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+    assert [a[:3] for a in recording.argvs].count(["nvidia-ctk", "cdi", "generate"]) == 1
+    assert (system.read_text(stamp) or "").splitlines()[-1] == _stamp_now(system)
+    assert system.read_text("/etc/cdi/nvidia.json") != first and "MIG-" in (
+        system.read_text("/etc/cdi/nvidia.json") or ""
+    )
+    assert plan(system, "container-toolkit", {}).converged
+    # A driver update (another version loaded): generated again too.
+    path = root / "proc/driver/nvidia/version"
+    path.write_text(path.read_text().replace("590.48.01", "590.65.02"))
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+    assert [a[:3] for a in recording.argvs].count(["nvidia-ctk", "cdi", "generate"]) == 1
+    assert (system.read_text(stamp) or "").splitlines()[-1] == _stamp_now(system)
+    assert plan(system, "container-toolkit", {}).converged
