@@ -484,3 +484,94 @@ def test_HST_CTK_13_14_stamp_records_driver_and_devices_and_a_change_regenerates
     assert [a[:3] for a in recording.argvs].count(["nvidia-ctk", "cdi", "generate"]) == 1
     assert (system.read_text(stamp) or "").splitlines()[-1] == _stamp_now(system)
     assert plan(system, "container-toolkit", {}).converged
+
+
+# -- hugepages
+
+HP_DROPIN = "/etc/default/grub.d/90-bcd-hugepages.cfg"
+HP_RECORD = "/var/lib/bcd-hostconfig/hugepages-1g-boot"
+GLOBAL_1G = "sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages"
+
+
+def _node_1g(n: int) -> str:
+    return f"sys/devices/system/node/node{n}/hugepages/hugepages-1048576kB/nr_hugepages"
+
+
+def test_HST_HP_09_1g_pages_tried_at_runtime_first_host_wide_or_per_numa_node(tmp_path: Path) -> None:
+    """The count goes to the host's nr_hugepages, or with perNuma to each NUMA node's; when the kernel
+    allocates them the boot loader is not touched."""
+    root, system = make_host(tmp_path / "host-wide")
+    recording = Recording(system)
+    r = run(recording, "hugepages", {"pages1g": 4})  # type: ignore[arg-type]
+    assert r.ok, r.issues
+    assert (root / GLOBAL_1G).read_text().strip() == "4"
+    assert ["update-grub"] not in recording.argvs
+    assert not system.exists(HP_DROPIN) and not system.exists(HP_RECORD)
+    assert plan(system, "hugepages", {"pages1g": 4}).converged
+    root, system = make_host(tmp_path / "per-numa")
+    global_before = (root / GLOBAL_1G).read_text()
+    r = run(system, "hugepages", {"pages1g": 3, "perNuma": True})
+    assert r.ok, r.issues
+    assert [(root / _node_1g(n)).read_text().strip() for n in (0, 1)] == ["3", "3"]
+    assert (root / GLOBAL_1G).read_text() == global_before  # the host-wide file is not written
+    assert not system.exists(HP_DROPIN) and not system.exists(HP_RECORD)
+    assert plan(system, "hugepages", {"pages1g": 3, "perNuma": True}).converged
+
+
+def test_HST_HP_18_pages1g_0_removes_an_existing_boot_reservation(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path / "grub")
+    (root / "var/lib/bcd-sim/hugepages-1g-limit").write_text("0\n")  # a long-running host: none at runtime
+    assert run(system, "hugepages", {"pages1g": 4}).issues[0].kind == "reboot"
+    assert "hugepagesz=1G hugepages=4" in _grub_cmdline(system)
+    recording = Recording(system)
+    r = run(recording, "hugepages", {"pages1g": 0})  # type: ignore[arg-type]
+    assert r.ok and r.changed, r.issues
+    assert ["update-grub"] in recording.argvs
+    assert not system.exists(HP_DROPIN) and not system.exists(HP_RECORD)
+    assert "hugepages=" not in _grub_cmdline(system)
+    assert plan(system, "hugepages", {"pages1g": 0}).converged
+    root, system = make_host(tmp_path / "grubby")
+    _grubby(root)
+    (root / "var/lib/bcd-sim/hugepages-1g-limit").write_text("0\n")
+    run(system, "hugepages", {"pages1g": 2, "perNuma": True})
+    assert _grubby_args(root) == ["hugepagesz=1G", "hugepages=4"]  # the host total
+    run(system, "hugepages", {"pages1g": 0, "perNuma": True})
+    assert _grubby_args(root) == [] and not system.exists(HP_RECORD)
+
+
+# -- cpu
+
+
+def test_HST_CPU_16_recorded_isolation_arguments_plan_no_boot_loader_step(tmp_path: Path) -> None:
+    """Once the boot loader has the arguments and the record says so, the same list (in any spelling)
+    plans no step, even while the CPUs wait for the reboot; another list plans the one step again."""
+    _, system = make_host(tmp_path)
+    run(system, "cpu", {"isolate": "4-7"})
+    assert (system.read_text("/var/lib/bcd-hostconfig/bootargs/cpu") or "").splitlines()[-1] == (
+        "isolcpus=managed_irq,domain,4-7 nohz_full=4-7 rcu_nocbs=4-7"
+    )
+    for spelling in ("4-7", "7,4-6", "4,5,6,7"):
+        p = plan(system, "cpu", {"isolate": spelling})
+        assert p.steps == () and [i.kind for i in p.issues] == ["reboot"], spelling
+    recording = Recording(system)
+    run(recording, "cpu", {"isolate": "4-7"})  # type: ignore[arg-type]
+    assert recording.argvs == []
+    assert [s.describe() for s in plan(system, "cpu", {"isolate": "4-8"}).steps] == [
+        "set kernel arguments 'isolcpus=managed_irq,domain,4-8 nohz_full=4-8 rcu_nocbs=4-8' for cpu on "
+        "the boot loader"
+    ]
+
+
+# -- what removing a unit leaves
+
+
+def test_HST_RMV_07_removing_gpu_settings_leaves_power_limits_and_ecc(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    assert run(system, "gpu-settings", {"powerLimitWatts": 450, "ecc": False}).issues[0].kind == "reboot"
+    gpus = json.loads((root / "var/lib/bcd-sim/gpus.json").read_text())["gpus"]
+    assert {(g["power_limit"], g["ecc_pending"]) for g in gpus} == {(450.0, False)}
+    recording = Recording(system)
+    r = run(recording, "gpu-settings", None)  # type: ignore[arg-type]
+    assert r.ok and not r.changed
+    assert [a for a in recording.argvs if a[0] == "nvidia-smi" and ("-pl" in a or "-e" in a)] == []
+    assert json.loads((root / "var/lib/bcd-sim/gpus.json").read_text())["gpus"] == gpus
