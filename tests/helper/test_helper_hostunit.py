@@ -6,8 +6,10 @@ DLV-PRIV-09.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from bcd_agent.helperclient import HelperClient
@@ -16,7 +18,7 @@ from bcd_shared import cdi
 from bcd_shared.errors import HelperRefused
 from bcd_shared.system import CommandResult, LocalSystem
 from bcd_simhost.gpus import gpu_uuid, mig_uuid, update_state
-from helperproc import HelperProcess, base_config, tree
+from helperproc import HelperProcess, assert_refused, base_config, tree
 
 DROPIN = "etc/sysctl.d/90-bcd.conf"
 
@@ -129,5 +131,49 @@ def test_node_reboot_runs_systemctl_reboot(fresh_root: Path) -> None:
     try:
         assert h.client.node_reboot() == {"rebooting": True}
         assert (fresh_root / "var/lib/bcd-sim/reboot-requested").exists()
+    finally:
+        h.stop()
+
+
+def _gpus(root: Path) -> list[dict[str, Any]]:
+    gpus: list[dict[str, Any]] = json.loads((root / "var/lib/bcd-sim/gpus.json").read_text())["gpus"]
+    return gpus
+
+
+def test_HST_HLP_33_mig_layout_takes_roots_busy_gpus_not_the_nodes(fresh_root: Path) -> None:
+    """A live hold on GPU 1 that the node leaves out of busy_gpus still keeps its GPU from being
+    repartitioned, and GPU 0, which the node claims is busy though nothing uses it, is repartitioned."""
+    h = HelperProcess(fresh_root, base_config())
+    try:
+        _hold(h.client, "held_1", f"{gpu_uuid(1)}/s0")
+        before = _gpus(fresh_root)[1]
+        out = h.client.host_unit("mig-layout", '{"layout":"all-1g.18gb"}', busy_gpus=[gpu_uuid(0)])
+        assert [i["kind"] for i in out["issues"]] == ["retryable"]
+        assert "hold allocations; they are repartitioned once those end" in out["issues"][0]["message"]
+        after = _gpus(fresh_root)
+        assert after[1] == before  # the held GPU is left alone
+        assert after[0]["mig_enabled"] and [m["profile"] for m in after[0]["migs"]] == ["1g.18gb"] * 7
+    finally:
+        h.stop()
+
+
+def test_HST_HLP_20_host_units_is_roots_config_never_the_nodes(fresh_root: Path) -> None:
+    """The same request, from the same node, applies or is refused as root's own config.toml says: a
+    request that claims host units are on is refused for the unknown field, and root's `units = false`
+    decides until root's file changes."""
+    request = {"unit": "sysctl", "settings": '{"vm.swappiness":10}', "busy_gpus": []}
+    h = HelperProcess(fresh_root, base_config(extra="[host]\nunits = false\n"))
+    try:
+        assert h.client.ping()["host_units"] is False
+        assert_refused(h, {"op": "host.unit", "args": {**request, "host_units": True}})
+        assert_refused(h, {"op": "host.unit", "args": request}, "host-managed-externally")
+    finally:
+        h.stop()
+    h = HelperProcess(fresh_root, base_config())  # root's file now leaves units at their default, on
+    try:
+        assert h.client.ping()["host_units"] is True
+        answer = h.raw({"op": "host.unit", "args": request})
+        assert answer["ok"] is True and answer["result"]["changed"] is True
+        assert "vm.swappiness = 10" in (fresh_root / DROPIN).read_text()
     finally:
         h.stop()

@@ -260,6 +260,48 @@ def test_remove_of_a_planted_symlink_or_directory_is_refused(fresh_root: Path) -
         h.stop()
 
 
+def test_HST_ROOT_08_the_helpers_file_kinds_write_only_under_root_only_directories(fresh_root: Path) -> None:
+    """Each of the helper's own file kinds (cdi, allocation-env, k8s-token) is written only when every
+    directory down to it is a real directory only root can write: the kind's directory owned by the node,
+    group- or world-writable, or a symlink to a node-owned directory is refused `root-only` with nothing
+    written anywhere; put back, the same write is made."""
+    token = "abcdef.0123456789abcdef\n"
+    writes = {
+        "cdi": ("a1", cdi.encode_spec(_hold("a1")).decode(), "etc/cdi", "bcd-a1.json"),
+        "allocation-env": ("a1", "BCD_ALLOCATION_ID=a1\n", "run/bcd/allocations", "a1.env"),
+        "k8s-token": ("", token, "var/lib/bcd-hostconfig/k8s", "bootstrap-token"),
+    }
+    h = HelperProcess(fresh_root, base_config())
+    try:
+        node_dir = fresh_root / "var/node-owned"
+        node_dir.mkdir()
+        os.chown(node_dir, NODE_UID, NODE_GID)
+        for kind, (ident, content, where, name) in writes.items():
+            d = fresh_root / where
+            d.mkdir(parents=True, exist_ok=True)
+            doc = _doc("file.write", kind=kind, id=ident, content=content)
+            os.chown(d, NODE_UID, NODE_GID)
+            assert_refused_raw(h, doc, "root-only", where)
+            os.chown(d, 0, 0)
+            for mode in (0o775, 0o757):
+                os.chmod(d, mode)
+                assert_refused_raw(h, doc, "root-only", where)
+            os.chmod(d, 0o755)
+            aside = d.with_name(d.name + ".aside")
+            d.rename(aside)
+            d.symlink_to(os.path.relpath(node_dir, d.parent))
+            assert_refused_raw(h, doc, "root-only")
+            d.unlink()
+            aside.rename(d)
+            assert list(node_dir.iterdir()) == []
+            answer = send_raw(h, doc)
+            assert answer is not None and answer["ok"] is True, answer
+            written = d / name
+            assert written.read_text() == content and written.stat().st_uid == 0, kind
+    finally:
+        h.stop()
+
+
 # --- TOCTOU: the parent directory renamed over between the check and the use -------------------------------
 
 _RENAME_EXCHANGE = 2

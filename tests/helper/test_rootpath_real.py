@@ -12,6 +12,7 @@ import os
 import secrets
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -221,6 +222,60 @@ def test_HST_HLP_24_to_30_config_ownership(world_root: Path, node_user: User) ->
     cfg.symlink_to("real.toml")
     with pytest.raises(ConfigError, match=message):
         load_config(world_root, "/etc/bcd/config.toml")
+
+
+def _serve(root: Path) -> subprocess.CompletedProcess[str]:
+    """`bcd helper serve` as root over the simulated host; it must exit (a refused config) within 30 s."""
+    return subprocess.run(
+        [sys.executable, "-m", "bcd_helper.cli", "serve", "--root", str(root)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+
+
+def test_HST_HLP_25_26_27_28_helper_serve_refuses_a_config_the_node_could_change(
+    world_root: Path, node_user: User
+) -> None:
+    """A real `bcd helper serve` (as root) starts on the install's root:bcd 0640 config in /etc/bcd 0750,
+    and refuses to start, exit 78 with the one-line refusal and no socket bound, when the config is owned
+    by the node's account (HLP-25), writable by its group or by others (HLP-26), or in a directory the
+    node could write, at any depth (HLP-27); the message is `<path> must be a regular file root owns that
+    no one else can write` (HLP-28)."""
+    cfg = write_config(world_root, base_config(node_uid=node_user.uid, node_gid=node_user.gid))
+    os.chown(cfg, 0, node_user.gid)
+    os.chown(cfg.parent, 0, node_user.gid)
+    HelperProcess(world_root).stop()  # the install's layout starts
+    socket = world_root / "run/bcd/helper.sock"
+    shutil.rmtree(world_root / "run/bcd")
+    message = (
+        "bcd helper serve: /etc/bcd/config.toml must be a regular file root owns that no one else can write"
+    )
+
+    def refused(why: str) -> None:
+        out = _serve(world_root)
+        assert out.returncode == 78, (why, out.returncode, out.stderr)
+        line = out.stderr.strip().splitlines()[-1]
+        assert line.startswith(message), (why, line)
+        assert not socket.exists(), why
+
+    os.chown(cfg, node_user.uid, node_user.gid)
+    refused("owned by the node (HLP-25)")
+    os.chown(cfg, 0, node_user.gid)
+    for mode in (0o660, 0o642, 0o620, 0o602):
+        os.chmod(cfg, mode)
+        refused(f"mode {mode:o} (HLP-26)")
+    os.chmod(cfg, 0o640)
+    os.chmod(cfg.parent, 0o770)
+    refused("/etc/bcd group-writable (HLP-27)")
+    os.chmod(cfg.parent, 0o750)
+    os.chown(cfg.parent, node_user.uid, node_user.gid)
+    refused("/etc/bcd owned by the node (HLP-27)")
+    os.chown(cfg.parent, 0, node_user.gid)
+    os.chmod(world_root / "etc", 0o777)
+    refused("/etc world-writable (HLP-27)")
+    os.chmod(world_root / "etc", 0o755)
+    HelperProcess(world_root).stop()  # put right, it starts again
 
 
 def _client_code() -> str:

@@ -300,3 +300,27 @@ def test_HST_REC_10_state_file_is_root_only_json(fresh_root: Path, cp: ControlPl
     assert doc["format"] == 1 and len(doc["verified"]) == 1 and doc["verified"][0]["generation"] == 3
     record = fresh_root / "var/lib/bcd-hostconfig/join-response.pb"
     assert record.stat().st_mode & 0o777 == 0o600
+
+
+def test_HST_SIGN_01_a_unit_applies_only_as_the_signed_spec_asks(fresh_root: Path, cp: ControlPlane) -> None:
+    """With command-signing roots, root applies a unit only when a spec the control plane signed asks for
+    exactly those settings: the signed settings apply; other settings, a unit the spec does not name, a
+    spec with a broken signature, or none at all are refused and write nothing."""
+    worker = cp.command.leaf()
+    h = _start(fresh_root, cp, pin_roots=True)
+    try:
+        body = host_body("node-a", 3, {"sysctl": S10})
+        signed = intent(worker, body, with_root=cp.command.root)
+        assert not (fresh_root / DROPIN).exists()
+        assert_refused(h, host_unit_doc("sysctl", S10, None), "intent-required")
+        broken = intent(worker, body, with_root=cp.command.root, flip=5)
+        assert_refused(h, host_unit_doc("sysctl", S10, broken), "bad-intent")
+        assert_refused(
+            h, host_unit_doc("sysctl", settings(**{"vm.swappiness": 60}), signed), "settings-mismatch"
+        )
+        assert_refused(h, host_unit_doc("kernel-modules", '{"load":["tun"]}', signed), "settings-mismatch")
+        assert not (fresh_root / DROPIN).exists()
+        ok = _ok(h, host_unit_doc("sysctl", S10, signed))
+        assert ok["changed"] is True and "vm.swappiness = 10" in (fresh_root / DROPIN).read_text()
+    finally:
+        h.stop()

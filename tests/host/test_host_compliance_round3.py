@@ -1,0 +1,577 @@
+"""Host-config catalogue items that had no test naming them (docs/compliance.md), third round.
+
+Everything runs on the simulated host (hostunits_support.make_host), whose tools answer in the formats
+their modules document (bcd_simhost): plan, apply, plan again. `Recording` wraps the simulated host's
+System to see the programs a unit runs, in order.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import hostunits_support
+from bcd_agent.converge.types import SectionState
+from bcd_agent.sections.host import DirectExecutor, HostSection, converge_host
+from bcd_shared.system import CommandResult, LocalSystem
+from bcd_shared.units import STATE_DIR, ApplyContext, UnitContext
+from bcd_simhost import sim_system
+from hostunits_support import ALLOWED, PIN, SERVER, FakeTokens, plan, run
+
+K8S = {
+    "server": SERVER,
+    "caCertSha256": PIN,
+    "tokenRef": "secret://pool/k8s-token",
+    "kubernetesVersion": "1.34.1",
+}
+
+
+_TEMPLATE: list[Path] = []
+
+
+def make_host(tmp: Path) -> tuple[Path, LocalSystem]:
+    """A freshly seeded simulated host: a copy of one seeded for this module (seeding fsyncs every file,
+    which a throwaway host does not need; a copy is the same tree)."""
+    if not _TEMPLATE:
+        template = Path(tempfile.mkdtemp(prefix="bcd-round3-"))
+        atexit.register(shutil.rmtree, template, True)
+        hostunits_support.make_host(template)
+        _TEMPLATE.append(template / "host")
+    root = tmp / "host"
+    shutil.copytree(_TEMPLATE[0], root, symlinks=True)
+    return root, sim_system(root)
+
+
+class Recording:
+    """The simulated host's System, recording each program it runs."""
+
+    def __init__(self, inner: LocalSystem) -> None:
+        self.inner = inner
+        self.argvs: list[list[str]] = []
+
+    def run(self, argv: Sequence[str], **kw: Any) -> CommandResult:
+        self.argvs.append(list(argv))
+        return self.inner.run(argv, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def _executor(system: object) -> DirectExecutor:
+    return DirectExecutor(system, UnitContext(allowed_clusters=ALLOWED), ApplyContext(tokens=FakeTokens()))  # type: ignore[arg-type]
+
+
+def files(root: Path) -> dict[str, str]:
+    """Every file and link under root: its content's digest, or the link's target."""
+    out: dict[str, str] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in filenames + [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+            path = os.path.join(dirpath, name)
+            rel = os.path.relpath(path, root)
+            if os.path.islink(path):
+                out[rel] = "-> " + os.readlink(path)
+            else:
+                with open(path, "rb") as f:
+                    out[rel] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+# -- root's records
+
+
+def test_HST_REC_02_no_unit_record_in_data_dir(tmp_path: Path) -> None:
+    """Every unit that keeps a record (cpu, iommu, hugepages' boot reservation, container-toolkit's
+    stamp, k8s-join) keeps it under /var/lib/bcd-hostconfig, and nothing in bcd's data_dir
+    (/var/lib/bcd), where the node planted links named like the records, is read, written or followed."""
+    root, system = make_host(tmp_path)
+    (root / "var/lib/bcd-sim/hugepages-1g-limit").write_text("0\n")  # 1 GiB pages only at boot
+    planted = root / "etc/planted"
+    planted.mkdir()
+    data_dir = root / "var/lib/bcd"
+    data_dir.mkdir()
+    for name in ("bootargs", "hugepages-1g-boot", "cdi-nvidia.stamp", "k8s-join.json", "k8s"):
+        (data_dir / name).symlink_to(f"../../../etc/planted/{name}")  # relative: inside the simulated root
+    before = files(root)
+    run(system, "cpu", {"isolate": "4-7"})
+    run(system, "iommu", {})
+    run(system, "hugepages", {"pages1g": 4})
+    assert run(system, "container-toolkit", {}).ok
+    ctx = UnitContext(allowed_clusters=ALLOWED)
+    for _ in range(2):  # packages first, then the join
+        run(system, "k8s-join", K8S, ctx=ctx, tokens=FakeTokens())
+    after = files(root)
+    changed = {p for p in before.keys() | after.keys() if before.get(p) != after.get(p)}
+    records = {p for p in changed if p.startswith(STATE_DIR.lstrip("/") + "/")}
+    assert {
+        "var/lib/bcd-hostconfig/bootargs/cpu",
+        "var/lib/bcd-hostconfig/bootargs/iommu",
+        "var/lib/bcd-hostconfig/hugepages-1g-boot",
+        "var/lib/bcd-hostconfig/cdi-nvidia.stamp",
+        "var/lib/bcd-hostconfig/k8s-join.json",
+    } <= records
+    assert not [p for p in changed if p.startswith("var/lib/bcd/")]
+    assert list(planted.iterdir()) == []
+    # Under /var/lib only root's records and the simulated host's own state (its packages, systemd) move.
+    other = [p for p in changed if p.startswith("var/lib/") and not p.startswith(("var/lib/bcd-sim/",))]
+    assert sorted(other) == sorted(records), other
+
+
+# -- iommu
+
+IOMMU_DROPIN = "/etc/default/grub.d/90-bcd-iommu.cfg"
+IOMMU_RECORD = "/var/lib/bcd-hostconfig/bootargs/iommu"
+
+
+def _vendor(root: Path, vendor: str | None) -> None:
+    """/proc/cpuinfo of a host whose CPUs are `vendor`'s (None: an Arm host, no vendor_id line)."""
+    lines = [] if vendor is None else [f"vendor_id\t: {vendor}"]
+    (root / "proc/cpuinfo").write_text(
+        "".join(f"processor\t: {i}\n" + "".join(f"{x}\n" for x in lines) + "\n" for i in range(2))
+    )
+
+
+def _grub_cmdline(system: LocalSystem) -> str:
+    """The kernel command line the simulated update-grub generated."""
+    cfg = system.read_text("/boot/grub/grub.cfg") or ""
+    return cfg.split("linux /boot/vmlinuz ", 1)[1].strip() if "linux /boot/vmlinuz " in cfg else ""
+
+
+def _grubby(root: Path) -> None:
+    """A RHEL-family boot loader: grubby, no update-grub."""
+    (root / "usr/sbin/update-grub").unlink()
+    (root / "usr/sbin/grubby").write_text("#!/bin/sh\n")
+
+
+def _grubby_args(root: Path) -> list[str]:
+    path = root / "var/lib/bcd-sim/grubby-args.json"
+    args: list[str] = json.loads(path.read_text()) if path.exists() else []
+    return args
+
+
+def test_HST_IOMMU_05_amd_and_hygon_get_amd_iommu_on(tmp_path: Path) -> None:
+    for vendor in ("AuthenticAMD", "HygonGenuine"):
+        root, system = make_host(tmp_path / vendor)
+        _vendor(root, vendor)
+        run(system, "iommu", {})
+        assert _grub_cmdline(system).split()[3:] == ["amd_iommu=on", "iommu=pt"], vendor
+        assert run(system, "iommu", {"passthrough": False}).issues[0].kind == "reboot"
+        assert _grub_cmdline(system).split()[3:] == ["amd_iommu=on"], vendor
+        assert "intel_iommu" not in (system.read_text(IOMMU_RECORD) or "")
+
+
+def test_HST_IOMMU_06_arm_gets_only_iommu_pt(tmp_path: Path) -> None:
+    """A CPU with no vendor_id line is not refused: it gets iommu=pt and nothing of a vendor's."""
+    root, system = make_host(tmp_path)
+    _vendor(root, None)
+    r = run(system, "iommu", {})
+    assert [i.kind for i in r.issues] == ["reboot"]
+    assert _grub_cmdline(system).split()[3:] == ["iommu=pt"]
+    (root / "sys/class/iommu/smmu3.0x0000000009050000").mkdir(parents=True)
+    assert plan(system, "iommu", {}).converged
+
+
+def test_HST_IOMMU_07_another_vendor_is_terminal_and_changes_nothing(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    _vendor(root, "CentaurHauls")
+    before = files(root)
+    recording = Recording(system)
+    r = run(recording, "iommu", {})  # type: ignore[arg-type]
+    assert [(i.kind, i.message) for i in r.issues] == [
+        ("terminal", "iommu: CPU vendor CentaurHauls is not one bcd knows")
+    ]
+    assert recording.argvs == [] and files(root) == before
+
+
+def test_HST_IOMMU_08_on_the_boot_loader_as_for_cpu(tmp_path: Path) -> None:
+    """update-grub: the drop-in 90-bcd-iommu.cfg, then update-grub; grubby: --args on every kernel."""
+    root, system = make_host(tmp_path / "grub")
+    recording = Recording(system)
+    run(recording, "iommu", {})  # type: ignore[arg-type]
+    assert (system.read_text(IOMMU_DROPIN) or "").splitlines()[-1] == (
+        'GRUB_CMDLINE_LINUX="$GRUB_CMDLINE_LINUX intel_iommu=on iommu=pt"'
+    )
+    assert recording.argvs == [["update-grub"]]
+    assert "intel_iommu=on iommu=pt" in _grub_cmdline(system)
+    root, system = make_host(tmp_path / "grubby")
+    _grubby(root)
+    recording = Recording(system)
+    run(recording, "iommu", {})  # type: ignore[arg-type]
+    assert recording.argvs == [["grubby", "--update-kernel=ALL", "--args=intel_iommu=on iommu=pt"]]
+    assert _grubby_args(root) == ["intel_iommu=on", "iommu=pt"]
+    assert not system.exists(IOMMU_DROPIN)
+
+
+def test_HST_IOMMU_09_recorded_and_unchanged_arguments_plan_no_boot_loader_step(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    run(system, "iommu", {})
+    assert (system.read_text(IOMMU_RECORD) or "").splitlines()[-1] == "intel_iommu=on iommu=pt"
+    p = plan(system, "iommu", {})
+    assert p.steps == () and [i.kind for i in p.issues] == ["reboot"]  # still waiting, nothing to set
+    recording = Recording(system)
+    run(recording, "iommu", {})  # type: ignore[arg-type]
+    assert recording.argvs == []
+    changed = plan(system, "iommu", {"passthrough": False})
+    assert [s.describe() for s in changed.steps] == [
+        "set kernel arguments 'intel_iommu=on' for iommu on the boot loader"
+    ]
+    # The record, not the drop-in, is what is compared: a record saying otherwise plans the step again.
+    (root / IOMMU_RECORD.lstrip("/")).unlink()
+    assert len(plan(system, "iommu", {}).steps) == 1
+
+
+def test_HST_IOMMU_10_waits_for_a_reboot_until_sys_class_iommu_lists_one(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    _vendor(root, "AuthenticAMD")
+    expected = (
+        "iommu: the IOMMU is on from the next boot (amd_iommu=on iommu=pt): reboot the node; "
+        "check the firmware enables VT-d or AMD-Vi"
+    )
+    r = run(system, "iommu", {})
+    assert [(i.kind, i.message) for i in r.issues] == [("reboot", expected)]
+    assert [(i.kind, i.message) for i in plan(system, "iommu", {}).issues] == [("reboot", expected)]
+    (root / "sys/class/iommu/ivhd0").mkdir(parents=True)
+    assert plan(system, "iommu", {}).converged
+
+
+def test_HST_RMV_12_removing_iommu_takes_its_arguments_off_the_boot_loader(tmp_path: Path) -> None:
+    """Leaving the spec removes the drop-in and runs update-grub (or grubby --remove-args), and the
+    record; the running kernel keeps its IOMMU until the next boot."""
+    root, system = make_host(tmp_path / "grub")
+    run(system, "cpu", {"isolate": "4-7"})
+    run(system, "iommu", {})
+    (root / "sys/class/iommu/dmar0").mkdir(parents=True)
+    recording = Recording(system)
+    assert run(recording, "iommu", None).changed  # type: ignore[arg-type]
+    assert recording.argvs == [["update-grub"]]
+    assert not system.exists(IOMMU_DROPIN) and not system.exists(IOMMU_RECORD)
+    cmdline = _grub_cmdline(system)
+    assert "intel_iommu=on" not in cmdline and "iommu=pt" not in cmdline
+    assert "nohz_full=4-7" in cmdline  # cpu's arguments stay
+    assert system.exists("/sys/class/iommu/dmar0")
+    assert plan(system, "iommu", None).steps == ()
+    root, system = make_host(tmp_path / "grubby")
+    _grubby(root)
+    run(system, "iommu", {})
+    run(system, "iommu", None)
+    assert _grubby_args(root) == [] and not system.exists(IOMMU_RECORD)
+
+
+# -- reboots
+
+
+def _boot(root: Path, system: LocalSystem) -> None:
+    """What a reboot does to the simulated host: the kernel runs with the command line update-grub
+    generated, isolates the CPUs it names, and turns the IOMMU on when asked."""
+    cmdline = _grub_cmdline(system)
+    (root / "proc/cmdline").write_text(cmdline + "\n")
+    for word in cmdline.split():
+        if word.startswith("nohz_full="):
+            (root / "sys/devices/system/cpu/isolated").write_text(word.split("=", 1)[1] + "\n")
+        if word in ("intel_iommu=on", "amd_iommu=on"):
+            (root / "sys/class/iommu/dmar0").mkdir(parents=True, exist_ok=True)
+
+
+def test_HST_RBT_08_after_the_reboot_the_units_converge_and_the_condition_goes(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    spec = HostSection((("cpu", '{"isolate":"4-7"}'), ("iommu", "{}"), ("sysctl", '{"vm.swappiness":5}')))
+    first = converge_host(spec, _executor(system))
+    assert first.state is SectionState.PROGRESSING
+    (reboot,) = [c for c in first.conditions if c.type == "RebootRequired"]
+    assert reboot.reason == "cpu,iommu"
+    again = converge_host(spec, _executor(system))  # no reboot yet: still waiting, nothing new to do
+    assert again.state is SectionState.PROGRESSING and not again.changed
+    assert [c.reason for c in again.conditions if c.type == "RebootRequired"] == ["cpu,iommu"]
+    _boot(root, system)
+    after = converge_host(spec, _executor(system))
+    assert after.state is SectionState.CONVERGED, after.message
+    assert [c for c in after.conditions if c.type == "RebootRequired"] == []
+    assert not after.changed
+
+
+# -- container-toolkit
+
+CTK_CONFIG = "/etc/nvidia-container-runtime/config.toml"
+ENVVAR_KEY = "accept-nvidia-visible-devices-envvar-when-unprivileged"
+MOUNTS_KEY = "accept-nvidia-visible-devices-as-volume-mounts"
+
+
+def _runtimes(root: Path, system: LocalSystem, *names: str) -> None:
+    """Container runtimes installed as their packages lay them down: the binary and its service."""
+    if "containerd" in names:
+        assert system.run(["apt-get", "install", "-y", "containerd"]).ok
+    if "docker" in names:
+        (root / "usr/bin/dockerd").write_text("#!/bin/sh\n")
+        (root / "lib/systemd/system/docker.service").write_text(
+            "[Unit]\nDescription=Docker\n\n[Service]\nExecStart=/usr/bin/dockerd\n\n[Install]\n"
+            "WantedBy=multi-user.target\n"
+        )
+
+
+def _toolkit_host(tmp: Path, *runtimes: str) -> tuple[Path, LocalSystem]:
+    """A host with the toolkit installed (as its package lays it down) and the given runtimes."""
+    root, system = make_host(tmp)
+    assert system.run(["apt-get", "install", "-y", "nvidia-container-toolkit"]).ok
+    _runtimes(root, system, *runtimes)
+    return root, system
+
+
+def _configures(argvs: list[list[str]]) -> list[list[str]]:
+    return [
+        a
+        for a in argvs
+        if a[:3] == ["nvidia-ctk", "runtime", "configure"] or a[:2] == ["systemctl", "restart"]
+    ]
+
+
+def test_HST_CTK_03_each_installed_runtime_is_configured(tmp_path: Path) -> None:
+    """containerd (binary containerd) and Docker (binary dockerd) are configured when installed, and
+    only then; the configuration each gets is its own file."""
+    for installed in ((), ("containerd",), ("docker",), ("containerd", "docker")):
+        _, system = _toolkit_host(tmp_path / ("-".join(installed) or "none"), *installed)
+        recording = Recording(system)
+        assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+        configured = [a[3] for a in recording.argvs if a[:3] == ["nvidia-ctk", "runtime", "configure"]]
+        assert configured == [f"--runtime={r}" for r in installed]
+        assert ("nvidia-container-runtime" in (system.read_text("/etc/containerd/config.toml") or "")) == (
+            "containerd" in installed
+        )
+        assert ("nvidia-container-runtime" in (system.read_text("/etc/docker/daemon.json") or "")) == (
+            "docker" in installed
+        )
+        assert plan(system, "container-toolkit", {}).converged
+
+
+def test_HST_CTK_04_05_configure_then_restart_each_runtime(tmp_path: Path) -> None:
+    """nvidia-ctk runtime configure --runtime=<runtime> (with --cdi.enabled when cdi is on), each
+    followed by that runtime's restart."""
+    _, system = _toolkit_host(tmp_path / "cdi", "containerd", "docker")
+    recording = Recording(system)
+    run(recording, "container-toolkit", {})  # type: ignore[arg-type]
+    assert _configures(recording.argvs) == [
+        ["nvidia-ctk", "runtime", "configure", "--runtime=containerd", "--cdi.enabled"],
+        ["systemctl", "restart", "containerd.service"],
+        ["nvidia-ctk", "runtime", "configure", "--runtime=docker", "--cdi.enabled"],
+        ["systemctl", "restart", "docker.service"],
+    ]
+    _, system = _toolkit_host(tmp_path / "legacy", "containerd", "docker")
+    recording = Recording(system)
+    run(recording, "container-toolkit", {"cdi": False})  # type: ignore[arg-type]
+    assert _configures(recording.argvs) == [
+        ["nvidia-ctk", "runtime", "configure", "--runtime=containerd"],
+        ["systemctl", "restart", "containerd.service"],
+        ["nvidia-ctk", "runtime", "configure", "--runtime=docker"],
+        ["systemctl", "restart", "docker.service"],
+    ]
+
+
+def test_HST_CTK_06_a_configured_runtime_is_not_configured_again(tmp_path: Path) -> None:
+    """A runtime whose configuration mentions nvidia-container-runtime is left alone, so turning cdi on
+    after a legacy start neither reconfigures nor restarts it."""
+    _, system = _toolkit_host(tmp_path, "containerd", "docker")
+    run(system, "container-toolkit", {"cdi": False})
+    containerd = system.read_text("/etc/containerd/config.toml")
+    docker = system.read_text("/etc/docker/daemon.json")
+    assert "enable_cdi" not in (containerd or "")
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {"cdi": True}).ok  # type: ignore[arg-type]
+    assert _configures(recording.argvs) == []
+    assert system.read_text("/etc/containerd/config.toml") == containerd
+    assert system.read_text("/etc/docker/daemon.json") == docker
+    # Configured by hand (the operator's own edit naming the runtime): left alone too.
+    _, system = _toolkit_host(tmp_path / "hand", "containerd")
+    (system.root / "etc/containerd").mkdir(parents=True, exist_ok=True)
+    hand = 'version = 2\n# BinaryName = "/usr/bin/nvidia-container-runtime"\n'
+    system.write_atomic("/etc/containerd/config.toml", hand.encode())
+    recording = Recording(system)
+    run(recording, "container-toolkit", {})  # type: ignore[arg-type]
+    assert _configures(recording.argvs) == [] and system.read_text("/etc/containerd/config.toml") == hand
+
+
+def _sets(argvs: list[list[str]]) -> list[list[str]]:
+    return [a for a in argvs if a[:2] == ["nvidia-ctk", "config"]]
+
+
+def test_HST_CTK_07_08_09_cdi_sets_both_keys_false_unless_the_file_says_so_and_restarts_nothing(
+    tmp_path: Path,
+) -> None:
+    """The package's file has one key commented out at its permissive default and the other commented
+    out as false: neither counts, both are set; once the file says false, neither is set again; setting
+    them restarts no runtime (HST-CTK-09)."""
+    _, system = _toolkit_host(tmp_path, "containerd")
+    run(system, "container-toolkit", {})  # the runtime configured and restarted once
+    # The file as the package ships it (nvidia-container-toolkit 1.17): both keys commented out.
+    packaged = f"#{MOUNTS_KEY} = false\n#{ENVVAR_KEY} = true\ndisable-require = false\n"
+    system.write_atomic(CTK_CONFIG, packaged.encode())
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+    assert _sets(recording.argvs) == [
+        ["nvidia-ctk", "config", "--in-place", "--set", f"{ENVVAR_KEY}=false"],
+        ["nvidia-ctk", "config", "--in-place", "--set", f"{MOUNTS_KEY}=false"],
+    ]
+    assert [a for a in recording.argvs if a[0] == "systemctl"] == []  # HST-CTK-09
+    text = system.read_text(CTK_CONFIG) or ""
+    assert f"\n{ENVVAR_KEY} = false" in "\n" + text and f"\n{MOUNTS_KEY} = false" in "\n" + text
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+    assert recording.argvs and _sets(recording.argvs) == []  # the file says so: nothing set
+    # Only the one key that is not false is set.
+    system.write_atomic(CTK_CONFIG, text.replace(f"{MOUNTS_KEY} = false", f"{MOUNTS_KEY} = true").encode())
+    recording = Recording(system)
+    run(recording, "container-toolkit", {})  # type: ignore[arg-type]
+    assert _sets(recording.argvs) == [["nvidia-ctk", "config", "--in-place", "--set", f"{MOUNTS_KEY}=false"]]
+    assert [a for a in recording.argvs if a[0] == "systemctl"] == []
+
+
+def test_HST_CTK_11_12_cdi_spec_generated_as_json_and_the_old_yaml_removed(tmp_path: Path) -> None:
+    root, system = _toolkit_host(tmp_path)
+    (root / "etc/cdi/nvidia.yaml").write_text("cdiVersion: 0.5.0\nkind: nvidia.com/gpu\n")
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+    generate = [a for a in recording.argvs if a[:3] == ["nvidia-ctk", "cdi", "generate"]]
+    assert generate == [
+        [
+            "nvidia-ctk",
+            "cdi",
+            "generate",
+            "--format=json",
+            "--device-name-strategy=uuid",
+            "--output=/etc/cdi/nvidia.json",
+        ]
+    ]
+    spec = json.loads(system.read_text("/etc/cdi/nvidia.json") or "{}")
+    assert spec["kind"] == "nvidia.com/gpu"
+    assert not system.exists("/etc/cdi/nvidia.yaml")
+    assert plan(system, "container-toolkit", {}).converged
+
+
+def _stamp_now(system: LocalSystem) -> str:
+    """SHA-256 of the loaded driver's version and `nvidia-smi -L`, worked out here from the host."""
+    version = (system.read_text("/proc/driver/nvidia/version") or "").split("  ")[1].strip()
+    listing = system.run(["nvidia-smi", "-L"]).stdout.decode()
+    return hashlib.sha256(f"{version}\n{listing}".encode()).hexdigest()
+
+
+def test_HST_CTK_13_14_stamp_records_driver_and_devices_and_a_change_regenerates_in_one_pass(
+    tmp_path: Path,
+) -> None:
+    root, system = _toolkit_host(tmp_path)
+    stamp = "/var/lib/bcd-hostconfig/cdi-nvidia.stamp"
+    run(system, "container-toolkit", {})
+    assert (system.read_text(stamp) or "").splitlines()[-1] == _stamp_now(system)
+    first = system.read_text("/etc/cdi/nvidia.json")
+    # A new MIG layout: the next pass of the unit generates the spec again and records the new stamp.
+    run(system, "mig-layout", {"layout": "all-1g.18gb"})
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+    assert [a[:3] for a in recording.argvs].count(["nvidia-ctk", "cdi", "generate"]) == 1
+    assert (system.read_text(stamp) or "").splitlines()[-1] == _stamp_now(system)
+    assert system.read_text("/etc/cdi/nvidia.json") != first and "MIG-" in (
+        system.read_text("/etc/cdi/nvidia.json") or ""
+    )
+    assert plan(system, "container-toolkit", {}).converged
+    # A driver update (another version loaded): generated again too.
+    path = root / "proc/driver/nvidia/version"
+    path.write_text(path.read_text().replace("590.48.01", "590.65.02"))
+    recording = Recording(system)
+    assert run(recording, "container-toolkit", {}).ok  # type: ignore[arg-type]
+    assert [a[:3] for a in recording.argvs].count(["nvidia-ctk", "cdi", "generate"]) == 1
+    assert (system.read_text(stamp) or "").splitlines()[-1] == _stamp_now(system)
+    assert plan(system, "container-toolkit", {}).converged
+
+
+# -- hugepages
+
+HP_DROPIN = "/etc/default/grub.d/90-bcd-hugepages.cfg"
+HP_RECORD = "/var/lib/bcd-hostconfig/hugepages-1g-boot"
+GLOBAL_1G = "sys/kernel/mm/hugepages/hugepages-1048576kB/nr_hugepages"
+
+
+def _node_1g(n: int) -> str:
+    return f"sys/devices/system/node/node{n}/hugepages/hugepages-1048576kB/nr_hugepages"
+
+
+def test_HST_HP_09_1g_pages_tried_at_runtime_first_host_wide_or_per_numa_node(tmp_path: Path) -> None:
+    """The count goes to the host's nr_hugepages, or with perNuma to each NUMA node's; when the kernel
+    allocates them the boot loader is not touched."""
+    root, system = make_host(tmp_path / "host-wide")
+    recording = Recording(system)
+    r = run(recording, "hugepages", {"pages1g": 4})  # type: ignore[arg-type]
+    assert r.ok, r.issues
+    assert (root / GLOBAL_1G).read_text().strip() == "4"
+    assert ["update-grub"] not in recording.argvs
+    assert not system.exists(HP_DROPIN) and not system.exists(HP_RECORD)
+    assert plan(system, "hugepages", {"pages1g": 4}).converged
+    root, system = make_host(tmp_path / "per-numa")
+    global_before = (root / GLOBAL_1G).read_text()
+    r = run(system, "hugepages", {"pages1g": 3, "perNuma": True})
+    assert r.ok, r.issues
+    assert [(root / _node_1g(n)).read_text().strip() for n in (0, 1)] == ["3", "3"]
+    assert (root / GLOBAL_1G).read_text() == global_before  # the host-wide file is not written
+    assert not system.exists(HP_DROPIN) and not system.exists(HP_RECORD)
+    assert plan(system, "hugepages", {"pages1g": 3, "perNuma": True}).converged
+
+
+def test_HST_HP_18_pages1g_0_removes_an_existing_boot_reservation(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path / "grub")
+    (root / "var/lib/bcd-sim/hugepages-1g-limit").write_text("0\n")  # a long-running host: none at runtime
+    assert run(system, "hugepages", {"pages1g": 4}).issues[0].kind == "reboot"
+    assert "hugepagesz=1G hugepages=4" in _grub_cmdline(system)
+    recording = Recording(system)
+    r = run(recording, "hugepages", {"pages1g": 0})  # type: ignore[arg-type]
+    assert r.ok and r.changed, r.issues
+    assert ["update-grub"] in recording.argvs
+    assert not system.exists(HP_DROPIN) and not system.exists(HP_RECORD)
+    assert "hugepages=" not in _grub_cmdline(system)
+    assert plan(system, "hugepages", {"pages1g": 0}).converged
+    root, system = make_host(tmp_path / "grubby")
+    _grubby(root)
+    (root / "var/lib/bcd-sim/hugepages-1g-limit").write_text("0\n")
+    run(system, "hugepages", {"pages1g": 2, "perNuma": True})
+    assert _grubby_args(root) == ["hugepagesz=1G", "hugepages=4"]  # the host total
+    run(system, "hugepages", {"pages1g": 0, "perNuma": True})
+    assert _grubby_args(root) == [] and not system.exists(HP_RECORD)
+
+
+# -- cpu
+
+
+def test_HST_CPU_16_recorded_isolation_arguments_plan_no_boot_loader_step(tmp_path: Path) -> None:
+    """Once the boot loader has the arguments and the record says so, the same list (in any spelling)
+    plans no step, even while the CPUs wait for the reboot; another list plans the one step again."""
+    _, system = make_host(tmp_path)
+    run(system, "cpu", {"isolate": "4-7"})
+    assert (system.read_text("/var/lib/bcd-hostconfig/bootargs/cpu") or "").splitlines()[-1] == (
+        "isolcpus=managed_irq,domain,4-7 nohz_full=4-7 rcu_nocbs=4-7"
+    )
+    for spelling in ("4-7", "7,4-6", "4,5,6,7"):
+        p = plan(system, "cpu", {"isolate": spelling})
+        assert p.steps == () and [i.kind for i in p.issues] == ["reboot"], spelling
+    recording = Recording(system)
+    run(recording, "cpu", {"isolate": "4-7"})  # type: ignore[arg-type]
+    assert recording.argvs == []
+    assert [s.describe() for s in plan(system, "cpu", {"isolate": "4-8"}).steps] == [
+        "set kernel arguments 'isolcpus=managed_irq,domain,4-8 nohz_full=4-8 rcu_nocbs=4-8' for cpu on "
+        "the boot loader"
+    ]
+
+
+# -- what removing a unit leaves
+
+
+def test_HST_RMV_07_removing_gpu_settings_leaves_power_limits_and_ecc(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    assert run(system, "gpu-settings", {"powerLimitWatts": 450, "ecc": False}).issues[0].kind == "reboot"
+    gpus = json.loads((root / "var/lib/bcd-sim/gpus.json").read_text())["gpus"]
+    assert {(g["power_limit"], g["ecc_pending"]) for g in gpus} == {(450.0, False)}
+    recording = Recording(system)
+    r = run(recording, "gpu-settings", None)  # type: ignore[arg-type]
+    assert r.ok and not r.changed
+    assert [a for a in recording.argvs if a[0] == "nvidia-smi" and ("-pl" in a or "-e" in a)] == []
+    assert json.loads((root / "var/lib/bcd-sim/gpus.json").read_text())["gpus"] == gpus
