@@ -899,3 +899,187 @@ def test_HST_K8S_52_53_staged_token_source(tmp_path: Path) -> None:
     assert staged.fetch("secret://x") == "abcdef.0123456789abcdef"
     staged.consumed()
     assert not system.exists("/var/lib/bcd-hostconfig/k8s/bootstrap-token")
+
+
+def _files(tmp: Path, files: dict[str, str]) -> None:
+    for path, text in files.items():
+        target = tmp / path.lstrip("/")
+        if path.endswith("/"):
+            target.mkdir(parents=True, exist_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(text)
+
+
+KUBELET_CONF = "apiVersion: v1\nclusters:\n- cluster:\n    server: 'https://10.0.0.1:6443'\n  name: k\n"
+NODE_JSON = {
+    "metadata": {"name": "gpu-node-01", "labels": {"team": "ml", "bcd.dev/node-id": "n-1"}},
+    "spec": {
+        "taints": [
+            {"key": "gpu", "value": "true", "effect": "NoSchedule"},
+            {"key": "spot", "effect": "NoExecute"},
+        ],
+        "unschedulable": True,
+    },
+}
+
+
+def test_HST_K8S_observe_a_joined_host(tmp_path: Path) -> None:
+    _files(
+        tmp_path,
+        {
+            "/etc/os-release": 'ID=ubuntu\nVERSION_ID="24.04"\n',
+            "/etc/hostname": "GPU_Node 01\n",
+            "/proc/sys/kernel/hostname": "ignored\n",
+            "/usr/bin/kubeadm": "",
+            "/usr/local/bin/kubelet": "",
+            "/usr/bin/containerd": "",
+            "/etc/modules-load.d/90-bcd-k8s.conf": "mods",
+            "/sys/module/br_netfilter/": "",
+            "/etc/sysctl.d/90-bcd-k8s.conf": "sysctls",
+            "/proc/sys/net/bridge/bridge-nf-call-iptables": " 1\n",
+            "/proc/sys/net/ipv4/ip_forward": "0\n",
+            "/proc/swaps": "Filename\tType\tSize\tUsed\tPriority\n/swap.img file 1 0 -2\n",
+            "/etc/containerd/config.toml": "version = 2\n",
+            "/etc/containerd/conf.d/90-bcd-k8s.toml": "dropin",
+            "/etc/kubernetes/kubelet.conf": KUBELET_CONF,
+        },
+    )
+    answers: dict[str, Callable[[tuple[str, ...]], tuple[int, str, str]]] = {
+        "containerd": lambda a: (0, "containerd containerd.io 1.7.24 88bf19b\n", ""),
+        "systemctl": lambda a: (0 if a[-1] == "kubelet.service" else 3, "", ""),
+        "kubectl": lambda a: (0, json.dumps(NODE_JSON), ""),
+        "kubeadm": lambda a: (0, "v1.34.1\n", ""),
+    }
+    host = Host(tmp_path, answers)
+    ctx = UnitContext(allowed_clusters=(ClusterPin(SERVER, PIN),), identity_labels=(("bcd.dev/site", "s"),))
+    o = UNIT.observe(host.system, settings(), ctx)
+    assert o == K8sObserved(
+        distro=Distro("ubuntu", "24.04", "ubuntu"),
+        tools=("kubectl",),
+        modules_file=b"mods",
+        modules_loaded=("br_netfilter",),
+        sysctl_file=b"sysctls",
+        sysctls=(
+            ("net.bridge.bridge-nf-call-iptables", "1"),
+            ("net.bridge.bridge-nf-call-ip6tables", None),
+            ("net.ipv4.ip_forward", "0"),
+        ),
+        swap=True,
+        containerd_config="version = 2\n",
+        containerd_dropin=b"dropin",
+        containerd_major=1,
+        containerd_active=False,
+        kubelet_server=SERVER,
+        kubeadm_version=None,  # joined: not asked
+        hostname="GPU_Node 01",
+        record=None,
+        kubelet_active=True,
+        node=NodeView(
+            (("bcd.dev/node-id", "n-1"), ("team", "ml")),
+            (("gpu", "true", "NoSchedule"), ("spot", "", "NoExecute")),
+            True,
+        ),
+        pods=(),
+        identity_labels=(("bcd.dev/site", "s"),),
+        allowed=(ClusterPin(SERVER, PIN),),
+    )
+    assert host.calls == [
+        ("containerd", "--version"),
+        (*KUBE, "get", "node", "gpu-node-01", "-o", "json"),
+        ("systemctl", "is-active", "--quiet", "containerd.service"),
+        ("systemctl", "is-active", "--quiet", "kubelet.service"),
+    ]
+    # the recorded Node name wins over the host name
+    _files(tmp_path, {RECORD: json.dumps({"node": "recorded"})})
+    host.calls.clear()
+    assert UNIT.observe(host.system, settings(), ctx).record == {"node": "recorded"}
+    assert (*KUBE, "get", "node", "recorded", "-o", "json") in host.calls
+
+
+def test_HST_K8S_observe_before_the_join(tmp_path: Path) -> None:
+    _files(
+        tmp_path,
+        {
+            "/proc/sys/kernel/hostname": "node-b\n",
+            "/usr/sbin/kubeadm": "",
+            "/sbin/kubelet": "",
+            "/bin/kubectl": "",
+            "/usr/local/sbin/containerd": "",
+            "/proc/swaps": "Filename\tType\tSize\tUsed\tPriority\n  \n",
+            "/etc/kubernetes/": "",
+        },
+    )
+    versions = {
+        "containerd": "containerd github.com/containerd/containerd v2.0.1 abc\n",
+        "kubeadm": "v1.30.2\n",
+    }
+    host = Host(
+        tmp_path,
+        {
+            "containerd": lambda a: (0, versions["containerd"], ""),
+            "kubeadm": lambda a: (0, versions["kubeadm"], ""),
+            "systemctl": lambda a: (0, "", ""),
+        },
+    )
+    o = UNIT.observe(host.system, settings(), UnitContext())
+    assert (o.tools, o.swap, o.containerd_major, o.containerd_active) == ((), False, 2, True)
+    assert (o.kubelet_server, o.kubeadm_version, o.kubelet_active, o.node) == (None, (1, 30), False, None)
+    assert (o.hostname, o.distro) == ("node-b", Distro("", "", "unknown"))
+    assert host.calls == [
+        ("containerd", "--version"),
+        ("kubeadm", "version", "-o", "short"),
+        ("systemctl", "is-active", "--quiet", "containerd.service"),
+    ]
+    versions.update(containerd="containerd 2.0\n", kubeadm="unknown\n")
+    o = UNIT.observe(host.system, settings(), UnitContext())
+    assert (o.containerd_major, o.kubeadm_version) == (None, None)
+    # a kubeconfig without a server line: joined somewhere bcd cannot name
+    _files(tmp_path, {"/etc/kubernetes/kubelet.conf": "clusters: []\n"})
+    host.calls.clear()
+    answers_kubectl = Host(
+        tmp_path,
+        {
+            "kubectl": lambda a: (1, "", "Unauthorized\n"),
+            "systemctl": lambda a: (3, "", ""),
+            "containerd": lambda a: (0, "", ""),
+            "kubeadm": lambda a: (0, "", ""),
+        },
+    )
+    o = UNIT.observe(answers_kubectl.system, settings(), UnitContext())
+    assert (o.kubelet_server, o.node, o.kubeadm_version, o.containerd_major) == ("", None, None, None)
+    assert ("kubeadm", "version", "-o", "short") not in answers_kubectl.calls
+
+
+def test_HST_K8S_62_observe_for_the_release_lists_pods_only_when_bcd_joined(tmp_path: Path) -> None:
+    pods = {
+        "items": [
+            {"metadata": {"namespace": "ml", "name": "train"}, "status": {"phase": "Running"}},
+            {"metadata": {"namespace": "ml", "name": "done"}, "status": {"phase": "Succeeded"}},
+        ]
+    }
+    _files(tmp_path, {"/etc/hostname": "Node_C\n", "/etc/kubernetes/kubelet.conf": KUBELET_CONF})
+    host = Host(tmp_path, {"kubectl": lambda a: (0, json.dumps(pods), "")})
+    ctx = UnitContext(allowed_clusters=(ClusterPin(SERVER, PIN),))
+    o = UNIT.observe(host.system, None, ctx)
+    assert o == K8sObserved(
+        Distro("", "", "unknown"), (), None, (), None, (), False, None, None, None, False,
+        SERVER, None, "Node_C", None, False, None, (), (), ctx.allowed_clusters,
+    )  # fmt: skip
+    assert host.calls == []  # no record: not a node bcd joined
+    _files(tmp_path, {RECORD: json.dumps({"released": False})})
+    o = UNIT.observe(host.system, None, ctx)
+    assert o.pods == (("ml", "train"),)
+    assert host.calls == [
+        (*KUBE, "get", "pods", "--all-namespaces", "--field-selector", "spec.nodeName=node-c", "-o", "json")
+    ]
+    (tmp_path / RECORD[1:]).write_text(json.dumps({"node": "rec", "released": True}))
+    host.calls.clear()
+    assert UNIT.observe(host.system, None, ctx).pods == () and host.calls == []
+    (tmp_path / RECORD[1:]).write_text(json.dumps({"node": "rec"}))
+    failing = Host(tmp_path, {"kubectl": lambda a: (1, "", "Unauthorized\n")})
+    assert UNIT.observe(failing.system, None, ctx).pods == ()
+    assert failing.calls[0][-3] == "spec.nodeName=rec"
+    (tmp_path / "etc/kubernetes/kubelet.conf").unlink()
+    failing.calls.clear()
+    assert UNIT.observe(failing.system, None, ctx).kubelet_server is None and failing.calls == []
