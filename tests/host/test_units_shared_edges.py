@@ -22,8 +22,10 @@ from bcd_shared.units import (
     UnitCondition,
     UnitContext,
     UnitResult,
+    bootargs,
     clean,
     converge_unit,
+    distro,
     for_root,
     nvsmi,
     rootonly,
@@ -149,3 +151,199 @@ def test_nvsmi_query_rows_past_blank_lines_and_bytes_that_are_not_utf8(tmp_path:
     failed, _ = _smi(tmp_path, 9, out)
     assert nvsmi.query(failed, nvsmi.MIG_QUERY) is None
     assert nvsmi.number("700.00 W") == 700.0 and nvsmi.number("[N/A]") is None and nvsmi.number("") is None
+
+
+# -- bootargs
+
+
+def _loader(tmp: Path, fail: str = "") -> tuple[LocalSystem, list[tuple[str, ...]]]:
+    calls: list[tuple[str, ...]] = []
+
+    def tool(system: Any, argv: Any, stdin: bytes | None) -> CommandResult:
+        calls.append(tuple(argv))
+        rc = 1 if argv[0] == fail else 0
+        return CommandResult(tuple(argv), rc, b"", b"error: boom\n" if rc else b"")
+
+    return LocalSystem(tmp, tools={"update-grub": tool, "grubby": tool}), calls
+
+
+DROPIN = "/etc/default/grub.d/90-bcd-cpu.cfg"
+BOOTREC = "/var/lib/bcd-hostconfig/bootargs/cpu"
+CPU_HEAD = "# Written by bcd (cpu unit): local edits are replaced on the next converge pass.\n"
+
+
+def test_HST_CPU_14_boot_args_through_update_grub(tmp_path: Path) -> None:
+    system, calls = _loader(tmp_path)
+    guarded: list[str] = []
+    both = bootargs.BootloaderView(True, True)  # update-grub wins
+    step = bootargs.SetBootArgs("cpu", DROPIN, BOOTREC, "isolcpus=1", "isolcpus=2-3", "isolcpus=2-3", both)
+    assert step.describe() == "set kernel arguments 'isolcpus=2-3' for cpu on the boot loader"
+    step.apply(system, ApplyContext(guard=guarded.append))
+    assert calls == [("update-grub",)] and guarded == [DROPIN, BOOTREC, BOOTREC]
+    assert system.read_text(DROPIN) == CPU_HEAD + 'GRUB_CMDLINE_LINUX="$GRUB_CMDLINE_LINUX isolcpus=2-3"\n'
+    assert system.read_text(BOOTREC) == CPU_HEAD + "isolcpus=2-3\n"
+    assert (tmp_path / BOOTREC[1:]).stat().st_mode & 0o777 == 0o644
+    # "" removes the drop-in and the record
+    bootargs.SetBootArgs("cpu", DROPIN, BOOTREC, "isolcpus=2-3", "", "", both).apply(system, ApplyContext())
+    assert not system.exists(DROPIN) and not system.exists(BOOTREC) and calls[-1] == ("update-grub",)
+    failing, _ = _loader(tmp_path, fail="update-grub")
+    with pytest.raises(RetryableError) as exc:
+        step.apply(failing, ApplyContext())
+    assert (exc.value.reason, exc.value.message) == (
+        "ToolFailed",
+        "update-grub failed: update-grub exited 1: error: boom",
+    )
+    assert not failing.exists(BOOTREC)  # recorded only once the boot loader took it
+
+
+def test_HST_CPU_14_boot_args_through_grubby_and_neither(tmp_path: Path) -> None:
+    system, calls = _loader(tmp_path)
+    guarded: list[str] = []
+    grubby = bootargs.BootloaderView(False, True)
+    step = bootargs.SetBootArgs("cpu", DROPIN, BOOTREC, "isolcpus=1", "isolcpus=2", "isolcpus=2", grubby)
+    step.apply(system, ApplyContext(guard=guarded.append))
+    assert calls == [
+        ("grubby", "--update-kernel=ALL", "--remove-args=isolcpus=1"),
+        ("grubby", "--update-kernel=ALL", "--args=isolcpus=2"),
+    ]
+    assert guarded == [BOOTREC, BOOTREC] and not system.exists(DROPIN)
+    assert system.read_text(BOOTREC) == CPU_HEAD + "isolcpus=2\n"
+    calls.clear()
+    bootargs.SetBootArgs("cpu", DROPIN, BOOTREC, "", "isolcpus=3", "isolcpus=3", grubby).apply(
+        system, ApplyContext()
+    )
+    assert calls == [("grubby", "--update-kernel=ALL", "--args=isolcpus=3")]
+    calls.clear()
+    bootargs.SetBootArgs("cpu", DROPIN, BOOTREC, "isolcpus=3", "", "", grubby).apply(system, ApplyContext())
+    assert calls == [("grubby", "--update-kernel=ALL", "--remove-args=isolcpus=3")]
+    assert not system.exists(BOOTREC)
+    failing, fcalls = _loader(tmp_path, fail="grubby")
+    for prev in ("isolcpus=1", ""):
+        with pytest.raises(RetryableError) as exc:
+            bootargs.SetBootArgs("cpu", DROPIN, BOOTREC, prev, "isolcpus=2", "isolcpus=2", grubby).apply(
+                failing, ApplyContext()
+            )
+        assert exc.value.message == "grubby failed: grubby exited 1: error: boom"
+    assert len(fcalls) == 2 and not failing.exists(BOOTREC)
+    neither = bootargs.SetBootArgs(
+        "cpu", DROPIN, BOOTREC, "", "isolcpus=2", "isolcpus=2", bootargs.BootloaderView(False, False)
+    )
+    with pytest.raises(RetryableError) as exc:
+        neither.apply(system, ApplyContext())
+    assert (exc.value.reason, exc.value.message) == (
+        "NoBootloader",
+        "cpu: neither update-grub nor grubby is installed to set kernel arguments",
+    )
+
+
+def test_boot_loader_observed_and_paths_named(tmp_path: Path) -> None:
+    system = LocalSystem(tmp_path)
+    assert bootargs.observe_bootloader(system) == bootargs.BootloaderView(False, False)
+    system.write_atomic("/usr/sbin/update-grub", b"")
+    assert bootargs.observe_bootloader(system) == bootargs.BootloaderView(True, False)
+    system.write_atomic("/bin/grubby", b"")
+    assert bootargs.observe_bootloader(system) == bootargs.BootloaderView(True, True)
+    assert bootargs.dropin_path("iommu") == "/etc/default/grub.d/90-bcd-iommu.cfg"
+    assert bootargs.record_path("iommu") == "/var/lib/bcd-hostconfig/bootargs/iommu"
+
+
+# -- distro
+
+
+def test_HST_DRV_os_release_parsed_as_shell_words() -> None:
+    text = (
+        "# a comment\n"
+        '  NAME="Ubuntu 24.04 LTS"  \n'
+        "\n"
+        "ID=ubuntu\n"
+        "ID_LIKE=debian\n"
+        "VERSION_ID='24.04'\n"
+        "EMPTY=\n"
+        'BROKEN="unclosed\n'
+        "no equals sign\n"
+        "  # indented comment=x\n"
+        "URL=https://a=b\n"
+        " KEY = v\n"
+    )
+    assert distro.parse_os_release(text) == {
+        "NAME": "Ubuntu 24.04 LTS",
+        "ID": "ubuntu",
+        "ID_LIKE": "debian",
+        "VERSION_ID": "24.04",
+        "EMPTY": "",
+        "URL": "https://a=b",
+        "KEY": "v",
+    }
+
+
+@pytest.mark.parametrize(
+    ("fields", "family"),
+    [
+        ({"ID": "ubuntu", "ID_LIKE": "debian"}, "ubuntu"),
+        ({"ID": "Ubuntu"}, "ubuntu"),
+        ({"ID": "debian"}, "debian"),
+        ({"ID": "pop", "ID_LIKE": "ubuntu debian"}, "debian"),
+        ({"ID": "mint", "ID_LIKE": "Ubuntu"}, "debian"),
+        ({"ID": "rhel"}, "rhel"),
+        ({"ID": "rocky"}, "rhel"),
+        ({"ID": "almalinux"}, "rhel"),
+        ({"ID": "fedora"}, "rhel"),
+        ({"ID": "centos"}, "rhel"),
+        ({"ID": "ol", "ID_LIKE": "fedora"}, "rhel"),
+        ({"ID": "x", "ID_LIKE": "rhel centos fedora"}, "rhel"),
+        ({"ID": "x", "ID_LIKE": "centos"}, "rhel"),
+        ({"ID": "sles"}, "suse"),
+        ({"ID": "sled"}, "suse"),
+        ({"ID": "suse"}, "suse"),
+        ({"ID": "opensuse-leap", "ID_LIKE": "opensuse"}, "suse"),
+        ({"ID": "opensuse-tumbleweed"}, "suse"),
+        ({"ID": "x", "ID_LIKE": "suse opensuse"}, "suse"),
+        ({"ID": "arch"}, "unknown"),
+        ({"ID": "x", "ID_LIKE": "debianish rhel7 susex"}, "unknown"),
+        ({}, "unknown"),
+        ({"ID_LIKE": ""}, "unknown"),
+    ],
+)
+def test_HST_DRV_family_from_id_then_id_like(fields: dict[str, str], family: str) -> None:
+    assert distro.family_of(fields) == family
+
+
+def test_HST_DRV_detect_reads_etc_then_usr_lib(tmp_path: Path) -> None:
+    system = LocalSystem(tmp_path)
+    assert distro.detect(system) == distro.Distro("", "", "unknown")
+    system.write_atomic("/usr/lib/os-release", b'ID=rocky\nVERSION_ID="9.4"\n')
+    assert distro.detect(system) == distro.Distro("rocky", "9.4", "rhel")
+    system.write_atomic("/etc/os-release", b"ID=debian\nVERSION_ID=12\n")
+    assert distro.detect(system) == distro.Distro("debian", "12", "debian")
+    assert (
+        distro.Distro("debian", "12", "debian").debian_like and distro.Distro("u", "", "ubuntu").debian_like
+    )
+    assert not distro.Distro("rocky", "9", "rhel").debian_like
+
+
+def test_HST_DRV_15_16_17_install_commands_per_family() -> None:
+    pkgs = ("a", "b")
+    apt = (
+        ("apt-get", "update"),
+        (
+            "env",
+            "DEBIAN_FRONTEND=noninteractive",
+            "apt-get",
+            "install",
+            "-y",
+            "--no-install-recommends",
+            "-o",
+            "Dpkg::Options::=--force-confold",
+            "a",
+            "b",
+        ),
+    )
+    assert distro.install_commands(distro.Distro("ubuntu", "24.04", "ubuntu"), pkgs) == apt
+    assert distro.install_commands(distro.Distro("debian", "12", "debian"), pkgs) == apt
+    assert distro.install_commands(distro.Distro("rocky", "9", "rhel"), pkgs) == (
+        ("dnf", "-y", "install", "a", "b"),
+    )
+    assert distro.install_commands(distro.Distro("sles", "15", "suse"), pkgs) == (
+        ("zypper", "--non-interactive", "install", "a", "b"),
+    )
+    assert distro.install_commands(distro.Distro("arch", "", "unknown"), pkgs) == ()
