@@ -347,3 +347,26 @@ def test_HST_DRV_15_16_17_install_commands_per_family() -> None:
         ("zypper", "--non-interactive", "install", "a", "b"),
     )
     assert distro.install_commands(distro.Distro("arch", "", "unknown"), pkgs) == ()
+
+
+# -- _base
+
+
+def test_HST_DEC_settings_bytes_that_are_not_utf8_refused_as_settings() -> None:
+    """`decode_settings` promises a TerminalError on any fault: bytes that are not UTF-8 are refused
+    with the rule named, not a UnicodeDecodeError."""
+    from bcd_shared.errors import TerminalError
+    from bcd_shared.units import REGISTRY
+    from bcd_shared.units._base import load_object
+
+    for raw in (b'{"a": "\xff"}', b"\xef\xbb", b'{"vm.swappiness": 1}\xc3'):
+        with pytest.raises(TerminalError) as exc:
+            load_object(raw)
+        assert exc.value.reason == "InvalidSettings"
+        assert exc.value.message.startswith("settings are not UTF-8: "), exc.value.message
+    with pytest.raises(TerminalError, match=r"^settings are not UTF-8: "):
+        REGISTRY["sysctl"].decode_settings(b'{"vm.swappiness": "\xff"}')
+    assert load_object('{"a": "\u00e9"}'.encode()) == {"a": "\u00e9"}
+    with pytest.raises(TerminalError) as exc:
+        load_object(b'{"a": "\xff"}')
+    assert exc.value.message == "settings are not UTF-8: invalid start byte at 7"
