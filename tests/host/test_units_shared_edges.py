@@ -370,3 +370,100 @@ def test_HST_DEC_settings_bytes_that_are_not_utf8_refused_as_settings() -> None:
     with pytest.raises(TerminalError) as exc:
         load_object(b'{"a": "\xff"}')
     assert exc.value.message == "settings are not UTF-8: invalid start byte at 7"
+
+
+def test_HST_LVL_plans_issues_and_reboot_messages() -> None:
+    from bcd_shared.units import RebootRequired
+
+    step = _Step("a")
+    assert Plan().converged and not Plan((step,)).converged
+    assert not Plan((), (Issue("retryable", "x"),)).converged
+    issues = (Issue("retryable", "r"), Issue("terminal", "t1"), Issue("reboot", "b"), Issue("terminal", "t2"))
+    assert Plan((), issues).terminal == (Issue("terminal", "t1"), Issue("terminal", "t2"))
+    assert Plan((), issues[:1]).terminal == ()
+    r = RebootRequired("set")
+    assert (r.reason, r.message, r.terminal) == ("RebootRequired", "set: reboot the node", False)
+    assert RebootRequired("then reboot the node").message == "then reboot the node"
+
+
+def test_HST_LVL_07_shared_steps_guarded_and_described(tmp_path: Path) -> None:
+    from bcd_shared.units._base import RemoveFile, Run, WriteFile
+
+    calls: list[tuple[tuple[str, ...], bytes | None]] = []
+
+    def tool(system: Any, argv: Any, stdin: bytes | None) -> CommandResult:
+        calls.append((tuple(argv), stdin))
+        return CommandResult(tuple(argv), 1 if "bad" in argv else 0, b"", b"Not Found\n")
+
+    system = LocalSystem(tmp_path, tools={"t": tool})
+    guarded: list[str] = []
+    actx = ApplyContext(guard=guarded.append)
+    w = WriteFile("/etc/x/y", b"abc", 0o600)
+    assert w.describe() == "write /etc/x/y" and "data=<3 bytes>" in repr(w)
+    w.apply(system, actx)
+    assert system.read_bytes("/etc/x/y") == b"abc" and (tmp_path / "etc/x/y").stat().st_mode & 0o777 == 0o600
+    WriteFile("/etc/x/z", b"").apply(system, ApplyContext())
+    assert (tmp_path / "etc/x/z").stat().st_mode & 0o777 == 0o644
+    rm = RemoveFile("/etc/x/y")
+    assert rm.describe() == "remove /etc/x/y"
+    rm.apply(system, actx)
+    assert not system.exists("/etc/x/y") and guarded == ["/etc/x/y", "/etc/x/y"]
+    with pytest.raises(RetryableError, match=r"^/etc/x/z refused$"):
+        RemoveFile("/etc/x/z").apply(system, ApplyContext(guard=_refusing_guard))
+    with pytest.raises(RetryableError, match=r"^/etc/x/n refused$"):
+        WriteFile("/etc/x/n", b"").apply(system, ApplyContext(guard=_refusing_guard))
+    assert system.exists("/etc/x/z") and not system.exists("/etc/x/n")
+    run = Run(("t", "a b"), input=b"in")
+    assert run.describe() == "run t a b"
+    run.apply(system, actx)
+    assert calls == [(("t", "a b"), b"in")] and guarded == ["/etc/x/y", "/etc/x/y"]
+    Run(("t", "bad"), ok_stderr=("Not Found",)).apply(system, actx)
+    with pytest.raises(RetryableError) as exc:
+        Run(("t", "bad"), message="m").apply(system, actx)
+    assert (exc.value.reason, exc.value.message) == ("ToolFailed", "m: t exited 1: Not Found")
+    from bcd_shared.errors import TerminalError
+
+    with pytest.raises(TerminalError):
+        Run(("t", "bad"), failure="terminal").apply(system, actx)
+
+
+def test_HST_LVL_host_readers(tmp_path: Path) -> None:
+    from bcd_shared.units._base import (
+        BIN_DIRS,
+        has_program,
+        read_json_record,
+        read_stripped,
+        read_text_record,
+        service_active,
+        systemd_running,
+    )
+
+    asked: list[tuple[str, ...]] = []
+
+    def systemctl(system: Any, argv: Any, stdin: bytes | None) -> CommandResult:
+        asked.append(tuple(argv))
+        return CommandResult(tuple(argv), 0 if argv[-1] == "up.service" else 3)
+
+    system = LocalSystem(tmp_path, tools={"systemctl": systemctl})
+    assert not has_program(system, "x")
+    for d in BIN_DIRS:
+        system.write_atomic(f"{d}/p{len(d)}", b"")
+        assert has_program(system, f"p{len(d)}"), d
+    assert BIN_DIRS == ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+    assert not systemd_running(system)
+    system.host_path("/run/systemd/system").mkdir(parents=True)
+    assert systemd_running(system)
+    assert service_active(system, "up.service") and not service_active(system, "down.service")
+    assert asked == [
+        ("systemctl", "is-active", "--quiet", "up.service"),
+        ("systemctl", "is-active", "--quiet", "down.service"),
+    ]
+    assert read_stripped(system, "/nope") is None
+    system.write_atomic("/r/s", b"  v \n")
+    assert read_stripped(system, "/r/s") == "v"
+    system.write_atomic("/r/j", b'"a string"')
+    assert read_json_record(system, "/r/j") is None
+    system.write_atomic("/r/t", b"#h\n a \n\n\t\n #not a comment\nb\n")
+    assert read_text_record(system, "/r/t") == "a #not a comment b"
+    system.write_atomic("/r/e", b"# only\n")
+    assert read_text_record(system, "/r/e") == ""
