@@ -139,7 +139,10 @@ _DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_no_constan
 
 def load_object(raw: str | bytes) -> dict[str, Any]:
     """Parse one JSON object and nothing after it (whitespace aside)."""
-    text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    except UnicodeDecodeError as exc:  # a fault of the settings like any other: refused, named
+        raise refuse(f"settings are not UTF-8: {exc.reason} at {exc.start}") from None
     try:
         value, end = _DECODER.raw_decode(text.lstrip())
     except json.JSONDecodeError as exc:
