@@ -1685,3 +1685,81 @@ def test_the_group_node_missing_fails_vfio_and_is_skipped_when_given_back(
         "ch.vfio: /dev/vfio/10: No such file or directory",
     )
     assert ch.ch_unvfio(call(ctx), ch.ChName("vm1")) == {"name": "vm1", "groups": ["10"]}
+
+
+# --- a VMM user never reaches another instance's GPUs ---------------------------------------------------
+
+
+def test_vfio_refuses_a_uid_another_running_unit_has(ctx: HelperContext, pci: Path, host: Host) -> None:
+    """The groups go to the record's uid: a uid another running VMM unit runs as is refused (as
+    ch.launch refuses it), or a node could hand this instance's GPUs to that VMM and attach them to
+    its guest over its API socket. The instance's own unit running as that uid is no other's."""
+    node = vfio_node(pci, "10", 0)
+    host.units = {"bcd-ch-vm2.service": ("active", str(UID1)), "bcd-ch-vm3.service": ("failed", str(UID2))}
+    assert launch_refused(ctx, "ch.vfio") == (
+        "uid-in-use",
+        f"ch.vfio: uid {UID1} is bcd-ch-vm2.service's: one VMM user per instance",
+    )
+    assert host.writes == [] and os.stat(node).st_uid == 0 and driver(pci, GPU) == "nvidia"
+    host.units = {UNIT: ("active", str(UID1)), "bcd-ch-vm3.service": ("active", str(UID2))}
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"] and os.stat(node).st_uid == UID1
+
+
+def test_launch_refuses_a_uid_holding_a_group_of_gpus_not_its_records(
+    ctx: HelperContext, pci: Path, host: Host
+) -> None:
+    """The VMM's user may hold only the /dev/vfio groups of its record's GPUs: a uid that ch.vfio of
+    another record gave a group to is refused before anything is granted or started (else the node
+    attaches that group's GPU to this guest over the VMM's API socket)."""
+    vfio_node(pci, "10", UID1)
+    other = vfio_node(pci, "11", UID1)
+    vfio_node(pci, "12", UID2)
+    (pci / "dev/vfio/vfio").write_bytes(b"")
+    os.chown(pci / "dev/vfio/vfio", UID1, 0)  # the container node is no group
+    message = (
+        f"ch.launch: uid {UID1} holds /dev/vfio/11, the group of no GPU of vm.json "
+        "(ch.stop or ch.unvfio of the instance it was given to gives it back)"
+    )
+    assert launch_refused(ctx) == ("uid-in-use", message)
+    assert acl(pci / INST.lstrip("/")) == ({}, {}) and "systemd-run" not in [r[0] for r in runs(ctx)]
+    rewrite(pci, record())  # no GPU at all: group 10 is no longer its either
+    os.chown(other, UID2, UID2)
+    assert launch_refused(ctx) == ("uid-in-use", message.replace("/11", "/10"))
+    rewrite(pci, record(gpus=(GPU,)))
+    assert ch.ch_launch(call(ctx), ch.ChLaunch("vm1"))["uid"] == UID1
+
+
+def test_a_signed_vfio_hands_over_only_the_specs_gpus(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """With roots, ch.vfio takes the signed spec: the record's GPUs must be exactly its instance's by
+    UUID (root's nvidia-smi) before any driver or group is touched; a refusal writes no state."""
+    lay_out_pci(root, PCI)
+    rewrite(root, record(gpus=(GPU,)))
+    c = signed_ctx(root, host, cp)
+    try:
+        vfio = lambda i: ch.ch_vfio(call(c), ch.ChLaunch("vm1", i))  # noqa: E731
+        assert refused(vfio, None) == (
+            "intent-required",
+            "ch.vfio: a signed spec is required (command-signing roots from join record)",
+        )
+        mismatch = (
+            "spec-mismatch",
+            "ch.vfio: vm1: vm.json's GPUs differ from the signed spec's: only the GPUs the spec's instance "
+            "holds go to its VMM",
+        )
+        for gpus in ((GPU1_UUID,), (), (GPU0_UUID, GPU1_UUID), (GPU0_UUID, GPU0_UUID)):
+            assert refused(vfio, signed(signer, 5, wire_vm(gpus=gpus))) == mismatch, gpus
+        assert refused(vfio, signed(signer, 5, wire_vm(gpus=(GPU0_UUID,), state=4)))[0] == "not-in-spec"
+        assert host.writes == [] and state_generation(root) is None and not (root / "dev/vfio/10").exists()
+        assert ("nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader") in runs(c)
+        assert vfio(signed(signer, 5, wire_vm(gpus=(GPU0_UUID,)))) == {"name": "vm1", "groups": ["10"]}
+        assert state_generation(root) == 5 and driver(root, GPU) == "vfio-pci"
+        assert os.stat(root / "dev/vfio/10").st_uid == UID1
+        # a record without GPUs: the spec's instance must hold none either, and nothing is bound
+        rewrite(root, record())
+        assert refused(vfio, signed(signer, 6, wire_vm(gpus=(GPU0_UUID,)))) == mismatch
+        assert vfio(signed(signer, 6, wire_vm())) == {"name": "vm1", "groups": []}
+        assert state_generation(root) == 6
+    finally:
+        c.audit.close()
