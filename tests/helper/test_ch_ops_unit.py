@@ -1763,3 +1763,34 @@ def test_a_signed_vfio_hands_over_only_the_specs_gpus(
         assert state_generation(root) == 6
     finally:
         c.audit.close()
+
+
+def test_vfio_refuses_a_group_holding_a_gpu_the_record_does_not_name(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """The whole IOMMU group goes to the VMM: another GPU of this host in it (GPUs sharing a group behind
+    a switch without ACS) must be one the record names, or a GPU the record (with roots: the signed
+    spec) never gave the instance, and whose work root never checked, would be taken from its driver."""
+    lay_out_pci(root, [(GPU, "0x030200", 12, "nvidia"), (GPU1, "0x030200", 12, "nvidia"),
+                       (BRIDGE, "0x060400", 12, "pcieport")])  # fmt: skip
+    rewrite(root, record(gpus=(GPU,)))
+    host.apps = f"{GPU1_UUID}, 31\n".encode()  # GPU 1 runs work
+    assert launch_refused(ctx, "ch.vfio") == (
+        "gpu-not-in-record",
+        f"ch.vfio: IOMMU group 12 of {GPU} holds the GPU {GPU1}, which vm.json does not name: the whole "
+        "group goes to the VMM",
+    )
+    assert host.writes == [] and (driver(root, GPU), driver(root, GPU1)) == ("nvidia", "nvidia")
+    rewrite(root, record(gpus=(GPU, GPU1)))  # both named: GPU 1's work is seen
+    assert launch_refused(ctx, "ch.vfio")[0] == "gpu-busy"
+    host.apps = b""
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["12"]
+    assert (driver(root, GPU), driver(root, GPU1), driver(root, BRIDGE)) == (
+        "vfio-pci",
+        "vfio-pci",
+        "pcieport",
+    )
+    # given back, the group's GPUs need not all be named
+    rewrite(root, record(gpus=(GPU,)))
+    assert ch.ch_unvfio(call(ctx), ch.ChName("vm1"))["groups"] == ["12"]
+    assert (driver(root, GPU), driver(root, GPU1)) == ("nvidia", "nvidia")

@@ -24,14 +24,14 @@ the server audits it with that name. Rules:
   directory, its files and the record's volumes, and gives back to root exactly the /dev/vfio groups
   the stopped unit's user owned (DLV-CHH-14, DLV-CHH-04).
 - `ch.vfio`: the record's GPUs, only this host's, none root sees holding work (a live hold, compute
-  processes); each one's IOMMU group may hold only this host's GPUs, their functions and PCI bridges,
-  and its /dev/vfio node must not be a running VMM unit's user's (root reads the owner itself); the
-  record's uid must be no other running unit's. Every
+  processes); each one's IOMMU group may hold only the record's GPUs, functions of this host's GPUs and
+  PCI bridges (the whole group goes to the VMM), and its /dev/vfio node must not be a running VMM
+  unit's user's (root reads the owner itself); the record's uid must be no other running unit's. Every
   endpoint is bound to vfio-pci (driver_override, unbind, drivers_probe; bridges stay), checked, and
   /dev/vfio/<group> given to the VMM's user, 0600 (DLV-CHH-09..12, DLV-CHH-15). With command-signing
   roots the request carries the signed spec, re-validated as for `ch.launch`, and the record's GPUs
-  must be exactly its instance's (by UUID). `ch.unvfio` gives the
-  groups back to root and their drivers, never a group a running unit's user holds (DLV-CHH-13).
+  must be exactly its instance's (by UUID). `ch.unvfio` gives the groups back to root and their
+  drivers, never a group a running unit's user holds (DLV-CHH-13).
 """
 
 from __future__ import annotations
@@ -669,9 +669,10 @@ def _vfio_owner(call: Call, group: str) -> int | None:
         return None
 
 
-def _groups_for(call: Call, op: str, gpus: tuple[str, ...]) -> dict[str, list[str]]:
+def _groups_for(call: Call, op: str, gpus: tuple[str, ...], taking: bool = False) -> dict[str, list[str]]:
     """Each GPU's IOMMU group and its devices; refused when a device is neither one of this host's GPUs,
-    a function of one, nor a PCI bridge (DLV-CHH-11)."""
+    a function of one, nor a PCI bridge (DLV-CHH-11). `taking` (ch.vfio): a GPU of this host in a group
+    must be one of `gpus`, since the whole group goes to the VMM."""
     from bcd_helper.ops.libvirt import host_gpus
 
     ours = host_gpus(call)
@@ -689,6 +690,12 @@ def _groups_for(call: Call, op: str, gpus: tuple[str, ...]) -> dict[str, list[st
                     "foreign-device",
                     f"{op}: IOMMU group {group} of {gpu} holds {dev}, which is not a GPU of this host, "
                     "a function of one or a PCI bridge",
+                )
+            if taking and dev in ours and dev not in gpus:
+                raise Refused(
+                    "gpu-not-in-record",
+                    f"{op}: IOMMU group {group} of {gpu} holds the GPU {dev}, which vm.json does not name: "
+                    "the whole group goes to the VMM",
                 )
         out[group] = devices
     return out
@@ -750,7 +757,7 @@ def ch_vfio(call: Call, req: ChLaunch) -> dict[str, Any]:
         return {"name": name, "groups": []}
     _not_foreign(call, op, rec.uid)  # the groups go to that uid: a VMM's, never someone else's
     _busy_gpus(call, op, rec.gpus)
-    groups = _groups_for(call, op, rec.gpus)
+    groups = _groups_for(call, op, rec.gpus, taking=True)
     units = _running_units(call)
     # the groups go to that uid: never while another instance's VMM runs as it
     _uid_not_in_use(op, unit_name(name), rec.uid, units)
