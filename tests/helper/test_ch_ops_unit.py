@@ -1541,6 +1541,8 @@ def wire_vm(
     sha: str = SHA,
     state: int = 1,
     sized: bool = True,
+    policy: int = 0,
+    addresses: tuple[str, ...] = (),
 ) -> wire.InstanceSpec:
     return wire.InstanceSpec(
         id="vm1",
@@ -1551,8 +1553,9 @@ def wire_vm(
         image=wire.ImageRef(url="https://images.example/x.qcow2", sha256=sha, format="qcow2")
         if sha
         else None,
-        nics=[wire.Nic(bridge=b, mac=m) for b, m in nics],
+        nics=[wire.Nic(bridge=b, mac=m, addresses=list(addresses)) for b, m in nics],
         gpu_uuids=list(gpus),
+        network_policy=wire.NetworkPolicy(policy),
     )
 
 
@@ -1794,3 +1797,76 @@ def test_vfio_refuses_a_group_holding_a_gpu_the_record_does_not_name(
     rewrite(root, record(gpus=(GPU,)))
     assert ch.ch_unvfio(call(ctx), ch.ChName("vm1"))["groups"] == ["12"]
     assert (driver(root, GPU), driver(root, GPU1)) == ("nvidia", "nvidia")
+
+
+def test_a_guarded_guest_launches_only_with_its_signed_rules_loaded(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """With roots, ch.launch of an instance the signed spec guards (PRIVATE here) is refused
+    `network-policy`, naming ch.launch, until root's last nft.apply holds its NIC's policy; nothing is
+    granted or started and no state written before. ch.vfio runs no guest: it asks for no rules."""
+    from bcd_shared.netpolicy import NicPolicy
+
+    c = signed_ctx(root, host, cp)
+    try:
+        private = wire_vm(policy=2, addresses=("10.0.0.5/24",))
+        launch = lambda g: ch.ch_launch(call(c), ch.ChLaunch("vm1", signed(signer, g, private)))  # noqa: E731
+        assert refused(launch, 2) == (
+            "network-policy",
+            "ch.launch: vm1: the signed spec's network rules for it are not loaded: nft.apply first",
+        )
+        assert runs(c) == [] and state_generation(root) is None and acl(root / INST.lstrip("/")) == ({}, {})
+        assert ch.ch_vfio(call(c), ch.ChLaunch("vm1", signed(signer, 2, private)))["groups"] == []
+        c.nft_loaded = frozenset([NicPolicy("vm1", 0, "br0", MAC, ("10.0.0.5/24",), "PRIVATE")])
+        assert launch(3)["unit"] == UNIT and state_generation(root) == 3
+    finally:
+        c.audit.close()
+
+
+def test_a_group_node_root_cannot_open_or_change_fails_naming_it(
+    ctx: HelperContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/dev/vfio/<group> that root cannot open (here /dev/vfio is no directory) or whose owner it cannot
+    change fails `vfio` with the system's reason, for ch.vfio and ch.unvfio alike."""
+    lay_out_pci(root, [(GPU, "0x030200", 10, "vfio-pci")])  # already bound: no node made
+    rewrite(root, record(gpus=(GPU,)))
+    (root / "dev").mkdir(exist_ok=True)
+    (root / "dev/vfio").write_bytes(b"")
+    assert failed(ch.ch_vfio, call(ctx), ch.ChLaunch("vm1")) == (
+        "vfio",
+        "ch.vfio: /dev/vfio/10: Not a directory",
+    )
+    assert failed(ch.ch_unvfio, call(ctx), ch.ChName("vm1")) == (
+        "vfio",
+        "ch.unvfio: /dev/vfio/10: Not a directory",
+    )
+    (root / "dev/vfio").unlink()
+    node = vfio_node(root, "10", 0)
+
+    def chown(*a: Any, **kw: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(ch.os, "chown", chown)
+    assert failed(ch.ch_vfio, call(ctx), ch.ChLaunch("vm1")) == (
+        "vfio",
+        "ch.vfio: /dev/vfio/10: Operation not permitted",
+    )
+    assert (os.stat(node).st_uid, stat.S_IMODE(os.stat(node).st_mode)) == (0, 0o660)
+
+
+def test_stop_names_itself_when_a_group_node_cannot_be_given_back(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """A symlink at /dev/vfio/<group> whose target the stopped user owns fails ch.stop `vfio`, naming
+    ch.stop and the node; the target is never changed."""
+    target = root / "etc/not-a-group"
+    target.write_text("x")
+    os.chown(target, UID1, UID1)
+    node = root / "dev/vfio/10"
+    node.parent.mkdir(parents=True, exist_ok=True)
+    node.symlink_to(target)
+    assert failed(ch.ch_stop, call(ctx), ch.ChName("vm1")) == (
+        "vfio",
+        "ch.stop: /dev/vfio/10 is a symlink, not the group's device node",
+    )
+    assert os.stat(target).st_uid == UID1
