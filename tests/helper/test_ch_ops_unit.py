@@ -1541,6 +1541,8 @@ def wire_vm(
     sha: str = SHA,
     state: int = 1,
     sized: bool = True,
+    policy: int = 0,
+    addresses: tuple[str, ...] = (),
 ) -> wire.InstanceSpec:
     return wire.InstanceSpec(
         id="vm1",
@@ -1551,8 +1553,9 @@ def wire_vm(
         image=wire.ImageRef(url="https://images.example/x.qcow2", sha256=sha, format="qcow2")
         if sha
         else None,
-        nics=[wire.Nic(bridge=b, mac=m) for b, m in nics],
+        nics=[wire.Nic(bridge=b, mac=m, addresses=list(addresses)) for b, m in nics],
         gpu_uuids=list(gpus),
+        network_policy=wire.NetworkPolicy(policy),
     )
 
 
@@ -1685,3 +1688,185 @@ def test_the_group_node_missing_fails_vfio_and_is_skipped_when_given_back(
         "ch.vfio: /dev/vfio/10: No such file or directory",
     )
     assert ch.ch_unvfio(call(ctx), ch.ChName("vm1")) == {"name": "vm1", "groups": ["10"]}
+
+
+# --- a VMM user never reaches another instance's GPUs ---------------------------------------------------
+
+
+def test_vfio_refuses_a_uid_another_running_unit_has(ctx: HelperContext, pci: Path, host: Host) -> None:
+    """The groups go to the record's uid: a uid another running VMM unit runs as is refused (as
+    ch.launch refuses it), or a node could hand this instance's GPUs to that VMM and attach them to
+    its guest over its API socket. The instance's own unit running as that uid is no other's."""
+    node = vfio_node(pci, "10", 0)
+    host.units = {"bcd-ch-vm2.service": ("active", str(UID1)), "bcd-ch-vm3.service": ("failed", str(UID2))}
+    assert launch_refused(ctx, "ch.vfio") == (
+        "uid-in-use",
+        f"ch.vfio: uid {UID1} is bcd-ch-vm2.service's: one VMM user per instance",
+    )
+    assert host.writes == [] and os.stat(node).st_uid == 0 and driver(pci, GPU) == "nvidia"
+    host.units = {UNIT: ("active", str(UID1)), "bcd-ch-vm3.service": ("active", str(UID2))}
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"] and os.stat(node).st_uid == UID1
+
+
+def test_launch_refuses_a_uid_holding_a_group_of_gpus_not_its_records(
+    ctx: HelperContext, pci: Path, host: Host
+) -> None:
+    """The VMM's user may hold only the /dev/vfio groups of its record's GPUs: a uid that ch.vfio of
+    another record gave a group to is refused before anything is granted or started (else the node
+    attaches that group's GPU to this guest over the VMM's API socket)."""
+    vfio_node(pci, "10", UID1)
+    other = vfio_node(pci, "11", UID1)
+    vfio_node(pci, "12", UID2)
+    (pci / "dev/vfio/vfio").write_bytes(b"")
+    os.chown(pci / "dev/vfio/vfio", UID1, 0)  # the container node is no group
+    message = (
+        f"ch.launch: uid {UID1} holds /dev/vfio/11, the group of no GPU of vm.json "
+        "(ch.stop or ch.unvfio of the instance it was given to gives it back)"
+    )
+    assert launch_refused(ctx) == ("uid-in-use", message)
+    assert acl(pci / INST.lstrip("/")) == ({}, {}) and "systemd-run" not in [r[0] for r in runs(ctx)]
+    rewrite(pci, record())  # no GPU at all: group 10 is no longer its either
+    os.chown(other, UID2, UID2)
+    assert launch_refused(ctx) == ("uid-in-use", message.replace("/11", "/10"))
+    rewrite(pci, record(gpus=(GPU,)))
+    assert ch.ch_launch(call(ctx), ch.ChLaunch("vm1"))["uid"] == UID1
+
+
+def test_a_signed_vfio_hands_over_only_the_specs_gpus(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """With roots, ch.vfio takes the signed spec: the record's GPUs must be exactly its instance's by
+    UUID (root's nvidia-smi) before any driver or group is touched; a refusal writes no state."""
+    lay_out_pci(root, PCI)
+    rewrite(root, record(gpus=(GPU,)))
+    c = signed_ctx(root, host, cp)
+    try:
+        vfio = lambda i: ch.ch_vfio(call(c), ch.ChLaunch("vm1", i))  # noqa: E731
+        assert refused(vfio, None) == (
+            "intent-required",
+            "ch.vfio: a signed spec is required (command-signing roots from join record)",
+        )
+        mismatch = (
+            "spec-mismatch",
+            "ch.vfio: vm1: vm.json's GPUs differ from the signed spec's: only the GPUs the spec's instance "
+            "holds go to its VMM",
+        )
+        for gpus in ((GPU1_UUID,), (), (GPU0_UUID, GPU1_UUID), (GPU0_UUID, GPU0_UUID)):
+            assert refused(vfio, signed(signer, 5, wire_vm(gpus=gpus))) == mismatch, gpus
+        assert refused(vfio, signed(signer, 5, wire_vm(gpus=(GPU0_UUID,), state=4)))[0] == "not-in-spec"
+        assert host.writes == [] and state_generation(root) is None and not (root / "dev/vfio/10").exists()
+        assert ("nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader") in runs(c)
+        assert vfio(signed(signer, 5, wire_vm(gpus=(GPU0_UUID,)))) == {"name": "vm1", "groups": ["10"]}
+        assert state_generation(root) == 5 and driver(root, GPU) == "vfio-pci"
+        assert os.stat(root / "dev/vfio/10").st_uid == UID1
+        # a record without GPUs: the spec's instance must hold none either, and nothing is bound
+        rewrite(root, record())
+        assert refused(vfio, signed(signer, 6, wire_vm(gpus=(GPU0_UUID,)))) == mismatch
+        assert vfio(signed(signer, 6, wire_vm())) == {"name": "vm1", "groups": []}
+        assert state_generation(root) == 6
+    finally:
+        c.audit.close()
+
+
+def test_vfio_refuses_a_group_holding_a_gpu_the_record_does_not_name(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """The whole IOMMU group goes to the VMM: another GPU of this host in it (GPUs sharing a group behind
+    a switch without ACS) must be one the record names, or a GPU the record (with roots: the signed
+    spec) never gave the instance, and whose work root never checked, would be taken from its driver."""
+    lay_out_pci(root, [(GPU, "0x030200", 12, "nvidia"), (GPU1, "0x030200", 12, "nvidia"),
+                       (BRIDGE, "0x060400", 12, "pcieport")])  # fmt: skip
+    rewrite(root, record(gpus=(GPU,)))
+    host.apps = f"{GPU1_UUID}, 31\n".encode()  # GPU 1 runs work
+    assert launch_refused(ctx, "ch.vfio") == (
+        "gpu-not-in-record",
+        f"ch.vfio: IOMMU group 12 of {GPU} holds the GPU {GPU1}, which vm.json does not name: the whole "
+        "group goes to the VMM",
+    )
+    assert host.writes == [] and (driver(root, GPU), driver(root, GPU1)) == ("nvidia", "nvidia")
+    rewrite(root, record(gpus=(GPU, GPU1)))  # both named: GPU 1's work is seen
+    assert launch_refused(ctx, "ch.vfio")[0] == "gpu-busy"
+    host.apps = b""
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["12"]
+    assert (driver(root, GPU), driver(root, GPU1), driver(root, BRIDGE)) == (
+        "vfio-pci",
+        "vfio-pci",
+        "pcieport",
+    )
+    # given back, the group's GPUs need not all be named
+    rewrite(root, record(gpus=(GPU,)))
+    assert ch.ch_unvfio(call(ctx), ch.ChName("vm1"))["groups"] == ["12"]
+    assert (driver(root, GPU), driver(root, GPU1)) == ("nvidia", "nvidia")
+
+
+def test_a_guarded_guest_launches_only_with_its_signed_rules_loaded(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """With roots, ch.launch of an instance the signed spec guards (PRIVATE here) is refused
+    `network-policy`, naming ch.launch, until root's last nft.apply holds its NIC's policy; nothing is
+    granted or started and no state written before. ch.vfio runs no guest: it asks for no rules."""
+    from bcd_shared.netpolicy import NicPolicy
+
+    c = signed_ctx(root, host, cp)
+    try:
+        private = wire_vm(policy=2, addresses=("10.0.0.5/24",))
+        launch = lambda g: ch.ch_launch(call(c), ch.ChLaunch("vm1", signed(signer, g, private)))  # noqa: E731
+        assert refused(launch, 2) == (
+            "network-policy",
+            "ch.launch: vm1: the signed spec's network rules for it are not loaded: nft.apply first",
+        )
+        assert runs(c) == [] and state_generation(root) is None and acl(root / INST.lstrip("/")) == ({}, {})
+        assert ch.ch_vfio(call(c), ch.ChLaunch("vm1", signed(signer, 2, private)))["groups"] == []
+        c.nft_loaded = frozenset([NicPolicy("vm1", 0, "br0", MAC, ("10.0.0.5/24",), "PRIVATE")])
+        assert launch(3)["unit"] == UNIT and state_generation(root) == 3
+    finally:
+        c.audit.close()
+
+
+def test_a_group_node_root_cannot_open_or_change_fails_naming_it(
+    ctx: HelperContext, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/dev/vfio/<group> that root cannot open (here /dev/vfio is no directory) or whose owner it cannot
+    change fails `vfio` with the system's reason, for ch.vfio and ch.unvfio alike."""
+    lay_out_pci(root, [(GPU, "0x030200", 10, "vfio-pci")])  # already bound: no node made
+    rewrite(root, record(gpus=(GPU,)))
+    (root / "dev").mkdir(exist_ok=True)
+    (root / "dev/vfio").write_bytes(b"")
+    assert failed(ch.ch_vfio, call(ctx), ch.ChLaunch("vm1")) == (
+        "vfio",
+        "ch.vfio: /dev/vfio/10: Not a directory",
+    )
+    assert failed(ch.ch_unvfio, call(ctx), ch.ChName("vm1")) == (
+        "vfio",
+        "ch.unvfio: /dev/vfio/10: Not a directory",
+    )
+    (root / "dev/vfio").unlink()
+    node = vfio_node(root, "10", 0)
+
+    def chown(*a: Any, **kw: Any) -> None:
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(ch.os, "chown", chown)
+    assert failed(ch.ch_vfio, call(ctx), ch.ChLaunch("vm1")) == (
+        "vfio",
+        "ch.vfio: /dev/vfio/10: Operation not permitted",
+    )
+    assert (os.stat(node).st_uid, stat.S_IMODE(os.stat(node).st_mode)) == (0, 0o660)
+
+
+def test_stop_names_itself_when_a_group_node_cannot_be_given_back(
+    ctx: HelperContext, root: Path, host: Host
+) -> None:
+    """A symlink at /dev/vfio/<group> whose target the stopped user owns fails ch.stop `vfio`, naming
+    ch.stop and the node; the target is never changed."""
+    target = root / "etc/not-a-group"
+    target.write_text("x")
+    os.chown(target, UID1, UID1)
+    node = root / "dev/vfio/10"
+    node.parent.mkdir(parents=True, exist_ok=True)
+    node.symlink_to(target)
+    assert failed(ch.ch_stop, call(ctx), ch.ChName("vm1")) == (
+        "vfio",
+        "ch.stop: /dev/vfio/10 is a symlink, not the group's device node",
+    )
+    assert os.stat(target).st_uid == UID1

@@ -11,9 +11,10 @@ the server audits it with that name. Rules:
   the instance directory, `vm.json`, the disk and the seed are the node's (its uid) and regular;
   nothing in the directory is a symlink; the base image is `images/<64 hex>.<format>` and passes
   the header check, and the overlay names exactly it; volumes are files of the volume store; GPUs are
-  this host's; the VMM uid is in bcd's range and no other running `bcd-ch-*` unit's; vCPUs and
-  memory within bounds (DLV-CHH-16..20). With command-signing roots, the record is compared with the
-  signed spec's instance (vCPUs, memory, NICs, GPU count, image). Then, under the `ch` lock, root
+  this host's; the VMM uid is in bcd's range, no other running `bcd-ch-*` unit's, and holds no
+  /dev/vfio group but its GPUs'; vCPUs and memory within bounds (DLV-CHH-16..20). With
+  command-signing roots, the record is compared with the signed spec's instance (vCPUs, memory, NICs,
+  GPUs by UUID, image). Then, under the `ch` lock, root
   creates the VMM's account when missing, grants its ACL entries (the instance directory with a
   default entry so what the VMM creates inherits it, every file in it, each volume read-write or
   read-only) through descriptors it opened itself (bcd_shared.posixacl), and starts the unit
@@ -23,13 +24,14 @@ the server audits it with that name. Rules:
   directory, its files and the record's volumes, and gives back to root exactly the /dev/vfio groups
   the stopped unit's user owned (DLV-CHH-14, DLV-CHH-04).
 - `ch.vfio`: the record's GPUs, only this host's, none root sees holding work (a live hold, compute
-  processes); each one's IOMMU group may hold only this host's GPUs, their functions and PCI bridges,
-  and its /dev/vfio node must not be a running VMM unit's user's (root reads the owner itself). Every
+  processes); each one's IOMMU group may hold only the record's GPUs, functions of this host's GPUs and
+  PCI bridges (the whole group goes to the VMM), and its /dev/vfio node must not be a running VMM
+  unit's user's (root reads the owner itself); the record's uid must be no other running unit's. Every
   endpoint is bound to vfio-pci (driver_override, unbind, drivers_probe; bridges stay), checked, and
   /dev/vfio/<group> given to the VMM's user, 0600 (DLV-CHH-09..12, DLV-CHH-15). With command-signing
   roots the request carries the signed spec, re-validated as for `ch.launch`, and the record's GPUs
-  must be exactly its instance's (by UUID). `ch.unvfio` gives the
-  groups back to root and their drivers, never a group a running unit's user holds (DLV-CHH-13).
+  must be exactly its instance's (by UUID). `ch.unvfio` gives the groups back to root and their
+  drivers, never a group a running unit's user holds (DLV-CHH-13).
 """
 
 from __future__ import annotations
@@ -419,6 +421,30 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
     _signed_nics(call, op, name, intent, None, check)
 
 
+def _uid_not_in_use(op: str, unit: str, uid: int, running: dict[str, int]) -> None:
+    """One VMM user per instance (DLV-CHH-19): a uid another running unit has is refused."""
+    others = [u for u, u_uid in running.items() if u_uid == uid and u != unit]
+    if others:
+        raise Refused("uid-in-use", f"{op}: uid {uid} is {others[0]}'s: one VMM user per instance")
+
+
+def _holds_only_its_groups(call: Call, op: str, rec: CHRecord) -> None:
+    """The VMM's user holds no /dev/vfio group but its record's GPUs': ch.vfio of another record naming
+    the same uid could have given it one, whose GPU the node would then attach to this guest over the
+    VMM's API socket (with roots: a GPU the signed spec gives another instance)."""
+    owned = [g for g in call.system.listdir("/dev/vfio") if g.isdigit() and _vfio_owner(call, g) == rec.uid]
+    if not owned:
+        return
+    mine = {_group_of(call, op, gpu) for gpu in rec.gpus}
+    for group in owned:
+        if group not in mine:
+            raise Refused(
+                "uid-in-use",
+                f"{op}: uid {rec.uid} holds /dev/vfio/{group}, the group of no GPU of vm.json "
+                "(ch.stop or ch.unvfio of the instance it was given to gives it back)",
+            )
+
+
 def root_binary(call: Call) -> str:
     """Root's own cloud-hypervisor: regular, root's, writable by no one else (host path)."""
     for path in CH_BINARIES:
@@ -537,9 +563,8 @@ def ch_launch(call: Call, req: ChLaunch) -> dict[str, Any]:
     running = _running_units(call)
     if unit in running:
         raise Refused("running", f"{op}: {unit} is already running")
-    others = [u for u, uid in running.items() if uid == rec.uid]
-    if others:
-        raise Refused("uid-in-use", f"{op}: uid {rec.uid} is {others[0]}'s: one VMM user per instance")
+    _uid_not_in_use(op, unit, rec.uid, running)
+    _holds_only_its_groups(call, op, rec)
     binary = root_binary(call)
     launch = CHLaunch(
         instance_id=name,
@@ -644,9 +669,10 @@ def _vfio_owner(call: Call, group: str) -> int | None:
         return None
 
 
-def _groups_for(call: Call, op: str, gpus: tuple[str, ...]) -> dict[str, list[str]]:
+def _groups_for(call: Call, op: str, gpus: tuple[str, ...], taking: bool = False) -> dict[str, list[str]]:
     """Each GPU's IOMMU group and its devices; refused when a device is neither one of this host's GPUs,
-    a function of one, nor a PCI bridge (DLV-CHH-11)."""
+    a function of one, nor a PCI bridge (DLV-CHH-11). `taking` (ch.vfio): a GPU of this host in a group
+    must be one of `gpus`, since the whole group goes to the VMM."""
     from bcd_helper.ops.libvirt import host_gpus
 
     ours = host_gpus(call)
@@ -664,6 +690,12 @@ def _groups_for(call: Call, op: str, gpus: tuple[str, ...]) -> dict[str, list[st
                     "foreign-device",
                     f"{op}: IOMMU group {group} of {gpu} holds {dev}, which is not a GPU of this host, "
                     "a function of one or a PCI bridge",
+                )
+            if taking and dev in ours and dev not in gpus:
+                raise Refused(
+                    "gpu-not-in-record",
+                    f"{op}: IOMMU group {group} of {gpu} holds the GPU {dev}, which vm.json does not name: "
+                    "the whole group goes to the VMM",
                 )
         out[group] = devices
     return out
@@ -725,8 +757,11 @@ def ch_vfio(call: Call, req: ChLaunch) -> dict[str, Any]:
         return {"name": name, "groups": []}
     _not_foreign(call, op, rec.uid)  # the groups go to that uid: a VMM's, never someone else's
     _busy_gpus(call, op, rec.gpus)
-    groups = _groups_for(call, op, rec.gpus)
-    running = _running_uids(call)
+    groups = _groups_for(call, op, rec.gpus, taking=True)
+    units = _running_units(call)
+    # the groups go to that uid: never while another instance's VMM runs as it
+    _uid_not_in_use(op, unit_name(name), rec.uid, units)
+    running = {uid for uid in units.values() if uid >= 0}
     for group in groups:
         owner = _vfio_owner(call, group)
         if owner is not None and owner not in (0, rec.uid) and owner in running:
