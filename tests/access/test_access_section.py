@@ -83,6 +83,7 @@ def test_DLV_ACC_05_06_plan_apply_plan_again_is_empty(sim_root: Path) -> None:
 
 
 def test_DLV_ACC_01_to_06_08_direct_executor_on_the_simulated_host(sim_root: Path) -> None:
+    """Covers DLV-ACC-01..06 and DLV-ACC-08 (the JWKS taken anew on a pass that changes no file)."""
     sshd_active(sim_root)
     system = sim_system(sim_root)
     sec = ax.AccessSection(ax.DirectExecutor(system), NODE)

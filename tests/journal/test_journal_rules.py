@@ -14,6 +14,7 @@ from bcd_agent.journal import (
     RETENTION_S,
     Action,
     BoundError,
+    CommandState,
     EventClass,
     Journal,
     JournalFull,
@@ -22,7 +23,7 @@ from bcd_agent.journal import (
     TicketRefused,
     WelcomeRefused,
 )
-from jhelpers import NOT_RETRY_SAFE, RETRY_SAFE, Clock, cmd, crash_copy
+from jhelpers import NOT_RETRY_SAFE, REBOOT, RETRY_SAFE, Clock, cmd, crash_copy
 
 M, T, R = EventClass.METRIC, EventClass.TRANSITION, EventClass.RESULT
 
@@ -223,6 +224,29 @@ def test_DLV_REC_13_to_15_sweep(tmp_path: Path) -> None:
         j2.ack_results(["old-unacked"])
         assert j2.sweep() == 1
         assert j2.get_command("mine") is not None
+
+
+def test_DLV_REC_15_sweep_keeps_every_entry_of_the_running_process_however_old(tmp_path: Path) -> None:
+    """This process's `accepted`, `running{boot_id}` and unacked `done` entries, all past 7 days, stay;
+    the same `running` entry left by an earlier process goes."""
+    clock = Clock(1_000_000.0)
+    j = Journal.open(tmp_path / "a", boot_id="b", clock=clock)
+    j.accept_command(cmd("left-running", REBOOT))
+    j.mark_running("left-running")
+    data = crash_copy(j, tmp_path / "b")
+    with Journal.open(data, boot_id="b", clock=clock) as j2:
+        j2.accept_command(cmd("mine-accepted", NOT_RETRY_SAFE))
+        j2.accept_command(cmd("mine-running", REBOOT))
+        j2.mark_running("mine-running")
+        j2.accept_command(cmd("mine-done"))
+        j2.complete("mine-done", Outcome.SUCCEEDED)
+        clock.t += 3 * RETENTION_S
+        assert j2.sweep() == 1
+        assert j2.get_command("left-running") is None
+        kept = {c: j2.get_command(c) for c in ("mine-accepted", "mine-running", "mine-done")}
+        assert all(e is not None for e in kept.values()), kept
+        running = kept["mine-running"]
+        assert running is not None and running.state is CommandState.RUNNING
 
 
 # ---------------------------------------------------------------- exec tickets
