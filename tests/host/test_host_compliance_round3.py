@@ -575,3 +575,59 @@ def test_HST_RMV_07_removing_gpu_settings_leaves_power_limits_and_ecc(tmp_path: 
     assert r.ok and not r.changed
     assert [a for a in recording.argvs if a[0] == "nvidia-smi" and ("-pl" in a or "-e" in a)] == []
     assert json.loads((root / "var/lib/bcd-sim/gpus.json").read_text())["gpus"] == gpus
+
+
+# -- level-triggered
+
+
+def _inode(root: Path, path: str) -> tuple[int, int]:
+    st = (root / path.lstrip("/")).stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+def test_HST_LVL_02_a_unit_writes_and_runs_only_what_differs(tmp_path: Path) -> None:
+    """One sysctl changed by hand: only that key is set again, the drop-in is not rewritten. One module
+    unloaded: only it is loaded. One CPU's governor changed: only that file is written. Nothing differs:
+    nothing is written or run."""
+    root, system = make_host(tmp_path)
+    sysctls = {"vm.swappiness": 10, "vm.max_map_count": 262144, "vm.overcommit_memory": 1}
+    run(system, "sysctl", sysctls)
+    run(system, "kernel-modules", {"load": ["tun", "vhost_net"]})
+    run(system, "cpu", {"governor": "performance"})
+    dropin = _inode(root, "/etc/sysctl.d/90-bcd.conf")
+    modules = _inode(root, "/etc/modules-load.d/bcd.conf")
+    governors = {
+        n: _inode(root, f"/sys/devices/system/cpu/cpu{n}/cpufreq/scaling_governor") for n in range(64)
+    }
+    (root / "proc/sys/vm/swappiness").write_text("60\n")
+    shutil.rmtree(root / "sys/module/vhost_net")
+    (root / "sys/devices/system/cpu/cpu9/cpufreq/scaling_governor").write_text("powersave\n")
+    recording = Recording(system)
+    assert run(recording, "sysctl", sysctls).changed  # type: ignore[arg-type]
+    assert run(recording, "kernel-modules", {"load": ["tun", "vhost_net"]}).changed  # type: ignore[arg-type]
+    cpu = run(recording, "cpu", {"governor": "performance"})  # type: ignore[arg-type]
+    assert cpu.steps_done == ("set /sys/devices/system/cpu/cpu9/cpufreq/scaling_governor to performance",)
+    governor9 = str(root / "sys/devices/system/cpu/cpu9/cpufreq/scaling_governor")
+    assert recording.argvs == [
+        ["sysctl", "-w", "vm.swappiness=10"],
+        ["modprobe", "--", "vhost_net"],
+        ["tee", governor9],  # how the simulated host writes a kernel file
+    ]
+    assert _inode(root, "/etc/sysctl.d/90-bcd.conf") == dropin
+    assert _inode(root, "/etc/modules-load.d/bcd.conf") == modules
+    changed = [
+        n
+        for n in range(64)
+        if _inode(root, f"/sys/devices/system/cpu/cpu{n}/cpufreq/scaling_governor") != governors[n]
+    ]
+    assert changed == [9]
+    before = files(root)
+    recording = Recording(system)
+    for name, settings in (
+        ("sysctl", sysctls),
+        ("kernel-modules", {"load": ["tun", "vhost_net"]}),
+        ("cpu", {"governor": "performance"}),
+    ):
+        assert not run(recording, name, settings).changed  # type: ignore[arg-type]
+    assert files(root) == before
+    assert [a for a in recording.argvs if a[:2] == ["sysctl", "-w"] or a[0] in ("modprobe", "tee")] == []
