@@ -18,8 +18,12 @@ from pathlib import Path
 from typing import Any
 
 import hostunits_support
-from bcd_agent.converge.types import SectionState
-from bcd_agent.sections.host import DirectExecutor, HostSection, converge_host
+import trio
+import trio.testing
+from bcd_agent.converge.runner import DRIFT_INTERVAL_S, RETRY_INTERVAL_S, ConvergeRunner
+from bcd_agent.converge.section import Observation, PassContext
+from bcd_agent.converge.types import DesiredSpec, NodeStatus, SectionOutcome, SectionState
+from bcd_agent.sections.host import DirectExecutor, HostConverger, HostSection, converge_host
 from bcd_shared.system import CommandResult, LocalSystem
 from bcd_shared.units import STATE_DIR, ApplyContext, UnitContext
 from bcd_simhost import sim_system
@@ -497,7 +501,7 @@ def _node_1g(n: int) -> str:
     return f"sys/devices/system/node/node{n}/hugepages/hugepages-1048576kB/nr_hugepages"
 
 
-def test_HST_HP_09_1g_pages_tried_at_runtime_first_host_wide_or_per_numa_node(tmp_path: Path) -> None:
+def test_HST_HP_09_gigantic_pages_tried_at_runtime_first_host_wide_or_per_numa_node(tmp_path: Path) -> None:
     """The count goes to the host's nr_hugepages, or with perNuma to each NUMA node's; when the kernel
     allocates them the boot loader is not touched."""
     root, system = make_host(tmp_path / "host-wide")
@@ -631,3 +635,157 @@ def test_HST_LVL_02_a_unit_writes_and_runs_only_what_differs(tmp_path: Path) -> 
         assert not run(recording, name, settings).changed  # type: ignore[arg-type]
     assert files(root) == before
     assert [a for a in recording.argvs if a[:2] == ["sysctl", "-w"] or a[0] in ("modprobe", "tee")] == []
+
+
+# -- passes: the converge runner driving the real host section over the simulated host
+# (trio's MockClock: `autojump_clock` makes the 30-second and 10-minute waits take no real time).
+
+
+class _OtherSection:
+    """Another section (devices, instances) that converges on its own and records each pass it ran in."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.passes: list[int] = []
+
+    def is_empty(self, desired: object | None) -> bool:
+        return desired is None
+
+    async def converge(
+        self, desired: object | None, observation: Observation, ctx: PassContext
+    ) -> SectionOutcome:
+        self.passes.append(ctx.pass_number)
+        return SectionOutcome(section=self.name, state=SectionState.CONVERGED)
+
+
+def _runner(
+    system: LocalSystem, spec: DesiredSpec, *others: _OtherSection
+) -> tuple[ConvergeRunner, list[PassContext]]:
+    """A runner with the real host section (units applied in-process) and `others`; the passes it ran."""
+    seen: list[PassContext] = []
+    host = HostConverger(lambda busy: _executor(system))
+
+    class Watched:
+        name = host.name
+        is_empty = staticmethod(host.is_empty)
+
+        @staticmethod
+        def converge(desired: object | None, observation: object, ctx: PassContext) -> SectionOutcome:
+            seen.append(ctx)
+            return host.converge(desired, observation, ctx)
+
+    async def observe() -> Observation:
+        return Observation(parts={}, taken_monotonic=trio.current_time())
+
+    runner = ConvergeRunner([Watched(), *others], observe, initial_spec=spec, sync_sections_in_thread=False)  # type: ignore[list-item]
+    return runner, seen
+
+
+def _host_spec(generation: int, *units: tuple[str, str], **others: object) -> DesiredSpec:
+    return DesiredSpec(
+        generation=generation, spec_hash=f"h{generation}", sections={"host": HostSection(units), **others}
+    )
+
+
+async def _until(runner: ConvergeRunner, passes: int) -> NodeStatus:
+    status = runner.status.latest()
+    while status is None or status.passes < passes:
+        status = await runner.status.wait_newer(status.version if status else 0)
+    return status
+
+
+def _state(status: NodeStatus, section: str) -> SectionState:
+    return next(s.state for s in status.sections if s.section == section)
+
+
+async def test_HST_LVL_08_09_a_pass_when_bcd_starts_and_when_a_new_spec_arrives(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The first pass runs at start (and its change is followed at once by one more, for devices); a new
+    spec runs a pass when it arrives, not at the next retry or drift pass."""
+    root, system = make_host(tmp_path)
+    runner, seen = _runner(system, _host_spec(1, ("sysctl", '{"vm.swappiness":13}')))
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        await trio.sleep(7)
+        assert seen[0].reasons == {"start"} and seen[0].now_monotonic == t0
+        assert all(p.now_monotonic == t0 for p in seen)
+        assert (root / "proc/sys/vm/swappiness").read_text().strip() == "13"
+        before = len(seen)
+        assert runner.set_spec(_host_spec(2, ("sysctl", '{"vm.swappiness":14}')))
+        await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert seen[before].reasons == {"spec"} and seen[before].now_monotonic == t0 + 7
+    assert (root / "proc/sys/vm/swappiness").read_text().strip() == "14"
+
+
+async def test_HST_LVL_10_a_pass_every_30_seconds_while_the_host_section_is_progressing(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A sysctl whose key the kernel does not have yet keeps `host` PROGRESSING: the runner comes back
+    every 30 seconds, and the pass after the key appears sets it; converged, it waits for the drift pass."""
+    root, system = make_host(tmp_path)
+    key = "net.bridge.bridge-nf-call-iptables"
+    runner, seen = _runner(system, _host_spec(1, ("sysctl", f'{{"{key}":0}}')))
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        await trio.sleep(2 * RETRY_INTERVAL_S - 1)
+        status = runner.status.latest()
+        assert status is not None and _state(status, "host") is SectionState.PROGRESSING
+        (root / "proc/sys/net/bridge").mkdir(parents=True)  # br_netfilter loaded meanwhile
+        (root / "proc/sys/net/bridge/bridge-nf-call-iptables").write_text("1\n")
+        await trio.sleep(DRIFT_INTERVAL_S - RETRY_INTERVAL_S)
+        status = runner.status.latest()
+        assert status is not None and _state(status, "host") is SectionState.CONVERGED
+        nursery.cancel_scope.cancel()
+    assert (root / "proc/sys/net/bridge/bridge-nf-call-iptables").read_text().strip() == "0"
+    retries = [round(p.now_monotonic - t0, 3) for p in seen if "retry" in p.reasons]
+    assert retries == [RETRY_INTERVAL_S, 2 * RETRY_INTERVAL_S]
+    assert {round(p.now_monotonic - t0, 3) for p in seen} == {0, RETRY_INTERVAL_S, 2 * RETRY_INTERVAL_S}
+
+
+async def test_HST_LVL_11_an_event_of_another_section_runs_a_pass_at_once(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A finished snapshot download (the instances section's trigger) runs a pass then, not at the next
+    drift pass: a sysctl changed by hand meanwhile is set back at the event's time."""
+    root, system = make_host(tmp_path)
+    runner, seen = _runner(system, _host_spec(1, ("sysctl", '{"vm.swappiness":13}')))
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        await trio.sleep(5)
+        before = len(seen)
+        (root / "proc/sys/vm/swappiness").write_text("60\n")
+        runner.trigger("snapshot-download")
+        await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert (root / "proc/sys/vm/swappiness").read_text().strip() == "13"
+    assert seen[before].reasons == {"snapshot-download"} and seen[before].now_monotonic == t0 + 5
+
+
+async def test_HST_STAT_14_the_host_section_never_holds_back_the_others(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A host section waiting for a reboot, or failed for good, leaves devices and instances to converge
+    in the same passes; their state is theirs alone."""
+    _, system = make_host(tmp_path)
+    devices, instances = _OtherSection("devices"), _OtherSection("instances")
+    spec = _host_spec(1, ("cpu", '{"isolate":"4-7"}'), devices=("gpu-0",), instances=("vm-1",))
+    runner, _seen = _runner(system, spec, devices, instances)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        status = await _until(runner, 2)
+        assert _state(status, "host") is SectionState.PROGRESSING
+        assert _state(status, "devices") is SectionState.CONVERGED
+        assert _state(status, "instances") is SectionState.CONVERGED
+        assert devices.passes == instances.passes == [1, 2]
+        assert runner.set_spec(
+            _host_spec(2, ("cpu", '{"governor":"turbo"}'), devices=("gpu-0",), instances=("vm-1",))
+        )
+        status = await _until(runner, 3)
+        assert _state(status, "host") is SectionState.FAILED
+        assert _state(status, "devices") is SectionState.CONVERGED and devices.passes[-1] == 3
+        nursery.cancel_scope.cancel()
