@@ -23,7 +23,14 @@ import trio.testing
 from bcd_agent.converge.runner import DRIFT_INTERVAL_S, RETRY_INTERVAL_S, ConvergeRunner
 from bcd_agent.converge.section import Observation, PassContext
 from bcd_agent.converge.types import DesiredSpec, NodeStatus, SectionOutcome, SectionState
-from bcd_agent.sections.host import DirectExecutor, HostConverger, HostSection, converge_host
+from bcd_agent.sections.host import (
+    DirectExecutor,
+    HelperAnswer,
+    HelperExecutor,
+    HostConverger,
+    HostSection,
+    converge_host,
+)
 from bcd_shared.system import CommandResult, LocalSystem
 from bcd_shared.units import STATE_DIR, ApplyContext, UnitContext
 from bcd_simhost import sim_system
@@ -789,3 +796,64 @@ async def test_HST_STAT_14_the_host_section_never_holds_back_the_others(
         assert _state(status, "host") is SectionState.FAILED
         assert _state(status, "devices") is SectionState.CONVERGED and devices.passes[-1] == 3
         nursery.cancel_scope.cancel()
+
+
+# -- under bcd helper
+
+
+class _NodeView:
+    """The unprivileged node's view of the host: it reads (recorded) and may run query programs, and
+    must change nothing (a write or removal fails the test)."""
+
+    def __init__(self, inner: LocalSystem) -> None:
+        self.inner = inner
+        self.reads: list[str] = []
+
+    def read_bytes(self, path: str) -> bytes | None:
+        self.reads.append(path)
+        return self.inner.read_bytes(path)
+
+    def read_text(self, path: str) -> str | None:
+        self.reads.append(path)
+        return self.inner.read_text(path)
+
+    def write_atomic(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        raise AssertionError(f"the node wrote {path}")
+
+    def remove(self, path: str) -> bool:
+        raise AssertionError(f"the node removed {path}")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_HST_HLP_01_the_unprivileged_node_plans_every_unit_itself(tmp_path: Path) -> None:
+    """Beside the helper the node observes and plans each unit from its own reads of the host, changes
+    nothing, and sends root only the units its plan finds not converged (a hand edit included)."""
+    root, system = make_host(tmp_path)
+    units = (
+        ("sysctl", '{"vm.swappiness":13}'),
+        ("kernel-modules", '{"load":["tun"]}'),
+        ("cpu", '{"governor":"performance"}'),
+    )
+    for name, settings in units:  # root applied them earlier
+        run(system, name, json.loads(settings))
+    sent: list[str] = []
+
+    def send(name: str, settings: str | None, busy: frozenset[str]) -> HelperAnswer:
+        sent.append(name)
+        return HelperAnswer(True, changed=True)
+
+    view = _NodeView(system)
+    before = files(root)
+    out = converge_host(HostSection(units), HelperExecutor(view, send, UnitContext(allowed_clusters=ALLOWED)))  # type: ignore[arg-type]
+    assert out.state is SectionState.CONVERGED and sent == [] and files(root) == before
+    for path in ("/proc/sys/vm/swappiness", "/etc/modules-load.d/bcd.conf", "/etc/sysctl.d/90-bcd.conf"):
+        assert path in view.reads, path
+    assert any(p.endswith("/cpufreq/scaling_governor") for p in view.reads)
+    (root / "proc/sys/vm/swappiness").write_text("60\n")  # drift the node sees for itself
+    (root / "sys/devices/system/cpu/cpu3/cpufreq/scaling_governor").write_text("powersave\n")
+    before = files(root)
+    converge_host(HostSection(units), HelperExecutor(view, send, UnitContext(allowed_clusters=ALLOWED)))  # type: ignore[arg-type]
+    assert sent == ["sysctl", "cpu"]
+    assert files(root) == before  # the node changed nothing itself
