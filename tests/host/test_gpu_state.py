@@ -156,3 +156,42 @@ def test_HST_SHARE_mps_service_sets_compute_mode_and_pipe_directory(tmp_path: Pa
     assert run(system, "gpu-sharing", {"mode": "timeslice"}).ok
     modes = system.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"]).stdout.decode()
     assert modes.split() == ["Default"] * 8 and not (root / "run/nvidia-mps").exists()
+
+
+def test_HST_MIG_22_a_hold_on_an_instance_the_layout_has_not_made_is_device_missing(tmp_path: Path) -> None:
+    """The devices converger fails a hold on a MIG instance mig-layout has not created with
+    `device-missing`, pass after pass, and binds the same hold once the unit made the instance."""
+    root, system = make_host(tmp_path)
+    host = Host(root)
+    spec = DevicesSpec(1, (_mig_hold("m1", f"{G0}/gi3/ci0"),))
+    for _ in range(2):
+        host.run(spec)
+    fails = [(f.allocation_id, f.reason) for f in host.events("FailedEvent")]  # type: ignore[attr-defined]
+    assert fails and set(fails) == {("m1", "device-missing")}
+    assert not host.path("/etc/cdi/bcd-m1.json").exists()
+    assert run(system, "mig-layout", LAYOUT).ok
+    assert host.run(spec).message == ""
+    assert host.path("/etc/cdi/bcd-m1.json").exists()
+    assert [e.allocation_id for e in host.events("BoundEvent")] == ["m1"]  # type: ignore[attr-defined]
+
+
+def test_HST_SHARE_14_a_slot_hold_gets_the_mps_pipe_directory_only_while_it_exists(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    host = Host(root)
+    assert run(system, "gpu-sharing", {"mode": "timeslice", "replicas": 4}).ok
+    assert not (root / "run/nvidia-mps").exists()
+    s1 = DeviceAssignment("s1", "rsv_s1", "BINDING_HOLD", (DeviceRef(f"{G0}/s0", "gpu.slot"),))
+    assert host.run(DevicesSpec(1, (s1,))).message == ""
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in host.path("/run/bcd/allocations/s1.env").read_text()
+    assert run(system, "gpu-sharing", {"mode": "mps", "replicas": 4}).ok
+    assert (root / "run/nvidia-mps").is_dir()
+    s2 = DeviceAssignment("s2", "rsv_s2", "BINDING_HOLD", (DeviceRef(f"{G7}/s1", "gpu.slot"),))
+    assert host.run(DevicesSpec(2, (s1, s2))).message == ""
+    env = host.path("/run/bcd/allocations/s2.env").read_text()
+    assert "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps" in env.splitlines()
+    cdi_env = json.loads(host.path("/etc/cdi/bcd-s2.json").read_text())["containerEdits"]["env"]
+    assert "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps" in cdi_env
+    # A whole-GPU hold is no MPS client: it never gets the variable.
+    g = DeviceAssignment("g1", "rsv_g1", "BINDING_HOLD", (DeviceRef(gpu_uuid(3), "gpu"),))
+    assert host.run(DevicesSpec(3, (s1, s2, g))).message == ""
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in host.path("/run/bcd/allocations/g1.env").read_text()
