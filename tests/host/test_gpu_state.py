@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bcd_agent.inventory.gpus import collect_gpus
-from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec, Limits
 from bcd_agent.status import read_holders
 from bcd_shared.units import UnitContext
 from bcd_simhost.gpus import gpu_uuid
@@ -195,3 +195,39 @@ def test_HST_SHARE_14_a_slot_hold_gets_the_mps_pipe_directory_only_while_it_exis
     g = DeviceAssignment("g1", "rsv_g1", "BINDING_HOLD", (DeviceRef(gpu_uuid(3), "gpu"),))
     assert host.run(DevicesSpec(3, (s1, s2, g))).message == ""
     assert "CUDA_MPS_PIPE_DIRECTORY" not in host.path("/run/bcd/allocations/g1.env").read_text()
+
+
+def _kernel_frees(root: Path, size_kb: int) -> None:
+    """What the kernel does that the simulated host's files do not: a pool's free count follows the
+    count the unit set (nothing uses the pages yet), host-wide as the nodes' sum."""
+    total = 0
+    for node in (0, 1):
+        d = root / f"sys/devices/system/node/node{node}/hugepages/hugepages-{size_kb}kB"
+        n = int((d / "nr_hugepages").read_text())
+        (d / "free_hugepages").write_text(f"{n}\n")
+        total += n
+    d = root / f"sys/kernel/mm/hugepages/hugepages-{size_kb}kB"
+    (d / "nr_hugepages").write_text(f"{total}\n")
+    (d / "free_hugepages").write_text(f"{total}\n")
+
+
+def test_HST_HP_29_hold_admission_checks_free_pages_against_the_units_pools(tmp_path: Path) -> None:
+    """The devices converger's admission reads the pools the hugepages unit configured: holds that fit
+    the unit's 1 GiB pages on node 1 bind, one more is refused, and raising the unit's count lets it
+    bind. (An instance start's check of the same pools is DLV-ADM-09..11, tests/instances.)"""
+    root, system = make_host(tmp_path)
+    host = Host(root)
+    assert run(system, "hugepages", {"pages1g": 3, "perNuma": True}).ok
+    _kernel_frees(root, 1048576)
+
+    def paged(alloc: str, gpu: str, pages: int) -> DeviceAssignment:
+        limits = Limits(mems="1", hugepages_1gi=pages)
+        return DeviceAssignment(alloc, f"rsv_{alloc}", "BINDING_HOLD", (DeviceRef(gpu, "gpu"),), limits)
+
+    a, b = paged("a", G0, 2), paged("b", G7, 2)
+    assert host.run(DevicesSpec(1, (a,))).message == ""
+    out = host.run(DevicesSpec(2, (a, b)))
+    assert out.message == "b: ResourcesExhausted: 2 hugepages of 1048576 KiB needed, 1 free"
+    assert run(system, "hugepages", {"pages1g": 4, "perNuma": True}).ok
+    _kernel_frees(root, 1048576)
+    assert host.run(DevicesSpec(3, (a, b))).message == ""

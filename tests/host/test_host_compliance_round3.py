@@ -857,3 +857,30 @@ def test_HST_HLP_01_the_unprivileged_node_plans_every_unit_itself(tmp_path: Path
     converge_host(HostSection(units), HelperExecutor(view, send, UnitContext(allowed_clusters=ALLOWED)))  # type: ignore[arg-type]
     assert sent == ["sysctl", "cpu"]
     assert files(root) == before  # the node changed nothing itself
+
+
+# -- what the inventory and admission read of the unit's pools
+
+
+def test_HST_HP_28_the_inventory_reports_the_configured_pools_host_wide_and_per_numa_node(
+    tmp_path: Path,
+) -> None:
+    from bcd_agent.inventory.handlers import collect_inventory
+
+    def pools(system: LocalSystem) -> dict[tuple[int, int], int]:
+        return {(p.page_size_bytes, p.numa_node): p.total for p in collect_inventory(system).hugepages}
+
+    _, system = make_host(tmp_path / "host-wide")
+    assert run(system, "hugepages", {"pages2m": 640, "pages1g": 3}).ok
+    got = pools(system)
+    assert (got[(2 << 20, -1)], got[(1 << 30, -1)]) == (640, 3)
+    root, system = make_host(tmp_path / "per-numa")
+    assert run(system, "hugepages", {"pages2m": 96, "pages1g": 2, "perNuma": True}).ok
+    got = pools(system)
+    assert [got[(2 << 20, n)] for n in (0, 1)] == [96, 96]
+    assert [got[(1 << 30, n)] for n in (0, 1)] == [2, 2]
+    # Host-wide is what the kernel's host file says (the simulated kernel does not add nodes up).
+    assert got[(2 << 20, -1)] == int(
+        (root / "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages").read_text()
+    )
+    assert {n for (_, n) in got} == {-1, 0, 1}
