@@ -884,3 +884,20 @@ def test_HST_HP_28_the_inventory_reports_the_configured_pools_host_wide_and_per_
         (root / "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages").read_text()
     )
     assert {n for (_, n) in got} == {-1, 0, 1}
+
+
+def test_HST_CPU_19_the_inventory_reports_the_isolated_cpus(tmp_path: Path) -> None:
+    """The isolated CPUs the kernel shows (/sys/devices/system/cpu/isolated), not the ones the spec asks
+    for: none until the reboot that applies the cpu unit's arguments, then its list, and the inventory's
+    hash moves with it."""
+    from bcd_agent.inventory.handlers import collect_inventory, inventory_hash
+
+    root, system = make_host(tmp_path)
+    before = collect_inventory(system)
+    assert before.isolated_cpus == ""
+    run(system, "cpu", {"isolate": "4-7,12"})
+    assert collect_inventory(system).isolated_cpus == ""  # waiting for the reboot
+    _boot(root, system)
+    after = collect_inventory(system)
+    assert after.isolated_cpus == "4-7,12"
+    assert inventory_hash(after) != inventory_hash(before)
