@@ -1,8 +1,9 @@
 """Host-config catalogue items that had no test naming them (docs/compliance.md), third round.
 
-Everything runs on the simulated host (hostunits_support.make_host), whose tools answer in the formats
-their modules document (bcd_simhost): plan, apply, plan again. `Recording` wraps the simulated host's
-System to see the programs a unit runs, in order.
+Everything runs on the simulated host (a copy of one hostunits_support.make_host seeded), whose tools
+answer in the formats their modules document (bcd_simhost): plan, apply, plan again. `Recording` wraps
+the simulated host's System to see the programs a unit runs, in order. The passes tests drive the real
+host section with the real converge runner on trio's MockClock.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def files(root: Path) -> dict[str, str]:
 def test_HST_REC_02_no_unit_record_in_data_dir(tmp_path: Path) -> None:
     """Every unit that keeps a record (cpu, iommu, hugepages' boot reservation, container-toolkit's
     stamp, k8s-join) keeps it under /var/lib/bcd-hostconfig, and nothing in bcd's data_dir
-    (/var/lib/bcd), where the node planted links named like the records, is read, written or followed."""
+    (/var/lib/bcd), where the node planted links named like the records, is written or followed."""
     root, system = make_host(tmp_path)
     (root / "var/lib/bcd-sim/hugepages-1g-limit").write_text("0\n")  # 1 GiB pages only at boot
     planted = root / "etc/planted"
