@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from bcd_agent.inventory.gpus import collect_gpus
-from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec, Limits
 from bcd_agent.status import read_holders
 from bcd_shared.units import UnitContext
 from bcd_simhost.gpus import gpu_uuid
@@ -156,3 +156,78 @@ def test_HST_SHARE_mps_service_sets_compute_mode_and_pipe_directory(tmp_path: Pa
     assert run(system, "gpu-sharing", {"mode": "timeslice"}).ok
     modes = system.run(["nvidia-smi", "--query-gpu=compute_mode", "--format=csv,noheader"]).stdout.decode()
     assert modes.split() == ["Default"] * 8 and not (root / "run/nvidia-mps").exists()
+
+
+def test_HST_MIG_22_a_hold_on_an_instance_the_layout_has_not_made_is_device_missing(tmp_path: Path) -> None:
+    """The devices converger fails a hold on a MIG instance mig-layout has not created with
+    `device-missing`, pass after pass, and binds the same hold once the unit made the instance."""
+    root, system = make_host(tmp_path)
+    host = Host(root)
+    spec = DevicesSpec(1, (_mig_hold("m1", f"{G0}/gi3/ci0"),))
+    for _ in range(2):
+        host.run(spec)
+    fails = [(f.allocation_id, f.reason) for f in host.events("FailedEvent")]  # type: ignore[attr-defined]
+    assert fails and set(fails) == {("m1", "device-missing")}
+    assert not host.path("/etc/cdi/bcd-m1.json").exists()
+    assert run(system, "mig-layout", LAYOUT).ok
+    assert host.run(spec).message == ""
+    assert host.path("/etc/cdi/bcd-m1.json").exists()
+    assert [e.allocation_id for e in host.events("BoundEvent")] == ["m1"]  # type: ignore[attr-defined]
+
+
+def test_HST_SHARE_14_a_slot_hold_gets_the_mps_pipe_directory_only_while_it_exists(tmp_path: Path) -> None:
+    root, system = make_host(tmp_path)
+    host = Host(root)
+    assert run(system, "gpu-sharing", {"mode": "timeslice", "replicas": 4}).ok
+    assert not (root / "run/nvidia-mps").exists()
+    s1 = DeviceAssignment("s1", "rsv_s1", "BINDING_HOLD", (DeviceRef(f"{G0}/s0", "gpu.slot"),))
+    assert host.run(DevicesSpec(1, (s1,))).message == ""
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in host.path("/run/bcd/allocations/s1.env").read_text()
+    assert run(system, "gpu-sharing", {"mode": "mps", "replicas": 4}).ok
+    assert (root / "run/nvidia-mps").is_dir()
+    s2 = DeviceAssignment("s2", "rsv_s2", "BINDING_HOLD", (DeviceRef(f"{G7}/s1", "gpu.slot"),))
+    assert host.run(DevicesSpec(2, (s1, s2))).message == ""
+    env = host.path("/run/bcd/allocations/s2.env").read_text()
+    assert "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps" in env.splitlines()
+    cdi_env = json.loads(host.path("/etc/cdi/bcd-s2.json").read_text())["containerEdits"]["env"]
+    assert "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps" in cdi_env
+    # A whole-GPU hold is no MPS client: it never gets the variable.
+    g = DeviceAssignment("g1", "rsv_g1", "BINDING_HOLD", (DeviceRef(gpu_uuid(3), "gpu"),))
+    assert host.run(DevicesSpec(3, (s1, s2, g))).message == ""
+    assert "CUDA_MPS_PIPE_DIRECTORY" not in host.path("/run/bcd/allocations/g1.env").read_text()
+
+
+def _kernel_frees(root: Path, size_kb: int) -> None:
+    """What the kernel does that the simulated host's files do not: a pool's free count follows the
+    count the unit set (nothing uses the pages yet), host-wide as the nodes' sum."""
+    total = 0
+    for node in (0, 1):
+        d = root / f"sys/devices/system/node/node{node}/hugepages/hugepages-{size_kb}kB"
+        n = int((d / "nr_hugepages").read_text())
+        (d / "free_hugepages").write_text(f"{n}\n")
+        total += n
+    d = root / f"sys/kernel/mm/hugepages/hugepages-{size_kb}kB"
+    (d / "nr_hugepages").write_text(f"{total}\n")
+    (d / "free_hugepages").write_text(f"{total}\n")
+
+
+def test_HST_HP_29_hold_admission_checks_free_pages_against_the_units_pools(tmp_path: Path) -> None:
+    """The devices converger's admission reads the pools the hugepages unit configured: holds that fit
+    the unit's 1 GiB pages on node 1 bind, one more is refused, and raising the unit's count lets it
+    bind. (An instance start's check of the same pools is DLV-ADM-09..11, tests/instances.)"""
+    root, system = make_host(tmp_path)
+    host = Host(root)
+    assert run(system, "hugepages", {"pages1g": 3, "perNuma": True}).ok
+    _kernel_frees(root, 1048576)
+
+    def paged(alloc: str, gpu: str, pages: int) -> DeviceAssignment:
+        limits = Limits(mems="1", hugepages_1gi=pages)
+        return DeviceAssignment(alloc, f"rsv_{alloc}", "BINDING_HOLD", (DeviceRef(gpu, "gpu"),), limits)
+
+    a, b = paged("a", G0, 2), paged("b", G7, 2)
+    assert host.run(DevicesSpec(1, (a,))).message == ""
+    out = host.run(DevicesSpec(2, (a, b)))
+    assert out.message == "b: ResourcesExhausted: 2 hugepages of 1048576 KiB needed, 1 free"
+    assert run(system, "hugepages", {"pages1g": 4, "perNuma": True}).ok
+    _kernel_frees(root, 1048576)
+    assert host.run(DevicesSpec(3, (a, b))).message == ""

@@ -1,8 +1,9 @@
 """Host-config catalogue items that had no test naming them (docs/compliance.md), third round.
 
-Everything runs on the simulated host (hostunits_support.make_host), whose tools answer in the formats
-their modules document (bcd_simhost): plan, apply, plan again. `Recording` wraps the simulated host's
-System to see the programs a unit runs, in order.
+Everything runs on the simulated host (a copy of one hostunits_support.make_host seeded), whose tools
+answer in the formats their modules document (bcd_simhost): plan, apply, plan again. `Recording` wraps
+the simulated host's System to see the programs a unit runs, in order. The passes tests drive the real
+host section with the real converge runner on trio's MockClock.
 """
 
 from __future__ import annotations
@@ -18,8 +19,19 @@ from pathlib import Path
 from typing import Any
 
 import hostunits_support
-from bcd_agent.converge.types import SectionState
-from bcd_agent.sections.host import DirectExecutor, HostSection, converge_host
+import trio
+import trio.testing
+from bcd_agent.converge.runner import DRIFT_INTERVAL_S, RETRY_INTERVAL_S, ConvergeRunner
+from bcd_agent.converge.section import Observation, PassContext
+from bcd_agent.converge.types import DesiredSpec, NodeStatus, SectionOutcome, SectionState
+from bcd_agent.sections.host import (
+    DirectExecutor,
+    HelperAnswer,
+    HelperExecutor,
+    HostConverger,
+    HostSection,
+    converge_host,
+)
 from bcd_shared.system import CommandResult, LocalSystem
 from bcd_shared.units import STATE_DIR, ApplyContext, UnitContext
 from bcd_simhost import sim_system
@@ -89,7 +101,7 @@ def files(root: Path) -> dict[str, str]:
 def test_HST_REC_02_no_unit_record_in_data_dir(tmp_path: Path) -> None:
     """Every unit that keeps a record (cpu, iommu, hugepages' boot reservation, container-toolkit's
     stamp, k8s-join) keeps it under /var/lib/bcd-hostconfig, and nothing in bcd's data_dir
-    (/var/lib/bcd), where the node planted links named like the records, is read, written or followed."""
+    (/var/lib/bcd), where the node planted links named like the records, is written or followed."""
     root, system = make_host(tmp_path)
     (root / "var/lib/bcd-sim/hugepages-1g-limit").write_text("0\n")  # 1 GiB pages only at boot
     planted = root / "etc/planted"
@@ -497,7 +509,7 @@ def _node_1g(n: int) -> str:
     return f"sys/devices/system/node/node{n}/hugepages/hugepages-1048576kB/nr_hugepages"
 
 
-def test_HST_HP_09_1g_pages_tried_at_runtime_first_host_wide_or_per_numa_node(tmp_path: Path) -> None:
+def test_HST_HP_09_gigantic_pages_tried_at_runtime_first_host_wide_or_per_numa_node(tmp_path: Path) -> None:
     """The count goes to the host's nr_hugepages, or with perNuma to each NUMA node's; when the kernel
     allocates them the boot loader is not touched."""
     root, system = make_host(tmp_path / "host-wide")
@@ -575,3 +587,318 @@ def test_HST_RMV_07_removing_gpu_settings_leaves_power_limits_and_ecc(tmp_path: 
     assert r.ok and not r.changed
     assert [a for a in recording.argvs if a[0] == "nvidia-smi" and ("-pl" in a or "-e" in a)] == []
     assert json.loads((root / "var/lib/bcd-sim/gpus.json").read_text())["gpus"] == gpus
+
+
+# -- level-triggered
+
+
+def _inode(root: Path, path: str) -> tuple[int, int]:
+    st = (root / path.lstrip("/")).stat()
+    return st.st_ino, st.st_mtime_ns
+
+
+def test_HST_LVL_02_a_unit_writes_and_runs_only_what_differs(tmp_path: Path) -> None:
+    """One sysctl changed by hand: only that key is set again, the drop-in is not rewritten. One module
+    unloaded: only it is loaded. One CPU's governor changed: only that file is written. Nothing differs:
+    nothing is written or run."""
+    root, system = make_host(tmp_path)
+    sysctls = {"vm.swappiness": 10, "vm.max_map_count": 262144, "vm.overcommit_memory": 1}
+    run(system, "sysctl", sysctls)
+    run(system, "kernel-modules", {"load": ["tun", "vhost_net"]})
+    run(system, "cpu", {"governor": "performance"})
+    dropin = _inode(root, "/etc/sysctl.d/90-bcd.conf")
+    modules = _inode(root, "/etc/modules-load.d/bcd.conf")
+    governors = {
+        n: _inode(root, f"/sys/devices/system/cpu/cpu{n}/cpufreq/scaling_governor") for n in range(64)
+    }
+    (root / "proc/sys/vm/swappiness").write_text("60\n")
+    shutil.rmtree(root / "sys/module/vhost_net")
+    (root / "sys/devices/system/cpu/cpu9/cpufreq/scaling_governor").write_text("powersave\n")
+    recording = Recording(system)
+    assert run(recording, "sysctl", sysctls).changed  # type: ignore[arg-type]
+    assert run(recording, "kernel-modules", {"load": ["tun", "vhost_net"]}).changed  # type: ignore[arg-type]
+    cpu = run(recording, "cpu", {"governor": "performance"})  # type: ignore[arg-type]
+    assert cpu.steps_done == ("set /sys/devices/system/cpu/cpu9/cpufreq/scaling_governor to performance",)
+    governor9 = str(root / "sys/devices/system/cpu/cpu9/cpufreq/scaling_governor")
+    assert recording.argvs == [
+        ["sysctl", "-w", "vm.swappiness=10"],
+        ["modprobe", "--", "vhost_net"],
+        ["tee", governor9],  # how the simulated host writes a kernel file
+    ]
+    assert _inode(root, "/etc/sysctl.d/90-bcd.conf") == dropin
+    assert _inode(root, "/etc/modules-load.d/bcd.conf") == modules
+    changed = [
+        n
+        for n in range(64)
+        if _inode(root, f"/sys/devices/system/cpu/cpu{n}/cpufreq/scaling_governor") != governors[n]
+    ]
+    assert changed == [9]
+    before = files(root)
+    recording = Recording(system)
+    for name, settings in (
+        ("sysctl", sysctls),
+        ("kernel-modules", {"load": ["tun", "vhost_net"]}),
+        ("cpu", {"governor": "performance"}),
+    ):
+        assert not run(recording, name, settings).changed  # type: ignore[arg-type]
+    assert files(root) == before
+    assert [a for a in recording.argvs if a[:2] == ["sysctl", "-w"] or a[0] in ("modprobe", "tee")] == []
+
+
+# -- passes: the converge runner driving the real host section over the simulated host
+# (trio's MockClock: `autojump_clock` makes the 30-second and 10-minute waits take no real time).
+
+
+class _OtherSection:
+    """Another section (devices, instances) that converges on its own and records each pass it ran in."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.passes: list[int] = []
+
+    def is_empty(self, desired: object | None) -> bool:
+        return desired is None
+
+    async def converge(
+        self, desired: object | None, observation: Observation, ctx: PassContext
+    ) -> SectionOutcome:
+        self.passes.append(ctx.pass_number)
+        return SectionOutcome(section=self.name, state=SectionState.CONVERGED)
+
+
+def _runner(
+    system: LocalSystem, spec: DesiredSpec, *others: _OtherSection
+) -> tuple[ConvergeRunner, list[PassContext]]:
+    """A runner with the real host section (units applied in-process) and `others`; the passes it ran."""
+    seen: list[PassContext] = []
+    host = HostConverger(lambda busy: _executor(system))
+
+    class Watched:
+        name = host.name
+        is_empty = staticmethod(host.is_empty)
+
+        @staticmethod
+        def converge(desired: object | None, observation: object, ctx: PassContext) -> SectionOutcome:
+            seen.append(ctx)
+            return host.converge(desired, observation, ctx)
+
+    async def observe() -> Observation:
+        return Observation(parts={}, taken_monotonic=trio.current_time())
+
+    runner = ConvergeRunner([Watched(), *others], observe, initial_spec=spec, sync_sections_in_thread=False)  # type: ignore[list-item]
+    return runner, seen
+
+
+def _host_spec(generation: int, *units: tuple[str, str], **others: object) -> DesiredSpec:
+    return DesiredSpec(
+        generation=generation, spec_hash=f"h{generation}", sections={"host": HostSection(units), **others}
+    )
+
+
+async def _until(runner: ConvergeRunner, passes: int) -> NodeStatus:
+    status = runner.status.latest()
+    while status is None or status.passes < passes:
+        status = await runner.status.wait_newer(status.version if status else 0)
+    return status
+
+
+def _state(status: NodeStatus, section: str) -> SectionState:
+    return next(s.state for s in status.sections if s.section == section)
+
+
+async def test_HST_LVL_08_09_a_pass_when_bcd_starts_and_when_a_new_spec_arrives(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """The first pass runs at start (and its change is followed at once by one more, for devices); a new
+    spec runs a pass when it arrives, not at the next retry or drift pass."""
+    root, system = make_host(tmp_path)
+    runner, seen = _runner(system, _host_spec(1, ("sysctl", '{"vm.swappiness":13}')))
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        await trio.sleep(7)
+        assert seen[0].reasons == {"start"} and seen[0].now_monotonic == t0
+        assert all(p.now_monotonic == t0 for p in seen)
+        assert (root / "proc/sys/vm/swappiness").read_text().strip() == "13"
+        before = len(seen)
+        assert runner.set_spec(_host_spec(2, ("sysctl", '{"vm.swappiness":14}')))
+        await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert seen[before].reasons == {"spec"} and seen[before].now_monotonic == t0 + 7
+    assert (root / "proc/sys/vm/swappiness").read_text().strip() == "14"
+
+
+async def test_HST_LVL_10_a_pass_every_30_seconds_while_the_host_section_is_progressing(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A sysctl whose key the kernel does not have yet keeps `host` PROGRESSING: the runner comes back
+    every 30 seconds, and the pass after the key appears sets it; converged, it waits for the drift pass."""
+    root, system = make_host(tmp_path)
+    key = "net.bridge.bridge-nf-call-iptables"
+    runner, seen = _runner(system, _host_spec(1, ("sysctl", f'{{"{key}":0}}')))
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        await trio.sleep(2 * RETRY_INTERVAL_S - 1)
+        status = runner.status.latest()
+        assert status is not None and _state(status, "host") is SectionState.PROGRESSING
+        (root / "proc/sys/net/bridge").mkdir(parents=True)  # br_netfilter loaded meanwhile
+        (root / "proc/sys/net/bridge/bridge-nf-call-iptables").write_text("1\n")
+        await trio.sleep(DRIFT_INTERVAL_S - RETRY_INTERVAL_S)
+        status = runner.status.latest()
+        assert status is not None and _state(status, "host") is SectionState.CONVERGED
+        nursery.cancel_scope.cancel()
+    assert (root / "proc/sys/net/bridge/bridge-nf-call-iptables").read_text().strip() == "0"
+    retries = [round(p.now_monotonic - t0, 3) for p in seen if "retry" in p.reasons]
+    assert retries == [RETRY_INTERVAL_S, 2 * RETRY_INTERVAL_S]
+    assert {round(p.now_monotonic - t0, 3) for p in seen} == {0, RETRY_INTERVAL_S, 2 * RETRY_INTERVAL_S}
+
+
+async def test_HST_LVL_11_an_event_of_another_section_runs_a_pass_at_once(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A finished snapshot download (the instances section's trigger) runs a pass then, not at the next
+    drift pass: a sysctl changed by hand meanwhile is set back at the event's time."""
+    root, system = make_host(tmp_path)
+    runner, seen = _runner(system, _host_spec(1, ("sysctl", '{"vm.swappiness":13}')))
+    t0 = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        await trio.sleep(5)
+        before = len(seen)
+        (root / "proc/sys/vm/swappiness").write_text("60\n")
+        runner.trigger("snapshot-download")
+        await trio.sleep(1)
+        nursery.cancel_scope.cancel()
+    assert (root / "proc/sys/vm/swappiness").read_text().strip() == "13"
+    assert seen[before].reasons == {"snapshot-download"} and seen[before].now_monotonic == t0 + 5
+
+
+async def test_HST_STAT_14_the_host_section_never_holds_back_the_others(
+    tmp_path: Path, autojump_clock: trio.testing.MockClock
+) -> None:
+    """A host section waiting for a reboot, or failed for good, leaves devices and instances to converge
+    in the same passes; their state is theirs alone."""
+    _, system = make_host(tmp_path)
+    devices, instances = _OtherSection("devices"), _OtherSection("instances")
+    spec = _host_spec(1, ("cpu", '{"isolate":"4-7"}'), devices=("gpu-0",), instances=("vm-1",))
+    runner, _seen = _runner(system, spec, devices, instances)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(runner.run)
+        status = await _until(runner, 2)
+        assert _state(status, "host") is SectionState.PROGRESSING
+        assert _state(status, "devices") is SectionState.CONVERGED
+        assert _state(status, "instances") is SectionState.CONVERGED
+        assert devices.passes == instances.passes == [1, 2]
+        assert runner.set_spec(
+            _host_spec(2, ("cpu", '{"governor":"turbo"}'), devices=("gpu-0",), instances=("vm-1",))
+        )
+        status = await _until(runner, 3)
+        assert _state(status, "host") is SectionState.FAILED
+        assert _state(status, "devices") is SectionState.CONVERGED and devices.passes[-1] == 3
+        nursery.cancel_scope.cancel()
+
+
+# -- under bcd helper
+
+
+class _NodeView:
+    """The unprivileged node's view of the host: it reads (recorded) and may run query programs, and
+    must change nothing (a write or removal fails the test)."""
+
+    def __init__(self, inner: LocalSystem) -> None:
+        self.inner = inner
+        self.reads: list[str] = []
+
+    def read_bytes(self, path: str) -> bytes | None:
+        self.reads.append(path)
+        return self.inner.read_bytes(path)
+
+    def read_text(self, path: str) -> str | None:
+        self.reads.append(path)
+        return self.inner.read_text(path)
+
+    def write_atomic(self, path: str, data: bytes, mode: int = 0o644) -> None:
+        raise AssertionError(f"the node wrote {path}")
+
+    def remove(self, path: str) -> bool:
+        raise AssertionError(f"the node removed {path}")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_HST_HLP_01_the_unprivileged_node_plans_every_unit_itself(tmp_path: Path) -> None:
+    """Beside the helper the node observes and plans each unit from its own reads of the host, changes
+    nothing, and sends root only the units its plan finds not converged (a hand edit included)."""
+    root, system = make_host(tmp_path)
+    units = (
+        ("sysctl", '{"vm.swappiness":13}'),
+        ("kernel-modules", '{"load":["tun"]}'),
+        ("cpu", '{"governor":"performance"}'),
+    )
+    for name, settings in units:  # root applied them earlier
+        run(system, name, json.loads(settings))
+    sent: list[str] = []
+
+    def send(name: str, settings: str | None, busy: frozenset[str]) -> HelperAnswer:
+        sent.append(name)
+        return HelperAnswer(True, changed=True)
+
+    view = _NodeView(system)
+    before = files(root)
+    out = converge_host(HostSection(units), HelperExecutor(view, send, UnitContext(allowed_clusters=ALLOWED)))  # type: ignore[arg-type]
+    assert out.state is SectionState.CONVERGED and sent == [] and files(root) == before
+    for path in ("/proc/sys/vm/swappiness", "/etc/modules-load.d/bcd.conf", "/etc/sysctl.d/90-bcd.conf"):
+        assert path in view.reads, path
+    assert any(p.endswith("/cpufreq/scaling_governor") for p in view.reads)
+    (root / "proc/sys/vm/swappiness").write_text("60\n")  # drift the node sees for itself
+    (root / "sys/devices/system/cpu/cpu3/cpufreq/scaling_governor").write_text("powersave\n")
+    before = files(root)
+    converge_host(HostSection(units), HelperExecutor(view, send, UnitContext(allowed_clusters=ALLOWED)))  # type: ignore[arg-type]
+    assert sent == ["sysctl", "cpu"]
+    assert files(root) == before  # the node changed nothing itself
+
+
+# -- what the inventory and admission read of the unit's pools
+
+
+def test_HST_HP_28_the_inventory_reports_the_configured_pools_host_wide_and_per_numa_node(
+    tmp_path: Path,
+) -> None:
+    from bcd_agent.inventory.handlers import collect_inventory
+
+    def pools(system: LocalSystem) -> dict[tuple[int, int], int]:
+        return {(p.page_size_bytes, p.numa_node): p.total for p in collect_inventory(system).hugepages}
+
+    _, system = make_host(tmp_path / "host-wide")
+    assert run(system, "hugepages", {"pages2m": 640, "pages1g": 3}).ok
+    got = pools(system)
+    assert (got[(2 << 20, -1)], got[(1 << 30, -1)]) == (640, 3)
+    root, system = make_host(tmp_path / "per-numa")
+    assert run(system, "hugepages", {"pages2m": 96, "pages1g": 2, "perNuma": True}).ok
+    got = pools(system)
+    assert [got[(2 << 20, n)] for n in (0, 1)] == [96, 96]
+    assert [got[(1 << 30, n)] for n in (0, 1)] == [2, 2]
+    # Host-wide is what the kernel's host file says (the simulated kernel does not add nodes up).
+    assert got[(2 << 20, -1)] == int(
+        (root / "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages").read_text()
+    )
+    assert {n for (_, n) in got} == {-1, 0, 1}
+
+
+def test_HST_CPU_19_the_inventory_reports_the_isolated_cpus(tmp_path: Path) -> None:
+    """The isolated CPUs the kernel shows (/sys/devices/system/cpu/isolated), not the ones the spec asks
+    for: none until the reboot that applies the cpu unit's arguments, then its list, and the inventory's
+    hash moves with it."""
+    from bcd_agent.inventory.handlers import collect_inventory, inventory_hash
+
+    root, system = make_host(tmp_path)
+    before = collect_inventory(system)
+    assert before.isolated_cpus == ""
+    run(system, "cpu", {"isolate": "4-7,12"})
+    assert collect_inventory(system).isolated_cpus == ""  # waiting for the reboot
+    _boot(root, system)
+    after = collect_inventory(system)
+    assert after.isolated_cpus == "4-7,12"
+    assert inventory_hash(after) != inventory_hash(before)

@@ -348,3 +348,64 @@ async def test_DLV_RCV_20_the_stored_spec_is_enforced_with_the_control_plane_gon
         assert node.runner.spec is not None and node.runner.spec.generation == 1
         assert not node.core.state.welcomed
         nursery.cancel_scope.cancel()
+
+
+def _heartbeats(world: World) -> list[dict[str, str]]:
+    """Every heartbeat the control plane receives: its inventory hashes, in order."""
+    seen: list[dict[str, str]] = []
+    on_message = world.plane.on_message
+
+    def spy(session: Any, message: wire.NodeMessage) -> None:
+        if message.heartbeat is not None:
+            seen.append(dict(message.heartbeat.inventory_hashes))
+        on_message(session, message)
+
+    world.plane.on_message = spy  # type: ignore[method-assign]
+    return seen
+
+
+async def test_HST_LVL_14_the_heartbeat_right_after_a_host_change_carries_the_new_inventory_hash(
+    tmp_path: Path,
+) -> None:
+    """With the regular heartbeat ten minutes away, a host unit that changes what the inventory reports
+    (2 MiB huge pages) still gets a heartbeat to the control plane, carrying the new inventory's hash."""
+    world = World(tmp_path)
+    seen = _heartbeats(world)
+    async with running(world, world.config(), heartbeat_s=600.0):
+        first = await world.until("a heartbeat with a hash", lambda: seen and seen[-1].get("inventory"))
+        assert first == inventory_hash(collect_inventory(world.system))
+        since = len(seen)
+        spec = {"host": {"units": [_unit("hugepages", {"pages2m": 64})]}}
+        world.plane.apply_spec(world.node_id, spec)
+        await world.until("the unit applied", lambda: "64" in (world.root / HP2M).read_text())
+        expected = inventory_hash(collect_inventory(world.system))
+        assert expected != first
+        # The regular heartbeat is ten minutes away: this one is the change's.
+        await world.until("a heartbeat with the new hash", lambda: {"inventory": expected} in seen[since:])
+        assert all(h["inventory"] in (first, expected) for h in seen[since:])
+
+
+HP2M = "sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages"
+
+
+async def test_HST_HLP_19_units_false_the_inventory_still_reports_what_the_host_has(tmp_path: Path) -> None:
+    """Another tool owns the host ([host] units = false): the huge pages and the MIG instance it set up
+    are in the inventory (inventory.refresh) and its hash in the heartbeat, as on any node."""
+    world = World(tmp_path)
+    (world.root / HP2M).write_text("512\n")  # the other tool's pool
+    for argv in (
+        ["nvidia-smi", "-i", "0", "-mig", "1"],
+        ["nvidia-smi", "mig", "-i", "0", "-cgi", "1g.18gb", "-C"],
+    ):
+        assert world.system.run(argv).ok
+    async with running(world, world.config(units=False)) as node:
+        assert node.host_section is None
+        cid = world.plane.enqueue(world.node_id, "inventory.refresh", world_payload("inventory.refresh"))
+        done = await world.command(cid)
+        assert done["state"] == "succeeded", done
+        result = wire.InventoryRefreshResult.parse(bytes.fromhex(done["result"]))
+        pools = {(p.page_size_bytes, p.numa_node): p.total for p in result.inventory.hugepages}
+        assert pools[(2 * 1024 * 1024, -1)] == 512
+        gpu0 = result.inventory.gpus[0]
+        assert gpu0.mig_enabled and [m.profile for m in gpu0.mig_devices] == ["1g.18gb"]
+        assert node.core.heartbeat().heartbeat.inventory_hashes == {"inventory": result.inventory_hash}

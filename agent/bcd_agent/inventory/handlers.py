@@ -1,11 +1,12 @@
 """The cores of `inventory.refresh` and `diag.nvml`: collect, convert to the wire, hash.
 
 `collect_inventory(system)` reads GPUs (gpus.collect_gpus), /proc/meminfo, huge page pools (host-wide
-and per NUMA node), NUMA nodes (cpulist, MemTotal) and the CPU count, and returns the wire
-`Inventory`; `inventory_hash` is the digest heartbeats carry (NodeHeartbeat.inventory_hashes
-["inventory"]): SHA-256 over the GPU inventory's canonical JSON and the host facts, so it changes
-with any fact and not with the order tools print them. `SystemInventoryCollector` is the
-`bcd_agent.kinds.inventory.InventoryCollector` the dispatcher's handler takes.
+and per NUMA node), NUMA nodes (cpulist, MemTotal), the CPU count and the CPUs the kernel isolates
+(/sys/devices/system/cpu/isolated), and returns the wire `Inventory`; `inventory_hash` is the digest
+heartbeats carry (NodeHeartbeat.inventory_hashes["inventory"]): SHA-256 over the GPU inventory's
+canonical JSON and the host facts, so it changes with any fact and not with the order tools print
+them. `SystemInventoryCollector` is the `bcd_agent.kinds.inventory.InventoryCollector` the
+dispatcher's handler takes.
 """
 
 from __future__ import annotations
@@ -112,6 +113,7 @@ def collect_inventory(system: System, gpus: GpuInventory | None = None) -> wire.
         hugepages=pools,
         cpu_count=len(parse_cpulist(cpus_text)) if cpus_text.strip() else 0,
         driver_version=inv.driver_version or "",
+        isolated_cpus=(system.read_text("/sys/devices/system/cpu/isolated") or "").strip(),
     )
 
 

@@ -2270,6 +2270,12 @@ class Inventory(betterproto2.Message):
 
     driver_version: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
 
+    isolated_cpus: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+    """
+    The CPUs the kernel isolates from its scheduler (/sys/devices/system/cpu/isolated, the `cpu` host
+    unit's isolcpus after a reboot), a cpulist such as 4-63,68-127; empty when none.
+    """
+
 
 default_message_pool.register_message("bcd.v1", "Inventory", Inventory)
 
