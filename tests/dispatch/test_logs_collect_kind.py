@@ -11,7 +11,6 @@ import http.server
 import io
 import ssl
 import tarfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from bcd_shared import wire
 from bcd_shared.wire.strict import type_url
 from bcd_simhost import sim_system
 from dispatch.dhelpers import make_command
-from tlskit import make_tls
+from tlskit import https_server, make_tls
 
 SECRETS = (
     "hunter2-password-value",
@@ -80,15 +79,8 @@ def server(tmp_path: Path) -> Iterator[tuple[str, Path, Receiver]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(cert, key)
-    httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"https://127.0.0.1:{httpd.server_address[1]}", ca, got
-    httpd.shutdown()
-    httpd.server_close()
+    with https_server(Handler, cert, key) as base:
+        yield base, ca, got
 
 
 def _host(root: Path) -> None:

@@ -15,10 +15,8 @@ import http.server
 import json
 import os
 import shutil
-import ssl
 import subprocess
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -50,7 +48,7 @@ from netns import in_netns
 from rebindkit import bundle
 from test_ch_snapshot import Recorder, chvm, members, real_tool, requests, sim_tools
 from testsupport import require_tool
-from tlskit import make_tls
+from tlskit import https_server, make_tls
 
 DATA = "/var/lib/bcd"
 MIB = 1 << 20
@@ -130,15 +128,8 @@ def store(tmp_path: Path) -> Iterator[tuple[str, str, dict[str, bytes]]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(cert, key)
-    httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"https://127.0.0.1:{httpd.server_address[1]}", str(ca), objects
-    httpd.shutdown()
-    httpd.server_close()
+    with https_server(Handler, cert, key) as base:
+        yield base, str(ca), objects
 
 
 class Ctx:

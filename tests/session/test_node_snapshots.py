@@ -9,8 +9,6 @@ import copy
 import hashlib
 import http.server
 import json
-import ssl
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +17,7 @@ import pytest
 from bcd_shared import wire
 from test_node_wiring import World, running, world_payload
 from testsupport import require_tool
-from tlskit import make_tls
+from tlskit import https_server, make_tls
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -50,15 +48,8 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(cert, key)
-    httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"https://127.0.0.1:{httpd.server_address[1]}", objects
-    httpd.shutdown()
-    httpd.server_close()
+    with https_server(Handler, cert, key) as base:
+        yield base, objects
 
 
 async def test_a_snapshot_uploaded_then_restored_dlv_kind_21_dlv_snap_01_10_13_14_dlv_rt_13(
