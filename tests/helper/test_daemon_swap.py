@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 from helperproc import HelperProcess, base_config, tree
 from intentkit import ControlPlane, Signer, b64
 from releasekit import NODE_ID, NODE_UID, RECORD, daemon_section, spec_carrier, stage, swap_doc
@@ -19,11 +18,6 @@ from releasekit import NODE_ID, NODE_UID, RECORD, daemon_section, spec_carrier, 
 INSTALLED = "usr/lib/bcd/bcd"
 OLD = b"#!/bin/sh\necho bcd 1.0.0\n"
 NEW = b"#!/bin/sh\necho bcd 1.1.0\n" + os.urandom(64)
-
-
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
 
 
 def _host(root: Path, cp: ControlPlane, *, record: bool = True) -> HelperProcess:

@@ -54,16 +54,6 @@ RESTART = ("systemctl", "--no-block", "restart", "bcd-node.service")
 RELEASES = "usr/lib/bcd/releases"
 
 
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
-@pytest.fixture(scope="module")
-def worker(cp: ControlPlane) -> Signer:
-    return cp.command.leaf()
-
-
 @pytest.fixture
 def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # A fresh working directory: a path root resolved against the cwd instead of its verified fd finds

@@ -38,11 +38,6 @@ V20 = b"#!/bin/sh\necho bcd 2.0.0\n"
 V21 = b"#!/bin/sh\necho bcd 2.1.0\n"
 
 
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
 @pytest.fixture
 def host(tmp_path: Path, cp: ControlPlane) -> Iterator[HelperProcess]:
     from helperproc import make_root
