@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.instances.model import Desired
-from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh, LibvirtRuntime
+from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
 from bcd_agent.sections.instances.section import InstancesSection
 from bcd_shared.chunit import VMM_UID_BASE as VMM_UID
 from bcd_simhost import sim_system
@@ -40,7 +40,7 @@ from hostilekit import (
 from realnode import RealNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
-from instkit import FixedUserData, converge, spec, vm
+from instkit import converge, helper_section, spec, vm
 
 DATA = "/var/lib/bcd"
 
@@ -49,12 +49,7 @@ DATA = "/var/lib/bcd"
 def node() -> Iterator[tuple[RealNode, InstancesSection]]:
     n = RealNode('[helper]\ninstance_bridges = "br0"\n')
     try:
-        system = sim_system(n.root)
-        rt = LibvirtRuntime(
-            system, HelperVirsh(system, n.h.client), DATA, under_helper=True, stop_timeout_s=0.0,
-            sleep=lambda s: None,
-        )  # fmt: skip
-        sec = InstancesSection(system, [rt], DATA, user_data=FixedUserData())
+        sec, _rt = helper_section(sim_system(n.root), n.h.client)
         out = converge(sec, spec(vm("sw", desired=Desired.STOPPED)))
         assert out.state is SectionState.CONVERGED, out.message
         yield n, sec
