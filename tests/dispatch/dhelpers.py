@@ -190,6 +190,20 @@ def approved_batch(
     return wire.BatchApproval(scope=batch.scope, signatures=sigs), batch.proof(index)
 
 
+class EffectCtx:
+    """What a kind's handler runs with outside the dispatcher: this boot, never cancelled; `began` counts
+    its begin_effect calls."""
+
+    boot_id = BOOT
+    cancel_requested = False
+
+    def __init__(self) -> None:
+        self.began = 0
+
+    async def begin_effect(self) -> None:
+        self.began += 1
+
+
 class TrioClock:
     """Server time = T0 + trio time since creation + offset; host time = server time + HOST_SKEW_S +
     host_jump. Created inside trio (the harness is built in the test)."""

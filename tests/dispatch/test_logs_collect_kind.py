@@ -22,7 +22,7 @@ from bcd_agent.kinds.logs import LogsCollectHandler, redact
 from bcd_shared import wire
 from bcd_shared.wire.strict import type_url
 from bcd_simhost import sim_system
-from dispatch.dhelpers import make_command
+from dispatch.dhelpers import EffectCtx, make_command
 from tlskit import https_server, make_tls
 
 SECRETS = (
@@ -47,14 +47,6 @@ HELPER_LOG = "2026-12-01T11:00:00+0000 host bcd-helper[90]: helper: serving /run
 AUDIT = (
     '{"seq":1,"op":"file.write","decision":"accepted"}\n{"seq":2,"op":"helper.ping","decision":"accepted"}\n'
 )
-
-
-class Ctx:
-    boot_id = "boot-1"
-    cancel_requested = False
-
-    async def begin_effect(self) -> None:
-        pass
 
 
 class Receiver:
@@ -118,7 +110,7 @@ async def test_DLV_KIND_20_collects_redacts_and_uploads(
     _host(sim_root)
     url = f"{base}/bucket/logs.tar.gz?X-Amz-Signature=presigned-sig-value"
     with trio.fail_after(30):
-        out = await _handler(sim_root, ca).run(_command(url), Ctx())
+        out = await _handler(sim_root, ca).run(_command(url), EffectCtx())
     result = wire.LogsCollectResult.parse(out)
     [blob] = got.bodies
     assert (result.sha256, result.size_bytes, result.truncated) == (
@@ -154,7 +146,7 @@ async def test_since_and_max_bytes_bound_what_is_collected(
     since_ms = 1796119200000  # 2026-12-01T11:00:00Z: only the later node lines
     command = _command(f"{base}/a", since=since_ms, units=["bcd-node.service"], max_bytes=400)
     with trio.fail_after(30):
-        result = wire.LogsCollectResult.parse(await _handler(sim_root, ca).run(command, Ctx()))
+        result = wire.LogsCollectResult.parse(await _handler(sim_root, ca).run(command, EffectCtx()))
     members = _members(got.bodies[-1])
     assert result.truncated is True
     assert sum(len(v.encode()) for k, v in members.items() if k != "manifest.json") <= 400
@@ -170,7 +162,7 @@ async def test_an_upload_refused_fails_and_a_bad_payload_is_invalid(
     got.status = 403
     handler = _handler(sim_root, ca, audit=None)
     with pytest.raises(CommandFailed) as info:
-        await handler.run(_command(f"{base}/a"), Ctx())
+        await handler.run(_command(f"{base}/a"), EffectCtx())
     assert (info.value.code, info.value.message) == ("upload-failed", "the upload URL answered HTTP 403")
     for bad, field in [
         ({"upload_url": "http://x/y"}, "payload.upload_url"),

@@ -42,7 +42,7 @@ from bcd_shared.rebinddisk import REBIND_SIZE
 from bcd_shared.system import LocalSystem
 from bcd_shared.wire.strict import type_url
 from bcd_simhost.seed import seed
-from dispatch.dhelpers import make_command
+from dispatch.dhelpers import EffectCtx, make_command
 from instkit import FixedUserData, converge, spec
 from netns import in_netns
 from rebindkit import bundle
@@ -132,14 +132,6 @@ def store(tmp_path: Path) -> Iterator[tuple[str, str, dict[str, bytes]]]:
         yield base, str(ca), objects
 
 
-class Ctx:
-    boot_id = "boot-1"
-    cancel_requested = False
-
-    async def begin_effect(self) -> None:
-        pass
-
-
 def _snapshot_command(instance_id: str, url: str, memory: bool) -> Any:
     req = wire.InstanceSnapshotRequest(instance_id=instance_id, include_memory=memory, upload_url=url)
     return make_command(kind=KIND, payload=(type_url(wire.InstanceSnapshotRequest), bytes(req)))
@@ -173,7 +165,7 @@ def test_a_ch_memory_snapshot_through_the_handler_restores_through_the_section_d
         instance=lambda i: src if i == "src" else None, runtimes=lambda: w.sec.runtimes,
         hold=w.sec.hold, rules=TransferRules(cacert=ca),
     )  # fmt: skip
-    out = trio.run(handler.run, _snapshot_command("src", f"{base}/src.tar", True), Ctx())
+    out = trio.run(handler.run, _snapshot_command("src", f"{base}/src.tar", True), EffectCtx())
     result = wire.InstanceSnapshotResult.parse(out)
     body = objects["src.tar"]
     assert result.sha256 == hashlib.sha256(body).hexdigest() and result.size_bytes == len(body)
