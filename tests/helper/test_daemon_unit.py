@@ -44,6 +44,7 @@ from releasekit import (
     daemon_section,
     spec_carrier,
     stage,
+    staged_swap,
     swap_doc,
 )
 
@@ -77,22 +78,8 @@ def ctx(root: Path, cp: ControlPlane) -> Iterator[HelperContext]:
     c.audit.close()
 
 
-def doc_for(
-    signer: Signer,
-    root: Path,
-    *,
-    version: str = "1.1.0",
-    data: bytes = NEW,
-    generation: int = 1,
-    timeout: int = 600,
-    rollback: bool = False,
-    **override: Any,
-) -> dict[str, Any]:
-    section = daemon_section(signer, version, data, rollback=rollback)
-    artifact = stage(root, f"bcd-{version}", data)
-    return swap_doc(
-        signer, section, artifact, spec=spec_carrier(signer, section, generation), timeout=timeout, **override
-    )["args"]
+def doc_for(signer: Signer, root: Path, *, data: bytes = NEW, **kw: Any) -> dict[str, Any]:
+    return staged_swap(signer, root, data, **kw)["args"]
 
 
 def swap(ctx: HelperContext, args: dict[str, Any]) -> dict[str, Any]:
