@@ -15,7 +15,6 @@ import http.server
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,17 +35,16 @@ from bcd_agent.sections.instances.runtimes.cloudhypervisor import CloudHyperviso
 from bcd_agent.sections.instances.section import InstancesSection
 from bcd_agent.sections.instances.transfers import TransferRules
 from bcd_shared import wire
-from bcd_shared.chunit import ch_images_dir, ch_instance_dir
+from bcd_shared.chunit import ch_instance_dir
 from bcd_shared.instancenames import tap_name
 from bcd_shared.rebinddisk import REBIND_SIZE
 from bcd_shared.system import LocalSystem
 from bcd_shared.wire.strict import type_url
-from bcd_simhost.seed import seed
 from dispatch.dhelpers import EffectCtx, make_command
 from instkit import FixedUserData, converge, spec
 from netns import in_netns
 from rebindkit import bundle
-from test_ch_snapshot import Recorder, chvm, members, real_tool, requests, sim_tools
+from test_ch_snapshot import Recorder, ch_host, chvm, members, requests
 from testsupport import require_tool
 from tlskit import https_server, make_tls
 
@@ -80,20 +78,8 @@ class World:
 
 @pytest.fixture
 def world() -> Iterator[World]:
-    tmp = Path(tempfile.mkdtemp(prefix="chf", dir="/tmp"))  # short: sun_path holds 108 bytes
-    root = tmp / "h"
-    seed(root)
-    system = LocalSystem(root=root, tools=sim_tools(qemu_img=real_tool))
-    rec = Recorder(system)
-    rt = CloudHypervisorRuntime(system, rec, DATA, stop_timeout_s=1.0, sleep=lambda s: None)
-    images = system.host_path(ch_images_dir(DATA))
-    images.mkdir(parents=True)
-    base = tmp / "base.qcow2"
-    subprocess.run(
-        ["qemu-img", "create", "-f", "qcow2", str(base), str(64 * MIB)], check=True, capture_output=True
-    )
-    sha = hashlib.sha256(base.read_bytes()).hexdigest()
-    shutil.move(base, images / f"{sha}.qcow2")
+    tmp = Path(tempfile.mkdtemp(prefix="chf", dir="/tmp"))
+    system, rec, rt, image = ch_host(tmp)
 
     def never(fn: Any) -> None:
         raise AssertionError("a snapshot already downloaded is not fetched again")
@@ -106,7 +92,7 @@ def world() -> Iterator[World]:
         system, DATA, sec.runtimes, source, wait_s=0.0, clock=clock, sleep=lambda _s: None
     )
     sec.balloons = BalloonController(system, sec.runtimes, floor_percent=50)
-    yield World(system, rec, rt, sec, source, Image("https://images.sim.bcd/real.qcow2", sha, "qcow2"), clock)
+    yield World(system, rec, rt, sec, source, image, clock)
     rec.close()
     shutil.rmtree(tmp, ignore_errors=True)
 
