@@ -76,3 +76,27 @@ def https_server(
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def object_store(objects: dict[str, bytes]) -> type[http.server.BaseHTTPRequestHandler]:
+    """A request handler for `https_server`: PUT /<name> keeps the body in `objects`, GET /<name> serves
+    it back (404 when there is none)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            objects[self.path.lstrip("/")] = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            body = objects.get(self.path.lstrip("/"))
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Handler

@@ -11,7 +11,6 @@ server checks each received fd by fstat and TUNGETIFF)."""
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
 import os
 import shutil
@@ -46,7 +45,7 @@ from netns import in_netns
 from rebindkit import bundle
 from test_ch_snapshot import Recorder, ch_host, chvm, members, requests
 from testsupport import require_tool
-from tlskit import https_server, make_tls
+from tlskit import https_server, make_tls, object_store
 
 DATA = "/var/lib/bcd"
 MIB = 1 << 20
@@ -103,18 +102,7 @@ def store(tmp_path: Path) -> Iterator[tuple[str, str, dict[str, bytes]]]:
     require_tool("curl")
     ca, cert, key = make_tls(tmp_path)
     objects: dict[str, bytes] = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:
-            objects[self.path.lstrip("/")] = self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    with https_server(Handler, cert, key) as base:
+    with https_server(object_store(objects), cert, key) as base:
         yield base, str(ca), objects
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import http.server
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +16,7 @@ import pytest
 from bcd_shared import wire
 from test_node_wiring import World, running, world_payload
 from testsupport import require_tool
-from tlskit import https_server, make_tls
+from tlskit import https_server, make_tls, object_store
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -30,25 +29,7 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str
     ca, cert, key = make_tls(tmp_path / "tls")
     monkeypatch.setenv("CURL_CA_BUNDLE", str(ca))
     objects: dict[str, bytes] = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:
-            objects[self.path.lstrip("/")] = self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def do_GET(self) -> None:
-            body = objects.get(self.path.lstrip("/"))
-            self.send_response(200 if body is not None else 404)
-            self.send_header("Content-Length", str(len(body or b"")))
-            self.end_headers()
-            self.wfile.write(body or b"")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    with https_server(Handler, cert, key) as base:
+    with https_server(object_store(objects), cert, key) as base:
         yield base, objects
 
 
