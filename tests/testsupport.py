@@ -38,6 +38,14 @@ def require_tool(name: str) -> str:
     return path
 
 
+def require_root(why: str) -> None:
+    """Root (for `why`); skipped locally without it, a failure under CI=true (CI runs as root)."""
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail(f"needs root under CI: {why}")
+        pytest.skip(f"needs root: {why}")
+
+
 def require_shared(path: Path) -> Path:
     """A file of ../shared/ (seeds, reference data); skipped locally when missing, a failure under CI."""
     if not path.exists():

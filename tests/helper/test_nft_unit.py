@@ -21,7 +21,7 @@ from bcd_helper.protocol import structure
 from bcd_shared.netpolicy import LIST_ARGVS, HostAddresses, NicMemo, NicPolicy, build_ruleset
 from opskit import GOOD_NIC as GOOD
 from opskit import NODE_UID, call, context, make_root, programs
-from testsupport import IN_CI, require_tool
+from testsupport import require_root, require_tool
 
 HELPER = f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = {NODE_UID}\ninstance_bridges = "br0,br1"\n'
 IP_BR0 = ("ip", "-j", "addr", "show", "dev", "br0")
@@ -42,10 +42,7 @@ def netns() -> Iterator[str]:
     """A network namespace with bridge br0 (10.0.0.1/24, up); no br1."""
     require_tool("nft")
     require_tool("ip")
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("the nft unit tests need root under CI (ip netns add)")
-        pytest.skip("needs root (ip netns add)")
+    require_root("ip netns add")
     name = f"bcd-nft-unit-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:
