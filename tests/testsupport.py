@@ -6,15 +6,19 @@ Never import these from the conftest module: a conftest.py in a subfolder would 
 
 from __future__ import annotations
 
+import datetime as dt
 import os
 import shutil
 import subprocess
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+if TYPE_CHECKING:
+    from bcd_agent.session.identity import Identity
 
 REPO = Path(__file__).resolve().parent.parent
 # ../shared/ beside the checkout: read-only reference data (seeds, CDI schema, nvidia-smi output).
@@ -32,6 +36,14 @@ def require_tool(name: str) -> str:
             pytest.fail(f"{name} is missing under CI: .ci/run must install it")
         pytest.skip(f"{name} not installed")
     return path
+
+
+def require_root(why: str) -> None:
+    """Root (for `why`); skipped locally without it, a failure under CI=true (CI runs as root)."""
+    if os.geteuid() != 0:
+        if IN_CI:
+            pytest.fail(f"needs root under CI: {why}")
+        pytest.skip(f"needs root: {why}")
 
 
 def require_shared(path: Path) -> Path:
@@ -92,3 +104,20 @@ def systemd_verify(root: Path, unit: str) -> subprocess.CompletedProcess[str]:
         text=True,
         timeout=60,
     )
+
+
+def node_identity(
+    node_id: str, not_before: dt.datetime, not_after: dt.datetime, address: str = ""
+) -> Identity:
+    """A bcd_agent identity as `bcd join` leaves one: a fresh node key, its certificate valid from
+    `not_before` to `not_after` from a throwaway node CA (valid a day longer), and the pin of a join key
+    nobody holds."""
+    from bcd_agent.session.identity import Identity  # here: the suite's other helpers need no agent
+    from bcd_shared.pki import KeyPair, issue_node_certificate, issue_root
+    from bcd_shared.pki.pins import JoinKeyPin
+
+    ca_key, node_key = KeyPair.generate(), KeyPair.generate()
+    ca = issue_root(ca_key, "node ca", not_before, not_after + dt.timedelta(days=1), path_length=0)
+    cert = issue_node_certificate(ca, ca_key, node_key.public_key, node_id, not_before, not_after)
+    pin = str(JoinKeyPin.of_key(KeyPair.generate().public_key))
+    return Identity(node_id, node_key, (cert,), pin, address=address)

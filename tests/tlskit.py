@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
+import http.server
 import ipaddress
+import socketserver
+import ssl
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from cryptography import x509
@@ -51,3 +57,46 @@ def make_tls(directory: Path) -> tuple[Path, Path, Path]:
     )
     paths[0].chmod(0o644)
     return paths
+
+
+@contextlib.contextmanager
+def https_server(
+    handler: Callable[..., socketserver.BaseRequestHandler], cert: Path, key: Path
+) -> Iterator[str]:
+    """`handler` served over TLS (`cert`, `key`: make_tls's) on a free loopback port, each request on a
+    daemon thread; the base URL (https://127.0.0.1:PORT). Shut down and closed at the end."""
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    httpd.daemon_threads = True
+    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    tls.load_cert_chain(cert, key)
+    httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"https://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def object_store(objects: dict[str, bytes]) -> type[http.server.BaseHTTPRequestHandler]:
+    """A request handler for `https_server`: PUT /<name> keeps the body in `objects`, GET /<name> serves
+    it back (404 when there is none)."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_PUT(self) -> None:
+            objects[self.path.lstrip("/")] = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def do_GET(self) -> None:
+            body = objects.get(self.path.lstrip("/"))
+            self.send_response(200 if body is not None else 404)
+            self.send_header("Content-Length", str(len(body or b"")))
+            self.end_headers()
+            self.wfile.write(body or b"")
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    return Handler

@@ -7,7 +7,6 @@ import functools
 import hashlib
 import http.server
 import ssl
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,7 +14,7 @@ from typing import Any
 import pytest
 from bcd_agent.sections.daemon.fetch import download, staged_sha256
 from bcd_shared.errors import RetryableError, TerminalError
-from tlskit import make_tls
+from tlskit import https_server, make_tls
 
 RELEASE = b"#!/usr/bin/python3\n" + bytes(range(256)) * 64
 
@@ -36,14 +35,8 @@ def served(tmp_path: Path) -> Iterator[tuple[str, ssl.SSLContext, list[str]]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(www)))
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(cert, key)
-    httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"https://127.0.0.1:{httpd.server_address[1]}", ssl.create_default_context(cafile=str(ca)), hits
-    httpd.shutdown()
-    httpd.server_close()
+    with https_server(functools.partial(Handler, directory=str(www)), cert, key) as base:
+        yield base, ssl.create_default_context(cafile=str(ca)), hits
 
 
 def test_download_keeps_only_the_signed_bytes(

@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 from bcd_agent.doctor import CLOCK_FLOOR, Finding, HostView, check_all, render
 from bcd_agent.session import identity as ident
-from bcd_shared.pki import KeyPair, issue_node_certificate, issue_root
-from bcd_shared.pki.pins import JoinKeyPin
+from testsupport import node_identity
 
 
 def by_check(findings: list[Finding]) -> dict[str, list[Finding]]:
@@ -47,12 +46,7 @@ def write_config(tmp_path: Path, text: str = "", data_dir: Path | None = None) -
 def write_identity(data: Path, *, not_after: float, address: str = "") -> None:
     """A real identity.json whose node certificate ends at `not_after` (0600, as bcd join writes it)."""
     end = dt.datetime.fromtimestamp(not_after, dt.UTC)
-    start = end - dt.timedelta(days=365)
-    ca_key, node_key = KeyPair.generate(), KeyPair.generate()
-    ca = issue_root(ca_key, "node ca", start, end + dt.timedelta(days=1), path_length=0)
-    cert = issue_node_certificate(ca, ca_key, node_key.public_key, "node-doctor", start, end)
-    pin = str(JoinKeyPin.of_key(KeyPair.generate().public_key))
-    ident.save(data, ident.Identity("node-doctor", node_key, (cert,), pin, address=address))
+    ident.save(data, node_identity("node-doctor", end - dt.timedelta(days=365), end, address=address))
 
 
 def make_data_dir(tmp_path: Path, mode: int = 0o700) -> Path:

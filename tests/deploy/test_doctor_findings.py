@@ -24,9 +24,8 @@ import pytest
 from bcd_agent.doctor import JSON_FORMAT, Finding, HostView, TimeSync, check_all, read_adjtimex, to_json
 from bcd_agent.node import VERSION
 from bcd_agent.session import identity as ident
-from bcd_shared.pki import KeyPair, issue_node_certificate, issue_root
-from bcd_shared.pki.pins import JoinKeyPin
 from bcd_shared.system import CommandResult
+from testsupport import node_identity
 
 NOW = 1_800_000_000.0
 GPU_LIST = (
@@ -80,12 +79,7 @@ def by_id(findings: list[Finding]) -> dict[str, Finding]:
 
 def write_identity(data: Path, not_after: float, address: str = "") -> None:
     end = dt.datetime.fromtimestamp(not_after, dt.UTC)
-    start = end - dt.timedelta(days=365)
-    ca_key, node_key = KeyPair.generate(), KeyPair.generate()
-    ca = issue_root(ca_key, "node ca", start, end + dt.timedelta(days=1), path_length=0)
-    cert = issue_node_certificate(ca, ca_key, node_key.public_key, "node-d", start, end)
-    pin = str(JoinKeyPin.of_key(KeyPair.generate().public_key))
-    ident.save(data, ident.Identity("node-d", node_key, (cert,), pin, address=address))
+    ident.save(data, node_identity("node-d", end - dt.timedelta(days=365), end, address=address))
 
 
 def test_nvidia_smi_and_the_driver(tmp_path: Path) -> None:

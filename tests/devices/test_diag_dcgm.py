@@ -19,20 +19,9 @@ from bcd_shared import wire
 from bcd_shared.wire.strict import type_url
 from bcd_simhost.gpus import gpu_uuid, update_state
 from devices.devhost import DATA_DIR, Host
-from dispatch.dhelpers import make_command
+from dispatch.dhelpers import EffectCtx, make_command
 
 G0, G1, G2 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(2)
-
-
-class Ctx:
-    boot_id = "boot-1"
-    cancel_requested = False
-
-    def __init__(self) -> None:
-        self.began = 0
-
-    async def begin_effect(self) -> None:
-        self.began += 1
 
 
 def _command(level: int, *uuids: str) -> Any:
@@ -40,8 +29,8 @@ def _command(level: int, *uuids: str) -> Any:
     return make_command(kind="diag.dcgm", payload=(type_url(wire.DiagDcgmRequest), bytes(request)))
 
 
-async def _run(host: Host, command: Any) -> tuple[wire.DiagDcgmResult, Ctx]:
-    ctx = Ctx()
+async def _run(host: Host, command: Any) -> tuple[wire.DiagDcgmResult, EffectCtx]:
+    ctx = EffectCtx()
     with trio.fail_after(30):
         out = await DiagDcgmHandler(host.system, DATA_DIR).run(command, ctx)
     return wire.DiagDcgmResult.parse(out), ctx
@@ -74,7 +63,7 @@ async def test_DLV_RST_06_DEV_BUSY_07_from_level_2_a_held_gpu_fails_gpu_busy_bef
 ) -> None:
     host.run(DevicesSpec(1, (DeviceAssignment("a1", "r", "BINDING_HOLD", (DeviceRef(G2, "gpu"),)),)))
     for command in (_command(2, G0, G2), _command(3)):
-        ctx = Ctx()
+        ctx = EffectCtx()
         with pytest.raises(CommandFailed) as info:
             await DiagDcgmHandler(host.system, DATA_DIR).run(command, ctx)
         assert (info.value.code, ctx.began) == ("gpu-busy", 0)

@@ -33,6 +33,19 @@ BOOT = "boot-1"
 # Server time at trio time 0 in the harness; the host clock is this plus HOST_SKEW.
 T0 = dt.datetime(2026, 11, 20, 12, 0, tzinfo=dt.UTC)
 HOST_SKEW_S = -7.0
+# The Journal's methods that write, each one durable transaction (wrapped by the tests that count or
+# crash at its writes).
+JOURNAL_WRITES = (
+    "accept_command",
+    "accept_commands",
+    "mark_running",
+    "complete",
+    "complete_many",
+    "reject",
+    "cancel",
+    "cancel_new",
+    "settle",
+)
 ALL_KINDS: Mapping[str, KindSpec] = {**KINDS, **TEST_KINDS}
 _LANE_WIRE = {Lane.CONTROL: wire.Lane.CONTROL, Lane.PROVISION: wire.Lane.PROVISION, Lane.BULK: wire.Lane.BULK}
 _CROCKFORD = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
@@ -175,6 +188,20 @@ def approved_batch(
     batch = build_batch(batch_id, leaves, "test batch")
     sigs = [approve(pki.approvers[i], f"approver-{i}", batch.scope) for i in signers]
     return wire.BatchApproval(scope=batch.scope, signatures=sigs), batch.proof(index)
+
+
+class EffectCtx:
+    """What a kind's handler runs with outside the dispatcher: this boot, never cancelled; `began` counts
+    its begin_effect calls."""
+
+    boot_id = BOOT
+    cancel_requested = False
+
+    def __init__(self) -> None:
+        self.began = 0
+
+    async def begin_effect(self) -> None:
+        self.began += 1
 
 
 class TrioClock:

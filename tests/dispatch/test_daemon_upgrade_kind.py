@@ -18,7 +18,7 @@ from bcd_agent.sections.daemon.upgrade import Upgrader
 from bcd_shared import wire
 from bcd_shared.errors import HelperRefused
 from bcd_shared.wire.strict import type_url
-from dhelpers import Pki, make_command
+from dhelpers import EffectCtx, Pki, make_command
 
 ARTIFACT = b"#!/usr/bin/python3\nrelease 2.0.0\n"
 SHA = hashlib.sha256(ARTIFACT).hexdigest()
@@ -39,17 +39,6 @@ class Helper:
     def daemon_confirm(self, version: str, *, healthy: bool = True) -> dict[str, Any]:
         self.confirms.append(version)
         return {"version": version, "confirmed": True, "previous_version": "1.0.0"}
-
-
-class Ctx:
-    boot_id = "boot-1"
-    cancel_requested = False
-
-    def __init__(self) -> None:
-        self.began = 0
-
-    async def begin_effect(self) -> None:
-        self.began += 1
 
 
 def _command(pki: Pki, **request: Any) -> Any:
@@ -77,7 +66,7 @@ async def test_DLV_PRIV_10_the_signed_command_goes_to_the_helper_with_the_releas
     helper = Helper()
     handler = DaemonUpgradeHandler(_upgrader(tmp_path, helper, "1.0.0"), wait_s=1)
     command = _command(pki, rollback=True)
-    ctx = Ctx()
+    ctx = EffectCtx()
     with pytest.raises(CommandFailed) as info:  # the restart never came in this test
         await handler.run(command, ctx)
     assert info.value.code == "restart-timeout" and ctx.began == 1
@@ -91,14 +80,14 @@ async def test_DLV_PRIV_10_the_signed_command_goes_to_the_helper_with_the_releas
 async def test_root_s_refusal_is_the_command_s_failure(tmp_path: Path) -> None:
     handler = DaemonUpgradeHandler(_upgrader(tmp_path, Helper(refuse="downgrade"), "3.0.0"), wait_s=1)
     with pytest.raises(CommandFailed) as info:
-        await handler.run(_command(Pki.build()), Ctx())
+        await handler.run(_command(Pki.build()), EffectCtx())
     assert info.value.code == "downgrade"
 
 
 async def test_the_re_execution_after_the_restart_confirms_and_completes(tmp_path: Path) -> None:
     helper = Helper()
     handler = DaemonUpgradeHandler(_upgrader(tmp_path, helper, "2.0.0"), wait_s=1)
-    ctx = Ctx()
+    ctx = EffectCtx()
     with trio.fail_after(5):
         out = await handler.run(_command(Pki.build()), ctx)
     assert wire.DaemonUpgradeResult.parse(out) == wire.DaemonUpgradeResult(

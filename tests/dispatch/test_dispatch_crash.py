@@ -39,7 +39,7 @@ from bcd_agent.dispatch.quorum import QuorumLedger
 from bcd_agent.dispatch.trust import BundleTrust, NodeResultSigner
 from bcd_agent.journal import CommandState, Journal, Outcome
 from bcd_agent.kinds.testing import TEST_KINDS, EffectHandler, effect_handlers, effect_payload
-from dhelpers import ALL_KINDS, NODE, T0, Pki, approved_batch, leaf_for, make_command, ulid
+from dhelpers import ALL_KINDS, JOURNAL_WRITES, NODE, T0, Pki, approved_batch, leaf_for, make_command, ulid
 
 KILLS_WANTED = 200
 EXIT_KILLED = -signal.SIGKILL  # os.waitstatus_to_exitcode of a SIGKILLed child
@@ -70,17 +70,7 @@ class Switch:
 
 
 class KillingJournal:
-    WRITES = (
-        "accept_command",
-        "accept_commands",
-        "mark_running",
-        "complete",
-        "complete_many",
-        "reject",
-        "cancel",
-        "cancel_new",
-        "settle",
-    )
+    WRITES = JOURNAL_WRITES
 
     def __init__(self, journal: Journal, switch: Switch) -> None:
         self._j = journal

@@ -14,7 +14,7 @@ from bcd_agent.dispatch.kinds import Lane
 from bcd_agent.dispatch.lanes import LANES, ResourceLocks
 from bcd_agent.journal import CommandState
 from bcd_agent.kinds.testing import EffectHandler, effect_handlers, effect_payload
-from dhelpers import Gate, Harness, Pki, effect_ids, make_command, start, ulid
+from dhelpers import JOURNAL_WRITES, Gate, Harness, Pki, effect_ids, make_command, start, ulid
 
 
 @pytest.fixture(scope="module")
@@ -220,17 +220,7 @@ async def test_Q_DLV_CAN_01_cancel_of_unseen_command_settles_it(tmp_path: Path, 
 class CountingJournal:
     """The real journal, counting its writes (every write is one durable transaction)."""
 
-    WRITES = (
-        "accept_command",
-        "accept_commands",
-        "mark_running",
-        "complete",
-        "complete_many",
-        "reject",
-        "cancel",
-        "cancel_new",
-        "settle",
-    )
+    WRITES = JOURNAL_WRITES
 
     def __init__(self, journal: Any) -> None:
         self._j = journal

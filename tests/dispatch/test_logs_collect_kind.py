@@ -11,7 +11,6 @@ import http.server
 import io
 import ssl
 import tarfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,8 +22,8 @@ from bcd_agent.kinds.logs import LogsCollectHandler, redact
 from bcd_shared import wire
 from bcd_shared.wire.strict import type_url
 from bcd_simhost import sim_system
-from dispatch.dhelpers import make_command
-from tlskit import make_tls
+from dispatch.dhelpers import EffectCtx, make_command
+from tlskit import https_server, make_tls
 
 SECRETS = (
     "hunter2-password-value",
@@ -50,14 +49,6 @@ AUDIT = (
 )
 
 
-class Ctx:
-    boot_id = "boot-1"
-    cancel_requested = False
-
-    async def begin_effect(self) -> None:
-        pass
-
-
 class Receiver:
     def __init__(self) -> None:
         self.bodies: list[bytes] = []
@@ -80,15 +71,8 @@ def server(tmp_path: Path) -> Iterator[tuple[str, Path, Receiver]]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(cert, key)
-    httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
-    yield f"https://127.0.0.1:{httpd.server_address[1]}", ca, got
-    httpd.shutdown()
-    httpd.server_close()
+    with https_server(Handler, cert, key) as base:
+        yield base, ca, got
 
 
 def _host(root: Path) -> None:
@@ -126,7 +110,7 @@ async def test_DLV_KIND_20_collects_redacts_and_uploads(
     _host(sim_root)
     url = f"{base}/bucket/logs.tar.gz?X-Amz-Signature=presigned-sig-value"
     with trio.fail_after(30):
-        out = await _handler(sim_root, ca).run(_command(url), Ctx())
+        out = await _handler(sim_root, ca).run(_command(url), EffectCtx())
     result = wire.LogsCollectResult.parse(out)
     [blob] = got.bodies
     assert (result.sha256, result.size_bytes, result.truncated) == (
@@ -162,7 +146,7 @@ async def test_since_and_max_bytes_bound_what_is_collected(
     since_ms = 1796119200000  # 2026-12-01T11:00:00Z: only the later node lines
     command = _command(f"{base}/a", since=since_ms, units=["bcd-node.service"], max_bytes=400)
     with trio.fail_after(30):
-        result = wire.LogsCollectResult.parse(await _handler(sim_root, ca).run(command, Ctx()))
+        result = wire.LogsCollectResult.parse(await _handler(sim_root, ca).run(command, EffectCtx()))
     members = _members(got.bodies[-1])
     assert result.truncated is True
     assert sum(len(v.encode()) for k, v in members.items() if k != "manifest.json") <= 400
@@ -178,7 +162,7 @@ async def test_an_upload_refused_fails_and_a_bad_payload_is_invalid(
     got.status = 403
     handler = _handler(sim_root, ca, audit=None)
     with pytest.raises(CommandFailed) as info:
-        await handler.run(_command(f"{base}/a"), Ctx())
+        await handler.run(_command(f"{base}/a"), EffectCtx())
     assert (info.value.code, info.value.message) == ("upload-failed", "the upload URL answered HTTP 403")
     for bad, field in [
         ({"upload_url": "http://x/y"}, "payload.upload_url"),

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from helperproc import HelperProcess, base_config, make_root
 from hostilekit import SignedHost
+from intentkit import ControlPlane, Signer
 from realkit import world  # noqa: F401 (a fixture: a real unprivileged node account)
 
 
@@ -19,6 +20,18 @@ def helper(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HelperProcess]:
     proc = HelperProcess(root, base_config())
     yield proc
     proc.stop()
+
+
+@pytest.fixture(scope="module")
+def cp() -> ControlPlane:
+    """A control plane's keys and command-signing hierarchies (intentkit), one for each test module."""
+    return ControlPlane.build()
+
+
+@pytest.fixture(scope="module")
+def worker(cp: ControlPlane) -> Signer:
+    """A command-signing leaf of `cp`."""
+    return cp.command.leaf()
 
 
 @pytest.fixture

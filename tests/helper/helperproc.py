@@ -14,11 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
 from bcd_agent.helperclient import HelperClient
 from bcd_simhost.seed import seed
 from hypothesis import HealthCheck, settings
-from testsupport import require_tool
+from testsupport import require_root, require_tool
 
 REPO = Path(__file__).resolve().parents[2]
 IN_CI = os.environ.get("CI") == "true"
@@ -166,10 +165,7 @@ def require_netns(*tools: str) -> None:
     without them, a failure under CI."""
     for tool in ("unshare", "nsenter", *tools):
         require_tool(tool)
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("needs root under CI (unshare -n)")
-        pytest.skip("needs root (unshare -n)")
+    require_root("unshare -n")
 
 
 def assert_refused(h: HelperProcess, doc: dict[str, Any], reason: str | None = None) -> dict[str, Any]:

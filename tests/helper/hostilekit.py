@@ -154,6 +154,35 @@ def connect_as(
     return sock, msg[0]
 
 
+def as_node(h: HelperProcess, doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` sent on a fresh connection by a process of the node's uid and group; the answer."""
+    sock, _ = connect_as(h, NODE_UID, NODE_GID)
+    with sock:
+        sock.sendall(frame(json.dumps(doc).encode()))
+        answer = read_answer(sock)
+    assert answer is not None, "the helper closed the connection without an answer"
+    return answer
+
+
+def refused_as_node(h: HelperProcess, doc: dict[str, Any], reason: str, text: str = "") -> dict[str, Any]:
+    """Sent as the node, `doc` is refused for `reason` (its message holding `text`), audited as the next
+    line with the node's uid, and nothing under the root changed."""
+    before = tree(h.root)
+    seq = h.last_audit()["seq"]
+    answer = as_node(h, doc)
+    assert (answer["ok"], answer.get("reason")) == (False, reason), answer
+    assert text in answer["message"], answer
+    last = h.last_audit()
+    assert (last["seq"], last["decision"], last["reason"], last["peer_uid"]) == (
+        seq + 1,
+        "refused",
+        reason,
+        NODE_UID,
+    )
+    assert tree(h.root) == before
+    return answer
+
+
 def gpus_by_bus(root: Path) -> dict[str, str]:
     """The simulated nvidia-smi's GPUs: sysfs address -> UUID."""
     out = sim_system(root).run(["nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"])

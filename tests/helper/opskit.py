@@ -18,6 +18,16 @@ from bcd_helper.protocol import structure
 from bcd_shared.system import DEFAULT_TOOL_TIMEOUT_S, CommandResult, LocalSystem
 
 NODE_UID = 4242
+# A well-formed nft.apply NIC policy (test_nft_unit in process, test_helper_nft through a real helper).
+GOOD_NIC: dict[str, Any] = {
+    "instance": "vm-1",
+    "index": 0,
+    "bridge": "br0",
+    "mac": "52:54:00:00:00:01",
+    "addresses": ["10.0.0.5/24", "fd00::5/64"],
+    "policy": "PRIVATE",
+    "ssh_from_host_only": True,
+}
 Script = Callable[[tuple[str, ...]], tuple[int, bytes, bytes]]
 
 

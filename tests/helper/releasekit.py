@@ -127,5 +127,26 @@ def swap_doc(
     return {"op": "daemon.swap", "args": args}
 
 
+def staged_swap(
+    signer: Signer,
+    root: Path,
+    data: bytes,
+    *,
+    version: str = "1.1.0",
+    generation: int = 1,
+    timeout: int = 600,
+    rollback: bool = False,
+    name: str | None = None,
+    **override: Any,
+) -> dict[str, Any]:
+    """The daemon.swap request for `version` (`data`), carried by the signed spec at `generation`: the
+    artifact staged under `root` as the node does (`name`: that artifact name, nothing staged)."""
+    section = daemon_section(signer, version, data, rollback=rollback)
+    artifact = name if name is not None else stage(root, f"bcd-{version}", data)
+    return swap_doc(
+        signer, section, artifact, spec=spec_carrier(signer, section, generation), timeout=timeout, **override
+    )
+
+
 def installed(root: Path) -> bytes:
     return (root / LINK).read_bytes()

@@ -37,16 +37,6 @@ def ca_key(comment: str = "") -> str:
 KEY = ca_key()
 
 
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
-@pytest.fixture(scope="module")
-def worker(cp: ControlPlane) -> Signer:
-    return cp.command.leaf()
-
-
 @pytest.fixture
 def root(tmp_path: Path) -> Path:
     return make_root(tmp_path)

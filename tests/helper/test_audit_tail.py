@@ -4,25 +4,15 @@ audit log within max_bytes, and nothing else (no path, no other file). For logs.
 from __future__ import annotations
 
 import json
-from typing import Any
 
 from helperproc import HelperProcess
-from hostilekit import NODE_GID, NODE_UID, assert_refused_raw, connect_as, frame, read_answer
-
-
-def _as_node(h: HelperProcess, doc: dict[str, Any]) -> dict[str, Any]:
-    sock, _ = connect_as(h, NODE_UID, NODE_GID)
-    with sock:
-        sock.sendall(frame(json.dumps(doc).encode()))
-        answer = read_answer(sock)
-    assert answer is not None
-    return answer
+from hostilekit import as_node, assert_refused_raw
 
 
 def test_the_node_reads_the_newest_whole_lines_of_the_audit_log(helper: HelperProcess) -> None:
     for _ in range(30):
-        assert _as_node(helper, {"op": "helper.ping", "args": {}})["ok"] is True
-    answer = _as_node(helper, {"op": "audit.tail", "args": {"max_bytes": 1024}})
+        assert as_node(helper, {"op": "helper.ping", "args": {}})["ok"] is True
+    answer = as_node(helper, {"op": "audit.tail", "args": {"max_bytes": 1024}})
     assert answer["ok"] is True, answer
     result = answer["result"]
     lines = [json.loads(line) for line in result["text"].splitlines()]

@@ -11,19 +11,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 from helperproc import HelperProcess, base_config, tree
 from intentkit import ControlPlane, Signer, b64
-from releasekit import NODE_ID, NODE_UID, RECORD, daemon_section, spec_carrier, stage, swap_doc
+from releasekit import NODE_ID, NODE_UID, RECORD, stage, staged_swap
 
 INSTALLED = "usr/lib/bcd/bcd"
 OLD = b"#!/bin/sh\necho bcd 1.0.0\n"
 NEW = b"#!/bin/sh\necho bcd 1.1.0\n" + os.urandom(64)
-
-
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
 
 
 def _host(root: Path, cp: ControlPlane, *, record: bool = True) -> HelperProcess:
@@ -38,22 +32,8 @@ def _host(root: Path, cp: ControlPlane, *, record: bool = True) -> HelperProcess
     return HelperProcess(root, cp.config_lines() + base_config(node_uid=NODE_UID, node_gid=NODE_UID))
 
 
-def _swap(
-    signer: Signer,
-    root: Path,
-    *,
-    version: str = "1.1.0",
-    data: bytes = NEW,
-    generation: int = 1,
-    timeout: int = 600,
-    name: str | None = None,
-    **override: Any,
-) -> dict[str, Any]:
-    section = daemon_section(signer, version, data)
-    artifact = name if name is not None else stage(root, f"bcd-{version}", data)
-    return swap_doc(
-        signer, section, artifact, spec=spec_carrier(signer, section, generation), timeout=timeout, **override
-    )
+def _swap(signer: Signer, root: Path, *, data: bytes = NEW, **kw: Any) -> dict[str, Any]:
+    return staged_swap(signer, root, data, **kw)
 
 
 def _with(doc: dict[str, Any], **args: Any) -> dict[str, Any]:

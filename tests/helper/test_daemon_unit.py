@@ -44,6 +44,7 @@ from releasekit import (
     daemon_section,
     spec_carrier,
     stage,
+    staged_swap,
     swap_doc,
 )
 
@@ -52,16 +53,6 @@ OLD = b"#!/bin/sh\necho bcd 1.0.0\n"
 NEW = b"#!/bin/sh\necho bcd 1.1.0\n"
 RESTART = ("systemctl", "--no-block", "restart", "bcd-node.service")
 RELEASES = "usr/lib/bcd/releases"
-
-
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
-@pytest.fixture(scope="module")
-def worker(cp: ControlPlane) -> Signer:
-    return cp.command.leaf()
 
 
 @pytest.fixture
@@ -87,22 +78,8 @@ def ctx(root: Path, cp: ControlPlane) -> Iterator[HelperContext]:
     c.audit.close()
 
 
-def doc_for(
-    signer: Signer,
-    root: Path,
-    *,
-    version: str = "1.1.0",
-    data: bytes = NEW,
-    generation: int = 1,
-    timeout: int = 600,
-    rollback: bool = False,
-    **override: Any,
-) -> dict[str, Any]:
-    section = daemon_section(signer, version, data, rollback=rollback)
-    artifact = stage(root, f"bcd-{version}", data)
-    return swap_doc(
-        signer, section, artifact, spec=spec_carrier(signer, section, generation), timeout=timeout, **override
-    )["args"]
+def doc_for(signer: Signer, root: Path, *, data: bytes = NEW, **kw: Any) -> dict[str, Any]:
+    return staged_swap(signer, root, data, **kw)["args"]
 
 
 def swap(ctx: HelperContext, args: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.instances.model import Desired
-from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh, LibvirtRuntime
 from bcd_agent.sections.instances.section import InstancesSection
 from bcd_shared.instancenames import tap_name
 from bcd_simhost import sim_system
@@ -25,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
-from instkit import FixedUserData, converge, spec, vm
+from instkit import converge, helper_section, spec, vm
 
 DATA = "/var/lib/bcd"
 
@@ -34,16 +33,7 @@ DATA = "/var/lib/bcd"
 def lv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[HelperProcess, InstancesSection]]:
     root = make_root(tmp_path_factory.mktemp("libvirt"))
     proc = HelperProcess(root, base_config(extra='instance_bridges = "br0"\n'))
-    system = sim_system(root)
-    rt = LibvirtRuntime(
-        system,
-        HelperVirsh(system, proc.client),
-        DATA,
-        under_helper=True,
-        stop_timeout_s=0.0,
-        sleep=lambda s: None,
-    )
-    sec = InstancesSection(system, [rt], DATA, user_data=FixedUserData())
+    sec, _rt = helper_section(sim_system(root), proc.client)
     out = converge(sec, spec(vm("good", user_data_ref="ud")))
     assert out.state is SectionState.CONVERGED, out.message
     yield proc, sec

@@ -30,7 +30,7 @@ from bcd_shared.instancenames import domain_uuid
 from bcd_simhost import sim_system
 from bcd_simhost.libvirt import STATE
 from helperproc import HelperProcess, assert_refused, base_config, make_root, tree
-from hostilekit import NODE_GID, NODE_UID, connect_as, frame, read_answer, verify_audit
+from hostilekit import as_node, verify_audit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
 from instkit import FixedUserData, converge, spec, vm
@@ -59,11 +59,8 @@ def refused_as_node(h: HelperProcess, doc: dict[str, Any], reason: str) -> dict[
     for `reason`, audited as the next line, the tree under the root unchanged, the chain intact."""
     before = tree(h.root)
     seq = h.last_audit()["seq"]
-    sock, _ = connect_as(h, NODE_UID, NODE_GID)
-    with sock:
-        sock.sendall(frame(json.dumps(doc).encode()))
-        answer = read_answer(sock)
-    assert answer is not None and (answer["ok"], answer["error"], answer["reason"]) == (
+    answer = as_node(h, doc)
+    assert (answer["ok"], answer["error"], answer["reason"]) == (
         False,
         "refused",
         reason,

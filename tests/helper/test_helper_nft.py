@@ -20,17 +20,9 @@ from bcd_shared.netpolicy import NicPolicy, build_ruleset, parse_ip_addr
 from helperproc import HELPER_SETTINGS, HelperProcess, assert_refused, base_config, make_root, require_netns
 from hypothesis import given
 from hypothesis import strategies as st
+from opskit import GOOD_NIC as GOOD
 
 CONFIG = base_config(extra='instance_bridges = "br0,br1"\n')
-GOOD: dict[str, Any] = {
-    "instance": "vm-1",
-    "index": 0,
-    "bridge": "br0",
-    "mac": "52:54:00:00:00:01",
-    "addresses": ["10.0.0.5/24", "fd00::5/64"],
-    "policy": "PRIVATE",
-    "ssh_from_host_only": True,
-}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.instances.balloon import BalloonController
 from bcd_agent.sections.instances.model import Placement
 from bcd_agent.sections.instances.rebind import answered, parse_rebind, rebind_image
-from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh, LibvirtRuntime
+from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
 from bcd_agent.sections.instances.section import InstancesSection
 from bcd_shared.rebinddisk import REBIND_SIZE
 from bcd_simhost import sim_system
@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from realnode import RealNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
-from instkit import FixedUserData, converge, spec, vm
+from instkit import converge, helper_section, spec, vm
 
 DATA = "/var/lib/bcd"
 
@@ -37,12 +37,7 @@ DATA = "/var/lib/bcd"
 def node() -> Iterator[tuple[RealNode, InstancesSection, LibvirtRuntime]]:
     n = RealNode('[helper]\ninstance_bridges = "br0"\n')
     try:
-        system = sim_system(n.root)
-        rt = LibvirtRuntime(
-            system, HelperVirsh(system, n.h.client), DATA, under_helper=True, stop_timeout_s=0.0,
-            sleep=lambda s: None,
-        )  # fmt: skip
-        sec = InstancesSection(system, [rt], DATA, user_data=FixedUserData())
+        sec, rt = helper_section(sim_system(n.root), n.h.client)
         out = converge(sec, spec(vm("good", placement=Placement(balloon=True))))
         assert out.state is SectionState.CONVERGED, out.message
         yield n, sec, rt

@@ -9,14 +9,12 @@ from pathlib import Path
 
 from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.instances.model import InstancesSpec, Nic
-from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh, LibvirtRuntime
-from bcd_agent.sections.instances.section import InstancesSection
 from bcd_agent.sections.instances.volumes import GIB, VolumeSpec, VolumeStore
 from bcd_simhost import sim_system
 from helperproc import HelperProcess, base_config, make_root
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
-from instkit import FixedUserData, converge, vm
+from instkit import converge, helper_section, vm
 
 DATA = "/var/lib/bcd"
 
@@ -28,20 +26,8 @@ def test_a_volume_attached_through_root_dlv_vol_13(tmp_path: Path) -> None:
     proc = HelperProcess(root, base_config(extra='instance_bridges = "br0"\n'))
     try:
         system = sim_system(root)
-        rt = LibvirtRuntime(
-            system,
-            HelperVirsh(system, proc.client),
-            DATA,
-            under_helper=True,
-            stop_timeout_s=0.0,
-            sleep=lambda s: None,
-        )
-        sec = InstancesSection(
-            system,
-            [rt],
-            DATA,
-            user_data=FixedUserData(),
-            volumes=VolumeStore(str(system.host_path(f"{DATA}/volumes"))),
+        sec, _rt = helper_section(
+            system, proc.client, volumes=VolumeStore(str(system.host_path(f"{DATA}/volumes")))
         )
         inst = vm(
             "v",

@@ -141,16 +141,6 @@ def test_busy_gpus_that_cannot_be_read_fail(root: Path) -> None:
 # --- signed commands ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
-@pytest.fixture(scope="module")
-def worker(cp: ControlPlane) -> Signer:
-    return cp.command.leaf()
-
-
 def signed(signer: Signer, kind: str, payload: Any) -> SignedCommand:
     body = bytes(
         wire.CommandBody(

@@ -25,11 +25,6 @@ NODE = "node-a"
 S10 = settings(**{"vm.swappiness": 10})
 
 
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
 @pytest.fixture
 def pinned(fresh_root: Path, cp: ControlPlane) -> Iterator[tuple[HelperProcess, Signer]]:
     """A helper whose roots are pinned, bound to NODE at generation 5 by one accepted request."""

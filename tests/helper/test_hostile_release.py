@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from helperproc import HelperProcess, base_config, tree
-from hostilekit import NODE_GID, NODE_UID, connect_as, frame, read_answer, verify_audit
+from hostilekit import NODE_GID, NODE_UID, as_node, verify_audit
 from intentkit import ControlPlane, Signer
 from releasekit import (
     LINK,
@@ -38,11 +38,6 @@ V20 = b"#!/bin/sh\necho bcd 2.0.0\n"
 V21 = b"#!/bin/sh\necho bcd 2.1.0\n"
 
 
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
 @pytest.fixture
 def host(tmp_path: Path, cp: ControlPlane) -> Iterator[HelperProcess]:
     from helperproc import make_root
@@ -56,16 +51,6 @@ def host(tmp_path: Path, cp: ControlPlane) -> Iterator[HelperProcess]:
     h = HelperProcess(root, cp.config_lines() + base_config(node_uid=NODE_UID, node_gid=NODE_GID))
     yield h
     h.stop()
-
-
-def as_node(h: HelperProcess, doc: dict[str, Any]) -> dict[str, Any]:
-    """Send `doc` from a process of the node's uid; the answer."""
-    sock, _ = connect_as(h, NODE_UID, NODE_GID)
-    with sock:
-        sock.sendall(frame(json.dumps(doc).encode()))
-        answer = read_answer(sock)
-    assert answer is not None, "the helper closed the connection without an answer"
-    return answer
 
 
 def refused_as_node(h: HelperProcess, doc: dict[str, Any], reason: str) -> dict[str, Any]:

@@ -22,25 +22,23 @@ from typing import Any
 import pytest
 from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.instances.model import Desired
-from bcd_agent.sections.instances.runtimes.libvirt import HelperVirsh, LibvirtRuntime
+from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
 from bcd_agent.sections.instances.section import InstancesSection
 from bcd_shared.chunit import VMM_UID_BASE as VMM_UID
 from bcd_simhost import sim_system
 from helperproc import HelperProcess, base_config, make_root, require_netns, tree
 from hostilekit import (
-    NODE_GID,
     NODE_UID,
     SignedHost,
+    as_node,
     ch_instance,
-    connect_as,
-    frame,
     gpus_by_bus,
-    read_answer,
+    refused_as_node,
 )
 from realnode import RealNode
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
-from instkit import FixedUserData, converge, spec, vm
+from instkit import converge, helper_section, spec, vm
 
 DATA = "/var/lib/bcd"
 
@@ -49,12 +47,7 @@ DATA = "/var/lib/bcd"
 def node() -> Iterator[tuple[RealNode, InstancesSection]]:
     n = RealNode('[helper]\ninstance_bridges = "br0"\n')
     try:
-        system = sim_system(n.root)
-        rt = LibvirtRuntime(
-            system, HelperVirsh(system, n.h.client), DATA, under_helper=True, stop_timeout_s=0.0,
-            sleep=lambda s: None,
-        )  # fmt: skip
-        sec = InstancesSection(system, [rt], DATA, user_data=FixedUserData())
+        sec, _rt = helper_section(sim_system(n.root), n.h.client)
         out = converge(sec, spec(vm("sw", desired=Desired.STOPPED)))
         assert out.state is SectionState.CONVERGED, out.message
         yield n, sec
@@ -260,33 +253,6 @@ def ch() -> Iterator[HelperProcess]:
     shutil.rmtree(parent, ignore_errors=True)
 
 
-def _as_node(h: HelperProcess, doc: dict[str, Any]) -> dict[str, Any]:
-    sock, _ = connect_as(h, NODE_UID, NODE_GID)
-    with sock:
-        sock.sendall(frame(json.dumps(doc).encode()))
-        answer = read_answer(sock)
-    assert answer is not None
-    return answer
-
-
-def _refused_as_node(h: HelperProcess, doc: dict[str, Any], reason: str, text: str = "") -> dict[str, Any]:
-    """Refused for `reason`, audited as the next line with the node's uid, nothing under the root changed."""
-    before = tree(h.root)
-    seq = h.last_audit()["seq"]
-    answer = _as_node(h, doc)
-    assert (answer["ok"], answer.get("reason")) == (False, reason), answer
-    assert text in answer["message"], answer
-    last = h.last_audit()
-    assert (last["seq"], last["decision"], last["reason"], last["peer_uid"]) == (
-        seq + 1,
-        "refused",
-        reason,
-        NODE_UID,
-    )
-    assert tree(h.root) == before
-    return answer
-
-
 def test_round3_ch_stop_never_takes_a_running_vmms_vfio_groups(ch: HelperProcess) -> None:
     """ch.stop of an instance whose unit is gone reads the VMM uid from the node's own vm.json. The node
     names there the uid of another instance's running VMM: root must not give that VMM's /dev/vfio
@@ -297,16 +263,16 @@ def test_round3_ch_stop_never_takes_a_running_vmms_vfio_groups(ch: HelperProcess
     group = h.root / "dev/vfio/77"
     group.parent.mkdir(parents=True, exist_ok=True)
     group.touch()
-    assert _as_node(h, {"op": "ch.launch", "args": {"name": "ca"}})["ok"] is True
+    assert as_node(h, {"op": "ch.launch", "args": {"name": "ca"}})["ok"] is True
     # the running VMM's group (given after the launch: ch.launch refuses a uid holding a group none of
     # its record's GPUs is in, and ca's record names none)
     os.chown(group, UID1, UID1)
     try:
-        answer = _as_node(h, {"op": "ch.stop", "args": {"name": "cb"}})
+        answer = as_node(h, {"op": "ch.stop", "args": {"name": "cb"}})
         assert answer["ok"] is True and answer["result"]["groups"] == [], answer
         assert os.stat(group).st_uid == UID1  # still the running VMM's
     finally:
-        assert _as_node(h, {"op": "ch.stop", "args": {"name": "ca"}})["ok"] is True
+        assert as_node(h, {"op": "ch.stop", "args": {"name": "ca"}})["ok"] is True
     assert os.stat(group).st_uid == 0  # its own unit stopped: given back
     group.unlink()
 
@@ -328,12 +294,12 @@ def test_round3_ch_instance_directory_entries_are_bounded(ch: HelperProcess) -> 
         os.chown(p, NODE, NODE)
         extra.append(p)
     try:
-        _refused_as_node(h, {"op": "ch.launch", "args": {"name": "ca"}}, "bad-layout", "entries")
+        refused_as_node(h, {"op": "ch.launch", "args": {"name": "ca"}}, "bad-layout", "entries")
     finally:
         for p in extra:
             p.unlink()
-    assert _as_node(h, {"op": "ch.launch", "args": {"name": "ca"}})["ok"] is True
-    assert _as_node(h, {"op": "ch.stop", "args": {"name": "ca"}})["ok"] is True
+    assert as_node(h, {"op": "ch.launch", "args": {"name": "ca"}})["ok"] is True
+    assert as_node(h, {"op": "ch.stop", "args": {"name": "ca"}})["ok"] is True
 
 
 def test_round3_a_failed_ch_taps_leaves_no_tap(tmp_path: Path) -> None:
@@ -345,11 +311,11 @@ def test_round3_a_failed_ch_taps_leaves_no_tap(tmp_path: Path) -> None:
     require_netns("ip")
     h = HelperProcess(make_root(tmp_path), base_config(extra='instance_bridges = "br0"\n'), netns=True)
     try:
-        answer = _as_node(h, {"op": "ch.taps", "args": {"name": "vm1", "bridges": ["br0", "br0"]}})
+        answer = as_node(h, {"op": "ch.taps", "args": {"name": "vm1", "bridges": ["br0", "br0"]}})
         assert (answer["ok"], answer["error"], answer["reason"]) == (False, "failed", "ip"), answer
         names = {link["ifname"] for link in json.loads(h.in_netns("ip", "-j", "link", "show"))}
         assert tap_name("vm1", 0) not in names, names
-        assert _as_node(h, {"op": "ch.untaps", "args": {"name": "vm1"}})["result"]["deleted"] == []
+        assert as_node(h, {"op": "ch.untaps", "args": {"name": "vm1"}})["result"]["deleted"] == []
     finally:
         h.stop()
 
@@ -382,20 +348,20 @@ def test_round3_op_names_never_reach_an_import_and_a_failed_import_denies(tmp_pa
             "OPS",
             "x" * 5000,
         ):
-            answer = _as_node(h, {"op": op, "args": {}})
+            answer = as_node(h, {"op": op, "args": {}})
             assert answer["reason"] == "unknown-op", (op[:40], answer)
             last = h.last_audit()
             assert (last["decision"], last["reason"]) == ("refused", "unknown-op")
             assert len(last["op"]) <= 100
         before = tree(h.root)
-        answer = _as_node(h, {"op": "nft.apply", "args": {"nics": []}})
+        answer = as_node(h, {"op": "nft.apply", "args": {"nics": []}})
         assert (answer["ok"], answer["error"], answer["reason"]) == (False, "failed", "internal"), answer
         assert "ImportError" in answer["message"] or "ModuleNotFoundError" in answer["message"], answer
         last = h.last_audit()
         assert (last["op"], last["decision"], last["peer_uid"]) == ("nft.apply", "failed", NODE_UID)
         assert tree(h.root) == before
-        assert _as_node(h, {"op": "nft.check", "args": {}})["reason"] == "internal"
-        assert _as_node(h, {"op": "helper.ping", "args": {}})["ok"] is True
+        assert as_node(h, {"op": "nft.check", "args": {}})["reason"] == "internal"
+        assert as_node(h, {"op": "helper.ping", "args": {}})["ok"] is True
     finally:
         h.stop()
 
@@ -441,13 +407,13 @@ def test_round3_nft_syntax_never_reaches_root_through_a_typed_field(tmp_path: Pa
     try:
         for field, value in NFT_ATTACKS:
             doc = {"op": "nft.apply", "args": {"nics": [{**NIC, field: value}]}}
-            answer = _as_node(h, doc)
+            answer = as_node(h, doc)
             assert answer["ok"] is False, (field, answer)
             assert answer["reason"] in ("bad-policy", "bad-arguments"), (field, answer)
             last = h.last_audit()
             assert (last["op"], last["decision"], last["peer_uid"]) == ("nft.apply", "refused", NODE_UID)
         many = [{**NIC, "instance": f"v{i}", "mac": "", "addresses": []} for i in range(3000)]
-        answer = _as_node(h, {"op": "nft.apply", "args": {"nics": many}})
+        answer = as_node(h, {"op": "nft.apply", "args": {"nics": many}})
         assert (answer["ok"], answer["reason"]) == (False, "protocol"), answer  # values counted, not decoded
     finally:
         h.stop()
@@ -464,8 +430,8 @@ def test_round3_a_deeply_nested_vm_json_is_a_bad_record(ch: HelperProcess) -> No
     path = inst / "vm.json"
     path.write_bytes(b"[" * 200_000)
     os.chown(path, NODE, NODE)
-    _refused_as_node(h, {"op": "ch.launch", "args": {"name": "cd"}}, "bad-record", "nested")
-    _refused_as_node(h, {"op": "ch.vfio", "args": {"name": "cd"}}, "bad-record", "nested")
+    refused_as_node(h, {"op": "ch.launch", "args": {"name": "cd"}}, "bad-record", "nested")
+    refused_as_node(h, {"op": "ch.vfio", "args": {"name": "cd"}}, "bad-record", "nested")
 
 
 def test_round3_vmm_accounts_root_creates_are_bounded(ch: HelperProcess) -> None:
@@ -487,14 +453,14 @@ def test_round3_vmm_accounts_root_creates_are_bounded(ch: HelperProcess) -> None
     passwd.write_bytes(before + ("\n".join(lines) + "\n").encode())
     try:
         lay_out(h.root, record("ce", uid=VMM_UID + 900))
-        answer = _refused_as_node(h, {"op": "ch.launch", "args": {"name": "ce"}}, "too-many-accounts")
+        answer = refused_as_node(h, {"op": "ch.launch", "args": {"name": "ce"}}, "too-many-accounts")
         assert str(MAX_VMM_ACCOUNTS) in answer["message"]
         if not any(line.startswith(vmm_user_name(UID1) + ":") for line in before.decode().splitlines()):
             with passwd.open("a") as f:  # ca's uid, as its launch left it
                 f.write(f"{vmm_user_name(UID1)}:x:{UID1}:{UID1}::/:/usr/sbin/nologin\n")
         lay_out(h.root, record("ce", uid=UID1))  # ca's uid: its account exists (ca is stopped)
-        assert _as_node(h, {"op": "ch.launch", "args": {"name": "ce"}})["ok"] is True
-        assert _as_node(h, {"op": "ch.stop", "args": {"name": "ce"}})["ok"] is True
+        assert as_node(h, {"op": "ch.launch", "args": {"name": "ce"}})["ok"] is True
+        assert as_node(h, {"op": "ch.stop", "args": {"name": "ce"}})["ok"] is True
     finally:
         passwd.write_bytes(before)
 
@@ -517,7 +483,7 @@ def test_round3_vfio_never_hands_a_group_to_an_account_not_bcds(tmp_path: Path) 
         f.write(f"intruder:x:{uid}:{uid}::/home/intruder:/bin/sh\n")
     h = HelperProcess(root, base_config(extra='instance_bridges = "br0"\n'))
     try:
-        answer = _refused_as_node(h, {"op": "ch.vfio", "args": {"name": "vm4"}}, "foreign-account")
+        answer = refused_as_node(h, {"op": "ch.vfio", "args": {"name": "vm4"}}, "foreign-account")
         assert "intruder" in answer["message"]
         assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu}/driver")) == "nvidia"
     finally:
@@ -552,7 +518,7 @@ def test_round3_the_instances_ops_shown_fields_never_forge_or_bloat_an_audit_lin
     try:
         for doc in docs:
             raw_before = log.read_bytes()
-            answer = _as_node(h, doc)
+            answer = as_node(h, doc)
             assert answer["ok"] is False, (doc["op"], answer)
             added = log.read_bytes()[len(raw_before) :]
             assert added.count(b"\n") == 1 and added.isascii() and len(added) <= 8192, (doc["op"], len(added))
@@ -617,8 +583,8 @@ def test_round3_a_signed_define_passes_through_only_the_spec_gpus(signed_host: S
         args = {"name": "vm1", "xml": Keep.xml.decode(), "intent": signed_host.signed(generation, vm1)}
         return {"op": "libvirt.define", "args": args}
 
-    _refused_as_node(h, signed(1, gpu_uuid(3)), "spec-mismatch", "GPUs")
-    answer = _as_node(h, signed(1, gpu_uuid(5)))
+    refused_as_node(h, signed(1, gpu_uuid(3)), "spec-mismatch", "GPUs")
+    answer = as_node(h, signed(1, gpu_uuid(5)))
     assert answer["ok"] is True, answer
 
 
@@ -636,7 +602,7 @@ def test_round3_a_signed_launch_passes_through_only_the_spec_gpus(signed_host: S
         signed = signed_host.signed(generation, ch_instance("vm5", gpu_uuids=[gpu]))
         return {"op": "ch.launch", "args": {"name": "vm5", "intent": signed}}
 
-    _refused_as_node(h, launch(1, by_bus["0000:18:00.0"]), "spec-mismatch", "GPUs")
-    answer = _as_node(h, launch(1, by_bus["0000:2a:00.0"]))
+    refused_as_node(h, launch(1, by_bus["0000:18:00.0"]), "spec-mismatch", "GPUs")
+    answer = as_node(h, launch(1, by_bus["0000:2a:00.0"]))
     assert answer["ok"] is True, answer
-    assert _as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True
+    assert as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True

@@ -22,8 +22,7 @@ from bcd_shared import wire
 from bcd_shared.chunit import VMM_UID_BASE as VMM_UID
 from bcd_shared.system import LocalSystem
 from helperproc import require_netns
-from hostilekit import NODE_UID, SignedHost, ch_instance, gpus_by_bus
-from test_hostile_round3 import _as_node, _refused_as_node
+from hostilekit import NODE_UID, SignedHost, as_node, ch_instance, gpus_by_bus, refused_as_node
 
 
 @pytest.fixture
@@ -62,19 +61,19 @@ def test_round4_ch_vfio_hands_over_only_the_signed_specs_gpus(signed_host: Signe
         for g in ("10", "11"):  # the simulated kernel makes the node at the bind; root's until handed over
             assert not (root / f"dev/vfio/{g}").exists() or os.stat(root / f"dev/vfio/{g}").st_uid == 0
 
-    _refused_as_node(h, {"op": "ch.vfio", "args": {"name": "vm5"}}, "intent-required")
+    refused_as_node(h, {"op": "ch.vfio", "args": {"name": "vm5"}}, "intent-required")
     untouched()
-    _refused_as_node(h, vfio(2, by_bus[gpu0]), "spec-mismatch", "GPUs")
+    refused_as_node(h, vfio(2, by_bus[gpu0]), "spec-mismatch", "GPUs")
     untouched()
-    _refused_as_node(h, vfio(2, by_bus[gpu1], name="vm6"), "not-in-spec")
-    answer = _as_node(h, vfio(2, by_bus[gpu1]))
+    refused_as_node(h, vfio(2, by_bus[gpu1], name="vm6"), "not-in-spec")
+    answer = as_node(h, vfio(2, by_bus[gpu1]))
     assert answer["ok"] is True and answer["result"]["groups"] == ["11"], answer
     assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu1}/driver")) == "vfio-pci"
     assert os.stat(root / "dev/vfio/11").st_uid == uid
     assert os.path.basename(os.readlink(root / f"sys/bus/pci/devices/{gpu0}/driver")) == "nvidia"
-    assert _as_node(h, {"op": "ch.unvfio", "args": {"name": "vm5"}})["ok"] is True
+    assert as_node(h, {"op": "ch.unvfio", "args": {"name": "vm5"}})["ok"] is True
     untouched()
-    _refused_as_node(h, vfio(1, by_bus[gpu1]), "stale-generation")  # generation 2 was accepted
+    refused_as_node(h, vfio(1, by_bus[gpu1]), "stale-generation")  # generation 2 was accepted
     untouched()
 
 
@@ -119,7 +118,7 @@ def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(
             args["intent"] = signed(generation)
         return {"op": "nft.apply", "args": args}
 
-    _refused_as_node(h, apply([egress], None), "intent-required")
+    refused_as_node(h, apply([egress], None), "intent-required")
     for nics in (
         [egress],  # PRIVATE and SSH from the host only, loaded as EGRESS
         [{**nic, "ssh_from_host_only": False}],
@@ -128,13 +127,13 @@ def test_round4_nft_apply_grants_no_guest_more_than_the_signed_spec(
         [{**nic, "addresses": [addr, "192.168.0.5/16"]}],  # a wider subnet for the PRIVATE guest
         [nic, {**nic, "index": 1, "mac": "52:54:00:00:00:02", "addresses": ["10.0.0.6/24"]}],
     ):
-        _refused_as_node(h, apply(nics), "spec-mismatch", "vm1")
-    answer = _as_node(h, apply([nic, leftover]))
+        refused_as_node(h, apply(nics), "spec-mismatch", "vm1")
+    answer = as_node(h, apply([nic, leftover]))
     assert answer["ok"] is True and answer["result"]["nics"] == 2, answer
     tap = NicPolicy("vm1", 0, "br0").tap
     listed = json.loads(h.in_netns("nft", "-j", "list", "set", "bridge", "bcd_instances", "bind4"))
     assert listed["nftables"][1]["set"]["elem"] == [{"concat": [tap, "10.0.0.5"]}]
-    _refused_as_node(h, apply([nic, leftover], 1), "stale-generation")
+    refused_as_node(h, apply([nic, leftover], 1), "stale-generation")
 
 
 def test_round4_roots_derivation_of_the_nic_policies_is_the_nodes() -> None:
@@ -201,15 +200,15 @@ def test_round4_a_guarded_guest_never_starts_without_its_signed_rules(
         "addresses": [addr],
         "policy": "PRIVATE",
     }
-    _refused_as_node(h, launch, "network-policy", "nft.apply")
+    refused_as_node(h, launch, "network-policy", "nft.apply")
     egress = {**nic, "policy": "EGRESS", "addresses": [], "mac": ""}
-    _refused_as_node(h, {"op": "nft.apply", "args": {"nics": [egress], "intent": signed}}, "spec-mismatch")
-    _refused_as_node(h, launch, "network-policy")
-    answer = _as_node(h, {"op": "nft.apply", "args": {"nics": [nic], "intent": signed}})
+    refused_as_node(h, {"op": "nft.apply", "args": {"nics": [egress], "intent": signed}}, "spec-mismatch")
+    refused_as_node(h, launch, "network-policy")
+    answer = as_node(h, {"op": "nft.apply", "args": {"nics": [nic], "intent": signed}})
     assert answer["ok"] is True, answer
-    answer = _as_node(h, launch)
+    answer = as_node(h, launch)
     assert answer["ok"] is True, answer
-    assert _as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True
+    assert as_node(h, {"op": "ch.stop", "args": {"name": "vm5"}})["ok"] is True
 
 
 # The real helper on the real libvirt (qemu:///system, TCG), as tests/instances/test_guest_boot_real.py

@@ -39,16 +39,6 @@ S1 = settings(values={"vm.swappiness": "10"})
 S2 = settings(values={"vm.swappiness": "20"})
 
 
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
-@pytest.fixture(scope="module")
-def worker(cp: ControlPlane) -> Signer:
-    return cp.command.leaf()
-
-
 def verifier(root: Path, top: str = "") -> IntentVerifier:
     text = top + '[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 4242\nnode_gid = 4242\n'
     return IntentVerifier(root, parse_config(text.encode()))

@@ -1865,11 +1865,6 @@ def test_console_that_changed_while_root_opened_it_is_closed(
 
 
 @pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
-@pytest.fixture(scope="module")
 def signer(cp: ControlPlane) -> Signer:
     return cp.command.leaf()
 

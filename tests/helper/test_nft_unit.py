@@ -19,19 +19,11 @@ from bcd_helper.ops.base import Failed, HelperContext, Refused
 from bcd_helper.ops.nft import NftApply, NftCheck, nft_apply, nft_check
 from bcd_helper.protocol import structure
 from bcd_shared.netpolicy import LIST_ARGVS, HostAddresses, NicMemo, NicPolicy, build_ruleset
+from opskit import GOOD_NIC as GOOD
 from opskit import NODE_UID, call, context, make_root, programs
-from testsupport import IN_CI, require_tool
+from testsupport import require_root, require_tool
 
 HELPER = f'[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = {NODE_UID}\ninstance_bridges = "br0,br1"\n'
-GOOD: dict[str, Any] = {
-    "instance": "vm-1",
-    "index": 0,
-    "bridge": "br0",
-    "mac": "52:54:00:00:00:01",
-    "addresses": ["10.0.0.5/24", "fd00::5/64"],
-    "policy": "PRIVATE",
-    "ssh_from_host_only": True,
-}
 IP_BR0 = ("ip", "-j", "addr", "show", "dev", "br0")
 IP_BR1 = ("ip", "-j", "addr", "show", "dev", "br1")
 Script = Callable[[tuple[str, ...]], tuple[int, bytes, bytes]]
@@ -50,10 +42,7 @@ def netns() -> Iterator[str]:
     """A network namespace with bridge br0 (10.0.0.1/24, up); no br1."""
     require_tool("nft")
     require_tool("ip")
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("the nft unit tests need root under CI (ip netns add)")
-        pytest.skip("needs root (ip netns add)")
+    require_root("ip netns add")
     name = f"bcd-nft-unit-{os.getpid()}"
     subprocess.run(["ip", "netns", "add", name], check=True)
     try:

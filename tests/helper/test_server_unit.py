@@ -122,7 +122,7 @@ def srv(ctx: HelperContext, tmp_path: Path, guards: Guards) -> Iterator[server.H
 
 
 @pytest.fixture
-def as_node(monkeypatch: pytest.MonkeyPatch) -> None:
+def node_peer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every connection the servers take is the node's (what SO_PEERCRED would say)."""
     monkeypatch.setattr(server, "peer_credentials", lambda _s: Peer(1, NODE, NODE))
 
@@ -935,7 +935,7 @@ def test_the_servers_bind_their_sockets_with_their_modes(ctx: HelperContext, tmp
 
 
 def test_a_connection_past_the_cap_is_refused_busy(
-    guards: Guards, srv: server.HelperServer, as_node: None
+    guards: Guards, srv: server.HelperServer, node_peer: None
 ) -> None:
     one_slot_taken(srv)
     a, b = socket.socketpair()
@@ -1031,7 +1031,7 @@ def test_a_server_without_guards_makes_its_own_over_the_context(ctx: HelperConte
 
 
 def test_the_server_holds_at_most_max_connections_of_the_node(
-    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch, as_node: None
+    ctx: HelperContext, tmp_path: Path, guards: Guards, monkeypatch: pytest.MonkeyPatch, node_peer: None
 ) -> None:
     monkeypatch.setattr(server, "MAX_CONNECTIONS", 1)  # before the server: its slots are made of it
     srv = server.HelperServer(ctx, str(tmp_path / "helper.sock"), guards)
@@ -1057,7 +1057,7 @@ def test_a_peer_whose_credentials_cannot_be_read_is_closed(srv: server.HelperSer
 
 
 def test_a_busy_refusal_to_a_peer_already_gone_is_quiet(
-    guards: Guards, srv: server.HelperServer, as_node: None
+    guards: Guards, srv: server.HelperServer, node_peer: None
 ) -> None:
     one_slot_taken(srv)
     a, b = socket.socketpair()
@@ -1081,7 +1081,7 @@ def test_a_connections_thread_is_a_daemon_whatever_thread_accepts(srv: server.He
 
 
 def test_a_busy_refusal_never_blocks_the_accept_thread(
-    guards: Guards, srv: server.HelperServer, as_node: None
+    guards: Guards, srv: server.HelperServer, node_peer: None
 ) -> None:
     """A peer past the cap that reads nothing (its socket's buffer full) gets no answer, and the accept
     thread goes on at once."""
@@ -1446,7 +1446,7 @@ def test_a_socket_is_never_more_open_than_0600_before_its_mode_is_set(
 
 
 def test_a_connection_whose_thread_cannot_start_gives_back_its_slot(
-    monkeypatch: pytest.MonkeyPatch, srv: server.HelperServer, as_node: None
+    monkeypatch: pytest.MonkeyPatch, srv: server.HelperServer, node_peer: None
 ) -> None:
     srv._slots = threading.BoundedSemaphore(1)
 

@@ -41,11 +41,6 @@ def ca_key(comment: str = "") -> str:
     return f"{line} {comment}" if comment else line
 
 
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
 @pytest.fixture
 def signed_node(cp: ControlPlane) -> Iterator[RealNode]:
     """Roots from root's join record (node-a, a bundle with command-signing roots)."""

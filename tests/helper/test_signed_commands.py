@@ -83,11 +83,6 @@ def reboot(signed: dict[str, Any] | None) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
-@pytest.fixture(scope="module")
 def node(cp: ControlPlane) -> Iterator[RealNode]:
     n = RealNode(cp.config_lines(), setup=lambda root: cp.write_record(root, NODE, cp.bundle(1)))
     yield n

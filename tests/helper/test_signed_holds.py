@@ -116,11 +116,6 @@ def test_issue9_item8_env_and_cdi_files_are_bounded_per_kind() -> None:
 
 
 @pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
-@pytest.fixture(scope="module")
 def signed_node(cp: ControlPlane) -> Iterator[RealNode]:
     node = RealNode(cp.config_lines(), setup=lambda root: cp.write_record(root, NODE, cp.bundle(1)))
     yield node

@@ -14,18 +14,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pytest
 from bcd_shared.pki import Purpose, Role
 from helperproc import HelperProcess, assert_refused, base_config
 from intentkit import ControlPlane, host_body, host_unit_doc, intent, intent_state, now, settings
 
 DROPIN = "etc/sysctl.d/90-bcd.conf"
 S10 = settings(**{"vm.swappiness": 10})
-
-
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
 
 
 def _start(root: Path, cp: ControlPlane, *, pin_roots: bool = False, pin: bool = True) -> HelperProcess:

@@ -22,6 +22,15 @@ PIN = "ab" * 32
 SERVER = "https://10.0.0.1:6443"
 ALLOWED = parse_allowed_clusters(f"{SERVER}#sha256:{PIN}")
 TOKEN = "abcdef.0123456789abcdef"
+# A k8s-join unit's settings (the allowed cluster, a token from the broker, labels and a taint).
+K8S = {
+    "server": SERVER,
+    "caCertSha256": PIN,
+    "tokenRef": "secret://pool/k8s-token",
+    "kubernetesVersion": "1.34.1",
+    "nodeLabels": {"team": "ml"},
+    "taints": ["gpu=true:NoSchedule"],
+}
 
 
 class FakeTokens:

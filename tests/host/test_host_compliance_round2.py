@@ -28,16 +28,7 @@ from bcd_shared import wire
 from bcd_shared.system import CommandResult, LocalSystem
 from bcd_shared.units import REGISTRY, ApplyContext, UnitContext
 from bcd_shared.units.k8s import JOIN_YAML, RECORD, RELEASE_KEY, STAGED_TOKEN
-from hostunits_support import ALLOWED, PIN, SERVER, FakeTokens, make_host, plan, run
-
-K8S = {
-    "server": SERVER,
-    "caCertSha256": PIN,
-    "tokenRef": "secret://pool/k8s-token",
-    "kubernetesVersion": "1.34.1",
-    "nodeLabels": {"team": "ml"},
-    "taints": ["gpu=true:NoSchedule"],
-}
+from hostunits_support import ALLOWED, K8S, PIN, SERVER, FakeTokens, make_host, plan, run
 
 
 class Recording:

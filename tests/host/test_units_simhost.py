@@ -11,7 +11,7 @@ from typing import Any
 
 from bcd_shared.units import HEADER_TEXT, UnitContext
 from bcd_simhost.gpus import update_state
-from hostunits_support import ALLOWED, PIN, SERVER, FakeTokens, make_host, plan, run
+from hostunits_support import ALLOWED, K8S, FakeTokens, make_host, plan, run
 
 
 def _json(root: Path, name: str) -> object:
@@ -530,16 +530,6 @@ def test_HST_CTK_10_16_cdi_false_changes_no_key(tmp_path: Path) -> None:
 
 
 # -- k8s-join
-
-
-K8S = {
-    "server": SERVER,
-    "caCertSha256": PIN,
-    "tokenRef": "secret://pool/k8s-token",
-    "kubernetesVersion": "1.34.1",
-    "nodeLabels": {"team": "ml"},
-    "taints": ["gpu=true:NoSchedule"],
-}
 
 
 def _join(system: object, tokens: FakeTokens | None = None) -> None:

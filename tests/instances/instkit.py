@@ -9,7 +9,7 @@ from bcd_agent.converge.section import Observation, PassContext
 from bcd_agent.converge.types import DesiredSpec
 from bcd_agent.sections.instances.model import Image, InstanceSpec, InstancesSpec, Nic, Placement
 from bcd_agent.sections.instances.plan import UserData
-from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, LibvirtRuntime
+from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, HelperVirsh, LibvirtRuntime
 from bcd_agent.sections.instances.section import InstancesSection
 from bcd_shared.system import LocalSystem
 from bcd_simhost import sim_system
@@ -45,6 +45,20 @@ def section(system: LocalSystem, user_data: Any = None, **kw: Any) -> tuple[Inst
     return InstancesSection(system, [rt], DATA_DIR, user_data=user_data or FixedUserData()), rt
 
 
+def helper_section(system: LocalSystem, client: Any, **kw: Any) -> tuple[InstancesSection, LibvirtRuntime]:
+    """As `section`, the runtime under a real helper: every libvirt change through `client`'s libvirt.*
+    ops; `kw` go to the section (volumes=...)."""
+    rt = LibvirtRuntime(
+        system,
+        HelperVirsh(system, client),
+        DATA_DIR,
+        under_helper=True,
+        stop_timeout_s=0.0,
+        sleep=lambda _s: None,
+    )
+    return InstancesSection(system, [rt], DATA_DIR, user_data=FixedUserData(), **kw), rt
+
+
 def vm(ident: str, **kw: Any) -> InstanceSpec:
     base: dict[str, Any] = {
         "id": ident,
@@ -71,4 +85,4 @@ def converge(sec: InstancesSection, desired: InstancesSpec) -> Any:
     return sec.converge(desired, Observation(), ctx(desired.generation))
 
 
-__all__ = ["GPU0", "Placement", "converge", "ctx", "section", "sim_host", "spec", "vm"]
+__all__ = ["GPU0", "Placement", "converge", "ctx", "helper_section", "section", "sim_host", "spec", "vm"]

@@ -11,14 +11,10 @@ server checks each received fd by fstat and TUNGETIFF)."""
 from __future__ import annotations
 
 import hashlib
-import http.server
 import json
 import os
 import shutil
-import ssl
-import subprocess
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -38,19 +34,18 @@ from bcd_agent.sections.instances.runtimes.cloudhypervisor import CloudHyperviso
 from bcd_agent.sections.instances.section import InstancesSection
 from bcd_agent.sections.instances.transfers import TransferRules
 from bcd_shared import wire
-from bcd_shared.chunit import ch_images_dir, ch_instance_dir
+from bcd_shared.chunit import ch_instance_dir
 from bcd_shared.instancenames import tap_name
 from bcd_shared.rebinddisk import REBIND_SIZE
 from bcd_shared.system import LocalSystem
 from bcd_shared.wire.strict import type_url
-from bcd_simhost.seed import seed
-from dispatch.dhelpers import make_command
+from dispatch.dhelpers import EffectCtx, make_command
 from instkit import FixedUserData, converge, spec
 from netns import in_netns
 from rebindkit import bundle
-from test_ch_snapshot import Recorder, chvm, members, real_tool, requests, sim_tools
+from test_ch_snapshot import Recorder, ch_host, chvm, members, requests
 from testsupport import require_tool
-from tlskit import make_tls
+from tlskit import https_server, make_tls, object_store
 
 DATA = "/var/lib/bcd"
 MIB = 1 << 20
@@ -82,20 +77,8 @@ class World:
 
 @pytest.fixture
 def world() -> Iterator[World]:
-    tmp = Path(tempfile.mkdtemp(prefix="chf", dir="/tmp"))  # short: sun_path holds 108 bytes
-    root = tmp / "h"
-    seed(root)
-    system = LocalSystem(root=root, tools=sim_tools(qemu_img=real_tool))
-    rec = Recorder(system)
-    rt = CloudHypervisorRuntime(system, rec, DATA, stop_timeout_s=1.0, sleep=lambda s: None)
-    images = system.host_path(ch_images_dir(DATA))
-    images.mkdir(parents=True)
-    base = tmp / "base.qcow2"
-    subprocess.run(
-        ["qemu-img", "create", "-f", "qcow2", str(base), str(64 * MIB)], check=True, capture_output=True
-    )
-    sha = hashlib.sha256(base.read_bytes()).hexdigest()
-    shutil.move(base, images / f"{sha}.qcow2")
+    tmp = Path(tempfile.mkdtemp(prefix="chf", dir="/tmp"))
+    system, rec, rt, image = ch_host(tmp)
 
     def never(fn: Any) -> None:
         raise AssertionError("a snapshot already downloaded is not fetched again")
@@ -108,7 +91,7 @@ def world() -> Iterator[World]:
         system, DATA, sec.runtimes, source, wait_s=0.0, clock=clock, sleep=lambda _s: None
     )
     sec.balloons = BalloonController(system, sec.runtimes, floor_percent=50)
-    yield World(system, rec, rt, sec, source, Image("https://images.sim.bcd/real.qcow2", sha, "qcow2"), clock)
+    yield World(system, rec, rt, sec, source, image, clock)
     rec.close()
     shutil.rmtree(tmp, ignore_errors=True)
 
@@ -119,34 +102,8 @@ def store(tmp_path: Path) -> Iterator[tuple[str, str, dict[str, bytes]]]:
     require_tool("curl")
     ca, cert, key = make_tls(tmp_path)
     objects: dict[str, bytes] = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:
-            objects[self.path.lstrip("/")] = self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(cert, key)
-    httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"https://127.0.0.1:{httpd.server_address[1]}", str(ca), objects
-    httpd.shutdown()
-    httpd.server_close()
-
-
-class Ctx:
-    boot_id = "boot-1"
-    cancel_requested = False
-
-    async def begin_effect(self) -> None:
-        pass
+    with https_server(object_store(objects), cert, key) as base:
+        yield base, str(ca), objects
 
 
 def _snapshot_command(instance_id: str, url: str, memory: bool) -> Any:
@@ -182,7 +139,7 @@ def test_a_ch_memory_snapshot_through_the_handler_restores_through_the_section_d
         instance=lambda i: src if i == "src" else None, runtimes=lambda: w.sec.runtimes,
         hold=w.sec.hold, rules=TransferRules(cacert=ca),
     )  # fmt: skip
-    out = trio.run(handler.run, _snapshot_command("src", f"{base}/src.tar", True), Ctx())
+    out = trio.run(handler.run, _snapshot_command("src", f"{base}/src.tar", True), EffectCtx())
     result = wire.InstanceSnapshotResult.parse(out)
     body = objects["src.tar"]
     assert result.sha256 == hashlib.sha256(body).hexdigest() and result.size_bytes == len(body)

@@ -93,28 +93,37 @@ def qemu_io(path: Path, *cmds: str) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([*argv, "json:" + json.dumps(spec)], capture_output=True, check=False)
 
 
-@pytest.fixture
-def host() -> Iterator[tuple[CloudHypervisorRuntime, Recorder, Image]]:
-    tmp = Path(tempfile.mkdtemp(prefix="chs", dir="/tmp"))  # short: sun_path holds 108 bytes
+def ch_host(
+    tmp: Path, *, pattern: bool = False
+) -> tuple[LocalSystem, Recorder, CloudHypervisorRuntime, Image]:
+    """A simulated host under `tmp` (keep it short: sun_path holds 108 bytes) with the real qemu-img
+    (create, convert, a real flattened disk), the ch.* recorder and the runtime over them, and a real
+    64 MiB base image under its SHA-256 as if downloaded before (`pattern`: 0xab in its first MiB)."""
     root = tmp / "h"
     seed(root)
-    tools = sim_tools(qemu_img=real_tool)  # the real qemu-img: create, convert, a real flattened disk
-    system = LocalSystem(root=root, tools=tools)
+    system = LocalSystem(root=root, tools=sim_tools(qemu_img=real_tool))
     rec = Recorder(system)
     rt = CloudHypervisorRuntime(system, rec, DATA, stop_timeout_s=1.0, sleep=lambda s: None)
-    # A real base image with a pattern in its first MiB, under its SHA-256 (downloaded before).
     images = system.host_path(ch_images_dir(DATA))
     images.mkdir(parents=True)
     base = tmp / "base.qcow2"
     subprocess.run(
         ["qemu-img", "create", "-f", "qcow2", str(base), str(64 * MIB)], check=True, capture_output=True
     )
-    subprocess.run(
-        ["qemu-io", "-f", "qcow2", "-c", "write -P 0xab 0 1M", str(base)], check=True, capture_output=True
-    )
+    if pattern:
+        subprocess.run(
+            ["qemu-io", "-f", "qcow2", "-c", "write -P 0xab 0 1M", str(base)], check=True, capture_output=True
+        )
     sha = hashlib.sha256(base.read_bytes()).hexdigest()
     shutil.move(base, images / f"{sha}.qcow2")
-    yield rt, rec, Image("https://images.sim.bcd/real.qcow2", sha, "qcow2")
+    return system, rec, rt, Image("https://images.sim.bcd/real.qcow2", sha, "qcow2")
+
+
+@pytest.fixture
+def host() -> Iterator[tuple[CloudHypervisorRuntime, Recorder, Image]]:
+    tmp = Path(tempfile.mkdtemp(prefix="chs", dir="/tmp"))
+    _system, rec, rt, image = ch_host(tmp, pattern=True)
+    yield rt, rec, image
     rec.close()
     shutil.rmtree(tmp, ignore_errors=True)
 

@@ -46,7 +46,7 @@ from bcd_agent.sections.instances.runtimes.libvirt import SYSTEM_URI, DirectVirs
 from bcd_shared.instancenames import tap_name
 from bcd_shared.system import LocalSystem
 from guestkit import MARK, guest_boot_files
-from testsupport import IN_CI, require_tool
+from testsupport import IN_CI, require_root, require_tool
 
 MIB = 1 << 20
 MAC = "52:54:00:bc:d0:01"
@@ -80,10 +80,7 @@ def _require_libvirtd() -> str:
         if IN_CI:
             pytest.fail(why + " (.ci/run starts it)")
         pytest.skip(why)
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("the booted guest is driven as root (CI runs as root)")
-        pytest.skip("the booted guest is driven as root")
+    require_root("the booted guest is driven as root")
     return virsh
 
 

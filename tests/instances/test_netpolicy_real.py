@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from testsupport import IN_CI, require_tool
+from testsupport import require_root, require_tool
 
 HERE = Path(__file__).resolve().parent
 A, B, E = "bcca978112ca10", "bc3e23e8160030", "bc3f79bb7b4350"  # tap_name("a"|"b"|"e", 0)
@@ -28,10 +28,7 @@ A, B, E = "bcca978112ca10", "bc3e23e8160030", "bc3f79bb7b4350"  # tap_name("a"|"
 def frames() -> dict[str, Any]:
     require_tool("nft")
     require_tool("unshare")
-    if os.geteuid() != 0:
-        if IN_CI:
-            pytest.fail("the nftables packet tests need root under CI")
-        pytest.skip("needs root (unshare -n, /dev/net/tun)")
+    require_root("unshare -n, /dev/net/tun")
     proc = subprocess.run(
         ["unshare", "-n", sys.executable, str(HERE / "netns_frames.py")],
         capture_output=True,

@@ -11,10 +11,8 @@ import http.server
 import io
 import json
 import os
-import ssl
 import struct
 import tarfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -46,7 +44,7 @@ from bcd_shared.wire.strict import type_url
 from dispatch.dhelpers import make_command
 from instkit import GIB
 from testsupport import require_tool
-from tlskit import make_tls
+from tlskit import https_server, make_tls
 
 SHA_A = "a" * 64
 CPU = "Test CPU @ 2.0GHz"
@@ -131,16 +129,9 @@ def server(tmp_path: Path) -> Iterator[Server]:
         def log_message(self, *args: Any) -> None:
             pass
 
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(cert, key)
-    httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    srv.base = f"https://127.0.0.1:{httpd.server_address[1]}"
-    yield srv
-    httpd.shutdown()
-    httpd.server_close()
+    with https_server(Handler, cert, key) as base:
+        srv.base = base
+        yield srv
 
 
 class Clock:

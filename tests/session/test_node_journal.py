@@ -18,10 +18,9 @@ from bcd_agent.journal import CODE_INTERRUPTED, CommandFlags, Journal, NewComman
 from bcd_agent.node import SWEEP_INTERVAL_S, Node, NodeOptions, sweep_periodically
 from bcd_agent.session import identity as ident
 from bcd_shared import wire
-from bcd_shared.pki import KeyPair, issue_node_certificate, issue_root
 from bcd_shared.pki.attest import verify_command_result
-from bcd_shared.pki.pins import JoinKeyPin
 from bcd_simhost.seed import seed
+from testsupport import node_identity
 
 NODE = "node-journal-1"
 DAY = 24 * 3600.0
@@ -45,12 +44,7 @@ async def _until(check: Callable[[], bool], *, within: float, step: float) -> No
 
 def _identity() -> ident.Identity:
     now = dt.datetime.now(dt.UTC)
-    ca_key, node_key = KeyPair.generate(), KeyPair.generate()
-    ca = issue_root(ca_key, "node ca", now - dt.timedelta(days=1), now + dt.timedelta(days=30), path_length=0)
-    cert = issue_node_certificate(
-        ca, ca_key, node_key.public_key, NODE, now - dt.timedelta(days=1), now + dt.timedelta(days=30)
-    )
-    return ident.Identity(NODE, node_key, (cert,), str(JoinKeyPin.of_key(KeyPair.generate().public_key)))
+    return node_identity(NODE, now - dt.timedelta(days=1), now + dt.timedelta(days=30))
 
 
 def _setup(tmp_path: Path) -> tuple[Path, Path, ident.Identity]:

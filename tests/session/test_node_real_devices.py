@@ -21,23 +21,17 @@ from bcd_agent.node import Node, NodeOptions, device_capabilities
 from bcd_agent.sections.devices.model import DevicesSpec, Limits
 from bcd_agent.sections.devices.plan import ADMISSION_UNREADABLE_WARNING
 from bcd_agent.session import identity as ident
-from bcd_shared.pki import KeyPair, issue_node_certificate, issue_root
-from bcd_shared.pki.pins import JoinKeyPin
 from bcd_simhost.gpus import gpu_uuid
 from bcd_simhost.seed import seed
 from devices.devhost import Host
+from testsupport import node_identity
 
 NODE = "node-devices-1"
 
 
 def _identity() -> ident.Identity:
     now = dt.datetime.now(dt.UTC)
-    ca_key, node_key = KeyPair.generate(), KeyPair.generate()
-    ca = issue_root(ca_key, "node ca", now - dt.timedelta(days=1), now + dt.timedelta(days=30), path_length=0)
-    cert = issue_node_certificate(
-        ca, ca_key, node_key.public_key, NODE, now - dt.timedelta(days=1), now + dt.timedelta(days=30)
-    )
-    return ident.Identity(NODE, node_key, (cert,), str(JoinKeyPin.of_key(KeyPair.generate().public_key)))
+    return node_identity(NODE, now - dt.timedelta(days=1), now + dt.timedelta(days=30))
 
 
 def _config(tmp_path: Path, extra: str = "") -> tuple[Path, Any]:

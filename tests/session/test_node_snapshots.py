@@ -7,10 +7,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import http.server
 import json
-import ssl
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +16,7 @@ import pytest
 from bcd_shared import wire
 from test_node_wiring import World, running, world_payload
 from testsupport import require_tool
-from tlskit import make_tls
+from tlskit import https_server, make_tls, object_store
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,33 +29,8 @@ def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str
     ca, cert, key = make_tls(tmp_path / "tls")
     monkeypatch.setenv("CURL_CA_BUNDLE", str(ca))
     objects: dict[str, bytes] = {}
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_PUT(self) -> None:
-            objects[self.path.lstrip("/")] = self.rfile.read(int(self.headers["Content-Length"]))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def do_GET(self) -> None:
-            body = objects.get(self.path.lstrip("/"))
-            self.send_response(200 if body is not None else 404)
-            self.send_header("Content-Length", str(len(body or b"")))
-            self.end_headers()
-            self.wfile.write(body or b"")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    httpd.daemon_threads = True
-    tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    tls.load_cert_chain(cert, key)
-    httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"https://127.0.0.1:{httpd.server_address[1]}", objects
-    httpd.shutdown()
-    httpd.server_close()
+    with https_server(object_store(objects), cert, key) as base:
+        yield base, objects
 
 
 async def test_a_snapshot_uploaded_then_restored_dlv_kind_21_dlv_snap_01_10_13_14_dlv_rt_13(

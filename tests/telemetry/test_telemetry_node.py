@@ -1,55 +1,26 @@
 """`bcd node` exporting its own metrics to a real OTLP/HTTP receiver on loopback (DLV-CONV-08).
 
 The node runs beside the development control plane in one trio process, directly on a simulated host
-(as tests/session/test_node_wiring.py). The spec's telemetry section names the receiver, an interval,
-resource attributes and a headers secret the control plane's broker holds. Every request is decoded
-with the official OpenTelemetry protobuf definitions (the `opentelemetry-proto` package), never with
-bcd's own encoder.
+(tests/session/test_node_wiring.py's World and `running`). The spec's telemetry section names the
+receiver, an interval, resource attributes and a headers secret the control plane's broker holds. Every
+request is decoded with the official OpenTelemetry protobuf definitions (the `opentelemetry-proto`
+package), never with bcd's own encoder.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import trio
-from bcd_agent.config import Config, load_config
 from bcd_agent.devplane.otlp import OtlpReceiver, Received
-from bcd_agent.devplane.plane import DevPlane
-from bcd_agent.join import join
-from bcd_agent.node import Node, NodeOptions
 from bcd_agent.sections.telemetry.metrics import METRIC_NAMES
-from bcd_simhost.seed import seed
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import ExportMetricsServiceRequest
+from session.test_node_wiring import World, running
 
 HEADERS_REF = "secret://pool/otlp-headers"
 ATTRS = {"deployment.environment": "test", "bcd.pool": "gpu-a"}
-
-
-class World:
-    def __init__(self, tmp: Path) -> None:
-        os.chmod(tmp, 0o755)
-        self.tmp = tmp
-        self.root = tmp / "host"
-        seed(self.root)
-        os.chmod(self.root, 0o755)
-        self.gw = tmp / "gw.sock"
-        self.plane = DevPlane(tmp / "dp", listen=None, unix_socket=self.gw)
-        self.data = tmp / "data"
-        self.node_id = ""
-
-    def config(self) -> Config:
-        toml = self.tmp / "node.toml"
-        toml.write_text(f'data_dir = "{self.data}"\n[control_plane]\nunix_socket = "{self.gw}"\n')
-        return load_config(str(toml))
-
-    def section(self, name: str) -> dict[str, Any]:
-        status = (self.plane.node(self.node_id) or {}).get("status") or {}
-        wanted = f"SECTION_{name.upper()}"
-        return next((s for s in status.get("sections", []) if s["section"] == wanted), {})
 
 
 async def until(what: str, check: Callable[[], Any], within: float = 20) -> Any:
@@ -60,20 +31,6 @@ async def until(what: str, check: Callable[[], Any], within: float = 20) -> Any:
                 return got
             await trio.sleep(0.02)
     raise AssertionError(f"timed out waiting for {what}")
-
-
-@asynccontextmanager
-async def running(world: World) -> AsyncIterator[Node]:
-    config = world.config()
-    async with trio.open_nursery() as nursery:
-        await nursery.start(world.plane.run)
-        identity = await join(config, token=world.plane.issue_token(), address=f"unix:{world.gw}")
-        world.node_id = identity.node_id
-        node = Node(config, NodeOptions(root=str(world.root), status_interval_s=0.05))
-        await nursery.start(node.run)
-        await until("the session", lambda: node.core.state.welcomed)
-        yield node
-        nursery.cancel_scope.cancel()
 
 
 def telemetry(endpoint: str, ref: str = HEADERS_REF) -> dict[str, Any]:
@@ -114,7 +71,7 @@ async def test_DLV_CONV_08_every_metric_reaches_a_real_otlp_receiver_with_resour
     receiver = OtlpReceiver()
     async with trio.open_nursery() as outer:
         await outer.start(receiver.run)
-        async with running(world) as node:
+        async with running(world, world.config()) as node:
             world.plane.put_secret(HEADERS_REF, b"authorization=Bearer%20t0ken,x-tenant=ml\n")
             assert world.plane.apply_spec(world.node_id, telemetry(receiver.url)) == 1
             await until("an export", lambda: receiver.count >= 1)
@@ -174,7 +131,7 @@ async def test_DLV_CONV_08_an_endpoint_change_applies_without_restart_and_a_dead
     async with trio.open_nursery() as outer:
         await outer.start(first.run)
         await outer.start(second.run)
-        async with running(world) as node:
+        async with running(world, world.config()) as node:
             world.plane.put_secret(HEADERS_REF, b"x-api-key=k1")
             world.plane.apply_spec(world.node_id, telemetry(first.url))
             await until("an export to the first endpoint", lambda: first.count >= 1)

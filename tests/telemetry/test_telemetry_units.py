@@ -456,42 +456,15 @@ def test_bcd_plan_shows_the_telemetry_steps_and_refuses_a_bad_section() -> None:
 async def test_https_verifies_the_endpoint_against_the_system_trust_store(tmp_path: Path) -> None:
     """A collector whose certificate chains to no trusted root is refused at the handshake (retried,
     never sent in the clear); the request never reaches it."""
-    import datetime as dt
-    import ipaddress
     import ssl
     from functools import partial
 
     from bcd_agent.sections.telemetry.exporter import post_otlp
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
+    from tlskit import make_tls
 
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = dt.datetime.now(dt.UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(1)
-        .not_valid_before(now - dt.timedelta(hours=1))
-        .not_valid_after(now + dt.timedelta(hours=1))
-        .add_extension(
-            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            False,
-        )
-        .sign(key, hashes.SHA256())
-    )
-    (tmp_path / "c.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    (tmp_path / "k.pem").write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        )
-    )
+    _ca, cert, key = make_tls(tmp_path)  # a throwaway CA: in no trust store
     server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    server_ctx.load_cert_chain(tmp_path / "c.pem", tmp_path / "k.pem")
+    server_ctx.load_cert_chain(cert, key)
     received: list[bytes] = []
 
     async def serve(stream: trio.SocketStream) -> None:
