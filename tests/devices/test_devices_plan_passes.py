@@ -51,6 +51,7 @@ from devices.planhost import PlanHost
 A = "GPU-aaaaaaaa-0000-4000-8000-000000000001"
 B = "GPU-bbbbbbbb-0000-4000-8000-000000000002"
 C = "GPU-cccccccc-0000-4000-8000-000000000003"
+D = "GPU-dddddddd-0000-4000-8000-000000000004"
 MIG_A = "MIG-aaaaaaaa-1111-5111-8111-000000000001"
 GIB = 1 << 30
 MIB = 1 << 20
@@ -63,7 +64,7 @@ def inventory() -> GpuInventory:
         return Gpu(i, uuid, "NVIDIA H200", bus, i, i, 143771, bool(migs), migs, GpuHealth(0, False, False))
 
     migs = (MigDevice(1, 0, MIG_A, "3g.71gb", 0), MigDevice(2, 0, None, "1g.18gb", 1))
-    return GpuInventory((gpu(0, A, migs), gpu(1, B), gpu(2, C)), "590.48.01", True)
+    return GpuInventory((gpu(0, A, migs), gpu(1, B), gpu(2, C), gpu(3, D)), "590.48.01", True)
 
 
 def cls(atom: str) -> str:
@@ -693,6 +694,7 @@ def running(current: dict[int, int] | None = None, **limits: str) -> SliceState:
         ),
         (running({2048: 7 * PAGE_2M}, **{"hugetlb.2MB": str(4 * PAGE_2M)}), Taker(0, {2048: 0}, ())),
         (running(MemoryMax="infinity", **{"hugetlb.1GB": "max"}), Taker(0, {}, ())),
+        (running({2048: 2 * PAGE_2M + 1}, **{"hugetlb.2MB": str(5 * PAGE_2M)}), Taker(0, {2048: 2}, ())),
     ],
 )
 def test_DEV_ADM_09_applied_taker_books_what_the_running_slice_enforces(
@@ -758,6 +760,11 @@ def test_DEV_ADM_09_faulted_taker_and_taker_count_faulted_pages() -> None:
             Limits(mems="1", hugepages_2mi=2, hugepages_1gi=1),
         ),
         (Limits(mems="1", memory_bytes=GIB), {"AllowedMemoryNodes": "0", "MemoryMax": str(GIB)}, None),
+        (
+            Limits(mems="0", hugepages_2mi=2),
+            {"AllowedMemoryNodes": "0", "hugetlb.2MB": str(2 * PAGE_2M)},
+            None,
+        ),
     ],
 )
 def test_DEV_ADM_10_grown_limits_are_only_what_needs_more_of_the_host(
@@ -784,6 +791,7 @@ def test_DEV_ADM_03_needs_host_memory_only_when_a_hold_needs_admission() -> None
     assert not needs_host_memory(spec(2, *kept, asg("c", C)), holds, slices)
     assert needs_host_memory(spec(2, asg("c", C, limits=Limits(hugepages_2mi=1)), *kept), holds, slices)
     assert needs_host_memory(spec(2, asg("c", C, limits=Limits(hugepages_1gi=1))), holds, slices)
+    assert needs_host_memory(spec(2, asg("x", C), asg("c", C, limits=Limits(hugepages_1gi=1))), holds, slices)
     # A hold bound again (its atoms or binding changed) is a new hold.
     assert needs_host_memory(spec(2, asg("a", C, limits=Limits(memory_bytes=GIB))), holds, slices)
     assert needs_host_memory(
@@ -817,3 +825,248 @@ def test_Q_DEV_PASS_01_a_held_allocation_whose_entry_became_unsupported_is_relea
         ("b", "unsupported-binding"),
     ]
     assert host.specs == {} and host.ledger == Ledger({}, {"a": 2, "b": 2})
+
+
+# --- the survivors of the first mutation runs (docs/mutation.md, "devices plan") ----------------------
+
+
+def test_DEV_CDI_18_DEV_CDI_04_a_plain_hold_takes_the_vendor_common_edits_and_later_version() -> None:
+    """Covers DEV-CDI-18 (the vendor's common edits on a plain hold, none on a Kubernetes hold) and
+    DEV-CDI-04 (the vendor's later cdiVersion on a plain hold only)."""
+    nodes = [{"path": "/dev/nvidiactl"}]
+    vendor = VendorSpec("0.8.0", {"deviceNodes": nodes}, {})
+    host = PlanHost(inventory(), facts={"vendor": vendor})
+    settled(host, spec(1, asg("p", A), asg("k", B, binding=KUBE)))
+    assert host.specs["p"]["cdiVersion"] == "0.8.0"
+    assert host.specs["p"]["containerEdits"] == {
+        "env": ["BCD_ALLOCATION_ID=p", f"NVIDIA_VISIBLE_DEVICES={A}"],
+        "deviceNodes": nodes,
+    }
+    assert host.specs["k"]["cdiVersion"] == "0.6.0"
+    assert host.specs["k"]["containerEdits"] == {"env": ["BCD_ALLOCATION_ID=k"]}
+
+
+def test_DEV_CONF_04_a_slot_or_gpu_held_by_a_kept_hold_is_refused_naming_its_holder() -> None:
+    """Covers DEV-CONF-04 (the same slot twice, in one pass and against a kept hold) and DEV-FAIL-05's
+    message naming the holder; several conflicts are all named, joined by `; `."""
+    host = PlanHost(inventory())
+    p = host.step(spec(1, asg("a", f"{A}/s1"), asg("b", f"{A}/s1"), asg("c", B)))
+    assert p.failures == (Failure("b", "overlap", f"{A}/s1 is assigned to a"),)
+    p2 = host.step(spec(2, asg("a", f"{A}/s1"), asg("c", B), asg("d", f"{A}/s1", B, C)))
+    assert p2.failures == (Failure("d", "overlap", f"{A}/s1 is assigned to a; {B} is assigned to c"),)
+
+
+def test_DEV_FAIL_03_every_unsupported_device_is_named() -> None:
+    """Covers DEV-FAIL-03: each malformed atom's message, joined by `; ` (a repeated one once)."""
+    host = PlanHost(inventory())
+    bad = DeviceAssignment(
+        "a",
+        "rsv_a",
+        HOLD,
+        (DeviceRef("GPU-a/x", "gpu.mig"), DeviceRef("vf0", "nic.vf"), DeviceRef("vf1", "nic.vf")),
+    )
+    p = host.step(spec(1, bad))
+    assert p.failures == (
+        Failure(
+            "a",
+            "unsupported-device",
+            '"GPU-a/x" is not a MIG instance id (<gpu-uuid>/gi<n>/ci<m>); device class nic.vf cannot be held',
+        ),
+    )
+
+
+def test_Q_DEV_ASG_02_a_reserved_key_is_refused_whatever_its_value_holds() -> None:
+    """Covers Q-DEV-ASG-02 (docs/devices.md): the key is what precedes the first `=`."""
+    p = PlanHost(inventory()).step(spec(1, asg("a", A, env=("BCD_ALLOCATION_ID=x=y",))))
+    assert p.failures == (
+        Failure("a", "invalid-assignment", "env line for BCD_ALLOCATION_ID: bcd sets that key itself"),
+    )
+
+
+def test_DEV_K8S_07_a_kubernetes_hold_nobody_answered_for_is_held() -> None:
+    """Covers DEV-K8S-07 at the planner: a released Kubernetes hold (and a pending release) the kube
+    side said nothing about counts as held: recorded, not reported."""
+    host = PlanHost(inventory(), facts={"now": 5.0})
+    settled(host, spec(1, asg("k", A, binding=KUBE)))
+    pending = PendingRelease("k", "rsv_k", 2, (A,), 5.0)
+    assert settled(host, spec(2)) == (
+        Action("release:k", "kube-release", (WriteReleases((pending,)), RemoveSpec("k"), RemoveEnv("k"))),
+    )
+    assert host.releases == (pending,) and host.kinds() == ["BoundEvent"]
+
+
+def test_DEV_K8S_09_each_pending_release_is_reported_or_kept_on_its_own() -> None:
+    """Covers DEV-K8S-08/09 for several pending releases: the freed ones reported, the held ones kept
+    in the rewritten file, in their order."""
+    r1 = PendingRelease("r1", "rsv_r1", 1, (A,), 0.0)
+    r2 = PendingRelease("r2", "rsv_r2", 1, (B,), 0.0)
+    r3 = PendingRelease("r3", "rsv_r3", 1, (C,), 0.0)
+    host = PlanHost(inventory(), facts={"pods_holding": {"r1": False, "r2": True, "r3": False}})
+    host.releases = (r1, r2, r3)
+    assert settled(host, spec(2)) == (
+        Action(
+            "kube-reported",
+            "releases",
+            (released("r1", 1, A, kube=True), released("r3", 1, C, kube=True), WriteReleases((r2,))),
+        ),
+    )
+
+
+def test_DEV_EVT_08_a_hold_the_ledger_forgot_is_still_released() -> None:
+    """A hold whose AllocationBound the ledger does not record (a lost ledger) is released like any
+    other: plain, and Kubernetes with no pod holding it."""
+    host = PlanHost(inventory(), facts={"pods_holding": {"k": False}})
+    settled(host, spec(1, asg("a", A), asg("k", B, binding=KUBE)))
+    host.ledger = Ledger()
+    actions = settled(host, spec(2))
+    assert [a.key for a in actions] == ["release:a", "release:k"]
+    assert host.kinds()[-2:] == ["ReleasedEvent", "ReleasedEvent"]
+
+
+def test_DEV_PASS_19_holders_and_failures_reported_after_a_duplicate() -> None:
+    """Plan.holders names each hold standing after the pass with its atoms (new binds too); a failure
+    after a duplicate entry (which sends no event) is still reported."""
+    host = PlanHost(inventory())
+    p = host.step(spec(1, asg("a", A, f"{B}/s0"), asg("a", C), asg("x", "GPU-0000")))
+    assert dict(p.holders) == {"a": (A, f"{B}/s0")}
+    assert [f.allocation_id for f in p.failures] == ["a", "x"]
+    assert host.kinds() == ["BoundEvent", "FailedEvent"] and host.ledger == Ledger({"a": 1}, {"x": 1})
+
+
+POOLS = HostMemory(
+    mem_total_kb=(16 + 8 + 2) * 1024 * 1024,  # 17 GiB normal memory available
+    hugetlb_kb=8 * 1024 * 1024,
+    pools={2048: HugePool(2048, 1024, {0: 512, 1: 512}), 1048576: HugePool(1048576, 6, {0: 2, 1: 4})},
+    nodes=(0, 1),
+)
+
+
+@pytest.mark.parametrize(
+    ("bound_first", "new", "message"),
+    [
+        # Host-wide: a bound hold's pages (no mems) count; a size it does not book counts 0.
+        (Limits(hugepages_2mi=1000), Limits(hugepages_2mi=25), "25 hugepages of 2048 KiB needed, 24 free"),
+        (Limits(hugepages_2mi=1000), Limits(hugepages_2mi=24, hugepages_1gi=6), None),
+        # On nodes: a hold on other nodes does not count there; one on the same nodes with another size
+        # counts 0 there.
+        (Limits(mems="0", hugepages_1gi=2), Limits(mems="1", hugepages_1gi=4), None),
+        (Limits(mems="1", hugepages_2mi=1), Limits(mems="1", hugepages_1gi=4), None),
+        (
+            Limits(mems="1", hugepages_1gi=1),
+            Limits(mems="1", hugepages_1gi=4),
+            "4 hugepages of 1048576 KiB needed, 3 free",
+        ),
+        # A node the pool does not list has no free pages.
+        (Limits(cpus="0"), Limits(mems="0,2", hugepages_1gi=3), "3 hugepages of 1048576 KiB needed, 2 free"),
+    ],
+)
+def test_DEV_ADM_09_DEV_ADM_11_huge_pages_of_bound_holds_count_host_wide_and_on_their_nodes(
+    bound_first: Limits, new: Limits, message: str | None
+) -> None:
+    """Covers DEV-ADM-09 (bound holds' pages, on their mems nodes), DEV-ADM-11/12 (the new hold's
+    pages on its nodes and host-wide), DEV-ADM-14's message."""
+    host = PlanHost(inventory(), facts={"host_memory": POOLS})
+    p = host.step(spec(1, asg("a", A, limits=bound_first), asg("n", B, limits=new)))
+    expected = (Failure("n", "resources-exhausted", f"ResourcesExhausted: {message}"),) if message else ()
+    assert p.failures == expected
+
+
+def test_DEV_ADM_14_a_size_the_host_has_no_pool_for_has_none_free() -> None:
+    """Covers DEV-ADM-14's message when the host has no pool of that size (0 free, never negative)."""
+    no_1g = HostMemory(26 * 1024 * 1024, 2 * 1024 * 1024, {2048: HugePool(2048, 1024, {0: 1024})}, (0,))
+    p = PlanHost(inventory(), facts={"host_memory": no_1g}).step(
+        spec(1, asg("n", A, limits=Limits(hugepages_1gi=1)))
+    )
+    assert p.failures == (
+        Failure("n", "resources-exhausted", "ResourcesExhausted: 1 hugepages of 1048576 KiB needed, 0 free"),
+    )
+
+
+def grow_host(pools: dict[int, HugePool]) -> PlanHost:
+    return PlanHost(
+        inventory(), facts={"host_memory": HostMemory(26 * 1024 * 1024, 8 * 1024 * 1024, pools, (0, 1))}
+    )
+
+
+def test_DEV_ADM_10_a_kept_hold_grows_into_the_huge_pages_its_slice_faulted_in() -> None:
+    """Covers DEV-ADM-09/10 for a kept hold's growing huge pages: the pages its slice has faulted in
+    (gone from the kernel's free counts) count as free again, host-wide and on its nodes when they are
+    among the new ones; a size it faulted nothing of gets no credit."""
+    # 6 pages of 1 GiB: 2 on node 0, 4 on node 1; a holds 2 on node 1, both faulted in.
+    host = grow_host({1048576: HugePool(1048576, 4, {0: 2, 1: 2}), 2048: HugePool(2048, 10, {0: 5, 1: 5})})
+    settled(host, spec(1, asg("a", A, limits=Limits(mems="1", hugepages_1gi=2))))
+    host.slices[SLICE] = evolve(host.slices[SLICE], hugetlb_current={1048576: 2 * GIB})
+    fits = asg("a", A, limits=Limits(mems="1", hugepages_1gi=4))
+    assert host.plan(spec(2, fits)).failures == ()
+    too_many = asg("a", A, limits=Limits(mems="1", hugepages_1gi=5))
+    assert host.plan(spec(2, too_many)).failures == (
+        Failure("a", "resources-exhausted", "ResourcesExhausted: 5 hugepages of 1048576 KiB needed, 4 free"),
+    )
+    # Moved to node 0: the credit counts host-wide only.
+    moved = asg("a", A, limits=Limits(mems="0", hugepages_1gi=3))
+    assert host.plan(spec(2, moved)).failures == (
+        Failure("a", "resources-exhausted", "ResourcesExhausted: 3 hugepages of 1048576 KiB needed, 2 free"),
+    )
+    # 2 MiB pages it never faulted: no credit (10 free, 11 needed).
+    more = asg("a", A, limits=Limits(mems="1", hugepages_1gi=2, hugepages_2mi=11))
+    assert host.plan(spec(2, more)).failures == (
+        Failure("a", "resources-exhausted", "ResourcesExhausted: 11 hugepages of 2048 KiB needed, 5 free"),
+    )
+    exact = asg("a", A, limits=Limits(mems="1", hugepages_1gi=2, hugepages_2mi=5))
+    assert host.plan(spec(2, exact)).failures == ()
+
+
+def test_DEV_ADM_10_a_kept_hold_is_admitted_for_what_grows_only() -> None:
+    """Covers DEV-ADM-10 for a kept hold: growing huge pages does not admit its unchanged memory
+    again (10 GiB booked, 9 GiB left beside b: it would not fit as new)."""
+    host = PlanHost(inventory(), facts={"host_memory": POOLS})
+    first = (
+        asg("a", A, limits=Limits(memory_bytes=10 * GIB)),
+        asg("b", B, limits=Limits(memory_bytes=7 * GIB)),
+    )
+    settled(host, spec(1, *first))
+    grown = asg("a", A, limits=Limits(memory_bytes=10 * GIB, hugepages_2mi=4))
+    (keep,) = settled(host, spec(2, grown, first[1]))
+    assert keep.key == "keep:a" and isinstance(keep.steps[0], ApplySlice)
+
+
+def test_DEV_ADM_06_new_holds_count_kept_holds_after_their_limit_changes() -> None:
+    """Covers DEV-ADM-06/09 in a pass where kept holds change limits: a new hold is admitted against a
+    refused hold's old booking, an admitted one's new booking (its new page limit less what its slice
+    faulted in), and every refused change is refused on its own."""
+    host = PlanHost(inventory(), facts={"host_memory": POOLS})
+    first = (
+        asg("a", A, limits=Limits(memory_bytes=4 * GIB)),
+        asg("b", B, limits=Limits(hugepages_2mi=100)),
+        asg("c", C, limits=Limits(memory_bytes=4 * GIB)),
+    )
+    settled(host, spec(1, *first))
+    host.slices["bcd-alloc-b.slice"] = evolve(
+        host.slices["bcd-alloc-b.slice"], hugetlb_current={2048: 50 * PAGE_2M}
+    )
+    # The kernel's free count lost b's 50 faulted pages: 974 free.
+    host.facts["host_memory"] = evolve(
+        POOLS, pools={**POOLS.pools, 2048: HugePool(2048, 974, {0: 487, 1: 487})}
+    )
+    changed = (
+        asg("a", A, limits=Limits(memory_bytes=14 * GIB)),  # refused: 13 GiB left with a's own 4
+        asg("b", B, limits=Limits(hugepages_2mi=200)),  # admitted: books 150 more
+        asg("c", C, limits=Limits(memory_bytes=14 * GIB)),  # refused too
+    )
+    n_fits = asg("n", D, limits=Limits(memory_bytes=9 * GIB, hugepages_2mi=824))
+    p = host.plan(spec(2, *changed, n_fits))
+    assert [(f.allocation_id, f.reason) for f in p.failures] == [
+        ("a", "resources-exhausted"),
+        ("c", "resources-exhausted"),
+    ]
+    assert [a.key for a in p.actions] == ["keep:b", "bind:n", "failures", "ledger"]
+    n_over = asg("n", D, limits=Limits(hugepages_2mi=825))
+    assert host.plan(spec(2, *changed, n_over)).failures[-1] == Failure(
+        "n", "resources-exhausted", "ResourcesExhausted: 825 hugepages of 2048 KiB needed, 824 free"
+    )
+    n_mem = asg("n", D, limits=Limits(memory_bytes=9 * GIB + 4096))
+    assert host.plan(spec(2, *changed, n_mem)).failures[-1] == Failure(
+        "n",
+        "resources-exhausted",
+        "ResourcesExhausted: 9217 MiB of memory needed, 9216 MiB left on this host",
+    )
