@@ -1018,13 +1018,14 @@ def test_DEV_ADM_10_a_kept_hold_grows_into_the_huge_pages_its_slice_faulted_in()
 
 def test_DEV_ADM_10_a_kept_hold_is_admitted_for_what_grows_only() -> None:
     """Covers DEV-ADM-10 for a kept hold: growing huge pages does not admit its unchanged memory
-    again (10 GiB booked, 9 GiB left beside b: it would not fit as new)."""
+    again (10 GiB booked, 9 GiB left beside b and the domains started since: it would not fit as new)."""
     host = PlanHost(inventory(), facts={"host_memory": POOLS})
     first = (
         asg("a", A, limits=Limits(memory_bytes=10 * GIB)),
         asg("b", B, limits=Limits(memory_bytes=7 * GIB)),
     )
     settled(host, spec(1, *first))
+    host.facts["domains_committed_bytes"] = GIB
     grown = asg("a", A, limits=Limits(memory_bytes=10 * GIB, hugepages_2mi=4))
     (keep,) = settled(host, spec(2, grown, first[1]))
     assert keep.key == "keep:a" and isinstance(keep.steps[0], ApplySlice)
@@ -1070,3 +1071,19 @@ def test_DEV_ADM_06_new_holds_count_kept_holds_after_their_limit_changes() -> No
         "resources-exhausted",
         "ResourcesExhausted: 9217 MiB of memory needed, 9216 MiB left on this host",
     )
+
+
+def test_DEV_ADM_03_a_kept_hold_whose_slice_limits_were_not_read_is_not_admitted_again() -> None:
+    """A kept hold whose running slice's limits could not be read (a fakehw record that does not parse
+    reads as populated, limits unknown) is neither changed nor admitted again, even on a host that has
+    since filled up (10 GiB booked, 9 GiB left beside b and the domains)."""
+    host = PlanHost(inventory(), facts={"host_memory": POOLS})
+    holds = (
+        asg("a", A, limits=Limits(memory_bytes=10 * GIB)),
+        asg("b", B, limits=Limits(memory_bytes=7 * GIB)),
+    )
+    settled(host, spec(1, *holds))
+    host.slices[SLICE] = SliceState(SLICE, True)
+    host.facts["domains_committed_bytes"] = GIB
+    p = host.plan(spec(2, *holds))
+    assert p.empty and p.failures == ()
