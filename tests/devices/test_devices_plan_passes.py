@@ -189,6 +189,8 @@ def test_DEV_SLICE_04_a_kubernetes_hold_has_no_slice_no_parent_and_bare_devices(
         bound("k", 2, f"{A}/gi1/ci0", kube=True),
     )
     doc = host.specs["k"]
+    marker = f"BCD_DEVICE_{A.replace('-', '_')}_gi1_ci0={A}/gi1/ci0"
+    assert [d["containerEdits"] for d in doc["devices"]] == [{"env": [marker]}]
     assert doc["cdiVersion"] == "0.6.0" and "containerEdits" in doc
     assert doc["containerEdits"] == {"env": ["BCD_ALLOCATION_ID=k"]}
     assert doc["annotations"]["bcd.dev/binding"] == "kubernetes"
@@ -397,7 +399,7 @@ def test_DEV_PASS_18_a_gpu_moved_between_allocations_binds_after_its_release() -
     assert [type(e).__name__ for e in host.events[3:]] == ["ReleasedEvent"] * 3 + ["BoundEvent"] * 3
 
 
-def test_DEV_PASS_08_a_kept_kubernetes_hold_whose_binding_changes_is_released_plainly() -> None:
+def test_Q_DEV_PASS_01_a_kubernetes_hold_whose_binding_changes_is_released_and_bound_again() -> None:
     """Covers Q-DEV-PASS-01 for the binding: a wanted hold whose binding changed is released (no
     pending Kubernetes release, since the allocation is still wanted) and bound again."""
     host = PlanHost(inventory(), facts={"pods_holding": {"k": True}})
@@ -466,7 +468,7 @@ def test_Q_DEV_PASS_01_a_kept_hold_takes_new_env_reservation_and_limits() -> Non
     assert keep.steps == (ApplySlice(new_slice, reset),)
 
 
-def test_DEV_PASS_13_a_kept_hold_whose_devices_left_the_inventory_keeps_its_files() -> None:
+def test_DEV_ASG_12_a_kept_hold_whose_devices_left_the_inventory_keeps_its_files() -> None:
     """A kept hold whose atoms the inventory no longer lists is kept as it is (DEV-ASG-12): nothing is
     rewritten, and a missing env file is reported as a warning instead of written wrong."""
     host = PlanHost(inventory())
@@ -531,7 +533,7 @@ def test_DEV_ASG_13_a_duplicate_entry_of_a_held_allocation_fails_without_an_even
     assert again.empty and again.failures == p.failures
 
 
-def test_DEV_ASG_invalid_assignments_env_and_slice_name_and_mems() -> None:
+def test_invalid_assignment_env_line_reserved_key_and_mems() -> None:
     """invalid-assignment (docs/devices.md): an env line that is not KEY=VALUE, a reserved key, a bad
     mems cpulist; only the first problem is named."""
     host = PlanHost(inventory())
@@ -774,9 +776,9 @@ def test_DEV_ADM_10_grown_limits_are_only_what_needs_more_of_the_host(
     assert grown_limits(limits, running(**applied)) == expected
 
 
-def test_DEV_ADM_03_needs_host_memory_only_when_a_hold_needs_admission() -> None:
-    """Covers DEV-ADM-03 (the host read only when a hold needs admission in this pass) and DEV-ADM-02
-    (cpus or cpu_millis alone never do)."""
+def test_needs_host_memory_only_when_a_hold_needs_admission() -> None:
+    """The observer's decision to read meminfo in a pass: a new hold (or one bound again) with memory or
+    huge pages, or a kept hold whose running slice gets other limits; cpus or cpu_millis alone never."""
     host = PlanHost(inventory())
     settled(
         host, spec(1, asg("a", A, limits=Limits(memory_bytes=GIB)), asg("k", B, binding=KUBE, limits=LIMITS))
@@ -805,7 +807,7 @@ def test_DEV_ADM_03_needs_host_memory_only_when_a_hold_needs_admission() -> None
     assert not needs_host_memory(spec(2, grows), holds, {})  # no slice running: created as it is wanted
 
 
-def test_DEV_ADM_15_with_host_memory_sets_only_the_host() -> None:
+def test_with_host_memory_sets_only_the_host() -> None:
     obs = PlanHost(inventory()).observed()
     assert with_host_memory(obs, HOST) == evolve(obs, host_memory=HOST)
     assert with_host_memory(obs, None).host_memory is None
@@ -848,7 +850,7 @@ def test_DEV_CDI_18_DEV_CDI_04_a_plain_hold_takes_the_vendor_common_edits_and_la
 
 def test_DEV_CONF_04_a_slot_or_gpu_held_by_a_kept_hold_is_refused_naming_its_holder() -> None:
     """Covers DEV-CONF-04 (the same slot twice, in one pass and against a kept hold) and DEV-FAIL-05's
-    message naming the holder; several conflicts are all named, joined by `; `."""
+    message naming the holder; several conflicts are all named, joined by `; ` (Q-DEV-CONF-03)."""
     host = PlanHost(inventory())
     p = host.step(spec(1, asg("a", f"{A}/s1"), asg("b", f"{A}/s1"), asg("c", B)))
     assert p.failures == (Failure("b", "overlap", f"{A}/s1 is assigned to a"),)
@@ -912,7 +914,7 @@ def test_DEV_K8S_09_each_pending_release_is_reported_or_kept_on_its_own() -> Non
     )
 
 
-def test_DEV_EVT_08_a_hold_the_ledger_forgot_is_still_released() -> None:
+def test_a_hold_the_ledger_forgot_is_still_released() -> None:
     """A hold whose AllocationBound the ledger does not record (a lost ledger) is released like any
     other: plain, and Kubernetes with no pod holding it."""
     host = PlanHost(inventory(), facts={"pods_holding": {"k": False}})
@@ -923,7 +925,7 @@ def test_DEV_EVT_08_a_hold_the_ledger_forgot_is_still_released() -> None:
     assert host.kinds()[-2:] == ["ReleasedEvent", "ReleasedEvent"]
 
 
-def test_DEV_PASS_19_holders_and_failures_reported_after_a_duplicate() -> None:
+def test_holders_and_failures_reported_after_a_duplicate() -> None:
     """Plan.holders names each hold standing after the pass with its atoms (new binds too); a failure
     after a duplicate entry (which sends no event) is still reported."""
     host = PlanHost(inventory())
@@ -963,8 +965,8 @@ POOLS = HostMemory(
 def test_DEV_ADM_09_DEV_ADM_11_huge_pages_of_bound_holds_count_host_wide_and_on_their_nodes(
     bound_first: Limits, new: Limits, message: str | None
 ) -> None:
-    """Covers DEV-ADM-09 (bound holds' pages, on their mems nodes), DEV-ADM-11/12 (the new hold's
-    pages on its nodes and host-wide), DEV-ADM-14's message."""
+    """Covers DEV-ADM-09 (bound holds' pages, on their mems nodes), DEV-ADM-11 (the new hold's pages
+    on its nodes, or host-wide without mems), DEV-ADM-14's message."""
     host = PlanHost(inventory(), facts={"host_memory": POOLS})
     p = host.step(spec(1, asg("a", A, limits=bound_first), asg("n", B, limits=new)))
     expected = (Failure("n", "resources-exhausted", f"ResourcesExhausted: {message}"),) if message else ()
@@ -1073,7 +1075,7 @@ def test_DEV_ADM_06_new_holds_count_kept_holds_after_their_limit_changes() -> No
     )
 
 
-def test_DEV_ADM_03_a_kept_hold_whose_slice_limits_were_not_read_is_not_admitted_again() -> None:
+def test_a_kept_hold_whose_slice_limits_were_not_read_is_not_admitted_again() -> None:
     """A kept hold whose running slice's limits could not be read (a fakehw record that does not parse
     reads as populated, limits unknown) is neither changed nor admitted again, even on a host that has
     since filled up (10 GiB booked, 9 GiB left beside b and the domains)."""
