@@ -1,0 +1,1091 @@
+"""The pure planner over whole passes: plan, apply to a fake host (tests/devices/planhost.py), plan again.
+
+Each test states the exact plan a pass makes (action keys, kinds, steps in order, `after`), applies it,
+and checks that the next pass plans nothing. The simulated-host tests (test_devices_section.py and the
+others with the `host` fixture) run the same passes through the real applier; these run in
+microseconds, so mutation testing (docs/mutation.md, "devices plan") can run them for every mutant.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from attrs import evolve
+from bcd_agent.inventory.gpus import Gpu, GpuHealth, GpuInventory, MigDevice
+from bcd_agent.inventory.host import HostMemory, HugePool
+from bcd_agent.sections.devices.events import BoundEvent, FailedEvent, ReleasedEvent
+from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec, Limits
+from bcd_agent.sections.devices.plan import (
+    ADMISSION_UNREADABLE_WARNING,
+    UNREADABLE_OWNER,
+    Action,
+    ApplySlice,
+    Emit,
+    Failure,
+    Ledger,
+    PendingRelease,
+    PlanCondition,
+    RemoveEnv,
+    RemoveMarker,
+    RemoveSpec,
+    SetAsideReleases,
+    SliceState,
+    StopSlice,
+    Taker,
+    WriteEnv,
+    WriteLedger,
+    WriteReleases,
+    WriteSpec,
+    applied_taker,
+    faulted_taker,
+    grown_limits,
+    needs_host_memory,
+    taker,
+    with_host_memory,
+)
+from bcd_agent.sections.devices.slices import slice_spec
+from bcd_shared.cdi import VendorSpec
+from devices.planhost import PlanHost
+
+A = "GPU-aaaaaaaa-0000-4000-8000-000000000001"
+B = "GPU-bbbbbbbb-0000-4000-8000-000000000002"
+C = "GPU-cccccccc-0000-4000-8000-000000000003"
+D = "GPU-dddddddd-0000-4000-8000-000000000004"
+MIG_A = "MIG-aaaaaaaa-1111-5111-8111-000000000001"
+GIB = 1 << 30
+MIB = 1 << 20
+HOLD, KUBE = "BINDING_HOLD", "BINDING_KUBERNETES"
+
+
+def inventory() -> GpuInventory:
+    def gpu(i: int, uuid: str, migs: tuple[MigDevice, ...] = ()) -> Gpu:
+        bus = f"00000000:{i + 1:02X}:00.0"
+        return Gpu(i, uuid, "NVIDIA H200", bus, i, i, 143771, bool(migs), migs, GpuHealth(0, False, False))
+
+    migs = (MigDevice(1, 0, MIG_A, "3g.71gb", 0), MigDevice(2, 0, None, "1g.18gb", 1))
+    return GpuInventory((gpu(0, A, migs), gpu(1, B), gpu(2, C), gpu(3, D)), "590.48.01", True)
+
+
+def cls(atom: str) -> str:
+    return "gpu.mig" if "/gi" in atom else "gpu.slot" if "/s" in atom else "gpu"
+
+
+def asg(
+    alloc: str,
+    *atoms: str,
+    binding: str = HOLD,
+    limits: Limits | None = None,
+    env: tuple[str, ...] = (),
+    rsv: str | None = None,
+) -> DeviceAssignment:
+    refs = tuple(DeviceRef(a, cls(a)) for a in atoms)
+    return DeviceAssignment(alloc, rsv or f"rsv_{alloc}", binding, refs, limits, env)
+
+
+def spec(generation: int, *assignments: DeviceAssignment) -> DevicesSpec:
+    return DevicesSpec(generation, assignments)
+
+
+def settled(host: PlanHost, s: DevicesSpec) -> tuple[Action, ...]:
+    """One pass applied; the next plans nothing. Returns the applied pass's actions."""
+    p = host.step(s)
+    again = host.plan(s)
+    assert again.empty, again.actions
+    return p.actions
+
+
+def ledger(bound: dict[str, int] | None = None, failed: dict[str, int] | None = None) -> Action:
+    return Action("ledger", "ledger", (WriteLedger(Ledger(bound or {}, failed or {})),))
+
+
+def bound(alloc: str, gen: int, *atoms: str, parent: str = "", kube: bool = False, rsv: str = "") -> Emit:
+    return Emit(
+        BoundEvent(
+            alloc,
+            rsv or f"rsv_{alloc}",
+            gen,
+            atoms,
+            tuple(f"bcd.dev/gpu={a.replace('/', '_')}" for a in atoms),
+            f"/etc/cdi/bcd-{alloc}.json",
+            f"/run/bcd/allocations/{alloc}.env",
+            parent,
+            kube,
+        )
+    )
+
+
+def released(alloc: str, gen: int, *atoms: str, kube: bool = False) -> Emit:
+    return Emit(ReleasedEvent(alloc, f"rsv_{alloc}", gen, atoms, kube))
+
+
+def only_step(actions: tuple[Action, ...], key: str) -> Any:
+    (action,) = [a for a in actions if a.key == key]
+    return action
+
+
+LIMITS = Limits(cpus="0-3", mems="0", cpu_millis=1500, memory_bytes=2 * GIB, hugepages_2mi=4)
+SLICE = "bcd-alloc-a.slice"
+
+
+# --- binding ---------------------------------------------------------------------------------------
+
+
+def test_DEV_SLICE_02_DEV_EVT_06_a_sliced_hold_is_bound_slice_spec_env_then_event() -> None:
+    """Covers DEV-SLICE-02 (the slice before the spec names it), DEV-EVT-06 (AllocationBound after
+    the slice, spec and env file), DEV-SLICE-22 (the slice named in annotation, env and event),
+    DEV-ENV-04's order and DEV-EVT-05's fields, on the plan itself."""
+    host = PlanHost(inventory())
+    actions = settled(host, spec(3, asg("a", A, limits=LIMITS, env=("TEAM=x",))))
+    lines = (
+        "BCD_ALLOCATION_ID=a",
+        f"BCD_CGROUP_PARENT={SLICE}",
+        "BCD_RESERVATION_ID=rsv_a",
+        f"NVIDIA_VISIBLE_DEVICES={A}",
+        "TEAM=x",
+    )
+    (bind, led) = actions
+    assert led == ledger({"a": 3})
+    assert (bind.key, bind.kind, bind.after) == ("bind:a", "bind", frozenset())
+    apply_slice, write_spec, write_env, emit = bind.steps
+    assert apply_slice == ApplySlice(slice_spec("a", LIMITS))
+    assert write_env == WriteEnv("a", lines)
+    assert emit == bound("a", 3, A, parent=SLICE)
+    assert isinstance(write_spec, WriteSpec) and write_spec.allocation_id == "a"
+    assert write_spec.doc == {
+        "cdiVersion": "0.6.0",
+        "kind": "bcd.dev/gpu",
+        "annotations": {
+            "bcd.dev/allocation-id": "a",
+            "bcd.dev/reservation-id": "rsv_a",
+            "bcd.dev/generation": "3",
+            "bcd.dev/cgroup-parent": SLICE,
+        },
+        "devices": [
+            {
+                "name": A,
+                "annotations": {"bcd.dev/device-id": A},
+                "containerEdits": {"env": [f"BCD_DEVICE_{A.replace('-', '_')}={A}"]},
+            }
+        ],
+        "containerEdits": {
+            "env": ["BCD_ALLOCATION_ID=a", f"BCD_CGROUP_PARENT={SLICE}", f"NVIDIA_VISIBLE_DEVICES={A}"]
+        },
+    }
+    assert host.slices[SLICE].limits is not None and host.kinds() == ["BoundEvent"]
+    assert dict(host.plan(spec(3, asg("a", A, limits=LIMITS, env=("TEAM=x",)))).holders) == {"a": (A,)}
+
+
+def test_DEV_SLICE_04_a_kubernetes_hold_has_no_slice_no_parent_and_bare_devices() -> None:
+    """Covers DEV-SLICE-03/04 (no slice, no cgroup parent in spec, env file or event), DEV-CDI-08,
+    DEV-CDI-14 (bare devices under a vendor spec), and the MIG instance's UUID in the env file."""
+    vendor = VendorSpec("0.7.0", {"deviceNodes": [{"path": "/dev/nvidiactl"}]}, {MIG_A: {"deviceNodes": []}})
+    host = PlanHost(inventory(), facts={"vendor": vendor})
+    k = asg("k", f"{A}/gi1/ci0", binding=KUBE, limits=Limits(cpus="0-1"))
+    (bind, led) = settled(host, spec(2, k))
+    assert led == ledger({"k": 2})
+    assert bind.steps[0] == WriteSpec("k", host.specs["k"]) and bind.steps[1:] == (
+        WriteEnv("k", ("BCD_ALLOCATION_ID=k", "BCD_RESERVATION_ID=rsv_k", f"NVIDIA_VISIBLE_DEVICES={MIG_A}")),
+        bound("k", 2, f"{A}/gi1/ci0", kube=True),
+    )
+    doc = host.specs["k"]
+    marker = f"BCD_DEVICE_{A.replace('-', '_')}_gi1_ci0={A}/gi1/ci0"
+    assert [d["containerEdits"] for d in doc["devices"]] == [{"env": [marker]}]
+    assert doc["cdiVersion"] == "0.6.0" and "containerEdits" in doc
+    assert doc["containerEdits"] == {"env": ["BCD_ALLOCATION_ID=k"]}
+    assert doc["annotations"]["bcd.dev/binding"] == "kubernetes"
+    assert "bcd.dev/cgroup-parent" not in doc["annotations"]
+    assert host.slices == {}
+
+
+def test_DEV_CDI_12_DEV_CDI_16_vendor_edits_and_the_mps_directory_for_a_slot() -> None:
+    """Covers DEV-CDI-12 (a slot takes its GPU's edits, by UUID or index), DEV-CDI-16 (the MPS pipe
+    directory for a hold with a slot when /run/nvidia-mps exists), DEV-CDI-17 (each GPU once)."""
+    edits = {"deviceNodes": [{"path": "/dev/nvidia1"}]}
+    vendor = VendorSpec("0.5.0", {}, {"1": edits})
+    host = PlanHost(inventory(), facts={"vendor": vendor, "mps_dir": True})
+    (bind, _led) = settled(host, spec(1, asg("s", f"{B}/s0", f"{B}/s1")))
+    env = ("BCD_ALLOCATION_ID=s", "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps")
+    assert bind.steps[1] == WriteEnv("s", (*env, "BCD_RESERVATION_ID=rsv_s", f"NVIDIA_VISIBLE_DEVICES={B}"))
+    doc = host.specs["s"]
+    assert [d["containerEdits"] for d in doc["devices"]] == [edits, edits]
+    assert doc["containerEdits"] == {"env": [*env, f"NVIDIA_VISIBLE_DEVICES={B}"]}
+    whole = PlanHost(inventory(), facts={"vendor": vendor, "mps_dir": True})
+    settled(whole, spec(1, asg("w", B)))
+    assert whole.specs["w"]["containerEdits"] == {
+        "env": ["BCD_ALLOCATION_ID=w", f"NVIDIA_VISIBLE_DEVICES={B}"]
+    }
+
+
+# --- releasing -------------------------------------------------------------------------------------
+
+
+def test_DEV_PASS_07_DEV_PASS_09_a_plain_release_then_its_slice_once_empty() -> None:
+    """Covers DEV-PASS-07 (spec and env removed, then AllocationReleased), DEV-PASS-09 (the released
+    slice stopped once empty, kept while populated), DEV-PASS-10 (the leftover slice stopped on a later
+    pass), Q-DEV-EVT-01 (the release carries the generation that dropped it)."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A, limits=LIMITS)))
+    host.slices[SLICE] = evolve(host.slices[SLICE], populated=True)
+    actions = settled(host, spec(2))
+    assert actions == (
+        Action("release:a", "release", (RemoveSpec("a"), RemoveEnv("a"), released("a", 2, A))),
+        ledger(),
+    )
+    assert SLICE in host.slices and host.specs == {} and host.envs == {}
+    host.slices[SLICE] = evolve(host.slices[SLICE], populated=False)
+    assert settled(host, spec(3)) == (Action(f"slice:{SLICE}", "slice", (StopSlice(SLICE),)),)
+    assert host.stopped == [SLICE]
+    # Released while empty: stopped in the same action, after the event.
+    settled(host, spec(4, asg("a", A, limits=LIMITS)))
+    assert settled(host, spec(5)) == (
+        Action(
+            "release:a", "release", (RemoveSpec("a"), RemoveEnv("a"), released("a", 5, A), StopSlice(SLICE))
+        ),
+        ledger(),
+    )
+
+
+def test_DEV_PASS_10_leftover_slices_only_unwanted_unreleased_and_empty() -> None:
+    """Covers DEV-PASS-10: of the slices on the host, a wanted hold's is kept, a populated one is kept,
+    every other empty one is stopped, in name order."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A, limits=LIMITS)))
+    for name, populated in (
+        ("bcd-alloc-z.slice", False),
+        ("bcd-alloc-y.slice", False),
+        ("bcd-alloc-p.slice", True),
+    ):
+        host.slices[name] = SliceState(name, populated)
+    assert settled(host, spec(1, asg("a", A, limits=LIMITS))) == (
+        Action("slice:bcd-alloc-y.slice", "slice", (StopSlice("bcd-alloc-y.slice"),)),
+        Action("slice:bcd-alloc-z.slice", "slice", (StopSlice("bcd-alloc-z.slice"),)),
+    )
+    assert sorted(host.slices) == ["bcd-alloc-a.slice", "bcd-alloc-p.slice"]
+
+
+def test_DEV_K8S_02_DEV_K8S_08_a_kubernetes_release_recorded_withdrawn_then_reported() -> None:
+    """Covers DEV-K8S-02 (recorded first, with device ids, generation and time), DEV-K8S-03, DEV-K8S-08
+    (reported only once no pod holds a device), DEV-K8S-09 (the record dropped when reported),
+    DEV-K8S-11 (its devices stay claimed), DEV-K8S-13 (stuck after more than 5 minutes)."""
+    host = PlanHost(inventory(), facts={"now": 1000.0, "pods_holding": {"k": True}})
+    settled(host, spec(1, asg("k", A, f"{B}/s0", binding=KUBE)))
+    pending = PendingRelease("k", "rsv_k", 2, (A, f"{B}/s0"), 1000.0)
+    withdraw = Action(
+        "release:k", "kube-release", (WriteReleases((pending,)), RemoveSpec("k"), RemoveEnv("k"))
+    )
+    first = host.step(spec(2, asg("n", B)))
+    assert first.actions[0] == withdraw
+    assert [(f.allocation_id, f.reason, f.message) for f in first.failures] == [
+        ("n", "overlap", f"{B} has {B}/s0 assigned to k")
+    ]
+    assert host.ledger == Ledger({"k": 1}, {"n": 2})  # bound kept while the release is pending
+    assert host.plan(spec(2, asg("n", B))).empty
+    host.facts["now"] = 1300.0  # exactly 5 minutes: not yet stuck
+    assert host.plan(spec(2)).conditions == ()
+    host.facts["now"] = 1301.9
+    stuck = host.plan(spec(2))
+    assert stuck.conditions == (
+        PlanCondition(
+            "KubernetesReleaseStuck", "PodsHoldDevices", "k: a pod still holds its devices after 301 s"
+        ),
+    )
+    assert stuck.actions == (ledger({"k": 1}),)  # n no longer wanted: its failure is forgotten
+    host.step(spec(2))
+    host.facts["pods_holding"] = {"k": False}
+    assert settled(host, spec(3)) == (
+        Action("kube-reported", "releases", (released("k", 2, A, f"{B}/s0", kube=True), WriteReleases(()))),
+        ledger(),
+    )
+    assert host.releases == () and host.kinds() == ["BoundEvent", "FailedEvent", "ReleasedEvent"]
+
+
+def test_DEV_K8S_08_a_kubernetes_release_no_pod_holds_is_reported_in_the_same_pass() -> None:
+    """Covers DEV-K8S-02 (recorded before anything is removed) and DEV-K8S-08/09 when no pod holds the
+    devices already: record, withdraw, report, drop the record, in that order, in one action."""
+    host = PlanHost(inventory(), facts={"now": 50.0, "pods_holding": {"k": False, "old": True}})
+    host.releases = (PendingRelease("old", "rsv_old", 1, (C,), 40.0),)
+    settled(host, spec(1, asg("k", A, binding=KUBE)))
+    pending = PendingRelease("k", "rsv_k", 2, (A,), 50.0)
+    old = host.releases[0]
+    assert settled(host, spec(2)) == (
+        Action(
+            "release:k",
+            "kube-release",
+            (
+                WriteReleases((old, pending)),
+                RemoveSpec("k"),
+                RemoveEnv("k"),
+                released("k", 2, A, kube=True),
+                WriteReleases((old,)),
+            ),
+        ),
+        ledger(),
+    )
+
+
+def test_DEV_K8S_12_taken_back_release_dropped_unreported_and_bound_again() -> None:
+    """Covers DEV-K8S-12 and Q-DEV-K8S-02: a spec that wants the allocation again drops its pending
+    release unreported (others kept), and binds it as a new hold (a second AllocationBound)."""
+    other = PendingRelease("o", "rsv_o", 1, (C,), 0.0)
+    host = PlanHost(inventory(), facts={"pods_holding": {"k": True, "o": True}})
+    host.releases = (PendingRelease("k", "rsv_k", 1, (A,), 0.0), other)
+    host.ledger = Ledger({"k": 1, "o": 1})
+    actions = settled(host, spec(2, asg("k", A, binding=KUBE)))
+    assert actions[0] == Action("kube-reported", "releases", (WriteReleases((other,)),))
+    assert actions[1].key == "bind:k" and actions[1].steps[-1] == bound("k", 2, A, kube=True)
+    assert actions[2:] == (ledger({"k": 2, "o": 1}),)
+    assert host.kinds() == ["BoundEvent"]
+
+
+def test_DEV_K8S_14_to_18_unreadable_releases_marker_claims_every_gpu_until_cleared() -> None:
+    """Covers DEV-K8S-14 (set aside, suffix the time), DEV-K8S-15 (the marker), DEV-K8S-16 (every GPU
+    claimed), DEV-K8S-17 (the condition while the marker exists), DEV-K8S-18 (removed once the kube
+    side knows of no unknown holder, and the GPUs then free in the same pass)."""
+    host = PlanHost(inventory(), facts={"now": 1700000000.9})
+    host.releases_unreadable = True
+    condition = PlanCondition(
+        "KubernetesReleasesUnreadable",
+        "ReleasesFileUnreadable",
+        "releasing.json could not be read; every GPU counts as claimed until the marker goes",
+    )
+    p = host.step(spec(1, asg("a", f"{C}/s0")))
+    assert p.actions == (
+        Action("releases-unreadable", "releases", (SetAsideReleases("1700000000"),)),
+        Action(
+            "failures",
+            "report",
+            (
+                Emit(
+                    FailedEvent(
+                        "a", "rsv_a", 1, "overlap", f"{C} is assigned to {UNREADABLE_OWNER}", (f"{C}/s0",)
+                    )
+                ),
+            ),
+        ),
+        ledger(failed={"a": 1}),
+    )
+    assert p.conditions == (condition,) and host.marker
+    assert host.plan(spec(1, asg("a", f"{C}/s0"))).conditions == (condition,)
+    host.facts["kube_unknown_clear"] = True
+    cleared = settled(host, spec(1, asg("a", f"{C}/s0")))
+    assert cleared[0] == Action("marker", "releases", (RemoveMarker(),))
+    assert cleared[1].key == "bind:a" and not host.marker
+    # Unreadable again in the same pass the kube side is clear: the marker stays.
+    host.releases_unreadable = True
+    again = host.step(spec(1, asg("a", f"{C}/s0")))
+    assert [a.key for a in again.actions] == ["releases-unreadable"] and again.conditions == (condition,)
+
+
+def test_DEV_PASS_18_a_gpu_moved_between_allocations_binds_after_its_release() -> None:
+    """Covers DEV-PASS-18 (releases before binds, in one pass), the bind waiting on the release of the
+    hold whose GPU it takes (`after`), and Q-DEV-PASS-01 (a kept hold whose atoms change is released
+    and bound again in the same pass)."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A), asg("b", B), asg("c", C)))
+    actions = settled(host, spec(2, asg("d", f"{A}/s0"), asg("b", C), asg("c", f"{B}/s1", binding=KUBE)))
+    keys = [(a.key, a.kind, sorted(a.after)) for a in actions]
+    assert keys == [
+        ("release:a", "release", []),
+        ("release:b", "release", []),
+        ("release:c", "release", []),
+        ("bind:d", "bind", ["release:a"]),
+        ("bind:b", "bind", ["release:c"]),
+        ("bind:c", "bind", ["release:b"]),
+        ("ledger", "ledger", []),
+    ]
+    assert only_step(actions, "release:b").steps == (RemoveSpec("b"), RemoveEnv("b"), released("b", 2, B))
+    assert host.ledger == Ledger({"b": 2, "c": 2, "d": 2}, {})
+    assert [type(e).__name__ for e in host.events[3:]] == ["ReleasedEvent"] * 3 + ["BoundEvent"] * 3
+
+
+def test_Q_DEV_PASS_01_a_kubernetes_hold_whose_binding_changes_is_released_and_bound_again() -> None:
+    """Covers Q-DEV-PASS-01 for the binding: a wanted hold whose binding changed is released (no
+    pending Kubernetes release, since the allocation is still wanted) and bound again."""
+    host = PlanHost(inventory(), facts={"pods_holding": {"k": True}})
+    settled(host, spec(1, asg("k", A, binding=KUBE)))
+    actions = settled(host, spec(2, asg("k", A)))
+    assert actions[0] == Action(
+        "release:k", "kube-release", (RemoveSpec("k"), RemoveEnv("k"), released("k", 2, A, kube=True))
+    )
+    assert actions[1].key == "bind:k" and actions[1].after == frozenset({"release:k"})
+    assert host.releases == ()
+
+
+def test_Q_DEV_PASS_02_an_unparseable_spec_is_removed_unless_wanted() -> None:
+    """Covers Q-DEV-PASS-02 (docs/devices.md): a bcd-<id>.json that does not parse is removed with a
+    warning when its allocation is not wanted, and left alone while it is."""
+    host = PlanHost(inventory(), unparseable=["z", "w"])
+    p = host.step(spec(1, asg("w", A)))
+    assert p.actions[0] == Action("release:z", "release", (RemoveSpec("z"), RemoveEnv("z")))
+    assert p.warnings == ("/etc/cdi/bcd-z.json did not parse; removed (its allocation is not wanted)",)
+    assert host.unparseable == ["w"]
+
+
+# --- keeping ---------------------------------------------------------------------------------------
+
+
+def test_DEV_PASS_12_13_a_kept_hold_gets_its_slice_env_and_bound_event_back() -> None:
+    """Covers DEV-PASS-11 (kept), DEV-PASS-12 (a missing slice created again), DEV-PASS-13 (a missing
+    env file rewritten), Q-DEV-PASS-04 (an owed AllocationBound sent, at the bind generation)."""
+    host = PlanHost(inventory())
+    want = asg("a", A, limits=LIMITS)
+    settled(host, spec(1, want))
+    lines = host.envs["a"]
+    del host.slices[SLICE]
+    del host.envs["a"]
+    assert settled(host, spec(4, want)) == (
+        Action("keep:a", "keep", (ApplySlice(slice_spec("a", LIMITS)), WriteEnv("a", lines))),
+    )
+    host.ledger = Ledger()
+    assert settled(host, spec(5, want)) == (
+        Action("keep:a", "keep", (bound("a", 1, A, parent=SLICE),)),
+        ledger({"a": 1}),
+    )
+
+
+def test_Q_DEV_PASS_01_a_kept_hold_takes_new_env_reservation_and_limits() -> None:
+    """Covers Q-DEV-PASS-01 (docs/devices.md): a kept hold's changed env lines and reservation are
+    rewritten (the generation annotation stays the bind generation), and its running slice gets the
+    new limits with the properties no longer set reset."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A, limits=LIMITS)))
+    first_doc = host.specs["a"]
+    assert settled(host, spec(2, asg("a", A, limits=LIMITS, env=("X=1",)))) == (
+        Action("keep:a", "keep", (WriteEnv("a", (*host.envs["a"][:4], "X=1")),)),
+    )
+    assert host.specs["a"] == first_doc
+    actions = settled(host, spec(3, asg("a", A, limits=LIMITS, rsv="rsv_new")))
+    (keep,) = actions
+    assert [type(s).__name__ for s in keep.steps] == ["WriteSpec", "WriteEnv"]
+    assert host.specs["a"]["annotations"]["bcd.dev/reservation-id"] == "rsv_new"
+    assert host.specs["a"]["annotations"]["bcd.dev/generation"] == "1"
+    assert "BCD_RESERVATION_ID=rsv_new" in host.envs["a"]
+    smaller = Limits(cpus="0-1", memory_bytes=GIB)
+    (keep,) = settled(host, spec(4, asg("a", A, limits=smaller, rsv="rsv_new")))
+    new_slice = slice_spec("a", smaller)
+    reset = ("AllowedMemoryNodes", "CPUQuota", "hugetlb.2MB", "hugetlb.1GB")
+    assert keep.steps == (ApplySlice(new_slice, reset),)
+
+
+def test_DEV_ASG_12_a_kept_hold_whose_devices_left_the_inventory_keeps_its_files() -> None:
+    """A kept hold whose atoms the inventory no longer lists is kept as it is (DEV-ASG-12): nothing is
+    rewritten, and a missing env file is reported as a warning instead of written wrong."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", f"{A}/gi1/ci0")))
+    host.inventory = GpuInventory((), "590.48.01", True)
+    assert host.plan(spec(2, asg("a", f"{A}/gi1/ci0"))).empty
+    del host.envs["a"]
+    p = host.plan(spec(2, asg("a", f"{A}/gi1/ci0")))
+    assert p.actions == () and p.warnings == (
+        "a: its devices are not in the inventory; env file not rewritten",
+    )
+    assert dict(p.holders) == {"a": (f"{A}/gi1/ci0",)}
+
+
+# --- failures --------------------------------------------------------------------------------------
+
+
+def test_DEV_EVT_10_DEV_FAIL_13_failed_once_per_generation_and_again_at_the_next() -> None:
+    """Covers DEV-EVT-10 (once per allocation and generation), DEV-FAIL-13 (a later generation reports
+    it again), DEV-FAIL-11 (the passing holds of the pass bound anyway), DEV-EVT-09's fields."""
+    host = PlanHost(inventory())
+    s2 = spec(2, asg("a", A), asg("x", "GPU-0000", f"{B}/s0"))
+    failed = Emit(
+        FailedEvent("x", "rsv_x", 2, "device-missing", "GPU-0000 not present", ("GPU-0000", f"{B}/s0"))
+    )
+    actions = settled(host, s2)
+    assert [a.key for a in actions] == ["bind:a", "failures", "ledger"]
+    assert actions[1] == Action("failures", "report", (failed,))
+    assert actions[2] == ledger({"a": 2}, {"x": 2})
+    p3 = host.step(spec(3, asg("a", A), asg("x", "GPU-0000", f"{B}/s0")))
+    assert [a.key for a in p3.actions] == ["failures", "ledger"]
+    assert host.ledger == Ledger({"a": 2}, {"x": 3})
+    # Dropped from the spec: its failure is forgotten.
+    assert settled(host, spec(4, asg("a", A))) == (ledger({"a": 2}),)
+
+
+def test_DEV_FAIL_02_an_unprivileged_node_refuses_every_new_hold_after_the_binding_check() -> None:
+    """Covers DEV-FAIL-02 (the message), DEV-UNPRIV-03, and DEV-FAIL-07's order around it."""
+    host = PlanHost(inventory(), facts={"privileged": False})
+    p = host.step(spec(1, asg("a", A), asg("b", B, binding="BINDING_NODE"), asg("c", "GPU-zz/x")))
+    message = (
+        "bcd node runs without root and without [helper]: it cannot write /etc/cdi or create hold slices "
+        "(run bcd node as root, or under bcd helper)"
+    )
+    assert p.failures == (
+        Failure("a", "node-unprivileged", message),
+        Failure("b", "unsupported-binding", "binding BINDING_NODE is not supported"),
+        Failure("c", "node-unprivileged", message),
+    )
+    assert host.specs == {} and host.slices == {}
+
+
+def test_DEV_ASG_13_a_duplicate_entry_of_a_held_allocation_fails_without_an_event() -> None:
+    """A later entry of an allocation its first entry holds fails the section (its message names it)
+    but sends no AllocationFailed; the first entry is bound (kept on later passes)."""
+    host = PlanHost(inventory())
+    s = spec(1, asg("a", A), asg("a", B))
+    p = host.step(s)
+    assert p.failures == (Failure("a", "invalid-assignment", "allocation a is listed twice"),)
+    assert [a.key for a in p.actions] == ["bind:a", "ledger"] and host.ledger == Ledger({"a": 1}, {})
+    again = host.plan(s)
+    assert again.empty and again.failures == p.failures
+
+
+def test_invalid_assignment_env_line_reserved_key_and_mems() -> None:
+    """invalid-assignment (docs/devices.md): an env line that is not KEY=VALUE, a reserved key, a bad
+    mems cpulist; only the first problem is named."""
+    host = PlanHost(inventory())
+    p = host.step(
+        spec(
+            1,
+            asg("e", A, env=("OK=1", "no equals")),
+            asg("r", B, env=("OK=1", "BCD_CGROUP_PARENT=x")),
+            asg("m", C, limits=Limits(cpus="0", mems="0-1;x")),
+        )
+    )
+    assert [(f.allocation_id, f.reason) for f in p.failures] == [
+        ("e", "invalid-assignment"),
+        ("r", "invalid-assignment"),
+        ("m", "invalid-assignment"),
+    ]
+    assert p.failures[1].message == "env line for BCD_CGROUP_PARENT: bcd sets that key itself"
+    assert p.failures[2].message == "limits.mems: '0-1;x' is not a cpulist"
+    assert "no equals" in p.failures[0].message
+
+
+# --- admission -------------------------------------------------------------------------------------
+
+
+HOST = HostMemory(
+    mem_total_kb=(16 + 8 + 2) * 1024 * 1024,  # 26 GiB, 8 of them huge pages: 17 GiB normal available
+    hugetlb_kb=8 * 1024 * 1024,
+    pools={2048: HugePool(2048, 1024, {0: 512, 1: 512}), 1048576: HugePool(1048576, 6, {0: 2, 1: 4})},
+    nodes=(0, 1),
+)
+
+
+def test_DEV_ADM_06_kept_holds_count_against_new_ones_with_their_faulted_pages() -> None:
+    """Covers DEV-ADM-06 (kept holds' memory, a Kubernetes hold's too), DEV-ADM-09 (their huge pages
+    less what the slice faulted in, on their nodes)."""
+    host = PlanHost(inventory(), facts={"host_memory": HOST})
+    settled(
+        host,
+        spec(
+            1,
+            asg("a", A, limits=Limits(mems="1", memory_bytes=8 * GIB, hugepages_1gi=3)),
+            asg("k", B, binding=KUBE, limits=Limits(memory_bytes=4 * GIB)),
+        ),
+    )
+    # a has faulted in 2 of its 3 pages (the kernel's free count already lost them): 1 more to take.
+    host.slices[SLICE] = evolve(host.slices[SLICE], hugetlb_current={1048576: 2 * GIB})
+    keep = (
+        asg("a", A, limits=Limits(mems="1", memory_bytes=8 * GIB, hugepages_1gi=3)),
+        asg("k", B, binding=KUBE, limits=Limits(memory_bytes=4 * GIB)),
+    )
+    p = host.plan(spec(2, *keep, asg("n", C, limits=Limits(memory_bytes=5 * GIB + 1))))
+    assert p.failures == (
+        Failure(
+            "n",
+            "resources-exhausted",
+            "ResourcesExhausted: 5121 MiB of memory needed, 5120 MiB left on this host",
+        ),
+    )
+    fits = host.plan(spec(2, *keep, asg("n", C, limits=Limits(mems="1", hugepages_1gi=3))))
+    assert fits.failures == ()
+    over = host.plan(spec(2, *keep, asg("n", C, limits=Limits(mems="1", hugepages_1gi=4))))
+    assert over.failures == (
+        Failure("n", "resources-exhausted", "ResourcesExhausted: 4 hugepages of 1048576 KiB needed, 3 free"),
+    )
+
+
+def test_DEV_ADM_10_a_kept_hold_grows_into_its_own_booking_or_is_refused_and_kept() -> None:
+    """Covers DEV-ADM-10/13 and DEV-FAIL-06 for a kept hold's changed limits (Q-DEV-PASS-01): the
+    growth is admitted with the hold's own booking counted as freed; refused, the slice, spec and env
+    file stay as they are, one AllocationFailed per generation, and the hold stays bound."""
+    host = PlanHost(inventory(), facts={"host_memory": HOST})
+    settled(
+        host,
+        spec(
+            1,
+            asg("a", A, limits=Limits(memory_bytes=8 * GIB)),
+            asg("b", B, limits=Limits(memory_bytes=4 * GIB)),
+        ),
+    )
+    grown = spec(
+        2, asg("a", A, limits=Limits(memory_bytes=13 * GIB)), asg("b", B, limits=Limits(memory_bytes=4 * GIB))
+    )
+    (keep,) = settled(host, grown)
+    assert keep.steps == (ApplySlice(slice_spec("a", Limits(memory_bytes=13 * GIB))),)
+    too_big = Limits(cpus="0-7", memory_bytes=14 * GIB)
+    refused = spec(
+        3, asg("a", A, limits=too_big, env=("X=1",)), asg("b", B, limits=Limits(memory_bytes=4 * GIB))
+    )
+    before = (dict(host.specs), dict(host.envs), dict(host.slices))
+    message = "ResourcesExhausted: 14336 MiB of memory needed, 13312 MiB left on this host"
+    p = host.step(refused)
+    assert p.failures == (Failure("a", "resources-exhausted", message),)
+    assert p.actions == (
+        Action(
+            "failures",
+            "report",
+            (Emit(FailedEvent("a", "rsv_a", 3, "resources-exhausted", message, (A,))),),
+        ),
+        ledger({"a": 1, "b": 1}, {"a": 3}),
+    )
+    assert (host.specs, host.envs, host.slices) == before
+    assert dict(p.holders) == {"a": (A,), "b": (B,)}
+    again = host.plan(refused)
+    assert again.empty and again.failures == p.failures
+    # b goes: a's growth fits now; its failure is forgotten once it holds its new limits.
+    final = settled(host, spec(4, asg("a", A, limits=too_big, env=("X=1",))))
+    assert [a.key for a in final] == ["release:b", "keep:a", "ledger"]
+    assert host.ledger == Ledger({"a": 1}, {})
+
+
+def test_DEV_ADM_15_unreadable_host_memory_binds_and_grows_without_admission() -> None:
+    """Covers DEV-ADM-15 (warned once per pass, for new and kept holds) and DEV-ADM-16 (a fakehw host:
+    no admission and no warning)."""
+    host = PlanHost(inventory(), facts={"host_memory": None})
+    p = host.step(
+        spec(
+            1,
+            asg("a", A, limits=Limits(memory_bytes=900 * GIB)),
+            asg("b", B, limits=Limits(memory_bytes=900 * GIB)),
+        )
+    )
+    assert p.failures == () and p.warnings == (ADMISSION_UNREADABLE_WARNING,)
+    grow = spec(
+        2,
+        asg("a", A, limits=Limits(memory_bytes=901 * GIB)),
+        asg("b", B, limits=Limits(memory_bytes=901 * GIB)),
+    )
+    g = host.step(grow)
+    assert g.failures == () and g.warnings == (ADMISSION_UNREADABLE_WARNING,)
+    assert [a.key for a in g.actions] == ["keep:a", "keep:b"]
+    fake = PlanHost(inventory(), facts={"host_memory": None, "admission": False})
+    f = fake.step(spec(1, asg("a", A, limits=Limits(memory_bytes=900 * GIB))))
+    assert f.failures == () and f.warnings == ()
+    f2 = fake.step(spec(2, asg("a", A, limits=Limits(memory_bytes=901 * GIB))))
+    assert f2.warnings == () and [a.key for a in f2.actions] == ["keep:a"]
+
+
+# --- the admission helpers, as tables ----------------------------------------------------------------
+
+PAGE_2M, PAGE_1G = 2 * MIB, GIB
+
+
+def running(current: dict[int, int] | None = None, **limits: str) -> SliceState:
+    """A running slice whose cgroup files enforce `limits` (applied_limits' normal form)."""
+    return SliceState(SLICE, True, current or {}, limits)
+
+
+@pytest.mark.parametrize(
+    ("state", "expected"),
+    [
+        (running(), Taker(0, {}, ())),
+        (SliceState(SLICE, True), Taker(0, {}, ())),  # limits not read
+        (
+            running(MemoryMax=str(3 * GIB), AllowedMemoryNodes="0-1", **{"hugetlb.2MB": str(10 * PAGE_2M)}),
+            Taker(3 * GIB, {2048: 10}, (0, 1)),
+        ),
+        (
+            running({1048576: 2 * PAGE_1G}, **{"hugetlb.1GB": str(5 * PAGE_1G), "hugetlb.2MB": "0"}),
+            Taker(0, {1048576: 3}, ()),
+        ),
+        (running({2048: 7 * PAGE_2M}, **{"hugetlb.2MB": str(4 * PAGE_2M)}), Taker(0, {2048: 0}, ())),
+        (running(MemoryMax="infinity", **{"hugetlb.1GB": "max"}), Taker(0, {}, ())),
+        (running({2048: 2 * PAGE_2M + 1}, **{"hugetlb.2MB": str(5 * PAGE_2M)}), Taker(0, {2048: 2}, ())),
+    ],
+)
+def test_DEV_ADM_09_applied_taker_books_what_the_running_slice_enforces(
+    state: SliceState, expected: Taker
+) -> None:
+    """Covers DEV-ADM-09 for a running slice before a change: its MemoryMax, and its huge page limits
+    less what it faulted in (never below 0), on its memory nodes."""
+    assert applied_taker(state) == expected
+
+
+def test_DEV_ADM_09_faulted_taker_and_taker_count_faulted_pages() -> None:
+    """Covers DEV-ADM-09: what a slice has faulted in per size (unknown sizes ignored), and a bound
+    hold's remaining pages (its limit less what it faulted in)."""
+    st = running({2048: 3 * PAGE_2M + 1, 1048576: PAGE_1G, 64: 5}, AllowedMemoryNodes="1")
+    assert faulted_taker(st) == Taker(0, {2048: 3, 1048576: 1}, (1,))
+    assert faulted_taker(SliceState(SLICE, True, {2048: PAGE_2M})) == Taker(0, {2048: 1}, ())
+    want = asg("a", A, limits=Limits(mems="0,1", memory_bytes=GIB, hugepages_2mi=5, hugepages_1gi=4))
+    assert taker(want, st) == Taker(GIB, {2048: 2, 1048576: 3}, (0, 1))
+    assert taker(want, None) == Taker(GIB, {2048: 5, 1048576: 4}, (0, 1))
+    over = running({2048: 9 * PAGE_2M})
+    assert taker(asg("a", A, limits=Limits(hugepages_2mi=5)), over) == Taker(0, {2048: 0}, ())
+    assert taker(asg("a", A, limits=Limits(cpus="0")), None) == Taker(0, {}, ())
+    assert taker(asg("a", A), None) == Taker(0, {}, ())
+    assert taker(asg("a", A, limits=Limits(mems="0-x", hugepages_1gi=1)), None) == Taker(0, {1048576: 1}, ())
+
+
+@pytest.mark.parametrize(
+    ("limits", "applied", "expected"),
+    [
+        # Nothing grows: the same, or smaller.
+        (Limits(memory_bytes=4 * GIB), {"MemoryMax": str(4 * GIB)}, None),
+        (Limits(memory_bytes=4 * GIB + 100), {"MemoryMax": str(4 * GIB)}, None),  # same 4 KiB page
+        (
+            Limits(memory_bytes=GIB, hugepages_2mi=2),
+            {"MemoryMax": str(2 * GIB), "hugetlb.2MB": str(2 * PAGE_2M)},
+            None,
+        ),
+        (Limits(cpus="0-7"), {"AllowedCPUs": "0-3"}, None),
+        # Memory grows (over an unlimited or unreadable MemoryMax too).
+        (
+            Limits(memory_bytes=4 * GIB + 4096),
+            {"MemoryMax": str(4 * GIB)},
+            Limits(memory_bytes=4 * GIB + 4096),
+        ),
+        (Limits(cpus="1", memory_bytes=4096), {}, Limits(memory_bytes=4096)),
+        (Limits(memory_bytes=4096), {"MemoryMax": "infinity"}, Limits(memory_bytes=4096)),
+        # Huge pages grow, one size; the other keeps its booking.
+        (
+            Limits(memory_bytes=GIB, hugepages_2mi=3, hugepages_1gi=1),
+            {"MemoryMax": str(GIB), "hugetlb.2MB": str(2 * PAGE_2M), "hugetlb.1GB": str(PAGE_1G)},
+            Limits(hugepages_2mi=3),
+        ),
+        (
+            Limits(hugepages_2mi=1, hugepages_1gi=2),
+            {"hugetlb.2MB": str(PAGE_2M), "hugetlb.1GB": str(PAGE_1G)},
+            Limits(hugepages_1gi=2),
+        ),
+        (Limits(hugepages_1gi=1), {"hugetlb.1GB": "max"}, Limits(hugepages_1gi=1)),
+        # The memory nodes move: every booked size must fit on the new ones.
+        (
+            Limits(mems="1", hugepages_2mi=2, hugepages_1gi=1),
+            {"AllowedMemoryNodes": "0", "hugetlb.2MB": str(2 * PAGE_2M), "hugetlb.1GB": str(PAGE_1G)},
+            Limits(mems="1", hugepages_2mi=2, hugepages_1gi=1),
+        ),
+        (Limits(mems="1", memory_bytes=GIB), {"AllowedMemoryNodes": "0", "MemoryMax": str(GIB)}, None),
+        (
+            Limits(mems="0", hugepages_2mi=2),
+            {"AllowedMemoryNodes": "0", "hugetlb.2MB": str(2 * PAGE_2M)},
+            None,
+        ),
+    ],
+)
+def test_DEV_ADM_10_grown_limits_are_only_what_needs_more_of_the_host(
+    limits: Limits, applied: dict[str, str], expected: Limits | None
+) -> None:
+    """Covers DEV-ADM-10/11 for a kept hold's new limits: only the quantities that grow are admitted."""
+    assert grown_limits(limits, running(**applied)) == expected
+
+
+def test_needs_host_memory_only_when_a_hold_needs_admission() -> None:
+    """The observer's decision to read meminfo in a pass: a new hold (or one bound again) with memory or
+    huge pages, or a kept hold whose running slice gets other limits; cpus or cpu_millis alone never."""
+    host = PlanHost(inventory())
+    settled(
+        host, spec(1, asg("a", A, limits=Limits(memory_bytes=GIB)), asg("k", B, binding=KUBE, limits=LIMITS))
+    )
+    holds, slices = host.observed().holds, host.observed().slices
+    kept = (asg("a", A, limits=Limits(memory_bytes=GIB)), asg("k", B, binding=KUBE, limits=LIMITS))
+    assert not needs_host_memory(spec(2, *kept), holds, slices)
+    assert not needs_host_memory(spec(2, *kept), holds)
+    assert not needs_host_memory(
+        spec(2, *kept, asg("c", C, limits=Limits(cpus="0", cpu_millis=100))), holds, slices
+    )
+    assert not needs_host_memory(spec(2, *kept, asg("c", C)), holds, slices)
+    assert needs_host_memory(spec(2, asg("c", C, limits=Limits(hugepages_2mi=1)), *kept), holds, slices)
+    assert needs_host_memory(spec(2, asg("c", C, limits=Limits(hugepages_1gi=1))), holds, slices)
+    assert needs_host_memory(spec(2, asg("x", C), asg("c", C, limits=Limits(hugepages_1gi=1))), holds, slices)
+    # A hold bound again (its atoms or binding changed) is a new hold.
+    assert needs_host_memory(spec(2, asg("a", C, limits=Limits(memory_bytes=GIB))), holds, slices)
+    assert needs_host_memory(
+        spec(2, asg("a", A, binding=KUBE, limits=Limits(memory_bytes=GIB))), holds, slices
+    )
+    # A kept hold whose running slice is to get other limits; not when the slices were not read.
+    grows = asg("a", A, limits=Limits(memory_bytes=2 * GIB))
+    assert needs_host_memory(spec(2, grows), holds, slices)
+    assert not needs_host_memory(spec(2, grows), holds)
+    assert not needs_host_memory(spec(2, grows), holds, {SLICE: SliceState(SLICE, True)})  # limits unread
+    assert not needs_host_memory(spec(2, grows), holds, {})  # no slice running: created as it is wanted
+
+
+def test_with_host_memory_sets_only_the_host() -> None:
+    obs = PlanHost(inventory()).observed()
+    assert with_host_memory(obs, HOST) == evolve(obs, host_memory=HOST)
+    assert with_host_memory(obs, None).host_memory is None
+
+
+def test_Q_DEV_PASS_01_a_held_allocation_whose_entry_became_unsupported_is_released_and_refused() -> None:
+    """A hold is kept only for the same supported binding and the same well-formed atoms: an entry now
+    naming the same id with a class that cannot be held, or an unsupported binding, releases the hold
+    and is refused (DEV-FAIL-03, DEV-FAIL-01)."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A), asg("b", B)))
+    bad_class = DeviceAssignment("a", "rsv_a", HOLD, (DeviceRef(A, "nic.vf"),))
+    p = host.step(spec(2, bad_class, asg("b", B, binding="BINDING_INSTANCE")))
+    assert [a.key for a in p.actions] == ["release:a", "release:b", "failures", "ledger"]
+    assert [(f.allocation_id, f.reason) for f in p.failures] == [
+        ("a", "unsupported-device"),
+        ("b", "unsupported-binding"),
+    ]
+    assert host.specs == {} and host.ledger == Ledger({}, {"a": 2, "b": 2})
+
+
+# --- the survivors of the first mutation runs (docs/mutation.md, "devices plan") ----------------------
+
+
+def test_DEV_CDI_18_DEV_CDI_04_a_plain_hold_takes_the_vendor_common_edits_and_later_version() -> None:
+    """Covers DEV-CDI-18 (the vendor's common edits on a plain hold, none on a Kubernetes hold) and
+    DEV-CDI-04 (the vendor's later cdiVersion on a plain hold only)."""
+    nodes = [{"path": "/dev/nvidiactl"}]
+    vendor = VendorSpec("0.8.0", {"deviceNodes": nodes}, {})
+    host = PlanHost(inventory(), facts={"vendor": vendor})
+    settled(host, spec(1, asg("p", A), asg("k", B, binding=KUBE)))
+    assert host.specs["p"]["cdiVersion"] == "0.8.0"
+    assert host.specs["p"]["containerEdits"] == {
+        "env": ["BCD_ALLOCATION_ID=p", f"NVIDIA_VISIBLE_DEVICES={A}"],
+        "deviceNodes": nodes,
+    }
+    assert host.specs["k"]["cdiVersion"] == "0.6.0"
+    assert host.specs["k"]["containerEdits"] == {"env": ["BCD_ALLOCATION_ID=k"]}
+
+
+def test_DEV_CONF_04_a_slot_or_gpu_held_by_a_kept_hold_is_refused_naming_its_holder() -> None:
+    """Covers DEV-CONF-04 (the same slot twice, in one pass and against a kept hold) and DEV-FAIL-05's
+    message naming the holder; several conflicts are all named, joined by `; ` (Q-DEV-CONF-03)."""
+    host = PlanHost(inventory())
+    p = host.step(spec(1, asg("a", f"{A}/s1"), asg("b", f"{A}/s1"), asg("c", B)))
+    assert p.failures == (Failure("b", "overlap", f"{A}/s1 is assigned to a"),)
+    p2 = host.step(spec(2, asg("a", f"{A}/s1"), asg("c", B), asg("d", f"{A}/s1", B, C)))
+    assert p2.failures == (Failure("d", "overlap", f"{A}/s1 is assigned to a; {B} is assigned to c"),)
+
+
+def test_DEV_FAIL_03_every_unsupported_device_is_named() -> None:
+    """Covers DEV-FAIL-03: each malformed atom's message, joined by `; ` (a repeated one once)."""
+    host = PlanHost(inventory())
+    bad = DeviceAssignment(
+        "a",
+        "rsv_a",
+        HOLD,
+        (DeviceRef("GPU-a/x", "gpu.mig"), DeviceRef("vf0", "nic.vf"), DeviceRef("vf1", "nic.vf")),
+    )
+    p = host.step(spec(1, bad))
+    assert p.failures == (
+        Failure(
+            "a",
+            "unsupported-device",
+            '"GPU-a/x" is not a MIG instance id (<gpu-uuid>/gi<n>/ci<m>); device class nic.vf cannot be held',
+        ),
+    )
+
+
+def test_Q_DEV_ASG_02_a_reserved_key_is_refused_whatever_its_value_holds() -> None:
+    """Covers Q-DEV-ASG-02 (docs/devices.md): the key is what precedes the first `=`."""
+    p = PlanHost(inventory()).step(spec(1, asg("a", A, env=("BCD_ALLOCATION_ID=x=y",))))
+    assert p.failures == (
+        Failure("a", "invalid-assignment", "env line for BCD_ALLOCATION_ID: bcd sets that key itself"),
+    )
+
+
+def test_DEV_K8S_07_a_kubernetes_hold_nobody_answered_for_is_held() -> None:
+    """Covers DEV-K8S-07 at the planner: a released Kubernetes hold (and a pending release) the kube
+    side said nothing about counts as held: recorded, not reported."""
+    host = PlanHost(inventory(), facts={"now": 5.0})
+    settled(host, spec(1, asg("k", A, binding=KUBE)))
+    pending = PendingRelease("k", "rsv_k", 2, (A,), 5.0)
+    assert settled(host, spec(2)) == (
+        Action("release:k", "kube-release", (WriteReleases((pending,)), RemoveSpec("k"), RemoveEnv("k"))),
+    )
+    assert host.releases == (pending,) and host.kinds() == ["BoundEvent"]
+
+
+def test_DEV_K8S_09_each_pending_release_is_reported_or_kept_on_its_own() -> None:
+    """Covers DEV-K8S-08/09 for several pending releases: the freed ones reported, the held ones kept
+    in the rewritten file, in their order."""
+    r1 = PendingRelease("r1", "rsv_r1", 1, (A,), 0.0)
+    r2 = PendingRelease("r2", "rsv_r2", 1, (B,), 0.0)
+    r3 = PendingRelease("r3", "rsv_r3", 1, (C,), 0.0)
+    host = PlanHost(inventory(), facts={"pods_holding": {"r1": False, "r2": True, "r3": False}})
+    host.releases = (r1, r2, r3)
+    assert settled(host, spec(2)) == (
+        Action(
+            "kube-reported",
+            "releases",
+            (released("r1", 1, A, kube=True), released("r3", 1, C, kube=True), WriteReleases((r2,))),
+        ),
+    )
+
+
+def test_a_hold_the_ledger_forgot_is_still_released() -> None:
+    """A hold whose AllocationBound the ledger does not record (a lost ledger) is released like any
+    other: plain, and Kubernetes with no pod holding it."""
+    host = PlanHost(inventory(), facts={"pods_holding": {"k": False}})
+    settled(host, spec(1, asg("a", A), asg("k", B, binding=KUBE)))
+    host.ledger = Ledger()
+    actions = settled(host, spec(2))
+    assert [a.key for a in actions] == ["release:a", "release:k"]
+    assert host.kinds()[-2:] == ["ReleasedEvent", "ReleasedEvent"]
+
+
+def test_holders_and_failures_reported_after_a_duplicate() -> None:
+    """Plan.holders names each hold standing after the pass with its atoms (new binds too); a failure
+    after a duplicate entry (which sends no event) is still reported."""
+    host = PlanHost(inventory())
+    p = host.step(spec(1, asg("a", A, f"{B}/s0"), asg("a", C), asg("x", "GPU-0000")))
+    assert dict(p.holders) == {"a": (A, f"{B}/s0")}
+    assert [f.allocation_id for f in p.failures] == ["a", "x"]
+    assert host.kinds() == ["BoundEvent", "FailedEvent"] and host.ledger == Ledger({"a": 1}, {"x": 1})
+
+
+POOLS = HostMemory(
+    mem_total_kb=(16 + 8 + 2) * 1024 * 1024,  # 17 GiB normal memory available
+    hugetlb_kb=8 * 1024 * 1024,
+    pools={2048: HugePool(2048, 1024, {0: 512, 1: 512}), 1048576: HugePool(1048576, 6, {0: 2, 1: 4})},
+    nodes=(0, 1),
+)
+
+
+@pytest.mark.parametrize(
+    ("bound_first", "new", "message"),
+    [
+        # Host-wide: a bound hold's pages (no mems) count; a size it does not book counts 0.
+        (Limits(hugepages_2mi=1000), Limits(hugepages_2mi=25), "25 hugepages of 2048 KiB needed, 24 free"),
+        (Limits(hugepages_2mi=1000), Limits(hugepages_2mi=24, hugepages_1gi=6), None),
+        # On nodes: a hold on other nodes does not count there; one on the same nodes with another size
+        # counts 0 there.
+        (Limits(mems="0", hugepages_1gi=2), Limits(mems="1", hugepages_1gi=4), None),
+        (Limits(mems="1", hugepages_2mi=1), Limits(mems="1", hugepages_1gi=4), None),
+        (
+            Limits(mems="1", hugepages_1gi=1),
+            Limits(mems="1", hugepages_1gi=4),
+            "4 hugepages of 1048576 KiB needed, 3 free",
+        ),
+        # A node the pool does not list has no free pages.
+        (Limits(cpus="0"), Limits(mems="0,2", hugepages_1gi=3), "3 hugepages of 1048576 KiB needed, 2 free"),
+    ],
+)
+def test_DEV_ADM_09_DEV_ADM_11_huge_pages_of_bound_holds_count_host_wide_and_on_their_nodes(
+    bound_first: Limits, new: Limits, message: str | None
+) -> None:
+    """Covers DEV-ADM-09 (bound holds' pages, on their mems nodes), DEV-ADM-11 (the new hold's pages
+    on its nodes, or host-wide without mems), DEV-ADM-14's message."""
+    host = PlanHost(inventory(), facts={"host_memory": POOLS})
+    p = host.step(spec(1, asg("a", A, limits=bound_first), asg("n", B, limits=new)))
+    expected = (Failure("n", "resources-exhausted", f"ResourcesExhausted: {message}"),) if message else ()
+    assert p.failures == expected
+
+
+def test_DEV_ADM_14_a_size_the_host_has_no_pool_for_has_none_free() -> None:
+    """Covers DEV-ADM-14's message when the host has no pool of that size (0 free, never negative)."""
+    no_1g = HostMemory(26 * 1024 * 1024, 2 * 1024 * 1024, {2048: HugePool(2048, 1024, {0: 1024})}, (0,))
+    p = PlanHost(inventory(), facts={"host_memory": no_1g}).step(
+        spec(1, asg("n", A, limits=Limits(hugepages_1gi=1)))
+    )
+    assert p.failures == (
+        Failure("n", "resources-exhausted", "ResourcesExhausted: 1 hugepages of 1048576 KiB needed, 0 free"),
+    )
+
+
+def grow_host(pools: dict[int, HugePool]) -> PlanHost:
+    return PlanHost(
+        inventory(), facts={"host_memory": HostMemory(26 * 1024 * 1024, 8 * 1024 * 1024, pools, (0, 1))}
+    )
+
+
+def test_DEV_ADM_10_a_kept_hold_grows_into_the_huge_pages_its_slice_faulted_in() -> None:
+    """Covers DEV-ADM-09/10 for a kept hold's growing huge pages: the pages its slice has faulted in
+    (gone from the kernel's free counts) count as free again, host-wide and on its nodes when they are
+    among the new ones; a size it faulted nothing of gets no credit."""
+    # 6 pages of 1 GiB: 2 on node 0, 4 on node 1; a holds 2 on node 1, both faulted in.
+    host = grow_host({1048576: HugePool(1048576, 4, {0: 2, 1: 2}), 2048: HugePool(2048, 10, {0: 5, 1: 5})})
+    settled(host, spec(1, asg("a", A, limits=Limits(mems="1", hugepages_1gi=2))))
+    host.slices[SLICE] = evolve(host.slices[SLICE], hugetlb_current={1048576: 2 * GIB})
+    fits = asg("a", A, limits=Limits(mems="1", hugepages_1gi=4))
+    assert host.plan(spec(2, fits)).failures == ()
+    too_many = asg("a", A, limits=Limits(mems="1", hugepages_1gi=5))
+    assert host.plan(spec(2, too_many)).failures == (
+        Failure("a", "resources-exhausted", "ResourcesExhausted: 5 hugepages of 1048576 KiB needed, 4 free"),
+    )
+    # Moved to node 0: the credit counts host-wide only.
+    moved = asg("a", A, limits=Limits(mems="0", hugepages_1gi=3))
+    assert host.plan(spec(2, moved)).failures == (
+        Failure("a", "resources-exhausted", "ResourcesExhausted: 3 hugepages of 1048576 KiB needed, 2 free"),
+    )
+    # 2 MiB pages it never faulted: no credit (10 free, 11 needed).
+    more = asg("a", A, limits=Limits(mems="1", hugepages_1gi=2, hugepages_2mi=11))
+    assert host.plan(spec(2, more)).failures == (
+        Failure("a", "resources-exhausted", "ResourcesExhausted: 11 hugepages of 2048 KiB needed, 5 free"),
+    )
+    exact = asg("a", A, limits=Limits(mems="1", hugepages_1gi=2, hugepages_2mi=5))
+    assert host.plan(spec(2, exact)).failures == ()
+
+
+def test_DEV_ADM_10_a_kept_hold_is_admitted_for_what_grows_only() -> None:
+    """Covers DEV-ADM-10 for a kept hold: growing huge pages does not admit its unchanged memory
+    again (10 GiB booked, 9 GiB left beside b and the domains started since: it would not fit as new)."""
+    host = PlanHost(inventory(), facts={"host_memory": POOLS})
+    first = (
+        asg("a", A, limits=Limits(memory_bytes=10 * GIB)),
+        asg("b", B, limits=Limits(memory_bytes=7 * GIB)),
+    )
+    settled(host, spec(1, *first))
+    host.facts["domains_committed_bytes"] = GIB
+    grown = asg("a", A, limits=Limits(memory_bytes=10 * GIB, hugepages_2mi=4))
+    (keep,) = settled(host, spec(2, grown, first[1]))
+    assert keep.key == "keep:a" and isinstance(keep.steps[0], ApplySlice)
+
+
+def test_DEV_ADM_06_new_holds_count_kept_holds_after_their_limit_changes() -> None:
+    """Covers DEV-ADM-06/09 in a pass where kept holds change limits: a new hold is admitted against a
+    refused hold's old booking, an admitted one's new booking (its new page limit less what its slice
+    faulted in), and every refused change is refused on its own."""
+    host = PlanHost(inventory(), facts={"host_memory": POOLS})
+    first = (
+        asg("a", A, limits=Limits(memory_bytes=4 * GIB)),
+        asg("b", B, limits=Limits(hugepages_2mi=100)),
+        asg("c", C, limits=Limits(memory_bytes=4 * GIB)),
+    )
+    settled(host, spec(1, *first))
+    host.slices["bcd-alloc-b.slice"] = evolve(
+        host.slices["bcd-alloc-b.slice"], hugetlb_current={2048: 50 * PAGE_2M}
+    )
+    # The kernel's free count lost b's 50 faulted pages: 974 free.
+    host.facts["host_memory"] = evolve(
+        POOLS, pools={**POOLS.pools, 2048: HugePool(2048, 974, {0: 487, 1: 487})}
+    )
+    changed = (
+        asg("a", A, limits=Limits(memory_bytes=14 * GIB)),  # refused: 13 GiB left with a's own 4
+        asg("b", B, limits=Limits(hugepages_2mi=200)),  # admitted: books 150 more
+        asg("c", C, limits=Limits(memory_bytes=14 * GIB)),  # refused too
+    )
+    n_fits = asg("n", D, limits=Limits(memory_bytes=9 * GIB, hugepages_2mi=824))
+    p = host.plan(spec(2, *changed, n_fits))
+    assert [(f.allocation_id, f.reason) for f in p.failures] == [
+        ("a", "resources-exhausted"),
+        ("c", "resources-exhausted"),
+    ]
+    assert [a.key for a in p.actions] == ["keep:b", "bind:n", "failures", "ledger"]
+    n_over = asg("n", D, limits=Limits(hugepages_2mi=825))
+    assert host.plan(spec(2, *changed, n_over)).failures[-1] == Failure(
+        "n", "resources-exhausted", "ResourcesExhausted: 825 hugepages of 2048 KiB needed, 824 free"
+    )
+    n_mem = asg("n", D, limits=Limits(memory_bytes=9 * GIB + 4096))
+    assert host.plan(spec(2, *changed, n_mem)).failures[-1] == Failure(
+        "n",
+        "resources-exhausted",
+        "ResourcesExhausted: 9217 MiB of memory needed, 9216 MiB left on this host",
+    )
+
+
+def test_a_kept_hold_whose_slice_limits_were_not_read_is_not_admitted_again() -> None:
+    """A kept hold whose running slice's limits could not be read (a fakehw record that does not parse
+    reads as populated, limits unknown) is neither changed nor admitted again, even on a host that has
+    since filled up (10 GiB booked, 9 GiB left beside b and the domains)."""
+    host = PlanHost(inventory(), facts={"host_memory": POOLS})
+    holds = (
+        asg("a", A, limits=Limits(memory_bytes=10 * GIB)),
+        asg("b", B, limits=Limits(memory_bytes=7 * GIB)),
+    )
+    settled(host, spec(1, *holds))
+    host.slices[SLICE] = SliceState(SLICE, True)
+    host.facts["domains_committed_bytes"] = GIB
+    p = host.plan(spec(2, *holds))
+    assert p.empty and p.failures == ()
