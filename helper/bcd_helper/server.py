@@ -52,7 +52,7 @@ import socketserver
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from bcd_helper.audit import canonical
@@ -286,6 +286,7 @@ class Connection:
         self.reserved = 0
         self.frame_deadline: float | None = None  # set while a frame is partly read
         self._worker: _Worker | None = None
+        self._timeout: float | None = None  # the socket's timeout as last set here (settimeout is a syscall)
 
     def worker(self) -> _Worker:
         if self._worker is None:
@@ -311,14 +312,19 @@ class Connection:
             raise ProtocolError("file descriptors or other ancillary data were sent: the helper takes none")
         return n
 
+    def _settimeout(self, seconds: float) -> None:
+        if seconds != self._timeout:
+            self.sock.settimeout(seconds)
+            self._timeout = seconds
+
     def _wait_left(self) -> None:
         if self.frame_deadline is None:
-            self.sock.settimeout(IDLE_TIMEOUT_S)
+            self._settimeout(IDLE_TIMEOUT_S)
             return
         left = self.frame_deadline - time.monotonic()
         if left <= 0:
             raise ProtocolError(f"frame not complete within {FRAME_TIMEOUT_S:.0f} s")
-        self.sock.settimeout(left)
+        self._settimeout(left)
 
     def _recv_some(self, view: memoryview) -> int:
         self._wait_left()
@@ -385,11 +391,19 @@ class Connection:
             self.reserved = 0
 
     def send(self, doc: Any, fd: int | None = None) -> None:
-        self.sock.settimeout(FRAME_TIMEOUT_S)
         frame = encode_frame(doc)
         if fd is None:
-            self.sock.sendall(frame)
+            sent = 0
+            if self._timeout is not None and self._timeout > 0:
+                # The socket has a timeout, so its descriptor is non-blocking: one write(2) takes a usual
+                # answer whole (sendall under a timeout costs a settimeout, a poll and the send).
+                with contextlib.suppress(BlockingIOError):
+                    sent = os.write(self.sock.fileno(), frame)
+            if sent < len(frame):  # the rest within FRAME_TIMEOUT_S, as a whole answer otherwise
+                self._settimeout(FRAME_TIMEOUT_S)
+                self.sock.sendall(frame[sent:])
             return
+        self._settimeout(FRAME_TIMEOUT_S)
         # A descriptor the op hands back (libvirt.console) rides with the frame's first byte.
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
         sent = self.sock.sendmsg([frame], rights)
@@ -458,8 +472,12 @@ class Connection:
             deadline = Deadline(spec.timeout_s)
             ahead = _Ahead(self, op, args, spec, t0)
             call = Call(self.ctx, self.peer, deadline, BoundedSystem(self.ctx.system, deadline), ahead)
-            with self._locks(spec, deadline):
+            held = self._acquire(spec, deadline)
+            try:
                 result = spec.handler(call, req)
+            finally:
+                for lock in reversed(held):
+                    lock.release()
         except Refused as exc:
             self.audit(op, args, spec, "refused", exc.reason, _after(ahead, exc.message), t0)
             return {"ok": False, "error": "refused", "reason": exc.reason, "message": exc.message[:MAX_TEXT]}
@@ -476,8 +494,9 @@ class Connection:
             self.audit(op, args, spec, "accepted", "", "", t0)
         return {"ok": True, "result": result}
 
-    @contextlib.contextmanager
-    def _locks(self, spec: OpSpec, deadline: Deadline) -> Iterator[None]:
+    def _acquire(self, spec: OpSpec, deadline: Deadline) -> list[threading.Lock]:
+        """The op's locks, taken in LOCK_ORDER; the caller releases them (in reverse). A lock not had in
+        time refuses the request `busy`, releasing those already taken."""
         held: list[threading.Lock] = []
         try:
             for name in LOCK_ORDER:
@@ -491,10 +510,11 @@ class Connection:
                 if not ok:
                     raise Refused("busy", f"another operation holds the helper's {name} lock")
                 held.append(lock)
-            yield
-        finally:
+        except BaseException:
             for lock in reversed(held):
                 lock.release()
+            raise
+        return held
 
     def serve(self) -> None:
         try:

@@ -12,11 +12,14 @@ def unique_keys(refuse: Callable[[str], Exception]) -> Callable[[list[tuple[str,
     the last silently): it raises `refuse(key)`."""
 
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in out:
+        out = dict(pairs)  # in C; a key named twice leaves fewer entries than pairs
+        if len(out) == len(pairs):
+            return out
+        seen: set[str] = set()
+        for k, _v in pairs:
+            if k in seen:
                 raise refuse(k)
-            out[k] = v
-        return out
+            seen.add(k)
+        raise AssertionError("unreachable: fewer keys than pairs without a repeated key")  # pragma: no cover
 
     return hook
