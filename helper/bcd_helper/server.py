@@ -11,7 +11,10 @@
 - Frames: 4-byte big-endian length, at most MAX_FRAME; a larger one closes the connection. Once a
   frame's first byte has arrived, the whole frame must arrive within FRAME_TIMEOUT_S (however slowly
   it trickles), and an answer must be taken within FRAME_TIMEOUT_S; else the connection is closed
-  (a slow-loris client holds one thread for seconds, not for the 15-minute idle timeout).
+  (a slow-loris client holds one thread for seconds, not for the 15-minute idle timeout). A usual
+  answer is one write(2) on the socket, whose descriptor is non-blocking once it has a timeout; what
+  does not fit goes through sendall under FRAME_TIMEOUT_S. The timeout is set only when it changes
+  (each settimeout is a syscall), so a connection between requests costs none.
 - Memory (issue 9 item 3): a frame's body is read only once its cost (frame_cost: its bytes three
   times over, for the buffer, the decoded text and the decoded strings, plus VALUE_COST per value it
   may hold) fits the process-wide in-flight budget (BUDGET bytes, shared by all the node's
