@@ -397,9 +397,10 @@ class Connection:
         frame = encode_frame(doc)
         if fd is None:
             sent = 0
-            if self._timeout is not None and self._timeout > 0:
-                # The socket has a timeout, so its descriptor is non-blocking: one write(2) takes a usual
-                # answer whole (sendall under a timeout costs a settimeout, a poll and the send).
+            if self._timeout is not None:
+                # The socket has a timeout (set here, always above 0), so its descriptor is non-blocking: one
+                # write(2) takes a usual answer whole (sendall under a timeout costs a settimeout, a poll and
+                # the send).
                 with contextlib.suppress(BlockingIOError):
                     sent = os.write(self.sock.fileno(), frame)
             if sent < len(frame):  # the rest within FRAME_TIMEOUT_S, as a whole answer otherwise

@@ -8,6 +8,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -128,3 +129,34 @@ def test_a_request_the_helper_does_not_take_times_out_unreachable() -> None:
         client.call("helper.ping", {"s": "c" * (3 * 1024 * 1024)}, timeout=0.05)
     assert info.value.reason == "unreachable"
     assert client._sock is None  # dropped
+
+
+def test_a_request_to_a_full_socket_waits_for_room_and_goes_whole() -> None:
+    """The first write finds no room (EAGAIN): the whole request goes by sendall once the helper reads."""
+    a, b = socket.socketpair()
+    b.settimeout(10)
+    a.setblocking(False)
+    junk = 0
+    try:
+        while True:
+            junk += a.send(b"j" * 65536)
+    except BlockingIOError:
+        pass
+    client = HelperClient("unused")
+    client._sock = a
+    got: list[bytes] = []
+
+    def run() -> None:
+        time.sleep(0.05)
+        assert b.recv(junk, socket.MSG_WAITALL) == b"j" * junk
+        (n,) = struct.unpack(">I", b.recv(4, socket.MSG_WAITALL))
+        got.append(b.recv(n, socket.MSG_WAITALL))
+        b.sendall(frame({"ok": True, "result": {"x": 3}}))
+
+    t = threading.Thread(target=run)
+    t.start()
+    with b:
+        assert client.call("helper.ping") == {"x": 3}
+        t.join()
+    client.close()
+    assert json.loads(got[0]) == {"op": "helper.ping", "args": {}}
