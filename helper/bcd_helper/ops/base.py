@@ -164,8 +164,7 @@ def no_roots_possible(ctx: HelperContext, presented: object | None) -> bool:
     # os.access(F_OK, not following) is lexists without raising and catching an exception for a file that
     # is not there (the usual answer): ~1 us against ~4 a path.
     return not any(
-        os.access(root + p, os.F_OK, follow_symlinks=False)
-        for p in (JOIN_RECORD_PATH, INTENT_STATE_PATH)
+        os.access(root + p, os.F_OK, follow_symlinks=False) for p in (JOIN_RECORD_PATH, INTENT_STATE_PATH)
     )
 
 
