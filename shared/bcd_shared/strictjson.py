@@ -13,13 +13,12 @@ def unique_keys(refuse: Callable[[str], Exception]) -> Callable[[list[tuple[str,
 
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out = dict(pairs)  # in C; a key named twice leaves fewer entries than pairs
-        if len(out) == len(pairs):
-            return out
-        seen: set[str] = set()
-        for k, _v in pairs:
-            if k in seen:
-                raise refuse(k)
-            seen.add(k)
-        raise AssertionError("unreachable: fewer keys than pairs without a repeated key")  # pragma: no cover
+        if len(out) != len(pairs):  # then find the first key named twice, to name it
+            seen: set[str] = set()
+            for k, _v in pairs:
+                if k in seen:
+                    raise refuse(k)
+                seen.add(k)
+        return out
 
     return hook
