@@ -60,6 +60,20 @@ _LEN = struct.Struct(">I")
 READ_AHEAD = 4096  # a first read takes a usual answer whole; a larger one is read on
 
 
+_ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once (json.dumps with options builds one a call)
+
+
+def _send(sock: socket.socket, frame: bytes) -> None:
+    """The socket has a timeout, so its descriptor is non-blocking: one write(2) takes a usual request whole
+    (sendall under a timeout polls first); the rest, if any, goes through sendall and its timeout."""
+    try:
+        sent = os.write(sock.fileno(), frame)
+    except BlockingIOError:
+        sent = 0
+    if sent < len(frame):
+        sock.sendall(frame[sent:])
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     parts: list[bytes] = []
     while n:
@@ -156,7 +170,7 @@ class HelperClient:
             raise
 
     def _call(self, op: str, args: Mapping[str, Any] | None, timeout: float | None) -> dict[str, Any]:
-        body = json.dumps({"op": op, "args": dict(args or {})}, separators=(",", ":")).encode()
+        body = _ENCODER.encode({"op": op, "args": dict(args or {})}).encode()
         if len(body) > MAX_FRAME:
             raise HelperRefused("too-large", f"helper: {op}: request of {len(body)} bytes is too large")
         wait = timeout if timeout is not None else OP_TIMEOUT_S.get(op, 60.0) + CONNECTION_SLACK_S
@@ -165,7 +179,7 @@ class HelperClient:
                 sock = self._connect()
                 if sock.gettimeout() != wait:
                     sock.settimeout(wait)
-                sock.sendall(_LEN.pack(len(body)) + body)
+                _send(sock, _LEN.pack(len(body)) + body)
                 reply = json.loads(_read_answer(sock))
             except (OSError, ValueError) as exc:
                 self._drop()

@@ -67,8 +67,11 @@ class AuditError(Exception):
     """The audit log cannot be used as it is (the helper does not start); the message says why."""
 
 
+_CANONICAL = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True)  # built once
+
+
 def canonical(value: Any) -> bytes:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+    return _CANONICAL.encode(value).encode()
 
 
 def line_hash(line: bytes) -> str:

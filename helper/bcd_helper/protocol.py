@@ -52,8 +52,12 @@ class DecodeError(Exception):
     """The request's arguments do not fit the op's type; the message names the field path."""
 
 
+# Built once: json.dumps and json.loads with options build a new encoder or decoder at every call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
+
 def encode_frame(doc: Any) -> bytes:
-    body = json.dumps(doc, separators=(",", ":"), ensure_ascii=False).encode()
+    body = _ENCODER.encode(doc).encode()
     if len(body) > MAX_FRAME:
         raise ProtocolError(f"frame of {len(body)} bytes exceeds {MAX_FRAME}")
     return _LEN.pack(len(body)) + body
@@ -67,6 +71,9 @@ def _constant(name: str) -> Any:
 
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+_DECODER = json.JSONDecoder(object_pairs_hook=_pairs, parse_constant=_constant)
 
 
 def _check_string(value: str) -> None:
@@ -99,7 +106,10 @@ def strict_loads(data: bytes | bytearray, max_depth: int = MAX_DEPTH) -> Any:
     """One JSON document in UTF-8, strictly: no duplicate keys (never last-wins), no NaN or Infinity, no
     lone surrogates, at most `max_depth` levels of nesting. Raises ValueError naming the rule."""
     try:
-        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs, parse_constant=_constant)
+        text = data.decode("utf-8")
+        if text.startswith("\ufeff"):  # as json.loads refuses it
+            raise json.JSONDecodeError("Unexpected UTF-8 BOM (decode using utf-8-sig)", text, 0)
+        doc = _DECODER.decode(text)
     except RecursionError:
         raise ValueError(f"nested deeper than {max_depth} levels") from None
     # UTF-8 text cannot hold a surrogate, so only a \\uD8xx..\\uDFxx escape makes one; fewer brackets

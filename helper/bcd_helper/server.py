@@ -11,7 +11,10 @@
 - Frames: 4-byte big-endian length, at most MAX_FRAME; a larger one closes the connection. Once a
   frame's first byte has arrived, the whole frame must arrive within FRAME_TIMEOUT_S (however slowly
   it trickles), and an answer must be taken within FRAME_TIMEOUT_S; else the connection is closed
-  (a slow-loris client holds one thread for seconds, not for the 15-minute idle timeout).
+  (a slow-loris client holds one thread for seconds, not for the 15-minute idle timeout). A usual
+  answer is one write(2) on the socket, whose descriptor is non-blocking once it has a timeout; what
+  does not fit goes through sendall under FRAME_TIMEOUT_S. The timeout is set only when it changes
+  (each settimeout is a syscall), so a connection between requests costs none.
 - Memory (issue 9 item 3): a frame's body is read only once its cost (frame_cost: its bytes three
   times over, for the buffer, the decoded text and the decoded strings, plus VALUE_COST per value it
   may hold) fits the process-wide in-flight budget (BUDGET bytes, shared by all the node's
@@ -52,7 +55,7 @@ import socketserver
 import struct
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from bcd_helper.audit import canonical
@@ -286,6 +289,7 @@ class Connection:
         self.reserved = 0
         self.frame_deadline: float | None = None  # set while a frame is partly read
         self._worker: _Worker | None = None
+        self._timeout: float | None = None  # the socket's timeout as last set here (settimeout is a syscall)
 
     def worker(self) -> _Worker:
         if self._worker is None:
@@ -311,14 +315,19 @@ class Connection:
             raise ProtocolError("file descriptors or other ancillary data were sent: the helper takes none")
         return n
 
+    def _settimeout(self, seconds: float) -> None:
+        if seconds != self._timeout:
+            self.sock.settimeout(seconds)
+            self._timeout = seconds
+
     def _wait_left(self) -> None:
         if self.frame_deadline is None:
-            self.sock.settimeout(IDLE_TIMEOUT_S)
+            self._settimeout(IDLE_TIMEOUT_S)
             return
         left = self.frame_deadline - time.monotonic()
         if left <= 0:
             raise ProtocolError(f"frame not complete within {FRAME_TIMEOUT_S:.0f} s")
-        self.sock.settimeout(left)
+        self._settimeout(left)
 
     def _recv_some(self, view: memoryview) -> int:
         self._wait_left()
@@ -385,11 +394,20 @@ class Connection:
             self.reserved = 0
 
     def send(self, doc: Any, fd: int | None = None) -> None:
-        self.sock.settimeout(FRAME_TIMEOUT_S)
         frame = encode_frame(doc)
         if fd is None:
-            self.sock.sendall(frame)
+            sent = 0
+            if self._timeout is not None:
+                # The socket has a timeout (set here, always above 0), so its descriptor is non-blocking: one
+                # write(2) takes a usual answer whole (sendall under a timeout costs a settimeout, a poll and
+                # the send).
+                with contextlib.suppress(BlockingIOError):
+                    sent = os.write(self.sock.fileno(), frame)
+            if sent < len(frame):  # the rest within FRAME_TIMEOUT_S, as a whole answer otherwise
+                self._settimeout(FRAME_TIMEOUT_S)
+                self.sock.sendall(frame[sent:])
             return
+        self._settimeout(FRAME_TIMEOUT_S)
         # A descriptor the op hands back (libvirt.console) rides with the frame's first byte.
         rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]).tobytes())]
         sent = self.sock.sendmsg([frame], rights)
@@ -458,8 +476,12 @@ class Connection:
             deadline = Deadline(spec.timeout_s)
             ahead = _Ahead(self, op, args, spec, t0)
             call = Call(self.ctx, self.peer, deadline, BoundedSystem(self.ctx.system, deadline), ahead)
-            with self._locks(spec, deadline):
+            held = self._acquire(spec, deadline)
+            try:
                 result = spec.handler(call, req)
+            finally:
+                for lock in reversed(held):
+                    lock.release()
         except Refused as exc:
             self.audit(op, args, spec, "refused", exc.reason, _after(ahead, exc.message), t0)
             return {"ok": False, "error": "refused", "reason": exc.reason, "message": exc.message[:MAX_TEXT]}
@@ -476,8 +498,9 @@ class Connection:
             self.audit(op, args, spec, "accepted", "", "", t0)
         return {"ok": True, "result": result}
 
-    @contextlib.contextmanager
-    def _locks(self, spec: OpSpec, deadline: Deadline) -> Iterator[None]:
+    def _acquire(self, spec: OpSpec, deadline: Deadline) -> list[threading.Lock]:
+        """The op's locks, taken in LOCK_ORDER; the caller releases them (in reverse). A lock not had in
+        time refuses the request `busy`, releasing those already taken."""
         held: list[threading.Lock] = []
         try:
             for name in LOCK_ORDER:
@@ -491,10 +514,11 @@ class Connection:
                 if not ok:
                     raise Refused("busy", f"another operation holds the helper's {name} lock")
                 held.append(lock)
-            yield
-        finally:
+        except BaseException:
             for lock in reversed(held):
                 lock.release()
+            raise
+        return held
 
     def serve(self) -> None:
         try:

@@ -137,8 +137,20 @@ def valid_device_name(name: str) -> bool:
     return bool(_DEVICE_NAME_RE.fullmatch(name))
 
 
+# The longest key the rule allows: a prefix of 253, the `/`, a name of 63.
+_MAX_ANNOTATION_KEY = 253 + 1 + 63
+
+
 def valid_annotation_key(key: str) -> bool:
     """Kubernetes' qualified-name rule: optional DNS-subdomain prefix and `/`, then a name of ≤63."""
+    if len(key) > _MAX_ANNOTATION_KEY:
+        return False  # never remembered: the memo below holds at most 256 keys of at most 317 characters
+    return _annotation_key_rule(key)
+
+
+@functools.lru_cache(maxsize=256)
+def _annotation_key_rule(key: str) -> bool:
+    """valid_annotation_key's rule, remembered per key: a hold names the same few keys at every write."""
     prefix, slash, name = key.rpartition("/")
     if slash:
         if not prefix or len(prefix) > 253:

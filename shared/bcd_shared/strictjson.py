@@ -12,11 +12,13 @@ def unique_keys(refuse: Callable[[str], Exception]) -> Callable[[list[tuple[str,
     the last silently): it raises `refuse(key)`."""
 
     def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for k, v in pairs:
-            if k in out:
-                raise refuse(k)
-            out[k] = v
+        out = dict(pairs)  # in C; a key named twice leaves fewer entries than pairs
+        if len(out) != len(pairs):  # then find the first key named twice, to name it
+            seen: set[str] = set()
+            for k, _v in pairs:
+                if k in seen:
+                    raise refuse(k)
+                seen.add(k)
         return out
 
     return hook

@@ -118,6 +118,8 @@ def test_hold_spec_files_skips_other_names_and_vanished_files() -> None:
         ("a" * 64, False),
         ("a" * 253 + "/n", True),
         ("a" * 254 + "/n", False),
+        ("a" * 253 + "/" + "b" * 63, True),  # the longest key the rule allows (317 characters)
+        ("a" * 253 + "/" + "b" * 64, False),
         ("/n", False),
         ("bcd.dev/", False),
         ("Bcd.dev/n", False),
@@ -133,6 +135,18 @@ def test_hold_spec_files_skips_other_names_and_vanished_files() -> None:
 )
 def test_annotation_keys(key: str, ok: bool) -> None:
     assert cdi.valid_annotation_key(key) is ok
+
+
+def test_annotation_keys_are_remembered_only_when_short_enough_to_be_valid() -> None:
+    """The rule's memo (a hold names the same few keys at every write) keeps at most 256 keys, each at most
+    317 characters: a node sending long or many keys cannot grow it."""
+    long_key = "a" * 253 + "/" + "b" * 64
+    before = cdi._annotation_key_rule.cache_info()
+    assert cdi.valid_annotation_key(long_key) is False
+    assert cdi._annotation_key_rule.cache_info() == before  # not even looked up
+    for i in range(600):
+        assert cdi.valid_annotation_key(f"bcd.dev/k{i}") is True
+    assert cdi._annotation_key_rule.cache_info().currsize == 256
 
 
 def test_kind_and_device_name_rules() -> None:

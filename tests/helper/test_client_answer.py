@@ -8,6 +8,7 @@ import json
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -90,3 +91,72 @@ def test_a_broken_stream_is_unreachable_and_dropped(
         t.join()
     assert info.value.reason == "unreachable" and words in str(info.value)
     assert client._sock is None  # dropped: the next call reconnects
+
+
+# --- sending (the ratio work: one write(2) for a usual request) ---------------------------------------------
+
+
+def test_a_request_larger_than_the_socket_buffer_is_sent_whole() -> None:
+    """The first write takes what the socket buffer holds; the rest goes through sendall."""
+    got: list[bytes] = []
+    a, b = socket.socketpair()
+    client = HelperClient("unused")
+    client._sock = a
+
+    def run() -> None:
+        (n,) = struct.unpack(">I", b.recv(4, socket.MSG_WAITALL))
+        got.append(b.recv(n, socket.MSG_WAITALL))
+        b.sendall(frame({"ok": True, "result": {}}))
+
+    t = threading.Thread(target=run)
+    t.start()
+    content = "c" * (2 * 1024 * 1024)
+    with b:
+        assert client.file_write("cdi", "a1", content) == {}
+        t.join()
+    client.close()
+    assert json.loads(got[0]) == {
+        "op": "file.write",
+        "args": {"kind": "cdi", "id": "a1", "content": content, "encoding": "utf-8"},
+    }
+
+
+def test_a_request_the_helper_does_not_take_times_out_unreachable() -> None:
+    a, b = socket.socketpair()
+    client = HelperClient("unused")
+    client._sock = a
+    with b, pytest.raises(HelperRefused) as info:
+        client.call("helper.ping", {"s": "c" * (3 * 1024 * 1024)}, timeout=0.05)
+    assert info.value.reason == "unreachable"
+    assert client._sock is None  # dropped
+
+
+def test_a_request_to_a_full_socket_waits_for_room_and_goes_whole() -> None:
+    """The first write finds no room (EAGAIN): the whole request goes by sendall once the helper reads."""
+    a, b = socket.socketpair()
+    b.settimeout(10)
+    a.setblocking(False)
+    junk = 0
+    try:
+        while True:
+            junk += a.send(b"j" * 65536)
+    except BlockingIOError:
+        pass
+    client = HelperClient("unused")
+    client._sock = a
+    got: list[bytes] = []
+
+    def run() -> None:
+        time.sleep(0.05)
+        assert b.recv(junk, socket.MSG_WAITALL) == b"j" * junk
+        (n,) = struct.unpack(">I", b.recv(4, socket.MSG_WAITALL))
+        got.append(b.recv(n, socket.MSG_WAITALL))
+        b.sendall(frame({"ok": True, "result": {"x": 3}}))
+
+    t = threading.Thread(target=run)
+    t.start()
+    with b:
+        assert client.call("helper.ping") == {"x": 3}
+        t.join()
+    client.close()
+    assert json.loads(got[0]) == {"op": "helper.ping", "args": {}}

@@ -395,3 +395,29 @@ def test_unstructure_gives_json_types() -> None:
         "items": ["a"],
         "inner": {"name": "q", "n": 2},
     }
+
+
+# --- the duplicate-key hook (bcd_shared.strictjson), called directly: the decoders build theirs at import ---
+
+
+def test_the_duplicate_key_hook_builds_the_object_and_names_the_first_repeated_key() -> None:
+    from bcd_shared.strictjson import unique_keys
+
+    hook = unique_keys(lambda key: KeyError(f"twice: {key}"))
+    assert hook([]) == {}
+    out = hook([("a", 1), ("b", [2])])
+    assert out == {"a": 1, "b": [2]} and type(out) is dict and list(out) == ["a", "b"]
+    with pytest.raises(KeyError, match="twice: b"):
+        hook([("a", 1), ("b", 2), ("c", 3), ("b", 4), ("a", 5)])
+    with pytest.raises(KeyError, match="twice: x"):
+        hook([("x", 1), ("x", 1)])
+
+
+def test_a_byte_order_mark_is_refused_as_json_loads_refuses_it() -> None:
+    """The decoder built once (protocol._DECODER) keeps json.loads' own refusal of a leading BOM, word for
+    word (JSONDecoder.decode alone would answer "Expecting value")."""
+    for body in (b"\xef\xbb\xbf{}", b'\xef\xbb\xbf{"op":"helper.ping","args":{}}'):
+        with pytest.raises(ValueError) as info:
+            strict_loads(body)
+        assert str(info.value) == "Unexpected UTF-8 BOM (decode using utf-8-sig): line 1 column 1 (char 0)"
+    assert strict_loads(b' {"a": "\xef\xbb\xbf"}') == {"a": "\ufeff"}  # one inside a string is a character

@@ -426,6 +426,7 @@ def test_an_answer_can_carry_a_descriptor(
     r, w = os.pipe()
     try:
         conn.send({"ok": True, "result": {}}, r)
+        assert b.gettimeout() == server.FRAME_TIMEOUT_S  # the descriptor's frame too, never unbounded
         data, ancdata, _flags, _addr = a.recvmsg(1 << 16, socket.CMSG_SPACE(4))
         assert data == encode_frame({"ok": True, "result": {}})
         ((level, kind, payload),) = ancdata
@@ -440,6 +441,118 @@ def test_an_answer_can_carry_a_descriptor(
     finally:
         os.close(r)
         os.close(w)
+
+
+def test_an_answer_between_reads_goes_out_in_one_write_keeping_the_idle_timeout(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """The ratio work: after a read the socket is non-blocking under its idle timeout, and a usual answer is
+    one write(2); neither the answer nor the next read sets the timeout again (each settimeout is a
+    syscall)."""
+    a, b = pair
+    a.settimeout(10)
+    conn = connection(ctx, guards, b)
+    a.sendall(encode_frame({"op": "x", "args": {}}) * 2)
+    assert conn.read_request() == {"op": "x", "args": {}}
+    assert b.gettimeout() == server.IDLE_TIMEOUT_S
+    conn.send({"ok": True, "result": {"n": 1}})
+    assert read_frame(a) == {"ok": True, "result": {"n": 1}}
+    assert b.gettimeout() == server.IDLE_TIMEOUT_S
+    assert conn.read_request() == {"op": "x", "args": {}}
+
+
+def test_an_answer_before_any_timeout_is_sent_under_the_frame_timeout(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """A connection's socket starts blocking (a refusal of its peer is sent before any read): never one
+    unbounded write, the frame timeout first."""
+    a, b = pair
+    a.settimeout(10)
+    conn = connection(ctx, guards, b)
+    assert b.gettimeout() is None
+    conn.send({"ok": False})
+    assert read_frame(a) == {"ok": False}
+    assert b.gettimeout() == server.FRAME_TIMEOUT_S
+
+
+def fill(sock: socket.socket) -> int:
+    """Write to `sock` until its buffer is full (nobody reads the other end); the bytes written."""
+    timeout = sock.gettimeout()
+    sock.setblocking(False)
+    n = 0
+    with contextlib.suppress(BlockingIOError):
+        while True:
+            n += sock.send(b"j" * 65536)
+    sock.settimeout(timeout)
+    return n
+
+
+def test_an_answer_to_a_full_socket_waits_for_room_and_goes_whole(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """The first write finds no room (EAGAIN): the whole answer goes through sendall once the peer reads."""
+    a, b = pair
+    a.settimeout(10)
+    conn = connection(ctx, guards, b)
+    a.sendall(encode_frame(1))
+    assert conn.read_request() == 1
+    junk = fill(b)
+    got: list[Any] = []
+
+    def drain() -> None:
+        time.sleep(0.05)
+        assert a.recv(junk, socket.MSG_WAITALL) == b"j" * junk
+        got.append(read_frame(a))
+
+    t = threading.Thread(target=drain)
+    t.start()
+    try:
+        conn.send({"ok": True, "result": {"n": 2}})
+    finally:
+        t.join()
+    assert got == [{"ok": True, "result": {"n": 2}}]
+
+
+def test_an_answer_larger_than_the_socket_buffer_is_sent_whole(
+    ctx: HelperContext, guards: Guards, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """The first write takes what the socket buffer holds; the rest goes under the frame timeout."""
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    a.sendall(encode_frame(1))
+    assert conn.read_request() == 1
+    doc = {"ok": True, "result": {"s": "z" * (2 * 1024 * 1024)}}
+    got: list[Any] = []
+    t = threading.Thread(target=lambda: got.append(read_frame(a)))
+    t.start()
+    try:
+        conn.send(doc)
+    finally:
+        t.join()
+    assert got == [doc]
+    assert b.gettimeout() == server.FRAME_TIMEOUT_S
+
+
+@pytest.mark.parametrize("first_read", [True, False])
+def test_an_answer_not_taken_times_out_after_the_frame_timeout(
+    ctx: HelperContext,
+    guards: Guards,
+    pair: tuple[socket.socket, socket.socket],
+    monkeypatch: pytest.MonkeyPatch,
+    first_read: bool,
+) -> None:
+    """A peer that reads nothing: the answer's rest waits FRAME_TIMEOUT_S, not the idle timeout."""
+    monkeypatch.setattr(server, "FRAME_TIMEOUT_S", 0.05)
+    a, b = pair
+    conn = connection(ctx, guards, b)
+    if first_read:
+        a.sendall(encode_frame(1))
+        assert conn.read_request() == 1
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError):
+        conn.send({"ok": True, "result": {"s": "z" * (3 * 1024 * 1024)}})
+    assert time.monotonic() - t0 < 5
+    assert b.gettimeout() == 0.05
 
 
 # --- answering ----------------------------------------------------------------------------------------------

@@ -161,7 +161,11 @@ def no_roots_possible(ctx: HelperContext, presented: object | None) -> bool:
     if cfg.join_signing_key_pin is not None or cfg.command_root_sha256 or presented is not None:
         return False
     root = str(ctx.root)  # string joins: this runs on every hold write (pathlib's parsing is not free)
-    return not any(os.path.lexists(root + p) for p in (JOIN_RECORD_PATH, INTENT_STATE_PATH))
+    # os.access(F_OK, not following) is lexists without raising and catching an exception for a file that
+    # is not there (the usual answer): ~1 us against ~4 a path.
+    return not any(
+        os.access(root + p, os.F_OK, follow_symlinks=False) for p in (JOIN_RECORD_PATH, INTENT_STATE_PATH)
+    )
 
 
 class AuditAhead(Protocol):
