@@ -35,9 +35,10 @@ ID_IN_TEXT = re.compile(
 # A test function's name may name several areas and mix lists and ranges after the first id
 # (`test_HST_SYS_09_RMV_09_...`, `test_HST_K8S_07_to_13_16_...`): its upper-case prefix is read token by
 # token, an area token switching the area for the numbers after it. The prefix runs on over a lower-case
-# `_to_` followed by a number (a range), and ends at any other lower-case word.
+# `_to_` followed by a number (a range), and ends at any other lower-case word, including one that starts
+# with digits (`test_HST_HP_09_1g_...` names HST-HP-09: `1g` is a page size, not an id).
 TEST_NAME = re.compile(
-    r"\bdef test_((?:DLV|DEV|HST)_[A-Z0-9_]+?(?:_to_\d+[A-Z0-9_]*?)*)(?=_[a-z]|\(|$)", re.M
+    r"\bdef test_((?:DLV|DEV|HST)_[A-Z0-9_]+?(?:_to_\d+[A-Z0-9_]*?)*)(?=_\d*[a-z]|\(|$)", re.M
 )
 CATALOGUES = ("delivery.md", "devices.md", "host.md")
 
