@@ -560,7 +560,10 @@ def _join(system: object, tokens: FakeTokens | None = None) -> None:
         )  # type: ignore[arg-type]
 
 
-def test_HST_K8S_14_to_45_join_from_a_bare_host(tmp_path: Path) -> None:
+def test_HST_K8S_14_15_17_22_25_26_32_36_45_join_from_a_bare_host(tmp_path: Path) -> None:
+    """A join end to end on the simulated host. It names only what it checks word for word; the other
+    steps of the join (the keyring, the sysctls, the drop-in, the JoinConfiguration, the record's fields,
+    the labels) have their own tests in tests/host/test_k8s_edges.py and test_host_compliance*.py."""
     root, system = make_host(tmp_path)
     tokens = FakeTokens()
     ctx = UnitContext(allowed_clusters=ALLOWED, identity_labels=(("bcd.dev/node-id", "n-1"),))
@@ -644,7 +647,7 @@ def test_HST_K8S_20_21_missing_packages_terminal(tmp_path: Path) -> None:
     assert "no Kubernetes packages for alpine" in run(system, "k8s-join", K8S).issues[0].message
 
 
-def test_HST_K8S_61_to_67_removal_and_return(tmp_path: Path) -> None:
+def test_HST_K8S_61_63_65_66_removal_and_return(tmp_path: Path) -> None:
     """Covers HST-RMV-14 (with test_HST_K8S_67_not_joined_by_bcd_changes_nothing): removal undoes the hold
     only on a node bcd joined; under the helper the clean is a settings-less host.unit
     (tests/host/test_host_compliance_round2.py, test_HST_RMV_14_...)."""
