@@ -184,7 +184,9 @@ def test_DLV_EVT_02_seq_never_reused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- server time mark
 
 
-def test_DLV_JRN_11_to_13_server_time_mark(tmp_path: Path) -> None:
+def test_DLV_JRN_12_13_server_time_mark(tmp_path: Path) -> None:
+    """The journal's rules for the mark; that the node feeds it every Welcome and heartbeat (DLV-JRN-11)
+    is tests/session/test_session_core.py's test_DLV_JRN_11_14_…."""
     with Journal.open(tmp_path / "d", boot_id="b") as j:
         assert j.observe_server_time(1000.0) == 1000.0
         assert j.observe_server_time(900.0) == 1000.0  # only forward
@@ -253,6 +255,11 @@ def test_DLV_REC_15_sweep_keeps_every_entry_of_the_running_process_however_old(t
 
 
 def test_DLV_JRN_08_to_10_exec_tickets(tmp_path: Path) -> None:
+    """The rules on a set of 3; the contract's bound is 10,000, and no config may raise it."""
+    with Journal.open(tmp_path / "default", boot_id="b") as j:
+        assert j.bounds[2] == 10_000
+    with pytest.raises(BoundError, match="max_tickets: 10001 is above the contract's limit 10000"):
+        Journal.open(tmp_path / "default", boot_id="b", max_tickets=10_001)
     clock = Clock(1000.0)
     with Journal.open(tmp_path / "d", boot_id="b", max_tickets=3, clock=clock) as j:
         j.use_exec_ticket("a", 1100.0)
