@@ -469,7 +469,7 @@ def test_HST_SHARE_04_05_07_to_13_16_mps_and_timeslice(tmp_path: Path) -> None:
     file gets, a stopped service started again and nothing else (MPSDown NotRunning while down),
     timeslice removing the service."""
     root, system = make_host(tmp_path)
-    r = run(system, "gpu-sharing", {"mode": "mps", "replicas": 7})
+    r = run(system, "gpu-sharing", {"mode": "mps", "replicas": 6})
     assert r.ok and r.conditions == ()
     unit = system.read_text("/etc/systemd/system/bcd-mps.service") or ""
     for line in (
@@ -477,7 +477,7 @@ def test_HST_SHARE_04_05_07_to_13_16_mps_and_timeslice(tmp_path: Path) -> None:
         "Environment=CUDA_MPS_LOG_DIRECTORY=/var/log/nvidia-mps",
         "ExecStartPre=/usr/bin/nvidia-smi -c EXCLUSIVE_PROCESS",
         "ExecStopPost=/usr/bin/nvidia-smi -c DEFAULT",
-        "set_default_active_thread_percentage 14",
+        "set_default_active_thread_percentage 16",  # floor(100 / 6), not 17
         "Restart=on-failure",
         "RestartSec=5",
     ):
@@ -485,9 +485,9 @@ def test_HST_SHARE_04_05_07_to_13_16_mps_and_timeslice(tmp_path: Path) -> None:
     # HST-SHARE-05: a new unit file is loaded, enabled and (re)started, in that order
     log = (root / "var/lib/bcd-sim/systemd/log").read_text().splitlines()
     assert log == ["daemon-reload", "enable bcd-mps.service", "restart bcd-mps.service"]
-    assert plan(system, "gpu-sharing", {"mode": "mps", "replicas": 7}).converged
+    assert plan(system, "gpu-sharing", {"mode": "mps", "replicas": 6}).converged
     system.run(["systemctl", "stop", "bcd-mps.service"])
-    p = plan(system, "gpu-sharing", {"mode": "mps", "replicas": 7})
+    p = plan(system, "gpu-sharing", {"mode": "mps", "replicas": 6})
     assert [(c.type, c.reason) for c in p.conditions] == [("MPSDown", "NotRunning")]
     assert [s.describe() for s in p.steps] == ["run systemctl start bcd-mps.service"]
     run(system, "gpu-sharing", {"mode": "timeslice", "replicas": 4})

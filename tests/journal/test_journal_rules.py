@@ -212,6 +212,8 @@ def test_DLV_REC_13_to_15_sweep(tmp_path: Path) -> None:
     j.complete("old-unacked", Outcome.FAILED, code="internal")
     j.accept_command(cmd("left-safe", RETRY_SAFE))
     j.accept_command(cmd("left-unsafe", NOT_RETRY_SAFE))
+    j.accept_command(cmd("left-running", NOT_RETRY_SAFE))
+    j.mark_running("left-running")
     data = crash_copy(j, tmp_path / "b")
     with Journal.open(data, boot_id="b", clock=clock) as j2:
         j2.accept_command(cmd("mine"))  # this process's entry: never swept
@@ -219,8 +221,8 @@ def test_DLV_REC_13_to_15_sweep(tmp_path: Path) -> None:
         j2.accept_command(cmd("recent-left"))
         assert j2.sweep(clock.t + RETENTION_S - 20) == 0  # nothing is 7 days old yet
         clock.t += RETENTION_S + 1
-        assert j2.sweep() == 3  # old-done, left-safe, left-unsafe
-        ids = {c for c in ("old-done", "old-unacked", "left-safe", "left-unsafe", "mine")}
+        assert j2.sweep() == 4  # old-done, left-safe, left-unsafe, left-running
+        ids = {c for c in ("old-done", "old-unacked", "left-safe", "left-unsafe", "left-running", "mine")}
         assert {c for c in ids if j2.get_command(c) is not None} == {"old-unacked", "mine"}
         # an unacked result is kept until acked, then swept
         j2.ack_results(["old-unacked"])
