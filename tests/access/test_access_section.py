@@ -84,8 +84,8 @@ def test_DLV_ACC_05_06_plan_apply_plan_again_is_empty(sim_root: Path) -> None:
 
 def test_DLV_ACC_01_to_04_06_08_direct_executor_on_the_simulated_host(sim_root: Path) -> None:
     """Covers DLV-ACC-01..04 (the CA keys, this node's principals only, the KRL and the drop-in, under
-    /etc/ssh), DLV-ACC-06 and DLV-ACC-08 (the JWKS taken anew on a pass that changes no file). A reload on
-    a change that leaves the drop-in alone (DLV-ACC-05) is the plan tests'."""
+    /etc/ssh), DLV-ACC-06 and DLV-ACC-08 (the JWKS taken anew on a pass that changes no file). No reload
+    on a change that leaves the drop-in alone is the plan tests'."""
     sshd_active(sim_root)
     system = sim_system(sim_root)
     sec = ax.AccessSection(ax.DirectExecutor(system), NODE)

@@ -123,8 +123,8 @@ def test_DLV_TMO_06_unregistered_kind_gets_15_minutes() -> None:
 
 
 def test_lanes_of_a_few_kinds_and_the_upgrade_kinds_role() -> None:
-    """A table check, naming no id: the lanes (DLV-LANE-01..03) are asserted by the credit each kind holds
-    in test_each_kind_row_is_what_the_dispatcher_does."""
+    """A table check, naming no id: the lanes are asserted by the credit each kind holds in
+    test_each_kind_row_is_what_the_dispatcher_does."""
     assert KINDS["gpu.reset"].lane is Lane.CONTROL and KINDS["disk.wipe"].lane is Lane.PROVISION
     assert KINDS["logs.collect"].lane is Lane.BULK
     assert Role.NODE in KINDS[UPGRADE_KIND].roles

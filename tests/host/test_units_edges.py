@@ -878,8 +878,8 @@ NODE_POOL = "/sys/devices/system/node/node{}/hugepages/hugepages-{}/nr_hugepages
 
 
 def test_HST_HP_01_02_03_settings_at_their_limits() -> None:
-    """perNuma's type is refused here too; what it means (HST-HP-04) is asserted by
-    test_HST_HP_04_plan_thp_and_2m_pools_global_and_per_numa."""
+    """perNuma's type is refused here too; what it means is asserted by the plan test of the 2 MiB pools
+    global and per NUMA node."""
     from bcd_shared.units.hugepages import HugepagesSettings
 
     assert decoded("hugepages", {"pages2m": 16777216, "pages1g": 0}) == HugepagesSettings(16777216, 0)

@@ -143,7 +143,7 @@ def test_DLV_REC_07_09_10_recover_after_crash(tmp_path: Path) -> None:
     """Each Resolve row of an earlier process, then Recover's settlement; also DLV-REC-02 (another
     incarnation's entry is re-executed, not re-attached, until this process accepts it again) and
     DLV-REC-17 (the rebooted result's previous boot id). That a retry-safe entry re-executes only after
-    the acceptance checks (DLV-REC-08) is the dispatcher's test."""
+    the acceptance checks is the dispatcher's test (tests/dispatch/test_dispatcher.py)."""
     j = Journal.open(tmp_path / "a", boot_id="boot1")
     j.accept_command(cmd("reboot-running", REBOOT, "node.reboot"))
     j.mark_running("reboot-running")

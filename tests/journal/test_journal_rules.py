@@ -185,8 +185,8 @@ def test_DLV_EVT_02_seq_never_reused(tmp_path: Path) -> None:
 
 
 def test_DLV_JRN_12_13_server_time_mark(tmp_path: Path) -> None:
-    """The journal's rules for the mark; that the node feeds it every Welcome and heartbeat (DLV-JRN-11)
-    is tests/session/test_session_core.py's test_DLV_JRN_11_14_…."""
+    """The journal's rules for the mark; that the node feeds it every Welcome and heartbeat is shown by
+    the mirroring test in tests/session/test_session_core.py."""
     with Journal.open(tmp_path / "d", boot_id="b") as j:
         assert j.observe_server_time(1000.0) == 1000.0
         assert j.observe_server_time(900.0) == 1000.0  # only forward
