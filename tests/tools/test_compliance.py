@@ -140,10 +140,9 @@ def test_an_area_with_digits_is_read_everywhere(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     (repo / "tests").mkdir(parents=True)
     (repo / "docs").mkdir()
-    (repo / "tests" / "test_k.py").write_text(
-        "def test_HST_K8S_14_to_15_join():\n    pass\n"
-        'def test_other():\n    """Covers DEV-K8S-03."""\n'
-    )
+    lines = ["def test_HST_K8S_14_to_15_join():", "    pass"]
+    lines += ["def test_other():", '    """Covers DEV-K8S-03."""']
+    (repo / "tests" / "test_k.py").write_text("\n".join(lines) + "\n")
     (repo / "docs" / "k8s.md").write_text("Q-HST-K8S-01: decided, because ...\n")
     spec = tmp_path / "spec"
     spec.mkdir()
