@@ -749,7 +749,7 @@ def test_HST_K8S_46_to_48_taint_drift_condition_word_for_word() -> None:
 # -- plan: release
 
 
-def test_HST_K8S_61_64_67_release_planned_only_on_a_node_bcd_joined() -> None:
+def test_HST_K8S_61_67_release_planned_only_on_a_node_bcd_joined() -> None:
     s = settings()
     rec = record_of(s, name="n-7")
     pods = (("ml", "train"),)
