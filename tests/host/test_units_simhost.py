@@ -648,9 +648,9 @@ def test_HST_K8S_20_21_missing_packages_terminal(tmp_path: Path) -> None:
 
 
 def test_HST_K8S_61_63_65_66_removal_and_return(tmp_path: Path) -> None:
-    """Covers HST-RMV-14 (with test_HST_K8S_67_not_joined_by_bcd_changes_nothing): removal undoes the hold
-    only on a node bcd joined; under the helper the clean is a settings-less host.unit
-    (tests/host/test_host_compliance_round2.py, test_HST_RMV_14_...)."""
+    """Covers HST-RMV-14 (with the not-joined-by-bcd test below): removal undoes the hold only on a node
+    bcd joined; under the helper the clean is a settings-less host.unit
+    (tests/host/test_host_compliance_round2.py)."""
     root, system = make_host(tmp_path)
     for _ in range(2):
         run(system, "k8s-join", K8S)
