@@ -215,7 +215,7 @@ def test_a_memory_snapshot_pauses_and_holds_the_flat_disk_and_the_vmms_state_dlv
 def test_a_memory_restore_is_vm_restore_with_net_fds_then_resume_dlv_ch_38_dlv_chu_07_dlv_bal_15(
     host: tuple[CloudHypervisorRuntime, Recorder, Image],
 ) -> None:
-    """DLV-CH-38, DLV-CHU-07, DLV-CHU-08, DLV-BAL-15, DLV-CH-36 (DLV-LIBVIRT-25), DLV-CH-07: a tar
+    """DLV-CH-38, DLV-CHU-07, DLV-CHU-08, DLV-BAL-15, DLV-CH-36 (as libvirt-kvm unpacks), DLV-CH-07: a tar
     of a VM whose balloon was inflated restores into a new instance: the directory holds the disk,
     the seed and the VMM's files, vm.json says restored with no base image; its first start is
     vm.restore from bcd's rebuilt config.json (NICs by id and MAC, no tap name, bcd's empty balloon,
