@@ -160,7 +160,7 @@ def test_DEV_K8S_07_unreachable_kubelet_counts_as_held(make_host, tmp_path: Path
 
 
 def test_DEV_K8S_16_unreadable_file_procedure_and_marker_removal(make_host, kubelet: FakeKubelet) -> None:  # type: ignore[no-untyped-def]
-    """Covers DEV-K8S-14..19, DEV-CONF-09, DEV-BUSY-06."""
+    """Covers DEV-K8S-14..16, DEV-K8S-18, DEV-CONF-09, DEV-BUSY-06."""
     host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
     host.path(DATA_DIR).mkdir(parents=True, exist_ok=True)
     host.path(f"{DATA_DIR}/releasing.json").write_text("{not json")
@@ -179,6 +179,24 @@ def test_DEV_K8S_16_unreadable_file_procedure_and_marker_removal(make_host, kube
     out = host.run(DevicesSpec(2, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G1),)),)))
     assert out.state is SectionState.CONVERGED and out.conditions == ()
     assert not host.path(f"{DATA_DIR}/releasing.unreadable").exists() and aside[0].exists()
+
+
+def test_DEV_K8S_19_removing_the_marker_by_hand_ends_the_claim(make_host, kubelet: FakeKubelet) -> None:  # type: ignore[no-untyped-def]
+    """A pod still holds a bcd GPU of an allocation this node does not know, so bcd keeps the marker and
+    every GPU stays claimed; the operator deletes it by hand, and the next pass binds."""
+    host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
+    host.path(DATA_DIR).mkdir(parents=True, exist_ok=True)
+    host.path(f"{DATA_DIR}/releasing.json").write_text("{not json")
+    kubelet.pods = [("ghost", "bcd.dev/gpu", [f"{G1}_s9"])]
+    spec = DevicesSpec(1, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G1),)),))
+    marker = host.path(f"{DATA_DIR}/releasing.unreadable")
+    for _ in range(2):
+        out = host.run(spec)
+        assert out.state is not SectionState.CONVERGED and marker.exists()
+    marker.unlink()
+    out = host.run(spec)
+    assert out.state is SectionState.CONVERGED and out.conditions == ()
+    assert host.path("/etc/cdi/bcd-h1.json").exists()
 
 
 def test_DEV_BUSY_gpu_reset_checks_then_resets_and_reads_health(host: Host) -> None:
