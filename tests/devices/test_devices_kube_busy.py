@@ -7,6 +7,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,10 +138,14 @@ def test_DEV_K8S_02_release_waits_for_pods_then_reports(make_host, kubelet: Fake
     host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
     kubelet.pods = [("trainer", "bcd.dev/gpu", [f"{G0}_s1"])]
     host.run(DevicesSpec(1, (kube_hold("k1", f"{G0}/s1"),)))
+    assert host.path("/run/bcd/allocations/k1.env").exists()
     out = host.run(DevicesSpec(2, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G0),)),)))
     assert out.state is SectionState.FAILED and out.message == f"h1: {G0} has {G0}/s1 assigned to k1"
     assert not host.path("/etc/cdi/bcd-k1.json").exists()  # withdrawn at once
+    assert not host.path("/run/bcd/allocations/k1.env").exists()
     record = json.loads(host.path(f"{DATA_DIR}/releasing.json").read_text())
+    assert record["releases"][0]["device_ids"] == [f"{G0}/s1"]
+    assert abs(record["releases"][0]["since"] - time.time()) < 600
     assert record["releases"][0]["allocation_id"] == "k1" and record["releases"][0]["generation"] == 2
     assert (host.path(f"{DATA_DIR}/releasing.json").stat().st_mode & 0o777) == 0o600
     assert host.events("ReleasedEvent") == []
@@ -149,6 +154,13 @@ def test_DEV_K8S_02_release_waits_for_pods_then_reports(make_host, kubelet: Fake
     [rel] = host.events("ReleasedEvent")
     assert rel.allocation_id == "k1" and rel.generation == 2  # type: ignore[attr-defined]
     assert json.loads(host.path(f"{DATA_DIR}/releasing.json").read_text())["releases"] == []
+    # A plain hold, by contrast, is released in the pass that sees it gone, whatever the kube side says.
+    kubelet.pods = [("trainer", "bcd.dev/gpu", [f"{G0}_s1"])]
+    plain = DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G0),))
+    assert host.run(DevicesSpec(4, (plain,))).state is SectionState.CONVERGED
+    assert host.run(DevicesSpec(5, ())).state is SectionState.CONVERGED
+    assert [e.allocation_id for e in host.events("ReleasedEvent")] == ["k1", "h1"]  # type: ignore[attr-defined]
+    assert not host.path("/etc/cdi/bcd-h1.json").exists()
 
 
 def test_DEV_K8S_07_unreachable_kubelet_counts_as_held(make_host, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
