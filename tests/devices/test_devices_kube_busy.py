@@ -163,6 +163,27 @@ def test_DEV_K8S_02_release_waits_for_pods_then_reports(make_host, kubelet: Fake
     assert not host.path("/etc/cdi/bcd-h1.json").exists()
 
 
+def test_DEV_K8S_06_a_whole_gpu_stays_held_while_a_pod_process_runs_on_it(
+    make_host, kubelet: FakeKubelet
+) -> None:  # type: ignore[no-untyped-def]
+    """The kubelet lists no pod, but a compute process in a `kubepods` cgroup runs on the whole GPU: the
+    release waits; once that process is in another cgroup, it is reported."""
+    host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
+    host.run(DevicesSpec(1, (kube_hold("k1", G0),)))
+    kubelet.pods = []
+    update_state(
+        host.root, lambda s: s["gpus"][0].update(processes=[{"pid": 4343, "name": "py", "used_mib": 9}])
+    )
+    cgroup = host.path("/proc/4343/cgroup")
+    cgroup.parent.mkdir(parents=True, exist_ok=True)
+    cgroup.write_text("0::/kubepods.slice/kubepods-besteffort.slice/cri-containerd-ab12.scope\n")
+    host.run(DevicesSpec(2, ()))
+    assert host.events("ReleasedEvent") == []
+    cgroup.write_text("0::/user.slice/user-1000.slice/session-4.scope\n")
+    host.run(DevicesSpec(3, ()))
+    assert [e.allocation_id for e in host.events("ReleasedEvent")] == ["k1"]  # type: ignore[attr-defined]
+
+
 def test_DEV_K8S_07_unreachable_kubelet_counts_as_held(make_host, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """Covers DEV-K8S-07 and the 30-second recheck (PROGRESSING while pending, DEV-K8S-10)."""
     host: Host = make_host(pod_resources=PodResourcesClient(str(tmp_path / "nothing.sock")))
