@@ -82,8 +82,10 @@ def test_DLV_ACC_05_06_plan_apply_plan_again_is_empty(sim_root: Path) -> None:
     assert steps[0] == acc.Remove(acc.SSHD_DROPIN) and steps[-1] == acc.Reload()
 
 
-def test_DLV_ACC_01_to_06_08_direct_executor_on_the_simulated_host(sim_root: Path) -> None:
-    """Covers DLV-ACC-01..06 and DLV-ACC-08 (the JWKS taken anew on a pass that changes no file)."""
+def test_DLV_ACC_01_to_04_06_08_direct_executor_on_the_simulated_host(sim_root: Path) -> None:
+    """Covers DLV-ACC-01..04 (the CA keys, this node's principals only, the KRL and the drop-in, under
+    /etc/ssh), DLV-ACC-06 and DLV-ACC-08 (the JWKS taken anew on a pass that changes no file). No reload
+    on a change that leaves the drop-in alone is the plan tests'."""
     sshd_active(sim_root)
     system = sim_system(sim_root)
     sec = ax.AccessSection(ax.DirectExecutor(system), NODE)
@@ -96,8 +98,15 @@ def test_DLV_ACC_01_to_06_08_direct_executor_on_the_simulated_host(sim_root: Pat
     changed, what, state = run(sec, desired)
     assert changed and state is SectionState.CONVERGED and "reload ssh.service" in what
     files = acc.render([K1], [f"alice@{NODE}", "bob@node-b"], [5], NODE).files
+    assert sorted(files) == sorted([acc.SSHD_CA, acc.principals_path("alice"), acc.SSHD_KRL, acc.SSHD_DROPIN])
+    assert all(path.startswith("/etc/ssh/") for path in files)
     for path, data in files.items():
         assert system.read_bytes(path) == data
+    assert K1 in (system.read_text(acc.SSHD_CA) or "")
+    assert (system.read_text(acc.principals_path("alice")) or "").split() == [f"alice@{NODE}"]
+    krl = system.read_bytes(acc.SSHD_KRL) or b""
+    assert krl.startswith(acc.KRL_MAGIC) and krl.endswith((5).to_bytes(8, "big"))  # the one serial, last
+    assert system.read_text(acc.SSHD_DROPIN) == acc.DROPIN_TEXT
     assert system.read_bytes(acc.principals_path("bob")) is None
     assert sec.current_jwks() == '{"keys":[]}'
     # Nothing changes in the files, the JWKS is taken anew anyway (DLV-ACC-08).

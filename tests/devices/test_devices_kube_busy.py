@@ -7,6 +7,7 @@ import contextlib
 import json
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -137,10 +138,14 @@ def test_DEV_K8S_02_release_waits_for_pods_then_reports(make_host, kubelet: Fake
     host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
     kubelet.pods = [("trainer", "bcd.dev/gpu", [f"{G0}_s1"])]
     host.run(DevicesSpec(1, (kube_hold("k1", f"{G0}/s1"),)))
+    assert host.path("/run/bcd/allocations/k1.env").exists()
     out = host.run(DevicesSpec(2, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G0),)),)))
     assert out.state is SectionState.FAILED and out.message == f"h1: {G0} has {G0}/s1 assigned to k1"
     assert not host.path("/etc/cdi/bcd-k1.json").exists()  # withdrawn at once
+    assert not host.path("/run/bcd/allocations/k1.env").exists()
     record = json.loads(host.path(f"{DATA_DIR}/releasing.json").read_text())
+    assert record["releases"][0]["device_ids"] == [f"{G0}/s1"]
+    assert abs(record["releases"][0]["since"] - time.time()) < 600
     assert record["releases"][0]["allocation_id"] == "k1" and record["releases"][0]["generation"] == 2
     assert (host.path(f"{DATA_DIR}/releasing.json").stat().st_mode & 0o777) == 0o600
     assert host.events("ReleasedEvent") == []
@@ -149,6 +154,34 @@ def test_DEV_K8S_02_release_waits_for_pods_then_reports(make_host, kubelet: Fake
     [rel] = host.events("ReleasedEvent")
     assert rel.allocation_id == "k1" and rel.generation == 2  # type: ignore[attr-defined]
     assert json.loads(host.path(f"{DATA_DIR}/releasing.json").read_text())["releases"] == []
+    # A plain hold, by contrast, is released in the pass that sees it gone, whatever the kube side says.
+    kubelet.pods = [("trainer", "bcd.dev/gpu", [f"{G0}_s1"])]
+    plain = DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G0),))
+    assert host.run(DevicesSpec(4, (plain,))).state is SectionState.CONVERGED
+    assert host.run(DevicesSpec(5, ())).state is SectionState.CONVERGED
+    assert [e.allocation_id for e in host.events("ReleasedEvent")] == ["k1", "h1"]  # type: ignore[attr-defined]
+    assert not host.path("/etc/cdi/bcd-h1.json").exists()
+
+
+def test_DEV_K8S_06_a_whole_gpu_stays_held_while_a_pod_process_runs_on_it(
+    make_host, kubelet: FakeKubelet
+) -> None:  # type: ignore[no-untyped-def]
+    """The kubelet lists no pod, but a compute process in a `kubepods` cgroup runs on the whole GPU: the
+    release waits; once that process is in another cgroup, it is reported."""
+    host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
+    host.run(DevicesSpec(1, (kube_hold("k1", G0),)))
+    kubelet.pods = []
+    update_state(
+        host.root, lambda s: s["gpus"][0].update(processes=[{"pid": 4343, "name": "py", "used_mib": 9}])
+    )
+    cgroup = host.path("/proc/4343/cgroup")
+    cgroup.parent.mkdir(parents=True, exist_ok=True)
+    cgroup.write_text("0::/kubepods.slice/kubepods-besteffort.slice/cri-containerd-ab12.scope\n")
+    host.run(DevicesSpec(2, ()))
+    assert host.events("ReleasedEvent") == []
+    cgroup.write_text("0::/user.slice/user-1000.slice/session-4.scope\n")
+    host.run(DevicesSpec(3, ()))
+    assert [e.allocation_id for e in host.events("ReleasedEvent")] == ["k1"]  # type: ignore[attr-defined]
 
 
 def test_DEV_K8S_07_unreachable_kubelet_counts_as_held(make_host, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -160,7 +193,7 @@ def test_DEV_K8S_07_unreachable_kubelet_counts_as_held(make_host, tmp_path: Path
 
 
 def test_DEV_K8S_16_unreadable_file_procedure_and_marker_removal(make_host, kubelet: FakeKubelet) -> None:  # type: ignore[no-untyped-def]
-    """Covers DEV-K8S-14..19, DEV-CONF-09, DEV-BUSY-06."""
+    """Covers DEV-K8S-14..16, DEV-K8S-18, DEV-CONF-09, DEV-BUSY-06."""
     host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
     host.path(DATA_DIR).mkdir(parents=True, exist_ok=True)
     host.path(f"{DATA_DIR}/releasing.json").write_text("{not json")
@@ -179,6 +212,24 @@ def test_DEV_K8S_16_unreadable_file_procedure_and_marker_removal(make_host, kube
     out = host.run(DevicesSpec(2, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G1),)),)))
     assert out.state is SectionState.CONVERGED and out.conditions == ()
     assert not host.path(f"{DATA_DIR}/releasing.unreadable").exists() and aside[0].exists()
+
+
+def test_DEV_K8S_19_removing_the_marker_by_hand_ends_the_claim(make_host, kubelet: FakeKubelet) -> None:  # type: ignore[no-untyped-def]
+    """A pod still holds a bcd GPU of an allocation this node does not know, so bcd keeps the marker and
+    every GPU stays claimed; the operator deletes it by hand, and the next pass binds."""
+    host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
+    host.path(DATA_DIR).mkdir(parents=True, exist_ok=True)
+    host.path(f"{DATA_DIR}/releasing.json").write_text("{not json")
+    kubelet.pods = [("ghost", "bcd.dev/gpu", [f"{G1}_s9"])]
+    spec = DevicesSpec(1, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G1),)),))
+    marker = host.path(f"{DATA_DIR}/releasing.unreadable")
+    for _ in range(2):
+        out = host.run(spec)
+        assert out.state is not SectionState.CONVERGED and marker.exists()
+    marker.unlink()
+    out = host.run(spec)
+    assert out.state is SectionState.CONVERGED and out.conditions == ()
+    assert host.path("/etc/cdi/bcd-h1.json").exists()
 
 
 def test_DEV_BUSY_gpu_reset_checks_then_resets_and_reads_health(host: Host) -> None:

@@ -43,7 +43,10 @@ def _seed_rows() -> dict[str, tuple[str, set[str], set[str]]]:
     return rows
 
 
-def test_DLV_KIND_01_to_21_table_matches_the_seed() -> None:
+def test_the_kind_table_matches_the_seed() -> None:
+    """KINDS row for row against the seed's table. It names no id: a table compared with a table shows
+    nothing the code does; test_each_kind_row_is_what_the_dispatcher_does asserts each row (DLV-KIND-…)
+    through the dispatcher."""
     require_shared(SEED)
     seed = _seed_rows()
     assert len(seed) == 20
@@ -119,7 +122,9 @@ def test_DLV_TMO_06_unregistered_kind_gets_15_minutes() -> None:
     assert timeout_for("vendor.unknown") == DEFAULT_TIMEOUT_S == 15 * MIN
 
 
-def test_DLV_LANE_01_to_03_lanes_of_kinds() -> None:
+def test_lanes_of_a_few_kinds_and_the_upgrade_kinds_role() -> None:
+    """A table check, naming no id: the lanes are asserted by the credit each kind holds in
+    test_each_kind_row_is_what_the_dispatcher_does."""
     assert KINDS["gpu.reset"].lane is Lane.CONTROL and KINDS["disk.wipe"].lane is Lane.PROVISION
     assert KINDS["logs.collect"].lane is Lane.BULK
     assert Role.NODE in KINDS[UPGRADE_KIND].roles
@@ -136,6 +141,9 @@ def test_DLV_LANE_01_to_03_lanes_of_kinds() -> None:
 # effect handler: this build has no handler for most of them, and the rules are the dispatcher's.
 
 KIND_ROWS = [
+    ("DLV-KIND-02", "inventory.refresh", "control", "node site ramdisk", "retry-safe"),
+    ("DLV-KIND-03", "diag.nvml", "control", "node ramdisk", "retry-safe attested"),
+    ("DLV-KIND-04", "gpu.reset", "control", "node", "attested destructive"),
     ("DLV-KIND-05", "node.reboot", "control", "node site", "retry-safe self-terminating destructive"),
     ("DLV-KIND-06", "bmc.query", "control", "site", "retry-safe"),
     ("DLV-KIND-07", "bmc.boot", "control", "site", "retry-safe destructive"),
@@ -149,7 +157,10 @@ KIND_ROWS = [
     ("DLV-KIND-15", "boot.kexec", "control", "ramdisk", "self-terminating"),
     ("DLV-KIND-16", "disk.wipe", "provision", "ramdisk", "attested destructive"),
     ("DLV-KIND-17", "deploy.image", "provision", "ramdisk", "destructive"),
+    ("DLV-KIND-18", "diag.dcgm", "provision", "node ramdisk", "retry-safe attested"),
     ("DLV-KIND-19", "driver.invoke", "provision", "node site ramdisk", "destructive"),
+    ("DLV-KIND-20", "logs.collect", "bulk", "node site ramdisk", "retry-safe"),
+    ("DLV-KIND-21", "instance.snapshot", "bulk", "node", ""),
 ]
 
 
@@ -179,7 +190,11 @@ async def _run_once(h: Any, kind: str, log: Path, *, crash: bool = False) -> tup
 async def test_each_kind_row_is_what_the_dispatcher_does(
     tmp_path: Path, pki: Pki, ident: str, kind: str, lane: str, roles: str, flags: str
 ) -> None:
-    """Covers DLV-KIND-05..17 and DLV-KIND-19, one row each (see the comment above KIND_ROWS)."""
+    """Covers DLV-KIND-02..21, one row each (see the comment above KIND_ROWS), and DLV-KIND-01: every
+    kind is UNSUPPORTED on each role outside its row, and runs on each role inside it. Covers DLV-LANE-01,
+    DLV-LANE-02 and DLV-LANE-03: while it runs, each kind holds a credit of its row's lane (control: the
+    diagnostics, inventory, reboots, resets, BMC operations, kexec; provision: disk wipe, image write,
+    DCGM; bulk: log collection) and of no other."""
     words = set(flags.split())
     own = [Role(r) for r in roles.split()]
     for role in Role:

@@ -18,8 +18,8 @@ from bcd_helper.ops.table import OPS
 
 
 def test_host_unit_table_entry_is_30_minutes() -> None:
-    """The table's value only; that the server applies it to the call is HST-HLP-07's test, in
-    test_helper_op_timeout.py."""
+    """The table's value only, naming no id: that the server applies it to the call is
+    test_helper_op_timeout.py's test."""
     assert OPS["host.unit"].timeout_s == 30 * 60
 
 

@@ -467,7 +467,8 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> Seen:
 
 
 def test_host_unit_hands_the_unit_its_context_and_answers_its_result(root: Path, seen: Seen) -> None:
-    """HST-HLP-06: a unit other than mig-layout gets the busy GPUs the node sent, as sent."""
+    """HST-HLP-06: a unit other than mig-layout gets the busy GPUs the node sent, as sent. HST-K8S-57: the
+    unit's allowed clusters are root's config's (the request has no field for them)."""
     import bcd_shared.units as units
 
     pin = "b" * 64

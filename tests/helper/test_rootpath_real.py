@@ -205,9 +205,10 @@ def test_HST_HLP_24_to_30_config_ownership(world_root: Path, node_user: User) ->
     os.chown(cfg.parent, 0, node_user.gid)
     assert load_config(world_root, "/etc/bcd/config.toml").node_uid == node_user.uid
     message = "/etc/bcd/config.toml must be a regular file root owns that no one else can write"
-    os.chmod(cfg, 0o660)
-    with pytest.raises(ConfigError, match=message):
-        load_config(world_root, "/etc/bcd/config.toml")
+    for mode in (0o660, 0o642):  # the group's write bit, then the others'
+        os.chmod(cfg, mode)
+        with pytest.raises(ConfigError, match=message):
+            load_config(world_root, "/etc/bcd/config.toml")
     os.chmod(cfg, 0o640)
     os.chown(cfg, node_user.uid, node_user.gid)
     with pytest.raises(ConfigError, match=message):
@@ -217,6 +218,12 @@ def test_HST_HLP_24_to_30_config_ownership(world_root: Path, node_user: User) ->
     with pytest.raises(ConfigError, match=message):
         load_config(world_root, "/etc/bcd/config.toml")
     os.chmod(cfg.parent, 0o750)
+    etc_mode = (world_root / "etc").stat().st_mode & 0o7777
+    os.chmod(world_root / "etc", 0o777)  # a directory further up that anyone can write
+    with pytest.raises(ConfigError, match=message):
+        load_config(world_root, "/etc/bcd/config.toml")
+    os.chmod(world_root / "etc", etc_mode)
+    assert load_config(world_root, "/etc/bcd/config.toml").node_uid == node_user.uid
     real = world_root / "etc/bcd/real.toml"
     cfg.rename(real)
     cfg.symlink_to("real.toml")

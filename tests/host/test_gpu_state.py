@@ -214,7 +214,7 @@ def _kernel_frees(root: Path, size_kb: int) -> None:
 def test_HST_HP_29_hold_admission_checks_free_pages_against_the_units_pools(tmp_path: Path) -> None:
     """The devices converger's admission reads the pools the hugepages unit configured: holds that fit
     the unit's 1 GiB pages on node 1 bind, one more is refused, and raising the unit's count lets it
-    bind. (An instance start's check of the same pools is DLV-ADM-09..11, tests/instances.)"""
+    bind. (An instance start's check of the same pools is tests/instances' huge-page admission test.)"""
     root, system = make_host(tmp_path)
     host = Host(root)
     assert run(system, "hugepages", {"pages1g": 3, "perNuma": True}).ok

@@ -31,31 +31,44 @@ def executor(system: object) -> DirectExecutor:
 
 
 def test_HST_STAT_reboot_terminal_and_success_reported_per_the_status_table(tmp_path: Path) -> None:
-    """Covers HST-STAT-03/07/08/10/11/12, HST-RBT-02..06, HST-COND-02: one unit waits for a reboot,
-    one fails terminally, one succeeds; PROGRESSING with RebootRequired."""
+    """Covers HST-STAT-03/07/08/10/11/12, HST-RBT-02..05, HST-COND-02: two units wait for a reboot,
+    one fails terminally, one succeeds; PROGRESSING with one RebootRequired naming both waiting units,
+    comma-separated, and carrying both their errors."""
     _, system = make_host(tmp_path)
     spec = section(
-        cpu={"isolate": "8-15"}, gpu_settings={"powerLimitWatts": 9000}, sysctl={"vm.swappiness": 7}
+        cpu={"isolate": "8-15"},
+        iommu={},
+        gpu_settings={"powerLimitWatts": 9000},
+        sysctl={"vm.swappiness": 7},
     )
     out = converge_host(spec, executor(system))
     assert out.state is SectionState.PROGRESSING
-    assert out.message == (
-        'cpu: CPUs 8-15 are isolated from the next boot (now: ""): reboot the node; '
-        "gpu-settings: GPU 0 takes 200 to 700 W, not 9000"
+    cpu = 'cpu: CPUs 8-15 are isolated from the next boot (now: ""): reboot the node'
+    iommu = (
+        "iommu: the IOMMU is on from the next boot (intel_iommu=on iommu=pt): reboot the node; "
+        "check the firmware enables VT-d or AMD-Vi"
     )
+    assert out.message == f"{cpu}; {iommu}; gpu-settings: GPU 0 takes 200 to 700 W, not 9000"
     reboot = [c for c in out.conditions if c.type == "RebootRequired"]
-    assert len(reboot) == 1 and reboot[0].reason == "cpu" and reboot[0].section == "host"
-    assert "reboot the node" in reboot[0].message
+    assert len(reboot) == 1 and reboot[0].reason == "cpu,iommu" and reboot[0].section == "host"
+    assert reboot[0].message == f"{cpu}; {iommu}"
     assert (system.read_text("/proc/sys/vm/swappiness") or "").strip() == "7"  # the good unit converged
     assert out.changed
 
 
 def test_HST_STAT_04_06_all_terminal_is_failed(tmp_path: Path) -> None:
-    """Covers HST-DEC-06: an unknown unit name is that unit's terminal failure, reported by the section."""
+    """Covers HST-DEC-06: an unknown unit name is that unit's terminal failure, reported by the section;
+    HST-DEC-01: the node's section decodes each unit's settings itself, strictly; HST-DEC-05: a unit
+    whose settings fail applies nothing, not even its good keys."""
     _, system = make_host(tmp_path)
+    swappiness = system.read_text("/proc/sys/vm/swappiness")
     out = converge_host(
         HostSection(
-            (("sysctl", '{"kernel.core_pattern": "x"}'), ("gpu-magic", "{}"), ("cpu", '{"governor": "x"}'))
+            (
+                ("sysctl", '{"vm.swappiness": 7, "kernel.core_pattern": "x"}'),
+                ("gpu-magic", "{}"),
+                ("cpu", '{"governor": "x"}'),
+            )
         ),
         executor(system),
     )
@@ -65,7 +78,8 @@ def test_HST_STAT_04_06_all_terminal_is_failed(tmp_path: Path) -> None:
         "cpu: governor: 'x' is not one of performance, schedutil, ondemand, powersave",
         "gpu-magic: not a config unit this bcd knows",
     ]
-    assert not system.exists("/etc/sysctl.d/90-bcd.conf")  # HST-DEC-05: nothing half applied
+    assert not system.exists("/etc/sysctl.d/90-bcd.conf")  # nothing half applied
+    assert system.read_text("/proc/sys/vm/swappiness") == swappiness
 
 
 def test_HST_STAT_13_unit_named_twice_fails_the_section(tmp_path: Path) -> None:

@@ -369,7 +369,7 @@ def test_HST_K8S_33_34_join_configuration_word_for_word() -> None:
     assert bare.endswith('  criSocket: "unix:///run/containerd/containerd.sock"\n  taints: []\n')
 
 
-def test_HST_K8S_26_to_30_containerd_files_word_for_word() -> None:
+def test_HST_K8S_26_to_29_containerd_files_word_for_word() -> None:
     assert (
         containerd_dropin(2)
         == (
@@ -707,7 +707,7 @@ def test_HST_K8S_66_released_node_uncordoned_and_record_rewritten() -> None:
     assert UNIT.plan(s, observed(record=record_of(s))) == Plan()
 
 
-def test_HST_K8S_45_to_48_taint_drift_condition_word_for_word() -> None:
+def test_HST_K8S_46_to_48_taint_drift_condition_word_for_word() -> None:
     s = settings(taints=["gpu=true:NoSchedule", "spot:PreferNoSchedule"])
     registered = [["gpu", "true", "NoSchedule"], ["old", "", "NoExecute"]]
     rec = record_of(s, taints=registered)
@@ -749,7 +749,7 @@ def test_HST_K8S_45_to_48_taint_drift_condition_word_for_word() -> None:
 # -- plan: release
 
 
-def test_HST_K8S_61_64_67_release_planned_only_on_a_node_bcd_joined() -> None:
+def test_HST_K8S_61_67_release_planned_only_on_a_node_bcd_joined() -> None:
     s = settings()
     rec = record_of(s, name="n-7")
     pods = (("ml", "train"),)

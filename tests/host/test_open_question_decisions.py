@@ -101,7 +101,7 @@ def test_HST_SYS_05_39_numbers_and_hardened_values(tmp_path: Path) -> None:
 
 def test_HST_HP_11_update_grub_wins_and_the_drop_in_line(tmp_path: Path) -> None:
     """Q-HST-HP-02: with both tools update-grub is used (grubby is not run); the drop-in appends to
-    GRUB_CMDLINE_LINUX like cpu's. (With neither, the failure is retryable: test_HST_HP_13_….)"""
+    GRUB_CMDLINE_LINUX like cpu's. (With neither, the failure is retryable: the HP-13 test.)"""
     root, system = make_host(tmp_path)
     (root / "usr/sbin/grubby").write_text("#!/bin/sh\n")
     (root / "var/lib/bcd-sim/hugepages-1g-limit").write_text("0\n")
@@ -203,7 +203,7 @@ def test_HST_DRV_13_17_suse_branch_checked_on_the_installed_module(tmp_path: Pat
 
 def test_HST_DRV_01_15_apt_options_and_required_branch() -> None:
     """Q-HST-DRV-03: `--force-confold` travels as `-o Dpkg::Options::=--force-confold`; `branch` is
-    required (the in-use message is pinned by test_HST_DRV_20_…)."""
+    required (the in-use message is pinned by the DRV-20 test)."""
     [update, install] = install_commands(Distro("ubuntu", "24.04", "ubuntu"), ("nvidia-open-570",))
     assert update == ("apt-get", "update")
     assert install[install.index("-o") + 1] == "Dpkg::Options::=--force-confold"

@@ -187,7 +187,7 @@ ROWS: list[tuple[str, str, str, str | None]] = [
     ("rid", "unit", "text", "fragment"), ROWS, ids=[f"{r[0]}-{i}" for i, r in enumerate(ROWS)]
 )
 def test_HST_DEC_settings_rules(rid: str, unit: str, text: str, fragment: str | None) -> None:
-    """Covers HST-DEC-01..05 and each unit's settings rules (ids in the row)."""
+    """Covers HST-DEC-02..04 and each unit's settings rules (ids in the row)."""
     if fragment is None:
         REGISTRY[unit].decode_settings(text)
         return

@@ -589,7 +589,7 @@ UTILS = "nvidia-utils-580-server"
         ("suse", False, [(*ZYPPER, "nvidia-driver-G06-kmp-default", "nvidia-compute-utils-G06")]),
     ],
 )  # fmt: skip
-def test_HST_DRV_10_to_17_install_then_load(
+def test_HST_DRV_10_to_13_15_to_17_install_then_load(
     family: str, open_: bool, commands: list[tuple[str, ...]]
 ) -> None:
     from bcd_shared.units.nvidia import DriverVersion, LoadDriver
@@ -711,11 +711,11 @@ def _boot() -> Any:
         ("2,0-1", "isolate must not include CPU 0 (it keeps the host's housekeeping)"),
     ],
 )
-def test_HST_CPU_02_to_05_isolate_refusals_word_for_word(isolate: str, message: str) -> None:
+def test_HST_CPU_02_04_05_isolate_refusals_word_for_word(isolate: str, message: str) -> None:
     assert refusal("cpu", {"isolate": isolate}) == message
 
 
-def test_HST_CPU_isolate_and_governor_at_their_limits() -> None:
+def test_HST_CPU_01_02_03_isolate_and_governor_at_their_limits() -> None:
     from bcd_shared.units.cpu import CpuSettings, format_cpulist, isolation_args
 
     assert decoded("cpu", {"isolate": "8191"}).isolate == frozenset({8191})
@@ -877,10 +877,18 @@ POOL = "/sys/kernel/mm/hugepages/hugepages-{}/nr_hugepages"
 NODE_POOL = "/sys/devices/system/node/node{}/hugepages/hugepages-{}/nr_hugepages"
 
 
-def test_HST_HP_01_to_04_settings_at_their_limits() -> None:
+def test_HST_HP_01_02_03_settings_at_their_limits() -> None:
+    """perNuma's type is refused here too; what it means is asserted by the plan test of the 2 MiB pools
+    global and per NUMA node."""
     from bcd_shared.units.hugepages import HugepagesSettings
 
     assert decoded("hugepages", {"pages2m": 16777216, "pages1g": 0}) == HugepagesSettings(16777216, 0)
+    assert decoded("hugepages", {"pages2m": 0, "pages1g": 16777216}) == HugepagesSettings(0, 16777216)
+    assert refusal("hugepages", {"pages2m": 16777217}) == "pages2m: 16777217 is outside 0 to 16777216"
+    assert refusal("hugepages", {"pages1g": -1}) == "pages1g: -1 is outside 0 to 16777216"
+    assert refusal("hugepages", {"pages1g": 2.5}) == "pages1g: must be a whole number"
+    for thp in ("always", "madvise", "never"):
+        assert decoded("hugepages", {"transparent": thp}) == HugepagesSettings(None, None, thp, False)
     assert decoded(
         "hugepages", {"pages2m": 4.0, "perNuma": True, "transparent": "never"}
     ) == HugepagesSettings(4, None, "never", True)
@@ -935,9 +943,13 @@ def test_HST_HP_19_20_21_kernel_lacks_are_terminal_together() -> None:
     assert _hp_plan(None, has_1g=False).converged  # HST-RMV-04: nothing is undone
 
 
-def test_HST_HP_plan_thp_and_2m_pools_global_and_per_numa() -> None:
+def test_HST_HP_04_plan_thp_and_2m_pools_global_and_per_numa() -> None:
+    """perNuma is a boolean, and with it the count is each NUMA node's (only node 1 is short here),
+    without it the host total's."""
     from bcd_shared.units._base import WriteKernel
     from bcd_shared.units.hugepages import Set2MPages
+
+    assert refusal("hugepages", {"perNuma": 1}) == "perNuma: must be true or false"
 
     thp = "/sys/kernel/mm/transparent_hugepage/enabled"
     p = _hp_plan({"transparent": "never", "pages2m": 64}, counts=((POOL.format("2048kB"), 32),))

@@ -279,7 +279,7 @@ def test_HST_CPU_13_grubby_and_RMV_11_removal(tmp_path: Path) -> None:
     assert not system.exists("/var/lib/bcd-hostconfig/bootargs/cpu")
 
 
-def test_HST_IOMMU_04_to_10_vendor_arguments(tmp_path: Path) -> None:
+def test_HST_IOMMU_04_07_vendor_arguments(tmp_path: Path) -> None:
     """Covers HST-IOMMU-02 (passthrough adds iommu=pt), HST-IOMMU-03 (the vendor comes from
     /proc/cpuinfo), HST-REC-03 (bootargs/iommu)."""
     root, system = make_host(tmp_path)
@@ -465,10 +465,11 @@ def test_HST_MIG_reset_applies_a_pending_mode(tmp_path: Path) -> None:
 
 
 def test_HST_SHARE_04_05_07_to_13_16_mps_and_timeslice(tmp_path: Path) -> None:
-    """Covers HST-SHARE-06/08/09/10/11/12/13/16: the unit file's lines, a stopped service started
-    again (MPSDown while down), timeslice removing the service."""
+    """Covers HST-SHARE-06/08/09/10/11/12/13/16: the unit file's lines, the systemctl calls a new unit
+    file gets, a stopped service started again and nothing else (MPSDown NotRunning while down),
+    timeslice removing the service."""
     root, system = make_host(tmp_path)
-    r = run(system, "gpu-sharing", {"mode": "mps", "replicas": 7})
+    r = run(system, "gpu-sharing", {"mode": "mps", "replicas": 6})
     assert r.ok and r.conditions == ()
     unit = system.read_text("/etc/systemd/system/bcd-mps.service") or ""
     for line in (
@@ -476,17 +477,19 @@ def test_HST_SHARE_04_05_07_to_13_16_mps_and_timeslice(tmp_path: Path) -> None:
         "Environment=CUDA_MPS_LOG_DIRECTORY=/var/log/nvidia-mps",
         "ExecStartPre=/usr/bin/nvidia-smi -c EXCLUSIVE_PROCESS",
         "ExecStopPost=/usr/bin/nvidia-smi -c DEFAULT",
-        "set_default_active_thread_percentage 14",
+        "set_default_active_thread_percentage 16",  # floor(100 / 6), not 17
         "Restart=on-failure",
         "RestartSec=5",
     ):
         assert line in unit
-    assert plan(system, "gpu-sharing", {"mode": "mps", "replicas": 7}).converged
+    # HST-SHARE-05: a new unit file is loaded, enabled and (re)started, in that order
+    log = (root / "var/lib/bcd-sim/systemd/log").read_text().splitlines()
+    assert log == ["daemon-reload", "enable bcd-mps.service", "restart bcd-mps.service"]
+    assert plan(system, "gpu-sharing", {"mode": "mps", "replicas": 6}).converged
     system.run(["systemctl", "stop", "bcd-mps.service"])
-    p = plan(system, "gpu-sharing", {"mode": "mps", "replicas": 7})
-    assert [c.type for c in p.conditions] == ["MPSDown"] and p.steps[
-        0
-    ].describe() == "run systemctl start bcd-mps.service"
+    p = plan(system, "gpu-sharing", {"mode": "mps", "replicas": 6})
+    assert [(c.type, c.reason) for c in p.conditions] == [("MPSDown", "NotRunning")]
+    assert [s.describe() for s in p.steps] == ["run systemctl start bcd-mps.service"]
     run(system, "gpu-sharing", {"mode": "timeslice", "replicas": 4})
     assert not system.exists("/etc/systemd/system/bcd-mps.service")
     assert "disable --now bcd-mps.service" in (root / "var/lib/bcd-sim/systemd/log").read_text()
@@ -499,12 +502,16 @@ def test_HST_SHARE_03_mps_needs_the_control_daemon(tmp_path: Path) -> None:
     assert r.issues[0].kind == "retryable" and [c.type for c in r.conditions] == ["MPSDown"]
 
 
-def test_HST_CTK_02_to_14_toolkit_and_cdi(tmp_path: Path) -> None:
-    """Covers HST-REC-05: cdi-nvidia.stamp follows what the CDI spec describes."""
-    _, system = make_host(tmp_path)
+def test_HST_CTK_02_07_08_14_toolkit_and_cdi(tmp_path: Path) -> None:
+    """Covers HST-REC-05: cdi-nvidia.stamp follows what the CDI spec describes. The other HST-CTK ids
+    have their own tests (tests/host/test_host_compliance_round3.py, test_host_compliance_units.py)."""
+    root, system = make_host(tmp_path)
     assert system.run(["apt-get", "install", "-y", "containerd"]).ok
+    assert not system.exists("/usr/bin/nvidia-ctk")
     r = run(system, "container-toolkit", {})
     assert r.ok, r.issues
+    assert "nvidia-container-toolkit" in _json(root, "packages.json")  # type: ignore[operator]
+    assert system.exists("/usr/bin/nvidia-ctk")
     assert "nvidia-container-runtime" in (system.read_text("/etc/containerd/config.toml") or "")
     cfg = system.read_text("/etc/nvidia-container-runtime/config.toml") or ""
     assert "accept-nvidia-visible-devices-envvar-when-unprivileged = false" in cfg
@@ -543,7 +550,10 @@ def _join(system: object, tokens: FakeTokens | None = None) -> None:
         )  # type: ignore[arg-type]
 
 
-def test_HST_K8S_14_to_45_join_from_a_bare_host(tmp_path: Path) -> None:
+def test_HST_K8S_14_15_17_22_25_26_32_36_45_join_from_a_bare_host(tmp_path: Path) -> None:
+    """A join end to end on the simulated host. It names only what it checks word for word; the other
+    steps of the join (the keyring, the sysctls, the drop-in, the JoinConfiguration, the record's fields,
+    the labels) have their own tests in tests/host/test_k8s_edges.py and test_host_compliance*.py."""
     root, system = make_host(tmp_path)
     tokens = FakeTokens()
     ctx = UnitContext(allowed_clusters=ALLOWED, identity_labels=(("bcd.dev/node-id", "n-1"),))
@@ -627,10 +637,10 @@ def test_HST_K8S_20_21_missing_packages_terminal(tmp_path: Path) -> None:
     assert "no Kubernetes packages for alpine" in run(system, "k8s-join", K8S).issues[0].message
 
 
-def test_HST_K8S_61_to_67_removal_and_return(tmp_path: Path) -> None:
-    """Covers HST-RMV-14 (with test_HST_K8S_67_not_joined_by_bcd_changes_nothing): removal undoes the hold
-    only on a node bcd joined; under the helper the clean is a settings-less host.unit
-    (tests/host/test_host_compliance_round2.py, test_HST_RMV_14_...)."""
+def test_HST_K8S_61_63_65_66_removal_and_return(tmp_path: Path) -> None:
+    """Covers HST-RMV-14 (with the not-joined-by-bcd test below): removal undoes the hold only on a node
+    bcd joined; under the helper the clean is a settings-less host.unit
+    (tests/host/test_host_compliance_round2.py)."""
     root, system = make_host(tmp_path)
     for _ in range(2):
         run(system, "k8s-join", K8S)

@@ -224,7 +224,7 @@ def test_a_memory_snapshot_pauses_and_holds_the_flat_disk_and_the_vmms_state_dlv
 def test_a_memory_restore_is_vm_restore_with_net_fds_then_resume_dlv_ch_38_dlv_chu_07_dlv_bal_15(
     host: tuple[CloudHypervisorRuntime, Recorder, Image],
 ) -> None:
-    """DLV-CH-38, DLV-CHU-07, DLV-CHU-08, DLV-BAL-15, DLV-CH-36 (DLV-LIBVIRT-25), DLV-CH-07: a tar
+    """DLV-CH-38, DLV-CHU-07, DLV-CHU-08, DLV-BAL-15, DLV-CH-36 (as libvirt-kvm unpacks), DLV-CH-07: a tar
     of a VM whose balloon was inflated restores into a new instance: the directory holds the disk,
     the seed and the VMM's files, vm.json says restored with no base image; its first start is
     vm.restore from bcd's rebuilt config.json (NICs by id and MAC, no tap name, bcd's empty balloon,
@@ -285,8 +285,8 @@ def _refused(rt: CloudHypervisorRuntime, name: str, tar: str, match: str) -> Non
 def test_a_restore_refuses_another_runtime_cpu_or_a_bad_disk_and_leaves_nothing_dlv_ch_36_dlv_ch_25(
     host: tuple[CloudHypervisorRuntime, Recorder, Image],
 ) -> None:
-    """DLV-CH-36 (DLV-LIBVIRT-25..27), DLV-CH-25, DLV-SNAP-06, DLV-SNAP-07, DLV-CH-37, DLV-RT-12,
-    DLV-IMG-15, DLV-IMG-16, DLV-IMG-17 (cloud-hypervisor's restore): a tar taken by
+    """DLV-CH-36 (libvirt-kvm's refusals and checks), DLV-CH-25, DLV-SNAP-06, DLV-SNAP-07, DLV-CH-37,
+    DLV-RT-12, DLV-IMG-15, DLV-IMG-16, DLV-IMG-17 (cloud-hypervisor's restore): a tar taken by
     another runtime, a memory tar from another CPU model, one of another size, a disk naming a backing
     file, a member outside a snapshot's names (a path, a symlink), a member twice: each refused,
     and the new instance's directory is gone. A disk-only tar restores on any CPU."""
@@ -529,11 +529,11 @@ _NAMES = [
 
 
 def test_any_tar_restores_whole_or_refuses_and_leaves_nothing_dlv_ch_36() -> None:
-    """DLV-CH-36 (DLV-LIBVIRT-25..27) over drawn tars: members of a snapshot's names and others (paths
-    out, a record, libvirt's state), of every type (file, directory, symlink, hard link, fifo), in any
-    order and number, with a good or bad meta, a flat or a backing disk. Each restore either defines
-    the instance (a vm.json, a flat disk, nothing but a snapshot's files) or refuses it with a
-    TerminalError, leaving no instance or staging directory; nothing is ever written outside it."""
+    """DLV-CH-36 (libvirt-kvm's refusals and checks) over drawn tars: members of a snapshot's names and
+    others (paths out, a record, libvirt's state), of every type (file, directory, symlink, hard link,
+    fifo), in any order and number, with a good or bad meta, a flat or a backing disk. Each restore
+    either defines the instance (a vm.json, a flat disk, nothing but a snapshot's files) or refuses it
+    with a TerminalError, leaving no instance or staging directory; nothing is ever written outside it."""
     from bcd_simhost.libvirt import qcow2_bytes
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st

@@ -139,8 +139,11 @@ def test_transitions_refused_out_of_order(tmp_path: Path) -> None:
             j.complete("a", Outcome.CANCELLED)
 
 
-def test_DLV_REC_07_to_10_recover_after_crash(tmp_path: Path) -> None:
-    """Each Resolve row of an earlier process, then Recover's settlement (DLV-REC-02, 07..11, 17)."""
+def test_DLV_REC_07_09_10_recover_after_crash(tmp_path: Path) -> None:
+    """Each Resolve row of an earlier process, then Recover's settlement; also DLV-REC-02 (another
+    incarnation's entry is re-executed, not re-attached, until this process accepts it again) and
+    DLV-REC-17 (the rebooted result's previous boot id). That a retry-safe entry re-executes only after
+    the acceptance checks is the dispatcher's test (tests/dispatch/test_dispatcher.py)."""
     j = Journal.open(tmp_path / "a", boot_id="boot1")
     j.accept_command(cmd("reboot-running", REBOOT, "node.reboot"))
     j.mark_running("reboot-running")

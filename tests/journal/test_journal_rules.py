@@ -184,7 +184,9 @@ def test_DLV_EVT_02_seq_never_reused(tmp_path: Path) -> None:
 # ---------------------------------------------------------------- server time mark
 
 
-def test_DLV_JRN_11_to_13_server_time_mark(tmp_path: Path) -> None:
+def test_DLV_JRN_12_13_server_time_mark(tmp_path: Path) -> None:
+    """The journal's rules for the mark; that the node feeds it every Welcome and heartbeat is shown by
+    the mirroring test in tests/session/test_session_core.py."""
     with Journal.open(tmp_path / "d", boot_id="b") as j:
         assert j.observe_server_time(1000.0) == 1000.0
         assert j.observe_server_time(900.0) == 1000.0  # only forward
@@ -210,6 +212,8 @@ def test_DLV_REC_13_to_15_sweep(tmp_path: Path) -> None:
     j.complete("old-unacked", Outcome.FAILED, code="internal")
     j.accept_command(cmd("left-safe", RETRY_SAFE))
     j.accept_command(cmd("left-unsafe", NOT_RETRY_SAFE))
+    j.accept_command(cmd("left-running", NOT_RETRY_SAFE))
+    j.mark_running("left-running")
     data = crash_copy(j, tmp_path / "b")
     with Journal.open(data, boot_id="b", clock=clock) as j2:
         j2.accept_command(cmd("mine"))  # this process's entry: never swept
@@ -217,8 +221,8 @@ def test_DLV_REC_13_to_15_sweep(tmp_path: Path) -> None:
         j2.accept_command(cmd("recent-left"))
         assert j2.sweep(clock.t + RETENTION_S - 20) == 0  # nothing is 7 days old yet
         clock.t += RETENTION_S + 1
-        assert j2.sweep() == 3  # old-done, left-safe, left-unsafe
-        ids = {c for c in ("old-done", "old-unacked", "left-safe", "left-unsafe", "mine")}
+        assert j2.sweep() == 4  # old-done, left-safe, left-unsafe, left-running
+        ids = {c for c in ("old-done", "old-unacked", "left-safe", "left-unsafe", "left-running", "mine")}
         assert {c for c in ids if j2.get_command(c) is not None} == {"old-unacked", "mine"}
         # an unacked result is kept until acked, then swept
         j2.ack_results(["old-unacked"])
@@ -253,6 +257,11 @@ def test_DLV_REC_15_sweep_keeps_every_entry_of_the_running_process_however_old(t
 
 
 def test_DLV_JRN_08_to_10_exec_tickets(tmp_path: Path) -> None:
+    """The rules on a set of 3; the contract's bound is 10,000, and no config may raise it."""
+    with Journal.open(tmp_path / "default", boot_id="b") as j:
+        assert j.bounds[2] == 10_000
+    with pytest.raises(BoundError, match="max_tickets: 10001 is above the contract's limit 10000"):
+        Journal.open(tmp_path / "default", boot_id="b", max_tickets=10_001)
     clock = Clock(1000.0)
     with Journal.open(tmp_path / "d", boot_id="b", max_tickets=3, clock=clock) as j:
         j.use_exec_ticket("a", 1100.0)

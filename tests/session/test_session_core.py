@@ -479,9 +479,11 @@ def test_DLV_JRN_07_identity_json_keeps_the_chain_and_the_newest_trust_bundle(
     again.journal.close()
 
 
-def test_DLV_JRN_14_the_mark_is_mirrored_and_a_lost_journal_does_not_reset_it(
+def test_DLV_JRN_11_14_the_mark_is_mirrored_and_a_lost_journal_does_not_reset_it(
     tmp_path: Path, pki: Pki
 ) -> None:
+    """The mark is the server time of the Welcome, then of each later heartbeat (DLV-JRN-11), and
+    identity.json mirrors it so a lost journal does not reset it (DLV-JRN-14)."""
     data = tmp_path / "data"
     core = _persisting(data, pki)
     mark_ms = int(time.time() * 1000)

@@ -109,6 +109,58 @@ def test_a_range_in_a_test_name_names_every_id_in_it(tmp_path: Path) -> None:
     assert sorted(found) == ["DLV-AAA-01", "DLV-AAA-02", "DLV-AAA-03", "DLV-AAA-06", "DLV-BBB-02"]
 
 
+def test_a_word_starting_with_digits_ends_the_name_prefix(tmp_path: Path) -> None:
+    """`_1g`, `_2m` are words (page sizes), not ids: `test_HST_HP_09_1g_…` names HST-HP-09 only (it named
+    nothing), and a name whose first lower-case word starts with digits names no number of it."""
+    tests = tmp_path / "repo" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "test_d.py").write_text(
+        "def test_HST_HP_09_1g_pages_at_runtime_first():\n    pass\n"
+        "def test_HST_HP_10_11_2m_then_1g():\n    pass\n"
+        "def test_HST_HP_2m_and_1g_shortfalls():\n    pass\n"
+        "def test_HST_HP_12_to_14_1g():\n    pass\n"
+        "def test_HST_HP_20_21():\n    pass\n"
+    )
+    found = {k: sorted(v) for k, v in scan_tests(tests).items()}
+    assert found == {
+        "HST-HP-09": ["tests/test_d.py::test_HST_HP_09_1g_pages_at_runtime_first"],
+        "HST-HP-10": ["tests/test_d.py::test_HST_HP_10_11_2m_then_1g"],
+        "HST-HP-11": ["tests/test_d.py::test_HST_HP_10_11_2m_then_1g"],
+        "HST-HP-12": ["tests/test_d.py::test_HST_HP_12_to_14_1g"],
+        "HST-HP-13": ["tests/test_d.py::test_HST_HP_12_to_14_1g"],
+        "HST-HP-14": ["tests/test_d.py::test_HST_HP_12_to_14_1g"],
+        "HST-HP-20": ["tests/test_d.py::test_HST_HP_20_21"],
+        "HST-HP-21": ["tests/test_d.py::test_HST_HP_20_21"],
+    }
+
+
+def test_an_area_with_digits_is_read_everywhere(tmp_path: Path) -> None:
+    """`K8S` is an area: its requirements are rows of the report, named by test names and docstrings,
+    and its questions are answered in the docs (the catalogue's HST-K8S and DEV-K8S ids had no row)."""
+    repo = tmp_path / "repo"
+    (repo / "tests").mkdir(parents=True)
+    (repo / "docs").mkdir()
+    lines = ["def test_HST_K8S_14_to_15_join():", "    pass"]
+    lines += ["def test_other():", '    """Covers DEV-K8S-03."""']
+    (repo / "tests" / "test_k.py").write_text("\n".join(lines) + "\n")
+    (repo / "docs" / "k8s.md").write_text("Q-HST-K8S-01: decided, because ...\n")
+    spec = tmp_path / "spec"
+    spec.mkdir()
+    (spec / "delivery.md").write_text("")
+    (spec / "devices.md").write_text("- **DEV-K8S-03** Device plugin.\n- **DEV-K8S-04** Untested.\n")
+    (spec / "host.md").write_text(
+        "- **HST-K8S-14** Packages.\n- **HST-K8S-15** The source.\n- **Q-HST-K8S-01** Which?\n"
+    )
+    text = render(repo, spec)
+    rows = {line.split(" | ")[0]: line for line in text.splitlines() if line.startswith("| ")}
+    assert rows["| HST-K8S-14"].endswith("`tests/test_k.py::test_HST_K8S_14_to_15_join` | tested |")
+    assert rows["| HST-K8S-15"].endswith("`tests/test_k.py::test_HST_K8S_14_to_15_join` | tested |")
+    assert rows["| DEV-K8S-03"].endswith("`tests/test_k.py::test_other` | tested |")
+    assert rows["| DEV-K8S-04"].endswith("| not yet |")
+    assert rows["| Q-HST-K8S-01"].endswith("| answered in `docs/k8s.md` |")
+    assert "3 of 4 requirements are named by at least one test." in text
+
+
 def test_only_a_tests_name_docstring_or_decorator_names_an_id(tmp_path: Path) -> None:
     """A module docstring, a comment or a helper names nothing; a parametrize table a decorator refers
     to by name does; a class's test methods are listed with their class."""

@@ -25,19 +25,22 @@ import tomllib
 from collections import defaultdict
 from pathlib import Path
 
-ID_LINE = re.compile(r"^- \*\*((?:Q-)?(?:DLV|DEV|HST)-[A-Z]+-\d+)\*\*\s*(.*)$")
+# An area is upper case and may hold digits after its first letter (`HST-K8S-14`, `DEV-K8S-03`).
+AREA = r"[A-Z][A-Z0-9]*"
+ID_LINE = re.compile(rf"^- \*\*((?:Q-)?(?:DLV|DEV|HST)-{AREA}-\d+)\*\*\s*(.*)$")
 # An id in text (`DLV-JRN-03`) or in a test name (`test_DLV_JRN_03_...`: `_` is a word character, so no
 # \b). A run of numbers names each (`DLV_RES_01_02_03`, `DLV-JRN-15/16/17`), a range every id in it
 # (`DLV-REC-01..11`, `DLV_KIND_01_to_21`). A question's id (`Q-DLV-...`) does not name its requirement.
 ID_IN_TEXT = re.compile(
-    r"(?<![A-Za-z0-9])(?<!Q[-_])(DLV|DEV|HST)[-_]([A-Z]+)[-_](\d+)((?:\.\.|_to_)\d+|(?:[_/]\d+)*)(?![0-9])"
+    rf"(?<![A-Za-z0-9])(?<!Q[-_])(DLV|DEV|HST)[-_]({AREA})[-_](\d+)((?:\.\.|_to_)\d+|(?:[_/]\d+)*)(?![0-9])"
 )
 # A test function's name may name several areas and mix lists and ranges after the first id
 # (`test_HST_SYS_09_RMV_09_...`, `test_HST_K8S_07_to_13_16_...`): its upper-case prefix is read token by
 # token, an area token switching the area for the numbers after it. The prefix runs on over a lower-case
-# `_to_` followed by a number (a range), and ends at any other lower-case word.
+# `_to_` followed by a number (a range), and ends at any other lower-case word, including one that starts
+# with digits (`test_HST_HP_09_1g_...` names HST-HP-09: `1g` is a page size, not an id).
 TEST_NAME = re.compile(
-    r"\bdef test_((?:DLV|DEV|HST)_[A-Z0-9_]+?(?:_to_\d+[A-Z0-9_]*?)*)(?=_[a-z]|\(|$)", re.M
+    r"\bdef test_((?:DLV|DEV|HST)_[A-Z0-9_]+?(?:_to_\d+[A-Z0-9_]*?)*)(?=_\d*[a-z]|\(|$)", re.M
 )
 CATALOGUES = ("delivery.md", "devices.md", "host.md")
 
@@ -166,7 +169,7 @@ def _ids(area: str, part: str, first: str, tail: str) -> list[str]:
     return [f"{area}-{part}-{n:0{width}d}" for n in numbers]
 
 
-Q_IN_DOCS = re.compile(r"\bQ-(?:DLV|DEV|HST)-[A-Z]+-\d+\b")
+Q_IN_DOCS = re.compile(rf"\bQ-(?:DLV|DEV|HST)-{AREA}-\d+\b")
 # The questions deliberately left undecided (docs/open-questions.md, "Deferred questions (not decided)").
 DEFERRED_DOC = "open-questions.md"
 
