@@ -1648,6 +1648,10 @@ def test_an_unsigned_host_with_a_presented_intent_checks_it(root: Path, host: Ho
             "bad-intent",
             "ch.launch: intent.chain[0] is not base64",
         )
+        assert refused(ch.ch_vfio, call(c), ch.ChLaunch("vm1", bad)) == (
+            "bad-intent",
+            "ch.vfio: intent.chain[0] is not base64",
+        )
         assert runs(c) == []
         assert ch.ch_taps(call(c), ch.ChTaps("vm1", ("br0",)))["created"] == [T0]
     finally:
@@ -1729,6 +1733,14 @@ def test_launch_refuses_a_uid_holding_a_group_of_gpus_not_its_records(
     os.chown(other, UID2, UID2)
     assert launch_refused(ctx) == ("uid-in-use", message.replace("/11", "/10"))
     rewrite(pci, record(gpus=(GPU,)))
+    link = pci / f"sys/bus/pci/devices/{GPU}/iommu_group"
+    target = os.readlink(link)
+    os.unlink(link)  # the record's GPU's group cannot be read: nothing to compare the held one with
+    assert failed(ch.ch_launch, call(ctx), ch.ChLaunch("vm1")) == (
+        "no-iommu",
+        f"ch.launch: {GPU} has no IOMMU group (is the IOMMU on?)",
+    )
+    os.symlink(target, link)
     assert ch.ch_launch(call(ctx), ch.ChLaunch("vm1"))["uid"] == UID1
 
 
