@@ -426,6 +426,28 @@ def test_a_failed_tap_leaves_none_of_the_calls_taps(ctx: HelperContext, host: Ho
     assert ctx.system.timeouts[-1] == 30  # type: ignore[attr-defined]
 
 
+def test_a_failed_tap_is_answered_even_when_the_rollback_runs_out_of_time(
+    ctx: HelperContext, host: Host
+) -> None:
+    """The call's deadline passes while the bridge step fails: the rollback's delete is refused by the
+    bounded system (`timeout`), and the answer is still the step's own failure."""
+    c = call(ctx)
+    real = host.ip
+
+    def ip(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[1:3] == ("link", "set"):
+            c.deadline._end = 0.0  # the deadline passes while `ip link set` runs
+            return 2, b"", b"Error: Device does not exist\n"
+        return real(argv)
+
+    host.ip = ip  # type: ignore[method-assign]
+    assert failed(ch.ch_taps, c, ch.ChTaps("vm1", ("br0",))) == (
+        "ip",
+        f"ip link set {T0} master br0: Error: Device does not exist",
+    )
+    assert ("ip", "link", "delete", "dev", T0) not in runs(ctx)  # refused before it ran
+
+
 def test_roots_view_of_a_link_and_its_failures(ctx: HelperContext, host: Host) -> None:
     host.fail["ip -j"] = (2, b"", b"\xff" + b"e" * 600 + b"\n")
     assert failed(ch._link, call(ctx), "x") == ("ip", "ip link show x: \ufffd" + "e" * 499)
