@@ -426,6 +426,28 @@ def test_a_failed_tap_leaves_none_of_the_calls_taps(ctx: HelperContext, host: Ho
     assert ctx.system.timeouts[-1] == 30  # type: ignore[attr-defined]
 
 
+def test_a_failed_tap_is_answered_even_when_the_rollback_runs_out_of_time(
+    ctx: HelperContext, host: Host
+) -> None:
+    """The call's deadline passes while the bridge step fails: the rollback's delete is refused by the
+    bounded system (`timeout`), and the answer is still the step's own failure."""
+    c = call(ctx)
+    real = host.ip
+
+    def ip(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[1:3] == ("link", "set"):
+            c.deadline._end = 0.0  # the deadline passes while `ip link set` runs
+            return 2, b"", b"Error: Device does not exist\n"
+        return real(argv)
+
+    host.ip = ip  # type: ignore[method-assign]
+    assert failed(ch.ch_taps, c, ch.ChTaps("vm1", ("br0",))) == (
+        "ip",
+        f"ip link set {T0} master br0: Error: Device does not exist",
+    )
+    assert ("ip", "link", "delete", "dev", T0) not in runs(ctx)  # refused before it ran
+
+
 def test_roots_view_of_a_link_and_its_failures(ctx: HelperContext, host: Host) -> None:
     host.fail["ip -j"] = (2, b"", b"\xff" + b"e" * 600 + b"\n")
     assert failed(ch._link, call(ctx), "x") == ("ip", "ip link show x: \ufffd" + "e" * 499)
@@ -1648,6 +1670,10 @@ def test_an_unsigned_host_with_a_presented_intent_checks_it(root: Path, host: Ho
             "bad-intent",
             "ch.launch: intent.chain[0] is not base64",
         )
+        assert refused(ch.ch_vfio, call(c), ch.ChLaunch("vm1", bad)) == (
+            "bad-intent",
+            "ch.vfio: intent.chain[0] is not base64",
+        )
         assert runs(c) == []
         assert ch.ch_taps(call(c), ch.ChTaps("vm1", ("br0",)))["created"] == [T0]
     finally:
@@ -1729,6 +1755,14 @@ def test_launch_refuses_a_uid_holding_a_group_of_gpus_not_its_records(
     os.chown(other, UID2, UID2)
     assert launch_refused(ctx) == ("uid-in-use", message.replace("/11", "/10"))
     rewrite(pci, record(gpus=(GPU,)))
+    link = pci / f"sys/bus/pci/devices/{GPU}/iommu_group"
+    target = os.readlink(link)
+    os.unlink(link)  # the record's GPU's group cannot be read: nothing to compare the held one with
+    assert failed(ch.ch_launch, call(ctx), ch.ChLaunch("vm1")) == (
+        "no-iommu",
+        f"ch.launch: {GPU} has no IOMMU group (is the IOMMU on?)",
+    )
+    os.symlink(target, link)
     assert ch.ch_launch(call(ctx), ch.ChLaunch("vm1"))["uid"] == UID1
 
 
