@@ -157,6 +157,11 @@ def test_HST_K8S_04_pin_normalised_and_refused_by_length_and_digits() -> None:
 
 def test_HST_K8S_54_55_allowed_clusters_parsed_and_each_fault_named() -> None:
     assert parse_allowed_clusters(" , ") == ()
+    # an empty entry between two is skipped, not the end of the list
+    assert parse_allowed_clusters(f"{SERVER}#sha256:{PIN},,https://h#sha256:{PIN}") == (
+        ClusterPin(SERVER, PIN),
+        ClusterPin("https://h:443", PIN),
+    )
     assert parse_allowed_clusters(f" https://H.example#sha256:{PIN.upper()} , {SERVER}#sha256:{PIN},") == (
         ClusterPin("https://h.example:443", PIN),
         ClusterPin(SERVER, PIN),
@@ -166,6 +171,8 @@ def test_HST_K8S_54_55_allowed_clusters_parsed_and_each_fault_named() -> None:
         (f"{SERVER}#{PIN}", f"allowed_clusters: '{SERVER}#{PIN}': the pin must start with sha256:"),
         (f"http://h#sha256:{PIN}", "allowed_clusters: 'http://h' is not https://host[:port]"),
         (f"{SERVER}#sha256:ab", "allowed_clusters: must be 64 hex digits, optionally prefixed sha256:"),
+        # the first '#' ends the server: what follows is the pin, whatever it holds
+        (f"https://h#x#sha256:{PIN}", "allowed_clusters: must be 64 hex digits, optionally prefixed sha256:"),
     ):
         with pytest.raises(ValueError) as exc:
             parse_allowed_clusters(text)
@@ -221,6 +228,7 @@ def test_HST_K8S_37_node_name_and_label_safe_values() -> None:
     assert label_safe("-_.x(y)._-") == "x-y"
     assert label_safe("a" * 70) == "a" * 63
     assert label_safe("a" * 62 + " b") == "a" * 62
+    assert label_safe("Xeon X") == "Xeon-X"
 
 
 def test_HST_K8S_decoded_settings_defaults_sorted_and_refusals() -> None:
@@ -758,6 +766,11 @@ def test_HST_K8S_61_64_67_release_planned_only_on_a_node_bcd_joined() -> None:
     assert UNIT.plan(None, observed(record={**rec, "released": True}, pods=pods)) == Plan()
     body = {k: v for k, v in rec.items() if k != "_comment"} | {"released": True}
     assert UNIT.plan(None, observed(record=rec, pods=pods)) == Plan(
+        (Release("n-7", pods, json_record("k8s-join", body)),)
+    )
+    # a record whose comment was edited is written back with bcd's own header
+    edited = {**rec, "_comment": "edited by hand"}
+    assert UNIT.plan(None, observed(record=edited, pods=pods)) == Plan(
         (Release("n-7", pods, json_record("k8s-join", body)),)
     )
     nameless = {k: v for k, v in rec.items() if k != "node"}
