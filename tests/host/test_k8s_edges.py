@@ -319,6 +319,7 @@ def test_HST_K8S_62_63_workload_pods_only() -> None:
             pod("other", annotations={"x": "y"}),
             pod("nullnotes", annotations=None),
             {"status": {"phase": "Running"}},
+            {"metadata": {"namespace": "ml", "name": "nostatus"}},  # no phase: not running
         ]
     }
     assert workload_pods(doc) == (
@@ -887,7 +888,9 @@ def test_HST_K8S_61_62_release_step_applied(tmp_path: Path) -> None:
         (*KUBE, "delete", "pod", "-n", "ml", "a", "--wait=false"),
         (*KUBE, "delete", "pod", "-n", "ml", "gone", "--wait=false"),
     ]
-    assert host.system.read_bytes(RECORD) == b"rec\n"
+    assert (
+        host.system.read_bytes(RECORD) == b"rec\n" and (tmp_path / RECORD[1:]).stat().st_mode & 0o777 == 0o644
+    )
     host.system.remove(RECORD)
     with pytest.raises(RetryableError) as exc:
         Release("n", (("ml", "stuck"),), b"rec\n").apply(host.system, ApplyContext())
