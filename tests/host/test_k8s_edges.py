@@ -787,7 +787,7 @@ class Host:
     """A host tree whose programs answer from a table (program -> function) and are recorded."""
 
     def __init__(
-        self, tmp: Path, answers: dict[str, Callable[[tuple[str, ...]], tuple[int, str, str]]]
+        self, tmp: Path, answers: dict[str, Callable[[tuple[str, ...]], tuple[int, str | bytes, str]]]
     ) -> None:
         self.calls: list[tuple[str, ...]] = []
 
@@ -795,7 +795,8 @@ class Host:
             def run(system: Any, argv: Any, stdin: bytes | None) -> CommandResult:
                 self.calls.append(tuple(argv))
                 rc, out, err = answers[name](tuple(argv))
-                return CommandResult(tuple(argv), rc, out.encode(), err.encode())
+                data = out if isinstance(out, bytes) else out.encode()
+                return CommandResult(tuple(argv), rc, data, err.encode())
 
             return run
 
@@ -961,7 +962,7 @@ def test_HST_K8S_observe_a_joined_host(tmp_path: Path) -> None:
             "/etc/kubernetes/kubelet.conf": KUBELET_CONF,
         },
     )
-    answers: dict[str, Callable[[tuple[str, ...]], tuple[int, str, str]]] = {
+    answers: dict[str, Callable[[tuple[str, ...]], tuple[int, str | bytes, str]]] = {
         "containerd": lambda a: (0, "containerd containerd.io 1.7.24 88bf19b\n", ""),
         "systemctl": lambda a: (0 if a[-1] == "kubelet.service" else 3, "", ""),
         "kubectl": lambda a: (0, json.dumps(NODE_JSON), ""),
@@ -1099,3 +1100,85 @@ def test_HST_K8S_62_observe_for_the_release_lists_pods_only_when_bcd_joined(tmp_
     (tmp_path / "etc/kubernetes/kubelet.conf").unlink()
     failing.calls.clear()
     assert UNIT.observe(failing.system, None, ctx).kubelet_server is None and failing.calls == []
+
+
+def test_HST_K8S_observe_what_a_host_without_the_tools_shows(tmp_path: Path) -> None:
+    """No containerd, no kubeadm: neither is asked its version; no host name reads as ""."""
+    host = Host(tmp_path, {"systemctl": lambda a: (0, "", "")})
+    o = UNIT.observe(host.system, settings(), UnitContext())
+    assert o.tools == ("kubeadm", "kubelet", "kubectl", "containerd")
+    assert (o.containerd_major, o.containerd_active, o.kubeadm_version, o.hostname) == (None, False, None, "")
+    assert host.calls == []
+
+
+def test_HST_K8S_observe_version_output_that_is_not_utf8(tmp_path: Path) -> None:
+    _files(tmp_path, {"/usr/bin/containerd": "", "/usr/bin/kubeadm": ""})
+    host = Host(
+        tmp_path,
+        {
+            "containerd": lambda a: (0, b"containerd \xff v2.1.0 abc\n", ""),
+            "kubeadm": lambda a: (0, b"\xffv1.31.0\n", ""),
+            "systemctl": lambda a: (0, "", ""),
+        },
+    )
+    o = UNIT.observe(host.system, settings(), UnitContext())
+    assert (o.containerd_major, o.kubeadm_version) == (2, (1, 31))
+
+
+def test_HST_K8S_kubeconfig_server_read_as_written() -> None:
+    from bcd_shared.units.k8s import _kubelet_server
+
+    assert _kubelet_server(None) is None
+    assert _kubelet_server("clusters: []\n") == ""
+    assert _kubelet_server("  server: 'https://NODEX'\n") == "https://NODEX"
+    assert _kubelet_server('server: "https://h:6443"  # c\n') == "https://h:6443"
+    assert _kubelet_server("    server:https://a\nserver: https://b\n") == "https://a"
+
+
+def test_HST_K8S_observe_a_node_object_with_fields_left_out(tmp_path: Path) -> None:
+    """The API server leaves out empty fields: a Node without labels or taints, a taint without value,
+    key or effect; each reads as empty, never a crash."""
+    _files(tmp_path, {"/etc/hostname": "n\n", "/etc/kubernetes/kubelet.conf": KUBELET_CONF})
+    docs = [
+        {},
+        {"metadata": {}, "spec": {}},
+        {"metadata": {"labels": None}, "spec": {"taints": None}},
+        {"spec": {"taints": [{"effect": "NoSchedule"}, {"key": "k"}, {"key": "v", "value": None}]}},
+    ]
+    seen = []
+    for doc in docs:
+        host = Host(
+            tmp_path,
+            {"kubectl": lambda a, doc=doc: (0, json.dumps(doc), ""), "systemctl": lambda a: (0, "", "")},
+        )
+        node = UNIT.observe(host.system, settings(), UnitContext()).node
+        assert node is not None
+        seen.append(node)
+    assert seen[:3] == [NodeView((), (), False)] * 3
+    assert seen[3] == NodeView((), (("", "", "NoSchedule"), ("k", "", ""), ("v", "", "")), False)
+
+
+def test_HST_K8S_observe_for_the_release_keeps_the_record(tmp_path: Path) -> None:
+    _files(tmp_path, {"/etc/kubernetes/kubelet.conf": KUBELET_CONF, RECORD: json.dumps({"node": "r"})})
+    host = Host(tmp_path, {"kubectl": lambda a: (0, json.dumps({"items": []}), "")})
+    o = UNIT.observe(host.system, None, UnitContext())
+    assert o.record == {"node": "r"} and o.kubelet_server == SERVER
+    assert UNIT.plan(None, o).steps[0] == Release(
+        "r", (), json_record("k8s-join", {"node": "r", "released": True})
+    )
+
+
+def test_HST_K8S_45_registered_taints_recorded_without_a_record_and_read_back_without_one() -> None:
+    s = settings(taints=["gpu=true:NoSchedule"])
+    node = NodeView((), (("gpu", "true", "NoSchedule"),), False)
+    # no record (joined by an older bcd, say): the unit's taints count as registered, and are recorded
+    p = UNIT.plan(s, observed(node=node, record=None))
+    assert p == Plan((WriteFile(RECORD, json_record("k8s-join", _body(record_of(s))), 0o644),))
+    # a record without its taints list: nothing registered
+    rec = {k: v for k, v in record_of(s).items() if k != "taints"}
+    p = UNIT.plan(s, observed(node=node, record=rec))
+    assert p == Plan((WriteFile(RECORD, json_record("k8s-join", _body(record_of(s, taints=[]))), 0o644),))
+
+
+def _body(rec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in rec.items() if k != "_comment"}
