@@ -273,6 +273,11 @@ def test_HST_K8S_decoded_settings_defaults_sorted_and_refusals() -> None:
             UNIT.decode_settings(json.dumps({**base, **extra}))
         if message is not None:
             assert exc.value.message == message
+    many = [f"t{i}:NoSchedule" for i in range(65)]
+    with pytest.raises(TerminalError, match=r"^taints: at most 64 entries, not 65$"):
+        settings(taints=many)
+    assert len(settings(taints=many[:64]).taints) == 64
+    assert settings(tokenRef="secret://Pool_1/K8s.join-A").token_ref == "secret://Pool_1/K8s.join-A"
     # the same key with two effects is two taints
     assert len(settings(taints=["a:NoSchedule", "a:NoExecute"]).taints) == 2
     assert settings(server="https://" + "a" * 48 + ".example").server.endswith(".example:443")
@@ -1104,8 +1109,10 @@ def test_HST_K8S_62_observe_for_the_release_lists_pods_only_when_bcd_joined(tmp_
 
 def test_HST_K8S_observe_what_a_host_without_the_tools_shows(tmp_path: Path) -> None:
     """No containerd, no kubeadm: neither is asked its version; no host name reads as ""."""
+    _files(tmp_path, {"/sys/module/overlay/": ""})
     host = Host(tmp_path, {"systemctl": lambda a: (0, "", "")})
     o = UNIT.observe(host.system, settings(), UnitContext())
+    assert o.modules_loaded == ("overlay",)
     assert o.tools == ("kubeadm", "kubelet", "kubectl", "containerd")
     assert (o.containerd_major, o.containerd_active, o.kubeadm_version, o.hostname) == (None, False, None, "")
     assert host.calls == []
