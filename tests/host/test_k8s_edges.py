@@ -1110,7 +1110,15 @@ def test_HST_K8S_62_observe_for_the_release_lists_pods_only_when_bcd_joined(tmp_
 def test_HST_K8S_observe_what_a_host_without_the_tools_shows(tmp_path: Path) -> None:
     """No containerd, no kubeadm: neither is asked its version; no host name reads as ""."""
     _files(tmp_path, {"/sys/module/overlay/": ""})
-    host = Host(tmp_path, {"systemctl": lambda a: (0, "", "")})
+    # the programs answer if asked (they are not installed: no file in a bin directory)
+    host = Host(
+        tmp_path,
+        {
+            "systemctl": lambda a: (0, "", ""),
+            "containerd": lambda a: (0, "containerd v2.0.0 x\n", ""),
+            "kubeadm": lambda a: (0, "v1.34.1\n", ""),
+        },
+    )
     o = UNIT.observe(host.system, settings(), UnitContext())
     assert o.modules_loaded == ("overlay",)
     assert o.tools == ("kubeadm", "kubelet", "kubectl", "containerd")
