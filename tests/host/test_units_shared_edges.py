@@ -469,3 +469,83 @@ def test_HST_LVL_host_readers(tmp_path: Path) -> None:
     assert read_text_record(system, "/r/t") == "a #not a comment b"
     system.write_atomic("/r/e", b"# only\n")
     assert read_text_record(system, "/r/e") == ""
+
+
+def test_HST_LVL_write_kernel_writes_the_value_and_a_newline_through_tee(tmp_path: Path) -> None:
+    from bcd_shared.units._base import WriteKernel
+
+    got: list[tuple[tuple[str, ...], bytes | None]] = []
+
+    def tee(system: Any, argv: Any, stdin: bytes | None) -> CommandResult:
+        got.append((tuple(argv), stdin))
+        if "fail" in argv[1]:
+            return CommandResult(tuple(argv), 1, b"", b"tee: Permission denied\n")
+        Path(argv[1]).write_bytes(stdin or b"")
+        return CommandResult(tuple(argv), 0)
+
+    system = LocalSystem(tmp_path, tools={"tee": tee})
+    system.write_atomic("/proc/sys/vm/x", b"0\n")
+    WriteKernel("/proc/sys/vm/x", "madvise", verify=True).apply(system, ApplyContext())
+    assert got == [(("tee", str(tmp_path / "proc/sys/vm/x")), b"madvise\n")]
+    assert system.read_bytes("/proc/sys/vm/x") == b"madvise\n"
+    with pytest.raises(RetryableError) as exc:
+        WriteKernel("/proc/sys/vm/fail", "1").apply(system, ApplyContext())
+    assert (exc.value.reason, exc.value.message) == (
+        "KernelWrite",
+        "cannot set /proc/sys/vm/fail to 1: tee exited 1: tee: Permission denied",
+    )
+
+
+def test_HST_LVL_check_defaults_and_output_that_is_not_utf8() -> None:
+    from bcd_shared.units._base import check
+
+    with pytest.raises(RetryableError) as exc:
+        check(CommandResult(("tool",), 2, b"", b"bad \xff thing\n"))
+    assert (type(exc.value), exc.value.reason, exc.value.message) == (
+        RetryableError,
+        "ToolFailed",
+        "tool exited 2: bad \ufffd thing",
+    )
+    check(CommandResult(("tool",), 1, b"\xfe", b"x: Not Found\n"), ok=("Not Found",))
+
+
+def test_HST_K8S_58_59_converge_validates_with_the_callers_context(tmp_path: Path) -> None:
+    """converge_unit validates the settings with the caller's UnitContext: root's allowlist decides."""
+    import json
+
+    from bcd_shared.units import REGISTRY, ClusterPin
+
+    unit = REGISTRY["k8s-join"]
+    pin = "ab" * 32
+    s = unit.decode_settings(
+        json.dumps({"server": "https://10.0.0.1:6443", "caCertSha256": pin, "tokenRef": "secret://k"})
+    )
+    system = LocalSystem(tmp_path, tools={"true": lambda sy, a, i: CommandResult(tuple(a), 0)})
+    r = converge_unit(unit, s, system, UnitContext(), ApplyContext())
+    assert r == UnitResult(
+        "k8s-join",
+        False,
+        (
+            Issue(
+                "terminal",
+                "k8s-join: joining a Kubernetes cluster needs [kubernetes] allowed_clusters in bcd's config",
+            ),
+        ),
+    )
+    other = UnitContext(allowed_clusters=(ClusterPin("https://10.0.0.2:6443", pin),))
+    r = converge_unit(unit, s, system, other, ApplyContext())
+    assert r.issues == (
+        Issue(
+            "terminal",
+            f"k8s-join: https://10.0.0.1:6443 with CA pin sha256:{pin} "
+            "is not in [kubernetes] allowed_clusters",
+        ),
+    )
+    allowed = UnitContext(allowed_clusters=(ClusterPin("https://10.0.0.1:6443", pin),))
+    r = converge_unit(unit, s, system, allowed, ApplyContext())
+    assert r.issues == (
+        Issue(
+            "terminal",
+            "k8s-join: kubeadm, kubelet, kubectl missing and no kubernetesVersion says which to install",
+        ),
+    )
