@@ -648,7 +648,7 @@ def test_HST_K8S_40_another_cluster_refused_after_normalising() -> None:
         )
 
 
-def test_HST_K8S_41_42_kubelet_started_and_node_read_with_its_credentials() -> None:
+def test_HST_K8S_41_kubelet_started_and_node_read_with_its_credentials() -> None:
     s = settings()
     rec = record_of(s, name="recorded-name")
     p = UNIT.plan(s, observed(kubelet_active=False, node=None, record=rec))
@@ -662,7 +662,7 @@ def test_HST_K8S_41_42_kubelet_started_and_node_read_with_its_credentials() -> N
     )
 
 
-def test_HST_K8S_43_44_49_labels_set_and_only_bcds_removed() -> None:
+def test_HST_K8S_43_44_labels_set_and_only_bcds_removed() -> None:
     s = settings(nodeLabels={"team": "ml", "zone": "a"})
     ids = (("bcd.dev/node-id", "n-1"), ("zone", "b"))  # identity wins over the spec
     node = NodeView(

@@ -172,7 +172,7 @@ BOOTREC = "/var/lib/bcd-hostconfig/bootargs/cpu"
 CPU_HEAD = "# Written by bcd (cpu unit): local edits are replaced on the next converge pass.\n"
 
 
-def test_HST_CPU_14_boot_args_through_update_grub(tmp_path: Path) -> None:
+def test_boot_args_through_update_grub(tmp_path: Path) -> None:
     system, calls = _loader(tmp_path)
     guarded: list[str] = []
     both = bootargs.BootloaderView(True, True)  # update-grub wins
@@ -388,7 +388,7 @@ def test_HST_LVL_plans_issues_and_reboot_messages() -> None:
     assert RebootRequired("then reboot the node").message == "then reboot the node"
 
 
-def test_HST_LVL_07_shared_steps_guarded_and_described(tmp_path: Path) -> None:
+def test_HST_LVL_shared_steps_guarded_and_described(tmp_path: Path) -> None:
     from bcd_shared.units._base import RemoveFile, Run, WriteFile
 
     calls: list[tuple[tuple[str, ...], bytes | None]] = []
