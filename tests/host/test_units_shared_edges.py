@@ -97,10 +97,15 @@ def test_HST_LVL_a_failed_step_whose_replan_fails_keeps_the_plans_conditions() -
     assert r == UnitResult("flaky", True, (Issue("retryable", "flaky: step failed"),), cond, ("step ok",))
 
 
+def _no_programs(tmp: Path) -> LocalSystem:
+    """A host tree that never runs the machine's programs (a simulated host: any program fails)."""
+    return LocalSystem(tmp, tools={"false": lambda system, argv, stdin: CommandResult(tuple(argv), 1)})
+
+
 def test_clean_hands_the_context_to_the_unit(tmp_path: Path) -> None:
     """`clean` observes with the caller's UnitContext and applies with its ApplyContext: k8s-join's
     observation carries root's allowlist, and the clean-up's removal goes through the path guard."""
-    system = LocalSystem(tmp_path)
+    system = _no_programs(tmp_path)
     assert clean("k8s-join", system, UnitContext(), ApplyContext()) == UnitResult("k8s-join")
     system.write_atomic("/etc/sysctl.d/90-bcd.conf", b"vm.swappiness = 10\n")
     guarded: list[str] = []
@@ -114,7 +119,7 @@ def _refusing_guard(path: str) -> None:
 
 
 def test_clean_refused_by_the_guard_removes_nothing(tmp_path: Path) -> None:
-    system = LocalSystem(tmp_path)
+    system = _no_programs(tmp_path)
     system.write_atomic("/etc/sysctl.d/90-bcd.conf", b"vm.swappiness = 10\n")
     r = clean("sysctl", system, UnitContext(), ApplyContext(guard=_refusing_guard))
     assert r.issues == (Issue("retryable", "sysctl: /etc/sysctl.d/90-bcd.conf refused"),)
