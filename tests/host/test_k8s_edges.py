@@ -157,6 +157,11 @@ def test_HST_K8S_04_pin_normalised_and_refused_by_length_and_digits() -> None:
 
 def test_HST_K8S_54_55_allowed_clusters_parsed_and_each_fault_named() -> None:
     assert parse_allowed_clusters(" , ") == ()
+    # an empty entry between two is skipped, not the end of the list
+    assert parse_allowed_clusters(f"{SERVER}#sha256:{PIN},,https://h#sha256:{PIN}") == (
+        ClusterPin(SERVER, PIN),
+        ClusterPin("https://h:443", PIN),
+    )
     assert parse_allowed_clusters(f" https://H.example#sha256:{PIN.upper()} , {SERVER}#sha256:{PIN},") == (
         ClusterPin("https://h.example:443", PIN),
         ClusterPin(SERVER, PIN),
@@ -166,6 +171,8 @@ def test_HST_K8S_54_55_allowed_clusters_parsed_and_each_fault_named() -> None:
         (f"{SERVER}#{PIN}", f"allowed_clusters: '{SERVER}#{PIN}': the pin must start with sha256:"),
         (f"http://h#sha256:{PIN}", "allowed_clusters: 'http://h' is not https://host[:port]"),
         (f"{SERVER}#sha256:ab", "allowed_clusters: must be 64 hex digits, optionally prefixed sha256:"),
+        # the first '#' ends the server: what follows is the pin, whatever it holds
+        (f"https://h#x#sha256:{PIN}", "allowed_clusters: must be 64 hex digits, optionally prefixed sha256:"),
     ):
         with pytest.raises(ValueError) as exc:
             parse_allowed_clusters(text)
@@ -221,6 +228,7 @@ def test_HST_K8S_37_node_name_and_label_safe_values() -> None:
     assert label_safe("-_.x(y)._-") == "x-y"
     assert label_safe("a" * 70) == "a" * 63
     assert label_safe("a" * 62 + " b") == "a" * 62
+    assert label_safe("Xeon X") == "Xeon-X"
 
 
 def test_HST_K8S_decoded_settings_defaults_sorted_and_refusals() -> None:
@@ -265,6 +273,11 @@ def test_HST_K8S_decoded_settings_defaults_sorted_and_refusals() -> None:
             UNIT.decode_settings(json.dumps({**base, **extra}))
         if message is not None:
             assert exc.value.message == message
+    many = [f"t{i}:NoSchedule" for i in range(65)]
+    with pytest.raises(TerminalError, match=r"^taints: at most 64 entries, not 65$"):
+        settings(taints=many)
+    assert len(settings(taints=many[:64]).taints) == 64
+    assert settings(tokenRef="secret://Pool_1/K8s.join-A").token_ref == "secret://Pool_1/K8s.join-A"
     # the same key with two effects is two taints
     assert len(settings(taints=["a:NoSchedule", "a:NoExecute"]).taints) == 2
     assert settings(server="https://" + "a" * 48 + ".example").server.endswith(".example:443")
@@ -311,6 +324,7 @@ def test_HST_K8S_62_63_workload_pods_only() -> None:
             pod("other", annotations={"x": "y"}),
             pod("nullnotes", annotations=None),
             {"status": {"phase": "Running"}},
+            {"metadata": {"namespace": "ml", "name": "nostatus"}},  # no phase: not running
         ]
     }
     assert workload_pods(doc) == (
@@ -634,7 +648,7 @@ def test_HST_K8S_40_another_cluster_refused_after_normalising() -> None:
         )
 
 
-def test_HST_K8S_41_42_kubelet_started_and_node_read_with_its_credentials() -> None:
+def test_HST_K8S_41_kubelet_started_and_node_read_with_its_credentials() -> None:
     s = settings()
     rec = record_of(s, name="recorded-name")
     p = UNIT.plan(s, observed(kubelet_active=False, node=None, record=rec))
@@ -648,7 +662,7 @@ def test_HST_K8S_41_42_kubelet_started_and_node_read_with_its_credentials() -> N
     )
 
 
-def test_HST_K8S_43_44_49_labels_set_and_only_bcds_removed() -> None:
+def test_HST_K8S_43_44_labels_set_and_only_bcds_removed() -> None:
     s = settings(nodeLabels={"team": "ml", "zone": "a"})
     ids = (("bcd.dev/node-id", "n-1"), ("zone", "b"))  # identity wins over the spec
     node = NodeView(
@@ -760,6 +774,11 @@ def test_HST_K8S_61_67_release_planned_only_on_a_node_bcd_joined() -> None:
     assert UNIT.plan(None, observed(record=rec, pods=pods)) == Plan(
         (Release("n-7", pods, json_record("k8s-join", body)),)
     )
+    # a record whose comment was edited is written back with bcd's own header
+    edited = {**rec, "_comment": "edited by hand"}
+    assert UNIT.plan(None, observed(record=edited, pods=pods)) == Plan(
+        (Release("n-7", pods, json_record("k8s-join", body)),)
+    )
     nameless = {k: v for k, v in rec.items() if k != "node"}
     release = UNIT.plan(None, observed(record=nameless, hostname="Host_A")).steps[0]
     assert isinstance(release, Release) and release.name == "host-a"
@@ -773,7 +792,7 @@ class Host:
     """A host tree whose programs answer from a table (program -> function) and are recorded."""
 
     def __init__(
-        self, tmp: Path, answers: dict[str, Callable[[tuple[str, ...]], tuple[int, str, str]]]
+        self, tmp: Path, answers: dict[str, Callable[[tuple[str, ...]], tuple[int, str | bytes, str]]]
     ) -> None:
         self.calls: list[tuple[str, ...]] = []
 
@@ -781,7 +800,8 @@ class Host:
             def run(system: Any, argv: Any, stdin: bytes | None) -> CommandResult:
                 self.calls.append(tuple(argv))
                 rc, out, err = answers[name](tuple(argv))
-                return CommandResult(tuple(argv), rc, out.encode(), err.encode())
+                data = out if isinstance(out, bytes) else out.encode()
+                return CommandResult(tuple(argv), rc, data, err.encode())
 
             return run
 
@@ -874,7 +894,9 @@ def test_HST_K8S_61_62_release_step_applied(tmp_path: Path) -> None:
         (*KUBE, "delete", "pod", "-n", "ml", "a", "--wait=false"),
         (*KUBE, "delete", "pod", "-n", "ml", "gone", "--wait=false"),
     ]
-    assert host.system.read_bytes(RECORD) == b"rec\n"
+    assert (
+        host.system.read_bytes(RECORD) == b"rec\n" and (tmp_path / RECORD[1:]).stat().st_mode & 0o777 == 0o644
+    )
     host.system.remove(RECORD)
     with pytest.raises(RetryableError) as exc:
         Release("n", (("ml", "stuck"),), b"rec\n").apply(host.system, ApplyContext())
@@ -945,7 +967,7 @@ def test_HST_K8S_observe_a_joined_host(tmp_path: Path) -> None:
             "/etc/kubernetes/kubelet.conf": KUBELET_CONF,
         },
     )
-    answers: dict[str, Callable[[tuple[str, ...]], tuple[int, str, str]]] = {
+    answers: dict[str, Callable[[tuple[str, ...]], tuple[int, str | bytes, str]]] = {
         "containerd": lambda a: (0, "containerd containerd.io 1.7.24 88bf19b\n", ""),
         "systemctl": lambda a: (0 if a[-1] == "kubelet.service" else 3, "", ""),
         "kubectl": lambda a: (0, json.dumps(NODE_JSON), ""),
@@ -1083,3 +1105,95 @@ def test_HST_K8S_62_observe_for_the_release_lists_pods_only_when_bcd_joined(tmp_
     (tmp_path / "etc/kubernetes/kubelet.conf").unlink()
     failing.calls.clear()
     assert UNIT.observe(failing.system, None, ctx).kubelet_server is None and failing.calls == []
+
+
+def test_HST_K8S_observe_what_a_host_without_the_tools_shows(tmp_path: Path) -> None:
+    """No containerd, no kubeadm: neither is asked its version; no host name reads as ""."""
+    _files(tmp_path, {"/sys/module/overlay/": ""})
+    # the programs answer if asked (they are not installed: no file in a bin directory)
+    host = Host(
+        tmp_path,
+        {
+            "systemctl": lambda a: (0, "", ""),
+            "containerd": lambda a: (0, "containerd v2.0.0 x\n", ""),
+            "kubeadm": lambda a: (0, "v1.34.1\n", ""),
+        },
+    )
+    o = UNIT.observe(host.system, settings(), UnitContext())
+    assert o.modules_loaded == ("overlay",)
+    assert o.tools == ("kubeadm", "kubelet", "kubectl", "containerd")
+    assert (o.containerd_major, o.containerd_active, o.kubeadm_version, o.hostname) == (None, False, None, "")
+    assert host.calls == []
+
+
+def test_HST_K8S_observe_version_output_that_is_not_utf8(tmp_path: Path) -> None:
+    _files(tmp_path, {"/usr/bin/containerd": "", "/usr/bin/kubeadm": ""})
+    host = Host(
+        tmp_path,
+        {
+            "containerd": lambda a: (0, b"containerd \xff v2.1.0 abc\n", ""),
+            "kubeadm": lambda a: (0, b"\xffv1.31.0\n", ""),
+            "systemctl": lambda a: (0, "", ""),
+        },
+    )
+    o = UNIT.observe(host.system, settings(), UnitContext())
+    assert (o.containerd_major, o.kubeadm_version) == (2, (1, 31))
+
+
+def test_HST_K8S_kubeconfig_server_read_as_written() -> None:
+    from bcd_shared.units.k8s import _kubelet_server
+
+    assert _kubelet_server(None) is None
+    assert _kubelet_server("clusters: []\n") == ""
+    assert _kubelet_server("  server: 'https://NODEX'\n") == "https://NODEX"
+    assert _kubelet_server('server: "https://h:6443"  # c\n') == "https://h:6443"
+    assert _kubelet_server("    server:https://a\nserver: https://b\n") == "https://a"
+
+
+def test_HST_K8S_observe_a_node_object_with_fields_left_out(tmp_path: Path) -> None:
+    """The API server leaves out empty fields: a Node without labels or taints, a taint without value,
+    key or effect; each reads as empty, never a crash."""
+    _files(tmp_path, {"/etc/hostname": "n\n", "/etc/kubernetes/kubelet.conf": KUBELET_CONF})
+    docs = [
+        {},
+        {"metadata": {}, "spec": {}},
+        {"metadata": {"labels": None}, "spec": {"taints": None}},
+        {"spec": {"taints": [{"effect": "NoSchedule"}, {"key": "k"}, {"key": "v", "value": None}]}},
+    ]
+    seen = []
+    for doc in docs:
+        host = Host(
+            tmp_path,
+            {"kubectl": lambda a, doc=doc: (0, json.dumps(doc), ""), "systemctl": lambda a: (0, "", "")},
+        )
+        node = UNIT.observe(host.system, settings(), UnitContext()).node
+        assert node is not None
+        seen.append(node)
+    assert seen[:3] == [NodeView((), (), False)] * 3
+    assert seen[3] == NodeView((), (("", "", "NoSchedule"), ("k", "", ""), ("v", "", "")), False)
+
+
+def test_HST_K8S_observe_for_the_release_keeps_the_record(tmp_path: Path) -> None:
+    _files(tmp_path, {"/etc/kubernetes/kubelet.conf": KUBELET_CONF, RECORD: json.dumps({"node": "r"})})
+    host = Host(tmp_path, {"kubectl": lambda a: (0, json.dumps({"items": []}), "")})
+    o = UNIT.observe(host.system, None, UnitContext())
+    assert o.record == {"node": "r"} and o.kubelet_server == SERVER
+    assert UNIT.plan(None, o).steps[0] == Release(
+        "r", (), json_record("k8s-join", {"node": "r", "released": True})
+    )
+
+
+def test_HST_K8S_45_registered_taints_recorded_without_a_record_and_read_back_without_one() -> None:
+    s = settings(taints=["gpu=true:NoSchedule"])
+    node = NodeView((), (("gpu", "true", "NoSchedule"),), False)
+    # no record (joined by an older bcd, say): the unit's taints count as registered, and are recorded
+    p = UNIT.plan(s, observed(node=node, record=None))
+    assert p == Plan((WriteFile(RECORD, json_record("k8s-join", _body(record_of(s))), 0o644),))
+    # a record without its taints list: nothing registered
+    rec = {k: v for k, v in record_of(s).items() if k != "taints"}
+    p = UNIT.plan(s, observed(node=node, record=rec))
+    assert p == Plan((WriteFile(RECORD, json_record("k8s-join", _body(record_of(s, taints=[]))), 0o644),))
+
+
+def _body(rec: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in rec.items() if k != "_comment"}

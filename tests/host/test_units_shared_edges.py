@@ -97,10 +97,15 @@ def test_HST_LVL_a_failed_step_whose_replan_fails_keeps_the_plans_conditions() -
     assert r == UnitResult("flaky", True, (Issue("retryable", "flaky: step failed"),), cond, ("step ok",))
 
 
+def _no_programs(tmp: Path) -> LocalSystem:
+    """A host tree that never runs the machine's programs (a simulated host: any program fails)."""
+    return LocalSystem(tmp, tools={"false": lambda system, argv, stdin: CommandResult(tuple(argv), 1)})
+
+
 def test_clean_hands_the_context_to_the_unit(tmp_path: Path) -> None:
     """`clean` observes with the caller's UnitContext and applies with its ApplyContext: k8s-join's
     observation carries root's allowlist, and the clean-up's removal goes through the path guard."""
-    system = LocalSystem(tmp_path)
+    system = _no_programs(tmp_path)
     assert clean("k8s-join", system, UnitContext(), ApplyContext()) == UnitResult("k8s-join")
     system.write_atomic("/etc/sysctl.d/90-bcd.conf", b"vm.swappiness = 10\n")
     guarded: list[str] = []
@@ -114,7 +119,7 @@ def _refusing_guard(path: str) -> None:
 
 
 def test_clean_refused_by_the_guard_removes_nothing(tmp_path: Path) -> None:
-    system = LocalSystem(tmp_path)
+    system = _no_programs(tmp_path)
     system.write_atomic("/etc/sysctl.d/90-bcd.conf", b"vm.swappiness = 10\n")
     r = clean("sysctl", system, UnitContext(), ApplyContext(guard=_refusing_guard))
     assert r.issues == (Issue("retryable", "sysctl: /etc/sysctl.d/90-bcd.conf refused"),)
@@ -172,7 +177,7 @@ BOOTREC = "/var/lib/bcd-hostconfig/bootargs/cpu"
 CPU_HEAD = "# Written by bcd (cpu unit): local edits are replaced on the next converge pass.\n"
 
 
-def test_HST_CPU_14_boot_args_through_update_grub(tmp_path: Path) -> None:
+def test_boot_args_through_update_grub(tmp_path: Path) -> None:
     system, calls = _loader(tmp_path)
     guarded: list[str] = []
     both = bootargs.BootloaderView(True, True)  # update-grub wins
@@ -388,7 +393,7 @@ def test_HST_LVL_plans_issues_and_reboot_messages() -> None:
     assert RebootRequired("then reboot the node").message == "then reboot the node"
 
 
-def test_HST_LVL_07_shared_steps_guarded_and_described(tmp_path: Path) -> None:
+def test_HST_LVL_shared_steps_guarded_and_described(tmp_path: Path) -> None:
     from bcd_shared.units._base import RemoveFile, Run, WriteFile
 
     calls: list[tuple[tuple[str, ...], bytes | None]] = []
@@ -469,3 +474,83 @@ def test_HST_LVL_host_readers(tmp_path: Path) -> None:
     assert read_text_record(system, "/r/t") == "a #not a comment b"
     system.write_atomic("/r/e", b"# only\n")
     assert read_text_record(system, "/r/e") == ""
+
+
+def test_HST_LVL_write_kernel_writes_the_value_and_a_newline_through_tee(tmp_path: Path) -> None:
+    from bcd_shared.units._base import WriteKernel
+
+    got: list[tuple[tuple[str, ...], bytes | None]] = []
+
+    def tee(system: Any, argv: Any, stdin: bytes | None) -> CommandResult:
+        got.append((tuple(argv), stdin))
+        if "fail" in argv[1]:
+            return CommandResult(tuple(argv), 1, b"", b"tee: Permission denied\n")
+        Path(argv[1]).write_bytes(stdin or b"")
+        return CommandResult(tuple(argv), 0)
+
+    system = LocalSystem(tmp_path, tools={"tee": tee})
+    system.write_atomic("/proc/sys/vm/x", b"0\n")
+    WriteKernel("/proc/sys/vm/x", "madvise", verify=True).apply(system, ApplyContext())
+    assert got == [(("tee", str(tmp_path / "proc/sys/vm/x")), b"madvise\n")]
+    assert system.read_bytes("/proc/sys/vm/x") == b"madvise\n"
+    with pytest.raises(RetryableError) as exc:
+        WriteKernel("/proc/sys/vm/fail", "1").apply(system, ApplyContext())
+    assert (exc.value.reason, exc.value.message) == (
+        "KernelWrite",
+        "cannot set /proc/sys/vm/fail to 1: tee exited 1: tee: Permission denied",
+    )
+
+
+def test_HST_LVL_check_defaults_and_output_that_is_not_utf8() -> None:
+    from bcd_shared.units._base import check
+
+    with pytest.raises(RetryableError) as exc:
+        check(CommandResult(("tool",), 2, b"", b"bad \xff thing\n"))
+    assert (type(exc.value), exc.value.reason, exc.value.message) == (
+        RetryableError,
+        "ToolFailed",
+        "tool exited 2: bad \ufffd thing",
+    )
+    check(CommandResult(("tool",), 1, b"\xfe", b"x: Not Found\n"), ok=("Not Found",))
+
+
+def test_HST_K8S_58_59_converge_validates_with_the_callers_context(tmp_path: Path) -> None:
+    """converge_unit validates the settings with the caller's UnitContext: root's allowlist decides."""
+    import json
+
+    from bcd_shared.units import REGISTRY, ClusterPin
+
+    unit = REGISTRY["k8s-join"]
+    pin = "ab" * 32
+    s = unit.decode_settings(
+        json.dumps({"server": "https://10.0.0.1:6443", "caCertSha256": pin, "tokenRef": "secret://k"})
+    )
+    system = LocalSystem(tmp_path, tools={"true": lambda sy, a, i: CommandResult(tuple(a), 0)})
+    r = converge_unit(unit, s, system, UnitContext(), ApplyContext())
+    assert r == UnitResult(
+        "k8s-join",
+        False,
+        (
+            Issue(
+                "terminal",
+                "k8s-join: joining a Kubernetes cluster needs [kubernetes] allowed_clusters in bcd's config",
+            ),
+        ),
+    )
+    other = UnitContext(allowed_clusters=(ClusterPin("https://10.0.0.2:6443", pin),))
+    r = converge_unit(unit, s, system, other, ApplyContext())
+    assert r.issues == (
+        Issue(
+            "terminal",
+            f"k8s-join: https://10.0.0.1:6443 with CA pin sha256:{pin} "
+            "is not in [kubernetes] allowed_clusters",
+        ),
+    )
+    allowed = UnitContext(allowed_clusters=(ClusterPin("https://10.0.0.1:6443", pin),))
+    r = converge_unit(unit, s, system, allowed, ApplyContext())
+    assert r.issues == (
+        Issue(
+            "terminal",
+            "k8s-join: kubeadm, kubelet, kubectl missing and no kubernetesVersion says which to install",
+        ),
+    )
