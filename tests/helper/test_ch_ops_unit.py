@@ -1540,11 +1540,6 @@ def test_the_group_devices_are_this_hosts_gpus_functions_and_bridges(ctx: Helper
 
 
 @pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
-@pytest.fixture(scope="module")
 def signer(cp: ControlPlane) -> Signer:
     return cp.command.leaf()
 

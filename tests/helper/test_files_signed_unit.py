@@ -31,16 +31,6 @@ SMI_ARGV = ("nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader")
 SMI_OUT = f"0, {GPU1}\n1, {GPU2}\n".encode()
 
 
-@pytest.fixture(scope="module")
-def cp() -> ControlPlane:
-    return ControlPlane.build()
-
-
-@pytest.fixture(scope="module")
-def worker(cp: ControlPlane) -> Signer:
-    return cp.command.leaf()
-
-
 def smi(out: bytes = SMI_OUT, rc: int = 0) -> Script:
     def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
         assert argv == SMI_ARGV
