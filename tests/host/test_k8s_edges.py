@@ -673,10 +673,10 @@ def test_HST_K8S_41_kubelet_started_and_node_read_with_its_credentials() -> None
     )
 
 
-def test_HST_K8S_42_43_44_labels_set_and_only_bcds_removed() -> None:
+def test_HST_K8S_42_43_labels_set_and_only_bcds_removed() -> None:
     """HST-K8S-42: the labels are kept with the kubelet's own credentials (`kubectl --kubeconfig
-    /etc/kubernetes/kubelet.conf label`); 43: only bcd's old labels and bcd.dev/ ones are removed; 44: the
-    identity labels are set beside the spec's."""
+    /etc/kubernetes/kubelet.conf label`); 43: only bcd's old labels and bcd.dev/ ones are removed. The
+    identity labels are set beside the spec's, but bcd.dev/site is never set (see compliance-notes)."""
     s = settings(nodeLabels={"team": "ml", "zone": "a"})
     ids = (("bcd.dev/node-id", "n-1"), ("zone", "b"))  # identity wins over the spec
     node = NodeView(
