@@ -185,7 +185,7 @@ def test_DEV_K8S_06_a_whole_gpu_stays_held_while_a_pod_process_runs_on_it(
 
 
 def test_DEV_K8S_07_unreachable_kubelet_counts_as_held(make_host, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Covers DEV-K8S-07 and the 30-second recheck (PROGRESSING while pending, DEV-K8S-10)."""
+    """Covers DEV-K8S-07: the release stays pending, the section PROGRESSING (which the runner retries)."""
     host: Host = make_host(pod_resources=PodResourcesClient(str(tmp_path / "nothing.sock")))
     host.run(DevicesSpec(1, (kube_hold("k1", G1),)))
     out = host.run(DevicesSpec(2, ()))
