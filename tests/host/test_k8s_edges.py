@@ -905,7 +905,10 @@ def test_HST_K8S_32_35_36_53_join_step_applied(tmp_path: Path) -> None:
     assert len(host.calls) == 2  # never ran kubeadm with a bad token
 
 
-def test_HST_K8S_61_62_release_step_applied(tmp_path: Path) -> None:
+def test_HST_K8S_61_62_65_release_step_applied(tmp_path: Path) -> None:
+    """HST-K8S-61/62: cordon, then each workload pod deleted with its own grace period; HST-K8S-65: that
+    is all, nothing resets or stops the kubelet (kubeadm and systemctl answer here, and are never run)."""
+
     def kubectl(argv: tuple[str, ...]) -> tuple[int, str, str]:
         if "gone" in argv:
             return 1, "", 'Error from server (NotFound): pods "gone" not found\n'
@@ -913,7 +916,8 @@ def test_HST_K8S_61_62_release_step_applied(tmp_path: Path) -> None:
             return 1, "", "forbidden\n"
         return 0, "", ""
 
-    host = Host(tmp_path, {"kubectl": kubectl})
+    ok = lambda argv: (0, "", "")  # noqa: E731
+    host = Host(tmp_path, {"kubectl": kubectl, "kubeadm": ok, "systemctl": ok, "kubelet": ok})
     Release("n", (("ml", "a"), ("ml", "gone")), b"rec\n").apply(host.system, ApplyContext())
     assert host.calls == [
         (*KUBE, "cordon", "n"),
