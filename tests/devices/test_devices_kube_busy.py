@@ -163,6 +163,37 @@ def test_DEV_K8S_02_release_waits_for_pods_then_reports(make_host, kubelet: Fake
     assert not host.path("/etc/cdi/bcd-h1.json").exists()
 
 
+def test_DEV_K8S_11_a_pending_releases_gpu_is_refused_to_reset_dcgm_and_mig_layout(
+    make_host, kubelet: FakeKubelet
+) -> None:  # type: ignore[no-untyped-def]
+    """While a pod holds a withdrawn Kubernetes hold's slot, gpu.reset and diag.dcgm (level 2) refuse its
+    GPU naming the release, the host units are told its device id is busy (mig-layout leaves it), and
+    the other GPUs stay free; once reported, the claim ends."""
+    from bcd_agent.nodeparts.host import busy_devices
+
+    host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
+    kubelet.pods = [("trainer", "bcd.dev/gpu", [f"{G0}_s1"])]
+    host.run(DevicesSpec(1, (kube_hold("k1", f"{G0}/s1"),)))
+    host.run(DevicesSpec(2, ()))
+    assert host.events("ReleasedEvent") == []  # pending
+    gpus = collect_gpus(host.system)
+    state = read_busy(host.system, DATA_DIR, {})
+    why = f"{G0} is claimed by the pending Kubernetes release of k1"
+    with pytest.raises(GpuBusy) as exc:
+        gpu_reset(host.system, [G0], state)
+    assert str(exc.value) == why
+    with pytest.raises(GpuBusy) as exc:
+        dcgm_busy_check(2, [], gpus, state)
+    assert str(exc.value) == why
+    dcgm_busy_check(2, [G1], gpus, state)
+    assert busy_devices(host.system, DATA_DIR, gpus) == frozenset({f"{G0}/s1"})
+    kubelet.pods = []
+    host.run(DevicesSpec(3, ()))
+    state = read_busy(host.system, DATA_DIR, {})
+    dcgm_busy_check(2, [], gpus, state)
+    assert busy_devices(host.system, DATA_DIR, gpus) == frozenset()
+
+
 def test_DEV_K8S_06_a_whole_gpu_stays_held_while_a_pod_process_runs_on_it(
     make_host, kubelet: FakeKubelet
 ) -> None:  # type: ignore[no-untyped-def]
