@@ -282,6 +282,10 @@ def test_DEV_K8S_16_unreadable_file_procedure_and_marker_removal(make_host, kube
     assert host.path(f"{DATA_DIR}/releasing.unreadable").exists()
     with pytest.raises(GpuBusy, match="pending Kubernetes releases could not be read"):
         gpu_reset(host.system, [G0], read_busy(host.system, DATA_DIR, {}))
+    # a pod still holds a bcd GPU of an allocation this node does not know: the marker stays
+    out = host.run(DevicesSpec(2, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G1),)),)))
+    assert host.path(f"{DATA_DIR}/releasing.unreadable").exists()
+    assert [c.type for c in out.conditions] == ["KubernetesReleasesUnreadable"]
     kubelet.pods = []  # the kube side: no pod holds a bcd GPU of an unknown allocation
     out = host.run(DevicesSpec(2, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G1),)),)))
     assert out.state is SectionState.CONVERGED and out.conditions == ()
