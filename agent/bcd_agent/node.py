@@ -332,6 +332,7 @@ class Node:
             system,
             runtimes,
             data_dir,
+            records_dir=self._records_dir(),
             user_data=SessionUserData(self.secrets, trio_token),
             network=network,
             volumes=volumes,

@@ -8,7 +8,7 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import h2.config
@@ -18,8 +18,9 @@ import pytest
 from bcd_agent.converge.types import SectionState
 from bcd_agent.inventory.gpus import collect_gpus
 from bcd_agent.sections.devices.busy import GpuBusy, dcgm_busy_check, gpu_reset, read_busy
-from bcd_agent.sections.devices.kube import PodResourcesClient, PodResourcesError
+from bcd_agent.sections.devices.kube import PodResourcesClient, PodResourcesError, gpus_with_pod_processes
 from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+from bcd_shared.system import CommandResult, LocalSystem
 from bcd_simhost.gpus import gpu_uuid, update_state
 from devices.devhost import DATA_DIR, Host
 
@@ -163,6 +164,37 @@ def test_DEV_K8S_02_release_waits_for_pods_then_reports(make_host, kubelet: Fake
     assert not host.path("/etc/cdi/bcd-h1.json").exists()
 
 
+def test_DEV_K8S_11_a_pending_releases_gpu_is_refused_to_reset_dcgm_and_mig_layout(
+    make_host, kubelet: FakeKubelet
+) -> None:  # type: ignore[no-untyped-def]
+    """While a pod holds a withdrawn Kubernetes hold's slot, gpu.reset and diag.dcgm (level 2) refuse its
+    GPU naming the release, the host units are told its device id is busy (mig-layout leaves it), and
+    the other GPUs stay free; once reported, the claim ends."""
+    from bcd_agent.nodeparts.host import busy_devices
+
+    host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
+    kubelet.pods = [("trainer", "bcd.dev/gpu", [f"{G0}_s1"])]
+    host.run(DevicesSpec(1, (kube_hold("k1", f"{G0}/s1"),)))
+    host.run(DevicesSpec(2, ()))
+    assert host.events("ReleasedEvent") == []  # pending
+    gpus = collect_gpus(host.system)
+    state = read_busy(host.system, DATA_DIR, {})
+    why = f"{G0} is claimed by the pending Kubernetes release of k1"
+    with pytest.raises(GpuBusy) as exc:
+        gpu_reset(host.system, [G0], state)
+    assert str(exc.value) == why
+    with pytest.raises(GpuBusy) as exc:
+        dcgm_busy_check(2, [], gpus, state)
+    assert str(exc.value) == why
+    dcgm_busy_check(2, [G1], gpus, state)
+    assert busy_devices(host.system, DATA_DIR, gpus) == frozenset({f"{G0}/s1"})
+    kubelet.pods = []
+    host.run(DevicesSpec(3, ()))
+    state = read_busy(host.system, DATA_DIR, {})
+    dcgm_busy_check(2, [], gpus, state)
+    assert busy_devices(host.system, DATA_DIR, gpus) == frozenset()
+
+
 def test_DEV_K8S_06_a_whole_gpu_stays_held_while_a_pod_process_runs_on_it(
     make_host, kubelet: FakeKubelet
 ) -> None:  # type: ignore[no-untyped-def]
@@ -185,11 +217,53 @@ def test_DEV_K8S_06_a_whole_gpu_stays_held_while_a_pod_process_runs_on_it(
 
 
 def test_DEV_K8S_07_unreachable_kubelet_counts_as_held(make_host, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    """Covers DEV-K8S-07 and the 30-second recheck (PROGRESSING while pending, DEV-K8S-10)."""
+    """Covers DEV-K8S-07: the release stays pending, the section PROGRESSING (which the runner retries)."""
     host: Host = make_host(pod_resources=PodResourcesClient(str(tmp_path / "nothing.sock")))
     host.run(DevicesSpec(1, (kube_hold("k1", G1),)))
     out = host.run(DevicesSpec(2, ()))
     assert out.state is SectionState.PROGRESSING and host.events("ReleasedEvent") == []
+
+
+def test_DEV_K8S_07_a_pod_process_source_that_fails_counts_as_held(tmp_path: Path) -> None:
+    """nvidia-smi's compute-apps list failing or unparseable is "unknown" (None), never "no pod process";
+    nvidia-smi not installed is no process at all; a process counts when its cgroup is under kubepods."""
+    answer: dict[str, tuple[int, bytes]] = {}
+
+    def smi(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
+        assert list(argv[1:]) == ["--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"]
+        rc, out = answer["smi"]
+        return CommandResult(tuple(argv), rc, out, b"")
+
+    system = LocalSystem(tmp_path, tools={"nvidia-smi": smi})
+    for rc, out in ((9, b""), (0, b"not,a,row,of,two\n"), (0, b"GPU-x, notapid\n")):
+        answer["smi"] = (rc, out)
+        assert gpus_with_pod_processes(system) is None, (rc, out)
+    (tmp_path / "proc/41").mkdir(parents=True)
+    (tmp_path / "proc/41/cgroup").write_text(
+        "0::/kubepods.slice/kubepods-pod1.slice/cri-containerd-a.scope\n"
+    )
+    (tmp_path / "proc/42").mkdir(parents=True)
+    (tmp_path / "proc/42/cgroup").write_text("0::/system.slice/ollama.service\n")
+    answer["smi"] = (0, f"{G0}, 41\n{G1}, 42\n{G7}, 43\n".encode())
+    assert gpus_with_pod_processes(system) == {G0}
+    assert gpus_with_pod_processes(LocalSystem(tmp_path, tools={"true": smi})) == set()
+
+
+def test_DEV_K8S_07_a_failing_pod_process_source_keeps_the_release_pending(
+    make_host, kubelet: FakeKubelet, monkeypatch: pytest.MonkeyPatch
+) -> None:  # type: ignore[no-untyped-def]
+    """The kubelet lists no pod, but the pod-process source cannot answer: the release stays pending."""
+    from bcd_agent.sections.devices import section
+
+    host: Host = make_host(pod_resources=PodResourcesClient(str(kubelet.path)))
+    host.run(DevicesSpec(1, (kube_hold("k1", G0),)))
+    kubelet.pods = []
+    monkeypatch.setattr(section, "gpus_with_pod_processes", lambda system: None)
+    out = host.run(DevicesSpec(2, ()))
+    assert out.state is SectionState.PROGRESSING and host.events("ReleasedEvent") == []
+    monkeypatch.undo()
+    host.run(DevicesSpec(3, ()))
+    assert [e.allocation_id for e in host.events("ReleasedEvent")] == ["k1"]  # type: ignore[attr-defined]
 
 
 def test_DEV_K8S_16_unreadable_file_procedure_and_marker_removal(make_host, kubelet: FakeKubelet) -> None:  # type: ignore[no-untyped-def]
@@ -208,6 +282,10 @@ def test_DEV_K8S_16_unreadable_file_procedure_and_marker_removal(make_host, kube
     assert host.path(f"{DATA_DIR}/releasing.unreadable").exists()
     with pytest.raises(GpuBusy, match="pending Kubernetes releases could not be read"):
         gpu_reset(host.system, [G0], read_busy(host.system, DATA_DIR, {}))
+    # a pod still holds a bcd GPU of an allocation this node does not know: the marker stays
+    out = host.run(DevicesSpec(2, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G1),)),)))
+    assert host.path(f"{DATA_DIR}/releasing.unreadable").exists()
+    assert [c.type for c in out.conditions] == ["KubernetesReleasesUnreadable"]
     kubelet.pods = []  # the kube side: no pod holds a bcd GPU of an unknown allocation
     out = host.run(DevicesSpec(2, (DeviceAssignment("h1", "r", "BINDING_HOLD", (DeviceRef(G1),)),)))
     assert out.state is SectionState.CONVERGED and out.conditions == ()

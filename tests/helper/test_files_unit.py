@@ -192,7 +192,7 @@ def test_a_kind_keeps_at_most_its_files_and_bytes(
 # --- k8s-token --------------------------------------------------------------------------------------------
 
 
-def test_a_bootstrap_token_is_written_0600(ctx: HelperContext) -> None:
+def test_HST_K8S_52_a_bootstrap_token_is_written_0600_where_the_join_reads_it(ctx: HelperContext) -> None:
     got = file_write(call(ctx), FileWrite("k8s-token", "", "abcdef.0123456789abcdef\n"))
     path = ctx.root / "var/lib/bcd-hostconfig/k8s/bootstrap-token"
     assert got["path"] == "/var/lib/bcd-hostconfig/k8s/bootstrap-token"

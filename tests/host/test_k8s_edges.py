@@ -231,7 +231,10 @@ def test_HST_K8S_37_node_name_and_label_safe_values() -> None:
     assert label_safe("Xeon X") == "Xeon-X"
 
 
-def test_HST_K8S_decoded_settings_defaults_sorted_and_refusals() -> None:
+def test_HST_K8S_06_07_10_11_12_decoded_settings_defaults_sorted_and_refusals() -> None:
+    """HST-K8S-11/12: gpu defaults to true, gpuApi to device-plugin; HST-K8S-06: the version's minor;
+    HST-K8S-07: 64 labels pass, a 65th or a non-string value is refused; HST-K8S-10: twice means the
+    same key and effect, whatever the value, and one key with two effects is two taints."""
     s = settings()
     assert s == K8sSettings(SERVER, PIN, "secret://k8s/join", None, (), (), True, "device-plugin")
     assert s.minor is None
@@ -278,6 +281,14 @@ def test_HST_K8S_decoded_settings_defaults_sorted_and_refusals() -> None:
         settings(taints=many)
     assert len(settings(taints=many[:64]).taints) == 64
     assert settings(tokenRef="secret://Pool_1/K8s.join-A").token_ref == "secret://Pool_1/K8s.join-A"
+    labels = {f"l{i}": "v" for i in range(64)}
+    assert len(settings(nodeLabels=labels).labels) == 64
+    with pytest.raises(TerminalError, match=r"^nodeLabels: at most 64 entries, not 65$"):
+        settings(nodeLabels={**labels, "l64": "v"})
+    with pytest.raises(TerminalError, match=r"^nodeLabels\.team: must be a string$"):
+        settings(nodeLabels={"team": 1})
+    with pytest.raises(TerminalError, match=r"^nodeLabels: must be an object of strings$"):
+        settings(nodeLabels=["team"])
     # the same key with two effects is two taints
     assert len(settings(taints=["a:NoSchedule", "a:NoExecute"]).taints) == 2
     assert settings(server="https://" + "a" * 48 + ".example").server.endswith(".example:443")
@@ -662,7 +673,10 @@ def test_HST_K8S_41_kubelet_started_and_node_read_with_its_credentials() -> None
     )
 
 
-def test_HST_K8S_43_44_labels_set_and_only_bcds_removed() -> None:
+def test_HST_K8S_42_43_labels_set_and_only_bcds_removed() -> None:
+    """HST-K8S-42: the labels are kept with the kubelet's own credentials (`kubectl --kubeconfig
+    /etc/kubernetes/kubelet.conf label`); 43: only bcd's old labels and bcd.dev/ ones are removed. The
+    identity labels are set beside the spec's, but bcd.dev/site is never set (see compliance-notes)."""
     s = settings(nodeLabels={"team": "ml", "zone": "a"})
     ids = (("bcd.dev/node-id", "n-1"), ("zone", "b"))  # identity wins over the spec
     node = NodeView(
@@ -721,8 +735,11 @@ def test_HST_K8S_66_released_node_uncordoned_and_record_rewritten() -> None:
     assert UNIT.plan(s, observed(record=record_of(s))) == Plan()
 
 
-def test_HST_K8S_46_to_48_taint_drift_condition_word_for_word() -> None:
-    s = settings(taints=["gpu=true:NoSchedule", "spot:PreferNoSchedule"])
+def test_HST_K8S_46_to_49_taint_drift_condition_word_for_word() -> None:
+    """HST-K8S-46..48: drift is reported as the admin's command, never changed by bcd; HST-K8S-49: the
+    labels are reconciled all the same while the taints drift."""
+    s_taints = ["gpu=true:NoSchedule", "spot:PreferNoSchedule"]
+    s = settings(taints=s_taints)
     registered = [["gpu", "true", "NoSchedule"], ["old", "", "NoExecute"]]
     rec = record_of(s, taints=registered)
     node = NodeView(
@@ -739,6 +756,15 @@ def test_HST_K8S_46_to_48_taint_drift_condition_word_for_word() -> None:
             "kubectl taint node gpu-node-01 --overwrite "
             "gpu=true:NoSchedule spot:PreferNoSchedule old:NoExecute-",
         ),
+    )
+    # a label that differs too is set in the same pass: the drift stops nothing but the taints
+    node_l = NodeView((("team", "other"),), node.taints, False)
+    p = UNIT.plan(settings(taints=s_taints, nodeLabels={"team": "ml"}), observed(node=node_l, record=rec))
+    assert p.steps[0] == Run(
+        (*KUBE, "label", "node", "gpu-node-01", "--overwrite", "team=ml"), message="labelling the Node"
+    )
+    assert [c.type for c in p.conditions] == ["KubernetesTaintsDrift"] and p.conditions[0].message.endswith(
+        "old:NoExecute-"
     )
     # the same key with another value counts as drift; the record keeps what was registered
     node2 = NodeView((), (("gpu", "false", "NoSchedule"), ("spot", "", "PreferNoSchedule")), False)
@@ -879,7 +905,10 @@ def test_HST_K8S_32_35_36_53_join_step_applied(tmp_path: Path) -> None:
     assert len(host.calls) == 2  # never ran kubeadm with a bad token
 
 
-def test_HST_K8S_61_62_release_step_applied(tmp_path: Path) -> None:
+def test_HST_K8S_61_62_65_release_step_applied(tmp_path: Path) -> None:
+    """HST-K8S-61/62: cordon, then each workload pod deleted with its own grace period; HST-K8S-65: that
+    is all, nothing resets or stops the kubelet (kubeadm and systemctl answer here, and are never run)."""
+
     def kubectl(argv: tuple[str, ...]) -> tuple[int, str, str]:
         if "gone" in argv:
             return 1, "", 'Error from server (NotFound): pods "gone" not found\n'
@@ -887,7 +916,8 @@ def test_HST_K8S_61_62_release_step_applied(tmp_path: Path) -> None:
             return 1, "", "forbidden\n"
         return 0, "", ""
 
-    host = Host(tmp_path, {"kubectl": kubectl})
+    ok = lambda argv: (0, "", "")  # noqa: E731
+    host = Host(tmp_path, {"kubectl": kubectl, "kubeadm": ok, "systemctl": ok, "kubelet": ok})
     Release("n", (("ml", "a"), ("ml", "gone")), b"rec\n").apply(host.system, ApplyContext())
     assert host.calls == [
         (*KUBE, "cordon", "n"),

@@ -86,3 +86,42 @@ def test_holds_are_admitted_against_running_domains_dlv_adm_07(sim_root: Path) -
     converge(inst, spec(generation=2))
     assert inst.committed_bytes() == 0
     assert devices.run(DevicesSpec(2, hold.assignments)).state is SectionState.CONVERGED
+
+
+class _Pods:
+    """The kubelet's pod-resources answer: `held` device ids in one pod (nothing when empty)."""
+
+    def __init__(self, *held: str) -> None:
+        self.held = held
+
+    def list(self) -> tuple[object, ...]:
+        from bcd_agent.sections.devices.kube import PodDevices
+
+        return (PodDevices("p", "ns", "c", "bcd.dev/gpu", self.held),) if self.held else ()
+
+
+def test_DEV_K8S_11_a_vm_start_waits_for_a_gpu_a_pending_kubernetes_release_claims(sim_root: Path) -> None:
+    """DEV-K8S-11: a withdrawn Kubernetes hold whose GPU a pod still holds keeps it from a VM, which
+    waits naming the release; once reported, the VM gets it. DEV-K8S-16: while the releases file is
+    unreadable (the marker), every GPU is claimed and the VM waits too."""
+    g2 = gpu_uuid(2)
+    pods = _Pods(g2)
+    devices = Host(sim_root, pod_resources=pods)
+    kube = DeviceAssignment("k1", "rsv_k1", "BINDING_KUBERNETES", (DeviceRef(g2),))
+    assert devices.run(DevicesSpec(1, (kube,))).state is SectionState.CONVERGED
+    assert devices.run(DevicesSpec(2, ())).state is SectionState.PROGRESSING  # the release is pending
+    inst, _ = section(devices.system)
+    current = spec(vm("w", gpu_uuids=(g2,)))
+    assert converge(inst, current).state is SectionState.PROGRESSING
+    waits = {i.instance_id: i.message for i in inst.last_report.instances}
+    assert waits == {"w": f"GPU {g2} is claimed by the pending Kubernetes release of k1"}
+    pods.held = ()
+    devices.run(DevicesSpec(3, ()))
+    assert converge(inst, current).state is SectionState.CONVERGED
+    # the unreadable-releases marker claims every GPU, this VM's too once it is stopped and started again
+    marker = sim_root / "var/lib/bcd/releasing.unreadable"
+    marker.write_text("")
+    other = spec(vm("w", gpu_uuids=(g2,)), vm("x", gpu_uuids=(gpu_uuid(3),)), generation=2)
+    assert converge(inst, other).state is SectionState.PROGRESSING
+    waits = {i.instance_id: i.message for i in inst.last_report.instances if i.message}
+    assert waits == {"x": f"GPU {gpu_uuid(3)} is claimed: pending Kubernetes releases could not be read"}

@@ -1,8 +1,8 @@
 """The node's host-section parts (bcd_agent.nodeparts.host) on the simulated host: the unit context and
 the k8s token staging in front of the helper's host.unit. The real helper path is in tests/e2e.
 
-Covers HST-K8S-44 (identity labels), HST-K8S-52/53 (the token staged for the helper, removed when the
-join did not use it), HST-HLP-02 (busy devices sent).
+Covers the identity labels (HST-K8S-44 but bcd.dev/site, which no config carries), HST-K8S-52/53 (the
+token staged for the helper, removed when the join did not use it), HST-HLP-02 (busy devices sent).
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def test_a_refused_token_fails_the_unit_terminally_without_host_unit(sim_root: P
 
 
 @pytest.mark.planted_cdi  # an unreadable hold file claims every GPU
-def test_HST_K8S_44_identity_labels_and_busy_devices(sim_root: Path) -> None:
+def test_identity_labels_and_busy_devices(sim_root: Path) -> None:
     system = sim_system(sim_root)
     gpus = collect_gpus(system)
     labels = dict(identity_labels("node-1a2b", gpus))

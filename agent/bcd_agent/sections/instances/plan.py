@@ -79,6 +79,7 @@ class Observed:
     holds_memory_bytes: int = 0  # the bound holds' memory limits (DLV-ADM-07)
     gpu_addresses: Mapping[str, str | None] = field(factory=dict)  # uuid -> sysfs PCI address or None
     gpu_holds: Mapping[str, str] = field(factory=dict)  # uuid -> allocation holding it
+    gpu_claims: Mapping[str, str] = field(factory=dict)  # uuid -> why a pending Kubernetes release claims it
     user_data: Mapping[str, UserData] = field(factory=dict)  # instance id -> fetched or why not
     snapshots: Mapping[str, SnapshotState] = field(factory=dict)  # restore_from SHA-256 -> download
 
@@ -259,6 +260,8 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
                 gpu_problem = f"GPU {uuid} is passed through to instance {vfio[uuid]} already"
             elif uuid in observed.gpu_holds and (d is None or d.state == STOPPED):
                 gpu_wait = f"GPU {uuid} is held by allocation {observed.gpu_holds[uuid]}"
+            elif uuid in observed.gpu_claims and (d is None or d.state == STOPPED):
+                gpu_wait = observed.gpu_claims[uuid]
             if gpu_problem:
                 break
             if address is not None:

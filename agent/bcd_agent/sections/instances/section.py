@@ -141,10 +141,13 @@ class InstancesSection:
         network: NetworkPolicy | None = None,
         volumes: VolumeStore | None = None,
         snapshots: SnapshotDownloads | None = None,
+        records_dir: str | None = None,
     ) -> None:
         self.system = system
         self.runtimes = {r.name: r for r in runtimes}
         self.data_dir = data_dir
+        # Where the devices section keeps releasing.json and its marker (the node's _records_dir).
+        self.records_dir = data_dir if records_dir is None else records_dir
         self.user_data = user_data
         self.slice_records = slice_records
         self.network = network  # None: no nftables rules (not advertised)
@@ -225,6 +228,26 @@ class InstancesSection:
                 total += int(value)
         return gpus, total
 
+    def _release_claims(self, gpus: Mapping[str, object]) -> dict[str, str]:
+        """GPUs a pending Kubernetes release claims (DEV-K8S-11), every GPU while the releases file is
+        unreadable or its marker is set (DEV-K8S-16): the withdrawn hold's CDI spec is gone, so
+        _holds no longer names them, but a pod may still use them."""
+        from bcd_agent.sections.devices.busy import read_busy
+
+        state = read_busy(self.system, self.records_dir, {})
+        claims: dict[str, str] = {}
+        for uuid in gpus:
+            for alloc, held in sorted(state.releases.items()):
+                if uuid in held:
+                    claims.setdefault(
+                        uuid, f"GPU {uuid} is claimed by the pending Kubernetes release of {alloc}"
+                    )
+            if state.unreadable:
+                claims.setdefault(
+                    uuid, f"GPU {uuid} is claimed: pending Kubernetes releases could not be read"
+                )
+        return claims
+
     def list_runtimes(self) -> dict[str, RuntimeView]:
         views: dict[str, RuntimeView] = {}
         for name, rt in self.runtimes.items():
@@ -256,6 +279,7 @@ class InstancesSection:
             holds_memory_bytes=holds_bytes,
             gpu_addresses=addresses,
             gpu_holds=gpu_holds,
+            gpu_claims=self._release_claims(addresses),
         )
         listed = {d.name: d for v in views.values() for d in v.domains}
         if self.snapshots is not None:
