@@ -58,7 +58,11 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     ),
     "helper-files": (
         ("helper/bcd_helper/ops/files.py",),
-        ("tests/helper/test_files_unit.py", "tests/helper/test_files_signed_unit.py"),
+        (
+            "tests/helper/test_files_unit.py",
+            "tests/helper/test_files_signed_unit.py",
+            "tests/helper/test_server_ahead.py",
+        ),
     ),
     "helper-access": (("helper/bcd_helper/ops/access.py",), ("tests/helper/test_access_unit.py",)),
     "helper-nft": (("helper/bcd_helper/ops/nft.py",), ("tests/helper/test_nft_unit.py",)),
