@@ -544,3 +544,12 @@ def test_a_kubernetes_hold_takes_nothing_from_the_vendor() -> None:
 
 def test_encode_spec_bytes() -> None:
     assert cdi.encode_spec({"a": [1], "b": "x"}) == b'{\n  "a": [\n    1\n  ],\n  "b": "x"\n}\n'
+
+
+def test_a_device_marker_names_the_device_with_every_other_character_as_underscore() -> None:
+    # docs/devices.md "Devices never bare": the key is the CDI device name with every character outside
+    # [A-Za-z0-9_] as `_` (upper and lower case letters, digits and `_` kept), the value the device id.
+    gpu = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+    assert cdi.device_marker_env(gpu) == f"BCD_DEVICE_GPU_5f1c2a90_0000_4000_8000_000000000001={gpu}"
+    mig = "MIG-GPU-aB9/1.0:z_Y"
+    assert cdi.device_marker_env(mig) == f"BCD_DEVICE_MIG_GPU_aB9_1_0_z_Y={mig}"

@@ -44,6 +44,25 @@ class Recorder(LocalSystem):
         return CommandResult(tuple(argv), 0, b"out", b"")
 
 
+class FdRecorder(LocalSystem):
+    """Records each program with its timeout, input and the descriptors handed to it (`pass_fds`)."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.runs: list[tuple[tuple[str, ...], float, bytes | None, tuple[int, ...]]] = []
+
+    def run(
+        self,
+        argv: Sequence[str],
+        *,
+        timeout: float = DEFAULT_TOOL_TIMEOUT_S,
+        input: bytes | None = None,
+        pass_fds: Sequence[int] = (),
+    ) -> CommandResult:
+        self.runs.append((tuple(argv), timeout, input, tuple(pass_fds)))
+        return CommandResult(tuple(argv), 0, b"out", b"")
+
+
 class Clock:
     def __init__(self, now: float) -> None:
         self.now = now
@@ -125,6 +144,22 @@ def test_each_program_gets_the_least_of_its_timeout_the_cap_and_what_is_left(
     assert DEFAULT_TOOL_TIMEOUT_S == 1200
 
 
+def test_a_program_handed_descriptors_gets_them_and_the_same_bounds(root: Path, clock: Clock) -> None:
+    inner = FdRecorder(root)
+    system = BoundedSystem(inner, Deadline(100), tool_cap=50)
+    assert system.run(["a"], timeout=10, input=b"in", pass_fds=(7,)).stdout == b"out"  # its own timeout
+    system.run(["b"], timeout=80, pass_fds=(8, 9))  # the cap
+    clock.now += 70
+    system.run(["c"], timeout=40, pass_fds=(10,))  # what is left
+    system.run(["d"])  # no descriptors: the two-argument form
+    assert inner.runs == [
+        (("a",), 10, b"in", (7,)),
+        (("b",), 50, None, (8, 9)),
+        (("c",), 30.0, None, (10,)),
+        (("d",), 30.0, None, ()),
+    ]
+
+
 def test_no_program_starts_once_the_deadline_has_passed(root: Path, clock: Clock) -> None:
     inner = Recorder(root)
     system = BoundedSystem(inner, Deadline(2.6))
@@ -155,6 +190,7 @@ def test_the_context_has_one_lock_per_name_and_nothing_else_yet(root: Path) -> N
     locks = list(ctx.locks.values())
     assert all(type(x) is type(threading.Lock()) for x in locks) and len({id(x) for x in locks}) == len(locks)
     assert (ctx.daemon_timer, ctx.nft_reference, ctx.nft_memo) == (None, None, None)
+    assert ctx.nft_loaded == frozenset()
     assert type(ctx.timer_lock) is type(threading.Lock())
     assert ctx.root == root and ctx.config.node_uid == NODE_UID and isinstance(ctx.system, Programs)
     ctx.audit.close()
