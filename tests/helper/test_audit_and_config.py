@@ -194,6 +194,7 @@ def test_a_sealed_line_is_the_canonical_entry_with_its_mac(args: dict[str, objec
         {"message": "x"},
         {"a": {"message": ',"message":"'}, "z": [{"message": 1}]},
         {"kind": ',"message":', "id": '"message"'},
+        {"a": 1, "message": "x"},  # a `,"message":` of the shown arguments' own, before the entry's
     ],
 )
 @pytest.mark.parametrize("extra", [{}, {"mad": 1}, {"mab": "m"}, {"zz": {"message": 2}}])

@@ -46,7 +46,10 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     # kill): `helper` above takes hours on this machine, these take minutes each.
     "helper-intent": (("helper/bcd_helper/intent.py",), ("tests/helper/test_intent_unit.py",)),
     "helper-protocol": (("helper/bcd_helper/protocol.py",), ("tests/helper/test_protocol_unit.py",)),
-    "helper-audit": (("helper/bcd_helper/audit.py",), ("tests/helper/test_audit_unit.py",)),
+    "helper-audit": (
+        ("helper/bcd_helper/audit.py",),
+        ("tests/helper/test_audit_unit.py", "tests/helper/test_audit_and_config.py"),
+    ),
     "helper-slices": (("helper/bcd_helper/ops/slices.py",), ("tests/helper/test_slices_unit.py",)),
     "helper-hostops": (
         ("helper/bcd_helper/ops/host.py", "helper/bcd_helper/ops/hostunit.py"),
@@ -73,7 +76,11 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "helper-ch": (("helper/bcd_helper/ops/ch.py",), ("tests/helper/test_ch_ops_unit.py",)),
     "helper-server": (
         ("helper/bcd_helper/server.py",),
-        ("tests/helper/test_server_unit.py", "tests/helper/test_helper_op_timeout.py"),
+        (
+            "tests/helper/test_server_unit.py",
+            "tests/helper/test_helper_op_timeout.py",
+            "tests/helper/test_server_ahead.py",
+        ),
     ),
     "pki": (("shared/bcd_shared/pki/*",), ("tests/pki/",)),
     "shared": (
