@@ -368,3 +368,26 @@ class TestWithoutOpenat2:
         err = _refused(open_regular_nofollow, fresh_root, "/etc/flink")
         assert (err.path, err.message) == ("/etc/flink", "/etc/flink is a symbolic link")
         assert list((fresh_root / "etc/real").iterdir()) == [fresh_root / "etc/real/f"]
+
+
+def test_check_is_handed_the_verified_directory_before_anything_is_written_there(fresh_root: Path) -> None:
+    """`check` (a kind's limits, counted on the write's own directory) gets the target's verified directory
+    as an open descriptor, before the temporary file exists; what it raises stops the write."""
+    etc = fresh_root / "etc"
+    before = sorted(os.listdir(etc))
+    seen: list[tuple[bool, int, list[str]]] = []
+
+    def check(dfd: int) -> None:
+        st = os.fstat(dfd)
+        seen.append((stat.S_ISDIR(st.st_mode), st.st_ino, sorted(os.listdir(dfd))))
+
+    write_root_only(fresh_root, "/etc/checked", b"x\n", check=check)
+    assert seen == [(True, os.stat(etc).st_ino, before)]
+    assert (etc / "checked").read_bytes() == b"x\n"
+
+    def full(dfd: int) -> None:
+        raise RootPathRefused("/etc", "full")
+
+    with pytest.raises(RootPathRefused):
+        write_root_only(fresh_root, "/etc/refused", b"x\n", check=full)
+    assert sorted(os.listdir(etc)) == sorted([*before, "checked"])
