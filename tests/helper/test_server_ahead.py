@@ -121,6 +121,9 @@ def test_the_line_is_written_while_the_file_is_being_written_and_once(
         ("file.write", "accepted", ALLOC),
         ("file.write", "accepted", ALLOC),
     ]
+    # the line is the request's own: no reason or message, and the time from its start to the line
+    assert [(e["reason"], e["message"]) for e in entries] == [("", ""), ("", "")]
+    assert all(0 <= e["duration_ms"] < 10_000 for e in entries), entries
     assert verify_chain(ctx.root / DIR.lstrip("/")).ok
 
 
