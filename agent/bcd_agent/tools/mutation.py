@@ -48,7 +48,12 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "helper-protocol": (("helper/bcd_helper/protocol.py",), ("tests/helper/test_protocol_unit.py",)),
     "helper-audit": (
         ("helper/bcd_helper/audit.py",),
-        ("tests/helper/test_audit_unit.py", "tests/helper/test_audit_and_config.py"),
+        (
+            "tests/helper/test_audit_unit.py",
+            "tests/helper/test_audit_and_config.py",
+            "tests/helper/test_audit_tail.py",
+            "tests/helper/test_audit_head_report.py",
+        ),
     ),
     "helper-slices": (("helper/bcd_helper/ops/slices.py",), ("tests/helper/test_slices_unit.py",)),
     "helper-hostops": (
