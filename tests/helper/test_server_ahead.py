@@ -184,6 +184,27 @@ def test_a_line_that_cannot_be_written_gets_no_answer(
         conn.answer(write())
 
 
+def test_a_line_that_cannot_be_written_gets_no_answer_even_when_the_log_recovers_at_once(
+    ctx: HelperContext, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The accepted line failing is what ends the request, not a second audit failure: with the log
+    writable again for the outcome line, there is still no answer and no `failed` line."""
+    record = ctx.audit.record
+    calls: list[str] = []
+
+    def once_broken(**kw: Any) -> str:
+        calls.append(kw["decision"])
+        if len(calls) == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return record(**kw)
+
+    monkeypatch.setattr(ctx.audit, "record", once_broken)
+    with pytest.raises(OSError, match="No space left"):
+        conn.answer(write())
+    assert calls == ["accepted"]
+    assert lines(ctx) == []
+
+
 def test_one_worker_per_connection_ended_with_it(ctx: HelperContext) -> None:
     before = ahead_threads()
     guards = Guards(ctx)
