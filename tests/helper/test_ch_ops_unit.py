@@ -448,6 +448,41 @@ def test_a_failed_tap_is_answered_even_when_the_rollback_runs_out_of_time(
     assert ("ip", "link", "delete", "dev", T0) not in runs(ctx)  # refused before it ran
 
 
+def test_the_rollback_tries_every_created_tap_when_the_deadline_passes_midway(
+    ctx: HelperContext, host: Host
+) -> None:
+    """Both taps created, the second's bridge step fails; the deadline passes while the rollback's first
+    delete runs: that tap is gone, the second's delete is still tried (the bounded system refuses it:
+    `timeout`) and the answer is the bridge step's own failure, not the rollback's."""
+    c = call(ctx)
+    tried: list[tuple[str, ...]] = []
+    bounded = c.system.run
+
+    def run(argv: Sequence[str], **kw: Any) -> CommandResult:
+        tried.append(tuple(argv))  # before the bounded system's deadline check
+        return bounded(argv, **kw)
+
+    c.system.run = run  # type: ignore[method-assign]
+    real = host.ip
+
+    def ip(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[1:3] == ("link", "set") and argv[4] == T1:
+            return 2, b"", b"Error: Device does not exist\n"
+        if argv[1:3] == ("link", "delete"):
+            c.deadline._end = 0.0  # the deadline passes while the first delete runs
+        return real(argv)
+
+    host.ip = ip  # type: ignore[method-assign]
+    assert failed(ch.ch_taps, c, ch.ChTaps("vm1", ("br0", "br0"))) == (
+        "ip",
+        f"ip link set {T1} master br0: Error: Device does not exist",
+    )
+    delete = [("ip", "link", "delete", "dev", t) for t in (T0, T1)]
+    assert tried[-2:] == delete  # every tap this call created, in order
+    assert runs(ctx)[-3:] == [tuntap(T1), master(T1, "br0"), delete[0]]  # T1's delete never ran
+    assert T0 not in host.links and T1 in host.links  # what the deadline left, ch.untaps deletes
+
+
 def test_roots_view_of_a_link_and_its_failures(ctx: HelperContext, host: Host) -> None:
     host.fail["ip -j"] = (2, b"", b"\xff" + b"e" * 600 + b"\n")
     assert failed(ch._link, call(ctx), "x") == ("ip", "ip link show x: \ufffd" + "e" * 499)
