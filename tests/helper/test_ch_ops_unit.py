@@ -1461,6 +1461,34 @@ def test_a_group_a_running_vmm_holds_is_never_taken_or_given_back_dlv_chh_10_13(
     assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"]
 
 
+def test_a_unit_running_as_root_holds_no_group_root_owns_dlv_chh_10_13(
+    ctx: HelperContext, pci: Path, host: Host
+) -> None:
+    """DLV-CHH-10, DLV-CHH-13, DLV-CHH-15: a group /dev/vfio shows as root's was given back: no VMM
+    unit's user owns it, even while a `bcd-ch-*` unit runs as root (never one of bcd's: ch.launch's
+    User= is a VMM uid), so ch.unvfio unbinds it and ch.vfio takes it; any other user of a running unit,
+    the lowest included, keeps its group."""
+    node = vfio_node(pci, "10", 0)
+    assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"]
+    os.chown(node, 0, 0)  # given back (ch.stop), the devices still on vfio-pci
+    for user in ("0", "root"):
+        host.units = {"bcd-ch-vm2.service": ("active", user)}
+        host.writes.clear()
+        assert ch.ch_unvfio(call(ctx), ch.ChName("vm1")) == {"name": "vm1", "groups": ["10"]}
+        assert (driver(pci, GPU), driver(pci, AUDIO)) == ("nvidia", "snd_hda_intel")
+        assert (f"/sys/bus/pci/devices/{GPU}/driver/unbind", GPU) in host.writes
+        assert ch.ch_vfio(call(ctx), ch.ChLaunch("vm1"))["groups"] == ["10"]
+        os.chown(node, 0, 0)
+    os.chown(node, 1, 1)  # the lowest user but root's, a running unit's: kept
+    host.units = {"bcd-ch-vm2.service": ("active", "1")}
+    for op in ("ch.unvfio", "ch.vfio"):
+        assert launch_refused(ctx, op) == (
+            "group-in-use",
+            f"{op}: /dev/vfio/10 is held by a running VMM's user (1)",
+        )
+    assert os.stat(node).st_uid == 1 and driver(pci, GPU) == "vfio-pci"
+
+
 def test_vfio_refuses_a_uid_of_another_account(ctx: HelperContext, pci: Path) -> None:
     (pci / "etc/passwd").write_text(PASSWD + f"mallory:x:{UID1}:{UID1}::/:/bin/sh\n")
     assert launch_refused(ctx, "ch.vfio") == (

@@ -724,8 +724,15 @@ def _busy_gpus(call: Call, op: str, gpus: tuple[str, ...]) -> None:
             raise Refused("gpu-busy", f"{op}: {gpu}: {why}")
 
 
+def _unit_users(units: dict[str, int]) -> set[int]:
+    """The users running bcd-ch-* units run as. Never root (0), as an unreadable User= (-1) is none: a
+    VMM never runs as root, and a /dev/vfio group root owns was given back, held by no VMM's user
+    (DLV-CHH-15), whatever a unit running as root (never ch.launch's) may be."""
+    return {uid for uid in units.values() if uid > 0}
+
+
 def _running_uids(call: Call) -> set[int]:
-    return {uid for uid in _running_units(call).values() if uid >= 0}
+    return _unit_users(_running_units(call))
 
 
 def _signed_gpus(call: Call, op: str, name: str, intent: SignedIntent | None, rec: CHRecord) -> None:
@@ -761,10 +768,10 @@ def ch_vfio(call: Call, req: ChLaunch) -> dict[str, Any]:
     units = _running_units(call)
     # the groups go to that uid: never while another instance's VMM runs as it
     _uid_not_in_use(op, unit_name(name), rec.uid, units)
-    running = {uid for uid in units.values() if uid >= 0}
+    running = _unit_users(units)
     for group in groups:
         owner = _vfio_owner(call, group)
-        if owner is not None and owner not in (0, rec.uid) and owner in running:
+        if owner is not None and owner != rec.uid and owner in running:
             raise Refused(
                 "group-in-use", f"{op}: /dev/vfio/{group} is held by a running VMM's user ({owner})"
             )
