@@ -645,14 +645,18 @@ def test_HST_K8S_32_37_38_39_join_step_and_its_refusals() -> None:
 def test_HST_K8S_40_another_cluster_refused_after_normalising() -> None:
     s = settings(server="https://h.example")
     assert UNIT.plan(s, observed(kubelet_server="https://H.example:443", record=record_of(s))).converged
-    for server in ("https://h.example:6443", "not a url"):
+    for server, shown in (
+        ("https://h.example:6443", "https://h.example:6443"),
+        ("not a url", "not a url"),
+        ("", "a cluster /etc/kubernetes/kubelet.conf names no server of"),
+    ):
         p = UNIT.plan(s, observed(kubelet_server=server, swap=True))
         assert p == Plan(
             (),
             (
                 Issue(
                     "terminal",
-                    f"k8s-join: the kubelet is joined to {server}, not https://h.example:443: "
+                    f"k8s-join: the kubelet is joined to {shown}, not https://h.example:443: "
                     "reset it by hand (kubeadm reset) to move it",
                 ),
             ),

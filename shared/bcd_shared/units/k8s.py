@@ -642,12 +642,14 @@ class K8sJoin(ConfigUnit[K8sSettings, K8sObserved]):
             return Plan(tuple(steps_))
         # Kept (HST-K8S-40..49)
         if normalise_or_none(o.kubelet_server) != settings.server:
+            # A kubelet.conf without a `server:` line is read as "" (joined, but to no server it names).
+            joined = o.kubelet_server or f"a cluster {KUBELET_CONF} names no server of"
             return Plan(
                 (),
                 (
                     Issue(
                         "terminal",
-                        f"k8s-join: the kubelet is joined to {o.kubelet_server}, not {settings.server}: "
+                        f"k8s-join: the kubelet is joined to {joined}, not {settings.server}: "
                         "reset it by hand (kubeadm reset) to move it",
                     ),
                 ),
