@@ -264,7 +264,8 @@ def test_closing_a_worker_whose_line_hangs_returns_after_its_5_s_bound(
 ) -> None:
     """A line stuck in its write (a hung disk) does not hold the connection's end forever: `close` joins
     the worker for 5 s at most and returns with the job still blocked; the thread ends once the job
-    does. The join is recorded (and cut short) rather than waited out."""
+    does. The join is recorded (and cut short) rather than waited out. The thread left behind is a
+    daemon."""
     w = _Worker()
     started, release = threading.Event(), threading.Event()
 
@@ -273,7 +274,6 @@ def test_closing_a_worker_whose_line_hangs_returns_after_its_5_s_bound(
         release.wait(30)
 
     w.submit(hanging)
-    assert started.wait(10)
     thread, joins = w._thread, []
     real_join = thread.join
 
@@ -282,10 +282,16 @@ def test_closing_a_worker_whose_line_hangs_returns_after_its_5_s_bound(
         real_join(0.05)
 
     monkeypatch.setattr(thread, "join", join)
-    w.close()
-    assert joins == [5]
-    assert thread.is_alive()  # close returned; the job still hangs
-    release.set()
+    try:
+        assert started.wait(10)
+        w.close()
+        assert joins == [5]
+        assert thread.is_alive()  # close returned; the job still hangs
+        # left behind as a daemon thread, which lets the process exit (the child process below shows
+        # it; mutation testing sees only what runs in this process)
+        assert thread.daemon
+    finally:
+        release.set()
     real_join(10)
     assert not thread.is_alive()
 
