@@ -5,7 +5,10 @@ The line is handed to the connection's worker thread once every check has passed
 written, so its fsync overlaps the file's; the answer waits for both. What is checked here: the line is
 written while the file is being written (not after), exactly one line per accepted write, a refusal
 before the effect writes no `accepted` line, an effect that fails after its line is a second line naming
-it, a line that cannot be written gets no answer, and one worker per connection, ended with it."""
+it, a line that cannot be written gets no answer, one worker per connection, ended with it; the line's
+duration is the time from the request's start to the hand-over (not to the worker's write); closing a
+worker whose line hangs waits a bounded 5 s, and the worker, a daemon thread, never keeps the helper's
+process from exiting."""
 
 from __future__ import annotations
 
@@ -13,18 +16,22 @@ import errno
 import json
 import os
 import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from bcd_helper import server
 from bcd_helper.audit import AuditLog, verify_chain
 from bcd_helper.config import parse_config
 from bcd_helper.ops.base import HelperContext
 from bcd_helper.ops.table import LOCK_ORDER
 from bcd_helper.protocol import encode_frame, read_frame
-from bcd_helper.server import Connection, Guards
+from bcd_helper.server import Connection, Guards, _Worker
 from bcd_shared import cdi
 
 DIR = "/var/log/bcd-helper"
@@ -226,3 +233,88 @@ def test_one_worker_per_connection_ended_with_it(ctx: HelperContext) -> None:
         b.close()
         guards.close()
     assert [e["decision"] for e in lines(ctx)] == ["accepted"] * 5
+
+
+def test_the_accepted_lines_duration_is_taken_when_the_line_is_handed_over(
+    ctx: HelperContext, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's clock is the test's: 0.125 s pass between the request's start and the line's
+    hand-over to the worker, then 3 s before the worker writes it. The line says 125.0 ms: the duration
+    in milliseconds up to the hand-over, not the time the worker took to get to it."""
+    now = [100.0]
+    monkeypatch.setattr(server, "time", SimpleNamespace(monotonic=lambda: now[0]))
+    start, submit = server._Ahead.start, _Worker.submit
+
+    def starting(self: server._Ahead) -> None:
+        now[0] += 0.125  # the op's checks took 125 ms
+        start(self)
+
+    def submitting(self: _Worker, job: Any) -> None:
+        now[0] += 3.0  # the worker gets to the line 3 s later
+        submit(self, job)
+
+    monkeypatch.setattr(server._Ahead, "start", starting)
+    monkeypatch.setattr(_Worker, "submit", submitting)
+    assert conn.answer(write())["ok"] is True
+    assert [(e["decision"], e["duration_ms"]) for e in lines(ctx)] == [("accepted", 125.0)]
+
+
+def test_closing_a_worker_whose_line_hangs_returns_after_its_5_s_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A line stuck in its write (a hung disk) does not hold the connection's end forever: `close` joins
+    the worker for 5 s at most and returns with the job still blocked; the thread ends once the job
+    does. The join is recorded (and cut short) rather than waited out. The thread left behind is a
+    daemon."""
+    w = _Worker()
+    started, release = threading.Event(), threading.Event()
+
+    def hanging() -> None:
+        started.set()
+        release.wait(30)
+
+    w.submit(hanging)
+    thread, joins = w._thread, []
+    real_join = thread.join
+
+    def join(timeout: float | None = None) -> None:
+        joins.append(timeout)
+        real_join(0.05)
+
+    monkeypatch.setattr(thread, "join", join)
+    try:
+        assert started.wait(10)
+        w.close()
+        assert joins == [5]
+        assert thread.is_alive()  # close returned; the job still hangs
+        # left behind as a daemon thread, which lets the process exit (the child process below shows
+        # it; mutation testing sees only what runs in this process)
+        assert thread.daemon
+    finally:
+        release.set()
+    real_join(10)
+    assert not thread.is_alive()
+
+
+def test_a_worker_whose_line_hangs_does_not_keep_the_process_from_exiting() -> None:
+    """The helper exiting (its main thread done) with a connection's worker stuck in an audit write: a
+    child Python opens a worker, hands it a job that never returns and ends. The worker is a daemon
+    thread, so the child exits; a non-daemon worker would hold it at interpreter shutdown forever."""
+    code = (
+        "import threading\n"
+        "from bcd_helper import server\n"
+        "w = server._Worker()\n"
+        "started = threading.Event()\n"
+        "w.submit(lambda: (started.set(), threading.Event().wait()))\n"
+        "assert started.wait(10)\n"
+        "print(server.__file__, flush=True)\n"
+    )
+    # the child imports the same bcd_helper as this process (under mutation testing, the mutated one)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    try:
+        out = subprocess.run(
+            [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"the child did not exit with its worker open: {exc.stdout!r}")
+    assert (out.returncode, out.stdout.strip(), out.stderr) == (0, server.__file__, "")

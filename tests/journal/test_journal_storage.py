@@ -360,6 +360,52 @@ def test_group_commit_keeps_every_write_durable_unless_the_caller_says_otherwise
         assert [e.id for e in k.unacked_results()] == ["left"]
 
 
+class _Watching:
+    """The journal's connection, recording SQLite's own `synchronous` setting in force when each write
+    is committed: at an INSERT into commands outside a transaction (its own), or at a COMMIT. FULL (2):
+    SQLite fsyncs the WAL at that commit; NORMAL (1): it does not (in WAL mode)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+        self.modes: list[tuple[str, int]] = []
+
+    def execute(self, sql: str, *args: Any) -> Any:
+        autocommit = sql.startswith("INSERT INTO commands") and not self._conn.in_transaction
+        if autocommit or sql.startswith("COMMIT"):
+            mode = int(self._conn.execute("PRAGMA synchronous").fetchone()[0])
+            self.modes.append((sql.split(" ", 1)[0], mode))
+        return self._conn.execute(sql, *args)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._conn, name)
+
+
+def test_group_commit_commits_a_durable_accept_with_synchronous_full(tmp_path: Path) -> None:
+    """`accept_command`'s one-statement path (no leftover to take over: the INSERT is its own
+    transaction) under group commit: committed with synchronous=FULL, so SQLite fsyncs the WAL before
+    it returns, unless the caller passes `durable=False` (NORMAL for that statement alone). The
+    counters alone cannot tell: they count what the journal believes, not what SQLite was told."""
+    with Journal.open(tmp_path / "d", boot_id="b1", group_commit=True) as j:
+        watching = _Watching(j._conn)
+        j._conn = watching  # type: ignore[assignment]
+        j.accept_command(cmd("a"))  # durable by default
+        j.accept_command(cmd("b"), durable=False)
+        j.accept_command(cmd("c"), durable=True)
+        j.accept_commands([cmd("d")], durable=False)  # the transaction path, for contrast
+        j.accept_commands([cmd("e")])
+        assert watching.modes == [("INSERT", 2), ("INSERT", 1), ("INSERT", 2), ("COMMIT", 1), ("COMMIT", 2)]
+        assert (j.commits, j.durable_commits) == (5, 3)
+        j._conn = watching._conn
+        assert j._conn.execute("PRAGMA synchronous").fetchone()[0] == 2
+    with Journal.open(tmp_path / "e", boot_id="b1") as j:  # no group commit: FULL whatever the caller says
+        watching = _Watching(j._conn)
+        j._conn = watching  # type: ignore[assignment]
+        j.accept_command(cmd("a"), durable=False)
+        j.accept_commands([cmd("b")], durable=False)
+        assert watching.modes == [("INSERT", 2), ("COMMIT", 2)]
+        j._conn = watching._conn
+
+
 def test_a_failing_close_is_logged_and_still_releases_the_lock(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
