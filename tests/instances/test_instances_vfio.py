@@ -125,3 +125,48 @@ def test_DEV_K8S_11_a_vm_start_waits_for_a_gpu_a_pending_kubernetes_release_clai
     assert converge(inst, other).state is SectionState.PROGRESSING
     waits = {i.instance_id: i.message for i in inst.last_report.instances if i.message}
     assert waits == {"x": f"GPU {gpu_uuid(3)} is claimed: pending Kubernetes releases could not be read"}
+
+
+def test_DEV_CONF_12_a_vm_start_is_refused_a_gpu_held_whole_as_mig_as_slot_or_pending_release(
+    sim_root: Path,
+) -> None:
+    """DEV-CONF-12: a VM start is refused a GPU a live hold names whole, as a MIG instance or as a slot,
+    and one a pending Kubernetes release names; each VM waits naming who has it, and is not started.
+    A VM on a GPU nothing names starts in the same pass. Once the holds go and the release is reported,
+    every VM starts."""
+    g1, g4, g7, g2, g5 = (gpu_uuid(i) for i in (1, 4, 7, 2, 5))
+    pods = _Pods(g2)
+    devices = Host(sim_root, pod_resources=pods)
+    kube = DeviceAssignment("k1", "rsv_k1", "BINDING_KUBERNETES", (DeviceRef(g2),))
+    assert devices.run(DevicesSpec(1, (kube,))).state is SectionState.CONVERGED
+    holds = (
+        DeviceAssignment("alloc_whole", devices=(DeviceRef(g1),)),
+        DeviceAssignment("alloc_mig", devices=(DeviceRef(f"{g7}/gi1/ci0", "gpu.mig"),)),
+        DeviceAssignment("alloc_slot", devices=(DeviceRef(f"{g4}/s1", "gpu.slot"),)),
+    )
+    # k1 withdrawn while a pod still holds its GPU: its release stays pending.
+    assert devices.run(DevicesSpec(2, holds)).state is SectionState.PROGRESSING
+    inst, rt = section(devices.system)
+    vms = (
+        vm("whole", gpu_uuids=(g1,)),
+        vm("mig", gpu_uuids=(g7,)),
+        vm("slot", gpu_uuids=(g4,)),
+        vm("kube", gpu_uuids=(g2,)),
+        vm("free", gpu_uuids=(g5,)),
+    )
+    assert converge(inst, spec(*vms)).state is SectionState.PROGRESSING
+    waits = {i.instance_id: i.message for i in inst.last_report.instances if i.message}
+    assert waits == {
+        "whole": f"GPU {g1} is held by allocation alloc_whole",
+        "mig": f"GPU {g7} is held by allocation alloc_mig",
+        "slot": f"GPU {g4} is held by allocation alloc_slot",
+        "kube": f"GPU {g2} is claimed by the pending Kubernetes release of k1",
+    }
+    # the refused ones were never created, let alone started
+    assert {d.name: d.state for d in rt.list()} == {"free": "running"}
+    pods.held = ()
+    assert devices.run(DevicesSpec(3, ())).state is SectionState.CONVERGED
+    assert converge(inst, spec(*vms)).state is SectionState.CONVERGED
+    assert {d.name: d.state for d in rt.list()} == dict.fromkeys(
+        ("whole", "mig", "slot", "kube", "free"), "running"
+    )
