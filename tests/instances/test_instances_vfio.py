@@ -170,3 +170,41 @@ def test_DEV_CONF_12_a_vm_start_is_refused_a_gpu_held_whole_as_mig_as_slot_or_pe
     assert {d.name: d.state for d in rt.list()} == dict.fromkeys(
         ("whole", "mig", "slot", "kube", "free"), "running"
     )
+
+
+def test_DEV_CONF_11_a_gpu_dropped_from_a_running_vms_spec_stays_the_vms_until_its_next_start(
+    sim_root: Path,
+) -> None:
+    """DEV-CONF-11: the spec drops a GPU from a VM that runs: the domain keeps it (its definition applies
+    at its next start), so a hold on it is refused naming the VM and another VM that asks for it waits,
+    never started on it. The VM stops (its guest shut down) and bcd starts it again without the GPU:
+    from then on the hold binds."""
+    devices = Host(sim_root)
+    inst, rt = section(devices.system)
+    devices.section.vfio = lambda: inst.vfio(current)
+    g3 = gpu_uuid(3)
+    current = spec(vm("a", gpu_uuids=(g3,)))
+    assert converge(inst, current).state is SectionState.CONVERGED
+    current = spec(vm("a"), vm("b", gpu_uuids=(g3,)), generation=2)
+    for _ in range(2):  # the claim lasts, pass after pass, while the domain runs
+        assert converge(inst, current).state is SectionState.PROGRESSING
+        assert inst.vfio(current)[g3] in ("a", "b") and inst.last_plan is not None
+        assert inst.last_plan.vfio[g3] == "a"
+        waits = {i.instance_id: i.message for i in inst.last_report.instances if i.message}
+        assert waits["b"] == f"GPU {g3} is still passed through to instance a, whose domain runs"
+        assert {d.name: d.state for d in rt.list()} == {"a": "running"}
+        refused = devices.run(_hold("alloc_a", g3))  # the spec's b or the running a: both refuse it
+        assert (
+            refused.state is SectionState.FAILED and f"{g3} is passed through to instance" in refused.message
+        )
+    # Without b, the VFIO claim the devices section sees is a's alone, from its running domain.
+    current = spec(vm("a"), generation=3)
+    converge(inst, current)
+    assert inst.vfio(current) == {g3: "a"}
+    refused = devices.run(DevicesSpec(2, _hold("alloc_a", g3).assignments))
+    assert refused.state is SectionState.FAILED and f"{g3} is passed through to instance a" in refused.message
+    assert rt.virsh.act("destroy", "a").ok  # the guest powers off
+    converge(inst, current)  # a starts again, defined without the GPU
+    assert {d.name: d.state for d in rt.list()} == {"a": "running"}
+    assert inst.vfio(current) == {}
+    assert devices.run(DevicesSpec(3, _hold("alloc_a", g3).assignments)).state is SectionState.CONVERGED

@@ -13,7 +13,8 @@ The seeds' rules first (delivery.md "Instances", DLV-INST, DLV-PLC, DLV-ADM, DLV
    earlier instance passes it through already; its user data was refused (DLV-INST-07); a step
    failed terminally (a bad image, a shrink, a start the runtime refused for lack of memory).
 4. It waits (PENDING, section PROGRESSING) for: its runtime's listing (failed this pass), its user
-   data (the broker unavailable, DLV-INST-08), a GPU a live hold has, host admission
+   data (the broker unavailable, DLV-INST-08), a GPU a live hold has or a pending Kubernetes release
+   claims, a GPU another domain that runs still has (dropped from its spec, DEV-CONF-11), host admission
    (`ResourcesExhausted: ...`, DLV-ADM-12/13, never ERROR).
 5. A missing domain is created (image, overlay, seed, define; user data fetched before); a domain
    whose definition digest (model.definition_digest) differs is defined again while it is stopped,
@@ -202,6 +203,15 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
             if name not in wanted or wanted[name].runtime != listed.name:
                 steps.append(RemoveFiles(listed.name, name))
     vfio: dict[str, str] = {}
+    # GPUs the domains that run (or are paused) have now, whatever their spec says: one dropped from a
+    # running VM's spec stays that VM's until its next start (DEV-CONF-11), so no other VM starts on it.
+    running_gpus: dict[str, str] = {}
+    for dom in domains.values():
+        if dom.state != STOPPED:
+            for bus in dom.gpu_addresses:
+                for uuid, a in observed.gpu_addresses.items():
+                    if a == bus:
+                        running_gpus.setdefault(uuid, dom.name)
     committed = sum(
         committed_bytes(d.memory_bytes, d.hugepages)
         for d in domains.values()
@@ -258,6 +268,10 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
                 gpu_problem = f"GPU {uuid} has no PCI bus id in the inventory"
             elif uuid in vfio:
                 gpu_problem = f"GPU {uuid} is passed through to instance {vfio[uuid]} already"
+            elif running_gpus.get(uuid, inst.id) != inst.id and (d is None or d.state == STOPPED):
+                gpu_wait = (
+                    f"GPU {uuid} is still passed through to instance {running_gpus[uuid]}, whose domain runs"
+                )
             elif uuid in observed.gpu_holds and (d is None or d.state == STOPPED):
                 gpu_wait = f"GPU {uuid} is held by allocation {observed.gpu_holds[uuid]}"
             elif uuid in observed.gpu_claims and (d is None or d.state == STOPPED):
@@ -270,7 +284,8 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
             errors[inst.id] = gpu_problem
             continue
         for uuid in inst.gpu_uuids:
-            vfio[uuid] = inst.id
+            if running_gpus.get(uuid, inst.id) == inst.id:  # not the GPU of another running domain
+                vfio[uuid] = inst.id
         if gpu_wait is not None:
             waiting[inst.id] = gpu_wait
             continue
@@ -337,11 +352,8 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
             steps.append(Suspend(inst.runtime, inst.id))
         elif d.state == PAUSED and not paused:
             steps.append(Resume(inst.runtime, inst.id))
-    for dom in domains.values():  # GPUs of domains still running keep their claim this pass
-        for address in dom.gpu_addresses:
-            for uuid, a in observed.gpu_addresses.items():
-                if a == address and dom.state != STOPPED:
-                    vfio.setdefault(uuid, dom.name)
+    for uuid, name in running_gpus.items():  # GPUs of domains still running keep their claim this pass
+        vfio.setdefault(uuid, name)
     ordered = tuple(sorted(steps, key=lambda s: _ORDER[type(s)]))
     return Plan(
         steps=ordered,
