@@ -219,6 +219,10 @@ class Node:
                     if self.runner is not None and self.runner.spec
                     else None
                 )
+                # Host admission both ways (DEV-ADM-05, DEV-ADM-17): holds count the domains' committed
+                # memory, and starts count the holds' bookings (a Kubernetes hold's from the spec).
+                devices.domains_committed_bytes = instances.committed_bytes
+                instances.hold_assignments = lambda: devices.assignments
                 sections.append(instances)
         access = self._access_section(system, identity)
         if access is not None:

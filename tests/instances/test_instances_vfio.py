@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bcd_agent.converge.section import Observation
 from bcd_agent.converge.types import SectionState
 from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+from bcd_agent.sections.instances.model import InstancesSpec
 from bcd_simhost.gpus import gpu_uuid
 from devices.devhost import Host
 from instkit import converge, section, spec, vm
@@ -208,3 +210,108 @@ def test_DEV_CONF_11_a_gpu_dropped_from_a_running_vms_spec_stays_the_vms_until_i
     assert {d.name: d.state for d in rt.list()} == {"a": "running"}
     assert inst.vfio(current) == {}
     assert devices.run(DevicesSpec(3, _hold("alloc_a", g3).assignments)).state is SectionState.CONVERGED
+
+
+def test_DEV_ADM_17_vm_starts_count_the_bound_holds_commitments(sim_root: Path) -> None:
+    """DEV-ADM-17: a VM start counts what the bound holds were promised, not what they use: a
+    Kubernetes hold's booked memory (it has no slice), a sliced hold's MemoryMax, and the huge pages a
+    hold may still take on its memory nodes though its slice has faulted none in. Refused, the VMs wait
+    with ResourcesExhausted and stay unstarted; once the holds go, all start."""
+    from bcd_agent.inventory.host import read_host_memory
+    from bcd_agent.sections.devices.model import BINDING_KUBERNETES, Limits
+    from instkit import Placement
+
+    devices = Host(sim_root, pod_resources=_Pods())
+    inst, rt = section(devices.system)
+    inst.hold_assignments = lambda: devices.section.assignments  # as the node wires it
+    mem = read_host_memory(devices.system)
+    assert mem is not None
+    gib = 1 << 30
+    available = mem.normal_available_bytes // gib * gib
+    kube = DeviceAssignment(
+        "k1",
+        "rsv_k1",
+        BINDING_KUBERNETES,
+        (DeviceRef(gpu_uuid(0)),),
+        Limits(memory_bytes=available - 3 * gib),
+    )
+    pages = DeviceAssignment(
+        "h1",
+        "rsv_h1",
+        devices=(DeviceRef(gpu_uuid(1)),),
+        limits=Limits(mems="0", memory_bytes=gib, hugepages_1gi=14),
+    )
+    wide = DeviceAssignment(
+        "h2", "rsv_h2", devices=(DeviceRef(gpu_uuid(2)),), limits=Limits(hugepages_2mi=8000)
+    )
+    assert devices.run(DevicesSpec(1, (kube, pages, wide))).state is SectionState.CONVERGED
+    big = vm("big", memory_bytes=2 * gib)  # 2368 MiB with its VMM overhead; 2048 MiB are left
+    huge = vm("huge", memory_bytes=4 * gib, placement=Placement(mems="0", hugepage_size_bytes=gib))
+    anywhere = vm("anywhere", memory_bytes=gib, placement=Placement(hugepage_size_bytes=2 << 20))
+    current = spec(big, huge, anywhere)
+    assert converge(inst, current).state is SectionState.PROGRESSING
+    waits = {i.instance_id: i.message for i in inst.last_report.instances if i.message}
+    assert waits == {
+        "big": "ResourcesExhausted: 2368 MiB of memory needed, 2048 MiB left on this host",
+        # node 0 has 16 free 1 GiB pages, 14 of them h1's
+        "huge": "ResourcesExhausted: 4 hugepages of 1048576 KiB needed, 2 free",
+        # 8192 free 2 MiB pages host-wide, 8000 of them h2's (no memory nodes: counted host-wide)
+        "anywhere": "ResourcesExhausted: 512 hugepages of 2048 KiB needed, 192 free",
+    }
+    assert {d.name: d.state for d in rt.list() if d.state != "stopped"} == {}
+    assert devices.run(DevicesSpec(2, ())).state is SectionState.CONVERGED
+    assert converge(inst, current).state is SectionState.CONVERGED
+    assert {d.name: d.state for d in rt.list()} == dict.fromkeys(("big", "huge", "anywhere"), "running")
+
+
+def test_DEV_ADM_17_the_node_wires_admission_both_ways(sim_root: Path, tmp_path: Path) -> None:
+    """DEV-ADM-17 (and DEV-ADM-05) as `bcd node` composes its sections on the simulated host: a VM start
+    counts a Kubernetes hold's booked memory, read from the devices spec; a new hold counts the running
+    VM's committed memory. Neither is admitted over what the other was promised."""
+    from types import SimpleNamespace
+
+    from bcd_agent.config import load_config
+    from bcd_agent.inventory.host import read_host_memory
+    from bcd_agent.node import Node, NodeOptions
+    from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
+    from bcd_agent.sections.devices.model import BINDING_KUBERNETES, Limits
+    from instkit import ctx
+
+    toml = tmp_path / "node.toml"
+    toml.write_text(f'data_dir = "{sim_root / "var/lib/bcd"}"\n[host]\nunits = false\n')
+    node = Node(load_config(str(toml)), NodeOptions(root=str(sim_root)))
+    node.secrets = SimpleNamespace(fetch=print)  # built by `run`; the telemetry section keeps a reference
+    signer = KeyReportSigner.fresh("node-test-1", "boot-test-1")
+    system = node._system()
+    sections = {
+        s.name: s for s in node._sections(system, MemorySink(), signer, SimpleNamespace(node_id="n1"), None)
+    }
+    devices, inst = sections["devices"], sections["instances"]
+    devices.pod_resources = _Pods()
+    mem = read_host_memory(system)
+    assert mem is not None
+    gib = 1 << 30
+    available = mem.normal_available_bytes // gib * gib
+
+    def run_devices(spec: DevicesSpec) -> SectionState:
+        return devices.converge(spec, Observation(), ctx(spec.generation)).state  # type: ignore[no-any-return]
+
+    def run_instances(spec: InstancesSpec) -> SectionState:
+        return inst.converge(spec, Observation(), ctx(spec.generation)).state  # type: ignore[no-any-return]
+
+    kube = DeviceAssignment(
+        "k1",
+        "rsv_k1",
+        BINDING_KUBERNETES,
+        (DeviceRef(gpu_uuid(0)),),
+        Limits(memory_bytes=available - 2 * gib),
+    )
+    assert run_devices(DevicesSpec(1, (kube,))) is SectionState.CONVERGED
+    assert run_instances(spec(vm("a", memory_bytes=2 * gib))) is SectionState.PROGRESSING
+    assert inst.last_report.instances[0].message.startswith("ResourcesExhausted: 2368 MiB of memory needed")
+    assert run_devices(DevicesSpec(2, ())) is SectionState.CONVERGED
+    assert run_instances(spec(vm("a", memory_bytes=2 * gib), generation=2)) is SectionState.CONVERGED
+    # a's 2 GiB and its overhead are committed: a hold of all the host's normal memory does not fit
+    whole = DeviceAssignment("k2", "rsv_k2", BINDING_KUBERNETES, kube.devices, Limits(memory_bytes=available))
+    assert run_devices(DevicesSpec(3, (whole,))) is SectionState.FAILED
+    assert "ResourcesExhausted" in devices.converge(DevicesSpec(3, (whole,)), Observation(), ctx(3)).message

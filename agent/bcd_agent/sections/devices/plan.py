@@ -522,6 +522,34 @@ def applied_taker(slice_state: SliceState) -> Taker:
     return Taker(int(memory) if memory.isdigit() else 0, pages, _mems(applied.get("AllowedMemoryNodes", "")))
 
 
+def commitments(
+    holds: Mapping[str, LiveHold],
+    slices: Mapping[str, SliceState],
+    assignments: tuple[DeviceAssignment, ...] = (),
+) -> tuple[Taker, ...]:
+    """The bound holds' commitments, which VM starts count in turn (DEV-ADM-17): a hold whose slice
+    runs holds what the slice enforces (`applied_taker`: MemoryMax, huge page limits less what it has
+    faulted in, on its memory nodes); a hold without one (a Kubernetes hold) what its assignment in
+    `assignments` (the devices spec) booked (DEV-ADM-06: its memory, and its huge pages, none faulted
+    in that bcd can see); a slice whose hold is gone, until it is stopped, what it enforces."""
+    wanted = {a.allocation_id: a for a in assignments}
+    out: list[Taker] = []
+    counted: set[str] = set()
+    for alloc in sorted(holds):
+        name = slice_name(alloc)
+        running = slices.get(name)
+        if running is not None and running.limits is not None:
+            out.append(applied_taker(running))
+            counted.add(name)
+        elif alloc in wanted:
+            out.append(taker(wanted[alloc], running))
+    for name in sorted(slices):
+        running = slices[name]
+        if name not in counted and running.limits is not None:
+            out.append(applied_taker(running))
+    return tuple(t for t in out if t.memory_bytes or any(t.hugepages.values()))
+
+
 def faulted_taker(slice_state: SliceState) -> Taker:
     """The huge pages a running slice has faulted in (`hugetlb.<size>.current`), on its memory nodes."""
     pages = {

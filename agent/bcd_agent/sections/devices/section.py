@@ -38,7 +38,7 @@ from bcd_agent.sections.devices.kube import (
     bcd_devices,
     gpus_with_pod_processes,
 )
-from bcd_agent.sections.devices.model import DevicesSpec, spec_from_wire
+from bcd_agent.sections.devices.model import DeviceAssignment, DevicesSpec, spec_from_wire
 from bcd_agent.sections.devices.plan import Observed, Plan, needs_host_memory, plan
 
 log = logging.getLogger("bcd.devices")
@@ -92,6 +92,9 @@ class DevicesSection:
         self.clock = clock
         self.gpu_uuids: tuple[str, ...] = ()
         self.held_device_ids: Mapping[str, tuple[str, ...]] = {}
+        # The spec's assignments as of the last pass: the instances section counts the bound holds'
+        # bookings from them (a Kubernetes hold's has no slice to read back; DEV-ADM-17).
+        self.assignments: tuple[DeviceAssignment, ...] = ()
 
     def is_empty(self, desired: object | None) -> bool:
         if desired is None:
@@ -179,6 +182,7 @@ class DevicesSection:
 
     def converge(self, desired: object | None, observation: Observation, ctx: PassContext) -> SectionOutcome:
         spec = to_spec(desired, ctx.generation)
+        self.assignments = spec.assignments
         observed = self.observe(spec, observation)
         # What bcd's own metrics report as holds per GPU (bcd.gpu.holds, docs/telemetry.md).
         self.gpu_uuids = tuple(g.uuid for g in observed.inventory.gpus)

@@ -94,6 +94,16 @@ def committed_bytes(memory_bytes: int, hugepages: int) -> int:
     return overhead_bytes(memory_bytes) + (0 if hugepages else memory_bytes)
 
 
+@frozen
+class HeldPages:
+    """Huge pages a bound hold may still take (its limit less what its slice has faulted in): the
+    kernel still counts them free, but they were promised to the hold (DEV-ADM-17)."""
+
+    size_bytes: int
+    pages: int
+    nodes: tuple[int, ...] = ()  # the hold's memory nodes; () for none (host-wide only)
+
+
 @define
 class Admission:
     """One pass's admission ledger: what is left after the domains, the holds and earlier starts."""
@@ -102,9 +112,16 @@ class Admission:
     left_bytes: int = 0
     # size bytes -> NUMA node (None: host-wide) -> free pages
     pages_left: dict[int, dict[int | None, int]] = field(factory=dict)
+    held_pages: tuple[HeldPages, ...] = ()
 
     @classmethod
-    def open(cls, host: HostMemory | None, domains_committed: int, holds_bytes: int) -> Admission:
+    def open(
+        cls,
+        host: HostMemory | None,
+        domains_committed: int,
+        holds_bytes: int,
+        held_pages: tuple[HeldPages, ...] = (),
+    ) -> Admission:
         if host is None:
             return cls(None)
         pages: dict[int, dict[int | None, int]] = {}
@@ -113,7 +130,7 @@ class Admission:
             per[None] = pool.free
             pages[size_kb * 1024] = per
         left = host.normal_available_bytes - domains_committed - holds_bytes
-        return cls(host, left, pages)
+        return cls(host, left, pages, held_pages)
 
     def admit(self, inst: InstanceSpec) -> str | None:
         """None when the start fits (and is then charged), else the ResourcesExhausted message."""
@@ -130,9 +147,16 @@ class Admission:
         if size:
             pages = inst.memory_bytes // size
             pool: Mapping[int | None, int] = self.pages_left.get(size, {})
-            host_free = pool.get(None, 0)
+            # The holds' promised pages, as the devices section counts them against a new hold: all of
+            # them host-wide, and on the placement's nodes those of holds on any of those nodes.
+            held = [h for h in self.held_pages if h.size_bytes == size]
+            host_free = pool.get(None, 0) - sum(h.pages for h in held)
             nodes = parse_cpulist(inst.placement.mems) if inst.placement and inst.placement.mems else ()
-            node_free = sum(pool.get(n, 0) for n in nodes) if nodes else host_free
+            node_free = (
+                sum(pool.get(n, 0) for n in nodes) - sum(h.pages for h in held if set(h.nodes) & set(nodes))
+                if nodes
+                else host_free
+            )
             free = min(node_free, host_free)
             if pages > free:
                 return (

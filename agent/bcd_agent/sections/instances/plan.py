@@ -41,7 +41,13 @@ from bcd_agent.sections.instances.model import (
     check_instance,
     definition_digest,
 )
-from bcd_agent.sections.instances.placement import Admission, HostFacts, check_placement, committed_bytes
+from bcd_agent.sections.instances.placement import (
+    Admission,
+    HeldPages,
+    HostFacts,
+    check_placement,
+    committed_bytes,
+)
 from bcd_agent.sections.instances.restores import SnapshotState
 from bcd_agent.sections.instances.runtimes.base import PAUSED, RUNNING, STOPPED, Domain
 
@@ -78,6 +84,7 @@ class Observed:
     host: HostFacts = field(factory=lambda: HostFacts(frozenset(), frozenset(), frozenset()))
     memory: HostMemory | None = None  # None: /proc/meminfo unreadable (admitted with a warning)
     holds_memory_bytes: int = 0  # the bound holds' memory limits (DLV-ADM-07)
+    holds_pages: tuple[HeldPages, ...] = ()  # the huge pages bound holds may still take (DEV-ADM-17)
     gpu_addresses: Mapping[str, str | None] = field(factory=dict)  # uuid -> sysfs PCI address or None
     gpu_holds: Mapping[str, str] = field(factory=dict)  # uuid -> allocation holding it
     gpu_claims: Mapping[str, str] = field(factory=dict)  # uuid -> why a pending Kubernetes release claims it
@@ -226,7 +233,7 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
         gone = domains[name]
         if gone.state in (RUNNING, PAUSED) and not observed.runtimes[gone.runtime].checks_capacity:
             committed -= committed_bytes(gone.memory_bytes, gone.hugepages)
-    admission = Admission.open(observed.memory, committed, observed.holds_memory_bytes)
+    admission = Admission.open(observed.memory, committed, observed.holds_memory_bytes, observed.holds_pages)
     if observed.memory is None and any(
         i.desired in (Desired.RUNNING, Desired.PAUSED) for i in wanted.values()
     ):

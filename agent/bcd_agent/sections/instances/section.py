@@ -36,7 +36,7 @@ from bcd_agent.converge.types import (
 from bcd_agent.inventory.gpus import GpuInventory, collect_gpus, sysfs_pci_address
 from bcd_agent.inventory.host import parse_cpulist, read_host_memory
 from bcd_agent.sections.instances.model import Desired, InstanceSpec, InstancesSpec, spec_from_wire
-from bcd_agent.sections.instances.placement import HostFacts
+from bcd_agent.sections.instances.placement import HeldPages, HostFacts
 from bcd_agent.sections.instances.plan import (
     Create,
     Delete,
@@ -148,6 +148,9 @@ class InstancesSection:
         self.data_dir = data_dir
         # Where the devices section keeps releasing.json and its marker (the node's _records_dir).
         self.records_dir = data_dir if records_dir is None else records_dir
+        # The devices spec's assignments (the node wires the devices section's): a Kubernetes hold's
+        # booked memory has no slice to read back, yet starts count it (DEV-ADM-06, DEV-ADM-17).
+        self.hold_assignments: Callable[[], Sequence[Any]] = tuple
         self.user_data = user_data
         self.slice_records = slice_records
         self.network = network  # None: no nftables rules (not advertised)
@@ -208,9 +211,12 @@ class InstancesSection:
                 return inv
         return collect_gpus(self.system)
 
-    def _holds(self) -> tuple[dict[str, str], int]:
+    def _holds(self) -> tuple[dict[str, str], int, tuple[HeldPages, ...]]:
+        """GPU uuid -> the allocation holding it, and the bound holds' commitments a start counts in
+        turn (DEV-ADM-17): their memory and the huge pages they may still take."""
         from bcd_agent.sections.devices import observe as dobs
         from bcd_agent.sections.devices.atoms import atom_from_id
+        from bcd_agent.sections.devices.plan import commitments
 
         holds, _bad = dobs.read_holds(self.system)
         gpus: dict[str, str] = {}
@@ -221,12 +227,14 @@ class InstancesSection:
                 except ValueError:
                     continue
         slices = dobs.read_slice_records(self.system) if self.slice_records else dobs.read_slices(self.system)
-        total = 0
-        for s in slices.values():
-            value = (s.limits or {}).get("MemoryMax", "")
-            if value.isdigit():
-                total += int(value)
-        return gpus, total
+        takers = commitments(holds, slices, tuple(self.hold_assignments()))
+        pages = tuple(
+            HeldPages(size_kb * 1024, count, t.nodes)
+            for t in takers
+            for size_kb, count in sorted(t.hugepages.items())
+            if count
+        )
+        return gpus, sum(t.memory_bytes for t in takers), pages
 
     def _release_claims(self, gpus: Mapping[str, object]) -> dict[str, str]:
         """GPUs a pending Kubernetes release claims (DEV-K8S-11), every GPU while the releases file is
@@ -271,12 +279,13 @@ class InstancesSection:
             return Observed(runtimes=views)
         inventory = self._inventory(observation)
         addresses = {g.uuid: (sysfs_pci_address(g.bus_id) if g.bus_id else None) for g in inventory.gpus}
-        gpu_holds, holds_bytes = self._holds()
+        gpu_holds, holds_bytes, holds_pages = self._holds()
         observed = Observed(
             runtimes=views,
             host=host_facts(self.system),
             memory=read_host_memory(self.system),
             holds_memory_bytes=holds_bytes,
+            holds_pages=holds_pages,
             gpu_addresses=addresses,
             gpu_holds=gpu_holds,
             gpu_claims=self._release_claims(addresses),
