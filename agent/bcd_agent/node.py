@@ -219,6 +219,8 @@ class Node:
                     if self.runner is not None and self.runner.spec
                     else None
                 )
+                # The admission of holds counts what running domains hold (DLV-ADM-07, DEV-ADM).
+                devices.domains_committed_bytes = instances.committed_bytes
                 sections.append(instances)
         access = self._access_section(system, identity)
         if access is not None:

@@ -94,3 +94,23 @@ def test_a_node_without_helper_socket_writes_holds_itself(
     assert _converge(section, DevicesSpec(1, (hold,))) is SectionState.CONVERGED
     assert (sim_root / "etc/cdi/bcd-a1.json").exists()
     assert [a for a in helper.audit_lines() if a["op"].startswith("file.")] == []
+
+
+def test_the_node_gives_devices_the_instances_vfio_map_and_committed_memory(
+    sim_root: Path, tmp_path: Path
+) -> None:
+    """DLV-ADM-07 needs the node's own wiring, not only the sections': `bcd node` hands the devices section
+    the instances section's VFIO map and the memory its running domains hold (it once left the memory at
+    the default 0, so holds were admitted as if no VM ran)."""
+    toml = tmp_path / "node.toml"
+    toml.write_text(f'data_dir = "{sim_root / "var/lib/bcd"}"\n[host]\nunits = false\n')
+    node = Node(load_config(str(toml)), NodeOptions(root=str(sim_root)))
+    node.secrets = SimpleNamespace(fetch=print)
+    signer = KeyReportSigner.fresh("node-test-1", "boot-test-1")
+    sections = node._sections(
+        node._system(), MemorySink(), signer, SimpleNamespace(node_id="node-test-1"), None
+    )
+    by_name = {s.name: s for s in sections}
+    devices, instances = by_name["devices"], by_name["instances"]
+    assert devices.domains_committed_bytes == instances.committed_bytes
+    assert devices.vfio is not dict  # the instances' map, not the section's default (none)
