@@ -221,6 +221,12 @@ class Node:
                 )
                 # The admission of holds counts what running domains hold (DLV-ADM-07, DEV-ADM).
                 devices.domains_committed_bytes = instances.committed_bytes
+                if self.metrics is not None:
+                    # What each ballooned guest lends the host, as the controller's last tick set it
+                    # (DLV-BAL-17); read at each export, so a controller set later is seen.
+                    self.metrics.balloons = lambda: (
+                        dict(instances.balloons.lent) if instances.balloons is not None else {}
+                    )
                 sections.append(instances)
         access = self._access_section(system, identity)
         if access is not None:
