@@ -138,7 +138,28 @@ async def join(
             else:
                 log.warning("join --reset: node %s joined again; the journal is kept", identity.node_id)
         ident.save(config.data_dir, identity)
+        _give_to_the_node(ident.identity_path(config.data_dir))
     return identity
+
+
+def _give_to_the_node(path: Path) -> None:
+    """Root joins (so that root keeps the join record), but identity.json is the node's key: it goes to
+    the account that owns data_dir (install.sh: `bcd`), else the unprivileged node cannot read it. The
+    file is opened without following a link and must still be root's one link, so a name swapped in
+    data_dir cannot turn the chown onto another file."""
+    if os.geteuid() != 0:
+        return
+    owner = os.stat(path.parent)
+    if owner.st_uid == 0:
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != 0 or st.st_nlink != 1:
+            raise JoinError(f"{path} changed while it was written; join again")
+        os.fchown(fd, owner.st_uid, owner.st_gid)
+    finally:
+        os.close(fd)
 
 
 def _node_id_of(data_dir: str) -> str:
