@@ -136,6 +136,10 @@ async def test_root_joins_but_the_identity_is_the_nodes(tmp_path: Path) -> None:
         st = ident.identity_path(world.data).stat()
         assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65534, 65534, 0o600)
         assert world.record.stat().st_uid == 0  # root's record stays root's
+        # A reset as root creates the journal's lock: the node's too (it opens it read-write).
+        await world.join(world.config(), reset=True)
+        for name in ("identity.json", "journal.lock"):
+            assert (world.data / name).stat().st_uid == 65534, name
 
 
 async def test_no_record_without_helper(tmp_path: Path) -> None:
