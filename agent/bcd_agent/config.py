@@ -83,6 +83,7 @@ class HelperConfig:
     audit_dir: str | None = None
     unsigned_access: bool = False  # root: render sshd files from an unsigned spec (development only)
     root_principals: bool = False  # an account of uid 0 may get a principals file (root and the node)
+    guest_network_rules: bool = True  # root: a guarded guest starts only under its loaded nft rules
     libvirt_uri: str | None = None
     audit_max_bytes: int | None = None
     audit_keep: int | None = None

@@ -138,7 +138,34 @@ async def join(
             else:
                 log.warning("join --reset: node %s joined again; the journal is kept", identity.node_id)
         ident.save(config.data_dir, identity)
+        _give_to_the_node(ident.identity_path(config.data_dir))
     return identity
+
+
+def _give_to_the_node(path: Path, fd: int | None = None) -> None:
+    """Root joins (so that root keeps the join record), but what it leaves in data_dir is the node's:
+    identity.json (its key) and a journal.lock a reset made go to the account that owns data_dir
+    (install.sh: `bcd`), else the unprivileged node cannot open them. The file is opened without
+    following a link and must still be root's one link, so a name swapped in data_dir cannot turn the
+    chown onto another file."""
+    if os.geteuid() != 0:
+        return
+    owner = os.stat(path.parent)
+    if owner.st_uid == 0:
+        return
+    own = fd is None
+    if fd is None:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid == owner.st_uid:
+            return
+        if st.st_uid != 0 or st.st_nlink != 1:
+            raise JoinError(f"{path} changed while it was written; join again")
+        os.fchown(fd, owner.st_uid, owner.st_gid)
+    finally:
+        if own:
+            os.close(fd)
 
 
 def _node_id_of(data_dir: str) -> str:
@@ -251,8 +278,9 @@ def _write_record(root: Path, data: bytes, pin: Any) -> None:
 @contextlib.contextmanager
 def _data_dir_lock(data_dir: Path) -> Iterator[None]:
     """The journal's lock, held while a re-join replaces the identity (no `bcd node` runs meanwhile)."""
-    fd = os.open(data_dir / JOURNAL_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = os.open(data_dir / JOURNAL_LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
+        _give_to_the_node(data_dir / JOURNAL_LOCK, fd)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -219,10 +219,16 @@ class Node:
                     if self.runner is not None and self.runner.spec
                     else None
                 )
-                # Host admission both ways (DEV-ADM-05, DEV-ADM-17): holds count the domains' committed
-                # memory, and starts count the holds' bookings (a Kubernetes hold's from the spec).
+                # Host admission both ways (DEV-ADM-05, DEV-ADM-17, DLV-ADM-07): holds count the domains'
+                # committed memory, and starts count the holds' bookings (a Kubernetes hold's from the spec).
                 devices.domains_committed_bytes = instances.committed_bytes
                 instances.hold_assignments = lambda: devices.assignments
+                if self.metrics is not None:
+                    # What each ballooned guest lends the host, as the controller's last tick set it
+                    # (DLV-BAL-17); read at each export, so a controller set later is seen.
+                    self.metrics.balloons = lambda: (
+                        dict(instances.balloons.lent) if instances.balloons is not None else {}
+                    )
                 sections.append(instances)
         access = self._access_section(system, identity)
         if access is not None:

@@ -49,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 from attrs import frozen
-from bcd_shared.rootpath import split_host_path, verified_dir
+from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
 
 LOG_NAME = "audit.log"
 HEAD_NAME = "audit.head"
@@ -634,7 +634,9 @@ def _common_arguments(parser: argparse.ArgumentParser, default: Any) -> None:
         return value if default is None else default
 
     parser.add_argument("--root", default=d("/"), help="the directory standing for / (a simulated host)")
-    parser.add_argument("--dir", default=d(None), help="the audit directory (host path; default from config)")
+    parser.add_argument(
+        "--dir", default=d(None), type=_dir_arg, help="the audit directory (host path; default from config)"
+    )
     parser.add_argument("--config", default=d("/etc/bcd/config.toml"), help="root's config.toml (host path)")
 
 
@@ -663,6 +665,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="a head held off the host (the node's reports)",
     )
     _common_arguments(verify, argparse.SUPPRESS)
+
+
+def _dir_arg(text: str) -> str:
+    # A usage error (64), not the root-only rule's refusal further on.
+    try:
+        split_host_path(text + "/x")
+    except RootPathRefused as exc:
+        raise argparse.ArgumentTypeError(exc.message) from None
+    return text
 
 
 def _parse_time(text: str) -> dt.datetime:
@@ -735,6 +746,8 @@ def run(args: argparse.Namespace) -> int:
         directory = _audit_dir(args)
     except OSError as exc:
         raise CliError(str(exc), EX_IOERR) from None
+    except RootPathRefused as exc:  # `init` under a directory others can write (/tmp): never as root
+        raise CliError(str(exc), EX_NOPERM) from None
     if not directory.is_dir():
         raise CliError(f"{directory}: no audit log here (is this the helper's audit_dir?)", EX_NOINPUT)
     if args.audit_command == "verify":

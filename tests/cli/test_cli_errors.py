@@ -118,6 +118,10 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      lambda t: ["helper", "audit", "verify", "--root", str(t), "--dir", "/var/log/none"], EX_NOINPUT,
      "no audit log here", False),
     ("audit without a subcommand", lambda t: ["helper", "audit"], EX_USAGE, "required", False),
+    ("audit init under /tmp", lambda t: ["helper", "audit", "--root", str(t), "--dir", "/tmp/audit", "init"],
+     EX_NOPERM, "will not write as root", False),
+    ("audit --dir relative", lambda t: ["helper", "audit", "--dir", "var/log", "show"], EX_USAGE,
+     "not an absolute host path", False),
 ]  # fmt: skip
 
 

@@ -208,6 +208,64 @@ def test_load_config_reads_the_file_and_refuses_a_missing_one(tmp_path: Path) ->
         load_config(tmp_path / "latin1.toml")
 
 
+# One valid value per schema key, as TOML (a key added to SCHEMA must be added here too).
+EVERY_KEY = {
+    "data_dir": '"/srv/bcd"',
+    "join_signing_key_pin": f'"{PIN}"',
+    "command_root_sha256": f'"{HEX_A}"',
+    "[control_plane] address": '"gw.example.com:7443"',
+    "[control_plane] unix_socket": '"/run/bcd/devplane.sock"',
+    "[control_plane] ca_file": '"/etc/bcd/ca.pem"',
+    "[control_plane] server_name": '"gateway.example.com"',
+    "[control_plane] max_message_bytes": "1048576",
+    "[control_plane] frame_deadline_s": "20",
+    "[control_plane] stall_timeout_s": "30",
+    "[helper] socket": '"/run/bcd/helper.sock"',
+    "[helper] instance_bridges": '"br0"',
+    "[helper] node_uid": "990",
+    "[helper] node_gid": "990",
+    "[helper] audit_dir": '"/var/log/bcd-helper"',
+    "[helper] unsigned_access": "true",
+    "[helper] root_principals": "true",
+    "[helper] guest_network_rules": "false",
+    "[helper] libvirt_uri": '"test:///default"',
+    "[helper] audit_max_bytes": "65536",
+    "[helper] audit_keep": "3",
+    "[helper] root_socket": '"/run/bcd/root.sock"',
+    "[host] units": "false",
+    "[host] sysctl_allow": '"vm.swappiness"',
+    "[devices] pod_resources_socket": '"/run/kubelet/pod-resources.sock"',
+    "[journal] max_bytes": "2097152",
+    "[journal] max_events": "500",
+    "[journal] group_commit": "true",
+    "[kubernetes] allowed_clusters": f'"https://10.0.0.1:6443#sha256:{HEX_A}"',
+    "[instances] balloon_floor_percent": "30",
+    "[site] bmc_networks": '"10.20.0.0/16"',
+    "[log] level": '"debug"',
+}
+
+
+def test_the_node_takes_every_key_of_the_schema() -> None:
+    """Each key the schema accepts reaches the node's frozen values: a key the schema knows but the
+    node's table type lacks (`[helper] guest_network_rules`, which `bcd sim` writes) once crashed
+    `bcd node` and `bcd doctor` with a TypeError instead of starting."""
+    from bcd_agent.config import SCHEMA
+
+    assert set(EVERY_KEY) | {"[helper] node_user"} == {
+        f"[{t}] {k}" if t else k for t, keys in SCHEMA.items() for k in keys
+    }
+    tables: dict[str, list[str]] = {}
+    for name, value in EVERY_KEY.items():
+        table, _, key = name.rpartition(" ")
+        tables.setdefault(table.strip("[]"), []).append(f"{key} = {value}")
+    text = "\n".join(tables.pop(""))
+    text += "".join(f"\n[{t}]\n" + "\n".join(lines) for t, lines in tables.items())
+    c = parse_config(text + "\n")
+    assert c.helper.guest_network_rules is False
+    assert c.helper.root_socket == "/run/bcd/root.sock" and c.host.sysctl_allow == ("vm.swappiness",)
+    assert parse_config('[helper]\nnode_user = "bcd"\n').helper.node_user == "bcd"
+
+
 def test_the_documented_key_table_matches_the_schema() -> None:
     """docs/config.md documents every key the parser accepts, and nothing else."""
     import re

@@ -20,6 +20,7 @@ from bcd_agent.converge.types import DesiredSpec, SectionState
 from bcd_agent.node import Node, NodeOptions
 from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
 from bcd_agent.sections.devices.model import BINDING_HOLD, DeviceAssignment, DeviceRef, DevicesSpec
+from bcd_agent.sections.telemetry.metrics import NodeMetrics
 from bcd_simhost.gpus import gpu_uuid
 from helper.helperproc import SOCKET, HelperProcess, base_config
 
@@ -94,3 +95,27 @@ def test_a_node_without_helper_socket_writes_holds_itself(
     assert _converge(section, DevicesSpec(1, (hold,))) is SectionState.CONVERGED
     assert (sim_root / "etc/cdi/bcd-a1.json").exists()
     assert [a for a in helper.audit_lines() if a["op"].startswith("file.")] == []
+
+
+def test_the_node_wires_the_instances_section_to_devices_and_metrics(sim_root: Path, tmp_path: Path) -> None:
+    """DLV-ADM-07 needs the node's own wiring, not only the sections': `bcd node` hands the devices section
+    the instances section's VFIO map and the memory its running domains hold (it once left the memory at
+    the default 0, so holds were admitted as if no VM ran)."""
+    toml = tmp_path / "node.toml"
+    toml.write_text(f'data_dir = "{sim_root / "var/lib/bcd"}"\n[host]\nunits = false\n')
+    node = Node(load_config(str(toml)), NodeOptions(root=str(sim_root)))
+    node.secrets = SimpleNamespace(fetch=print)
+    node.metrics = NodeMetrics()  # built by `run` before the sections
+    signer = KeyReportSigner.fresh("node-test-1", "boot-test-1")
+    sections = node._sections(
+        node._system(), MemorySink(), signer, SimpleNamespace(node_id="node-test-1"), None
+    )
+    by_name = {s.name: s for s in sections}
+    devices, instances = by_name["devices"], by_name["instances"]
+    assert devices.domains_committed_bytes == instances.committed_bytes
+    assert devices.vfio is not dict  # the instances' map, not the section's default (none)
+    # DLV-BAL-17's metric reads the balloon controller the node gave the section.
+    assert node.metrics.balloons() == {}
+    instances.balloons = SimpleNamespace(lent={"vm-a": 512 << 20})
+    (metric,) = [m for m in node.metrics.collect() if m.name == "bcd.instance.memory.balloon.reclaimed"]
+    assert [(p.attributes, p.value) for p in metric.points] == [((("bcd.instance.id", "vm-a"),), 512 << 20)]

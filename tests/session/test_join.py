@@ -125,6 +125,23 @@ async def test_HST_SIGN_34_root_writes_the_verified_record_before_the_identity(
         assert bundle is not None and bundle.bundle.has_command_roots
 
 
+@as_root
+async def test_root_joins_but_the_identity_is_the_nodes(tmp_path: Path) -> None:
+    """`bcd join` as root (for root's join record) on a data_dir the node's account owns (install.sh makes
+    it bcd:bcd 0700) leaves identity.json to that account, 0600: the unprivileged node must read it."""
+    async with serving(tmp_path) as world:
+        world.data.mkdir(mode=0o700)
+        os.chown(world.data, 65534, 65534)
+        await world.join(world.config())
+        st = ident.identity_path(world.data).stat()
+        assert (st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)) == (65534, 65534, 0o600)
+        assert world.record.stat().st_uid == 0  # root's record stays root's
+        # A reset as root creates the journal's lock: the node's too (it opens it read-write).
+        await world.join(world.config(), reset=True)
+        for name in ("identity.json", "journal.lock"):
+            assert (world.data / name).stat().st_uid == 65534, name
+
+
 async def test_no_record_without_helper(tmp_path: Path) -> None:
     async with serving(tmp_path) as world:
         await world.join(world.config(helper=False))
