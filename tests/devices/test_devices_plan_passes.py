@@ -38,6 +38,7 @@ from bcd_agent.sections.devices.plan import (
     WriteReleases,
     WriteSpec,
     applied_taker,
+    commitments,
     faulted_taker,
     grown_limits,
     needs_host_memory,
@@ -805,6 +806,40 @@ def test_needs_host_memory_only_when_a_hold_needs_admission() -> None:
     assert not needs_host_memory(spec(2, grows), holds)
     assert not needs_host_memory(spec(2, grows), holds, {SLICE: SliceState(SLICE, True)})  # limits unread
     assert not needs_host_memory(spec(2, grows), holds, {})  # no slice running: created as it is wanted
+
+
+def test_DEV_ADM_06_DEV_ADM_17_commitments_are_what_each_bound_hold_was_promised() -> None:
+    """Covers DEV-ADM-17 (and DEV-ADM-06): what VM starts count, per bound hold in allocation order and
+    then per leftover slice. A running slice books what it enforces (less the pages it faulted in); a
+    Kubernetes hold (no slice) what its assignment booked; a hold whose slice limits were not read its
+    assignment less what the slice faulted in; a slice whose hold is gone what it enforces until it is
+    stopped. Nothing for a hold that books no memory or pages, nor for a leftover slice not read."""
+    host = PlanHost(inventory())
+    a = asg("a", A, limits=Limits(mems="0", memory_bytes=2 * GIB, hugepages_2mi=4))
+    c = asg("c", C, limits=Limits(cpus="0"))
+    k = asg("k", B, binding=KUBE, limits=Limits(memory_bytes=3 * GIB, hugepages_1gi=1))
+    settled(host, spec(1, a, c, k))
+    obs = host.observed()
+    holds, slices = obs.holds, dict(obs.slices)
+    assert sorted(holds) == ["a", "c", "k"] and sorted(slices) == [SLICE, "bcd-alloc-c.slice"]
+    booked_k = Taker(3 * GIB, {1048576: 1}, ())
+    assert commitments(holds, slices, (a, c, k)) == (Taker(2 * GIB, {2048: 4}, (0,)), booked_k)
+    assert commitments(holds, slices) == (Taker(2 * GIB, {2048: 4}, (0,)),)  # k's booking unknown
+    # a's slice has faulted in 3 of its 4 pages: the kernel's free counts no longer have them.
+    slices[SLICE] = evolve(slices[SLICE], hugetlb_current={2048: 3 * PAGE_2M})
+    left_a = Taker(2 * GIB, {2048: 1}, (0,))
+    assert commitments(holds, slices, (a, c, k)) == (left_a, booked_k)
+    # a's slice limits were not read: its assignment counts, less what the slice faulted in.
+    slices[SLICE] = evolve(slices[SLICE], limits=None)
+    assert commitments(holds, slices, (a, c, k)) == (left_a, booked_k)
+    assert commitments(holds, slices) == ()
+    # Leftover slices (their holds gone): counted after the holds while they run, in name order.
+    slices["bcd-alloc-z.slice"] = running(MemoryMax=str(GIB), AllowedMemoryNodes="1")
+    slices["bcd-alloc-y.slice"] = SliceState("bcd-alloc-y.slice", True)  # limits not read
+    slices["bcd-alloc-x.slice"] = running({2048: PAGE_2M}, **{"hugetlb.2MB": str(3 * PAGE_2M)})
+    leftovers = (Taker(0, {2048: 2}, ()), Taker(GIB, {}, (1,)))
+    assert commitments(holds, slices, (a, c, k)) == (left_a, booked_k, *leftovers)
+    assert commitments({}, slices) == leftovers
 
 
 def test_with_host_memory_sets_only_the_host() -> None:
