@@ -12,9 +12,11 @@ its staging directory (`/var/lib/bcd/staging`) and asks the helper to swap it in
 4. binds the manifest to freshness (issue 9 item 4; TUF's freeze and replay attacks): either
    - `spec`: the signed DesiredStateBody whose daemon section names exactly this manifest, verified
      under `desired-state` with the same chain, for this node, at a generation not older than the newest
-     root accepted (host.unit's intent state) nor than the spec of the last swap; or
+     root accepted (host.unit's intent state) nor than the spec of the last swap; the spec is then root's
+     accepted spec: its generation is written to that intent state before the effect, the floor of every
+     other signed op too (round 5); or
    - `command`: the signed `daemon.upgrade` Command whose payload names exactly this manifest, for this
-     node, before its `not_after` by root's clock, and never used for a swap before (root keeps the
+     node (and targeting no other), before its `not_after` by root's clock, and never used for a swap before (root keeps the
      ids of the last 64);
 5. keeps releases moving forward: a version older than the one installed is refused (`downgrade`)
    unless the signed manifest is a rollback intent (`rollback: true`) naming it; the installed version
@@ -553,6 +555,13 @@ def _check_freshness(
         )
     if node_id and cmd.node_id != node_id:
         raise Refused("wrong-node", f"daemon.swap: the signed command is for node {cmd.node_id[:80]!r}")
+    if cmd.target_node_id not in ("", cmd.node_id):
+        # A command acting on another node (as check_command refuses for gpu.reset and node.reboot).
+        raise Refused(
+            "wrong-node",
+            f"daemon.swap: the signed command targets node {cmd.target_node_id[:80]!r}, "
+            f"not {cmd.node_id[:80]!r}",
+        )
     now_ms = int(now.timestamp() * 1000)
     if cmd.not_after <= now_ms:
         raise Refused(
@@ -608,6 +617,22 @@ def _check_order(manifest: _Manifest, doc: dict[str, Any] | None) -> bool:
             "forward unless a signed rollback intent names the version",
         )
     return False
+
+
+def _spec_state(call: Call, req: DaemonSwap, now: dt.datetime) -> Any | None:
+    """The signed-intent state after a swap's spec (None: nothing to write, or a command carried it).
+
+    A spec the node forwards to daemon.swap is a spec root accepted: its generation becomes the floor of
+    every signed op (host.unit, access.apply, the hold writes, libvirt.*, ch.*, nft.apply), as theirs is
+    daemon.swap's. Else the node could forward a newer spec here only and hand those ops an older one
+    (round 5). The spec passed every rule above; check_spec checks it again with the common rules (the
+    same chain and roots, node bound or bound now on first use) and gives the state to write."""
+    if req.spec is None:
+        return None
+    from bcd_helper.ops.hostunit import SignedIntent
+
+    carried = SignedIntent(req.spec.body, req.spec.signature, req.chain, req.trust_bundle)
+    return call.ctx.intent_verifier().check_spec("daemon.swap", carried, now).next_state
 
 
 def daemon_swap(call: Call, req: DaemonSwap) -> dict[str, Any]:
@@ -671,8 +696,11 @@ def daemon_swap(call: Call, req: DaemonSwap) -> dict[str, Any]:
             f"daemon.swap: {manifest.version} was rolled back ({doc['reason']}); only a newer spec than "
             f"generation {doc['spec_generation']} or a daemon.upgrade command tries it again",
         )
+    next_state = _spec_state(call, req, now)
     if _check_order(signed, doc):
         assert doc is not None
+        if next_state is not None:  # durable before effect (the restart)
+            verifier.save_state(next_state)
         # The node asks for what is installed, so it is not running it: it restarts onto it.
         return {
             "version": manifest.version,
@@ -686,6 +714,8 @@ def daemon_swap(call: Call, req: DaemonSwap) -> dict[str, Any]:
         check_artifact(manifest, hashlib.sha256(artifact).hexdigest())
     except ArtifactMismatch as exc:
         raise Refused("artifact-mismatch", f"daemon.swap: {exc}") from None
+    if next_state is not None:  # durable before effect: root's one floor for every signed op
+        verifier.save_state(next_state)
     return _swap_in(call, manifest, artifact, doc, generation, command_id, req.confirm_timeout_s)
 
 

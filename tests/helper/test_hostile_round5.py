@@ -1,0 +1,119 @@
+"""Round 5 of the red team against the root helper (docs/helper.md, "Threat model, round 5"): the node's
+account, compromised, against the ops that got the least attention so far (daemon.*, signed commands,
+slices, the shared signed-intent state). Attacks that need the process run as a real client of the node's
+uid (a forked child dropped to it: SO_PEERCRED sees that uid) against a real `bcd helper serve` over a
+simulated host; the others call the real op in process. Each test of a fix failed on the code before it."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_shared import wire
+from bcd_shared.pki import Purpose
+from helperproc import HelperProcess, base_config, make_root
+from hostilekit import NODE_GID, NODE_UID, as_node, refused_as_node, verify_audit
+from intentkit import ControlPlane, Signer, access_body, access_doc, b64, intent, intent_state
+from releasekit import LINK, NODE_ID, daemon_section, spec_carrier, stage, swap_doc
+
+V20 = b"#!/bin/sh\necho bcd 2.0.0\n"
+V21 = b"#!/bin/sh\necho bcd 2.1.0\n"
+
+
+@pytest.fixture
+def release_host(tmp_path: Path, cp: ControlPlane) -> Iterator[tuple[Path, str]]:
+    """A simulated host bound to NODE_ID by root's join record (cp's roots), a packaged bcd installed;
+    yields the root and the helper's config (tests start and restart the helper themselves)."""
+    root = make_root(tmp_path)
+    cp.write_record(root, NODE_ID, cp.bundle(2))
+    (root / "usr/lib/bcd").mkdir(parents=True, exist_ok=True)
+    (root / LINK).write_bytes(b"#!/bin/sh\necho packaged\n")
+    (root / LINK).chmod(0o755)
+    yield root, cp.config_lines() + base_config(node_uid=NODE_UID, node_gid=NODE_GID)
+
+
+def _swap(h: HelperProcess, signer: Signer, version: str, data: bytes, generation: int) -> dict[str, Any]:
+    section = daemon_section(signer, version, data)
+    name = stage(h.root, f"bcd-{version}", data)
+    return as_node(h, swap_doc(signer, section, name, spec=spec_carrier(signer, section, generation)))
+
+
+def test_round5_a_spec_forwarded_to_daemon_swap_sets_the_floor_of_every_signed_op(
+    release_host: tuple[Path, str], cp: ControlPlane
+) -> None:
+    """The node forwards the signed spec of generation 10 to `daemon.swap` only (root swapped in the
+    release it names), then hands `access.apply` (or host.unit, the hold writes, libvirt.*, ch.*) the
+    generation-5 spec it kept: root's floor for those was helper-intent.json, which daemon.swap never
+    wrote, so generation 5 was accepted after 10, also across a helper restart (an access section the
+    newer spec revoked applied again). daemon.swap now checks its spec with the same rules and writes
+    the same state before its effect: the older spec is `stale-generation` everywhere, and the state
+    survives the restart."""
+    root, config = release_host
+    worker = cp.command.leaf()
+    h = HelperProcess(root, config)
+    try:
+        out = _swap(h, worker, "2.0.0", V20, generation=10)
+        assert out["ok"] is True, out
+        assert as_node(h, {"op": "daemon.confirm", "args": {"version": "2.0.0"}})["ok"] is True
+        assert intent_state(root)["generation"] == 10
+    finally:
+        h.stop()
+    h = HelperProcess(root, config)  # a restart: root's floor must come from its files
+    try:
+        older = intent(worker, access_body(NODE_ID, 5, empty=True))
+        refused_as_node(h, access_doc(older), "stale-generation")
+        same = intent(worker, access_body(NODE_ID, 10, empty=True))
+        assert as_node(h, access_doc(same))["ok"] is True
+        verify_audit(h)
+    finally:
+        h.stop()
+
+
+def _upgrade_command(signer: Signer, section: wire.DaemonSection, **fields: Any) -> dict[str, str]:
+    """A signed daemon.upgrade command naming `section` for NODE_ID; `fields` override the body's."""
+    from bcd_shared.wire.strict import type_url
+
+    request = wire.DaemonUpgradeRequest(
+        version=section.version, url=section.url, sha256=section.sha256, signature=section.signature
+    )
+    body: dict[str, Any] = {
+        "id": "01J0000000000000000000UPG5",
+        "node_id": NODE_ID,
+        "seq": 1,
+        "kind": "daemon.upgrade",
+        "payload": wire.ProtoAny(type_url=type_url(wire.DaemonUpgradeRequest), value=bytes(request)),
+        "lane": wire.Lane.CONTROL,
+        "not_after": int(time.time() * 1000) + 600_000,
+        "retry_safe": True,
+        "self_terminating": True,
+        **fields,
+    }
+    data = bytes(wire.CommandBody(**body))
+    return {"body": b64(data), "signature": b64(signer.key.sign(Purpose.COMMAND, data))}
+
+
+def test_round5_a_daemon_upgrade_command_for_another_target_node_is_refused(
+    release_host: tuple[Path, str], cp: ControlPlane
+) -> None:
+    """A signed `daemon.upgrade` command sent to this node but targeting another (`target_node_id`, set
+    when a node acts on another's behalf): gpu.reset and node.reboot refuse such a command (`wrong-node`,
+    check_command), daemon.swap compared `node_id` only and swapped the release in. It is now refused the
+    same way, before the artifact is read; the command for this node itself still swaps."""
+    root, config = release_host
+    worker = cp.command.leaf()
+    h = HelperProcess(root, config)
+    try:
+        section = daemon_section(worker, "2.1.0", V21)
+        name = stage(root, "bcd-2.1.0", V21)
+        elsewhere = _upgrade_command(worker, section, target_node_id="node-b")
+        refused_as_node(h, swap_doc(worker, section, name, command=elsewhere), "wrong-node", "node-b")
+        mine = _upgrade_command(worker, section, target_node_id=NODE_ID)
+        out = as_node(h, swap_doc(worker, section, name, command=mine))
+        assert out["ok"] is True and out["result"]["version"] == "2.1.0", out
+        assert (root / LINK).read_bytes() == V21
+        verify_audit(h)
+    finally:
+        h.stop()
