@@ -117,3 +117,35 @@ def test_round5_a_daemon_upgrade_command_for_another_target_node_is_refused(
         verify_audit(h)
     finally:
         h.stop()
+
+
+def test_round5_the_hold_slices_root_starts_for_the_node_are_bounded(tmp_path: Path) -> None:
+    """`slice.apply` is unsigned (a slice only bounds a hold) and started any well-formed
+    `bcd-alloc-<id>.slice` the node named: a node naming a new id each time made systemd load a unit and
+    the kernel a cgroup for every one, without limit (PID 1's memory; DLV-PRIV's "bounded per peer").
+    Root now counts the hold slices already under bcd-alloc.slice itself: past MAX_SLICES a new one is
+    refused `too-many-slices` before any systemctl runs; a slice that exists is still applied (its
+    limits changed), and one more is taken once a slice is gone."""
+    from bcd_helper.ops.slices import MAX_SLICES, SliceApply, slice_apply
+    from opskit import call, context, programs, refused
+
+    root = make_root(tmp_path)
+    ctx = context(root)
+    try:
+        parent = root / "sys/fs/cgroup/bcd.slice/bcd-alloc.slice"
+        for i in range(MAX_SLICES):
+            (parent / f"bcd-alloc-a{i}.slice").mkdir(parents=True)
+        (parent / "cgroup.procs").write_text("")  # the kernel's files beside them are not slices
+        assert refused(slice_apply, call(ctx), SliceApply("bcd-alloc-new.slice", cpus="0")) == (
+            "too-many-slices",
+            f"slice.apply: root keeps at most {MAX_SLICES} hold slices under bcd-alloc.slice: "
+            "bcd-alloc-new.slice is not one of them",
+        )
+        assert programs(ctx).runs == []
+        slice_apply(call(ctx), SliceApply("bcd-alloc-a7.slice", cpus="0"))
+        assert programs(ctx).runs[0] == ("systemctl", "start", "bcd-alloc-a7.slice")
+        (parent / "bcd-alloc-a0.slice").rmdir()
+        slice_apply(call(ctx), SliceApply("bcd-alloc-new.slice"))
+        assert programs(ctx).runs[-1] == ("systemctl", "start", "bcd-alloc-new.slice")
+    finally:
+        ctx.audit.close()

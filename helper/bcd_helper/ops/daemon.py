@@ -16,8 +16,8 @@ its staging directory (`/var/lib/bcd/staging`) and asks the helper to swap it in
      accepted spec: its generation is written to that intent state before the effect, the floor of every
      other signed op too (round 5); or
    - `command`: the signed `daemon.upgrade` Command whose payload names exactly this manifest, for this
-     node (and targeting no other), before its `not_after` by root's clock, and never used for a swap before (root keeps the
-     ids of the last 64);
+     node (and targeting no other), before its `not_after` by root's clock, and never used for a swap
+     before (root keeps the ids of the last 64);
 5. keeps releases moving forward: a version older than the one installed is refused (`downgrade`)
    unless the signed manifest is a rollback intent (`rollback: true`) naming it; the installed version
    again is a no-op with the same SHA-256 (`daemon.upgrade` is retry-safe) and `version-reused` with
