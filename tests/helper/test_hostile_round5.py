@@ -149,3 +149,60 @@ def test_round5_the_hold_slices_root_starts_for_the_node_are_bounded(tmp_path: P
         assert programs(ctx).runs[-1] == ("systemctl", "start", "bcd-alloc-new.slice")
     finally:
         ctx.audit.close()
+
+
+def _pings(h: HelperProcess, n: int) -> dict[str, int]:
+    """`n` pings from the node's uid on one connection; the answers counted by outcome."""
+    import json
+
+    from hostilekit import connect_as, frame, read_answer
+
+    sock, _ = connect_as(h, NODE_UID, NODE_GID)
+    out: dict[str, int] = {}
+    with sock:
+        for _ in range(n):
+            sock.sendall(frame(json.dumps({"op": "helper.ping", "args": {}}).encode()))
+            answer = read_answer(sock)
+            assert answer is not None
+            key = "ok" if answer["ok"] else answer["reason"]
+            out[key] = out.get(key, 0) + 1
+    return out
+
+
+def test_round5_the_node_cannot_rotate_away_a_line_it_read_but_never_reported(tmp_path: Path) -> None:
+    """The node makes a request it wants forgotten, reads `audit.head` (which marks every line up to it
+    exported) and never reports that head; then it floods pings, which are accepted, so no refusal rate
+    limits them: rotation deleted the file holding the line within seconds, before the control plane
+    could miss a head. Root now deletes a rotated file only when it was exported *and* its newest line
+    is older than `[helper] audit_min_age_s` (default one day): the flood ends in `audit-full` (root still
+    served) with the line kept; files past that age go at the next rotation as before."""
+    import os
+
+    from bcd_helper.audit import verify_chain
+    from helperproc import AUDIT_DIR
+
+    root = make_root(tmp_path)
+    h = HelperProcess(root, base_config(extra="audit_max_bytes = 16384\naudit_keep = 2\n"))
+    audit = root / AUDIT_DIR.lstrip("/")
+    try:
+        marked = as_node(h, {"op": "file.remove", "args": {"kind": "round5-marker", "id": "m"}})
+        assert marked["reason"] == "bad-kind", marked
+        (mark,) = [e for e in h.audit_lines() if e["args"].get("kind") == "round5-marker"]
+        assert _pings(h, 150) == {"ok": 150}  # the line's file rotated: every line of it read below
+        head = as_node(h, {"op": "audit.head", "args": {}})
+        assert head["ok"] is True and head["result"]["seq"] >= mark["seq"]
+        counts = _pings(h, 700)
+        assert counts.get("audit-full", 0) > 0, counts  # held files reached the cap: the node stops
+        kept = b"".join(p.read_bytes() for p in sorted(audit.glob("audit.log*")))
+        assert f'"seq":{mark["seq"]},'.encode() in kept
+        assert h.raw({"op": "helper.ping", "args": {}})["ok"] is True  # root's socket: still served
+        # A day later (the files' times set back): the exported files go at the node's next head.
+        for p in audit.glob("audit.log.*"):
+            os.utime(p, (p.stat().st_atime - 2 * 86400, p.stat().st_mtime - 2 * 86400))
+        assert as_node(h, {"op": "audit.head", "args": {}})["ok"] is True
+        assert len(list(audit.glob("audit.log.*"))) <= 2
+        assert _pings(h, 20) == {"ok": 20}
+        result = verify_chain(audit)
+        assert result.ok, result.problem
+    finally:
+        h.stop()
