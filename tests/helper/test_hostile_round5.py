@@ -206,3 +206,31 @@ def test_round5_the_node_cannot_rotate_away_a_line_it_read_but_never_reported(tm
         assert result.ok, result.problem
     finally:
         h.stop()
+
+
+def test_round5_an_unbound_helper_takes_no_daemon_upgrade_command(tmp_path: Path, cp: ControlPlane) -> None:
+    """`command_root_sha256` pins the roots and no join record (nor any signed spec yet) binds this
+    helper to a node: daemon.swap took a signed `daemon.upgrade` command for any node of the control
+    plane (another node's canary release, say) where gpu.reset and node.reboot refuse every command
+    (`intent-unverifiable`, check_command). It is refused the same way now; a signed spec, which binds
+    the node on first use as host.unit's does, still carries a release."""
+    from bcd_shared.pki import root_pin
+
+    root = make_root(tmp_path)
+    (root / "usr/lib/bcd").mkdir(parents=True, exist_ok=True)
+    config = f'command_root_sha256 = "{root_pin(cp.command.root)}"\n' + base_config()
+    worker = cp.command.leaf()
+    h = HelperProcess(root, config)
+    try:
+        section = daemon_section(worker, "2.1.0", V21)
+        name = stage(root, "bcd-2.1.0", V21)
+        doc = swap_doc(worker, section, name, command=_upgrade_command(worker, section, node_id="node-z"))
+        doc["args"]["chain"].append(b64(cp.command.root))
+        refused_as_node(h, doc, "intent-unverifiable", "bound to no node")
+        doc = swap_doc(worker, section, name, spec=spec_carrier(worker, section, 3))
+        doc["args"]["chain"].append(b64(cp.command.root))
+        out = as_node(h, doc)
+        assert out["ok"] is True and out["result"]["version"] == "2.1.0", out
+        assert intent_state(root)["node_id"] == NODE_ID
+    finally:
+        h.stop()

@@ -16,8 +16,8 @@ its staging directory (`/var/lib/bcd/staging`) and asks the helper to swap it in
      accepted spec: its generation is written to that intent state before the effect, the floor of every
      other signed op too (round 5); or
    - `command`: the signed `daemon.upgrade` Command whose payload names exactly this manifest, for this
-     node (and targeting no other), before its `not_after` by root's clock, and never used for a swap
-     before (root keeps the ids of the last 64);
+     node (root bound to one: else `intent-unverifiable`; and targeting no other), before its
+     `not_after` by root's clock, and never used for a swap before (root keeps the ids of the last 64);
 5. keeps releases moving forward: a version older than the one installed is refused (`downgrade`)
    unless the signed manifest is a rollback intent (`rollback: true`) naming it; the installed version
    again is a no-op with the same SHA-256 (`daemon.upgrade` is retry-safe) and `version-reused` with
@@ -553,7 +553,15 @@ def _check_freshness(
         raise Refused(
             "bad-intent", f"daemon.swap: the signed command is {cmd.kind[:80]!r}, not daemon.upgrade"
         )
-    if node_id and cmd.node_id != node_id:
+    if not node_id:
+        # As check_command: a command binds no node (a spec does, on first use), so with none bound yet
+        # any node's command would do (round 5).
+        raise Refused(
+            "intent-unverifiable",
+            "daemon.swap: this helper is bound to no node yet (no join record, no signed spec accepted): "
+            "a daemon.upgrade command cannot be checked against it",
+        )
+    if cmd.node_id != node_id:
         raise Refused("wrong-node", f"daemon.swap: the signed command is for node {cmd.node_id[:80]!r}")
     if cmd.target_node_id not in ("", cmd.node_id):
         # A command acting on another node (as check_command refuses for gpu.reset and node.reboot).
