@@ -234,3 +234,142 @@ def test_round5_an_unbound_helper_takes_no_daemon_upgrade_command(tmp_path: Path
         assert intent_state(root)["node_id"] == NODE_ID
     finally:
         h.stop()
+
+
+GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+GPU2 = "GPU-5f1c2a90-0000-4000-8000-000000000002"
+
+
+def _devices_spec(signer: Signer, generation: int) -> dict[str, Any]:
+    """The signed spec: allocation a1 holds GPU1 (reservation r1, sliced) with one extra env line."""
+    section = wire.DevicesSection(
+        assignments=[
+            wire.DeviceAssignment(
+                allocation_id="a1",
+                reservation_id="r1",
+                binding=wire.Binding.HOLD,
+                devices=[wire.DeviceAtom(id=GPU1, device_class="gpu")],
+                env=["SLURM_GRES=gpu:1"],
+            )
+        ]
+    )
+    body = bytes(
+        wire.DesiredStateBody(
+            node_id=NODE_ID,
+            generation=generation,
+            spec_hash=f"d{generation}",
+            full=wire.NodeSpec(devices=section),
+        )
+    )
+    return intent(signer, body)
+
+
+def _env_write(lines: list[str], spec: dict[str, Any]) -> dict[str, Any]:
+    content = "".join(f"{line}\n" for line in lines)
+    return {
+        "op": "file.write",
+        "args": {"kind": "allocation-env", "id": "a1", "content": content, "intent": spec},
+    }
+
+
+def _hold_write(env: list[str], spec: dict[str, Any]) -> dict[str, Any]:
+    from bcd_shared import cdi
+
+    doc = cdi.build_hold_spec(
+        allocation_id="a1",
+        reservation_id="r1",
+        generation=2,
+        kubernetes=False,
+        cgroup_parent="bcd-alloc-a1.slice",
+        devices=[cdi.HoldDevice(GPU1, None)],
+        env=env,
+        vendor=None,
+    )
+    content = cdi.encode_spec(doc).decode()
+    return {"op": "file.write", "args": {"kind": "cdi", "id": "a1", "content": content, "intent": spec}}
+
+
+def test_round5_hold_env_is_bound_to_the_signed_assignment(
+    release_host: tuple[Path, str], cp: ControlPlane
+) -> None:
+    """With roots, a hold's files were bound to the signed devices section by allocation and atoms, but
+    their env was the node's: `LD_PRELOAD=` (or `BASH_ENV=`, `PATH=`) in /run/bcd/allocations/a1.env,
+    which a workload manager reads into the jobs it starts (as root, for a prolog), or
+    `NVIDIA_VISIBLE_DEVICES=all` in the CDI hold, which NVIDIA's runtime hook (root) reads to hand a
+    container every GPU of the host, were written as the node sent them. Root now takes only the env the
+    signed assignment makes: the keys bcd sets itself with the values root derives (BCD_ALLOCATION_ID,
+    BCD_CGROUP_PARENT `bcd-alloc-<id>.slice`, BCD_RESERVATION_ID the signed one, CUDA_MPS_PIPE_DIRECTORY
+    `/run/nvidia-mps`, NVIDIA_VISIBLE_DEVICES naming only the allocation's own GPUs or MIG devices) and,
+    in the env file, the assignment's own signed lines; anything else is `env-outside`, nothing written.
+    What the planner writes is taken."""
+    root, config = release_host
+    worker = cp.command.leaf()
+    spec = _devices_spec(worker, 2)
+    own = ["BCD_ALLOCATION_ID=a1", "BCD_CGROUP_PARENT=bcd-alloc-a1.slice"]
+    visible = f"NVIDIA_VISIBLE_DEVICES={GPU1}"
+    h = HelperProcess(root, config)
+    try:
+        for lines in (
+            [*own, "LD_PRELOAD=/var/lib/bcd/x.so"],
+            [*own, "BCD_RESERVATION_ID=r9", visible],
+            [*own, "BCD_RESERVATION_ID=r1", "NVIDIA_VISIBLE_DEVICES=all"],
+            [*own, "BCD_RESERVATION_ID=r1", f"NVIDIA_VISIBLE_DEVICES={GPU1},{GPU2}"],
+            ["BCD_ALLOCATION_ID=a1", "BCD_CGROUP_PARENT=bcd-alloc-a2.slice"],
+            [*own, "CUDA_MPS_PIPE_DIRECTORY=/tmp/mps"],
+            [*own, "SLURM_GRES=gpu:8"],
+        ):
+            refused_as_node(h, _env_write(lines, spec), "env-outside")
+        for env in (
+            [*own, "LD_PRELOAD=/var/lib/bcd/x.so"],
+            [*own, "NVIDIA_VISIBLE_DEVICES=all"],
+            [*own, "NVIDIA_VISIBLE_DEVICES=0,1"],
+        ):
+            refused_as_node(h, _hold_write(env, spec), "env-outside")
+        planned = [*own, "BCD_RESERVATION_ID=r1", visible, "SLURM_GRES=gpu:1"]
+        assert as_node(h, _env_write(planned, spec))["ok"] is True
+        assert as_node(h, _hold_write([*own, visible], spec))["ok"] is True
+        assert (root / "run/bcd/allocations/a1.env").read_text() == "".join(f"{x}\n" for x in planned)
+        verify_audit(h)
+    finally:
+        h.stop()
+
+
+def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
+    """The env rule above must take every hold the node's devices planner writes (else a signed node
+    could bind no hold): whole GPUs, MIG devices (with and without a MIG UUID), slots with MPS, a sliced
+    hold with limits, a Kubernetes hold, an assignment with its own env lines. The keys bcd sets are the
+    planner's RESERVED_ENV_KEYS, and the MPS directory is its."""
+    from bcd_agent.inventory.gpus import Gpu, GpuHealth, GpuInventory, MigDevice
+    from bcd_agent.sections.devices import plan as planner
+    from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, Limits
+    from bcd_helper.ops.files import HOLD_ENV_KEYS, MPS_PIPE_DIRECTORY, _check_signed_env
+
+    assert HOLD_ENV_KEYS == planner.RESERVED_ENV_KEYS
+    assert MPS_PIPE_DIRECTORY == planner.MPS_PIPE_DIRECTORY
+    a, b = "GPU-aaaaaaaa-0000-4000-8000-000000000001", "GPU-bbbbbbbb-0000-4000-8000-000000000002"
+
+    def gpu(i: int, uuid: str, migs: tuple[MigDevice, ...] = ()) -> Gpu:
+        return Gpu(i, uuid, "NVIDIA H200", f"00000000:{i + 1:02X}:00.0", i, i, 143771, bool(migs), migs,
+                   GpuHealth(0, False, False))  # fmt: skip
+
+    migs = (MigDevice(1, 0, "MIG-aaaaaaaa-1111-5111-8111-000000000001", "3g.71gb", 0),
+            MigDevice(2, 0, None, "1g.18gb", 1))  # fmt: skip
+    inventory = GpuInventory((gpu(0, a, migs), gpu(1, b)), "590.48.01", True)
+    obs = planner.Observed(inventory=inventory, mps_dir=True)
+
+    def assignment(binding: str, *devs: tuple[str, str], **kw: Any) -> DeviceAssignment:
+        refs = tuple(DeviceRef(d, c) for d, c in devs)
+        return DeviceAssignment("al1", "rsv1", binding, refs, kw.get("limits"), kw.get("env", ()))
+
+    cases = [
+        assignment("BINDING_HOLD", (a, "gpu"), (b, "gpu")),
+        assignment("BINDING_HOLD", (f"{a}/gi1/ci0", "gpu.mig"), (f"{a}/gi2/ci0", "gpu.mig")),
+        assignment("BINDING_HOLD", (f"{b}/s0", "gpu.slot"), (f"{b}/s1", "gpu.slot")),
+        assignment("BINDING_HOLD", (b, "gpu"), limits=Limits(cpus="0-3"), env=("SLURM_GRES=gpu:1", "X=")),
+        assignment("BINDING_KUBERNETES", (a, "gpu"), limits=Limits(memory_bytes=1 << 30)),
+    ]
+    for asg in cases:
+        atoms = planner._atoms_of(asg)
+        doc, lines = planner.hold_files(asg, atoms, 3, obs)
+        _check_signed_env("cdi", "al1", (doc.get("containerEdits") or {}).get("env") or [], asg)
+        _check_signed_env("allocation-env", "al1", list(lines), asg)

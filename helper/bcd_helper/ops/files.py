@@ -26,7 +26,12 @@ it; a patch must set it) must list the allocation for a write (`not-in-spec`); a
 each be one of that allocation's atoms (`bcd.dev/device-id`), each device's container edits must be the
 vendor's edits for that atom's own GPU (named in root's /etc/cdi/nvidia.json by the GPU's UUID, its index
 as root's nvidia-smi reads it, or `<index>:<n>` / a MIG UUID for a MIG atom), and the spec-level edits
-only the vendor's common ones (`atoms-outside`). A removal is refused while the spec still lists the
+only the vendor's common ones (`atoms-outside`). Their env is the assignment's (round 5, `env-outside`):
+the keys bcd sets carry the values root derives (BCD_ALLOCATION_ID, BCD_CGROUP_PARENT
+`bcd-alloc-<id>.slice`, the signed BCD_RESERVATION_ID, CUDA_MPS_PIPE_DIRECTORY `/run/nvidia-mps`,
+NVIDIA_VISIBLE_DEVICES naming only the allocation's GPUs or MIG devices), and an env file's other lines
+are the assignment's signed `env` lines: no `LD_PRELOAD=` for a workload manager, no
+`NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused while the spec still lists the
 allocation (`hold-in-spec`): a node cannot pull a live hold's file and then reset its GPU. Without roots
 nothing is bound (HST-SIGN-33).
 
@@ -445,6 +450,59 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
             )
 
 
+# The env keys bcd sets itself in a hold's files (the agent's devices planner, RESERVED_ENV_KEYS there), and
+# the MPS pipe directory it names.
+HOLD_ENV_KEYS = frozenset(
+    {
+        "BCD_ALLOCATION_ID",
+        "BCD_CGROUP_PARENT",
+        "BCD_RESERVATION_ID",
+        "CUDA_MPS_PIPE_DIRECTORY",
+        "NVIDIA_VISIBLE_DEVICES",
+    }
+)
+MPS_PIPE_DIRECTORY = "/run/nvidia-mps"
+
+
+def _visible_ok(value: str, assignment: Any) -> bool:
+    """NVIDIA_VISIBLE_DEVICES names only the allocation's own GPUs (by UUID), or MIG devices when it holds
+    MIG atoms, each once (the planner's `visible_devices`): never `all`, an index or another GPU."""
+    atoms = [a.id for a in assignment.devices]
+    gpus = {a.split("/")[0] for a in atoms}
+    mig = any("/gi" in a for a in atoms)
+    items = value.split(",") if value else []
+    if len(set(items)) != len(items) or len(items) > len(atoms):
+        return False
+    return all(i in gpus or (mig and i.startswith("MIG-")) for i in items)
+
+
+def _check_signed_env(kind: str, ident: str, lines: Any, assignment: Any) -> None:
+    """With roots: a hold's env is what the signed assignment makes (round 5). The keys bcd sets carry the
+    values root derives; any other line must be one of the assignment's own signed env lines (the env
+    file only: a CDI hold carries none). Else `env-outside`."""
+    derived = {
+        "BCD_ALLOCATION_ID": ident,
+        "BCD_CGROUP_PARENT": f"bcd-alloc-{ident}.slice",
+        "BCD_RESERVATION_ID": assignment.reservation_id,
+        "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_DIRECTORY,
+    }
+    signed = set(assignment.env) if kind == "allocation-env" else set()
+    for i, line in enumerate(lines):
+        key, _, value = str(line).partition("=")
+        if key == "NVIDIA_VISIBLE_DEVICES":
+            ok = _visible_ok(value, assignment)
+        elif key in HOLD_ENV_KEYS:
+            ok = value == derived[key]
+        else:
+            ok = line in signed
+        if not ok:
+            raise Refused(
+                "env-outside",
+                f"{kind}: env[{i}] {key[:100]!r}: {str(line)[:200]!r} is not what the signed spec's "
+                f"assignment of {ident} sets",
+            )
+
+
 def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
     spec, path = _kind(req.kind, req.id)
     data = _content(spec, req)
@@ -463,6 +521,10 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                 )
             if req.kind == "cdi":
                 _check_atoms(call, req.id, decoded, assignment)
+                env = (decoded.get("containerEdits") or {}).get("env") or []
+            else:
+                env = data.decode().splitlines()  # _check_env took it as UTF-8 lines
+            _check_signed_env(req.kind, req.id, env, assignment)
     if spec.host_check is not None:
         spec.host_check(call, req.id, decoded)
     if next_state is not None:  # durable before effect
