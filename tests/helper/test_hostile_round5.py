@@ -77,7 +77,11 @@ def _upgrade_command(signer: Signer, section: wire.DaemonSection, **fields: Any)
     from bcd_shared.wire.strict import type_url
 
     request = wire.DaemonUpgradeRequest(
-        version=section.version, url=section.url, sha256=section.sha256, signature=section.signature
+        version=section.version,
+        url=section.url,
+        sha256=section.sha256,
+        signature=section.signature,
+        rollback=section.rollback,
     )
     body: dict[str, Any] = {
         "id": "01J0000000000000000000UPG5",
@@ -373,3 +377,64 @@ def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
         doc, lines = planner.hold_files(asg, atoms, 3, obs)
         _check_signed_env("cdi", "al1", (doc.get("containerEdits") or {}).get("env") or [], asg)
         _check_signed_env("allocation-env", "al1", list(lines), asg)
+
+
+V15 = b"#!/bin/sh\necho bcd 1.5.0\n"
+
+
+def test_round5_a_daemon_upgrade_command_is_used_once_until_its_not_after(
+    release_host: tuple[Path, str], cp: ControlPlane
+) -> None:
+    """daemon.swap remembered the ids of the last 64 daemon.upgrade commands only (in its release record):
+    once 64 newer ones had been used, an older command still before its `not_after` was fresh again.
+    Replayed, a signed rollback command (`rollback: true`, naming 1.5.0) took the host back below the
+    releases installed since. daemon.swap now also keeps each command id in root's memory of used
+    commands (helper-commands.json, as gpu.reset and node.reboot do) until its `not_after`: the replay is
+    `command-replayed` however many commands came after."""
+    import json
+
+    from releasekit import RECORD
+
+    root, config = release_host
+    worker = cp.command.leaf()
+    h = HelperProcess(root, config)
+    try:
+        assert _swap(h, worker, "2.0.0", V20, generation=1)["ok"] is True
+        assert as_node(h, {"op": "daemon.confirm", "args": {"version": "2.0.0"}})["ok"] is True
+        back = daemon_section(worker, "1.5.0", V15, rollback=True)
+        name = stage(root, "bcd-1.5.0", V15)
+        rollback = swap_doc(
+            worker, back, name, command=_upgrade_command(worker, back, id="01JROLLBACK0000000000000001")
+        )
+        out = as_node(h, rollback)
+        assert out["ok"] is True, out
+        assert as_node(h, {"op": "daemon.confirm", "args": {"version": "1.5.0"}})["ok"] is True
+        assert _swap(h, worker, "2.1.0", V21, generation=2)["ok"] is True
+        assert as_node(h, {"op": "daemon.confirm", "args": {"version": "2.1.0"}})["ok"] is True
+        # 64 daemon.upgrade commands later (their ids are all the record keeps):
+        record = json.loads((root / RECORD).read_text())
+        record["used_commands"] = [f"01JLATER{i:018d}" for i in range(64)]
+        (root / RECORD).write_text(json.dumps(record, sort_keys=True, indent=1) + "\n")
+        refused_as_node(h, rollback, "command-replayed")
+        assert (root / LINK).read_bytes() == V21
+    finally:
+        h.stop()
+
+
+def test_round5_a_failed_swap_forgets_its_daemon_upgrade_command(tmp_path: Path) -> None:
+    """The memory's `forget` (daemon.swap's swap failed, the previous release still installed) drops that
+    command only, so the retry-safe command may come again; other entries stay, replays of them refused."""
+    from bcd_helper.ops.base import Refused
+    from bcd_helper.usedcommands import UsedCommands
+
+    root = make_root(tmp_path)
+    used = UsedCommands(root)
+    used.remember("daemon.upgrade", "c1", ("",), 10_000, 1_000)
+    used.remember("daemon.upgrade", "c2", ("",), 10_000, 1_000)
+    used.remember("node.reboot", "c1", ("",), 10_000, 1_000)
+    used.forget("daemon.upgrade", "c1", 2_000)
+    used.check("daemon.upgrade", "c1", ("",), 2_000)
+    for op, ident in (("daemon.upgrade", "c2"), ("node.reboot", "c1")):
+        with pytest.raises(Refused) as info:
+            used.check(op, ident, ("",), 2_000)
+        assert info.value.reason == "command-replayed"

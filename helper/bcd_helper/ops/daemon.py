@@ -17,7 +17,8 @@ its staging directory (`/var/lib/bcd/staging`) and asks the helper to swap it in
      other signed op too (round 5); or
    - `command`: the signed `daemon.upgrade` Command whose payload names exactly this manifest, for this
      node (root bound to one: else `intent-unverifiable`; and targeting no other), before its
-     `not_after` by root's clock, and never used for a swap before (root keeps the ids of the last 64);
+     `not_after` by root's clock, and never used for a swap before (the release record keeps the ids of
+     the last 64; root's memory of used commands, helper-commands.json, each until its not_after);
 5. keeps releases moving forward: a version older than the one installed is refused (`downgrade`)
    unless the signed manifest is a rollback intent (`rollback: true`) naming it; the installed version
    again is a no-op with the same SHA-256 (`daemon.upgrade` is retry-safe) and `version-reused` with
@@ -483,9 +484,9 @@ def _check_freshness(
     floor_generation: int,
     doc: dict[str, Any] | None,
     now: dt.datetime,
-) -> tuple[int, str]:
+) -> tuple[int, str, int]:
     """Raise Refused unless the manifest is bound to a fresh signed spec or command. Returns the spec's
-    generation (0 for a command) and the command id ("" for a spec)."""
+    generation (0 for a command), the command id ("" for a spec) and its not_after (0 for a spec)."""
     from bcd_shared import wire
     from bcd_shared.pki import PkiError, verify_command, verify_desired_state
     from bcd_shared.wire.strict import WireError, decode, decode_spec_body, unpack_any
@@ -543,7 +544,7 @@ def _check_freshness(
             bytes(section.signature),
             section.rollback,
         )
-        return spec.generation, ""
+        return spec.generation, "", 0
     try:
         cmd = decode(wire.CommandBody, body)
         payload = unpack_any(cmd.payload, wire.DaemonUpgradeRequest)
@@ -582,6 +583,9 @@ def _check_freshness(
         raise Refused(
             "intent-replayed", f"daemon.swap: the daemon.upgrade command {cmd.id[:80]!r} was already used"
         )
+    # The record keeps the last 64 ids only; root's memory of used commands keeps each until its not_after
+    # (round 5: a rollback command replayed after 64 newer ones went back below them).
+    verifier.used.check("daemon.upgrade", cmd.id, ("",), now_ms)
     _same_release(
         "daemon.upgrade command",
         manifest,
@@ -591,7 +595,7 @@ def _check_freshness(
         bytes(payload.signature),
         payload.rollback,
     )
-    return 0, cmd.id
+    return 0, cmd.id, cmd.not_after
 
 
 def _check_order(manifest: _Manifest, doc: dict[str, Any] | None) -> bool:
@@ -686,7 +690,7 @@ def daemon_swap(call: Call, req: DaemonSwap) -> dict[str, Any]:
         ) from None
     signed = _Manifest(manifest.version, manifest.url, manifest.sha256, signature, manifest.rollback)
     floor = max(view.state.generation, doc["spec_generation"] if doc is not None else 0)
-    generation, command_id = _check_freshness(
+    generation, command_id, not_after = _check_freshness(
         call, req, signed, chain, view.roots, view.state.node_id, floor, doc, now
     )
     if (
@@ -724,7 +728,18 @@ def daemon_swap(call: Call, req: DaemonSwap) -> dict[str, Any]:
         raise Refused("artifact-mismatch", f"daemon.swap: {exc}") from None
     if next_state is not None:  # durable before effect: root's one floor for every signed op
         verifier.save_state(next_state)
-    return _swap_in(call, manifest, artifact, doc, generation, command_id, req.confirm_timeout_s)
+    if not command_id:
+        return _swap_in(call, manifest, artifact, doc, generation, command_id, req.confirm_timeout_s)
+    # Durable before effect: a daemon.upgrade command swaps once until its not_after. A swap that fails with
+    # the previous release still installed forgets it again: the command is retry-safe.
+    now_ms = int(now.timestamp() * 1000)
+    verifier.used.remember("daemon.upgrade", command_id, ("",), not_after, now_ms)
+    try:
+        return _swap_in(call, manifest, artifact, doc, generation, command_id, req.confirm_timeout_s)
+    except Failed as exc:
+        if exc.reason == "swap":
+            verifier.used.forget("daemon.upgrade", command_id, now_ms)
+        raise
 
 
 def _swap_in(
