@@ -31,7 +31,9 @@
   REFUSAL_RATE a second): past it a refusal is still answered, and counted; the counts are audited as
   one `(suppressed)` line per peer (args: count and reasons) at most every FLUSH_S. While the audit
   log holds as many unexported files as it may (AuditLog.full), the node's requests other than
-  `audit.head` are refused `audit-full`, counted the same way; root is always served and audited.
+  `audit.head` are refused `audit-full`, counted the same way, and its `audit.head`s are answered and
+  counted the same way (no line each: the files the age rule keeps must not grow); root is always served
+  and audited.
 - Each request is decoded into its op's frozen type (protocol.structure), run under the op's
   locks and deadline, answered, and recorded in the audit log, accepted or refused, before the
   answer is sent. A file.write's `accepted` line goes ahead of its effect (call.ahead, `_Ahead`):
@@ -186,7 +188,9 @@ class Guards:
                 args_sha256=hashlib.sha256(canonical(args)).hexdigest(),
                 decision="refused",
                 reason="rate-limit",
-                message=f"{args['count']} refusals of uid {uid} answered without a line of their own",
+                message=f"{args['count']} refusals of uid {uid} answered without a line of their own"
+                if "audit.head (log full)" not in reasons
+                else f"{args['count']} requests of uid {uid} answered without a line of their own",
                 duration_ms=0.0,
             )
 
@@ -455,6 +459,7 @@ class Connection:
         op, args = "?", None
         spec: OpSpec | None = None
         ahead: _Ahead | None = None
+        full = False
         try:
             if not isinstance(doc, dict) or set(doc) != {"op", "args"}:
                 raise Refused("bad-request", 'a request is exactly {"op": <string>, "args": <object>}')
@@ -462,7 +467,8 @@ class Connection:
             if not isinstance(op, str):
                 op = "?"
                 raise Refused("bad-request", "$.op: expected string")
-            if self.peer.uid != 0 and op != "audit.head" and self.ctx.audit.full:
+            full = self.peer.uid != 0 and self.ctx.audit.full
+            if full and op != "audit.head":
                 self.guards.count(self.peer.uid, "audit-full")
                 message = "the audit log holds all the unexported files it may: read audit.head first"
                 return {"ok": False, "error": "refused", "reason": "audit-full", "message": message}
@@ -494,7 +500,11 @@ class Connection:
             message = f"{op[:100]}: {type(exc).__name__}: {exc}"[:MAX_TEXT]
             self.audit(op, args, spec, "failed", "internal", _after(ahead, message), t0)
             return {"ok": False, "error": "failed", "reason": "internal", "message": message}
-        if ahead is None or not ahead.started:
+        if full:
+            # The log is full: the node's way out (audit.head) is answered and counted, not a line each, or a
+            # flood of heads would grow files the age rule keeps (docs/helper.md, round 5, row 1).
+            self.guards.count(self.peer.uid, "audit.head (log full)")
+        elif ahead is None or not ahead.started:
             self.audit(op, args, spec, "accepted", "", "", t0)
         return {"ok": True, "result": result}
 

@@ -184,6 +184,7 @@ def test_round5_the_node_cannot_rotate_away_a_line_it_read_but_never_reported(tm
 
     from bcd_helper.audit import verify_chain
     from helperproc import AUDIT_DIR
+    from hostilekit import connect_as, frame, read_answer
 
     root = make_root(tmp_path)
     h = HelperProcess(root, base_config(extra="audit_max_bytes = 16384\naudit_keep = 2\n"))
@@ -200,6 +201,18 @@ def test_round5_the_node_cannot_rotate_away_a_line_it_read_but_never_reported(tm
         kept = b"".join(p.read_bytes() for p in sorted(audit.glob("audit.log*")))
         assert f'"seq":{mark["seq"]},'.encode() in kept
         assert h.raw({"op": "helper.ping", "args": {}})["ok"] is True  # root's socket: still served
+        # While the log is full the node's way out, audit.head, is answered but no longer a line each: else
+        # a flood of heads would grow files the age rule keeps, without bound.
+        before = sorted((p.name, p.stat().st_size) for p in audit.glob("audit.log*"))
+        sock, _ = connect_as(h, NODE_UID, NODE_GID)
+        with sock:
+            for _ in range(300):
+                sock.sendall(frame(b'{"op":"audit.head","args":{}}'))
+                answer = read_answer(sock)
+                assert answer is not None and answer["ok"] is True, answer
+        after = sorted((p.name, p.stat().st_size) for p in audit.glob("audit.log*"))
+        assert len(after) == len(before)
+        assert sum(size for _, size in after) - sum(size for _, size in before) < 4096  # a (suppressed) line
         # A day later (the files' times set back): the exported files go at the node's next head.
         for p in audit.glob("audit.log.*"):
             os.utime(p, (p.stat().st_atime - 2 * 86400, p.stat().st_mtime - 2 * 86400))
