@@ -451,3 +451,97 @@ def test_round5_a_failed_swap_forgets_its_daemon_upgrade_command(tmp_path: Path)
         with pytest.raises(Refused) as info:
             used.check(op, ident, ("",), 2_000)
         assert info.value.reason == "command-replayed"
+
+
+def _limits_spec(signer: Signer, generation: int, **limits: Any) -> dict[str, Any]:
+    """The signed spec: allocation a1 holds GPU1 with `limits` (a sliced hold)."""
+    section = wire.DevicesSection(
+        assignments=[
+            wire.DeviceAssignment(
+                allocation_id="a1",
+                reservation_id="r1",
+                binding=wire.Binding.HOLD,
+                devices=[wire.DeviceAtom(id=GPU1, device_class="gpu")],
+                limits=wire.DeviceLimits(**limits),
+            )
+        ]
+    )
+    body = bytes(
+        wire.DesiredStateBody(
+            node_id=NODE_ID,
+            generation=generation,
+            spec_hash=f"s{generation}",
+            full=wire.NodeSpec(devices=section),
+        )
+    )
+    return intent(signer, body)
+
+
+def test_round5_with_roots_a_hold_slice_takes_only_the_signed_limits(
+    release_host: tuple[Path, str], cp: ControlPlane
+) -> None:
+    """`slice.apply` was unsigned: with command-signing roots the node could set any limits on a live
+    hold's slice (`MemoryMax=4096`, `CPUQuota=1%`: the tenant's workload OOM-killed or starved) or lift
+    the booked ones (reset `memory_bytes`: the hold outgrows what capacity placed), and start slices for
+    allocations the spec does not have. With roots, slice.apply now carries the signed spec like the hold
+    writes: without it `intent-required`; a slice of an allocation the devices section does not slice
+    `not-in-spec`; limits or resets other than the assignment's own `spec-mismatch`, before any
+    systemctl; the signed limits are applied."""
+    root, config = release_host
+    worker = cp.command.leaf()
+    spec = _limits_spec(worker, 2, cpus="0-3", memory_bytes=1 << 30)
+    h = HelperProcess(root, config)
+
+    def apply(
+        name: str = "bcd-alloc-a1.slice", signed: dict[str, Any] | None = spec, **args: Any
+    ) -> dict[str, Any]:
+        doc: dict[str, Any] = {"name": name, **args}
+        if signed is not None:
+            doc["intent"] = signed
+        return {"op": "slice.apply", "args": doc}
+
+    try:
+        refused_as_node(h, apply(signed=None, cpus="0-3", memory_bytes=1 << 30), "intent-required")
+        refused_as_node(h, apply("bcd-alloc-a9.slice", cpus="0-3"), "not-in-spec")
+        refused_as_node(h, apply(cpus="0-3", memory_bytes=4096), "spec-mismatch", "memory_bytes")
+        refused_as_node(
+            h, apply(cpus="0-3", memory_bytes=1 << 30, cpu_millis=10), "spec-mismatch", "cpu_millis"
+        )
+        refused_as_node(h, apply(cpus="0-3", reset=["memory_bytes"]), "spec-mismatch", "memory_bytes")
+        refused_as_node(h, apply(cpus="0-63", memory_bytes=1 << 30), "spec-mismatch", "cpus")
+        out = as_node(h, apply(cpus="0-3", memory_bytes=1 << 30, reset=["cpu_millis"]))
+        assert out["ok"] is True, out
+        assert "MemoryMax=1073741824" in out["result"]["properties"]
+        verify_audit(h)
+    finally:
+        h.stop()
+
+
+def test_round5_roots_signed_slice_limits_are_what_the_node_sends() -> None:
+    """Root compares slice.apply's limits with `signed_limits` of the signed DeviceLimits; the node's
+    HelperExecutor derives what it sends from the same wire limits (limits_from_wire, slice_spec). The two
+    must agree, zeros and unset fields included, or a signed node could size no slice."""
+    from bcd_agent.sections.devices.apply import HelperExecutor
+    from bcd_agent.sections.devices.model import limits_from_wire
+    from bcd_agent.sections.devices.slices import slice_spec
+    from bcd_helper.ops.slices import signed_limits
+
+    sent: list[dict[str, Any]] = []
+
+    class Client:
+        def slice_apply(self, name: str, **args: Any) -> object:
+            sent.append(args)
+            return None
+
+    executor = HelperExecutor(Client(), lambda: {"body": "b"})  # type: ignore[arg-type]
+    for limits in (
+        wire.DeviceLimits(cpus="0-3", memory_bytes=1 << 30),
+        wire.DeviceLimits(mems="0", cpu_millis=250, hugepages_2mi=0),
+        wire.DeviceLimits(cpu_millis=0, memory_bytes=0, hugepages_1gi=4),
+        wire.DeviceLimits(hugepages_2mi=512, hugepages_1gi=0),
+        wire.DeviceLimits(),
+    ):
+        executor.apply_slice(slice_spec("a1", limits_from_wire(limits)))
+        args = sent.pop()
+        assert args.pop("intent") == {"body": "b"} and args.pop("reset") == ()
+        assert args == signed_limits(limits), limits

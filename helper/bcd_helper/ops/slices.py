@@ -34,6 +34,7 @@ from attrs import frozen
 from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
 
 from bcd_helper.ops.base import Call, Failed, Refused, refused_path
+from bcd_helper.ops.files import SignedSpec  # the hold writes' signed spec: slice.apply carries it too
 
 SLICE_RE = re.compile(r"^bcd-alloc-[A-Za-z0-9_]{1,80}\.slice$")
 MAX_CPULIST = 1024
@@ -72,6 +73,7 @@ class SliceApply:
     hugepages_2mi: int | None = None
     hugepages_1gi: int | None = None
     reset: tuple[str, ...] = ()
+    intent: SignedSpec | None = None
 
 
 @frozen
@@ -199,13 +201,60 @@ def check_slice_count(call: Call, name: str) -> None:
         )
 
 
+def signed_limits(limits: Any) -> dict[str, Any]:
+    """The slice.apply limits the node sends for a signed assignment's DeviceLimits (its HelperExecutor:
+    an empty cpulist, a 0 CPU quota or memory limit is no limit; huge pages as booked)."""
+    return {
+        "cpus": limits.cpus or None,
+        "mems": limits.mems or None,
+        "cpu_millis": limits.cpu_millis or None,
+        "memory_bytes": limits.memory_bytes or None,
+        "hugepages_2mi": limits.hugepages_2mi,
+        "hugepages_1gi": limits.hugepages_1gi,
+    }
+
+
+def check_signed_slice(call: Call, req: SliceApply, name: str) -> Any | None:
+    """With command-signing roots (round 5): the slice's allocation must be a sliced hold of the signed
+    devices section, and the limits sent exactly its own (so a reset only of what it does not set);
+    returns the intent state to write (None: nothing to write, or no roots: nothing is checked,
+    HST-SIGN-33)."""
+    from bcd_helper.ops.files import _signed_assignment
+
+    ident = name[len("bcd-alloc-") : -len(".slice")]
+    assignment, signed = _signed_assignment(call, "slice.apply", "slice", ident, req.intent)
+    if signed is None:
+        return None
+    next_state, generation = signed
+    if assignment is None or assignment.limits is None or int(assignment.binding) == 2:  # 2: KUBERNETES
+        raise Refused(
+            "not-in-spec",
+            f"slice.apply: allocation {ident} is not a sliced hold of the signed spec's devices section "
+            f"(generation {generation})",
+        )
+    want = signed_limits(assignment.limits)
+    for field, value in want.items():
+        sent = getattr(req, field)
+        if sent != value:
+            raise Refused(
+                "spec-mismatch",
+                f"slice.apply: {field} {sent!r} is not the signed spec's {value!r} for {ident} "
+                f"(generation {generation})",
+            )
+    # A reset names only fields not sent (check_reset), so only limits the signed spec does not set.
+    return next_state
+
+
 def slice_apply(call: Call, req: SliceApply) -> dict[str, Any]:
     name = check_slice_name(req.name)
     props = properties(req)
     reset = check_reset(req)
     p2 = _bounded(req.hugepages_2mi, "hugepages_2mi", MAX_PAGES)
     p1 = _bounded(req.hugepages_1gi, "hugepages_1gi", MAX_PAGES)
+    next_state = check_signed_slice(call, req, name)
     check_slice_count(call, name)
+    if next_state is not None:  # durable before effect
+        call.ctx.intent_verifier().save_state(next_state)
     _systemctl(call, "start", name)
     if props:
         _systemctl(call, "set-property", "--runtime", name, *props)
