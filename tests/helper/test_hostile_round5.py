@@ -354,12 +354,17 @@ def test_round5_hold_env_is_bound_to_the_signed_assignment(
 def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
     """The env rule above must take every hold the node's devices planner writes (else a signed node
     could bind no hold): whole GPUs, MIG devices (with and without a MIG UUID), slots with MPS, a sliced
-    hold with limits, a Kubernetes hold, an assignment with its own env lines. The keys bcd sets are the
-    planner's RESERVED_ENV_KEYS, and the MPS directory is its."""
+    hold with limits, a Kubernetes hold, an assignment with its own env lines, with and without the
+    vendor spec whose common env the planner copies into the CDI hold (as NVIDIA's toolkit writes it:
+    NVIDIA_CTK_DEBUG). The keys bcd sets are the planner's RESERVED_ENV_KEYS, and the MPS directory is
+    its."""
+    import json
+
     from bcd_agent.inventory.gpus import Gpu, GpuHealth, GpuInventory, MigDevice
     from bcd_agent.sections.devices import plan as planner
     from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, Limits
     from bcd_helper.ops.files import HOLD_ENV_KEYS, MPS_PIPE_DIRECTORY, _check_signed_env
+    from bcd_shared import cdi
 
     assert HOLD_ENV_KEYS == planner.RESERVED_ENV_KEYS
     assert MPS_PIPE_DIRECTORY == planner.MPS_PIPE_DIRECTORY
@@ -372,7 +377,20 @@ def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
     migs = (MigDevice(1, 0, "MIG-aaaaaaaa-1111-5111-8111-000000000001", "3g.71gb", 0),
             MigDevice(2, 0, None, "1g.18gb", 1))  # fmt: skip
     inventory = GpuInventory((gpu(0, a, migs), gpu(1, b)), "590.48.01", True)
-    obs = planner.Observed(inventory=inventory, mps_dir=True)
+    vendor_doc = {
+        "cdiVersion": "0.5.0",
+        "kind": "nvidia.com/gpu",
+        "devices": [
+            {"name": n, "containerEdits": {"deviceNodes": [{"path": f"/dev/nvidia{i}"}]}}
+            for i, n in ((0, "0"), (0, a), (1, "1"), (1, b))
+        ],
+        "containerEdits": {
+            "env": ["NVIDIA_CTK_DEBUG=false", "NVIDIA_VISIBLE_DEVICES=void"],
+            "deviceNodes": [{"path": "/dev/nvidiactl"}],
+        },
+    }
+    vendor = cdi.parse_vendor_spec(json.dumps(vendor_doc).encode())
+    vendor_env = vendor.common_edits["env"]
 
     def assignment(binding: str, *devs: tuple[str, str], **kw: Any) -> DeviceAssignment:
         refs = tuple(DeviceRef(d, c) for d, c in devs)
@@ -385,11 +403,18 @@ def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
         assignment("BINDING_HOLD", (b, "gpu"), limits=Limits(cpus="0-3"), env=("SLURM_GRES=gpu:1", "X=")),
         assignment("BINDING_KUBERNETES", (a, "gpu"), limits=Limits(memory_bytes=1 << 30)),
     ]
-    for asg in cases:
-        atoms = planner._atoms_of(asg)
-        doc, lines = planner.hold_files(asg, atoms, 3, obs)
-        _check_signed_env("cdi", "al1", (doc.get("containerEdits") or {}).get("env") or [], asg)
-        _check_signed_env("allocation-env", "al1", list(lines), asg)
+    copied = 0
+    for obs in (
+        planner.Observed(inventory=inventory, mps_dir=True),
+        planner.Observed(inventory, vendor=vendor),
+    ):
+        for asg in cases:
+            doc, lines = planner.hold_files(asg, planner._atoms_of(asg), 3, obs)
+            env = (doc.get("containerEdits") or {}).get("env") or []
+            _check_signed_env("cdi", "al1", env, asg, vendor_env if obs.vendor is not None else ())
+            _check_signed_env("allocation-env", "al1", list(lines), asg)
+            copied += "NVIDIA_CTK_DEBUG=false" in env
+    assert copied == 4  # the vendor's common env was in every hold but the Kubernetes one
 
 
 V15 = b"#!/bin/sh\necho bcd 1.5.0\n"

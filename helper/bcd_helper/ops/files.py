@@ -476,25 +476,26 @@ def _visible_ok(value: str, assignment: Any) -> bool:
     return all(i in gpus or (mig and i.startswith("MIG-")) for i in items)
 
 
-def _check_signed_env(kind: str, ident: str, lines: Any, assignment: Any) -> None:
-    """With roots: a hold's env is what the signed assignment makes (round 5). The keys bcd sets carry the
-    values root derives; any other line must be one of the assignment's own signed env lines (the env
-    file only: a CDI hold carries none). Else `env-outside`."""
+def _check_signed_env(kind: str, ident: str, lines: Any, assignment: Any, vendor_env: Any = ()) -> None:
+    """With roots: a hold's env is what the signed assignment makes (round 5). A line is taken when it is
+    one of the assignment's own signed env lines (the env file) or of root's vendor spec's common env (a
+    CDI hold: build_hold_spec copies those); else the keys bcd sets must carry the values root derives.
+    Anything else is `env-outside`."""
     derived = {
         "BCD_ALLOCATION_ID": ident,
         "BCD_CGROUP_PARENT": f"bcd-alloc-{ident}.slice",
         "BCD_RESERVATION_ID": assignment.reservation_id,
         "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_DIRECTORY,
     }
-    signed = set(assignment.env) if kind == "allocation-env" else set()
+    taken = set(assignment.env) if kind == "allocation-env" else set(vendor_env)
     for i, line in enumerate(lines):
         key, _, value = str(line).partition("=")
-        if key == "NVIDIA_VISIBLE_DEVICES":
+        if line in taken:
+            ok = True
+        elif key == "NVIDIA_VISIBLE_DEVICES":
             ok = _visible_ok(value, assignment)
-        elif key in HOLD_ENV_KEYS:
-            ok = value == derived[key]
         else:
-            ok = line in signed
+            ok = key in HOLD_ENV_KEYS and value == derived[key]
         if not ok:
             raise Refused(
                 "env-outside",
@@ -519,12 +520,16 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                     f"{req.kind}: allocation {req.id} is not in the signed spec's devices section "
                     f"(generation {generation})",
                 )
+            vendor_env: Any = ()
             if req.kind == "cdi":
                 _check_atoms(call, req.id, decoded, assignment)
                 env = (decoded.get("containerEdits") or {}).get("env") or []
+                if env:
+                    vendor = _vendor_devices(call)
+                    vendor_env = (vendor.common_edits.get("env") or ()) if vendor is not None else ()
             else:
                 env = data.decode().splitlines()  # _check_env took it as UTF-8 lines
-            _check_signed_env(req.kind, req.id, env, assignment)
+            _check_signed_env(req.kind, req.id, env, assignment, vendor_env)
     if spec.host_check is not None:
         spec.host_check(call, req.id, decoded)
     if next_state is not None:  # durable before effect
