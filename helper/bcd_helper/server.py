@@ -20,7 +20,9 @@
   may hold) fits the process-wide in-flight budget (BUDGET bytes, shared by all the node's
   connections; root's own frames are not counted). A frame that cannot get it within its deadline is
   refused `busy`. The body is read into one buffer of its announced size, and a frame holding more
-  than MAX_VALUES values is refused before it is decoded (protocol.count_values).
+  than MAX_VALUES values is refused before it is decoded (protocol.count_values). An op whose answer
+  may be large (audit.tail) takes its share of the same budget through `Call.reserve` before it builds
+  it, held until the answer is sent (round 5); an answer is sent from its encoded frame alone.
 - At most MAX_CONNECTIONS connections of non-root peers at once (each is a thread): one more is
   answered `busy` without blocking (a non-blocking send, no audit write on the accept thread: the
   refusal is counted and the count audited by the flusher thread) and closed.
@@ -398,7 +400,20 @@ class Connection:
             self.reserved = 0
 
     def send(self, doc: Any, fd: int | None = None) -> None:
-        frame = encode_frame(doc)
+        self.send_frame(encode_frame(doc), fd)
+
+    def reserve_answer(self, n: int) -> bool:
+        """Call.reserve: `n` more bytes of the in-flight budget for an answer being built, held until it is
+        sent (a client that does not read keeps them up to FRAME_TIMEOUT_S); False when the budget has no
+        room at once. Root's answers are not counted."""
+        if self.peer.uid == 0:
+            return True
+        if not self.guards.budget.acquire(n, time.monotonic()):
+            return False
+        self.reserved += n
+        return True
+
+    def send_frame(self, frame: bytes, fd: int | None = None) -> None:
         if fd is None:
             sent = 0
             if self._timeout is not None:
@@ -481,7 +496,8 @@ class Connection:
                 raise Refused("bad-arguments", f"{op}: {exc}") from None
             deadline = Deadline(spec.timeout_s)
             ahead = _Ahead(self, op, args, spec, t0)
-            call = Call(self.ctx, self.peer, deadline, BoundedSystem(self.ctx.system, deadline), ahead)
+            system = BoundedSystem(self.ctx.system, deadline)
+            call = Call(self.ctx, self.peer, deadline, system, ahead, self.reserve_answer)
             held = self._acquire(spec, deadline)
             try:
                 result = spec.handler(call, req)
@@ -566,7 +582,10 @@ class Connection:
             result = reply.get("result")
             fd = result.pop("_fd", None) if isinstance(result, dict) else None
             try:
-                self.send(reply, fd)
+                # Encoded, then the answer's objects let go: a client that reads slowly holds the frame only.
+                frame = encode_frame(reply)
+                del reply, result
+                self.send_frame(frame, fd)
             except OSError:
                 return
             finally:

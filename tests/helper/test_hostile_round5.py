@@ -570,3 +570,53 @@ def test_round5_roots_signed_slice_limits_are_what_the_node_sends() -> None:
         args = sent.pop()
         assert args.pop("intent") == {"body": "b"} and args.pop("reset") == ()
         assert args == signed_limits(limits), limits
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def test_round5_answers_the_node_does_not_read_are_bounded_by_the_in_flight_budget(tmp_path: Path) -> None:
+    """The in-flight budget bounded the node's request frames only. 64 connections of the node each ask
+    `audit.tail` for 1 MiB and never read the answer: each connection's thread held its answer (the frame
+    and the text it was encoded from) for the 10 s an answer may take, and the helper went from ~26 MiB to
+    ~229 MiB resident, again every 10 s. audit.tail now takes 4 x max_bytes of the same budget before it
+    reads (`Call.reserve`), held until its answer is sent, and an answer is sent from its encoded frame
+    alone; without room at once the tail is refused `busy`. The helper's peak stays under a generous
+    100 MiB (the bench's bomb target), and root is served throughout."""
+    from hostilekit import connect_as, frame, read_answer
+
+    root = make_root(tmp_path)
+    h = HelperProcess(root, base_config())
+    try:
+        with socket_to(h) as s:  # root's pings grow the log past 1 MiB
+            for _ in range(3600):
+                s.sendall(frame(b'{"op":"helper.ping","args":{}}'))
+                assert read_answer(s) is not None
+        socks = [connect_as(h, NODE_UID, NODE_GID)[0] for _ in range(64)]
+        try:
+            for sk in socks:
+                sk.sendall(frame(b'{"op":"audit.tail","args":{"max_bytes":1048576}}'))  # never read
+            time.sleep(3)
+            assert h.raw({"op": "helper.ping", "args": {}})["ok"] is True
+            assert _vm_hwm_kib(h.proc.pid) < 100 * 1024
+            answers = [read_answer(sk) for sk in socks]
+        finally:
+            for sk in socks:
+                sk.close()
+        reasons = [a["result"]["truncated"] if a["ok"] else a["reason"] for a in answers if a is not None]
+        assert reasons.count(True) >= 1 and set(reasons) <= {True, "busy"}, reasons
+    finally:
+        h.stop()
+
+
+def socket_to(h: HelperProcess) -> Any:
+    import socket
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(h.socket_path)
+    return s
