@@ -29,11 +29,11 @@ as root's nvidia-smi reads it, or `<index>:<n>` / a MIG UUID for a MIG atom), an
 only the vendor's common ones (`atoms-outside`). Their env is the assignment's (round 5, `env-outside`):
 the keys bcd sets carry the values root derives (BCD_ALLOCATION_ID, BCD_CGROUP_PARENT
 `bcd-alloc-<id>.slice`, the signed BCD_RESERVATION_ID, CUDA_MPS_PIPE_DIRECTORY `/run/nvidia-mps`,
-NVIDIA_VISIBLE_DEVICES naming only the allocation's GPUs or MIG devices), and an env file's other lines
-are the assignment's signed `env` lines: no `LD_PRELOAD=` for a workload manager, no
-`NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused while the spec still lists the
-allocation (`hold-in-spec`): a node cannot pull a live hold's file and then reset its GPU. Without roots
-nothing is bound (HST-SIGN-33).
+NVIDIA_VISIBLE_DEVICES naming only the allocation's GPUs or MIG devices), an env file's other lines are
+the assignment's signed `env` lines and a hold's the common env of root's vendor spec: no `LD_PRELOAD=`
+for a workload manager, no `NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused
+while the spec still lists the allocation (`hold-in-spec`): a node cannot pull a live hold's file and
+then reset its GPU. Without roots nothing is bound (HST-SIGN-33).
 
 There are no sshd kinds: the node never sends sshd text. Root renders the access section's files itself
 from the signed spec (access.apply, bcd_helper.ops.access; issue 9 item 1).
