@@ -87,6 +87,7 @@ class HelperConfig:
     libvirt_uri: str | None = None
     audit_max_bytes: int | None = None
     audit_keep: int | None = None
+    audit_min_age_s: int | None = None
     root_socket: str | None = None
 
 

@@ -263,9 +263,11 @@ class HelperClient:
         hugepages_2mi: int | None = None,
         hugepages_1gi: int | None = None,
         reset: Sequence[str] = (),
+        intent: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         """Start the slice, set the limits given and reset the limits named in `reset` (by the same
-        field names) to the kernel's default; `reset` is sent only when not empty."""
+        field names) to the kernel's default; `reset` is sent only when not empty. `intent`: the signed
+        spec the node keeps; with roots, root takes only the signed assignment's limits."""
         args: dict[str, Any] = {"name": name}
         for key, value in (
             ("cpus", cpus),
@@ -279,6 +281,8 @@ class HelperClient:
                 args[key] = value
         if reset:
             args["reset"] = list(reset)
+        if intent is not None:
+            args["intent"] = dict(intent)
         return self.call("slice.apply", args)
 
     def slice_remove(self, name: str) -> dict[str, Any]:

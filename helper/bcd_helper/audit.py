@@ -20,8 +20,11 @@ Rules (issue 4 item 6, issue 9 items 5 and 6; docs/helper.md "Audit log"):
   and the new audit.log starts with an anchor line (op `(anchor)`) that chains to the old file's last
   line and records the previous file's last seq and the oldest seq still kept. A rotated file is
   deleted only when more than `keep` are kept AND the node has read a head at or past its last line
-  (`audit.head`, the op; docs/helper.md). Past keep x HOLD_FACTOR files held for that reason,
-  `full` is true and the server refuses the node's requests (`audit-full`) except `audit.head`;
+  (`audit.head`, the op; docs/helper.md) AND that line is at least `min_age_s` old (the file's mtime:
+  only root writes the directory), so a node that reads heads and never reports them cannot flood
+  pings to rotate away what it did before the control plane misses its head (round 5). Past keep x
+  HOLD_FACTOR files held for these reasons, `full` is true and the server refuses the node's requests
+  (`audit-full`) except `audit.head`;
 - `audit.head` (the file, 0600) holds the seq and hash of the newest line, rewritten after each
   append (not fsynced: it may lag after a crash, which verify accepts while the line it names is
   there, unchanged);
@@ -44,6 +47,7 @@ import secrets
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -212,12 +216,14 @@ class AuditLog:
         max_bytes: int = DEFAULT_MAX_BYTES,
         keep: int = DEFAULT_KEEP,
         syslog: bool = True,
+        min_age_s: float = 0.0,
     ) -> None:
         self._root = root
         self._dir = directory.rstrip("/") or "/"
         self._parts = split_host_path(self._dir + "/" + LOG_NAME)[:-1]
         self._max = max_bytes
         self._keep = keep
+        self._min_age = min_age_s
         self._syslog = syslog
         self._lock = threading.Lock()
         self.created_key: str | None = None  # the verification key, when this start created it
@@ -290,16 +296,27 @@ class AuditLog:
         with self._lock:
             self._exported = max(self._exported, self._seq)
             head = {"seq": self._seq, "sha256": self._prev}
-            if self._held > self._keep:
+            numbers = _rotated(self._dfd) if self._held > self._keep else []
+            if numbers and self._deletable(numbers[-1]):  # a rotation now deletes at least one file
                 self._rotate_and_anchor()
             return head
+
+    def _deletable(self, number: int) -> bool:
+        """audit.log.<number> may go: every line of it exported, the newest at least min_age_s old."""
+        name = f"{LOG_NAME}.{number}"
+        last = _seq_of(_last_line(self._dfd, name))
+        if last is None or last > self._exported:
+            return False
+        if self._min_age <= 0:
+            return True
+        age = time.time() - os.stat(name, dir_fd=self._dfd, follow_symlinks=False).st_mtime
+        return age >= self._min_age
 
     def _prune(self) -> None:
         numbers = _rotated(self._dfd)
         while len(numbers) > self._keep:
             oldest = numbers[-1]
-            last = _seq_of(_last_line(self._dfd, f"{LOG_NAME}.{oldest}"))
-            if last is None or last > self._exported:
+            if not self._deletable(oldest):
                 break
             os.unlink(f"{LOG_NAME}.{oldest}", dir_fd=self._dfd)
             numbers.pop()

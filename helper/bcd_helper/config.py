@@ -32,6 +32,8 @@ The same file is the node's config (the node reads it through its group). Of it 
                          /var/lib/bcd: libvirt.* allows disks only under it
   [helper] audit_max_bytes  rotate audit.log past this size, 16384 to 1 GiB, default 16 MiB
   [helper] audit_keep    rotated files kept once the node has read past them, 1 to 1000, default 8
+  [helper] audit_min_age_s  a rotated file is deleted only once its newest line is this old, 0 to 30
+                         days, default 86400 (one day)
   [helper] root_socket   root's own socket (0600 root; the node cannot reach or fill it),
                          default /run/bcd/helper-root.sock; never the same path as [helper] socket
   [host] sysctl_allow    "vm.swappiness,net.core.": when set, the sysctl unit takes only keys equal to
@@ -101,6 +103,7 @@ class HelperConfig:
     root_socket: str = DEFAULT_ROOT_SOCKET
     audit_max_bytes: int = 16 * 1024 * 1024
     audit_keep: int = 8
+    audit_min_age_s: int = 86400
     sysctl_allow: tuple[str, ...] = ()
 
 
@@ -185,6 +188,7 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
         root_socket=root_socket,
         audit_max_bytes=helper.get("audit_max_bytes", 16 * 1024 * 1024),
         audit_keep=helper.get("audit_keep", 8),
+        audit_min_age_s=helper.get("audit_min_age_s", 86400),
         sysctl_allow=tuple(doc["host"].get("sysctl_allow", ())),
     )
 

@@ -123,7 +123,13 @@ def build(root: Path, config_path: str) -> Helper:
     lock_fd = take_lock(Path(real_socket + ".lock"))
     try:
         try:
-            audit = AuditLog(root, config.audit_dir, max_bytes=config.audit_max_bytes, keep=config.audit_keep)
+            audit = AuditLog(
+                root,
+                config.audit_dir,
+                max_bytes=config.audit_max_bytes,
+                keep=config.audit_keep,
+                min_age_s=config.audit_min_age_s,
+            )
         except RootPathRefused as exc:
             raise ConfigError(str(exc)) from None
         except AuditError as exc:

@@ -20,7 +20,9 @@
   may hold) fits the process-wide in-flight budget (BUDGET bytes, shared by all the node's
   connections; root's own frames are not counted). A frame that cannot get it within its deadline is
   refused `busy`. The body is read into one buffer of its announced size, and a frame holding more
-  than MAX_VALUES values is refused before it is decoded (protocol.count_values).
+  than MAX_VALUES values is refused before it is decoded (protocol.count_values). An op whose answer
+  may be large (audit.tail) takes its share of the same budget through `Call.reserve` before it builds
+  it, held until the answer is sent (round 5); an answer is sent from its encoded frame alone.
 - At most MAX_CONNECTIONS connections of non-root peers at once (each is a thread): one more is
   answered `busy` without blocking (a non-blocking send, no audit write on the accept thread: the
   refusal is counted and the count audited by the flusher thread) and closed.
@@ -31,7 +33,9 @@
   REFUSAL_RATE a second): past it a refusal is still answered, and counted; the counts are audited as
   one `(suppressed)` line per peer (args: count and reasons) at most every FLUSH_S. While the audit
   log holds as many unexported files as it may (AuditLog.full), the node's requests other than
-  `audit.head` are refused `audit-full`, counted the same way; root is always served and audited.
+  `audit.head` are refused `audit-full`, counted the same way, and its `audit.head`s are answered and
+  counted the same way (no line each: the files the age rule keeps must not grow); root is always served
+  and audited.
 - Each request is decoded into its op's frozen type (protocol.structure), run under the op's
   locks and deadline, answered, and recorded in the audit log, accepted or refused, before the
   answer is sent. A file.write's `accepted` line goes ahead of its effect (call.ahead, `_Ahead`):
@@ -186,7 +190,9 @@ class Guards:
                 args_sha256=hashlib.sha256(canonical(args)).hexdigest(),
                 decision="refused",
                 reason="rate-limit",
-                message=f"{args['count']} refusals of uid {uid} answered without a line of their own",
+                message=f"{args['count']} refusals of uid {uid} answered without a line of their own"
+                if "audit.head (log full)" not in reasons
+                else f"{args['count']} requests of uid {uid} answered without a line of their own",
                 duration_ms=0.0,
             )
 
@@ -394,7 +400,20 @@ class Connection:
             self.reserved = 0
 
     def send(self, doc: Any, fd: int | None = None) -> None:
-        frame = encode_frame(doc)
+        self.send_frame(encode_frame(doc), fd)
+
+    def reserve_answer(self, n: int) -> bool:
+        """Call.reserve: `n` more bytes of the in-flight budget for an answer being built, held until it is
+        sent (a client that does not read keeps them up to FRAME_TIMEOUT_S); False when the budget has no
+        room at once. Root's answers are not counted."""
+        if self.peer.uid == 0:
+            return True
+        if not self.guards.budget.acquire(n, time.monotonic()):
+            return False
+        self.reserved += n
+        return True
+
+    def send_frame(self, frame: bytes, fd: int | None = None) -> None:
         if fd is None:
             sent = 0
             if self._timeout is not None:
@@ -455,6 +474,7 @@ class Connection:
         op, args = "?", None
         spec: OpSpec | None = None
         ahead: _Ahead | None = None
+        full = False
         try:
             if not isinstance(doc, dict) or set(doc) != {"op", "args"}:
                 raise Refused("bad-request", 'a request is exactly {"op": <string>, "args": <object>}')
@@ -462,7 +482,8 @@ class Connection:
             if not isinstance(op, str):
                 op = "?"
                 raise Refused("bad-request", "$.op: expected string")
-            if self.peer.uid != 0 and op != "audit.head" and self.ctx.audit.full:
+            full = self.peer.uid != 0 and self.ctx.audit.full
+            if full and op != "audit.head":
                 self.guards.count(self.peer.uid, "audit-full")
                 message = "the audit log holds all the unexported files it may: read audit.head first"
                 return {"ok": False, "error": "refused", "reason": "audit-full", "message": message}
@@ -475,7 +496,8 @@ class Connection:
                 raise Refused("bad-arguments", f"{op}: {exc}") from None
             deadline = Deadline(spec.timeout_s)
             ahead = _Ahead(self, op, args, spec, t0)
-            call = Call(self.ctx, self.peer, deadline, BoundedSystem(self.ctx.system, deadline), ahead)
+            system = BoundedSystem(self.ctx.system, deadline)
+            call = Call(self.ctx, self.peer, deadline, system, ahead, self.reserve_answer)
             held = self._acquire(spec, deadline)
             try:
                 result = spec.handler(call, req)
@@ -494,7 +516,11 @@ class Connection:
             message = f"{op[:100]}: {type(exc).__name__}: {exc}"[:MAX_TEXT]
             self.audit(op, args, spec, "failed", "internal", _after(ahead, message), t0)
             return {"ok": False, "error": "failed", "reason": "internal", "message": message}
-        if ahead is None or not ahead.started:
+        if full:
+            # The log is full: the node's way out (audit.head) is answered and counted, not a line each, or a
+            # flood of heads would grow files the age rule keeps (docs/helper.md, round 5, row 1).
+            self.guards.count(self.peer.uid, "audit.head (log full)")
+        elif ahead is None or not ahead.started:
             self.audit(op, args, spec, "accepted", "", "", t0)
         return {"ok": True, "result": result}
 
@@ -556,7 +582,10 @@ class Connection:
             result = reply.get("result")
             fd = result.pop("_fd", None) if isinstance(result, dict) else None
             try:
-                self.send(reply, fd)
+                # Encoded, then the answer's objects let go: a client that reads slowly holds the frame only.
+                frame = encode_frame(reply)
+                del reply, result
+                self.send_frame(frame, fd)
             except OSError:
                 return
             finally:

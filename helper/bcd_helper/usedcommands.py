@@ -132,6 +132,18 @@ class UsedCommands:
             except RootPathRefused as exc:
                 raise Failed("command-memory", f"{op}: {USED_PATH}: {exc}") from None
 
+    def forget(self, op: str, command_id: str, now_ms: int) -> None:
+        """Drop what `remember` recorded for the command when its effect did not start (daemon.swap's swap
+        failed with the previous release still installed): a retry-safe command may come again."""
+        with self._lock:
+            used = [u for u in self._load(op) if u.not_after_ms > now_ms]
+            kept = [u for u in used if not (u.id == command_id and u.op == op)]
+            if kept != used:
+                try:
+                    write_root_only(self.root, USED_PATH, _encode(kept), 0o600)
+                except RootPathRefused as exc:
+                    raise Failed("command-memory", f"{op}: {USED_PATH}: {exc}") from None
+
     @staticmethod
     def _refuse_replay(
         op: str, command_id: str, targets: Sequence[str], used: list[Used], now_ms: int

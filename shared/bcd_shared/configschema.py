@@ -358,6 +358,7 @@ SCHEMA: dict[str, dict[str, Rule]] = {
         "libvirt_uri": _libvirt_uri,
         "audit_max_bytes": _int_range(16384, 1 << 30),
         "audit_keep": _int_range(1, 1000),
+        "audit_min_age_s": _int_range(0, 30 * 86400),
         "root_socket": _socket_path,
     },
     "host": {"units": _boolean, "sysctl_allow": _sysctl_prefixes},

@@ -111,7 +111,8 @@ REFUSED = [
     (
         "[helper]\nsockets = '/x'",
         "[helper] sockets",
-        "unknown key in [helper] (known: audit_dir, audit_keep, audit_max_bytes, guest_network_rules,"
+        "unknown key in [helper] (known: audit_dir, audit_keep, audit_max_bytes, audit_min_age_s,"
+        " guest_network_rules,"
         " instance_bridges, libvirt_uri, node_gid",
     ),
     ("host = true", "[host]", "must be a table"),

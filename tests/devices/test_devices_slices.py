@@ -165,6 +165,7 @@ def test_DEV_SLICE_23_helper_executor_sends_the_limits_and_the_resets() -> None:
         "memory_bytes": None,
         "hugepages_2mi": None,
         "hugepages_1gi": 2,
+        "intent": None,  # the executor's intent provider: none kept here
     }
     assert client.calls == [
         ("slice_apply", {**sent, "reset": ()}),

@@ -188,6 +188,9 @@ class Call:
     deadline: Deadline
     system: BoundedSystem
     ahead: AuditAhead | None = None
+    # Bytes of the server's in-flight budget for a large answer, held until it is sent; False: no room now
+    # (None in process: nothing is counted).
+    reserve: Callable[[int], bool] | None = None
 
 
 Handler = Callable[[Call, Any], dict[str, Any]]

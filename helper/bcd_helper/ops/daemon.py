@@ -12,10 +12,13 @@ its staging directory (`/var/lib/bcd/staging`) and asks the helper to swap it in
 4. binds the manifest to freshness (issue 9 item 4; TUF's freeze and replay attacks): either
    - `spec`: the signed DesiredStateBody whose daemon section names exactly this manifest, verified
      under `desired-state` with the same chain, for this node, at a generation not older than the newest
-     root accepted (host.unit's intent state) nor than the spec of the last swap; or
+     root accepted (host.unit's intent state) nor than the spec of the last swap; the spec is then root's
+     accepted spec: its generation is written to that intent state before the effect, the floor of every
+     other signed op too (round 5); or
    - `command`: the signed `daemon.upgrade` Command whose payload names exactly this manifest, for this
-     node, before its `not_after` by root's clock, and never used for a swap before (root keeps the
-     ids of the last 64);
+     node (root bound to one: else `intent-unverifiable`; and targeting no other), before its
+     `not_after` by root's clock, and never used for a swap before (the release record keeps the ids of
+     the last 64; root's memory of used commands, helper-commands.json, each until its not_after);
 5. keeps releases moving forward: a version older than the one installed is refused (`downgrade`)
    unless the signed manifest is a rollback intent (`rollback: true`) naming it; the installed version
    again is a no-op with the same SHA-256 (`daemon.upgrade` is retry-safe) and `version-reused` with
@@ -481,9 +484,9 @@ def _check_freshness(
     floor_generation: int,
     doc: dict[str, Any] | None,
     now: dt.datetime,
-) -> tuple[int, str]:
+) -> tuple[int, str, int]:
     """Raise Refused unless the manifest is bound to a fresh signed spec or command. Returns the spec's
-    generation (0 for a command) and the command id ("" for a spec)."""
+    generation (0 for a command), the command id ("" for a spec) and its not_after (0 for a spec)."""
     from bcd_shared import wire
     from bcd_shared.pki import PkiError, verify_command, verify_desired_state
     from bcd_shared.wire.strict import WireError, decode, decode_spec_body, unpack_any
@@ -541,7 +544,7 @@ def _check_freshness(
             bytes(section.signature),
             section.rollback,
         )
-        return spec.generation, ""
+        return spec.generation, "", 0
     try:
         cmd = decode(wire.CommandBody, body)
         payload = unpack_any(cmd.payload, wire.DaemonUpgradeRequest)
@@ -551,8 +554,23 @@ def _check_freshness(
         raise Refused(
             "bad-intent", f"daemon.swap: the signed command is {cmd.kind[:80]!r}, not daemon.upgrade"
         )
-    if node_id and cmd.node_id != node_id:
+    if not node_id:
+        # As check_command: a command binds no node (a spec does, on first use), so with none bound yet
+        # any node's command would do (round 5).
+        raise Refused(
+            "intent-unverifiable",
+            "daemon.swap: this helper is bound to no node yet (no join record, no signed spec accepted): "
+            "a daemon.upgrade command cannot be checked against it",
+        )
+    if cmd.node_id != node_id:
         raise Refused("wrong-node", f"daemon.swap: the signed command is for node {cmd.node_id[:80]!r}")
+    if cmd.target_node_id not in ("", cmd.node_id):
+        # A command acting on another node (as check_command refuses for gpu.reset and node.reboot).
+        raise Refused(
+            "wrong-node",
+            f"daemon.swap: the signed command targets node {cmd.target_node_id[:80]!r}, "
+            f"not {cmd.node_id[:80]!r}",
+        )
     now_ms = int(now.timestamp() * 1000)
     if cmd.not_after <= now_ms:
         raise Refused(
@@ -565,6 +583,9 @@ def _check_freshness(
         raise Refused(
             "intent-replayed", f"daemon.swap: the daemon.upgrade command {cmd.id[:80]!r} was already used"
         )
+    # The record keeps the last 64 ids only; root's memory of used commands keeps each until its not_after
+    # (round 5: a rollback command replayed after 64 newer ones went back below them).
+    verifier.used.check("daemon.upgrade", cmd.id, ("",), now_ms)
     _same_release(
         "daemon.upgrade command",
         manifest,
@@ -574,7 +595,7 @@ def _check_freshness(
         bytes(payload.signature),
         payload.rollback,
     )
-    return 0, cmd.id
+    return 0, cmd.id, cmd.not_after
 
 
 def _check_order(manifest: _Manifest, doc: dict[str, Any] | None) -> bool:
@@ -608,6 +629,22 @@ def _check_order(manifest: _Manifest, doc: dict[str, Any] | None) -> bool:
             "forward unless a signed rollback intent names the version",
         )
     return False
+
+
+def _spec_state(call: Call, req: DaemonSwap, now: dt.datetime) -> Any | None:
+    """The signed-intent state after a swap's spec (None: nothing to write, or a command carried it).
+
+    A spec the node forwards to daemon.swap is a spec root accepted: its generation becomes the floor of
+    every signed op (host.unit, access.apply, the hold writes, libvirt.*, ch.*, nft.apply), as theirs is
+    daemon.swap's. Else the node could forward a newer spec here only and hand those ops an older one
+    (round 5). The spec passed every rule above; check_spec checks it again with the common rules (the
+    same chain and roots, node bound or bound now on first use) and gives the state to write."""
+    if req.spec is None:
+        return None
+    from bcd_helper.ops.hostunit import SignedIntent
+
+    carried = SignedIntent(req.spec.body, req.spec.signature, req.chain, req.trust_bundle)
+    return call.ctx.intent_verifier().check_spec("daemon.swap", carried, now).next_state
 
 
 def daemon_swap(call: Call, req: DaemonSwap) -> dict[str, Any]:
@@ -653,7 +690,7 @@ def daemon_swap(call: Call, req: DaemonSwap) -> dict[str, Any]:
         ) from None
     signed = _Manifest(manifest.version, manifest.url, manifest.sha256, signature, manifest.rollback)
     floor = max(view.state.generation, doc["spec_generation"] if doc is not None else 0)
-    generation, command_id = _check_freshness(
+    generation, command_id, not_after = _check_freshness(
         call, req, signed, chain, view.roots, view.state.node_id, floor, doc, now
     )
     if (
@@ -671,8 +708,11 @@ def daemon_swap(call: Call, req: DaemonSwap) -> dict[str, Any]:
             f"daemon.swap: {manifest.version} was rolled back ({doc['reason']}); only a newer spec than "
             f"generation {doc['spec_generation']} or a daemon.upgrade command tries it again",
         )
+    next_state = _spec_state(call, req, now)
     if _check_order(signed, doc):
         assert doc is not None
+        if next_state is not None:  # durable before effect (the restart)
+            verifier.save_state(next_state)
         # The node asks for what is installed, so it is not running it: it restarts onto it.
         return {
             "version": manifest.version,
@@ -686,7 +726,20 @@ def daemon_swap(call: Call, req: DaemonSwap) -> dict[str, Any]:
         check_artifact(manifest, hashlib.sha256(artifact).hexdigest())
     except ArtifactMismatch as exc:
         raise Refused("artifact-mismatch", f"daemon.swap: {exc}") from None
-    return _swap_in(call, manifest, artifact, doc, generation, command_id, req.confirm_timeout_s)
+    if next_state is not None:  # durable before effect: root's one floor for every signed op
+        verifier.save_state(next_state)
+    if not command_id:
+        return _swap_in(call, manifest, artifact, doc, generation, command_id, req.confirm_timeout_s)
+    # Durable before effect: a daemon.upgrade command swaps once until its not_after. A swap that fails with
+    # the previous release still installed forgets it again: the command is retry-safe.
+    now_ms = int(now.timestamp() * 1000)
+    verifier.used.remember("daemon.upgrade", command_id, ("",), not_after, now_ms)
+    try:
+        return _swap_in(call, manifest, artifact, doc, generation, command_id, req.confirm_timeout_s)
+    except Failed as exc:
+        if exc.reason == "swap":
+            verifier.used.forget("daemon.upgrade", command_id, now_ms)
+        raise
 
 
 def _swap_in(

@@ -26,9 +26,14 @@ it; a patch must set it) must list the allocation for a write (`not-in-spec`); a
 each be one of that allocation's atoms (`bcd.dev/device-id`), each device's container edits must be the
 vendor's edits for that atom's own GPU (named in root's /etc/cdi/nvidia.json by the GPU's UUID, its index
 as root's nvidia-smi reads it, or `<index>:<n>` / a MIG UUID for a MIG atom), and the spec-level edits
-only the vendor's common ones (`atoms-outside`). A removal is refused while the spec still lists the
-allocation (`hold-in-spec`): a node cannot pull a live hold's file and then reset its GPU. Without roots
-nothing is bound (HST-SIGN-33).
+only the vendor's common ones (`atoms-outside`). Their env is the assignment's (round 5, `env-outside`):
+the keys bcd sets carry the values root derives (BCD_ALLOCATION_ID, BCD_CGROUP_PARENT
+`bcd-alloc-<id>.slice`, the signed BCD_RESERVATION_ID, CUDA_MPS_PIPE_DIRECTORY `/run/nvidia-mps`,
+NVIDIA_VISIBLE_DEVICES naming only the allocation's GPUs or MIG devices), an env file's other lines are
+the assignment's signed `env` lines and a hold's the common env of root's vendor spec: no `LD_PRELOAD=`
+for a workload manager, no `NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused
+while the spec still lists the allocation (`hold-in-spec`): a node cannot pull a live hold's file and
+then reset its GPU. Without roots nothing is bound (HST-SIGN-33).
 
 There are no sshd kinds: the node never sends sshd text. Root renders the access section's files itself
 from the signed spec (access.apply, bcd_helper.ops.access; issue 9 item 1).
@@ -445,6 +450,60 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
             )
 
 
+# The env keys bcd sets itself in a hold's files (the agent's devices planner, RESERVED_ENV_KEYS there), and
+# the MPS pipe directory it names.
+HOLD_ENV_KEYS = frozenset(
+    {
+        "BCD_ALLOCATION_ID",
+        "BCD_CGROUP_PARENT",
+        "BCD_RESERVATION_ID",
+        "CUDA_MPS_PIPE_DIRECTORY",
+        "NVIDIA_VISIBLE_DEVICES",
+    }
+)
+MPS_PIPE_DIRECTORY = "/run/nvidia-mps"
+
+
+def _visible_ok(value: str, assignment: Any) -> bool:
+    """NVIDIA_VISIBLE_DEVICES names only the allocation's own GPUs (by UUID), or MIG devices when it holds
+    MIG atoms, each once (the planner's `visible_devices`): never `all`, an index or another GPU."""
+    atoms = [a.id for a in assignment.devices]
+    gpus = {a.split("/")[0] for a in atoms}
+    mig = any("/gi" in a for a in atoms)
+    items = value.split(",") if value else []
+    if len(set(items)) != len(items) or len(items) > len(atoms):
+        return False
+    return all(i in gpus or (mig and i.startswith("MIG-")) for i in items)
+
+
+def _check_signed_env(kind: str, ident: str, lines: Any, assignment: Any, vendor_env: Any = ()) -> None:
+    """With roots: a hold's env is what the signed assignment makes (round 5). A line is taken when it is
+    one of the assignment's own signed env lines (the env file) or of root's vendor spec's common env (a
+    CDI hold: build_hold_spec copies those); else the keys bcd sets must carry the values root derives.
+    Anything else is `env-outside`."""
+    derived = {
+        "BCD_ALLOCATION_ID": ident,
+        "BCD_CGROUP_PARENT": f"bcd-alloc-{ident}.slice",
+        "BCD_RESERVATION_ID": assignment.reservation_id,
+        "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_DIRECTORY,
+    }
+    taken = set(assignment.env) if kind == "allocation-env" else set(vendor_env)
+    for i, line in enumerate(lines):
+        key, _, value = str(line).partition("=")
+        if line in taken:
+            ok = True
+        elif key == "NVIDIA_VISIBLE_DEVICES":
+            ok = _visible_ok(value, assignment)
+        else:
+            ok = key in HOLD_ENV_KEYS and value == derived[key]
+        if not ok:
+            raise Refused(
+                "env-outside",
+                f"{kind}: env[{i}] {key[:100]!r}: {str(line)[:200]!r} is not what the signed spec's "
+                f"assignment of {ident} sets",
+            )
+
+
 def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
     spec, path = _kind(req.kind, req.id)
     data = _content(spec, req)
@@ -461,8 +520,16 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                     f"{req.kind}: allocation {req.id} is not in the signed spec's devices section "
                     f"(generation {generation})",
                 )
+            vendor_env: Any = ()
             if req.kind == "cdi":
                 _check_atoms(call, req.id, decoded, assignment)
+                env = (decoded.get("containerEdits") or {}).get("env") or []
+                if env:
+                    vendor = _vendor_devices(call)
+                    vendor_env = (vendor.common_edits.get("env") or ()) if vendor is not None else ()
+            else:
+                env = data.decode().splitlines()  # _check_env took it as UTF-8 lines
+            _check_signed_env(req.kind, req.id, env, assignment, vendor_env)
     if spec.host_check is not None:
         spec.host_check(call, req.id, decoded)
     if next_state is not None:  # durable before effect

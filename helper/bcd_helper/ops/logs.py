@@ -30,6 +30,10 @@ class AuditTail:
 def audit_tail(call: Call, req: AuditTail) -> dict[str, Any]:
     if not 1024 <= req.max_bytes <= MAX_TAIL:
         raise Refused("bad-arguments", f"audit.tail: max_bytes must be 1024 to {MAX_TAIL}")
+    # The bytes read, their text and the encoded answer: from the in-flight budget, held until the answer
+    # is sent, so a node that asks on many connections and reads nothing holds no more (round 5).
+    if call.reserve is not None and not call.reserve(4 * req.max_bytes):
+        raise Refused("busy", "audit.tail: the helper holds as many large answers as it may: try again later")
     path = call.ctx.config.audit_dir.rstrip("/") + "/audit.log"
     try:
         fd, st = open_regular_nofollow(call.ctx.root, path)

@@ -3,12 +3,14 @@
 Rules (devices-and-holds.md "Hold slices"; DEV-SLICE-07..24, DLV-PRIV-04):
 - the name must match `^bcd-alloc-[A-Za-z0-9_]{1,80}\\.slice$`; `cpus` and `mems` must be cpulists
   (`N` or `N-M` with N <= M, comma-separated, each number below 65536) of at most 1024 characters;
-- apply: `systemctl start NAME`, then one `systemctl set-property --runtime NAME` with AllowedCPUs
-  (cpus), AllowedMemoryNodes (mems), CPUQuota (ceil(cpu_millis / 10)%), MemoryMax (memory_bytes) and
-  MemoryHigh (memory_bytes * 9 // 10), each only when given; with huge pages, `+hugetlb` into
-  cgroup.subtree_control of /sys/fs/cgroup, bcd.slice and bcd-alloc.slice, then hugetlb.2MB.max
-  and hugetlb.1GB.max in bytes (both written when either is booked, the other as 0: a hold gets the
-  huge pages it booked and no others; Q-DEV-SLICE-02);
+- apply: a slice not there yet only while fewer than MAX_SLICES (1024) hold slices are (root lists
+  bcd-alloc.slice's cgroup directory itself; `too-many-slices`); then `systemctl start NAME`, then
+  one `systemctl set-property --runtime NAME` with AllowedCPUs (cpus), AllowedMemoryNodes (mems),
+  CPUQuota (ceil(cpu_millis / 10)%), MemoryMax (memory_bytes) and MemoryHigh (memory_bytes * 9 // 10),
+  each only when given; with huge pages, `+hugetlb` into cgroup.subtree_control of /sys/fs/cgroup,
+  bcd.slice and bcd-alloc.slice, then hugetlb.2MB.max and hugetlb.1GB.max in bytes (both written when
+  either is booked, the other as 0: a hold gets the huge pages it booked and no others;
+  Q-DEV-SLICE-02);
 - reset (a kept hold whose spec dropped a limit): `reset` names limits, by the same field names, to
   put back to the kernel's default in the same call. Only the LIMITS table's names; none twice, none
   also given, and no huge page size while the other size is given (that size is then 0 by the rule
@@ -32,6 +34,7 @@ from attrs import frozen
 from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
 
 from bcd_helper.ops.base import Call, Failed, Refused, refused_path
+from bcd_helper.ops.files import SignedSpec  # the hold writes' signed spec: slice.apply carries it too
 
 SLICE_RE = re.compile(r"^bcd-alloc-[A-Za-z0-9_]{1,80}\.slice$")
 MAX_CPULIST = 1024
@@ -40,6 +43,10 @@ PARENTS = (CGROUP, f"{CGROUP}/bcd.slice", f"{CGROUP}/bcd.slice/bcd-alloc.slice")
 MAX_MEMORY = 1 << 52
 MAX_PAGES = 1 << 24
 MAX_MILLIS = 1 << 24
+# Hold slices root keeps under bcd-alloc.slice: far above a host's holds (one per allocation), and a bound
+# on the units and cgroups an unsigned slice.apply makes systemd and the kernel keep (round 5).
+MAX_SLICES = 1024
+ALLOC_PARENT = f"{CGROUP}/bcd.slice/bcd-alloc.slice"
 # The seeds' limits ("Hold slices"), by request field: the systemd properties each becomes, with the
 # value that resets each to systemd's default; huge pages are cgroup files (systemd has no property).
 LIMITS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -66,6 +73,7 @@ class SliceApply:
     hugepages_2mi: int | None = None
     hugepages_1gi: int | None = None
     reset: tuple[str, ...] = ()
+    intent: SignedSpec | None = None
 
 
 @frozen
@@ -98,7 +106,7 @@ def check_slice_name(name: str) -> str:
 
 
 def slice_cgroup(name: str) -> str:
-    return f"{CGROUP}/bcd.slice/bcd-alloc.slice/{name}"
+    return f"{ALLOC_PARENT}/{name}"
 
 
 def _bounded(value: int | None, field: str, hi: int) -> int | None:
@@ -175,12 +183,78 @@ def _systemctl(call: Call, *args: str) -> None:
         raise Failed("systemctl", result.describe())
 
 
+def check_slice_count(call: Call, name: str) -> None:
+    """A slice that is not there yet is started only while fewer than MAX_SLICES hold slices are, as root
+    reads bcd-alloc.slice's cgroup directory itself (none there: none started yet)."""
+    try:
+        with verified_dir(call.ctx.root, split_host_path(ALLOC_PARENT), create=False) as dfd:
+            names = [n for n in os.listdir(dfd) if SLICE_RE.fullmatch(n)]
+    except FileNotFoundError:
+        return
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    if name not in names and len(names) >= MAX_SLICES:
+        raise Refused(
+            "too-many-slices",
+            f"slice.apply: root keeps at most {MAX_SLICES} hold slices under bcd-alloc.slice: "
+            f"{name} is not one of them",
+        )
+
+
+def signed_limits(limits: Any) -> dict[str, Any]:
+    """The slice.apply limits the node sends for a signed assignment's DeviceLimits (its HelperExecutor:
+    an empty cpulist, a 0 CPU quota or memory limit is no limit; huge pages as booked)."""
+    return {
+        "cpus": limits.cpus or None,
+        "mems": limits.mems or None,
+        "cpu_millis": limits.cpu_millis or None,
+        "memory_bytes": limits.memory_bytes or None,
+        "hugepages_2mi": limits.hugepages_2mi,
+        "hugepages_1gi": limits.hugepages_1gi,
+    }
+
+
+def check_signed_slice(call: Call, req: SliceApply, name: str) -> Any | None:
+    """With command-signing roots (round 5): the slice's allocation must be a sliced hold of the signed
+    devices section, and the limits sent exactly its own (so a reset only of what it does not set);
+    returns the intent state to write (None: nothing to write, or no roots: nothing is checked,
+    HST-SIGN-33)."""
+    from bcd_helper.ops.files import _signed_assignment
+
+    ident = name[len("bcd-alloc-") : -len(".slice")]
+    assignment, signed = _signed_assignment(call, "slice.apply", "slice", ident, req.intent)
+    if signed is None:
+        return None
+    next_state, generation = signed
+    if assignment is None or assignment.limits is None or int(assignment.binding) == 2:  # 2: KUBERNETES
+        raise Refused(
+            "not-in-spec",
+            f"slice.apply: allocation {ident} is not a sliced hold of the signed spec's devices section "
+            f"(generation {generation})",
+        )
+    want = signed_limits(assignment.limits)
+    for field, value in want.items():
+        sent = getattr(req, field)
+        if sent != value:
+            raise Refused(
+                "spec-mismatch",
+                f"slice.apply: {field} {sent!r} is not the signed spec's {value!r} for {ident} "
+                f"(generation {generation})",
+            )
+    # A reset names only fields not sent (check_reset), so only limits the signed spec does not set.
+    return next_state
+
+
 def slice_apply(call: Call, req: SliceApply) -> dict[str, Any]:
     name = check_slice_name(req.name)
     props = properties(req)
     reset = check_reset(req)
     p2 = _bounded(req.hugepages_2mi, "hugepages_2mi", MAX_PAGES)
     p1 = _bounded(req.hugepages_1gi, "hugepages_1gi", MAX_PAGES)
+    next_state = check_signed_slice(call, req, name)
+    check_slice_count(call, name)
+    if next_state is not None:  # durable before effect
+        call.ctx.intent_verifier().save_state(next_state)
     _systemctl(call, "start", name)
     if props:
         _systemctl(call, "set-property", "--runtime", name, *props)

@@ -205,6 +205,7 @@ class HelperClientLike(Protocol):
         hugepages_2mi: int | None = ...,
         hugepages_1gi: int | None = ...,
         reset: Sequence[str] = ...,
+        intent: Mapping[str, Any] | None = ...,
     ) -> object: ...
 
     def slice_remove(self, name: str) -> object: ...
@@ -216,8 +217,9 @@ def _no_intent() -> Mapping[str, Any] | None:
 
 class HelperExecutor:
     """Asks the root helper for each write (bcd_agent.helperclient.HelperClient). `intent` gives the
-    signed spec the node keeps (sections.host.intent.intent_args), sent with every hold write and removal:
-    with command-signing roots, root binds holds to the spec's devices section (issue 9 item 8)."""
+    signed spec the node keeps (sections.host.intent.intent_args), sent with every hold write, removal and
+    slice.apply: with command-signing roots, root binds holds and their slices' limits to the spec's
+    devices section (issue 9 item 8; helper round 5)."""
 
     def __init__(
         self, client: HelperClientLike, intent: Callable[[], Mapping[str, Any] | None] = _no_intent
@@ -251,6 +253,7 @@ class HelperExecutor:
             hugepages_2mi=lim.hugepages_2mi,
             hugepages_1gi=lim.hugepages_1gi,
             reset=reset_fields(reset),
+            intent=self.intent(),  # with roots, root takes only the signed assignment's limits
         )
 
     def stop_slice(self, name: str) -> None:
