@@ -231,6 +231,7 @@ EVERY_KEY = {
     "[helper] guest_network_rules": "false",
     "[helper] libvirt_uri": '"test:///default"',
     "[helper] audit_max_bytes": "65536",
+    "[helper] audit_min_age_s": "3600",
     "[helper] audit_keep": "3",
     "[helper] root_socket": '"/run/bcd/root.sock"',
     "[host] units": "false",
