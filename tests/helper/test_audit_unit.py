@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import errno
 import hashlib
 import hmac
 import json
@@ -1262,3 +1263,66 @@ def test_the_expected_head_may_be_the_oldest_kept_line(sealed: tuple[Path, str])
     d, key = sealed
     first = hashlib.sha256(raw_lines(d)[0]).hexdigest()
     assert verify_chain(d, key, (1, first)) == VerifyResult(True, 5, "", 1, 5)
+
+
+# --- symbolic links: audit.key and the log files are never opened through one -----------------------------
+# The directory is checked root-only from / down, so only root can plant one; these check that the helper
+# refuses such a link (ELOOP, naming the file) instead of reading or writing the file it points to.
+
+
+def plausible_key_state() -> bytes:
+    return b"bcd-audit-key-state v1 %020d %s\n" % (1, bytes(32).hex().encode())
+
+
+def refused_link(info: pytest.ExceptionInfo[OSError], name: str) -> bool:
+    return (info.value.errno, info.value.filename) == (errno.ELOOP, name)
+
+
+def test_a_symlink_in_place_of_the_key_state_is_refused_not_read(root: Path) -> None:
+    d = adir(root)
+    d.mkdir(parents=True, mode=0o700)
+    elsewhere = root / "elsewhere.key"
+    elsewhere.write_bytes(plausible_key_state())
+    (d / KEY_NAME).symlink_to(elsewhere)
+    with pytest.raises(OSError) as info:
+        new_log(root)
+    assert refused_link(info, KEY_NAME)
+    with pytest.raises(OSError) as info:
+        audit.init_key(root, DIR)
+    assert refused_link(info, KEY_NAME)
+    assert elsewhere.read_bytes() == plausible_key_state() and not (d / LOG_NAME).exists()
+
+
+@pytest.mark.parametrize("name", [LOG_NAME, f"{LOG_NAME}.1"])
+def test_a_symlink_in_place_of_the_newest_log_file_is_refused_not_read(root: Path, name: str) -> None:
+    log = new_log(root)
+    write(log, 2)
+    log.close()
+    d = adir(root)
+    elsewhere = root / "elsewhere.log"  # the log's own lines: what a follower would accept
+    os.rename(d / LOG_NAME, elsewhere)
+    (d / name).symlink_to(elsewhere)
+    with pytest.raises(OSError) as info:
+        new_log(root)
+    assert refused_link(info, name)
+    (d / KEY_NAME).unlink()  # `init` then reads the newest line to start the key after it
+    with pytest.raises(OSError) as info:
+        audit.init_key(root, DIR)
+    assert refused_link(info, name) and not (d / KEY_NAME).exists()
+
+
+@pytest.mark.parametrize("name", [LOG_NAME, KEY_NAME, HEAD_NAME])
+def test_a_symlink_planted_while_the_log_is_open_is_refused_not_written_through(
+    root: Path, name: str
+) -> None:
+    log = new_log(root)  # audit.log, audit.head and audit.key's writer are opened at the first line
+    d = adir(root)
+    elsewhere = root / "elsewhere"
+    elsewhere.write_bytes(b"not the helper's\n")
+    (d / name).unlink(missing_ok=True)
+    (d / name).symlink_to(elsewhere)
+    with pytest.raises(OSError) as info:
+        write(log, 1)
+    assert refused_link(info, name)
+    assert elsewhere.read_bytes() == b"not the helper's\n" and (d / name).is_symlink()
+    log.close()
