@@ -1397,8 +1397,17 @@ def test_the_newest_line_is_read_whole_from_its_first_byte(root: Path) -> None:
         assert audit._last_line(fd, "wide") == b"y" * 65536
         (d / "spaced").write_bytes(b"a b\nc d \n")
         assert audit._last_line(fd, "spaced") == b"c d "
+        (d / "xs").write_bytes(b"a\nbXX\n")  # only the newline is taken off, whatever ends the line
+        assert audit._last_line(fd, "xs") == b"bXX"
     finally:
         os.close(fd)
+
+
+def test_verify_names_a_line_with_bytes_after_its_closing_brace(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    rows = raw_lines(d)
+    put(d, [rows[0], rows[1] + b"XX", *rows[2:]])  # the chain and seals hold for the line without them
+    assert verify_chain(d, key) == VerifyResult(False, 1, f"{LOG_NAME} line 2: not an audit entry", 1, 1)
 
 
 def test_a_restart_continues_after_a_line_whose_message_holds_spaces(root: Path) -> None:
