@@ -1345,6 +1345,13 @@ def test_an_audit_directory_of_slash_is_refused(root: Path, directory: str) -> N
     assert os.stat(root).st_mode & 0o777 == 0o755 and list(root.iterdir()) == []
 
 
+def test_an_audit_directory_named_with_a_trailing_slash_is_the_same_directory(root: Path) -> None:
+    log = AuditLog(root, "/var/log/bcdX/", syslog=False)  # only the slash is taken off
+    write(log, 1)
+    log.close()
+    assert [e["seq"] for e in lines(root / "var/log/bcdX" / LOG_NAME)] == [1]
+
+
 def test_a_file_holding_only_seq_1_is_kept_while_nothing_was_exported(root: Path) -> None:
     log = new_log(root, max_bytes=1, keep=1)  # every line after the first starts a new file
     write(log, 3)
