@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import errno
 import hashlib
 import hmac
 import json
@@ -34,6 +35,7 @@ from bcd_helper.audit import (
     seal,
     verify_chain,
 )
+from bcd_shared.rootpath import RootPathRefused
 
 DIR = "/var/log/bcd-helper"
 SEAL = "its seal does not verify with this key (edited or forged, or another key)"
@@ -1262,3 +1264,220 @@ def test_the_expected_head_may_be_the_oldest_kept_line(sealed: tuple[Path, str])
     d, key = sealed
     first = hashlib.sha256(raw_lines(d)[0]).hexdigest()
     assert verify_chain(d, key, (1, first)) == VerifyResult(True, 5, "", 1, 5)
+
+
+# --- symbolic links: audit.key and the log files are never opened through one -----------------------------
+# The directory is checked root-only from / down, so only root can plant one; these check that the helper
+# refuses such a link (ELOOP, naming the file) instead of reading or writing the file it points to.
+
+
+def plausible_key_state() -> bytes:
+    return b"bcd-audit-key-state v1 %020d %s\n" % (1, bytes(32).hex().encode())
+
+
+def refused_link(info: pytest.ExceptionInfo[OSError], name: str) -> bool:
+    return (info.value.errno, info.value.filename) == (errno.ELOOP, name)
+
+
+def test_a_symlink_in_place_of_the_key_state_is_refused_not_read(root: Path) -> None:
+    d = adir(root)
+    d.mkdir(parents=True, mode=0o700)
+    elsewhere = root / "elsewhere.key"
+    elsewhere.write_bytes(plausible_key_state())
+    (d / KEY_NAME).symlink_to(elsewhere)
+    with pytest.raises(OSError) as info:
+        new_log(root)
+    assert refused_link(info, KEY_NAME)
+    with pytest.raises(OSError) as info:
+        audit.init_key(root, DIR)
+    assert refused_link(info, KEY_NAME)
+    assert elsewhere.read_bytes() == plausible_key_state() and not (d / LOG_NAME).exists()
+
+
+@pytest.mark.parametrize("name", [LOG_NAME, f"{LOG_NAME}.1"])
+def test_a_symlink_in_place_of_the_newest_log_file_is_refused_not_read(root: Path, name: str) -> None:
+    log = new_log(root)
+    write(log, 2)
+    log.close()
+    d = adir(root)
+    elsewhere = root / "elsewhere.log"  # the log's own lines: what a follower would accept
+    os.rename(d / LOG_NAME, elsewhere)
+    (d / name).symlink_to(elsewhere)
+    with pytest.raises(OSError) as info:
+        new_log(root)
+    assert refused_link(info, name)
+    (d / KEY_NAME).unlink()  # `init` then reads the newest line to start the key after it
+    with pytest.raises(OSError) as info:
+        audit.init_key(root, DIR)
+    assert refused_link(info, name) and not (d / KEY_NAME).exists()
+
+
+@pytest.mark.parametrize("name", [LOG_NAME, KEY_NAME, HEAD_NAME])
+def test_a_symlink_planted_while_the_log_is_open_is_refused_not_written_through(
+    root: Path, name: str
+) -> None:
+    log = new_log(root)  # audit.log, audit.head and audit.key's writer are opened at the first line
+    d = adir(root)
+    elsewhere = root / "elsewhere"
+    elsewhere.write_bytes(b"not the helper's\n")
+    (d / name).unlink(missing_ok=True)
+    (d / name).symlink_to(elsewhere)
+    with pytest.raises(OSError) as info:
+        write(log, 1)
+    assert refused_link(info, name)
+    assert elsewhere.read_bytes() == b"not the helper's\n" and (d / name).is_symlink()
+    log.close()
+
+
+# --- edges: the directory, the export mark, close, the newest line, rotation to the byte -------------------
+
+
+@pytest.mark.parametrize("directory", ["/", "//"])
+def test_an_audit_directory_of_slash_is_refused(root: Path, directory: str) -> None:
+    """The log's directory is made 0700: `/` itself must never be, so it is refused before anything is
+    opened (the path the refusal names is `/` joined to audit.log)."""
+    with pytest.raises(RootPathRefused) as info:
+        AuditLog(root, directory, syslog=False)
+    assert (info.value.path, str(info.value)) == (
+        "//audit.log",
+        "'//audit.log' is not a plain absolute host path",
+    )
+    assert os.stat(root).st_mode & 0o777 == 0o755 and list(root.iterdir()) == []
+
+
+def test_an_audit_directory_named_with_a_trailing_slash_is_the_same_directory(root: Path) -> None:
+    log = AuditLog(root, "/var/log/bcdX/", syslog=False)  # only the slash is taken off
+    write(log, 1)
+    log.close()
+    assert [e["seq"] for e in lines(root / "var/log/bcdX" / LOG_NAME)] == [1]
+
+
+def test_a_file_holding_only_seq_1_is_kept_while_nothing_was_exported(root: Path) -> None:
+    log = new_log(root, max_bytes=1, keep=1)  # every line after the first starts a new file
+    write(log, 3)
+    d = adir(root)
+    oldest = audit.log_files(d)[0]
+    assert [e["seq"] for e in lines(oldest)] == [1]  # held past keep: the node has read nothing
+    assert len(audit.log_files(d)) - 1 == 2
+    log.close()
+
+
+def test_a_second_close_closes_nothing(root: Path) -> None:
+    log = new_log(root)
+    write(log, 1)
+    log.close()
+    saved = os.dup(1)  # were a second close to close fd 1, the test's output would go with it
+    try:
+        log.close()
+        os.fstat(1)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def test_a_log_whose_last_line_does_not_parse_ends_at_seq_0(root: Path) -> None:
+    log = new_log(root)
+    write(log, 3)
+    log.close()
+    d = adir(root)
+    torn = b'{"seq":4,"time":"2026-'  # a line cut short
+    with (d / LOG_NAME).open("ab") as f:
+        f.write(torn)
+    with pytest.raises(AuditError) as info:
+        new_log(root)
+    assert str(info.value) == f"{KEY_NAME} is at seq 4 but the log ends at seq 0: lines were removed"
+    (d / KEY_NAME).unlink()
+    again = new_log(root)  # with no key state: the next line is seq 1, chained to the cut line
+    assert again.head() == (0, hashlib.sha256(torn).hexdigest())
+    assert again.created_key is not None and parse_key(again.created_key)[0] == 1
+    again.close()
+
+
+def test_the_newest_line_is_read_whole_from_its_first_byte(root: Path) -> None:
+    d = root / "d"
+    d.mkdir()
+    fd = os.open(d, os.O_RDONLY)
+    try:
+        (d / "byte").write_bytes(b"7")
+        assert audit._last_line(fd, "byte") == b"7"
+        (d / "wide").write_bytes(b"y" * 65536 + b"\n")  # one read leaves its first byte
+        assert audit._last_line(fd, "wide") == b"y" * 65536
+        (d / "spaced").write_bytes(b"a b\nc d \n")
+        assert audit._last_line(fd, "spaced") == b"c d "
+        (d / "xs").write_bytes(b"a\nbXX\n")  # only the newline is taken off, whatever ends the line
+        assert audit._last_line(fd, "xs") == b"bXX"
+    finally:
+        os.close(fd)
+
+
+def test_verify_names_a_line_with_bytes_after_its_closing_brace(sealed: tuple[Path, str]) -> None:
+    d, key = sealed
+    rows = raw_lines(d)
+    put(d, [rows[0], rows[1] + b"XX", *rows[2:]])  # the chain and seals hold for the line without them
+    assert verify_chain(d, key) == VerifyResult(False, 1, f"{LOG_NAME} line 2: not an audit entry", 1, 1)
+
+
+def test_a_restart_continues_after_a_line_whose_message_holds_spaces(root: Path) -> None:
+    log = new_log(root)
+    write(log, 2, message="no such file or directory")
+    head = log.head()
+    log.close()
+    again = new_log(root)
+    assert again.head() == head
+    again.close()
+
+
+def first_line_size(tmp_path: Path) -> int:
+    """The bytes one `write` line takes (all its fields have fixed widths here)."""
+    other = tmp_path / "measure"
+    other.mkdir(mode=0o755)
+    log = new_log(other)
+    write(log, 1)
+    log.close()
+    return (adir(other) / LOG_NAME).stat().st_size
+
+
+def test_rotation_comes_when_the_log_reaches_max_bytes_to_the_byte(root: Path, tmp_path: Path) -> None:
+    size = first_line_size(tmp_path)
+    log = new_log(root, max_bytes=size)  # one line reaches it: the second starts a new file
+    write(log, 2)
+    d = adir(root)
+    assert [[e["seq"] for e in lines(p)] for p in audit.log_files(d)] == [[1], [2, 3]]
+    log.close()
+    under = tmp_path / "under"
+    under.mkdir(mode=0o755)
+    log = new_log(under, max_bytes=size + 1)  # one byte under it: the second line goes on
+    write(log, 2)
+    assert [[e["seq"] for e in lines(p)] for p in audit.log_files(adir(under))] == [[1, 2]]
+    log.close()
+
+
+def test_a_longer_stale_head_file_is_cut_to_the_new_head(root: Path) -> None:
+    log = new_log(root)
+    write(log, 3)
+    log.close()
+    d = adir(root)
+    with (d / HEAD_NAME).open("ab") as f:  # longer than any head the next start writes
+        f.write(b'{"seq":99999,"sha256":"' + b"0" * 64 + b'"}\n')
+    again = new_log(root)
+    write(again, 1, start=3)
+    seq, sha = again.head()
+    assert (d / HEAD_NAME).read_bytes() == canonical({"seq": seq, "sha256": sha}) + b"\n"
+    again.close()
+
+
+def test_cli_show_filters_every_entry_and_an_empty_message_ends_the_line(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = new_log(root)
+    write(log, 1, message="")
+    write(log, 1, start=1, decision="failed", reason="internal", message="boom")
+    write(log, 1, start=2)
+    log.close()
+    first = lines(adir(root) / LOG_NAME)[0]
+    assert cli(root, "show", "--decision", "failed") == 0  # past an entry it filters out
+    assert [x.split(" ")[1] for x in capsys.readouterr().out.splitlines()] == ["#2"]
+    assert cli(root, "show", "--op", "file.write", "--decision", "accepted") == 0
+    out = capsys.readouterr().out.splitlines()
+    assert [x.split(" ")[1] for x in out] == ["#1", "#3"]
+    assert out[0] == f"{first['time']} #1 uid=4242 pid=100 file.write accepted  {json.dumps({'i': 0})}"
