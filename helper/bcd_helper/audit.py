@@ -4,7 +4,7 @@ Rules (issue 4 item 6, issue 9 items 5 and 6; docs/helper.md "Audit log"):
 - one line per request: `seq`, `time` (UTC, RFC 3339 with microseconds), `peer_pid`, `peer_uid`,
   `op`, `args` (the security-relevant arguments, as sent, each bounded by the server), `args_sha256`
   (SHA-256 of the whole request's canonical JSON, so what is not shown is still pinned), `decision`
-  (`accepted` | `refused` | `failed` | `anchor`), `reason`, `message`, `duration_ms`, `prev`: the
+  (`accepted` | `refused` | `failed` | `anchor` | `repaired`), `reason`, `message`, `duration_ms`, `prev`: the
   SHA-256 (hex) of the previous line's bytes without its newline (the first line ever has 64 zeros),
   and `mac`: HMAC-SHA256 of the line without `mac` under the sealing key of its seq;
 - the sealing key evolves at every line, k[s+1] = SHA-256("bcd-audit-evolve\\0" || k[s]), and only the
@@ -28,6 +28,12 @@ Rules (issue 4 item 6, issue 9 items 5 and 6; docs/helper.md "Audit log"):
 - `audit.head` (the file, 0600) holds the seq and hash of the newest line, rewritten after each
   append (not fsynced: it may lag after a crash, which verify accepts while the line it names is
   there, unchanged);
+- a crash in the middle of an append can leave `audit.log` ending in part of a line (never fsynced, so
+  its request was never answered). The next start cuts those bytes off at the last newline and records
+  the cut as a line of its own (op `(repair)`, decision `repaired`, reason `torn-tail`, the count and
+  SHA-256 of the bytes cut), so every line still parses and the cut is sealed, not silent. A start that
+  finds `audit.log` missing or empty beside rotated files (a crash between the rotation's rename and its
+  anchor) writes the anchor then;
 - each line also goes to the system log (best effort: `/dev/log` of the real host, when present).
 
 `verify(dir, key, expect_head)` reads the files oldest first and names the first problem.
@@ -63,6 +69,7 @@ DEFAULT_MAX_BYTES = 16 * 1024 * 1024
 DEFAULT_KEEP = 8
 HOLD_FACTOR = 4
 ANCHOR_OP = "(anchor)"
+REPAIR_OP = "(repair)"
 KEY_PREFIX = "bcdk1"
 _KEY_RE = re.compile(r"^bcdk1-([1-9][0-9]{0,18})-([0-9a-f]{64})$")
 
@@ -140,6 +147,40 @@ def _syslog(line: bytes) -> None:
 
 def _open(dfd: int, name: str, flags: int) -> int:
     return os.open(name, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
+
+
+def _cut_torn_tail(dfd: int) -> tuple[int, str] | None:
+    """Cut what follows audit.log's last newline (part of a line a crash interrupted), fsynced; the
+    count and SHA-256 of the bytes cut, or None when the log ends with a whole line."""
+    try:
+        fd = os.open(LOG_NAME, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+            return None
+        keep, pos = 0, size
+        while pos > 0:
+            step = min(65536, pos)
+            pos -= step
+            newline = os.pread(fd, step, pos).rfind(b"\n")
+            if newline >= 0:
+                keep = pos + newline + 1
+                break
+        digest = hashlib.sha256()
+        at = keep
+        while at < size:
+            chunk = os.pread(fd, min(1 << 20, size - at), at)
+            if not chunk:
+                break
+            digest.update(chunk)
+            at += len(chunk)
+        os.ftruncate(fd, keep)
+        os.fsync(fd)
+        return size - keep, digest.hexdigest()
+    finally:
+        os.close(fd)
 
 
 def _rotated(dfd: int) -> list[int]:
@@ -230,6 +271,7 @@ class AuditLog:
         self._exported = 0
         with verified_dir(root, self._parts, create=True) as dfd:
             os.fchmod(dfd, 0o700)
+            cut = _cut_torn_tail(dfd)
             self._prev, self._seq = self._tail(dfd)
             # The directory was checked from / down once; its fd is kept (only root could move it),
             # and so are the log's, the head's and the key's fds, reopened after a rotation.
@@ -253,6 +295,22 @@ class AuditLog:
         self._head_len = -1  # the length audit.head was last truncated to
         self._kfd = -1
         self._held = len(_rotated(self._dfd))
+        if self._held and os.fstat(self._log_fd()).st_size == 0:
+            self._anchor()  # a crash came between the rotation's rename and its anchor
+        if cut is not None:
+            count, digest = cut
+            args = {"file": LOG_NAME, "bytes": count, "sha256": digest}
+            self._append(
+                self._own_fields(
+                    REPAIR_OP,
+                    args,
+                    "repaired",
+                    "torn-tail",
+                    f"the last {count} bytes of {LOG_NAME}, part of a line a crash interrupted (never "
+                    "answered), were cut at start",
+                ),
+                new_file=self._size == 0,
+            )
 
     def _open(self, name: str, flags: int) -> int:
         return _open(self._dfd, name, flags)
@@ -334,23 +392,32 @@ class AuditLog:
             self._fd = -1
         self._prune()
         os.fsync(dfd)
-        numbers = _rotated(dfd)
-        oldest = _seq_of(_first_line(dfd, f"{LOG_NAME}.{numbers[-1]}")) if numbers else None
+        self._anchor(previous)
+
+    def _anchor(self, previous: int | None = None) -> None:
+        """The first line of a new audit.log: chained to the last line of audit.log.1."""
+        previous = self._seq if previous is None else previous
+        numbers = _rotated(self._dfd)
+        oldest = _seq_of(_first_line(self._dfd, f"{LOG_NAME}.{numbers[-1]}")) if numbers else None
         args = {"previous_last_seq": previous, "oldest_seq": oldest or previous + 1, "files": len(numbers)}
-        self._append(
-            {
-                "peer_pid": os.getpid(),
-                "peer_uid": 0,
-                "op": ANCHOR_OP,
-                "args": args,
-                "args_sha256": hashlib.sha256(canonical(args)).hexdigest(),
-                "decision": "anchor",
-                "reason": "rotated",
-                "message": "",
-                "duration_ms": 0.0,
-            },
-            new_file=True,
-        )
+        self._append(self._own_fields(ANCHOR_OP, args, "anchor", "rotated", ""), new_file=True)
+
+    @staticmethod
+    def _own_fields(
+        op: str, args: dict[str, Any], decision: str, reason: str, message: str
+    ) -> dict[str, Any]:
+        """A line the helper writes of its own accord (an anchor, a repair)."""
+        return {
+            "peer_pid": os.getpid(),
+            "peer_uid": 0,
+            "op": op,
+            "args": args,
+            "args_sha256": hashlib.sha256(canonical(args)).hexdigest(),
+            "decision": decision,
+            "reason": reason,
+            "message": message,
+            "duration_ms": 0.0,
+        }
 
     # --- appending ----------------------------------------------------------------------------
 
@@ -664,7 +731,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _common_arguments(init, argparse.SUPPRESS)
     show = sub.add_parser("show", help="print audit entries, filtered")
     show.add_argument("--op", default=None, help="only this operation")
-    show.add_argument("--decision", choices=("accepted", "refused", "failed", "anchor"), default=None)
+    show.add_argument(
+        "--decision", choices=("accepted", "refused", "failed", "anchor", "repaired"), default=None
+    )
     show.add_argument(
         "--since", type=_time_arg, default=None, help="only entries at or after this time (RFC 3339)"
     )

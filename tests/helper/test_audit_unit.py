@@ -329,15 +329,35 @@ def test_a_restart_continues_the_chain_from_the_newest_line(root: Path) -> None:
     again.close()
 
 
-def test_a_restart_after_a_rotation_reads_the_rotated_file(root: Path) -> None:
+@pytest.mark.parametrize("left", [None, b""], ids=["audit.log-missing", "audit.log-empty"])
+def test_a_restart_after_a_rotation_reads_the_rotated_file_and_writes_the_missing_anchor(
+    root: Path, left: bytes | None
+) -> None:
+    """A crash between the rotation's rename and its anchor (audit.log not there yet, or created and
+    empty): the next start reads the rotated file's last line and writes the anchor then, so the new
+    audit.log starts with one and verify holds."""
     log = new_log(root)
+    key = log.created_key
     write(log, 3)
-    head = log.head()
+    _seq, digest = log.head()
     log.close()
     os.rename(adir(root) / LOG_NAME, adir(root) / f"{LOG_NAME}.1")
+    if left is not None:
+        (adir(root) / LOG_NAME).write_bytes(left)
+        os.chmod(adir(root) / LOG_NAME, 0o600)
     again = new_log(root)
-    assert again.head() == head
+    assert again.head()[0] == 4
+    (anchor,) = lines(adir(root) / LOG_NAME)
+    assert (anchor["seq"], anchor["op"], anchor["decision"], anchor["prev"]) == (
+        4,
+        "(anchor)",
+        "anchor",
+        digest,
+    )
+    assert anchor["args"] == {"previous_last_seq": 3, "oldest_seq": 1, "files": 1}
+    write(again, 1)
     again.close()
+    assert verify_chain(adir(root), key) == VerifyResult(True, 5, "", 1, 5)
 
 
 def test_the_head_file_shrinks_with_its_content(root: Path) -> None:
@@ -970,7 +990,7 @@ def test_the_cli_surface_operators_read(capsys: pytest.CaptureFixture[str]) -> N
     assert options(sub.choices["init"]) == common
     assert options(sub.choices["show"]) == {
         "--op": ("only this operation", None),
-        "--decision": (None, ("accepted", "refused", "failed", "anchor")),
+        "--decision": (None, ("accepted", "refused", "failed", "anchor", "repaired")),
         "--since": ("only entries at or after this time (RFC 3339)", None),
         "--until": ("only entries before this time (RFC 3339)", None),
         "--json": ("print the raw JSON lines", None),
@@ -1380,17 +1400,80 @@ def test_a_log_whose_last_line_does_not_parse_ends_at_seq_0(root: Path) -> None:
     write(log, 3)
     log.close()
     d = adir(root)
-    torn = b'{"seq":4,"time":"2026-'  # a line cut short
+    garbage = b'{"seq":4,"time":"2026-'  # a whole line (it ends with a newline) that is not an entry
     with (d / LOG_NAME).open("ab") as f:
-        f.write(torn)
+        f.write(garbage + b"\n")
     with pytest.raises(AuditError) as info:
         new_log(root)
     assert str(info.value) == f"{KEY_NAME} is at seq 4 but the log ends at seq 0: lines were removed"
     (d / KEY_NAME).unlink()
-    again = new_log(root)  # with no key state: the next line is seq 1, chained to the cut line
-    assert again.head() == (0, hashlib.sha256(torn).hexdigest())
+    again = new_log(root)  # with no key state: the next line is seq 1, chained to that line
+    assert again.head() == (0, hashlib.sha256(garbage).hexdigest())
     assert again.created_key is not None and parse_key(again.created_key)[0] == 1
     again.close()
+
+
+@pytest.mark.parametrize(
+    "torn",
+    [b'{"seq":4,"time":"2026-', b"\0" * 300, b"x" * 70000, b'{"seq":4}'],
+    ids=["cut-short", "zeros", "longer-than-a-read", "no-newline"],
+)
+def test_a_line_a_crash_cut_short_is_cut_off_at_start_and_the_cut_recorded(root: Path, torn: bytes) -> None:
+    """A crash in the middle of an append leaves audit.log ending in part of a line (never fsynced, so
+    never answered): the next start cuts it at the last newline and seals a line saying what it cut,
+    instead of refusing to start; the chain continues from the last whole line and verify holds."""
+    log = new_log(root)
+    key = log.created_key
+    write(log, 3)
+    _seq, digest = log.head()
+    log.close()
+    d = adir(root)
+    whole = (d / LOG_NAME).read_bytes()
+    with (d / LOG_NAME).open("ab") as f:
+        f.write(torn)
+    again = new_log(root)
+    assert (d / LOG_NAME).read_bytes().startswith(whole)
+    rows = lines(d / LOG_NAME)
+    assert len(rows) == 4
+    repair = rows[3]
+    assert (repair["seq"], repair["op"], repair["decision"], repair["reason"]) == (
+        4,
+        "(repair)",
+        "repaired",
+        "torn-tail",
+    )
+    assert repair["prev"] == digest and repair["peer_uid"] == 0
+    assert repair["args"] == {
+        "file": LOG_NAME,
+        "bytes": len(torn),
+        "sha256": hashlib.sha256(torn).hexdigest(),
+    }
+    assert repair["message"] == (
+        f"the last {len(torn)} bytes of {LOG_NAME}, part of a line a crash interrupted (never answered), "
+        "were cut at start"
+    )
+    assert again.head() == (4, hashlib.sha256(raw_lines(d)[3]).hexdigest())
+    write(again, 1, start=3)
+    again.close()
+    assert verify_chain(d, key) == VerifyResult(True, 5, "", 1, 5)
+
+
+def test_a_torn_anchor_is_cut_and_written_again(root: Path) -> None:
+    """The crash cut the rotation's anchor short: the start cuts it, writes the anchor again, then the
+    repair line; the new file starts with an anchor, as verify requires."""
+    log = new_log(root)
+    key = log.created_key
+    write(log, 3)
+    log.close()
+    d = adir(root)
+    os.rename(d / LOG_NAME, d / f"{LOG_NAME}.1")
+    (d / LOG_NAME).write_bytes(b'{"args":{"files":1')
+    os.chmod(d / LOG_NAME, 0o600)
+    again = new_log(root)
+    rows = lines(d / LOG_NAME)
+    assert [(r["seq"], r["op"]) for r in rows] == [(4, "(anchor)"), (5, "(repair)")]
+    again.close()
+    assert verify_chain(d, key).ok
 
 
 def test_the_newest_line_is_read_whole_from_its_first_byte(root: Path) -> None:
