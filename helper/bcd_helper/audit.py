@@ -47,6 +47,7 @@ import datetime as dt
 import hashlib
 import hmac
 import json
+import mmap
 import os
 import re
 import secrets
@@ -158,27 +159,17 @@ def _cut_torn_tail(dfd: int) -> tuple[int, str] | None:
         return None
     try:
         size = os.fstat(fd).st_size
-        if size == 0 or os.pread(fd, 1, size - 1) == b"\n":
+        if size == 0:
             return None
-        keep, pos = 0, size
-        while pos > 0:
-            step = min(65536, pos)
-            pos -= step
-            newline = os.pread(fd, step, pos).rfind(b"\n")
-            if newline >= 0:
-                keep = pos + newline + 1
-                break
-        digest = hashlib.sha256()
-        at = keep
-        while at < size:
-            chunk = os.pread(fd, min(1 << 20, size - at), at)
-            if not chunk:
-                break
-            digest.update(chunk)
-            at += len(chunk)
+        with mmap.mmap(fd, size, access=mmap.ACCESS_READ) as mm:
+            keep = mm.rfind(b"\n") + 1
+            if keep == size:
+                return None
+            with memoryview(mm)[keep:] as torn:
+                digest = hashlib.sha256(torn).hexdigest()
         os.ftruncate(fd, keep)
         os.fsync(fd)
-        return size - keep, digest.hexdigest()
+        return size - keep, digest
     finally:
         os.close(fd)
 
@@ -259,7 +250,6 @@ class AuditLog:
         syslog: bool = True,
         min_age_s: float = 0.0,
     ) -> None:
-        self._root = root
         self._dir = directory.rstrip("/") or "/"
         self._parts = split_host_path(self._dir + "/" + LOG_NAME)[:-1]
         self._max = max_bytes
@@ -382,7 +372,6 @@ class AuditLog:
 
     def _rotate_and_anchor(self) -> None:
         dfd = self._dfd
-        previous = self._seq
         for i in reversed(_rotated(dfd)):
             os.rename(f"{LOG_NAME}.{i}", f"{LOG_NAME}.{i + 1}", src_dir_fd=dfd, dst_dir_fd=dfd)
         with contextlib.suppress(FileNotFoundError):
@@ -392,14 +381,14 @@ class AuditLog:
             self._fd = -1
         self._prune()
         os.fsync(dfd)
-        self._anchor(previous)
+        self._anchor()
 
-    def _anchor(self, previous: int | None = None) -> None:
-        """The first line of a new audit.log: chained to the last line of audit.log.1."""
-        previous = self._seq if previous is None else previous
+    def _anchor(self) -> None:
+        """The first line of a new audit.log, chained to the last line of audit.log.1 (there is one:
+        `keep` is at least 1)."""
         numbers = _rotated(self._dfd)
-        oldest = _seq_of(_first_line(self._dfd, f"{LOG_NAME}.{numbers[-1]}")) if numbers else None
-        args = {"previous_last_seq": previous, "oldest_seq": oldest or previous + 1, "files": len(numbers)}
+        oldest = _seq_of(_first_line(self._dfd, f"{LOG_NAME}.{numbers[-1]}"))
+        args = {"previous_last_seq": self._seq, "oldest_seq": oldest or self._seq + 1, "files": len(numbers)}
         self._append(self._own_fields(ANCHOR_OP, args, "anchor", "rotated", ""), new_file=True)
 
     @staticmethod

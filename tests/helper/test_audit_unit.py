@@ -14,6 +14,7 @@ import hmac
 import json
 import os
 import re
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -1415,8 +1416,8 @@ def test_a_log_whose_last_line_does_not_parse_ends_at_seq_0(root: Path) -> None:
 
 @pytest.mark.parametrize(
     "torn",
-    [b'{"seq":4,"time":"2026-', b"\0" * 300, b"x" * 70000, b'{"seq":4}'],
-    ids=["cut-short", "zeros", "longer-than-a-read", "no-newline"],
+    [b'{"seq":4,"time":"2026-', b"\0" * 300, b"x" * 70000, b"x" * 65535, b'{"seq":4}'],
+    ids=["cut-short", "zeros", "long", "a-page-less-one", "no-newline"],
 )
 def test_a_line_a_crash_cut_short_is_cut_off_at_start_and_the_cut_recorded(root: Path, torn: bytes) -> None:
     """A crash in the middle of an append leaves audit.log ending in part of a line (never fsynced, so
@@ -1564,3 +1565,67 @@ def test_cli_show_filters_every_entry_and_an_empty_message_ends_the_line(
     out = capsys.readouterr().out.splitlines()
     assert [x.split(" ")[1] for x in out] == ["#1", "#3"]
     assert out[0] == f"{first['time']} #1 uid=4242 pid=100 file.write accepted  {json.dumps({'i': 0})}"
+
+
+def test_a_log_that_is_only_a_torn_line_is_cut_to_empty_and_its_directory_fsynced(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The torn line was the log's first: the cut leaves audit.log empty, and the repair line starts it
+    again, with the directory fsynced as for any new file (the file may be new since the last sync)."""
+    d = adir(root)
+    log = new_log(root)
+    key = log.created_key
+    log.close()
+    (d / LOG_NAME).write_bytes(b'{"seq":1,"ti')
+    os.chmod(d / LOG_NAME, 0o600)
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(audit.os, "fsync", fsync)
+    again = new_log(root)
+    monkeypatch.setattr(audit.os, "fsync", real)
+    assert synced == ["file", "file", "dir"]  # the cut, the repair line, then its directory
+    ((repair),) = lines(d / LOG_NAME)
+    assert (repair["seq"], repair["op"], repair["prev"]) == (1, "(repair)", audit.GENESIS)
+    again.close()
+    assert verify_chain(d, key).ok
+
+
+def test_a_missing_anchor_written_at_start_fsyncs_its_directory(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    d = adir(root)
+    log = new_log(root)
+    write(log, 2)
+    log.close()
+    os.rename(d / LOG_NAME, d / f"{LOG_NAME}.1")
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(audit.os, "fsync", fsync)
+    new_log(root).close()
+    assert synced == ["file", "dir"]
+
+
+def test_a_symlink_in_place_of_a_torn_log_is_refused_and_its_target_left_whole(root: Path) -> None:
+    """The start's cut opens audit.log without following a link: root never truncates through one."""
+    d = adir(root)
+    log = new_log(root)
+    write(log, 1)
+    log.close()
+    target = root / "elsewhere"
+    target.write_bytes(b"line\nno newline at the end")
+    (d / LOG_NAME).unlink()
+    (d / LOG_NAME).symlink_to(target)
+    with pytest.raises(OSError) as info:
+        new_log(root)
+    assert info.value.errno == errno.ELOOP
+    assert target.read_bytes() == b"line\nno newline at the end"
