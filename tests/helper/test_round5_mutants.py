@@ -1,0 +1,424 @@
+"""Round 5's changes to the helper (docs/helper.md "Threat model, round 5") called in process, written for the
+mutants of the changed functions that survived the module's unit tests (docs/mutation.md, "Round 5 changes
+(helper)"): the hold slices' bound and signed limits, the hold env rule, daemon.swap's command rules and
+its spec as root's floor, the rotated-file age rule and audit.head while the log is full."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_helper.intent import STATE_PATH, IntentState
+from bcd_helper.ops.base import Failed, HelperContext, Refused
+from bcd_helper.ops.files import SignedSpec
+from bcd_helper.ops.slices import ALLOC_PARENT, MAX_SLICES, SliceApply, signed_limits, slice_apply
+from bcd_shared import wire
+from intentkit import ControlPlane, Signer, intent
+from opskit import call, context, make_root, programs
+
+NODE = "node-a"
+GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+GPU2 = "GPU-5f1c2a90-0000-4000-8000-000000000002"
+ALLOC = ALLOC_PARENT.lstrip("/")
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return make_root(tmp_path)
+
+
+@pytest.fixture
+def plain(root: Path) -> Iterator[HelperContext]:
+    """A helper without command-signing roots."""
+    c = context(root)
+    yield c
+    c.audit.close()
+
+
+@pytest.fixture
+def signed_ctx(root: Path, cp: ControlPlane) -> Iterator[HelperContext]:
+    """A helper bound to node-a by root's join record, whose bundle names the command-signing root."""
+    cp.write_record(root, NODE, cp.bundle(1))
+    c = context(root, cp.config_lines())
+    yield c
+    c.audit.close()
+
+
+def signed(signer: Signer, data: bytes) -> SignedSpec:
+    doc = intent(signer, data)
+    return SignedSpec(doc["body"], doc["signature"], tuple(doc["chain"]), doc["trust_bundle"])
+
+
+def devices_body(generation: int, *assignments: wire.DeviceAssignment) -> bytes:
+    return bytes(
+        wire.DesiredStateBody(
+            node_id=NODE,
+            generation=generation,
+            spec_hash=f"d{generation}",
+            full=wire.NodeSpec(devices=wire.DevicesSection(assignments=list(assignments))),
+        )
+    )
+
+
+def assignment(
+    ident: str,
+    *atoms: str,
+    binding: wire.Binding = wire.Binding.HOLD,
+    limits: wire.DeviceLimits | None = None,
+    env: tuple[str, ...] = (),
+    reservation: str = "r1",
+) -> wire.DeviceAssignment:
+    return wire.DeviceAssignment(
+        allocation_id=ident,
+        reservation_id=reservation,
+        binding=binding,
+        devices=[wire.DeviceAtom(id=a, device_class="gpu.mig" if "/gi" in a else "gpu") for a in atoms],
+        limits=limits,
+        env=list(env),
+    )
+
+
+def generation(root: Path) -> int | None:
+    path = root / STATE_PATH.lstrip("/")
+    return IntentState.decode(path.read_bytes()).generation if path.exists() else None
+
+
+def refused(fn: Any, *args: Any) -> tuple[str, str]:
+    with pytest.raises(Refused) as info:
+        fn(*args)
+    return info.value.reason, info.value.message
+
+
+# --- slices: the bound on hold slices (check_slice_count) ---------------------------------------------------
+
+
+def _slices(root: Path, count: int, *extra: str) -> None:
+    """`count` hold slices under bcd-alloc.slice as the kernel lists them, and `extra` entries beside."""
+    parent = root / ALLOC
+    parent.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        (parent / f"bcd-alloc-s{i}.slice").mkdir()
+    for name in extra:
+        (parent / name).mkdir()
+
+
+def test_no_hold_slice_yet_starts_one_and_makes_no_cgroup_directory(plain: HelperContext, root: Path) -> None:
+    got = slice_apply(call(plain), SliceApply("bcd-alloc-a1.slice"))
+    assert got["name"] == "bcd-alloc-a1.slice"
+    assert programs(plain).runs == [("systemctl", "start", "bcd-alloc-a1.slice")]
+    assert not (root / "sys").exists()  # bcd-alloc.slice is read, never created, by the count
+
+
+def test_the_hold_slice_bound_counts_only_hold_slices_and_refuses_the_1025th(
+    plain: HelperContext, root: Path
+) -> None:
+    # Entries that are not hold slices do not count (cgroup files, other units, a name past 80 characters).
+    _slices(root, MAX_SLICES - 1, "cgroup.procs", "bcd-alloc-x.scope", "bcd-alloc-" + "y" * 81 + ".slice")
+    slice_apply(call(plain), SliceApply("bcd-alloc-a1.slice"))  # the 1024th
+    (root / ALLOC / "bcd-alloc-a1.slice").mkdir()
+    assert refused(slice_apply, call(plain), SliceApply("bcd-alloc-a2.slice")) == (
+        "too-many-slices",
+        f"slice.apply: root keeps at most {MAX_SLICES} hold slices under bcd-alloc.slice: "
+        "bcd-alloc-a2.slice is not one of them",
+    )
+    # One that is there already is applied again.
+    slice_apply(call(plain), SliceApply("bcd-alloc-a1.slice"))
+    assert programs(plain).runs == [("systemctl", "start", "bcd-alloc-a1.slice")] * 2
+
+
+def test_a_symlinked_hold_slice_parent_is_refused(plain: HelperContext, root: Path, tmp_path: Path) -> None:
+    (root / ALLOC).parent.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    (root / ALLOC).symlink_to(tmp_path / "elsewhere")
+    reason, message = refused(slice_apply, call(plain), SliceApply("bcd-alloc-a1.slice"))
+    assert reason == "root-only" and "bcd-alloc.slice" in message, message
+    assert programs(plain).runs == []
+
+
+# --- slices: signed limits (signed_limits, check_signed_slice) ----------------------------------------------
+
+
+def test_signed_limits_map_empty_and_zero_to_no_limit_and_keep_huge_pages() -> None:
+    assert signed_limits(wire.DeviceLimits(cpus="", mems="", cpu_millis=0, memory_bytes=0)) == {
+        "cpus": None,
+        "mems": None,
+        "cpu_millis": None,
+        "memory_bytes": None,
+        "hugepages_2mi": None,
+        "hugepages_1gi": None,
+    }
+    limits = wire.DeviceLimits(
+        cpus="0-3", mems="1", cpu_millis=250, memory_bytes=1 << 30, hugepages_2mi=0, hugepages_1gi=4
+    )
+    assert signed_limits(limits) == {
+        "cpus": "0-3",
+        "mems": "1",
+        "cpu_millis": 250,
+        "memory_bytes": 1 << 30,
+        "hugepages_2mi": 0,
+        "hugepages_1gi": 4,
+    }
+
+
+def _cgroup_files(root: Path) -> None:
+    """The cgroup files slice.apply writes for huge pages (the kernel's, never created by root)."""
+    cg = root / ALLOC / "bcd-alloc-a1.slice"
+    cg.mkdir(parents=True)
+    for parent in (cg.parent.parent.parent, cg.parent.parent, cg.parent):
+        (parent / "cgroup.subtree_control").write_bytes(b"")
+    for name in ("hugetlb.2MB.max", "hugetlb.1GB.max"):
+        (cg / name).write_bytes(b"max")
+
+
+def _slice_spec(worker: Signer, gen: int = 3) -> SignedSpec:
+    return signed(
+        worker,
+        devices_body(
+            gen,
+            assignment(
+                "a1", GPU1, limits=wire.DeviceLimits(cpus="0-3", memory_bytes=1 << 30, hugepages_2mi=0)
+            ),
+            assignment("a2", GPU2),
+            assignment("a3", GPU2, binding=wire.Binding.KUBERNETES, limits=wire.DeviceLimits(cpus="4")),
+        ),
+    )
+
+
+def test_a_signed_slice_is_applied_with_its_own_limits_and_the_generation_kept(
+    signed_ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    _cgroup_files(root)
+    req = SliceApply(
+        "bcd-alloc-a1.slice", cpus="0-3", memory_bytes=1 << 30, hugepages_2mi=0, intent=_slice_spec(worker)
+    )
+    got = slice_apply(call(signed_ctx), req)
+    assert got["properties"] == ["AllowedCPUs=0-3", "MemoryMax=1073741824", "MemoryHigh=966367641"]
+    assert programs(signed_ctx).runs[0] == ("systemctl", "start", "bcd-alloc-a1.slice")
+    assert (root / ALLOC / "bcd-alloc-a1.slice/hugetlb.2MB.max").read_bytes() == b"0"
+    assert generation(root) == 3
+
+
+def test_a_signed_slice_is_kept_before_systemctl_runs(root: Path, cp: ControlPlane, worker: Signer) -> None:
+    """Durable before effect: the spec's generation is root's floor even when systemctl then fails."""
+    cp.write_record(root, NODE, cp.bundle(1))
+    ctx = context(root, cp.config_lines(), lambda argv: (1, b"", b"no"))
+    try:
+        req = SliceApply(
+            "bcd-alloc-a1.slice",
+            cpus="0-3",
+            memory_bytes=1 << 30,
+            hugepages_2mi=0,
+            intent=_slice_spec(worker),
+        )
+        with pytest.raises(Failed):
+            slice_apply(call(ctx), req)
+        assert generation(root) == 3
+    finally:
+        ctx.audit.close()
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        ("bcd-alloc-a2.slice", {}),  # held, but not sliced: no limits
+        ("bcd-alloc-a3.slice", {"cpus": "4"}),  # sliced, but a Kubernetes hold
+        ("bcd-alloc-a9.slice", {}),  # not in the spec
+    ],
+)
+def test_a_slice_of_no_sliced_hold_of_the_spec_is_refused_by_its_allocation_id(
+    signed_ctx: HelperContext, root: Path, worker: Signer, name: str, args: dict[str, Any]
+) -> None:
+    ident = name[len("bcd-alloc-") : -len(".slice")]
+    req = SliceApply(name, intent=_slice_spec(worker), **args)
+    assert refused(slice_apply, call(signed_ctx), req) == (
+        "not-in-spec",
+        f"slice.apply: allocation {ident} is not a sliced hold of the signed spec's devices section "
+        "(generation 3)",
+    )
+    assert programs(signed_ctx).runs == [] and generation(root) is None
+
+
+@pytest.mark.parametrize(
+    ("args", "field", "sent", "value"),
+    [
+        ({"cpus": "0-63", "memory_bytes": 1 << 30, "hugepages_2mi": 0}, "cpus", "'0-63'", "'0-3'"),
+        ({"memory_bytes": 1 << 30, "hugepages_2mi": 0}, "cpus", "None", "'0-3'"),
+        ({"cpus": "0-3", "mems": "0", "memory_bytes": 1 << 30, "hugepages_2mi": 0}, "mems", "'0'", "None"),
+        (
+            {"cpus": "0-3", "cpu_millis": 10, "memory_bytes": 1 << 30, "hugepages_2mi": 0},
+            "cpu_millis",
+            "10",
+            "None",
+        ),
+        ({"cpus": "0-3", "memory_bytes": 4096, "hugepages_2mi": 0}, "memory_bytes", "4096", "1073741824"),
+        ({"cpus": "0-3", "memory_bytes": 1 << 30}, "hugepages_2mi", "None", "0"),
+        (
+            {"cpus": "0-3", "memory_bytes": 1 << 30, "hugepages_2mi": 0, "hugepages_1gi": 1},
+            "hugepages_1gi",
+            "1",
+            "None",
+        ),
+    ],
+)
+def test_limits_other_than_the_assignments_own_are_refused_word_for_word(
+    signed_ctx: HelperContext,
+    root: Path,
+    worker: Signer,
+    args: dict[str, Any],
+    field: str,
+    sent: str,
+    value: str,
+) -> None:
+    req = SliceApply("bcd-alloc-a1.slice", intent=_slice_spec(worker), **args)
+    assert refused(slice_apply, call(signed_ctx), req) == (
+        "spec-mismatch",
+        f"slice.apply: {field} {sent} is not the signed spec's {value} for a1 (generation 3)",
+    )
+    assert programs(signed_ctx).runs == [] and generation(root) is None
+
+
+def test_without_roots_a_presented_spec_binds_no_slice(
+    plain: HelperContext, root: Path, worker: Signer
+) -> None:
+    req = SliceApply("bcd-alloc-a9.slice", cpus="0-63", intent=_slice_spec(worker))
+    assert slice_apply(call(plain), req)["properties"] == ["AllowedCPUs=0-63"]
+    assert generation(root) is None
+
+
+# --- files: a hold's env from the signed assignment (_visible_ok, _check_signed_env, file_write) ------------
+
+MIG1 = f"{GPU1}/gi1/ci0"
+MIG2 = f"{GPU1}/gi2/ci0"
+MIG_UUID1 = "MIG-aaaaaaaa-1111-5111-8111-000000000001"
+MIG_UUID2 = "MIG-aaaaaaaa-1111-5111-8111-000000000002"
+MIG_UUID3 = "MIG-aaaaaaaa-1111-5111-8111-000000000003"
+
+
+@pytest.mark.parametrize(
+    ("atoms", "value", "ok"),
+    [
+        ((GPU1,), GPU1, True),
+        ((GPU1,), "", True),  # names no GPU: the runtime hook hands none
+        ((GPU1, GPU2), f"{GPU1},{GPU2}", True),
+        ((GPU1,), f"{GPU1},{GPU2}", False),  # another GPU of the host
+        ((GPU1, GPU2), f"{GPU1},{GPU1}", False),  # one named twice
+        ((GPU1,), "all", False),
+        ((GPU1,), "0", False),
+        ((GPU1,), MIG_UUID1, False),  # a MIG device, but the hold has whole GPUs only
+        ((MIG1,), MIG_UUID1, True),
+        ((MIG1,), GPU1, True),  # a MIG atom's GPU (the planner names it when nvidia-smi lists no MIG UUID)
+        ((MIG1,), GPU2, False),
+        ((MIG1, MIG2), f"{MIG_UUID1},{MIG_UUID2}", True),
+        ((MIG1, MIG2), f"{MIG_UUID1},{MIG_UUID2},{MIG_UUID3}", False),  # more than the hold's atoms
+        ((GPU2, MIG1), f"{GPU2},{MIG_UUID1}", True),  # any MIG atom lets MIG devices be named
+    ],
+)
+def test_nvidia_visible_devices_names_only_the_holds_own_gpus_or_mig_devices(
+    atoms: tuple[str, ...], value: str, ok: bool
+) -> None:
+    from bcd_helper.ops.files import _visible_ok
+
+    assert _visible_ok(value, assignment("a1", *atoms)) is ok
+
+
+def test_each_env_key_bcd_sets_takes_only_the_value_root_derives() -> None:
+    from bcd_helper.ops.files import _check_signed_env
+
+    asg = assignment("a1", GPU1, reservation="r7", env=("SLURM_GRES=gpu:1", "BCD_ALLOCATION_ID=a2"))
+    good = [
+        "BCD_ALLOCATION_ID=a1",
+        "BCD_CGROUP_PARENT=bcd-alloc-a1.slice",
+        "BCD_RESERVATION_ID=r7",
+        "CUDA_MPS_PIPE_DIRECTORY=/run/nvidia-mps",
+        f"NVIDIA_VISIBLE_DEVICES={GPU1}",
+    ]
+    for kind in ("allocation-env", "cdi"):
+        _check_signed_env(kind, "a1", good, asg)
+    _check_signed_env("allocation-env", "a1", [*good, "SLURM_GRES=gpu:1"], asg)
+    for line in (
+        "BCD_ALLOCATION_ID=a2",  # signed as an env line, but a key bcd sets: root's value only
+        "BCD_CGROUP_PARENT=bcd-alloc-a2.slice",
+        "BCD_RESERVATION_ID=r1",
+        "CUDA_MPS_PIPE_DIRECTORY=/tmp/mps",
+        "NVIDIA_VISIBLE_DEVICES=all",
+        "SLURM_GRES=gpu:8",
+        "SLURM_GRES",
+    ):
+        key = line.partition("=")[0]
+        with pytest.raises(Refused) as info:
+            _check_signed_env("allocation-env", "a1", [good[0], line], asg)
+        assert (info.value.reason, info.value.message) == (
+            "env-outside",
+            f"allocation-env: env[1] {key!r}: {line!r} is not what the signed spec's assignment of a1 sets",
+        )
+    # A CDI hold carries no signed env lines of its own: the assignment's are the env file's.
+    with pytest.raises(Refused) as info:
+        _check_signed_env("cdi", "a1", ["SLURM_GRES=gpu:1"], asg)
+    assert info.value.message == (
+        "cdi: env[0] 'SLURM_GRES': 'SLURM_GRES=gpu:1' is not what the signed spec's assignment of a1 sets"
+    )
+
+
+def test_an_env_line_outside_is_shown_cut() -> None:
+    from bcd_helper.ops.files import _check_signed_env
+
+    line = "K" * 150 + "=" + "v" * 100
+    with pytest.raises(Refused) as info:
+        _check_signed_env("allocation-env", "a1", [line], assignment("a1", GPU1))
+    assert info.value.message == (
+        f"allocation-env: env[0] {'K' * 100!r}: {line[:200]!r} is not what the signed spec's assignment of "
+        "a1 sets"
+    )
+
+
+def _hold(env: list[str]) -> str:
+    from bcd_shared import cdi
+
+    doc = cdi.build_hold_spec(
+        allocation_id="a1",
+        reservation_id="r1",
+        generation=2,
+        kubernetes=False,
+        cgroup_parent="bcd-alloc-a1.slice",
+        devices=[cdi.HoldDevice(GPU1, None)],
+        env=env,
+        vendor=None,
+    )
+    return cdi.encode_spec(doc).decode()
+
+
+def test_a_signed_hold_write_checks_the_env_it_carries(
+    signed_ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    from bcd_helper.ops.files import FileWrite, file_write
+
+    spec = signed(worker, devices_body(2, assignment("a1", GPU1, env=("SLURM_GRES=gpu:1",))))
+    outside = [
+        FileWrite("cdi", "a1", _hold(["BCD_ALLOCATION_ID=a1", "LD_PRELOAD=/x.so"]), intent=spec),
+        FileWrite("allocation-env", "a1", "BCD_ALLOCATION_ID=a1\nLD_PRELOAD=/x.so\n", intent=spec),
+    ]
+    for req in outside:
+        assert refused(file_write, call(signed_ctx), req) == (
+            "env-outside",
+            f"{req.kind}: env[1] 'LD_PRELOAD': 'LD_PRELOAD=/x.so' is not what the signed spec's assignment "
+            "of a1 sets",
+        )
+    assert generation(root) is None and not (root / "run/bcd").exists()
+    # A hold without spec-level edits (no containerEdits at all) and the planned env file are written.
+    file_write(call(signed_ctx), FileWrite("cdi", "a1", _hold([]), intent=spec))
+    env = "BCD_ALLOCATION_ID=a1\nSLURM_GRES=gpu:1\n"
+    file_write(call(signed_ctx), FileWrite("allocation-env", "a1", env, intent=spec))
+    assert (root / "run/bcd/allocations/a1.env").read_text() == env
+    assert generation(root) == 2
+
+
+def test_with_roots_a_slice_needs_the_signed_spec_named_by_op_and_kind(
+    signed_ctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    assert refused(slice_apply, call(signed_ctx), SliceApply("bcd-alloc-a1.slice", cpus="0-3")) == (
+        "intent-required",
+        "slice.apply slice: a signed spec is required (command-signing roots from join record)",
+    )
+    assert programs(signed_ctx).runs == [] and generation(root) is None
