@@ -422,3 +422,292 @@ def test_with_roots_a_slice_needs_the_signed_spec_named_by_op_and_kind(
         "slice.apply slice: a signed spec is required (command-signing roots from join record)",
     )
     assert programs(signed_ctx).runs == [] and generation(root) is None
+
+
+# --- daemon.swap: the command rules, root's memory of used commands, the spec as root's floor ---------------
+
+OLD = b"#!/bin/sh\necho bcd 1.0.0\n"
+NEW = b"#!/bin/sh\necho bcd 1.1.0\n"
+DAEMON_HELPER = '[helper]\nsocket = "/run/bcd/helper.sock"\nnode_uid = 4242\nnode_gid = 4242\n'
+UPG = "01J0000000000000000000UPG7"
+
+
+def _daemon_ctx(root: Path, config: str) -> HelperContext:
+    (root / "usr/lib/bcd").mkdir(parents=True, exist_ok=True)
+    (root / "usr/lib/bcd/bcd").write_bytes(OLD)
+    (root / "usr/lib/bcd/bcd").chmod(0o755)
+    return context(root, config + DAEMON_HELPER)
+
+
+@pytest.fixture
+def dctx(root: Path, cp: ControlPlane, monkeypatch: pytest.MonkeyPatch) -> Iterator[HelperContext]:
+    """A host bound to node-a by root's join record, a packaged bcd installed."""
+    monkeypatch.chdir(root.parent)
+    cp.write_record(root, NODE, cp.bundle(2))
+    c = _daemon_ctx(root, cp.config_lines())
+    yield c
+    _close(c)
+
+
+def _close(c: HelperContext) -> None:
+    with c.timer_lock:
+        if c.daemon_timer is not None:
+            c.daemon_timer.cancel()
+    c.audit.close()
+
+
+def _command(signer: Signer, not_after_ms: int, **fields: Any) -> dict[str, str]:
+    """A signed daemon.upgrade command for 1.1.0 (NEW); `fields` override the CommandBody's."""
+    import time
+
+    from bcd_shared.pki import Purpose
+    from bcd_shared.wire.strict import type_url
+    from intentkit import b64
+    from releasekit import daemon_section
+
+    section = daemon_section(signer, "1.1.0", NEW)
+    request = wire.DaemonUpgradeRequest(
+        version=section.version, url=section.url, sha256=section.sha256, signature=section.signature
+    )
+    body: dict[str, Any] = {
+        "id": UPG,
+        "node_id": NODE,
+        "seq": 1,
+        "kind": "daemon.upgrade",
+        "payload": wire.ProtoAny(type_url=type_url(wire.DaemonUpgradeRequest), value=bytes(request)),
+        "lane": wire.Lane.CONTROL,
+        "not_after": not_after_ms or int(time.time() * 1000) + 600_000,
+        "retry_safe": True,
+        "self_terminating": True,
+        **fields,
+    }
+    data = bytes(wire.CommandBody(**body))
+    return {"body": b64(data), "signature": b64(signer.key.sign(Purpose.COMMAND, data))}
+
+
+def _command_swap(signer: Signer, root: Path, command: dict[str, str]) -> dict[str, Any]:
+    from releasekit import staged_swap
+
+    args = dict(staged_swap(signer, root, NEW)["args"])
+    del args["spec"]
+    args["command"] = command
+    return args
+
+
+def _swap(ctx: HelperContext, args: dict[str, Any]) -> dict[str, Any]:
+    from bcd_helper.ops.daemon import DaemonSwap, daemon_swap
+    from bcd_helper.protocol import structure
+
+    return daemon_swap(call(ctx, bounded=False), structure(args, DaemonSwap))
+
+
+def _confirm(ctx: HelperContext) -> None:
+    from bcd_helper.ops.daemon import DaemonConfirm, daemon_confirm
+
+    daemon_confirm(call(ctx), DaemonConfirm("1.1.0", True))
+
+
+def _used(root: Path) -> list[dict[str, Any]]:
+    import json
+
+    path = root / "var/lib/bcd-hostconfig/helper-commands.json"
+    return list(json.loads(path.read_text())["used"]) if path.exists() else []
+
+
+def _forget_record_ids(root: Path) -> None:
+    """The release record's last 64 ids all newer commands' (what 64 later swaps leave)."""
+    import json
+
+    from releasekit import RECORD
+
+    doc = json.loads((root / RECORD).read_text())
+    doc["used_commands"] = [f"01JLATER{i:018d}" for i in range(64)]
+    (root / RECORD).write_text(json.dumps(doc))
+
+
+def test_a_command_swap_is_remembered_until_its_not_after_and_a_replay_refused(
+    dctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    import time
+
+    not_after = int(time.time() * 1000) + 300_000
+    command = _command(worker, not_after)
+    assert _swap(dctx, _command_swap(worker, root, command))["version"] == "1.1.0"
+    assert _used(root) == [{"id": UPG, "op": "daemon.upgrade", "target": "", "not_after_ms": not_after}]
+    assert generation(root) is None  # a command carries no spec: root's intent state is not written
+    _confirm(dctx)
+    _forget_record_ids(root)
+    assert refused(_swap, dctx, _command_swap(worker, root, command)) == (
+        "command-replayed",
+        f"daemon.upgrade: root acted on the signed command {UPG!r} already: a command is acted on once "
+        "(root remembers it until its not_after)",
+    )
+
+
+def test_a_swap_that_fails_forgets_its_command_so_it_may_come_again(
+    dctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    releases = root / "usr/lib/bcd/releases"
+    releases.symlink_to("/tmp")
+    command = _command(worker, 0)
+    with pytest.raises(Failed) as info:
+        _swap(dctx, _command_swap(worker, root, command))
+    assert info.value.reason == "swap"
+    assert _used(root) == []
+    releases.unlink()
+    assert _swap(dctx, _command_swap(worker, root, command))["version"] == "1.1.0"
+    assert [u["id"] for u in _used(root)] == [UPG]
+
+
+def test_a_command_targeting_another_node_is_refused(dctx: HelperContext, root: Path, worker: Signer) -> None:
+    far = "n" * 100
+    assert refused(_swap, dctx, _command_swap(worker, root, _command(worker, 0, target_node_id=far))) == (
+        "wrong-node",
+        f"daemon.swap: the signed command targets node {far[:80]!r}, not {NODE!r}",
+    )
+    assert _used(root) == []
+    # Its own node as the target is taken.
+    got = _swap(dctx, _command_swap(worker, root, _command(worker, 0, target_node_id=NODE)))
+    assert got["version"] == "1.1.0"
+
+
+def test_an_unbound_helper_takes_no_command_but_a_spec(root: Path, cp: ControlPlane, worker: Signer) -> None:
+    from intentkit import b64
+    from releasekit import daemon_section, spec_carrier, staged_swap
+
+    config = cp.config_lines(pin_roots=True).split("\n", 1)[1]  # pinned roots, no join record
+    c = _daemon_ctx(root, config)
+    try:
+        args = _command_swap(worker, root, _command(worker, 0, node_id="node-z"))
+        args["chain"] = [*args["chain"], b64(cp.command.root)]
+        assert refused(_swap, c, args) == (
+            "intent-unverifiable",
+            "daemon.swap: this helper is bound to no node yet (no join record, no signed spec accepted): "
+            "a daemon.upgrade command cannot be checked against it",
+        )
+        assert _used(root) == []
+        args = dict(staged_swap(worker, root, NEW)["args"])
+        args["chain"] = [*args["chain"], b64(cp.command.root)]
+        args["spec"] = spec_carrier(worker, daemon_section(worker, "1.1.0", NEW), 3)
+        assert _swap(c, args)["version"] == "1.1.0"
+        # The spec bound the node and its generation is root's floor.
+        state = IntentState.decode((root / STATE_PATH.lstrip("/")).read_bytes())
+        assert (state.generation, state.node_id) == (3, NODE)
+    finally:
+        _close(c)
+
+
+def test_a_swaps_spec_is_roots_floor_also_when_it_only_restarts_the_node(
+    dctx: HelperContext, root: Path, worker: Signer
+) -> None:
+    from releasekit import daemon_section, spec_carrier, staged_swap
+
+    assert _swap(dctx, dict(staged_swap(worker, root, NEW, generation=4)["args"]))["version"] == "1.1.0"
+    assert generation(root) == 4
+    _confirm(dctx)
+    # The installed release again, by a newer spec: a restart onto it, and the newer floor kept.
+    args = dict(staged_swap(worker, root, NEW, generation=4)["args"])
+    args["spec"] = spec_carrier(worker, daemon_section(worker, "1.1.0", NEW), 6)
+    got = _swap(dctx, args)
+    assert got["version"] == "1.1.0" and got["restart"] is not None
+    assert generation(root) == 6
+
+
+# --- audit: the rotated files' age rule (AuditLog.export, _deletable, _prune) -------------------------------
+
+AUDIT_DIR = "/var/log/bcd-helper"
+
+
+def _log(root: Path, **kw: Any) -> Any:
+    from bcd_helper.audit import AuditLog
+
+    return AuditLog(root, AUDIT_DIR, syslog=False, max_bytes=600, **kw)
+
+
+def _write(log: Any, n: int, start: int = 0) -> None:
+    for i in range(start, start + n):
+        log.record(
+            peer_pid=100 + i,
+            peer_uid=4242,
+            op="file.write",
+            args={"i": i},
+            args_sha256="0" * 64,
+            decision="accepted",
+            reason="",
+            message=f"m{i}",
+            duration_ms=1.0,
+        )
+
+
+def _rotated(root: Path) -> list[int]:
+    d = root / AUDIT_DIR.lstrip("/")
+    return sorted(int(p.name.rsplit(".", 1)[1]) for p in d.glob("audit.log.*"))
+
+
+def _age(root: Path, number: int, seconds: float) -> None:
+    import os
+    import time
+
+    path = root / AUDIT_DIR.lstrip("/") / f"audit.log.{number}"
+    at = time.time() - seconds
+    os.utime(path, (at, at))
+
+
+def test_an_exported_rotated_file_younger_than_min_age_is_kept_and_goes_once_old(root: Path) -> None:
+    log = _log(root, keep=1, min_age_s=3600.0)
+    try:
+        _write(log, 12)
+        held = _rotated(root)
+        assert len(held) > 2
+        seq = log.head()[0]
+        assert log.export()["seq"] == seq
+        assert _rotated(root) == held and log.head()[0] == seq  # all too young: no rotation, no anchor
+        # The oldest just old enough (to the second), the others young: one rotation deletes it only.
+        _age(root, held[-1], 3601)
+        log.export()
+        assert log.head()[0] == seq + 1  # the anchor
+        assert _rotated(root) == [1, *(n + 1 for n in held[:-1])]  # the current file rotated, the oldest gone
+    finally:
+        log.close()
+
+
+def test_only_the_oldest_rotated_file_decides_a_rotation(root: Path) -> None:
+    log = _log(root, keep=1, min_age_s=3600.0)
+    try:
+        _write(log, 12)
+        held = _rotated(root)
+        _age(root, held[0], 7200)  # the newest rotated file old, the oldest young
+        seq = log.head()[0]
+        log.export()
+        assert log.head()[0] == seq and _rotated(root) == held
+    finally:
+        log.close()
+
+
+def test_the_age_rule_reads_the_clock_against_the_files_mtime(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    from bcd_helper import audit
+
+    log = _log(root, keep=1, min_age_s=100.0)
+    try:
+        _write(log, 6)
+        log.export()  # every line read (the rotation it may make leaves the same files' lines exported)
+        oldest = _rotated(root)[-1]
+        mtime = os.stat(root / AUDIT_DIR.lstrip("/") / f"audit.log.{oldest}").st_mtime
+        clock: list[float] = [mtime + 100.0]
+        monkeypatch.setattr(audit, "time", type("T", (), {"time": staticmethod(lambda: clock[0])}))
+        assert log._deletable(oldest) is True  # exactly min_age_s old
+        clock[0] = mtime + 99.5
+        assert log._deletable(oldest) is False
+        log._min_age = 0.5  # a fraction of a second is an age too
+        clock[0] = mtime + 0.25
+        assert log._deletable(oldest) is False
+        log._min_age = 0.0  # no age rule: a clock stepped back does not keep the file
+        clock[0] = mtime - 10.0
+        assert log._deletable(oldest) is True
+        assert log._deletable(oldest + 1) is False  # no such file: nothing to delete
+    finally:
+        log.close()
