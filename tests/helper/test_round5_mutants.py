@@ -711,3 +711,79 @@ def test_the_age_rule_reads_the_clock_against_the_files_mtime(
         assert log._deletable(oldest + 1) is False  # no such file: nothing to delete
     finally:
         log.close()
+
+
+# --- server: audit.head while the audit log is full (Connection.answer, Guards.flush) -----------------------
+
+
+@pytest.fixture
+def served(plain: HelperContext) -> Iterator[tuple[Any, Any, Any]]:
+    """(guards, the node's connection, root's connection) over socket pairs, on `plain`'s audit log."""
+    import socket
+
+    from bcd_helper.ops.base import Peer
+    from bcd_helper.server import Connection, Guards
+
+    guards = Guards(plain)
+    a, b = socket.socketpair()
+    c, d = socket.socketpair()
+    node = Connection(plain, b, guards)
+    node.peer = Peer(node.peer.pid, 4242, 4242)
+    root_conn = Connection(plain, d, guards)
+    assert root_conn.peer.uid == 0
+    try:
+        yield guards, node, root_conn
+    finally:
+        guards.close()
+        for s in (a, b, c, d):
+            s.close()
+
+
+def _audit_lines(ctx: HelperContext) -> list[dict[str, Any]]:
+    import json
+
+    path = ctx.root / ctx.config.audit_dir.lstrip("/") / "audit.log"
+    return [json.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def test_while_the_log_is_full_the_nodes_audit_head_is_answered_and_counted_not_audited(
+    plain: HelperContext, served: tuple[Any, Any, Any]
+) -> None:
+    guards, node, root_conn = served
+    plain.audit._held = plain.audit._keep * 4
+    assert plain.audit.full
+    before = len(_audit_lines(plain))
+    seq, sha = plain.audit.head()
+    for _ in range(3):
+        assert node.answer({"op": "audit.head", "args": {}}) == {
+            "ok": True,
+            "result": {"seq": seq, "sha256": sha},
+        }
+    assert len(_audit_lines(plain)) == before
+    assert guards._pending == {4242: {"audit.head (log full)": 3}}
+    # Root is never counted: its audit.head gets its line.
+    assert root_conn.answer({"op": "audit.head", "args": {}})["ok"] is True
+    assert _audit_lines(plain)[-1]["op"] == "audit.head" and guards._pending == {
+        4242: {"audit.head (log full)": 3}
+    }
+    node.answer({"op": "helper.ping", "args": {}})  # refused audit-full, counted too
+    guards.flush()
+    line = _audit_lines(plain)[-1]
+    assert (line["op"], line["peer_uid"], line["args"]) == (
+        "(suppressed)",
+        4242,
+        {"count": 4, "reasons": {"audit-full": 1, "audit.head (log full)": 3}},
+    )
+    # Not all of them refusals: the line says requests.
+    assert line["message"] == "4 requests of uid 4242 answered without a line of their own"
+
+
+def test_the_nodes_audit_head_has_its_line_while_the_log_is_not_full(
+    plain: HelperContext, served: tuple[Any, Any, Any]
+) -> None:
+    guards, node, _ = served
+    assert not plain.audit.full
+    assert node.answer({"op": "audit.head", "args": {}})["ok"] is True
+    last = _audit_lines(plain)[-1]
+    assert (last["op"], last["peer_uid"], last["decision"]) == ("audit.head", 4242, "accepted")
+    assert guards._pending == {}
