@@ -514,6 +514,15 @@ def _used(root: Path) -> list[dict[str, Any]]:
     return list(json.loads(path.read_text())["used"]) if path.exists() else []
 
 
+def _seed_used(root: Path, *used: dict[str, Any]) -> None:
+    import json
+
+    path = root / "var/lib/bcd-hostconfig/helper-commands.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"format": 1, "used": list(used)}))
+    path.chmod(0o600)
+
+
 def _forget_record_ids(root: Path) -> None:
     """The release record's last 64 ids all newer commands' (what 64 later swaps leave)."""
     import json
@@ -530,10 +539,18 @@ def test_a_command_swap_is_remembered_until_its_not_after_and_a_replay_refused(
 ) -> None:
     import time
 
-    not_after = int(time.time() * 1000) + 300_000
+    now_ms = int(time.time() * 1000)
+    not_after = now_ms + 300_000
+    reboot = {"id": "c1", "op": "node.reboot", "target": "", "not_after_ms": now_ms + 600_000}
+    expired = {"id": "c0", "op": "gpu.reset", "target": "g", "not_after_ms": now_ms - 60_000}
+    _seed_used(root, expired, reboot)
     command = _command(worker, not_after)
     assert _swap(dctx, _command_swap(worker, root, command))["version"] == "1.1.0"
-    assert _used(root) == [{"id": UPG, "op": "daemon.upgrade", "target": "", "not_after_ms": not_after}]
+    # Remembered with its not_after, by root's clock in ms (what expired is dropped, what is valid kept).
+    assert _used(root) == [
+        reboot,
+        {"id": UPG, "op": "daemon.upgrade", "target": "", "not_after_ms": not_after},
+    ]
     assert generation(root) is None  # a command carries no spec: root's intent state is not written
     _confirm(dctx)
     _forget_record_ids(root)
@@ -547,16 +564,21 @@ def test_a_command_swap_is_remembered_until_its_not_after_and_a_replay_refused(
 def test_a_swap_that_fails_forgets_its_command_so_it_may_come_again(
     dctx: HelperContext, root: Path, worker: Signer
 ) -> None:
+    import time
+
+    now_ms = int(time.time() * 1000)
+    reboot = {"id": "c1", "op": "node.reboot", "target": "", "not_after_ms": now_ms + 600_000}
+    _seed_used(root, {"id": "c0", "op": "gpu.reset", "target": "g", "not_after_ms": now_ms - 60_000}, reboot)
     releases = root / "usr/lib/bcd/releases"
     releases.symlink_to("/tmp")
     command = _command(worker, 0)
     with pytest.raises(Failed) as info:
         _swap(dctx, _command_swap(worker, root, command))
     assert info.value.reason == "swap"
-    assert _used(root) == []
+    assert _used(root) == [reboot]  # the command forgotten, the other kept
     releases.unlink()
     assert _swap(dctx, _command_swap(worker, root, command))["version"] == "1.1.0"
-    assert [u["id"] for u in _used(root)] == [UPG]
+    assert [u["id"] for u in _used(root)] == ["c1", UPG]
 
 
 def test_a_command_targeting_another_node_is_refused(dctx: HelperContext, root: Path, worker: Signer) -> None:
