@@ -809,3 +809,50 @@ def test_the_nodes_audit_head_has_its_line_while_the_log_is_not_full(
     last = _audit_lines(plain)[-1]
     assert (last["op"], last["peer_uid"], last["decision"]) == ("audit.head", 4242, "accepted")
     assert guards._pending == {}
+
+
+# --- usedcommands: forget ----------------------------------------------------------------------------------
+
+
+def test_forget_drops_what_expired_at_now_and_keeps_the_file_roots_alone(root: Path) -> None:
+    import os
+
+    from bcd_helper.usedcommands import UsedCommands
+
+    used = UsedCommands(root)
+    used.remember("daemon.upgrade", "c1", ("",), 10_000, 1_000)
+    used.remember("node.reboot", "c2", ("",), 5_000, 1_000)
+    used.forget("daemon.upgrade", "c1", 5_000)  # c2's not_after is now: expired too
+    assert _used(root) == []
+    path = root / "var/lib/bcd-hostconfig/helper-commands.json"
+    assert os.stat(path).st_mode & 0o777 == 0o600
+
+
+def test_forget_names_the_op_when_the_memory_cannot_be_read_or_written(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from bcd_helper import usedcommands
+    from bcd_helper.usedcommands import USED_PATH, UsedCommands
+    from bcd_shared.rootpath import RootPathRefused
+
+    used = UsedCommands(root)
+    used.remember("daemon.upgrade", "c1", ("",), 10_000, 1_000)
+
+    def refuse(where: Path, path: str, data: bytes, mode: int) -> None:
+        raise RootPathRefused(path, f"{path}: refused for the test")
+
+    monkeypatch.setattr(usedcommands, "write_root_only", refuse)
+    with pytest.raises(Failed) as info:
+        used.forget("daemon.upgrade", "c1", 2_000)
+    assert (info.value.reason, info.value.message) == (
+        "command-memory",
+        f"daemon.upgrade: {USED_PATH}: {USED_PATH}: refused for the test",
+    )
+    monkeypatch.undo()
+    (root / USED_PATH.lstrip("/")).write_text("{")
+    with pytest.raises(Failed) as info:
+        used.forget("daemon.upgrade", "c1", 2_000)
+    assert info.value.reason == "command-memory"
+    assert info.value.message.startswith(
+        f"daemon.upgrade: root's memory of used commands {USED_PATH} cannot be"
+    )
