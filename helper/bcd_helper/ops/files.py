@@ -477,10 +477,11 @@ def _visible_ok(value: str, assignment: Any) -> bool:
 
 
 def _check_signed_env(kind: str, ident: str, lines: Any, assignment: Any, vendor_env: Any = ()) -> None:
-    """With roots: a hold's env is what the signed assignment makes (round 5). A line is taken when it is
-    one of the assignment's own signed env lines (the env file) or of root's vendor spec's common env (a
-    CDI hold: build_hold_spec copies those); else the keys bcd sets must carry the values root derives.
-    Anything else is `env-outside`."""
+    """With roots: a hold's env is what the signed assignment makes (round 5). The keys bcd sets carry
+    the values root derives, whoever names them (the node refuses an assignment env line with such a
+    key, docs/devices.md Q-DEV-ASG-02, so a signed one is not taken either); any other line must be one
+    of the assignment's own signed env lines (the env file) or of root's vendor spec's common env (a
+    CDI hold: build_hold_spec copies those). Anything else is `env-outside`."""
     derived = {
         "BCD_ALLOCATION_ID": ident,
         "BCD_CGROUP_PARENT": f"bcd-alloc-{ident}.slice",
@@ -490,12 +491,12 @@ def _check_signed_env(kind: str, ident: str, lines: Any, assignment: Any, vendor
     taken = set(assignment.env) if kind == "allocation-env" else set(vendor_env)
     for i, line in enumerate(lines):
         key, _, value = str(line).partition("=")
-        if line in taken:
-            ok = True
-        elif key == "NVIDIA_VISIBLE_DEVICES":
+        if key == "NVIDIA_VISIBLE_DEVICES":
             ok = _visible_ok(value, assignment)
+        elif key in HOLD_ENV_KEYS:
+            ok = value == derived[key]
         else:
-            ok = key in HOLD_ENV_KEYS and value == derived[key]
+            ok = line in taken
         if not ok:
             raise Refused(
                 "env-outside",
