@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 from bcd_helper.ops.auditops import AuditHead, audit_head
 from bcd_helper.ops.base import Failed, HelperContext, Refused
@@ -119,3 +120,34 @@ def test_an_audit_dir_written_with_a_trailing_slash(tmp_path: Path) -> None:
         assert audit_tail(call(c), AuditTail())["text"] == "line\n"
     finally:
         c.audit.close()
+
+
+def test_a_tail_takes_four_times_its_bound_from_the_in_flight_budget_first(ctx: HelperContext) -> None:
+    """Round 5: audit.tail reserves 4 x max_bytes (the bytes read, their text, the encoded answer) of the
+    server's in-flight budget before it reads; with no room it is refused `busy` and reads nothing."""
+    log_path(ctx).write_bytes(b"line\n")
+    asked: list[int] = []
+
+    def room(n: int) -> bool:
+        asked.append(n)
+        return True
+
+    c = attrs.evolve(call(ctx), reserve=room)
+    assert audit_tail(c, AuditTail(2048))["text"] == "line\n"
+    assert asked == [4 * 2048]
+
+    def full(n: int) -> bool:
+        asked.append(n)
+        return False
+
+    c = attrs.evolve(c, reserve=full)
+    with pytest.raises(Refused) as info:
+        audit_tail(c, AuditTail(1024))
+    assert (info.value.reason, info.value.message) == (
+        "busy",
+        "audit.tail: the helper holds as many large answers as it may: try again later",
+    )
+    assert asked == [8192, 4096]
+    with pytest.raises(Refused) as bad:  # the bound is checked before anything is reserved
+        audit_tail(c, AuditTail(1023))
+    assert bad.value.reason == "bad-arguments" and asked == [8192, 4096]

@@ -856,3 +856,35 @@ def test_forget_names_the_op_when_the_memory_cannot_be_read_or_written(
     assert info.value.message.startswith(
         f"daemon.upgrade: root's memory of used commands {USED_PATH} cannot be"
     )
+
+
+def test_an_answer_reserves_node_bytes_of_the_in_flight_budget_and_root_none(tmp_path: Path) -> None:
+    """Connection.reserve_answer (Call.reserve, round 5): a node's large answer takes its bytes from the
+    process-wide budget at once or not at all, and holds them on the connection until its answer is
+    sent; root's answers are not counted."""
+    import socket
+
+    from bcd_helper.server import Connection, Guards, Peer
+
+    ctx = context(make_root(tmp_path))
+    guards = Guards(ctx)
+    a, b = socket.socketpair()
+    try:
+        c = Connection(ctx, b, guards)
+        budget = guards.budget
+        total = budget.total
+        c.peer = Peer(1, 0, 0)
+        assert c.reserve_answer(total + 1) is True
+        assert (budget.used, c.reserved) == (0, 0)
+        c.peer = Peer(1, 4242, 4242)
+        assert c.reserve_answer(1000) is True
+        assert (budget.used, c.reserved) == (1000, 1000)
+        assert c.reserve_answer(total - 1000) is True
+        assert (budget.used, c.reserved) == (total, total)
+        assert c.reserve_answer(1) is False  # no room now: refused at once, nothing taken
+        assert (budget.used, c.reserved) == (total, total)
+    finally:
+        a.close()
+        b.close()
+        guards.close()
+        ctx.audit.close()
