@@ -257,8 +257,9 @@ GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
 GPU2 = "GPU-5f1c2a90-0000-4000-8000-000000000002"
 
 
-def _devices_spec(signer: Signer, generation: int) -> dict[str, Any]:
-    """The signed spec: allocation a1 holds GPU1 (reservation r1, sliced) with one extra env line."""
+def _devices_spec(signer: Signer, generation: int, *, limits: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The signed spec: allocation a1 holds GPU1 (reservation r1) with one extra env line, and with
+    `limits` a sliced hold with those limits."""
     section = wire.DevicesSection(
         assignments=[
             wire.DeviceAssignment(
@@ -266,7 +267,8 @@ def _devices_spec(signer: Signer, generation: int) -> dict[str, Any]:
                 reservation_id="r1",
                 binding=wire.Binding.HOLD,
                 devices=[wire.DeviceAtom(id=GPU1, device_class="gpu")],
-                env=["SLURM_GRES=gpu:1"],
+                env=["SLURM_GRES=gpu:1"] if limits is None else [],
+                limits=wire.DeviceLimits(**limits) if limits is not None else None,
             )
         ]
     )
@@ -478,30 +480,6 @@ def test_round5_a_failed_swap_forgets_its_daemon_upgrade_command(tmp_path: Path)
         assert info.value.reason == "command-replayed"
 
 
-def _limits_spec(signer: Signer, generation: int, **limits: Any) -> dict[str, Any]:
-    """The signed spec: allocation a1 holds GPU1 with `limits` (a sliced hold)."""
-    section = wire.DevicesSection(
-        assignments=[
-            wire.DeviceAssignment(
-                allocation_id="a1",
-                reservation_id="r1",
-                binding=wire.Binding.HOLD,
-                devices=[wire.DeviceAtom(id=GPU1, device_class="gpu")],
-                limits=wire.DeviceLimits(**limits),
-            )
-        ]
-    )
-    body = bytes(
-        wire.DesiredStateBody(
-            node_id=NODE_ID,
-            generation=generation,
-            spec_hash=f"s{generation}",
-            full=wire.NodeSpec(devices=section),
-        )
-    )
-    return intent(signer, body)
-
-
 def test_round5_with_roots_a_hold_slice_takes_only_the_signed_limits(
     release_host: tuple[Path, str], cp: ControlPlane
 ) -> None:
@@ -514,7 +492,7 @@ def test_round5_with_roots_a_hold_slice_takes_only_the_signed_limits(
     systemctl; the signed limits are applied."""
     root, config = release_host
     worker = cp.command.leaf()
-    spec = _limits_spec(worker, 2, cpus="0-3", memory_bytes=1 << 30)
+    spec = _devices_spec(worker, 2, limits=dict(cpus="0-3", memory_bytes=1 << 30))
     h = HelperProcess(root, config)
 
     def apply(
