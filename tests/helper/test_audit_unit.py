@@ -1567,6 +1567,19 @@ def test_cli_show_filters_every_entry_and_an_empty_message_ends_the_line(
     assert out[0] == f"{first['time']} #1 uid=4242 pid=100 file.write accepted  {json.dumps({'i': 0})}"
 
 
+def record_fsyncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Each fsync from here on, as "dir" or "file", in order (the fsync still happens)."""
+    synced: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
+        real(fd)
+
+    monkeypatch.setattr(audit.os, "fsync", fsync)
+    return synced
+
+
 def test_a_log_that_is_only_a_torn_line_is_cut_to_empty_and_its_directory_fsynced(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -1578,16 +1591,9 @@ def test_a_log_that_is_only_a_torn_line_is_cut_to_empty_and_its_directory_fsynce
     log.close()
     (d / LOG_NAME).write_bytes(b'{"seq":1,"ti')
     os.chmod(d / LOG_NAME, 0o600)
-    synced: list[str] = []
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
-        real(fd)
-
-    monkeypatch.setattr(audit.os, "fsync", fsync)
+    synced = record_fsyncs(monkeypatch)
     again = new_log(root)
-    monkeypatch.setattr(audit.os, "fsync", real)
+    monkeypatch.undo()
     assert synced == ["file", "file", "dir"]  # the cut, the repair line, then its directory
     ((repair),) = lines(d / LOG_NAME)
     assert (repair["seq"], repair["op"], repair["prev"]) == (1, "(repair)", audit.GENESIS)
@@ -1603,14 +1609,7 @@ def test_a_missing_anchor_written_at_start_fsyncs_its_directory(
     write(log, 2)
     log.close()
     os.rename(d / LOG_NAME, d / f"{LOG_NAME}.1")
-    synced: list[str] = []
-    real = os.fsync
-
-    def fsync(fd: int) -> None:
-        synced.append("dir" if stat.S_ISDIR(os.fstat(fd).st_mode) else "file")
-        real(fd)
-
-    monkeypatch.setattr(audit.os, "fsync", fsync)
+    synced = record_fsyncs(monkeypatch)
     new_log(root).close()
     assert synced == ["file", "dir"]
 
