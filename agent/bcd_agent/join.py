@@ -44,6 +44,7 @@ import fcntl
 import logging
 import os
 import socket
+import stat
 import sys
 import time
 from collections.abc import Iterator
@@ -155,12 +156,13 @@ def _give_to_the_node(path: Path, fd: int | None = None) -> None:
         return
     own = fd is None
     if fd is None:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO swapped in would otherwise hold root's open (it is then refused below).
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
-        if st.st_uid == owner.st_uid:
+        if st.st_uid == owner.st_uid and stat.S_ISREG(st.st_mode):
             return
-        if st.st_uid != 0 or st.st_nlink != 1:
+        if st.st_uid != 0 or st.st_nlink != 1 or not stat.S_ISREG(st.st_mode):
             raise JoinError(f"{path} changed while it was written; join again")
         os.fchown(fd, owner.st_uid, owner.st_gid)
     finally:

@@ -360,3 +360,29 @@ async def test_HST_SIGN_36_two_resets_keep_every_old_identity(tmp_path: Path) ->
         asides = world.aside("identity.json")
         assert len(asides) == 2 and len(set(ids)) == 3
         assert {json.loads(p.read_bytes())["node_id"] for p in asides} == set(ids[:2])
+
+
+@as_root
+def test_root_hands_over_only_its_own_plain_file(tmp_path: Path) -> None:
+    """What root chowns to the node after a join must still be the regular file root wrote, with one
+    link: a FIFO, another account's file or a hard link swapped into the node's data_dir is refused,
+    and nothing is chowned (a FIFO does not hold the open)."""
+    give = joinmod._give_to_the_node
+    data = tmp_path / "data"
+    data.mkdir(mode=0o700)
+    os.chown(data, 65534, 65534)
+    fifo = data / "identity.json"
+    os.mkfifo(fifo, 0o600)
+    with pytest.raises(JoinError, match="changed while it was written"):
+        give(fifo)
+    assert fifo.stat().st_uid == 0
+    fifo.unlink()
+    plain = data / "identity.json"
+    plain.write_text("{}")
+    os.link(plain, tmp_path / "other")
+    with pytest.raises(JoinError, match="changed while it was written"):
+        give(plain)
+    assert plain.stat().st_uid == 0
+    (tmp_path / "other").unlink()
+    give(plain)
+    assert (plain.stat().st_uid, plain.stat().st_gid) == (65534, 65534)
