@@ -71,12 +71,14 @@ while [ ! -e /pwr ]; do
   s="${{s}}mem:$(sed -n 's/^MemTotal: *\\([0-9]*\\).*/\\1/p' /proc/meminfo)"
   if [ "$s" != "$state" ]; then echo "{MARK}-STATE $s"; state="$s"; fi
   # The identity rebind: what udev and bc-rebind@.service do on a real guest (docs/instances.md).
+  # Each hot-add is a new device even when the kernel reuses its name (udev sees an add event each
+  # time): the sysfs directory's inode, which kernfs never reuses, tells two attaches apart.
   now=""
   for b in /sys/block/vd*; do
-    [ "$(cat $b/serial 2>/dev/null)" = bc-rebind ] && now="${{b##*/}}"
+    [ "$(cat $b/serial 2>/dev/null)" = bc-rebind ] && now="${{b##*/}}:$(stat -L -c %i $b)"
   done
   if [ -n "$now" ] && [ "$now" != "$rebound" ]; then
-    if /usr/local/sbin/bc-rebind "/dev/$now"; then
+    if /usr/local/sbin/bc-rebind "/dev/${{now%%:*}}"; then
       echo "{MARK}-REBOUND $(ls /etc/ssh/auth_principals) $(cat /etc/ssh/auth_principals/* | tr '\\n' ,)"
       c=/etc/ssh/ssh_host_bcd_key-cert.pub
       [ -f $c ] && echo "{MARK}-HOSTCERT $(cut -d' ' -f1 $c)"

@@ -297,7 +297,8 @@ def test_rebind_and_setmem_through_a_real_helper_dlv_hlp_03(
     source = FixedUserData({name: UserData(data=bundle(with_key=False, principals=["helper-8"]))})
     rebinder = Rebinder(system, guest.data, {"libvirt-kvm": rt}, source, poll_s=0.5)
     rebinder.sleep = guest.console.drain
-    assert rebinder.tick(spec(inst), rt.list()) == [(name, "rebound")]
+    outcome = rebinder.tick(spec(inst), rt.list())
+    assert outcome == [(name, "rebound")], guest.console.text[-3000:]
     guest.console.wait_for(rf"{MARK}-REBOUND tenant helper-8,", 10)
     rt.set_balloon(name, 32 * MIB)
     deadline = time.monotonic() + 30
