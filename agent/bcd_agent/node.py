@@ -824,7 +824,8 @@ class Node:
 
     def liveness(self) -> dict[str, object]:
         """What status.json carries beyond the converge status (bcd_agent.statusfile): the session's link
-        and the converge passes, as wall times, for `bcd status` and `bcd status --check`."""
+        and the converge passes, as wall times, for `bcd status` and `bcd status --check`; and the GPUs
+        passed through to instances, for the holders table."""
         wall, mono = time.time(), trio.current_time()
 
         def to_wall(t: float | None) -> float | None:
@@ -855,7 +856,14 @@ class Node:
                 "next_pass_at": to_wall(next_at),
                 "next_pass_reason": next_reason if next_at != math.inf else "",
             }
-        return {"node": doc}
+        out: dict[str, object] = {"node": doc}
+        instances = self.instances_section
+        if instances is not None:
+            # GPU uuid -> instance: `bcd status` shows a GPU passed through to a VM as held by it (no CDI
+            # file names it); the same map the devices section refuses holds on (DEV-PASS).
+            spec = runner.spec if runner is not None else None
+            out["passthrough"] = instances.vfio(spec.payload("instances") if spec else None)
+        return out
 
     async def _start_tail(self) -> None:
         """After Hello: the first inventory read; then, once the first converge pass ran (or

@@ -540,14 +540,23 @@ def change_lines(previous: SimView | None, view: SimView) -> list[str]:
     return out
 
 
-def holders_text(root: Path) -> str:
-    """The holder of each GPU, MIG instance and slot, as `bcd status --root DIR` shows it."""
+def holders_text(root: Path, data_dir: Path | None = None) -> str:
+    """The holder of each GPU, MIG instance and slot, as `bcd status --root DIR` shows it (the GPUs
+    passed through to instances from the node's status.json in `data_dir`)."""
     from bcd_simhost import sim_system
 
-    from bcd_agent.status import StatusSnapshot, read_holders
+    from bcd_agent.status import StatusSnapshot, passthrough_of, read_holders
     from bcd_agent.status import render as render_status
+    from bcd_agent.statusfile import StatusFileError, read_status
 
-    lines = render_status(StatusSnapshot(None, read_holders(sim_system(root)))).splitlines()
+    status = None
+    if data_dir is not None:
+        try:
+            status = read_status(data_dir)
+        except (OSError, StatusFileError):
+            status = None
+    holds = read_holders(sim_system(root), passthrough_of(status))
+    lines = render_status(StatusSnapshot(None, holds)).splitlines()
     table = next((i for i, line in enumerate(lines) if line.startswith("GPU")), len(lines))
     return "\n".join(lines[table:]) + "\n"  # the table only: not the version and "no status" lines
 
@@ -730,7 +739,7 @@ async def simulate(
     if not opts.json:
         verdict = "converged" if view.converged else "timed out" if timed_out else "settled, not converged"
         out.write("\n" + render(view, elapsed_s=time.monotonic() - started, spec=str(opts.spec)))
-        out.write(holders_text(layout.root))
+        out.write(holders_text(layout.root, layout.data_dir))
         if helper:
             out.write(audit_summary(layout.root))
         out.write(f"bcd sim: {verdict}; the simulated host stays in {layout.root}\n")

@@ -11,6 +11,12 @@ Two sources, both local, neither the node's memory:
   their MIG instances from nvidia-smi, so that each GPU, MIG instance and slot is shown with the
   allocation holding it (devices-and-holds.md, "Seeing the holds").
 
+A GPU passed through to a VM is held by no CDI file: its holder is the instance, which only the node
+knows (its spec and the domains it saw running). The node publishes that map in status.json
+(`passthrough`, GPU uuid -> instance id) and each such GPU is shown with `instance ID` as its holder;
+a GPU bound to vfio-pci is not listed by nvidia-smi, so it gets a row of its own ("passed through").
+When the node is down the map is its last known one, as the rest of status.json.
+
 Liveness (issue 15, item 5): the first lines say whether the node process is alive (the pid in
 status.json, checked against /proc with its start time, so a recycled pid is not mistaken for the node),
 how old status.json is (the node rewrites it every 10 s: an old file is a stale node), the session's
@@ -65,7 +71,15 @@ class HolderRow:
     device: str  # the GPU's UUID, or a MIG instance / slot id
     kind: str  # "gpu", "gpu.mig", "gpu.slot"
     detail: str  # the MIG profile, "MIG on", ...
-    holder: str  # allocation id, or "" when free
+    holder: str  # allocation id, or "" when no hold names it
+    instance: str = ""  # the instance it is passed through to (the node's `passthrough`), or ""
+
+    def holders(self) -> str:
+        """The HOLDER column: the allocation, the instance, both (a conflict shows as such), or `-`."""
+        parts = [self.holder] if self.holder else []
+        if self.instance:
+            parts.append(f"instance {self.instance}")
+        return ", ".join(parts) or "-"
 
 
 @frozen
@@ -75,13 +89,24 @@ class Holds:
     inventory_errors: tuple[str, ...] = ()
 
 
-def read_holders(system: System) -> Holds:
-    """Every GPU, MIG instance and slot with the allocation that holds it (read-only)."""
+def passthrough_of(status: StatusView | None) -> dict[str, str]:
+    """GPU uuid -> instance from status.json's `passthrough` (what the node last published); entries
+    that are not two strings are ignored (an older or damaged file shows no instance, never a crash)."""
+    doc = status.extra.get("passthrough") if status is not None else None
+    if not isinstance(doc, Mapping):
+        return {}
+    return {k: v for k, v in doc.items() if isinstance(k, str) and isinstance(v, str) and k and v}
+
+
+def read_holders(system: System, passthrough: Mapping[str, str] | None = None) -> Holds:
+    """Every GPU, MIG instance and slot with the allocation that holds it (read-only), and the instance
+    each GPU of `passthrough` (GPU uuid -> instance id) is passed through to."""
     from bcd_agent.inventory.gpus import collect_gpus
     from bcd_agent.sections.devices.atoms import MIG_ID_RE, SLOT_ID_RE, atom_from_id
     from bcd_agent.sections.devices.observe import read_holds
 
     holds, bad = read_holds(system)
+    vfio = dict(passthrough or {})
     held: dict[str, str] = {}
     for alloc, live in sorted(holds.items()):
         for device_id in live.record.device_ids:
@@ -91,7 +116,9 @@ def read_holders(system: System) -> Holds:
     shown: set[str] = set()
     for gpu in sorted(inventory.gpus, key=lambda g: g.index):
         detail = "MIG on" if gpu.mig_enabled else ""
-        rows.append(HolderRow(gpu.index, gpu.uuid, "gpu", detail, held.get(gpu.uuid, "")))
+        rows.append(
+            HolderRow(gpu.index, gpu.uuid, "gpu", detail, held.get(gpu.uuid, ""), vfio.get(gpu.uuid, ""))
+        )
         shown.add(gpu.uuid)
         for mig in gpu.migs:
             atom = f"{gpu.uuid}/gi{mig.gpu_instance}/ci{mig.compute_instance}"
@@ -105,7 +132,11 @@ def read_holders(system: System) -> Holds:
         if atom in shown:
             continue
         kind = "gpu.mig" if MIG_ID_RE.match(atom) else "gpu.slot" if SLOT_ID_RE.match(atom) else "gpu"
-        rows.append(HolderRow(None, atom, kind, "not in the inventory", alloc))
+        rows.append(HolderRow(None, atom, kind, "not in the inventory", alloc, vfio.get(atom, "")))
+        shown.add(atom)
+    for uuid, instance in sorted(vfio.items()):
+        if uuid not in shown:  # bound to vfio-pci: nvidia-smi does not list it
+            rows.append(HolderRow(None, uuid, "gpu", "passed through", "", instance))
     return Holds(tuple(rows), bad, inventory.errors)
 
 
@@ -247,7 +278,7 @@ def snapshot(
     holds: Holds | None = None
     if system is not None:
         try:
-            holds = read_holders(system)
+            holds = read_holders(system, passthrough_of(status))
         except OSError as e:
             errors.append(f"reading the holds failed: {e}")
     live = liveness(status, now, proc) if status is not None else None
@@ -379,7 +410,7 @@ def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
             device = r.device if r.kind == "gpu" else "  " + r.device.split("/", 1)[-1]
             if r.gpu_index is None:
                 device = r.device
-            lines.append(f"{index:<5}{device:<58}{r.detail:<14}{r.holder or '-'}")
+            lines.append(f"{index:<5}{device:<58}{r.detail:<14}{r.holders()}")
         if not snap.holds.rows:
             lines.append("(no GPUs listed and no holds)")
         for alloc in snap.holds.unparseable:
@@ -408,7 +439,7 @@ def to_json(snap: StatusSnapshot) -> dict[str, object]:
     if snap.holds is not None:
         doc["holders"] = [
             {"gpu_index": r.gpu_index, "device": r.device, "device_class": r.kind, "detail": r.detail,
-             "holder": r.holder or None}
+             "holder": r.holder or None, "instance": r.instance or None}
             for r in snap.holds.rows
         ]  # fmt: skip
         doc["unparseable_holds"] = list(snap.holds.unparseable)

@@ -168,3 +168,39 @@ def test_status_json_of_holds_alone(tmp_path: Path) -> None:
     assert rc == 1 and doc["status"] is None
     assert all(r["holder"] is None for r in doc["holders"])
     assert json.dumps(doc)
+
+
+def test_a_gpu_passed_through_to_a_vm_shows_its_instance(tmp_path: Path) -> None:
+    """A GPU passed through to an instance is held by no CDI file: `bcd status` takes its holder from the
+    node's published `passthrough` map (status.json), shows a GPU nvidia-smi no longer lists (bound to
+    vfio-pci) on a row of its own, and ignores entries that are not two strings."""
+    root, data_dir = sim_root(tmp_path), tmp_path / "data"
+    unlisted = "GPU-00000000-dead-beef-0000-000000000042"
+    passthrough = {gpu_uuid(3): "vm-gpu-0001", unlisted: "vm-gpu-0002", gpu_uuid(5): 7, "": "vm-x"}
+    write_status(data_dir, _status(1), now_monotonic=11.0, extra={"passthrough": passthrough})
+    _rc, doc = bcd_json("status", "--root", str(root), "--data-dir", str(data_dir))
+    rows = {r["device"]: r for r in doc["holders"]}
+    assert (rows[gpu_uuid(3)]["holder"], rows[gpu_uuid(3)]["instance"]) == (None, "vm-gpu-0001")
+    assert rows[gpu_uuid(3)]["gpu_index"] == 3
+    assert rows[unlisted] == {"gpu_index": None, "device": unlisted, "device_class": "gpu",
+                              "detail": "passed through", "holder": None,
+                              "instance": "vm-gpu-0002"}  # fmt: skip
+    assert rows[gpu_uuid(5)]["instance"] is None and rows[gpu_uuid(2)]["instance"] is None
+    assert "" not in rows
+    text = bcd("status", "--root", str(root), "--data-dir", str(data_dir)).stdout
+    [line3] = [line for line in text.splitlines() if gpu_uuid(3) in line]
+    assert line3.split()[0] == "3" and line3.endswith("instance vm-gpu-0001")
+    [line_unlisted] = [line for line in text.splitlines() if unlisted in line]
+    assert line_unlisted.startswith("?") and "passed through" in line_unlisted
+    [line5] = [line for line in text.splitlines() if gpu_uuid(5) in line]
+    assert line5.endswith(" -")
+
+
+def test_a_gpu_both_held_and_passed_through_shows_both(tmp_path: Path) -> None:
+    """A conflict (a hold's CDI file and an instance name the same GPU) is shown as such, not hidden."""
+    from bcd_agent.status import HolderRow
+
+    row = HolderRow(0, gpu_uuid(0), "gpu", "", "alloc_a", "vm-1")
+    assert row.holders() == "alloc_a, instance vm-1"
+    assert HolderRow(0, gpu_uuid(0), "gpu", "", "", "").holders() == "-"
+    assert HolderRow(0, gpu_uuid(0), "gpu", "", "alloc_a").holders() == "alloc_a"
