@@ -372,3 +372,101 @@ def test_DLV_PRIV_10_daemon_upgrade_swaps_then_completes_in_the_new_release(
     again = as_node(h, ca, run_release(h.root / LINK, "release", "version"), run)
     assert again == {"version": "1.0.0", "previous_version": ""}, again
     assert _record(h)["state"] == "confirmed"
+
+
+def _signed_node_spec(
+    h: HelperProcess, signer: Signer, generation: int, devices: wire.DevicesSection, daemon: wire.DaemonSection
+) -> None:
+    """The control plane's signed spec with a devices and a daemon section, as the session keeps it."""
+    body = bytes(
+        wire.DesiredStateBody(
+            node_id=NODE_ID,
+            generation=generation,
+            spec_hash=f"h{generation}",
+            full=wire.NodeSpec(devices=devices, daemon=daemon),
+        )
+    )
+    path = write_host_intent(
+        h.root / "var/lib/bcd",
+        generation=generation,
+        body=body,
+        signature=signer.key.sign(Purpose.DESIRED_STATE, body),
+        signer_chain=signer.chain,
+    )
+    os.chown(path, NODE_UID, NODE_UID)
+
+
+def test_DLV_PRIV_11_an_unprivileged_node_binds_releases_and_updates_beside_the_helper(
+    host: tuple[HelperProcess, ControlPlane], server: tuple[str, Path], releases: dict[str, Path]
+) -> None:
+    """DLV-PRIV-11: the node as its own uid beside a real `bcd helper serve` with signing roots. One signed
+    spec holds GPU 0 for allocation a1 and names release 1.0.0: the node's devices section binds the hold
+    through root's file.write (the node itself cannot write /etc/cdi), its daemon section downloads the
+    release and root swaps it in, and the new release confirms itself. The next signed spec drops the hold:
+    released through root's file.remove, while the release stays confirmed. Root's audit log shows each
+    op accepted for the node's uid."""
+    from bcd_agent.sections.devices.apply import HelperExecutor as DevicesExecutor
+    from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
+    from bcd_agent.sections.devices.model import spec_from_wire
+    from bcd_agent.sections.devices.section import DevicesSection
+    from bcd_agent.sections.host.intent import intent_args, read_host_intent
+    from bcd_simhost import sim_system
+    from bcd_simhost.gpus import gpu_uuid
+
+    h, cp = host
+    base, ca = server
+    worker = cp.command.leaf()
+    data_dir = h.root / "var/lib/bcd"
+    cdi_path, env_path = h.root / "etc/cdi/bcd-a1.json", h.root / "run/bcd/allocations/a1.env"
+    v100 = release_section(worker, base, "1.0.0", releases["1.0.0"])
+    a1 = wire.DeviceAssignment(
+        allocation_id="a1",
+        reservation_id="r1",
+        binding=wire.Binding.HOLD,
+        devices=[wire.DeviceAtom(id=gpu_uuid(0), device_class="gpu")],
+    )
+
+    def devices_pass(section: wire.DevicesSection, generation: int) -> dict[str, Any]:
+        def act(_upgrader: Upgrader) -> dict[str, Any]:
+            client = HelperClient(h.socket_path)
+            executor = DevicesExecutor(client, lambda: intent_args(read_host_intent(data_dir), None))
+            system = sim_system(h.root)
+            sink = MemorySink()
+            devices = DevicesSection(
+                system, executor, sink, KeyReportSigner.fresh(NODE_ID, "boot-1"), "/var/lib/bcd"
+            )
+            spec = DesiredSpec(generation=generation, spec_hash=f"h{generation}")
+            ctx = PassContext(spec=spec, pass_number=1, reasons=frozenset({"spec"}), now_monotonic=0.0)
+            out = devices.converge(spec_from_wire(generation, section), Observation(), ctx)
+            events = [type(e.event).__name__ for e in sink.events]
+            return {"state": out.state.name, "message": out.message, "events": events, "uid": os.getuid()}
+
+        return as_node(h, ca, "0.9.0", act)
+
+    # Generation 1: the hold and the release, signed together.
+    _signed_node_spec(h, worker, 1, wire.DevicesSection(assignments=[a1]), v100)
+    bound = devices_pass(wire.DevicesSection(assignments=[a1]), 1)
+    assert bound == {"state": "CONVERGED", "message": "", "events": ["BoundEvent"], "uid": NODE_UID}, bound
+    assert cdi_path.stat().st_uid == 0 and gpu_uuid(0) in cdi_path.read_text()
+    assert env_path.read_text().startswith("BCD_ALLOCATION_ID=a1\n")
+    out = node_pass(h, ca, "0.9.0", v100, 1)
+    assert (out.get("state"), out.get("reason")) == ("PROGRESSING", "Restarting"), out
+    assert "confirmed=True" in run_release(h.root / LINK, "release", "confirm", "--socket", h.socket_path)
+    assert _record(h)["state"] == "confirmed" and run_release(h.root / LINK, "release", "version") == "1.0.0"
+
+    # Generation 2 drops the hold: root removes both files; the release stays.
+    _signed_node_spec(h, worker, 2, wire.DevicesSection(), v100)
+    released = devices_pass(wire.DevicesSection(), 2)
+    assert (released["state"], released["events"]) == ("CONVERGED", ["ReleasedEvent"]), released
+    assert not cdi_path.exists() and not env_path.exists()
+    assert _record(h)["state"] == "confirmed"
+    audit = h.audit_lines()
+    done = [
+        (a["op"], a["args"].get("kind"))
+        for a in audit
+        if a.get("decision") == "accepted" and a.get("peer_uid") == NODE_UID and a["op"].startswith("file.")
+    ]
+    assert done == [("file.write", "cdi"), ("file.write", "allocation-env"),
+                    ("file.remove", "cdi"), ("file.remove", "allocation-env")], done  # fmt: skip
+    swaps = [a for a in audit if a["op"] == "daemon.swap" and a.get("decision") == "accepted"]
+    assert [a.get("peer_uid") for a in swaps] == [NODE_UID]
