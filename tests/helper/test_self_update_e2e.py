@@ -205,14 +205,20 @@ def node_pass(
     return as_node(h, ca, running, act, timeout_s)
 
 
-def signed_spec(h: HelperProcess, signer: Signer, section: wire.DaemonSection, generation: int) -> None:
+def signed_spec(
+    h: HelperProcess,
+    signer: Signer,
+    section: wire.DaemonSection,
+    generation: int,
+    devices: wire.DevicesSection | None = None,
+) -> None:
     """The control plane's signed spec at `generation`, as the session keeps it (host-intent.json)."""
     body = bytes(
         wire.DesiredStateBody(
             node_id=NODE_ID,
             generation=generation,
             spec_hash=f"h{generation}",
-            full=wire.NodeSpec(daemon=section),
+            full=wire.NodeSpec(daemon=section, devices=devices),
         )
     )
     path = write_host_intent(
@@ -374,28 +380,6 @@ def test_DLV_PRIV_10_daemon_upgrade_swaps_then_completes_in_the_new_release(
     assert _record(h)["state"] == "confirmed"
 
 
-def _signed_node_spec(
-    h: HelperProcess, signer: Signer, generation: int, devices: wire.DevicesSection, daemon: wire.DaemonSection
-) -> None:
-    """The control plane's signed spec with a devices and a daemon section, as the session keeps it."""
-    body = bytes(
-        wire.DesiredStateBody(
-            node_id=NODE_ID,
-            generation=generation,
-            spec_hash=f"h{generation}",
-            full=wire.NodeSpec(devices=devices, daemon=daemon),
-        )
-    )
-    path = write_host_intent(
-        h.root / "var/lib/bcd",
-        generation=generation,
-        body=body,
-        signature=signer.key.sign(Purpose.DESIRED_STATE, body),
-        signer_chain=signer.chain,
-    )
-    os.chown(path, NODE_UID, NODE_UID)
-
-
 def test_DLV_PRIV_11_an_unprivileged_node_binds_releases_and_updates_beside_the_helper(
     host: tuple[HelperProcess, ControlPlane], server: tuple[str, Path], releases: dict[str, Path]
 ) -> None:
@@ -444,7 +428,7 @@ def test_DLV_PRIV_11_an_unprivileged_node_binds_releases_and_updates_beside_the_
         return as_node(h, ca, "0.9.0", act)
 
     # Generation 1: the hold and the release, signed together.
-    _signed_node_spec(h, worker, 1, wire.DevicesSection(assignments=[a1]), v100)
+    signed_spec(h, worker, v100, 1, wire.DevicesSection(assignments=[a1]))
     bound = devices_pass(wire.DevicesSection(assignments=[a1]), 1)
     assert bound == {"state": "CONVERGED", "message": "", "events": ["BoundEvent"], "uid": NODE_UID}, bound
     assert cdi_path.stat().st_uid == 0 and gpu_uuid(0) in cdi_path.read_text()
@@ -455,7 +439,7 @@ def test_DLV_PRIV_11_an_unprivileged_node_binds_releases_and_updates_beside_the_
     assert _record(h)["state"] == "confirmed" and run_release(h.root / LINK, "release", "version") == "1.0.0"
 
     # Generation 2 drops the hold: root removes both files; the release stays.
-    _signed_node_spec(h, worker, 2, wire.DevicesSection(), v100)
+    signed_spec(h, worker, v100, 2, wire.DevicesSection())
     released = devices_pass(wire.DevicesSection(), 2)
     assert (released["state"], released["events"]) == ("CONVERGED", ["ReleasedEvent"]), released
     assert not cdi_path.exists() and not env_path.exists()
