@@ -6,10 +6,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from bcd_agent.inventory import nvsmi
 from bcd_agent.inventory.gpus import build_inventory, collect_gpus, sysfs_pci_address
 from bcd_agent.inventory.handlers import collect_inventory, diag_nvml, hello_capabilities, inventory_hash
 from bcd_agent.inventory.host import parse_meminfo, read_host_memory
+from bcd_shared import nvsmi
 from bcd_simhost import sim_system
 from bcd_simhost.gpus import gpu_uuid, update_state
 from devices.devhost import IN_CI, REFERENCE, REPO

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from bcd_agent.inventory import nvsmi
 from bcd_agent.inventory.gpus import GpuHealth, build_inventory
+from bcd_shared import nvsmi
 
 # `nvidia-smi -L` as a driver prints it (the form of ../shared/reference/nvidia-smi/list/*.txt).
 LISTING = (

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from bcd_agent.dispatch.kinds import KINDS, Lane, Role
-from bcd_agent.inventory import nvsmi
 from bcd_agent.inventory.gpus import collect_gpus
 from bcd_agent.sections.devices.busy import gpu_reset, read_busy
+from bcd_shared import nvsmi
 from bcd_shared.system import CommandResult, System
 from bcd_simhost.gpus import gpu_uuid, update_state
 from devices.devhost import DATA_DIR, Host

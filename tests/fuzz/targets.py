@@ -155,7 +155,7 @@ def helper_config(data: bytes) -> object:
 
 def nvidia_smi(data: bytes) -> object:
     """The first byte picks the parser: `-L`, a CSV query, or `-q -x` (XML)."""
-    from bcd_agent.inventory import nvsmi
+    from bcd_shared import nvsmi
 
     if not data:
         return None
@@ -212,7 +212,7 @@ def _errors(name: str) -> tuple[type[BaseException], ...]:
 
         return (HelperConfigError,)
     if name == "nvidia_smi":
-        from bcd_agent.inventory.nvsmi import NvsmiParseError
+        from bcd_shared.nvsmi import NvsmiParseError
 
         return (NvsmiParseError,)
     if name == "cdi":

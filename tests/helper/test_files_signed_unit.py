@@ -362,34 +362,79 @@ def test_a_failed_nvidia_smi_names_no_index(root: Path, cp: ControlPlane, worker
     ctx.audit.close()
 
 
-def test_a_mig_device_carries_its_gpus_mig_devices_edits(ctx: HelperContext, worker: Signer) -> None:
-    mig_a = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap21"}]}
-    mig_b = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap22"}]}
-    mig_other = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap30"}]}
-    vendor(ctx.root, {"0:1": mig_a, "MIG-9b1b2c3d-0000-5000-8000-000000000001": mig_b, "1:0": mig_other})
-    spec = signed(worker, body(2, {"a1": [MIG1], "a2": [GPU1]}))
-    file_write(call(ctx), cdi_write("a1", hold("a1", [(MIG1, mig_a)]), spec))
-    file_write(call(ctx), cdi_write("a1", hold("a1", [(MIG1, mig_b)]), spec))
-    assert refused(ctx, cdi_write("a1", hold("a1", [(MIG1, mig_other)]), spec)) == (
-        "atoms-outside",
-        'cdi: devices[0].containerEdits.deviceNodes: {"path":"/dev/nvidia-caps/nvidia-cap30"} is not the '
-        f"vendor's edit for {GPU1}: a hold device carries only its own GPU's edits",
-    )
-    # A whole GPU's device is not a MIG one: the MIG devices' edits are not its own.
-    for edits in (mig_a, mig_b):
-        assert refused(ctx, cdi_write("a2", hold("a2", [(GPU1, edits)]), spec))[0] == "atoms-outside"
+# A real host's nvidia-smi (../shared/reference/nvidia-smi: an A100 with MIG on GPU 0, driver 535.54.03, the
+# `-L` and `-q -x` of the same machine): MIG device 0 is GPU instance 3, device 1 is GPU instance 4.
+REF = Path(__file__).resolve().parents[2].parent / "shared/reference/nvidia-smi"
+RGPU, RGPU1 = "GPU-513536b6-7d19-9063-b049-1e69664bb298", "GPU-d8594bd4-0fc3-8595-e355-7c98138f3b95"
+RMIG0, RMIG1 = f"{RGPU}/gi3/ci0", f"{RGPU}/gi4/ci0"
+RMIG0_UUID, RMIG1_UUID = (
+    "MIG-ce861fb0-a248-58ce-a9a8-f9adbc22a66a",
+    "MIG-a45882f0-9215-5733-a0c1-49286ab31cb5",
+)
 
 
-def test_a_mig_device_without_an_index_takes_only_mig_named_edits(
+def real_smi(qx_rc: int = 0) -> Script:
+    """nvidia-smi as root runs it on that host: the index query, `-L` and `-q -x` (`qx_rc`: its exit)."""
+    outputs = {
+        SMI_ARGV: (0, f"0, {RGPU}\n1, {RGPU1}\n".encode()),
+        ("nvidia-smi", "-L"): (
+            0,
+            (REF / "list/a100-sxm4-80gb_4gpu_mig-on-gpu0_535.54.03_L_telegraf-issue-5812.txt").read_bytes(),
+        ),
+        ("nvidia-smi", "-q", "-x"): (
+            qx_rc,
+            (REF / "xml/a100-sxm4-80gb_mig-enabled_535.54.03.xml").read_bytes(),
+        ),
+    }
+
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        rc, out = outputs[argv]
+        return rc, out if rc == 0 else b"", b""
+
+    return script
+
+
+def test_a_mig_device_carries_only_its_own_mig_devices_edits(
     root: Path, cp: ControlPlane, worker: Signer
 ) -> None:
-    ctx = signed_ctx(root, cp, smi(b"", rc=9))
-    mig_a = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap21"}]}
-    mig_b = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap22"}]}
-    vendor(root, {"0:1": mig_a, "MIG-9b1b2c3d-0000-5000-8000-000000000001": mig_b})
-    spec = signed(worker, body(2, {"a1": [MIG1]}))
-    file_write(call(ctx), cdi_write("a1", hold("a1", [(MIG1, mig_b)]), spec))
-    assert refused(ctx, cdi_write("a1", hold("a1", [(MIG1, mig_a)]), spec))[0] == "atoms-outside"
+    """A MIG atom takes the vendor's edits of its own MIG device (by `<index>:<n>` or its UUID, mapped from
+    the atom's ids by root's `-L` and `-q -x`) and its GPU's; never another MIG device's on the same GPU
+    (another tenant's nvidia-caps) nor another GPU's. Red team round 5's open item: any `<index>:` or
+    `MIG-` name passed."""
+    ctx = signed_ctx(root, cp, real_smi())
+    own_i = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap30"}]}
+    own_u = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap31"}]}
+    next_i = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap39"}]}
+    next_u = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap40"}]}
+    other = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap300"}]}
+    vendor(root, {"0": NV0, "0:0": own_i, RMIG0_UUID: own_u, "0:1": next_i, RMIG1_UUID: next_u, "1:0": other})
+    spec = signed(worker, body(2, {"a1": [RMIG0], "a2": [RGPU1]}))
+    for edits in (own_i, own_u, NV0):
+        file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, edits)]), spec))
+    for edits in (next_i, next_u, other):
+        path = edits["deviceNodes"][0]["path"]
+        assert refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, edits)]), spec)) == (
+            "atoms-outside",
+            f'cdi: devices[0].containerEdits.deviceNodes: {{"path":"{path}"}} is not the vendor\'s edit for '
+            f"{RMIG0}: a MIG hold device carries only its own MIG device's and GPU's edits",
+        )
+    # A whole GPU's device is not a MIG one: no MIG device's edits are its own.
+    for edits in (own_i, own_u, other):
+        assert refused(ctx, cdi_write("a2", hold("a2", [(RGPU1, edits)]), spec))[0] == "atoms-outside"
+    ctx.audit.close()
+
+
+def test_a_mig_device_takes_no_mig_edits_when_roots_nvidia_smi_cannot_say_which(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    """Fail closed: without `-q -x` (and with today's MIG UUIDs, which carry no ids) root cannot map the
+    atom to a MIG device, so only its GPU's own edits pass."""
+    ctx = signed_ctx(root, cp, real_smi(qx_rc=9))
+    own = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap30"}]}
+    vendor(root, {"0": NV0, "0:0": own, RMIG0_UUID: own})
+    spec = signed(worker, body(2, {"a1": [RMIG0]}))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, NV0)]), spec))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, own)]), spec))[0] == "atoms-outside"
     ctx.audit.close()
 
 

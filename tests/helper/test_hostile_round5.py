@@ -365,7 +365,7 @@ def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
     from bcd_agent.inventory.gpus import Gpu, GpuHealth, GpuInventory, MigDevice
     from bcd_agent.sections.devices import plan as planner
     from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, Limits
-    from bcd_helper.ops.files import HOLD_ENV_KEYS, MPS_PIPE_DIRECTORY, _check_signed_env
+    from bcd_helper.ops.files import HOLD_ENV_KEYS, MPS_PIPE_DIRECTORY, MigName, _check_signed_env
     from bcd_shared import cdi
 
     assert HOLD_ENV_KEYS == planner.RESERVED_ENV_KEYS
@@ -376,9 +376,9 @@ def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
         return Gpu(i, uuid, "NVIDIA H200", f"00000000:{i + 1:02X}:00.0", i, i, 143771, bool(migs), migs,
                    GpuHealth(0, False, False))  # fmt: skip
 
-    migs = (MigDevice(1, 0, "MIG-aaaaaaaa-1111-5111-8111-000000000001", "3g.71gb", 0),
-            MigDevice(2, 0, None, "1g.18gb", 1))  # fmt: skip
-    inventory = GpuInventory((gpu(0, a, migs), gpu(1, b)), "590.48.01", True)
+    migs_ = (MigDevice(1, 0, "MIG-aaaaaaaa-1111-5111-8111-000000000001", "3g.71gb", 0),
+             MigDevice(2, 0, None, "1g.18gb", 1))  # fmt: skip
+    inventory = GpuInventory((gpu(0, a, migs_), gpu(1, b)), "590.48.01", True)
     vendor_doc = {
         "cdiVersion": "0.5.0",
         "kind": "nvidia.com/gpu",
@@ -393,6 +393,9 @@ def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
     }
     vendor = cdi.parse_vendor_spec(json.dumps(vendor_doc).encode())
     vendor_env = vendor.common_edits["env"]
+
+    def migs() -> dict[str, MigName]:  # root's nvidia-smi: the same MIG devices
+        return {f"{a}/gi{m.gpu_instance}/ci{m.compute_instance}": MigName(m.uuid, frozenset()) for m in migs_}
 
     def assignment(binding: str, *devs: tuple[str, str], **kw: Any) -> DeviceAssignment:
         refs = tuple(DeviceRef(d, c) for d, c in devs)
@@ -413,8 +416,8 @@ def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
         for asg in cases:
             doc, lines = planner.hold_files(asg, planner._atoms_of(asg), 3, obs)
             env = (doc.get("containerEdits") or {}).get("env") or []
-            _check_signed_env("cdi", "al1", env, asg, vendor_env if obs.vendor is not None else ())
-            _check_signed_env("allocation-env", "al1", list(lines), asg)
+            _check_signed_env("cdi", "al1", env, asg, vendor_env if obs.vendor is not None else (), migs)
+            _check_signed_env("allocation-env", "al1", list(lines), asg, (), migs)
             copied += "NVIDIA_CTK_DEBUG=false" in env
     assert copied == 4  # the vendor's common env was in every hold but the Kubernetes one
 

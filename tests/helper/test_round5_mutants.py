@@ -312,15 +312,46 @@ MIG_UUID3 = "MIG-aaaaaaaa-1111-5111-8111-000000000003"
         ((MIG1,), GPU2, False),
         ((MIG1, MIG2), f"{MIG_UUID1},{MIG_UUID2}", True),
         ((MIG1, MIG2), f"{MIG_UUID1},{MIG_UUID2},{MIG_UUID3}", False),  # more than the hold's atoms
-        ((GPU2, MIG1), f"{GPU2},{MIG_UUID1}", True),  # any MIG atom lets MIG devices be named
+        ((GPU2, MIG1), f"{GPU2},{MIG_UUID1}", True),
+        ((MIG1,), MIG_UUID2, False),  # another MIG device of the same GPU (another tenant's)
+        ((MIG1,), MIG_UUID3, False),  # a MIG device root's nvidia-smi gives no atom of this hold
+        ((MIG1, GPU2), f"{GPU2},{MIG_UUID2}", False),
+        ((f"{GPU1}/gi9/ci0",), MIG_UUID1, False),  # an atom root's nvidia-smi does not list: no UUID
+        ((MIG1,), "MIG-GPU-x/1/0", False),
     ],
 )
 def test_nvidia_visible_devices_names_only_the_holds_own_gpus_or_mig_devices(
     atoms: tuple[str, ...], value: str, ok: bool
 ) -> None:
-    from bcd_helper.ops.files import _visible_ok
+    """A MIG UUID passes only where root's nvidia-smi maps one of the hold's own MIG atoms to it (red team
+    round 5's open item: any `MIG-` UUID passed)."""
+    from bcd_helper.ops.files import MigName, _visible_ok
 
-    assert _visible_ok(value, assignment("a1", *atoms)) is ok
+    asked: list[int] = []
+
+    def migs() -> dict[str, MigName]:
+        asked.append(1)
+        return {
+            MIG1: MigName(MIG_UUID1, frozenset({"0:0", MIG_UUID1})),
+            MIG2: MigName(MIG_UUID2, frozenset({"0:1", MIG_UUID2})),
+            f"{GPU2}/gi1/ci0": MigName(None, frozenset({"1:0"})),
+        }
+
+    assert _visible_ok(value, assignment("a1", *atoms), migs) is ok
+    if all(item in atoms for item in value.split(",") if item):  # GPUs only: root runs no nvidia-smi
+        assert not asked
+
+
+def test_mig_uuids_fail_closed_without_roots_map() -> None:
+    """Without root's map (nvidia-smi did not answer, or the default), no MIG UUID is taken."""
+    from bcd_helper.ops.files import _check_signed_env, _visible_ok
+
+    assert _visible_ok(MIG_UUID1, assignment("a1", MIG1), dict) is False
+    with pytest.raises(Refused) as info:
+        _check_signed_env(
+            "allocation-env", "a1", [f"NVIDIA_VISIBLE_DEVICES={MIG_UUID1}"], assignment("a1", MIG1)
+        )
+    assert info.value.reason == "env-outside"
 
 
 def test_each_env_key_bcd_sets_takes_only_the_value_root_derives() -> None:

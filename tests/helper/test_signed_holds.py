@@ -75,7 +75,9 @@ def devices_body(generation: int, assignments: dict[str, list[str]]) -> bytes:
                 allocation_id=a,
                 reservation_id="r1",
                 binding=wire.Binding.HOLD,
-                devices=[wire.DeviceAtom(id=g, device_class="gpu") for g in gpus],
+                devices=[
+                    wire.DeviceAtom(id=g, device_class="gpu.mig" if "/gi" in g else "gpu") for g in gpus
+                ],
             )
             for a, gpus in assignments.items()
         ]
@@ -168,6 +170,44 @@ def test_issue9_item8_signed_spec_bytes_are_the_kept_ones(signed_node: RealNode,
     tampered = dict(spec, body=b64(body[:-1] + bytes([body[-1] ^ 1])))
     signed_node.refused(env_doc("b1", signed=tampered), "bad-intent")
     signed_node.ok(env_doc("b1", signed=spec))
+
+
+def test_a_mig_hold_carries_only_its_own_mig_device(signed_node: RealNode, cp: ControlPlane) -> None:
+    """Red team round 5's open item, closed: a signed MIG hold's device carries the vendor's edits of its own
+    MIG device only (by `<index>:<n>` or its MIG UUID, which root maps from the atom's GPU and compute
+    instance ids with its own `nvidia-smi -L` and `-q -x`), never those of another MIG device on the same
+    GPU (another tenant's nvidia-caps); and NVIDIA_VISIBLE_DEVICES names its own MIG UUID only."""
+    from bcd_agent.inventory.gpus import collect_gpus
+    from bcd_simhost import sim_system
+
+    gpu = next(g for g in collect_gpus(sim_system(signed_node.root)).gpus if len(g.migs) >= 2)
+    mine, other = gpu.migs[0], gpu.migs[1]
+    assert mine.uuid and other.uuid
+    vendor = json.loads((signed_node.root / "etc/cdi/nvidia.json").read_text())
+    edits = {d["name"]: d["containerEdits"] for d in vendor["devices"]}
+    assert edits[f"{gpu.index}:{mine.index}"] != edits[f"{gpu.index}:{other.index}"]
+    atom = f"{gpu.uuid}/gi{mine.gpu_instance}/ci{mine.compute_instance}"
+
+    def mig_hold(device_edits: dict[str, Any]) -> str:
+        doc = cdi.build_hold_spec(
+            allocation_id="m1",
+            reservation_id="r1",
+            generation=1,
+            kubernetes=False,
+            cgroup_parent=None,
+            devices=[cdi.HoldDevice(atom, device_edits)],
+            env=["BCD_ALLOCATION_ID=m1"],
+            vendor=None,
+        )
+        return cdi.encode_spec(doc).decode()
+
+    spec = intent(cp.command.leaf(), devices_body(10, {"m1": [atom]}))
+    for name in (f"{gpu.index}:{other.index}", other.uuid):  # the GPU's other MIG device
+        signed_node.refused(cdi_doc("m1", mig_hold(edits[name]), spec), "atoms-outside", "nvidia-cap")
+    signed_node.refused(env_doc("m1", f"NVIDIA_VISIBLE_DEVICES={other.uuid}\n", spec), "env-outside")
+    signed_node.ok(cdi_doc("m1", mig_hold(edits[f"{gpu.index}:{mine.index}"]), spec))
+    signed_node.ok(cdi_doc("m1", mig_hold(edits[mine.uuid]), spec))
+    signed_node.ok(env_doc("m1", f"NVIDIA_VISIBLE_DEVICES={mine.uuid}\n", spec))
 
 
 def test_the_no_roots_fast_path_names_roots_own_files() -> None:

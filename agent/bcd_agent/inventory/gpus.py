@@ -20,9 +20,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from attrs import asdict, frozen
+from bcd_shared import nvsmi
 from bcd_shared.system import System
-
-from bcd_agent.inventory import nvsmi
 
 NVIDIA_SMI = "nvidia-smi"
 TOOL_TIMEOUT_S = 60.0
@@ -124,26 +123,10 @@ def build_inventory(
     for lg in listed:
         q = by_uuid_q.get(lg.uuid)
         x = by_uuid_x.get(lg.uuid)
-        listed_migs = {m.index: m for m in lg.migs}
-        migs: list[MigDevice] = []
-        if x is not None:
-            for xm in x.migs:
-                lm = listed_migs.get(xm.index)
-                migs.append(
-                    MigDevice(
-                        xm.gpu_instance,
-                        xm.compute_instance,
-                        lm.uuid if lm else None,
-                        lm.profile if lm else "",
-                        xm.index,
-                    )
-                )
-        else:
-            # Old drivers name MIG devices MIG-GPU-<uuid>/<gi>/<ci> in -L: the ids are in the name.
-            for lm in lg.migs:
-                parts = lm.uuid.split("/")
-                if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
-                    migs.append(MigDevice(int(parts[1]), int(parts[2]), lm.uuid, lm.profile, lm.index))
+        migs = [
+            MigDevice(r.gpu_instance, r.compute_instance, r.uuid, r.profile, r.index)
+            for r in nvsmi.join_migs(lg, x)
+        ]
         bus = (q.bus_id if q else None) or (x.bus_id if x else "")
         if x is not None:
             health = GpuHealth(x.ecc_uncorrected_volatile, x.remap_pending, x.remap_failure)

@@ -24,12 +24,15 @@ removal of kind cdi or allocation-env carries `intent`, the signed spec the node
 re-validated the same way (chain, node, generation never older). Its devices section (a full spec decides
 it; a patch must set it) must list the allocation for a write (`not-in-spec`); a cdi hold's devices must
 each be one of that allocation's atoms (`bcd.dev/device-id`), each device's container edits must be the
-vendor's edits for that atom's own GPU (named in root's /etc/cdi/nvidia.json by the GPU's UUID, its index
-as root's nvidia-smi reads it, or `<index>:<n>` / a MIG UUID for a MIG atom), and the spec-level edits
-only the vendor's common ones (`atoms-outside`). Their env is the assignment's (round 5, `env-outside`):
+vendor's edits for that atom's own GPU (named in root's /etc/cdi/nvidia.json by the GPU's UUID or its index
+as root's nvidia-smi reads it; a MIG atom also by its own MIG device's `<index>:<n>` or MIG UUID, which
+root maps from the atom's GPU and compute instance ids with `nvidia-smi -L` and `-q -x`: never another
+MIG device's, on this GPU or another), and the spec-level edits only the vendor's common ones
+(`atoms-outside`). Their env is the assignment's (round 5, `env-outside`):
 the keys bcd sets carry the values root derives (BCD_ALLOCATION_ID, BCD_CGROUP_PARENT
 `bcd-alloc-<id>.slice`, the signed BCD_RESERVATION_ID, CUDA_MPS_PIPE_DIRECTORY `/run/nvidia-mps`,
-NVIDIA_VISIBLE_DEVICES naming only the allocation's GPUs or MIG devices), an env file's other lines are
+NVIDIA_VISIBLE_DEVICES naming only the allocation's GPUs, or the MIG UUIDs root's nvidia-smi gives its MIG
+atoms), an env file's other lines are
 the assignment's signed `env` lines and a hold's the common env of root's vendor spec: no `LD_PRELOAD=`
 for a workload manager, no `NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused
 while the spec still lists the allocation (`hold-in-spec`): a node cannot pull a live hold's file and
@@ -389,6 +392,36 @@ def _gpu_indexes(call: Call) -> dict[str, str]:
     return out
 
 
+@frozen
+class MigName:
+    uuid: str | None  # MIG-…, None when -L gave none
+    names: frozenset[str]  # the vendor CDI spec's names for it: `<gpu index>:<n>` and the UUID
+
+
+def _mig_names(call: Call) -> dict[str, MigName]:
+    """MIG atom (`<gpu uuid>/gi<G>/ci<C>`) -> its MIG device as root's nvidia-smi lists it (`-L` and
+    `-q -x`, joined as the node's inventory joins them). Empty when either does not answer or parse: no
+    MIG atom then carries MIG edits or UUIDs (fail closed)."""
+    from bcd_shared import nvsmi
+
+    listing = call.system.run(["nvidia-smi", "-L"], timeout=60)
+    qx_run = call.system.run(["nvidia-smi", "-q", "-x"], timeout=60) if listing.ok else None
+    if qx_run is None or not qx_run.ok:
+        return {}
+    try:
+        listed = nvsmi.parse_list(listing.stdout.decode(errors="replace"))
+        qx = {g.uuid: g for g in nvsmi.parse_qx(qx_run.stdout).gpus}
+    except nvsmi.NvsmiParseError:
+        return {}
+    out: dict[str, MigName] = {}
+    for gpu in listed:
+        for mig in nvsmi.join_migs(gpu, qx.get(gpu.uuid)):
+            names = {f"{gpu.index}:{mig.index}"} | ({mig.uuid} if mig.uuid else set())
+            atom = f"{gpu.uuid}/gi{mig.gpu_instance}/ci{mig.compute_instance}"
+            out[atom] = MigName(mig.uuid, frozenset(names))
+    return out
+
+
 def _edit_items(edits: Any) -> set[tuple[str, bytes]]:
     out: set[tuple[str, bytes]] = set()
     for key, value in (edits or {}).items():
@@ -403,6 +436,7 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
     atoms = {a.id for a in assignment.devices}
     vendor = None
     indexes: dict[str, str] | None = None
+    migs: dict[str, MigName] | None = None
     for i, dev in enumerate(doc["devices"]):
         atom = dev["annotations"]["bcd.dev/device-id"]  # parse_hold_spec checked it is there
         if atom not in atoms:
@@ -422,13 +456,13 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
         index = indexes.get(gpu)
         if index is not None:
             names.add(index)
+        if "/gi" in atom:  # its own MIG device only (the hold's annotation names it exactly)
+            migs = _mig_names(call) if migs is None else migs
+            mig = migs.get(atom)
+            names |= mig.names if mig is not None else set()
         allowed: set[tuple[str, bytes]] = set()
         for name, vedits in vendor.devices.items() if vendor is not None else []:
-            mine = name in names or (
-                "/gi" in atom
-                and ((index is not None and name.startswith(f"{index}:")) or name.startswith("MIG-"))
-            )
-            if mine or set(vendor.devices) == {"all"}:
+            if name in names or set(vendor.devices) == {"all"}:
                 allowed |= _edit_items(vedits)
         outside = edits - allowed
         if outside:
@@ -436,7 +470,11 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
             raise Refused(
                 "atoms-outside",
                 f"cdi: devices[{i}].containerEdits.{key}: {item[:200].decode()} is not the vendor's edit for "
-                f"{gpu}: a hold device carries only its own GPU's edits",
+                + (
+                    f"{atom}: a MIG hold device carries only its own MIG device's and GPU's edits"
+                    if "/gi" in atom
+                    else f"{gpu}: a hold device carries only its own GPU's edits"
+                ),
             )
     common = _edit_items(doc.get("containerEdits"))
     if common:
@@ -464,24 +502,36 @@ HOLD_ENV_KEYS = frozenset(
 MPS_PIPE_DIRECTORY = "/run/nvidia-mps"
 
 
-def _visible_ok(value: str, assignment: Any) -> bool:
-    """NVIDIA_VISIBLE_DEVICES names only the allocation's own GPUs (by UUID), or MIG devices when it holds
-    MIG atoms, each once (the planner's `visible_devices`): never `all`, an index or another GPU."""
+def _visible_ok(value: str, assignment: Any, migs: Callable[[], dict[str, MigName]]) -> bool:
+    """NVIDIA_VISIBLE_DEVICES names only the allocation's own GPUs (by UUID), or the MIG UUIDs of its own
+    MIG atoms (root's nvidia-smi maps them, `migs`), each once (the planner's `visible_devices`): never
+    `all`, an index, another GPU or another MIG device."""
     atoms = [a.id for a in assignment.devices]
     gpus = {a.split("/")[0] for a in atoms}
-    mig = any("/gi" in a for a in atoms)
     items = value.split(",") if value else []
     if len(set(items)) != len(items) or len(items) > len(atoms):
         return False
-    return all(i in gpus or (mig and i.startswith("MIG-")) for i in items)
+    mine: set[str | None] = set()
+    if any(i not in gpus for i in items) and any("/gi" in a for a in atoms):
+        known = migs()
+        mine = {known[a].uuid for a in atoms if a in known}
+    return all(i in gpus or (i.startswith("MIG-") and i in mine) for i in items)
 
 
-def _check_signed_env(kind: str, ident: str, lines: Any, assignment: Any, vendor_env: Any = ()) -> None:
+def _check_signed_env(
+    kind: str,
+    ident: str,
+    lines: Any,
+    assignment: Any,
+    vendor_env: Any = (),
+    migs: Callable[[], dict[str, MigName]] = dict,
+) -> None:
     """With roots: a hold's env is what the signed assignment makes (round 5). The keys bcd sets carry
     the values root derives, whoever names them (the node refuses an assignment env line with such a
     key, docs/devices.md Q-DEV-ASG-02, so a signed one is not taken either); any other line must be one
     of the assignment's own signed env lines (the env file) or of root's vendor spec's common env (a
-    CDI hold: build_hold_spec copies those). Anything else is `env-outside`."""
+    CDI hold: build_hold_spec copies those). Anything else is `env-outside`. `migs` maps MIG atoms to
+    root's MIG devices (asked only when NVIDIA_VISIBLE_DEVICES names something other than a held GPU)."""
     derived = {
         "BCD_ALLOCATION_ID": ident,
         "BCD_CGROUP_PARENT": f"bcd-alloc-{ident}.slice",
@@ -492,7 +542,7 @@ def _check_signed_env(kind: str, ident: str, lines: Any, assignment: Any, vendor
     for i, line in enumerate(lines):
         key, _, value = str(line).partition("=")
         if key == "NVIDIA_VISIBLE_DEVICES":
-            ok = _visible_ok(value, assignment)
+            ok = _visible_ok(value, assignment, migs)
         elif key in HOLD_ENV_KEYS:
             ok = value == derived[key]
         else:
@@ -530,7 +580,7 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                     vendor_env = (vendor.common_edits.get("env") or ()) if vendor is not None else ()
             else:
                 env = data.decode().splitlines()  # _check_env took it as UTF-8 lines
-            _check_signed_env(req.kind, req.id, env, assignment, vendor_env)
+            _check_signed_env(req.kind, req.id, env, assignment, vendor_env, lambda: _mig_names(call))
     if spec.host_check is not None:
         spec.host_check(call, req.id, decoded)
     if next_state is not None:  # durable before effect

@@ -25,9 +25,8 @@ import h2.config
 import h2.connection
 import h2.events
 from attrs import frozen
+from bcd_shared import nvsmi
 from bcd_shared.system import System
-
-from bcd_agent.inventory import nvsmi
 
 LIST_PATH = "/v1.PodResourcesLister/List"
 BCD_RESOURCE_PREFIX = "bcd.dev/"

@@ -314,6 +314,48 @@ def parse_qx(text: str | bytes) -> QxLog:
     return QxLog(driver_version=_text(root, "driver_version"), gpus=tuple(gpus))
 
 
+# --- -L and -q -x together ---------------------------------------------------------------------
+
+
+@frozen
+class MigRef:
+    """A MIG device as `-L` and `-q -x` name it together: its GPU and compute instance ids, its MIG device
+    index (the vendor CDI spec's `<gpu index>:<index>` name) and its `MIG-…` UUID (None when -L gave none)."""
+
+    gpu_instance: int
+    compute_instance: int
+    index: int
+    uuid: str | None
+    profile: str = ""
+
+
+def join_migs(listed: ListedGpu, qx: QxGpu | None) -> tuple[MigRef, ...]:
+    """The GPU's MIG devices (pure): `-q -x`'s ids matched with `-L`'s UUIDs through the MIG device index
+    both print. Without `-q -x`, old drivers' `MIG-GPU-<uuid>/<gi>/<ci>` names carry the ids; newer
+    names do not, so those devices are left out (nothing says which instance they are)."""
+    by_index = {m.index: m for m in listed.migs}
+    if qx is not None:
+        out = []
+        for xm in qx.migs:
+            lm = by_index.get(xm.index)
+            out.append(
+                MigRef(
+                    xm.gpu_instance,
+                    xm.compute_instance,
+                    xm.index,
+                    lm.uuid if lm else None,
+                    lm.profile if lm else "",
+                )
+            )
+        return tuple(out)
+    old = []
+    for lm in listed.migs:
+        parts = lm.uuid.split("/")
+        if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+            old.append(MigRef(int(parts[1]), int(parts[2]), lm.index, lm.uuid, lm.profile))
+    return tuple(old)
+
+
 # --- mig -lgi / -lci -----------------------------------------------------------------------------
 
 
