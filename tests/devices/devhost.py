@@ -13,10 +13,11 @@ from bcd_agent.sections.devices.model import DevicesSpec
 from bcd_agent.sections.devices.section import DevicesSection
 from bcd_shared.system import LocalSystem
 from bcd_simhost import sim_system
+from testsupport import SHARED
 
 DATA_DIR = "/var/lib/bcd"
 REPO = Path(__file__).resolve().parents[2]
-REFERENCE = REPO.parent / "shared" / "reference"
+REFERENCE = SHARED / "reference"
 IN_CI = os.environ.get("CI") == "true"
 
 

@@ -20,6 +20,7 @@ from bcd_helper.ops.files import FileRemove, FileWrite, SignedSpec, file_remove,
 from bcd_shared import cdi, wire
 from intentkit import ControlPlane, Signer, intent
 from opskit import Script, call, context, make_root, programs
+from testsupport import SHARED
 
 NODE = "node-a"
 GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
@@ -364,7 +365,7 @@ def test_a_failed_nvidia_smi_names_no_index(root: Path, cp: ControlPlane, worker
 
 # A real host's nvidia-smi (../shared/reference/nvidia-smi: an A100 with MIG on GPU 0, driver 535.54.03, the
 # `-L` and `-q -x` of the same machine): MIG device 0 is GPU instance 3, device 1 is GPU instance 4.
-REF = Path(__file__).resolve().parents[2].parent / "shared/reference/nvidia-smi"
+REF = SHARED / "reference/nvidia-smi"
 RGPU, RGPU1 = "GPU-513536b6-7d19-9063-b049-1e69664bb298", "GPU-d8594bd4-0fc3-8595-e355-7c98138f3b95"
 RMIG0, RMIG1 = f"{RGPU}/gi3/ci0", f"{RGPU}/gi4/ci0"
 RMIG0_UUID, RMIG1_UUID = (
