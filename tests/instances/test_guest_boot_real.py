@@ -135,10 +135,11 @@ class _Console:
         tty.setraw(self.fd)  # no echo back into the guest, no line editing
         self.text = ""
 
-    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+    def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
+        """The first match of `pattern` in what the console printed from offset `start` on."""
         deadline = time.monotonic() + timeout
         while True:
-            found = re.search(pattern, self.text)
+            found = re.compile(pattern).search(self.text, start)
             if found:
                 return found
             left = deadline - time.monotonic()
