@@ -114,6 +114,33 @@ def test_reference_mig_a100_joins_list_and_qx() -> None:
     assert g.mig(6, 0).uuid == "MIG-930574a9-d43a-5d2b-95da-3e68384c8d6b"  # type: ignore[union-attr]
 
 
+def test_join_migs_matches_list_and_qx_through_the_device_index() -> None:
+    """`join_migs` (the node's inventory and root's MIG hold check): each `-q -x` MIG device with the
+    profile and UUID `-L` gives its index; a device `-L` does not list keeps no UUID; without `-q -x`, old
+    drivers' `MIG-GPU-<uuid>/<gi>/<ci>` names (nvsmi's format notes) carry the ids and newer names are
+    left out."""
+    listed = nvsmi.parse_list(ref("list/a100-sxm4-80gb_4gpu_mig-on-gpu0_535.54.03_L_telegraf-issue-5812.txt"))
+    qx = {g.uuid: g for g in nvsmi.parse_qx(ref("xml/a100-sxm4-80gb_mig-enabled_535.54.03.xml")).gpus}
+    gpu = listed[0]
+    assert nvsmi.join_migs(gpu, qx[gpu.uuid])[:2] == (
+        nvsmi.MigRef(3, 0, 0, "MIG-ce861fb0-a248-58ce-a9a8-f9adbc22a66a", "1g.20gb"),
+        nvsmi.MigRef(4, 0, 1, "MIG-a45882f0-9215-5733-a0c1-49286ab31cb5", "1g.20gb"),
+    )
+    unlisted = nvsmi.ListedGpu(gpu.index, gpu.name, gpu.uuid, gpu.migs[1:])
+    assert nvsmi.join_migs(unlisted, qx[gpu.uuid])[0] == nvsmi.MigRef(3, 0, 0, None, "")
+    assert nvsmi.join_migs(gpu, None) == ()
+    old = nvsmi.parse_list(
+        "GPU 0: A100-SXM4-40GB (UUID: GPU-5f1c2a90-0000-4000-8000-000000000001)\n"
+        "  MIG 3g.20gb Device 0: (UUID: MIG-GPU-5f1c2a90-0000-4000-8000-000000000001/1/0)\n"
+        "  MIG 1g.5gb  Device 1: (UUID: MIG-GPU-5f1c2a90-0000-4000-8000-000000000001/7/2)\n"
+        "  MIG 1g.5gb  Device 2: (UUID: MIG-GPU-5f1c2a90-0000-4000-8000-000000000001/x/2)\n"
+    )[0]
+    assert nvsmi.join_migs(old, None) == (
+        nvsmi.MigRef(1, 0, 0, "MIG-GPU-5f1c2a90-0000-4000-8000-000000000001/1/0", "3g.20gb"),
+        nvsmi.MigRef(7, 2, 1, "MIG-GPU-5f1c2a90-0000-4000-8000-000000000001/7/2", "1g.5gb"),
+    )
+
+
 def test_lgi_lci_reference_tables() -> None:
     text = ref("mig/a100-sxm4-40gb_580.126.09_mig-session_ssup2-blog.txt")
     lgi = nvsmi.parse_lgi(text.split("$ nvidia-smi mig -i 0 -lgi\n")[1].split("$")[0])

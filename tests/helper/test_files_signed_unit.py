@@ -374,14 +374,15 @@ RMIG0_UUID, RMIG1_UUID = (
 )
 
 
-def real_smi(qx_rc: int = 0) -> Script:
-    """nvidia-smi as root runs it on that host: the index query, `-L` and `-q -x` (`qx_rc`: its exit)."""
+LISTING = REF / "list/a100-sxm4-80gb_4gpu_mig-on-gpu0_535.54.03_L_telegraf-issue-5812.txt"
+
+
+def real_smi(qx_rc: int = 0, l_rc: int = 0, listing: bytes | None = None) -> Script:
+    """nvidia-smi as root runs it on that host: the index query, `-L` (`l_rc`: its exit; `listing`: other
+    output) and `-q -x` (`qx_rc`: its exit)."""
     outputs = {
         SMI_ARGV: (0, f"0, {RGPU}\n1, {RGPU1}\n".encode()),
-        ("nvidia-smi", "-L"): (
-            0,
-            (REF / "list/a100-sxm4-80gb_4gpu_mig-on-gpu0_535.54.03_L_telegraf-issue-5812.txt").read_bytes(),
-        ),
+        ("nvidia-smi", "-L"): (l_rc, listing or LISTING.read_bytes()),
         ("nvidia-smi", "-q", "-x"): (
             qx_rc,
             (REF / "xml/a100-sxm4-80gb_mig-enabled_535.54.03.xml").read_bytes(),
@@ -436,6 +437,52 @@ def test_a_mig_device_takes_no_mig_edits_when_roots_nvidia_smi_cannot_say_which(
     spec = signed(worker, body(2, {"a1": [RMIG0]}))
     file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, NV0)]), spec))
     assert refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, own)]), spec))[0] == "atoms-outside"
+    ctx.audit.close()
+
+
+def test_root_runs_nvidia_smi_once_a_hold_and_only_what_it_needs(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    """Two MIG atoms with edits: the index query, `-L` and `-q -x` run once each for the hold, each bounded
+    at 60 s; a `-L` that fails runs no `-q -x` and no MIG edit passes; a `-L` with a byte that is not
+    UTF-8 in a GPU's name still maps its MIG devices."""
+    own0 = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap30"}]}
+    own1 = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap39"}]}
+    ctx = signed_ctx(root, cp, real_smi())
+    vendor(root, {"0:0": own0, "0:1": own1})
+    spec = signed(worker, body(2, {"a1": [RMIG0, RMIG1]}))
+    file_write(call(ctx, bounded=False), cdi_write("a1", hold("a1", [(RMIG0, own0), (RMIG1, own1)]), spec))
+    assert programs(ctx).runs == [SMI_ARGV, ("nvidia-smi", "-L"), ("nvidia-smi", "-q", "-x")]
+    assert programs(ctx).timeouts == [60, 60, 60]
+    ctx.audit.close()
+
+    ctx = signed_ctx(root, cp, real_smi(l_rc=6))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, own0)]), spec))[0] == "atoms-outside"
+    assert ("nvidia-smi", "-q", "-x") not in programs(ctx).runs
+    ctx.audit.close()
+
+    odd = LISTING.read_bytes().replace(b"NVIDIA A100", b"NVIDIA \xe9A100", 1)
+    ctx = signed_ctx(root, cp, real_smi(listing=odd))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, own0)]), spec))
+    ctx.audit.close()
+
+
+def test_an_env_file_names_only_its_own_mig_uuid(root: Path, cp: ControlPlane, worker: Signer) -> None:
+    """NVIDIA_VISIBLE_DEVICES in a MIG hold's env file: its own atom's MIG UUID (root's `-L` and `-q -x`),
+    never the GPU's other MIG device."""
+    ctx = signed_ctx(root, cp, real_smi())
+    spec = signed(worker, body(2, {"a1": [RMIG0]}))
+
+    def env(visible: str) -> FileWrite:
+        text = f"BCD_ALLOCATION_ID=a1\nNVIDIA_VISIBLE_DEVICES={visible}\n"
+        return FileWrite("allocation-env", "a1", text, intent=spec)
+
+    file_write(call(ctx), env(RMIG0_UUID))
+    assert refused(ctx, env(RMIG1_UUID)) == (
+        "env-outside",
+        f"allocation-env: env[1] 'NVIDIA_VISIBLE_DEVICES': 'NVIDIA_VISIBLE_DEVICES={RMIG1_UUID}' is not what "
+        "the signed spec's assignment of a1 sets",
+    )
     ctx.audit.close()
 
 
