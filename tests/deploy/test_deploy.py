@@ -139,7 +139,9 @@ def test_install_help_is_the_usage_and_nothing_of_the_script() -> None:
     assert not any(line.startswith("#") for line in lines)
 
 
-@pytest.mark.parametrize("flag", ["--root", "--join-signing-key-pin", "--control-plane", "--allowed-clusters"])
+@pytest.mark.parametrize(
+    "flag", ["--root", "--join-signing-key-pin", "--control-plane", "--allowed-clusters"]
+)
 def test_install_flag_without_its_value_is_one_line_naming_it(flag: str) -> None:
     """Before, bash's own `${2:?}` error named a line number of the script and exited 1."""
     done = subprocess.run(
