@@ -256,6 +256,9 @@ class StatusSnapshot:
     holds: Holds | None
     errors: tuple[str, ...] = ()
     live: Liveness | None = None
+    # Why there is no status, when it is not simply "no node has run here": status.json unreadable,
+    # or data_dir itself missing (a mistyped --data-dir). Also among `errors`.
+    status_problem: str = ""
 
     @property
     def exit_code(self) -> int:
@@ -271,10 +274,19 @@ def snapshot(
     errors: list[str] = []
     status: StatusView | None = None
     now = time.time() if now_wall is None else now_wall
+    problem = ""
     try:
         status = read_status(data_dir, now_wall=now)
     except StatusFileError as e:
-        errors.append(str(e))
+        problem = str(e)
+    if status is None and not problem:
+        where = Path(data_dir)
+        if not where.exists():
+            problem = f"data_dir {data_dir} does not exist (check --data-dir, or the config's data_dir)"
+        elif not where.is_dir():
+            problem = f"data_dir {data_dir} is not a directory"
+    if problem:
+        errors.append(problem)
     holds: Holds | None = None
     if system is not None:
         try:
@@ -282,13 +294,15 @@ def snapshot(
         except OSError as e:
             errors.append(f"reading the holds failed: {e}")
     live = liveness(status, now, proc) if status is not None else None
-    return StatusSnapshot(status, holds, tuple(errors), live)
+    return StatusSnapshot(status, holds, tuple(errors), live, problem)
 
 
 def check(snap: StatusSnapshot, *, max_disconnected_s: float, max_stale_s: float) -> list[str]:
     """`bcd status --check`: what makes the node unhealthy, or [] when it is up, current and connected."""
     live = snap.live
     if snap.status is None or live is None:
+        if snap.status_problem:
+            return [f"down: {snap.status_problem}", *(e for e in snap.errors if e != snap.status_problem)]
         return ["down: no status.json (bcd node has not run with this data_dir)", *snap.errors]
     problems = []
     if live.process == "gone":
@@ -367,7 +381,9 @@ def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
     lines: list[str] = [f"bcd {VERSION}; node {node_version(snap) or 'version unknown'}"]
     st = snap.status
     live = snap.live
-    if st is None:
+    if st is None and snap.status_problem:
+        lines.append(f"node: no status: {snap.status_problem}")
+    elif st is None:
         lines.append("node: no status published yet (is bcd node running with this data_dir?)")
     else:
         now = time.time() if now_wall is None else now_wall
@@ -418,7 +434,8 @@ def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
         for err in snap.holds.inventory_errors:
             lines.append(f"! inventory: {err}")
     for err in snap.errors:
-        lines.append(f"! {err}")
+        if err != snap.status_problem:  # already on the node line
+            lines.append(f"! {err}")
     return "\n".join(lines) + "\n"
 
 

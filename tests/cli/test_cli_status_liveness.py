@@ -204,6 +204,31 @@ def test_no_status_file_is_down_for_check(tmp_path: Path) -> None:
     assert res.stdout == "FAIL: down: no status.json (bcd node has not run with this data_dir)\n"
 
 
+def test_a_missing_data_dir_is_named_not_taken_for_a_node_that_never_ran(tmp_path: Path) -> None:
+    """A mistyped --data-dir: before, "no status published yet", as if the node had simply not run."""
+    missing = tmp_path / "no-such-dir"
+    snap = snapshot(str(missing), None, now_wall=NOW)
+    problem = f"data_dir {missing} does not exist (check --data-dir, or the config's data_dir)"
+    assert check(snap, max_disconnected_s=300, max_stale_s=60) == [f"down: {problem}"]
+    assert render(snap).splitlines()[1] == f"node: no status: {problem}"
+    assert f"! {problem}" not in render(snap)
+
+
+def test_an_unreadable_status_file_is_not_called_missing(tmp_path: Path) -> None:
+    """A status.json that does not parse: `--check` names it, never "no status.json"."""
+    status_path(tmp_path).write_text("{bad")
+    snap = snapshot(str(tmp_path), None, now_wall=NOW)
+    (problem,) = check(snap, max_disconnected_s=300, max_stale_s=60)
+    assert problem.startswith(f"down: {status_path(tmp_path)}: not JSON (")
+    assert "no status.json" not in problem
+    assert render(snap).splitlines()[1].startswith(f"node: no status: {status_path(tmp_path)}: not JSON")
+    status_path(tmp_path).write_text("{}")
+    snap = snapshot(str(tmp_path), None, now_wall=NOW)
+    assert check(snap, max_disconnected_s=300, max_stale_s=60) == [
+        f'down: {status_path(tmp_path)}: has no "format" key (not a status.json bcd node wrote)'
+    ]
+
+
 def test_a_node_in_another_pid_namespace_is_judged_by_the_files_age(tmp_path: Path) -> None:
     """A host reading a container's node: the pid means nothing here; three missed rewrites mean down."""
     for written, alive in ((NOW - 5, True), (NOW - 31, False)):
