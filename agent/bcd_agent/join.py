@@ -332,6 +332,8 @@ def _move_aside(data_dir: Path, names: tuple[str, ...], stamp: str) -> list[Path
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import root_dir
+
     from bcd_agent.config import add_config_argument
 
     add_config_argument(parser)
@@ -344,6 +346,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--root",
         default="/",
+        type=root_dir,
         help="the directory standing for / (a simulated host): root's join record goes there",
     )
     parser.add_argument(

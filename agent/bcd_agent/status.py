@@ -510,13 +510,15 @@ def _stable(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bcd_shared.subcommands import non_negative_float, positive_float
+    from bcd_shared.subcommands import non_negative_float, positive_float, root_dir
 
     from bcd_agent.config import add_config_argument
 
     add_config_argument(parser)
     parser.add_argument("--data-dir", default=None, help="the node's data_dir (default: config's)")
-    parser.add_argument("--root", default="/", help="the directory standing for / (a simulated host)")
+    parser.add_argument(
+        "--root", default="/", type=root_dir, help="the directory standing for / (a simulated host)"
+    )
     parser.add_argument("--no-holds", action="store_true", help="skip reading the holds and GPUs")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval seconds")

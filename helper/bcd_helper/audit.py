@@ -706,7 +706,11 @@ def _common_arguments(parser: argparse.ArgumentParser, default: Any) -> None:
     def d(value: object) -> object:
         return value if default is None else default
 
-    parser.add_argument("--root", default=d("/"), help="the directory standing for / (a simulated host)")
+    from bcd_shared.subcommands import root_dir
+
+    parser.add_argument(
+        "--root", default=d("/"), type=root_dir, help="the directory standing for / (a simulated host)"
+    )
     parser.add_argument(
         "--dir", default=d(None), type=_dir_arg, help="the audit directory (host path; default from config)"
     )

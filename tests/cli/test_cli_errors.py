@@ -122,6 +122,22 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      EX_NOPERM, "will not write as root", False),
     ("audit --dir relative", lambda t: ["helper", "audit", "--dir", "var/log", "show"], EX_USAGE,
      "not an absolute host path", False),
+    # A mistyped --root: before, read as an empty host (nvidia-smi exited 9, "no such file" without DIR).
+    ("status --root missing", lambda t: ["status", "--root", str(t / "nope")], EX_USAGE,
+     "nope does not exist", False),
+    ("plan --root missing", lambda t: ["plan", "--spec", "x", "--root", str(t / "nope")], EX_USAGE,
+     "nope does not exist", False),
+    ("doctor --root a file", lambda t: ["doctor", "--root", _config(t, "")], EX_USAGE, "is not a directory",
+     False),
+    ("node --root missing", lambda t: ["node", "--root", str(t / "nope")], EX_USAGE, "does not exist", False),
+    ("join --root missing", lambda t: ["join", "--token", "x", "--address", "unix:/nope", "--root",
+     str(t / "nope")], EX_USAGE, "does not exist", False),
+    ("helper serve --root missing", lambda t: ["helper", "serve", "--root", str(t / "nope")], EX_USAGE,
+     "does not exist", False),
+    ("audit --root missing", lambda t: ["helper", "audit", "--root", str(t / "nope"), "show"], EX_USAGE,
+     "does not exist", False),
+    ("audit show --root missing", lambda t: ["helper", "audit", "show", "--root", str(t / "nope")], EX_USAGE,
+     "does not exist", False),
 ]  # fmt: skip
 
 
@@ -170,6 +186,8 @@ def test_audit_verify_root_after_the_subcommand_is_used(
     root = _audit_dir(tmp_path)
     assert _main(["helper", "audit", "init", "--root", root, "--dir", "/var/log/bcd-helper"]) == 0
     key = capsys.readouterr().out.strip().rsplit(" ", 1)[-1]
+    elsewhere = tmp_path / "elsewhere"  # a --root with no log: the one after the subcommand wins
+    elsewhere.mkdir()
     outs = []
     for argv in (
         ["helper", "audit", "verify", "--root", root, "--dir", "/var/log/bcd-helper", "--key", key],
@@ -178,7 +196,7 @@ def test_audit_verify_root_after_the_subcommand_is_used(
             "helper",
             "audit",
             "--root",
-            "/nonexistent",
+            str(elsewhere),
             "verify",
             "--root",
             root,
@@ -192,7 +210,7 @@ def test_audit_verify_root_after_the_subcommand_is_used(
         out, err = capsys.readouterr()
         outs.append((code, out, err))
     assert len({o for o in outs}) == 1, outs  # the same answer, wherever --root stands
-    assert "no audit log" not in outs[0][2] and "/nonexistent" not in outs[0][2], outs[0]
+    assert "no audit log" not in outs[0][2] and "elsewhere" not in outs[0][2], outs[0]
 
 
 def test_plan_exit_code_says_whether_it_would_change_anything(tmp_path: Path) -> None:

@@ -903,10 +903,11 @@ def test_cli_reads_the_directory_from_roots_config(root: Path, capsys: pytest.Ca
 def test_cli_flags_before_the_subcommand_are_kept(root: Path) -> None:
     parser = argparse.ArgumentParser()
     audit.add_arguments(parser)
-    args = parser.parse_args(["--root", "/r", "--dir", "/d", "--config", "/c", "show"])
-    assert (args.root, args.dir, args.config) == ("/r", "/d", "/c")
-    args = parser.parse_args(["show", "--root", "/r2"])
-    assert (args.root, args.dir, args.config) == ("/r2", None, "/etc/bcd/config.toml")
+    r, r2 = str(root), str(root.parent)  # --root must exist (bcd_shared.subcommands.root_dir)
+    args = parser.parse_args(["--root", r, "--dir", "/d", "--config", "/c", "show"])
+    assert (args.root, args.dir, args.config) == (r, "/d", "/c")
+    args = parser.parse_args(["show", "--root", r2])
+    assert (args.root, args.dir, args.config) == (r2, None, "/etc/bcd/config.toml")
     args = parser.parse_args(["verify"])
     assert (args.root, args.key, args.expect_head) == ("/", None, None)
 
@@ -1206,7 +1207,7 @@ def test_cli_must_run_as_root_on_the_real_host(root: Path, monkeypatch: pytest.M
 
 
 def test_cli_exit_codes(root: Path, tmp_path: Path) -> None:
-    from bcd_shared.subcommands import EX_CONFIG, EX_IOERR, EX_NOINPUT, CliError
+    from bcd_shared.subcommands import EX_CONFIG, EX_NOINPUT, CliError
 
     parser = argparse.ArgumentParser()
     audit.add_arguments(parser)
@@ -1218,10 +1219,9 @@ def test_cli_exit_codes(root: Path, tmp_path: Path) -> None:
     assert info.value.code == EX_CONFIG
     afile = tmp_path / "a-file"
     afile.write_text("")
-    with pytest.raises(CliError) as info:
-        audit.run(parser.parse_args(["--root", str(afile), "--dir", DIR, "init"]))
-    assert info.value.code == EX_IOERR and info.value.message != ""
-    assert "a-file" in info.value.message or "Not a directory" in info.value.message
+    # A --root that is a file is a bad command line now (64 under bcd's parser), refused before init.
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--root", str(afile), "--dir", DIR, "init"])
 
 
 def test_cli_verify_with_another_key_fails(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
