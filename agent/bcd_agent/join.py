@@ -331,6 +331,19 @@ def _move_aside(data_dir: Path, names: tuple[str, ...], stamp: str) -> list[Path
     return moved
 
 
+def _address(text: str) -> str:
+    """argparse type of --address: a bad one is a usage error (64) naming the rule, not a ValueError."""
+    from bcd_agent.session.transport import Endpoint
+
+    try:
+        endpoint = Endpoint.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT or unix:/PATH, got {text!r}") from None
+    if endpoint.port is not None and not 1 <= endpoint.port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {endpoint.port} is outside 1-65535 in {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bcd_shared.subcommands import root_dir
 
@@ -338,7 +351,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_config_argument(parser)
     parser.add_argument("--token", required=True, help="the one-time join token")
-    parser.add_argument("--address", required=True, help="the JoinService: HOST:PORT (TLS) or unix:/PATH")
+    parser.add_argument(
+        "--address", required=True, type=_address, help="the JoinService: HOST:PORT (TLS) or unix:/PATH"
+    )
     parser.add_argument(
         "--ca-file", default=None, help="PEM of the CA the control plane's TLS certificate has"
     )
