@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import sys
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -33,7 +34,11 @@ def build_release(wheels: Sequence[Path], out: Path) -> str:
     """Write the zipapp of `wheels` to `out` (0755); its SHA-256."""
     entries: dict[str, bytes] = {}
     for wheel in wheels:
-        with zipfile.ZipFile(wheel) as zf:
+        try:
+            archive = zipfile.ZipFile(wheel)  # a missing file: OSError, printed as `<file>: <error>`
+        except zipfile.BadZipFile:
+            raise ValueError(f"{wheel}: not a wheel (not a zip archive)") from None
+        with archive as zf:
             for info in zf.infolist():
                 if info.is_dir():
                     continue
@@ -74,8 +79,14 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "version":
         print(running_version())
         return 0
+    from bcd_shared.subcommands import EX_DATAERR, CliError
+
     if args.action == "build":
-        print(build_release(args.wheels, args.out))
+        try:
+            digest = build_release(args.wheels, args.out)
+        except (ValueError, zipfile.BadZipFile) as exc:  # BadZipFile: a truncated member
+            raise CliError(f"build: {exc}", EX_DATAERR) from None
+        print(digest)
         return 0
     from bcd_shared.errors import HelperRefused
 
@@ -85,7 +96,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         answer = client.daemon_confirm(running_version(), healthy=not args.unhealthy)
     except HelperRefused as exc:
-        print(f"bcd release confirm: {exc.reason}: {exc.message}")
+        # A refusal is the answer "no" (1); it goes to stderr and names the socket asked.
+        print(f"bcd release confirm: {exc.reason}: {exc.message} (socket {args.socket})", file=sys.stderr)
         return 1
     finally:
         client.close()
