@@ -775,10 +775,10 @@ def _host_dir(args: argparse.Namespace) -> tuple[Path, str]:
     root = Path(args.root)
     directory: str = args.dir
     if directory is None:
-        from bcd_helper.config import ConfigError, load_config
+        from bcd_helper.config import ConfigError, load_audit_dir
 
         try:
-            directory = load_config(root, args.config).audit_dir
+            directory = load_audit_dir(root, args.config)
         except ConfigError as exc:
             raise CliError(f"{exc} (or name the audit directory with --dir)", EX_CONFIG) from None
     return root, directory
@@ -805,7 +805,7 @@ def _init(args: argparse.Namespace) -> int:
     key = init_key(root, directory)
     if key is None:
         print(
-            f"bcd helper: {directory}/{KEY_NAME} exists: this log is sealed already "
+            f"bcd helper audit: {directory}/{KEY_NAME} exists: this log is sealed already "
             "(its verification key was printed when it was made)",
             file=sys.stderr,
         )
@@ -836,6 +836,11 @@ def run(args: argparse.Namespace) -> int:
                 "without it the chain cannot show what root changed",
                 file=sys.stderr,
             )
+            return 1
+        try:
+            parse_key(args.key)
+        except ValueError as exc:  # the key given is wrong, not the log: never "audit log broken"
+            print(f"bcd helper audit: --key: {exc}", file=sys.stderr)
             return 1
         expect: tuple[int, str] | None = None
         if args.expect_head is not None:

@@ -833,7 +833,7 @@ def test_cli_init_prints_the_key_once(root: Path, capsys: pytest.CaptureFixture[
     assert m is not None
     assert cli(root, "init") == 1
     assert capsys.readouterr().err == (
-        f"bcd helper: {DIR}/{KEY_NAME} exists: this log is sealed already "
+        f"bcd helper audit: {DIR}/{KEY_NAME} exists: this log is sealed already "
         "(its verification key was printed when it was made)\n"
     )
 
@@ -875,6 +875,29 @@ def test_cli_names_a_directory_without_a_log(root: Path) -> None:
     with pytest.raises(CliError) as info:
         cli(root, "show")
     assert str(info.value) == f"{adir(root)}: no audit log here (is this the helper's audit_dir?)"
+
+
+def test_cli_needs_no_node_account_but_refuses_a_bad_config(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`audit init` runs at set-up, maybe before the node's account exists (or under --root, where
+    install.sh made it in DIR's passwd): before, a node_user unknown to this host's passwd stopped
+    every audit command ("no account 'bcd' on this host"). The file is still validated whole."""
+    from bcd_shared.subcommands import CliError
+
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    cfg = root / "etc/bcd/config.toml"
+    cfg.parent.mkdir(parents=True)
+    cfg.write_text('[helper]\nnode_user = "no-such-bcd-account"\naudit_dir = "/var/log/elsewhere"\n')
+    os.chmod(cfg, 0o640)
+    assert audit.run(parser.parse_args(["--root", str(root), "init"])) == 0
+    assert capsys.readouterr().out.startswith("audit verification key")
+    assert (root / "var/log/elsewhere/audit.key").is_file()
+    cfg.write_text('[helper]\nnode_user = "no-such-bcd-account"\naudit_dirr = "/var/log/elsewhere"\n')
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", str(root), "show"]))
+    assert "[helper] audit_dirr: unknown key" in info.value.message
 
 
 def test_cli_reads_the_directory_from_roots_config(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -1233,6 +1256,18 @@ def test_cli_verify_with_another_key_fails(root: Path, capsys: pytest.CaptureFix
     assert capsys.readouterr().err == (
         f"audit log broken after 0 good entries: {LOG_NAME} line 1 (seq 1): {SEAL}\n"
     )
+
+
+def test_cli_verify_with_a_malformed_key_blames_the_key_not_the_log(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, a mistyped --key read "audit log broken after 0 good entries: --key: ..."."""
+    log = new_log(root)
+    write(log, 2)
+    log.close()
+    assert cli(root, "verify", "--key", "bcdk1-1-nothex") == 1
+    err = capsys.readouterr().err
+    assert err == "bcd helper audit: --key: a verification key reads bcdk1-<seq>-<64 hex digits>\n"
 
 
 def test_init_key_makes_the_directory_root_only(root: Path) -> None:
