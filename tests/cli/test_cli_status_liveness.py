@@ -99,6 +99,10 @@ def test_status_follows_a_node_through_disconnection_and_stop(tmp_path: Path) ->
         assert (
             text[2].startswith(f"session: disconnected from unix:{sock} for ") and "last error: " in text[2]
         )
+        # The error without "connection to ENDPOINT ended:" (the line names the endpoint once), as
+        # docs/operations.md shows it.
+        assert text[2].count(str(sock)) == 1, text[2]
+        assert "; last error: connection failed: ConnectionRefusedError: " in text[2], text[2]
 
         _stop(node, signal.SIGTERM)
         assert node.returncode == 0
