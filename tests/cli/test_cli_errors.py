@@ -101,6 +101,13 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      "unknown table", False),
     ("status --check bad bound", lambda t: ["status", "--check", "--max-stale", "-2"], EX_USAGE, "negative",
      False),
+    # A --config that names no file: before, status, journal and plan read the defaults silently.
+    ("status --config missing", lambda t: ["status", "--config", str(t / "typo.toml")], EX_CONFIG,
+     "typo.toml: no such file", False),
+    ("journal --config missing", lambda t: ["journal", "--config", str(t / "typo.toml")], EX_CONFIG,
+     "typo.toml: no such file", False),
+    ("plan --config missing", lambda t: ["plan", "--spec", str(EXAMPLES / "gpu-node.json"), "--config",
+     str(t / "typo.toml")], EX_CONFIG, "typo.toml: no such file", False),
     ("journal negative limit", lambda t: ["journal", "--limit", "-1"], EX_USAGE, "negative", False),
     ("journal not a number", lambda t: ["journal", "--limit", "ten"], EX_USAGE, "integer", False),
     ("journal no journal", lambda t: ["journal", "--data-dir", str(t)], EX_NOINPUT, "no journal here", False),
