@@ -389,8 +389,8 @@ def _check_data_dir(config: Config) -> list[Finding]:
                 "identity",
                 "warn",
                 f"not joined: {config.identity_path} does not exist",
-                "run `bcd join --token TOKEN` (as root on a node with [helper], so that root keeps "
-                "the join record)",
+                "run `bcd join --token TOKEN --address HOST:PORT` (as root on a node with [helper], so "
+                "that root keeps the join record)",
             )
         )
     return findings

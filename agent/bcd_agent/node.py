@@ -974,7 +974,8 @@ def _preflight(config: Config) -> None:
         raise CliError(f"{where} is not a directory: correct data_dir in {config.source}", EX_CONFIG)
     if not identity_path(data_dir).exists():
         raise CliError(
-            f"not joined: {identity_path(data_dir)} does not exist: run `bcd join --token TOKEN` first",
+            f"not joined: {identity_path(data_dir)} does not exist: "
+            "run `bcd join --token TOKEN --address HOST:PORT` first",
             EX_CONFIG,
         )
     try:

@@ -252,7 +252,7 @@ def test_node_before_join_exits_78_with_one_line(tmp_path: Path) -> None:
     assert res.returncode == EX_CONFIG
     assert res.stderr == (
         f"bcd node: not joined: {tmp_path / 'data/identity.json'} does not exist: "
-        "run `bcd join --token TOKEN` first\n"
+        "run `bcd join --token TOKEN --address HOST:PORT` first\n"
     )
 
 
