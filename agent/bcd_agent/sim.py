@@ -134,10 +134,38 @@ class Layout:
         return self.root / "var/log/bcd-sim"
 
 
+# In DIR, written before anything else is seeded there: this directory is a simulated host bcd sim made,
+# so a later run may seed into it again and --fresh may remove it.
+SIM_MARKER = ".bcd-sim-root"
+
+
+def check_sim_root(root: Path) -> None:
+    """Refuse (SimError) a DIR that `bcd sim` must not seed fake files into nor remove with --fresh: the
+    host's own `/`, a file, or a directory with content that is not a simulated host (`--root /etc`,
+    `--root ~`). A new or empty directory, or one a run made (the marker, or `var/lib/bcd-sim` of a run
+    before the marker existed), is fine."""
+    resolved = root.resolve()
+    if resolved == Path("/"):
+        raise SimError(f"--root {root}: the simulated host cannot be this host's / (name a directory)")
+    if not resolved.exists():
+        return
+    if not resolved.is_dir():
+        raise SimError(f"--root {root}: {resolved} is not a directory")
+    if (resolved / SIM_MARKER).exists() or (resolved / "var/lib/bcd-sim").is_dir():
+        return
+    if any(resolved.iterdir()):
+        raise SimError(
+            f"--root {root}: {resolved} is not empty and is not a simulated host (no {SIM_MARKER}): "
+            "bcd sim seeds fake host files into DIR and --fresh removes it; name a new or empty directory"
+        )
+
+
 def prepare(layout: Layout, *, helper: bool, node_uid: int | None) -> None:
     """Seed the simulated host and write the node's (and root's) config. Idempotent."""
     from bcd_simhost.seed import seed
 
+    layout.root.mkdir(parents=True, exist_ok=True)
+    (layout.root / SIM_MARKER).touch()  # first: an interrupted seed still leaves a DIR a rerun accepts
     seed(layout.root)
     for d in (layout.gateway_socket.parent, layout.log_dir, layout.node_config.parent):
         d.mkdir(parents=True, exist_ok=True)
@@ -648,6 +676,7 @@ async def simulate(
 
     spec = load_spec_file(opts.spec)  # refused before anything starts, naming the field
     layout = Layout(opts.root.resolve())
+    check_sim_root(layout.root)
     if opts.fresh and layout.root.exists():
         shutil.rmtree(layout.root)
     helper, node_user = use_helper(opts.helper)
@@ -815,6 +844,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         simhost_module(args.root)  # `bcd sim` is the simulated host: it needs bcd-simhost
     except SimHostMissing as e:
+        raise CliError(str(e), EX_USAGE) from None
+    try:
+        check_sim_root(Path(args.root))  # before anything: never seed into, nor --fresh remove, a real dir
+    except SimError as e:
         raise CliError(str(e), EX_USAGE) from None
 
     opts = SimOptions(
