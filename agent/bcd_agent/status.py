@@ -436,7 +436,8 @@ def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
     for err in snap.errors:
         if err != snap.status_problem:  # already on the node line
             lines.append(f"! {err}")
-    return "\n".join(lines) + "\n"
+    # No trailing blanks (a section with no reason ended in two): what docs/operations.md shows.
+    return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 def node_version(snap: StatusSnapshot) -> str | None:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from attrs import evolve
 from bcd_agent.converge.types import Condition, NodeStatus, SectionState, SectionStatus
 from bcd_agent.devplane.admin import AdminClient
 from bcd_agent.status import StatusSnapshot, check, render, snapshot
@@ -190,6 +191,15 @@ def test_a_recycled_pid_is_not_the_node(tmp_path: Path) -> None:
         .splitlines()[1]
         .startswith(f"node: DOWN (pid {os.getpid()} is another process now)")
     )
+
+
+def test_a_section_without_reason_ends_its_line_without_blanks(tmp_path: Path) -> None:
+    """As docs/operations.md shows `host       CONVERGED       1`: before, two trailing spaces."""
+    status = evolve(_status(), sections=(SectionStatus("host", SectionState.CONVERGED, 3, "", ""),))
+    write_status(tmp_path, status, now_monotonic=11.0, now_wall=NOW, extra=_node(NOW - 60))
+    lines = render(snapshot(str(tmp_path), None, now_wall=NOW), now_wall=NOW).splitlines()
+    assert "host       CONVERGED       3" in lines
+    assert all(line == line.rstrip() for line in lines)
 
 
 def test_a_progressing_section_shows_its_next_retry_and_why(tmp_path: Path) -> None:
