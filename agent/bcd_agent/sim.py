@@ -137,13 +137,16 @@ class Layout:
 # In DIR, written before anything else is seeded there: this directory is a simulated host bcd sim made,
 # so a later run may seed into it again and --fresh may remove it.
 SIM_MARKER = ".bcd-sim-root"
+# The top-level entries a seeded simulated host has: a DIR holding only some of them (say, an audit log
+# `bcd helper audit --root DIR init` made before the first run) is still taken.
+SIM_TOP = frozenset({"dev", "etc", "lib", "proc", "run", "sys", "tmp", "usr", "var", SIM_MARKER})
 
 
 def check_sim_root(root: Path) -> None:
     """Refuse (SimError) a DIR that `bcd sim` must not seed fake files into nor remove with --fresh: the
     host's own `/`, a file, or a directory with content that is not a simulated host (`--root /etc`,
-    `--root ~`). A new or empty directory, or one a run made (the marker, or `var/lib/bcd-sim` of a run
-    before the marker existed), is fine."""
+    `--root ~`). A new or empty directory, one a run made (the marker, or `var/lib/bcd-sim` of a run
+    before the marker existed), or one with nothing but a simulated host's top-level names, is fine."""
     resolved = root.resolve()
     if resolved == Path("/"):
         raise SimError(f"--root {root}: the simulated host cannot be this host's / (name a directory)")
@@ -153,7 +156,7 @@ def check_sim_root(root: Path) -> None:
         raise SimError(f"--root {root}: {resolved} is not a directory")
     if (resolved / SIM_MARKER).exists() or (resolved / "var/lib/bcd-sim").is_dir():
         return
-    if any(resolved.iterdir()):
+    if any(entry.name not in SIM_TOP for entry in resolved.iterdir()):
         raise SimError(
             f"--root {root}: {resolved} is not empty and is not a simulated host (no {SIM_MARKER}): "
             "bcd sim seeds fake host files into DIR and --fresh removes it; name a new or empty directory"

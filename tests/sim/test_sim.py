@@ -201,6 +201,9 @@ def test_a_directory_that_is_no_simulated_host_is_never_seeded_nor_removed(tmp_p
     with pytest.raises(SimError, match="cannot be this host's /"):
         check_sim_root(Path("/"))
     check_sim_root(tmp_path / "new")  # not there yet: fine
+    early = tmp_path / "early"
+    (early / "var/log/bcd-helper").mkdir(parents=True)  # `bcd helper audit --root DIR init` before a run
+    check_sim_root(early)
     (mine / SIM_MARKER).touch()
     check_sim_root(mine)  # made by a run: fine
 
