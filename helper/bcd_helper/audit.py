@@ -856,7 +856,10 @@ def run(args: argparse.Namespace) -> int:
                 "sealed" + (" and at the expected head" if expect else "")
             )
             return 0
-        print(f"audit log broken after {result.lines} good entries: {result.problem}", file=sys.stderr)
+        print(
+            f"bcd helper audit: audit log broken after {result.lines} good entries: {result.problem}",
+            file=sys.stderr,
+        )
         return 1
     since: dt.datetime | None = args.since
     until: dt.datetime | None = args.until

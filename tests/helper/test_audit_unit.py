@@ -864,8 +864,8 @@ def test_cli_verify(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
         )
     assert cli(root, "verify", "--key", key, "--expect-head", f"4:{sha}") == 1
     assert capsys.readouterr().err == (
-        "audit log broken after 3 good entries: the log ends at seq 3, before the expected head seq 4: "
-        "lines removed\n"
+        "bcd helper audit: audit log broken after 3 good entries: the log ends at seq 3, "
+        "before the expected head seq 4: lines removed\n"
     )
 
 
@@ -1254,7 +1254,7 @@ def test_cli_verify_with_another_key_fails(root: Path, capsys: pytest.CaptureFix
     other = format_key(1, bytes(32))
     assert cli(root, "verify", "--key", other) == 1
     assert capsys.readouterr().err == (
-        f"audit log broken after 0 good entries: {LOG_NAME} line 1 (seq 1): {SEAL}\n"
+        f"bcd helper audit: audit log broken after 0 good entries: {LOG_NAME} line 1 (seq 1): {SEAL}\n"
     )
 
 
