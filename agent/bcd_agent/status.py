@@ -524,7 +524,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval seconds")
     parser.add_argument(
-        "--interval", type=positive_float, default=1.0, help="seconds between redraws (--watch)"
+        "--interval", type=positive_float, default=None, help="seconds between redraws (--watch; default 1)"
     )
     parser.add_argument(
         "--check",
@@ -534,22 +534,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-disconnected",
         type=non_negative_float,
-        default=float(DEFAULT_MAX_DISCONNECTED_S),
+        default=None,
         metavar="N",
         help=f"--check: seconds the session may be down (default {DEFAULT_MAX_DISCONNECTED_S})",
     )
     parser.add_argument(
         "--max-stale",
         type=non_negative_float,
-        default=float(DEFAULT_MAX_STALE_S),
+        default=None,
         metavar="N",
         help=f"--check: seconds status.json may be old (default {DEFAULT_MAX_STALE_S}; rewritten every 10)",
     )
 
 
+def _refuse_mixed_flags(args: argparse.Namespace) -> None:
+    """Flags that would be silently ignored in the mode chosen are a usage error (64), naming both."""
+    from bcd_shared.subcommands import EX_USAGE, CliError
+
+    def given(flag: str) -> bool:
+        return getattr(args, flag.lstrip("-").replace("-", "_"), None) not in (None, False)
+
+    # --check reads no holds, so --no-holds (the DaemonSet's probes give it) and --root are harmless.
+    for mode, other in (("--check", "--json"), ("--check", "--watch"), ("--watch", "--json")):
+        if given(mode) and given(other):
+            raise CliError(f"{mode} and {other} do not go together", EX_USAGE)
+    for flag in ("--max-disconnected", "--max-stale"):
+        if given(flag) and not args.check:
+            raise CliError(f"{flag} applies to --check only", EX_USAGE)
+    if given("--interval") and not args.watch:
+        raise CliError("--interval applies to --watch only", EX_USAGE)
+
+
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from bcd_shared.simroot import SimHostMissing
     from bcd_shared.subcommands import EX_CONFIG, EX_USAGE, CliError
+
+    _refuse_mixed_flags(args)
 
     from bcd_agent.config import ConfigError, default_config_path, load_config
     from bcd_agent.plan import host_system
@@ -563,7 +583,13 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     data_dir = args.data_dir or config.data_dir
     if args.check:
         snap = snapshot(data_dir, None)
-        problems = check(snap, max_disconnected_s=args.max_disconnected, max_stale_s=args.max_stale)
+        problems = check(
+            snap,
+            max_disconnected_s=(
+                DEFAULT_MAX_DISCONNECTED_S if args.max_disconnected is None else args.max_disconnected
+            ),
+            max_stale_s=DEFAULT_MAX_STALE_S if args.max_stale is None else args.max_stale,
+        )
         if problems:
             stream.write("FAIL: " + "; ".join(problems) + "\n")
             return 1
@@ -581,7 +607,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     if args.watch:
         try:
-            snap = watch(take, stream, interval=max(0.1, args.interval), tty=stream.isatty())
+            interval = 1.0 if args.interval is None else args.interval
+            snap = watch(take, stream, interval=max(0.1, interval), tty=stream.isatty())
         except KeyboardInterrupt:
             return 0
         return snap.exit_code
