@@ -824,7 +824,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bcd_shared.subcommands import positive_float
 
     parser.add_argument(
-        "--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, help="seconds to wait (--once)"
+        "--timeout",
+        type=positive_float,
+        default=None,
+        help=f"seconds to wait (--once or --json only; default {DEFAULT_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--helper",
@@ -848,6 +851,9 @@ def run(args: argparse.Namespace) -> int:
         simhost_module(args.root)  # `bcd sim` is the simulated host: it needs bcd-simhost
     except SimHostMissing as e:
         raise CliError(str(e), EX_USAGE) from None
+    if args.timeout is not None and not (args.once or args.json):
+        # Without --once the sim runs until stopped: a --timeout there would be ignored.
+        raise CliError("--timeout applies to --once (or --json) only", EX_USAGE)
     try:
         check_sim_root(Path(args.root))  # before anything: never seed into, nor --fresh remove, a real dir
     except SimError as e:
@@ -858,7 +864,7 @@ def run(args: argparse.Namespace) -> int:
         root=Path(args.root),
         once=args.once or args.json,
         json=args.json,
-        timeout_s=args.timeout,
+        timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
         helper=args.helper,
         fresh=args.fresh,
     )

@@ -126,6 +126,8 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      _config(t, "")], EX_DATAERR, "config.toml: not a wheel (not a zip archive)", False),
     ("release confirm without a helper", lambda t: ["release", "confirm", "--socket", str(t / "h.sock")], 1,
      "h.sock)", False),
+    ("sim --timeout without --once", lambda t: ["sim", "--timeout", "5"], EX_USAGE,
+     "--timeout applies to --once (or --json) only", False),
     ("sim negative timeout", lambda t: ["sim", "--timeout", "-1"], EX_USAGE, "positive", False),
     ("helper unknown command", lambda t: ["helper", "frobnicate"], EX_USAGE, "invalid choice", False),
     ("helper serve as non-root", lambda t: ["helper", "serve"], EX_NOPERM, "must run as root", True),
