@@ -210,6 +210,18 @@ def test_node_without_config_or_env_reads_the_default_path(
     )
 
 
+def test_node_with_an_emptied_identity_names_only_what_is_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An identity.json that lost its keys: before, "unknown keys [], missing keys [...]"."""
+    config = _joinless(tmp_path)
+    (tmp_path / "data/identity.json").write_text("{}")
+    assert _main(["node", "--config", config]) == EX_CONFIG
+    err = capsys.readouterr().err
+    assert "identity.json: missing keys ['address', " in err and "unknown keys" not in err, err
+    assert len(err.splitlines()) == 1
+
+
 def test_audit_verify_root_after_the_subcommand_is_used(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
