@@ -131,6 +131,8 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      _config(t, "")], EX_DATAERR, "config.toml: not a wheel (not a zip archive)", False),
     ("release confirm without a helper", lambda t: ["release", "confirm", "--socket", str(t / "h.sock")], 1,
      "h.sock)", False),
+    ("release confirm asks the config's helper socket", lambda t: ["release", "confirm", "--config",
+     _config(t, f'[helper]\nsocket = "{t}/cfg.sock"\n')], 1, "cfg.sock)", False),
     ("sim --timeout without --once", lambda t: ["sim", "--timeout", "5"], EX_USAGE,
      "--timeout applies to --once (or --json) only", False),
     ("sim negative timeout", lambda t: ["sim", "--timeout", "-1"], EX_USAGE, "positive", False),
