@@ -21,6 +21,7 @@ import importlib
 import json
 import math
 import operator
+import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -134,7 +135,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="print JSON (the default for one bench)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    parser.add_argument("--data-dir", default=None, help="directory to measure on (default: a temporary one)")
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        type=_existing_dir,
+        help="directory to measure on (default: a temporary one)",
+    )
+
+
+def _existing_dir(text: str) -> str:
+    # A usage error (64): a mistyped --data-dir once made the whole path, as root, on the real host.
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text}: not a directory (name one on the disk to measure)")
+    return text
 
 
 def run(args: argparse.Namespace) -> int:
