@@ -110,6 +110,15 @@ def root_dir(text: str) -> str:
     return text
 
 
+def existing_dir(text: str) -> str:
+    """argparse type of a directory a command reads (`--data-dir`): it must be there. A mistyped one is a
+    usage error (64), not an empty directory read as "nothing here yet", nor one made on the spot."""
+    if not os.path.isdir(text):
+        why = "is not a directory" if os.path.exists(text) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {why}")
+    return text
+
+
 def os_error_code(exc: OSError) -> int:
     return EX_NOPERM if exc.errno in (errno.EACCES, errno.EPERM) else EX_IOERR
 

@@ -68,7 +68,7 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
     ("unknown command", lambda t: ["frobnicate"], EX_USAGE, "invalid choice", False),
     ("bench unknown bench", lambda t: ["bench", "nope"], EX_USAGE, "invalid choice", False),
     ("bench journal --data-dir missing", lambda t: ["bench", "journal", "--data-dir", str(t / "none/x")],
-     EX_USAGE, "none/x: not a directory", False),
+     EX_USAGE, "none/x does not exist", False),
     ("node missing config", lambda t: ["node", "--config", str(t / "none.toml")], EX_CONFIG, "no such file",
      False),
     ("node before join", lambda t: ["node", "--config", _joinless(t)], EX_CONFIG, "run `bcd join", False),

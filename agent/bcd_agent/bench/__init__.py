@@ -21,7 +21,6 @@ import importlib
 import json
 import math
 import operator
-import os
 import sys
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -130,6 +129,8 @@ def _fmt(value: object) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import existing_dir
+
     parser.add_argument(
         "name", choices=[*sorted(BENCHES), ALL], help="which bench to run (all: every one, a table)"
     )
@@ -138,16 +139,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--data-dir",
         default=None,
-        type=_existing_dir,
+        type=existing_dir,  # a mistyped one was once made, whole path, as root, on the real host
         help="directory to measure on (default: a temporary one)",
     )
-
-
-def _existing_dir(text: str) -> str:
-    # A usage error (64): a mistyped --data-dir once made the whole path, as root, on the real host.
-    if not os.path.isdir(text):
-        raise argparse.ArgumentTypeError(f"{text}: not a directory (name one on the disk to measure)")
-    return text
 
 
 def run(args: argparse.Namespace) -> int:
