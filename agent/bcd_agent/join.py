@@ -393,7 +393,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 RESET_NEEDS_YES = (
-    "bcd join --reset: joins this node again with the token and moves {identity} aside as "
+    "--reset joins this node again with the token and moves {identity} aside as "
     "identity.json.reset-<time> (never deleted); when the control plane gives a new node id, the journal "
     "and host-intent.json move aside too and the node starts as the new node. Stop bcd node first. "
     "Run again with --reset --yes to do it."

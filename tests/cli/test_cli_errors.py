@@ -87,6 +87,8 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      False),
     ("join --ca-file not PEM", lambda t: ["join", "--config", _joinless(t), "--token", "x", "--address",
      "unix:/nope", "--ca-file", _config(t, "")], EX_DATAERR, "holds no PEM certificate", False),
+    ("join --reset without --yes", lambda t: ["join", "--config", _joinless(t), "--token", "x", "--address",
+     "unix:/nope", "--reset"], EX_USAGE, "bcd join: --reset joins this node again", False),
     ("join missing config", lambda t: ["join", "--config", str(t / "none.toml"), "--token", "x",
      "--address", "unix:/nope"], EX_CONFIG, "no such file", False),
     ("join --yes alone", lambda t: ["join", "--config", _joinless(t), "--token", "x", "--address",
