@@ -581,6 +581,9 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     except ConfigError as e:
         raise CliError(str(e), EX_CONFIG) from None
     data_dir = args.data_dir or config.data_dir
+    if args.data_dir is None and args.root != "/":
+        # The config's data_dir is a host path: under --root DIR it is DIR's, as `bcd doctor --root` reads it.
+        data_dir = str(Path(args.root) / config.data_dir.lstrip("/"))
     if args.check:
         snap = snapshot(data_dir, None)
         problems = check(

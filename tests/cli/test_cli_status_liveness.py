@@ -228,6 +228,14 @@ def test_a_missing_data_dir_is_named_not_taken_for_a_node_that_never_ran(tmp_pat
     assert f"! {problem}" not in render(snap)
 
 
+def test_root_without_data_dir_reads_the_configs_data_dir_under_root(tmp_path: Path) -> None:
+    """`bcd status --root DIR`: the config's data_dir (a host path) is DIR's, as for `bcd doctor --root`;
+    before, the real host's /var/lib/bcd was read."""
+    res = bcd("status", "--root", str(tmp_path), "--check")
+    assert res.returncode == 1
+    assert res.stdout.startswith(f"FAIL: down: data_dir {tmp_path}/var/lib/bcd does not exist"), res.stdout
+
+
 def test_an_unreadable_status_file_is_not_called_missing(tmp_path: Path) -> None:
     """A status.json that does not parse: `--check` names it, never "no status.json"."""
     status_path(tmp_path).write_text("{bad")
