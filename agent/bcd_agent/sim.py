@@ -661,7 +661,7 @@ async def check_node_account(uid: int) -> None:
     except (OSError, trio.TooSlowError) as e:
         raise SimError(
             f"--helper yes: uid {uid} cannot run {sys.executable} ({e}); install bcd where that account can "
-            "read it (a venv outside /root), or run without the helper"
+            "read it (a venv outside /root), or use --helper auto (the node as root beside the helper)"
         ) from None
     except Exception as e:
         raise SimError(f"--helper yes: uid {uid} cannot run {sys.executable}: {e}") from None
