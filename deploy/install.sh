@@ -37,18 +37,22 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
 die() { echo "install.sh: $*" >&2; exit 2; }
 
+# A flag that takes a value must have one: one line and exit 2, like every other refusal here.
+value() { [ $# -ge 2 ] && [ -n "$2" ] || die "$1 needs a value (see install.sh --help)"; }
+
 while [ $# -gt 0 ]; do
   case "$1" in
-    --root) ROOT="${2:?--root needs a directory}"; shift 2 ;;
-    --join-signing-key-pin) PIN="${2:?}"; GIVEN+=" pin"; shift 2 ;;
-    --command-root-sha256) ROOTS="${2:?}"; GIVEN+=" roots"; shift 2 ;;
-    --control-plane) CONTROL_PLANE="${2:?}"; GIVEN+=" control_plane"; shift 2 ;;
+    --root) value "$@"; ROOT="$2"; shift 2 ;;
+    --join-signing-key-pin) value "$@"; PIN="$2"; GIVEN+=" pin"; shift 2 ;;
+    --command-root-sha256) value "$@"; ROOTS="$2"; GIVEN+=" roots"; shift 2 ;;
+    --control-plane) value "$@"; CONTROL_PLANE="$2"; GIVEN+=" control_plane"; shift 2 ;;
     --host-units-external) HOST_UNITS=false; GIVEN+=" units"; shift ;;
-    --allowed-clusters) CLUSTERS="${2:?}"; GIVEN+=" clusters"; shift 2 ;;
+    --allowed-clusters) value "$@"; CLUSTERS="$2"; GIVEN+=" clusters"; shift 2 ;;
     --no-helper) HELPER=false; GIVEN+=" helper"; shift ;;
     --no-enable) ENABLE=false; shift ;;
     --replace) REPLACE=true; shift ;;
-    -h|--help) sed -n '2,26p' "$0"; exit 0 ;;
+    # The header comment, up to its first non-comment line: the usage stays in one place.
+    -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
     *) die "unknown argument $1" ;;
   esac
 done

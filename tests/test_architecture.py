@@ -96,6 +96,7 @@ def test_a_simulated_root_needs_bcd_simhost(tmp_path: Path) -> None:
     """`--root DIR` (DIR not /) where bcd-simhost is absent: one line naming the distribution, exit 64
     (EX_USAGE), for the helper, the node, plan, status and sim alike; nothing is created under DIR."""
     root = tmp_path / "host"
+    root.mkdir()  # a --root that is not there is refused before (bcd_shared.subcommands.root_dir)
     spec = str(REPO / "examples" / "gpu-node.json")
     cases = [
         ("helper", "serve", "--root", str(root)),
@@ -110,4 +111,4 @@ def test_a_simulated_root_needs_bcd_simhost(tmp_path: Path) -> None:
         assert "Traceback" not in res.stderr, argv
         lines = res.stderr.strip().splitlines()
         assert len(lines) == 1 and "bcd-simhost" in lines[0] and f"--root {root}" in lines[0], (argv, lines)
-        assert not root.exists(), argv
+        assert list(root.iterdir()) == [], argv

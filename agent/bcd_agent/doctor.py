@@ -389,8 +389,8 @@ def _check_data_dir(config: Config) -> list[Finding]:
                 "identity",
                 "warn",
                 f"not joined: {config.identity_path} does not exist",
-                "run `bcd join --token TOKEN` (as root on a node with [helper], so that root keeps "
-                "the join record)",
+                "run `bcd join --token TOKEN --address HOST:PORT` (as root on a node with [helper], so "
+                "that root keeps the join record)",
             )
         )
     return findings
@@ -1070,8 +1070,12 @@ def _check_signed_intent(config: Config, record: object, record_path: Path) -> l
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import root_dir
+
     add_config_argument(parser)
-    parser.add_argument("--root", default="/", help="the directory standing for / (a simulated host)")
+    parser.add_argument(
+        "--root", default="/", type=root_dir, help="the directory standing for / (a simulated host)"
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 

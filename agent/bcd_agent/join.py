@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from bcd_shared.version import VERSION
 
 from bcd_agent.config import Config
 
@@ -211,7 +212,7 @@ async def _join_call(
         csr=_csr(key, node_id),
         hostname=hostname or socket.gethostname(),
         role=wire.Role.NODE,
-        version="0.1.0",
+        version=VERSION,  # one constant (docs/operations.md "Version and logs"), not a literal
         node_id=node_id,
     )
     try:
@@ -331,12 +332,47 @@ def _move_aside(data_dir: Path, names: tuple[str, ...], stamp: str) -> list[Path
     return moved
 
 
+def _check_ca_file(path: str | None, named_by: str) -> None:
+    """The CA file, if any, is there and holds a PEM certificate: before, a missing one was
+    "FileNotFoundError: ..." (exit 1) and one of another format an SSLError from deep in the call."""
+    import errno
+
+    from bcd_shared.subcommands import EX_DATAERR, EX_NOINPUT, CliError, os_error_code
+
+    if path is None:
+        return
+    try:
+        text = Path(path).read_bytes()
+    except OSError as exc:
+        code = EX_NOINPUT if exc.errno == errno.ENOENT else os_error_code(exc)
+        raise CliError(f"the CA file {path} (from {named_by}) cannot be read: {exc.strerror}", code) from None
+    if b"-----BEGIN CERTIFICATE-----" not in text:
+        raise CliError(f"the CA file {path} (from {named_by}) holds no PEM certificate", EX_DATAERR)
+
+
+def _address(text: str) -> str:
+    """argparse type of --address: a bad one is a usage error (64) naming the rule, not a ValueError."""
+    from bcd_agent.session.transport import Endpoint
+
+    try:
+        endpoint = Endpoint.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT or unix:/PATH, got {text!r}") from None
+    if endpoint.port is not None and not 1 <= endpoint.port <= 65535:
+        raise argparse.ArgumentTypeError(f"port {endpoint.port} is outside 1-65535 in {text!r}")
+    return text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import root_dir
+
     from bcd_agent.config import add_config_argument
 
     add_config_argument(parser)
     parser.add_argument("--token", required=True, help="the one-time join token")
-    parser.add_argument("--address", required=True, help="the JoinService: HOST:PORT (TLS) or unix:/PATH")
+    parser.add_argument(
+        "--address", required=True, type=_address, help="the JoinService: HOST:PORT (TLS) or unix:/PATH"
+    )
     parser.add_argument(
         "--ca-file", default=None, help="PEM of the CA the control plane's TLS certificate has"
     )
@@ -344,6 +380,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--root",
         default="/",
+        type=root_dir,
         help="the directory standing for / (a simulated host): root's join record goes there",
     )
     parser.add_argument(
@@ -356,7 +393,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 RESET_NEEDS_YES = (
-    "bcd join --reset: joins this node again with the token and moves {identity} aside as "
+    "--reset joins this node again with the token and moves {identity} aside as "
     "identity.json.reset-<time> (never deleted); when the control plane gives a new node id, the journal "
     "and host-intent.json move aside too and the node starts as the new node. Stop bcd node first. "
     "Run again with --reset --yes to do it."
@@ -376,6 +413,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--yes confirms --reset; without --reset it means nothing", EX_USAGE)
     if args.reset and not args.yes:
         raise CliError(RESET_NEEDS_YES.format(identity=config.identity_path), EX_USAGE)
+    _check_ca_file(
+        args.ca_file or config.control_plane.ca_file, "--ca-file" if args.ca_file else config.source
+    )
     try:
         identity = trio.run(
             lambda: join(

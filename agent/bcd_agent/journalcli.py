@@ -298,7 +298,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     stream = out or sys.stdout
     try:
-        config = load_config(args.config or default_config_path(), missing_ok=True)
+        # A missing default (or $BCD_CONFIG) file means the defaults; a --config typo is refused.
+        config = load_config(args.config or default_config_path(), missing_ok=args.config is None)
     except ConfigError as e:
         raise CliError(str(e), EX_CONFIG) from None
     try:

@@ -946,12 +946,14 @@ async def _watchdog(notifier: Any, interval_s: float) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bcd_shared.subcommands import non_negative_float
+    from bcd_shared.subcommands import non_negative_float, root_dir
 
     from bcd_agent.config import add_config_argument
 
     add_config_argument(parser)
-    parser.add_argument("--root", default="/", help="a simulated host directory standing for /")
+    parser.add_argument(
+        "--root", default="/", type=root_dir, help="a simulated host directory standing for /"
+    )
     logsetup.add_argument(parser)
     parser.add_argument("--test-kinds", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--test-effect-delay", type=non_negative_float, default=0.0, help=argparse.SUPPRESS)
@@ -972,7 +974,8 @@ def _preflight(config: Config) -> None:
         raise CliError(f"{where} is not a directory: correct data_dir in {config.source}", EX_CONFIG)
     if not identity_path(data_dir).exists():
         raise CliError(
-            f"not joined: {identity_path(data_dir)} does not exist: run `bcd join --token TOKEN` first",
+            f"not joined: {identity_path(data_dir)} does not exist: "
+            "run `bcd join --token TOKEN --address HOST:PORT` first",
             EX_CONFIG,
         )
     try:

@@ -657,12 +657,14 @@ def host_system(root: str) -> System:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bcd_shared.subcommands import positive_int
+    from bcd_shared.subcommands import positive_int, root_dir
 
     from bcd_agent.config import add_config_argument
 
     parser.add_argument("--spec", required=True, help="a NodeSpec in protobuf's JSON mapping")
-    parser.add_argument("--root", default="/", help="the directory standing for / (a simulated host)")
+    parser.add_argument(
+        "--root", default="/", type=root_dir, help="the directory standing for / (a simulated host)"
+    )
     parser.add_argument("--data-dir", default=None, help="the node's data_dir (default: config's)")
     parser.add_argument(
         "--generation", type=positive_int, default=1, help="the generation to plan at (default 1)"
@@ -687,7 +689,8 @@ def run(args: argparse.Namespace) -> int:
     except SpecFileError as e:
         raise CliError(str(e), EX_DATAERR) from None
     try:
-        config = load_config(args.config or default_config_path(), missing_ok=True)
+        # A missing default (or $BCD_CONFIG) file means the defaults; a --config typo is refused.
+        config = load_config(args.config or default_config_path(), missing_ok=args.config is None)
     except ConfigError as e:
         raise CliError(str(e), EX_CONFIG) from None
     data_dir = args.data_dir or config.data_dir

@@ -134,10 +134,41 @@ class Layout:
         return self.root / "var/log/bcd-sim"
 
 
+# In DIR, written before anything else is seeded there: this directory is a simulated host bcd sim made,
+# so a later run may seed into it again and --fresh may remove it.
+SIM_MARKER = ".bcd-sim-root"
+# The top-level entries a seeded simulated host has: a DIR holding only some of them (say, an audit log
+# `bcd helper audit --root DIR init` made before the first run) is still taken.
+SIM_TOP = frozenset({"dev", "etc", "lib", "proc", "run", "sys", "tmp", "usr", "var", SIM_MARKER})
+
+
+def check_sim_root(root: Path) -> None:
+    """Refuse (SimError) a DIR that `bcd sim` must not seed fake files into nor remove with --fresh: the
+    host's own `/`, a file, or a directory with content that is not a simulated host (`--root /etc`,
+    `--root ~`). A new or empty directory, one a run made (the marker, or `var/lib/bcd-sim` of a run
+    before the marker existed), or one with nothing but a simulated host's top-level names, is fine."""
+    resolved = root.resolve()
+    if resolved == Path("/"):
+        raise SimError(f"--root {root}: the simulated host cannot be this host's / (name a directory)")
+    if not resolved.exists():
+        return
+    if not resolved.is_dir():
+        raise SimError(f"--root {root}: {resolved} is not a directory")
+    if (resolved / SIM_MARKER).exists() or (resolved / "var/lib/bcd-sim").is_dir():
+        return
+    if any(entry.name not in SIM_TOP for entry in resolved.iterdir()):
+        raise SimError(
+            f"--root {root}: {resolved} is not empty and is not a simulated host (no {SIM_MARKER}): "
+            "bcd sim seeds fake host files into DIR and --fresh removes it; name a new or empty directory"
+        )
+
+
 def prepare(layout: Layout, *, helper: bool, node_uid: int | None) -> None:
     """Seed the simulated host and write the node's (and root's) config. Idempotent."""
     from bcd_simhost.seed import seed
 
+    layout.root.mkdir(parents=True, exist_ok=True)
+    (layout.root / SIM_MARKER).touch()  # first: an interrupted seed still leaves a DIR a rerun accepts
     seed(layout.root)
     for d in (layout.gateway_socket.parent, layout.log_dir, layout.node_config.parent):
         d.mkdir(parents=True, exist_ok=True)
@@ -630,7 +661,7 @@ async def check_node_account(uid: int) -> None:
     except (OSError, trio.TooSlowError) as e:
         raise SimError(
             f"--helper yes: uid {uid} cannot run {sys.executable} ({e}); install bcd where that account can "
-            "read it (a venv outside /root), or run without the helper"
+            "read it (a venv outside /root), or use --helper auto (the node as root beside the helper)"
         ) from None
     except Exception as e:
         raise SimError(f"--helper yes: uid {uid} cannot run {sys.executable}: {e}") from None
@@ -648,6 +679,7 @@ async def simulate(
 
     spec = load_spec_file(opts.spec)  # refused before anything starts, naming the field
     layout = Layout(opts.root.resolve())
+    check_sim_root(layout.root)
     if opts.fresh and layout.root.exists():
         shutil.rmtree(layout.root)
     helper, node_user = use_helper(opts.helper)
@@ -792,7 +824,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from bcd_shared.subcommands import positive_float
 
     parser.add_argument(
-        "--timeout", type=positive_float, default=DEFAULT_TIMEOUT_S, help="seconds to wait (--once)"
+        "--timeout",
+        type=positive_float,
+        default=None,
+        help=f"seconds to wait (--once or --json only; default {DEFAULT_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--helper",
@@ -816,13 +851,20 @@ def run(args: argparse.Namespace) -> int:
         simhost_module(args.root)  # `bcd sim` is the simulated host: it needs bcd-simhost
     except SimHostMissing as e:
         raise CliError(str(e), EX_USAGE) from None
+    if args.timeout is not None and not (args.once or args.json):
+        # Without --once the sim runs until stopped: a --timeout there would be ignored.
+        raise CliError("--timeout applies to --once (or --json) only", EX_USAGE)
+    try:
+        check_sim_root(Path(args.root))  # before anything: never seed into, nor --fresh remove, a real dir
+    except SimError as e:
+        raise CliError(str(e), EX_USAGE) from None
 
     opts = SimOptions(
         spec=Path(args.spec),
         root=Path(args.root),
         once=args.once or args.json,
         json=args.json,
-        timeout_s=args.timeout,
+        timeout_s=DEFAULT_TIMEOUT_S if args.timeout is None else args.timeout,
         helper=args.helper,
         fresh=args.fresh,
     )

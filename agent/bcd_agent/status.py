@@ -256,6 +256,9 @@ class StatusSnapshot:
     holds: Holds | None
     errors: tuple[str, ...] = ()
     live: Liveness | None = None
+    # Why there is no status, when it is not simply "no node has run here": status.json unreadable,
+    # or data_dir itself missing (a mistyped --data-dir). Also among `errors`.
+    status_problem: str = ""
 
     @property
     def exit_code(self) -> int:
@@ -271,10 +274,19 @@ def snapshot(
     errors: list[str] = []
     status: StatusView | None = None
     now = time.time() if now_wall is None else now_wall
+    problem = ""
     try:
         status = read_status(data_dir, now_wall=now)
     except StatusFileError as e:
-        errors.append(str(e))
+        problem = str(e)
+    if status is None and not problem:
+        where = Path(data_dir)
+        if not where.exists():
+            problem = f"data_dir {data_dir} does not exist (check --data-dir, or the config's data_dir)"
+        elif not where.is_dir():
+            problem = f"data_dir {data_dir} is not a directory"
+    if problem:
+        errors.append(problem)
     holds: Holds | None = None
     if system is not None:
         try:
@@ -282,13 +294,15 @@ def snapshot(
         except OSError as e:
             errors.append(f"reading the holds failed: {e}")
     live = liveness(status, now, proc) if status is not None else None
-    return StatusSnapshot(status, holds, tuple(errors), live)
+    return StatusSnapshot(status, holds, tuple(errors), live, problem)
 
 
 def check(snap: StatusSnapshot, *, max_disconnected_s: float, max_stale_s: float) -> list[str]:
     """`bcd status --check`: what makes the node unhealthy, or [] when it is up, current and connected."""
     live = snap.live
     if snap.status is None or live is None:
+        if snap.status_problem:
+            return [f"down: {snap.status_problem}", *(e for e in snap.errors if e != snap.status_problem)]
         return ["down: no status.json (bcd node has not run with this data_dir)", *snap.errors]
     problems = []
     if live.process == "gone":
@@ -367,7 +381,9 @@ def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
     lines: list[str] = [f"bcd {VERSION}; node {node_version(snap) or 'version unknown'}"]
     st = snap.status
     live = snap.live
-    if st is None:
+    if st is None and snap.status_problem:
+        lines.append(f"node: no status: {snap.status_problem}")
+    elif st is None:
         lines.append("node: no status published yet (is bcd node running with this data_dir?)")
     else:
         now = time.time() if now_wall is None else now_wall
@@ -418,8 +434,10 @@ def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
         for err in snap.holds.inventory_errors:
             lines.append(f"! inventory: {err}")
     for err in snap.errors:
-        lines.append(f"! {err}")
-    return "\n".join(lines) + "\n"
+        if err != snap.status_problem:  # already on the node line
+            lines.append(f"! {err}")
+    # No trailing blanks (a section with no reason ended in two): what docs/operations.md shows.
+    return "\n".join(line.rstrip() for line in lines) + "\n"
 
 
 def node_version(snap: StatusSnapshot) -> str | None:
@@ -493,18 +511,20 @@ def _stable(text: str) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from bcd_shared.subcommands import non_negative_float, positive_float
+    from bcd_shared.subcommands import non_negative_float, positive_float, root_dir
 
     from bcd_agent.config import add_config_argument
 
     add_config_argument(parser)
     parser.add_argument("--data-dir", default=None, help="the node's data_dir (default: config's)")
-    parser.add_argument("--root", default="/", help="the directory standing for / (a simulated host)")
+    parser.add_argument(
+        "--root", default="/", type=root_dir, help="the directory standing for / (a simulated host)"
+    )
     parser.add_argument("--no-holds", action="store_true", help="skip reading the holds and GPUs")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--watch", action="store_true", help="a live view, redrawn every --interval seconds")
     parser.add_argument(
-        "--interval", type=positive_float, default=1.0, help="seconds between redraws (--watch)"
+        "--interval", type=positive_float, default=None, help="seconds between redraws (--watch; default 1)"
     )
     parser.add_argument(
         "--check",
@@ -514,35 +534,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-disconnected",
         type=non_negative_float,
-        default=float(DEFAULT_MAX_DISCONNECTED_S),
+        default=None,
         metavar="N",
         help=f"--check: seconds the session may be down (default {DEFAULT_MAX_DISCONNECTED_S})",
     )
     parser.add_argument(
         "--max-stale",
         type=non_negative_float,
-        default=float(DEFAULT_MAX_STALE_S),
+        default=None,
         metavar="N",
         help=f"--check: seconds status.json may be old (default {DEFAULT_MAX_STALE_S}; rewritten every 10)",
     )
+
+
+def _refuse_mixed_flags(args: argparse.Namespace) -> None:
+    """Flags that would be silently ignored in the mode chosen are a usage error (64), naming both."""
+    from bcd_shared.subcommands import EX_USAGE, CliError
+
+    def given(flag: str) -> bool:
+        return getattr(args, flag.lstrip("-").replace("-", "_"), None) not in (None, False)
+
+    # --check reads no holds, so --no-holds (the DaemonSet's probes give it) and --root are harmless.
+    for mode, other in (("--check", "--json"), ("--check", "--watch"), ("--watch", "--json")):
+        if given(mode) and given(other):
+            raise CliError(f"{mode} and {other} do not go together", EX_USAGE)
+    for flag in ("--max-disconnected", "--max-stale"):
+        if given(flag) and not args.check:
+            raise CliError(f"{flag} applies to --check only", EX_USAGE)
+    if given("--interval") and not args.watch:
+        raise CliError("--interval applies to --watch only", EX_USAGE)
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from bcd_shared.simroot import SimHostMissing
     from bcd_shared.subcommands import EX_CONFIG, EX_USAGE, CliError
 
+    _refuse_mixed_flags(args)
+
     from bcd_agent.config import ConfigError, default_config_path, load_config
     from bcd_agent.plan import host_system
 
     stream = out or sys.stdout
     try:
-        config = load_config(args.config or default_config_path(), missing_ok=True)
+        # A missing default (or $BCD_CONFIG) file means the defaults; a --config typo is refused.
+        config = load_config(args.config or default_config_path(), missing_ok=args.config is None)
     except ConfigError as e:
         raise CliError(str(e), EX_CONFIG) from None
     data_dir = args.data_dir or config.data_dir
+    if args.data_dir is None and args.root != "/":
+        # The config's data_dir is a host path: under --root DIR it is DIR's, as `bcd doctor --root` reads it.
+        data_dir = str(Path(args.root) / config.data_dir.lstrip("/"))
     if args.check:
         snap = snapshot(data_dir, None)
-        problems = check(snap, max_disconnected_s=args.max_disconnected, max_stale_s=args.max_stale)
+        problems = check(
+            snap,
+            max_disconnected_s=(
+                DEFAULT_MAX_DISCONNECTED_S if args.max_disconnected is None else args.max_disconnected
+            ),
+            max_stale_s=DEFAULT_MAX_STALE_S if args.max_stale is None else args.max_stale,
+        )
         if problems:
             stream.write("FAIL: " + "; ".join(problems) + "\n")
             return 1
@@ -560,7 +610,8 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
 
     if args.watch:
         try:
-            snap = watch(take, stream, interval=max(0.1, args.interval), tty=stream.isatty())
+            interval = 1.0 if args.interval is None else args.interval
+            snap = watch(take, stream, interval=max(0.1, interval), tty=stream.isatty())
         except KeyboardInterrupt:
             return 0
         return snap.exit_code

@@ -230,6 +230,8 @@ def decode(data: bytes, *, source: str = STATUS_FILE, now_wall: float | None = N
         raise StatusFileError(f"{source}: not JSON ({e})") from None
     if not isinstance(doc, dict):
         raise StatusFileError(f"{source}: not a JSON object")
+    if "format" not in doc:
+        raise StatusFileError(f'{source}: has no "format" key (not a status.json bcd node wrote)')
     if doc.get("format") != FORMAT:
         raise StatusFileError(
             f"{source}: format {doc.get('format')!r} is not {FORMAT} (a bcd of another version?)"

@@ -706,7 +706,11 @@ def _common_arguments(parser: argparse.ArgumentParser, default: Any) -> None:
     def d(value: object) -> object:
         return value if default is None else default
 
-    parser.add_argument("--root", default=d("/"), help="the directory standing for / (a simulated host)")
+    from bcd_shared.subcommands import root_dir
+
+    parser.add_argument(
+        "--root", default=d("/"), type=root_dir, help="the directory standing for / (a simulated host)"
+    )
     parser.add_argument(
         "--dir", default=d(None), type=_dir_arg, help="the audit directory (host path; default from config)"
     )
@@ -771,10 +775,10 @@ def _host_dir(args: argparse.Namespace) -> tuple[Path, str]:
     root = Path(args.root)
     directory: str = args.dir
     if directory is None:
-        from bcd_helper.config import ConfigError, load_config
+        from bcd_helper.config import ConfigError, load_audit_dir
 
         try:
-            directory = load_config(root, args.config).audit_dir
+            directory = load_audit_dir(root, args.config)
         except ConfigError as exc:
             raise CliError(f"{exc} (or name the audit directory with --dir)", EX_CONFIG) from None
     return root, directory
@@ -801,7 +805,7 @@ def _init(args: argparse.Namespace) -> int:
     key = init_key(root, directory)
     if key is None:
         print(
-            f"bcd helper: {directory}/{KEY_NAME} exists: this log is sealed already "
+            f"bcd helper audit: {directory}/{KEY_NAME} exists: this log is sealed already "
             "(its verification key was printed when it was made)",
             file=sys.stderr,
         )
@@ -833,6 +837,11 @@ def run(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
+        try:
+            parse_key(args.key)
+        except ValueError as exc:  # the key given is wrong, not the log: never "audit log broken"
+            print(f"bcd helper audit: --key: {exc}", file=sys.stderr)
+            return 1
         expect: tuple[int, str] | None = None
         if args.expect_head is not None:
             m = re.fullmatch(r"([0-9]{1,19}):([0-9a-f]{64})", args.expect_head)
@@ -847,7 +856,10 @@ def run(args: argparse.Namespace) -> int:
                 "sealed" + (" and at the expected head" if expect else "")
             )
             return 0
-        print(f"audit log broken after {result.lines} good entries: {result.problem}", file=sys.stderr)
+        print(
+            f"bcd helper audit: audit log broken after {result.lines} good entries: {result.problem}",
+            file=sys.stderr,
+        )
         return 1
     since: dt.datetime | None = args.since
     until: dt.datetime | None = args.until

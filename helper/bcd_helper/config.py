@@ -193,6 +193,20 @@ def parse_config(data: bytes, path: str = DEFAULT_CONFIG) -> HelperConfig:
     )
 
 
+def load_audit_dir(root: Path, path: str = DEFAULT_CONFIG) -> str:
+    """`[helper] audit_dir` of root's config, for `bcd helper audit`: the same ownership rules and the
+    whole file validated, but no account looked up. The audit commands never use the node's account,
+    and `audit init` runs at set-up, possibly before the account exists (or under --root, where it is
+    in DIR's passwd, not this host's)."""
+    data = read_root_config(root, path)
+    try:
+        doc = schema.parse_document(schema.decode(data, path), path)
+    except schema.ConfigError as exc:
+        raise ConfigError(str(exc)) from None
+    audit_dir: str = doc["helper"].get("audit_dir", DEFAULT_AUDIT_DIR)
+    return audit_dir
+
+
 def load_config(root: Path, path: str = DEFAULT_CONFIG) -> HelperConfig:
     """Read and decode root's config at host path `path` under `root` ("/" on a real host)."""
     return parse_config(read_root_config(root, path), path)

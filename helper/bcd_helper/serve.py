@@ -30,6 +30,7 @@ from bcd_shared import logsetup
 from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
 from bcd_shared.sdnotify import Notifier
 from bcd_shared.simroot import SimHostMissing, sim_system, simhost_module
+from bcd_shared.subcommands import root_dir
 from bcd_shared.system import LocalSystem
 from bcd_shared.version import VERSION
 
@@ -43,7 +44,9 @@ log = logging.getLogger("bcd.helper")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--root", default="/", help="the directory standing for / (a simulated host)")
+    parser.add_argument(
+        "--root", default="/", type=root_dir, help="the directory standing for / (a simulated host)"
+    )
     parser.add_argument("--config", default=DEFAULT_CONFIG, help="root's config.toml (host path)")
     logsetup.add_argument(parser)
 

@@ -418,8 +418,9 @@ def parse_document(text: str, source: str = "config.toml") -> Document:
     for name, value in data.items():
         if name in SCHEMA and name != "":
             if not isinstance(value, dict):
+                got = "an array of tables ([[...]])" if isinstance(value, list) else "a value"
                 raise ConfigError(
-                    source, f"[{name}]", f"must be a table ([{name}] on its own line), got a value"
+                    source, f"[{name}]", f"must be a table ([{name}] on its own line), got {got}"
                 )
         elif name not in SCHEMA[""]:
             known_tables = ", ".join(f"[{t}]" for t in SCHEMA if t)

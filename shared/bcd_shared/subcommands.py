@@ -101,6 +101,24 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def root_dir(text: str) -> str:
+    """argparse type of `--root DIR`: a directory that exists. A mistyped DIR is a usage error (64),
+    not a host read as empty (no config, no data_dir, nvidia-smi failing) further on."""
+    if not os.path.isdir(text):
+        why = "is not a directory" if os.path.exists(text) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {why} (--root names the directory standing for /)")
+    return text
+
+
+def existing_dir(text: str) -> str:
+    """argparse type of a directory a command reads (`--data-dir`): it must be there. A mistyped one is a
+    usage error (64), not an empty directory read as "nothing here yet", nor one made on the spot."""
+    if not os.path.isdir(text):
+        why = "is not a directory" if os.path.exists(text) else "does not exist"
+        raise argparse.ArgumentTypeError(f"{text} {why}")
+    return text
+
+
 def os_error_code(exc: OSError) -> int:
     return EX_NOPERM if exc.errno in (errno.EACCES, errno.EPERM) else EX_IOERR
 

@@ -67,6 +67,8 @@ def _audit_dir(tmp: Path) -> str:
 CASES: list[tuple[str, Setup, int, str, bool]] = [
     ("unknown command", lambda t: ["frobnicate"], EX_USAGE, "invalid choice", False),
     ("bench unknown bench", lambda t: ["bench", "nope"], EX_USAGE, "invalid choice", False),
+    ("bench journal --data-dir missing", lambda t: ["bench", "journal", "--data-dir", str(t / "none/x")],
+     EX_USAGE, "none/x does not exist", False),
     ("node missing config", lambda t: ["node", "--config", str(t / "none.toml")], EX_CONFIG, "no such file",
      False),
     ("node before join", lambda t: ["node", "--config", _joinless(t)], EX_CONFIG, "run `bcd join", False),
@@ -76,6 +78,17 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      "log_level", False),
     ("node negative delay", lambda t: ["node", "--test-effect-delay", "-1"], EX_USAGE, "negative", False),
     ("join without address", lambda t: ["join", "--token", "x"], EX_USAGE, "--address", False),
+    ("join address without a port", lambda t: ["join", "--token", "x", "--address", "nohost"], EX_USAGE,
+     "expected HOST:PORT or unix:/PATH, got 'nohost'", False),
+    ("join address port out of range", lambda t: ["join", "--token", "x", "--address", "cp.example:70000"],
+     EX_USAGE, "outside 1-65535", False),
+    ("join --ca-file missing", lambda t: ["join", "--config", _joinless(t), "--token", "x", "--address",
+     "unix:/nope", "--ca-file", str(t / "ca.pem")], EX_NOINPUT, "ca.pem (from --ca-file) cannot be read",
+     False),
+    ("join --ca-file not PEM", lambda t: ["join", "--config", _joinless(t), "--token", "x", "--address",
+     "unix:/nope", "--ca-file", _config(t, "")], EX_DATAERR, "holds no PEM certificate", False),
+    ("join --reset without --yes", lambda t: ["join", "--config", _joinless(t), "--token", "x", "--address",
+     "unix:/nope", "--reset"], EX_USAGE, "bcd join: --reset joins this node again", False),
     ("join missing config", lambda t: ["join", "--config", str(t / "none.toml"), "--token", "x",
      "--address", "unix:/nope"], EX_CONFIG, "no such file", False),
     ("join --yes alone", lambda t: ["join", "--config", _joinless(t), "--token", "x", "--address",
@@ -84,6 +97,14 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      EX_USAGE, "positive", False),
     ("devplane negative not-after", lambda t: ["devplane", "command", "k", "--dir", str(t), "--not-after",
      "-1"], EX_USAGE, "positive", False),
+    ("devplane apply of a spec that is not JSON", lambda t: ["devplane", "apply", "--dir", str(t),
+     _config(t, "x")], EX_DATAERR, "config.toml: not JSON", False),
+    ("devplane apply of a missing spec", lambda t: ["devplane", "apply", "--dir", str(t), str(t / "no.json")],
+     EX_DATAERR, "no.json: cannot be read", False),
+    ("devplane command with a payload that is not JSON", lambda t: ["devplane", "command", "k", "--dir",
+     str(t), "--payload", "{bad"], EX_USAGE, "--payload: not JSON", False),
+    ("devplane show with no devplane running", lambda t: ["devplane", "show", "--dir", str(t)], 1,
+     "admin.sock: No such file or directory (is `bcd devplane serve", False),
     ("doctor unknown flag", lambda t: ["doctor", "--fix-everything"], EX_USAGE, "--fix-everything", False),
     ("plan missing spec", lambda t: ["plan", "--spec", str(t / "none.json"), "--root", str(t)], EX_DATAERR,
      "cannot be read", False),
@@ -97,11 +118,35 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      "unknown table", False),
     ("status --check bad bound", lambda t: ["status", "--check", "--max-stale", "-2"], EX_USAGE, "negative",
      False),
+    # A --config that names no file: before, status, journal and plan read the defaults silently.
+    ("status --config missing", lambda t: ["status", "--config", str(t / "typo.toml")], EX_CONFIG,
+     "typo.toml: no such file", False),
+    ("journal --config missing", lambda t: ["journal", "--config", str(t / "typo.toml")], EX_CONFIG,
+     "typo.toml: no such file", False),
+    ("plan --config missing", lambda t: ["plan", "--spec", str(EXAMPLES / "gpu-node.json"), "--config",
+     str(t / "typo.toml")], EX_CONFIG, "typo.toml: no such file", False),
+    # Flags the chosen mode would have ignored silently (before: --watch --json printed text).
+    ("status --watch --json", lambda t: ["status", "--watch", "--json"], EX_USAGE,
+     "--watch and --json do not go together", False),
+    ("status --check --json", lambda t: ["status", "--check", "--json"], EX_USAGE,
+     "--check and --json do not go together", False),
+    ("status --max-stale without --check", lambda t: ["status", "--max-stale", "5"], EX_USAGE,
+     "--max-stale applies to --check only", False),
+    ("status --interval without --watch", lambda t: ["status", "--interval", "5"], EX_USAGE,
+     "--interval applies to --watch only", False),
     ("journal negative limit", lambda t: ["journal", "--limit", "-1"], EX_USAGE, "negative", False),
     ("journal not a number", lambda t: ["journal", "--limit", "ten"], EX_USAGE, "integer", False),
     ("journal no journal", lambda t: ["journal", "--data-dir", str(t)], EX_NOINPUT, "no journal here", False),
     ("journal config refused", lambda t: ["journal", "--config", _config(t, "data_dir = 3\n")], EX_CONFIG,
      "data_dir", False),
+    ("release build of a file that is no wheel", lambda t: ["release", "build", "--out", str(t / "r"),
+     _config(t, "")], EX_DATAERR, "config.toml: not a wheel (not a zip archive)", False),
+    ("release confirm without a helper", lambda t: ["release", "confirm", "--socket", str(t / "h.sock")], 1,
+     "h.sock)", False),
+    ("release confirm asks the config's helper socket", lambda t: ["release", "confirm", "--config",
+     _config(t, f'[helper]\nsocket = "{t}/cfg.sock"\n')], 1, "cfg.sock)", False),
+    ("sim --timeout without --once", lambda t: ["sim", "--timeout", "5"], EX_USAGE,
+     "--timeout applies to --once (or --json) only", False),
     ("sim negative timeout", lambda t: ["sim", "--timeout", "-1"], EX_USAGE, "positive", False),
     ("helper unknown command", lambda t: ["helper", "frobnicate"], EX_USAGE, "invalid choice", False),
     ("helper serve as non-root", lambda t: ["helper", "serve"], EX_NOPERM, "must run as root", True),
@@ -122,6 +167,22 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      EX_NOPERM, "will not write as root", False),
     ("audit --dir relative", lambda t: ["helper", "audit", "--dir", "var/log", "show"], EX_USAGE,
      "not an absolute host path", False),
+    # A mistyped --root: before, read as an empty host (nvidia-smi exited 9, "no such file" without DIR).
+    ("status --root missing", lambda t: ["status", "--root", str(t / "nope")], EX_USAGE,
+     "nope does not exist", False),
+    ("plan --root missing", lambda t: ["plan", "--spec", "x", "--root", str(t / "nope")], EX_USAGE,
+     "nope does not exist", False),
+    ("doctor --root a file", lambda t: ["doctor", "--root", _config(t, "")], EX_USAGE, "is not a directory",
+     False),
+    ("node --root missing", lambda t: ["node", "--root", str(t / "nope")], EX_USAGE, "does not exist", False),
+    ("join --root missing", lambda t: ["join", "--token", "x", "--address", "unix:/nope", "--root",
+     str(t / "nope")], EX_USAGE, "does not exist", False),
+    ("helper serve --root missing", lambda t: ["helper", "serve", "--root", str(t / "nope")], EX_USAGE,
+     "does not exist", False),
+    ("audit --root missing", lambda t: ["helper", "audit", "--root", str(t / "nope"), "show"], EX_USAGE,
+     "does not exist", False),
+    ("audit show --root missing", lambda t: ["helper", "audit", "show", "--root", str(t / "nope")], EX_USAGE,
+     "does not exist", False),
 ]  # fmt: skip
 
 
@@ -163,6 +224,18 @@ def test_node_without_config_or_env_reads_the_default_path(
     )
 
 
+def test_node_with_an_emptied_identity_names_only_what_is_wrong(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An identity.json that lost its keys: before, "unknown keys [], missing keys [...]"."""
+    config = _joinless(tmp_path)
+    (tmp_path / "data/identity.json").write_text("{}")
+    assert _main(["node", "--config", config]) == EX_CONFIG
+    err = capsys.readouterr().err
+    assert "identity.json: missing keys ['address', " in err and "unknown keys" not in err, err
+    assert len(err.splitlines()) == 1
+
+
 def test_audit_verify_root_after_the_subcommand_is_used(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -170,6 +243,8 @@ def test_audit_verify_root_after_the_subcommand_is_used(
     root = _audit_dir(tmp_path)
     assert _main(["helper", "audit", "init", "--root", root, "--dir", "/var/log/bcd-helper"]) == 0
     key = capsys.readouterr().out.strip().rsplit(" ", 1)[-1]
+    elsewhere = tmp_path / "elsewhere"  # a --root with no log: the one after the subcommand wins
+    elsewhere.mkdir()
     outs = []
     for argv in (
         ["helper", "audit", "verify", "--root", root, "--dir", "/var/log/bcd-helper", "--key", key],
@@ -178,7 +253,7 @@ def test_audit_verify_root_after_the_subcommand_is_used(
             "helper",
             "audit",
             "--root",
-            "/nonexistent",
+            str(elsewhere),
             "verify",
             "--root",
             root,
@@ -192,7 +267,7 @@ def test_audit_verify_root_after_the_subcommand_is_used(
         out, err = capsys.readouterr()
         outs.append((code, out, err))
     assert len({o for o in outs}) == 1, outs  # the same answer, wherever --root stands
-    assert "no audit log" not in outs[0][2] and "/nonexistent" not in outs[0][2], outs[0]
+    assert "no audit log" not in outs[0][2] and "elsewhere" not in outs[0][2], outs[0]
 
 
 def test_plan_exit_code_says_whether_it_would_change_anything(tmp_path: Path) -> None:
@@ -219,7 +294,7 @@ def test_node_before_join_exits_78_with_one_line(tmp_path: Path) -> None:
     assert res.returncode == EX_CONFIG
     assert res.stderr == (
         f"bcd node: not joined: {tmp_path / 'data/identity.json'} does not exist: "
-        "run `bcd join --token TOKEN` first\n"
+        "run `bcd join --token TOKEN --address HOST:PORT` first\n"
     )
 
 

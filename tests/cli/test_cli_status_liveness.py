@@ -19,6 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from attrs import evolve
 from bcd_agent.converge.types import Condition, NodeStatus, SectionState, SectionStatus
 from bcd_agent.devplane.admin import AdminClient
 from bcd_agent.status import StatusSnapshot, check, render, snapshot
@@ -99,6 +100,10 @@ def test_status_follows_a_node_through_disconnection_and_stop(tmp_path: Path) ->
         assert (
             text[2].startswith(f"session: disconnected from unix:{sock} for ") and "last error: " in text[2]
         )
+        # The error without "connection to ENDPOINT ended:" (the line names the endpoint once), as
+        # docs/operations.md shows it.
+        assert text[2].count(str(sock)) == 1, text[2]
+        assert "; last error: connection failed: ConnectionRefusedError: " in text[2], text[2]
 
         _stop(node, signal.SIGTERM)
         assert node.returncode == 0
@@ -188,6 +193,15 @@ def test_a_recycled_pid_is_not_the_node(tmp_path: Path) -> None:
     )
 
 
+def test_a_section_without_reason_ends_its_line_without_blanks(tmp_path: Path) -> None:
+    """As docs/operations.md shows `host       CONVERGED       1`: before, two trailing spaces."""
+    status = evolve(_status(), sections=(SectionStatus("host", SectionState.CONVERGED, 3, "", ""),))
+    write_status(tmp_path, status, now_monotonic=11.0, now_wall=NOW, extra=_node(NOW - 60))
+    lines = render(snapshot(str(tmp_path), None, now_wall=NOW), now_wall=NOW).splitlines()
+    assert "host       CONVERGED       3" in lines
+    assert all(line == line.rstrip() for line in lines)
+
+
 def test_a_progressing_section_shows_its_next_retry_and_why(tmp_path: Path) -> None:
     snap = _snap(tmp_path, state=SectionState.PROGRESSING)
     text = render(snap, now_wall=NOW)
@@ -202,6 +216,39 @@ def test_no_status_file_is_down_for_check(tmp_path: Path) -> None:
     res = bcd("status", "--data-dir", str(tmp_path), "--check")
     assert res.returncode == 1
     assert res.stdout == "FAIL: down: no status.json (bcd node has not run with this data_dir)\n"
+
+
+def test_a_missing_data_dir_is_named_not_taken_for_a_node_that_never_ran(tmp_path: Path) -> None:
+    """A mistyped --data-dir: before, "no status published yet", as if the node had simply not run."""
+    missing = tmp_path / "no-such-dir"
+    snap = snapshot(str(missing), None, now_wall=NOW)
+    problem = f"data_dir {missing} does not exist (check --data-dir, or the config's data_dir)"
+    assert check(snap, max_disconnected_s=300, max_stale_s=60) == [f"down: {problem}"]
+    assert render(snap).splitlines()[1] == f"node: no status: {problem}"
+    assert f"! {problem}" not in render(snap)
+
+
+def test_root_without_data_dir_reads_the_configs_data_dir_under_root(tmp_path: Path) -> None:
+    """`bcd status --root DIR`: the config's data_dir (a host path) is DIR's, as for `bcd doctor --root`;
+    before, the real host's /var/lib/bcd was read."""
+    res = bcd("status", "--root", str(tmp_path), "--check")
+    assert res.returncode == 1
+    assert res.stdout.startswith(f"FAIL: down: data_dir {tmp_path}/var/lib/bcd does not exist"), res.stdout
+
+
+def test_an_unreadable_status_file_is_not_called_missing(tmp_path: Path) -> None:
+    """A status.json that does not parse: `--check` names it, never "no status.json"."""
+    status_path(tmp_path).write_text("{bad")
+    snap = snapshot(str(tmp_path), None, now_wall=NOW)
+    (problem,) = check(snap, max_disconnected_s=300, max_stale_s=60)
+    assert problem.startswith(f"down: {status_path(tmp_path)}: not JSON (")
+    assert "no status.json" not in problem
+    assert render(snap).splitlines()[1].startswith(f"node: no status: {status_path(tmp_path)}: not JSON")
+    status_path(tmp_path).write_text("{}")
+    snap = snapshot(str(tmp_path), None, now_wall=NOW)
+    assert check(snap, max_disconnected_s=300, max_stale_s=60) == [
+        f'down: {status_path(tmp_path)}: has no "format" key (not a status.json bcd node wrote)'
+    ]
 
 
 def test_a_node_in_another_pid_namespace_is_judged_by_the_files_age(tmp_path: Path) -> None:

@@ -116,6 +116,7 @@ REFUSED = [
         " instance_bridges, libvirt_uri, node_gid",
     ),
     ("host = true", "[host]", "must be a table"),
+    ("[[journal]]\nmax_bytes = 1", "[journal]", "must be a table ([journal] on its own line), got an array"),
     ("data_dir = 'var/lib/bcd'", "data_dir", "absolute path"),
     ("data_dir = '/var/../etc'", "data_dir", "absolute path without '..'"),
     ("data_dir = '/'", "data_dir", "not /"),

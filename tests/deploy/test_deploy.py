@@ -127,6 +127,30 @@ def run_install(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def test_install_help_is_the_usage_and_nothing_of_the_script() -> None:
+    """`install.sh --help` prints its header comment (the usage included), uncommented, and no code."""
+    out = subprocess.run(
+        ["bash", str(DEPLOY / "install.sh"), "--help"], capture_output=True, text=True, timeout=10, check=True
+    ).stdout
+    lines = out.splitlines()
+    assert lines[0].startswith("Install bcd on a host")
+    assert lines[-1].strip() == "[--no-helper] [--no-enable] [--replace]"
+    assert "set -euo pipefail" not in out and "ROOT=" not in out
+    assert not any(line.startswith("#") for line in lines)
+
+
+@pytest.mark.parametrize(
+    "flag", ["--root", "--join-signing-key-pin", "--control-plane", "--allowed-clusters"]
+)
+def test_install_flag_without_its_value_is_one_line_naming_it(flag: str) -> None:
+    """Before, bash's own `${2:?}` error named a line number of the script and exited 1."""
+    done = subprocess.run(
+        ["bash", str(DEPLOY / "install.sh"), "--no-enable", flag], capture_output=True, text=True, timeout=10
+    )
+    assert done.returncode == 2
+    assert done.stderr == f"install.sh: {flag} needs a value (see install.sh --help)\n"
+
+
 def owner_mode(path: Path) -> tuple[int, int, int]:
     st = path.lstat()
     return st.st_uid, st.st_gid, stat.S_IMODE(st.st_mode)

@@ -64,9 +64,11 @@ def test_version_flags() -> None:
 def test_status_and_doctor_show_the_version(tmp_path: Path) -> None:
     data = tmp_path / "data"
     data.mkdir(mode=0o700)
-    res = _bcd("status", "--data-dir", str(data), "--no-holds", "--config", str(tmp_path / "none.toml"))
+    empty = tmp_path / "empty.toml"  # a --config must exist (status refuses a missing one)
+    empty.write_text("")
+    res = _bcd("status", "--data-dir", str(data), "--no-holds", "--config", str(empty))
     assert res.stdout.splitlines()[0] == f"bcd {VERSION}; node version unknown", res.stdout + res.stderr
-    res = _bcd("status", "--data-dir", str(data), "--no-holds", "--json", "--config", str(tmp_path / "x"))
+    res = _bcd("status", "--data-dir", str(data), "--no-holds", "--json", "--config", str(empty))
     doc = json.loads(res.stdout)
     assert doc["version"] == VERSION and doc["node_version"] is None
     res = _bcd("doctor", "--json", "--config", str(tmp_path / "none.toml"), "--root", str(tmp_path))

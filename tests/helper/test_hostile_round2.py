@@ -479,7 +479,7 @@ def test_issue9_6_root_level_tampering_is_found(
     tamper(_audit_dir(w))
     done = _verify(w, "verify", "--key", key, "--expect-head", head)
     assert done.returncode == 1, (done.stdout, done.stderr)
-    assert done.stderr.startswith("audit log broken"), done.stderr
+    assert done.stderr.startswith("bcd helper audit: audit log broken"), done.stderr
 
 
 def test_issue9_6_a_cut_tail_is_found_without_the_expected_head(

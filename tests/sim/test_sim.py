@@ -22,11 +22,14 @@ import trio
 from attrs import evolve
 from bcd_agent.sim import (
     DEFAULT_ROOT,
+    SIM_MARKER,
     Child,
     Settler,
+    SimError,
     SimOptions,
     SimView,
     add_arguments,
+    check_sim_root,
     simulate,
     supervise,
 )
@@ -175,6 +178,34 @@ def test_bad_spec_is_refused_before_anything_starts(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert "devices.assignments[0].devices[0].uuid: unknown field of DeviceAtom" in res.stderr
     assert not (tmp_path / "h").exists()
+
+
+def test_a_directory_that_is_no_simulated_host_is_never_seeded_nor_removed(tmp_path: Path) -> None:
+    """`bcd sim --root DIR --fresh` removed DIR whatever it was (`--root ~`, `--root /`), and without
+    --fresh seeded fake /etc/os-release, /proc, /sys files into it. Now a non-empty DIR without the
+    marker a run writes first (or the seeded var/lib/bcd-sim) is refused, 64, and left as it was."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    for extra in (["--fresh"], []):
+        res = subprocess.run(
+            [sys.executable, "-m", "bcd_agent.cli", "sim", "--root", str(mine), "--once", *extra],
+            capture_output=True, text=True, timeout=60, check=False,
+        )  # fmt: skip
+        assert res.returncode == 64, res.stderr
+        assert res.stderr == (
+            f"bcd sim: --root {mine}: {mine} is not empty and is not a simulated host (no {SIM_MARKER}): "
+            "bcd sim seeds fake host files into DIR and --fresh removes it; name a new or empty directory\n"
+        )
+        assert sorted(p.name for p in mine.iterdir()) == ["notes.txt"]
+    with pytest.raises(SimError, match="cannot be this host's /"):
+        check_sim_root(Path("/"))
+    check_sim_root(tmp_path / "new")  # not there yet: fine
+    early = tmp_path / "early"
+    (early / "var/log/bcd-helper").mkdir(parents=True)  # `bcd helper audit --root DIR init` before a run
+    check_sim_root(early)
+    (mine / SIM_MARKER).touch()
+    check_sim_root(mine)  # made by a run: fine
 
 
 def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:

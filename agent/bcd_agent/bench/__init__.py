@@ -129,12 +129,19 @@ def _fmt(value: object) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from bcd_shared.subcommands import existing_dir
+
     parser.add_argument(
         "name", choices=[*sorted(BENCHES), ALL], help="which bench to run (all: every one, a table)"
     )
     parser.add_argument("--json", action="store_true", help="print JSON (the default for one bench)")
     parser.add_argument("--check", action="store_true", help="exit 1 when a target is missed")
-    parser.add_argument("--data-dir", default=None, help="directory to measure on (default: a temporary one)")
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        type=existing_dir,  # a mistyped one was once made, whole path, as root, on the real host
+        help="directory to measure on (default: a temporary one)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:

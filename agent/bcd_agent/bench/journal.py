@@ -88,7 +88,8 @@ def _base_dir(args: argparse.Namespace) -> tuple[Path, str]:
 
 def measure(args: argparse.Namespace) -> dict[str, float | int | str]:
     base, source = _base_dir(args)
-    base.mkdir(parents=True, exist_ok=True)
+    # Never made here: a mistyped --data-dir once created the whole path, as root, on the real host
+    # (the bench's parser refuses a directory that is not there).
     work = Path(tempfile.mkdtemp(prefix="bcd-bench-journal-", dir=base))
     try:
         raw_n = raw_t = acc_n = acc_t = 0.0

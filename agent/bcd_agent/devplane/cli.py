@@ -82,15 +82,30 @@ def run(args: argparse.Namespace) -> int:
     action = args.devplane_command
     if action == "serve":
         return _serve(args)
+    from bcd_shared.subcommands import EX_DATAERR, EX_USAGE, CliError
+
     client = AdminClient(args.dir)
+    # The inputs first, each named in its refusal (before: a JSONDecodeError traceback).
+    spec: Any = None
+    payload: Any = None
+    if action == "apply":
+        try:
+            spec = json.loads(Path(args.spec).read_bytes())
+        except OSError as exc:  # as `bcd plan` refuses a spec it cannot read
+            raise CliError(f"{args.spec}: cannot be read: {exc.strerror}", EX_DATAERR) from None
+        except ValueError as exc:
+            raise CliError(f"{args.spec}: not JSON: {exc}", EX_DATAERR) from None
+    if action == "command" and args.payload:
+        try:
+            payload = json.loads(args.payload)
+        except ValueError as exc:
+            raise CliError(f"--payload: not JSON: {exc}", EX_USAGE) from None
     try:
         if action == "token":
             print(client.call("token"))
         elif action == "apply":
-            spec = json.loads(Path(args.spec).read_text())
             print(client.call("apply", spec=spec, node=args.node))
         elif action == "command":
-            payload = json.loads(args.payload) if args.payload else None
             cid = client.call(
                 "enqueue", kind=args.kind, payload=payload, node=args.node, not_after_s=args.not_after
             )
@@ -113,7 +128,14 @@ def run(args: argparse.Namespace) -> int:
             _print(client.call("node", node=args.node))
         elif action == "secret":
             client.call("secret", ref=args.ref, value=args.value)
-    except (AdminError, OSError) as exc:
+    except AdminError as exc:
         print(f"bcd devplane {action}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the admin socket: name it, and what serves it
+        print(
+            f"bcd devplane {action}: {client.path}: {exc.strerror or exc} "
+            f"(is `bcd devplane serve --dir {args.dir}` or `bcd sim` running?)",
+            file=sys.stderr,
+        )
         return 1
     return 0

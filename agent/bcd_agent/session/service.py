@@ -182,11 +182,11 @@ class Session:
                         isinstance(e, JournalIOError) for e in leaves
                     ):
                         raise
-                    self._failed(self._why(group), self._level(group))
+                    self._failed(self._why(group), self._level(group), describe_failure(group))
                 except JournalIOError:
                     raise  # the journal's storage failed: the node ends (bcd node prints one line)
                 except Exception as exc:
-                    self._failed(self._why(exc), self._level(exc))
+                    self._failed(self._why(exc), self._level(exc), describe_failure(exc))
                 finally:
                     self.core.detach()
                     self._set_link("disconnected")
@@ -216,10 +216,11 @@ class Session:
             return logging.ERROR
         return logging.WARNING
 
-    def _failed(self, why: str, level: int) -> None:
+    def _failed(self, why: str, level: int, brief: str = "") -> None:
         log.log(level, "session: %s", why)
         self.failures = [*self.failures[-9:], why]
-        self.link_error = why  # `bcd status` shows the last one
+        # `bcd status` shows the last one after "disconnected from ENDPOINT": without the endpoint again.
+        self.link_error = brief or why
 
     async def _connect_once(self) -> None:
         outbox = Outbox(self.max_outbox_bytes)

@@ -8,9 +8,9 @@ package install, whose versions the release's dist-info pins. The helper install
 `/usr/lib/bcd/releases/<version>/bcd`; `/usr/bin/bcd` points at `/usr/lib/bcd/bcd`.
 
 `bcd release version` prints the running version; `bcd release build --out FILE WHEEL...` builds an
-artifact (and prints its SHA-256, the value the control plane signs); `bcd release confirm [--socket S]`
-confirms the running release to the helper (what `bcd node` does at its first converge pass; for
-packaging hooks and tests).
+artifact (and prints its SHA-256, the value the control plane signs); `bcd release confirm [--config C]
+[--socket S]` (the config's `[helper] socket` by default) confirms the running release to the helper
+(what `bcd node` does at its first converge pass; for packaging hooks and tests).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import io
+import sys
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,13 +28,18 @@ SHEBANG: Final = b"#!/usr/bin/python3\n"
 MAIN: Final = "import sys\nfrom bcd_agent.cli import main\n\nsys.exit(main())\n"
 # Fixed timestamps and order: the same wheels make the same bytes (a reproducible SHA-256).
 _EPOCH: Final = (1980, 1, 1, 0, 0, 0)
+DEFAULT_HELPER_SOCKET: Final = "/run/bcd/helper.sock"  # bcd-helper.service's (docs/config.md)
 
 
 def build_release(wheels: Sequence[Path], out: Path) -> str:
     """Write the zipapp of `wheels` to `out` (0755); its SHA-256."""
     entries: dict[str, bytes] = {}
     for wheel in wheels:
-        with zipfile.ZipFile(wheel) as zf:
+        try:
+            archive = zipfile.ZipFile(wheel)  # a missing file: OSError, printed as `<file>: <error>`
+        except zipfile.BadZipFile:
+            raise ValueError(f"{wheel}: not a wheel (not a zip archive)") from None
+        with archive as zf:
             for info in zf.infolist():
                 if info.is_dir():
                     continue
@@ -64,7 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     build.add_argument("--out", required=True, type=Path)
     build.add_argument("wheels", nargs="+", type=Path)
     confirm = sub.add_parser("confirm", help="confirm the running release to bcd helper")
-    confirm.add_argument("--socket", default="/run/bcd/helper.sock")
+    from bcd_agent.config import add_config_argument
+
+    add_config_argument(confirm)
+    confirm.add_argument(
+        "--socket", default=None, help="the helper's socket (default: the config's [helper] socket)"
+    )
     confirm.add_argument("--unhealthy", action="store_true", help="report unhealthy: root rolls back")
 
 
@@ -74,18 +85,35 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "version":
         print(running_version())
         return 0
+    from bcd_shared.subcommands import EX_CONFIG, EX_DATAERR, CliError
+
     if args.action == "build":
-        print(build_release(args.wheels, args.out))
+        try:
+            digest = build_release(args.wheels, args.out)
+        except (ValueError, zipfile.BadZipFile) as exc:  # BadZipFile: a truncated member
+            raise CliError(f"build: {exc}", EX_DATAERR) from None
+        print(digest)
         return 0
     from bcd_shared.errors import HelperRefused
 
     from bcd_agent.helperclient import HelperClient
 
+    if args.socket is None:
+        # The node's own [helper] socket, as `bcd node` confirms through it; before, always the
+        # default path, whatever the config said.
+        from bcd_agent.config import ConfigError, default_config_path, load_config
+
+        try:
+            config = load_config(args.config or default_config_path(), missing_ok=args.config is None)
+        except ConfigError as exc:
+            raise CliError(str(exc), EX_CONFIG) from None
+        args.socket = config.helper.socket or DEFAULT_HELPER_SOCKET
     client = HelperClient(args.socket)
     try:
         answer = client.daemon_confirm(running_version(), healthy=not args.unhealthy)
     except HelperRefused as exc:
-        print(f"bcd release confirm: {exc.reason}: {exc.message}")
+        # A refusal is the answer "no" (1); it goes to stderr and names the socket asked.
+        print(f"bcd release confirm: {exc.reason}: {exc.message} (socket {args.socket})", file=sys.stderr)
         return 1
     finally:
         client.close()
