@@ -331,7 +331,7 @@ def helper_socket(workdir: Path, bridge: str) -> Iterator[tuple[str, Path]]:
     )
     sock = f"{home}/helper.sock"
     try:
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # a loaded machine imports and starts the helper slowly
         while True:
             if proc.poll() is not None:
                 raise AssertionError(f"helper exited {proc.returncode}: {proc.communicate()[1].decode()}")
