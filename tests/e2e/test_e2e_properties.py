@@ -301,13 +301,18 @@ class World:
             case _:
                 raise AssertionError(f"unknown step {step!r}")
 
-    async def some_running(self, within: float = 3) -> None:
-        """Wait (briefly) until a command is inside its side effect, as the plane sees it."""
+    async def some_running(self, within: float = 30) -> None:
+        """Wait until a command is inside its side effect, as the plane sees it; not at all once every
+        command is terminal (none will run). Generous: a restarted node on a loaded machine takes
+        seconds to reconnect and run one, and the kill or stall must land inside its effect."""
         assert self.plane is not None
+
+        def states() -> set[str]:
+            assert self.plane is not None
+            return {str((self.plane.command(c) or {}).get("state")) for c in self.commands}
+
         with trio.move_on_after(within):
-            while not any(  # noqa: ASYNC110 - polls the plane's store
-                (self.plane.command(c) or {}).get("state") == "running" for c in self.commands
-            ):
+            while "running" not in (now := states()) and not now <= TERMINAL:  # noqa: ASYNC110
                 await trio.sleep(0.02)
 
     @property

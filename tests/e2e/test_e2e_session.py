@@ -28,7 +28,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -246,7 +245,13 @@ def test_e2e_spec_command_and_devplane_killed_mid_session(world: dict[str, Any])
     second = admin.call("enqueue", kind="test.effect", payload={"token": "two"}, node=node_id)
     _wait("the second command running", lambda: admin.call("command", id=second)["state"] == "running")
     assert devplane.kill(signal.SIGKILL) == -signal.SIGKILL
-    time.sleep(4)  # the effect completes while the control plane is away; the node keeps its result
+    # The effect completes while the control plane is away (its line in the effect log, written after
+    # the 3 s delay): the node keeps its result. Waited for, not slept: a slow machine's effect may
+    # take longer than a fixed sleep, and the restart would come before it.
+    _wait(
+        "the second command's effect",
+        lambda: any(line.startswith(second) for line in (data / "test-effects.log").read_text().splitlines()),
+    )
     _start_devplane(world)
     final = _wait(
         "the second command's result after the restart",

@@ -96,7 +96,7 @@ class HelperProcess:
             env={**os.environ, **env} if env else None,
         )
         self.socket_path = str(root / SOCKET.lstrip("/"))
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60  # a loaded machine imports and starts Python slowly
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 _out, err = self.proc.communicate()

@@ -93,6 +93,9 @@ while [ ! -e /pwr ]; do
 done
 echo "{MARK}-POWEROFF"
 sync
+# QEMU's exit hangs up the console's pty, and the kernel drops what the reader has not read yet: a
+# second for the test to read the marker above on a loaded machine.
+sleep 1
 poweroff -f
 """
 

@@ -95,6 +95,12 @@ def open_tap(name: str) -> int:
     return fd
 
 
+def _port_states(taps: list[str]) -> set[str]:
+    links = json.loads(sh("ip", "-j", "-d", "link", "show", "master", "br0"))
+    states = {x["ifname"]: x.get("linkinfo", {}).get("info_slave_data", {}).get("state") for x in links}
+    return {str(states.get(t)) for t in taps}
+
+
 def counters() -> dict[str, int]:
     doc = json.loads(sh("nft", "-j", "list", "table", "bridge", "bcd_instances"))
     out: dict[str, int] = {}
@@ -173,7 +179,12 @@ def main() -> None:
     host_sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     host_sock.bind(("0.0.0.0", 5555))
     host_sock.setblocking(False)
-    time.sleep(0.3)  # ports reach forwarding
+    # A port forwards once the kernel's link watcher (a worker thread, late on a loaded machine) has
+    # seen the tap's carrier, which opening it turns on: wait for that, not for a fixed time.
+    deadline = time.monotonic() + 30
+    while (states := _port_states([a.tap, b.tap, c.tap, e.tap])) != {"forwarding"}:
+        assert time.monotonic() < deadline, f"bridge ports not forwarding: {states}"
+        time.sleep(0.02)
 
     policy = NetworkPolicy(DirectNft(LocalSystem()))
     policy.apply({"a": (a,), "b": (b,), "c": (c,), "e": (e,)})

@@ -135,35 +135,40 @@ class _Console:
         tty.setraw(self.fd)  # no echo back into the guest, no line editing
         self.text = ""
 
-    def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
-        """The first match of `pattern` in what the console printed from offset `start` on."""
+    def wait_for(self, pattern: str, timeout: float, since: int = 0) -> re.Match[str]:
+        """The first match of `pattern` in the console's text from offset `since` (a `len(text)` taken
+        before the change whose output is awaited), waiting up to `timeout` seconds for it."""
         deadline = time.monotonic() + timeout
         while True:
-            found = re.compile(pattern).search(self.text, start)
+            found = re.compile(pattern).search(self.text, since)
             if found:
                 return found
             left = deadline - time.monotonic()
             if left <= 0:
                 raise AssertionError(f"no {pattern!r} on the console in {timeout}s:\n{self.text[-3000:]}")
             ready, _, _ = select.select([self.fd], [], [], min(left, 0.5))
-            if ready:
-                try:
-                    self.text += os.read(self.fd, 65536).decode(errors="replace")
-                except BlockingIOError:
-                    pass
-                except OSError:  # EIO: QEMU closed its side (the guest is gone)
-                    time.sleep(0.2)
+            if ready and not self._read():
+                time.sleep(min(left, 0.2))
 
     def drain(self, seconds: float) -> None:
         """Read whatever arrives for `seconds`."""
         deadline = time.monotonic() + seconds
         while (left := deadline - time.monotonic()) > 0:
             ready, _, _ = select.select([self.fd], [], [], left)
-            if ready:
-                try:
-                    self.text += os.read(self.fd, 65536).decode(errors="replace")
-                except OSError:
-                    time.sleep(min(left, 0.2))
+            if ready and not self._read():
+                time.sleep(min(left, 0.2))
+
+    def _read(self) -> bool:
+        """Append what the pty holds; False once QEMU has closed its side (the guest is gone: EIO, or
+        end of file after the hangup, which select reports as ready forever)."""
+        try:
+            chunk = os.read(self.fd, 65536)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        self.text += chunk.decode(errors="replace")
+        return bool(chunk)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -326,7 +331,7 @@ def helper_socket(workdir: Path, bridge: str) -> Iterator[tuple[str, Path]]:
     )
     sock = f"{home}/helper.sock"
     try:
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60  # a loaded machine imports and starts the helper slowly
         while True:
             if proc.poll() is not None:
                 raise AssertionError(f"helper exited {proc.returncode}: {proc.communicate()[1].decode()}")

@@ -133,24 +133,31 @@ async def test_DLV_REC_13_daily_sweep_deletes_acked_results_once_past_seven_days
         mock = trio.testing.MockClock(autojump_threshold=0)
 
         async def main() -> None:
+            three = trio.Event()
+
+            def on_swept(n: int) -> None:
+                swept.append((trio.current_time(), n))
+                if len(swept) == 3:
+                    three.set()
+
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(
-                    sweep_periodically, journal, DAY, lambda n: swept.append((trio.current_time(), n))
-                )
+                nursery.start_soon(sweep_periodically, journal, DAY, on_swept)
                 await trio.sleep(DAY - 1)
                 assert swept == [] and journal.get_command("old") is not None  # not at once
-                # The sweep runs in a worker thread: wait for it, in virtual seconds.
-                await _until(lambda: len(swept) >= 3, within=10 * DAY, step=1)
+                # The sweep runs in a worker thread. Waited for by an event, not by polling: a poll's
+                # sleeps let the mock clock jump on while the thread works (by as much as the machine is
+                # slow); with no task sleeping, virtual time stands still until the sweep is done.
+                await three.wait()
                 nursery.cancel_scope.cancel()
             assert [n for _, n in swept] == [1, 0, 0]  # daily, for as long as it runs
-            # Each a day after the last one ended (the polling above adds virtual seconds while a worker
-            # thread sweeps, hence the loose upper bound).
-            for day, (at, _) in enumerate(swept, start=1):
-                assert day * DAY <= at < day * (DAY + 3600)
+            # Each a day after the last one ended.
+            assert [at for at, _ in swept] == [DAY, 2 * DAY, 3 * DAY]
             assert journal.get_command("old") is None and journal.get_command("fresh") is not None
 
-        # A trio run of its own: the mock clock drives the days.
-        await trio.to_thread.run_sync(lambda: trio.run(main, clock=mock))
+        # A trio run of its own: the mock clock drives the days (no virtual deadline in it: the clock
+        # would jump to it while a sweep runs; this real-time one fails a hang instead).
+        with trio.fail_after(120):
+            await trio.to_thread.run_sync(lambda: trio.run(main, clock=mock), abandon_on_cancel=True)
 
 
 async def test_a_failed_sweep_is_logged_and_tried_again(tmp_path: Path) -> None:
@@ -167,10 +174,18 @@ async def test_a_failed_sweep_is_logged_and_tried_again(tmp_path: Path) -> None:
     flaky, swept = Flaky(), list[int]()
 
     async def main() -> None:
+        done = trio.Event()
+
+        def on_swept(n: int) -> None:
+            swept.append(n)
+            done.set()
+
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(sweep_periodically, flaky, DAY, swept.append)
-            await _until(lambda: bool(swept), within=10 * DAY, step=1)
+            nursery.start_soon(sweep_periodically, flaky, DAY, on_swept)
+            await done.wait()  # an event, not a poll: see the daily sweep test above
             nursery.cancel_scope.cancel()
 
-    await trio.to_thread.run_sync(lambda: trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0)))
+    clock = trio.testing.MockClock(autojump_threshold=0)
+    with trio.fail_after(120):
+        await trio.to_thread.run_sync(lambda: trio.run(main, clock=clock), abandon_on_cancel=True)
     assert (flaky.calls, swept) == (2, [2])  # the failure at day 1 logged, the sweep at day 2 done

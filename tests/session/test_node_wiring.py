@@ -70,14 +70,16 @@ class World:
         out = self.system.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"]).stdout
         return (out.decode() if isinstance(out, bytes) else out).split()
 
-    async def until(self, what: str, check: Callable[[], Any], within: float = 20) -> Any:
-        with trio.fail_after(within):
+    async def until(self, what: str, check: Callable[[], Any], within: float = 60) -> Any:
+        # Generous: only a loaded machine is slower, and a pass costs no more. On time out the
+        # AssertionError names what was awaited (trio's TooSlowError says nothing).
+        with trio.move_on_after(within):
             while True:
                 got = check()
                 if got:
                     return got
                 await trio.sleep(0.02)
-        raise AssertionError(what)
+        raise AssertionError(f"timed out waiting for {what} ({within} s)")
 
     def record(self) -> dict[str, Any]:
         return self.plane.node(self.node_id) or {}

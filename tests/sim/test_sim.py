@@ -217,8 +217,9 @@ def test_ctrl_c_stops_every_child(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (root / "etc/cdi/bcd-alloc_ok_0001.json").exists():
+        while not (root / "etc/cdi/bcd-alloc_ok_0001.json").exists():
             assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no hold applied in 60 s (the signal would test nothing)"
             time.sleep(0.1)
         assert len(_processes_under(root)) >= 2  # bcd sim and bcd node at least
         proc.send_signal(signal.SIGINT)
@@ -393,8 +394,9 @@ def test_sigterm_stops_every_child_too(tmp_path: Path) -> None:
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not (root / "etc/cdi/bcd-alloc_train_0001.json").exists():
+        while not (root / "etc/cdi/bcd-alloc_train_0001.json").exists():
             assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "no hold applied in 60 s (the signal would test nothing)"
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=30)
