@@ -71,6 +71,7 @@ from pathlib import Path
 from typing import Literal
 
 from attrs import evolve, frozen
+from bcd_shared.shown import shown
 from bcd_shared.system import CommandResult
 from bcd_shared.version import VERSION
 
@@ -1085,7 +1086,8 @@ def render(findings: list[Finding]) -> str:
         lines.append(f"{f.level:<4}  {f.id:<24} {f.message}")
         if f.fix and f.level != "ok":
             lines.append(f"{'':<6}{'':<24} fix: {f.fix}")
-    return "\n".join(lines) + "\n"
+    # Findings quote files and tools' output: escaped, never raw.
+    return "\n".join(shown(line) for line in lines) + "\n"
 
 
 def to_json(findings: list[Finding], *, root: str, config: str) -> dict[str, object]:

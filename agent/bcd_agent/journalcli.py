@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from attrs import asdict, frozen
+from bcd_shared.shown import shown
 
 from bcd_agent.journal._schema import (
     DB_NAME,
@@ -275,7 +276,8 @@ def render(view: JournalView) -> str:
     lines.append(f"UNACKED EVENTS ({len(view.events)})")
     for e in view.events:
         lines.append(f"  {e.seq:>6} {e.event_class:<10} {e.type:<24} {e.size} bytes")
-    return "\n".join(lines) + "\n"
+    # The journal holds what the control plane and the node's tools said: escaped, never raw.
+    return "\n".join(shown(line) for line in lines) + "\n"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -33,6 +33,7 @@ from attrs import frozen
 from bcd_shared import wire
 from bcd_shared.errors import StepError
 from bcd_shared.pki import Purpose
+from bcd_shared.shown import shown
 from bcd_shared.strictjson import unique_keys
 from bcd_shared.system import LocalSystem, System
 
@@ -627,7 +628,8 @@ def render(plans: Sequence[SectionPlan]) -> str:
         lines.extend(f"  ! {f}" for f in p.failures)
         lines.extend(f"  condition {c}" for c in p.conditions)
         lines.extend(f"  note: {n}" for n in p.notes)
-    return "\n".join(lines) + "\n"
+    # Steps quote the spec and the host's files: escaped, never raw.
+    return "\n".join(shown(line) for line in lines) + "\n"
 
 
 def to_json(plans: Sequence[SectionPlan]) -> list[dict[str, object]]:

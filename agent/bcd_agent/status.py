@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import TextIO
 
 from attrs import frozen
+from bcd_shared.shown import shown
 from bcd_shared.system import System
 from bcd_shared.version import VERSION
 
@@ -437,7 +438,8 @@ def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
         if err != snap.status_problem:  # already on the node line
             lines.append(f"! {err}")
     # No trailing blanks (a section with no reason ended in two): what docs/operations.md shows.
-    return "\n".join(line.rstrip() for line in lines) + "\n"
+    # Every line carries text the node, a tool or the control plane chose: none reaches the terminal raw.
+    return "\n".join(shown(line).rstrip() for line in lines) + "\n"
 
 
 def node_version(snap: StatusSnapshot) -> str | None:
@@ -594,7 +596,7 @@ def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
             max_stale_s=DEFAULT_MAX_STALE_S if args.max_stale is None else args.max_stale,
         )
         if problems:
-            stream.write("FAIL: " + "; ".join(problems) + "\n")
+            stream.write("FAIL: " + shown("; ".join(problems)) + "\n")
             return 1
         assert snap.live is not None
         link = f", {snap.live.link}" if snap.live.link else ""

@@ -61,6 +61,7 @@ from typing import Any
 
 from attrs import frozen
 from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
+from bcd_shared.shown import shown
 
 LOG_NAME = "audit.log"
 HEAD_NAME = "audit.head"
@@ -883,13 +884,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(
                 f"{entry['time']} #{entry['seq']} uid={entry['peer_uid']} pid={entry['peer_pid']} "
-                f"{_shown(entry['op'])} {entry['decision']} {entry['reason']} "
-                f"{json.dumps(entry['args'], sort_keys=True)} {_shown(entry['message'])}".rstrip()
+                f"{shown(entry['op'])} {entry['decision']} {entry['reason']} "
+                f"{json.dumps(entry['args'], sort_keys=True)} {shown(entry['message'])}".rstrip()
             )
     return 0
-
-
-def _shown(text: Any) -> str:
-    """Text a client chose (an op name, a message quoting it) with every unprintable character escaped,
-    so a newline in it cannot start what looks like another entry in `show`'s output."""
-    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in str(text))

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import stat
+import time
 from pathlib import Path
 
 import trio
@@ -204,3 +205,47 @@ def test_a_gpu_both_held_and_passed_through_shows_both(tmp_path: Path) -> None:
     assert row.holders() == "alloc_a, instance vm-1"
     assert HolderRow(0, gpu_uuid(0), "gpu", "", "", "").holders() == "-"
     assert HolderRow(0, gpu_uuid(0), "gpu", "", "alloc_a").holders() == "alloc_a"
+
+
+def test_text_the_node_chose_never_reaches_the_terminal_raw(tmp_path: Path) -> None:
+    """status.json is the node's file, and `bcd status` is often run as root: a section message, a
+    condition or an instance id carrying terminal escapes (a title, a clipboard write, a screen clear) or a
+    newline is shown escaped, on its own line, in the table and in `--check`'s FAIL line."""
+    root, data_dir = sim_root(tmp_path), tmp_path / "data"
+    evil = "\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\nFAKE LINE\u202e"
+    status = NodeStatus(
+        version=1,
+        applied_generation=3,
+        observed_generation=2,
+        spec_hash="h",
+        sections=(SectionStatus("devices", SectionState.PROGRESSING, 3, "R", evil),),
+        conditions=(Condition("RebootRequired", "hugepages", evil, "host", since_monotonic=10.0),),
+        passes=1,
+        last_pass_monotonic=0.0,
+    )
+    session = {"state": "disconnected", "since": time.time() - 1000, "last_error": evil}
+    extra = {"passthrough": {gpu_uuid(3): evil}, "node": {"session": session}}
+    write_status(data_dir, status, now_monotonic=11.0, extra=extra)
+    text = bcd("status", "--root", str(root), "--data-dir", str(data_dir)).stdout
+    assert "\x1b" not in text and "\x07" not in text and "\u202e" not in text
+    assert not any(line.startswith("FAKE LINE") for line in text.splitlines())
+    assert text.count("\\x1b]52;c;cm0gLXJmIH4=\\x07\\x1b[2J\\nFAKE LINE\\u202e") == 4
+    check = bcd("status", "--check", "--data-dir", str(data_dir)).stdout
+    assert check.startswith("FAIL: disconnected for ") and "\x1b" not in check and check.count("\n") == 1
+
+
+def test_plan_doctor_and_journal_views_escape_what_they_quote() -> None:
+    """`bcd plan`, `bcd doctor` and `bcd journal` quote the spec, files, tools' output and the journal's
+    rows: an escape or a newline in any of them is shown escaped, never sent to the terminal raw."""
+    from bcd_agent import doctor, journalcli, plan
+
+    evil = "x\x1b[2J\nFAKE\u202e"
+    escaped = "x\\x1b[2J\\nFAKE\\u202e"
+    out = plan.render([plan.SectionPlan("host", "host units", steps=(evil,), notes=(evil,))])
+    assert "\x1b" not in out and out.count(escaped) == 2
+    out = doctor.render([doctor.Finding("config", "fail", evil, fix=evil)])
+    assert "\x1b" not in out and escaped in out
+    meta = {"journal_id": evil, "node_id": "n", "next_event_seq": 1, "acked_event_seq": 0, "last_epoch": 1,
+            "applied_generation": 0, "server_time_mark": 0.0}  # fmt: skip
+    out = journalcli.render(journalcli.JournalView("/j", 1, meta, None, (), ()))
+    assert "\x1b" not in out and escaped in out

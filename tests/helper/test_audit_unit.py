@@ -982,8 +982,11 @@ def test_cli_refuses_a_time_that_is_not_rfc3339(root: Path, capsys: pytest.Captu
 
 
 def test_shown_text_escapes_what_is_not_printable() -> None:
-    assert audit._shown("a\nb\tc\x00d\u2028é") == "a\\nb\\tc\\x00d\\u2028é"
-    assert audit._shown(7) == "7"
+    from bcd_shared.shown import shown
+
+    assert shown("a\nb\tc\x00d\u2028é\x1b[2J\u202e") == "a\\nb\\tc\\x00d\\u2028é\\x1b[2J\\u202e"
+    assert shown(7) == "7"
+    assert shown("plain é") == "plain é"
 
 
 def test_the_cli_surface_operators_read(capsys: pytest.CaptureFixture[str]) -> None:
