@@ -545,7 +545,10 @@ def verify_chain(
     if not directory.is_dir():
         return VerifyResult(False, 0, f"{directory}: no such audit directory")
     if not (directory / LOG_NAME).is_file():
-        return VerifyResult(False, 0, f"{LOG_NAME} is missing")
+        # Right after `audit init` too: an empty log proves nothing, and a deleted one looks the same.
+        return VerifyResult(
+            False, 0, f"{LOG_NAME} is missing (nothing written since `audit init`, or deleted)"
+        )
     files = log_files(directory)
     numbers = sorted(int(p.name[len(LOG_NAME) + 1 :]) for p in files[:-1])
     if numbers != list(range(1, len(numbers) + 1)):

@@ -503,7 +503,9 @@ def test_verify_names_a_bad_key_and_missing_files(root: Path, sealed: tuple[Path
     (d / HEAD_NAME).unlink()
     assert verify_chain(d) == VerifyResult(False, 5, f"{HEAD_NAME} is missing", 1, 5)
     (d / LOG_NAME).unlink()
-    assert verify_chain(d) == VerifyResult(False, 0, f"{LOG_NAME} is missing")
+    assert verify_chain(d) == VerifyResult(
+        False, 0, f"{LOG_NAME} is missing (nothing written since `audit init`, or deleted)"
+    )
 
 
 def test_verify_names_an_empty_log(root: Path) -> None:
