@@ -417,10 +417,7 @@ def plan_instances(payload: object | None, generation: int, system: System, data
     from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, LibvirtRuntime
     from bcd_agent.sections.instances.section import InstancesSection, runtimes_on_path
 
-    root = system.root
-    if root != Path("/") and Path(data_dir).is_relative_to(root):
-        data_dir = "/" + str(Path(data_dir).relative_to(root))
-    simulated = root != Path("/")
+    simulated = system.root != Path("/")
     runtimes = (
         [LibvirtRuntime(system, DirectVirsh(system), data_dir)] if simulated or runtimes_on_path() else []
     )
@@ -701,6 +698,11 @@ def run(args: argparse.Namespace) -> int:
         system = host_system(args.root)
     except SimHostMissing as e:
         raise CliError(str(e), EX_USAGE) from None
+    # --data-dir as `bcd status --data-dir` takes it: a real path. One inside --root names the host's path
+    # under it (every section reads data_dir through the simulated host).
+    root = system.root.resolve()
+    if root != Path("/") and Path(data_dir).resolve().is_relative_to(root):
+        data_dir = "/" + str(Path(data_dir).resolve().relative_to(root))
     plans = plan_all(desired, system, data_dir, host_units=config.host.units, node_id=args.node_id)
     if args.json:
         doc = {"generation": desired.generation, "sections": to_json(plans)}

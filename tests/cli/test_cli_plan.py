@@ -153,3 +153,21 @@ def test_examples_parse() -> None:
     for path in sorted(EXAMPLES.glob("*.json")):
         spec = parse_spec_json(path.read_bytes(), str(path))
         assert bytes(spec), path
+
+
+def test_plan_data_dir_inside_root_is_the_simulated_hosts(tmp_path: Path) -> None:
+    """`--data-dir` is a real path, as `bcd status --data-dir` takes it: `ROOT/var/lib/bcd` under
+    `--root ROOT` is the simulated host's /var/lib/bcd, for every section (here the devices section's
+    releases file, which claims every GPU when it does not parse), the same plan as `--data-dir
+    /var/lib/bcd`. Before, only the instances section translated it and the devices section read nothing."""
+    root = sim_root(tmp_path)
+    (root / "var/lib/bcd").mkdir(parents=True, exist_ok=True)
+    (root / "var/lib/bcd/releasing.json").write_text("{")
+    spec = str(EXAMPLES / "gpu-node.json")
+    _rc, host_form = bcd_json("plan", "--spec", spec, "--root", str(root), "--data-dir", "/var/lib/bcd")
+    rc, real_form = bcd_json(
+        "plan", "--spec", spec, "--root", str(root), "--data-dir", str(root / "var/lib/bcd")
+    )
+    assert real_form == host_form and rc == 2
+    devices = {s["section"]: s for s in real_form["sections"]}["devices"]
+    assert any("releases-unreadable" in step for step in devices["steps"]), devices
