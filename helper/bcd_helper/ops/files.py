@@ -28,11 +28,10 @@ vendor's edits for that atom's own GPU (named in root's /etc/cdi/nvidia.json by 
 as root's nvidia-smi reads it; a MIG atom also by its own MIG device's `<index>:<n>` or MIG UUID, which
 root maps from the atom's GPU and compute instance ids with `nvidia-smi -L` and `-q -x`: never another
 MIG device's, on this GPU or another), and the spec-level edits only the vendor's common ones
-(`atoms-outside`). Their env is the assignment's (round 5, `env-outside`):
-the keys bcd sets carry the values root derives (BCD_ALLOCATION_ID, BCD_CGROUP_PARENT
-`bcd-alloc-<id>.slice`, the signed BCD_RESERVATION_ID, CUDA_MPS_PIPE_DIRECTORY `/run/nvidia-mps`,
-NVIDIA_VISIBLE_DEVICES naming only the allocation's GPUs, or the MIG UUIDs root's nvidia-smi gives its MIG
-atoms), an env file's other lines are
+(`atoms-outside`). Their env is the assignment's (round 5, `env-outside`): the keys bcd sets carry the
+values root derives (BCD_ALLOCATION_ID, BCD_CGROUP_PARENT `bcd-alloc-<id>.slice`, the signed
+BCD_RESERVATION_ID, CUDA_MPS_PIPE_DIRECTORY `/run/nvidia-mps`, NVIDIA_VISIBLE_DEVICES naming only the
+allocation's GPUs, or the MIG UUIDs root's nvidia-smi gives its MIG atoms), an env file's other lines are
 the assignment's signed `env` lines and a hold's the common env of root's vendor spec: no `LD_PRELOAD=`
 for a workload manager, no `NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused
 while the spec still lists the allocation (`hold-in-spec`): a node cannot pull a live hold's file and
