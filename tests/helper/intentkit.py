@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -238,3 +239,28 @@ def unsigned(body: bytes) -> dict[str, Any]:
 
 def access_doc(intent_arg: dict[str, Any] | None) -> dict[str, Any]:
     return {"op": "access.apply", "args": {} if intent_arg is None else {"intent": intent_arg}}
+
+
+def hold_text(
+    ident: str,
+    devices: Sequence[tuple[str, dict[str, Any] | None]],
+    env: Sequence[str],
+    *,
+    generation: int = 1,
+    cgroup_parent: str | None = None,
+) -> str:
+    """A CDI hold spec for `ident`, built as the node's planner builds one: `devices` are (atom id, its
+    container edits; None: only its marker)."""
+    from bcd_shared import cdi
+
+    doc = cdi.build_hold_spec(
+        allocation_id=ident,
+        reservation_id="r1",
+        generation=generation,
+        kubernetes=False,
+        cgroup_parent=cgroup_parent,
+        devices=[cdi.HoldDevice(atom, edits) for atom, edits in devices],
+        env=list(env),
+        vendor=None,
+    )
+    return cdi.encode_spec(doc).decode()

@@ -16,7 +16,7 @@ from bcd_shared import wire
 from bcd_shared.pki import Purpose
 from helperproc import HelperProcess, base_config, make_root
 from hostilekit import NODE_GID, NODE_UID, as_node, refused_as_node, verify_audit
-from intentkit import ControlPlane, Signer, access_body, access_doc, b64, intent, intent_state
+from intentkit import ControlPlane, Signer, access_body, access_doc, b64, hold_text, intent, intent_state
 from releasekit import LINK, NODE_ID, daemon_section, spec_carrier, stage, swap_doc
 
 V20 = b"#!/bin/sh\necho bcd 2.0.0\n"
@@ -292,19 +292,7 @@ def _env_write(lines: list[str], spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hold_write(env: list[str], spec: dict[str, Any]) -> dict[str, Any]:
-    from bcd_shared import cdi
-
-    doc = cdi.build_hold_spec(
-        allocation_id="a1",
-        reservation_id="r1",
-        generation=2,
-        kubernetes=False,
-        cgroup_parent="bcd-alloc-a1.slice",
-        devices=[cdi.HoldDevice(GPU1, None)],
-        env=env,
-        vendor=None,
-    )
-    content = cdi.encode_spec(doc).decode()
+    content = hold_text("a1", [(GPU1, None)], env, generation=2, cgroup_parent="bcd-alloc-a1.slice")
     return {"op": "file.write", "args": {"kind": "cdi", "id": "a1", "content": content, "intent": spec}}
 
 

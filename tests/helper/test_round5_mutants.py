@@ -15,7 +15,7 @@ from bcd_helper.ops.base import Failed, HelperContext, Refused
 from bcd_helper.ops.files import SignedSpec
 from bcd_helper.ops.slices import ALLOC_PARENT, MAX_SLICES, SliceApply, signed_limits, slice_apply
 from bcd_shared import wire
-from intentkit import ControlPlane, Signer, intent
+from intentkit import ControlPlane, Signer, hold_text, intent
 from opskit import call, context, make_root, programs
 
 NODE = "node-a"
@@ -405,19 +405,7 @@ def test_an_env_line_outside_is_shown_cut() -> None:
 
 
 def _hold(env: list[str]) -> str:
-    from bcd_shared import cdi
-
-    doc = cdi.build_hold_spec(
-        allocation_id="a1",
-        reservation_id="r1",
-        generation=2,
-        kubernetes=False,
-        cgroup_parent="bcd-alloc-a1.slice",
-        devices=[cdi.HoldDevice(GPU1, None)],
-        env=env,
-        vendor=None,
-    )
-    return cdi.encode_spec(doc).decode()
+    return hold_text("a1", [(GPU1, None)], env, generation=2, cgroup_parent="bcd-alloc-a1.slice")
 
 
 def test_a_signed_hold_write_checks_the_env_it_carries(

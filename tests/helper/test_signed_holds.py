@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bcd_shared import cdi, wire
-from intentkit import ControlPlane, b64, intent
+from bcd_shared import wire
+from intentkit import ControlPlane, b64, hold_text, intent
 from realnode import RealNode
 
 NODE = "node-a"
@@ -40,18 +40,8 @@ def env_doc(ident: str, extra: str = "", signed: dict[str, Any] | None = None) -
 
 def hold(ident: str, atoms: list[tuple[str, str]]) -> str:
     """A hold for `ident` whose devices are (atom id, device node path) pairs."""
-    devices = [cdi.HoldDevice(atom, {"deviceNodes": [{"path": node}]}) for atom, node in atoms]
-    doc = cdi.build_hold_spec(
-        allocation_id=ident,
-        reservation_id="r1",
-        generation=1,
-        kubernetes=False,
-        cgroup_parent=None,
-        devices=devices,
-        env=[f"BCD_ALLOCATION_ID={ident}"],
-        vendor=None,
-    )
-    return cdi.encode_spec(doc).decode()
+    devices = [(atom, {"deviceNodes": [{"path": node}]}) for atom, node in atoms]
+    return hold_text(ident, devices, [f"BCD_ALLOCATION_ID={ident}"])
 
 
 def cdi_doc(ident: str, content: str, signed: dict[str, Any] | None) -> dict[str, Any]:
@@ -189,17 +179,7 @@ def test_a_mig_hold_carries_only_its_own_mig_device(signed_node: RealNode, cp: C
     atom = f"{gpu.uuid}/gi{mine.gpu_instance}/ci{mine.compute_instance}"
 
     def mig_hold(device_edits: dict[str, Any]) -> str:
-        doc = cdi.build_hold_spec(
-            allocation_id="m1",
-            reservation_id="r1",
-            generation=1,
-            kubernetes=False,
-            cgroup_parent=None,
-            devices=[cdi.HoldDevice(atom, device_edits)],
-            env=["BCD_ALLOCATION_ID=m1"],
-            vendor=None,
-        )
-        return cdi.encode_spec(doc).decode()
+        return hold_text("m1", [(atom, device_edits)], ["BCD_ALLOCATION_ID=m1"])
 
     spec = intent(cp.command.leaf(), devices_body(10, {"m1": [atom]}))
     for name in (f"{gpu.index}:{other.index}", other.uuid):  # the GPU's other MIG device
