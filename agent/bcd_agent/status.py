@@ -114,29 +114,29 @@ def read_holders(system: System, passthrough: Mapping[str, str] | None = None) -
             held[device_id] = alloc
     inventory = collect_gpus(system)
     rows: list[HolderRow] = []
-    shown: set[str] = set()
+    rowed: set[str] = set()  # the devices that have a row already
     for gpu in sorted(inventory.gpus, key=lambda g: g.index):
         detail = "MIG on" if gpu.mig_enabled else ""
         rows.append(
             HolderRow(gpu.index, gpu.uuid, "gpu", detail, held.get(gpu.uuid, ""), vfio.get(gpu.uuid, ""))
         )
-        shown.add(gpu.uuid)
+        rowed.add(gpu.uuid)
         for mig in gpu.migs:
             atom = f"{gpu.uuid}/gi{mig.gpu_instance}/ci{mig.compute_instance}"
             rows.append(HolderRow(gpu.index, atom, "gpu.mig", mig.profile, held.get(atom, "")))
-            shown.add(atom)
+            rowed.add(atom)
         for atom, alloc in sorted(held.items()):
-            if atom not in shown and SLOT_ID_RE.match(atom) and atom_from_id(atom).gpu == gpu.uuid:
+            if atom not in rowed and SLOT_ID_RE.match(atom) and atom_from_id(atom).gpu == gpu.uuid:
                 rows.append(HolderRow(gpu.index, atom, "gpu.slot", "", alloc))
-                shown.add(atom)
+                rowed.add(atom)
     for atom, alloc in sorted(held.items()):
-        if atom in shown:
+        if atom in rowed:
             continue
         kind = "gpu.mig" if MIG_ID_RE.match(atom) else "gpu.slot" if SLOT_ID_RE.match(atom) else "gpu"
         rows.append(HolderRow(None, atom, kind, "not in the inventory", alloc, vfio.get(atom, "")))
-        shown.add(atom)
+        rowed.add(atom)
     for uuid, instance in sorted(vfio.items()):
-        if uuid not in shown:  # bound to vfio-pci: nvidia-smi does not list it
+        if uuid not in rowed:  # bound to vfio-pci: nvidia-smi does not list it
             rows.append(HolderRow(None, uuid, "gpu", "passed through", "", instance))
     return Holds(tuple(rows), bad, inventory.errors)
 
