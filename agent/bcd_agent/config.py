@@ -210,3 +210,15 @@ def add_config_argument(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"config.toml to read (default: ${CONFIG_ENV} or {DEFAULT_CONFIG_PATH})",
     )
+
+
+def config_of(args: argparse.Namespace) -> Config:
+    """The config a read-only command (status, plan, journal) takes from `--config`: a missing default
+    file (or $BCD_CONFIG's) means the defaults; a `--config` naming no file is refused like any bad
+    config, exit 78 (a typo never silently reads the defaults)."""
+    from bcd_shared.subcommands import EX_CONFIG, CliError
+
+    try:
+        return load_config(args.config or default_config_path(), missing_ok=args.config is None)
+    except ConfigError as e:
+        raise CliError(str(e), EX_CONFIG) from None

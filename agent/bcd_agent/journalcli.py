@@ -294,16 +294,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
-    from bcd_shared.subcommands import EX_CONFIG, CliError
+    from bcd_shared.subcommands import CliError
 
-    from bcd_agent.config import ConfigError, default_config_path, load_config
+    from bcd_agent.config import config_of
 
     stream = out or sys.stdout
-    try:
-        # A missing default (or $BCD_CONFIG) file means the defaults; a --config typo is refused.
-        config = load_config(args.config or default_config_path(), missing_ok=args.config is None)
-    except ConfigError as e:
-        raise CliError(str(e), EX_CONFIG) from None
+    config = config_of(args)
     try:
         view = read_journal(
             args.data_dir or config.data_dir, command_limit=args.limit, event_limit=args.limit

@@ -679,19 +679,15 @@ def run(args: argparse.Namespace) -> int:
     """Exit 0 when every section is converged (nothing to do), 2 when it plans steps or failures
     (terraform plan -detailed-exitcode), 65 for a spec file it refuses, 78 for a refused config."""
     from bcd_shared.simroot import SimHostMissing
-    from bcd_shared.subcommands import EX_CHANGES, EX_CONFIG, EX_DATAERR, EX_USAGE, CliError
+    from bcd_shared.subcommands import EX_CHANGES, EX_DATAERR, EX_USAGE, CliError
 
-    from bcd_agent.config import ConfigError, default_config_path, load_config
+    from bcd_agent.config import config_of
 
     try:
         spec = load_spec_file(args.spec)
     except SpecFileError as e:
         raise CliError(str(e), EX_DATAERR) from None
-    try:
-        # A missing default (or $BCD_CONFIG) file means the defaults; a --config typo is refused.
-        config = load_config(args.config or default_config_path(), missing_ok=args.config is None)
-    except ConfigError as e:
-        raise CliError(str(e), EX_CONFIG) from None
+    config = config_of(args)
     data_dir = args.data_dir or config.data_dir
     desired = desired_from_nodespec(spec, max(1, args.generation))
     try:

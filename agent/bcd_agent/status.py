@@ -569,19 +569,15 @@ def _refuse_mixed_flags(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace, out: TextIO | None = None) -> int:
     from bcd_shared.simroot import SimHostMissing
-    from bcd_shared.subcommands import EX_CONFIG, EX_USAGE, CliError
+    from bcd_shared.subcommands import EX_USAGE, CliError
 
     _refuse_mixed_flags(args)
 
-    from bcd_agent.config import ConfigError, default_config_path, load_config
+    from bcd_agent.config import config_of
     from bcd_agent.plan import host_system
 
     stream = out or sys.stdout
-    try:
-        # A missing default (or $BCD_CONFIG) file means the defaults; a --config typo is refused.
-        config = load_config(args.config or default_config_path(), missing_ok=args.config is None)
-    except ConfigError as e:
-        raise CliError(str(e), EX_CONFIG) from None
+    config = config_of(args)
     data_dir = args.data_dir or config.data_dir
     if args.data_dir is None and args.root != "/":
         # The config's data_dir is a host path: under --root DIR it is DIR's, as `bcd doctor --root` reads it.
