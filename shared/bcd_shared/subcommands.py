@@ -101,22 +101,19 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def root_dir(text: str) -> str:
-    """argparse type of `--root DIR`: a directory that exists. A mistyped DIR is a usage error (64),
-    not a host read as empty (no config, no data_dir, nvidia-smi failing) further on."""
-    if not os.path.isdir(text):
-        why = "is not a directory" if os.path.exists(text) else "does not exist"
-        raise argparse.ArgumentTypeError(f"{text} {why} (--root names the directory standing for /)")
-    return text
-
-
-def existing_dir(text: str) -> str:
+def existing_dir(text: str, hint: str = "") -> str:
     """argparse type of a directory a command reads (`--data-dir`): it must be there. A mistyped one is a
     usage error (64), not an empty directory read as "nothing here yet", nor one made on the spot."""
     if not os.path.isdir(text):
         why = "is not a directory" if os.path.exists(text) else "does not exist"
-        raise argparse.ArgumentTypeError(f"{text} {why}")
+        raise argparse.ArgumentTypeError(f"{text} {why}{hint}")
     return text
+
+
+def root_dir(text: str) -> str:
+    """argparse type of `--root DIR`: a directory that exists. A mistyped DIR is a usage error (64),
+    not a host read as empty (no config, no data_dir, nvidia-smi failing) further on."""
+    return existing_dir(text, " (--root names the directory standing for /)")
 
 
 def os_error_code(exc: OSError) -> int:
