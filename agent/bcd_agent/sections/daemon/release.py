@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "version":
         print(running_version())
         return 0
-    from bcd_shared.subcommands import EX_CONFIG, EX_DATAERR, CliError
+    from bcd_shared.subcommands import EX_DATAERR, CliError
 
     if args.action == "build":
         try:
@@ -101,13 +101,9 @@ def run(args: argparse.Namespace) -> int:
     if args.socket is None:
         # The node's own [helper] socket, as `bcd node` confirms through it; before, always the
         # default path, whatever the config said.
-        from bcd_agent.config import ConfigError, default_config_path, load_config
+        from bcd_agent.config import config_of
 
-        try:
-            config = load_config(args.config or default_config_path(), missing_ok=args.config is None)
-        except ConfigError as exc:
-            raise CliError(str(exc), EX_CONFIG) from None
-        args.socket = config.helper.socket or DEFAULT_HELPER_SOCKET
+        args.socket = config_of(args).helper.socket or DEFAULT_HELPER_SOCKET
     client = HelperClient(args.socket)
     try:
         answer = client.daemon_confirm(running_version(), healthy=not args.unhealthy)
