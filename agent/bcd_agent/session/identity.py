@@ -135,7 +135,8 @@ def load(data_dir: str | os.PathLike[str]) -> Identity:
         raise IdentityError(f"{source}: must be a JSON object")
     if set(doc) != _KEYS:
         extra, missing = sorted(set(doc) - _KEYS), sorted(_KEYS - set(doc))
-        parts = [f"unknown keys {extra}"] * bool(extra) + [f"missing keys {missing}"] * bool(missing)
+        named = (("unknown keys", extra), ("missing keys", missing))
+        parts = [f"{what} {keys}" for what, keys in named if keys]
         raise IdentityError(f"{source}: {', '.join(parts)}")
     if doc["version"] != 1:
         raise IdentityError(f"{source}: version: must be 1")
