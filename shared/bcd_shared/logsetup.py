@@ -8,6 +8,10 @@ Three formats (`--log-format`):
 - `json`: one JSON object per line, `{"ts", "level", "priority", "logger", "msg"}` (and `exc` with a
   traceback); under journald without `ts` and with the `<N>` prefix, so journald keeps the priority.
 
+A line written while a command's handler runs names the command's W3C trace (bcd_shared.tracecontext):
+` trace=<trace-id>` after the message in `text` and `journal`; `trace_id` and `parent_id` (the span that
+sent the command) in `json`.
+
 "stderr is journald's stream": $JOURNAL_STREAM is `DEVICE:INODE` of the stream systemd connected, and
 fd 2 is that stream (systemd.exec(5)); a child whose stderr was redirected elsewhere inherits the
 variable but not the stream, so both are compared.
@@ -23,6 +27,8 @@ import sys
 import time
 from collections.abc import Mapping
 from typing import TextIO
+
+from bcd_shared import tracecontext
 
 FORMATS = ("auto", "text", "json", "journal")
 # logging level -> syslog priority (sd-daemon(3): <0> emerg ... <7> debug)
@@ -53,9 +59,15 @@ def _utc(created: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(created)) + f".{int(created % 1 * 1000):03d}Z"
 
 
+def _message(record: logging.LogRecord) -> str:
+    """The message, with the current command's trace after it (module docstring)."""
+    trace = tracecontext.CURRENT.get()
+    return record.getMessage() if trace is None else f"{record.getMessage()} trace={trace.trace_id}"
+
+
 class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
-        line = f"{_utc(record.created)} {record.levelname} {record.name}: {record.getMessage()}"
+        line = f"{_utc(record.created)} {record.levelname} {record.name}: {_message(record)}"
         if record.exc_info:
             line += "\n" + self.formatException(record.exc_info)
         return line
@@ -64,7 +76,7 @@ class TextFormatter(logging.Formatter):
 class JournalFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         prefix = f"<{priority(record.levelno)}>"
-        text = f"{record.name}: {record.getMessage()}"
+        text = f"{record.name}: {_message(record)}"
         if record.exc_info:
             text += "\n" + self.formatException(record.exc_info)
         # Every line carries the prefix: journald reads each line as its own entry.
@@ -86,6 +98,9 @@ class JsonFormatter(logging.Formatter):
             logger=record.name,
             msg=record.getMessage(),
         )
+        trace = tracecontext.CURRENT.get()
+        if trace is not None:
+            doc.update(trace_id=trace.trace_id, parent_id=trace.parent_id)
         if record.exc_info:
             doc["exc"] = self.formatException(record.exc_info)
         line = json.dumps(doc, sort_keys=False, ensure_ascii=False)

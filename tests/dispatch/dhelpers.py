@@ -130,6 +130,7 @@ def make_command(
     attested: bool | None = None,
     batch_id: str = "",
     target_node_id: str = "",
+    traceparent: str = "",
     sign: str = "worker",  # worker | other | none | tamper
     batch: tuple[wire.BatchApproval, wire.BatchProof] | None = None,
     kinds: Mapping[str, KindSpec] = ALL_KINDS,
@@ -155,6 +156,7 @@ def make_command(
         attested=spec.attested if attested is None and spec else bool(attested),
         batch_id=batch_id,
         target_node_id=target_node_id,
+        traceparent=traceparent,
     )
     raw = bytes(body)
     signature, chain = b"", ()

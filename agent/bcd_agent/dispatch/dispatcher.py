@@ -36,7 +36,7 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 
 import trio
-from bcd_shared import wire
+from bcd_shared import tracecontext, wire
 from bcd_shared.errors import StepError
 
 from bcd_agent.counters import CounterSet
@@ -380,7 +380,8 @@ class Dispatcher:
         if cmd.id in self._deferred or cmd.id in self._inflight or cmd.id in self._pending_ids:
             return  # still waiting, or the run in flight reports (REATTACH)
         try:
-            self._deliver(cmd)
+            with tracecontext.current(cmd.traceparent):  # the acceptance's lines name the trace too
+                self._deliver(cmd)
         except DataDirFull as exc:
             # Nothing was journaled; the journal logged the state change once (DataDirFull condition).
             self._busy(cmd, str(exc))
@@ -651,6 +652,12 @@ class Dispatcher:
                 await trio.sleep(DISK_RETRY_S)
 
     async def _execute(self, exe: _Execution) -> None:
+        # The handling's log lines name the command's W3C trace (DLV-CMD-15, bcd_shared.tracecontext);
+        # the worker task's context, so no other command's lines are touched.
+        with tracecontext.current(exe.cmd.traceparent):
+            await self._execute_traced(exe)
+
+    async def _execute_traced(self, exe: _Execution) -> None:
         cmd = exe.cmd
         handler = self._handlers[cmd.kind]
         try:
