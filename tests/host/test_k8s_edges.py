@@ -799,7 +799,7 @@ def test_HST_K8S_61_67_release_planned_only_on_a_node_bcd_joined() -> None:
     pods = (("ml", "train"),)
     assert UNIT.plan(None, observed(record=None, pods=pods)) == Plan()
     assert UNIT.plan(None, observed(record=rec, kubelet_server=None, pods=pods)) == Plan()
-    assert UNIT.plan(None, observed(record={**rec, "released": True}, pods=pods)) == Plan()
+    assert not UNIT.plan(None, observed(record={**rec, "released": True}, pods=pods)).steps  # released once
     body = {k: v for k, v in rec.items() if k != "_comment"} | {"released": True}
     assert UNIT.plan(None, observed(record=rec, pods=pods)) == Plan(
         (Release("n-7", pods, json_record("k8s-join", body)),)
@@ -813,6 +813,26 @@ def test_HST_K8S_61_67_release_planned_only_on_a_node_bcd_joined() -> None:
     release = UNIT.plan(None, observed(record=nameless, hostname="Host_A")).steps[0]
     assert isinstance(release, Release) and release.name == "host-a"
     assert release.describe() == "release Node host-a (cordon, delete 0 workload pods)"
+
+
+def test_HST_K8S_64_a_released_member_raises_kubernetes_released() -> None:
+    """HST-K8S-64: after the release, while k8s-join is absent and the node is still a member, the unit
+    raises `KubernetesReleased` (reason `Released`), naming the node and its cluster; it plans no step.
+    Not before the release, not once the node left the cluster, not when the unit is back."""
+    s = settings()
+    rec = record_of(s, name="n-7")
+    released = {**rec, "released": True}
+    plan = UNIT.plan(None, observed(record=released, kubelet_server="https://10.0.0.1:6443"))
+    assert plan.steps == () and plan.issues == ()
+    assert [(c.type, c.reason) for c in plan.conditions] == [("KubernetesReleased", "Released")]
+    message = plan.conditions[0].message
+    assert message.startswith("k8s-join: node n-7 was released when k8s-join left the spec")
+    assert "https://10.0.0.1:6443" in message and "add k8s-join back to uncordon it" in message
+    assert UNIT.plan(None, observed(record=rec)).conditions == ()  # not released yet: the Release step
+    assert UNIT.plan(None, observed(record=released, kubelet_server=None)) == Plan()  # no longer a member
+    back = UNIT.plan(s, observed(record=released))
+    assert all(c.type != "KubernetesReleased" for c in back.conditions)
+    assert any("uncordon" in step.describe() for step in back.steps)
 
 
 # -- steps and the observer on a host whose programs are scripted

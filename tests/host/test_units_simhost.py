@@ -682,14 +682,17 @@ def test_HST_K8S_61_63_65_66_removal_and_return(tmp_path: Path) -> None:
     state = _json(root, "k8s.json")
     state["pods"] = pods  # type: ignore[index]
     (root / "var/lib/bcd-sim/k8s.json").write_text(json.dumps(state))
-    assert run(system, "k8s-join", None).ok
+    released = run(system, "k8s-join", None)
+    assert released.ok
+    assert [c.type for c in released.conditions] == ["KubernetesReleased"]  # HST-K8S-64, in the release pass
     after = _json(root, "k8s.json")
     assert sorted(p["metadata"]["name"] for p in after["pods"]) == ["done", "ds", "static"]  # type: ignore[index]
     assert after["nodes"]["gpu-node-01"]["unschedulable"] is True  # type: ignore[index]
     assert json.loads(system.read_text("/var/lib/bcd-hostconfig/k8s-join.json") or "{}")["released"] is True
     assert system.exists("/etc/kubernetes/kubelet.conf")  # HST-K8S-65: not reset
     assert plan(system, "k8s-join", None).converged
-    run(system, "k8s-join", K8S)
+    assert [c.type for c in run(system, "k8s-join", None).conditions] == ["KubernetesReleased"]  # every pass
+    assert run(system, "k8s-join", K8S).conditions == ()
     assert _json(root, "k8s.json")["nodes"]["gpu-node-01"]["unschedulable"] is False  # type: ignore[index]
 
 

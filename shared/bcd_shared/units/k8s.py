@@ -18,7 +18,9 @@ Q-HST-K8S-04 a pass that installed packages is retryable (PROGRESSING). Q-HST-K8
 without `imports` gets the line added at the top; containerd 2.x reads config version 3, older 2.
 Q-HST-K8S-06 cordon, pod deletion and uncordon use the kubelet's credentials; the release is
 `"released": true` in k8s-join.json (the device-plugin manager reads it); a node is "joined by bcd"
-when k8s-join.json exists; the unit is CONVERGED while KubernetesTaintsDrift holds.
+when k8s-join.json exists; the unit is CONVERGED while KubernetesTaintsDrift holds. A released node
+raises KubernetesReleased (reason `Released`, informational) while it is still a member (kubelet.conf
+names a server) and k8s-join is absent; the unit's return clears it.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from .distro import Distro, detect, install_commands
 
 NAME = "k8s-join"
 RECORD = f"{STATE_DIR}/k8s-join.json"
+RELEASED = "KubernetesReleased"  # the condition a released node raises (HST-K8S-64)
 JOIN_YAML = f"{STATE_DIR}/k8s-join.yaml"
 RELEASE_KEY = f"{STATE_DIR}/k8s-release.key"
 STAGED_TOKEN = f"{STATE_DIR}/k8s/bootstrap-token"
@@ -739,8 +742,18 @@ class K8sJoin(ConfigUnit[K8sSettings, K8sObserved]):
 
     def _plan_release(self, o: K8sObserved) -> Plan:
         rec = o.record
-        if rec is None or o.kubelet_server is None or rec.get("released"):
-            return Plan()  # HST-K8S-67: not a node bcd joined, or already released
+        if rec is None or o.kubelet_server is None:
+            return Plan()  # HST-K8S-67: not a node bcd joined (or no longer a member)
+        if rec.get("released"):
+            # HST-K8S-64: raised while the released node is still a cordoned member; the unit's
+            # return uncordons it, and a node the operator removed (no kubelet.conf) raises nothing.
+            node = str(rec.get("node", node_name(o.hostname)))
+            message = (
+                f"k8s-join: node {node} was released when k8s-join left the spec: cordoned, its workload "
+                f"pods deleted, the kubelet still a member of {o.kubelet_server}; remove the node from the "
+                "cluster, or add k8s-join back to uncordon it"
+            )
+            return Plan(conditions=(UnitCondition(RELEASED, "Released", message),))
         body = {k: v for k, v in rec.items() if k != "_comment"} | {"released": True}
         return Plan((Release(str(rec.get("node", node_name(o.hostname))), o.pods, json_record(NAME, body)),))
 

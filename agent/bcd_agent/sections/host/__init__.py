@@ -9,7 +9,7 @@ Rules (HST-STAT, HST-ORD, HST-COND, HST-RBT, HST-RMV):
   PROGRESSING while any failure is retryable (a reboot wait included), FAILED when all are terminal.
 - A unit named twice fails the whole section (FAILED, nothing applied: bcd cannot tell which
   settings apply; Q-HST-STAT-01). An unknown unit is a terminal failure of that unit only.
-- Conditions: FabricManagerDown, MPSDown, KubernetesTaintsDrift from their units, and
+- Conditions: FabricManagerDown, MPSDown, KubernetesTaintsDrift, KubernetesReleased from their units, and
   RebootRequired (reason: the waiting units in unit order, comma-separated; message: their errors
   joined by "; ", cut to 1024 bytes on a UTF-8 boundary). A condition whose fault ended is simply
   not raised (the runner clears it; Q-HST-COND-01). bcd never reboots.
