@@ -825,9 +825,14 @@ def test_HST_K8S_64_a_released_member_raises_kubernetes_released() -> None:
     plan = UNIT.plan(None, observed(record=released, kubelet_server="https://10.0.0.1:6443"))
     assert plan.steps == () and plan.issues == ()
     assert [(c.type, c.reason) for c in plan.conditions] == [("KubernetesReleased", "Released")]
-    message = plan.conditions[0].message
-    assert message.startswith("k8s-join: node n-7 was released when k8s-join left the spec")
-    assert "https://10.0.0.1:6443" in message and "add k8s-join back to uncordon it" in message
+    assert plan.conditions[0].message == (
+        "k8s-join: node n-7 was released when k8s-join left the spec: cordoned, its workload pods "
+        "deleted, the kubelet still a member of https://10.0.0.1:6443; remove the node from the "
+        "cluster, or add k8s-join back to uncordon it"
+    )
+    nameless = {k: v for k, v in released.items() if k != "node"}  # an older record: the host's name
+    (cond,) = UNIT.plan(None, observed(record=nameless, hostname="Host_A")).conditions
+    assert cond.message.startswith("k8s-join: node host-a was released")
     assert UNIT.plan(None, observed(record=rec)).conditions == ()  # not released yet: the Release step
     assert UNIT.plan(None, observed(record=released, kubelet_server=None)) == Plan()  # no longer a member
     back = UNIT.plan(s, observed(record=released))
