@@ -163,6 +163,27 @@ def test_json_lines() -> None:
     assert line.startswith("<3>{") and "ts" not in json.loads(line[3:])
 
 
+def test_a_traceback_follows_the_message_in_every_format() -> None:
+    """An exception's traceback comes after the line, never instead of it; in JSON as `exc`, with the
+    keys in the order written (ts, level, priority, logger, msg, exc)."""
+    try:
+        raise RuntimeError("inner")
+    except RuntimeError:
+        exc_info = sys.exc_info()
+    record = logging.LogRecord("bcd.node", logging.ERROR, __file__, 1, "failed", None, exc_info)
+    text = logsetup.TextFormatter().format(record).splitlines()
+    assert text[0].endswith(" ERROR bcd.node: failed") and text[1] == "Traceback (most recent call last):"
+    assert text[-1] == "RuntimeError: inner"
+    journal = logsetup.JournalFormatter().format(record).splitlines()
+    assert journal[0] == "<3>bcd.node: failed" and journal[-1] == "<3>RuntimeError: inner"
+    line = logsetup.JsonFormatter().format(record)
+    doc = json.loads(line)
+    assert list(doc) == ["ts", "level", "priority", "logger", "msg", "exc"]
+    assert doc["msg"] == "failed" and doc["exc"].endswith("RuntimeError: inner")
+    assert "\n" not in line and "\\n" in line  # one line: the traceback escaped
+    assert "é" in logsetup.JsonFormatter().format(_record(logging.INFO, "café"))  # not as \\u00e9
+
+
 def test_auto_picks_journal_only_under_journald() -> None:
     assert logsetup.resolve("auto", {}) == "text"
     assert logsetup.resolve("json", {}) == "json"

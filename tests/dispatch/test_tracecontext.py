@@ -80,6 +80,16 @@ def test_an_invalid_traceparent_gives_no_context(value: str) -> None:
     assert tracecontext.parse(value) is None
 
 
+def test_flags_are_hex_and_the_length_limit_is_512() -> None:
+    ctx = tracecontext.parse(f"00-{TRACE_A}-{PARENT}-1f")
+    assert ctx is not None and ctx.flags == 31 and ctx.sampled
+    even = tracecontext.parse(f"00-{TRACE_A}-{PARENT}-0a")
+    assert even is not None and even.flags == 10 and not even.sampled
+    head = f"01-{TRACE_A}-{PARENT}-01-"
+    assert tracecontext.parse(head + "x" * (512 - len(head))) == tracecontext.TraceContext(TRACE_A, PARENT, 1)
+    assert tracecontext.parse(head + "x" * (513 - len(head))) is None
+
+
 def test_a_later_version_is_read_by_its_first_four_fields() -> None:
     assert tracecontext.parse(f"cc-{TRACE_A}-{PARENT}-01") == tracecontext.TraceContext(TRACE_A, PARENT, 1)
     assert tracecontext.parse(f"01-{TRACE_A}-{PARENT}-03-what-follows") == tracecontext.TraceContext(
