@@ -197,12 +197,26 @@ def test_a_gpu_passed_through_to_a_vm_shows_its_instance(tmp_path: Path) -> None
     assert line5.endswith(" -")
 
 
-def test_a_gpu_both_held_and_passed_through_shows_both(tmp_path: Path) -> None:
-    """A conflict (a hold's CDI file and an instance name the same GPU) is shown as such, not hidden."""
+async def test_a_gpu_both_held_and_passed_through_shows_both(tmp_path: Path) -> None:
+    """A conflict (a hold's CDI file and an instance name the same GPU) is shown as such, not hidden:
+    `bcd status` over a real hold (the example's, bound on the simulated host) and a published
+    passthrough map naming the same GPU shows the allocation and the instance on its row."""
     from bcd_agent.status import HolderRow
 
-    row = HolderRow(0, gpu_uuid(0), "gpu", "", "alloc_a", "vm-1")
-    assert row.holders() == "alloc_a, instance vm-1"
+    root, data_dir = sim_root(tmp_path), tmp_path / "data"
+    status = await converge_example(root, data_dir, "gpu-node.json")
+    write_status(data_dir, status, now_monotonic=11.0, extra={"passthrough": {gpu_uuid(0): "vm-1"}})
+    _rc, doc = await trio.to_thread.run_sync(
+        lambda: bcd_json("status", "--root", str(root), "--data-dir", str(data_dir))
+    )
+    rows = {r["device"]: r for r in doc["holders"]}
+    assert (rows[gpu_uuid(0)]["holder"], rows[gpu_uuid(0)]["instance"]) == ("alloc_train_0001", "vm-1")
+    assert (rows[gpu_uuid(1)]["holder"], rows[gpu_uuid(1)]["instance"]) == ("alloc_train_0001", None)
+    text = await trio.to_thread.run_sync(
+        lambda: bcd("status", "--root", str(root), "--data-dir", str(data_dir)).stdout
+    )
+    [line0] = [line for line in text.splitlines() if gpu_uuid(0) in line and "/gi" not in line]
+    assert line0.endswith("alloc_train_0001, instance vm-1")
     assert HolderRow(0, gpu_uuid(0), "gpu", "", "", "").holders() == "-"
     assert HolderRow(0, gpu_uuid(0), "gpu", "", "alloc_a").holders() == "alloc_a"
 

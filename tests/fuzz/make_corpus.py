@@ -119,6 +119,29 @@ def main() -> None:
             b'\x02<?xml version="1.0" ?>\n<nvidia_smi_log><driver_version>590.48.01</driver_version>'
             b'<attached_gpus>1</attached_gpus><gpu id="00000000:19:00.0"><uuid>GPU-1</uuid>'
             b"<minor_number>0</minor_number></gpu></nvidia_smi_log>\n",
+            b"\x03GPU 0: NVIDIA A100-SXM4-40GB (UUID: GPU-2f9b6c1e-6d2a-4c1b-9a57-0c1d2e3f4a5b)\n"
+            b"  MIG 3g.20gb     Device  0: (UUID: MIG-1a2b3c4d-0000-0000-0000-000000000000)\n"
+            b"  MIG 1g.5gb      Device  1: (UUID: MIG-GPU-2f9b6c1e-6d2a-4c1b-9a57-0c1d2e3f4a5b/2/0)\n"
+            b'\x00<?xml version="1.0" ?>\n<nvidia_smi_log><driver_version>510.47.03</driver_version>'
+            b'<attached_gpus>1</attached_gpus><gpu id="00000000:19:00.0">'
+            b"<uuid>GPU-2f9b6c1e-6d2a-4c1b-9a57-0c1d2e3f4a5b</uuid><minor_number>0</minor_number>"
+            b"<mig_mode><current_mig>Enabled</current_mig></mig_mode><mig_devices>"
+            b"<mig_device><index>0</index><gpu_instance_id>1</gpu_instance_id>"
+            b"<compute_instance_id>0</compute_instance_id></mig_device>"
+            b"<mig_device><index>1</index><gpu_instance_id>2</gpu_instance_id>"
+            b"<compute_instance_id>0</compute_instance_id></mig_device>"
+            b"</mig_devices></gpu></nvidia_smi_log>\n",
+            b"\x04GPU-2f9b6c1e-6d2a-4c1b-9a57-0c1d2e3f4a5b, 4242\n"
+            b"MIG-1a2b3c4d-0000-0000-0000-000000000000, 4243\n",
+            b"\x05+---------------------------------------------------------+\n"
+            b"| GPU instances:                                          |\n"
+            b"| GPU   Name             Profile  Instance   Placement    |\n"
+            b"|                          ID       ID       Start:Size   |\n"
+            b"|=========================================================|\n"
+            b"|   0  MIG 3g.20gb          9        1          4:4       |\n"
+            b"+---------------------------------------------------------+\n"
+            b"| GPU     GPU       Name             Profile   Instance   Placement  |\n"
+            b"|   0      1       MIG 3g.20gb          2*        0          0:3      |\n",
         ],
     )
     hold = {

@@ -154,18 +154,34 @@ def helper_config(data: bytes) -> object:
 
 
 def nvidia_smi(data: bytes) -> object:
-    """The first byte picks the parser: `-L`, a CSV query, or `-q -x` (XML)."""
+    """The first byte picks what runs (bcd_shared.nvsmi, each as its callers call it): 0 `-L`; 1 a CSV
+    `--query-gpu`; 2 `-q -x` (XML); 3 `-L` and `-q -x` (split at the first NUL) parsed and joined per GPU
+    by `join_migs`, with the GPU's `-q -x` and without it (old drivers' names), as root's `_mig_names` and
+    the node's `build_inventory` do; 4 a CSV `--query-compute-apps` (the devices section's busy check);
+    5 `mig -lgi` and `mig -lci` tables."""
     from bcd_shared import nvsmi
 
     if not data:
         return None
-    which, rest = data[0] % 3, data[1:]
+    which, rest = data[0] % 6, data[1:]
     if which == 0:
         return nvsmi.parse_list(rest.decode("utf-8", errors="replace"))
     if which == 1:
         rows = nvsmi.parse_csv(rest.decode("utf-8", errors="replace"), nvsmi.QUERY_GPU_FIELDS)
         return nvsmi.queried_gpus(rows)
-    return nvsmi.parse_qx(rest)
+    if which == 2:
+        return nvsmi.parse_qx(rest)
+    if which == 3:
+        listing, _, xml = rest.partition(b"\0")
+        listed = nvsmi.parse_list(listing.decode("utf-8", errors="replace"))
+        qx = {g.uuid: g for g in nvsmi.parse_qx(xml).gpus}
+        return [(nvsmi.join_migs(g, qx.get(g.uuid)), nvsmi.join_migs(g, None)) for g in listed]
+    if which == 4:
+        return nvsmi.compute_apps(
+            nvsmi.parse_csv(rest.decode("utf-8", errors="replace"), ("gpu_uuid", "pid"))
+        )
+    text = rest.decode("utf-8", errors="replace")
+    return nvsmi.parse_lgi(text), nvsmi.parse_lci(text)
 
 
 def cdi(data: bytes) -> object:

@@ -1668,3 +1668,42 @@ def test_a_symlink_in_place_of_a_torn_log_is_refused_and_its_target_left_whole(r
         new_log(root)
     assert info.value.errno == errno.ELOOP
     assert target.read_bytes() == b"line\nno newline at the end"
+
+
+def test_cli_init_refusals_are_one_line_with_their_exit_code(root: Path) -> None:
+    """`audit init` under a directory others can write is the root-only rule's one line and 77 (never a
+    traceback, never written as root); an error of the system (a name over 255 bytes) is its own line
+    and 74."""
+    from bcd_shared.subcommands import EX_IOERR, EX_NOPERM, CliError
+
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    (root / "var/log").mkdir(parents=True)
+    os.chmod(root / "var/log", 0o777)
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", str(root), "--dir", DIR, "init"]))
+    assert (info.value.message, info.value.code) == (
+        "/var/log is not a directory only root can write: bcd will not write as root under it",
+        EX_NOPERM,
+    )
+    assert not (root / DIR.lstrip("/")).exists()
+    os.chmod(root / "var/log", 0o755)
+    long = "/var/log/" + "a" * 300
+    with pytest.raises(CliError) as info:
+        audit.run(parser.parse_args(["--root", str(root), "--dir", long, "init"]))
+    assert info.value.code == EX_IOERR
+    assert info.value.message.startswith("[Errno 36] ") and "a" * 255 in info.value.message
+
+
+@pytest.mark.parametrize("given", ["relative/dir", "/var/log/../tmp"])
+def test_cli_a_dir_that_is_no_plain_absolute_path_is_a_usage_error(
+    given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--dir` is read as a host path when parsed: a relative or `..` path is argparse's usage error (2),
+    naming the rule, before anything is opened."""
+    parser = argparse.ArgumentParser(prog="bcd helper audit")
+    audit.add_arguments(parser)
+    with pytest.raises(SystemExit) as info:
+        parser.parse_args(["--dir", given, "show"])
+    assert info.value.code == 2
+    assert "host path" in capsys.readouterr().err

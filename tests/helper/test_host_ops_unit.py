@@ -4,7 +4,10 @@ signed command's GPUs (DLV-PRIV-09, issue 9 item 10; docs/mutation.md)."""
 
 from __future__ import annotations
 
+import base64
 import datetime as dt
+import json
+import types
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +16,7 @@ from bcd_helper.ops import host, hostunit
 from bcd_helper.ops.base import Failed, HelperContext
 from bcd_helper.ops.host import GpuReset, NodeReboot, Ping, SignedCommand, gpu_reset, node_reboot
 from bcd_helper.ops.hostunit import HostUnit, check_request, host_unit
+from bcd_helper.usedcommands import USED_PATH
 from bcd_shared import wire
 from bcd_shared.pki import Purpose
 from bcd_shared.wire.strict import type_url
@@ -141,10 +145,12 @@ def test_busy_gpus_that_cannot_be_read_fail(root: Path) -> None:
 # --- signed commands ----------------------------------------------------------------------------------------
 
 
-def signed(signer: Signer, kind: str, payload: Any) -> SignedCommand:
+def signed(
+    signer: Signer, kind: str, payload: Any, command_id: str = "01J00000000000000000000000"
+) -> SignedCommand:
     body = bytes(
         wire.CommandBody(
-            id="01J00000000000000000000000",
+            id=command_id,
             node_id=NODE,
             seq=1,
             kind=kind,
@@ -210,6 +216,71 @@ def test_with_roots_a_reboot_needs_its_signed_command(root: Path, cp: ControlPla
     wrong = signed(worker, "node.reboot", wire.GpuResetRequest(gpu_uuids=[GPU1]))
     reason, message = refused(node_reboot, call(ctx), NodeReboot(wrong))
     assert reason == "command-mismatch" and message.startswith("node.reboot: the signed command's payload: ")
+
+
+def _used(root: Path) -> list[dict[str, Any]]:
+    doc = json.loads((root / USED_PATH.lstrip("/")).read_bytes())
+    return list(doc["used"])
+
+
+def _not_after(command: SignedCommand) -> int:
+    return int(wire.CommandBody.parse(base64.b64decode(command.body)).not_after)
+
+
+def test_a_signed_reset_is_remembered_per_gpu_before_nvidia_smi_and_a_replay_refused_first(
+    root: Path, cp: ControlPlane, worker: Signer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Root's memory of used commands as gpu.reset keeps it: each GPU reset under the command is an entry
+    (id, op `gpu.reset`, GPU, the command's not_after); the same command for a GPU already reset is refused
+    `command-replayed` before any program runs (the check ahead of the busy query), another GPU of it is
+    taken; an entry whose not_after passed by root's clock (milliseconds of time.time) is dropped."""
+    ctx = signed_ctx(root, cp, smi(gpus=f"{GPU1}\n{GPU2}".encode()))
+    command = signed(worker, "gpu.reset", wire.GpuResetRequest(gpu_uuids=[GPU1, GPU2]))
+    not_after = _not_after(command)
+    assert gpu_reset(call(ctx), GpuReset((GPU1,), command))["gpus"][0]["reset"] is True
+    entry = {"id": "01J00000000000000000000000", "op": "gpu.reset", "not_after_ms": not_after}
+    assert _used(root) == [{**entry, "target": GPU1}]
+    ran = len(programs(ctx).runs)
+    assert refused(gpu_reset, call(ctx), GpuReset((GPU1,), command)) == (
+        "command-replayed",
+        f"gpu.reset: root acted on the signed command '01J00000000000000000000000' for {GPU1} already: "
+        "a command is acted on once (root remembers it until its not_after)",
+    )
+    assert len(programs(ctx).runs) == ran  # refused before nvidia-smi was asked anything
+    assert gpu_reset(call(ctx), GpuReset((GPU2,), command))["gpus"][0]["reset"] is True
+    assert _used(root) == [{**entry, "target": GPU1}, {**entry, "target": GPU2}]
+    # Root's clock past the command's not_after (the verifier's own clock still takes it): both entries
+    # expired, so a reset under it is taken again and only that one is kept.
+    monkeypatch.setattr(host, "time", types.SimpleNamespace(time=lambda: not_after / 1000 + 1))
+    assert gpu_reset(call(ctx), GpuReset((GPU1,), command))["gpus"][0]["reset"] is True
+    assert _used(root) == [{**entry, "target": GPU1}]
+    ctx.audit.close()
+
+
+def test_a_signed_reboot_is_remembered_once_and_a_replay_refused(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    """node.reboot remembers its command (op `node.reboot`, target "", its not_after) before systemctl
+    runs; the same command again is refused `command-replayed` and reboots nothing; another command is
+    taken and remembered beside it."""
+    ctx = signed_ctx(root, cp)
+    first = signed(worker, "node.reboot", wire.NodeRebootRequest())
+    assert node_reboot(call(ctx), NodeReboot(first)) == {"rebooting": True}
+    one = {"id": "01J00000000000000000000000", "op": "node.reboot", "target": ""}
+    assert _used(root) == [{**one, "not_after_ms": _not_after(first)}]
+    assert refused(node_reboot, call(ctx), NodeReboot(first)) == (
+        "command-replayed",
+        "node.reboot: root acted on the signed command '01J00000000000000000000000' already: "
+        "a command is acted on once (root remembers it until its not_after)",
+    )
+    assert programs(ctx).runs == [("systemctl", "reboot")]
+    second = signed(worker, "node.reboot", wire.NodeRebootRequest(), "01J00000000000000000000001")
+    assert node_reboot(call(ctx), NodeReboot(second)) == {"rebooting": True}
+    assert _used(root) == [
+        {**one, "not_after_ms": _not_after(first)},
+        {**one, "id": "01J00000000000000000000001", "not_after_ms": _not_after(second)},
+    ]
+    ctx.audit.close()
 
 
 def test_ping_answers_the_peer_and_the_config(root: Path) -> None:

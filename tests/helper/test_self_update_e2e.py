@@ -384,18 +384,20 @@ def test_DLV_PRIV_11_an_unprivileged_node_binds_releases_and_updates_beside_the_
     host: tuple[HelperProcess, ControlPlane], server: tuple[str, Path], releases: dict[str, Path]
 ) -> None:
     """DLV-PRIV-11: the node as its own uid beside a real `bcd helper serve` with signing roots. One signed
-    spec holds GPU 0 for allocation a1 and names release 1.0.0: the node's devices section binds the hold
+    spec holds GPU 0 for allocation a1 and names release 1.0.0: the node's devices section (composed by
+    `Node` from a config naming the helper's socket) binds the hold
     through root's file.write (the node itself cannot write /etc/cdi), its daemon section downloads the
     release and root swaps it in, and the new release confirms itself. The next signed spec drops the hold:
     released through root's file.remove, while the release stays confirmed. Root's audit log shows each
     op accepted for the node's uid."""
-    from bcd_agent.sections.devices.apply import HelperExecutor as DevicesExecutor
+    from types import SimpleNamespace
+
+    from bcd_agent.config import load_config
+    from bcd_agent.node import Node, NodeOptions
     from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
     from bcd_agent.sections.devices.model import spec_from_wire
-    from bcd_agent.sections.devices.section import DevicesSection
-    from bcd_agent.sections.host.intent import intent_args, read_host_intent
-    from bcd_simhost import sim_system
     from bcd_simhost.gpus import gpu_uuid
+    from helperproc import make_root
 
     h, cp = host
     base, ca = server
@@ -409,16 +411,33 @@ def test_DLV_PRIV_11_an_unprivileged_node_binds_releases_and_updates_beside_the_
         binding=wire.Binding.HOLD,
         devices=[wire.DeviceAtom(id=gpu_uuid(0), device_class="gpu")],
     )
+    # The node's own composition (`bcd node`'s Node._sections) from a config naming the helper's socket,
+    # not a section wired here: a node that never used the helper for holds fails below (its own uid
+    # cannot write /etc/cdi, and root's audit log would show no file op).
+    toml = '[host]\nunits = false\n[helper]\nsocket = "/run/bcd/helper.sock"\n'
+    config = data_dir / "node.toml"  # etc/bcd is root's: the node's own directory holds its config here
+    config.write_text(f'data_dir = "{data_dir}"\n{toml}')
+    os.chown(config, NODE_UID, NODE_UID)
+
+    def node_devices(root: Path, toml: Path) -> Any:
+        node = Node(load_config(str(toml)), NodeOptions(root=str(root)))
+        node.secrets = SimpleNamespace(fetch=print)  # built by `run`; the telemetry section keeps it
+        signer = KeyReportSigner.fresh(NODE_ID, "boot-1")
+        sink = MemorySink()
+        sections = node._sections(node._system(), sink, signer, SimpleNamespace(node_id=NODE_ID), None)
+        [devices] = [s for s in sections if s.name == "devices"]
+        return devices, sink
+
+    # The child of the node's uid cannot import from /root: the composition is made once here first (on
+    # a scratch root), so every module it imports lazily is loaded before the fork.
+    scratch = make_root(Path(tempfile.mkdtemp(dir=h.root.parent)))
+    (scratch / "etc/bcd").mkdir(parents=True, exist_ok=True)
+    (scratch / "etc/bcd/node.toml").write_text(f'data_dir = "{scratch / "var/lib/bcd"}"\n{toml}')
+    node_devices(scratch, scratch / "etc/bcd/node.toml")
 
     def devices_pass(section: wire.DevicesSection, generation: int) -> dict[str, Any]:
         def act(_upgrader: Upgrader) -> dict[str, Any]:
-            client = HelperClient(h.socket_path)
-            executor = DevicesExecutor(client, lambda: intent_args(read_host_intent(data_dir), None))
-            system = sim_system(h.root)
-            sink = MemorySink()
-            devices = DevicesSection(
-                system, executor, sink, KeyReportSigner.fresh(NODE_ID, "boot-1"), "/var/lib/bcd"
-            )
+            devices, sink = node_devices(h.root, config)
             spec = DesiredSpec(generation=generation, spec_hash=f"h{generation}")
             ctx = PassContext(spec=spec, pass_number=1, reasons=frozenset({"spec"}), now_monotonic=0.0)
             out = devices.converge(spec_from_wire(generation, section), Observation(), ctx)

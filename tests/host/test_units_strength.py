@@ -105,3 +105,34 @@ def test_HST_RBT_06_the_sections_reboot_message_is_cut_to_1024_bytes(tmp_path: P
     assert reboot.message.encode() == whole[:1024] or reboot.message.encode() == whole[:1023]
     assert len(reboot.message.encode()) <= 1024
     assert reboot.message.endswith("é")
+
+
+def test_HST_RBT_06_the_message_is_every_waiting_units_error_not_only_the_first(tmp_path: Path) -> None:
+    """HST-RBT-06: under 1024 bytes the RebootRequired message is every waiting unit's error, whole, joined
+    by "; " in unit order, and carries no other unit's failure (the sysctl refusal is the section's, not
+    the condition's). A condition built from the first waiting unit alone fails here."""
+    from bcd_agent.sections.host import DirectExecutor, HostSection, converge_host
+    from bcd_shared.units import ApplyContext, UnitContext
+    from hostunits_support import ALLOWED, FakeTokens
+
+    root, system = make_host(tmp_path)
+    (root / "sys/devices/system/cpu/isolated").write_text("1\n")
+    spec = HostSection(
+        (
+            ("iommu", json.dumps({"passthrough": True})),
+            ("sysctl", json.dumps({"kernel.core_pattern": "x"})),
+            ("cpu", json.dumps({"isolate": "2-3"})),
+        )
+    )
+    ex = DirectExecutor(system, UnitContext(allowed_clusters=ALLOWED), ApplyContext(tokens=FakeTokens()))
+    out = converge_host(spec, ex)
+    [reboot] = [c for c in out.conditions if c.type == "RebootRequired"]
+    cpu = 'cpu: CPUs 2-3 are isolated from the next boot (now: "1"): reboot the node'
+    assert reboot.reason == "cpu,iommu"
+    iommu = (
+        "iommu: the IOMMU is on from the next boot (intel_iommu=on iommu=pt): reboot the node; "
+        "check the firmware enables VT-d or AMD-Vi"
+    )
+    assert reboot.message == f"{cpu}; {iommu}"
+    assert "core_pattern" not in reboot.message
+    assert reboot.message in out.message

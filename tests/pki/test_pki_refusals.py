@@ -471,9 +471,16 @@ def test_signer_spki_must_be_canonical_ed25519() -> None:
     # (A non-canonical encoding of an Ed25519 key never gets past cryptography's DER parser, which refuses
     # long-form lengths, NULL parameters and trailing bytes itself: the canonical-encoding check after it is
     # a second line, recorded as unreachable in docs/mutation.md.)
+    # An X25519 key's SPKI has the Ed25519 one's length (44 bytes) and another OID; the Ed25519 prefix
+    # with a key of 31 or 33 bytes is no SPKI at all: none of them takes the canonical form's fast path.
+    x_spki = bytes.fromhex("302a300506032b656e032100") + b"\x09" * 32
+    prefix = bytes.fromhex("302a300506032b6570032100")
     for spki, message in (
         (b"\x30\x00", None),
         (ec_spki, "signer_spki: not an Ed25519 key"),
+        (x_spki, "signer_spki: not an Ed25519 key"),
+        (prefix + b"\x09" * 31, None),
+        (prefix + b"\x09" * 33, None),
     ):
         pin = JoinKeyPin(hashlib.sha256(spki).digest())
         with pytest.raises(UntrustedBundleSigner) as exc:
