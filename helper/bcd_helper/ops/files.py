@@ -451,14 +451,18 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
             indexes = _gpu_indexes(call)
         assert indexes is not None
         gpu = atom.split("/")[0]
-        names = {gpu}
-        index = indexes.get(gpu)
-        if index is not None:
-            names.add(index)
-        if "/gi" in atom:  # its own MIG device only (the hold's annotation names it exactly)
+        names: set[str] = set()
+        if "/gi" in atom:
+            # Its own MIG device only, never its parent GPU's whole-device entry (the GPU's other MIG
+            # devices are other tenants'; the planner's vendor_names names the MIG device alone: round 6).
             migs = _mig_names(call) if migs is None else migs
             mig = migs.get(atom)
             names |= mig.names if mig is not None else set()
+        else:
+            names.add(gpu)
+            index = indexes.get(gpu)
+            if index is not None:
+                names.add(index)
         allowed: set[tuple[str, bytes]] = set()
         for name, vedits in vendor.devices.items() if vendor is not None else []:
             if name in names or set(vendor.devices) == {"all"}:
@@ -470,7 +474,7 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
                 "atoms-outside",
                 f"cdi: devices[{i}].containerEdits.{key}: {item[:200].decode()} is not the vendor's edit for "
                 + (
-                    f"{atom}: a MIG hold device carries only its own MIG device's and GPU's edits"
+                    f"{atom}: a MIG hold device carries only its own MIG device's edits (not its GPU's)"
                     if "/gi" in atom
                     else f"{gpu}: a hold device carries only its own GPU's edits"
                 ),
@@ -502,11 +506,12 @@ MPS_PIPE_DIRECTORY = "/run/nvidia-mps"
 
 
 def _visible_ok(value: str, assignment: Any, migs: Callable[[], dict[str, MigName]]) -> bool:
-    """NVIDIA_VISIBLE_DEVICES names only the allocation's own GPUs (by UUID), or the MIG UUIDs of its own
-    MIG atoms (root's nvidia-smi maps them, `migs`), each once (the planner's `visible_devices`): never
-    `all`, an index, another GPU or another MIG device."""
+    """NVIDIA_VISIBLE_DEVICES names only the allocation's own GPUs (by UUID; a MIG atom's parent is not
+    one), or the MIG UUIDs of its own MIG atoms (root's nvidia-smi maps them, `migs`), each once (the
+    planner's `visible_devices`): never `all`, an index, another GPU or another MIG device."""
     atoms = [a.id for a in assignment.devices]
-    gpus = {a.split("/")[0] for a in atoms}
+    # A MIG atom's parent GPU is not the allocation's (round 6): only whole-GPU and slot atoms name a GPU.
+    gpus = {a.split("/")[0] for a in atoms if "/gi" not in a}
     items = value.split(",") if value else []
     if len(set(items)) != len(items) or len(items) > len(atoms):
         return False
