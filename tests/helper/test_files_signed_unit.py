@@ -458,13 +458,15 @@ def test_root_runs_nvidia_smi_once_a_hold_and_only_what_it_needs(
     ctx.audit.close()
 
     ctx = signed_ctx(root, cp, real_smi(l_rc=6))
-    assert refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, own0)]), spec))[0] == "atoms-outside"
+    assert (
+        refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, own0), (RMIG1, None)]), spec))[0] == "atoms-outside"
+    )
     assert ("nvidia-smi", "-q", "-x") not in programs(ctx).runs
     ctx.audit.close()
 
     odd = LISTING.read_bytes().replace(b"NVIDIA A100", b"NVIDIA \xe9A100", 1)
     ctx = signed_ctx(root, cp, real_smi(listing=odd))
-    file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, own0)]), spec))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, own0), (RMIG1, None)]), spec))
     ctx.audit.close()
 
 
@@ -497,8 +499,8 @@ def test_a_vendor_spec_of_one_all_device_gives_its_edits_to_every_gpu(
     file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, dxg), (GPU2, dxg)]), spec))
     # `all` beside named devices is a name like any other.
     vendor(ctx.root, {"all": dxg, GPU2: NV1})
-    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, dxg)]), spec))[0] == "atoms-outside"
-    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU2, NV1)]), spec))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, dxg), (GPU2, NV1)]), spec))[0] == "atoms-outside"
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, None), (GPU2, NV1)]), spec))
 
 
 def test_every_edit_of_a_device_is_checked_and_the_first_outside_named(

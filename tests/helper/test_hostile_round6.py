@@ -56,3 +56,31 @@ def test_round6_a_mig_hold_never_takes_its_whole_parent_gpu(signed_node: RealNod
     # What the planner writes is still taken.
     signed_node.ok(cdi_doc("w1", mig_hold(edits[mine.uuid], (f"NVIDIA_VISIBLE_DEVICES={mine.uuid}",)), spec))
     signed_node.ok(env_doc("w1", f"NVIDIA_VISIBLE_DEVICES={mine.uuid}\n", spec))
+
+
+def test_round6_a_signed_hold_carries_every_atom_so_no_held_gpu_looks_free(
+    signed_node: RealNode, cp: ControlPlane
+) -> None:
+    """The spec gives allocation w2 GPU1 and GPU2. Root's busy check (gpu.reset) reads the hold files, and
+    removing a hold the spec lists is refused (issue 9 item 8), but rewriting it with GPU1 only was taken
+    (each device had to be an atom of the allocation, not every atom a device): GPU2 then looked free and a
+    signed gpu.reset naming it pulled it from under the tenant's workload. Now a signed hold carries each of
+    its allocation's atoms exactly once (`atoms-missing`), as the planner writes it."""
+    from bcd_shared import wire
+    from test_signed_commands import command, reset
+
+    g1, g2 = "GPU-5f1c2a90-0000-4000-8000-000000000001", "GPU-5f1c2a90-0000-4000-8000-000000000002"
+    worker = cp.command.leaf()
+    spec = intent(worker, devices_body(21, {"w2": [g1, g2]}))
+    full = hold_text(
+        "w2", [(g1, {"deviceNodes": [{"path": "/dev/nvidia0"}]}), (g2, None)], ["BCD_ALLOCATION_ID=w2"]
+    )
+    signed_node.ok(cdi_doc("w2", full, spec))
+    partial = hold_text("w2", [(g1, {"deviceNodes": [{"path": "/dev/nvidia0"}]})], ["BCD_ALLOCATION_ID=w2"])
+    signed_node.refused(cdi_doc("w2", partial, spec), "atoms-missing", g2)
+    twice = hold_text("w2", [(g1, None), (g1, None), (g2, None)], ["BCD_ALLOCATION_ID=w2"])
+    refused = signed_node.call(cdi_doc("w2", twice, spec))
+    assert refused["ok"] is False, refused
+    # The hold still names GPU2: a signed reset of it is root's gpu-busy.
+    signed = command(worker, "gpu.reset", wire.GpuResetRequest(gpu_uuids=[g2]))
+    signed_node.refused(reset([g2], signed), "gpu-busy", "w2")

@@ -479,6 +479,16 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
                     else f"{gpu}: a hold device carries only its own GPU's edits"
                 ),
             )
+    held = [dev["annotations"]["bcd.dev/device-id"] for dev in doc["devices"]]
+    missing = sorted(atoms - set(held))
+    if missing or len(set(held)) != len(held):
+        # Root's busy check (gpu.reset) reads the hold files: a hold leaving out an atom the spec gives
+        # the allocation would make that GPU look free (round 6). The planner writes each atom once.
+        raise Refused(
+            "atoms-missing",
+            f"cdi: devices: a signed hold carries each atom of allocation {ident} exactly once"
+            + (f"; {', '.join(missing)[:400]} missing" if missing else "; one is listed twice"),
+        )
     common = _edit_items(doc.get("containerEdits"))
     if common:
         vendor = vendor if vendor is not None else _vendor_devices(call)
