@@ -292,7 +292,7 @@ def _env_write(lines: list[str], spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hold_write(env: list[str], spec: dict[str, Any]) -> dict[str, Any]:
-    content = hold_text("a1", [(GPU1, None)], env, generation=2, cgroup_parent="bcd-alloc-a1.slice")
+    content = hold_text("a1", [(GPU1, None)], env, generation=2)  # a1 unsliced: no cgroup-parent
     return {"op": "file.write", "args": {"kind": "cdi", "id": "a1", "content": content, "intent": spec}}
 
 

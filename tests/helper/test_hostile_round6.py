@@ -84,3 +84,119 @@ def test_round6_a_signed_hold_carries_every_atom_so_no_held_gpu_looks_free(
     # The hold still names GPU2: a signed reset of it is root's gpu-busy.
     signed = command(worker, "gpu.reset", wire.GpuResetRequest(gpu_uuids=[g2]))
     signed_node.refused(reset([g2], signed), "gpu-busy", "w2")
+
+
+def _sliced_body(generation: int) -> bytes:
+    """w3: a sliced hold of GPU1 (it booked memory); w4: a plain hold of GPU2, no slice."""
+    from bcd_shared import wire
+
+    def assignment(ident: str, gpu: str, limits: Any) -> Any:
+        return wire.DeviceAssignment(
+            allocation_id=ident,
+            reservation_id=f"r-{ident}",
+            binding=wire.Binding.HOLD,
+            devices=[wire.DeviceAtom(id=gpu, device_class="gpu")],
+            limits=limits,
+        )
+
+    section = wire.DevicesSection(
+        assignments=[
+            assignment("w3", GPU1, wire.DeviceLimits(memory_bytes=1 << 30)),
+            assignment("w4", GPU2, None),
+        ]
+    )
+    return bytes(
+        wire.DesiredStateBody(
+            node_id=NODE,
+            generation=generation,
+            spec_hash=f"d{generation}",
+            full=wire.NodeSpec(devices=section),
+        )
+    )
+
+
+GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
+GPU2 = "GPU-5f1c2a90-0000-4000-8000-000000000002"
+
+
+def _annotated(ident: str, gpu: str, parent: str | None, **annotations: str | None) -> str:
+    env = [f"BCD_ALLOCATION_ID={ident}"] + ([f"BCD_CGROUP_PARENT={parent}"] if parent else [])
+    doc = json.loads(hold_text(ident, [(gpu, None)], env, cgroup_parent=parent))
+    doc["annotations"]["bcd.dev/reservation-id"] = f"r-{ident}"
+    for key, value in annotations.items():
+        name = "bcd.dev/" + key.replace("_", "-")
+        if value is None:
+            doc["annotations"].pop(name, None)
+        else:
+            doc["annotations"][name] = value
+    return json.dumps(doc)
+
+
+def test_round6_a_signed_holds_annotations_are_the_assignments(
+    signed_node: RealNode, cp: ControlPlane
+) -> None:
+    """Round 5 bound a signed hold's env (BCD_CGROUP_PARENT among it) to the assignment, but not the hold's
+    annotations, which say the same things to other readers: `bcd.dev/cgroup-parent` (where containerd,
+    Slurm or a wrapper places the workload: another tenant's slice, or none, so the booked limits do not
+    apply), `bcd.dev/binding: kubernetes` (how the device plugins find what to advertise to the kubelet:
+    a HOLD's GPUs offered to pods) and `bcd.dev/reservation-id`; any other key was taken too. Now each is
+    the value root derives from the signed assignment, and no other key (`annotations-outside`)."""
+    spec = intent(cp.command.leaf(), _sliced_body(22))
+    own = "bcd-alloc-w3.slice"
+    signed_node.ok(cdi_doc("w3", _annotated("w3", GPU1, own), spec))
+    signed_node.ok(cdi_doc("w4", _annotated("w4", GPU2, None), spec))
+    for ident, gpu, parent, extra in (
+        ("w3", GPU1, own, {"cgroup_parent": "bcd-alloc-w4.slice"}),  # another allocation's slice
+        ("w3", GPU1, own, {"cgroup_parent": "system.slice"}),
+        ("w3", GPU1, own, {"cgroup_parent": None}),  # no slice: the booked limits never apply
+        ("w4", GPU2, None, {"cgroup_parent": own}),  # an unsliced hold in w3's slice
+        ("w4", GPU2, None, {"binding": "kubernetes"}),  # a HOLD's GPU advertised to the kubelet
+        ("w3", GPU1, own, {"reservation_id": "r-w4"}),
+        ("w3", GPU1, own, {"runtime_class": "x"}),  # a key root does not know
+    ):
+        signed_node.refused(
+            cdi_doc(ident, _annotated(ident, gpu, parent, **extra), spec), "annotations-outside"
+        )
+    doc = json.loads(_annotated("w4", GPU2, None))
+    doc["devices"][0]["annotations"]["bcd.dev/extra"] = "1"  # a device's annotations: only its atom id
+    signed_node.refused(cdi_doc("w4", json.dumps(doc), spec), "annotations-outside")
+
+
+def test_round6_roots_annotation_rule_takes_what_the_node_plans() -> None:
+    """The annotation rule above must take every hold the node's planner writes: a plain hold, a sliced
+    one, a Kubernetes one with limits (no slice), each against the wire assignment root reads."""
+    from bcd_agent.inventory.gpus import Gpu, GpuHealth, GpuInventory
+    from bcd_agent.sections.devices import plan as planner
+    from bcd_agent.sections.devices.model import assignment_from_wire
+    from bcd_helper.ops.files import _check_annotations
+    from bcd_shared import wire
+
+    def gpu(i: int, uuid: str) -> Gpu:
+        return Gpu(i, uuid, "NVIDIA H200", f"00000000:{i + 1:02X}:00.0", i, i, 143771, False, (),
+                   GpuHealth(0, False, False))  # fmt: skip
+
+    inventory = GpuInventory((gpu(0, GPU1), gpu(1, GPU2)), "590.48.01", True)
+    limits = wire.DeviceLimits(memory_bytes=1 << 30)
+    seen = set()
+    for binding, lim in (
+        (wire.Binding.HOLD, None),
+        (wire.Binding.HOLD, limits),
+        (wire.Binding.KUBERNETES, limits),
+    ):
+        asg = wire.DeviceAssignment(
+            allocation_id="al1",
+            reservation_id="rsv1",
+            binding=binding,
+            devices=[
+                wire.DeviceAtom(id=GPU1, device_class="gpu"),
+                wire.DeviceAtom(id=GPU2, device_class="gpu"),
+            ],
+            limits=lim,
+        )
+        model = assignment_from_wire(asg)
+        doc, _lines = planner.hold_files(
+            model, planner._atoms_of(model), 3, planner.Observed(inventory=inventory)
+        )
+        _check_annotations("al1", doc, asg)
+        seen.add(tuple(sorted(doc["annotations"])))
+    assert len(seen) == 3  # the three shapes differ (cgroup-parent, binding)

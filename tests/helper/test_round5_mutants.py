@@ -406,7 +406,7 @@ def test_an_env_line_outside_is_shown_cut() -> None:
 
 
 def _hold(env: list[str]) -> str:
-    return hold_text("a1", [(GPU1, None)], env, generation=2, cgroup_parent="bcd-alloc-a1.slice")
+    return hold_text("a1", [(GPU1, None)], env, generation=2)  # unsliced (no limits): no cgroup parent
 
 
 def test_a_signed_hold_write_checks_the_env_it_carries(

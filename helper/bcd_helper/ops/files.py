@@ -501,6 +501,38 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
             )
 
 
+def _check_annotations(ident: str, doc: Any, assignment: Any) -> None:
+    """A signed hold's annotations are what the planner writes for the assignment (round 6): the slice
+    (`bcd.dev/cgroup-parent`, where a workload manager places the workload) only for a sliced hold and
+    only its own, `bcd.dev/binding: kubernetes` (what the device plugins advertise) only for a Kubernetes
+    hold, the signed reservation id, and no other key; a device's only its atom id. `doc`: the hold as
+    _check_cdi decoded it (allocation id and generation checked there)."""
+    from bcd_shared import cdi
+
+    kubernetes = int(assignment.binding) == 2  # Binding.KUBERNETES
+    sliced = assignment.limits is not None and not kubernetes  # the planner's DeviceAssignment.sliced
+    want: dict[str, str | None] = {
+        cdi.ANN_RESERVATION: assignment.reservation_id,
+        cdi.ANN_CGROUP_PARENT: f"bcd-alloc-{ident}.slice" if sliced else None,
+        cdi.ANN_BINDING: "kubernetes" if kubernetes else None,
+    }
+    got = dict(doc.get("annotations") or {})
+    for key in sorted(set(got) - {cdi.ANN_ALLOCATION, cdi.ANN_GENERATION} | set(want)):
+        if got.get(key) != want.get(key):
+            raise Refused(
+                "annotations-outside",
+                f"cdi: annotations.{key[:100]}: {str(got.get(key))[:100]!r} is not what the signed spec's "
+                f"assignment of {ident} makes ({want.get(key)!r})",
+            )
+    for i, dev in enumerate(doc["devices"]):
+        extra = sorted(set(dev.get("annotations") or {}) - {cdi.ANN_DEVICE_ID})
+        if extra:
+            raise Refused(
+                "annotations-outside",
+                f"cdi: devices[{i}].annotations.{extra[0][:100]}: a hold device carries only its atom id",
+            )
+
+
 # The env keys bcd sets itself in a hold's files (the agent's devices planner, RESERVED_ENV_KEYS there), and
 # the MPS pipe directory it names.
 HOLD_ENV_KEYS = frozenset(
@@ -587,6 +619,7 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                 )
             vendor_env: Any = ()
             if req.kind == "cdi":
+                _check_annotations(req.id, decoded, assignment)
                 _check_atoms(call, req.id, decoded, assignment)
                 env = (decoded.get("containerEdits") or {}).get("env") or []
                 if env:
