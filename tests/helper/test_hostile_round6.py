@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -200,3 +201,49 @@ def test_round6_roots_annotation_rule_takes_what_the_node_plans() -> None:
         _check_annotations("al1", doc, asg)
         seen.add(tuple(sorted(doc["annotations"])))
     assert len(seen) == 3  # the three shapes differ (cgroup-parent, binding)
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")
+
+
+def _many_assignments(n: int) -> bytes:
+    """A DesiredStateBody whose devices section holds `n` empty assignments: two bytes each on the wire,
+    hundreds of bytes each once decoded. Built by hand: it is never signed."""
+
+    def varint(v: int) -> bytes:
+        out = b""
+        while v > 0x7F:
+            out += bytes([(v & 0x7F) | 0x80])
+            v >>= 7
+        return out + bytes([v])
+
+    assignments = b"\x0a\x00" * n  # DevicesSection.assignments (1), empty
+    devices = b"\x12" + varint(len(assignments)) + assignments  # NodeSpec.devices (2)
+    return b"\x0a\x01n\x10\x01" + b"\x22" + varint(len(devices)) + devices  # node_id, generation, full (4)
+
+
+def test_round6_an_unsigned_access_spec_is_refused_before_root_decodes_it(tmp_path: Path) -> None:
+    """Without command-signing roots and without `[helper] unsigned_access`, access.apply is refused
+    (`access-unsigned`), but root decoded the node's unverified spec body first: 2.7 MiB of empty
+    assignments (base64 in one 4 MiB frame, inside the in-flight budget) took the helper from ~26 MiB to
+    ~340 MiB resident and 5 s of CPU under the `access` lock, for a request refused anyway, again at
+    every request. The refusal now comes before any decoding; the helper's peak stays under a generous
+    100 MiB (the bench's bomb target)."""
+    import base64
+
+    from helperproc import HelperProcess, base_config, make_root
+    from hostilekit import NODE_GID, NODE_UID, refused_as_node, verify_audit
+
+    h = HelperProcess(make_root(tmp_path), base_config(NODE_UID, NODE_GID))
+    try:
+        body = base64.b64encode(_many_assignments(1_400_000)).decode()
+        doc = {"op": "access.apply", "args": {"intent": {"body": body, "signature": ""}}}
+        refused_as_node(h, doc, "access-unsigned")
+        assert _vm_hwm_kib(h.proc.pid) < 100 * 1024
+        verify_audit(h)
+    finally:
+        h.stop()
