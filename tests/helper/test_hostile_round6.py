@@ -7,6 +7,7 @@ failed on the code before its fix."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,50 @@ def test_round6_an_unsigned_access_spec_is_refused_before_root_decodes_it(tmp_pa
         doc = {"op": "access.apply", "args": {"intent": {"body": body, "signature": ""}}}
         refused_as_node(h, doc, "access-unsigned")
         assert _vm_hwm_kib(h.proc.pid) < 100 * 1024
+        verify_audit(h)
+    finally:
+        h.stop()
+
+
+def _node_owned(path: Path, data: bytes | None = None) -> None:
+    from hostilekit import NODE_GID, NODE_UID
+
+    if data is None:
+        path.mkdir(parents=True, exist_ok=True)
+        path.chmod(0o711)
+    else:
+        path.write_bytes(data)
+        path.chmod(0o600)
+    os.chown(path, NODE_UID, NODE_GID)
+
+
+def test_round6_json_the_node_hands_root_is_value_counted_before_decoding(tmp_path: Path) -> None:
+    """Issue 9 item 3 bounds the values of a request frame before decoding it, but a hold's content is one
+    string of the frame and the node's `vm.json` is a file root reads: root decoded either whole. A 1 MiB
+    hold of 350,000 empty objects took the helper from ~26 MiB to ~81 MiB resident (refused `bad-content`
+    only after decoding); 56 such holds with 8 `host.unit` settings bombs at once reached ~104 MiB, past
+    the 100 MiB the bench's bomb target holds; `ch.launch` decodes a 1 MiB `vm.json` the same way. Now a
+    hold's content is refused past 65,536 values (four times the values of NVIDIA's whole spec for a
+    DGX A100 with MIG) and `vm.json` past 16,384, counted on the bytes before decoding: the helper's peak
+    stays under 60 MiB."""
+    from helperproc import HelperProcess, base_config, make_root
+    from hostilekit import NODE_GID, NODE_UID, refused_as_node, verify_audit
+
+    root = make_root(tmp_path)
+    objects = b"[" + b"{}," * 349_000 + b"{}]"
+    data = root / "var/lib/bcd"
+    for d in (data, data / "cloud-hypervisor", data / "cloud-hypervisor/instances"):
+        _node_owned(d)
+    inst = data / "cloud-hypervisor/instances/vm1"
+    _node_owned(inst)
+    _node_owned(inst / "vm.json", objects)
+    h = HelperProcess(root, base_config(NODE_UID, NODE_GID))
+    try:
+        hold = {"op": "file.write", "args": {"kind": "cdi", "id": "a1", "content": objects.decode()}}
+        refused_as_node(h, hold, "bad-content", "values")
+        assert _vm_hwm_kib(h.proc.pid) < 60 * 1024
+        refused_as_node(h, {"op": "ch.launch", "args": {"name": "vm1"}}, "bad-record", "values")
+        assert _vm_hwm_kib(h.proc.pid) < 60 * 1024
         verify_audit(h)
     finally:
         h.stop()

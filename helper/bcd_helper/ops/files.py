@@ -54,9 +54,13 @@ from bcd_shared.rootpath import RootPathRefused, read_root_only, remove_root_onl
 
 from bcd_helper.audit import canonical
 from bcd_helper.ops.base import Call, Refused, no_roots_possible, refused_path
-from bcd_helper.protocol import strict_loads
+from bcd_helper.protocol import MAX_VALUES, strict_loads
 
 MAX_CONTENT = 1024 * 1024
+# A hold's JSON values, counted on its bytes before decoding (round 6: the frame's own count sees the
+# content as one string, and 1 MiB of `{},` decodes to ~55 MiB). NVIDIA's whole spec for a DGX A100 with
+# MIG has ~16,000; a hold carries part of it.
+MAX_HOLD_VALUES = 4 * MAX_VALUES
 ALLOCATION_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,80}$")
 _EMPTY_RE = re.compile(r"^$")
 _TOKEN_RE = re.compile(r"^[a-z0-9]{6}\.[a-z0-9]{16}\n?$")
@@ -133,7 +137,12 @@ def _check_cdi(ident: str, data: bytes) -> Any:
     """The hold's checks; returns the strictly decoded document (the later checks read it, not the bytes
     again)."""
     from bcd_shared import cdi  # on the first hold, not at the helper's start
+    from bcd_shared.strictjson import value_bound
 
+    if value_bound(data) > MAX_HOLD_VALUES:
+        raise Refused(
+            "bad-content", f"cdi: more than {MAX_HOLD_VALUES} JSON values (arrays, objects, members)"
+        )
     try:
         doc = strict_loads(data)
     except ValueError as exc:
