@@ -145,6 +145,7 @@ def test_round6_a_signed_holds_annotations_are_the_assignments(
     the value root derives from the signed assignment, and no other key (`annotations-outside`)."""
     spec = intent(cp.command.leaf(), _sliced_body(22))
     own = "bcd-alloc-w3.slice"
+    signed_node.ok({"op": "slice.apply", "args": {"name": own, "memory_bytes": 1 << 30, "intent": spec}})
     signed_node.ok(cdi_doc("w3", _annotated("w3", GPU1, own), spec))
     signed_node.ok(cdi_doc("w4", _annotated("w4", GPU2, None), spec))
     for ident, gpu, parent, extra in (
@@ -292,3 +293,41 @@ def test_round6_json_the_node_hands_root_is_value_counted_before_decoding(tmp_pa
         verify_audit(h)
     finally:
         h.stop()
+
+
+def test_round6_a_signed_sliced_hold_never_runs_without_its_slice(
+    signed_node: RealNode, cp: ControlPlane
+) -> None:
+    """With roots, slice.apply takes only the signed limits (round 5), but nothing made the node create
+    the slice, or keep it: a hold whose CDI spec names `bcd-alloc-w5.slice` was written with no slice
+    started, and `slice.remove` stopped an empty slice while its hold still named it. Either way a workload
+    manager's next job under that parent makes systemd create the slice again without limits: the hold
+    outgrows what capacity placed. Now a signed hold of a sliced assignment is written only once root
+    sees its slice started (`slice-missing`), and with roots a slice is not stopped while its hold file
+    exists (`hold-exists`); the node removes the hold first, which the spec must have released."""
+    remove = {"op": "slice.remove", "args": {"name": "bcd-alloc-w3.slice"}}
+    # From no hold and no slice (an earlier test of this module wrote w3's hold).
+    released = intent(cp.command.leaf(), _sliced_body_without_w3(31))
+    signed_node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": "w3", "intent": released}})
+    signed_node.ok(remove)
+    spec = intent(cp.command.leaf(), _sliced_body(32))
+    hold = cdi_doc("w3", _annotated("w3", GPU1, "bcd-alloc-w3.slice"), spec)
+    signed_node.refused(hold, "slice-missing", "bcd-alloc-w3.slice")
+    apply = {
+        "op": "slice.apply",
+        "args": {"name": "bcd-alloc-w3.slice", "memory_bytes": 1 << 30, "intent": spec},
+    }
+    signed_node.ok(apply)
+    signed_node.ok(hold)
+    signed_node.refused(remove, "hold-exists", "bcd-w3.json")
+    released = intent(cp.command.leaf(), _sliced_body_without_w3(33))
+    signed_node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": "w3", "intent": released}})
+    assert signed_node.ok(remove)["stopped"] is True
+
+
+def _sliced_body_without_w3(generation: int) -> bytes:
+    from bcd_shared import wire
+
+    body = wire.DesiredStateBody().parse(_sliced_body(generation))
+    body.full.devices.assignments = [a for a in body.full.devices.assignments if a.allocation_id != "w3"]
+    return bytes(body)

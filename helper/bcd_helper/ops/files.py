@@ -542,6 +542,23 @@ def _check_annotations(ident: str, doc: Any, assignment: Any) -> None:
             )
 
 
+def _check_slice_started(call: Call, ident: str, assignment: Any) -> None:
+    """A sliced hold names its slice only once root sees it started (round 6): slice.apply takes only the
+    signed limits, and a workload manager placing a job under a parent that is not there makes systemd
+    create it without any. slice.remove leaves it while the hold exists (bcd_helper.ops.slices)."""
+    from bcd_helper.ops.slices import populated
+
+    if assignment.limits is None or int(assignment.binding) == 2:  # not sliced (Kubernetes: no slice)
+        return
+    name = f"bcd-alloc-{ident}.slice"
+    if populated(call, name) is None:
+        raise Refused(
+            "slice-missing",
+            f"cdi: allocation {ident} is a sliced hold: its slice {name} must be started with the signed "
+            "limits (slice.apply) before the hold names it",
+        )
+
+
 # The env keys bcd sets itself in a hold's files (the agent's devices planner, RESERVED_ENV_KEYS there), and
 # the MPS pipe directory it names.
 HOLD_ENV_KEYS = frozenset(
@@ -630,6 +647,7 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
             if req.kind == "cdi":
                 _check_annotations(req.id, decoded, assignment)
                 _check_atoms(call, req.id, decoded, assignment)
+                _check_slice_started(call, req.id, assignment)
                 env = (decoded.get("containerEdits") or {}).get("env") or []
                 if env:
                     vendor = _vendor_devices(call)
