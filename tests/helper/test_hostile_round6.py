@@ -55,6 +55,11 @@ def test_round6_a_mig_hold_never_takes_its_whole_parent_gpu(signed_node: RealNod
     whole = (f"NVIDIA_VISIBLE_DEVICES={gpu.uuid}",)
     signed_node.refused(cdi_doc("w1", mig_hold(edits[mine.uuid], whole), spec), "env-outside")
     signed_node.refused(env_doc("w1", whole[0] + "\n", spec), "env-outside")
+    # Refused before this round too: NVIDIA's hook grants MIG management (create and destroy the GPU's
+    # instances, other tenants' among them) on these env keys.
+    for line in ("NVIDIA_MIG_CONFIG_DEVICES=all", "NVIDIA_MIG_MONITOR_DEVICES=all"):
+        signed_node.refused(cdi_doc("w1", mig_hold(edits[mine.uuid], (line,)), spec), "env-outside")
+        signed_node.refused(env_doc("w1", line + "\n", spec), "env-outside")
     # What the planner writes is still taken.
     signed_node.ok(cdi_doc("w1", mig_hold(edits[mine.uuid], (f"NVIDIA_VISIBLE_DEVICES={mine.uuid}",)), spec))
     signed_node.ok(env_doc("w1", f"NVIDIA_VISIBLE_DEVICES={mine.uuid}\n", spec))
