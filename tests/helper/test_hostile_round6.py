@@ -25,6 +25,13 @@ def signed_node(cp: ControlPlane) -> Iterator[RealNode]:
     node.close()
 
 
+def _clear(node: RealNode, spec: dict[str, Any]) -> None:
+    """Remove the holds earlier tests of this module left, under `spec` (which does not list them): the
+    module shares one helper, and root refuses a hold naming an atom another hold names (row 7)."""
+    for ident in ("w1", "w2", "w3", "w4", "w6", "w7"):
+        node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": ident, "intent": spec}})
+
+
 def _mig_gpu(node: RealNode) -> Any:
     from bcd_agent.inventory.gpus import collect_gpus
     from bcd_simhost import sim_system
@@ -78,6 +85,7 @@ def test_round6_a_signed_hold_carries_every_atom_so_no_held_gpu_looks_free(
 
     g1, g2 = "GPU-5f1c2a90-0000-4000-8000-000000000001", "GPU-5f1c2a90-0000-4000-8000-000000000002"
     worker = cp.command.leaf()
+    _clear(signed_node, intent(worker, devices_body(21, {})))
     spec = intent(worker, devices_body(21, {"w2": [g1, g2]}))
     full = hold_text(
         "w2", [(g1, {"deviceNodes": [{"path": "/dev/nvidia0"}]}), (g2, None)], ["BCD_ALLOCATION_ID=w2"]
@@ -149,6 +157,7 @@ def test_round6_a_signed_holds_annotations_are_the_assignments(
     a HOLD's GPUs offered to pods) and `bcd.dev/reservation-id`; any other key was taken too. Now each is
     the value root derives from the signed assignment, and no other key (`annotations-outside`)."""
     spec = intent(cp.command.leaf(), _sliced_body(22))
+    _clear(signed_node, intent(cp.command.leaf(), devices_body(22, {})))
     own = "bcd-alloc-w3.slice"
     signed_node.ok({"op": "slice.apply", "args": {"name": own, "memory_bytes": 1 << 30, "intent": spec}})
     signed_node.ok(cdi_doc("w3", _annotated("w3", GPU1, own), spec))
@@ -336,3 +345,24 @@ def _sliced_body_without_w3(generation: int) -> bytes:
     body = wire.DesiredStateBody().parse(_sliced_body(generation))
     body.full.devices.assignments = [a for a in body.full.devices.assignments if a.allocation_id != "w3"]
     return bytes(body)
+
+
+def test_round6_a_signed_hold_never_names_an_atom_another_hold_still_names(
+    signed_node: RealNode, cp: ControlPlane
+) -> None:
+    """The spec at generation 40 gives GPU2 to w6; the one at 41 moves it to w7 (w6 released). The node
+    writes w7's hold and keeps w6's file: root refuses removing a hold the spec lists, but nothing makes
+    the node remove one the spec released, and w7's hold was written beside it. w6's tenant kept its CDI
+    device for GPU2 while w7's tenant ran on it. Now a signed hold naming an atom that another allocation's
+    hold file names (the same atom, or a whole GPU and any atom of it) is refused (`atoms-held`, naming
+    the other hold): the node's planner releases before it binds, so it removes w6's first."""
+    worker = cp.command.leaf()
+    _clear(signed_node, intent(worker, devices_body(40, {})))
+    first = intent(worker, devices_body(40, {"w6": [GPU2]}))
+    signed_node.ok(cdi_doc("w6", _annotated("w6", GPU2, None, reservation_id="r1"), first))
+    moved = intent(worker, devices_body(41, {"w7": [GPU2]}))
+    w7 = cdi_doc("w7", _annotated("w7", GPU2, None, reservation_id="r1"), moved)
+    signed_node.refused(w7, "atoms-held", "w6")
+    signed_node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": "w6", "intent": moved}})
+    signed_node.ok(w7)
+    signed_node.ok(w7)  # its own hold again: not another's

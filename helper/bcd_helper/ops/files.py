@@ -542,6 +542,39 @@ def _check_annotations(ident: str, doc: Any, assignment: Any) -> None:
             )
 
 
+def _overlaps(a: str, b: str) -> bool:
+    """Two atoms that cannot be two allocations' at once: the same atom, or a whole GPU and any atom of
+    it (MIG devices and slots of one GPU are different allocations' by design)."""
+    ga, gb = a.split("/")[0], b.split("/")[0]
+    return a == b or (ga == gb and (a == ga or b == gb))
+
+
+def _check_not_held(call: Call, ident: str, assignment: Any) -> None:
+    """A signed hold names no atom another allocation's hold file still names (round 6): the node cannot
+    remove a hold the spec lists, but nothing makes it remove one the spec released, so a moved atom's
+    old hold would stay beside the new one (the old tenant keeping its CDI device). Root's own view of
+    /etc/cdi, as the busy check reads it; a file root cannot parse holds every atom (fail closed)."""
+    from bcd_shared import cdi
+
+    atoms = [a.id for a in assignment.devices]
+    for alloc, path, data in cdi.hold_spec_files(call.system):
+        if alloc == ident:
+            continue
+        try:
+            held = cdi.parse_hold_spec(data, alloc).device_ids
+        except cdi.CdiError:
+            raise Refused(
+                "atoms-held", f"cdi: the hold {path} cannot be read: it may hold any atom"
+            ) from None
+        both = sorted({a for a in atoms for h in held if _overlaps(a, h)})
+        if both:
+            raise Refused(
+                "atoms-held",
+                f"cdi: {', '.join(both)[:300]} of allocation {ident} is still held by {alloc} ({path}): "
+                "its hold goes first",
+            )
+
+
 def _check_slice_started(call: Call, ident: str, assignment: Any) -> None:
     """A sliced hold names its slice only once root sees it started (round 6): slice.apply takes only the
     signed limits, and a workload manager placing a job under a parent that is not there makes systemd
@@ -647,6 +680,7 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
             if req.kind == "cdi":
                 _check_annotations(req.id, decoded, assignment)
                 _check_atoms(call, req.id, decoded, assignment)
+                _check_not_held(call, req.id, assignment)
                 _check_slice_started(call, req.id, assignment)
                 env = (decoded.get("containerEdits") or {}).get("env") or []
                 if env:
