@@ -366,3 +366,32 @@ def test_round6_a_signed_hold_never_names_an_atom_another_hold_still_names(
     signed_node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": "w6", "intent": moved}})
     signed_node.ok(w7)
     signed_node.ok(w7)  # its own hold again: not another's
+
+
+def test_round6_a_rejoin_that_keeps_the_node_id_keeps_the_generation_floor(
+    tmp_path: Path, cp: ControlPlane
+) -> None:
+    """HST-SIGN-22: joined again *as another node*, the binding moves and generations start over. A `tpm`
+    or `provisioned` re-join keeps the node id (and the control plane its generation), but root reset
+    the floor at any new join record: after the operator re-joined as root (the documented way to pin a
+    node that joined before the record), the node handed access.apply the older signed spec of
+    generation 40 after 50 had been applied, and root took it (an access section the newer spec had
+    revoked, back). Now a new record naming the node root is already bound to keeps the generation floor
+    (`stale-generation`); another node's record still starts over."""
+    from helperproc import HelperProcess, base_config, make_root
+    from hostilekit import NODE_GID, NODE_UID, as_node, refused_as_node
+    from intentkit import access_body, access_doc
+
+    root = make_root(tmp_path)
+    cp.write_record(root, NODE, cp.bundle(2))
+    worker = cp.command.leaf()
+    h = HelperProcess(root, cp.config_lines() + base_config(NODE_UID, NODE_GID))
+    try:
+        assert as_node(h, access_doc(intent(worker, access_body(NODE, 50, empty=True))))["ok"] is True
+        cp.write_record(root, NODE, cp.bundle(2))  # root joins again, keeping the node id
+        refused_as_node(h, access_doc(intent(worker, access_body(NODE, 40, empty=True))), "stale-generation")
+        assert as_node(h, access_doc(intent(worker, access_body(NODE, 51, empty=True))))["ok"] is True
+        cp.write_record(root, "node-z", cp.bundle(2))  # as another node: generations start over
+        assert as_node(h, access_doc(intent(worker, access_body("node-z", 1, empty=True))))["ok"] is True
+    finally:
+        h.stop()
