@@ -32,7 +32,8 @@ text compared exactly), or, for a clean, not name it (HST-SIGN-26).
 Root's state is `/var/lib/bcd-hostconfig/helper-intent.json` (0600, root-only rule, atomic, fsynced):
 {"format": 1, "record_sha256", "node_id", "node_source", "generation", "bundle_version",
 "bundle_sha256", "signed", "verified": [{"sha256", "generation", "verified_at_ms"}]}. A new join record
-(a re-join as root) resets it to the record: the binding moves and generations start over (HST-SIGN-22).
+(a re-join as root) resets it to the record: the binding moves and generations start over (HST-SIGN-22);
+a record naming the node already bound keeps the generation floor (a re-join keeping the node id).
 The checks are pure over (state, record, request, now): `check_host_unit` returns the next state, and
 the caller writes it only once the request passed every other rule, before the effect.
 """
@@ -295,13 +296,20 @@ class IntentVerifier:
         if record is not None:
             digest = hashlib.sha256(record.body_bytes).hexdigest()
             if state.record_sha256 != digest:  # a new join as root: the binding moves (HST-SIGN-22)
+                # Joined again as the same node (a tpm or provisioned re-join keeps the id, and the control
+                # plane its generation): the floor stays, else older signed specs replay (round 6). Only
+                # another node's specs start over.
+                same = bool(state.node_id) and state.node_id == record.node_id
                 state = IntentState(
                     record_sha256=digest,
                     node_id=record.node_id,
                     node_source="record",
+                    generation=state.generation if same else 0,
                     bundle_version=record_bundle.version if record_bundle else 0,
                     bundle_sha256=record_bundle.sha256 if record_bundle else "",
-                    signed=bool(record_bundle and record_bundle.bundle.has_command_roots),
+                    signed=bool(record_bundle and record_bundle.bundle.has_command_roots)
+                    or (same and state.signed),
+                    verified=state.verified if same else (),
                 )
         elif state.record_sha256:
             raise Refused(

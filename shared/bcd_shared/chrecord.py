@@ -17,10 +17,11 @@ from attrs import frozen
 
 from bcd_shared.chunit import valid_vmm_uid
 from bcd_shared.instancenames import BRIDGE_RE, MAC_RE, MAX_NICS, SHA256_RE, valid_instance_id
-from bcd_shared.strictjson import unique_keys
+from bcd_shared.strictjson import unique_keys, value_bound
 
 VERSION = 1
 MAX_BYTES = 1 << 20
+MAX_VALUES = 16384
 MAX_VCPUS = 512
 MIN_MEMORY = 64 << 20
 MAX_MEMORY = 4 << 40
@@ -117,6 +118,10 @@ _no_duplicates = unique_keys(lambda k: RecordError(f"duplicate key {k!r}"))
 def parse_record(data: bytes) -> CHRecord:
     if len(data) > MAX_BYTES:
         raise RecordError(f"vm.json: larger than {MAX_BYTES} bytes")
+    # Bounded before decoding, as the helper's frames are: 1 MiB of `{},` decodes to ~55 MiB in root
+    # (round 6). A record has ~100 values.
+    if value_bound(data) > MAX_VALUES:
+        raise RecordError(f"vm.json: more than {MAX_VALUES} JSON values")
     try:
         doc = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, ValueError) as exc:

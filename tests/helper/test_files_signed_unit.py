@@ -400,9 +400,9 @@ def test_a_mig_device_carries_only_its_own_mig_devices_edits(
     root: Path, cp: ControlPlane, worker: Signer
 ) -> None:
     """A MIG atom takes the vendor's edits of its own MIG device (by `<index>:<n>` or its UUID, mapped from
-    the atom's ids by root's `-L` and `-q -x`) and its GPU's; never another MIG device's on the same GPU
-    (another tenant's nvidia-caps) nor another GPU's. Red team round 5's open item: any `<index>:` or
-    `MIG-` name passed."""
+    the atom's ids by root's `-L` and `-q -x`) only; never another MIG device's on the same GPU (another
+    tenant's nvidia-caps), its parent GPU's whole-device entry (round 6) nor another GPU's. Red team round
+    5's open item: any `<index>:` or `MIG-` name passed."""
     ctx = signed_ctx(root, cp, real_smi())
     own_i = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap30"}]}
     own_u = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap31"}]}
@@ -411,14 +411,14 @@ def test_a_mig_device_carries_only_its_own_mig_devices_edits(
     other = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap300"}]}
     vendor(root, {"0": NV0, "0:0": own_i, RMIG0_UUID: own_u, "0:1": next_i, RMIG1_UUID: next_u, "1:0": other})
     spec = signed(worker, body(2, {"a1": [RMIG0], "a2": [RGPU1]}))
-    for edits in (own_i, own_u, NV0):
+    for edits in (own_i, own_u):
         file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, edits)]), spec))
-    for edits in (next_i, next_u, other):
+    for edits in (next_i, next_u, other, NV0):
         path = edits["deviceNodes"][0]["path"]
         assert refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, edits)]), spec)) == (
             "atoms-outside",
             f'cdi: devices[0].containerEdits.deviceNodes: {{"path":"{path}"}} is not the vendor\'s edit for '
-            f"{RMIG0}: a MIG hold device carries only its own MIG device's and GPU's edits",
+            f"{RMIG0}: a MIG hold device carries only its own MIG device's edits (not its GPU's)",
         )
     # A whole GPU's device is not a MIG one: no MIG device's edits are its own.
     for edits in (own_i, own_u, other):
@@ -430,13 +430,14 @@ def test_a_mig_device_takes_no_mig_edits_when_roots_nvidia_smi_cannot_say_which(
     root: Path, cp: ControlPlane, worker: Signer
 ) -> None:
     """Fail closed: without `-q -x` (and with today's MIG UUIDs, which carry no ids) root cannot map the
-    atom to a MIG device, so only its GPU's own edits pass."""
+    atom to a MIG device, so no edit passes (not its GPU's either: round 6)."""
     ctx = signed_ctx(root, cp, real_smi(qx_rc=9))
     own = {"deviceNodes": [{"path": "/dev/nvidia-caps/nvidia-cap30"}]}
     vendor(root, {"0": NV0, "0:0": own, RMIG0_UUID: own})
     spec = signed(worker, body(2, {"a1": [RMIG0]}))
-    file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, NV0)]), spec))
-    assert refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, own)]), spec))[0] == "atoms-outside"
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, None)]), spec))  # its marker only
+    for edits in (own, NV0):
+        assert refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, edits)]), spec))[0] == "atoms-outside"
     ctx.audit.close()
 
 
@@ -457,13 +458,15 @@ def test_root_runs_nvidia_smi_once_a_hold_and_only_what_it_needs(
     ctx.audit.close()
 
     ctx = signed_ctx(root, cp, real_smi(l_rc=6))
-    assert refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, own0)]), spec))[0] == "atoms-outside"
+    assert (
+        refused(ctx, cdi_write("a1", hold("a1", [(RMIG0, own0), (RMIG1, None)]), spec))[0] == "atoms-outside"
+    )
     assert ("nvidia-smi", "-q", "-x") not in programs(ctx).runs
     ctx.audit.close()
 
     odd = LISTING.read_bytes().replace(b"NVIDIA A100", b"NVIDIA \xe9A100", 1)
     ctx = signed_ctx(root, cp, real_smi(listing=odd))
-    file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, own0)]), spec))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(RMIG0, own0), (RMIG1, None)]), spec))
     ctx.audit.close()
 
 
@@ -496,8 +499,8 @@ def test_a_vendor_spec_of_one_all_device_gives_its_edits_to_every_gpu(
     file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, dxg), (GPU2, dxg)]), spec))
     # `all` beside named devices is a name like any other.
     vendor(ctx.root, {"all": dxg, GPU2: NV1})
-    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, dxg)]), spec))[0] == "atoms-outside"
-    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU2, NV1)]), spec))
+    assert refused(ctx, cdi_write("a1", hold("a1", [(GPU1, dxg), (GPU2, NV1)]), spec))[0] == "atoms-outside"
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, None), (GPU2, NV1)]), spec))
 
 
 def test_every_edit_of_a_device_is_checked_and_the_first_outside_named(

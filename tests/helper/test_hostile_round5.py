@@ -292,7 +292,7 @@ def _env_write(lines: list[str], spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def _hold_write(env: list[str], spec: dict[str, Any]) -> dict[str, Any]:
-    content = hold_text("a1", [(GPU1, None)], env, generation=2, cgroup_parent="bcd-alloc-a1.slice")
+    content = hold_text("a1", [(GPU1, None)], env, generation=2)  # a1 unsliced: no cgroup-parent
     return {"op": "file.write", "args": {"kind": "cdi", "id": "a1", "content": content, "intent": spec}}
 
 
@@ -343,11 +343,11 @@ def test_round5_hold_env_is_bound_to_the_signed_assignment(
 
 def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
     """The env rule above must take every hold the node's devices planner writes (else a signed node
-    could bind no hold): whole GPUs, MIG devices (with and without a MIG UUID), slots with MPS, a sliced
-    hold with limits, a Kubernetes hold, an assignment with its own env lines, with and without the
-    vendor spec whose common env the planner copies into the CDI hold (as NVIDIA's toolkit writes it:
-    NVIDIA_CTK_DEBUG). The keys bcd sets are the planner's RESERVED_ENV_KEYS, and the MPS directory is
-    its."""
+    could bind no hold): whole GPUs, MIG devices (one without a MIG UUID is device-missing), slots with
+    MPS, a sliced hold with limits, a Kubernetes hold, an assignment with its own env lines, with and
+    without the vendor spec whose common env the planner copies into the CDI hold (as NVIDIA's toolkit
+    writes it: NVIDIA_CTK_DEBUG). The keys bcd sets are the planner's RESERVED_ENV_KEYS, and the MPS
+    directory is its."""
     import json
 
     from bcd_agent.inventory.gpus import Gpu, GpuHealth, GpuInventory, MigDevice
@@ -392,6 +392,8 @@ def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
     cases = [
         assignment("BINDING_HOLD", (a, "gpu"), (b, "gpu")),
         assignment("BINDING_HOLD", (f"{a}/gi1/ci0", "gpu.mig"), (f"{a}/gi2/ci0", "gpu.mig")),
+        assignment("BINDING_HOLD", (f"{a}/gi1/ci0", "gpu.mig")),
+        assignment("BINDING_HOLD", (b, "gpu"), (f"{a}/gi1/ci0", "gpu.mig")),
         assignment("BINDING_HOLD", (f"{b}/s0", "gpu.slot"), (f"{b}/s1", "gpu.slot")),
         assignment("BINDING_HOLD", (b, "gpu"), limits=Limits(cpus="0-3"), env=("SLURM_GRES=gpu:1", "X=")),
         assignment("BINDING_KUBERNETES", (a, "gpu"), limits=Limits(memory_bytes=1 << 30)),
@@ -402,12 +404,16 @@ def test_round5_roots_hold_env_rule_takes_what_the_node_plans() -> None:
         planner.Observed(inventory, vendor=vendor),
     ):
         for asg in cases:
-            doc, lines = planner.hold_files(asg, planner._atoms_of(asg), 3, obs)
+            atoms = planner._atoms_of(asg)
+            if any(planner.missing(x, inventory) for x in atoms):
+                assert "/gi2/ci0" in asg.devices[1].id  # a MIG device without a UUID: device-missing,
+                continue  # no hold file written (round 6: its parent GPU is never named instead)
+            doc, lines = planner.hold_files(asg, atoms, 3, obs)
             env = (doc.get("containerEdits") or {}).get("env") or []
             _check_signed_env("cdi", "al1", env, asg, vendor_env if obs.vendor is not None else (), migs)
             _check_signed_env("allocation-env", "al1", list(lines), asg, (), migs)
             copied += "NVIDIA_CTK_DEBUG=false" in env
-    assert copied == 4  # the vendor's common env was in every hold but the Kubernetes one
+    assert copied == 5  # the vendor's common env was in every hold but the Kubernetes one
 
 
 V15 = b"#!/bin/sh\necho bcd 1.5.0\n"

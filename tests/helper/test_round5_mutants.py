@@ -308,7 +308,8 @@ MIG_UUID3 = "MIG-aaaaaaaa-1111-5111-8111-000000000003"
         ((GPU1,), "0", False),
         ((GPU1,), MIG_UUID1, False),  # a MIG device, but the hold has whole GPUs only
         ((MIG1,), MIG_UUID1, True),
-        ((MIG1,), GPU1, True),  # a MIG atom's GPU (the planner names it when nvidia-smi lists no MIG UUID)
+        ((MIG1,), GPU1, False),  # a MIG atom's parent GPU, whole (round 6: the planner never names it)
+        ((MIG1, f"{GPU1}/s1"), GPU1, True),  # a slot of the GPU names its parent
         ((MIG1,), GPU2, False),
         ((MIG1, MIG2), f"{MIG_UUID1},{MIG_UUID2}", True),
         ((MIG1, MIG2), f"{MIG_UUID1},{MIG_UUID2},{MIG_UUID3}", False),  # more than the hold's atoms
@@ -338,7 +339,7 @@ def test_nvidia_visible_devices_names_only_the_holds_own_gpus_or_mig_devices(
         }
 
     assert _visible_ok(value, assignment("a1", *atoms), migs) is ok
-    if all(item in {a.split("/")[0] for a in atoms} for item in value.split(",") if item):
+    if all(item in {a.split("/")[0] for a in atoms if "/gi" not in a} for item in value.split(",") if item):
         assert not asked  # the hold's GPUs only: root runs no nvidia-smi
 
 
@@ -405,7 +406,7 @@ def test_an_env_line_outside_is_shown_cut() -> None:
 
 
 def _hold(env: list[str]) -> str:
-    return hold_text("a1", [(GPU1, None)], env, generation=2, cgroup_parent="bcd-alloc-a1.slice")
+    return hold_text("a1", [(GPU1, None)], env, generation=2)  # unsliced (no limits): no cgroup parent
 
 
 def test_a_signed_hold_write_checks_the_env_it_carries(

@@ -54,9 +54,13 @@ from bcd_shared.rootpath import RootPathRefused, read_root_only, remove_root_onl
 
 from bcd_helper.audit import canonical
 from bcd_helper.ops.base import Call, Refused, no_roots_possible, refused_path
-from bcd_helper.protocol import strict_loads
+from bcd_helper.protocol import MAX_VALUES, strict_loads
 
 MAX_CONTENT = 1024 * 1024
+# A hold's JSON values, counted on its bytes before decoding (round 6: the frame's own count sees the
+# content as one string, and 1 MiB of `{},` decodes to ~55 MiB). NVIDIA's whole spec for a DGX A100 with
+# MIG has ~16,000; a hold carries part of it.
+MAX_HOLD_VALUES = 4 * MAX_VALUES
 ALLOCATION_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,80}$")
 _EMPTY_RE = re.compile(r"^$")
 _TOKEN_RE = re.compile(r"^[a-z0-9]{6}\.[a-z0-9]{16}\n?$")
@@ -133,7 +137,12 @@ def _check_cdi(ident: str, data: bytes) -> Any:
     """The hold's checks; returns the strictly decoded document (the later checks read it, not the bytes
     again)."""
     from bcd_shared import cdi  # on the first hold, not at the helper's start
+    from bcd_shared.strictjson import value_bound
 
+    if value_bound(data) > MAX_HOLD_VALUES:
+        raise Refused(
+            "bad-content", f"cdi: more than {MAX_HOLD_VALUES} JSON values (arrays, objects, members)"
+        )
     try:
         doc = strict_loads(data)
     except ValueError as exc:
@@ -451,14 +460,18 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
             indexes = _gpu_indexes(call)
         assert indexes is not None
         gpu = atom.split("/")[0]
-        names = {gpu}
-        index = indexes.get(gpu)
-        if index is not None:
-            names.add(index)
-        if "/gi" in atom:  # its own MIG device only (the hold's annotation names it exactly)
+        names: set[str] = set()
+        if "/gi" in atom:
+            # Its own MIG device only, never its parent GPU's whole-device entry (the GPU's other MIG
+            # devices are other tenants'; the planner's vendor_names names the MIG device alone: round 6).
             migs = _mig_names(call) if migs is None else migs
             mig = migs.get(atom)
             names |= mig.names if mig is not None else set()
+        else:
+            names.add(gpu)
+            index = indexes.get(gpu)
+            if index is not None:
+                names.add(index)
         allowed: set[tuple[str, bytes]] = set()
         for name, vedits in vendor.devices.items() if vendor is not None else []:
             if name in names or set(vendor.devices) == {"all"}:
@@ -470,11 +483,21 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
                 "atoms-outside",
                 f"cdi: devices[{i}].containerEdits.{key}: {item[:200].decode()} is not the vendor's edit for "
                 + (
-                    f"{atom}: a MIG hold device carries only its own MIG device's and GPU's edits"
+                    f"{atom}: a MIG hold device carries only its own MIG device's edits (not its GPU's)"
                     if "/gi" in atom
                     else f"{gpu}: a hold device carries only its own GPU's edits"
                 ),
             )
+    held = [dev["annotations"]["bcd.dev/device-id"] for dev in doc["devices"]]
+    missing = sorted(atoms - set(held))
+    if missing or len(set(held)) != len(held):
+        # Root's busy check (gpu.reset) reads the hold files: a hold leaving out an atom the spec gives
+        # the allocation would make that GPU look free (round 6). The planner writes each atom once.
+        raise Refused(
+            "atoms-missing",
+            f"cdi: devices: a signed hold carries each atom of allocation {ident} exactly once"
+            + (f"; {', '.join(missing)[:400]} missing" if missing else "; one is listed twice"),
+        )
     common = _edit_items(doc.get("containerEdits"))
     if common:
         vendor = vendor if vendor is not None else _vendor_devices(call)
@@ -485,6 +508,88 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
                 "atoms-outside",
                 f"cdi: containerEdits.{key}: {item[:200].decode()} is not one of the vendor's common edits",
             )
+
+
+def _check_annotations(ident: str, doc: Any, assignment: Any) -> None:
+    """A signed hold's annotations are what the planner writes for the assignment (round 6): the slice
+    (`bcd.dev/cgroup-parent`, where a workload manager places the workload) only for a sliced hold and
+    only its own, `bcd.dev/binding: kubernetes` (what the device plugins advertise) only for a Kubernetes
+    hold, the signed reservation id, and no other key; a device's only its atom id. `doc`: the hold as
+    _check_cdi decoded it (allocation id and generation checked there)."""
+    from bcd_shared import cdi
+
+    kubernetes = int(assignment.binding) == 2  # Binding.KUBERNETES
+    sliced = assignment.limits is not None and not kubernetes  # the planner's DeviceAssignment.sliced
+    want: dict[str, str | None] = {
+        cdi.ANN_RESERVATION: assignment.reservation_id,
+        cdi.ANN_CGROUP_PARENT: f"bcd-alloc-{ident}.slice" if sliced else None,
+        cdi.ANN_BINDING: "kubernetes" if kubernetes else None,
+    }
+    got = dict(doc.get("annotations") or {})
+    for key in sorted(set(got) - {cdi.ANN_ALLOCATION, cdi.ANN_GENERATION} | set(want)):
+        if got.get(key) != want.get(key):
+            raise Refused(
+                "annotations-outside",
+                f"cdi: annotations.{key[:100]}: {str(got.get(key))[:100]!r} is not what the signed spec's "
+                f"assignment of {ident} makes ({want.get(key)!r})",
+            )
+    for i, dev in enumerate(doc["devices"]):
+        extra = sorted(set(dev.get("annotations") or {}) - {cdi.ANN_DEVICE_ID})
+        if extra:
+            raise Refused(
+                "annotations-outside",
+                f"cdi: devices[{i}].annotations.{extra[0][:100]}: a hold device carries only its atom id",
+            )
+
+
+def _overlaps(a: str, b: str) -> bool:
+    """Two atoms that cannot be two allocations' at once: the same atom, or a whole GPU and any atom of
+    it (MIG devices and slots of one GPU are different allocations' by design)."""
+    ga, gb = a.split("/")[0], b.split("/")[0]
+    return a == b or (ga == gb and (a == ga or b == gb))
+
+
+def _check_not_held(call: Call, ident: str, assignment: Any) -> None:
+    """A signed hold names no atom another allocation's hold file still names (round 6): the node cannot
+    remove a hold the spec lists, but nothing makes it remove one the spec released, so a moved atom's
+    old hold would stay beside the new one (the old tenant keeping its CDI device). Root's own view of
+    /etc/cdi, as the busy check reads it; a file root cannot parse holds every atom (fail closed)."""
+    from bcd_shared import cdi
+
+    atoms = [a.id for a in assignment.devices]
+    for alloc, path, data in cdi.hold_spec_files(call.system):
+        if alloc == ident:
+            continue
+        try:
+            held = cdi.parse_hold_spec(data, alloc).device_ids
+        except cdi.CdiError:
+            raise Refused(
+                "atoms-held", f"cdi: the hold {path} cannot be read: it may hold any atom"
+            ) from None
+        both = sorted({a for a in atoms for h in held if _overlaps(a, h)})
+        if both:
+            raise Refused(
+                "atoms-held",
+                f"cdi: {', '.join(both)[:300]} of allocation {ident} is still held by {alloc} ({path}): "
+                "its hold goes first",
+            )
+
+
+def _check_slice_started(call: Call, ident: str, assignment: Any) -> None:
+    """A sliced hold names its slice only once root sees it started (round 6): slice.apply takes only the
+    signed limits, and a workload manager placing a job under a parent that is not there makes systemd
+    create it without any. slice.remove leaves it while the hold exists (bcd_helper.ops.slices)."""
+    from bcd_helper.ops.slices import populated
+
+    if assignment.limits is None or int(assignment.binding) == 2:  # not sliced (Kubernetes: no slice)
+        return
+    name = f"bcd-alloc-{ident}.slice"
+    if populated(call, name) is None:
+        raise Refused(
+            "slice-missing",
+            f"cdi: allocation {ident} is a sliced hold: its slice {name} must be started with the signed "
+            "limits (slice.apply) before the hold names it",
+        )
 
 
 # The env keys bcd sets itself in a hold's files (the agent's devices planner, RESERVED_ENV_KEYS there), and
@@ -502,11 +607,12 @@ MPS_PIPE_DIRECTORY = "/run/nvidia-mps"
 
 
 def _visible_ok(value: str, assignment: Any, migs: Callable[[], dict[str, MigName]]) -> bool:
-    """NVIDIA_VISIBLE_DEVICES names only the allocation's own GPUs (by UUID), or the MIG UUIDs of its own
-    MIG atoms (root's nvidia-smi maps them, `migs`), each once (the planner's `visible_devices`): never
-    `all`, an index, another GPU or another MIG device."""
+    """NVIDIA_VISIBLE_DEVICES names only the allocation's own GPUs (by UUID; a MIG atom's parent is not
+    one), or the MIG UUIDs of its own MIG atoms (root's nvidia-smi maps them, `migs`), each once (the
+    planner's `visible_devices`): never `all`, an index, another GPU or another MIG device."""
     atoms = [a.id for a in assignment.devices]
-    gpus = {a.split("/")[0] for a in atoms}
+    # A MIG atom's parent GPU is not the allocation's (round 6): only whole-GPU and slot atoms name a GPU.
+    gpus = {a.split("/")[0] for a in atoms if "/gi" not in a}
     items = value.split(",") if value else []
     if len(set(items)) != len(items) or len(items) > len(atoms):
         return False
@@ -572,7 +678,10 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                 )
             vendor_env: Any = ()
             if req.kind == "cdi":
+                _check_annotations(req.id, decoded, assignment)
                 _check_atoms(call, req.id, decoded, assignment)
+                _check_not_held(call, req.id, assignment)
+                _check_slice_started(call, req.id, assignment)
                 env = (decoded.get("containerEdits") or {}).get("env") or []
                 if env:
                     vendor = _vendor_devices(call)

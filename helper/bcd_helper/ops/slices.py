@@ -33,7 +33,7 @@ from typing import Any
 from attrs import frozen
 from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
 
-from bcd_helper.ops.base import Call, Failed, Refused, refused_path
+from bcd_helper.ops.base import Call, Failed, Refused, no_roots_possible, refused_path
 from bcd_helper.ops.files import SignedSpec  # the hold writes' signed spec: slice.apply carries it too
 
 SLICE_RE = re.compile(r"^bcd-alloc-[A-Za-z0-9_]{1,80}\.slice$")
@@ -285,6 +285,14 @@ def populated(call: Call, name: str) -> bool | None:
 
 def slice_remove(call: Call, req: SliceRemove) -> dict[str, Any]:
     name = check_slice_name(req.name)
+    hold = f"/etc/cdi/bcd-{name[len('bcd-alloc-') : -len('.slice')]}.json"
+    if not no_roots_possible(call.ctx, None) and call.system.exists(hold):
+        # With roots a hold the signed spec lists cannot be removed (hold-in-spec), and while it exists it
+        # names this slice: stopping it would let the next job under it run without the signed limits
+        # (systemd makes a missing parent slice anew, without any; round 6).
+        raise Refused(
+            "hold-exists", f"slice.remove: {name}: the hold {hold} still names it: remove the hold first"
+        )
     state = populated(call, name)
     if state is None:
         return {"name": name, "stopped": False, "populated": False, "absent": True}
