@@ -395,3 +395,11 @@ def test_round6_a_rejoin_that_keeps_the_node_id_keeps_the_generation_floor(
         assert as_node(h, access_doc(intent(worker, access_body("node-z", 1, empty=True))))["ok"] is True
     finally:
         h.stop()
+
+
+def test_round6_slice_remove_and_a_hold_write_share_a_lock() -> None:
+    """Row 6's two checks (a hold write sees its slice; slice.remove sees no hold) run under one lock, so
+    a node on two connections cannot stop the slice between a hold write's check and its write."""
+    from bcd_helper.ops.table import OPS
+
+    assert set(OPS["slice.remove"].locks) & set(OPS["file.write"].locks)
