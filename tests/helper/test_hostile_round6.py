@@ -403,3 +403,22 @@ def test_round6_slice_remove_and_a_hold_write_share_a_lock() -> None:
     from bcd_helper.ops.table import OPS
 
     assert set(OPS["slice.remove"].locks) & set(OPS["file.write"].locks)
+
+
+def test_round6_ch_ops_name_a_missing_data_dir(tmp_path: Path) -> None:
+    """Found by this round's fuzzing of every op's arguments: `ch.launch`, `ch.vfio`, `ch.unvfio` and
+    `ch.stop` failed as `internal` ("FileNotFoundError" and root's host path) when the node's data_dir
+    did not exist; now a refusal naming it."""
+    from helperproc import HelperProcess, base_config, make_root
+    from hostilekit import NODE_GID, NODE_UID, as_node, refused_as_node
+
+    h = HelperProcess(make_root(tmp_path), base_config(NODE_UID, NODE_GID))
+    try:
+        for op in ("ch.launch", "ch.vfio"):
+            answer = refused_as_node(h, {"op": op, "args": {"name": "vm1"}}, "bad-layout", "data_dir")
+            assert "FileNotFoundError" not in answer["message"]
+        for op in ("ch.unvfio", "ch.stop"):  # nothing to give back: answered, never internal
+            answer = as_node(h, {"op": op, "args": {"name": "vm1"}})
+            assert answer.get("reason") != "internal", answer
+    finally:
+        h.stop()
