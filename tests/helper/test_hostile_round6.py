@@ -327,15 +327,20 @@ def test_round6_a_signed_sliced_hold_never_runs_without_its_slice(
     spec = intent(cp.command.leaf(), _sliced_body(32))
     hold = cdi_doc("w3", _annotated("w3", GPU1, "bcd-alloc-w3.slice"), spec)
     signed_node.refused(hold, "slice-missing", "bcd-alloc-w3.slice")
+    env = env_doc("w3", "BCD_CGROUP_PARENT=bcd-alloc-w3.slice\n", spec)  # a workload manager reads it too
+    signed_node.refused(env, "slice-missing", "bcd-alloc-w3.slice")
     apply = {
         "op": "slice.apply",
         "args": {"name": "bcd-alloc-w3.slice", "memory_bytes": 1 << 30, "intent": spec},
     }
     signed_node.ok(apply)
     signed_node.ok(hold)
+    signed_node.ok(env)
     signed_node.refused(remove, "hold-exists", "bcd-w3.json")
     released = intent(cp.command.leaf(), _sliced_body_without_w3(33))
     signed_node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": "w3", "intent": released}})
+    signed_node.refused(remove, "hold-exists", "w3.env")
+    signed_node.ok({"op": "file.remove", "args": {"kind": "allocation-env", "id": "w3", "intent": released}})
     assert signed_node.ok(remove)["stopped"] is True
 
 

@@ -587,7 +587,7 @@ def _check_slice_started(call: Call, ident: str, assignment: Any) -> None:
     if populated(call, name) is None:
         raise Refused(
             "slice-missing",
-            f"cdi: allocation {ident} is a sliced hold: its slice {name} must be started with the signed "
+            f"allocation {ident} is a sliced hold: its slice {name} must be started with the signed "
             "limits (slice.apply) before the hold names it",
         )
 
@@ -688,6 +688,7 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                     vendor_env = (vendor.common_edits.get("env") or ()) if vendor is not None else ()
             else:
                 env = data.decode().splitlines()  # _check_env took it as UTF-8 lines
+                _check_slice_started(call, req.id, assignment)  # a workload manager reads its parent
             _check_signed_env(req.kind, req.id, env, assignment, vendor_env, lambda: _mig_names(call))
     if spec.host_check is not None:
         spec.host_check(call, req.id, decoded)
