@@ -1,8 +1,10 @@
 """Round 6 of the red team against the root helper (docs/helper.md, "Threat model, round 6"): the node's
 account, compromised, against the code no red team had seen (the MIG hold check, signed holds and env files,
-the access ops, the signed commands, the instances' ops). Each attack runs as a real unprivileged account
-(`useradd` + `setpriv`, realnode.RealNode) against a real `bcd helper serve` over a simulated host; each test
-failed on the code before its fix."""
+the access ops, the signed commands, the instances' ops). Each attack runs as a real unprivileged client (a
+`useradd` account through `setpriv`, realnode.RealNode, or a forked child dropped to the node's uid,
+hostilekit.as_node: SO_PEERCRED sees that uid) against a real `bcd helper serve` over a simulated host; each
+test failed on the code before its fix. The tests on `signed_node` share one helper and run in file order
+(the signed generations grow from test to test)."""
 
 from __future__ import annotations
 
