@@ -1,8 +1,10 @@
 """Round 6 of the red team against the root helper (docs/helper.md, "Threat model, round 6"): the node's
 account, compromised, against the code no red team had seen (the MIG hold check, signed holds and env files,
-the access ops, the signed commands, the instances' ops). Each attack runs as a real unprivileged account
-(`useradd` + `setpriv`, realnode.RealNode) against a real `bcd helper serve` over a simulated host; each test
-failed on the code before its fix."""
+the access ops, the signed commands, the instances' ops). Each attack runs as a real unprivileged client (a
+`useradd` account through `setpriv`, realnode.RealNode, or a forked child dropped to the node's uid,
+hostilekit.as_node: SO_PEERCRED sees that uid) against a real `bcd helper serve` over a simulated host; each
+test failed on the code before its fix. The tests on `signed_node` share one helper and run in file order
+(the signed generations grow from test to test)."""
 
 from __future__ import annotations
 
@@ -327,15 +329,20 @@ def test_round6_a_signed_sliced_hold_never_runs_without_its_slice(
     spec = intent(cp.command.leaf(), _sliced_body(32))
     hold = cdi_doc("w3", _annotated("w3", GPU1, "bcd-alloc-w3.slice"), spec)
     signed_node.refused(hold, "slice-missing", "bcd-alloc-w3.slice")
+    env = env_doc("w3", "BCD_CGROUP_PARENT=bcd-alloc-w3.slice\n", spec)  # a workload manager reads it too
+    signed_node.refused(env, "slice-missing", "bcd-alloc-w3.slice")
     apply = {
         "op": "slice.apply",
         "args": {"name": "bcd-alloc-w3.slice", "memory_bytes": 1 << 30, "intent": spec},
     }
     signed_node.ok(apply)
     signed_node.ok(hold)
+    signed_node.ok(env)
     signed_node.refused(remove, "hold-exists", "bcd-w3.json")
     released = intent(cp.command.leaf(), _sliced_body_without_w3(33))
     signed_node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": "w3", "intent": released}})
+    signed_node.refused(remove, "hold-exists", "w3.env")
+    signed_node.ok({"op": "file.remove", "args": {"kind": "allocation-env", "id": "w3", "intent": released}})
     assert signed_node.ok(remove)["stopped"] is True
 
 
@@ -393,5 +400,32 @@ def test_round6_a_rejoin_that_keeps_the_node_id_keeps_the_generation_floor(
         assert as_node(h, access_doc(intent(worker, access_body(NODE, 51, empty=True))))["ok"] is True
         cp.write_record(root, "node-z", cp.bundle(2))  # as another node: generations start over
         assert as_node(h, access_doc(intent(worker, access_body("node-z", 1, empty=True))))["ok"] is True
+    finally:
+        h.stop()
+
+
+def test_round6_slice_remove_and_a_hold_write_share_a_lock() -> None:
+    """Row 6's two checks (a hold write sees its slice; slice.remove sees no hold) run under one lock, so
+    a node on two connections cannot stop the slice between a hold write's check and its write."""
+    from bcd_helper.ops.table import OPS
+
+    assert set(OPS["slice.remove"].locks) & set(OPS["file.write"].locks)
+
+
+def test_round6_ch_ops_name_a_missing_data_dir(tmp_path: Path) -> None:
+    """Found by this round's fuzzing of every op's arguments: `ch.launch`, `ch.vfio`, `ch.unvfio` and
+    `ch.stop` failed as `internal` ("FileNotFoundError" and root's host path) when the node's data_dir
+    did not exist; now a refusal naming it."""
+    from helperproc import HelperProcess, base_config, make_root
+    from hostilekit import NODE_GID, NODE_UID, as_node, refused_as_node
+
+    h = HelperProcess(make_root(tmp_path), base_config(NODE_UID, NODE_GID))
+    try:
+        for op in ("ch.launch", "ch.vfio"):
+            answer = refused_as_node(h, {"op": op, "args": {"name": "vm1"}}, "bad-layout", "data_dir")
+            assert "FileNotFoundError" not in answer["message"]
+        for op in ("ch.unvfio", "ch.stop"):  # nothing to give back: answered, never internal
+            answer = as_node(h, {"op": op, "args": {"name": "vm1"}})
+            assert answer.get("reason") != "internal", answer
     finally:
         h.stop()

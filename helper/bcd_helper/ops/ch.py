@@ -240,7 +240,10 @@ _NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
 
 def _open_dir_chain(base: Path, parts: list[str], op: str) -> int:
     """Open `base/parts...` as directories without following a symlink at any step."""
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as exc:  # the node's data_dir missing: named, not an internal failure (round 6)
+        raise Refused("bad-layout", f"{op}: the node's data_dir: {exc.strerror}") from None
     try:
         for part in parts:
             nxt = os.open(part, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW, dir_fd=fd)

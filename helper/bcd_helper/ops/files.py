@@ -35,7 +35,12 @@ allocation's GPUs, or the MIG UUIDs root's nvidia-smi gives its MIG atoms), an e
 the assignment's signed `env` lines and a hold's the common env of root's vendor spec: no `LD_PRELOAD=`
 for a workload manager, no `NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused
 while the spec still lists the allocation (`hold-in-spec`): a node cannot pull a live hold's file and
-then reset its GPU. Without roots nothing is bound (HST-SIGN-33).
+then reset its GPU. Since round 6 (docs/helper.md): a MIG atom takes only its own MIG device's edits and
+UUID, never its parent GPU's; a hold carries each atom of its allocation once (`atoms-missing`) and none
+another allocation's hold file names (`atoms-held`); its annotations are the assignment's
+(`annotations-outside`); a sliced hold's files are written only once its slice is started
+(`slice-missing`). Without roots nothing is bound (HST-SIGN-33). Every hold's JSON is value-counted
+before it is decoded (MAX_HOLD_VALUES).
 
 There are no sshd kinds: the node never sends sshd text. Root renders the access section's files itself
 from the signed spec (access.apply, bcd_helper.ops.access; issue 9 item 1).
@@ -587,7 +592,7 @@ def _check_slice_started(call: Call, ident: str, assignment: Any) -> None:
     if populated(call, name) is None:
         raise Refused(
             "slice-missing",
-            f"cdi: allocation {ident} is a sliced hold: its slice {name} must be started with the signed "
+            f"allocation {ident} is a sliced hold: its slice {name} must be started with the signed "
             "limits (slice.apply) before the hold names it",
         )
 
@@ -688,6 +693,7 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                     vendor_env = (vendor.common_edits.get("env") or ()) if vendor is not None else ()
             else:
                 env = data.decode().splitlines()  # _check_env took it as UTF-8 lines
+                _check_slice_started(call, req.id, assignment)  # a workload manager reads its parent
             _check_signed_env(req.kind, req.id, env, assignment, vendor_env, lambda: _mig_names(call))
     if spec.host_check is not None:
         spec.host_check(call, req.id, decoded)

@@ -285,14 +285,17 @@ def populated(call: Call, name: str) -> bool | None:
 
 def slice_remove(call: Call, req: SliceRemove) -> dict[str, Any]:
     name = check_slice_name(req.name)
-    hold = f"/etc/cdi/bcd-{name[len('bcd-alloc-') : -len('.slice')]}.json"
-    if not no_roots_possible(call.ctx, None) and call.system.exists(hold):
-        # With roots a hold the signed spec lists cannot be removed (hold-in-spec), and while it exists it
-        # names this slice: stopping it would let the next job under it run without the signed limits
+    ident = name[len("bcd-alloc-") : -len(".slice")]
+    if not no_roots_possible(call.ctx, None):
+        # With roots a hold the signed spec lists cannot be removed (hold-in-spec), and while its files exist
+        # they name this slice: stopping it would let the next job under it run without the signed limits
         # (systemd makes a missing parent slice anew, without any; round 6).
-        raise Refused(
-            "hold-exists", f"slice.remove: {name}: the hold {hold} still names it: remove the hold first"
-        )
+        for hold in (f"/etc/cdi/bcd-{ident}.json", f"/run/bcd/allocations/{ident}.env"):
+            if call.system.exists(hold):
+                raise Refused(
+                    "hold-exists",
+                    f"slice.remove: {name}: the hold {hold} still names it: remove the hold first",
+                )
     state = populated(call, name)
     if state is None:
         return {"name": name, "stopped": False, "populated": False, "absent": True}

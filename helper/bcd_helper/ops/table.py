@@ -120,7 +120,8 @@ OPS: dict[str, OpSpec] = {
         "SliceRemove",
         "slice_remove",
         2 * MINUTE,
-        locks=("slices",),
+        # gpus too: its hold-file check and a hold write's slice check (file.write, gpus) never interleave
+        locks=("gpus", "slices"),
         shown=("name",),
         summary="stop a hold slice once root sees it empty",
     ),
