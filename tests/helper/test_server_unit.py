@@ -930,6 +930,9 @@ def test_args_sha256_is_the_digest_of_each_frame_body_exactly_as_received(
     assert [e["args_sha256"] for e in lines[:2]] == sent
     assert lines[0]["args_sha256"] != hashlib.sha256(canonical(json.loads(first))).hexdigest()
     assert lines[2]["args_sha256"] == hashlib.sha256(canonical({"op": "(frame)", "args": None})).hexdigest()
+    node_conn.body = first
+    node_conn.release()  # as after each answer: the frame's bytes are let go with it, not kept while idle
+    assert node_conn.body is None
 
 
 def test_a_frame_refused_after_its_body_was_read_pins_those_bytes(
