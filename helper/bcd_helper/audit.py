@@ -3,7 +3,9 @@
 Rules (issue 4 item 6, issue 9 items 5 and 6; docs/helper.md "Audit log"):
 - one line per request: `seq`, `time` (UTC, RFC 3339 with microseconds), `peer_pid`, `peer_uid`,
   `op`, `args` (the security-relevant arguments, as sent, each bounded by the server), `args_sha256`
-  (SHA-256 of the whole request's canonical JSON, so what is not shown is still pinned), `decision`
+  (SHA-256 of the request frame's body exactly as received, so what is not shown is still pinned; of the
+  canonical JSON of {"op", "args"} for a line with no body read whole, and of the canonical `args` for
+  the helper's own lines), `decision`
   (`accepted` | `refused` | `failed` | `anchor` | `repaired`), `reason`, `message`, `duration_ms`, `prev`: the
   SHA-256 (hex) of the previous line's bytes without its newline (the first line ever has 64 zeros),
   and `mac`: HMAC-SHA256 of the line without `mac` under the sealing key of its seq;

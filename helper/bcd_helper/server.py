@@ -28,7 +28,8 @@
   refusal is counted and the count audited by the flusher thread) and closed.
 - Audit lines are bounded (issue 9 item 5): a shown argument whose JSON is longer than MAX_SHOWN
   bytes, integers beyond 64 bits included, is recorded as its size and SHA-256 (args_sha256 pins the
-  whole request anyway), and messages are cut to MAX_TEXT characters and MAX_TEXT_BYTES of JSON.
+  whole request anyway: the SHA-256 of the frame's body exactly as received, never re-encoded), and
+  messages are cut to MAX_TEXT characters and MAX_TEXT_BYTES of JSON.
   Refusals of a non-root peer are rate-limited per uid (a bucket of REFUSAL_BURST, refilled at
   REFUSAL_RATE a second): past it a refusal is still answered, and counted; the counts are audited as
   one `(suppressed)` line per peer (args: count and reasons) at most every FLUSH_S. While the audit
@@ -296,6 +297,10 @@ class Connection:
         self.frame_deadline: float | None = None  # set while a frame is partly read
         self._worker: _Worker | None = None
         self._timeout: float | None = None  # the socket's timeout as last set here (settimeout is a syscall)
+        # The body of the frame being served, as received, until its answer is sent: its audit lines'
+        # args_sha256 is its SHA-256 (signed bytes are never re-encoded: what is hashed is what came),
+        # worked out where the line is written. None when no body has been read whole.
+        self.body: bytes | bytearray | None = None
 
     def worker(self) -> _Worker:
         if self._worker is None:
@@ -366,6 +371,7 @@ class Connection:
     def read_request(self) -> Any:
         """The next decoded JSON document, or EOF at a clean end of stream. The frame's budget stays
         reserved (self.reserved) until `release`."""
+        self.body = None
         if not self._fill_head():
             return EOF
         if self.frame_deadline is None:
@@ -392,9 +398,11 @@ class Connection:
             got += k
         del view
         self.frame_deadline = None
+        self.body = body
         return decode_body(body)
 
     def release(self) -> None:
+        self.body = None
         if self.reserved:
             self.guards.budget.release(self.reserved)
             self.reserved = 0
@@ -452,10 +460,13 @@ class Connection:
         shown: dict[str, Any] = {}
         if isinstance(args, dict) and spec is not None:
             shown = {k: _bounded(args[k]) for k in spec.shown if k in args}
-        try:
-            digest = hashlib.sha256(canonical({"op": op, "args": args})).hexdigest()
-        except ValueError:  # an integer past Python's 4300 digits cannot be printed
-            digest = "0" * 64
+        if self.body is not None:
+            digest = hashlib.sha256(self.body).hexdigest()
+        else:  # no frame body (a refused connection, a frame refused before its body was read whole)
+            try:
+                digest = hashlib.sha256(canonical({"op": op, "args": args})).hexdigest()
+            except ValueError:  # an integer past Python's 4300 digits cannot be printed
+                digest = "0" * 64
         self.ctx.audit.record(
             peer_pid=self.peer.pid,
             peer_uid=self.peer.uid,

@@ -907,6 +907,67 @@ def test_the_loop_refuses_a_broken_frame_and_closes(
     assert node_conn.requests == 1 and guards.budget.used == 0
 
 
+def test_args_sha256_is_the_digest_of_each_frame_body_exactly_as_received(
+    ctx: HelperContext, pair: tuple[socket.socket, socket.socket], node_conn: Connection
+) -> None:
+    """Signed bytes are never re-encoded: a request's line pins the bytes that came (spaces, key order and
+    escapes as sent), not a canonical re-encoding of what they decode to; a frame refused before its body
+    was read (too large) has no bytes to pin, and its line never carries the last body's digest: it pins
+    the canonical {"op", "args"} it records."""
+    import hashlib
+
+    a = pair[0]
+    first = b'{ "args" : {}, "op" : "helper.ping" }'
+    second = b'{"op":"helper.p\\u0069ng","args":{}}'
+    for body in (first, second):
+        a.sendall(struct.pack(">I", len(body)) + body)
+    a.sendall(struct.pack(">I", MAX_FRAME + 1))
+    node_conn.serve()
+    assert [read_frame(a)["ok"] for _ in range(3)] == [True, True, False]
+    lines = audit_lines(ctx)[-3:]
+    assert [e["op"] for e in lines] == ["helper.ping", "helper.ping", "(frame)"]
+    sent = [hashlib.sha256(b).hexdigest() for b in (first, second)]
+    assert [e["args_sha256"] for e in lines[:2]] == sent
+    assert lines[0]["args_sha256"] != hashlib.sha256(canonical(json.loads(first))).hexdigest()
+    assert lines[2]["args_sha256"] == hashlib.sha256(canonical({"op": "(frame)", "args": None})).hexdigest()
+    node_conn.body = first
+    node_conn.release()  # as after each answer: the frame's bytes are let go with it, not kept while idle
+    assert node_conn.body is None
+
+
+def test_a_frame_refused_after_its_body_was_read_pins_those_bytes(
+    ctx: HelperContext, pair: tuple[socket.socket, socket.socket], node_conn: Connection
+) -> None:
+    """A body that is not one JSON document is refused as a frame; its line pins the bytes received."""
+    import hashlib
+
+    a = pair[0]
+    broken = b'{"op":'
+    a.sendall(struct.pack(">I", len(broken)) + broken)
+    node_conn.serve()
+    assert read_frame(a)["reason"] == "protocol"
+    e = last(ctx)
+    assert (e["op"], e["args_sha256"]) == ("(frame)", hashlib.sha256(broken).hexdigest())
+
+
+def test_a_line_without_a_frame_body_pins_the_canonical_request(
+    ctx: HelperContext, pair: tuple[socket.socket, socket.socket], node_conn: Connection, budget_spent: None
+) -> None:
+    """A frame refused busy before its body was read pins the canonical {"op", "args"} it records, as for a
+    refused connection."""
+    import hashlib
+
+    a = pair[0]
+    a.sendall(encode_frame({"op": "helper.ping", "args": {}}))
+    node_conn.serve()
+    assert read_frame(a)["reason"] == "busy"
+    e = last(ctx)
+    assert (e["op"], e["args_sha256"]) == (
+        "(frame)",
+        hashlib.sha256(canonical({"op": "(frame)", "args": None})).hexdigest(),
+    )
+
+
 def test_the_loop_answers_busy_when_the_budget_is_spent(
     ctx: HelperContext,
     pair: tuple[socket.socket, socket.socket],
