@@ -672,10 +672,17 @@ def test_a_hold_of_a_gpu_another_allocations_env_file_names_waits_for_it(
     not), and then a2's hold is written."""
     first = signed(worker, body(2, {"a1": [GPU1]}))
     file_write(call(ctx), env_naming("a1", GPU1, first))
-    moved = signed(worker, body(3, {"a2": [GPU1], "a3": [GPU2]}))
+    slots = [f"{GPU1}/s1", f"{GPU1}/s2"]
+    moved = signed(worker, body(3, {"a2": [GPU1], "a3": [GPU2], "a5": slots}))
     assert refused(ctx, cdi_write("a2", hold("a2", [(GPU1, None)]), moved)) == (
         "atoms-held",
         f"cdi: {GPU1} of allocation a2 is still named by allocation a1's env file "
+        "(/run/bcd/allocations/a1.env): it goes first",
+    )
+    # Without its hold, a1's env file hands the whole GPU: a slot of it waits too.
+    assert refused(ctx, cdi_write("a5", hold("a5", [(a, None) for a in slots]), moved)) == (
+        "atoms-held",
+        f"cdi: {GPU1}/s1, {GPU1}/s2 of allocation a5 is still named by allocation a1's env file "
         "(/run/bcd/allocations/a1.env): it goes first",
     )
     assert not (ctx.root / "etc/cdi/bcd-a2.json").exists()
@@ -719,3 +726,35 @@ def test_an_env_files_mig_uuid_holds_its_mig_device_and_whole_gpu_only(
         "allocation-env: /run/bcd/allocations/a1.env of allocation a1 cannot be read: it may name any GPU",
     )
     other.audit.close()
+
+
+def test_a_hold_of_an_atom_another_hold_file_names_waits_for_it(ctx: HelperContext, worker: Signer) -> None:
+    """Round 6, row 7, the CDI side, in process: a hold naming an atom another allocation's hold file
+    names (the same atom, or a whole GPU and any atom of it) is `atoms-held` naming that hold; slots of
+    one GPU are different allocations'; the allocation's own hold is not another's; a hold file root
+    cannot parse holds every atom."""
+    s1, s2 = f"{GPU1}/s1", f"{GPU1}/s2"
+    spec = signed(worker, body(2, {"a1": [s1], "a2": [s2], "a3": [GPU1], "a4": [GPU2]}))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(s1, None)]), spec))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(s1, None)]), spec))  # its own hold again
+    visible = FileWrite(
+        "allocation-env", "a1", f"BCD_ALLOCATION_ID=a1\nNVIDIA_VISIBLE_DEVICES={GPU1}\n", intent=spec
+    )
+    file_write(call(ctx), visible)  # a slot's env file names its GPU: with its hold, that slot only
+    file_write(call(ctx), cdi_write("a2", hold("a2", [(s2, None)]), spec))  # another slot of the GPU
+    assert refused(ctx, cdi_write("a3", hold("a3", [(GPU1, None)]), spec)) == (
+        "atoms-held",
+        f"cdi: {GPU1} of allocation a3 is still held by a1 (/etc/cdi/bcd-a1.json): its hold goes first",
+    )
+    (ctx.root / "etc/cdi/bcd-a0.json").write_text("{}")
+    assert refused(ctx, cdi_write("a4", hold("a4", [(GPU2, None)]), spec)) == (
+        "atoms-held",
+        "cdi: the hold /etc/cdi/bcd-a0.json cannot be read: it may hold any atom",
+    )
+    (ctx.root / "etc/cdi/bcd-a0.json").write_text(hold("a9", [(GPU2, None)]))  # another allocation's id
+    assert refused(ctx, cdi_write("a4", hold("a4", [(GPU2, None)]), spec)) == (
+        "atoms-held",
+        "cdi: the hold /etc/cdi/bcd-a0.json cannot be read: it may hold any atom",
+    )
+    (ctx.root / "etc/cdi/bcd-a0.json").unlink()
+    file_write(call(ctx), cdi_write("a4", hold("a4", [(GPU2, None)]), spec))

@@ -491,6 +491,8 @@ def test_round6_env_atoms_reads_an_env_file_as_the_cdi_rule_reads_a_hold() -> No
     assert named(GPU1, (f"{GPU2}/s1",)) == {GPU1}
     assert named("MIG-1") == {mig}
     assert named("void") == set() and named("none") == set() and named("") == set()
+    assert named(f"void,{GPU2}") == {GPU2}
+    assert named(f"{GPU2}=x") == {f"{GPU2}=x"}  # the first `=` ends the key
     for value in ("all", "0", "MIG-2", f"{GPU1},all"):
         assert named(value) is None, value
     assert _env_atoms(b"BCD_ALLOCATION_ID=other\n", "o", (), dict) is None
