@@ -672,7 +672,7 @@ def test_a_hold_of_a_gpu_another_allocations_env_file_names_waits_for_it(
     not), and then a2's hold is written."""
     first = signed(worker, body(2, {"a1": [GPU1]}))
     file_write(call(ctx), env_naming("a1", GPU1, first))
-    slots = [f"{GPU1}/s1", f"{GPU1}/s2"]
+    slots = [f"{GPU1}/s{i}" for i in range(1, 9)]  # their names, joined, pass the message's 300 characters
     moved = signed(worker, body(3, {"a2": [GPU1], "a3": [GPU2], "a5": slots}))
     assert refused(ctx, cdi_write("a2", hold("a2", [(GPU1, None)]), moved)) == (
         "atoms-held",
@@ -682,7 +682,7 @@ def test_a_hold_of_a_gpu_another_allocations_env_file_names_waits_for_it(
     # Without its hold, a1's env file hands the whole GPU: a slot of it waits too.
     assert refused(ctx, cdi_write("a5", hold("a5", [(a, None) for a in slots]), moved)) == (
         "atoms-held",
-        f"cdi: {GPU1}/s1, {GPU1}/s2 of allocation a5 is still named by allocation a1's env file "
+        f"cdi: {', '.join(slots)[:300]} of allocation a5 is still named by allocation a1's env file "
         "(/run/bcd/allocations/a1.env): it goes first",
     )
     assert not (ctx.root / "etc/cdi/bcd-a2.json").exists()
@@ -734,7 +734,8 @@ def test_a_hold_of_an_atom_another_hold_file_names_waits_for_it(ctx: HelperConte
     one GPU are different allocations'; the allocation's own hold is not another's; a hold file root
     cannot parse holds every atom."""
     s1, s2 = f"{GPU1}/s1", f"{GPU1}/s2"
-    spec = signed(worker, body(2, {"a1": [s1], "a2": [s2], "a3": [GPU1], "a4": [GPU2]}))
+    slots = [f"{GPU2}/s{i}" for i in range(1, 9)]  # their names, joined, pass the message's 300 characters
+    spec = signed(worker, body(2, {"a1": [s1], "a2": [s2], "a3": [GPU1], "a4": [GPU2], "a7": slots}))
     file_write(call(ctx), cdi_write("a1", hold("a1", [(s1, None)]), spec))
     file_write(call(ctx), cdi_write("a1", hold("a1", [(s1, None)]), spec))  # its own hold again
     visible = FileWrite(
@@ -757,4 +758,13 @@ def test_a_hold_of_an_atom_another_hold_file_names_waits_for_it(ctx: HelperConte
         "cdi: the hold /etc/cdi/bcd-a0.json cannot be read: it may hold any atom",
     )
     (ctx.root / "etc/cdi/bcd-a0.json").unlink()
-    file_write(call(ctx), cdi_write("a4", hold("a4", [(GPU2, None)]), spec))
+    a4 = cdi_write("a4", hold("a4", [(GPU2, None)]), spec)
+    file_write(call(ctx), a4)
+    assert refused(ctx, cdi_write("a7", hold("a7", [(a, None) for a in slots]), spec)) == (
+        "atoms-held",
+        f"cdi: {', '.join(slots)[:300]} of allocation a7 is still held by a4 (/etc/cdi/bcd-a4.json): "
+        "its hold goes first",
+    )
+    # Its own hold is skipped, not the end of the look: a9's, after it, still counts.
+    (ctx.root / "etc/cdi/bcd-a9.json").write_text(hold("a9", [(GPU2, None)]))
+    assert refused(ctx, a4)[1].endswith("is still held by a9 (/etc/cdi/bcd-a9.json): its hold goes first")
