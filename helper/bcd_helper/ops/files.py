@@ -35,9 +35,10 @@ allocation's GPUs, or the MIG UUIDs root's nvidia-smi gives its MIG atoms), an e
 the assignment's signed `env` lines and a hold's the common env of root's vendor spec: no `LD_PRELOAD=`
 for a workload manager, no `NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused
 while the spec still lists the allocation (`hold-in-spec`): a node cannot pull a live hold's file and
-then reset its GPU. Since round 6 (docs/helper.md): a MIG atom takes only its own MIG device's edits and
+then reset its GPU (an env file whose allocation has no CDI hold file excepted: nothing the busy check
+reads goes with it). Since round 6 (docs/helper.md): a MIG atom takes only its own MIG device's edits and
 UUID, never its parent GPU's; a hold carries each atom of its allocation once (`atoms-missing`) and none
-another allocation's hold file names (`atoms-held`); its annotations are the assignment's
+another allocation's hold file or env file names (`atoms-held`); its annotations are the assignment's
 (`annotations-outside`); a sliced hold's files are written only once its slice is started
 (`slice-missing`). Without roots nothing is bound (HST-SIGN-33). Every hold's JSON is value-counted
 before it is decoded (MAX_HOLD_VALUES).
