@@ -466,6 +466,18 @@ def test_an_orphan_env_file_naming_an_unknown_device_or_unreadable_holds_every_b
         ("bind:a", ["release-env:m", "release-env:u"]),
         ("bind:b", ["release-env:u"]),
     ]
+    host1 = PlanHost(inventory())
+    host1.envs["e"] = ("BCD_ALLOCATION_ID=e", "NVIDIA_VISIBLE_DEVICES=")  # names no GPU
+    host1.envs["f"] = ("BCD_ALLOCATION_ID=f", f"NVIDIA_VISIBLE_DEVICES={B},{C}")
+    host1.envs["g"] = ("BCD_ALLOCATION_ID=g", f"NVIDIA_VISIBLE_DEVICES={B}=x")  # no GPU's name: any
+    actions = settled(host1, spec(1, asg("a", A), asg("c", C)))
+    assert [(a.key, sorted(a.after)) for a in actions][:5] == [
+        ("release-env:e", []),
+        ("release-env:f", []),
+        ("release-env:g", []),
+        ("bind:a", ["release-env:g"]),
+        ("bind:c", ["release-env:f", "release-env:g"]),
+    ]
     host2 = PlanHost(inventory())
     host2.envs["n"] = None  # observed as unreadable
     actions = settled(host2, spec(1, asg("c", C)))
