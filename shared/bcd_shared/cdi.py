@@ -120,6 +120,19 @@ def hold_spec_files(system: System) -> Iterator[tuple[str, str, bytes]]:
             yield alloc, path, data
 
 
+def env_files(system: System) -> Iterator[tuple[str, str, bytes]]:
+    """(allocation id, path, bytes) of every `<id>.env` in ENV_DIR, read now through `system`, as
+    `hold_spec_files` reads CDI_DIR: other names and a file that vanished are skipped."""
+    for name in system.listdir(ENV_DIR):
+        alloc = name[: -len(".env")] if name.endswith(".env") else ""
+        if not ALLOCATION_ID_RE.fullmatch(alloc):
+            continue
+        path = f"{ENV_DIR}/{name}"
+        data = system.read_bytes(path)
+        if data is not None:
+            yield alloc, path, data
+
+
 def device_name(atom_id: str) -> str:
     """An atom's CDI device name: its id with every `/` as `_` (CDI names allow no `/`)."""
     return atom_id.replace("/", "_")

@@ -51,7 +51,8 @@ class PlanHost:
     inventory: GpuInventory
     specs: dict[str, Mapping[str, Any]] = field(factory=dict)  # /etc/cdi/bcd-<id>.json, decoded
     unparseable: list[str] = field(factory=list)  # bcd-<id>.json files that do not parse
-    envs: dict[str, tuple[str, ...]] = field(factory=dict)  # /run/bcd/allocations/<id>.env
+    # /run/bcd/allocations/<id>.env; None: one that does not parse
+    envs: dict[str, tuple[str, ...] | None] = field(factory=dict)
     slices: dict[str, SliceState] = field(factory=dict)
     releases: tuple[PendingRelease, ...] = ()
     releases_unreadable: bool = False
@@ -76,6 +77,11 @@ class PlanHost:
             releases_unreadable=self.releases_unreadable,
             marker=self.marker,
             ledger=self.ledger,
+            orphan_envs={
+                alloc: lines
+                for alloc, lines in self.envs.items()
+                if alloc not in self.specs and alloc not in self.unparseable
+            },
             **self.facts,
         )
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from bcd_shared import cdi
@@ -135,3 +136,32 @@ def test_DEV_CDI_04_version_and_DEV_CDI_19_void_dropped_and_read_back() -> None:
     )
     with pytest.raises(cdi.CdiError):
         cdi.encode_env_file(["FOO=bar\nEVIL=1"])
+
+
+def test_orphan_env_files_are_those_without_a_cdi_spec_file(tmp_path: Path) -> None:
+    """observe.read_orphan_envs (through cdi.env_files): the env files under /run/bcd/allocations whose
+    allocation has no bcd-<id>.json, parsed or not, with their lines; one that does not parse is None;
+    names that are no allocation's `<id>.env` are skipped."""
+    from bcd_agent.sections.devices.observe import read_orphan_envs
+    from bcd_shared.system import LocalSystem
+
+    root = tmp_path
+    d = root / "run/bcd/allocations"
+    d.mkdir(parents=True)
+    (d / "a.env").write_text("BCD_ALLOCATION_ID=a\n")
+    (d / "b.env").write_text("BCD_ALLOCATION_ID=b\nNVIDIA_VISIBLE_DEVICES=GPU-1\n")
+    (d / "c.env").write_text("BCD_ALLOCATION_ID=x\n")
+    (d / "bad-name.env").write_text("BCD_ALLOCATION_ID=bad-name\n")
+    (d / "d.txt").write_text("BCD_ALLOCATION_ID=d\n")
+    (d / ".env").write_text("\n")
+    system = LocalSystem(root=root)
+    assert read_orphan_envs(system, {"a"}) == {
+        "b": ("BCD_ALLOCATION_ID=b", "NVIDIA_VISIBLE_DEVICES=GPU-1"),
+        "c": None,
+    }
+    assert [(a, p) for a, p, _ in cdi.env_files(system)] == [
+        ("a", "/run/bcd/allocations/a.env"),
+        ("b", "/run/bcd/allocations/b.env"),
+        ("c", "/run/bcd/allocations/c.env"),
+    ]
+    assert read_orphan_envs(LocalSystem(root=root / "none"), set()) == {}

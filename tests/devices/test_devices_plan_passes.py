@@ -413,6 +413,80 @@ def test_Q_DEV_PASS_01_a_kubernetes_hold_whose_binding_changes_is_released_and_b
     assert host.releases == ()
 
 
+def test_an_orphan_env_file_left_by_a_crash_goes_before_the_gpu_is_bound_again() -> None:
+    """A crash between a release's two removals leaves the env file without its CDI spec (it names the
+    released GPU for NVIDIA's legacy hook, and root refuses another hold of that GPU while it is there:
+    docs/helper.md round 6, row 7). The next pass removes it before any bind, the bind of its GPU waits
+    for that removal (`after`), and the pass after plans nothing."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A), asg("c", C)))
+    s2 = spec(2, asg("b", A), asg("c", C))
+    crashed = host.plan(s2)
+    assert crashed.actions[0].steps[0] == RemoveSpec("a")
+    host.apply(crashed.actions[0].steps[0])  # the crash: the spec removed, the env file left
+    assert "a" not in host.specs and "a" in host.envs and host.plan(s2).holders.get("a") is None
+    actions = settled(host, s2)
+    assert [(a.key, a.kind, sorted(a.after)) for a in actions][:2] == [
+        ("release-env:a", "release", []),
+        ("bind:b", "bind", ["release-env:a"]),
+    ]
+    assert actions[0].steps == (RemoveEnv("a"),)
+    assert sorted(host.envs) == ["b", "c"] and sorted(host.specs) == ["b", "c"]
+    # A bind of another GPU does not wait for it.
+    host.envs["z"] = ("BCD_ALLOCATION_ID=z", "NVIDIA_VISIBLE_DEVICES=" + B)
+    actions = settled(host, spec(3, asg("b", A), asg("c", C), asg("d", D)))
+    assert [(a.key, sorted(a.after)) for a in actions][:2] == [("release-env:z", []), ("bind:d", [])]
+
+
+def test_an_orphan_env_file_of_an_allocation_bound_in_the_pass_is_rewritten_not_removed() -> None:
+    """An env file without a CDI spec whose allocation this pass binds is left to the bind, which writes
+    it after the spec; one whose allocation is wanted but not bound (its checks failed) is removed: an
+    env file is never without its hold after a pass."""
+    host = PlanHost(inventory())
+    host.envs["a"] = ("BCD_ALLOCATION_ID=a", "NVIDIA_VISIBLE_DEVICES=" + B)
+    host.envs["x"] = ("BCD_ALLOCATION_ID=x", "NVIDIA_VISIBLE_DEVICES=" + C)
+    actions = settled(host, spec(1, asg("a", A), asg("x", "GPU-0000")))
+    assert [a.key for a in actions] == ["release-env:x", "bind:a", "failures", "ledger"]
+    assert host.envs == {"a": host.envs["a"]} and host.envs["a"][-1] == "NVIDIA_VISIBLE_DEVICES=" + A
+
+
+def test_an_orphan_env_file_naming_an_unknown_device_or_unreadable_holds_every_bind_back() -> None:
+    """An orphan env file root or the node cannot read, or one naming a device the inventory does not
+    list, may name any GPU: every bind of the pass waits for its removal. A MIG device's UUID names
+    its parent GPU."""
+    host = PlanHost(inventory())
+    p = host.plan(spec(1, asg("b", B), asg("c", C)))
+    assert all(not a.after for a in p.actions)
+    host.envs["u"] = ("BCD_ALLOCATION_ID=u", "NVIDIA_VISIBLE_DEVICES=GPU-gone")
+    host.envs["m"] = ("BCD_ALLOCATION_ID=m", f"NVIDIA_VISIBLE_DEVICES={MIG_A}")
+    actions = settled(host, spec(1, asg("a", A), asg("b", B)))
+    assert [(a.key, sorted(a.after)) for a in actions][:4] == [
+        ("release-env:m", []),
+        ("release-env:u", []),
+        ("bind:a", ["release-env:m", "release-env:u"]),
+        ("bind:b", ["release-env:u"]),
+    ]
+    host1 = PlanHost(inventory())
+    host1.envs["e"] = ("BCD_ALLOCATION_ID=e", "NVIDIA_VISIBLE_DEVICES=")  # names no GPU
+    host1.envs["f"] = ("BCD_ALLOCATION_ID=f", f"NVIDIA_VISIBLE_DEVICES={B},{C}")
+    host1.envs["g"] = ("BCD_ALLOCATION_ID=g", f"NVIDIA_VISIBLE_DEVICES={B}=x")  # no GPU's name: any
+    actions = settled(host1, spec(1, asg("a", A), asg("c", C)))
+    assert [(a.key, sorted(a.after)) for a in actions][:5] == [
+        ("release-env:e", []),
+        ("release-env:f", []),
+        ("release-env:g", []),
+        ("bind:a", ["release-env:g"]),
+        ("bind:c", ["release-env:f", "release-env:g"]),
+    ]
+    host2 = PlanHost(inventory())
+    host2.envs["n"] = None  # observed as unreadable
+    actions = settled(host2, spec(1, asg("c", C)))
+    assert [(a.key, sorted(a.after)) for a in actions][:2] == [
+        ("release-env:n", []),
+        ("bind:c", ["release-env:n"]),
+    ]
+
+
 def test_Q_DEV_PASS_02_an_unparseable_spec_is_removed_unless_wanted() -> None:
     """Covers Q-DEV-PASS-02 (docs/devices.md): a bcd-<id>.json that does not parse is removed with a
     warning when its allocation is not wanted, and left alone while it is."""

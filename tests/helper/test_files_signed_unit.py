@@ -651,3 +651,120 @@ def test_a_vendor_spec_is_read_up_to_16_mib(ctx: HelperContext, worker: Signer) 
         "root-only",
         f"/etc/cdi/nvidia.json is larger than {16 * 1024 * 1024} bytes",
     )
+
+
+# --- round 6, row 7: an env file left without its hold --------------------------------------------------
+
+
+def env_naming(ident: str, visible: str, spec: SignedSpec) -> FileWrite:
+    return FileWrite(
+        "allocation-env", ident, f"BCD_ALLOCATION_ID={ident}\nNVIDIA_VISIBLE_DEVICES={visible}\n", intent=spec
+    )
+
+
+def test_a_hold_of_a_gpu_another_allocations_env_file_names_waits_for_it(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    """Round 6, row 7 (docs/helper.md): the spec moved GPU1 from a1 to a2, and a1's env file stays without
+    its hold (NVIDIA_VISIBLE_DEVICES names GPU1 for the legacy runtime hook): a2's hold of GPU1 is
+    `atoms-held` naming a1's env file, a hold of another GPU is not; an env file root cannot parse holds
+    every atom. An env file without its hold goes while the spec lists its allocation (a hold's own does
+    not), and then a2's hold is written."""
+    first = signed(worker, body(2, {"a1": [GPU1]}))
+    file_write(call(ctx), env_naming("a1", GPU1, first))
+    slots = [f"{GPU1}/s{i}" for i in range(1, 9)]  # their names, joined, pass the message's 300 characters
+    moved = signed(worker, body(3, {"a2": [GPU1], "a3": [GPU2], "a5": slots}))
+    assert refused(ctx, cdi_write("a2", hold("a2", [(GPU1, None)]), moved)) == (
+        "atoms-held",
+        f"cdi: {GPU1} of allocation a2 is still named by allocation a1's env file "
+        "(/run/bcd/allocations/a1.env): it goes first",
+    )
+    # Without its hold, a1's env file hands the whole GPU: a slot of it waits too.
+    assert refused(ctx, cdi_write("a5", hold("a5", [(a, None) for a in slots]), moved)) == (
+        "atoms-held",
+        f"cdi: {', '.join(slots)[:300]} of allocation a5 is still named by allocation a1's env file "
+        "(/run/bcd/allocations/a1.env): it goes first",
+    )
+    assert not (ctx.root / "etc/cdi/bcd-a2.json").exists()
+    a3 = cdi_write("a3", hold("a3", [(GPU2, None)]), moved)
+    file_write(call(ctx), a3)  # another GPU
+    file_write(call(ctx), env_naming("a3", GPU2, moved))
+    file_write(call(ctx), a3)  # its own env file is not another's
+    (ctx.root / "run/bcd/allocations/zz.env").write_bytes(b"NOT=an env file of zz\n")
+    assert refused(ctx, a3) == (
+        "atoms-held",
+        "allocation-env: /run/bcd/allocations/zz.env of allocation zz cannot be read: it may name any GPU",
+    )
+    (ctx.root / "run/bcd/allocations/zz.env").unlink()
+    back = signed(worker, body(4, {"a1": [GPU1], "a2": [GPU1], "a3": [GPU2]}))
+    assert refused(ctx, FileRemove("allocation-env", "a3", back))[0] == "hold-in-spec"  # beside its hold
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a1", back)) == {
+        "path": "/run/bcd/allocations/a1.env",
+        "removed": True,
+    }
+    assert generation(ctx.root) == 4
+    file_write(call(ctx), cdi_write("a2", hold("a2", [(GPU1, None)]), back))
+
+
+def test_an_env_files_mig_uuid_holds_its_mig_device_and_whole_gpu_only(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    """A MIG UUID in another allocation's env file names its MIG device (root's `-L` and `-q -x`): a hold
+    of that GPU whole waits for it, a hold of the GPU's other MIG device does not. One root's nvidia-smi
+    cannot place holds every atom."""
+    ctx = signed_ctx(root, cp, real_smi())
+    file_write(call(ctx), env_naming("a1", RMIG0_UUID, signed(worker, body(2, {"a1": [RMIG0]}))))
+    spec = signed(worker, body(3, {"a2": [RGPU], "a3": [RMIG1]}))
+    assert refused(ctx, cdi_write("a2", hold("a2", [(RGPU, None)]), spec))[1].startswith(
+        f"cdi: {RGPU} of allocation a2 is still named by allocation a1's env file"
+    )
+    file_write(call(ctx), cdi_write("a3", hold("a3", [(RMIG1, None)]), spec))
+    ctx.audit.close()
+    other = signed_ctx(root, cp, real_smi(l_rc=1))
+    assert refused(other, cdi_write("a3", hold("a3", [(RMIG1, None)]), spec)) == (
+        "atoms-held",
+        "allocation-env: /run/bcd/allocations/a1.env of allocation a1 cannot be read: it may name any GPU",
+    )
+    other.audit.close()
+
+
+def test_a_hold_of_an_atom_another_hold_file_names_waits_for_it(ctx: HelperContext, worker: Signer) -> None:
+    """Round 6, row 7, the CDI side, in process: a hold naming an atom another allocation's hold file
+    names (the same atom, or a whole GPU and any atom of it) is `atoms-held` naming that hold; slots of
+    one GPU are different allocations'; the allocation's own hold is not another's; a hold file root
+    cannot parse holds every atom."""
+    s1, s2 = f"{GPU1}/s1", f"{GPU1}/s2"
+    slots = [f"{GPU2}/s{i}" for i in range(1, 9)]  # their names, joined, pass the message's 300 characters
+    spec = signed(worker, body(2, {"a1": [s1], "a2": [s2], "a3": [GPU1], "a4": [GPU2], "a7": slots}))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(s1, None)]), spec))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(s1, None)]), spec))  # its own hold again
+    visible = FileWrite(
+        "allocation-env", "a1", f"BCD_ALLOCATION_ID=a1\nNVIDIA_VISIBLE_DEVICES={GPU1}\n", intent=spec
+    )
+    file_write(call(ctx), visible)  # a slot's env file names its GPU: with its hold, that slot only
+    file_write(call(ctx), cdi_write("a2", hold("a2", [(s2, None)]), spec))  # another slot of the GPU
+    assert refused(ctx, cdi_write("a3", hold("a3", [(GPU1, None)]), spec)) == (
+        "atoms-held",
+        f"cdi: {GPU1} of allocation a3 is still held by a1 (/etc/cdi/bcd-a1.json): its hold goes first",
+    )
+    (ctx.root / "etc/cdi/bcd-a0.json").write_text("{}")
+    assert refused(ctx, cdi_write("a4", hold("a4", [(GPU2, None)]), spec)) == (
+        "atoms-held",
+        "cdi: the hold /etc/cdi/bcd-a0.json cannot be read: it may hold any atom",
+    )
+    (ctx.root / "etc/cdi/bcd-a0.json").write_text(hold("a9", [(GPU2, None)]))  # another allocation's id
+    assert refused(ctx, cdi_write("a4", hold("a4", [(GPU2, None)]), spec)) == (
+        "atoms-held",
+        "cdi: the hold /etc/cdi/bcd-a0.json cannot be read: it may hold any atom",
+    )
+    (ctx.root / "etc/cdi/bcd-a0.json").unlink()
+    a4 = cdi_write("a4", hold("a4", [(GPU2, None)]), spec)
+    file_write(call(ctx), a4)
+    assert refused(ctx, cdi_write("a7", hold("a7", [(a, None) for a in slots]), spec)) == (
+        "atoms-held",
+        f"cdi: {', '.join(slots)[:300]} of allocation a7 is still held by a4 (/etc/cdi/bcd-a4.json): "
+        "its hold goes first",
+    )
+    # Its own hold is skipped, not the end of the look: a9's, after it, still counts.
+    (ctx.root / "etc/cdi/bcd-a9.json").write_text(hold("a9", [(GPU2, None)]))
+    assert refused(ctx, a4)[1].endswith("is still held by a9 (/etc/cdi/bcd-a9.json): its hold goes first")

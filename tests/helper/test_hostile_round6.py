@@ -28,10 +28,12 @@ def signed_node(cp: ControlPlane) -> Iterator[RealNode]:
 
 
 def _clear(node: RealNode, spec: dict[str, Any]) -> None:
-    """Remove the holds earlier tests of this module left, under `spec` (which does not list them): the
-    module shares one helper, and root refuses a hold naming an atom another hold names (row 7)."""
-    for ident in ("w1", "w2", "w3", "w4", "w6", "w7"):
-        node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": ident, "intent": spec}})
+    """Remove the holds and env files earlier tests of this module left, under `spec` (which does not list
+    them): the module shares one helper, and root refuses a hold naming an atom another hold or env file
+    names (row 7)."""
+    for ident in ("w1", "w2", "w3", "w4", "w6", "w7", "w8", "w9"):
+        for kind in ("cdi", "allocation-env"):
+            node.ok({"op": "file.remove", "args": {"kind": kind, "id": ident, "intent": spec}})
 
 
 def _mig_gpu(node: RealNode) -> Any:
@@ -373,6 +375,130 @@ def test_round6_a_signed_hold_never_names_an_atom_another_hold_still_names(
     signed_node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": "w6", "intent": moved}})
     signed_node.ok(w7)
     signed_node.ok(w7)  # its own hold again: not another's
+
+
+def test_round6_a_signed_hold_never_names_a_gpu_a_released_allocations_env_file_names(
+    signed_node: RealNode, cp: ControlPlane
+) -> None:
+    """Row 7 read only the CDI hold files. The spec at generation 42 gives GPU2 to w8; the one at 43 moves
+    it to w9. The node removes w8's CDI hold but keeps its env file (`NVIDIA_VISIBLE_DEVICES=<GPU2>`): a
+    workload manager starting jobs through NVIDIA's legacy runtime hook still hands w8's tenant GPU2, and
+    w9's hold was written beside it. Now `atoms-held` names w8's env file until it goes; an env file left
+    without its hold can go while the spec lists its allocation (the planner removes one it does not bind
+    in the pass: a crash between a release's two removals), a hold's own env file cannot."""
+    worker = cp.command.leaf()
+    _clear(signed_node, intent(worker, devices_body(42, {})))
+    first = intent(worker, devices_body(42, {"w8": [GPU2]}))
+    signed_node.ok(cdi_doc("w8", _annotated("w8", GPU2, None, reservation_id="r1"), first))
+    signed_node.ok(env_doc("w8", f"BCD_RESERVATION_ID=r1\nNVIDIA_VISIBLE_DEVICES={GPU2}\n", first))
+    moved = intent(worker, devices_body(43, {"w9": [GPU2]}))
+    signed_node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": "w8", "intent": moved}})
+    w9 = cdi_doc("w9", _annotated("w9", GPU2, None, reservation_id="r1"), moved)
+    signed_node.refused(w9, "atoms-held", "w8's env file")
+    signed_node.ok({"op": "file.remove", "args": {"kind": "allocation-env", "id": "w8", "intent": moved}})
+    signed_node.ok(w9)
+    signed_node.ok(env_doc("w9", f"BCD_RESERVATION_ID=r1\nNVIDIA_VISIBLE_DEVICES={GPU2}\n", moved))
+    # w8 back on GPU1 at 44: its env file written, its hold not (a crash between them, or a node that
+    # stops there). The env file can go though the spec lists w8; w9's, beside its hold, cannot.
+    back = intent(worker, devices_body(44, {"w9": [GPU2], "w8": [GPU1]}))
+    signed_node.ok(env_doc("w8", f"BCD_RESERVATION_ID=r1\nNVIDIA_VISIBLE_DEVICES={GPU1}\n", back))
+    signed_node.refused(
+        {"op": "file.remove", "args": {"kind": "allocation-env", "id": "w9", "intent": back}}, "hold-in-spec"
+    )
+    signed_node.refused(
+        {"op": "file.remove", "args": {"kind": "cdi", "id": "w9", "intent": back}}, "hold-in-spec"
+    )
+    signed_node.ok({"op": "file.remove", "args": {"kind": "allocation-env", "id": "w8", "intent": back}})
+    assert not (signed_node.root / "run/bcd/allocations/w8.env").exists()
+
+
+def test_round6_the_devices_section_converges_past_a_released_allocations_env_file(
+    tmp_path: Path, cp: ControlPlane
+) -> None:
+    """The honest side of the env file rule: the node's devices section, through a real helper with
+    command-signing roots, binds allocation a on GPU 0; the spec then moves GPU 0 to b, and a crash
+    between a's two removals leaves a's env file without its hold (root refuses b's hold while it is
+    there). The next pass removes the orphan env file before it binds b, and the pass after plans
+    nothing: an honest node is never stopped by the rule."""
+    from bcd_agent.converge.section import Observation, PassContext
+    from bcd_agent.converge.types import DesiredSpec, SectionState
+    from bcd_agent.helperclient import HelperClient
+    from bcd_agent.sections.devices.apply import HelperExecutor
+    from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
+    from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+    from bcd_agent.sections.devices.section import DevicesSection
+    from bcd_simhost import sim_system
+    from bcd_simhost.gpus import gpu_uuid
+    from helperproc import HelperProcess, base_config, make_root
+
+    root = make_root(tmp_path)
+    cp.write_record(root, NODE, cp.bundle(1))
+    h = HelperProcess(root, cp.config_lines() + base_config())
+    try:
+        worker = cp.command.leaf()
+        signed: dict[str, Any] = {}
+        client = HelperClient(h.socket_path)
+        section = DevicesSection(
+            sim_system(root),
+            HelperExecutor(client, lambda: signed["now"]),
+            MemorySink(),
+            KeyReportSigner.fresh(NODE, "boot-1"),
+            "/var/lib/bcd",
+        )
+        g0 = gpu_uuid(0)
+
+        def converge(generation: int, alloc: str) -> SectionState:
+            signed["now"] = intent(worker, devices_body(generation, {alloc: [g0]}))
+            spec = DevicesSpec(generation, (DeviceAssignment(alloc, "r1", devices=(DeviceRef(g0, "gpu"),)),))
+            ctx = PassContext(DesiredSpec(generation, "h"), 1, frozenset(), 0.0)
+            state: SectionState = section.converge(spec, Observation(), ctx).state
+            return state
+
+        env = root / "run/bcd/allocations"
+        assert converge(1, "a") is SectionState.CONVERGED
+        assert (env / "a.env").exists() and (root / "etc/cdi/bcd-a.json").exists()
+        signed["now"] = intent(worker, devices_body(2, {"b": [g0]}))
+        client.file_remove("cdi", "a", signed["now"])  # the crash: a's env file left
+        assert (env / "a.env").exists()
+        assert converge(2, "b") is SectionState.CONVERGED
+        assert not (env / "a.env").exists() and (env / "b.env").exists()
+        assert (root / "etc/cdi/bcd-b.json").exists()
+        refusals = [a for a in h.audit_lines() if a["decision"] == "refused"]
+        assert refusals == []  # the removal went first: root never had to refuse b's hold
+        writes = len([a for a in h.audit_lines() if a["op"].startswith("file.")])
+        assert converge(2, "b") is SectionState.CONVERGED
+        assert len([a for a in h.audit_lines() if a["op"].startswith("file.")]) == writes  # nothing left
+    finally:
+        h.stop()
+
+
+def test_round6_env_atoms_reads_an_env_file_as_the_cdi_rule_reads_a_hold() -> None:
+    """The env file side of `atoms-held` (`_env_atoms`): a GPU's UUID is its slots the allocation's own
+    hold holds (slots of one GPU are different allocations'), else the whole GPU; a MIG UUID its MIG atom;
+    `void`/`none` nothing; a file that does not parse, `all`, an index or a MIG UUID root cannot place:
+    every atom (None)."""
+    from bcd_helper.ops.files import _env_atoms, _overlaps
+
+    mig = f"{GPU1}/gi1/ci0"
+
+    def named(value: str, held: tuple[str, ...] = ()) -> set[str] | None:
+        data = f"BCD_ALLOCATION_ID=o\nNVIDIA_VISIBLE_DEVICES={value}\n".encode()
+        return _env_atoms(data, "o", held, lambda: {"MIG-1": mig})
+
+    assert named(GPU2) == {GPU2}
+    assert named(f"{GPU1},{GPU2}", (f"{GPU1}/s1", f"{GPU1}/s2")) == {f"{GPU1}/s1", f"{GPU1}/s2", GPU2}
+    assert named(GPU1, (GPU1, f"{GPU1}/s1")) == {GPU1}
+    assert named(GPU1, (f"{GPU2}/s1",)) == {GPU1}
+    assert named("MIG-1") == {mig}
+    assert named("void") == set() and named("none") == set() and named("") == set()
+    assert named(f"void,{GPU2}") == {GPU2}
+    assert named(f"{GPU2}=x") == {f"{GPU2}=x"}  # the first `=` ends the key
+    for value in ("all", "0", "MIG-2", f"{GPU1},all"):
+        assert named(value) is None, value
+    assert _env_atoms(b"BCD_ALLOCATION_ID=other\n", "o", (), dict) is None
+    assert _env_atoms(b"BCD_ALLOCATION_ID=o\nX=1\n", "o", (), dict) == set()
+    # The overlap the rule then applies: a slot is not another slot of its GPU, but is its whole GPU.
+    assert not _overlaps(f"{GPU1}/s3", f"{GPU1}/s1") and _overlaps(f"{GPU1}/s3", GPU1)
 
 
 def test_round6_a_rejoin_that_keeps_the_node_id_keeps_the_generation_floor(

@@ -35,9 +35,10 @@ allocation's GPUs, or the MIG UUIDs root's nvidia-smi gives its MIG atoms), an e
 the assignment's signed `env` lines and a hold's the common env of root's vendor spec: no `LD_PRELOAD=`
 for a workload manager, no `NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused
 while the spec still lists the allocation (`hold-in-spec`): a node cannot pull a live hold's file and
-then reset its GPU. Since round 6 (docs/helper.md): a MIG atom takes only its own MIG device's edits and
+then reset its GPU (an env file whose allocation has no CDI hold file excepted: nothing the busy check
+reads goes with it). Since round 6 (docs/helper.md): a MIG atom takes only its own MIG device's edits and
 UUID, never its parent GPU's; a hold carries each atom of its allocation once (`atoms-missing`) and none
-another allocation's hold file names (`atoms-held`); its annotations are the assignment's
+another allocation's hold file or env file names (`atoms-held`); its annotations are the assignment's
 (`annotations-outside`); a sliced hold's files are written only once its slice is started
 (`slice-missing`). Without roots nothing is bound (HST-SIGN-33). Every hold's JSON is value-counted
 before it is decoded (MAX_HOLD_VALUES).
@@ -555,18 +556,22 @@ def _overlaps(a: str, b: str) -> bool:
 
 
 def _check_not_held(call: Call, ident: str, assignment: Any) -> None:
-    """A signed hold names no atom another allocation's hold file still names (round 6): the node cannot
-    remove a hold the spec lists, but nothing makes it remove one the spec released, so a moved atom's
-    old hold would stay beside the new one (the old tenant keeping its CDI device). Root's own view of
-    /etc/cdi, as the busy check reads it; a file root cannot parse holds every atom (fail closed)."""
+    """A signed hold names no atom another allocation's hold file or env file still names (round 6): the
+    node cannot remove a hold the spec lists, but nothing makes it remove one the spec released, so a
+    moved atom's old hold would stay beside the new one (the old tenant keeping its CDI device, or, by
+    its env file's NVIDIA_VISIBLE_DEVICES, the GPU through NVIDIA's legacy runtime hook). Root's own
+    view of /etc/cdi and /run/bcd/allocations, as the busy check reads them; a file root cannot parse
+    holds every atom (fail closed). The node's planner removes both before it binds (an env file left
+    without its hold too: docs/devices.md "Orphan env files")."""
     from bcd_shared import cdi
 
     atoms = [a.id for a in assignment.devices]
+    holds: dict[str, tuple[str, ...]] = {}
     for alloc, path, data in cdi.hold_spec_files(call.system):
         if alloc == ident:
             continue
         try:
-            held = cdi.parse_hold_spec(data, alloc).device_ids
+            held = holds[alloc] = cdi.parse_hold_spec(data, alloc).device_ids
         except cdi.CdiError:
             raise Refused(
                 "atoms-held", f"cdi: the hold {path} cannot be read: it may hold any atom"
@@ -578,6 +583,66 @@ def _check_not_held(call: Call, ident: str, assignment: Any) -> None:
                 f"cdi: {', '.join(both)[:300]} of allocation {ident} is still held by {alloc} ({path}): "
                 "its hold goes first",
             )
+    migs: dict[str, str] | None = None
+
+    def mig_atoms() -> dict[str, str]:
+        nonlocal migs
+        if migs is None:
+            migs = {m.uuid: atom for atom, m in _mig_names(call).items() if m.uuid}
+        return migs
+
+    for alloc, path, data in cdi.env_files(call.system):
+        if alloc == ident:
+            continue
+        named = _env_atoms(data, alloc, holds.get(alloc, ()), mig_atoms)
+        if named is None:
+            raise Refused(
+                "atoms-held",
+                f"allocation-env: {path} of allocation {alloc} cannot be read: it may name any GPU",
+            )
+        both = sorted({a for a in atoms for h in named if _overlaps(a, h)})
+        if both:
+            raise Refused(
+                "atoms-held",
+                f"cdi: {', '.join(both)[:300]} of allocation {ident} is still named by allocation {alloc}'s "
+                f"env file ({path}): it goes first",
+            )
+
+
+# NVIDIA_VISIBLE_DEVICES values that name no GPU (NVIDIA's container toolkit).
+NO_GPU_NAMES = frozenset({"void", "none"})
+
+
+def _env_atoms(
+    data: bytes, alloc: str, held: tuple[str, ...], mig_atoms: Callable[[], dict[str, str]]
+) -> set[str] | None:
+    """The atoms an env file's NVIDIA_VISIBLE_DEVICES names, for the `atoms-held` rule; None for any
+    atom (a file that does not parse, or a name root cannot place: `all`, an index, a MIG UUID root's
+    nvidia-smi does not list). A GPU's UUID names the slots of it the allocation's own hold file holds
+    (the planner names a slot's GPU; slots of one GPU are different allocations'), else the whole GPU:
+    an env file without its hold hands its tenant the whole GPU. A MIG UUID names its MIG atom."""
+    from bcd_shared import cdi
+
+    try:
+        lines = cdi.parse_env_file(data, alloc)
+    except cdi.CdiError:
+        return None
+    out: set[str] = set()
+    for line in lines:
+        key, _, value = line.partition("=")
+        if key != "NVIDIA_VISIBLE_DEVICES":
+            continue
+        for name in value.split(",") if value else ():
+            if name in NO_GPU_NAMES:
+                continue
+            if name.startswith("GPU-"):
+                slots = {h for h in held if h.startswith(name + "/s")}
+                out |= slots if slots and name not in held else {name}
+            elif name.startswith("MIG-") and name in mig_atoms():
+                out.add(mig_atoms()[name])
+            else:
+                return None
+    return out
 
 
 def _check_slice_started(call: Call, ident: str, assignment: Any) -> None:
@@ -722,13 +787,23 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
     return {"path": path, "bytes": len(data)}
 
 
+def _env_without_hold(call: Call, kind: str, ident: str) -> bool:
+    """An env file whose allocation has no CDI hold file in root's view: its removal is taken while the
+    spec lists the allocation (an env file left by a crash, or by a node that kept it after the hold; its
+    NVIDIA_VISIBLE_DEVICES backed by no hold, and `atoms-held` refusing other holds of those GPUs while
+    it is there). Nothing that root's busy check reads goes with it."""
+    from bcd_shared import cdi
+
+    return kind == "allocation-env" and not call.system.exists(cdi.cdi_spec_path(ident))
+
+
 def file_remove(call: Call, req: FileRemove) -> dict[str, Any]:
     _spec, path = _kind(req.kind, req.id)
     if req.kind in BOUND_KINDS:
         assignment, signed = _signed_assignment(call, "file.remove", req.kind, req.id, req.intent)
         if signed is not None:
             next_state, generation = signed
-            if assignment is not None:
+            if assignment is not None and not _env_without_hold(call, req.kind, req.id):
                 raise Refused(
                     "hold-in-spec",
                     f"{req.kind}: allocation {req.id} is still in the signed spec's devices section "

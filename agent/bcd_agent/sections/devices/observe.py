@@ -1,10 +1,11 @@
 """Reading what the devices section needs from the host, through a `System` (read-only).
 
 Holds come from the files alone (DEV-PASS-03/04): `/etc/cdi/bcd-*.json` read back with
-`bcd_shared.cdi.parse_hold_spec`, env files from `/run/bcd/allocations/<id>.env`, slices from the
-cgroup tree `/sys/fs/cgroup/bcd.slice/bcd-alloc.slice/` (`cgroup.events`, `hugetlb.*.current`), the
-pending Kubernetes releases from `<data_dir>/releasing.json`, the marker
-`<data_dir>/releasing.unreadable`, and the event ledger `<data_dir>/devices-events.json`.
+`bcd_shared.cdi.parse_hold_spec`, env files from `/run/bcd/allocations/<id>.env` (also those with
+no CDI spec: orphans), slices from the cgroup tree `/sys/fs/cgroup/bcd.slice/bcd-alloc.slice/`
+(`cgroup.events`, `hugetlb.*.current`), the pending Kubernetes releases from
+`<data_dir>/releasing.json`, the marker `<data_dir>/releasing.unreadable`, and the event ledger
+`<data_dir>/devices-events.json`.
 """
 
 from __future__ import annotations
@@ -56,6 +57,20 @@ def read_holds(system: System) -> tuple[dict[str, LiveHold], tuple[str, ...]]:
                 env_lines = None
         holds[alloc] = LiveHold(record, doc, env_lines)
     return holds, tuple(bad)
+
+
+def read_orphan_envs(system: System, with_spec: set[str]) -> dict[str, tuple[str, ...] | None]:
+    """Env files whose allocation has no CDI spec file (`with_spec`: the ids of every bcd-<id>.json,
+    parsed or not): their lines, None for one that does not parse."""
+    out: dict[str, tuple[str, ...] | None] = {}
+    for alloc, _path, data in cdi.env_files(system):
+        if alloc in with_spec:
+            continue
+        try:
+            out[alloc] = cdi.parse_env_file(data, alloc)
+        except cdi.CdiError:
+            out[alloc] = None
+    return out
 
 
 def read_slices(system: System) -> dict[str, SliceState]:

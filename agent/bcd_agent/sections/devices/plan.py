@@ -8,6 +8,9 @@ One pass, in the seeds' order (devices-and-holds.md, "One pass"):
 2. Holds no longer wanted: a plain hold's spec and env file are removed, then AllocationReleased; a
    Kubernetes hold is recorded in releasing.json first, then withdrawn. A released slice is stopped
    only when empty.
+   An orphan env file (one whose allocation has no CDI spec: a crash between a release's two
+   removals) is removed here too, unless its allocation is bound in this pass (the bind rewrites it
+   after the spec); a bind waits for the removal of an orphan naming one of its GPUs.
 3. Leftover slices whose hold is neither wanted nor released in this pass: stopped once empty.
 4. Holds still wanted are kept: a missing slice is created again, a missing or stale env file and a
    stale spec are rewritten (the generation annotation stays the bind generation), a running slice
@@ -164,6 +167,9 @@ class Observed:
     domains_committed_bytes: int = 0
     ledger: Ledger = field(factory=Ledger)
     now: float = 0.0
+    # Env files (/run/bcd/allocations/<id>.env) whose allocation has no CDI spec file at all (neither
+    # a hold nor an unparseable one), by allocation id: their lines, None when unreadable.
+    orphan_envs: Mapping[str, tuple[str, ...] | None] = field(factory=dict)
 
 
 # --- steps ----------------------------------------------------------------------------------------
@@ -633,6 +639,30 @@ def _resolve(a: DeviceAssignment, inventory: GpuInventory) -> tuple[tuple[Atom, 
     return tuple(atoms), None
 
 
+def _env_gpus(lines: tuple[str, ...] | None, inventory: GpuInventory) -> frozenset[str] | None:
+    """The GPUs an env file's NVIDIA_VISIBLE_DEVICES names (a MIG UUID as its parent GPU); None for
+    any GPU: an unreadable file, or a name the inventory does not know."""
+    if lines is None:
+        return None
+    parents = {g.uuid: g.uuid for g in inventory.gpus}
+    parents |= {m.uuid: g.uuid for g in inventory.gpus for m in g.migs if m.uuid}
+    out: set[str] = set()
+    for line in lines:
+        key, _, value = line.partition("=")
+        if key != "NVIDIA_VISIBLE_DEVICES":
+            continue
+        for name in value.split(",") if value else ():
+            gpu = parents.get(name)
+            if gpu is None:
+                return None
+            out.add(gpu)
+    return frozenset(out)
+
+
+def _names_any(named: frozenset[str] | None, gpus: set[str]) -> bool:
+    return named is None or bool(named & gpus)
+
+
 def _overlap(alloc: str, atoms: tuple[Atom, ...], claims: Claims) -> str | None:
     ids = [a.id for a in atoms]
     wholes = {a.gpu for a in atoms if a.whole}
@@ -754,6 +784,8 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
                 f"{cdi.cdi_spec_path(alloc)} did not parse; removed (its allocation is not wanted)"
             )
 
+    orphans_at = len(actions)  # orphan env files' removals go here, once the binds are known (5)
+
     # 3. leftover slices.
     wanted_slices = {slice_name(a) for a, w in wanted.items() if w.sliced}
     for name in sorted(obs.slices):
@@ -832,12 +864,22 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         steps += [WriteSpec(alloc, doc), WriteEnv(alloc, lines), Emit(bound_event(a, atoms, spec.generation))]
         bound[alloc] = spec.generation
         failed.pop(alloc, None)
+        gpus = {x.gpu for x in atoms}
         after = frozenset(
-            f"release:{other}"
-            for other, old in released_atoms.items()
-            if {x.gpu for x in old} & {x.gpu for x in atoms}
+            f"release:{other}" for other, old in released_atoms.items() if {x.gpu for x in old} & gpus
+        ) | frozenset(
+            f"release-env:{other}"
+            for other, lines in obs.orphan_envs.items()
+            if other != alloc and _names_any(_env_gpus(lines, obs.inventory), gpus)
         )
         actions.append(Action(f"bind:{alloc}", "bind", tuple(steps), after))
+
+    # 2 (continued). Orphan env files: removed before any bind, unless bound in this pass.
+    actions[orphans_at:orphans_at] = [
+        Action(f"release-env:{alloc}", "release", (RemoveEnv(alloc),))
+        for alloc in sorted(obs.orphan_envs)
+        if alloc not in holders
+    ]
 
     # 6. failures, once per allocation and generation.
     report: list[Step] = []

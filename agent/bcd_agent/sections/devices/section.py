@@ -139,6 +139,7 @@ class DevicesSection:
             domains_committed_bytes=self.domains_committed_bytes(),
             ledger=observe.read_ledger(self.system, self.data_dir),
             now=self.clock(),
+            orphan_envs=observe.read_orphan_envs(self.system, {*holds, *bad}),
         )
         if releases or marker or unreadable or any(h.record.kubernetes for h in holds.values()):
             holding, clear = self._kube_side(obs)
