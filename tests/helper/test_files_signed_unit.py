@@ -262,6 +262,38 @@ def test_a_listed_hold_stays_and_a_released_one_is_removed(ctx: HelperContext, w
     assert refused(ctx, env_write("a1", listed))[0] == "stale-generation"
 
 
+def test_a_hold_the_spec_moved_to_other_atoms_may_go_while_the_spec_lists_it(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    """A listed allocation's CDI hold may be removed when none of its atoms is one the spec now gives the
+    allocation (the planner's release before the re-bind, Q-DEV-PASS-01); a hold sharing an atom with the
+    spec's, a hold root cannot parse, and the env file while its hold is there all stay."""
+    vendor(ctx.root, {GPU1: NV0, GPU2: NV0})
+    first = signed(worker, body(2, {"a1": [GPU1]}))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, NV0)]), first))
+    file_write(call(ctx), env_write("a1", first))
+    grown = signed(worker, body(3, {"a1": [GPU1, GPU2]}))
+    assert refused(ctx, FileRemove("cdi", "a1", grown))[0] == "hold-in-spec"  # GPU1 stays a1's
+    moved = signed(worker, body(4, {"a1": [GPU2]}))
+    assert refused(ctx, FileRemove("allocation-env", "a1", moved))[0] == "hold-in-spec"  # its hold is there
+    path = ctx.root / "etc/cdi/bcd-a1.json"
+    text = path.read_text()
+    path.write_text("{")
+    assert refused(ctx, FileRemove("cdi", "a1", moved))[0] == "hold-in-spec"  # may hold any atom
+    path.write_text(hold("a9", [(GPU1, NV0)]))  # another allocation's hold under a1's name: not a1's
+    assert refused(ctx, FileRemove("cdi", "a1", moved))[0] == "hold-in-spec"
+    path.write_text(text)
+    assert file_remove(call(ctx), FileRemove("cdi", "a1", moved)) == {
+        "path": "/etc/cdi/bcd-a1.json",
+        "removed": True,
+    }
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a1", moved))["removed"] is True
+    assert generation(ctx.root) == 4
+    (ctx.root / "run/bcd/allocations/a1.env").symlink_to("/etc/passwd")
+    reason, message = refused(ctx, FileRemove("allocation-env", "a1", moved))
+    assert reason == "root-only" and "/run/bcd/allocations/a1.env" in message, message
+
+
 def test_a_removal_keeps_the_newer_generation_even_when_nothing_is_there(
     ctx: HelperContext, worker: Signer
 ) -> None:

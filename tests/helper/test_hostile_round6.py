@@ -555,3 +555,66 @@ def test_round6_ch_ops_name_a_missing_data_dir(tmp_path: Path) -> None:
             assert answer.get("reason") != "internal", answer
     finally:
         h.stop()
+
+
+def test_round6_a_kept_hold_moved_to_other_gpus_converges(tmp_path: Path, cp: ControlPlane) -> None:
+    """The honest side of `hold-in-spec`: the spec keeps allocation a but moves it from GPU 0 to GPU 1.
+    The node's devices section (through a real helper with command-signing roots) releases a's old hold
+    and binds it again on GPU 1 in one pass (Q-DEV-PASS-01); root lets the old file go, since none of its
+    atoms is a's any more: converged in that pass, nothing refused, the hold names GPU 1 only, and the
+    next pass writes nothing. (A change that keeps an atom, GPU 1 -> GPUs 1 and 2, is refused
+    `hold-in-spec` and does not converge yet: docs/helper.md round 6, "Found and not closed".)"""
+    from bcd_agent.converge.section import Observation, PassContext
+    from bcd_agent.converge.types import DesiredSpec, SectionState
+    from bcd_agent.helperclient import HelperClient
+    from bcd_agent.sections.devices.apply import HelperExecutor
+    from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
+    from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+    from bcd_agent.sections.devices.section import DevicesSection
+    from bcd_simhost import sim_system
+    from bcd_simhost.gpus import gpu_uuid
+    from helperproc import HelperProcess, base_config, make_root
+
+    root = make_root(tmp_path)
+    cp.write_record(root, NODE, cp.bundle(1))
+    h = HelperProcess(root, cp.config_lines() + base_config())
+    try:
+        worker = cp.command.leaf()
+        signed: dict[str, Any] = {}
+        section = DevicesSection(
+            sim_system(root),
+            HelperExecutor(HelperClient(h.socket_path), lambda: signed["now"]),
+            MemorySink(),
+            KeyReportSigner.fresh(NODE, "boot-1"),
+            "/var/lib/bcd",
+        )
+
+        def converge(generation: int, *gpus: str) -> SectionState:
+            signed["now"] = intent(worker, devices_body(generation, {"a": list(gpus)}))
+            devices = tuple(DeviceRef(g, "gpu") for g in gpus)
+            spec = DevicesSpec(generation, (DeviceAssignment("a", "r1", devices=devices),))
+            ctx = PassContext(DesiredSpec(generation, "h"), 1, frozenset(), 0.0)
+            state: SectionState = section.converge(spec, Observation(), ctx).state
+            return state
+
+        def held() -> list[str]:
+            doc = json.loads((root / "etc/cdi/bcd-a.json").read_text())
+            return [d["annotations"]["bcd.dev/device-id"] for d in doc["devices"]]
+
+        def refusals() -> list[str]:
+            return [a["reason"] for a in h.audit_lines() if a["decision"] == "refused"]
+
+        def file_ops() -> int:
+            return len([a for a in h.audit_lines() if a["op"].startswith("file.")])
+
+        g0, g1, g2 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(2)
+        assert converge(1, g0) is SectionState.CONVERGED
+        assert converge(2, g1) is SectionState.CONVERGED  # moved: released and bound in one pass
+        assert held() == [g1] and refusals() == []
+        ops = file_ops()
+        assert converge(2, g1) is SectionState.CONVERGED and file_ops() == ops
+        g3 = gpu_uuid(3)
+        assert converge(3, g2, g3) is SectionState.CONVERGED  # moved to two others at once
+        assert held() == [g2, g3] and refusals() == []
+    finally:
+        h.stop()

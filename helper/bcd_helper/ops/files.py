@@ -797,13 +797,38 @@ def _env_without_hold(call: Call, kind: str, ident: str) -> bool:
     return kind == "allocation-env" and not call.system.exists(cdi.cdi_spec_path(ident))
 
 
+def _moved_hold(call: Call, kind: str, ident: str, assignment: Any) -> bool:
+    """A CDI hold none of whose atoms the signed spec still gives its allocation: the spec moved the
+    allocation to other atoms, and the planner releases the old hold before it binds the new one
+    (Q-DEV-PASS-01). Its removal frees nothing the spec gives the allocation, so it is taken while the
+    spec lists the allocation. A hold sharing any atom with the spec's stays (its removal would make a
+    GPU the allocation still has look free to the busy check: the bind writes over it instead); a hold
+    root cannot parse stays (it may hold any atom)."""
+    from bcd_shared import cdi
+
+    if kind != "cdi":
+        return False
+    data = call.system.read_bytes(cdi.cdi_spec_path(ident))
+    if data is None:
+        return False  # nothing there: the removal is a no-op either way, refused as before
+    try:
+        held = cdi.parse_hold_spec(data, ident).device_ids
+    except cdi.CdiError:
+        return False
+    return not any(_overlaps(a.id, h) for a in assignment.devices for h in held)
+
+
 def file_remove(call: Call, req: FileRemove) -> dict[str, Any]:
     _spec, path = _kind(req.kind, req.id)
     if req.kind in BOUND_KINDS:
         assignment, signed = _signed_assignment(call, "file.remove", req.kind, req.id, req.intent)
         if signed is not None:
             next_state, generation = signed
-            if assignment is not None and not _env_without_hold(call, req.kind, req.id):
+            if (
+                assignment is not None
+                and not _env_without_hold(call, req.kind, req.id)
+                and not _moved_hold(call, req.kind, req.id, assignment)
+            ):
                 raise Refused(
                     "hold-in-spec",
                     f"{req.kind}: allocation {req.id} is still in the signed spec's devices section "
