@@ -492,6 +492,14 @@ def encode_env_file(lines: Sequence[str]) -> bytes:
     return "".join(check_env_line(line) + "\n" for line in lines).encode()
 
 
+def visible_device_names(lines: Sequence[str]) -> Iterator[str]:
+    """Each name the env lines' `NVIDIA_VISIBLE_DEVICES` values list, in order (an empty value none)."""
+    for line in lines:
+        key, _, value = line.partition("=")
+        if key == "NVIDIA_VISIBLE_DEVICES" and value:
+            yield from value.split(",")
+
+
 def parse_env_file(data: bytes, allocation_id: str | None = None) -> tuple[str, ...]:
     """The lines of an allocation env file; the first must be BCD_ALLOCATION_ID of its allocation."""
     try:

@@ -628,20 +628,16 @@ def _env_atoms(
     except cdi.CdiError:
         return None
     out: set[str] = set()
-    for line in lines:
-        key, _, value = line.partition("=")
-        if key != "NVIDIA_VISIBLE_DEVICES":
+    for name in cdi.visible_device_names(lines):
+        if name in NO_GPU_NAMES:
             continue
-        for name in value.split(",") if value else ():
-            if name in NO_GPU_NAMES:
-                continue
-            if name.startswith("GPU-"):
-                slots = {h for h in held if h.startswith(name + "/s")}
-                out |= slots if slots and name not in held else {name}
-            elif name.startswith("MIG-") and name in mig_atoms():
-                out.add(mig_atoms()[name])
-            else:
-                return None
+        if name.startswith("GPU-"):
+            slots = {h for h in held if h.startswith(name + "/s")}
+            out |= slots if slots and name not in held else {name}
+        elif name.startswith("MIG-") and name in mig_atoms():
+            out.add(mig_atoms()[name])
+        else:
+            return None
     return out
 
 

@@ -647,15 +647,11 @@ def _env_gpus(lines: tuple[str, ...] | None, inventory: GpuInventory) -> frozens
     parents = {g.uuid: g.uuid for g in inventory.gpus}
     parents |= {m.uuid: g.uuid for g in inventory.gpus for m in g.migs if m.uuid}
     out: set[str] = set()
-    for line in lines:
-        key, _, value = line.partition("=")
-        if key != "NVIDIA_VISIBLE_DEVICES":
-            continue
-        for name in value.split(",") if value else ():
-            gpu = parents.get(name)
-            if gpu is None:
-                return None
-            out.add(gpu)
+    for name in cdi.visible_device_names(lines):
+        gpu = parents.get(name)
+        if gpu is None:
+            return None
+        out.add(gpu)
     return frozenset(out)
 
 
