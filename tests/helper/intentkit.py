@@ -203,6 +203,18 @@ def intent_state(root: Path) -> dict[str, Any]:
     return dict(json.loads(path.read_text())) if path.exists() else {}
 
 
+def devices_spec(node_id: str, generation: int, section: wire.DevicesSection | None) -> bytes:
+    """A serialized full DesiredStateBody whose devices section is `section` (None: no section)."""
+    return bytes(
+        wire.DesiredStateBody(
+            node_id=node_id,
+            generation=generation,
+            spec_hash=f"d{generation}",
+            full=wire.NodeSpec(devices=section),
+        )
+    )
+
+
 def access_body(
     node_id: str,
     generation: int,

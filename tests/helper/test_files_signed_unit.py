@@ -18,7 +18,7 @@ from bcd_helper.intent import STATE_PATH, IntentState
 from bcd_helper.ops.base import HelperContext, Refused
 from bcd_helper.ops.files import FileRemove, FileWrite, SignedSpec, file_remove, file_write
 from bcd_shared import cdi, wire
-from intentkit import ControlPlane, Signer, intent
+from intentkit import ControlPlane, Signer, devices_spec, intent
 from opskit import Script, call, context, make_root, programs
 from testsupport import SHARED
 
@@ -85,14 +85,7 @@ def body(generation: int, assignments: dict[str, list[str]] | None, *, patch: bo
                 base_generation=generation - 1,
             )
         )
-    return bytes(
-        wire.DesiredStateBody(
-            node_id=NODE,
-            generation=generation,
-            spec_hash=f"d{generation}",
-            full=wire.NodeSpec(devices=devices),
-        )
-    )
+    return devices_spec(NODE, generation, devices)
 
 
 def signed(signer: Signer, data: bytes) -> SignedSpec:

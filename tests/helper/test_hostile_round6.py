@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from intentkit import ControlPlane, hold_text, intent
+from intentkit import ControlPlane, devices_spec, hold_text, intent
 from realnode import RealNode
 from test_signed_holds import NODE, cdi_doc, devices_body, env_doc
 
@@ -124,14 +124,7 @@ def _sliced_body(generation: int) -> bytes:
             assignment("w4", GPU2, None),
         ]
     )
-    return bytes(
-        wire.DesiredStateBody(
-            node_id=NODE,
-            generation=generation,
-            spec_hash=f"d{generation}",
-            full=wire.NodeSpec(devices=section),
-        )
-    )
+    return devices_spec(NODE, generation, section)
 
 
 GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"
@@ -412,64 +405,95 @@ def test_round6_a_signed_hold_never_names_a_gpu_a_released_allocations_env_file_
     assert not (signed_node.root / "run/bcd/allocations/w8.env").exists()
 
 
+class SignedDevices:
+    """The node's devices section (the real DevicesSection and HelperExecutor) over a simulated host,
+    through a real helper started with root's join record (command-signing roots)."""
+
+    def __init__(self, tmp_path: Path, cp: ControlPlane) -> None:
+        from bcd_agent.helperclient import HelperClient
+        from bcd_agent.sections.devices.apply import HelperExecutor
+        from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
+        from bcd_agent.sections.devices.section import DevicesSection
+        from bcd_simhost import sim_system
+        from helperproc import HelperProcess, base_config, make_root
+
+        self.root = make_root(tmp_path)
+        cp.write_record(self.root, NODE, cp.bundle(1))
+        self.helper = HelperProcess(self.root, cp.config_lines() + base_config())
+        self.worker = cp.command.leaf()
+        self.client = HelperClient(self.helper.socket_path)
+        self.spec: Any = None  # the signed spec the node keeps (what the executor forwards)
+        self.section = DevicesSection(
+            sim_system(self.root),
+            HelperExecutor(self.client, lambda: self.spec),
+            MemorySink(),
+            KeyReportSigner.fresh(NODE, "boot-1"),
+            "/var/lib/bcd",
+        )
+
+    def sign(self, generation: int, assignments: dict[str, list[str]]) -> Any:
+        """Sign a devices spec and keep it as the node's."""
+        self.spec = intent(self.worker, devices_body(generation, assignments))
+        return self.spec
+
+    def converge(self, generation: int, assignments: dict[str, list[str]]) -> Any:
+        """One pass of the section over the signed spec (plain holds, reservation r1); its state."""
+        from bcd_agent.converge.section import Observation, PassContext
+        from bcd_agent.converge.types import DesiredSpec
+        from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+
+        self.sign(generation, assignments)
+        spec = DevicesSpec(
+            generation,
+            tuple(
+                DeviceAssignment(alloc, "r1", devices=tuple(DeviceRef(g, "gpu") for g in gpus))
+                for alloc, gpus in assignments.items()
+            ),
+        )
+        ctx = PassContext(DesiredSpec(generation, "h"), 1, frozenset(), 0.0)
+        return self.section.converge(spec, Observation(), ctx).state
+
+    def audit(self) -> list[dict[str, Any]]:
+        return list(self.helper.audit_lines())
+
+    def file_ops(self) -> int:
+        return len([a for a in self.audit() if a["op"].startswith("file.")])
+
+
+@pytest.fixture
+def devices(tmp_path: Path, cp: ControlPlane) -> Iterator[SignedDevices]:
+    d = SignedDevices(tmp_path, cp)
+    try:
+        yield d
+    finally:
+        d.helper.stop()
+
+
 def test_round6_the_devices_section_converges_past_a_released_allocations_env_file(
-    tmp_path: Path, cp: ControlPlane
+    devices: SignedDevices,
 ) -> None:
     """The honest side of the env file rule: the node's devices section, through a real helper with
     command-signing roots, binds allocation a on GPU 0; the spec then moves GPU 0 to b, and a crash
     between a's two removals leaves a's env file without its hold (root refuses b's hold while it is
     there). The next pass removes the orphan env file before it binds b, and the pass after plans
     nothing: an honest node is never stopped by the rule."""
-    from bcd_agent.converge.section import Observation, PassContext
-    from bcd_agent.converge.types import DesiredSpec, SectionState
-    from bcd_agent.helperclient import HelperClient
-    from bcd_agent.sections.devices.apply import HelperExecutor
-    from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
-    from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
-    from bcd_agent.sections.devices.section import DevicesSection
-    from bcd_simhost import sim_system
+    from bcd_agent.converge.types import SectionState
     from bcd_simhost.gpus import gpu_uuid
-    from helperproc import HelperProcess, base_config, make_root
 
-    root = make_root(tmp_path)
-    cp.write_record(root, NODE, cp.bundle(1))
-    h = HelperProcess(root, cp.config_lines() + base_config())
-    try:
-        worker = cp.command.leaf()
-        signed: dict[str, Any] = {}
-        client = HelperClient(h.socket_path)
-        section = DevicesSection(
-            sim_system(root),
-            HelperExecutor(client, lambda: signed["now"]),
-            MemorySink(),
-            KeyReportSigner.fresh(NODE, "boot-1"),
-            "/var/lib/bcd",
-        )
-        g0 = gpu_uuid(0)
-
-        def converge(generation: int, alloc: str) -> SectionState:
-            signed["now"] = intent(worker, devices_body(generation, {alloc: [g0]}))
-            spec = DevicesSpec(generation, (DeviceAssignment(alloc, "r1", devices=(DeviceRef(g0, "gpu"),)),))
-            ctx = PassContext(DesiredSpec(generation, "h"), 1, frozenset(), 0.0)
-            state: SectionState = section.converge(spec, Observation(), ctx).state
-            return state
-
-        env = root / "run/bcd/allocations"
-        assert converge(1, "a") is SectionState.CONVERGED
-        assert (env / "a.env").exists() and (root / "etc/cdi/bcd-a.json").exists()
-        signed["now"] = intent(worker, devices_body(2, {"b": [g0]}))
-        client.file_remove("cdi", "a", signed["now"])  # the crash: a's env file left
-        assert (env / "a.env").exists()
-        assert converge(2, "b") is SectionState.CONVERGED
-        assert not (env / "a.env").exists() and (env / "b.env").exists()
-        assert (root / "etc/cdi/bcd-b.json").exists()
-        refusals = [a for a in h.audit_lines() if a["decision"] == "refused"]
-        assert refusals == []  # the removal went first: root never had to refuse b's hold
-        writes = len([a for a in h.audit_lines() if a["op"].startswith("file.")])
-        assert converge(2, "b") is SectionState.CONVERGED
-        assert len([a for a in h.audit_lines() if a["op"].startswith("file.")]) == writes  # nothing left
-    finally:
-        h.stop()
+    root, g0 = devices.root, gpu_uuid(0)
+    env = root / "run/bcd/allocations"
+    assert devices.converge(1, {"a": [g0]}) is SectionState.CONVERGED
+    assert (env / "a.env").exists() and (root / "etc/cdi/bcd-a.json").exists()
+    devices.client.file_remove("cdi", "a", devices.sign(2, {"b": [g0]}))  # the crash: a's env file left
+    assert (env / "a.env").exists()
+    assert devices.converge(2, {"b": [g0]}) is SectionState.CONVERGED
+    assert not (env / "a.env").exists() and (env / "b.env").exists()
+    assert (root / "etc/cdi/bcd-b.json").exists()
+    refusals = [a for a in devices.audit() if a["decision"] == "refused"]
+    assert refusals == []  # the removal went first: root never had to refuse b's hold
+    writes = devices.file_ops()
+    assert devices.converge(2, {"b": [g0]}) is SectionState.CONVERGED
+    assert devices.file_ops() == writes  # nothing left
 
 
 def test_round6_env_atoms_reads_an_env_file_as_the_cdi_rule_reads_a_hold() -> None:
@@ -557,64 +581,28 @@ def test_round6_ch_ops_name_a_missing_data_dir(tmp_path: Path) -> None:
         h.stop()
 
 
-def test_round6_a_kept_hold_moved_to_other_gpus_converges(tmp_path: Path, cp: ControlPlane) -> None:
+def test_round6_a_kept_hold_moved_to_other_gpus_converges(devices: SignedDevices) -> None:
     """The honest side of `hold-in-spec`: the spec keeps allocation a but moves it from GPU 0 to GPU 1.
     The node's devices section (through a real helper with command-signing roots) releases a's old hold
     and binds it again on GPU 1 in one pass (Q-DEV-PASS-01); root lets the old file go, since none of its
     atoms is a's any more: converged in that pass, nothing refused, the hold names GPU 1 only, and the
     next pass writes nothing. (A change that keeps an atom, GPU 1 -> GPUs 1 and 2, is refused
     `hold-in-spec` and does not converge yet: docs/helper.md round 6, "Found and not closed".)"""
-    from bcd_agent.converge.section import Observation, PassContext
-    from bcd_agent.converge.types import DesiredSpec, SectionState
-    from bcd_agent.helperclient import HelperClient
-    from bcd_agent.sections.devices.apply import HelperExecutor
-    from bcd_agent.sections.devices.events import KeyReportSigner, MemorySink
-    from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
-    from bcd_agent.sections.devices.section import DevicesSection
-    from bcd_simhost import sim_system
+    from bcd_agent.converge.types import SectionState
     from bcd_simhost.gpus import gpu_uuid
-    from helperproc import HelperProcess, base_config, make_root
 
-    root = make_root(tmp_path)
-    cp.write_record(root, NODE, cp.bundle(1))
-    h = HelperProcess(root, cp.config_lines() + base_config())
-    try:
-        worker = cp.command.leaf()
-        signed: dict[str, Any] = {}
-        section = DevicesSection(
-            sim_system(root),
-            HelperExecutor(HelperClient(h.socket_path), lambda: signed["now"]),
-            MemorySink(),
-            KeyReportSigner.fresh(NODE, "boot-1"),
-            "/var/lib/bcd",
-        )
+    def held() -> list[str]:
+        doc = json.loads((devices.root / "etc/cdi/bcd-a.json").read_text())
+        return [d["annotations"]["bcd.dev/device-id"] for d in doc["devices"]]
 
-        def converge(generation: int, *gpus: str) -> SectionState:
-            signed["now"] = intent(worker, devices_body(generation, {"a": list(gpus)}))
-            devices = tuple(DeviceRef(g, "gpu") for g in gpus)
-            spec = DevicesSpec(generation, (DeviceAssignment("a", "r1", devices=devices),))
-            ctx = PassContext(DesiredSpec(generation, "h"), 1, frozenset(), 0.0)
-            state: SectionState = section.converge(spec, Observation(), ctx).state
-            return state
+    def refusals() -> list[str]:
+        return [a["reason"] for a in devices.audit() if a["decision"] == "refused"]
 
-        def held() -> list[str]:
-            doc = json.loads((root / "etc/cdi/bcd-a.json").read_text())
-            return [d["annotations"]["bcd.dev/device-id"] for d in doc["devices"]]
-
-        def refusals() -> list[str]:
-            return [a["reason"] for a in h.audit_lines() if a["decision"] == "refused"]
-
-        def file_ops() -> int:
-            return len([a for a in h.audit_lines() if a["op"].startswith("file.")])
-
-        g0, g1, g2 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(2)
-        assert converge(1, g0) is SectionState.CONVERGED
-        assert converge(2, g1) is SectionState.CONVERGED  # moved: released and bound in one pass
-        assert held() == [g1] and refusals() == []
-        ops = file_ops()
-        assert converge(2, g1) is SectionState.CONVERGED and file_ops() == ops
-        g3 = gpu_uuid(3)
-        assert converge(3, g2, g3) is SectionState.CONVERGED  # moved to two others at once
-        assert held() == [g2, g3] and refusals() == []
-    finally:
-        h.stop()
+    g0, g1, g2, g3 = (gpu_uuid(i) for i in range(4))
+    assert devices.converge(1, {"a": [g0]}) is SectionState.CONVERGED
+    assert devices.converge(2, {"a": [g1]}) is SectionState.CONVERGED  # moved: released and bound in one pass
+    assert held() == [g1] and refusals() == []
+    ops = devices.file_ops()
+    assert devices.converge(2, {"a": [g1]}) is SectionState.CONVERGED and devices.file_ops() == ops
+    assert devices.converge(3, {"a": [g2, g3]}) is SectionState.CONVERGED  # moved to two others at once
+    assert held() == [g2, g3] and refusals() == []

@@ -15,7 +15,7 @@ from bcd_helper.ops.base import Failed, HelperContext, Refused
 from bcd_helper.ops.files import SignedSpec
 from bcd_helper.ops.slices import ALLOC_PARENT, MAX_SLICES, SliceApply, signed_limits, slice_apply
 from bcd_shared import wire
-from intentkit import ControlPlane, Signer, hold_text, intent
+from intentkit import ControlPlane, Signer, devices_spec, hold_text, intent
 from opskit import call, context, make_root, programs
 
 NODE = "node-a"
@@ -52,14 +52,7 @@ def signed(signer: Signer, data: bytes) -> SignedSpec:
 
 
 def devices_body(generation: int, *assignments: wire.DeviceAssignment) -> bytes:
-    return bytes(
-        wire.DesiredStateBody(
-            node_id=NODE,
-            generation=generation,
-            spec_hash=f"d{generation}",
-            full=wire.NodeSpec(devices=wire.DevicesSection(assignments=list(assignments))),
-        )
-    )
+    return devices_spec(NODE, generation, wire.DevicesSection(assignments=list(assignments)))
 
 
 def assignment(

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 from bcd_shared import wire
-from intentkit import ControlPlane, b64, hold_text, intent
+from intentkit import ControlPlane, b64, devices_spec, hold_text, intent
 from realnode import RealNode
 
 NODE = "node-a"
@@ -72,14 +72,7 @@ def devices_body(generation: int, assignments: dict[str, list[str]]) -> bytes:
             for a, gpus in assignments.items()
         ]
     )
-    return bytes(
-        wire.DesiredStateBody(
-            node_id=NODE,
-            generation=generation,
-            spec_hash=f"d{generation}",
-            full=wire.NodeSpec(devices=section),
-        )
-    )
+    return devices_spec(NODE, generation, section)
 
 
 def test_issue9_item8_env_and_cdi_files_are_bounded_per_kind() -> None:
