@@ -227,3 +227,11 @@ class SignedHost:
     def signed(self, generation: int, *instances: wire.InstanceSpec) -> dict[str, Any]:
         """An `intent` argument: the full spec of `instances` at `generation`, signed by a command leaf."""
         return intent(self.cp.command.leaf(), instances_body(SIGNED_NODE, generation, *instances))
+
+
+def vm_hwm_kib(pid: int) -> int:
+    """A process's peak resident memory (VmHWM), in KiB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmHWM")

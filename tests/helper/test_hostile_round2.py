@@ -28,6 +28,7 @@ from typing import Any
 
 import pytest
 from helperproc import AUDIT_DIR, HelperProcess, write_config
+from hostilekit import vm_hwm_kib
 from realkit import World
 
 ROOT_SOCKET = "/run/bcd/helper-root.sock"
@@ -47,13 +48,6 @@ def _root_ping(path: str, timeout: float = 30.0) -> dict[str, Any]:
         s.sendall(struct.pack(">I", len(body)) + body)
         head = s.recv(4, socket.MSG_WAITALL)
         return dict(json.loads(s.recv(struct.unpack(">I", head)[0], socket.MSG_WAITALL)))
-
-
-def _hwm_mb(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
-    raise AssertionError("no VmHWM")
 
 
 def _audit_dir(w: World) -> Path:
@@ -171,7 +165,7 @@ def test_issue9_3_decoded_size_bombs_are_refused_before_decoding(world: World) -
         assert a is None or "oserror" in a or (a["ok"] is False and a["reason"] in ("protocol", "busy")), a
     refused = [a for a in answers if a and a.get("reason") == "protocol"]
     assert refused and all("values" in a["message"] for a in refused), refused[:2]
-    assert _hwm_mb(h.proc.pid) <= 200
+    assert vm_hwm_kib(h.proc.pid) / 1024 <= 200
     assert world.user.run("print(json.dumps(ask(sys.argv[1], req('helper.ping'))))", world.socket)["ok"]
 
 

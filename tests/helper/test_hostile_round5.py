@@ -15,7 +15,7 @@ import pytest
 from bcd_shared import wire
 from bcd_shared.pki import Purpose
 from helperproc import HelperProcess, base_config, make_root
-from hostilekit import NODE_GID, NODE_UID, as_node, refused_as_node, verify_audit
+from hostilekit import NODE_GID, NODE_UID, as_node, refused_as_node, verify_audit, vm_hwm_kib
 from intentkit import ControlPlane, Signer, access_body, access_doc, b64, hold_text, intent, intent_state
 from releasekit import LINK, NODE_ID, daemon_section, spec_carrier, stage, swap_doc
 
@@ -547,13 +547,6 @@ def test_round5_roots_signed_slice_limits_are_what_the_node_sends() -> None:
         assert args == signed_limits(limits), limits
 
 
-def _vm_hwm_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM")
-
-
 def test_round5_answers_the_node_does_not_read_are_bounded_by_the_in_flight_budget(tmp_path: Path) -> None:
     """The in-flight budget bounded the node's request frames only. 64 connections of the node each ask
     `audit.tail` for 1 MiB and never read the answer: each connection's thread held its answer (the frame
@@ -577,7 +570,7 @@ def test_round5_answers_the_node_does_not_read_are_bounded_by_the_in_flight_budg
                 sk.sendall(frame(b'{"op":"audit.tail","args":{"max_bytes":1048576}}'))  # never read
             time.sleep(3)
             assert h.raw({"op": "helper.ping", "args": {}})["ok"] is True
-            assert _vm_hwm_kib(h.proc.pid) < 100 * 1024
+            assert vm_hwm_kib(h.proc.pid) < 100 * 1024
             answers = [read_answer(sk) for sk in socks]
         finally:
             for sk in socks:

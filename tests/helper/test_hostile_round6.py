@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hostilekit import vm_hwm_kib
 from intentkit import ControlPlane, devices_spec, hold_text, intent
 from realnode import RealNode
 from test_signed_holds import NODE, cdi_doc, devices_body, env_doc
@@ -216,13 +217,6 @@ def test_round6_roots_annotation_rule_takes_what_the_node_plans() -> None:
     assert len(seen) == 3  # the three shapes differ (cgroup-parent, binding)
 
 
-def _vm_hwm_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1])
-    raise AssertionError("no VmHWM")
-
-
 def _many_assignments(n: int) -> bytes:
     """A DesiredStateBody whose devices section holds `n` empty assignments: two bytes each on the wire,
     hundreds of bytes each once decoded. Built by hand: it is never signed."""
@@ -256,7 +250,7 @@ def test_round6_an_unsigned_access_spec_is_refused_before_root_decodes_it(tmp_pa
         body = base64.b64encode(_many_assignments(1_400_000)).decode()
         doc = {"op": "access.apply", "args": {"intent": {"body": body, "signature": ""}}}
         refused_as_node(h, doc, "access-unsigned")
-        assert _vm_hwm_kib(h.proc.pid) < 100 * 1024
+        assert vm_hwm_kib(h.proc.pid) < 100 * 1024
         verify_audit(h)
     finally:
         h.stop()
@@ -298,9 +292,9 @@ def test_round6_json_the_node_hands_root_is_value_counted_before_decoding(tmp_pa
     try:
         hold = {"op": "file.write", "args": {"kind": "cdi", "id": "a1", "content": objects.decode()}}
         refused_as_node(h, hold, "bad-content", "values")
-        assert _vm_hwm_kib(h.proc.pid) < 60 * 1024
+        assert vm_hwm_kib(h.proc.pid) < 60 * 1024
         refused_as_node(h, {"op": "ch.launch", "args": {"name": "vm1"}}, "bad-record", "values")
-        assert _vm_hwm_kib(h.proc.pid) < 60 * 1024
+        assert vm_hwm_kib(h.proc.pid) < 60 * 1024
         verify_audit(h)
     finally:
         h.stop()
