@@ -27,7 +27,7 @@ import struct
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
-from bcd_shared.strictjson import unique_keys
+from bcd_shared.strictjson import unique_keys, value_bound
 
 if TYPE_CHECKING:
     import cattrs
@@ -126,11 +126,7 @@ def count_values(body: bytes | bytearray) -> int:
     """An upper bound on the values in a JSON text: `[`, `{`, `,` and `:` outside strings. Counted on all
     the bytes first (no copy); only when that passes MAX_VALUES are the strings taken out and counted
     again, so brackets inside a file's content never count."""
-
-    def n(data: bytes | bytearray) -> int:
-        return data.count(b"[") + data.count(b"{") + data.count(b",") + data.count(b":")
-
-    total = n(body)
+    total = value_bound(body)
     if total <= MAX_VALUES:
         return total
     # Each string is a value: past MAX_VALUES strings (unescaped quotes / 2, a lower bound) the frame is
@@ -138,7 +134,7 @@ def count_values(body: bytes | bytearray) -> int:
     strings = (body.count(b'"') - body.count(b'\\"')) // 2
     if strings > MAX_VALUES:
         return strings
-    return n(_STRING.sub(b"", body))
+    return value_bound(_STRING.sub(b"", body))
 
 
 def decode_body(body: bytes | bytearray) -> Any:

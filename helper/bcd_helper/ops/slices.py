@@ -287,10 +287,12 @@ def slice_remove(call: Call, req: SliceRemove) -> dict[str, Any]:
     name = check_slice_name(req.name)
     ident = name[len("bcd-alloc-") : -len(".slice")]
     if not no_roots_possible(call.ctx, None):
+        from bcd_shared import cdi
+
         # With roots a hold the signed spec lists cannot be removed (hold-in-spec), and while its files exist
         # they name this slice: stopping it would let the next job under it run without the signed limits
         # (systemd makes a missing parent slice anew, without any; round 6).
-        for hold in (f"/etc/cdi/bcd-{ident}.json", f"/run/bcd/allocations/{ident}.env"):
+        for hold in (cdi.cdi_spec_path(ident), cdi.env_file_path(ident)):
             if call.system.exists(hold):
                 raise Refused(
                     "hold-exists",
