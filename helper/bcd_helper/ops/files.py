@@ -516,6 +516,21 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
             )
 
 
+def _kubernetes(assignment: Any) -> bool:
+    from bcd_shared import wire
+
+    return bool(assignment.binding == wire.Binding.KUBERNETES)
+
+
+def _sliced(assignment: Any) -> bool:
+    """The planner's DeviceAssignment.sliced: limits, and not a Kubernetes hold (the kubelet's cgroups)."""
+    return assignment.limits is not None and not _kubernetes(assignment)
+
+
+def _slice_of(ident: str) -> str:
+    return f"bcd-alloc-{ident}.slice"
+
+
 def _check_annotations(ident: str, doc: Any, assignment: Any) -> None:
     """A signed hold's annotations are what the planner writes for the assignment (round 6): the slice
     (`bcd.dev/cgroup-parent`, where a workload manager places the workload) only for a sliced hold and
@@ -524,12 +539,10 @@ def _check_annotations(ident: str, doc: Any, assignment: Any) -> None:
     _check_cdi decoded it (allocation id and generation checked there)."""
     from bcd_shared import cdi
 
-    kubernetes = int(assignment.binding) == 2  # Binding.KUBERNETES
-    sliced = assignment.limits is not None and not kubernetes  # the planner's DeviceAssignment.sliced
     want: dict[str, str | None] = {
         cdi.ANN_RESERVATION: assignment.reservation_id,
-        cdi.ANN_CGROUP_PARENT: f"bcd-alloc-{ident}.slice" if sliced else None,
-        cdi.ANN_BINDING: "kubernetes" if kubernetes else None,
+        cdi.ANN_CGROUP_PARENT: _slice_of(ident) if _sliced(assignment) else None,
+        cdi.ANN_BINDING: "kubernetes" if _kubernetes(assignment) else None,
     }
     got = dict(doc.get("annotations") or {})
     for key in sorted(set(got) - {cdi.ANN_ALLOCATION, cdi.ANN_GENERATION} | set(want)):
@@ -647,9 +660,9 @@ def _check_slice_started(call: Call, ident: str, assignment: Any) -> None:
     create it without any. slice.remove leaves it while the hold exists (bcd_helper.ops.slices)."""
     from bcd_helper.ops.slices import populated
 
-    if assignment.limits is None or int(assignment.binding) == 2:  # not sliced (Kubernetes: no slice)
+    if not _sliced(assignment):
         return
-    name = f"bcd-alloc-{ident}.slice"
+    name = _slice_of(ident)
     if populated(call, name) is None:
         raise Refused(
             "slice-missing",
@@ -705,7 +718,7 @@ def _check_signed_env(
     root's MIG devices (asked only when NVIDIA_VISIBLE_DEVICES names something other than a held GPU)."""
     derived = {
         "BCD_ALLOCATION_ID": ident,
-        "BCD_CGROUP_PARENT": f"bcd-alloc-{ident}.slice",
+        "BCD_CGROUP_PARENT": _slice_of(ident),
         "BCD_RESERVATION_ID": assignment.reservation_id,
         "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_DIRECTORY,
     }
