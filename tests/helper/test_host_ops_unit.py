@@ -290,6 +290,22 @@ def test_ping_answers_the_peer_and_the_config(root: Path) -> None:
     assert host.helper_version() != ""
 
 
+def test_ping_reads_the_version_once_per_helper(root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The running code's version: read on the first ping, kept after (an upgrade under a running
+    helper is not what it runs)."""
+    ctx = ctx_of(root)
+    reads: list[str] = []
+
+    def version() -> str:
+        reads.append("read")
+        return f"1.{len(reads)}.0"
+
+    monkeypatch.setattr(host, "helper_version", version)
+    assert [host.ping(call(ctx), Ping())["version"] for _ in range(3)] == ["1.1.0"] * 3
+    assert reads == ["read"]
+    assert host.ping(call(ctx_of(root)), Ping())["version"] == "1.2.0"  # another helper reads its own
+
+
 # --- host.unit's rules ----------------------------------------------------------------------------------
 
 

@@ -136,6 +136,10 @@ class HelperContext:
         # with roots, a guarded instance starts only with its signed rules in it (nft.require_loaded).
         self.nft_loaded: frozenset[Any] = frozenset()
         self._intent_lock = threading.Lock()
+        # helper.ping's version, read from the package metadata on the first ping: the code this process
+        # runs is what was installed when it started (a package upgraded under it shows after the restart
+        # that runs it), and reading the metadata scans sys.path at every call (~0.3 ms a ping).
+        self.version: str | None = None
 
     def intent_verifier(self) -> IntentVerifier:
         """The signed-intent checks, created (and bcd_shared.pki imported) on the first signed op."""
