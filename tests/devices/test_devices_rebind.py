@@ -21,8 +21,8 @@ def _spec(generation: int, *gpus: str) -> DevicesSpec:
 
 def test_Q_DEV_PASS_01_grow_and_shrink_are_written_over_in_place_as_root(host: Host) -> None:
     """Covers Q-DEV-PASS-01 as root: grown from GPU 1 to GPUs 1 and 2, then shrunk back, each pass
-    writes the hold and env file over in place (atomic renames; nothing removed), converges, and sends one AllocationBound with the new atoms (no AllocationReleased); the
-    pass after plans nothing."""
+    writes the hold and env file over in place (atomic renames; nothing removed), converges, and sends
+    one AllocationBound with the new atoms (no AllocationReleased); the pass after plans nothing."""
     g1, g2 = gpu_uuid(0), gpu_uuid(1)
     assert host.run(_spec(1, g1)).state is SectionState.CONVERGED
     for generation, gpus in ((2, (g1, g2)), (3, (g1,))):

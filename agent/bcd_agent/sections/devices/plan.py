@@ -767,7 +767,7 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
             )
         )
 
-    # 2. holds no longer wanted (and kept holds whose atoms or binding changed).
+    # 2. holds no longer wanted (and changed holds that share no atom with their new assignment).
     released_slices: set[str] = set()
     released_atoms: dict[str, tuple[Atom, ...]] = {}
     kept: dict[str, LiveHold] = {}
