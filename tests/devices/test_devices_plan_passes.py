@@ -1362,3 +1362,107 @@ def test_Q_DEV_PASS_04_a_crash_after_a_rebinds_files_sends_its_bound_event_again
             host.apply(st)
     actions = settled(host, s2)
     assert actions[0] == Action("keep:a", "keep", (bound("a", 2, A, B),))
+
+
+def test_Q_DEV_PASS_01_a_changed_hold_is_admitted_as_new_and_its_booking_counts_after_it() -> None:
+    """Covers Q-DEV-PASS-01 with DEV-ADM-04/06: a grown hold's new limits are admitted as a new hold's
+    (against the domains' committed memory and the kept holds' bookings), and then count against the
+    new holds after it; a refused changed hold keeps its running slice's booking (counted too); with
+    host memory unreadable the rebind goes ahead with the warning."""
+    mem = lambda gib: Limits(memory_bytes=gib * GIB)  # noqa: E731
+    host = PlanHost(inventory(), facts={"host_memory": HOST, "domains_committed_bytes": 2 * GIB})
+    settled(host, spec(1, asg("a", A, limits=mem(4)), asg("k", B, limits=mem(4))))
+    # 17 GiB normal memory, 2 committed, k's 4: a's 10 fit, n's 2 then do not (1 GiB left).
+    p = host.step(
+        spec(2, asg("a", A, C, limits=mem(10)), asg("k", B, limits=mem(4)), asg("n", D, limits=mem(2)))
+    )
+    assert [a.key for a in p.actions][:1] == ["rebind:a"]
+    assert p.failures == (
+        Failure(
+            "n",
+            "resources-exhausted",
+            "ResourcesExhausted: 2048 MiB of memory needed, 1024 MiB left on this host",
+        ),
+    )
+    refused = PlanHost(inventory(), facts={"host_memory": HOST})
+    settled(refused, spec(1, asg("a", A, limits=mem(4)), asg("o", B)))
+    # a grows into o's B: refused, its slice keeps 4 GiB, which n (14 GiB of 17) then does not fit beside.
+    p = refused.step(spec(2, asg("a", A, B, limits=mem(4)), asg("o", B), asg("n", D, limits=mem(14))))
+    assert [(f.allocation_id, f.reason) for f in p.failures] == [
+        ("a", "overlap"),
+        ("n", "resources-exhausted"),
+    ]
+    assert (
+        p.failures[1].message == "ResourcesExhausted: 14336 MiB of memory needed, 13312 MiB left on this host"
+    )
+    unread = PlanHost(inventory(), facts={"host_memory": HOST})
+    settled(unread, spec(1, asg("a", A, limits=mem(4))))
+    unread.facts["host_memory"] = None
+    p = unread.step(spec(2, asg("a", A, B, limits=mem(40))))
+    assert [a.key for a in p.actions][:1] == ["rebind:a"] and p.warnings == (ADMISSION_UNREADABLE_WARNING,)
+
+
+def test_Q_DEV_PASS_01_atoms_share_by_roots_rule_a_whole_gpu_and_its_parts() -> None:
+    """Covers Q-DEV-PASS-01's "share an atom" (root's `_overlaps`): a slot and its whole GPU share (in
+    place, either way), two slots of one GPU do not (released and bound again)."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", f"{C}/s0")))
+    assert [a.key for a in settled(host, spec(2, asg("a", C)))][:1] == ["rebind:a"]
+    assert [a.key for a in settled(host, spec(3, asg("a", f"{C}/s1")))][:1] == ["rebind:a"]
+    keys = [a.key for a in settled(host, spec(4, asg("a", f"{C}/s0")))]
+    assert keys[:2] == ["release:a", "bind:a"]
+    assert host.kinds()[-2:] == ["ReleasedEvent", "BoundEvent"]
+
+
+def test_Q_DEV_PASS_01_a_rebind_claims_its_new_atoms_and_frees_only_its_own_old_ones() -> None:
+    """Covers Q-DEV-PASS-01 with DEV-CONF-03/04/05: after a is written over (C's slot s0 kept, B
+    gained), another allocation's slot of C stays claimed by it (a new hold of that slot, or of all of
+    C, is refused naming o), B is a's (a new hold of it names a), a's dropped D is free to a new hold
+    that waits for the rebind, and the plan's holders name a's new atoms."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", f"{C}/s0", D), asg("o", f"{C}/s1")))
+    s2 = spec(
+        2,
+        asg("a", f"{C}/s0", B),
+        asg("o", f"{C}/s1"),
+        asg("n1", f"{C}/s1"),
+        asg("n2", C),
+        asg("n3", B),
+        asg("n4", D),
+    )
+    p = host.step(s2)
+    assert [(f.allocation_id, f.message) for f in p.failures] == [
+        ("n1", f"{C}/s1 is assigned to o"),
+        ("n2", f"{C} has {C}/s1 assigned to o"),  # the first part of C another holds
+        ("n3", f"{B} is assigned to a"),
+    ]
+    assert [(a.key, sorted(a.after)) for a in p.actions][:2] == [("rebind:a", []), ("bind:n4", ["rebind:a"])]
+    assert p.holders == {"a": (f"{C}/s0", B), "o": (f"{C}/s1",), "n4": (D,)}
+
+
+def test_Q_DEV_PASS_01_a_rebind_waits_only_for_what_frees_its_gpus() -> None:
+    """Covers Q-DEV-PASS-01's ordering (`Action.after`): a rebind or bind waits for a rebind only when
+    that one's old hold was on one of its GPUs (a dropped slot's GPU too), never for its own orphan
+    env file's removal (there is none: a bind rewrites it); a changed hold listed twice is written once
+    and its second entry fails `invalid-assignment`."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A, f"{C}/s0"), asg("b", B)))
+    host.envs["n"] = ("BCD_ALLOCATION_ID=n", f"NVIDIA_VISIBLE_DEVICES={C}")  # n's, left without its hold
+    p = host.step(spec(2, asg("a", A), asg("b", B, D), asg("a", A, B), asg("n", f"{C}/s0")))
+    assert [(a.key, sorted(a.after)) for a in p.actions][:3] == [
+        ("rebind:a", []),
+        ("rebind:b", []),
+        ("bind:n", ["rebind:a"]),
+    ]
+    assert [(f.allocation_id, f.reason) for f in p.failures] == [("a", "invalid-assignment")]
+
+
+def test_Q_DEV_PASS_01_a_hold_that_becomes_sliced_starts_its_slice_before_it_names_it() -> None:
+    """Covers Q-DEV-PASS-01 with DEV-SLICE: a plain hold grown into a sliced one starts its slice first
+    (root writes a sliced hold only once its slice runs)."""
+    host = PlanHost(inventory(), facts={"admission": False})
+    settled(host, spec(1, asg("a", A)))
+    new = Limits(cpus="0-1", cpu_millis=1000)
+    steps = settled(host, spec(2, asg("a", A, B, limits=new)))[0].steps
+    assert steps[0] == ApplySlice(slice_spec("a", new))
+    assert [type(st).__name__ for st in steps[1:]] == ["WriteSpec", "WriteEnv", "Emit"]
