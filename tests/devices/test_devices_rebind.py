@@ -38,3 +38,13 @@ def test_Q_DEV_PASS_01_grow_and_shrink_are_written_over_in_place_as_root(host: H
         last = host.events()[-1]
         assert (type(last).__name__, last.device_ids, last.generation) == ("BoundEvent", gpus, generation)
     assert [type(e).__name__ for e in host.events()] == ["BoundEvent"] * 3
+
+
+def test_bcd_plan_lists_a_rebind_as_a_bind_and_no_release(host: Host) -> None:
+    """`bcd plan`'s `binds` / `releases` (bcd_agent.plan.device_changes): a hold written over in place is
+    listed as a bind of its new atoms, and nothing is listed as released."""
+    from bcd_agent.plan import device_changes
+
+    g1, g2 = gpu_uuid(0), gpu_uuid(1)
+    assert host.run(_spec(1, g1)).state is SectionState.CONVERGED
+    assert device_changes(host.section.plan(_spec(2, g1, g2), 2)) == ((f"a: {g1}, {g2}",), ())
