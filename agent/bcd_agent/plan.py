@@ -464,7 +464,7 @@ def device_changes(the_plan: object) -> tuple[tuple[str, ...], tuple[str, ...]]:
     releases: list[str] = []
     for action in the_plan.actions:
         events = [s.event for s in action.steps if isinstance(s, dp.Emit)]
-        if action.kind == "bind":
+        if action.kind in ("bind", "rebind"):  # a rebind: written over in place (Q-DEV-PASS-01)
             alloc = action.key.split(":", 1)[1]
             slices = [s.slice.name for s in action.steps if isinstance(s, dp.ApplySlice)]
             where = f" in {slices[0]}" if slices else ""

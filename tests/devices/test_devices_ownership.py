@@ -61,7 +61,8 @@ def test_DLV_DEV_03_ownership_is_the_cdi_spec(host: Host) -> None:
     out = host.run(DevicesSpec(5, (a, b)))
     assert out.state is SectionState.FAILED and out.message == f"b2: {G0} is assigned to a1"
     # Editing the device (name and annotation) moves ownership: the hold is read as holding G1's slot 3
-    # instead, so the spec's s2 is bound again (released and re-bound in the same pass).
+    # instead, so the spec's s2 is bound again (the hold shares G0 with the spec: written over in place,
+    # Q-DEV-PASS-01).
     path = host.path("/etc/cdi/bcd-a1.json")
     doc = json.loads(path.read_text())
     doc["devices"][1]["name"] = f"{G1}_s3"
@@ -69,4 +70,4 @@ def test_DLV_DEV_03_ownership_is_the_cdi_spec(host: Host) -> None:
     path.write_text(json.dumps(doc))
     host.restart()
     keys = [act.key for act in host.section.plan(DevicesSpec(4, (a,)), 4).actions]
-    assert keys[:2] == ["release:a1", "bind:a1"]
+    assert keys[:2] == ["rebind:a1", "ledger"]

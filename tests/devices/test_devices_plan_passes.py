@@ -400,17 +400,18 @@ def test_DEV_PASS_18_a_gpu_moved_between_allocations_binds_after_its_release() -
     assert [type(e).__name__ for e in host.events[3:]] == ["ReleasedEvent"] * 3 + ["BoundEvent"] * 3
 
 
-def test_Q_DEV_PASS_01_a_kubernetes_hold_whose_binding_changes_is_released_and_bound_again() -> None:
-    """Covers Q-DEV-PASS-01 for the binding: a wanted hold whose binding changed is released (no
-    pending Kubernetes release, since the allocation is still wanted) and bound again."""
+def test_Q_DEV_PASS_01_a_kubernetes_hold_whose_binding_changes_is_written_over_in_place() -> None:
+    """Covers Q-DEV-PASS-01 for the binding: a wanted hold whose binding changed (its atoms the same) is
+    written over in place (no removal, no pending Kubernetes release since the allocation is still
+    wanted, no AllocationReleased), then AllocationBound at the new generation."""
     host = PlanHost(inventory(), facts={"pods_holding": {"k": True}})
     settled(host, spec(1, asg("k", A, binding=KUBE)))
     actions = settled(host, spec(2, asg("k", A)))
-    assert actions[0] == Action(
-        "release:k", "kube-release", (RemoveSpec("k"), RemoveEnv("k"), released("k", 2, A, kube=True))
-    )
-    assert actions[1].key == "bind:k" and actions[1].after == frozenset({"release:k"})
-    assert host.releases == ()
+    assert [(a.key, a.kind) for a in actions] == [("rebind:k", "rebind"), ("ledger", "ledger")]
+    assert [type(st).__name__ for st in actions[0].steps] == ["WriteSpec", "WriteEnv", "Emit"]
+    assert actions[0].steps[-1] == bound("k", 2, A)
+    assert host.releases == () and host.kinds() == ["BoundEvent", "BoundEvent"]
+    assert "bcd.dev/binding" not in host.specs["k"]["annotations"]
 
 
 def test_an_orphan_env_file_left_by_a_crash_goes_before_the_gpu_is_bound_again() -> None:
@@ -922,20 +923,27 @@ def test_with_host_memory_sets_only_the_host() -> None:
     assert with_host_memory(obs, None).host_memory is None
 
 
-def test_Q_DEV_PASS_01_a_held_allocation_whose_entry_became_unsupported_is_released_and_refused() -> None:
+def test_Q_DEV_PASS_01_a_held_allocation_whose_entry_became_unsupported_keeps_its_hold_and_is_refused() -> (
+    None
+):
     """A hold is kept only for the same supported binding and the same well-formed atoms: an entry now
-    naming the same id with a class that cannot be held, or an unsupported binding, releases the hold
-    and is refused (DEV-FAIL-03, DEV-FAIL-01)."""
+    naming the same id with a class that cannot be held, or an unsupported binding, is refused
+    (DEV-FAIL-03, DEV-FAIL-01); its old hold shares the atom, so it stays as it is (never removed while
+    the spec lists the allocation: root would refuse that `hold-in-spec`), as a refused limit change
+    does (Q-DEV-ADM-04). One AllocationFailed per generation."""
     host = PlanHost(inventory())
     settled(host, spec(1, asg("a", A), asg("b", B)))
+    before = dict(host.specs)
     bad_class = DeviceAssignment("a", "rsv_a", HOLD, (DeviceRef(A, "nic.vf"),))
-    p = host.step(spec(2, bad_class, asg("b", B, binding="BINDING_INSTANCE")))
-    assert [a.key for a in p.actions] == ["release:a", "release:b", "failures", "ledger"]
-    assert [(f.allocation_id, f.reason) for f in p.failures] == [
+    s2 = spec(2, bad_class, asg("b", B, binding="BINDING_INSTANCE"))
+    actions = settled(host, s2)
+    assert [a.key for a in actions] == ["failures", "ledger"]
+    assert [(f.allocation_id, f.reason) for f in host.plan(s2).failures] == [
         ("a", "unsupported-device"),
         ("b", "unsupported-binding"),
     ]
-    assert host.specs == {} and host.ledger == Ledger({}, {"a": 2, "b": 2})
+    assert host.specs == before and host.ledger == Ledger({"a": 1, "b": 1}, {"a": 2, "b": 2})
+    assert host.plan(s2).holders == {"a": (A,), "b": (B,)}
 
 
 # --- the survivors of the first mutation runs (docs/mutation.md, "devices plan") ----------------------
@@ -1198,3 +1206,263 @@ def test_a_kept_hold_whose_slice_limits_were_not_read_is_not_admitted_again() ->
     host.facts["domains_committed_bytes"] = GIB
     p = host.plan(spec(2, *holds))
     assert p.empty and p.failures == ()
+
+
+# --- a kept hold whose atoms change and share one: written over in place (Q-DEV-PASS-01) -----------
+
+
+def visible(lines: Any) -> set[str]:
+    from bcd_shared import cdi
+
+    return set(cdi.visible_device_names(tuple(lines)))
+
+
+def crash_safe(host: PlanHost, s: DevicesSpec, key: str) -> None:
+    """Apply `key`'s steps one by one on copies of `host`: after every prefix (a crash there), the env
+    file names no device its CDI hold does not (root's busy check reads the hold, NVIDIA's legacy hook
+    the env file), and the pass after converges."""
+    from copy import deepcopy
+
+    steps = only_step(host.plan(s).actions, key).steps
+    for n in range(len(steps) + 1):
+        crashed = deepcopy(host)
+        for st in steps[:n]:
+            crashed.apply(st)
+        alloc = key.split(":", 1)[1]
+        doc_env = crashed.specs[alloc]["containerEdits"]["env"]
+        held = visible(doc_env)
+        if A in held:
+            held.add(MIG_A)  # a whole GPU covers its MIG devices
+        assert visible(crashed.envs[alloc]) <= held, (n, steps[:n])
+        settled(crashed, s)
+        assert crashed.plan(s).empty
+
+
+def test_Q_DEV_PASS_01_a_grown_hold_is_written_over_in_place_hold_first() -> None:
+    """Covers Q-DEV-PASS-01: a hold grown from GPU A to A and B shares A: no release, the CDI hold is
+    written over first (its atoms then cover what the old env file names), then the env file, then one
+    AllocationBound with both atoms at the new generation; the pass after plans nothing, and a crash
+    between any two steps converges too."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A)))
+    s2 = spec(2, asg("a", A, B))
+    crash_safe(host, s2, "rebind:a")
+    actions = settled(host, s2)
+    assert [(a.key, a.kind, a.after) for a in actions] == [
+        ("rebind:a", "rebind", frozenset()),
+        ("ledger", "ledger", frozenset()),
+    ]
+    steps = actions[0].steps
+    assert [type(st).__name__ for st in steps] == ["WriteSpec", "WriteEnv", "Emit"]
+    assert steps[0] == WriteSpec("a", host.specs["a"]) and steps[-1] == bound("a", 2, A, B)
+    assert host.specs["a"]["annotations"]["bcd.dev/generation"] == "2"
+    assert host.envs["a"][-1] == f"NVIDIA_VISIBLE_DEVICES={A},{B}"
+    assert host.kinds() == ["BoundEvent", "BoundEvent"] and host.ledger == Ledger({"a": 2}, {})
+
+
+def test_Q_DEV_PASS_01_a_shrunk_hold_is_written_over_in_place_env_file_first() -> None:
+    """Covers Q-DEV-PASS-01: shrunk from A and B to A, the env file goes first (it then names only A,
+    which the old hold still covers), then the hold; no AllocationReleased (the allocation never stopped
+    holding A); a new hold of B in the same pass, listed before it, binds B after it."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A, B)))
+    s2 = spec(2, asg("n", B), asg("a", A))
+    crash_safe(host, s2, "rebind:a")
+    actions = settled(host, s2)
+    assert [(a.key, sorted(a.after)) for a in actions] == [
+        ("rebind:a", []),
+        ("bind:n", ["rebind:a"]),
+        ("ledger", []),
+    ]
+    assert [type(st).__name__ for st in actions[0].steps] == ["WriteEnv", "WriteSpec", "Emit"]
+    assert actions[0].steps[-1] == bound("a", 2, A)
+    assert host.envs["a"][-1] == f"NVIDIA_VISIBLE_DEVICES={A}"
+    assert host.kinds() == ["BoundEvent", "BoundEvent", "BoundEvent"]
+    assert host.ledger == Ledger({"a": 2, "n": 2}, {})
+
+
+def test_Q_DEV_PASS_01_a_hold_that_drops_and_gains_writes_the_shared_atoms_env_first() -> None:
+    """Covers Q-DEV-PASS-01: A and B to A and C: the env file first names A only (the atoms both holds
+    share), then the hold, then the env file with A and C, so no instant has it name B without a hold
+    or C before the hold; a MIG UUID under a whole GPU alike."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A, B)))
+    s2 = spec(2, asg("a", A, C))
+    crash_safe(host, s2, "rebind:a")
+    steps = settled(host, s2)[0].steps
+    assert [type(st).__name__ for st in steps] == ["WriteEnv", "WriteSpec", "WriteEnv", "Emit"]
+    assert steps[0].lines[-1] == f"NVIDIA_VISIBLE_DEVICES={A}"
+    assert steps[2].lines[-1] == f"NVIDIA_VISIBLE_DEVICES={A},{C}"
+    mig = f"{A}/gi1/ci0"
+    s3 = spec(3, asg("a", mig, D))
+    crash_safe(host, s3, "rebind:a")
+    steps = settled(host, s3)[0].steps
+    assert [type(st).__name__ for st in steps] == ["WriteEnv", "WriteSpec", "WriteEnv", "Emit"]
+    assert steps[0].lines[-1] == f"NVIDIA_VISIBLE_DEVICES={MIG_A}"
+
+
+def test_Q_DEV_PASS_01_DEV_CONF_03_a_hold_grown_into_another_allocations_gpu_is_refused_and_kept() -> None:
+    """Covers DEV-CONF-03 for a changed hold: grown into B, which allocation o holds, it is refused
+    `overlap` naming o (checked as a new hold), and its old hold stays exactly as it was (its files,
+    its ledger entry); one AllocationFailed at that generation. Once the spec releases o, the next
+    generation writes it over in place after o's release."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A), asg("o", B)))
+    before = (dict(host.specs), dict(host.envs))
+    s2 = spec(2, asg("a", A, B), asg("o", B))
+    actions = settled(host, s2)
+    assert [a.key for a in actions] == ["failures", "ledger"]
+    assert actions[0].steps == (
+        Emit(FailedEvent("a", "rsv_a", 2, "overlap", f"{B} is assigned to o", (A, B))),
+    )
+    assert (host.specs, host.envs) == before and host.ledger == Ledger({"a": 1, "o": 1}, {"a": 2})
+    actions = settled(host, spec(3, asg("a", A, B)))
+    assert [(a.key, sorted(a.after)) for a in actions][:2] == [("release:o", []), ("rebind:a", ["release:o"])]
+    assert host.ledger == Ledger({"a": 3}, {})
+
+
+def test_Q_DEV_PASS_01_two_changed_holds_that_swap_a_gpu_converge_in_one_pass() -> None:
+    """Covers Q-DEV-PASS-01: b (C to C and B), listed first, takes the B that a (A and B to A) drops:
+    refused on the first try (a still holds B), it is checked again once a passes, and its rebind
+    waits for a's. Nothing fails."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A, B), asg("b", C)))
+    actions = settled(host, spec(2, asg("b", C, B), asg("a", A)))
+    assert [(a.key, sorted(a.after)) for a in actions] == [
+        ("rebind:a", []),
+        ("rebind:b", ["rebind:a"]),
+        ("ledger", []),
+    ]
+    assert "FailedEvent" not in host.kinds()
+
+
+def test_Q_DEV_PASS_01_a_sliced_hold_whose_atoms_and_limits_change_gets_its_slice_first() -> None:
+    """Covers Q-DEV-PASS-01 with a slice: grown from A to A and B while its limits change, the running
+    slice gets the new ones (the dropped properties reset) before the hold is written over; the slice
+    is never stopped."""
+    host = PlanHost(inventory(), facts={"admission": False})
+    settled(host, spec(1, asg("a", A, limits=LIMITS)))
+    new = Limits(cpus="0-1", cpu_millis=1000)
+    actions = settled(host, spec(2, asg("a", A, B, limits=new)))
+    steps = actions[0].steps
+    assert [type(st).__name__ for st in steps] == ["ApplySlice", "WriteSpec", "WriteEnv", "Emit"]
+    assert steps[0].slice == slice_spec("a", new) and "MemoryMax" in steps[0].reset
+    assert host.stopped == [] and steps[-1] == bound("a", 2, A, B, parent=SLICE)
+
+
+def test_Q_DEV_PASS_04_a_crash_after_a_rebinds_files_sends_its_bound_event_again() -> None:
+    """Covers Q-DEV-PASS-04 for a rebind: the files written over and the crash before the event and the
+    ledger: the next pass sees the hold kept at the new generation while the ledger has the old one,
+    and sends AllocationBound again (at least once)."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A)))
+    s2 = spec(2, asg("a", A, B))
+    for st in only_step(host.plan(s2).actions, "rebind:a").steps:
+        if not isinstance(st, Emit):
+            host.apply(st)
+    actions = settled(host, s2)
+    assert actions[0] == Action("keep:a", "keep", (bound("a", 2, A, B),))
+
+
+def test_Q_DEV_PASS_01_a_changed_hold_is_admitted_as_new_and_its_booking_counts_after_it() -> None:
+    """Covers Q-DEV-PASS-01 with DEV-ADM-04/06: a grown hold's new limits are admitted as a new hold's
+    (against the domains' committed memory and the kept holds' bookings), and then count against the
+    new holds after it; a refused changed hold keeps its running slice's booking (counted too); with
+    host memory unreadable the rebind goes ahead with the warning."""
+    mem = lambda gib: Limits(memory_bytes=gib * GIB)  # noqa: E731
+    host = PlanHost(inventory(), facts={"host_memory": HOST, "domains_committed_bytes": 2 * GIB})
+    settled(host, spec(1, asg("a", A, limits=mem(4)), asg("k", B, limits=mem(4))))
+    # 17 GiB normal memory, 2 committed, k's 4: a's 10 fit, n's 2 then do not (1 GiB left).
+    p = host.step(
+        spec(2, asg("a", A, C, limits=mem(10)), asg("k", B, limits=mem(4)), asg("n", D, limits=mem(2)))
+    )
+    assert [a.key for a in p.actions][:1] == ["rebind:a"]
+    assert p.failures == (
+        Failure(
+            "n",
+            "resources-exhausted",
+            "ResourcesExhausted: 2048 MiB of memory needed, 1024 MiB left on this host",
+        ),
+    )
+    refused = PlanHost(inventory(), facts={"host_memory": HOST})
+    settled(refused, spec(1, asg("a", A, limits=mem(4)), asg("o", B)))
+    # a grows into o's B: refused, its slice keeps 4 GiB, which n (14 GiB of 17) then does not fit beside.
+    p = refused.step(spec(2, asg("a", A, B, limits=mem(4)), asg("o", B), asg("n", D, limits=mem(14))))
+    assert [(f.allocation_id, f.reason) for f in p.failures] == [
+        ("a", "overlap"),
+        ("n", "resources-exhausted"),
+    ]
+    assert (
+        p.failures[1].message == "ResourcesExhausted: 14336 MiB of memory needed, 13312 MiB left on this host"
+    )
+    unread = PlanHost(inventory(), facts={"host_memory": HOST})
+    settled(unread, spec(1, asg("a", A, limits=mem(4))))
+    unread.facts["host_memory"] = None
+    p = unread.step(spec(2, asg("a", A, B, limits=mem(40))))
+    assert [a.key for a in p.actions][:1] == ["rebind:a"] and p.warnings == (ADMISSION_UNREADABLE_WARNING,)
+
+
+def test_Q_DEV_PASS_01_atoms_share_by_roots_rule_a_whole_gpu_and_its_parts() -> None:
+    """Covers Q-DEV-PASS-01's "share an atom" (root's `_overlaps`): a slot and its whole GPU share (in
+    place, either way), two slots of one GPU do not (released and bound again)."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", f"{C}/s0")))
+    assert [a.key for a in settled(host, spec(2, asg("a", C)))][:1] == ["rebind:a"]
+    assert [a.key for a in settled(host, spec(3, asg("a", f"{C}/s1")))][:1] == ["rebind:a"]
+    keys = [a.key for a in settled(host, spec(4, asg("a", f"{C}/s0")))]
+    assert keys[:2] == ["release:a", "bind:a"]
+    assert host.kinds()[-2:] == ["ReleasedEvent", "BoundEvent"]
+
+
+def test_Q_DEV_PASS_01_a_rebind_claims_its_new_atoms_and_frees_only_its_own_old_ones() -> None:
+    """Covers Q-DEV-PASS-01 with DEV-CONF-03/04/05: after a is written over (C's slot s0 kept, B
+    gained), another allocation's slot of C stays claimed by it (a new hold of that slot, or of all of
+    C, is refused naming o), B is a's (a new hold of it names a), a's dropped D is free to a new hold
+    that waits for the rebind, and the plan's holders name a's new atoms."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", f"{C}/s0", D), asg("o", f"{C}/s1")))
+    s2 = spec(
+        2,
+        asg("a", f"{C}/s0", B),
+        asg("o", f"{C}/s1"),
+        asg("n1", f"{C}/s1"),
+        asg("n2", C),
+        asg("n3", B),
+        asg("n4", D),
+    )
+    p = host.step(s2)
+    assert [(f.allocation_id, f.message) for f in p.failures] == [
+        ("n1", f"{C}/s1 is assigned to o"),
+        ("n2", f"{C} has {C}/s1 assigned to o"),  # the first part of C another holds
+        ("n3", f"{B} is assigned to a"),
+    ]
+    assert [(a.key, sorted(a.after)) for a in p.actions][:2] == [("rebind:a", []), ("bind:n4", ["rebind:a"])]
+    assert p.holders == {"a": (f"{C}/s0", B), "o": (f"{C}/s1",), "n4": (D,)}
+
+
+def test_Q_DEV_PASS_01_a_rebind_waits_only_for_what_frees_its_gpus() -> None:
+    """Covers Q-DEV-PASS-01's ordering (`Action.after`): a rebind or bind waits for a rebind only when
+    that one's old hold was on one of its GPUs (a dropped slot's GPU too), never for its own orphan
+    env file's removal (there is none: a bind rewrites it); a changed hold listed twice is written once
+    and its second entry fails `invalid-assignment`."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A, f"{C}/s0"), asg("b", B)))
+    host.envs["n"] = ("BCD_ALLOCATION_ID=n", f"NVIDIA_VISIBLE_DEVICES={C}")  # n's, left without its hold
+    p = host.step(spec(2, asg("a", A), asg("b", B, D), asg("a", A, B), asg("n", f"{C}/s0")))
+    assert [(a.key, sorted(a.after)) for a in p.actions][:3] == [
+        ("rebind:a", []),
+        ("rebind:b", []),
+        ("bind:n", ["rebind:a"]),
+    ]
+    assert [(f.allocation_id, f.reason) for f in p.failures] == [("a", "invalid-assignment")]
+
+
+def test_Q_DEV_PASS_01_a_hold_that_becomes_sliced_starts_its_slice_before_it_names_it() -> None:
+    """Covers Q-DEV-PASS-01 with DEV-SLICE: a plain hold grown into a sliced one starts its slice first
+    (root writes a sliced hold only once its slice runs)."""
+    host = PlanHost(inventory(), facts={"admission": False})
+    settled(host, spec(1, asg("a", A)))
+    new = Limits(cpus="0-1", cpu_millis=1000)
+    steps = settled(host, spec(2, asg("a", A, B, limits=new)))[0].steps
+    assert steps[0] == ApplySlice(slice_spec("a", new))
+    assert [type(st).__name__ for st in steps[1:]] == ["WriteSpec", "WriteEnv", "Emit"]

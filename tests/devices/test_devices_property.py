@@ -5,7 +5,9 @@ KUBERNETES and unsupported ones; limits (cpus/cpu_millis: no admission); VMs hol
 side sometimes holding released devices. After every pass: no atom is held twice, a whole GPU and a
 part of it are never held by different allocations, every wanted hold that passed its checks has its
 files and its AllocationBound, every refused one has exactly one AllocationFailed for that generation
-with the first failing reason (an independent model computes it), and a second pass plans nothing.
+with the first failing reason (an independent model computes it), and a second pass plans nothing. A
+changed hold that shares an atom with its new entry is checked first and written over in place, or kept
+as it was when refused (Q-DEV-PASS-01).
 """
 
 from __future__ import annotations
@@ -115,6 +117,11 @@ def expected_reason(
     return None
 
 
+def overlap(a: str, b: str) -> bool:
+    """Root's rule for two atoms one allocation cannot give up without the other."""
+    return a == b or (gpu_of(a) == gpu_of(b) and (a == gpu_of(a) or b == gpu_of(b)))
+
+
 def check_invariants(
     host: Host,
     spec: DevicesSpec,
@@ -159,11 +166,46 @@ def check_invariants(
     for alloc, h in holds.items():
         if h.record.kubernetes is False and alloc not in wanted:
             raise AssertionError(f"{alloc} is held but not wanted")
-    seen: set[str] = set()
     fails = [e for e in host.events("FailedEvent") if e.generation == spec.generation]  # type: ignore[attr-defined]
     bound = {e.allocation_id for e in host.events("BoundEvent")}  # type: ignore[attr-defined]
+    # Changed holds sharing an atom with their new entry (Q-DEV-PASS-01): claimed with their old atoms,
+    # checked first (again while another passes); one that passes holds its new atoms, one that fails
+    # keeps its old hold and has its AllocationFailed.
+    changed = {
+        alloc: ids
+        for alloc, (_binding, ids) in before_holds.items()
+        if alloc in wanted
+        and alloc not in kept
+        and any(overlap(d.id, i) for d in wanted[alloc].devices for i in ids)
+    }
+    for alloc, ids in changed.items():
+        claims.update({i: alloc for i in ids})
+    todo = [
+        wanted[alloc]
+        for alloc in dict.fromkeys(a.allocation_id for a in spec.assignments)
+        if alloc in changed
+    ]
+    while todo:
+        left = [a for a in todo if expected_reason(a, claims, vfio, set()) is not None]
+        for a in todo:
+            if a not in left:
+                for k in [k for k, o in claims.items() if o == a.allocation_id]:
+                    del claims[k]
+                claims.update({d.id: a.allocation_id for d in a.devices})
+                assert holds[a.allocation_id].record.device_ids == tuple(d.id for d in a.devices)
+                assert a.allocation_id in bound
+                assert not [f for f in fails if f.allocation_id == a.allocation_id]  # type: ignore[attr-defined]
+        if len(left) == len(todo):
+            break
+        todo = left
+    for a in todo:
+        reason = expected_reason(a, claims, vfio, set())
+        assert holds[a.allocation_id].record.device_ids == changed[a.allocation_id]  # kept as it was
+        mine = [f for f in fails if f.allocation_id == a.allocation_id]  # type: ignore[attr-defined]
+        assert len(mine) == 1 and mine[0].reason == reason, (a, reason, mine)  # type: ignore[attr-defined]
+    seen: set[str] = set()
     for a in spec.assignments:
-        if a.allocation_id in kept and a.allocation_id not in seen:
+        if a.allocation_id in (kept | set(changed)) and a.allocation_id not in seen:
             seen.add(a.allocation_id)
             assert a.allocation_id in holds
             continue

@@ -18,7 +18,7 @@ import pytest
 from hostilekit import vm_hwm_kib
 from intentkit import ControlPlane, devices_spec, hold_text, intent
 from realnode import RealNode
-from test_signed_holds import NODE, cdi_doc, devices_body, env_doc
+from test_signed_holds import NODE, cdi_doc, devices_body, env_doc, remove_doc
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def _clear(node: RealNode, spec: dict[str, Any]) -> None:
     """Remove the holds and env files earlier tests of this module left, under `spec` (which does not list
     them): the module shares one helper, and root refuses a hold naming an atom another hold or env file
     names (row 7)."""
-    for ident in ("w1", "w2", "w3", "w4", "w6", "w7", "w8", "w9"):
+    for ident in ("w1", "w2", "w3", "w4", "w6", "w7", "w8", "w9", "w10", "w11"):
         for kind in ("cdi", "allocation-env"):
             node.ok({"op": "file.remove", "args": {"kind": kind, "id": ident, "intent": spec}})
 
@@ -580,8 +580,8 @@ def test_round6_a_kept_hold_moved_to_other_gpus_converges(devices: SignedDevices
     The node's devices section (through a real helper with command-signing roots) releases a's old hold
     and binds it again on GPU 1 in one pass (Q-DEV-PASS-01); root lets the old file go, since none of its
     atoms is a's any more: converged in that pass, nothing refused, the hold names GPU 1 only, and the
-    next pass writes nothing. (A change that keeps an atom, GPU 1 -> GPUs 1 and 2, is refused
-    `hold-in-spec` and does not converge yet: docs/helper.md round 6, "Found and not closed".)"""
+    next pass writes nothing. (A change that keeps an atom is written over in place instead:
+    `test_round6_a_kept_hold_that_grows_or_shrinks_converges_written_over_in_place`.)"""
     from bcd_agent.converge.types import SectionState
     from bcd_simhost.gpus import gpu_uuid
 
@@ -600,3 +600,90 @@ def test_round6_a_kept_hold_moved_to_other_gpus_converges(devices: SignedDevices
     assert devices.converge(2, {"a": [g1]}) is SectionState.CONVERGED and devices.file_ops() == ops
     assert devices.converge(3, {"a": [g2, g3]}) is SectionState.CONVERGED  # moved to two others at once
     assert held() == [g2, g3] and refusals() == []
+
+
+def test_round6_a_kept_hold_that_grows_or_shrinks_converges_written_over_in_place(
+    devices: SignedDevices,
+) -> None:
+    """Found by the lead after round 6 (docs/helper.md, "Found and not closed" then): the spec keeps
+    allocation a and grows it from GPU 1 to GPUs 1 and 2, later shrinks it back. The planner released the
+    old hold before binding the new (Q-DEV-PASS-01) and root refused that removal `hold-in-spec` (GPU 1 would
+    have looked free to the busy check until the bind), on every pass: never converged. Now the node's
+    devices section (through a real helper with command-signing roots) writes the hold over in place
+    (root's `atoms-held` does not count a's own hold and env file against it): each change converges in
+    its pass with nothing refused, and the pass after writes nothing. The control plane sees one
+    AllocationBound per change (the new atoms), no AllocationReleased."""
+    from bcd_agent.converge.types import SectionState
+    from bcd_simhost.gpus import gpu_uuid
+
+    def held() -> list[str]:
+        doc = json.loads((devices.root / "etc/cdi/bcd-a.json").read_text())
+        return [d["annotations"]["bcd.dev/device-id"] for d in doc["devices"]]
+
+    def visible() -> str:
+        lines = (devices.root / "run/bcd/allocations/a.env").read_text().splitlines()
+        return next(line for line in lines if line.startswith("NVIDIA_VISIBLE_DEVICES="))
+
+    g1, g2 = gpu_uuid(0), gpu_uuid(1)
+    assert devices.converge(1, {"a": [g1]}) is SectionState.CONVERGED
+    for generation, gpus in ((2, [g1, g2]), (3, [g1])):  # grown, then shrunk
+        assert devices.converge(generation, {"a": gpus}) is SectionState.CONVERGED, generation
+        assert held() == gpus and visible() == "NVIDIA_VISIBLE_DEVICES=" + ",".join(gpus)
+        assert [a for a in devices.audit() if a["decision"] == "refused"] == []
+        ops = devices.file_ops()
+        assert devices.converge(generation, {"a": gpus}) is SectionState.CONVERGED
+        assert devices.file_ops() == ops  # nothing left to write
+    removals = [a for a in devices.audit() if a["op"] == "file.remove"]
+    assert removals == []  # written over, never removed
+    events = [type(e.event).__name__ for e in devices.section.sink.events]  # type: ignore[attr-defined]
+    assert events == ["BoundEvent"] * 3
+
+
+def test_round6_the_in_place_path_frees_no_gpu_and_takes_no_other_allocations_atom(
+    signed_node: RealNode, cp: ControlPlane
+) -> None:
+    """The hostile side of writing a changed hold over in place, as the node's account against the real
+    helper with roots: root takes w10's own hold and env file as no obstacle to its new hold (so the
+    honest node converges), and nothing else. Under the spec that grows w10 to GPUs 1 and 2, a hold or
+    env file also naming w11's GPU 3 is `atoms-outside` / `env-outside` (and `atoms-held`, naming w11's
+    hold, when a signed spec gives GPU 3 to both); once grown, writing it over with GPU 1 only (GPU 2
+    then looking free) is `atoms-missing` and a signed reset of GPU 2 stays `gpu-busy`; the spec before
+    the growth is `stale-generation`. Shrinking back, the env file goes first: GPU 2 stays busy while the
+    old hold names it, and removing the hold the spec lists is `hold-in-spec`."""
+    from bcd_shared import wire
+    from test_signed_commands import command, reset
+
+    gpu3 = "GPU-5f1c2a90-0000-4000-8000-000000000003"
+    worker = cp.command.leaf()
+    _clear(signed_node, intent(worker, devices_body(60, {})))
+
+    def w10(*gpus: str) -> str:
+        return hold_text("w10", [(g, None) for g in gpus], ["BCD_ALLOCATION_ID=w10"])
+
+    def env(*gpus: str) -> str:
+        return f"BCD_RESERVATION_ID=r1\nNVIDIA_VISIBLE_DEVICES={','.join(gpus)}\n"
+
+    first = intent(worker, devices_body(60, {"w10": [GPU1], "w11": [gpu3]}))
+    signed_node.ok(cdi_doc("w10", w10(GPU1), first))
+    signed_node.ok(env_doc("w10", env(GPU1), first))
+    signed_node.ok(cdi_doc("w11", hold_text("w11", [(gpu3, None)], ["BCD_ALLOCATION_ID=w11"]), first))
+    signed_node.ok(env_doc("w11", env(gpu3), first))
+    grown = intent(worker, devices_body(61, {"w10": [GPU1, GPU2], "w11": [gpu3]}))
+    signed_node.refused(cdi_doc("w10", w10(GPU1, GPU2, gpu3), grown), "atoms-outside", gpu3)
+    signed_node.refused(env_doc("w10", env(GPU1, GPU2, gpu3), grown), "env-outside")
+    # The honest grow: the hold over its own old hold and env file (not another's), then the env file.
+    signed_node.ok(cdi_doc("w10", w10(GPU1, GPU2), grown))
+    signed_node.ok(env_doc("w10", env(GPU1, GPU2), grown))
+    # Written over in place again with GPU 1 only, GPU 2 would look free: refused, and it stays busy.
+    signed_node.refused(cdi_doc("w10", w10(GPU1), grown), "atoms-missing", GPU2)
+    busy = command(worker, "gpu.reset", wire.GpuResetRequest(gpu_uuids=[GPU2]))
+    signed_node.refused(reset([GPU2], busy), "gpu-busy", "w10")
+    signed_node.refused(cdi_doc("w10", w10(GPU1), first), "stale-generation")
+    twice = intent(worker, devices_body(62, {"w10": [GPU1, GPU2, gpu3], "w11": [gpu3]}))
+    signed_node.refused(cdi_doc("w10", w10(GPU1, GPU2, gpu3), twice), "atoms-held", "w11")
+    shrunk = intent(worker, devices_body(63, {"w10": [GPU1], "w11": [gpu3]}))
+    signed_node.refused(remove_doc("cdi", "w10", shrunk), "hold-in-spec")
+    signed_node.ok(env_doc("w10", env(GPU1), shrunk))  # the env file first: the hold still names GPU 2
+    still = command(worker, "gpu.reset", wire.GpuResetRequest(gpu_uuids=[GPU2]))
+    signed_node.refused(reset([GPU2], still), "gpu-busy", "w10")
+    signed_node.ok(cdi_doc("w10", w10(GPU1), shrunk))

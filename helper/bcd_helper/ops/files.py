@@ -575,7 +575,9 @@ def _check_not_held(call: Call, ident: str, assignment: Any) -> None:
     its env file's NVIDIA_VISIBLE_DEVICES, the GPU through NVIDIA's legacy runtime hook). Root's own
     view of /etc/cdi and /run/bcd/allocations, as the busy check reads them; a file root cannot parse
     holds every atom (fail closed). The node's planner removes both before it binds (an env file left
-    without its hold too: docs/devices.md "Orphan env files")."""
+    without its hold too: docs/devices.md "Orphan env files"). The allocation's own hold and env file
+    are not counted: the planner writes a changed hold that shares an atom over them in place
+    (Q-DEV-PASS-01), and `atoms-missing` keeps that from leaving out an atom the spec gives."""
     from bcd_shared import cdi
 
     atoms = [a.id for a in assignment.devices]

@@ -24,8 +24,11 @@ One pass, in the seeds' order (devices-and-holds.md, "One pass"):
    (slice, spec, env file, AllocationBound) and its atoms count against the holds after it.
 6. One AllocationFailed per failed allocation and generation (once: the ledger remembers).
 
-A kept hold whose atoms or binding changed is released (2) and bound again as new (5) in the same
-pass (Q-DEV-PASS-01). The plan is a tuple of Actions; the applier runs each action's steps in order and
+A kept hold whose atoms or binding changed is checked as a new hold. When its old and new atoms share
+one it is written over in place (5a, "rebind", before the new holds: an atomic rename replaces each
+file, so no instant leaves the shared GPU unheld; only AllocationBound is sent; refused, the old hold
+stays as it is); when they share none it is released (2) and bound again as new (5) in the same pass
+(Q-DEV-PASS-01). The plan is a tuple of Actions; the applier runs each action's steps in order and
 stops an action at its first failed step (no event is sent for a bind whose files are not all in place).
 """
 
@@ -261,7 +264,8 @@ class Action:
     the hold whose atoms it takes)."""
 
     key: str
-    kind: str  # "release", "kube-release", "slice", "keep", "bind", "report", "ledger", "releases"
+    # "release", "kube-release", "slice", "keep", "bind", "rebind", "report", "ledger", "releases"
+    kind: str
     steps: tuple[Step, ...]
     after: frozenset[str] = frozenset()
 
@@ -374,6 +378,12 @@ class Claims:
         self.parts_of: dict[str, list[tuple[str, str]]] = {}
         self.vfio = dict(vfio)
         self.all_owner = all_owner
+
+    def drop(self, owner: str) -> None:
+        """Forget what `owner` claims (a hold written over in place claims its new atoms instead)."""
+        self.whole = {g: o for g, o in self.whole.items() if o != owner}
+        self.parts = {p: o for p, o in self.parts.items() if o != owner}
+        self.parts_of = {g: [(p, o) for p, o in ps if o != owner] for g, ps in self.parts_of.items()}
 
     def add(self, owner: str, atoms: tuple[Atom, ...]) -> None:
         for a in atoms:
@@ -500,6 +510,25 @@ def _same_hold(want: DeviceAssignment, rec: HoldRecord) -> bool:
         isinstance(parse_atom(d), Atom) for d in want.devices
     )
     return same_binding and same_atoms
+
+
+def _overlap_atom(a: Atom, b: Atom) -> bool:
+    """Two atoms one allocation cannot give up without the other (root's `_overlaps`): the same atom, or
+    a whole GPU and any atom of it."""
+    return a.id == b.id or (a.gpu == b.gpu and (a.whole or b.whole))
+
+
+def _shares_atom(want: DeviceAssignment, rec: HoldRecord) -> bool:
+    """Whether the hold on disk and the assignment share an atom by root's rule (`_overlaps` in
+    bcd_helper.ops.files, on the ids as the signed spec lists them, whatever their class): the hold is
+    then written over in place (with roots, root refuses its removal while the spec gives the
+    allocation a shared atom), or kept as it is when the assignment is refused."""
+    return any(_overlap_id(d.id, i) for d in want.devices for i in rec.device_ids)
+
+
+def _overlap_id(a: str, b: str) -> bool:
+    ga, gb = a.split("/")[0], b.split("/")[0]
+    return a == b or (ga == gb and (a == ga or b == gb))
 
 
 def _changing_slice(want: DeviceAssignment, slices: Mapping[str, SliceState]) -> SliceSpec | None:
@@ -738,16 +767,20 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
             )
         )
 
-    # 2. holds no longer wanted (and kept holds whose atoms or binding changed).
+    # 2. holds no longer wanted (and changed holds that share no atom with their new assignment).
     released_slices: set[str] = set()
     released_atoms: dict[str, tuple[Atom, ...]] = {}
     kept: dict[str, LiveHold] = {}
+    changed: dict[str, LiveHold] = {}
     for alloc in sorted(obs.holds):
         hold = obs.holds[alloc]
         rec = hold.record
         want = wanted.get(alloc)
         if want is not None and _same_hold(want, rec):
             kept[alloc] = hold
+            continue
+        if want is not None and _shares_atom(want, rec):
+            changed[alloc] = hold  # written over in place (5), never removed
             continue
         atoms = tuple(atom_from_id(i) for i in rec.device_ids)
         released_atoms[alloc] = atoms
@@ -826,19 +859,66 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
                 steps.append(WriteEnv(alloc, lines))
         elif hold.env_lines is None:
             warnings.append(f"{alloc}: its devices are not in the inventory; env file not rewritten")
-        if bound.get(alloc) is None:
+        if bound.get(alloc) != rec.generation:
+            # Owed: never sent, or a crash after a rebind's files and before the ledger (the hold's
+            # generation is the rebind's).
             steps.append(Emit(bound_event(want, atoms, rec.generation)))
             bound[alloc] = rec.generation
         if steps:
             actions.append(Action(f"keep:{alloc}", "keep", tuple(steps)))
     for r in releases:
         pending_devices.add(r.allocation_id, tuple(atom_from_id(i) for i in r.device_ids))
+    for alloc, hold in changed.items():
+        pending_devices.add(alloc, tuple(atom_from_id(i) for i in hold.record.device_ids))
     claims = pending_devices
+
+    # 5a. changed holds sharing an atom with their new assignment (Q-DEV-PASS-01), before the new
+    # holds, so that the atoms they drop are free to those. Each is checked as a new hold against the
+    # claims (its own old atoms excepted); one that passes is written over in place, and then claims
+    # its new atoms; one that fails keeps its old hold and files (its AllocationFailed once per
+    # generation). A refused one is checked again while another passes (two that swap a GPU).
+    rebinds: dict[str, frozenset[str]] = {}  # admitted, by allocation: the GPUs of their old holds
+    todo = [a for a in _firsts(spec.assignments) if a.allocation_id in changed]
+    last: dict[str, Refusal] = {}
+    while todo:
+        left: list[DeviceAssignment] = []
+        for a in todo:
+            checked = _check(a, obs, claims, set(), committed, takers, warnings)
+            if isinstance(checked, Refusal):
+                last[a.allocation_id] = checked
+                left.append(a)
+                continue
+            alloc = a.allocation_id
+            hold = changed[alloc]
+            claims.drop(alloc)
+            claims.add(alloc, checked)
+            holders[alloc] = tuple(x.id for x in checked)
+            if a.limits is not None:
+                takers.append(taker(a, None))
+            gpus = {x.gpu for x in checked}
+            after = _waits(alloc, gpus, released_atoms, rebinds, obs)
+            rebinds[alloc] = frozenset(i.split("/")[0] for i in hold.record.device_ids)
+            actions.append(
+                Action(f"rebind:{alloc}", "rebind", _rebind_steps(a, checked, hold, spec, obs), after)
+            )
+            bound[alloc] = spec.generation
+            failed.pop(alloc, None)
+        if len(left) == len(todo):
+            break
+        todo = left
+    for a in todo:
+        alloc = a.allocation_id
+        failures.append(Failure(alloc, last[alloc].reason, last[alloc].message))
+        refused[alloc] = last[alloc].message
+        holders[alloc] = changed[alloc].record.device_ids
+        running = obs.slices.get(slice_name(alloc))
+        if running is not None and running.limits is not None:
+            takers.append(applied_taker(running))
 
     # 5. new holds, in spec order.
     seen: set[str] = set()
     for a in spec.assignments:
-        if a.allocation_id in kept and a.allocation_id not in seen:
+        if (a.allocation_id in kept or a.allocation_id in changed) and a.allocation_id not in seen:
             seen.add(a.allocation_id)
             continue
         refusal = _check(a, obs, claims, seen, committed, takers, warnings)
@@ -860,14 +940,7 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         steps += [WriteSpec(alloc, doc), WriteEnv(alloc, lines), Emit(bound_event(a, atoms, spec.generation))]
         bound[alloc] = spec.generation
         failed.pop(alloc, None)
-        gpus = {x.gpu for x in atoms}
-        after = frozenset(
-            f"release:{other}" for other, old in released_atoms.items() if {x.gpu for x in old} & gpus
-        ) | frozenset(
-            f"release-env:{other}"
-            for other, lines in obs.orphan_envs.items()
-            if other != alloc and _names_any(_env_gpus(lines, obs.inventory), gpus)
-        )
+        after = _waits(alloc, {x.gpu for x in atoms}, released_atoms, rebinds, obs)
         actions.append(Action(f"bind:{alloc}", "bind", tuple(steps), after))
 
     # 2 (continued). Orphan env files: removed before any bind, unless bound in this pass.
@@ -912,6 +985,76 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
     if ledger != obs.ledger:
         actions.append(Action("ledger", "ledger", (WriteLedger(ledger),)))
     return Plan(tuple(actions), tuple(failures), tuple(conditions), tuple(warnings), holders)
+
+
+def _firsts(assignments: tuple[DeviceAssignment, ...]) -> list[DeviceAssignment]:
+    """Each allocation's first entry, in spec order (a later one is `listed twice`)."""
+    seen: set[str] = set()
+    out = []
+    for a in assignments:
+        if a.allocation_id not in seen:
+            seen.add(a.allocation_id)
+            out.append(a)
+    return out
+
+
+def _waits(
+    alloc: str,
+    gpus: set[str],
+    released_atoms: Mapping[str, tuple[Atom, ...]],
+    rebinds: Mapping[str, frozenset[str]],
+    obs: Observed,
+) -> frozenset[str]:
+    """The actions a hold written on `gpus` waits for (`Action.after`): the releases of holds on those
+    GPUs, the holds written over in place earlier in the pass whose old atoms were on them (root
+    refuses a hold naming an atom another allocation's hold or env file still names), and the removal
+    of orphan env files naming them."""
+    return (
+        frozenset(f"release:{o}" for o, old in released_atoms.items() if {x.gpu for x in old} & gpus)
+        | frozenset(f"rebind:{o}" for o, old in rebinds.items() if o != alloc and old & gpus)
+        | frozenset(
+            f"release-env:{o}"
+            for o, lines in obs.orphan_envs.items()
+            if o != alloc and _names_any(_env_gpus(lines, obs.inventory), gpus)
+        )
+    )
+
+
+def _rebind_steps(
+    a: DeviceAssignment, atoms: tuple[Atom, ...], hold: LiveHold, spec: DevicesSpec, obs: Observed
+) -> tuple[Step, ...]:
+    """Writing a changed hold over in place (Q-DEV-PASS-01): its slice first (a sliced hold names it;
+    its limits may change too), then the two files in the order that keeps the env file's
+    NVIDIA_VISIBLE_DEVICES within the atoms the CDI hold on disk names at every step (root's busy
+    check reads the CDI hold; NVIDIA's legacy hook reads the env file), so a crash between any two
+    leaves no GPU handed out that no hold backs: growing, the hold first; shrinking, the env file
+    first; both at once, the env file with the shared atoms only, the hold, the env file. Each write is
+    an atomic rename: the old file or the new one, never none. Then AllocationBound (the new atoms,
+    this generation): no AllocationReleased, since the allocation never stopped holding."""
+    alloc = a.allocation_id
+    doc, lines = hold_files(a, atoms, spec.generation, obs)
+    steps: list[Step] = []
+    if a.sliced:
+        assert a.limits is not None
+        wanted_slice = slice_spec(alloc, a.limits)
+        running = obs.slices.get(wanted_slice.name)
+        if running is None or running.limits is None:
+            steps.append(ApplySlice(wanted_slice))
+        elif wanted_limits(wanted_slice) != running.limits:
+            steps.append(ApplySlice(wanted_slice, reset_assignments(wanted_slice, running.limits)))
+    first: tuple[str, ...] | None = None
+    if hold.env_lines is not None and not set(cdi.visible_device_names(hold.env_lines)) <= set(
+        cdi.visible_device_names(lines)
+    ):
+        old = tuple(atom_from_id(i) for i in hold.record.device_ids)
+        shared = tuple(x for x in atoms if any(_overlap_atom(x, o) for o in old))
+        first = hold_files(a, shared, spec.generation, obs)[1]
+        steps.append(WriteEnv(alloc, first))
+    steps.append(WriteSpec(alloc, doc))
+    if lines != first:
+        steps.append(WriteEnv(alloc, lines))
+    steps.append(Emit(bound_event(a, atoms, spec.generation)))
+    return tuple(steps)
 
 
 def _kept_bookings(
