@@ -84,3 +84,33 @@ def xid_message(bus_id: str, code: int, text: str = "GPU has fallen off the bus.
     device = rest.split(".")[0]
     where = f"{int(domain, 16):04x}:{bus.lower()}:{device.lower()}"
     return f"NVRM: Xid (PCI:{where}): {code}, pid='<unknown>', name=<unknown>, {text}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bcd_simhost.kernellog DIR GPU_INDEX XID [TEXT]`: the kernel of the simulated host at DIR
+    logs XID on that GPU (a running `bcd sim --root DIR` raises XidError within its poll interval)."""
+    import argparse
+
+    from bcd_simhost.gpus import read_state_file
+
+    parser = argparse.ArgumentParser(prog="python -m bcd_simhost.kernellog", description=main.__doc__)
+    parser.add_argument("root", type=Path, help="the simulated host's directory (bcd sim --root)")
+    parser.add_argument("gpu", type=int, help="the GPU's index (nvidia-smi -L)")
+    parser.add_argument("xid", type=int, help="the XID code, e.g. 79")
+    parser.add_argument("text", nargs="?", default="GPU has fallen off the bus.", help="the message's tail")
+    args = parser.parse_args(argv)
+    try:
+        gpus = read_state_file(args.root)["gpus"]
+    except OSError as exc:
+        parser.error(f"root: no simulated host there ({exc.strerror})")
+    if not 0 <= args.gpu < len(gpus):
+        parser.error(f"gpu: the simulated host has GPUs 0..{len(gpus) - 1}")
+    if not 0 <= args.xid <= 99999:
+        parser.error("xid: a code from 0 to 99999")
+    entry = kernel_line(args.root, xid_message(gpus[args.gpu]["bus_id"], args.xid, args.text))
+    print(entry["MESSAGE"])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from bcd_agent.converge.types import Condition
 from bcd_agent.inventory.gpus import collect_gpus
@@ -277,3 +278,20 @@ class Failing2:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def test_an_operator_raises_an_xid_on_the_simulated_host(sim_root: Path, capsys: Any) -> None:
+    """`python -m bcd_simhost.kernellog DIR GPU XID`: what docs/sim.md tells a `bcd sim` user."""
+    from bcd_simhost.kernellog import entries, main
+
+    assert main([str(sim_root), "3", "48", "An uncorrectable double bit error (DBE)"]) == 0
+    (entry,) = entries(sim_root)
+    assert entry["MESSAGE"] == (
+        "NVRM: Xid (PCI:0000:5d:00): 48, pid='<unknown>', name=<unknown>,"
+        " An uncorrectable double bit error (DBE)"
+    )
+    assert entry["_TRANSPORT"] == "kernel" and entry["SYSLOG_FACILITY"] == "0"
+    assert entry["_BOOT_ID"] == boot_id(sim_root)
+    assert capsys.readouterr().out.strip() == entry["MESSAGE"]
+    with pytest.raises(SystemExit):
+        main([str(sim_root), "8", "79"])
