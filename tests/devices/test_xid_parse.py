@@ -305,3 +305,121 @@ def test_describe_names_well_known_codes_only() -> None:
     assert xid.describe(79) == "XID 79 (GPU has fallen off the bus)"
     assert xid.describe(48) == "XID 48 (Double Bit ECC Error)"
     assert xid.describe(5) == "XID 5"
+
+
+# --- edges (docs/mutation.md "xid") ------------------------------------------------------------------
+
+
+def test_line_edges_trailing_newline_spaces_and_hex_device() -> None:
+    assert xid.parse_message("NVRM: Xid (PCI:0000:3b:1f): 13, x\n") == XidEvent("0000:3b:1f", 13, detail="x")
+    assert xid.parse_message("NVRM: Xid (PCI:0000:01:00): 48 ") is None  # nothing but ", …" follows the code
+    assert xid.parse_message("NVRM: Xid (PCI:0000:01:00): 13, ECC XX") == XidEvent(
+        "0000:01:00", 13, detail="ECC XX"
+    )
+    at = "NVRM: GPU at PCI:0000:01:00: GPU-34d7319c-5b19-1e75-186d-c187099e4fe5"
+    assert xid.parse_message(at + "\n") == GpuAt("0000:01:00", "GPU-34d7319c-5b19-1e75-186d-c187099e4fe5")
+    assert xid.parse_message(at + " ") is None
+    assert xid.parse_message(at + "X") is None
+
+
+def _sized(size: int) -> bytes:
+    base = _entry(MESSAGE="NVRM: Xid (PCI:0000:3b:00): 79, ")
+    line = _entry(MESSAGE="NVRM: Xid (PCI:0000:3b:00): 79, " + "x" * (size - len(base)))
+    assert len(line) == size
+    return line
+
+
+def test_a_line_of_exactly_the_bound_is_read() -> None:
+    assert xid.parse_entry(_sized(xid.MAX_LINE_BYTES), BOOT) is not None
+    assert xid.cursor_of(_sized(xid.MAX_LINE_BYTES)) == "s=1;i=2"
+    assert xid.parse_entry(_sized(xid.MAX_LINE_BYTES + 1), BOOT) is None
+    assert xid.cursor_of(_sized(xid.MAX_LINE_BYTES + 1)) is None
+
+
+def test_each_change_keeps_the_rest_of_the_state() -> None:
+    base = XidState(BOOT, "c1", {"0000:01:00": GpuXids({1: 1}, overflow=2)}, {"0000:01:00": uuid(1)}, 7)
+    assert GpuXids({1: 1}, overflow=2).with_code(1) == GpuXids({1: 2}, overflow=2)
+    assert GpuXids({1: 1}, overflow=2).with_code(5) == GpuXids({1: 1, 5: 1}, overflow=2)
+    recorded = xid.record(base, XidEvent("0000:02:00", 79))
+    assert (recorded.boot_id, recorded.cursor, recorded.uuids, recorded.dropped) == (
+        BOOT,
+        "c1",
+        base.uuids,
+        7,
+    )
+    full = XidState(BOOT, "c1", {f"0000:{b:02x}:00": GpuXids({1: 1}) for b in range(xid.MAX_GPUS)}, {}, 7)
+    dropped = xid.record(full, XidEvent("0000:ff:00", 79))
+    assert (dropped.boot_id, dropped.cursor, dropped.gpus, dropped.dropped) == (BOOT, "c1", full.gpus, 8)
+    learned = xid.learn(base, GpuAt("0000:02:00", uuid(2)))
+    assert (learned.boot_id, learned.cursor, learned.gpus, learned.dropped) == (BOOT, "c1", base.gpus, 7)
+    applied = xid.apply_entries(base, [KernelEntry("c2", "not NVRM")])
+    assert applied == XidState(BOOT, "c2", base.gpus, base.uuids, 7)
+    cleared = xid.clear(base, ["0000:01:00"])
+    assert cleared == XidState(BOOT, "c1", {}, base.uuids, 7)
+
+
+def test_a_gpu_without_codes_raises_nothing_and_overflow_alone_does() -> None:
+    state = XidState(
+        BOOT,
+        gpus={"0000:01:00": GpuXids(), "0000:02:00": GpuXids(overflow=3), "0000:03:00": GpuXids({79: 1})},
+    )
+    assert [c.reason for c in xid.xid_conditions(state, {})] == ["PCI:0000:02:00", "PCI:0000:03:00"]
+
+
+def test_bounded_keeps_exactly_the_limit() -> None:
+    assert xid.bounded("x" * xid.MAX_MESSAGE_BYTES) == "x" * xid.MAX_MESSAGE_BYTES
+    assert xid.bounded("x" * (xid.MAX_MESSAGE_BYTES + 1)) == "x" * (xid.MAX_MESSAGE_BYTES - 3) + "..."
+
+
+def test_the_state_file_bytes_are_compact_and_sorted() -> None:
+    state = XidState(BOOT, "c", {"0000:02:00": GpuXids({79: 2, 13: 1})}, {"0000:02:00": uuid(2)}, 1)
+    assert xid.to_json(state) == (
+        b'{"boot_id":"' + BOOT.encode() + b'","cursor":"c","dropped":1,"format":1,'
+        b'"gpus":{"0000:02:00":{"codes":{"13":1,"79":2},"overflow":0}},'
+        b'"uuids":{"0000:02:00":"' + uuid(2).encode() + b'"}}\n'
+    )
+
+
+def test_the_state_file_at_its_bounds_is_read() -> None:
+    doc = json.loads(xid.to_json(XidState(BOOT)))
+    doc["gpus"] = {f"0000:{b:02x}:00": {"codes": {}, "overflow": 0} for b in range(xid.MAX_GPUS)}
+    doc["gpus"]["0000:00:00"] = {
+        "codes": {str(99968 + c): xid.MAX_COUNT for c in range(xid.MAX_CODES - 1)} | {"1": 1},
+        "overflow": xid.MAX_COUNT,
+    }
+    doc["uuids"] = {f"0000:{b:02x}:00": uuid(b) for b in range(xid.MAX_GPUS)}
+    doc["dropped"] = xid.MAX_COUNT
+    state = xid.from_json(json.dumps(doc).encode())
+    assert len(state.gpus) == xid.MAX_GPUS and len(state.uuids) == xid.MAX_GPUS
+    assert (
+        len(state.gpus["0000:00:00"].codes) == xid.MAX_CODES
+        and state.gpus["0000:00:00"].codes[99968] == xid.MAX_COUNT
+    )
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda d: d.pop("cursor"), "xid state: missing fields ['cursor']"),
+        (lambda d: d.update(cursor=1), "xid state: boot_id and cursor must be strings"),
+        (lambda d: d.update(dropped=-1), "xid state: dropped: must be an integer from 0 to 1000000000"),
+        (
+            lambda d: d["gpus"].update({"0000:3b:00": {"codes": {}}}),
+            "xid state: gpus['0000:3b:00']: missing fields ['overflow']",
+        ),
+        (
+            lambda d: d["gpus"].update({"0000:3b:00": {"codes": {"79": "1"}, "overflow": 0}}),
+            "xid state: gpus['0000:3b:00'].codes['79']: must be an integer from 0 to 1000000000",
+        ),
+        (
+            lambda d: d["gpus"].update({"0000:3b:00": {"codes": {}, "overflow": None}}),
+            "xid state: gpus['0000:3b:00'].overflow: must be an integer from 0 to 1000000000",
+        ),
+    ],
+)
+def test_a_refused_state_file_names_the_field(change: object, message: str) -> None:
+    doc = json.loads(xid.to_json(XidState(BOOT)))
+    change(doc)  # type: ignore[operator]
+    with pytest.raises(xid.XidStateError) as caught:
+        xid.from_json(json.dumps(doc).encode())
+    assert str(caught.value) == message

@@ -37,7 +37,7 @@ from collections.abc import Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from attrs import field, frozen
+from attrs import evolve, field, frozen
 
 from bcd_agent.converge.types import Condition
 
@@ -230,12 +230,10 @@ class XidState:
 
 
 def record(state: XidState, event: XidEvent) -> XidState:
-    gpus = dict(state.gpus)
-    held = gpus.get(event.address)
-    if held is None and len(gpus) >= MAX_GPUS:
-        return XidState(state.boot_id, state.cursor, gpus, state.uuids, min(state.dropped + 1, MAX_COUNT))
-    gpus[event.address] = (held or GpuXids()).with_code(event.code)
-    return XidState(state.boot_id, state.cursor, gpus, state.uuids, state.dropped)
+    held = state.gpus.get(event.address)
+    if held is None and len(state.gpus) >= MAX_GPUS:
+        return evolve(state, dropped=min(state.dropped + 1, MAX_COUNT))
+    return evolve(state, gpus={**state.gpus, event.address: (held or GpuXids()).with_code(event.code)})
 
 
 def learn(state: XidState, fact: GpuAt) -> XidState:
@@ -243,9 +241,7 @@ def learn(state: XidState, fact: GpuAt) -> XidState:
         return state
     if fact.address not in state.uuids and len(state.uuids) >= MAX_GPUS:
         return state
-    return XidState(
-        state.boot_id, state.cursor, state.gpus, {**state.uuids, fact.address: fact.uuid}, state.dropped
-    )
+    return evolve(state, uuids={**state.uuids, fact.address: fact.uuid})
 
 
 def apply_entries(state: XidState, entries: Iterable[KernelEntry]) -> XidState:
@@ -256,7 +252,7 @@ def apply_entries(state: XidState, entries: Iterable[KernelEntry]) -> XidState:
             state = record(state, parsed)
         elif isinstance(parsed, GpuAt):
             state = learn(state, parsed)
-        state = XidState(state.boot_id, entry.cursor, state.gpus, state.uuids, state.dropped)
+        state = evolve(state, cursor=entry.cursor)
     return state
 
 
@@ -266,7 +262,7 @@ def clear(state: XidState, addresses: Iterable[str]) -> XidState:
     gpus = {a: x for a, x in state.gpus.items() if a not in gone}
     if len(gpus) == len(state.gpus):
         return state
-    return XidState(state.boot_id, state.cursor, gpus, state.uuids, state.dropped)
+    return evolve(state, gpus=gpus)
 
 
 def uuid_map(state: XidState, inventory: Mapping[str, str]) -> dict[str, str]:
@@ -287,13 +283,15 @@ def _message(address: str, uuid: str | None, held: GpuXids) -> str:
     if held.overflow:
         parts.append(f"{held.overflow} more of other codes")
     who = f"{uuid} (PCI {address})" if uuid else f"the GPU at PCI {address}"
-    text = f"{who}: {', '.join(parts)} this boot; a gpu.reset that leaves it healthy, or a reboot, clears it"
-    data = text.encode()
-    return (
-        text
-        if len(data) <= MAX_MESSAGE_BYTES
-        else data[: MAX_MESSAGE_BYTES - 3].decode(errors="ignore") + "..."
+    return bounded(
+        f"{who}: {', '.join(parts)} this boot; a gpu.reset that leaves it healthy, or a reboot, clears it"
     )
+
+
+def bounded(text: str) -> str:
+    """At most MAX_MESSAGE_BYTES. The message is ASCII (hex addresses and UUIDs, numbers, the meanings
+    above), so characters are bytes."""
+    return text if len(text) <= MAX_MESSAGE_BYTES else text[: MAX_MESSAGE_BYTES - 3] + "..."
 
 
 def xid_conditions(state: XidState, uuids: Mapping[str, str]) -> tuple[Condition, ...]:
