@@ -499,7 +499,7 @@ class Node:
             publish = self.inventory.publish if self.inventory is not None else (lambda _r: None)
             handlers[INVENTORY] = InventoryRefreshHandler(SystemInventoryCollector(system, publish))
             xid = self.xid
-            handlers[nk.DIAG_NVML] = nk.DiagNvmlHandler(system, xids=xid.xids if xid is not None else None)
+            handlers[nk.DIAG_NVML] = nk.DiagNvmlHandler(system, xids=xid.by_gpu if xid is not None else None)
             from bcd_agent.kinds.dcgm import KIND as DIAG_DCGM
             from bcd_agent.kinds.dcgm import DiagDcgmHandler
 

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 import trio
 from bcd_agent.converge.types import Condition
@@ -206,16 +207,21 @@ def test_diag_nvml_carries_each_gpus_xids() -> None:
             wire.GpuHealth(uuid="GPU-b", healthy=False, message="a row remap failed"),
         ]
     )
-    out = with_xids(result, lambda u: (48, 79) if u == "GPU-b" else ())
+    gone = gpu_uuid(3)
+    out = with_xids(result, {"GPU-b": (48, 79), gone: (79,), "PCI:0000:3b:00": (13,), "GPU-a": ()})
     assert [(g.uuid, g.healthy, list(g.xids)) for g in out.gpus] == [
         ("GPU-a", True, []),
         ("GPU-b", False, [48, 79]),
+        (gone, False, [79]),  # XID 79: nvidia-smi no longer lists it
     ]
     assert out.gpus[1].message == (
         "a row remap failed; XIDs this boot: XID 48 (Double Bit ECC Error),"
         " XID 79 (GPU has fallen off the bus)"
     )
     assert out.gpus[0].message == ""
+    assert (
+        out.gpus[2].message == "not listed by nvidia-smi; XIDs this boot: XID 79 (GPU has fallen off the bus)"
+    )
 
 
 def test_journal_argv_asks_journald_for_this_boots_kernel_entries_only() -> None:
@@ -295,3 +301,17 @@ def test_an_operator_raises_an_xid_on_the_simulated_host(sim_root: Path, capsys:
     assert capsys.readouterr().out.strip() == entry["MESSAGE"]
     with pytest.raises(SystemExit):
         main([str(sim_root), "8", "79"])
+
+
+async def test_a_gpu_that_fell_off_the_bus_keeps_its_uuid(sim_root: Path, tmp_path: Path) -> None:
+    """nvidia-smi stops listing a GPU after XID 79: the watcher keeps the UUID the last inventory gave
+    its address, so the condition and diag.nvml still name the GPU."""
+    w = Watched(sim_root, tmp_path)
+    listed = collect_gpus(w.system)
+    w.watcher.inventory = lambda: listed
+    await w.watcher.poll()
+    w.watcher.inventory = lambda: attrs.evolve(listed, gpus=tuple(g for g in listed.gpus if g.index != 3))
+    xid(sim_root, 3, 79)
+    await w.watcher.poll()
+    assert w.reasons == [gpu_uuid(3)]
+    assert w.watcher.by_gpu() == {gpu_uuid(3): (79,)}

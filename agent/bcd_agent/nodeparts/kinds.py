@@ -12,7 +12,7 @@
   conditions at once (DLV-RST-14, DEV-BUSY-12; nodeparts.xid).
 - `diag.nvml` (control; retry-safe, attested): `DiagNvmlRequest`; no locks; RUNNING, then each GPU's
   health from a fresh inventory (bcd_agent.inventory.handlers.diag_nvml), with the XID codes the watcher
-  saw for it this boot (`xids`). Result `DiagNvmlResult`.
+  saw for it this boot (`xids`), and a GPU with XIDs nvidia-smi no longer lists. Result `DiagNvmlResult`.
 - `node.reboot` (control; retry-safe, self-terminating, destructive): `NodeRebootRequest`; the reason is
   logged. `begin_effect` journals `running{boot_id}` right before the effect (DLV-JRN-17), then the reboot:
   the helper's `node.reboot` op beside `bcd helper` (DLV-PRIV-09), else `systemctl reboot` through the
@@ -32,7 +32,7 @@ The dispatcher signs the results of attested kinds (NodeResultSigner) and journa
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
@@ -146,9 +146,11 @@ class GpuResetHandler:
 
 
 class DiagNvmlHandler:
-    def __init__(self, system: System, xids: Callable[[str], tuple[int, ...]] | None = None) -> None:
+    def __init__(
+        self, system: System, xids: Callable[[], Mapping[str, tuple[int, ...]]] | None = None
+    ) -> None:
         self.system = system
-        self.xids = xids  # the XID watcher's codes of a GPU this boot
+        self.xids = xids  # the XID watcher's by_gpu: each GPU's codes this boot
 
     def resources(self, command: CommandEnvelope) -> frozenset[str]:
         decode_request(command, wire.DiagNvmlRequest)
@@ -161,21 +163,36 @@ class DiagNvmlHandler:
         await ctx.begin_effect()
         result = await trio.to_thread.run_sync(diag_nvml, self.system)
         if self.xids is not None:
-            result = with_xids(result, self.xids)
+            result = with_xids(result, self.xids())
         return bytes(result)
 
 
-def with_xids(result: wire.DiagNvmlResult, xids: Callable[[str], tuple[int, ...]]) -> wire.DiagNvmlResult:
-    """Each GPU's XID codes this boot in `xids`, and named in its message (health itself stays the
-    ECC and row-remap judgment of gpu.reset, DEV-BUSY-10)."""
+def with_xids(result: wire.DiagNvmlResult, xids: Mapping[str, tuple[int, ...]]) -> wire.DiagNvmlResult:
+    """Each GPU's XID codes this boot (`xids`: UUID -> codes, the watcher's `by_gpu`) in `xids`, named in
+    its message. Health itself stays gpu.reset's ECC and row-remap judgment (DEV-BUSY-10). A GPU with
+    XIDs that nvidia-smi no longer lists (XID 79: it fell off the bus) is added, not healthy."""
     from bcd_agent.inventory.xid import describe
 
+    def seen(codes: tuple[int, ...]) -> str:
+        return "XIDs this boot: " + ", ".join(describe(c) for c in codes)
+
+    listed = set()
     for g in result.gpus:
-        codes = xids(g.uuid)
+        listed.add(g.uuid)
+        codes = xids.get(g.uuid, ())
         g.xids = list(codes)
         if codes:
-            seen = "XIDs this boot: " + ", ".join(describe(c) for c in codes)
-            g.message = f"{g.message}; {seen}" if g.message else seen
+            g.message = f"{g.message}; {seen(codes)}" if g.message else seen(codes)
+    for uuid, codes in sorted(xids.items()):
+        if uuid not in listed and uuid.startswith("GPU-") and codes:
+            result.gpus.append(
+                wire.GpuHealth(
+                    uuid=uuid,
+                    healthy=False,
+                    xids=list(codes),
+                    message=f"not listed by nvidia-smi; {seen(codes)}",
+                )
+            )
     return result
 
 

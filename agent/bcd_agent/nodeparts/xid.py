@@ -14,7 +14,7 @@ to data_dir/xid.json (atomic, fsynced) and hands the runner one `XidError` condi
   its XIDs at once (DLV-RST-14, DEV-BUSY-12): the log is read up to now first (lines the reset itself
   caused are cleared with the rest), then the state is cleared, written and published before the
   command's result goes out. A GPU that reset but reads unhealthy, or did not reset, keeps them.
-- `xids(uuid)`: a GPU's distinct codes this boot (`diag.nvml`'s `GpuHealth.xids`).
+- `xids(uuid)`, `by_gpu()`: the distinct codes this boot (`diag.nvml`'s `GpuHealth.xids`).
 - Reading needs journald's system journal: the agent's account in group `systemd-journal` (the
   deploy unit grants it, SupplementaryGroups=) or root. journalctl without it prints only a hint on
   stderr; the watcher then says once that XIDs are not seen (`blind`), and `bcd doctor` fails the check.
@@ -172,9 +172,12 @@ class XidWatcher:
         self.publish(stamped)
 
     def xids(self, uuid: str) -> tuple[int, ...]:
-        by_uuid = {u: a for a, u in self.uuids().items()}
-        address = by_uuid.get(uuid)
-        return self.state.codes(address) if address is not None else ()
+        return self.by_gpu().get(uuid, ())
+
+    def by_gpu(self) -> dict[str, tuple[int, ...]]:
+        """Each GPU with XIDs this boot (its UUID, or `PCI:<address>` while none is known) -> its codes."""
+        uuids = self.uuids()
+        return {uuids.get(a, f"PCI:{a}"): self.state.codes(a) for a in self.state.gpus if self.state.codes(a)}
 
     # --- reading ----------------------------------------------------------------------------------
 
