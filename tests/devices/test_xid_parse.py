@@ -283,6 +283,10 @@ def test_the_state_file_round_trips() -> None:
             "at most",
         ),
         (lambda d: d["uuids"].update({"0000:3b:00": "GPU-nope"}), "GPU UUID"),
+        (
+            lambda d: d["uuids"].update({"0000:3b:00": ["GPU-34d7319c-5b19-1e75-186d-c187099e4fe5"]}),
+            "GPU UUID",
+        ),
         (lambda d: d["uuids"].update({"0000:3B:00": uuid(1)}), "GPU UUID"),
         (lambda d: d.update(dropped=1.5), "dropped"),
     ],

@@ -382,8 +382,9 @@ def from_json(data: bytes) -> XidState:
         gpus[address] = GpuXids(codes, _count(entry["overflow"], f"{where}.overflow"))
     uuids: dict[str, str] = {}
     for address, uuid in uuids_doc.items():
-        fact = parse_message(f"NVRM: GPU at PCI:{address}: {uuid}") if isinstance(uuid, str) else None
+        # The driver's own line as the check: no JSON value but a UUID string prints as one.
+        fact = parse_message(f"NVRM: GPU at PCI:{address}: {uuid}")
         if not isinstance(fact, GpuAt) or fact.address != address:
             raise XidStateError(f"xid state: uuids[{address!r}]: not a PCI address and a GPU UUID")
-        uuids[address] = uuid
+        uuids[address] = fact.uuid
     return XidState(doc["boot_id"], doc["cursor"], gpus, uuids, _count(doc["dropped"], "xid state: dropped"))
