@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -315,3 +316,41 @@ async def test_a_gpu_that_fell_off_the_bus_keeps_its_uuid(sim_root: Path, tmp_pa
     await w.watcher.poll()
     assert w.reasons == [gpu_uuid(3)]
     assert w.watcher.by_gpu() == {gpu_uuid(3): (79,)}
+
+
+class Hanging:
+    """journalctl that does not return until released."""
+
+    def __init__(self, inner: System) -> None:
+        self.inner = inner
+        self.release = threading.Event()
+        self.returned = False
+
+    def run(self, argv: Sequence[str], **kw: Any) -> CommandResult:
+        if argv[0] == "journalctl":
+            self.release.wait(30)
+            self.returned = True
+        return self.inner.run(argv, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_hung_journalctl_does_not_hold_the_resets_result(
+    sim_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The clear goes ahead after RESET_DRAIN_S with what was read: gpu.reset's result is not held by a
+    journalctl that does not answer (it is still running when the clear is done)."""
+    from bcd_agent.nodeparts import xid as watcher_module
+
+    monkeypatch.setattr(watcher_module, "RESET_DRAIN_S", 0.1)
+    w = Watched(sim_root, tmp_path)
+    xid(sim_root, 2, 79)
+    await w.watcher.poll()
+    hanging = Hanging(w.system)
+    w.watcher.system = hanging
+    try:
+        await w.watcher.gpus_reset(reset_result((2, True, True)))
+        assert not hanging.returned and w.reasons == []
+    finally:
+        hanging.release.set()

@@ -59,6 +59,9 @@ POLL_INTERVAL_S = 10.0
 CHUNK = 1000  # entries a journalctl call returns at most (memory per call: ~0.5 MB)
 MAX_CHUNKS_PER_POLL = 50  # a backlog beyond this waits for the next poll
 TOOL_TIMEOUT_S = 60.0
+# gpu.reset reads the log up to now before it clears; a journalctl that hangs must not hold the
+# command's result: after this long the clear goes ahead with what was read.
+RESET_DRAIN_S = 20.0
 # journalctl's hint when the caller may read only its own journal (not the kernel's entries).
 NOT_SEEING = b"not seeing messages from other users and the system"
 _CURSOR = re.compile(r"[0-9A-Za-z=;]{1,512}")
@@ -198,7 +201,8 @@ class XidWatcher:
     async def _drain(self) -> None:
         for _ in range(MAX_CHUNKS_PER_POLL):
             argv = journal_argv(self.boot_id, self.state.cursor, self.chunk, self.journal_extra)
-            result: CommandResult = await trio.to_thread.run_sync(self._run, argv)
+            # Abandoned on cancel (gpu.reset's bound): the orphan journalctl ends within its own timeout.
+            result: CommandResult = await trio.to_thread.run_sync(self._run, argv, abandon_on_cancel=True)
             self.polls += 1
             if not result.ok:
                 self._set_blind(result.describe())
@@ -242,7 +246,10 @@ class XidWatcher:
         if not healthy:
             return
         async with self._lock:
-            await self._drain()
+            with trio.move_on_after(RESET_DRAIN_S) as scope:
+                await self._drain()
+            if scope.cancelled_caught:
+                log.warning("xid: the kernel log was not read up to the reset within %g s", RESET_DRAIN_S)
             by_uuid: Mapping[str, str] = {u: a for a, u in self.uuids().items()}
             cleared = [by_uuid[u] for u in healthy if u in by_uuid]
             if cleared:
