@@ -354,3 +354,29 @@ async def test_a_hung_journalctl_does_not_hold_the_resets_result(
         assert not hanging.returned and w.reasons == []
     finally:
         hanging.release.set()
+
+
+class Refusing:
+    def __init__(self, inner: System) -> None:
+        self.inner = inner
+
+    def run(self, argv: Sequence[str], **kw: Any) -> CommandResult:
+        if argv[0] == "journalctl":
+            raise PermissionError(13, "Permission denied", "journalctl")
+        return self.inner.run(argv, **kw)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+async def test_a_journalctl_that_cannot_run_leaves_the_watcher_running(
+    sim_root: Path, tmp_path: Path
+) -> None:
+    w = Watched(sim_root, tmp_path, Refusing(sim_system(sim_root)), poll_interval_s=0.01)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(w.watcher.run)
+        with trio.fail_after(30):
+            for _ in range(3):  # three polls: the failure is not fatal to the service
+                await w.watcher.poll()
+        nursery.cancel_scope.cancel()
+    assert "Permission denied" in w.watcher.blind

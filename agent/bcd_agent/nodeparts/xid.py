@@ -189,7 +189,10 @@ class XidWatcher:
         self._publish()
         task_status.started()
         while True:
-            await self.poll()
+            try:
+                await self.poll()
+            except Exception:  # the node goes on without XIDs rather than stop; the next poll retries
+                log.exception("xid: reading the kernel log failed")
             await trio.sleep(self.poll_interval_s)
 
     async def poll(self) -> None:
@@ -228,7 +231,10 @@ class XidWatcher:
                 return
 
     def _run(self, argv: list[str]) -> CommandResult:
-        return self.system.run(argv, timeout=TOOL_TIMEOUT_S)
+        try:
+            return self.system.run(argv, timeout=TOOL_TIMEOUT_S)
+        except OSError as exc:  # not executable, no memory to fork: the log is not read this time
+            return CommandResult(tuple(argv), 126, b"", str(exc).encode())
 
     def _set_blind(self, why: str) -> None:
         if why != self.blind:
