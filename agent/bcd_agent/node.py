@@ -21,6 +21,8 @@ What is wired (docs/session.md "bcd node"):
   calls), its exporter a task of its own; headers from a SecretRequest (docs/telemetry.md);
 - SecretRequest/SecretResponse (session.secrets) for the k8s-join token and the telemetry headers;
 - after a host unit changed the host: the inventory read again and a devices pass triggered.
+- the XID watcher (nodeparts.xid): NVIDIA XID errors of this boot from journald, one `XidError` condition
+  per GPU through the runner; gpu.reset clears a GPU that reads healthy, diag.nvml lists the codes.
 """
 
 from __future__ import annotations
