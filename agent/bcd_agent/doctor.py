@@ -241,6 +241,7 @@ def check_all(config_path: str, host: HostView) -> list[Finding]:
     findings.extend(_check_certificate(config, host))
     findings.extend(_check_nvidia(host))
     findings.extend(_check_gpu_binding(config, host))
+    findings.extend(_check_kernel_log(config, host))
     findings.extend(_check_kvm(host))
     findings.extend(_check_cgroup(host))
     findings.extend(_check_vm_runtime(config, host))
@@ -750,6 +751,96 @@ def _check_gpu_binding(config: Config, host: HostView) -> list[Finding]:
             "slices, so every GPU hold fails with node-unprivileged",
             "run bcd node as root, or as the unprivileged bcd account beside a root bcd helper "
             "(deploy/install.sh sets [helper] socket)",
+        )
+    ]
+
+
+# Groups whose members read every entry of journald's system journal (journal files 0640
+# root:systemd-journal; Debian also grants adm by ACL).
+JOURNAL_GROUPS = ("systemd-journal", "adm")
+NODE_UNIT_FILES = (
+    "/etc/systemd/system/bcd-node.service",
+    "/lib/systemd/system/bcd-node.service",
+    "/usr/lib/systemd/system/bcd-node.service",
+)
+
+
+def _user_name(host: HostView, uid: int) -> str | None:
+    try:
+        lines = host.path("/etc/passwd").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        fields = line.split(":")
+        if len(fields) > 2 and fields[2] == str(uid):
+            return fields[0]
+    return None
+
+
+def _unit_groups(host: HostView) -> tuple[str, list[str]]:
+    """The installed bcd-node.service and the groups its SupplementaryGroups= name ("" if none found)."""
+    for path in NODE_UNIT_FILES:
+        try:
+            text = host.path(path).read_text()
+        except OSError:
+            continue
+        groups: list[str] = []
+        for line in text.splitlines():
+            key, _, value = line.strip().partition("=")
+            if key.strip() == "SupplementaryGroups":
+                groups = [] if not value.strip() else groups + value.split()
+        return path, groups
+    return "", []
+
+
+def _check_kernel_log(config: Config, host: HostView) -> list[Finding]:
+    """On a GPU host: the node can read the kernel's journal entries, where the XID watcher finds NVIDIA's
+    XID errors (docs/devices.md "XID errors")."""
+    if not _has_gpus(host):
+        return []
+    blind = "so XID errors of the GPUs raise no conditions"
+    if host.which("journalctl") is None:
+        return [
+            Finding(
+                "kernel-log",
+                "fail",
+                f"no journalctl: bcd node cannot read the kernel log, {blind}",
+                "install systemd's journalctl (bcd reads the kernel's entries through journald)",
+            )
+        ]
+    uid = _node_uid(config, host)
+    if uid == 0:
+        return [Finding("kernel-log", "ok", "bcd node runs as root: it reads the kernel's journal entries")]
+    user = _user_name(host, uid) or config.helper.node_user or "bcd"
+    try:
+        lines = host.path("/etc/group").read_text().splitlines()
+    except OSError:
+        lines = []
+    member = [
+        f[0]
+        for f in (line.split(":") for line in lines)
+        if len(f) >= 4 and f[0] in JOURNAL_GROUPS and user in f[3].split(",")
+    ]
+    unit, unit_groups = _unit_groups(host)
+    granted = [g for g in unit_groups if g in JOURNAL_GROUPS]
+    if member:
+        return [Finding("kernel-log", "ok", f"{user} reads the kernel's journal entries (group {member[0]})")]
+    if granted:
+        return [
+            Finding(
+                "kernel-log",
+                "ok",
+                f"{user} reads the kernel's journal entries ({unit}: SupplementaryGroups={granted[0]})",
+            )
+        ]
+    return [
+        Finding(
+            "kernel-log",
+            "fail",
+            f"the node's account {user} is neither in group systemd-journal nor in adm: journalctl shows it "
+            f"only its own entries, {blind}",
+            "install deploy/bcd-node.service (SupplementaryGroups=systemd-journal), "
+            f"or usermod -aG systemd-journal {user}",
         )
     ]
 

@@ -21,6 +21,8 @@ What is wired (docs/session.md "bcd node"):
   calls), its exporter a task of its own; headers from a SecretRequest (docs/telemetry.md);
 - SecretRequest/SecretResponse (session.secrets) for the k8s-join token and the telemetry headers;
 - after a host unit changed the host: the inventory read again and a devices pass triggered.
+- the XID watcher (nodeparts.xid): NVIDIA XID errors of this boot from journald, one `XidError` condition
+  per GPU through the runner; gpu.reset clears a GPU that reads healthy, diag.nvml lists the codes.
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ class NodeOptions:
     reboot_wait_s: float = 600.0  # node.reboot: how long the host may stay up after the request
     sweep_interval_s: float = SWEEP_INTERVAL_S  # journal.sweep() again this long after the last one
     drain_s: float = 5.0  # at shutdown, commands in flight get this long to finish before cancelled
+    xid_poll_s: float = 10.0  # the XID watcher reads the kernel log this often (nodeparts.xid)
 
 
 def _boot_id(system: Any) -> str:
@@ -116,6 +119,7 @@ class Node:
         self.helper_stats: Any = None  # helperclient.HelperCallStats, shared by every helper client
         self.handlers: dict[str, Any] = {}
         self.upgrader: Any = None  # sections.daemon.upgrade.Upgrader, under the helper
+        self.xid: Any = None  # nodeparts.xid.XidWatcher
         self.started_monotonic: float | None = None
         self.sweeps = 0  # journal sweeps run by this process (the one at start included)
         self._status_pokes: trio.MemorySendChannel[None] | None = None
@@ -496,7 +500,8 @@ class Node:
         else:
             publish = self.inventory.publish if self.inventory is not None else (lambda _r: None)
             handlers[INVENTORY] = InventoryRefreshHandler(SystemInventoryCollector(system, publish))
-            handlers[nk.DIAG_NVML] = nk.DiagNvmlHandler(system)
+            xid = self.xid
+            handlers[nk.DIAG_NVML] = nk.DiagNvmlHandler(system, xids=xid.by_gpu if xid is not None else None)
             from bcd_agent.kinds.dcgm import KIND as DIAG_DCGM
             from bcd_agent.kinds.dcgm import DiagDcgmHandler
 
@@ -504,7 +509,11 @@ class Node:
             if self._acts_on_host():
                 helper = self._helper_client() if self._helper_socket() is not None else None
                 handlers[nk.GPU_RESET] = nk.GpuResetHandler(
-                    system, self._records_dir(), helper, trust_bundle=self._signed_bundle
+                    system,
+                    self._records_dir(),
+                    helper,
+                    trust_bundle=self._signed_bundle,
+                    on_reset=xid.gpus_reset if xid is not None else None,
                 )
                 reboot_helper = self._helper_client() if helper is not None else None
                 handlers[nk.NODE_REBOOT] = nk.NodeRebootHandler(
@@ -611,6 +620,7 @@ class Node:
         from bcd_agent.journal import Journal
         from bcd_agent.kinds.testing import TEST_KINDS
         from bcd_agent.nodeparts.inventory import InventoryState
+        from bcd_agent.nodeparts.xid import XidWatcher
         from bcd_agent.sections.devices.events import KeyReportSigner
         from bcd_agent.sections.telemetry.metrics import NodeMetrics
         from bcd_agent.session import identity as ident
@@ -658,6 +668,15 @@ class Node:
             metrics.journal = journal
             metrics.status = self.status
             self.inventory = inventory = InventoryState(system, on_change=self._inventory_changed)
+            # XID errors of this boot from the kernel log, as conditions (nodeparts.xid; docs/devices.md).
+            self.xid = XidWatcher(
+                system,
+                cfg.data_dir,
+                boot_id,
+                publish=self._xid_conditions,
+                inventory=lambda: inventory.gpus,
+                poll_interval_s=self.options.xid_poll_s,
+            )
             core = SessionCore(
                 journal=journal,
                 dispatcher=None,
@@ -771,6 +790,7 @@ class Node:
                     await nursery.start(self.exporter.run)
                     await nursery.start(self.telemetry.run)
                 await nursery.start(self.runner.run)
+                await nursery.start(self.xid.run)
                 # bcd status: each new status to data_dir/status.json (bcd_agent.statusfile; docs/sim.md).
                 await nursery.start(
                     functools.partial(
@@ -816,6 +836,12 @@ class Node:
         self._lanes_scope.cancel()
         self._session_scope.cancel()
         self._parts_scope.cancel()
+
+    def _xid_conditions(self, conditions: tuple[Any, ...]) -> None:
+        if self.runner is not None:
+            from bcd_agent.nodeparts.xid import SOURCE
+
+            self.runner.set_conditions(SOURCE, conditions)
 
     def _poke_status_file(self) -> None:
         if self._status_pokes is not None:

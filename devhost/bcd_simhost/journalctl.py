@@ -6,11 +6,17 @@ line without a timestamp continuing the entry before it (a multi-line message);
 tests and `bcd sim` append to them. Supported: `-u UNIT` (repeated: the entries of every unit, ordered by
 time), `--since @EPOCH` (entries at or after it), `-b` (this boot: every entry here), `-o short-iso`,
 `--no-pager`, `-q`. No entry: `-- No entries --` (as journalctl prints it), exit 0.
+
+`-o json` / `--output=json` reads the kernel log instead (kernellog.py, the XID watcher's query):
+`FIELD=VALUE` matches (ANDed), `--after-cursor=C` or `--since=@0`, `--lines=N` (the first N from there),
+`--output-fields=F,…` (plus `__CURSOR`, `__REALTIME_TIMESTAMP`, `__MONOTONIC_TIMESTAMP`, `_BOOT_ID`, which
+journalctl always prints); one JSON object a line, nothing at all when no entry matches.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import json
 from collections.abc import Sequence
 
 from bcd_shared.system import CommandResult, LocalSystem
@@ -25,7 +31,44 @@ def _when(line: str) -> float:
         return 0.0
 
 
+_ALWAYS = ("__CURSOR", "__REALTIME_TIMESTAMP", "__MONOTONIC_TIMESTAMP", "_BOOT_ID")
+
+
+def _json(system: LocalSystem, argv: Sequence[str]) -> CommandResult:
+    from bcd_simhost.kernellog import entries
+
+    matches: dict[str, str] = {}
+    after, lines, fields = "", -1, None
+    for a in argv[1:]:
+        if a in ("-o", "json", "--output=json", "--no-pager", "-q", "--quiet", "--since=@0"):
+            continue
+        if a.startswith("--after-cursor="):
+            after = a.split("=", 1)[1]
+        elif a.startswith("--lines="):
+            lines = int(a.split("=", 1)[1])
+        elif a.startswith("--output-fields="):
+            fields = a.split("=", 1)[1].split(",")
+        elif "=" in a and not a.startswith("-"):
+            key, _, value = a.partition("=")
+            matches[key] = value
+        else:
+            return CommandResult(tuple(argv), 1, b"", f"journalctl: unrecognized option '{a}'\n".encode())
+    found = [e for e in entries(system.root) if all(e.get(k) == v for k, v in matches.items())]
+    if after:
+        cursors = [e.get("__CURSOR") for e in found]
+        found = found[cursors.index(after) + 1 :] if after in cursors else found
+    if lines >= 0:
+        found = found[:lines]
+    if fields is not None:
+        keep = set(fields) | set(_ALWAYS)
+        found = [{k: v for k, v in e.items() if k in keep} for e in found]
+    out = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in found)
+    return CommandResult(tuple(argv), 0, out.encode(), b"")
+
+
 def journalctl(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -> CommandResult:
+    if "--output=json" in argv or ("-o" in argv and "json" in argv):
+        return _json(system, argv)
     args = list(argv[1:])
     units: list[str] = []
     since = 0.0

@@ -602,3 +602,29 @@ def test_DLV_CONV_05_section_field_numbers_match_the_proto() -> None:
     }
     for section, number in SECTION_FIELD_NUMBERS.items():
         assert fields.get(section) == number, (section, fields)
+
+
+async def test_conditions_of_other_parts_are_published_at_once_beside_the_sections() -> None:
+    """`set_conditions(source, …)` (the XID watcher): published with a new version and no pass, kept
+    across passes beside the sections' conditions, replaced whole, gone when set empty; an unchanged
+    set publishes nothing."""
+    from bcd_agent.converge.types import Condition
+
+    world = make_world(spec=spec(1))
+    xid = (Condition("XidError", "GPU-1", "XID 79", since_monotonic=1.0),)
+    world.runner.set_conditions("xid", xid)  # before the runner published anything: kept for later
+    assert world.runner.status.latest() is None
+    status = await world.runner.converge_once()
+    assert status.conditions[-1:] == xid
+    version = status.version
+    world.runner.set_conditions("xid", xid)
+    assert world.runner.status.latest().version == version  # type: ignore[union-attr]
+    two = (*xid, Condition("XidError", "GPU-2", "XID 48", since_monotonic=2.0))
+    world.runner.set_conditions("xid", two)
+    latest = world.runner.status.latest()
+    assert latest is not None and latest.version == version + 1 and latest.passes == status.passes
+    assert [c.reason for c in latest.conditions if c.type == "XidError"] == ["GPU-1", "GPU-2"]
+    again = await world.runner.converge_once()
+    assert [c.reason for c in again.conditions if c.type == "XidError"] == ["GPU-1", "GPU-2"]
+    world.runner.set_conditions("xid", ())
+    assert not [c for c in world.runner.status.latest().conditions if c.type == "XidError"]  # type: ignore[union-attr]

@@ -91,6 +91,8 @@ def test_node_unit_is_unprivileged_notify_with_a_watchdog() -> None:
     assert s["CapabilityBoundingSet"] == [""]
     assert s["NoNewPrivileges"] == ["yes"]
     assert s["StateDirectory"] == ["bcd"] and s["StateDirectoryMode"] == ["0700"]
+    # The XID watcher reads the kernel's journal entries (docs/devices.md "XID errors"), nothing more.
+    assert s["SupplementaryGroups"] == ["systemd-journal"]
 
 
 def test_units_order_notify_and_stop_restarting_on_config_errors() -> None:

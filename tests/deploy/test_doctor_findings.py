@@ -369,3 +369,41 @@ def test_json_schema(tmp_path: Path) -> None:
     assert len({f["id"] for f in doc["findings"]}) == len(doc["findings"])
     assert doc["ok"] is (doc["counts"]["fail"] == 0) and res.returncode == (0 if doc["ok"] else 1)
     assert to_json([Finding("x", "fail", "m")], root="/", config="c")["ok"] is False
+
+
+def test_kernel_log_readable_by_the_node_on_a_gpu_host(tmp_path: Path) -> None:
+    """`kernel-log`: the XID watcher reads the kernel's journal entries; on a GPU host the node's account
+    needs journalctl and group systemd-journal (or adm), by /etc/group or the unit's SupplementaryGroups=."""
+    cfg = config(tmp_path)
+    assert "kernel-log" not in by_id(check_all(cfg, view(tmp_path)))  # no GPU: no XIDs to read
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev/nvidia0").write_text("")
+    data = tmp_path / "var/lib/bcd"
+    if os.geteuid() == 0:  # the node runs as the owner of data_dir: an account, not root
+        os.chown(data, 990, 990)
+    uid = data.stat().st_uid
+    (tmp_path / "etc/passwd").write_text(f"root:x:0:0::/root:/bin/sh\nbcd:x:{uid}:{uid}::/:/sbin/nologin\n")
+    (tmp_path / "etc/group").write_text("adm:x:4:syslog\nsystemd-journal:x:101:\n")
+    missing = by_id(check_all(cfg, view(tmp_path)))["kernel-log"]
+    assert missing.level == "fail" and missing.message.startswith("no journalctl")
+    tools = {"journalctl --version": ok("journalctl --version", b"systemd 252 (252.39-1~deb12u2)\n")}
+    blind = by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"]
+    assert blind.level == "fail" and "account bcd is neither in group systemd-journal" in blind.message
+    assert (
+        "SupplementaryGroups=systemd-journal" in blind.fix and "usermod -aG systemd-journal bcd" in blind.fix
+    )
+    unit = tmp_path / "lib/systemd/system/bcd-node.service"
+    unit.parent.mkdir(parents=True)
+    unit.write_text("[Service]\nUser=bcd\nSupplementaryGroups=systemd-journal\n")
+    granted = by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"]
+    assert granted.level == "ok" and "SupplementaryGroups=systemd-journal" in granted.message
+    unit.write_text("[Service]\nUser=bcd\nSupplementaryGroups=systemd-journal\nSupplementaryGroups=\n")
+    assert by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"].level == "fail"  # reset by =
+    (tmp_path / "etc/group").write_text("adm:x:4:syslog,bcd\nsystemd-journal:x:101:\n")
+    member = by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"]
+    assert member.level == "ok" and "(group adm)" in member.message
+    if os.geteuid() == 0:
+        os.chown(data, 0, 0)
+        (tmp_path / "etc/group").write_text("")
+        as_root = by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"]
+        assert as_root.level == "ok" and "runs as root" in as_root.message

@@ -151,6 +151,8 @@ class ConvergeRunner:
         self._conditions: dict[tuple[str, str], Condition] = {}
         self._section_conditions: dict[str, tuple[Condition, ...]] = {}
         self._instances: InstancesReport | None = None
+        # Conditions of parts other than the sections (the XID watcher), by source: set_conditions.
+        self._external: dict[str, tuple[Condition, ...]] = {}
 
     # --- inputs -------------------------------------------------------------------------------
 
@@ -447,6 +449,19 @@ class ConvergeRunner:
         if self._version:
             self._publish()
 
+    def set_conditions(self, source: str, conditions: tuple[Condition, ...]) -> None:
+        """The conditions a part other than the sections raises (the XID watcher, nodeparts.xid), all of
+        them each time: they replace that source's previous ones and are published at once (a new
+        version, no pass), so a cleared one leaves the next StatusReport and status.json."""
+        if self._external.get(source, ()) == conditions:
+            return
+        if conditions:
+            self._external[source] = conditions
+        else:
+            self._external.pop(source, None)
+        if self._version:
+            self._publish()
+
     def _publish(self) -> NodeStatus:
         self._version += 1
         spec = self._spec
@@ -456,7 +471,7 @@ class ConvergeRunner:
             observed_generation=self._observed_generation,
             spec_hash=spec.spec_hash if spec is not None else "",
             sections=self._statuses,
-            conditions=tuple(self._conditions.values()),
+            conditions=(*self._conditions.values(), *(c for cs in self._external.values() for c in cs)),
             passes=self._passes,
             last_pass_monotonic=self._last_pass if self._last_pass is not None else -math.inf,
             instances=self._instances,

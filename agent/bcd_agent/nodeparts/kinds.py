@@ -7,9 +7,12 @@
   (`busy.gpu_reset`): each known GPU reset with `nvidia-smi --gpu-reset -i <uuid>` through the System as
   root / on the simulated host, or one by one through the helper's `gpu.reset` op beside `bcd helper`
   (root checks busy again: its `gpu-busy` fails the command the same way); a GPU nvidia-smi does not list
-  is `reset: false, "unknown GPU"`; health read again after the reset. Result `GpuResetResult`.
+  is `reset: false, "unknown GPU"`; health read again after the reset. Result `GpuResetResult`, told to
+  `on_reset` (the XID watcher) before it goes out: a GPU that reset and reads healthy loses its XID
+  conditions at once (DLV-RST-14, DEV-BUSY-12; nodeparts.xid).
 - `diag.nvml` (control; retry-safe, attested): `DiagNvmlRequest`; no locks; RUNNING, then each GPU's
-  health from a fresh inventory (bcd_agent.inventory.handlers.diag_nvml). Result `DiagNvmlResult`.
+  health from a fresh inventory (bcd_agent.inventory.handlers.diag_nvml), with the XID codes the watcher
+  saw for it this boot (`xids`), and a GPU with XIDs nvidia-smi no longer lists. Result `DiagNvmlResult`.
 - `node.reboot` (control; retry-safe, self-terminating, destructive): `NodeRebootRequest`; the reason is
   logged. `begin_effect` journals `running{boot_id}` right before the effect (DLV-JRN-17), then the reboot:
   the helper's `node.reboot` op beside `bcd helper` (DLV-PRIV-09), else `systemctl reboot` through the
@@ -29,7 +32,7 @@ The dispatcher signs the results of attested kinds (NodeResultSigner) and journa
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import trio
@@ -89,11 +92,13 @@ class GpuResetHandler:
         data_dir: str,
         helper: Any | None = None,
         trust_bundle: Callable[[], bytes | None] = no_bundle,
+        on_reset: Callable[[wire.GpuResetResult], Awaitable[None]] | None = None,
     ) -> None:
         self.system = system
         self.data_dir = data_dir
         self.helper = helper  # a HelperClient beside bcd helper, else None
         self.trust_bundle = trust_bundle  # the serialized SignedTrustBundle the node holds
+        self.on_reset = on_reset  # the XID watcher's gpus_reset
 
     def resources(self, command: CommandEnvelope) -> frozenset[str]:
         return frozenset(gpu_resource(u) for u in _gpu_uuids(command))
@@ -119,6 +124,8 @@ class GpuResetHandler:
             result = await trio.to_thread.run_sync(busy.gpu_reset, self.system, uuids, state, reset)
         except busy.GpuBusy as exc:
             raise CommandFailed(busy.GPU_BUSY, exc.message) from None
+        if self.on_reset is not None:
+            await self.on_reset(result)
         return bytes(result)
 
     def _helper_reset(self, uuid: str, signed: dict[str, Any] | None = None) -> CommandResult:
@@ -139,8 +146,11 @@ class GpuResetHandler:
 
 
 class DiagNvmlHandler:
-    def __init__(self, system: System) -> None:
+    def __init__(
+        self, system: System, xids: Callable[[], Mapping[str, tuple[int, ...]]] | None = None
+    ) -> None:
         self.system = system
+        self.xids = xids  # the XID watcher's by_gpu: each GPU's codes this boot
 
     def resources(self, command: CommandEnvelope) -> frozenset[str]:
         decode_request(command, wire.DiagNvmlRequest)
@@ -152,7 +162,38 @@ class DiagNvmlHandler:
         decode_request(command, wire.DiagNvmlRequest)
         await ctx.begin_effect()
         result = await trio.to_thread.run_sync(diag_nvml, self.system)
+        if self.xids is not None:
+            result = with_xids(result, self.xids())
         return bytes(result)
+
+
+def with_xids(result: wire.DiagNvmlResult, xids: Mapping[str, tuple[int, ...]]) -> wire.DiagNvmlResult:
+    """Each GPU's XID codes this boot (`xids`: UUID -> codes, the watcher's `by_gpu`) in `xids`, named in
+    its message. Health itself stays gpu.reset's ECC and row-remap judgment (DEV-BUSY-10). A GPU with
+    XIDs that nvidia-smi no longer lists (XID 79: it fell off the bus) is added, not healthy."""
+    from bcd_agent.inventory.xid import describe
+
+    def seen(codes: tuple[int, ...]) -> str:
+        return "XIDs this boot: " + ", ".join(describe(c) for c in codes)
+
+    listed = set()
+    for g in result.gpus:
+        listed.add(g.uuid)
+        codes = xids.get(g.uuid, ())
+        g.xids = list(codes)
+        if codes:
+            g.message = f"{g.message}; {seen(codes)}" if g.message else seen(codes)
+    for uuid, codes in sorted(xids.items()):
+        if uuid not in listed and uuid.startswith("GPU-") and codes:
+            result.gpus.append(
+                wire.GpuHealth(
+                    uuid=uuid,
+                    healthy=False,
+                    xids=list(codes),
+                    message=f"not listed by nvidia-smi; {seen(codes)}",
+                )
+            )
+    return result
 
 
 class NodeRebootHandler:

@@ -155,6 +155,8 @@ SCOPES: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
         ("tests/devices/test_devices_plan.py", "tests/devices/test_devices_plan_passes.py"),
     ),
     "session": (("agent/bcd_agent/session/spec.py",), ("tests/session/",)),
+    # The XID watcher's pure core (docs/devices.md "XID errors"), against its in-process tests.
+    "xid": (("agent/bcd_agent/inventory/xid.py",), ("tests/devices/test_xid_parse.py",)),
 }
 TARGETS = {"helper": 0.90, "pki": 0.90}
 DEFAULT_TARGET = 0.85
