@@ -247,6 +247,25 @@ def test_DEV_PASS_07_DEV_PASS_09_a_plain_release_then_its_slice_once_empty() -> 
     )
 
 
+def test_a_kept_hold_whose_limits_go_stops_its_slice_after_the_hold_is_written_without_it() -> None:
+    """Q-DEV-PASS-01: the spec keeps `a` on the same GPU and drops its limits. Its files are written over
+    without the slice first (keep), and the now-unwanted slice is stopped after them and only if that
+    write did not fail (root refuses to stop a slice a hold file still names); the next pass plans
+    nothing. Limits back: the slice is started before the files name it again."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A, limits=LIMITS)))
+    actions = settled(host, spec(2, asg("a", A)))
+    keys = [a.key for a in actions]
+    assert keys.index("keep:a") < keys.index(f"slice:{SLICE}")
+    stop = actions[keys.index(f"slice:{SLICE}")]
+    assert stop.steps == (StopSlice(SLICE),) and "keep:a" in stop.after
+    assert SLICE not in host.slices and host.stopped == [SLICE]
+    assert "bcd.dev/cgroup-parent" not in host.specs["a"].get("annotations", {})
+    settled(host, spec(3, asg("a", A, limits=LIMITS)))
+    assert SLICE in host.slices
+    assert host.specs["a"]["annotations"]["bcd.dev/cgroup-parent"] == SLICE
+
+
 def test_DEV_PASS_10_leftover_slices_only_unwanted_unreleased_and_empty() -> None:
     """Covers DEV-PASS-10: of the slices on the host, a wanted hold's is kept, a populated one is kept,
     every other empty one is stopped, in name order."""

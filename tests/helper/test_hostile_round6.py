@@ -328,6 +328,13 @@ def test_round6_a_signed_sliced_hold_never_runs_without_its_slice(
     signed_node.ok(hold)
     signed_node.ok(env)
     signed_node.refused(remove, "hold-exists", "bcd-w3.json")
+    # Root reads the hold decoded: the slice's name behind a JSON escape still names it.
+    escaped = json.loads(json.dumps(hold))
+    content = hold["args"]["content"]
+    escaped["args"]["content"] = content.replace("bcd-alloc-w3.slice", "bcd-alloc-w3\\u002eslice")
+    assert escaped["args"]["content"] != hold["args"]["content"]
+    signed_node.ok(escaped)
+    signed_node.refused(remove, "hold-exists", "bcd-w3.json")
     released = intent(cp.command.leaf(), _sliced_body_without_w3(33))
     signed_node.ok({"op": "file.remove", "args": {"kind": "cdi", "id": "w3", "intent": released}})
     signed_node.refused(remove, "hold-exists", "w3.env")
@@ -425,22 +432,55 @@ class SignedDevices:
             "/var/lib/bcd",
         )
 
-    def sign(self, generation: int, assignments: dict[str, list[str]]) -> Any:
-        """Sign a devices spec and keep it as the node's."""
-        self.spec = intent(self.worker, devices_body(generation, assignments))
+    def sign(
+        self, generation: int, assignments: dict[str, list[str]], memory: dict[str, int] | None = None
+    ) -> Any:
+        """Sign a devices spec and keep it as the node's; `memory`: a memory limit (a sliced hold) by
+        allocation."""
+        if memory:
+            from bcd_shared import wire
+
+            body = devices_spec(
+                NODE,
+                generation,
+                wire.DevicesSection(
+                    assignments=[
+                        wire.DeviceAssignment(
+                            allocation_id=a,
+                            reservation_id="r1",
+                            binding=wire.Binding.HOLD,
+                            devices=[wire.DeviceAtom(id=g, device_class="gpu") for g in gpus],
+                            limits=wire.DeviceLimits(memory_bytes=memory[a]) if a in memory else None,
+                        )
+                        for a, gpus in assignments.items()
+                    ]
+                ),
+            )
+        else:
+            body = devices_body(generation, assignments)
+        self.spec = intent(self.worker, body)
         return self.spec
 
-    def converge(self, generation: int, assignments: dict[str, list[str]]) -> Any:
-        """One pass of the section over the signed spec (plain holds, reservation r1); its state."""
+    def converge(
+        self, generation: int, assignments: dict[str, list[str]], memory: dict[str, int] | None = None
+    ) -> Any:
+        """One pass of the section over the signed spec (holds of reservation r1, sliced where `memory`
+        limits them); its state."""
         from bcd_agent.converge.section import Observation, PassContext
         from bcd_agent.converge.types import DesiredSpec
-        from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+        from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec, Limits
 
-        self.sign(generation, assignments)
+        memory = memory or {}
+        self.sign(generation, assignments, memory)
         spec = DevicesSpec(
             generation,
             tuple(
-                DeviceAssignment(alloc, "r1", devices=tuple(DeviceRef(g, "gpu") for g in gpus))
+                DeviceAssignment(
+                    alloc,
+                    "r1",
+                    devices=tuple(DeviceRef(g, "gpu") for g in gpus),
+                    limits=Limits(memory_bytes=memory[alloc]) if alloc in memory else None,
+                )
                 for alloc, gpus in assignments.items()
             ),
         )
@@ -637,6 +677,40 @@ def test_round6_a_kept_hold_that_grows_or_shrinks_converges_written_over_in_plac
     assert removals == []  # written over, never removed
     events = [type(e.event).__name__ for e in devices.section.sink.events]  # type: ignore[attr-defined]
     assert events == ["BoundEvent"] * 3
+
+
+def test_a_kept_hold_whose_limits_go_converges_its_slice_stopped_after_the_hold_stops_naming_it(
+    devices: SignedDevices,
+) -> None:
+    """Found after round 6's shared-atoms fix: the spec keeps allocation a on GPU 1 and drops its limits
+    (sliced -> plain). Root's `slice.remove` refused while a's hold files existed at all (`hold-exists`),
+    though the rewritten hold no longer names the slice, so the node's stop of the unneeded slice was
+    refused on every pass: never converged. Now the hold is written over first (no cgroup parent in
+    either file), root refuses the slice's removal only while a file still names it, and the section
+    converges with nothing refused; the pass after writes nothing. Back to sliced converges too."""
+    from bcd_agent.converge.types import SectionState
+    from bcd_simhost.gpus import gpu_uuid
+
+    def parent() -> tuple[str | None, bool]:
+        doc = json.loads((devices.root / "etc/cdi/bcd-a.json").read_text())
+        env = (devices.root / "run/bcd/allocations/a.env").read_text()
+        return doc.get("annotations", {}).get("bcd.dev/cgroup-parent"), "BCD_CGROUP_PARENT=" in env
+
+    from bcd_helper.ops.slices import slice_cgroup
+
+    slice_dir = devices.root / slice_cgroup("bcd-alloc-a.slice").lstrip("/")
+    g1 = gpu_uuid(0)
+    assert devices.converge(1, {"a": [g1]}, {"a": 1 << 30}) is SectionState.CONVERGED
+    assert parent() == ("bcd-alloc-a.slice", True) and slice_dir.is_dir()
+    for generation, memory in ((2, {}), (3, {"a": 1 << 30})):
+        assert devices.converge(generation, {"a": [g1]}, memory) is SectionState.CONVERGED, generation
+        assert [a for a in devices.audit() if a["decision"] == "refused"] == []
+        sliced = bool(memory)
+        assert parent() == (("bcd-alloc-a.slice", True) if sliced else (None, False))
+        assert slice_dir.is_dir() is sliced  # stopped once no file names it; started again
+        ops = len(devices.audit())
+        assert devices.converge(generation, {"a": [g1]}, memory) is SectionState.CONVERGED
+        assert [a["op"] for a in devices.audit()[ops:] if a["op"] != "helper.ping"] == []
 
 
 def test_round6_the_in_place_path_frees_no_gpu_and_takes_no_other_allocations_atom(

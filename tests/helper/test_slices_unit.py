@@ -376,3 +376,45 @@ def test_kernel_files_are_written_in_place_never_created(ctx: HelperContext) -> 
     with pytest.raises(Failed):
         slices.write_kernel_file(call(ctx), f"/{gone}/hugetlb.2MB.max", b"1")
     assert not (ctx.root / gone).exists()  # a missing cgroup is never made by a write
+
+
+def test_a_hold_file_names_its_slice_decoded_and_fails_closed(ctx: HelperContext) -> None:
+    """`names_slice` (slice.remove's `hold-exists` with roots): a CDI spec names the slice when any of
+    its strings, decoded, holds the name (a JSON escape hides nothing), an env file when its bytes do; a
+    file that is absent names nothing; one root cannot decode, or cannot read under the root-only rule
+    (a symlink), names it."""
+    import os
+
+    name = "bcd-alloc-a.slice"
+    cdi_path, env_path = "/etc/cdi/bcd-a.json", "/run/bcd/allocations/a.env"
+    host = ctx.root
+
+    def put(path: str, data: bytes) -> None:
+        target = host / path.lstrip("/")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.is_symlink() or target.exists():
+            target.unlink()
+        target.write_bytes(data)
+
+    c = call(ctx)
+    assert slices.names_slice(c, cdi_path, name) is False  # absent
+    put(cdi_path, b'{"annotations":{"bcd.dev/cgroup-parent":"bcd-alloc-a\\u002eslice"}}')
+    assert slices.names_slice(c, cdi_path, name) is True
+    put(cdi_path, b'{"devices":[{"containerEdits":{"env":["BCD_CGROUP_PARENT=bcd-alloc-a.slice"]}}]}')
+    assert slices.names_slice(c, cdi_path, name) is True
+    put(cdi_path, b'{"bcd-alloc-a.slice":1}')  # a key is a string too
+    assert slices.names_slice(c, cdi_path, name) is True
+    put(cdi_path, b'{"annotations":{"bcd.dev/cgroup-parent":"bcd-alloc-ab.slice"},"n":[1,true,null]}')
+    assert slices.names_slice(c, cdi_path, name) is False
+    put(cdi_path, b'{"annotations":')  # cannot decode
+    assert slices.names_slice(c, cdi_path, name) is True
+    put(cdi_path, b"[" * 300_000 + b"]" * 300_000)  # past the hold's value bound
+    assert slices.names_slice(c, cdi_path, name) is True
+    (host / cdi_path.lstrip("/")).unlink()  # (the suite checks every CDI spec left under a test's root)
+    put(env_path, b"BCD_RESERVATION_ID=r1\nNVIDIA_VISIBLE_DEVICES=GPU-1\n")
+    assert slices.names_slice(c, env_path, name) is False
+    put(env_path, b"BCD_CGROUP_PARENT=bcd-alloc-a.slice\n")
+    assert slices.names_slice(c, env_path, name) is True
+    (host / env_path.lstrip("/")).unlink()
+    os.symlink("/etc/hostname", host / env_path.lstrip("/"))  # not readable under the rule
+    assert slices.names_slice(c, env_path, name) is True

@@ -31,10 +31,16 @@ import re
 from typing import Any
 
 from attrs import frozen
-from bcd_shared.rootpath import RootPathRefused, split_host_path, verified_dir
+from bcd_shared.rootpath import RootPathRefused, read_root_only, split_host_path, verified_dir
+from bcd_shared.strictjson import value_bound
 
 from bcd_helper.ops.base import Call, Failed, Refused, no_roots_possible, refused_path
-from bcd_helper.ops.files import SignedSpec  # the hold writes' signed spec: slice.apply carries it too
+from bcd_helper.ops.files import (  # the hold writes' signed spec: slice.apply carries it too
+    MAX_CONTENT,
+    MAX_HOLD_VALUES,
+    SignedSpec,
+)
+from bcd_helper.protocol import strict_loads
 
 SLICE_RE = re.compile(r"^bcd-alloc-[A-Za-z0-9_]{1,80}\.slice$")
 MAX_CPULIST = 1024
@@ -283,20 +289,55 @@ def populated(call: Call, name: str) -> bool | None:
     raise Failed("cgroup", f"{slice_cgroup(name)}/cgroup.events has no populated line")
 
 
+def names_slice(call: Call, path: str, name: str) -> bool:
+    """Whether root's copy of a hold file names the slice `name`, anywhere: every string of a CDI spec
+    once decoded (its `bcd.dev/cgroup-parent` or an env value; a JSON escape hides nothing), every byte of
+    an env file (KEY=VALUE lines, no escapes). A file root cannot read under the root-only rule, or
+    cannot decode within the hold's bounds, names it."""
+    try:
+        data = read_root_only(call.ctx.root, path, MAX_CONTENT)
+    except (RootPathRefused, OSError):
+        return True
+    if data is None:
+        return False
+    if not path.endswith(".json"):
+        return name.encode() in data
+    if value_bound(data) > MAX_HOLD_VALUES:
+        return True
+    try:
+        doc = strict_loads(data)
+    except ValueError:
+        return True
+    pending: list[Any] = [doc]
+    while pending:
+        value = pending.pop()
+        if isinstance(value, str):
+            if name in value:
+                return True
+        elif isinstance(value, dict):
+            pending.extend(value.keys())
+            pending.extend(value.values())
+        elif isinstance(value, list):
+            pending.extend(value)
+    return False
+
+
 def slice_remove(call: Call, req: SliceRemove) -> dict[str, Any]:
     name = check_slice_name(req.name)
     ident = name[len("bcd-alloc-") : -len(".slice")]
     if not no_roots_possible(call.ctx, None):
         from bcd_shared import cdi
 
-        # With roots a hold the signed spec lists cannot be removed (hold-in-spec), and while its files exist
-        # they name this slice: stopping it would let the next job under it run without the signed limits
-        # (systemd makes a missing parent slice anew, without any; round 6).
+        # With roots a hold the signed spec lists cannot be removed (hold-in-spec), and while one of its
+        # files names this slice, stopping it would let the next job under it run without the signed
+        # limits (systemd makes a missing parent slice anew, without any; round 6). A hold written over
+        # without it (the spec dropped the limits) no longer names it: the slice may go.
         for hold in (cdi.cdi_spec_path(ident), cdi.env_file_path(ident)):
-            if call.system.exists(hold):
+            if names_slice(call, hold, name):
                 raise Refused(
                     "hold-exists",
-                    f"slice.remove: {name}: the hold {hold} still names it: remove the hold first",
+                    f"slice.remove: {name}: the hold {hold} still names it: write the hold without it "
+                    "or remove the hold first",
                 )
     state = populated(call, name)
     if state is None:

@@ -815,13 +815,19 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
 
     orphans_at = len(actions)  # orphan env files' removals go here, once the binds are known (5)
 
-    # 3. leftover slices.
+    # 3. leftover slices: stopped once the holds are written (their actions go after 5). The slice of
+    # a hold the spec keeps without limits goes after that hold is written over without it (root
+    # refuses to stop a slice a hold file still names: `hold-exists`), and not when that write failed.
     wanted_slices = {slice_name(a) for a, w in wanted.items() if w.sliced}
+    leftover: list[Action] = []
     for name in sorted(obs.slices):
         st = obs.slices[name]
         if name in wanted_slices or name in released_slices or st.populated:
             continue
-        actions.append(Action(f"slice:{name}", "slice", (StopSlice(name),)))
+        owner = name[len("bcd-alloc-") : -len(".slice")]
+        held = owner in kept or owner in changed
+        after = frozenset({f"keep:{owner}", f"rebind:{owner}"}) if held else frozenset()
+        leftover.append(Action(f"slice:{name}", "slice", (StopSlice(name),), after))
 
     # 4. holds still wanted. A running slice whose limits change is admitted again first (the hold's
     # old booking counts as freed; only what grows is checked); refused, the hold and its slice stay
@@ -949,6 +955,8 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         for alloc in sorted(obs.orphan_envs)
         if alloc not in holders
     ]
+
+    actions += leftover  # 3 (continued)
 
     # 6. failures, once per allocation and generation.
     report: list[Step] = []
