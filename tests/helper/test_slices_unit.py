@@ -410,6 +410,12 @@ def test_a_hold_file_names_its_slice_decoded_and_fails_closed(ctx: HelperContext
     assert slices.names_slice(c, cdi_path, name) is True
     put(cdi_path, b"[" * 300_000 + b"]" * 300_000)  # past the hold's value bound
     assert slices.names_slice(c, cdi_path, name) is True
+    from bcd_helper.ops.files import MAX_CONTENT, MAX_HOLD_VALUES
+
+    put(cdi_path, b"[" + b"0," * (MAX_HOLD_VALUES - 1) + b"0]")  # at the bound: decoded
+    assert slices.names_slice(c, cdi_path, name) is False
+    put(cdi_path, b'"' + b"x" * MAX_CONTENT + b'"')  # larger than a hold root writes
+    assert slices.names_slice(c, cdi_path, name) is True
     (host / cdi_path.lstrip("/")).unlink()  # (the suite checks every CDI spec left under a test's root)
     put(env_path, b"BCD_RESERVATION_ID=r1\nNVIDIA_VISIBLE_DEVICES=GPU-1\n")
     assert slices.names_slice(c, env_path, name) is False
