@@ -69,4 +69,4 @@ def test_DLV_DEV_03_ownership_is_the_cdi_spec(host: Host) -> None:
     path.write_text(json.dumps(doc))
     host.restart()
     keys = [act.key for act in host.section.plan(DevicesSpec(4, (a,)), 4).actions]
-    assert keys[:2] == ["release:a1", "bind:a1"]
+    assert keys[:3] == ["release-intent", "release:a1", "bind:a1"]
