@@ -155,3 +155,22 @@ def test_the_memo_keeps_the_cross_nic_checks() -> None:
     # An index True equals (and hashes as) index 1: it is checked, not taken from the memo.
     with pytest.raises(PolicyError, match="is not a NIC index"):
         build_ruleset([attrs.evolve(B, index=True)], HostAddresses(), None, memo)
+
+
+def test_two_instances_whose_taps_collide_are_never_guarded_on_one_tap() -> None:
+    """`vm-1762438` and `vm-3742940` share every tap name: NICs of both (any index pair that gives one
+    tap) are refused naming the later NIC's field, both ids, the earlier NIC and the rule; the same
+    instance's NICs, and the twins on different tap indexes, are not."""
+    from bcd_shared.instancenames import tap_stem
+
+    one = NicPolicy("vm-1762438", 0, "br0", "52:54:00:00:00:01", ("10.0.0.5/24",))
+    twin = NicPolicy("vm-3742940", 0, "br1", "52:54:00:00:00:02", ("10.1.0.6/24",))
+    with pytest.raises(PolicyError) as exc:
+        check_nics([A, one, twin])
+    assert str(exc.value) == (
+        f"nics[2].instance: instance vm-3742940's taps ({tap_stem('vm-3742940')}<NIC>) are instance "
+        "vm-1762438's too: tap names hash the instance id into 15 characters (IFNAMSIZ), and no two live "
+        "instances may share one (rename one of them) (nics[1])"
+    )
+    check_nics([one, NicPolicy("vm-1762438", 1, "br0", "52:54:00:00:00:03", ("10.0.0.7/24",))])
+    check_nics([one, NicPolicy("vm-3742940", 1, "br1", "52:54:00:00:00:02", ("10.1.0.6/24",))])
