@@ -478,7 +478,12 @@ def test_an_orphan_env_file_of_an_allocation_bound_in_the_pass_is_rewritten_not_
     host.envs["a"] = ("BCD_ALLOCATION_ID=a", "NVIDIA_VISIBLE_DEVICES=" + B)
     host.envs["x"] = ("BCD_ALLOCATION_ID=x", "NVIDIA_VISIBLE_DEVICES=" + C)
     actions = settled(host, spec(1, asg("a", A), asg("x", "GPU-0000")))
-    assert [a.key for a in actions] == ["release-env:x", "bind:a", "failures", "ledger"]
+    assert [(a.key, a.kind) for a in actions] == [
+        ("release-env:x", "release"),
+        ("bind:a", "bind"),
+        ("failures", "report"),
+        ("ledger", "ledger"),
+    ]
     assert host.envs == {"a": host.envs["a"]} and host.envs["a"][-1] == "NVIDIA_VISIBLE_DEVICES=" + A
 
 
@@ -1328,3 +1333,59 @@ def test_a_key_left_by_a_crash_after_the_ledger_is_forgotten_by_the_next_pass() 
     actions = settled(host, spec(2))
     assert actions == (Action("forget-keys", "keys", (ForgetEventKeys((key("z", 1),)),)),)
     assert host.keys == {key("k", 2)}
+    # First thing, before anything the pass emits.
+    host.keys.add(key("y", 1))
+    actions = settled(host, spec(3, asg("b", B)))
+    assert [a.key for a in actions] == ["forget-keys", "bind:b", "ledger"]
+
+
+def test_each_recorded_release_is_settled_on_its_own() -> None:
+    """Two recorded releases: a's hold is still on disk as released (dropped, then released afresh),
+    b's spec is gone (finished: its env file removed, its event sent); the first being dropped does
+    not stop the look at the next. One AllocationReleased each."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A), asg("b", B)))
+    p2 = host.plan(spec(2))
+    assert p2.actions[0].key == "release-intent" and p2.actions[2].key == "release:b"
+    host.apply(p2.actions[0].steps[0])  # both recorded
+    host.apply(p2.actions[2].steps[0])  # b's spec removed; then the crash
+    actions = settled(host, spec(2))
+    assert [(a.key, sorted(a.after)) for a in actions][:3] == [
+        ("release-intent", []),
+        ("release-done:b", []),
+        ("release:a", ["release-intent"]),
+    ]
+    assert actions[1].steps == (RemoveEnv("b"), released("b", 2, B))
+    assert sorted((e.allocation_id, e.generation) for e in host.events if isinstance(e, ReleasedEvent)) == [
+        ("a", 2),
+        ("b", 2),
+    ]
+
+
+def test_a_hold_bound_again_after_an_unfinished_release_is_released_after_it() -> None:
+    """c's release at 2 stops after its spec's removal; 3 binds c on D (the old release finished first)
+    and stops before its ledger; 4 moves c to B. The old record is kept beside the new one in the
+    intent's ledger, the new release and the new bind both wait for the old release's action, and
+    the bind for the new release too. Every release of c is sent once, each before the next bind."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("c", C)))
+    crash_after(host, host.plan(spec(2)), 2)
+    p3 = host.plan(spec(3, asg("c", D)))
+    assert [a.key for a in p3.actions] == ["release-done:c", "bind:c", "ledger"]
+    crash_after(host, p3, 4)  # the old event; the bind's spec, env and event; not the ledger
+    p4 = host.plan(spec(4, asg("c", B)))
+    got = {a.key: a for a in p4.actions}
+    intent_ledger = got["release-intent"].steps[0].ledger
+    assert set(intent_ledger.releasing) == {key("c", 2), key("c", 4)}
+    assert got["release:c"].after == frozenset({"release-intent", "release-done:c"})
+    assert got["bind:c"].after == frozenset({"release:c", "release-done:c"})
+    settled(host, spec(4, asg("c", B)))
+    order = [(type(e).__name__, e.generation) for e in host.events]
+    assert order == [
+        ("BoundEvent", 1),
+        ("ReleasedEvent", 2),
+        ("BoundEvent", 3),
+        ("ReleasedEvent", 4),
+        ("BoundEvent", 4),
+    ]
+    assert host.ledger.releasing == {} and host.keys == set()
