@@ -174,3 +174,14 @@ def test_two_instances_whose_taps_collide_are_never_guarded_on_one_tap() -> None
     )
     check_nics([one, NicPolicy("vm-1762438", 1, "br0", "52:54:00:00:00:03", ("10.0.0.7/24",))])
     check_nics([one, NicPolicy("vm-3742940", 1, "br1", "52:54:00:00:00:02", ("10.1.0.6/24",))])
+
+
+def test_tap_names_are_the_stem_and_the_index_of_at_most_16_nics() -> None:
+    """instancenames.tap_name: `bc` + 11 hex digits of the id's SHA-256 (tap_stem) + the NIC index in
+    hex, 14 characters; an index outside 0..15 is refused naming it."""
+    from bcd_shared.instancenames import tap_name, tap_stem
+
+    assert tap_stem("vm1") == "bc7b11e3d1b4e" and tap_name("vm1", 15) == "bc7b11e3d1b4ef"
+    for bad in (16, -1):
+        with pytest.raises(ValueError, match=rf"^NIC index {bad} out of range \(at most 16 NICs\)$"):
+            tap_name("vm1", bad)
