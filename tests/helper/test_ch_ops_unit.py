@@ -467,6 +467,27 @@ def test_a_second_instance_of_a_tap_stem_is_refused_and_its_untaps_deletes_nothi
     assert claim.read_bytes() == f"{TWIN_B}\n".encode()
 
 
+def test_a_claim_root_cannot_read_or_write_is_never_taken_for_free(ctx: HelperContext, root: Path) -> None:
+    """A claim whose bytes are not UTF-8 still names another instance (replacement characters), so
+    the tap names stay refused; a claims directory that is a symlink is refused `root-only` (root
+    writes its claims under the root-only rule) before any tap is made."""
+    from bcd_shared.instancenames import tap_stem
+
+    claims = root / CLAIMS
+    claims.mkdir(parents=True)
+    (claims / tap_stem("vm1")).write_bytes(b"\xffvm1\n")
+    reason, message = refused(ch.ch_taps, call(ctx), ch.ChTaps("vm1", ("br0",)))
+    assert reason == "tap-collision" and "are instance \ufffdvm1's too" in message, message
+    (claims / tap_stem("vm1")).unlink()
+    claims.rmdir()
+    elsewhere = root / "elsewhere"
+    elsewhere.mkdir()
+    claims.symlink_to(elsewhere)
+    reason, message = refused(ch.ch_taps, call(ctx), ch.ChTaps("vm1", ("br0",)))
+    assert reason == "root-only" and "taps" in message, message
+    assert os.listdir(elsewhere) == [] and runs(ctx)[-1] != tuntap(T0)
+
+
 def test_a_defined_libvirt_domain_owns_its_tap_names_for_ch_taps(ctx: HelperContext, root: Path) -> None:
     """A definition root staged (`libvirt/<id>.xml`) owns its tap names: the twin's ch.taps is refused;
     a staged file of the instance itself, one not ending `.xml`, or one that is no instance id does

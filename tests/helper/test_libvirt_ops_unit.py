@@ -482,12 +482,13 @@ def test_a_definition_whose_tap_names_another_live_instance_has_is_refused(
     claim = root / "var/lib/bcd-hostconfig/taps" / tap_stem("vm1")
     claim.parent.mkdir(parents=True)
     claim.write_bytes(b"vm-twin\n")
-    for handler, request in (
-        (lv.libvirt_define, lv.LibvirtDefine("vm1", NO_GPU_DEFINE)),
-        (lv.libvirt_restore, lv.LibvirtRestore("vm1", NO_GPU_DEFINE)),
+    for op, handler, request in (
+        ("libvirt.define", lv.libvirt_define, lv.LibvirtDefine("vm1", NO_GPU_DEFINE)),
+        ("libvirt.restore", lv.libvirt_restore, lv.LibvirtRestore("vm1", NO_GPU_DEFINE)),
     ):
         reason, message = refused(handler, call(ctx), request)
-        assert reason == "tap-collision" and "are instance vm-twin's too" in message, message
+        assert reason == "tap-collision" and message.startswith(f"{op}: instance vm1's taps"), message
+        assert "are instance vm-twin's too" in message
         assert "instance vm1's taps" in message and "15 characters (IFNAMSIZ)" in message
     assert programs(ctx).runs == [] and not (root / STAGE).exists()
     claim.write_bytes(b"vm1\n")
