@@ -168,6 +168,12 @@ def test_instances_whose_tap_names_collide_one_is_guarded_the_other_fails_alone(
     assert kept == {a: old} and f"are instance {a}'s too" in errors[b]
     kept, errors = nic_policies(spec(vm(a, nics=nic(1, "10.0.0.5/24")), vm(b, nics=())), [], {})
     assert set(kept) == {a, b} and not errors
+    kept, errors = nic_policies(spec(vm(a, nics=()), vm(b, nics=nic(2, "10.0.0.6/24"))), [], {})
+    assert set(kept) == {a, b} and not errors
+    # A DELETED twin (no domain left) holds nothing, and the instances after it are still looked at.
+    gone = vm(a, desired=Desired.DELETED, nics=nic(1, "10.0.0.5/24"))
+    kept, errors = nic_policies(spec(gone, vm(b, nics=nic(2, "10.0.0.6/24"))), [], {})
+    assert set(kept) == {b} and not errors
 
 
 def test_unset_policy_fails() -> None:
