@@ -293,3 +293,33 @@ def test_a_release_whose_removal_fails_stays_recorded_and_is_reported_once_later
         converged(host, DevicesSpec(2, ()))
         assert read_ledger(host.system, DATA_DIR).releasing == {}
     assert node.reports() == [("AllocationBound", "a", 1), ("AllocationReleased", "a", 2)]
+
+
+def test_a_recorded_release_keeps_its_binding_across_the_crash(sim_root: Path) -> None:
+    """A Kubernetes hold whose spec entry becomes a plain hold is released (recorded, as a plain
+    release is) and bound again; a crash between the removals leaves the record, and the
+    AllocationReleased sent after the restart still says BINDING_KUBERNETES (read back from the
+    ledger), then the new bind says BINDING_HOLD."""
+    from bcd_agent.sections.devices.model import BINDING_KUBERNETES
+
+    node = Node(sim_root)
+    kube = DeviceAssignment("k", "rsv_k", BINDING_KUBERNETES, (DeviceRef(G0, "gpu"),))
+    with node.life() as host:
+        converged(host, DevicesSpec(1, (kube,)))
+    with node.life("remove_env:k") as host:
+        crash(host, DevicesSpec(2, (hold("k", G0),)))
+    with node.life() as host:
+        converged(host, DevicesSpec(2, (hold("k", G0),)))
+    bindings = []
+    with Journal.open(node.data, boot_id=BOOT) as journal:
+        for row in journal.unacked_events():
+            event = wire_event(row)
+            assert event.attested is not None
+            body = decode(wire.AttestedReportBody, event.attested.body)
+            report: Any = body.allocation_bound or body.allocation_released
+            bindings.append((event.type, report.generation, report.binding))
+    assert bindings == [
+        ("AllocationBound", 1, wire.Binding.KUBERNETES),
+        ("AllocationReleased", 2, wire.Binding.KUBERNETES),
+        ("AllocationBound", 2, wire.Binding.HOLD),
+    ]
