@@ -323,3 +323,84 @@ def test_a_recorded_release_keeps_its_binding_across_the_crash(sim_root: Path) -
         ("AllocationReleased", 2, wire.Binding.KUBERNETES),
         ("AllocationBound", 2, wire.Binding.HOLD),
     ]
+
+
+def test_an_event_the_journal_refused_is_not_recorded_as_sent(sim_root: Path) -> None:
+    """Not a crash: the journal refuses the pass's AllocationFailed (full: a retryable error). The
+    ledger then records no failure for that generation (so the next pass sends it), while what was
+    sent before stays recorded (a's AllocationBound is not sent again)."""
+    from bcd_agent.sections.devices.observe import read_ledger
+    from bcd_shared.errors import RetryableError
+
+    class Refusing(CrashingSink):
+        def emit(self, event: SignedReport | PlainEvent, key: str | None = None) -> None:
+            if event.type == "AllocationFailed":
+                raise RetryableError("JournalFull", "journal full")
+            super().emit(event, key)
+
+    node = Node(sim_root)
+    ghost = DeviceAssignment(
+        "x", "rsv_x", BINDING_HOLD, (DeviceRef("GPU-00000000-dead-4000-8000-000000000000", "gpu"),)
+    )
+    with node.life() as host:
+        converged(host, DevicesSpec(1, (hold("a", G0),)))
+        spec = DevicesSpec(2, (hold("a", G0), ghost))
+        host.section.sink = Refusing(host.sink.inner, "")  # type: ignore[attr-defined]
+        assert host.run(spec).state is SectionState.FAILED
+        ledger = read_ledger(host.system, DATA_DIR)
+        assert (dict(ledger.bound), dict(ledger.failed)) == ({"a": 1}, {})
+        host.section.sink = host.sink
+        assert host.run(spec).state is SectionState.FAILED
+        assert dict(read_ledger(host.system, DATA_DIR).failed) == {"x": 2}
+        assert host.run(spec).state is SectionState.FAILED
+        # Another action failing (a's release: its env file's removal) keeps what was sent recorded.
+
+        class Failing(DirectExecutor):
+            def remove_env(self, allocation_id: str) -> None:
+                raise RetryableError("RemoveFailed", "EIO")
+
+        host.section.executor = Failing(host.system)
+        dropped = DevicesSpec(2, (ghost,))
+        assert host.run(dropped).state is SectionState.FAILED
+        assert dict(read_ledger(host.system, DATA_DIR).failed) == {"x": 2}
+        host.section.executor = DirectExecutor(host.system)
+        assert host.run(dropped).state is SectionState.FAILED
+    with Journal.open(node.data, boot_id=BOOT) as journal:
+        assert [row.type for row in journal.unacked_events()] == [
+            "AllocationBound",
+            "AllocationFailed",
+            "AllocationReleased",
+        ]
+
+
+def test_the_ledger_file_reads_back_what_was_written_and_each_part_alone(sim_root: Path) -> None:
+    """encode_ledger writes sorted JSON (bound, failed, and releasing only when a release is under
+    way); read_ledger reads each part alone (a file with one of them keeps it, the others empty) and
+    the records back as events; a file that does not parse reads as an empty ledger."""
+    from bcd_agent.sections.devices.events import ReleasedEvent
+    from bcd_agent.sections.devices.observe import encode_ledger, read_ledger
+    from bcd_agent.sections.devices.plan import Ledger
+
+    host = Host(sim_root)
+    path = host.path(f"{DATA_DIR}/{LEDGER_FILE}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    event = ReleasedEvent("k", "rsv_k", 3, (G0, G1), True)
+    ledger = Ledger({"b": 1, "a": 2}, {"x": 3}, {"devices:released:k:3": event})
+    data = encode_ledger(ledger)
+    assert data == (
+        b'{"bound": {"a": 2, "b": 1}, "failed": {"x": 3}, "releasing": {"devices:released:k:3": '
+        b'{"allocation_id": "k", "device_ids": ["' + G0.encode() + b'", "' + G1.encode() + b'"], '
+        b'"generation": 3, "kubernetes": true, "reservation_id": "rsv_k"}}}\n'
+    )
+    assert encode_ledger(Ledger({"a": 1})) == b'{"bound": {"a": 1}, "failed": {}}\n'
+    path.write_bytes(data)
+    assert read_ledger(host.system, DATA_DIR) == ledger
+    for doc, want in (
+        (b'{"bound": {"a": 1}}', Ledger({"a": 1})),
+        (b'{"failed": {"x": 2}}', Ledger({}, {"x": 2})),
+        (b"{}", Ledger()),
+        (b'{"bound": []}', Ledger()),
+        (b"not json", Ledger()),
+    ):
+        path.write_bytes(doc)
+        assert read_ledger(host.system, DATA_DIR) == want, doc
