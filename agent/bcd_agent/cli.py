@@ -48,10 +48,12 @@ def _image_main(argv: Sequence[str]) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list[:1] == ["node"] and argv is None:
+    if args_list[:1] in (["node"], ["sim"]) and argv is None:
         from bcd_agent.earlystop import EarlyStop
 
-        EarlyStop().install()  # a SIGTERM during start-up still ends `bcd node` with 0
+        # A SIGTERM or SIGINT during start-up (imports, seeding) is remembered and honoured once the
+        # command can: `bcd node` then ends with 0, `bcd sim` with its message and 128 + the signal.
+        EarlyStop().install()
     if args_list and args_list[0] == "helper":
         return _helper_main(args_list[1:])
     if args_list and args_list[0] == "image":

@@ -78,11 +78,24 @@ class SimError(Exception):
 
 
 class Stopped(Exception):
-    """SIGINT or SIGTERM stopped the simulation (every child was stopped first)."""
+    """SIGINT or SIGTERM stopped the simulation (every child was stopped first). `starting`: it came
+    before the sim took its signals over (`bcd`'s EarlyStop kept it), so no child was started."""
 
-    def __init__(self, signum: int) -> None:
+    def __init__(self, signum: int, *, starting: bool = False) -> None:
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
+        self.starting = starting
+
+    def message(self) -> str:
+        if self.starting:
+            return f"bcd sim: stopped by {self}, while starting (no process was started)"
+        return "bcd sim: stopped"
+
+
+def _stop_if_signalled(early: Any) -> None:
+    """Stopped, when `bcd`'s EarlyStop (bcd_agent.earlystop; None in process) kept a signal."""
+    if early is not None and early.received:
+        raise Stopped(early.received[0], starting=True)
 
 
 async def _stop_on_signal(signals: Any, scope: trio.CancelScope, stopped: list[int]) -> None:
@@ -675,8 +688,14 @@ async def simulate(
 ) -> tuple[int, dict[str, object]]:
     """Run the simulation; returns (exit code, the final JSON document)."""
     from bcd_agent.devplane.plane import DevPlane
+    from bcd_agent.earlystop import installed
     from bcd_agent.plan import load_spec_file
 
+    # `bcd sim` installs an EarlyStop first thing: a signal before the receiver below takes over (the
+    # imports, the seeding) is kept there, and honoured at the next of these checks. Without it the
+    # default action killed the sim silently (SIGTERM: exit 143, no message; SIGINT: a traceback).
+    early = installed()
+    _stop_if_signalled(early)
     spec = load_spec_file(opts.spec)  # refused before anything starts, naming the field
     layout = Layout(opts.root.resolve())
     check_sim_root(layout.root)
@@ -686,6 +705,7 @@ async def simulate(
     if node_user is not None:
         await check_node_account(node_user)
     prepare(layout, helper=helper, node_uid=node_user)
+    _stop_if_signalled(early)
     tty = out.isatty() and not opts.json
     started = time.monotonic()
 
@@ -694,6 +714,7 @@ async def simulate(
     # `bcd sim` then never stopped): the nursery is cancelled, every child stopped, then Stopped.
     stopped: list[int] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        _stop_if_signalled(early)  # one that came just before the receiver: no child started yet
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_stop_on_signal, signals, nursery.cancel_scope, stopped)
             plane = DevPlane(layout.plane_dir, listen=None, unix_socket=layout.gateway_socket)
@@ -845,6 +866,7 @@ def run(args: argparse.Namespace) -> int:
     from bcd_shared.simroot import SimHostMissing, simhost_module
     from bcd_shared.subcommands import EX_USAGE, CliError
 
+    from bcd_agent.earlystop import installed
     from bcd_agent.plan import SpecFileError
 
     try:
@@ -869,9 +891,10 @@ def run(args: argparse.Namespace) -> int:
         fresh=args.fresh,
     )
     try:
+        _stop_if_signalled(installed())  # during the imports
         code, doc = trio.run(simulate, opts, sys.stdout)
     except Stopped as e:
-        print("bcd sim: stopped", file=sys.stderr)
+        print(e.message(), file=sys.stderr)
         return 128 + e.signum
     except SpecFileError as e:
         print(f"bcd sim: {e}", file=sys.stderr)

@@ -39,7 +39,7 @@ from typing import Any
 
 from attrs import frozen
 
-from bcd_shared.instancenames import BRIDGE_RE, MAC_RE, MAX_NICS, tap_name, valid_instance_id
+from bcd_shared.instancenames import BRIDGE_RE, MAC_RE, MAX_NICS, tap_collision, tap_name, valid_instance_id
 
 POLICIES = ("EGRESS", "PRIVATE", "NONE")
 TABLES = (("bridge", "bcd_instances"), ("inet", "bcd_taps"), ("arp", "bcd_taps"))
@@ -210,8 +210,9 @@ def _check_one(i: int, n: NicPolicy, bridges: frozenset[str] | None) -> list[Add
 
 def check_nics(nics: Sequence[NicPolicy], bridges: frozenset[str] | None = None) -> list[list[Addr]]:
     """Refuse a set of NIC policies the builder cannot express faithfully: a bad field, a `bc*` bridge
-    (DLV-NFT-22), a guarded policy without a MAC or addresses (DLV-NFT-05), a NIC listed twice, or an
-    address two NICs claim (DLV-NFT-18: an address is bound to exactly one tap). `bridges`: the only
+    (DLV-NFT-22), a guarded policy without a MAC or addresses (DLV-NFT-05), a NIC listed twice, two
+    instances whose taps collide (`instancenames.tap_collision`), or an address two NICs claim (DLV-NFT-18:
+    an address is bound to exactly one tap). `bridges`: the only
     bridges allowed (root's `[helper] instance_bridges`); None: any. Each NIC's parsed addresses."""
     return [c[0] for c in checked_nics(nics, bridges).items]
 
@@ -320,6 +321,7 @@ def _checked(
         raise PolicyError(f"nics: {len(nics)} NICs, at most {MAX_NIC_POLICIES}")
     seen: dict[tuple[str, int], int] = {}
     owner: dict[str, int] = {}
+    tap_of: dict[str, tuple[str, int]] = {}  # tap -> (instance, nics index): one instance per tap
     out: list[_Checked] = []
     known = memo.last if memo is not None else {}
     for i, n in enumerate(nics):
@@ -338,6 +340,10 @@ def _checked(
         if key in seen:
             raise PolicyError(f"nics[{i}]: {n.instance} NIC {n.index} is listed twice (nics[{seen[key]}])")
         seen[key] = i
+        first = tap_of.setdefault(c[3], (n.instance, i))
+        if first[0] != n.instance:
+            # Two instances' NICs on one tap: each would pass the other's guard (its MAC, addresses).
+            raise PolicyError(f"nics[{i}].instance: {tap_collision(n.instance, first[0])} (nics[{first[1]}])")
         for a in c[4]:
             if owner.setdefault(a, i) != i:
                 raise PolicyError(f"nics[{i}]: address {a} is claimed by nics[{owner[a]}] too")

@@ -22,6 +22,7 @@ from bcd_agent.sections.devices.model import DevicesSpec
 from bcd_agent.sections.devices.plan import (
     ApplySlice,
     Emit,
+    ForgetEventKeys,
     Ledger,
     LiveHold,
     Observed,
@@ -59,6 +60,7 @@ class PlanHost:
     marker: bool = False
     ledger: Ledger = field(factory=Ledger)
     events: list[Event] = field(factory=list)
+    keys: set[str] = field(factory=set)  # the journal's remembered event keys (Emit.key)
     stopped: list[str] = field(factory=list)  # slice names, in the order they were stopped
     # What the rest of the host says (the kube side, VFIO, host memory, ...): Observed's fields.
     facts: dict[str, Any] = field(factory=dict)
@@ -82,6 +84,7 @@ class PlanHost:
                 for alloc, lines in self.envs.items()
                 if alloc not in self.specs and alloc not in self.unparseable
             },
+            event_keys=frozenset(self.keys),
             **self.facts,
         )
 
@@ -124,9 +127,14 @@ class PlanHost:
         elif isinstance(s, RemoveMarker):
             self.marker = False
         elif isinstance(s, Emit):
-            self.events.append(s.event)
+            if s.key is None or s.key not in self.keys:
+                self.events.append(s.event)
+            if s.key is not None:
+                self.keys.add(s.key)
         elif isinstance(s, WriteLedger):
             self.ledger = s.ledger
+        elif isinstance(s, ForgetEventKeys):
+            self.keys -= set(s.keys)
 
     def kinds(self) -> list[str]:
         return [type(e).__name__ for e in self.events]

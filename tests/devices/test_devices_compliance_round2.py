@@ -18,7 +18,7 @@ from bcd_agent.journal import Journal
 from bcd_agent.nodeparts.kinds import GpuResetHandler
 from bcd_agent.sections.devices import busy
 from bcd_agent.sections.devices.apply import DirectExecutor, HelperExecutor
-from bcd_agent.sections.devices.events import PlainEvent, SignedReport
+from bcd_agent.sections.devices.events import MemorySink, PlainEvent, SignedReport
 from bcd_agent.sections.devices.model import (
     BINDING_HOLD,
     BINDING_KUBERNETES,
@@ -77,8 +77,8 @@ def test_DEV_SLICE_02_EVT_06_slice_then_spec_then_env_then_bound(host: Host) -> 
     host.section.executor = RecordingExecutor(host, calls)
     slice_dir = host.path(slice_cgroup(slice_name("a1")))
 
-    class Sink:
-        def emit(self, event: SignedReport | PlainEvent) -> None:
+    class Sink(MemorySink):
+        def emit(self, event: SignedReport | PlainEvent, key: str | None = None) -> None:
             assert (
                 host.path("/etc/cdi/bcd-a1.json").exists()
                 and host.path("/run/bcd/allocations/a1.env").exists()

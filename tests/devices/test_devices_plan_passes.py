@@ -23,6 +23,7 @@ from bcd_agent.sections.devices.plan import (
     ApplySlice,
     Emit,
     Failure,
+    ForgetEventKeys,
     Ledger,
     PendingRelease,
     PlanCondition,
@@ -96,8 +97,11 @@ def settled(host: PlanHost, s: DevicesSpec) -> tuple[Action, ...]:
     return p.actions
 
 
-def ledger(bound: dict[str, int] | None = None, failed: dict[str, int] | None = None) -> Action:
-    return Action("ledger", "ledger", (WriteLedger(Ledger(bound or {}, failed or {})),))
+def ledger(
+    bound: dict[str, int] | None = None, failed: dict[str, int] | None = None, forget: tuple[str, ...] = ()
+) -> Action:
+    forgets = (ForgetEventKeys(forget),) if forget else ()
+    return Action("ledger", "ledger", (WriteLedger(Ledger(bound or {}, failed or {})), *forgets))
 
 
 def bound(alloc: str, gen: int, *atoms: str, parent: str = "", kube: bool = False, rsv: str = "") -> Emit:
@@ -117,7 +121,18 @@ def bound(alloc: str, gen: int, *atoms: str, parent: str = "", kube: bool = Fals
 
 
 def released(alloc: str, gen: int, *atoms: str, kube: bool = False) -> Emit:
-    return Emit(ReleasedEvent(alloc, f"rsv_{alloc}", gen, atoms, kube))
+    return Emit(ReleasedEvent(alloc, f"rsv_{alloc}", gen, atoms, kube), key(alloc, gen))
+
+
+def key(alloc: str, gen: int) -> str:
+    """An AllocationReleased's journal key (once per allocation and generation)."""
+    return f"devices:released:{alloc}:{gen}"
+
+
+def intent(*emits: Emit, bound: dict[str, int] | None = None) -> Action:
+    """The release-intent action recording the plain releases `emits` before their removals."""
+    releasing = {e.key: e.event for e in emits if e.key is not None and isinstance(e.event, ReleasedEvent)}
+    return Action("release-intent", "intent", (WriteLedger(Ledger(bound or {}, {}, releasing)),))
 
 
 def only_step(actions: tuple[Action, ...], key: str) -> Any:
@@ -230,20 +245,30 @@ def test_DEV_PASS_07_DEV_PASS_09_a_plain_release_then_its_slice_once_empty() -> 
     host.slices[SLICE] = evolve(host.slices[SLICE], populated=True)
     actions = settled(host, spec(2))
     assert actions == (
-        Action("release:a", "release", (RemoveSpec("a"), RemoveEnv("a"), released("a", 2, A))),
-        ledger(),
+        intent(released("a", 2, A), bound={"a": 1}),
+        Action(
+            "release:a",
+            "release",
+            (RemoveSpec("a"), RemoveEnv("a"), released("a", 2, A)),
+            frozenset({"release-intent"}),
+        ),
+        ledger(forget=(key("a", 2),)),
     )
-    assert SLICE in host.slices and host.specs == {} and host.envs == {}
+    assert SLICE in host.slices and host.specs == {} and host.envs == {} and host.keys == set()
     host.slices[SLICE] = evolve(host.slices[SLICE], populated=False)
     assert settled(host, spec(3)) == (Action(f"slice:{SLICE}", "slice", (StopSlice(SLICE),)),)
     assert host.stopped == [SLICE]
     # Released while empty: stopped in the same action, after the event.
     settled(host, spec(4, asg("a", A, limits=LIMITS)))
     assert settled(host, spec(5)) == (
+        intent(released("a", 5, A), bound={"a": 4}),
         Action(
-            "release:a", "release", (RemoveSpec("a"), RemoveEnv("a"), released("a", 5, A), StopSlice(SLICE))
+            "release:a",
+            "release",
+            (RemoveSpec("a"), RemoveEnv("a"), released("a", 5, A), StopSlice(SLICE)),
+            frozenset({"release-intent"}),
         ),
-        ledger(),
+        ledger(forget=(key("a", 5),)),
     )
 
 
@@ -315,7 +340,7 @@ def test_DEV_K8S_02_DEV_K8S_08_a_kubernetes_release_recorded_withdrawn_then_repo
     host.facts["pods_holding"] = {"k": False}
     assert settled(host, spec(3)) == (
         Action("kube-reported", "releases", (released("k", 2, A, f"{B}/s0", kube=True), WriteReleases(()))),
-        ledger(),
+        ledger(forget=(key("k", 2),)),
     )
     assert host.releases == () and host.kinds() == ["BoundEvent", "FailedEvent", "ReleasedEvent"]
 
@@ -340,7 +365,7 @@ def test_DEV_K8S_08_a_kubernetes_release_no_pod_holds_is_reported_in_the_same_pa
                 WriteReleases((old,)),
             ),
         ),
-        ledger(),
+        ledger(forget=(key("k", 2),)),
     )
 
 
@@ -406,12 +431,13 @@ def test_DEV_PASS_18_a_gpu_moved_between_allocations_binds_after_its_release() -
     actions = settled(host, spec(2, asg("d", f"{A}/s0"), asg("b", C), asg("c", f"{B}/s1", binding=KUBE)))
     keys = [(a.key, a.kind, sorted(a.after)) for a in actions]
     assert keys == [
-        ("release:a", "release", []),
-        ("release:b", "release", []),
-        ("release:c", "release", []),
+        ("release-intent", "intent", []),
+        ("release:a", "release", ["release-intent"]),
+        ("release:b", "release", ["release-intent"]),
+        ("release:c", "release", ["release-intent"]),
         ("bind:d", "bind", ["release:a"]),
-        ("bind:b", "bind", ["release:c"]),
-        ("bind:c", "bind", ["release:b"]),
+        ("bind:b", "bind", ["release:b", "release:c"]),
+        ("bind:c", "bind", ["release:b", "release:c"]),
         ("ledger", "ledger", []),
     ]
     assert only_step(actions, "release:b").steps == (RemoveSpec("b"), RemoveEnv("b"), released("b", 2, B))
@@ -437,21 +463,24 @@ def test_an_orphan_env_file_left_by_a_crash_goes_before_the_gpu_is_bound_again()
     """A crash between a release's two removals leaves the env file without its CDI spec (it names the
     released GPU for NVIDIA's legacy hook, and root refuses another hold of that GPU while it is there:
     docs/helper.md round 6, row 7). The next pass removes it before any bind, the bind of its GPU waits
-    for that removal (`after`), and the pass after plans nothing."""
+    for that removal (`after`), and the pass after plans nothing. The release's AllocationReleased,
+    recorded before the removals, goes out after the env file's removal, once."""
     host = PlanHost(inventory())
     settled(host, spec(1, asg("a", A), asg("c", C)))
     s2 = spec(2, asg("b", A), asg("c", C))
     crashed = host.plan(s2)
-    assert crashed.actions[0].steps[0] == RemoveSpec("a")
-    host.apply(crashed.actions[0].steps[0])  # the crash: the spec removed, the env file left
+    assert [a.key for a in crashed.actions[:2]] == ["release-intent", "release:a"]
+    host.apply(crashed.actions[0].steps[0])
+    host.apply(crashed.actions[1].steps[0])  # the crash: the spec removed, the env file left
     assert "a" not in host.specs and "a" in host.envs and host.plan(s2).holders.get("a") is None
     actions = settled(host, s2)
     assert [(a.key, a.kind, sorted(a.after)) for a in actions][:2] == [
-        ("release-env:a", "release", []),
-        ("bind:b", "bind", ["release-env:a"]),
+        ("release-done:a", "release", []),
+        ("bind:b", "bind", ["release-done:a"]),
     ]
-    assert actions[0].steps == (RemoveEnv("a"),)
+    assert actions[0].steps == (RemoveEnv("a"), released("a", 2, A))
     assert sorted(host.envs) == ["b", "c"] and sorted(host.specs) == ["b", "c"]
+    assert host.kinds()[-2:] == ["ReleasedEvent", "BoundEvent"] and host.ledger.releasing == {}
     # A bind of another GPU does not wait for it.
     host.envs["z"] = ("BCD_ALLOCATION_ID=z", "NVIDIA_VISIBLE_DEVICES=" + B)
     actions = settled(host, spec(3, asg("b", A), asg("c", C), asg("d", D)))
@@ -466,7 +495,12 @@ def test_an_orphan_env_file_of_an_allocation_bound_in_the_pass_is_rewritten_not_
     host.envs["a"] = ("BCD_ALLOCATION_ID=a", "NVIDIA_VISIBLE_DEVICES=" + B)
     host.envs["x"] = ("BCD_ALLOCATION_ID=x", "NVIDIA_VISIBLE_DEVICES=" + C)
     actions = settled(host, spec(1, asg("a", A), asg("x", "GPU-0000")))
-    assert [a.key for a in actions] == ["release-env:x", "bind:a", "failures", "ledger"]
+    assert [(a.key, a.kind) for a in actions] == [
+        ("release-env:x", "release"),
+        ("bind:a", "bind"),
+        ("failures", "report"),
+        ("ledger", "ledger"),
+    ]
     assert host.envs == {"a": host.envs["a"]} and host.envs["a"][-1] == "NVIDIA_VISIBLE_DEVICES=" + A
 
 
@@ -735,7 +769,7 @@ def test_DEV_ADM_10_a_kept_hold_grows_into_its_own_booking_or_is_refused_and_kep
     assert again.empty and again.failures == p.failures
     # b goes: a's growth fits now; its failure is forgotten once it holds its new limits.
     final = settled(host, spec(4, asg("a", A, limits=too_big, env=("X=1",))))
-    assert [a.key for a in final] == ["release:b", "keep:a", "ledger"]
+    assert [a.key for a in final] == ["release-intent", "release:b", "keep:a", "ledger"]
     assert host.ledger == Ledger({"a": 1}, {})
 
 
@@ -1047,6 +1081,7 @@ def test_DEV_K8S_09_each_pending_release_is_reported_or_kept_on_its_own() -> Non
             "releases",
             (released("r1", 1, A, kube=True), released("r3", 1, C, kube=True), WriteReleases((r2,))),
         ),
+        ledger(forget=(key("r1", 1), key("r3", 1))),
     )
 
 
@@ -1057,7 +1092,7 @@ def test_a_hold_the_ledger_forgot_is_still_released() -> None:
     settled(host, spec(1, asg("a", A), asg("k", B, binding=KUBE)))
     host.ledger = Ledger()
     actions = settled(host, spec(2))
-    assert [a.key for a in actions] == ["release:a", "release:k"]
+    assert [a.key for a in actions] == ["release-intent", "release:a", "release:k", "ledger"]
     assert host.kinds()[-2:] == ["ReleasedEvent", "ReleasedEvent"]
 
 
@@ -1485,3 +1520,156 @@ def test_Q_DEV_PASS_01_a_hold_that_becomes_sliced_starts_its_slice_before_it_nam
     steps = settled(host, spec(2, asg("a", A, B, limits=new)))[0].steps
     assert steps[0] == ApplySlice(slice_spec("a", new))
     assert [type(st).__name__ for st in steps[1:]] == ["WriteSpec", "WriteEnv", "Emit"]
+
+
+# --- releases across a crash (docs/devices.md, "Releases across a crash") ----------------------------
+
+
+def crash_after(host: PlanHost, p: Any, steps: int) -> None:
+    """Apply the first `steps` steps of plan `p`, in order, then stop (the process died there)."""
+    flat = [s for a in p.actions for s in a.steps]
+    for s in flat[:steps]:
+        host.apply(s)
+
+
+def test_Q_DEV_PASS_04_a_plain_release_is_reported_once_whatever_step_a_crash_stops_it_at() -> None:
+    """The release of a (its GPU moved to b) is recorded in the ledger before its removals, and its
+    event is keyed in the journal. Stopped after any number of the pass's steps, the next pass
+    (settled) leaves exactly one AllocationReleased of a at generation 2, before b's AllocationBound,
+    a's files gone, no release recorded and no key remembered."""
+    s2 = spec(2, asg("b", A))
+    first = PlanHost(inventory())
+    settled(first, spec(1, asg("a", A)))
+    total = len([s for a in first.plan(s2).actions for s in a.steps])
+    assert total == 9  # intent; spec, env, event; slice-less bind: spec, env, event; ledger, keys
+    for n in range(total + 1):
+        host = PlanHost(inventory())
+        settled(host, spec(1, asg("a", A)))
+        crash_after(host, host.plan(s2), n)
+        settled(host, s2)
+        events = [e for e in host.events if isinstance(e, ReleasedEvent)]
+        assert events == [ReleasedEvent("a", "rsv_a", 2, (A,), False)], n
+        kinds = [(type(e).__name__, e.allocation_id) for e in host.events]
+        assert kinds.index(("ReleasedEvent", "a")) < kinds.index(("BoundEvent", "b")), n
+        assert "a" not in host.specs and "a" not in host.envs, n
+        assert host.ledger.releasing == {} and host.keys == set(), n
+
+
+def test_a_release_recorded_but_not_begun_is_dropped_when_its_hold_is_wanted_again() -> None:
+    """The intent is written, then a crash before the spec's removal: the hold on disk is the one
+    the record released, so nothing was removed and nothing is owed; generation 3 wants a again,
+    and the record is dropped without an event."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A)))
+    crash_after(host, host.plan(spec(2)), 1)
+    assert set(host.ledger.releasing) == {key("a", 2)}
+    actions = settled(host, spec(3, asg("a", A)))
+    assert actions == (ledger({"a": 1}),)
+    assert host.kinds() == ["BoundEvent"] and host.ledger.releasing == {}
+
+
+def test_a_release_finished_before_a_new_bind_of_the_allocation_is_not_sent_again() -> None:
+    """a's release at 2 (GPU A) finished by the pass at 3 that binds a on GPU B, which stops after
+    the bind (the ledger not yet written): the hold on disk is not the one released, so the record
+    is finished again, but its key makes the event a no-op; the AllocationReleased stays single and
+    before the bind's AllocationBound."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A)))
+    crash_after(host, host.plan(spec(2)), 2)  # intent, spec removed
+    p3 = host.plan(spec(3, asg("a", B)))
+    assert [(a.key, sorted(a.after)) for a in p3.actions][:2] == [
+        ("release-done:a", []),
+        ("bind:a", ["release-done:a"]),
+    ]
+    assert p3.actions[0].steps == (released("a", 2, A),)  # a's env file is left to the bind
+    crash_after(host, p3, 4)  # the event, the bind's spec, env, event; not the ledger
+    assert host.specs["a"] and host.ledger.releasing
+    again = settled(host, spec(3, asg("a", B)))
+    assert [a.key for a in again] == ["release-done:a", "ledger"]
+    assert [(type(e).__name__, e.generation) for e in host.events] == [
+        ("BoundEvent", 1),
+        ("ReleasedEvent", 2),
+        ("BoundEvent", 3),
+    ]
+
+
+def test_a_kubernetes_release_reported_then_stopped_before_its_record_goes_is_not_reported_twice() -> None:
+    """DEV-K8S-08's report is keyed too: journaled, then a crash before releasing.json drops the
+    pending release; the next pass reports it again, which journals nothing."""
+    host = PlanHost(inventory(), facts={"pods_holding": {"k": True}})
+    settled(host, spec(1, asg("k", A, binding=KUBE)))
+    host.step(spec(2))
+    host.facts["pods_holding"] = {"k": False}
+    crash_after(host, host.plan(spec(2)), 1)  # the event, not WriteReleases
+    assert len(host.releases) == 1 and host.keys == {key("k", 2)}
+    settled(host, spec(2))
+    assert host.kinds() == ["BoundEvent", "ReleasedEvent"] and host.keys == set()
+
+
+def test_a_key_left_by_a_crash_after_the_ledger_is_forgotten_by_the_next_pass() -> None:
+    """A key the journal remembers for no release under way (a crash between the ledger's write
+    and the keys' removal) is forgotten first thing in the next pass; a key a recorded release or a
+    pending Kubernetes release still needs is kept."""
+    host = PlanHost(inventory(), facts={"pods_holding": {"k": True}})
+    settled(host, spec(1, asg("k", A, binding=KUBE)))
+    host.step(spec(2))
+    host.keys |= {key("z", 1), key("k", 2)}
+    actions = settled(host, spec(2))
+    assert actions == (Action("forget-keys", "keys", (ForgetEventKeys((key("z", 1),)),)),)
+    assert host.keys == {key("k", 2)}
+    # First thing, before anything the pass emits.
+    host.keys.add(key("y", 1))
+    actions = settled(host, spec(3, asg("b", B)))
+    assert [a.key for a in actions] == ["forget-keys", "bind:b", "ledger"]
+
+
+def test_each_recorded_release_is_settled_on_its_own() -> None:
+    """Two recorded releases: a's hold is still on disk as released (dropped, then released afresh),
+    b's spec is gone (finished: its env file removed, its event sent); the first being dropped does
+    not stop the look at the next. One AllocationReleased each."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A), asg("b", B)))
+    p2 = host.plan(spec(2))
+    assert p2.actions[0].key == "release-intent" and p2.actions[2].key == "release:b"
+    host.apply(p2.actions[0].steps[0])  # both recorded
+    host.apply(p2.actions[2].steps[0])  # b's spec removed; then the crash
+    actions = settled(host, spec(2))
+    assert [(a.key, sorted(a.after)) for a in actions][:3] == [
+        ("release-intent", []),
+        ("release-done:b", []),
+        ("release:a", ["release-intent"]),
+    ]
+    assert actions[1].steps == (RemoveEnv("b"), released("b", 2, B))
+    assert sorted((e.allocation_id, e.generation) for e in host.events if isinstance(e, ReleasedEvent)) == [
+        ("a", 2),
+        ("b", 2),
+    ]
+
+
+def test_a_hold_bound_again_after_an_unfinished_release_is_released_after_it() -> None:
+    """c's release at 2 stops after its spec's removal; 3 binds c on D (the old release finished first)
+    and stops before its ledger; 4 moves c to B. The old record is kept beside the new one in the
+    intent's ledger, the new release and the new bind both wait for the old release's action, and
+    the bind for the new release too. Every release of c is sent once, each before the next bind."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("c", C)))
+    crash_after(host, host.plan(spec(2)), 2)
+    p3 = host.plan(spec(3, asg("c", D)))
+    assert [a.key for a in p3.actions] == ["release-done:c", "bind:c", "ledger"]
+    crash_after(host, p3, 4)  # the old event; the bind's spec, env and event; not the ledger
+    p4 = host.plan(spec(4, asg("c", B)))
+    got = {a.key: a for a in p4.actions}
+    intent_ledger = got["release-intent"].steps[0].ledger
+    assert set(intent_ledger.releasing) == {key("c", 2), key("c", 4)}
+    assert got["release:c"].after == frozenset({"release-intent", "release-done:c"})
+    assert got["bind:c"].after == frozenset({"release:c", "release-done:c"})
+    settled(host, spec(4, asg("c", B)))
+    order = [(type(e).__name__, e.generation) for e in host.events]
+    assert order == [
+        ("BoundEvent", 1),
+        ("ReleasedEvent", 2),
+        ("BoundEvent", 3),
+        ("ReleasedEvent", 4),
+        ("BoundEvent", 4),
+    ]
+    assert host.ledger.releasing == {} and host.keys == set()

@@ -426,6 +426,100 @@ def test_a_failed_tap_leaves_none_of_the_calls_taps(ctx: HelperContext, host: Ho
     assert ctx.system.timeouts[-1] == 30  # type: ignore[attr-defined]
 
 
+TWIN_A, TWIN_B = "vm-1762438", "vm-3742940"  # their taps collide (instancenames.tap_collision)
+CLAIMS = "var/lib/bcd-hostconfig/taps"
+STAGED = "var/lib/bcd-hostconfig/libvirt"
+
+
+def test_a_second_instance_of_a_tap_stem_is_refused_and_its_untaps_deletes_nothing(
+    ctx: HelperContext, host: Host, root: Path
+) -> None:
+    """ch.taps claims the instance's tap stem for it (`taps/<stem>` = its id, 0600) before the first
+    tap; the twin's ch.taps is then refused `tap-collision` naming both ids and the rule, before any
+    interface is looked at, and the twin's ch.untaps deletes nothing (the taps are the first one's).
+    The first one's ch.untaps deletes its taps and drops the claim: the twin may then have them."""
+    from bcd_shared.instancenames import tap_name, tap_stem
+
+    tap = tap_name(TWIN_A, 0)
+    claim = root / CLAIMS / tap_stem(TWIN_A)
+    assert ch.ch_taps(call(ctx), ch.ChTaps(TWIN_A, ("br0",)))["created"] == [tap]
+    assert claim.read_bytes() == f"{TWIN_A}\n".encode() and stat.S_IMODE(claim.stat().st_mode) == 0o600
+    n = len(runs(ctx))
+    reason, message = refused(ch.ch_taps, call(ctx), ch.ChTaps(TWIN_B, ("br1",)))
+    assert (reason, message) == (
+        "tap-collision",
+        f"ch.taps: instance {TWIN_B}'s taps ({tap_stem(TWIN_B)}<NIC>) are instance {TWIN_A}'s too: tap "
+        "names hash the instance id into 15 characters (IFNAMSIZ), and no two live instances may share "
+        "one (rename one of them)",
+    )
+    assert runs(ctx)[n:] == [] and claim.read_bytes() == f"{TWIN_A}\n".encode()
+    assert ch.ch_untaps(call(ctx), ch.ChName(TWIN_B)) == {"name": TWIN_B, "deleted": []}
+    assert runs(ctx)[n:] == [] and tap in host.links and claim.exists()
+    # Its own again: kept, claimed still.
+    assert ch.ch_taps(call(ctx), ch.ChTaps(TWIN_A, ("br0",)))["created"] == []
+    assert ch.ch_untaps(call(ctx), ch.ChName(TWIN_A))["deleted"] == [tap]
+    assert not claim.exists() and tap not in host.links
+    assert ch.ch_taps(call(ctx), ch.ChTaps(TWIN_B, ("br1",)))["created"] == [tap]
+    assert claim.read_bytes() == f"{TWIN_B}\n".encode()
+    assert refused(ch.ch_taps, call(ctx), ch.ChTaps(TWIN_A, ("br0",)))[0] == "tap-collision"
+    # ch.untaps of an instance that never claimed leaves another's claim alone.
+    assert ch.ch_untaps(call(ctx), ch.ChName("vm1"))["deleted"] == []
+    assert claim.read_bytes() == f"{TWIN_B}\n".encode()
+
+
+def test_a_claim_root_cannot_read_or_write_is_never_taken_for_free(ctx: HelperContext, root: Path) -> None:
+    """A claim whose bytes are not UTF-8 still names another instance (replacement characters), so
+    the tap names stay refused; a claims directory that is a symlink is refused `root-only` (root
+    writes its claims under the root-only rule) before any tap is made."""
+    from bcd_shared.instancenames import tap_stem
+
+    claims = root / CLAIMS
+    claims.mkdir(parents=True)
+    (claims / tap_stem("vm1")).write_bytes(b"\xffvm1\n")
+    reason, message = refused(ch.ch_taps, call(ctx), ch.ChTaps("vm1", ("br0",)))
+    assert reason == "tap-collision" and "are instance \ufffdvm1's too" in message, message
+    (claims / tap_stem("vm1")).unlink()
+    claims.rmdir()
+    elsewhere = root / "elsewhere"
+    elsewhere.mkdir()
+    claims.symlink_to(elsewhere)
+    reason, message = refused(ch.ch_taps, call(ctx), ch.ChTaps("vm1", ("br0",)))
+    assert reason == "root-only" and "taps" in message, message
+    assert os.listdir(elsewhere) == [] and runs(ctx)[-1] != tuntap(T0)
+
+
+def test_a_defined_libvirt_domain_owns_its_tap_names_for_ch_taps(ctx: HelperContext, root: Path) -> None:
+    """A definition root staged (`libvirt/<id>.xml`) owns its tap names: the twin's ch.taps is refused;
+    a staged file of the instance itself, one not ending `.xml`, or one that is no instance id does
+    not count."""
+    staged = root / STAGED
+    staged.mkdir(parents=True)
+    for name in (f"{TWIN_B}.xml", TWIN_A, f"{TWIN_A}.xml.tmp", "..xml", "vm1.xml"):
+        (staged / name).write_bytes(b"<domain/>")
+    assert ch.ch_taps(call(ctx), ch.ChTaps(TWIN_B, ("br0",)))["name"] == TWIN_B
+    ch.ch_untaps(call(ctx), ch.ChName(TWIN_B))
+    (staged / f"{TWIN_A}.xml").write_bytes(b"<domain/>")
+    reason, message = refused(ch.ch_taps, call(ctx), ch.ChTaps(TWIN_B, ("br0",)))
+    assert reason == "tap-collision" and f"are instance {TWIN_A}'s too" in message
+    assert ch.ch_untaps(call(ctx), ch.ChName(TWIN_B))["deleted"] == []
+
+
+def test_a_failed_first_tap_drops_the_claim_a_kept_tap_keeps_it(
+    ctx: HelperContext, host: Host, root: Path
+) -> None:
+    """Nothing half-applied: a call that created every tap and failed drops its claim with them; one
+    that found a tap of the instance keeps the claim (that tap stays)."""
+    from bcd_shared.instancenames import tap_stem
+
+    claim = root / CLAIMS / tap_stem("vm1")
+    host.fail["ip tuntap"] = (1, b"", b"ioctl(TUNSETIFF): Device or resource busy\n")
+    assert failed(ch.ch_taps, call(ctx), ch.ChTaps("vm1", ("br0", "br0")))[0] == "ip"
+    assert not claim.exists() and host.links == {}
+    host.links[T0] = TAP_JSON
+    assert failed(ch.ch_taps, call(ctx), ch.ChTaps("vm1", ("br0", "br0")))[0] == "ip"
+    assert claim.read_bytes() == b"vm1\n" and T0 in host.links
+
+
 def test_a_failed_tap_is_answered_even_when_the_rollback_runs_out_of_time(
     ctx: HelperContext, host: Host
 ) -> None:

@@ -470,6 +470,33 @@ def test_define_checks_stages_0600_and_runs_define_validate(ctx: HelperContext, 
     assert programs(ctx).runs == [virsh("define", "--validate", str(staged))]
 
 
+def test_a_definition_whose_tap_names_another_live_instance_has_is_refused(
+    ctx: HelperContext, root: Path
+) -> None:
+    """Tap names hash the id (44 bits; `vm-1762438` and `vm-3742940` collide): a define or restore with
+    NICs is refused `tap-collision` when root's records say another live instance has those names: a
+    cloud-hypervisor instance's claim (`taps/<stem>`, written by its ch.taps) or another domain root
+    defined. Nothing is staged or run; the claim of the instance itself, or none, lets it through."""
+    from bcd_shared.instancenames import tap_stem
+
+    claim = root / "var/lib/bcd-hostconfig/taps" / tap_stem("vm1")
+    claim.parent.mkdir(parents=True)
+    claim.write_bytes(b"vm-twin\n")
+    for op, handler, request in (
+        ("libvirt.define", lv.libvirt_define, lv.LibvirtDefine("vm1", NO_GPU_DEFINE)),
+        ("libvirt.restore", lv.libvirt_restore, lv.LibvirtRestore("vm1", NO_GPU_DEFINE)),
+    ):
+        reason, message = refused(handler, call(ctx), request)
+        assert reason == "tap-collision" and message.startswith(f"{op}: instance vm1's taps"), message
+        assert "are instance vm-twin's too" in message
+        assert "instance vm1's taps" in message and "15 characters (IFNAMSIZ)" in message
+    assert programs(ctx).runs == [] and not (root / STAGE).exists()
+    claim.write_bytes(b"vm1\n")
+    assert lv.libvirt_define(call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))["name"] == "vm1"
+    claim.unlink()
+    assert lv.libvirt_define(call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))["name"] == "vm1"
+
+
 def test_define_for_another_driver_stages_paths_with_relabelling_off(root: Path) -> None:
     """libvirt's test driver refuses an fdgroup: any URI but qemu's keeps paths, relabelling off."""
     uri = "test:///default"

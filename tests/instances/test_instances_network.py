@@ -144,6 +144,38 @@ def test_an_address_two_instances_claim_is_bound_once_dlv_nft_18() -> None:
     assert set(kept) == {"a"} and "claimed by instance a" in errors["b"]
 
 
+def test_instances_whose_tap_names_collide_one_is_guarded_the_other_fails_alone() -> None:
+    """`vm-1762438` and `vm-3742940` share every tap name; one load with both would be refused whole
+    (netpolicy), leaving every instance unguarded. The first in the spec keeps its rules and the twin
+    fails alone naming both; one whose domain exists keeps them whatever the order; a dropped
+    instance's kept guard keeps them from a new twin; a twin without NICs has no taps."""
+    a, b = "vm-1762438", "vm-3742940"
+    s = spec(
+        vm(a, nics=nic(1, "10.0.0.5/24")),
+        vm(b, nics=nic(2, "10.0.0.6/24")),
+        vm("c", nics=nic(3, "10.0.0.7/24")),
+    )
+    kept, errors = nic_policies(s, [], {})
+    assert set(kept) == {a, "c"} and set(errors) == {b}
+    assert (
+        errors[b].startswith(f"network policy: nics: instance {b}'s taps")
+        and f"are instance {a}'s too" in errors[b]
+    )
+    kept, errors = nic_policies(s, [b], {})
+    assert set(kept) == {b, "c"} and f"are instance {b}'s too" in errors[a]
+    old = (NicPolicy(a, 0, "br0", "52:54:00:00:00:09", ("10.0.0.9/24",), "EGRESS"),)
+    kept, errors = nic_policies(spec(vm(b, nics=nic(2, "10.0.0.6/24"))), [a], {a: old})
+    assert kept == {a: old} and f"are instance {a}'s too" in errors[b]
+    kept, errors = nic_policies(spec(vm(a, nics=nic(1, "10.0.0.5/24")), vm(b, nics=())), [], {})
+    assert set(kept) == {a, b} and not errors
+    kept, errors = nic_policies(spec(vm(a, nics=()), vm(b, nics=nic(2, "10.0.0.6/24"))), [], {})
+    assert set(kept) == {a, b} and not errors
+    # A DELETED twin (no domain left) holds nothing, and the instances after it are still looked at.
+    gone = vm(a, desired=Desired.DELETED, nics=nic(1, "10.0.0.5/24"))
+    kept, errors = nic_policies(spec(gone, vm(b, nics=nic(2, "10.0.0.6/24"))), [], {})
+    assert set(kept) == {b} and not errors
+
+
 def test_unset_policy_fails() -> None:
     s = spec(vm("a", nics=nic(1, "10.0.0.5/24"), network_policy="UNSPECIFIED"))
     kept, errors = nic_policies(s, [], {})

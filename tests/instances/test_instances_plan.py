@@ -479,3 +479,37 @@ def test_a_failed_create_leaves_no_directory_once_unwanted(tmp_path: Path) -> No
     converge(sec, spec(vm("y")))
     assert not system.exists(d)
     assert sec.plan(spec(vm("y")), 1).steps == ()
+
+
+# --- tap names (docs/instances.md, "Tap names") ------------------------------------------------------
+
+# Two ids whose taps collide under instancenames.tap_name (44 bits of SHA-256; found by a search).
+TWIN_A, TWIN_B = "vm-1762438", "vm-3742940"
+
+
+def test_two_instances_whose_tap_names_collide_the_second_is_refused_naming_both() -> None:
+    """The tap names really collide. Of two spec instances with NICs sharing them, the first in the
+    spec keeps them and the second fails (`nics:` naming both ids and the rule) with no step of its
+    own; one whose domain exists keeps them whatever the order; an instance without NICs has no
+    taps, so it never collides."""
+    from bcd_shared.instancenames import tap_name, tap_stem
+
+    assert tap_name(TWIN_A, 0) == tap_name(TWIN_B, 0) and tap_stem(TWIN_A) == tap_stem(TWIN_B)
+    p = plan(spec(vm(TWIN_A), vm(TWIN_B)), observed())
+    assert [s.instance.id for s in p.steps if isinstance(s, Create)] == [TWIN_A]
+    assert p.errors == {
+        TWIN_B: f"nics: instance {TWIN_B}'s taps ({tap_stem(TWIN_B)}<NIC>) are instance {TWIN_A}'s too: "
+        "tap names hash the instance id into 15 characters (IFNAMSIZ), and no two live instances may "
+        "share one (rename one of them)"
+    }
+    # The live one keeps its names, even listed second.
+    p = plan(spec(vm(TWIN_B), vm(TWIN_A)), observed(dom(TWIN_A)))
+    assert set(p.errors) == {TWIN_B} and f"are instance {TWIN_A}'s too" in p.errors[TWIN_B]
+    # No NICs, no taps.
+    p = plan(spec(vm(TWIN_A), vm(TWIN_B, nics=())), observed())
+    assert p.errors == {}
+    # A DELETED or invalid twin holds nothing.
+    p = plan(spec(vm(TWIN_A, desired=Desired.DELETED), vm(TWIN_B)), observed())
+    assert p.errors == {}
+    p = plan(spec(vm(TWIN_A, vcpus=0), vm(TWIN_B)), observed())
+    assert set(p.errors) == {TWIN_A}

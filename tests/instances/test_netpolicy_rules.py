@@ -155,3 +155,33 @@ def test_the_memo_keeps_the_cross_nic_checks() -> None:
     # An index True equals (and hashes as) index 1: it is checked, not taken from the memo.
     with pytest.raises(PolicyError, match="is not a NIC index"):
         build_ruleset([attrs.evolve(B, index=True)], HostAddresses(), None, memo)
+
+
+def test_two_instances_whose_taps_collide_are_never_guarded_on_one_tap() -> None:
+    """`vm-1762438` and `vm-3742940` share every tap name: NICs of both (any index pair that gives one
+    tap) are refused naming the later NIC's field, both ids, the earlier NIC and the rule; the same
+    instance's NICs, and the twins on different tap indexes, are not."""
+    from bcd_shared.instancenames import tap_stem
+
+    one = NicPolicy("vm-1762438", 0, "br0", "52:54:00:00:00:01", ("10.0.0.5/24",))
+    twin = NicPolicy("vm-3742940", 0, "br1", "52:54:00:00:00:02", ("10.1.0.6/24",))
+    with pytest.raises(PolicyError) as exc:
+        check_nics([A, one, twin])
+    assert str(exc.value) == (
+        f"nics[2].instance: instance vm-3742940's taps ({tap_stem('vm-3742940')}<NIC>) are instance "
+        "vm-1762438's too: tap names hash the instance id into 15 characters (IFNAMSIZ), and no two live "
+        "instances may share one (rename one of them) (nics[1])"
+    )
+    check_nics([one, NicPolicy("vm-1762438", 1, "br0", "52:54:00:00:00:03", ("10.0.0.7/24",))])
+    check_nics([one, NicPolicy("vm-3742940", 1, "br1", "52:54:00:00:00:02", ("10.1.0.6/24",))])
+
+
+def test_tap_names_are_the_stem_and_the_index_of_at_most_16_nics() -> None:
+    """instancenames.tap_name: `bc` + 11 hex digits of the id's SHA-256 (tap_stem) + the NIC index in
+    hex, 14 characters; an index outside 0..15 is refused naming it."""
+    from bcd_shared.instancenames import tap_name, tap_stem
+
+    assert tap_stem("vm1") == "bc7b11e3d1b4e" and tap_name("vm1", 15) == "bc7b11e3d1b4ef"
+    for bad in (16, -1):
+        with pytest.raises(ValueError, match=rf"^NIC index {bad} out of range \(at most 16 NICs\)$"):
+            tap_name("vm1", bad)

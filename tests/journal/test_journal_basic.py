@@ -275,3 +275,27 @@ def test_failed_write_leaves_nothing_behind(tmp_path: Path) -> None:
             j.complete("ghost", Outcome.SUCCEEDED)
         assert not j._conn.in_transaction
         assert j.complete("a", Outcome.SUCCEEDED).state is CommandState.DONE
+
+
+def test_a_keyed_event_is_journaled_once_until_its_key_is_forgotten(tmp_path: Path) -> None:
+    """`append_event(..., key)`: the key is remembered with the event, durably (a reopened journal
+    still has it); a second append with it journals nothing and returns the first seq; forgetting it
+    lets the next append journal again. Keys of other prefixes are left alone."""
+    from bcd_agent.journal import EventClass
+
+    data = tmp_path / "data"
+    with Journal.open(data, boot_id="b1") as j:
+        assert j.append_event(EventClass.RESULT, "plain", b"0") == 1
+        assert j.append_event(EventClass.RESULT, "R", b"1", "devices:released:a:2") == 2
+        assert j.append_event(EventClass.RESULT, "R", b"1", "other:x_%") == 3
+    with Journal.open(data, boot_id="b1") as j:
+        assert j.append_event(EventClass.RESULT, "R", b"again", "devices:released:a:2") == 2
+        assert [(e.seq, e.payload) for e in j.unacked_events()] == [(1, b"0"), (2, b"1"), (3, b"1")]
+        assert j.event_keys("devices:") == {"devices:released:a:2": 2}
+        assert j.event_keys("other:x_") == {"other:x_%": 3}
+        assert j.event_keys("devices:released:a:2x") == {}
+        assert j.forget_event_keys(["devices:released:a:2", "devices:never"]) == 1
+        assert j.forget_event_keys([]) == 0
+        assert j.event_keys("devices:") == {}
+        assert j.append_event(EventClass.RESULT, "R", b"new", "devices:released:a:2") == 4
+        assert j.event_keys() == {"devices:released:a:2": 4, "other:x_%": 3}

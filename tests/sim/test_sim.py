@@ -410,3 +410,59 @@ def test_sigterm_stops_every_child_too(tmp_path: Path) -> None:
     while _processes_under(root) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _processes_under(root)
+
+
+def _handles(pid: int, signum: int) -> bool:
+    """Whether process `pid` has a handler for `signum` installed (SigCgt in /proc/PID/status)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("after_s", [0.0, 0.25, 0.5])
+def test_a_signal_in_the_first_half_second_stops_the_sim_with_a_message(
+    tmp_path: Path, signum: int, after_s: float
+) -> None:
+    """`bcd sim` signalled while it starts (its imports, the seeding: before its trio signal receiver)
+    used to die without a word: SIGTERM's default action (exit 143, nothing on stderr), SIGINT's
+    KeyboardInterrupt traceback. `bcd` now keeps such a signal (EarlyStop, installed first thing) and
+    the sim honours it at its next check: a clear last line, exit 128 + the signal, no process left
+    (as root the helper would be one). Sent `after_s` after the handler is in place (SigCgt); at 0 it
+    always falls before any child, so the message says so. (Before `bcd`'s main runs, ~60 ms of
+    interpreter start and imports, the interpreter's defaults still apply: docs/sim.md.)"""
+    root = tmp_path / "host"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bcd_agent.cli", "sim", "--once", "--spec", str(EXAMPLES / "gpu-node.json"),
+         "--root", str(root)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        # SIGTERM's handler: the EarlyStop (Python's own SIGINT handler is there from the start).
+        while not _handles(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.001)
+        time.sleep(after_s)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 128 + signum, err
+    last = err.strip().splitlines()[-1]
+    name = signal.Signals(signum).name
+    if after_s == 0.0:
+        assert last == f"bcd sim: stopped by {name}, while starting (no process was started)", err
+    else:
+        assert last in (
+            "bcd sim: stopped",
+            f"bcd sim: stopped by {name}, while starting (no process was started)",
+        )
+    assert "Traceback" not in err
+    deadline = time.monotonic() + 10
+    while _processes_under(root) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _processes_under(root)

@@ -74,3 +74,5 @@ K_LAST_EPOCH = "last_epoch"
 K_APPLIED_GEN = "applied_generation"
 K_SERVER_MARK = "server_time_mark"
 K_CREATED_AT = "created_at"
+# An idempotent event's key (Journal.append_event `key`): "event-key:<key>" -> the seq it was appended at.
+K_EVENT_KEY = "event-key:"

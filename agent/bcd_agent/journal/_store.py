@@ -29,6 +29,7 @@ from bcd_agent.journal._schema import (
     K_ACKED_SEQ,
     K_APPLIED_GEN,
     K_CREATED_AT,
+    K_EVENT_KEY,
     K_JOURNAL_ID,
     K_LAST_EPOCH,
     K_NEXT_SEQ,
@@ -134,6 +135,10 @@ _SQL_ACKED_STATS = (
 )
 _SQL_DELETE_EVENTS = "DELETE FROM events WHERE seq <= ?"
 _SQL_SET_META = "INSERT OR REPLACE INTO meta (key, value) VALUES (?, ?)"
+_SQL_GET_META = "SELECT value FROM meta WHERE key = ?"
+_SQL_DELETE_META = "DELETE FROM meta WHERE key = ?"
+# LIKE with `_` and `%` in a prefix matches more than it should: the caller filters by startswith.
+_SQL_EVENT_KEYS = "SELECT key, value FROM meta WHERE key LIKE ?"
 _SQL_TICKET_GET = "SELECT expires_at FROM exec_tickets WHERE jti = ?"
 _SQL_TICKET_PUT = "INSERT OR REPLACE INTO exec_tickets (jti, expires_at) VALUES (?, ?)"
 _SQL_TICKET_PURGE = "DELETE FROM exec_tickets WHERE expires_at <= ?"
@@ -1010,11 +1015,40 @@ class Journal:
         with self._mutex:
             return self._full()
 
-    def append_event(self, cls: EventClass, type: str, payload: bytes) -> int:
-        """Append one event; returns its seq."""
-        return self.append_events((NewEvent(cls, type, payload),)).first_seq
+    def append_event(self, cls: EventClass, type: str, payload: bytes, key: str | None = None) -> int:
+        """Append one event; returns its seq.
 
-    def append_events(self, batch: Sequence[NewEvent]) -> EventsAppended:
+        `key` makes the append idempotent: the journal remembers the key (in `meta`, in the event's own
+        transaction) and a later append with the same key appends nothing and returns the first one's
+        seq. A section that records its intent before an effect and emits after it (the devices
+        section's releases) uses it to send the event exactly once across a crash between the append
+        and its own record of it; it forgets the key (`forget_event_keys`) once that record is durable."""
+        if key is None:
+            return self.append_events((NewEvent(cls, type, payload),)).first_seq
+        meta_key = K_EVENT_KEY + key
+        with self._mutex:
+            row = self._conn.execute(_SQL_GET_META, (meta_key,)).fetchone()
+            if row is not None:
+                return int(row[0])
+            return self.append_events((NewEvent(cls, type, payload),), _key=meta_key).first_seq
+
+    def event_keys(self, prefix: str = "") -> dict[str, int]:
+        """The remembered event keys starting with `prefix`, with the seq each was appended at."""
+        with self._mutex:
+            rows = self._conn.execute(_SQL_EVENT_KEYS, (K_EVENT_KEY + prefix + "%",)).fetchall()
+        return {
+            str(k)[len(K_EVENT_KEY) :]: int(v) for k, v in rows if str(k).startswith(K_EVENT_KEY + prefix)
+        }
+
+    def forget_event_keys(self, keys: Iterable[str]) -> int:
+        """Forget event keys (one durable transaction); returns how many were remembered."""
+        wanted = [(K_EVENT_KEY + k,) for k in keys]
+        if not wanted:
+            return 0
+        with self._mutex, self._tx() as c:
+            return sum(c.execute(_SQL_DELETE_META, k).rowcount for k in wanted)
+
+    def append_events(self, batch: Sequence[NewEvent], *, _key: str | None = None) -> EventsAppended:
         """Append a batch in one transaction, seqs increasing from 1 per journal_id, never reused.
 
         Over the bounds, the oldest metric events (this batch's included) are dropped. Transition and
@@ -1052,6 +1086,8 @@ class Journal:
                     ],
                 )
                 c.execute(_SQL_SET_META, (K_NEXT_SEQ, first + n))
+                if _key is not None:
+                    c.execute(_SQL_SET_META, (_key, first))
                 if count > self._max_events or size > self._max_bytes:
                     last = 0
                     for seq, s in c.execute(_SQL_METRICS_OLDEST):

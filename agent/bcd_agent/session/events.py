@@ -10,7 +10,7 @@ wire Event with its seq; the session sends them in EventBatches until acked.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from bcd_shared import wire
 from bcd_shared.wire.strict import decode
@@ -33,7 +33,7 @@ class JournalEventSink:
         self._boot_id = boot_id
         self.wake = wake
 
-    def emit(self, event: object) -> None:
+    def emit(self, event: object, key: str | None = None) -> None:
         # Duck-typed on the devices section's SignedReport (to_wire) and PlainEvent (payload).
         type_name = str(getattr(event, "type"))  # noqa: B009
         to_wire = getattr(event, "to_wire", None)
@@ -48,10 +48,19 @@ class JournalEventSink:
             message = wire.Event(
                 event_class=wire.EventClass.RESULT, type=type_name, payload=payload, boot_id=self._boot_id
             )
-        self.append(EventClass.RESULT, type_name, message)
+        self.append(EventClass.RESULT, type_name, message, key)
 
-    def append(self, cls: EventClass, type_name: str, message: wire.Event) -> int:
-        seq = self._journal.append_event(cls, type_name, bytes(message))
+    def event_keys(self, prefix: str) -> frozenset[str]:
+        """The journal's remembered event keys that start with `prefix`."""
+        return frozenset(self._journal.event_keys(prefix))
+
+    def forget_keys(self, keys: Collection[str]) -> None:
+        """Forget idempotency keys (the journal's `forget_event_keys`)."""
+        self._journal.forget_event_keys(keys)
+
+    def append(self, cls: EventClass, type_name: str, message: wire.Event, key: str | None = None) -> int:
+        """Journal one event (`key`: at most once per key; see Journal.append_event)."""
+        seq = self._journal.append_event(cls, type_name, bytes(message), key)
         self.wake()
         return seq
 

@@ -6,7 +6,10 @@ the server audits it with that name. Rules:
   gid (the node opens it and hands the fd to the VMM), on the NIC's bridge, which must be one of
   `[helper] instance_bridges`. An existing interface of that name is kept when it is a tap and
   refused when it is anything else (DLV-CHH-05/06). `ch.untaps` deletes only those names, and only
-  taps (DLV-CHH-07).
+  taps (DLV-CHH-07). Tap names hash the id (44 bits; ids collide): an instance whose names another
+  live instance's taps have (root's claim of a cloud-hypervisor instance, or a libvirt domain root
+  defined) is refused `tap-collision` naming both, and its `ch.untaps` deletes nothing
+  (bcd_helper.taps; docs/helper.md, "Tap names").
 - `ch.launch`: root reads `vm.json` itself (bcd_shared.chrecord) and checks, with no symlink followed:
   the instance directory, `vm.json`, the disk and the seed are the node's (its uid) and regular;
   nothing in the directory is a symlink; the base image is `images/<64 hex>.<format>` and passes
@@ -60,6 +63,7 @@ from bcd_shared.chunit import (
 from bcd_shared.images import ImageRefused, check_image, check_overlay
 from bcd_shared.instancenames import BRIDGE_RE, MAX_NICS, tap_name, valid_instance_id, volumes_dir
 
+from bcd_helper import taps as tapnames
 from bcd_helper.ops.base import Call, Failed, Refused
 from bcd_helper.ops.hostunit import SignedIntent
 
@@ -170,11 +174,14 @@ def ch_taps(call: Call, req: ChTaps) -> dict[str, Any]:
             )
     if _with_roots(call, req.intent):
         _signed_nics(call, op, name, req.intent, list(req.bridges))
+    # Another live instance whose taps have these names: never its tap (docs/helper.md, "Tap names").
+    tapnames.refuse_collision(call, op, name)
     taps = [tap_name(name, i) for i in range(len(req.bridges))]
     existing = {t: _link(call, t) for t in taps}
     for tap, link in existing.items():
         if link is not None and not _is_tap(link):
             raise Refused("not-a-tap", f"{op}: {tap} exists and is not a tap: it is never touched")
+    tapnames.claim(call, name)
     created: list[str] = []
     try:
         _make_taps(call, taps, req.bridges, existing, created)
@@ -183,6 +190,8 @@ def ch_taps(call: Call, req: ChTaps) -> dict[str, Any]:
         for tap in created:
             with contextlib.suppress(Failed):
                 call.system.run(["ip", "link", "delete", "dev", tap], timeout=30)
+        if all(link is None for link in existing.values()):
+            tapnames.release(call, name)
         raise
     return {"name": name, "taps": taps, "created": created}
 
@@ -220,7 +229,9 @@ def _make_taps(
 def ch_untaps(call: Call, req: ChName) -> dict[str, Any]:
     op = "ch.untaps"
     name = _name(op, req.name)
-    deleted = []
+    deleted: list[str] = []
+    if tapnames.owner(call, name) is not None:
+        return {"name": name, "deleted": deleted}  # its names are another live instance's taps
     for i in range(MAX_NICS):
         tap = tap_name(name, i)
         link = _link(call, tap)
@@ -230,6 +241,7 @@ def ch_untaps(call: Call, req: ChName) -> dict[str, Any]:
         if not result.ok:
             raise Failed("ip", f"ip link delete {tap}: {_err(result)}")
         deleted.append(tap)
+    tapnames.release(call, name)
     return {"name": name, "deleted": deleted}
 
 

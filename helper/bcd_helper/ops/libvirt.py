@@ -5,7 +5,9 @@ Every request names an instance by id (bcd_shared.instancenames: the domain's na
   entity, no element or attribute outside the allowlist, no `<qemu:commandline>`; disks only under
   root's `data_dir` for this instance, re-checked on the host without symlinks, the overlay naming
   exactly its base and the base a flat qcow2; taps `tap_name(id, i)` on `[helper] instance_bridges`;
-  hostdevs only this host's GPUs as nvidia-smi lists them to root; the UUID bcd's `domain_uuid`). A
+  hostdevs only this host's GPUs as nvidia-smi lists them to root; the UUID bcd's `domain_uuid`; a
+  definition with NICs refused `tap-collision` when another live instance's taps have its tap names,
+  bcd_helper.taps). A
   domain of that name bcd did not define is never defined over: libvirt refuses a name under
   another UUID. The XML is staged in root's
   directory `/var/lib/bcd-hostconfig/libvirt/` and given to `virsh define --validate`.
@@ -44,10 +46,11 @@ from bcd_shared.errors import RetryableError
 from bcd_shared.instancenames import METADATA_NS, instance_dir, valid_instance_id
 from bcd_shared.rootpath import RootPathRefused
 
+from bcd_helper import taps as tapnames
 from bcd_helper.ops.base import Call, Failed, Refused
 from bcd_helper.ops.hostunit import SignedIntent
 
-STAGE_DIR = "/var/lib/bcd-hostconfig/libvirt"
+STAGE_DIR = tapnames.STAGE_DIR  # the definitions root staged: also who owns which tap names
 # Definitions root keeps staged (one per defined domain, up to MAX_XML each): without signing roots the
 # node names the domains, so their number is bounded here (256 MiB at most in root's directory).
 MAX_STAGED = 1024
@@ -412,6 +415,8 @@ def libvirt_define(call: Call, req: LibvirtDefine) -> dict[str, Any]:
     # bcd did not create ("already exists with uuid"), atomically; no dumpxml of root's is needed.
     checked, data = check_definition(call, op, name, req.xml)
     _signed(call, op, name, req.intent, checked)
+    if checked.nics:
+        tapnames.refuse_collision(call, op, name)  # another live instance's taps have its names
     staged = _stage(call, name, root_definition(data, _fd_passing(call)))
     result = _virsh(call, "define", "--validate", staged)
     if not result.ok:
@@ -693,6 +698,8 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
     checked, data = check_definition(call, op, name, req.xml)
     _gpus_free(call, op, name, data)  # a restore passes its GPUs through as a start does (DLV-DEV-21)
     _signed(call, op, name, req.intent, checked, runs=True)
+    if checked.nics:
+        tapnames.refuse_collision(call, op, name)
     _real, st = _instance_file(call, op, name, "save.state", "no-state", "no-state")
     state = f"{instance_dir(call.ctx.config.data_dir, name)}/save.state"
     if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:  # a hard link: a file the node did not write

@@ -335,7 +335,7 @@ OPS: dict[str, OpSpec] = {
         "ChTaps",
         "ch_taps",
         2 * MINUTE,
-        locks=("ch",),
+        locks=("libvirt", "ch"),  # a define's tap-name check and this one's never pass together
         shown=("name", "bridges"),
         summary="create the instance's taps, owned by the node, on bridges of [helper] instance_bridges",
     ),

@@ -45,6 +45,8 @@ from bcd_agent.sections.devices.plan import (
     Action,
     ApplySlice,
     Emit,
+    ForgetEventKeys,
+    Ledger,
     Plan,
     RemoveEnv,
     RemoveMarker,
@@ -296,6 +298,8 @@ class Applier:
         errors: list[tuple[str, str]] = []
         failed: set[str] = set()
         done: set[str] = set()
+        # The keys of the events journaled by actions that completed: only those are forgotten.
+        self._journaled: set[str] = set()
         changed = False
         actions = list(plan.actions)
         i = 0
@@ -325,13 +329,14 @@ class Applier:
                     self.log(f"devices: {action.key}: {message}")
                 else:
                     done.add(action.key)
+                    self._journaled |= {s.key for s in action.steps if isinstance(s, Emit) and s.key}
         return ApplyResult(tuple(errors), changed, frozenset(done))
 
     def _files(self, action: Action, failed: set[str]) -> tuple[bool, bool, str]:
         """Run an action's steps other than its events: (ok, changed, message)."""
         if action.after & failed:
             return False, False, "waits for a release that failed in this pass"
-        if action.kind == "ledger" and failed:
+        if action.kind == "ledger":
             action = self._ledger_without(action, failed)  # only record events that were sent
         changed = False
         try:
@@ -346,16 +351,33 @@ class Applier:
         return True, changed, ""
 
     def _ledger_without(self, action: Action, failed: set[str]) -> Action:
+        """The ledger action as the pass went: the events of failed actions are not recorded as
+        sent, the releases under way that did not journal their event stay recorded (the ledger on
+        disk holds those the pass recorded), and only the keys of journaled events are forgotten."""
         step = action.steps[0]
         assert isinstance(step, WriteLedger)
-        allocs = {k.split(":", 1)[1] for k in failed if ":" in k}
-        bound = {k: v for k, v in step.ledger.bound.items() if k not in allocs}
-        fail = dict(step.ledger.failed)
-        if "failures" in failed:
-            fail = {}
-        from bcd_agent.sections.devices.plan import Ledger
-
-        return Action(action.key, action.kind, (WriteLedger(Ledger(bound=bound, failed=fail)),))
+        forget = tuple(
+            k
+            for s in action.steps[1:]
+            if isinstance(s, ForgetEventKeys)
+            for k in s.keys
+            if k in self._journaled
+        )
+        ledger = step.ledger
+        if failed:
+            allocs = {k.split(":", 1)[1] for k in failed if ":" in k}
+            fail = {} if "failures" in failed else dict(ledger.failed)
+            on_disk = observe.read_ledger(self.system, self.data_dir).releasing
+            ledger = Ledger(
+                bound={k: v for k, v in ledger.bound.items() if k not in allocs},
+                failed=fail,
+                releasing={
+                    **{k: e for k, e in on_disk.items() if k not in self._journaled},
+                    **ledger.releasing,
+                },
+            )
+        forgets = (ForgetEventKeys(forget),) if forget else ()
+        return Action(action.key, action.kind, (WriteLedger(ledger), *forgets))
 
     def _data(self, name: str) -> str:
         return f"{self.data_dir}/{name}"
@@ -399,8 +421,13 @@ class Applier:
             event = step.event
             if isinstance(event, FailedEvent):
                 self.sink.emit(failed_event(event))
-            else:
+            elif step.key is None:
                 self.sink.emit(sign_report(self.signer, event))
+            else:
+                self.sink.emit(sign_report(self.signer, event), step.key)
+            return False
+        elif isinstance(step, ForgetEventKeys):
+            self.sink.forget_keys(step.keys)
             return False
         elif isinstance(step, WriteLedger):
             self._own_write(observe.LEDGER_FILE, observe.encode_ledger(step.ledger), 0o600)

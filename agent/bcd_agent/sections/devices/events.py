@@ -9,6 +9,7 @@ AllocationFailed is a plain event. `EventSink.emit` must journal the event durab
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Protocol
 
 from attrs import frozen
@@ -100,9 +101,20 @@ class KeyReportSigner:
 
 
 class EventSink(Protocol):
-    """Journals an event durably before returning (then the session sends it until acknowledged)."""
+    """Journals an event durably before returning (then the session sends it until acknowledged).
 
-    def emit(self, event: SignedReport | PlainEvent) -> None: ...
+    `key`: the event is journaled at most once per key (a second emit with a remembered key journals
+    nothing), until `forget_keys` drops the key. The devices section keys each AllocationReleased, so
+    that a release a crash interrupted after its event was journaled sends nothing more on the next
+    pass (docs/devices.md, "Releases across a crash")."""
+
+    def emit(self, event: SignedReport | PlainEvent, key: str | None = None) -> None: ...
+
+    def event_keys(self, prefix: str) -> frozenset[str]:
+        """The remembered keys that start with `prefix`."""
+        ...
+
+    def forget_keys(self, keys: Collection[str]) -> None: ...
 
 
 def _binding(kubernetes: bool) -> wire.Binding:
@@ -165,6 +177,17 @@ class MemorySink:
 
     def __init__(self) -> None:
         self.events: list[SignedReport | PlainEvent] = []
+        self.remembered: set[str] = set()
 
-    def emit(self, event: SignedReport | PlainEvent) -> None:
+    def emit(self, event: SignedReport | PlainEvent, key: str | None = None) -> None:
+        if key is not None:
+            if key in self.remembered:
+                return
+            self.remembered.add(key)
         self.events.append(event)
+
+    def event_keys(self, prefix: str) -> frozenset[str]:
+        return frozenset(k for k in self.remembered if k.startswith(prefix))
+
+    def forget_keys(self, keys: Collection[str]) -> None:
+        self.remembered -= set(keys)

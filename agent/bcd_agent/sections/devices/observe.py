@@ -17,6 +17,7 @@ from typing import Any
 from bcd_shared import cdi
 from bcd_shared.system import System
 
+from bcd_agent.sections.devices.events import ReleasedEvent
 from bcd_agent.sections.devices.plan import Ledger, LiveHold, PendingRelease, SliceState
 from bcd_agent.sections.devices.slices import (
     HUGETLB_FILES,
@@ -172,16 +173,37 @@ def read_ledger(system: System, data_dir: str) -> Ledger:
         return Ledger(
             bound={str(k): int(v) for k, v in doc.get("bound", {}).items()},
             failed={str(k): int(v) for k, v in doc.get("failed", {}).items()},
+            releasing={str(k): _released(v) for k, v in doc.get("releasing", {}).items()},
         )
-    except (ValueError, AttributeError, TypeError):
+    except (ValueError, AttributeError, TypeError, KeyError):
         # A broken ledger only means events may be sent once more (at least once, never lost).
         return Ledger()
 
 
+def _released(doc: Any) -> ReleasedEvent:
+    return ReleasedEvent(
+        allocation_id=str(doc["allocation_id"]),
+        reservation_id=str(doc["reservation_id"]),
+        generation=int(doc["generation"]),
+        device_ids=tuple(str(d) for d in doc["device_ids"]),
+        kubernetes=bool(doc["kubernetes"]),
+    )
+
+
 def encode_ledger(ledger: Ledger) -> bytes:
-    return (
-        json.dumps({"bound": dict(ledger.bound), "failed": dict(ledger.failed)}, sort_keys=True) + "\n"
-    ).encode()
+    doc: dict[str, Any] = {"bound": dict(ledger.bound), "failed": dict(ledger.failed)}
+    if ledger.releasing:
+        doc["releasing"] = {
+            k: {
+                "allocation_id": e.allocation_id,
+                "reservation_id": e.reservation_id,
+                "generation": e.generation,
+                "device_ids": list(e.device_ids),
+                "kubernetes": e.kubernetes,
+            }
+            for k, e in ledger.releasing.items()
+        }
+    return (json.dumps(doc, sort_keys=True) + "\n").encode()
 
 
 def read_vendor_spec(system: System) -> cdi.VendorSpec | None:

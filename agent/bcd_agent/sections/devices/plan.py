@@ -137,10 +137,24 @@ class PendingRelease:
 
 @frozen
 class Ledger:
-    """Which events were already sent (data_dir/devices-events.json): bound and failed generations."""
+    """Which events were already sent (data_dir/devices-events.json): bound and failed generations,
+    and the plain releases under way (`releasing`: release key -> its AllocationReleased), written
+    before a release's first removal and dropped once its event is journaled (docs/devices.md,
+    "Releases across a crash")."""
 
     bound: Mapping[str, int] = field(factory=dict)
     failed: Mapping[str, int] = field(factory=dict)
+    releasing: Mapping[str, ReleasedEvent] = field(factory=dict)
+
+
+RELEASE_KEY_PREFIX = "devices:released:"
+
+
+def release_key(event: ReleasedEvent) -> str:
+    """The journal key of an AllocationReleased: one per allocation and generation (a spec at one
+    generation releases an allocation at most once: kept holds are not released, and a hold bound
+    again in the pass is kept at that generation)."""
+    return f"{RELEASE_KEY_PREFIX}{event.allocation_id}:{event.generation}"
 
 
 class NotRead:
@@ -173,6 +187,8 @@ class Observed:
     # Env files (/run/bcd/allocations/<id>.env) whose allocation has no CDI spec file at all (neither
     # a hold nor an unparseable one), by allocation id: their lines, None when unreadable.
     orphan_envs: Mapping[str, tuple[str, ...] | None] = field(factory=dict)
+    # The journal's remembered AllocationReleased keys (EventSink.event_keys(RELEASE_KEY_PREFIX)).
+    event_keys: frozenset[str] = frozenset()
 
 
 # --- steps ----------------------------------------------------------------------------------------
@@ -234,6 +250,14 @@ class RemoveMarker:
 @frozen
 class Emit:
     event: BoundEvent | ReleasedEvent | FailedEvent
+    key: str | None = None  # journaled at most once per key (EventSink.emit); AllocationReleased's
+
+
+@frozen
+class ForgetEventKeys:
+    """Forget the journal keys of releases whose ledger entry is gone (after the ledger is written)."""
+
+    keys: tuple[str, ...]
 
 
 @frozen
@@ -253,6 +277,7 @@ Step = (
     | RemoveMarker
     | Emit
     | WriteLedger
+    | ForgetEventKeys
 )
 
 
@@ -264,7 +289,7 @@ class Action:
     the hold whose atoms it takes)."""
 
     key: str
-    # "release", "kube-release", "slice", "keep", "bind", "rebind", "report", "ledger", "releases"
+    # "intent", "release", "kube-release", "slice", "keep", "bind", "rebind", "report", "ledger", "releases"
     kind: str
     steps: tuple[Step, ...]
     after: frozenset[str] = frozenset()
@@ -684,6 +709,25 @@ def _env_gpus(lines: tuple[str, ...] | None, inventory: GpuInventory) -> frozens
     return frozenset(out)
 
 
+def _pending_event(r: PendingRelease) -> ReleasedEvent:
+    """The AllocationReleased of a pending Kubernetes release."""
+    return ReleasedEvent(r.allocation_id, r.reservation_id, r.generation, r.device_ids, kubernetes=True)
+
+
+def _released_as(rec: HoldRecord, event: ReleasedEvent) -> bool:
+    """Whether the hold on disk is the one `event` released (its removals never began)."""
+    return (
+        rec.device_ids == event.device_ids
+        and rec.kubernetes == event.kubernetes
+        and rec.reservation_id == event.reservation_id
+    )
+
+
+def _orphan_key(alloc: str, finishing: Mapping[str, object]) -> str:
+    """The action that removes an orphan env file: its interrupted release's, or its own."""
+    return f"release-done:{alloc}" if alloc in finishing else f"release-env:{alloc}"
+
+
 def _names_any(named: frozenset[str] | None, gpus: set[str]) -> bool:
     return named is None or bool(named & gpus)
 
@@ -726,18 +770,17 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
     # 1. pending Kubernetes releases.
     report_steps: list[Step] = []
     kept_releases: list[PendingRelease] = []
+    forget: list[str] = []  # the journal keys of the releases this pass reports (ForgetEventKeys)
     for r in releases:
         if r.allocation_id in wanted:
             releases_changed = True  # taken back, unreported
             continue
         if not obs.pods_holding.get(r.allocation_id, True):
-            report_steps.append(
-                Emit(
-                    ReleasedEvent(
-                        r.allocation_id, r.reservation_id, r.generation, r.device_ids, kubernetes=True
-                    )
-                )
-            )
+            reported = _pending_event(r)
+            # Keyed: a crash after the event is journaled but before releasing.json drops the
+            # record would otherwise report it again.
+            report_steps.append(Emit(reported, release_key(reported)))
+            forget.append(release_key(reported))
             bound.pop(r.allocation_id, None)
             releases_changed = True
             continue
@@ -768,6 +811,21 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         )
 
     # 2. holds no longer wanted (and changed holds that share no atom with their new assignment).
+    # First the plain releases a crash interrupted (the ledger's `releasing`). One whose hold is on
+    # disk as it was released never began its removals (the CDI spec goes first): dropped, and
+    # released again below if still not wanted. Any other removed its spec at least (a bind may
+    # have written a new one since): finished, its orphan env file removed and its event sent,
+    # keyed, so an event the crash left journaled is not sent twice.
+    finishing: dict[str, list[tuple[str, ReleasedEvent]]] = {}
+    for key in sorted(obs.ledger.releasing):
+        intent = obs.ledger.releasing[key]
+        on_disk = obs.holds.get(intent.allocation_id)
+        if on_disk is not None and _released_as(on_disk.record, intent):
+            continue
+        finishing.setdefault(intent.allocation_id, []).append((key, intent))
+        forget.append(key)
+    finish_at = len(actions)  # the intent and the finishing actions go here, once binds are known (5)
+    new_intents: dict[str, ReleasedEvent] = {}
     released_slices: set[str] = set()
     released_atoms: dict[str, tuple[Atom, ...]] = {}
     kept: dict[str, LiveHold] = {}
@@ -793,18 +851,32 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
                 releases = [*releases, pending]
             else:
                 # Recorded first; no pod holds the devices already: reported in this same pass.
-                steps += [Emit(event), WriteReleases(tuple(releases))]
+                steps += [Emit(event, release_key(event)), WriteReleases(tuple(releases))]
+                forget.append(release_key(event))
                 bound.pop(alloc, None)
         else:
-            steps += [RemoveSpec(alloc), RemoveEnv(alloc), Emit(event)]
+            # Recorded first (the ledger's `releasing`, by the "release-intent" action), so a crash
+            # after the spec's removal still sends the event once (docs/devices.md).
+            key = release_key(event)
+            steps += [RemoveSpec(alloc), RemoveEnv(alloc), Emit(event, key)]
+            new_intents[key] = event
+            forget.append(key)
             bound.pop(alloc, None)
         if rec.cgroup_parent:
             released_slices.add(rec.cgroup_parent)
             st = obs.slices.get(rec.cgroup_parent)
             if st is not None and not st.populated:
                 steps.append(StopSlice(rec.cgroup_parent))
+        waits = {"release-intent"} if release_key(event) in new_intents else set()
+        if alloc in finishing:
+            waits.add(f"release-done:{alloc}")
         actions.append(
-            Action(f"release:{alloc}", "kube-release" if rec.kubernetes else "release", tuple(steps))
+            Action(
+                f"release:{alloc}",
+                "kube-release" if rec.kubernetes else "release",
+                tuple(steps),
+                frozenset(waits),
+            )
         )
     for alloc in obs.unparseable_specs:
         if alloc not in wanted:
@@ -902,7 +974,7 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
             if a.limits is not None:
                 takers.append(taker(a, None))
             gpus = {x.gpu for x in checked}
-            after = _waits(alloc, gpus, released_atoms, rebinds, obs)
+            after = _waits(alloc, gpus, released_atoms, rebinds, obs, finishing)
             rebinds[alloc] = frozenset(i.split("/")[0] for i in hold.record.device_ids)
             actions.append(
                 Action(f"rebind:{alloc}", "rebind", _rebind_steps(a, checked, hold, spec, obs), after)
@@ -946,15 +1018,33 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         steps += [WriteSpec(alloc, doc), WriteEnv(alloc, lines), Emit(bound_event(a, atoms, spec.generation))]
         bound[alloc] = spec.generation
         failed.pop(alloc, None)
-        after = _waits(alloc, {x.gpu for x in atoms}, released_atoms, rebinds, obs)
+        after = _waits(alloc, {x.gpu for x in atoms}, released_atoms, rebinds, obs, finishing)
         actions.append(Action(f"bind:{alloc}", "bind", tuple(steps), after))
 
     # 2 (continued). Orphan env files: removed before any bind, unless bound in this pass.
     actions[orphans_at:orphans_at] = [
         Action(f"release-env:{alloc}", "release", (RemoveEnv(alloc),))
         for alloc in sorted(obs.orphan_envs)
-        if alloc not in holders
+        if alloc not in holders and alloc not in finishing
     ]
+    # 2 (continued). The interrupted releases are finished, after the new ones are recorded.
+    early: list[Action] = []
+    if new_intents:
+        intents = {k: v for k, v in obs.ledger.releasing.items() if k not in new_intents} | new_intents
+        early.append(
+            Action(
+                "release-intent",
+                "intent",
+                (WriteLedger(Ledger(obs.ledger.bound, obs.ledger.failed, intents)),),
+            )
+        )
+    for alloc in sorted(finishing):
+        done: list[Step] = []
+        if alloc in obs.orphan_envs and alloc not in holders:
+            done.append(RemoveEnv(alloc))
+        done += [Emit(event, key) for key, event in finishing[alloc]]
+        early.append(Action(f"release-done:{alloc}", "release", tuple(done)))
+    actions[finish_at:finish_at] = early
 
     actions += leftover  # 3 (continued)
 
@@ -989,9 +1079,20 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
 
     failed = {k: v for k, v in failed.items() if k in wanted and (k not in holders or k in refused)}
     bound = {k: v for k, v in bound.items() if k in holders or any(r.allocation_id == k for r in releases)}
+    # A key the journal remembers for no release under way (a crash after the ledger dropped the
+    # release, before its key was forgotten): forgotten now, before anything is emitted.
+    needed = {*obs.ledger.releasing, *forget}
+    needed |= {release_key(_pending_event(r)) for r in obs.releases}
+    leftover = tuple(sorted(obs.event_keys - needed))
+    if leftover:
+        actions.insert(0, Action("forget-keys", "keys", (ForgetEventKeys(leftover),)))
+
+    # Every release planned in this pass is journaled in it: none stays under way (the applier keeps
+    # those whose action failed, and forgets only the keys of events it journaled).
     ledger = Ledger(bound=bound, failed=failed)
-    if ledger != obs.ledger:
-        actions.append(Action("ledger", "ledger", (WriteLedger(ledger),)))
+    if ledger != obs.ledger or forget:
+        forgets = (ForgetEventKeys(tuple(sorted(set(forget)))),) if forget else ()
+        actions.append(Action("ledger", "ledger", (WriteLedger(ledger), *forgets)))
     return Plan(tuple(actions), tuple(failures), tuple(conditions), tuple(warnings), holders)
 
 
@@ -1012,19 +1113,24 @@ def _waits(
     released_atoms: Mapping[str, tuple[Atom, ...]],
     rebinds: Mapping[str, frozenset[str]],
     obs: Observed,
+    finishing: Mapping[str, object],
 ) -> frozenset[str]:
     """The actions a hold written on `gpus` waits for (`Action.after`): the releases of holds on those
-    GPUs, the holds written over in place earlier in the pass whose old atoms were on them (root
-    refuses a hold naming an atom another allocation's hold or env file still names), and the removal
-    of orphan env files naming them."""
+    GPUs and the allocation's own (its AllocationReleased before its AllocationBound), the holds written
+    over in place earlier in the pass whose old atoms were on them (root refuses a hold naming an atom
+    another allocation's hold or env file still names), the removal of orphan env files naming them,
+    and the allocation's own interrupted release being finished."""
     return (
-        frozenset(f"release:{o}" for o, old in released_atoms.items() if {x.gpu for x in old} & gpus)
+        frozenset(
+            f"release:{o}" for o, old in released_atoms.items() if o == alloc or {x.gpu for x in old} & gpus
+        )
         | frozenset(f"rebind:{o}" for o, old in rebinds.items() if o != alloc and old & gpus)
         | frozenset(
-            f"release-env:{o}"
+            _orphan_key(o, finishing)
             for o, lines in obs.orphan_envs.items()
             if o != alloc and _names_any(_env_gpus(lines, obs.inventory), gpus)
         )
+        | (frozenset({f"release-done:{alloc}"}) if alloc in finishing else frozenset())
     )
 
 

@@ -5,7 +5,8 @@ integrity check (seeds/delivery.md "Instances", DLV-NFT; the rules are bcd_share
   plus the last loaded policies of an instance the spec dropped (or DELETED) whose domain still exists,
   so a deleted instance keeps its guard until its domain is gone (DLV-NFT-17). An instance whose policy
   cannot be expressed (an unset policy, a `bc*` bridge, PRIVATE/NONE without MAC or addresses, an address
-  an earlier instance owns) fails alone (DLV-NFT-05, -18, -22) and gets no rules.
+  an earlier instance owns, tap names another instance's taps have) fails alone (DLV-NFT-05, -18, -22)
+  and gets no rules.
 - `DirectNft` (root): `nft -f -` of the built text; then the tables are listed and the listing becomes
   the reference digest only if its rule and set-element counts are what was built, so a change racing
   the load is not taken as the truth. `HelperNft`: the typed `nft.apply` / `nft.check` ops
@@ -25,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 from bcd_shared.errors import RetryableError, StepError
+from bcd_shared.instancenames import tap_collision, tap_stem
 from bcd_shared.netpolicy import (
     LIST_ARGVS,
     HostAddresses,
@@ -69,8 +71,19 @@ def nic_policies(
     errors: dict[str, str] = {}
     owner: dict[str, str] = {}
     kept = {i.id for i in spec.instances if i.desired is not Desired.DELETED}
+    live = set(live)
+    # Tap names (instancenames.tap_collision): a dropped instance's guard stays while its domain does;
+    # of the kept ones, one whose domain exists keeps its names, else the first in the spec. Two
+    # instances' NICs on one tap would fail the whole load (netpolicy refuses them): the other fails alone.
+    taps = {tap_stem(name): name for name in sorted(live - kept) if previous.get(name)}
+    for inst in sorted(spec.instances, key=lambda i: i.id not in live):
+        if inst.id in kept and inst.nics:
+            taps.setdefault(tap_stem(inst.id), inst.id)
     for inst in spec.instances:
         if inst.id not in kept:
+            continue
+        if inst.nics and taps[tap_stem(inst.id)] != inst.id:
+            errors[inst.id] = f"network policy: nics: {tap_collision(inst.id, taps[tap_stem(inst.id)])}"
             continue
         if inst.network_policy not in ("EGRESS", "PRIVATE", "NONE"):
             errors[inst.id] = f"network_policy: {inst.network_policy} is not EGRESS, PRIVATE or NONE"

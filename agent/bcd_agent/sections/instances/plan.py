@@ -7,7 +7,9 @@ The seeds' rules first (delivery.md "Instances", DLV-INST, DLV-PLC, DLV-ADM, DLV
    (DLV-INST-03/04). A domain bcd did not create is never touched, only reported (DLV-INST-05). An
    instance directory without a domain (a create that failed) goes when its instance is not wanted.
 3. Each instance, in spec order, fails alone (ERROR, DLV-INST-12) when: its spec breaks a rule
-   (model.check_instance); its runtime is not on this host (`<runtime> runtime is not installed on
+   (model.check_instance); its taps' names are another instance's (`nics: instance <id>'s taps (...)
+   are instance <other>'s too: ...`; the one whose domain exists, else the first in the spec, keeps
+   them: instancenames.tap_collision); its runtime is not on this host (`<runtime> runtime is not installed on
    this host`, DLV-RT-05); a domain of that name exists that bcd did not create; its placement cannot
    apply (DLV-PLC-05/06); a GPU is not in the inventory or has no bus id (DLV-LIBVIRT-14), or an
    earlier instance passes it through already; its user data was refused (DLV-INST-07); a step
@@ -32,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from attrs import field, frozen
+from bcd_shared.instancenames import tap_collision, tap_stem
 
 from bcd_agent.inventory.host import HostMemory
 from bcd_agent.sections.instances.model import (
@@ -189,6 +192,24 @@ def _domains(observed: Observed) -> dict[str, Domain]:
     return out
 
 
+def _tap_owners(spec: InstancesSpec, domains: Mapping[str, Domain]) -> dict[str, str]:
+    """Which instance each tap stem belongs to (instancenames.tap_collision): of the valid instances
+    with NICs whose taps share names, one whose domain exists, else the first in the spec; the others
+    are refused (root refuses them too: docs/instances.md, "Tap names")."""
+    owners: dict[str, str] = {}
+    candidates = [
+        i for i in spec.instances if i.desired is not Desired.DELETED and i.nics and check_instance(i) is None
+    ]
+    for inst in sorted(candidates, key=lambda i: _rank(i, domains)):
+        owners.setdefault(tap_stem(inst.id), inst.id)
+    return owners
+
+
+def _rank(inst: InstanceSpec, domains: Mapping[str, Domain]) -> int:
+    """0 for an instance whose domain exists (it keeps its tap names), 1 otherwise."""
+    return 0 if inst.id in domains else 1
+
+
 def plan(spec: InstancesSpec, observed: Observed) -> Plan:
     domains = _domains(observed)
     wanted = {i.id: i for i in spec.instances if i.desired is not Desired.DELETED}
@@ -238,12 +259,17 @@ def plan(spec: InstancesSpec, observed: Observed) -> Plan:
         i.desired in (Desired.RUNNING, Desired.PAUSED) for i in wanted.values()
     ):
         warnings.append("host memory unreadable (/proc/meminfo): starting instances without host admission")
+    tap_owners = _tap_owners(spec, domains)
     for inst in spec.instances:
         if inst.desired is Desired.DELETED:
             continue
         problem = check_instance(inst)
         if problem is not None:
             errors[inst.id] = problem
+            continue
+        other = tap_owners.get(tap_stem(inst.id), inst.id) if inst.nics else inst.id
+        if other != inst.id:
+            errors[inst.id] = f"nics: {tap_collision(inst.id, other)}"
             continue
         view = observed.runtimes.get(inst.runtime)
         if view is None:
