@@ -296,10 +296,11 @@ def test_a_release_whose_removal_fails_stays_recorded_and_is_reported_once_later
 
 
 def test_a_recorded_release_keeps_its_binding_across_the_crash(sim_root: Path) -> None:
-    """A Kubernetes hold whose spec entry becomes a plain hold is released (recorded, as a plain
-    release is) and bound again; a crash between the removals leaves the record, and the
-    AllocationReleased sent after the restart still says BINDING_KUBERNETES (read back from the
-    ledger), then the new bind says BINDING_HOLD."""
+    """A Kubernetes hold whose spec entry becomes a plain hold on another GPU is released (recorded, as
+    a plain release is) and bound again (on the same GPU it would be written over in place:
+    Q-DEV-PASS-01); a crash between the removals leaves the record, and the AllocationReleased sent
+    after the restart still says BINDING_KUBERNETES (read back from the ledger), then the new bind
+    says BINDING_HOLD."""
     from bcd_agent.sections.devices.model import BINDING_KUBERNETES
 
     node = Node(sim_root)
@@ -307,9 +308,9 @@ def test_a_recorded_release_keeps_its_binding_across_the_crash(sim_root: Path) -
     with node.life() as host:
         converged(host, DevicesSpec(1, (kube,)))
     with node.life("remove_env:k") as host:
-        crash(host, DevicesSpec(2, (hold("k", G0),)))
+        crash(host, DevicesSpec(2, (hold("k", G1),)))
     with node.life() as host:
-        converged(host, DevicesSpec(2, (hold("k", G0),)))
+        converged(host, DevicesSpec(2, (hold("k", G1),)))
     bindings = []
     with Journal.open(node.data, boot_id=BOOT) as journal:
         for row in journal.unacked_events():

@@ -891,7 +891,7 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
     # a hold the spec keeps without limits goes after that hold is written over without it (root
     # refuses to stop a slice a hold file still names: `hold-exists`), and not when that write failed.
     wanted_slices = {slice_name(a) for a, w in wanted.items() if w.sliced}
-    leftover: list[Action] = []
+    leftover_slices: list[Action] = []
     for name in sorted(obs.slices):
         st = obs.slices[name]
         if name in wanted_slices or name in released_slices or st.populated:
@@ -899,7 +899,7 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         owner = name[len("bcd-alloc-") : -len(".slice")]
         held = owner in kept or owner in changed
         after = frozenset({f"keep:{owner}", f"rebind:{owner}"}) if held else frozenset()
-        leftover.append(Action(f"slice:{name}", "slice", (StopSlice(name),), after))
+        leftover_slices.append(Action(f"slice:{name}", "slice", (StopSlice(name),), after))
 
     # 4. holds still wanted. A running slice whose limits change is admitted again first (the hold's
     # old booking counts as freed; only what grows is checked); refused, the hold and its slice stay
@@ -1046,7 +1046,7 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         early.append(Action(f"release-done:{alloc}", "release", tuple(done)))
     actions[finish_at:finish_at] = early
 
-    actions += leftover  # 3 (continued)
+    actions += leftover_slices  # 3 (continued)
 
     # 6. failures, once per allocation and generation.
     report: list[Step] = []
