@@ -35,13 +35,15 @@ allocation's GPUs, or the MIG UUIDs root's nvidia-smi gives its MIG atoms), an e
 the assignment's signed `env` lines and a hold's the common env of root's vendor spec: no `LD_PRELOAD=`
 for a workload manager, no `NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused
 while the spec still lists the allocation (`hold-in-spec`): a node cannot pull a live hold's file and
-then reset its GPU (an env file whose allocation has no CDI hold file excepted: nothing the busy check
-reads goes with it). Since round 6 (docs/helper.md): a MIG atom takes only its own MIG device's edits and
-UUID, never its parent GPU's; a hold carries each atom of its allocation once (`atoms-missing`) and none
-another allocation's hold file or env file names (`atoms-held`); its annotations are the assignment's
-(`annotations-outside`); a sliced hold's files are written only once its slice is started
-(`slice-missing`). Without roots nothing is bound (HST-SIGN-33). Every hold's JSON is value-counted
-before it is decoded (MAX_HOLD_VALUES).
+then reset its GPU (an env file whose allocation has no CDI hold file excepted: an orphan the planner
+removes before it binds; docs/helper.md round 6b, row 13). Since round 6 (docs/helper.md): a MIG atom
+takes only its own MIG device's edits and UUID, never its parent GPU's; a hold carries each atom of its
+allocation once (`atoms-missing`) and none another allocation's hold file or env file names
+(`atoms-held`); its annotations are the assignment's (`annotations-outside`); a sliced hold's files
+are written only once its slice is started (`slice-missing`) and, since round 6b, enforcing the signed limits
+(`slice-limits`); a Kubernetes hold's CDI spec is bare, no vendor edits and no NVIDIA_VISIBLE_DEVICES
+(round 6b). Without roots nothing is bound (HST-SIGN-33). Every hold's JSON is value-counted before it is
+decoded (MAX_HOLD_VALUES).
 
 There are no sshd kinds: the node never sends sshd text. Root renders the access section's files itself
 from the signed spec (access.apply, bcd_helper.ops.access; issue 9 item 1).
@@ -845,7 +847,8 @@ def _env_without_hold(call: Call, kind: str, ident: str) -> bool:
     """An env file whose allocation has no CDI hold file in root's view: its removal is taken while the
     spec lists the allocation (an env file left by a crash, or by a node that kept it after the hold; its
     NVIDIA_VISIBLE_DEVICES backed by no hold, and `atoms-held` refusing other holds of those GPUs while
-    it is there). Nothing that root's busy check reads goes with it."""
+    it is there). Since round 6b root's busy check reads env files too, so its GPUs look free once it
+    goes; a hold file, which the allocation's workload runs under, never goes so (docs/helper.md)."""
     from bcd_shared import cdi
 
     return kind == "allocation-env" and not call.system.exists(cdi.cdi_spec_path(ident))
