@@ -542,3 +542,45 @@ def test_round6b_the_strict_walk_counts_fields_before_building() -> None:
     assert decode_with_unknown(wire.AccessSection, packed, max_fields=4)[0].revoked_serials == [1, 2, 3]
     with pytest.raises(WireError, match="more than 3 fields"):
         decode_with_unknown(wire.AccessSection, packed, max_fields=3)
+
+
+def test_round6b_the_kubernetes_rule_in_process() -> None:
+    """`_check_atoms` and `_check_signed_env` on a Kubernetes assignment: a device edit or a spec-level
+    edit other than env is `atoms-outside`, `NVIDIA_VISIBLE_DEVICES` in the CDI hold `env-outside` (each
+    message naming the rule), before root's vendor spec or nvidia-smi is read; the env file may name the
+    GPUs; a plain hold's own GPU is still taken in both."""
+    from bcd_helper.ops.base import Refused
+    from bcd_helper.ops.files import KUBE_BARE, _check_atoms, _check_signed_env
+
+    kube = _assignment("k1", [GPU1], binding=2)
+    plain = _assignment("k1", [GPU1])
+
+    def refusal(fn: Any, *args: Any) -> str | None:
+        try:
+            fn(*args)
+        except Refused as exc:
+            return f"{exc.reason}: {exc.message}"
+        return None
+
+    host = FakeHost({})
+    call = FakeCall(host)
+    bare = json.loads(_kube_hold("k1", GPU1, None, ["BCD_ALLOCATION_ID=k1"]))
+    assert refusal(_check_atoms, call, "k1", bare, kube) is None
+    nodes = json.loads(_kube_hold("k1", GPU1, {"deviceNodes": [{"path": "/dev/nvidia0"}]}, []))
+    assert (
+        refusal(_check_atoms, call, "k1", nodes, kube)
+        == f"atoms-outside: cdi: devices[0].containerEdits: {KUBE_BARE}"
+    )
+    hooked = dict(bare, containerEdits={"env": ["BCD_ALLOCATION_ID=k1"], "mounts": [{"hostPath": "/x"}]})
+    assert (
+        refusal(_check_atoms, call, "k1", hooked, kube) == f"atoms-outside: cdi: containerEdits: {KUBE_BARE}"
+    )
+    assert host.ran == []  # refused before root's vendor spec or nvidia-smi
+    env = ["BCD_ALLOCATION_ID=k1", f"NVIDIA_VISIBLE_DEVICES={GPU1}"]
+    assert refusal(_check_signed_env, "cdi", "k1", env, kube) == (
+        f"env-outside: cdi: env[1] NVIDIA_VISIBLE_DEVICES: {KUBE_BARE}"
+    )
+    assert refusal(_check_signed_env, "allocation-env", "k1", env, kube) is None
+    assert refusal(_check_signed_env, "cdi", "k1", env, plain) is None
+    assert refusal(_check_signed_env, "cdi", "k1", env[:1], kube) is None
+    assert refusal(_check_signed_env, "cdi", "k1", [*env[:1], "NVIDIA_VISIBLE_DEVICES="], kube) is not None
