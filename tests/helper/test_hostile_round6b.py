@@ -584,3 +584,145 @@ def test_round6b_the_kubernetes_rule_in_process() -> None:
     assert refusal(_check_signed_env, "cdi", "k1", env, plain) is None
     assert refusal(_check_signed_env, "cdi", "k1", env[:1], kube) is None
     assert refusal(_check_signed_env, "cdi", "k1", [*env[:1], "NVIDIA_VISIBLE_DEVICES="], kube) is not None
+
+
+# --- file.write in process (what mutation runs reach: docs/mutation.md, "Round 6b") ---------------------
+
+
+def _signed_file_ctx(tmp_path: Path, cp: ControlPlane, script: Any = None) -> Any:
+    from opskit import make_root
+    from test_files_signed_unit import signed_ctx
+
+    return signed_ctx(make_root(tmp_path), cp, script)
+
+
+def _signed(cp: ControlPlane, generation: int, *assignments: wire.DeviceAssignment) -> Any:
+    from test_files_signed_unit import signed
+
+    return signed(
+        cp.command.leaf(), devices_spec(NODE, generation, wire.DevicesSection(assignments=list(assignments)))
+    )
+
+
+def _write_refusal(ctx: Any, req: Any) -> tuple[str, str] | None:
+    from bcd_helper.ops.base import Refused
+    from bcd_helper.ops.files import file_write
+    from opskit import call
+
+    try:
+        file_write(call(ctx), req)
+    except Refused as exc:
+        return exc.reason, exc.message
+    return None
+
+
+def test_round6b_file_write_checks_a_sliced_holds_slice_word_for_word(
+    tmp_path: Path, cp: ControlPlane
+) -> None:
+    """A signed sliced hold (its CDI spec, its env file) through `file_write` in process: no slice is
+    `slice-missing`, a slice not enforcing the signed memory limit `slice-limits`, each message word for
+    word (the value the cgroup file shows cut to 100 characters); the slice root's limits make: written."""
+    from bcd_helper.ops.files import FileWrite
+
+    ctx = _signed_file_ctx(tmp_path, cp)
+    try:
+        spec = _signed(cp, 5, _assignment("s1", [GPU1], wire.DeviceLimits(memory_bytes=GIB)))
+        doc = json.loads(_sliced_hold("s1", GPU1))
+        doc["annotations"]["bcd.dev/reservation-id"] = "r1"
+        hold = FileWrite("cdi", "s1", json.dumps(doc), intent=spec)
+        env = FileWrite(
+            "allocation-env",
+            "s1",
+            "BCD_ALLOCATION_ID=s1\nBCD_CGROUP_PARENT=bcd-alloc-s1.slice\n",
+            intent=spec,
+        )
+        missing = (
+            "slice-missing",
+            "allocation s1 is a sliced hold: its slice bcd-alloc-s1.slice must be started with the signed "
+            "limits (slice.apply) before the hold names it",
+        )
+        assert _write_refusal(ctx, hold) == missing
+        assert _write_refusal(ctx, env) == missing
+        cg = ctx.root / CG.lstrip("/")
+        cg.mkdir(parents=True)
+        for name, text in _slice_files().items():
+            (ctx.root / name.lstrip("/")).write_text(text)
+        unlimited = (
+            "slice-limits",
+            "allocation s1: its slice bcd-alloc-s1.slice does not enforce the signed limits: "
+            "limits.memory_bytes makes MemoryMax '1073741824', its cgroup's memory.max says 'unset' "
+            "(slice.apply with the signed limits first)",
+        )
+        assert _write_refusal(ctx, hold) == unlimited
+        assert _write_refusal(ctx, env) == unlimited
+        (cg / "memory.max").write_text(f"{GIB}\n")
+        (cg / "memory.high").write_text(f"{GIB * 9 // 10 // 4096 * 4096}\n")
+        (cg / "cpu.max").write_text("x" * 150 + " y\n")  # a value root cannot read: shown cut
+        got = _write_refusal(ctx, hold)
+        assert got is not None and got[1].endswith(
+            f"cpu.max says {'x' * 100!r} (slice.apply with the signed limits first)"
+        )
+        (cg / "cpu.max").write_text("max 100000\n")
+        assert _write_refusal(ctx, hold) is None
+        assert _write_refusal(ctx, env) is None
+    finally:
+        ctx.audit.close()
+
+
+def test_round6b_file_write_takes_the_vendor_env_for_a_plain_hold_only(
+    tmp_path: Path, cp: ControlPlane
+) -> None:
+    """The vendor spec's common env is a plain hold's (the planner copies it), never a Kubernetes hold's
+    (bare): the same line written or refused `env-outside`."""
+    from bcd_helper.ops.files import FileWrite
+    from test_files_signed_unit import vendor
+
+    ctx = _signed_file_ctx(tmp_path, cp)
+    try:
+        vendor(ctx.root, {GPU1: {"deviceNodes": [{"path": "/dev/nvidia0"}]}}, {"env": ["NVIDIA_CTK=1"]})
+
+        def write(ident: str, binding: int) -> tuple[str, str] | None:
+            spec = _signed(cp, 6 + binding, _assignment(ident, [GPU1], binding=binding))
+            maker = _kube_hold if binding == 2 else lambda i, g, e, env: hold_text(i, [(g, e)], env)
+            doc = json.loads(maker(ident, GPU1, None, [f"BCD_ALLOCATION_ID={ident}", "NVIDIA_CTK=1"]))
+            doc["annotations"]["bcd.dev/reservation-id"] = "r1"
+            return _write_refusal(ctx, FileWrite("cdi", ident, json.dumps(doc), intent=spec))
+
+        assert write("p1", 1) is None
+        (ctx.root / "etc/cdi/bcd-p1.json").unlink()  # GPU1 free again
+        got = write("k2", 2)
+        assert got is not None and got[0] == "env-outside" and "NVIDIA_CTK=1" in got[1], got
+    finally:
+        ctx.audit.close()
+
+
+def test_round6b_atoms_missing_word_for_word(tmp_path: Path, cp: ControlPlane) -> None:
+    """Round 6 row 2's rule in process (it had only the real-helper test): the atoms missing, cut to 400
+    characters, or one listed twice; a slot atom takes its own GPU's vendor edits."""
+    from bcd_helper.ops.files import FileWrite
+    from test_files_signed_unit import smi, vendor
+
+    ctx = _signed_file_ctx(tmp_path, cp, smi())
+    try:
+        nv0 = {"deviceNodes": [{"path": "/dev/nvidia0"}]}
+        vendor(ctx.root, {GPU1: nv0})
+        many = [f"GPU-00000000-0000-4000-8000-0000000000{i:02d}" for i in range(12)]
+
+        def write(ident: str, atoms: list[str], devices: list[tuple[str, Any]]) -> tuple[str, str] | None:
+            spec = _signed(cp, 9, _assignment(ident, atoms))
+            doc = json.loads(hold_text(ident, devices, [f"BCD_ALLOCATION_ID={ident}"]))
+            doc["annotations"]["bcd.dev/reservation-id"] = "r1"
+            return _write_refusal(ctx, FileWrite("cdi", ident, json.dumps(doc), intent=spec))
+
+        head = "cdi: devices: a signed hold carries each atom of allocation m1 exactly once"
+        assert write("m1", [GPU1, GPU2], [(GPU1, None)]) == ("atoms-missing", f"{head}; {GPU2} missing")
+        # An atom listed twice never gets here: its CDI device name repeats, `bad-content` when parsed.
+        assert write("m1", [GPU1, GPU2], [(GPU1, None), (GPU1, None), (GPU2, None)]) == (
+            "bad-content",
+            f"cdi: devices[1].name {GPU1!r}: listed twice",
+        )
+        got = write("m1", [GPU1, *many], [(GPU1, None)])
+        assert got == ("atoms-missing", f"{head}; {', '.join(many)[:400]} missing")
+        assert write("m2", [f"{GPU1}/s1"], [(f"{GPU1}/s1", nv0)]) is None
+    finally:
+        ctx.audit.close()
