@@ -726,3 +726,33 @@ def test_round6b_atoms_missing_word_for_word(tmp_path: Path, cp: ControlPlane) -
         assert write("m2", [f"{GPU1}/s1"], [(f"{GPU1}/s1", nv0)]) is None
     finally:
         ctx.audit.close()
+
+
+def test_round6b_an_unsigned_access_body_is_decoded_within_the_field_bound(tmp_path: Path) -> None:
+    """In process: with `unsigned_access`, a body of exactly 65,536 fields decodes (and is applied), one
+    more is `bad-intent` naming the bound, before anything is built."""
+    from bcd_helper.intent import MAX_UNSIGNED_FIELDS
+    from intentkit import unsigned
+    from opskit import make_root
+    from test_access_unit import refused, sshd, unsigned_ctx
+
+    assert MAX_UNSIGNED_FIELDS == 65536
+    root = make_root(tmp_path)
+    ctx = unsigned_ctx(root, sshd())
+    try:
+        # node_id, generation, full, devices: 4 fields, then the assignments.
+        reason, message = refused(ctx, unsigned(_many_assignments(MAX_UNSIGNED_FIELDS - 3)))
+        assert (reason, message) == (
+            "bad-intent",
+            "access.apply: the spec does not decode: full.devices: more than 65536 fields",
+        )
+        from bcd_helper.ops.access import access_apply
+        from opskit import call
+        from test_access_unit import req
+
+        got = access_apply(
+            call(ctx, bounded=False), req(unsigned(_many_assignments(MAX_UNSIGNED_FIELDS - 4)))
+        )
+        assert got["signed"] is False
+    finally:
+        ctx.audit.close()
