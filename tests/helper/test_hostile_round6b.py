@@ -756,3 +756,86 @@ def test_round6b_an_unsigned_access_body_is_decoded_within_the_field_bound(tmp_p
         assert got["signed"] is False
     finally:
         ctx.audit.close()
+
+
+APPS = ("nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader")
+L_OUT = (
+    f"GPU 0: NVIDIA A100-SXM4-80GB (UUID: {GPU1})\n  MIG 3g.40gb     Device  0: (UUID: MIG-aaaa)\n".encode()
+)
+
+
+def test_round6b_busy_reads_a_mig_uuid_and_goes_on_past_an_unreadable_env_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A MIG UUID an env file names is its GPU by root's nvidia-smi (`files.mig_names`, asked once for all
+    the files); an env file naming what root cannot place makes every GPU busy, and the files after it are
+    still read."""
+    import bcd_helper.ops.files as files_mod
+    from bcd_helper.busy import ALL, env_gpus
+
+    asked: list[object] = []
+
+    def mig_names(system: Any) -> dict[str, Any]:
+        asked.append(system)
+        return {f"{GPU1}/gi1/ci0": files_mod.MigName("MIG-aaaa", frozenset({"MIG-aaaa", "0:0"}))}
+
+    monkeypatch.setattr(files_mod, "mig_names", mig_names)
+    host = FakeHost(
+        {
+            f"{ENV}/a.env": "BCD_ALLOCATION_ID=a\nNVIDIA_VISIBLE_DEVICES=all\n",
+            f"{ENV}/b.env": f"BCD_ALLOCATION_ID=b\nNVIDIA_VISIBLE_DEVICES={GPU2}\n",
+            f"{ENV}/c.env": "BCD_ALLOCATION_ID=c\nNVIDIA_VISIBLE_DEVICES=MIG-aaaa\n",
+            f"{ENV}/d.env": "BCD_ALLOCATION_ID=d\nNVIDIA_VISIBLE_DEVICES=MIG-aaaa\n",
+        }
+    )
+    got = env_gpus(host)  # type: ignore[arg-type]
+    assert [g for g, _ in got] == [ALL, GPU2, GPU1, GPU1]
+    assert got[2][1] == f"{GPU1} is named by allocation c's env file {ENV}/c.env"
+    assert asked == [host]
+
+
+def test_round6b_hold_and_compute_gpus_in_process() -> None:
+    """The rest of root's busy view, read as before round 6b: a hold's atoms reduced to their GPU (a slot,
+    a MIG device), an unreadable hold every GPU and the holds after it still read; compute processes by
+    GPU, a MIG one every GPU, short lines skipped; nvidia-smi absent (127) none, failing BusyUnknown; the
+    known GPUs nvidia-smi lists."""
+    from bcd_helper.busy import ALL, BusyUnknown, busy_gpus, compute_gpus, gpu_of, hold_gpus, known_gpus
+
+    assert gpu_of(f"{GPU1}/gi1/ci0") == GPU1 and gpu_of(f"{GPU1}/s2") == GPU1 and gpu_of(GPU1) == GPU1
+    bad = "/etc/cdi/bcd-a.json"
+    files = {
+        bad: "{",
+        "/etc/cdi/bcd-b.json": hold_text(
+            "b", [(f"{GPU2}/s1", None), (f"{GPU1}/gi1/ci0", None)], ["BCD_ALLOCATION_ID=b"]
+        ),
+    }
+    got = hold_gpus(FakeHost(files))  # type: ignore[arg-type]
+    assert got == [
+        (ALL, f"the hold {bad} cannot be read"),
+        (GPU2, f"{GPU2} is held by b"),
+        (GPU1, f"{GPU1} is held by b"),
+    ]
+    out = f"{GPU1}, 101\n, 7\nMIG-x, 9\nonly\n{GPU2},\n".encode()
+    host = FakeHost({}, {APPS: out})
+    assert compute_gpus(host) == [  # type: ignore[arg-type]
+        (GPU1, f"{GPU1} runs compute process 101"),
+        (ALL, "a MIG device (MIG-x) runs compute process 9"),
+        (GPU2, f"{GPU2} runs compute process "),
+    ]
+
+    class Absent(FakeHost):
+        def run(self, argv: list[str], timeout: float | None = None) -> CommandResult:
+            assert timeout == 60
+            return CommandResult(tuple(argv), 127, b"", b"")
+
+    assert compute_gpus(Absent({})) == [] and known_gpus(Absent({})) is None  # type: ignore[arg-type]
+    with pytest.raises(BusyUnknown, match=r"^cannot list compute processes: "):
+        compute_gpus(FakeHost({}))  # type: ignore[arg-type]
+    with pytest.raises(BusyUnknown, match=r"^cannot list GPUs: "):
+        known_gpus(FakeHost({}))  # type: ignore[arg-type]
+    listing = FakeHost(
+        {}, {("nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"): f" {GPU1} \n\n{GPU2}\n".encode()}
+    )
+    assert known_gpus(listing) == (GPU1, GPU2)  # type: ignore[arg-type]
+    both = FakeHost(files, {APPS: b""})
+    assert busy_gpus(both).gpus() == {ALL, GPU1, GPU2}  # type: ignore[arg-type]
