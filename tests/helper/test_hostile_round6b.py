@@ -815,7 +815,10 @@ def test_round6b_hold_and_compute_gpus_in_process() -> None:
         (GPU2, f"{GPU2} is held by b"),
         (GPU1, f"{GPU1} is held by b"),
     ]
-    out = f"{GPU1}, 101\n, 7\nMIG-x, 9\nonly\n{GPU2},\n".encode()
+    # A hold file whose content is another allocation's is not read as that one's: every GPU.
+    other = {"/etc/cdi/bcd-c.json": files["/etc/cdi/bcd-b.json"]}
+    assert hold_gpus(FakeHost(other)) == [(ALL, "the hold /etc/cdi/bcd-c.json cannot be read")]  # type: ignore[arg-type]
+    out = f"{GPU1}, 101\n, 7\nMIG-x, 9\nonly\n{GPU2},\n".encode() + b"\xff\n"  # not UTF-8: replaced
     host = FakeHost({}, {APPS: out})
     assert compute_gpus(host) == [  # type: ignore[arg-type]
         (GPU1, f"{GPU1} runs compute process 101"),
@@ -834,8 +837,12 @@ def test_round6b_hold_and_compute_gpus_in_process() -> None:
     with pytest.raises(BusyUnknown, match=r"^cannot list GPUs: "):
         known_gpus(FakeHost({}))  # type: ignore[arg-type]
     listing = FakeHost(
-        {}, {("nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"): f" {GPU1} \n\n{GPU2}\n".encode()}
+        {},
+        {
+            ("nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"): f" {GPU1} \n\n{GPU2}\n".encode()
+            + b"\xff\n"
+        },
     )
-    assert known_gpus(listing) == (GPU1, GPU2)  # type: ignore[arg-type]
+    assert known_gpus(listing) == (GPU1, GPU2, "\ufffd")  # type: ignore[arg-type]
     both = FakeHost(files, {APPS: b""})
     assert busy_gpus(both).gpus() == {ALL, GPU1, GPU2}  # type: ignore[arg-type]
