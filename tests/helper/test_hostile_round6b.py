@@ -846,3 +846,37 @@ def test_round6b_hold_and_compute_gpus_in_process() -> None:
     assert known_gpus(listing) == (GPU1, GPU2, "\ufffd")  # type: ignore[arg-type]
     both = FakeHost(files, {APPS: b""})
     assert busy_gpus(both).gpus() == {ALL, GPU1, GPU2}  # type: ignore[arg-type]
+
+
+def test_round6b_the_normal_forms_edges() -> None:
+    """bcd_shared.slicelimits at its edges, now that root's check rests on it: cpulists merged only when
+    adjacent (`0,2` is not `0-2`), either cpulist property canonical, an empty cpulist empty; the kernel's
+    files: none is no limit, a value bcd cannot read kept as it is (never an error), cpu.max's period 0 or
+    1, memory rounded down to the page."""
+    from bcd_shared.slicelimits import applied_limits, canonical_cpulist, wanted_limits
+
+    assert canonical_cpulist("") == "" and canonical_cpulist("  ") == ""
+    assert canonical_cpulist("0,2") == "0,2" and canonical_cpulist("2,0,1") == "0-2"
+    assert canonical_cpulist("3-1") is None and canonical_cpulist("a") is None
+    assert wanted_limits([("AllowedMemoryNodes", "1,0"), ("AllowedCPUs", "3,2")], []) == {
+        "AllowedMemoryNodes": "0-1",
+        "AllowedCPUs": "2-3",
+    }
+    assert applied_limits({}) == {}
+    assert applied_limits({"cpuset.cpus": "3,0-2\n", "cpuset.mems": "x\n"}) == {
+        "AllowedCPUs": "0-3",
+        "AllowedMemoryNodes": "x",
+    }
+    for text, quota in (
+        ("a b", "a b"),
+        ("a b c", "a b c"),
+        ("x 100000", "x 100000"),
+        ("5 0", "5 0"),
+        ("5 1", "500%"),
+        ("150000 100000", "150%"),
+    ):
+        assert applied_limits({"cpu.max": text}) == {"CPUQuota": quota}, text
+    assert applied_limits({"memory.max": "4097\n", "memory.high": "abc\n"}) == {
+        "MemoryMax": "4096",
+        "MemoryHigh": "abc",
+    }
