@@ -519,6 +519,7 @@ def test_round6b_signed_instance_starts_only_what_the_spec_runs(tmp_path: Path, 
         )
         assert (check(0) or "").startswith("instance-stopped: ") and "UNSPECIFIED" in (check(0) or "")
         assert (check(4) or "").startswith("not-in-spec: ")
+        assert "wants it 9: root starts" in (check(9) or "")  # a state this build does not know: its number
         assert check(3, starts=False) is None and check(0, starts=False) is None
     finally:
         ctx.audit.close()
