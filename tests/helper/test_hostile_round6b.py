@@ -543,6 +543,18 @@ def test_round6b_the_strict_walk_counts_fields_before_building() -> None:
     assert decode_with_unknown(wire.AccessSection, packed, max_fields=4)[0].revoked_serials == [1, 2, 3]
     with pytest.raises(WireError, match="more than 3 fields"):
         decode_with_unknown(wire.AccessSection, packed, max_fields=3)
+    # Inside a submessage the refusal names it: node_id, generation, full, access, the run's tag, 3 serials.
+    nested = bytes(
+        wire.DesiredStateBody(
+            node_id="n",
+            generation=1,
+            full=wire.NodeSpec(access=wire.AccessSection(revoked_serials=[1, 2, 3])),
+        )
+    )
+    assert decode_spec_body(nested, max_fields=8)[0].full.access.revoked_serials == [1, 2, 3]
+    with pytest.raises(WireError) as info:
+        decode_spec_body(nested, max_fields=7)
+    assert str(info.value) == "full.access: more than 7 fields"
 
 
 def test_round6b_the_kubernetes_rule_in_process() -> None:
