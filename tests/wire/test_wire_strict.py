@@ -222,6 +222,7 @@ def _in_assignment(assignment: bytes) -> bytes:
             "full.access.exec_ticket_jwks: length 5 runs past the end of the message",
         ),
         (_in_access(b"\x80"), "full.access.<tag>: truncated varint"),
+        (_in_access(_varint(1 << 3 | 2) + b"\x80"), "full.access.exec_ticket_jwks: truncated varint"),
         (
             _in_access(_varint(((1 << 29) - 1) << 3) + b"\0"),
             "full.access.#536870911: unknown field number 536870911",
@@ -255,6 +256,10 @@ def test_the_largest_in_range_values_and_a_fixed_width_field_path() -> None:
         strict.decode(wire.StatusReport, _ld(9, gauge))
     with pytest.raises(strict.WireError, match=r"^gauges\[0\]\.value: wire type 2 does not carry a double$"):
         strict.decode(wire.StatusReport, _ld(9, _ld(2, b"abcdefgh")))
+    # A packed run's elements are range-checked as their type: GpuHealth.xids is uint32.
+    xids = _ld(1, _ld(3, _varint(1) + _varint(1 << 32)))
+    with pytest.raises(strict.WireError, match=r"^gpus\[0\]\.xids\[0\]: uint32 out of range$"):
+        strict.decode(wire.DiagNvmlResult, xids)
     with pytest.raises(strict.WireError) as info:
         strict.decode(wire.AccessSection, "x")  # type: ignore[arg-type]
     assert str(info.value) == "<message>: expected bytes, got str"
