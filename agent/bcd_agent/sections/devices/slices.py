@@ -12,13 +12,14 @@ A property is set only for a limit that is present; CPUQuota only for cpu_millis
 `hugetlb.*.max` files are written, the other size as 0 (a hold gets the huge pages it booked and no
 others; the helper's `slice.apply` does the same), Q-DEV-SLICE-02.
 
-Limits of a running slice (a kept hold whose limits changed, Q-DEV-PASS-01): `applied_limits` reads
-what the kernel enforces from the slice's cgroup attribute files (cpuset.cpus, cpuset.mems, cpu.max,
-memory.max, memory.high, hugetlb.*.max), `wanted_limits` says what the spec's limits make them, both
-in one normal form (bcd_shared.slicelimits, which root's hold check reads too: cpulists merged, memory
-rounded down to the 4 KiB page as the kernel stores it, CPU quota as systemd's whole percent). When they differ the slice is applied again, and the
-properties the spec no longer sets are reset (`reset_assignments`: `AllowedCPUs=`, `CPUQuota=`,
-`MemoryMax=infinity`, ...; huge page limits back to `max`).
+Limits of a running slice (a kept hold whose limits changed, Q-DEV-PASS-01): `applied_limits` reads what
+the kernel enforces from the slice's cgroup attribute files (cpuset.cpus, cpuset.mems, cpu.max,
+memory.max, memory.high, hugetlb.*.max), `wanted_limits` says what the spec's limits make them, both in
+one normal form (bcd_shared.slicelimits, which root's hold check reads too: cpulists merged, memory
+rounded down to the 4 KiB page as the kernel stores it, CPU quota as systemd's whole percent). When they
+differ the slice is applied again, and the properties the spec no longer sets are reset
+(`reset_assignments`: `AllowedCPUs=`, `CPUQuota=`, `MemoryMax=infinity`, ...; huge page limits back to
+`max`).
 """
 
 from __future__ import annotations
