@@ -1721,6 +1721,9 @@ def test_signed_taps_must_be_the_specs_nics_bridges(
         assert runs(c) == [] and state_generation(root) is None
         assert taps(("br0", "br1"), signed(signer, 3, two))["taps"] == [T0, T1]
         assert state_generation(root) == 3
+        # taps run no guest: an instance the spec wants STOPPED may have them (round 6b binds only starts)
+        stopped = wire_vm(nics=(("br0", MAC), ("br1", "52:54:00:00:00:02")), state=3)
+        assert taps(("br0", "br1"), signed(signer, 4, stopped))["taps"] == [T0, T1]
     finally:
         c.audit.close()
 
