@@ -4,6 +4,8 @@
 - every GPU that a live hold's CDI spec (`/etc/cdi/bcd-*.json`) names, through its devices'
   `bcd.dev/device-id` annotations, with `<uuid>/gi<n>/ci<m>` and `<uuid>/s<n>` reduced to their GPU
   (Q-HST-HLP-02, decided so). A hold file root cannot parse makes every GPU busy (fail closed);
+- every GPU an allocation env file's NVIDIA_VISIBLE_DEVICES names (`env_gpus`, round 6b: NVIDIA's legacy
+  runtime hook hands it to the allocation's jobs), with or without its CDI hold;
 - every GPU with compute processes (`nvidia-smi --query-compute-apps=gpu_uuid,pid --format=csv,noheader`,
   whose format is in ../shared/reference/nvidia-smi/csv/*query-compute-apps*); a `MIG-` UUID there
   makes every GPU busy. A host without nvidia-smi (exit 127) has no compute processes; any other
@@ -57,6 +59,38 @@ def hold_gpus(system: System) -> list[tuple[str, str]]:
     return out
 
 
+def env_gpus(system: System) -> list[tuple[str, str]]:
+    """Every GPU an allocation env file (`/run/bcd/allocations/<id>.env`) names in NVIDIA_VISIBLE_DEVICES
+    (round 6b): a workload manager using NVIDIA's legacy runtime hook hands that GPU to the allocation's
+    jobs whether or not its CDI hold is still there. Read as root's `atoms-held` rule reads them
+    (bcd_helper.ops.files._env_atoms): a GPU's UUID is that GPU, a MIG UUID its GPU by root's nvidia-smi
+    (asked only when one is named), `void`/`none` nothing; a file that does not parse, or a name root
+    cannot place (`all`, an index, an unknown MIG UUID), makes every GPU busy (fail closed)."""
+    from bcd_shared import cdi
+
+    from bcd_helper.ops.files import _env_atoms, mig_names
+
+    migs: dict[str, str] | None = None
+
+    def mig_atoms() -> dict[str, str]:
+        nonlocal migs
+        if migs is None:
+            migs = {m.uuid: atom for atom, m in mig_names(system).items() if m.uuid}
+        return migs
+
+    out: list[tuple[str, str]] = []
+    for alloc, path, data in cdi.env_files(system):
+        named = _env_atoms(data, alloc, (), mig_atoms)
+        if named is None:
+            out.append(
+                (ALL, f"the env file {path} of allocation {alloc} cannot be read: it may name any GPU")
+            )
+            continue
+        for gpu in sorted({gpu_of(atom) for atom in named}):
+            out.append((gpu, f"{gpu} is named by allocation {alloc}'s env file {path}"))
+    return out
+
+
 def compute_gpus(system: System) -> list[tuple[str, str]]:
     result = system.run(
         ["nvidia-smi", "--query-compute-apps=gpu_uuid,pid", "--format=csv,noheader"], timeout=60
@@ -80,7 +114,7 @@ def compute_gpus(system: System) -> list[tuple[str, str]]:
 
 def busy_gpus(system: System) -> Busy:
     """Root's view, read now. Raises BusyUnknown when the processes cannot be read."""
-    return Busy(tuple(hold_gpus(system) + compute_gpus(system)))
+    return Busy(tuple(hold_gpus(system) + env_gpus(system) + compute_gpus(system)))
 
 
 def known_gpus(system: System) -> tuple[str, ...] | None:

@@ -80,6 +80,17 @@ MAX_STATE: Final = 256 * 1024
 MAX_CACHED_BUNDLES: Final = 8
 
 
+# The fields an unverified spec body may decode to (`[helper] unsigned_access`, development only; round 6b):
+# counted by the strict walk before anything is built. A spec of a few hundred assignments, instances and
+# access entries has a few thousand; an empty submessage is two bytes on the wire and ~300 once decoded.
+MAX_UNSIGNED_FIELDS: Final = 65536
+
+# InstanceDesiredState (nodespec.proto): the states in which the guest runs (PAUSED: started paused, its
+# memory and devices taken), and the names a refusal shows.
+RUNS = frozenset({1, 2})
+DESIRED_NAMES = {0: "UNSPECIFIED", 1: "RUNNING", 2: "PAUSED", 3: "STOPPED", 4: "DELETED"}
+
+
 @frozen
 class Verified:
     """A body the helper verified: its SHA-256, its generation and when it was first verified."""
@@ -373,12 +384,20 @@ class IntentVerifier:
     # --- libvirt.* -------------------------------------------------------------------------------------
 
     def signed_instance(
-        self, op: str, instance_id: str, intent: Any | None, now: dt.datetime | None = None
+        self,
+        op: str,
+        instance_id: str,
+        intent: Any | None,
+        now: dt.datetime | None = None,
+        *,
+        starts: bool = False,
     ) -> tuple[Any | None, IntentState | None]:
         """The signed spec's InstanceSpec for `instance_id` (None: nothing names roots, nothing is
         checked, DLV-HLP re-validation off) and the state to write. Raises Refused like host.unit (the
         common rules of check_spec), or `not-in-spec` for a spec that does not name the instance (or
-        wants it DELETED)."""
+        wants it DELETED). `starts` (an op that runs the guest: a start, a restore, a VMM launch and its
+        VFIO groups): `instance-stopped` unless the spec wants it RUNNING or PAUSED (round 6b: a node
+        cannot bring back an instance the control plane stopped, after a reboot or a stop)."""
         checked = self.check_spec(op, intent, now)
         if not checked.roots:
             return None, checked.next_state
@@ -393,6 +412,14 @@ class IntentVerifier:
                 "not-in-spec",
                 f"{op}: {instance_id}: the signed spec (generation {decoded.generation}) does not name it "
                 "as an instance to run",
+            )
+        desired = int(named[0].desired_state)
+        if starts and desired not in RUNS:
+            raise Refused(
+                "instance-stopped",
+                f"{op}: {instance_id}: the signed spec (generation {decoded.generation}) wants it "
+                f"{DESIRED_NAMES.get(desired, str(desired))}: root starts only an instance it wants RUNNING "
+                "or PAUSED",
             )
         return named[0], checked.next_state
 
@@ -418,7 +445,8 @@ class IntentVerifier:
             decoded = None
             if intent is not None and decode_unverified:
                 try:
-                    decoded, _unknown = decode_spec_body(_b64(intent.body, "body", op))
+                    body = _b64(intent.body, "body", op)
+                    decoded, _unknown = decode_spec_body(body, max_fields=MAX_UNSIGNED_FIELDS)
                 except WireError as exc:
                     raise Refused("bad-intent", f"{op}: the spec does not decode: {exc}") from None
             return SpecCheck(decoded, view.state if view.state != old else None, False, view.source)

@@ -1780,6 +1780,13 @@ def test_a_signed_launch_compares_the_record_with_the_spec(
             assert refused(launch, signed(signer, 5, inst)) == ("spec-mismatch", mismatch + fields)
         assert state_generation(root) is None and "systemd-run" not in [r[0] for r in runs(c)]
         assert refused(launch, signed(signer, 5, wire_vm(gpus=(GPU0_UUID,), state=4)))[0] == "not-in-spec"
+        # round 6b: only an instance the spec wants RUNNING or PAUSED is launched
+        assert refused(launch, signed(signer, 5, wire_vm(gpus=(GPU0_UUID,), state=3))) == (
+            "instance-stopped",
+            "ch.launch: vm1: the signed spec (generation 5) wants it STOPPED: root starts only an "
+            "instance it wants RUNNING or PAUSED",
+        )
+        assert state_generation(root) is None and "systemd-run" not in [r[0] for r in runs(c)]
         assert launch(signed(signer, 5, wire_vm(gpus=(GPU0_UUID,))))["name"] == "vm1"
         assert state_generation(root) == 5 and runs(c)[-1][0] == "systemd-run"
         # a restored record is compared without its image (its disk names none)
@@ -1808,6 +1815,9 @@ def test_signed_taps_must_be_the_specs_nics_bridges(
         assert runs(c) == [] and state_generation(root) is None
         assert taps(("br0", "br1"), signed(signer, 3, two))["taps"] == [T0, T1]
         assert state_generation(root) == 3
+        # taps run no guest: an instance the spec wants STOPPED may have them (round 6b binds only starts)
+        stopped = wire_vm(nics=(("br0", MAC), ("br1", "52:54:00:00:00:02")), state=3)
+        assert taps(("br0", "br1"), signed(signer, 4, stopped))["taps"] == [T0, T1]
     finally:
         c.audit.close()
 
@@ -1940,6 +1950,8 @@ def test_a_signed_vfio_hands_over_only_the_specs_gpus(
         for gpus in ((GPU1_UUID,), (), (GPU0_UUID, GPU1_UUID), (GPU0_UUID, GPU0_UUID)):
             assert refused(vfio, signed(signer, 5, wire_vm(gpus=gpus))) == mismatch, gpus
         assert refused(vfio, signed(signer, 5, wire_vm(gpus=(GPU0_UUID,), state=4)))[0] == "not-in-spec"
+        # round 6b: a VMM's GPUs only for an instance the spec wants running (RUNNING or PAUSED)
+        assert refused(vfio, signed(signer, 5, wire_vm(gpus=(GPU0_UUID,), state=3)))[0] == "instance-stopped"
         assert host.writes == [] and state_generation(root) is None and not (root / "dev/vfio/10").exists()
         assert ("nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader") in runs(c)
         assert vfio(signed(signer, 5, wire_vm(gpus=(GPU0_UUID,)))) == {"name": "vm1", "groups": ["10"]}

@@ -2060,6 +2060,12 @@ def test_a_signed_start_compares_roots_running_definition(
             "libvirt.start: vm1: the definition differs from the signed spec in vCPUs",
         )
         assert refused(start, signed(signer, 3, wire_vm(gpus=(GPU1,))))[1].endswith(" in GPUs")
+        # round 6b: a start only of an instance the spec wants RUNNING or PAUSED
+        assert refused(start, signed(signer, 3, wire_vm(gpus=(GPU0,), state=3))) == (
+            "instance-stopped",
+            "libvirt.start: vm1: the signed spec (generation 3) wants it STOPPED: root starts only an "
+            "instance it wants RUNNING or PAUSED",
+        )
         assert virsh_runs(c)[-1] == ("dumpxml", "vm1")
         assert start(signed(signer, 3, wire_vm(gpus=(GPU0,)))) == {"name": "vm1", "paused": False}
         assert generation(root) == 3 and virsh_runs(c)[-1] == ("start", "vm1")
@@ -2090,6 +2096,7 @@ def test_a_signed_restore_and_save_are_checked_against_the_spec(
         assert refused(restore, signed(signer, 2, wire_vm(vcpus=9)))[1] == (
             "libvirt.restore: vm1: the definition differs from the signed spec in vCPUs"
         )
+        assert refused(restore, signed(signer, 2, wire_vm(state=3)))[0] == "instance-stopped"  # round 6b
         assert restore(signed(signer, 2, wire_vm()))["name"] == "vm1" and generation(root) == 2
         save = lambda i: lv.libvirt_save(call(c), lv.LibvirtSave("vm1", i))  # noqa: E731
         assert refused(save, None) == (
@@ -2100,6 +2107,7 @@ def test_a_signed_restore_and_save_are_checked_against_the_spec(
         assert virsh_runs(c)[-1] == ("dumpxml", "vm1") and not (root / STAGE / "vm1.state").exists()
         # a save compares no definition (the domain runs as defined): any spec naming the instance
         assert save(signed(signer, 3, wire_vm(vcpus=9)))["name"] == "vm1" and generation(root) == 3
+        assert save(signed(signer, 4, wire_vm(state=3)))["name"] == "vm1"  # a save runs nothing: STOPPED too
     finally:
         c.audit.close()
 

@@ -174,3 +174,92 @@ def test_random_bytes_never_escape_as_another_error(data: bytes) -> None:
     for cls in (wire.NodeMessage, wire.GatewayMessage, wire.CommandBody):
         with contextlib.suppress(strict.WireError):
             strict.decode(cls, data)
+
+
+def _varint(n: int) -> bytes:
+    out = b""
+    while n > 0x7F:
+        out += bytes([(n & 0x7F) | 0x80])
+        n >>= 7
+    return out + bytes([n])
+
+
+def _ld(field: int, payload: bytes) -> bytes:
+    return _varint(field << 3 | 2) + _varint(len(payload)) + payload
+
+
+def _in_access(access: bytes) -> bytes:
+    """A DesiredStateBody (node_id, generation) whose full spec's access section is `access`'s bytes."""
+    return b"\x0a\x01n\x10\x01" + _ld(4, _ld(4, access))
+
+
+def _in_assignment(assignment: bytes) -> bytes:
+    return b"\x0a\x01n\x10\x01" + _ld(4, _ld(2, _ld(1, assignment)))
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (
+            _in_access(_ld(1, b"a") + _ld(1, b"b")),
+            "full.access.exec_ticket_jwks: singular field appears more than once",
+        ),
+        (_in_access(_ld(4, b"\x80")), "full.access.revoked_serials[0]: truncated varint"),
+        (
+            _in_access(_varint(1 << 3) + b"\x01"),
+            "full.access.exec_ticket_jwks: wire type 0 does not carry a string",
+        ),
+        (
+            _in_access(_varint(1 << 3 | 5) + b"\0\0\0\0"),
+            "full.access.exec_ticket_jwks: wire type 5 does not carry a string",
+        ),
+        (
+            _in_access(_varint(1 << 3 | 1) + b"\0"),
+            "full.access.exec_ticket_jwks: truncated fixed-width value",
+        ),
+        (
+            _in_access(_varint(1 << 3 | 2) + b"\x05a"),
+            "full.access.exec_ticket_jwks: length 5 runs past the end of the message",
+        ),
+        (_in_access(b"\x80"), "full.access.<tag>: truncated varint"),
+        (_in_access(_varint(1 << 3 | 2) + b"\x80"), "full.access.exec_ticket_jwks: truncated varint"),
+        (
+            _in_access(_varint(((1 << 29) - 1) << 3) + b"\0"),
+            "full.access.#536870911: unknown field number 536870911",
+        ),
+        (
+            _in_assignment(_varint(3 << 3) + _varint(1 << 31)),
+            "full.devices.assignments[0].binding: enum out of range",
+        ),
+        (
+            _in_assignment(_ld(3, b"\x01")),
+            "full.devices.assignments[0].binding: wire type 2 does not carry a enum",
+        ),
+    ],
+)
+def test_a_nested_refusal_names_its_field_path_word_for_word(data: bytes, message: str) -> None:
+    """Every rule of the strict walk names the whole path of the field it refuses, inside submessages too
+    (docs/mutation.md, "Round 6b": the walk's messages below the top level had no test)."""
+    with pytest.raises(strict.WireError) as info:
+        strict.decode_spec_body(data)
+    assert str(info.value) == message
+
+
+def test_the_largest_in_range_values_and_a_fixed_width_field_path() -> None:
+    """An enum of 2**31 - 1 is kept (open enums), 2**31 is refused; a double given a varint or a length is
+    refused naming its path; bytes that are not bytes name what they are."""
+    assert (
+        strict.decode_spec_body(_in_assignment(_varint(3 << 3) + _varint((1 << 31) - 1)))[0].full is not None
+    )
+    gauge = _varint(2 << 3) + b"\x01"
+    with pytest.raises(strict.WireError, match=r"^gauges\[0\]\.value: wire type 0 does not carry a double$"):
+        strict.decode(wire.StatusReport, _ld(9, gauge))
+    with pytest.raises(strict.WireError, match=r"^gauges\[0\]\.value: wire type 2 does not carry a double$"):
+        strict.decode(wire.StatusReport, _ld(9, _ld(2, b"abcdefgh")))
+    # A packed run's elements are range-checked as their type: GpuHealth.xids is uint32.
+    xids = _ld(1, _ld(3, _varint(1) + _varint(1 << 32)))
+    with pytest.raises(strict.WireError, match=r"^gpus\[0\]\.xids\[0\]: uint32 out of range$"):
+        strict.decode(wire.DiagNvmlResult, xids)
+    with pytest.raises(strict.WireError) as info:
+        strict.decode(wire.AccessSection, "x")  # type: ignore[arg-type]
+    assert str(info.value) == "<message>: expected bytes, got str"

@@ -139,12 +139,20 @@ def _is_tap(link: dict[str, Any]) -> bool:
 
 
 def _signed_nics(
-    call: Call, op: str, name: str, intent: SignedIntent | None, bridges: list[str] | None, check: Any = None
+    call: Call,
+    op: str,
+    name: str,
+    intent: SignedIntent | None,
+    bridges: list[str] | None,
+    check: Any = None,
+    *,
+    starts: bool = False,
 ) -> None:
-    """With roots: the signed spec's instance; its NICs' bridges must be `bridges`, and `check(inst)`
-    passes; root's intent state is saved only after every check passed (a refusal changes nothing)."""
+    """With roots: the signed spec's instance (`starts`: wanted RUNNING or PAUSED, round 6b); its NICs'
+    bridges must be `bridges`, and `check(inst)` passes; root's intent state is saved only after every
+    check passed (a refusal changes nothing)."""
     verifier = call.ctx.intent_verifier()
-    inst, state = verifier.signed_instance(op, name, intent)
+    inst, state = verifier.signed_instance(op, name, intent, starts=starts)
     if inst is not None and bridges is not None and [n.bridge for n in inst.nics] != bridges:
         raise Refused("spec-mismatch", f"{op}: {name}: the bridges differ from the signed spec's NICs")
     if inst is not None and check is not None:
@@ -433,7 +441,7 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
 
         require_loaded(call, op, inst)  # the guest runs only behind its signed rules
 
-    _signed_nics(call, op, name, intent, None, check)
+    _signed_nics(call, op, name, intent, None, check, starts=True)
 
 
 def _uid_not_in_use(op: str, unit: str, uid: int, running: dict[str, int]) -> None:
@@ -764,7 +772,7 @@ def _signed_gpus(call: Call, op: str, name: str, intent: SignedIntent | None, re
                 "instance holds go to its VMM",
             )
 
-    _signed_nics(call, op, name, intent, None, check)
+    _signed_nics(call, op, name, intent, None, check, starts=True)
 
 
 def ch_vfio(call: Call, req: ChLaunch) -> dict[str, Any]:

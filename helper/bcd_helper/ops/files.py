@@ -35,13 +35,15 @@ allocation's GPUs, or the MIG UUIDs root's nvidia-smi gives its MIG atoms), an e
 the assignment's signed `env` lines and a hold's the common env of root's vendor spec: no `LD_PRELOAD=`
 for a workload manager, no `NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused
 while the spec still lists the allocation (`hold-in-spec`): a node cannot pull a live hold's file and
-then reset its GPU (an env file whose allocation has no CDI hold file excepted: nothing the busy check
-reads goes with it). Since round 6 (docs/helper.md): a MIG atom takes only its own MIG device's edits and
-UUID, never its parent GPU's; a hold carries each atom of its allocation once (`atoms-missing`) and none
-another allocation's hold file or env file names (`atoms-held`); its annotations are the assignment's
-(`annotations-outside`); a sliced hold's files are written only once its slice is started
-(`slice-missing`). Without roots nothing is bound (HST-SIGN-33). Every hold's JSON is value-counted
-before it is decoded (MAX_HOLD_VALUES).
+then reset its GPU (an env file whose allocation has no CDI hold file excepted: an orphan the planner
+removes before it binds; docs/helper.md round 6b, row 13). Since round 6 (docs/helper.md): a MIG atom
+takes only its own MIG device's edits and UUID, never its parent GPU's; a hold carries each atom of its
+allocation once (`atoms-missing`) and none another allocation's hold file or env file names
+(`atoms-held`); its annotations are the assignment's (`annotations-outside`); a sliced hold's files
+are written only once its slice is started (`slice-missing`) and, since round 6b, enforcing the signed limits
+(`slice-limits`); a Kubernetes hold's CDI spec is bare, no vendor edits and no NVIDIA_VISIBLE_DEVICES
+(round 6b). Without roots nothing is bound (HST-SIGN-33). Every hold's JSON is value-counted before it is
+decoded (MAX_HOLD_VALUES).
 
 There are no sshd kinds: the node never sends sshd text. Root renders the access section's files itself
 from the signed spec (access.apply, bcd_helper.ops.access; issue 9 item 1).
@@ -57,6 +59,7 @@ from typing import Any
 
 from attrs import frozen
 from bcd_shared.rootpath import RootPathRefused, read_root_only, remove_root_only, write_root_only
+from bcd_shared.system import System
 
 from bcd_helper.audit import canonical
 from bcd_helper.ops.base import Call, Refused, no_roots_possible, refused_path
@@ -413,13 +416,17 @@ class MigName:
 
 
 def _mig_names(call: Call) -> dict[str, MigName]:
+    return mig_names(call.system)
+
+
+def mig_names(system: System) -> dict[str, MigName]:
     """MIG atom (`<gpu uuid>/gi<G>/ci<C>`) -> its MIG device as root's nvidia-smi lists it (`-L` and
     `-q -x`, joined as the node's inventory joins them). Empty when either does not answer or parse: no
     MIG atom then carries MIG edits or UUIDs (fail closed)."""
     from bcd_shared import nvsmi
 
-    listing = call.system.run(["nvidia-smi", "-L"], timeout=60)
-    qx_run = call.system.run(["nvidia-smi", "-q", "-x"], timeout=60) if listing.ok else None
+    listing = system.run(["nvidia-smi", "-L"], timeout=60)
+    qx_run = system.run(["nvidia-smi", "-q", "-x"], timeout=60) if listing.ok else None
     if qx_run is None or not qx_run.ok:
         return {}
     try:
@@ -448,6 +455,7 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
     """A signed hold carries only its allocation's atoms, each with its own GPU's vendor edits. `doc`: the
     hold as _check_cdi decoded it."""
     atoms = {a.id for a in assignment.devices}
+    kube = _kubernetes(assignment)
     vendor = None
     indexes: dict[str, str] | None = None
     migs: dict[str, MigName] | None = None
@@ -461,6 +469,8 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
         edits = _edit_items(dev.get("containerEdits"))
         if not edits:
             continue
+        if kube:
+            raise Refused("atoms-outside", f"cdi: devices[{i}].containerEdits: {KUBE_BARE}")
         if vendor is None:
             vendor = _vendor_devices(call)
             indexes = _gpu_indexes(call)
@@ -505,6 +515,8 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
             + (f"; {', '.join(missing)[:400]} missing" if missing else "; one is listed twice"),
         )
     common = _edit_items(doc.get("containerEdits"))
+    if common and kube:
+        raise Refused("atoms-outside", f"cdi: containerEdits: {KUBE_BARE}")
     if common:
         vendor = vendor if vendor is not None else _vendor_devices(call)
         outside = common - (_edit_items(vendor.common_edits) if vendor is not None else set())
@@ -514,6 +526,15 @@ def _check_atoms(call: Call, ident: str, doc: Any, assignment: Any) -> None:
                 "atoms-outside",
                 f"cdi: containerEdits.{key}: {item[:200].decode()} is not one of the vendor's common edits",
             )
+
+
+# A Kubernetes hold's CDI spec is bare (the seeds' Kubernetes binding; cdi.build_hold_spec): a pod may get
+# only part of the hold, the device plugin sets what each pod gets, and the spec-level edits reach every
+# pod given any of the hold's devices (round 6b).
+KUBE_BARE = (
+    "a Kubernetes hold carries no vendor edits and no NVIDIA_VISIBLE_DEVICES: a pod the device plugin "
+    "gives one of its devices would get the others through them"
+)
 
 
 def _kubernetes(assignment: Any) -> bool:
@@ -657,10 +678,16 @@ def _env_atoms(
 
 
 def _check_slice_started(call: Call, ident: str, assignment: Any) -> None:
-    """A sliced hold names its slice only once root sees it started (round 6): slice.apply takes only the
-    signed limits, and a workload manager placing a job under a parent that is not there makes systemd
-    create it without any. slice.remove leaves it while the hold exists (bcd_helper.ops.slices)."""
-    from bcd_helper.ops.slices import populated
+    """A sliced hold names its slice only once root sees it started (round 6) and enforcing the signed
+    limits (round 6b): slice.apply takes only the signed limits, but the slice a hold names may have been
+    made otherwise (a workload manager placing a job under a parent that is not there makes systemd create
+    it without any) or kept at an older spec's limits. Root reads the slice's cgroup files itself and
+    compares them with the signed assignment's limits in the node planner's normal form
+    (bcd_shared.slicelimits): each limit the spec sets, and none it does not. slice.remove leaves the slice
+    while the hold exists (bcd_helper.ops.slices)."""
+    from bcd_shared import slicelimits
+
+    from bcd_helper.ops.slices import populated, signed_limits, slice_cgroup
 
     if not _sliced(assignment):
         return
@@ -670,6 +697,23 @@ def _check_slice_started(call: Call, ident: str, assignment: Any) -> None:
             "slice-missing",
             f"allocation {ident} is a sliced hold: its slice {name} must be started with the signed "
             "limits (slice.apply) before the hold names it",
+        )
+    wanted = slicelimits.wanted_limits(*slicelimits.limit_properties(**signed_limits(assignment.limits)))
+    cgroup = slice_cgroup(name)
+    files = {
+        f: text
+        for f in slicelimits.LIMIT_FILES
+        if (text := call.system.read_text(f"{cgroup}/{f}")) is not None
+    }
+    applied = slicelimits.applied_limits(files)
+    key = slicelimits.first_difference(wanted, applied)
+    if key is not None:
+        field, file = slicelimits.LIMIT_FIELDS[key]
+        raise Refused(
+            "slice-limits",
+            f"allocation {ident}: its slice {name} does not enforce the signed limits: limits.{field} "
+            f"makes {key} {wanted.get(key, 'unset')!r}, its cgroup's {file} says "
+            f"{applied.get(key, 'unset')[:100]!r} (slice.apply with the signed limits first)",
         )
 
 
@@ -725,8 +769,11 @@ def _check_signed_env(
         "CUDA_MPS_PIPE_DIRECTORY": MPS_PIPE_DIRECTORY,
     }
     taken = set(assignment.env) if kind == "allocation-env" else set(vendor_env)
+    bare = kind == "cdi" and _kubernetes(assignment)  # its env file still names its GPUs (the seeds)
     for i, line in enumerate(lines):
         key, _, value = str(line).partition("=")
+        if key == "NVIDIA_VISIBLE_DEVICES" and bare:
+            raise Refused("env-outside", f"{kind}: env[{i}] {key}: {KUBE_BARE}")
         if key == "NVIDIA_VISIBLE_DEVICES":
             ok = _visible_ok(value, assignment, migs)
         elif key in HOLD_ENV_KEYS:
@@ -764,7 +811,7 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                 _check_not_held(call, req.id, assignment)
                 _check_slice_started(call, req.id, assignment)
                 env = (decoded.get("containerEdits") or {}).get("env") or []
-                if env:
+                if env and not _kubernetes(assignment):  # no vendor env in a Kubernetes hold either
                     vendor = _vendor_devices(call)
                     vendor_env = (vendor.common_edits.get("env") or ()) if vendor is not None else ()
             else:
@@ -802,7 +849,8 @@ def _env_without_hold(call: Call, kind: str, ident: str) -> bool:
     """An env file whose allocation has no CDI hold file in root's view: its removal is taken while the
     spec lists the allocation (an env file left by a crash, or by a node that kept it after the hold; its
     NVIDIA_VISIBLE_DEVICES backed by no hold, and `atoms-held` refusing other holds of those GPUs while
-    it is there). Nothing that root's busy check reads goes with it."""
+    it is there). Since round 6b root's busy check reads env files too, so its GPUs look free once it
+    goes; a hold file, which the allocation's workload runs under, never goes so (docs/helper.md)."""
     from bcd_shared import cdi
 
     return kind == "allocation-env" and not call.system.exists(cdi.cdi_spec_path(ident))

@@ -208,9 +208,10 @@ def _signed(
     runs: bool = False,
 ) -> None:
     """With roots: the signed spec's instance, compared with the definition; `runs` (a start, a
-    restore): its signed network rules loaded (nft.require_loaded); the state saved."""
+    restore): the spec wants it RUNNING or PAUSED (`instance-stopped`, round 6b) and its signed network
+    rules are loaded (nft.require_loaded); the state saved."""
     verifier = call.ctx.intent_verifier()
-    inst, state = verifier.signed_instance(op, name, intent)
+    inst, state = verifier.signed_instance(op, name, intent, starts=runs)
     if inst is not None and runs:
         from bcd_helper.ops.nft import require_loaded
 

@@ -84,19 +84,24 @@ def decode(cls: type[M], data: bytes, *, tolerate_unknown_in: Collection[str] = 
 
 
 def decode_with_unknown(
-    cls: type[M], data: bytes, *, tolerate_unknown_in: Collection[str] = ()
+    cls: type[M], data: bytes, *, tolerate_unknown_in: Collection[str] = (), max_fields: int | None = None
 ) -> tuple[M, list[UnknownField]]:
     """Like :func:`decode`, also returning the tolerated unknown fields.
 
     A DesiredStateBody is decoded with ``tolerate_unknown_in={"full", "patch"}``: a NodeSpec section number
     this build does not know is then listed here (and the section reported UNSUPPORTED, DLV-CONV-06) while
     an unknown field anywhere else still refuses the whole body.
+
+    ``max_fields`` bounds what decoding builds: the fields of the whole tree (each element of a packed run
+    counted), counted by the walk before anything is built, past which the bytes are refused. For bytes no
+    signature vouches for (the helper's development-only unsigned access spec, round 6b): an empty
+    submessage is two bytes on the wire and hundreds once decoded.
     """
     if not isinstance(data, bytes | bytearray | memoryview):
         raise WireError("", f"expected bytes, got {type(data).__name__}")
     raw = bytes(data)
     unknown: list[UnknownField] = []
-    _check(cls, raw, "", frozenset(tolerate_unknown_in), unknown)
+    _check(cls, raw, "", frozenset(tolerate_unknown_in), unknown, _Budget(max_fields))
     try:
         if unknown:
             return cls.parse(raw), unknown  # parse keeps the tolerated fields' bytes (`_unknown_fields`)
@@ -109,10 +114,15 @@ def decode_with_unknown(
 SPEC_PATHS: frozenset[str] = frozenset({"full", "patch"})
 
 
-def decode_spec_body(data: bytes) -> tuple[DesiredStateBody, tuple[int, ...]]:
+def decode_spec_body(
+    data: bytes, *, max_fields: int | None = None
+) -> tuple[DesiredStateBody, tuple[int, ...]]:
     """A DesiredStateBody, strictly, and the NodeSpec section numbers in it this build does not know (sorted,
-    each once): the converge runner reports those UNSUPPORTED with the number as reason (DLV-CONV-05/06)."""
-    body, unknown = decode_with_unknown(DesiredStateBody, data, tolerate_unknown_in=SPEC_PATHS)
+    each once): the converge runner reports those UNSUPPORTED with the number as reason (DLV-CONV-05/06).
+    ``max_fields``: as for :func:`decode_with_unknown`."""
+    body, unknown = decode_with_unknown(
+        DesiredStateBody, data, tolerate_unknown_in=SPEC_PATHS, max_fields=max_fields
+    )
     return body, tuple(sorted({u.number for u in unknown}))
 
 
@@ -277,13 +287,30 @@ def _rules(cls: type[betterproto2.Message]) -> dict[int, _Rule]:
     }
 
 
+class _Budget:
+    """The fields a decode may still build (None: unbounded)."""
+
+    def __init__(self, limit: int | None) -> None:
+        self.limit = limit
+        self.left = limit
+
+    def take(self, n: int, path: str) -> None:
+        if self.left is None:
+            return
+        self.left -= n
+        if self.left < 0:
+            raise WireError(path, f"more than {self.limit} fields")
+
+
 def _check(
     cls: type[betterproto2.Message],
     data: bytes,
     path: str,
     tolerate: frozenset[str],
     unknown: list[UnknownField],
+    budget: _Budget | None = None,
 ) -> None:
+    budget = budget if budget is not None else _Budget(None)
     rules = _rules(cls)
     seen: set[int] = set()
     groups: dict[str, str] = {}
@@ -291,6 +318,7 @@ def _check(
     pos = 0
     end = len(data)
     while pos < end:
+        budget.take(1, path)
         tag, pos = _varint_at(data, pos, path, "<tag>")
         number, wire_type = tag >> 3, tag & 7
         if number < 1 or number > _MAX_FIELD_NUMBER:
@@ -343,12 +371,13 @@ def _check(
             pass
         elif kind == _K_MESSAGE and wire_type == _WIRE_LEN:
             assert rule.sub is not None
-            _check(rule.sub, payload, _where(path, name, index), tolerate, unknown)
+            _check(rule.sub, payload, _where(path, name, index), tolerate, unknown, budget)
         elif kind == _K_VARINT:
             if wire_type == _WIRE_VARINT:
                 if value >= 1 << 31 or rule.proto_type == betterproto2.TYPE_BOOL:
                     _check_varint_value(rule.proto_type, value, _where(path, name, index))
             elif wire_type == _WIRE_LEN and rule.packable:
+                budget.take(len(payload), path)  # at most one element a byte
                 _check_packed(rule.proto_type, payload, _where(path, name, index))
             else:
                 raise WireError(
@@ -356,6 +385,7 @@ def _check(
                 )
         elif kind == _K_FIXED:
             if wire_type == _WIRE_LEN and rule.packable:
+                budget.take(len(payload) // 4, path)  # at most one element in four bytes
                 _check_packed(rule.proto_type, payload, _where(path, name, index))
             elif wire_type != rule.fixed_wire:
                 raise WireError(
