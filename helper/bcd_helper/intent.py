@@ -87,7 +87,8 @@ MAX_UNSIGNED_FIELDS: Final = 65536
 
 # InstanceDesiredState (nodespec.proto): the states in which the guest runs (PAUSED: started paused, its
 # memory and devices taken), and the names a refusal shows.
-RUNS = frozenset({1, 2})
+RUNNING = 1
+RUNS = frozenset({RUNNING, 2})
 DESIRED_NAMES = {0: "UNSPECIFIED", 1: "RUNNING", 2: "PAUSED", 3: "STOPPED", 4: "DELETED"}
 
 
@@ -391,13 +392,16 @@ class IntentVerifier:
         now: dt.datetime | None = None,
         *,
         starts: bool = False,
+        resumes: bool = False,
     ) -> tuple[Any | None, IntentState | None]:
         """The signed spec's InstanceSpec for `instance_id` (None: nothing names roots, nothing is
         checked, DLV-HLP re-validation off) and the state to write. Raises Refused like host.unit (the
         common rules of check_spec), or `not-in-spec` for a spec that does not name the instance (or
         wants it DELETED). `starts` (an op that runs the guest: a start, a restore, a VMM launch and its
         VFIO groups): `instance-stopped` unless the spec wants it RUNNING or PAUSED (round 6b: a node
-        cannot bring back an instance the control plane stopped, after a reboot or a stop)."""
+        cannot bring back an instance the control plane stopped, after a reboot or a stop). `resumes` (a
+        paused guest let run again): `instance-not-running` unless the spec wants it RUNNING (a node
+        cannot run a guest the control plane paused)."""
         checked = self.check_spec(op, intent, now)
         if not checked.roots:
             return None, checked.next_state
@@ -420,6 +424,12 @@ class IntentVerifier:
                 f"{op}: {instance_id}: the signed spec (generation {decoded.generation}) wants it "
                 f"{DESIRED_NAMES.get(desired, str(desired))}: root starts only an instance it wants RUNNING "
                 "or PAUSED",
+            )
+        if resumes and desired != RUNNING:
+            raise Refused(
+                "instance-not-running",
+                f"{op}: {instance_id}: the signed spec (generation {decoded.generation}) wants it "
+                f"{DESIRED_NAMES.get(desired, str(desired))}: root resumes only an instance it wants RUNNING",
             )
         return named[0], checked.next_state
 

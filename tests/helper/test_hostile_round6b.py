@@ -289,6 +289,21 @@ def test_round6b_a_libvirt_instance_the_signed_spec_stops_is_never_started(signe
     )
     answer = as_node(h, {"op": "libvirt.start", "args": {"name": "vm7", "intent": signed(2, 1)}})
     assert answer["ok"] is True, answer
+    # A guest the control plane pauses stays paused: `libvirt.resume` needs a spec that wants it RUNNING
+    # (the spec's own word, never the node's; found after round 6b).
+    assert as_node(h, {"op": "libvirt.suspend", "args": {"name": "vm7"}})["ok"] is True
+    resume = {"op": "libvirt.resume", "args": {"name": "vm7"}}
+    answer = as_node(h, resume)
+    assert answer["ok"] is False and answer["reason"] != "instance-not-running", answer  # no spec: refused
+    for generation, state, name in ((3, 2, "PAUSED"), (4, 3, "STOPPED")):
+        refused_as_node(
+            h,
+            {**resume, "args": {"name": "vm7", "intent": signed(generation, state)}},
+            "instance-not-running",
+            name,
+        )
+    answer = as_node(h, {**resume, "args": {"name": "vm7", "intent": signed(5, 1)}})
+    assert answer["ok"] is True, answer
 
 
 # --- in process --------------------------------------------------------------------------------------
@@ -521,6 +536,42 @@ def test_round6b_signed_instance_starts_only_what_the_spec_runs(tmp_path: Path, 
         assert (check(4) or "").startswith("not-in-spec: ")
         assert "wants it 9: root starts" in (check(9) or "")  # a state this build does not know: its number
         assert check(3, starts=False) is None and check(0, starts=False) is None
+    finally:
+        ctx.audit.close()
+
+
+def test_signed_instance_resumes_only_what_the_spec_wants_running(tmp_path: Path, cp: ControlPlane) -> None:
+    """`IntentVerifier.signed_instance(resumes=True)` (libvirt.resume): RUNNING passes; PAUSED, STOPPED and
+    UNSPECIFIED are `instance-not-running`, naming the state and the generation; DELETED stays
+    `not-in-spec`."""
+    from bcd_helper.ops.base import Refused
+    from bcd_helper.ops.hostunit import SignedIntent
+    from intentkit import instances_body
+    from opskit import context, make_root
+
+    root = make_root(tmp_path)
+    cp.write_record(root, "node-i", cp.bundle(1))
+    ctx = context(root, cp.config_lines())
+    try:
+        verifier = ctx.intent_verifier()
+        worker = cp.command.leaf()
+
+        def check(generation: int, state: int) -> str | None:
+            inst = ch_instance("vm1", desired_state=wire.InstanceDesiredState(state))
+            spec = intent(worker, instances_body("node-i", generation, inst))
+            try:
+                verifier.signed_instance("libvirt.resume", "vm1", SignedIntent(**spec), resumes=True)
+            except Refused as exc:
+                return f"{exc.reason}: {exc.message}"
+            return None
+
+        assert check(5, 1) is None
+        assert check(6, 2) == (
+            "instance-not-running: libvirt.resume: vm1: the signed spec (generation 6) wants it PAUSED: root "
+            "resumes only an instance it wants RUNNING"
+        )
+        assert "wants it STOPPED" in (check(7, 3) or "") and "wants it UNSPECIFIED" in (check(8, 0) or "")
+        assert (check(9, 4) or "").startswith("not-in-spec: ")
     finally:
         ctx.audit.close()
 

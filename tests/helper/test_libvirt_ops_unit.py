@@ -296,7 +296,8 @@ def test_a_name_that_is_no_instance_id_is_refused_before_any_program(ctx: Helper
 @pytest.mark.parametrize("verb", ["shutdown", "destroy", "suspend", "resume"])
 def test_a_simple_verb_runs_virsh_on_bcds_domain(ctx: HelperContext, verb: str) -> None:
     handler = getattr(lv, f"libvirt_{verb}")
-    assert handler(call(ctx), req(lv.LibvirtName, name="vm1")) == {"name": "vm1"}
+    request = lv.LibvirtResume if verb == "resume" else lv.LibvirtName  # resume carries the signed spec
+    assert handler(call(ctx), req(request, name="vm1")) == {"name": "vm1"}
     assert programs(ctx).runs == [virsh("dumpxml", "vm1"), virsh(verb, "vm1")]
     ctx_timeouts = programs(ctx).timeouts
     assert len(ctx_timeouts) == 2
@@ -361,7 +362,7 @@ def test_a_verb_libvirt_fails_is_answered_with_virshs_message(ctx: HelperContext
     host.fail["suspend"] = (1, b"", b"\xffbad\n")
     assert failed(lv.libvirt_suspend, call(ctx), lv.LibvirtName("vm1"))[1] == "virsh suspend vm1: \ufffdbad"
     host.fail["resume"] = (1, b"\xffworse\n", b"")
-    assert failed(lv.libvirt_resume, call(ctx), lv.LibvirtName("vm1"))[1] == "virsh resume vm1: \ufffdworse"
+    assert failed(lv.libvirt_resume, call(ctx), lv.LibvirtResume("vm1"))[1] == "virsh resume vm1: \ufffdworse"
 
 
 def test_no_domain_and_a_domain_not_bcds_are_refused_and_never_changed(
@@ -411,7 +412,7 @@ HANDLERS = [
     ("libvirt.shutdown", lv.libvirt_shutdown, lv.LibvirtName),
     ("libvirt.destroy", lv.libvirt_destroy, lv.LibvirtName),
     ("libvirt.suspend", lv.libvirt_suspend, lv.LibvirtName),
-    ("libvirt.resume", lv.libvirt_resume, lv.LibvirtName),
+    ("libvirt.resume", lv.libvirt_resume, lv.LibvirtResume),
     ("libvirt.undefine", lv.libvirt_undefine, lv.LibvirtName),
     ("libvirt.blockresize", lv.libvirt_blockresize, lambda n: lv.LibvirtBlockresize(n, "vda", 1)),
     ("libvirt.setmem", lv.libvirt_setmem, lambda n: lv.LibvirtSetmem(n, 1)),

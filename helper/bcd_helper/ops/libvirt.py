@@ -84,6 +84,12 @@ class LibvirtName:
 
 
 @frozen
+class LibvirtResume:
+    name: str
+    intent: SignedIntent | None = None
+
+
+@frozen
 class LibvirtBlockresize:
     name: str
     target: str
@@ -561,7 +567,21 @@ def _simple(verb: str) -> Any:
 libvirt_shutdown = _simple("shutdown")
 libvirt_destroy = _simple("destroy")
 libvirt_suspend = _simple("suspend")
-libvirt_resume = _simple("resume")
+
+
+def libvirt_resume(call: Call, req: LibvirtResume) -> dict[str, Any]:
+    """Resume bcd's paused domain; with roots only while the signed spec wants it RUNNING (a guest the
+    control plane paused stays paused: `instance-not-running`)."""
+    op = "libvirt.resume"
+    name = _name(op, req.name)
+    _managed(call, op, name)
+    call.ctx.intent_verifier().signed_instance(op, name, req.intent, resumes=True)
+    result = _virsh(call, "resume", name)
+    if not result.ok:
+        raise Failed("virsh", f"virsh resume {name}: {_err(result)}")
+    return {"name": name}
+
+
 _undefine = _simple("undefine")
 
 

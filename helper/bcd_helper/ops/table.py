@@ -234,12 +234,12 @@ OPS: dict[str, OpSpec] = {
     ),
     "libvirt.resume": _op(
         "libvirt",
-        "LibvirtName",
+        "LibvirtResume",
         "libvirt_resume",
         2 * MINUTE,
         locks=("libvirt",),
         shown=("name",),
-        summary="resume bcd's paused domain",
+        summary="resume bcd's paused domain (with roots: the signed spec wants it RUNNING)",
     ),
     "libvirt.undefine": _op(
         "libvirt",

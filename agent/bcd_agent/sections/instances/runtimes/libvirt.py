@@ -173,7 +173,8 @@ class HelperVirsh:
         self.client.call("libvirt.define", {**self._args(name), "xml": xml.decode()})
 
     def act(self, verb: str, name: str, *args: str) -> CommandResult:
-        req: dict[str, Any] = self._args(name) if verb in ("start", "attach-disk") else {"name": name}
+        signed = verb in ("start", "attach-disk", "resume")  # root re-validates these against the spec
+        req: dict[str, Any] = self._args(name) if signed else {"name": name}
         if verb == "start":
             req["paused"] = "--paused" in args
         if verb == "blockresize":
