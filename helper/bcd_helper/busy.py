@@ -68,16 +68,9 @@ def env_gpus(system: System) -> list[tuple[str, str]]:
     cannot place (`all`, an index, an unknown MIG UUID), makes every GPU busy (fail closed)."""
     from bcd_shared import cdi
 
-    from bcd_helper.ops.files import _env_atoms, mig_names
+    from bcd_helper.ops.files import _env_atoms, mig_uuid_atoms
 
-    migs: dict[str, str] | None = None
-
-    def mig_atoms() -> dict[str, str]:
-        nonlocal migs
-        if migs is None:
-            migs = {m.uuid: atom for atom, m in mig_names(system).items() if m.uuid}
-        return migs
-
+    mig_atoms = mig_uuid_atoms(system)
     out: list[tuple[str, str]] = []
     for alloc, path, data in cdi.env_files(system):
         named = _env_atoms(data, alloc, (), mig_atoms)

@@ -152,15 +152,21 @@ def parse_message(text: str) -> XidEvent | GpuAt | None:
     return None
 
 
-def parse_entry(line: bytes, boot_id: str) -> KernelEntry | None:
-    """One `journalctl -o json` line; None unless the kernel itself logged it during boot `boot_id`."""
+def _document(line: bytes) -> dict[str, Any] | None:
+    """A `journalctl -o json` line within MAX_LINE_BYTES as its JSON object; None otherwise."""
     if len(line) > MAX_LINE_BYTES:
         return None
     try:
         doc = json.loads(line)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(doc, dict):
+    return doc if isinstance(doc, dict) else None
+
+
+def parse_entry(line: bytes, boot_id: str) -> KernelEntry | None:
+    """One `journalctl -o json` line; None unless the kernel itself logged it during boot `boot_id`."""
+    doc = _document(line)
+    if doc is None:
         return None
     cursor, message = doc.get("__CURSOR"), doc.get("MESSAGE")
     if not isinstance(cursor, str) or not cursor or not isinstance(message, str):
@@ -174,13 +180,8 @@ def parse_entry(line: bytes, boot_id: str) -> KernelEntry | None:
 
 def cursor_of(line: bytes) -> str | None:
     """The cursor of any well-formed entry (the reader moves past entries it refuses, too)."""
-    if len(line) > MAX_LINE_BYTES:
-        return None
-    try:
-        doc = json.loads(line)
-    except (ValueError, UnicodeDecodeError):
-        return None
-    cursor = doc.get("__CURSOR") if isinstance(doc, dict) else None
+    doc = _document(line)
+    cursor = doc.get("__CURSOR") if doc is not None else None
     return cursor if isinstance(cursor, str) and cursor else None
 
 

@@ -419,6 +419,19 @@ def _mig_names(call: Call) -> dict[str, MigName]:
     return mig_names(call.system)
 
 
+def mig_uuid_atoms(system: System) -> Callable[[], dict[str, str]]:
+    """MIG UUID -> its atom by root's nvidia-smi (`mig_names`), asked on the first call only: an env file
+    naming no MIG UUID runs no nvidia-smi."""
+    memo: list[dict[str, str]] = []
+
+    def get() -> dict[str, str]:
+        if not memo:
+            memo.append({m.uuid: atom for atom, m in mig_names(system).items() if m.uuid})
+        return memo[0]
+
+    return get
+
+
 def mig_names(system: System) -> dict[str, MigName]:
     """MIG atom (`<gpu uuid>/gi<G>/ci<C>`) -> its MIG device as root's nvidia-smi lists it (`-L` and
     `-q -x`, joined as the node's inventory joins them). Empty when either does not answer or parse: no
@@ -619,14 +632,7 @@ def _check_not_held(call: Call, ident: str, assignment: Any) -> None:
                 f"cdi: {', '.join(both)[:300]} of allocation {ident} is still held by {alloc} ({path}): "
                 "its hold goes first",
             )
-    migs: dict[str, str] | None = None
-
-    def mig_atoms() -> dict[str, str]:
-        nonlocal migs
-        if migs is None:
-            migs = {m.uuid: atom for atom, m in _mig_names(call).items() if m.uuid}
-        return migs
-
+    mig_atoms = mig_uuid_atoms(call.system)
     for alloc, path, data in cdi.env_files(call.system):
         if alloc == ident:
             continue
