@@ -105,6 +105,7 @@ def ledger(
 
 
 def bound(alloc: str, gen: int, *atoms: str, parent: str = "", kube: bool = False, rsv: str = "") -> Emit:
+    """An AllocationBound, keyed (exactly once per allocation and generation: Q-DEV-EVT-02)."""
     return Emit(
         BoundEvent(
             alloc,
@@ -116,7 +117,8 @@ def bound(alloc: str, gen: int, *atoms: str, parent: str = "", kube: bool = Fals
             f"/run/bcd/allocations/{alloc}.env",
             parent,
             kube,
-        )
+        ),
+        bkey(alloc, gen),
     )
 
 
@@ -127,6 +129,11 @@ def released(alloc: str, gen: int, *atoms: str, kube: bool = False) -> Emit:
 def key(alloc: str, gen: int) -> str:
     """An AllocationReleased's journal key (once per allocation and generation)."""
     return f"devices:released:{alloc}:{gen}"
+
+
+def bkey(alloc: str, gen: int) -> str:
+    """An AllocationBound's journal key (once per allocation and generation)."""
+    return f"devices:bound:{alloc}:{gen}"
 
 
 def intent(*emits: Emit, bound: dict[str, int] | None = None) -> Action:
@@ -161,7 +168,7 @@ def test_DEV_SLICE_02_DEV_EVT_06_a_sliced_hold_is_bound_slice_spec_env_then_even
         "TEAM=x",
     )
     (bind, led) = actions
-    assert led == ledger({"a": 3})
+    assert led == ledger({"a": 3}, forget=(bkey("a", 3),))
     assert (bind.key, bind.kind, bind.after) == ("bind:a", "bind", frozenset())
     apply_slice, write_spec, write_env, emit = bind.steps
     assert apply_slice == ApplySlice(slice_spec("a", LIMITS))
@@ -199,7 +206,7 @@ def test_DEV_SLICE_04_a_kubernetes_hold_has_no_slice_no_parent_and_bare_devices(
     host = PlanHost(inventory(), facts={"vendor": vendor})
     k = asg("k", f"{A}/gi1/ci0", binding=KUBE, limits=Limits(cpus="0-1"))
     (bind, led) = settled(host, spec(2, k))
-    assert led == ledger({"k": 2})
+    assert led == ledger({"k": 2}, forget=(bkey("k", 2),))
     assert bind.steps[0] == WriteSpec("k", host.specs["k"]) and bind.steps[1:] == (
         WriteEnv("k", ("BCD_ALLOCATION_ID=k", "BCD_RESERVATION_ID=rsv_k", f"NVIDIA_VISIBLE_DEVICES={MIG_A}")),
         bound("k", 2, f"{A}/gi1/ci0", kube=True),
@@ -379,7 +386,7 @@ def test_DEV_K8S_12_taken_back_release_dropped_unreported_and_bound_again() -> N
     actions = settled(host, spec(2, asg("k", A, binding=KUBE)))
     assert actions[0] == Action("kube-reported", "releases", (WriteReleases((other,)),))
     assert actions[1].key == "bind:k" and actions[1].steps[-1] == bound("k", 2, A, kube=True)
-    assert actions[2:] == (ledger({"k": 2, "o": 1}),)
+    assert actions[2:] == (ledger({"k": 2, "o": 1}, forget=(bkey("k", 2),)),)
     assert host.kinds() == ["BoundEvent"]
 
 
@@ -569,7 +576,7 @@ def test_DEV_PASS_12_13_a_kept_hold_gets_its_slice_env_and_bound_event_back() ->
     host.ledger = Ledger()
     assert settled(host, spec(5, want)) == (
         Action("keep:a", "keep", (bound("a", 1, A, parent=SLICE),)),
-        ledger({"a": 1}),
+        ledger({"a": 1}, forget=(bkey("a", 1),)),
     )
 
 
@@ -626,7 +633,7 @@ def test_DEV_EVT_10_DEV_FAIL_13_failed_once_per_generation_and_again_at_the_next
     actions = settled(host, s2)
     assert [a.key for a in actions] == ["bind:a", "failures", "ledger"]
     assert actions[1] == Action("failures", "report", (failed,))
-    assert actions[2] == ledger({"a": 2}, {"x": 2})
+    assert actions[2] == ledger({"a": 2}, {"x": 2}, (bkey("a", 2),))
     p3 = host.step(spec(3, asg("a", A), asg("x", "GPU-0000", f"{B}/s0")))
     assert [a.key for a in p3.actions] == ["failures", "ledger"]
     assert host.ledger == Ledger({"a": 2}, {"x": 3})
@@ -1411,7 +1418,7 @@ def test_Q_DEV_PASS_01_a_sliced_hold_whose_atoms_and_limits_change_gets_its_slic
 def test_Q_DEV_PASS_04_a_crash_after_a_rebinds_files_sends_its_bound_event_again() -> None:
     """Covers Q-DEV-PASS-04 for a rebind: the files written over and the crash before the event and the
     ledger: the next pass sees the hold kept at the new generation while the ledger has the old one,
-    and sends AllocationBound again (at least once)."""
+    and owes AllocationBound (under the rebind's key)."""
     host = PlanHost(inventory())
     settled(host, spec(1, asg("a", A)))
     s2 = spec(2, asg("a", A, B))
@@ -1576,8 +1583,9 @@ def test_a_release_finished_before_a_new_bind_of_the_allocation_is_not_sent_agai
     """a's release at 2 (GPU A) finished by the pass at 3 that binds a on GPU B, which stops after
     the bind (the ledger not yet written): the hold on disk is not the one released, so the record
     is finished again, but its key makes the event a no-op; the AllocationReleased stays single and
-    before the bind's AllocationBound. The AllocationBound is at least once (docs/devices.md): the
-    ledger never recorded it, so the kept hold sends it again."""
+    before the bind's AllocationBound. The ledger never recorded the AllocationBound, so the kept hold
+    owes it, after the release (`after`); its key, remembered since the crash, makes it a no-op too
+    (Q-DEV-EVT-02), and the ledger's write forgets both keys."""
     host = PlanHost(inventory())
     settled(host, spec(1, asg("a", A)))
     crash_after(host, host.plan(spec(2)), 2)  # intent, spec removed
@@ -1590,13 +1598,19 @@ def test_a_release_finished_before_a_new_bind_of_the_allocation_is_not_sent_agai
     crash_after(host, p3, 4)  # the event, the bind's spec, env, event; not the ledger
     assert host.specs["a"] and host.ledger.releasing
     again = settled(host, spec(3, asg("a", B)))
-    assert [a.key for a in again] == ["release-done:a", "keep:a", "ledger"]
+    assert [(a.key, sorted(a.after)) for a in again] == [
+        ("release-done:a", []),
+        ("keep:a", ["release-done:a"]),
+        ("ledger", []),
+    ]
+    assert again[1].steps == (bound("a", 3, B),)
+    assert again[2] == ledger({"a": 3}, forget=(bkey("a", 3), key("a", 2)))
     assert [(type(e).__name__, e.generation) for e in host.events] == [
         ("BoundEvent", 1),
         ("ReleasedEvent", 2),
         ("BoundEvent", 3),
-        ("BoundEvent", 3),
     ]
+    assert host.keys == set()
 
 
 def test_a_kubernetes_release_reported_then_stopped_before_its_record_goes_is_not_reported_twice() -> None:
@@ -1679,3 +1693,102 @@ def test_a_hold_bound_again_after_an_unfinished_release_is_released_after_it() -
         ("BoundEvent", 4),
     ]
     assert host.ledger.releasing == {} and host.keys == set()
+
+
+# --- AllocationBound across a crash (Q-DEV-EVT-02) -----------------------------------------------------
+
+
+def two_gpus(alloc: str) -> DeviceAssignment:
+    return asg(alloc, A, B)
+
+
+BIND_CRASHES: dict[str, tuple[tuple[DeviceAssignment, ...], DevicesSpec, list[tuple[str, str, int]]]] = {
+    # name: (what generation 1 holds, generation 2, every report after it, in order)
+    "a bind": ((), spec(2, asg("b", B)), [("BoundEvent", "b", 2)]),
+    "a bind on a released GPU": (
+        (asg("a", A),),
+        spec(2, asg("b", A)),
+        [("BoundEvent", "a", 1), ("ReleasedEvent", "a", 2), ("BoundEvent", "b", 2)],
+    ),
+    "the same allocation moved": (
+        (asg("a", A),),
+        spec(2, asg("a", B)),
+        [("BoundEvent", "a", 1), ("ReleasedEvent", "a", 2), ("BoundEvent", "a", 2)],
+    ),
+    "a rebind": ((asg("a", A),), spec(2, two_gpus("a")), [("BoundEvent", "a", 1), ("BoundEvent", "a", 2)]),
+}
+
+
+@pytest.mark.parametrize("case", list(BIND_CRASHES))
+def test_Q_DEV_EVT_02_an_allocation_bound_is_reported_once_whatever_step_a_crash_stops_it_at(
+    case: str,
+) -> None:
+    """Q-DEV-EVT-02 / Q-DEV-PASS-04 for AllocationBound: every AllocationBound is keyed by allocation and
+    generation. Stopped after any number of the pass's steps (the event journaled, the ledger not
+    yet written included), the next pass (settled) leaves each report exactly once, each release
+    before the next bind of its allocation, and no key remembered. A rebind's key (the new
+    generation) is not its first bind's."""
+    held, s2, reports = BIND_CRASHES[case]
+    first = PlanHost(inventory())
+    settled(first, spec(1, *held))
+    total = len([s for a in first.plan(s2).actions for s in a.steps])
+    for n in range(total + 1):
+        host = PlanHost(inventory())
+        settled(host, spec(1, *held))
+        crash_after(host, host.plan(s2), n)
+        settled(host, s2)
+        assert [(type(e).__name__, e.allocation_id, e.generation) for e in host.events] == reports, n
+        assert host.keys == set() and host.ledger.releasing == {}, n
+
+
+def test_Q_DEV_EVT_02_a_bound_key_is_kept_while_its_hold_stands_unrecorded_and_dropped_with_it() -> None:
+    """a's AllocationBound at 1 is journaled and the ledger never records it. While a's hold at 1 stands
+    unrecorded its key is kept (a pass that neither keeps it nor removes it, here one that refuses its
+    new atoms, forgets nothing); a pass that removes the hold forgets the key in the release itself
+    (after the removals); a rebind forgets it once the new hold is written, before its own event."""
+    for how in ("release", "rebind"):
+        host = PlanHost(inventory())
+        settled(host, spec(1, asg("o", B)))
+        crash_after(host, host.plan(spec(1, asg("o", B), asg("a", A))), 3)  # spec, env, event
+        assert host.keys == {bkey("a", 1)} and host.ledger.bound == {"o": 1}
+        refused = settled(host, spec(2, asg("a", A, B), asg("o", B)))  # grown into o's GPU: refused
+        assert [a.key for a in refused] == ["failures", "ledger"] and host.keys == {bkey("a", 1)}
+        if how == "release":
+            actions = settled(host, spec(3, asg("o", B)))
+            assert only_step(actions, "release:a").steps == (
+                RemoveSpec("a"),
+                RemoveEnv("a"),
+                released("a", 3, A),
+                ForgetEventKeys((bkey("a", 1),)),
+            )
+        else:
+            actions = settled(host, spec(3, asg("a", A, C), asg("o", B)))
+            steps = only_step(actions, "rebind:a").steps
+            assert steps[-2:] == (ForgetEventKeys((bkey("a", 1),)), bound("a", 3, A, C))
+        assert host.keys == set()
+        assert [
+            (type(e).__name__, e.allocation_id, e.generation) for e in host.events if e.allocation_id == "a"
+        ] == [
+            ("BoundEvent", "a", 1),
+            ("FailedEvent", "a", 2),
+            ("ReleasedEvent" if how == "release" else "BoundEvent", "a", 3),
+        ]
+
+
+def test_Q_DEV_EVT_02_a_bound_key_whose_hold_is_gone_does_not_hold_back_a_new_bind() -> None:
+    """A key remembered for a hold no longer on disk (its files lost after the crash that left the key)
+    is stale: forgotten first thing, and the bind under the same key waits for that, so the new bind's
+    AllocationBound is journaled, not taken for a re-send."""
+    host = PlanHost(inventory())
+    crash_after(host, host.plan(spec(1, asg("a", A))), 3)  # spec, env, event; not the ledger
+    assert host.keys == {bkey("a", 1)}
+    host.specs.clear()
+    host.envs.clear()
+    actions = settled(host, spec(1, asg("a", A)))
+    assert [(a.key, sorted(a.after)) for a in actions] == [
+        ("forget-keys", []),
+        ("bind:a", ["forget-keys"]),
+        ("ledger", []),
+    ]
+    assert actions[0].steps == (ForgetEventKeys((bkey("a", 1),)),)
+    assert host.kinds() == ["BoundEvent", "BoundEvent"] and host.keys == set()

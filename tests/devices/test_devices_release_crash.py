@@ -3,9 +3,10 @@
 The node "crashes" at a chosen point of a pass: the step there raises `Crash` (a BaseException, so no
 handler of the applier sees it and nothing after it runs, as when the process dies). A new section,
 executor and journal sink are then built over the same host files and the same journal (reopened), and
-the section converges. The journal must then hold exactly one AllocationReleased per release (and at
-least one AllocationBound per bind, Q-DEV-PASS-04), whatever the point: docs/devices.md, "Releases
-across a crash". The planner and applier are the real ones; only the host's I/O is interrupted.
+the section converges. The journal must then hold exactly one AllocationReleased per release and
+exactly one AllocationBound per bind (Q-DEV-PASS-04, Q-DEV-EVT-02), whatever the point, each release
+before the next bind of its allocation: docs/devices.md, "Releases across a crash" and "Binds across a
+crash". The planner and applier are the real ones; only the host's I/O is interrupted.
 """
 
 from __future__ import annotations
@@ -199,8 +200,7 @@ def test_Q_DEV_PASS_04_a_release_a_crash_interrupts_is_reported_exactly_once(
     assert Counter(reports)[("AllocationReleased", "a", 2)] == 1, reports
     assert [r for r in reports if r[0] == "AllocationReleased"] == [("AllocationReleased", "a", 2)]
     assert reports.index(("AllocationReleased", "a", 2)) < reports.index(("AllocationBound", "b", 2))
-    # AllocationBound is at least once (Q-DEV-PASS-04): journaled again after a crash before the ledger.
-    assert ("AllocationBound", "b", 2) in reports
+    assert Counter(reports)[("AllocationBound", "b", 2)] == 1, reports
 
 
 def test_a_release_interrupted_then_the_allocation_wanted_again_reports_release_then_bind(
@@ -235,22 +235,30 @@ def test_a_release_interrupted_before_its_removals_is_dropped_when_wanted_again(
     assert node.reports() == [("AllocationBound", "a", 1)]
 
 
-BIND_POINTS: dict[str, str] = {
-    "before the CDI spec": "write_cdi:b",
-    "between the CDI spec and the env file": "write_env:b",
-    "before the event is journaled": "emit-before:AllocationBound",
+# (executor/sink crash point, ledger write that dies): every point of a bind, in its order. A bind
+# alone writes the ledger once, after its event.
+BIND_POINTS: dict[str, tuple[str, int]] = {
+    "before the CDI spec": ("write_cdi:b", 0),
+    "between the CDI spec and the env file": ("write_env:b", 0),
+    "after the files, before the event is journaled": ("emit-before:AllocationBound", 0),
+    "after the event is journaled, before the ledger": ("emit-after:AllocationBound", 0),
+    "after the event, at the ledger write": ("", 1),
+    "after the ledger, before the keys are forgotten": ("forget", 0),
 }
 
 
 @pytest.mark.parametrize("point", list(BIND_POINTS))
-def test_Q_DEV_PASS_04_a_bind_a_crash_interrupts_is_reported_after_restart(
+def test_Q_DEV_PASS_04_Q_DEV_EVT_02_a_bind_a_crash_interrupts_is_reported_exactly_once(
     sim_root: Path, point: str
 ) -> None:
-    """Covers Q-DEV-PASS-04 for a bind: a crash at any point before its AllocationBound is journaled
-    leaves the event owed; after the restart it goes out once the spec and env file are in place."""
+    """Q-DEV-PASS-04 / Q-DEV-EVT-02 for a bind: a crash at any point of it (before the files are in
+    place: the event is owed; after the event is journaled: its key makes the next pass's owed event
+    a no-op) leaves, after the restart, the hold's files in place, exactly one AllocationBound and no
+    key remembered."""
     node = Node(sim_root)
     spec = DevicesSpec(1, (hold("b", G1),))
-    with node.life(BIND_POINTS[point]) as host:
+    at, nth = BIND_POINTS[point]
+    with node.life(at, nth) as host:
         crash(host, spec)
     with node.life() as host:
         converged(host, spec)
@@ -258,16 +266,117 @@ def test_Q_DEV_PASS_04_a_bind_a_crash_interrupts_is_reported_after_restart(
     assert node.reports() == [("AllocationBound", "b", 1)]
 
 
-def test_Q_DEV_PASS_04_a_bound_event_journaled_before_the_ledger_is_sent_again(sim_root: Path) -> None:
-    """Q-DEV-PASS-04: AllocationBound is at least once: journaled, then a crash before the ledger
-    records it, the restart sends it again (never lost; the control plane's handler is idempotent)."""
+# The bind of b on a's GPU in the pass that releases a: its ledger writes are the intent's (1) and
+# the pass's last (2).
+MOVED_BIND_POINTS: dict[str, tuple[str, int]] = {
+    **BIND_POINTS,
+    "after the event, at the ledger write": ("", 2),
+}
+
+
+@pytest.mark.parametrize("point", list(MOVED_BIND_POINTS))
+def test_Q_DEV_EVT_02_a_bind_after_a_release_a_crash_interrupts_is_reported_once_after_the_release(
+    sim_root: Path, point: str
+) -> None:
+    """a on GPU 0 is dropped at generation 2 and b bound on GPU 0 in the same pass; the pass dies at
+    each point of b's bind. After the restart: one AllocationReleased of a, then one AllocationBound
+    of b, both at 2."""
     node = Node(sim_root)
-    spec = DevicesSpec(1, (hold("b", G1),))
-    with node.life("emit-after:AllocationBound") as host:
-        crash(host, spec)
     with node.life() as host:
-        converged(host, spec)
-    assert node.reports() == [("AllocationBound", "b", 1)] * 2
+        converged(host, DevicesSpec(1, (hold("a", G0),)))
+    at, nth = MOVED_BIND_POINTS[point]
+    moved = DevicesSpec(2, (hold("b", G0),))
+    with node.life(at, nth) as host:
+        crash(host, moved)
+    with node.life() as host:
+        converged(host, moved)
+    assert node.reports() == [
+        ("AllocationBound", "a", 1),
+        ("AllocationReleased", "a", 2),
+        ("AllocationBound", "b", 2),
+    ]
+
+
+# The same allocation moved to another GPU (no atom shared): released and bound again in one pass.
+SAME_ALLOCATION_POINTS: dict[str, tuple[str, int]] = {
+    **{name: (at.replace(":b", ":a"), nth) for name, (at, nth) in MOVED_BIND_POINTS.items()},
+    **{f"release: {name}": point for name, point in RELEASE_POINTS.items()},
+}
+
+
+@pytest.mark.parametrize("point", list(SAME_ALLOCATION_POINTS))
+def test_Q_DEV_EVT_02_an_allocation_released_and_bound_again_in_one_pass_reports_each_once_in_order(
+    sim_root: Path, point: str
+) -> None:
+    """a moves from GPU 0 to GPU 1 at generation 2 (no atom shared: released, then bound again as new,
+    Q-DEV-PASS-01) and the pass dies at each point of the release or the bind. After the restart the
+    journal holds a's AllocationReleased at 2 once, then its AllocationBound at 2 once: the bound key
+    (allocation and generation) neither suppresses the new bind nor lets it out twice."""
+    node = Node(sim_root)
+    with node.life() as host:
+        converged(host, DevicesSpec(1, (hold("a", G0),)))
+    at, nth = SAME_ALLOCATION_POINTS[point]
+    moved = DevicesSpec(2, (hold("a", G1),))
+    with node.life(at, nth) as host:
+        crash(host, moved)
+    with node.life() as host:
+        converged(host, moved)
+    assert node.reports() == [
+        ("AllocationBound", "a", 1),
+        ("AllocationReleased", "a", 2),
+        ("AllocationBound", "a", 2),
+    ]
+
+
+# A kept hold that grows (GPU 0 -> GPU 0 and 1) is written over in place: the CDI spec, the env file,
+# then AllocationBound at the new generation; no AllocationReleased (Q-DEV-PASS-01).
+REBIND_POINTS: dict[str, tuple[str, int]] = {
+    "before the CDI spec": ("write_cdi:a", 0),
+    "between the CDI spec and the env file": ("write_env:a", 0),
+    "after the files, before the event is journaled": ("emit-before:AllocationBound", 0),
+    "after the event is journaled, before the ledger": ("emit-after:AllocationBound", 0),
+    "after the event, at the ledger write": ("", 1),
+    "after the ledger, before the keys are forgotten": ("forget", 0),
+}
+
+
+@pytest.mark.parametrize("point", list(REBIND_POINTS))
+def test_Q_DEV_PASS_01_Q_DEV_EVT_02_a_rebind_a_crash_interrupts_is_reported_exactly_once(
+    sim_root: Path, point: str
+) -> None:
+    """The in-place rewrite's AllocationBound carries the new atoms at the new generation, under its own
+    key (not the first bind's): after a crash at any point of it, exactly one AllocationBound per
+    generation and no AllocationReleased."""
+    node = Node(sim_root)
+    with node.life() as host:
+        converged(host, DevicesSpec(1, (hold("a", G0),)))
+    grown = DevicesSpec(
+        2, (DeviceAssignment("a", "rsv_a", BINDING_HOLD, (DeviceRef(G0, "gpu"), DeviceRef(G1, "gpu"))),)
+    )
+    at, nth = REBIND_POINTS[point]
+    with node.life(at, nth) as host:
+        crash(host, grown)
+    with node.life() as host:
+        converged(host, grown)
+    assert node.reports() == [("AllocationBound", "a", 1), ("AllocationBound", "a", 2)]
+
+
+def test_Q_DEV_EVT_02_a_bound_event_owed_across_two_crashes_and_a_spec_that_comes_back_is_sent_once(
+    sim_root: Path,
+) -> None:
+    """a's AllocationBound at 1 is journaled and the node dies before the ledger records it; the next
+    life (generation 2 drops a) dies after recording the release, before its first removal; generation
+    3 wants a again as it was. a's hold at 1 never left the disk, so the bind's key is still
+    remembered and the owed AllocationBound at 1 is not journaled again; no AllocationReleased (nothing
+    was removed)."""
+    node = Node(sim_root)
+    with node.life("emit-after:AllocationBound") as host:
+        crash(host, DevicesSpec(1, (hold("a", G0),)))
+    with node.life("remove_cdi:a") as host:
+        crash(host, DevicesSpec(2, ()))
+    with node.life() as host:
+        converged(host, DevicesSpec(3, (hold("a", G0),)))
+    assert node.reports() == [("AllocationBound", "a", 1)]
 
 
 def test_a_release_whose_removal_fails_stays_recorded_and_is_reported_once_later(sim_root: Path) -> None:

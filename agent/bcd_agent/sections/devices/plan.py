@@ -147,7 +147,9 @@ class Ledger:
     releasing: Mapping[str, ReleasedEvent] = field(factory=dict)
 
 
+EVENT_KEY_PREFIX = "devices:"
 RELEASE_KEY_PREFIX = "devices:released:"
+BOUND_KEY_PREFIX = "devices:bound:"
 
 
 def release_key(event: ReleasedEvent) -> str:
@@ -155,6 +157,14 @@ def release_key(event: ReleasedEvent) -> str:
     generation releases an allocation at most once: kept holds are not released, and a hold bound
     again in the pass is kept at that generation)."""
     return f"{RELEASE_KEY_PREFIX}{event.allocation_id}:{event.generation}"
+
+
+def bound_key(allocation_id: str, generation: int) -> str:
+    """The journal key of an AllocationBound: one per allocation and generation, the generation the
+    hold's files carry (`bcd.dev/generation`: the bind's, or an in-place rewrite's, which is always a
+    later spec's, so a rebind's key is never its first bind's). A spec at one generation names one
+    assignment per allocation, so the key names one report."""
+    return f"{BOUND_KEY_PREFIX}{allocation_id}:{generation}"
 
 
 class NotRead:
@@ -187,7 +197,8 @@ class Observed:
     # Env files (/run/bcd/allocations/<id>.env) whose allocation has no CDI spec file at all (neither
     # a hold nor an unparseable one), by allocation id: their lines, None when unreadable.
     orphan_envs: Mapping[str, tuple[str, ...] | None] = field(factory=dict)
-    # The journal's remembered AllocationReleased keys (EventSink.event_keys(RELEASE_KEY_PREFIX)).
+    # The journal's remembered event keys, AllocationReleased's and AllocationBound's
+    # (EventSink.event_keys(EVENT_KEY_PREFIX)).
     event_keys: frozenset[str] = frozenset()
 
 
@@ -250,12 +261,13 @@ class RemoveMarker:
 @frozen
 class Emit:
     event: BoundEvent | ReleasedEvent | FailedEvent
-    key: str | None = None  # journaled at most once per key (EventSink.emit); AllocationReleased's
+    key: str | None = None  # journaled at most once per key (EventSink.emit); allocation reports'
 
 
 @frozen
 class ForgetEventKeys:
-    """Forget the journal keys of releases whose ledger entry is gone (after the ledger is written)."""
+    """Forget journal keys: those of the pass's reports once the ledger that records them is written;
+    a bound key whose hold the pass removed or wrote over; keys a crash left that nothing needs."""
 
     keys: tuple[str, ...]
 
@@ -825,6 +837,17 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         finishing.setdefault(intent.allocation_id, []).append((key, intent))
         forget.append(key)
     finish_at = len(actions)  # the intent and the finishing actions go here, once binds are known (5)
+    # The AllocationBound keys the journal remembers for a hold on disk whose event the ledger has not
+    # recorded (a crash between the event and the ledger's write): kept while that hold stands, so its
+    # owed event journals nothing; forgotten by the action that removes or writes over the hold, or
+    # with the ledger that records it. Any other bound key is stale: forgotten first thing (forget-keys)
+    # and every bind or rebind under that key waits for it, so a new bind is never taken for a re-send.
+    unrecorded: dict[str, str] = {}
+    for alloc, hold in obs.holds.items():
+        hold_key = bound_key(alloc, hold.record.generation)
+        if obs.ledger.bound.get(alloc) != hold.record.generation and hold_key in obs.event_keys:
+            unrecorded[alloc] = hold_key
+    stale = {k for k in obs.event_keys if k.startswith(BOUND_KEY_PREFIX)} - set(unrecorded.values())
     new_intents: dict[str, ReleasedEvent] = {}
     released_slices: set[str] = set()
     released_atoms: dict[str, tuple[Atom, ...]] = {}
@@ -862,6 +885,8 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
             new_intents[key] = event
             forget.append(key)
             bound.pop(alloc, None)
+        if alloc in unrecorded:
+            steps.append(ForgetEventKeys((unrecorded[alloc],)))  # its hold is gone: never owed again
         if rec.cgroup_parent:
             released_slices.add(rec.cgroup_parent)
             st = obs.slices.get(rec.cgroup_parent)
@@ -937,13 +962,18 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
                 steps.append(WriteEnv(alloc, lines))
         elif hold.env_lines is None:
             warnings.append(f"{alloc}: its devices are not in the inventory; env file not rewritten")
+        after = frozenset[str]()
         if bound.get(alloc) != rec.generation:
-            # Owed: never sent, or a crash after a rebind's files and before the ledger (the hold's
-            # generation is the rebind's).
-            steps.append(Emit(bound_event(want, atoms, rec.generation)))
+            # Owed: never sent, or a crash after the bind's (or a rebind's) files and before the ledger;
+            # keyed, so an event the crash left journaled is not journaled again. After the
+            # allocation's interrupted release, if any (its AllocationReleased goes first).
+            key = bound_key(alloc, rec.generation)
+            steps.append(Emit(bound_event(want, atoms, rec.generation), key))
+            forget.append(key)
             bound[alloc] = rec.generation
+            after = frozenset({f"release-done:{alloc}"}) if alloc in finishing else frozenset()
         if steps:
-            actions.append(Action(f"keep:{alloc}", "keep", tuple(steps)))
+            actions.append(Action(f"keep:{alloc}", "keep", tuple(steps), after))
     for r in releases:
         pending_devices.add(r.allocation_id, tuple(atom_from_id(i) for i in r.device_ids))
     for alloc, hold in changed.items():
@@ -975,10 +1005,17 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
                 takers.append(taker(a, None))
             gpus = {x.gpu for x in checked}
             after = _waits(alloc, gpus, released_atoms, rebinds, obs, finishing)
+            key = bound_key(alloc, spec.generation)
+            if key in stale:
+                after |= {"forget-keys"}
+            forget.append(key)
             rebinds[alloc] = frozenset(i.split("/")[0] for i in hold.record.device_ids)
-            actions.append(
-                Action(f"rebind:{alloc}", "rebind", _rebind_steps(a, checked, hold, spec, obs), after)
-            )
+            steps = list(_rebind_steps(a, checked, hold, spec, obs))
+            if alloc in unrecorded:
+                # The old hold's key, once the hold on disk is the new one (before the new event, whose
+                # key it is at the same generation).
+                steps.insert(-1, ForgetEventKeys((unrecorded[alloc],)))
+            actions.append(Action(f"rebind:{alloc}", "rebind", tuple(steps), after))
             bound[alloc] = spec.generation
             failed.pop(alloc, None)
         if len(left) == len(todo):
@@ -1015,10 +1052,18 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         if a.sliced:
             assert a.limits is not None
             steps.append(ApplySlice(slice_spec(alloc, a.limits)))
-        steps += [WriteSpec(alloc, doc), WriteEnv(alloc, lines), Emit(bound_event(a, atoms, spec.generation))]
+        key = bound_key(alloc, spec.generation)
+        steps += [
+            WriteSpec(alloc, doc),
+            WriteEnv(alloc, lines),
+            Emit(bound_event(a, atoms, spec.generation), key),
+        ]
+        forget.append(key)
         bound[alloc] = spec.generation
         failed.pop(alloc, None)
         after = _waits(alloc, {x.gpu for x in atoms}, released_atoms, rebinds, obs, finishing)
+        if key in stale:
+            after |= {"forget-keys"}
         actions.append(Action(f"bind:{alloc}", "bind", tuple(steps), after))
 
     # 2 (continued). Orphan env files: removed before any bind, unless bound in this pass.
@@ -1080,15 +1125,18 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
     failed = {k: v for k, v in failed.items() if k in wanted and (k not in holders or k in refused)}
     bound = {k: v for k, v in bound.items() if k in holders or any(r.allocation_id == k for r in releases)}
     # A key the journal remembers for no release under way (a crash after the ledger dropped the
-    # release, before its key was forgotten): forgotten now, before anything is emitted.
-    needed = {*obs.ledger.releasing, *forget}
+    # release, before its key was forgotten) and a stale bound key: forgotten now, before anything
+    # is emitted.
+    needed = {*obs.ledger.releasing, *(k for k in forget if k.startswith(RELEASE_KEY_PREFIX))}
     needed |= {release_key(_pending_event(r)) for r in obs.releases}
+    needed |= set(unrecorded.values())
     leftover = tuple(sorted(obs.event_keys - needed))
     if leftover:
         actions.insert(0, Action("forget-keys", "keys", (ForgetEventKeys(leftover),)))
 
     # Every release planned in this pass is journaled in it: none stays under way (the applier keeps
-    # those whose action failed, and forgets only the keys of events it journaled).
+    # those whose action failed, and forgets only the keys of events it journaled). The bound keys of
+    # the pass are forgotten once the ledger that records their events is written.
     ledger = Ledger(bound=bound, failed=failed)
     if ledger != obs.ledger or forget:
         forgets = (ForgetEventKeys(tuple(sorted(set(forget)))),) if forget else ()
@@ -1144,7 +1192,8 @@ def _rebind_steps(
     leaves no GPU handed out that no hold backs: growing, the hold first; shrinking, the env file
     first; both at once, the env file with the shared atoms only, the hold, the env file. Each write is
     an atomic rename: the old file or the new one, never none. Then AllocationBound (the new atoms,
-    this generation): no AllocationReleased, since the allocation never stopped holding."""
+    this generation, under this generation's key): no AllocationReleased, since the allocation never
+    stopped holding."""
     alloc = a.allocation_id
     doc, lines = hold_files(a, atoms, spec.generation, obs)
     steps: list[Step] = []
@@ -1167,7 +1216,7 @@ def _rebind_steps(
     steps.append(WriteSpec(alloc, doc))
     if lines != first:
         steps.append(WriteEnv(alloc, lines))
-    steps.append(Emit(bound_event(a, atoms, spec.generation)))
+    steps.append(Emit(bound_event(a, atoms, spec.generation), bound_key(alloc, spec.generation)))
     return tuple(steps)
 
 

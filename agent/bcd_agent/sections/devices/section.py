@@ -39,7 +39,7 @@ from bcd_agent.sections.devices.kube import (
     gpus_with_pod_processes,
 )
 from bcd_agent.sections.devices.model import DeviceAssignment, DevicesSpec, spec_from_wire
-from bcd_agent.sections.devices.plan import RELEASE_KEY_PREFIX, Observed, Plan, needs_host_memory, plan
+from bcd_agent.sections.devices.plan import EVENT_KEY_PREFIX, Observed, Plan, needs_host_memory, plan
 
 log = logging.getLogger("bcd.devices")
 
@@ -140,7 +140,7 @@ class DevicesSection:
             ledger=observe.read_ledger(self.system, self.data_dir),
             now=self.clock(),
             orphan_envs=observe.read_orphan_envs(self.system, {*holds, *bad}),
-            event_keys=self.sink.event_keys(RELEASE_KEY_PREFIX),
+            event_keys=self.sink.event_keys(EVENT_KEY_PREFIX),
         )
         if releases or marker or unreadable or any(h.record.kubernetes for h in holds.values()):
             holding, clear = self._kube_side(obs)
