@@ -404,6 +404,31 @@ def test_a_release_whose_removal_fails_stays_recorded_and_is_reported_once_later
     assert node.reports() == [("AllocationBound", "a", 1), ("AllocationReleased", "a", 2)]
 
 
+def test_Q_DEV_EVT_02_a_release_that_fails_keeps_the_bind_recorded_when_the_allocation_comes_back(
+    sim_root: Path,
+) -> None:
+    """Not a crash: a's release at 2 fails at its first removal (a retryable error) and the pass goes
+    on; its ledger write keeps a's bind at 1 recorded (the hold on disk is still that one). Generation
+    3 wants a again as it was: the hold is kept and owes nothing, so AllocationBound at 1 is not sent
+    a second time, and no AllocationReleased (nothing was removed)."""
+    from bcd_agent.sections.devices.observe import read_ledger
+    from bcd_shared.errors import RetryableError
+
+    class Failing(DirectExecutor):
+        def remove_cdi(self, allocation_id: str) -> None:
+            raise RetryableError("RemoveFailed", f"removing {allocation_id}'s CDI spec: EIO")
+
+    node = Node(sim_root)
+    with node.life() as host:
+        converged(host, DevicesSpec(1, (hold("a", G0),)))
+        host.section.executor = Failing(host.system)
+        assert host.run(DevicesSpec(2, ())).state is SectionState.PROGRESSING
+        assert dict(read_ledger(host.system, DATA_DIR).bound) == {"a": 1}
+        host.section.executor = DirectExecutor(host.system)
+        converged(host, DevicesSpec(3, (hold("a", G0),)))
+    assert node.reports() == [("AllocationBound", "a", 1)]
+
+
 def test_a_recorded_release_keeps_its_binding_across_the_crash(sim_root: Path) -> None:
     """A Kubernetes hold whose spec entry becomes a plain hold on another GPU is released (recorded, as
     a plain release is) and bound again (on the same GPU it would be written over in place:

@@ -1021,7 +1021,7 @@ class Journal:
         `key` makes the append idempotent: the journal remembers the key (in `meta`, in the event's own
         transaction) and a later append with the same key appends nothing and returns the first one's
         seq. A section that records its intent before an effect and emits after it (the devices
-        section's releases) uses it to send the event exactly once across a crash between the append
+        section's releases and binds) uses it to send the event exactly once across a crash between the append
         and its own record of it; it forgets the key (`forget_event_keys`) once that record is durable."""
         if key is None:
             return self.append_events((NewEvent(cls, type, payload),)).first_seq

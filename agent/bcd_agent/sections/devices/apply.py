@@ -367,12 +367,18 @@ class Applier:
         if failed:
             allocs = {k.split(":", 1)[1] for k in failed if ":" in k}
             fail = {} if "failures" in failed else dict(ledger.failed)
-            on_disk = observe.read_ledger(self.system, self.data_dir).releasing
+            on_disk = observe.read_ledger(self.system, self.data_dir)
+            # A failed action's allocation keeps what the ledger recorded before the pass: its new
+            # event was not sent, and the hold it failed to release or write over may still be the
+            # one whose AllocationBound was (dropping it would make that hold owe it again).
             ledger = Ledger(
-                bound={k: v for k, v in ledger.bound.items() if k not in allocs},
+                bound={
+                    **{k: v for k, v in ledger.bound.items() if k not in allocs},
+                    **{k: v for k, v in on_disk.bound.items() if k in allocs},
+                },
                 failed=fail,
                 releasing={
-                    **{k: e for k, e in on_disk.items() if k not in self._journaled},
+                    **{k: e for k, e in on_disk.releasing.items() if k not in self._journaled},
                     **ledger.releasing,
                 },
             )

@@ -104,9 +104,9 @@ class EventSink(Protocol):
     """Journals an event durably before returning (then the session sends it until acknowledged).
 
     `key`: the event is journaled at most once per key (a second emit with a remembered key journals
-    nothing), until `forget_keys` drops the key. The devices section keys each AllocationReleased, so
-    that a release a crash interrupted after its event was journaled sends nothing more on the next
-    pass (docs/devices.md, "Releases across a crash")."""
+    nothing), until `forget_keys` drops the key. The devices section keys each AllocationReleased and
+    AllocationBound, so that a release or bind a crash interrupted after its event was journaled sends
+    nothing more on the next pass (docs/devices.md, "Releases across a crash", "Binds across a crash")."""
 
     def emit(self, event: SignedReport | PlainEvent, key: str | None = None) -> None: ...
 

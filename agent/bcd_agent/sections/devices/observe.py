@@ -176,7 +176,8 @@ def read_ledger(system: System, data_dir: str) -> Ledger:
             releasing={str(k): _released(v) for k, v in doc.get("releasing", {}).items()},
         )
     except (ValueError, AttributeError, TypeError, KeyError):
-        # A broken ledger only means events may be sent once more (at least once, never lost).
+        # Disk damage or an edit (writes are atomic): bound and failed events may be sent once more
+        # (never lost); the releases it recorded are not reported (docs/devices.md).
         return Ledger()
 
 

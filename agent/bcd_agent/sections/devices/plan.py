@@ -30,6 +30,10 @@ file, so no instant leaves the shared GPU unheld; only AllocationBound is sent; 
 stays as it is); when they share none it is released (2) and bound again as new (5) in the same pass
 (Q-DEV-PASS-01). The plan is a tuple of Actions; the applier runs each action's steps in order and
 stops an action at its first failed step (no event is sent for a bind whose files are not all in place).
+
+AllocationBound and AllocationReleased are journaled under keys (`bound_key`, `release_key`: allocation
+and generation), so each is sent exactly once across a crash between its event and the ledger's write
+(docs/devices.md, "Releases across a crash", "Binds across a crash").
 """
 
 from __future__ import annotations
