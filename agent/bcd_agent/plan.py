@@ -518,6 +518,8 @@ def describe_device_step(step: object) -> str:
         return f"send {type(ev).__name__.removesuffix('Event')} for {ev.allocation_id}"
     if isinstance(step, dp.WriteLedger):
         return "update the event ledger"
+    if isinstance(step, dp.ForgetEventKeys):
+        return f"forget {len(step.keys)} journal event key(s)"
     return type(step).__name__
 
 

@@ -90,7 +90,9 @@ def test_plan_text_output(tmp_path: Path) -> None:
     res = bcd("plan", "--spec", str(EXAMPLES / "assignment-fails.json"), "--root", str(root),
               "--data-dir", "/var/lib/bcd")  # fmt: skip
     assert res.returncode == 2, res.stderr
-    assert "devices    6 step(s), 2 failure(s)" in res.stdout
+    # The bind's spec, env file and event, two failures, the ledger and its keys' removal.
+    assert "devices    7 step(s), 2 failure(s)" in res.stdout
+    assert "forget 1 journal event key(s)" in res.stdout
     assert "  ! alloc_ghost_0002: device-missing" in res.stdout
 
 
