@@ -381,10 +381,12 @@ def test_names_that_are_not_instance_ids_are_refused_dlv_chh_23(
 # -- taps, for real in a private network namespace --------------------------------------------------
 
 
-def _call(extra: str = 'instance_bridges = "br0"\n') -> Call:
+def _call(root: Path, extra: str = 'instance_bridges = "br0"\n') -> Call:
+    """Root's programs run for real (`ip`, on the calling thread's network namespace); root's files (the
+    taps' claims, /var/lib/bcd-hostconfig/taps) go under `root`, never the machine's."""
     cfg = parse_config(base_config(node_uid=NODE, node_gid=NODE, extra=extra).encode())
-    system = LocalSystem(Path("/"))
-    ctx = HelperContext(root=Path("/"), config=cfg, system=system, audit=None, lock_names=LOCK_ORDER)  # type: ignore[arg-type]
+    system = LocalSystem(root)
+    ctx = HelperContext(root=root, config=cfg, system=system, audit=None, lock_names=LOCK_ORDER)  # type: ignore[arg-type]
     deadline = Deadline(60)
     return Call(ctx, Peer(os.getpid(), NODE, NODE), deadline, BoundedSystem(system, deadline))
 
@@ -395,7 +397,7 @@ def _ip(*args: str) -> Any:
 
 
 @pytest.mark.realhost
-def test_taps_are_created_on_the_bridge_and_deleted_for_real_dlv_chh_05_06_07() -> None:
+def test_taps_are_created_on_the_bridge_and_deleted_for_real_dlv_chh_05_06_07(tmp_path: Path) -> None:
     """DLV-CHH-05, DLV-CHH-06, DLV-CHH-07, DLV-CHH-08: real taps owned by the node on the bridge (the
     node's uid opens one with TUNSETIFF); an existing interface that is not a tap is refused and kept;
     ch.untaps deletes only taps of the instance's names."""
@@ -406,7 +408,7 @@ def test_taps_are_created_on_the_bridge_and_deleted_for_real_dlv_chh_05_06_07() 
     def body() -> None:
         subprocess.run(["ip", "link", "add", "br0", "type", "bridge"], check=True)
         subprocess.run(["ip", "link", "add", "br1", "type", "bridge"], check=True)
-        call = _call()
+        call = _call(tmp_path)
         out = ch_taps(call, ChTaps("vm1", ("br0", "br0")))
         taps = [tap_name("vm1", 0), tap_name("vm1", 1)]
         assert out["taps"] == taps and out["created"] == taps
@@ -464,11 +466,11 @@ def test_taps_are_created_on_the_bridge_and_deleted_for_real_dlv_chh_05_06_07() 
 
 
 @pytest.mark.realhost
-def test_without_instance_bridges_every_tap_is_refused() -> None:
+def test_without_instance_bridges_every_tap_is_refused(tmp_path: Path) -> None:
     from bcd_helper.ops.base import Refused
 
     with pytest.raises(Refused) as exc:
-        ch_taps(_call(extra=""), ChTaps("vm1", ("br0",)))
+        ch_taps(_call(tmp_path, extra=""), ChTaps("vm1", ("br0",)))
     assert exc.value.reason == "bridge-not-allowed" and "none configured" in exc.value.message
 
 
