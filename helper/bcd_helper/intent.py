@@ -393,6 +393,7 @@ class IntentVerifier:
         *,
         starts: bool = False,
         resumes: bool = False,
+        unpaused: bool = False,
     ) -> tuple[Any | None, IntentState | None]:
         """The signed spec's InstanceSpec for `instance_id` (None: nothing names roots, nothing is
         checked, DLV-HLP re-validation off) and the state to write. Raises Refused like host.unit (the
@@ -401,7 +402,9 @@ class IntentVerifier:
         VFIO groups): `instance-stopped` unless the spec wants it RUNNING or PAUSED (round 6b: a node
         cannot bring back an instance the control plane stopped, after a reboot or a stop). `resumes` (a
         paused guest let run again): `instance-not-running` unless the spec wants it RUNNING (a node
-        cannot run a guest the control plane paused)."""
+        cannot run a guest the control plane paused). `unpaused` (with `starts`: a start or restore not
+        asked `--paused`): `instance-not-running` unless the spec wants it RUNNING (round 7: else a node
+        destroys a guest the control plane paused and starts it again running, past the resume rule)."""
         checked = self.check_spec(op, intent, now)
         if not checked.roots:
             return None, checked.next_state
@@ -424,6 +427,12 @@ class IntentVerifier:
                 f"{op}: {instance_id}: the signed spec (generation {decoded.generation}) wants it "
                 f"{DESIRED_NAMES.get(desired, str(desired))}: root starts only an instance it wants RUNNING "
                 "or PAUSED",
+            )
+        if starts and unpaused and desired != RUNNING:
+            raise Refused(
+                "instance-not-running",
+                f"{op}: {instance_id}: paused: the signed spec (generation {decoded.generation}) wants it "
+                f"{DESIRED_NAMES.get(desired, str(desired))}: root starts it only paused",
             )
         if resumes and desired != RUNNING:
             raise Refused(

