@@ -8,6 +8,8 @@ failed on the code before its fix; the in-process tests at the end pin the rules
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +17,7 @@ from bcd_shared import wire
 from bcd_shared.system import CommandResult
 from bcd_simhost import sim_system
 from bcd_simhost.libvirt import STATE
-from hostilekit import SignedHost, as_node, ch_instance, refused_as_node
-from intentkit import ControlPlane, intent
+from hostilekit import SignedHost, as_node, refused_as_node
 
 GIB = 1 << 30
 
@@ -102,3 +103,68 @@ def test_round7_a_guest_the_signed_spec_pauses_is_never_started_running(signed_h
     answer = as_node(h, op("libvirt.start", signed(3, 1)))
     assert answer["ok"] is True, answer
     assert _domain_state(signed_host.root, "vm8") == "running"
+
+
+# The real helper on the real libvirt (qemu:///system, TCG), as round 4 drives it (its fixtures).
+from test_hostile_round4 import Guest, _node_owns, guest, node_wins_the_race, real_libvirt  # noqa: E402, F401
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
+from test_guest_boot_real import bridge, helper_socket, workdir  # noqa: E402, F401  (fixtures)
+
+
+class _Socket:
+    """What hostilekit's clients need of a helper: its socket's path."""
+
+    def __init__(self, path: str) -> None:
+        self.socket_path = path
+
+
+def _as_kvm_node(sock: str, doc: dict[str, Any]) -> dict[str, Any]:
+    """`doc` from a process of the real-host helper's node account (uid 4242, group kvm)."""
+    import grp
+
+    from hostilekit import connect_as, frame, read_answer
+
+    s, _ = connect_as(_Socket(sock), 4242, grp.getgrnam("kvm").gr_gid)
+    with s:
+        s.sendall(frame(json.dumps(doc).encode()))
+        answer = read_answer(s)
+    assert answer is not None, "the helper closed the connection without an answer"
+    return answer
+
+
+def test_round7_a_running_domain_is_never_undefined_out_of_roots_sight(
+    guest: Guest,
+    helper_socket: tuple[str, Path],  # noqa: F811
+) -> None:
+    """`libvirt.undefine` ran `virsh undefine` on any domain of bcd's, then dropped root's staged
+    definition. Real libvirt undefines a running or paused domain too: it keeps running as a transient
+    domain, with its taps, while root's record of it (the staged definition, which the tap-name rule
+    reads) is gone, so another instance of the same tap stem could take its live taps (`ch.taps`), and
+    root's ops no longer find it once it stops. Now an active domain is refused (`domain-active`), its
+    staged definition and its persistence kept; once destroyed it is undefined as before. Real libvirt
+    9.0 (TCG); the node's account (uid 4242 here) as the client."""
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+
+    sock, home = helper_socket
+    home.chmod(0o751)  # the node's account reaches its socket (root-only config and audit stay so)
+    name = guest.name
+    staged = Path(f"/var/lib/bcd-hostconfig/libvirt/{name}.xml")
+    _node_owns(guest.data)
+    guest.rt.create(guest.inst, Prepared())
+    _node_owns(guest.data)
+    answer = _as_kvm_node(sock, {"op": "libvirt.start", "args": {"name": name, "paused": True}})
+    assert answer["ok"] is True, answer
+    undefine = {"op": "libvirt.undefine", "args": {"name": name}}
+    answer = _as_kvm_node(sock, undefine)
+    assert (answer["ok"], answer.get("reason")) == (False, "domain-active"), answer
+    assert name in answer["message"] and "destroy it first" in answer["message"]
+    assert staged.exists()
+    info = subprocess.run(
+        ["virsh", "-c", "qemu:///system", "dominfo", name], capture_output=True, text=True, check=False
+    ).stdout
+    assert "Persistent:     yes" in info and "paused" in info, info
+    assert _as_kvm_node(sock, {"op": "libvirt.destroy", "args": {"name": name}})["ok"] is True
+    answer = _as_kvm_node(sock, undefine)
+    assert answer["ok"] is True, answer
+    assert not staged.exists()

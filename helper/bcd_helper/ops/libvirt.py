@@ -588,7 +588,19 @@ _undefine = _simple("undefine")
 
 
 def libvirt_undefine(call: Call, req: LibvirtName) -> dict[str, Any]:
-    """Undefine, then drop root's staged copy of the definition."""
+    """Undefine a domain that is not running, then drop root's staged copy of the definition. libvirt
+    undefines a running or paused domain too, which keeps running as a transient one: its staged copy
+    gone, root would no longer see that its taps are live (bcd_helper.taps: another instance of the same
+    tap stem could then take them), nor reach it again (red team round 7). The node destroys first."""
+    op = "libvirt.undefine"
+    name = _name(op, req.name)
+    xml = _managed(call, op, name)
+    if ET.fromstring(xml).get("id", "-1") != "-1":  # noqa: S314 (root's own libvirt output)
+        raise Refused(
+            "domain-active",
+            f"{op}: {name} is running or paused: libvirt would keep it running as a transient domain "
+            "whose taps root no longer records; destroy it first",
+        )
     result = _undefine(call, req)
     try:
         call.system.remove(f"{STAGE_DIR}/{req.name}.xml")
