@@ -105,6 +105,48 @@ def test_round7_a_guest_the_signed_spec_pauses_is_never_started_running(signed_h
     assert _domain_state(signed_host.root, "vm8") == "running"
 
 
+def test_round7_a_generation_a_resume_acted_on_is_the_floor(signed_host: SignedHost) -> None:
+    """`libvirt.resume` checked the signed spec but never wrote root's intent state: a generation root
+    first saw (and acted on) in a resume did not become the floor, so the older spec was taken again
+    afterwards (here by the next resume; any signed op alike). Now the state is written before the
+    resume, as every other signed op writes it (`stale-generation`)."""
+    from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
+    from bcd_simhost.libvirt import IMAGE_SHA256
+
+    mac, url = "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
+    h = signed_host.start()
+    inst = InstanceSpec(
+        id="vm9", allocation_id="a9", vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB,
+        image=Image(url, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", mac),),
+    )  # fmt: skip
+    LibvirtRuntime(sim_system(signed_host.root), _Keep(), "/var/lib/bcd", under_helper=True).create(
+        inst, Prepared()
+    )
+
+    def signed(generation: int) -> dict[str, Any]:
+        vm9 = wire.InstanceSpec(
+            id="vm9", allocation_id="a9", runtime="libvirt-kvm",
+            desired_state=wire.InstanceDesiredState(1),
+            size=wire.InstanceSize(vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB),
+            image=wire.ImageRef(url=url, sha256=IMAGE_SHA256, format="qcow2"),
+            nics=[wire.Nic(bridge="br0", mac=mac)],
+        )  # fmt: skip
+        return signed_host.signed(generation, vm9)
+
+    define = {"op": "libvirt.define", "args": {"name": "vm9", "xml": _Keep.xml.decode(), "intent": signed(1)}}
+    assert as_node(h, define)["ok"] is True
+    assert as_node(h, {"op": "libvirt.start", "args": {"name": "vm9", "intent": signed(1)}})["ok"] is True
+    suspend = {"op": "libvirt.suspend", "args": {"name": "vm9"}}
+    assert as_node(h, suspend)["ok"] is True
+    answer = as_node(h, {"op": "libvirt.resume", "args": {"name": "vm9", "intent": signed(6)}})
+    assert answer["ok"] is True, answer
+    assert as_node(h, suspend)["ok"] is True
+    resume = {"op": "libvirt.resume", "args": {"name": "vm9", "intent": signed(5)}}
+    refused_as_node(h, resume, "stale-generation", "older than generation 6")
+
+
 # The real helper on the real libvirt (qemu:///system, TCG), as round 4 drives it (its fixtures).
 from test_hostile_round4 import Guest, _node_owns, guest, node_wins_the_race, real_libvirt  # noqa: E402, F401
 

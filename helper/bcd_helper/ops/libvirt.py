@@ -577,7 +577,10 @@ def libvirt_resume(call: Call, req: LibvirtResume) -> dict[str, Any]:
     op = "libvirt.resume"
     name = _name(op, req.name)
     _managed(call, op, name)
-    call.ctx.intent_verifier().signed_instance(op, name, req.intent, resumes=True)
+    verifier = call.ctx.intent_verifier()
+    _inst, state = verifier.signed_instance(op, name, req.intent, resumes=True)
+    if state is not None:  # durable before effect: a generation root acted on is its floor (round 7)
+        verifier.save_state(state)
     result = _virsh(call, "resume", name)
     if not result.ok:
         raise Failed("virsh", f"virsh resume {name}: {_err(result)}")
