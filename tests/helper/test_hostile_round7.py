@@ -147,6 +147,58 @@ def test_round7_a_generation_a_resume_acted_on_is_the_floor(signed_host: SignedH
     refused_as_node(h, resume, "stale-generation", "older than generation 6")
 
 
+def test_round7_an_instance_runs_only_under_the_runtime_the_signed_spec_gives_it(
+    signed_host: SignedHost,
+) -> None:
+    """Root compared a libvirt definition (or a Cloud Hypervisor record) with the signed spec's instance
+    in size, NICs, GPUs and image, never in runtime: an instance the spec runs under cloud-hypervisor was
+    defined and started under libvirt too (a second guest of one instance beside the first, its taps of
+    the same names: the tap-name rule sees one id, no collision), and one the spec gives libvirt was
+    launched by a VMM. Now every libvirt.* and ch.* op checked against the spec needs the spec's runtime
+    to be its own (`spec-mismatch`, naming the runtime)."""
+    from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
+    from bcd_shared.chunit import VMM_UID_BASE
+    from bcd_simhost.chapi import lay_out_instance
+    from bcd_simhost.libvirt import IMAGE_SHA256
+    from hostilekit import NODE_UID, ch_instance
+
+    mac, url = "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
+    lay_out_instance(signed_host.root, "vm11", NODE_UID, VMM_UID_BASE + 11)
+    h = signed_host.start()
+    inst = InstanceSpec(
+        id="vm10", allocation_id="a10", vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB,
+        image=Image(url, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", mac),),
+    )  # fmt: skip
+    LibvirtRuntime(sim_system(signed_host.root), _Keep(), "/var/lib/bcd", under_helper=True).create(
+        inst, Prepared()
+    )
+
+    def vm10(runtime: str) -> wire.InstanceSpec:
+        return wire.InstanceSpec(
+            id="vm10", allocation_id="a10", runtime=runtime,
+            desired_state=wire.InstanceDesiredState(1),
+            size=wire.InstanceSize(vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB),
+            image=wire.ImageRef(url=url, sha256=IMAGE_SHA256, format="qcow2"),
+            nics=[wire.Nic(bridge="br0", mac=mac)],
+        )  # fmt: skip
+
+    ch_spec = signed_host.signed(1, vm10("cloud-hypervisor"), ch_instance("vm11", runtime="libvirt-kvm"))
+    define = {"op": "libvirt.define", "args": {"name": "vm10", "xml": _Keep.xml.decode(), "intent": ch_spec}}
+    refused_as_node(h, define, "spec-mismatch", "runs it under 'cloud-hypervisor', not libvirt-kvm")
+    for op in ("ch.launch", "ch.vfio"):
+        launch = {"op": op, "args": {"name": "vm11", "intent": ch_spec}}
+        refused_as_node(h, launch, "spec-mismatch", "runs it under 'libvirt-kvm', not cloud-hypervisor")
+    # Under the spec's own runtime both are taken.
+    right = signed_host.signed(2, vm10("libvirt-kvm"), ch_instance("vm11"))
+    answer = as_node(h, {**define, "args": {**define["args"], "intent": right}})
+    assert answer["ok"] is True, answer
+    answer = as_node(h, {"op": "ch.launch", "args": {"name": "vm11", "intent": right}})
+    assert answer["ok"] is True, answer
+    assert as_node(h, {"op": "ch.stop", "args": {"name": "vm11"}})["ok"] is True
+
+
 # The real helper on the real libvirt (qemu:///system, TCG), as round 4 drives it (its fixtures).
 from test_hostile_round4 import Guest, _node_owns, guest, node_wins_the_race, real_libvirt  # noqa: E402, F401
 
@@ -210,3 +262,54 @@ def test_round7_a_running_domain_is_never_undefined_out_of_roots_sight(
     answer = _as_kvm_node(sock, undefine)
     assert answer["ok"] is True, answer
     assert not staged.exists()
+
+
+# --- in process --------------------------------------------------------------------------------------
+
+
+def test_round7_signed_instance_starts_unpaused_only_what_the_spec_runs_under_its_runtime(
+    tmp_path: Path,
+) -> None:
+    """`IntentVerifier.signed_instance`: `unpaused` (with `starts`) refuses every state but RUNNING
+    (`instance-not-running`, naming the state and generation), after `instance-stopped`; `runtime`
+    refuses an instance the spec runs under another runtime (`spec-mismatch`), before the state rules."""
+    from bcd_helper.ops.base import Refused
+    from bcd_helper.ops.hostunit import SignedIntent
+    from hostilekit import ch_instance
+    from intentkit import ControlPlane, instances_body, intent
+    from opskit import context, make_root
+
+    cp = ControlPlane.build()
+    root = make_root(tmp_path)
+    cp.write_record(root, "node-i", cp.bundle(1))
+    ctx = context(root, cp.config_lines())
+    try:
+        verifier = ctx.intent_verifier()
+        worker = cp.command.leaf()
+        generation = iter(range(1, 100))
+
+        def check(state: int, runtime: str | None = None, **flags: bool) -> str | None:
+            inst = ch_instance("vm1", desired_state=wire.InstanceDesiredState(state))
+            spec = intent(worker, instances_body("node-i", next(generation), inst))
+            try:
+                verifier.signed_instance("libvirt.start", "vm1", SignedIntent(**spec), runtime=runtime, **flags)
+            except Refused as exc:
+                return f"{exc.reason}: {exc.message}"
+            return None
+
+        assert check(1, starts=True, unpaused=True) is None
+        assert check(2, starts=True, unpaused=True) == (
+            "instance-not-running: libvirt.start: vm1: paused: the signed spec (generation 2) wants it "
+            "PAUSED: root starts it only paused"
+        )
+        assert check(2, starts=True) is None  # paused: taken
+        assert (check(3, starts=True, unpaused=True) or "").startswith("instance-stopped: ")
+        assert check(2, unpaused=True) is None  # a define or a save: not a start
+        assert check(1, "cloud-hypervisor", starts=True) is None
+        assert check(1, "libvirt-kvm") == (
+            "spec-mismatch: libvirt.start: vm1: the signed spec (generation 7) runs it under "
+            "'cloud-hypervisor', not libvirt-kvm"
+        )
+        assert (check(3, "libvirt-kvm", starts=True) or "").startswith("spec-mismatch: ")
+    finally:
+        ctx.audit.close()

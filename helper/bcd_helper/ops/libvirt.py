@@ -50,6 +50,7 @@ from bcd_helper import taps as tapnames
 from bcd_helper.ops.base import Call, Failed, Refused
 from bcd_helper.ops.hostunit import SignedIntent
 
+RUNTIME = "libvirt-kvm"  # the signed spec's InstanceSpec.runtime for this module's ops
 STAGE_DIR = tapnames.STAGE_DIR  # the definitions root staged: also who owns which tap names
 # Definitions root keeps staged (one per defined domain, up to MAX_XML each): without signing roots the
 # node names the domains, so their number is bounded here (256 MiB at most in root's directory).
@@ -219,7 +220,9 @@ def _signed(
     start is `paused` (`instance-not-running`, round 7), and its signed network rules are loaded
     (nft.require_loaded); the state saved."""
     verifier = call.ctx.intent_verifier()
-    inst, state = verifier.signed_instance(op, name, intent, starts=runs, unpaused=runs and not paused)
+    inst, state = verifier.signed_instance(
+        op, name, intent, starts=runs, unpaused=runs and not paused, runtime=RUNTIME
+    )
     if inst is not None and runs:
         from bcd_helper.ops.nft import require_loaded
 
@@ -578,7 +581,7 @@ def libvirt_resume(call: Call, req: LibvirtResume) -> dict[str, Any]:
     name = _name(op, req.name)
     _managed(call, op, name)
     verifier = call.ctx.intent_verifier()
-    _inst, state = verifier.signed_instance(op, name, req.intent, resumes=True)
+    _inst, state = verifier.signed_instance(op, name, req.intent, resumes=True, runtime=RUNTIME)
     if state is not None:  # durable before effect: a generation root acted on is its floor (round 7)
         verifier.save_state(state)
     result = _virsh(call, "resume", name)
@@ -679,7 +682,7 @@ def libvirt_attach_rebind(call: Call, req: LibvirtRebind) -> dict[str, Any]:
     op = "libvirt.rebind"
     name = _name(op, req.name)
     verifier = call.ctx.intent_verifier()
-    inst, state = verifier.signed_instance(op, name, req.intent)
+    inst, state = verifier.signed_instance(op, name, req.intent, runtime=RUNTIME)
     if inst is not None and not inst.identity_rebind_ref:
         raise Refused("spec-mismatch", f"{op}: {name}: the signed spec asks no identity rebind of it")
     _managed(call, op, name)
