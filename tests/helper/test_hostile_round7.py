@@ -94,7 +94,8 @@ def test_round7_a_guest_the_signed_spec_pauses_is_never_started_running(signed_h
     answer = as_node(h, op("libvirt.save", paused))
     assert answer["ok"] is True, answer
     xml = _Keep.xml.decode()
-    refused_as_node(h, op("libvirt.restore", paused, xml=xml), "instance-not-running", "root starts it only paused")
+    restore = op("libvirt.restore", paused, xml=xml)
+    refused_as_node(h, restore, "instance-not-running", "root starts it only paused")
     answer = as_node(h, op("libvirt.restore", paused, xml=xml, paused=True))
     assert answer["ok"] is True, answer
     assert _domain_state(signed_host.root, "vm8") == "paused"
@@ -228,7 +229,7 @@ def _as_kvm_node(sock: str, doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_round7_a_running_domain_is_never_undefined_out_of_roots_sight(
-    guest: Guest,
+    guest: Guest,  # noqa: F811
     helper_socket: tuple[str, Path],  # noqa: F811
 ) -> None:
     """`libvirt.undefine` ran `virsh undefine` on any domain of bcd's, then dropped root's staged
@@ -292,7 +293,9 @@ def test_round7_signed_instance_starts_unpaused_only_what_the_spec_runs_under_it
             inst = ch_instance("vm1", desired_state=wire.InstanceDesiredState(state))
             spec = intent(worker, instances_body("node-i", next(generation), inst))
             try:
-                verifier.signed_instance("libvirt.start", "vm1", SignedIntent(**spec), runtime=runtime, **flags)
+                verifier.signed_instance(
+                    "libvirt.start", "vm1", SignedIntent(**spec), runtime=runtime, **flags
+                )
             except Refused as exc:
                 return f"{exc.reason}: {exc.message}"
             return None
