@@ -18,6 +18,7 @@ from bcd_shared.system import CommandResult
 from bcd_simhost import sim_system
 from bcd_simhost.libvirt import STATE
 from hostilekit import SignedHost, as_node, refused_as_node
+from intentkit import ControlPlane, devices_spec, hold_text, intent
 
 GIB = 1 << 30
 
@@ -198,6 +199,43 @@ def test_round7_an_instance_runs_only_under_the_runtime_the_signed_spec_gives_it
     answer = as_node(h, {"op": "ch.launch", "args": {"name": "vm11", "intent": right}})
     assert answer["ok"] is True, answer
     assert as_node(h, {"op": "ch.stop", "args": {"name": "vm11"}})["ok"] is True
+
+
+GPU1 = "GPU-5f1c2a90-0000-4000-8000-000000000001"  # the simulated host's GPU 0
+
+
+def test_round7_an_env_file_never_names_a_gpu_another_allocations_hold_still_names(cp: ControlPlane) -> None:
+    """Round 6 (row 7) refused a CDI hold naming an atom another allocation's hold or env file still
+    names, the old tenant's hold the node kept after the spec moved the GPU; the new allocation's **env
+    file** was never checked. With w1's CDI hold of GPU1 kept after the spec gave GPU1 to w2, w2's env file
+    (`NVIDIA_VISIBLE_DEVICES=<GPU1>`, the legacy runtime hook's way to the GPU for w2's jobs) was written
+    beside it: two tenants on one GPU. Now an env file takes the same rule (`atoms-held`, naming the other
+    hold); once w1's hold is gone it is written."""
+    from realnode import RealNode
+    from test_signed_holds import NODE, cdi_doc, env_doc, remove_doc
+
+    node = RealNode(cp.config_lines(), setup=lambda root: cp.write_record(root, NODE, cp.bundle(1)))
+    try:
+
+        def spec(generation: int, owner: str) -> dict[str, Any]:
+            assignment = wire.DeviceAssignment(
+                allocation_id=owner, reservation_id="r1", binding=wire.Binding(1),
+                devices=[wire.DeviceAtom(id=GPU1, device_class="gpu")],
+            )  # fmt: skip
+            return intent(cp.command.leaf(), devices_spec(NODE, generation, wire.DevicesSection([assignment])))
+
+        first = spec(1, "w1")
+        node.ok(cdi_doc("w1", hold_text("w1", [(GPU1, None)], ["BCD_ALLOCATION_ID=w1"]), first))
+        moved = spec(2, "w2")  # w1 released, GPU1 given to w2; the node keeps w1's hold
+        env = env_doc("w2", f"BCD_RESERVATION_ID=r1\nNVIDIA_VISIBLE_DEVICES={GPU1}\n", moved)
+        node.refused(env, "atoms-held", "/etc/cdi/bcd-w1.json")
+        node.refused(cdi_doc("w2", hold_text("w2", [(GPU1, None)], ["BCD_ALLOCATION_ID=w2"]), moved), "atoms-held")
+        node.ok(remove_doc("cdi", "w1", moved))
+        node.ok(env)
+        node.ok(cdi_doc("w2", hold_text("w2", [(GPU1, None)], ["BCD_ALLOCATION_ID=w2"]), moved))
+        node.ok(env)  # written over in place: its own hold is not another's
+    finally:
+        node.close()
 
 
 # The real helper on the real libvirt (qemu:///system, TCG), as round 4 drives it (its fixtures).
