@@ -222,14 +222,18 @@ def test_round7_an_env_file_never_names_a_gpu_another_allocations_hold_still_nam
                 allocation_id=owner, reservation_id="r1", binding=wire.Binding(1),
                 devices=[wire.DeviceAtom(id=GPU1, device_class="gpu")],
             )  # fmt: skip
-            return intent(cp.command.leaf(), devices_spec(NODE, generation, wire.DevicesSection([assignment])))
+            return intent(
+                cp.command.leaf(), devices_spec(NODE, generation, wire.DevicesSection([assignment]))
+            )
 
         first = spec(1, "w1")
         node.ok(cdi_doc("w1", hold_text("w1", [(GPU1, None)], ["BCD_ALLOCATION_ID=w1"]), first))
         moved = spec(2, "w2")  # w1 released, GPU1 given to w2; the node keeps w1's hold
         env = env_doc("w2", f"BCD_RESERVATION_ID=r1\nNVIDIA_VISIBLE_DEVICES={GPU1}\n", moved)
         node.refused(env, "atoms-held", "/etc/cdi/bcd-w1.json")
-        node.refused(cdi_doc("w2", hold_text("w2", [(GPU1, None)], ["BCD_ALLOCATION_ID=w2"]), moved), "atoms-held")
+        node.refused(
+            cdi_doc("w2", hold_text("w2", [(GPU1, None)], ["BCD_ALLOCATION_ID=w2"]), moved), "atoms-held"
+        )
         node.ok(remove_doc("cdi", "w1", moved))
         node.ok(env)
         node.ok(cdi_doc("w2", hold_text("w2", [(GPU1, None)], ["BCD_ALLOCATION_ID=w2"]), moved))

@@ -39,7 +39,8 @@ then reset its GPU (an env file whose allocation has no CDI hold file excepted: 
 removes before it binds; docs/helper.md round 6b, row 13). Since round 6 (docs/helper.md): a MIG atom
 takes only its own MIG device's edits and UUID, never its parent GPU's; a hold carries each atom of its
 allocation once (`atoms-missing`) and none another allocation's hold file or env file names
-(`atoms-held`; since round 7 an env file too, whose NVIDIA_VISIBLE_DEVICES the legacy hook reads); its annotations are the assignment's (`annotations-outside`); a sliced hold's files
+(`atoms-held`; since round 7 an env file too, whose NVIDIA_VISIBLE_DEVICES the legacy hook reads); its
+annotations are the assignment's (`annotations-outside`); a sliced hold's files
 are written only once its slice is started (`slice-missing`) and, since round 6b, enforcing the signed limits
 (`slice-limits`); a Kubernetes hold's CDI spec is bare, no vendor edits and no NVIDIA_VISIBLE_DEVICES
 (round 6b). Without roots nothing is bound (HST-SIGN-33). Every hold's JSON is value-counted before it is
@@ -648,8 +649,8 @@ def _check_not_held(call: Call, ident: str, assignment: Any, kind: str = "cdi") 
         if both:
             raise Refused(
                 "atoms-held",
-                f"{kind}: {', '.join(both)[:300]} of allocation {ident} is still named by allocation {alloc}'s "
-                f"env file ({path}): it goes first",
+                f"{kind}: {', '.join(both)[:300]} of allocation {ident} is still named by allocation "
+                f"{alloc}'s env file ({path}): it goes first",
             )
 
 
