@@ -393,6 +393,8 @@ class IntentVerifier:
         *,
         starts: bool = False,
         resumes: bool = False,
+        unpaused: bool = False,
+        runtime: str | None = None,
     ) -> tuple[Any | None, IntentState | None]:
         """The signed spec's InstanceSpec for `instance_id` (None: nothing names roots, nothing is
         checked, DLV-HLP re-validation off) and the state to write. Raises Refused like host.unit (the
@@ -401,7 +403,12 @@ class IntentVerifier:
         VFIO groups): `instance-stopped` unless the spec wants it RUNNING or PAUSED (round 6b: a node
         cannot bring back an instance the control plane stopped, after a reboot or a stop). `resumes` (a
         paused guest let run again): `instance-not-running` unless the spec wants it RUNNING (a node
-        cannot run a guest the control plane paused)."""
+        cannot run a guest the control plane paused). `unpaused` (with `starts`: a start or restore not
+        asked `--paused`): `instance-not-running` unless the spec wants it RUNNING (round 7: else a node
+        destroys a guest the control plane paused and starts it again running, past the resume rule).
+        `runtime` (the op's runtime, `libvirt-kvm` or `cloud-hypervisor`): `spec-mismatch` unless the spec
+        runs the instance under it (round 7: else the node ran it under the other runtime too, a second
+        guest of one instance, with the same tap names)."""
         checked = self.check_spec(op, intent, now)
         if not checked.roots:
             return None, checked.next_state
@@ -418,12 +425,24 @@ class IntentVerifier:
                 "as an instance to run",
             )
         desired = int(named[0].desired_state)
+        if runtime is not None and named[0].runtime != runtime:
+            raise Refused(
+                "spec-mismatch",
+                f"{op}: {instance_id}: the signed spec (generation {decoded.generation}) runs it under "
+                f"{named[0].runtime[:40]!r}, not {runtime}",
+            )
         if starts and desired not in RUNS:
             raise Refused(
                 "instance-stopped",
                 f"{op}: {instance_id}: the signed spec (generation {decoded.generation}) wants it "
                 f"{DESIRED_NAMES.get(desired, str(desired))}: root starts only an instance it wants RUNNING "
                 "or PAUSED",
+            )
+        if starts and unpaused and desired != RUNNING:
+            raise Refused(
+                "instance-not-running",
+                f"{op}: {instance_id}: paused: the signed spec (generation {decoded.generation}) wants it "
+                f"{DESIRED_NAMES.get(desired, str(desired))}: root starts it only paused",
             )
         if resumes and desired != RUNNING:
             raise Refused(

@@ -120,6 +120,24 @@ def test_a_memory_snapshot_and_its_restore_go_through_root_dlv_hlp_02_dlv_libvir
     assert domain_uuid("restored") in staged and "restored-from" in staged
 
 
+def test_a_memory_snapshot_of_a_guest_the_spec_now_pauses_carries_on_paused(
+    lv: tuple[HelperProcess, LibvirtRuntime], tmp_path: Path
+) -> None:
+    """A running guest whose spec now wants it PAUSED (its suspend not made yet) carries on paused after
+    a memory snapshot's save: with roots, root restores a guest running only while the signed spec wants
+    it RUNNING (docs/helper.md, round 7), so the node asks for the restore paused."""
+    from bcd_agent.sections.instances.model import Desired
+
+    h, rt = lv
+    assert _state(h, "good") == "running"
+    rt.snapshot(vm("good", desired=Desired.PAUSED), True, str(tmp_path / "p.tar"))
+    last = h.audit_lines()[-1]
+    assert (last["op"], last["args"].get("paused")) == ("libvirt.restore", True)
+    assert _state(h, "good") == "paused"
+    rt.resume("good")
+    assert _state(h, "good") == "running"
+
+
 def test_the_state_is_handed_to_the_node_and_a_symlinked_directory_is_refused(
     lv: tuple[HelperProcess, LibvirtRuntime], tmp_path: Path
 ) -> None:

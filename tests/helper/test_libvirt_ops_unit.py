@@ -1168,6 +1168,14 @@ def test_undefine_drops_roots_staged_definition(ctx: HelperContext, root: Path, 
     lv.libvirt_define(call(ctx), lv.LibvirtDefine("vm1", NO_GPU_DEFINE))
     staged = root / STAGE / "vm1.xml"
     assert staged.exists()
+    # A running or paused domain (libvirt's `id`) stays defined, and its staged copy stays (round 7).
+    assert refused(lv.libvirt_undefine, call(ctx), lv.LibvirtName("vm1")) == (
+        "domain-active",
+        "libvirt.undefine: vm1 is running or paused: libvirt would keep it running as a transient domain "
+        "whose taps root no longer records; destroy it first",
+    )
+    assert staged.exists() and virsh("undefine", "vm1") not in programs(ctx).runs
+    host.domains["vm1"] = re.sub(rb" id='[0-9]+'", b"", NO_GPU_DUMP)  # shut off: libvirt gives no id
     assert lv.libvirt_undefine(call(ctx), req(lv.LibvirtName, name="vm1")) == {"name": "vm1"}
     assert not staged.exists() and programs(ctx).runs[-1] == virsh("undefine", "vm1")
     # nothing staged: the undefine still answers

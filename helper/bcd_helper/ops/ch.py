@@ -152,7 +152,7 @@ def _signed_nics(
     bridges must be `bridges`, and `check(inst)` passes; root's intent state is saved only after every
     check passed (a refusal changes nothing)."""
     verifier = call.ctx.intent_verifier()
-    inst, state = verifier.signed_instance(op, name, intent, starts=starts)
+    inst, state = verifier.signed_instance(op, name, intent, starts=starts, runtime="cloud-hypervisor")
     if inst is not None and bridges is not None and [n.bridge for n in inst.nics] != bridges:
         raise Refused("spec-mismatch", f"{op}: {name}: the bridges differ from the signed spec's NICs")
     if inst is not None and check is not None:

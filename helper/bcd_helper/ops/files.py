@@ -39,7 +39,8 @@ then reset its GPU (an env file whose allocation has no CDI hold file excepted: 
 removes before it binds; docs/helper.md round 6b, row 13). Since round 6 (docs/helper.md): a MIG atom
 takes only its own MIG device's edits and UUID, never its parent GPU's; a hold carries each atom of its
 allocation once (`atoms-missing`) and none another allocation's hold file or env file names
-(`atoms-held`); its annotations are the assignment's (`annotations-outside`); a sliced hold's files
+(`atoms-held`; since round 7 an env file too, whose NVIDIA_VISIBLE_DEVICES the legacy hook reads); its
+annotations are the assignment's (`annotations-outside`); a sliced hold's files
 are written only once its slice is started (`slice-missing`) and, since round 6b, enforcing the signed limits
 (`slice-limits`); a Kubernetes hold's CDI spec is bare, no vendor edits and no NVIDIA_VISIBLE_DEVICES
 (round 6b). Without roots nothing is bound (HST-SIGN-33). Every hold's JSON is value-counted before it is
@@ -602,7 +603,7 @@ def _overlaps(a: str, b: str) -> bool:
     return a == b or (ga == gb and (a == ga or b == gb))
 
 
-def _check_not_held(call: Call, ident: str, assignment: Any) -> None:
+def _check_not_held(call: Call, ident: str, assignment: Any, kind: str = "cdi") -> None:
     """A signed hold names no atom another allocation's hold file or env file still names (round 6): the
     node cannot remove a hold the spec lists, but nothing makes it remove one the spec released, so a
     moved atom's old hold would stay beside the new one (the old tenant keeping its CDI device, or, by
@@ -611,7 +612,9 @@ def _check_not_held(call: Call, ident: str, assignment: Any) -> None:
     holds every atom (fail closed). The node's planner removes both before it binds (an env file left
     without its hold too: docs/devices.md "Orphan env files"). The allocation's own hold and env file
     are not counted: the planner writes a changed hold that shares an atom over them in place
-    (Q-DEV-PASS-01), and `atoms-missing` keeps that from leaving out an atom the spec gives."""
+    (Q-DEV-PASS-01), and `atoms-missing` keeps that from leaving out an atom the spec gives. The env file
+    (`kind` allocation-env) takes the same rule (round 7): its NVIDIA_VISIBLE_DEVICES hands the GPUs to the
+    allocation's jobs through NVIDIA's legacy runtime hook as the CDI hold does through CDI."""
     from bcd_shared import cdi
 
     atoms = [a.id for a in assignment.devices]
@@ -623,13 +626,13 @@ def _check_not_held(call: Call, ident: str, assignment: Any) -> None:
             held = holds[alloc] = cdi.parse_hold_spec(data, alloc).device_ids
         except cdi.CdiError:
             raise Refused(
-                "atoms-held", f"cdi: the hold {path} cannot be read: it may hold any atom"
+                "atoms-held", f"{kind}: the hold {path} cannot be read: it may hold any atom"
             ) from None
         both = sorted({a for a in atoms for h in held if _overlaps(a, h)})
         if both:
             raise Refused(
                 "atoms-held",
-                f"cdi: {', '.join(both)[:300]} of allocation {ident} is still held by {alloc} ({path}): "
+                f"{kind}: {', '.join(both)[:300]} of allocation {ident} is still held by {alloc} ({path}): "
                 "its hold goes first",
             )
     mig_atoms = mig_uuid_atoms(call.system)
@@ -646,8 +649,8 @@ def _check_not_held(call: Call, ident: str, assignment: Any) -> None:
         if both:
             raise Refused(
                 "atoms-held",
-                f"cdi: {', '.join(both)[:300]} of allocation {ident} is still named by allocation {alloc}'s "
-                f"env file ({path}): it goes first",
+                f"{kind}: {', '.join(both)[:300]} of allocation {ident} is still named by allocation "
+                f"{alloc}'s env file ({path}): it goes first",
             )
 
 
@@ -822,6 +825,7 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
                     vendor_env = (vendor.common_edits.get("env") or ()) if vendor is not None else ()
             else:
                 env = data.decode().splitlines()  # _check_env took it as UTF-8 lines
+                _check_not_held(call, req.id, assignment, req.kind)  # its GPUs, for the legacy hook
                 _check_slice_started(call, req.id, assignment)  # a workload manager reads its parent
             _check_signed_env(req.kind, req.id, env, assignment, vendor_env, lambda: _mig_names(call))
     if spec.host_check is not None:

@@ -50,6 +50,7 @@ from bcd_helper import taps as tapnames
 from bcd_helper.ops.base import Call, Failed, Refused
 from bcd_helper.ops.hostunit import SignedIntent
 
+RUNTIME = "libvirt-kvm"  # the signed spec's InstanceSpec.runtime for this module's ops
 STAGE_DIR = tapnames.STAGE_DIR  # the definitions root staged: also who owns which tap names
 # Definitions root keeps staged (one per defined domain, up to MAX_XML each): without signing roots the
 # node names the domains, so their number is bounded here (256 MiB at most in root's directory).
@@ -212,12 +213,16 @@ def _signed(
     intent: SignedIntent | None,
     checked: CheckedDomain | None,
     runs: bool = False,
+    paused: bool = True,
 ) -> None:
     """With roots: the signed spec's instance, compared with the definition; `runs` (a start, a
-    restore): the spec wants it RUNNING or PAUSED (`instance-stopped`, round 6b) and its signed network
-    rules are loaded (nft.require_loaded); the state saved."""
+    restore): the spec wants it RUNNING or PAUSED (`instance-stopped`, round 6b), RUNNING unless the
+    start is `paused` (`instance-not-running`, round 7), and its signed network rules are loaded
+    (nft.require_loaded); the state saved."""
     verifier = call.ctx.intent_verifier()
-    inst, state = verifier.signed_instance(op, name, intent, starts=runs)
+    inst, state = verifier.signed_instance(
+        op, name, intent, starts=runs, unpaused=runs and not paused, runtime=RUNTIME
+    )
     if inst is not None and runs:
         from bcd_helper.ops.nft import require_loaded
 
@@ -439,7 +444,7 @@ def libvirt_start(call: Call, req: LibvirtStart) -> dict[str, Any]:
     checked = None
     if req.intent is not None or call.ctx.config.command_root_sha256:
         checked = _checked_running(call, op, name, xml)
-    _signed(call, op, name, req.intent, checked, runs=True)
+    _signed(call, op, name, req.intent, checked, runs=True, paused=req.paused)
     _gpus_free(call, op, name, xml)
     held = _held_files(call, op, name, xml)
     try:
@@ -575,7 +580,10 @@ def libvirt_resume(call: Call, req: LibvirtResume) -> dict[str, Any]:
     op = "libvirt.resume"
     name = _name(op, req.name)
     _managed(call, op, name)
-    call.ctx.intent_verifier().signed_instance(op, name, req.intent, resumes=True)
+    verifier = call.ctx.intent_verifier()
+    _inst, state = verifier.signed_instance(op, name, req.intent, resumes=True, runtime=RUNTIME)
+    if state is not None:  # durable before effect: a generation root acted on is its floor (round 7)
+        verifier.save_state(state)
     result = _virsh(call, "resume", name)
     if not result.ok:
         raise Failed("virsh", f"virsh resume {name}: {_err(result)}")
@@ -586,7 +594,19 @@ _undefine = _simple("undefine")
 
 
 def libvirt_undefine(call: Call, req: LibvirtName) -> dict[str, Any]:
-    """Undefine, then drop root's staged copy of the definition."""
+    """Undefine a domain that is not running, then drop root's staged copy of the definition. libvirt
+    undefines a running or paused domain too, which keeps running as a transient one: its staged copy
+    gone, root would no longer see that its taps are live (bcd_helper.taps: another instance of the same
+    tap stem could then take them), nor reach it again (red team round 7). The node destroys first."""
+    op = "libvirt.undefine"
+    name = _name(op, req.name)
+    xml = _managed(call, op, name)
+    if ET.fromstring(xml).get("id", "-1") != "-1":  # noqa: S314 (root's own libvirt output)
+        raise Refused(
+            "domain-active",
+            f"{op}: {name} is running or paused: libvirt would keep it running as a transient domain "
+            "whose taps root no longer records; destroy it first",
+        )
     result = _undefine(call, req)
     try:
         call.system.remove(f"{STAGE_DIR}/{req.name}.xml")
@@ -662,7 +682,7 @@ def libvirt_attach_rebind(call: Call, req: LibvirtRebind) -> dict[str, Any]:
     op = "libvirt.rebind"
     name = _name(op, req.name)
     verifier = call.ctx.intent_verifier()
-    inst, state = verifier.signed_instance(op, name, req.intent)
+    inst, state = verifier.signed_instance(op, name, req.intent, runtime=RUNTIME)
     if inst is not None and not inst.identity_rebind_ref:
         raise Refused("spec-mismatch", f"{op}: {name}: the signed spec asks no identity rebind of it")
     _managed(call, op, name)
@@ -718,7 +738,7 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
     _stage_room(call, op, name)
     checked, data = check_definition(call, op, name, req.xml)
     _gpus_free(call, op, name, data)  # a restore passes its GPUs through as a start does (DLV-DEV-21)
-    _signed(call, op, name, req.intent, checked, runs=True)
+    _signed(call, op, name, req.intent, checked, runs=True, paused=req.paused)
     if checked.nics:
         tapnames.refuse_collision(call, op, name)
     _real, st = _instance_file(call, op, name, "save.state", "no-state", "no-state")

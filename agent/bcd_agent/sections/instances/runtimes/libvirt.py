@@ -47,7 +47,7 @@ from bcd_shared.instancenames import (
 from bcd_shared.rebinddisk import REBIND_FILE, attach_args, detach_args, zero_and_remove
 from bcd_shared.system import CommandResult, System
 
-from bcd_agent.sections.instances.model import RUNTIME_LIBVIRT, InstanceSpec
+from bcd_agent.sections.instances.model import RUNTIME_LIBVIRT, Desired, InstanceSpec
 from bcd_agent.sections.instances.runtimes import images
 from bcd_agent.sections.instances.runtimes.base import (
     DISK_NAME,
@@ -757,8 +757,10 @@ class LibvirtRuntime:
             if paused_here:
                 self._act("resume", name)
             if saved:
-                # The domain carries on from its saved state (paused if it was): bcd's own definition.
-                self._restore_state(name, save, paused=state == PAUSED)
+                # The domain carries on from its saved state (paused if it was, or if the spec now wants
+                # it paused: root restores a guest running only while the signed spec wants it RUNNING,
+                # docs/helper.md round 7): bcd's own definition.
+                self._restore_state(name, save, paused=state == PAUSED or inst.desired is Desired.PAUSED)
         return meta
 
     def _restore_state(self, name: str, state: str, paused: bool) -> None:
