@@ -143,6 +143,9 @@ class HostView:
     wall_clock: Callable[[], float] = time.time
     run: Runner = _no_tool  # a host program (the simulated host's fakes under --root)
     time_sync: Callable[[], TimeSync | None] = lambda: read_adjtimex()
+    # This process's supplementary groups: in a container they come from the pod's supplementalGroups,
+    # which no /etc/group or unit file shows.
+    groups: Callable[[], Sequence[int]] = os.getgroups
 
     def path(self, host_path: str) -> Path:
         return self.root / host_path.lstrip("/")
@@ -758,6 +761,14 @@ def _check_gpu_binding(config: Config, host: HostView) -> list[Finding]:
 # Groups whose members read every entry of journald's system journal (journal files 0640
 # root:systemd-journal; Debian also grants adm by ACL).
 JOURNAL_GROUPS = ("systemd-journal", "adm")
+# Where journald keeps the system journal: persistent, volatile (journalctl reads both).
+JOURNAL_DIRS = ("/var/log/journal", "/run/log/journal")
+# How the Kubernetes DaemonSet grants what a unit's SupplementaryGroups= grants on a host.
+IN_A_POD = (
+    "in the Kubernetes DaemonSet: mount the host's /var/log, /run/log and /etc/machine-id read-only into "
+    "the node container and put the host journal's gid (stat -c %g /var/log/journal) in the pod's "
+    "securityContext.supplementalGroups, as deploy/kubernetes/bcd-daemonset.yaml does"
+)
 NODE_UNIT_FILES = (
     "/etc/systemd/system/bcd-node.service",
     "/lib/systemd/system/bcd-node.service",
@@ -805,7 +816,9 @@ def _check_kernel_log(config: Config, host: HostView) -> list[Finding]:
                 "kernel-log",
                 "fail",
                 f"no journalctl: bcd node cannot read the kernel log, {blind}",
-                "install systemd's journalctl (bcd reads the kernel's entries through journald)",
+                "install systemd's journalctl (Debian: the systemd package; the DaemonSet's image, "
+                "deploy/kubernetes/Containerfile, installs it): bcd reads the kernel's entries "
+                "through journald",
             )
         ]
     uid = _node_uid(config, host)
@@ -833,16 +846,46 @@ def _check_kernel_log(config: Config, host: HostView) -> list[Finding]:
                 f"{user} reads the kernel's journal entries ({unit}: SupplementaryGroups={granted[0]})",
             )
         ]
+    journals = _journal_gids(host)
+    if host.euid == uid:  # doctor runs as the node's account: its own groups are the node's
+        held = sorted({path for path, gid in journals.items() if gid in host.groups()})
+        if held:
+            return [
+                Finding(
+                    "kernel-log",
+                    "ok",
+                    f"{user} reads the kernel's journal entries: it holds gid {journals[held[0]]}, "
+                    f"{held[0]}'s group (a supplementary group, as a pod's supplementalGroups give)",
+                )
+            ]
+    where = (
+        "; ".join(f"{path} is gid {gid}" for path, gid in sorted(journals.items()))
+        if journals
+        else f"and there is no journal at {' or '.join(JOURNAL_DIRS)}"
+    )
     return [
         Finding(
             "kernel-log",
             "fail",
-            f"the node's account {user} is neither in group systemd-journal nor in adm: journalctl shows it "
-            f"only its own entries, {blind}",
+            f"the node's account {user} is neither in group systemd-journal nor in adm ({where}): journalctl "
+            f"shows it only its own entries, {blind}",
             "install deploy/bcd-node.service (SupplementaryGroups=systemd-journal), "
-            f"or usermod -aG systemd-journal {user}",
+            f"or usermod -aG systemd-journal {user}; {IN_A_POD}",
         )
     ]
+
+
+def _journal_gids(host: HostView) -> dict[str, int]:
+    """Each journal directory there is -> its group (systemd-journal's gid on the host)."""
+    out: dict[str, int] = {}
+    for path in JOURNAL_DIRS:
+        try:
+            st = host.path(path).stat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            out[path] = st.st_gid
+    return out
 
 
 def _check_vm_runtime(config: Config, host: HostView) -> list[Finding]:

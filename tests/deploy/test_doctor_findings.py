@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 from bcd_agent.doctor import JSON_FORMAT, Finding, HostView, TimeSync, check_all, read_adjtimex, to_json
 from bcd_agent.node import VERSION
@@ -407,3 +408,38 @@ def test_kernel_log_readable_by_the_node_on_a_gpu_host(tmp_path: Path) -> None:
         (tmp_path / "etc/group").write_text("")
         as_root = by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"]
         assert as_root.level == "ok" and "runs as root" in as_root.message
+
+
+def test_kernel_log_in_a_pod_reads_the_journal_through_its_supplementary_group(tmp_path: Path) -> None:
+    """`kernel-log` in the DaemonSet's node container (doctor as the node's uid): no /etc/group entry and no
+    unit grant the journal, the pod's supplementalGroups do. ok when this process holds the gid of the
+    journal directory; else fail naming that gid, with a fix for the DaemonSet too. Before: fail whatever
+    the pod's groups, with only the systemd fixes (SupplementaryGroups=, usermod)."""
+    cfg = config(tmp_path)
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev/nvidia0").write_text("")
+    data = tmp_path / "var/lib/bcd"
+    if os.geteuid() == 0:
+        os.chown(data, 990, 990)
+    uid = data.stat().st_uid
+    (tmp_path / "etc/passwd").write_text(f"bcd:x:{uid}:{uid}::/:/sbin/nologin\n")
+    (tmp_path / "etc/group").write_text("systemd-journal:x:999:\n")  # the image's group, no members
+    journal = tmp_path / "var/log/journal"
+    journal.mkdir(parents=True)
+    gid = journal.stat().st_gid
+    tools = {"journalctl --version": ok("journalctl --version", b"systemd 252\n")}
+
+    def finding(groups: list[int]) -> Finding:
+        host = view(tmp_path, tools=tools)
+        return by_id(check_all(cfg, HostView(**{**attrs.asdict(host, recurse=False), "euid": uid,
+                                                 "groups": lambda: groups})))["kernel-log"]  # fmt: skip
+
+    held = finding([gid])
+    assert held.level == "ok" and f"gid {gid}" in held.message and "/var/log/journal" in held.message
+    missing = finding([])
+    assert missing.level == "fail" and f"/var/log/journal is gid {gid}" in missing.message
+    assert "supplementalGroups" in missing.fix and "deploy/kubernetes/bcd-daemonset.yaml" in missing.fix
+    journal.rmdir()
+    gone = finding([gid])
+    assert gone.level == "fail" and "no journal at /var/log/journal or /run/log/journal" in gone.message
+    assert "/var/log, /run/log and /etc/machine-id" in gone.fix

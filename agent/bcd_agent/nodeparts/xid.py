@@ -16,7 +16,8 @@ to data_dir/xid.json (atomic, fsynced) and hands the runner one `XidError` condi
   command's result goes out. A GPU that reset but reads unhealthy, or did not reset, keeps them.
 - `xids(uuid)`, `by_gpu()`: the distinct codes this boot (`diag.nvml`'s `GpuHealth.xids`).
 - Reading needs journald's system journal: the agent's account in group `systemd-journal` (the
-  deploy unit grants it, SupplementaryGroups=) or root. journalctl without it prints only a hint on
+  deploy unit grants it, SupplementaryGroups=; the DaemonSet mounts the host's journal and grants its
+  gid through the pod's supplementalGroups) or root. journalctl without it prints only a hint on
   stderr; the watcher then says once that XIDs are not seen (`blind`), and `bcd doctor` fails the check.
 
 No module-level state; the clock is trio's (MockClock in tests).
@@ -211,7 +212,9 @@ class XidWatcher:
                 self._set_blind(result.describe())
                 return
             self._set_blind(
-                "journalctl shows only this account's own entries: add it to group systemd-journal"
+                "journalctl shows only this account's own entries: give it the journal's group "
+                "(systemd-journal; in the Kubernetes DaemonSet, the host journal's gid in the pod's "
+                "supplementalGroups)"
                 if NOT_SEEING in result.stderr
                 else ""
             )
@@ -239,7 +242,11 @@ class XidWatcher:
     def _set_blind(self, why: str) -> None:
         if why != self.blind:
             if why:
-                log.warning("xid: the kernel log cannot be read, XID errors are not seen: %s", why)
+                log.warning(
+                    "xid: the kernel log cannot be read, XID errors are not seen: %s"
+                    " (`bcd doctor`, check kernel-log, names the fix)",
+                    why,
+                )
             else:
                 log.info("xid: the kernel log is readable again")
         self.blind = why
