@@ -78,6 +78,10 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      "log_level", False),
     ("node negative delay", lambda t: ["node", "--test-effect-delay", "-1"], EX_USAGE, "negative", False),
     ("join without address", lambda t: ["join", "--token", "x"], EX_USAGE, "--address", False),
+    # A token may begin with '-' (URL-safe base64): argparse takes it for an option; the line says how.
+    ("join token beginning with -", lambda t: ["join", "--token", "-Ab3", "--address", "cp.example:443"],
+     EX_USAGE, "--token: expected one argument; a value that begins with '-' is given as --token=VALUE",
+     False),
     ("join address without a port", lambda t: ["join", "--token", "x", "--address", "nohost"], EX_USAGE,
      "expected HOST:PORT or unix:/PATH, got 'nohost'", False),
     ("join address port out of range", lambda t: ["join", "--token", "x", "--address", "cp.example:70000"],

@@ -258,7 +258,9 @@ class DevPlane:
     # --- join ---------------------------------------------------------------------------------------
 
     def issue_token(self) -> str:
-        token = secrets.token_urlsafe(24)
+        # Hex, not URL-safe base64: one such token in 64 began with '-', and `bcd join --token TOKEN`
+        # (as the docs write it) then read it as an option.
+        token = secrets.token_hex(24)
         with self.store.tx() as c:
             c.execute("INSERT INTO tokens (token, created_at) VALUES (?, ?)", (token, time.time()))
         return token
