@@ -279,12 +279,30 @@ for u in "${units[@]}"; do
     die "$u: not installed by a package and not beside this script"
   fi
 done
+# Started only once joined: a node without identity.json exits 78 at once, and the unit's
+# RestartPreventExitStatus=78 leaves it failed, so it would not be running after `bcd join` either.
+start=("${units[@]}")
+joined=true
+if [ ! -e "$(P /var/lib/bcd/identity.json)" ]; then
+  joined=false
+  start=()
+  $HELPER && start=(bcd-helper.service)
+fi
 if $ENABLE && [ "$ROOT" = "" ] && [ -d /run/systemd/system ]; then
   systemctl daemon-reload
-  systemctl enable --now "${units[@]}"
+  systemctl enable "${units[@]}"
+  [ "${#start[@]}" -eq 0 ] || systemctl start "${start[@]}"
 elif $ENABLE; then
   echo "install.sh: systemd is not running here (or --root was given): enable ${units[*]} yourself"
 fi
+if $ENABLE && ! $joined; then
+  echo "install.sh: bcd-node.service is enabled, not started: the node has not joined. Next, as root:" \
+    "bcd join --token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
+fi
+# bcd-node.service's SupplementaryGroups=systemd-journal (the XID watcher reads the kernel log): a host
+# without that group cannot start the unit at all (status=216/GROUP).
+grep -q '^systemd-journal:' "$(P /etc/group)" ||
+  echo "install.sh: warning: no group systemd-journal in $(P /etc/group): bcd-node.service (SupplementaryGroups=systemd-journal) will not start (216/GROUP); install systemd's journald, or drop that line in a drop-in and accept that XID errors go unseen" >&2
 for prog in /usr/bin/bcd /usr/bin/bcd-helper; do
   [ -x "$(P "$prog")" ] || echo "install.sh: note: $prog is not installed yet (the units run it)" >&2
 done

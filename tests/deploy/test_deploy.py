@@ -523,3 +523,38 @@ def test_install_rerun_with_other_flags_shows_each_difference_and_needs_replace(
     _, gid = account(root, "bcd")
     assert owner_mode(config) == (0, gid, 0o640)
     assert owner_mode(root / "etc/bcd/config.toml.old") == (0, gid, 0o640)
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_says_the_node_starts_after_the_join_and_warns_of_no_journal_group(tmp_path: Path) -> None:
+    """Before: `systemctl enable --now` of both units right after writing the config, so the node (not
+    joined) exited 78 and RestartPreventExitStatus=78 left it failed, after `bcd join` too; and a host
+    without group systemd-journal got a unit that cannot start (216/GROUP), unannounced. Now the node's
+    unit is enabled and started only once joined, and the output says what to run next."""
+    for tool in ("useradd", "groupadd", "install"):
+        require_tool(tool)
+    root = tmp_path / "host"
+
+    def install() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(DEPLOY / "install.sh"), "--root", str(root), "--control-plane", "gw.example:443"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    first = install()
+    assert first.returncode == 0, first.stderr
+    assert (
+        "bcd-node.service is enabled, not started: the node has not joined. Next, as root: bcd join "
+        "--token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
+    ) in first.stdout
+    assert "no group systemd-journal" in first.stderr and "216/GROUP" in first.stderr
+    with (root / "etc/group").open("a") as f:
+        f.write("systemd-journal:x:999:\n")
+    (root / "var/lib/bcd/identity.json").write_text("{}")
+    again = install()
+    assert again.returncode == 0, again.stderr
+    assert "not started" not in again.stdout and "systemd-journal" not in again.stderr
