@@ -254,7 +254,7 @@ def check_all(config_path: str, host: HostView) -> list[Finding]:
     findings.extend(_check_iommu(host))
     findings.append(_check_clock(host))
     findings.append(_check_time_sync(host))
-    findings.extend(_check_units(host))
+    findings.extend(_check_units(config, host))
     if host.euid == 0 and config.under_helper:
         findings.extend(_check_join_binding(config, host))
     return findings
@@ -703,8 +703,15 @@ def _check_time_sync(host: HostView) -> Finding:
     )
 
 
-def _check_units(host: HostView) -> list[Finding]:
+def _check_units(config: Config, host: HostView) -> list[Finding]:
     """bcd-helper.service and bcd-node.service: active, enabled."""
+    # A node that has not joined exits 78 and RestartPreventExitStatus=78 keeps it down: (re)starting
+    # its unit fails again until `bcd join` ran.
+    join_first = (
+        ""
+        if (Path(config.data_dir) / "identity.json").exists()
+        else "not joined: bcd join --token=TOKEN --address HOST:PORT first (as root), then "
+    )
     if host.which("systemctl") is None:
         return [Finding("units", "ok", "no systemctl (a container?): the units were not checked")]
     findings = []
@@ -723,9 +730,14 @@ def _check_units(host: HostView) -> list[Finding]:
             level: Level = "ok" if enabled == "enabled" else "warn"
             fix = "" if level == "ok" else f"systemctl enable {unit} (it would not start at boot)"
         elif active == "failed":
-            level, fix = "fail", f"journalctl -u {unit} says why; then systemctl restart {unit}"
+            level = "fail"
+            fix = f"journalctl -u {unit} says why; then systemctl restart {unit}"
+            if unit == "bcd-node.service" and join_first:
+                fix = f"{join_first}systemctl restart {unit}"
         else:
             level, fix = "warn", f"systemctl enable --now {unit}"
+            if unit == "bcd-node.service" and join_first:
+                fix = f"{join_first}systemctl enable --now {unit}"
         findings.append(Finding("units", level, shown, fix, subject=unit))
     return findings
 

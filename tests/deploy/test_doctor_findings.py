@@ -257,6 +257,7 @@ def test_helper_version_matches_the_node(tmp_path: Path, theirs: str | None, lev
 
 def test_units_state(tmp_path: Path) -> None:
     cfg = config(tmp_path)
+    (tmp_path / "var/lib/bcd/identity.json").write_text("{}")  # joined
     tools = {
         "systemctl is-active bcd-helper.service": ok("systemctl", b"active\n"),
         "systemctl is-enabled bcd-helper.service": ok("systemctl", b"enabled\n"),
@@ -268,6 +269,13 @@ def test_units_state(tmp_path: Path) -> None:
     node = found["units/bcd-node.service"]
     assert (node.level, node.message) == ("fail", "bcd-node.service is failed (enabled)")
     assert "journalctl -u bcd-node.service" in node.fix
+    # Not joined: the node exits 78 and stays down until `bcd join` ran; the fix says so first.
+    (tmp_path / "var/lib/bcd/identity.json").unlink(missing_ok=True)
+    unjoined = by_id(check_all(cfg, view(tmp_path, tools=tools)))["units/bcd-node.service"]
+    assert unjoined.fix == (
+        "not joined: bcd join --token=TOKEN --address HOST:PORT first (as root), then "
+        "systemctl restart bcd-node.service"
+    )
     offline = {
         "systemctl is-active bcd-helper.service": CommandResult(
             ("systemctl",),
