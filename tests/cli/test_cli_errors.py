@@ -366,3 +366,35 @@ def test_reference_reads_are_guarded() -> None:
             if names & {"REFERENCE", "SHARED"}:
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert bad == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs bcd node as another account (uid 65534)")
+def test_node_as_the_wrong_account_names_the_data_dirs_owner_and_its_own_uid() -> None:
+    """`bcd node` started by hand as an account that cannot use data_dir (root's 0700 directory): one line
+    naming the owner, this uid and how the unit runs it; exit 77. Before: "<data_dir>/identity.json:
+    Permission denied", naming neither account."""
+    import shutil
+    import tempfile
+
+    require_tool("setpriv")
+    top = Path(tempfile.mkdtemp(prefix="bcd-wrong-account-"))
+    try:
+        top.chmod(0o755)  # the config readable by uid 65534; data_dir root's own
+        data = top / "data"
+        data.mkdir(mode=0o700)
+        (top / "config.toml").write_text(f'data_dir = "{data}"\n')
+        (top / "config.toml").chmod(0o644)
+        argv = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        res = subprocess.run(
+            [*argv, sys.executable, "-m", "bcd_agent.cli", "node", "--config", str(top / "config.toml")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
+    finally:
+        shutil.rmtree(top)
+    assert res.returncode == EX_NOPERM, res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    assert f"data_dir {data} (from {top}/config.toml) is owned by uid 0 (mode 0700)" in res.stderr
+    assert "this process (uid 65534) cannot use it" in res.stderr and "systemctl start bcd-node" in res.stderr
