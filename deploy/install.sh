@@ -281,19 +281,28 @@ for u in "${units[@]}"; do
 done
 # Started only once joined: a node without identity.json exits 78 at once, and the unit's
 # RestartPreventExitStatus=78 leaves it failed, so it would not be running after `bcd join` either.
-start=("${units[@]}")
-joined=true
-if [ ! -e "$(P /var/lib/bcd/identity.json)" ]; then
-  joined=false
-  start=()
-  $HELPER && start=(bcd-helper.service)
+# The helper only once its audit log has a sealing key the operator holds: started without one, it
+# makes a key no one holds (docs/deploy.md: `bcd-helper audit init` before the helper's first start).
+sealed=true
+if $HELPER && [ ! -e "$(P /var/log/bcd-helper/audit.key)" ] && [ ! -e "$(P /var/log/bcd-helper/audit.log)" ]; then
+  sealed=false
 fi
+joined=true
+[ -e "$(P /var/lib/bcd/identity.json)" ] || joined=false
+start=()
+$HELPER && $sealed && start+=(bcd-helper.service)
+$joined && start+=(bcd-node.service)
 if $ENABLE && [ "$ROOT" = "" ] && [ -d /run/systemd/system ]; then
   systemctl daemon-reload
   systemctl enable "${units[@]}"
   [ "${#start[@]}" -eq 0 ] || systemctl start "${start[@]}"
 elif $ENABLE; then
   echo "install.sh: systemd is not running here (or --root was given): enable ${units[*]} yourself"
+fi
+if $ENABLE && ! $sealed; then
+  echo "install.sh: bcd-helper.service is enabled, not started: its audit log has no sealing key yet." \
+    "Next, as root: bcd-helper audit init (keep the verification key it prints off this host)," \
+    "then systemctl start bcd-helper.service"
 fi
 if $ENABLE && ! $joined; then
   echo "install.sh: bcd-node.service is enabled, not started: the node has not joined. Next, as root:" \

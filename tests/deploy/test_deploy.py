@@ -527,11 +527,13 @@ def test_install_rerun_with_other_flags_shows_each_difference_and_needs_replace(
 
 @pytest.mark.realhost
 @pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
-def test_install_says_the_node_starts_after_the_join_and_warns_of_no_journal_group(tmp_path: Path) -> None:
+def test_install_starts_the_units_only_when_ready_and_warns_of_no_journal_group(tmp_path: Path) -> None:
     """Before: `systemctl enable --now` of both units right after writing the config, so the node (not
     joined) exited 78 and RestartPreventExitStatus=78 left it failed, after `bcd join` too; and a host
-    without group systemd-journal got a unit that cannot start (216/GROUP), unannounced. Now the node's
-    unit is enabled and started only once joined, and the output says what to run next."""
+    without group systemd-journal got a unit that cannot start (216/GROUP), unannounced; and the helper
+    started before `bcd-helper audit init`, sealing with a key no one holds. Now each unit is enabled and
+    started only once ready (the node joined, the helper's log sealed), and the output says what to run
+    next."""
     for tool in ("useradd", "groupadd", "install"):
         require_tool(tool)
     root = tmp_path / "host"
@@ -552,9 +554,16 @@ def test_install_says_the_node_starts_after_the_join_and_warns_of_no_journal_gro
         "--token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
     ) in first.stdout
     assert "no group systemd-journal" in first.stderr and "216/GROUP" in first.stderr
+    # And the helper only once its audit log has a sealing key someone holds (docs/deploy.md).
+    assert (
+        "bcd-helper.service is enabled, not started: its audit log has no sealing key yet. Next, as root: "
+        "bcd-helper audit init (keep the verification key it prints off this host), then systemctl start "
+        "bcd-helper.service"
+    ) in first.stdout
     with (root / "etc/group").open("a") as f:
         f.write("systemd-journal:x:999:\n")
     (root / "var/lib/bcd/identity.json").write_text("{}")
+    (root / "var/log/bcd-helper/audit.key").write_bytes(b"")
     again = install()
     assert again.returncode == 0, again.stderr
     assert "not started" not in again.stdout and "systemd-journal" not in again.stderr
