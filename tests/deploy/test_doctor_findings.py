@@ -404,6 +404,10 @@ def test_kernel_log_readable_by_the_node_on_a_gpu_host(tmp_path: Path) -> None:
     unit = tmp_path / "lib/systemd/system/bcd-node.service"
     unit.parent.mkdir(parents=True)
     unit.write_text("[Service]\nUser=bcd\nSupplementaryGroups=systemd-journal\n")
+    # The unit file alone grants nothing where systemd does not run the node (the DaemonSet's image
+    # carries the packaged unit): before, this passed in a pod whatever its groups.
+    assert by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"].level == "fail"
+    (tmp_path / "run/systemd/system").mkdir(parents=True)  # systemd is PID 1 here
     granted = by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"]
     assert granted.level == "ok" and "SupplementaryGroups=systemd-journal" in granted.message
     unit.write_text("[Service]\nUser=bcd\nSupplementaryGroups=systemd-journal\nSupplementaryGroups=\n")
