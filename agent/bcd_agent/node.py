@@ -369,7 +369,10 @@ class Node:
             log.info("node: [host] units = false: no host converger; host units are managed outside bcd")
             return None
         if not self._acts_on_host():
-            log.warning("node: unprivileged without [helper] socket: the host section cannot be converged")
+            log.warning(
+                "node: unprivileged without [helper] socket: the host section cannot be converged; set "
+                "[helper] socket in config.toml (deploy/install.sh writes it) beside a root bcd helper"
+            )
             return None
         try:
             from bcd_shared.units import ApplyContext, UnitContext
