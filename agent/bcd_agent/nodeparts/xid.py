@@ -54,6 +54,7 @@ from bcd_agent.inventory.xid import (
 log = logging.getLogger("bcd.xid")
 
 JOURNALCTL = "journalctl"
+JOURNAL_DIRS = ("/var/log/journal", "/run/log/journal")  # journald's persistent and volatile journal
 STATE_FILE = "xid.json"
 SOURCE = "xid"  # ConvergeRunner.set_conditions' source
 POLL_INTERVAL_S = 10.0
@@ -211,14 +212,23 @@ class XidWatcher:
             if not result.ok:
                 self._set_blind(result.describe())
                 return
-            self._set_blind(
-                "journalctl shows only this account's own entries: give it the journal's group "
-                "(systemd-journal; in the Kubernetes DaemonSet, the host journal's gid in the pod's "
-                "supplementalGroups)"
-                if NOT_SEEING in result.stderr
-                else ""
-            )
             lines = result.stdout.splitlines()
+            if NOT_SEEING in result.stderr:
+                self._set_blind(
+                    "journalctl shows only this account's own entries: give it the journal's group "
+                    "(systemd-journal; in the Kubernetes DaemonSet, the host journal's gid in the pod's "
+                    "supplementalGroups)"
+                )
+            elif not lines and not self.state.cursor and not any(map(self.system.exists, JOURNAL_DIRS)):
+                # journalctl --quiet finds no journal files and says nothing: a container without
+                # the host's journal mounted (the DaemonSet before it mounted one).
+                self._set_blind(
+                    f"there is no journal at {' or '.join(JOURNAL_DIRS)}, so journalctl reads nothing (in a "
+                    "container: mount the host's /var/log, /run/log and /etc/machine-id read-only, as "
+                    "deploy/kubernetes/bcd-daemonset.yaml does)"
+                )
+            else:
+                self._set_blind("")
             entries = []
             last = ""
             for line in lines:
