@@ -300,12 +300,12 @@ elif $ENABLE; then
   echo "install.sh: systemd is not running here (or --root was given): enable ${units[*]} yourself"
 fi
 if $ENABLE && ! $sealed; then
-  echo "install.sh: bcd-helper.service is enabled, not started: its audit log has no sealing key yet." \
+  echo "install.sh: bcd-helper.service not started: its audit log has no sealing key yet." \
     "Next, as root: bcd-helper audit init (keep the verification key it prints off this host)," \
     "then systemctl start bcd-helper.service"
 fi
 if $ENABLE && ! $joined; then
-  echo "install.sh: bcd-node.service is enabled, not started: the node has not joined. Next, as root:" \
+  echo "install.sh: bcd-node.service not started: the node has not joined. Next, as root:" \
     "bcd join --token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
 fi
 # bcd-node.service's SupplementaryGroups=systemd-journal (the XID watcher reads the kernel log): a host

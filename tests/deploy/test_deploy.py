@@ -550,13 +550,13 @@ def test_install_starts_the_units_only_when_ready_and_warns_of_no_journal_group(
     first = install()
     assert first.returncode == 0, first.stderr
     assert (
-        "bcd-node.service is enabled, not started: the node has not joined. Next, as root: bcd join "
+        "bcd-node.service not started: the node has not joined. Next, as root: bcd join "
         "--token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
     ) in first.stdout
     assert "no group systemd-journal" in first.stderr and "216/GROUP" in first.stderr
     # And the helper only once its audit log has a sealing key someone holds (docs/deploy.md).
     assert (
-        "bcd-helper.service is enabled, not started: its audit log has no sealing key yet. Next, as root: "
+        "bcd-helper.service not started: its audit log has no sealing key yet. Next, as root: "
         "bcd-helper audit init (keep the verification key it prints off this host), then systemctl start "
         "bcd-helper.service"
     ) in first.stdout
