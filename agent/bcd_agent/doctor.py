@@ -640,6 +640,17 @@ def _check_kvm(host: HostView) -> list[Finding]:
                 "chmod 0660 /dev/kvm and chgrp kvm /dev/kvm (udev's 50-udev-default.rules does)",
             )
         ]
+    if mode & 0o060 != 0o060 or group != "kvm":
+        # Before: ok for crw------- root:root, where no VM gets KVM.
+        return [
+            Finding(
+                "kvm",
+                "warn",
+                f"/dev/kvm is {shown}: QEMU (libvirt's account, in group kvm) and cloud-hypervisor's VMMs "
+                "cannot open it, so VMs run without KVM (TCG, far slower) or not at all",
+                "chmod 0660 /dev/kvm and chgrp kvm /dev/kvm (udev's 50-udev-default.rules does)",
+            )
+        ]
     return [Finding("kvm", "ok", f"/dev/kvm is {shown}")]
 
 

@@ -132,6 +132,14 @@ def test_dev_kvm_mode_and_group(tmp_path: Path) -> None:
     os.chmod(kvm, 0o666)
     f = by_id(check_all(cfg, view(tmp_path)))["kvm"]
     assert f.level == "warn" and "open to every user" in f.message and "chmod 0660" in f.fix
+    # root's alone (a container's /dev, a missing udev rule): no VMM opens it. Before: ok.
+    os.chmod(kvm, 0o600)
+    os.chown(kvm, 0, 0)
+    f = by_id(check_all(cfg, view(tmp_path)))["kvm"]
+    assert f.level == "warn" and f.message.startswith("/dev/kvm is crw------- uid 0 group root: QEMU")
+    assert f.fix.startswith("chmod 0660 /dev/kvm and chgrp kvm /dev/kvm")
+    os.chmod(kvm, 0o660)  # the group's, but not kvm's
+    assert by_id(check_all(cfg, view(tmp_path)))["kvm"].level == "warn"
     kvm.unlink()
     kvm.write_text("")
     assert by_id(check_all(cfg, view(tmp_path)))["kvm"].level == "fail"  # not a character device
