@@ -732,6 +732,18 @@ def _check_units(config: Config, host: HostView) -> list[Finding]:
         if not active:  # "System has not been booted with systemd", "Failed to connect to bus"
             err = res.stderr.decode(errors="replace").strip().splitlines()
             why = f": {err[0]}" if err else ""
+            if host.path("/run/systemd/system").is_dir():
+                # systemd is PID 1 and yet unreachable (no D-Bus, a full /run): the units are not known
+                # to be running, which an ok would have hidden.
+                return [
+                    Finding(
+                        "units",
+                        "warn",
+                        f"the units were not checked: systemd runs, but systemctl cannot reach it{why}",
+                        "run bcd doctor as root on the host (not in a container or another namespace); "
+                        "systemctl status bcd-helper bcd-node",
+                    )
+                ]
             return [
                 Finding("units", "ok", f"the units were not checked: systemctl cannot reach systemd{why}")
             ]

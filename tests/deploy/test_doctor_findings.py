@@ -298,6 +298,18 @@ def test_units_state(tmp_path: Path) -> None:
         and "not checked" in units.message
         and "not been booted with systemd" in units.message
     )
+    # systemd is PID 1 (/run/systemd/system) and systemctl still cannot reach it: not ok. Before: ok.
+    (tmp_path / "run/systemd/system").mkdir(parents=True)
+    unreachable = {
+        "systemctl is-active bcd-helper.service": CommandResult(
+            ("systemctl",), 1, b"", b"Failed to connect to bus\n"
+        )
+    }
+    [units] = [f for f in check_all(cfg, view(tmp_path, tools=unreachable)) if f.check == "units"]
+    assert (
+        units.level == "warn"
+        and "systemd runs, but systemctl cannot reach it: Failed to connect" in units.message
+    )
 
 
 def test_fix_texts_fit_the_fault(tmp_path: Path) -> None:
