@@ -279,12 +279,39 @@ for u in "${units[@]}"; do
     die "$u: not installed by a package and not beside this script"
   fi
 done
+# Started only once joined: a node without identity.json exits 78 at once, and the unit's
+# RestartPreventExitStatus=78 leaves it failed, so it would not be running after `bcd join` either.
+# The helper only once its audit log has a sealing key the operator holds: started without one, it
+# makes a key no one holds (docs/deploy.md: `bcd-helper audit init` before the helper's first start).
+sealed=true
+if $HELPER && [ ! -e "$(P /var/log/bcd-helper/audit.key)" ] && [ ! -e "$(P /var/log/bcd-helper/audit.log)" ]; then
+  sealed=false
+fi
+joined=true
+[ -e "$(P /var/lib/bcd/identity.json)" ] || joined=false
+start=()
+$HELPER && $sealed && start+=(bcd-helper.service)
+$joined && start+=(bcd-node.service)
 if $ENABLE && [ "$ROOT" = "" ] && [ -d /run/systemd/system ]; then
   systemctl daemon-reload
-  systemctl enable --now "${units[@]}"
+  systemctl enable "${units[@]}"
+  [ "${#start[@]}" -eq 0 ] || systemctl start "${start[@]}"
 elif $ENABLE; then
   echo "install.sh: systemd is not running here (or --root was given): enable ${units[*]} yourself"
 fi
+if $ENABLE && ! $sealed; then
+  echo "install.sh: bcd-helper.service not started: its audit log has no sealing key yet." \
+    "Next, as root: bcd-helper audit init (keep the verification key it prints off this host)," \
+    "then systemctl start bcd-helper.service"
+fi
+if $ENABLE && ! $joined; then
+  echo "install.sh: bcd-node.service not started: the node has not joined. Next, as root:" \
+    "bcd join --token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
+fi
+# bcd-node.service's SupplementaryGroups=systemd-journal (the XID watcher reads the kernel log): a host
+# without that group cannot start the unit at all (status=216/GROUP).
+grep -q '^systemd-journal:' "$(P /etc/group)" ||
+  echo "install.sh: warning: no group systemd-journal in $(P /etc/group): bcd-node.service (SupplementaryGroups=systemd-journal) will not start (216/GROUP); install systemd's journald, or drop that line in a drop-in and accept that XID errors go unseen" >&2
 for prog in /usr/bin/bcd /usr/bin/bcd-helper; do
   [ -x "$(P "$prog")" ] || echo "install.sh: note: $prog is not installed yet (the units run it)" >&2
 done

@@ -143,6 +143,9 @@ class HostView:
     wall_clock: Callable[[], float] = time.time
     run: Runner = _no_tool  # a host program (the simulated host's fakes under --root)
     time_sync: Callable[[], TimeSync | None] = lambda: read_adjtimex()
+    # This process's supplementary groups: in a container they come from the pod's supplementalGroups,
+    # which no /etc/group or unit file shows.
+    groups: Callable[[], Sequence[int]] = os.getgroups
 
     def path(self, host_path: str) -> Path:
         return self.root / host_path.lstrip("/")
@@ -251,7 +254,7 @@ def check_all(config_path: str, host: HostView) -> list[Finding]:
     findings.extend(_check_iommu(host))
     findings.append(_check_clock(host))
     findings.append(_check_time_sync(host))
-    findings.extend(_check_units(host))
+    findings.extend(_check_units(config, host))
     if host.euid == 0 and config.under_helper:
         findings.extend(_check_join_binding(config, host))
     return findings
@@ -637,6 +640,17 @@ def _check_kvm(host: HostView) -> list[Finding]:
                 "chmod 0660 /dev/kvm and chgrp kvm /dev/kvm (udev's 50-udev-default.rules does)",
             )
         ]
+    if mode & 0o060 != 0o060 or group != "kvm":
+        # Before: ok for crw------- root:root, where no VM gets KVM.
+        return [
+            Finding(
+                "kvm",
+                "warn",
+                f"/dev/kvm is {shown}: QEMU (libvirt's account, in group kvm) and cloud-hypervisor's VMMs "
+                "cannot open it, so VMs run without KVM (TCG, far slower) or not at all",
+                "chmod 0660 /dev/kvm and chgrp kvm /dev/kvm (udev's 50-udev-default.rules does)",
+            )
+        ]
     return [Finding("kvm", "ok", f"/dev/kvm is {shown}")]
 
 
@@ -700,8 +714,15 @@ def _check_time_sync(host: HostView) -> Finding:
     )
 
 
-def _check_units(host: HostView) -> list[Finding]:
+def _check_units(config: Config, host: HostView) -> list[Finding]:
     """bcd-helper.service and bcd-node.service: active, enabled."""
+    # A node that has not joined exits 78 and RestartPreventExitStatus=78 keeps it down: (re)starting
+    # its unit fails again until `bcd join` ran.
+    join_first = (
+        ""
+        if (Path(config.data_dir) / "identity.json").exists()
+        else "not joined: bcd join --token=TOKEN --address HOST:PORT first (as root), then "
+    )
     if host.which("systemctl") is None:
         return [Finding("units", "ok", "no systemctl (a container?): the units were not checked")]
     findings = []
@@ -711,6 +732,18 @@ def _check_units(host: HostView) -> list[Finding]:
         if not active:  # "System has not been booted with systemd", "Failed to connect to bus"
             err = res.stderr.decode(errors="replace").strip().splitlines()
             why = f": {err[0]}" if err else ""
+            if host.path("/run/systemd/system").is_dir():
+                # systemd is PID 1 and yet unreachable (no D-Bus, a full /run): the units are not known
+                # to be running, which an ok would have hidden.
+                return [
+                    Finding(
+                        "units",
+                        "warn",
+                        f"the units were not checked: systemd runs, but systemctl cannot reach it{why}",
+                        "run bcd doctor as root on the host (not in a container or another namespace); "
+                        "systemctl status bcd-helper bcd-node",
+                    )
+                ]
             return [
                 Finding("units", "ok", f"the units were not checked: systemctl cannot reach systemd{why}")
             ]
@@ -720,9 +753,14 @@ def _check_units(host: HostView) -> list[Finding]:
             level: Level = "ok" if enabled == "enabled" else "warn"
             fix = "" if level == "ok" else f"systemctl enable {unit} (it would not start at boot)"
         elif active == "failed":
-            level, fix = "fail", f"journalctl -u {unit} says why; then systemctl restart {unit}"
+            level = "fail"
+            fix = f"journalctl -u {unit} says why; then systemctl restart {unit}"
+            if unit == "bcd-node.service" and join_first:
+                fix = f"{join_first}systemctl restart {unit}"
         else:
             level, fix = "warn", f"systemctl enable --now {unit}"
+            if unit == "bcd-node.service" and join_first:
+                fix = f"{join_first}systemctl enable --now {unit}"
         findings.append(Finding("units", level, shown, fix, subject=unit))
     return findings
 
@@ -758,6 +796,14 @@ def _check_gpu_binding(config: Config, host: HostView) -> list[Finding]:
 # Groups whose members read every entry of journald's system journal (journal files 0640
 # root:systemd-journal; Debian also grants adm by ACL).
 JOURNAL_GROUPS = ("systemd-journal", "adm")
+# Where journald keeps the system journal: persistent, volatile (journalctl reads both).
+JOURNAL_DIRS = ("/var/log/journal", "/run/log/journal")
+# How the Kubernetes DaemonSet grants what a unit's SupplementaryGroups= grants on a host.
+IN_A_POD = (
+    "in the Kubernetes DaemonSet: mount the host's /var/log, /run/log and /etc/machine-id read-only into "
+    "the node container and put the host journal's gid (stat -c %g /var/log/journal) in the pod's "
+    "securityContext.supplementalGroups, as deploy/kubernetes/bcd-daemonset.yaml does"
+)
 NODE_UNIT_FILES = (
     "/etc/systemd/system/bcd-node.service",
     "/lib/systemd/system/bcd-node.service",
@@ -805,7 +851,9 @@ def _check_kernel_log(config: Config, host: HostView) -> list[Finding]:
                 "kernel-log",
                 "fail",
                 f"no journalctl: bcd node cannot read the kernel log, {blind}",
-                "install systemd's journalctl (bcd reads the kernel's entries through journald)",
+                "install systemd's journalctl (Debian: the systemd package; the DaemonSet's image, "
+                "deploy/kubernetes/Containerfile, installs it): bcd reads the kernel's entries "
+                "through journald",
             )
         ]
     uid = _node_uid(config, host)
@@ -822,7 +870,10 @@ def _check_kernel_log(config: Config, host: HostView) -> list[Finding]:
         if len(f) >= 4 and f[0] in JOURNAL_GROUPS and user in f[3].split(",")
     ]
     unit, unit_groups = _unit_groups(host)
-    granted = [g for g in unit_groups if g in JOURNAL_GROUPS]
+    # The unit's grant holds only where systemd runs the node: the DaemonSet's image carries the
+    # packaged unit too, and there it grants nothing.
+    under_systemd = host.path("/run/systemd/system").is_dir()
+    granted = [g for g in unit_groups if g in JOURNAL_GROUPS] if under_systemd else []
     if member:
         return [Finding("kernel-log", "ok", f"{user} reads the kernel's journal entries (group {member[0]})")]
     if granted:
@@ -833,16 +884,46 @@ def _check_kernel_log(config: Config, host: HostView) -> list[Finding]:
                 f"{user} reads the kernel's journal entries ({unit}: SupplementaryGroups={granted[0]})",
             )
         ]
+    journals = _journal_gids(host)
+    if host.euid == uid:  # doctor runs as the node's account: its own groups are the node's
+        held = sorted({path for path, gid in journals.items() if gid in host.groups()})
+        if held:
+            return [
+                Finding(
+                    "kernel-log",
+                    "ok",
+                    f"{user} reads the kernel's journal entries: it holds gid {journals[held[0]]}, "
+                    f"{held[0]}'s group (a supplementary group, as a pod's supplementalGroups give)",
+                )
+            ]
+    where = (
+        "; ".join(f"{path} is gid {gid}" for path, gid in sorted(journals.items()))
+        if journals
+        else f"and there is no journal at {' or '.join(JOURNAL_DIRS)}"
+    )
     return [
         Finding(
             "kernel-log",
             "fail",
-            f"the node's account {user} is neither in group systemd-journal nor in adm: journalctl shows it "
-            f"only its own entries, {blind}",
+            f"the node's account {user} is neither in group systemd-journal nor in adm ({where}): journalctl "
+            f"shows it only its own entries, {blind}",
             "install deploy/bcd-node.service (SupplementaryGroups=systemd-journal), "
-            f"or usermod -aG systemd-journal {user}",
+            f"or usermod -aG systemd-journal {user}; {IN_A_POD}",
         )
     ]
+
+
+def _journal_gids(host: HostView) -> dict[str, int]:
+    """Each journal directory there is -> its group (systemd-journal's gid on the host)."""
+    out: dict[str, int] = {}
+    for path in JOURNAL_DIRS:
+        try:
+            st = host.path(path).stat()
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            out[path] = st.st_gid
+    return out
 
 
 def _check_vm_runtime(config: Config, host: HostView) -> list[Finding]:

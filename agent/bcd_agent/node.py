@@ -369,7 +369,10 @@ class Node:
             log.info("node: [host] units = false: no host converger; host units are managed outside bcd")
             return None
         if not self._acts_on_host():
-            log.warning("node: unprivileged without [helper] socket: the host section cannot be converged")
+            log.warning(
+                "node: unprivileged without [helper] socket: the host section cannot be converged; set "
+                "[helper] socket in config.toml (deploy/install.sh writes it) beside a root bcd helper"
+            )
             return None
         try:
             from bcd_shared.units import ApplyContext, UnitContext
@@ -988,7 +991,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _preflight(config: Config) -> None:
     """What stops `bcd node` before anything starts, as CliError EX_CONFIG (78): the unit's
     RestartPreventExitStatus=78 then stops systemd's restart loop instead of retrying every 5 s."""
-    from bcd_shared.subcommands import EX_CONFIG, CliError
+    from bcd_shared.subcommands import EX_CONFIG, EX_NOPERM, CliError
 
     from bcd_agent.session.identity import IdentityError, identity_path, load
 
@@ -998,6 +1001,15 @@ def _preflight(config: Config) -> None:
         raise CliError(f"{where} does not exist: run deploy/install.sh, then `bcd join`", EX_CONFIG)
     if not data_dir.is_dir():
         raise CliError(f"{where} is not a directory: correct data_dir in {config.source}", EX_CONFIG)
+    if not os.access(data_dir, os.R_OK | os.W_OK | os.X_OK):
+        # Before: "<data_dir>/identity.json: Permission denied", which names neither account.
+        owner = data_dir.stat().st_uid
+        raise CliError(
+            f"{where} is owned by uid {owner} (mode {data_dir.stat().st_mode & 0o7777:04o}) and this "
+            f"process (uid {os.geteuid()}) cannot use it: run bcd node as the data_dir's owner (on a "
+            "host: systemctl start bcd-node, which runs it as the bcd account)",
+            EX_NOPERM,
+        )
     if not identity_path(data_dir).exists():
         raise CliError(
             f"not joined: {identity_path(data_dir)} does not exist: "

@@ -260,6 +260,7 @@ class StatusSnapshot:
     # Why there is no status, when it is not simply "no node has run here": status.json unreadable,
     # or data_dir itself missing (a mistyped --data-dir). Also among `errors`.
     status_problem: str = ""
+    data_dir: str = ""  # the directory read, named when it holds no status.json yet
 
     @property
     def exit_code(self) -> int:
@@ -295,7 +296,7 @@ def snapshot(
         except OSError as e:
             errors.append(f"reading the holds failed: {e}")
     live = liveness(status, now, proc) if status is not None else None
-    return StatusSnapshot(status, holds, tuple(errors), live, problem)
+    return StatusSnapshot(status, holds, tuple(errors), live, problem, str(data_dir))
 
 
 def check(snap: StatusSnapshot, *, max_disconnected_s: float, max_stale_s: float) -> list[str]:
@@ -385,7 +386,9 @@ def render(snap: StatusSnapshot, *, now_wall: float | None = None) -> str:
     if st is None and snap.status_problem:
         lines.append(f"node: no status: {snap.status_problem}")
     elif st is None:
-        lines.append("node: no status published yet (is bcd node running with this data_dir?)")
+        # The file read: under --root a config's data_dir is the simulated host's, which surprises.
+        where = f": {Path(snap.data_dir) / 'status.json'} does not exist" if snap.data_dir else ""
+        lines.append(f"node: no status published yet{where} (is bcd node running with this data_dir?)")
     else:
         now = time.time() if now_wall is None else now_wall
         if live is not None:

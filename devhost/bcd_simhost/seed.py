@@ -70,7 +70,17 @@ def _meminfo(total_kb: int, hp_2m_total: int, hp_1g_total: int) -> str:
 
 def seed_base(root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
-    for d in ("etc/cdi", "run/bcd/allocations", "var/lib", "dev", "tmp", "etc/systemd/system"):
+    # run/log/journal: journald's volatile journal, which the XID watcher looks for (the simulated
+    # kernel log itself is var/lib/bcd-sim/journal/kernel.jsonl, which the fake journalctl reads).
+    for d in (
+        "etc/cdi",
+        "run/bcd/allocations",
+        "var/lib",
+        "dev",
+        "tmp",
+        "etc/systemd/system",
+        "run/log/journal",
+    ):
         (root / d).mkdir(parents=True, exist_ok=True)
     _put(root, "/etc/os-release", OS_RELEASE)
     _put(root, "/proc/sys/kernel/random/boot_id", f"{uuid.uuid4()}\n")

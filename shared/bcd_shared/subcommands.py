@@ -23,6 +23,7 @@ import argparse
 import errno
 import importlib
 import os
+import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import NoReturn
@@ -56,6 +57,9 @@ class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit 64 (EX_USAGE), not usage + 2."""
 
     def error(self, message: str) -> NoReturn:
+        missing = re.fullmatch(r"argument (--[\w-]+)(?:/\S+)?: expected one argument", message)
+        if missing:  # most often a value that begins with '-' (a join token, a path), read as an option
+            message += f"; a value that begins with '-' is given as {missing.group(1)}=VALUE"
         sys.stderr.write(f"{self.prog}: {message} (see {self.prog} --help)\n")
         raise SystemExit(EX_USAGE)
 

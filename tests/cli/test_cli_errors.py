@@ -78,6 +78,10 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      "log_level", False),
     ("node negative delay", lambda t: ["node", "--test-effect-delay", "-1"], EX_USAGE, "negative", False),
     ("join without address", lambda t: ["join", "--token", "x"], EX_USAGE, "--address", False),
+    # A token may begin with '-' (URL-safe base64): argparse takes it for an option; the line says how.
+    ("join token beginning with -", lambda t: ["join", "--token", "-Ab3", "--address", "cp.example:443"],
+     EX_USAGE, "--token: expected one argument; a value that begins with '-' is given as --token=VALUE",
+     False),
     ("join address without a port", lambda t: ["join", "--token", "x", "--address", "nohost"], EX_USAGE,
      "expected HOST:PORT or unix:/PATH, got 'nohost'", False),
     ("join address port out of range", lambda t: ["join", "--token", "x", "--address", "cp.example:70000"],
@@ -98,7 +102,10 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
     ("devplane negative not-after", lambda t: ["devplane", "command", "k", "--dir", str(t), "--not-after",
      "-1"], EX_USAGE, "positive", False),
     ("devplane apply of a spec that is not JSON", lambda t: ["devplane", "apply", "--dir", str(t),
-     _config(t, "x")], EX_DATAERR, "config.toml: not JSON", False),
+     _config(t, "x")], EX_DATAERR, "config.toml: is not JSON", False),
+    ("devplane apply of a spec with an unknown field", lambda t: ["devplane", "apply", "--dir", str(t),
+     _config(t, '{"devices": {"assignmentz": []}}')], EX_DATAERR,
+     "config.toml: devices.assignmentz: unknown field of DevicesSection", False),
     ("devplane apply of a missing spec", lambda t: ["devplane", "apply", "--dir", str(t), str(t / "no.json")],
      EX_DATAERR, "no.json: cannot be read", False),
     ("devplane command with a payload that is not JSON", lambda t: ["devplane", "command", "k", "--dir",
@@ -359,3 +366,35 @@ def test_reference_reads_are_guarded() -> None:
             if names & {"REFERENCE", "SHARED"}:
                 bad.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert bad == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="runs bcd node as another account (uid 65534)")
+def test_node_as_the_wrong_account_names_the_data_dirs_owner_and_its_own_uid() -> None:
+    """`bcd node` started by hand as an account that cannot use data_dir (root's 0700 directory): one line
+    naming the owner, this uid and how the unit runs it; exit 77. Before: "<data_dir>/identity.json:
+    Permission denied", naming neither account."""
+    import shutil
+    import tempfile
+
+    require_tool("setpriv")
+    top = Path(tempfile.mkdtemp(prefix="bcd-wrong-account-"))
+    try:
+        top.chmod(0o755)  # the config readable by uid 65534; data_dir root's own
+        data = top / "data"
+        data.mkdir(mode=0o700)
+        (top / "config.toml").write_text(f'data_dir = "{data}"\n')
+        (top / "config.toml").chmod(0o644)
+        argv = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        res = subprocess.run(
+            [*argv, sys.executable, "-m", "bcd_agent.cli", "node", "--config", str(top / "config.toml")],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd="/",
+        )
+    finally:
+        shutil.rmtree(top)
+    assert res.returncode == EX_NOPERM, res.stderr
+    assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
+    assert f"data_dir {data} (from {top}/config.toml) is owned by uid 0 (mode 0700)" in res.stderr
+    assert "this process (uid 65534) cannot use it" in res.stderr and "systemctl start bcd-node" in res.stderr

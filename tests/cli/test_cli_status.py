@@ -108,6 +108,8 @@ def test_status_without_a_node_says_so(tmp_path: Path) -> None:
     res = bcd("status", "--no-holds", "--data-dir", str(tmp_path))
     assert res.returncode == 1
     assert "no status published yet" in res.stdout
+    # The file it looked for: under --root, a config's data_dir is the simulated host's, not the real path.
+    assert f"{tmp_path / 'status.json'} does not exist" in res.stdout
 
 
 def _status(version: int, state: SectionState = SectionState.CONVERGED) -> NodeStatus:

@@ -339,3 +339,26 @@ def test_the_schema_lives_in_shared() -> None:
     from bcd_shared import configschema
 
     assert agent_config.SCHEMA is configschema.SCHEMA
+
+
+def test_every_config_snippet_in_the_docs_parses() -> None:
+    """Each `[table] key = value` the docs quote (README.md, docs/*.md) is TOML the node's strict reader
+    accepts, placeholders (PATH, PORT) filled in; an operator pastes them. Before: docs/instances.md
+    quoted `[helper] libvirt_uri = qemu:///system`, which is not TOML (the value is a string)."""
+    import re
+
+    from testsupport import REPO
+
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    found = 0
+    for page in pages:
+        if page.name == "compliance.md":  # generated from test names and notes
+            continue
+        for table, key, value in re.findall(r"`\[(\w+)\] (\w+) = ([^`]+)`", page.read_text()):
+            value = value.replace('"PATH"', '"/run/bcd/x.sock"').replace(":PORT", ":443")
+            try:
+                parse_config(f"[{table}]\n{key} = {value}\n", f"{page.name}: [{table}] {key}")
+            except ConfigError as exc:
+                pytest.fail(f"{page.relative_to(REPO)}: `[{table}] {key} = {value}`: {exc}")
+            found += 1
+    assert found >= 5  # the pattern still finds what it is for

@@ -334,6 +334,68 @@ def test_daemonset_probes_resources_and_gpu_access() -> None:
     assert volumes[helper["/dev"]["name"]]["hostPath"]["path"] == "/dev"
 
 
+def test_daemonset_node_reads_the_hosts_journal() -> None:
+    """The XID watcher runs journalctl in the node container: it needs the host's journal (/var/log/journal,
+    /run/log/journal, through their parents), the host's machine id (journalctl reads only that machine's
+    files), read-only, and the journal's group as a supplementary group of the pod; the image has
+    journalctl. Before: no journal was mounted, and the node saw no XID errors."""
+    spec = _daemonset()
+    node = {c["name"]: c for c in spec["containers"]}["node"]
+    mounts = _mounts(node)
+    volumes = {v["name"]: v["hostPath"] for v in spec["volumes"] if "hostPath" in v}
+    for path in ("/var/log", "/run/log", "/etc/machine-id"):
+        assert mounts[path]["readOnly"] is True, path
+        assert volumes[mounts[path]["name"]]["path"] == path
+    # Never created on a host: a /var/log/journal made by the runtime would turn journald persistent.
+    assert volumes[mounts["/var/log"]["name"]]["type"] == "Directory"
+    assert volumes[mounts["/etc/machine-id"]["name"]]["type"] == "File"
+    groups = spec["securityContext"]["supplementalGroups"]
+    assert len(groups) == 1 and isinstance(groups[0], int) and groups[0] > 0
+    assert node["securityContext"]["runAsNonRoot"] is True  # the group, not root, grants the read
+    containerfile = (DEPLOY / "kubernetes" / "Containerfile").read_text()
+    install = re.search(r"apt-get install[^&]*", containerfile)
+    assert install and re.search(r"\ssystemd\s", install.group(0))  # Debian's journalctl
+    assert "journalctl --version" in containerfile
+
+
+def _journal_check(root: Path) -> str:
+    """The `config` init container's journal check, reading `root` for the host's /var/log and /run/log."""
+    script = _daemonset()["initContainers"][0]["command"][-1]
+    start = script.index('groups=" $(id -G) "')
+    end = script.index("done", start) + len("done")
+    return script[start:end].replace("/host-log", str(root))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="gives a scratch journal directory another group")
+def test_daemonset_refuses_a_pod_whose_groups_miss_the_journals(tmp_path: Path) -> None:
+    """The `config` init container compares the host journal's group with the pod's groups (its
+    supplementalGroups) and stops the pod naming both and the fix, unless BCD_KERNEL_LOG=optional."""
+    journal = tmp_path / "var/log/journal"
+    journal.mkdir(parents=True)
+    script = _journal_check(tmp_path)
+
+    def run(gid: int, policy: str) -> subprocess.CompletedProcess[str]:
+        os.chown(journal, 0, gid)
+        return run_sh(script, policy)
+
+    assert run(os.getegid(), "required").returncode == 0  # `id -G` names the egid too
+    missing = 4242
+    assert missing not in os.getgroups() and missing != os.getegid()
+    refused = run(missing, "required")
+    assert refused.returncode == 1
+    assert "/var/log/journal belongs to gid 4242" in refused.stderr
+    assert "supplementalGroups to [4242]" in refused.stderr
+    warned = run(missing, "optional")
+    assert warned.returncode == 0 and "gid 4242" in warned.stderr
+    shutil.rmtree(tmp_path / "var")  # no journal on the host: nothing to compare
+    assert run_sh(script).returncode == 0
+
+
+def run_sh(script: str, policy: str = "required") -> subprocess.CompletedProcess[str]:
+    env = {"PATH": os.environ["PATH"], "BCD_KERNEL_LOG": policy}
+    return subprocess.run(["/bin/sh", "-ec", script], env=env, capture_output=True, text=True, timeout=30)
+
+
 def containerfile_copies() -> list[Path]:
     """The files deploy/kubernetes/Containerfile COPYs (build context: the repository root), with its
     ARG defaults substituted."""
@@ -461,3 +523,47 @@ def test_install_rerun_with_other_flags_shows_each_difference_and_needs_replace(
     _, gid = account(root, "bcd")
     assert owner_mode(config) == (0, gid, 0o640)
     assert owner_mode(root / "etc/bcd/config.toml.old") == (0, gid, 0o640)
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_starts_the_units_only_when_ready_and_warns_of_no_journal_group(tmp_path: Path) -> None:
+    """Before: `systemctl enable --now` of both units right after writing the config, so the node (not
+    joined) exited 78 and RestartPreventExitStatus=78 left it failed, after `bcd join` too; and a host
+    without group systemd-journal got a unit that cannot start (216/GROUP), unannounced; and the helper
+    started before `bcd-helper audit init`, sealing with a key no one holds. Now each unit is enabled and
+    started only once ready (the node joined, the helper's log sealed), and the output says what to run
+    next."""
+    for tool in ("useradd", "groupadd", "install"):
+        require_tool(tool)
+    root = tmp_path / "host"
+
+    def install() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(DEPLOY / "install.sh"), "--root", str(root), "--control-plane", "gw.example:443"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+
+    first = install()
+    assert first.returncode == 0, first.stderr
+    assert (
+        "bcd-node.service not started: the node has not joined. Next, as root: bcd join "
+        "--token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
+    ) in first.stdout
+    assert "no group systemd-journal" in first.stderr and "216/GROUP" in first.stderr
+    # And the helper only once its audit log has a sealing key someone holds (docs/deploy.md).
+    assert (
+        "bcd-helper.service not started: its audit log has no sealing key yet. Next, as root: "
+        "bcd-helper audit init (keep the verification key it prints off this host), then systemctl start "
+        "bcd-helper.service"
+    ) in first.stdout
+    with (root / "etc/group").open("a") as f:
+        f.write("systemd-journal:x:999:\n")
+    (root / "var/lib/bcd/identity.json").write_text("{}")
+    (root / "var/log/bcd-helper/audit.key").write_bytes(b"")
+    again = install()
+    assert again.returncode == 0, again.stderr
+    assert "not started" not in again.stdout and "systemd-journal" not in again.stderr

@@ -20,6 +20,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import attrs
 import pytest
 from bcd_agent.doctor import JSON_FORMAT, Finding, HostView, TimeSync, check_all, read_adjtimex, to_json
 from bcd_agent.node import VERSION
@@ -131,6 +132,14 @@ def test_dev_kvm_mode_and_group(tmp_path: Path) -> None:
     os.chmod(kvm, 0o666)
     f = by_id(check_all(cfg, view(tmp_path)))["kvm"]
     assert f.level == "warn" and "open to every user" in f.message and "chmod 0660" in f.fix
+    # root's alone (a container's /dev, a missing udev rule): no VMM opens it. Before: ok.
+    os.chmod(kvm, 0o600)
+    os.chown(kvm, 0, 0)
+    f = by_id(check_all(cfg, view(tmp_path)))["kvm"]
+    assert f.level == "warn" and f.message.startswith("/dev/kvm is crw------- uid 0 group root: QEMU")
+    assert f.fix.startswith("chmod 0660 /dev/kvm and chgrp kvm /dev/kvm")
+    os.chmod(kvm, 0o660)  # the group's, but not kvm's
+    assert by_id(check_all(cfg, view(tmp_path)))["kvm"].level == "warn"
     kvm.unlink()
     kvm.write_text("")
     assert by_id(check_all(cfg, view(tmp_path)))["kvm"].level == "fail"  # not a character device
@@ -256,6 +265,7 @@ def test_helper_version_matches_the_node(tmp_path: Path, theirs: str | None, lev
 
 def test_units_state(tmp_path: Path) -> None:
     cfg = config(tmp_path)
+    (tmp_path / "var/lib/bcd/identity.json").write_text("{}")  # joined
     tools = {
         "systemctl is-active bcd-helper.service": ok("systemctl", b"active\n"),
         "systemctl is-enabled bcd-helper.service": ok("systemctl", b"enabled\n"),
@@ -267,6 +277,13 @@ def test_units_state(tmp_path: Path) -> None:
     node = found["units/bcd-node.service"]
     assert (node.level, node.message) == ("fail", "bcd-node.service is failed (enabled)")
     assert "journalctl -u bcd-node.service" in node.fix
+    # Not joined: the node exits 78 and stays down until `bcd join` ran; the fix says so first.
+    (tmp_path / "var/lib/bcd/identity.json").unlink(missing_ok=True)
+    unjoined = by_id(check_all(cfg, view(tmp_path, tools=tools)))["units/bcd-node.service"]
+    assert unjoined.fix == (
+        "not joined: bcd join --token=TOKEN --address HOST:PORT first (as root), then "
+        "systemctl restart bcd-node.service"
+    )
     offline = {
         "systemctl is-active bcd-helper.service": CommandResult(
             ("systemctl",),
@@ -280,6 +297,18 @@ def test_units_state(tmp_path: Path) -> None:
         units.level == "ok"
         and "not checked" in units.message
         and "not been booted with systemd" in units.message
+    )
+    # systemd is PID 1 (/run/systemd/system) and systemctl still cannot reach it: not ok. Before: ok.
+    (tmp_path / "run/systemd/system").mkdir(parents=True)
+    unreachable = {
+        "systemctl is-active bcd-helper.service": CommandResult(
+            ("systemctl",), 1, b"", b"Failed to connect to bus\n"
+        )
+    }
+    [units] = [f for f in check_all(cfg, view(tmp_path, tools=unreachable)) if f.check == "units"]
+    assert (
+        units.level == "warn"
+        and "systemd runs, but systemctl cannot reach it: Failed to connect" in units.message
     )
 
 
@@ -395,6 +424,10 @@ def test_kernel_log_readable_by_the_node_on_a_gpu_host(tmp_path: Path) -> None:
     unit = tmp_path / "lib/systemd/system/bcd-node.service"
     unit.parent.mkdir(parents=True)
     unit.write_text("[Service]\nUser=bcd\nSupplementaryGroups=systemd-journal\n")
+    # The unit file alone grants nothing where systemd does not run the node (the DaemonSet's image
+    # carries the packaged unit): before, this passed in a pod whatever its groups.
+    assert by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"].level == "fail"
+    (tmp_path / "run/systemd/system").mkdir(parents=True)  # systemd is PID 1 here
     granted = by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"]
     assert granted.level == "ok" and "SupplementaryGroups=systemd-journal" in granted.message
     unit.write_text("[Service]\nUser=bcd\nSupplementaryGroups=systemd-journal\nSupplementaryGroups=\n")
@@ -407,3 +440,38 @@ def test_kernel_log_readable_by_the_node_on_a_gpu_host(tmp_path: Path) -> None:
         (tmp_path / "etc/group").write_text("")
         as_root = by_id(check_all(cfg, view(tmp_path, tools=tools)))["kernel-log"]
         assert as_root.level == "ok" and "runs as root" in as_root.message
+
+
+def test_kernel_log_in_a_pod_reads_the_journal_through_its_supplementary_group(tmp_path: Path) -> None:
+    """`kernel-log` in the DaemonSet's node container (doctor as the node's uid): no /etc/group entry and no
+    unit grant the journal, the pod's supplementalGroups do. ok when this process holds the gid of the
+    journal directory; else fail naming that gid, with a fix for the DaemonSet too. Before: fail whatever
+    the pod's groups, with only the systemd fixes (SupplementaryGroups=, usermod)."""
+    cfg = config(tmp_path)
+    (tmp_path / "dev").mkdir()
+    (tmp_path / "dev/nvidia0").write_text("")
+    data = tmp_path / "var/lib/bcd"
+    if os.geteuid() == 0:
+        os.chown(data, 990, 990)
+    uid = data.stat().st_uid
+    (tmp_path / "etc/passwd").write_text(f"bcd:x:{uid}:{uid}::/:/sbin/nologin\n")
+    (tmp_path / "etc/group").write_text("systemd-journal:x:999:\n")  # the image's group, no members
+    journal = tmp_path / "var/log/journal"
+    journal.mkdir(parents=True)
+    gid = journal.stat().st_gid
+    tools = {"journalctl --version": ok("journalctl --version", b"systemd 252\n")}
+
+    def finding(groups: list[int]) -> Finding:
+        host = view(tmp_path, tools=tools)
+        return by_id(check_all(cfg, HostView(**{**attrs.asdict(host, recurse=False), "euid": uid,
+                                                 "groups": lambda: groups})))["kernel-log"]  # fmt: skip
+
+    held = finding([gid])
+    assert held.level == "ok" and f"gid {gid}" in held.message and "/var/log/journal" in held.message
+    missing = finding([])
+    assert missing.level == "fail" and f"/var/log/journal is gid {gid}" in missing.message
+    assert "supplementalGroups" in missing.fix and "deploy/kubernetes/bcd-daemonset.yaml" in missing.fix
+    journal.rmdir()
+    gone = finding([gid])
+    assert gone.level == "fail" and "no journal at /var/log/journal or /run/log/journal" in gone.message
+    assert "/var/log, /run/log and /etc/machine-id" in gone.fix

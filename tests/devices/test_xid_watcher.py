@@ -190,6 +190,24 @@ async def test_an_unreadable_kernel_log_is_said_not_fatal(sim_root: Path, tmp_pa
     assert readable.watcher.blind == ""
 
 
+async def test_no_journal_at_all_is_said_not_silent(sim_root: Path, tmp_path: Path) -> None:
+    """A container without the host's journal: journalctl --quiet finds no files, prints nothing and exits
+    0. Before, the watcher took that for a quiet kernel and never said XIDs go unseen; now it is blind,
+    naming the journal directories and the DaemonSet's mounts. A journal directory with no XID line yet
+    is a quiet kernel."""
+    (sim_root / "run/log/journal").rmdir()
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+    missing = Watched(sim_root, tmp_path / "a")
+    await missing.watcher.poll()
+    assert "no journal at /var/log/journal or /run/log/journal" in missing.watcher.blind
+    assert "bcd-daemonset.yaml" in missing.watcher.blind
+    (sim_root / "run/log/journal").mkdir()
+    quiet = Watched(sim_root, tmp_path / "b")
+    await quiet.watcher.poll()
+    assert quiet.watcher.blind == ""
+
+
 async def test_the_condition_keeps_its_age_across_polls(sim_root: Path, tmp_path: Path) -> None:
     w = Watched(sim_root, tmp_path)
     xid(sim_root, 7, 79)

@@ -192,6 +192,24 @@ async def test_a_refused_welcome_is_logged_in_one_line_with_both_times(
     assert f"{(now_ms - 600_000) / 1000:.3f}" in line and f"{now_ms / 1000:.3f}" in line, line
 
 
+async def test_a_failed_attempt_says_when_the_next_is_and_where_to_look(
+    tmp_path: Path, pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No gateway on the socket: each line names the attempt and when the next one is, and the third says
+    which command checks the address (before: the cause alone, the same line every few seconds)."""
+    core = _core(tmp_path, pki)
+    session = Session(
+        core, Endpoint(unix_path=str(tmp_path / "none.sock")), backoff=Backoff(initial_s=0.01, max_s=0.02)
+    )
+    caplog.set_level(logging.INFO, logger="bcd.session")
+    await _run_session(session, lambda: len(session.failures) >= 4, within=10)
+    lines = [r.getMessage() for r in caplog.records if r.name == "bcd.session" and "ended" in r.getMessage()]
+    assert len(lines) >= 3, caplog.text
+    assert "connection failed" in lines[0] and "; attempt 1 failed, the next in 0.0 s" in lines[0], lines[0]
+    assert "bcd doctor" not in lines[0] and "bcd doctor" not in lines[1]
+    assert "; attempt 3 failed" in lines[2] and "`bcd doctor` checks the control plane" in lines[2], lines[2]
+
+
 async def test_the_gateway_closing_the_stream_is_named(
     tmp_path: Path, pki: Pki, caplog: pytest.LogCaptureFixture
 ) -> None:

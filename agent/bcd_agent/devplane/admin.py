@@ -73,12 +73,17 @@ def handle(plane: DevPlane, request: dict[str, Any]) -> Any:
 
 async def serve(plane: DevPlane, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     path = plane.admin_path
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    # Bound and listening under another name, then renamed: once admin.sock exists it answers (a script
+    # that waits for the file, as docs/devplane.md's does, met a refused connection in between).
+    staging = path.with_name(path.name + ".new")
+    for stale in (path, staging):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stale)
     sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind(str(path))
-    os.chmod(path, 0o600)
+    await sock.bind(str(staging))
+    os.chmod(staging, 0o600)
     sock.listen(16)
+    os.rename(staging, path)
     listener = trio.SocketListener(sock)
 
     async def connection(stream: trio.SocketStream) -> None:

@@ -89,12 +89,13 @@ def run(args: argparse.Namespace) -> int:
     spec: Any = None
     payload: Any = None
     if action == "apply":
-        try:
-            spec = json.loads(Path(args.spec).read_bytes())
-        except OSError as exc:  # as `bcd plan` refuses a spec it cannot read
-            raise CliError(f"{args.spec}: cannot be read: {exc.strerror}", EX_DATAERR) from None
-        except ValueError as exc:
-            raise CliError(f"{args.spec}: not JSON: {exc}", EX_DATAERR) from None
+        from bcd_agent.plan import SpecFileError, load_spec_file
+
+        try:  # here, as `bcd plan` reads it: a refusal names the file and the field
+            load_spec_file(args.spec)
+        except SpecFileError as exc:
+            raise CliError(str(exc), EX_DATAERR) from None
+        spec = json.loads(Path(args.spec).read_bytes())
     if action == "command" and args.payload:
         try:
             payload = json.loads(args.payload)

@@ -105,7 +105,10 @@ def build_runtimes(
         return [LibvirtRuntime(system, virsh, data_dir, under_helper=True), *out]
     if simulated or as_root:
         return [LibvirtRuntime(system, DirectVirsh(system), data_dir), *out]
-    log.warning("instances: unprivileged without [helper] socket: this node runs no instance runtime")
+    log.warning(
+        "instances: unprivileged without [helper] socket: this node runs no instance runtime; set "
+        "[helper] socket in config.toml (deploy/install.sh writes it) beside a root bcd helper"
+    )
     return []
 
 

@@ -16,7 +16,8 @@ to data_dir/xid.json (atomic, fsynced) and hands the runner one `XidError` condi
   command's result goes out. A GPU that reset but reads unhealthy, or did not reset, keeps them.
 - `xids(uuid)`, `by_gpu()`: the distinct codes this boot (`diag.nvml`'s `GpuHealth.xids`).
 - Reading needs journald's system journal: the agent's account in group `systemd-journal` (the
-  deploy unit grants it, SupplementaryGroups=) or root. journalctl without it prints only a hint on
+  deploy unit grants it, SupplementaryGroups=; the DaemonSet mounts the host's journal and grants its
+  gid through the pod's supplementalGroups) or root. journalctl without it prints only a hint on
   stderr; the watcher then says once that XIDs are not seen (`blind`), and `bcd doctor` fails the check.
 
 No module-level state; the clock is trio's (MockClock in tests).
@@ -53,6 +54,7 @@ from bcd_agent.inventory.xid import (
 log = logging.getLogger("bcd.xid")
 
 JOURNALCTL = "journalctl"
+JOURNAL_DIRS = ("/var/log/journal", "/run/log/journal")  # journald's persistent and volatile journal
 STATE_FILE = "xid.json"
 SOURCE = "xid"  # ConvergeRunner.set_conditions' source
 POLL_INTERVAL_S = 10.0
@@ -210,12 +212,23 @@ class XidWatcher:
             if not result.ok:
                 self._set_blind(result.describe())
                 return
-            self._set_blind(
-                "journalctl shows only this account's own entries: add it to group systemd-journal"
-                if NOT_SEEING in result.stderr
-                else ""
-            )
             lines = result.stdout.splitlines()
+            if NOT_SEEING in result.stderr:
+                self._set_blind(
+                    "journalctl shows only this account's own entries: give it the journal's group "
+                    "(systemd-journal; in the Kubernetes DaemonSet, the host journal's gid in the pod's "
+                    "supplementalGroups)"
+                )
+            elif not lines and not self.state.cursor and not any(map(self.system.exists, JOURNAL_DIRS)):
+                # journalctl --quiet finds no journal files and says nothing: a container without
+                # the host's journal mounted (the DaemonSet before it mounted one).
+                self._set_blind(
+                    f"there is no journal at {' or '.join(JOURNAL_DIRS)}, so journalctl reads nothing (in a "
+                    "container: mount the host's /var/log, /run/log and /etc/machine-id read-only, as "
+                    "deploy/kubernetes/bcd-daemonset.yaml does)"
+                )
+            else:
+                self._set_blind("")
             entries = []
             last = ""
             for line in lines:
@@ -239,7 +252,11 @@ class XidWatcher:
     def _set_blind(self, why: str) -> None:
         if why != self.blind:
             if why:
-                log.warning("xid: the kernel log cannot be read, XID errors are not seen: %s", why)
+                log.warning(
+                    "xid: the kernel log cannot be read, XID errors are not seen: %s"
+                    " (`bcd doctor`, check kernel-log, names the fix)",
+                    why,
+                )
             else:
                 log.info("xid: the kernel log is readable again")
         self.blind = why

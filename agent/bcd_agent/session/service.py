@@ -132,6 +132,7 @@ class Session:
         self.retry_at: float | None = None  # wall time of the next attempt, while waiting for it
         self.last_heartbeat_at: float | None = None
         self.attempts = 0  # connection attempts that failed since the link was last up
+        self._failure: tuple[int, str] | None = None  # (level, why) of the attempt that just ended
         self.limits = limits or StreamLimits()
         self.stall_timeout_s = stall_timeout_s
         self.max_outbox_bytes = max_outbox_bytes
@@ -200,6 +201,7 @@ class Session:
                     self.attempts += 1
                 delay = self.backoff.delay(attempt, self._draw())
                 attempt += 1
+                self._log_failure(delay)
                 self.delays.append(delay)
                 self.retry_at = self._wall() + delay
                 if self._on_link_change is not None:
@@ -217,10 +219,31 @@ class Session:
         return logging.WARNING
 
     def _failed(self, why: str, level: int, brief: str = "") -> None:
-        log.log(level, "session: %s", why)
+        self._failure = (level, why)  # logged once the next attempt's time is known
         self.failures = [*self.failures[-9:], why]
         # `bcd status` shows the last one after "disconnected from ENDPOINT": without the endpoint again.
         self.link_error = brief or why
+
+    def _log_failure(self, delay: float) -> None:
+        """The failure, when the next attempt is, and, once attempts keep failing, where to look."""
+        if self._failure is None:
+            return
+        level, why = self._failure
+        self._failure = None
+        if self.attempts == 0:  # the session had reached Welcome: a reconnect, not a failing address
+            log.log(level, "session: %s; reconnecting in %.1f s", why, delay)
+            return
+        log.log(
+            level,
+            "session: %s; attempt %d failed, the next in %.1f s%s",
+            why,
+            self.attempts,
+            delay,
+            # Once, and again every 100: a node that never connects says where to look.
+            " (`bcd doctor` checks the control plane's address, socket and certificate)"
+            if self.attempts % 100 == 3
+            else "",
+        )
 
     async def _connect_once(self) -> None:
         outbox = Outbox(self.max_outbox_bytes)
