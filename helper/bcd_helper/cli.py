@@ -15,12 +15,14 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "bcd-helper") -> int:
+    """`prog`: the name usage lines show; `bcd helper ...` passes its own, the installed script keeps
+    `bcd-helper` (an operator copying a usage line runs what they ran)."""
     args_list = list(sys.argv[1:] if argv is None else argv)
     return dispatch(
         args_list,
         SUBCOMMANDS,
-        prog="bcd helper",
+        prog=prog,
         description="bcd's root helper",
         version=f"bcd-helper {VERSION}",
     )
