@@ -440,5 +440,11 @@ def run(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(f"bcd join: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
+    # stdout stays the node id alone (scripts read it); the next step goes to stderr.
+    print(
+        f"bcd join: joined as {identity.node_id}; next: systemctl start bcd-node (or run `bcd node`), "
+        "then `bcd doctor`",
+        file=sys.stderr,
+    )
     print(identity.node_id)
     return 0
