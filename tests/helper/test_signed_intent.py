@@ -43,9 +43,10 @@ def test_HST_SIGN_06_18_19_24_25_pinned_roots(fresh_root: Path, cp: ControlPlane
         assert_refused(h, host_unit_doc("sysctl", S10, None), "intent-required")
         assert_refused(h, host_unit_doc("sysctl", S10, intent(worker, body)), "intent-unverifiable")
         stranger = cp.other.leaf()
-        assert_refused(
+        unpinned = assert_refused(
             h, host_unit_doc("sysctl", S10, intent(stranger, body, with_root=cp.other.root)), "bad-intent"
         )
+        assert unpinned["message"].endswith("is not pinned"), unpinned  # refused for the pin, not the chain
         node_cert = cp.command.leaf(Role.NODE, "node-a")
         answer = assert_refused(
             h, host_unit_doc("sysctl", S10, intent(node_cert, body, with_root=cp.command.root)), "bad-intent"
