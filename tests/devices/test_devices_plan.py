@@ -104,7 +104,7 @@ HOST = HostMemory(
             [("a", "unsupported-device", f'"{A}/slot1" is not a GPU slot id (<gpu-uuid>/s<n>)')],
         ),
         (
-            "DEV-ATOM-09 DEV-ATOM-11",
+            "DEV-ATOM-09 DEV-ATOM-11 DEV-ATOM-07 (the slot of a GPU not listed)",
             [asg("a", "GPU-cccc", f"{A}/gi3/ci0", "GPU-dddd/s1")],
             [
                 (

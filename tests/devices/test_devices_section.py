@@ -121,7 +121,7 @@ def test_DEV_EVT_01_bound_and_released_are_reports_signed_with_the_node_key(host
 
 def test_DEV_PASS_03_a_restarted_converger_reads_its_holds_back_from_the_files_alone(host: Host) -> None:
     """Covers DEV-PASS-03, DEV-PASS-04, DEV-PASS-11, DEV-PASS-13, DEV-ENV-07, DLV-DEV-10, DEV-ATOM-06,
-    DEV-ATOM-07, DLV-DEV-14, DLV-DEV-16 (a slot names its GPU, a MIG instance its MIG- UUID)."""
+    DLV-DEV-14, DLV-DEV-16 (a slot names its GPU, a MIG instance its MIG- UUID)."""
     spec = DevicesSpec(
         3,
         (
