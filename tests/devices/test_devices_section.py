@@ -279,6 +279,27 @@ def test_DEV_BIND_02_a_failed_write_is_retryable_and_sends_no_event(host: Host) 
     assert len(host.events("BoundEvent")) == 1
 
 
+def test_DEV_BIND_02_04_a_failed_cdi_spec_write_is_retryable_and_writes_nothing_after_it(host: Host) -> None:
+    """Covers DEV-BIND-02 and DEV-BIND-04 for the spec, the write before the env file: it fails, the
+    section stays PROGRESSING (retryable, not FAILED), neither the env file nor an event follows, and the
+    next pass binds."""
+    cdi_dir = host.path("/etc/cdi")
+    kept = {p.name: p.read_bytes() for p in cdi_dir.iterdir()}
+    for p in cdi_dir.iterdir():
+        p.unlink()
+    cdi_dir.rmdir()
+    cdi_dir.write_text("not a directory")  # the spec write fails
+    out = host.run(DevicesSpec(1, (hold("a1", gpu(G0)),)))
+    assert out.state is SectionState.PROGRESSING
+    assert host.events() == [] and not host.path("/run/bcd/allocations/a1.env").exists()
+    cdi_dir.unlink()
+    cdi_dir.mkdir()
+    for name, data in kept.items():
+        (cdi_dir / name).write_bytes(data)
+    assert host.run(DevicesSpec(1, (hold("a1", gpu(G0)),))).state is SectionState.CONVERGED
+    assert len(host.events("BoundEvent")) == 1 and host.path("/run/bcd/allocations/a1.env").exists()
+
+
 def test_DEV_ATOM_10_mig_instance_created_later_binds_on_a_later_pass(host: Host) -> None:
     """Covers DEV-ATOM-10, DLV-DEV-15 and Q-DEV-PASS-03 (a later pass of the same generation binds)."""
     spec = DevicesSpec(1, (hold("m1", (f"{G7}/gi5/ci0", "gpu.mig")),))
