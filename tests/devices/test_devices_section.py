@@ -248,6 +248,9 @@ def test_DEV_EVT_10_allocation_failed_once_per_generation_and_again_later(host: 
     spec = DevicesSpec(5, (hold("a1", gpu(G0)), hold("a2", gpu(G0))))
     out = host.run(spec)
     assert out.state is SectionState.FAILED and out.message == f"a2: {G0} is assigned to a1"
+    # DEV-FAIL-12 for a privileged node's refusal too: the refused hold has no spec and no env file.
+    assert not host.path("/etc/cdi/bcd-a2.json").exists()
+    assert not host.path("/run/bcd/allocations/a2.env").exists()
     host.run(spec)
     host.restart()
     host.run(spec)
