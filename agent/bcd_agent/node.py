@@ -491,6 +491,16 @@ class Node:
             readers["inventory"] = self.inventory.read_gpus
         return PartsObserver(readers, clock=trio.current_time)
 
+    def _vfio(self) -> dict[str, str]:
+        """GPU uuid -> the instance it is passed through to, as the instances section has it now (none
+        without that section): what the devices section refuses holds on, and the busy checks of
+        gpu.reset and diag.dcgm refuse (DEV-BUSY-05, DEV-BUSY-07)."""
+        instances = self.instances_section
+        if instances is None:
+            return {}
+        spec = self.runner.spec if self.runner is not None else None
+        return dict(instances.vfio(spec.payload("instances") if spec else None))
+
     def _handlers(self, system: Any) -> dict[str, Any]:
         handlers: dict[str, Any] = {}
         try:
@@ -508,7 +518,7 @@ class Node:
             from bcd_agent.kinds.dcgm import KIND as DIAG_DCGM
             from bcd_agent.kinds.dcgm import DiagDcgmHandler
 
-            handlers[DIAG_DCGM] = DiagDcgmHandler(system, self.config.data_dir)
+            handlers[DIAG_DCGM] = DiagDcgmHandler(system, self.config.data_dir, vfio=self._vfio)
             if self._acts_on_host():
                 helper = self._helper_client() if self._helper_socket() is not None else None
                 handlers[nk.GPU_RESET] = nk.GpuResetHandler(
@@ -517,6 +527,7 @@ class Node:
                     helper,
                     trust_bundle=self._signed_bundle,
                     on_reset=xid.gpus_reset if xid is not None else None,
+                    vfio=self._vfio,
                 )
                 reboot_helper = self._helper_client() if helper is not None else None
                 handlers[nk.NODE_REBOOT] = nk.NodeRebootHandler(

@@ -129,6 +129,7 @@ def test_DLV_ACC_12_converger_checks_again_and_fails_terminally(sim_root: Path) 
         section(principals=[f"al ice@{NODE}"]),
         section(ssh_ca_keys=["ssh-ed25519 AAAA\u00a0"]),
         section(principals=[f"a\x01@{NODE}"]),
+        section(ssh_ca_keys=["ssh-ed25519"]),  # DLV-ACC-10: not exactly one OpenSSH key
     ):
         with pytest.raises(TerminalError) as exc:
             sec.converge(bad, Observation(), CTX)

@@ -265,3 +265,34 @@ def test_plan_doctor_and_journal_views_escape_what_they_quote() -> None:
             "applied_generation": 0, "server_time_mark": 0.0}  # fmt: skip
     out = journalcli.render(journalcli.JournalView("/j", 1, meta, None, (), ()))
     assert "\x1b" not in out and escaped in out
+
+
+def test_DEV_SEE_01_each_gpu_shows_its_whole_mig_and_slot_holders(tmp_path: Path) -> None:
+    """Covers DEV-SEE-01 for each way of holding a GPU: held whole (on the GPU's row), by a MIG instance
+    and by a slot (each on a row under its GPU, with the GPU's index), and the free ones shown free."""
+    from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+    from bcd_agent.status import read_holders
+    from devices.devhost import Host
+
+    root = sim_root(tmp_path)
+    g0, g3, g7 = gpu_uuid(0), gpu_uuid(3), gpu_uuid(7)
+    out = Host(root).run(
+        DevicesSpec(
+            1,
+            (
+                DeviceAssignment("whole", "r", "BINDING_HOLD", (DeviceRef(g0, "gpu"),)),
+                DeviceAssignment("mig", "r", "BINDING_HOLD", (DeviceRef(f"{g7}/gi2/ci0", "gpu.mig"),)),
+                DeviceAssignment("slot", "r", "BINDING_HOLD", (DeviceRef(f"{g3}/s1", "gpu.slot"),)),
+            ),
+        )
+    )
+    assert out.state is SectionState.CONVERGED, out.message
+    rows = [(r.gpu_index, r.device, r.kind, r.holder) for r in read_holders(sim_system(root)).rows]
+    assert (0, g0, "gpu", "whole") in rows and (1, gpu_uuid(1), "gpu", "") in rows
+    assert rows[rows.index((3, g3, "gpu", "")) + 1] == (3, f"{g3}/s1", "gpu.slot", "slot")
+    assert (7, f"{g7}/gi2/ci0", "gpu.mig", "mig") in rows and (7, f"{g7}/gi1/ci0", "gpu.mig", "") in rows
+    assert [r for r in rows if r[3]] == [
+        (0, g0, "gpu", "whole"),
+        (3, f"{g3}/s1", "gpu.slot", "slot"),
+        (7, f"{g7}/gi2/ci0", "gpu.mig", "mig"),
+    ]

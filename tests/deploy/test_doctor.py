@@ -144,6 +144,8 @@ def test_DEV_UNPRIV_05_gpu_binding_warns_on_an_unprivileged_gpu_host_without_hel
     assert "bcd helper" in g.fix
     under_helper = check_all(write_config(tmp_path, f'[helper]\nsocket = "{helper_socket}"\n'), unprivileged)
     assert "gpu-binding" not in by_check(under_helper)
+    gpus.rmdir()  # the same unprivileged node on a host without GPUs: nothing to warn about
+    assert "gpu-binding" not in by_check(check_all(write_config(tmp_path), unprivileged))
 
 
 def test_vm_runtime_and_instance_bridges(tmp_path: Path, host: HostView, helper_socket: str) -> None:

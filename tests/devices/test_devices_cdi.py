@@ -165,3 +165,38 @@ def test_orphan_env_files_are_those_without_a_cdi_spec_file(tmp_path: Path) -> N
         ("c", "/run/bcd/allocations/c.env"),
     ]
     assert read_orphan_envs(LocalSystem(root=root / "none"), set()) == {}
+
+
+def test_DEV_CDI_09_10_11_20_one_named_device_per_atom_and_no_vendor_no_edits() -> None:
+    """Covers DEV-CDI-09 (one `devices[]` entry per atom, in order), DEV-CDI-10 (the name is the atom id
+    with EVERY `/` as `_`), DEV-CDI-11 (`bcd.dev/device-id` is the real atom id) and DEV-CDI-20 (without
+    a vendor spec the hold grants nothing: no device node, mount or hook anywhere; each device has only
+    its marker, docs/devices.md "Devices never bare")."""
+    atoms = ["GPU-1", "GPU-2/gi1/ci0", "GPU-2/gi3/ci1", "GPU-3/s3", "GPU-3/s12"]
+    doc = cdi.build_hold_spec(
+        allocation_id="a_1",
+        reservation_id="r",
+        generation=3,
+        kubernetes=False,
+        cgroup_parent=None,
+        devices=[cdi.HoldDevice(a) for a in atoms],
+        env=["BCD_ALLOCATION_ID=a_1"],
+        vendor=None,
+    )
+    assert [(d["name"], d["annotations"]) for d in doc["devices"]] == [
+        ("GPU-1", {"bcd.dev/device-id": "GPU-1"}),
+        ("GPU-2_gi1_ci0", {"bcd.dev/device-id": "GPU-2/gi1/ci0"}),
+        ("GPU-2_gi3_ci1", {"bcd.dev/device-id": "GPU-2/gi3/ci1"}),
+        ("GPU-3_s3", {"bcd.dev/device-id": "GPU-3/s3"}),
+        ("GPU-3_s12", {"bcd.dev/device-id": "GPU-3/s12"}),
+    ]
+    assert [d["containerEdits"] for d in doc["devices"]] == [
+        {"env": ["BCD_DEVICE_GPU_1=GPU-1"]},
+        {"env": ["BCD_DEVICE_GPU_2_gi1_ci0=GPU-2/gi1/ci0"]},
+        {"env": ["BCD_DEVICE_GPU_2_gi3_ci1=GPU-2/gi3/ci1"]},
+        {"env": ["BCD_DEVICE_GPU_3_s3=GPU-3/s3"]},
+        {"env": ["BCD_DEVICE_GPU_3_s12=GPU-3/s12"]},
+    ]
+    assert doc["containerEdits"] == {"env": ["BCD_ALLOCATION_ID=a_1"]}
+    assert_cdi_valid(doc)
+    assert cdi.parse_hold_spec(cdi.encode_spec(doc), "a_1").device_ids == tuple(atoms)

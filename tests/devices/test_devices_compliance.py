@@ -14,12 +14,18 @@ G0, G2 = gpu_uuid(0), gpu_uuid(2)
 def test_DEV_ASG_07_09_10_hold_without_limits_default_class_and_extra_env(host: Host) -> None:
     """Covers DEV-ASG-07, DEV-ASG-09, DEV-ASG-10, DEV-SLICE-05, DLV-DEV-41: an empty device_class is a
     `gpu`; no limits means no slice, no systemctl call and no cgroup parent; each env entry is one more
-    line of the env file."""
-    a = DeviceAssignment("a1", "r1", BINDING_HOLD, (DeviceRef(G0, ""),), None, ("FOO=bar", "X=1"))
+    line of the env file, after bcd's own lines and in the assignment's order (DEV-ENV-04)."""
+    a = DeviceAssignment("a1", "r1", BINDING_HOLD, (DeviceRef(G0, ""),), None, ("X=1", "FOO=bar"))
     assert host.run(DevicesSpec(1, (a,))).state is SectionState.CONVERGED
     assert systemctl_calls(host.root) == []
     lines = host.path("/run/bcd/allocations/a1.env").read_text().splitlines()
-    assert "FOO=bar" in lines and "X=1" in lines and f"NVIDIA_VISIBLE_DEVICES={G0}" in lines
+    assert lines == [
+        "BCD_ALLOCATION_ID=a1",
+        "BCD_RESERVATION_ID=r1",
+        f"NVIDIA_VISIBLE_DEVICES={G0}",
+        "X=1",
+        "FOO=bar",
+    ]
     assert not any(line.startswith("BCD_CGROUP_PARENT=") for line in lines)
     spec = host.path("/etc/cdi/bcd-a1.json").read_text()
     assert "bcd.dev/cgroup-parent" not in spec and "BCD_CGROUP_PARENT" not in spec

@@ -219,7 +219,8 @@ def test_host_memory_readers(sim_root: Path) -> None:
 
 
 def test_no_nvidia_smi_means_no_gpus(tmp_path: Path) -> None:
-    """DEV-CAP-02 / DEV-BUSY-11: without nvidia-smi the inventory has no GPUs and no nvml."""
+    """DEV-BUSY-11: without nvidia-smi the inventory has no GPUs (and no nvml; the Hello side of that is
+    tests/session/test_node_real_devices.py)."""
     from bcd_shared.system import LocalSystem
 
     inv = collect_gpus(LocalSystem(tmp_path, tools={"true": lambda s, a, i: None}))  # type: ignore[dict-item,arg-type,return-value]

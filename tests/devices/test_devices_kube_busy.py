@@ -10,19 +10,25 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import h2.config
 import h2.connection
 import h2.events
 import pytest
 from bcd_agent.converge.types import SectionState
+from bcd_agent.dispatch.handlers import CommandFailed, InvalidPayload
 from bcd_agent.inventory.gpus import collect_gpus
+from bcd_agent.nodeparts.kinds import GpuResetHandler
 from bcd_agent.sections.devices.busy import GpuBusy, dcgm_busy_check, gpu_reset, read_busy
 from bcd_agent.sections.devices.kube import PodResourcesClient, PodResourcesError, gpus_with_pod_processes
 from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
+from bcd_shared import wire
 from bcd_shared.system import CommandResult, LocalSystem
+from bcd_shared.wire.strict import type_url
 from bcd_simhost.gpus import gpu_uuid, update_state
 from devices.devhost import DATA_DIR, Host
+from dispatch.dhelpers import EffectCtx, make_command
 
 G0, G1, G7 = gpu_uuid(0), gpu_uuid(1), gpu_uuid(7)
 
@@ -346,3 +352,39 @@ def test_DEV_BUSY_gpu_reset_checks_then_resets_and_reads_health(host: Host) -> N
         (gpu_uuid(4), False, False, "The following GPUs could not be reset:"),
         ("GPU-nope", False, False, "unknown GPU"),
     ]
+
+
+def _reset_command(*uuids: str) -> Any:
+    request = wire.GpuResetRequest(gpu_uuids=list(uuids))
+    return make_command(kind="gpu.reset", payload=(type_url(wire.GpuResetRequest), bytes(request)))
+
+
+async def test_DEV_BUSY_03_04_every_hold_kind_is_busy_and_an_empty_list_is_invalid(host: Host) -> None:
+    """Covers DEV-BUSY-03 and DEV-BUSY-04 through the gpu.reset handler: an empty `gpu_uuids` fails
+    `invalid-payload`; a GPU held whole, by a MIG instance or by a slot each fails the whole command
+    `gpu-busy` naming its hold, before the effect begins and before any GPU is reset."""
+    host.run(
+        DevicesSpec(
+            1,
+            (
+                DeviceAssignment("whole", "r", "BINDING_HOLD", (DeviceRef(gpu_uuid(2), "gpu"),)),
+                DeviceAssignment("mig", "r", "BINDING_HOLD", (DeviceRef(f"{G7}/gi2/ci0", "gpu.mig"),)),
+                DeviceAssignment("slot", "r", "BINDING_HOLD", (DeviceRef(f"{gpu_uuid(3)}/s1", "gpu.slot"),)),
+            ),
+        )
+    )
+    handler = GpuResetHandler(host.system, DATA_DIR)
+    with pytest.raises(InvalidPayload) as invalid:
+        handler.resources(_reset_command())
+    assert invalid.value.code == "invalid-payload"
+    for gpu, holder in ((gpu_uuid(2), "whole"), (G7, "mig"), (gpu_uuid(3), "slot")):
+        ctx = EffectCtx()
+        with pytest.raises(CommandFailed) as busy:
+            await handler.run(_reset_command(G0, gpu), ctx)
+        assert (busy.value.code, busy.value.message, ctx.began) == (
+            "gpu-busy",
+            f"{gpu} is held by allocation {holder}",
+            0,
+        )
+    gpus = json.loads(host.path("/var/lib/bcd-sim/gpus.json").read_text())["gpus"]
+    assert [g["reset_count"] for g in gpus] == [0] * len(gpus)

@@ -119,3 +119,39 @@ def test_the_node_wires_the_instances_section_to_devices_and_metrics(sim_root: P
     instances.balloons = SimpleNamespace(lent={"vm-a": 512 << 20})
     (metric,) = [m for m in node.metrics.collect() if m.name == "bcd.instance.memory.balloon.reclaimed"]
     assert [(p.attributes, p.value) for p in metric.points] == [((("bcd.instance.id", "vm-a"),), 512 << 20)]
+
+
+async def test_DEV_BUSY_05_07_the_nodes_gpu_reset_and_diag_dcgm_refuse_a_gpu_passed_through_to_a_vm(
+    sim_root: Path, tmp_path: Path
+) -> None:
+    """DEV-BUSY-05 and DEV-BUSY-07 through `bcd node`'s own handlers: a GPU the instances section passes
+    through to a VM fails gpu.reset, and diag.dcgm from level 2, `gpu-busy` naming the instance, before
+    any effect. The handlers once read the busy state with an empty VFIO map, so only holds and releases
+    were refused and the reset went ahead on the VM's GPU."""
+    from bcd_agent.dispatch.handlers import CommandFailed
+    from bcd_shared import wire
+    from bcd_shared.wire.strict import type_url
+    from dispatch.dhelpers import EffectCtx, make_command
+
+    g1 = gpu_uuid(1)
+    toml = tmp_path / "node.toml"
+    toml.write_text(f'data_dir = "{sim_root / "var/lib/bcd"}"\n[host]\nunits = false\n')
+    node = Node(load_config(str(toml)), NodeOptions(root=str(sim_root)))
+    node.secrets = SimpleNamespace(fetch=print)
+    node.metrics = NodeMetrics()
+    signer = KeyReportSigner.fresh("node-test-1", "boot-test-1")
+    node._sections(node._system(), MemorySink(), signer, SimpleNamespace(node_id="node-test-1"), None)
+    node.instances_section.vfio = lambda _desired: {g1: "vm-9"}  # what the instances pass through
+    handlers = node._handlers(node._system())
+    reset = wire.GpuResetRequest(gpu_uuids=[G0, g1])
+    dcgm = wire.DiagDcgmRequest(level=2, gpu_uuids=[g1])
+    for kind, request in (("gpu.reset", reset), ("diag.dcgm", dcgm)):
+        command = make_command(kind=kind, payload=(type_url(type(request)), bytes(request)))
+        ctx = EffectCtx()
+        with pytest.raises(CommandFailed) as busy:
+            await handlers[kind].run(command, ctx)
+        assert (busy.value.code, busy.value.message, ctx.began) == (
+            "gpu-busy",
+            f"{g1} is passed through to instance vm-9",
+            0,
+        ), kind

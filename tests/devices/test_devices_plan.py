@@ -104,7 +104,7 @@ HOST = HostMemory(
             [("a", "unsupported-device", f'"{A}/slot1" is not a GPU slot id (<gpu-uuid>/s<n>)')],
         ),
         (
-            "DEV-ATOM-09 DEV-ATOM-11",
+            "DEV-ATOM-09 DEV-ATOM-11 DEV-ATOM-07 (the slot of a GPU not listed)",
             [asg("a", "GPU-cccc", f"{A}/gi3/ci0", "GPU-dddd/s1")],
             [
                 (
@@ -295,3 +295,28 @@ def test_ledger_records_failures_so_a_second_plan_is_empty() -> None:
     ledger = next(s for a in first.actions for s in a.steps if type(s).__name__ == "WriteLedger").ledger
     assert ledger == Ledger(bound={}, failed={"a": 2})
     assert plan(spec, Observed(inventory=inv(), ledger=ledger)).empty
+
+
+def test_DEV_PASS_14_15_new_holds_in_spec_order_and_the_checks_in_their_order() -> None:
+    """Covers DEV-PASS-14 (spec order, not the allocation ids' order: `z` is listed first, so `a` is the
+    one refused) and DEV-PASS-15 (each check before the next: a hold failing two checks is refused for
+    the earlier one)."""
+    assert failures([asg("z", B), asg("a", B)]) == [("a", "overlap", f"{B} is assigned to z")]
+    tight = Observed(inventory=inv(), host_memory=HOST)
+    huge = Limits(memory_bytes=900 * GIB)
+    unprivileged = Observed(inventory=inv(), host_memory=HOST, privileged=False)
+    # binding before privilege
+    assert [f[1] for f in failures([asg("a", "GPU-cccc", binding="BINDING_NODE")], unprivileged)] == [
+        "unsupported-binding"
+    ]
+    # privilege before atoms
+    assert [f[1] for f in failures([asg("a", "GPU-cccc")], unprivileged)] == ["node-unprivileged"]
+    # atoms before conflicts: b names a missing GPU and a's GPU
+    assert failures([asg("a", A), asg("b", A, "GPU-cccc")], tight) == [
+        ("b", "device-missing", "GPU-cccc not present")
+    ]
+    # conflicts before admission: b overlaps a and asks more memory than the host has
+    assert failures([asg("a", A), asg("b", A, limits=huge)], tight) == [
+        ("b", "overlap", f"{A} is assigned to a")
+    ]
+    assert [f[1] for f in failures([asg("b", B, limits=huge)], tight)] == ["resources-exhausted"]

@@ -121,7 +121,7 @@ def test_DEV_EVT_01_bound_and_released_are_reports_signed_with_the_node_key(host
 
 def test_DEV_PASS_03_a_restarted_converger_reads_its_holds_back_from_the_files_alone(host: Host) -> None:
     """Covers DEV-PASS-03, DEV-PASS-04, DEV-PASS-11, DEV-PASS-13, DEV-ENV-07, DLV-DEV-10, DEV-ATOM-06,
-    DEV-ATOM-07, DLV-DEV-14, DLV-DEV-16 (a slot names its GPU, a MIG instance its MIG- UUID)."""
+    DLV-DEV-14, DLV-DEV-16 (a slot names its GPU, a MIG instance its MIG- UUID)."""
     spec = DevicesSpec(
         3,
         (
@@ -248,6 +248,9 @@ def test_DEV_EVT_10_allocation_failed_once_per_generation_and_again_later(host: 
     spec = DevicesSpec(5, (hold("a1", gpu(G0)), hold("a2", gpu(G0))))
     out = host.run(spec)
     assert out.state is SectionState.FAILED and out.message == f"a2: {G0} is assigned to a1"
+    # DEV-FAIL-12 for a privileged node's refusal too: the refused hold has no spec and no env file.
+    assert not host.path("/etc/cdi/bcd-a2.json").exists()
+    assert not host.path("/run/bcd/allocations/a2.env").exists()
     host.run(spec)
     host.restart()
     host.run(spec)
@@ -277,6 +280,27 @@ def test_DEV_BIND_02_a_failed_write_is_retryable_and_sends_no_event(host: Host) 
     env_dir.mkdir()
     assert host.run(DevicesSpec(1, (hold("a1", gpu(G0)),))).state is SectionState.CONVERGED
     assert len(host.events("BoundEvent")) == 1
+
+
+def test_DEV_BIND_02_04_a_failed_cdi_spec_write_is_retryable_and_writes_nothing_after_it(host: Host) -> None:
+    """Covers DEV-BIND-02 and DEV-BIND-04 for the spec, the write before the env file: it fails, the
+    section stays PROGRESSING (retryable, not FAILED), neither the env file nor an event follows, and the
+    next pass binds."""
+    cdi_dir = host.path("/etc/cdi")
+    kept = {p.name: p.read_bytes() for p in cdi_dir.iterdir()}
+    for p in cdi_dir.iterdir():
+        p.unlink()
+    cdi_dir.rmdir()
+    cdi_dir.write_text("not a directory")  # the spec write fails
+    out = host.run(DevicesSpec(1, (hold("a1", gpu(G0)),)))
+    assert out.state is SectionState.PROGRESSING
+    assert host.events() == [] and not host.path("/run/bcd/allocations/a1.env").exists()
+    cdi_dir.unlink()
+    cdi_dir.mkdir()
+    for name, data in kept.items():
+        (cdi_dir / name).write_bytes(data)
+    assert host.run(DevicesSpec(1, (hold("a1", gpu(G0)),))).state is SectionState.CONVERGED
+    assert len(host.events("BoundEvent")) == 1 and host.path("/run/bcd/allocations/a1.env").exists()
 
 
 def test_DEV_ATOM_10_mig_instance_created_later_binds_on_a_later_pass(host: Host) -> None:

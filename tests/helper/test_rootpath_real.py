@@ -107,6 +107,17 @@ def test_HST_ROOT_02_06_symlinked_component_refused(fresh_root: Path) -> None:
         write_root_only(fresh_root, "/etc/link/f", b"x")
     assert "/etc/link is not a directory only root can write" in str(exc.value)
     assert not (fresh_root / "etc/real/f").exists()
+    # Every directory from / down, not only the file's own: a symlinked or world-writable grandparent.
+    (fresh_root / "etc/real/sub").mkdir()
+    with pytest.raises(RootPathRefused) as exc:
+        write_root_only(fresh_root, "/etc/link/sub/f", b"x")
+    assert str(exc.value) == refusal_message("/etc/link")
+    (fresh_root / "etc/open/sub").mkdir(parents=True)
+    (fresh_root / "etc/open").chmod(0o777)
+    with pytest.raises(RootPathRefused) as exc:
+        write_root_only(fresh_root, "/etc/open/sub/f", b"x")
+    assert str(exc.value) == refusal_message("/etc/open")
+    assert not (fresh_root / "etc/real/sub/f").exists() and not (fresh_root / "etc/open/sub/f").exists()
 
 
 def test_HST_ROOT_04_group_writable_and_acl_widened_dirs_refused(fresh_root: Path, node_user: User) -> None:

@@ -9,6 +9,7 @@ an unchanged tree; the properties over generated variations are in test_signed_i
 from __future__ import annotations
 
 import datetime as dt
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -43,9 +44,10 @@ def test_HST_SIGN_06_18_19_24_25_pinned_roots(fresh_root: Path, cp: ControlPlane
         assert_refused(h, host_unit_doc("sysctl", S10, None), "intent-required")
         assert_refused(h, host_unit_doc("sysctl", S10, intent(worker, body)), "intent-unverifiable")
         stranger = cp.other.leaf()
-        assert_refused(
+        unpinned = assert_refused(
             h, host_unit_doc("sysctl", S10, intent(stranger, body, with_root=cp.other.root)), "bad-intent"
         )
+        assert unpinned["message"].endswith("is not pinned"), unpinned  # refused for the pin, not the chain
         node_cert = cp.command.leaf(Role.NODE, "node-a")
         answer = assert_refused(
             h, host_unit_doc("sysctl", S10, intent(node_cert, body, with_root=cp.command.root)), "bad-intent"
@@ -277,21 +279,24 @@ def test_HST_SIGN_30_31_verified_body_outlives_its_worker_certificate(
 
 
 def test_HST_REC_10_state_file_is_root_only_json(fresh_root: Path, cp: ControlPlane) -> None:
-    """Covers HST-REC-11: root's join record join-response.pb is mode 0600."""
+    """Covers HST-REC-10 (helper-intent.json names the node served and the newest signed host section
+    accepted: its generation and the body's SHA-256) and HST-REC-11 (root's join record
+    join-response.pb is mode 0600)."""
     cp.write_record(fresh_root, "node-a", cp.bundle(2))
     h = _start(fresh_root, cp)
+    bodies = [host_body("node-a", g, {"sysctl": S10}) for g in (3, 4)]
     try:
-        _ok(
-            h,
-            host_unit_doc("sysctl", S10, intent(cp.command.leaf(), host_body("node-a", 3, {"sysctl": S10}))),
-        )
+        for body in bodies:
+            _ok(h, host_unit_doc("sysctl", S10, intent(cp.command.leaf(), body)))
     finally:
         h.stop()
     path = fresh_root / "var/lib/bcd-hostconfig/helper-intent.json"
     st = path.stat()
     assert (st.st_mode & 0o777, st.st_uid) == (0o600, 0)
     doc = json.loads(path.read_text())
-    assert doc["format"] == 1 and len(doc["verified"]) == 1 and doc["verified"][0]["generation"] == 3
+    assert (doc["format"], doc["node_id"], doc["generation"]) == (1, "node-a", 4)
+    assert doc["verified"][-1]["generation"] == 4
+    assert doc["verified"][-1]["sha256"] == hashlib.sha256(bodies[1]).hexdigest()
     record = fresh_root / "var/lib/bcd-hostconfig/join-response.pb"
     assert record.stat().st_mode & 0o777 == 0o600
 

@@ -58,16 +58,19 @@ def test_HST_STAT_reboot_terminal_and_success_reported_per_the_status_table(tmp_
 
 def test_HST_STAT_04_06_all_terminal_is_failed(tmp_path: Path) -> None:
     """Covers HST-DEC-06: an unknown unit name is that unit's terminal failure, reported by the section;
-    HST-DEC-01: the node's section decodes each unit's settings itself, strictly; HST-DEC-05: a unit
-    whose settings fail applies nothing, not even its good keys."""
+    HST-DEC-01: the node's section decodes each unit's settings itself, strictly (a field it does not
+    know is refused, whatever the control plane accepted); HST-DEC-05: a unit whose settings fail
+    applies nothing, not even its good keys."""
     _, system = make_host(tmp_path)
     swappiness = system.read_text("/proc/sys/vm/swappiness")
+    pages = system.read_text("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages")
     out = converge_host(
         HostSection(
             (
                 ("sysctl", '{"vm.swappiness": 7, "kernel.core_pattern": "x"}'),
                 ("gpu-magic", "{}"),
                 ("cpu", '{"governor": "x"}'),
+                ("hugepages", '{"pages2m": 4, "pages2M": 4}'),  # a field the control plane may not know
             )
         ),
         executor(system),
@@ -75,11 +78,13 @@ def test_HST_STAT_04_06_all_terminal_is_failed(tmp_path: Path) -> None:
     assert out.state is SectionState.FAILED
     assert out.message.split("; ") == [
         "sysctl: kernel.core_pattern is refused: it names or controls a program the kernel runs as root",
+        "hugepages: pages2M: unknown field",
         "cpu: governor: 'x' is not one of performance, schedutil, ondemand, powersave",
         "gpu-magic: not a config unit this bcd knows",
     ]
     assert not system.exists("/etc/sysctl.d/90-bcd.conf")  # nothing half applied
     assert system.read_text("/proc/sys/vm/swappiness") == swappiness
+    assert system.read_text("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages") == pages != "4\n"
 
 
 def test_HST_STAT_13_unit_named_twice_fails_the_section(tmp_path: Path) -> None:

@@ -46,15 +46,22 @@ def test_HST_ROOT_01_root_owned_simulated_host_converges(tmp_path: Path) -> None
 
 
 def test_HST_ROOT_07_a_directory_others_can_write_is_refused(tmp_path: Path) -> None:
-    """Covers HST-ROOT-03/07: a group- or world-writable directory on the way stops the write with
-    the seeds' message (retryable: PROGRESSING), nothing is written, and it goes once fixed."""
+    """Covers HST-ROOT-03/07: a directory on the way that is not root's (0755, owned by nobody), or
+    that others can write, stops the write with the seeds' message (retryable: PROGRESSING), nothing
+    is written, and it goes once fixed."""
     root, system = make_host(tmp_path)
-    (root / "etc/sysctl.d").chmod(0o777)
-    out = converge_host(_spec(), _executor(system))
-    assert out.state is SectionState.PROGRESSING
-    assert out.message == f"sysctl: /etc/sysctl.d {REFUSED}"
-    assert not (root / "etc/sysctl.d/90-bcd.conf").exists()
-    (root / "etc/sysctl.d").chmod(0o755)
+    d = root / "etc/sysctl.d"
+    for broken, fixed in (
+        (lambda: os.chown(d, 65534, 0), lambda: os.chown(d, 0, 0)),  # HST-ROOT-03: mode 0755 kept
+        (lambda: d.chmod(0o777), lambda: d.chmod(0o755)),
+    ):
+        broken()
+        out = converge_host(_spec(), _executor(system))
+        assert out.state is SectionState.PROGRESSING
+        assert out.message == f"sysctl: /etc/sysctl.d {REFUSED}"
+        assert not (d / "90-bcd.conf").exists()
+        fixed()
+    assert stat.S_IMODE(d.stat().st_mode) == 0o755 and d.stat().st_uid == 0
     assert converge_host(_spec(), _executor(system)).state is SectionState.CONVERGED
 
 

@@ -202,7 +202,8 @@ def test_DLV_JRN_12_13_server_time_mark(tmp_path: Path) -> None:
 
 
 def test_DLV_REC_13_to_15_sweep(tmp_path: Path) -> None:
-    """Covers DLV-JRN-04 (done entries kept 7 days, and until acked)."""
+    """Done entries are swept after the journal's retention, and kept until acked (the 7 days
+    themselves are asserted by the next test)."""
     clock = Clock(1_000_000.0)
     j = Journal.open(tmp_path / "a", boot_id="b", clock=clock)
     j.accept_command(cmd("old-done"))
@@ -228,6 +229,22 @@ def test_DLV_REC_13_to_15_sweep(tmp_path: Path) -> None:
         j2.ack_results(["old-unacked"])
         assert j2.sweep() == 1
         assert j2.get_command("mine") is not None
+
+
+def test_DLV_JRN_04_an_acked_done_entry_is_kept_7_days_and_not_a_second_more(tmp_path: Path) -> None:
+    """Covers DLV-JRN-04 against the seeds' 7 days written out here (the test above reads the journal's
+    own constant, so a wrong constant would pass it): kept one second before, swept one second after."""
+    week = 7 * 24 * 3600
+    clock = Clock(1_000_000.0)
+    j = Journal.open(tmp_path / "a", boot_id="b", clock=clock)
+    j.accept_command(cmd("done"))
+    j.complete("done", Outcome.SUCCEEDED)
+    j.ack_results(["done"])
+    finished = clock.t
+    data = crash_copy(j, tmp_path / "b")
+    with Journal.open(data, boot_id="b", clock=clock) as j2:
+        assert j2.sweep(finished + week - 1) == 0 and j2.get_command("done") is not None
+        assert j2.sweep(finished + week + 1) == 1 and j2.get_command("done") is None
 
 
 def test_DLV_REC_15_sweep_keeps_every_entry_of_the_running_process_however_old(tmp_path: Path) -> None:

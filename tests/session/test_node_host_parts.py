@@ -122,9 +122,10 @@ def test_from_wire_keeps_names_settings_and_order() -> None:
 
 def test_DEV_CONF_13_units_leave_alone_what_holds_and_releases_name(sim_root: Path) -> None:
     """Covers DEV-CONF-13: the GPUs the host units (mig-layout) must not repartition are exactly what a
-    live hold names, and every GPU while the pending-releases file cannot be read."""
+    live hold or a pending release names, and every GPU while the pending-releases file cannot be read."""
     from bcd_agent.sections.devices.model import DeviceAssignment, DeviceRef, DevicesSpec
-    from bcd_agent.sections.devices.observe import RELEASES_FILE
+    from bcd_agent.sections.devices.observe import RELEASES_FILE, encode_releases
+    from bcd_agent.sections.devices.plan import PendingRelease
     from bcd_simhost.gpus import gpu_uuid
     from devices.devhost import DATA_DIR, Host
 
@@ -133,5 +134,9 @@ def test_DEV_CONF_13_units_leave_alone_what_holds_and_releases_name(sim_root: Pa
     held = DeviceAssignment("a1", "rsv_a1", "BINDING_HOLD", (DeviceRef(gpu_uuid(1), "gpu"),), None)
     assert host.run(DevicesSpec(1, (held,))).state.value == "CONVERGED"
     assert busy_devices(host.system, DATA_DIR, gpus) == frozenset({gpu_uuid(1)})
+    # A pending Kubernetes release names its devices until it is reported.
+    pending = PendingRelease("k1", "rsv_k1", 1, (f"{gpu_uuid(2)}/s0",), 0.0)
+    host.system.write_atomic(f"{DATA_DIR}/{RELEASES_FILE}", encode_releases((pending,)))
+    assert busy_devices(host.system, DATA_DIR, gpus) == frozenset({gpu_uuid(1), f"{gpu_uuid(2)}/s0"})
     host.system.write_atomic(f"{DATA_DIR}/{RELEASES_FILE}", b"{torn")
     assert busy_devices(host.system, DATA_DIR, gpus) == frozenset(g.uuid for g in gpus.gpus)

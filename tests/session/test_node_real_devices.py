@@ -65,6 +65,7 @@ async def test_pod_resources_socket_reaches_the_devices_section(
 
 @pytest.mark.parametrize("driver", [True, False])
 async def test_hello_advertises_nvml_when_nvidia_smi_answers(tmp_path: Path, driver: bool) -> None:
+    """Covers DEV-CAP-02: a real `bcd node`'s Hello carries `nvml` when nvidia-smi answered, and only then."""
     root, config = _config(tmp_path)
     if not driver:
         (root / "var/lib/bcd-sim/gpus.json").unlink()  # the fake nvidia-smi: "couldn't communicate"

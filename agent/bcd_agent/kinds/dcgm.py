@@ -25,7 +25,7 @@ check below refuses GPUs with holders).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Final
 
 import trio
@@ -136,9 +136,10 @@ def parse_diag(output: str, uuid_of: Mapping[int, str]) -> wire.DiagDcgmResult:
 
 
 class DiagDcgmHandler:
-    def __init__(self, system: System, data_dir: str) -> None:
+    def __init__(self, system: System, data_dir: str, vfio: Callable[[], Mapping[str, str]] = dict) -> None:
         self.system = system
         self.data_dir = data_dir
+        self.vfio = vfio  # GPU uuid -> the instance it is passed through to (busy, DEV-BUSY-05/07)
 
     def resources(self, command: CommandEnvelope) -> frozenset[str]:
         return frozenset(gpu_resource(u) for u in _request(command)[1])
@@ -150,14 +151,16 @@ class DiagDcgmHandler:
         level, uuids = _request(command)
         inventory = await trio.to_thread.run_sync(collect_gpus, self.system)
         index_of = {g.uuid: g.index for g in inventory.gpus}
-        unknown = [u for u in uuids if u not in index_of]
-        if unknown:
-            raise CommandFailed("unknown-gpu", f"nvidia-smi does not list {', '.join(unknown)}")
-        state = await trio.to_thread.run_sync(busy.read_busy, self.system, self.data_dir, {})
+        # Busy before unknown: a GPU passed through to a VM is bound to vfio-pci, which nvidia-smi does not
+        # list, and the operator must hear which instance has it (DEV-BUSY-05/07), not "unknown".
+        state = await trio.to_thread.run_sync(busy.read_busy, self.system, self.data_dir, dict(self.vfio()))
         try:
             busy.dcgm_busy_check(level, uuids, inventory, state)
         except busy.GpuBusy as exc:
             raise CommandFailed(busy.GPU_BUSY, exc.message) from None
+        unknown = [u for u in uuids if u not in index_of]
+        if unknown:
+            raise CommandFailed("unknown-gpu", f"nvidia-smi does not list {', '.join(unknown)}")
         argv = ["dcgmi", "diag", "-r", str(level), "-j"]
         if uuids:
             argv += ["-i", ",".join(str(index_of[u]) for u in uuids)]

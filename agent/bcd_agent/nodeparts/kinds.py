@@ -93,12 +93,16 @@ class GpuResetHandler:
         helper: Any | None = None,
         trust_bundle: Callable[[], bytes | None] = no_bundle,
         on_reset: Callable[[wire.GpuResetResult], Awaitable[None]] | None = None,
+        vfio: Callable[[], Mapping[str, str]] = dict,
     ) -> None:
         self.system = system
         self.data_dir = data_dir
         self.helper = helper  # a HelperClient beside bcd helper, else None
         self.trust_bundle = trust_bundle  # the serialized SignedTrustBundle the node holds
         self.on_reset = on_reset  # the XID watcher's gpus_reset
+        # GPU uuid -> the instance it is passed through to (the instances section's map): such a GPU is
+        # busy (DEV-BUSY-05); nvidia-smi no longer lists it, so no file bcd reads would say so.
+        self.vfio = vfio
 
     def resources(self, command: CommandEnvelope) -> frozenset[str]:
         return frozenset(gpu_resource(u) for u in _gpu_uuids(command))
@@ -107,7 +111,7 @@ class GpuResetHandler:
         from bcd_agent.sections.devices import busy
 
         uuids = _gpu_uuids(command)
-        state = await trio.to_thread.run_sync(busy.read_busy, self.system, self.data_dir, {})
+        state = await trio.to_thread.run_sync(busy.read_busy, self.system, self.data_dir, dict(self.vfio()))
         try:
             busy.check_not_busy(uuids, state)
         except busy.GpuBusy as exc:
