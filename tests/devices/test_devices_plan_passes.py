@@ -1792,3 +1792,56 @@ def test_Q_DEV_EVT_02_a_bound_key_whose_hold_is_gone_does_not_hold_back_a_new_bi
     ]
     assert actions[0].steps == (ForgetEventKeys((bkey("a", 1),)),)
     assert host.kinds() == ["BoundEvent", "BoundEvent"] and host.keys == set()
+
+
+@pytest.mark.parametrize("how", ["bind", "rebind"])
+def test_Q_DEV_EVT_02_a_bind_or_rebind_under_a_stale_key_waits_for_it_and_for_its_gpus(how: str) -> None:
+    """A bound key the journal remembers for no hold on disk at its generation (stale, however it was
+    left: here a's key at 2 while a holds nothing, or its hold at 1) is forgotten first thing; a bind
+    or a rebind under that key waits for the forgetting as well as for the release of the hold on its
+    GPU (o's, on B), so its AllocationBound is journaled, once, after o's AllocationReleased."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("o", B), *((asg("a", A),) if how == "rebind" else ())))
+    host.keys.add(bkey("a", 2))
+    s2 = spec(2, asg("a", A, B))  # o released, B given to a
+    actions = host.plan(s2).actions
+    assert [(x.key, sorted(x.after)) for x in actions] == [
+        ("forget-keys", []),
+        ("release-intent", []),
+        ("release:o", ["release-intent"]),
+        (f"{how}:a", ["forget-keys", "release:o"]),
+        ("ledger", []),
+    ]
+    assert actions[0].steps == (ForgetEventKeys((bkey("a", 2),)),)
+    assert only_step(actions, f"{how}:a").steps[-1] == bound("a", 2, A, B)
+    settled(host, s2)
+    assert [(type(e).__name__, e.allocation_id, e.generation) for e in host.events][-2:] == [
+        ("ReleasedEvent", "o", 2),
+        ("BoundEvent", "a", 2),
+    ]
+    assert host.keys == set()
+
+
+def test_Q_DEV_EVT_02_a_rebind_of_an_allocation_whose_release_is_unfinished_waits_for_it() -> None:
+    """a's release at 2 stopped once its spec was removed; the pass at 3 journaled its AllocationReleased
+    and wrote a's new hold on B, then stopped too, the ledger still recording the release. At 4 a grows
+    to B and C: its hold is written over in place, and that rebind waits for the release to be finished
+    (`release-done:a`: a's AllocationReleased before its AllocationBound). Each report is sent once."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", A)))
+    crash_after(host, host.plan(spec(2)), 2)  # the release's intent, a's spec removed
+    crash_after(host, host.plan(spec(3, asg("a", B))), 3)  # a's AllocationReleased, a's new spec and env
+    s4 = spec(4, asg("a", B, C))
+    actions = host.plan(s4).actions
+    assert [(x.key, sorted(x.after)) for x in actions] == [
+        ("release-done:a", []),
+        ("rebind:a", ["release-done:a"]),
+        ("ledger", []),
+    ]
+    settled(host, s4)
+    assert [(type(e).__name__, e.allocation_id, e.generation) for e in host.events] == [
+        ("BoundEvent", "a", 1),
+        ("ReleasedEvent", "a", 2),
+        ("BoundEvent", "a", 4),
+    ]
+    assert host.keys == set()

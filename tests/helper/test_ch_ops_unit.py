@@ -1717,11 +1717,12 @@ def wire_vm(
     sized: bool = True,
     policy: int = 0,
     addresses: tuple[str, ...] = (),
+    runtime: str = "cloud-hypervisor",
 ) -> wire.InstanceSpec:
     return wire.InstanceSpec(
         id="vm1",
         allocation_id="alloc-1",
-        runtime="cloud-hypervisor",
+        runtime=runtime,
         desired_state=wire.InstanceDesiredState(state),
         size=wire.InstanceSize(vcpus=vcpus, memory_bytes=memory, disk_bytes=10 * GIB) if sized else None,
         image=wire.ImageRef(url="https://images.example/x.qcow2", sha256=sha, format="qcow2")
@@ -1818,6 +1819,26 @@ def test_signed_taps_must_be_the_specs_nics_bridges(
         # taps run no guest: an instance the spec wants STOPPED may have them (round 6b binds only starts)
         stopped = wire_vm(nics=(("br0", MAC), ("br1", "52:54:00:00:00:02")), state=3)
         assert taps(("br0", "br1"), signed(signer, 4, stopped))["taps"] == [T0, T1]
+    finally:
+        c.audit.close()
+
+
+def test_round7_a_ch_op_takes_only_an_instance_the_spec_runs_under_cloud_hypervisor(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """Round 7 (docs/helper.md): `ch.*` with roots takes only an instance the signed spec runs under
+    `cloud-hypervisor` (`spec-mismatch`, naming the spec's runtime): a libvirt-kvm instance is never also
+    given taps here, a second guest of one instance. Nothing runs and no state is written."""
+    c = signed_ctx(root, host, cp)
+    try:
+        kvm = wire_vm(runtime="libvirt-kvm")
+        assert refused(ch.ch_taps, call(c), ch.ChTaps("vm1", ("br0",), signed(signer, 3, kvm))) == (
+            "spec-mismatch",
+            "ch.taps: vm1: the signed spec (generation 3) runs it under 'libvirt-kvm', not cloud-hypervisor",
+        )
+        assert runs(c) == [] and state_generation(root) is None
+        assert ch.ch_taps(call(c), ch.ChTaps("vm1", ("br0",), signed(signer, 3, wire_vm())))["taps"] == [T0]
+        assert state_generation(root) == 3
     finally:
         c.audit.close()
 

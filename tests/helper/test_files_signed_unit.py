@@ -793,3 +793,41 @@ def test_a_hold_of_an_atom_another_hold_file_names_waits_for_it(ctx: HelperConte
     # Its own hold is skipped, not the end of the look: a9's, after it, still counts.
     (ctx.root / "etc/cdi/bcd-a9.json").write_text(hold("a9", [(GPU2, None)]))
     assert refused(ctx, a4)[1].endswith("is still held by a9 (/etc/cdi/bcd-a9.json): its hold goes first")
+
+
+def test_round7_an_env_file_naming_an_atom_another_hold_still_names_waits_for_it(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    """Round 7, row 5 (docs/helper.md), in process: a signed env file takes round 6's `atoms-held` rule
+    (its NVIDIA_VISIBLE_DEVICES hands the GPU to the legacy runtime hook as a CDI hold does), its
+    refusals naming the env file's kind: another allocation's CDI hold kept after the spec moved the
+    GPU, another's env file, a hold root cannot read. The allocation's own hold and env file are not
+    another's; once the other hold goes the env file is written."""
+    first = signed(worker, body(2, {"a1": [GPU1], "a4": [GPU2]}))
+    file_write(call(ctx), cdi_write("a1", hold("a1", [(GPU1, None)]), first))
+    file_write(call(ctx), env_naming("a4", GPU2, first))
+    moved = signed(worker, body(3, {"a2": [GPU1], "a3": [GPU2]}))  # a1's hold, a4's env file kept
+    assert refused(ctx, env_naming("a2", GPU1, moved)) == (
+        "atoms-held",
+        f"allocation-env: {GPU1} of allocation a2 is still held by a1 (/etc/cdi/bcd-a1.json): its hold "
+        "goes first",
+    )
+    assert not (ctx.root / "run/bcd/allocations/a2.env").exists()
+    assert refused(ctx, env_naming("a3", GPU2, moved)) == (
+        "atoms-held",
+        f"allocation-env: {GPU2} of allocation a3 is still named by allocation a4's env file "
+        "(/run/bcd/allocations/a4.env): it goes first",
+    )
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a4", moved))["removed"] is True
+    (ctx.root / "etc/cdi/bcd-a0.json").write_text("{}")
+    assert refused(ctx, env_naming("a3", GPU2, moved)) == (
+        "atoms-held",
+        "allocation-env: the hold /etc/cdi/bcd-a0.json cannot be read: it may hold any atom",
+    )
+    (ctx.root / "etc/cdi/bcd-a0.json").unlink()
+    file_write(call(ctx), cdi_write("a3", hold("a3", [(GPU2, None)]), moved))
+    file_write(call(ctx), env_naming("a3", GPU2, moved))  # its own hold and env file are not another's
+    file_write(call(ctx), env_naming("a3", GPU2, moved))
+    assert file_remove(call(ctx), FileRemove("cdi", "a1", moved))["removed"] is True
+    file_write(call(ctx), env_naming("a2", GPU1, moved))
+    assert (ctx.root / "run/bcd/allocations/a2.env").read_text().endswith(f"NVIDIA_VISIBLE_DEVICES={GPU1}\n")

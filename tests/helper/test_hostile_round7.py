@@ -356,5 +356,19 @@ def test_round7_signed_instance_starts_unpaused_only_what_the_spec_runs_under_it
             "'cloud-hypervisor', not libvirt-kvm"
         )
         assert (check(3, "libvirt-kvm", starts=True) or "").startswith("spec-mismatch: ")
+        # the spec's runtime, whatever the node had signed into it, is cut to 40 characters in the refusal
+        odd = ch_instance("vm1", runtime="r" * 50)
+        try:
+            verifier.signed_instance(
+                "ch.launch", "vm1", SignedIntent(**intent(worker, instances_body("node-i", 8, odd))),
+                runtime="cloud-hypervisor",
+            )  # fmt: skip
+            raise AssertionError("taken")
+        except Refused as exc:
+            assert (exc.reason, exc.message) == (
+                "spec-mismatch",
+                f"ch.launch: vm1: the signed spec (generation 8) runs it under {'r' * 40!r}, not "
+                "cloud-hypervisor",
+            )
     finally:
         ctx.audit.close()

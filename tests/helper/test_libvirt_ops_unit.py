@@ -1924,11 +1924,12 @@ def wire_vm(
     sized: bool = True,
     policy: int = 0,
     addresses: tuple[str, ...] = (),
+    runtime: str = "libvirt-kvm",
 ) -> wire.InstanceSpec:
     return wire.InstanceSpec(
         id="vm1",
         allocation_id="a1",
-        runtime="libvirt-kvm",
+        runtime=runtime,
         desired_state=wire.InstanceDesiredState(state),
         size=wire.InstanceSize(vcpus=vcpus, memory_bytes=memory, disk_bytes=10 * GIB) if sized else None,
         image=wire.ImageRef(url="https://images.example/x.qcow2", sha256=sha, format="qcow2")
@@ -2147,6 +2148,114 @@ def test_a_signed_rebind_needs_the_spec_to_ask_for_one(
         assert generation(root) == 2
         assert virsh_runs(c)[-1] == ("attach-device", "vm1", "/dev/stdin", "--live")
         assert programs(c).inputs[-1] == rebind_xml(root / REBIND.lstrip("/"))
+    finally:
+        c.audit.close()
+
+
+def test_round7_a_start_or_restore_runs_unpaused_only_what_the_spec_wants_running(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """Round 7 (docs/helper.md): with roots, a start or a restore not asked `--paused` needs a spec that
+    wants the instance RUNNING (`instance-not-running`, naming the state and the generation): a node
+    cannot destroy a guest the control plane paused and start it again running. Asked paused, a PAUSED
+    spec is taken and virsh gets `--paused`. A refusal runs no verb and writes no state."""
+    host.domains["vm1"] = DUMPXML
+    c = signed_ctx(root, host, cp)
+    try:
+        vm = lambda state: wire_vm(gpus=(GPU0,), state=state)  # noqa: E731
+        start = lambda i, p=False: lv.libvirt_start(call(c), lv.LibvirtStart("vm1", p, i))  # noqa: E731
+        assert refused(start, signed(signer, 3, vm(2))) == (
+            "instance-not-running",
+            "libvirt.start: vm1: paused: the signed spec (generation 3) wants it PAUSED: root starts it "
+            "only paused",
+        )
+        assert virsh_runs(c)[-1] == ("dumpxml", "vm1")
+        assert not (root / "var/lib/bcd-hostconfig/helper-intent.json").exists()
+        assert start(signed(signer, 3, vm(2)), True) == {"name": "vm1", "paused": True}
+        assert generation(root) == 3 and virsh_runs(c)[-1] == ("start", "vm1", "--paused")
+        assert start(signed(signer, 4, vm(1))) == {"name": "vm1", "paused": False}
+        assert generation(root) == 4 and virsh_runs(c)[-1] == ("start", "vm1")
+
+        (root / STATE.lstrip("/")).write_bytes(save_image())
+        restore = lambda i, p=False: lv.libvirt_restore(  # noqa: E731
+            call(c), lv.LibvirtRestore("vm1", NO_GPU_DEFINE, i, p)
+        )
+        assert refused(restore, signed(signer, 5, wire_vm(state=2))) == (
+            "instance-not-running",
+            "libvirt.restore: vm1: paused: the signed spec (generation 5) wants it PAUSED: root starts it "
+            "only paused",
+        )
+        assert generation(root) == 4 and virsh_runs(c)[-1] == ("start", "vm1")
+        assert restore(signed(signer, 5, wire_vm(state=2)), True) == {"name": "vm1", "paused": True}
+        assert generation(root) == 5 and virsh_runs(c)[-1][-1].endswith(" --paused")
+    finally:
+        c.audit.close()
+
+
+def test_round7_a_resume_runs_only_what_the_spec_wants_running_its_generation_written_first(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """Round 7: with roots a resume needs a spec that wants the instance RUNNING under libvirt-kvm; the
+    generation it acted on is root's floor before virsh runs (a resume virsh then fails still wrote it,
+    and an older spec is refused after it)."""
+    c = signed_ctx(root, host, cp)
+    try:
+        resume = lambda i: lv.libvirt_resume(call(c), lv.LibvirtResume("vm1", i))  # noqa: E731
+        assert refused(resume, None) == (
+            "intent-required",
+            "libvirt.resume: a signed spec is required (command-signing roots from join record)",
+        )
+        assert refused(resume, signed(signer, 3, wire_vm(state=2))) == (
+            "instance-not-running",
+            "libvirt.resume: vm1: the signed spec (generation 3) wants it PAUSED: root resumes only an "
+            "instance it wants RUNNING",
+        )
+        assert refused(resume, signed(signer, 3, wire_vm(runtime="cloud-hypervisor"))) == (
+            "spec-mismatch",
+            "libvirt.resume: vm1: the signed spec (generation 3) runs it under 'cloud-hypervisor', not "
+            "libvirt-kvm",
+        )
+        assert ("resume", "vm1") not in virsh_runs(c)
+        assert not (root / "var/lib/bcd-hostconfig/helper-intent.json").exists()
+        host.fail["resume"] = (1, b"", b"error: domain is not paused\n")
+        assert failed(resume, signed(signer, 6, wire_vm())) == (
+            "virsh",
+            "virsh resume vm1: error: domain is not paused",
+        )
+        assert generation(root) == 6  # written before the effect
+        del host.fail["resume"]
+        assert refused(resume, signed(signer, 5, wire_vm()))[0] == "stale-generation"
+        assert resume(signed(signer, 7, wire_vm())) == {"name": "vm1"}
+        assert generation(root) == 7 and virsh_runs(c)[-1] == ("resume", "vm1")
+    finally:
+        c.audit.close()
+
+
+def test_round7_libvirt_ops_take_only_an_instance_the_spec_runs_under_libvirt_kvm(
+    root: Path, host: Host, cp: ControlPlane, signer: Signer
+) -> None:
+    """Round 7: with roots, define, start, restore and rebind take only an instance the signed spec runs
+    under libvirt-kvm (`spec-mismatch`, naming the spec's runtime): a cloud-hypervisor instance is never
+    also defined or run under libvirt, a second guest of one instance with the same tap names."""
+    host.domains["vm1"] = DUMPXML
+    (root / STATE.lstrip("/")).write_bytes(save_image())
+    (root / REBIND.lstrip("/")).write_bytes(b"\0" * (1 << 20))
+    c = signed_ctx(root, host, cp)
+    try:
+        other = lambda **k: signed(signer, 3, wire_vm(runtime="cloud-hypervisor", **k))  # noqa: E731
+        for op, handler, request in (
+            ("define", lv.libvirt_define, lv.LibvirtDefine("vm1", DEFINE, other(gpus=(GPU0,)))),
+            ("start", lv.libvirt_start, lv.LibvirtStart("vm1", True, other(gpus=(GPU0,)))),
+            ("restore", lv.libvirt_restore, lv.LibvirtRestore("vm1", NO_GPU_DEFINE, other(), True)),
+            ("rebind", lv.libvirt_attach_rebind, lv.LibvirtRebind("vm1", other(rebind="r1"))),
+        ):
+            assert refused(handler, call(c), request) == (
+                "spec-mismatch",
+                f"libvirt.{op}: vm1: the signed spec (generation 3) runs it under 'cloud-hypervisor', not "
+                "libvirt-kvm",
+            ), op
+        assert [r[0] for r in virsh_runs(c)] == ["dumpxml"] * len(virsh_runs(c))
+        assert not (root / "var/lib/bcd-hostconfig/helper-intent.json").exists()
     finally:
         c.audit.close()
 
