@@ -36,7 +36,7 @@ def _helper_main(argv: Sequence[str]) -> int:
     except ImportError:
         print("bcd: `bcd helper` needs the bcd-helper distribution installed", file=sys.stderr)
         return 2
-    return helper_main(list(argv), prog="bcd helper")
+    return helper_main(list(argv))
 
 
 def _image_main(argv: Sequence[str]) -> int:

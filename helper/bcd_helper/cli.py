@@ -15,14 +15,12 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "bcd-helper") -> int:
-    """`prog`: the name usage lines show; `bcd helper ...` passes its own, the installed script keeps
-    `bcd-helper` (an operator copying a usage line runs what they ran)."""
+def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     return dispatch(
         args_list,
         SUBCOMMANDS,
-        prog=prog,
+        prog="bcd helper",
         description="bcd's root helper",
         version=f"bcd-helper {VERSION}",
     )
