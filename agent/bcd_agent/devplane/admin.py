@@ -75,7 +75,9 @@ async def serve(plane: DevPlane, *, task_status: trio.TaskStatus[None] = trio.TA
     path = plane.admin_path
     # Bound and listening under another name, then renamed: once admin.sock exists it answers (a script
     # that waits for the file, as docs/devplane.md's does, met a refused connection in between).
-    staging = path.with_name(path.name + ".new")
+    # The staging name is no longer than the final one: a path that fits sun_path (108 bytes) as
+    # admin.sock fits while bound too (a deep `bcd sim --root` stays within it).
+    staging = path.with_name("admin.new")
     for stale in (path, staging):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(stale)
