@@ -38,6 +38,19 @@ def require_tool(name: str) -> str:
     return path
 
 
+def qemu_img_create(path: Path, size: int, *opts: str, fmt: str = "qcow2") -> Path:
+    """`qemu-img create` of a test image. A LUKS image's PBKDF benchmark fails now and then on a loaded
+    machine ("Unable to get accurate CPU usage": tick-based thread CPU time reads 0 ms): tried again."""
+    argv = [require_tool("qemu-img"), "create", "-q", "-f", fmt, *opts, str(path), str(size)]
+    for _ in range(4):
+        done = subprocess.run(argv, capture_output=True, text=True, check=False)
+        if done.returncode == 0 or "accurate CPU usage" not in done.stderr:
+            break
+    if done.returncode != 0:
+        raise AssertionError(f"{argv}: exit {done.returncode}: {done.stderr}")
+    return path
+
+
 def require_root(why: str) -> None:
     """Root (for `why`); skipped locally without it, a failure under CI=true (CI runs as root)."""
     if os.geteuid() != 0:

@@ -26,18 +26,14 @@ from bcd_agent.sections.instances.runtimes.base import Prepared
 from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
 from bcd_shared.errors import TerminalError
 from bcd_shared.system import CommandResult, LocalSystem
-from testsupport import REPO, require_tool
+from testsupport import REPO, qemu_img_create, require_tool
 
 GIB = 1 << 30
 DATA = "/var/lib/bcd"
 
 
 def _img(tmp: Path, name: str, *opts: str, size: int = GIB, fmt: str = "qcow2") -> Path:
-    path = tmp / name
-    subprocess.run(
-        [require_tool("qemu-img"), "create", "-q", "-f", fmt, *opts, str(path), str(size)], check=True
-    )
-    return path
+    return qemu_img_create(tmp / name, size, *opts, fmt=fmt)
 
 
 def _check(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, dict[str, object]]:

@@ -4,21 +4,17 @@ images of each variant the runtime relies on, built in the test."""
 from __future__ import annotations
 
 import struct
-import subprocess
 from pathlib import Path
 
 import pytest
 from bcd_shared.images import ImageRefused, check_image, check_overlay
-from testsupport import require_tool
+from testsupport import qemu_img_create
 
 GIB = 1 << 30
 
 
 def _img(tmp: Path, name: str, *opts: str, size: int = GIB) -> Path:
-    path = tmp / name
-    qemu_img = require_tool("qemu-img")
-    subprocess.run([qemu_img, "create", "-q", "-f", "qcow2", *opts, str(path), str(size)], check=True)
-    return path
+    return qemu_img_create(tmp / name, size, *opts)
 
 
 def _refused(path: Path, reason: str, cap: int = 1 << 40) -> str:
