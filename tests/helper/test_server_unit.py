@@ -591,6 +591,9 @@ def spec(handler: Any, **kw: Any) -> OpSpec:
     return OpSpec(**fields)
 
 
+SHAPE = 'a request is exactly {"op": <string>, "args": <object>}, and optionally "trace": <traceparent>'
+
+
 def last(ctx: HelperContext) -> dict[str, Any]:
     return audit_lines(ctx)[-1]
 
@@ -598,12 +601,10 @@ def last(ctx: HelperContext) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
-        ([], 'a request is exactly {"op": <string>, "args": <object>}'),
-        ({"op": "helper.ping"}, 'a request is exactly {"op": <string>, "args": <object>}'),
-        (
-            {"op": "helper.ping", "args": {}, "x": 1},
-            'a request is exactly {"op": <string>, "args": <object>}',
-        ),
+        ([], SHAPE),
+        ({"op": "helper.ping"}, SHAPE),
+        ({"op": "helper.ping", "args": {}, "x": 1}, SHAPE),
+        ({"op": "helper.ping", "trace": "00-" + "1" * 32 + "-" + "2" * 16 + "-01", "x": 1}, SHAPE),
         ({"op": 7, "args": {}}, "$.op: expected string"),
     ],
 )
