@@ -40,8 +40,9 @@
 - Each request is decoded into its op's frozen type (protocol.structure), run under the op's
   locks and deadline, answered, and recorded in the audit log, accepted or refused, before the
   answer is sent. A request's optional `trace` (the W3C trace context of the command the node is
-  handling) is decoded strictly (protocol.decode_trace) and its ids go on each of its lines. A file.write's `accepted` line goes ahead of its effect (call.ahead, `_Ahead`):
-  the connection's worker thread writes and fsyncs it while the file is fsynced; the answer waits for
+  handling) is decoded strictly (protocol.decode_trace) and its ids go on each of its lines. A
+  file.write's `accepted` line goes ahead of its effect (call.ahead, `_Ahead`): the connection's worker
+  thread writes and fsyncs it while the file is fsynced; the answer waits for
   both, and an effect that fails after it is a second line (docs/helper.md "Audit log").
 - One thread per connection (the standard library's socketserver threading mix-in), so a
   30-minute host.unit never blocks a file.write on another connection. Per-connection state lives
