@@ -693,8 +693,8 @@ def test_a_hold_of_a_gpu_another_allocations_env_file_names_waits_for_it(
     """Round 6, row 7 (docs/helper.md): the spec moved GPU1 from a1 to a2, and a1's env file stays without
     its hold (NVIDIA_VISIBLE_DEVICES names GPU1 for the legacy runtime hook): a2's hold of GPU1 is
     `atoms-held` naming a1's env file, a hold of another GPU is not; an env file root cannot parse holds
-    every atom. An env file without its hold goes while the spec lists its allocation (a hold's own does
-    not), and then a2's hold is written."""
+    every atom. An env file without its hold goes while the spec lists its allocation elsewhere (a hold's
+    own does not, nor one naming a GPU the spec gives its allocation), and then a2's hold is written."""
     first = signed(worker, body(2, {"a1": [GPU1]}))
     file_write(call(ctx), env_naming("a1", GPU1, first))
     slots = [f"{GPU1}/s{i}" for i in range(1, 9)]  # their names, joined, pass the message's 300 characters
@@ -723,12 +723,20 @@ def test_a_hold_of_a_gpu_another_allocations_env_file_names_waits_for_it(
     (ctx.root / "run/bcd/allocations/zz.env").unlink()
     back = signed(worker, body(4, {"a1": [GPU1], "a2": [GPU1], "a3": [GPU2]}))
     assert refused(ctx, FileRemove("allocation-env", "a3", back))[0] == "hold-in-spec"  # beside its hold
-    assert file_remove(call(ctx), FileRemove("allocation-env", "a1", back)) == {
+    # a1's env file names GPU1, which the spec gives a1 again: it stays (before 2026-12-02 it went, and GPU1
+    # then looked free to root's busy check).
+    assert refused(ctx, FileRemove("allocation-env", "a1", back)) == (
+        "hold-in-spec",
+        "allocation-env: allocation a1 is still in the signed spec's devices section (generation 4): its env "
+        "file names a GPU the spec gives it (or cannot be read), so it stays",
+    )
+    elsewhere = signed(worker, body(5, {"a1": [GPU2], "a2": [GPU1], "a3": [GPU2]}))  # a1 moved off GPU1
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a1", elsewhere)) == {
         "path": "/run/bcd/allocations/a1.env",
         "removed": True,
     }
-    assert generation(ctx.root) == 4
-    file_write(call(ctx), cdi_write("a2", hold("a2", [(GPU1, None)]), back))
+    assert generation(ctx.root) == 5
+    file_write(call(ctx), cdi_write("a2", hold("a2", [(GPU1, None)]), elsewhere))
 
 
 def test_an_env_files_mig_uuid_holds_its_mig_device_and_whole_gpu_only(
