@@ -605,6 +605,7 @@ def last(ctx: HelperContext) -> dict[str, Any]:
         ({"op": "helper.ping"}, SHAPE),
         ({"op": "helper.ping", "args": {}, "x": 1}, SHAPE),
         ({"op": "helper.ping", "trace": "00-" + "1" * 32 + "-" + "2" * 16 + "-01", "x": 1}, SHAPE),
+        (["op", "args"], SHAPE),  # a list holding the two names is no request
         ({"op": 7, "args": {}}, "$.op: expected string"),
     ],
 )
@@ -1716,6 +1717,13 @@ def test_DLV_CMD_15_a_bad_trace_is_refused_word_for_word(
         message,
     )
     assert "trace_id" not in e and "parent_id" not in e
+
+
+def test_a_bad_traces_refusal_names_the_op_cut_to_100_characters(
+    ctx: HelperContext, node_conn: Connection
+) -> None:
+    got = node_conn.answer({"op": "x" * 150, "args": {}, "trace": "bad"})
+    assert got["message"] == f"{'x' * 100}: {TRACE_RULE}"
 
 
 def test_a_valid_trace_of_any_flags_is_taken(ctx: HelperContext, node_conn: Connection) -> None:
