@@ -10,6 +10,11 @@ PROGRESSING and the next pass tries again (DLV-PRIV-05/06, DEV-BIND-07).
 it). `TrioHelperClient` runs the same calls in a worker thread with `trio.to_thread.run_sync`, so
 a 30-minute host.unit never blocks the agent's event loop. The wait for an answer is the op's
 timeout plus a minute on the connection (HST-HLP-08).
+
+While a command is handled (bcd_shared.tracecontext.CURRENT is set, in the handler's task and in the
+threads trio starts for it), each request carries its W3C trace context as `"trace"` (a version-00
+`traceparent`), and root records the ids in the request's audit lines (DLV-CMD-15; docs/helper.md
+"Audit log"). A request made outside any command's handling carries none.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import trio
+from bcd_shared import tracecontext
 from bcd_shared.errors import HelperRefused
 
 from bcd_agent.counters import CounterSet
@@ -61,6 +67,14 @@ READ_AHEAD = 4096  # a first read takes a usual answer whole; a larger one is re
 
 
 _ENCODER = json.JSONEncoder(separators=(",", ":"))  # built once (json.dumps with options builds one a call)
+
+
+def _request(op: str, args: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The request document; with the current command's trace context when there is one."""
+    trace = tracecontext.CURRENT.get()
+    if trace is None:
+        return {"op": op, "args": dict(args or {})}
+    return {"op": op, "args": dict(args or {}), "trace": tracecontext.header(trace)}
 
 
 def _send(sock: socket.socket, frame: bytes) -> None:
@@ -170,7 +184,7 @@ class HelperClient:
             raise
 
     def _call(self, op: str, args: Mapping[str, Any] | None, timeout: float | None) -> dict[str, Any]:
-        body = _ENCODER.encode({"op": op, "args": dict(args or {})}).encode()
+        body = _ENCODER.encode(_request(op, args)).encode()
         if len(body) > MAX_FRAME:
             raise HelperRefused("too-large", f"helper: {op}: request of {len(body)} bytes is too large")
         wait = timeout if timeout is not None else OP_TIMEOUT_S.get(op, 60.0) + CONNECTION_SLACK_S
@@ -200,7 +214,7 @@ class HelperClient:
         """An op that hands back a file descriptor (libvirt.console): (result, fd) on a fresh connection."""
         import array
 
-        body = json.dumps({"op": op, "args": dict(args or {})}, separators=(",", ":")).encode()
+        body = _ENCODER.encode(_request(op, args)).encode()
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
             sock.settimeout(OP_TIMEOUT_S.get(op, 60.0) + CONNECTION_SLACK_S)
             try:

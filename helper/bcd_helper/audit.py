@@ -8,7 +8,9 @@ Rules (issue 4 item 6, issue 9 items 5 and 6; docs/helper.md "Audit log"):
   the helper's own lines), `decision`
   (`accepted` | `refused` | `failed` | `anchor` | `repaired`), `reason`, `message`, `duration_ms`, `prev`: the
   SHA-256 (hex) of the previous line's bytes without its newline (the first line ever has 64 zeros),
-  and `mac`: HMAC-SHA256 of the line without `mac` under the sealing key of its seq;
+  and `mac`: HMAC-SHA256 of the line without `mac` under the sealing key of its seq; a request that
+  carried a W3C trace context also has `trace_id` and `parent_id` (the node's claim, a correlation aid:
+  root cannot check it);
 - the sealing key evolves at every line, k[s+1] = SHA-256("bcd-audit-evolve\\0" || k[s]), and only the
   next one is kept (`audit.key`, 0600, rewritten after each line; the one before is gone). Whoever
   takes root later cannot recompute the MAC of a line already written. The verification key
@@ -107,8 +109,9 @@ def _sealed_line(key: bytes, entry: dict[str, Any]) -> bytes:
     depend on its neighbours)."""
     body = canonical(entry)
     # `mac` sorts just before `message`, which every entry has. The top-level `,"message":` is the last
-    # one: after it come only op, peer_pid, peer_uid, prev, reason, seq and time, strings (whose quotes
-    # are escaped) and integers; one inside `args` (a shown object's key) comes before it.
+    # one: after it come only op, parent_id, peer_pid, peer_uid, prev, reason, seq, time and trace_id,
+    # strings (whose quotes are escaped) and integers; one inside `args` (a shown object's key) comes
+    # before it.
     at = body.rfind(b',"message":')
     if at < 0 or "message" not in entry or any("mac" < k < "message" for k in entry):
         # not the fields record() writes: the general way
@@ -455,26 +458,29 @@ class AuditLog:
         reason: str,
         message: str,
         duration_ms: float,
+        trace: tuple[str, str] | None = None,
     ) -> str:
-        """Append one line, fsynced; returns its hash."""
+        """Append one line, fsynced; returns its hash. `trace`: the (trace id, parent id) the request
+        carried (the node's claim, validated as a version-00 traceparent), as `trace_id` and `parent_id`;
+        a line without one has neither field."""
+        fields: dict[str, Any] = {
+            "peer_pid": peer_pid,
+            "peer_uid": peer_uid,
+            "op": op,
+            "args": dict(args),
+            "args_sha256": args_sha256,
+            "decision": decision,
+            "reason": reason,
+            "message": message,
+            "duration_ms": round(duration_ms, 3),
+        }
+        if trace is not None:
+            fields["trace_id"], fields["parent_id"] = trace
         with self._lock:
             self._log_fd()
             if self._size >= self._max:
                 self._rotate_and_anchor()
-            line = self._append(
-                {
-                    "peer_pid": peer_pid,
-                    "peer_uid": peer_uid,
-                    "op": op,
-                    "args": dict(args),
-                    "args_sha256": args_sha256,
-                    "decision": decision,
-                    "reason": reason,
-                    "message": message,
-                    "duration_ms": round(duration_ms, 3),
-                },
-                new_file=self._size == 0,
-            )
+            line = self._append(fields, new_file=self._size == 0)
             digest = self._prev
         if self._syslog:
             _syslog(line)
@@ -891,5 +897,6 @@ def run(args: argparse.Namespace) -> int:
                 f"{entry['time']} #{entry['seq']} uid={entry['peer_uid']} pid={entry['peer_pid']} "
                 f"{shown(entry['op'])} {entry['decision']} {entry['reason']} "
                 f"{json.dumps(entry['args'], sort_keys=True)} {shown(entry['message'])}".rstrip()
+                + (f" trace={shown(str(entry['trace_id']))}" if "trace_id" in entry else "")
             )
     return 0

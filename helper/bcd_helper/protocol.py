@@ -6,7 +6,9 @@ frames holding more than MAX_VALUES values (counted on the bytes before decoding
 is strict (strict_loads): a duplicate key, NaN or Infinity, a lone surrogate escape, or nesting deeper
 than MAX_DEPTH refuses the frame.
 
-Request:  {"op": "<name>", "args": {...}}            (exactly these two keys)
+Request:  {"op": "<name>", "args": {...}}            (exactly these two keys, and optionally
+          "trace": "<traceparent>", the W3C trace context of the command the node is handling:
+          version 00 exactly, else the request is refused; decode_trace)
 Answer:   {"ok": true, "result": {...}}
       or  {"ok": false, "error": "refused"|"failed", "reason": "<code>", "message": "<text>"}
 
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
 from bcd_shared.strictjson import unique_keys, value_bound
+from bcd_shared.tracecontext import parse_version_00
 
 if TYPE_CHECKING:
     import cattrs
@@ -250,6 +253,24 @@ def _messages(exc: BaseException, path: str) -> list[str]:
                 out.extend(_messages(sub, path + field))
         return out
     return [f"{path}: {exc}"]
+
+
+TRACE_RULE = (
+    "$.trace: expected a W3C traceparent of version 00, exactly 55 characters "
+    "00-<32 hex>-<16 hex>-<2 hex> in lower case, neither id all zeros"
+)
+
+
+def decode_trace(value: Any) -> tuple[str, str]:
+    """A request's `trace`: its (trace id, parent id). Decoded strictly, as every field: anything but a
+    valid version-00 traceparent raises DecodeError (TRACE_RULE). The W3C rule that a receiver ignores an
+    invalid one is applied where the control plane's value arrives (the node's dispatcher); the node's
+    client sends only what it formats from a valid context, so a bad one here is a broken or hostile
+    node (docs/helper.md "Audit log")."""
+    ctx = parse_version_00(value)
+    if ctx is None:
+        raise DecodeError(TRACE_RULE)
+    return ctx.trace_id, ctx.parent_id
 
 
 def _without_fields(cls: type[Any]) -> bool:

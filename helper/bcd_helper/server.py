@@ -39,8 +39,10 @@
   and audited.
 - Each request is decoded into its op's frozen type (protocol.structure), run under the op's
   locks and deadline, answered, and recorded in the audit log, accepted or refused, before the
-  answer is sent. A file.write's `accepted` line goes ahead of its effect (call.ahead, `_Ahead`):
-  the connection's worker thread writes and fsyncs it while the file is fsynced; the answer waits for
+  answer is sent. A request's optional `trace` (the W3C trace context of the command the node is
+  handling) is decoded strictly (protocol.decode_trace) and its ids go on each of its lines. A
+  file.write's `accepted` line goes ahead of its effect (call.ahead, `_Ahead`): the connection's worker
+  thread writes and fsyncs it while the file is fsynced; the answer waits for
   both, and an effect that fails after it is a second line (docs/helper.md "Audit log").
 - One thread per connection (the standard library's socketserver threading mix-in), so a
   30-minute host.unit never blocks a file.write on another connection. Per-connection state lives
@@ -72,6 +74,7 @@ from bcd_helper.protocol import (
     DecodeError,
     ProtocolError,
     decode_body,
+    decode_trace,
     encode_frame,
     structure,
 )
@@ -93,6 +96,7 @@ _LEN = struct.Struct(">I")
 _FD_SPACE = socket.CMSG_SPACE(16 * 4)
 
 
+SHAPE = 'a request is exactly {"op": <string>, "args": <object>}, and optionally "trace": <traceparent>'
 EOF = object()  # read_request's answer at a clean end of stream (a JSON null is a request)
 
 
@@ -254,19 +258,22 @@ class _Ahead:
     (the request's outcome, when not accepted, is then a second line); `failed`: the line could not be
     made durable (no answer is sent: the connection is closed, as when any audit write fails)."""
 
-    __slots__ = ("args", "conn", "failed", "op", "spec", "started", "t0")
+    __slots__ = ("args", "conn", "failed", "op", "spec", "started", "t0", "trace")
 
-    def __init__(self, conn: Connection, op: str, args: Any, spec: OpSpec, t0: float) -> None:
+    def __init__(
+        self, conn: Connection, op: str, args: Any, spec: OpSpec, t0: float, trace: tuple[str, str] | None
+    ) -> None:
         self.conn, self.op, self.args, self.spec, self.t0 = conn, op, args, spec, t0
+        self.trace = trace
         self.started = False
         self.failed = False
 
     def start(self) -> None:
         conn, duration = self.conn, (time.monotonic() - self.t0) * 1000
-        op, args, spec, t0 = self.op, self.args, self.spec, self.t0
+        op, args, spec, t0, trace = self.op, self.args, self.spec, self.t0, self.trace
 
         def job() -> None:
-            conn.audit(op, args, spec, "accepted", "", "", t0, duration)
+            conn.audit(op, args, spec, "accepted", "", "", t0, duration, trace)
 
         conn.worker().submit(job)
         self.started = True
@@ -453,7 +460,9 @@ class Connection:
         message: str,
         t0: float,
         duration_ms: float | None = None,
+        trace: tuple[str, str] | None = None,
     ) -> None:
+        """One audit line for the request; `trace`: the (trace id, parent id) it carried, if any."""
         if decision == "refused" and not self.guards.allow_refusal(self.peer.uid):
             self.guards.count(self.peer.uid, reason)
             return
@@ -477,6 +486,7 @@ class Connection:
             reason=reason,
             message=_cut(message, MAX_TEXT),
             duration_ms=(time.monotonic() - t0) * 1000 if duration_ms is None else duration_ms,
+            trace=trace,
         )
 
     def answer(self, doc: Any) -> dict[str, Any]:
@@ -485,14 +495,25 @@ class Connection:
         op, args = "?", None
         spec: OpSpec | None = None
         ahead: _Ahead | None = None
+        trace: tuple[str, str] | None = None
         full = False
         try:
-            if not isinstance(doc, dict) or set(doc) != {"op", "args"}:
-                raise Refused("bad-request", 'a request is exactly {"op": <string>, "args": <object>}')
+            if (
+                not isinstance(doc, dict)
+                or "op" not in doc
+                or "args" not in doc
+                or len(doc) != 2 + ("trace" in doc)
+            ):
+                raise Refused("bad-request", SHAPE)
             op, args = doc["op"], doc["args"]
             if not isinstance(op, str):
                 op = "?"
                 raise Refused("bad-request", "$.op: expected string")
+            if len(doc) == 3:
+                try:
+                    trace = decode_trace(doc["trace"])
+                except DecodeError as exc:
+                    raise Refused("bad-request", f"{op[:100]}: {exc}") from None
             full = self.peer.uid != 0 and self.ctx.audit.full
             if full and op != "audit.head":
                 self.guards.count(self.peer.uid, "audit-full")
@@ -506,7 +527,7 @@ class Connection:
             except DecodeError as exc:
                 raise Refused("bad-arguments", f"{op}: {exc}") from None
             deadline = Deadline(spec.timeout_s)
-            ahead = _Ahead(self, op, args, spec, t0)
+            ahead = _Ahead(self, op, args, spec, t0, trace)
             system = BoundedSystem(self.ctx.system, deadline)
             call = Call(self.ctx, self.peer, deadline, system, ahead, self.reserve_answer)
             held = self._acquire(spec, deadline)
@@ -516,23 +537,23 @@ class Connection:
                 for lock in reversed(held):
                     lock.release()
         except Refused as exc:
-            self.audit(op, args, spec, "refused", exc.reason, _after(ahead, exc.message), t0)
+            self.audit(op, args, spec, "refused", exc.reason, _after(ahead, exc.message), t0, trace=trace)
             return {"ok": False, "error": "refused", "reason": exc.reason, "message": exc.message[:MAX_TEXT]}
         except Failed as exc:
-            self.audit(op, args, spec, "failed", exc.reason, _after(ahead, exc.message), t0)
+            self.audit(op, args, spec, "failed", exc.reason, _after(ahead, exc.message), t0, trace=trace)
             return {"ok": False, "error": "failed", "reason": exc.reason, "message": exc.message[:MAX_TEXT]}
         except Exception as exc:  # a bug or an unexpected host error: failed, never silent
             if ahead is not None and ahead.failed:
                 raise  # the audit line could not be written: no answer (as below when the audit fails)
             message = f"{op[:100]}: {type(exc).__name__}: {exc}"[:MAX_TEXT]
-            self.audit(op, args, spec, "failed", "internal", _after(ahead, message), t0)
+            self.audit(op, args, spec, "failed", "internal", _after(ahead, message), t0, trace=trace)
             return {"ok": False, "error": "failed", "reason": "internal", "message": message}
         if full:
             # The log is full: the node's way out (audit.head) is answered and counted, not a line each, or a
             # flood of heads would grow files the age rule keeps (docs/helper.md, round 5, row 1).
             self.guards.count(self.peer.uid, "audit.head (log full)")
         elif ahead is None or not ahead.started:
-            self.audit(op, args, spec, "accepted", "", "", t0)
+            self.audit(op, args, spec, "accepted", "", "", t0, trace=trace)
         return {"ok": True, "result": result}
 
     def _acquire(self, spec: OpSpec, deadline: Deadline) -> list[threading.Lock]:

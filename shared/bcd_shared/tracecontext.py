@@ -8,6 +8,10 @@ written while a command's handler runs names the trace (`trace=<trace-id>` in te
 The field is tracing metadata, not an instruction: a value that is not a valid `traceparent` is ignored
 (the W3C rule for a receiver), never a reason to refuse a signed command.
 
+The node hands the current context on to root: its helper client sends it with each request as a
+version-00 `traceparent` (`header`), and the helper, which decodes strictly, takes only that exact form
+(`parse_version_00`) and records the ids in the request's audit lines (docs/helper.md "Audit log").
+
 The current context lives in a `contextvars.ContextVar`: each trio task (and each thread trio starts
 for it) reads its own, so a handler's context never leaks into another command's lines. The variable
 holds no state between commands: the dispatcher sets it for a handler's run and resets it after.
@@ -56,6 +60,30 @@ def parse(value: str) -> TraceContext | None:
     if trace_id == "0" * 32 or parent_id == "0" * 16:
         return None
     return TraceContext(trace_id, parent_id, int(flags, 16))
+
+
+VERSION_00_LENGTH = 55  # "00-" + 32 + "-" + 16 + "-" + 2
+
+
+def parse_version_00(value: object) -> TraceContext | None:
+    """`value`'s context when it is exactly a valid version-00 `traceparent` (a str of 55 characters,
+    lower-case hex, neither id all zeros), else None: the strict form the helper takes, and the only one
+    `header` writes."""
+    if type(value) is not str or len(value) != VERSION_00_LENGTH:
+        return None
+    match = _VERSION_00.match(value)
+    if match is None:
+        return None
+    trace_id, parent_id, flags = match.groups()
+    if trace_id == "0" * 32 or parent_id == "0" * 16:
+        return None
+    return TraceContext(trace_id, parent_id, int(flags, 16))
+
+
+def header(ctx: TraceContext) -> str:
+    """`ctx` as a version-00 `traceparent`: what bcd sends on, whatever version it received (a later
+    version is read by its first four fields, and a sender writes the version it speaks)."""
+    return f"00-{ctx.trace_id}-{ctx.parent_id}-{ctx.flags:02x}"
 
 
 CURRENT: contextvars.ContextVar[TraceContext | None] = contextvars.ContextVar("bcd_trace", default=None)

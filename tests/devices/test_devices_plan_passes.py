@@ -548,6 +548,43 @@ def test_an_orphan_env_file_naming_an_unknown_device_or_unreadable_holds_every_b
     ]
 
 
+def test_an_orphan_env_file_naming_a_gpu_the_spec_gives_its_allocation_stays_for_its_bind() -> None:
+    """With command-signing roots root refuses removing the env file of an allocation the spec lists while
+    it names an atom the spec gives it (`hold-in-spec`, docs/helper.md "Env files of a listed
+    allocation"), so the planner plans no such removal: x is wanted on A, which h holds (x fails
+    `overlap`), and x's orphan env file naming A stays; y's naming C, which y is not given, goes; so does
+    z's, whose allocation the spec does not list. A MIG UUID is read as its MIG atom: m's naming MIG_A stays
+    while m is given that MIG device, w's naming it goes while w is given A's other one."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("h", A)))
+    host.envs["x"] = ("BCD_ALLOCATION_ID=x", "NVIDIA_VISIBLE_DEVICES=" + A)
+    host.envs["y"] = ("BCD_ALLOCATION_ID=y", "NVIDIA_VISIBLE_DEVICES=" + C)
+    host.envs["z"] = ("BCD_ALLOCATION_ID=z", "NVIDIA_VISIBLE_DEVICES=" + A)
+    p = host.plan(spec(2, asg("h", A), asg("x", A), asg("y", "GPU-0000")))
+    assert [a.key for a in p.actions if a.key.startswith("release")] == ["release-env:y", "release-env:z"]
+    host2 = PlanHost(inventory())
+    host2.envs["m"] = ("BCD_ALLOCATION_ID=m", "NVIDIA_VISIBLE_DEVICES=" + MIG_A)
+    host2.envs["w"] = ("BCD_ALLOCATION_ID=w", "NVIDIA_VISIBLE_DEVICES=" + MIG_A)
+    p2 = host2.plan(spec(1, asg("m", f"{A}/gi1/ci0", "GPU-0000"), asg("w", f"{A}/gi2/ci0", "GPU-0000")))
+    assert [a.key for a in p2.actions if a.key.startswith("release")] == ["release-env:w"]
+
+
+def test_a_slot_moved_to_another_slot_of_its_gpu_keeps_its_env_file_for_the_bind() -> None:
+    """A slot moved to another slot of the same GPU shares no atom with it: the old hold is released and
+    the new bound in one pass (Q-DEV-PASS-01). The old env file names the GPU, which the new slot is on, so
+    root would refuse its removal (`hold-in-spec`): the release removes the CDI spec only, and the bind
+    writes the env file over. A slot moved to another GPU removes both, as before."""
+    host = PlanHost(inventory())
+    settled(host, spec(1, asg("a", f"{B}/s0")))
+    actions = settled(host, spec(2, asg("a", f"{B}/s1")))
+    release = next(a for a in actions if a.key == "release:a")
+    assert release.steps == (RemoveSpec("a"), released("a", 2, f"{B}/s0"))
+    assert host.envs["a"][-1] == "NVIDIA_VISIBLE_DEVICES=" + B and sorted(host.specs) == ["a"]
+    actions = settled(host, spec(3, asg("a", f"{C}/s0")))
+    release = next(a for a in actions if a.key == "release:a")
+    assert release.steps == (RemoveSpec("a"), RemoveEnv("a"), released("a", 3, f"{B}/s1"))
+
+
 def test_Q_DEV_PASS_02_an_unparseable_spec_is_removed_unless_wanted() -> None:
     """Covers Q-DEV-PASS-02 (docs/devices.md): a bcd-<id>.json that does not parse is removed with a
     warning when its allocation is not wanted, and left alone while it is."""

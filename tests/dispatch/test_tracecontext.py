@@ -191,3 +191,26 @@ def test_DLV_CMD_15_journal_format_names_the_trace_on_the_message_line() -> None
         inside = logsetup.JournalFormatter().format(record)
     assert inside == f"<4>bcd.x: two\n<4>lines trace={TRACE_B}"
     assert logsetup.JournalFormatter().format(record) == "<4>bcd.x: two\n<4>lines"
+
+
+def test_the_helpers_strict_form_is_version_00_exactly_and_header_writes_it() -> None:
+    """parse_version_00 (what root takes, docs/helper.md "Audit log") is a str of exactly 55 characters in
+    version 00's form, ids not all zero; header writes a context in that form whatever version it came in."""
+    good = f"00-{TRACE_A}-{PARENT}-0a"
+    assert tracecontext.parse_version_00(good) == tracecontext.TraceContext(TRACE_A, PARENT, 10)
+    for bad in (
+        f"cc-{TRACE_A}-{PARENT}-01",
+        f"00-{TRACE_A}-{PARENT}-01-x",
+        good + "\n",
+        good.upper(),
+        f"00-{'0' * 32}-{PARENT}-01",
+        f"00-{TRACE_A}-{'0' * 16}-01",
+        None,
+        55,
+        good.encode(),
+    ):
+        assert tracecontext.parse_version_00(bad) is None, bad
+    later = tracecontext.parse(f"cc-{TRACE_A}-{PARENT}-0f-more")
+    assert later is not None
+    assert tracecontext.header(later) == f"00-{TRACE_A}-{PARENT}-0f"
+    assert tracecontext.parse_version_00(tracecontext.header(later)) == later

@@ -160,3 +160,38 @@ def test_a_request_to_a_full_socket_waits_for_room_and_goes_whole() -> None:
         t.join()
     client.close()
     assert json.loads(got[0]) == {"op": "helper.ping", "args": {}}
+
+
+def test_DLV_CMD_15_a_request_carries_the_current_trace_as_version_00_and_none_outside_one() -> None:
+    """DLV-CMD-15: inside a command's trace context the client's request carries `trace`, the context
+    written as a version-00 traceparent (a later version's value re-written so); outside one, the request
+    is exactly {"op", "args"}."""
+    from bcd_shared import tracecontext
+
+    trace, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    a, b = socket.socketpair()
+    client = HelperClient("unused")
+    client._sock = a
+    sent: list[dict[str, object]] = []
+
+    def run() -> None:
+        for _ in range(3):
+            (n,) = struct.unpack(">I", b.recv(4, socket.MSG_WAITALL))
+            sent.append(json.loads(b.recv(n, socket.MSG_WAITALL)))
+            b.sendall(frame({"ok": True, "result": {}}))
+
+    t = threading.Thread(target=run)
+    t.start()
+    with b:
+        with tracecontext.current(f"00-{trace}-{parent}-01"):
+            client.call("helper.ping")
+        with tracecontext.current(f"cc-{trace}-{parent}-0a-later"):
+            client.call("helper.ping")
+        client.call("helper.ping")
+        t.join()
+    client.close()
+    assert sent == [
+        {"op": "helper.ping", "args": {}, "trace": f"00-{trace}-{parent}-01"},
+        {"op": "helper.ping", "args": {}, "trace": f"00-{trace}-{parent}-0a"},
+        {"op": "helper.ping", "args": {}},
+    ]

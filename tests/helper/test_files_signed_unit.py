@@ -693,8 +693,8 @@ def test_a_hold_of_a_gpu_another_allocations_env_file_names_waits_for_it(
     """Round 6, row 7 (docs/helper.md): the spec moved GPU1 from a1 to a2, and a1's env file stays without
     its hold (NVIDIA_VISIBLE_DEVICES names GPU1 for the legacy runtime hook): a2's hold of GPU1 is
     `atoms-held` naming a1's env file, a hold of another GPU is not; an env file root cannot parse holds
-    every atom. An env file without its hold goes while the spec lists its allocation (a hold's own does
-    not), and then a2's hold is written."""
+    every atom. An env file without its hold goes while the spec lists its allocation elsewhere (a hold's
+    own does not, nor one naming a GPU the spec gives its allocation), and then a2's hold is written."""
     first = signed(worker, body(2, {"a1": [GPU1]}))
     file_write(call(ctx), env_naming("a1", GPU1, first))
     slots = [f"{GPU1}/s{i}" for i in range(1, 9)]  # their names, joined, pass the message's 300 characters
@@ -723,12 +723,20 @@ def test_a_hold_of_a_gpu_another_allocations_env_file_names_waits_for_it(
     (ctx.root / "run/bcd/allocations/zz.env").unlink()
     back = signed(worker, body(4, {"a1": [GPU1], "a2": [GPU1], "a3": [GPU2]}))
     assert refused(ctx, FileRemove("allocation-env", "a3", back))[0] == "hold-in-spec"  # beside its hold
-    assert file_remove(call(ctx), FileRemove("allocation-env", "a1", back)) == {
+    # a1's env file names GPU1, which the spec gives a1 again: it stays (before 2026-12-02 it went, and GPU1
+    # then looked free to root's busy check).
+    assert refused(ctx, FileRemove("allocation-env", "a1", back)) == (
+        "hold-in-spec",
+        "allocation-env: allocation a1 is still in the signed spec's devices section (generation 4): its env "
+        "file names a GPU the spec gives it (or cannot be read), so it stays",
+    )
+    elsewhere = signed(worker, body(5, {"a1": [GPU2], "a2": [GPU1], "a3": [GPU2]}))  # a1 moved off GPU1
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a1", elsewhere)) == {
         "path": "/run/bcd/allocations/a1.env",
         "removed": True,
     }
-    assert generation(ctx.root) == 4
-    file_write(call(ctx), cdi_write("a2", hold("a2", [(GPU1, None)]), back))
+    assert generation(ctx.root) == 5
+    file_write(call(ctx), cdi_write("a2", hold("a2", [(GPU1, None)]), elsewhere))
 
 
 def test_an_env_files_mig_uuid_holds_its_mig_device_and_whole_gpu_only(
@@ -831,3 +839,59 @@ def test_round7_an_env_file_naming_an_atom_another_hold_still_names_waits_for_it
     assert file_remove(call(ctx), FileRemove("cdi", "a1", moved))["removed"] is True
     file_write(call(ctx), env_naming("a2", GPU1, moved))
     assert (ctx.root / "run/bcd/allocations/a2.env").read_text().endswith(f"NVIDIA_VISIBLE_DEVICES={GPU1}\n")
+
+
+def test_an_env_file_of_a_listed_allocation_goes_only_when_it_names_none_of_its_spec_atoms(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    """docs/helper.md "Env files of a listed allocation": with no hold beside it, a listed allocation's env
+    file is refused `hold-in-spec` while it names an atom the spec gives the allocation (a GPU's UUID is
+    the whole GPU, so a slot of it counts), or root cannot read it; it goes once it names only atoms the
+    spec moved the allocation off, or nothing (`void`); a missing one is a no-op, taken."""
+    why = "its env file names a GPU the spec gives it (or cannot be read), so it stays"
+
+    def message(alloc: str, gen: int) -> tuple[str, str]:
+        return (
+            "hold-in-spec",
+            f"allocation-env: allocation {alloc} is still in the signed spec's devices section (generation "
+            f"{gen}): {why}",
+        )
+
+    first = signed(worker, body(2, {"a1": [GPU1], "a2": [GPU2]}))
+    file_write(call(ctx), env_naming("a1", GPU1, first))
+    file_write(call(ctx), env_naming("a2", GPU2, first))
+    assert refused(ctx, FileRemove("allocation-env", "a1", first)) == message("a1", 2)
+    slot = signed(worker, body(3, {"a1": [f"{GPU1}/s2"], "a2": [GPU1]}))
+    assert refused(ctx, FileRemove("allocation-env", "a1", slot)) == message("a1", 3)
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a2", slot))["removed"] is True  # GPU2 only
+    (ctx.root / "run/bcd/allocations/a2.env").write_text(
+        "BCD_ALLOCATION_ID=a2\nNVIDIA_VISIBLE_DEVICES=void\n"
+    )
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a2", slot))["removed"] is True  # names none
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a2", slot))["removed"] is False  # none there
+    (ctx.root / "run/bcd/allocations/a2.env").write_text("BCD_ALLOCATION_ID=a9\n")  # not a2's: any GPU
+    assert refused(ctx, FileRemove("allocation-env", "a2", slot)) == message("a2", 3)
+    (ctx.root / "run/bcd/allocations/a2.env").write_text("BCD_ALLOCATION_ID=a2\nNVIDIA_VISIBLE_DEVICES=0\n")
+    assert refused(ctx, FileRemove("allocation-env", "a2", slot)) == message("a2", 3)  # an index: any GPU
+    moved = signed(worker, body(4, {"a1": [GPU2], "a2": [GPU2]}))
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a1", moved))["removed"] is True
+    assert generation(ctx.root) == 4
+
+
+def test_a_listed_mig_allocations_env_file_names_its_mig_device_only(
+    root: Path, cp: ControlPlane, worker: Signer
+) -> None:
+    """The MIG side: an env file naming a MIG UUID names that MIG device by root's nvidia-smi: it stays
+    while the spec gives the allocation that device (or the whole GPU), and goes once the spec moves the
+    allocation to the GPU's other MIG device."""
+    ctx = signed_ctx(root, cp, real_smi())
+    try:
+        first = signed(worker, body(2, {"a1": [RMIG0]}))
+        file_write(call(ctx), env_naming("a1", RMIG0_UUID, first))
+        assert refused(ctx, FileRemove("allocation-env", "a1", first))[0] == "hold-in-spec"
+        whole = signed(worker, body(3, {"a1": [RGPU]}))
+        assert refused(ctx, FileRemove("allocation-env", "a1", whole))[0] == "hold-in-spec"
+        other = signed(worker, body(4, {"a1": [RMIG1]}))
+        assert file_remove(call(ctx), FileRemove("allocation-env", "a1", other))["removed"] is True
+    finally:
+        ctx.audit.close()

@@ -18,7 +18,7 @@ import pytest
 from hostilekit import vm_hwm_kib
 from intentkit import ControlPlane, devices_spec, hold_text, intent
 from realnode import RealNode
-from test_signed_holds import NODE, cdi_doc, devices_body, env_doc, remove_doc
+from test_signed_holds import NODE, atom_class, cdi_doc, devices_body, env_doc, remove_doc
 
 
 @pytest.fixture(scope="module")
@@ -393,7 +393,9 @@ def test_round6_a_signed_hold_never_names_a_gpu_a_released_allocations_env_file_
     signed_node.ok(w9)
     signed_node.ok(env_doc("w9", f"BCD_RESERVATION_ID=r1\nNVIDIA_VISIBLE_DEVICES={GPU2}\n", moved))
     # w8 back on GPU1 at 44: its env file written, its hold not (a crash between them, or a node that
-    # stops there). The env file can go though the spec lists w8; w9's, beside its hold, cannot.
+    # stops there). Since 2026-12-02 the env file stays while the spec gives w8 the GPU it names (its
+    # removal made GPU1 look free to root's busy check: tests/helper/test_hostile_envfile.py); w9's,
+    # beside its hold, cannot go either. Once the spec moves w8 elsewhere, its old env file goes.
     back = intent(worker, devices_body(44, {"w9": [GPU2], "w8": [GPU1]}))
     signed_node.ok(env_doc("w8", f"BCD_RESERVATION_ID=r1\nNVIDIA_VISIBLE_DEVICES={GPU1}\n", back))
     signed_node.refused(
@@ -402,7 +404,10 @@ def test_round6_a_signed_hold_never_names_a_gpu_a_released_allocations_env_file_
     signed_node.refused(
         {"op": "file.remove", "args": {"kind": "cdi", "id": "w9", "intent": back}}, "hold-in-spec"
     )
-    signed_node.ok({"op": "file.remove", "args": {"kind": "allocation-env", "id": "w8", "intent": back}})
+    w8_env = {"op": "file.remove", "args": {"kind": "allocation-env", "id": "w8", "intent": back}}
+    signed_node.refused(w8_env, "hold-in-spec", "names a GPU the spec gives it")
+    away = intent(worker, devices_body(45, {"w9": [GPU2]}))
+    signed_node.ok({"op": "file.remove", "args": {"kind": "allocation-env", "id": "w8", "intent": away}})
     assert not (signed_node.root / "run/bcd/allocations/w8.env").exists()
 
 
@@ -478,7 +483,7 @@ class SignedDevices:
                 DeviceAssignment(
                     alloc,
                     "r1",
-                    devices=tuple(DeviceRef(g, "gpu") for g in gpus),
+                    devices=tuple(DeviceRef(g, atom_class(g)) for g in gpus),
                     limits=Limits(memory_bytes=memory[alloc]) if alloc in memory else None,
                 )
                 for alloc, gpus in assignments.items()

@@ -421,3 +421,21 @@ def test_a_byte_order_mark_is_refused_as_json_loads_refuses_it() -> None:
             strict_loads(body)
         assert str(info.value) == "Unexpected UTF-8 BOM (decode using utf-8-sig): line 1 column 1 (char 0)"
     assert strict_loads(b' {"a": "\xef\xbb\xbf"}') == {"a": "\ufeff"}  # one inside a string is a character
+
+
+def test_DLV_CMD_15_decode_trace_takes_a_version_00_traceparent_only() -> None:
+    """DLV-CMD-15: a request's `trace` is its (trace id, parent id) when it is exactly a valid version-00
+    traceparent; anything else is a DecodeError naming the field and the rule, word for word."""
+    from bcd_helper.protocol import DecodeError, decode_trace
+
+    trace, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    assert decode_trace(f"00-{trace}-{parent}-01") == (trace, parent)
+    assert decode_trace(f"00-{trace}-{parent}-ff") == (trace, parent)
+    rule = (
+        "$.trace: expected a W3C traceparent of version 00, exactly 55 characters "
+        "00-<32 hex>-<16 hex>-<2 hex> in lower case, neither id all zeros"
+    )
+    for bad in (f"01-{trace}-{parent}-01", f"00-{trace}-{parent}-01 ", f"00-{'0' * 32}-{parent}-01", None, 1):
+        with pytest.raises(DecodeError) as info:
+            decode_trace(bad)
+        assert str(info.value) == rule, bad

@@ -318,3 +318,35 @@ def test_a_worker_whose_line_hangs_does_not_keep_the_process_from_exiting() -> N
     except subprocess.TimeoutExpired as exc:
         pytest.fail(f"the child did not exit with its worker open: {exc.stdout!r}")
     assert (out.returncode, out.stdout.strip(), out.stderr) == (0, server.__file__, "")
+
+
+def test_DLV_CMD_15_the_line_written_ahead_carries_the_requests_trace(
+    ctx: HelperContext, conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DLV-CMD-15: the `accepted` line a file.write writes ahead of its effect carries the trace id and
+    parent id the request sent, and so does the second line of an effect that fails after it."""
+    trace, parent = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    doc = {**write(), "trace": f"00-{trace}-{parent}-01"}
+    assert conn.answer(doc)["ok"] is True
+    e = lines(ctx)[-1]
+    assert (e["op"], e["decision"], e["trace_id"], e["parent_id"]) == (
+        "file.write",
+        "accepted",
+        trace,
+        parent,
+    )
+    assert conn.answer(write())["ok"] is True
+    assert "trace_id" not in lines(ctx)[-1]
+
+    def rename(*_a: Any, **_kw: Any) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "rename", rename)
+    assert conn.answer(doc)["ok"] is False
+    monkeypatch.undo()
+    accepted, failed = lines(ctx)[-2:]
+    assert [(e["decision"], e["trace_id"], e["parent_id"]) for e in (accepted, failed)] == [
+        ("accepted", trace, parent),
+        ("failed", trace, parent),
+    ]
+    assert verify_chain(ctx.root / DIR.lstrip("/")).ok

@@ -591,6 +591,9 @@ def spec(handler: Any, **kw: Any) -> OpSpec:
     return OpSpec(**fields)
 
 
+SHAPE = 'a request is exactly {"op": <string>, "args": <object>}, and optionally "trace": <traceparent>'
+
+
 def last(ctx: HelperContext) -> dict[str, Any]:
     return audit_lines(ctx)[-1]
 
@@ -598,12 +601,11 @@ def last(ctx: HelperContext) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("doc", "message"),
     [
-        ([], 'a request is exactly {"op": <string>, "args": <object>}'),
-        ({"op": "helper.ping"}, 'a request is exactly {"op": <string>, "args": <object>}'),
-        (
-            {"op": "helper.ping", "args": {}, "x": 1},
-            'a request is exactly {"op": <string>, "args": <object>}',
-        ),
+        ([], SHAPE),
+        ({"op": "helper.ping"}, SHAPE),
+        ({"op": "helper.ping", "args": {}, "x": 1}, SHAPE),
+        ({"op": "helper.ping", "trace": "00-" + "1" * 32 + "-" + "2" * 16 + "-01", "x": 1}, SHAPE),
+        (["op", "args"], SHAPE),  # a list holding the two names is no request
         ({"op": 7, "args": {}}, "$.op: expected string"),
     ],
 )
@@ -1635,3 +1637,96 @@ def test_a_connection_whose_thread_cannot_start_gives_back_its_slot(
                 srv.process_request(b, None)
         assert b.fileno() == -1
         assert srv._slots.acquire(blocking=False)  # the slot was given back
+
+
+# --- a request's trace (DLV-CMD-15) -----------------------------------------------------------------------
+
+TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"
+PARENT_ID = "00f067aa0ba902b7"
+TRACED = f"00-{TRACE_ID}-{PARENT_ID}-01"
+TRACE_RULE = (
+    "$.trace: expected a W3C traceparent of version 00, exactly 55 characters 00-<32 hex>-<16 hex>-<2 hex> "
+    "in lower case, neither id all zeros"
+)
+
+
+def test_DLV_CMD_15_a_requests_trace_goes_on_its_line_whatever_its_outcome(
+    ctx: HelperContext, node_conn: Connection, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DLV-CMD-15: the trace id and parent id a request carries are on its audit line, accepted, refused
+    (by the decoding, an unknown op, the handler) or failed (the handler, an unexpected error); a request
+    without `trace` gets a line without either field."""
+
+    def refuse(_call: Any, _req: Any) -> dict[str, Any]:
+        raise Refused("nope", "no")
+
+    def fail(_call: Any, _req: Any) -> dict[str, Any]:
+        raise Failed("tool", "broke")
+
+    def boom(_call: Any, _req: Any) -> dict[str, Any]:
+        raise RuntimeError("bug")
+
+    monkeypatch.setitem(OPS, "t.refuse", spec(refuse))
+    monkeypatch.setitem(OPS, "t.fail", spec(fail))
+    monkeypatch.setitem(OPS, "t.boom", spec(boom))
+    for op, args, outcome in [
+        ("helper.ping", {}, ("accepted", "")),
+        ("helper.ping", {"x": 1}, ("refused", "bad-arguments")),
+        ("t.nothing", {}, ("refused", "unknown-op")),
+        ("t.refuse", {}, ("refused", "nope")),
+        ("t.fail", {}, ("failed", "tool")),
+        ("t.boom", {}, ("failed", "internal")),
+    ]:
+        node_conn.answer({"op": op, "args": args, "trace": TRACED})
+        e = last(ctx)
+        assert (e["op"], e["decision"], e["reason"]) == (op, *outcome), e
+        assert (e["trace_id"], e["parent_id"]) == (TRACE_ID, PARENT_ID), e
+        node_conn.answer({"op": op, "args": args})
+        e = last(ctx)
+        assert (e["op"], e["decision"], e["reason"]) == (op, *outcome), e
+        assert "trace_id" not in e and "parent_id" not in e, e
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        TRACED.upper(),
+        "01" + TRACED[2:],
+        TRACED + "-x",
+        TRACED[:-1],
+        f"00-{'0' * 32}-{PARENT_ID}-01",
+        f"00-{TRACE_ID}-{'0' * 16}-01",
+        None,
+        55,
+        [TRACED],
+    ],
+)
+def test_DLV_CMD_15_a_bad_trace_is_refused_word_for_word(
+    ctx: HelperContext, node_conn: Connection, value: Any
+) -> None:
+    """DLV-CMD-15: `trace` is decoded strictly: anything but a valid version-00 traceparent is refused
+    `bad-request`, the message naming the op, the field and the rule; the line has no trace fields."""
+    got = node_conn.answer({"op": "helper.ping", "args": {}, "trace": value})
+    message = f"helper.ping: {TRACE_RULE}"
+    assert got == {"ok": False, "error": "refused", "reason": "bad-request", "message": message}
+    e = last(ctx)
+    assert (e["op"], e["decision"], e["reason"], e["message"]) == (
+        "helper.ping",
+        "refused",
+        "bad-request",
+        message,
+    )
+    assert "trace_id" not in e and "parent_id" not in e
+
+
+def test_a_bad_traces_refusal_names_the_op_cut_to_100_characters(
+    ctx: HelperContext, node_conn: Connection
+) -> None:
+    got = node_conn.answer({"op": "x" * 150, "args": {}, "trace": "bad"})
+    assert got["message"] == f"{'x' * 100}: {TRACE_RULE}"
+
+
+def test_a_valid_trace_of_any_flags_is_taken(ctx: HelperContext, node_conn: Connection) -> None:
+    for flags in ("00", "ff", "0a"):
+        assert node_conn.answer({"op": "helper.ping", "args": {}, "trace": TRACED[:-2] + flags})["ok"] is True
+        assert last(ctx)["trace_id"] == TRACE_ID

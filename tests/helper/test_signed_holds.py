@@ -58,6 +58,10 @@ def remove_doc(kind: str, ident: str, signed: dict[str, Any] | None) -> dict[str
     return {"op": "file.remove", "args": args}
 
 
+def atom_class(atom: str) -> str:
+    return "gpu.mig" if "/gi" in atom else "gpu.slot" if "/s" in atom else "gpu"
+
+
 def devices_body(generation: int, assignments: dict[str, list[str]]) -> bytes:
     section = wire.DevicesSection(
         assignments=[
@@ -65,9 +69,7 @@ def devices_body(generation: int, assignments: dict[str, list[str]]) -> bytes:
                 allocation_id=a,
                 reservation_id="r1",
                 binding=wire.Binding.HOLD,
-                devices=[
-                    wire.DeviceAtom(id=g, device_class="gpu.mig" if "/gi" in g else "gpu") for g in gpus
-                ],
+                devices=[wire.DeviceAtom(id=g, device_class=atom_class(g)) for g in gpus],
             )
             for a, gpus in assignments.items()
         ]

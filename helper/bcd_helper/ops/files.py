@@ -35,12 +35,14 @@ allocation's GPUs, or the MIG UUIDs root's nvidia-smi gives its MIG atoms), an e
 the assignment's signed `env` lines and a hold's the common env of root's vendor spec: no `LD_PRELOAD=`
 for a workload manager, no `NVIDIA_VISIBLE_DEVICES=all` for NVIDIA's runtime hook. A removal is refused
 while the spec still lists the allocation (`hold-in-spec`): a node cannot pull a live hold's file and
-then reset its GPU (an env file whose allocation has no CDI hold file excepted: an orphan the planner
-removes before it binds; docs/helper.md round 6b, row 13). Since round 6 (docs/helper.md): a MIG atom
-takes only its own MIG device's edits and UUID, never its parent GPU's; a hold carries each atom of its
-allocation once (`atoms-missing`) and none another allocation's hold file or env file names
-(`atoms-held`; since round 7 an env file too, whose NVIDIA_VISIBLE_DEVICES the legacy hook reads); its
-annotations are the assignment's (`annotations-outside`); a sliced hold's files
+then reset its GPU. Excepted: a CDI hold none of whose atoms the spec still gives the allocation (a moved
+allocation's old hold), and an env file with no CDI hold file beside it that names none of the atoms
+the spec gives the allocation (a moved allocation's old env file; docs/helper.md "Env files of a listed
+allocation": until 2026-12-02 any env file without its hold could go). Since round 6 (docs/helper.md):
+a MIG atom takes only its own MIG device's edits and UUID, never its parent GPU's; a hold carries each
+atom of its allocation once (`atoms-missing`) and none another allocation's hold file or env file names
+(`atoms-held`; since round 7 an env file too, whose NVIDIA_VISIBLE_DEVICES the legacy
+hook reads); its annotations are the assignment's (`annotations-outside`); a sliced hold's files
 are written only once its slice is started (`slice-missing`) and, since round 6b, enforcing the signed limits
 (`slice-limits`); a Kubernetes hold's CDI spec is bare, no vendor edits and no NVIDIA_VISIBLE_DEVICES
 (round 6b). Without roots nothing is bound (HST-SIGN-33). Every hold's JSON is value-counted before it is
@@ -855,15 +857,31 @@ def file_write(call: Call, req: FileWrite) -> dict[str, Any]:
     return {"path": path, "bytes": len(data)}
 
 
-def _env_without_hold(call: Call, kind: str, ident: str) -> bool:
-    """An env file whose allocation has no CDI hold file in root's view: its removal is taken while the
-    spec lists the allocation (an env file left by a crash, or by a node that kept it after the hold; its
-    NVIDIA_VISIBLE_DEVICES backed by no hold, and `atoms-held` refusing other holds of those GPUs while
-    it is there). Since round 6b root's busy check reads env files too, so its GPUs look free once it
-    goes; a hold file, which the allocation's workload runs under, never goes so (docs/helper.md)."""
+def _released_env(call: Call, kind: str, ident: str, assignment: Any) -> bool:
+    """An env file whose removal frees nothing the signed spec gives its allocation, so it is taken while the
+    spec lists the allocation: no CDI hold file beside it in root's view, and none of the atoms its
+    NVIDIA_VISIBLE_DEVICES names (read as `atoms-held` reads another's: a GPU's UUID the whole GPU, since no
+    hold names its slots; a MIG UUID its MIG device) is one the spec gives the allocation, or overlaps one.
+    That is the env file a moved allocation's release leaves (Q-DEV-PASS-01: the planner removes the old
+    hold, then its env file, then binds the new), or a crash between those two removals. Root's busy check
+    reads env files (round 6b), so an env file naming the spec's GPUs keeps them busy while jobs started
+    under it may run; before 2026-12-02 one without its hold could go whatever it named, and the GPU then
+    looked free to a reset (docs/helper.md "Env files of a listed allocation"). A file root cannot read
+    may name any GPU: it stays. A missing one is a no-op, taken."""
     from bcd_shared import cdi
 
-    return kind == "allocation-env" and not call.system.exists(cdi.cdi_spec_path(ident))
+    if kind != "allocation-env" or call.system.exists(cdi.cdi_spec_path(ident)):
+        return False
+    try:  # under the root-only rule, as the removal itself: a symlink there is refused, never read
+        data = read_root_only(call.ctx.root, cdi.env_file_path(ident), LIMITS["allocation-env"].max_file)
+    except RootPathRefused as exc:
+        raise refused_path(exc) from None
+    if data is None:
+        return True
+    named = _env_atoms(data, ident, (), mig_uuid_atoms(call.system))
+    if named is None:
+        return False
+    return not any(_overlaps(a.id, n) for a in assignment.devices for n in named)
 
 
 def _moved_hold(call: Call, kind: str, ident: str, assignment: Any) -> bool:
@@ -895,13 +913,18 @@ def file_remove(call: Call, req: FileRemove) -> dict[str, Any]:
             next_state, generation = signed
             if (
                 assignment is not None
-                and not _env_without_hold(call, req.kind, req.id)
+                and not _released_env(call, req.kind, req.id, assignment)
                 and not _moved_hold(call, req.kind, req.id, assignment)
             ):
+                from bcd_shared import cdi
+
+                why = "its hold stays"
+                if req.kind == "allocation-env" and not call.system.exists(cdi.cdi_spec_path(req.id)):
+                    why = "its env file names a GPU the spec gives it (or cannot be read), so it stays"
                 raise Refused(
                     "hold-in-spec",
                     f"{req.kind}: allocation {req.id} is still in the signed spec's devices section "
-                    f"(generation {generation}): its hold stays",
+                    f"(generation {generation}): {why}",
                 )
             if next_state is not None:
                 call.ctx.intent_verifier().save_state(next_state)

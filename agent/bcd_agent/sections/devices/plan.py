@@ -744,6 +744,39 @@ def _orphan_key(alloc: str, finishing: Mapping[str, object]) -> str:
     return f"release-done:{alloc}" if alloc in finishing else f"release-env:{alloc}"
 
 
+def _env_stays(
+    alloc: str, lines: tuple[str, ...] | None, wanted: Mapping[str, DeviceAssignment], obs: Observed
+) -> bool:
+    """Whether the env file of `alloc`, with no CDI hold beside it, must stay: the spec lists the
+    allocation and the file names an atom the spec gives it, or one the planner cannot place (root's
+    rule for `file.remove`, bcd_helper.ops.files `_released_env`: with roots it refuses the removal,
+    `hold-in-spec`, since the GPUs would look free to its busy check while jobs started under the file
+    may run). Such a file is written over by the allocation's bind instead. Read as root reads it: a
+    GPU's UUID names the whole GPU (no hold names its slots), a MIG UUID its MIG atom."""
+    want = wanted.get(alloc)
+    if want is None:
+        return False
+    if lines is None:
+        return True
+    migs = {
+        m.uuid: f"{g.uuid}/gi{m.gpu_instance}/ci{m.compute_instance}"
+        for g in obs.inventory.gpus
+        for m in g.migs
+        if m.uuid
+    }
+    named: set[str] = set()
+    for name in cdi.visible_device_names(lines):
+        if name in ("void", "none"):
+            continue
+        if name.startswith("GPU-"):
+            named.add(name)
+        elif name in migs:
+            named.add(migs[name])
+        else:
+            return True
+    return any(_overlap_id(d.id, n) for d in want.devices for n in named)
+
+
 def _names_any(named: frozenset[str] | None, gpus: set[str]) -> bool:
     return named is None or bool(named & gpus)
 
@@ -885,7 +918,11 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
             # Recorded first (the ledger's `releasing`, by the "release-intent" action), so a crash
             # after the spec's removal still sends the event once (docs/devices.md).
             key = release_key(event)
-            steps += [RemoveSpec(alloc), RemoveEnv(alloc), Emit(event, key)]
+            # A moved allocation's old env file naming a GPU its new atoms are on (a slot moved to
+            # another slot of its GPU) stays: root keeps it while the spec lists the allocation, and the
+            # bind writes it over.
+            keep_env = want is not None and _env_stays(alloc, hold.env_lines, wanted, obs)
+            steps += [RemoveSpec(alloc), *(() if keep_env else (RemoveEnv(alloc),)), Emit(event, key)]
             new_intents[key] = event
             forget.append(key)
             bound.pop(alloc, None)
@@ -1074,7 +1111,9 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
     actions[orphans_at:orphans_at] = [
         Action(f"release-env:{alloc}", "release", (RemoveEnv(alloc),))
         for alloc in sorted(obs.orphan_envs)
-        if alloc not in holders and alloc not in finishing
+        if alloc not in holders
+        and alloc not in finishing
+        and not _env_stays(alloc, obs.orphan_envs[alloc], wanted, obs)
     ]
     # 2 (continued). The interrupted releases are finished, after the new ones are recorded.
     early: list[Action] = []
@@ -1089,7 +1128,11 @@ def plan(spec: DevicesSpec, obs: Observed) -> Plan:
         )
     for alloc in sorted(finishing):
         done: list[Step] = []
-        if alloc in obs.orphan_envs and alloc not in holders:
+        if (
+            alloc in obs.orphan_envs
+            and alloc not in holders
+            and not _env_stays(alloc, obs.orphan_envs[alloc], wanted, obs)
+        ):
             done.append(RemoveEnv(alloc))
         done += [Emit(event, key) for key, event in finishing[alloc]]
         early.append(Action(f"release-done:{alloc}", "release", tuple(done)))
