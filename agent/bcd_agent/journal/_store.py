@@ -533,8 +533,12 @@ class Journal:
             c.execute(_SQL_SET_META, (K_LAST_EPOCH, epoch))
         self._last_epoch = epoch
 
-    def observe_server_time(self, server_time: float) -> float:
-        """Move the server time mark forward to `server_time` (never back); returns the mark."""
+    def observe_server_time(self, server_time: float, ceiling: float | None = None) -> float:
+        """Move the server time mark forward to `server_time` (never back), but not past `ceiling` when
+        one is given (the session's bound on how far a gateway may lead the host clock); returns the
+        mark."""
+        if ceiling is not None:
+            server_time = min(server_time, ceiling)
         with self._mutex:
             if server_time > self._server_mark:
                 with self._tx() as c:
@@ -542,9 +546,9 @@ class Journal:
                 self._server_mark = float(server_time)
             return self._server_mark
 
-    def check_welcome(self, server_time: float) -> float:
+    def check_welcome(self, server_time: float, ceiling: float | None = None) -> float:
         """Refuse a Welcome whose server_time is more than 5 minutes before the mark (WelcomeRefused);
-        otherwise observe it and return the mark."""
+        otherwise observe it (the mark moves no further than `ceiling`) and return the mark."""
         with self._mutex:
             if server_time < self._server_mark - WELCOME_SLACK_S:
                 raise WelcomeRefused(
@@ -552,7 +556,7 @@ class Journal:
                     f" before the server time mark {self._server_mark:.3f}"
                     f" (at most {WELCOME_SLACK_S:.0f} s allowed)"
                 )
-            return self.observe_server_time(server_time)
+            return self.observe_server_time(server_time, ceiling)
 
     # ------------------------------------------------------------------ spec
 

@@ -52,7 +52,15 @@ from bcd_agent.dispatch.ports import ResultSigner
 from bcd_agent.dispatch.results import update_from_entry
 from bcd_agent.dispatch.trust import BundleTrust
 from bcd_agent.dispatch.wire import envelope_from_wire, update_to_wire
-from bcd_agent.journal import Action, CommandFlags, DataDirFull, Journal, NewCommand, WelcomeRefused
+from bcd_agent.journal import (
+    WELCOME_SLACK_S,
+    Action,
+    CommandFlags,
+    DataDirFull,
+    Journal,
+    NewCommand,
+    WelcomeRefused,
+)
 from bcd_agent.session import identity as ident
 from bcd_agent.session import spec as specmod
 from bcd_agent.session.conditions import DATA_DIR_FULL, JOURNAL_TAIL_LOST, NodeConditions
@@ -76,6 +84,11 @@ RECENT = 16
 MAX_CANCELS_SEEN = 10_000
 # A repeated refusal is logged at most once per this many seconds (with the count since).
 REPEAT_LOG_S = 60.0
+# The server time mark moves at most this far ahead of the host clock. A gateway's server_time further
+# ahead (a compromised one sending the year 2100) would otherwise lift the mark for good, and every later
+# Welcome from an honest gateway would be refused by DLV-JRN-13 (journal and identity.json both keep it).
+# Equal to the Welcome slack, so a Welcome that agrees with the host clock is never refused.
+MAX_SERVER_LEAD_S = WELCOME_SLACK_S
 
 Send = Callable[[wire.NodeMessage], None]
 
@@ -200,6 +213,7 @@ class SessionCore:
         self._batching = False  # inside handle_batch: result acks ride with the batch's transaction
         self._refused_log = _RepeatLog(logging.ERROR)
         self._ignored_log = _RepeatLog(logging.DEBUG)
+        self._lead_log = _RepeatLog(logging.WARNING)
         journal.on_space_change = self._space_changed
         if not journal.space_ok:
             self._space_changed(False, "")
@@ -350,7 +364,7 @@ class SessionCore:
         if self.state.welcomed:
             raise ProtocolViolation("a second Welcome on one session")
         try:
-            self.journal.check_welcome(welcome.server_time / 1000)
+            self.journal.check_welcome(welcome.server_time / 1000, self._mark_ceiling(welcome.server_time))
         except WelcomeRefused as exc:
             self.state.last_refusal = str(exc)
             raise
@@ -377,8 +391,23 @@ class SessionCore:
         self.secrets.welcomed(self._out)
 
     def _observe_time(self, server_time_ms: int) -> None:
-        self.journal.observe_server_time(server_time_ms / 1000)
+        self.journal.observe_server_time(server_time_ms / 1000, self._mark_ceiling(server_time_ms))
         self._mirror_mark()
+
+    def _mark_ceiling(self, server_time_ms: int) -> float:
+        """How far this server time may move the mark: MAX_SERVER_LEAD_S past the host clock."""
+        ceiling = self.clock.host_time() + MAX_SERVER_LEAD_S
+        if server_time_ms / 1000 > ceiling:
+            self._lead_log.log(
+                self.monotonic(),
+                "session: server_time %d ms leads the host clock by %.0f s (more than %.0f s): the server"
+                " time mark moves only to the host clock + %.0f s",
+                server_time_ms,
+                server_time_ms / 1000 - self.clock.host_time(),
+                MAX_SERVER_LEAD_S,
+                MAX_SERVER_LEAD_S,
+            )
+        return ceiling
 
     def _mirror_mark(self, force: bool = False) -> None:
         mark_ms = int(self.journal.server_time_mark * 1000)
