@@ -4,12 +4,24 @@ what such a gateway can send, and checks that nothing it says outlives the compr
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import pytest
+import trio
+from bcd_agent.dispatch.clock import OffsetClock
+from bcd_agent.dispatch.dispatcher import Dispatcher
+from bcd_agent.dispatch.kinds import KINDS, Role
+from bcd_agent.dispatch.quorum import QuorumLedger
+from bcd_agent.dispatch.trust import BundleTrust
+from bcd_agent.journal import Journal
+from bcd_agent.kinds.testing import TEST_KINDS, EffectHandler, effect_handlers, effect_payload
 from bcd_agent.session import identity as ident
+from bcd_agent.session.core import SessionCore
 from bcd_shared import wire
-from session.test_session_core import Pki, _persisting, connect, welcome
+from session.test_session_core import NODE, Pki, Recorder, _persisting, connect, welcome
 
 YEAR_MS = 365 * 86400 * 1000
 LEAD_S = 300.0  # session.core.MAX_SERVER_LEAD_S
@@ -39,3 +51,105 @@ def test_a_far_future_server_time_does_not_lock_out_the_next_honest_gateway(tmp_
     again.handle(welcome(int(time.time() * 1000)))  # and after a restart
     assert again.state.welcomed
     again.journal.close()
+
+
+def _forged(node: str, n: int, kind: str = "test.effect", pad: int = 0) -> wire.GatewayMessage:
+    """A command as a gateway without a signing key makes it: well-formed, fresh, unsigned."""
+    type_url, value = effect_payload("forged" + "x" * pad)
+    body = wire.CommandBody(
+        id=_ulid(n),
+        node_id=node,
+        seq=n,
+        kind=kind,
+        payload=wire.ProtoAny(type_url=type_url, value=value),
+        lane=wire.Lane.CONTROL,
+        not_after=int(time.time() * 1000) + 600_000,
+    )
+    return wire.GatewayMessage(command=wire.Command(body=bytes(body), attempt=1))
+
+
+def _ulid(n: int) -> str:
+    digits = "0123456789ABCDEFGHJKMNPQRSTVWXYZ"
+    out = ""
+    for _ in range(24):
+        out = digits[n % 32] + out
+        n //= 32
+    return "01" + out
+
+
+@contextlib.asynccontextmanager
+async def _node(data: Path, pki: Pki) -> AsyncIterator[SessionCore]:
+    """The real SessionCore over a real Dispatcher, journal and quorum ledger in `data`, as `bcd node`
+    wires them (test kinds registered, as `bcd node --test-kinds` does)."""
+    journal = Journal.open(data, boot_id="boot-1")
+    trust = BundleTrust()
+    clock = OffsetClock()
+    runner = Recorder()
+    core = SessionCore(
+        journal=journal,
+        dispatcher=None,
+        runner=runner,
+        trust=trust,
+        clock=clock,
+        identity=pki.identity(),
+        data_dir=data,
+        persist_identity=False,
+    )
+    dispatcher = Dispatcher(
+        node_id=NODE,
+        role=Role.NODE,
+        journal=journal,
+        sink=core,
+        spec_requester=core,
+        trust=trust,
+        batches=trust,
+        ledger=QuorumLedger.open(data),
+        clock=clock,
+        handlers=effect_handlers(EffectHandler(data / "test-effects.log")),
+        kinds={**KINDS, **TEST_KINDS},
+    )
+    core.dispatcher = dispatcher
+    async with trio.open_nursery() as nursery:
+        await nursery.start(dispatcher.run)
+        try:
+            yield core
+        finally:
+            nursery.cancel_scope.cancel()
+    journal.close()
+
+
+async def test_a_flood_of_unsigned_commands_never_grows_hello_past_a_gateways_message_cap(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A compromised gateway sends unsigned commands under fresh ids and never acks their refusals. Each
+    refusal is journaled (BAD_SIGNATURE, DLV-ACK-17) and replayed until acked (DLV-RES-08); before the fix
+    every one of them rode in the next Hello, so enough of them (about 40,000 at ~100 bytes) made a Hello
+    no gateway takes (gRPC's 4 MiB cap) and the node could never reconnect to have them acked. Hello now
+    carries at most HELLO_RESULTS_MAX_BYTES of results (lowered here so a few hundred show it) and the
+    rest follow the Welcome."""
+    import bcd_agent.session.core as coremod
+
+    cap = 4096
+    monkeypatch.setattr(coremod, "HELLO_RESULTS_MAX_BYTES", cap, raising=False)
+    pki = Pki()
+    data = tmp_path / "data"
+    n = 300
+    async with _node(data, pki) as core:
+        out: list[wire.NodeMessage] = []
+        connect(core, out, bundle=pki.bundle())
+        core.handle_batch([_forged(NODE, i) for i in range(n)])
+        refused = [m.command_update for m in out if m.command_update is not None]
+        assert len(refused) == n
+        assert {u.reason for u in refused} == {"BAD_SIGNATURE"}
+        assert not (data / "test-effects.log").exists()
+        core.detach()
+        # The next connection (the gateway acked nothing).
+        out = []
+        hello = core.attach(out.append).hello
+        assert hello is not None
+        assert len(bytes(hello)) < cap + 1024
+        in_hello = {u.command_id for u in hello.unacked_results}
+        assert 0 < len(in_hello) < n
+        core.handle(welcome(bundle=pki.bundle()))
+        after = {m.command_update.command_id for m in out if m.command_update is not None}
+        assert in_hello | after == {_ulid(i) for i in range(n)}  # none lost: the rest follow the Welcome

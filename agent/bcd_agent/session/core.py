@@ -84,6 +84,11 @@ RECENT = 16
 MAX_CANCELS_SEEN = 10_000
 # A repeated refusal is logged at most once per this many seconds (with the count since).
 REPEAT_LOG_S = 60.0
+# Hello carries unacked results up to this many bytes; the rest follow the Welcome as CommandUpdates
+# (flow-controlled like the replay). Without a bound, results a compromised gateway never acks (a flood
+# of refused commands, each journaled by DLV-ACK-17) grow the Hello past any gateway's 4 MiB message
+# cap, and no honest gateway could take the Hello that would let it ack them.
+HELLO_RESULTS_MAX_BYTES = 1024 * 1024
 # The server time mark moves at most this far ahead of the host clock. A gateway's server_time further
 # ahead (a compromised one sending the year 2100) would otherwise lift the mark for good, and every later
 # Welcome from an honest gateway would be refused by DLV-JRN-13 (journal and identity.json both keep it).
@@ -214,6 +219,7 @@ class SessionCore:
         self._refused_log = _RepeatLog(logging.ERROR)
         self._ignored_log = _RepeatLog(logging.DEBUG)
         self._lead_log = _RepeatLog(logging.WARNING)
+        self._results_after_welcome = False
         journal.on_space_change = self._space_changed
         if not journal.space_ok:
             self._space_changed(False, "")
@@ -271,6 +277,7 @@ class SessionCore:
         self._sent_conditions_version = -1
         self._last_resend = self.monotonic()
         stored = self.journal.load_spec()
+        results, self._results_after_welcome = self._hello_results()
         hello = wire.Hello(
             node_id=self.node_id,
             boot_id=self.journal.boot_id,
@@ -279,7 +286,7 @@ class SessionCore:
             applied_generation=self.journal.applied_generation,
             capabilities=list(self.capabilities),
             runtimes=list(self.runtimes),
-            unacked_results=[self._result_update(e) for e in self.journal.unacked_results()],
+            unacked_results=results,
             version=self.version,
             role=self.role,
             applied_spec_hash=stored.spec_hash if stored is not None else "",
@@ -288,6 +295,19 @@ class SessionCore:
         )
         st.hello_sent_monotonic = self.monotonic()
         return wire.NodeMessage(hello=hello)
+
+    def _hello_results(self) -> tuple[list[wire.CommandUpdate], bool]:
+        """The unacked results for Hello, oldest first, up to HELLO_RESULTS_MAX_BYTES; True when some
+        were left for after the Welcome."""
+        results: list[wire.CommandUpdate] = []
+        size = 0
+        for entry in self.journal.unacked_results():
+            update = self._result_update(entry)
+            size += len(bytes(update)) + 8  # the field's tag and length prefix
+            if size > HELLO_RESULTS_MAX_BYTES:
+                return results, True
+            results.append(update)
+        return results, False
 
     def detach(self) -> None:
         self._send = None
@@ -388,6 +408,9 @@ class SessionCore:
             self._spec_request(wire.SpecRequestReason.MIN_GENERATION)
         self._pending_min_generation = None
         self.pump_events()
+        if self._results_after_welcome:
+            self._results_after_welcome = False
+            self._replay_results()
         self.secrets.welcomed(self._out)
 
     def _observe_time(self, server_time_ms: int) -> None:
@@ -679,15 +702,19 @@ class SessionCore:
             return False
         self._last_resend = now
         self.journal.flush_acks()  # the acks kept since the last write (none are replayed meanwhile)
+        self._replay_results()
+        self._sent_event_seq = self.journal.acked_event_seq
+        self.pump_events()
+        return True
+
+    def _replay_results(self) -> None:
+        """Every unacked result as a CommandUpdate, while the outbox has more than its reserve free."""
         from bcd_agent.session.outbox import EVENT_RESERVE_BYTES
 
         for entry in self.journal.unacked_results():
             if self._room is not None and self._room() < EVENT_RESERVE_BYTES:
                 break  # the rest at the next interval; the gateway is slow to read
             self._out(wire.NodeMessage(command_update=self._result_update(entry)))
-        self._sent_event_seq = self.journal.acked_event_seq
-        self.pump_events()
-        return True
 
     def heartbeat(self) -> wire.NodeMessage:
         return wire.NodeMessage(
