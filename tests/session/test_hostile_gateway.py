@@ -53,7 +53,9 @@ def test_a_far_future_server_time_does_not_lock_out_the_next_honest_gateway(tmp_
     again.journal.close()
 
 
-def _forged(node: str, n: int, kind: str = "test.effect", pad: int = 0) -> wire.GatewayMessage:
+def _forged(
+    node: str, n: int, kind: str = "test.effect", pad: int = 0, min_generation: int = 0
+) -> wire.GatewayMessage:
     """A command as a gateway without a signing key makes it: well-formed, fresh, unsigned."""
     type_url, value = effect_payload("forged" + "x" * pad)
     body = wire.CommandBody(
@@ -64,6 +66,7 @@ def _forged(node: str, n: int, kind: str = "test.effect", pad: int = 0) -> wire.
         payload=wire.ProtoAny(type_url=type_url, value=value),
         lane=wire.Lane.CONTROL,
         not_after=int(time.time() * 1000) + 600_000,
+        min_generation=min_generation,
     )
     return wire.GatewayMessage(command=wire.Command(body=bytes(body), attempt=1))
 
@@ -153,3 +156,29 @@ async def test_a_flood_of_unsigned_commands_never_grows_hello_past_a_gateways_me
         core.handle(welcome(bundle=pki.bundle()))
         after = {m.command_update.command_id for m in out if m.command_update is not None}
         assert in_hello | after == {_ulid(i) for i in range(n)}  # none lost: the rest follow the Welcome
+
+
+async def test_deferred_unsigned_commands_are_bounded_in_bytes_not_only_in_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deferral is judged before the signature (Q-DLV-ACK-01), so a gateway can park unsigned commands
+    with a min_generation no spec reaches. The count bound (1000) alone let it hold 1000 x 4 MiB bodies
+    (the message cap) in the node's memory; the deferred bytes are bounded too (MAX_DEFERRED_BYTES,
+    lowered here) and the excess answered BUSY, never journaled."""
+    import bcd_agent.dispatch.dispatcher as dispmod
+
+    monkeypatch.setattr(dispmod, "MAX_DEFERRED_BYTES", 4 * 1024 * 1024, raising=False)
+    pki = Pki()
+    data = tmp_path / "data"
+    async with _node(data, pki) as core:
+        out: list[wire.NodeMessage] = []
+        connect(core, out, bundle=pki.bundle())
+        core.handle_batch([_forged(NODE, i, pad=512 * 1024, min_generation=99) for i in range(20)])
+        dispatcher = core.dispatcher
+        assert isinstance(dispatcher, Dispatcher)
+        held = dispatcher.deferred_ids()
+        assert 0 < len(held) <= 4  # ~1 MiB each (body and payload): at most 4 MiB held
+        busy = [m.command_update for m in out if m.command_update is not None]
+        assert len(busy) == 20 - len(held)
+        assert {u.state for u in busy} == {wire.CommandState.BUSY}
+        assert all(core.journal.get_command(u.command_id) is None for u in busy)
