@@ -182,3 +182,32 @@ async def test_deferred_unsigned_commands_are_bounded_in_bytes_not_only_in_count
         assert len(busy) == 20 - len(held)
         assert {u.state for u in busy} == {wire.CommandState.BUSY}
         assert all(core.journal.get_command(u.command_id) is None for u in busy)
+
+
+def _journal_bytes(data: Path) -> int:
+    return sum(f.stat().st_size for f in data.glob("journal.db*"))
+
+
+async def test_a_refused_command_keeps_no_body_so_forged_bodies_cannot_fill_the_data_dir(
+    tmp_path: Path,
+) -> None:
+    """Every unsigned command is refused BAD_SIGNATURE and journaled (DLV-ACK-17), but before the fix with
+    its body: a gateway sending bodies near the 4 MiB message cap filled the data_dir at 4 MiB per
+    message, and every Hello read those bodies back into memory. Now 40 refusals of 256 KiB bodies grow
+    the journal by well under one body's size each, and a duplicate still gets the same answer."""
+    pki = Pki()
+    data = tmp_path / "data"
+    async with _node(data, pki) as core:
+        out: list[wire.NodeMessage] = []
+        connect(core, out, bundle=pki.bundle())
+        before = _journal_bytes(data)
+        core.handle_batch([_forged(NODE, i, pad=256 * 1024) for i in range(40)])
+        refused = [m.command_update for m in out if m.command_update is not None]
+        assert [u.reason for u in refused] == ["BAD_SIGNATURE"] * 40
+        assert _journal_bytes(data) - before < 1024 * 1024  # 40 bodies would be 10 MiB
+        entry = core.journal.get_command(_ulid(0))
+        assert entry is not None and entry.body == b"" and entry.signature == b""
+        out.clear()
+        core.handle(_forged(NODE, 0, pad=256 * 1024))  # a duplicate: the journaled answer
+        again = [m.command_update for m in out if m.command_update is not None]
+        assert [(u.command_id, u.reason) for u in again] == [(_ulid(0), "BAD_SIGNATURE")]

@@ -806,7 +806,10 @@ class Journal:
             )
             row = c.execute(_SQL_GET, (command.id,)).fetchone()
             if row is None:
-                return self._insert_finished(c, command, result)
+                # A command refused on arrival keeps no body or signature: its answer is the reason and
+                # message, and a gateway that makes up bodies (up to the 4 MiB message cap each) could
+                # otherwise fill the data_dir with them, one journaled refusal at a time.
+                return self._insert_finished(c, attrs.evolve(command, body=b"", signature=b""), result)
             entry = _entry(row)
             if entry.state.terminal:
                 return entry
