@@ -21,6 +21,7 @@ from bcd_agent.kinds.testing import TEST_KINDS, EffectHandler, effect_handlers, 
 from bcd_agent.session import identity as ident
 from bcd_agent.session.core import SessionCore
 from bcd_shared import wire
+from bcd_shared.pki.signing import Purpose
 from session.test_session_core import NODE, Pki, Recorder, _persisting, connect, welcome
 
 YEAR_MS = 365 * 86400 * 1000
@@ -211,3 +212,55 @@ async def test_a_refused_command_keeps_no_body_so_forged_bodies_cannot_fill_the_
         core.handle(_forged(NODE, 0, pad=256 * 1024))  # a duplicate: the journaled answer
         again = [m.command_update for m in out if m.command_update is not None]
         assert [(u.command_id, u.reason) for u in again] == [(_ulid(0), "BAD_SIGNATURE")]
+
+
+def _signed(pki: Pki, n: int, not_after_ms: int) -> wire.GatewayMessage:
+    type_url, value = effect_payload("signed")
+    body = bytes(
+        wire.CommandBody(
+            id=_ulid(n),
+            node_id=NODE,
+            seq=n,
+            kind="test.effect",
+            payload=wire.ProtoAny(type_url=type_url, value=value),
+            lane=wire.Lane.CONTROL,
+            not_after=not_after_ms,
+        )
+    )
+    signature = pki.worker.sign(Purpose.COMMAND, body)
+    return wire.GatewayMessage(
+        command=wire.Command(body=body, signature=signature, signer_chain=[pki.worker_der], attempt=1)
+    )
+
+
+async def _settled(core: SessionCore, command_id: str) -> None:
+    with trio.fail_after(30):  # a hang guard, not a timing assertion
+        while (e := core.journal.get_command(command_id)) is None or not e.state.terminal:
+            await trio.sleep(0.01)
+
+
+async def test_DLV_REC_13_sweep_keeps_a_done_entry_while_its_signed_body_could_still_be_replayed(
+    tmp_path: Path,
+) -> None:
+    """A gateway keeps a validly signed command whose not_after is weeks away, lets it run and acks it,
+    and replays the same bytes once the 7-day sweep has run. Before the fix the sweep had deleted the
+    entry, so the replay ran a second time (two effects); now an entry stays until its not_after is behind
+    anything a Welcome may set (the server time mark less 5 minutes), and the replay gets the stored
+    result. A command refused on arrival (no body kept) is still swept after 7 days."""
+    pki = Pki()
+    data = tmp_path / "data"
+    async with _node(data, pki) as core:
+        out: list[wire.NodeMessage] = []
+        connect(core, out, bundle=pki.bundle())
+        command = _signed(pki, 1, int(time.time() * 1000) + 20 * 86400 * 1000)
+        core.handle_batch([command])
+        await _settled(core, _ulid(1))
+        core.handle_batch([_forged(NODE, 2)])  # refused BAD_SIGNATURE
+        core.handle(wire.GatewayMessage(ack=wire.Ack(command_ids=[_ulid(1), _ulid(2)])))
+        core.journal.flush_acks()
+        assert core.journal.sweep(now=time.time() + 8 * 86400) == 1  # only the refusal
+        assert core.journal.get_command(_ulid(2)) is None
+        core.handle_batch([command])  # the replay
+        await _settled(core, _ulid(1))
+        effects = (data / "test-effects.log").read_text().splitlines()
+        assert len(effects) == 1, effects

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -116,11 +117,14 @@ _SQL_ACK_RESULT = (
     "UPDATE commands SET acked = 1 WHERE id = ? AND acked = 0 AND state IN ('done', 'cancelled', 'rejected')"
 )
 _SQL_SWEEP_DONE = (
-    "DELETE FROM commands WHERE state IN ('done', 'cancelled', 'rejected') AND acked = 1 AND finished_at < ?"
+    "SELECT id, body FROM commands WHERE state IN ('done', 'cancelled', 'rejected') AND acked = 1"
+    " AND finished_at < ?"
 )
 _SQL_SWEEP_LEFT = (
-    "DELETE FROM commands WHERE state IN ('accepted', 'running') AND incarnation != ? AND updated_at < ?"
+    "SELECT id, body FROM commands WHERE state IN ('accepted', 'running') AND incarnation != ?"
+    " AND updated_at < ?"
 )
+_SQL_DELETE_COMMAND = "DELETE FROM commands WHERE id = ?"
 _SQL_INSERT_EVENT = (
     "INSERT INTO events (seq, class, type, payload, size, created_at) VALUES (?, ?, ?, ?, ?, ?)"
 )
@@ -154,6 +158,20 @@ _Row = tuple[
 
 class _Corrupt(Exception):
     """The journal on disk failed its integrity or schema check (moved aside on open)."""
+
+
+def _not_after_s(body: bytes | None) -> float:
+    """`CommandBody.not_after` of a stored body in seconds; -inf without a body (a command refused on
+    arrival, or cancelled before it was seen: it never ran) or when it names none (it never passes)."""
+    if not body:
+        return -math.inf
+    from bcd_shared import wire  # the journal reads the wire only here, once a day
+
+    try:
+        ms = wire.CommandBody.parse(body).not_after
+    except Exception:  # a body that does not parse never passed the wire edge: it never ran
+        return -math.inf
+    return ms / 1000 if ms else -math.inf
 
 
 def _entry(row: _Row) -> CommandEntry:
@@ -988,9 +1006,16 @@ class Journal:
         with self._mutex:
             now = self._clock() if now is None else now
             cutoff = now - RETENTION_S
+            # An entry is kept, whatever its age, while its command's not_after could still pass the
+            # EXPIRED check: a Welcome can set server time no earlier than the mark less the slack, so a
+            # gateway holding the signed body could otherwise replay it once the entry is gone and run
+            # it a second time.
+            horizon = self._server_mark - WELCOME_SLACK_S
             with self._tx() as c:
-                n = c.execute(_SQL_SWEEP_DONE, (cutoff,)).rowcount
-                n += c.execute(_SQL_SWEEP_LEFT, (self._incarnation, cutoff)).rowcount
+                rows = c.execute(_SQL_SWEEP_DONE, (cutoff,)).fetchall()
+                rows += c.execute(_SQL_SWEEP_LEFT, (self._incarnation, cutoff)).fetchall()
+                gone = [(cid,) for cid, body in rows if _not_after_s(body) <= horizon]
+                n = c.executemany(_SQL_DELETE_COMMAND, gone).rowcount if gone else 0
                 purged = c.execute(_SQL_TICKET_PURGE, (now,)).rowcount
             self._tickets -= purged
             return n
