@@ -233,10 +233,28 @@ def _signed(pki: Pki, n: int, not_after_ms: int) -> wire.GatewayMessage:
     )
 
 
-async def _settled(core: SessionCore, command_id: str) -> None:
-    with trio.fail_after(30):  # a hang guard, not a timing assertion
-        while (e := core.journal.get_command(command_id)) is None or not e.state.terminal:
-            await trio.sleep(0.01)
+class _Watch(list[wire.NodeMessage]):
+    """The session's sent messages, with a wait for a command's terminal update."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._changed = trio.Event()
+
+    def append(self, message: wire.NodeMessage) -> None:
+        super().append(message)
+        self._changed.set()
+        self._changed = trio.Event()
+
+    async def settled(self, command_id: str) -> None:
+        terminal = {wire.CommandState.SUCCEEDED, wire.CommandState.FAILED, wire.CommandState.REJECTED}
+        with trio.fail_after(30):  # a hang guard, not a timing assertion
+            while not any(
+                m.command_update is not None
+                and m.command_update.command_id == command_id
+                and m.command_update.state in terminal
+                for m in self
+            ):
+                await self._changed.wait()
 
 
 async def test_DLV_REC_13_sweep_keeps_a_done_entry_while_its_signed_body_could_still_be_replayed(
@@ -250,17 +268,18 @@ async def test_DLV_REC_13_sweep_keeps_a_done_entry_while_its_signed_body_could_s
     pki = Pki()
     data = tmp_path / "data"
     async with _node(data, pki) as core:
-        out: list[wire.NodeMessage] = []
+        out = _Watch()
         connect(core, out, bundle=pki.bundle())
         command = _signed(pki, 1, int(time.time() * 1000) + 20 * 86400 * 1000)
         core.handle_batch([command])
-        await _settled(core, _ulid(1))
+        await out.settled(_ulid(1))
         core.handle_batch([_forged(NODE, 2)])  # refused BAD_SIGNATURE
         core.handle(wire.GatewayMessage(ack=wire.Ack(command_ids=[_ulid(1), _ulid(2)])))
         core.journal.flush_acks()
         assert core.journal.sweep(now=time.time() + 8 * 86400) == 1  # only the refusal
         assert core.journal.get_command(_ulid(2)) is None
+        out.clear()
         core.handle_batch([command])  # the replay
-        await _settled(core, _ulid(1))
+        await out.settled(_ulid(1))
         effects = (data / "test-effects.log").read_text().splitlines()
         assert len(effects) == 1, effects
