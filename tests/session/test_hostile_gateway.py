@@ -283,3 +283,61 @@ async def test_DLV_REC_13_sweep_keeps_a_done_entry_while_its_signed_body_could_s
         await out.settled(_ulid(1))
         effects = (data / "test-effects.log").read_text().splitlines()
         assert len(effects) == 1, effects
+
+
+def _mutations(signed: wire.Command) -> dict[str, wire.Command]:
+    """What a gateway without the key can make of a signed command it relays (same id throughout)."""
+    body = bytes(signed.body)
+    parsed = wire.CommandBody.parse(body)
+    later = wire.CommandBody.parse(body)
+    later.not_after += 3600_000
+    other_node = wire.CommandBody.parse(body)
+    other_node.node_id = "node-2"
+    # The same fields, not_after written first: equal in meaning, other bytes.
+    rest = wire.CommandBody.parse(body)
+    rest.not_after = 0
+    reordered = bytes(wire.CommandBody(not_after=parsed.not_after)) + bytes(rest)
+
+    def with_body(b: bytes) -> wire.Command:
+        return wire.Command(body=b, signature=signed.signature, signer_chain=signed.signer_chain, attempt=2)
+
+    return {
+        "trailing-byte": with_body(body + b"\x00"),
+        "reordered": with_body(reordered),
+        "later-not-after": with_body(bytes(later)),
+        "other-node": with_body(bytes(other_node)),
+        "no-signature": wire.Command(body=body, attempt=2),
+    }
+
+
+@pytest.mark.parametrize(
+    ("mutation", "reason"),
+    [
+        ("trailing-byte", None),  # no readable id: dropped, nothing journaled
+        ("reordered", "BAD_SIGNATURE"),  # verified over the exact bytes, never re-encoded
+        ("later-not-after", "BAD_SIGNATURE"),
+        ("other-node", "UNSUPPORTED"),
+        ("no-signature", "BAD_SIGNATURE"),
+    ],
+)
+async def test_what_a_gateway_makes_of_a_signed_command_never_runs(
+    tmp_path: Path, mutation: str, reason: str | None
+) -> None:
+    """Held in round 1: each mutation of a validly signed command is refused with its reason and has no
+    effect. Delivered first under the real id, a journaled refusal also answers the real command later
+    (id pre-emption: no effect, the same power as dropping it, which the gateway has anyway)."""
+    pki = Pki()
+    data = tmp_path / "data"
+    async with _node(data, pki) as core:
+        out = _Watch()
+        connect(core, out, bundle=pki.bundle())
+        good = _signed(pki, 7, int(time.time() * 1000) + 600_000)
+        assert good.command is not None
+        core.handle_batch([wire.GatewayMessage(command=_mutations(good.command)[mutation])])
+        refused = [m.command_update for m in out if m.command_update is not None]
+        assert [u.reason for u in refused] == ([reason] if reason else [])
+        assert not (data / "test-effects.log").exists()
+        core.handle_batch([good])
+        await out.settled(_ulid(7))
+        ran = (data / "test-effects.log").exists()
+        assert ran is (reason is None)
