@@ -341,3 +341,44 @@ async def test_what_a_gateway_makes_of_a_signed_command_never_runs(
         await out.settled(_ulid(7))
         ran = (data / "test-effects.log").exists()
         assert ran is (reason is None)
+
+
+async def test_a_replay_reads_a_bounded_number_of_results_from_the_journal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hello, the results after the Welcome and the 10 s replay read at most REPLAY_MAX_ROWS (lowered
+    here) of the oldest unacked results from the journal: before the fix each read every row a flood of
+    refusals left (all of them into memory, every 10 s), however little of it could be sent."""
+    import bcd_agent.session.core as coremod
+
+    monkeypatch.setattr(coremod, "REPLAY_MAX_ROWS", 50, raising=False)
+    pki = Pki()
+    data = tmp_path / "data"
+    async with _node(data, pki) as core:
+        out: list[wire.NodeMessage] = []
+        connect(core, out, bundle=pki.bundle())
+        core.handle_batch([_forged(NODE, i) for i in range(200)])
+        core.detach()
+        read: list[int] = []
+        unacked = core.journal.unacked_results
+
+        def counting(limit: int | None = None) -> object:
+            rows = unacked() if limit is None else unacked(limit=limit)
+            read.append(len(rows))
+            return rows
+
+        monkeypatch.setattr(core.journal, "unacked_results", counting)
+        out = []
+        hello = core.attach(out.append).hello
+        assert hello is not None and len(hello.unacked_results) == 50
+        core.handle(welcome(bundle=pki.bundle()))
+        assert read and max(read) <= 50
+        after = {m.command_update.command_id for m in out if m.command_update is not None}
+        assert after == {_ulid(i) for i in range(50)}  # the oldest, again after the Welcome
+        core.handle(wire.GatewayMessage(ack=wire.Ack(command_ids=sorted(after))))
+        core.journal.flush_acks()
+        out.clear()
+        core.detach()
+        hello = core.attach(out.append).hello
+        assert hello is not None  # the acks let the next ones through, oldest first
+        assert {u.command_id for u in hello.unacked_results} == {_ulid(i) for i in range(50, 100)}

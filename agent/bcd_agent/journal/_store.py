@@ -961,11 +961,15 @@ class Journal:
         owner = "this process" if entry.incarnation == self._incarnation else "an earlier process"
         return f"command {command_id}: cannot {what}: it is {entry.state.value} (written by {owner})"
 
-    def unacked_results(self) -> tuple[CommandEntry, ...]:
+    def unacked_results(self, limit: int | None = None) -> tuple[CommandEntry, ...]:
         """Terminal entries not yet in an `Ack.command_ids`: replayed at Hello and after reconnect. An
-        ack kept by `ack_results(defer=True)` counts as written (it is, with the next transaction)."""
+        ack kept by `ack_results(defer=True)` counts as written (it is, with the next transaction).
+        `limit`: at most the oldest that many rows are read (a replay reads no more than it can send)."""
         with self._mutex:
-            rows = self._conn.execute(_SQL_UNACKED_RESULTS).fetchall()
+            if limit is None:
+                rows = self._conn.execute(_SQL_UNACKED_RESULTS).fetchall()
+            else:
+                rows = self._conn.execute(_SQL_UNACKED_RESULTS + " LIMIT ?", (limit,)).fetchall()
             pending = set(self._pending_acks)
         return tuple(e for e in (_entry(r) for r in rows) if e.id not in pending)
 

@@ -89,6 +89,10 @@ REPEAT_LOG_S = 60.0
 # of refused commands, each journaled by DLV-ACK-17) grow the Hello past any gateway's 4 MiB message
 # cap, and no honest gateway could take the Hello that would let it ack them.
 HELLO_RESULTS_MAX_BYTES = 1024 * 1024
+# A replay (Hello, after the Welcome, every resend interval) reads at most this many results from the
+# journal, oldest first: never all of a flood's refusals into memory at once. 1 MiB of Hello holds fewer
+# (a result is at least ~60 bytes), and the outbox's room stops a replay well before.
+REPLAY_MAX_ROWS = 20_000
 # The server time mark moves at most this far ahead of the host clock. A gateway's server_time further
 # ahead (a compromised one sending the year 2100) would otherwise lift the mark for good, and every later
 # Welcome from an honest gateway would be refused by DLV-JRN-13 (journal and identity.json both keep it).
@@ -301,13 +305,14 @@ class SessionCore:
         were left for after the Welcome."""
         results: list[wire.CommandUpdate] = []
         size = 0
-        for entry in self.journal.unacked_results():
+        entries = self.journal.unacked_results(limit=REPLAY_MAX_ROWS)
+        for entry in entries:
             update = self._result_update(entry)
             size += len(bytes(update)) + 8  # the field's tag and length prefix
             if size > HELLO_RESULTS_MAX_BYTES:
                 return results, True
             results.append(update)
-        return results, False
+        return results, len(entries) == REPLAY_MAX_ROWS  # more may wait behind the rows read
 
     def detach(self) -> None:
         self._send = None
@@ -711,7 +716,7 @@ class SessionCore:
         """Every unacked result as a CommandUpdate, while the outbox has more than its reserve free."""
         from bcd_agent.session.outbox import EVENT_RESERVE_BYTES
 
-        for entry in self.journal.unacked_results():
+        for entry in self.journal.unacked_results(limit=REPLAY_MAX_ROWS):
             if self._room is not None and self._room() < EVENT_RESERVE_BYTES:
                 break  # the rest at the next interval; the gateway is slow to read
             self._out(wire.NodeMessage(command_update=self._result_update(entry)))
