@@ -25,12 +25,12 @@ from bcd_shared.pki.signing import Purpose
 from session.test_session_core import NODE, Pki, Recorder, _persisting, connect, welcome
 
 YEAR_MS = 365 * 86400 * 1000
-LEAD_S = 300.0  # session.core.MAX_SERVER_LEAD_S
+LEAD_S = 240.0  # session.core.MAX_SERVER_LEAD_S
 
 
 def test_a_far_future_server_time_does_not_lock_out_the_next_honest_gateway(tmp_path: Path) -> None:
     """A compromised gateway's Welcome and heartbeats say the year is ten years on. The mark (journal and
-    identity.json) moves no further than the host clock + 5 minutes, so once an honest gateway
+    identity.json) moves no further than the host clock + 4 minutes, so once an honest gateway
     is back, its Welcome with the true server time is admitted, in this process and after a restart;
     before the fix the mark kept the gateway's time and every later Welcome was refused forever."""
     pki = Pki()
@@ -382,3 +382,32 @@ async def test_a_replay_reads_a_bounded_number_of_results_from_the_journal(
         hello = core.attach(out.append).hello
         assert hello is not None  # the acks let the next ones through, oldest first
         assert {u.command_id for u in hello.unacked_results} == {_ulid(i) for i in range(50, 100)}
+
+
+@pytest.mark.parametrize(
+    ("upgrade_only", "ahead_ms", "reason"),
+    [(True, 0, "UNSUPPORTED"), (False, 2 * 3600_000, "EXPIRED")],
+)
+async def test_a_welcome_the_gateway_controls_can_refuse_but_never_run_a_command(
+    tmp_path: Path, upgrade_only: bool, ahead_ms: int, reason: str
+) -> None:
+    """Held in round 1: `upgrade_only`, or a server_time past the command's not_after, makes the node
+    refuse a validly signed command (journaled: the id pre-emption of the table), never run it."""
+    pki = Pki()
+    data = tmp_path / "data"
+    async with _node(data, pki) as core:
+        out = _Watch()
+        core.attach(out.append)
+        now_ms = int(time.time() * 1000)
+        core.handle(
+            wire.GatewayMessage(
+                welcome=wire.Welcome(
+                    server_time=now_ms + ahead_ms, trust_bundle=pki.bundle(), upgrade_only=upgrade_only
+                )
+            )
+        )
+        core.handle_batch([_signed(pki, 3, now_ms + 600_000)])
+        await out.settled(_ulid(3))
+        refused = [m.command_update for m in out if m.command_update is not None]
+        assert [(u.state, u.reason) for u in refused] == [(wire.CommandState.REJECTED, reason)]
+        assert not (data / "test-effects.log").exists()

@@ -96,8 +96,8 @@ REPLAY_MAX_ROWS = 20_000
 # The server time mark moves at most this far ahead of the host clock. A gateway's server_time further
 # ahead (a compromised one sending the year 2100) would otherwise lift the mark for good, and every later
 # Welcome from an honest gateway would be refused by DLV-JRN-13 (journal and identity.json both keep it).
-# Equal to the Welcome slack, so a Welcome that agrees with the host clock is never refused.
-MAX_SERVER_LEAD_S = WELCOME_SLACK_S
+# A minute under the Welcome slack, so a Welcome within a minute of the host clock is never refused.
+MAX_SERVER_LEAD_S = WELCOME_SLACK_S - 60.0
 
 Send = Callable[[wire.NodeMessage], None]
 
