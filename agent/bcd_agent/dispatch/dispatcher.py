@@ -91,6 +91,10 @@ log = logging.getLogger(__name__)
 
 # Deferred commands are held in memory; beyond this many, new ones are answered BUSY.
 MAX_DEFERRED = 1000
+# ... and beyond this many bytes of them. A deferral comes before the signature check (Q-DLV-ACK-01), so a
+# compromised gateway could otherwise park 1000 unsigned commands of 4 MiB each (the message cap) in the
+# node's memory with a min_generation no spec reaches.
+MAX_DEFERRED_BYTES = 64 * 1024 * 1024
 # A lane's outcome that could not be journaled (the data_dir is full) is tried again this often; the
 # credit stays taken until it is journaled (DLV-LANE-09).
 DISK_RETRY_S = 1.0
@@ -183,6 +187,11 @@ class _RunContext:
         return await broker.fetch(ref, workflow_id=cmd.workflow_id, step_id=cmd.step_id)
 
 
+def _held_bytes(cmd: CommandEnvelope) -> int:
+    """About what a command held in memory costs: its body, the payload copy, signature and chain."""
+    return len(cmd.body_bytes) + len(cmd.payload.value) + len(cmd.signature) + sum(map(len, cmd.signer_chain))
+
+
 def _new_command(cmd: CommandEnvelope, spec: KindSpec | None) -> NewCommand:
     """The journal's record of a command: table flags when the kind is known, else the body's."""
     if spec is not None:
@@ -219,6 +228,7 @@ class Dispatcher:
         applied_generation: int = 0,
         upgrade_only: bool = False,
         max_deferred: int = MAX_DEFERRED,
+        max_deferred_bytes: int | None = None,
     ) -> None:
         unknown = sorted(set(handlers) - set(kinds))
         if unknown:
@@ -240,6 +250,7 @@ class Dispatcher:
         self._applied_generation = applied_generation
         self._upgrade_only = upgrade_only
         self._max_deferred = max_deferred
+        self._max_deferred_bytes = MAX_DEFERRED_BYTES if max_deferred_bytes is None else max_deferred_bytes
         self.boot_id = journal.boot_id
         self._credits = {lane: Credits(cfg.credits) for lane, cfg in self._lanes.items()}
         self._locks = ResourceLocks()
@@ -535,6 +546,14 @@ class Dispatcher:
         if isinstance(verdict, Defer):
             if len(self._deferred) >= self._max_deferred:
                 self._busy(cmd, f"{len(self._deferred)} commands already wait for a newer spec")
+                return
+            held = sum(_held_bytes(c) for c in self._deferred.values())
+            if held + _held_bytes(cmd) > self._max_deferred_bytes:
+                self._busy(
+                    cmd,
+                    f"{len(self._deferred)} commands of {held} bytes already wait for a newer spec"
+                    f" (at most {self._max_deferred_bytes} bytes)",
+                )
                 return
             self._deferred[cmd.id] = cmd
             self._deferred_changed.set()

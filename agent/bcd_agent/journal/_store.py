@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import math
 import os
 import sqlite3
 import threading
@@ -116,11 +117,14 @@ _SQL_ACK_RESULT = (
     "UPDATE commands SET acked = 1 WHERE id = ? AND acked = 0 AND state IN ('done', 'cancelled', 'rejected')"
 )
 _SQL_SWEEP_DONE = (
-    "DELETE FROM commands WHERE state IN ('done', 'cancelled', 'rejected') AND acked = 1 AND finished_at < ?"
+    "SELECT id, body FROM commands WHERE state IN ('done', 'cancelled', 'rejected') AND acked = 1"
+    " AND finished_at < ?"
 )
 _SQL_SWEEP_LEFT = (
-    "DELETE FROM commands WHERE state IN ('accepted', 'running') AND incarnation != ? AND updated_at < ?"
+    "SELECT id, body FROM commands WHERE state IN ('accepted', 'running') AND incarnation != ?"
+    " AND updated_at < ?"
 )
+_SQL_DELETE_COMMAND = "DELETE FROM commands WHERE id = ?"
 _SQL_INSERT_EVENT = (
     "INSERT INTO events (seq, class, type, payload, size, created_at) VALUES (?, ?, ?, ?, ?, ?)"
 )
@@ -154,6 +158,20 @@ _Row = tuple[
 
 class _Corrupt(Exception):
     """The journal on disk failed its integrity or schema check (moved aside on open)."""
+
+
+def _not_after_s(body: bytes | None) -> float:
+    """`CommandBody.not_after` of a stored body in seconds; -inf without a body (a command refused on
+    arrival, or cancelled before it was seen: it never ran) or when it names none (it never passes)."""
+    if not body:
+        return -math.inf
+    from bcd_shared import wire  # the journal reads the wire only here, once a day
+
+    try:
+        ms = wire.CommandBody.parse(body).not_after
+    except Exception:  # a body that does not parse never passed the wire edge: it never ran
+        return -math.inf
+    return ms / 1000 if ms else -math.inf
 
 
 def _entry(row: _Row) -> CommandEntry:
@@ -533,8 +551,12 @@ class Journal:
             c.execute(_SQL_SET_META, (K_LAST_EPOCH, epoch))
         self._last_epoch = epoch
 
-    def observe_server_time(self, server_time: float) -> float:
-        """Move the server time mark forward to `server_time` (never back); returns the mark."""
+    def observe_server_time(self, server_time: float, ceiling: float | None = None) -> float:
+        """Move the server time mark forward to `server_time` (never back), but not past `ceiling` when
+        one is given (the session's bound on how far a gateway may lead the host clock); returns the
+        mark."""
+        if ceiling is not None:
+            server_time = min(server_time, ceiling)
         with self._mutex:
             if server_time > self._server_mark:
                 with self._tx() as c:
@@ -542,9 +564,9 @@ class Journal:
                 self._server_mark = float(server_time)
             return self._server_mark
 
-    def check_welcome(self, server_time: float) -> float:
+    def check_welcome(self, server_time: float, ceiling: float | None = None) -> float:
         """Refuse a Welcome whose server_time is more than 5 minutes before the mark (WelcomeRefused);
-        otherwise observe it and return the mark."""
+        otherwise observe it (the mark moves no further than `ceiling`) and return the mark."""
         with self._mutex:
             if server_time < self._server_mark - WELCOME_SLACK_S:
                 raise WelcomeRefused(
@@ -552,7 +574,7 @@ class Journal:
                     f" before the server time mark {self._server_mark:.3f}"
                     f" (at most {WELCOME_SLACK_S:.0f} s allowed)"
                 )
-            return self.observe_server_time(server_time)
+            return self.observe_server_time(server_time, ceiling)
 
     # ------------------------------------------------------------------ spec
 
@@ -802,7 +824,10 @@ class Journal:
             )
             row = c.execute(_SQL_GET, (command.id,)).fetchone()
             if row is None:
-                return self._insert_finished(c, command, result)
+                # A command refused on arrival keeps no body or signature: its answer is the reason and
+                # message, and a gateway that makes up bodies (up to the 4 MiB message cap each) could
+                # otherwise fill the data_dir with them, one journaled refusal at a time.
+                return self._insert_finished(c, attrs.evolve(command, body=b"", signature=b""), result)
             entry = _entry(row)
             if entry.state.terminal:
                 return entry
@@ -936,11 +961,15 @@ class Journal:
         owner = "this process" if entry.incarnation == self._incarnation else "an earlier process"
         return f"command {command_id}: cannot {what}: it is {entry.state.value} (written by {owner})"
 
-    def unacked_results(self) -> tuple[CommandEntry, ...]:
+    def unacked_results(self, limit: int | None = None) -> tuple[CommandEntry, ...]:
         """Terminal entries not yet in an `Ack.command_ids`: replayed at Hello and after reconnect. An
-        ack kept by `ack_results(defer=True)` counts as written (it is, with the next transaction)."""
+        ack kept by `ack_results(defer=True)` counts as written (it is, with the next transaction).
+        `limit`: at most the oldest that many rows are read (a replay reads no more than it can send)."""
         with self._mutex:
-            rows = self._conn.execute(_SQL_UNACKED_RESULTS).fetchall()
+            if limit is None:
+                rows = self._conn.execute(_SQL_UNACKED_RESULTS).fetchall()
+            else:
+                rows = self._conn.execute(_SQL_UNACKED_RESULTS + " LIMIT ?", (limit,)).fetchall()
             pending = set(self._pending_acks)
         return tuple(e for e in (_entry(r) for r in rows) if e.id not in pending)
 
@@ -981,9 +1010,16 @@ class Journal:
         with self._mutex:
             now = self._clock() if now is None else now
             cutoff = now - RETENTION_S
+            # An entry is kept, whatever its age, while its command's not_after could still pass the
+            # EXPIRED check: a Welcome can set server time no earlier than the mark less the slack, so a
+            # gateway holding the signed body could otherwise replay it once the entry is gone and run
+            # it a second time.
+            horizon = self._server_mark - WELCOME_SLACK_S
             with self._tx() as c:
-                n = c.execute(_SQL_SWEEP_DONE, (cutoff,)).rowcount
-                n += c.execute(_SQL_SWEEP_LEFT, (self._incarnation, cutoff)).rowcount
+                rows = c.execute(_SQL_SWEEP_DONE, (cutoff,)).fetchall()
+                rows += c.execute(_SQL_SWEEP_LEFT, (self._incarnation, cutoff)).fetchall()
+                gone = [(cid,) for cid, body in rows if _not_after_s(body) <= horizon]
+                n = c.executemany(_SQL_DELETE_COMMAND, gone).rowcount if gone else 0
                 purged = c.execute(_SQL_TICKET_PURGE, (now,)).rowcount
             self._tickets -= purged
             return n

@@ -52,7 +52,15 @@ from bcd_agent.dispatch.ports import ResultSigner
 from bcd_agent.dispatch.results import update_from_entry
 from bcd_agent.dispatch.trust import BundleTrust
 from bcd_agent.dispatch.wire import envelope_from_wire, update_to_wire
-from bcd_agent.journal import Action, CommandFlags, DataDirFull, Journal, NewCommand, WelcomeRefused
+from bcd_agent.journal import (
+    WELCOME_SLACK_S,
+    Action,
+    CommandFlags,
+    DataDirFull,
+    Journal,
+    NewCommand,
+    WelcomeRefused,
+)
 from bcd_agent.session import identity as ident
 from bcd_agent.session import spec as specmod
 from bcd_agent.session.conditions import DATA_DIR_FULL, JOURNAL_TAIL_LOST, NodeConditions
@@ -76,6 +84,20 @@ RECENT = 16
 MAX_CANCELS_SEEN = 10_000
 # A repeated refusal is logged at most once per this many seconds (with the count since).
 REPEAT_LOG_S = 60.0
+# Hello carries unacked results up to this many bytes; the rest follow the Welcome as CommandUpdates
+# (flow-controlled like the replay). Without a bound, results a compromised gateway never acks (a flood
+# of refused commands, each journaled by DLV-ACK-17) grow the Hello past any gateway's 4 MiB message
+# cap, and no honest gateway could take the Hello that would let it ack them.
+HELLO_RESULTS_MAX_BYTES = 1024 * 1024
+# A replay (Hello, after the Welcome, every resend interval) reads at most this many results from the
+# journal, oldest first: never all of a flood's refusals into memory at once. 1 MiB of Hello holds fewer
+# (a result is at least ~60 bytes), and the outbox's room stops a replay well before.
+REPLAY_MAX_ROWS = 20_000
+# The server time mark moves at most this far ahead of the host clock. A gateway's server_time further
+# ahead (a compromised one sending the year 2100) would otherwise lift the mark for good, and every later
+# Welcome from an honest gateway would be refused by DLV-JRN-13 (journal and identity.json both keep it).
+# A minute under the Welcome slack, so a Welcome within a minute of the host clock is never refused.
+MAX_SERVER_LEAD_S = WELCOME_SLACK_S - 60.0
 
 Send = Callable[[wire.NodeMessage], None]
 
@@ -200,6 +222,8 @@ class SessionCore:
         self._batching = False  # inside handle_batch: result acks ride with the batch's transaction
         self._refused_log = _RepeatLog(logging.ERROR)
         self._ignored_log = _RepeatLog(logging.DEBUG)
+        self._lead_log = _RepeatLog(logging.WARNING)
+        self._results_after_welcome = False
         journal.on_space_change = self._space_changed
         if not journal.space_ok:
             self._space_changed(False, "")
@@ -257,6 +281,7 @@ class SessionCore:
         self._sent_conditions_version = -1
         self._last_resend = self.monotonic()
         stored = self.journal.load_spec()
+        results, self._results_after_welcome = self._hello_results()
         hello = wire.Hello(
             node_id=self.node_id,
             boot_id=self.journal.boot_id,
@@ -265,7 +290,7 @@ class SessionCore:
             applied_generation=self.journal.applied_generation,
             capabilities=list(self.capabilities),
             runtimes=list(self.runtimes),
-            unacked_results=[self._result_update(e) for e in self.journal.unacked_results()],
+            unacked_results=results,
             version=self.version,
             role=self.role,
             applied_spec_hash=stored.spec_hash if stored is not None else "",
@@ -274,6 +299,20 @@ class SessionCore:
         )
         st.hello_sent_monotonic = self.monotonic()
         return wire.NodeMessage(hello=hello)
+
+    def _hello_results(self) -> tuple[list[wire.CommandUpdate], bool]:
+        """The unacked results for Hello, oldest first, up to HELLO_RESULTS_MAX_BYTES; True when some
+        were left for after the Welcome."""
+        results: list[wire.CommandUpdate] = []
+        size = 0
+        entries = self.journal.unacked_results(limit=REPLAY_MAX_ROWS)
+        for entry in entries:
+            update = self._result_update(entry)
+            size += len(bytes(update)) + 8  # the field's tag and length prefix
+            if size > HELLO_RESULTS_MAX_BYTES:
+                return results, True
+            results.append(update)
+        return results, len(entries) == REPLAY_MAX_ROWS  # more may wait behind the rows read
 
     def detach(self) -> None:
         self._send = None
@@ -350,7 +389,7 @@ class SessionCore:
         if self.state.welcomed:
             raise ProtocolViolation("a second Welcome on one session")
         try:
-            self.journal.check_welcome(welcome.server_time / 1000)
+            self.journal.check_welcome(welcome.server_time / 1000, self._mark_ceiling(welcome.server_time))
         except WelcomeRefused as exc:
             self.state.last_refusal = str(exc)
             raise
@@ -374,11 +413,29 @@ class SessionCore:
             self._spec_request(wire.SpecRequestReason.MIN_GENERATION)
         self._pending_min_generation = None
         self.pump_events()
+        if self._results_after_welcome:
+            self._results_after_welcome = False
+            self._replay_results()
         self.secrets.welcomed(self._out)
 
     def _observe_time(self, server_time_ms: int) -> None:
-        self.journal.observe_server_time(server_time_ms / 1000)
+        self.journal.observe_server_time(server_time_ms / 1000, self._mark_ceiling(server_time_ms))
         self._mirror_mark()
+
+    def _mark_ceiling(self, server_time_ms: int) -> float:
+        """How far this server time may move the mark: MAX_SERVER_LEAD_S past the host clock."""
+        ceiling = self.clock.host_time() + MAX_SERVER_LEAD_S
+        if server_time_ms / 1000 > ceiling:
+            self._lead_log.log(
+                self.monotonic(),
+                "session: server_time %d ms leads the host clock by %.0f s (more than %.0f s): the server"
+                " time mark moves only to the host clock + %.0f s",
+                server_time_ms,
+                server_time_ms / 1000 - self.clock.host_time(),
+                MAX_SERVER_LEAD_S,
+                MAX_SERVER_LEAD_S,
+            )
+        return ceiling
 
     def _mirror_mark(self, force: bool = False) -> None:
         mark_ms = int(self.journal.server_time_mark * 1000)
@@ -650,15 +707,19 @@ class SessionCore:
             return False
         self._last_resend = now
         self.journal.flush_acks()  # the acks kept since the last write (none are replayed meanwhile)
-        from bcd_agent.session.outbox import EVENT_RESERVE_BYTES
-
-        for entry in self.journal.unacked_results():
-            if self._room is not None and self._room() < EVENT_RESERVE_BYTES:
-                break  # the rest at the next interval; the gateway is slow to read
-            self._out(wire.NodeMessage(command_update=self._result_update(entry)))
+        self._replay_results()
         self._sent_event_seq = self.journal.acked_event_seq
         self.pump_events()
         return True
+
+    def _replay_results(self) -> None:
+        """Every unacked result as a CommandUpdate, while the outbox has more than its reserve free."""
+        from bcd_agent.session.outbox import EVENT_RESERVE_BYTES
+
+        for entry in self.journal.unacked_results(limit=REPLAY_MAX_ROWS):
+            if self._room is not None and self._room() < EVENT_RESERVE_BYTES:
+                break  # the rest at the next interval; the gateway is slow to read
+            self._out(wire.NodeMessage(command_update=self._result_update(entry)))
 
     def heartbeat(self) -> wire.NodeMessage:
         return wire.NodeMessage(
