@@ -385,6 +385,11 @@ def test_node_as_the_wrong_account_names_the_data_dirs_owner_and_its_own_uid() -
         (top / "config.toml").write_text(f'data_dir = "{data}"\n')
         (top / "config.toml").chmod(0o644)
         argv = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups"]
+        probe = [*argv, sys.executable, "-c", "import bcd_agent.cli"]
+        if subprocess.run(probe, capture_output=True, timeout=60, cwd="/").returncode != 0:
+            # A clone under a 0700 directory (root's home, mktemp -d): the account cannot import bcd at all;
+            # test_preflight_as_the_wrong_account_in_a_forked_child below checks the same message there.
+            pytest.skip("uid 65534 cannot import bcd_agent from this checkout")
         res = subprocess.run(
             [*argv, sys.executable, "-m", "bcd_agent.cli", "node", "--config", str(top / "config.toml")],
             capture_output=True,
@@ -398,3 +403,65 @@ def test_node_as_the_wrong_account_names_the_data_dirs_owner_and_its_own_uid() -
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr
     assert f"data_dir {data} (from {top}/config.toml) is owned by uid 0 (mode 0700)" in res.stderr
     assert "this process (uid 65534) cannot use it" in res.stderr and "systemctl start bcd-node" in res.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="drops to another account (uid 65534)")
+def test_preflight_as_the_wrong_account_in_a_forked_child() -> None:
+    """The same refusal as above wherever the checkout lies: the node's preflight run in a forked child that
+    drops to uid 65534 (every module imported before the fork), on root's 0700 data_dir: EX_NOPERM and
+    the message naming the owner, the mode, this uid and the unit."""
+    import shutil
+    import tempfile
+
+    from bcd_agent.config import load_config
+    from bcd_agent.session import identity  # noqa: F401 (imported by _preflight: before the fork)
+
+    top = Path(tempfile.mkdtemp(prefix="bcd-wrong-account-"))  # under /tmp: the account can walk to it
+    top.chmod(0o755)
+    data = top / "data"
+    data.mkdir(mode=0o700)
+    cfg = top / "config.toml"
+    cfg.write_text(f'data_dir = "{data}"\n')
+    try:
+        config = load_config(cfg)
+        out, status = _preflight_as(65534, config)
+    finally:
+        shutil.rmtree(top)
+    assert status == 0
+    code, message = out.split("\n", 1)
+    assert int(code) == EX_NOPERM, message
+    assert message == (
+        f"data_dir {data} (from {cfg}) is owned by uid 0 (mode 0700) and this process (uid 65534) cannot "
+        "use it: run bcd node as the data_dir's owner (on a host: systemctl start bcd-node, which runs it as "
+        "the bcd account)"
+    )
+
+
+def _preflight_as(uid: int, config: agent_config.Config) -> tuple[str, int]:
+    """The node's preflight in a forked child of `uid`: '<exit code>\\n<message>', and the child's status."""
+    from bcd_agent.node import _preflight
+    from bcd_shared.subcommands import CliError
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.close(read)
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            try:
+                _preflight(config)
+                os.write(write, b"0\npassed")
+            except CliError as exc:
+                os.write(write, f"{exc.code}\n{exc}".encode())
+            except BaseException as exc:  # shown by the parent's assertion
+                os.write(write, f"-1\n{exc!r}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as f:
+        out = f.read().decode()
+    return out, os.waitpid(pid, 0)[1]
