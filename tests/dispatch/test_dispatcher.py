@@ -356,6 +356,68 @@ async def test_DLV_ACK_07_08_RCV_07_deferral_and_recheck_on_newer_spec(
     assert sorted(effect_ids(log)) == sorted([a.id, b.id])
 
 
+def _held(cmd: CommandEnvelope) -> int:
+    """What a deferred command holds in memory, counted as the bound counts it: the signed body, the
+    payload decoded from it, the signature and the signer chain."""
+    return (
+        len(cmd.body_bytes)
+        + len(cmd.payload.value)
+        + len(cmd.signature)
+        + sum(len(c) for c in cmd.signer_chain)
+    )
+
+
+async def test_DLV_ACK_14_deferred_commands_are_bounded_in_bytes_exactly(tmp_path: Path, pki: Pki) -> None:
+    """Deferral holds commands in memory before their signature is checked, so their bytes are bounded
+    (max_deferred_bytes): a command that fits exactly is deferred; one byte more is BUSY, never
+    journaled, the message naming the count and bytes already held and the bound. Every part of a command
+    counts: two commands whose bodies fit but whose signature and chain do not are not both held."""
+    h = Harness(tmp_path / "data", pki, bundle=pki.bundle())
+    a = make_command(pki, seq=1, min_generation=9, payload=effect_payload("a" * 3000))
+    b = make_command(pki, seq=2, min_generation=9, payload=effect_payload("b" * 3000))
+    c = make_command(pki, seq=3, min_generation=9, payload=effect_payload("c" * 3000))
+    assert a.signature and a.signer_chain  # each part is counted: none may be empty here
+    bound = _held(a) + _held(b)
+    async with trio.open_nursery() as n:
+        d = await start(
+            n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e")), max_deferred_bytes=bound)
+        )
+        d.deliver(a)
+        d.deliver(b)  # exactly at the bound: held
+        d.deliver(c)
+        assert d.deferred_ids() == (a.id, b.id)
+        assert h.sink.of(a.id) == [] and h.sink.of(b.id) == []
+        assert [(u.state, u.reason, u.message) for u in h.sink.of(c.id)] == [
+            (
+                UpdateState.BUSY,
+                "BUSY",
+                f"2 commands of {bound} bytes already wait for a newer spec (at most {bound} bytes)",
+            )
+        ]
+        assert h.journal.get_command(c.id) is None
+        n.cancel_scope.cancel()
+    for part in ("body", "payload", "signature", "chain"):
+        sizes = {
+            "body": len(a.body_bytes),
+            "payload": len(a.payload.value),
+            "signature": len(a.signature),
+            "chain": sum(len(x) for x in a.signer_chain),
+        }
+        h = Harness(tmp_path / f"data-{part}", pki, bundle=pki.bundle())
+        async with trio.open_nursery() as n:
+            d = await start(
+                n,
+                h.dispatcher(
+                    effect_handlers(EffectHandler(tmp_path / "e")), max_deferred_bytes=bound - sizes[part]
+                ),
+            )
+            d.deliver(a)
+            d.deliver(b)
+            assert d.deferred_ids() == (a.id,), part  # without that part b would fit
+            assert [u.state for u in h.sink.of(b.id)] == [UpdateState.BUSY]
+            n.cancel_scope.cancel()
+
+
 async def test_DLV_ACK_09_still_behind_at_not_after_is_stale(
     tmp_path: Path, pki: Pki, autojump_clock: trio.testing.MockClock
 ) -> None:
