@@ -418,6 +418,23 @@ async def test_DLV_ACK_14_deferred_commands_are_bounded_in_bytes_exactly(tmp_pat
             n.cancel_scope.cancel()
 
 
+async def test_DLV_ACK_14_deferred_commands_are_bounded_in_count_exactly(tmp_path: Path, pki: Pki) -> None:
+    """max_deferred commands are held (exactly that many); the next is BUSY, never journaled, the message
+    naming how many wait."""
+    h = Harness(tmp_path / "data", pki, bundle=pki.bundle())
+    cmds = [make_command(pki, seq=i, min_generation=9) for i in range(1, 4)]
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e")), max_deferred=2))
+        for c in cmds:
+            d.deliver(c)
+        assert d.deferred_ids() == (cmds[0].id, cmds[1].id)
+        assert [(u.state, u.message) for u in h.sink.of(cmds[2].id)] == [
+            (UpdateState.BUSY, "2 commands already wait for a newer spec")
+        ]
+        assert h.journal.get_command(cmds[2].id) is None
+        n.cancel_scope.cancel()
+
+
 async def test_DLV_ACK_09_still_behind_at_not_after_is_stale(
     tmp_path: Path, pki: Pki, autojump_clock: trio.testing.MockClock
 ) -> None:

@@ -433,7 +433,7 @@ def test_hello_is_the_journals_and_the_nodes_own_and_each_session_is_counted(
     st = core.state
     assert (st.connected, st.welcomed, st.connections, st.hello_sent_monotonic) == (True, False, 1, 1000.0)
     core.handle(welcome())
-    assert (st.welcomed, st.welcomes, st.epoch) == (True, 1, 7)
+    assert (st.welcomed, st.welcomes, st.epoch, journal.last_epoch) == (True, 1, 7, 7)  # the epoch kept
     with pytest.raises(ProtocolViolation, match=r"^a second Welcome on one session$"):
         core.handle(welcome())
     core.detach()
