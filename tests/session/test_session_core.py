@@ -488,6 +488,10 @@ def test_DLV_RCV_07_min_generation_request_waits_for_the_welcome(tmp_path: Path,
     assert spec_requests(out) == [(1, wire.SpecRequestReason.MIN_GENERATION)]
     core.request_spec_for_min_generation(1)  # online: at once
     assert spec_requests(out)[-1] == (1, wire.SpecRequestReason.MIN_GENERATION)
+    core.detach()
+    out.clear()
+    connect(core, out)
+    assert spec_requests(out) == []  # the remembered request went with that Welcome, once
 
 
 def test_unusable_stored_spec_is_discarded_when_roots_are_known(tmp_path: Path, pki: Pki) -> None:
@@ -620,6 +624,24 @@ def test_DLV_JRN_11_14_the_mark_is_mirrored_and_a_lost_journal_does_not_reset_it
     # The mark never moves back: the older Welcome did not lower the mirrored one.
     assert ident.load(data).server_time_mark_ms == later_ms
     fresh.journal.close()
+
+
+def test_DLV_JRN_14_every_welcome_mirrors_the_mark_even_a_step_under_a_minute(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Heartbeats mirror the mark into identity.json only once it moved a minute; a Welcome mirrors it
+    whatever the step, so a mark a heartbeat moved 30 s is in identity.json after the next Welcome."""
+    data = tmp_path / "data"
+    core = _persisting(data, pki)
+    mark_ms = int(time.time() * 1000)
+    connect(core, [], server_ms=mark_ms)
+    core.handle(wire.GatewayMessage(heartbeat=wire.GatewayHeartbeat(server_time=mark_ms + 30_000)))
+    assert ident.load(data).server_time_mark_ms == mark_ms  # 30 s: not yet
+    core.detach()
+    core.attach([].append)
+    core.handle(welcome(mark_ms))
+    assert ident.load(data).server_time_mark_ms == mark_ms + 30_000
+    core.journal.close()
 
 
 def test_DLV_JRN_12_the_mark_never_moves_back(tmp_path: Path, pki: Pki) -> None:
