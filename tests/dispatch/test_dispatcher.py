@@ -121,6 +121,23 @@ async def test_DLV_SIG_17_attested_result_is_node_signed(tmp_path: Path, pki: Pk
     assert not plain.attested
 
 
+async def test_DLV_SIG_17_a_refused_command_of_an_attested_kind_is_node_signed_whatever_its_body_says(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """A refusal is journaled with the kind table's flags, not the body's: a `test.attested` command whose
+    body says it is not attested, refused EXPIRED, still gets a node-signed result."""
+    h = Harness(tmp_path / "data", pki)
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e"))))
+        cmd = make_command(pki, kind="test.attested", attested=False, not_after=T0 - dt.timedelta(minutes=1))
+        assert not cmd.attested
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert (done.state, done.reason) == (UpdateState.REJECTED, "EXPIRED")
+    assert done.node_sig and done.attestation
+
+
 async def test_DLV_SIG_17_attestation_is_stored_with_the_result_and_replayed_exactly(
     tmp_path: Path, pki: Pki
 ) -> None:
@@ -221,6 +238,7 @@ async def test_DLV_ACK_14_15_18_busy_not_journaled_and_bad_signature_first(tmp_p
         for c in cmds:
             d.deliver(c)
         assert h.sink.states(cmds[2].id) == [UpdateState.BUSY]
+        assert h.sink.of(cmds[2].id)[0].message == "lane bulk has no free credit (2 in use)"
         assert h.journal.get_command(cmds[2].id) is None
         forged = make_command(pki, kind="test.bulk", sign="none")
         d.deliver(forged)
