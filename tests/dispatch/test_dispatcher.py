@@ -121,6 +121,23 @@ async def test_DLV_SIG_17_attested_result_is_node_signed(tmp_path: Path, pki: Pk
     assert not plain.attested
 
 
+async def test_DLV_SIG_17_a_refused_command_of_an_attested_kind_is_node_signed_whatever_its_body_says(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """A refusal is journaled with the kind table's flags, not the body's: a `test.attested` command whose
+    body says it is not attested, refused EXPIRED, still gets a node-signed result."""
+    h = Harness(tmp_path / "data", pki)
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e"))))
+        cmd = make_command(pki, kind="test.attested", attested=False, not_after=T0 - dt.timedelta(minutes=1))
+        assert not cmd.attested
+        d.deliver(cmd)
+        done = await h.sink.wait_terminal(cmd.id)
+        n.cancel_scope.cancel()
+    assert (done.state, done.reason) == (UpdateState.REJECTED, "EXPIRED")
+    assert done.node_sig and done.attestation
+
+
 async def test_DLV_SIG_17_attestation_is_stored_with_the_result_and_replayed_exactly(
     tmp_path: Path, pki: Pki
 ) -> None:
@@ -221,6 +238,7 @@ async def test_DLV_ACK_14_15_18_busy_not_journaled_and_bad_signature_first(tmp_p
         for c in cmds:
             d.deliver(c)
         assert h.sink.states(cmds[2].id) == [UpdateState.BUSY]
+        assert h.sink.of(cmds[2].id)[0].message == "lane bulk has no free credit (2 in use)"
         assert h.journal.get_command(cmds[2].id) is None
         forged = make_command(pki, kind="test.bulk", sign="none")
         d.deliver(forged)
@@ -354,6 +372,85 @@ async def test_DLV_ACK_07_08_RCV_07_deferral_and_recheck_on_newer_spec(
         assert (await h.sink.wait_terminal(b.id)).state is UpdateState.SUCCEEDED
         n.cancel_scope.cancel()
     assert sorted(effect_ids(log)) == sorted([a.id, b.id])
+
+
+def _held(cmd: CommandEnvelope) -> int:
+    """What a deferred command holds in memory, counted as the bound counts it: the signed body, the
+    payload decoded from it, the signature and the signer chain."""
+    return (
+        len(cmd.body_bytes)
+        + len(cmd.payload.value)
+        + len(cmd.signature)
+        + sum(len(c) for c in cmd.signer_chain)
+    )
+
+
+async def test_DLV_ACK_14_deferred_commands_are_bounded_in_bytes_exactly(tmp_path: Path, pki: Pki) -> None:
+    """Deferral holds commands in memory before their signature is checked, so their bytes are bounded
+    (max_deferred_bytes): a command that fits exactly is deferred; one byte more is BUSY, never
+    journaled, the message naming the count and bytes already held and the bound. Every part of a command
+    counts: two commands whose bodies fit but whose signature and chain do not are not both held."""
+    h = Harness(tmp_path / "data", pki, bundle=pki.bundle())
+    a = make_command(pki, seq=1, min_generation=9, payload=effect_payload("a" * 3000))
+    b = make_command(pki, seq=2, min_generation=9, payload=effect_payload("b" * 3000))
+    c = make_command(pki, seq=3, min_generation=9, payload=effect_payload("c" * 3000))
+    assert a.signature and a.signer_chain  # each part is counted: none may be empty here
+    bound = _held(a) + _held(b)
+    async with trio.open_nursery() as n:
+        d = await start(
+            n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e")), max_deferred_bytes=bound)
+        )
+        d.deliver(a)
+        d.deliver(b)  # exactly at the bound: held
+        d.deliver(c)
+        assert d.deferred_ids() == (a.id, b.id)
+        assert h.sink.of(a.id) == [] and h.sink.of(b.id) == []
+        assert [(u.state, u.reason, u.message) for u in h.sink.of(c.id)] == [
+            (
+                UpdateState.BUSY,
+                "BUSY",
+                f"2 commands of {bound} bytes already wait for a newer spec (at most {bound} bytes)",
+            )
+        ]
+        assert h.journal.get_command(c.id) is None
+        n.cancel_scope.cancel()
+    for part in ("body", "payload", "signature", "chain"):
+        sizes = {
+            "body": len(a.body_bytes),
+            "payload": len(a.payload.value),
+            "signature": len(a.signature),
+            "chain": sum(len(x) for x in a.signer_chain),
+        }
+        h = Harness(tmp_path / f"data-{part}", pki, bundle=pki.bundle())
+        async with trio.open_nursery() as n:
+            d = await start(
+                n,
+                h.dispatcher(
+                    effect_handlers(EffectHandler(tmp_path / "e")), max_deferred_bytes=bound - sizes[part]
+                ),
+            )
+            d.deliver(a)
+            d.deliver(b)
+            assert d.deferred_ids() == (a.id,), part  # without that part b would fit
+            assert [u.state for u in h.sink.of(b.id)] == [UpdateState.BUSY]
+            n.cancel_scope.cancel()
+
+
+async def test_DLV_ACK_14_deferred_commands_are_bounded_in_count_exactly(tmp_path: Path, pki: Pki) -> None:
+    """max_deferred commands are held (exactly that many); the next is BUSY, never journaled, the message
+    naming how many wait."""
+    h = Harness(tmp_path / "data", pki, bundle=pki.bundle())
+    cmds = [make_command(pki, seq=i, min_generation=9) for i in range(1, 4)]
+    async with trio.open_nursery() as n:
+        d = await start(n, h.dispatcher(effect_handlers(EffectHandler(tmp_path / "e")), max_deferred=2))
+        for c in cmds:
+            d.deliver(c)
+        assert d.deferred_ids() == (cmds[0].id, cmds[1].id)
+        assert [(u.state, u.message) for u in h.sink.of(cmds[2].id)] == [
+            (UpdateState.BUSY, "2 commands already wait for a newer spec")
+        ]
+        assert h.journal.get_command(cmds[2].id) is None
+        n.cancel_scope.cancel()
 
 
 async def test_DLV_ACK_09_still_behind_at_not_after_is_stale(

@@ -878,6 +878,25 @@ def test_an_env_file_of_a_listed_allocation_goes_only_when_it_names_none_of_its_
     assert generation(ctx.root) == 4
 
 
+def test_a_listed_allocations_env_file_past_the_size_root_writes_stays(
+    ctx: HelperContext, worker: Signer
+) -> None:
+    """The env file is read under the kind's own size limit (64 KiB, what file.write takes): one larger
+    is refused `root-only` naming the limit, never read whole, though it names no GPU of the spec; at the
+    limit it is read and, naming none, taken."""
+    slot = signed(worker, body(3, {"a1": [GPU1], "a2": [GPU1]}))
+    path = ctx.root / "run/bcd/allocations/a2.env"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    head = b"BCD_ALLOCATION_ID=a2\nNVIDIA_VISIBLE_DEVICES=void\nPAD="
+    path.write_bytes(head + b"x" * (64 * 1024 - len(head)) + b"\n")  # 64 KiB + 1
+    assert refused(ctx, FileRemove("allocation-env", "a2", slot)) == (
+        "root-only",
+        "/run/bcd/allocations/a2.env is larger than 65536 bytes",
+    )
+    path.write_bytes(head + b"x" * (64 * 1024 - len(head) - 1) + b"\n")  # exactly 64 KiB
+    assert file_remove(call(ctx), FileRemove("allocation-env", "a2", slot))["removed"] is True
+
+
 def test_a_listed_mig_allocations_env_file_names_its_mig_device_only(
     root: Path, cp: ControlPlane, worker: Signer
 ) -> None:

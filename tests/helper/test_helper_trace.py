@@ -210,3 +210,42 @@ def test_DLV_CMD_15_a_traced_line_is_sealed_like_any_other(tmp_path: Path) -> No
     (directory / "audit.log").write_bytes(text.replace(TRACE_A.encode(), TRACE_B.encode(), 1))
     broken = verify_chain(directory, key)
     assert not broken.ok and "line 2" in broken.problem, broken
+
+
+def test_DLV_CMD_15_audit_show_ends_a_traced_line_with_its_trace_id(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`bcd helper audit show` (in process): a line with a trace ends ` trace=<trace id>`, one without has
+    no trace part (the real helper's lines are shown by the test above, in a subprocess)."""
+    import argparse
+
+    from bcd_helper import audit
+
+    root = tmp_path / "host"
+    root.mkdir(mode=0o755)
+    log = AuditLog(root, AUDIT_DIR, syslog=False)
+    try:
+        for i in range(2):
+            log.record(
+                peer_pid=7,
+                peer_uid=4242,
+                op="helper.ping",
+                args={},
+                args_sha256="0" * 64,
+                decision="accepted",
+                reason="",
+                message="",
+                duration_ms=0.0,
+                trace=(TRACE_A, PARENT) if i else None,
+            )
+    finally:
+        log.close()
+    capsys.readouterr()
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    assert audit.run(parser.parse_args(["--root", str(root), "--dir", AUDIT_DIR, "show"])) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert [line.split(" ", 1)[1] for line in shown] == [
+        "#1 uid=4242 pid=7 helper.ping accepted  {}",
+        f"#2 uid=4242 pid=7 helper.ping accepted  {{}} trace={TRACE_A}",
+    ]

@@ -18,11 +18,13 @@ from bcd_agent.journal import (
     EventClass,
     Journal,
     JournalFull,
+    NewCommand,
     NewEvent,
     Outcome,
     TicketRefused,
     WelcomeRefused,
 )
+from bcd_shared import wire
 from jhelpers import NOT_RETRY_SAFE, REBOOT, RETRY_SAFE, Clock, cmd, crash_copy
 
 M, T, R = EventClass.METRIC, EventClass.TRANSITION, EventClass.RESULT
@@ -268,6 +270,82 @@ def test_DLV_REC_15_sweep_keeps_every_entry_of_the_running_process_however_old(t
         assert all(e is not None for e in kept.values()), kept
         running = kept["mine-running"]
         assert running is not None and running.state is CommandState.RUNNING
+
+
+def _signed_body(cid: str, not_after_ms: int) -> NewCommand:
+    """A command whose stored body names `not_after_ms` (0: none), as a gateway sends it."""
+    body = bytes(
+        wire.CommandBody(id=cid, node_id="n", seq=1, kind="inventory.refresh", not_after=not_after_ms)
+    )
+    return NewCommand(id=cid, kind="inventory.refresh", flags=RETRY_SAFE, body=body, signature=b"sig")
+
+
+def test_DLV_REC_13_sweep_keeps_an_entry_until_its_not_after_is_behind_any_welcome(tmp_path: Path) -> None:
+    """An entry past the 7 days goes only once its body's not_after is at or before the server time mark
+    less the Welcome slack (5 minutes, written out here): a Welcome can set server time no earlier, and
+    a command at or past its not_after is EXPIRED, so a replay of the signed bytes can no longer run. At
+    the horizon itself it goes; a millisecond later it stays, done or left by an earlier process, until
+    the mark moves. A body naming no not_after, one that does not parse, and a refusal journaled without
+    its body (whatever not_after the refused body named) never ran again: they go at 7 days."""
+    clock = Clock(1_000_000.0)
+    mark = 2_000_000.0
+    horizon_ms = int((mark - 300.0) * 1000)
+    j = Journal.open(tmp_path / "a", boot_id="b", clock=clock)
+    j.accept_command(_signed_body("left-later", horizon_ms + 1))  # left accepted by this process
+    done = {
+        "at-horizon": _signed_body("at-horizon", horizon_ms),
+        "after-horizon": _signed_body("after-horizon", horizon_ms + 1),
+        "no-not-after": _signed_body("no-not-after", 0),
+        "unparsable": NewCommand(id="unparsable", kind="k", flags=RETRY_SAFE, body=b"\x08", signature=b"s"),
+    }
+    for cid, command in done.items():
+        j.accept_command(command)
+        j.complete(cid, Outcome.SUCCEEDED)
+    refused = j.reject(_signed_body("refused", horizon_ms + 86_400_000), "BAD_SIGNATURE")
+    assert (refused.body, refused.signature) == (b"", b"")  # the refusal keeps neither
+    assert j.ack_results([*done, "refused"]) == 5
+    assert j.observe_server_time(mark) == mark
+    data = crash_copy(j, tmp_path / "b")
+    with Journal.open(data, boot_id="b", clock=clock) as j2:
+        every = ("left-later", *done, "refused")
+        assert j2.sweep(clock.t + RETENTION_S + 1) == 4
+        assert {c for c in every if j2.get_command(c) is not None} == {"left-later", "after-horizon"}
+        assert j2.sweep(clock.t + RETENTION_S + 1) == 0
+        j2.observe_server_time(mark + 1.0)  # the horizon passes both not_afters
+        assert j2.sweep(clock.t + RETENTION_S + 1) == 2
+        assert {c for c in every if j2.get_command(c) is not None} == set()
+
+
+def test_DLV_JRN_13_a_ceiling_bounds_how_far_the_mark_moves(tmp_path: Path) -> None:
+    """The session's bound on a gateway's lead (the ceiling): observe_server_time and check_welcome move
+    the mark to the server time or the ceiling, whichever is earlier, never back; without a ceiling the
+    server time alone. The bounded mark is what a later Welcome is judged by."""
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+        assert j.observe_server_time(5000.0, ceiling=1000.0) == 1000.0
+        assert j.observe_server_time(900.0, ceiling=2000.0) == 1000.0  # below the mark: unchanged
+        assert j.observe_server_time(1500.0, ceiling=2000.0) == 1500.0  # under the ceiling: itself
+        assert j.check_welcome(9000.0, 1600.0) == 1600.0
+        assert j.check_welcome(1600.0 - 300.0, 1700.0) == 1600.0  # judged by the bounded mark: taken
+        assert j.check_welcome(1650.0, None) == 1650.0
+        assert j.observe_server_time(1700.0) == 1700.0
+    with Journal.open(tmp_path / "d", boot_id="b") as j:
+        assert j.server_time_mark == 1700.0
+
+
+def test_DLV_RES_08_a_replay_reads_at_most_the_oldest_limit_results(tmp_path: Path) -> None:
+    """unacked_results(limit=n): the n oldest unacked results (by finish time), acked ones not counted
+    against the limit."""
+    clock = Clock()
+    with Journal.open(tmp_path / "d", boot_id="b", clock=clock) as j:
+        for i in range(5):
+            clock.t += 1
+            j.accept_command(cmd(f"c{i}"))
+            j.complete(f"c{i}", Outcome.SUCCEEDED)
+        j.ack_results(["c0"])
+        assert [e.id for e in j.unacked_results(limit=2)] == ["c1", "c2"]
+        assert [e.id for e in j.unacked_results(limit=1)] == ["c1"]
+        assert [e.id for e in j.unacked_results(limit=10)] == ["c1", "c2", "c3", "c4"]
+        assert [e.id for e in j.unacked_results()] == ["c1", "c2", "c3", "c4"]
 
 
 # ---------------------------------------------------------------- exec tickets

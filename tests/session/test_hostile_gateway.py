@@ -5,6 +5,7 @@ what such a gateway can send, and checks that nothing it says outlives the compr
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -22,7 +23,17 @@ from bcd_agent.session import identity as ident
 from bcd_agent.session.core import SessionCore
 from bcd_shared import wire
 from bcd_shared.pki.signing import Purpose
-from session.test_session_core import NODE, Pki, Recorder, _persisting, connect, welcome
+from session.test_session_core import (
+    NODE,
+    Clock,
+    Pki,
+    Recorder,
+    _done_command,
+    _persisting,
+    connect,
+    make,
+    welcome,
+)
 
 YEAR_MS = 365 * 86400 * 1000
 LEAD_S = 240.0  # session.core.MAX_SERVER_LEAD_S
@@ -411,3 +422,121 @@ async def test_a_welcome_the_gateway_controls_can_refuse_but_never_run_a_command
         refused = [m.command_update for m in out if m.command_update is not None]
         assert [(u.state, u.reason) for u in refused] == [(wire.CommandState.REJECTED, reason)]
         assert not (data / "test-effects.log").exists()
+
+
+def _core_on(tmp_path: Path, pki: Pki, host: list[float]) -> tuple[SessionCore, Clock]:
+    """A core whose host clock reads host[0] (the monotonic clock is the returned one)."""
+    mono = Clock()
+    rec = Recorder()
+    core = SessionCore(
+        journal=Journal.open(tmp_path / "data", boot_id="boot-1"),
+        dispatcher=rec,
+        runner=rec,
+        trust=BundleTrust(),
+        clock=OffsetClock(host_time=lambda: host[0]),
+        identity=pki.identity(),
+        data_dir=tmp_path / "data",
+        monotonic=mono,
+        persist_identity=False,
+    )
+    return core, mono
+
+
+def _heartbeat(server_ms: int) -> wire.GatewayMessage:
+    return wire.GatewayMessage(heartbeat=wire.GatewayHeartbeat(server_time=server_ms))
+
+
+def test_the_mark_leads_the_host_clock_by_at_most_240_s_and_a_larger_lead_is_logged(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Welcome or heartbeat ahead of the host clock moves the mark to exactly the host clock + 240 s
+    (written out here), and a warning names the server time, its lead and the bound; a server time at
+    the bound itself is taken whole and logs nothing. The bound follows the host clock."""
+    host = [1_800_000_000.0]
+    start = host[0]
+    core, mono = _core_on(tmp_path, Pki(), host)
+    caplog.set_level(logging.WARNING, logger="bcd_agent.session.core")
+    core.attach([].append)
+    core.handle(welcome(int((start + 1000) * 1000)))
+    assert core.state.welcomed
+    assert core.journal.server_time_mark == start + 240.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "session: server_time 1800001000000 ms leads the host clock by 1000 s (more than 240 s): the server"
+        " time mark moves only to the host clock + 240 s"
+    ]
+    caplog.clear()
+    mono.t += 61  # past the repeat log's interval: a new lead would be logged
+    host[0] = start + 10
+    core.handle(_heartbeat(int((start + 250) * 1000)))  # exactly the bound: taken, not logged
+    assert core.journal.server_time_mark == start + 250.0
+    assert caplog.records == []
+    host[0] = start + 20
+    core.handle(_heartbeat(int((start + 260) * 1000) + 1))  # a millisecond past it
+    assert core.journal.server_time_mark == start + 260.0
+    assert [r.getMessage() for r in caplog.records] == [
+        "session: server_time 1800000260001 ms leads the host clock by 240 s (more than 240 s): the server"
+        " time mark moves only to the host clock + 240 s"
+    ]
+    core.journal.close()
+
+
+def _results_in(out: list[wire.NodeMessage]) -> list[str]:
+    return [m.command_update.command_id for m in out if m.command_update is not None]
+
+
+def test_hello_carries_results_up_to_exactly_its_byte_cap_the_rest_after_the_welcome(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each result counts its encoded size and 8 bytes of field framing against HELLO_RESULTS_MAX_BYTES:
+    results that fill it exactly all ride in Hello (and none is sent again after the Welcome); a byte
+    less and the last one follows the Welcome with the rest, oldest first."""
+    import bcd_agent.session.core as coremod
+
+    core, _out, _rec, _mono = make(tmp_path, Pki())
+    ids = [_ulid(i) for i in range(4)]
+    for cid in ids:
+        _done_command(core.journal, cid)
+    hello = core.attach([].append).hello
+    assert hello is not None and [u.command_id for u in hello.unacked_results] == ids
+    sizes = [len(bytes(u)) + 8 for u in hello.unacked_results]
+    core.detach()
+    for cap, carried in ((sum(sizes), ids), (sum(sizes[:2]), ids[:2]), (sum(sizes[:2]) - 1, ids[:1])):
+        monkeypatch.setattr(coremod, "HELLO_RESULTS_MAX_BYTES", cap)
+        out: list[wire.NodeMessage] = []
+        hello = core.attach(out.append).hello
+        assert hello is not None and [u.command_id for u in hello.unacked_results] == carried, cap
+        core.handle(welcome())
+        assert _results_in(out) == ([] if carried == ids else ids), cap
+        core.detach()
+    core.journal.close()
+
+
+def test_a_replay_reads_at_most_replay_max_rows_results_the_rest_once_those_are_acked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hello and every replay read at most REPLAY_MAX_ROWS (lowered here) of the oldest unacked results.
+    A Hello that read the limit may have left some behind, so the replay after the Welcome runs; one that
+    read fewer has them all and nothing follows. The ones behind go out once the first are acked."""
+    import bcd_agent.session.core as coremod
+
+    core, _out, _rec, mono = make(tmp_path, Pki())
+    ids = [_ulid(i) for i in range(4)]
+    for cid in ids:
+        _done_command(core.journal, cid)
+    monkeypatch.setattr(coremod, "REPLAY_MAX_ROWS", 5)
+    out: list[wire.NodeMessage] = []
+    hello = connect(core, out)
+    assert [u.command_id for u in hello.unacked_results] == ids
+    assert _results_in(out) == []  # fewer than the limit read: Hello had them all
+    core.detach()
+    monkeypatch.setattr(coremod, "REPLAY_MAX_ROWS", 3)
+    out = []
+    hello = connect(core, out)
+    assert [u.command_id for u in hello.unacked_results] == ids[:3]
+    assert _results_in(out) == ids[:3]  # the limit read: the replay after the Welcome, at most 3 again
+    core.handle(wire.GatewayMessage(ack=wire.Ack(command_ids=ids[:3])))
+    out.clear()
+    mono.t += 11
+    assert core.resend_due()
+    assert _results_in(out) == ids[3:]
+    core.journal.close()

@@ -12,7 +12,15 @@ from typing import Any
 import pytest
 from bcd_agent.dispatch.clock import OffsetClock
 from bcd_agent.dispatch.trust import BundleTrust
-from bcd_agent.journal import CommandFlags, EventClass, Journal, NewCommand, Outcome, WelcomeRefused
+from bcd_agent.journal import (
+    CommandFlags,
+    EventClass,
+    Journal,
+    NewCommand,
+    NewEvent,
+    Outcome,
+    WelcomeRefused,
+)
 from bcd_agent.session import identity as ident
 from bcd_agent.session.backoff import Backoff
 from bcd_agent.session.core import ProtocolViolation, SessionCore
@@ -341,6 +349,105 @@ def test_DLV_RES_08_results_replayed_until_acked(tmp_path: Path, pki: Pki) -> No
     assert core.attach(out.append).hello.unacked_results == []  # type: ignore[union-attr]
 
 
+def test_a_replay_waits_only_before_the_interval_and_the_welcome_and_keeps_the_outboxs_reserve(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Results are replayed once resend_interval_s (10 s) has passed, at exactly 10 s too, and never
+    before the Welcome; each while the outbox has at least its reserve free (EVENT_RESERVE_BYTES), so
+    at exactly the reserve it is sent and a byte under it waits."""
+    from bcd_agent.session.outbox import EVENT_RESERVE_BYTES
+
+    core, out, _rec, mono = make(tmp_path, pki)
+    cid = "01HZZZZZZZZZZZZZZZZZZZZZZZ"
+    _done_command(core.journal, cid)
+    room = [EVENT_RESERVE_BYTES]
+    core.attach(out.append, room=lambda: room[0])
+    mono.t += 60
+    assert not core.resend_due()  # not welcomed yet
+    core.handle(welcome())
+    out.clear()
+    mono.t += 10
+    assert core.resend_due()
+    assert [m.command_update.command_id for m in out if m.command_update] == [cid]
+    out.clear()
+    room[0] = EVENT_RESERVE_BYTES - 1
+    mono.t += 10
+    assert core.resend_due()
+    assert [m for m in out if m.command_update] == []
+
+
+def test_hello_is_the_journals_and_the_nodes_own_and_each_session_is_counted(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Hello names the node, its boot, journal, incarnation, version, role, capabilities, runtimes, the
+    last session epoch and the last event written; each attach starts an unwelcomed, connected session
+    and counts it; each Welcome is counted and its epoch kept; a second Welcome on one session ends it; a
+    refused Welcome's reason is kept for `bcd status`."""
+    journal = Journal.open(tmp_path / "data", boot_id="boot-1")
+    journal.append_events([NewEvent(EventClass.TRANSITION, "t", b"p")] * 3)
+    journal.set_last_epoch(5)
+    rec = Recorder()
+    core = SessionCore(
+        journal=journal,
+        dispatcher=rec,
+        runner=rec,
+        trust=BundleTrust(),
+        clock=OffsetClock(),
+        identity=pki.identity(),
+        data_dir=tmp_path / "data",
+        monotonic=Clock(),
+        persist_identity=False,
+        role=wire.Role.NODE,
+        version="9.9.9",
+        capabilities=("cap-a", "cap-b"),
+        runtimes=("libvirt",),
+    )
+    hello = core.attach([].append).hello
+    assert hello is not None
+    assert (
+        hello.node_id,
+        hello.boot_id,
+        hello.journal_id,
+        hello.incarnation,
+        hello.version,
+        hello.role,
+        hello.capabilities,
+        hello.runtimes,
+        hello.applied_spec_hash,
+        hello.last_session_epoch,
+        hello.last_event_seq,
+    ) == (
+        core.node_id,
+        "boot-1",
+        journal.journal_id,
+        journal.incarnation,
+        "9.9.9",
+        wire.Role.NODE,
+        ["cap-a", "cap-b"],
+        ["libvirt"],
+        "",
+        5,
+        3,
+    )
+    assert journal.journal_id and journal.incarnation
+    st = core.state
+    assert (st.connected, st.welcomed, st.connections, st.hello_sent_monotonic) == (True, False, 1, 1000.0)
+    core.handle(welcome())
+    assert (st.welcomed, st.welcomes, st.epoch, journal.last_epoch) == (True, 1, 7, 7)  # the epoch kept
+    with pytest.raises(ProtocolViolation, match=r"^a second Welcome on one session$"):
+        core.handle(welcome())
+    core.detach()
+    core.attach([].append)
+    assert (st.connected, st.welcomed, st.connections) == (True, False, 2)
+    mark_ms = int(journal.server_time_mark * 1000)
+    with pytest.raises(WelcomeRefused) as refused:
+        core.handle(welcome(mark_ms - 301_000))
+    assert st.last_refusal == str(refused.value) and "before the server time mark" in st.last_refusal
+    core.handle(welcome())
+    assert (st.welcomed, st.welcomes) == (True, 2)
+    journal.close()
+
+
 def test_DLV_EVT_03_04_events_sent_in_batches_and_replayed_until_acked(tmp_path: Path, pki: Pki) -> None:
     core, out, _rec, mono = make(tmp_path, pki)
     for i in range(3):
@@ -381,6 +488,10 @@ def test_DLV_RCV_07_min_generation_request_waits_for_the_welcome(tmp_path: Path,
     assert spec_requests(out) == [(1, wire.SpecRequestReason.MIN_GENERATION)]
     core.request_spec_for_min_generation(1)  # online: at once
     assert spec_requests(out)[-1] == (1, wire.SpecRequestReason.MIN_GENERATION)
+    core.detach()
+    out.clear()
+    connect(core, out)
+    assert spec_requests(out) == []  # the remembered request went with that Welcome, once
 
 
 def test_unusable_stored_spec_is_discarded_when_roots_are_known(tmp_path: Path, pki: Pki) -> None:
@@ -513,6 +624,24 @@ def test_DLV_JRN_11_14_the_mark_is_mirrored_and_a_lost_journal_does_not_reset_it
     # The mark never moves back: the older Welcome did not lower the mirrored one.
     assert ident.load(data).server_time_mark_ms == later_ms
     fresh.journal.close()
+
+
+def test_DLV_JRN_14_every_welcome_mirrors_the_mark_even_a_step_under_a_minute(
+    tmp_path: Path, pki: Pki
+) -> None:
+    """Heartbeats mirror the mark into identity.json only once it moved a minute; a Welcome mirrors it
+    whatever the step, so a mark a heartbeat moved 30 s is in identity.json after the next Welcome."""
+    data = tmp_path / "data"
+    core = _persisting(data, pki)
+    mark_ms = int(time.time() * 1000)
+    connect(core, [], server_ms=mark_ms)
+    core.handle(wire.GatewayMessage(heartbeat=wire.GatewayHeartbeat(server_time=mark_ms + 30_000)))
+    assert ident.load(data).server_time_mark_ms == mark_ms  # 30 s: not yet
+    core.detach()
+    core.attach([].append)
+    core.handle(welcome(mark_ms))
+    assert ident.load(data).server_time_mark_ms == mark_ms + 30_000
+    core.journal.close()
 
 
 def test_DLV_JRN_12_the_mark_never_moves_back(tmp_path: Path, pki: Pki) -> None:
