@@ -229,6 +229,58 @@ class SignedHost:
         return intent(self.cp.command.leaf(), instances_body(SIGNED_NODE, generation, *instances))
 
 
+class LibvirtVm:
+    """An instance the node's libvirt runtime laid out on a signed host's simulated root (its overlay, its
+    seed, the definition it would define: `xml`; nothing run), and that instance as a signed spec gives it:
+    where the libvirt red-team rounds start."""
+
+    GIB = 1 << 30
+    MAC, URL = "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
+
+    def __init__(self, host: SignedHost, ident: str, allocation: str) -> None:
+        from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
+        from bcd_agent.sections.instances.runtimes.base import Prepared
+        from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
+        from bcd_shared.system import CommandResult
+        from bcd_simhost.libvirt import IMAGE_SHA256
+
+        self.host, self.ident, self.allocation, self.sha256 = host, ident, allocation, IMAGE_SHA256
+        kept: list[bytes] = []
+
+        class Keep:  # the runtime's virsh: keeps the definition, runs nothing
+            def read(self, *args: str) -> CommandResult:
+                return CommandResult(args, 0, b"shut off\n")
+
+            def define(self, name: str, xml: bytes, xml_path: str) -> None:
+                kept.append(xml)
+
+            def act(self, verb: str, name: str, *args: str) -> CommandResult:
+                return CommandResult((verb,), 0)
+
+        inst = InstanceSpec(
+            id=ident, allocation_id=allocation, vcpus=2, memory_bytes=self.GIB, disk_bytes=10 * self.GIB,
+            image=Image(self.URL, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", self.MAC),),
+        )  # fmt: skip
+        LibvirtRuntime(sim_system(host.root), Keep(), "/var/lib/bcd", under_helper=True).create(
+            inst, Prepared()
+        )
+        self.xml = kept[-1].decode()
+
+    def spec(self, state: int = 1, runtime: str = "libvirt-kvm") -> wire.InstanceSpec:
+        """The instance in a spec: `state` an InstanceDesiredState number (1 RUNNING, 2 PAUSED, 3 STOPPED)."""
+        return wire.InstanceSpec(
+            id=self.ident, allocation_id=self.allocation, runtime=runtime,
+            desired_state=wire.InstanceDesiredState(state),
+            size=wire.InstanceSize(vcpus=2, memory_bytes=self.GIB, disk_bytes=10 * self.GIB),
+            image=wire.ImageRef(url=self.URL, sha256=self.sha256, format="qcow2"),
+            nics=[wire.Nic(bridge="br0", mac=self.MAC)],
+        )  # fmt: skip
+
+    def signed(self, generation: int, state: int = 1) -> dict[str, Any]:
+        """An `intent`: the spec of this instance alone at `generation`."""
+        return self.host.signed(generation, self.spec(state))
+
+
 def vm_hwm_kib(pid: int) -> int:
     """A process's peak resident memory (VmHWM), in KiB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():

@@ -241,46 +241,15 @@ def test_round6b_a_libvirt_instance_the_signed_spec_stops_is_never_started(signe
     """The same for libvirt: the node defines vm7 under a spec that wants it STOPPED (taken: a stopped
     instance keeps its definition), then `libvirt.start` under that spec is `instance-stopped`; under one
     that wants it RUNNING it starts."""
-    from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
-    from bcd_agent.sections.instances.runtimes.base import Prepared
-    from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
-    from bcd_simhost.libvirt import IMAGE_SHA256
+    from hostilekit import LibvirtVm
 
-    class Keep:
-        xml = b""
-
-        def read(self, *args: str) -> CommandResult:
-            return CommandResult(args, 0, b"shut off\n")
-
-        def define(self, name: str, xml: bytes, xml_path: str) -> None:
-            Keep.xml = xml
-
-        def act(self, verb: str, name: str, *args: str) -> CommandResult:
-            return CommandResult((verb,), 0)
-
-    mac, url = "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
     h = signed_host.start()
-    inst = InstanceSpec(
-        id="vm7", allocation_id="a7", vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB,
-        image=Image(url, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", mac),),
-    )  # fmt: skip
-    LibvirtRuntime(sim_system(signed_host.root), Keep(), "/var/lib/bcd", under_helper=True).create(
-        inst, Prepared()
-    )
-
-    def signed(generation: int, state: int) -> dict[str, Any]:
-        vm7 = wire.InstanceSpec(
-            id="vm7", allocation_id="a7", runtime="libvirt-kvm",
-            desired_state=wire.InstanceDesiredState(state),
-            size=wire.InstanceSize(vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB),
-            image=wire.ImageRef(url=url, sha256=IMAGE_SHA256, format="qcow2"),
-            nics=[wire.Nic(bridge="br0", mac=mac)],
-        )  # fmt: skip
-        return signed_host.signed(generation, vm7)
+    vm = LibvirtVm(signed_host, "vm7", "a7")
+    signed = vm.signed
 
     define = {
         "op": "libvirt.define",
-        "args": {"name": "vm7", "xml": Keep.xml.decode(), "intent": signed(1, 3)},
+        "args": {"name": "vm7", "xml": vm.xml, "intent": signed(1, 3)},
     }
     answer = as_node(h, define)
     assert answer["ok"] is True, answer

@@ -14,28 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from bcd_shared import wire
-from bcd_shared.system import CommandResult
-from bcd_simhost import sim_system
 from bcd_simhost.libvirt import STATE
-from hostilekit import SignedHost, as_node, refused_as_node
+from hostilekit import LibvirtVm, SignedHost, as_node, refused_as_node
 from intentkit import ControlPlane, devices_spec, hold_text, intent
-
-GIB = 1 << 30
-
-
-class _Keep:
-    """The node's libvirt runtime's virsh, keeping the definition it would define (nothing run)."""
-
-    xml = b""
-
-    def read(self, *args: str) -> CommandResult:
-        return CommandResult(args, 0, b"shut off\n")
-
-    def define(self, name: str, xml: bytes, xml_path: str) -> None:
-        _Keep.xml = xml
-
-    def act(self, verb: str, name: str, *args: str) -> CommandResult:
-        return CommandResult((verb,), 0)
 
 
 def _domain_state(root: Path, name: str) -> str:
@@ -49,35 +30,14 @@ def test_round7_a_guest_the_signed_spec_pauses_is_never_started_running(signed_h
     (`libvirt.destroy` takes no spec: stopping is always the node's) and started it again running, or
     saved it (`libvirt.save`) and restored it running: the resume rule bypassed. Now a start or restore
     that is not `paused` needs a spec that wants the instance RUNNING (`instance-not-running`)."""
-    from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
-    from bcd_agent.sections.instances.runtimes.base import Prepared
-    from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
-    from bcd_simhost.libvirt import IMAGE_SHA256
-
-    mac, url = "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
     h = signed_host.start()
-    inst = InstanceSpec(
-        id="vm8", allocation_id="a8", vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB,
-        image=Image(url, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", mac),),
-    )  # fmt: skip
-    LibvirtRuntime(sim_system(signed_host.root), _Keep(), "/var/lib/bcd", under_helper=True).create(
-        inst, Prepared()
-    )
-
-    def signed(generation: int, state: int) -> dict[str, Any]:
-        vm8 = wire.InstanceSpec(
-            id="vm8", allocation_id="a8", runtime="libvirt-kvm",
-            desired_state=wire.InstanceDesiredState(state),
-            size=wire.InstanceSize(vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB),
-            image=wire.ImageRef(url=url, sha256=IMAGE_SHA256, format="qcow2"),
-            nics=[wire.Nic(bridge="br0", mac=mac)],
-        )  # fmt: skip
-        return signed_host.signed(generation, vm8)
+    vm = LibvirtVm(signed_host, "vm8", "a8")
+    signed = vm.signed
 
     def op(name: str, spec: dict[str, Any], **args: Any) -> dict[str, Any]:
         return {"op": name, "args": {"name": "vm8", "intent": spec, **args}}
 
-    answer = as_node(h, op("libvirt.define", signed(1, 1), xml=_Keep.xml.decode()))
+    answer = as_node(h, op("libvirt.define", signed(1, 1), xml=vm.xml))
     assert answer["ok"] is True, answer
     assert as_node(h, op("libvirt.start", signed(1, 1)))["ok"] is True
     # The control plane pauses it (generation 2); the node suspends it, as asked.
@@ -94,7 +54,7 @@ def test_round7_a_guest_the_signed_spec_pauses_is_never_started_running(signed_h
     # Or: save it, then restore it running.
     answer = as_node(h, op("libvirt.save", paused))
     assert answer["ok"] is True, answer
-    xml = _Keep.xml.decode()
+    xml = vm.xml
     restore = op("libvirt.restore", paused, xml=xml)
     refused_as_node(h, restore, "instance-not-running", "root starts it only paused")
     answer = as_node(h, op("libvirt.restore", paused, xml=xml, paused=True))
@@ -112,32 +72,11 @@ def test_round7_a_generation_a_resume_acted_on_is_the_floor(signed_host: SignedH
     first saw (and acted on) in a resume did not become the floor, so the older spec was taken again
     afterwards (here by the next resume; any signed op alike). Now the state is written before the
     resume, as every other signed op writes it (`stale-generation`)."""
-    from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
-    from bcd_agent.sections.instances.runtimes.base import Prepared
-    from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
-    from bcd_simhost.libvirt import IMAGE_SHA256
-
-    mac, url = "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
     h = signed_host.start()
-    inst = InstanceSpec(
-        id="vm9", allocation_id="a9", vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB,
-        image=Image(url, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", mac),),
-    )  # fmt: skip
-    LibvirtRuntime(sim_system(signed_host.root), _Keep(), "/var/lib/bcd", under_helper=True).create(
-        inst, Prepared()
-    )
+    vm = LibvirtVm(signed_host, "vm9", "a9")
+    signed = vm.signed
 
-    def signed(generation: int) -> dict[str, Any]:
-        vm9 = wire.InstanceSpec(
-            id="vm9", allocation_id="a9", runtime="libvirt-kvm",
-            desired_state=wire.InstanceDesiredState(1),
-            size=wire.InstanceSize(vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB),
-            image=wire.ImageRef(url=url, sha256=IMAGE_SHA256, format="qcow2"),
-            nics=[wire.Nic(bridge="br0", mac=mac)],
-        )  # fmt: skip
-        return signed_host.signed(generation, vm9)
-
-    define = {"op": "libvirt.define", "args": {"name": "vm9", "xml": _Keep.xml.decode(), "intent": signed(1)}}
+    define = {"op": "libvirt.define", "args": {"name": "vm9", "xml": vm.xml, "intent": signed(1)}}
     assert as_node(h, define)["ok"] is True
     assert as_node(h, {"op": "libvirt.start", "args": {"name": "vm9", "intent": signed(1)}})["ok"] is True
     suspend = {"op": "libvirt.suspend", "args": {"name": "vm9"}}
@@ -158,36 +97,19 @@ def test_round7_an_instance_runs_only_under_the_runtime_the_signed_spec_gives_it
     the same names: the tap-name rule sees one id, no collision), and one the spec gives libvirt was
     launched by a VMM. Now every libvirt.* and ch.* op checked against the spec needs the spec's runtime
     to be its own (`spec-mismatch`, naming the runtime)."""
-    from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
-    from bcd_agent.sections.instances.runtimes.base import Prepared
-    from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
     from bcd_shared.chunit import VMM_UID_BASE
     from bcd_simhost.chapi import lay_out_instance
-    from bcd_simhost.libvirt import IMAGE_SHA256
     from hostilekit import NODE_UID, ch_instance
 
-    mac, url = "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
     lay_out_instance(signed_host.root, "vm11", NODE_UID, VMM_UID_BASE + 11)
     h = signed_host.start()
-    inst = InstanceSpec(
-        id="vm10", allocation_id="a10", vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB,
-        image=Image(url, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", mac),),
-    )  # fmt: skip
-    LibvirtRuntime(sim_system(signed_host.root), _Keep(), "/var/lib/bcd", under_helper=True).create(
-        inst, Prepared()
-    )
+    vm = LibvirtVm(signed_host, "vm10", "a10")
 
     def vm10(runtime: str) -> wire.InstanceSpec:
-        return wire.InstanceSpec(
-            id="vm10", allocation_id="a10", runtime=runtime,
-            desired_state=wire.InstanceDesiredState(1),
-            size=wire.InstanceSize(vcpus=2, memory_bytes=GIB, disk_bytes=10 * GIB),
-            image=wire.ImageRef(url=url, sha256=IMAGE_SHA256, format="qcow2"),
-            nics=[wire.Nic(bridge="br0", mac=mac)],
-        )  # fmt: skip
+        return vm.spec(runtime=runtime)
 
     ch_spec = signed_host.signed(1, vm10("cloud-hypervisor"), ch_instance("vm11", runtime="libvirt-kvm"))
-    define = {"op": "libvirt.define", "args": {"name": "vm10", "xml": _Keep.xml.decode(), "intent": ch_spec}}
+    define = {"op": "libvirt.define", "args": {"name": "vm10", "xml": vm.xml, "intent": ch_spec}}
     refused_as_node(h, define, "spec-mismatch", "runs it under 'cloud-hypervisor', not libvirt-kvm")
     for op in ("ch.launch", "ch.vfio"):
         launch = {"op": op, "args": {"name": "vm11", "intent": ch_spec}}
