@@ -69,15 +69,9 @@ def parse_version_00(value: object) -> TraceContext | None:
     """`value`'s context when it is exactly a valid version-00 `traceparent` (a str of 55 characters,
     lower-case hex, neither id all zeros), else None: the strict form the helper takes, and the only one
     `header` writes."""
-    if type(value) is not str or len(value) != VERSION_00_LENGTH:
+    if type(value) is not str or len(value) != VERSION_00_LENGTH or not value.startswith("00-"):
         return None
-    match = _VERSION_00.match(value)
-    if match is None:
-        return None
-    trace_id, parent_id, flags = match.groups()
-    if trace_id == "0" * 32 or parent_id == "0" * 16:
-        return None
-    return TraceContext(trace_id, parent_id, int(flags, 16))
+    return parse(value)  # a 55-character "00-" value is taken only in version 00's exact form
 
 
 def header(ctx: TraceContext) -> str:

@@ -590,9 +590,6 @@ def libvirt_resume(call: Call, req: LibvirtResume) -> dict[str, Any]:
     return {"name": name}
 
 
-_undefine = _simple("undefine")
-
-
 def libvirt_undefine(call: Call, req: LibvirtName) -> dict[str, Any]:
     """Undefine a domain that is not running, then drop root's staged copy of the definition. libvirt
     undefines a running or paused domain too, which keeps running as a transient one: its staged copy
@@ -607,12 +604,14 @@ def libvirt_undefine(call: Call, req: LibvirtName) -> dict[str, Any]:
             f"{op}: {name} is running or paused: libvirt would keep it running as a transient domain "
             "whose taps root no longer records; destroy it first",
         )
-    result = _undefine(call, req)
+    result = _virsh(call, "undefine", name)  # the domain was read above: not a second dumpxml
+    if not result.ok:
+        raise Failed("virsh", f"virsh undefine {name}: {_err(result)}")
     try:
-        call.system.remove(f"{STAGE_DIR}/{req.name}.xml")
+        call.system.remove(f"{STAGE_DIR}/{name}.xml")
     except _ROOT_ONLY as exc:
         raise Refused("root-only", str(exc)) from None
-    return dict(result)
+    return {"name": name}
 
 
 def libvirt_blockresize(call: Call, req: LibvirtBlockresize) -> dict[str, Any]:
