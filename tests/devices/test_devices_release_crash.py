@@ -154,6 +154,16 @@ class Node:
         assert keys == {}, f"journal keys left after the pass: {keys}"
         return out
 
+    def interrupted(self, first: DevicesSpec, spec: DevicesSpec, point: tuple[str, int]) -> None:
+        """Converge `first`, die at `point` (the crash point, the ledger write) in a pass of `spec`, then
+        converge `spec` in the next life."""
+        with self.life() as host:
+            converged(host, first)
+        with self.life(*point) as host:
+            crash(host, spec)
+        with self.life() as host:
+            converged(host, spec)
+
 
 def converged(host: Host, spec: DevicesSpec) -> None:
     assert host.run(spec).state is SectionState.CONVERGED
@@ -282,14 +292,9 @@ def test_Q_DEV_EVT_02_a_bind_after_a_release_a_crash_interrupts_is_reported_once
     each point of b's bind. After the restart: one AllocationReleased of a, then one AllocationBound
     of b, both at 2."""
     node = Node(sim_root)
-    with node.life() as host:
-        converged(host, DevicesSpec(1, (hold("a", G0),)))
-    at, nth = MOVED_BIND_POINTS[point]
-    moved = DevicesSpec(2, (hold("b", G0),))
-    with node.life(at, nth) as host:
-        crash(host, moved)
-    with node.life() as host:
-        converged(host, moved)
+    node.interrupted(
+        DevicesSpec(1, (hold("a", G0),)), DevicesSpec(2, (hold("b", G0),)), MOVED_BIND_POINTS[point]
+    )
     assert node.reports() == [
         ("AllocationBound", "a", 1),
         ("AllocationReleased", "a", 2),
@@ -313,14 +318,9 @@ def test_Q_DEV_EVT_02_an_allocation_released_and_bound_again_in_one_pass_reports
     journal holds a's AllocationReleased at 2 once, then its AllocationBound at 2 once: the bound key
     (allocation and generation) neither suppresses the new bind nor lets it out twice."""
     node = Node(sim_root)
-    with node.life() as host:
-        converged(host, DevicesSpec(1, (hold("a", G0),)))
-    at, nth = SAME_ALLOCATION_POINTS[point]
-    moved = DevicesSpec(2, (hold("a", G1),))
-    with node.life(at, nth) as host:
-        crash(host, moved)
-    with node.life() as host:
-        converged(host, moved)
+    node.interrupted(
+        DevicesSpec(1, (hold("a", G0),)), DevicesSpec(2, (hold("a", G1),)), SAME_ALLOCATION_POINTS[point]
+    )
     assert node.reports() == [
         ("AllocationBound", "a", 1),
         ("AllocationReleased", "a", 2),
@@ -348,16 +348,10 @@ def test_Q_DEV_PASS_01_Q_DEV_EVT_02_a_rebind_a_crash_interrupts_is_reported_exac
     key (not the first bind's): after a crash at any point of it, exactly one AllocationBound per
     generation and no AllocationReleased."""
     node = Node(sim_root)
-    with node.life() as host:
-        converged(host, DevicesSpec(1, (hold("a", G0),)))
     grown = DevicesSpec(
         2, (DeviceAssignment("a", "rsv_a", BINDING_HOLD, (DeviceRef(G0, "gpu"), DeviceRef(G1, "gpu"))),)
     )
-    at, nth = REBIND_POINTS[point]
-    with node.life(at, nth) as host:
-        crash(host, grown)
-    with node.life() as host:
-        converged(host, grown)
+    node.interrupted(DevicesSpec(1, (hold("a", G0),)), grown, REBIND_POINTS[point])
     assert node.reports() == [("AllocationBound", "a", 1), ("AllocationBound", "a", 2)]
 
 
