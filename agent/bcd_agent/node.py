@@ -218,11 +218,7 @@ class Node:
             instances = self._instances_section(system, trio_token)
             if instances is not None:
                 # The devices section's VFIO conflict: GPUs the instances pass through (DEV-PASS).
-                devices.vfio = lambda: instances.vfio(
-                    self.runner.spec.payload("instances")
-                    if self.runner is not None and self.runner.spec
-                    else None
-                )
+                devices.vfio = self._vfio
                 # Host admission both ways (DEV-ADM-05, DEV-ADM-17, DLV-ADM-07): holds count the domains'
                 # committed memory, and starts count the holds' bookings (a Kubernetes hold's from the spec).
                 devices.domains_committed_bytes = instances.committed_bytes
@@ -901,8 +897,7 @@ class Node:
         if instances is not None:
             # GPU uuid -> instance: `bcd status` shows a GPU passed through to a VM as held by it (no CDI
             # file names it); the same map the devices section refuses holds on (DEV-PASS).
-            spec = runner.spec if runner is not None else None
-            out["passthrough"] = instances.vfio(spec.payload("instances") if spec else None)
+            out["passthrough"] = self._vfio()
         return out
 
     async def _start_tail(self) -> None:
