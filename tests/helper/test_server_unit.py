@@ -14,6 +14,7 @@ import array
 import contextlib
 import json
 import os
+import select
 import socket
 import struct
 import sys
@@ -1730,3 +1731,84 @@ def test_a_valid_trace_of_any_flags_is_taken(ctx: HelperContext, node_conn: Conn
     for flags in ("00", "ff", "0a"):
         assert node_conn.answer({"op": "helper.ping", "args": {}, "trace": TRACED[:-2] + flags})["ok"] is True
         assert last(ctx)["trace_id"] == TRACE_ID
+
+
+class _Clock:
+    """server.time stood in for by a clock that moves 50 us at each reading (no real time is measured)."""
+
+    def __init__(self) -> None:
+        self.now = 0
+        self.reads = 0
+
+    def monotonic_ns(self) -> int:
+        self.reads += 1
+        self.now += 50_000
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+def test_after_an_answer_a_connection_polls_for_its_next_request_until_the_spin_ends(
+    monkeypatch: pytest.MonkeyPatch, conn: Connection, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """The ratio work, round 11: with nothing sent, `_await_next` polls until NEXT_REQUEST_SPIN_NS is past
+    (by the clock), then leaves the sleeping read to read_request; the spinner is free again after."""
+    clock = _Clock()
+    monkeypatch.setattr(server, "time", clock)
+    polls: list[int] = []
+    real_poll = select.poll
+
+    class CountingPoll:
+        def __init__(self) -> None:
+            self.inner = real_poll()
+
+        def register(self, fd: int, events: int) -> None:
+            self.inner.register(fd, events)
+
+        def poll(self, timeout: int) -> list[tuple[int, int]]:
+            polls.append(timeout)
+            return self.inner.poll(timeout)
+
+    monkeypatch.setattr(server.select, "poll", CountingPoll)
+    conn._await_next()
+    spin = server.NEXT_REQUEST_SPIN_NS // 50_000
+    assert polls == [0] * spin  # never a poll that sleeps; stops when the clock passes the end
+    assert clock.reads == spin + 1
+    assert conn.guards.spinner.acquire(blocking=False)
+    conn.guards.spinner.release()
+    polls.clear()
+    pair[0].sendall(encode_frame({"op": "x", "args": {}}))
+    conn._await_next()
+    assert polls == [0]  # the request is there: the first poll sees it
+    assert conn.read_request() == {"op": "x", "args": {}}
+
+
+def test_one_connection_polls_at_a_time_and_none_with_bytes_already_read(
+    monkeypatch: pytest.MonkeyPatch, conn: Connection, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """A flood of connections burns one thread's polling at most: while another connection holds the
+    spinner, `_await_next` returns at once (no clock read, no poll); so does a connection holding read-ahead
+    bytes of its next frame (they are its next request)."""
+    clock = _Clock()
+    monkeypatch.setattr(server, "time", clock)
+    with conn.guards.spinner:
+        conn._await_next()
+    assert clock.reads == 0 and conn._poll is None
+    conn.buffer += b"\0"
+    conn._await_next()
+    assert clock.reads == 0 and conn._poll is None
+
+
+def test_the_serving_loop_polls_only_between_requests(
+    monkeypatch: pytest.MonkeyPatch, conn: Connection, pair: tuple[socket.socket, socket.socket]
+) -> None:
+    """Not before the first request (a new connection has nothing to be quick for), then once after each."""
+    calls: list[int] = []
+    monkeypatch.setattr(Connection, "_await_next", lambda self: calls.append(self.requests))
+    a = pair[0]
+    a.sendall(encode_frame({"op": "helper.ping", "args": {}}) * 2)
+    a.shutdown(socket.SHUT_WR)
+    conn.serve()
+    assert calls == [1, 2]
+    assert [read_frame(a)["ok"] for _ in range(2)] == [True, True]
