@@ -47,7 +47,7 @@ from bcd_shared.wire.strict import WireError
 from bcd_agent.converge.status import StatusCell
 from bcd_agent.converge.types import DesiredSpec, NodeStatus
 from bcd_agent.dispatch.clock import OffsetClock
-from bcd_agent.dispatch.command import CommandUpdate, InvalidCommand, RejectReason
+from bcd_agent.dispatch.command import CommandUpdate, InvalidCommand, RejectReason, envelope_sha256
 from bcd_agent.dispatch.ports import ResultSigner
 from bcd_agent.dispatch.results import update_from_entry
 from bcd_agent.dispatch.trust import BundleTrust
@@ -58,6 +58,7 @@ from bcd_agent.journal import (
     CommandFlags,
     DataDirFull,
     Journal,
+    JournalFull,
     NewCommand,
     WelcomeRefused,
 )
@@ -529,20 +530,29 @@ class SessionCore:
             flush = getattr(type(self.dispatcher), "flush_admissions", None)
             if flush is not None:
                 flush(self.dispatcher)  # a valid command of this batch under the same id is journaled first
-            self._refuse_invalid(exc, bytes(command.body), bytes(command.signature))
+            self._refuse_invalid(exc, command)
             return
         self.dispatcher.deliver(envelope)  # type: ignore[attr-defined]
 
-    def _refuse_invalid(self, exc: InvalidCommand, body: bytes, signature: bytes) -> None:
+    def _refuse_invalid(self, exc: InvalidCommand, command: wire.Command) -> None:
         log.warning("session: command refused: %s", exc)
         if not exc.command_id:
             return  # nothing to report against; the gateway's sweeper times it out
-        res = self.journal.resolve(exc.command_id)
+        # With command-signing roots nothing verified this envelope: its refusal answers it alone, so a
+        # body that does not even convert cannot take a signed command's id (Dispatcher._judged_on).
+        digest = b""
+        if self.trust.has_command_roots():
+            digest = envelope_sha256(bytes(command.body), bytes(command.signature), command.signer_chain)
+        res = self.journal.resolve(exc.command_id, digest or None)
         if res.action is Action.NONE:
-            entry = self.journal.reject(
-                NewCommand(id=exc.command_id, kind="", flags=CommandFlags(), body=body, signature=signature),
-                RejectReason.UNSUPPORTED.value,
-            )
+            try:
+                entry = self.journal.reject(
+                    NewCommand(id=exc.command_id, kind="", flags=CommandFlags()),
+                    RejectReason.UNSUPPORTED.value,
+                    envelope_sha256=digest,
+                )
+            except JournalFull:  # RefusalsFull: not journaled, answered when redelivered
+                return
         elif res.action is Action.DONE and res.entry is not None:
             entry = res.entry
         else:
