@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 from bcd_agent.dispatch.trust import NodeResultSigner
 from bcd_agent.kinds.testing import effect_payload
+from bcd_agent.session import identity as ident
 from bcd_shared import wire
 from bcd_shared.pki.signing import Purpose
 from session.test_hostile_gateway import _forged, _journal_bytes, _mutations, _node, _signed, _ulid, _Watch
-from session.test_session_core import NODE, Pki, connect
+from session.test_session_core import NODE, Pki, _persisting, connect, spec_requests
 
 MINUTE_MS = 60_000
 DAY_MS = 86400 * 1000
@@ -78,7 +79,7 @@ async def test_a_forged_body_under_a_signed_commands_id_cannot_make_the_node_ref
     tmp_path: Path, forgery: str, reason: str
 ) -> None:
     """A gateway sends a body of its own making under a signed command's id first. Before the fix the
-    journaled refusal bound the id (DLV-CMD-03): the signed command that followed was answered as a
+    journaled refusal bound the id: the signed command that followed was answered as a
     duplicate with the forged body's refusal and never ran, also later through an honest gateway. A refusal
     of an envelope whose signature does not verify now answers that envelope alone: the same bytes again
     get the same answer (DLV-ACK-17), and the signed command under the id is judged on its own and runs;
@@ -196,7 +197,7 @@ async def test_refusals_a_gateway_never_acks_are_bounded_then_answered_busy_and_
     """Each refused command is journaled (DLV-ACK-17) and replayed until acked; before the fix a gateway
     that never acks grew the journal by a row per forged command, without bound. Rows on the gateway's
     word alone are now bounded (`max_refused`, lowered here): past it, the oldest acked ones go, and with
-    none acked a new refusal is answered BUSY and not journaled (DLV-ACK-14/15, DLV-JRN-21), so no
+    none acked a new refusal is answered BUSY and not journaled (DLV-ACK-15), so no
     unacked result is ever lost. A signed command is still accepted and run meanwhile, and the count
     holds across a restart."""
     cap = 40
@@ -233,9 +234,9 @@ async def test_refusals_a_gateway_never_acks_are_bounded_then_answered_busy_and_
 
 
 async def test_cancels_of_ids_never_seen_are_bounded_and_none_unacked_is_lost(tmp_path: Path) -> None:
-    """A Cancel of a command never seen is journaled CANCELLED at once (Q-DLV-CAN-01), one row per id the
+    """A Cancel of a command never seen is journaled CANCELLED at once (docs/dispatch.md), one row per id the
     gateway makes up; before the fix without bound. They count with the refusals: past the bound with none
-    acked a Cancel is not journaled (the gateway repeats it after a reconnect, DLV-CAN-02)."""
+    acked a Cancel is not journaled (the gateway repeats it after a reconnect)."""
     cap = 30
     pki = Pki()
     data = tmp_path / "data"
@@ -274,3 +275,34 @@ async def test_a_cancelled_deferred_body_is_not_kept_so_parked_bodies_cannot_fil
         assert _journal_bytes(data) - before < 1024 * 1024  # 20 bodies would be 5 MiB
         entry = core.journal.get_command(_ulid(0))
         assert entry is not None and entry.body == b""
+
+
+def test_a_lost_journal_does_not_let_a_gateway_roll_the_spec_back_to_an_older_signed_generation(
+    tmp_path: Path,
+) -> None:
+    """A gateway keeps every signed spec it relayed. The journal holds the applied generation, and an older
+    one is ignored (DLV-RCV-14); but once the journal is lost (moved aside: a new one asks NO_SPEC), before
+    the fix any older signed generation was taken, so the gateway could roll the node back, e.g. to an
+    access section that still trusted a revoked CA, for as long as the old worker certificate is valid.
+    The applied generation is mirrored into identity.json, as the server time mark is, and a generation
+    below it is ignored after a lost journal too; the current generation itself is taken again."""
+    pki = Pki()
+    data = tmp_path / "data"
+    core = _persisting(data, pki)
+    connect(core, [], bundle=pki.bundle())
+    old, current = pki.spec(5), pki.spec(9)
+    core.handle(wire.GatewayMessage(desired_state=old))
+    core.handle(wire.GatewayMessage(desired_state=current))
+    assert core.journal.applied_generation == 9
+    core.journal.close()
+    for f in data.glob("journal.db*"):
+        f.unlink()  # lost (as after a move aside): a new journal, no spec
+    again = _persisting(data, pki, identity=ident.load(data))
+    out: list[wire.NodeMessage] = []
+    connect(again, out, bundle=pki.bundle())
+    assert spec_requests(out) == [(0, wire.SpecRequestReason.NO_SPEC)]
+    again.handle(wire.GatewayMessage(desired_state=old))
+    assert again.journal.applied_generation == 0
+    again.handle(wire.GatewayMessage(desired_state=current))
+    assert again.journal.applied_generation == 9
+    again.journal.close()

@@ -481,6 +481,7 @@ class SessionCore:
             trust=self.trust.bundle,
             now=self.clock.server_now(),
             cache=self._chain_cache,
+            floor=self.identity.applied_generation_mark,
         )
         if isinstance(verdict, specmod.Ignored):
             self._ignored_log.log(self.monotonic(), "session: spec ignored: %s", verdict.reason)
@@ -500,6 +501,10 @@ class SessionCore:
         else:
             # Durable before effect: the journal holds the spec before the runner acts on it.
             self.journal.store_spec(verdict.stored)
+            # Mirrored like the server time mark: a lost journal must not reopen older generations.
+            raised = ident.with_generation(self.identity, verdict.stored.generation)
+            if raised is not self.identity:
+                self._save_identity(raised)
             if verdict.sets_host:
                 self._write_host_intent(verdict)
             self.runner.set_spec(verdict.spec)  # type: ignore[attr-defined]
