@@ -1,7 +1,8 @@
 """Hostile gateway, round 2 (docs/session.md): a compromised gateway holds the TLS session but no signing
 key. As in round 1 each test drives the real SessionCore, Dispatcher and journal in process with what
 such a gateway can send; here: forged bodies under a signed command's id, refusals and cancels it never
-acks, bodies it parks and cancels, and a signed command it gets refused and replays after the sweep."""
+acks, bodies it parks and cancels, a signed command it gets refused and replays after the sweep, and
+older signed specs it kept, after the journal is lost."""
 
 from __future__ import annotations
 
