@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+from bcd_agent.dispatch.dispatcher import Dispatcher
 from bcd_agent.dispatch.trust import NodeResultSigner
 from bcd_agent.kinds.testing import effect_payload
 from bcd_agent.session import identity as ident
@@ -102,7 +103,19 @@ async def test_a_forged_body_under_a_signed_commands_id_cannot_make_the_node_ref
         assert _states(out, _ulid(7)) == [(wire.CommandState.REJECTED, reason)]
         core.handle_batch([wire.GatewayMessage(command=forged)])  # the same bytes: the same answer
         assert _states(out, _ulid(7)) == [(wire.CommandState.REJECTED, reason)] * 2
+        # Another forged envelope under the id is judged afresh, refused, and answered with the stored
+        # refusal (one row, one refusal counted in the node's metrics).
+        other = wire.Command(
+            body=bytes(forged.body), signature=b"\x00" * 64, signer_chain=forged.signer_chain
+        )
+        core.handle_batch([wire.GatewayMessage(command=other)])
+        assert _states(out, _ulid(7)) == [(wire.CommandState.REJECTED, reason)] * 3
         assert len(core.journal.unacked_results()) == 1
+        dispatcher = core.dispatcher
+        assert isinstance(dispatcher, Dispatcher)
+        assert (
+            sum(n for (_, outcome), n in dispatcher.outcomes.snapshot().items() if outcome == "rejected") == 1
+        )
         core.handle_batch([good])
         await out.succeeded(_ulid(7))
         assert len(_effects(data)) == 1

@@ -592,7 +592,10 @@ class Dispatcher:
             except JournalFull as exc:  # RefusalsFull: unacked refusals fill their bound
                 self._busy(cmd, str(exc))
                 return
-            self._send_new(entry)
+            if digest and entry.envelope_sha256 not in (b"", digest):
+                self._send_entry(entry)  # another envelope's stored refusal: counted when journaled
+            else:
+                self._send_new(entry)
             return
         if isinstance(verdict, Defer):
             if len(self._deferred) >= self._max_deferred:
