@@ -320,3 +320,35 @@ def test_a_lost_journal_does_not_let_a_gateway_roll_the_spec_back_to_an_older_si
     again.handle(wire.GatewayMessage(desired_state=current))
     assert again.journal.applied_generation == 9
     again.journal.close()
+
+
+def test_an_ack_above_every_event_seq_the_node_sent_does_not_restart_its_journal(tmp_path: Path) -> None:
+    """An Ack of an event seq above anything the journal issued is how a lost journal tail shows at run
+    time: the journal restarts its events under a new journal_id, and the next gateway fails the node's
+    non-retry-safe in-flight commands `journal-lost`. Before the fix a gateway could send that Ack at will
+    and get both. The event mark (written before any seq leaves) covers every seq this node sent; an Ack
+    above it is refused as a protocol violation (the connection ends) and the journal_id stays. Without a
+    mark for the journal (it was lost too) the Ack is still believed (test_session_backlog.py)."""
+    from bcd_agent.journal import EventClass
+    from bcd_agent.session.core import ProtocolViolation
+
+    pki = Pki()
+    data = tmp_path / "data"
+    core = _persisting(data, pki)
+    for i in range(3):
+        core.journal.append_event(EventClass.RESULT, "allocation.bound", b"e%d" % i)
+    out: list[wire.NodeMessage] = []
+    connect(core, out, bundle=pki.bundle())
+    sent = [e.seq for m in out if m.event_batch is not None for e in m.event_batch.events]
+    assert sent == [1, 2, 3]
+    journal_id = core.journal.journal_id
+    with pytest.raises(ProtocolViolation, match="above the highest this node sent"):
+        core.handle(wire.GatewayMessage(ack=wire.Ack(journal_id=journal_id, event_seq=1000)))
+    assert core.journal.journal_id == journal_id and core.state.journal_restarts == 0
+    core.journal.close()
+    again = _persisting(data, pki, identity=ident.load(data))  # after a restart, from the mark file
+    connect(again, [], bundle=pki.bundle())
+    with pytest.raises(ProtocolViolation):
+        again.handle(wire.GatewayMessage(ack=wire.Ack(journal_id=journal_id, event_seq=4)))
+    assert again.journal.journal_id == journal_id
+    again.journal.close()

@@ -219,6 +219,9 @@ class SessionCore:
         self._sent_conditions_version = 0
         self._event_mark = event_mark
         self._mark_seq = 0
+        # The mark covers every seq sent under this journal_id: read at start for it, or the journal is
+        # new (nothing sent yet). Then an Ack above the mark is a lie, not a lost tail (round 2).
+        self._mark_complete = False
         self._spec_retry = False
         self._batching = False  # inside handle_batch: result acks ride with the batch's transaction
         self._refused_log = _RepeatLog(logging.ERROR)
@@ -579,6 +582,14 @@ class SessionCore:
         if ack.journal_id:
             issued = self.journal.next_event_seq - 1
             if ack.journal_id == self.journal.journal_id and ack.event_seq > issued:
+                if self._mark_complete and ack.event_seq > self._mark_seq:
+                    # Never sent (the mark is written before a seq leaves): a gateway's lie, not a lost
+                    # tail. Believed, it would give the journal a new journal_id, and the next honest
+                    # gateway would fail the node's in-flight commands `journal-lost` (DLV-REC-16).
+                    raise ProtocolViolation(
+                        f"the gateway acked event seq {ack.event_seq} of journal {ack.journal_id}, above the"
+                        f" highest this node sent ({self._mark_seq}): ignored, the connection ends"
+                    )
                 self._restart_events(
                     f"the gateway acked event seq {ack.event_seq} of journal {ack.journal_id}, above the"
                     f" highest this journal holds ({issued}): the journal lost its tail"
@@ -599,6 +610,8 @@ class SessionCore:
         """At start: the event mark says this journal_id sent seqs the journal no longer holds."""
         if not self._event_mark:
             return
+        # A journal created by this open has sent nothing under its journal_id.
+        self._mark_complete = self.journal.report.created
         try:
             doc = json.loads(self._mark_path().read_text())
             mark_id, mark_seq = str(doc["journal_id"]), int(doc["sent_seq"])
@@ -610,6 +623,7 @@ class SessionCore:
         if mark_id != self.journal.journal_id:
             return
         self._mark_seq = mark_seq
+        self._mark_complete = True
         if mark_seq >= self.journal.next_event_seq:
             self._restart_events(
                 f"event seq {mark_seq} of journal {mark_id} was sent to the gateway, but the journal's next"
@@ -623,6 +637,7 @@ class SessionCore:
         self.state.journal_restarts += 1
         self._sent_event_seq = 0
         self._mark_seq = 0
+        self._mark_complete = self._event_mark  # nothing sent under the new journal_id yet
         log.error("session: %s; events continue under the new journal_id %s (was %s)", why, new, old)
         self.conditions.raise_(JOURNAL_TAIL_LOST, "EventSeqAhead", why, self.monotonic())
 
