@@ -126,6 +126,8 @@ async def join(
             _write_record(Path(root), data, identity.pin)
         if old is not None:
             identity = ident.with_mark(identity, old.server_time_mark_ms)
+            if old.node_id == identity.node_id:  # a new node id starts its generations over
+                identity = ident.with_generation(identity, old.applied_generation_mark)
         if reset and path.exists():
             stamp = _stamp(Path(config.data_dir))
             _link_aside(path, stamp)

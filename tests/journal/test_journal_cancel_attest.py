@@ -44,7 +44,8 @@ def test_DLV_CAN_04_07_cancel_new_journals_cancelled_in_one_write(tmp_path: Path
         "operator",
         "b1",
     )
-    assert (entry.kind, entry.body, entry.signature) == ("gpu.reset", b"body:u", b"sig:u")
+    # No body kept: the command never ran, and a deferred body was never verified (hostile gateway, round 2).
+    assert (entry.kind, entry.body, entry.signature) == ("gpu.reset", b"", b"")
     assert j.get_command("u") == entry
     copy = crash_copy(j, tmp_path / "crashed")
     with Journal.open(copy, boot_id="b2", clock=clock) as k:
@@ -183,7 +184,8 @@ def test_DLV_RES_04_05_result_messages_are_journaled(tmp_path: Path) -> None:
 
 
 def test_schema_1_journal_is_migrated_in_place(tmp_path: Path) -> None:
-    """A version-1 journal (no attestation column) keeps its journal_id, commands and events."""
+    """A version-1 journal (no attestation column) keeps its journal_id, commands and events; it is taken
+    through version 2 to 3 (envelope_sha256) in one migration."""
     data = tmp_path / "d"
     with Journal.open(data, boot_id="b1") as j:
         jid = j.journal_id
@@ -194,6 +196,7 @@ def test_schema_1_journal_is_migrated_in_place(tmp_path: Path) -> None:
     conn = sqlite3.connect(data / "journal.db")
     conn.execute("ALTER TABLE commands DROP COLUMN attestation")
     conn.execute("ALTER TABLE commands DROP COLUMN message")
+    conn.execute("ALTER TABLE commands DROP COLUMN envelope_sha256")
     conn.execute("UPDATE schema_version SET version = 1")
     conn.commit()
     conn.close()
@@ -204,6 +207,7 @@ def test_schema_1_journal_is_migrated_in_place(tmp_path: Path) -> None:
         done = j.get_command("done")
         assert done is not None and done.result is not None and done.result.body == b"r"
         assert (done.result.attestation, done.result.message) == (b"", "")
+        assert done.binds and done.envelope_sha256 == b""
         (settled,) = j.recover()
         assert settled.id == "a" and settled.result is not None and settled.result.code == "interrupted"
     conn = sqlite3.connect(data / "journal.db")

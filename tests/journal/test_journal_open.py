@@ -246,6 +246,7 @@ def test_the_on_disk_format_is_the_documented_one(tmp_path: Path) -> None:
         j.accept_command(cmd("bad"))
         j.complete("bad", Outcome.FAILED, code="internal")
         j.reject(cmd("rej"), "EXPIRED")
+        j.reject(cmd("rjx"), "BAD_SIGNATURE", envelope_sha256=b"\x01" * 32)
         j.cancel_new(cmd("can"), "operator")
         j.append_events(
             [
@@ -268,20 +269,22 @@ def test_the_on_disk_format_is_the_documented_one(tmp_path: Path) -> None:
         "applied_generation": 9,
     }
     rows = conn.execute(
-        "SELECT id, retry_safe, self_terminating, attested, state, outcome, code, result, message, acked"
-        " FROM commands ORDER BY id"
+        "SELECT id, retry_safe, self_terminating, attested, state, outcome, code, result, message, acked,"
+        " envelope_sha256 FROM commands ORDER BY id"
     ).fetchall()
     assert rows == [
-        ("acc", 1, 0, 0, "accepted", None, None, None, None, 0),
-        ("bad", 1, 0, 0, "done", "failed", "internal", b"", "", 0),
-        ("can", 1, 0, 0, "cancelled", "cancelled", "operator", b"", "", 0),
-        ("ok", 1, 0, 0, "done", "succeeded", "", b"res", "fine", 0),
-        ("rej", 1, 0, 0, "rejected", "rejected", "EXPIRED", b"", "", 0),
-        ("run", 0, 1, 1, "running", None, None, None, None, 0),
+        ("acc", 1, 0, 0, "accepted", None, None, None, None, 0, None),
+        ("bad", 1, 0, 0, "done", "failed", "internal", b"", "", 0, None),
+        ("can", 1, 0, 0, "cancelled", "cancelled", "operator", b"", "", 0, None),
+        ("ok", 1, 0, 0, "done", "succeeded", "", b"res", "fine", 0, None),
+        ("rej", 1, 0, 0, "rejected", "rejected", "EXPIRED", b"", "", 0, None),
+        # A refusal of an envelope nobody signed: flags cleared (no node signature), its digest kept.
+        ("rjx", 0, 0, 0, "rejected", "rejected", "BAD_SIGNATURE", b"", "", 0, b"\x01" * 32),
+        ("run", 0, 1, 1, "running", None, None, None, None, 0, None),
     ]
     events = conn.execute("SELECT seq, class, type, payload, size, created_at FROM events").fetchall()
     assert events == [(1, 0, "m", b"1", 2, T0), (2, 1, "t", b"22", 3, T0), (3, 2, "res", b"333", 6, T0)]
-    assert conn.execute("SELECT version FROM schema_version").fetchall() == [(2,)]
+    assert conn.execute("SELECT version FROM schema_version").fetchall() == [(3,)]
     assert conn.execute("SELECT one, generation, body, spec_hash, signature FROM spec").fetchall() == [
         (1, 9, b"spec", "h", b"s")
     ]
@@ -310,10 +313,10 @@ def test_a_missing_table_is_moved_aside(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("statements", "shown"),
     [
-        (["UPDATE schema_version SET version = 3"], "[(3,)]"),
+        (["UPDATE schema_version SET version = 4"], "[(4,)]"),
         (["UPDATE schema_version SET version = 0"], "[(0,)]"),
         (["UPDATE schema_version SET version = '1x'"], "[('1x',)]"),
-        (["INSERT INTO schema_version VALUES (2)"], "[(2,), (2,)]"),
+        (["INSERT INTO schema_version VALUES (3)"], "[(3,), (3,)]"),
         (["DELETE FROM schema_version"], "[]"),
     ],
 )
@@ -323,7 +326,7 @@ def test_a_schema_version_this_bcd_cannot_read_is_moved_aside(
     data = tmp_path / "d"
     old = _made(data)
     _sql(data / "journal.db", *statements)
-    reason = f"_Corrupt: schema_version is {shown}, this bcd reads version 2"
+    reason = f"_Corrupt: schema_version is {shown}, this bcd reads version 3"
     _moved_aside_for(data, old, reason).close()
 
 

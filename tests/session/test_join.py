@@ -278,7 +278,9 @@ async def test_HST_SIGN_36_reset_yes_moves_the_old_node_aside_and_joins_as_a_new
         old = await world.join(config)
         # DLV-JRN-14: a mark well ahead of the new join's issued_at, mirrored in the old identity.
         ahead = old.server_time_mark_ms + 3_600_000
-        ident.save(world.data, ident.with_mark(old, ahead))
+        # And the old node's applied generation mark, which a new node id must not inherit (its
+        # generations start over).
+        ident.save(world.data, ident.with_generation(ident.with_mark(old, ahead), 12))
         old_bytes = ident.identity_path(world.data).read_bytes()
         journal_id = _journal_with_a_command(world.data)
         (world.data / "host-intent.json").write_text("{}")
@@ -295,6 +297,7 @@ async def test_HST_SIGN_36_reset_yes_moves_the_old_node_aside_and_joins_as_a_new
         assert not (world.data / "journal.db").exists() and not (world.data / "host-intent.json").exists()
         loaded = ident.load(world.data)
         assert loaded.node_id == new.node_id and loaded.server_time_mark_ms == ahead
+        assert loaded.applied_generation_mark == 0
         # Root's record now names the new node (the helper's binding moves, HST-SIGN-22).
         got = read_join_record(world.root, JoinKeyPin.parse(world.plane.join_pin))
         assert got is not None and got[1].node_id == new.node_id
@@ -308,9 +311,13 @@ async def test_HST_SIGN_36_reset_keeping_the_node_id_keeps_the_journal(tmp_path:
     async with serving(tmp_path) as world:
         config = world.config()
         old = await world.join(config)
+        # The applied generation mark stays with the node id (hostile gateway, round 2: a lost journal,
+        # or a re-join, must not let an older signed generation in).
+        ident.save(world.data, ident.with_generation(old, 12))
         journal_id = _journal_with_a_command(world.data)
         new = await world.join(config, reset=True, node_id=old.node_id)  # a tpm / provisioned re-join
         assert new.node_id == old.node_id and new.node_key.seed != old.node_key.seed
+        assert ident.load(world.data).applied_generation_mark == 12
         assert len(world.aside("identity.json")) == 1 and not world.aside("journal.db")
         with Journal.open(world.data, boot_id="b2") as kept:
             assert kept.journal_id == journal_id

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import hashlib
+from collections.abc import Iterable
 
 from attrs import frozen
 
@@ -97,6 +99,17 @@ class CommandEnvelope:
         """The node the command acts on: `target_node_id` when set, else `node_id` (the quorum's leaf
         subject, BatchLeaf.subject)."""
         return self.target_node_id or self.node_id
+
+
+def envelope_sha256(body: bytes, signature: bytes, signer_chain: Iterable[bytes]) -> bytes:
+    """SHA-256 over what a command's signature check judges (body, signature, chain; each length-prefixed,
+    so no two envelopes share it): a refusal of an envelope that did not verify answers that envelope
+    alone (journal `envelope_sha256`), so a forged body cannot take a signed command's id."""
+    h = hashlib.sha256()
+    for part in (body, signature, *signer_chain):
+        h.update(len(part).to_bytes(8, "big"))
+        h.update(part)
+    return h.digest()
 
 
 class UpdateState(enum.Enum):

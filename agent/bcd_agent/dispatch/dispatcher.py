@@ -58,6 +58,7 @@ from bcd_agent.dispatch.command import (
     InvalidCommand,
     RejectReason,
     UpdateState,
+    envelope_sha256,
 )
 from bcd_agent.dispatch.handlers import CommandCancelled, CommandFailed, Handler
 from bcd_agent.dispatch.kinds import KINDS, KindSpec, Lane, Role
@@ -192,6 +193,10 @@ def _held_bytes(cmd: CommandEnvelope) -> int:
     return len(cmd.body_bytes) + len(cmd.payload.value) + len(cmd.signature) + sum(map(len, cmd.signer_chain))
 
 
+def _digest(cmd: CommandEnvelope) -> bytes:
+    return envelope_sha256(cmd.body_bytes, cmd.signature, cmd.signer_chain)
+
+
 def _new_command(cmd: CommandEnvelope, spec: KindSpec | None) -> NewCommand:
     """The journal's record of a command: table flags when the kind is known, else the body's."""
     if spec is not None:
@@ -263,6 +268,8 @@ class Dispatcher:
         # Outcomes per (kind, outcome) since start, for bcd's own metrics (docs/telemetry.md): each new
         # terminal result once (a stored result resent is not counted again), and BUSY answers.
         self.outcomes = CounterSet()
+        # Cancels of commands never accepted that RefusalsFull kept out of the journal, since start.
+        self.cancels_dropped = 0
         self._started = False
         self._accepting = True
         self._idle = trio.Event()
@@ -388,7 +395,11 @@ class Dispatcher:
         """A command arrived (or was redelivered) from the session."""
         if not self._admitting(cmd):
             return
-        if cmd.id in self._deferred or cmd.id in self._inflight or cmd.id in self._pending_ids:
+        held = self._deferred.get(cmd.id)
+        if held is not None and self._forged_deferral(held, cmd):
+            del self._deferred[cmd.id]  # a body nobody signed held the id: judge this one instead
+            self._deferred_changed.set()
+        elif held is not None or cmd.id in self._inflight or cmd.id in self._pending_ids:
             return  # still waiting, or the run in flight reports (REATTACH)
         try:
             with tracecontext.current(cmd.traceparent):  # the acceptance's lines name the trace too
@@ -396,6 +407,23 @@ class Dispatcher:
         except DataDirFull as exc:
             # Nothing was journaled; the journal logged the state change once (DataDirFull condition).
             self._busy(cmd, str(exc))
+
+    def _forged_deferral(self, held: CommandEnvelope, cmd: CommandEnvelope) -> bool:
+        """Another envelope arrived under a deferred command's id, and the deferred one's signature does
+        not verify against the command-signing roots. A deferral is judged before the signature
+        (Q-DLV-ACK-01), so a gateway could otherwise park a forged body with an unreachable
+        min_generation under a signed command's id and have the signed one ignored until that body's
+        own not_after. It is dropped without an answer (it had none yet; the id is the other's now)."""
+        if _digest(held) == _digest(cmd) or not self._trust.has_command_roots():
+            return False
+        return not self._verifies(held)
+
+    def _verifies(self, cmd: CommandEnvelope) -> bool:
+        try:
+            self._trust.verify_command(cmd, self._clock.server_now())
+        except Exception:  # any refusal of the verifier
+            return False
+        return True
 
     def _admitting(self, cmd: CommandEnvelope) -> bool:
         self._require_running()
@@ -405,7 +433,8 @@ class Dispatcher:
         return True
 
     def _deliver(self, cmd: CommandEnvelope) -> None:
-        res = self._journal.resolve(cmd.id)
+        # NONE also for another envelope under the id of a refusal on the gateway's word alone.
+        res = self._journal.resolve(cmd.id, _digest(cmd))
         if res.action is Action.DONE:
             assert res.entry is not None
             self._send_entry(res.entry)
@@ -424,14 +453,17 @@ class Dispatcher:
         try:
             envelope = envelope_from_wire(command)
         except InvalidCommand as exc:
-            self.refuse_invalid(exc)
+            digest = envelope_sha256(bytes(command.body), bytes(command.signature), command.signer_chain)
+            self.refuse_invalid(exc, digest)
             return
         self.deliver(envelope)
 
-    def refuse_invalid(self, exc: InvalidCommand) -> None:
+    def refuse_invalid(self, exc: InvalidCommand, digest: bytes = b"") -> None:
         """A body that failed the wire edge's rules: UNSUPPORTED (journaled, so a duplicate gets the same
         answer) when its id could be read; otherwise there is nothing to answer and it is only logged. A
-        command already known under that id is answered as any duplicate is."""
+        command already known under that id is answered as any duplicate is. `digest`: the envelope's
+        (`envelope_sha256`); with command-signing roots such a refusal (nothing verified it) answers that
+        envelope alone, as `_judged_on` says."""
         self._require_running()
         if not self._running or not self._accepting:
             return  # the gateway redelivers it to the next process
@@ -442,14 +474,19 @@ class Dispatcher:
         cid = exc.command_id
         if cid in self._deferred or cid in self._inflight:
             return
-        res = self._journal.resolve(cid)
+        if not self._trust.has_command_roots():
+            digest = b""
+        res = self._journal.resolve(cid, digest or None)
         if res.action is Action.NONE:
             new = NewCommand(id=cid, kind="", flags=CommandFlags())
             try:
                 entry = self._journal.reject(
-                    new, RejectReason.UNSUPPORTED.value, f"invalid body: {exc.field}: {exc.rule}"
+                    new,
+                    RejectReason.UNSUPPORTED.value,
+                    f"invalid body: {exc.field}: {exc.rule}",
+                    envelope_sha256=digest,
                 )
-            except DataDirFull:
+            except (DataDirFull, JournalFull):
                 return  # not journaled: answered when redelivered
             self._send_new(entry)
         elif res.action is Action.DONE:
@@ -480,14 +517,20 @@ class Dispatcher:
         if not self._running:
             return  # the gateway repeats the Cancel on the next session (DLV-CAN-02)
         self.flush_admissions()  # a command of this batch is in flight once its accept is written
-        with contextlib.suppress(DataDirFull):  # not journaled; the gateway repeats it after a reconnect
+        # Not journaled (a full data_dir, or RefusalsFull: cancels of commands never accepted fill their
+        # bound unacked); the gateway repeats it after a reconnect.
+        with contextlib.suppress(DataDirFull, JournalFull):
             self._cancel(command_id, reason)
 
     def _cancel(self, command_id: str, reason: str) -> None:
         deferred = self._deferred.pop(command_id, None)
         if deferred is not None:
             self._deferred_changed.set()
-            self._cancel_unstarted(_new_command(deferred, self._kinds.get(deferred.kind)), reason)
+            try:
+                self._cancel_unstarted(_new_command(deferred, self._kinds.get(deferred.kind)), reason)
+            except BaseException:
+                self._deferred[command_id] = deferred  # not cancelled: it still waits
+                raise
             return
         exe = self._inflight.get(command_id)
         if exe is not None:
@@ -541,7 +584,18 @@ class Dispatcher:
         verdict = precheck(cmd, ctx, reexecute=reexecute)
         if isinstance(verdict, Reject):
             new = _new_command(cmd, self._kinds.get(cmd.kind))
-            self._send_new(self._journal.reject(new, verdict.reason.value, verdict.message))
+            signed, digest = self._judged_on(cmd, verdict)
+            try:
+                entry = self._journal.reject(
+                    new, verdict.reason.value, verdict.message, signed=signed, envelope_sha256=digest
+                )
+            except JournalFull as exc:  # RefusalsFull: unacked refusals fill their bound
+                self._busy(cmd, str(exc))
+                return
+            if digest and entry.envelope_sha256 not in (b"", digest):
+                self._send_entry(entry)  # another envelope's stored refusal: counted when journaled
+            else:
+                self._send_new(entry)
             return
         if isinstance(verdict, Defer):
             if len(self._deferred) >= self._max_deferred:
@@ -602,6 +656,21 @@ class Dispatcher:
         self._send(UpdateState.ACKED, cmd.id)
         self._queues[lane].send_nowait(exe)
 
+    def _judged_on(self, cmd: CommandEnvelope, verdict: Reject) -> tuple[bool, bytes]:
+        """(signed, envelope_sha256) for `Journal.reject`: with command-signing roots, a refusal binds the
+        id only when the command's signature verifies (the control plane's word); otherwise it answers
+        this envelope alone, so a forged body under a signed command's id cannot make the node refuse the
+        signed one. The quorum's refusals come after the signature check passed. Without roots nothing is
+        signed and every refusal binds, as before."""
+        if not self._trust.has_command_roots():
+            return False, b""
+        reason = verdict.reason
+        if reason in (RejectReason.BATCH_UNAPPROVED, RejectReason.UNBATCHED_LIMIT):
+            return True, b""
+        if reason is not RejectReason.BAD_SIGNATURE and self._verifies(cmd):
+            return True, b""
+        return False, _digest(cmd)
+
     def _record_claim(self, cmd: CommandEnvelope, verdict: Accept, host_now: float) -> None:
         claim = verdict.claim
         if isinstance(claim, UnbatchedClaim):
@@ -626,7 +695,13 @@ class Dispatcher:
         journal write (`cancel_new`), so no crash can leave it `accepted` for recovery to call
         `interrupted`. A command journaled meanwhile keeps its entry (a running one its real outcome)."""
         before = self._journal.resolve(new.id).entry
-        entry = self._journal.cancel_new(new, reason)
+        try:
+            entry = self._journal.cancel_new(new, reason)
+        except JournalFull as exc:  # RefusalsFull: dropped; the gateway repeats it (DLV-CAN-02)
+            self.cancels_dropped += 1
+            if self.cancels_dropped % 1000 == 1:  # a flood's worth of lines would say nothing more
+                log.warning("cancel of %s not journaled (%d so far): %s", new.id, self.cancels_dropped, exc)
+            raise
         if entry.state.terminal:
             if before is not None and before.state.terminal:
                 self._send_entry(entry)  # its result was counted when it was journaled

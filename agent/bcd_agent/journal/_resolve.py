@@ -3,6 +3,7 @@
 | Journal entry                                        | Action       |
 | ---------------------------------------------------- | ------------ |
 | none                                                 | NONE         |
+| a refusal on the gateway's word, another envelope    | NONE         |
 | terminal (done, cancelled, rejected)                 | DONE         |
 | accepted or running, written by this incarnation     | REATTACH     |
 | running, self-terminating, from an earlier boot      | REBOOTED     |
@@ -10,7 +11,9 @@
 | left by an earlier process, not retry-safe           | INTERRUPTED  |
 
 The rows are tried in this order: a `node.reboot` (retry-safe and self-terminating) found running from
-an earlier boot is REBOOTED, not re-executed.
+an earlier boot is REBOOTED, not re-executed. A refusal of an envelope whose signature did not verify
+(`CommandEntry.envelope_sha256` set) answers only that envelope: another one under the id is judged afresh
+(NONE, with the entry), since a forged body must not take a signed command's id.
 """
 
 from __future__ import annotations
@@ -26,10 +29,15 @@ from bcd_agent.journal._types import (
 )
 
 
-def resolve_entry(entry: CommandEntry | None, incarnation: str, boot_id: str) -> Action:
+def resolve_entry(
+    entry: CommandEntry | None, incarnation: str, boot_id: str, envelope_sha256: bytes | None = None
+) -> Action:
+    """`envelope_sha256`: the delivered envelope's (None: the caller has none, e.g. a Cancel)."""
     if entry is None:
         return Action.NONE
     if entry.state.terminal:
+        if not entry.binds and envelope_sha256 is not None and envelope_sha256 != entry.envelope_sha256:
+            return Action.NONE
         return Action.DONE
     if entry.incarnation == incarnation:
         return Action.REATTACH

@@ -1,13 +1,16 @@
-"""The journal's SQLite schema (version 2). One file, `journal.db`, WAL mode, synchronous=FULL.
+"""The journal's SQLite schema (version 3). One file, `journal.db`, WAL mode, synchronous=FULL.
 
 Version 2 added `commands.attestation` (the exact CommandAttestation bytes of an attested result, stored
-with its node signature) and `commands.message` (the result's human-readable message). An older version is
+with its node signature) and `commands.message` (the result's human-readable message). Version 3 added
+`commands.envelope_sha256`: set on a refusal of a command whose signature did not verify against the
+command-signing roots (the gateway's word only), it makes the refusal answer that envelope alone, not
+every body a gateway sends under the id (docs/session.md "Hostile gateway, round 2"). An older version is
 migrated in place on open (`MIGRATIONS`), in one transaction; a newer one is treated like corruption
 (moved aside)."""
 
 from __future__ import annotations
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 DB_NAME = "journal.db"
 LOCK_NAME = "journal.lock"
 
@@ -36,7 +39,8 @@ CREATE TABLE commands (
     attestation BLOB,
     message TEXT,
     finished_at REAL,
-    acked INTEGER NOT NULL DEFAULT 0
+    acked INTEGER NOT NULL DEFAULT 0,
+    envelope_sha256 BLOB
 ) WITHOUT ROWID;
 CREATE TABLE events (
     seq INTEGER PRIMARY KEY,
@@ -60,6 +64,7 @@ CREATE TABLE exec_tickets (jti TEXT PRIMARY KEY, expires_at REAL NOT NULL) WITHO
 # Statements that take a journal of version N to N + 1 (run in one transaction with the version bump).
 MIGRATIONS: dict[int, tuple[str, ...]] = {
     1: ("ALTER TABLE commands ADD COLUMN attestation BLOB", "ALTER TABLE commands ADD COLUMN message TEXT"),
+    2: ("ALTER TABLE commands ADD COLUMN envelope_sha256 BLOB",),
 }
 
 # The tables a journal of this version must have (checked on open, with the version row).

@@ -45,6 +45,7 @@ from bcd_agent.journal._types import (
     MAX_EVENT_BYTES,
     MAX_EXEC_TICKETS,
     MAX_MESSAGE_CHARS,
+    MAX_REFUSED_ROWS,
     MAX_UNACKED_EVENTS,
     RETENTION_S,
     WELCOME_SLACK_S,
@@ -68,6 +69,7 @@ from bcd_agent.journal._types import (
     NewEvent,
     OpenReport,
     Outcome,
+    RefusalsFull,
     Resolution,
     StateError,
     StoredSpec,
@@ -80,7 +82,7 @@ log = logging.getLogger(__name__)
 _COLS = (
     "id, kind, retry_safe, self_terminating, attested, state, incarnation, boot_id, accepted_at, updated_at,"
     " body, signature, outcome, code, result, result_boot_id, node_sig, previous_boot_id, finished_at, acked,"
-    " attestation, message"
+    " attestation, message, envelope_sha256"
 )
 _SQL_GET = f"SELECT {_COLS} FROM commands WHERE id = ?"  # noqa: S608 - constant column list
 _SQL_INSERT_ACCEPTED = (
@@ -103,8 +105,15 @@ _SQL_FINISH = (
 _SQL_INSERT_FINISHED = (
     "INSERT INTO commands (id, kind, retry_safe, self_terminating, attested, state, incarnation, boot_id,"
     " accepted_at, updated_at, body, signature, outcome, code, result, result_boot_id, node_sig,"
-    " previous_boot_id, finished_at, acked, attestation, message)"
-    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?)"
+    " previous_boot_id, finished_at, acked, attestation, message, envelope_sha256)"
+    " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, ?, ?, ?)"
+)
+# Rows on the gateway's word alone: refusals and cancels of commands never accepted, kept without a body
+# (an accepted command always has one). Bounded by `max_refused` (MAX_REFUSED_ROWS).
+_REFUSED_ROWS = "body = x'' AND state IN ('cancelled', 'rejected')"
+_SQL_COUNT_REFUSED = f"SELECT count(*) FROM commands WHERE {_REFUSED_ROWS}"  # noqa: S608 - constant
+_SQL_OLDEST_ACKED_REFUSED = (
+    f"SELECT id FROM commands WHERE {_REFUSED_ROWS} AND acked = 1 ORDER BY finished_at, id LIMIT ?"  # noqa: S608
 )
 _SQL_UNSETTLED = f"SELECT {_COLS} FROM commands WHERE state IN ('accepted', 'running') AND incarnation != ?"  # noqa: S608
 _SQL_UNACKED_RESULTS = (
@@ -152,7 +161,7 @@ _SQLITE_IOERR = 10  # SQLITE_IOERR and its extended codes (low byte 10): the sto
 _Row = tuple[
     str, str, int, int, int, str, str, str, float, float, bytes, bytes,
     str | None, str | None, bytes | None, str | None, bytes | None, str | None, float | None, int,
-    bytes | None, str | None,
+    bytes | None, str | None, bytes | None,
 ]  # fmt: skip
 
 
@@ -176,7 +185,7 @@ def _not_after_s(body: bytes | None) -> float:
 
 def _entry(row: _Row) -> CommandEntry:
     (cid, kind, rs, st, att, state, inc, boot, acc_at, upd_at, body, sig, outcome, code, res, rboot, nsig,
-     prev, fin, acked, attestation, message) = row  # fmt: skip
+     prev, fin, acked, attestation, message, envelope_sha256) = row  # fmt: skip
     result = None
     if outcome is not None:
         result = CommandResult(
@@ -203,6 +212,7 @@ def _entry(row: _Row) -> CommandEntry:
         signature=sig,
         result=result,
         acked=bool(acked),
+        envelope_sha256=envelope_sha256 or b"",
     )
 
 
@@ -236,6 +246,7 @@ class Journal:
         max_bytes: int,
         max_tickets: int,
         report: OpenReport,
+        max_refused: int = MAX_REFUSED_ROWS,
     ) -> None:
         self._conn = conn
         self._lock_fd = lock_fd
@@ -246,6 +257,7 @@ class Journal:
         self._max_events = max_events
         self._max_bytes = max_bytes
         self._max_tickets = max_tickets
+        self._max_refused = max_refused
         self._report = report
         self._attester: Attester | None = None
         self._mutex = threading.RLock()
@@ -274,6 +286,10 @@ class Journal:
         self._ev_count, self._ev_bytes = int(count), int(size)
         self._m_count, self._m_bytes = int(m_count), int(m_size)
         self._tickets = int(conn.execute("SELECT count(*) FROM exec_tickets").fetchone()[0])
+        # Rows on the gateway's word alone (`_REFUSED_ROWS`); `_refused_delta` is the change the open
+        # transaction makes to it, applied when it commits.
+        self._refused = int(conn.execute(_SQL_COUNT_REFUSED).fetchone()[0])
+        self._refused_delta = 0
 
     # ------------------------------------------------------------------ open / close
 
@@ -289,6 +305,7 @@ class Journal:
         max_tickets: int = MAX_EXEC_TICKETS,
         clock: Callable[[], float] = time.time,
         group_commit: bool = False,
+        max_refused: int = MAX_REFUSED_ROWS,
     ) -> Journal:
         """Open (or create) `data_dir/journal.db`.
 
@@ -303,6 +320,7 @@ class Journal:
         max_events = _check_bound("max_events", max_events, MAX_UNACKED_EVENTS)
         max_bytes = _check_bound("max_bytes", max_bytes, MAX_EVENT_BYTES)
         max_tickets = _check_bound("max_tickets", max_tickets, MAX_EXEC_TICKETS)
+        max_refused = _check_bound("max_refused", max_refused, MAX_REFUSED_ROWS)
         if not boot_id:
             raise JournalError("boot_id: must be set (the kernel's boot id)")
         data = Path(data_dir)
@@ -323,6 +341,7 @@ class Journal:
                 max_bytes=max_bytes,
                 max_tickets=max_tickets,
                 report=report,
+                max_refused=max_refused,
             )
             journal.group_commit = group_commit
             return journal
@@ -377,17 +396,21 @@ class Journal:
                 conn.execute("PRAGMA synchronous=NORMAL")
             try:
                 conn.execute("BEGIN IMMEDIATE")
+                self._refused_delta = 0
                 try:
                     yield conn
                     acks, self._pending_acks = self._pending_acks, []
                     if acks:  # `ack_results(defer=True)`: written with this transaction
                         conn.executemany(_SQL_ACK_RESULT, [(i,) for i in acks])
                     conn.execute("COMMIT")
+                    self._refused += self._refused_delta
                 except BaseException:
                     if conn.in_transaction:
                         with contextlib.suppress(sqlite3.Error):
                             conn.execute("ROLLBACK")
                     raise
+                finally:
+                    self._refused_delta = 0
             finally:
                 if not durable:
                     conn.execute("PRAGMA synchronous=FULL")
@@ -623,10 +646,12 @@ class Journal:
             row = self._conn.execute(_SQL_GET, (command_id,)).fetchone()
         return None if row is None else _entry(row)
 
-    def resolve(self, command_id: str) -> Resolution:
-        """The Resolve table's row for a delivered command (pure read; see `_resolve`)."""
+    def resolve(self, command_id: str, envelope_sha256: bytes | None = None) -> Resolution:
+        """The Resolve table's row for a delivered command (pure read; see `_resolve`). `envelope_sha256`:
+        the delivered envelope's (`dispatch.command.envelope_sha256`), which a refusal on the gateway's
+        word alone answers only when it is the refused one's."""
         entry = self.get_command(command_id)
-        return Resolution(resolve_entry(entry, self._incarnation, self._boot_id), entry)
+        return Resolution(resolve_entry(entry, self._incarnation, self._boot_id, envelope_sha256), entry)
 
     def accept_command(self, command: NewCommand, *, durable: bool = True) -> CommandEntry:
         """Journal `accepted` durably, before any side effect. A retry-safe entry left by an earlier
@@ -689,8 +714,14 @@ class Journal:
 
     def _take_over(self, c: sqlite3.Connection, command: NewCommand, now: float) -> None:
         """`command` is already journaled: take over a retry-safe leftover of an earlier process
-        (Resolve REEXECUTE), inside the caller's transaction; anything else is a StateError."""
+        (Resolve REEXECUTE), or a refusal on the gateway's word alone (the accepted command passed the
+        checks, its signature included, so it is another envelope), inside the caller's transaction;
+        anything else is a StateError."""
         old = _entry(c.execute(_SQL_GET, (command.id,)).fetchone())
+        if old.state.terminal and not old.binds:
+            self._delete_refusal(c, old)
+            c.execute(_SQL_INSERT_ACCEPTED, self._accepted_row(command, now))
+            return
         if resolve_entry(old, self._incarnation, self._boot_id) is not Action.REEXECUTE:
             raise StateError(
                 f"command {command.id}: already journaled ({old.state.value}); resolve it first"
@@ -811,12 +842,39 @@ class Journal:
             ),
         )
 
-    def reject(self, command: NewCommand, reason: str, message: str = "") -> CommandEntry:
+    def reject(
+        self,
+        command: NewCommand,
+        reason: str,
+        message: str = "",
+        *,
+        signed: bool = False,
+        envelope_sha256: bytes = b"",
+    ) -> CommandEntry:
         """Journal a terminal rejection (UNSUPPORTED, EXPIRED, ...; never BUSY). A new id gets a `rejected`
         row; an accepted entry (deferred, or a retry-safe one re-checked) becomes `rejected`. A terminal
-        entry is returned unchanged; this process's running entry cannot be rejected (StateError)."""
+        entry is returned unchanged; this process's running entry cannot be rejected (StateError).
+
+        A new id's row, by what the refusal was judged on (docs/journal.md "Refusals"):
+        - `signed`: the command's signature verified against the command-signing roots: the row keeps
+          the body and signature, as an accepted command's does (the sweep keeps it while that body could
+          be replayed), and binds the id;
+        - `envelope_sha256` given: the signature did not verify (the gateway's word alone): no body, no
+          node signature (the kind is the body's unverified claim), and the row answers only that
+          envelope (Resolve); a later binding refusal of another envelope under the id replaces it;
+        - neither (no command-signing roots in force): no body; binds the id.
+        Rows without a body count against `max_refused` (RefusalsFull: nothing written, answer BUSY)."""
         if not reason:
             raise ValueError("reason: a rejection needs its reason")
+        if signed and envelope_sha256:
+            raise ValueError("envelope_sha256: only for a refusal whose signature did not verify")
+        if envelope_sha256:
+            command = attrs.evolve(command, flags=CommandFlags())
+        if not signed:
+            # A command refused on the gateway's word keeps no body or signature: its answer is the reason
+            # and message, and a gateway that makes up bodies (up to the 4 MiB message cap each) could
+            # otherwise fill the data_dir with them, one journaled refusal at a time.
+            command = attrs.evolve(command, body=b"", signature=b"")
         with self._mutex, self._tx() as c:
             now = self._clock()
             result = CommandResult(
@@ -824,13 +882,14 @@ class Journal:
             )
             row = c.execute(_SQL_GET, (command.id,)).fetchone()
             if row is None:
-                # A command refused on arrival keeps no body or signature: its answer is the reason and
-                # message, and a gateway that makes up bodies (up to the 4 MiB message cap each) could
-                # otherwise fill the data_dir with them, one journaled refusal at a time.
-                return self._insert_finished(c, attrs.evolve(command, body=b"", signature=b""), result)
+                return self._insert_finished(c, command, result, envelope_sha256)
             entry = _entry(row)
             if entry.state.terminal:
-                return entry
+                if entry.binds or envelope_sha256:
+                    return entry
+                # A refusal on the gateway's word gives way to one that binds the id.
+                self._delete_refusal(c, entry)
+                return self._insert_finished(c, command, result)
             if entry.state is CommandState.RUNNING and entry.incarnation == self._incarnation:
                 raise StateError(
                     f"command {command.id}: running; its side effect started, report its outcome"
@@ -843,12 +902,14 @@ class Journal:
         and no crash can leave it `accepted` (which recovery would report FAILED `interrupted`). An
         `accepted` entry becomes cancelled as with `cancel`; a running or terminal one is returned
         unchanged. Like `reject`, it is not refused when the event bounds are full (commands are not
-        events)."""
+        events). A new id's row keeps no body (the command never ran, and a deferred body was never
+        verified: a gateway could otherwise park bodies near the message cap and cancel them) and counts
+        against `max_refused` (RefusalsFull: nothing written)."""
         with self._mutex, self._tx() as c:
             result = CommandResult(Outcome.CANCELLED, reason, b"", self._boot_id, self._clock())
             row = c.execute(_SQL_GET, (command.id,)).fetchone()
             if row is None:
-                return self._insert_finished(c, command, result)
+                return self._insert_finished(c, attrs.evolve(command, body=b"", signature=b""), result)
             entry = _entry(row)
             if entry.state is not CommandState.ACCEPTED:
                 return entry
@@ -917,9 +978,13 @@ class Journal:
         return done
 
     def _insert_finished(
-        self, c: sqlite3.Connection, command: NewCommand, result: CommandResult
+        self, c: sqlite3.Connection, command: NewCommand, result: CommandResult, envelope_sha256: bytes = b""
     ) -> CommandEntry:
-        """A terminal row for an id never journaled (a rejection, or a cancel before acceptance)."""
+        """A terminal row for an id never journaled (a rejection, or a cancel before acceptance). One
+        without a body is on the gateway's word alone and counts against `max_refused`."""
+        if not command.body:
+            self._make_refusal_room(c)
+            self._refused_delta += 1
         now = result.finished_at
         f = command.flags
         done = self._attest(
@@ -927,6 +992,7 @@ class Journal:
                 id=command.id, kind=command.kind, flags=f, state=result.outcome.state,
                 incarnation=self._incarnation, boot_id=self._boot_id, accepted_at=now, updated_at=now,
                 body=command.body, signature=command.signature, result=result, acked=False,
+                envelope_sha256=envelope_sha256,
             )
         )  # fmt: skip
         r = done.result
@@ -937,9 +1003,41 @@ class Journal:
                 command.id, command.kind, f.retry_safe, f.self_terminating, f.attested, done.state.value,
                 self._incarnation, self._boot_id, now, now, command.body, command.signature, r.outcome.value,
                 r.code, r.body, r.boot_id, r.node_sig, r.previous_boot_id, now, r.attestation, r.message,
+                envelope_sha256 or None,
             ),
         )  # fmt: skip
         return done
+
+    def _make_refusal_room(self, c: sqlite3.Connection) -> None:
+        """Room for one more row on the gateway's word (inside the caller's transaction): at
+        `max_refused`, the oldest acked such rows go (a hundredth of the bound at once, so a flood does not
+        scan the table per row); when none is acked, RefusalsFull. An unacked result is never deleted (it
+        is the only copy, DLV-RES-08), and deleting an acked one forgets only a command that never ran,
+        as the 7-day sweep does."""
+        if self._refused + self._refused_delta < self._max_refused:
+            return
+        if self._pending_acks:  # `ack_results(defer=True)` kept: they count (written again at commit)
+            c.executemany(_SQL_ACK_RESULT, [(i,) for i in self._pending_acks])
+        gone = c.execute(_SQL_OLDEST_ACKED_REFUSED, (max(1, self._max_refused // 100),)).fetchall()
+        if not gone:
+            raise RefusalsFull(
+                f"journal full: {self._refused + self._refused_delta} refusals and cancels of commands never"
+                f" accepted are unacked (at most {self._max_refused}); acks must drain them"
+            )
+        c.executemany(_SQL_DELETE_COMMAND, gone)
+        self._refused_delta -= len(gone)
+
+    def _delete_refusal(self, c: sqlite3.Connection, entry: CommandEntry) -> None:
+        """Delete a row on the gateway's word that a later envelope under its id takes over."""
+        c.execute(_SQL_DELETE_COMMAND, (entry.id,))
+        if not entry.body:
+            self._refused_delta -= 1
+
+    @property
+    def refused_rows(self) -> int:
+        """Rows on the gateway's word alone (refusals and cancels of commands never accepted)."""
+        with self._mutex:
+            return self._refused
 
     def _attest(self, done: CommandEntry) -> CommandEntry:
         """The entry with its result signed by the attester, for attested commands (see set_attester)."""
@@ -1021,7 +1119,9 @@ class Journal:
                 gone = [(cid,) for cid, body in rows if _not_after_s(body) <= horizon]
                 n = c.executemany(_SQL_DELETE_COMMAND, gone).rowcount if gone else 0
                 purged = c.execute(_SQL_TICKET_PURGE, (now,)).rowcount
+                refused = int(c.execute(_SQL_COUNT_REFUSED).fetchone()[0])
             self._tickets -= purged
+            self._refused = refused
             return n
 
     # ------------------------------------------------------------------ events

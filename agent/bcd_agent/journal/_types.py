@@ -12,6 +12,11 @@ from attrs import frozen
 MAX_UNACKED_EVENTS = 10_000
 MAX_EVENT_BYTES = 64 * 1024 * 1024
 MAX_EXEC_TICKETS = 10_000
+# Rows the journal keeps on the gateway's word alone (refusals and cancels of commands never accepted,
+# journaled without a body): at most this many. Past it the oldest acked ones are deleted; when none is
+# acked, new ones are refused (RefusalsFull: the command is answered BUSY). Not in the seeds: without it a
+# gateway that never acks grows the journal by a row per message (docs/session.md, hostile gateway round 2).
+MAX_REFUSED_ROWS = 10_000
 # Done entries are kept this long (DLV-JRN-04, DLV-REC-13/14).
 RETENTION_S = 7 * 24 * 3600.0
 # A Welcome more than this far before the server time mark is refused (DLV-JRN-13).
@@ -149,6 +154,15 @@ class CommandEntry:
     signature: bytes
     result: CommandResult | None
     acked: bool
+    # Set on a refusal of a command whose signature did not verify against the command-signing roots:
+    # SHA-256 of the refused envelope (`dispatch.command.envelope_sha256`). Such a refusal answers only
+    # that envelope; another one under the id is judged afresh (Resolve NONE), and may take the row over.
+    envelope_sha256: bytes = b""
+
+    @property
+    def binds(self) -> bool:
+        """The entry answers every delivery of its id (all but a refusal on the gateway's word alone)."""
+        return not self.envelope_sha256
 
 
 # Signs the terminal result of an attested command as it is journaled: given the entry with its result,
@@ -230,6 +244,11 @@ class JournalError(Exception):
 
 class JournalFull(JournalError):
     """Dropping metric events does not make room: answer new commands BUSY until acks drain it."""
+
+
+class RefusalsFull(JournalFull):
+    """MAX_REFUSED_ROWS rows on the gateway's word alone are held and none is acked: nothing was written;
+    answer the command BUSY (a Cancel of an unseen id is dropped: the gateway repeats it)."""
 
 
 class DataDirFull(JournalError):

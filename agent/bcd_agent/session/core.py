@@ -47,7 +47,7 @@ from bcd_shared.wire.strict import WireError
 from bcd_agent.converge.status import StatusCell
 from bcd_agent.converge.types import DesiredSpec, NodeStatus
 from bcd_agent.dispatch.clock import OffsetClock
-from bcd_agent.dispatch.command import CommandUpdate, InvalidCommand, RejectReason
+from bcd_agent.dispatch.command import CommandUpdate, InvalidCommand, RejectReason, envelope_sha256
 from bcd_agent.dispatch.ports import ResultSigner
 from bcd_agent.dispatch.results import update_from_entry
 from bcd_agent.dispatch.trust import BundleTrust
@@ -58,6 +58,7 @@ from bcd_agent.journal import (
     CommandFlags,
     DataDirFull,
     Journal,
+    JournalFull,
     NewCommand,
     WelcomeRefused,
 )
@@ -218,6 +219,9 @@ class SessionCore:
         self._sent_conditions_version = 0
         self._event_mark = event_mark
         self._mark_seq = 0
+        # The mark covers every seq sent under this journal_id: read at start for it, or the journal is
+        # new (nothing sent yet). Then an Ack above the mark is a lie, not a lost tail (round 2).
+        self._mark_complete = False
         self._spec_retry = False
         self._batching = False  # inside handle_batch: result acks ride with the batch's transaction
         self._refused_log = _RepeatLog(logging.ERROR)
@@ -480,6 +484,7 @@ class SessionCore:
             trust=self.trust.bundle,
             now=self.clock.server_now(),
             cache=self._chain_cache,
+            floor=self.identity.applied_generation_mark,
         )
         if isinstance(verdict, specmod.Ignored):
             self._ignored_log.log(self.monotonic(), "session: spec ignored: %s", verdict.reason)
@@ -499,6 +504,10 @@ class SessionCore:
         else:
             # Durable before effect: the journal holds the spec before the runner acts on it.
             self.journal.store_spec(verdict.stored)
+            # Mirrored like the server time mark: a lost journal must not reopen older generations.
+            raised = ident.with_generation(self.identity, verdict.stored.generation)
+            if raised is not self.identity:
+                self._save_identity(raised)
             if verdict.sets_host:
                 self._write_host_intent(verdict)
             self.runner.set_spec(verdict.spec)  # type: ignore[attr-defined]
@@ -529,20 +538,29 @@ class SessionCore:
             flush = getattr(type(self.dispatcher), "flush_admissions", None)
             if flush is not None:
                 flush(self.dispatcher)  # a valid command of this batch under the same id is journaled first
-            self._refuse_invalid(exc, bytes(command.body), bytes(command.signature))
+            self._refuse_invalid(exc, command)
             return
         self.dispatcher.deliver(envelope)  # type: ignore[attr-defined]
 
-    def _refuse_invalid(self, exc: InvalidCommand, body: bytes, signature: bytes) -> None:
+    def _refuse_invalid(self, exc: InvalidCommand, command: wire.Command) -> None:
         log.warning("session: command refused: %s", exc)
         if not exc.command_id:
             return  # nothing to report against; the gateway's sweeper times it out
-        res = self.journal.resolve(exc.command_id)
+        # With command-signing roots nothing verified this envelope: its refusal answers it alone, so a
+        # body that does not even convert cannot take a signed command's id (Dispatcher._judged_on).
+        digest = b""
+        if self.trust.has_command_roots():
+            digest = envelope_sha256(bytes(command.body), bytes(command.signature), command.signer_chain)
+        res = self.journal.resolve(exc.command_id, digest or None)
         if res.action is Action.NONE:
-            entry = self.journal.reject(
-                NewCommand(id=exc.command_id, kind="", flags=CommandFlags(), body=body, signature=signature),
-                RejectReason.UNSUPPORTED.value,
-            )
+            try:
+                entry = self.journal.reject(
+                    NewCommand(id=exc.command_id, kind="", flags=CommandFlags()),
+                    RejectReason.UNSUPPORTED.value,
+                    envelope_sha256=digest,
+                )
+            except JournalFull:  # RefusalsFull: not journaled, answered when redelivered
+                return
         elif res.action is Action.DONE and res.entry is not None:
             entry = res.entry
         else:
@@ -564,6 +582,14 @@ class SessionCore:
         if ack.journal_id:
             issued = self.journal.next_event_seq - 1
             if ack.journal_id == self.journal.journal_id and ack.event_seq > issued:
+                if self._mark_complete and ack.event_seq > self._mark_seq:
+                    # Never sent (the mark is written before a seq leaves): a gateway's lie, not a lost
+                    # tail. Believed, it would give the journal a new journal_id, and the next honest
+                    # gateway would fail the node's in-flight commands `journal-lost` (DLV-REC-16).
+                    raise ProtocolViolation(
+                        f"the gateway acked event seq {ack.event_seq} of journal {ack.journal_id}, above the"
+                        f" highest this node sent ({self._mark_seq}): ignored, the connection ends"
+                    )
                 self._restart_events(
                     f"the gateway acked event seq {ack.event_seq} of journal {ack.journal_id}, above the"
                     f" highest this journal holds ({issued}): the journal lost its tail"
@@ -584,6 +610,8 @@ class SessionCore:
         """At start: the event mark says this journal_id sent seqs the journal no longer holds."""
         if not self._event_mark:
             return
+        # A journal created by this open has sent nothing under its journal_id.
+        self._mark_complete = self.journal.report.created
         try:
             doc = json.loads(self._mark_path().read_text())
             mark_id, mark_seq = str(doc["journal_id"]), int(doc["sent_seq"])
@@ -595,6 +623,7 @@ class SessionCore:
         if mark_id != self.journal.journal_id:
             return
         self._mark_seq = mark_seq
+        self._mark_complete = True
         if mark_seq >= self.journal.next_event_seq:
             self._restart_events(
                 f"event seq {mark_seq} of journal {mark_id} was sent to the gateway, but the journal's next"
@@ -608,6 +637,7 @@ class SessionCore:
         self.state.journal_restarts += 1
         self._sent_event_seq = 0
         self._mark_seq = 0
+        self._mark_complete = self._event_mark  # nothing sent under the new journal_id yet
         log.error("session: %s; events continue under the new journal_id %s (was %s)", why, new, old)
         self.conditions.raise_(JOURNAL_TAIL_LOST, "EventSeqAhead", why, self.monotonic())
 

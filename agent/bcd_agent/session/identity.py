@@ -4,7 +4,9 @@
      "trust_bundle": null | {"bundle": b64, "signature": b64, "signer_spki": b64},
      "join_pin": "sha256/..." (the JoinService key the join verified), "address": str (where it joined),
      "gateway_ca_pem": null | str (the CA the gateway's TLS certificate chains to),
-     "server_time_mark_ms": int (the journal's server time mark, mirrored so a lost journal keeps it)}
+     "server_time_mark_ms": int (the journal's server time mark, mirrored so a lost journal keeps it),
+     "applied_generation_mark": int (the highest spec generation applied, mirrored likewise; optional on
+        reading: a file written before it has none, read as 0)}
 
 Read strictly: an unknown or missing key, or a value of the wrong shape, raises IdentityError naming it.
 The trust bundle kept here is the newest accepted (forward only: `TrustStore`); the mark only moves forward.
@@ -38,6 +40,8 @@ _KEYS = {
     "gateway_ca_pem",
     "server_time_mark_ms",
 }
+# Keys a file written by an older bcd may lack (read as their default).
+_OPTIONAL_KEYS = {"applied_generation_mark"}
 
 
 class IdentityError(ValueError):
@@ -64,6 +68,9 @@ class Identity:
     trust_bundle: SignedBundle | None = None
     gateway_ca_pem: str | None = None
     server_time_mark_ms: int = 0
+    # The highest spec generation this node applied (hostile gateway, round 2): after a lost journal a
+    # gateway could otherwise roll the node back to any older signed generation it kept.
+    applied_generation_mark: int = 0
 
     @property
     def pin(self) -> JoinKeyPin:
@@ -92,6 +99,7 @@ class Identity:
             "address": self.address,
             "gateway_ca_pem": self.gateway_ca_pem,
             "server_time_mark_ms": self.server_time_mark_ms,
+            "applied_generation_mark": self.applied_generation_mark,
         }
         return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
 
@@ -133,8 +141,8 @@ def load(data_dir: str | os.PathLike[str]) -> Identity:
         raise IdentityError(f"{source}: not JSON: {exc}") from None
     if not isinstance(doc, dict):
         raise IdentityError(f"{source}: must be a JSON object")
-    if set(doc) != _KEYS:
-        extra, missing = sorted(set(doc) - _KEYS), sorted(_KEYS - set(doc))
+    if set(doc) - _OPTIONAL_KEYS != _KEYS:
+        extra, missing = sorted(set(doc) - _KEYS - _OPTIONAL_KEYS), sorted(_KEYS - set(doc))
         named = (("unknown keys", extra), ("missing keys", missing))
         parts = [f"{what} {keys}" for what, keys in named if keys]
         raise IdentityError(f"{source}: {', '.join(parts)}")
@@ -168,6 +176,9 @@ def load(data_dir: str | os.PathLike[str]) -> Identity:
     mark = doc["server_time_mark_ms"]
     if isinstance(mark, bool) or not isinstance(mark, int) or mark < 0:
         raise IdentityError(f"{source}: server_time_mark_ms: must be a non-negative integer")
+    generation = doc.get("applied_generation_mark", 0)
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+        raise IdentityError(f"{source}: applied_generation_mark: must be a non-negative integer")
     pin = _str(doc, "join_pin", source)
     try:
         JoinKeyPin.parse(pin)
@@ -182,6 +193,7 @@ def load(data_dir: str | os.PathLike[str]) -> Identity:
         trust_bundle=bundle,
         gateway_ca_pem=ca,
         server_time_mark_ms=mark,
+        applied_generation_mark=generation,
     )
 
 
@@ -221,6 +233,15 @@ def with_mark(identity: Identity, mark_ms: int) -> Identity:
         identity
         if mark_ms <= identity.server_time_mark_ms
         else attrs.evolve(identity, server_time_mark_ms=mark_ms)
+    )
+
+
+def with_generation(identity: Identity, generation: int) -> Identity:
+    """The identity with its applied generation mark raised to `generation` (it never moves back)."""
+    return (
+        identity
+        if generation <= identity.applied_generation_mark
+        else attrs.evolve(identity, applied_generation_mark=generation)
     )
 
 

@@ -2,7 +2,10 @@
 
 `judge(envelope, ...)` returns one verdict:
 
-- `Ignored`: a body for another node (DLV-RCV-13), or a generation not above the one held (DLV-RCV-14).
+- `Ignored`: a body for another node (DLV-RCV-13), a generation not above the one held (DLV-RCV-14), or
+  one below `floor`, the highest generation this node ever applied (identity.json's mirror: after a lost
+  journal no spec is held, and a gateway could otherwise roll the node back to any older signed
+  generation it kept; the generation at the floor itself is the current one and is taken again).
   Nothing is stored or applied; the reason is logged at debug level.
 - `Refused`: the body does not decode strictly, has neither `full` nor `patch`, or fails the signed-spec
   rule: once the trust bundle holds command-signing roots every spec must carry a valid `desired-state`
@@ -142,6 +145,7 @@ def judge(
     trust: TrustBundle | None,
     now: dt.datetime,
     cache: ChainCache | None = None,
+    floor: int = 0,
 ) -> Verdict:
     """Judge a received DesiredState (see the module docstring)."""
     raw = bytes(envelope.body)
@@ -156,6 +160,11 @@ def judge(
     held_generation = applied.generation if applied is not None else 0
     if body.generation <= held_generation:
         return Ignored(f"generation {body.generation} is not above the held generation {held_generation}")
+    if body.generation < floor:
+        return Ignored(
+            f"generation {body.generation} is below generation {floor}, which this node applied before"
+            " (identity.json): a lost journal does not take the node back"
+        )
     if body.full is None and body.patch is None:
         return Refused(f"generation {body.generation}: the body holds neither a full spec nor a patch")
     why = check_signature(raw, signature, chain, trust, now, cache)
