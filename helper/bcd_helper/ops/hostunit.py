@@ -12,7 +12,8 @@ Rules (host-config.md "Under bcd helper"; HST-HLP-03..12, 20..23, 33..36):
   cleans a unit that left the spec), with root's `[kubernetes] allowed_clusters`; for `sysctl`, root's
   `[host] sysctl_allow` (when set) refuses every key outside its prefixes;
 - for `mig-layout` the helper ignores the node's busy GPUs and uses root's own view
-  (bcd_helper.busy); for every other unit the node's list is passed through;
+  (bcd_helper.busy, with `passthrough`: a VM's GPU too), its reasons in the unit's retryable issue;
+  for every other unit the node's list is passed through;
 - writes go through the root-only rule (BoundedSystem, and the units' own path guard), programs
   are bounded to 20 minutes each, the operation to 30 minutes; k8s-join reads the token the node
   staged with file kind `k8s-token`;
@@ -99,17 +100,22 @@ def host_unit(call: Call, req: HostUnit) -> dict[str, Any]:
     units = importlib.import_module("bcd_shared.units")
     from bcd_shared.errors import StepError
 
+    reasons: tuple[tuple[str, str], ...] = ()
     if req.unit == "mig-layout":
         try:
-            busy = busy_gpus(call.system).gpus()
+            view = busy_gpus(call.system, passthrough=True)
+            busy = view.gpus()
             if ALL in busy:  # a MIG process or an unreadable hold: every GPU is busy
                 busy = (busy - {ALL}) | frozenset(known_gpus(call.system) or ())
+                every = next(why for g, why in view.by_gpu if g == ALL)
+                reasons = tuple((g, every) for g in busy)
+            reasons = view.by_gpu + reasons
         except BusyUnknown as exc:
             raise Failed("busy-unknown", f"host.unit: {exc}") from None
     else:
         busy = frozenset(req.busy_gpus)
     pins = tuple(units.ClusterPin(c.server, c.ca_sha256) for c in call.ctx.config.allowed_clusters)
-    uctx = units.UnitContext(busy_gpus=busy, allowed_clusters=pins)
+    uctx = units.UnitContext(busy_gpus=busy, allowed_clusters=pins, busy_reasons=reasons)
     try:
         settings = None if req.settings is None else unit.decode_settings(req.settings)
     except StepError as exc:
