@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bcd_helper.ops.hostunit import HostUnit, host_unit
 from bcd_shared.system import CommandResult
 from bcd_simhost import sim_system
 from bcd_simhost.gpus import gpu_uuid
@@ -181,3 +182,26 @@ def test_round8_passthrough_view_in_process(tmp_path: Path) -> None:
         passthrough_gpus(system)
     )
     assert busy_gpus(system, passthrough=True).reason(gpu_uuid(2)) is not None
+
+
+def test_round8_mig_layout_holds_the_gpus_lock_from_its_busy_read_to_its_end(tmp_path: Path) -> None:
+    """`host.unit` took only the `units` lock: a `libvirt.start` or `ch.vfio` (which take `gpus`) could pass
+    a GPU through between mig-layout's busy read and its `nvidia-smi mig` calls. Now mig-layout takes
+    `gpus` too: while another op holds it, the request waits and, past its deadline, is refused `busy`
+    with nothing run; another unit does not wait for it."""
+    from opskit import call, context, make_root, programs, refused
+
+    root = make_root(tmp_path)
+    ctx = context(root)
+    ctx.locks["gpus"].acquire()  # a VM start, a reset or a hold write in progress
+    try:
+        assert refused(
+            host_unit, call(ctx, timeout_s=0.05), HostUnit("mig-layout", settings='{"layout":"all-disabled"}')
+        ) == ("busy", "host.unit: mig-layout: another operation holds the helper's gpus lock")
+        assert programs(ctx).runs == []
+        (root / "proc/sys/vm").mkdir(parents=True)
+        assert host_unit(call(ctx), HostUnit("sysctl", settings=None))["unit"] == "sysctl"
+    finally:
+        ctx.locks["gpus"].release()
+    assert host_unit(call(ctx), HostUnit("mig-layout", settings=None))["issues"] == []
+    assert not ctx.locks["gpus"].locked()  # released at the unit's end
