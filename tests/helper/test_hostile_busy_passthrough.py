@@ -205,3 +205,19 @@ def test_round8_mig_layout_holds_the_gpus_lock_from_its_busy_read_to_its_end(tmp
         ctx.locks["gpus"].release()
     assert host_unit(call(ctx), HostUnit("mig-layout", settings=None))["issues"] == []
     assert not ctx.locks["gpus"].locked()  # released at the unit's end
+
+
+def test_round8_an_unreadable_driver_binding_fails_the_check(tmp_path: Path) -> None:
+    """A `driver` entry root cannot read as a link (here a plain file: EINVAL) is no proof the GPU is off
+    vfio-pci: the check fails (`BusyUnknown`, the ops' `busy-unknown`) instead of taking the GPU for
+    free. A missing link (an unbound device) is free."""
+    from bcd_helper.busy import BusyUnknown, passthrough_gpus
+
+    root = make_root(tmp_path)
+    lay_out_pci(root, [(FREE_GPU, "0x030200", 12, "nvidia")])
+    link = root / f"sys/bus/pci/devices/{FREE_GPU}/driver"
+    link.unlink()
+    assert passthrough_gpus(sim_system(root)) == []
+    link.write_text("vfio-pci\n")
+    with pytest.raises(BusyUnknown, match=f"cannot read /sys/bus/pci/devices/{FREE_GPU}/driver"):
+        passthrough_gpus(sim_system(root))
