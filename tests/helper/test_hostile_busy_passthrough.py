@@ -221,3 +221,29 @@ def test_round8_an_unreadable_driver_binding_fails_the_check(tmp_path: Path) -> 
     link.write_text("vfio-pci\n")
     with pytest.raises(BusyUnknown, match=f"cannot read /sys/bus/pci/devices/{FREE_GPU}/driver"):
         passthrough_gpus(sim_system(root))
+
+
+def test_round8_the_mig_units_issue_names_roots_reasons_for_the_gpus_it_left_alone() -> None:
+    """In process (the unit as root runs it): the reasons root passes (`UnitContext.busy_reasons`) end
+    the retryable issue, once each, only for the busy GPUs the unit left alone (a reason for a GPU already
+    at the layout, or for another GPU, is not repeated); without reasons (the node's own run) the message
+    is the seeds' word for word."""
+    from bcd_shared.units import REGISTRY
+    from bcd_shared.units.mig import MigGpu, MigObserved
+
+    unit = REGISTRY["mig-layout"]
+    settings = unit.decode_settings(json.dumps({"layout": "all-disabled"}))
+    gpus = tuple(MigGpu(str(i), f"GPU-{i}", "Enabled", "Enabled", (), ()) for i in range(2))
+    gpus += (MigGpu("2", "GPU-2", "Disabled", "Disabled", (), ()),)
+    busy = frozenset({"GPU-0", "GPU-1", "GPU-2"})
+    vfio = ("GPU-1", "GPU-1 is on vfio-pci")
+    why = (vfio, ("GPU-2", "GPU-2 at the layout"), vfio)
+    why += (("GPU-9", "another GPU"), ("GPU-0", "GPU-0 is held by a1"))
+    issue = unit.plan(settings, MigObserved(gpus, busy, why)).issues[0]
+    assert (issue.kind, issue.message) == (
+        "retryable",
+        "mig-layout: GPU-0, GPU-1 hold allocations; they are repartitioned once those end "
+        "(GPU-1 is on vfio-pci; GPU-0 is held by a1)",
+    )
+    plain = unit.plan(settings, MigObserved(gpus, busy)).issues[0].message
+    assert plain == "mig-layout: GPU-0, GPU-1 hold allocations; they are repartitioned once those end"
