@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bcd_helper.busy import ALL as ALL_GPUS
 from bcd_helper.ops.hostunit import HostUnit, host_unit
 from bcd_shared.system import CommandResult
 from bcd_simhost import sim_system
@@ -247,3 +249,127 @@ def test_round8_the_mig_units_issue_names_roots_reasons_for_the_gpus_it_left_alo
     )
     plain = unit.plan(settings, MigObserved(gpus, busy)).issues[0].message
     assert plain == "mig-layout: GPU-0, GPU-1 hold allocations; they are repartitioned once those end"
+
+
+def test_round8_passthrough_reads_every_gpu_group_and_staged_definition_in_process(tmp_path: Path) -> None:
+    """In process, word for word: root's nvidia-smi rows (a blank or UUID-less row skipped, not the end;
+    asked with the 60 s bound), every listed GPU's group (a peer on a host driver frees nothing, a peer on
+    vfio-pci names the first such), every staged definition in order (a state file, a dangling entry and
+    one root cannot parse do not end the walk), every hostdev of each (one without a PCI address skipped),
+    matched by sysfs's lowercase address."""
+    from bcd_helper.busy import ALL, STAGE_DIR, BusyUnknown, passthrough_gpus
+    from opskit import Programs
+
+    rows = [
+        f"{gpu_uuid(5)}, 00000000:AB:00.0",
+        "\udcff, 00000000:99:00.0",  # a byte that is no UTF-8: replaced, its row read on
+        "",
+        f"{gpu_uuid(0)}, 00000000:18:00.0",
+        ", 00000000:9A:00.0",
+        f"{gpu_uuid(1)}, 00000000:2A:00.0",
+        f"{gpu_uuid(2)}, 00000000:3A:00.0",
+        f"{gpu_uuid(4)}, 00000000:9A:00.0",
+    ]
+    answer = {"rc": 0}
+
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv == ("nvidia-smi", "--query-gpu=uuid,pci.bus_id", "--format=csv,noheader"):
+            return answer["rc"], "\n".join(rows).encode(errors="surrogateescape"), b"no driver"
+        return 0, b"", b""
+
+    root = tmp_path / "host"
+    root.mkdir()
+    lay_out_pci(
+        root,
+        [
+            (VFIO_GPU, "0x030200", 10, "vfio-pci"),
+            (GROUPED_GPU, "0x030200", 11, "nvidia"),
+            (GROUPED_AUDIO, "0x040300", 11, "vfio-pci"),
+            (FREE_GPU, "0x030200", 12, "nvidia"),
+            ("0000:3a:00.1", "0x040300", 12, "snd_hda_intel"),
+            ("0000:9a:00.0", "0x030200", 14, "nvidia"),
+            ("0000:9a:00.1", "0x040300", 14, "vfio-pci"),
+            ("0000:ab:00.0", "0x030200", 15, "nvidia"),
+        ],
+    )
+    stage = root / STAGE_DIR.lstrip("/")
+    stage.mkdir(parents=True)
+
+    def definition(*buses: str) -> str:
+        """One hostdev without a whole PCI address (bus only), then hostdevs of these buses."""
+        address = "<address domain='0x0000' bus='{}' slot='0x00' function='0x0'/>"
+        hostdevs = [f"<hostdev><source>{address.format(b)}</source></hostdev>" for b in ("", *buses)]
+        hostdevs[0] = "<hostdev><source><address bus='0x2a'/></source></hostdev>"
+        return f"<domain><devices>{''.join(hostdevs)}</devices></domain>"
+
+    (stage / "a1.xml").write_text(definition("0x77", "0xab"))  # 0x77: no GPU of this host
+    (stage / "b1.state").write_bytes(b"<not a definition")
+    (stage / "c1.xml").symlink_to(stage / "gone.xml")
+    (stage / "c2.xml").write_bytes(b"<domain")
+    (stage / "d1.xml").write_text(definition("0x3a"))
+    system = Programs(root, script)
+    grouped = "shares IOMMU group {g} with {d}, which is bound to vfio-pci: it is passed through to a VM"
+    assert passthrough_gpus(system) == [
+        (gpu_uuid(0), f"{gpu_uuid(0)} ({VFIO_GPU}) is bound to vfio-pci: it is passed through to a VM"),
+        (gpu_uuid(1), f"{gpu_uuid(1)} ({GROUPED_GPU}) " + grouped.format(g=11, d=GROUPED_AUDIO)),
+        (gpu_uuid(4), f"{gpu_uuid(4)} (0000:9a:00.0) " + grouped.format(g=14, d="0000:9a:00.1")),
+        (gpu_uuid(5), f"{gpu_uuid(5)} is passed through to instance a1 (0000:ab:00.0, root's definition)"),
+        (ALL, f"root's libvirt definition {STAGE_DIR}/c2.xml cannot be read: it may name any GPU"),
+        (gpu_uuid(2), f"{gpu_uuid(2)} is passed through to instance d1 (0000:3a:00.0, root's definition)"),
+    ]
+    assert system.timeouts == [60]
+    answer["rc"] = 9
+    with pytest.raises(BusyUnknown, match=r"^cannot list GPUs: nvidia-smi exited 9: no driver$"):
+        passthrough_gpus(system)
+    answer["rc"] = 127
+    assert passthrough_gpus(system) == [
+        (ALL, f"root's libvirt definition {STAGE_DIR}/c2.xml cannot be read: it may name any GPU")
+    ]
+
+
+def test_round8_mig_layout_hands_the_unit_roots_passthrough_view_and_its_reasons(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In process, with a stand-in unit: mig-layout's busy GPUs are root's view with `passthrough` (the GPU
+    on vfio-pci), and its reasons reach the unit (`busy_reasons`): root's own, then, when something makes
+    every GPU busy (a MIG process), that reason for each GPU root's nvidia-smi lists."""
+    import bcd_shared.units
+    from bcd_helper.ops import hostunit
+    from opskit import call, context
+
+    handed: list[Any] = []
+
+    class StandIn:
+        def decode_settings(self, text: str) -> str:
+            return text
+
+    def converge(unit: Any, settings: Any, system: Any, uctx: Any, actx: Any) -> Any:
+        handed.append(uctx)
+        return types.SimpleNamespace(changed=False, steps_done=(), issues=[], conditions=[])
+
+    monkeypatch.setattr(hostunit, "unit_registry", lambda: {"mig-layout": StandIn()})
+    monkeypatch.setattr(bcd_shared.units, "converge_unit", converge)
+    mig = "MIG-5f1c2a90-0000-4000-8000-000000000009"
+    apps = {"out": b""}
+
+    def script(argv: tuple[str, ...]) -> tuple[int, bytes, bytes]:
+        if argv[1] == "--query-gpu=uuid,pci.bus_id":
+            return 0, f"{gpu_uuid(0)}, 00000000:18:00.0\n{gpu_uuid(2)}, 00000000:3A:00.0\n".encode(), b""
+        if argv[1] == "--query-gpu=uuid":
+            return 0, f"{gpu_uuid(0)}\n{gpu_uuid(2)}\n".encode(), b""
+        return 0, apps["out"], b""
+
+    root = tmp_path / "host"
+    root.mkdir()
+    lay_out_pci(root, [(VFIO_GPU, "0x030200", 10, "vfio-pci"), (FREE_GPU, "0x030200", 12, "nvidia")])
+    ctx = context(root, script=script)
+    bound = (gpu_uuid(0), f"{gpu_uuid(0)} ({VFIO_GPU}) is bound to vfio-pci: it is passed through to a VM")
+    host_unit(call(ctx), HostUnit("mig-layout", settings="{}", busy_gpus=(gpu_uuid(2),)))
+    assert (handed[-1].busy_gpus, handed[-1].busy_reasons) == (frozenset({gpu_uuid(0)}), (bound,))
+    apps["out"] = f"{mig}, 8\n".encode()
+    host_unit(call(ctx), HostUnit("mig-layout", settings="{}"))
+    every = f"a MIG device ({mig}) runs compute process 8"
+    assert (handed[-1].busy_gpus, handed[-1].busy_reasons) == (
+        frozenset({gpu_uuid(0), gpu_uuid(2)}),
+        ((ALL_GPUS, every), bound, (gpu_uuid(0), every), (gpu_uuid(2), every)),
+    )

@@ -133,7 +133,7 @@ def _converge(call: Call, req: HostUnit, unit: Any, verifier: Any, next_state: A
             if ALL in busy:  # a MIG process or an unreadable hold: every GPU is busy
                 busy = (busy - {ALL}) | frozenset(known_gpus(call.system) or ())
                 every = next(why for g, why in view.by_gpu if g == ALL)
-                reasons = tuple((g, every) for g in busy)
+                reasons = tuple((g, every) for g in sorted(busy))
             reasons = view.by_gpu + reasons
         except BusyUnknown as exc:
             raise Failed("busy-unknown", f"host.unit: {exc}") from None
