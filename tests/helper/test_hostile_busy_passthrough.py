@@ -251,6 +251,20 @@ def test_round8_the_mig_units_issue_names_roots_reasons_for_the_gpus_it_left_alo
     assert plain == "mig-layout: GPU-0, GPU-1 hold allocations; they are repartitioned once those end"
 
 
+def test_round8_the_mig_unit_observes_the_reasons_root_hands_it(tmp_path: Path) -> None:
+    """In process, over the simulated host's nvidia-smi: `observe` carries `UnitContext.busy_reasons` to
+    the plan unchanged, beside the busy GPUs."""
+    from bcd_shared.units import REGISTRY, UnitContext
+
+    unit = REGISTRY["mig-layout"]
+    why = ((gpu_uuid(0), "on vfio-pci"),)
+    ctx = UnitContext(busy_gpus=frozenset({f"{gpu_uuid(0)}/s1"}), busy_reasons=why)
+    observed = unit.observe(
+        sim_system(make_root(tmp_path)), unit.decode_settings('{"layout":"all-disabled"}'), ctx
+    )
+    assert (observed.busy, observed.why) == (frozenset({gpu_uuid(0)}), why)
+
+
 def test_round8_passthrough_reads_every_gpu_group_and_staged_definition_in_process(tmp_path: Path) -> None:
     """In process, word for word: root's nvidia-smi rows (a blank or UUID-less row skipped, not the end;
     asked with the 60 s bound), every listed GPU's group (a peer on a host driver frees nothing, a peer on
