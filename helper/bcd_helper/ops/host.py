@@ -1,11 +1,13 @@
 """gpu.reset, node.reboot and helper.ping: whole-host actions with root's own checks.
 
 gpu.reset (delivery.md "gpu.reset and live holds"; DLV-PRIV-09): 1 to 64 distinct GPU UUIDs. Root
-reads the busy GPUs itself (bcd_helper.busy): a GPU a live hold names, or one with compute
-processes, refuses the whole request (`gpu-busy`, naming the hold or process), so a reset never
-pulls a GPU from under a workload. A GPU nvidia-smi does not list comes back `reset: false,
-message: unknown GPU`. Each other GPU is reset with `nvidia-smi --gpu-reset -i <uuid>`; a failure
-is that GPU's message.
+reads the busy GPUs itself (bcd_helper.busy, with `passthrough`): a GPU a live hold or env file names,
+one with compute processes, or one a VM has through VFIO (bound to vfio-pci, in an IOMMU group with a
+device bound to it, or named by a libvirt definition root staged) refuses the whole request
+(`gpu-busy`, naming the hold, process or instance), so a reset never pulls a GPU from under a workload.
+A GPU nvidia-smi does not list (one already on vfio-pci among them) comes back `reset: false,
+message: unknown GPU`: no reset runs for it. Each other GPU is reset with
+`nvidia-smi --gpu-reset -i <uuid>`; a failure is that GPU's message.
 
 Signed commands (issue 9 item 10): with command-signing roots (bcd_helper.intent: pins, root's join record,
 a presented bundle), both ops need the signed Command the node received (`command`: body, signature,
@@ -98,7 +100,7 @@ def gpu_reset(call: Call, req: GpuReset) -> dict[str, Any]:
             )
         call.ctx.intent_verifier().used.check("gpu.reset", signed.id, req.gpu_uuids, _now_ms())
     try:
-        busy = busy_gpus(call.system)
+        busy = busy_gpus(call.system, passthrough=True)
         known = known_gpus(call.system)
     except BusyUnknown as exc:
         raise Failed("busy-unknown", f"gpu.reset: {exc}") from None

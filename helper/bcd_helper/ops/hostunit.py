@@ -12,7 +12,9 @@ Rules (host-config.md "Under bcd helper"; HST-HLP-03..12, 20..23, 33..36):
   cleans a unit that left the spec), with root's `[kubernetes] allowed_clusters`; for `sysctl`, root's
   `[host] sysctl_allow` (when set) refuses every key outside its prefixes;
 - for `mig-layout` the helper ignores the node's busy GPUs and uses root's own view
-  (bcd_helper.busy); for every other unit the node's list is passed through;
+  (bcd_helper.busy, with `passthrough`: a VM's GPU too), its reasons in the unit's retryable issue,
+  and holds the `gpus` lock from that read to the unit's end (a VM start, a reset or a hold write never
+  passes between); for every other unit the node's list is passed through;
 - writes go through the root-only rule (BoundedSystem, and the units' own path guard), programs
   are bounded to 20 minutes each, the operation to 30 minutes; k8s-join reads the token the node
   staged with file kind `k8s-token`;
@@ -25,9 +27,10 @@ Rules (host-config.md "Under bcd helper"; HST-HLP-03..12, 20..23, 33..36):
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from attrs import frozen
@@ -86,6 +89,23 @@ def unit_registry() -> Mapping[str, Any] | None:
     return registry if isinstance(registry, Mapping) else None
 
 
+@contextlib.contextmanager
+def _holding_gpus(call: Call) -> Iterator[None]:
+    """The helper's `gpus` lock (after the op's `units`, as LOCK_ORDER takes them): `mig-layout` changes
+    what the GPUs are, so its busy read and its changes never pass beside a VM start, a reset or a hold
+    write, which take `gpus` too (round 8). Not had before the call's deadline: `busy`."""
+    lock = call.ctx.locks.get("gpus")
+    if lock is None:  # a context without the op locks (in process)
+        yield
+        return
+    if not lock.acquire(timeout=max(call.deadline.remaining(), 0.001)):
+        raise Refused("busy", "host.unit: mig-layout: another operation holds the helper's gpus lock")
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 def host_unit(call: Call, req: HostUnit) -> dict[str, Any]:
     check_request(call, req)
     verifier = call.ctx.intent_verifier()
@@ -96,20 +116,31 @@ def host_unit(call: Call, req: HostUnit) -> dict[str, Any]:
     unit = registry.get(req.unit)
     if unit is None:
         raise Refused("not-supported", f"host.unit: {req.unit}: not supported")
+    with _holding_gpus(call) if req.unit == "mig-layout" else contextlib.nullcontext():
+        return _converge(call, req, unit, verifier, next_state)
+
+
+def _converge(call: Call, req: HostUnit, unit: Any, verifier: Any, next_state: Any) -> dict[str, Any]:
+    """Root's busy GPUs (mig-layout), the settings' own rules, root's intent state, then the unit."""
     units = importlib.import_module("bcd_shared.units")
     from bcd_shared.errors import StepError
 
+    reasons: tuple[tuple[str, str], ...] = ()
     if req.unit == "mig-layout":
         try:
-            busy = busy_gpus(call.system).gpus()
+            view = busy_gpus(call.system, passthrough=True)
+            busy = view.gpus()
             if ALL in busy:  # a MIG process or an unreadable hold: every GPU is busy
                 busy = (busy - {ALL}) | frozenset(known_gpus(call.system) or ())
+                every = next(why for g, why in view.by_gpu if g == ALL)
+                reasons = tuple((g, every) for g in sorted(busy))
+            reasons = view.by_gpu + reasons
         except BusyUnknown as exc:
             raise Failed("busy-unknown", f"host.unit: {exc}") from None
     else:
         busy = frozenset(req.busy_gpus)
     pins = tuple(units.ClusterPin(c.server, c.ca_sha256) for c in call.ctx.config.allowed_clusters)
-    uctx = units.UnitContext(busy_gpus=busy, allowed_clusters=pins)
+    uctx = units.UnitContext(busy_gpus=busy, allowed_clusters=pins, busy_reasons=reasons)
     try:
         settings = None if req.settings is None else unit.decode_settings(req.settings)
     except StepError as exc:

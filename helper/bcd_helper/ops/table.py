@@ -8,9 +8,10 @@ ch.* and nft.* operations of the instances section slot in as rows of the same s
 
 Locks: `units` (host.unit: one unit at a time), `access` (access.apply: one render at a time),
 `gpus` (what changes the GPUs' holders: cdi files,
-gpu.reset, and host.unit for mig-layout via `units`), `system` (node.reboot, daemon.swap and
-daemon.confirm: a reboot never lands in the middle of a swap). Flag `nowait`: a held
-lock refuses the request as `busy` instead of waiting (a reboot never waits behind a driver install).
+gpu.reset, VM starts; host.unit takes it itself for mig-layout only, after `units`),
+`system` (node.reboot, daemon.swap and daemon.confirm: a reboot never lands in the middle of a swap).
+Flag `nowait`: a held lock refuses the request as `busy` instead of waiting (a reboot never waits
+behind a driver install).
 """
 
 from __future__ import annotations

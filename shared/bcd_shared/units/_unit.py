@@ -29,11 +29,14 @@ class UnitContext:
     """What a unit needs beyond its settings and the host.
 
     busy_gpus: device ids live holds use (GPU UUIDs, `<uuid>/gi<n>/ci<m>`, `<uuid>/s<n>`).
+    busy_reasons: (GPU UUID, why it is busy) as the helper read it (root's busy view), so that a unit
+    leaving a GPU alone says why; the node passes none.
     allowed_clusters: root's `[kubernetes] allowed_clusters` (the helper passes its own).
     identity_labels: `bcd.dev/node-id`, `bcd.dev/site`, `bcd.dev/gpu.*` that k8s-join keeps.
     """
 
     busy_gpus: frozenset[str] = frozenset()
+    busy_reasons: tuple[tuple[str, str], ...] = ()
     allowed_clusters: tuple[ClusterPin, ...] = ()
     identity_labels: tuple[tuple[str, str], ...] = ()
 

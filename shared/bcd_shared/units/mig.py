@@ -101,6 +101,7 @@ class MigGpu:
 class MigObserved:
     gpus: tuple[MigGpu, ...] | None
     busy: frozenset[str]
+    why: tuple[tuple[str, str], ...] = ()  # UnitContext.busy_reasons: the helper's reasons, for the message
 
 
 @frozen
@@ -208,7 +209,7 @@ class MigLayout(ConfigUnit[MigSettings, MigObserved]):
                 continue  # HST-MIG-12: not MIG-capable
             i = int(idx)
             gpus.append(MigGpu(idx, uuid, cur, pend, lgip.get(i, ()), lgi.get(i, ())))
-        return MigObserved(tuple(gpus), frozenset(gpu_of(d) for d in ctx.busy_gpus))
+        return MigObserved(tuple(gpus), frozenset(gpu_of(d) for d in ctx.busy_gpus), ctx.busy_reasons)
 
     def plan(self, settings: MigSettings | None, observed: MigObserved) -> Plan:
         if settings is None or settings.parsed is None:
@@ -232,12 +233,11 @@ class MigLayout(ConfigUnit[MigSettings, MigObserved]):
             steps.extend(wanted)
         issues = []
         if busy:
-            issues.append(
-                Issue(
-                    "retryable",
-                    f"mig-layout: {', '.join(busy)} hold allocations; they are repartitioned once those end",
-                )
-            )
+            message = f"mig-layout: {', '.join(busy)} hold allocations; they are repartitioned once those end"
+            why = [w for g, w in observed.why if g in busy]
+            if why:  # the helper's own reasons (a VM's GPU holds no allocation)
+                message += f" ({'; '.join(dict.fromkeys(why))})"
+            issues.append(Issue("retryable", message))
         return Plan(tuple(steps), tuple(issues))
 
 
