@@ -1,0 +1,52 @@
+"""Red team round 8 (docs/helper.md, "Threat model, round 8"): the node's account, compromised, against
+every op's arguments at their limits, the paths root touches, the libvirt and cloud-hypervisor ops, the
+audit log and per-peer resources, as a real unprivileged client (a forked child dropped to the node's uid,
+hostilekit.as_node: SO_PEERCRED sees that uid) against a real `bcd helper serve` over a simulated host, or
+on the real libvirt 9.0 (qemu:///system, TCG) where libvirt's own parsing is the point. Each test failed
+on the code before its fix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from helperproc import HelperProcess
+from hostilekit import as_node, refused_as_node
+from intentkit import hold_text
+
+GPU0 = "GPU-5f1c2a90-0000-4000-8000-000000000001"  # the simulated host's GPU 0
+
+
+def _hold(**annotations: str) -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads(hold_text("r8", [(GPU0, None)], ["BCD_ALLOCATION_ID=r8"]))
+    doc["annotations"].update(annotations)
+    return doc
+
+
+def test_round8_a_holds_numbers_are_ascii_decimal_refused_by_field_never_an_internal_failure(
+    helper: HelperProcess,
+) -> None:
+    """A CDI hold's `bcd.dev/generation` was checked with `str.isdigit` and read with `int()`, its
+    `cdiVersion` with `\\d+`: '²' and '①' (digits to isdigit, not to int) and a generation of 4,301 digits
+    (past Python's integer-string limit) failed the write as `internal` (the interpreter's ValueError
+    answered), a cdiVersion of 4,400 digits too, and Arabic-Indic digits were written into
+    /etc/cdi as the hold's generation and version (which CDI's loaders, reading ASCII, refuse). Now both
+    are ASCII digits, bounded: `bad-content` naming the field, nothing written."""
+
+    def write(doc: dict[str, Any]) -> dict[str, Any]:
+        return {"op": "file.write", "args": {"kind": "cdi", "id": "r8", "content": json.dumps(doc)}}
+
+    # One refusal checked whole (audited as the node's, nothing under the root changed), the rest by answer.
+    refused_as_node(helper, write(_hold(**{"bcd.dev/generation": "²"})), "bad-content",
+                    "annotations.bcd.dev/generation: must be a decimal generation")  # fmt: skip
+    docs = [_hold(**{"bcd.dev/generation": g}) for g in ("①", "9" * 4301, "٣", "1" * 21, "+1", " 1")]
+    docs += [{**_hold(), "cdiVersion": v} for v in ("٠.٦.٠", "9" * 4400 + ".6.0", "0.٦.0")]
+    for doc in docs:
+        answer = as_node(helper, write(doc))
+        assert (answer["ok"], answer.get("reason")) == (False, "bad-content"), answer
+        assert "generation" in answer["message"] or "cdiVersion" in answer["message"], answer
+    assert not (helper.root / "etc/cdi/bcd-r8.json").exists()
+    assert as_node(helper, write(_hold()))["ok"] is True  # the planner's hold, as before
