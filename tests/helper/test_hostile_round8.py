@@ -50,3 +50,43 @@ def test_round8_a_holds_numbers_are_ascii_decimal_refused_by_field_never_an_inte
         assert "generation" in answer["message"] or "cdiVersion" in answer["message"], answer
     assert not (helper.root / "etc/cdi/bcd-r8.json").exists()
     assert as_node(helper, write(_hold()))["ok"] is True  # the planner's hold, as before
+
+
+# The real helper on the real libvirt (qemu:///system, TCG), as rounds 4 and 7 drive it (their fixtures).
+from test_hostile_round4 import Guest, _node_owns, guest, node_wins_the_race, real_libvirt  # noqa: E402, F401
+from test_hostile_round7 import _as_kvm_node  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "instances"))
+from test_guest_boot_real import bridge, helper_socket, workdir  # noqa: E402, F401  (fixtures)
+
+
+def test_round8_an_instance_id_of_digits_never_reaches_the_domain_running_with_that_id(
+    guest: Guest,  # noqa: F811
+    helper_socket: tuple[str, Path],  # noqa: F811
+) -> None:
+    """virsh looks a domain argument up by id first, then by UUID, then by name, and root handed it the
+    instance id as sent: `libvirt.resume` (or destroy, suspend, setmem, save, ...) of the name "5", an
+    instance id of digits, acted on whichever domain libvirt runs with id 5, another instance's. With
+    roots the resume rule is checked for the instance named (a spec wanting "5" RUNNING), so the node
+    resumed a guest its spec keeps PAUSED; an honest node with an instance "5" would destroy another
+    tenant's guest. Now root's read of the domain (`dumpxml`, which every libvirt.* op makes first) must
+    be the domain of that name (`bad-name`), and nothing is run. Real libvirt 9.0 (TCG)."""
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from test_guest_boot_real import _virsh
+
+    sock, home = helper_socket
+    home.chmod(0o751)  # the node's account reaches its socket (root-only config and audit stay so)
+    name = guest.name
+    _node_owns(guest.data)
+    guest.rt.create(guest.inst, Prepared())
+    _node_owns(guest.data)
+    answer = _as_kvm_node(sock, {"op": "libvirt.start", "args": {"name": name, "paused": True}})
+    assert answer["ok"] is True, answer
+    domid = _virsh("domid", name).strip()
+    assert domid.isdigit(), domid
+    for op in ("libvirt.resume", "libvirt.destroy"):
+        answer = _as_kvm_node(sock, {"op": op, "args": {"name": domid}})
+        assert (answer["ok"], answer.get("reason")) == (False, "bad-name"), answer
+        assert f"virsh reads '{domid}' as the id or UUID of domain '{name}'" in answer["message"], answer
+        assert _virsh("domstate", name).strip() == "paused"
+    assert _as_kvm_node(sock, {"op": "libvirt.destroy", "args": {"name": name}})["ok"] is True

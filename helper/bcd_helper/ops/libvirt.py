@@ -165,7 +165,24 @@ def _managed(call: Call, op: str, name: str) -> bytes:
         raise Refused("no-domain", f"{op}: no domain {name}")
     if not is_bcds(xml):
         raise Refused("unmanaged", f"{op}: domain {name} is not bcd's: it is never changed")
+    _same_name(op, name, xml)
     return xml
+
+
+def _same_name(op: str, name: str, xml: bytes) -> None:
+    """virsh looks a domain argument up by id first, then by UUID, then by name: an instance id of digits
+    names whichever domain runs with that id (another instance's), and the virsh command after the read
+    acts on that one too (red team round 8). Root's read must be the domain of that name."""
+    try:
+        found = (ET.fromstring(xml).findtext("name") or "").strip()  # noqa: S314 (root's own libvirt output)
+    except ET.ParseError:
+        return  # not a definition: the caller's own checks refuse it (is_bcds), as before
+    if found != name:
+        raise Refused(
+            "bad-name",
+            f"{op}: name: virsh reads {name!r} as the id or UUID of domain {found[:80]!r}: root acts only "
+            "on the domain of that name (try again once that domain stops)",
+        )
 
 
 def host_gpus(call: Call) -> frozenset[str]:
@@ -746,7 +763,10 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
         raise Refused("no-state", f"{op}: {state} must be a regular file with one link")
     # Descriptors are associated with a defined domain only: a restore of a name libvirt does not know
     # (a transient domain) keeps paths, relabelling off.
-    staged_xml = root_definition(data, _fd_passing(call) and root_dumpxml(call, name) is not None)
+    existing = root_dumpxml(call, name) if _fd_passing(call) else None
+    if existing is not None:
+        _same_name(op, name, existing)  # `dom-fd-associate NAME` below looks it up as virsh does
+    staged_xml = root_definition(data, existing is not None)
     fd = _state_fd(call, op, name, state)
     held: list[Held] = []
     try:
