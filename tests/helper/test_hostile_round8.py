@@ -8,7 +8,6 @@ on the code before its fix."""
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,10 +39,12 @@ def test_round8_a_holds_numbers_are_ascii_decimal_refused_by_field_never_an_inte
         return {"op": "file.write", "args": {"kind": "cdi", "id": "r8", "content": json.dumps(doc)}}
 
     # One refusal checked whole (audited as the node's, nothing under the root changed), the rest by answer.
-    refused_as_node(helper, write(_hold(**{"bcd.dev/generation": "²"})), "bad-content",
+    refused_as_node(helper, write(_hold(**{"bcd.dev/generation": "\u00b2"})), "bad-content",
                     "annotations.bcd.dev/generation: must be a decimal generation")  # fmt: skip
-    docs = [_hold(**{"bcd.dev/generation": g}) for g in ("①", "9" * 4301, "٣", "1" * 21, "+1", " 1")]
-    docs += [{**_hold(), "cdiVersion": v} for v in ("٠.٦.٠", "9" * 4400 + ".6.0", "0.٦.0")]
+    generations = ("\u2460", "9" * 4301, "\u0663", "1" * 21, "+1", " 1")
+    versions = ("\u0660.\u0666.\u0660", "9" * 4400 + ".6.0", "0.\u0666.0")
+    docs = [_hold(**{"bcd.dev/generation": g}) for g in generations]
+    docs += [{**_hold(), "cdiVersion": v} for v in versions]
     for doc in docs:
         answer = as_node(helper, write(doc))
         assert (answer["ok"], answer.get("reason")) == (False, "bad-content"), answer
