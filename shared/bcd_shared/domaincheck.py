@@ -418,10 +418,12 @@ def check_domain(data: bytes, policy: DomainPolicy) -> CheckedDomain:
         raise DomainRefused("element", f"the document is <{str(root.tag)[:80]}>, not <domain>")
     _attrs(root, "domain", ALLOWED["domain"])
     _walk(root, "")
-    name = (root.findtext("name") or "").strip()
+    # Exactly as written: libvirt takes the text as it is, so `<name> vm </name>` is the domain ' vm '
+    # (red team round 8: stripped, it passed for vm and left a domain no root op reaches).
+    name = root.findtext("name") or ""
     if name != policy.instance_id:
         raise DomainRefused("name", f"the domain is named {name[:80]!r}, not {policy.instance_id!r}")
-    uuid = (root.findtext("uuid") or "").strip()
+    uuid = root.findtext("uuid") or ""
     if uuid != domain_uuid(name):
         # bcd's UUID: libvirt itself then refuses to define it over a domain bcd did not create.
         raise DomainRefused("name", f"the domain's uuid {uuid[:40]!r} is not bcd's {domain_uuid(name)}")

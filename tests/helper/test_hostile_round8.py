@@ -8,6 +8,7 @@ on the code before its fix."""
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -91,3 +92,33 @@ def test_round8_an_instance_id_of_digits_never_reaches_the_domain_running_with_t
         assert f"virsh reads '{domid}' as the id or UUID of domain '{name}'" in answer["message"], answer
         assert _virsh("domstate", name).strip() == "paused"
     assert _as_kvm_node(sock, {"op": "libvirt.destroy", "args": {"name": name}})["ok"] is True
+
+
+def test_round8_a_definition_names_its_domain_exactly_as_libvirt_reads_it(
+    guest: Guest,  # noqa: F811
+    helper_socket: tuple[str, Path],  # noqa: F811
+) -> None:
+    """Root compared the definition's `<name>` with the instance id after stripping it, libvirt takes the
+    text as it is: `<name> vm </name>` passed root's check for `vm` and libvirt defined a domain named
+    ' vm ' with vm's UUID, which no libvirt.* op reaches by name (the ids are checked; `virsh undefine vm`
+    finds nothing), so root could never undefine it, and vm itself could not be defined again while it
+    held the UUID. Now the name and UUID are compared exactly as written (`domain-name`). Real libvirt 9.0."""
+    from bcd_agent.sections.instances.runtimes.base import Prepared
+    from test_guest_boot_real import _virsh
+
+    sock, home = helper_socket
+    home.chmod(0o751)
+    name = guest.name
+    _node_owns(guest.data)
+    guest.rt.create(guest.inst, Prepared())
+    _node_owns(guest.data)
+    xml = (guest.dir / "domain.xml").read_text()
+    assert _as_kvm_node(sock, {"op": "libvirt.undefine", "args": {"name": name}})["ok"] is True
+    spaced = xml.replace(f"<name>{name}</name>", f"<name> {name} </name>", 1)
+    assert spaced != xml
+    try:
+        answer = _as_kvm_node(sock, {"op": "libvirt.define", "args": {"name": name, "xml": spaced}})
+        assert (answer["ok"], answer.get("reason")) == (False, "domain-name"), answer
+        assert f" {name} " not in _virsh("list", "--all", "--name").splitlines()
+    finally:
+        subprocess.run(["virsh", "-c", "qemu:///system", "undefine", f" {name} "], capture_output=True)

@@ -174,7 +174,7 @@ def _same_name(op: str, name: str, xml: bytes) -> None:
     names whichever domain runs with that id (another instance's), and the virsh command after the read
     acts on that one too (red team round 8). Root's read must be the domain of that name."""
     try:
-        found = (ET.fromstring(xml).findtext("name") or "").strip()  # noqa: S314 (root's own libvirt output)
+        found = ET.fromstring(xml).findtext("name") or ""  # noqa: S314 (root's own libvirt output)
     except ET.ParseError:
         return  # not a definition: the caller's own checks refuse it (is_bcds), as before
     if found != name:
