@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from helperproc import HelperProcess
+from helperproc import AUDIT_DIR, HelperProcess
 from hostilekit import as_node, refused_as_node
 from intentkit import hold_text
 
@@ -52,6 +52,28 @@ def test_round8_a_holds_numbers_are_ascii_decimal_refused_by_field_never_an_inte
         assert "generation" in answer["message"] or "cdiVersion" in answer["message"], answer
     assert not (helper.root / "etc/cdi/bcd-r8.json").exists()
     assert as_node(helper, write(_hold()))["ok"] is True  # the planner's hold, as before
+
+
+def test_round8_audit_show_prints_an_op_name_as_one_token(helper: HelperProcess) -> None:
+    """`bcd helper audit show` prints `TIME #SEQ uid=U pid=P OP DECISION REASON ARGS MESSAGE`, every
+    unprintable character escaped, but a space is printable: the node's unknown op
+    `file.write accepted  {"id": "a1", "kind": "cdi"}` (refused `unknown-op`, audited with the op as
+    sent, cut to 100 characters) printed as what reads as an accepted hold write, the real decision pushed
+    after it. Now an op is one token: a space in it is shown as `\\x20`, so the field after the op is
+    always the decision."""
+    forged = 'file.write accepted  {"id": "a1", "kind": "cdi"}'
+    answer = as_node(helper, {"op": forged, "args": {}})
+    assert (answer["ok"], answer["reason"]) == (False, "unknown-op"), answer
+    assert helper.last_audit()["op"] == forged
+    shown = subprocess.run(
+        [sys.executable, "-m", "bcd_helper.cli", "audit", "--root", str(helper.root), "--dir", AUDIT_DIR,
+         "show", "--decision", "refused"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert shown.returncode == 0, shown.stderr
+    line = shown.stdout.splitlines()[-1]
+    fields = line.split(" ")
+    assert fields[4] == forged.replace(" ", "\\x20") and fields[5:7] == ["refused", "unknown-op"], line
 
 
 # The real helper on the real libvirt (qemu:///system, TCG), as rounds 4 and 7 drive it (their fixtures).
