@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from helperproc import AUDIT_DIR, HelperProcess
-from hostilekit import as_node, refused_as_node
+from hostilekit import NODE_UID, as_node, refused_as_node
 from intentkit import hold_text
 
 GPU0 = "GPU-5f1c2a90-0000-4000-8000-000000000001"  # the simulated host's GPU 0
@@ -74,6 +74,60 @@ def test_round8_audit_show_prints_an_op_name_as_one_token(helper: HelperProcess)
     line = shown.stdout.splitlines()[-1]
     fields = line.split(" ")
     assert fields[4] == forged.replace(" ", "\\x20") and fields[5:7] == ["refused", "unknown-op"], line
+
+
+def test_round8_ch_launch_reaches_the_base_image_and_volumes_without_a_symlink() -> None:
+    """`ch.launch` opened the instance directory without following a link, but reached the base image
+    (`cloud-hypervisor/images/<sha256>.<format>`) and the volumes (`volumes/<name>`) by path, checking
+    only the last component: a node that made `images` a symlink to a directory only root can enter had
+    root read the header of root's file there and launch the VMM with it bound read-only
+    (`BindReadOnlyPaths`, which systemd resolves as root, so a world-readable file a root-only directory
+    protects becomes the guest's). The libvirt ops refuse a symlink on the way from data_dir (round 3);
+    now `ch.launch` does too: `bad-image` / `bad-volume`, naming the link, before anything is granted."""
+    import shutil
+    import tempfile
+
+    from helperproc import make_root
+
+    parent = Path(tempfile.mkdtemp(prefix="bcd-r8-", dir="/var/tmp"))  # short: the VMM's socket paths
+    try:
+        _launch_through_links(make_root(parent))
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+
+
+def _launch_through_links(root: Path) -> None:
+    import os
+    import shutil
+
+    from bcd_shared.chunit import VMM_UID_BASE
+    from bcd_simhost.chapi import lay_out_instance
+    from helperproc import base_config
+
+    lay_out_instance(root, "vm1", NODE_UID, VMM_UID_BASE + 1, volumes=(("v1.raw", False),))
+    data = root / "var/lib/bcd"
+    hidden = root / "var/lib/root-only"
+    for link, reason in (("cloud-hypervisor/images", "bad-image"), ("volumes", "bad-volume")):
+        shutil.rmtree(hidden, ignore_errors=True)
+        shutil.move(data / link, hidden)  # the node's own files, behind a directory only root enters
+        os.chmod(hidden, 0o700)
+        os.chown(hidden, 0, 0)
+        (data / link).symlink_to(hidden)
+        os.lchown(data / link, NODE_UID, NODE_UID)
+        h = HelperProcess(root, base_config(extra='instance_bridges = "br0"\n'))
+        try:
+            answer = refused_as_node(h, {"op": "ch.launch", "args": {"name": "vm1"}}, reason)
+            assert "a symlink on the way" in answer["message"], answer
+        finally:
+            h.stop()
+        (data / link).unlink()
+        shutil.move(hidden, data / link)
+        os.chown(data / link, NODE_UID, NODE_UID)
+    h = HelperProcess(root, base_config(extra='instance_bridges = "br0"\n'))
+    try:
+        assert as_node(h, {"op": "ch.launch", "args": {"name": "vm1"}})["ok"] is True  # as laid out: taken
+    finally:
+        h.stop()
 
 
 # The real helper on the real libvirt (qemu:///system, TCG), as rounds 4 and 7 drive it (their fixtures).

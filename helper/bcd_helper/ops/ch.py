@@ -353,6 +353,7 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
     elif rec.image_sha256 is not None:
         base = f"{ch_images_dir(data_dir)}/{rec.image_sha256}.{rec.image_format}"
         real = call.system.host_path(base)
+        _no_link_on_the_way(call, op, base, "bad-image")
         try:
             bst = os.lstat(real)
         except OSError:
@@ -373,6 +374,7 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
     store = volumes_dir(data_dir)
     for vol in rec.volumes:
         path = f"{store}/{vol.name}"
+        _no_link_on_the_way(call, op, path, "bad-volume")
         try:
             vst = os.lstat(call.system.host_path(path))
         except OSError:
@@ -390,6 +392,22 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
         if foreign:
             raise Refused("not-this-hosts-gpu", f"{op}: {', '.join(foreign)} is not a GPU of this host")
     return Checked(rec, inst, base, tuple(rw), tuple(ro))
+
+
+def _no_link_on_the_way(call: Call, op: str, path: str, reason: str) -> None:
+    """No directory between data_dir and `path` is a symlink (each lstat'ed): the unit binds `path`, which
+    systemd resolves as root, so a linked `images` or `volumes` directory of the node's would bind a file
+    of a directory only root enters (red team round 8; the libvirt ops' host_check rule)."""
+    data_dir = call.ctx.config.data_dir.rstrip("/")
+    cur = call.system.host_path(data_dir or "/")
+    for part in path[len(data_dir) + 1 :].split("/")[:-1]:
+        cur = cur / part
+        try:
+            link = stat.S_ISLNK(os.lstat(cur).st_mode)
+        except OSError:
+            return  # missing: the caller's own lstat names it
+        if link:
+            raise Refused(reason, f"{op}: {path}: a symlink on the way ({part}): none may be from data_dir")
 
 
 def _running_units(call: Call) -> dict[str, int]:
