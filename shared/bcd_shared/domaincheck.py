@@ -195,6 +195,61 @@ class Disk:
 
 
 @frozen
+class Placed:
+    """Where a domain runs, in one normal form for the signed spec's placement: the host CPUs its vCPUs
+    may run on (None: any), its memory's NUMA nodes (None: any) and its huge page size (0: none)."""
+
+    cpus: frozenset[int] | None
+    mems: frozenset[int] | None
+    hugepage_bytes: int
+
+
+def cpu_set(text: str) -> frozenset[int]:
+    """A cpulist (`0-3,8`) as a set; ValueError when it is not one (ASCII digits, ranges that run up)."""
+    out: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        if not (lo.isascii() and lo.isdigit() and (not hi or (hi.isascii() and hi.isdigit()))):
+            raise ValueError(f"{text[:80]!r} is not a cpulist")
+        a, b = int(lo), int(hi or lo)
+        if b < a or b > 65535:
+            raise ValueError(f"{text[:80]!r} is not a cpulist")
+        out.update(range(a, b + 1))
+    return frozenset(out)
+
+
+def placement_of(root: ET.Element, vcpus: int) -> Placed:
+    """The placement a definition (or libvirt's dumpxml of it) gives: each vCPU's CPUs are its
+    `cputune/vcpupin`, else `<vcpu cpuset>`, else any; the guest's are their union, and any when one
+    vCPU may run anywhere (red team round 8). ValueError on a cpulist that is not one."""
+    vcpu = root.find("vcpu")
+    common = vcpu.get("cpuset") if vcpu is not None else None
+    pinned = root.findall("cputune/vcpupin")
+    pins = {p.get("vcpu", ""): p.get("cpuset", "") for p in pinned}
+    if len(pins) != len(pinned):  # which one would libvirt take? neither: refused
+        raise ValueError("a vCPU is pinned twice")
+    cpus: set[int] = set()
+    anywhere = False
+    for i in range(vcpus):
+        own = pins.get(str(i), common)
+        if own is None:
+            anywhere = True
+        else:
+            cpus |= cpu_set(own)
+    mem = root.find("numatune/memory")
+    nodeset = mem.get("nodeset") if mem is not None else None
+    page = root.find("memoryBacking/hugepages/page")
+    huge = 0
+    if root.find("memoryBacking/hugepages") is not None:
+        size = int(page.get("size", "0")) if page is not None else 0
+        unit = {"b": 1, "bytes": 1, "KiB": 1024, "MiB": 1 << 20, "GiB": 1 << 30}.get(
+            page.get("unit", "KiB") if page is not None else "KiB", 0
+        )
+        huge = size * unit or -1  # hugepages of the host's default size: never the spec's own
+    return Placed(None if anywhere else frozenset(cpus), None if nodeset is None else cpu_set(nodeset), huge)
+
+
+@frozen
 class CheckedDomain:
     name: str
     type: str
@@ -205,6 +260,7 @@ class CheckedDomain:
     hostdevs: tuple[str, ...]
     metadata: Mapping[str, str] = field(factory=dict)
     kernel: tuple[str, ...] = ()
+    placement: Placed | None = None  # None: not read (the pure checks' callers that need none)
 
 
 def _refuse_dtd(data: bytes) -> None:
@@ -459,7 +515,15 @@ def check_domain(data: bytes, policy: DomainPolicy) -> CheckedDomain:
         hostdevs=hostdevs,
         metadata=metadata,
         kernel=tuple(kernel),
+        placement=_placement(root, vcpus),
     )
+
+
+def _placement(root: ET.Element, vcpus: int) -> Placed:
+    try:
+        return placement_of(root, vcpus)
+    except ValueError as exc:
+        raise DomainRefused("attribute", f"placement: {exc}") from None
 
 
 def host_check(

@@ -13,8 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import attrs
 from helperproc import AUDIT_DIR, HelperProcess
-from hostilekit import NODE_UID, as_node, refused_as_node
+from hostilekit import NODE_UID, SignedHost, as_node, refused_as_node
 from intentkit import hold_text
 
 GPU0 = "GPU-5f1c2a90-0000-4000-8000-000000000001"  # the simulated host's GPU 0
@@ -128,6 +129,89 @@ def _launch_through_links(root: Path) -> None:
         assert as_node(h, {"op": "ch.launch", "args": {"name": "vm1"}})["ok"] is True  # as laid out: taken
     finally:
         h.stop()
+
+
+def test_round8_a_guest_runs_only_on_the_cpus_and_memory_nodes_the_signed_spec_places_it(
+    signed_host: SignedHost,
+) -> None:
+    """With roots, root compared a definition (or `vm.json`) with the signed spec's instance in runtime,
+    vCPUs, memory, NICs, GPUs and image, never in placement: the spec pins vm1's two vCPUs to host CPUs
+    0-1 (another allocation's hold has 5-6), and the node's definition pinned them to 5 and 6
+    (`cputune/vcpupin`), floated them over every CPU (no pinning), pinned only one, or put the guest's
+    memory on another NUMA node (`numatune`) or on huge pages the spec does not give; a cloud-hypervisor
+    record's `cpus`/`mems` (the unit's `AllowedCPUs`/`AllowedMemoryNodes`) likewise. The node cannot
+    place a QEMU or VMM process itself: root did it on the node's word. Now the CPUs each vCPU may run on,
+    the memory nodes and the huge page size must be the spec's placement (`spec-mismatch`, naming
+    placement); the planner's own definition (vcpupin one CPU per vCPU) is taken."""
+    from bcd_shared import wire
+    from bcd_shared.chrecord import encode_record, parse_record
+    from bcd_shared.chunit import VMM_UID_BASE
+    from bcd_simhost.chapi import lay_out_instance
+    from hostilekit import LibvirtVm, ch_instance
+
+    lay_out_instance(signed_host.root, "vm2", NODE_UID, VMM_UID_BASE + 2)
+    h = signed_host.start()
+    vm = LibvirtVm(signed_host, "vm1", "a1")
+    generation = iter(range(1, 100))
+
+    def define(xml: str, placement: wire.Placement | None) -> dict[str, Any]:
+        spec = vm.spec()
+        spec.placement = placement
+        signed = signed_host.signed(next(generation), spec)
+        return {"op": "libvirt.define", "args": {"name": "vm1", "xml": xml, "intent": signed}}
+
+    vcpu = '<vcpu placement="static">2</vcpu>'
+    assert vcpu in vm.xml
+
+    def pinned(*cpus: int) -> str:
+        pins = "".join(f'<vcpupin vcpu="{i}" cpuset="{c}" />' for i, c in enumerate(cpus))
+        return vm.xml.replace(vcpu, f"{vcpu}<cputune>{pins}</cputune>")
+
+    on_0_1 = wire.Placement(cpus="0-1")
+    for xml, placement in (
+        (vm.xml, on_0_1),  # floating over every CPU
+        (pinned(5, 6), on_0_1),  # another allocation's CPUs
+        (pinned(0), on_0_1),  # vCPU 1 floats
+        (vm.xml.replace(vcpu, '<vcpu placement="static" cpuset="0-7">2</vcpu>'), on_0_1),
+        (pinned(0, 1), None),  # the spec places it nowhere: no pinning either
+        (
+            pinned(0, 1).replace("<os>", '<numatune><memory mode="strict" nodeset="1" /></numatune><os>'),
+            on_0_1,
+        ),
+    ):
+        refused_as_node(h, define(xml, placement), "spec-mismatch", "placement")
+    answer = as_node(h, define(pinned(0, 1), on_0_1))
+    assert answer["ok"] is True, answer
+    floating = wire.Placement(cpus="0-3")
+    xml = vm.xml.replace(vcpu, '<vcpu placement="static" cpuset="0-3">2</vcpu>')
+    assert as_node(h, define(xml, floating))["ok"] is True
+    # What the node's runtime builds for a placement (pinned or floating, NUMA, huge pages) is taken.
+    from bcd_agent.sections.instances.model import Placement
+
+    for cpus, mems, huge in (("0-1", "0", 0), ("0-3", "", 2 << 20), ("", "0", 1 << 30)):
+        planned = LibvirtVm(signed_host, "vm1", "a1", Placement(cpus, mems, huge))
+        placement = wire.Placement(cpus=cpus, mems=mems, hugepage_size_bytes=huge)
+        answer = as_node(h, define(planned.xml, placement))
+        assert answer["ok"] is True, (cpus, mems, huge, answer)
+
+    # cloud-hypervisor: the record's cpus and mems become the unit's AllowedCPUs / AllowedMemoryNodes.
+    record = signed_host.root / "var/lib/bcd/cloud-hypervisor/instances/vm2/vm.json"
+
+    def launch(cpus: str, mems: str, placement: wire.Placement | None) -> dict[str, Any]:
+        rec = parse_record(record.read_bytes())
+        record.write_bytes(encode_record(attrs.evolve(rec, cpus=cpus, mems=mems)))
+        spec = ch_instance("vm2", placement=placement)
+        return {
+            "op": "ch.launch",
+            "args": {"name": "vm2", "intent": signed_host.signed(next(generation), spec)},
+        }
+
+    refused_as_node(h, launch("5-6", "", on_0_1), "spec-mismatch", "placement")
+    refused_as_node(h, launch("", "", on_0_1), "spec-mismatch", "placement")
+    refused_as_node(h, launch("0-1", "", None), "spec-mismatch", "placement")
+    refused_as_node(h, launch("0-1", "1", wire.Placement(cpus="0-1", mems="0")), "spec-mismatch", "placement")
+    answer = as_node(h, launch("0-1", "0", wire.Placement(cpus="0-1", mems="0")))
+    assert answer["ok"] is True, answer
 
 
 # The real helper on the real libvirt (qemu:///system, TCG), as rounds 4 and 7 drive it (their fixtures).

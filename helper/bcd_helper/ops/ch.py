@@ -443,13 +443,25 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
             mismatch.append("memory")
         if [(n.bridge, n.mac) for n in rec.nics] != [(n.bridge, n.mac) for n in inst.nics]:
             mismatch.append("NICs")
-        from bcd_helper.ops.libvirt import gpu_uuids_at
+        from bcd_helper.ops.libvirt import gpu_uuids_at, spec_placement
 
         if len(rec.gpus) != len(inst.gpu_uuids) or gpu_uuids_at(call, rec.gpus) != sorted(inst.gpu_uuids):
             mismatch.append("GPUs")  # the spec's GPUs by UUID, not just as many
         image = inst.image.sha256 if inst.image is not None else None
         if not rec.restored and rec.image_sha256 != image:
             mismatch.append("image")
+        got, want = _record_placement(rec), spec_placement(inst)
+        if (
+            got is None
+            or want is None
+            or (got.cpus, got.mems, got.hugepage_bytes > 0)
+            != (
+                want.cpus,
+                want.mems,
+                want.hugepage_bytes > 0,
+            )
+        ):
+            mismatch.append("placement")  # the unit's AllowedCPUs / AllowedMemoryNodes (round 8)
         if mismatch:
             raise Refused(
                 "spec-mismatch",
@@ -460,6 +472,21 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
         require_loaded(call, op, inst)  # the guest runs only behind its signed rules
 
     _signed_nics(call, op, name, intent, None, check, starts=True)
+
+
+def _record_placement(rec: CHRecord) -> Any:
+    """vm.json's placement in domaincheck's normal form; the huge page size is the VMM config's, which
+    the node drives over the API: only whether it has huge pages is root's to compare."""
+    from bcd_shared.domaincheck import Placed, cpu_set
+
+    try:
+        return Placed(
+            cpu_set(rec.cpus) if rec.cpus else None,
+            cpu_set(rec.mems) if rec.mems else None,
+            int(rec.hugepages),
+        )
+    except ValueError:
+        return None
 
 
 def _uid_not_in_use(op: str, unit: str, uid: int, running: dict[str, int]) -> None:

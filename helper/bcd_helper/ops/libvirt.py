@@ -41,7 +41,16 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 from attrs import frozen
-from bcd_shared.domaincheck import CheckedDomain, DomainPolicy, DomainRefused, check_domain, host_check
+from bcd_shared.domaincheck import (
+    CheckedDomain,
+    DomainPolicy,
+    DomainRefused,
+    Placed,
+    check_domain,
+    cpu_set,
+    host_check,
+    placement_of,
+)
 from bcd_shared.errors import RetryableError
 from bcd_shared.instancenames import METADATA_NS, instance_dir, valid_instance_id
 from bcd_shared.rootpath import RootPathRefused
@@ -261,6 +270,8 @@ def _signed(
             mismatch.append("GPUs")
         if checked.metadata.get("image", "") != image:
             mismatch.append("image")
+        if checked.placement is None or checked.placement != spec_placement(inst):
+            mismatch.append("placement")  # the CPUs, memory nodes and huge pages it runs on (round 8)
         if mismatch:
             raise Refused(
                 "spec-mismatch",
@@ -268,6 +279,19 @@ def _signed(
             )
     if state is not None:
         verifier.save_state(state)
+
+
+def spec_placement(inst: Any) -> Placed | None:
+    """The signed instance's placement in domaincheck's normal form (None: a cpulist that is not one)."""
+    pl = inst.placement
+    try:
+        return Placed(
+            cpu_set(pl.cpus) if pl is not None and pl.cpus else None,
+            cpu_set(pl.mems) if pl is not None and pl.mems else None,
+            int(pl.hugepage_size_bytes) if pl is not None else 0,
+        )
+    except ValueError:
+        return None
 
 
 def gpu_uuids_at(call: Call, addresses: tuple[str, ...]) -> list[str]:
@@ -570,7 +594,13 @@ def _checked_running(call: Call, op: str, name: str, xml: bytes) -> CheckedDomai
             continue
         hostdevs.append("{:04x}:{:02x}:{:02x}.{:x}".format(*parts))
     meta = {c.tag[len(NS) :]: c.text or "" for c in root.findall(f"metadata/{NS}instance/*")}
-    return CheckedDomain(name, root.get("type", ""), vcpus, mem, (), nics, tuple(hostdevs), meta)
+    try:
+        placed: Placed | None = placement_of(root, vcpus)
+    except ValueError:
+        placed = None  # compared as a mismatch
+    return CheckedDomain(
+        name, root.get("type", ""), vcpus, mem, (), nics, tuple(hostdevs), meta, placement=placed
+    )
 
 
 def _simple(verb: str) -> Any:
