@@ -197,11 +197,13 @@ class Disk:
 @frozen
 class Placed:
     """Where a domain runs, in one normal form for the signed spec's placement: the host CPUs its vCPUs
-    may run on (None: any), its memory's NUMA nodes (None: any) and its huge page size (0: none)."""
+    may run on (None: any), its memory's NUMA nodes (None: any), its huge page size (0: none) and whether
+    it has a balloon."""
 
     cpus: frozenset[int] | None
     mems: frozenset[int] | None
     hugepage_bytes: int
+    balloon: bool = False  # a memballoon libvirt's setmem can inflate (none written: libvirt adds virtio)
 
 
 def cpu_set(text: str) -> frozenset[int]:
@@ -246,7 +248,13 @@ def placement_of(root: ET.Element, vcpus: int) -> Placed:
             page.get("unit", "KiB") if page is not None else "KiB", 0
         )
         huge = size * unit or -1  # hugepages of the host's default size: never the spec's own
-    return Placed(None if anywhere else frozenset(cpus), None if nodeset is None else cpu_set(nodeset), huge)
+    balloon = root.find("devices/memballoon")
+    return Placed(
+        None if anywhere else frozenset(cpus),
+        None if nodeset is None else cpu_set(nodeset),
+        huge,
+        balloon is None or balloon.get("model") != "none",
+    )
 
 
 @frozen

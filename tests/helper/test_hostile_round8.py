@@ -141,7 +141,7 @@ def test_round8_a_guest_runs_only_on_the_cpus_and_memory_nodes_the_signed_spec_p
     memory on another NUMA node (`numatune`) or on huge pages the spec does not give; a cloud-hypervisor
     record's `cpus`/`mems` (the unit's `AllowedCPUs`/`AllowedMemoryNodes`) likewise. The node cannot
     place a QEMU or VMM process itself: root did it on the node's word. Now the CPUs each vCPU may run on,
-    the memory nodes and the huge page size must be the spec's placement (`spec-mismatch`, naming
+    the memory nodes, the huge page size and a balloon must be the spec's placement (`spec-mismatch`, naming
     placement); the planner's own definition (vcpupin one CPU per vCPU) is taken."""
     from bcd_shared import wire
     from bcd_shared.chrecord import encode_record, parse_record
@@ -178,6 +178,10 @@ def test_round8_a_guest_runs_only_on_the_cpus_and_memory_nodes_the_signed_spec_p
             pinned(0, 1).replace("<os>", '<numatune><memory mode="strict" nodeset="1" /></numatune><os>'),
             on_0_1,
         ),
+        # A balloon the spec does not give (none written: libvirt adds a virtio one), which libvirt.setmem
+        # as root then inflates in the tenant's guest.
+        (pinned(0, 1).replace('<memballoon model="none" />', ""), on_0_1),
+        (pinned(0, 1).replace('<memballoon model="none" />', '<memballoon model="virtio" />'), on_0_1),
     ):
         refused_as_node(h, define(xml, placement), "spec-mismatch", "placement")
     answer = as_node(h, define(pinned(0, 1), on_0_1))
@@ -188,11 +192,17 @@ def test_round8_a_guest_runs_only_on_the_cpus_and_memory_nodes_the_signed_spec_p
     # What the node's runtime builds for a placement (pinned or floating, NUMA, huge pages) is taken.
     from bcd_agent.sections.instances.model import Placement
 
-    for cpus, mems, huge in (("0-1", "0", 0), ("0-3", "", 2 << 20), ("", "0", 1 << 30)):
-        planned = LibvirtVm(signed_host, "vm1", "a1", Placement(cpus, mems, huge))
-        placement = wire.Placement(cpus=cpus, mems=mems, hugepage_size_bytes=huge)
+    planner = (
+        ("0-1", "0", 0, True),
+        ("0-3", "", 2 << 20, False),
+        ("", "0", 1 << 30, True),
+        ("", "", 0, True),
+    )
+    for cpus, mems, huge, balloon in planner:
+        planned = LibvirtVm(signed_host, "vm1", "a1", Placement(cpus, mems, huge, balloon))
+        placement = wire.Placement(cpus=cpus, mems=mems, hugepage_size_bytes=huge, balloon=balloon)
         answer = as_node(h, define(planned.xml, placement))
-        assert answer["ok"] is True, (cpus, mems, huge, answer)
+        assert answer["ok"] is True, (cpus, mems, huge, balloon, answer)
 
     # cloud-hypervisor: the record's cpus and mems become the unit's AllowedCPUs / AllowedMemoryNodes.
     record = signed_host.root / "var/lib/bcd/cloud-hypervisor/instances/vm2/vm.json"

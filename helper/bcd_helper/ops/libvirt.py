@@ -289,6 +289,7 @@ def spec_placement(inst: Any) -> Placed | None:
             cpu_set(pl.cpus) if pl is not None and pl.cpus else None,
             cpu_set(pl.mems) if pl is not None and pl.mems else None,
             int(pl.hugepage_size_bytes) if pl is not None else 0,
+            bool(pl is not None and pl.balloon and not pl.hugepage_size_bytes),  # never with huge pages
         )
     except ValueError:
         return None
