@@ -224,6 +224,26 @@ def test_round8_a_guest_runs_only_on_the_cpus_and_memory_nodes_the_signed_spec_p
     assert answer["ok"] is True, answer
 
 
+def test_round8_unsafe_vfio_options_are_refused_for_every_module_name(helper: HelperProcess) -> None:
+    """`kernel-modules` refused `enable_unsafe_noiommu_mode` for `vfio` and `allow_unsafe_interrupts` for
+    `vfio_iommu_type1` (a passed-through device reaching host memory), keyed by (module, option): the
+    same `allow_unsafe_interrupts` of `iommufd` (the backend vfio's device files use) was written, and so
+    was `enable_unsafe_noiommu_mode` under `char-major-10-196`, an alias of vfio, whose options modprobe
+    applies when the module is loaded through the alias (modprobe.d(5): "the module modulename (which
+    might be an alias)"), e.g. by the same unit's `load`. Now the two options are refused under any
+    module name (`invalid-settings`), nothing written."""
+    for module, key in (
+        ("iommufd", "allow_unsafe_interrupts"),
+        ("char-major-10-196", "enable_unsafe_noiommu_mode"),
+        ("vfio_pci", "allow_unsafe_interrupts"),
+    ):
+        settings = json.dumps({"load": [module], "options": {module: f"{key}=1"}})
+        args = {"unit": "kernel-modules", "settings": settings, "busy_gpus": []}
+        answer = refused_as_node(helper, {"op": "host.unit", "args": args}, "invalid-settings", key)
+        assert "is refused" in answer["message"], answer
+    assert not (helper.root / "etc/modprobe.d/bcd.conf").exists()
+
+
 # The real helper on the real libvirt (qemu:///system, TCG), as rounds 4 and 7 drive it (their fixtures).
 from test_hostile_round4 import Guest, _node_owns, guest, node_wins_the_race, real_libvirt  # noqa: E402, F401
 from test_hostile_round7 import _as_kvm_node  # noqa: E402
