@@ -244,6 +244,19 @@ def test_round8_unsafe_vfio_options_are_refused_for_every_module_name(helper: He
     assert not (helper.root / "etc/modprobe.d/bcd.conf").exists()
 
 
+def test_round8_io_uring_stays_closed_to_the_nodes_group(helper: HelperProcess) -> None:
+    """Round 2 (item 11) holds `kernel.io_uring_disabled` at 1 or 2, never 0, but with 1 the kernel lets
+    the members of `kernel.io_uring_group` create io_uring instances, and that key was taken at any value:
+    `{"kernel.io_uring_disabled": 1, "kernel.io_uring_group": 4242}` gives the node's own group io_uring
+    back (the kernel's default, -1, is CAP_SYS_ADMIN only). Now `kernel.io_uring_group` is taken at -1
+    only (`invalid-settings`), nothing written."""
+    settings = json.dumps({"kernel.io_uring_disabled": 1, "kernel.io_uring_group": NODE_UID})
+    args = {"unit": "sysctl", "settings": settings, "busy_gpus": []}
+    answer = refused_as_node(helper, {"op": "host.unit", "args": args}, "invalid-settings", "io_uring_group")
+    assert "is refused" in answer["message"], answer
+    assert not (helper.root / "etc/sysctl.d/90-bcd.conf").exists()
+
+
 # The real helper on the real libvirt (qemu:///system, TCG), as rounds 4 and 7 drive it (their fixtures).
 from test_hostile_round4 import Guest, _node_owns, guest, node_wins_the_race, real_libvirt  # noqa: E402, F401
 from test_hostile_round7 import _as_kvm_node  # noqa: E402

@@ -93,6 +93,7 @@ def test_sysctl_denylist_patterns_match_whole_names_only() -> None:
     [
         ("dev.tty.legacy_tiocsti", [0, False, "0"], [1, -1, True], "0 only"),
         ("kernel.io_uring_disabled", [1, 2, "2"], [0, 3, -1], "1 or 2"),
+        ("kernel.io_uring_group", [-1, "-1"], [0, 4242, -2], "-1 only"),  # red team round 8
         (
             "net.ipv4.ip_unprivileged_port_start",
             [1024, 65535, 1 << 31],
