@@ -210,8 +210,8 @@ def cpu_set(text: str) -> frozenset[int]:
     """A cpulist (`0-3,8`) as a set; ValueError when it is not one (ASCII digits, ranges that run up)."""
     out: set[int] = set()
     for part in text.split(","):
-        lo, _, hi = part.partition("-")
-        if not (lo.isascii() and lo.isdigit() and (not hi or (hi.isascii() and hi.isdigit()))):
+        lo, dash, hi = part.partition("-")
+        if not (lo.isascii() and lo.isdigit()) or (dash and not (hi.isascii() and hi.isdigit())):
             raise ValueError(f"{text[:80]!r} is not a cpulist")
         a, b = int(lo), int(hi or lo)
         if b < a or b > 65535:

@@ -220,7 +220,9 @@ def test_round8_a_guest_runs_only_on_the_cpus_and_memory_nodes_the_signed_spec_p
     refused_as_node(h, launch("", "", on_0_1), "spec-mismatch", "placement")
     refused_as_node(h, launch("0-1", "", None), "spec-mismatch", "placement")
     refused_as_node(h, launch("0-1", "1", wire.Placement(cpus="0-1", mems="0")), "spec-mismatch", "placement")
-    answer = as_node(h, launch("0-1", "0", wire.Placement(cpus="0-1", mems="0")))
+    answer = as_node(
+        h, launch("0-1", "0", wire.Placement(cpus="0-1", mems="0", balloon=True))
+    )  # its VMM config
     assert answer["ok"] is True, answer
 
 

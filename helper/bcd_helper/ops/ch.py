@@ -47,7 +47,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from attrs import frozen
+from attrs import evolve, frozen
 from bcd_shared import posixacl
 from bcd_shared.chrecord import CHRecord, RecordError, parse_record
 from bcd_shared.chunit import (
@@ -451,15 +451,11 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
         if not rec.restored and rec.image_sha256 != image:
             mismatch.append("image")
         got, want = _record_placement(rec), spec_placement(inst)
+        # huge pages as on or off, no balloon: the VMM config's, which the node drives over the API
         if (
             got is None
             or want is None
-            or (got.cpus, got.mems, got.hugepage_bytes > 0)
-            != (
-                want.cpus,
-                want.mems,
-                want.hugepage_bytes > 0,
-            )
+            or got != evolve(want, hugepage_bytes=int(want.hugepage_bytes > 0), balloon=False)
         ):
             mismatch.append("placement")  # the unit's AllowedCPUs / AllowedMemoryNodes (round 8)
         if mismatch:
@@ -475,8 +471,8 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
 
 
 def _record_placement(rec: CHRecord) -> Any:
-    """vm.json's placement in domaincheck's normal form; the huge page size is the VMM config's, which
-    the node drives over the API: only whether it has huge pages is root's to compare."""
+    """vm.json's placement in domaincheck's normal form (huge pages 1 or 0, no balloon: the VMM config's
+    huge page size and balloon are the node's, over the API); None: a cpulist that is not one."""
     from bcd_shared.domaincheck import Placed, cpu_set
 
     try:
