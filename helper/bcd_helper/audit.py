@@ -826,6 +826,13 @@ def _init(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token(text: object) -> str:
+    """One field of `show`'s line: escaped as `shown` does, and a space too (`\\x20`). An unknown op is
+    audited as the node sent it, and `file.write accepted  {...}` printed as is read as an accepted write
+    before the real decision (red team round 8); bcd's own op names hold no space."""
+    return shown(text).replace(" ", "\\x20")
+
+
 def run(args: argparse.Namespace) -> int:
     from bcd_shared.subcommands import EX_IOERR, EX_NOINPUT, EX_NOPERM, CliError
 
@@ -895,7 +902,7 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(
                 f"{entry['time']} #{entry['seq']} uid={entry['peer_uid']} pid={entry['peer_pid']} "
-                f"{shown(entry['op'])} {entry['decision']} {entry['reason']} "
+                f"{_token(entry['op'])} {entry['decision']} {entry['reason']} "
                 f"{json.dumps(entry['args'], sort_keys=True)} {shown(entry['message'])}".rstrip()
                 + (f" trace={shown(str(entry['trace_id']))}" if "trace_id" in entry else "")
             )

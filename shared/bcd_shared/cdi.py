@@ -51,6 +51,7 @@ ANN_DEVICE_ID = "bcd.dev/device-id"
 # The allocation id keys files, slices and events; it must be safe in a path and a unit name.
 ALLOCATION_ID_RE = re.compile(r"^[A-Za-z0-9_]{1,80}$")
 ENV_KEY_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_GENERATION_RE = re.compile(r"[0-9]{1,20}")
 
 _KIND_PART = r"[A-Za-z](?:[A-Za-z0-9_.-]*[A-Za-z0-9])?"
 _KIND_RE = re.compile(rf"^{_KIND_PART}/{_KIND_PART}$")
@@ -72,7 +73,9 @@ class CdiError(ValueError):
 
 @functools.lru_cache(maxsize=64)
 def version_key(version: str) -> tuple[int, int, int]:
-    m = re.fullmatch(r"v?(\d+)\.(\d+)\.(\d+)", version)
+    # ASCII digits, bounded: `\d` takes any script's digits and int() then parses them (or raises
+    # past 4,300 digits); CDI's loaders read ASCII semver only (red team round 8).
+    m = re.fullmatch(r"v?([0-9]{1,9})\.([0-9]{1,9})\.([0-9]{1,9})", version)
     if m is None:
         raise CdiError(f"cdiVersion {version!r} is not a version (MAJOR.MINOR.PATCH)")
     return int(m[1]), int(m[2]), int(m[3])
@@ -448,8 +451,10 @@ def parse_hold_doc(doc: Any, allocation_id: str | None = None) -> HoldRecord:
             f"annotations.{ANN_ALLOCATION}: {alloc!r} is not the file's allocation {allocation_id!r}"
         )
     gen_text = ann.get(ANN_GENERATION, "")
-    if not (isinstance(gen_text, str) and gen_text.isdigit()):
-        raise CdiError(f"annotations.{ANN_GENERATION}: must be a decimal generation")
+    # [0-9]{1,20} (a uint64), not str.isdigit: that takes '²' and '①' (which int() then refuses with
+    # ValueError, an internal failure in root) and any script's digits (red team round 8).
+    if not (isinstance(gen_text, str) and _GENERATION_RE.fullmatch(gen_text)):
+        raise CdiError(f"annotations.{ANN_GENERATION}: must be a decimal generation (1 to 20 digits 0-9)")
     binding = ann.get(ANN_BINDING)
     if binding not in (None, "kubernetes"):
         raise CdiError(f"annotations.{ANN_BINDING}: {binding!r} is not 'kubernetes'")

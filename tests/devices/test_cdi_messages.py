@@ -397,8 +397,8 @@ def test_hold_refusals_word_for_word() -> None:
         _parse_error(_hold(), "b_2")
         == "annotations.bcd.dev/allocation-id: 'a_1' is not the file's allocation 'b_2'"
     )
-    gen = "annotations.bcd.dev/generation: must be a decimal generation"
-    for bad in ("", "-1", "1.0", "x", " 1"):
+    gen = "annotations.bcd.dev/generation: must be a decimal generation (1 to 20 digits 0-9)"
+    for bad in ("", "-1", "1.0", "x", " 1", "\u00b2", "\u0663", "1" * 21):
         doc = _hold()
         doc["annotations"]["bcd.dev/generation"] = bad
         assert _parse_error(doc) == gen, bad

@@ -237,7 +237,8 @@ class LibvirtVm:
     GIB = 1 << 30
     MAC, URL = "52:54:00:00:00:01", "https://images.sim.bcd/debian.qcow2"
 
-    def __init__(self, host: SignedHost, ident: str, allocation: str) -> None:
+    def __init__(self, host: SignedHost, ident: str, allocation: str, placement: Any = None) -> None:
+        """`placement`: the agent model's Placement the node's runtime builds the definition with."""
         from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
         from bcd_agent.sections.instances.runtimes.base import Prepared
         from bcd_agent.sections.instances.runtimes.libvirt import LibvirtRuntime
@@ -259,7 +260,7 @@ class LibvirtVm:
 
         inst = InstanceSpec(
             id=ident, allocation_id=allocation, vcpus=2, memory_bytes=self.GIB, disk_bytes=10 * self.GIB,
-            image=Image(self.URL, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", self.MAC),),
+            image=Image(self.URL, IMAGE_SHA256, "qcow2"), nics=(Nic("br0", self.MAC),), placement=placement,
         )  # fmt: skip
         LibvirtRuntime(sim_system(host.root), Keep(), "/var/lib/bcd", under_helper=True).create(
             inst, Prepared()

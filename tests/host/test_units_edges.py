@@ -93,6 +93,7 @@ def test_sysctl_denylist_patterns_match_whole_names_only() -> None:
     [
         ("dev.tty.legacy_tiocsti", [0, False, "0"], [1, -1, True], "0 only"),
         ("kernel.io_uring_disabled", [1, 2, "2"], [0, 3, -1], "1 or 2"),
+        ("kernel.io_uring_group", [-1, "-1"], [0, 4242, -2], "-1 only"),  # red team round 8
         (
             "net.ipv4.ip_unprivileged_port_start",
             [1024, 65535, 1 << 31],
@@ -275,8 +276,12 @@ def test_HST_MOD_17_18_refused_options_named_whatever_the_value(module: str, key
         assert refusal("kernel-modules", {"options": {module: f"a=1 {key}={value}"}}) == (
             f"options.{module}: {key} is refused: it lets a passed-through device reach host memory"
         )
-    # the same key on another module is only an option
-    assert decoded("kernel-modules", {"options": {"kvm": f"{key}=1"}}).options[0][1] == ((key, "1"),)
+    # the same key under any other module name too (red team round 8: iommufd's own
+    # allow_unsafe_interrupts, and options written for an alias of vfio, which modprobe applies)
+    for other in ("kvm", "iommufd", "char-major-10-196"):
+        assert refusal("kernel-modules", {"options": {other: f"{key}=1"}}) == (
+            f"options.{other}: {key} is refused: it lets a passed-through device reach host memory"
+        )
 
 
 def test_kmod_unknown_field_named() -> None:

@@ -47,7 +47,7 @@ import stat
 from pathlib import Path
 from typing import Any
 
-from attrs import frozen
+from attrs import evolve, frozen
 from bcd_shared import posixacl
 from bcd_shared.chrecord import CHRecord, RecordError, parse_record
 from bcd_shared.chunit import (
@@ -353,6 +353,7 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
     elif rec.image_sha256 is not None:
         base = f"{ch_images_dir(data_dir)}/{rec.image_sha256}.{rec.image_format}"
         real = call.system.host_path(base)
+        _no_link_on_the_way(call, op, base, "bad-image")
         try:
             bst = os.lstat(real)
         except OSError:
@@ -373,6 +374,7 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
     store = volumes_dir(data_dir)
     for vol in rec.volumes:
         path = f"{store}/{vol.name}"
+        _no_link_on_the_way(call, op, path, "bad-volume")
         try:
             vst = os.lstat(call.system.host_path(path))
         except OSError:
@@ -390,6 +392,22 @@ def _read_record(call: Call, op: str, name: str) -> Checked:
         if foreign:
             raise Refused("not-this-hosts-gpu", f"{op}: {', '.join(foreign)} is not a GPU of this host")
     return Checked(rec, inst, base, tuple(rw), tuple(ro))
+
+
+def _no_link_on_the_way(call: Call, op: str, path: str, reason: str) -> None:
+    """No directory between data_dir and `path` is a symlink (each lstat'ed): the unit binds `path`, which
+    systemd resolves as root, so a linked `images` or `volumes` directory of the node's would bind a file
+    of a directory only root enters (red team round 8; the libvirt ops' host_check rule)."""
+    data_dir = call.ctx.config.data_dir.rstrip("/")
+    cur = call.system.host_path(data_dir or "/")
+    for part in path[len(data_dir) + 1 :].split("/")[:-1]:
+        cur = cur / part
+        try:
+            link = stat.S_ISLNK(os.lstat(cur).st_mode)
+        except OSError:
+            return  # missing: the caller's own lstat names it
+        if link:
+            raise Refused(reason, f"{op}: {path}: a symlink on the way ({part}): none may be from data_dir")
 
 
 def _running_units(call: Call) -> dict[str, int]:
@@ -425,13 +443,21 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
             mismatch.append("memory")
         if [(n.bridge, n.mac) for n in rec.nics] != [(n.bridge, n.mac) for n in inst.nics]:
             mismatch.append("NICs")
-        from bcd_helper.ops.libvirt import gpu_uuids_at
+        from bcd_helper.ops.libvirt import gpu_uuids_at, spec_placement
 
         if len(rec.gpus) != len(inst.gpu_uuids) or gpu_uuids_at(call, rec.gpus) != sorted(inst.gpu_uuids):
             mismatch.append("GPUs")  # the spec's GPUs by UUID, not just as many
         image = inst.image.sha256 if inst.image is not None else None
         if not rec.restored and rec.image_sha256 != image:
             mismatch.append("image")
+        got, want = _record_placement(rec), spec_placement(inst)
+        # huge pages as on or off, no balloon: the VMM config's, which the node drives over the API
+        if (
+            got is None
+            or want is None
+            or got != evolve(want, hugepage_bytes=int(want.hugepage_bytes > 0), balloon=False)
+        ):
+            mismatch.append("placement")  # the unit's AllowedCPUs / AllowedMemoryNodes (round 8)
         if mismatch:
             raise Refused(
                 "spec-mismatch",
@@ -442,6 +468,21 @@ def _signed_record(call: Call, op: str, name: str, intent: SignedIntent | None, 
         require_loaded(call, op, inst)  # the guest runs only behind its signed rules
 
     _signed_nics(call, op, name, intent, None, check, starts=True)
+
+
+def _record_placement(rec: CHRecord) -> Any:
+    """vm.json's placement in domaincheck's normal form (huge pages 1 or 0, no balloon: the VMM config's
+    huge page size and balloon are the node's, over the API); None: a cpulist that is not one."""
+    from bcd_shared.domaincheck import Placed, cpu_set
+
+    try:
+        return Placed(
+            cpu_set(rec.cpus) if rec.cpus else None,
+            cpu_set(rec.mems) if rec.mems else None,
+            int(rec.hugepages),
+        )
+    except ValueError:
+        return None
 
 
 def _uid_not_in_use(op: str, unit: str, uid: int, running: dict[str, int]) -> None:

@@ -41,7 +41,16 @@ import xml.etree.ElementTree as ET
 from typing import Any
 
 from attrs import frozen
-from bcd_shared.domaincheck import CheckedDomain, DomainPolicy, DomainRefused, check_domain, host_check
+from bcd_shared.domaincheck import (
+    CheckedDomain,
+    DomainPolicy,
+    DomainRefused,
+    Placed,
+    check_domain,
+    cpu_set,
+    host_check,
+    placement_of,
+)
 from bcd_shared.errors import RetryableError
 from bcd_shared.instancenames import METADATA_NS, instance_dir, valid_instance_id
 from bcd_shared.rootpath import RootPathRefused
@@ -165,7 +174,24 @@ def _managed(call: Call, op: str, name: str) -> bytes:
         raise Refused("no-domain", f"{op}: no domain {name}")
     if not is_bcds(xml):
         raise Refused("unmanaged", f"{op}: domain {name} is not bcd's: it is never changed")
+    _same_name(op, name, xml)
     return xml
+
+
+def _same_name(op: str, name: str, xml: bytes) -> None:
+    """virsh looks a domain argument up by id first, then by UUID, then by name: an instance id of digits
+    names whichever domain runs with that id (another instance's), and the virsh command after the read
+    acts on that one too (red team round 8). Root's read must be the domain of that name."""
+    try:
+        found = ET.fromstring(xml).findtext("name") or ""  # noqa: S314 (root's own libvirt output)
+    except ET.ParseError:
+        return  # not a definition: the caller's own checks refuse it (is_bcds), as before
+    if found != name:
+        raise Refused(
+            "bad-name",
+            f"{op}: name: virsh reads {name!r} as the id or UUID of domain {found[:80]!r}: root acts only "
+            "on the domain of that name (try again once that domain stops)",
+        )
 
 
 def host_gpus(call: Call) -> frozenset[str]:
@@ -244,6 +270,8 @@ def _signed(
             mismatch.append("GPUs")
         if checked.metadata.get("image", "") != image:
             mismatch.append("image")
+        if checked.placement is None or checked.placement != spec_placement(inst):
+            mismatch.append("placement")  # the CPUs, memory nodes and huge pages it runs on (round 8)
         if mismatch:
             raise Refused(
                 "spec-mismatch",
@@ -251,6 +279,20 @@ def _signed(
             )
     if state is not None:
         verifier.save_state(state)
+
+
+def spec_placement(inst: Any) -> Placed | None:
+    """The signed instance's placement in domaincheck's normal form (None: a cpulist that is not one)."""
+    pl = inst.placement
+    try:
+        return Placed(
+            cpu_set(pl.cpus) if pl is not None and pl.cpus else None,
+            cpu_set(pl.mems) if pl is not None and pl.mems else None,
+            int(pl.hugepage_size_bytes) if pl is not None else 0,
+            bool(pl is not None and pl.balloon and not pl.hugepage_size_bytes),  # never with huge pages
+        )
+    except ValueError:
+        return None
 
 
 def gpu_uuids_at(call: Call, addresses: tuple[str, ...]) -> list[str]:
@@ -553,7 +595,13 @@ def _checked_running(call: Call, op: str, name: str, xml: bytes) -> CheckedDomai
             continue
         hostdevs.append("{:04x}:{:02x}:{:02x}.{:x}".format(*parts))
     meta = {c.tag[len(NS) :]: c.text or "" for c in root.findall(f"metadata/{NS}instance/*")}
-    return CheckedDomain(name, root.get("type", ""), vcpus, mem, (), nics, tuple(hostdevs), meta)
+    try:
+        placed: Placed | None = placement_of(root, vcpus)
+    except ValueError:
+        placed = None  # compared as a mismatch
+    return CheckedDomain(
+        name, root.get("type", ""), vcpus, mem, (), nics, tuple(hostdevs), meta, placement=placed
+    )
 
 
 def _simple(verb: str) -> Any:
@@ -746,7 +794,10 @@ def libvirt_restore(call: Call, req: LibvirtRestore) -> dict[str, Any]:
         raise Refused("no-state", f"{op}: {state} must be a regular file with one link")
     # Descriptors are associated with a defined domain only: a restore of a name libvirt does not know
     # (a transient domain) keeps paths, relabelling off.
-    staged_xml = root_definition(data, _fd_passing(call) and root_dumpxml(call, name) is not None)
+    existing = root_dumpxml(call, name) if _fd_passing(call) else None
+    if existing is not None:
+        _same_name(op, name, existing)  # `dom-fd-associate NAME` below looks it up as virsh does
+    staged_xml = root_definition(data, existing is not None)
     fd = _state_fd(call, op, name, state)
     held: list[Held] = []
     try:

@@ -71,6 +71,9 @@ HARDENED: dict[str, tuple[tuple[int, int], str]] = {
     "dev.tty.legacy_tiocsti": ((0, 0), "0 only"),
     "dev.tty.ldisc_autoload": ((0, 0), "0 only"),
     "kernel.io_uring_disabled": ((1, 2), "1 or 2"),
+    # With io_uring_disabled = 1 this group may still create io_uring instances; the default -1 is
+    # CAP_SYS_ADMIN only (red team round 8: the node named its own group).
+    "kernel.io_uring_group": ((-1, -1), "-1 only"),
     "net.ipv4.ip_unprivileged_port_start": ((1024, 1 << 31), "1024 or above"),
     # 0 lets unprivileged processes leave AppArmor's unconfined profile / load userns policy.
     "kernel.apparmor_restrict_unprivileged_unconfined": ((1, 1), "1 only"),
