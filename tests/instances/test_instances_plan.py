@@ -216,6 +216,18 @@ def test_stops_and_deletes_come_before_starts_dlv_inst_16() -> None:
     assert not p.waiting
 
 
+@pytest.mark.parametrize("state", [RUNNING, PAUSED])
+def test_a_paused_or_running_domain_stopped_or_deleted_frees_its_memory_for_a_start_dlv_inst_16(
+    state: str,
+) -> None:
+    """DLV-INST-16: on a 5 GiB host (4096 MiB budget) two 2 GiB domains, running or paused, hold 4736
+    MiB; a start of the same pass fits only once both the delete and the stop have given theirs back."""
+    obs = observed(dom("old", state), dom("s", state), dom("n", STOPPED), mem=memory(5))
+    p = plan(spec(vm("s", desired=Desired.STOPPED), vm("n")), obs)
+    assert [type(s).__name__ for s in p.steps] == ["Delete", "Stop", "Start"]
+    assert not p.waiting
+
+
 def test_admission_refusal_is_resources_exhausted_not_error_dlv_adm_12_13_dlv_inst_14() -> None:
     """DLV-ADM-01, DLV-ADM-04, DLV-ADM-05, DLV-ADM-06, DLV-ADM-08, DLV-ADM-12, DLV-ADM-13, DLV-INST-14."""
     # 8 GiB MemTotal, 1 GiB headroom: 7168 MiB; one running 2 GiB domain takes 2368 MiB; left 4800.
@@ -256,6 +268,66 @@ def test_huge_page_admission_and_overhead_dlv_adm_09_11() -> None:
     assert not plan(spec(vm("a", memory_bytes=4 * GIB, placement=anywhere)), obs).waiting
 
 
+def test_a_start_needing_exactly_what_is_left_is_admitted_a_byte_more_is_not_dlv_adm_12() -> None:
+    """DLV-ADM-12: the bound is inclusive, at the byte. 8 GiB host: 7168 MiB budget; a 2 GiB guest needs
+    2368 MiB, so holds of 4800 MiB leave it exactly that, and one more byte of holds refuses it."""
+    exact = observed(mem=memory(8), holds_memory_bytes=4800 * MIB)
+    assert [type(s) for s in plan(spec(vm("a")), exact).steps] == [Create, Start]
+    over = observed(mem=memory(8), holds_memory_bytes=4800 * MIB + 1)
+    p = plan(spec(vm("a")), over)
+    assert p.waiting == {"a": "ResourcesExhausted: 2368 MiB of memory needed, 2367 MiB left on this host"}
+    assert [type(s) for s in p.steps] == [Create]
+
+
+def test_paused_domains_count_and_unmanaged_ones_do_not_dlv_adm_06() -> None:
+    """DLV-ADM-06: a paused domain bcd manages is charged like a running one; a running domain bcd did
+    not create is not charged (it is only reported, DLV-INST-05); a stopped one is not charged."""
+    obs = observed(
+        dom("p", PAUSED), dom("u", managed=False), dom("s", STOPPED), mem=memory(8)
+    )  # 7168 - 2368 (p) = 4800 left: two more 2 GiB guests fit, a third does not
+    p = plan(
+        spec(vm("p", desired=Desired.PAUSED), vm("s", desired=Desired.STOPPED), vm("a"), vm("b"), vm("c")),
+        obs,
+    )
+    assert p.waiting == {"c": "ResourcesExhausted: 2368 MiB of memory needed, 64 MiB left on this host"}
+
+
+def test_huge_pages_are_bounded_host_wide_by_what_takers_without_nodes_took_dlv_adm_09() -> None:
+    """DLV-ADM-09: a guest on node 0 whose node still has its 1024 pages free is refused when an earlier
+    start of the pass without NUMA nodes took the host-wide count down to 512 (2048 free, 1536 taken)."""
+    obs = observed(mem=memory(64, pages_2m=2048))  # 1024 free on each node, 2048 host-wide
+    anywhere = vm("any", memory_bytes=3 * GIB, placement=Placement(hugepage_size_bytes=2 * MIB))
+    on0 = vm("on0", memory_bytes=2 * GIB, placement=Placement(mems="0", hugepage_size_bytes=2 * MIB))
+    p = plan(spec(anywhere, on0), obs)
+    assert p.waiting == {"on0": "ResourcesExhausted: 1024 hugepages of 2048 KiB needed, 512 free"}
+    assert [(type(s).__name__, getattr(s, "name", "")) for s in p.steps] == [
+        ("Create", ""),
+        ("Create", ""),
+        ("Start", "any"),
+    ]
+    # Alone, the same guest fits: its node and the host have the pages.
+    assert not plan(spec(on0), obs).waiting
+
+
+def test_host_wide_huge_pages_are_free_less_reserved_dlv_adm_10(tmp_path: Path) -> None:
+    """DLV-ADM-10: a guest without NUMA nodes needs free less reserved pages host-wide: with 2048 free
+    and 1025 reserved (promised to a mapping, not yet faulted in), a 1024-page guest does not fit, a
+    1023-page one does. The count is read from sysfs as the node reads it."""
+    from bcd_agent.inventory.host import read_host_memory
+
+    system = sim_host(tmp_path)
+    pool = "/sys/kernel/mm/hugepages/hugepages-2048kB"
+    system.host_path(f"{pool}/free_hugepages").write_text("2048\n")
+    system.host_path(f"{pool}/resv_hugepages").write_text("1025\n")
+    mem = read_host_memory(system)
+    assert mem is not None and mem.pools[2048].free == 1023
+    anywhere = Placement(hugepage_size_bytes=2 * MIB)
+    p = plan(spec(vm("a", memory_bytes=2 * GIB, placement=anywhere)), observed(mem=mem))
+    assert p.waiting == {"a": "ResourcesExhausted: 1024 hugepages of 2048 KiB needed, 1023 free"}
+    p = plan(spec(vm("a", memory_bytes=2 * GIB - 2 * MIB, placement=anywhere)), observed(mem=mem))
+    assert not p.waiting and [type(s) for s in p.steps] == [Create, Start]
+
+
 def test_unreadable_meminfo_starts_without_admission_dlv_adm_15() -> None:
     """DLV-ADM-15."""
     obs = Observed(runtimes={"libvirt-kvm": RuntimeView("libvirt-kvm")}, host=HOST, memory=None)
@@ -281,8 +353,9 @@ def test_runtime_that_checks_capacity_is_not_admitted_dlv_adm_14() -> None:
         (Placement(mems="5"), 2, 2 * GIB, "NUMA nodes [5] do not exist"),
         (Placement(hugepage_size_bytes=4096), 2, 2 * GIB, "neither 2 MiB nor 1 GiB"),
         (Placement(hugepage_size_bytes=GIB), 2, 3 * GIB // 2, "not whole 1024 MiB pages"),
+        (Placement(hugepage_size_bytes=2 * MIB), 2, 2 * GIB, "this host has no 2 MiB huge page pool"),
         (
-            Placement(hugepage_size_bytes=2 * MIB, balloon=True),
+            Placement(hugepage_size_bytes=GIB, balloon=True),
             2,
             2 * GIB,
             "balloon is never used with huge pages",
@@ -293,7 +366,9 @@ def test_placement_the_host_cannot_apply_fails_the_instance_dlv_plc_06(
     placement: Placement, vcpus: int, memory_bytes: int, message: str
 ) -> None:
     """DLV-PLC-01, DLV-PLC-02, DLV-PLC-03, DLV-PLC-04, DLV-PLC-05, DLV-PLC-06: nothing created."""
-    p = plan(spec(vm("a", vcpus=vcpus, memory_bytes=memory_bytes, placement=placement)), observed())
+    host = HostFacts(HOST.online_cpus, HOST.numa_nodes, frozenset({GIB}))  # no 2 MiB pool here
+    obs = Observed(runtimes={"libvirt-kvm": RuntimeView("libvirt-kvm")}, host=host, memory=memory(512))
+    p = plan(spec(vm("a", vcpus=vcpus, memory_bytes=memory_bytes, placement=placement)), obs)
     assert message in p.errors["a"] and p.steps == ()
 
 
