@@ -87,6 +87,26 @@ def test_instances_report_lists_every_domain_with_complete_dlv_inst_15(tmp_path:
     }
 
 
+def test_a_runtime_whose_listing_failed_makes_the_report_incomplete_dlv_inst_15(tmp_path: Path) -> None:
+    """DLV-INST-15 (Q-DLV-INST-02): instances_complete only when every runtime listed without error; a
+    failed listing reports it false and the instance waits for the listing, the section PROGRESSING."""
+    from bcd_shared.errors import StepError
+
+    system = sim_host(tmp_path)
+    sec, rt = section(system)
+    assert converge(sec, spec(vm("a"))).state is SectionState.CONVERGED and sec.last_report.complete
+
+    def broken() -> tuple[Domain, ...]:
+        raise StepError("virsh", "virsh list: failed to connect to the hypervisor")
+
+    rt.list = broken  # type: ignore[method-assign]
+    out = converge(sec, spec(vm("a"), generation=2))
+    assert out.state is SectionState.PROGRESSING
+    assert not sec.last_report.complete
+    assert [(i.instance_id, i.state) for i in sec.last_report.instances] == [("a", "PENDING")]
+    assert "waiting for the libvirt-kvm runtime's listing: virsh list: failed" in out.message
+
+
 def _define_unmanaged(system: object, name: str, state: str = "shut off") -> None:
     from bcd_shared.system import atomic_write
 
