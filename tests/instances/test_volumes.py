@@ -130,6 +130,26 @@ def test_ids_serials_and_sizes_dlv_vol_05_06_07(vol: VolumeSpec, rule: str) -> N
     problem = check_volume(vol)
     assert problem is not None and rule in problem
     assert check_volume(VolumeSpec("A_b-9" * 16, "a-9" * 6, 1024)) is None
+    # Each rule's accepting edge: a 1-character id and serial, a 20-character serial, 512 bytes.
+    assert check_volume(VolumeSpec("a", "b", 512)) is None
+    assert check_volume(VolumeSpec("Z", "0-" * 10, 512 * 3)) is None
+
+
+def test_overcommit_bound_at_the_byte_dlv_vol_28_29_30() -> None:
+    """DLV-VOL-28..30: a volume needing exactly what can be promised (available 10 GiB, less the
+    reserve, less 1 GiB unwritten, less what the pass promised) is created; 512 bytes more is refused
+    with every figure of the seed's message."""
+    space = Space(100 * GIB, 10 * GIB, 5 * GIB, 0, GIB)  # 4 GiB can be promised
+    exact = [VolumeSpec("a", "a", 3 * GIB), VolumeSpec("b", "b", GIB)]
+    p = plan_volumes(exact, [], {}, {}, space)
+    assert [s.volume.id for s in p.before] == ["a", "b"] and not p.refused
+    over = [VolumeSpec("a", "a", 3 * GIB), VolumeSpec("b", "b", GIB + 512)]
+    p = plan_volumes(over, [], {}, {}, space)
+    assert [s.volume.id for s in p.before] == ["a"]
+    assert p.refused == {
+        "b": "volume b: 1024 MiB needed, 1024 MiB can still be promised to volumes on this host "
+        "(10240 MiB free, 5120 MiB reserved, 4096 MiB promised to volumes' unwritten space)"
+    }
 
 
 # --- the planner ----------------------------------------------------------------------------------
