@@ -460,6 +460,44 @@ def test_stop_is_shutdown_then_destroy_dlv_libvirt_19(tmp_path: Path) -> None:
     assert verbs == ["shutdown", "destroy"]
 
 
+@pytest.mark.parametrize("stops_after_s", [59.0, None])
+def test_stop_waits_sixty_seconds_for_the_shutdown_before_destroy_dlv_libvirt_19(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stops_after_s: float | None
+) -> None:
+    """DLV-LIBVIRT-19 on a fake clock (the runtime's default timeout): a guest that shuts down 59 s
+    after `virsh shutdown` is never destroyed; one that ignores it is destroyed at 60 s, not before."""
+    from types import SimpleNamespace
+
+    from bcd_agent.sections.instances.runtimes import libvirt as lv
+    from bcd_shared.system import CommandResult
+
+    clock = [1000.0]
+    monkeypatch.setattr(lv, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    acts: list[tuple[str, float]] = []
+
+    class Guest:
+        def read(self, *args: str) -> CommandResult:
+            down = ("destroy", "a") in [(v, "a") for v, _ in acts] or (
+                stops_after_s is not None and acts and clock[0] - acts[0][1] >= stops_after_s
+            )
+            return CommandResult(args, 0, b"shut off\n" if down else b"running\n")
+
+        def define(self, name: str, xml: bytes, xml_path: str) -> None: ...
+
+        def act(self, verb: str, name: str, *args: str) -> CommandResult:
+            acts.append((verb, clock[0]))
+            return CommandResult((verb,), 0)
+
+    def sleep(s: float) -> None:
+        clock[0] += s
+
+    lv.LibvirtRuntime(sim_host(tmp_path), Guest(), "/var/lib/bcd", sleep=sleep).stop("a")
+    if stops_after_s is None:
+        assert acts == [("shutdown", 1000.0), ("destroy", 1060.0)]
+    else:
+        assert acts == [("shutdown", 1000.0)] and clock[0] == 1059.0
+
+
 def test_state_changes_suspend_and_stop() -> None:
     """DLV-INST-09, DLV-LIBVIRT-18."""
     p = plan(
