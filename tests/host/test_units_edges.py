@@ -1020,6 +1020,8 @@ def test_HST_HP_04_plan_thp_and_2m_pools_global_and_per_numa() -> None:
 
 
 def test_HST_HP_plan_1g_mount_pages_and_boot_reservation() -> None:
+    """Covers HST-HP-24: the mount unit is written, then `daemon-reload`, then `enable` (an enable
+    alone when only that is missing), as the plan's exact steps."""
     from bcd_shared.units.bootargs import SetBootArgs
     from bcd_shared.units.hugepages import Set1GPages, mount_unit_text
 
