@@ -1205,6 +1205,9 @@ def test_HST_SHARE_settings_and_service_text() -> None:
 
 
 def test_HST_SHARE_plan_mps_service_and_removal() -> None:
+    """Covers HST-SHARE-05, HST-SHARE-06 and HST-SHARE-13 on the plan: the exact steps of a changed unit
+    and of an inactive one; MPSDown (reason NotRunning) in a pass that starts the service, restarts it
+    for a new unit, or waits for the control daemon, and none once it runs unchanged."""
     from bcd_shared.units._base import UnitCondition
     from bcd_shared.units.sharing import service_text
 
