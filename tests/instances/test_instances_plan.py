@@ -272,7 +272,9 @@ def test_admission_counts_bound_holds_dlv_adm_07() -> None:
 
 
 def test_huge_page_admission_and_overhead_dlv_adm_09_11() -> None:
-    """DLV-ADM-09, DLV-ADM-10, DLV-ADM-11: pages on the placement's nodes; overhead on normal memory."""
+    """DLV-ADM-09, DLV-ADM-10, DLV-ADM-11: pages on the placement's nodes; overhead on normal memory.
+    DLV-ADM-04's Hugetlb: the 300 MiB left is MemTotal less the 4 GiB pool less 1 GiB (the other
+    admission tests have no pool)."""
     # 300 MiB of normal memory left: a 2 GiB guest in huge pages still needs 64 + 256 MiB of it.
     pool = {2048: HugePool(2048, 2048, {0: 1024, 1: 1024})}
     tight = HostMemory((5 * 1024 + 300) * 1024, 4 * 1024 * 1024, pool, (0, 1))
