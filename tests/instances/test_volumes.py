@@ -179,8 +179,9 @@ def test_overcommit_refused_in_the_plan_dlv_vol_29() -> None:
 
 
 def test_one_writer_first_in_spec_order_keeps_it_dlv_vol_17_18_19() -> None:
-    """DLV-VOL-17, DLV-VOL-18, DLV-VOL-19: a second writer, or a writer beside readers, is refused; the
-    first in spec order keeps the volume; readers share it."""
+    """DLV-VOL-17, DLV-VOL-18, DLV-VOL-19: a second writer, a reader beside a writer (starting or
+    running), or a writer beside readers, is refused; the first in spec order keeps the volume;
+    readers share it. DLV-VOL-24: a running reader beside a running writer lets go."""
     vols = [VolumeSpec("v", "v", GIB)]
     stored = {"v": Volume("v", "v", GIB, 0)}
     p = plan_volumes(vols, [("a", (("v", False),), True), ("b", (("v", False),), True)], {}, stored, ROOMY)
@@ -189,6 +190,16 @@ def test_one_writer_first_in_spec_order_keeps_it_dlv_vol_17_18_19() -> None:
     assert p.errors == {}
     p = plan_volumes(vols, [("r", (("v", True),), True), ("w", (("v", False),), True)], {}, stored, ROOMY)
     assert "a writer needs it alone" in p.errors["w"]
+    # DLV-VOL-17 itself: a reader beside a writer, one starting in this pass or one running, is refused.
+    att = [("w", (("v", False),), True), ("r", (("v", True),), True)]
+    for held in ({}, {"w": (("v", False),)}):
+        p = plan_volumes(vols, att, held, stored, ROOMY)
+        assert p.errors == {"r": "volume v is open for writing by instance w"}, held
+    # Both running already: the reader, later in spec order, lets go (DLV-VOL-24).
+    p = plan_volumes(vols, att, {"w": (("v", False),), "r": (("v", True),)}, stored, ROOMY)
+    assert set(p.errors) == {"r"} and p.errors["r"].startswith(
+        "volume v is open for writing by instance w: stopped so that it lets go"
+    )
 
 
 def test_open_volumes_tracked_from_running_domains_dlv_vol_21_22() -> None:
