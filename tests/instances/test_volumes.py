@@ -222,6 +222,15 @@ def test_unlisted_volumes_destroyed_unless_open_dlv_vol_25_26_27() -> None:
     assert [(s.kind, s.volume.id) for s in p.after] == [("destroy", "gone")]
     p = plan_volumes([], [], {}, stored, ROOMY)
     assert {s.volume.id for s in p.after} == {"gone", "open"}
+    # "and no instance attaches": an unlisted volume a stopped instance of the spec still names stays
+    # (the instance fails on it); so does a listed one whose entry breaks a rule (a typo in the spec
+    # never destroys a volume).
+    p = plan_volumes([], [("vm", (("gone", False),), False)], {}, stored, ROOMY)
+    assert [s.volume.id for s in p.after] == ["open"] and "not a volume of this host's section" in p.errors[
+        "vm"
+    ]
+    p = plan_volumes([VolumeSpec("gone", "BAD", GIB), VolumeSpec("open", "o", 1000)], [], {}, stored, ROOMY)
+    assert p.after == () and set(p.refused) == {"gone", "open"}
 
 
 def test_an_unlisted_attachment_fails_its_instance() -> None:
