@@ -303,7 +303,7 @@ def test_a_start_needing_exactly_what_is_left_is_admitted_a_byte_more_is_not_dlv
 
 def test_paused_domains_count_and_unmanaged_ones_do_not_dlv_adm_06() -> None:
     """DLV-ADM-06: a paused domain bcd manages is charged like a running one; a running domain bcd did
-    not create is not charged (it is only reported, DLV-INST-05); a stopped one is not charged."""
+    not create is not charged; a stopped one is not charged."""
     obs = observed(
         dom("p", PAUSED), dom("u", managed=False), dom("s", STOPPED), mem=memory(8)
     )  # 7168 - 2368 (p) = 4800 left: two more 2 GiB guests fit, a third does not

@@ -140,7 +140,7 @@ def test_a_disk_grows_with_blockresize_while_running_and_qemu_img_while_stopped_
 ) -> None:
     """DLV-LIBVIRT-07, both halves: a running domain's disk grows by `virsh blockresize <id> vda
     <bytes>B` and never by qemu-img under QEMU's feet; a stopped one by `qemu-img resize` of the
-    overlay as qcow2 (a json: target with no backing opened, DLV-IMG-19) and never by virsh."""
+    overlay as qcow2 (a json: target that opens no backing file) and never by virsh."""
     from pathlib import Path
 
     from bcd_agent.sections.instances.model import Desired
