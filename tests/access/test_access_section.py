@@ -155,17 +155,28 @@ def test_uid0_account_refused_as_root_unless_configured(sim_root: Path) -> None:
         ("principals", "alice\u2003@x"),
         ("ssh_ca_keys", "ssh-ed25519"),
         ("ssh_ca_keys", f"{K1}\u0085"),
+        # DLV-ACC-09 at its edges, each the only fault of its string: DEL (0x7F), a tab, NUL, and a
+        # control character in a CA key's comment (which the key's own parse never reads).
+        ("principals", f"alice\x7f@{NODE}"),
+        ("principals", f"alice\t@{NODE}"),
+        ("principals", f"\x00alice@{NODE}"),
+        ("ssh_ca_keys", f"{K1} ops\x1bkey"),
+        ("ssh_ca_keys", f"{K1} ops\x7fkey"),
     ],
 )
 def test_DLV_ACC_09_10_11_the_session_refuses_the_whole_spec(field: str, value: str) -> None:
     """Signed or not, a spec whose access section could add a line to an sshd file is refused as a
-    whole (Q-DLV-ACC-03: not applied, the held generation stays)."""
+    whole (Q-DLV-ACC-03: not applied, the held generation stays). A control character is named as one
+    (DLV-ACC-09: refused, never stripped)."""
     spec = wire.NodeSpec(access=wire.AccessSection(**{field: [value]}), host=wire.HostSection())
     body = bytes(wire.DesiredStateBody(node_id=NODE, generation=2, spec_hash="x", full=spec))
     verdict = specmod.judge(
         wire.DesiredState(body=body), node_id=NODE, applied=None, trust=None, now=dt.datetime.now(dt.UTC)
     )
     assert isinstance(verdict, specmod.Refused) and "invalid access section" in verdict.reason
+    control = [c for c in value if ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0]
+    if control:
+        assert f"a control character (U+{ord(control[0]):04X})" in verdict.reason, verdict.reason
     ok = bytes(
         wire.DesiredStateBody(
             node_id=NODE,

@@ -39,9 +39,17 @@ def test_DLV_SPEC_08_the_section_is_the_self_update_target() -> None:
         ("url", "http://releases.example.com/bcd", "daemon.url"),
         ("sha256", "AB" * 32, "daemon.sha256"),
         ("signature", b"short", "daemon.signature"),
+        ("signature", bytes(65), "daemon.signature"),
+        # A section with some of the target is not an empty one: the missing field is named.
+        ("version", "", "daemon.version"),
+        ("url", "", "daemon.url"),
+        ("sha256", "", "daemon.sha256"),
     ],
+    ids=["version", "url", "sha256", "signature-short", "signature-65", "no-version", "no-url", "no-sha256"],
 )
 def test_a_bad_field_fails_naming_it(field: str, value: object, named: str) -> None:
+    """DLV-SPEC-08: each of version, URL, SHA-256 and the 64-byte signature is required of a target,
+    and a bad or missing one fails the section naming it."""
     with pytest.raises(TerminalError) as info:
         target_from_wire(_section(**{field: value}))
     assert info.value.reason == "InvalidRelease" and info.value.message.startswith(named)

@@ -59,6 +59,37 @@ def test_issue9_item2_rendered_sshd_text_is_printable_ascii_or_refused(
         assert out.dropin == acc.DROPIN_TEXT.encode()
 
 
+def _krl_sections(krl: bytes) -> list[tuple[bytes, list[int]]]:
+    """Each certificate section of a KRL: (its CA key blob, the serials of its one serial list)."""
+    at, out = 8 + 4 + 8 * 3 + 4 + 4, []
+    while at < len(krl):
+        assert krl[at] == 1  # KRL_SECTION_CERTIFICATES
+        (length,) = struct.unpack(">I", krl[at + 1 : at + 5])
+        body, at = krl[at + 5 : at + 5 + length], at + 5 + length
+        (klen,) = struct.unpack(">I", body[:4])
+        ca, rest = body[4 : 4 + klen], body[4 + klen :]
+        assert rest[:4] == bytes(4) and rest[4] == 0x20  # empty reserved string, CERT_SERIAL_LIST
+        (slen,) = struct.unpack(">I", rest[5:9])
+        out.append((ca, [v for (v,) in struct.iter_unpack(">Q", rest[9 : 9 + slen])]))
+    return out
+
+
+def test_DLV_ACC_03_every_ca_keys_certificates_are_revoked() -> None:
+    """DLV-ACC-03 with two CA keys: the section's revoked serials are revoked under each of them (a
+    certificate is revoked by its CA and serial: a KRL naming only the first CA lets the second CA's
+    certificate of that serial in), sorted and once each; no serial, no section."""
+    other = (
+        Ed25519PrivateKey.generate()
+        .public_key()
+        .public_bytes(Encoding.OpenSSH, PublicFormat.OpenSSH)
+        .decode()
+    )
+    files = acc.render([KEY, other], [], [9, 4, 9], "node-a").files
+    blobs = [acc.ca_key_line(k, "k")[1] for k in (KEY, other)]
+    assert _krl_sections(files[acc.SSHD_KRL]) == [(blobs[0], [4, 9]), (blobs[1], [4, 9])]
+    assert _krl_sections(acc.render([KEY, other], [], [], "node-a").files[acc.SSHD_KRL]) == []
+
+
 def test_DLV_ACC_03_krl_layout() -> None:
     """The KRL is PROTOCOL.krl's: header, then per CA key a certificate section with one serial list."""
     _line, blob = acc.ca_key_line(KEY, "k")

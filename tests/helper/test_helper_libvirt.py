@@ -45,7 +45,8 @@ def _good_xml(h: HelperProcess) -> str:
 
 
 def test_the_runtime_drives_the_helper_dlv_hlp_02(lv: tuple[HelperProcess, InstancesSection]) -> None:
-    """DLV-HLP-02, DLV-HLP-14: changes go through libvirt.*, audited; disks 0660, directories 0710."""
+    """DLV-HLP-02, DLV-HLP-14: changes go through libvirt.*, audited; disks 0660 (the read-only seed
+    0640), directories 0710."""
     h, sec = lv
     ops = [e["op"] for e in h.audit_lines() if e["decision"] == "accepted"]
     assert "libvirt.define" in ops and "libvirt.start" in ops
@@ -57,6 +58,10 @@ def test_the_runtime_drives_the_helper_dlv_hlp_02(lv: tuple[HelperProcess, Insta
     disk = h.root / DATA.lstrip("/") / "libvirt/instances/good/disk.qcow2"
     assert os.stat(disk).st_mode & 0o777 == 0o660
     assert os.stat(disk.parent).st_mode & 0o777 == 0o710
+    # the read-only one (the user-data seed) 0640, and group search on every directory on the way
+    assert os.stat(disk.parent / "seed.iso").st_mode & 0o777 == 0o640
+    for up in (disk.parent.parent, disk.parent.parent.parent):
+        assert os.stat(up).st_mode & 0o070 == 0o010, up
     converge(sec, spec(vm("good"), generation=5))
     assert [i.state for i in sec.last_report.instances] == ["RUNNING"]
 

@@ -82,6 +82,57 @@ def test_HST_SYS_12_denylisted_key_refused_whatever_the_value_with_its_reason(ke
         assert refusal("sysctl", {key: value}) == f"{key} is refused: {why}"
 
 
+_PROGRAM = "it names or controls a program the kernel runs as root"
+_DEFENSE = "it would lower the host's defenses"
+_USERNS = "it changes who may create namespaces"
+DENIED_BY_ID = [
+    ("HST-SYS-14", ("kernel.core_pattern",), _PROGRAM),
+    ("HST-SYS-15", ("kernel.modprobe",), _PROGRAM),
+    ("HST-SYS-16", ("kernel.usermodehelper.bset", "kernel.usermodehelper.inheritable"), _PROGRAM),
+    ("HST-SYS-17", ("kernel.poweroff_cmd",), _PROGRAM),
+    ("HST-SYS-18", ("kernel.hotplug",), _PROGRAM),
+    (
+        "HST-SYS-19",
+        ("fs.binfmt_misc.status", "fs.binfmt_misc.register"),
+        "it registers interpreters the kernel runs",
+    ),
+    ("HST-SYS-20", ("fs.suid_dumpable",), _DEFENSE),
+    ("HST-SYS-21", ("fs.protected_symlinks", "fs.protected_hardlinks", "fs.protected_fifos"), _DEFENSE),
+    ("HST-SYS-22", ("kernel.randomize_va_space",), _DEFENSE),
+    ("HST-SYS-23", ("kernel.kptr_restrict",), _DEFENSE),
+    ("HST-SYS-24", ("kernel.dmesg_restrict",), _DEFENSE),
+    ("HST-SYS-25", ("kernel.yama.ptrace_scope", "kernel.yama.protected_sticky_symlinks"), _DEFENSE),
+    ("HST-SYS-26", ("kernel.kexec_load_disabled",), _DEFENSE),
+    ("HST-SYS-27", ("kernel.unprivileged_bpf_disabled",), _DEFENSE),
+    ("HST-SYS-28", ("kernel.perf_event_paranoid",), _DEFENSE),
+    ("HST-SYS-29", ("kernel.sysrq",), _DEFENSE),
+    ("HST-SYS-30", ("vm.mmap_min_addr",), _DEFENSE),
+    ("HST-SYS-31", ("vm.unprivileged_userfaultfd",), _DEFENSE),
+    ("HST-SYS-32", ("net.core.bpf_jit_harden",), _DEFENSE),
+    ("HST-SYS-33", ("kernel.modules_disabled",), "it cannot be undone without a reboot"),
+    (
+        "HST-SYS-34",
+        ("user.max_user_namespaces", "user.max_net_namespaces", "user.max_inotify_watches"),
+        _USERNS,
+    ),
+    ("HST-SYS-35", ("kernel.unprivileged_userns_clone",), _USERNS),
+    ("HST-SYS-36", ("kernel.apparmor_restrict_unprivileged_userns",), _USERNS),
+]
+
+
+@pytest.mark.parametrize(("rid", "keys", "why"), DENIED_BY_ID, ids=[r[0] for r in DENIED_BY_ID])
+def test_HST_SYS_14_to_36_each_denied_key_is_refused_whatever_the_value(
+    rid: str, keys: tuple[str, ...], why: str
+) -> None:
+    """HST-SYS-14..36, one row each: every value, the hardened ones (0, 1, 2, -1) included, is refused
+    with the key's own reason, so a key kept only to its safer values (as the hardened keys are) fails
+    here; a wildcard rule is tried on two or three keys under it. (The decode table's row for each id
+    tries one value and reads only `is refused`, which a hardened key's refusal also says.)"""
+    for key in keys:
+        for value in (0, 1, 2, -1, "0", "1", True, False, "|/bin/true"):
+            assert refusal("sysctl", {key: value}) == f"{key} is refused: {why}", (rid, key, value)
+
+
 def test_sysctl_denylist_patterns_match_whole_names_only() -> None:
     # `kernel.yama.*` takes `kernel.yama.x`, not `kernel.yamax`; exact names do not take a longer one.
     settings = decoded("sysctl", {"kernel.yamax": 1, "kernel.sysrq_x": 1, "fs.suid_dumpable2": 1})
@@ -974,6 +1025,8 @@ def test_HST_HP_04_plan_thp_and_2m_pools_global_and_per_numa() -> None:
 
 
 def test_HST_HP_plan_1g_mount_pages_and_boot_reservation() -> None:
+    """Covers HST-HP-24: the mount unit is written, then `daemon-reload`, then `enable` (an enable
+    alone when only that is missing), as the plan's exact steps."""
     from bcd_shared.units.bootargs import SetBootArgs
     from bcd_shared.units.hugepages import Set1GPages, mount_unit_text
 
@@ -1157,6 +1210,9 @@ def test_HST_SHARE_settings_and_service_text() -> None:
 
 
 def test_HST_SHARE_plan_mps_service_and_removal() -> None:
+    """Covers HST-SHARE-05, HST-SHARE-06 and HST-SHARE-13 on the plan: the exact steps of a changed unit
+    and of an inactive one; MPSDown (reason NotRunning) in a pass that starts the service, restarts it
+    for a new unit, or waits for the control daemon, and none once it runs unchanged."""
     from bcd_shared.units._base import UnitCondition
     from bcd_shared.units.sharing import service_text
 

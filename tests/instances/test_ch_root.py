@@ -429,3 +429,33 @@ def test_as_root_a_vmm_binary_others_can_write_is_never_run(
     with pytest.raises(TerminalError, match="only root can write"):
         rt.start(inst, paused=False)
     assert "bcd-ch-u1.service" not in _units(root)
+
+
+def test_the_placement_reaches_the_vmms_unit_dlv_plc_14_dlv_plc_15(
+    host: tuple[CloudHypervisorRuntime, Path],
+) -> None:
+    """DLV-PLC-14, DLV-PLC-15 end to end on the runtime: an instance placed on CPUs 2-3 and NUMA node 0
+    in 2 MiB huge pages starts a unit with AllowedCPUs=2-3, AllowedMemoryNodes=0 and MemoryMax of the
+    VMM's overhead alone (1 GiB / 32 + 256 MiB); the same instance unplaced gets neither property and
+    its whole memory plus the overhead. (The unit tests hand the launch its placement directly.)"""
+    from bcd_agent.sections.instances.model import Placement
+
+    rt, root = host
+    mib = 1 << 20
+    placed = chvm(
+        "p1",
+        vcpus=2,
+        memory_bytes=1 << 30,
+        placement=Placement(cpus="2-3", mems="0", hugepage_size_bytes=2 * mib),
+    )
+    rt.create(placed, Prepared())
+    rt.start(placed, paused=False)
+    props = _units(root)["bcd-ch-p1.service"]["properties"]
+    assert (props["AllowedCPUs"], props["AllowedMemoryNodes"]) == ("2-3", "0")
+    assert props["MemoryMax"] == str((1 << 30) // 32 + 256 * mib)
+    plain = chvm("p2", vcpus=2, memory_bytes=1 << 30)
+    rt.create(plain, Prepared())
+    rt.start(plain, paused=False)
+    props = _units(root)["bcd-ch-p2.service"]["properties"]
+    assert "AllowedCPUs" not in props and "AllowedMemoryNodes" not in props
+    assert props["MemoryMax"] == str((1 << 30) + (1 << 30) // 32 + 256 * mib)

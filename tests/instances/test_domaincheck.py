@@ -9,6 +9,7 @@ from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
 from bcd_agent.sections.instances.runtimes.base import DomainFiles
 from bcd_agent.sections.instances.runtimes.domainxml import build_domain_xml
 from bcd_shared.domaincheck import ALLOWED, DomainPolicy, DomainRefused, check_domain
+from bcd_shared.instancenames import tap_name
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -107,6 +108,39 @@ def test_hostile_documents_are_refused_dlv_hlp_04(what: str, doc: str, reason: s
     with pytest.raises(DomainRefused) as exc:
         check_domain(data, POLICY)
     assert exc.value.reason == reason, exc.value.message
+
+
+TAP0 = GOOD.split('<interface type="bridge">')[1].split('<target dev="')[1].split('"')[0]
+NIC = GOOD[GOOD.index('<interface type="bridge">') : GOOD.index("</interface>") + len("</interface>")]
+HOSTDEV = GOOD[GOOD.index("<hostdev ") : GOOD.index("</hostdev>") + len("</hostdev>")]
+TWO_GPUS = DomainPolicy("vm1", "/var/lib/bcd", ("br0", "br1"), ("0000:53:00.0", "0000:54:00.0"))
+SECOND_GPU = HOSTDEV.replace('bus="0x53"', 'bus="0x54"')
+
+
+@pytest.mark.parametrize(
+    ("doc", "reason", "message"),
+    [
+        (GOOD.replace(TAP0, tap_name("vm2", 0)), "tap", f"NIC 0: tap '{tap_name('vm2', 0)}' is not the one"),
+        (GOOD.replace(NIC, NIC + NIC), "tap", f"NIC 1: tap '{TAP0}' is not the one named for the instance"),
+        (GOOD.replace('bridge="br0"', 'bridge="br9"'), "tap", "NIC 0: bridge 'br9' is not in [helper]"),
+        (GOOD.replace('bus="0x53"', 'bus="0x55"'), "hostdev", "hostdev 0000:55:00.0 is not one of this host"),
+        (GOOD.replace(HOSTDEV, HOSTDEV + HOSTDEV), "hostdev", "hostdev 0000:53:00.0 is named twice"),
+    ],
+    ids=["another instance's tap", "a second NIC on the first tap", "unlisted bridge", "not a GPU", "twice"],
+)
+def test_only_the_instances_taps_on_listed_bridges_and_the_hosts_gpus_once_dlv_hlp_05_06(
+    doc: str, reason: str, message: str
+) -> None:
+    """DLV-HLP-05: each NIC's tap is the one named for the instance at its index, on a bridge of
+    [helper] instance_bridges; DLV-HLP-06: each hostdev is one of the host's GPUs, at most once. The
+    same document with the second NIC on its own tap and bridge, or the host's other GPU, is taken."""
+    with pytest.raises(DomainRefused) as exc:
+        check_domain(doc.encode(), TWO_GPUS)
+    assert (exc.value.reason, exc.value.message[: len(message)]) == (reason, message)
+    nic1 = NIC.replace(TAP0, tap_name("vm1", 1)).replace('bridge="br0"', 'bridge="br1"')
+    ok = GOOD.replace(NIC, NIC + nic1).replace(HOSTDEV, HOSTDEV + SECOND_GPU)
+    checked = check_domain(ok.encode(), TWO_GPUS)
+    assert checked.hostdevs == ("0000:53:00.0", "0000:54:00.0")
 
 
 NAMES = st.from_regex(r"\A[a-zA-Z][a-zA-Z0-9_]{0,12}\Z")

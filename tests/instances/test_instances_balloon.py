@@ -88,6 +88,12 @@ def test_a_stall_takes_at_least_two_percent_even_with_memory_available_dlv_bal_0
     steps = plan_balloons(host(HOST * 15 // 100, 10.0), guests, 50)
     assert sum(s.balloon_bytes for s in steps) >= HOST * 2 // 100
     assert plan_balloons(host(HOST * 15 // 100, 9.99), guests, 50) == ()
+    # Exactly: 2% of 64 GiB is 1310.72 MiB, taken as 1311 MiB; stalled with a larger shortfall (5%
+    # available: 3276.8 MiB short of 10%), the shortfall, 3277 MiB, and no more.
+    whole_mib = -(-(HOST * 2 // 100) // MIB) * MIB
+    assert [s.balloon_bytes for s in steps] == [whole_mib] == [1311 * MIB]
+    short = plan_balloons(host(HOST * 5 // 100, 10.0), guests, 50)
+    assert [s.balloon_bytes for s in short] == [3277 * MIB]
 
 
 def test_deflates_a_quarter_at_a_time_within_what_is_free_above_twenty_percent_dlv_bal_08() -> None:

@@ -157,3 +157,35 @@ def test_every_thirty_seconds_the_host_memory_and_stall_are_read_dlv_bal_03() ->
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     assert seen[0][1] == HostPressure(1000 * 1024, 500 * 1024, 12.0)
     assert proc.read[:2] == ["/proc/meminfo", "/proc/pressure/memory"]
+
+
+def test_the_rules_are_checked_every_five_seconds_outside_any_pass_dlv_nft_23() -> None:
+    """DLV-NFT-23: the node's integrity check of its nftables tables runs every 5 s (trio's mock clock),
+    in a worker thread; a check that raises does not end the loop (the next one runs 5 s later)."""
+    from bcd_agent.sections.instances.network import check_periodically
+
+    seen: list[tuple[float, bool]] = []
+    done: list[trio.Event] = []
+
+    class _Network:
+        def integrity_check(self) -> None:
+            in_main = threading.current_thread() is threading.main_thread()
+            # From the trio thread itself (a wrong, inline check) from_thread would raise: read directly.
+            now = trio.current_time() if in_main else trio.from_thread.run_sync(trio.current_time)
+            seen.append((now, in_main))
+            if len(seen) == 3:
+                done[0].set() if in_main else trio.from_thread.run_sync(done[0].set)
+            if len(seen) == 1:
+                raise RuntimeError("nft vanished")
+
+    async def main() -> None:
+        done.append(trio.Event())
+        start = trio.current_time()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(check_periodically, _Network())
+            await done[0].wait()
+            nursery.cancel_scope.cancel()
+        assert [round(t - start, 3) for t, _ in seen] == [5, 10, 15]
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert not any(in_main for _, in_main in seen)  # a worker thread, never the node's loop

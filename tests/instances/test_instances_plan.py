@@ -87,6 +87,26 @@ def test_instances_report_lists_every_domain_with_complete_dlv_inst_15(tmp_path:
     }
 
 
+def test_a_runtime_whose_listing_failed_makes_the_report_incomplete_dlv_inst_15(tmp_path: Path) -> None:
+    """DLV-INST-15 (Q-DLV-INST-02): instances_complete only when every runtime listed without error; a
+    failed listing reports it false and the instance waits for the listing, the section PROGRESSING."""
+    from bcd_shared.errors import StepError
+
+    system = sim_host(tmp_path)
+    sec, rt = section(system)
+    assert converge(sec, spec(vm("a"))).state is SectionState.CONVERGED and sec.last_report.complete
+
+    def broken() -> tuple[Domain, ...]:
+        raise StepError("virsh", "virsh list: failed to connect to the hypervisor")
+
+    rt.list = broken  # type: ignore[method-assign]
+    out = converge(sec, spec(vm("a"), generation=2))
+    assert out.state is SectionState.PROGRESSING
+    assert not sec.last_report.complete
+    assert [(i.instance_id, i.state) for i in sec.last_report.instances] == [("a", "PENDING")]
+    assert "waiting for the libvirt-kvm runtime's listing: virsh list: failed" in out.message
+
+
 def _define_unmanaged(system: object, name: str, state: str = "shut off") -> None:
     from bcd_shared.system import atomic_write
 
@@ -216,6 +236,18 @@ def test_stops_and_deletes_come_before_starts_dlv_inst_16() -> None:
     assert not p.waiting
 
 
+@pytest.mark.parametrize("state", [RUNNING, PAUSED])
+def test_a_paused_or_running_domain_stopped_or_deleted_frees_its_memory_for_a_start_dlv_inst_16(
+    state: str,
+) -> None:
+    """DLV-INST-16: on a 5 GiB host (4096 MiB budget) two 2 GiB domains, running or paused, hold 4736
+    MiB; a start of the same pass fits only once both the delete and the stop have given theirs back."""
+    obs = observed(dom("old", state), dom("s", state), dom("n", STOPPED), mem=memory(5))
+    p = plan(spec(vm("s", desired=Desired.STOPPED), vm("n")), obs)
+    assert [type(s).__name__ for s in p.steps] == ["Delete", "Stop", "Start"]
+    assert not p.waiting
+
+
 def test_admission_refusal_is_resources_exhausted_not_error_dlv_adm_12_13_dlv_inst_14() -> None:
     """DLV-ADM-01, DLV-ADM-04, DLV-ADM-05, DLV-ADM-06, DLV-ADM-08, DLV-ADM-12, DLV-ADM-13, DLV-INST-14."""
     # 8 GiB MemTotal, 1 GiB headroom: 7168 MiB; one running 2 GiB domain takes 2368 MiB; left 4800.
@@ -240,7 +272,9 @@ def test_admission_counts_bound_holds_dlv_adm_07() -> None:
 
 
 def test_huge_page_admission_and_overhead_dlv_adm_09_11() -> None:
-    """DLV-ADM-09, DLV-ADM-10, DLV-ADM-11: pages on the placement's nodes; overhead on normal memory."""
+    """DLV-ADM-09, DLV-ADM-10, DLV-ADM-11: pages on the placement's nodes; overhead on normal memory.
+    DLV-ADM-04's Hugetlb: the 300 MiB left is MemTotal less the 4 GiB pool less 1 GiB (the other
+    admission tests have no pool)."""
     # 300 MiB of normal memory left: a 2 GiB guest in huge pages still needs 64 + 256 MiB of it.
     pool = {2048: HugePool(2048, 2048, {0: 1024, 1: 1024})}
     tight = HostMemory((5 * 1024 + 300) * 1024, 4 * 1024 * 1024, pool, (0, 1))
@@ -254,6 +288,66 @@ def test_huge_page_admission_and_overhead_dlv_adm_09_11() -> None:
     assert p.waiting == {"a": "ResourcesExhausted: 2048 hugepages of 2048 KiB needed, 1024 free"}
     anywhere = Placement(hugepage_size_bytes=2 * MIB)
     assert not plan(spec(vm("a", memory_bytes=4 * GIB, placement=anywhere)), obs).waiting
+
+
+def test_a_start_needing_exactly_what_is_left_is_admitted_a_byte_more_is_not_dlv_adm_12() -> None:
+    """DLV-ADM-12: the bound is inclusive, at the byte. 8 GiB host: 7168 MiB budget; a 2 GiB guest needs
+    2368 MiB, so holds of 4800 MiB leave it exactly that, and one more byte of holds refuses it."""
+    exact = observed(mem=memory(8), holds_memory_bytes=4800 * MIB)
+    assert [type(s) for s in plan(spec(vm("a")), exact).steps] == [Create, Start]
+    over = observed(mem=memory(8), holds_memory_bytes=4800 * MIB + 1)
+    p = plan(spec(vm("a")), over)
+    assert p.waiting == {"a": "ResourcesExhausted: 2368 MiB of memory needed, 2367 MiB left on this host"}
+    assert [type(s) for s in p.steps] == [Create]
+
+
+def test_paused_domains_count_and_unmanaged_ones_do_not_dlv_adm_06() -> None:
+    """DLV-ADM-06: a paused domain bcd manages is charged like a running one; a running domain bcd did
+    not create is not charged; a stopped one is not charged."""
+    obs = observed(
+        dom("p", PAUSED), dom("u", managed=False), dom("s", STOPPED), mem=memory(8)
+    )  # 7168 - 2368 (p) = 4800 left: two more 2 GiB guests fit, a third does not
+    p = plan(
+        spec(vm("p", desired=Desired.PAUSED), vm("s", desired=Desired.STOPPED), vm("a"), vm("b"), vm("c")),
+        obs,
+    )
+    assert p.waiting == {"c": "ResourcesExhausted: 2368 MiB of memory needed, 64 MiB left on this host"}
+
+
+def test_huge_pages_are_bounded_host_wide_by_what_takers_without_nodes_took_dlv_adm_09() -> None:
+    """DLV-ADM-09: a guest on node 0 whose node still has its 1024 pages free is refused when an earlier
+    start of the pass without NUMA nodes took the host-wide count down to 512 (2048 free, 1536 taken)."""
+    obs = observed(mem=memory(64, pages_2m=2048))  # 1024 free on each node, 2048 host-wide
+    anywhere = vm("any", memory_bytes=3 * GIB, placement=Placement(hugepage_size_bytes=2 * MIB))
+    on0 = vm("on0", memory_bytes=2 * GIB, placement=Placement(mems="0", hugepage_size_bytes=2 * MIB))
+    p = plan(spec(anywhere, on0), obs)
+    assert p.waiting == {"on0": "ResourcesExhausted: 1024 hugepages of 2048 KiB needed, 512 free"}
+    assert [(type(s).__name__, getattr(s, "name", "")) for s in p.steps] == [
+        ("Create", ""),
+        ("Create", ""),
+        ("Start", "any"),
+    ]
+    # Alone, the same guest fits: its node and the host have the pages.
+    assert not plan(spec(on0), obs).waiting
+
+
+def test_host_wide_huge_pages_are_free_less_reserved_dlv_adm_10(tmp_path: Path) -> None:
+    """DLV-ADM-10: a guest without NUMA nodes needs free less reserved pages host-wide: with 2048 free
+    and 1025 reserved (promised to a mapping, not yet faulted in), a 1024-page guest does not fit, a
+    1023-page one does. The count is read from sysfs as the node reads it."""
+    from bcd_agent.inventory.host import read_host_memory
+
+    system = sim_host(tmp_path)
+    pool = "/sys/kernel/mm/hugepages/hugepages-2048kB"
+    system.host_path(f"{pool}/free_hugepages").write_text("2048\n")
+    system.host_path(f"{pool}/resv_hugepages").write_text("1025\n")
+    mem = read_host_memory(system)
+    assert mem is not None and mem.pools[2048].free == 1023
+    anywhere = Placement(hugepage_size_bytes=2 * MIB)
+    p = plan(spec(vm("a", memory_bytes=2 * GIB, placement=anywhere)), observed(mem=mem))
+    assert p.waiting == {"a": "ResourcesExhausted: 1024 hugepages of 2048 KiB needed, 1023 free"}
+    p = plan(spec(vm("a", memory_bytes=2 * GIB - 2 * MIB, placement=anywhere)), observed(mem=mem))
+    assert not p.waiting and [type(s) for s in p.steps] == [Create, Start]
 
 
 def test_unreadable_meminfo_starts_without_admission_dlv_adm_15() -> None:
@@ -281,8 +375,9 @@ def test_runtime_that_checks_capacity_is_not_admitted_dlv_adm_14() -> None:
         (Placement(mems="5"), 2, 2 * GIB, "NUMA nodes [5] do not exist"),
         (Placement(hugepage_size_bytes=4096), 2, 2 * GIB, "neither 2 MiB nor 1 GiB"),
         (Placement(hugepage_size_bytes=GIB), 2, 3 * GIB // 2, "not whole 1024 MiB pages"),
+        (Placement(hugepage_size_bytes=2 * MIB), 2, 2 * GIB, "this host has no 2 MiB huge page pool"),
         (
-            Placement(hugepage_size_bytes=2 * MIB, balloon=True),
+            Placement(hugepage_size_bytes=GIB, balloon=True),
             2,
             2 * GIB,
             "balloon is never used with huge pages",
@@ -293,7 +388,9 @@ def test_placement_the_host_cannot_apply_fails_the_instance_dlv_plc_06(
     placement: Placement, vcpus: int, memory_bytes: int, message: str
 ) -> None:
     """DLV-PLC-01, DLV-PLC-02, DLV-PLC-03, DLV-PLC-04, DLV-PLC-05, DLV-PLC-06: nothing created."""
-    p = plan(spec(vm("a", vcpus=vcpus, memory_bytes=memory_bytes, placement=placement)), observed())
+    host = HostFacts(HOST.online_cpus, HOST.numa_nodes, frozenset({GIB}))  # no 2 MiB pool here
+    obs = Observed(runtimes={"libvirt-kvm": RuntimeView("libvirt-kvm")}, host=host, memory=memory(512))
+    p = plan(spec(vm("a", vcpus=vcpus, memory_bytes=memory_bytes, placement=placement)), obs)
     assert message in p.errors["a"] and p.steps == ()
 
 
@@ -363,6 +460,44 @@ def test_stop_is_shutdown_then_destroy_dlv_libvirt_19(tmp_path: Path) -> None:
     rt.stop("a")
     verbs = [c[0] for c in calls if c[0] in ("shutdown", "destroy")]
     assert verbs == ["shutdown", "destroy"]
+
+
+@pytest.mark.parametrize("stops_after_s", [59.0, None])
+def test_stop_waits_sixty_seconds_for_the_shutdown_before_destroy_dlv_libvirt_19(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stops_after_s: float | None
+) -> None:
+    """DLV-LIBVIRT-19 on a fake clock (the runtime's default timeout): a guest that shuts down 59 s
+    after `virsh shutdown` is never destroyed; one that ignores it is destroyed at 60 s, not before."""
+    from types import SimpleNamespace
+
+    from bcd_agent.sections.instances.runtimes import libvirt as lv
+    from bcd_shared.system import CommandResult
+
+    clock = [1000.0]
+    monkeypatch.setattr(lv, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    acts: list[tuple[str, float]] = []
+
+    class Guest:
+        def read(self, *args: str) -> CommandResult:
+            down = ("destroy", "a") in [(v, "a") for v, _ in acts] or (
+                stops_after_s is not None and acts and clock[0] - acts[0][1] >= stops_after_s
+            )
+            return CommandResult(args, 0, b"shut off\n" if down else b"running\n")
+
+        def define(self, name: str, xml: bytes, xml_path: str) -> None: ...
+
+        def act(self, verb: str, name: str, *args: str) -> CommandResult:
+            acts.append((verb, clock[0]))
+            return CommandResult((verb,), 0)
+
+    def sleep(s: float) -> None:
+        clock[0] += s
+
+    lv.LibvirtRuntime(sim_host(tmp_path), Guest(), "/var/lib/bcd", sleep=sleep).stop("a")
+    if stops_after_s is None:
+        assert acts == [("shutdown", 1000.0), ("destroy", 1060.0)]
+    else:
+        assert acts == [("shutdown", 1000.0)] and clock[0] == 1059.0
 
 
 def test_state_changes_suspend_and_stop() -> None:

@@ -365,3 +365,45 @@ def test_a_tick_is_due_only_for_a_rebind_ref_or_kept_state(tmp_path: Path) -> No
     assert not sec.rebind_due(spec(vm("b")))
     sec.rebinder = None
     assert not sec.rebind_due(desired)
+
+
+def test_the_guest_gets_two_minutes_then_five_minutes_pass_before_the_next_try_dlv_reb_10_16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DLV-REB-10, DLV-REB-16 with the Rebinder's own defaults, on fake clocks (the other tests pass
+    wait_s=0 and step the clock by the module's RETRY_MS, so a 1-minute wait or retry passed them): a
+    silent guest is polled until exactly 120 s after the attach, then detached; the next try comes at
+    exactly 300 s after that, not half a second before."""
+    from types import SimpleNamespace
+
+    from bcd_agent.sections.instances import rebind as rb
+
+    mono = [500.0]
+    monkeypatch.setattr(rb, "time", SimpleNamespace(monotonic=lambda: mono[0]))
+    system = sim_host(tmp_path)
+    source = FixedUserData({"a": UserData(data=bundle(with_key=False))})
+    sec, rt = section(system, user_data=source)
+    clock = _Clock()
+
+    def sleep(s: float) -> None:
+        mono[0] += s
+        clock.t += s
+
+    sec.rebinder = Rebinder(system, DATA_DIR, sec.runtimes, source, clock=clock, sleep=sleep)
+    desired = spec(vm("a", identity_rebind_ref="ref-1"))
+    converge(sec, desired)
+    (system.host_path(STATE) / "a.silent").write_text("")
+    detached: list[float] = []
+    real_detach = rt.rebind_detach
+
+    def detach(name: str) -> None:
+        detached.append(mono[0])
+        real_detach(name)
+
+    rt.rebind_detach = detach
+    assert sec.rebind_tick(desired) == [("a", "the guest did not answer")]
+    assert detached == [620.0]  # 500 + 120 s of polling
+    clock.t += 299.5  # the retry time is counted from the attempt's end (the clock read then)
+    assert sec.rebind_tick(desired) == []
+    clock.t += 0.5
+    assert sec.rebind_tick(desired) == [("a", "the guest did not answer")]

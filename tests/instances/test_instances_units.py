@@ -3,6 +3,7 @@ the wire, admission's charge of configured memory, tap names."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import trio
@@ -132,6 +133,37 @@ class _Recording:
     def run(self, argv: object, **kw: object) -> object:
         self.argv.append(tuple(argv))  # type: ignore[arg-type]
         return self.inner.run(argv, **kw)  # type: ignore[attr-defined]
+
+
+def test_a_disk_grows_with_blockresize_while_running_and_qemu_img_while_stopped_dlv_libvirt_07(
+    tmp_path: object,
+) -> None:
+    """DLV-LIBVIRT-07, both halves: a running domain's disk grows by `virsh blockresize <id> vda
+    <bytes>B` and never by qemu-img under QEMU's feet; a stopped one by `qemu-img resize` of the
+    overlay as qcow2 (a json: target that opens no backing file) and never by virsh."""
+    from pathlib import Path
+
+    from bcd_agent.sections.instances.model import Desired
+    from bcd_agent.sections.instances.runtimes.libvirt import DirectVirsh, LibvirtRuntime
+    from bcd_agent.sections.instances.section import InstancesSection
+    from instkit import GIB, converge, sim_host, spec, vm
+
+    rec = _Recording(sim_host(Path(str(tmp_path))))
+    rt = LibvirtRuntime(rec, DirectVirsh(rec), "/var/lib/bcd")  # type: ignore[arg-type]
+    sec = InstancesSection(rec, [rt], "/var/lib/bcd")  # type: ignore[arg-type]
+    converge(sec, spec(vm("r"), vm("s", desired=Desired.STOPPED)))
+    rec.argv.clear()
+    grown = spec(
+        vm("r", disk_bytes=20 * GIB), vm("s", desired=Desired.STOPPED, disk_bytes=20 * GIB), generation=2
+    )
+    converge(sec, grown)
+    resizes = [a for a in rec.argv if "blockresize" in a or (a[0] == "qemu-img" and "resize" in a)]
+    assert [a[3:] for a in resizes if a[0] == "virsh"] == [("blockresize", "r", "vda", f"{20 * GIB}B")]
+    imgs = [a for a in resizes if a[0] == "qemu-img"]
+    assert len(imgs) == 1 and imgs[0][1] == "resize" and imgs[0][-1] == str(20 * GIB), imgs
+    target = json.loads(imgs[0][2].removeprefix("json:"))
+    assert target["driver"] == "qcow2" and target["backing"] is None, target
+    assert target["file"]["filename"].endswith("/var/lib/bcd/libvirt/instances/s/disk.qcow2"), target
 
 
 def test_virsh_connections_dlv_libvirt_01_18_dlv_hlp_12(tmp_path: object) -> None:

@@ -130,6 +130,26 @@ def test_ids_serials_and_sizes_dlv_vol_05_06_07(vol: VolumeSpec, rule: str) -> N
     problem = check_volume(vol)
     assert problem is not None and rule in problem
     assert check_volume(VolumeSpec("A_b-9" * 16, "a-9" * 6, 1024)) is None
+    # Each rule's accepting edge: a 1-character id and serial, a 20-character serial, 512 bytes.
+    assert check_volume(VolumeSpec("a", "b", 512)) is None
+    assert check_volume(VolumeSpec("Z", "0-" * 10, 512 * 3)) is None
+
+
+def test_overcommit_bound_at_the_byte_dlv_vol_28_29_30() -> None:
+    """DLV-VOL-28..30: a volume needing exactly what can be promised (available 10 GiB, less the
+    reserve, less 1 GiB unwritten, less what the pass promised) is created; 512 bytes more is refused
+    with every figure of the seed's message."""
+    space = Space(100 * GIB, 10 * GIB, 5 * GIB, 0, GIB)  # 4 GiB can be promised
+    exact = [VolumeSpec("a", "a", 3 * GIB), VolumeSpec("b", "b", GIB)]
+    p = plan_volumes(exact, [], {}, {}, space)
+    assert [s.volume.id for s in p.before] == ["a", "b"] and not p.refused
+    over = [VolumeSpec("a", "a", 3 * GIB), VolumeSpec("b", "b", GIB + 512)]
+    p = plan_volumes(over, [], {}, {}, space)
+    assert [s.volume.id for s in p.before] == ["a"]
+    assert p.refused == {
+        "b": "volume b: 1024 MiB needed, 1024 MiB can still be promised to volumes on this host "
+        "(10240 MiB free, 5120 MiB reserved, 4096 MiB promised to volumes' unwritten space)"
+    }
 
 
 # --- the planner ----------------------------------------------------------------------------------
@@ -159,8 +179,9 @@ def test_overcommit_refused_in_the_plan_dlv_vol_29() -> None:
 
 
 def test_one_writer_first_in_spec_order_keeps_it_dlv_vol_17_18_19() -> None:
-    """DLV-VOL-17, DLV-VOL-18, DLV-VOL-19: a second writer, or a writer beside readers, is refused; the
-    first in spec order keeps the volume; readers share it."""
+    """DLV-VOL-17, DLV-VOL-18, DLV-VOL-19: a second writer, a reader beside a writer (starting or
+    running), or a writer beside readers, is refused; the first in spec order keeps the volume;
+    readers share it. DLV-VOL-24: a running reader beside a running writer lets go."""
     vols = [VolumeSpec("v", "v", GIB)]
     stored = {"v": Volume("v", "v", GIB, 0)}
     p = plan_volumes(vols, [("a", (("v", False),), True), ("b", (("v", False),), True)], {}, stored, ROOMY)
@@ -169,6 +190,16 @@ def test_one_writer_first_in_spec_order_keeps_it_dlv_vol_17_18_19() -> None:
     assert p.errors == {}
     p = plan_volumes(vols, [("r", (("v", True),), True), ("w", (("v", False),), True)], {}, stored, ROOMY)
     assert "a writer needs it alone" in p.errors["w"]
+    # DLV-VOL-17 itself: a reader beside a writer, one starting in this pass or one running, is refused.
+    att = [("w", (("v", False),), True), ("r", (("v", True),), True)]
+    for held in ({}, {"w": (("v", False),)}):
+        p = plan_volumes(vols, att, held, stored, ROOMY)
+        assert p.errors == {"r": "volume v is open for writing by instance w"}, held
+    # Both running already: the reader, later in spec order, lets go (DLV-VOL-24).
+    p = plan_volumes(vols, att, {"w": (("v", False),), "r": (("v", True),)}, stored, ROOMY)
+    assert set(p.errors) == {"r"} and p.errors["r"].startswith(
+        "volume v is open for writing by instance w: stopped so that it lets go"
+    )
 
 
 def test_open_volumes_tracked_from_running_domains_dlv_vol_21_22() -> None:
@@ -191,6 +222,15 @@ def test_unlisted_volumes_destroyed_unless_open_dlv_vol_25_26_27() -> None:
     assert [(s.kind, s.volume.id) for s in p.after] == [("destroy", "gone")]
     p = plan_volumes([], [], {}, stored, ROOMY)
     assert {s.volume.id for s in p.after} == {"gone", "open"}
+    # "and no instance attaches": an unlisted volume a stopped instance of the spec still names stays
+    # (the instance fails on it); so does a listed one whose entry breaks a rule (a typo in the spec
+    # never destroys a volume).
+    p = plan_volumes([], [("vm", (("gone", False),), False)], {}, stored, ROOMY)
+    assert [s.volume.id for s in p.after] == ["open"] and "not a volume of this host's section" in p.errors[
+        "vm"
+    ]
+    p = plan_volumes([VolumeSpec("gone", "BAD", GIB), VolumeSpec("open", "o", 1000)], [], {}, stored, ROOMY)
+    assert p.after == () and set(p.refused) == {"gone", "open"}
 
 
 def test_an_unlisted_attachment_fails_its_instance() -> None:

@@ -188,6 +188,31 @@ def test_a_bad_telemetry_section_is_terminal_and_names_its_field(
     assert caught.value.message.startswith(f"telemetry.{field}: ")
 
 
+def test_each_telemetry_bound_is_accepted_at_its_edge() -> None:
+    """docs/telemetry.md's bounds, each taken at exactly its limit (the refusals above are one past it):
+    an interval of 1 s and of 1 h, 64 attributes, a 255-character key, a 4096-character value, a
+    2048-character endpoint and a 512-character secret reference."""
+    edge = wire.TelemetrySection(
+        otlp_endpoint="https://o/" + "p" * (2048 - len("https://o/")),
+        export_interval_ms=1_000,
+        resource_attributes={**{f"k{i}": "v" for i in range(62)}, "k" * 255: "v", "big": "v" * 4096},
+        headers_secret_ref="secret://" + "r" * (512 - len("secret://")),
+    )
+    spec = from_wire(edge)
+    assert spec is not None and spec.interval_ms == 1_000 and len(spec.resource_attributes) == 64
+    hour = from_wire(wire.TelemetrySection(otlp_endpoint="https://o", export_interval_ms=3_600_000))
+    assert hour is not None and hour.interval_ms == 3_600_000
+    for kwargs, field in (
+        ({"otlp_endpoint": "https://o/" + "p" * (2049 - len("https://o/"))}, "otlp_endpoint"),
+        ({"otlp_endpoint": "https://o", "resource_attributes": {"k" * 256: "v"}}, "resource_attributes"),
+        ({"otlp_endpoint": "https://o", "resource_attributes": {"k": "v" * 4097}}, "resource_attributes"),
+        ({"otlp_endpoint": "https://o", "headers_secret_ref": "secret://" + "r" * 504}, "headers_secret_ref"),
+    ):
+        with pytest.raises(TerminalError) as caught:
+            from_wire(wire.TelemetrySection(**kwargs))  # type: ignore[arg-type]
+        assert caught.value.message.startswith(f"telemetry.{field}: ")
+
+
 def test_plain_http_is_allowed_to_a_loopback_collector_only() -> None:
     for url in ("http://127.0.0.1:4318", "http://[::1]:4318", "http://localhost:4318", "http://127.9.9.9"):
         assert from_wire(wire.TelemetrySection(otlp_endpoint=url)) is not None
