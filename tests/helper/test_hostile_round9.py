@@ -7,11 +7,16 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
 
+from bcd_shared import access as acc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
 from helperproc import HelperProcess, base_config
 from hostilekit import as_node
-from intentkit import ControlPlane
+from intentkit import ControlPlane, access_body, access_doc, intent
+from realnode import RealNode
 from releasekit import NODE_ID, NODE_UID, RECORD, staged_swap
 
 INSTALLED = "usr/lib/bcd/bcd"
@@ -58,3 +63,39 @@ def test_round9_a_confirm_of_a_swap_whose_link_never_flipped_is_refused(fresh_ro
         assert os.readlink(link) == "releases/1.1.0/bcd"
     finally:
         h.stop()
+
+
+def _ca_key() -> str:
+    key = Ed25519PrivateKey.generate().public_key()
+    return key.public_bytes(Encoding.OpenSSH, PublicFormat.OpenSSH).decode()
+
+
+def test_round9_access_apply_that_fails_part_way_puts_back_what_it_wrote(cp: ControlPlane) -> None:
+    """access.apply wrote the CA keys, then the KRL, then the principals, and a failure on the way (here
+    the KRL's rename refused by the file system; a full disk, which the node can bring about on a host
+    whose /var/lib/bcd and /etc share one file system, does the same to the larger KRL) left the new
+    CA trusted under the old KRL: a certificate of the new CA the spec revokes logged in until the next
+    apply, which the node need never send. Now root puts back the bytes it found (or removes what it
+    created) before it answers the failure: nothing half-applied."""
+    node = RealNode(cp.config_lines(), setup=lambda root: cp.write_record(root, "node-a", cp.bundle(1)))
+    krl = node.root / acc.SSHD_KRL.lstrip("/")
+    try:
+        worker = cp.command.leaf()
+        old_key = _ca_key()
+        first = access_body("node-a", 1, ca_keys=(old_key,), principals=("alice@node-a",), serials=(5,))
+        node.ok(access_doc(intent(worker, first)))
+        before = {p: (node.root / p.lstrip("/")).read_bytes() for p in acc.managed_paths(["alice"])}
+        subprocess.run(["chattr", "+i", str(krl)], check=True)
+        new_key = _ca_key()
+        second = access_body(
+            "node-a", 2, ca_keys=(old_key, new_key), principals=("bob@node-a",), serials=(5, 7)
+        )
+        answer = node.call(access_doc(intent(worker, second)))
+        assert (answer["ok"], answer.get("reason")) == (False, "access-write"), answer
+        assert acc.SSHD_KRL in answer["message"]
+        after = {p: (node.root / p.lstrip("/")).read_bytes() for p in acc.managed_paths(["alice"])}
+        assert after == before
+        assert not (node.root / acc.principals_path("bob").lstrip("/")).exists()
+    finally:
+        subprocess.run(["chattr", "-i", str(krl)], check=False)
+        node.close()
