@@ -34,7 +34,9 @@ def _host(root: Path, cp: ControlPlane) -> HelperProcess:
     return HelperProcess(root, cp.config_lines() + base_config(node_uid=NODE_UID, node_gid=NODE_UID))
 
 
-def test_round9_a_confirm_of_a_swap_whose_link_never_flipped_is_refused(fresh_root: Path, cp: ControlPlane) -> None:
+def test_round9_a_confirm_of_a_swap_whose_link_never_flipped_is_refused(
+    fresh_root: Path, cp: ControlPlane
+) -> None:
     """A crash between daemon.swap's `pending` record and its flip of /usr/lib/bcd/bcd leaves the record
     naming the new release while the link still names the old one (the node never restarted onto it).
     The node, still the old release, answered `daemon.confirm healthy` for the new version: root recorded
