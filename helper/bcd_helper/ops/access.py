@@ -13,7 +13,8 @@ node as root uses too). Rules on top of the renderer's:
   the simulated root's /etc/passwd under --root);
 - root's intent state is written before any file (durable before effect); files are written CA keys,
   KRL, principals, then the drop-in (which points sshd at the others), stale principals files removed;
-  an empty section removes the drop-in first, then the rest (DLV-ACC-06);
+  an empty section removes the drop-in first, then the rest (DLV-ACC-06); a write or removal that fails
+  part way puts back every file already changed as root found it (`access-write`, round 9);
 - sshd is reloaded only when the drop-in changed (DLV-ACC-05): `systemctl reload` of whichever of
   ssh.service / sshd.service is active; none active, nothing to reload (sshd reads the files at start).
 """
@@ -106,6 +107,23 @@ def _reload_sshd(call: Call) -> str:
     return ""
 
 
+def _put_back(root: Path, observed: Any, paths: list[str]) -> None:
+    """Nothing half-applied (round 9): a write that fails part way puts back the bytes root found (or
+    removes what it created), newest first, so the new CA keys never stand beside the old KRL. Best
+    effort: a path that cannot be put back either is left as it is (the failure is answered anyway)."""
+    from bcd_shared import access as acc
+
+    for path in reversed(paths):
+        data = observed.files.get(path)
+        try:
+            if data is None:
+                remove_root_only(root, path)
+            else:
+                write_root_only(root, path, data, acc.FILE_MODE)
+        except (RootPathRefused, OSError):
+            continue
+
+
 def access_apply(call: Call, req: AccessApply) -> dict[str, Any]:
     from bcd_shared import access as acc  # on the first access.apply, not at the helper's start
 
@@ -160,11 +178,31 @@ def access_apply(call: Call, req: AccessApply) -> dict[str, Any]:
     try:
         for step in steps:
             if isinstance(step, acc.Write):
-                write_root_only(call.ctx.root, step.path, step.data, acc.FILE_MODE)
+                try:
+                    write_root_only(call.ctx.root, step.path, step.data, acc.FILE_MODE)
+                except RootPathRefused as exc:
+                    _put_back(call.ctx.root, observed, [*written, *removed, step.path])
+                    raise refused_path(exc) from None
+                except OSError as exc:
+                    _put_back(call.ctx.root, observed, [*written, *removed, step.path])
+                    raise Failed(
+                        "access-write",
+                        f"{OP}: {step.path}: {exc}; the files written before it were put back",
+                    ) from None
                 written.append(step.path)
             elif isinstance(step, acc.Remove):
-                if remove_root_only(call.ctx.root, step.path):
-                    removed.append(step.path)
+                try:
+                    if remove_root_only(call.ctx.root, step.path):
+                        removed.append(step.path)
+                except RootPathRefused as exc:
+                    _put_back(call.ctx.root, observed, [*written, *removed])
+                    raise refused_path(exc) from None
+                except OSError as exc:
+                    _put_back(call.ctx.root, observed, [*written, *removed])
+                    raise Failed(
+                        "access-write",
+                        f"{OP}: removing {step.path}: {exc}; the files written before it were put back",
+                    ) from None
             else:
                 try:
                     reloaded = _reload_sshd(call)

@@ -810,6 +810,21 @@ def daemon_confirm(call: Call, req: DaemonConfirm) -> dict[str, Any]:
             "version-mismatch",
             f"daemon.confirm: the pending swap is to {doc['version']}, not {req.version[:80]!r}",
         )
+    if req.healthy:
+        # Root's own look at the link: a crash between the `pending` record and the flip leaves the old
+        # release installed, and a confirmation from it must not make the record say otherwise (round 9).
+        # Refused before the timer is cancelled: the deadline still rolls the record back.
+        try:
+            with _daemon_dir(call.ctx) as dfd:
+                link = _installed_link(dfd)
+        except (RootPathRefused, OSError) as exc:
+            raise Failed("confirm", f"daemon.confirm: {INSTALLED}: {exc}") from None
+        if link != _link_target(doc["version"]):
+            raise Refused(
+                "not-swapped",
+                f"daemon.confirm: {INSTALLED} names {str(link)[:200]!r}, not the pending release "
+                f"{_link_target(doc['version'])!r}: nothing to confirm (the swap did not complete)",
+            )
     with call.ctx.timer_lock:
         if call.ctx.daemon_timer is not None:
             call.ctx.daemon_timer.cancel()
