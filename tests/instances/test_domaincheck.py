@@ -4,6 +4,8 @@ documents of every kind are refused, and random elements or attributes grafted a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
 from bcd_agent.sections.instances.runtimes.base import DomainFiles
@@ -134,3 +136,43 @@ def test_grafted_elements_and_attributes_are_refused(tag: str, attr: str, spot: 
     if attr not in ("model", "freePageReporting"):
         with pytest.raises(DomainRefused):
             check_domain(first.encode(), POLICY)
+
+
+def _refusal(xml: str, policy: DomainPolicy = POLICY) -> tuple[str, str]:
+    with pytest.raises(DomainRefused) as info:
+        check_domain(xml.encode(), policy)
+    return info.value.reason, str(info.value)
+
+
+def test_the_name_and_uuid_are_compared_exactly_as_written_each_refusal_word_for_word() -> None:
+    """libvirt takes `<name>` as written: `<name> vm1 </name>` is the domain ' vm1 ', not vm1 (red team
+    round 8); a missing name or uuid is not bcd's; each refusal names `name` and what it read."""
+    uuid = GOOD.split("<uuid>")[1].split("</uuid>")[0]
+    assert _refusal(GOOD.replace("<name>vm1</name>", "<name> vm1 </name>")) == (
+        "name", "the domain is named ' vm1 ', not 'vm1'",
+    )  # fmt: skip
+    assert _refusal(GOOD.replace("<name>vm1</name>", "")) == ("name", "the domain is named '', not 'vm1'")
+    long = "v" * 100
+    assert _refusal(GOOD.replace("<name>vm1</name>", f"<name>{long}</name>")) == (
+        "name", f"the domain is named {'v' * 80!r}, not 'vm1'",
+    )  # fmt: skip
+    assert _refusal(GOOD.replace(f"<uuid>{uuid}</uuid>", "")) == ("name", f"the domain's uuid '' is not bcd's {uuid}")
+    other = "00000000-0000-4000-8000-000000000000"
+    assert _refusal(GOOD.replace(uuid, other)) == ("name", f"the domain's uuid {other!r} is not bcd's {uuid}")
+
+
+def test_the_instance_id_the_root_element_and_the_domains_attributes_are_refused_word_for_word() -> None:
+    bad = DomainPolicy("v" * 100 + "/", "/var/lib/bcd", ("br0",), ("0000:53:00.0",))
+    assert _refusal(GOOD, bad) == ("name", f"{('v' * 100 + '/')[:80]!r} is not an instance id")
+    assert _refusal("<" + "d" * 100 + "/>") == ("element", f"the document is <{'d' * 80}>, not <domain>")
+    assert _refusal(GOOD.replace("<domain ", '<domain x="1" ', 1)) == (
+        "attribute", "attribute x of <domain> is not allowed",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tag", ["name", "uuid", "memory", "vcpu", "os", "devices", "metadata", "cpu"])
+def test_each_top_level_element_appears_once(tag: str) -> None:
+    found = re.search(rf"<{tag}( [^>]*)?/>|<{tag}[ >].*?</{tag}>", GOOD, re.S)
+    assert found is not None
+    twice = GOOD[: found.end()] + found[0] + GOOD[found.end() :]
+    assert _refusal(twice) == ("element", f"<{tag}> appears twice")
