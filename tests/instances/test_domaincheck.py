@@ -156,7 +156,10 @@ def test_the_name_and_uuid_are_compared_exactly_as_written_each_refusal_word_for
     assert _refusal(GOOD.replace("<name>vm1</name>", f"<name>{long}</name>")) == (
         "name", f"the domain is named {'v' * 80!r}, not 'vm1'",
     )  # fmt: skip
-    assert _refusal(GOOD.replace(f"<uuid>{uuid}</uuid>", "")) == ("name", f"the domain's uuid '' is not bcd's {uuid}")
+    assert _refusal(GOOD.replace(f"<uuid>{uuid}</uuid>", "")) == (
+        "name",
+        f"the domain's uuid '' is not bcd's {uuid}",
+    )
     other = "00000000-0000-4000-8000-000000000000"
     assert _refusal(GOOD.replace(uuid, other)) == ("name", f"the domain's uuid {other!r} is not bcd's {uuid}")
 
