@@ -195,7 +195,20 @@ def test_a_cpulist_is_ascii_digits_in_ranges_that_run_up_to_65535() -> None:
     assert cpu_set("0-3,8") == frozenset({0, 1, 2, 3, 8})
     assert cpu_set("5") == frozenset({5}) and cpu_set("7-7") == frozenset({7})
     assert cpu_set("65534-65535") == frozenset({65534, 65535})
-    for bad in ("", "1-", "-1", "3-1", "65536", "0-65536", "a", "\u0663", "1-\u0663", "1,,2", "x" * 100):
+    for bad in (
+        "",
+        "1-",
+        "-1",
+        "3-1",
+        "65536",
+        "0-65536",
+        "a",
+        "\u0663",
+        "1-\u0663",
+        "1,,2",
+        "x" * 100,
+        "0," * 40 + "9-8",
+    ):
         with pytest.raises(ValueError) as exc:
             cpu_set(bad)
         assert str(exc.value) == f"{bad[:80]!r} is not a cpulist"
@@ -221,6 +234,8 @@ def test_the_placement_a_definition_gives_red_team_round_8() -> None:
         _placed('<cputune><vcpupin vcpu="0" cpuset="1"/><vcpupin vcpu="0" cpuset="2"/></cputune>')
     with pytest.raises(ValueError, match="is not a cpulist"):
         _placed('<vcpu cpuset="1-">2</vcpu>')
+    with pytest.raises(ValueError, match=r"^'' is not a cpulist$"):  # a pin without its CPUs is not "any"
+        _placed('<vcpu cpuset="1">2</vcpu><cputune><vcpupin vcpu="0"/></cputune>')
     assert _placed('<numatune><memory nodeset="0-1"/></numatune>').mems == frozenset({0, 1})
     pages = {
         '<page size="2048" unit="KiB"/>': 2 << 20,
