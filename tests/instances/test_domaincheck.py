@@ -254,3 +254,16 @@ def test_the_placement_a_definition_gives_red_team_round_8() -> None:
     assert _placed('<devices><memballoon model="none"/></devices>').balloon is False
     assert _placed('<devices><memballoon model="virtio"/></devices>').balloon is True
     assert _placed("<devices><memballoon/></devices>").balloon is True
+
+
+def test_a_placement_that_is_not_one_refuses_the_definition_naming_it() -> None:
+    assert _refusal(GOOD.replace("<vcpu", '<vcpu cpuset="3-1"', 1)) == (
+        "attribute",
+        "placement: '3-1' is not a cpulist",
+    )
+    pinned_twice = '<cputune><vcpupin vcpu="0" cpuset="1"/><vcpupin vcpu="0" cpuset="2"/></cputune></domain>'
+    assert _refusal(GOOD.replace("</domain>", pinned_twice)) == (
+        "attribute",
+        "placement: a vCPU is pinned twice",
+    )
+    assert check_domain(GOOD.encode(), POLICY).placement == placement_of(parse_xml(GOOD.encode()), 2)
