@@ -553,3 +553,21 @@ def test_a_device_marker_names_the_device_with_every_other_character_as_undersco
     assert cdi.device_marker_env(gpu) == f"BCD_DEVICE_GPU_5f1c2a90_0000_4000_8000_000000000001={gpu}"
     mig = "MIG-GPU-aB9/1.0:z_Y"
     assert cdi.device_marker_env(mig) == f"BCD_DEVICE_MIG_GPU_aB9_1_0_z_Y={mig}"
+
+
+def test_a_cdi_version_is_ascii_digits_at_most_9_each() -> None:
+    """Red team round 8, in process (`version_key` is cached, so mutmut makes no mutant of it; this pins
+    the rule): `\\d` took any script's digits, which int() parses, and any count of them."""
+    assert cdi.version_key("v999999999.0.1") == (999999999, 0, 1)
+    for bad in (
+        "\u0663.0.0",
+        "0.\u0661.0",
+        "0.0.\u00b2",
+        "1234567890.0.0",
+        "0.1234567890.0",
+        "0.0.1234567890",
+    ):
+        cdi.version_key.cache_clear()
+        with pytest.raises(CdiError) as exc:
+            cdi.version_key(bad)
+        assert str(exc.value) == f"cdiVersion {bad!r} is not a version (MAJOR.MINOR.PATCH)"

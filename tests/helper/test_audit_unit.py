@@ -1707,3 +1707,26 @@ def test_cli_a_dir_that_is_no_plain_absolute_path_is_a_usage_error(
         parser.parse_args(["--dir", given, "show"])
     assert info.value.code == 2
     assert "host path" in capsys.readouterr().err
+
+
+def test_show_prints_an_op_as_one_token_a_space_in_it_escaped(
+    root: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An unknown op is audited as the node sent it: `show` prints it as one field, each space `\\x20`
+    and each unprintable character escaped, so `file.write accepted  {...}` cannot read as an accepted
+    write (red team round 8, in process: mutation testing sees no subprocess)."""
+    parser = argparse.ArgumentParser()
+    audit.add_arguments(parser)
+    log = AuditLog(root, DIR, syslog=False)
+    write(log, 1, op="file.write accepted  {}", decision="refused", reason="unknown-op")
+    write(log, 1, start=1, op="a\nb c")
+    write(log, 1, start=2)
+    log.close()
+    capsys.readouterr()
+    assert audit.run(parser.parse_args(["--root", str(root), "--dir", DIR, "show"])) == 0
+    lines = [line.split(" ", 4)[4] for line in capsys.readouterr().out.splitlines()]
+    assert lines == [
+        'file.write\\x20accepted\\x20\\x20{} refused unknown-op {"i": 0} m0',
+        'a\\nb\\x20c accepted  {"i": 1} m1',
+        'file.write accepted  {"i": 2} m2',
+    ]

@@ -2322,3 +2322,25 @@ def test_a_host_whose_root_config_turns_guest_network_rules_off_starts_a_guarded
         assert got == {"name": "vm1", "paused": False} and generation(root) == 3
     finally:
         c.audit.close()
+
+
+def test_round8_roots_read_must_be_the_domain_of_that_name_exactly() -> None:
+    """virsh reads a domain argument as an id or UUID first: root's read (`dumpxml`) must name the domain
+    it asked for, exactly (' vm1 ' is another domain), or the op is `bad-name` naming what virsh found
+    (red team round 8); a read that is not XML is left to the op's own checks."""
+    tail = ": root acts only on the domain of that name (try again once that domain stops)"
+    cases = [
+        (b"<domain><name>other</name></domain>", "7", "'other'"),
+        (b"<domain><name> vm1 </name></domain>", "vm1", "' vm1 '"),
+        (b"<domain/>", "vm1", "''"),
+        (b"<domain><name>" + b"o" * 100 + b"</name></domain>", "vm1", repr("o" * 80)),
+    ]
+    for xml, name, found in cases:
+        with pytest.raises(Refused) as exc:
+            lv._same_name("libvirt.start", name, xml)
+        assert (exc.value.reason, exc.value.message) == (
+            "bad-name",
+            f"libvirt.start: name: virsh reads {name!r} as the id or UUID of domain {found}{tail}",
+        )
+    lv._same_name("libvirt.start", "vm1", b"<domain><name>vm1</name></domain>")
+    lv._same_name("libvirt.start", "vm1", b"not xml")

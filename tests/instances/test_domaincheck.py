@@ -4,11 +4,21 @@ documents of every kind are refused, and random elements or attributes grafted a
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from bcd_agent.sections.instances.model import Image, InstanceSpec, Nic
 from bcd_agent.sections.instances.runtimes.base import DomainFiles
 from bcd_agent.sections.instances.runtimes.domainxml import build_domain_xml
-from bcd_shared.domaincheck import ALLOWED, DomainPolicy, DomainRefused, check_domain
+from bcd_shared.domaincheck import (
+    ALLOWED,
+    DomainPolicy,
+    DomainRefused,
+    Placed,
+    check_domain,
+    parse_xml,
+    placement_of,
+)
 from bcd_shared.instancenames import tap_name
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -168,3 +178,126 @@ def test_grafted_elements_and_attributes_are_refused(tag: str, attr: str, spot: 
     if attr not in ("model", "freePageReporting"):
         with pytest.raises(DomainRefused):
             check_domain(first.encode(), POLICY)
+
+
+def _refusal(xml: str, policy: DomainPolicy = POLICY) -> tuple[str, str]:
+    with pytest.raises(DomainRefused) as info:
+        check_domain(xml.encode(), policy)
+    return info.value.reason, str(info.value)
+
+
+def test_the_name_and_uuid_are_compared_exactly_as_written_each_refusal_word_for_word() -> None:
+    """libvirt takes `<name>` as written: `<name> vm1 </name>` is the domain ' vm1 ', not vm1 (red team
+    round 8); a missing name or uuid is not bcd's; each refusal names `name` and what it read."""
+    uuid = GOOD.split("<uuid>")[1].split("</uuid>")[0]
+    assert _refusal(GOOD.replace("<name>vm1</name>", "<name> vm1 </name>")) == (
+        "name", "the domain is named ' vm1 ', not 'vm1'",
+    )  # fmt: skip
+    assert _refusal(GOOD.replace("<name>vm1</name>", "")) == ("name", "the domain is named '', not 'vm1'")
+    long = "v" * 100
+    assert _refusal(GOOD.replace("<name>vm1</name>", f"<name>{long}</name>")) == (
+        "name", f"the domain is named {'v' * 80!r}, not 'vm1'",
+    )  # fmt: skip
+    assert _refusal(GOOD.replace(f"<uuid>{uuid}</uuid>", "")) == (
+        "name",
+        f"the domain's uuid '' is not bcd's {uuid}",
+    )
+    other = "00000000-0000-4000-8000-000000000000"
+    assert _refusal(GOOD.replace(uuid, other)) == ("name", f"the domain's uuid {other!r} is not bcd's {uuid}")
+
+
+def test_the_instance_id_the_root_element_and_the_domains_attributes_are_refused_word_for_word() -> None:
+    bad = DomainPolicy("v" * 100 + "/", "/var/lib/bcd", ("br0",), ("0000:53:00.0",))
+    assert _refusal(GOOD, bad) == ("name", f"{('v' * 100 + '/')[:80]!r} is not an instance id")
+    assert _refusal("<" + "d" * 100 + "/>") == ("element", f"the document is <{'d' * 80}>, not <domain>")
+    assert _refusal(GOOD.replace("<domain ", '<domain x="1" ', 1)) == (
+        "attribute", "attribute x of <domain> is not allowed",
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("tag", ["name", "uuid", "memory", "vcpu", "os", "devices", "metadata", "cpu"])
+def test_each_top_level_element_appears_once(tag: str) -> None:
+    found = re.search(rf"<{tag}( [^>]*)?/>|<{tag}[ >].*?</{tag}>", GOOD, re.S)
+    assert found is not None
+    twice = GOOD[: found.end()] + found[0] + GOOD[found.end() :]
+    assert _refusal(twice) == ("element", f"<{tag}> appears twice")
+
+
+def test_a_cpulist_is_ascii_digits_in_ranges_that_run_up_to_65535() -> None:
+    from bcd_shared.domaincheck import cpu_set
+
+    assert cpu_set("0-3,8") == frozenset({0, 1, 2, 3, 8})
+    assert cpu_set("5") == frozenset({5}) and cpu_set("7-7") == frozenset({7})
+    assert cpu_set("65534-65535") == frozenset({65534, 65535})
+    for bad in (
+        "",
+        "1-",
+        "-1",
+        "3-1",
+        "65536",
+        "0-65536",
+        "a",
+        "\u0663",
+        "1-\u0663",
+        "1,,2",
+        "x" * 100,
+        "0," * 40 + "9-8",
+    ):
+        with pytest.raises(ValueError) as exc:
+            cpu_set(bad)
+        assert str(exc.value) == f"{bad[:80]!r} is not a cpulist"
+
+
+def _placed(inner: str, vcpus: int = 2) -> Placed:
+    return placement_of(parse_xml(f"<domain>{inner}</domain>".encode()), vcpus)
+
+
+def test_the_placement_a_definition_gives_red_team_round_8() -> None:
+    """Each vCPU's CPUs are its vcpupin, else `<vcpu cpuset>`, else any (then the guest's are any); the
+    memory's nodes; the huge page size in bytes (-1: the host's default size); a balloon unless
+    `model='none'`."""
+    assert _placed("") == Placed(None, None, 0, True)
+    assert _placed('<vcpu cpuset="0-3">2</vcpu><cputune><vcpupin vcpu="1" cpuset="8"/></cputune>') == Placed(
+        frozenset({0, 1, 2, 3, 8}), None, 0, True
+    )
+    both = '<cputune><vcpupin vcpu="0" cpuset="1"/><vcpupin vcpu="1" cpuset="2"/></cputune>'
+    assert _placed(both).cpus == frozenset({1, 2})
+    assert _placed('<cputune><vcpupin vcpu="0" cpuset="1"/></cputune>').cpus is None
+    assert _placed('<cputune><vcpupin vcpu="0" cpuset="1"/></cputune>', 1).cpus == frozenset({1})
+    with pytest.raises(ValueError, match=r"^a vCPU is pinned twice$"):
+        _placed('<cputune><vcpupin vcpu="0" cpuset="1"/><vcpupin vcpu="0" cpuset="2"/></cputune>')
+    with pytest.raises(ValueError, match="is not a cpulist"):
+        _placed('<vcpu cpuset="1-">2</vcpu>')
+    with pytest.raises(ValueError, match=r"^'' is not a cpulist$"):  # a pin without its CPUs is not "any"
+        _placed('<vcpu cpuset="1">2</vcpu><cputune><vcpupin vcpu="0"/></cputune>')
+    assert _placed('<numatune><memory nodeset="0-1"/></numatune>').mems == frozenset({0, 1})
+    pages = {
+        '<page size="2048" unit="KiB"/>': 2 << 20,
+        '<page size="2048"/>': 2 << 20,
+        '<page size="1" unit="GiB"/>': 1 << 30,
+        '<page size="2" unit="MiB"/>': 2 << 20,
+        '<page size="4096" unit="b"/>': 4096,
+        '<page size="4096" unit="bytes"/>': 4096,
+        '<page size="1" unit="TiB"/>': -1,
+        '<page unit="KiB"/>': -1,
+        "": -1,
+    }
+    for page, size in pages.items():
+        placed = _placed(f"<memoryBacking><hugepages>{page}</hugepages></memoryBacking>")
+        assert placed.hugepage_bytes == size, page
+    assert _placed('<devices><memballoon model="none"/></devices>').balloon is False
+    assert _placed('<devices><memballoon model="virtio"/></devices>').balloon is True
+    assert _placed("<devices><memballoon/></devices>").balloon is True
+
+
+def test_a_placement_that_is_not_one_refuses_the_definition_naming_it() -> None:
+    assert _refusal(GOOD.replace("<vcpu", '<vcpu cpuset="3-1"', 1)) == (
+        "attribute",
+        "placement: '3-1' is not a cpulist",
+    )
+    pinned_twice = '<cputune><vcpupin vcpu="0" cpuset="1"/><vcpupin vcpu="0" cpuset="2"/></cputune></domain>'
+    assert _refusal(GOOD.replace("</domain>", pinned_twice)) == (
+        "attribute",
+        "placement: a vCPU is pinned twice",
+    )
+    assert check_domain(GOOD.encode(), POLICY).placement == placement_of(parse_xml(GOOD.encode()), 2)

@@ -108,3 +108,70 @@ def test_rows_on_the_gateways_word_at_exactly_their_bound(tmp_path: Path) -> Non
 def test_max_refused_may_be_lowered_never_raised(tmp_path: Path) -> None:
     with pytest.raises(BoundError, match="max_refused: 10001 is above the contract's limit 10000"):
         Journal.open(tmp_path / "d", boot_id="b1", max_refused=MAX_REFUSED_ROWS + 1)
+
+
+def test_a_binding_refusal_taking_a_row_over_at_the_bound_needs_no_room_and_the_full_message_counts_it(
+    tmp_path: Path,
+) -> None:
+    """At the bound, a binding refusal that replaces a row on the gateway's word under its id takes that
+    row's place (the count stays); with the bound lowered below the rows kept, it is RefusalsFull naming
+    the count as it would be after the replaced row goes, and nothing changes."""
+    data = tmp_path / "d"
+    with Journal.open(data, boot_id="b1", max_refused=3) as j:
+        for i in range(3):
+            j.reject(cmd(f"r{i}"), "BAD_SIGNATURE", envelope_sha256=D1)
+        taken = j.reject(cmd("r0"), "EXPIRED")
+        assert taken.binds and taken.result is not None and taken.result.code == "EXPIRED"
+        assert j.refused_rows == 3
+    with Journal.open(data, boot_id="b1", max_refused=2) as j:
+        with pytest.raises(RefusalsFull) as exc:
+            j.reject(cmd("r1"), "EXPIRED")
+        assert str(exc.value) == (
+            "journal full: 2 refusals and cancels of commands never accepted are unacked (at most 2);"
+            " acks must drain them"
+        )
+        assert j.get_command("r1") is not None and not j.get_command("r1").binds  # type: ignore[union-attr]
+        assert j.refused_rows == 3
+
+
+@pytest.mark.parametrize(("bound", "gone"), [(99, 1), (200, 2), (250, 2)])
+def test_at_the_bound_a_hundredth_of_it_goes_at_once_oldest_acked_first(
+    tmp_path: Path, bound: int, gone: int
+) -> None:
+    clock = Clock()
+    with Journal.open(tmp_path / "d", boot_id="b1", clock=clock, max_refused=bound) as j:
+        for i in range(bound):
+            clock.t += 1
+            j.reject(cmd(f"r{i:04}"), "BAD_SIGNATURE", envelope_sha256=D1)
+        j.ack_results([f"r{i:04}" for i in range(bound)])
+        j.reject(cmd("next"), "BAD_SIGNATURE", envelope_sha256=D1)
+        assert j.refused_rows == bound - gone + 1
+        kept = [f"r{i:04}" for i in range(bound) if j.get_command(f"r{i:04}") is not None]
+        assert kept == [f"r{i:04}" for i in range(gone, bound)]
+
+
+def test_a_rejection_is_refused_without_a_reason_and_keeps_no_result_body_and_no_message_by_default(
+    tmp_path: Path,
+) -> None:
+    with Journal.open(tmp_path / "d", boot_id="b1") as j:
+        with pytest.raises(ValueError) as no_reason:
+            j.reject(cmd("x"), "")
+        assert str(no_reason.value) == "reason: a rejection needs its reason"
+        with pytest.raises(ValueError) as both:
+            j.reject(cmd("x"), "EXPIRED", signed=True, envelope_sha256=D1)
+        assert str(both.value) == "envelope_sha256: only for a refusal whose signature did not verify"
+        assert j.get_command("x") is None
+        entry = j.reject(cmd("x"), "EXPIRED", signed=True)
+        assert entry.result is not None and (entry.result.body, entry.result.message) == (b"", "")
+
+
+def test_the_envelope_digest_is_sha256_over_each_part_after_its_length_in_8_bytes_big_endian() -> None:
+    """Journaled (`commands.envelope_sha256`): a later version must compute it alike, or a refusal kept
+    across an upgrade answers no envelope."""
+    import hashlib
+
+    from bcd_agent.dispatch.command import envelope_sha256
+
+    parts = [b"body", b"s" * 300, b"c1", b""]
+    want = hashlib.sha256(b"".join(len(p).to_bytes(8, "big") + p for p in parts)).digest()
+    assert envelope_sha256(parts[0], parts[1], parts[2:]) == want

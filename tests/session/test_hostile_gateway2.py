@@ -352,3 +352,42 @@ def test_an_ack_above_every_event_seq_the_node_sent_does_not_restart_its_journal
         again.handle(wire.GatewayMessage(ack=wire.Ack(journal_id=journal_id, event_seq=4)))
     assert again.journal.journal_id == journal_id
     again.journal.close()
+
+
+@pytest.mark.parametrize("marked", [4, 10])
+def test_after_the_journal_restarts_its_events_an_ack_above_every_seq_sent_under_the_new_id_is_refused(
+    tmp_path: Path, marked: int
+) -> None:
+    """A restart of the journal's events (here at start: the mark names seq 4 or 10, the journal holds 3)
+    starts the new journal_id with nothing sent under it, so the mark covers it at once: an Ack above
+    the seqs then sent under the new id (its 3 events) is a protocol violation, not a second lost tail
+    (round 2)."""
+    import json
+
+    from bcd_agent.journal import EventClass
+    from bcd_agent.session.conditions import JOURNAL_TAIL_LOST
+    from bcd_agent.session.core import ProtocolViolation
+
+    pki = Pki()
+    data = tmp_path / "data"
+    core = _persisting(data, pki)
+    for i in range(3):
+        core.journal.append_event(EventClass.RESULT, "allocation.bound", b"e%d" % i)
+    connect(core, [], bundle=pki.bundle())
+    old = core.journal.journal_id
+    core.journal.close()
+    (data / "event-mark.json").write_text(json.dumps({"journal_id": old, "sent_seq": marked}))
+    again = _persisting(data, pki, identity=ident.load(data))
+    new = again.journal.journal_id
+    assert new != old and again.state.journal_restarts == 1
+    [lost] = [c for c in again.conditions.active() if c.type == JOURNAL_TAIL_LOST]
+    assert lost.reason == "EventSeqAhead" and lost.message.startswith(f"event seq {marked} of journal ")
+    connect(again, [], bundle=pki.bundle())
+    with pytest.raises(ProtocolViolation) as exc:
+        again.handle(wire.GatewayMessage(ack=wire.Ack(journal_id=new, event_seq=1000)))
+    assert str(exc.value) == (
+        f"the gateway acked event seq 1000 of journal {new}, above the highest this node sent (3):"
+        " ignored, the connection ends"
+    )
+    assert again.journal.journal_id == new and again.state.journal_restarts == 1
+    again.journal.close()

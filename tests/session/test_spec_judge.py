@@ -208,3 +208,28 @@ def test_unknown_sections_are_reported_from_the_full_spec_and_from_patch_and_hel
     v = run(envelope(patch), applied)
     assert isinstance(v, Accepted)
     assert v.spec.unknown_fields == (50, 51) and v.spec.spec_hash == "h2" and v.spec.generation == 2
+
+
+def test_a_generation_below_the_floor_is_ignored_the_floor_itself_is_taken() -> None:
+    """The floor is the highest generation this node ever applied (identity.json's mirror): after a lost
+    journal (no held spec) a gateway's older signed generation is ignored, with the reason; the generation
+    at the floor is the current one and is taken again (hostile gateway round 2)."""
+    full = wire.NodeSpec()
+    below = judge(envelope(body(8, full=full)), node_id=NODE, applied=None, trust=None, now=NOW, floor=9)
+    assert below == Ignored(
+        "generation 8 is below generation 9, which this node applied before (identity.json): a lost"
+        " journal does not take the node back"
+    )
+    for generation in (9, 10):
+        verdict = judge(
+            envelope(body(generation, full=full)), node_id=NODE, applied=None, trust=None, now=NOW, floor=9
+        )
+        assert isinstance(verdict, Accepted) and verdict.stored.generation == generation
+
+
+def test_the_applied_generation_mark_only_moves_up() -> None:
+    from bcd_agent.session import identity as ident
+
+    base = ident.Identity("node-a", WORKER_KEY, (), "pin", applied_generation_mark=9)
+    assert ident.with_generation(base, 5) is base and ident.with_generation(base, 9) is base
+    assert ident.with_generation(base, 10).applied_generation_mark == 10
