@@ -297,28 +297,50 @@ class VendorSpec:
         return None
 
 
-def parse_vendor_spec(data: bytes) -> VendorSpec:
-    """Parse a JSON vendor spec. Raises CdiError when it is not a usable CDI document."""
+def _loads(what: str, data: bytes) -> Any:
+    """json.loads, every failure a CdiError: json's decoder stops at the interpreter's recursion limit
+    with RecursionError, which no caller expects (the fuzz target `cdi` found `[[[…`)."""
     try:
-        doc = json.loads(data)
+        return json.loads(data)
     except (ValueError, UnicodeDecodeError) as exc:
-        raise CdiError(f"vendor spec is not JSON: {exc}") from None
+        raise CdiError(f"{what} is not JSON: {exc}") from None
+    except RecursionError:
+        raise CdiError(f"{what} is not JSON: nested past the decoder's depth") from None
+
+
+def _vendor_edits_of(where: str, edits: Any) -> dict[str, Any]:
+    """A vendor containerEdits object as a dict (absent or null: none); its `env` a list of strings."""
+    if edits is None:
+        return {}
+    if not isinstance(edits, dict):
+        raise CdiError(f"vendor spec: {where}: must be an object")
+    env = edits.get("env")
+    if env is not None and not (isinstance(env, list) and all(isinstance(e, str) for e in env)):
+        raise CdiError(f"vendor spec: {where}.env: must be a list of strings")
+    return dict(edits)
+
+
+def parse_vendor_spec(data: bytes) -> VendorSpec:
+    """Parse a JSON vendor spec. Raises CdiError when it is not a usable CDI document. Devices without a
+    string name are skipped (nothing can ask for them); a containerEdits that is not an object is an
+    error wherever it is, since the toolkit never writes one and a loader would refuse the file."""
+    doc = _loads("vendor spec", data)
     if not isinstance(doc, dict) or not isinstance(doc.get("devices"), list):
         raise CdiError("vendor spec: not a CDI spec (no devices list)")
     version = doc.get("cdiVersion")
     if not isinstance(version, str):
         raise CdiError("vendor spec: cdiVersion missing")
     version_key(version)
-    common = dict(doc.get("containerEdits") or {})
+    common = _vendor_edits_of("containerEdits", doc.get("containerEdits"))
     env = [e for e in common.get("env") or [] if e != "NVIDIA_VISIBLE_DEVICES=void"]
     if env:
         common["env"] = env
     else:
         common.pop("env", None)
     devices: dict[str, Mapping[str, Any]] = {}
-    for dev in doc["devices"]:
+    for i, dev in enumerate(doc["devices"]):
         if isinstance(dev, dict) and isinstance(dev.get("name"), str):
-            devices[dev["name"]] = dict(dev.get("containerEdits") or {})
+            devices[dev["name"]] = _vendor_edits_of(f"devices[{i}].containerEdits", dev.get("containerEdits"))
     return VendorSpec(cdi_version=version, common_edits=common, devices=devices)
 
 
@@ -428,11 +450,7 @@ class HoldRecord:
 
 def parse_hold_spec(data: bytes, allocation_id: str | None = None) -> HoldRecord:
     """Read a bcd hold back from its spec. Raises CdiError naming the field and the rule."""
-    try:
-        doc = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise CdiError(f"spec is not JSON: {exc}") from None
-    return parse_hold_doc(doc, allocation_id)
+    return parse_hold_doc(_loads("spec", data), allocation_id)
 
 
 def parse_hold_doc(doc: Any, allocation_id: str | None = None) -> HoldRecord:

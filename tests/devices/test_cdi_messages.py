@@ -305,6 +305,41 @@ def test_vendor_spec_refusals() -> None:
     )
 
 
+
+def test_vendor_spec_edits_of_the_wrong_type_are_refused_by_name() -> None:
+    """A containerEdits or env of the wrong type is a CdiError naming where, never a TypeError or a bare
+    ValueError from dict() (the fuzz target `cdi` found both; an internal failure in root and the agent)."""
+    base = '"cdiVersion": "0.5.0"'
+    assert _vendor_error(b'{%s, "devices": [], "containerEdits": "ab"}' % base.encode()) == (
+        "vendor spec: containerEdits: must be an object"
+    )
+    assert _vendor_error(b'{%s, "devices": [], "containerEdits": [["a", 1]]}' % base.encode()) == (
+        "vendor spec: containerEdits: must be an object"
+    )
+    assert _vendor_error(b'{%s, "devices": [], "containerEdits": {"env": 3}}' % base.encode()) == (
+        "vendor spec: containerEdits.env: must be a list of strings"
+    )
+    assert _vendor_error(b'{%s, "devices": [], "containerEdits": {"env": ["A=1", 2]}}' % base.encode()) == (
+        "vendor spec: containerEdits.env: must be a list of strings"
+    )
+    dev = b'{%s, "devices": [{"name": "x"}, {"name": "a", "containerEdits": [1]}]}' % base.encode()
+    assert _vendor_error(dev) == "vendor spec: devices[1].containerEdits: must be an object"
+    dev_env = b'{%s, "devices": [{"name": "a", "containerEdits": {"env": "A=1"}}]}' % base.encode()
+    assert _vendor_error(dev_env) == "vendor spec: devices[0].containerEdits.env: must be a list of strings"
+    # a device's null edits are none; a nameless device is skipped, whatever its edits
+    spec = cdi.parse_vendor_spec(
+        b'{%s, "devices": [{"name": "a", "containerEdits": null}, {"containerEdits": 5}]}' % base.encode()
+    )
+    assert dict(spec.devices) == {"a": {}}
+
+
+def test_json_nested_past_the_decoder_is_a_cdi_error() -> None:
+    """json stops at the recursion limit with RecursionError; every parser turns it into a CdiError."""
+    assert _vendor_error(b"[" * 5000) == "vendor spec is not JSON: nested past the decoder's depth"
+    with pytest.raises(CdiError, match=r"^spec is not JSON: nested past the decoder's depth$"):
+        cdi.parse_hold_spec(b'{"a":' * 5000, "a1")
+
+
 def test_vendor_spec_common_edits_without_void() -> None:
     def common(edits: Any) -> Any:
         doc = {"cdiVersion": "0.5.0", "devices": []}
