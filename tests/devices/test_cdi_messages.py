@@ -305,7 +305,6 @@ def test_vendor_spec_refusals() -> None:
     )
 
 
-
 def test_vendor_spec_edits_of_the_wrong_type_are_refused_by_name() -> None:
     """A containerEdits or env of the wrong type is a CdiError naming where, never a TypeError or a bare
     ValueError from dict() (the fuzz target `cdi` found both; an internal failure in root and the agent)."""
