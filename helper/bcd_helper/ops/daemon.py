@@ -42,11 +42,11 @@ its staging directory (`/var/lib/bcd/staging`) and asks the helper to swap it in
    (also when the node asks for the release already installed: it is not running it);
 9. waits for `daemon.confirm` from the new release: `healthy: true` (from the node: only from a process
    that started after the flip, dated by /proc/PID/stat against the flip's recorded tick) confirms and
-   prunes every release directory but the installed and the previous one; `healthy: false`, or no confirmation before the
-   deadline (a timer in the helper, re-armed when the helper starts), rolls back: the link is flipped
-   back to the previous release (or removed when there was none), the record says `rolled-back`, and
-   `systemctl --no-block restart bcd-node.service` starts the node on the previous release. A rollback
-   by the timer is audited as op `daemon.rollback`.
+   prunes every release directory but the installed and the previous one; `healthy: false`, or no
+   confirmation before the deadline (a timer in the helper, re-armed when the helper starts), rolls
+   back: the link is flipped back to the previous release (or removed when there was none), the record
+   says `rolled-back`, and `systemctl --no-block restart bcd-node.service` starts the node on the
+   previous release. A rollback by the timer is audited as op `daemon.rollback`.
 `daemon.upgrade` is self-terminating: the restart ends the process that ran it; the journal runs it
 again in the new one (retry-safe), which finds itself running the version and completes it.
 """
