@@ -14,7 +14,7 @@ import pytest
 from bcd_helper.ops import daemon
 from bcd_helper.ops.base import Call, Deadline, Peer
 from helperproc import HelperProcess, base_config
-from hostilekit import NODE_GID, NODE_UID, NodeProcess, as_node
+from hostilekit import NODE_GID, NODE_UID, NodeProcess, as_node, refused_as_node
 from intentkit import ControlPlane
 from releasekit import NODE_ID, RECORD, staged_swap
 
@@ -145,3 +145,36 @@ def test_round10_start_tick_reads_field_22_past_a_comm_with_parentheses() -> Non
     mine = daemon.start_tick(os.getpid())
     assert mine is not None and 0 <= mine <= daemon.boot_tick()
     assert daemon.start_tick(0) is None and daemon.start_tick(2**22 + 7) is None
+
+
+@pytest.mark.parametrize(
+    ("doc", "reason", "text"),
+    [
+        # Values that would read as options on root's argv (systemctl, ip, virsh, nvidia-smi), or carry
+        # a newline, a NUL or 300 characters: each refused by its field's rule before any program runs.
+        ({"op": "slice.apply", "args": {"name": "-bcd-alloc-a.slice"}}, "bad-slice-name", "hold slice"),
+        ({"op": "slice.apply", "args": {"name": "bcd-alloc-a.slice\n"}}, "bad-slice-name", "hold slice"),
+        ({"op": "slice.remove", "args": {"name": "--all"}}, "bad-slice-name", "hold slice"),
+        (
+            {"op": "slice.apply", "args": {"name": "bcd-alloc-a.slice", "cpus": "0\n"}},
+            "bad-cpulist",
+            "N or N-M",
+        ),
+        ({"op": "ch.taps", "args": {"name": "--help", "bridges": ["br0"]}}, "bad-name", "instance id"),
+        ({"op": "ch.untaps", "args": {"name": "-x"}}, "bad-name", "instance id"),
+        ({"op": "ch.stop", "args": {"name": "vm-a\x00"}}, "bad-name", "instance id"),
+        ({"op": "ch.launch", "args": {"name": "a" * 300}}, "bad-name", "instance id"),
+        ({"op": "libvirt.setmem", "args": {"name": "-c", "kib": 1}}, "bad-name", "instance id"),
+        ({"op": "libvirt.destroy", "args": {"name": "vm-a\nvm-b"}}, "bad-name", "instance id"),
+        ({"op": "libvirt.console", "args": {"name": "--devname"}}, "bad-name", "instance id"),
+        ({"op": "gpu.reset", "args": {"gpu_uuids": ["-r"]}}, "invalid-payload", "not a GPU UUID"),
+        ({"op": "audit.tail", "args": {"max_bytes": -1}}, "bad-arguments", "max_bytes"),
+        ({"op": "daemon.confirm", "args": {"version": "1.0.0\n"}}, "no-pending-swap", ""),
+    ],
+)
+def test_round10_option_like_and_control_values_never_reach_an_argv(
+    helper: HelperProcess, doc: dict[str, Any], reason: str, text: str
+) -> None:
+    """Tried and already refused (docs/helper.md, round 10): each value is refused by its field's rule,
+    audited, and nothing under the root changed."""
+    refused_as_node(helper, doc, reason, text)
