@@ -1548,3 +1548,35 @@ def test_the_timers_audited_message_is_cut_to_2000_characters(ctx: HelperContext
     last = audit(ctx)[-1]
     assert (last["op"], last["decision"], last["reason"]) == ("daemon.rollback", "failed", "rollback")
     assert last["message"] == f"{RELEASE_STATE} cannot be read: version {'v' * 3000!r}"[:2000]
+
+
+def test_a_flip_whose_time_cannot_be_recorded_is_rolled_back_at_once(
+    ctx: HelperContext, root: Path, worker: Signer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round 10: the record of the flip's time (what a node's confirmation is dated against) is written
+    after the flip. Were it lost, the node could never confirm the release it then runs, until the
+    deadline rolled it back; so a failed write flips back at once and the swap is answered `failed`."""
+    real = daemon._save_release
+    saves: list[dict[str, Any]] = []
+
+    def second_fails(c: HelperContext, doc: dict[str, Any]) -> None:
+        saves.append(doc)
+        if len(saves) == 2:
+            raise OSError(28, "No space left on device")
+        real(c, doc)
+
+    monkeypatch.setattr(daemon, "_save_release", second_fails)
+    with pytest.raises(Failed) as info:
+        swap(ctx, doc_for(worker, root))
+    assert info.value.reason == "swap"
+    assert info.value.message == (
+        "daemon.swap: recording the flip's time: [Errno 28] No space left on device; the previous release "
+        "is installed again"
+    )
+    assert saves[1]["flip_tick"] is not None and saves[0]["flip_tick"] is None
+    assert os.readlink(root / LINK) == "releases/initial/bcd" and (root / LINK).read_bytes() == OLD
+    rec = record(root)
+    assert (rec["state"], rec["reason"]) == ("rolled-back", "root could not record the time of its flip")
+    assert programs(ctx).runs == [RESTART]
+    if ctx.daemon_timer is not None:
+        ctx.daemon_timer.cancel()

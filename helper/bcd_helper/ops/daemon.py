@@ -847,12 +847,25 @@ def _swap_in(
             raise Failed("swap", f"daemon.swap: {exc}; the record could not be put back: {again}") from None
         raise Failed("swap", f"daemon.swap: {exc}; the previous release stays installed") from None
     # When the flip happened, taken after it (a process that started at or before this tick may run the
-    # old release): durable before the answer and the restart. A crash or a failed write before this
-    # leaves flip_tick null, and every confirmation of the swap by the node is then refused
-    # (`flip-unrecorded`) until the deadline rolls it back: nothing is confirmed that root cannot date.
+    # old release): durable before the answer and the restart. A crash before this leaves flip_tick
+    # null, and every confirmation of the swap by the node is then refused (`flip-unrecorded`) until the
+    # deadline rolls it back: nothing is confirmed that root cannot date. A failed write rolls back now.
     flip = boot_tick()
-    with contextlib.suppress(RootPathRefused, OSError):  # else: no flip time, the deadline rolls back
+    try:
         _save_release(ctx, {**pending, "flip_tick": flip})
+    except (RootPathRefused, OSError) as exc:
+        arm(ctx, manifest.version, timeout_s)  # whatever the rollback leaves, the deadline rolls back
+        try:
+            roll_back(ctx, pending, "root could not record the time of its flip")
+        except (Failed, RootPathRefused, OSError) as again:
+            raise Failed(
+                "swap",
+                f"daemon.swap: recording the flip's time: {exc}; rolling back: {again} (the deadline "
+                "rolls back)",
+            ) from None
+        raise Failed(
+            "swap", f"daemon.swap: recording the flip's time: {exc}; the previous release is installed again"
+        ) from None
     _after_the_flips_tick(flip)
     arm(ctx, manifest.version, timeout_s)
     return {
