@@ -154,12 +154,61 @@ def connect_as(
     return sock, msg[0]
 
 
+class NodeProcess:
+    """A process of the node's uid, forked now, that connects and sends one request when `ask` is
+    called, and reads the answer itself: the connecting process is alive while the helper serves it
+    (root dates it by its pid for daemon.confirm, round 10), as the node's own process is. Forked
+    before a swap, it is the old release's process (test_hostile_round10.py)."""
+
+    def __init__(self, h: HelperProcess, uid: int = NODE_UID, gid: int = NODE_GID) -> None:
+        self.parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        directory, name = os.path.split(h.socket_path)
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                self.parent.close()
+                os.chdir(directory)
+                os.setgroups([])
+                os.setgid(gid)
+                os.setuid(uid)
+                doc = _until_eof(child)
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(10)
+                s.connect(name)
+                s.sendall(frame(doc))
+                child.sendall(json.dumps(read_answer(s)).encode())
+                code = 0
+            finally:
+                os._exit(code)
+        child.close()
+        self.parent.settimeout(60)
+
+    def ask(self, doc: dict[str, Any]) -> dict[str, Any] | None:
+        try:
+            self.parent.sendall(json.dumps(doc).encode())
+            self.parent.shutdown(socket.SHUT_WR)
+            raw = _until_eof(self.parent)
+        finally:
+            self.parent.close()
+            _pid, status = os.waitpid(self.pid, 0)
+        assert status == 0, "the node's process could not connect or read the answer"
+        answer = json.loads(raw)
+        assert answer is None or isinstance(answer, dict)
+        return answer
+
+
+def _until_eof(s: socket.socket) -> bytes:
+    chunks = []
+    while chunk := s.recv(1 << 20):
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def as_node(h: HelperProcess, doc: dict[str, Any]) -> dict[str, Any]:
-    """`doc` sent on a fresh connection by a process of the node's uid and group; the answer."""
-    sock, _ = connect_as(h, NODE_UID, NODE_GID)
-    with sock:
-        sock.sendall(frame(json.dumps(doc).encode()))
-        answer = read_answer(sock)
+    """`doc` sent on a fresh connection by a process of the node's uid and group, which stays alive
+    until it has read the answer; the answer."""
+    answer = NodeProcess(h).ask(doc)
     assert answer is not None, "the helper closed the connection without an answer"
     return answer
 

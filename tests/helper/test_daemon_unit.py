@@ -63,6 +63,13 @@ def root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return make_root(tmp_path)
 
 
+@pytest.fixture(autouse=True)
+def _a_restarted_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The in-process calls' peer (pid 1) stands for the restarted node: a process that started after
+    root's flip (round 10 dates it; test_hostile_round10.py tests the rule)."""
+    monkeypatch.setattr(daemon, "start_tick", lambda _pid: daemon.boot_tick() + 10**9)
+
+
 @pytest.fixture
 def ctx(root: Path, cp: ControlPlane) -> Iterator[HelperContext]:
     """A host with a packaged install (a regular file) and root's join record naming the roots."""
@@ -112,6 +119,8 @@ def write_record(root: Path, **fields: Any) -> dict[str, Any]:
         "reason": "",
         "spec_generation": 1,
         "used_commands": [],
+        "flip_boot_id": "",
+        "flip_tick": None,
         **fields,
     }
     path = root / RECORD
@@ -135,9 +144,10 @@ def audit(ctx: HelperContext) -> list[dict[str, Any]]:
 def test_no_record_is_none_and_an_old_record_gets_the_new_fields(ctx: HelperContext, root: Path) -> None:
     assert load_release(ctx) is None
     old = write_record(root)
-    del old["spec_generation"], old["used_commands"]
+    del old["spec_generation"], old["used_commands"], old["flip_boot_id"], old["flip_tick"]
     (root / RECORD).write_text(json.dumps(old))
-    assert load_release(ctx) == {**old, "spec_generation": 0, "used_commands": []}
+    expected = {**old, "spec_generation": 0, "used_commands": [], "flip_boot_id": "", "flip_tick": None}
+    assert load_release(ctx) == expected
 
 
 @pytest.mark.parametrize(
@@ -145,8 +155,8 @@ def test_no_record_is_none_and_an_old_record_gets_the_new_fields(ctx: HelperCont
     [
         (
             {"extra": 1},
-            "keys are not ['deadline_ms', 'had_previous', 'previous_sha256', 'previous_version', "
-            "'reason', 'sha256', 'spec_generation', 'state', 'used_commands', 'version']",
+            "keys are not ['deadline_ms', 'flip_boot_id', 'flip_tick', 'had_previous', 'previous_sha256', "
+            "'previous_version', 'reason', 'sha256', 'spec_generation', 'state', 'used_commands', 'version']",
         ),
         ({"state": "swapping"}, "state 'swapping'"),
         ({"deadline_ms": "1"}, "deadline_ms or had_previous has the wrong type"),
@@ -769,7 +779,11 @@ def test_DLV_PRIV_10_a_packaged_install_becomes_the_initial_release(
         "reason": "",
         "spec_generation": 4,
         "used_commands": [],
+        "flip_boot_id": daemon.boot_id(),
+        "flip_tick": record(root)["flip_tick"],
     }
+    # The flip's tick, taken after it, had ended when the answer came (round 10).
+    assert 0 < record(root)["flip_tick"] < daemon.boot_tick()
     text = (root / RECORD).read_text()
     assert text == json.dumps(record(root), sort_keys=True, indent=1) + "\n"
     assert (root / RECORD).stat().st_mode & 0o777 == 0o600
@@ -953,6 +967,8 @@ def test_DLV_PRIV_10_an_unhealthy_release_rolls_back(ctx: HelperContext, root: P
         "reason": "the new release reported itself unhealthy",
         "spec_generation": 2,
         "used_commands": [],
+        "flip_boot_id": daemon.boot_id(),
+        "flip_tick": rec["flip_tick"],
     }
     assert programs(ctx).runs == [RESTART]
 
@@ -1532,3 +1548,35 @@ def test_the_timers_audited_message_is_cut_to_2000_characters(ctx: HelperContext
     last = audit(ctx)[-1]
     assert (last["op"], last["decision"], last["reason"]) == ("daemon.rollback", "failed", "rollback")
     assert last["message"] == f"{RELEASE_STATE} cannot be read: version {'v' * 3000!r}"[:2000]
+
+
+def test_a_flip_whose_time_cannot_be_recorded_is_rolled_back_at_once(
+    ctx: HelperContext, root: Path, worker: Signer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round 10: the record of the flip's time (what a node's confirmation is dated against) is written
+    after the flip. Were it lost, the node could never confirm the release it then runs, until the
+    deadline rolled it back; so a failed write flips back at once and the swap is answered `failed`."""
+    real = daemon._save_release
+    saves: list[dict[str, Any]] = []
+
+    def second_fails(c: HelperContext, doc: dict[str, Any]) -> None:
+        saves.append(doc)
+        if len(saves) == 2:
+            raise OSError(28, "No space left on device")
+        real(c, doc)
+
+    monkeypatch.setattr(daemon, "_save_release", second_fails)
+    with pytest.raises(Failed) as info:
+        swap(ctx, doc_for(worker, root))
+    assert info.value.reason == "swap"
+    assert info.value.message == (
+        "daemon.swap: recording the flip's time: [Errno 28] No space left on device; the previous release "
+        "is installed again"
+    )
+    assert saves[1]["flip_tick"] is not None and saves[0]["flip_tick"] is None
+    assert os.readlink(root / LINK) == "releases/initial/bcd" and (root / LINK).read_bytes() == OLD
+    rec = record(root)
+    assert (rec["state"], rec["reason"]) == ("rolled-back", "root could not record the time of its flip")
+    assert programs(ctx).runs == [RESTART]
+    if ctx.daemon_timer is not None:
+        ctx.daemon_timer.cancel()

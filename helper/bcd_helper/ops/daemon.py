@@ -40,12 +40,13 @@ its staging directory (`/var/lib/bcd/staging`) and asks the helper to swap it in
    regular file is moved into `releases/initial/` at the first swap. A failure on the way flips back;
 8. restarts `bcd-node.service` (`systemctl --no-block restart`) so that the node runs the new release
    (also when the node asks for the release already installed: it is not running it);
-9. waits for `daemon.confirm` from the new release: `healthy: true` confirms and prunes every release
-   directory but the installed and the previous one; `healthy: false`, or no confirmation before the
-   deadline (a timer in the helper, re-armed when the helper starts), rolls back: the link is flipped
-   back to the previous release (or removed when there was none), the record says `rolled-back`, and
-   `systemctl --no-block restart bcd-node.service` starts the node on the previous release. A rollback
-   by the timer is audited as op `daemon.rollback`.
+9. waits for `daemon.confirm` from the new release: `healthy: true` (from the node: only from a process
+   that started after the flip, dated by /proc/PID/stat against the flip's recorded tick) confirms and
+   prunes every release directory but the installed and the previous one; `healthy: false`, or no
+   confirmation before the deadline (a timer in the helper, re-armed when the helper starts), rolls
+   back: the link is flipped back to the previous release (or removed when there was none), the record
+   says `rolled-back`, and `systemctl --no-block restart bcd-node.service` starts the node on the
+   previous release. A rollback by the timer is audited as op `daemon.rollback`.
 `daemon.upgrade` is self-terminating: the restart ends the process that ran it; the journal runs it
 again in the new one (retry-safe), which finds itself running the version and completes it.
 """
@@ -102,7 +103,11 @@ _STATE_KEYS_V1: Final = frozenset(
         "reason",
     }
 )
-_STATE_KEYS: Final = _STATE_KEYS_V1 | {"spec_generation", "used_commands"}
+_STATE_KEYS_V2: Final = _STATE_KEYS_V1 | {"spec_generation", "used_commands"}
+# Round 10: when root flipped the link, boot-relative (the boot's id and the clock tick of /proc/PID/stat's
+# starttime, field 22), so that a confirming process that started before the flip is refused.
+_STATE_KEYS: Final = _STATE_KEYS_V2 | {"flip_boot_id", "flip_tick"}
+BOOT_ID: Final = "/proc/sys/kernel/random/boot_id"
 
 
 @frozen
@@ -147,10 +152,16 @@ def load_release(ctx: HelperContext) -> dict[str, Any] | None:
         return None
     try:
         doc = json.loads(data)
-        if not isinstance(doc, dict) or set(doc) not in (_STATE_KEYS, _STATE_KEYS_V1):
+        if not isinstance(doc, dict) or set(doc) not in (_STATE_KEYS, _STATE_KEYS_V2, _STATE_KEYS_V1):
             raise ValueError(f"keys are not {sorted(_STATE_KEYS)}")
         doc.setdefault("spec_generation", 0)  # a record from before the freshness rules
         doc.setdefault("used_commands", [])
+        doc.setdefault("flip_boot_id", "")  # a record from before round 10: no flip time
+        doc.setdefault("flip_tick", None)
+        if not isinstance(doc["flip_boot_id"], str) or len(doc["flip_boot_id"]) > 64:
+            raise ValueError("flip_boot_id must be a boot id")
+        if doc["flip_tick"] is not None and (type(doc["flip_tick"]) is not int or doc["flip_tick"] < 0):
+            raise ValueError("flip_tick must be a clock tick or null")
         if doc["state"] not in ("pending", "confirmed", "rolled-back"):
             raise ValueError(f"state {doc['state']!r}")
         if type(doc["deadline_ms"]) is not int or type(doc["had_previous"]) is not bool:
@@ -188,6 +199,48 @@ def _restart_node(ctx: HelperContext) -> str:
         err = out.stderr.decode(errors="replace")[:200]
         return f"systemctl restart {NODE_UNIT}: exit {out.returncode}: {err}"
     return f"restarted {NODE_UNIT}"
+
+
+# --- boot-relative time: when root flipped the link, when the confirming process started -------------
+
+
+def boot_id() -> str:
+    """This boot's id ("" when the kernel gives none): boot-relative times of another boot compare with
+    nothing of this one."""
+    try:
+        with open(BOOT_ID, "rb") as f:
+            return f.read(64).decode("ascii", "replace").strip()
+    except OSError:
+        return ""
+
+
+def boot_tick() -> int:
+    """Now, in the clock ticks of /proc/PID/stat's starttime (CLOCK_BOOTTIME / USER_HZ, truncated)."""
+    return time.clock_gettime_ns(time.CLOCK_BOOTTIME) // (1_000_000_000 // os.sysconf("SC_CLK_TCK"))
+
+
+def start_tick(pid: int) -> int | None:
+    """When process `pid` started (fork), in clock ticks since boot: /proc/PID/stat field 22, which the
+    kernel sets at fork and no process can change; None when there is no such process (or pid 0)."""
+    if pid <= 0:
+        return None
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read(4096)
+        # comm (field 2) may hold spaces and parentheses: the fields after its last ")" start at 3.
+        return int(raw[raw.rindex(b")") + 1 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _after_the_flips_tick(flip: int) -> None:
+    """Return once the tick of the flip has ended: every process forked after this starts at a later tick
+    than the one recorded, so the restarted node (and any client after the answer) is never taken for one
+    that predates the flip. At most one tick (10 ms at USER_HZ 100)."""
+    for _ in range(100):
+        if boot_tick() > flip:
+            return
+        time.sleep(0.002)
 
 
 # --- the release directories ----------------------------------------------------------------------------
@@ -771,6 +824,8 @@ def _swap_in(
         "reason": "",
         "spec_generation": max(generation, doc["spec_generation"] if doc is not None else 0),
         "used_commands": used[-MAX_USED_COMMANDS:],
+        "flip_boot_id": boot_id(),
+        "flip_tick": None,  # set once the link names the new release (below)
     }
     try:
         _save_release(ctx, pending)  # durable before effect
@@ -791,6 +846,27 @@ def _swap_in(
         except (RootPathRefused, OSError) as again:
             raise Failed("swap", f"daemon.swap: {exc}; the record could not be put back: {again}") from None
         raise Failed("swap", f"daemon.swap: {exc}; the previous release stays installed") from None
+    # When the flip happened, taken after it (a process that started at or before this tick may run the
+    # old release): durable before the answer and the restart. A crash before this leaves flip_tick
+    # null, and every confirmation of the swap by the node is then refused (`flip-unrecorded`) until the
+    # deadline rolls it back: nothing is confirmed that root cannot date. A failed write rolls back now.
+    flip = boot_tick()
+    try:
+        _save_release(ctx, {**pending, "flip_tick": flip})
+    except (RootPathRefused, OSError) as exc:
+        arm(ctx, manifest.version, timeout_s)  # whatever the rollback leaves, the deadline rolls back
+        try:
+            roll_back(ctx, pending, "root could not record the time of its flip")
+        except (Failed, RootPathRefused, OSError) as again:
+            raise Failed(
+                "swap",
+                f"daemon.swap: recording the flip's time: {exc}; rolling back: {again} (the deadline "
+                "rolls back)",
+            ) from None
+        raise Failed(
+            "swap", f"daemon.swap: recording the flip's time: {exc}; the previous release is installed again"
+        ) from None
+    _after_the_flips_tick(flip)
     arm(ctx, manifest.version, timeout_s)
     return {
         "version": manifest.version,
@@ -799,6 +875,42 @@ def _swap_in(
         "confirm_by_ms": pending["deadline_ms"],
         "restart": _restart_node(ctx),  # the node starts again on the new release
     }
+
+
+def _check_peer_started_after_flip(call: Call, doc: dict[str, Any]) -> None:
+    """Round 10: a node process that started before root flipped the link cannot be running the new
+    release (the restart is `--no-block`, so the old process may still be there to answer). The peer's
+    pid is SO_PEERCRED's (taken at connect); its start is /proc/PID/stat's starttime, set by the kernel
+    at fork. Refused at or before the flip's tick (one tick may hold both), when either time is unknown,
+    and when the record holds no flip time of this boot. Another boot than the flip's started after it:
+    every process of it did too."""
+    current = boot_id()
+    if doc["flip_boot_id"] and current and doc["flip_boot_id"] != current:
+        return
+    if doc["flip_tick"] is None or not doc["flip_boot_id"] or not current:
+        raise Refused(
+            "flip-unrecorded",
+            f"daemon.confirm: the record of the swap to {doc['version']} holds no time of root's flip of "
+            f"{INSTALLED} in this boot (the helper stopped between the flip and its record, or the record "
+            "predates round 10): root cannot tell the new release's process from the old one's, so no "
+            "process of the node confirms it; the deadline rolls it back and the node may swap again",
+        )
+    started = start_tick(call.peer.pid)
+    if started is None:
+        raise Refused(
+            "peer-predates-swap",
+            f"daemon.confirm: root cannot read when the confirming process (pid {call.peer.pid}) started "
+            "(/proc/PID/stat): only a process started after root's flip may confirm",
+        )
+    if started <= doc["flip_tick"]:
+        hz = os.sysconf("SC_CLK_TCK")
+        raise Refused(
+            "peer-predates-swap",
+            f"daemon.confirm: the confirming process (pid {call.peer.pid}) started {started / hz:.2f} s "
+            f"after boot, not after root flipped {INSTALLED} to {doc['version']} "
+            f"({doc['flip_tick'] / hz:.2f} s): it cannot be running the new release; only a process "
+            "started after the flip (the restarted node) may confirm",
+        )
 
 
 def daemon_confirm(call: Call, req: DaemonConfirm) -> dict[str, Any]:
@@ -825,6 +937,8 @@ def daemon_confirm(call: Call, req: DaemonConfirm) -> dict[str, Any]:
                 f"daemon.confirm: {INSTALLED} names {str(link)[:200]!r}, not the pending release "
                 f"{_link_target(doc['version'])!r}: nothing to confirm (the swap did not complete)",
             )
+        if call.peer.uid != 0:
+            _check_peer_started_after_flip(call, doc)
     with call.ctx.timer_lock:
         if call.ctx.daemon_timer is not None:
             call.ctx.daemon_timer.cancel()
