@@ -184,8 +184,13 @@ def test_round8_a_guest_runs_only_on_the_cpus_and_memory_nodes_the_signed_spec_p
         (pinned(0, 1).replace('<memballoon model="none" />', '<memballoon model="virtio" />'), on_0_1),
     ):
         refused_as_node(h, define(xml, placement), "spec-mismatch", "placement")
+    # A spec cpulist that is not one places the guest nowhere it could run: refused, never an internal
+    # failure (mutation session 26).
+    refused_as_node(h, define(pinned(0, 1), wire.Placement(cpus="0-1,x")), "spec-mismatch", "placement")
     answer = as_node(h, define(pinned(0, 1), on_0_1))
     assert answer["ok"] is True, answer
+    # No placement in the spec: a floating definition without huge pages or balloon is taken.
+    assert as_node(h, define(vm.xml, None))["ok"] is True
     floating = wire.Placement(cpus="0-3")
     xml = vm.xml.replace(vcpu, '<vcpu placement="static" cpuset="0-3">2</vcpu>')
     assert as_node(h, define(xml, floating))["ok"] is True
@@ -207,9 +212,9 @@ def test_round8_a_guest_runs_only_on_the_cpus_and_memory_nodes_the_signed_spec_p
     # cloud-hypervisor: the record's cpus and mems become the unit's AllowedCPUs / AllowedMemoryNodes.
     record = signed_host.root / "var/lib/bcd/cloud-hypervisor/instances/vm2/vm.json"
 
-    def launch(cpus: str, mems: str, placement: wire.Placement | None) -> dict[str, Any]:
+    def launch(cpus: str, mems: str, placement: wire.Placement | None, huge: bool = False) -> dict[str, Any]:
         rec = parse_record(record.read_bytes())
-        record.write_bytes(encode_record(attrs.evolve(rec, cpus=cpus, mems=mems)))
+        record.write_bytes(encode_record(attrs.evolve(rec, cpus=cpus, mems=mems, hugepages=huge)))
         spec = ch_instance("vm2", placement=placement)
         return {
             "op": "ch.launch",
@@ -220,6 +225,15 @@ def test_round8_a_guest_runs_only_on_the_cpus_and_memory_nodes_the_signed_spec_p
     refused_as_node(h, launch("", "", on_0_1), "spec-mismatch", "placement")
     refused_as_node(h, launch("0-1", "", None), "spec-mismatch", "placement")
     refused_as_node(h, launch("0-1", "1", wire.Placement(cpus="0-1", mems="0")), "spec-mismatch", "placement")
+    # Huge pages are compared as on or off (the VMM config's size is the node's); a spec cpulist or a
+    # record's that is not one is refused, never an internal failure (mutation session 26).
+    huge = wire.Placement(cpus="0-1", hugepage_size_bytes=2 << 20)
+    answer = as_node(h, launch("0-1", "", huge, huge=True))
+    assert answer["ok"] is True, answer
+    assert as_node(h, {"op": "ch.stop", "args": {"name": "vm2"}})["ok"] is True
+    refused_as_node(h, launch("0-1", "", huge), "spec-mismatch", "placement")
+    refused_as_node(h, launch("0-1", "", on_0_1, huge=True), "spec-mismatch", "placement")
+    refused_as_node(h, launch("0-1", "", wire.Placement(cpus="0-1,x")), "spec-mismatch", "placement")
     answer = as_node(
         h, launch("0-1", "0", wire.Placement(cpus="0-1", mems="0", balloon=True))
     )  # its VMM config

@@ -391,3 +391,77 @@ def test_after_the_journal_restarts_its_events_an_ack_above_every_seq_sent_under
     )
     assert again.journal.journal_id == new and again.state.journal_restarts == 1
     again.journal.close()
+
+
+async def test_a_forged_deferred_body_replaced_by_the_signed_command_is_no_longer_held(
+    tmp_path: Path,
+) -> None:
+    """The forged deferred body a signed command replaces is dropped, not kept beside it: once the signed
+    command ran, nothing waits under the id for a newer spec (mutation session 26)."""
+    pki = Pki()
+    data = tmp_path / "data"
+    async with _node(data, pki) as core:
+        out = _Watch()
+        connect(core, out, bundle=pki.bundle())
+        good = _signed(pki, 5, _now_ms() + 10 * MINUTE_MS)
+        assert good.command is not None
+        parked = _forge(good.command, min_generation=99, not_after=_now_ms() + 365 * DAY_MS)
+        core.handle_batch([wire.GatewayMessage(command=parked)])
+        dispatcher = core.dispatcher
+        assert isinstance(dispatcher, Dispatcher)
+        assert dispatcher.deferred_ids() == (_ulid(5),)
+        core.handle_batch([good])
+        await out.succeeded(_ulid(5))
+        assert dispatcher.deferred_ids() == ()
+
+
+async def test_without_command_roots_another_body_under_a_deferred_id_waits_behind_it(tmp_path: Path) -> None:
+    """Without command-signing roots nothing is signed, so no deferred body is a forgery: another envelope
+    under a deferred command's id is ignored as "still waiting", never run in its place (mutation session
+    26)."""
+    pki = Pki()
+    data = tmp_path / "data"
+    async with _node(data, pki) as core:
+        out = _Watch()
+        connect(core, out)
+        good = _signed(pki, 5, _now_ms() + 10 * MINUTE_MS)
+        assert good.command is not None
+        parked = _forge(good.command, min_generation=99, not_after=_now_ms() + 365 * DAY_MS)
+        core.handle_batch([wire.GatewayMessage(command=parked)])
+        core.handle_batch([good])
+        assert _states(out, _ulid(5)) == []
+        dispatcher = core.dispatcher
+        assert isinstance(dispatcher, Dispatcher)
+        assert dispatcher.deferred_ids() == (_ulid(5),)
+        assert _effects(data) == []
+
+
+@pytest.mark.parametrize("via", ["session", "dispatcher"])
+async def test_a_body_that_fails_the_wire_edge_under_a_signed_commands_id_answers_that_envelope_alone(
+    tmp_path: Path, via: str
+) -> None:
+    """A gateway sends a body that fails the wire edge's rules (an empty kind) under a signed command's id:
+    UNSUPPORTED, journaled for those bytes, so the same bytes again get the same answer, but the signed
+    command under the id is judged on its own and runs (nothing verified the refused body; mutation
+    session 26)."""
+    pki = Pki()
+    data = tmp_path / "data"
+    async with _node(data, pki) as core:
+        out = _Watch()
+        connect(core, out, bundle=pki.bundle())
+        good = _signed(pki, 6, _now_ms() + 10 * MINUTE_MS)
+        assert good.command is not None
+        bad = _forge(good.command, kind="")
+        dispatcher = core.dispatcher
+        assert isinstance(dispatcher, Dispatcher)
+        deliver = {"session": lambda: core.handle_batch([wire.GatewayMessage(command=bad)])}
+        deliver["dispatcher"] = lambda: dispatcher.deliver_wire(bad)  # Dispatcher.refuse_invalid's path
+        deliver[via]()
+        assert _states(out, _ulid(6)) == [(wire.CommandState.REJECTED, "UNSUPPORTED")]
+        deliver[via]()
+        assert _states(out, _ulid(6)) == [(wire.CommandState.REJECTED, "UNSUPPORTED")] * 2
+        [refusal] = core.journal.unacked_results()
+        assert refusal.envelope_sha256  # bound to these bytes alone
+        core.handle_batch([good])
+        await out.succeeded(_ulid(6))
+        assert len(_effects(data)) == 1

@@ -393,3 +393,38 @@ def test_root_hands_over_only_its_own_plain_file(tmp_path: Path) -> None:
     (tmp_path / "other").unlink()
     give(plain)
     assert (plain.stat().st_uid, plain.stat().st_gid) == (65534, 65534)
+
+
+def test_identity_json_applied_generation_mark_is_optional_and_a_non_negative_integer(tmp_path: Path) -> None:
+    """identity.json's `applied_generation_mark` (hostile gateway round 2): absent in a file written
+    before it (0), otherwise a non-negative integer (not a bool, not a string); every other key stays
+    required and an unknown one is refused by name (mutation session 26)."""
+    _toml, data, before = _joined_data_dir(tmp_path)
+    path = ident.identity_path(data)
+    doc = json.loads(before)
+    assert ident.load(data).applied_generation_mark == doc.get("applied_generation_mark", 0)
+
+    def load_with(**changes: object) -> ident.Identity:
+        d = dict(doc)
+        for k, v in changes.items():
+            if v is None:
+                d.pop(k, None)
+            else:
+                d[k] = v
+        path.write_text(json.dumps(d))
+        return ident.load(data)
+
+    assert load_with(applied_generation_mark=None).applied_generation_mark == 0
+    assert load_with(applied_generation_mark=0).applied_generation_mark == 0
+    assert load_with(applied_generation_mark=7).applied_generation_mark == 7
+    for bad in (-1, True, "7", 7.0):
+        with pytest.raises(
+            ident.IdentityError, match="applied_generation_mark: must be a non-negative integer"
+        ):
+            load_with(applied_generation_mark=bad)
+    with pytest.raises(ident.IdentityError, match=r"unknown keys \['extra'\]$"):
+        load_with(extra=1)
+    with pytest.raises(ident.IdentityError, match=r"unknown keys \['extra'\], missing keys \['address'\]$"):
+        load_with(extra=1, address=None)
+    with pytest.raises(ident.IdentityError, match=r"missing keys \['address'\]$"):
+        load_with(address=None, applied_generation_mark=3)
