@@ -407,12 +407,13 @@ def run(args: argparse.Namespace) -> int:
 
     from bcd_agent.config import ConfigError, default_config_path, load_config
 
+    # A bad command line is a usage error (64) whatever the config says: checked before the file is read.
+    if args.yes and not args.reset:
+        raise CliError("--yes confirms --reset; without --reset it means nothing", EX_USAGE)
     try:
         config = load_config(args.config or default_config_path())
     except ConfigError as exc:
         raise CliError(str(exc), EX_CONFIG) from None
-    if args.yes and not args.reset:
-        raise CliError("--yes confirms --reset; without --reset it means nothing", EX_USAGE)
     if args.reset and not args.yes:
         raise CliError(RESET_NEEDS_YES.format(identity=config.identity_path), EX_USAGE)
     _check_ca_file(

@@ -97,6 +97,9 @@ CASES: list[tuple[str, Setup, int, str, bool]] = [
      "--address", "unix:/nope"], EX_CONFIG, "no such file", False),
     ("join --yes alone", lambda t: ["join", "--config", _joinless(t), "--token", "x", "--address",
      "unix:/nope", "--yes"], EX_USAGE, "--reset", False),
+    # A usage error is named before the config is read: 64, not the missing file's 78 (operations.md).
+    ("join --yes alone without a config", lambda t: ["join", "--config", str(t / "none.toml"), "--token",
+     "x", "--address", "unix:/nope", "--yes"], EX_USAGE, "--yes confirms --reset", False),
     ("devplane negative timeout", lambda t: ["devplane", "command", "k", "--dir", str(t), "--timeout", "-5"],
      EX_USAGE, "positive", False),
     ("devplane negative not-after", lambda t: ["devplane", "command", "k", "--dir", str(t), "--not-after",
