@@ -12,13 +12,29 @@ from typing import Any
 from bcd_shared import wire
 from bcd_shared.pki import Purpose
 from bcd_shared.release import ReleaseManifest, sign_release
-from intentkit import Signer, b64
+from helperproc import HelperProcess, base_config
+from intentkit import ControlPlane, Signer, b64
 
 NODE_UID = 4242
 NODE_ID = "node-a"
 LINK = "usr/lib/bcd/bcd"
 RECORD = "var/lib/bcd-hostconfig/daemon-release.json"
 STAGING = "var/lib/bcd/staging"
+OLD_RELEASE = b"#!/bin/sh\necho bcd 1.0.0\n"
+
+
+def old_release_host(root: Path, cp: ControlPlane, *, node_unit: bool = False) -> HelperProcess:
+    """A helper over a host with root's join record, release 1.0.0 installed at LINK and (`node_unit`)
+    a bcd-node.service unit file: the starting point of the hostile self-update tests."""
+    cp.write_record(root, NODE_ID, cp.bundle(2))
+    (root / LINK).parent.mkdir(parents=True, exist_ok=True)
+    (root / LINK).write_bytes(OLD_RELEASE)
+    (root / LINK).chmod(0o755)
+    if node_unit:
+        unit = root / "etc/systemd/system/bcd-node.service"
+        unit.parent.mkdir(parents=True, exist_ok=True)
+        unit.write_text("[Service]\nExecStart=/usr/bin/bcd node\n")
+    return HelperProcess(root, cp.config_lines() + base_config(node_uid=NODE_UID, node_gid=NODE_UID))
 
 
 def url(version: str) -> str:

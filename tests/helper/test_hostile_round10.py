@@ -13,21 +13,10 @@ from typing import Any
 import pytest
 from bcd_helper.ops import daemon
 from bcd_helper.ops.base import Call, Deadline, Peer
-from helperproc import HelperProcess, base_config
+from helperproc import HelperProcess
 from hostilekit import NODE_GID, NODE_UID, NodeProcess, as_node, refused_as_node
 from intentkit import ControlPlane
-from releasekit import NODE_ID, RECORD, staged_swap
-
-INSTALLED = "usr/lib/bcd/bcd"
-OLD = b"#!/bin/sh\necho bcd 1.0.0\n"
-
-
-def _host(root: Path, cp: ControlPlane) -> HelperProcess:
-    cp.write_record(root, NODE_ID, cp.bundle(2))
-    (root / "usr/lib/bcd").mkdir(parents=True, exist_ok=True)
-    (root / INSTALLED).write_bytes(OLD)
-    (root / INSTALLED).chmod(0o755)
-    return HelperProcess(root, cp.config_lines() + base_config(node_uid=NODE_UID, node_gid=NODE_GID))
+from releasekit import RECORD, old_release_host, staged_swap
 
 
 def test_round10_a_confirm_from_a_process_that_started_before_the_flip_is_refused(
@@ -40,7 +29,7 @@ def test_round10_a_confirm_from_a_process_that_started_before_the_flip_is_refuse
     process (SO_PEERCRED's pid, /proc/PID/stat's starttime) against the flip it recorded: a process
     that started before the flip is refused `peer-predates-swap`, the record stays pending and the timer
     armed, and a process started after it (the restarted node) confirms."""
-    h = _host(fresh_root, cp)
+    h = old_release_host(fresh_root, cp)
     try:
         old = NodeProcess(h)  # the old release's process: started before the swap
         new = b"#!/bin/sh\necho bcd 1.1.0\n" + os.urandom(16)
@@ -66,7 +55,7 @@ def test_round10_an_old_process_may_still_report_the_new_release_unhealthy(
 ) -> None:
     """`healthy: false` rolls back, the safe direction: it is not dated (a rollback from any process of
     the node is what the deadline would do anyway)."""
-    h = _host(fresh_root, cp)
+    h = old_release_host(fresh_root, cp)
     try:
         old = NodeProcess(h)
         new = b"#!/bin/sh\necho bcd 1.1.0\n" + os.urandom(16)
@@ -84,7 +73,7 @@ def test_round10_a_swap_whose_flip_time_was_never_recorded_is_not_confirmed_by_t
     """A helper stopped between the flip and the record of its time (flip_tick null, as the first,
     durable-before-effect record says): root cannot date the flip, so no node process confirms the swap
     (`flip-unrecorded`), and the deadline rolls it back."""
-    h = _host(fresh_root, cp)
+    h = old_release_host(fresh_root, cp)
     try:
         new = b"#!/bin/sh\necho bcd 1.1.0\n" + os.urandom(16)
         assert h.raw(staged_swap(cp.command.leaf(), fresh_root, new))["ok"] is True

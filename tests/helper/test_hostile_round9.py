@@ -13,25 +13,11 @@ from pathlib import Path
 from bcd_shared import access as acc
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from cryptography.hazmat.primitives.serialization import Encoding, PublicFormat
-from helperproc import HelperProcess, base_config
+from helperproc import HelperProcess
 from hostilekit import as_node
 from intentkit import ControlPlane, access_body, access_doc, intent
 from realnode import RealNode
-from releasekit import NODE_ID, NODE_UID, RECORD, staged_swap
-
-INSTALLED = "usr/lib/bcd/bcd"
-OLD = b"#!/bin/sh\necho bcd 1.0.0\n"
-
-
-def _host(root: Path, cp: ControlPlane) -> HelperProcess:
-    cp.write_record(root, NODE_ID, cp.bundle(2))
-    (root / "usr/lib/bcd").mkdir(parents=True, exist_ok=True)
-    (root / INSTALLED).write_bytes(OLD)
-    (root / INSTALLED).chmod(0o755)
-    unit = root / "etc/systemd/system/bcd-node.service"
-    unit.parent.mkdir(parents=True, exist_ok=True)
-    unit.write_text("[Service]\nExecStart=/usr/bin/bcd node\n")
-    return HelperProcess(root, cp.config_lines() + base_config(node_uid=NODE_UID, node_gid=NODE_UID))
+from releasekit import LINK, RECORD, old_release_host, staged_swap
 
 
 def test_round9_a_confirm_of_a_swap_whose_link_never_flipped_is_refused(
@@ -43,7 +29,7 @@ def test_round9_a_confirm_of_a_swap_whose_link_never_flipped_is_refused(
     it `confirmed` (the installed version, the floor of every later swap, and `already_installed` for
     it again) while the old release kept running, and no rollback ever came. Now the confirmation is
     refused (`not-swapped`, naming the link) and the deadline rolls the record back."""
-    h = _host(fresh_root, cp)
+    h = old_release_host(fresh_root, cp, node_unit=True)
     try:
         new = b"#!/bin/sh\necho bcd 1.1.0\n" + os.urandom(16)
         assert h.raw(staged_swap(cp.command.leaf(), fresh_root, new))["ok"] is True
@@ -53,7 +39,7 @@ def test_round9_a_confirm_of_a_swap_whose_link_never_flipped_is_refused(
         assert out["ok"] is True, out
         h.stop()
         # The crash: the record is `pending` for 1.2.0, the link was never renamed over.
-        link = fresh_root / INSTALLED
+        link = fresh_root / LINK
         link.unlink()
         link.symlink_to("releases/1.1.0/bcd")
         h = HelperProcess(fresh_root)
