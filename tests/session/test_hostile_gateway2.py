@@ -14,6 +14,7 @@ from bcd_agent.dispatch.dispatcher import Dispatcher
 from bcd_agent.dispatch.trust import NodeResultSigner
 from bcd_agent.kinds.testing import effect_payload
 from bcd_agent.session import identity as ident
+from bcd_agent.session.core import SessionCore
 from bcd_shared import wire
 from bcd_shared.pki.signing import Purpose
 from session.test_hostile_gateway import _forged, _journal_bytes, _mutations, _node, _signed, _ulid, _Watch
@@ -56,6 +57,12 @@ def _signed_kind(pki: Pki, n: int, kind: str) -> wire.Command:
     return wire.Command(
         body=body, signature=pki.worker.sign(Purpose.COMMAND, body), signer_chain=[pki.worker_der], attempt=1
     )
+
+
+def _dispatcher(core: SessionCore) -> Dispatcher:
+    dispatcher = core.dispatcher
+    assert isinstance(dispatcher, Dispatcher)
+    return dispatcher
 
 
 def _forge(signed: wire.Command, **fields: object) -> wire.Command:
@@ -111,8 +118,7 @@ async def test_a_forged_body_under_a_signed_commands_id_cannot_make_the_node_ref
         core.handle_batch([wire.GatewayMessage(command=other)])
         assert _states(out, _ulid(7)) == [(wire.CommandState.REJECTED, reason)] * 3
         assert len(core.journal.unacked_results()) == 1
-        dispatcher = core.dispatcher
-        assert isinstance(dispatcher, Dispatcher)
+        dispatcher = _dispatcher(core)
         assert (
             sum(n for (_, outcome), n in dispatcher.outcomes.snapshot().items() if outcome == "rejected") == 1
         )
@@ -167,10 +173,13 @@ async def test_a_forged_deferred_body_does_not_hold_a_signed_commands_id(tmp_pat
         parked = _forge(good.command, min_generation=99, not_after=_now_ms() + 365 * DAY_MS)
         core.handle_batch([wire.GatewayMessage(command=parked)])
         assert _states(out, _ulid(5)) == []  # deferred: no answer yet
+        assert _dispatcher(core).deferred_ids() == (_ulid(5),)
         core.handle_batch([good])
         assert _states(out, _ulid(5))[:1] == [(wire.CommandState.ACKED, "")]
         await out.succeeded(_ulid(5))
         assert len(_effects(data)) == 1
+        # the forged body the signed command replaced is dropped, not kept beside it (mutation session 26)
+        assert _dispatcher(core).deferred_ids() == ()
 
 
 async def test_a_signed_command_refused_on_a_gateways_welcome_is_never_run_by_a_replay_after_the_sweep(
@@ -393,28 +402,6 @@ def test_after_the_journal_restarts_its_events_an_ack_above_every_seq_sent_under
     again.journal.close()
 
 
-async def test_a_forged_deferred_body_replaced_by_the_signed_command_is_no_longer_held(
-    tmp_path: Path,
-) -> None:
-    """The forged deferred body a signed command replaces is dropped, not kept beside it: once the signed
-    command ran, nothing waits under the id for a newer spec (mutation session 26)."""
-    pki = Pki()
-    data = tmp_path / "data"
-    async with _node(data, pki) as core:
-        out = _Watch()
-        connect(core, out, bundle=pki.bundle())
-        good = _signed(pki, 5, _now_ms() + 10 * MINUTE_MS)
-        assert good.command is not None
-        parked = _forge(good.command, min_generation=99, not_after=_now_ms() + 365 * DAY_MS)
-        core.handle_batch([wire.GatewayMessage(command=parked)])
-        dispatcher = core.dispatcher
-        assert isinstance(dispatcher, Dispatcher)
-        assert dispatcher.deferred_ids() == (_ulid(5),)
-        core.handle_batch([good])
-        await out.succeeded(_ulid(5))
-        assert dispatcher.deferred_ids() == ()
-
-
 async def test_without_command_roots_another_body_under_a_deferred_id_waits_behind_it(tmp_path: Path) -> None:
     """Without command-signing roots nothing is signed, so no deferred body is a forgery: another envelope
     under a deferred command's id is ignored as "still waiting", never run in its place (mutation session
@@ -430,8 +417,7 @@ async def test_without_command_roots_another_body_under_a_deferred_id_waits_behi
         core.handle_batch([wire.GatewayMessage(command=parked)])
         core.handle_batch([good])
         assert _states(out, _ulid(5)) == []
-        dispatcher = core.dispatcher
-        assert isinstance(dispatcher, Dispatcher)
+        dispatcher = _dispatcher(core)
         assert dispatcher.deferred_ids() == (_ulid(5),)
         assert _effects(data) == []
 
@@ -452,8 +438,7 @@ async def test_a_body_that_fails_the_wire_edge_under_a_signed_commands_id_answer
         good = _signed(pki, 6, _now_ms() + 10 * MINUTE_MS)
         assert good.command is not None
         bad = _forge(good.command, kind="")
-        dispatcher = core.dispatcher
-        assert isinstance(dispatcher, Dispatcher)
+        dispatcher = _dispatcher(core)
         deliver = {"session": lambda: core.handle_batch([wire.GatewayMessage(command=bad)])}
         deliver["dispatcher"] = lambda: dispatcher.deliver_wire(bad)  # Dispatcher.refuse_invalid's path
         deliver[via]()
