@@ -59,7 +59,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -142,14 +142,68 @@ def _now() -> str:
     return dt.datetime.now(dt.UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
-def _syslog(line: bytes) -> None:
-    """Best effort: one datagram to the real host's /dev/log (RFC 3164, facility authpriv)."""
-    if not os.path.exists("/dev/log"):
-        return
-    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
-        s.setblocking(False)
-        s.connect("/dev/log")
-        s.send(b"<86>bcd-helper[%d]: " % os.getpid() + line[:8000])
+SYSLOG_PATH = "/dev/log"
+SYSLOG_MAX = 8000  # bytes of a line sent (a datagram past the receiver's limit would be dropped whole)
+SYSLOG_RETRY_S = 5.0  # how long a missing or refusing /dev/log is left alone before the next try
+
+
+class SystemLog:
+    """Best effort: each line as one datagram to the host's system log (RFC 3164, facility authpriv).
+
+    One non-blocking datagram socket is kept connected across lines (a socket, a connect and a close a
+    line cost three syscalls more, and a path lookup). A send that fails with anything but a full buffer
+    (the receiver restarted: ECONNREFUSED) closes it, and one new connect is tried at once; a host
+    without `path`, or one that refuses the connect, is left alone for SYSLOG_RETRY_S. A full buffer drops
+    the line: the audit log, not the system log, is the record."""
+
+    def __init__(
+        self, path: str = SYSLOG_PATH, clock: Callable[[], float] = time.monotonic, pid: int | None = None
+    ) -> None:
+        self._path = path
+        self._clock = clock
+        self._prefix = b"<86>bcd-helper[%d]: " % (os.getpid() if pid is None else pid)
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self._next_try = float("-inf")
+
+    def send(self, line: bytes) -> None:
+        message = self._prefix + line[:SYSLOG_MAX]
+        with self._lock:
+            for _ in range(2):
+                sock = self._sock if self._sock is not None else self._connect()
+                if sock is None:
+                    return
+                try:
+                    sock.send(message)
+                    return
+                except BlockingIOError:
+                    return
+                except OSError:
+                    self._drop()
+
+    def _connect(self) -> socket.socket | None:
+        now = self._clock()
+        if now < self._next_try:
+            return None
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC)
+        try:
+            sock.setblocking(False)
+            sock.connect(self._path)
+        except OSError:
+            sock.close()
+            self._next_try = now + SYSLOG_RETRY_S
+            return None
+        self._sock = sock
+        return sock
+
+    def _drop(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
 
 
 def _open(dfd: int, name: str, flags: int) -> int:
@@ -261,7 +315,7 @@ class AuditLog:
         self._max = max_bytes
         self._keep = keep
         self._min_age = min_age_s
-        self._syslog = syslog
+        self._system_log = SystemLog() if syslog else None
         self._lock = threading.Lock()
         self.created_key: str | None = None  # the verification key, when this start created it
         self._exported = 0
@@ -324,6 +378,8 @@ class AuditLog:
                 if fd >= 0:
                     os.close(fd)
             self._fd = self._hfd = self._kfd = self._dfd = -1
+        if self._system_log is not None:
+            self._system_log.close()
 
     def _tail(self, dfd: int) -> tuple[str, int]:
         """The hash and seq of the newest line (in audit.log, else audit.log.1)."""
@@ -482,8 +538,8 @@ class AuditLog:
                 self._rotate_and_anchor()
             line = self._append(fields, new_file=self._size == 0)
             digest = self._prev
-        if self._syslog:
-            _syslog(line)
+        if self._system_log is not None:
+            self._system_log.send(line)
         return digest
 
 

@@ -7,6 +7,7 @@ each rule's edge is here, so mutation testing sees them (docs/mutation.md)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import errno
 import hashlib
@@ -14,6 +15,7 @@ import hmac
 import json
 import os
 import re
+import socket
 import stat
 from pathlib import Path
 from typing import Any
@@ -1043,55 +1045,92 @@ def test_the_cli_surface_operators_read(capsys: pytest.CaptureFixture[str]) -> N
     capsys.readouterr()
 
 
-def test_each_line_goes_to_the_system_log_when_there_is_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    sent: list[tuple[str, Any]] = []
+def _receiver(path: Path) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(path))
+    sock.settimeout(5)
+    return sock
 
-    class FakeSocket:
-        def __init__(self, family: int, kind: int) -> None:
-            sent.append(("socket", (family, kind)))
 
-        def __enter__(self) -> FakeSocket:
-            return self
+def test_each_line_goes_to_the_system_log_over_one_kept_socket(tmp_path: Path) -> None:
+    """A real datagram receiver stands for /dev/log: each line arrives as one datagram with the RFC 3164
+    header, cut at SYSLOG_MAX bytes, and the socket is connected once for every line (a second receiver
+    bound after the first line never sees the next one)."""
+    path = tmp_path / "log"
+    rx = _receiver(path)
+    system = audit.SystemLog(str(path), pid=4242)
+    system.send(b"x" * 9000)
+    assert rx.recv(65536) == b"<86>bcd-helper[4242]: " + b"x" * audit.SYSLOG_MAX
+    sock = system._sock
+    assert sock is not None
+    system.send(b"second")
+    assert rx.recv(65536) == b"<86>bcd-helper[4242]: second"
+    assert system._sock is sock  # kept: no socket, connect and close a line
+    system.close()
+    assert system._sock is None
+    rx.close()
 
-        def __exit__(self, *exc: object) -> None:
-            sent.append(("closed", None))
 
-        def setblocking(self, flag: bool) -> None:
-            sent.append(("blocking", flag))
+def test_a_restarted_system_log_gets_the_next_line_and_a_missing_one_is_left_alone_a_while(
+    tmp_path: Path,
+) -> None:
+    """The receiver restarts (its socket removed and bound again, as journald's is): the send on the old
+    connection fails, and the line goes over a new one at once. With no receiver, nothing is raised and
+    no connect is tried again before SYSLOG_RETRY_S."""
+    now = [100.0]
+    path = tmp_path / "log"
+    rx = _receiver(path)
+    system = audit.SystemLog(str(path), clock=lambda: now[0], pid=7)
+    system.send(b"one")
+    assert rx.recv(100) == b"<86>bcd-helper[7]: one"
+    rx.close()
+    path.unlink()
+    rx = _receiver(path)
+    system.send(b"two")
+    assert rx.recv(100) == b"<86>bcd-helper[7]: two"
+    rx.close()
+    path.unlink()
+    system.send(b"lost")  # refused, then no socket to connect to: dropped, nothing raised
+    assert system._sock is None
+    rx = _receiver(path)
+    now[0] += audit.SYSLOG_RETRY_S - 0.5
+    system.send(b"still left alone")
+    assert system._sock is None
+    now[0] += 1.0
+    system.send(b"three")
+    assert rx.recv(100) == b"<86>bcd-helper[7]: three"
+    rx.settimeout(0.05)
+    with pytest.raises(TimeoutError):
+        rx.recv(100)  # neither "lost" nor "still left alone" came
+    system.close()
+    rx.close()
 
-        def connect(self, path: str) -> None:
-            sent.append(("connect", path))
 
-        def send(self, data: bytes) -> int:
-            sent.append(("send", data))
-            return len(data)
-
-    monkeypatch.setattr(audit.os.path, "exists", lambda p: p == "/dev/log")
-    monkeypatch.setattr(audit.socket, "socket", FakeSocket)
-    audit._syslog(b"x" * 9000)
-    import socket as s
-
-    assert sent == [
-        ("socket", (s.AF_UNIX, s.SOCK_DGRAM)),
-        ("blocking", False),
-        ("connect", "/dev/log"),
-        ("send", b"<86>bcd-helper[%d]: " % os.getpid() + b"x" * 8000),
-        ("closed", None),
-    ]
-    sent.clear()
-    monkeypatch.setattr(FakeSocket, "send", lambda self, data: (_ for _ in ()).throw(OSError("full")))
-    audit._syslog(b"y")  # best effort: an error is swallowed
-    monkeypatch.setattr(audit.os.path, "exists", lambda p: False)
-    sent.clear()
-    audit._syslog(b"z")
-    assert sent == []
+def test_a_full_system_log_drops_the_line_and_keeps_the_socket(tmp_path: Path) -> None:
+    path = tmp_path / "log"
+    rx = _receiver(path)
+    system = audit.SystemLog(str(path), pid=1)
+    sent = 0
+    while sent < 10_000:  # far past any datagram queue's length: the later sends find it full
+        system.send(b"y" * 100)
+        sent += 1
+    assert system._sock is not None  # EAGAIN is not a restart
+    got = 0
+    rx.settimeout(0.05)
+    with contextlib.suppress(TimeoutError):
+        while True:
+            rx.recv(1000)
+            got += 1
+    assert 0 < got < sent
+    system.close()
+    rx.close()
 
 
 def test_record_sends_to_the_system_log_unless_told_not_to(
     root: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     lines_sent: list[bytes] = []
-    monkeypatch.setattr(audit, "_syslog", lines_sent.append)
+    monkeypatch.setattr(audit.SystemLog, "send", lambda self, line: lines_sent.append(line))
     log = AuditLog(root, DIR)
     write(log, 1)
     log.close()
