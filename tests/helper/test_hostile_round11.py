@@ -229,3 +229,39 @@ def test_round11_a_node_swapping_volumes_for_a_symlink_never_gets_a_bind_of_root
     assert accepted >= 3, (accepted, refused)
     assert refused >= 1, (accepted, refused)  # the swap was seen
     assert not (root / BINDS.lstrip("/") / "vm1").exists()
+
+
+def test_round11_a_volume_on_another_file_system_than_roots_links_is_refused_by_name() -> None:
+    """A hard link cannot leave its file system: a volume store mounted on its own (a tmpfs over
+    `volumes`, in the helper's private mount namespace) is refused `bind-other-fs`, naming the layout to
+    use, before any unit starts, and no link of the instance stays. (Before the fix the launch was
+    taken, binding the node's path.)"""
+    parent = Path(tempfile.mkdtemp(prefix="bcd-r11-", dir="/var/tmp"))
+    try:
+        root = make_root(parent)
+        lay_out_instance(root, "vm1", NODE_UID, UID1)
+        vols = root / DATA.lstrip("/") / "volumes"
+        rec_path = root / f"{DATA}/cloud-hypervisor/instances/vm1/vm.json".lstrip("/")
+        from attrs import evolve
+
+        rec = parse_record(rec_path.read_bytes())
+        rec_path.write_bytes(encode_record(evolve(rec, volumes=(CHVolume("v1.raw", False, "vol0"),))))
+        mount = (
+            'mount -t tmpfs -o mode=0711 tmpfs "$0" && chown {u}:{u} "$0" && printf v > "$0/v1.raw" '
+            '&& chown {u}:{u} "$0/v1.raw" && exec "$@"'
+        ).format(u=NODE_UID)
+        prefix = ("unshare", "--mount", "--propagation", "private", "sh", "-c", mount, str(vols))
+        h = HelperProcess(root, base_config(extra='instance_bridges = "br0"\n'), prefix)
+        try:
+            answer = _launch(root, h)
+        finally:
+            h.stop()
+        assert (answer["ok"], answer.get("reason")) == (False, "bind-other-fs"), answer
+        assert f"{DATA}/volumes/v1.raw is on another file system than {BINDS}" in answer["message"]
+        assert "data_dir must not be a mount point itself" in answer["message"]
+        assert not (root / BINDS.lstrip("/") / "vm1").exists()
+        assert not (root / "var/lib/bcd-sim/systemd/units.json").exists() or "bcd-ch-vm1.service" not in (
+            json.loads((root / "var/lib/bcd-sim/systemd/units.json").read_text())
+        )
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
