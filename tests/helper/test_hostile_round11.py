@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from attrs import evolve
 from bcd_shared import posixacl
 from bcd_shared.chrecord import CHVolume, encode_record, parse_record
 from bcd_shared.chunit import VMM_UID_BASE
@@ -142,8 +143,6 @@ def test_round11_a_relaunch_replaces_the_links_of_a_unit_gone_without_its_stop(
     units_path.write_text(json.dumps(units))
     vm_json = root / f"{DATA}/cloud-hypervisor/instances/vm1/vm.json".lstrip("/")
     rec = parse_record(vm_json.read_bytes())
-    from attrs import evolve
-
     vm_json.write_bytes(encode_record(evolve(rec, volumes=(CHVolume("v1.raw", False, "vol0"),))))
     assert _launch(root, h)["ok"] is True
     assert sorted(os.listdir(root / BINDS.lstrip("/") / "vm1")) == ["image", "vol-v1.raw"]
@@ -242,14 +241,13 @@ def test_round11_a_volume_on_another_file_system_than_roots_links_is_refused_by_
         lay_out_instance(root, "vm1", NODE_UID, UID1)
         vols = root / DATA.lstrip("/") / "volumes"
         rec_path = root / f"{DATA}/cloud-hypervisor/instances/vm1/vm.json".lstrip("/")
-        from attrs import evolve
-
         rec = parse_record(rec_path.read_bytes())
         rec_path.write_bytes(encode_record(evolve(rec, volumes=(CHVolume("v1.raw", False, "vol0"),))))
+        u = NODE_UID
         mount = (
-            'mount -t tmpfs -o mode=0711 tmpfs "$0" && chown {u}:{u} "$0" && printf v > "$0/v1.raw" '
-            '&& chown {u}:{u} "$0/v1.raw" && exec "$@"'
-        ).format(u=NODE_UID)
+            f'mount -t tmpfs -o mode=0711 tmpfs "$0" && chown {u}:{u} "$0" && printf v > "$0/v1.raw" '
+            f'&& chown {u}:{u} "$0/v1.raw" && exec "$@"'
+        )
         prefix = ("unshare", "--mount", "--propagation", "private", "sh", "-c", mount, str(vols))
         h = HelperProcess(root, base_config(extra='instance_bridges = "br0"\n'), prefix)
         try:
