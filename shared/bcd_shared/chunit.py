@@ -162,7 +162,11 @@ def properties(spec: CHLaunch) -> list[tuple[str, str]]:
         ("TemporaryFileSystem", "/var:ro"),
     ]
     if not (data == "/var" or data.startswith("/var/")):
+        # data_dir itself too (round 11): every bind's destination then lies on the unit's own tmpfs,
+        # never resolved through a directory of the node's (a `volumes` swapped for a symlink had
+        # systemd, as root, create the mount point at the link's target on the host), as under /var.
         props += [
+            ("TemporaryFileSystem", f"{data}:ro"),
             ("TemporaryFileSystem", f"{ch_dir(data)}/instances:ro"),
             ("TemporaryFileSystem", f"{ch_images_dir(data)}:ro"),
         ]

@@ -124,6 +124,7 @@ def test_files_dlv_chu_17_to_22() -> None:
     assert outside["TemporaryFileSystem"] == [
         "/run:ro",
         "/var:ro",
+        "/srv/bcd:ro",  # every bind's destination on the unit's tmpfs (round 11)
         "/srv/bcd/cloud-hypervisor/instances:ro",
         "/srv/bcd/cloud-hypervisor/images:ro",
     ]
