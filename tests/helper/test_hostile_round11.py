@@ -263,3 +263,20 @@ def test_round11_a_volume_on_another_file_system_than_roots_links_is_refused_by_
         )
     finally:
         shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_round11_ch_stop_removes_the_links_when_the_instance_directory_is_already_gone(
+    host: tuple[Path, HelperProcess],
+) -> None:
+    """The links go with the stopped unit even when no record is left to name its uid (a directory the
+    node removed first): nothing of root's keeps a deleted instance's volumes alive."""
+    root, h = host
+    assert _launch(root, h)["ok"] is True
+    shutil.rmtree(root / f"{DATA}/cloud-hypervisor/instances/vm1".lstrip("/"))
+    units_path = root / "var/lib/bcd-sim/systemd/units.json"
+    units = json.loads(units_path.read_text())
+    units["bcd-ch-vm1.service"]["properties"].pop("User")  # a unit systemd forgot (--collect)
+    units_path.write_text(json.dumps(units))
+    _stop(h)
+    assert not (root / BINDS.lstrip("/") / "vm1").exists()
+    assert os.lstat(root / f"{DATA}/volumes/v1.raw".lstrip("/")).st_nlink == 1

@@ -747,7 +747,9 @@ def ch_stop(call: Call, req: ChName) -> dict[str, Any]:
         # the inodes the unit had bound (root's links), whatever the record names now; then the links
         with contextlib.suppress(Refused, OSError):
             _acl_volumes(call, [(p, 0) for p in chbinds.links(call, name)], uid, grant=False)
-        with contextlib.suppress(Refused, OSError):  # the unit stopped: a later stop or launch retries
+    if active in ("inactive", "failed"):
+        # the unit's links go with it, whether or not a uid or record is left (a later stop retries)
+        with contextlib.suppress(Refused, OSError):
             chbinds.remove(call, name)
     return {"name": name, "unit": unit, "state": active, "groups": groups}
 
