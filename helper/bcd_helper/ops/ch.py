@@ -746,7 +746,9 @@ def ch_stop(call: Call, req: ChName) -> dict[str, Any]:
             _acl_instance(call, _read_record(call, op, name), uid, grant=False)
         # the inodes the unit had bound (root's links), whatever the record names now; then the links
         with contextlib.suppress(Refused, OSError):
-            _acl_volumes(call, [(p, 0) for p in chbinds.links(call, name)], uid, grant=False)
+            linked = chbinds.links(call, name)
+            vols = [(p, 0) for p in linked if p.rsplit("/", 1)[1].startswith(chbinds.VOLUME_PREFIX)]
+            _acl_volumes(call, vols, uid, grant=False)
     if active in ("inactive", "failed"):
         # the unit's links go with it, whether or not a uid or record is left (a later stop retries)
         with contextlib.suppress(Refused, OSError):
