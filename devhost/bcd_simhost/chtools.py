@@ -4,6 +4,10 @@
   unit in the fake systemctl's units.json (active, its properties, `Slice`, `ExecStart`), so that
   `systemctl list-units`, `show -p User --value` and `stop` see it (systemctl.py). A unit already
   active is refused as systemd refuses it ("Unit U was already loaded or has a fragment file.").
+  Each `BindPaths=` / `BindReadOnlyPaths=` value (`SRC:DEST` or one path) is resolved as systemd
+  resolves the source, as root following every symlink, when the fake runs: the unit's `binds` lists
+  `[key, src, dest, st_dev, st_ino]` (None, None where nothing is there), for the race tests
+  (docs/helper.md, "Threat model, round 11").
   When the command is a `cloud-hypervisor --api-socket path=P`, the simulated VMM
   (bcd_simhost.chapi.FakeCHServer) serves P from the calling process (the helper's, under `bcd helper`)
   until `systemctl stop` of the unit or `vmm.shutdown`.
@@ -14,6 +18,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,6 +40,16 @@ def systemd_run(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -
     if not unit.endswith(".service") or not command:
         return _res(argv, 1, "systemd-run: needs --unit=NAME.service and a command (simulated host)\n")
     props: dict[str, str] = {}
+    binds: list[list[Any]] = []
+    for o in opts:
+        key, _, value = o.removeprefix("--property=").partition("=")
+        if o.startswith("--property=") and key in ("BindPaths", "BindReadOnlyPaths"):
+            src, _, dest = value.partition(":")
+            try:
+                st = os.stat(system.host_path(src))  # follows links, as systemd does
+                binds.append([key, src, dest or src, st.st_dev, st.st_ino])
+            except OSError:
+                binds.append([key, src, dest or src, None, None])
     for o in opts:
         if o.startswith("--property="):
             key, _, value = o[len("--property=") :].partition("=")
@@ -50,7 +65,7 @@ def systemd_run(system: LocalSystem, argv: Sequence[str], stdin: bytes | None) -
             f"Failed to start transient service unit: Unit {unit} was already loaded"
             " or has a fragment file.\n",
         )
-    units[unit] = {"active": True, "enabled": False, "properties": props, "transient": True}
+    units[unit] = {"active": True, "enabled": False, "properties": props, "transient": True, "binds": binds}
     sc._save(system, units)
     if command[0].endswith("/cloud-hypervisor") and "--api-socket" in command:
         spec = (

@@ -109,6 +109,10 @@ class CHLaunch:
     under_helper: bool = False
     cpus: str = ""  # AllowedCPUs (placement)
     mems: str = ""  # AllowedMemoryNodes
+    # (path the VMM sees, path systemd binds there) for the base image and volumes: under the helper,
+    # root's hard link of the inode it checked (bcd_helper.chbinds), so that systemd, resolving the
+    # source as root after root's checks, never walks a directory of the node's; absent, the path itself.
+    bind_sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def instance_dir(self) -> str:
@@ -158,18 +162,31 @@ def properties(spec: CHLaunch) -> list[tuple[str, str]]:
         ("TemporaryFileSystem", "/var:ro"),
     ]
     if not (data == "/var" or data.startswith("/var/")):
+        # data_dir itself too (round 11): every bind's destination then lies on the unit's own tmpfs,
+        # never resolved through a directory of the node's (a `volumes` swapped for a symlink had
+        # systemd, as root, create the mount point at the link's target on the host), as under /var.
         props += [
+            ("TemporaryFileSystem", f"{data}:ro"),
             ("TemporaryFileSystem", f"{ch_dir(data)}/instances:ro"),
             ("TemporaryFileSystem", f"{ch_images_dir(data)}:ro"),
         ]
     props += [("InaccessiblePaths", f"-{p}") for p in INACCESSIBLE]
     props += [("BindPaths", d), ("ReadWritePaths", d)]
+    sources = dict(spec.bind_sources)
+
+    def bind(dest: str) -> str:
+        """`SRC:DEST` where the source is not the path itself (neither has a `:`: checked names)."""
+        src = sources.get(dest, dest)
+        if ":" in src or ":" in dest:
+            raise ValueError(f"a bind path with ':' ({src[:80]!r}, {dest[:80]!r})")
+        return dest if src == dest else f"{src}:{dest}"
+
     if spec.base_image:
-        props.append(("BindReadOnlyPaths", spec.base_image))
+        props.append(("BindReadOnlyPaths", bind(spec.base_image)))
     for vol in spec.volumes_rw:
-        props += [("BindPaths", vol), ("ReadWritePaths", vol)]
+        props += [("BindPaths", bind(vol)), ("ReadWritePaths", vol)]
     for vol in spec.volumes_ro:
-        props.append(("BindReadOnlyPaths", vol))
+        props.append(("BindReadOnlyPaths", bind(vol)))
     props += [
         (key, "yes")
         for key in (

@@ -647,6 +647,11 @@ def expected_launch(root: Path, **kw: Any) -> tuple[str, ...]:
         "under_helper": True,
     }
     args.update(kw)
+    # root binds its hard links of the inodes it checked (bcd_helper.chbinds; round 11)
+    links = f"{DATA}-ch-binds/{args['instance_id']}"
+    sources = [(args["base_image"], f"{links}/image")] if args["base_image"] else []
+    sources += [(v, f"{links}/vol-{v.rsplit('/', 1)[1]}") for v in (*args["volumes_rw"], *args["volumes_ro"])]
+    args.setdefault("bind_sources", tuple(sources))
     return tuple(run_argv(CHLaunch(**args)))
 
 

@@ -174,7 +174,8 @@ def test_launch_and_stop_dlv_chh_21_dlv_chh_02_dlv_chh_04(ch: HelperProcess) -> 
     props = unit["properties"]
     assert props["User"] == str(UID1) and props["UMask"] == "0007"
     assert props["ExecStart"] == f"/usr/bin/cloud-hypervisor --api-socket path={CH}/instances/vm1/api.sock"
-    assert props["BindReadOnlyPaths"] == f"{DATA}/volumes/ro.raw"  # the last of base image, ro volume
+    # the last of base image, ro volume: root's link of the inode it checked, bound where the VMM looks
+    assert props["BindReadOnlyPaths"] == f"{DATA}-ch-binds/vm1/vol-ro.raw:{DATA}/volumes/ro.raw"
     assert f"bcd-vmm-1:x:{UID1}:{UID1}:" in (h.root / "etc/passwd").read_text()
     last = h.last_audit()
     assert (last["op"], last["decision"], last["args"]["name"]) == ("ch.launch", "accepted", "vm1")

@@ -195,3 +195,86 @@ def test_the_vmm_unit_confines_a_probe_dlv_chu_30(container: Container) -> None:
     assert r["inet"] != "ok"
     # What the VMM created stayed in its own directory (the bind is the host's directory).
     assert c.path(f"{own}/created-by-vmm").exists()
+
+
+READ_PROBE = """
+import json
+r = {}
+for p in PATHS:
+    try:
+        with open(p) as f:
+            r[p] = f.read().strip()
+    except OSError as e:
+        r[p] = e.__class__.__name__
+print(json.dumps(r))
+"""
+
+
+@pytest.mark.realhost
+@pytest.mark.parametrize("data", ["/var/lib/bcd", "/srv/bcd/data"])
+def test_a_store_swapped_for_a_symlink_never_changes_what_systemd_binds_round11(
+    container: Container, data: str
+) -> None:
+    """docs/helper.md, "Threat model, round 11": the helper checks the base image and a volume, links
+    those inodes into `<data_dir>-ch-binds/<id>/` (root 0700) and binds `LINK:PATH`; the node then swaps
+    `images` for a symlink to a directory only root enters (holding a world-readable secret of that
+    name) and `volumes` for one to an empty root directory, before systemd sets the namespace up (the
+    race, won). Real systemd 252: the VMM reads the node's own base image and volume at their paths,
+    and systemd created nothing in either root directory, with data_dir under /var (its tmpfs) and
+    outside it (the unit's tmpfs over data_dir). Before, with the node's paths as sources, the VMM
+    read the secret (data_dir under /var); and outside /var systemd, resolving the destination through
+    the node's `volumes`, created an empty `v1.raw` as root in the link's target on the host."""
+    c = container
+    uid = UID + 1 if data.startswith("/var") else UID + 2
+    name = f"vm-r11-{uid - UID}"
+    for argv in account_add_argv(uid):
+        c.run(argv, check=False)  # the module's container: the account may be there
+    parent = data.rsplit("/", 1)[0]
+    chd = ch_dir(data)
+    base, vol = f"{chd}/images/{SHA}.qcow2", f"{data}/volumes/v1.raw"
+    links = f"{data}-ch-binds/{name}"
+    secret, empty = f"{parent}/root-only-{name}", f"{parent}/empty-{name}"
+    node = 4242
+    setup = (
+        f"mkdir -p -m 0755 {parent} && mkdir -p {data}/volumes {chd}/images {chd}/instances/{name}"
+        f" && chown -R {node}:{node} {data} && chmod 0711 {data} {data}/volumes {chd} {chd}/images"
+        f" && chown {uid}:{uid} {chd}/instances/{name}"
+        f" && echo base > {base} && echo mine > {vol} && chown {node}:{node} {base} {vol}"
+        f" && chmod 0644 {base} {vol}"
+        f" && mkdir -m 0700 {secret} && echo secret > {secret}/{SHA}.qcow2 && chmod 0644 {secret}/{SHA}.qcow2"
+        f" && mkdir -m 0755 {empty}"
+        # root's links of the inodes it checked (bcd_helper.chbinds), then the node's swap
+        f" && mkdir -p -m 0700 {data}-ch-binds {links}"
+        f" && ln {base} {links}/image && ln {vol} {links}/vol-v1.raw"
+        f" && mv {chd}/images {chd}/images.real && ln -s {secret} {chd}/images"
+        f" && mv {data}/volumes {data}/volumes.real && ln -s {empty} {data}/volumes"
+    )
+    c.run(["sh", "-c", setup])
+    spec = CHLaunch(
+        instance_id=name,
+        uid=uid,
+        data_dir=data,
+        binary="/usr/bin/python3",
+        vcpus=1,
+        memory_bytes=256 << 20,
+        base_image=base,
+        volumes_rw=(vol,),
+        bind_sources=((base, f"{links}/image"), (vol, f"{links}/vol-v1.raw")),
+    )
+    encoded = base64.b64encode((f"PATHS={[base, vol]!r}\n" + READ_PROBE).encode()).decode()
+    argv = [
+        "systemd-run",
+        "--wait",
+        "--pipe",
+        "--quiet",
+        f"--unit={spec.unit}",
+        "--slice=bcd-instances.slice",
+    ]
+    argv += [f"--property={k}={v}" for k, v in properties(spec)]
+    argv += ["--", "/usr/bin/python3", "-c", f"import base64;exec(base64.b64decode('{encoded}'))"]
+    result = c.run(argv, check=False, timeout=120)
+    assert result.returncode == 0, result.stderr
+    r = json.loads(result.stdout.strip().splitlines()[-1])
+    assert r == {base: "base", vol: "mine"}
+    listing = {d: c.run(["ls", "-A", d]).stdout.split() for d in (secret, empty)}
+    assert listing == {secret: [f"{SHA}.qcow2"], empty: []}  # nothing created as root

@@ -33,6 +33,15 @@ BASE = f"{DATA}/cloud-hypervisor/images/{'a' * 64}.qcow2"
 EXPOSURE_TARGET = 1.5
 
 
+VOL = f"{DATA}/volumes/a.raw"
+# The helper's unit: the base image and a volume bound from root's links (round 11).
+HELPER_LINKS: dict[str, object] = {
+    "under_helper": True,
+    "volumes_rw": (VOL,),
+    "bind_sources": ((BASE, f"{DATA}-ch-binds/vm-1/image"), (VOL, f"{DATA}-ch-binds/vm-1/vol-a.raw")),
+}
+
+
 def launch(**kw: object) -> CHLaunch:
     args: dict[str, object] = {
         "instance_id": "vm-1",
@@ -120,10 +129,20 @@ def test_files_dlv_chu_17_to_22() -> None:
     assert p["BindPaths"] == [inst, "/srv/vol/a.raw"]
     assert p["ReadWritePaths"] == [inst, "/srv/vol/a.raw"]
     assert p["BindReadOnlyPaths"] == [BASE, "/srv/vol/b.raw"]
+    linked = props(launch(**HELPER_LINKS))  # the helper's: SRC (root's link) : DEST (where the VMM looks)
+    assert linked["BindReadOnlyPaths"] == [f"{DATA}-ch-binds/vm-1/image:{BASE}"]
+    assert linked["BindPaths"] == [
+        f"{DATA}/cloud-hypervisor/instances/vm-1",
+        f"{DATA}-ch-binds/vm-1/vol-a.raw:{VOL}",
+    ]
+    assert linked["ReadWritePaths"] == [f"{DATA}/cloud-hypervisor/instances/vm-1", VOL]
+    with pytest.raises(ValueError):  # a ':' would split the value differently
+        properties(launch(bind_sources=((BASE, "/x:y"),)))
     outside = props(launch(data_dir="/srv/bcd"))
     assert outside["TemporaryFileSystem"] == [
         "/run:ro",
         "/var:ro",
+        "/srv/bcd:ro",  # every bind's destination on the unit's tmpfs (round 11)
         "/srv/bcd/cloud-hypervisor/instances:ro",
         "/srv/bcd/cloud-hypervisor/images:ro",
     ]
@@ -191,6 +210,7 @@ def _scratch(tmp_path: Path, spec: CHLaunch) -> Path:
         {"vfio": True, "under_helper": True},
         {"data_dir": "/srv/bcd", "base_image": None},
         {"cpus": "0", "mems": "0"},
+        HELPER_LINKS,
     ],
 )
 def test_the_generated_unit_passes_systemd_analyze_verify_dlv_chu_30(
@@ -213,7 +233,7 @@ def test_verify_is_live(tmp_path: Path) -> None:
 
 
 @pytest.mark.realhost
-@pytest.mark.parametrize("kw", [{}, {"vfio": True, "under_helper": True}])
+@pytest.mark.parametrize("kw", [{}, {"vfio": True, "under_helper": True}, HELPER_LINKS])
 def test_exposure_within_target_dlv_chu_30(tmp_path: Path, kw: dict[str, object]) -> None:
     """DLV-CHU-30: `systemd-analyze security --offline=true` scores the unit at most 1.5."""
     tool = require_tool("systemd-analyze")

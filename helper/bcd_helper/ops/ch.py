@@ -22,10 +22,14 @@ the server audits it with that name. Rules:
   default entry so what the VMM creates inherits it, every file in it, each volume read-write or
   read-only) through descriptors it opened itself (bcd_shared.posixacl), and starts the unit
   `bcd_shared.chunit` builds with root's own `cloud-hypervisor` binary and UMask 0007 (DLV-CHH-21,
-  DLV-CHH-02..04). No command line of the node's reaches root.
+  DLV-CHH-02..04). The base image and the volumes are bound from root's hard links of the inodes it
+  opened and checked, in `<data_dir>-ch-binds/<id>/` (root 0700; bcd_helper.chbinds), never by the
+  node's paths, which systemd would resolve again after the checks (round 11); the volumes' ACL
+  entries go on those inodes. No command line of the node's reaches root.
 - `ch.stop`: stops the unit, answers its state, removes the VMM user's ACL entries from the instance
-  directory, its files and the record's volumes, and gives back to root exactly the /dev/vfio groups
-  the stopped unit's user owned (DLV-CHH-14, DLV-CHH-04).
+  directory, its files, the record's volumes and the inodes of root's links, removes those links,
+  and gives back to root exactly the /dev/vfio groups the stopped unit's user owned (DLV-CHH-14,
+  DLV-CHH-04).
 - `ch.vfio`: the record's GPUs, only this host's, none root sees holding work (a live hold, compute
   processes); each one's IOMMU group may hold only the record's GPUs, functions of this host's GPUs and
   PCI bridges (the whole group goes to the VMM), and its /dev/vfio node must not be a running VMM
@@ -63,6 +67,7 @@ from bcd_shared.chunit import (
 from bcd_shared.images import ImageRefused, check_image, check_overlay
 from bcd_shared.instancenames import BRIDGE_RE, MAX_NICS, tap_name, valid_instance_id, volumes_dir
 
+from bcd_helper import chbinds
 from bcd_helper import taps as tapnames
 from bcd_helper.ops.base import Call, Failed, Refused
 from bcd_helper.ops.hostunit import SignedIntent
@@ -557,7 +562,9 @@ def _ensure_account(call: Call, op: str, uid: int) -> None:
 # -- ACLs ------------------------------------------------------------------------------------------
 
 
-def _acl_instance(call: Call, checked: Checked, uid: int, grant: bool) -> None:
+def _acl_instance(
+    call: Call, checked: Checked, uid: int, grant: bool, volumes: dict[str, str] | None = None
+) -> None:
     cfg = call.ctx.config
     inst = checked.instance_dir
     rel = inst[len(cfg.data_dir) + 1 :].split("/")
@@ -592,7 +599,15 @@ def _acl_instance(call: Call, checked: Checked, uid: int, grant: bool) -> None:
                 os.close(fd)
     finally:
         os.close(dfd)
-    for path, perms in [(p, 0o6) for p in checked.volumes_rw] + [(p, 0o4) for p in checked.volumes_ro]:
+    vols = [(p, 0o6) for p in checked.volumes_rw] + [(p, 0o4) for p in checked.volumes_ro]
+    if volumes is not None:  # root's links of the checked inodes (chbinds), never the node's path
+        vols = [(volumes[p], perms) for p, perms in vols]
+    _acl_volumes(call, vols, uid, grant)
+
+
+def _acl_volumes(call: Call, vols: list[tuple[str, int]], uid: int, grant: bool) -> None:
+    cfg = call.ctx.config
+    for path, perms in vols:
         try:
             fd = os.open(call.system.host_path(path), os.O_RDONLY | _NOFOLLOW)
         except OSError as exc:
@@ -630,35 +645,78 @@ def ch_launch(call: Call, req: ChLaunch) -> dict[str, Any]:
     _uid_not_in_use(op, unit, rec.uid, running)
     _holds_only_its_groups(call, op, rec)
     binary = root_binary(call)
-    launch = CHLaunch(
-        instance_id=name,
-        uid=rec.uid,
-        data_dir=call.ctx.config.data_dir,
-        binary=binary,
-        vcpus=rec.vcpus,
-        memory_bytes=rec.memory_bytes,
-        base_image=checked.base_image,
-        volumes_rw=checked.volumes_rw,
-        volumes_ro=checked.volumes_ro,
-        vfio=bool(rec.gpus),
-        hugepages=rec.hugepages,
-        restored_memory=rec.restored,
-        under_helper=True,
-        cpus=rec.cpus,
-        mems=rec.mems,
-    )
-    _ensure_account(call, op, rec.uid)
+    # systemd binds root's hard links of the inodes checked, never the node's paths (round 11)
+    sources = _link_sources(call, op, name, checked)
     try:
-        _acl_instance(call, checked, rec.uid, grant=True)
-    except OSError as exc:
-        raise Failed("acl", f"{op}: granting the VMM user's ACL entries: {exc.strerror}") from None
-    result = call.system.run(run_argv(launch), timeout=120)
-    if not result.ok:
-        # No VMM runs: the VMM user's entries go again, so a failed launch leaves nothing granted.
+        launch = CHLaunch(
+            instance_id=name,
+            uid=rec.uid,
+            data_dir=call.ctx.config.data_dir,
+            binary=binary,
+            vcpus=rec.vcpus,
+            memory_bytes=rec.memory_bytes,
+            base_image=checked.base_image,
+            volumes_rw=checked.volumes_rw,
+            volumes_ro=checked.volumes_ro,
+            vfio=bool(rec.gpus),
+            hugepages=rec.hugepages,
+            restored_memory=rec.restored,
+            under_helper=True,
+            cpus=rec.cpus,
+            mems=rec.mems,
+            bind_sources=tuple(sources.items()),
+        )
+        _ensure_account(call, op, rec.uid)
+        try:
+            _acl_instance(call, checked, rec.uid, grant=True, volumes=sources)
+        except OSError as exc:
+            raise Failed("acl", f"{op}: granting the VMM user's ACL entries: {exc.strerror}") from None
+        result = call.system.run(run_argv(launch), timeout=120)
+        if not result.ok:
+            # No VMM runs: the VMM user's entries go again, so a failed launch leaves nothing granted.
+            with contextlib.suppress(Refused, OSError):
+                _acl_instance(call, checked, rec.uid, grant=False, volumes=sources)
+            raise Failed("systemd-run", f"{op}: systemd-run {unit}: {_err(result)}")
+    except BaseException:
         with contextlib.suppress(Refused, OSError):
-            _acl_instance(call, checked, rec.uid, grant=False)
-        raise Failed("systemd-run", f"{op}: systemd-run {unit}: {_err(result)}")
+            chbinds.remove(call, name)
+        raise
     return {"name": name, "unit": unit, "uid": rec.uid, "binary": binary}
+
+
+def _link_sources(call: Call, op: str, name: str, checked: Checked) -> dict[str, str]:
+    """The base image and each volume linked from the inode root opened and checked (a regular file
+    the node owns) into root's directory for the instance (bcd_helper.chbinds); the base image's
+    header checked again on that link, the inode the unit binds. {the node's path: the link}."""
+    node_uid = call.ctx.config.node_uid
+
+    def owned(reason: str, what: str) -> Any:
+        def check(st: os.stat_result) -> None:
+            if st.st_uid != node_uid:
+                raise Refused(reason, f"{op}: {what} must be a regular file the node owns")
+
+        return check
+
+    sources: list[chbinds.Source] = []
+    base = checked.base_image
+    if base is not None:
+        check = owned("bad-image", f"base image {base}")
+        sources.append(chbinds.Source(base, chbinds.IMAGE, "bad-image", check))
+    seen = {base}
+    for path in (*checked.volumes_rw, *checked.volumes_ro):
+        if path not in seen:
+            seen.add(path)
+            link = chbinds.VOLUME_PREFIX + path.rsplit("/", 1)[1]
+            sources.append(chbinds.Source(path, link, "bad-volume", owned("bad-volume", f"volume {path}")))
+    made = chbinds.link(call, op, name, sources)
+    if base is not None and checked.record.image_format == "qcow2":
+        try:
+            check_image(str(call.system.host_path(made[base])), MAX_VIRTUAL_SIZE)
+        except ImageRefused as exc:
+            with contextlib.suppress(Refused, OSError):
+                chbinds.remove(call, name)
+            raise Refused(f"image-{exc.reason}", f"{op}: {exc.message}") from None
+    return made
 
 
 def ch_stop(call: Call, req: ChName) -> dict[str, Any]:
@@ -686,6 +744,15 @@ def ch_stop(call: Call, req: ChName) -> dict[str, Any]:
         # a directory already removed has no entries left to remove
         with contextlib.suppress(Refused, OSError):
             _acl_instance(call, _read_record(call, op, name), uid, grant=False)
+        # the inodes the unit had bound (root's links), whatever the record names now; then the links
+        with contextlib.suppress(Refused, OSError):
+            linked = chbinds.links(call, name)
+            vols = [(p, 0) for p in linked if p.rsplit("/", 1)[1].startswith(chbinds.VOLUME_PREFIX)]
+            _acl_volumes(call, vols, uid, grant=False)
+    if active in ("inactive", "failed"):
+        # the unit's links go with it, whether or not a uid or record is left (a later stop retries)
+        with contextlib.suppress(Refused, OSError):
+            chbinds.remove(call, name)
     return {"name": name, "unit": unit, "state": active, "groups": groups}
 
 
