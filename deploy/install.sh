@@ -296,34 +296,38 @@ for u in "${units[@]}"; do
     install -m 0644 -o 0 -g 0 "$HERE/$u" "$(P "/etc/systemd/system/$u")"
   fi
 done
-# Started only once joined: a node without identity.json exits 78 at once, and the unit's
-# RestartPreventExitStatus=78 leaves it failed, so it would not be running after `bcd join` either.
-# The helper only once its audit log has a sealing key the operator holds: started without one, it
-# makes a key no one holds (docs/deploy.md: `bcd-helper audit init` before the helper's first start).
+# Each unit is enabled and started only once it is ready, so that neither a boot nor a dependency
+# starts it early. The node once joined: a node without identity.json exits 78 at once, and the unit's
+# RestartPreventExitStatus=78 leaves it failed. The helper once its audit log has a sealing key the
+# operator holds: started without one, it makes a key no one holds (docs/deploy.md: `bcd-helper audit
+# init` before the helper's first start). The node also waits for that: it Wants= the helper, so
+# starting it (or booting with it enabled) would start the helper too.
 sealed=true
 if $HELPER && [ ! -e "$(P /var/log/bcd-helper/audit.key)" ] && [ ! -e "$(P /var/log/bcd-helper/audit.log)" ]; then
   sealed=false
 fi
 joined=true
 [ -e "$(P /var/lib/bcd/identity.json)" ] || joined=false
-start=()
-$HELPER && $sealed && start+=(bcd-helper.service)
-$joined && start+=(bcd-node.service)
+ready=()
+$HELPER && $sealed && ready+=(bcd-helper.service)
+$joined && $sealed && ready+=(bcd-node.service)
 if $ENABLE && [ "$ROOT" = "" ] && [ -d /run/systemd/system ]; then
   systemctl daemon-reload
-  systemctl enable "${units[@]}"
-  [ "${#start[@]}" -eq 0 ] || systemctl start "${start[@]}"
+  [ "${#ready[@]}" -eq 0 ] || systemctl enable --now "${ready[@]}"
 elif $ENABLE; then
-  echo "install.sh: systemd is not running here (or --root was given): enable ${units[*]} yourself"
+  echo "install.sh: systemd is not running here (or --root was given): enable ${units[*]} yourself, each once it is ready (below)"
 fi
 if $ENABLE && ! $sealed; then
-  echo "install.sh: bcd-helper.service not started: its audit log has no sealing key yet." \
+  echo "install.sh: bcd-helper.service not enabled or started: its audit log has no sealing key yet." \
     "Next, as root: bcd-helper audit init (keep the verification key it prints off this host)," \
-    "then systemctl start bcd-helper.service"
+    "then systemctl enable --now bcd-helper.service"
 fi
 if $ENABLE && ! $joined; then
-  echo "install.sh: bcd-node.service not started: the node has not joined. Next, as root:" \
-    "bcd join --token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
+  echo "install.sh: bcd-node.service not enabled or started: the node has not joined. Next, as root:" \
+    "bcd join --token=TOKEN --address HOST:PORT, then systemctl enable --now bcd-node.service"
+elif $ENABLE && ! $sealed; then
+  echo "install.sh: bcd-node.service not enabled or started: it would start bcd-helper.service (Wants=)" \
+    "before its audit log is sealed. After the step above: systemctl enable --now bcd-node.service"
 fi
 # bcd-node.service's SupplementaryGroups=systemd-journal (the XID watcher reads the kernel log): a host
 # without that group cannot start the unit at all (status=216/GROUP).

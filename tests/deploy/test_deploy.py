@@ -595,8 +595,10 @@ def test_install_starts_the_units_only_when_ready_and_warns_of_no_journal_group(
     joined) exited 78 and RestartPreventExitStatus=78 left it failed, after `bcd join` too; and a host
     without group systemd-journal got a unit that cannot start (216/GROUP), unannounced; and the helper
     started before `bcd-helper audit init`, sealing with a key no one holds. Now each unit is enabled and
-    started only once ready (the node joined, the helper's log sealed), and the output says what to run
-    next."""
+    started only once ready (the node joined, the helper's log sealed; the node also waits for the seal,
+    since it Wants= the helper), and the output says what to run next. (Then both were enabled at once,
+    so a reboot before `audit init` started the helper unsealed; tests/deploy/test_units_booted.py
+    checks the enabling under a real systemd.)"""
     for tool in ("useradd", "groupadd", "install"):
         require_tool(tool)
     root = tmp_path / "host"
@@ -613,20 +615,25 @@ def test_install_starts_the_units_only_when_ready_and_warns_of_no_journal_group(
     first = install()
     assert first.returncode == 0, first.stderr
     assert (
-        "bcd-node.service not started: the node has not joined. Next, as root: bcd join "
-        "--token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
+        "bcd-node.service not enabled or started: the node has not joined. Next, as root: bcd join "
+        "--token=TOKEN --address HOST:PORT, then systemctl enable --now bcd-node.service"
     ) in first.stdout
     assert "no group systemd-journal" in first.stderr and "216/GROUP" in first.stderr
     # And the helper only once its audit log has a sealing key someone holds (docs/deploy.md).
     assert (
-        "bcd-helper.service not started: its audit log has no sealing key yet. Next, as root: "
-        "bcd-helper audit init (keep the verification key it prints off this host), then systemctl start "
-        "bcd-helper.service"
+        "bcd-helper.service not enabled or started: its audit log has no sealing key yet. Next, as root: "
+        "bcd-helper audit init (keep the verification key it prints off this host), then systemctl "
+        "enable --now bcd-helper.service"
     ) in first.stdout
     with (root / "etc/group").open("a") as f:
         f.write("systemd-journal:x:999:\n")
     (root / "var/lib/bcd/identity.json").write_text("{}")
+    joined = install()
+    assert joined.returncode == 0, joined.stderr
+    assert (
+        "bcd-node.service not enabled or started: it would start bcd-helper.service (Wants=)" in joined.stdout
+    )
     (root / "var/log/bcd-helper/audit.key").write_bytes(b"")
     again = install()
     assert again.returncode == 0, again.stderr
-    assert "not started" not in again.stdout and "systemd-journal" not in again.stderr
+    assert "not enabled" not in again.stdout and "systemd-journal" not in again.stderr

@@ -6,8 +6,8 @@ writes reaches the machine) with `--private-network` (its nftables.service and t
 listener stay inside), `/usr` overlaid with the packages' `/usr/bin/bcd`, `/usr/bin/bcd-helper`,
 units and `/usr/share/bcd/install.sh`, and their `/opt/bcd` bound read-only. A preset keeps the
 first boot from enabling the units (dpkg applies no presets). Then docs/deploy.md's sequence, as
-written: install.sh (enables both, starts neither), `bcd-helper audit init`, `systemctl start
-bcd-helper`, `bcd join`, `systemctl start bcd-node`, a signed host spec converged through the helper,
+written: install.sh (enables and starts neither yet), `bcd-helper audit init`, `systemctl enable --now
+bcd-helper`, `bcd join`, `systemctl enable --now bcd-node`, a signed host spec converged through the helper,
 `bcd doctor`, and the helper refusing a group-writable config without a restart loop.
 
 Runs as root with systemd-nspawn (fails under CI=true without it); about a minute.
@@ -99,25 +99,26 @@ def test_first_install_as_docs_deploy_md_gives_it(host: Container) -> None:
     _wait(c, ["test", "-s", f"{PLANE}/endpoint.json"], "the control plane did not come up")
     pin = json.loads(c.path(f"{PLANE}/endpoint.json").read_text())["join_pin"]
 
-    # install.sh: the account, the layout, root's config; both units enabled, neither started.
+    # install.sh: the account, the layout, root's config; neither unit enabled nor started yet (a boot
+    # before `audit init` would start the helper unsealed).
     done = c.run(["/usr/share/bcd/install.sh", "--join-signing-key-pin", pin, "--control-plane", ADDRESS])
     assert "bcd-helper.service comes from the package" in done.stdout
     assert "Next, as root: bcd-helper audit init" in done.stdout
     assert "Next, as root: bcd join --token=TOKEN --address HOST:PORT" in done.stdout
     for unit in UNITS:
-        assert c.run(["systemctl", "is-enabled", unit]).stdout.strip() == "enabled"
+        assert c.run(["systemctl", "is-enabled", unit], check=False).stdout.strip() == "disabled"
         assert c.run(["systemctl", "is-active", unit], check=False).stdout.strip() == "inactive"
 
     # The helper, once its audit log has a key the operator holds.
     key = c.run(["bcd-helper", "audit", "init"]).stdout.rsplit(" ", 1)[-1].strip()
     assert key.startswith("bcdk1-")
-    c.run(["systemctl", "start", "bcd-helper.service"])  # Type=notify: returns once READY=1 came
+    c.run(["systemctl", "enable", "--now", "bcd-helper.service"])  # Type=notify: returns on READY=1
     assert c.run(["stat", "-c", "%U:%G %a", "/run/bcd/helper.sock"]).stdout.strip() == "root:bcd 660"
 
     # The join, then the node: up, connected, with the unit's credentials and sandbox.
     token = c.run(["bcd", "devplane", "token", "--dir", PLANE]).stdout.strip()
     c.run(["bcd", "join", f"--token={token}", "--address", ADDRESS, "--ca-file", f"{PLANE}/ca.pem"])
-    c.run(["systemctl", "start", "bcd-node.service"])
+    c.run(["systemctl", "enable", "--now", "bcd-node.service"])
     _wait(c, ["bcd", "status", "--check"], "the node did not come up connected")
     pid = _show(c, "bcd-node.service", "MainPID")["MainPID"]
     status = dict(
@@ -163,5 +164,7 @@ def test_first_install_as_docs_deploy_md_gives_it(host: Container) -> None:
     assert shown == {"ActiveState": "failed", "ExecMainStatus": "78", "NRestarts": "0"}, shown
     # A bare re-run of install.sh puts the mode right and starts the helper again.
     c.run(["/usr/share/bcd/install.sh"])
+    for unit in UNITS:
+        assert c.run(["systemctl", "is-enabled", unit]).stdout.strip() == "enabled"
     assert c.run(["stat", "-c", "%a", "/etc/bcd/config.toml"]).stdout.strip() == "640"
     assert c.run(["systemctl", "is-active", "bcd-helper.service"]).stdout.strip() == "active"
