@@ -236,6 +236,17 @@ def test_install_refuses_values_that_would_break_out_of_toml(tmp_path: Path) -> 
     assert not (tmp_path / "host/etc/bcd/config.toml").exists()
 
 
+def test_install_run_with_sh_says_bash(tmp_path: Path) -> None:
+    """`sh install.sh` (dash on Debian) stopped with `set: Illegal option -o pipefail`."""
+    done = subprocess.run(
+        ["sh", str(DEPLOY / "install.sh"), "--root", str(tmp_path / "host")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == f"install.sh: run it with bash (bash {DEPLOY / 'install.sh'} ...), not sh\n"
+    assert not (tmp_path / "host").exists()
+
+
 def test_install_without_python_311_refuses_before_writing(tmp_path: Path) -> None:
     """The packages depend on python3.11, which brings no /usr/bin/python3: install.sh takes either,
     and with neither it refuses in one line before it writes anything."""
