@@ -20,8 +20,8 @@
 # Usage: install.sh [--root DIR] [--join-signing-key-pin sha256/...] [--command-root-sha256 HEX,...]
 #                   [--control-plane HOST:PORT] [--host-units-external] [--allowed-clusters LIST]
 #                   [--no-helper] [--no-enable] [--replace]
-# `sh install.sh` (dash) would stop at the first bash-only line with a message about `set`.
 if [ -z "${BASH_VERSION:-}" ]; then echo "install.sh: run it with bash (bash $0 ...), not sh" >&2; exit 2; fi
+# (that line is sh: `sh install.sh`, dash, would otherwise stop at `set -o pipefail` with its own message)
 set -euo pipefail
 
 ROOT=/
