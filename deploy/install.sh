@@ -20,6 +20,8 @@
 # Usage: install.sh [--root DIR] [--join-signing-key-pin sha256/...] [--command-root-sha256 HEX,...]
 #                   [--control-plane HOST:PORT] [--host-units-external] [--allowed-clusters LIST]
 #                   [--no-helper] [--no-enable] [--replace]
+if [ -z "${BASH_VERSION:-}" ]; then echo "install.sh: run it with bash (bash $0 ...), not sh" >&2; exit 2; fi
+# (that line is sh: `sh install.sh`, dash, would otherwise stop at `set -o pipefail` with its own message)
 set -euo pipefail
 
 ROOT=/
@@ -66,9 +68,28 @@ P() { echo "${ROOT}$1"; }  # a host path under --root
 for v in "$PIN" "$ROOTS" "$CONTROL_PLANE" "$CLUSTERS"; do
   case "$v" in *[\"\\$'\n']*) die "a value contains a quote, a backslash or a newline: $v" ;; esac
 done
-command -v python3 >/dev/null || die "python3 is needed (bcd runs on it)"
+# The checks below need Python 3.11 (tomllib). The packages depend on python3.11 only, which does not
+# bring /usr/bin/python3 with it: take python3 where it is 3.11 or later, else python3.11.
+PY=""
+for candidate in python3 python3.11; do
+  if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+    PY="$candidate"
+    break
+  fi
+done
+[ -n "$PY" ] || die "Python 3.11 or later is needed (python3 or python3.11 on PATH; apt-get install python3.11)"
+# The units come from the packages (/lib/systemd/system) or from beside this script (a checkout).
+units=(bcd-node.service)
+$HELPER && units+=(bcd-helper.service)
+for u in "${units[@]}"; do
+  [ -e "$(P "/lib/systemd/system/$u")" ] || [ -e "$HERE/$u" ] || {
+    hint=""
+    [ "$u" = bcd-helper.service ] && hint=" (or --no-helper, for a node without the root helper)"
+    die "$u: not installed by a package (dpkg -i ${u%.service}_VERSION_ARCH.deb) and not beside this script$hint"
+  }
+done
 # Each value against its rule in docs/config.md, before anything is written.
-python3 - "$PIN" "$ROOTS" "$CONTROL_PLANE" "$CLUSTERS" <<'PY' || exit 2
+"$PY" - "$PIN" "$ROOTS" "$CONTROL_PLANE" "$CLUSTERS" <<'PY' || exit 2
 import base64, ipaddress, re, sys
 pin, roots, address, clusters = sys.argv[1:]
 DNS = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
@@ -212,7 +233,7 @@ if [ ! -e "$config" ]; then
   echo "install.sh: wrote $config"
 else
   # The keys the flags name, kept vs asked: each difference on its own line.
-  differences="$(python3 - "$config" "$tmp" "$GIVEN" <<'PY'
+  differences="$("$PY" - "$config" "$tmp" "$GIVEN" <<'PY'
 import sys, tomllib
 kept_path, new_path, given = sys.argv[1], sys.argv[2], sys.argv[3].split()
 KEYS = {
@@ -266,53 +287,57 @@ chmod 0640 "$config"
   echo "install.sh: warning: no join_signing_key_pin in $config; give --join-signing-key-pin (the install's out-of-band pin)" >&2
 
 # --- systemd units ---------------------------------------------------------------------------------
-units=(bcd-node.service)
-$HELPER && units+=(bcd-helper.service)
 mkdir -p "$(P /etc/systemd/system)"
 for u in "${units[@]}"; do
   if [ -e "$(P "/lib/systemd/system/$u")" ]; then
     # The package's unit (make deb): a copy in /etc would hide the package's later versions.
     echo "install.sh: $u comes from the package"
-  elif [ -e "$HERE/$u" ]; then
-    install -m 0644 -o 0 -g 0 "$HERE/$u" "$(P "/etc/systemd/system/$u")"
+    [ ! -e "$(P "/etc/systemd/system/$u")" ] ||
+      echo "install.sh: warning: $(P "/etc/systemd/system/$u") (an earlier install from a checkout?) hides the package's unit; remove it unless you mean to keep it" >&2
   else
-    die "$u: not installed by a package and not beside this script"
+    install -m 0644 -o 0 -g 0 "$HERE/$u" "$(P "/etc/systemd/system/$u")"
   fi
 done
-# Started only once joined: a node without identity.json exits 78 at once, and the unit's
-# RestartPreventExitStatus=78 leaves it failed, so it would not be running after `bcd join` either.
-# The helper only once its audit log has a sealing key the operator holds: started without one, it
-# makes a key no one holds (docs/deploy.md: `bcd-helper audit init` before the helper's first start).
+# Each unit is enabled and started only once it is ready, so that neither a boot nor a dependency
+# starts it early. The node once joined: a node without identity.json exits 78 at once, and the unit's
+# RestartPreventExitStatus=78 leaves it failed. The helper once its audit log has a sealing key the
+# operator holds: started without one, it makes a key no one holds (docs/deploy.md: `bcd-helper audit
+# init` before the helper's first start). The node also waits for that: it Wants= the helper, so
+# starting it (or booting with it enabled) would start the helper too.
 sealed=true
 if $HELPER && [ ! -e "$(P /var/log/bcd-helper/audit.key)" ] && [ ! -e "$(P /var/log/bcd-helper/audit.log)" ]; then
   sealed=false
 fi
 joined=true
 [ -e "$(P /var/lib/bcd/identity.json)" ] || joined=false
-start=()
-$HELPER && $sealed && start+=(bcd-helper.service)
-$joined && start+=(bcd-node.service)
+ready=()
+$HELPER && $sealed && ready+=(bcd-helper.service)
+$joined && $sealed && ready+=(bcd-node.service)
 if $ENABLE && [ "$ROOT" = "" ] && [ -d /run/systemd/system ]; then
   systemctl daemon-reload
-  systemctl enable "${units[@]}"
-  [ "${#start[@]}" -eq 0 ] || systemctl start "${start[@]}"
+  [ "${#ready[@]}" -eq 0 ] || systemctl enable --now "${ready[@]}"
 elif $ENABLE; then
-  echo "install.sh: systemd is not running here (or --root was given): enable ${units[*]} yourself"
+  echo "install.sh: systemd is not running here (or --root was given): enable ${units[*]} yourself, each once it is ready (below)"
 fi
 if $ENABLE && ! $sealed; then
-  echo "install.sh: bcd-helper.service not started: its audit log has no sealing key yet." \
+  echo "install.sh: bcd-helper.service not enabled or started: its audit log has no sealing key yet." \
     "Next, as root: bcd-helper audit init (keep the verification key it prints off this host)," \
-    "then systemctl start bcd-helper.service"
+    "then systemctl enable --now bcd-helper.service"
 fi
 if $ENABLE && ! $joined; then
-  echo "install.sh: bcd-node.service not started: the node has not joined. Next, as root:" \
-    "bcd join --token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
+  echo "install.sh: bcd-node.service not enabled or started: the node has not joined. Next, as root:" \
+    "bcd join --token=TOKEN --address HOST:PORT, then systemctl enable --now bcd-node.service"
+elif $ENABLE && ! $sealed; then
+  echo "install.sh: bcd-node.service not enabled or started: it would start bcd-helper.service (Wants=)" \
+    "before its audit log is sealed. After the step above: systemctl enable --now bcd-node.service"
 fi
 # bcd-node.service's SupplementaryGroups=systemd-journal (the XID watcher reads the kernel log): a host
 # without that group cannot start the unit at all (status=216/GROUP).
 grep -q '^systemd-journal:' "$(P /etc/group)" ||
   echo "install.sh: warning: no group systemd-journal in $(P /etc/group): bcd-node.service (SupplementaryGroups=systemd-journal) will not start (216/GROUP); install systemd's journald, or drop that line in a drop-in and accept that XID errors go unseen" >&2
-for prog in /usr/bin/bcd /usr/bin/bcd-helper; do
+progs=(/usr/bin/bcd)
+$HELPER && progs+=(/usr/bin/bcd-helper)
+for prog in "${progs[@]}"; do
   [ -x "$(P "$prog")" ] || echo "install.sh: note: $prog is not installed yet (the units run it)" >&2
 done
 echo "install.sh: done"

@@ -31,11 +31,18 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 
 def _helper_main(argv: Sequence[str]) -> int:
     # `bcd helper ...` is the root helper's own CLI; it lives in bcd-helper, which installs alone.
+    # The Debian packages give it its own venv and program: /usr/bin/bcd-helper, not `bcd helper`.
     try:
         from bcd_helper.cli import main as helper_main
     except ImportError:
-        print("bcd: `bcd helper` needs the bcd-helper distribution installed", file=sys.stderr)
-        return 2
+        from bcd_shared.subcommands import EX_USAGE
+
+        print(
+            "bcd: `bcd helper` needs bcd-helper in this Python environment; on a host installed from "
+            "the packages, run `bcd-helper " + " ".join(argv[:2]) + (" ...`" if argv else "`"),
+            file=sys.stderr,
+        )
+        return EX_USAGE
     return helper_main(list(argv))
 
 

@@ -725,6 +725,14 @@ def _check_units(config: Config, host: HostView) -> list[Finding]:
     )
     if host.which("systemctl") is None:
         return [Finding("units", "ok", "no systemctl (a container?): the units were not checked")]
+    # Started before `bcd-helper audit init`, the helper seals with a key no one holds; the node's unit
+    # Wants= the helper's, so starting either starts the helper (docs/deploy.md).
+    seal_first = (
+        "the helper's audit log is not sealed: bcd-helper audit init first (as root; keep the key it "
+        "prints off the host), then "
+        if _audit_unsealed(config, host)
+        else ""
+    )
     findings = []
     for unit in UNITS:
         res = host.run(["systemctl", "is-active", unit])
@@ -758,11 +766,23 @@ def _check_units(config: Config, host: HostView) -> list[Finding]:
             if unit == "bcd-node.service" and join_first:
                 fix = f"{join_first}systemctl restart {unit}"
         else:
-            level, fix = "warn", f"systemctl enable --now {unit}"
+            level, fix = "warn", f"{seal_first}systemctl enable --now {unit}"
             if unit == "bcd-node.service" and join_first:
-                fix = f"{join_first}systemctl enable --now {unit}"
+                fix = f"{join_first}{seal_first}systemctl enable --now {unit}"
         findings.append(Finding("units", level, shown, fix, subject=unit))
     return findings
+
+
+def _audit_unsealed(config: Config, host: HostView) -> bool:
+    """Whether the helper's audit log has neither a sealing key nor entries. Only root can tell (the
+    directory is root's, 0700): False for anyone else, and where no helper is configured."""
+    if config.helper.socket is None:
+        return False
+    logs = host.path(config.helper.audit_dir or "/var/log/bcd-helper")
+    try:
+        return not any((logs / name).exists() for name in ("audit.key", "audit.log"))
+    except OSError:
+        return False
 
 
 def _node_uid(config: Config, host: HostView) -> int:

@@ -445,7 +445,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     # stdout stays the node id alone (scripts read it); the next step goes to stderr.
     print(
-        f"bcd join: joined as {identity.node_id}; next: systemctl start bcd-node (or run `bcd node`), "
+        f"bcd join: joined as {identity.node_id}; next: systemctl enable --now bcd-node (or run `bcd node`), "
         "then `bcd doctor`",
         file=sys.stderr,
     )

@@ -468,3 +468,18 @@ def _preflight_as(uid: int, config: agent_config.Config) -> tuple[str, int]:
     with os.fdopen(read, "rb") as f:
         out = f.read().decode()
     return out, os.waitpid(pid, 0)[1]
+
+
+def test_bcd_helper_without_the_helper_names_the_packaged_program(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bcd-node package's venv has no bcd_helper: `bcd helper audit show` there is one line naming
+    `bcd-helper audit show` (the bcd-helper package's program) and 64, not a bare 2."""
+    monkeypatch.setitem(sys.modules, "bcd_helper.cli", None)  # import fails as in the node's venv
+    rc = _main(["helper", "audit", "show", "--dir", "/x"])
+    err = capsys.readouterr().err
+    assert rc == EX_USAGE
+    assert err == (
+        "bcd: `bcd helper` needs bcd-helper in this Python environment; on a host installed from the "
+        "packages, run `bcd-helper audit show ...`\n"
+    )

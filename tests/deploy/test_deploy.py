@@ -104,6 +104,9 @@ def test_units_order_notify_and_stop_restarting_on_config_errors() -> None:
     assert "bcd-helper.service" in node["Wants"][0].split()
     assert "bcd-helper.service" in node["After"][0].split()
     assert node["RestartPreventExitStatus"] == ["78"]
+    # The helper exits 78 too (root's config missing, refused, or not root's own); without this line
+    # systemd 252 restarted it every 2 s for as long as the config stayed wrong (seen under nspawn).
+    assert helper["RestartPreventExitStatus"] == ["78"]
 
 
 def test_helper_unit_runs_the_helper_as_root_and_keeps_the_holds_env_files() -> None:
@@ -231,6 +234,77 @@ def test_install_refuses_values_that_would_break_out_of_toml(tmp_path: Path) -> 
     assert result.returncode == 2
     assert "quote" in result.stderr
     assert not (tmp_path / "host/etc/bcd/config.toml").exists()
+
+
+def test_install_run_with_sh_says_bash(tmp_path: Path) -> None:
+    """`sh install.sh` (dash on Debian) stopped with `set: Illegal option -o pipefail`."""
+    done = subprocess.run(
+        ["sh", str(DEPLOY / "install.sh"), "--root", str(tmp_path / "host")],
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == f"install.sh: run it with bash (bash {DEPLOY / 'install.sh'} ...), not sh\n"
+    assert not (tmp_path / "host").exists()
+
+
+def test_install_without_python_311_refuses_before_writing(tmp_path: Path) -> None:
+    """The packages depend on python3.11, which brings no /usr/bin/python3: install.sh takes either,
+    and with neither it refuses in one line before it writes anything."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("id", "dirname"):
+        (bin_dir / tool).symlink_to(require_tool(tool))
+    done = subprocess.run(
+        ["/bin/bash", str(DEPLOY / "install.sh"), "--root", str(tmp_path / "host"), "--no-enable"],
+        capture_output=True, text=True, timeout=30, env={"PATH": str(bin_dir)},
+    )  # fmt: skip
+    if os.geteuid() != 0:
+        assert done.stderr == "install.sh: must run as root\n"
+        return
+    assert done.returncode == 2
+    assert done.stderr.startswith("install.sh: Python 3.11 or later is needed"), done.stderr
+    assert not (tmp_path / "host").exists()
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_without_the_helpers_unit_refuses_before_writing_or_takes_no_helper(tmp_path: Path) -> None:
+    """Only bcd-node installed (the script is /usr/share/bcd/install.sh, beside no unit): without
+    --no-helper it refuses, naming the package and the flag, before it writes anything; with
+    --no-helper it installs the node alone and says nothing of the helper's program."""
+    script = tmp_path / "share/install.sh"
+    script.parent.mkdir()
+    shutil.copy(DEPLOY / "install.sh", script)
+    root = tmp_path / "host"
+    (root / "lib/systemd/system").mkdir(parents=True)
+    shutil.copy(DEPLOY / "bcd-node.service", root / "lib/systemd/system")
+    argv = ["bash", str(script), "--root", str(root), "--no-enable"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr == (
+        "install.sh: bcd-helper.service: not installed by a package (dpkg -i bcd-helper_VERSION_ARCH.deb)"
+        " and not beside this script (or --no-helper, for a node without the root helper)\n"
+    )
+    assert not (root / "etc").exists()
+    done = subprocess.run([*argv, "--no-helper"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "bcd-node.service comes from the package" in done.stdout
+    assert "bcd-helper" not in done.stderr and not (root / "etc/systemd/system/bcd-node.service").exists()
+    assert "[helper]" not in (root / "etc/bcd/config.toml").read_text()
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_warns_of_a_copy_in_etc_that_hides_the_packages_unit(tmp_path: Path) -> None:
+    root = tmp_path / "host"
+    for d in ("lib/systemd/system", "etc/systemd/system"):
+        (root / d).mkdir(parents=True)
+        for unit in UNITS:
+            shutil.copy(DEPLOY / unit, root / d / unit)
+    done = run_install(root)
+    assert done.returncode == 0, done.stderr
+    for unit in UNITS:
+        assert f"install.sh: warning: {root}/etc/systemd/system/{unit} (an earlier install" in done.stderr
 
 
 # --- Kubernetes -----------------------------------------------------------------------------------
@@ -532,8 +606,10 @@ def test_install_starts_the_units_only_when_ready_and_warns_of_no_journal_group(
     joined) exited 78 and RestartPreventExitStatus=78 left it failed, after `bcd join` too; and a host
     without group systemd-journal got a unit that cannot start (216/GROUP), unannounced; and the helper
     started before `bcd-helper audit init`, sealing with a key no one holds. Now each unit is enabled and
-    started only once ready (the node joined, the helper's log sealed), and the output says what to run
-    next."""
+    started only once ready (the node joined, the helper's log sealed; the node also waits for the seal,
+    since it Wants= the helper), and the output says what to run next. (Then both were enabled at once,
+    so a reboot before `audit init` started the helper unsealed; tests/deploy/test_units_booted.py
+    checks the enabling under a real systemd.)"""
     for tool in ("useradd", "groupadd", "install"):
         require_tool(tool)
     root = tmp_path / "host"
@@ -550,20 +626,25 @@ def test_install_starts_the_units_only_when_ready_and_warns_of_no_journal_group(
     first = install()
     assert first.returncode == 0, first.stderr
     assert (
-        "bcd-node.service not started: the node has not joined. Next, as root: bcd join "
-        "--token=TOKEN --address HOST:PORT, then systemctl start bcd-node.service"
+        "bcd-node.service not enabled or started: the node has not joined. Next, as root: bcd join "
+        "--token=TOKEN --address HOST:PORT, then systemctl enable --now bcd-node.service"
     ) in first.stdout
     assert "no group systemd-journal" in first.stderr and "216/GROUP" in first.stderr
     # And the helper only once its audit log has a sealing key someone holds (docs/deploy.md).
     assert (
-        "bcd-helper.service not started: its audit log has no sealing key yet. Next, as root: "
-        "bcd-helper audit init (keep the verification key it prints off this host), then systemctl start "
-        "bcd-helper.service"
+        "bcd-helper.service not enabled or started: its audit log has no sealing key yet. Next, as root: "
+        "bcd-helper audit init (keep the verification key it prints off this host), then systemctl "
+        "enable --now bcd-helper.service"
     ) in first.stdout
     with (root / "etc/group").open("a") as f:
         f.write("systemd-journal:x:999:\n")
     (root / "var/lib/bcd/identity.json").write_text("{}")
+    joined = install()
+    assert joined.returncode == 0, joined.stderr
+    assert (
+        "bcd-node.service not enabled or started: it would start bcd-helper.service (Wants=)" in joined.stdout
+    )
     (root / "var/log/bcd-helper/audit.key").write_bytes(b"")
     again = install()
     assert again.returncode == 0, again.stderr
-    assert "not started" not in again.stdout and "systemd-journal" not in again.stderr
+    assert "not enabled" not in again.stdout and "systemd-journal" not in again.stderr

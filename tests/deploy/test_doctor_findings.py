@@ -263,6 +263,30 @@ def test_helper_version_matches_the_node(tmp_path: Path, theirs: str | None, lev
         assert f.message == f"the helper is bcd 0.0.9, the node bcd {VERSION}" and "together" in f.fix
 
 
+def test_units_inactive_with_an_unsealed_audit_log_say_audit_init_first(tmp_path: Path) -> None:
+    """Found on the install pass: doctor's fix for an inactive helper, `systemctl enable --now`, would
+    have started it before `bcd-helper audit init` (sealing with a key no one holds); the node's too, as
+    its unit Wants= the helper's. Now both fixes start with `audit init` while the log is unsealed."""
+    cfg = config(tmp_path, '[helper]\nsocket = "/run/bcd/helper.sock"\n')
+    (tmp_path / "var/lib/bcd/identity.json").write_text("{}")  # joined
+    tools = {
+        f"systemctl {verb} {unit}": ok("systemctl", b"inactive\n" if verb == "is-active" else b"disabled\n")
+        for verb in ("is-active", "is-enabled")
+        for unit in ("bcd-helper.service", "bcd-node.service")
+    }
+    seal = (
+        "the helper's audit log is not sealed: bcd-helper audit init first (as root; keep the key it prints"
+    )
+    found = by_id(check_all(cfg, view(tmp_path, tools=tools)))
+    for unit in ("bcd-helper.service", "bcd-node.service"):
+        fix = found[f"units/{unit}"].fix
+        assert fix.startswith(seal) and fix.endswith(f"then systemctl enable --now {unit}"), fix
+    (tmp_path / "var/log/bcd-helper").mkdir(parents=True)
+    (tmp_path / "var/log/bcd-helper/audit.key").write_bytes(b"")
+    found = by_id(check_all(cfg, view(tmp_path, tools=tools)))
+    assert found["units/bcd-helper.service"].fix == "systemctl enable --now bcd-helper.service"
+
+
 def test_units_state(tmp_path: Path) -> None:
     cfg = config(tmp_path)
     (tmp_path / "var/lib/bcd/identity.json").write_text("{}")  # joined

@@ -149,7 +149,7 @@ def _join(world: dict[str, Any], admin: AdminClient, data: Path) -> str:
     node_id = joined.stdout.strip()
     # stdout is the node id alone (scripts read it); the operator's next step is on stderr.
     assert joined.stdout == node_id + "\n"
-    assert f"joined as {node_id}; next: systemctl start bcd-node" in joined.stderr
+    assert f"joined as {node_id}; next: systemctl enable --now bcd-node" in joined.stderr
     assert json.loads((data / "identity.json").read_text())["node_id"] == node_id
     assert (data / "identity.json").stat().st_mode & 0o777 == 0o600
     return node_id

@@ -195,6 +195,44 @@ def test_HST_HLP_02_RBT_07_helper_executor_sends_only_what_differs(tmp_path: Pat
     assert [c.type for c in out.conditions] == ["RebootRequired"]
 
 
+class NodeView:
+    """The simulated host as the unprivileged node reads it: root's records directory,
+    /var/lib/bcd-hostconfig (root:root 0700 on an installed host), refuses it."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def read_bytes(self, path: str) -> bytes | None:
+        if path.startswith("/var/lib/bcd-hostconfig/"):
+            raise PermissionError(13, "Permission denied", path)
+        return self.inner.read_bytes(path)  # type: ignore[attr-defined, no-any-return]
+
+    def read_text(self, path: str) -> str | None:
+        data = self.read_bytes(path)
+        return None if data is None else data.decode()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_helper_executor_lets_root_plan_what_the_node_cannot_read(tmp_path: Path) -> None:
+    """Seen on the packages under a real systemd: the node's read of root's bootargs record (to clean the
+    absent `cpu` unit) raised PermissionError and the whole host section stuck at InternalError. Now
+    root plans those units; the one the node can read and finds converged is not sent."""
+    _, system = make_host(tmp_path)
+    assert executor(system).converge("sysctl", json.dumps({"vm.swappiness": 9})).issues == ()
+    sent: list[str] = []
+
+    def send(name: str, settings: str | None, busy: frozenset[str]) -> HelperAnswer:
+        sent.append(name)
+        return HelperAnswer(True, "")
+
+    ex = HelperExecutor(NodeView(system), send, UnitContext(allowed_clusters=ALLOWED))
+    out = converge_host(section(sysctl={"vm.swappiness": 9}), ex)
+    assert out.state is SectionState.CONVERGED, out
+    assert "cpu" in sent and "iommu" in sent and "sysctl" not in sent
+
+
 def test_HST_RBT_06_message_cut_on_a_utf8_boundary() -> None:
     text = "é" * 600
     cut = cut_utf8(text)

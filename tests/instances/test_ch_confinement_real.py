@@ -71,11 +71,12 @@ print(json.dumps(r))
 class Container:
     """A booted systemd on a volatile copy of /, driven through nsenter into its PID 1."""
 
-    def __init__(self) -> None:
+    def __init__(self, *extra: str) -> None:
+        """`extra`: more systemd-nspawn options (tests/deploy/test_units_booted.py overlays the packages)."""
         nspawn = require_tool("systemd-nspawn")
         require_tool("nsenter")
         self.proc = subprocess.Popen(
-            [nspawn, "-D", "/", "--volatile=yes", "--register=no", "--keep-unit", "-b", "--quiet"],
+            [nspawn, "-D", "/", "--volatile=yes", "--register=no", "--keep-unit", "-b", "--quiet", *extra],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

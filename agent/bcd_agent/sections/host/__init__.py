@@ -135,8 +135,10 @@ class HelperExecutor:
         unit, settings = decoded
         try:
             plan = unit.plan(settings, unit.observe(self.system, settings, self.ctx))
-        except StepError:
-            plan = None  # cannot read it as the node: let root plan it
+        except (StepError, PermissionError):
+            # Cannot read it as the node: let root plan it. PermissionError: root's records
+            # (/var/lib/bcd-hostconfig, root:root 0700 as install.sh and the helper's unit make it).
+            plan = None
         if plan is not None and plan.converged:
             return UnitResult(name, False, (), plan.conditions)
         answer = self.send(name, settings_json, self.ctx.busy_gpus)
