@@ -51,7 +51,19 @@ build_pkg() {
   ! grep -rIl "$PWD/$stage" "$stage$prefix" || die "$name: the staging path is still written in the files above"
   # Byte-code compiled now, under the installed paths (tracebacks name /opt/bcd/...).
   "$PY_SYS" -m compileall -q -j 0 -s "$stage" -p / "$stage$prefix/lib" >/dev/null
-  ln -s "$prefix/bin/$prog" "$stage/usr/bin/$prog"
+  if [ "$name" = bcd-node ]; then
+    # /usr/bin/bcd -> /usr/lib/bcd/bcd, the path self-update flips (docs/daemon.md "Where it runs"): here a
+    # regular file running the venv's bcd, which root keeps as the `initial` release at the first swap.
+    mkdir -p "$stage/usr/lib/bcd"
+    printf '%s\n' "#!$prefix/bin/python3" \
+      "# bcd-node's packaged release: the venv's bcd. Self-update replaces this file with a link to" \
+      "# /usr/lib/bcd/releases/<version>/bcd (docs/daemon.md); installing the package puts it back." \
+      "import sys" "" "from bcd_agent.cli import main" "" "sys.exit(main())" >"$stage/usr/lib/bcd/bcd"
+    chmod 0755 "$stage/usr/lib/bcd/bcd"
+    ln -s /usr/lib/bcd/bcd "$stage/usr/bin/$prog"
+  else
+    ln -s "$prefix/bin/$prog" "$stage/usr/bin/$prog"
+  fi
   install -m 0644 "deploy/$unit" "$stage/lib/systemd/system/$unit"
   if [ "$name" = bcd-node ]; then
     mkdir -p "$stage/usr/share/bcd"
@@ -68,7 +80,8 @@ build_pkg() {
     echo "Architecture: $ARCH"
     echo "Maintainer: bcd developers <bcd@example.com>"
     echo "Installed-Size: $size"
-    echo "Depends: python3.11, passwd"
+    # bcd-node: python3 too, the interpreter a self-update's release runs on (#!/usr/bin/python3).
+    if [ "$name" = bcd-node ]; then echo "Depends: python3.11, python3 (>= 3.11), passwd"; else echo "Depends: python3.11, passwd"; fi
     [ "$name" = bcd-node ] && echo "Recommends: bcd-helper (= $VERSION)"
     echo "Section: admin"
     echo "Priority: optional"

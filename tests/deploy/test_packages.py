@@ -25,6 +25,7 @@ from pathlib import Path
 
 import pytest
 from bcd_agent.helperclient import HelperClient
+from bcd_agent.sections.daemon.release import build_release
 from bcd_shared.version import VERSION
 from deploy.test_deploy import containerfile_copies
 from testsupport import REPO, require_tool
@@ -146,7 +147,7 @@ def _start_helper() -> subprocess.Popen[str]:
     return proc
 
 
-def test_packages_install_run_and_go_away(machine: None) -> None:
+def test_packages_install_run_and_go_away(machine: None, tmp_path: Path) -> None:
     debs = _debs()
     for pkg, deb in debs.items():
         names = sh("dpkg-deb", "-c", str(deb)).stdout
@@ -160,7 +161,12 @@ def test_packages_install_run_and_go_away(machine: None) -> None:
     assert all(installed(p) for p in PACKAGES)
 
     # Files, owners and modes (docs/deploy.md "Layout").
-    assert os.readlink("/usr/bin/bcd") == "/opt/bcd/node/bin/bcd"
+    # /usr/bin/bcd runs /usr/lib/bcd/bcd, the path self-update flips (docs/daemon.md "Where it runs"): a
+    # regular file running the venv's bcd, which root keeps as the `initial` release at the first swap.
+    assert os.readlink("/usr/bin/bcd") == "/usr/lib/bcd/bcd"
+    assert owner_mode("/usr/lib/bcd/bcd") == ("root", "root", 0o755)
+    assert stat.S_ISREG(os.lstat("/usr/lib/bcd/bcd").st_mode)
+    assert Path("/usr/lib/bcd/bcd").read_text().startswith("#!/opt/bcd/node/bin/python3\n")
     assert os.readlink("/usr/bin/bcd-helper") == "/opt/bcd/helper/bin/bcd-helper"
     for unit in UNITS.values():
         path = f"/lib/systemd/system/{unit}"
@@ -177,6 +183,11 @@ def test_packages_install_run_and_go_away(machine: None) -> None:
         assert writable == "", f"group- or world-writable in {venv}: {writable}"
     assert sh("/usr/bin/bcd-helper", "--version").stdout == f"bcd-helper {VERSION}\n"
     assert sh("/usr/bin/bcd", "--version").stdout == f"bcd {VERSION}\n"
+    # A release as self-update installs it runs on the host's python3 with the packaged venv's libraries
+    # (none system-wide here: -S keeps the host's site directories out).
+    release = tmp_path / "bcd.pyz"
+    build_release(sorted((REPO / "dist").glob(f"bcd_*-{VERSION}-py3-none-any.whl")), release)
+    assert sh("/usr/bin/python3", "-I", "-S", str(release), "release", "version").stdout == f"{VERSION}\n"
     # The packaged helper has no simulator: a simulated root is refused in one line.
     res = sh("/usr/bin/bcd-helper", "serve", "--root", "/tmp", check=False)
     assert res.returncode == 64 and "bcd-simhost" in res.stderr and "Traceback" not in res.stderr
@@ -209,7 +220,7 @@ def test_packages_install_run_and_go_away(machine: None) -> None:
 
     # Remove: the programs go, the config and the data stay.
     sh("dpkg", "-r", *PACKAGES, timeout=300)
-    for gone in ("/usr/bin/bcd", "/usr/bin/bcd-helper", "/opt/bcd", "/lib/systemd/system/bcd-node.service"):
+    for gone in ("/usr/bin/bcd", "/usr/lib/bcd", "/usr/bin/bcd-helper", "/opt/bcd", "/lib/systemd/system/bcd-node.service"):
         assert not os.path.lexists(gone), gone
     assert config.exists() and os.path.isdir("/var/lib/bcd") and account_exists()
 

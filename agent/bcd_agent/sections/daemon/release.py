@@ -4,7 +4,8 @@ A release artifact is one file: a zipapp (PEP 441) holding the pure-Python wheel
 bcd-shared and bcd-helper unpacked side by side (with their `.dist-info`, so the release knows its own
 version through importlib.metadata), a `__main__.py` that runs `bcd_agent.cli:main`, and the shebang
 `#!/usr/bin/python3`. The third-party libraries (trio, grpclib, cryptography, ...) come from the host's
-package install, whose versions the release's dist-info pins. The helper installs it as
+package install, whose versions the release's dist-info pins, or, on a host installed from bcd's
+packages, from bcd-node's venv (PACKAGED_VENV), added last to the path. The helper installs it as
 `/usr/lib/bcd/releases/<version>/bcd`; `/usr/bin/bcd` points at `/usr/lib/bcd/bcd`.
 
 `bcd release version` prints the running version; `bcd release build --out FILE WHEEL...` builds an
@@ -25,14 +26,37 @@ from pathlib import Path
 from typing import Final
 
 SHEBANG: Final = b"#!/usr/bin/python3\n"
-MAIN: Final = "import sys\nfrom bcd_agent.cli import main\n\nsys.exit(main())\n"
+# bcd-node's package keeps the third-party libraries in its venv, not system-wide (docs/deploy.md).
+PACKAGED_VENV: Final = "/opt/bcd/node"
+_MAIN: Final = """import os
+import sys
+
+# On a host installed from bcd's packages the third-party libraries live in bcd-node's venv: its
+# site-packages for this interpreter goes last on the path, after the host's own, so this archive's
+# modules (first on the path) stay the ones that run (docs/daemon.md "Where it runs").
+_libs = "%s/lib/python%%d.%%d/site-packages" %% sys.version_info[:2]
+if os.path.isdir(_libs) and _libs not in sys.path:
+    sys.path.append(_libs)
+
+from bcd_agent.cli import main
+
+sys.exit(main())
+"""
+
+
+def main_source(packaged_venv: str = PACKAGED_VENV) -> str:
+    """The archive's __main__.py, finding the packaged venv's libraries under `packaged_venv`."""
+    if not packaged_venv.startswith("/") or any(c in packaged_venv for c in '"%\n\\'):
+        raise ValueError(f"packaged venv {packaged_venv!r}: an absolute path without quotes, backslashes or %")
+    return _MAIN % packaged_venv
 # Fixed timestamps and order: the same wheels make the same bytes (a reproducible SHA-256).
 _EPOCH: Final = (1980, 1, 1, 0, 0, 0)
 DEFAULT_HELPER_SOCKET: Final = "/run/bcd/helper.sock"  # bcd-helper.service's (docs/config.md)
 
 
-def build_release(wheels: Sequence[Path], out: Path) -> str:
-    """Write the zipapp of `wheels` to `out` (0755); its SHA-256."""
+def build_release(wheels: Sequence[Path], out: Path, packaged_venv: str = PACKAGED_VENV) -> str:
+    """Write the zipapp of `wheels` to `out` (0755); its SHA-256. `packaged_venv`: where bcd-node's
+    package keeps its venv (tests point it elsewhere)."""
     entries: dict[str, bytes] = {}
     for wheel in wheels:
         try:
@@ -49,7 +73,7 @@ def build_release(wheels: Sequence[Path], out: Path) -> str:
                 if name in entries:
                     raise ValueError(f"{wheel.name}: {name} is in two wheels")
                 entries[name] = zf.read(info)
-    entries["__main__.py"] = MAIN.encode()
+    entries["__main__.py"] = main_source(packaged_venv).encode()
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
         for name in sorted(entries):
