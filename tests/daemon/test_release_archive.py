@@ -44,7 +44,7 @@ def _agent_wheel(tmp: Path) -> Path:
 def _venv(tmp: Path) -> Path:
     """A stand-in for /opt/bcd/node: the probe and an older bcd_agent in its site-packages."""
     venv = tmp / "opt/bcd/node"
-    site = venv / ("lib/python%d.%d/site-packages" % sys.version_info[:2])
+    site = venv / "lib/python{}.{}/site-packages".format(*sys.version_info[:2])
     (site / "bcd_agent").mkdir(parents=True)
     (site / f"{PROBE}.py").write_text("WHERE = 'venv'\n")
     (site / "bcd_agent/__init__.py").write_text("WHERE = 'venv (the packaged version)'\n")

@@ -47,8 +47,12 @@ sys.exit(main())
 def main_source(packaged_venv: str = PACKAGED_VENV) -> str:
     """The archive's __main__.py, finding the packaged venv's libraries under `packaged_venv`."""
     if not packaged_venv.startswith("/") or any(c in packaged_venv for c in '"%\n\\'):
-        raise ValueError(f"packaged venv {packaged_venv!r}: an absolute path without quotes, backslashes or %")
+        raise ValueError(
+            f"packaged venv {packaged_venv!r}: an absolute path without quotes, backslashes or %"
+        )
     return _MAIN % packaged_venv
+
+
 # Fixed timestamps and order: the same wheels make the same bytes (a reproducible SHA-256).
 _EPOCH: Final = (1980, 1, 1, 0, 0, 0)
 DEFAULT_HELPER_SOCKET: Final = "/run/bcd/helper.sock"  # bcd-helper.service's (docs/config.md)
