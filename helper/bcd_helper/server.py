@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import grp
 import hashlib
 import json
@@ -117,6 +118,25 @@ def peer_credentials(sock: socket.socket) -> Peer:
     raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size)
     pid, uid, gid = _UCRED.unpack(raw)
     return Peer(pid, uid, gid)
+
+
+# getsockopt(SOL_SOCKET, SO_PEERPIDFD): a pidfd of the process that connected (Linux 6.5; Python 3.12's
+# socket module has no name for it).
+SO_PEERPIDFD = 77
+
+
+def peer_pidfd(sock: socket.socket) -> int | None:
+    """A new pidfd (close it) of the process that connected `sock`: the same process SO_PEERCRED's pid
+    named at connect, whatever holds that pid now. A pidfd of a process that has exited polls readable
+    (Linux 6.16 and later give one even once it is reaped). None where the kernel has no SO_PEERPIDFD
+    (ENOPROTOOPT: before 6.5); any other OSError is raised (a kernel before 6.16 refuses it, ESRCH or
+    EINVAL, for a peer already reaped)."""
+    try:
+        return int(sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD))
+    except OSError as exc:
+        if exc.errno == errno.ENOPROTOOPT:
+            return None
+        raise
 
 
 def frame_cost(n: int) -> int:
@@ -316,6 +336,9 @@ class Connection:
         # args_sha256 is its SHA-256 (signed bytes are never re-encoded: what is hashed is what came),
         # worked out where the line is written. None when no body has been read whole.
         self.body: bytes | bytearray | None = None
+
+    def peer_pidfd(self) -> int | None:
+        return peer_pidfd(self.sock)
 
     def worker(self) -> _Worker:
         if self._worker is None:
@@ -557,7 +580,7 @@ class Connection:
             deadline = Deadline(spec.timeout_s)
             ahead = _Ahead(self, op, args, spec, t0, trace)
             system = BoundedSystem(self.ctx.system, deadline)
-            call = Call(self.ctx, self.peer, deadline, system, ahead, self.reserve_answer)
+            call = Call(self.ctx, self.peer, deadline, system, ahead, self.reserve_answer, self.peer_pidfd)
             held = self._acquire(spec, deadline)
             try:
                 result = spec.handler(call, req)

@@ -1,0 +1,195 @@
+"""Red team round 11 (docs/helper.md, "Threat model, round 11"): the node's account, compromised, as a real
+unprivileged client (a forked child dropped to the node's uid: SO_PEERCRED sees that uid and its pid)
+against a real `bcd helper serve` over a simulated host. Each test of a fix failed on the code before it."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_helper import server
+from bcd_helper.ops import daemon
+from bcd_helper.ops.base import Call, Deadline, Peer
+from helperproc import HelperProcess
+from hostilekit import NODE_GID, NODE_UID, as_node, frame, read_answer
+from intentkit import ControlPlane
+from releasekit import RECORD, old_release_host, staged_swap
+
+NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+CONFIRM = {"op": "daemon.confirm", "args": {"version": "1.1.0", "healthy": True}}
+NEW = b"#!/bin/sh\necho bcd 1.1.0\n"
+
+
+def _connected_by_a_node_process(h: HelperProcess, *, reap: bool = True) -> tuple[socket.socket, int]:
+    """A socket connected to the helper by a child of the node's uid that exits at once after its
+    connect: the socket stays here (the connecting process handed it on). The socket and that child's
+    pid (reaped with `reap`, else left a zombie until the caller reaps it)."""
+    directory, name = os.path.split(h.socket_path)
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            os.chdir(directory)
+            os.setgroups([])
+            os.setgid(NODE_GID)
+            os.setuid(NODE_UID)
+            s.connect(name)
+            code = 0
+        finally:
+            os._exit(code)
+    if reap:
+        _pid, status = os.waitpid(pid, 0)
+        assert status == 0, "the node's process could not connect"
+    s.settimeout(10)
+    return s, pid
+
+
+@contextlib.contextmanager
+def _a_process_with_pid(pid: int) -> Iterator[int | None]:
+    """A live child (it waits until the block ends) forked now with `pid`, which is free: the kernel's
+    next pid is set through ns_last_pid (root) right before each fork. None when another process of the
+    machine took the pid first in every try."""
+    for _ in range(200):
+        with open(NS_LAST_PID, "w") as f:
+            f.write(str(pid - 1))
+        r, w = os.pipe()
+        child = os.fork()
+        if child == 0:  # pragma: no cover - the child
+            os.close(w)
+            os.read(r, 1)
+            os._exit(0)
+        os.close(r)
+        if child == pid:
+            try:
+                yield child
+            finally:
+                os.close(w)
+                os.waitpid(child, 0)
+            return
+        os.close(w)
+        os.waitpid(child, 0)
+    yield None
+
+
+def _ask(s: socket.socket, doc: dict[str, Any]) -> dict[str, Any]:
+    s.sendall(frame(json.dumps(doc).encode()))
+    answer = read_answer(s)
+    assert answer is not None, "the helper closed the connection without an answer"
+    return answer
+
+
+def test_round11_a_confirm_on_a_socket_whose_connecting_process_exited_and_whose_pid_was_reused_is_refused(
+    fresh_root: Path, cp: ControlPlane
+) -> None:
+    """DLV-PRIV-10. Round 10's open SO_PEERCRED row: a process of the old release (started before the
+    flip) connects, hands its socket on and exits; after the swap a new process takes its pid. Root dated
+    the confirmation by /proc/PID/stat of that pid, the new process's start, after the flip: the old
+    release's confirmation was taken (`ok`). Now root pins the connecting process with SO_PEERPIDFD and,
+    after reading its start, checks on the pidfd that it has not exited: `peer-gone`, the record still
+    pending; the restarted node (a live process on its own connection) still confirms."""
+    h = old_release_host(fresh_root, cp)
+    try:
+        s, old = _connected_by_a_node_process(h)  # before the swap: the old release's process
+        assert as_node(h, staged_swap(cp.command.leaf(), fresh_root, NEW + os.urandom(16)))["ok"] is True
+        with s, _a_process_with_pid(old) as taker:
+            if taker is None:
+                pytest.skip(f"pid {old} was taken by another process each time")
+            answer = _ask(s, CONFIRM)
+        assert (answer["ok"], answer.get("reason")) == (False, "peer-gone"), answer
+        assert f"pid {old}" in answer["message"] and "exited" in answer["message"], answer
+        assert json.loads((fresh_root / RECORD).read_text())["state"] == "pending"
+        last = h.last_audit()
+        assert (last["decision"], last["reason"], last["peer_pid"]) == ("refused", "peer-gone", old)
+        assert as_node(h, CONFIRM)["ok"] is True
+        assert json.loads((fresh_root / RECORD).read_text())["state"] == "confirmed"
+    finally:
+        h.stop()
+
+
+def test_round11_a_confirm_from_a_connecting_process_that_is_a_zombie_is_refused(
+    fresh_root: Path, cp: ControlPlane
+) -> None:
+    """The connecting process exited but is not reaped (its pid still its own): `peer-gone` too, not a
+    date read from a zombie's stat."""
+    h = old_release_host(fresh_root, cp)
+    try:
+        assert as_node(h, staged_swap(cp.command.leaf(), fresh_root, NEW + os.urandom(16)))["ok"] is True
+        s, child = _connected_by_a_node_process(h, reap=False)  # after the flip: its start would pass
+        try:
+            for _ in range(500):  # until the child has exited (a zombie: its pid still held)
+                with open(f"/proc/{child}/stat", "rb") as f:
+                    if f.read().rsplit(b")", 1)[1].split()[0] == b"Z":
+                        break
+                os.sched_yield()
+            with s:
+                answer = _ask(s, CONFIRM)
+        finally:
+            os.waitpid(child, 0)
+        assert (answer["ok"], answer.get("reason")) == (False, "peer-gone"), answer
+        assert json.loads((fresh_root / RECORD).read_text())["state"] == "pending"
+    finally:
+        h.stop()
+
+
+class _Sock:
+    def __init__(self, err: int | None, value: int = 0) -> None:
+        self.err, self.value = err, value
+
+    def getsockopt(self, level: int, option: int) -> int:
+        assert (level, option) == (socket.SOL_SOCKET, server.SO_PEERPIDFD)
+        if self.err is not None:
+            raise OSError(self.err, os.strerror(self.err))
+        return self.value
+
+
+def test_round11_without_so_peerpidfd_the_peer_is_dated_by_its_pid_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The fallback on a kernel without SO_PEERPIDFD (before Linux 6.5: ENOPROTOOPT): no pidfd, and the
+    confirmation is dated by SO_PEERCRED's pid as in round 10. Any other error of the kernel (a kernel
+    before 6.16 gives no pidfd for a peer already reaped) is `peer-gone`."""
+    assert server.peer_pidfd(_Sock(errno.ENOPROTOOPT)) is None  # type: ignore[arg-type]
+    with pytest.raises(OSError):
+        server.peer_pidfd(_Sock(errno.ESRCH))  # type: ignore[arg-type]
+    monkeypatch.setattr(daemon, "boot_id", lambda: "A")
+    doc = {"state": "pending", "version": "1.1.0", "flip_tick": 100, "flip_boot_id": "A"}
+
+    def call(pidfd: Any) -> Call:
+        return Call(None, Peer(12345, NODE_UID, NODE_GID), Deadline(60), None, peer_pidfd=pidfd)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(daemon, "start_tick", lambda _pid: 101)
+    daemon._check_peer_started_after_flip(call(lambda: server.peer_pidfd(_Sock(errno.ENOPROTOOPT))), doc)
+    daemon._check_peer_started_after_flip(call(None), doc)  # in process: no socket
+    monkeypatch.setattr(daemon, "start_tick", lambda _pid: 100)
+    with pytest.raises(daemon.Refused) as exc:
+        daemon._check_peer_started_after_flip(call(lambda: None), doc)
+    assert exc.value.reason == "peer-predates-swap"
+    monkeypatch.setattr(daemon, "start_tick", lambda _pid: 101)
+    with pytest.raises(daemon.Refused) as exc:
+        daemon._check_peer_started_after_flip(call(lambda: server.peer_pidfd(_Sock(errno.ESRCH))), doc)
+    assert exc.value.reason == "peer-gone"
+
+
+def test_round11_a_live_peers_pidfd_passes_and_is_closed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """In process, a live process's pidfd (this one's): the start read stands, and the pidfd is closed."""
+    monkeypatch.setattr(daemon, "boot_id", lambda: "A")
+    monkeypatch.setattr(daemon, "start_tick", lambda _pid: 101)
+    doc = {"state": "pending", "version": "1.1.0", "flip_tick": 100, "flip_boot_id": "A"}
+    fds: list[int] = []
+
+    def pidfd() -> int:
+        fds.append(os.pidfd_open(os.getpid()))
+        return fds[-1]
+
+    c = Call(None, Peer(os.getpid(), NODE_UID, NODE_GID), Deadline(60), None, peer_pidfd=pidfd)  # type: ignore[arg-type]
+    daemon._check_peer_started_after_flip(c, doc)
+    with pytest.raises(OSError):
+        os.fstat(fds[0])
