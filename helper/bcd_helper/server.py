@@ -686,9 +686,15 @@ def _after(ahead: _Ahead | None, message: str) -> str:
     return f"after its accepted line, the effect did not complete: {message}"
 
 
+# audit.canonical's encoding, refusing what is not a JSON number: `1e309` is a JSON number that Python
+# reads as inf, which canonical writes as `Infinity`, a line no strict JSON reader takes (round 11, row 2).
+_FINITE = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
 def _bounded(value: Any) -> Any:
     """A shown argument as sent, or its size and digest when its JSON is longer than MAX_SHOWN bytes.
-    Integers are shown only within 64 bits (a 4,299-digit one would make a 4 KiB line)."""
+    Integers are shown only within 64 bits (a 4,299-digit one would make a 4 KiB line); a float past a
+    double's range (inf, from `1e309`), alone or inside a list or object, as `bytes: -1` and a digest."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
@@ -699,8 +705,8 @@ def _bounded(value: Any) -> Any:
     if isinstance(value, str) and len(value) <= MAX_SHOWN // 12:
         return value  # short enough whatever its escapes (at most 12 bytes a character)
     try:
-        data = canonical(value)
-    except ValueError:  # holds an integer past Python's printable digits
+        data = _FINITE.encode(value).encode()  # canonical's bytes, or ValueError
+    except ValueError:  # holds an integer past Python's printable digits, or a number past a double
         data = repr(type(value)).encode() + b" too large"
         return {"bytes": -1, "sha256": hashlib.sha256(data).hexdigest()}
     if len(data) <= MAX_SHOWN:

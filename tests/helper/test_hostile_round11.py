@@ -17,8 +17,8 @@ import pytest
 from bcd_helper import server
 from bcd_helper.ops import daemon
 from bcd_helper.ops.base import Call, Deadline, Peer
-from helperproc import HelperProcess
-from hostilekit import NODE_GID, NODE_UID, as_node, frame, read_answer
+from helperproc import AUDIT_DIR, HelperProcess
+from hostilekit import NODE_GID, NODE_UID, as_node, assert_refused_raw, frame, read_answer
 from intentkit import ControlPlane
 from releasekit import RECORD, old_release_host, staged_swap
 
@@ -193,3 +193,44 @@ def test_round11_a_live_peers_pidfd_passes_and_is_closed(monkeypatch: pytest.Mon
     daemon._check_peer_started_after_flip(c, doc)
     with pytest.raises(OSError):
         os.fstat(fds[0])
+
+
+def _lines_after(h: HelperProcess, seq: int) -> list[bytes]:
+    path = h.root / AUDIT_DIR.lstrip("/") / "audit.log"
+    lines = path.read_bytes().rstrip(b"\n").split(b"\n")
+    return [line for line in lines if json.loads(line)["seq"] > seq]
+
+
+def _rfc8259(line: bytes) -> Any:
+    """The line as a strict JSON parser reads it (Go's encoding/json, serde_json, jq 1.7's --seq, a SIEM):
+    `Infinity` and `NaN` are not JSON numbers."""
+
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"op":"libvirt.setmem","args":{"name":"vm1","kib":1e309}}',
+        b'{"op":"libvirt.setmem","args":{"name":"vm1","kib":-1e400}}',
+        b'{"op":"file.write","args":{"kind":"cdi","id":[1e309],"content":""}}',
+        b'{"op":"daemon.confirm","args":{"version":{"a":[1E999]}}}',
+    ],
+)
+def test_round11_a_number_past_a_double_never_makes_an_audit_line_invalid_json(
+    helper: HelperProcess, body: bytes
+) -> None:
+    """NaN and Infinity are refused as JSON literals, but `1e309` is a JSON number Python reads as inf:
+    in a shown argument of a refused request it went into the audit line as `Infinity` (Python's encoder
+    writes it), which no strict JSON reader takes (RFC 8259 has no Infinity): the node made its own line
+    unreadable to a log shipper or SIEM that parses JSON, while root's `audit verify` (Python) passed it.
+    Now a non-finite number is shown as its size and digest (`bytes: -1`), like an unprintable integer."""
+    seq = helper.last_audit()["seq"]
+    assert_refused_raw(helper, body, "bad-arguments")
+    refused = _lines_after(helper, seq)[0]
+    assert b"Infinity" not in refused, refused
+    entry = _rfc8259(refused)
+    assert (entry["decision"], entry["reason"]) == ("refused", "bad-arguments")
