@@ -17,9 +17,20 @@ import pytest
 from bcd_helper import server
 from bcd_helper.ops import daemon
 from bcd_helper.ops.base import Call, Deadline, Peer
-from helperproc import AUDIT_DIR, HelperProcess
-from hostilekit import NODE_GID, NODE_UID, as_node, assert_refused_raw, frame, read_answer
-from intentkit import ControlPlane
+from bcd_shared import wire
+from helperproc import AUDIT_DIR, HelperProcess, require_netns
+from hostilekit import (
+    NODE_GID,
+    NODE_UID,
+    SIGNED_NODE,
+    SignedHost,
+    as_node,
+    assert_refused_raw,
+    frame,
+    read_answer,
+    refused_as_node,
+)
+from intentkit import ControlPlane, host_body, intent
 from releasekit import RECORD, old_release_host, staged_swap
 
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
@@ -234,3 +245,46 @@ def test_round11_a_number_past_a_double_never_makes_an_audit_line_invalid_json(
     assert b"Infinity" not in refused, refused
     entry = _rfc8259(refused)
     assert (entry["decision"], entry["reason"]) == ("refused", "bad-arguments")
+
+
+@pytest.fixture
+def netns() -> None:
+    """Before `signed_host`: skip (or fail under CI) without root, nft and nsenter."""
+    require_netns("nft")
+
+
+def test_round11_nft_apply_under_a_patch_that_sets_no_instances_is_refused(
+    netns: None, signed_host: SignedHost
+) -> None:
+    """With command-signing roots, root derives every kept instance's NIC policies from the signed spec's
+    instances section (round 4, row 19). A signed *patch* replaces only the sections it sets: one that
+    sets only the host section says nothing about the instances, yet nft.apply read it as "no
+    instances" and took any policy as sent: vm1, PRIVATE under the full spec of generation 2, was loaded
+    EGRESS (or with no guard at all) under a generation-3 host-only patch. host.unit, the holds and
+    access.apply already refuse a patch that does not set their section (`bad-intent`); nft.apply now
+    does too. A full spec without instances still means none are kept (taken as before)."""
+    h = signed_host.start(netns=True)
+    h.in_netns("ip", "link", "add", "br0", "type", "bridge")
+    mac, addr = "52:54:00:00:00:01", "10.0.0.5/24"
+    vm1 = wire.InstanceSpec(
+        id="vm1", allocation_id="a1", runtime="libvirt-kvm", desired_state=wire.InstanceDesiredState(1),
+        nics=[wire.Nic(bridge="br0", mac=mac, addresses=[addr])],
+        network_policy=wire.NetworkPolicy(2), ssh_from_host_only=True,
+    )  # fmt: skip
+    nic = {
+        "instance": "vm1", "index": 0, "bridge": "br0", "mac": mac, "addresses": [addr],
+        "policy": "PRIVATE", "ssh_from_host_only": True,
+    }  # fmt: skip
+    egress = {**nic, "policy": "EGRESS", "ssh_from_host_only": False}
+    leaf = signed_host.cp.command.leaf()
+    assert as_node(h, {"op": "nft.apply", "args": {"nics": [nic], "intent": signed_host.signed(2, vm1)}})[
+        "ok"
+    ]
+    patch = intent(leaf, host_body(SIGNED_NODE, 3, {}, patch=True))  # sets the host section only
+    for nics in ([egress], []):
+        refused_as_node(
+            h, {"op": "nft.apply", "args": {"nics": nics, "intent": patch}}, "bad-intent", "instances"
+        )
+    # A full spec of generation 3 that keeps no instance: vm1's entry is a deleted one's guard, as sent.
+    full = intent(leaf, host_body(SIGNED_NODE, 3, {}))
+    assert as_node(h, {"op": "nft.apply", "args": {"nics": [egress], "intent": full}})["ok"] is True
