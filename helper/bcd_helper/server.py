@@ -35,8 +35,9 @@
   one `(suppressed)` line per peer (args: count and reasons) at most every FLUSH_S. While the audit
   log holds as many unexported files as it may (AuditLog.full), the node's requests other than
   `audit.head` are refused `audit-full`, counted the same way, and its `audit.head`s are answered and
-  counted the same way (no line each: the files the age rule keeps must not grow); root is always served
-  and audited.
+  counted the same way (no line each: the files the age rule keeps must not grow); every other refusal
+  of a non-root peer (a bad shape or frame, refused before that check) is counted too, and the
+  `(suppressed)` lines wait until the log has room (round 11); root is always served and audited.
 - Each request is decoded into its op's frozen type (protocol.structure), run under the op's
   locks and deadline, answered, and recorded in the audit log, accepted or refused, before the
   answer is sent. A request's optional `trace` (the W3C trace context of the command the node is
@@ -187,7 +188,7 @@ class Guards:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=CLOSE_WAIT_S)
-        self.flush()
+        self.flush(force=True)
 
     def allow_refusal(self, uid: int) -> bool:
         """Take a token for one audited refusal of `uid` (root is never limited)."""
@@ -209,7 +210,12 @@ class Guards:
             reasons = self._pending.setdefault(uid, {})
             reasons[reason] = reasons.get(reason, 0) + 1
 
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
+        """The counts as `(suppressed)` lines. While the audit log is full they wait (kept, counting on)
+        until it has room, or the helper stops (`force`): else a line a second would grow the files past
+        their bound for as long as the node keeps it full (round 11)."""
+        if not force and self.ctx.audit.full:
+            return
         with self._lock:
             pending, self._pending = self._pending, {}
         for uid, reasons in sorted(pending.items()):
@@ -513,10 +519,13 @@ class Connection:
         duration_ms: float | None = None,
         trace: tuple[str, str] | None = None,
     ) -> None:
-        """One audit line for the request; `trace`: the (trace id, parent id) it carried, if any."""
-        if decision == "refused" and not self.guards.allow_refusal(self.peer.uid):
-            self.guards.count(self.peer.uid, reason)
-            return
+        """One audit line for the request; `trace`: the (trace id, parent id) it carried, if any. A refusal
+        of a non-root peer is counted instead, past its rate or while the log is full (round 11: else
+        the refusals before the full check, a bad shape or frame, grew the files past their bound)."""
+        if decision == "refused" and self.peer.uid != 0:
+            if self.ctx.audit.full or not self.guards.allow_refusal(self.peer.uid):
+                self.guards.count(self.peer.uid, reason)
+                return
         shown: dict[str, Any] = {}
         if isinstance(args, dict) and spec is not None:
             shown = {k: _bounded(args[k]) for k in spec.shown if k in args}

@@ -9,16 +9,18 @@ import errno
 import json
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from bcd_helper import server
+from bcd_helper.audit import verify_chain
 from bcd_helper.ops import daemon
 from bcd_helper.ops.base import Call, Deadline, Peer
 from bcd_shared import wire
-from helperproc import AUDIT_DIR, HelperProcess, require_netns
+from helperproc import AUDIT_DIR, HelperProcess, base_config, make_root, require_netns
 from hostilekit import (
     NODE_GID,
     NODE_UID,
@@ -26,6 +28,7 @@ from hostilekit import (
     SignedHost,
     as_node,
     assert_refused_raw,
+    connect_as,
     frame,
     read_answer,
     refused_as_node,
@@ -288,3 +291,58 @@ def test_round11_nft_apply_under_a_patch_that_sets_no_instances_is_refused(
     # A full spec of generation 3 that keeps no instance: vm1's entry is a deleted one's guard, as sent.
     full = intent(leaf, host_body(SIGNED_NODE, 3, {}))
     assert as_node(h, {"op": "nft.apply", "args": {"nics": [egress], "intent": full}})["ok"] is True
+
+
+def _flood(h: HelperProcess, bodies: list[bytes], seconds: float = 0.0) -> dict[str, int]:
+    """Each of `bodies` (raw frames' bodies) sent on one connection of the node's uid, the whole list again
+    until `seconds` have passed (once at least); the answers counted by outcome."""
+    sock, _ = connect_as(h, NODE_UID, NODE_GID)
+    out: dict[str, int] = {}
+    end = time.monotonic() + seconds
+    with sock:
+        while True:
+            for body in bodies:
+                sock.sendall(frame(body))
+                answer = read_answer(sock)
+                assert answer is not None
+                key = "ok" if answer["ok"] else answer["reason"]
+                out[key] = out.get(key, 0) + 1
+            if time.monotonic() >= end:
+                return out
+
+
+def test_round11_a_full_audit_log_takes_no_more_lines_from_the_nodes_refusals(tmp_path: Path) -> None:
+    """While the log holds all the unexported files it may (`audit-full`: keep x 4), the node's requests
+    are refused `audit-full` and counted, so that its disk stays bounded (round 2 item 5, round 5 row 1:
+    "the disk root fills for the node is bounded by audit_max_bytes x 4 x audit_keep"). But a request
+    refused before that check (its shape, a malformed `trace`, a broken frame) was still audited one line
+    each up to the refusal rate (a burst of 100, then 10 a second, plus a `(suppressed)` line a second):
+    the files kept growing past the bound, ~6 KiB a second for as long as the node liked, until the disk
+    was full and root's own requests (each needs its line) were no longer answered. Now, while the log is
+    full, every refusal of a non-root peer is counted, not a line each, and the `(suppressed)` counts wait
+    until the log has room (or the helper stops). Root is still served and audited."""
+    root = make_root(tmp_path)
+    h = HelperProcess(root, base_config(extra="audit_max_bytes = 16384\naudit_keep = 2\n"))
+    audit = root / AUDIT_DIR.lstrip("/")
+    try:
+        counts = _flood(h, [b'{"op":"helper.ping","args":{}}'] * 700)
+        assert counts.get("audit-full", 0) > 0, counts  # the log holds all it may
+        before = sorted((p.name, p.stat().st_size) for p in audit.glob("audit.log*"))
+        # Refused before the full check: a malformed trace (a 100-character op in the line), a bad shape.
+        op = "x" * 100
+        bad = [
+            json.dumps({"op": op, "args": {}, "trace": "00-bad"}).encode(),
+            json.dumps({"op": op}).encode(),
+            b"[]",
+        ]
+        counts = _flood(h, bad * 50, seconds=2.5)
+        assert set(counts) == {"bad-request"}, counts
+        after = sorted((p.name, p.stat().st_size) for p in audit.glob("audit.log*"))
+        assert len(after) == len(before), (before, after)
+        assert sum(size for _, size in after) - sum(size for _, size in before) < 4096, (before, after)
+        assert h.raw({"op": "helper.ping", "args": {}})["ok"] is True  # root: served and audited
+        assert h.last_audit()["peer_uid"] == 0
+        result = verify_chain(audit)
+        assert result.ok, result.problem
+    finally:
+        h.stop()
