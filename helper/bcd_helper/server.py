@@ -522,10 +522,13 @@ class Connection:
         """One audit line for the request; `trace`: the (trace id, parent id) it carried, if any. A refusal
         of a non-root peer is counted instead, past its rate or while the log is full (round 11: else
         the refusals before the full check, a bad shape or frame, grew the files past their bound)."""
-        if decision == "refused" and self.peer.uid != 0:
-            if self.ctx.audit.full or not self.guards.allow_refusal(self.peer.uid):
-                self.guards.count(self.peer.uid, reason)
-                return
+        if (
+            decision == "refused"
+            and self.peer.uid != 0
+            and (self.ctx.audit.full or not self.guards.allow_refusal(self.peer.uid))
+        ):
+            self.guards.count(self.peer.uid, reason)
+            return
         shown: dict[str, Any] = {}
         if isinstance(args, dict) and spec is not None:
             shown = {k: _bounded(args[k]) for k in spec.shown if k in args}
