@@ -346,3 +346,34 @@ def test_round11_a_full_audit_log_takes_no_more_lines_from_the_nodes_refusals(tm
         assert result.ok, result.problem
     finally:
         h.stop()
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("net.ipv4.ip_unprivileged_port_start", "01024"),  # the kernel reads octal 532
+        ("net.ipv4.ip_unprivileged_port_start", "0001777"),  # octal 1023
+        ("net.ipv4.ip_unprivileged_port_start", "+1024"),
+        ("net.ipv4.ip_unprivileged_port_start", "1_024"),
+        ("net.ipv4.ip_unprivileged_port_start", "\u0661\u0660\u0662\u0664"),  # Arabic-Indic 1024
+        ("kernel.io_uring_disabled", "01"),
+        ("kernel.oops_limit", "010000"),  # octal 4096
+    ],
+)
+def test_round11_a_hardened_sysctl_value_is_read_as_the_kernel_reads_it(
+    helper: HelperProcess, key: str, value: str
+) -> None:
+    """A hardened sysctl takes only its safe values (`net.ipv4.ip_unprivileged_port_start` 1024 or
+    above), compared as integers. Root read the node's string with Python's int(), which takes leading
+    zeros, `+`, `_` and any script's digits: "01024" passed as 1024, and the kernel, which reads a sysctl
+    integer in base 0 (proc_get_long: a leading 0 is octal), set 532, so an unprivileged process could
+    bind ports 532 to 1023 (the drop-in written, and applied at every boot). Now a hardened key takes
+    only a plain decimal integer in ASCII (`-?(0|[1-9][0-9]*)`), which the kernel reads as root does;
+    anything else is refused as lowering the defense, before anything is written."""
+    settings = json.dumps({key: value})
+    refused_as_node(
+        helper,
+        {"op": "host.unit", "args": {"unit": "sysctl", "settings": settings}},
+        "invalid-settings",
+        "would lower the host's defenses",
+    )
