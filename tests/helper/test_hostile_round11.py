@@ -377,3 +377,34 @@ def test_round11_a_hardened_sysctl_value_is_read_as_the_kernel_reads_it(
         "invalid-settings",
         "would lower the host's defenses",
     )
+
+
+@pytest.mark.parametrize(
+    "body", [b"," * 16385 + b'\\"' * 2_000_000, b'["' + b'\\"' * 2_000_000 + b"," * 16385]
+)
+def test_round11_a_frame_of_escaped_quotes_never_stalls_the_helper(
+    helper: HelperProcess, body: bytes
+) -> None:
+    """A frame holding more than MAX_VALUES `,` has its strings taken out before the values are counted
+    again (protocol.count_values), by a regular expression tried at every `"`. With the quotes all escaped
+    (`\\"` x 2 M) the estimate of strings is 0, and each try ran to the end of the frame: quadratic in the
+    frame (19 s for an 80 KB frame on this machine, hours for 4 MiB), in C code that never lets the
+    interpreter lock go, so every thread of the helper stood still: root's own socket, the audit, the
+    swap's confirmation timer. Now escapes are taken out first (`\\.`, left to right) and then strings
+    without escapes (`"[^"]*"`), two linear passes; the frame is refused `protocol` (values) at once and
+    root's ping is answered meanwhile."""
+    sock, _ = connect_as(helper, NODE_UID, NODE_GID)
+    with sock:
+        sock.settimeout(30)
+        sock.sendall(frame(body))
+        t0 = time.monotonic()
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:  # root, while the frame is counted
+            s.settimeout(5)
+            s.connect(helper.socket_path)
+            s.sendall(frame(b'{"op":"helper.ping","args":{}}'))
+            pong = read_answer(s)
+        assert pong is not None and pong["ok"] is True
+        assert time.monotonic() - t0 < 5
+        answer = read_answer(sock)
+    assert answer is not None and (answer["ok"], answer["reason"]) == (False, "protocol"), answer
+    assert "values" in answer["message"], answer
