@@ -35,8 +35,9 @@
   one `(suppressed)` line per peer (args: count and reasons) at most every FLUSH_S. While the audit
   log holds as many unexported files as it may (AuditLog.full), the node's requests other than
   `audit.head` are refused `audit-full`, counted the same way, and its `audit.head`s are answered and
-  counted the same way (no line each: the files the age rule keeps must not grow); root is always served
-  and audited.
+  counted the same way (no line each: the files the age rule keeps must not grow); every other refusal
+  of a non-root peer (a bad shape or frame, refused before that check) is counted too, and the
+  `(suppressed)` lines wait until the log has room (round 11); root is always served and audited.
 - Each request is decoded into its op's frozen type (protocol.structure), run under the op's
   locks and deadline, answered, and recorded in the audit log, accepted or refused, before the
   answer is sent. A request's optional `trace` (the W3C trace context of the command the node is
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import errno
 import grp
 import hashlib
 import json
@@ -119,6 +121,25 @@ def peer_credentials(sock: socket.socket) -> Peer:
     return Peer(pid, uid, gid)
 
 
+# getsockopt(SOL_SOCKET, SO_PEERPIDFD): a pidfd of the process that connected (Linux 6.5; Python 3.12's
+# socket module has no name for it).
+SO_PEERPIDFD = 77
+
+
+def peer_pidfd(sock: socket.socket) -> int | None:
+    """A new pidfd (close it) of the process that connected `sock`: the same process SO_PEERCRED's pid
+    named at connect, whatever holds that pid now. A pidfd of a process that has exited polls readable
+    (Linux 6.16 and later give one even once it is reaped). None where the kernel has no SO_PEERPIDFD
+    (ENOPROTOOPT: before 6.5); any other OSError is raised (a kernel before 6.16 refuses it, ESRCH or
+    EINVAL, for a peer already reaped)."""
+    try:
+        return int(sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD))
+    except OSError as exc:
+        if exc.errno == errno.ENOPROTOOPT:
+            return None
+        raise
+
+
 def frame_cost(n: int) -> int:
     return 3 * n + VALUE_COST * min(n, MAX_VALUES)
 
@@ -167,7 +188,7 @@ class Guards:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=CLOSE_WAIT_S)
-        self.flush()
+        self.flush(force=True)
 
     def allow_refusal(self, uid: int) -> bool:
         """Take a token for one audited refusal of `uid` (root is never limited)."""
@@ -189,7 +210,12 @@ class Guards:
             reasons = self._pending.setdefault(uid, {})
             reasons[reason] = reasons.get(reason, 0) + 1
 
-    def flush(self) -> None:
+    def flush(self, force: bool = False) -> None:
+        """The counts as `(suppressed)` lines. While the audit log is full they wait (kept, counting on)
+        until it has room, or the helper stops (`force`): else a line a second would grow the files past
+        their bound for as long as the node keeps it full (round 11)."""
+        if not force and self.ctx.audit.full:
+            return
         with self._lock:
             pending, self._pending = self._pending, {}
         for uid, reasons in sorted(pending.items()):
@@ -316,6 +342,9 @@ class Connection:
         # args_sha256 is its SHA-256 (signed bytes are never re-encoded: what is hashed is what came),
         # worked out where the line is written. None when no body has been read whole.
         self.body: bytes | bytearray | None = None
+
+    def peer_pidfd(self) -> int | None:
+        return peer_pidfd(self.sock)
 
     def worker(self) -> _Worker:
         if self._worker is None:
@@ -490,8 +519,14 @@ class Connection:
         duration_ms: float | None = None,
         trace: tuple[str, str] | None = None,
     ) -> None:
-        """One audit line for the request; `trace`: the (trace id, parent id) it carried, if any."""
-        if decision == "refused" and not self.guards.allow_refusal(self.peer.uid):
+        """One audit line for the request; `trace`: the (trace id, parent id) it carried, if any. A refusal
+        of a non-root peer is counted instead, past its rate or while the log is full (round 11: else
+        the refusals before the full check, a bad shape or frame, grew the files past their bound)."""
+        if (
+            decision == "refused"
+            and self.peer.uid != 0
+            and (self.ctx.audit.full or not self.guards.allow_refusal(self.peer.uid))
+        ):
             self.guards.count(self.peer.uid, reason)
             return
         shown: dict[str, Any] = {}
@@ -557,7 +592,7 @@ class Connection:
             deadline = Deadline(spec.timeout_s)
             ahead = _Ahead(self, op, args, spec, t0, trace)
             system = BoundedSystem(self.ctx.system, deadline)
-            call = Call(self.ctx, self.peer, deadline, system, ahead, self.reserve_answer)
+            call = Call(self.ctx, self.peer, deadline, system, ahead, self.reserve_answer, self.peer_pidfd)
             held = self._acquire(spec, deadline)
             try:
                 result = spec.handler(call, req)
@@ -663,9 +698,15 @@ def _after(ahead: _Ahead | None, message: str) -> str:
     return f"after its accepted line, the effect did not complete: {message}"
 
 
+# audit.canonical's encoding, refusing what is not a JSON number: `1e309` is a JSON number that Python
+# reads as inf, which canonical writes as `Infinity`, a line no strict JSON reader takes (round 11, row 2).
+_FINITE = json.JSONEncoder(sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
 def _bounded(value: Any) -> Any:
     """A shown argument as sent, or its size and digest when its JSON is longer than MAX_SHOWN bytes.
-    Integers are shown only within 64 bits (a 4,299-digit one would make a 4 KiB line)."""
+    Integers are shown only within 64 bits (a 4,299-digit one would make a 4 KiB line); a float past a
+    double's range (inf, from `1e309`), alone or inside a list or object, as `bytes: -1` and a digest."""
     if value is None or isinstance(value, bool):
         return value
     if isinstance(value, int):
@@ -676,8 +717,8 @@ def _bounded(value: Any) -> Any:
     if isinstance(value, str) and len(value) <= MAX_SHOWN // 12:
         return value  # short enough whatever its escapes (at most 12 bytes a character)
     try:
-        data = canonical(value)
-    except ValueError:  # holds an integer past Python's printable digits
+        data = _FINITE.encode(value).encode()  # canonical's bytes, or ValueError
+    except ValueError:  # holds an integer past Python's printable digits, or a number past a double
         data = repr(type(value)).encode() + b" too large"
         return {"bytes": -1, "sha256": hashlib.sha256(data).hexdigest()}
     if len(data) <= MAX_SHOWN:

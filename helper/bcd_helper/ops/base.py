@@ -195,6 +195,10 @@ class Call:
     # Bytes of the server's in-flight budget for a large answer, held until it is sent; False: no room now
     # (None in process: nothing is counted).
     reserve: Callable[[int], bool] | None = None
+    # A new pidfd of the process that connected (SO_PEERPIDFD; the caller closes it), None where the
+    # kernel has none; raises OSError where the kernel cannot give one for that process (server.peer_pidfd).
+    # None in process: no socket, the peer is dated by its pid alone (daemon.confirm, round 11).
+    peer_pidfd: Callable[[], int | None] | None = None
 
 
 Handler = Callable[[Call, Any], dict[str, Any]]

@@ -41,7 +41,8 @@ its staging directory (`/var/lib/bcd/staging`) and asks the helper to swap it in
 8. restarts `bcd-node.service` (`systemctl --no-block restart`) so that the node runs the new release
    (also when the node asks for the release already installed: it is not running it);
 9. waits for `daemon.confirm` from the new release: `healthy: true` (from the node: only from a process
-   that started after the flip, dated by /proc/PID/stat against the flip's recorded tick) confirms and
+   that started after the flip, dated by /proc/PID/stat against the flip's recorded tick, and still
+   alive after that read, by its pidfd) confirms and
    prunes every release directory but the installed and the previous one; `healthy: false`, or no
    confirmation before the deadline (a timer in the helper, re-armed when the helper starts), rolls
    back: the link is flipped back to the previous release (or removed when there was none), the record
@@ -61,6 +62,7 @@ import hashlib
 import json
 import os
 import re
+import select
 import stat
 import threading
 import time
@@ -877,11 +879,52 @@ def _swap_in(
     }
 
 
+def _peer_exited(pidfd: int) -> bool:
+    """Whether the process of `pidfd` has exited (a zombie or reaped): its pidfd then polls readable."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def _peer_gone(call: Call, why: str) -> Refused:
+    return Refused(
+        "peer-gone",
+        f"daemon.confirm: the process that connected (pid {call.peer.pid}) {why}: its pid may be another "
+        "process's now, so root cannot date the confirmation; only a live process started after the "
+        "flip (the restarted node, on its own connection) may confirm",
+    )
+
+
+def _peer_start_tick(call: Call) -> int | None:
+    """The start of the process that connected, pinned (round 11): SO_PEERCRED's pid is the connecting
+    process's at connect, but that process may have handed its socket on and exited, and a later
+    process may hold the pid now; /proc/PID/stat would then date that one. So root takes a pidfd of the
+    connecting process (SO_PEERPIDFD), reads /proc/PID/stat, and only then checks on the pidfd that the
+    process has not exited: alive after the read, it held the pid throughout, and the start read is its.
+    Exited (or no pidfd to be had for it): `peer-gone`. Where the kernel has no SO_PEERPIDFD (before
+    Linux 6.5), and in process (no socket), the pid alone dates the peer, as in round 10."""
+    pidfd: int | None = None
+    if call.peer_pidfd is not None:
+        try:
+            pidfd = call.peer_pidfd()
+        except OSError as exc:
+            raise _peer_gone(call, f"has no pidfd ({os.strerror(exc.errno or 0)})") from None
+    try:
+        started = start_tick(call.peer.pid)
+        if pidfd is not None and _peer_exited(pidfd):
+            raise _peer_gone(call, "has exited")
+        return started
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
 def _check_peer_started_after_flip(call: Call, doc: dict[str, Any]) -> None:
     """Round 10: a node process that started before root flipped the link cannot be running the new
     release (the restart is `--no-block`, so the old process may still be there to answer). The peer's
-    pid is SO_PEERCRED's (taken at connect); its start is /proc/PID/stat's starttime, set by the kernel
-    at fork. Refused at or before the flip's tick (one tick may hold both), when either time is unknown,
+    pid is SO_PEERCRED's (taken at connect), pinned by SO_PEERPIDFD (round 11: `peer-gone` when the
+    connecting process has exited); its start is /proc/PID/stat's starttime, set by the kernel at fork.
+    Refused at or before the flip's tick (one tick may hold both), when either time is unknown,
     and when the record holds no flip time of this boot. Another boot than the flip's started after it:
     every process of it did too."""
     current = boot_id()
@@ -895,7 +938,7 @@ def _check_peer_started_after_flip(call: Call, doc: dict[str, Any]) -> None:
             "predates round 10): root cannot tell the new release's process from the old one's, so no "
             "process of the node confirms it; the deadline rolls it back and the node may swap again",
         )
-    started = start_tick(call.peer.pid)
+    started = _peer_start_tick(call)
     if started is None:
         raise Refused(
             "peer-predates-swap",

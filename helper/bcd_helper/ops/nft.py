@@ -127,9 +127,18 @@ def _signed_policies(call: Call, req: NftApply) -> None:
     if checked.roots:
         decoded = checked.decoded
         assert decoded is not None  # verified against the roots
-        section = decoded.full.instances if decoded.full is not None else None
-        if section is None and decoded.patch is not None:
+        # A full spec decides the instances (unset: none kept); a patch speaks for them only when it sets
+        # the section (round 11: a host-only patch read as "no instances" let any policy load).
+        if decoded.full is not None:
+            section = decoded.full.instances
+        elif decoded.patch is not None and decoded.patch.instances is not None:
             section = decoded.patch.instances
+        else:
+            raise Refused(
+                "bad-intent",
+                f"{op}: the signed spec (generation {decoded.generation}) is a patch that sets no instances "
+                "section: it says nothing about the guests' network policies",
+            )
         derived = spec_policies(section.instances if section is not None else [])
         sent: dict[str, list[NicPolicy]] = {}
         for n in req.nics:

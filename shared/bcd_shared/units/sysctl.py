@@ -9,7 +9,8 @@ Decisions: Q-HST-SYS-01 a denylisted key reads `<key> is refused: <why>`. Q-HST-
 kernel lacks is still written to the drop-in (it applies at the next boot once its module loads).
 Q-HST-SYS-03 non-integer numbers are written as Python's repr of the float (`0.5`); hardened values
 compare as integers, whatever JSON type carried them ("0", 0 and false are the same), and a
-hardened key with a non-integer value is refused.
+hardened key with a non-integer value is refused; a string is an integer only in plain decimal ASCII
+(no leading zero, sign `+`, `_` or other digits: the kernel reads "01024" as octal 532).
 """
 
 from __future__ import annotations
@@ -88,6 +89,9 @@ HARDENED: dict[str, tuple[tuple[int, int], str]] = {
     "kernel.oops_limit": ((1, 10000), "1 to 10000"),
     "kernel.warn_limit": ((1, 10000), "1 to 10000"),
 }
+
+
+_DECIMAL = re.compile(r"-?(0|[1-9][0-9]*)", re.ASCII)  # read the same by the kernel and by int()
 
 
 def hardened_rule(key: str) -> tuple[tuple[int, int], str] | None:
@@ -170,10 +174,10 @@ class Sysctl(ConfigUnit[SysctlSettings, SysctlObserved]):
             rule = hardened_rule(key)
             if rule is not None:
                 (lo, hi), desc = rule
-                try:
-                    n = int(value)
-                except ValueError:
-                    n = None
+                # Only a plain decimal integer: the kernel reads a sysctl integer in base 0 (a leading 0
+                # is octal, 0x hex), and Python's int() also takes `+`, `_` and any script's digits, so
+                # "01024" was 1024 here and 532 to the kernel (red team round 11).
+                n = int(value) if _DECIMAL.fullmatch(value) else None
                 if n is None or not lo <= n <= hi:
                     raise refuse(f"{key} = {value} is refused: it would lower the host's defenses ({desc})")
             out.append((key, value))
