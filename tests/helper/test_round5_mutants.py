@@ -804,7 +804,14 @@ def test_while_the_log_is_full_the_nodes_audit_head_is_answered_and_counted_not_
         4242: {"audit.head (log full)": 3}
     }
     node.answer({"op": "helper.ping", "args": {}})  # refused audit-full, counted too
+    # While the log is full the counts wait (round 11): a line a second would outgrow the bound.
+    lines = len(_audit_lines(plain))
     guards.flush()
+    assert len(_audit_lines(plain)) == lines and guards._pending == {
+        4242: {"audit-full": 1, "audit.head (log full)": 3}
+    }
+    guards.flush(force=True)  # as when the helper stops
+    assert guards._pending == {}
     line = _audit_lines(plain)[-1]
     assert (line["op"], line["peer_uid"], line["args"]) == (
         "(suppressed)",
