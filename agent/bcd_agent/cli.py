@@ -19,7 +19,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bcd_agent.bench", "measure speed and memory targets; prints one JSON object"),
     "node": ("bcd_agent.node", "run the node agent: journal, dispatch, converge, session"),
     "join": ("bcd_agent.join", "join a control plane: node key, certificate, trust bundle, identity.json"),
-    "devplane": ("bcd_agent.devplane.cli", "the development control plane: serve, token, apply, command"),
+    "devplane": ("bcd_agent.devplane.cli", "the development control plane: serve, apply, command, release"),
     "doctor": ("bcd_agent.doctor", "check this host's bcd setup: each check ok / warn / fail with its fix"),
     "plan": ("bcd_agent.plan", "dry run: the steps each section would take for a spec, applying nothing"),
     "status": ("bcd_agent.status", "generations, section states, conditions and the holder of each GPU"),

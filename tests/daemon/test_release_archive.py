@@ -1,6 +1,6 @@
 """The release archive's `__main__.py` on a host installed from bcd's packages (docs/daemon.md "Where it
 runs"): the third-party libraries live in bcd-node's venv, not system-wide, so a release that runs on the
-host's python3 finds them there, after the host's own, and its own modules stay first.
+host's python3 finds them there, before the host's own site directories, and its own modules stay first.
 
 The archives are real zipapps built by `build_release` from small wheels made here; they run under the
 interpreter without its site directories (`-I -S`), so only the archive, the standard library and what
@@ -66,6 +66,36 @@ def test_a_release_finds_the_packaged_venvs_libraries_last_and_runs_its_own_modu
     # The probe came from the venv, bcd_agent from the archive (not the venv's older one), and the
     # venv's site-packages is the last entry of the path.
     assert done.stdout.split() == ["venv", "archive", "True"]
+
+
+def test_the_venvs_libraries_come_before_the_hosts_site_directories(tmp_path: Path) -> None:
+    """The host's dist-packages holds an older copy of a library the venv also holds (Debian's
+    python3-cryptography 38 under a venv's 50: the release crashed at import, found by the booted
+    self-update test): the venv's copy runs, and the standard library stays ahead of both."""
+    venv = _venv(tmp_path)
+    host = tmp_path / "usr/lib/python3/dist-packages"
+    host.mkdir(parents=True)
+    (host / f"{PROBE}.py").write_text("WHERE = 'host'\n")
+    (host / "json.py").write_text("raise SystemExit('the host shadowed the standard library')\n")
+    archive = tmp_path / "bcd.pyz"
+    cli = (
+        "import sys\n\n\ndef main():\n"
+        f"    import {PROBE}, bcd_agent, json\n"
+        f"    print({PROBE}.WHERE, bcd_agent.WHERE, sys.path.index({str(host)!r}) - sys.path.index("
+        f"{PROBE}.__file__.rsplit('/', 1)[0]))\n"
+        "    return 0\n"
+    )
+    wheel = _wheel(
+        tmp_path / "bcd_agent-9.9.9-py3-none-any.whl",
+        {"bcd_agent/__init__.py": "WHERE = 'archive'\n", "bcd_agent/cli.py": cli},
+    )
+    build_release([wheel], archive, packaged_venv=str(venv))
+    # As python3 runs it with its site directories: the host's dist-packages at the end of the path.
+    run = f"import runpy, sys; sys.path.append({str(host)!r}); "
+    run += f"runpy.run_path({str(archive)!r}, run_name='__main__')"
+    done = subprocess.run([sys.executable, "-I", "-S", "-c", run], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["venv", "archive", "1"]
 
 
 def test_without_the_packaged_venv_a_release_adds_nothing(tmp_path: Path) -> None:

@@ -8,7 +8,10 @@ units and `/usr/share/bcd/install.sh`, and their `/opt/bcd` bound read-only. A p
 first boot from enabling the units (dpkg applies no presets). Then docs/deploy.md's sequence, as
 written: install.sh (enables and starts neither yet), `bcd-helper audit init`, `systemctl enable --now
 bcd-helper`, `bcd join`, `systemctl enable --now bcd-node`, a signed host spec converged through the helper,
-`bcd doctor`, and the helper refusing a group-writable config without a restart loop.
+`bcd doctor`, and the helper refusing a group-writable config without a restart loop. Then self-update
+on that packaged host: a release built from the packages' wheels with a newer bcd-agent, signed with
+`bcd devplane release`, served over HTTPS, downloaded by the node, swapped in by root, the node restarted
+by systemd onto it and confirming itself.
 
 Runs as root with systemd-nspawn (fails under CI=true without it); about a minute.
 """
@@ -19,13 +22,16 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from bcd_agent.sections.daemon.release import build_release
 from instances.test_ch_confinement_real import Container
 from testsupport import REPO, require_tool
+from tlskit import make_tls
 
 pytestmark = [
     pytest.mark.realhost,
@@ -56,10 +62,13 @@ def _packages(tmp: Path) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Container]:
-    usr, opt = _packages(tmp_path_factory.mktemp("booted"))
+    tmp = tmp_path_factory.mktemp("booted")
+    usr, opt = _packages(tmp)
+    (tmp / "upper").mkdir()
     c = Container(
         "--private-network",
-        f"--overlay-ro=/usr:{usr}:/usr",
+        # Writable (the upper directory, on the host's tmp): self-update installs under /usr/lib/bcd.
+        f"--overlay=/usr:{usr}:{tmp / 'upper'}:/usr",
         f"--bind-ro={opt}:/opt/bcd",
         # Debian's awk, python3... are alternatives' links into /etc, which the volatile root lacks.
         "--bind-ro=/etc/alternatives",
@@ -168,3 +177,110 @@ def test_first_install_as_docs_deploy_md_gives_it(host: Container) -> None:
         assert c.run(["systemctl", "is-enabled", unit]).stdout.strip() == "enabled"
     assert c.run(["stat", "-c", "%a", "/etc/bcd/config.toml"]).stdout.strip() == "640"
     assert c.run(["systemctl", "is-active", "bcd-helper.service"]).stdout.strip() == "active"
+
+
+SERVER = """
+import functools, http.server, ssl, sys
+handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])
+httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 8443), handler)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[2], sys.argv[3])
+httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+httpd.serve_forever()
+"""
+
+
+def _newer_release(tmp: Path) -> Path:
+    """A release artifact of the packages' own wheels (bcd-shared, bcd-helper) with a bcd-agent built from
+    this tree at 0.2.0 (the packages carry 0.1.0)."""
+    agent = tmp / "agent"
+    shutil.copytree(
+        REPO / "agent", agent, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
+    )
+    project = agent / "pyproject.toml"
+    assert 'version = "0.1.0"' in project.read_text()
+    project.write_text(project.read_text().replace('version = "0.1.0"', 'version = "0.2.0"', 1))
+    wheels = tmp / "wheels"
+    argv = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "-q",
+        "--no-deps",
+        "--no-build-isolation",
+        "-w",
+        str(wheels),
+    ]
+    subprocess.run([*argv, str(agent)], check=True, capture_output=True, timeout=300)
+    out = tmp / "bcd-0.2.0.pyz"
+    common = [*(REPO / "dist").glob("bcd_shared-*.whl"), *(REPO / "dist").glob("bcd_helper-*.whl")]
+    build_release([*sorted(common), *wheels.glob("bcd_agent-0.2.0-*.whl")], out)
+    return out
+
+
+def _diagnosis(c: Container) -> str:
+    """What an operator would look at when a swap does not confirm."""
+    out = []
+    for argv in (
+        ["cat", "/var/lib/bcd-hostconfig/daemon-release.json"],
+        [
+            "sh",
+            "-c",
+            "bcd status --json | python3 -c 'import json,sys; print(json.load(sys.stdin).get(\"sections\"))'",
+        ],
+        ["journalctl", "-q", "--no-pager", "-n", "60", "-u", "bcd-node", "-u", "bcd-helper"],
+    ):
+        done = c.run(argv, check=False)
+        out.append(f"$ {' '.join(argv)}\n{done.stdout[-4000:]}{done.stderr[-1000:]}")
+    return "\n".join(out)
+
+
+def test_self_update_on_the_packaged_host_under_systemd(host: Container, tmp_path: Path) -> None:
+    """DLV-CONV-15, DLV-CONV-16: on the host the first test installed (its node joined, its helper
+    running), the node downloads a signed release, root swaps it in under /usr/lib/bcd, systemd restarts
+    bcd-node.service onto it (/usr/bin/bcd -> /usr/lib/bcd/bcd -> the release), and the new process
+    confirms itself; the packaged launcher is kept as the `initial` release."""
+    c = host
+    assert c.run(["systemctl", "is-active", "bcd-node.service"], check=False).stdout.strip() == "active", (
+        "runs after test_first_install_as_docs_deploy_md_gives_it, on its host"
+    )
+    assert c.run(["bcd", "release", "version"]).stdout.strip() == "0.1.0"
+    artifact = _newer_release(tmp_path)
+    ca, cert, key = make_tls(tmp_path)
+    www = c.path("/srv/www")
+    www.mkdir()
+    shutil.copy(artifact, www / "bcd-0.2.0")
+    for src in (cert, key):
+        shutil.copy(src, c.path(f"/srv/{src.name}"))
+    # The node downloads with the system's CAs (docs/daemon.md); this host's are the test CA alone.
+    c.path("/etc/ssl/certs").mkdir(parents=True, exist_ok=True)
+    shutil.copy(ca, c.path("/etc/ssl/certs/ca-certificates.crt"))
+    c.run(["systemd-run", "--unit", "bcd-test-releases", "/usr/bin/python3", "-c", SERVER, "/srv/www",
+           f"/srv/{cert.name}", f"/srv/{key.name}"])  # fmt: skip
+    shutil.copy(artifact, c.path("/srv/bcd-0.2.0.pyz"))
+    signed = c.run(["bcd", "devplane", "release", "/srv/bcd-0.2.0.pyz", "--url", "https://127.0.0.1:8443/bcd-0.2.0",
+                    "--dir", PLANE, "--spec", "/srv/spec.json"])  # fmt: skip
+    spec = json.loads(signed.stdout)
+    assert (
+        spec["daemon"]["version"] == "0.2.0"
+        and spec["host"] == json.loads(c.path("/srv/spec.json").read_text())["host"]
+    )
+    c.path("/srv/spec-0.2.0.json").write_text(signed.stdout)
+    before = _show(c, "bcd-node.service", "MainPID")["MainPID"]
+    c.run(["bcd", "devplane", "apply", "/srv/spec-0.2.0.json", "--dir", PLANE])
+
+    try:
+        confirmed = 'grep -q \'"state": *"confirmed"\' /var/lib/bcd-hostconfig/daemon-release.json'
+        _wait(c, ["sh", "-c", confirmed], "the new release was not confirmed", seconds=180)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_diagnosis(c)}") from None
+    record = json.loads(c.path("/var/lib/bcd-hostconfig/daemon-release.json").read_text())
+    assert (record["state"], record["version"]) == ("confirmed", "0.2.0"), record
+    assert c.run(["readlink", "/usr/lib/bcd/bcd"]).stdout.strip().endswith("releases/0.2.0/bcd")
+    assert c.run(["bcd", "release", "version"]).stdout.strip() == "0.2.0"
+    assert c.path("/usr/lib/bcd/releases/initial/bcd").is_file()
+    pid = _show(c, "bcd-node.service", "MainPID")["MainPID"]
+    assert pid != before and "/usr/bin/bcd" in c.path(f"/proc/{pid}/cmdline").read_bytes().decode()
+    _wait(c, ["sh", "-c", "bcd status --json | grep -q '\"observed_generation\": 2'"],
+          "the node on 0.2.0 did not converge generation 2")  # fmt: skip

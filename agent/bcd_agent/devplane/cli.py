@@ -1,4 +1,4 @@
-"""`bcd devplane serve|token|apply|command|cancel|show|secret` (docs/devplane.md)."""
+"""`bcd devplane serve|token|apply|command|cancel|show|secret|release` (docs/devplane.md)."""
 
 from __future__ import annotations
 
@@ -47,6 +47,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("ref")
     p.add_argument("value")
     p.add_argument("--dir", required=True)
+    p = sub.add_parser(
+        "release",
+        help="sign a release artifact (worker key); print the spec's daemon section, or SPEC with it",
+    )
+    p.add_argument("artifact", type=Path, help="a release artifact (`bcd release build`)")
+    p.add_argument("--url", required=True, help="https URL the node downloads the artifact from")
+    p.add_argument("--dir", required=True, help="the devplane's state directory (its keys.json)")
+    p.add_argument("--version", default=None, help="default: the version the artifact carries")
+    p.add_argument("--rollback", action="store_true", help="a signed rollback intent: may be older")
+    p.add_argument("--spec", type=Path, default=None, help="print this SPEC.json with the daemon section set")
 
 
 def _print(value: Any) -> None:
@@ -76,12 +86,69 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _release(args: argparse.Namespace) -> int:
+    """The daemon section a spec carries for `args.artifact`, its manifest signed with the devplane's
+    worker key (purpose daemon-release), as the control plane signs it (docs/daemon.md). Offline: reads
+    `DIR/keys.json` (0600, the devplane's user), needs no running devplane."""
+    import base64
+    import datetime as dt
+    import hashlib
+
+    from bcd_shared.release import BadManifest, ReleaseManifest, sign_release
+    from bcd_shared.subcommands import EX_DATAERR, EX_NOINPUT, CliError
+
+    from bcd_agent.devplane.keys import KEYS_FILE, load_or_create
+    from bcd_agent.sections.daemon.release import artifact_version
+
+    keys_file = Path(args.dir) / KEYS_FILE
+    if not keys_file.is_file():  # never create keys here: they would not be the ones the nodes trust
+        raise CliError(
+            f"{keys_file}: no devplane keys (run `bcd devplane serve --dir {args.dir}` once)", EX_NOINPUT
+        )
+    spec: dict[str, Any] = {}
+    if args.spec is not None:
+        from bcd_agent.plan import SpecFileError, load_spec_file
+
+        try:
+            load_spec_file(str(args.spec))
+        except SpecFileError as exc:
+            raise CliError(str(exc), EX_DATAERR) from None
+        spec = json.loads(args.spec.read_bytes())
+    try:
+        data = args.artifact.read_bytes()
+        version = artifact_version(args.artifact)
+    except OSError as exc:
+        raise CliError(f"{args.artifact}: {exc.strerror or exc}", EX_NOINPUT) from None
+    except ValueError as exc:
+        raise CliError(str(exc), EX_DATAERR) from None
+    if args.version is not None and args.version != version:
+        raise CliError(f"--version {args.version}: the artifact carries version {version}", EX_DATAERR)
+    try:
+        manifest = ReleaseManifest(version, args.url, hashlib.sha256(data).hexdigest(), args.rollback)
+    except BadManifest as exc:
+        raise CliError(f"release manifest: {exc}", EX_DATAERR) from None
+    keys = load_or_create(Path(args.dir), dt.datetime.now(dt.UTC))
+    section: dict[str, Any] = {
+        "version": manifest.version,
+        "url": manifest.url,
+        "sha256": manifest.sha256,
+        "signature": base64.b64encode(sign_release(keys.key("worker"), manifest)).decode(),
+    }
+    if manifest.rollback:
+        section["rollback"] = True
+    spec["daemon"] = section
+    _print(spec)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from bcd_agent.devplane.admin import AdminClient, AdminError
 
     action = args.devplane_command
     if action == "serve":
         return _serve(args)
+    if action == "release":
+        return _release(args)
     from bcd_shared.subcommands import EX_DATAERR, EX_USAGE, CliError
 
     client = AdminClient(args.dir)

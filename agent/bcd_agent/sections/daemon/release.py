@@ -5,8 +5,8 @@ bcd-shared and bcd-helper unpacked side by side (with their `.dist-info`, so the
 version through importlib.metadata), a `__main__.py` that runs `bcd_agent.cli:main`, and the shebang
 `#!/usr/bin/python3`. The third-party libraries (trio, grpclib, cryptography, ...) come from the host's
 package install, whose versions the release's dist-info pins, or, on a host installed from bcd's
-packages, from bcd-node's venv (PACKAGED_VENV), added last to the path. The helper installs it as
-`/usr/lib/bcd/releases/<version>/bcd`; `/usr/bin/bcd` points at `/usr/lib/bcd/bcd`.
+packages, from bcd-node's venv (PACKAGED_VENV), put before the host's site directories. The helper
+installs it as `/usr/lib/bcd/releases/<version>/bcd`; `/usr/bin/bcd` points at `/usr/lib/bcd/bcd`.
 
 `bcd release version` prints the running version; `bcd release build --out FILE WHEEL...` builds an
 artifact (and prints its SHA-256, the value the control plane signs); `bcd release confirm [--config C]
@@ -32,11 +32,15 @@ _MAIN: Final = """import os
 import sys
 
 # On a host installed from bcd's packages the third-party libraries live in bcd-node's venv: its
-# site-packages for this interpreter goes last on the path, after the host's own, so this archive's
-# modules (first on the path) stay the ones that run (docs/daemon.md "Where it runs").
+# site-packages for this interpreter goes after this archive and the standard library but before the
+# host's own site directories, whose older packages (Debian's python3-cryptography) must not shadow the
+# venv's; this archive's modules (first on the path) stay the ones that run (docs/daemon.md "Where it
+# runs").
 _libs = "%s/lib/python%%d.%%d/site-packages" %% sys.version_info[:2]
 if os.path.isdir(_libs) and _libs not in sys.path:
-    sys.path.append(_libs)
+    _site = ("site-packages", "dist-packages")
+    _at = next((i for i, p in enumerate(sys.path) if i and p.rstrip("/").endswith(_site)), len(sys.path))
+    sys.path.insert(_at, _libs)
 
 from bcd_agent.cli import main
 
@@ -89,6 +93,23 @@ def build_release(wheels: Sequence[Path], out: Path, packaged_venv: str = PACKAG
     out.write_bytes(data)
     out.chmod(0o755)
     return hashlib.sha256(data).hexdigest()
+
+
+def artifact_version(path: Path) -> str:
+    """The bcd-agent version a release artifact carries (its `.dist-info/METADATA`), read without running
+    it. ValueError naming the file when it is not a release."""
+    try:
+        archive = zipfile.ZipFile(path)  # a zipapp: the shebang before the archive is allowed
+    except zipfile.BadZipFile:
+        raise ValueError(f"{path}: not a release artifact (not a zip archive)") from None
+    with archive as zf:
+        names = [n for n in zf.namelist() if n.startswith("bcd_agent-") and n.endswith(".dist-info/METADATA")]
+        if len(names) != 1 or "__main__.py" not in zf.namelist():
+            raise ValueError(f"{path}: not a release artifact (no __main__.py and bcd_agent's metadata)")
+        for line in zf.read(names[0]).decode("utf-8", "replace").splitlines():
+            if line.startswith("Version: "):
+                return line.removeprefix("Version: ").strip()
+    raise ValueError(f"{path}: bcd_agent's metadata names no Version")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
