@@ -69,6 +69,11 @@ build_pkg() {
     mkdir -p "$stage/usr/share/bcd"
     install -m 0755 deploy/install.sh "$stage/usr/share/bcd/install.sh"
   fi
+  # The units' Documentation= points here: the pages an operator needs on the host, offline.
+  local docs="README.md docs/deploy.md docs/operations.md docs/config.md"
+  if [ "$name" = bcd-helper ]; then docs="$docs docs/helper.md docs/helper-rpc.md"; else docs="$docs docs/daemon.md"; fi
+  mkdir -p "$stage/usr/share/doc/$name"
+  for doc in $docs; do install -m 0644 "$doc" "$stage/usr/share/doc/$name/"; done
   for script in postinst prerm postrm; do
     install -m 0755 "packaging/debian/$name.$script" "$stage/DEBIAN/$script"
   done

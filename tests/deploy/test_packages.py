@@ -172,6 +172,12 @@ def test_packages_install_run_and_go_away(machine: None, tmp_path: Path) -> None
         path = f"/lib/systemd/system/{unit}"
         assert Path(path).read_bytes() == (REPO / "deploy" / unit).read_bytes()
         assert owner_mode(path) == ("root", "root", 0o644)
+        # Documentation= names pages the package installs (offline: no URL that may not answer).
+        docs = [d for line in Path(path).read_text().splitlines() if line.startswith("Documentation=")
+                for d in line.removeprefix("Documentation=").split()]  # fmt: skip
+        assert docs and all(d.startswith("file:/usr/share/doc/") for d in docs), docs
+        for doc in docs:
+            assert owner_mode(doc.removeprefix("file:")) == ("root", "root", 0o644), doc
     assert owner_mode("/etc/bcd") == ("root", "bcd", 0o750)
     assert owner_mode("/var/lib/bcd") == ("bcd", "bcd", 0o700)
     assert owner_mode("/var/lib/bcd-hostconfig") == ("root", "root", 0o700)
