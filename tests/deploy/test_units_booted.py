@@ -190,16 +190,19 @@ httpd.serve_forever()
 """
 
 
-def _newer_release(tmp: Path) -> Path:
+def _newer_release(tmp: Path, version: str = "0.2.0", broken: bool = False) -> Path:
     """A release artifact of the packages' own wheels (bcd-shared, bcd-helper) with a bcd-agent built from
-    this tree at 0.2.0 (the packages carry 0.1.0)."""
+    this tree at `version` (the packages carry 0.1.0); `broken`: its `bcd node` exits at once."""
     agent = tmp / "agent"
     shutil.copytree(
         REPO / "agent", agent, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__")
     )
     project = agent / "pyproject.toml"
     assert 'version = "0.1.0"' in project.read_text()
-    project.write_text(project.read_text().replace('version = "0.1.0"', 'version = "0.2.0"', 1))
+    project.write_text(project.read_text().replace('version = "0.1.0"', f'version = "{version}"', 1))
+    if broken:
+        node = agent / "bcd_agent/node.py"
+        node.write_text(node.read_text() + '\nraise SystemExit("a release that cannot start")\n')
     wheels = tmp / "wheels"
     argv = [
         sys.executable,
@@ -213,9 +216,9 @@ def _newer_release(tmp: Path) -> Path:
         str(wheels),
     ]
     subprocess.run([*argv, str(agent)], check=True, capture_output=True, timeout=300)
-    out = tmp / "bcd-0.2.0.pyz"
+    out = tmp / f"bcd-{version}.pyz"
     common = [*(REPO / "dist").glob("bcd_shared-*.whl"), *(REPO / "dist").glob("bcd_helper-*.whl")]
-    build_release([*sorted(common), *wheels.glob("bcd_agent-0.2.0-*.whl")], out)
+    build_release([*sorted(common), *wheels.glob(f"bcd_agent-{version}-*.whl")], out)
     return out
 
 
@@ -284,3 +287,54 @@ def test_self_update_on_the_packaged_host_under_systemd(host: Container, tmp_pat
     assert pid != before and "/usr/bin/bcd" in c.path(f"/proc/{pid}/cmdline").read_bytes().decode()
     _wait(c, ["sh", "-c", "bcd status --json | grep -q '\"observed_generation\": 2'"],
           "the node on 0.2.0 did not converge generation 2")  # fmt: skip
+
+
+def test_a_release_that_cannot_start_is_rolled_back_onto_the_previous_one(
+    host: Container, tmp_path: Path
+) -> None:
+    """DLV-PRIV-10: after the test above (0.2.0 running, confirmed), a signed 0.3.0 whose `bcd node` exits
+    at once is swapped in; systemd's restarts of bcd-node.service never confirm it. Root's timer, re-armed
+    from the record when the helper starts (the deadline moved into the past here instead of waiting ten
+    minutes), flips the link back: systemd runs 0.2.0 again, and the spec naming 0.3.0 does not swap it in
+    again (`release-failed`)."""
+    c = host
+    assert c.run(["bcd", "release", "version"]).stdout.strip() == "0.2.0", "runs after the self-update test"
+    artifact = _newer_release(tmp_path, "0.3.0", broken=True)
+    shutil.copy(artifact, c.path("/srv/www/bcd-0.3.0"))
+    shutil.copy(artifact, c.path("/srv/bcd-0.3.0.pyz"))
+    signed = c.run(["bcd", "devplane", "release", "/srv/bcd-0.3.0.pyz", "--url", "https://127.0.0.1:8443/bcd-0.3.0",
+                    "--dir", PLANE, "--spec", "/srv/spec.json"])  # fmt: skip
+    c.path("/srv/spec-0.3.0.json").write_text(signed.stdout)
+    c.run(["bcd", "devplane", "apply", "/srv/spec-0.3.0.json", "--dir", PLANE])
+    record = "/var/lib/bcd-hostconfig/daemon-release.json"
+    pending = 'grep -q \'"version": *"0.3.0"\' ' + record + ' && grep -q \'"state": *"pending"\' ' + record
+    try:
+        _wait(c, ["sh", "-c", pending], "0.3.0 was not swapped in", seconds=120)
+        _wait(c, ["sh", "-c", "journalctl -q -u bcd-node | grep -q 'a release that cannot start'"],
+              "systemd did not start the broken release")  # fmt: skip
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_diagnosis(c)}") from None
+    assert c.run(["readlink", "/usr/lib/bcd/bcd"]).stdout.strip().endswith("releases/0.3.0/bcd")
+
+    # The deadline, as if ten minutes had passed; the helper's start re-arms the timer from the record.
+    doc = json.loads(c.path(record).read_text())
+    doc["deadline_ms"] = int(time.time() * 1000) - 1000
+    c.path(record).write_text(json.dumps(doc))
+    c.run(["systemctl", "restart", "bcd-helper.service"])
+    rolled = 'grep -q \'"state": *"rolled-back"\' ' + record
+    try:
+        _wait(c, ["sh", "-c", rolled], "root did not roll back", seconds=60)
+        _wait(c, ["bcd", "status", "--check"], "the node did not come back on 0.2.0")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{_diagnosis(c)}") from None
+    assert c.run(["readlink", "/usr/lib/bcd/bcd"]).stdout.strip().endswith("releases/0.2.0/bcd")
+    assert c.run(["bcd", "release", "version"]).stdout.strip() == "0.2.0"
+    assert c.run(["systemctl", "is-active", "bcd-node.service"]).stdout.strip() == "active"
+    # The same spec does not swap 0.3.0 in again: the node reports the section failed, the link stays.
+    _wait(
+        c,
+        ["sh", "-c", "bcd status --json | grep -q release-failed"],
+        "the section did not report release-failed",
+    )
+    time.sleep(3)
+    assert c.run(["readlink", "/usr/lib/bcd/bcd"]).stdout.strip().endswith("releases/0.2.0/bcd")
