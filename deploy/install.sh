@@ -14,7 +14,8 @@
 # Every value it writes is checked first (the control-plane address, the pin, the root hashes, the
 # clusters), with the rules of docs/config.md. Re-running it is safe: an existing config.toml is kept
 # (its ownership and mode are put right), and an account left in the root-equivalent `libvirt` group
-# by an older install is taken out. A re-run whose flags say something else than the kept config
+# by an older install is taken out. Where libvirt is installed (and the helper is), QEMU's user joins
+# the node's group and qemu.conf gets dynamic_ownership = 0. A re-run whose flags say something else than the kept config
 # prints each difference and exits 3, unless --replace (then the kept one becomes config.toml.old).
 #
 # Usage: install.sh [--root DIR] [--join-signing-key-pin sha256/...] [--command-root-sha256 HEX,...]
@@ -188,6 +189,65 @@ if grep -Eq "^libvirt:[^:]*:[^:]*:(.*,)?${ACCOUNT}(,|$)" "$(P /etc/group)"; then
   echo "install.sh: removed $ACCOUNT from the libvirt group"
 fi
 
+# --- libvirt under the helper (DLV-HLP-13, Q-DLV-HLP-01 in docs/instances.md) -----------------------------
+# libvirt runs QEMU as its own user and, with dynamic ownership, relabels a domain's files; under the
+# helper it must not (root stages every definition and hands QEMU its disks), and QEMU's user reaches
+# what it opens itself (a direct-boot kernel, its initrd) through the node's group instead: 0640 files
+# in group-searchable directories, never world access. Only where libvirt is installed.
+qemu_conf="$(P /etc/libvirt/qemu.conf)"
+LIBVIRT_RESTART=false
+if $HELPER && [ -f "$qemu_conf" ] && [ ! -L "$qemu_conf" ]; then
+  # QEMU's user: qemu.conf's own `user = "..."`, else the distribution's default account.
+  qemu_user="$(sed -n 's/^[[:space:]]*user[[:space:]]*=[[:space:]]*"\([^"]*\)".*/\1/p' "$qemu_conf" | tail -n 1)"
+  if [ -z "$qemu_user" ]; then
+    for candidate in libvirt-qemu qemu; do
+      if grep -q "^${candidate}:" "$(P /etc/passwd)"; then qemu_user="$candidate"; break; fi
+    done
+  fi
+  case "$qemu_user" in
+    "") echo "install.sh: warning: $qemu_conf names no QEMU user and neither libvirt-qemu nor qemu exists: QEMU's user not added to group $ACCOUNT" >&2 ;;
+    root | +0 | 0) echo "install.sh: warning: $qemu_conf runs QEMU as root: not added to group $ACCOUNT (run it as its own user)" >&2 ;;
+    +* | *[!A-Za-z0-9_.-]*) echo "install.sh: warning: QEMU's user ${qemu_user@Q} in $qemu_conf: add it to group $ACCOUNT yourself" >&2 ;;
+    *)
+      members="$(awk -F: -v g="$ACCOUNT" '$1 == g { print $4 }' "$(P /etc/group)")"
+      if ! grep -q "^${qemu_user}:" "$(P /etc/passwd)"; then
+        echo "install.sh: warning: QEMU's user $qemu_user (from $qemu_conf) has no account here: not added to group $ACCOUNT" >&2
+      elif [[ ",$members," != *",$qemu_user,"* ]]; then
+        if [ "$ROOT" = "" ]; then
+          gpasswd --add "$qemu_user" "$ACCOUNT" >/dev/null  # /etc/group and /etc/gshadow alike
+        else
+          for f in "$(P /etc/group)" "$(P /etc/gshadow)"; do
+            [ -e "$f" ] || continue
+            awk -F: -v OFS=: -v g="$ACCOUNT" -v u="$qemu_user" '$1 == g {
+                if (NF < 4) $4 = ""
+                $NF = ($NF == "" ? u : $NF "," u)
+              } { print }' "$f" >"$f.bcd-tmp" && chmod --reference="$f" "$f.bcd-tmp" && mv "$f.bcd-tmp" "$f"
+          done
+        fi
+        echo "install.sh: added QEMU's user $qemu_user to group $ACCOUNT"
+        LIBVIRT_RESTART=true
+      fi
+      ;;
+  esac
+  # dynamic_ownership = 0: the last active setting wins in libvirt's reader, so every active line is
+  # rewritten, and one is appended when there is none (the shipped file has it commented out).
+  if grep -Eq '^[[:space:]]*dynamic_ownership[[:space:]]*=' "$qemu_conf"; then
+    if grep -Ev '^[[:space:]]*dynamic_ownership[[:space:]]*=[[:space:]]*0[[:space:]]*$' "$qemu_conf" |
+      grep -Eq '^[[:space:]]*dynamic_ownership[[:space:]]*='; then
+      sed -E 's/^[[:space:]]*dynamic_ownership[[:space:]]*=.*/dynamic_ownership = 0/' "$qemu_conf" >"$qemu_conf.bcd-tmp"
+      chmod --reference="$qemu_conf" "$qemu_conf.bcd-tmp" && chown --reference="$qemu_conf" "$qemu_conf.bcd-tmp"
+      mv "$qemu_conf.bcd-tmp" "$qemu_conf"
+      echo "install.sh: set dynamic_ownership = 0 in $qemu_conf"
+      LIBVIRT_RESTART=true
+    fi
+  else
+    printf '\n# bcd (install.sh): under bcd-helper root stages every domain; QEMU reaches its files\n# through group %s (docs/instances.md, Q-DLV-HLP-01).\ndynamic_ownership = 0\n' \
+      "$ACCOUNT" >>"$qemu_conf"
+    echo "install.sh: set dynamic_ownership = 0 in $qemu_conf"
+    LIBVIRT_RESTART=true
+  fi
+fi
+
 # --- directories -----------------------------------------------------------------------------------
 mkdirp() {  # path owner group mode
   mkdir -p "$(P "$1")"
@@ -335,6 +395,10 @@ fi
 # without that group cannot start the unit at all (status=216/GROUP).
 grep -q '^systemd-journal:' "$(P /etc/group)" ||
   echo "install.sh: warning: no group systemd-journal in $(P /etc/group): bcd-node.service (SupplementaryGroups=systemd-journal) will not start (216/GROUP); install systemd's journald, or drop that line in a drop-in and accept that XID errors go unseen" >&2
+if $LIBVIRT_RESTART; then
+  echo "install.sh: libvirt reads qemu.conf and QEMU's groups when it starts. Next, as root:" \
+    "systemctl restart libvirtd (running domains keep running; new ones start with the change)"
+fi
 progs=(/usr/bin/bcd)
 $HELPER && progs+=(/usr/bin/bcd-helper)
 for prog in "${progs[@]}"; do

@@ -33,6 +33,8 @@ unit); ids are stable across runs and releases, and `--json` prints them in a ve
   0x7FFD0000..+65535 (fail: a VMM would run as it).
 - libvirt-group: under the helper, the node's account is in the root-equivalent libvirt group
   (fail; HST-HLP-32).
+- libvirt-qemu: under the helper where libvirt is installed, qemu.conf's dynamic_ownership is not 0
+  (checked when readable: it is root's) or QEMU's user is not in the node's group (warn; DLV-HLP-13).
 - kubernetes: a joined Kubernetes node without [kubernetes] allowed_clusters (fail; HST-K8S-60).
 - iommu: an active IOMMU without the vfio-pci driver (warn; HST-IOMMU-12).
 - clock: the wall clock is before 2024, an unset RTC: certificates and signed intent cannot verify
@@ -61,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import stat
@@ -249,6 +252,7 @@ def check_all(config_path: str, host: HostView) -> list[Finding]:
     findings.extend(_check_cgroup(host))
     findings.extend(_check_vm_runtime(config, host))
     findings.extend(_check_libvirt_group(config, host))
+    findings.extend(_check_libvirt_qemu(config, host))
     findings.extend(_check_ch(host))
     findings.extend(_check_kubernetes(config, host))
     findings.extend(_check_iommu(host))
@@ -1042,6 +1046,60 @@ def _check_libvirt_group(config: Config, host: HostView) -> list[Finding]:
                 )
             ]
     return [Finding("libvirt-group", "ok", f"{user} is not in the libvirt group")]
+
+
+_QEMU_CONF_LINE = re.compile(r"^\s*(user|dynamic_ownership)\s*=\s*(\"[^\"]*\"|[^\s#]+)")
+
+
+def _check_libvirt_qemu(config: Config, host: HostView) -> list[Finding]:
+    """DLV-HLP-13 (Q-DLV-HLP-01): under the helper, where libvirt is installed, qemu.conf says
+    `dynamic_ownership = 0` and QEMU's user is in the node's group, as install.sh leaves them."""
+    conf = host.path("/etc/libvirt/qemu.conf")
+    if not config.under_helper or not conf.is_file():
+        return []
+    settings: dict[str, str] = {}
+    try:
+        for line in conf.read_text(errors="replace").splitlines():
+            m = _QEMU_CONF_LINE.match(line)
+            if m:  # libvirt keeps the last of two settings
+                settings[m.group(1)] = m.group(2).strip('"')
+        readable = True
+    except PermissionError:  # 0600 root on Debian: the node's account cannot read it
+        readable = False
+    except OSError:
+        return []
+    try:
+        passwd = [line.split(":")[0] for line in host.path("/etc/passwd").read_text().splitlines()]
+        groups = host.path("/etc/group").read_text().splitlines()
+    except OSError:
+        return []
+    user = config.helper.node_user or "bcd"
+    qemu = settings.get("user") or next((u for u in ("libvirt-qemu", "qemu") if u in passwd), "")
+    problems: list[str] = []
+    if readable and settings.get("dynamic_ownership", "1") != "0":
+        problems.append(
+            f"{conf.name} has dynamic_ownership = {settings.get('dynamic_ownership', '1 (the default)')}"
+        )
+    members = next(
+        (g.split(":")[3].split(",") for g in groups if g.split(":")[0] == user and g.count(":") >= 3), []
+    )
+    if qemu and qemu not in members and qemu not in ("root", "+0", "0"):
+        problems.append(f"QEMU's user {qemu} is not in group {user}")
+    if problems:
+        return [
+            Finding(
+                "libvirt-qemu",
+                "warn",
+                "; ".join(problems) + ": QEMU cannot open a direct-boot kernel the node staged",
+                "run deploy/install.sh again (it sets both), then systemctl restart libvirtd",
+            )
+        ]
+    checked = (
+        "dynamic_ownership = 0, "
+        if readable
+        else "qemu.conf is root's (run as root to see dynamic_ownership); "
+    )
+    return [Finding("libvirt-qemu", "ok", f"{checked}QEMU's user {qemu or '(none)'} in group {user}")]
 
 
 def _check_kubernetes(config: Config, host: HostView) -> list[Finding]:

@@ -227,6 +227,123 @@ def test_install_again_keeps_the_config_puts_modes_right_and_leaves_libvirt(tmp_
     assert [line.split(":")[0] for line in (root / "etc/passwd").read_text().splitlines()].count("bcd") == 1
 
 
+# Debian 12's libvirt-daemon-system ships qemu.conf with these lines commented (libvirt 9.0.0,
+# /etc/libvirt/qemu.conf lines 519-528 on this machine); the rest of the file is comments.
+QEMU_CONF = """# Some examples of valid values are:
+#user = "libvirt-qemu"
+#group = "libvirt-qemu"
+
+# Whether libvirt should dynamically change file ownership
+# to match the configured user/group above. Defaults to 1.
+# Set to 0 to disable file ownership changes.
+#dynamic_ownership = 1
+"""
+
+
+def _libvirt_host(root: Path, qemu_conf: str = QEMU_CONF) -> Path:
+    (root / "etc/libvirt").mkdir(parents=True)
+    (root / "etc/passwd").write_text(
+        "libvirt-qemu:x:64055:107:Libvirt Qemu,,,:/var/lib/libvirt:/usr/sbin/nologin\n"
+    )
+    (root / "etc/group").write_text("kvm:x:107:\nlibvirt-qemu:x:64055:libvirt-qemu\n")
+    (root / "etc/gshadow").write_text("kvm:!::\nlibvirt-qemu:!::libvirt-qemu\n")
+    conf = root / "etc/libvirt/qemu.conf"
+    conf.write_text(qemu_conf)
+    conf.chmod(0o600)
+    return conf
+
+
+def _members(path: Path, group: str) -> list[str]:
+    for line in path.read_text().splitlines():
+        fields = line.split(":")
+        if fields[0] == group:
+            return [m for m in fields[3].split(",") if m]
+    raise AssertionError(f"no group {group} in {path}")
+
+
+def _active(conf: Path, key: str) -> list[str]:
+    return [line.strip() for line in conf.read_text().splitlines() if re.match(rf"\s*{key}\s*=", line)]
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_under_the_helper_gives_libvirt_no_dynamic_ownership_and_qemu_the_nodes_group_dlv_hlp_13(
+    tmp_path: Path,
+) -> None:
+    """DLV-HLP-13: where libvirt is installed, install.sh sets `dynamic_ownership = 0` in qemu.conf
+    (appended: the shipped line is a comment) and puts QEMU's user (the distribution's libvirt-qemu, as
+    qemu.conf names none) in the node's group, in group and gshadow; the file keeps its mode; a re-run
+    changes nothing and says nothing; the operator is told to restart libvirtd."""
+    root = tmp_path / "host"
+    conf = _libvirt_host(root)
+    result = run_install(root)
+    assert result.returncode == 0, result.stderr
+    assert _active(conf, "dynamic_ownership") == ["dynamic_ownership = 0"]
+    assert conf.read_text().startswith(QEMU_CONF) and stat.S_IMODE(conf.stat().st_mode) == 0o600
+    assert _members(root / "etc/group", "bcd") == ["libvirt-qemu"]
+    assert _members(root / "etc/gshadow", "bcd") == ["libvirt-qemu"]
+    assert _members(root / "etc/group", "libvirt-qemu") == ["libvirt-qemu"]  # other groups untouched
+    assert "added QEMU's user libvirt-qemu to group bcd" in result.stdout
+    assert "systemctl restart libvirtd" in result.stdout
+    before = conf.read_bytes(), (root / "etc/group").read_bytes()
+    again = run_install(root)
+    assert again.returncode == 0, again.stderr
+    assert (conf.read_bytes(), (root / "etc/group").read_bytes()) == before
+    assert "qemu" not in again.stdout and "libvirtd" not in again.stdout
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_rewrites_every_active_dynamic_ownership_and_takes_qemu_confs_user(tmp_path: Path) -> None:
+    """libvirt's reader keeps the last of two settings: both lines become 0. qemu.conf's own `user`
+    is the account added (not the distribution's default)."""
+    root = tmp_path / "host"
+    conf = _libvirt_host(
+        root, QEMU_CONF + 'user = "vmm"\ndynamic_ownership = 1\n  dynamic_ownership=1 # again\n'
+    )
+    (root / "etc/passwd").write_text(
+        (root / "etc/passwd").read_text() + "vmm:x:5000:5000::/:/usr/sbin/nologin\n"
+    )
+    assert run_install(root).returncode == 0
+    assert _active(conf, "dynamic_ownership") == ["dynamic_ownership = 0", "dynamic_ownership = 0"]
+    assert _members(root / "etc/group", "bcd") == ["vmm"]
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+@pytest.mark.parametrize(
+    ("user_line", "warning"),
+    [
+        ('user = "root"\n', "runs QEMU as root"),
+        ('user = "+0"\n', "runs QEMU as root"),
+        ('user = "ghost"\n', "has no account here"),
+    ],
+)
+def test_install_never_adds_root_or_a_missing_account_to_the_nodes_group(
+    tmp_path: Path, user_line: str, warning: str
+) -> None:
+    root = tmp_path / "host"
+    conf = _libvirt_host(root, QEMU_CONF + user_line)
+    result = run_install(root)
+    assert result.returncode == 0 and warning in result.stderr
+    assert _members(root / "etc/group", "bcd") == []
+    assert _active(conf, "dynamic_ownership") == ["dynamic_ownership = 0"]
+
+
+@pytest.mark.realhost
+@pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
+def test_install_without_the_helper_or_without_libvirt_leaves_qemu_alone(tmp_path: Path) -> None:
+    """--no-helper: the node as root drives libvirt itself (DLV-QFA-01..02: dynamic ownership and o+x);
+    no qemu.conf: nothing made."""
+    root = tmp_path / "host"
+    conf = _libvirt_host(root)
+    assert run_install(root, "--no-helper").returncode == 0
+    assert conf.read_text() == QEMU_CONF and _members(root / "etc/group", "bcd") == []
+    other = tmp_path / "bare"
+    assert run_install(other).returncode == 0
+    assert not (other / "etc/libvirt").exists()
+
+
 @pytest.mark.realhost
 @pytest.mark.skipif(os.geteuid() != 0, reason="install.sh runs as root")
 def test_install_refuses_values_that_would_break_out_of_toml(tmp_path: Path) -> None:

@@ -180,6 +180,40 @@ def test_HST_HLP_32_libvirt_group_fails_under_the_helper(
     assert levels(check_all(cfg, host), "libvirt-group") == ["ok"]
 
 
+def test_libvirt_qemu_warns_until_install_sh_set_it_up_dlv_hlp_13(
+    tmp_path: Path, host: HostView, helper_socket: str
+) -> None:
+    """DLV-HLP-13: under the helper, qemu.conf's dynamic_ownership (the last active line; 1 when
+    commented out, libvirt's default) and QEMU's user in the node's group; nothing without the helper
+    or without libvirt."""
+    make_data_dir(tmp_path)
+    cfg = write_config(tmp_path, f'[helper]\nsocket = "{helper_socket}"\n')
+    assert "libvirt-qemu" not in by_check(check_all(cfg, host))  # no libvirt here
+    (host.root / "etc/libvirt").mkdir(parents=True)
+    conf = host.root / "etc/libvirt/qemu.conf"
+    conf.write_text('#user = "libvirt-qemu"\n#dynamic_ownership = 1\n')
+    (host.root / "etc/passwd").write_text(
+        "libvirt-qemu:x:64055:107::/:/usr/sbin/nologin\nbcd:x:990:990::/:/x\n"
+    )
+    (host.root / "etc/group").write_text("bcd:x:990:\n")
+    [f] = by_check(check_all(cfg, host))["libvirt-qemu"]
+    assert f.level == "warn"
+    assert (
+        "dynamic_ownership = 1 (the default)" in f.message and "libvirt-qemu is not in group bcd" in f.message
+    )
+    conf.write_text("dynamic_ownership = 0\ndynamic_ownership = 1 # the last one counts\n")
+    (host.root / "etc/group").write_text("bcd:x:990:libvirt-qemu\n")
+    [f] = by_check(check_all(cfg, host))["libvirt-qemu"]
+    assert f.level == "warn" and f.message.startswith("qemu.conf has dynamic_ownership = 1:")
+    conf.write_text('user = "vmm"\ndynamic_ownership = 0\n')
+    [f] = by_check(check_all(cfg, host))["libvirt-qemu"]
+    assert f.level == "warn" and "QEMU's user vmm is not in group bcd" in f.message
+    (host.root / "etc/group").write_text("bcd:x:990:libvirt-qemu,vmm\n")
+    [f] = by_check(check_all(cfg, host))["libvirt-qemu"]
+    assert (f.level, f.message) == ("ok", "dynamic_ownership = 0, QEMU's user vmm in group bcd")
+    assert "libvirt-qemu" not in by_check(check_all(write_config(tmp_path), host))  # no helper
+
+
 def test_HST_K8S_60_a_joined_kubernetes_node_needs_allowed_clusters(tmp_path: Path, host: HostView) -> None:
     make_data_dir(tmp_path)
     assert "kubernetes" not in by_check(check_all(write_config(tmp_path), host))
