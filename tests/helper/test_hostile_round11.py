@@ -380,6 +380,48 @@ def test_round11_a_hardened_sysctl_value_is_read_as_the_kernel_reads_it(
 
 
 @pytest.mark.parametrize(
+    ("module", "options", "rule"),
+    [
+        ("nvidia", "NVreg_RestrictProfilingToAdminUsers=0", "only NVreg_RestrictProfilingToAdminUsers=1"),
+        ("nvidia", "NVreg_RestrictProfilingToAdminUsers=0x0", "only NVreg_RestrictProfilingToAdminUsers=1"),
+        ("nvidia", "NVreg_RestrictProfilingToAdminUsers=00", "only NVreg_RestrictProfilingToAdminUsers=1"),
+        # an alias of the module: modprobe applies its line when the module is loaded through it
+        (
+            "nvidia-current",
+            "NVreg_RestrictProfilingToAdminUsers=0",
+            "only NVreg_RestrictProfilingToAdminUsers=1",
+        ),
+        ("nvidia", "NVreg_RegistryDwords=RmProfilingAdminOnly=0", "registry entries"),
+        ("nvidia", "NVreg_RegistryDwordsPerDevice=RmProfilingAdminOnly=0", "registry entries"),
+    ],
+)
+def test_round11_nvidia_profiling_opened_to_every_user_is_refused(
+    helper: HelperProcess, module: str, options: str, rule: str
+) -> None:
+    """Round 11's "not closed": `kernel-modules` wrote `options nvidia NVreg_RestrictProfilingToAdminUsers=0`
+    as the node asked (the GPUs' performance counters to every user of the host, a side channel between
+    tenants), and the driver's registry keys can set the same switch (`RmProfilingAdminOnly`). Now the
+    restriction is taken only as exactly 1 and the registry keys not at all, under any module name
+    (`invalid-settings` naming the key), nothing written; the default itself is still written."""
+    settings = json.dumps({"options": {module: options}})
+    args = {"unit": "kernel-modules", "settings": settings, "busy_gpus": []}
+    answer = refused_as_node(helper, {"op": "host.unit", "args": args}, "invalid-settings", rule)
+    assert options.split("=")[0] in answer["message"], answer
+    assert not (helper.root / "etc/modprobe.d/bcd.conf").exists()
+
+
+def test_round11_nvidias_profiling_restriction_at_its_default_is_written(helper: HelperProcess) -> None:
+    settings = json.dumps({"options": {"nvidia": "NVreg_RestrictProfilingToAdminUsers=1"}})
+    answer = as_node(
+        helper, {"op": "host.unit", "args": {"unit": "kernel-modules", "settings": settings, "busy_gpus": []}}
+    )
+    assert answer["ok"] is True, answer
+    conf = helper.root / "etc/modprobe.d/bcd.conf"
+    assert "options nvidia NVreg_RestrictProfilingToAdminUsers=1\n" in conf.read_text()
+    conf.unlink()
+
+
+@pytest.mark.parametrize(
     "body", [b"," * 16385 + b'\\"' * 2_000_000, b'["' + b'\\"' * 2_000_000 + b"," * 16385]
 )
 def test_round11_a_frame_of_escaped_quotes_never_stalls_the_helper(

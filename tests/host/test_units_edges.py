@@ -335,6 +335,27 @@ def test_HST_MOD_17_18_refused_options_named_whatever_the_value(module: str, key
         )
 
 
+def test_nvidia_profiling_restriction_only_at_its_default_and_no_registry_keys() -> None:
+    """docs/host.md "Refused module options beyond the seeds": the driver reads the restriction with
+    kstrtouint in base 0, so every spelling but exactly `1` is refused (several are 0 there); the
+    registry keys are refused whatever they hold; under any module name, as the vfio keys."""
+    key = "NVreg_RestrictProfilingToAdminUsers"
+    for module in ("nvidia", "nvidia-current", "kvm"):
+        for value in ("0", "00", "0x0", "01", "2", "Y", ""):  # (`+0` fails the value rule before)
+            assert refusal("kernel-modules", {"options": {module: f"a=1 {key}={value}"}}) == (
+                f"options.{module}: {key}={value} is refused: only {key}=1 (GPU performance counters to "
+                "administrators only; any other value opens them to every tenant)"
+            ), (module, value)
+        for registry in ("NVreg_RegistryDwords", "NVreg_RegistryDwordsPerDevice"):
+            assert refusal("kernel-modules", {"options": {module: f"{registry}=RMUseSwI2c=1"}}) == (
+                f"options.{module}: {registry} is refused: it sets any of the GPU driver's registry entries, "
+                "the profiling restriction among them"
+            )
+    unit = REGISTRY["kernel-modules"]
+    settings = unit.decode_settings(json.dumps({"options": {"nvidia": f"{key}=1 NVreg_EnableGpuFirmware=0"}}))
+    assert settings.options[0][1] == ((key, "1"), ("NVreg_EnableGpuFirmware", "0"))
+
+
 def test_kmod_unknown_field_named() -> None:
     assert refusal("kernel-modules", {"load": [], "option": {}}) == "option: unknown field"
 

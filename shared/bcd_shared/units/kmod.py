@@ -10,7 +10,8 @@ Decisions: Q-HST-MOD-01 the record's keys follow the `load` name rule, option ke
 follow ^[A-Za-z0-9_]{1,64}$, and `options` may name a module `load` does not list (only the
 modprobe.d line is written). Q-HST-MOD-02 refused options match with `-` and `_` alike, whatever
 their value. Q-HST-MOD-03 reload is `modprobe -r -- <name>` then `modprobe -- <name>`, after the
-options file is written. Q-HST-RMV-02 an empty `load` removes modules-load.d/bcd.conf.
+options file is written. Beyond the seeds, nvidia's profiling restriction only at 1, its registry keys
+refused. Q-HST-RMV-02 an empty `load` removes modules-load.d/bcd.conf.
 """
 
 from __future__ import annotations
@@ -40,6 +41,14 @@ FORBIDDEN_OPTIONS = frozenset(
 # `allow_unsafe_interrupts`, and modprobe applies an `options` line written for an alias of vfio
 # (`char-major-10-196`) when the module is loaded through that alias.
 FORBIDDEN_KEYS = frozenset(key for _module, key in FORBIDDEN_OPTIONS)
+# nvidia's GPU performance counters open to every user are a side channel between tenants of one host
+# (docs/host.md "Refused module options": stricter than the seeds' list): the restriction is accepted
+# only at its default, exactly `1` (the driver reads any other text through kstrtouint in base 0, where
+# `0`, `00`, `0x0` and `+0` are all 0); the registry keys, which set any of the driver's registry
+# entries (`RmProfilingAdminOnly` among them) from one string, are refused whatever their value. Under
+# every module name, as the keys above (an alias loads the module with its line).
+ONLY_VALUE = {"NVreg_RestrictProfilingToAdminUsers": "1"}
+REFUSED_KEYS = frozenset({"NVreg_RegistryDwords", "NVreg_RegistryDwordsPerDevice"})
 
 
 def sysname(module: str) -> str:
@@ -67,6 +76,17 @@ def parse_options(module: str, value: str) -> tuple[tuple[str, str], ...]:
             raise refuse(f"{name}: option key {key!r} does not match {OPTION_KEY_RE}")
         if (sysname(module), sysname(key)) in FORBIDDEN_OPTIONS or sysname(key) in FORBIDDEN_KEYS:
             raise refuse(f"{name}: {key} is refused: it lets a passed-through device reach host memory")
+        if sysname(key) in REFUSED_KEYS:
+            raise refuse(
+                f"{name}: {key} is refused: it sets any of the GPU driver's registry entries, the profiling "
+                "restriction among them"
+            )
+        only = ONLY_VALUE.get(sysname(key))
+        if only is not None and val != only:
+            raise refuse(
+                f"{name}: {key}={val[:32]} is refused: only {key}={only} (GPU performance counters to "
+                "administrators only; any other value opens them to every tenant)"
+            )
         pairs.append((key, val))
     if not pairs:
         raise refuse(f"{name}: empty options")
