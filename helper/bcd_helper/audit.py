@@ -56,6 +56,7 @@ import os
 import re
 import secrets
 import socket
+import stat
 import sys
 import threading
 import time
@@ -69,6 +70,8 @@ from bcd_shared.shown import shown
 
 LOG_NAME = "audit.log"
 HEAD_NAME = "audit.head"
+PENDING_NAME = "audit.pending"
+MAX_PENDING = 64 * 1024
 KEY_NAME = "audit.key"
 GENESIS = "0" * 64
 DEFAULT_MAX_BYTES = 16 * 1024 * 1024
@@ -399,6 +402,52 @@ class AuditLog:
     def head(self) -> tuple[int, str]:
         with self._lock:
             return self._seq, self._prev
+
+    def save_pending(self, data: bytes | None) -> None:
+        """`audit.pending` (the counts of requests answered without a line while the log is full, kept
+        across a crash, docs/helper.md "Audit log"): replaced whole (a temporary file fsynced, renamed,
+        the directory fsynced), or removed when `data` is None. Relative to the log's own directory."""
+        with self._lock:
+            if self._dfd < 0:
+                return
+            if data is None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(PENDING_NAME, dir_fd=self._dfd)
+                    os.fsync(self._dfd)
+                return
+            tmp = f".{PENDING_NAME}.tmp"
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp, dir_fd=self._dfd)
+            fd = os.open(
+                tmp,
+                os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                0o600,
+                dir_fd=self._dfd,
+            )
+            try:
+                os.write(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, PENDING_NAME, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
+            os.fsync(self._dfd)
+
+    def load_pending(self) -> bytes | None:
+        """`audit.pending` as left by a helper that stopped while the log was full; None when absent.
+        At most MAX_PENDING bytes (a longer file is refused by the caller's parse)."""
+        with self._lock:
+            try:
+                fd = os.open(
+                    PENDING_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self._dfd
+                )
+            except FileNotFoundError:
+                return None
+            try:
+                if not stat.S_ISREG(os.fstat(fd).st_mode):
+                    return b"(not a regular file)"
+                return os.read(fd, MAX_PENDING + 1)
+            finally:
+                os.close(fd)
 
     def export(self) -> dict[str, Any]:
         """The head, now read by the node: every line up to it may be rotated away (and files past

@@ -62,16 +62,17 @@ import grp
 import hashlib
 import json
 import os
+import re
 import select
 import socket
 import socketserver
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from bcd_helper.audit import canonical
+from bcd_helper.audit import MAX_PENDING, canonical
 from bcd_helper.ops.base import BoundedSystem, Call, Deadline, Failed, HelperContext, Peer, Refused
 from bcd_helper.ops.table import LOCK_ORDER, OPS, OpSpec
 from bcd_helper.protocol import (
@@ -170,6 +171,54 @@ class Budget:
             self._cond.notify_all()
 
 
+MAX_PENDING_UIDS = 64
+MAX_PENDING_REASONS = 32
+_OTHER_REASONS = "(other reasons)"
+
+
+def encode_pending(pending: Mapping[int, Mapping[str, int]]) -> bytes:
+    """audit.pending's bytes: canonical JSON `{"pending": {"<uid>": {"<reason>": n}}, "v": 1}`, at most
+    MAX_PENDING_UIDS uids (those with the most counts) and MAX_PENDING_REASONS reasons each (the rest
+    added up under "(other reasons)")."""
+    out: dict[str, dict[str, int]] = {}
+    for uid, reasons in sorted(pending.items(), key=lambda kv: -sum(kv[1].values()))[:MAX_PENDING_UIDS]:
+        ranked = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
+        kept = dict(ranked[: MAX_PENDING_REASONS - 1] if len(ranked) > MAX_PENDING_REASONS else ranked)
+        rest = sum(n for _r, n in ranked[len(kept) :])
+        if rest:
+            kept[_OTHER_REASONS] = kept.get(_OTHER_REASONS, 0) + rest
+        out[str(uid)] = {r[:128]: n for r, n in kept.items()}
+    return canonical({"pending": out, "v": 1})
+
+
+def decode_pending(data: bytes) -> dict[int, dict[str, int]]:
+    """audit.pending read back strictly; ValueError naming what is wrong."""
+    if len(data) > MAX_PENDING:
+        raise ValueError(f"more than {MAX_PENDING} bytes")
+    try:
+        doc = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(doc, dict) or set(doc) != {"pending", "v"} or doc["v"] != 1:
+        raise ValueError('not {"pending": ..., "v": 1}')
+    pending = doc["pending"]
+    if not isinstance(pending, dict) or len(pending) > MAX_PENDING_UIDS:
+        raise ValueError(f"pending: an object of at most {MAX_PENDING_UIDS} uids")
+    out: dict[int, dict[str, int]] = {}
+    for key, reasons in pending.items():
+        if not re.fullmatch(r"0|[1-9][0-9]{0,9}", key) or int(key) > 0xFFFFFFFE:
+            raise ValueError(f"pending: {key[:20]!r} is not a uid")
+        if not isinstance(reasons, dict) or not 1 <= len(reasons) <= MAX_PENDING_REASONS:
+            raise ValueError(f"pending.{key}: an object of 1 to {MAX_PENDING_REASONS} reasons")
+        for reason, n in reasons.items():
+            if not 1 <= len(reason) <= 128 or type(n) is not int or not 1 <= n < 2**53:
+                raise ValueError(
+                    f"pending.{key}: {reason[:40]!r}: a reason of 1 to 128 characters, a count 1 to 2**53-1"
+                )
+        out[int(key)] = dict(reasons)
+    return out
+
+
 class Guards:
     """Process-wide limits shared by both sockets: the in-flight budget, the per-peer refusal rate and the
     counts of refusals not audited one by one, which the flusher thread writes as `(suppressed)` lines."""
@@ -180,6 +229,11 @@ class Guards:
         self._lock = threading.Lock()
         self._tokens: dict[int, tuple[float, float]] = {}  # uid -> (tokens, when)
         self._pending: dict[int, dict[str, int]] = {}
+        # While the log is full the counts are also kept in audit.pending, so that a helper killed
+        # then does not lose them (round 11's "not closed"): counted, saved, whether the file is there.
+        self._counted = self._saved = 0
+        self._on_disk = False
+        self._restore()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._flusher, name="audit-flusher", daemon=True)
         self._thread.start()
@@ -209,15 +263,65 @@ class Guards:
         with self._lock:
             reasons = self._pending.setdefault(uid, {})
             reasons[reason] = reasons.get(reason, 0) + 1
+            self._counted += 1
+
+    def _restore(self) -> None:
+        """The counts an earlier helper left in audit.pending (it stopped while the log was full), added
+        to this one's; an unreadable file gets a line of its own saying so, and is removed."""
+        try:
+            data = self.ctx.audit.load_pending()
+        except OSError as exc:
+            data = f"(unreadable: {exc.strerror})".encode()
+        if data is None:
+            return
+        try:
+            restored = decode_pending(data)
+        except ValueError as exc:
+            self.ctx.audit.record(
+                peer_pid=0,
+                peer_uid=0,
+                op="(suppressed)",
+                args={},
+                args_sha256=hashlib.sha256(data).hexdigest(),
+                decision="refused",
+                reason="pending-unreadable",
+                message=f"audit.pending of an earlier run not read, its counts lost: {str(exc)[:200]}",
+                duration_ms=0.0,
+            )
+            self.ctx.audit.save_pending(None)
+            return
+        for uid, reasons in restored.items():
+            mine = self._pending.setdefault(uid, {})
+            for reason, n in reasons.items():
+                mine[reason] = mine.get(reason, 0) + n
+        self._on_disk = True
+
+    def _save(self) -> None:
+        """While the log is full: the counts into audit.pending when they changed since the last save."""
+        with self._lock:
+            if self._counted == self._saved or not self._pending:
+                return
+            counted, data = self._counted, encode_pending(self._pending)
+        self.ctx.audit.save_pending(data)
+        self._saved, self._on_disk = counted, True
 
     def flush(self, force: bool = False) -> None:
-        """The counts as `(suppressed)` lines. While the audit log is full they wait (kept, counting on)
-        until it has room, or the helper stops (`force`): else a line a second would grow the files past
-        their bound for as long as the node keeps it full (round 11)."""
+        """The counts as `(suppressed)` lines. While the audit log is full they wait (kept, counting on,
+        and saved in audit.pending) until it has room, or the helper stops (`force`): else a line a
+        second would grow the files past their bound for as long as the node keeps it full (round 11).
+        audit.pending goes once the lines are written (a crash between the two writes them twice)."""
         if not force and self.ctx.audit.full:
+            self._save()
             return
         with self._lock:
             pending, self._pending = self._pending, {}
+            self._saved = self._counted
+        self._write(pending)
+        if self._on_disk:
+            self.ctx.audit.save_pending(None)
+            self._on_disk = False
+
+    def _write(self, pending: dict[int, dict[str, int]]) -> None:
         for uid, reasons in sorted(pending.items()):
             args = {"count": sum(reasons.values()), "reasons": dict(sorted(reasons.items())[:32])}
             self.ctx.audit.record(

@@ -348,6 +348,54 @@ def test_round11_a_full_audit_log_takes_no_more_lines_from_the_nodes_refusals(tm
         h.stop()
 
 
+def test_round11_the_counts_kept_while_the_log_is_full_survive_a_killed_helper(tmp_path: Path) -> None:
+    """Row 4's "not closed": while the log is full the node's refusals are counted, not written, and the
+    counts lived in memory only, so a helper killed then (SIGKILL, a power loss) lost them: the node could
+    fill the log, send what it liked, and have the helper killed. Now the counts are also kept in
+    `audit.pending` (replaced whole, fsynced) while the log is full; the next helper reads them back and
+    writes them in its `(suppressed)` line once the node has read the head (room again), then removes
+    the file; the chain verifies."""
+    root = make_root(tmp_path)
+    # audit_min_age_s = 0: the files the node has read may go at once (room again when it reads the head).
+    h = HelperProcess(
+        root, base_config(extra="audit_max_bytes = 16384\naudit_keep = 2\naudit_min_age_s = 0\n")
+    )
+    audit = root / AUDIT_DIR.lstrip("/")
+    pending = audit / "audit.pending"
+    try:
+        assert _flood(h, [b'{"op":"helper.ping","args":{}}'] * 700).get("audit-full", 0) > 0
+        counts = _flood(h, [b"[]"] * 40 + [b'{"op":"helper.ping","args":{}}'] * 10)
+        assert counts == {"bad-request": 40, "audit-full": 10}, counts
+        deadline = time.monotonic() + 10
+        while not pending.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        saved = json.loads(pending.read_bytes())
+        assert saved["v"] == 1 and saved["pending"][str(NODE_UID)]["bad-request"] == 40, saved
+        assert (pending.stat().st_mode & 0o777) == 0o600
+    finally:
+        h.proc.kill()  # no clean stop: nothing written at close
+        h.proc.wait()
+    lines_before = sum(1 for p in audit.glob("audit.log*") for _ in p.read_bytes().splitlines())
+    h = HelperProcess(root)
+    try:
+        head = as_node(h, {"op": "audit.head", "args": {}})  # the node reads the head: room again
+        assert head["ok"] is True, head
+        deadline = time.monotonic() + 10
+        while pending.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not pending.exists()
+        lines = [json.loads(x) for p in sorted(audit.glob("audit.log*")) for x in p.read_bytes().splitlines()]
+        assert len(lines) > 0 and lines_before > 0
+        suppressed = [x for x in lines if x["op"] == "(suppressed)" and x["peer_uid"] == NODE_UID]
+        assert suppressed, lines[-5:]
+        reasons = suppressed[-1]["args"]["reasons"]
+        assert reasons["bad-request"] >= 40 and reasons["audit-full"] >= 10, suppressed[-1]
+        result = verify_chain(audit)
+        assert result.ok, result.problem
+    finally:
+        h.stop()
+
+
 @pytest.mark.parametrize(
     ("key", "value"),
     [

@@ -1,0 +1,160 @@
+"""audit.pending: the counts of requests answered without a line of their own while the audit log is full,
+kept on disk so that a killed helper does not lose them (docs/helper.md "Audit log", round 11 row 4).
+In process, with a real audit directory; the killed helper itself is
+tests/helper/test_hostile_round11.py::test_round11_the_counts_kept_while_the_log_is_full_survive_a_killed_helper."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from bcd_helper.ops.base import HelperContext
+from bcd_helper.server import (
+    MAX_PENDING_REASONS,
+    MAX_PENDING_UIDS,
+    Guards,
+    decode_pending,
+    encode_pending,
+)
+from opskit import context, make_root
+
+
+@pytest.fixture
+def ctx(tmp_path: Path) -> Iterator[HelperContext]:
+    c = context(make_root(tmp_path))
+    yield c
+    c.audit.close()
+
+
+def _pending_path(ctx: HelperContext) -> Path:
+    return ctx.root / ctx.config.audit_dir.lstrip("/") / "audit.pending"
+
+
+def _lines(ctx: HelperContext) -> list[dict[str, Any]]:
+    path = ctx.root / ctx.config.audit_dir.lstrip("/") / "audit.log"
+    return [json.loads(x) for x in path.read_bytes().splitlines()] if path.exists() else []
+
+
+def _full(ctx: HelperContext, full: bool) -> None:
+    ctx.audit._held = ctx.audit._keep * 4 if full else 0
+    assert ctx.audit.full is full
+
+
+def test_while_full_the_counts_are_saved_once_per_change_and_read_back_by_the_next_helper(
+    ctx: HelperContext,
+) -> None:
+    guards = Guards(ctx)
+    try:
+        _full(ctx, True)
+        guards.flush()  # nothing counted: no file
+        assert not _pending_path(ctx).exists()
+        guards.count(4242, "audit-full")
+        guards.count(4242, "audit-full")
+        guards.count(4243, "bad-request")
+        guards.flush()
+        path = _pending_path(ctx)
+        assert decode_pending(path.read_bytes()) == {4242: {"audit-full": 2}, 4243: {"bad-request": 1}}
+        assert path.stat().st_mode & 0o777 == 0o600
+        inode = path.stat().st_ino
+        guards.flush()  # nothing new: not written again (each save is a new file renamed over)
+        assert path.stat().st_ino == inode
+        guards.count(4242, "audit-full")
+        guards.flush()
+        assert path.stat().st_ino != inode
+        assert decode_pending(path.read_bytes())[4242] == {"audit-full": 3}
+    finally:
+        guards._stop.set()  # as a killed helper: no close, nothing written at the end
+        guards._thread.join()
+    lines = len(_lines(ctx))
+
+    again = Guards(ctx)  # the next helper, on the same log, still full
+    try:
+        guards_pending = again._pending
+        assert guards_pending == {4242: {"audit-full": 3}, 4243: {"bad-request": 1}}
+        again.count(4242, "audit-full")
+        again.flush()  # still full: the file follows the new count, no line yet
+        assert decode_pending(_pending_path(ctx).read_bytes())[4242] == {"audit-full": 4}
+        assert len(_lines(ctx)) == lines
+        _full(ctx, False)
+        again.flush()
+        assert not _pending_path(ctx).exists()
+        written = {x["peer_uid"]: x for x in _lines(ctx)[lines:]}
+        assert written[4242]["op"] == "(suppressed)" and written[4242]["args"] == {
+            "count": 4,
+            "reasons": {"audit-full": 4},
+        }
+        assert written[4243]["args"] == {"count": 1, "reasons": {"bad-request": 1}}
+    finally:
+        again.close()
+
+
+def test_a_clean_stop_while_full_writes_the_counts_and_removes_the_file(ctx: HelperContext) -> None:
+    guards = Guards(ctx)
+    _full(ctx, True)
+    guards.count(4242, "bad-request")
+    guards.flush()
+    assert _pending_path(ctx).exists()
+    guards.close()
+    assert not _pending_path(ctx).exists()
+    assert _lines(ctx)[-1]["args"] == {"count": 1, "reasons": {"bad-request": 1}}
+    assert Guards(ctx)._pending == {}  # nothing left to read back
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"not json",
+        b'{"pending": {}}',
+        b'{"pending": {}, "v": 2}',
+        b'{"pending": {"-1": {"x": 1}}, "v": 1}',
+        b'{"pending": {"01": {"x": 1}}, "v": 1}',
+        b'{"pending": {"4294967295": {"x": 1}}, "v": 1}',
+        b'{"pending": {"1": {}}, "v": 1}',
+        b'{"pending": {"1": {"x": 0}}, "v": 1}',
+        b'{"pending": {"1": {"x": true}}, "v": 1}',
+        b'{"pending": {"1": {"x": 1.0}}, "v": 1}',
+        b'{"pending": {"1": {"": 1}}, "v": 1}',
+        b'{"pending": {"1": {"x": 9007199254740992}}, "v": 1}',
+        b'{"pending": {"1": {"x": 1}}, "v": 1, "more": 1}',
+        b" " * (64 * 1024 + 1),
+    ],
+)
+def test_an_unreadable_file_is_said_in_a_line_of_its_own_and_removed(ctx: HelperContext, data: bytes) -> None:
+    path = _pending_path(ctx)
+    path.write_bytes(data)
+    guards = Guards(ctx)
+    try:
+        assert guards._pending == {} and not path.exists()
+        line = _lines(ctx)[-1]
+        assert (line["op"], line["peer_uid"], line["reason"]) == ("(suppressed)", 0, "pending-unreadable")
+        assert line["message"].startswith("audit.pending of an earlier run not read, its counts lost: ")
+    finally:
+        guards.close()
+
+
+def test_a_symlink_in_place_of_the_file_is_not_followed(ctx: HelperContext, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.write_bytes(b'{"pending": {"1": {"x": 1}}, "v": 1}')
+    _pending_path(ctx).symlink_to(target)
+    guards = Guards(ctx)
+    try:
+        assert guards._pending == {}
+        assert _lines(ctx)[-1]["reason"] == "pending-unreadable" and target.exists()
+    finally:
+        guards.close()
+
+
+def test_the_file_is_bounded_in_uids_and_reasons_and_keeps_the_totals() -> None:
+    pending = {uid: {"bad-request": uid + 1} for uid in range(MAX_PENDING_UIDS + 10)}
+    kept = decode_pending(encode_pending(pending))
+    assert len(kept) == MAX_PENDING_UIDS
+    assert min(kept) == 10  # the uids with the most counts are the ones kept
+    many = {f"r{i:02}": 1 for i in range(MAX_PENDING_REASONS + 5)} | {"most": 100}
+    [reasons] = decode_pending(encode_pending({7: many})).values()
+    assert len(reasons) == MAX_PENDING_REASONS and reasons["most"] == 100
+    assert sum(reasons.values()) == sum(many.values())  # the rest added up, not dropped
+    assert reasons["(other reasons)"] == len(many) - (MAX_PENDING_REASONS - 1)
+    assert decode_pending(encode_pending({0: {"a": 1}})) == {0: {"a": 1}}
