@@ -109,10 +109,21 @@ def _socket_path(value: object) -> str:
     return text
 
 
+# data_dir (and what root derives from it, `<data_dir>-ch-binds`) goes into systemd unit settings
+# (BindPaths=SOURCE:DEST, ReadWritePaths=, TemporaryFileSystem=), where `:` separates, whitespace
+# splits, `%` is a specifier and `\` an escape: before, a `:` in it was an internal error at ch.launch.
+_DATA_DIR_RE = re.compile(r"/[A-Za-z0-9._+@/-]*")
+
+
 def _data_dir(value: object) -> str:
     text = _abs_path(value)
     if text == "/":
         raise RuleError("must be a directory of its own, not /")
+    if not _DATA_DIR_RE.fullmatch(text):
+        raise RuleError(
+            "must be a path of letters, digits and . _ + @ - / only (systemd unit settings take it, where "
+            f": % \\ and spaces are special), got {_describe(value)}"
+        )
     return text
 
 
