@@ -351,6 +351,10 @@ def test_nvidia_profiling_restriction_only_at_its_default_and_no_registry_keys()
                 f"options.{module}: {registry} is refused: it sets any of the GPU driver's registry entries, "
                 "the profiling restriction among them"
             )
+    long = "0" * 40  # the value is shown cut to 32 characters
+    assert refusal("kernel-modules", {"options": {"nvidia": f"{key}={long}"}}).startswith(
+        f"options.nvidia: {key}={'0' * 32} is refused: only {key}=1 "
+    )
     unit = REGISTRY["kernel-modules"]
     settings = unit.decode_settings(json.dumps({"options": {"nvidia": f"{key}=1 NVreg_EnableGpuFirmware=0"}}))
     assert settings.options[0][1] == ((key, "1"), ("NVreg_EnableGpuFirmware", "0"))
