@@ -450,7 +450,9 @@ def _check_helper(config: Config) -> list[Finding]:
                 "helper-version",
                 "warn",
                 f"the helper is bcd {theirs}, the node bcd {VERSION}",
-                "upgrade bcd-helper and bcd-node together (same release), then systemctl restart bcd-helper",
+                "upgrade bcd-helper and bcd-node together (same release), then systemctl restart bcd-helper"
+                " (after a self-update, the daemon section, the node runs ahead of the packaged helper"
+                " until bcd-helper is upgraded)",
             )
         )
     return findings
