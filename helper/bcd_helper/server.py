@@ -182,11 +182,15 @@ def encode_pending(pending: Mapping[int, Mapping[str, int]]) -> bytes:
     added up under "(other reasons)")."""
     out: dict[str, dict[str, int]] = {}
     for uid, reasons in sorted(pending.items(), key=lambda kv: -sum(kv[1].values()))[:MAX_PENDING_UIDS]:
-        ranked = sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0]))
-        kept = dict(ranked[: MAX_PENDING_REASONS - 1] if len(ranked) > MAX_PENDING_REASONS else ranked)
-        rest = sum(n for _r, n in ranked[len(kept) :])
+        other = reasons.get(_OTHER_REASONS, 0)  # read back from an earlier file
+        ranked = sorted(
+            ((r, n) for r, n in reasons.items() if r != _OTHER_REASONS), key=lambda kv: (-kv[1], kv[0])
+        )
+        room = MAX_PENDING_REASONS - (1 if other or len(ranked) > MAX_PENDING_REASONS else 0)
+        kept = dict(ranked[:room])
+        rest = other + sum(n for _r, n in ranked[room:])
         if rest:
-            kept[_OTHER_REASONS] = kept.get(_OTHER_REASONS, 0) + rest
+            kept[_OTHER_REASONS] = rest
         out[str(uid)] = {r[:128]: n for r, n in kept.items()}
     return canonical({"pending": out, "v": 1})
 
@@ -315,7 +319,6 @@ class Guards:
             return
         with self._lock:
             pending, self._pending = self._pending, {}
-            self._saved = self._counted
         self._write(pending)
         if self._on_disk:
             self.ctx.audit.save_pending(None)

@@ -5,6 +5,7 @@ tests/helper/test_hostile_round11.py::test_round11_the_counts_kept_while_the_log
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -91,6 +92,20 @@ def test_while_full_the_counts_are_saved_once_per_change_and_read_back_by_the_ne
         again.close()
 
 
+def test_read_back_counts_written_at_the_first_flush_with_room_remove_the_file(ctx: HelperContext) -> None:
+    """The next helper starts with room (the log was exported meanwhile): its first flush writes the
+    counts it read back and removes the file, with no save in between."""
+    _pending_path(ctx).write_bytes(encode_pending({4242: {"bad-request": 3}}))
+    guards = Guards(ctx)
+    try:
+        _full(ctx, False)
+        guards.flush()
+        assert not _pending_path(ctx).exists()
+        assert _lines(ctx)[-1]["args"] == {"count": 3, "reasons": {"bad-request": 3}}
+    finally:
+        guards.close()
+
+
 def test_a_clean_stop_while_full_writes_the_counts_and_removes_the_file(ctx: HelperContext) -> None:
     guards = Guards(ctx)
     _full(ctx, True)
@@ -129,10 +144,72 @@ def test_an_unreadable_file_is_said_in_a_line_of_its_own_and_removed(ctx: Helper
     try:
         assert guards._pending == {} and not path.exists()
         line = _lines(ctx)[-1]
-        assert (line["op"], line["peer_uid"], line["reason"]) == ("(suppressed)", 0, "pending-unreadable")
-        assert line["message"].startswith("audit.pending of an earlier run not read, its counts lost: ")
+        assert (line["op"], line["peer_uid"], line["peer_pid"]) == ("(suppressed)", 0, 0)
+        assert (line["decision"], line["reason"], line["duration_ms"]) == (
+            "refused",
+            "pending-unreadable",
+            0.0,
+        )
+        assert line["args_sha256"] == hashlib.sha256(data).hexdigest()
+        with pytest.raises(ValueError) as exc:
+            decode_pending(data)
+        assert line["message"] == f"audit.pending of an earlier run not read, its counts lost: {exc.value}"
     finally:
         guards.close()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        (b" " * (64 * 1024 + 1), "more than 65536 bytes"),
+        (b"[1", "not JSON: "),
+        (b'{"pending": {}, "v": 2}', 'not {"pending": ..., "v": 1}'),
+        (b"[]", 'not {"pending": ..., "v": 1}'),
+        (b'{"pending": [], "v": 1}', "pending: an object of at most 64 uids"),
+        (
+            json.dumps({"pending": {str(u): {"x": 1} for u in range(65)}, "v": 1}).encode(),
+            "pending: an object of at most 64 uids",
+        ),
+        (
+            b'{"pending": {"' + b"9" * 30 + b'": {"x": 1}}, "v": 1}',
+            "pending: '" + "9" * 20 + "' is not a uid",
+        ),
+        (b'{"pending": {"4294967295": {"x": 1}}, "v": 1}', "pending: '4294967295' is not a uid"),
+        (b'{"pending": {"7": []}, "v": 1}', "pending.7: an object of 1 to 32 reasons"),
+        (
+            json.dumps({"pending": {"7": {f"r{i}": 1 for i in range(33)}}, "v": 1}).encode(),
+            "pending.7: an object of 1 to 32 reasons",
+        ),
+        (
+            json.dumps({"pending": {"7": {"r" * 129: 1}}, "v": 1}).encode(),
+            f"pending.7: {'r' * 40!r}: a reason of 1 to 128 characters, a count 1 to 2**53-1",
+        ),
+        (
+            b'{"pending": {"7": {"x": 9007199254740992}}, "v": 1}',
+            "pending.7: 'x': a reason of 1 to 128 characters, a count 1 to 2**53-1",
+        ),
+    ],
+)
+def test_a_refused_file_is_named_by_its_rule(data: bytes, message: str) -> None:
+    with pytest.raises(ValueError) as exc:
+        decode_pending(data)
+    assert str(exc.value).startswith(message), str(exc.value)
+    if not message.endswith(": "):
+        assert str(exc.value) == message
+
+
+def test_the_edges_of_each_rule_are_taken() -> None:
+    padded = b'{"pending": {"0": {"x": 1}}, "v": 1}'
+    assert decode_pending(padded + b" " * (64 * 1024 - len(padded))) == {0: {"x": 1}}  # 64 KiB exactly
+    edges = {
+        "pending": {
+            **{str(u): {"x": 1} for u in range(63)},
+            "4294967294": {"r" * 128: 2**53 - 1, **{f"r{i}": 1000 for i in range(31)}},
+        },
+        "v": 1,
+    }
+    kept = decode_pending(json.dumps(edges).encode())
+    assert len(kept) == 64 and kept[4294967294]["r" * 128] == 2**53 - 1 and kept[4294967294]["r0"] == 1000
 
 
 def test_a_symlink_in_place_of_the_file_is_not_followed(ctx: HelperContext, tmp_path: Path) -> None:
@@ -152,9 +229,18 @@ def test_the_file_is_bounded_in_uids_and_reasons_and_keeps_the_totals() -> None:
     kept = decode_pending(encode_pending(pending))
     assert len(kept) == MAX_PENDING_UIDS
     assert min(kept) == 10  # the uids with the most counts are the ones kept
-    many = {f"r{i:02}": 1 for i in range(MAX_PENDING_REASONS + 5)} | {"most": 100}
+    # Most counts first (a name last in order), then ties by name; an "(other reasons)" already
+    # there (read back from an earlier file) is added to, not replaced.
+    many = {f"r{i:02}": 1 for i in reversed(range(MAX_PENDING_REASONS + 5))} | {"zz-most": 100}
+    many["(other reasons)"] = 7
     [reasons] = decode_pending(encode_pending({7: many})).values()
-    assert len(reasons) == MAX_PENDING_REASONS and reasons["most"] == 100
+    assert len(reasons) == MAX_PENDING_REASONS and reasons["zz-most"] == 100
     assert sum(reasons.values()) == sum(many.values())  # the rest added up, not dropped
-    assert reasons["(other reasons)"] == len(many) - (MAX_PENDING_REASONS - 1)
+    assert [r for r in reasons if r.startswith("r")] == [f"r{i:02}" for i in range(MAX_PENDING_REASONS - 2)]
+    assert reasons["(other reasons)"] == 7 + (MAX_PENDING_REASONS + 5) - (MAX_PENDING_REASONS - 2)
+    also = {f"r{i:02}": 1 for i in range(MAX_PENDING_REASONS - 1)} | {"(other reasons)": 3}
+    assert decode_pending(encode_pending({7: also})) == {7: also}  # 31 and the earlier rest: 32
+    exactly = {f"r{i:02}": 1 for i in range(MAX_PENDING_REASONS)}
+    assert decode_pending(encode_pending({7: exactly})) == {7: exactly}  # 32: all kept, nothing folded
     assert decode_pending(encode_pending({0: {"a": 1}})) == {0: {"a": 1}}
+    assert decode_pending(encode_pending({1: {"x" * 200: 5}})) == {1: {"x" * 128: 5}}
