@@ -240,6 +240,12 @@ def test_the_file_is_bounded_in_uids_and_reasons_and_keeps_the_totals() -> None:
     assert reasons["(other reasons)"] == 7 + (MAX_PENDING_REASONS + 5) - (MAX_PENDING_REASONS - 2)
     also = {f"r{i:02}": 1 for i in range(MAX_PENDING_REASONS - 1)} | {"(other reasons)": 3}
     assert decode_pending(encode_pending({7: also})) == {7: also}  # 31 and the earlier rest: 32
+    for over in (  # one past: 32 entries, never 33 (which the next helper would refuse to read)
+        {f"r{i:02}": 1 for i in range(MAX_PENDING_REASONS + 1)},
+        {f"r{i:02}": 1 for i in range(MAX_PENDING_REASONS)} | {"(other reasons)": 3},
+    ):
+        [folded] = decode_pending(encode_pending({7: over})).values()
+        assert len(folded) == MAX_PENDING_REASONS and sum(folded.values()) == sum(over.values())
     exactly = {f"r{i:02}": 1 for i in range(MAX_PENDING_REASONS)}
     assert decode_pending(encode_pending({7: exactly})) == {7: exactly}  # 32: all kept, nothing folded
     assert decode_pending(encode_pending({0: {"a": 1}})) == {0: {"a": 1}}
