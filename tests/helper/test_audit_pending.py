@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -222,6 +223,29 @@ def test_a_symlink_in_place_of_the_file_is_not_followed(ctx: HelperContext, tmp_
         assert _lines(ctx)[-1]["reason"] == "pending-unreadable" and target.exists()
     finally:
         guards.close()
+
+
+def test_a_fifo_in_place_of_the_file_neither_blocks_the_start_nor_is_read(ctx: HelperContext) -> None:
+    os.mkfifo(_pending_path(ctx), 0o600)
+    guards = Guards(ctx)  # opened O_NONBLOCK: a FIFO without a writer would hold the start forever
+    try:
+        line = _lines(ctx)[-1]
+        assert line["reason"] == "pending-unreadable" and not _pending_path(ctx).exists()
+        assert line["args_sha256"] == hashlib.sha256(b"(not a regular file)").hexdigest()
+    finally:
+        guards.close()
+
+
+def test_a_save_after_a_crash_mid_save_and_a_removal_of_nothing_both_work(ctx: HelperContext) -> None:
+    directory = _pending_path(ctx).parent
+    (directory / ".audit.pending.tmp").write_bytes(b"half")  # a crash between write and rename
+    ctx.audit.save_pending(encode_pending({1: {"x": 1}}))
+    assert decode_pending(_pending_path(ctx).read_bytes()) == {1: {"x": 1}}
+    assert not (directory / ".audit.pending.tmp").exists()
+    ctx.audit.save_pending(None)
+    assert not _pending_path(ctx).exists()
+    ctx.audit.save_pending(None)  # nothing there: nothing to do, no error
+    assert ctx.audit.load_pending() is None
 
 
 def test_the_file_is_bounded_in_uids_and_reasons_and_keeps_the_totals() -> None:
