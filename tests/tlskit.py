@@ -59,6 +59,20 @@ def make_tls(directory: Path) -> tuple[Path, Path, Path]:
     return paths
 
 
+# A static HTTPS file server as a program of its own (for a server that must run in another process or
+# container): `python3 -c HTTPS_FILE_SERVER DOCROOT CERT KEY PORT`; it prints the bound port (PORT 0: any).
+HTTPS_FILE_SERVER = """
+import functools, http.server, ssl, sys
+handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])
+httpd = http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[4])), handler)
+ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+ctx.load_cert_chain(sys.argv[2], sys.argv[3])
+httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
+print(httpd.server_address[1], flush=True)
+httpd.serve_forever()
+"""
+
+
 @contextlib.contextmanager
 def https_server(
     handler: Callable[..., socketserver.BaseRequestHandler], cert: Path, key: Path

@@ -31,7 +31,7 @@ import pytest
 from bcd_agent.sections.daemon.release import build_release
 from instances.test_ch_confinement_real import Container
 from testsupport import REPO, require_tool
-from tlskit import make_tls
+from tlskit import HTTPS_FILE_SERVER, make_tls
 
 pytestmark = [
     pytest.mark.realhost,
@@ -179,17 +179,6 @@ def test_first_install_as_docs_deploy_md_gives_it(host: Container) -> None:
     assert c.run(["systemctl", "is-active", "bcd-helper.service"]).stdout.strip() == "active"
 
 
-SERVER = """
-import functools, http.server, ssl, sys
-handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])
-httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 8443), handler)
-ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-ctx.load_cert_chain(sys.argv[2], sys.argv[3])
-httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
-httpd.serve_forever()
-"""
-
-
 def _newer_release(tmp: Path, version: str = "0.2.0", broken: bool = False) -> Path:
     """A release artifact of the packages' own wheels (bcd-shared, bcd-helper) with a bcd-agent built from
     this tree at `version` (the packages carry 0.1.0); `broken`: its `bcd node` exits at once."""
@@ -259,8 +248,8 @@ def test_self_update_on_the_packaged_host_under_systemd(host: Container, tmp_pat
     # The node downloads with the system's CAs (docs/daemon.md); this host's are the test CA alone.
     c.path("/etc/ssl/certs").mkdir(parents=True, exist_ok=True)
     shutil.copy(ca, c.path("/etc/ssl/certs/ca-certificates.crt"))
-    c.run(["systemd-run", "--unit", "bcd-test-releases", "/usr/bin/python3", "-c", SERVER, "/srv/www",
-           f"/srv/{cert.name}", f"/srv/{key.name}"])  # fmt: skip
+    c.run(["systemd-run", "--unit", "bcd-test-releases", "/usr/bin/python3", "-c", HTTPS_FILE_SERVER,
+           "/srv/www", f"/srv/{cert.name}", f"/srv/{key.name}", "8443"])  # fmt: skip
     shutil.copy(artifact, c.path("/srv/bcd-0.2.0.pyz"))
     signed = c.run(["bcd", "devplane", "release", "/srv/bcd-0.2.0.pyz", "--url", "https://127.0.0.1:8443/bcd-0.2.0",
                     "--dir", PLANE, "--spec", "/srv/spec.json"])  # fmt: skip

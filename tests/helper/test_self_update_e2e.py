@@ -43,7 +43,7 @@ from helperproc import HelperProcess, base_config
 from intentkit import ControlPlane, Signer
 from releasekit import LINK, NODE_ID, NODE_UID, RECORD
 from testsupport import REPO
-from tlskit import make_tls
+from tlskit import HTTPS_FILE_SERVER, make_tls
 
 VERSIONS = ("0.9.0", "1.0.0", "1.1.0")
 PY = sys.executable
@@ -107,18 +107,6 @@ def test_the_builds_are_real_and_know_their_versions(releases: dict[str, Path]) 
 # --- an HTTPS release server -------------------------------------------------------------------------------
 
 
-SERVER = """
-import http.server, ssl, sys, functools
-handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=sys.argv[1])
-httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-ctx.load_cert_chain(sys.argv[2], sys.argv[3])
-httpd.socket = ctx.wrap_socket(httpd.socket, server_side=True)
-print(httpd.server_address[1], flush=True)
-httpd.serve_forever()
-"""
-
-
 @pytest.fixture(scope="module")
 def server(work: Path, releases: dict[str, Path]) -> Iterator[tuple[str, Path]]:
     """(base URL, CA file) of an HTTPS server serving /bcd/<version>/bcd."""
@@ -128,7 +116,7 @@ def server(work: Path, releases: dict[str, Path]) -> Iterator[tuple[str, Path]]:
         (docroot / "bcd" / version).mkdir(parents=True)
         shutil.copy(artifact, docroot / "bcd" / version / "bcd")
     proc = subprocess.Popen(
-        [PY, "-c", SERVER, str(docroot), str(cert), str(key)],
+        [PY, "-c", HTTPS_FILE_SERVER, str(docroot), str(cert), str(key), "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
     )
