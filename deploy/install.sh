@@ -15,8 +15,9 @@
 # clusters), with the rules of docs/config.md. Re-running it is safe: an existing config.toml is kept
 # (its ownership and mode are put right), and an account left in the root-equivalent `libvirt` group
 # by an older install is taken out. Where libvirt is installed (and the helper is), QEMU's user joins
-# the node's group and qemu.conf gets dynamic_ownership = 0. A re-run whose flags say something else than the kept config
-# prints each difference and exits 3, unless --replace (then the kept one becomes config.toml.old).
+# the node's group and qemu.conf gets dynamic_ownership = 0. A re-run whose flags say something else
+# than the kept config prints each difference and exits 3, unless --replace (then the kept one becomes
+# config.toml.old).
 #
 # Usage: install.sh [--root DIR] [--join-signing-key-pin sha256/...] [--command-root-sha256 HEX,...]
 #                   [--control-plane HOST:PORT] [--host-units-external] [--allowed-clusters LIST]

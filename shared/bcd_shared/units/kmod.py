@@ -42,11 +42,11 @@ FORBIDDEN_OPTIONS = frozenset(
 # (`char-major-10-196`) when the module is loaded through that alias.
 FORBIDDEN_KEYS = frozenset(key for _module, key in FORBIDDEN_OPTIONS)
 # nvidia's GPU performance counters open to every user are a side channel between tenants of one host
-# (docs/host.md "Refused module options": stricter than the seeds' list): the restriction is accepted
-# only at its default, exactly `1` (the driver reads any other text through kstrtouint in base 0, where
-# `0`, `00`, `0x0` and `+0` are all 0); the registry keys, which set any of the driver's registry
-# entries (`RmProfilingAdminOnly` among them) from one string, are refused whatever their value. Under
-# every module name, as the keys above (an alias loads the module with its line).
+# (docs/host.md "Refused module options beyond the seeds"): the restriction is accepted only at its
+# default, exactly `1` (the driver reads any other text through kstrtouint in base 0, where `0`, `00`,
+# `0x0` and `+0` are all 0); the registry keys, which set any of the driver's registry entries
+# (`RmProfilingAdminOnly` among them) from one string, are refused whatever their value. Under every
+# module name, as the keys above (an alias loads the module with its line).
 ONLY_VALUE = {"NVreg_RestrictProfilingToAdminUsers": "1"}
 REFUSED_KEYS = frozenset({"NVreg_RegistryDwords", "NVreg_RegistryDwordsPerDevice"})
 
